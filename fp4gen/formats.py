@@ -1,0 +1,270 @@
+"""Number formats: minifloat elements, block scales and block-scaled tensor formats.
+
+Everything here is a plain description computed from a handful of parameters (exponent bits,
+mantissa bits, sign, special-value convention). The reference numerics and the code generator
+derive every constant they need (bias, max finite, grids, thresholds) from these objects, so a new
+format in a recipe needs no new code.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, replace
+from typing import Literal
+
+# How the all-ones exponent field is used.
+#   "finite": every code is a finite number (e2m1, e2m3, e3m2 and custom formats by default).
+#   "fn":     only S.1..1.1..1 is NaN, no infinities (e4m3fn).
+#   "ieee":   exponent all ones means Inf (mantissa 0) or NaN (e5m2).
+Special = Literal["finite", "fn", "ieee"]
+SPECIALS: tuple[str, ...] = ("finite", "fn", "ieee")
+
+ScaleRounding = Literal["nearest", "up", "down", "ocp"]
+SCALE_ROUNDINGS: tuple[str, ...] = ("nearest", "up", "down", "ocp")
+
+ElementRounding = Literal["nearest", "stochastic", "zero"]
+ELEMENT_ROUNDINGS: tuple[str, ...] = ("nearest", "stochastic", "zero")
+
+HIGH_PRECISION_DTYPES: tuple[str, ...] = ("bf16", "fp16", "fp32")
+
+_ELEMENT_NAME = re.compile(r"^(u?)e(\d+)m(\d+)$")
+
+
+@dataclass(frozen=True)
+class ElementFormat:
+    """A minifloat: optional sign bit, ``exp_bits`` exponent bits, ``man_bits`` mantissa bits.
+
+    Signed formats have subnormals when the exponent field is 0. Unsigned formats must be
+    exponent-only (UExM0, like ue8m0): every code is the power of two 2^(E - bias), there is no
+    zero, and the all-ones code is NaN.
+    """
+
+    exp_bits: int
+    man_bits: int
+    signed: bool = True
+    special: Special = "finite"
+
+    def __post_init__(self) -> None:
+        if self.exp_bits < 1:
+            raise ValueError(f"{self.name}: a minifloat needs at least one exponent bit")
+        if self.man_bits < 0:
+            raise ValueError(f"{self.name}: negative mantissa width")
+        if self.signed and not 3 <= self.bits <= 8:
+            raise ValueError(f"{self.name}: element formats are 3 to 8 bits wide, got {self.bits}")
+        if not self.signed:
+            if self.man_bits != 0:
+                raise ValueError(f"{self.name}: unsigned formats must be exponent-only (UExM0)")
+            if not 2 <= self.exp_bits <= 8:
+                raise ValueError(f"{self.name}: UExM0 scales have 2 to 8 exponent bits")
+        if self.special not in SPECIALS:
+            raise ValueError(f"{self.name}: special must be one of {SPECIALS}")
+        if self.special == "ieee" and self.man_bits == 0:
+            raise ValueError(f"{self.name}: the ieee convention needs a mantissa for NaN")
+
+    # --- naming -------------------------------------------------------------------------------
+    @property
+    def name(self) -> str:
+        base = f"{'' if self.signed else 'u'}e{self.exp_bits}m{self.man_bits}"
+        default = default_special(self.exp_bits, self.man_bits, self.signed)
+        return base if self.special == default else f"{base} {self.special}"
+
+    @property
+    def torch_name(self) -> str | None:
+        """The torch dtype with exactly these semantics, if torch has one."""
+        return {
+            (4, 3, True, "fn"): "float8_e4m3fn",
+            (5, 2, True, "ieee"): "float8_e5m2",
+            (8, 0, False, "finite"): "float8_e8m0fnu",
+        }.get((self.exp_bits, self.man_bits, self.signed, self.special))
+
+    # --- derived constants --------------------------------------------------------------------
+    @property
+    def bits(self) -> int:
+        return int(self.signed) + self.exp_bits + self.man_bits
+
+    @property
+    def bias(self) -> int:
+        return (1 << (self.exp_bits - 1)) - 1
+
+    @property
+    def exponent_only(self) -> bool:
+        return not self.signed
+
+    @property
+    def max_exp_field(self) -> int:
+        """Largest exponent field of a finite value."""
+        all_ones = (1 << self.exp_bits) - 1
+        if self.exponent_only or self.special == "ieee":
+            return all_ones - 1
+        return all_ones
+
+    @property
+    def max_finite(self) -> float:
+        if self.exponent_only:
+            return 2.0 ** (self.max_exp_field - self.bias)
+        mant = (1 << self.man_bits) - 1
+        if self.special == "fn":
+            mant -= 1  # S.1..1.1..1 is NaN
+        return (1.0 + mant / (1 << self.man_bits)) * 2.0 ** (self.max_exp_field - self.bias)
+
+    @property
+    def emax(self) -> int:
+        """Unbiased exponent of the largest finite value (OCP MX's emax_elem)."""
+        return self.max_exp_field - self.bias
+
+    @property
+    def min_normal(self) -> float:
+        return 2.0 ** (1 - self.bias) if self.signed else 2.0 ** (-self.bias)
+
+    @property
+    def min_positive(self) -> float:
+        """Smallest positive value: the smallest subnormal (signed) or 2^-bias (exponent-only)."""
+        if self.exponent_only:
+            return 2.0 ** (-self.bias)
+        return 2.0 ** (1 - self.bias - self.man_bits)
+
+    @property
+    def has_zero(self) -> bool:
+        return self.signed
+
+    @property
+    def significand_bits(self) -> int:
+        """Bits of precision including the implicit leading one."""
+        return self.man_bits + 1
+
+
+def default_special(exp_bits: int, man_bits: int, signed: bool = True) -> Special:
+    """The special-value convention a bare name like ``e4m3`` implies."""
+    if not signed:
+        return "finite"  # exponent-only: all-ones is NaN by construction, nothing to choose
+    if (exp_bits, man_bits) == (4, 3):
+        return "fn"
+    if (exp_bits, man_bits) == (5, 2):
+        return "ieee"
+    return "finite"
+
+
+def parse_element_name(name: str, special: str | None = None) -> ElementFormat:
+    """``e2m1`` -> ElementFormat(2, 1); ``ue8m0`` -> exponent-only; raises ValueError otherwise."""
+    match = _ELEMENT_NAME.match(name)
+    if not match:
+        raise ValueError(f"{name!r} is not an element format name of the form eXmY or ueXm0")
+    signed = match.group(1) == ""
+    exp_bits, man_bits = int(match.group(2)), int(match.group(3))
+    chosen = special if special is not None else default_special(exp_bits, man_bits, signed)
+    if not signed and special not in (None, "finite"):
+        raise ValueError(f"{name}: unsigned exponent-only formats take no special-value option")
+    return ElementFormat(exp_bits, man_bits, signed, chosen)  # type: ignore[arg-type]
+
+
+E2M1 = ElementFormat(2, 1)
+E2M3 = ElementFormat(2, 3)
+E3M2 = ElementFormat(3, 2)
+E4M3 = ElementFormat(4, 3, special="fn")
+E5M2 = ElementFormat(5, 2, special="ieee")
+UE8M0 = ElementFormat(8, 0, signed=False)
+
+
+@dataclass(frozen=True)
+class ScaleSpec:
+    """How a block's decode scale is stored.
+
+    ``element`` is None for a plain fp32 scale. ``rounding`` says how the ideal decode scale
+    d = amax * S_enc / max_elem is brought into the scale format:
+      nearest: round to nearest, ties to even (NVFP4's e4m3 scales);
+      up:      toward +inf (the NVFP4 paper's MX convention, nothing saturates);
+      down:    toward zero;
+      ocp:     OCP MX v1.0: 2^(floor(log2 amax) - emax_elem); exponent-only scales only.
+    """
+
+    element: ElementFormat | None = None
+    rounding: ScaleRounding = "nearest"
+
+    def __post_init__(self) -> None:
+        if self.rounding not in SCALE_ROUNDINGS:
+            raise ValueError(f"scale rounding must be one of {SCALE_ROUNDINGS}")
+        if self.rounding == "ocp" and (self.element is None or not self.element.exponent_only):
+            raise ValueError("the ocp scale rounding is defined for exponent-only (UExM0) scales")
+        if self.element is not None and self.element.signed and self.element.special == "ieee":
+            pass  # e5m2 scales are allowed; Inf is never produced (scales saturate)
+
+    @property
+    def name(self) -> str:
+        return "fp32" if self.element is None else self.element.name
+
+    @property
+    def max_value(self) -> float:
+        return 3.4028234663852886e38 if self.element is None else self.element.max_finite
+
+
+@dataclass(frozen=True)
+class BlockFormat:
+    """A block-scaled format: elements, block shape (rows, cols), block scale, global scale.
+
+    ``block`` is (1, N) for 1D blocks along the dot-product dimension and (N, N) for 2D tiles.
+    ``global_scale`` adds NVFP4's fp32 per-tensor scale computed from the tensor's amax.
+    """
+
+    name: str
+    element: ElementFormat
+    block: tuple[int, int]
+    scale: ScaleSpec
+    global_scale: bool = False
+
+    def __post_init__(self) -> None:
+        rows, cols = self.block
+        if cols < 1 or rows < 1:
+            raise ValueError(f"{self.name}: block dimensions must be positive, got {self.block}")
+        if rows != 1 and rows != cols:
+            raise ValueError(f"{self.name}: blocks are 1xN or NxN, got {rows}x{cols}")
+
+    @property
+    def is_2d(self) -> bool:
+        return self.block[0] > 1
+
+    @property
+    def block_len(self) -> int:
+        """Elements along the quantization (dot-product) direction."""
+        return self.block[1]
+
+    def with_block(self, block: tuple[int, int]) -> BlockFormat:
+        return replace(self, block=block)
+
+    def gemm_exact_in_bf16(self) -> bool:
+        """Is element x block scale exact in bf16 (8 significand bits)? See numerics contract 8."""
+        scale_bits = 24 if self.scale.element is None else self.scale.element.significand_bits
+        if self.scale.element is not None and self.scale.element.exponent_only:
+            scale_bits = 1
+        return self.element.significand_bits + scale_bits <= 8
+
+
+@dataclass(frozen=True)
+class HighPrecision:
+    """A tensor kept in a high-precision dtype (bf16, fp16, fp32): no quantization."""
+
+    name: str  # one of HIGH_PRECISION_DTYPES
+
+    def __post_init__(self) -> None:
+        if self.name not in HIGH_PRECISION_DTYPES:
+            raise ValueError(f"high-precision dtype must be one of {HIGH_PRECISION_DTYPES}")
+
+
+def _builtin_formats() -> dict[str, BlockFormat | HighPrecision]:
+    up = "up"
+    formats: dict[str, BlockFormat | HighPrecision] = {
+        "nvfp4": BlockFormat("nvfp4", E2M1, (1, 16), ScaleSpec(E4M3, "nearest"), True),
+        "mxfp4": BlockFormat("mxfp4", E2M1, (1, 32), ScaleSpec(UE8M0, up)),
+        "mxfp6_e2m3": BlockFormat("mxfp6_e2m3", E2M3, (1, 32), ScaleSpec(UE8M0, up)),
+        "mxfp6_e3m2": BlockFormat("mxfp6_e3m2", E3M2, (1, 32), ScaleSpec(UE8M0, up)),
+        "mxfp8_e4m3": BlockFormat("mxfp8_e4m3", E4M3, (1, 32), ScaleSpec(UE8M0, up)),
+        "mxfp8_e5m2": BlockFormat("mxfp8_e5m2", E5M2, (1, 32), ScaleSpec(UE8M0, up)),
+    }
+    for dtype in HIGH_PRECISION_DTYPES:
+        formats[dtype] = HighPrecision(dtype)
+    return formats
+
+
+# Named formats every recipe can use; a recipe may redefine any of them.
+BUILTIN_FORMATS: dict[str, BlockFormat | HighPrecision] = _builtin_formats()
+
+Format = BlockFormat | HighPrecision
