@@ -1,0 +1,69 @@
+"""Pure-torch reference numerics (CPU and CUDA): the bit-exact oracle for generated kernels."""
+
+from fp4gen.numerics.gemm import gemm_reference
+from fp4gen.numerics.hadamard import (
+    hadamard_matrix,
+    inverse_rht,
+    rht,
+    rht_matrix,
+    rht_scale,
+    rht_signs,
+)
+from fp4gen.numerics.layout import (
+    pack,
+    packed_cols,
+    swizzle_scales,
+    swizzled_size,
+    unpack,
+    unswizzle_scales,
+)
+from fp4gen.numerics.metrics import ErrorStats, error_stats
+from fp4gen.numerics.minifloat import (
+    code_value,
+    decode,
+    encode,
+    encode_scale,
+    grid_values,
+    max_finite,
+    nan_code,
+)
+from fp4gen.numerics.philox import philox4x32, random_bits
+from fp4gen.numerics.quantize import (
+    BACKENDS,
+    QuantizedTensor,
+    quantize,
+    resolve_format,
+    resolve_rht,
+)
+
+__all__ = [
+    "BACKENDS",
+    "ErrorStats",
+    "QuantizedTensor",
+    "code_value",
+    "decode",
+    "encode",
+    "encode_scale",
+    "error_stats",
+    "gemm_reference",
+    "grid_values",
+    "hadamard_matrix",
+    "inverse_rht",
+    "max_finite",
+    "nan_code",
+    "pack",
+    "packed_cols",
+    "philox4x32",
+    "quantize",
+    "random_bits",
+    "resolve_format",
+    "resolve_rht",
+    "rht",
+    "rht_matrix",
+    "rht_scale",
+    "rht_signs",
+    "swizzle_scales",
+    "swizzled_size",
+    "unpack",
+    "unswizzle_scales",
+]

@@ -1,0 +1,352 @@
+"""Reference block-scaled quantizer: the bit-exact oracle for every generated kernel.
+
+Generalizes the NVFP4 two-level scaling of the numerics contract (section 2) to every
+:class:`~fp4gen.formats.BlockFormat`. All arithmetic is float32 and each rounding is explicit
+(torch's float32 ops are correctly rounded); the order of operations is part of the contract.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+import torch
+import torch.nn.functional as F
+
+from fp4gen.dsl.model import RHTSpec
+from fp4gen.errors import FP4GenError, TensorError
+from fp4gen.formats import (
+    BUILTIN_FORMATS,
+    ELEMENT_ROUNDINGS,
+    BlockFormat,
+    ElementFormat,
+    HighPrecision,
+)
+from fp4gen.numerics.hadamard import inverse_rht, rht
+from fp4gen.numerics.layout import pack, swizzle_scales
+from fp4gen.numerics.minifloat import decode, encode, encode_scale, max_finite
+from fp4gen.numerics.philox import random_bits
+
+FLT_MAX = float(torch.finfo(torch.float32).max)
+_INPUT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+BACKENDS: tuple[str, ...] = ("auto", "reference", "cute")
+
+
+@dataclass(frozen=True, eq=False)
+class QuantizedTensor:
+    """A block-scaled tensor as the reference quantizer produced it.
+
+    ``codes`` is the 2-D [R, C] view of the input (1-D inputs are [1, n], higher ranks flatten
+    their leading dimensions); ``scales`` holds the block decode scales s_b (float32,
+    [ceil(R/br), ceil(C/bc)]), ``scale_codes`` their codes in the scale format (None for fp32
+    scales) and ``global_scale`` the per-tensor decode scale S_dec (float32 0-dim, 1.0 when the
+    format has none). ``shape``/``dtype`` describe the original input. ``seed``/``offset`` are
+    the Philox stream used for stochastic rounding (in the orientation originally quantized).
+    """
+
+    codes: torch.Tensor
+    scales: torch.Tensor
+    scale_codes: torch.Tensor | None
+    global_scale: torch.Tensor
+    format: BlockFormat
+    rounding: str
+    rht: RHTSpec | None
+    seed: int
+    offset: int
+    shape: torch.Size
+    dtype: torch.dtype
+    transposed: bool = False
+
+    # --- derived views ------------------------------------------------------------------------
+    @property
+    def element(self) -> ElementFormat:
+        return self.format.element
+
+    @property
+    def rows(self) -> int:
+        return self.codes.shape[0]
+
+    @property
+    def cols(self) -> int:
+        return self.codes.shape[1]
+
+    @property
+    def device(self) -> torch.device:
+        return self.codes.device
+
+    @property
+    def data(self) -> torch.Tensor:
+        """Packed codes, uint8 [R, ceil(C*bits/8)] (see ``fp4gen.numerics.layout.pack``)."""
+        return pack(self.codes, self.element.bits, check=False)
+
+    @property
+    def encode_scales(self) -> torch.Tensor:
+        """e_b = min(fp32(1 / fp32(s_b * S_dec)), FLT_MAX) per block: what x was multiplied by."""
+        return _encode_factors(self.scales, self.global_scale)
+
+    def block_values(self, per_block: torch.Tensor) -> torch.Tensor:
+        """Broadcast a per-block tensor to the [R, C] elements (padding cropped)."""
+        br, bc = self.format.block
+        return _expand(per_block, br, bc, self.rows, self.cols)
+
+    # --- operations ---------------------------------------------------------------------------
+    def dequantize(self, rotated: bool = False) -> torch.Tensor:
+        """fp32(fp32(decode(code) * s_b) * S_dec), reshaped to the input's shape.
+
+        With an RHT the inverse transform is applied (fp32) unless ``rotated`` is True, which
+        returns the values in the rotated space the codes live in.
+        """
+        values = self.dequantize_blockwise() * self.global_scale
+        if self.rht is not None and not rotated:
+            values = inverse_rht(values, self.rht)
+        return values.reshape(self.shape)
+
+    def dequantize_blockwise(self) -> torch.Tensor:
+        """fp32(decode(code) * s_b) as [R, C]: rotated space, global scale not applied."""
+        return decode(self.codes, self.element) * self.block_values(self.scales)
+
+    def transpose(self) -> QuantizedTensor:
+        """The columnwise tensor of a 2D-block quantization: codes and scales transposed, never
+        re-quantized (numerics contract section 4). Raises TensorError for 1D blocks and for
+        tensors with an RHT (the transform runs along rows, so its transpose is not the
+        columnwise quantization)."""
+        if not self.format.is_2d:
+            raise TensorError(
+                f"transpose() needs 2D blocks; {self.format.name} has {self.format.block} "
+                "blocks, so the columnwise tensor must be quantized from x.T"
+            )
+        if self.rht is not None:
+            raise TensorError("transpose() is undefined with an RHT: quantize x.T instead")
+        return replace(
+            self,
+            codes=self.codes.t().contiguous(),
+            scales=self.scales.t().contiguous(),
+            scale_codes=None if self.scale_codes is None else self.scale_codes.t().contiguous(),
+            shape=torch.Size((self.cols, self.rows)),
+            transposed=not self.transposed,
+        )
+
+    def swizzled_scales(self) -> torch.Tensor:
+        """Scale codes in the 128x4 tensor-core layout, one scale per row and K-block (2D tile
+        scales are replicated to the tile's rows, as the GEMM reads them)."""
+        if self.scale_codes is None:
+            raise TensorError("fp32 block scales have no tensor-core swizzled layout")
+        per_row = self.scale_codes.repeat_interleave(self.format.block[0], 0)[: self.rows]
+        return swizzle_scales(per_row)
+
+
+# ----------------------------------------------------------------------------------------------
+# Helpers
+# ----------------------------------------------------------------------------------------------
+
+
+def _expand(per_block: torch.Tensor, br: int, bc: int, rows: int, cols: int) -> torch.Tensor:
+    return per_block.repeat_interleave(br, 0).repeat_interleave(bc, 1)[:rows, :cols]
+
+
+def _encode_factors(s_b: torch.Tensor, s_dec: torch.Tensor) -> torch.Tensor:
+    # The reciprocal of the product, not a product of reciprocals (contract 2.5); s_b == 0 or an
+    # underflowing product gives 1/0 = inf, capped at FLT_MAX.
+    return torch.clamp(1.0 / (s_b * s_dec), max=FLT_MAX)
+
+
+def resolve_format(fmt: BlockFormat | HighPrecision | str, block: tuple[int, int] | None = None):
+    """A BlockFormat from a format or builtin name, with ``block`` overriding its block shape."""
+    if isinstance(fmt, str):
+        if fmt not in BUILTIN_FORMATS:
+            raise ValueError(f"unknown format {fmt!r}; builtin formats: {sorted(BUILTIN_FORMATS)}")
+        fmt = BUILTIN_FORMATS[fmt]
+    if isinstance(fmt, HighPrecision):
+        raise TensorError(f"{fmt.name} is a high-precision dtype, not a quantized format")
+    if not isinstance(fmt, BlockFormat):
+        raise TypeError(f"fmt must be a BlockFormat or a format name, got {type(fmt).__name__}")
+    if block is not None:
+        fmt = fmt.with_block((int(block[0]), int(block[1])))
+    return fmt
+
+
+def resolve_rht(hadamard: int | RHTSpec | None) -> RHTSpec | None:
+    """None, an RHT size (16: Transformer Engine's fixed signs; any other size: no signs), or a
+    full RHTSpec."""
+    if hadamard is None or isinstance(hadamard, RHTSpec):
+        return hadamard
+    if isinstance(hadamard, bool) or not isinstance(hadamard, int):
+        raise TypeError(f"hadamard must be None, an int size or an RHTSpec, got {hadamard!r}")
+    if hadamard == 16:
+        return RHTSpec(16)
+    return RHTSpec(hadamard, sign_source="none", signs=None, seed=None)
+
+
+def _check_finite(x: torch.Tensor, what: str) -> None:
+    bad = ~torch.isfinite(x)
+    count = int(bad.sum())  # one device sync per quantize: kernels cannot represent NaN/Inf
+    if count:
+        first = tuple(int(i) for i in torch.nonzero(bad)[0])
+        raise TensorError(
+            f"{what} has {count} non-finite value(s) (NaN or Inf), the first at index {first}; "
+            "block-scaled formats cannot represent them"
+        )
+
+
+def _as_2d_float32(x: torch.Tensor) -> torch.Tensor:
+    if not isinstance(x, torch.Tensor):
+        raise TensorError(f"expected a torch.Tensor, got {type(x).__name__}")
+    if x.dtype not in _INPUT_DTYPES:
+        raise TensorError(
+            f"cannot quantize a {x.dtype} tensor: expected float32, bfloat16 or float16"
+        )
+    if x.numel() == 0:
+        raise TensorError(f"cannot quantize an empty tensor of shape {tuple(x.shape)}")
+    _check_finite(x, f"the input of shape {tuple(x.shape)}")
+    x = x.to(torch.float32)
+    if x.dim() <= 1:
+        return x.reshape(1, -1)
+    return x.reshape(-1, x.shape[-1])
+
+
+def _check_u64(name: str, value: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < 1 << 64:
+        raise ValueError(f"{name} must be an integer in [0, 2^64), got {value!r}")
+
+
+def _scalar(value: float, device: torch.device) -> torch.Tensor:
+    return torch.tensor(value, dtype=torch.float32, device=device)
+
+
+def _global_scales(
+    amax: torch.Tensor, fmt: BlockFormat, elem_max: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(S_enc, S_dec) as fp32 0-dim tensors."""
+    dev = amax.device
+    if not fmt.global_scale:
+        one = _scalar(1.0, dev)
+        return one, one
+    product = _scalar(fmt.scale.max_value, dev) * _scalar(elem_max, dev)  # fp32, may be inf
+    s_enc = torch.clamp(product / amax, max=FLT_MAX)  # amax == 0 -> inf -> replaced below
+    s_enc = torch.where((amax == 0) | (s_enc == 0), _scalar(1.0, dev), s_enc)
+    return s_enc, 1.0 / s_enc
+
+
+def _block_scales(
+    amax_b: torch.Tensor, s_enc: torch.Tensor, fmt: BlockFormat, elem_max: float
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(s_b float32, scale codes or None) from the block amaxes."""
+    dev = amax_b.device
+    scale = fmt.scale
+    if scale.rounding == "ocp":
+        # OCP MX: 2^(floor(log2(amax_b * S_enc)) - emax_elem), clamped into the scale range;
+        # frexp gives v = m * 2^e with m in [0.5, 1), so floor(log2 v) = e - 1 exactly.
+        assert scale.element is not None
+        v = torch.clamp(amax_b * s_enc, max=FLT_MAX)  # an overflow to inf reads as 2^127
+        _, e = torch.frexp(v)
+        biased = (e.to(torch.int64) - 1 - fmt.element.emax) + scale.element.bias
+        biased = biased.clamp(0, scale.element.max_exp_field)
+        biased = torch.where(v == 0, torch.zeros_like(biased), biased)  # amax 0 -> smallest
+        codes = biased.to(torch.uint8)
+        return decode(codes, scale.element), codes
+    inv_elem_max = _scalar(1.0, dev) / _scalar(elem_max, dev)  # fp32(1/elem_max), RNE
+    d_b = torch.clamp(amax_b * (s_enc * inv_elem_max), max=scale.max_value)
+    if scale.element is None:
+        return d_b, None
+    codes = encode_scale(d_b, scale.element, scale.rounding)  # type: ignore[arg-type]
+    return decode(codes, scale.element), codes
+
+
+# ----------------------------------------------------------------------------------------------
+# The quantizer
+# ----------------------------------------------------------------------------------------------
+
+
+def quantize(
+    x: torch.Tensor,
+    fmt: BlockFormat | HighPrecision | str,
+    *,
+    block: tuple[int, int] | None = None,
+    rounding: str = "nearest",
+    hadamard: int | RHTSpec | None = None,
+    seed: int = 0,
+    offset: int = 0,
+    backend: str = "auto",
+) -> QuantizedTensor:
+    """Quantize ``x`` to the block-scaled format ``fmt`` (a BlockFormat or a builtin name).
+
+    x: float32, bfloat16 or float16 on any device; 1-D is treated as [1, n], higher ranks
+    flatten their leading dimensions into rows. Blocks run along the last dimension (1 x N) or
+    are N x N tiles. Empty tensors, other dtypes and NaN/Inf raise TensorError (kernels cannot
+    represent non-finite values, so they are rejected up front, naming the count and the first
+    index).
+
+    block: overrides the format's block shape, e.g. (16, 16).
+    rounding: element rounding, "nearest" (RNE), "stochastic" or "zero".
+    hadamard: None; an int size d (16 uses Transformer Engine's fixed sign vector, any other
+        size uses no signs, sign_source "none"); or an RHTSpec. The transform runs along the
+        last dimension, its output rounded to bf16, and everything below sees the rotated x.
+    seed, offset: the Philox stream of stochastic rounding; element (r, c) of the [R, C] tensor
+        uses word r * C + c (see ``fp4gen.numerics.philox``).
+    backend: "auto" and "reference" run this code; "cute" (generated kernels) is not available
+        in this version.
+
+    Algorithm (fp32 throughout):
+      pad rows/cols to block multiples with zeros (padding only affects the amaxes, which it
+      cannot change; outputs are cropped to the input);
+      with a global scale: A = amax, S_enc = fp32(fp32(scale_max * elem_max) / A) capped at
+      FLT_MAX, S_enc = 1 if A == 0 or S_enc == 0, S_dec = fp32(1 / S_enc); else both are 1;
+      d_b = min(fp32(amax_b * fp32(S_enc * fp32(1 / elem_max))), scale_max);
+      s_b = d_b rounded into the scale format per ScaleSpec.rounding (nearest/up/down; "ocp":
+      2^(floor(log2(amax_b * S_enc)) - emax_elem) clamped, amax 0 -> smallest; fp32 scales:
+      s_b = d_b);
+      e_b = min(fp32(1 / fp32(s_b * S_dec)), FLT_MAX);
+      y = clamp(fp32(x * e_b), -elem_max, elem_max); code = encode(y, element, rounding).
+    """
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    if backend == "cute":
+        raise FP4GenError(
+            "the 'cute' backend (generated CuTe DSL kernels) is not available yet in this "
+            "version of fp4gen; use backend='reference' (a later version adds it)"
+        )
+    if rounding not in ELEMENT_ROUNDINGS:
+        raise ValueError(f"rounding must be one of {ELEMENT_ROUNDINGS}, got {rounding!r}")
+    _check_u64("seed", seed)
+    _check_u64("offset", offset)
+    bf = resolve_format(fmt, block)
+    spec = resolve_rht(hadamard)
+
+    x2 = _as_2d_float32(x)  # validates x first, so x.shape and x.dtype exist below
+    if spec is not None:
+        x2 = rht(x2, spec)
+        _check_finite(x2, "the Hadamard-transformed input")  # the butterflies can overflow
+
+    rows, cols = x2.shape
+    br, bc = bf.block
+    nbr, nbc = -(-rows // br), -(-cols // bc)
+    padded = F.pad(x2, (0, nbc * bc - cols, 0, nbr * br - rows))
+    amax_b = padded.abs().reshape(nbr, br, nbc, bc).amax(dim=(1, 3))
+
+    elem = bf.element
+    elem_max = max_finite(elem)
+    s_enc, s_dec = _global_scales(amax_b.max(), bf, elem_max)
+    s_b, scale_codes = _block_scales(amax_b, s_enc, bf, elem_max)
+    e_b = _encode_factors(s_b, s_dec)
+
+    y = torch.clamp(x2 * _expand(e_b, br, bc, rows, cols), -elem_max, elem_max)
+    bits = None
+    if rounding == "stochastic":
+        bits = random_bits(rows * cols, seed, offset, device=x2.device).reshape(rows, cols)
+    codes = encode(y, elem, rounding, bits)  # type: ignore[arg-type]
+
+    return QuantizedTensor(
+        codes=codes,
+        scales=s_b,
+        scale_codes=scale_codes,
+        global_scale=s_dec,
+        format=bf,
+        rounding=rounding,
+        rht=spec,
+        seed=seed,
+        offset=offset,
+        shape=x.shape,
+        dtype=x.dtype,
+    )
+
+
+__all__ = ["BACKENDS", "FLT_MAX", "QuantizedTensor", "quantize", "resolve_format", "resolve_rht"]
