@@ -24,10 +24,11 @@ from fp4gen.numerics.minifloat import (
     encode,
     encode_scale,
     grid_values,
+    max_exponent,
     max_finite,
     nan_code,
 )
-from fp4gen.numerics.philox import philox4x32, random_bits
+from fp4gen.numerics.philox import philox4x32, random_bits, random_words
 from fp4gen.numerics.quantize import (
     BACKENDS,
     QuantizedTensor,
@@ -49,6 +50,7 @@ __all__ = [
     "grid_values",
     "hadamard_matrix",
     "inverse_rht",
+    "max_exponent",
     "max_finite",
     "nan_code",
     "pack",
@@ -56,6 +58,7 @@ __all__ = [
     "philox4x32",
     "quantize",
     "random_bits",
+    "random_words",
     "resolve_format",
     "resolve_rht",
     "rht",

@@ -101,6 +101,12 @@ def max_finite(fmt: ElementFormat) -> float:
     return _magnitude_grid(fmt)[-1]
 
 
+def max_exponent(fmt: ElementFormat) -> int:
+    """floor(log2(max finite)): OCP MX's emax_elem, read off the generated grid (agrees with
+    ``fmt.emax`` wherever the largest value is a normal number)."""
+    return math.frexp(max_finite(fmt))[1] - 1
+
+
 def nan_code(fmt: ElementFormat) -> int | None:
     """The canonical NaN code (the largest positive one: all magnitude bits set), or None."""
     n_pos = (1 << fmt.bits) if fmt.exponent_only else (1 << (fmt.bits - 1))

@@ -23,7 +23,7 @@ from fp4gen.formats import (
 )
 from fp4gen.numerics.hadamard import inverse_rht, rht
 from fp4gen.numerics.layout import pack, swizzle_scales
-from fp4gen.numerics.minifloat import decode, encode, encode_scale, max_finite
+from fp4gen.numerics.minifloat import decode, encode, encode_scale, max_exponent, max_finite
 from fp4gen.numerics.philox import random_bits
 
 FLT_MAX = float(torch.finfo(torch.float32).max)
@@ -238,7 +238,7 @@ def _block_scales(
         assert scale.element is not None
         v = torch.clamp(amax_b * s_enc, max=FLT_MAX)  # an overflow to inf reads as 2^127
         _, e = torch.frexp(v)
-        biased = (e.to(torch.int64) - 1 - fmt.element.emax) + scale.element.bias
+        biased = (e.to(torch.int64) - 1 - max_exponent(fmt.element)) + scale.element.bias
         biased = biased.clamp(0, scale.element.max_exp_field)
         biased = torch.where(v == 0, torch.zeros_like(biased), biased)  # amax 0 -> smallest
         codes = biased.to(torch.uint8)
