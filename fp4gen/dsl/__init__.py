@@ -1,0 +1,6 @@
+"""The recipe language: parse .fp4r text into the Recipe model and print it back."""
+
+from fp4gen.dsl.parser import load_recipe, parse_recipe
+from fp4gen.dsl.printer import print_recipe
+
+__all__ = ["load_recipe", "parse_recipe", "print_recipe"]

@@ -1,0 +1,393 @@
+"""Statements -> a resolved unit per file: includes loaded, formats and mors in scope, and the
+operand cascade run. Finishing a unit into a Recipe (and the checks that need the whole
+cascade) is validate.py's job.
+
+Names used by operands, layers and the schedule are looked up only when the recipe is finished,
+so a child that redefines a format (or a mor) also changes the operands it inherits.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+
+from fp4gen.dsl.model import MoRSpec, Operand, Recipe, RHTSpec
+from fp4gen.dsl.source import At, Pos, Source
+from fp4gen.dsl.statements import (
+    FormatDef,
+    FormatRef,
+    Include,
+    LayersSection,
+    MoRDef,
+    OperandsSection,
+    OperandStmt,
+    RecipeDecl,
+    ScheduleSection,
+    Shape,
+    Statement,
+    _hint,
+    build_statements,
+    is_element_name,
+    looks_like_element,
+)
+from fp4gen.dsl.syntax import parse_tree
+from fp4gen.formats import (
+    BUILTIN_FORMATS,
+    HIGH_PRECISION_DTYPES,
+    BlockFormat,
+    ElementFormat,
+    HighPrecision,
+    ScaleSpec,
+)
+
+Format = BlockFormat | HighPrecision
+
+# Words that a format name would be read as where formats are referenced.
+_RESERVED = frozenset({"mor", "block", "round", "rht", "recipe"})
+
+# Recipes shipped with the package; includes fall back to this directory.
+SHIPPED_RECIPES = Path(__file__).resolve().parent.parent / "recipes"
+
+
+@dataclass
+class Slot:
+    """The cascade state of one operand: each property and the statement that set it last."""
+
+    format: At[FormatRef] | None = None
+    block: At[Shape] | None = None
+    rounding: At[str] | None = None
+    rht: At[RHTSpec | None] | None = None
+    order: dict[str, int] = field(default_factory=dict)  # property -> when it was set
+
+    def copy(self) -> Slot:
+        return replace(self, order=dict(self.order))
+
+
+@dataclass
+class Unit:
+    """One file after includes and the cascade, before names are bound."""
+
+    source: Source
+    name: str | None = None
+    description: str | None = None
+    formats: dict[str, At[Format]] = field(default_factory=dict)  # non-builtin or redefined
+    mors: dict[str, At[MoRSpec]] = field(default_factory=dict)
+    slots: dict[Operand, Slot] = field(default_factory=lambda: {op: Slot() for op in Operand})
+    layers: LayersSection | None = None
+    schedule: ScheduleSection | None = None
+    anchor: Pos | None = None  # where an operand left without a format is reported
+
+
+@dataclass(frozen=True)
+class _Frame:
+    key: str
+    name: str
+    via: str  # how this file was reached: "extends", "import", "recipe" or "" for the root
+
+
+class Loader:
+    """Loads recipe files with their includes, caching each file once per top-level load."""
+
+    def __init__(self) -> None:
+        self._units: dict[str, Unit] = {}
+        self._recipes: dict[str, Recipe] = {}
+        self._order = itertools.count()
+
+    # --- entry points -----------------------------------------------------------------------
+    def recipe(self, source: Source, stack: tuple[_Frame, ...] = ()) -> Recipe:
+        from fp4gen.dsl.validate import finish  # validate imports this module
+
+        if source.key in self._recipes:
+            return self._recipes[source.key]
+        stack = stack or (_Frame(source.key, source.file, ""),)
+        unit = self.unit(source, stack)
+
+        def load_ref(path: At[str]) -> tuple[str, Recipe]:
+            found, shipped = self.find(path)
+            frame = self._enter(found, path, "recipe", stack)
+            recipe = self.recipe(self.read(found, path), (*stack, frame))
+            written = path.value
+            if not shipped and path.pos.source.base_dir != source.base_dir:
+                # Inherited from a file elsewhere: keep the reference valid from this file.
+                written = _relative(found, source.base_dir)
+            return written, recipe
+
+        recipe = finish(unit, load_ref)
+        self._recipes[source.key] = recipe
+        return recipe
+
+    def unit(self, source: Source, stack: tuple[_Frame, ...]) -> Unit:
+        if source.key in self._units:
+            return self._units[source.key]
+        statements = build_statements(parse_tree(source), source)
+        unit = self._resolve(source, statements, stack)
+        self._units[source.key] = unit
+        return unit
+
+    # --- files ------------------------------------------------------------------------------
+    def find(self, path: At[str]) -> tuple[Path, bool]:
+        """Resolve an include: next to the including file, else among the shipped recipes."""
+        written = Path(path.value)
+        names = [written]
+        if not written.suffix:
+            names.append(written.with_suffix(".fp4r"))
+        if written.is_absolute():
+            places = [(name, False) for name in names]
+        else:
+            base = path.pos.source.base_dir
+            places = [(base / n, False) for n in names]
+            places += [(SHIPPED_RECIPES / n, True) for n in names]
+        for place, shipped in places:
+            if place.is_file():
+                return place.resolve(), shipped
+        where = (
+            f"in {written.parent}"
+            if written.is_absolute()
+            else (f"in {path.pos.source.base_dir} or among the shipped recipes")
+        )
+        raise path.pos.error(f"cannot find recipe file '{path.value}' (looked {where})")
+
+    def read(self, found: Path, path: At[str]) -> Source:
+        try:
+            return Source.from_path(found)
+        except (OSError, UnicodeDecodeError) as exc:
+            raise path.pos.error(f"cannot read '{path.value}': {exc}") from None
+
+    def _enter(self, found: Path, path: At[str], via: str, stack: tuple[_Frame, ...]) -> _Frame:
+        key = str(found)
+        frame = _Frame(key, Path(key).name, via)
+        keys = [f.key for f in stack]
+        if key in keys:
+            chain = [*stack[keys.index(key) :], frame]
+            kinds = {f.via for f in chain[1:]}
+            label = "/".join(sorted(kinds)) if len(kinds) > 1 else next(iter(kinds))
+            names = " -> ".join(f.name for f in chain)
+            raise path.pos.error(f"{label} cycle: {names}")
+        return frame
+
+    def include(self, inc: Include, stack: tuple[_Frame, ...]) -> Unit:
+        found, _ = self.find(inc.path)
+        frame = self._enter(found, inc.path, inc.kind, stack)
+        return self.unit(self.read(found, inc.path), (*stack, frame))
+
+    # --- one file ---------------------------------------------------------------------------
+    def _resolve(
+        self, source: Source, statements: list[Statement], stack: tuple[_Frame, ...]
+    ) -> Unit:
+        unit = Unit(source, anchor=Pos(source, 1, 1))
+        decl: RecipeDecl | None = None
+        extends: Include | None = None
+        imports: list[Include] = []
+        for st in statements:
+            if isinstance(st, RecipeDecl):
+                if decl is not None:
+                    raise st.pos.error(
+                        f"a second 'recipe' line (the first is on {decl.pos.where()})"
+                    )
+                decl = st
+            elif isinstance(st, Include) and st.kind == "extends":
+                if extends is not None:
+                    raise st.pos.error(
+                        f"a recipe extends at most one other; this one already extends "
+                        f"'{extends.path.value}' ({extends.pos.where()}): use import for formats "
+                        "and mors from more files"
+                    )
+                extends = st
+            elif isinstance(st, Include):
+                imports.append(st)
+        if decl is not None:
+            unit.name, unit.description = decl.name.value, decl.description
+
+        if extends is not None:
+            parent = self.include(extends, stack)
+            unit.formats = dict(parent.formats)
+            unit.mors = dict(parent.mors)
+            unit.slots = {op: slot.copy() for op, slot in parent.slots.items()}
+            unit.layers, unit.schedule = parent.layers, parent.schedule
+            unit.anchor = extends.pos
+        self._import_all(unit, imports, stack)
+
+        local_formats: dict[str, At[Format]] = {}
+        local_mors: dict[str, At[MoRSpec]] = {}
+        sections: dict[type, Pos] = {}
+        for st in statements:
+            if isinstance(st, FormatDef):
+                self._define_format(unit, st, local_formats)
+            elif isinstance(st, MoRDef):
+                name = st.name.value
+                if name in local_mors:
+                    raise st.name.pos.error(
+                        f"mor {name} is already defined on {local_mors[name].pos.where()}"
+                    )
+                local_mors[name] = unit.mors[name] = At(st.spec, st.name.pos)
+            elif isinstance(st, OperandsSection):
+                unit.anchor = st.pos
+                for stmt in st.statements:
+                    self._apply(unit, stmt)
+            elif isinstance(st, (LayersSection, ScheduleSection)):
+                word = "layers" if isinstance(st, LayersSection) else "schedule"
+                if type(st) in sections:
+                    raise st.pos.error(
+                        f"a second {word} section (the first is on "
+                        f"{sections[type(st)].where()}): put all {word} rules in one"
+                    )
+                sections[type(st)] = st.pos
+                # A child's section replaces the parent's as a whole.
+                if isinstance(st, LayersSection):
+                    unit.layers = st
+                else:
+                    unit.schedule = st
+        return unit
+
+    def _import_all(self, unit: Unit, imports: list[Include], stack: tuple[_Frame, ...]) -> None:
+        seen_formats: dict[str, tuple[At[Format], Include]] = {}
+        seen_mors: dict[str, tuple[At[MoRSpec], Include]] = {}
+        for inc in imports:
+            other = self.include(inc, stack)
+            for what, items, seen, target in (
+                ("format", other.formats, seen_formats, unit.formats),
+                ("mor", other.mors, seen_mors, unit.mors),
+            ):
+                for name, item in items.items():
+                    if name in seen and seen[name][0].value != item.value:
+                        first = seen[name][1]
+                        raise inc.path.pos.error(
+                            f"{what} {name} from '{inc.path.value}' differs from the {what} "
+                            f"{name} imported from '{first.path.value}' ({first.pos.where()})"
+                        )
+                    seen[name] = (item, inc)  # type: ignore[assignment]
+                    target[name] = item  # type: ignore[assignment]
+
+    def _define_format(self, unit: Unit, fd: FormatDef, local: dict[str, At[Format]]) -> None:
+        name = fd.name.value
+        if name in local:
+            raise fd.name.pos.error(
+                f"format {name} is already defined on {local[name].pos.where()}"
+            )
+        if is_element_name(name):
+            raise fd.name.pos.error(
+                f"'{name}' names an element format; pick another name for a block format"
+            )
+        if name in HIGH_PRECISION_DTYPES:
+            raise fd.name.pos.error(f"{name} is a high-precision dtype and cannot be redefined")
+        if name in _RESERVED:
+            raise fd.name.pos.error(
+                f"'{name}' is a keyword where formats are used; pick another name"
+            )
+        fmt = self._build_format(unit, fd)
+        local[name] = unit.formats[name] = At(fmt, fd.name.pos)
+
+    def _build_format(self, unit: Unit, fd: FormatDef) -> Format:
+        name = fd.name.value
+        base: Format | None = None
+        if fd.element is None:
+            scope: dict[str, Format] = dict(BUILTIN_FORMATS)
+            scope.update({n: f.value for n, f in unit.formats.items()})
+            if fd.base.value not in scope:
+                if looks_like_element(fd.base.value):
+                    raise fd.base.pos.error(
+                        f"bad element name '{fd.base.value}': expected eXmY (X exponent bits, "
+                        "Y mantissa bits) such as e2m1, optionally followed by finite, fn or ieee"
+                    )
+                raise fd.base.pos.error(
+                    f"unknown format '{fd.base.value}'{_hint(fd.base.value, list(scope))}: "
+                    "expected an element such as e2m1 or one of " + ", ".join(sorted(scope))
+                )
+            base = scope[fd.base.value]
+        if isinstance(base, HighPrecision):
+            for clause, word in (
+                (fd.block, "block"),
+                (fd.scale, "scale"),
+                (fd.rounding, "round"),
+                (fd.global_scale, "global"),
+            ):
+                if clause is not None:
+                    raise clause.pos.error(
+                        f"{base.name} is a high-precision dtype: it takes no '{word}' clause"
+                    )
+            return base
+
+        element: ElementFormat = fd.element if fd.element is not None else base.element  # type: ignore[union-attr]
+        if fd.block is not None:
+            block = fd.block.value
+        elif base is not None:
+            block = base.block
+        else:
+            raise fd.base.pos.error(
+                f"format {name} is built from the element {fd.base.value} and needs a block "
+                "shape: add e.g. `block 1x16`"
+            )
+        if fd.scale is not None:
+            scale_el = fd.scale.value
+        elif base is not None:
+            scale_el = base.scale.element
+        else:
+            raise fd.base.pos.error(
+                f"format {name} is built from the element {fd.base.value} and needs a scale "
+                "format: add e.g. `scale e4m3` or `scale ue8m0`"
+            )
+        # A new scale starts from its own default rounding; an inherited one keeps the base's.
+        if fd.rounding is not None:
+            rounding = fd.rounding.value
+        elif fd.scale is None and base is not None:
+            rounding = base.scale.rounding
+        else:
+            rounding = "up" if scale_el is not None and scale_el.exponent_only else "nearest"
+        round_pos = (
+            fd.rounding.pos
+            if fd.rounding is not None
+            else (fd.scale.pos if fd.scale is not None else fd.base.pos)
+        )
+        scale_name = "fp32" if scale_el is None else scale_el.name
+        if rounding == "ocp" and (scale_el is None or not scale_el.exponent_only):
+            raise round_pos.error(
+                f"ocp scale rounding (OCP MX: 2^(floor(log2 amax) - emax)) is defined for "
+                f"exponent-only scales such as ue8m0, not for {scale_name}"
+            )
+        if scale_el is None and rounding != "nearest":
+            raise round_pos.error(
+                f"fp32 block scales are stored as computed; 'round {rounding}' does not apply "
+                "(use round nearest)"
+            )
+        if fd.global_scale is not None:
+            global_scale = fd.global_scale.value
+        else:
+            global_scale = base.global_scale if base is not None else False
+        if global_scale and scale_el is None:
+            where = fd.global_scale.pos if fd.global_scale is not None else fd.scale.pos  # type: ignore[union-attr]
+            raise where.error(
+                "a global amax scale brings block scales into a narrow scale format's range; "
+                "fp32 block scales do not need one (use global none)"
+            )
+        try:
+            return BlockFormat(name, element, block, ScaleSpec(scale_el, rounding), global_scale)  # type: ignore[arg-type]
+        except ValueError as exc:  # the checks above should have caught it; keep the position
+            raise fd.name.pos.error(str(exc)) from None
+
+    def _apply(self, unit: Unit, stmt: OperandStmt) -> None:
+        """One cascade step: set only the properties the statement names."""
+        for op in stmt.selector.value:
+            slot = unit.slots[op]
+            if stmt.format is not None:
+                # A block override belongs to the format it was given with.
+                slot.format, slot.block = stmt.format, stmt.block
+                slot.order["format"] = next(self._order)
+                slot.order["block"] = next(self._order)
+            elif stmt.block is not None:
+                slot.block = stmt.block
+                slot.order["block"] = next(self._order)
+            if stmt.rounding is not None:
+                slot.rounding = stmt.rounding
+                slot.order["rounding"] = next(self._order)
+            if stmt.rht is not None:
+                slot.rht = stmt.rht
+                slot.order["rht"] = next(self._order)
+
+
+def _relative(path: Path, base: Path) -> str:
+    try:
+        return os.path.relpath(path, base)
+    except ValueError:
+        return str(path)

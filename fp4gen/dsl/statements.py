@@ -1,0 +1,653 @@
+"""Parse tree -> positioned statements, checking every value that can be judged on its own
+(element names, block shapes, RHT sizes and signs, percentages, selectors, duplicate clauses).
+
+Checks that need other statements (names, the operand cascade, includes) happen in resolve.py
+and validate.py; the statements keep the positions those checks need.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Literal
+
+from lark import Token, Tree
+
+from fp4gen.dsl.model import (
+    GEMMS,
+    ROLES,
+    TE_SIGNS_16,
+    Candidate,
+    LayerSelector,
+    Metric,
+    MoRSpec,
+    Operand,
+    Partition,
+    RHTSpec,
+)
+from fp4gen.dsl.source import At, Pos, Source
+from fp4gen.formats import HIGH_PRECISION_DTYPES, ElementFormat, HighPrecision, default_special
+
+Shape = tuple[int, int]
+
+_ELEMENT = re.compile(r"^(u?)e(\d+)m(\d+)$")
+_ELEMENTISH = re.compile(r"^u?e\d")  # looks like an attempt at an element name
+
+
+def is_element_name(name: str) -> bool:
+    return _ELEMENT.match(name) is not None
+
+
+def looks_like_element(name: str) -> bool:
+    return _ELEMENTISH.match(name) is not None
+
+
+# ------------------------------------------------------------------------------------------------
+# Statements
+# ------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, eq=False)
+class RecipeDecl:
+    name: At[str]
+    description: str | None
+    pos: Pos
+
+
+@dataclass(frozen=True, eq=False)
+class Include:
+    kind: Literal["extends", "import"]
+    path: At[str]
+    pos: Pos  # the keyword
+
+
+@dataclass(frozen=True, eq=False)
+class FormatDef:
+    name: At[str]
+    base: At[str]  # as written: an element name or the name of a format to start from
+    element: ElementFormat | None  # set when ``base`` is an element
+    special: At[str] | None
+    block: At[Shape] | None
+    scale: At[ElementFormat | None] | None  # a None value means fp32 scales
+    rounding: At[str] | None
+    global_scale: At[bool] | None
+
+
+@dataclass(frozen=True)
+class FormatRef:
+    kind: Literal["format", "mor"]
+    name: str
+
+
+@dataclass(frozen=True, eq=False)
+class OperandStmt:
+    selector: At[tuple[Operand, ...]]
+    format: At[FormatRef] | None
+    block: At[Shape] | None
+    rounding: At[str] | None
+    rht: At[RHTSpec | None] | None
+
+
+@dataclass(frozen=True, eq=False)
+class OperandsSection:
+    pos: Pos
+    statements: tuple[OperandStmt, ...]
+
+
+@dataclass(frozen=True, eq=False)
+class MoRDef:
+    name: At[str]
+    spec: MoRSpec
+
+
+@dataclass(frozen=True)
+class ActionRef:
+    kind: Literal["format", "recipe"]
+    name: str  # a format name or a recipe path as written
+
+
+@dataclass(frozen=True, eq=False)
+class LayerStmt:
+    selector: LayerSelector
+    action: At[ActionRef]
+
+
+@dataclass(frozen=True, eq=False)
+class ScheduleStmt:
+    step: int | None
+    fraction: float | None
+    passes: Literal["forward", "backward", "both"]
+    action: At[ActionRef]
+
+
+@dataclass(frozen=True, eq=False)
+class LayersSection:
+    pos: Pos
+    rules: tuple[LayerStmt, ...]
+
+
+@dataclass(frozen=True, eq=False)
+class ScheduleSection:
+    pos: Pos
+    rules: tuple[ScheduleStmt, ...]
+
+
+Statement = (
+    RecipeDecl | Include | FormatDef | OperandsSection | MoRDef | LayersSection | ScheduleSection
+)
+
+
+# ------------------------------------------------------------------------------------------------
+# Builder
+# ------------------------------------------------------------------------------------------------
+
+
+def build_statements(tree: Tree, source: Source) -> list[Statement]:
+    return _Builder(source).items(tree)
+
+
+class _Builder:
+    def __init__(self, source: Source) -> None:
+        self.source = source
+
+    # --- positions --------------------------------------------------------------------------
+    def pos(self, node: Token | Tree) -> Pos:
+        if isinstance(node, Token):
+            return Pos(self.source, node.line or 1, node.column or 1)
+        return Pos(self.source, node.meta.line, node.meta.column)
+
+    def at(self, token: Token) -> At[str]:
+        return At(str(token), self.pos(token))
+
+    # --- top level --------------------------------------------------------------------------
+    def items(self, tree: Tree) -> list[Statement]:
+        out: list[Statement] = []
+        for item in tree.children:
+            if isinstance(item, Tree):
+                out.append(getattr(self, str(item.data))(item))
+        return out
+
+    def recipe_decl(self, tree: Tree) -> RecipeDecl:
+        name_tok = tree.children[0]
+        name = self.at(name_tok)
+        if name_tok.type == "STRING":
+            name = At(self.string(name_tok), name.pos)
+            if not name.value:
+                raise name.pos.error("the recipe name must not be empty")
+        desc = self.string(tree.children[1]) if len(tree.children) > 1 else None
+        return RecipeDecl(name, desc, self.pos(tree))
+
+    def extends_decl(self, tree: Tree) -> Include:
+        return Include("extends", self.path(tree.children[0]), self.pos(tree))
+
+    def import_decl(self, tree: Tree) -> Include:
+        return Include("import", self.path(tree.children[0]), self.pos(tree))
+
+    def path(self, token: Token) -> At[str]:
+        value = self.string(token)
+        if not value:
+            raise self.pos(token).error("empty file name")
+        return At(value, self.pos(token))
+
+    # --- formats ----------------------------------------------------------------------------
+    def format_def(self, tree: Tree) -> FormatDef:
+        children = list(tree.children)
+        name = self.at(children.pop(0))
+        base = self.at(children.pop(0))
+        special: At[str] | None = None
+        if children and isinstance(children[0], Tree) and children[0].data == "special":
+            special = self.special(children.pop(0))
+        clauses: dict[str, At] = {}
+        for clause in children:
+            kind = str(clause.data)
+            if kind in clauses:
+                word = kind.removeprefix("f_")
+                first = clauses[kind].pos
+                raise self.pos(clause).error(
+                    f"'{word}' given twice in the definition of {name.value} "
+                    f"(first on {first.where()})"
+                )
+            clauses[kind] = self.format_clause(clause)
+        element = None
+        if is_element_name(base.value):
+            element = self.element(base, special, what="element")
+        elif special is not None:
+            raise special.pos.error(
+                f"'{special.value}' sets the special values of an element (eXmY); "
+                f"'{base.value}' is a format name"
+            )
+        return FormatDef(
+            name=name,
+            base=base,
+            element=element,
+            special=special,
+            block=clauses.get("f_block"),
+            scale=clauses.get("f_scale"),
+            rounding=clauses.get("f_round"),
+            global_scale=clauses.get("f_global"),
+        )
+
+    def format_clause(self, clause: Tree) -> At:
+        kind = str(clause.data)
+        first = clause.children[0]
+        if kind == "f_block":
+            return self.shape(first)
+        if kind == "f_scale":
+            special = None
+            if len(clause.children) > 1:
+                special = self.special(clause.children[1])
+            name = self.at(first)
+            if name.value == "fp32":
+                if special is not None:
+                    raise special.pos.error("fp32 scales take no special-value option")
+                return At(None, name.pos)
+            if not is_element_name(name.value):
+                raise name.pos.error(
+                    f"bad scale format '{name.value}': expected an element such as e4m3, an "
+                    "unsigned exponent-only format such as ue8m0, or fp32"
+                )
+            return At(self.element(name, special, what="scale"), name.pos)
+        if kind == "f_round":
+            return self.at(first)
+        if kind == "f_global":
+            return At(str(first) == "amax", self.pos(first))
+        raise AssertionError(kind)
+
+    def special(self, tree: Tree) -> At[str]:
+        return self.at(tree.children[0])
+
+    def element(self, name: At[str], special: At[str] | None, *, what: str) -> ElementFormat:
+        """Check and build an element format, with a message for each way it can be wrong."""
+        match = _ELEMENT.match(name.value)
+        if match is None:
+            raise name.pos.error(
+                f"bad element name '{name.value}': expected eXmY (X exponent bits, Y mantissa "
+                "bits) such as e2m1 or e4m3, or ueXm0 for an unsigned scale"
+            )
+        unsigned = match.group(1) == "u"
+        exp_bits, man_bits = int(match.group(2)), int(match.group(3))
+        if unsigned:
+            if what != "scale":
+                raise name.pos.error(
+                    f"{name.value} is an unsigned exponent-only scale format; {what}s need a "
+                    f"sign bit: use a signed eXmY"
+                )
+            if man_bits != 0:
+                raise name.pos.error(
+                    f"{name.value}: unsigned scale formats are exponent-only (ueXm0); "
+                    f"write ue{exp_bits}m0, or e{exp_bits}m{man_bits} for a signed scale"
+                )
+            if not 2 <= exp_bits <= 8:
+                raise name.pos.error(
+                    f"{name.value}: exponent-only scales have 2 to 8 exponent bits"
+                )
+            if special is not None:
+                raise special.pos.error(
+                    f"{name.value} takes no special-value option: its all-ones code is NaN"
+                )
+            return ElementFormat(exp_bits, 0, signed=False)
+        if exp_bits < 1:
+            raise name.pos.error(f"{name.value}: a minifloat needs at least one exponent bit")
+        bits = 1 + exp_bits + man_bits
+        if not 3 <= bits <= 8:
+            raise name.pos.error(
+                f"{name.value} is {bits} bits wide (1 sign + {exp_bits} exponent + {man_bits} "
+                "mantissa); element formats are 3 to 8 bits wide"
+            )
+        chosen = special.value if special is not None else default_special(exp_bits, man_bits)
+        if chosen == "ieee" and man_bits == 0:
+            assert special is not None
+            raise special.pos.error(
+                f"{name.value} has no mantissa bits, so the ieee convention has no NaN codes: "
+                "use finite or fn"
+            )
+        return ElementFormat(exp_bits, man_bits, True, chosen)  # type: ignore[arg-type]
+
+    def shape(self, token: Token) -> At[Shape]:
+        rows, cols = (int(part) for part in str(token).split("x"))
+        pos = self.pos(token)
+        if rows < 1 or cols < 1:
+            raise pos.error(f"block {token}: block dimensions must be at least 1")
+        if rows != 1 and rows != cols:
+            raise pos.error(
+                f"block {token}: 1D blocks are 1xN (along the dot-product dimension) and 2D "
+                "blocks are square NxN"
+            )
+        return At((rows, cols), pos)
+
+    # --- operands ---------------------------------------------------------------------------
+    def operands_sec(self, tree: Tree) -> OperandsSection:
+        stmts = tuple(self.operand_stmt(s) for s in tree.children if isinstance(s, Tree))
+        return OperandsSection(self.pos(tree), stmts)
+
+    def operand_stmt(self, tree: Tree) -> OperandStmt:
+        selector_tree, *props = tree.children
+        selector = self.selector(selector_tree)
+        found: dict[str, At] = {}
+        for prop in props:
+            kind = str(prop.data)
+            key = {"o_rht_none": "o_rht", "mor_ref": "format_ref"}.get(kind, kind)
+            if key in found:
+                word = {"o_block": "block", "o_round": "round", "o_rht": "rht"}[key]
+                raise self.pos(prop).error(
+                    f"'{word}' given twice in one statement (first at column "
+                    f"{found[key].pos.column})"
+                )
+            found[key] = self.operand_prop(prop)
+        return OperandStmt(
+            selector=selector,
+            format=found.get("format_ref"),
+            block=found.get("o_block"),
+            rounding=found.get("o_round"),
+            rht=found.get("o_rht"),
+        )
+
+    def selector(self, tree: Tree) -> At[tuple[Operand, ...]]:
+        parts = [t for t in tree.children if isinstance(t, Token)]
+        pos = self.pos(parts[0])
+        if parts[0].type == "STAR":
+            return At(tuple(Operand), pos)
+        first = str(parts[0])
+        if len(parts) == 1:
+            if first in ROLES:
+                return At(tuple(op for op in Operand if op.role == first), pos)
+            if first in GEMMS:
+                return At(tuple(op for op in Operand if op.gemm == first), pos)
+            words = ["weight", "activation", "gradient", *GEMMS]
+            hint = _hint(first, words + [op.selector for op in Operand])
+            raise pos.error(
+                f"unknown selector '{first}': expected *, a role (weight, activation, "
+                f"gradient), a GEMM (fprop, dgrad, wgrad) or gemm.role{hint}"
+            )
+        role = str(parts[1])
+        if first not in GEMMS:
+            raise pos.error(
+                f"unknown GEMM '{first}' in selector '{first}.{role}': expected fprop, dgrad "
+                f"or wgrad{_hint(first, list(GEMMS))}"
+            )
+        for op in Operand:
+            if op.gemm == first and op.role == role:
+                return At((op,), pos)
+        names = [op.role for op in Operand if op.gemm == first]
+        role_pos = self.pos(parts[1])
+        raise role_pos.error(
+            f"{first} has no '{role}' operand: its operands are {first}.{names[0]} and "
+            f"{first}.{names[1]}"
+        )
+
+    def operand_prop(self, prop: Tree) -> At:
+        kind = str(prop.data)
+        pos = self.pos(prop)
+        if kind == "format_ref":
+            name = self.at(prop.children[0])
+            return At(FormatRef("format", name.value), name.pos)
+        if kind == "mor_ref":
+            name = self.at(prop.children[0])
+            return At(FormatRef("mor", name.value), name.pos)
+        if kind == "o_block":
+            return self.shape(prop.children[0])
+        if kind == "o_round":
+            return self.at(prop.children[0])
+        if kind == "o_rht_none":
+            return At(None, pos)
+        if kind == "o_rht":
+            return At(self.rht(prop), pos)
+        raise AssertionError(kind)
+
+    def rht(self, prop: Tree) -> RHTSpec:
+        size_tok = prop.children[0]
+        size = int(size_tok)
+        size_pos = self.pos(size_tok)
+        if size < 2 or size > 256 or size & (size - 1):
+            raise size_pos.error(
+                f"RHT size {size} is not a power of two from 2 to 256 (the paper uses 16)"
+            )
+        signs = prop.children[1] if len(prop.children) > 1 else None
+        if signs is None:
+            if size != 16:
+                raise size_pos.error(
+                    f"rht {size} needs a sign source: the default, Transformer Engine's fixed "
+                    f"vector (signs te), has 16 entries; add `seed N`, `signs none` or a "
+                    f"{size}-sign string"
+                )
+            return RHTSpec(16, "fixed", TE_SIGNS_16)
+        kind = str(signs.data)
+        if kind == "signs_te":
+            if size != 16:
+                raise self.pos(signs.children[0]).error(
+                    f"signs te is Transformer Engine's fixed 16-entry vector, but the RHT size "
+                    f"is {size}: use `seed N`, `signs none` or a {size}-sign string"
+                )
+            return RHTSpec(16, "fixed", TE_SIGNS_16)
+        if kind == "signs_none":
+            return RHTSpec(size, "none", None)
+        if kind == "signs_seed":
+            seed_tok = signs.children[0]
+            seed = int(seed_tok)
+            if seed >= 2**64:
+                raise self.pos(seed_tok).error("an RHT seed must fit in 64 bits")
+            return RHTSpec(size, "seeded", None, seed)
+        # signs_fixed: a string of + and -
+        tok = signs.children[0]
+        text = self.string(tok)
+        for i, char in enumerate(text):
+            if char not in "+-":
+                # +1 for the opening quote; escapes are not expected in sign strings
+                raise (
+                    self.pos(tok)
+                    .shifted(i + 1)
+                    .error(f"a sign string holds only '+' and '-', found {char!r}")
+                )
+        if len(text) != size:
+            raise self.pos(tok).error(
+                f"the sign string has {len(text)} signs but the RHT size is {size}"
+            )
+        return RHTSpec(size, "fixed", tuple(1 if c == "+" else -1 for c in text))
+
+    # --- mixture of representations ---------------------------------------------------------
+    def mor_def(self, tree: Tree) -> MoRDef:
+        name_tok, *stmts = tree.children
+        name = self.at(name_tok)
+        decide: At[Partition] | None = None
+        scale: tuple[At[Partition], str] | None = None
+        candidates: list[Candidate] = []
+        fallback: Pos | None = None
+        for stmt in stmts:
+            kind = str(stmt.data)
+            pos = self.pos(stmt)
+            if kind == "m_decide":
+                if decide is not None:
+                    raise pos.error(
+                        f"'decide' given twice in mor {name.value} (first on {decide.pos.where()})"
+                    )
+                decide = self.partition(stmt.children[0])
+            elif kind == "m_scale":
+                if scale is not None:
+                    raise pos.error(
+                        f"'scale' given twice in mor {name.value} (first on {scale[0].pos.where()})"
+                    )
+                scale = (self.partition(stmt.children[0]), str(stmt.children[1]))
+            elif kind in ("m_try", "m_else"):
+                if fallback is not None:
+                    word = "try" if kind == "m_try" else "else"
+                    raise pos.error(
+                        f"'{word}' after 'else' (on {fallback.where()}): the else fallback "
+                        "must be the last candidate"
+                    )
+                cand = self.candidate(stmt.children[0])
+                if kind == "m_else":
+                    fallback = pos
+                    candidates.append(Candidate(cand.value))
+                else:
+                    candidates.append(Candidate(cand.value, self.metric(stmt.children[1], cand)))
+            else:
+                raise AssertionError(kind)
+        where = name.pos
+        if decide is None:
+            raise where.error(
+                f"mor {name.value} needs a 'decide' line: decide tensor, decide block RxC or "
+                "decide channel"
+            )
+        if scale is None:
+            raise where.error(
+                f"mor {name.value} needs a 'scale' line, e.g. `scale block 128x128 gam`"
+            )
+        if fallback is None:
+            raise where.error(
+                f"mor {name.value} has no 'else' fallback: end the candidates with e.g. `else bf16`"
+            )
+        if len(candidates) < 2:
+            raise fallback.error(
+                f"mor {name.value} has only the fallback: add a `try FORMAT if METRIC` line "
+                "before 'else'"
+            )
+        spec = MoRSpec(
+            name=name.value,
+            decide=decide.value,
+            scale=scale[0].value,
+            scaling=scale[1],  # type: ignore[arg-type]
+            candidates=tuple(candidates),
+        )
+        return MoRDef(name, spec)
+
+    def partition(self, tree: Tree) -> At[Partition]:
+        kind = str(tree.children[0])
+        pos = self.pos(tree)
+        if kind == "block":
+            shape = self.shape(tree.children[1])
+            return At(Partition("block", shape.value), pos)
+        return At(Partition(kind), pos)  # type: ignore[arg-type]
+
+    def candidate(self, tree: Tree) -> At[ElementFormat | HighPrecision]:
+        name = self.at(tree.children[0])
+        special = self.special(tree.children[1]) if len(tree.children) > 1 else None
+        if name.value in HIGH_PRECISION_DTYPES:
+            if special is not None:
+                raise special.pos.error(f"{name.value} takes no special-value option")
+            return At(HighPrecision(name.value), name.pos)
+        if not is_element_name(name.value):
+            raise name.pos.error(
+                f"'{name.value}' cannot be a mor candidate: candidates are elements such as "
+                "e4m3 or e5m2 (the mor's scale line gives their scaling), or bf16, fp16, fp32"
+            )
+        return At(self.element(name, special, what="candidate"), name.pos)
+
+    def metric(self, tree: Tree, cand: At[ElementFormat | HighPrecision]) -> Metric:
+        kind = str(tree.data)
+        if kind == "relerr":
+            tok = tree.children[0]
+            value = self.percent(tok)
+            if not 0 < value < 100:
+                raise self.pos(tok).error(
+                    f"threshold {tok} is out of range: a relative-error threshold lies strictly "
+                    "between 0% and 100%"
+                )
+            return Metric("relerr", threshold=value / 100)
+        if kind == "relerr_vs":
+            versus = self.candidate(tree.children[0])
+            if not isinstance(versus.value, ElementFormat):
+                raise versus.pos.error(
+                    f"relerr({versus.value.name}) compares against an element format such as "
+                    "e5m2; a high-precision dtype has no error to compare with"
+                )
+            return Metric("relerr_vs", versus=versus.value)
+        if kind == "range":
+            if not isinstance(cand.value, ElementFormat):
+                raise self.pos(tree).error(
+                    f"'range' checks an element format's normal range; {cand.value.name} is "
+                    "not quantized"
+                )
+            return Metric("range")
+        raise AssertionError(kind)
+
+    # --- layers and schedule ----------------------------------------------------------------
+    def layers_sec(self, tree: Tree) -> LayersSection:
+        rules = tuple(self.layer_stmt(s) for s in tree.children if isinstance(s, Tree))
+        return LayersSection(self.pos(tree), rules)
+
+    def layer_stmt(self, tree: Tree) -> LayerStmt:
+        if tree.data == "l_match":
+            pattern_tok, action = tree.children
+            pattern = self.string(pattern_tok)
+            if not pattern:
+                raise self.pos(pattern_tok).error("empty module-name pattern")
+            return LayerStmt(LayerSelector("match", pattern=pattern), self.action(action))
+        end, amount, unit_tok, action = tree.children
+        unit = "blocks" if str(unit_tok).startswith("block") else "layers"
+        if amount.type == "PERCENT":
+            value = self.percent(amount)
+            if not 0 < value <= 100:
+                raise self.pos(amount).error(
+                    f"{amount} is out of range: a share of the {unit} lies in (0%, 100%]"
+                )
+            selector = LayerSelector(str(end), unit, fraction=value / 100)  # type: ignore[arg-type]
+        else:
+            count = int(amount)
+            if count < 1:
+                raise self.pos(amount).error(f"the count of {unit} must be at least 1")
+            selector = LayerSelector(str(end), unit, count=count)  # type: ignore[arg-type]
+        return LayerStmt(selector, self.action(action))
+
+    def schedule_sec(self, tree: Tree) -> ScheduleSection:
+        rules = tuple(self.sched_stmt(s) for s in tree.children if isinstance(s, Tree))
+        return ScheduleSection(self.pos(tree), rules)
+
+    def sched_stmt(self, tree: Tree) -> ScheduleStmt:
+        point, *rest = tree.children
+        passes = "both"
+        if len(rest) == 2:
+            passes = str(rest[0])
+        action = self.action(rest[-1])
+        if point.type == "PERCENT":
+            value = self.percent(point)
+            if not 0 < value < 100:
+                raise self.pos(point).error(
+                    f"{point} is out of range: a point in training lies strictly between 0% and "
+                    "100% (use `at step 0` for the start)"
+                )
+            return ScheduleStmt(None, value / 100, passes, action)  # type: ignore[arg-type]
+        return ScheduleStmt(int(point), None, passes, action)  # type: ignore[arg-type]
+
+    def action(self, tree: Tree) -> At[ActionRef]:
+        tok = tree.children[0]
+        if tree.data == "a_recipe":
+            path = self.path(tok)
+            return At(ActionRef("recipe", path.value), path.pos)
+        return At(ActionRef("format", str(tok)), self.pos(tok))
+
+    # --- literals ---------------------------------------------------------------------------
+    def percent(self, token: Token) -> float:
+        return float(str(token)[:-1])
+
+    def string(self, token: Token) -> str:
+        """Unquote a string token; the escapes are \\\\, \\", \\n and \\t."""
+        raw = str(token)[1:-1]
+        out: list[str] = []
+        i = 0
+        while i < len(raw):
+            char = raw[i]
+            if char == "\\":
+                nxt = raw[i + 1]
+                if nxt not in _ESCAPES:
+                    raise (
+                        self.pos(token)
+                        .shifted(i + 1)
+                        .error(f"unknown escape '\\{nxt}' in a string: use \\\\, \\\", \\n or \\t")
+                    )
+                out.append(_ESCAPES[nxt])
+                i += 2
+            else:
+                out.append(char)
+                i += 1
+        return "".join(out)
+
+
+_ESCAPES = {"\\": "\\", '"': '"', "n": "\n", "t": "\t"}
+
+
+def _hint(word: str, candidates: Sequence[str]) -> str:
+    import difflib
+
+    close = difflib.get_close_matches(word, candidates, n=1, cutoff=0.6)
+    return f" (did you mean '{close[0]}'?)" if close else ""

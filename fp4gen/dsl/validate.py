@@ -1,0 +1,206 @@
+"""A resolved unit -> Recipe: bind names, apply block overrides, and check what only makes sense
+once the cascade is done (every operand has a format, rounding and RHT fit that format, 2D
+blocks only on weights, both operands of a GEMM transformed alike)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from fp4gen.dsl.model import (
+    GEMMS,
+    LayerAction,
+    LayerRule,
+    MoRRef,
+    Operand,
+    OperandSpec,
+    OperandTable,
+    Recipe,
+    RecipeRef,
+    RHTSpec,
+    ScheduleRule,
+)
+from fp4gen.dsl.resolve import Format, Slot, Unit
+from fp4gen.dsl.source import At, Pos
+from fp4gen.dsl.statements import ActionRef, _hint
+from fp4gen.formats import BUILTIN_FORMATS, HIGH_PRECISION_DTYPES, BlockFormat, HighPrecision
+
+LoadRef = Callable[[At[str]], tuple[str, Recipe]]
+
+
+def finish(unit: Unit, load_ref: LoadRef) -> Recipe:
+    scope: dict[str, Format] = dict(BUILTIN_FORMATS)
+    scope.update({name: fmt.value for name, fmt in unit.formats.items()})
+    specs = {op: _operand(op, unit.slots[op], unit, scope) for op in Operand}
+    _check_rht_pairs(unit, specs)
+    table = OperandTable(**{op.name.lower(): spec for op, spec in specs.items()})
+
+    layers: tuple[LayerRule, ...] = ()
+    if unit.layers is not None:
+        layers = tuple(
+            LayerRule(rule.selector, _action(rule.action, unit, scope, load_ref))
+            for rule in unit.layers.rules
+        )
+    schedule: tuple[ScheduleRule, ...] = ()
+    if unit.schedule is not None:
+        schedule = tuple(
+            ScheduleRule(
+                rule.step,
+                rule.fraction,
+                rule.passes,
+                _action(rule.action, unit, scope, load_ref),
+            )
+            for rule in unit.schedule.rules
+        )
+    # Only what differs from the builtins is part of the recipe, so equal recipes compare equal.
+    formats = tuple(
+        (name, fmt.value)
+        for name, fmt in unit.formats.items()
+        if BUILTIN_FORMATS.get(name) != fmt.value
+    )
+    return Recipe(
+        name=unit.name or unit.source.stem or "recipe",
+        description=unit.description or "",
+        formats=formats,
+        operands=table,
+        mors=tuple(m.value for m in unit.mors.values()),
+        layers=layers,
+        schedule=schedule,
+        source=unit.source.path,
+    )
+
+
+def _later(slot: Slot, *props: str) -> Pos:
+    """The position of whichever of these properties the cascade set last."""
+    best: tuple[int, Pos] | None = None
+    for prop in props:
+        value: At | None = getattr(slot, prop)
+        if value is None or prop not in slot.order:
+            continue
+        if best is None or slot.order[prop] > best[0]:
+            best = (slot.order[prop], value.pos)
+    assert best is not None
+    return best[1]
+
+
+def _describe(fmt: Format | MoRRef) -> str:
+    if isinstance(fmt, HighPrecision):
+        return f"the high-precision dtype {fmt.name}"
+    if isinstance(fmt, MoRRef):
+        return f"the mor rule {fmt.name}"
+    return f"the block format {fmt.name}"
+
+
+def _operand(op: Operand, slot: Slot, unit: Unit, scope: dict[str, Format]) -> OperandSpec:
+    if slot.format is None:
+        assert unit.anchor is not None
+        raise unit.anchor.error(
+            f"operand {op.selector} has no format: give it one, e.g. `{op.selector} : nvfp4` "
+            "or `* : nvfp4` in the operands section"
+        )
+    ref = slot.format
+    fmt: Format | MoRRef
+    if ref.value.kind == "mor":
+        if ref.value.name not in unit.mors:
+            known = ", ".join(unit.mors) or "none are defined"
+            raise ref.pos.error(
+                f"unknown mor '{ref.value.name}'{_hint(ref.value.name, list(unit.mors))} "
+                f"(mors in scope: {known})"
+            )
+        fmt = MoRRef(ref.value.name)
+    else:
+        fmt = _lookup(ref.value.name, ref.pos, unit, scope)
+
+    block = slot.block
+    if block is not None:
+        if not isinstance(fmt, BlockFormat):
+            rows, cols = block.value
+            raise block.pos.error(
+                f"'block {rows}x{cols}' applies to block-scaled formats, but {op.selector} uses "
+                f"{_describe(fmt)}"
+            )
+        fmt = fmt.with_block(block.value)
+    rounding = slot.rounding.value if slot.rounding is not None else "nearest"
+    rht = slot.rht.value if slot.rht is not None else None
+
+    if isinstance(fmt, BlockFormat) and fmt.is_2d and op.role != "weight":
+        where = block.pos if block is not None else ref.pos
+        rows, cols = fmt.block
+        raise where.error(
+            f"{op.selector} cannot use {rows}x{cols} blocks: only weights can have 2D blocks; "
+            f"{op.role}s are scaled in 1xN blocks along the dot product"
+        )
+    if isinstance(fmt, HighPrecision):
+        if rounding != "nearest":
+            raise _later(slot, "format", "rounding").error(
+                f"{rounding} rounding on {op.selector}, which is {fmt.name}: a high-precision "
+                "operand is not quantized, so there is no neighbour to round to (use round "
+                "nearest)"
+            )
+        if rht is not None:
+            raise _later(slot, "format", "rht").error(
+                f"rht on {op.selector}, which is {fmt.name}: the transform only helps "
+                "quantization, and a high-precision operand is not quantized (use rht none)"
+            )
+    if isinstance(fmt, BlockFormat) and rht is not None:
+        length, size = fmt.block_len, rht.size
+        if length % size and size % length:
+            raise _later(slot, "format", "block", "rht").error(
+                f"RHT size {size} and block length {length} of {op.selector} do not nest: the "
+                "block length must be a multiple of the Hadamard size, or the other way round"
+            )
+    return OperandSpec(fmt, rounding, rht)  # type: ignore[arg-type]
+
+
+def _lookup(name: str, pos: Pos, unit: Unit, scope: dict[str, Format]) -> Format:
+    if name in scope:
+        return scope[name]
+    extra = ""
+    if name in unit.mors:
+        extra = f"; {name} is a mor rule, write `mor {name}` to use it"
+    raise pos.error(
+        f"unknown format '{name}'{_hint(name, list(scope))}{extra}; formats in scope: "
+        + ", ".join(sorted(scope))
+    )
+
+
+def _rht_text(rht: RHTSpec | None) -> str:
+    if rht is None:
+        return "no RHT"
+    if rht.sign_source == "seeded":
+        return f"rht {rht.size} seed {rht.seed}"
+    if rht.sign_source == "none":
+        return f"rht {rht.size} signs none"
+    return f"rht {rht.size} with fixed signs"
+
+
+def _check_rht_pairs(unit: Unit, specs: dict[Operand, OperandSpec]) -> None:
+    """x H (W H)^T = x W^T only when both operands get the same H."""
+    for gemm in GEMMS:
+        a, b = (op for op in Operand if op.gemm == gemm)
+        if specs[a].rht == specs[b].rht:
+            continue
+        slots = {op: unit.slots[op] for op in (a, b)}
+        # Report at the later of the two rht settings (one may be the default: never set).
+        order = {op: slots[op].order.get("rht", -1) for op in (a, b)}
+        culprit = a if order[a] > order[b] else b
+        other = b if culprit is a else a
+        rht_at = slots[culprit].rht
+        pos = rht_at.pos if rht_at is not None else unit.anchor
+        assert pos is not None
+        raise pos.error(
+            f"{culprit.selector} has {_rht_text(specs[culprit].rht)} but {other.selector} has "
+            f"{_rht_text(specs[other].rht)}: both operands of {gemm} need the same transform "
+            "so that it cancels in the dot product"
+        )
+
+
+def _action(
+    action: At[ActionRef], unit: Unit, scope: dict[str, Format], load_ref: LoadRef
+) -> LayerAction:
+    ref = action.value
+    if ref.kind == "recipe":
+        path, recipe = load_ref(At(ref.name, action.pos))
+        return RecipeRef(path, recipe)
+    if ref.name in HIGH_PRECISION_DTYPES:
+        return HighPrecision(ref.name)
+    return _lookup(ref.name, action.pos, unit, scope)
