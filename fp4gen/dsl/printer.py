@@ -113,11 +113,11 @@ def _operand(
         parts = [_format_ref(fmt, scope, "operand"), f"block {rows}x{cols}"]
     else:
         parts = [_format_ref(fmt, scope, "operand")]
-    parts += [f"round {spec.rounding}", _rht(spec.rht)]
+    parts += [f"round {spec.rounding}", rht_text(spec.rht)]
     return " ".join(parts)
 
 
-def _rht(rht: RHTSpec | None) -> str:
+def rht_text(rht: RHTSpec | None) -> str:
     if rht is None:
         return "rht none"
     if rht.sign_source == "seeded":

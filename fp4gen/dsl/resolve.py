@@ -101,7 +101,8 @@ class Loader:
 
         if source.key in self._recipes:
             return self._recipes[source.key]
-        stack = stack or (_Frame(source.key, source.file, ""),)
+        root_name = source.path.name if source.path is not None else source.file
+        stack = stack or (_Frame(source.key, root_name, ""),)
         unit = self.unit(source, stack)
 
         def load_ref(path: At[str]) -> tuple[str, Recipe]:

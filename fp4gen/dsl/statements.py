@@ -555,8 +555,8 @@ class _Builder:
         if kind == "range":
             if not isinstance(cand.value, ElementFormat):
                 raise self.pos(tree).error(
-                    f"'range' checks an element format's normal range; {cand.value.name} is "
-                    "not quantized"
+                    f"'range' checks an element format's normal range; {cand.value.name} is a "
+                    "high-precision dtype"
                 )
             return Metric("range")
         raise AssertionError(kind)

@@ -37,7 +37,6 @@ _PUNCT: dict[str, str] = {
     "RPAR": "')'",
     "DOT": "'.'",
     "LESSTHAN": "'<'",
-    "STAR": "'*'",
     "_NL": "end of line",
     "$END": "end of file",
 }
@@ -193,6 +192,8 @@ class _Context:
             if isinstance(value, Token) and value.type == "LBRACE":
                 self.brace = value
                 stmt = item_part[i + 1 :]
+            elif isinstance(value, Token) and value.type == "RBRACE":
+                self.brace, stmt = None, [value]  # the block is closed: we are after it
         if self.brace is not None:
             # Inside braces, the statement starts after the last newline.
             for i in range(len(stmt) - 1, -1, -1):
@@ -255,6 +256,10 @@ class _Context:
             return "'{'"
         if last.type in ("INT", "PERCENT") and self.prev_type() == "END":
             return f"the count {last.value}"
+        if last.type == "INT" and self.prev_type() == "RHT":
+            return f"the RHT size {last.value}"
+        if last.type == "SHAPE":
+            return f"the block shape {last.value}"
         if last.type in ("INT", "PERCENT", "SHAPE", "STRING"):
             return str(last.value)
         if last.type in _PUNCT:
@@ -286,7 +291,7 @@ def _alternatives(accepts: Iterable[str], ctx: _Context) -> str:
     phrases: list[str] = []
     for name in sorted(accepts, key=_sort_key):
         for phrase in _terminal_phrases(name, ctx):
-            if phrase not in phrases:
+            if phrase and phrase not in phrases:
                 phrases.append(phrase)
     if not phrases:
         return "something else"
@@ -328,6 +333,8 @@ def _terminal_phrase(name: str, ctx: _Context) -> str:
         if last == "SIGNS":
             return 'a quoted sign string such as "++-+"'
         return "a quoted string"
+    if name == "STAR":  # in the operands section it is part of the selector phrase
+        return "" if ctx.section == "OPERANDS" else "'*'"
     if name == "RANGE":
         return "'range'"
     if name == "TE":
@@ -414,6 +421,12 @@ def _unexpected_char(exc: UnexpectedCharacters, source: Source) -> RecipeError:
         return pos.error("unterminated string: the closing '\"' is missing on this line")
     if char in "×✕":
         return pos.error(f"unexpected character '{char}': write block shapes with an x, e.g. 16x16")
-    if char == "-" or char.isdigit():
-        return pos.error(f"unexpected '{char}' here: numbers are whole and non-negative")
-    return pos.error(f"unexpected character {char!r}")
+    index = exc.pos_in_stream
+    before = source.text[index - 1] if index > 0 else ""
+    after = source.text[index + 1] if index + 1 < len(source.text) else ""
+    hint = ""
+    if char == "-" and after.isdigit():
+        hint = ": numbers in recipes are not negative"
+    elif char in "-./" and (before.isalnum() or before == "_"):
+        hint = ": names are letters, digits and _ (quote file names and patterns)"
+    return pos.error(f"unexpected character {char!r}{hint}")

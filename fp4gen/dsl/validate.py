@@ -19,6 +19,7 @@ from fp4gen.dsl.model import (
     RHTSpec,
     ScheduleRule,
 )
+from fp4gen.dsl.printer import rht_text
 from fp4gen.dsl.resolve import Format, Slot, Unit
 from fp4gen.dsl.source import At, Pos
 from fp4gen.dsl.statements import ActionRef, _hint
@@ -164,13 +165,7 @@ def _lookup(name: str, pos: Pos, unit: Unit, scope: dict[str, Format]) -> Format
 
 
 def _rht_text(rht: RHTSpec | None) -> str:
-    if rht is None:
-        return "no RHT"
-    if rht.sign_source == "seeded":
-        return f"rht {rht.size} seed {rht.seed}"
-    if rht.sign_source == "none":
-        return f"rht {rht.size} signs none"
-    return f"rht {rht.size} with fixed signs"
+    return "no RHT" if rht is None else f"`{rht_text(rht)}`"
 
 
 def _check_rht_pairs(unit: Unit, specs: dict[Operand, OperandSpec]) -> None:
