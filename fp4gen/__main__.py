@@ -1,0 +1,5 @@
+import sys
+
+from fp4gen.cli import main
+
+sys.exit(main())

@@ -1,0 +1,478 @@
+"""The ``fp4gen`` command line: check, show and measure recipes.
+
+Every user error (a bad recipe, a bad tensor) is printed as one readable message and exits with
+status 1; usage errors exit with status 2 (argparse's convention).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from fp4gen import describe
+from fp4gen.errors import FP4GenError
+
+DISTRIBUTIONS = ("normal", "laplace", "student-t", "uniform", "lognormal", "outliers")
+
+EPILOG = """\
+examples:
+  fp4gen check recipes/*.fp4r
+  fp4gen show recipes/nvfp4.fp4r
+  fp4gen show recipes/nvfp4.fp4r --json
+  fp4gen error recipes/nvfp4.fp4r --dist student-t
+  fp4gen error mxfp4 --tensor activations.pt
+"""
+
+
+# ---------------------------------------------------------------------------------------------
+# tables
+# ---------------------------------------------------------------------------------------------
+
+
+def render_table(headers: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
+    widths = [len(h) for h in headers]
+    for row in rows:
+        widths = [max(w, len(cell)) for w, cell in zip(widths, row, strict=False)]
+    line = "  ".join(h.ljust(w) for h, w in zip(headers, widths, strict=True)).rstrip()
+    rule = "  ".join("-" * w for w in widths)
+    body = [
+        "  ".join(c.ljust(w) for c, w in zip(row, widths, strict=False)).rstrip() for row in rows
+    ]
+    return "\n".join([line, rule, *body])
+
+
+# ---------------------------------------------------------------------------------------------
+# check
+# ---------------------------------------------------------------------------------------------
+
+
+def cmd_check(args: argparse.Namespace) -> int:
+    from fp4gen.dsl import load_recipe
+
+    failures = 0
+    for path in args.files:
+        try:
+            recipe = load_recipe(Path(path))
+        except FP4GenError as err:
+            failures += 1
+            print(err, file=sys.stderr)
+            continue
+        if not args.quiet:
+            print(f"ok  {path}  ({recipe.name})")
+    return 1 if failures else 0
+
+
+# ---------------------------------------------------------------------------------------------
+# show
+# ---------------------------------------------------------------------------------------------
+
+
+def operand_rows(recipe: Any) -> list[list[str]]:
+    from fp4gen.formats import BlockFormat, HighPrecision
+
+    rows = []
+    for op, spec in recipe.operands.items():
+        fmt = spec.format
+        if isinstance(fmt, BlockFormat):
+            detail = [
+                fmt.element.name,
+                describe.block_text(fmt.block),
+                "2d" if fmt.is_2d else "1d",
+                describe.scale_text(fmt.scale),
+                "fp32 amax" if fmt.global_scale else "none",
+                spec.rounding,
+            ]
+        elif isinstance(fmt, HighPrecision):
+            detail = [fmt.name, "-", "-", "-", "-", "-"]
+        else:
+            detail = ["dynamic", "-", "-", "-", "-", spec.rounding]
+        rows.append(
+            [
+                op.gemm,
+                op.role,
+                op.use,
+                describe.format_text(fmt),
+                *detail,
+                describe.rht_text(spec.rht),
+            ]
+        )
+    return rows
+
+
+def show_text(recipe: Any) -> str:
+    parts = [f"recipe {recipe.name}"]
+    if recipe.description:
+        parts.append(f"  {recipe.description}")
+    if recipe.source:
+        parts.append(f"  from {recipe.source}")
+    parts.append("")
+    parts.append("GEMM operands")
+    parts.append(
+        render_table(
+            [
+                "gemm",
+                "role",
+                "use",
+                "format",
+                "element",
+                "block",
+                "layout",
+                "scale",
+                "global",
+                "rounding",
+                "rht",
+            ],
+            operand_rows(recipe),
+        )
+    )
+    for mor in recipe.mors:
+        parts.append("")
+        parts.append(
+            f"MoR rule {mor.name}: decide per {describe.partition_text(mor.decide)}, "
+            f"scales per {describe.partition_text(mor.scale)}, {mor.scaling} scaling"
+        )
+        parts.append(
+            render_table(
+                ["#", "candidate", "accepted when"],
+                [
+                    [str(i + 1), describe.format_text(c.format), describe.metric_text(c.metric)]
+                    for i, c in enumerate(mor.candidates)
+                ],
+            )
+        )
+    parts.append("")
+    if recipe.layers:
+        parts.append("Layer rules (first match wins)")
+        parts.append(
+            render_table(
+                ["#", "layers", "use"],
+                [
+                    [str(i + 1), describe.selector_text(r.selector), describe.action_text(r.action)]
+                    for i, r in enumerate(recipe.layers)
+                ],
+            )
+        )
+    else:
+        parts.append("Layer rules: none (every linear layer uses the operand table)")
+    parts.append("")
+    if recipe.schedule:
+        parts.append("Precision schedule")
+        parts.append(
+            render_table(
+                ["from", "passes", "switch to"],
+                [
+                    [describe.when_text(r), r.passes, describe.action_text(r.action)]
+                    for r in recipe.schedule
+                ],
+            )
+        )
+    else:
+        parts.append("Precision schedule: none")
+    return "\n".join(parts)
+
+
+def cmd_show(args: argparse.Namespace) -> int:
+    from fp4gen.dsl import load_recipe
+
+    recipe = load_recipe(Path(args.file))
+    if args.json:
+        print(json.dumps(describe.recipe_json(recipe), indent=2))
+    else:
+        print(show_text(recipe))
+    return 0
+
+
+# ---------------------------------------------------------------------------------------------
+# error
+# ---------------------------------------------------------------------------------------------
+
+
+def parse_shape(text: str) -> tuple[int, int]:
+    try:
+        rows, cols = (int(v) for v in text.lower().split("x"))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"shape must look like 4096x4096, got {text!r}") from None
+    if rows < 1 or cols < 1:
+        raise argparse.ArgumentTypeError(f"shape dimensions must be positive, got {text!r}")
+    return rows, cols
+
+
+def sample_tensor(dist: str, shape: tuple[int, int], seed: int) -> Any:
+    import torch
+
+    gen = torch.Generator().manual_seed(seed)
+    if dist == "normal":
+        return torch.randn(shape, generator=gen)
+    if dist == "laplace":
+        u = torch.rand(shape, generator=gen) - 0.5
+        return -torch.sign(u) * torch.log1p(-2 * u.abs())
+    if dist == "student-t":  # 3 degrees of freedom: heavy tails like activation outliers
+        z = torch.randn(shape, generator=gen)
+        chi2 = torch.randn((3, *shape), generator=gen).pow(2).sum(0)
+        return z / torch.sqrt(chi2 / 3)
+    if dist == "uniform":
+        return torch.rand(shape, generator=gen) * 2 - 1
+    if dist == "lognormal":  # signed, magnitudes spanning many binades
+        mag = torch.exp(torch.randn(shape, generator=gen) * 2)
+        sign = torch.where(torch.rand(shape, generator=gen) < 0.5, -1.0, 1.0)
+        return mag * sign
+    # "outliers": normal data with 0.1% of the values 100x larger
+    x = torch.randn(shape, generator=gen)
+    mask = torch.rand(shape, generator=gen) < 1e-3
+    return torch.where(mask, x * 100, x)
+
+
+def load_tensor(path: Path) -> Any:
+    import torch
+
+    from fp4gen.errors import TensorError
+
+    if not path.exists():
+        raise TensorError(f"{path}: no such file")
+    if path.suffix == ".npy":
+        import numpy as np
+
+        return torch.from_numpy(np.load(path))
+    obj = torch.load(path, map_location="cpu", weights_only=True)
+    if isinstance(obj, dict):
+        tensors = [v for v in obj.values() if isinstance(v, torch.Tensor)]
+        if len(tensors) != 1:
+            raise TensorError(f"{path}: holds {len(tensors)} tensors; save exactly one")
+        obj = tensors[0]
+    if not isinstance(obj, torch.Tensor):
+        raise TensorError(f"{path}: holds a {type(obj).__name__}, not a tensor")
+    return obj
+
+
+def error_cases(target: str) -> tuple[str, list[tuple[str, Any, str, Any, str]]]:
+    """(title, [(label, BlockFormat, rounding, rht, use)]) for a recipe file or a format name."""
+    from fp4gen.formats import BUILTIN_FORMATS, BlockFormat
+
+    if target in BUILTIN_FORMATS:
+        fmt = BUILTIN_FORMATS[target]
+        if not isinstance(fmt, BlockFormat):
+            from fp4gen.errors import TensorError
+
+            raise TensorError(f"{target} is a high-precision dtype: there is no quantization error")
+        return f"format {target}", [(target, fmt, "nearest", None, "rowwise")]
+
+    from fp4gen.dsl import load_recipe
+
+    recipe = load_recipe(Path(target))
+    cases = []
+    seen = set()
+    for op, spec in recipe.operands.items():
+        if not isinstance(spec.format, BlockFormat):
+            continue
+        key = (spec.format, spec.rounding, spec.rht, op.use)
+        if key in seen:
+            continue
+        seen.add(key)
+        cases.append((op.selector, spec.format, spec.rounding, spec.rht, op.use))
+    return f"recipe {recipe.name}", cases
+
+
+def cmd_error(args: argparse.Namespace) -> int:
+    from fp4gen.numerics import error_stats, quantize
+
+    title, cases = error_cases(args.target)
+    if args.tensor:
+        x = load_tensor(Path(args.tensor)).float()
+        source = f"tensor {args.tensor} {tuple(x.shape)}"
+    else:
+        x = sample_tensor(args.dist, args.shape, args.seed)
+        source = f"{args.dist} samples {args.shape[0]}x{args.shape[1]}, seed {args.seed}"
+    results = []
+    for label, fmt, rounding, rht, use in cases:
+        data = x.reshape(-1, x.shape[-1]) if x.dim() != 2 else x
+        if use == "columnwise":
+            data = data.t().contiguous()
+        qt = quantize(data, fmt, rounding=rounding, hadamard=rht, seed=args.seed)
+        stats = error_stats(data, qt)
+        results.append(
+            {
+                "operand": label,
+                "format": fmt.name,
+                "block": describe.block_text(fmt.block),
+                "rounding": rounding,
+                "rht": describe.rht_text(rht),
+                "relative_error": stats.rel_error,
+                "mean_relative_error": stats.mean_rel_error,
+                "snr_db": stats.snr_db,
+                "flushed_to_zero": stats.flushed,
+                "saturated": stats.saturated,
+            }
+        )
+    if args.json:
+        print(json.dumps({"target": title, "data": source, "results": results}, indent=2))
+        return 0
+    print(f"{title} on {source}")
+    if not results:
+        print("no quantized operands (every operand is high precision or dynamic)")
+        return 0
+    rows = [
+        [
+            r["operand"],
+            r["format"],
+            r["block"],
+            r["rounding"],
+            r["rht"],
+            f"{r['relative_error']:.4%}",
+            f"{r['mean_relative_error']:.4%}",
+            f"{r['snr_db']:.2f}",
+            f"{r['flushed_to_zero']:.4%}",
+            f"{r['saturated']:.4%}",
+        ]
+        for r in results
+    ]
+    print(
+        render_table(
+            [
+                "operand",
+                "format",
+                "block",
+                "rounding",
+                "rht",
+                "rel err",
+                "mean rel err",
+                "SNR dB",
+                "flushed",
+                "saturated",
+            ],
+            rows,
+        )
+    )
+    return 0
+
+
+# ---------------------------------------------------------------------------------------------
+# formats
+# ---------------------------------------------------------------------------------------------
+
+
+def cmd_formats(args: argparse.Namespace) -> int:
+    from fp4gen.formats import BUILTIN_FORMATS, BlockFormat
+
+    rows = []
+    for name, fmt in BUILTIN_FORMATS.items():
+        if isinstance(fmt, BlockFormat):
+            rows.append(
+                [
+                    name,
+                    fmt.element.name,
+                    f"{fmt.element.max_finite:g}",
+                    describe.block_text(fmt.block),
+                    describe.scale_text(fmt.scale),
+                    "fp32 amax" if fmt.global_scale else "none",
+                ]
+            )
+        else:
+            rows.append([name, fmt.name, "-", "-", "-", "-"])
+    if args.json:
+        print(
+            json.dumps({n: describe.format_json(f) for n, f in BUILTIN_FORMATS.items()}, indent=2)
+        )
+    else:
+        print(render_table(["name", "element", "max", "block", "scale", "global"], rows))
+    return 0
+
+
+# ---------------------------------------------------------------------------------------------
+# entry point
+# ---------------------------------------------------------------------------------------------
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="fp4gen",
+        description="Compile low-precision training recipes (.fp4r) into GPU kernels, "
+        "and inspect them.",
+        epilog=EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    from fp4gen import __version__
+
+    parser.add_argument("--version", action="version", version=f"fp4gen {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+
+    p = sub.add_parser(
+        "check",
+        help="parse and validate recipes; exit 1 on the first error",
+        description="Parse and validate recipe files. Prints 'ok' per file, or "
+        "the error with file, line, column and a caret; exits 1 if any failed.",
+    )
+    p.add_argument("files", nargs="+", metavar="FILE", help=".fp4r recipe files")
+    p.add_argument("-q", "--quiet", action="store_true", help="print errors only")
+    p.set_defaults(func=cmd_check)
+
+    p = sub.add_parser(
+        "show",
+        help="print a resolved recipe as tables",
+        description="Print the resolved recipe: each GEMM operand (fprop, dgrad, "
+        "wgrad x role) with its format, block layout, scales, rounding and RHT; "
+        "the MoR rules; the layer rules; the precision schedule.",
+    )
+    p.add_argument("file", metavar="FILE", help="an .fp4r recipe file")
+    p.add_argument("--json", action="store_true", help="print JSON instead of tables")
+    p.set_defaults(func=cmd_show)
+
+    p = sub.add_parser(
+        "error",
+        help="measure quantization error of a recipe's formats",
+        description="Quantize a tensor with every distinct operand format of a "
+        "recipe (or with one built-in format) using the reference numerics and "
+        "report relative error, mean relative error over non-zeros (the MoR "
+        "metric), SNR, the fraction of non-zero values flushed to zero and the "
+        "fraction saturated.",
+    )
+    p.add_argument(
+        "target",
+        metavar="FILE|FORMAT",
+        help="an .fp4r recipe, or a built-in format name (see 'fp4gen formats')",
+    )
+    p.add_argument(
+        "--dist",
+        choices=DISTRIBUTIONS,
+        default="normal",
+        help="distribution of the synthetic tensor (default: normal)",
+    )
+    p.add_argument(
+        "--shape",
+        type=parse_shape,
+        default=(1024, 1024),
+        metavar="RxC",
+        help="shape of the synthetic tensor (default: 1024x1024)",
+    )
+    p.add_argument(
+        "--tensor", metavar="PATH", help="use a saved tensor (torch.save .pt or numpy .npy) instead"
+    )
+    p.add_argument("--seed", type=int, default=0, help="seed for sampling and stochastic rounding")
+    p.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    p.set_defaults(func=cmd_error)
+
+    p = sub.add_parser(
+        "formats",
+        help="list the built-in formats",
+        description="List the built-in named formats a recipe can use.",
+    )
+    p.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    p.set_defaults(func=cmd_formats)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return int(args.func(args))
+    except FP4GenError as err:
+        print(f"fp4gen {args.command}: {err}", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

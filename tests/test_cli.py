@@ -1,0 +1,155 @@
+"""The fp4gen command line, run in-process through ``fp4gen.cli.main``."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from fp4gen.cli import main
+
+RECIPES = Path(__file__).resolve().parent.parent / "fp4gen" / "recipes"
+SHIPPED = sorted(RECIPES.glob("*.fp4r"))
+
+
+def run(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
+    code = main(list(argv))
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_shipped_recipes_exist() -> None:
+    names = {p.stem for p in SHIPPED}
+    assert {"nvfp4", "mxfp4", "mxfp8", "fp8_blockwise", "mor_tensor"} <= names
+
+
+def test_check_all_shipped(capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, err = run(capsys, "check", *map(str, SHIPPED))
+    assert code == 0, err
+    assert out.count("ok ") == len(SHIPPED)
+
+
+def test_check_reports_error_with_location(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    bad = tmp_path / "bad.fp4r"
+    bad.write_text("operands {\n    * : nvfp5\n}\n")
+    good = RECIPES / "nvfp4.fp4r"
+    code, out, err = run(capsys, "check", str(good), str(bad))
+    assert code == 1
+    assert "ok  " in out
+    assert f"{bad}:2:9" in err
+    assert "nvfp5" in err
+    assert "Traceback" not in err
+
+
+@pytest.mark.parametrize("path", SHIPPED, ids=lambda p: p.stem)
+def test_show_every_shipped(path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, _ = run(capsys, "show", str(path))
+    assert code == 0
+    assert "GEMM operands" in out
+    for gemm in ("fprop", "dgrad", "wgrad"):
+        assert gemm in out
+
+
+def test_show_nvfp4_table_values(capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, _ = run(capsys, "show", str(RECIPES / "nvfp4.fp4r"))
+    assert code == 0
+    lines = {tuple(line.split()[:3]): line for line in out.splitlines() if line.strip()}
+    wgrad_grad = lines[("wgrad", "gradient", "columnwise")]
+    assert "stochastic" in wgrad_grad and "16 (signs te)" in wgrad_grad
+    fprop_weight = lines[("fprop", "weight", "rowwise")]
+    assert "16x16" in fprop_weight and "2d" in fprop_weight and "e4m3 (nearest)" in fprop_weight
+    assert "bf16" in out  # layer rules keep first/last blocks in bf16
+
+
+def test_show_json(capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, _ = run(capsys, "show", str(RECIPES / "nvfp4.fp4r"), "--json")
+    assert code == 0
+    data = json.loads(out)
+    op = data["operands"]["wgrad.gradient"]
+    assert op["use"] == "columnwise"
+    assert op["rounding"] == "stochastic"
+    assert op["rht"]["size"] == 16
+    assert op["format"]["element"]["name"] == "e2m1"
+    assert op["format"]["scale"]["format"] == "e4m3"
+    assert data["operands"]["fprop.weight"]["format"]["block"] == [16, 16]
+
+
+def test_error_on_format(capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, _ = run(capsys, "error", "nvfp4", "--shape", "64x64", "--json")
+    assert code == 0
+    data = json.loads(out)
+    (res,) = data["results"]
+    # NVFP4 RNE on Gaussian data: relative error is about 10%; SNR about 20 dB.
+    assert 0.05 < res["relative_error"] < 0.2
+    assert 15 < res["snr_db"] < 25
+    # The e4m3 block scale rounds to nearest, so about half the blocks get a scale just below
+    # amax/6 and their largest element clips slightly: ~1/32 of the elements.
+    assert 0.01 < res["saturated"] < 0.06
+
+
+def test_error_round_up_scales_never_saturate(capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, _ = run(capsys, "error", "mxfp4", "--shape", "64x64", "--dist", "laplace", "--json")
+    assert code == 0
+    (res,) = json.loads(out)["results"]
+    assert res["saturated"] == 0.0
+
+
+def test_error_on_recipe_table(capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, _ = run(capsys, "error", str(RECIPES / "nvfp4.fp4r"), "--shape", "64x64")
+    assert code == 0
+    assert "SNR dB" in out
+    assert "wgrad.gradient" in out
+
+
+def test_error_on_saved_tensor(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    path = tmp_path / "x.pt"
+    torch.save(torch.ones(32, 32), path)
+    code, out, _ = run(capsys, "error", "mxfp8_e4m3", "--tensor", str(path), "--json")
+    assert code == 0
+    (res,) = json.loads(out)["results"]
+    assert res["relative_error"] == 0.0  # 1.0 is exact in every format
+
+
+def test_error_bad_target(capsys: pytest.CaptureFixture[str]) -> None:
+    code, _, err = run(capsys, "error", "bf16")
+    assert code == 1
+    assert "high-precision" in err
+
+
+def test_bad_shape_is_usage_error(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exc:
+        main(["error", "nvfp4", "--shape", "12"])
+    assert exc.value.code == 2
+    assert "4096x4096" in capsys.readouterr().err
+
+
+def test_formats_lists_builtins(capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, _ = run(capsys, "formats")
+    assert code == 0
+    for name in ("nvfp4", "mxfp4", "mxfp6_e2m3", "mxfp6_e3m2", "mxfp8_e4m3", "mxfp8_e5m2"):
+        assert name in out
+
+
+@pytest.mark.parametrize("command", ["check", "show", "error", "formats"])
+def test_help_everywhere(command: str, capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exc:
+        main([command, "--help"])
+    assert exc.value.code == 0
+    assert "usage: fp4gen" in capsys.readouterr().out
+
+
+def test_console_entry_point_runs() -> None:
+    proc = subprocess.run(
+        [sys.executable, "-m", "fp4gen", "show", str(RECIPES / "mxfp4.fp4r")],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert "mxfp4" in proc.stdout
