@@ -6,7 +6,7 @@ import os
 from pathlib import Path
 
 from fp4gen.dsl.model import Recipe
-from fp4gen.dsl.resolve import Loader
+from fp4gen.dsl.resolve import SHIPPED_RECIPES, Loader
 from fp4gen.dsl.source import Source, display_name
 from fp4gen.errors import RecipeError
 
@@ -30,9 +30,14 @@ def parse_recipe(
 
 
 def load_recipe(source: PathArg, *, base_dir: PathArg | None = None) -> Recipe:
-    """Load a recipe from a path (an existing file, or any name ending in .fp4r) or from text."""
+    """Load a recipe from a path (an existing file, or any name ending in .fp4r) or from text.
+
+    A relative path that does not exist is also looked up among the shipped recipes, so
+    ``load_recipe("nvfp4.fp4r")`` works from anywhere."""
     if isinstance(source, os.PathLike) or _looks_like_path(source):
         path = Path(source)
+        if not path.is_file() and not path.is_absolute() and (SHIPPED_RECIPES / path).is_file():
+            path = SHIPPED_RECIPES / path
         if not path.is_file():
             raise RecipeError(f"no such recipe file: {path}", file=str(path))
         try:
