@@ -1,7 +1,80 @@
-"""fp4gen: compile low-precision training recipes into GPU kernels."""
+"""fp4gen: compile low-precision training recipes into GPU kernels.
+
+The path of a recipe: text -> parse tree -> recipe model (``fp4gen.dsl``) -> numerics
+(``fp4gen.numerics``, the bit-exact reference) -> kernels and runtime (later stages).
+
+Heavy submodules (torch) load on first use, so ``fp4gen check`` and ``import fp4gen`` stay fast.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
 
 from fp4gen.errors import FP4GenError, RecipeError, TensorError
 
 __version__ = "0.1.0"
 
-__all__ = ["FP4GenError", "RecipeError", "TensorError", "__version__"]
+# public name -> module that defines it
+_LAZY: dict[str, str] = {
+    "load_recipe": "fp4gen.dsl",
+    "parse_recipe": "fp4gen.dsl",
+    "print_recipe": "fp4gen.dsl",
+    "Recipe": "fp4gen.dsl.model",
+    "Operand": "fp4gen.dsl.model",
+    "OperandSpec": "fp4gen.dsl.model",
+    "RHTSpec": "fp4gen.dsl.model",
+    "BlockFormat": "fp4gen.formats",
+    "ElementFormat": "fp4gen.formats",
+    "ScaleSpec": "fp4gen.formats",
+    "HighPrecision": "fp4gen.formats",
+    "BUILTIN_FORMATS": "fp4gen.formats",
+    "quantize": "fp4gen.numerics",
+    "QuantizedTensor": "fp4gen.numerics",
+    "gemm_reference": "fp4gen.numerics",
+    "error_stats": "fp4gen.numerics",
+    "ErrorStats": "fp4gen.numerics",
+}
+
+__all__ = [
+    "FP4GenError",
+    "RecipeError",
+    "TensorError",
+    "__version__",
+    "load_recipe",
+    "parse_recipe",
+    "print_recipe",
+    "Recipe",
+    "Operand",
+    "OperandSpec",
+    "RHTSpec",
+    "BlockFormat",
+    "ElementFormat",
+    "ScaleSpec",
+    "HighPrecision",
+    "BUILTIN_FORMATS",
+    "quantize",
+    "QuantizedTensor",
+    "gemm_reference",
+    "error_stats",
+    "ErrorStats",
+]
+
+if TYPE_CHECKING:
+    from fp4gen.dsl import load_recipe, parse_recipe, print_recipe
+    from fp4gen.dsl.model import Operand, OperandSpec, Recipe, RHTSpec
+    from fp4gen.formats import BUILTIN_FORMATS, BlockFormat, ElementFormat, HighPrecision, ScaleSpec
+    from fp4gen.numerics import ErrorStats, QuantizedTensor, error_stats, gemm_reference, quantize
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'fp4gen' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(__all__)
