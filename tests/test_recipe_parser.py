@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from fp4gen.dsl import load_recipe, parse_recipe
+from fp4gen.dsl import load_recipe, parse_recipe, print_recipe
 from fp4gen.dsl.model import (
     TE_SIGNS_16,
     Candidate,
@@ -390,16 +390,22 @@ def test_recipe_reference_in_layers(tmp_path: Path) -> None:
 
 def test_inherited_recipe_reference_stays_valid(tmp_path: Path) -> None:
     write(tmp_path, "lib/other.fp4r", ops("* : mxfp4"))
-    write(
-        tmp_path,
-        "lib/base.fp4r",
-        ops("* : nvfp4") + 'layers {\n    last 1 layers : recipe "other.fp4r"\n}\n',
+    layers = (
+        'layers {\n    last 1 layers : recipe "other.fp4r"\n'
+        '    first 1 layers : recipe "mxfp8"\n}\n'
     )
+    write(tmp_path, "lib/base.fp4r", ops("* : nvfp4") + layers)
     r = parse_recipe('extends "lib/base.fp4r"\n', base_dir=tmp_path)
-    action = r.layers[0].action
-    assert isinstance(action, RecipeRef)
-    assert action.path == str(Path("lib") / "other.fp4r")  # rewritten relative to this file
-    assert action.recipe is not None and action.recipe.operands[FA].format == MXFP4
+    local, shipped_ref = (rule.action for rule in r.layers)
+    assert isinstance(local, RecipeRef) and isinstance(shipped_ref, RecipeRef)
+    assert local.path == str(Path("lib") / "other.fp4r")  # rewritten relative to this file
+    assert local.recipe is not None and local.recipe.operands[FA].format == MXFP4
+    assert shipped_ref.path == "mxfp8"  # still resolves from here: kept as written
+    assert round_trip_ok(r, tmp_path)
+
+
+def round_trip_ok(recipe: Recipe, base_dir: Path) -> bool:
+    return parse_recipe(print_recipe(recipe), base_dir=base_dir) == recipe
 
 
 # ------------------------------------------------------------------------------------------------

@@ -9,7 +9,6 @@ from decimal import Decimal
 
 from fp4gen.dsl.model import (
     TE_SIGNS_16,
-    Candidate,
     LayerAction,
     LayerRule,
     Metric,
@@ -154,8 +153,8 @@ def _partition(part: Partition) -> str:
     return part.kind
 
 
-def _candidate(fmt: ElementFormat | HighPrecision | Candidate) -> str:
-    return fmt.name  # type: ignore[union-attr]
+def _candidate(fmt: ElementFormat | HighPrecision) -> str:
+    return fmt.name
 
 
 def _metric(metric: Metric) -> str:

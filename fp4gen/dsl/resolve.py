@@ -14,7 +14,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from fp4gen.dsl.model import MoRSpec, Operand, Recipe, RHTSpec
-from fp4gen.dsl.source import At, Pos, Source
+from fp4gen.dsl.source import At, Pos, Source, did_you_mean
 from fp4gen.dsl.statements import (
     FormatDef,
     FormatRef,
@@ -27,7 +27,6 @@ from fp4gen.dsl.statements import (
     ScheduleSection,
     Shape,
     Statement,
-    _hint,
     build_statements,
     is_element_name,
     looks_like_element,
@@ -38,11 +37,10 @@ from fp4gen.formats import (
     HIGH_PRECISION_DTYPES,
     BlockFormat,
     ElementFormat,
+    Format,
     HighPrecision,
     ScaleSpec,
 )
-
-Format = BlockFormat | HighPrecision
 
 # Words that a format name would be read as where formats are referenced.
 _RESERVED = frozenset({"mor", "block", "round", "rht", "recipe"})
@@ -106,11 +104,11 @@ class Loader:
         unit = self.unit(source, stack)
 
         def load_ref(path: At[str]) -> tuple[str, Recipe]:
-            found, shipped = self.find(path)
+            found = self.find(path)
             frame = self._enter(found, path, "recipe", stack)
             recipe = self.recipe(self.read(found, path), (*stack, frame))
             written = path.value
-            if not shipped and path.pos.source.base_dir != source.base_dir:
+            if locate(written, source.base_dir) != found:
                 # Inherited from a file elsewhere: keep the reference valid from this file.
                 written = _relative(found, source.base_dir)
             return written, recipe
@@ -128,25 +126,15 @@ class Loader:
         return unit
 
     # --- files ------------------------------------------------------------------------------
-    def find(self, path: At[str]) -> tuple[Path, bool]:
+    def find(self, path: At[str]) -> Path:
         """Resolve an include: next to the including file, else among the shipped recipes."""
-        written = Path(path.value)
-        names = [written]
-        if not written.suffix:
-            names.append(written.with_suffix(".fp4r"))
-        if written.is_absolute():
-            places = [(name, False) for name in names]
-        else:
-            base = path.pos.source.base_dir
-            places = [(base / n, False) for n in names]
-            places += [(SHIPPED_RECIPES / n, True) for n in names]
-        for place, shipped in places:
-            if place.is_file():
-                return place.resolve(), shipped
+        found = locate(path.value, path.pos.source.base_dir)
+        if found is not None:
+            return found
         where = (
-            f"in {written.parent}"
-            if written.is_absolute()
-            else (f"in {path.pos.source.base_dir} or among the shipped recipes")
+            f"in {Path(path.value).parent}"
+            if Path(path.value).is_absolute()
+            else f"in {path.pos.source.base_dir} or among the shipped recipes"
         )
         raise path.pos.error(f"cannot find recipe file '{path.value}' (looked {where})")
 
@@ -169,7 +157,7 @@ class Loader:
         return frame
 
     def include(self, inc: Include, stack: tuple[_Frame, ...]) -> Unit:
-        found, _ = self.find(inc.path)
+        found = self.find(inc.path)
         frame = self._enter(found, inc.path, inc.kind, stack)
         return self.unit(self.read(found, inc.path), (*stack, frame))
 
@@ -293,7 +281,7 @@ class Loader:
                         "Y mantissa bits) such as e2m1, optionally followed by finite, fn or ieee"
                     )
                 raise fd.base.pos.error(
-                    f"unknown format '{fd.base.value}'{_hint(fd.base.value, list(scope))}: "
+                    f"unknown format '{fd.base.value}'{did_you_mean(fd.base.value, list(scope))}: "
                     "expected an element such as e2m1 or one of " + ", ".join(sorted(scope))
                 )
             base = scope[fd.base.value]
@@ -385,6 +373,20 @@ class Loader:
             if stmt.rht is not None:
                 slot.rht = stmt.rht
                 slot.order["rht"] = next(self._order)
+
+
+def locate(written: str, base: Path) -> Path | None:
+    """The file a path names from ``base``: there first, then among the shipped recipes; a
+    missing ``.fp4r`` suffix is added."""
+    path = Path(written)
+    names = [path] if path.suffix else [path, path.with_suffix(".fp4r")]
+    dirs = [Path("/")] if path.is_absolute() else [base, SHIPPED_RECIPES]
+    for directory in dirs:
+        for name in names:
+            place = directory / name
+            if place.is_file():
+                return place.resolve()
+    return None
 
 
 def _relative(path: Path, base: Path) -> str:

@@ -1,9 +1,12 @@
-"""Source files and positions: every value read from a recipe remembers where it came from, so
-errors found long after parsing (in the cascade, in an extended file) still point at a token."""
+"""Source files, positions and message helpers. Every value read from a recipe remembers where
+it came from, so errors found long after parsing (in the cascade, in an extended file) still
+point at a token."""
 
 from __future__ import annotations
 
+import difflib
 import os
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Generic, TypeVar
@@ -80,3 +83,9 @@ class At(Generic[T]):
 
     value: T
     pos: Pos
+
+
+def did_you_mean(word: str, candidates: Sequence[str]) -> str:
+    """' (did you mean 'x'?)' for a close candidate, else ''."""
+    close = difflib.get_close_matches(word, list(candidates), n=1, cutoff=0.6)
+    return f" (did you mean '{close[0]}'?)" if close else ""

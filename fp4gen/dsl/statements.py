@@ -8,7 +8,6 @@ and validate.py; the statements keep the positions those checks need.
 from __future__ import annotations
 
 import re
-from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal
 
@@ -26,7 +25,7 @@ from fp4gen.dsl.model import (
     Partition,
     RHTSpec,
 )
-from fp4gen.dsl.source import At, Pos, Source
+from fp4gen.dsl.source import At, Pos, Source, did_you_mean
 from fp4gen.formats import HIGH_PRECISION_DTYPES, ElementFormat, HighPrecision, default_special
 
 Shape = tuple[int, int]
@@ -355,7 +354,7 @@ class _Builder:
             if first in GEMMS:
                 return At(tuple(op for op in Operand if op.gemm == first), pos)
             words = ["weight", "activation", "gradient", *GEMMS]
-            hint = _hint(first, words + [op.selector for op in Operand])
+            hint = did_you_mean(first, words + [op.selector for op in Operand])
             raise pos.error(
                 f"unknown selector '{first}': expected *, a role (weight, activation, "
                 f"gradient), a GEMM (fprop, dgrad, wgrad) or gemm.role{hint}"
@@ -364,7 +363,7 @@ class _Builder:
         if first not in GEMMS:
             raise pos.error(
                 f"unknown GEMM '{first}' in selector '{first}.{role}': expected fprop, dgrad "
-                f"or wgrad{_hint(first, list(GEMMS))}"
+                f"or wgrad{did_you_mean(first, list(GEMMS))}"
             )
         for op in Operand:
             if op.gemm == first and op.role == role:
@@ -644,10 +643,3 @@ class _Builder:
 
 
 _ESCAPES = {"\\": "\\", '"': '"', "n": "\n", "t": "\t"}
-
-
-def _hint(word: str, candidates: Sequence[str]) -> str:
-    import difflib
-
-    close = difflib.get_close_matches(word, candidates, n=1, cutoff=0.6)
-    return f" (did you mean '{close[0]}'?)" if close else ""

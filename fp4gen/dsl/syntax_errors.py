@@ -8,13 +8,12 @@ value stack to see which section and statement we are in, and phrase both for a 
 from __future__ import annotations
 
 import contextlib
-import difflib
 from collections.abc import Iterable, Sequence
 
 from lark import Token, Tree
 from lark.exceptions import UnexpectedCharacters, UnexpectedInput, UnexpectedToken
 
-from fp4gen.dsl.source import Pos, Source
+from fp4gen.dsl.source import Pos, Source, did_you_mean
 from fp4gen.errors import RecipeError
 
 # Terminals that stand for a fixed list of words.
@@ -118,7 +117,7 @@ def _unexpected_token(exc: UnexpectedToken, source: Source) -> RecipeError:
     if token.type == "NAME" and "NAME" not in accepts:
         words = _words(accepts)
         if words and str(token.value) not in _all_words():
-            hint = _did_you_mean(str(token.value), words)
+            hint = did_you_mean(str(token.value), words)
             return pos.error(f"unknown keyword '{token.value}': expected {expected}{tail}{hint}")
 
     return pos.error(f"unexpected {_describe(token)}: expected {expected}{tail}")
@@ -222,9 +221,8 @@ class _Context:
         return prev.type if isinstance(prev, Token) else f"tree:{prev.data}"
 
     def after(self) -> str | None:
+        """What the parser had just read, in words; None at the start of a statement."""
         if not self.stmt:
-            if self.brace is not None and self.item is not None:
-                return None
             return None
         last = self.stmt[-1]
         in_selector = not any(isinstance(v, Token) and v.type == "COLON" for v in self.stmt)
@@ -237,8 +235,6 @@ class _Context:
             prev = self.prev_type()
             if prev == "FORMAT":
                 return f"the format name '{last.value}'"
-            if prev == "MOR" and self.brace is None:
-                return f"the mor name '{last.value}'"
             if prev == "MOR":
                 return f"the mor name '{last.value}'"
             if prev == "EQUAL":
@@ -249,8 +245,6 @@ class _Context:
                 return f"the scale format '{last.value}'"
             if prev == "COLON":
                 return f"the format name '{last.value}'"
-            if prev is None and self.section == "OPERANDS":
-                return "the operand selector"
             return f"'{last.value}'"
         if last.type == "LBRACE":
             return "'{'"
@@ -260,7 +254,7 @@ class _Context:
             return f"the RHT size {last.value}"
         if last.type == "SHAPE":
             return f"the block shape {last.value}"
-        if last.type in ("INT", "PERCENT", "SHAPE", "STRING"):
+        if last.type in ("INT", "PERCENT", "STRING"):
             return str(last.value)
         if last.type in _PUNCT:
             return _PUNCT[last.type]
@@ -402,11 +396,6 @@ def _all_words() -> set[str]:
         "match", "at", "step",
     }  # fmt: skip
     return words
-
-
-def _did_you_mean(word: str, candidates: Sequence[str]) -> str:
-    close = difflib.get_close_matches(word, candidates, n=1, cutoff=0.6)
-    return f" (did you mean '{close[0]}'?)" if close else ""
 
 
 # ------------------------------------------------------------------------------------------------

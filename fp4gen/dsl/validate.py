@@ -20,10 +20,16 @@ from fp4gen.dsl.model import (
     ScheduleRule,
 )
 from fp4gen.dsl.printer import rht_text
-from fp4gen.dsl.resolve import Format, Slot, Unit
-from fp4gen.dsl.source import At, Pos
-from fp4gen.dsl.statements import ActionRef, _hint
-from fp4gen.formats import BUILTIN_FORMATS, HIGH_PRECISION_DTYPES, BlockFormat, HighPrecision
+from fp4gen.dsl.resolve import Slot, Unit
+from fp4gen.dsl.source import At, Pos, did_you_mean
+from fp4gen.dsl.statements import ActionRef
+from fp4gen.formats import (
+    BUILTIN_FORMATS,
+    HIGH_PRECISION_DTYPES,
+    BlockFormat,
+    Format,
+    HighPrecision,
+)
 
 LoadRef = Callable[[At[str]], tuple[str, Recipe]]
 
@@ -104,7 +110,7 @@ def _operand(op: Operand, slot: Slot, unit: Unit, scope: dict[str, Format]) -> O
         if ref.value.name not in unit.mors:
             known = ", ".join(unit.mors) or "none are defined"
             raise ref.pos.error(
-                f"unknown mor '{ref.value.name}'{_hint(ref.value.name, list(unit.mors))} "
+                f"unknown mor '{ref.value.name}'{did_you_mean(ref.value.name, list(unit.mors))} "
                 f"(mors in scope: {known})"
             )
         fmt = MoRRef(ref.value.name)
@@ -159,7 +165,7 @@ def _lookup(name: str, pos: Pos, unit: Unit, scope: dict[str, Format]) -> Format
     if name in unit.mors:
         extra = f"; {name} is a mor rule, write `mor {name}` to use it"
     raise pos.error(
-        f"unknown format '{name}'{_hint(name, list(scope))}{extra}; formats in scope: "
+        f"unknown format '{name}'{did_you_mean(name, list(scope))}{extra}; formats in scope: "
         + ", ".join(sorted(scope))
     )
 
