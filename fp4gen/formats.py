@@ -8,6 +8,7 @@ format in a recipe needs no new code.
 
 from __future__ import annotations
 
+import math
 import re
 from dataclasses import dataclass, replace
 from typing import Literal
@@ -90,27 +91,36 @@ class ElementFormat:
     def exponent_only(self) -> bool:
         return not self.signed
 
-    @property
-    def max_exp_field(self) -> int:
-        """Largest exponent field of a finite value."""
-        all_ones = (1 << self.exp_bits) - 1
-        if self.exponent_only or self.special == "ieee":
-            return all_ones - 1
-        return all_ones
+    def value(self, code: int) -> float:
+        """The value of one code as a Python float (NaN and +-Inf where the format has them)."""
+        if not 0 <= code < (1 << self.bits):
+            raise ValueError(f"{self.name}: code {code} is outside 0..{(1 << self.bits) - 1}")
+        if self.exponent_only:
+            if code == (1 << self.exp_bits) - 1:
+                return math.nan
+            return math.ldexp(1.0, code - self.bias)
+        sign = -1.0 if code >> (self.bits - 1) else 1.0
+        mag = code & ((1 << (self.bits - 1)) - 1)
+        exp_field = mag >> self.man_bits
+        mant = mag & ((1 << self.man_bits) - 1)
+        if self.special == "ieee" and exp_field == (1 << self.exp_bits) - 1:
+            return sign * math.inf if mant == 0 else math.nan
+        if self.special == "fn" and mag == (1 << (self.bits - 1)) - 1:
+            return math.nan
+        if exp_field == 0:  # subnormal: 0.m * 2^(1 - bias)
+            return sign * math.ldexp(mant, 1 - self.bias - self.man_bits)
+        return sign * math.ldexp((1 << self.man_bits) + mant, exp_field - self.bias - self.man_bits)
 
     @property
     def max_finite(self) -> float:
-        if self.exponent_only:
-            return 2.0 ** (self.max_exp_field - self.bias)
-        mant = (1 << self.man_bits) - 1
-        if self.special == "fn":
-            mant -= 1  # S.1..1.1..1 is NaN
-        return (1.0 + mant / (1 << self.man_bits)) * 2.0 ** (self.max_exp_field - self.bias)
+        """Largest finite value, found by decoding the positive codes (no special cases)."""
+        positive = range(1 << (self.bits if self.exponent_only else self.bits - 1))
+        return max(v for v in map(self.value, positive) if math.isfinite(v))
 
     @property
     def emax(self) -> int:
-        """Unbiased exponent of the largest finite value (OCP MX's emax_elem)."""
-        return self.max_exp_field - self.bias
+        """floor(log2(max finite)): OCP MX's emax_elem."""
+        return math.frexp(self.max_finite)[1] - 1
 
     @property
     def min_normal(self) -> float:

@@ -41,24 +41,7 @@ _TWO32 = float(2**32)
 
 def code_value(code: int, fmt: ElementFormat) -> float:
     """The value of one code as a Python float (NaN and +-Inf where the format has them)."""
-    if not 0 <= code < (1 << fmt.bits):
-        raise ValueError(f"{fmt.name}: code {code} is outside 0..{(1 << fmt.bits) - 1}")
-    if fmt.exponent_only:
-        if code == (1 << fmt.exp_bits) - 1:
-            return math.nan
-        return math.ldexp(1.0, code - fmt.bias)
-    sign = -1.0 if code >> (fmt.bits - 1) else 1.0
-    mag = code & ((1 << (fmt.bits - 1)) - 1)
-    exp_field = mag >> fmt.man_bits
-    mant = mag & ((1 << fmt.man_bits) - 1)
-    all_ones_exp = (1 << fmt.exp_bits) - 1
-    if fmt.special == "ieee" and exp_field == all_ones_exp:
-        return sign * math.inf if mant == 0 else math.nan
-    if fmt.special == "fn" and mag == (1 << (fmt.bits - 1)) - 1:
-        return math.nan
-    if exp_field == 0:  # subnormal: 0.m * 2^(1 - bias)
-        return sign * math.ldexp(mant, 1 - fmt.bias - fmt.man_bits)
-    return sign * math.ldexp((1 << fmt.man_bits) + mant, exp_field - fmt.bias - fmt.man_bits)
+    return fmt.value(code)
 
 
 @cache

@@ -239,7 +239,7 @@ def _block_scales(
         v = torch.clamp(amax_b * s_enc, max=FLT_MAX)  # an overflow to inf reads as 2^127
         _, e = torch.frexp(v)
         biased = (e.to(torch.int64) - 1 - max_exponent(fmt.element)) + scale.element.bias
-        biased = biased.clamp(0, scale.element.max_exp_field)
+        biased = biased.clamp(0, (1 << scale.element.exp_bits) - 2)  # all ones is NaN
         biased = torch.where(v == 0, torch.zeros_like(biased), biased)  # amax 0 -> smallest
         codes = biased.to(torch.uint8)
         return decode(codes, scale.element), codes
