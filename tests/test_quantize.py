@@ -388,6 +388,11 @@ def test_error_empty() -> None:
         quantize(torch.zeros(0, 16), "nvfp4")
 
 
+def test_error_device() -> None:
+    with pytest.raises(TensorError, match="on device meta: the reference runs on cpu or cuda"):
+        quantize(torch.zeros(2, 16, device="meta"), "nvfp4")
+
+
 @pytest.mark.parametrize("dtype", [torch.float64, torch.int32, torch.float8_e4m3fn])
 def test_error_dtype(dtype: torch.dtype) -> None:
     with pytest.raises(TensorError, match=f"cannot quantize a {dtype} tensor"):

@@ -194,6 +194,10 @@ def _as_2d_float32(x: torch.Tensor) -> torch.Tensor:
         raise TensorError(
             f"cannot quantize a {x.dtype} tensor: expected float32, bfloat16 or float16"
         )
+    if x.device.type not in ("cpu", "cuda"):
+        raise TensorError(
+            f"cannot quantize a tensor on device {x.device}: the reference runs on cpu or cuda"
+        )
     if x.numel() == 0:
         raise TensorError(f"cannot quantize an empty tensor of shape {tuple(x.shape)}")
     _check_finite(x, f"the input of shape {tuple(x.shape)}")
