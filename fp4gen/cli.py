@@ -181,6 +181,10 @@ def cmd_show(args: argparse.Namespace) -> int:
     recipe = load_recipe(Path(args.file))
     if args.json:
         print(json.dumps(describe.recipe_json(recipe), indent=2))
+    elif args.canonical:
+        from fp4gen.dsl import print_recipe
+
+        print(print_recipe(recipe), end="")
     else:
         print(show_text(recipe))
     return 0
@@ -417,7 +421,14 @@ def build_parser() -> argparse.ArgumentParser:
         "the MoR rules; the layer rules; the precision schedule.",
     )
     p.add_argument("file", metavar="FILE", help="an .fp4r recipe file")
-    p.add_argument("--json", action="store_true", help="print JSON instead of tables")
+    output = p.add_mutually_exclusive_group()
+    output.add_argument("--json", action="store_true", help="print JSON instead of tables")
+    output.add_argument(
+        "--canonical",
+        action="store_true",
+        help="print the resolved recipe as self-contained canonical .fp4r text "
+        "(extends and imports inlined)",
+    )
     p.set_defaults(func=cmd_show)
 
     p = sub.add_parser(

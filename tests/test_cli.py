@@ -80,6 +80,16 @@ def test_show_json(capsys: pytest.CaptureFixture[str]) -> None:
     assert data["operands"]["fprop.weight"]["format"]["block"] == [16, 16]
 
 
+def test_show_canonical_round_trips(capsys: pytest.CaptureFixture[str]) -> None:
+    from fp4gen.dsl import load_recipe, parse_recipe
+
+    path = RECIPES / "nvfp4_no_sr.fp4r"  # uses extends: the canonical text inlines it
+    code, out, _ = run(capsys, "show", str(path), "--canonical")
+    assert code == 0
+    assert "extends" not in out
+    assert parse_recipe(out, base_dir=RECIPES) == load_recipe(path)
+
+
 def test_error_on_format(capsys: pytest.CaptureFixture[str]) -> None:
     code, out, _ = run(capsys, "error", "nvfp4", "--shape", "64x64", "--json")
     assert code == 0
