@@ -1,0 +1,1 @@
+"""Recipe -> kernel plan -> generated CuTe DSL source -> compiled kernels."""
