@@ -1,0 +1,420 @@
+"""Lowering: a Recipe -> the quantize kernels a training run needs (a KernelPlan).
+
+A linear layer y = x W^T has three tensors, each read by two GEMM operand slots:
+
+    activation x  [tokens, in]   fprop (rowwise)  and wgrad (columnwise)
+    weight     W  [out, in]      fprop (rowwise)  and dgrad (columnwise)
+    gradient   dy [tokens, out]  dgrad (rowwise)  and wgrad (columnwise)
+
+For each tensor, the quantized operand slots are grouped by what fixes the block scales: element,
+block shape, scale format and global scale. Each group is ONE QuantKernelSpec with one output per
+direction (so x's rowwise and columnwise copies come from one launch, each with its own rounding
+and RHT), and a 2D-block weight gets one spec whose two outputs share one set of tile scales.
+Operands in high precision or under a Mixture-of-Representations rule (chosen at run time from
+the data) get no quantize kernel; the plan records why.
+
+Besides the operand table, a recipe can run other precisions in some layers (``layers``) or from
+some point of training on (``schedule``). The plan covers every such context:
+
+- a layer rule with a high-precision action needs nothing; with a format action every operand of
+  those layers uses that format as defined (round to nearest, no RHT, as ``* : FORMAT`` says);
+  with ``recipe "path"`` the referenced recipe's whole plan is included;
+- schedule rules apply cumulatively, in the order written, to the operand table and to every
+  quantized layer context: ``forward`` replaces the fprop slots, ``backward`` the dgrad and wgrad
+  slots, ``both`` all six (a format as above, a recipe by its slots for those GEMMs plus its own
+  plan). Taking every context is a superset of what any one reading of the rules needs; the
+  kernels are deduplicated, so the cost is at most a few extra kernels in unusual recipes.
+
+Equal specs are one kernel, whichever tensors, contexts and recipes use them. Pure Python.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from fp4gen import describe
+from fp4gen.compiler.spec import InputDType, QuantKernelSpec, QuantOutput, ScaleLayout
+from fp4gen.dsl.model import (
+    GEMMS,
+    ROLES,
+    MoRRef,
+    Operand,
+    OperandSpec,
+    Recipe,
+    RecipeRef,
+    ScheduleRule,
+)
+from fp4gen.formats import BlockFormat, HighPrecision
+
+INPUT_DTYPES: tuple[str, ...] = ("bf16", "fp16", "fp32")
+PASS_GEMMS: dict[str, tuple[str, ...]] = {
+    "forward": ("fprop",),
+    "backward": ("dgrad", "wgrad"),
+    "both": GEMMS,
+}
+TENSOR_NAMES: dict[str, str] = {"activation": "x", "weight": "W", "gradient": "dy"}
+TENSORS: tuple[str, ...] = ("activation", "weight", "gradient")  # planning order: x, W, dy
+
+Table = Mapping[Operand, OperandSpec]
+
+
+@dataclass(frozen=True)
+class OperandUse:
+    """One operand slot, in one context, that reads an output of a kernel."""
+
+    recipe: str  # the recipe whose table holds the slot
+    context: str  # "operands", "layers: first 2 blocks : bf16", "schedule: at 82% forward", ...
+    operand: Operand
+
+    @property
+    def text(self) -> str:
+        where = self.context if self.context == "operands" else f"[{self.context}]"
+        return f"{self.operand.selector} ({self.operand.use}) {where}"
+
+
+@dataclass(frozen=True)
+class PlannedKernel:
+    """A kernel of the plan and every operand slot that uses one of its outputs."""
+
+    spec: QuantKernelSpec
+    uses: tuple[OperandUse, ...]
+
+    @property
+    def roles(self) -> tuple[str, ...]:
+        return tuple(r for r in TENSORS if any(u.operand.role == r for u in self.uses))
+
+    @property
+    def operands(self) -> tuple[Operand, ...]:
+        """The distinct operand slots (any context) that use this kernel, in table order."""
+        seen = {u.operand for u in self.uses}
+        return tuple(op for op in Operand if op in seen)
+
+
+@dataclass(frozen=True)
+class Skipped:
+    """Operand slots of one context that need no quantize kernel, and why."""
+
+    recipe: str
+    context: str
+    operands: tuple[Operand, ...]
+    reason: str
+
+
+@dataclass(frozen=True)
+class KernelPlan:
+    recipe: str
+    input_dtypes: tuple[tuple[str, InputDType], ...]  # (role, dtype) for the three roles
+    kernels: tuple[PlannedKernel, ...]
+    skipped: tuple[Skipped, ...]
+
+    @property
+    def specs(self) -> tuple[QuantKernelSpec, ...]:
+        return tuple(k.spec for k in self.kernels)
+
+    def kernel_for(
+        self, operand: Operand, context: str = "operands", recipe: str | None = None
+    ) -> PlannedKernel | None:
+        """The kernel whose output feeds ``operand`` in ``context`` (None if it needs none)."""
+        recipe = self.recipe if recipe is None else recipe
+        for k in self.kernels:
+            for use in k.uses:
+                if (use.operand, use.context, use.recipe) == (operand, context, recipe):
+                    return k
+        return None
+
+    def contexts(self) -> tuple[tuple[str, str], ...]:
+        """Every (recipe, context) the plan covers, in order."""
+        seen: dict[tuple[str, str], None] = {}
+        for k in self.kernels:
+            for u in k.uses:
+                seen.setdefault((u.recipe, u.context), None)
+        for s in self.skipped:
+            seen.setdefault((s.recipe, s.context), None)
+        return tuple(seen)
+
+    # --- presentation ----------------------------------------------------------------------
+    def text(self) -> str:
+        lines = [f"kernel plan for recipe {self.recipe}: {len(self.kernels)} quantize kernel(s)"]
+        dtypes = ", ".join(f"{TENSOR_NAMES[r]} {d}" for r, d in self.input_dtypes)
+        lines.append(f"  inputs: {dtypes}")
+        for i, k in enumerate(self.kernels, 1):
+            tensors = "/".join(TENSOR_NAMES[r] for r in k.roles)
+            lines.append("")
+            lines.append(f"{i}. {k.spec.name}")
+            lines.append(f"   tensor {tensors}: {spec_summary(k.spec)}")
+            for out in k.spec.outputs:
+                lines.append(f"   - {output_summary(out)}")
+            lines.append("   used by:")
+            for use in k.uses:
+                prefix = "" if use.recipe == self.recipe else f"recipe {use.recipe}: "
+                lines.append(f"     {prefix}{use.text}")
+        if self.skipped:
+            lines.append("")
+            lines.append("no quantize kernel:")
+            for s in self.skipped:
+                prefix = "" if s.recipe == self.recipe else f"recipe {s.recipe}: "
+                where = "" if s.context == "operands" else f" [{s.context}]"
+                ops = operands_text(s.operands)
+                lines.append(f"  {prefix}{ops}{where}: {s.reason}")
+        return "\n".join(lines)
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "recipe": self.recipe,
+            "input_dtypes": dict(self.input_dtypes),
+            "kernels": [
+                {
+                    "name": k.spec.name,
+                    "spec": spec_json(k.spec),
+                    "tensors": [TENSOR_NAMES[r] for r in k.roles],
+                    "uses": [use_json(u) for u in k.uses],
+                }
+                for k in self.kernels
+            ],
+            "skipped": [
+                {
+                    "recipe": s.recipe,
+                    "context": s.context,
+                    "operands": [op.selector for op in s.operands],
+                    "reason": s.reason,
+                }
+                for s in self.skipped
+            ],
+        }
+
+
+# ----------------------------------------------------------------------------------------------
+# Descriptions
+# ----------------------------------------------------------------------------------------------
+
+
+def spec_summary(spec: QuantKernelSpec) -> str:
+    scale = describe.scale_text(spec.scale)
+    glob = "global amax" if spec.global_scale else "no global scale"
+    block = describe.block_text(spec.block)
+    return f"{spec.element.name} {block} blocks, scale {scale}, {glob}, input {spec.input_dtype}"
+
+
+def operands_text(operands: tuple[Operand, ...]) -> str:
+    if set(operands) == set(Operand):
+        return "every operand"
+    return ", ".join(op.selector for op in operands)
+
+
+def output_summary(out: QuantOutput) -> str:
+    rht = "" if out.rht is None else f", RHT {describe.rht_text(out.rht)}"
+    layout = "" if out.scale_layout == "compact" else f", {out.scale_layout} scales"
+    return f"{out.direction}: round {out.rounding}{rht}{layout}"
+
+
+def output_json(out: QuantOutput) -> dict[str, Any]:
+    return {
+        "direction": out.direction,
+        "rounding": out.rounding,
+        "rht": describe.rht_json(out.rht),
+        "scale_layout": out.scale_layout,
+    }
+
+
+def spec_json(spec: QuantKernelSpec) -> dict[str, Any]:
+    """Every parameter of a spec, JSON-ready (the manifest and ``show`` print this)."""
+    return {
+        "element": spec.element.name,
+        "block": describe.block_text(spec.block),
+        "scale": {"format": spec.scale.name, "rounding": spec.scale.rounding},
+        "global_scale": spec.global_scale,
+        "input_dtype": spec.input_dtype,
+        "outputs": [output_json(o) for o in spec.outputs],
+        "digest": spec.digest,
+    }
+
+
+def use_json(use: OperandUse) -> dict[str, Any]:
+    return {
+        "recipe": use.recipe,
+        "context": use.context,
+        "operand": use.operand.selector,
+        "use": use.operand.use,
+    }
+
+
+# ----------------------------------------------------------------------------------------------
+# Lowering
+# ----------------------------------------------------------------------------------------------
+
+
+def _dtypes(input_dtype: InputDType | Mapping[str, InputDType]) -> dict[str, InputDType]:
+    if isinstance(input_dtype, str):
+        chosen = {role: input_dtype for role in TENSORS}
+    else:
+        unknown = set(input_dtype) - set(ROLES)
+        if unknown:
+            raise ValueError(f"input dtypes are given per role {ROLES}, got {sorted(unknown)}")
+        chosen = {role: input_dtype.get(role, "bf16") for role in TENSORS}
+    for role, dtype in chosen.items():
+        if dtype not in INPUT_DTYPES:
+            raise ValueError(f"input dtype of the {role} must be one of {INPUT_DTYPES}: {dtype!r}")
+    return chosen  # type: ignore[return-value]
+
+
+def _uniform(fmt: BlockFormat | HighPrecision) -> dict[Operand, OperandSpec]:
+    return {op: OperandSpec(fmt) for op in Operand}
+
+
+def _table(recipe: Recipe) -> dict[Operand, OperandSpec]:
+    return dict(recipe.operands.items())
+
+
+def _ref_recipe(ref: RecipeRef, owner: Recipe) -> Recipe:
+    if ref.recipe is not None:
+        return ref.recipe
+    from fp4gen.dsl import load_recipe
+
+    base = owner.source.parent if owner.source is not None else None
+    return load_recipe(base / ref.path if base is not None else ref.path)
+
+
+def _recipe_key(recipe: Recipe) -> tuple[str, str]:
+    return (recipe.name, str(recipe.source))
+
+
+def _when(rule: ScheduleRule) -> str:
+    return f"schedule: at {describe.when_text(rule)} {rule.passes}"
+
+
+def _contexts(
+    recipe: Recipe, visiting: frozenset[tuple[str, str]] = frozenset()
+) -> Iterator[tuple[str, str, Table | str]]:
+    """(recipe name, context label, operand table or a reason nothing is quantized)."""
+    visiting = visiting | {_recipe_key(recipe)}
+    name = recipe.name
+    contexts: list[tuple[str, Table]] = [("operands", _table(recipe))]
+    yield name, "operands", contexts[0][1]
+
+    included: list[Recipe] = []
+    for rule in recipe.layers:
+        label = f"layers: {describe.selector_text(rule.selector)} : "
+        label += describe.action_text(rule.action)
+        action = rule.action
+        if isinstance(action, HighPrecision):
+            yield name, label, f"layer rule keeps these layers in {action.name}"
+        elif isinstance(action, BlockFormat):
+            table = _uniform(action)
+            contexts.append((label, table))
+            yield name, label, table
+        else:
+            included.append(_ref_recipe(action, recipe))
+            yield name, label, f"layer rule runs recipe {included[-1].name} (planned with it)"
+
+    # Schedule rules switch passes from some point on; they accumulate in the order written.
+    current = list(contexts)
+    for rule in recipe.schedule:
+        gemms = PASS_GEMMS[rule.passes]
+        action = rule.action
+        nxt = []
+        for label, table in current:
+            new = dict(table)
+            for op in Operand:
+                if op.gemm not in gemms:
+                    continue
+                if isinstance(action, RecipeRef):
+                    new[op] = _ref_recipe(action, recipe).operands[op]
+                else:
+                    new[op] = OperandSpec(action)
+            when = _when(rule) + f" : {describe.action_text(action)}"
+            nxt.append((f"{when}" if label == "operands" else f"{label}; {when}", new))
+        if isinstance(action, RecipeRef):
+            included.append(_ref_recipe(action, recipe))
+        for label, table in nxt:
+            yield name, label, table
+        current = nxt
+
+    for sub in included:
+        if _recipe_key(sub) in visiting:
+            continue  # a cycle of recipe references: that recipe is being planned already
+        yield from _contexts(sub, visiting)
+
+
+def _specs_of(
+    table: Table, dtypes: Mapping[str, InputDType], scale_layout: ScaleLayout
+) -> Iterator[tuple[QuantKernelSpec, tuple[Operand, ...]]]:
+    """The kernels one operand table needs: per tensor, one per group of slots sharing scales."""
+    for role in TENSORS:
+        slots = [op for op in Operand if op.role == role]
+        slots.sort(key=lambda op: op.use != "rowwise")  # rowwise output first
+        groups: dict[tuple[Any, ...], list[Operand]] = {}
+        for op in slots:
+            fmt = table[op].format
+            if isinstance(fmt, BlockFormat):
+                key = (fmt.element, fmt.block, fmt.scale, fmt.global_scale)
+                groups.setdefault(key, []).append(op)
+        for (element, block, scale, global_scale), ops in groups.items():
+            outputs = tuple(
+                QuantOutput(op.use, table[op].rounding, table[op].rht, scale_layout) for op in ops
+            )
+            spec = QuantKernelSpec(element, block, scale, global_scale, dtypes[role], outputs)
+            yield spec, tuple(ops)
+
+
+def _skip_reason(spec: OperandSpec) -> str | None:
+    if isinstance(spec.format, HighPrecision):
+        return f"high precision ({spec.format.name}): no quantization"
+    if isinstance(spec.format, MoRRef):
+        return (
+            f"Mixture of Representations rule {spec.format.name}: the format is chosen at run "
+            "time from the data (no fixed quantize kernel)"
+        )
+    return None
+
+
+def plan_recipe(
+    recipe: Recipe,
+    *,
+    input_dtype: InputDType | Mapping[str, InputDType] = "bf16",
+    scale_layout: ScaleLayout = "compact",
+) -> KernelPlan:
+    """Lower ``recipe`` to the quantize kernels it needs, deduplicated across every context.
+
+    input_dtype: the dtype the kernels read, one for all tensors or a mapping role -> dtype
+        (roles "activation", "weight", "gradient"; missing roles are bf16).
+    scale_layout: the layout every output writes its scales in ("compact" or "swizzled").
+    """
+    dtypes = _dtypes(input_dtype)
+    if scale_layout not in ("compact", "swizzled"):
+        raise ValueError(f"scale_layout must be 'compact' or 'swizzled', got {scale_layout!r}")
+    kernels: dict[QuantKernelSpec, list[OperandUse]] = {}
+    skipped: list[Skipped] = []
+    for rname, context, table in _contexts(recipe):
+        if isinstance(table, str):
+            skipped.append(Skipped(rname, context, tuple(Operand), table))
+            continue
+        for spec, ops in _specs_of(table, dtypes, scale_layout):
+            uses = kernels.setdefault(spec, [])
+            uses.extend(OperandUse(rname, context, op) for op in ops)
+        reasons: dict[str, list[Operand]] = {}
+        for op in Operand:
+            reason = _skip_reason(table[op])
+            if reason is not None:
+                reasons.setdefault(reason, []).append(op)
+        for reason, ops in reasons.items():
+            skipped.append(Skipped(rname, context, tuple(ops), reason))
+    return KernelPlan(
+        recipe=recipe.name,
+        input_dtypes=tuple(dtypes.items()),
+        kernels=tuple(PlannedKernel(spec, tuple(uses)) for spec, uses in kernels.items()),
+        skipped=tuple(skipped),
+    )
+
+
+__all__ = [
+    "KernelPlan",
+    "OperandUse",
+    "PlannedKernel",
+    "Skipped",
+    "output_json",
+    "plan_recipe",
+    "spec_json",
+    "spec_summary",
+]
