@@ -34,6 +34,11 @@ _LAZY: dict[str, str] = {
     "gemm_reference": "fp4gen.numerics",
     "error_stats": "fp4gen.numerics",
     "ErrorStats": "fp4gen.numerics",
+    "convert": "fp4gen.runtime.convert",
+    "set_step": "fp4gen.runtime.convert",
+    "show_plan": "fp4gen.runtime.convert",
+    "enable_telemetry": "fp4gen.runtime.convert",
+    "telemetry": "fp4gen.runtime.convert",
 }
 
 __all__ = [
@@ -58,6 +63,11 @@ __all__ = [
     "gemm_reference",
     "error_stats",
     "ErrorStats",
+    "convert",
+    "set_step",
+    "show_plan",
+    "enable_telemetry",
+    "telemetry",
 ]
 
 if TYPE_CHECKING:
@@ -65,9 +75,12 @@ if TYPE_CHECKING:
     from fp4gen.dsl.model import Operand, OperandSpec, Recipe, RHTSpec
     from fp4gen.formats import BUILTIN_FORMATS, BlockFormat, ElementFormat, HighPrecision, ScaleSpec
     from fp4gen.numerics import ErrorStats, QuantizedTensor, error_stats, gemm_reference, quantize
+    from fp4gen.runtime.convert import convert, enable_telemetry, set_step, show_plan, telemetry
 
 
 def __getattr__(name: str) -> Any:
+    if name == "nn":  # the submodule fp4gen.nn, loaded on first use like the names above
+        return importlib.import_module("fp4gen.nn")
     module = _LAZY.get(name)
     if module is None:
         raise AttributeError(f"module 'fp4gen' has no attribute {name!r}")

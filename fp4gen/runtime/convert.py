@@ -1,0 +1,247 @@
+"""Whole-model conversion: replace torch.nn.Linear modules according to a recipe's layer rules.
+
+Layers are the model's nn.Linear modules in ``named_modules()`` order. Blocks are the numbered
+children of the model's repeated container (the nn.ModuleList or nn.Sequential whose numbered
+children hold the most linear layers, e.g. ``transformer.h``). Rules apply in recipe order and
+the first that matches a layer decides it:
+
+- ``first N blocks`` / ``last N blocks`` / ``first P% layers`` ...: by block or layer index; a
+  percentage P of a count C covers round(P * C) units (halves round up);
+- ``match "glob"``: fnmatch on the module's qualified name;
+- the action keeps the layer in high precision (bf16/fp16/fp32: the module is left as it is),
+  or quantizes all its operands with one format, or uses another recipe's operand table.
+
+Layers no rule matches use the recipe's own operand table, except those outside the repeated
+blocks (embeddings are not linear; output heads and the like): they stay as they are unless a
+rule names them, as the NVFP4 paper keeps its head in high precision.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import re
+from dataclasses import dataclass, field
+
+from torch import nn
+
+from fp4gen.dsl.model import LayerRule, LayerSelector, OperandTable, Recipe, RecipeRef
+from fp4gen.errors import FP4GenError
+from fp4gen.formats import HighPrecision
+from fp4gen.runtime.linear import Linear
+from fp4gen.runtime.schedule import TrainingClock, action_table
+
+_INDEX = re.compile(r"^\d+$")
+
+
+@dataclass(frozen=True)
+class LayerDecision:
+    """What convert() did with one nn.Linear, and why."""
+
+    name: str
+    layer_index: int
+    block_index: int | None
+    kept: bool  # left as a plain nn.Linear
+    precision: str  # "bf16", a format name, or "recipe <name>"
+    reason: str
+    table: OperandTable | None = field(default=None, compare=False, repr=False)
+
+
+def find_blocks(model: nn.Module) -> tuple[str | None, dict[str, int]]:
+    """(container name, {linear module name: block index}) for the model's repeated blocks."""
+    linears = [name for name, m in model.named_modules() if isinstance(m, nn.Linear)]
+    best: tuple[int, str | None, dict[str, int]] = (0, None, {})
+    for cname, container in model.named_modules():
+        if not isinstance(container, nn.ModuleList | nn.Sequential):
+            continue
+        prefix = f"{cname}." if cname else ""
+        owned: dict[str, int] = {}
+        for lname in linears:
+            if not lname.startswith(prefix):
+                continue
+            head = lname[len(prefix) :].split(".", 1)[0]
+            if _INDEX.match(head):
+                owned[lname] = int(head)
+        blocks = set(owned.values())
+        if len(blocks) >= 2 and len(owned) > best[0]:
+            best = (len(owned), cname, owned)
+    return best[1], best[2]
+
+
+def _count(sel: LayerSelector, total: int) -> int:
+    if sel.fraction is not None:
+        return int(sel.fraction * total + 0.5)
+    return sel.count or 0
+
+
+def _matches(
+    sel: LayerSelector, name: str, layer: int, n_layers: int, block: int | None, n_blocks: int
+) -> bool:
+    if sel.kind == "match":
+        return fnmatch.fnmatchcase(name, sel.pattern or "")
+    if sel.unit == "blocks":
+        if block is None:
+            return False
+        index, total = block, n_blocks
+    else:
+        index, total = layer, n_layers
+    n = _count(sel, total)
+    return index < n if sel.kind == "first" else index >= total - n
+
+
+def _describe(rule: LayerRule) -> str:
+    sel = rule.selector
+    if sel.kind == "match":
+        return f'rule match "{sel.pattern}"'
+    amount = f"{sel.fraction * 100:g}%" if sel.fraction is not None else str(sel.count)
+    return f"rule {sel.kind} {amount} {sel.unit}"
+
+
+def plan_layers(model: nn.Module, recipe: Recipe) -> list[LayerDecision]:
+    """Decide, for every nn.Linear of ``model``, what the recipe does with it (no changes)."""
+    linears = [(n, m) for n, m in model.named_modules() if type(m) is nn.Linear]
+    _, block_of = find_blocks(model)
+    n_blocks = len(set(block_of.values()))
+    decisions = []
+    for index, (name, _) in enumerate(linears):
+        block = block_of.get(name)
+        decision = None
+        for rule in recipe.layers:
+            if _matches(rule.selector, name, index, len(linears), block, n_blocks):
+                action = rule.action
+                if isinstance(action, HighPrecision):
+                    decision = LayerDecision(name, index, block, True, action.name, _describe(rule))
+                else:
+                    label = (
+                        f"recipe {action.recipe.name if action.recipe else action.path}"
+                        if isinstance(action, RecipeRef)
+                        else action.name
+                    )
+                    decision = LayerDecision(
+                        name, index, block, False, label, _describe(rule), action_table(action)
+                    )
+                break
+        if decision is None:
+            if block_of and block is None:
+                decision = LayerDecision(
+                    name, index, block, True, "unchanged", "outside the repeated blocks"
+                )
+            else:
+                decision = LayerDecision(
+                    name, index, block, False, f"recipe {recipe.name}", "default", recipe.operands
+                )
+        decisions.append(decision)
+    return decisions
+
+
+def convert(
+    model: nn.Module,
+    recipe: Recipe | str,
+    *,
+    seed: int = 0,
+    total_steps: int | None = None,
+    backend: str = "auto",
+) -> nn.Module:
+    """Replace the model's nn.Linear modules by fp4gen Linear layers per the recipe, in place.
+
+    Returns the model. Each converted layer shares the original parameters (no copy), gets its
+    own seed (``seed`` + its layer index) and a shared clock driven by ``set_step``.
+    """
+    if isinstance(recipe, str):
+        from fp4gen.dsl import load_recipe
+
+        recipe = load_recipe(recipe)
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"convert() takes an nn.Module, got {type(model).__name__}")
+    clock = TrainingClock(total_steps=total_steps)
+    decisions = plan_layers(model, recipe)
+    modules = dict(model.named_modules())
+    for decision in decisions:
+        if decision.kept:
+            continue
+        layer = Linear.from_linear(
+            modules[decision.name],
+            operands=decision.table,
+            seed=seed + decision.layer_index,
+            name=decision.name,
+            backend=backend,
+            clock=clock,
+        )
+        layer.schedule.rules = recipe.schedule  # the schedule applies to every converted layer
+        _set_module(model, decision.name, layer)
+    model._fp4gen_plan = decisions  # type: ignore[attr-defined]
+    model._fp4gen_clock = clock  # type: ignore[attr-defined]
+    return model
+
+
+def _set_module(model: nn.Module, name: str, module: nn.Module) -> None:
+    parent_name, _, child = name.rpartition(".")
+    parent = model.get_submodule(parent_name) if parent_name else model
+    setattr(parent, child, module)
+
+
+def _clock(model: nn.Module) -> TrainingClock:
+    clock = getattr(model, "_fp4gen_clock", None)
+    if clock is None:
+        raise FP4GenError("this model was not converted with fp4gen.convert")
+    return clock
+
+
+def set_step(model: nn.Module, step: int, total_steps: int | None = None) -> None:
+    """Tell a converted model which optimizer step it is at (drives the precision schedule)."""
+    clock = _clock(model)
+    clock.step = step
+    if total_steps is not None:
+        clock.total_steps = total_steps
+
+
+def show_plan(model: nn.Module) -> str:
+    """A table of every linear layer of a converted model and what it runs in."""
+    decisions: list[LayerDecision] | None = getattr(model, "_fp4gen_plan", None)
+    if decisions is None:
+        raise FP4GenError("this model was not converted with fp4gen.convert")
+    from fp4gen.cli import render_table
+
+    rows = [
+        [
+            str(d.layer_index),
+            "-" if d.block_index is None else str(d.block_index),
+            d.name,
+            d.precision,
+            d.reason,
+        ]
+        for d in decisions
+    ]
+    return render_table(["layer", "block", "module", "runs in", "why"], rows)
+
+
+def enable_telemetry(model: nn.Module, every: int) -> None:
+    """Record each converted layer's quantization error every ``every`` calls (0 turns it off)."""
+    for module in model.modules():
+        if isinstance(module, Linear):
+            module.telemetry.every = every
+
+
+def telemetry(model: nn.Module) -> list[dict]:
+    """All telemetry records of the model's converted layers, oldest first per layer."""
+    out: list[dict] = []
+    for module in model.modules():
+        if isinstance(module, Linear):
+            out.extend(module.telemetry.records)
+    return out
+
+
+def count_converted(model: nn.Module) -> int:
+    return sum(isinstance(m, Linear) for m in model.modules())
+
+
+__all__ = [
+    "LayerDecision",
+    "convert",
+    "count_converted",
+    "enable_telemetry",
+    "find_blocks",
+    "plan_layers",
+    "set_step",
+    "show_plan",
+    "telemetry",
+]

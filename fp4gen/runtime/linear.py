@@ -1,0 +1,233 @@
+"""``fp4gen.nn.Linear``: a drop-in torch.nn.Linear that trains with a recipe.
+
+Forward:  y  = Q(x; fprop.activation) @ Q(W; fprop.weight)^T (+ bias)
+Backward: dx = Q(dy; dgrad.gradient) @ Q(W^T; dgrad.weight)^T
+          dW = Q(dy^T; wgrad.gradient) @ Q(x^T; wgrad.activation)^T
+Q quantizes along the GEMM's K dimension (the last dimension of the tensor given). Every choice
+comes from the recipe's operand table (as the precision schedule makes it at the current step).
+
+Randomness is reproducible: stochastic rounding draws Philox words keyed by the layer's seed,
+with offset = 8 * (the layer's forward or backward call count) + the operand slot, so a rerun with
+the same seed and data gives the same bits. The weight is quantized once per optimizer step
+(cached on the parameter's version counter) and reused across micro-batches; with 2D blocks the
+columnwise weight is the transpose of the same codes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from fp4gen.dsl.model import Operand, OperandSpec, OperandTable, Recipe
+from fp4gen.errors import TensorError
+from fp4gen.numerics import QuantizedTensor, error_stats
+from fp4gen.runtime.operands import check_supported, operand_matmul, quantize_operand
+from fp4gen.runtime.schedule import ScheduledOperands, TrainingClock
+
+SLOT = {op: i for i, op in enumerate(Operand)}
+
+
+@dataclass
+class _WeightCache:
+    key: tuple[Any, ...] | None = None
+    rowwise: Any = None
+    columnwise: Any = None
+
+
+@dataclass
+class Telemetry:
+    """Per-operand quantization error, recorded every ``every`` calls when enabled."""
+
+    every: int = 0
+    records: list[dict[str, Any]] = field(default_factory=list)
+
+
+class Linear(nn.Linear):
+    """torch.nn.Linear whose three GEMMs run with the numerics of a recipe.
+
+    Same constructor and state_dict as torch.nn.Linear, plus the recipe (or an explicit operand
+    table), a seed for stochastic rounding and a name used in telemetry.
+    """
+
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        bias: bool = True,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+        *,
+        recipe: Recipe | None = None,
+        operands: OperandTable | None = None,
+        seed: int = 0,
+        name: str = "",
+        backend: str = "auto",
+        clock: TrainingClock | None = None,
+    ) -> None:
+        super().__init__(in_features, out_features, bias=bias, device=device, dtype=dtype)
+        if (recipe is None) == (operands is None):
+            raise ValueError("give exactly one of recipe= or operands=")
+        table = recipe.operands if recipe is not None else operands
+        assert table is not None
+        for op, spec in table.items():
+            check_supported(spec, f"{name or 'this layer'}: {op.selector}")
+        self.schedule = ScheduledOperands(
+            table, recipe.schedule if recipe is not None else (), clock or TrainingClock()
+        )
+        self.seed = seed
+        self.name = name
+        self.backend = backend
+        self.telemetry = Telemetry()
+        self._weight_cache = _WeightCache()
+        self._forward_calls = 0
+        self._backward_calls = 0
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear, **kwargs: Any) -> Linear:
+        """Wrap an existing nn.Linear, sharing its parameters (no copy)."""
+        layer = cls(
+            linear.in_features,
+            linear.out_features,
+            bias=linear.bias is not None,
+            device="meta",
+            dtype=linear.weight.dtype,
+            **kwargs,
+        )
+        layer.weight = linear.weight
+        layer.bias = linear.bias
+        return layer
+
+    def extra_repr(self) -> str:
+        return f"{super().extra_repr()}, seed={self.seed}"
+
+    @property
+    def operands(self) -> OperandTable:
+        """The operand table in force at the current step."""
+        return self.schedule.active()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.shape[-1] != self.in_features:
+            raise TensorError(
+                f"{self.name or 'Linear'}: input of shape {tuple(x.shape)} does not end in "
+                f"in_features={self.in_features}"
+            )
+        return _QuantizedLinearFn.apply(x, self.weight, self.bias, self)
+
+    # --- pieces used by the autograd function -------------------------------------------------
+    def quantized_weight(self, table: OperandTable) -> tuple[Any, Any]:
+        """(rowwise for fprop, columnwise for dgrad), quantized once per weight version."""
+        w = self.weight.detach()
+        key = (w._version, w.data_ptr(), table.fprop_weight, table.dgrad_weight)
+        cache = self._weight_cache
+        if cache.key != key:
+            offset = 8 * w._version  # a fresh random stream per optimizer step
+            rowwise = quantize_operand(
+                w,
+                table.fprop_weight,
+                seed=self.seed,
+                offset=offset + SLOT[Operand.FPROP_WEIGHT],
+                backend=self.backend,
+            )
+            if _transposable(rowwise, table.fprop_weight, table.dgrad_weight):
+                columnwise = rowwise.transpose()  # 2D blocks: the same codes, never requantized
+            else:
+                columnwise = quantize_operand(
+                    w.t().contiguous(),
+                    table.dgrad_weight,
+                    seed=self.seed,
+                    offset=offset + SLOT[Operand.DGRAD_WEIGHT],
+                    backend=self.backend,
+                )
+            cache.key, cache.rowwise, cache.columnwise = key, rowwise, columnwise
+        return cache.rowwise, cache.columnwise
+
+    def quantize(self, t: torch.Tensor, op: Operand, spec: OperandSpec, call: int) -> Any:
+        return quantize_operand(
+            t, spec, seed=self.seed, offset=8 * call + SLOT[op], backend=self.backend
+        )
+
+    def record(self, op: Operand, source: torch.Tensor, quantized: Any, call: int) -> None:
+        every = self.telemetry.every
+        if not every or call % every or not isinstance(quantized, QuantizedTensor):
+            return
+        stats = error_stats(source, quantized)
+        self.telemetry.records.append(
+            {"layer": self.name, "call": call, "operand": op.selector, **vars(stats)}
+        )
+
+
+def _transposable(rowwise: Any, fprop: OperandSpec, dgrad: OperandSpec) -> bool:
+    return (
+        isinstance(rowwise, QuantizedTensor)
+        and rowwise.format.is_2d
+        and fprop == dgrad
+        and fprop.rht is None
+    )
+
+
+def _output_dtype(x: torch.Tensor) -> torch.dtype:
+    device = x.device.type
+    if torch.is_autocast_enabled(device):
+        return torch.get_autocast_dtype(device)
+    return x.dtype
+
+
+class _QuantizedLinearFn(torch.autograd.Function):
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx: Any, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, layer: Linear
+    ) -> torch.Tensor:
+        table = layer.operands
+        x2 = x.reshape(-1, x.shape[-1])
+        _check_rht_tokens(x2.shape[0], table, layer.name)
+        call = layer._forward_calls
+        layer._forward_calls += 1
+        xq = layer.quantize(x2, Operand.FPROP_ACTIVATION, table.fprop_activation, call)
+        w_row, w_col = layer.quantized_weight(table)
+        layer.record(Operand.FPROP_ACTIVATION, x2, xq, call)
+        y = operand_matmul(xq, w_row)
+        if bias is not None:
+            y = y + bias.to(torch.float32)
+        ctx.save_for_backward(x2)
+        ctx.layer, ctx.table, ctx.w_col = layer, table, w_col
+        ctx.x_shape, ctx.x_dtype, ctx.has_bias = x.shape, x.dtype, bias is not None
+        return y.to(_output_dtype(x)).reshape(*x.shape[:-1], y.shape[-1])
+
+    @staticmethod
+    def backward(ctx: Any, dy: torch.Tensor) -> tuple[Any, ...]:  # type: ignore[override]
+        (x2,) = ctx.saved_tensors
+        layer, table = ctx.layer, ctx.table
+        call = layer._backward_calls
+        layer._backward_calls += 1
+        dy2 = dy.reshape(-1, dy.shape[-1])
+
+        dyq = layer.quantize(dy2, Operand.DGRAD_GRADIENT, table.dgrad_gradient, call)
+        dx = operand_matmul(dyq, ctx.w_col)
+        layer.record(Operand.DGRAD_GRADIENT, dy2, dyq, call)
+
+        dy_t, x_t = dy2.t().contiguous(), x2.t().contiguous()
+        dyq_t = layer.quantize(dy_t, Operand.WGRAD_GRADIENT, table.wgrad_gradient, call)
+        xq_t = layer.quantize(x_t, Operand.WGRAD_ACTIVATION, table.wgrad_activation, call)
+        dw = operand_matmul(dyq_t, xq_t)
+        layer.record(Operand.WGRAD_GRADIENT, dy_t, dyq_t, call)
+
+        db = dy2.to(torch.float32).sum(0).to(layer.bias.dtype) if ctx.has_bias else None
+        return (
+            dx.to(ctx.x_dtype).reshape(ctx.x_shape),
+            dw.to(layer.weight.dtype),
+            db,
+            None,
+        )
+
+
+def _check_rht_tokens(tokens: int, table: OperandTable, name: str) -> None:
+    for spec in (table.wgrad_gradient, table.wgrad_activation):
+        if spec.rht is not None and tokens % spec.rht.size:
+            raise TensorError(
+                f"{name or 'Linear'}: {tokens} tokens (the product of the input's leading "
+                f"dimensions) is not a multiple of the wgrad Hadamard size {spec.rht.size}; "
+                "the transform runs along the tokens"
+            )

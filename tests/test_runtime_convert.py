@@ -1,0 +1,135 @@
+"""fp4gen.convert: layer rules, the precision schedule, and a converted model that trains."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import fp4gen
+from fp4gen.demo.gpt import GPT, GPTConfig
+from fp4gen.dsl import load_recipe, parse_recipe
+from fp4gen.formats import BlockFormat, HighPrecision
+from fp4gen.runtime.convert import find_blocks, plan_layers
+
+CFG = GPTConfig(context=32, layers=6, heads=2, width=32)
+
+
+def gpt() -> GPT:
+    torch.manual_seed(0)
+    return GPT(CFG)
+
+
+def decisions(recipe_text: str) -> dict[str, str]:
+    recipe = parse_recipe(recipe_text, base_dir=None)
+    return {d.name: d.precision for d in plan_layers(gpt(), recipe)}
+
+
+BASE = "operands {\n * : nvfp4\n}\n"
+
+
+def test_blocks_are_found() -> None:
+    container, block_of = find_blocks(gpt())
+    assert container == "blocks"
+    assert block_of["blocks.0.attn.qkv"] == 0 and block_of["blocks.5.mlp.fc2"] == 5
+    assert "lm_head" not in block_of
+
+
+def test_default_converts_blocks_and_keeps_the_head() -> None:
+    got = decisions(BASE)
+    assert got["blocks.3.mlp.fc1"] == "recipe recipe"
+    assert got["lm_head"] == "unchanged"  # outside the blocks: heads stay unless asked
+    assert len(got) == 6 * 4 + 1
+
+
+def test_first_and_last_blocks() -> None:
+    got = decisions(BASE + "layers {\n first 1 blocks : bf16\n last 2 blocks : bf16\n}\n")
+    assert all(got[f"blocks.0.{m}"] == "bf16" for m in ("attn.qkv", "attn.proj", "mlp.fc1"))
+    assert got["blocks.1.attn.qkv"] == "recipe recipe"
+    assert got["blocks.3.mlp.fc2"] == "recipe recipe"
+    assert got["blocks.4.mlp.fc2"] == "bf16" and got["blocks.5.attn.qkv"] == "bf16"
+
+
+def test_fractions_of_layers_and_first_match_wins() -> None:
+    # 25 linear layers; last 20% = round(5.0) = 5 layers: blocks.5.* (4) and lm_head
+    got = decisions(BASE + 'layers {\n match "*fc2" : mxfp8_e4m3\n last 20% layers : bf16\n}\n')
+    assert got["blocks.5.mlp.fc2"] == "mxfp8_e4m3"  # the glob rule comes first
+    assert got["blocks.5.mlp.fc1"] == "bf16"
+    assert got["lm_head"] == "bf16"
+    assert got["blocks.4.mlp.fc1"] == "recipe recipe"
+    assert got["blocks.0.mlp.fc2"] == "mxfp8_e4m3"
+
+
+def test_match_can_convert_the_head_and_use_another_recipe() -> None:
+    got = decisions(BASE + 'layers {\n match "lm_head" : recipe "mxfp8.fp4r"\n}\n')
+    assert got["lm_head"] == "recipe mxfp8"
+
+
+def test_convert_replaces_modules_and_keeps_state_dict() -> None:
+    model = gpt()
+    keys = set(model.state_dict())
+    weight = model.blocks[2].mlp.fc1.weight
+    fp4gen.convert(model, load_recipe("nvfp4.fp4r"))
+    # nvfp4: first 2 and last 8 blocks in bf16: with 6 blocks every block stays bf16
+    assert type(model.blocks[2].mlp.fc1) is nn.Linear
+    model = gpt()
+    fp4gen.convert(model, parse_recipe(BASE + "layers {\n first 1 blocks : bf16\n}\n"))
+    layer = model.blocks[2].mlp.fc1
+    assert isinstance(layer, fp4gen.nn.Linear)
+    assert layer.weight is model.blocks[2].mlp.fc1.weight  # parameters shared, not copied
+    assert set(model.state_dict()) == keys
+    assert weight.shape == layer.weight.shape
+    table = fp4gen.show_plan(model)
+    assert "blocks.0.attn.qkv" in table and "rule first 1 blocks" in table
+
+
+def test_schedule_switches_forward_at_a_step_and_a_fraction() -> None:
+    recipe = parse_recipe(BASE + "schedule {\n at step 5 forward : bf16\n at 90% both : mxfp4\n}\n")
+    model = fp4gen.convert(gpt(), recipe, total_steps=100)
+    layer = model.blocks[1].attn.qkv
+    assert isinstance(layer.operands.fprop_activation.format, BlockFormat)
+    fp4gen.set_step(model, 4)
+    assert layer.operands.fprop_activation.format.name == "nvfp4"
+    fp4gen.set_step(model, 5)
+    assert isinstance(layer.operands.fprop_activation.format, HighPrecision)
+    assert layer.operands.wgrad_gradient.format.name == "nvfp4"  # backward unchanged
+    fp4gen.set_step(model, 90)
+    assert layer.operands.fprop_activation.format.name == "mxfp4"
+    assert layer.operands.wgrad_gradient.format.name == "mxfp4"
+
+
+def test_fractional_schedule_needs_total_steps() -> None:
+    recipe = parse_recipe(BASE + "schedule {\n at 50% forward : bf16\n}\n")
+    model = fp4gen.convert(gpt(), recipe)
+    with pytest.raises(fp4gen.FP4GenError, match="pass total_steps"):
+        model.blocks[0].mlp.fc1.operands  # noqa: B018
+
+
+def test_converted_model_trains_on_cpu() -> None:
+    recipe = parse_recipe(
+        "operands {\n * : nvfp4\n gradient : round stochastic\n wgrad : rht 16 signs te\n}\n"
+    )
+    model = fp4gen.convert(gpt(), recipe)
+    fp4gen.enable_telemetry(model, every=5)
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    g = torch.Generator().manual_seed(0)
+    data = torch.randint(0, 16, (64, CFG.context + 1), generator=g)  # a 16-symbol toy language
+    losses = []
+    for step in range(15):
+        fp4gen.set_step(model, step)
+        batch = data[(step * 4) % 60 : (step * 4) % 60 + 4]
+        loss = model(batch[:, :-1], batch[:, 1:])
+        opt.zero_grad()
+        loss.backward()
+        assert all(torch.isfinite(p.grad).all() for p in model.parameters() if p.grad is not None)
+        opt.step()
+        losses.append(float(loss.detach()))
+    assert losses[-1] < losses[0] - 1.0
+    records = fp4gen.telemetry(model)
+    assert records and {"layer", "operand", "rel_error", "flushed", "saturated"} <= set(records[0])
+    assert all(0 <= r["rel_error"] < 0.5 for r in records)
+
+
+def test_mor_recipe_is_rejected_at_conversion() -> None:
+    with pytest.raises(fp4gen.FP4GenError, match="does not run MoR operands yet"):
+        fp4gen.convert(gpt(), load_recipe("mor_tensor.fp4r"))
