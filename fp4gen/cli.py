@@ -386,6 +386,34 @@ def cmd_formats(args: argparse.Namespace) -> int:
 
 
 # ---------------------------------------------------------------------------------------------
+# demo
+# ---------------------------------------------------------------------------------------------
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    import torch
+
+    from fp4gen.demo.train import DemoConfig, run_demo
+
+    device = args.device
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    cfg = DemoConfig(
+        recipes=tuple(r.strip() for r in args.recipes.split(",") if r.strip()),
+        size=args.size,
+        steps=args.steps,
+        batch=args.batch,
+        lr=args.lr,
+        eval_every=args.eval_every,
+        seed=args.seed,
+        device=device,
+        out=Path(args.out),
+    )
+    run_demo(cfg, log=lambda line: print(line, flush=True))
+    return 0
+
+
+# ---------------------------------------------------------------------------------------------
 # entry point
 # ---------------------------------------------------------------------------------------------
 
@@ -464,6 +492,34 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0, help="seed for sampling and stochastic rounding")
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
     p.set_defaults(func=cmd_error)
+
+    p = sub.add_parser(
+        "demo",
+        help="train a small GPT with several recipes side by side",
+        description="Train a small GPT on the Python standard library's source bytes (present on "
+        "every machine) with each recipe, from the same initial weights and batches, and write "
+        "losses.csv and losses.png (needs matplotlib) to --out. 'bf16' is the unconverted "
+        "baseline; other names are recipe files or shipped recipe names.",
+    )
+    p.add_argument(
+        "--recipes",
+        default="bf16,nvfp4_small,mxfp4_small",
+        help="comma-separated recipes (default: bf16,nvfp4_small,mxfp4_small)",
+    )
+    p.add_argument(
+        "--size",
+        choices=("tiny", "small", "medium"),
+        default="tiny",
+        help="model size: tiny ~0.2M (CPU), small ~11M, medium ~57M parameters",
+    )
+    p.add_argument("--steps", type=int, default=300, help="optimizer steps per recipe")
+    p.add_argument("--batch", type=int, default=16, help="sequences per step")
+    p.add_argument("--lr", type=float, default=3e-3, help="peak learning rate (cosine decay)")
+    p.add_argument("--eval-every", type=int, default=25, help="held-out loss every N steps")
+    p.add_argument("--seed", type=int, default=0, help="initialization, data and rounding seed")
+    p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
+    p.add_argument("--out", default="fp4gen-demo", help="output folder (default: fp4gen-demo)")
+    p.set_defaults(func=cmd_demo)
 
     p = sub.add_parser(
         "formats",

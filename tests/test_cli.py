@@ -163,3 +163,28 @@ def test_console_entry_point_runs() -> None:
     )
     assert proc.returncode == 0, proc.stderr
     assert "mxfp4" in proc.stdout
+
+
+def test_demo_writes_csv_and_png(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, _ = run(
+        capsys,
+        "demo",
+        "--recipes",
+        "bf16,nvfp4_small",
+        "--steps",
+        "3",
+        "--eval-every",
+        "2",
+        "--batch",
+        "4",
+        "--device",
+        "cpu",
+        "--out",
+        str(tmp_path),
+    )
+    assert code == 0
+    rows = (tmp_path / "losses.csv").read_text().splitlines()
+    assert rows[0] == "recipe,step,train_loss,val_loss,seconds"
+    assert len(rows) == 1 + 2 * 3
+    assert "[nvfp4_small]" in out and "linear layers converted" in out
+    assert (tmp_path / "losses.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
