@@ -14,17 +14,21 @@ def python_blocks() -> list[str]:
     return re.findall(r"```python\n(.*?)```", README.read_text(), flags=re.S)
 
 
-def test_readme_python_example_runs(monkeypatch) -> None:
+def test_readme_python_examples_run(monkeypatch) -> None:
     monkeypatch.chdir(README.parent)
-    (block,) = python_blocks()
     namespace: dict[str, object] = {}
-    exec(compile(block, str(README), "exec"), namespace)
+    blocks = python_blocks()
+    assert len(blocks) == 2
+    for block in blocks:  # the examples build on each other, like a session
+        exec(compile(block, str(README), "exec"), namespace)
     q = namespace["q"]
     assert isinstance(q, fp4gen.QuantizedTensor)
     assert tuple(q.codes.shape) == (272, 304)
     assert tuple(q.data.shape) == (272, 152)
     assert tuple(q.scales.shape) == (272, 19)
     assert tuple(namespace["y"].shape) == (272, 128)
+    assert "runs in" in fp4gen.show_plan(namespace["model"])
+    assert isinstance(namespace["records"], list)
 
 
 def test_readme_commands() -> None:
