@@ -24,6 +24,7 @@ from torch import nn
 from fp4gen.dsl.model import Operand, OperandSpec, OperandTable, Recipe
 from fp4gen.errors import TensorError
 from fp4gen.numerics import QuantizedTensor, error_stats
+from fp4gen.runtime import ops
 from fp4gen.runtime.operands import check_supported, operand_matmul, quantize_operand
 from fp4gen.runtime.schedule import ScheduledOperands, TrainingClock
 
@@ -84,6 +85,7 @@ class Linear(nn.Linear):
         self._weight_cache = _WeightCache()
         self._forward_calls = 0
         self._backward_calls = 0
+        self._op_id = ops.register(self)
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, **kwargs: Any) -> Linear:
@@ -114,9 +116,45 @@ class Linear(nn.Linear):
                 f"{self.name or 'Linear'}: input of shape {tuple(x.shape)} does not end in "
                 f"in_features={self.in_features}"
             )
-        return _QuantizedLinearFn.apply(x, self.weight, self.bias, self)
+        x2 = x.reshape(-1, x.shape[-1])
+        _check_rht_tokens(x2.shape[0], self.operands, self.name)
+        y = ops.linear_forward(x2, self.weight, self.bias, self._op_id)
+        return y.to(_output_dtype(x)).reshape(*x.shape[:-1], self.out_features)
 
-    # --- pieces used by the autograd function -------------------------------------------------
+    # --- the GEMMs, run by the custom ops in fp4gen.runtime.ops ---------------------------------
+    def forward_gemm(self, x2: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """fprop: y = Q(x) @ Q(W)^T (+ bias), fp32 [tokens, out]."""
+        table = self.operands
+        call = self._forward_calls
+        self._forward_calls += 1
+        xq = self.quantize(x2, Operand.FPROP_ACTIVATION, table.fprop_activation, call)
+        w_row, _ = self.quantized_weight(table)
+        self.record(Operand.FPROP_ACTIVATION, x2, xq, call)
+        y = operand_matmul(xq, w_row)
+        return y if bias is None else y + bias.to(torch.float32)
+
+    def backward_gemms(
+        self, dy2: torch.Tensor, x2: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """dgrad and wgrad: (dx [tokens, in], dW [out, in]) in fp32.
+
+        The operand table is the one in force now; the schedule only moves between optimizer
+        steps, so it is the table the forward pass used."""
+        table = self.operands
+        call = self._backward_calls
+        self._backward_calls += 1
+        _, w_col = self.quantized_weight(table)
+        dyq = self.quantize(dy2, Operand.DGRAD_GRADIENT, table.dgrad_gradient, call)
+        dx = operand_matmul(dyq, w_col)
+        self.record(Operand.DGRAD_GRADIENT, dy2, dyq, call)
+
+        dy_t, x_t = dy2.t().contiguous(), x2.t().contiguous()
+        dyq_t = self.quantize(dy_t, Operand.WGRAD_GRADIENT, table.wgrad_gradient, call)
+        xq_t = self.quantize(x_t, Operand.WGRAD_ACTIVATION, table.wgrad_activation, call)
+        dw = operand_matmul(dyq_t, xq_t)
+        self.record(Operand.WGRAD_GRADIENT, dy_t, dyq_t, call)
+        return dx, dw
+
     def quantized_weight(self, table: OperandTable) -> tuple[Any, Any]:
         """(rowwise for fprop, columnwise for dgrad), quantized once per weight version."""
         w = self.weight.detach()
@@ -173,54 +211,6 @@ def _output_dtype(x: torch.Tensor) -> torch.dtype:
     if torch.is_autocast_enabled(device):
         return torch.get_autocast_dtype(device)
     return x.dtype
-
-
-class _QuantizedLinearFn(torch.autograd.Function):
-    @staticmethod
-    def forward(  # type: ignore[override]
-        ctx: Any, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, layer: Linear
-    ) -> torch.Tensor:
-        table = layer.operands
-        x2 = x.reshape(-1, x.shape[-1])
-        _check_rht_tokens(x2.shape[0], table, layer.name)
-        call = layer._forward_calls
-        layer._forward_calls += 1
-        xq = layer.quantize(x2, Operand.FPROP_ACTIVATION, table.fprop_activation, call)
-        w_row, w_col = layer.quantized_weight(table)
-        layer.record(Operand.FPROP_ACTIVATION, x2, xq, call)
-        y = operand_matmul(xq, w_row)
-        if bias is not None:
-            y = y + bias.to(torch.float32)
-        ctx.save_for_backward(x2)
-        ctx.layer, ctx.table, ctx.w_col = layer, table, w_col
-        ctx.x_shape, ctx.x_dtype, ctx.has_bias = x.shape, x.dtype, bias is not None
-        return y.to(_output_dtype(x)).reshape(*x.shape[:-1], y.shape[-1])
-
-    @staticmethod
-    def backward(ctx: Any, dy: torch.Tensor) -> tuple[Any, ...]:  # type: ignore[override]
-        (x2,) = ctx.saved_tensors
-        layer, table = ctx.layer, ctx.table
-        call = layer._backward_calls
-        layer._backward_calls += 1
-        dy2 = dy.reshape(-1, dy.shape[-1])
-
-        dyq = layer.quantize(dy2, Operand.DGRAD_GRADIENT, table.dgrad_gradient, call)
-        dx = operand_matmul(dyq, ctx.w_col)
-        layer.record(Operand.DGRAD_GRADIENT, dy2, dyq, call)
-
-        dy_t, x_t = dy2.t().contiguous(), x2.t().contiguous()
-        dyq_t = layer.quantize(dy_t, Operand.WGRAD_GRADIENT, table.wgrad_gradient, call)
-        xq_t = layer.quantize(x_t, Operand.WGRAD_ACTIVATION, table.wgrad_activation, call)
-        dw = operand_matmul(dyq_t, xq_t)
-        layer.record(Operand.WGRAD_GRADIENT, dy_t, dyq_t, call)
-
-        db = dy2.to(torch.float32).sum(0).to(layer.bias.dtype) if ctx.has_bias else None
-        return (
-            dx.to(ctx.x_dtype).reshape(ctx.x_shape),
-            dw.to(layer.weight.dtype),
-            db,
-            None,
-        )
 
 
 def _check_rht_tokens(tokens: int, table: OperandTable, name: str) -> None:

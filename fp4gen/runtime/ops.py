@@ -1,0 +1,79 @@
+"""The torch custom ops behind fp4gen.nn.Linear, opaque to torch.compile.
+
+``fp4gen::linear_forward`` and ``fp4gen::linear_backward`` run a layer's quantize + GEMM steps;
+their fake implementations give torch.compile the output shapes without running them, so a
+compiled model keeps the exact numerics of eager mode. A layer is named by an integer id (custom
+ops take tensors and plain values, not modules).
+
+This module does not use ``from __future__ import annotations``: custom_op reads the real
+annotations to build the op schema.
+"""
+
+import itertools
+import weakref
+from typing import Any
+
+import torch
+
+_layers: "weakref.WeakValueDictionary[int, Any]" = weakref.WeakValueDictionary()
+_ids = itertools.count()
+
+
+def register(layer: Any) -> int:
+    """Give a layer an id the ops can find it by (held weakly)."""
+    layer_id = next(_ids)
+    _layers[layer_id] = layer
+    return layer_id
+
+
+def _layer(layer_id: int) -> Any:
+    layer = _layers.get(layer_id)
+    if layer is None:
+        raise RuntimeError(f"fp4gen layer {layer_id} no longer exists")
+    return layer
+
+
+@torch.library.custom_op("fp4gen::linear_forward", mutates_args=())
+def linear_forward(
+    x2: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, layer_id: int
+) -> torch.Tensor:
+    """y = Q(x) @ Q(W)^T (+ bias) in fp32, for x2 [tokens, in] and weight [out, in]."""
+    return _layer(layer_id).forward_gemm(x2, bias)
+
+
+@linear_forward.register_fake
+def _(x2: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, layer_id: int):
+    return x2.new_empty((x2.shape[0], weight.shape[0]), dtype=torch.float32)
+
+
+@torch.library.custom_op("fp4gen::linear_backward", mutates_args=())
+def linear_backward(
+    dy2: torch.Tensor, x2: torch.Tensor, weight: torch.Tensor, layer_id: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(dx [tokens, in], dW [out, in]) in fp32 from dy2 [tokens, out]."""
+    return _layer(layer_id).backward_gemms(dy2, x2)
+
+
+@linear_backward.register_fake
+def _(dy2: torch.Tensor, x2: torch.Tensor, weight: torch.Tensor, layer_id: int):
+    return (
+        x2.new_empty(x2.shape, dtype=torch.float32),
+        weight.new_empty(weight.shape, dtype=torch.float32),
+    )
+
+
+def _setup_context(ctx: Any, inputs: tuple, output: torch.Tensor) -> None:
+    x2, weight, bias, layer_id = inputs
+    ctx.save_for_backward(x2, weight)
+    ctx.layer_id = layer_id
+    ctx.bias_dtype = None if bias is None else bias.dtype
+
+
+def _backward(ctx: Any, dy: torch.Tensor):
+    x2, weight = ctx.saved_tensors
+    dx, dw = linear_backward(dy.contiguous(), x2, weight, ctx.layer_id)
+    db = None if ctx.bias_dtype is None else dy.to(torch.float32).sum(0).to(ctx.bias_dtype)
+    return dx.to(x2.dtype), dw.to(weight.dtype), db, None
+
+
+linear_forward.register_autograd(_backward, setup_context=_setup_context)
