@@ -1,9 +1,9 @@
 """One GEMM operand of a linear layer: quantize it as its OperandSpec says, and multiply two.
 
 An operand is either a QuantizedTensor (block-scaled format) or a plain tensor already rounded to
-its high-precision dtype. ``operand_matmul`` computes A @ B^T for any mix with the reference GEMM
-semantics (exact products, float64 sum, one rounding to fp32), so every backend is measured
-against the same numbers.
+its high-precision dtype. ``operand_matmul`` computes A @ B^T for any mix: two quantized operands
+through ``fp4gen.gemm`` (the best path on the device), mixed ones with the reference semantics
+(exact products, float64 sum, one rounding to fp32).
 """
 
 from __future__ import annotations
@@ -13,7 +13,8 @@ import torch
 from fp4gen.dsl.model import MoRRef, OperandSpec
 from fp4gen.errors import FP4GenError
 from fp4gen.formats import HighPrecision
-from fp4gen.numerics import QuantizedTensor, gemm_reference, quantize
+from fp4gen.gemm import gemm
+from fp4gen.numerics import QuantizedTensor, quantize
 
 HP_DTYPES: dict[str, torch.dtype] = {
     "bf16": torch.bfloat16,
@@ -55,7 +56,7 @@ def quantize_operand(
 def operand_matmul(a: Operand, b: Operand) -> torch.Tensor:
     """A @ B^T in fp32 for operands quantized (or kept) along the shared K dimension."""
     if isinstance(a, QuantizedTensor) and isinstance(b, QuantizedTensor):
-        return gemm_reference(a, b)
+        return gemm(a, b)
     # Mixed or high-precision: the same exact-products, float64-sum, one-rounding semantics.
     va = _values(a)
     vb = _values(b)
