@@ -34,7 +34,7 @@ _LAZY: dict[str, str] = {
     "gemm_reference": "fp4gen.numerics",
     "error_stats": "fp4gen.numerics",
     "ErrorStats": "fp4gen.numerics",
-    "gemm": "fp4gen.gemm",
+    "gemm": "fp4gen.gemm_dispatch",
     "convert": "fp4gen.runtime.convert",
     "set_step": "fp4gen.runtime.convert",
     "show_plan": "fp4gen.runtime.convert",
@@ -76,7 +76,7 @@ if TYPE_CHECKING:
     from fp4gen.dsl import load_recipe, parse_recipe, print_recipe
     from fp4gen.dsl.model import Operand, OperandSpec, Recipe, RHTSpec
     from fp4gen.formats import BUILTIN_FORMATS, BlockFormat, ElementFormat, HighPrecision, ScaleSpec
-    from fp4gen.gemm import gemm
+    from fp4gen.gemm_dispatch import gemm
     from fp4gen.numerics import ErrorStats, QuantizedTensor, error_stats, gemm_reference, quantize
     from fp4gen.runtime.convert import convert, enable_telemetry, set_step, show_plan, telemetry
 

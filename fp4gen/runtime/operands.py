@@ -13,7 +13,7 @@ import torch
 from fp4gen.dsl.model import MoRRef, OperandSpec
 from fp4gen.errors import FP4GenError
 from fp4gen.formats import HighPrecision
-from fp4gen.gemm import gemm
+from fp4gen.gemm_dispatch import gemm
 from fp4gen.numerics import QuantizedTensor, quantize
 
 HP_DTYPES: dict[str, torch.dtype] = {
