@@ -1,0 +1,436 @@
+"""Content-addressed on-disk cache of generated kernel sources and compiled kernels.
+
+Layout (``root`` is $FP4GEN_CACHE_DIR, else $XDG_CACHE_HOME/fp4gen, else ~/.cache/fp4gen)::
+
+    root/v1/sources/<sha256>.py     generated module sources, named by the hash of their text
+    root/v1/kernels/<key>/          one compiled kernel: kernel.so (+ kernel.o) and entry.json
+    root/v1/locks/<key>.lock        one lock file per key (fcntl.flock)
+    root/v1/tmp/                    staging: entries are built here, then renamed into place
+    root/cute-dsl/                  the CuTe DSL's own file cache (CUTE_DSL_CACHE_DIR)
+
+The key of a compiled kernel hashes everything that changes the binary: the source text, the
+kernel name, the target arch, the compile options, and the toolchain (nvidia-cutlass-dsl and
+apache-tvm-ffi versions, the fp4gen template version, the host platform, this layout's version).
+
+Concurrency and crash safety: an entry is built in a private staging folder and published with
+one ``rename``, so readers see a whole entry or none. Builders of one key take the key's lock
+first, so a second process waits and then loads the first one's entry instead of compiling
+again; without the lock (or if it fails) the rename still lets exactly one copy win and the loser
+discards its own. Sources are written to a temp file and ``os.replace``d into place.
+
+Integrity: ``entry.json`` is written last and lists every file's size and sha256; an entry whose
+files do not match (truncated, corrupt, half-deleted) is reported once per process as a warning,
+removed and rebuilt.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import hashlib
+import json
+import logging
+import os
+import platform
+import shutil
+import tempfile
+import time
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass
+from functools import lru_cache
+from pathlib import Path
+from typing import Any
+
+log = logging.getLogger("fp4gen.cache")
+
+LAYOUT_VERSION = "v1"
+ENTRY_FILE = "entry.json"
+_warned: set[str] = set()
+
+
+# ----------------------------------------------------------------------------------------------
+# Location and toolchain
+# ----------------------------------------------------------------------------------------------
+
+
+def default_root() -> Path:
+    """$FP4GEN_CACHE_DIR, else $XDG_CACHE_HOME/fp4gen, else ~/.cache/fp4gen."""
+    env = os.environ.get("FP4GEN_CACHE_DIR")
+    if env:
+        return Path(env).expanduser()
+    xdg = os.environ.get("XDG_CACHE_HOME")
+    base = Path(xdg).expanduser() if xdg else Path.home() / ".cache"
+    return base / "fp4gen"
+
+
+def _dist_version(name: str) -> str:
+    from importlib import metadata
+
+    try:
+        return metadata.version(name)
+    except metadata.PackageNotFoundError:
+        return "absent"
+
+
+@lru_cache(maxsize=1)
+def cutlass_dsl_version() -> str:
+    return _dist_version("nvidia-cutlass-dsl")
+
+
+@lru_cache(maxsize=1)
+def tvm_ffi_version() -> str:
+    return _dist_version("apache-tvm-ffi")
+
+
+_TEMPLATE_DIRS = ("templates", "codegen")
+
+
+@lru_cache(maxsize=1)
+def template_version() -> str:
+    """The quantize template's version: its declared TEMPLATE_VERSION (if any) and a hash of
+    every file of fp4gen/templates and fp4gen/codegen (what generated modules are made of and
+    may import)."""
+    import fp4gen
+
+    pkg = Path(fp4gen.__file__).resolve().parent
+    digest = hashlib.sha256()
+    for folder in _TEMPLATE_DIRS:
+        base = pkg / folder
+        if not base.is_dir():
+            continue
+        for path in sorted(base.rglob("*")):
+            if path.is_file() and "__pycache__" not in path.parts and path.suffix != ".pyc":
+                digest.update(str(path.relative_to(pkg)).encode() + b"\0")
+                digest.update(path.read_bytes() + b"\0")
+    declared = "none"
+    try:
+        from fp4gen.codegen import quantize as codegen  # type: ignore[import-not-found]
+
+        declared = str(getattr(codegen, "TEMPLATE_VERSION", "none"))
+    except ImportError:
+        pass
+    return f"{declared}+{digest.hexdigest()[:16]}"
+
+
+def toolchain(template: str | None = None) -> dict[str, str]:
+    """The parts of every key that do not depend on the kernel."""
+    from fp4gen import __version__
+
+    return {
+        "layout": LAYOUT_VERSION,
+        "fp4gen": __version__,
+        "template": template or template_version(),
+        "nvidia-cutlass-dsl": cutlass_dsl_version(),
+        "apache-tvm-ffi": tvm_ffi_version(),
+        "platform": f"{platform.system()}-{platform.machine()}",
+    }
+
+
+def sha256_text(text: str) -> str:
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+def _sha256_file(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def _warn_once(what: str, message: str) -> None:
+    if what not in _warned:
+        _warned.add(what)
+        log.warning(message)
+
+
+# ----------------------------------------------------------------------------------------------
+# Entries
+# ----------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Entry:
+    """A valid compiled-kernel entry: its folder and its manifest (``entry.json``)."""
+
+    key: str
+    path: Path
+    meta: Mapping[str, Any]
+
+    def file(self, name: str) -> Path:
+        return self.path / name
+
+    @property
+    def files(self) -> tuple[str, ...]:
+        return tuple(self.meta["files"])
+
+
+class CacheError(RuntimeError):
+    pass
+
+
+class KernelCache:
+    """The on-disk cache. Cheap to construct; creates its folders on first write."""
+
+    def __init__(
+        self, root: str | os.PathLike[str] | None = None, *, template: str | None = None
+    ) -> None:
+        """``template`` pins the template version of the keys (default: ``template_version()``,
+        for sources made by another renderer, e.g. in tests)."""
+        self.root = Path(root).expanduser() if root is not None else default_root()
+        self.base = self.root / LAYOUT_VERSION
+        self.template = template
+
+    @property
+    def template_version(self) -> str:
+        """The template version in this cache's keys."""
+        return self.template or template_version()
+
+    # --- folders ----------------------------------------------------------------------------
+    @property
+    def sources_dir(self) -> Path:
+        return self.base / "sources"
+
+    @property
+    def kernels_dir(self) -> Path:
+        return self.base / "kernels"
+
+    @property
+    def dsl_cache_dir(self) -> Path:
+        """Where the CuTe DSL keeps its own file cache (CUTE_DSL_CACHE_DIR) for our compiles."""
+        return self.root / "cute-dsl"
+
+    def _dir(self, name: str) -> Path:
+        path = self.base / name
+        path.mkdir(parents=True, exist_ok=True)
+        return path
+
+    # --- keys -------------------------------------------------------------------------------
+    def key(
+        self,
+        *,
+        source_sha256: str,
+        kernel: str,
+        arch: str,
+        options: Mapping[str, Any] | None = None,
+    ) -> tuple[str, dict[str, Any]]:
+        """(key, the parts it hashes) for one kernel of one generated source on one arch."""
+        parts = {
+            "source": source_sha256,
+            "kernel": kernel,
+            "arch": arch,
+            "options": dict(sorted((options or {}).items())),
+            **toolchain(self.template),
+        }
+        blob = json.dumps(parts, sort_keys=True, separators=(",", ":"))
+        return hashlib.sha256(blob.encode()).hexdigest()[:40], parts
+
+    # --- sources ----------------------------------------------------------------------------
+    def source_path(self, text: str) -> Path:
+        return self.sources_dir / f"{sha256_text(text)}.py"
+
+    def store_source(self, text: str) -> Path:
+        """Write a generated source under its hash (idempotent, atomic); returns its path.
+
+        A file there whose content does not hash to its name is replaced."""
+        path = self.source_path(text)
+        if path.is_file():
+            try:
+                if path.read_text() == text:
+                    return path
+            except (OSError, UnicodeDecodeError):
+                pass
+            _warn_once(str(path), f"fp4gen cache: corrupt source {path} is rewritten")
+        self._dir("sources")
+        _atomic_write(path, text.encode())
+        return path
+
+    # --- compiled kernels -------------------------------------------------------------------
+    def entry_path(self, key: str) -> Path:
+        return self.kernels_dir / key
+
+    def lookup(self, key: str) -> Entry | None:
+        """The valid entry of ``key``, or None. An invalid entry is removed (warning once)."""
+        path = self.entry_path(key)
+        if not path.exists():
+            return None
+        problem = _verify(path)
+        if problem is None:
+            meta = json.loads((path / ENTRY_FILE).read_text())
+            return Entry(key, path, meta)
+        _warn_once(
+            key,
+            f"fp4gen cache: entry {path} is invalid ({problem}); removing it and rebuilding",
+        )
+        self._remove(path)
+        return None
+
+    def _remove(self, path: Path) -> None:
+        """Remove a folder so that readers never see half of it: rename away, then delete."""
+        trash = Path(tempfile.mkdtemp(prefix="trash-", dir=self._dir("tmp")))
+        with contextlib.suppress(FileNotFoundError):  # someone else removed it
+            os.rename(path, trash / "entry")
+        shutil.rmtree(trash, ignore_errors=True)
+
+    @contextlib.contextmanager
+    def lock(self, key: str) -> Iterator[None]:
+        """An exclusive per-key lock across processes (released if the holder dies)."""
+        path = self._dir("locks") / f"{key}.lock"
+        with open(path, "a+b") as f:
+            fcntl.flock(f.fileno(), fcntl.LOCK_EX)
+            try:
+                yield
+            finally:
+                fcntl.flock(f.fileno(), fcntl.LOCK_UN)
+
+    def get_or_build(
+        self,
+        key: str,
+        build: Callable[[Path], Mapping[str, Any]],
+        *,
+        parts: Mapping[str, Any] | None = None,
+    ) -> tuple[Entry, bool]:
+        """(entry, built): the valid entry of ``key``, built with ``build(folder)`` if needed.
+
+        ``build`` writes the entry's files into the (empty) folder it is given and returns
+        metadata to store with them; the entry is published atomically with checksums."""
+        entry = self.lookup(key)
+        if entry is not None:
+            return entry, False
+        with self.lock(key):
+            entry = self.lookup(key)  # another process may have built it while we waited
+            if entry is not None:
+                return entry, False
+            stage = Path(tempfile.mkdtemp(prefix=f"{key[:16]}-", dir=self._dir("tmp")))
+            try:
+                meta = dict(build(stage))
+                files = {}
+                for p in sorted(stage.iterdir()):
+                    if p.is_file():
+                        files[p.name] = {"size": p.stat().st_size, "sha256": _sha256_file(p)}
+                if not files:
+                    raise CacheError(f"building cache entry {key} produced no files")
+                record = {
+                    "key": key,
+                    "created": time.time(),
+                    "parts": dict(parts or {}),
+                    "files": files,
+                    **{k: v for k, v in meta.items() if k not in ("key", "files", "parts")},
+                }
+                _atomic_write(stage / ENTRY_FILE, json.dumps(record, indent=1).encode())
+                self._dir("kernels")
+                try:
+                    os.rename(stage, self.entry_path(key))
+                except OSError:
+                    # lost a race (the folder exists now): keep the winner's entry if valid
+                    entry = self.lookup(key)
+                    if entry is None:
+                        raise
+                    return entry, False
+            finally:
+                if stage.exists():
+                    shutil.rmtree(stage, ignore_errors=True)
+        entry = self.lookup(key)
+        if entry is None:
+            raise CacheError(f"cache entry {key} vanished right after it was written")
+        return entry, True
+
+    # --- inspection and maintenance -----------------------------------------------------------
+    def entries(self) -> list[Entry]:
+        out = []
+        if self.kernels_dir.is_dir():
+            for path in sorted(self.kernels_dir.iterdir()):
+                meta_file = path / ENTRY_FILE
+                try:
+                    meta = json.loads(meta_file.read_text())
+                except (OSError, ValueError):
+                    continue
+                out.append(Entry(path.name, path, meta))
+        return out
+
+    def info(self) -> dict[str, Any]:
+        size = 0
+        if self.root.is_dir():
+            for p in self.root.rglob("*"):
+                with contextlib.suppress(OSError):
+                    if p.is_file():
+                        size += p.stat().st_size
+        sources = list(self.sources_dir.glob("*.py")) if self.sources_dir.is_dir() else []
+        entries = self.entries()
+        return {
+            "location": str(self.root),
+            "kernels": len(entries),
+            "sources": len(sources),
+            "bytes": size,
+            "by_arch": _count(str(e.meta.get("parts", {}).get("arch", "?")) for e in entries),
+        }
+
+    def clear(self) -> int:
+        """Remove every cached file (sources, kernels, the DSL's cache); returns bytes freed."""
+        freed = self.info()["bytes"] if self.root.exists() else 0
+        if self.root.is_dir():
+            for child in self.root.iterdir():
+                if child.is_dir() and not child.is_symlink():
+                    shutil.rmtree(child, ignore_errors=True)
+                else:
+                    with contextlib.suppress(OSError):
+                        child.unlink()
+        return freed
+
+
+def _count(items: Iterator[str]) -> dict[str, int]:
+    out: dict[str, int] = {}
+    for item in items:
+        out[item] = out.get(item, 0) + 1
+    return dict(sorted(out.items()))
+
+
+def _verify(path: Path) -> str | None:
+    """None if the entry folder is whole, else what is wrong with it."""
+    try:
+        meta = json.loads((path / ENTRY_FILE).read_text())
+        files = meta["files"]
+    except FileNotFoundError:
+        return f"no {ENTRY_FILE}"
+    except (OSError, ValueError, KeyError, TypeError) as err:
+        return f"unreadable {ENTRY_FILE}: {err}"
+    if not isinstance(files, dict) or not files:
+        return f"{ENTRY_FILE} lists no files"
+    for name, want in files.items():
+        f = path / name
+        try:
+            size = f.stat().st_size
+        except OSError:
+            return f"{name} is missing"
+        if size != want.get("size"):
+            return f"{name} has {size} bytes, expected {want.get('size')}"
+        if _sha256_file(f) != want.get("sha256"):
+            return f"{name} does not match its checksum"
+    return None
+
+
+def _atomic_write(path: Path, data: bytes) -> None:
+    """Write ``data`` to ``path`` via a temp file in the same folder and os.replace."""
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+
+
+__all__ = [
+    "CacheError",
+    "Entry",
+    "KernelCache",
+    "cutlass_dsl_version",
+    "default_root",
+    "sha256_text",
+    "template_version",
+    "toolchain",
+]

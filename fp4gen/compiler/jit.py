@@ -1,0 +1,266 @@
+"""Generated kernel modules -> compiled, cached, loaded TVM-FFI functions.
+
+A generated module (what ``fp4gen.codegen.quantize.render(spec)`` returns) defines ``KERNELS``
+(kernel names in launch order), ``compile_kernel(name, arch, *, dump_dir=None)`` (a TVM-FFI
+compiled callable) and ``run(fns, x, *, seed=0, offset=0)`` (allocates the outputs and launches).
+
+Ahead-of-time path, one cache entry per (source, kernel, arch): compile with the DSL, export the
+TVM-FFI function to an object file (``export_to_c``), link it into a shared library against the
+TVM-FFI runtime libraries, and load it with ``cute.runtime.load_module(path, enable_tvm_ffi=True)``.
+Compiling, exporting, linking and loading need no GPU (only calling does), so a CPU machine can
+fill a cache for sm_90a and sm_100a that a GPU machine then loads without compiling. The object
+file is kept too: where no C compiler is found to link, the entry has only ``kernel.o``, which
+``load_module`` links in memory (JITLink) instead.
+"""
+
+from __future__ import annotations
+
+import ast
+import importlib.util
+import os
+import shutil
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+from fp4gen.compiler.cache import Entry, KernelCache, sha256_text
+from fp4gen.compiler.spec import QuantKernelSpec
+
+ARCHS: tuple[str, ...] = ("sm_90a", "sm_100a")
+# Options that change the binary and are not part of the source (the source fixes the rest).
+COMPILE_OPTIONS: dict[str, Any] = {"abi": "tvm-ffi", "export": "so"}
+
+_compile_lock = threading.Lock()  # cute.compile is not thread-safe
+_modules: dict[Path, ModuleType] = {}
+_modules_lock = threading.Lock()
+
+
+# ----------------------------------------------------------------------------------------------
+# Rendering and importing generated modules
+# ----------------------------------------------------------------------------------------------
+
+
+def render_source(spec: QuantKernelSpec) -> str:
+    """The generated module of ``spec``; NotImplementedError if the template cannot emit it."""
+    try:
+        from fp4gen.codegen.quantize import render  # type: ignore[import-not-found]
+    except ImportError as err:
+        if err.name is not None and not err.name.startswith("fp4gen.codegen"):
+            raise
+        raise NotImplementedError(
+            "no quantize kernel template in this fp4gen (fp4gen.codegen.quantize is missing)"
+        ) from err
+    return render(spec)
+
+
+def kernel_names(source: str) -> tuple[str, ...]:
+    """``KERNELS`` of a generated source, read without importing it (no CuTe DSL import)."""
+    tree = ast.parse(source)
+    for node in tree.body:
+        targets: list[ast.expr] = []
+        if isinstance(node, ast.Assign):
+            targets = list(node.targets)
+        elif isinstance(node, ast.AnnAssign) and node.value is not None:
+            targets = [node.target]
+        if any(isinstance(t, ast.Name) and t.id == "KERNELS" for t in targets):
+            value = ast.literal_eval(node.value)  # type: ignore[arg-type]
+            if not isinstance(value, tuple | list) or not all(isinstance(v, str) for v in value):
+                raise ValueError("KERNELS must be a tuple of kernel names")
+            return tuple(value)
+    raise ValueError("the generated module defines no KERNELS")
+
+
+def import_source(path: Path) -> ModuleType:
+    """Import a generated module from its file (once per process and path).
+
+    Kernels must live in files (the DSL reads their source); the module is registered in
+    sys.modules under a name derived from the file so that the DSL and pickling can find it."""
+    path = Path(path).resolve()
+    with _modules_lock:
+        module = _modules.get(path)
+        if module is not None:
+            return module
+        name = "fp4gen_generated_" + "".join(c if c.isalnum() else "_" for c in path.stem)[:48]
+        spec = importlib.util.spec_from_file_location(name, path)
+        if spec is None or spec.loader is None:
+            raise ImportError(f"cannot import the generated module {path}")
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module
+        try:
+            spec.loader.exec_module(module)
+        except BaseException:
+            sys.modules.pop(name, None)
+            raise
+        _modules[path] = module
+        return module
+
+
+def use_cache_for_dsl(cache: KernelCache) -> None:
+    """Point the CuTe DSL's own file cache into ours (unless the user chose a place), before
+    the DSL is imported (it reads its environment once, at import)."""
+    if "CUTE_DSL_CACHE_DIR" not in os.environ and "cutlass" not in sys.modules:
+        os.environ["CUTE_DSL_CACHE_DIR"] = str(cache.dsl_cache_dir)
+
+
+# ----------------------------------------------------------------------------------------------
+# Compile, export, link, load
+# ----------------------------------------------------------------------------------------------
+
+
+def find_linker() -> str | None:
+    """A C compiler driver to link shared libraries with: $CC, cc, gcc or clang."""
+    env = os.environ.get("CC")
+    if env:
+        return shutil.which(env.split()[0])
+    for name in ("cc", "gcc", "clang"):
+        found = shutil.which(name)
+        if found:
+            return found
+    return None
+
+
+def runtime_libraries() -> list[str]:
+    import cutlass.cute as cute
+
+    return list(cute.runtime.find_runtime_libraries(enable_tvm_ffi=True))
+
+
+def symbol_for(key: str) -> str:
+    """The exported function name of a cache entry: unique, so modules never collide."""
+    return f"fp4gen_{key[:24]}"
+
+
+def compile_kernel(
+    module: ModuleType, name: str, arch: str, *, dump_dir: Path | None = None
+) -> tuple[Any, float]:
+    """(TVM-FFI compiled function, seconds) through the module's ``compile_kernel``."""
+    if dump_dir is not None:
+        Path(dump_dir).mkdir(parents=True, exist_ok=True)
+    with _compile_lock:
+        start = time.perf_counter()
+        fn = module.compile_kernel(name, arch, dump_dir=None if dump_dir is None else str(dump_dir))
+        return fn, time.perf_counter() - start
+
+
+def export_entry(fn: Any, folder: Path, symbol: str) -> dict[str, Any]:
+    """Write ``kernel.o`` (export_to_c) and ``kernel.so`` (linked) into ``folder``."""
+    start = time.perf_counter()
+    obj = folder / "kernel.o"
+    fn.export_to_c(str(obj), function_name=symbol, export_only_tvm_ffi_symbols=True)
+    linker = find_linker()
+    artifact = "kernel.o"
+    if linker is not None:
+        so = folder / "kernel.so"
+        proc = subprocess.run(
+            [linker, "-shared", "-o", str(so), str(obj), *runtime_libraries()],
+            capture_output=True,
+            text=True,
+            check=False,
+        )
+        if proc.returncode != 0:
+            raise RuntimeError(f"linking {so} failed:\n{proc.stderr.strip()}")
+        artifact = "kernel.so"
+    return {"artifact": artifact, "export_seconds": time.perf_counter() - start}
+
+
+def load_entry(entry: Entry) -> Callable[..., Any]:
+    """The TVM-FFI function of a cache entry (the shared library, else the object file)."""
+    import cutlass.cute as cute
+
+    symbol = entry.meta["symbol"]
+    candidates = [entry.meta.get("artifact", "kernel.so"), "kernel.so", "kernel.o"]
+    errors = []
+    for name in dict.fromkeys(candidates):
+        if name not in entry.files:
+            continue
+        try:
+            module = cute.runtime.load_module(str(entry.file(name)), enable_tvm_ffi=True)
+            return getattr(module, symbol)
+        except Exception as err:  # try the next artifact
+            errors.append(f"{name}: {err}")
+    raise RuntimeError(f"cannot load cache entry {entry.path}: " + "; ".join(errors))
+
+
+@dataclass(frozen=True)
+class BuiltKernel:
+    """One kernel of one generated module for one arch, in the cache."""
+
+    name: str
+    arch: str
+    entry: Entry
+    built: bool  # compiled by this call (False: loaded from the cache)
+
+    @property
+    def compile_seconds(self) -> float:
+        return float(self.entry.meta.get("compile_seconds", 0.0))
+
+
+def kernel_key(cache: KernelCache, source: str, name: str, arch: str) -> tuple[str, dict[str, Any]]:
+    """(cache key, the parts it hashes) of kernel ``name`` of a generated source on ``arch``."""
+    return cache.key(
+        source_sha256=sha256_text(source), kernel=name, arch=arch, options=COMPILE_OPTIONS
+    )
+
+
+def build_kernel(
+    cache: KernelCache,
+    source_path: Path,
+    name: str,
+    arch: str,
+    *,
+    dump_dir: Path | None = None,
+    key: tuple[str, Mapping[str, Any]] | None = None,
+) -> BuiltKernel:
+    """Make sure the cache holds ``name`` of the generated module at ``source_path`` for
+    ``arch`` (compiling it if not), and return its entry. ``key`` is (key, parts) when the
+    caller computed it already (a compile worker gets its parent's, so the two never differ)."""
+    if key is None:
+        key = kernel_key(cache, Path(source_path).read_text(), name, arch)
+    key, parts = key
+
+    compiled = None
+    if dump_dir is not None:  # dumping PTX needs a real compile, even on a cache hit
+        compiled = compile_kernel(import_source(source_path), name, arch, dump_dir=dump_dir)
+
+    def build(folder: Path) -> Mapping[str, Any]:
+        fn, seconds = compiled or compile_kernel(import_source(source_path), name, arch)
+        meta = export_entry(fn, folder, symbol_for(key))
+        return {"symbol": symbol_for(key), "compile_seconds": seconds, **meta}
+
+    entry, built = cache.get_or_build(key, build, parts=parts)
+    return BuiltKernel(name, arch, entry, built)
+
+
+def detect_arch() -> str:
+    """The arch of the current CUDA device: sm_90a (Hopper), sm_100a (Blackwell), ..."""
+    import torch
+
+    if not torch.cuda.is_available():
+        raise RuntimeError("no CUDA device: pass the target arch explicitly (sm_90a, sm_100a)")
+    major, minor = torch.cuda.get_device_capability()
+    return f"sm_{major}{minor}a"
+
+
+__all__ = [
+    "ARCHS",
+    "COMPILE_OPTIONS",
+    "BuiltKernel",
+    "build_kernel",
+    "compile_kernel",
+    "detect_arch",
+    "export_entry",
+    "find_linker",
+    "import_source",
+    "kernel_key",
+    "kernel_names",
+    "load_entry",
+    "render_source",
+    "symbol_for",
+    "use_cache_for_dsl",
+]
