@@ -1,0 +1,363 @@
+"""Render a QuantKernelSpec into a CuTe DSL module of quantize kernels (rowwise direction).
+
+Everything that depends on the formats is decided here, in Python, and written into the module as
+constants and as straight-line code: the generated source names its formats, grid constants and
+thread mapping, and contains only the code paths the spec needs. Shapes (M, K) stay dynamic.
+
+The generated module's contract (used by ``fp4gen.compiler``):
+
+* ``KERNELS``: kernel names in launch order, ``("amax", "quantize")`` with a global scale, else
+  ``("quantize",)``;
+* ``compile_kernel(name, arch, *, dump_dir=None)``: the TVM-FFI compiled callable of one kernel
+  for ``"sm_90a"`` or ``"sm_100a"`` (no GPU needed); with ``dump_dir`` the PTX is kept there;
+* ``run(fns, x, *, seed=0, offset=0)``: validates ``x``, allocates the outputs, launches the
+  kernels of ``fns`` (name -> callable) and returns ``{"data", "scales", "global_scale"}`` plus
+  ``"scales_swizzled"`` for the swizzled layout.
+
+Numerics: docs/numerics.md, bit for bit (the reference is ``fp4gen.numerics.quantize``).
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass
+from functools import cache
+from pathlib import Path
+from typing import Any
+
+import jinja2
+import torch
+
+from fp4gen.compiler.spec import QuantKernelSpec
+from fp4gen.formats import ElementFormat
+from fp4gen.numerics.hadamard import rht_scale, rht_signs
+from fp4gen.numerics.minifloat import max_exponent, max_finite
+
+TEMPLATE_DIR = Path(__file__).resolve().parent.parent / "templates"
+ARCHS: tuple[str, ...] = ("sm_90a", "sm_100a")
+
+FLT_MAX = float(torch.finfo(torch.float32).max)
+
+# Input dtypes: (cutlass type, torch dtype, bytes per element)
+_INPUTS = {
+    "bf16": ("BFloat16", "bfloat16", 2),
+    "fp16": ("Float16", "float16", 2),
+    "fp32": ("Float32", "float32", 4),
+}
+
+# Hardware converts whose result equals the contract's RNE encode (satfinite = the clamp), keyed
+# by (exp_bits, man_bits, special). Value: (PTX type, arches that have it).
+_HW_CVT = {
+    (2, 1, "finite"): ("e2m1x2", ("sm_100a",)),
+    (2, 3, "finite"): ("e2m3x2", ("sm_100a",)),
+    (3, 2, "finite"): ("e3m2x2", ("sm_100a",)),
+    (4, 3, "fn"): ("e4m3x2", ("sm_90a", "sm_100a")),
+    (5, 2, "ieee"): ("e5m2x2", ("sm_90a", "sm_100a")),
+}
+
+QUANT_THREADS = 256
+AMAX_THREADS = 256
+MAX_UNIT = 64  # elements one thread holds at once (registers)
+
+
+def _f32(x: float) -> float:
+    """x rounded to fp32 (RNE; overflow gives inf), as a Python float."""
+    return torch.tensor(x, dtype=torch.float32).item()
+
+
+def _f32_mul(a: float, b: float) -> float:
+    return (torch.tensor(a, dtype=torch.float32) * torch.tensor(b, dtype=torch.float32)).item()
+
+
+def _f32_div(a: float, b: float) -> float:
+    return (torch.tensor(a, dtype=torch.float32) / torch.tensor(b, dtype=torch.float32)).item()
+
+
+def _lit(x: float) -> str:
+    """A Python literal for an fp32 value (repr round-trips exactly; inf via math.inf)."""
+    if math.isinf(x):
+        return "math.inf" if x > 0 else "-math.inf"
+    return repr(float(x)).replace("e+", "e")
+
+
+def _import_order(name: str) -> tuple:
+    """isort's order within ``from m import ...``: classes before functions, numbers natural."""
+    parts = re.split(r"(\d+)", name)
+    return (name[0].islower(), [int(p) if p.isdigit() else p for p in parts])
+
+
+def _hex(word: int) -> str:
+    return f"0x{word & 0xFFFFFFFF:08X}"
+
+
+@dataclass(frozen=True)
+class Mapping:
+    """How threads cover the flat sequence of blocks (see the generated module's docstring)."""
+
+    unit: int  # elements one thread handles per unit of work (contiguous, 128-bit aligned)
+    blocks_per_unit: int  # whole blocks in a unit (1 when threads cooperate on a block)
+    threads_per_block: int  # threads that share one block (1: a thread owns whole blocks)
+    k_multiple: int  # K must be a multiple of this
+    quant_units: int  # units per thread, quantize kernel
+    amax_units: int  # units per thread, amax kernel
+
+
+def _is_pow2(n: int) -> bool:
+    return n > 0 and n & (n - 1) == 0
+
+
+def choose_mapping(block: int, rht: int | None, in_bytes: int) -> Mapping:
+    """Thread mapping for 1xB blocks (B % 8 == 0) with an optional row RHT of size d."""
+    d = rht or 1
+    k_multiple = math.lcm(block, d)
+    unit = tpb = 0
+    if block > 32:
+        # cooperating threads: each holds EPT elements of one block, shuffles combine the amax
+        for ept in (32, 16, 8):
+            if block % ept == 0 and _is_pow2(block // ept) and block // ept <= 32 and ept % d == 0:
+                unit, tpb = ept, block // ept
+                break
+    if not unit:
+        unit, tpb = k_multiple, 1
+        if unit > MAX_UNIT:
+            raise NotImplementedError(
+                f"1x{block} blocks with an RHT of size {d}: a thread would hold {unit} elements "
+                f"(at most {MAX_UNIT}); cross-thread butterflies / block splits of this shape are "
+                "not generated yet"
+            )
+    unit_bytes = unit * in_bytes
+    quant_units = max(1, 32 // unit_bytes)
+    amax_units = max(1, min(2, 128 // unit_bytes))
+    return Mapping(unit, unit // block if tpb == 1 else 1, tpb, k_multiple, quant_units, amax_units)
+
+
+def _element_ctx(fmt: ElementFormat) -> dict[str, Any]:
+    emax_val = max_finite(fmt)
+    bias = fmt.bias
+    emin = 1 - bias
+    m = fmt.man_bits
+    hw = _HW_CVT.get((fmt.exp_bits, fmt.man_bits, fmt.special))
+    return {
+        "name": fmt.name,
+        "bits": fmt.bits,
+        "exp_bits": fmt.exp_bits,
+        "man_bits": m,
+        "bias": bias,
+        "emin": emin,
+        "emin_biased": emin + 127,
+        "special": fmt.special,
+        "max": _lit(emax_val),
+        "inv_max": _lit(_f32_div(1.0, emax_val)),
+        "emax": max_exponent(fmt),
+        # code = bits(fma(a, 2^(m-k), 2^23)) + (e << m) - rne_bias, e = k + 127
+        "rne_bias": _hex(0x4B000000 + ((emin + 127) << m)),
+        "hw_cvt": hw[0] if hw else None,
+        "hw_archs": hw[1] if hw else (),
+        "sign_mask": 1 << (fmt.bits - 1),
+    }
+
+
+def _scale_ctx(spec: QuantKernelSpec) -> dict[str, Any]:
+    scale = spec.scale
+    if scale.element is None:
+        return {"kind": "fp32", "name": "fp32", "rounding": "exact", "max": _lit(FLT_MAX)}
+    fmt = scale.element
+    base = {
+        "name": fmt.name,
+        "rounding": scale.rounding,
+        "max": _lit(max_finite(fmt)),
+        "bits": fmt.bits,
+        "exp_bits": fmt.exp_bits,
+        "man_bits": fmt.man_bits,
+        "bias": fmt.bias,
+    }
+    if fmt.exponent_only:
+        return {
+            **base,
+            "kind": "exponent",
+            "min": _lit(fmt.min_positive),
+            "max_code": (1 << fmt.exp_bits) - 2,
+        }
+    if (fmt.exp_bits, fmt.man_bits, fmt.special) == (4, 3, "fn") and scale.rounding == "nearest":
+        return {**base, "kind": "e4m3_hw"}
+    emin = 1 - fmt.bias
+    return {
+        **base,
+        "kind": "minifloat",
+        "emin_biased": emin + 127,
+        "rne_bias": _hex(0x4B000000 + ((emin + 127) << fmt.man_bits)),
+    }
+
+
+def _check(spec: QuantKernelSpec) -> None:
+    directions = [o.direction for o in spec.outputs]
+    if directions != ["rowwise"]:
+        raise NotImplementedError(
+            f"{spec.name}: only a single rowwise output is generated so far (got {directions}); "
+            "columnwise and fused rowwise+columnwise kernels come in a later step"
+        )
+    if spec.block[0] != 1:
+        raise NotImplementedError(
+            f"{spec.name}: 2D {spec.block[0]}x{spec.block[1]} blocks are not generated yet "
+            "(only 1xN rowwise blocks)"
+        )
+    if not spec.element.signed:
+        raise ValueError(f"{spec.name}: element formats must be signed, got {spec.element.name}")
+    if spec.block[1] % 8:
+        raise NotImplementedError(
+            f"{spec.name}: block length {spec.block[1]} is not a multiple of 8 (a thread's unit "
+            "must be whole 128-bit loads and whole bytes of codes)"
+        )
+    if spec.input_dtype not in _INPUTS:
+        raise ValueError(f"{spec.name}: unsupported input dtype {spec.input_dtype!r}")
+    out = spec.outputs[0]
+    if out.scale_layout == "swizzled" and spec.scale.element is None:
+        raise ValueError(f"{spec.name}: fp32 block scales have no tensor-core swizzled layout")
+    if out.rht is not None and out.rht.size % 8 and out.rht.size > spec.block[1]:
+        raise NotImplementedError(f"{spec.name}: RHT size {out.rht.size} is not supported")
+
+
+def context(spec: QuantKernelSpec) -> dict[str, Any]:
+    """Everything the template needs, all derived from the spec."""
+    _check(spec)
+    out = spec.outputs[0]
+    cutlass_t, torch_t, in_bytes = _INPUTS[spec.input_dtype]
+    block = spec.block[1]
+    rht = out.rht
+    mapping = choose_mapping(block, rht.size if rht else None, in_bytes)
+    elem = _element_ctx(spec.element)
+    scale = _scale_ctx(spec)
+    scale_max = torch.finfo(torch.float32).max if spec.scale.element is None else None
+    scale_max_val = scale_max if scale_max is not None else max_finite(spec.scale.element)
+    elem_max_val = max_finite(spec.element)
+    unit_bits = mapping.unit * spec.element.bits
+    unit_bytes = unit_bits // 8
+    store_bytes = 4 if unit_bytes % 4 == 0 else 2 if unit_bytes % 2 == 0 else 1
+    rht_ctx = None
+    if rht is not None:
+        signs = [int(s) for s in rht_signs(rht).tolist()]
+        source = {
+            "fixed": "fixed vector",
+            "seeded": f"seeded by Philox, seed {rht.seed}",
+            "none": "no signs",
+        }[rht.sign_source]
+        rht_ctx = {
+            "size": rht.size,
+            "signs": signs,
+            "source": source,
+            "scale": _lit(rht_scale(rht.size)),
+        }
+    hw_archs = elem["hw_archs"] if out.rounding == "nearest" else ()
+    store_type = {4: "Uint32", 2: "Uint16", 1: "Uint8"}[store_bytes]
+    names = {"Float32", "Int32", "Uint8", "Uint32", "range_constexpr", store_type}
+    if out.rounding == "stochastic":
+        names.add("Uint64")
+    k_rule = f"1x{block} blocks" + (f", RHT size {rht.size}" if rht else "")
+    ctx = {
+        "spec": spec,
+        "spec_repr": repr(spec),
+        "name": spec.name,
+        "digest": spec.digest,
+        "kernels": ["amax", "quantize"] if spec.global_scale else ["quantize"],
+        "input": {"name": spec.input_dtype, "cutlass": cutlass_t, "torch": torch_t},
+        "in_bytes": in_bytes,
+        "elem": elem,
+        "rounding": out.rounding,
+        # software element encode: the FFMA round-to-nearest-even path needs a mantissa bit
+        # (rint's even integer is then the even code); everything else takes floor + fraction
+        "sw_encode": "rne" if out.rounding == "nearest" and spec.element.man_bits > 0 else "floor",
+        "hw_archs": list(hw_archs),
+        "scale": scale,
+        "global_scale": spec.global_scale,
+        "global_num": _lit(_f32_mul(scale_max_val, elem_max_val)),
+        "block": block,
+        "map": mapping,
+        "unit_bytes": unit_bytes,
+        "store_bytes": store_bytes,
+        "store_n": unit_bytes // store_bytes,
+        "store_type": store_type,
+        "cutlass_names": sorted(names, key=_import_order),
+        "k_rule": k_rule,
+        "n_words": -(-unit_bits // 32),
+        "rht": rht_ctx,
+        "swizzled": out.scale_layout == "swizzled",
+        "archs": list(ARCHS),
+        "quant_threads": QUANT_THREADS,
+        "amax_threads": AMAX_THREADS,
+        "flt_max": _lit(FLT_MAX),
+    }
+    ctx["uses_math"] = spec.global_scale and "math" in ctx["global_num"]
+    ctx["need_add_rz"] = ctx["sw_encode"] == "floor" or (
+        scale["kind"] == "minifloat"
+        and not (scale["rounding"] == "nearest" and scale["man_bits"] > 0)
+    )
+    ctx["uses_asm"] = bool(
+        ctx["need_add_rz"]
+        or rht
+        or spec.input_dtype == "bf16"
+        or scale["kind"] == "e4m3_hw"
+        or hw_archs
+    )
+    return ctx
+
+
+def _pytuple(items) -> str:
+    """A Python tuple literal: ("a", "b"), (1,) or ()."""
+    items = list(items)
+    body = ", ".join(f'"{i}"' if isinstance(i, str) else repr(i) for i in items)
+    return f"({body},)" if len(items) == 1 else f"({body})"
+
+
+@cache
+def _environment() -> jinja2.Environment:
+    env = jinja2.Environment(
+        loader=jinja2.FileSystemLoader(str(TEMPLATE_DIR)),
+        undefined=jinja2.StrictUndefined,
+        trim_blocks=True,
+        lstrip_blocks=True,
+        keep_trailing_newline=True,
+        autoescape=False,
+    )
+    env.filters["pytuple"] = _pytuple
+    return env
+
+
+_DEFINITION = re.compile(r"^(def |class |@)")
+
+
+def _tidy(source: str) -> str:
+    """PEP 8 spacing of the rendered text: two blank lines around top-level definitions (a
+    top-level def/class/decorator, or a comment after an indented body), at most two blank lines
+    in a row, one newline at the end."""
+    out: list[str] = []
+    for line in source.splitlines():
+        line = line.rstrip()
+        if not line:
+            if len(out) < 2 or out[-1] or out[-2]:
+                out.append(line)
+            continue
+        if not line[0].isspace():
+            prev = next((p for p in reversed(out) if p), "")
+            leaving_body = prev[:1].isspace()
+            if (_DEFINITION.match(line) and not prev.startswith(("@", "#"))) or (
+                leaving_body and line.startswith("#")
+            ):
+                while out and not out[-1]:
+                    out.pop()
+                if out:
+                    out += ["", ""]
+        out.append(line)
+    return "\n".join(out).rstrip("\n") + "\n"
+
+
+def render(spec: QuantKernelSpec) -> str:
+    """The generated CuTe DSL module (Python source) of ``spec``'s rowwise quantize kernels.
+
+    Raises NotImplementedError for columnwise / fused outputs and 2D blocks (a later step adds
+    them), and for block/RHT shapes the thread mapping does not cover.
+    """
+    return _tidy(_environment().get_template("quantize.py.j2").render(**context(spec)))
+
+
+__all__ = ["ARCHS", "Mapping", "choose_mapping", "context", "render"]
