@@ -1,0 +1,279 @@
+"""Generated rowwise quantize kernels on a CUDA GPU, bit-exact against the reference
+``fp4gen.numerics.quantize``: packed codes, scale codes (fp32 scales by bits), the global scale and
+the swizzled scale layout, over formats, shapes, input dtypes and value patterns.
+
+Skipped without a CUDA GPU (marker ``gpu``). The kernels are compiled for the GPU's arch: sm_90a on
+Hopper (where every 4- and 6-bit encode is the software path) or sm_100a on Blackwell.
+"""
+
+from __future__ import annotations
+
+import zlib
+from pathlib import Path
+
+import pytest
+import torch
+
+from fp4gen.codegen import import_source
+from fp4gen.codegen.quantize import choose_mapping, render
+from fp4gen.compiler.spec import QuantKernelSpec, QuantOutput
+from fp4gen.dsl.model import RHTSpec
+from fp4gen.errors import TensorError
+from fp4gen.formats import (
+    E2M1,
+    E2M3,
+    E3M2,
+    E4M3,
+    E5M2,
+    UE8M0,
+    BlockFormat,
+    ElementFormat,
+    ScaleSpec,
+)
+from fp4gen.numerics import quantize
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+]
+
+NVFP4_SCALE = ScaleSpec(E4M3, "nearest")
+MX_SCALE = ScaleSpec(UE8M0, "up")
+TE16 = RHTSpec(16)
+SEEDED32 = RHTSpec(32, "seeded", None, 0)  # the mxfp4 recipe's "rht 32 seed 0"
+
+E3M3FN = ElementFormat(3, 3, special="fn")
+UE5M0 = ElementFormat(5, 0, signed=False)
+E2M0, E3M0, E1M1 = ElementFormat(2, 0), ElementFormat(3, 0), ElementFormat(1, 1)
+
+
+def case(element, block, scale, global_scale, rounding="nearest", rht=None, layout="compact"):
+    return element, block, scale, global_scale, rounding, rht, layout
+
+
+SR = "stochastic"
+CASES = {
+    "nvfp4_rne": case(E2M1, 16, NVFP4_SCALE, True),
+    "nvfp4_sr": case(E2M1, 16, NVFP4_SCALE, True, SR),
+    "nvfp4_rht16_sr": case(E2M1, 16, NVFP4_SCALE, True, SR, TE16),
+    "nvfp4_rht16_rne": case(E2M1, 16, NVFP4_SCALE, True, "nearest", TE16),
+    "nvfp4_rne_swizzled": case(E2M1, 16, NVFP4_SCALE, True, layout="swizzled"),
+    "mxfp4_rne": case(E2M1, 32, MX_SCALE, False),
+    "mxfp4_sr": case(E2M1, 32, MX_SCALE, False, SR),
+    "mxfp4_rht32_sr": case(E2M1, 32, MX_SCALE, False, SR, SEEDED32),
+    "mxfp4_rht32_rne": case(E2M1, 32, MX_SCALE, False, "nearest", SEEDED32, "swizzled"),
+    "mxfp8_e4m3": case(E4M3, 32, MX_SCALE, False),
+    "mxfp8_e5m2": case(E5M2, 32, MX_SCALE, False, layout="swizzled"),
+    "e3m2_b8_rne": case(E3M2, 8, NVFP4_SCALE, True),
+    "e3m2_b8_sr": case(E3M2, 8, NVFP4_SCALE, True, SR),
+    "fp8_block_1x128": case(E4M3, 128, ScaleSpec(None), False),
+    # beyond the shipped recipes
+    "mxfp6_e2m3": case(E2M3, 32, MX_SCALE, False),
+    "mxfp4_ocp": case(E2M1, 32, ScaleSpec(UE8M0, "ocp"), False),
+    "e5m2_ue8m0_down_saturates": case(E5M2, 32, ScaleSpec(UE8M0, "down"), False),
+    "e4m3_ue8m0_down_saturates": case(E4M3, 32, ScaleSpec(UE8M0, "down"), False),
+    "e4m3_sr_ue8m0_nearest_global": case(E4M3, 32, ScaleSpec(UE8M0, "nearest"), True, SR),
+    "e3m3fn_ue5m0_up": case(E3M3FN, 16, ScaleSpec(UE5M0, "up"), False),
+    "e2m0_b24_e4m3_up": case(E2M0, 24, ScaleSpec(E4M3, "up"), False),
+    "e3m0_rz_e3m0_scales": case(E3M0, 16, ScaleSpec(E3M0), True, "zero"),
+    "e1m1_b8_sr_e5m2_scales": case(E1M1, 8, ScaleSpec(E5M2), False, SR),
+    "e5m2_b128_fp32_scales_global_sr": case(E5M2, 128, ScaleSpec(None), True, SR),
+    "nvfp4_b128_rht32_seeded_sr": case(
+        E2M1, 128, ScaleSpec(E4M3, "down"), True, SR, RHTSpec(32, "seeded", None, 5)
+    ),
+    "nvfp4_b16_rht32_rne": case(
+        E2M1, 16, NVFP4_SCALE, True, "nearest", RHTSpec(32, "none", None), "swizzled"
+    ),
+}
+PATTERNS = ("randn", "zeros", "outliers", "subnormal_scales", "ties", "tiny", "huge")
+MS = (1, 7, 128, 272, 1000)
+
+
+def make_spec(case: str, dtype: str) -> QuantKernelSpec:
+    element, block, scale, global_scale, rounding, rht, layout = CASES[case]
+    out = QuantOutput("rowwise", rounding, rht, layout)
+    return QuantKernelSpec(element, (1, block), scale, global_scale, dtype, (out,))  # type: ignore[arg-type]
+
+
+def k_values(spec: QuantKernelSpec) -> list[int]:
+    rht = spec.outputs[0].rht
+    km = choose_mapping(spec.block[1], rht.size if rht else None, 2).k_multiple
+    ks = {km, 3 * km, 2048 if 2048 % km == 0 else 16 * km}
+    if 304 % km == 0:
+        ks.add(304)
+    return sorted(ks)
+
+
+_TORCH = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+
+
+@pytest.fixture(scope="module")
+def arch() -> str:
+    major, _ = torch.cuda.get_device_capability()
+    if major not in (9, 10):
+        pytest.skip(f"no sm_90a/sm_100a kernels for compute capability {major}.x")
+    return {9: "sm_90a", 10: "sm_100a"}[major]
+
+
+@pytest.fixture(scope="module")
+def kernels(tmp_path_factory: pytest.TempPathFactory, arch: str):
+    directory: Path = tmp_path_factory.mktemp("generated")
+    cache: dict = {}
+
+    def get(case: str, dtype: str):
+        key = (case, dtype)
+        if key not in cache:
+            spec = make_spec(case, dtype)
+            mod = import_source(render(spec), directory)
+            fns = {name: mod.compile_kernel(name, arch) for name in mod.KERNELS}
+            cache[key] = (spec, mod, fns)
+        return cache[key]
+
+    return get
+
+
+def reference(spec: QuantKernelSpec, x: torch.Tensor, seed: int, offset: int):
+    out = spec.outputs[0]
+    fmt = BlockFormat("test", spec.element, spec.block, spec.scale, spec.global_scale)
+    return quantize(x, fmt, rounding=out.rounding, hadamard=out.rht, seed=seed, offset=offset)
+
+
+def make_input(spec: QuantKernelSpec, pattern: str, m: int, k: int, salt: int) -> torch.Tensor:
+    dev = torch.device("cuda")
+    g = torch.Generator(device=dev).manual_seed(salt)
+    dtype = _TORCH[spec.input_dtype]
+    b = spec.block[1]
+    x = torch.randn(m, k, generator=g, device=dev)
+    if pattern == "randn":  # rows over a range of magnitudes
+        x = x * torch.exp2(torch.randint(-8, 9, (m, 1), generator=g, device=dev).float())
+    elif pattern == "zeros":
+        x = torch.zeros(m, k, device=dev)
+        x[:, 1::3] = -0.0
+    elif pattern == "outliers":  # tiny, subnormal and zero block scales around the outliers
+        flat = x.view(-1)
+        n = max(1, flat.numel() // 5000)
+        idx = torch.randint(0, flat.numel(), (n,), generator=g, device=dev)
+        flat[idx] *= 1e4
+        flat[idx[:1]] = 3e6
+    elif pattern == "subnormal_scales":  # block magnitudes spread over 2^0 .. 2^-40
+        xb = x.view(m, k // b, b)
+        xb *= torch.exp2(torch.randint(-40, 1, (m, k // b, 1), generator=g, device=dev).float())
+        x.view(-1)[0] = 8.0
+    elif pattern == "ties":
+        x = _ties(spec, m, k, g)
+    elif pattern == "tiny":  # subnormal inputs: S_enc = A / ... overflows to FLT_MAX
+        x = x * 1e-39
+    elif pattern == "huge":
+        x = x * 1e37
+    return x.to(dtype).contiguous()
+
+
+def _ties(spec: QuantKernelSpec, m: int, k: int, g: torch.Generator) -> torch.Tensor:
+    """Blocks whose scaled values land on the element grid, its midpoints (RNE ties) and their
+    fp32 neighbours: one element fixes each block's amax, the others are pool / e_b with e_b the
+    reference's encode factor of that skeleton (exact when e_b is a power of two)."""
+    dev = torch.device("cuda")
+    fmt, b = spec.element, spec.block[1]
+    n_mag = 1 << (fmt.bits - 1)
+    grid = torch.tensor([fmt.value(c) for c in range(n_mag)], dtype=torch.float64)
+    grid = grid[torch.isfinite(grid)]
+    pool = torch.cat([grid, (grid[1:] + grid[:-1]) / 2]).float()
+    pool = torch.cat([pool, torch.nextafter(pool, torch.zeros_like(pool))]).to(dev)
+    nb = k // b
+    mult = torch.tensor([1.0, 1.25, 1.5, 3.0], device=dev)
+    bmax = torch.exp2(torch.randint(-6, 7, (m, nb), generator=g, device=dev).float())
+    bmax = bmax * mult[torch.randint(0, 4, (m, nb), generator=g, device=dev)]
+    sign = torch.where(torch.rand(m, nb, b, generator=g, device=dev) < 0.5, -1.0, 1.0)
+    x = torch.zeros(m, nb, b, device=dev)
+    x[:, :, 0] = bmax * sign[:, :, 0]
+    dtype = _TORCH[spec.input_dtype]
+    e_b = reference(spec, x.reshape(m, k).to(dtype), 0, 0).encode_scales  # [m, nb]
+    fill = pool[torch.randint(0, pool.numel(), (m, nb, b), generator=g, device=dev)]
+    fill = fill * sign / e_b[:, :, None]
+    fill = torch.where(fill.abs() < bmax[:, :, None], fill, torch.zeros_like(fill))
+    x[:, :, 1:] = fill[:, :, 1:]
+    return x.reshape(m, k)
+
+
+def compare(spec: QuantKernelSpec, got: dict, ref, x: torch.Tensor) -> list[str]:
+    bad = []
+    if not torch.equal(got["data"], ref.data):
+        diff = (got["data"] != ref.data).nonzero()
+        r, c = diff[0].tolist()
+        per_byte = 8 / spec.element.bits
+        lo = int(c * per_byte)
+        bad.append(
+            f"data: {diff.shape[0]} bytes differ, first [{r}, {c}]: "
+            f"got {int(got['data'][r, c]):#04x} want {int(ref.data[r, c]):#04x}; "
+            f"x[{r}, {lo}:{lo + 2}] = {x[r, lo : lo + 2].float().tolist()}"
+        )
+    if spec.scale.element is None:
+        ok = torch.equal(got["scales"].view(torch.int32), ref.scales.view(torch.int32))
+    else:
+        ok = torch.equal(got["scales"], ref.scale_codes)
+    if not ok:
+        want = ref.scales if spec.scale.element is None else ref.scale_codes
+        i = (got["scales"] != want).nonzero()[0].tolist()
+        bad.append(f"scales differ, first {i}: got {got['scales'][tuple(i)]} want {want[tuple(i)]}")
+    if not torch.equal(got["global_scale"].view(torch.int32), ref.global_scale.view(torch.int32)):
+        bad.append(f"global scale {got['global_scale'].item()!r} != {ref.global_scale.item()!r}")
+    if spec.outputs[0].scale_layout == "swizzled" and not torch.equal(
+        got["scales_swizzled"], ref.swizzled_scales()
+    ):
+        bad.append("swizzled scales differ")
+    return bad
+
+
+@pytest.mark.parametrize("pattern", PATTERNS)
+@pytest.mark.parametrize("dtype", ["bf16", "fp32"])
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_bit_exact(case: str, dtype: str, pattern: str, kernels) -> None:
+    spec, mod, fns = kernels(case, dtype)
+    failures = []
+    for m in MS:
+        for k in k_values(spec):
+            salt = zlib.crc32(f"{case}/{dtype}/{pattern}/{m}/{k}".encode())
+            x = make_input(spec, pattern, m, k, salt)
+            # seeds and offsets above 2^32 exercise every Philox key and counter word
+            seed, offset = (salt, 0) if m % 2 else ((salt << 32) | 0x5EED, (3 << 32) + m)
+            got = mod.run(fns, x, seed=seed, offset=offset)
+            torch.cuda.synchronize()
+            for msg in compare(spec, got, reference(spec, x, seed, offset), x):
+                failures.append(f"{m}x{k}: {msg}")
+    assert not failures, f"{spec.name}, {pattern}: " + "; ".join(failures[:5])
+
+
+@pytest.mark.parametrize("case", ["nvfp4_rne", "mxfp4_rht32_sr", "e3m2_b8_sr", "fp8_block_1x128"])
+def test_fp16_input(case: str, kernels) -> None:
+    spec, mod, fns = kernels(case, "fp16")
+    for m, k in [(7, 2048), (272, 384)]:
+        x = make_input(spec, "randn", m, k, m + k)
+        got = mod.run(fns, x, seed=11, offset=3)
+        assert not compare(spec, got, reference(spec, x, 11, 3), x)
+
+
+def test_large_tensor_and_repeat_calls(kernels) -> None:
+    """Many CTAs and a second call on the same compiled kernels (fresh amax buffer each run)."""
+    spec, mod, fns = kernels("nvfp4_rht16_sr", "bf16")
+    for scale in (1.0, 100.0):
+        x = make_input(spec, "randn", 4096, 4096, 5) * scale
+        got = mod.run(fns, x, seed=7, offset=1)
+        assert not compare(spec, got, reference(spec, x, 7, 1), x)
+
+
+def test_stochastic_rounding_depends_on_seed_and_offset(kernels) -> None:
+    spec, mod, fns = kernels("nvfp4_sr", "bf16")
+    x = make_input(spec, "randn", 64, 1024, 1)
+    a = mod.run(fns, x, seed=1, offset=0)["data"]
+    assert not torch.equal(a, mod.run(fns, x, seed=2, offset=0)["data"])
+    assert not torch.equal(a, mod.run(fns, x, seed=1, offset=1)["data"])
+    assert torch.equal(a, mod.run(fns, x, seed=1, offset=0)["data"])
+
+
+def test_run_rejects_bad_inputs_on_the_gpu(kernels) -> None:
+    spec, mod, fns = kernels("nvfp4_rne", "bf16")
+    buf = torch.zeros(64, dtype=torch.bfloat16, device="cuda")
+    with pytest.raises(TensorError, match="aligned"):
+        mod.run(fns, buf[1:49].view(3, 16))  # contiguous, but 2 bytes past an aligned address
+    with pytest.raises(TensorError, match="bfloat16"):
+        mod.run(fns, buf.view(4, 16).float())
