@@ -528,6 +528,10 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
     p.set_defaults(func=cmd_formats)
+
+    from fp4gen.compiler.commands import add_commands
+
+    add_commands(sub)  # compile, cache
     return parser
 
 

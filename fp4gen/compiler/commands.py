@@ -1,0 +1,178 @@
+"""The ``fp4gen compile`` and ``fp4gen cache`` commands (registered by ``fp4gen.cli``)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+from fp4gen.errors import FP4GenError
+
+COMPILE_EPILOG = """\
+examples:
+  fp4gen compile recipes/nvfp4.fp4r
+  fp4gen compile recipes/nvfp4.fp4r --arch sm_100a --out /tmp/nvfp4 --keep-ptx
+  fp4gen compile recipes/*.fp4r --out generated --no-timings
+"""
+
+
+def parse_archs(text: str) -> tuple[str, ...]:
+    from fp4gen.compiler.jit import ARCHS
+
+    archs = tuple(dict.fromkeys(a.strip() for a in text.split(",") if a.strip()))
+    bad = [a for a in archs if a not in ARCHS]
+    if not archs or bad:
+        raise argparse.ArgumentTypeError(
+            f"--arch takes a comma-separated list of {', '.join(ARCHS)}; got {text!r}"
+        )
+    return archs
+
+
+def _human(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} GiB"
+
+
+def cmd_compile(args: argparse.Namespace) -> int:
+    from fp4gen.compiler.build import compile_recipes
+    from fp4gen.compiler.cache import KernelCache
+    from fp4gen.dsl import load_recipe
+
+    recipes = [load_recipe(Path(p)) for p in args.recipes]
+    names = [r.name for r in recipes]
+    if len(set(names)) != len(names):
+        raise FP4GenError(f"two recipes have the same name ({', '.join(names)}): one folder each")
+    report = compile_recipes(
+        recipes,
+        archs=args.arch,
+        out=Path(args.out) if args.out else None,
+        keep_ptx=args.keep_ptx,
+        jobs=args.jobs,
+        compile=not args.no_compile,
+        timings=not args.no_timings,
+        cache=KernelCache(args.cache_dir) if args.cache_dir else None,
+        input_dtype=args.input_dtype,
+        fallback=not args.no_fallback,
+    )
+    for build in report.builds:
+        ok = [k for k in build.kernels if k.source is not None and k.fallback_for is None]
+        stand_ins = [k for k in build.kernels if k.fallback_for is not None]
+        unsupported = [k for k in build.kernels if k.unsupported is not None]
+        parts = [f"{len(build.plan.kernels)} planned kernel(s)", f"{len(ok)} generated"]
+        if unsupported:
+            parts.append(f"{len(unsupported)} unsupported")
+        if stand_ins:
+            parts.append(f"{len(stand_ins)} single-output stand-in(s)")
+        print(f"{build.recipe.name}: {', '.join(parts)} -> {build.out / 'manifest.json'}")
+    if report.unsupported:
+        count = sum(len(v) for v in report.unsupported.values())
+        print(f"not supported by the template yet ({count} kernel(s)):", file=sys.stderr)
+        for reason, kernels in report.unsupported.items():
+            for name in kernels:
+                shown = reason if reason.startswith(name) else f"{name}: {reason}"
+                print(f"  {shown}", file=sys.stderr)
+    if not args.no_compile:
+        archs = ", ".join(args.arch)
+        print(
+            f"compiled {report.compiled} kernel(s), {report.cached} from the cache, for {archs} "
+            f"in {report.seconds:.1f}s"
+        )
+    for err in report.errors:
+        print(f"error: {err}", file=sys.stderr)
+    return 1 if report.errors else 0
+
+
+def cmd_cache(args: argparse.Namespace) -> int:
+    from fp4gen.compiler.cache import KernelCache, toolchain
+
+    cache = KernelCache(args.cache_dir) if args.cache_dir else KernelCache()
+    if args.action == "clear":
+        freed = cache.clear()
+        print(f"cleared {cache.root} ({_human(freed)})")
+        return 0
+    info: dict[str, Any] = cache.info()
+    if args.json:
+        info["toolchain"] = toolchain()
+        print(json.dumps(info, indent=2))
+        return 0
+    by_arch = ", ".join(f"{a}: {n}" for a, n in info["by_arch"].items()) or "none"
+    print(f"location   {info['location']}")
+    print(f"kernels    {info['kernels']} ({by_arch})")
+    print(f"sources    {info['sources']}")
+    print(f"size       {_human(info['bytes'])}")
+    return 0
+
+
+def add_commands(sub: Any) -> None:
+    """Register ``compile`` and ``cache`` on the CLI's subparsers."""
+    from fp4gen.compiler.jit import ARCHS
+
+    p = sub.add_parser(
+        "compile",
+        help="generate and compile a recipe's quantize kernels",
+        description="Plan the quantize kernels of each recipe, write every generated CuTe DSL "
+        "module and a manifest.json into the output folder, and compile each kernel for each "
+        "arch in worker processes (no GPU needed) into the kernel cache, from which "
+        "fp4gen.runtime loads them. Specs the template does not support yet are listed in the "
+        "manifest as unsupported.",
+        epilog=COMPILE_EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("recipes", nargs="+", metavar="RECIPE", help=".fp4r recipe files")
+    p.add_argument(
+        "--arch",
+        type=parse_archs,
+        default=ARCHS,
+        metavar="ARCHS",
+        help=f"comma-separated targets (default: {','.join(ARCHS)})",
+    )
+    p.add_argument(
+        "--out",
+        metavar="DIR",
+        help="output folder (default: generated/<recipe>/); with several recipes, one "
+        "subfolder per recipe",
+    )
+    p.add_argument("--keep-ptx", action="store_true", help="keep PTX under DIR/ptx/<arch>/")
+    p.add_argument(
+        "--jobs", "-j", type=int, metavar="N", help="compile worker processes (default: CPUs)"
+    )
+    p.add_argument(
+        "--no-compile", action="store_true", help="only write the sources and the manifest"
+    )
+    p.add_argument(
+        "--no-timings",
+        action="store_true",
+        help="leave compile seconds out of the manifest (for checked-in output)",
+    )
+    p.add_argument(
+        "--no-fallback",
+        action="store_true",
+        help="do not add single-output stand-ins for fused kernels the template lacks",
+    )
+    p.add_argument(
+        "--input-dtype",
+        choices=("bf16", "fp16", "fp32"),
+        default="bf16",
+        help="dtype the kernels read (default: bf16)",
+    )
+    p.add_argument("--cache-dir", metavar="DIR", help="kernel cache (default: FP4GEN_CACHE_DIR)")
+    p.set_defaults(func=cmd_compile)
+
+    p = sub.add_parser(
+        "cache",
+        help="show or clear the kernel cache",
+        description="The on-disk cache of generated sources and compiled kernels: "
+        "$FP4GEN_CACHE_DIR, else $XDG_CACHE_HOME/fp4gen, else ~/.cache/fp4gen.",
+    )
+    p.add_argument("action", choices=("info", "clear"), help="info: location, entries, size")
+    p.add_argument("--json", action="store_true", help="print JSON (info)")
+    p.add_argument("--cache-dir", metavar="DIR", help="the cache folder to use")
+    p.set_defaults(func=cmd_cache)
+
+
+__all__ = ["add_commands", "cmd_cache", "cmd_compile"]

@@ -1,0 +1,63 @@
+"""A compile worker process: ``python -m fp4gen.compiler.worker`` (started by ``fp4gen compile``).
+
+Reads one JSON task per line on stdin ({"source", "kernel", "arch", "dump_dir", "key", "parts"};
+the key is the parent's, so both agree on it even if a template changes meanwhile) and answers one
+JSON result per line on the original stdout; whatever the compiler prints goes to stderr. The
+parent sets CUTE_DSL_ARCH (one arch per worker, before the DSL is imported), FP4GEN_CACHE_DIR and
+CUTE_DSL_CACHE_DIR in its environment. Separate processes because ``cute.compile`` is not
+thread-safe; plain subprocesses (not multiprocessing) so that the caller's ``__main__`` is never
+re-imported.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+
+def compile_task(task: dict[str, Any]) -> dict[str, Any]:
+    from fp4gen.compiler import jit
+    from fp4gen.compiler.cache import KernelCache
+
+    start = time.perf_counter()
+    arch = task["arch"]
+    if os.environ.get("CUTE_DSL_ARCH") != arch:
+        return {"status": f"error: worker for {os.environ.get('CUTE_DSL_ARCH')} got {arch}"}
+    try:
+        built = jit.build_kernel(
+            KernelCache(),
+            Path(task["source"]),
+            task["kernel"],
+            arch,
+            dump_dir=Path(task["dump_dir"]) if task.get("dump_dir") else None,
+            key=(task["key"], task["parts"]) if task.get("key") else None,
+        )
+    except Exception as err:  # reported per kernel; the others go on
+        return {"status": f"error: {type(err).__name__}: {err}", "seconds": 0.0, "cached": False}
+    return {
+        "status": "ok",
+        "seconds": round(built.compile_seconds, 3),
+        "cached": not built.built,
+        "wall": round(time.perf_counter() - start, 3),
+    }
+
+
+def main() -> int:
+    # keep the real stdout for answers; send everything else printed to stderr
+    answers = os.fdopen(os.dup(sys.stdout.fileno()), "w", buffering=1)
+    os.dup2(sys.stderr.fileno(), sys.stdout.fileno())
+    for line in sys.stdin:
+        if not line.strip():
+            continue
+        result = compile_task(json.loads(line))
+        answers.write(json.dumps(result) + "\n")
+        answers.flush()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
