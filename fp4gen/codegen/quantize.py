@@ -138,6 +138,9 @@ def _element_ctx(fmt: ElementFormat) -> dict[str, Any]:
     emin = 1 - bias
     m = fmt.man_bits
     hw = _HW_CVT.get((fmt.exp_bits, fmt.man_bits, fmt.special))
+    code_bias = 0x4B000000 + ((emin + 127) << m)
+    lanes = 32 // fmt.bits
+    sign = 1 << (fmt.bits - 1)
     return {
         "name": fmt.name,
         "bits": fmt.bits,
@@ -150,11 +153,14 @@ def _element_ctx(fmt: ElementFormat) -> dict[str, Any]:
         "max": _lit(emax_val),
         "inv_max": _lit(_f32_div(1.0, emax_val)),
         "emax": max_exponent(fmt),
-        # code = bits(fma(a, 2^(m-k), 2^23)) + (e << m) - rne_bias, e = k + 127
-        "rne_bias": _hex(0x4B000000 + ((emin + 127) << m)),
+        # magnitude code = bits(2^23 + n) + (k + 127) * 2^m - code_bias
+        "code_bias": _hex(code_bias),
+        "word_bias": _hex(sum(code_bias << (fmt.bits * j) for j in range(lanes))),
+        "lane_mags": _hex(sum((sign - 1) << (fmt.bits * j) for j in range(lanes))),
+        "lane_signs": _hex(sum(sign << (fmt.bits * j) for j in range(lanes))),
         "hw_cvt": hw[0] if hw else None,
         "hw_archs": hw[1] if hw else (),
-        "sign_mask": 1 << (fmt.bits - 1),
+        "sign_mask": sign,
     }
 
 
@@ -268,6 +274,8 @@ def context(spec: QuantKernelSpec) -> dict[str, Any]:
         # (rint's even integer is then the even code); everything else takes floor + fraction
         "sw_encode": "rne" if out.rounding == "nearest" and spec.element.man_bits > 0 else "floor",
         "hw_archs": list(hw_archs),
+        # whole codes per 32-bit word (4- and 8-bit): pack and sign them word by word
+        "swar": 32 % spec.element.bits == 0,
         "scale": scale,
         "global_scale": spec.global_scale,
         "global_num": _lit(_f32_mul(scale_max_val, elem_max_val)),
@@ -294,6 +302,7 @@ def context(spec: QuantKernelSpec) -> dict[str, Any]:
     )
     ctx["uses_asm"] = bool(
         ctx["need_add_rz"]
+        or ctx["swar"]
         or rht
         or spec.input_dtype == "bf16"
         or scale["kind"] == "e4m3_hw"
