@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -17,10 +18,18 @@ import pytest
 
 from fp4gen.compiler import cache as cache_mod
 from fp4gen.compiler.cache import KernelCache, default_root, sha256_text
+from fp4gen.compiler.jit import find_linker
 from fp4gen.compiler.spec import QuantKernelSpec, QuantOutput
 from fp4gen.formats import E2M1, E4M3, ScaleSpec
 
 ROOT = Path(__file__).resolve().parent.parent
+
+
+def pythonpath() -> str:
+    """The checkout first, then whatever the environment had (installed dependencies)."""
+    return os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
+
+
 TESTS = Path(__file__).resolve().parent
 
 SPEC = QuantKernelSpec(
@@ -232,7 +241,7 @@ def test_two_processes_build_one_valid_entry(tmp_path: Path) -> None:
     script.write_text(RACE_SCRIPT)
     log = tmp_path / "builds.log"
     start = time.time() + 1.5
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    env = {**os.environ, "PYTHONPATH": pythonpath()}
     procs = [
         subprocess.Popen(
             [sys.executable, str(script), str(tmp_path / "c"), str(start), str(log)],
@@ -308,7 +317,7 @@ def run_load_script(tmp_path: Path) -> dict:
         [sys.executable, str(script), str(tmp_path / "c"), str(TESTS)],
         capture_output=True,
         text=True,
-        env={**os.environ, "PYTHONPATH": str(ROOT)},
+        env={**os.environ, "PYTHONPATH": pythonpath()},
         timeout=300,
         check=False,
     )
@@ -323,15 +332,18 @@ def test_kernels_for_compiles_once_then_loads_in_a_new_process(tmp_path: Path) -
     assert second == {**second, "compiled": 0, "loaded": 2, "callable": True}
     entries = KernelCache(tmp_path / "c").entries()
     assert len(entries) == 2
+    linked = find_linker() is not None
     for e in entries:
-        assert set(e.files) == {"kernel.o", "kernel.so"}
-        assert e.meta["artifact"] == "kernel.so" and e.meta["symbol"].startswith("fp4gen_")
+        assert set(e.files) == ({"kernel.o", "kernel.so"} if linked else {"kernel.o"})
+        assert e.meta["symbol"].startswith("fp4gen_")
         assert e.meta["parts"]["arch"] == "sm_90a"
-        # linked against the TVM-FFI runtime by soname (no path of this machine inside)
-        needed = subprocess.run(
-            ["readelf", "-d", str(e.file("kernel.so"))], capture_output=True, text=True
-        ).stdout
-        assert "libtvm_ffi.so" in needed and str(ROOT) not in needed
+        if linked and shutil.which("readelf"):
+            assert e.meta["artifact"] == "kernel.so"
+            # linked against the TVM-FFI runtime by soname (no path of this machine inside)
+            needed = subprocess.run(
+                ["readelf", "-d", str(e.file("kernel.so"))], capture_output=True, text=True
+            ).stdout
+            assert "libtvm_ffi.so" in needed and str(ROOT) not in needed
 
 
 def test_corrupt_shared_library_is_rebuilt(tmp_path: Path) -> None:

@@ -418,7 +418,7 @@ def test_error_rht_width() -> None:
 
 def test_error_backend_and_format() -> None:
     x = torch.ones(2, 16)
-    with pytest.raises(FP4GenError, match="'cute' backend .* not available yet"):
+    with pytest.raises(FP4GenError, match="'cute' backend .* not available: it runs on CUDA"):
         quantize(x, "nvfp4", backend="cute")
     assert torch.equal(
         quantize(x, "nvfp4", backend="reference").codes, quantize(x, "nvfp4", backend="auto").codes

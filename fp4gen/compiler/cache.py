@@ -9,8 +9,9 @@ Layout (``root`` is $FP4GEN_CACHE_DIR, else $XDG_CACHE_HOME/fp4gen, else ~/.cach
     root/cute-dsl/                  the CuTe DSL's own file cache (CUTE_DSL_CACHE_DIR)
 
 The key of a compiled kernel hashes everything that changes the binary: the source text, the
-kernel name, the target arch, the compile options, and the toolchain (nvidia-cutlass-dsl and
-apache-tvm-ffi versions, the fp4gen template version, the host platform, this layout's version).
+kernel name, the target arch, the compile options, and the toolchain (nvidia-cutlass-dsl, its
+CUDA 12/13 library wheels and apache-tvm-ffi versions, the fp4gen template version, the host
+platform, this layout's version).
 
 Concurrency and crash safety: an entry is built in a private staging folder and published with
 one ``rename``, so readers see a whole entry or none. Builders of one key take the key's lock
@@ -82,6 +83,20 @@ def tvm_ffi_version() -> str:
     return _dist_version("apache-tvm-ffi")
 
 
+@lru_cache(maxsize=1)
+def cutlass_dsl_libs() -> str:
+    """The installed nvidia-cutlass-dsl-libs-* wheels (the CUDA 12 or 13 build of the compiler
+    and runtime: their ptxas and runtime library make different binaries)."""
+    from importlib import metadata
+
+    names = set()
+    for dist in metadata.distributions():
+        name = (dist.metadata["Name"] or "").lower().replace("_", "-")
+        if name.startswith("nvidia-cutlass-dsl-libs-"):
+            names.add(f"{name.removeprefix('nvidia-cutlass-dsl-libs-')} {dist.version}")
+    return ", ".join(sorted(names)) or "absent"
+
+
 _TEMPLATE_DIRS = ("templates", "codegen")
 
 
@@ -121,6 +136,7 @@ def toolchain(template: str | None = None) -> dict[str, str]:
         "fp4gen": __version__,
         "template": template or template_version(),
         "nvidia-cutlass-dsl": cutlass_dsl_version(),
+        "nvidia-cutlass-dsl-libs": cutlass_dsl_libs(),
         "apache-tvm-ffi": tvm_ffi_version(),
         "platform": f"{platform.system()}-{platform.machine()}",
     }

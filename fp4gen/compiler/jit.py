@@ -237,14 +237,21 @@ def build_kernel(
     return BuiltKernel(name, arch, entry, built)
 
 
+_archs: dict[int, str] = {}
+
+
 def detect_arch() -> str:
     """The arch of the current CUDA device: sm_90a (Hopper), sm_100a (Blackwell), ..."""
     import torch
 
     if not torch.cuda.is_available():
         raise RuntimeError("no CUDA device: pass the target arch explicitly (sm_90a, sm_100a)")
-    major, minor = torch.cuda.get_device_capability()
-    return f"sm_{major}{minor}a"
+    device = torch.cuda.current_device()
+    arch = _archs.get(device)
+    if arch is None:
+        major, minor = torch.cuda.get_device_capability(device)
+        arch = _archs[device] = f"sm_{major}{minor}a"
+    return arch
 
 
 __all__ = [

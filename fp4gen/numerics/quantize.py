@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from fp4gen.dsl.model import RHTSpec
-from fp4gen.errors import FP4GenError, TensorError
+from fp4gen.errors import TensorError
 from fp4gen.formats import (
     BUILTIN_FORMATS,
     ELEMENT_ROUNDINGS,
@@ -286,8 +286,9 @@ def quantize(
         last dimension, its output rounded to bf16, and everything below sees the rotated x.
     seed, offset: the Philox stream of stochastic rounding; element (r, c) of the [R, C] tensor
         uses word r * C + c (see ``fp4gen.numerics.philox``).
-    backend: "auto" and "reference" run this code; "cute" (generated kernels) is not available
-        in this version.
+    backend: "reference" runs this code; "cute" the generated CuTe DSL kernels (CUDA tensors,
+        ``fp4gen.runtime.cute_backend``); "auto" the kernels for CUDA tensors they support, else
+        this code.
 
     Algorithm (fp32 throughout):
       pad rows/cols to block multiples with zeros (padding only affects the amaxes, which it
@@ -303,17 +304,20 @@ def quantize(
     """
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
-    if backend == "cute":
-        raise FP4GenError(
-            "the 'cute' backend (generated CuTe DSL kernels) is not available yet in this "
-            "version of fp4gen; use backend='reference' (a later version adds it)"
-        )
     if rounding not in ELEMENT_ROUNDINGS:
         raise ValueError(f"rounding must be one of {ELEMENT_ROUNDINGS}, got {rounding!r}")
     _check_u64("seed", seed)
     _check_u64("offset", offset)
     bf = resolve_format(fmt, block)
     spec = resolve_rht(hadamard)
+    if backend == "cute" or (backend == "auto" and isinstance(x, torch.Tensor) and x.is_cuda):
+        from fp4gen.runtime.cute_backend import quantize_cute
+
+        q = quantize_cute(
+            x, bf, rounding=rounding, rht=spec, seed=seed, offset=offset, required=backend == "cute"
+        )
+        if q is not None:
+            return q
 
     x2 = _as_2d_float32(x)  # validates x first, so x.shape and x.dtype exist below
     if spec is not None:

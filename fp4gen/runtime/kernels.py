@@ -19,7 +19,7 @@ from types import ModuleType
 from typing import Any
 
 from fp4gen.compiler import jit
-from fp4gen.compiler.cache import KernelCache
+from fp4gen.compiler.cache import KernelCache, default_root
 from fp4gen.compiler.spec import QuantKernelSpec
 
 
@@ -74,12 +74,13 @@ def kernels_for(
 
     Raises NotImplementedError when the template cannot generate ``spec`` yet. ``render``
     replaces the template (tests)."""
-    cache = cache or KernelCache()
     arch = arch or jit.detect_arch()
-    memo = (spec, arch, str(cache.root))
+    root = str(cache.root) if cache is not None else str(default_root())
+    memo = (spec, arch, root)
     found = _loaded.get(memo)
     if found is not None and render is None:
         return found
+    cache = cache or KernelCache(root)
     with _lock:
         found = _loaded.get(memo)
         if found is not None and render is None:

@@ -1,0 +1,170 @@
+"""The ``cute`` backend of ``fp4gen.quantize``: generated kernels -> a QuantizedTensor.
+
+``quantize(x, fmt, ..., backend="cute")`` quantizes with the generated kernel of the matching
+single-output rowwise spec (``kernels_for``) and builds the same QuantizedTensor as the reference:
+codes unpacked on the device, block scales decoded from their codes, S_dec as a 0-dim fp32
+tensor. ``backend="auto"`` takes this path for CUDA tensors whose spec and shape the kernels
+support, and otherwise stays on the reference (logged once per reason at INFO).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from typing import Any
+
+import torch
+
+from fp4gen.compiler.spec import InputDType, QuantKernelSpec, QuantOutput
+from fp4gen.dsl.model import RHTSpec
+from fp4gen.errors import FP4GenError, TensorError
+from fp4gen.formats import BlockFormat
+
+log = logging.getLogger("fp4gen.runtime")
+
+_DTYPES: dict[torch.dtype, InputDType] = {
+    torch.bfloat16: "bf16",
+    torch.float16: "fp16",
+    torch.float32: "fp32",
+}
+_unsupported: dict[QuantKernelSpec, str] = {}  # spec -> why the template cannot make it
+_logged: set[str] = set()
+_lock = threading.Lock()
+
+
+def spec_for(
+    fmt: BlockFormat, rounding: str, rht: RHTSpec | None, dtype: torch.dtype
+) -> QuantKernelSpec:
+    """The single-output rowwise kernel spec that quantizes like ``quantize`` does."""
+    if dtype not in _DTYPES:
+        raise TensorError(
+            f"cannot quantize a {dtype} tensor: expected float32, bfloat16 or float16"
+        )
+    return QuantKernelSpec(
+        element=fmt.element,
+        block=fmt.block,
+        scale=fmt.scale,
+        global_scale=fmt.global_scale,
+        input_dtype=_DTYPES[dtype],
+        outputs=(QuantOutput("rowwise", rounding, rht),),  # type: ignore[arg-type]
+    )
+
+
+def _log_once(reason: str) -> None:
+    if reason not in _logged:
+        _logged.add(reason)
+        log.info("quantize(backend='auto') uses the reference: %s", reason)
+
+
+def _kernels(spec: QuantKernelSpec) -> Any:
+    """kernels_for(spec), or the reason the generated kernels cannot serve it (a str)."""
+    reason = _unsupported.get(spec)
+    if reason is not None:
+        return reason
+    from fp4gen.compiler.jit import ARCHS, detect_arch
+    from fp4gen.runtime.kernels import kernels_for
+
+    arch = detect_arch()
+    if arch not in ARCHS:
+        return f"no generated kernels for {arch} (only {', '.join(ARCHS)})"
+    try:
+        return kernels_for(spec, arch)
+    except NotImplementedError as err:
+        reason = f"{spec.name} is not supported by the kernel template yet ({err})"
+    except ImportError as err:
+        reason = f"the CuTe DSL cannot be imported ({err})"
+    with _lock:
+        _unsupported[spec] = reason
+    return reason
+
+
+def quantize_cute(
+    x: torch.Tensor,
+    fmt: BlockFormat,
+    *,
+    rounding: str,
+    rht: RHTSpec | None,
+    seed: int,
+    offset: int,
+    required: bool,
+) -> Any:
+    """A QuantizedTensor from the generated kernels; None when ``required`` is False and the
+    kernels cannot serve this call (the caller then runs the reference)."""
+    from fp4gen.numerics.quantize import QuantizedTensor, _check_finite
+
+    def unavailable(reason: str) -> None:
+        if required:
+            raise FP4GenError(
+                f"the 'cute' backend (generated CuTe DSL kernels) is not available: {reason}"
+            )
+        _log_once(reason)
+
+    if not isinstance(x, torch.Tensor) or x.device.type != "cuda":
+        where = x.device if isinstance(x, torch.Tensor) else type(x).__name__
+        return unavailable(f"it runs on CUDA tensors, got a tensor on {where}")
+    if x.dtype not in _DTYPES or x.numel() == 0:
+        return None if not required else _reference_error(x)
+    spec = spec_for(fmt, rounding, rht, x.dtype)
+    kernels = _kernels(spec)
+    if isinstance(kernels, str):
+        return unavailable(kernels)
+
+    x2 = x.reshape(1, -1) if x.dim() <= 1 else x.reshape(-1, x.shape[-1])
+    if not x2.is_contiguous() or x2.data_ptr() % 16:
+        x2 = x2.contiguous() if not x2.is_contiguous() else x2.clone()
+    check = getattr(kernels.module, "check_input", None)
+    if check is not None:
+        try:
+            check(x2)
+        except TensorError as err:
+            if required:
+                raise
+            _log_once(f"{spec.name} does not take this input ({err})")
+            return None
+    if not bool(torch.isfinite(x2).all()):  # one reduction and sync; the details on failure
+        _check_finite(x, f"the input of shape {tuple(x.shape)}")
+
+    out = kernels.run(x2, seed=seed, offset=offset)
+    return QuantizedTensor(
+        codes=_codes(out["data"], fmt, x2.shape[1]),
+        scales=_scale_values(out["scales"], fmt),
+        scale_codes=None if fmt.scale.element is None else out["scales"],
+        global_scale=out["global_scale"].reshape(()).to(torch.float32),
+        format=fmt,
+        rounding=rounding,
+        rht=rht,
+        seed=seed,
+        offset=offset,
+        shape=x.shape,
+        dtype=x.dtype,
+    )
+
+
+def _reference_error(x: torch.Tensor) -> None:
+    """Raise the reference quantizer's error for an input it rejects."""
+    from fp4gen.numerics.quantize import _as_2d_float32
+
+    _as_2d_float32(x)
+    raise TensorError(f"cannot quantize a tensor of shape {tuple(x.shape)} and dtype {x.dtype}")
+
+
+def _codes(data: torch.Tensor, fmt: BlockFormat, cols: int) -> torch.Tensor:
+    from fp4gen.numerics.layout import unpack
+
+    bits = fmt.element.bits
+    if bits == 8:
+        return data
+    if bits == 4 and cols % 2 == 0:  # element 0 in the low nibble
+        return torch.stack((data & 0xF, data >> 4), dim=-1).reshape(data.shape[0], cols)
+    return unpack(data, bits, cols)
+
+
+def _scale_values(scales: torch.Tensor, fmt: BlockFormat) -> torch.Tensor:
+    from fp4gen.numerics.minifloat import decode
+
+    if fmt.scale.element is None:
+        return scales.to(torch.float32)
+    return decode(scales, fmt.scale.element)
+
+
+__all__ = ["quantize_cute", "spec_for"]
