@@ -135,7 +135,15 @@ def kernels(tmp_path_factory: pytest.TempPathFactory, arch: str):
 def reference(spec: QuantKernelSpec, x: torch.Tensor, seed: int, offset: int):
     out = spec.outputs[0]
     fmt = BlockFormat("test", spec.element, spec.block, spec.scale, spec.global_scale)
-    return quantize(x, fmt, rounding=out.rounding, hadamard=out.rht, seed=seed, offset=offset)
+    return quantize(
+        x,
+        fmt,
+        rounding=out.rounding,
+        hadamard=out.rht,
+        seed=seed,
+        offset=offset,
+        backend="reference",  # "auto" would run the generated kernels on a CUDA tensor
+    )
 
 
 def make_input(spec: QuantKernelSpec, pattern: str, m: int, k: int, salt: int) -> torch.Tensor:
