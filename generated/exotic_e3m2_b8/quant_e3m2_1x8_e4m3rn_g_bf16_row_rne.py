@@ -76,8 +76,8 @@ ELEM_SIGN = 0x20  # sign bit of a code
 ELEM_ROUNDING = "nearest"
 # Hardware convert equal to the contract's RNE encode (satfinite is the clamp): e3m2x2
 ELEM_HW_CVT_ARCHS: tuple[str, ...] = ("sm_100a",)
-# code = bits(fma(a, 2^(m - k), 2^23)) + (e << m) - ELEM_RNE_BIAS with e = k + 127
-ELEM_RNE_BIAS = 0x4B0001F4
+# software encode: magnitude code = bits(2^23 + n) + (k + 127) * 2^m - ELEM_CODE_BIAS
+ELEM_CODE_BIAS = 0x4B0001F4
 
 # Scale format e4m3
 SCALE_NAME = "e4m3"
@@ -165,7 +165,7 @@ def cvt_e4m3_to_f32(code: Uint32, *, loc=None, ip=None) -> Float32:
 
 
 @dsl_user_op
-def cvt_hw_x4(v, *, loc=None, ip=None) -> Uint32:
+def cvt_hw(v, *, loc=None, ip=None) -> Uint32:
     """4 fp32 -> 4 e3m2 codes (RNE, satfinite), one per byte, element 0 in the low byte.
     The codes are 6-bit: the two top bits of each byte are zero.
     The x2 cvt puts its first source in the HIGH byte, so pairs go in as (odd, even)."""
@@ -251,22 +251,26 @@ def block_scale(amax_b: Float32, k_enc: Float32, s_enc, s_dec):
     return out, e_b
 
 
+def elem_raw(y: Float32) -> Uint32:
+    """The e3m2 magnitude code of y plus ELEM_CODE_BIAS (mod 2^32), saturating,
+    rounded to nearest, ties to the even code.
+
+    With a = min(|y|, ELEM_MAX) and k = max(floor(log2 a), ELEM_EMIN), q = a * 2^(m - k) is exact
+    and the grid step is 1 in q, so the magnitude code is n + (k - ELEM_EMIN) * 2^m for the
+    integer n that q rounds to (n = 2^(m+1) rolls into the next binade).
+    One FFMA q + 2^23 rounds to nearest even, and with m >= 1 rint's even integer is the even code.
+    """
+    a = cute.arch.fmin(abs(y), Float32(ELEM_MAX))
+    two_k = cutlass.max(a.bitcast(Uint32) & Uint32(0x7F800000), Uint32(ELEM_EMIN_BIASED << 23))
+    p = (Uint32((ELEM_MAN_BITS + 254) << 23) - two_k).bitcast(Float32)  # 2^(m - k)
+    e_off = two_k >> Uint32(23 - ELEM_MAN_BITS)  # (k + 127) * 2^m
+    return (a * p + Float32(RNE_MAGIC)).bitcast(Uint32) + e_off  # bits(2^23 + rint(q))
+
+
 def with_sign(mag: Uint32, y: Float32) -> Uint32:
     """Add y's sign bit to a magnitude code, only where the magnitude is non-zero."""
     sign = (y.bitcast(Uint32) >> Uint32(32 - ELEM_BITS)) & Uint32(ELEM_SIGN)
     return mag | cutlass.select_(mag != Uint32(0), sign, Uint32(0))
-
-
-def elem_code(y: Float32) -> Uint32:
-    """e3m2 code of y, round to nearest even, saturating. With a = min(|y|, ELEM_MAX) and
-    k = max(floor(log2 a), ELEM_EMIN): q = a * 2^(m - k) is exact and the grid step is 1 in q, so
-    the magnitude code is rint(q) + (k - ELEM_EMIN) * 2^m (m >= 1: rint's even integer is the
-    even code; rint(q) = 2^(m+1) rolls into the next binade)."""
-    a = cute.arch.fmin(abs(y), Float32(ELEM_MAX))
-    e = cutlass.max(a.bitcast(Uint32) >> Uint32(23), Uint32(ELEM_EMIN_BIASED))  # k + 127
-    p = ((Uint32(ELEM_MAN_BITS + 254) - e) << Uint32(23)).bitcast(Float32)  # 2^(m - k)
-    t = (a * p + Float32(RNE_MAGIC)).bitcast(Uint32)  # 2^23 + rint(q): one FFMA, RNE
-    return with_sign(t + (e << Uint32(ELEM_MAN_BITS)) - Uint32(ELEM_RNE_BIAS), y)
 
 
 def encode_elements(ys: list, rand, hw: bool) -> list:
@@ -274,7 +278,7 @@ def encode_elements(ys: list, rand, hw: bool) -> list:
     if hw:
         fields = []
         for i in range(0, len(ys), HW_PER_WORD):
-            w = clear_negative_zero(cvt_hw_x4(ys[i : i + HW_PER_WORD]))
+            w = clear_negative_zero(cvt_hw(ys[i : i + HW_PER_WORD]))
             # four 6-bit codes from the low 6 bits of each byte -> 24 bits
             w = (
                 (w & Uint32(0x3F))
@@ -284,7 +288,10 @@ def encode_elements(ys: list, rand, hw: bool) -> list:
             )
             fields.append((w, 24))
         return fields
-    return [(elem_code(y), ELEM_BITS) for y in ys]
+    return [
+        (with_sign(elem_raw(ys[i]) - Uint32(ELEM_CODE_BIAS), ys[i]), ELEM_BITS)
+        for i in range(len(ys))
+    ]
 
 
 def pack_bits(fields: list) -> list:

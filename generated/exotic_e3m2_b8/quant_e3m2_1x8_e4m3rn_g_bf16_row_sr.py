@@ -76,8 +76,8 @@ INV_ELEM_MAX = 0.0357142873108387  # fp32(1 / ELEM_MAX)
 ELEM_SIGN = 0x20  # sign bit of a code
 ELEM_ROUNDING = "stochastic"
 ELEM_HW_CVT_ARCHS: tuple[str, ...] = ()  # software encode on every arch
-# code of the grid point below = bits(2^23 +rz q) + (e << m) - ELEM_LO_BIAS with e = k + 127
-ELEM_LO_BIAS = 0x4B0001F4
+# software encode: magnitude code = bits(2^23 + n) + (k + 127) * 2^m - ELEM_CODE_BIAS
+ELEM_CODE_BIAS = 0x4B0001F4
 
 # Scale format e4m3
 SCALE_NAME = "e4m3"
@@ -265,34 +265,41 @@ def random_words(u: Int32, keys: list, off_lo: Uint32, off_hi: Uint32) -> list:
     return words
 
 
+def elem_raw(y: Float32, r: Uint32) -> Uint32:
+    """The e3m2 magnitude code of y plus ELEM_CODE_BIAS (mod 2^32), saturating,
+    rounded stochastically with the element's random word r.
+
+    With a = min(|y|, ELEM_MAX) and k = max(floor(log2 a), ELEM_EMIN), q = a * 2^(m - k) is exact
+    and the grid step is 1 in q, so the magnitude code is n + (k - ELEM_EMIN) * 2^m for the
+    integer n that q rounds to (n = 2^(m+1) rolls into the next binade).
+    2^23 +rz q gives floor(q), and frac = q - floor(q) is exact:
+    round up iff r < floor(frac * 2^32) (docs/numerics.md 5).
+    """
+    a = cute.arch.fmin(abs(y), Float32(ELEM_MAX))
+    two_k = cutlass.max(a.bitcast(Uint32) & Uint32(0x7F800000), Uint32(ELEM_EMIN_BIASED << 23))
+    p = (Uint32((ELEM_MAN_BITS + 254) << 23) - two_k).bitcast(Float32)  # 2^(m - k)
+    e_off = two_k >> Uint32(23 - ELEM_MAN_BITS)  # (k + 127) * 2^m
+    q = a * p  # exact
+    t = add_rz(q, Float32(RNE_MAGIC))  # 2^23 + floor(q)
+    raw = t.bitcast(Uint32) + e_off
+    # frac * 2^32 = q * 2^32 - floor(q) * 2^32, every step exact; the cvt truncates
+    floor32 = t * Float32(TWO32) - Float32(2.0**55)
+    up = r < Uint32(q * Float32(TWO32) - floor32)
+    return raw + cutlass.select_(up, Uint32(1), Uint32(0))
+
+
 def with_sign(mag: Uint32, y: Float32) -> Uint32:
     """Add y's sign bit to a magnitude code, only where the magnitude is non-zero."""
     sign = (y.bitcast(Uint32) >> Uint32(32 - ELEM_BITS)) & Uint32(ELEM_SIGN)
     return mag | cutlass.select_(mag != Uint32(0), sign, Uint32(0))
 
 
-def elem_code(y: Float32, r: Uint32) -> Uint32:
-    """e3m2 code of y, saturating, rounded stochastically with the element's random word r.
-
-    With a = min(|y|, ELEM_MAX) and k = max(floor(log2 a), ELEM_EMIN), q = a * 2^(m - k) is exact
-    and the grid step is 1 in q: lo = floor(q) + (k - ELEM_EMIN) * 2^m is the code below a, and
-    frac = q - floor(q) (exact) its distance from it in grid steps.
-    Round up iff r < floor(frac * 2^32) (docs/numerics.md 5).
-    """
-    a = cute.arch.fmin(abs(y), Float32(ELEM_MAX))
-    e = cutlass.max(a.bitcast(Uint32) >> Uint32(23), Uint32(ELEM_EMIN_BIASED))  # k + 127
-    p = ((Uint32(ELEM_MAN_BITS + 254) - e) << Uint32(23)).bitcast(Float32)  # 2^(m - k)
-    q = a * p  # exact
-    t = add_rz(q, Float32(RNE_MAGIC))  # 2^23 + floor(q)
-    lo = t.bitcast(Uint32) + (e << Uint32(ELEM_MAN_BITS)) - Uint32(ELEM_LO_BIAS)
-    frac = q - (t - Float32(RNE_MAGIC))  # exact
-    up = r < Uint32(frac * Float32(TWO32))  # frac * 2^32 < 2^32 is exact; the cvt truncates
-    return with_sign(lo + cutlass.select_(up, Uint32(1), Uint32(0)), y)
-
-
 def encode_elements(ys: list, rand, hw: bool) -> list:
     """Codes of the scaled values ys as (value, width) bit-stream fields, in element order."""
-    return [(elem_code(ys[j], rand[j]), ELEM_BITS) for j in range(len(ys))]
+    return [
+        (with_sign(elem_raw(ys[i], rand[i]) - Uint32(ELEM_CODE_BIAS), ys[i]), ELEM_BITS)
+        for i in range(len(ys))
+    ]
 
 
 def pack_bits(fields: list) -> list:

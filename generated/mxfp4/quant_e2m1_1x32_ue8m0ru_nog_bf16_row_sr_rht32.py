@@ -75,8 +75,12 @@ INV_ELEM_MAX = 0.1666666716337204  # fp32(1 / ELEM_MAX)
 ELEM_SIGN = 0x8  # sign bit of a code
 ELEM_ROUNDING = "stochastic"
 ELEM_HW_CVT_ARCHS: tuple[str, ...] = ()  # software encode on every arch
-# code of the grid point below = bits(2^23 +rz q) + (e << m) - ELEM_LO_BIAS with e = k + 127
-ELEM_LO_BIAS = 0x4B0000FE
+# software encode: magnitude code = bits(2^23 + n) + (k + 127) * 2^m - ELEM_CODE_BIAS
+ELEM_CODE_BIAS = 0x4B0000FE
+LANES = 8  # codes per 32-bit word
+WORD_BIAS = 0xE9EEEEDE  # sum of ELEM_CODE_BIAS << (ELEM_BITS * j), mod 2^32
+LANE_MAGS = 0x77777777  # per lane: the magnitude bits
+LANE_SIGNS = 0x88888888  # per lane: the sign bit
 
 # Scale format ue8m0
 SCALE_NAME = "ue8m0"
@@ -261,34 +265,67 @@ def random_words(u: Int32, keys: list, off_lo: Uint32, off_hi: Uint32) -> list:
     return words
 
 
-def with_sign(mag: Uint32, y: Float32) -> Uint32:
-    """Add y's sign bit to a magnitude code, only where the magnitude is non-zero."""
-    sign = (y.bitcast(Uint32) >> Uint32(32 - ELEM_BITS)) & Uint32(ELEM_SIGN)
-    return mag | cutlass.select_(mag != Uint32(0), sign, Uint32(0))
-
-
-def elem_code(y: Float32, r: Uint32) -> Uint32:
-    """e2m1 code of y, saturating, rounded stochastically with the element's random word r.
+def elem_raw(y: Float32, r: Uint32) -> Uint32:
+    """The e2m1 magnitude code of y plus ELEM_CODE_BIAS (mod 2^32), saturating,
+    rounded stochastically with the element's random word r.
 
     With a = min(|y|, ELEM_MAX) and k = max(floor(log2 a), ELEM_EMIN), q = a * 2^(m - k) is exact
-    and the grid step is 1 in q: lo = floor(q) + (k - ELEM_EMIN) * 2^m is the code below a, and
-    frac = q - floor(q) (exact) its distance from it in grid steps.
-    Round up iff r < floor(frac * 2^32) (docs/numerics.md 5).
+    and the grid step is 1 in q, so the magnitude code is n + (k - ELEM_EMIN) * 2^m for the
+    integer n that q rounds to (n = 2^(m+1) rolls into the next binade).
+    2^23 +rz q gives floor(q), and frac = q - floor(q) is exact:
+    round up iff r < floor(frac * 2^32) (docs/numerics.md 5).
     """
     a = cute.arch.fmin(abs(y), Float32(ELEM_MAX))
-    e = cutlass.max(a.bitcast(Uint32) >> Uint32(23), Uint32(ELEM_EMIN_BIASED))  # k + 127
-    p = ((Uint32(ELEM_MAN_BITS + 254) - e) << Uint32(23)).bitcast(Float32)  # 2^(m - k)
+    two_k = cutlass.max(a.bitcast(Uint32) & Uint32(0x7F800000), Uint32(ELEM_EMIN_BIASED << 23))
+    p = (Uint32((ELEM_MAN_BITS + 254) << 23) - two_k).bitcast(Float32)  # 2^(m - k)
+    e_off = two_k >> Uint32(23 - ELEM_MAN_BITS)  # (k + 127) * 2^m
     q = a * p  # exact
     t = add_rz(q, Float32(RNE_MAGIC))  # 2^23 + floor(q)
-    lo = t.bitcast(Uint32) + (e << Uint32(ELEM_MAN_BITS)) - Uint32(ELEM_LO_BIAS)
-    frac = q - (t - Float32(RNE_MAGIC))  # exact
-    up = r < Uint32(frac * Float32(TWO32))  # frac * 2^32 < 2^32 is exact; the cvt truncates
-    return with_sign(lo + cutlass.select_(up, Uint32(1), Uint32(0)), y)
+    raw = t.bitcast(Uint32) + e_off
+    # frac * 2^32 = q * 2^32 - floor(q) * 2^32, every step exact; the cvt truncates
+    floor32 = t * Float32(TWO32) - Float32(2.0**55)
+    up = r < Uint32(q * Float32(TWO32) - floor32)
+    return raw + cutlass.select_(up, Uint32(1), Uint32(0))
+
+
+@dsl_user_op
+def prmt(a: Uint32, b: Uint32, selector: int, *, loc=None, ip=None) -> Uint32:
+    """Byte permute of {b, a}: selector nibble i picks byte i of the result (bit 3 of the nibble
+    replicates the sign of the picked byte)."""
+    return Uint32(
+        _asm(
+            T.i32(),
+            [Uint32(a).ir_value(loc=loc, ip=ip), Uint32(b).ir_value(loc=loc, ip=ip)],
+            f"prmt.b32 $0, $1, $2, {selector:#x};",
+            "=r,r,r",
+        )
+    )
+
+
+def sign_word(ys: list) -> Uint32:
+    """The sign of ys[j] (8 fp32) at bit 4j + 3, the sign bit of nibble j (other bits garbage).
+    Byte 3 of an fp32 holds its sign: two byte gathers per 4 values, the second replicating
+    each sign over its byte."""
+    yb = [y.bitcast(Uint32) for y in ys]
+    even = prmt(prmt(yb[0], yb[2], 0x0073), prmt(yb[4], yb[6], 0x0073), 0xDC98)
+    odd = prmt(prmt(yb[1], yb[3], 0x0073), prmt(yb[5], yb[7], 0x0073), 0xDC98)
+    return (odd & Uint32(0x80808080)) | (even & Uint32(0x08080808))
 
 
 def encode_elements(ys: list, rand, hw: bool) -> list:
     """Codes of the scaled values ys as (value, width) bit-stream fields, in element order."""
-    return [(elem_code(ys[j], rand[j]), ELEM_BITS) for j in range(len(ys))]
+    # LANES codes per 32-bit word: sum raw_j * 2^(bits * j) by shift-adds, then take all the
+    # ELEM_CODE_BIAS terms off at once (mod 2^32); sign bits only on non-zero codes (SWAR)
+    fields = []
+    for i in range(0, len(ys), LANES):
+        raws = [elem_raw(ys[i + j], rand[i + j]) for j in range(LANES)]
+        w = raws[-1]
+        for raw in reversed(raws[:-1]):
+            w = (w << Uint32(ELEM_BITS)) + raw
+        w = w - Uint32(WORD_BIAS)
+        nonzero = w + Uint32(LANE_MAGS)  # sets a lane's sign bit iff its code is >= 1
+        fields.append((w | (sign_word(ys[i : i + LANES]) & nonzero & Uint32(LANE_SIGNS)), 32))
+    return fields
 
 
 def pack_bits(fields: list) -> list:

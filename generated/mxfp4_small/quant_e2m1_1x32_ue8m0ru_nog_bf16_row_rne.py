@@ -74,8 +74,12 @@ ELEM_SIGN = 0x8  # sign bit of a code
 ELEM_ROUNDING = "nearest"
 # Hardware convert equal to the contract's RNE encode (satfinite is the clamp): e2m1x2
 ELEM_HW_CVT_ARCHS: tuple[str, ...] = ("sm_100a",)
-# code = bits(fma(a, 2^(m - k), 2^23)) + (e << m) - ELEM_RNE_BIAS with e = k + 127
-ELEM_RNE_BIAS = 0x4B0000FE
+# software encode: magnitude code = bits(2^23 + n) + (k + 127) * 2^m - ELEM_CODE_BIAS
+ELEM_CODE_BIAS = 0x4B0000FE
+LANES = 8  # codes per 32-bit word
+WORD_BIAS = 0xE9EEEEDE  # sum of ELEM_CODE_BIAS << (ELEM_BITS * j), mod 2^32
+LANE_MAGS = 0x77777777  # per lane: the magnitude bits
+LANE_SIGNS = 0x88888888  # per lane: the sign bit
 
 # Scale format ue8m0
 SCALE_NAME = "ue8m0"
@@ -135,7 +139,7 @@ def bf16x2_absmax(a: Uint32, b: Uint32, *, loc=None, ip=None) -> Uint32:
 
 
 @dsl_user_op
-def cvt_hw_x8(v, *, loc=None, ip=None) -> Uint32:
+def cvt_hw(v, *, loc=None, ip=None) -> Uint32:
     """8 fp32 -> 8 e2m1 nibbles (RNE, satfinite), element 0 in the low nibble. cvt.e2m1x2 puts
     its first source in the HIGH nibble, so pairs go in as (odd, even)."""
     ops = [Float32(x).ir_value(loc=loc, ip=ip) for x in v]
@@ -238,22 +242,44 @@ def block_scale(amax_b: Float32, k_enc: Float32, s_enc, s_dec):
     return out, e_b
 
 
-def with_sign(mag: Uint32, y: Float32) -> Uint32:
-    """Add y's sign bit to a magnitude code, only where the magnitude is non-zero."""
-    sign = (y.bitcast(Uint32) >> Uint32(32 - ELEM_BITS)) & Uint32(ELEM_SIGN)
-    return mag | cutlass.select_(mag != Uint32(0), sign, Uint32(0))
+def elem_raw(y: Float32) -> Uint32:
+    """The e2m1 magnitude code of y plus ELEM_CODE_BIAS (mod 2^32), saturating,
+    rounded to nearest, ties to the even code.
 
-
-def elem_code(y: Float32) -> Uint32:
-    """e2m1 code of y, round to nearest even, saturating. With a = min(|y|, ELEM_MAX) and
-    k = max(floor(log2 a), ELEM_EMIN): q = a * 2^(m - k) is exact and the grid step is 1 in q, so
-    the magnitude code is rint(q) + (k - ELEM_EMIN) * 2^m (m >= 1: rint's even integer is the
-    even code; rint(q) = 2^(m+1) rolls into the next binade)."""
+    With a = min(|y|, ELEM_MAX) and k = max(floor(log2 a), ELEM_EMIN), q = a * 2^(m - k) is exact
+    and the grid step is 1 in q, so the magnitude code is n + (k - ELEM_EMIN) * 2^m for the
+    integer n that q rounds to (n = 2^(m+1) rolls into the next binade).
+    One FFMA q + 2^23 rounds to nearest even, and with m >= 1 rint's even integer is the even code.
+    """
     a = cute.arch.fmin(abs(y), Float32(ELEM_MAX))
-    e = cutlass.max(a.bitcast(Uint32) >> Uint32(23), Uint32(ELEM_EMIN_BIASED))  # k + 127
-    p = ((Uint32(ELEM_MAN_BITS + 254) - e) << Uint32(23)).bitcast(Float32)  # 2^(m - k)
-    t = (a * p + Float32(RNE_MAGIC)).bitcast(Uint32)  # 2^23 + rint(q): one FFMA, RNE
-    return with_sign(t + (e << Uint32(ELEM_MAN_BITS)) - Uint32(ELEM_RNE_BIAS), y)
+    two_k = cutlass.max(a.bitcast(Uint32) & Uint32(0x7F800000), Uint32(ELEM_EMIN_BIASED << 23))
+    p = (Uint32((ELEM_MAN_BITS + 254) << 23) - two_k).bitcast(Float32)  # 2^(m - k)
+    e_off = two_k >> Uint32(23 - ELEM_MAN_BITS)  # (k + 127) * 2^m
+    return (a * p + Float32(RNE_MAGIC)).bitcast(Uint32) + e_off  # bits(2^23 + rint(q))
+
+
+@dsl_user_op
+def prmt(a: Uint32, b: Uint32, selector: int, *, loc=None, ip=None) -> Uint32:
+    """Byte permute of {b, a}: selector nibble i picks byte i of the result (bit 3 of the nibble
+    replicates the sign of the picked byte)."""
+    return Uint32(
+        _asm(
+            T.i32(),
+            [Uint32(a).ir_value(loc=loc, ip=ip), Uint32(b).ir_value(loc=loc, ip=ip)],
+            f"prmt.b32 $0, $1, $2, {selector:#x};",
+            "=r,r,r",
+        )
+    )
+
+
+def sign_word(ys: list) -> Uint32:
+    """The sign of ys[j] (8 fp32) at bit 4j + 3, the sign bit of nibble j (other bits garbage).
+    Byte 3 of an fp32 holds its sign: two byte gathers per 4 values, the second replicating
+    each sign over its byte."""
+    yb = [y.bitcast(Uint32) for y in ys]
+    even = prmt(prmt(yb[0], yb[2], 0x0073), prmt(yb[4], yb[6], 0x0073), 0xDC98)
+    odd = prmt(prmt(yb[1], yb[3], 0x0073), prmt(yb[5], yb[7], 0x0073), 0xDC98)
+    return (odd & Uint32(0x80808080)) | (even & Uint32(0x08080808))
 
 
 def encode_elements(ys: list, rand, hw: bool) -> list:
@@ -261,10 +287,21 @@ def encode_elements(ys: list, rand, hw: bool) -> list:
     if hw:
         fields = []
         for i in range(0, len(ys), HW_PER_WORD):
-            w = clear_negative_zero(cvt_hw_x8(ys[i : i + HW_PER_WORD]))
+            w = clear_negative_zero(cvt_hw(ys[i : i + HW_PER_WORD]))
             fields.append((w, 32))
         return fields
-    return [(elem_code(y), ELEM_BITS) for y in ys]
+    # LANES codes per 32-bit word: sum raw_j * 2^(bits * j) by shift-adds, then take all the
+    # ELEM_CODE_BIAS terms off at once (mod 2^32); sign bits only on non-zero codes (SWAR)
+    fields = []
+    for i in range(0, len(ys), LANES):
+        raws = [elem_raw(ys[i + j]) for j in range(LANES)]
+        w = raws[-1]
+        for raw in reversed(raws[:-1]):
+            w = (w << Uint32(ELEM_BITS)) + raw
+        w = w - Uint32(WORD_BIAS)
+        nonzero = w + Uint32(LANE_MAGS)  # sets a lane's sign bit iff its code is >= 1
+        fields.append((w | (sign_word(ys[i : i + LANES]) & nonzero & Uint32(LANE_SIGNS)), 32))
+    return fields
 
 
 def pack_bits(fields: list) -> list:
