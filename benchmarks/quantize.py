@@ -1,13 +1,17 @@
 """Bandwidth of the generated rowwise quantize kernels against a device-to-device copy.
 
     python benchmarks/quantize.py [--shapes 8192x8192,16384x8192] [--iters 50] [--no-reference]
+                                  [--deadline 300]
 
 For each format (NVFP4 RNE, NVFP4 SR + RHT16, MXFP4, MXFP8) and each bf16 input of 64 MiB and
 more it prints the bytes the quantize kernel moves per second (input read + codes and scales
 written) as a ratio to ``torch`` copying the same input in the same run (read + write), and the
 speedup of the whole quantization (``run``: allocations, amax kernel if any, quantize kernel)
 over the reference ``fp4gen.numerics.quantize`` under ``torch.compile`` (eager if that fails).
-Every timed output is first checked bit for bit against the reference. Needs a CUDA GPU.
+
+Phase 1 times the kernels (every output checked bit for bit against the reference first) and
+prints a line per shape; phase 2 times the reference, compiled once per format with M dynamic,
+until ``--deadline`` seconds after the start; the summary lines come last. Needs a CUDA GPU.
 """
 
 from __future__ import annotations
@@ -37,9 +41,9 @@ MXFP4 = (E2M1, (1, 32), ScaleSpec(UE8M0, "up"), False)
 MXFP8 = (E4M3, (1, 32), ScaleSpec(UE8M0, "up"), False)
 CONFIGS = {
     "nvfp4 rowwise rne": (NVFP4, "nearest", None),
+    "nvfp4 rowwise sr+rht16": (NVFP4, "stochastic", RHTSpec(16)),
     "mxfp4 rowwise rne": (MXFP4, "nearest", None),
     "mxfp8 rowwise rne": (MXFP8, "nearest", None),
-    "nvfp4 rowwise sr+rht16": (NVFP4, "stochastic", RHTSpec(16)),
 }
 
 
@@ -66,6 +70,20 @@ def same(a: torch.Tensor, b: torch.Tensor) -> bool:
     return a.shape == b.shape and torch.equal(a, b)
 
 
+def make_x(m: int, k: int) -> torch.Tensor:
+    """The benchmark input: bf16 standard normal, the same for a shape in both phases."""
+    g = torch.Generator(device="cuda").manual_seed(m * 131 + k)
+    return torch.randn(m, k, device="cuda", dtype=torch.bfloat16, generator=g)
+
+
+def reference_fn(fmt: BlockFormat, rounding: str, rht: RHTSpec | None):
+    def ref_fn(x):
+        q = quantize(x, fmt, rounding=rounding, hadamard=rht, seed=1, offset=2, backend="reference")
+        return q.data, q.scale_codes, q.global_scale
+
+    return ref_fn
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--shapes", default="8192x8192,16384x8192")
@@ -73,9 +91,13 @@ def main() -> int:
     ap.add_argument("--configs", default=",".join(CONFIGS), help="comma-separated names")
     ap.add_argument("--no-reference", action="store_true", help="skip the reference timing")
     ap.add_argument(
-        "--reference-budget", type=float, default=240.0, help="seconds of torch.compile at most"
+        "--deadline",
+        type=float,
+        default=300.0,
+        help="seconds after the start past which the reference is no longer timed",
     )
     args = ap.parse_args()
+    start = time.perf_counter()
     if not torch.cuda.is_available():
         print("no CUDA GPU: nothing to benchmark")
         return 0
@@ -86,14 +108,16 @@ def main() -> int:
         return 0
     print(f"device {torch.cuda.get_device_name()} ({arch}), torch {torch.__version__}")
     shapes = [tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",")]
+    labels = args.configs.split(",")
     gen_dir = tempfile.mkdtemp(prefix="fp4gen_bench_")
     warnings.filterwarnings("ignore")  # dynamo's graph-break notes on the reference
     logging.getLogger("torch._dynamo").setLevel(logging.ERROR)
     logging.getLogger("torch.fx.experimental.symbolic_shapes").setLevel(logging.ERROR)
     ok = True
-    compile_spent = 0.0
 
-    for label in args.configs.split(","):
+    # ---- phase 1: the generated kernels (checked bit for bit), copy in the same run
+    results: dict[tuple[str, int, int], dict[str, float | bool]] = {}
+    for label in labels:
         (element, block, scale, global_scale), rounding, rht = CONFIGS[label]
         out = QuantOutput("rowwise", rounding, rht)
         spec = QuantKernelSpec(element, block, scale, global_scale, "bf16", (out,))
@@ -106,79 +130,79 @@ def main() -> int:
             fns[name] = mod.compile_kernel(name, arch)
             times.append(f"{name} {time.perf_counter() - t:.2f} s")
         print(f"{label}: {spec.name}: render+import {t1 - t0:.2f} s, compile " + ", ".join(times))
-        fmt = BlockFormat(label, element, block, scale, global_scale)
-
-        def ref_fn(x, fmt=fmt, rounding=rounding, rht=rht):
-            q = quantize(
-                x, fmt, rounding=rounding, hadamard=rht, seed=1, offset=2, backend="reference"
-            )
-            return q.data, q.scale_codes, q.global_scale
-
-        compiled = None
-        ref_kind = "eager"
-        if not args.no_reference:
-            try:
-                compiled = torch.compile(ref_fn)
-                ref_kind = "compiled"
-            except Exception as exc:  # torch.compile unavailable
-                print(f"  torch.compile of the reference failed ({exc!r}); timing it eagerly")
-
+        ref_fn = reference_fn(
+            BlockFormat(label, element, block, scale, global_scale), rounding, rht
+        )
         for m, k in shapes:
-            x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+            x = make_x(m, k)
             in_bytes = x.numel() * x.element_size()
             dst = torch.empty_like(x)
             t_copy = bench(partial(dst.copy_, x), args.iters)
-            bw_copy = 2 * in_bytes / t_copy
-
             res, plan = mod.launches(x, seed=1, offset=2)
             for name, kargs in plan:
                 fns[name](*kargs)
             want = ref_fn(x)
-            exact = (
-                same(res["data"], want[0])
-                and same(res["scales"], want[1])
-                and same(res["global_scale"], want[2])
+            exact = all(
+                same(res[key], w)
+                for key, w in zip(("data", "scales", "global_scale"), want, strict=True)
             )
             ok &= exact
             out_bytes = res["data"].numel() + res["scales"].numel() * res["scales"].element_size()
             kernel_t = {name: bench(partial(fns[name], *kargs), args.iters) for name, kargs in plan}
-            t_q = kernel_t["quantize"]
-            bw_q = (in_bytes + out_bytes) / t_q
             t_run = bench(partial(mod.run, fns, x, seed=1, offset=2), args.iters)
-
-            ref_txt = "reference skipped"
-            if not args.no_reference:
-                fn, kind = (compiled, ref_kind) if compiled is not None else (ref_fn, "eager")
-                if kind == "compiled" and compile_spent > args.reference_budget:
-                    fn, kind = ref_fn, "eager (compile budget spent)"
-                try:
-                    t = time.perf_counter()
-                    if kind == "compiled":
-                        torch._dynamo.mark_dynamic(x, 0)  # one graph for every M
-                    fn(x)
-                    torch.cuda.synchronize()
-                    if kind == "compiled":
-                        first = time.perf_counter() - t
-                        compile_spent += first
-                        print(f"    reference first call (compiles): {first:.1f} s")
-                except Exception as exc:
-                    print(f"  compiled reference failed on {m}x{k} ({exc!r}); timing it eagerly")
-                    fn, kind, compiled = ref_fn, "eager", None
-                t_ref = bench(partial(fn, x), max(1, args.iters // 10))
-                ref_txt = f"{t_ref / t_run:.0f}x reference({kind})"
-            print(
-                f"{label} {m}x{k} bf16: {bw_q / 1e9:.0f} GB/s = {bw_q / bw_copy:.2f} x copy; "
-                f"{ref_txt}{'' if exact else '  NOT BIT-EXACT'}"
-            )
-            detail = ", ".join(f"{n} kernel {t * 1e6:.1f} us" for n, t in kernel_t.items())
+            bw_copy = 2 * in_bytes / t_copy
+            bw_q = (in_bytes + out_bytes) / kernel_t["quantize"]
             run_bytes = (2 if global_scale else 1) * in_bytes + out_bytes  # amax reads x too
+            detail = ", ".join(f"{n} kernel {t * 1e6:.1f} us" for n, t in kernel_t.items())
             print(
-                f"    copy {t_copy * 1e6:.1f} us ({bw_copy / 1e9:.0f} GB/s), {detail}, "
-                f"run() {t_run * 1e6:.1f} us ({run_bytes / t_run / 1e9:.0f} GB/s)"
-                + (f", reference {t_ref * 1e3:.2f} ms" if not args.no_reference else "")
+                f"  {m}x{k}: {bw_q / 1e9:.0f} GB/s = {bw_q / bw_copy:.2f} x copy "
+                f"({'bit-exact' if exact else 'NOT BIT-EXACT'}); copy {t_copy * 1e6:.1f} us "
+                f"({bw_copy / 1e9:.0f} GB/s), {detail}, run() {t_run * 1e6:.1f} us "
+                f"({run_bytes / t_run / 1e9:.0f} GB/s)"
             )
+            results[(label, m, k)] = {"bw": bw_q, "ratio": bw_q / bw_copy, "run": t_run}
             del x, dst, res, plan, want
             torch.cuda.empty_cache()
+
+    # ---- phase 2: the reference, compiled once per format (M dynamic), eager if that fails
+    ref_text: dict[tuple[str, int, int], str] = {}
+    for label in [] if args.no_reference else labels:
+        (element, block, scale, global_scale), rounding, rht = CONFIGS[label]
+        ref_fn = reference_fn(
+            BlockFormat(label, element, block, scale, global_scale), rounding, rht
+        )
+        torch._dynamo.reset()  # formats differ in Python ints that dynamo would make symbolic
+        fn, kind = torch.compile(ref_fn), "compiled"
+        for m, k in shapes:
+            if time.perf_counter() - start > args.deadline:
+                ref_text[(label, m, k)] = "reference not timed (deadline)"
+                continue
+            x = make_x(m, k)
+            if kind == "compiled":
+                try:
+                    torch._dynamo.mark_dynamic(x, 0)
+                    t = time.perf_counter()
+                    fn(x)
+                    torch.cuda.synchronize()
+                    print(f"  reference {label} compiled in {time.perf_counter() - t:.1f} s")
+                except Exception as exc:
+                    print(f"  torch.compile of the reference failed ({type(exc).__name__}): eager")
+                    fn, kind = ref_fn, "eager"
+            t_ref = bench(partial(fn, x), max(1, args.iters // 10))
+            speedup = t_ref / results[(label, m, k)]["run"]
+            ref_text[(label, m, k)] = f"{speedup:.0f}x reference({kind})"
+            print(f"  reference {label} {m}x{k}: {t_ref * 1e3:.2f} ms ({kind})")
+            del x
+            torch.cuda.empty_cache()
+
+    # ---- summary
+    for label in labels:
+        for m, k in shapes:
+            r = results[(label, m, k)]
+            ref = ref_text.get((label, m, k), "reference skipped")
+            print(
+                f"{label} {m}x{k} bf16: {r['bw'] / 1e9:.0f} GB/s = {r['ratio']:.2f} x copy; {ref}"
+            )
     print("all outputs bit-exact" if ok else "SOME OUTPUTS DIFFER FROM THE REFERENCE")
     return 0 if ok else 1
 
