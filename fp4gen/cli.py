@@ -103,7 +103,20 @@ def operand_rows(recipe: Any) -> list[list[str]]:
     return rows
 
 
-def show_text(recipe: Any) -> str:
+def gemm_rows(recipe: Any) -> list[list[str]]:
+    from fp4gen.dsl.model import Operand
+    from fp4gen.gemm_dispatch import gemm_path
+
+    pairs = {
+        "fprop": (Operand.FPROP_ACTIVATION, Operand.FPROP_WEIGHT),
+        "dgrad": (Operand.DGRAD_GRADIENT, Operand.DGRAD_WEIGHT),
+        "wgrad": (Operand.WGRAD_GRADIENT, Operand.WGRAD_ACTIVATION),
+    }
+    ops = recipe.operands
+    return [[g, *gemm_path(ops[a].format, ops[b].format)] for g, (a, b) in pairs.items()]
+
+
+def show_text(recipe: Any, with_plan: bool = True) -> str:
     parts = [f"recipe {recipe.name}"]
     if recipe.description:
         parts.append(f"  {recipe.description}")
@@ -129,6 +142,9 @@ def show_text(recipe: Any) -> str:
             operand_rows(recipe),
         )
     )
+    parts.append("")
+    parts.append("GEMM paths on a GPU (fp4gen.gemm, backend auto)")
+    parts.append(render_table(["gemm", "path", "why"], gemm_rows(recipe)))
     for mor in recipe.mors:
         parts.append("")
         parts.append(
@@ -172,6 +188,11 @@ def show_text(recipe: Any) -> str:
         )
     else:
         parts.append("Precision schedule: none")
+    if with_plan:
+        from fp4gen.compiler.plan import plan_recipe
+
+        parts.append("")
+        parts.append(plan_recipe(recipe).text())
     return "\n".join(parts)
 
 
@@ -180,7 +201,12 @@ def cmd_show(args: argparse.Namespace) -> int:
 
     recipe = load_recipe(Path(args.file))
     if args.json:
-        print(json.dumps(describe.recipe_json(recipe), indent=2))
+        from fp4gen.compiler.plan import plan_recipe
+
+        data = describe.recipe_json(recipe)
+        data["gemm_paths"] = {g: {"path": p, "why": w} for g, p, w in gemm_rows(recipe)}
+        data["kernel_plan"] = plan_recipe(recipe).to_json()
+        print(json.dumps(data, indent=2))
     elif args.canonical:
         from fp4gen.dsl import print_recipe
 

@@ -17,6 +17,7 @@ import logging
 import torch
 
 from fp4gen.errors import FP4GenError, TensorError
+from fp4gen.formats import BlockFormat
 from fp4gen.numerics import QuantizedTensor, gemm_reference
 
 BACKENDS = ("auto", "reference", "dequant")
@@ -49,6 +50,29 @@ def gemm(
             )
         c = accumulate.to(torch.float32) + c
     return c.to(out_dtype)
+
+
+def significand_bits(fmt: BlockFormat) -> int:
+    """Bits of precision of one block value decode(q) * s_b (numerics.md section 6)."""
+    scale = fmt.scale.element
+    scale_bits = 24 if scale is None else 1 if scale.exponent_only else scale.significand_bits
+    return fmt.element.significand_bits + scale_bits
+
+
+def gemm_path(a: BlockFormat | object, b: BlockFormat | object) -> tuple[str, str]:
+    """(path, why) that ``gemm(..., backend="auto")`` takes on a GPU for these operand formats."""
+    if not (isinstance(a, BlockFormat) and isinstance(b, BlockFormat)):
+        return "high-precision GEMM", "an operand is kept in high precision (upcast, fp32 sum)"
+    bits = max(significand_bits(a), significand_bits(b))
+    if a.gemm_exact_in_bf16() and b.gemm_exact_in_bf16():
+        return (
+            "dequantize to bf16 + cuBLAS (fp32 accumulation)",
+            f"element x block scale needs {bits} significant bits, exact in bf16 (8)",
+        )
+    return (
+        "dequantize to fp32 + fp32 GEMM (no TF32)",
+        f"element x block scale needs {bits} significant bits, more than bf16's 8",
+    )
 
 
 def _dequant_gemm(

@@ -78,6 +78,17 @@ def test_show_json(capsys: pytest.CaptureFixture[str]) -> None:
     assert op["format"]["element"]["name"] == "e2m1"
     assert op["format"]["scale"]["format"] == "e4m3"
     assert data["operands"]["fprop.weight"]["format"]["block"] == [16, 16]
+    assert data["gemm_paths"]["wgrad"]["path"].startswith("dequantize to bf16")
+    assert len(data["kernel_plan"]["kernels"]) == 3
+
+
+def test_show_gemm_paths_and_plan(capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, _ = run(capsys, "show", str(RECIPES / "fp8_blockwise.fp4r"))
+    assert code == 0
+    # fp32 block scales: e4m3 x fp32 needs 28 significant bits, so no exact bf16 path
+    assert "dequantize to fp32 + fp32 GEMM (no TF32)" in out
+    assert "28 significant bits" in out
+    assert "kernel plan for recipe fp8_blockwise: 2 quantize kernel(s)" in out
 
 
 def test_show_canonical_round_trips(capsys: pytest.CaptureFixture[str]) -> None:
