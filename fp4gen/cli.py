@@ -434,6 +434,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
         seed=args.seed,
         device=device,
         out=Path(args.out),
+        telemetry_every=args.telemetry,
     )
     run_demo(cfg, log=lambda line: print(line, flush=True))
     return 0
@@ -545,6 +546,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0, help="initialization, data and rounding seed")
     p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
     p.add_argument("--out", default="fp4gen-demo", help="output folder (default: fp4gen-demo)")
+    p.add_argument(
+        "--telemetry",
+        type=int,
+        default=0,
+        metavar="N",
+        help="record quantization telemetry every N layer calls into telemetry.json (see "
+        "'fp4gen report'); default 0: off",
+    )
     p.set_defaults(func=cmd_demo)
 
     p = sub.add_parser(
@@ -558,6 +567,9 @@ def build_parser() -> argparse.ArgumentParser:
     from fp4gen.compiler.commands import add_commands
 
     add_commands(sub)  # compile, cache
+    from fp4gen.report import add_commands as add_report_commands
+
+    add_report_commands(sub)  # report
     return parser
 
 

@@ -130,6 +130,7 @@ def test_converted_model_trains_on_cpu() -> None:
     assert all(0 <= r["rel_error"] < 0.5 for r in records)
 
 
-def test_mor_recipe_is_rejected_at_conversion() -> None:
-    with pytest.raises(fp4gen.FP4GenError, match="does not run MoR operands yet"):
-        fp4gen.convert(gpt(), load_recipe("mor_tensor.fp4r"))
+def test_mor_recipe_converts() -> None:
+    model = fp4gen.convert(gpt(), load_recipe("mor_tensor.fp4r"))
+    layer = model.blocks[0].mlp.fc1
+    assert isinstance(layer, fp4gen.nn.Linear) and set(layer.mors) == {"tensor_e4m3"}

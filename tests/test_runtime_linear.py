@@ -142,9 +142,12 @@ def test_bad_inputs() -> None:
         fp4gen.nn.Linear(4, 4)
 
 
-def test_mor_recipes_are_rejected_clearly() -> None:
-    with pytest.raises(fp4gen.FP4GenError, match="does not run MoR operands yet"):
-        fp4gen.nn.Linear(64, 48, recipe=load_recipe("mor_tensor.fp4r"))
+def test_mor_rules_must_be_given_with_an_operand_table() -> None:
+    recipe = load_recipe("mor_tensor.fp4r")
+    fp4gen.nn.Linear(64, 48, recipe=recipe)  # the recipe brings its rules
+    with pytest.raises(fp4gen.FP4GenError, match="'tensor_e4m3', which is not among the rules"):
+        fp4gen.nn.Linear(64, 48, operands=recipe.operands)
+    fp4gen.nn.Linear(64, 48, operands=recipe.operands, mors=recipe.mors)
 
 
 @pytest.mark.parametrize("backend", ["aot_eager", "inductor"])

@@ -2,12 +2,15 @@
 
 Every recipe starts from the same initial weights and sees the same batches, so the curves differ
 only by the numerics. "bf16" is the baseline: the unconverted model under bf16 autocast (the
-converted models run under the same autocast, so their high-precision layers match it).
+converted models run under the same autocast, so their high-precision layers match it). With
+``telemetry_every`` > 0 the converted layers record telemetry, written to telemetry.json (each
+record tagged with its recipe) for ``fp4gen report``.
 """
 
 from __future__ import annotations
 
 import csv
+import json
 import math
 import time
 from collections.abc import Callable
@@ -19,7 +22,13 @@ import torch
 from fp4gen.demo.data import ByteBatches, stdlib_corpus
 from fp4gen.demo.gpt import GPT, GPTConfig
 from fp4gen.dsl import load_recipe
-from fp4gen.runtime.convert import convert, count_converted, set_step
+from fp4gen.runtime.convert import (
+    convert,
+    count_converted,
+    enable_telemetry,
+    set_step,
+    telemetry,
+)
 
 SIZES: dict[str, GPTConfig] = {
     "tiny": GPTConfig(context=64, layers=4, heads=4, width=64),  # ~0.2M parameters: CPU minutes
@@ -39,6 +48,7 @@ class DemoConfig:
     seed: int = 0
     device: str = "cpu"
     out: Path = Path("fp4gen-demo")
+    telemetry_every: int = 0  # record telemetry every N layer calls (0: off)
 
 
 @dataclass(frozen=True)
@@ -72,14 +82,20 @@ def _val_loss(model: GPT, data: ByteBatches, cfg: DemoConfig, device: torch.devi
 
 
 def train_one(
-    recipe: str, cfg: DemoConfig, corpus: bytes, log: Callable[[str], None]
+    recipe: str,
+    cfg: DemoConfig,
+    corpus: bytes,
+    log: Callable[[str], None],
+    records: list[dict] | None = None,
 ) -> list[Point]:
+    """Train one recipe; its telemetry records (if enabled) are appended to ``records``."""
     device = torch.device(cfg.device)
     torch.manual_seed(cfg.seed)
     model = GPT(SIZES[cfg.size]).to(device)
     if recipe != "bf16":
         path = recipe if recipe.endswith(".fp4r") else f"{recipe}.fp4r"  # shipped recipe names
         convert(model, load_recipe(path), seed=cfg.seed, total_steps=cfg.steps)
+        enable_telemetry(model, cfg.telemetry_every)
     log(
         f"[{recipe}] {sum(p.numel() for p in model.parameters()) / 1e6:.2f}M parameters, "
         f"{count_converted(model)} linear layers converted"
@@ -109,6 +125,8 @@ def train_one(
                 f"[{recipe}] step {step:5d}/{cfg.steps}  train {p.train_loss:.4f}  "
                 f"val {val:.4f}  ({p.seconds:.0f} s)"
             )
+    if records is not None and recipe != "bf16":
+        records.extend({"recipe": recipe, **r} for r in telemetry(model))
     return points
 
 
@@ -159,9 +177,14 @@ def run_demo(cfg: DemoConfig, log: Callable[[str], None] = print) -> list[Point]
     corpus = stdlib_corpus()
     log(f"corpus: {len(corpus) / 1e6:.1f} MB of Python standard-library source")
     points: list[Point] = []
+    records: list[dict] = []
     for recipe in cfg.recipes:
-        points += train_one(recipe, cfg, corpus, log)
+        points += train_one(recipe, cfg, corpus, log, records)
     write_csv(points, cfg.out / "losses.csv")
+    if cfg.telemetry_every:
+        path = cfg.out / "telemetry.json"
+        path.write_text(json.dumps({"records": records}))
+        log(f"wrote {path} ({len(records)} records; draw it with: fp4gen report {path})")
     title = f"{cfg.size} GPT on stdlib bytes, {cfg.steps} steps, batch {cfg.batch}"
     if plot(points, cfg.out / "losses.png", title):
         log(f"wrote {cfg.out / 'losses.csv'} and {cfg.out / 'losses.png'}")

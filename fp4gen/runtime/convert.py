@@ -9,7 +9,8 @@ the first that matches a layer decides it:
   percentage P of a count C covers round(P * C) units (halves round up);
 - ``match "glob"``: fnmatch on the module's qualified name;
 - the action keeps the layer in high precision (bf16/fp16/fp32: the module is left as it is),
-  or quantizes all its operands with one format, or uses another recipe's operand table.
+  or quantizes all its operands with one format, or uses another recipe's operand table (and
+  the MoR rules that recipe defines).
 
 Layers no rule matches use the recipe's own operand table, except those outside the repeated
 blocks (embeddings are not linear; output heads and the like): they stay as they are unless a
@@ -24,11 +25,11 @@ from dataclasses import dataclass, field
 
 from torch import nn
 
-from fp4gen.dsl.model import LayerRule, LayerSelector, OperandTable, Recipe, RecipeRef
+from fp4gen.dsl.model import LayerRule, LayerSelector, MoRSpec, OperandTable, Recipe, RecipeRef
 from fp4gen.errors import FP4GenError
 from fp4gen.formats import HighPrecision
 from fp4gen.runtime.linear import Linear
-from fp4gen.runtime.schedule import TrainingClock, action_table
+from fp4gen.runtime.schedule import TrainingClock, action_mors, action_table
 
 _INDEX = re.compile(r"^\d+$")
 
@@ -44,6 +45,7 @@ class LayerDecision:
     precision: str  # "bf16", a format name, or "recipe <name>"
     reason: str
     table: OperandTable | None = field(default=None, compare=False, repr=False)
+    mors: tuple[MoRSpec, ...] = field(default=(), compare=False, repr=False)  # rules table names
 
 
 def find_blocks(model: nn.Module) -> tuple[str | None, dict[str, int]]:
@@ -117,7 +119,14 @@ def plan_layers(model: nn.Module, recipe: Recipe) -> list[LayerDecision]:
                         else action.name
                     )
                     decision = LayerDecision(
-                        name, index, block, False, label, _describe(rule), action_table(action)
+                        name,
+                        index,
+                        block,
+                        False,
+                        label,
+                        _describe(rule),
+                        action_table(action),
+                        action_mors(action),
                     )
                 break
         if decision is None:
@@ -127,7 +136,14 @@ def plan_layers(model: nn.Module, recipe: Recipe) -> list[LayerDecision]:
                 )
             else:
                 decision = LayerDecision(
-                    name, index, block, False, f"recipe {recipe.name}", "default", recipe.operands
+                    name,
+                    index,
+                    block,
+                    False,
+                    f"recipe {recipe.name}",
+                    "default",
+                    recipe.operands,
+                    recipe.mors,
                 )
         decisions.append(decision)
     return decisions
@@ -154,6 +170,7 @@ def convert(
         raise TypeError(f"convert() takes an nn.Module, got {type(model).__name__}")
     clock = TrainingClock(total_steps=total_steps)
     decisions = plan_layers(model, recipe)
+    schedule_mors = tuple(m for rule in recipe.schedule for m in action_mors(rule.action))
     modules = dict(model.named_modules())
     for decision in decisions:
         if decision.kept:
@@ -165,8 +182,10 @@ def convert(
             name=decision.name,
             backend=backend,
             clock=clock,
+            mors=decision.mors + schedule_mors,
         )
         layer.schedule.rules = recipe.schedule  # the schedule applies to every converted layer
+        layer.check_supported()
         _set_module(model, decision.name, layer)
     model._fp4gen_plan = decisions  # type: ignore[attr-defined]
     model._fp4gen_clock = clock  # type: ignore[attr-defined]

@@ -11,22 +11,31 @@ with offset = 8 * (the layer's forward or backward call count) + the operand slo
 the same seed and data gives the same bits. The weight is quantized once per optimizer step
 (cached on the parameter's version counter) and reused across micro-batches; with 2D blocks the
 columnwise weight is the transpose of the same codes.
+
+Operands whose format is a Mixture-of-Representations rule (``mor NAME``) are quantized by the
+MoR reference (``fp4gen.numerics.mor``) with the rule the layer was given (``mors``: the
+recipe's own, plus those of recipes its schedule switches to); the columnwise MoR weight is
+quantized from W^T (MoR decides per operand, as the paper applies it to tensors and their
+transposes). Telemetry, when enabled, records every operand; MoR operands add the fraction of
+decision units kept in high precision and a histogram of relative errors (0.5% bins).
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch import nn
 
-from fp4gen.dsl.model import Operand, OperandSpec, OperandTable, Recipe
+from fp4gen.dsl.model import MoRSpec, Operand, OperandSpec, OperandTable, Recipe
 from fp4gen.errors import TensorError
 from fp4gen.numerics import QuantizedTensor, error_stats
+from fp4gen.numerics.mor import MoRTensor
 from fp4gen.runtime import ops
-from fp4gen.runtime.operands import check_supported, operand_matmul, quantize_operand
-from fp4gen.runtime.schedule import ScheduledOperands, TrainingClock
+from fp4gen.runtime.operands import check_supported, mor_scope, operand_matmul, quantize_operand
+from fp4gen.runtime.schedule import ScheduledOperands, TrainingClock, action_mors, action_table
 
 SLOT = {op: i for i, op in enumerate(Operand)}
 
@@ -50,7 +59,8 @@ class Linear(nn.Linear):
     """torch.nn.Linear whose three GEMMs run with the numerics of a recipe.
 
     Same constructor and state_dict as torch.nn.Linear, plus the recipe (or an explicit operand
-    table), a seed for stochastic rounding and a name used in telemetry.
+    table and the MoR rules it names), a seed for stochastic rounding and a name used in
+    telemetry.
     """
 
     def __init__(
@@ -67,19 +77,20 @@ class Linear(nn.Linear):
         name: str = "",
         backend: str = "auto",
         clock: TrainingClock | None = None,
+        mors: Iterable[MoRSpec] = (),
     ) -> None:
         super().__init__(in_features, out_features, bias=bias, device=device, dtype=dtype)
         if (recipe is None) == (operands is None):
             raise ValueError("give exactly one of recipe= or operands=")
         table = recipe.operands if recipe is not None else operands
         assert table is not None
-        for op, spec in table.items():
-            check_supported(spec, f"{name or 'this layer'}: {op.selector}")
-        self.schedule = ScheduledOperands(
-            table, recipe.schedule if recipe is not None else (), clock or TrainingClock()
-        )
+        rules = recipe.schedule if recipe is not None else ()
+        own = recipe.mors if recipe is not None else ()
+        self.mors = mor_scope(own, mors, *(action_mors(r.action) for r in rules))
+        self.schedule = ScheduledOperands(table, rules, clock or TrainingClock())
         self.seed = seed
         self.name = name
+        self.check_supported()
         self.backend = backend
         self.telemetry = Telemetry()
         self._weight_cache = _WeightCache()
@@ -104,6 +115,14 @@ class Linear(nn.Linear):
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, seed={self.seed}"
+
+    def check_supported(self) -> None:
+        """Raise FP4GenError for an operand (of the base table or any table the schedule switches
+        to) that the runtime cannot run, e.g. a MoR rule the layer was not given."""
+        tables = [self.schedule.base, *(action_table(r.action) for r in self.schedule.rules)]
+        for table in tables:
+            for op, spec in table.items():
+                check_supported(spec, f"{self.name or 'this layer'}: {op.selector}", self.mors)
 
     @property
     def operands(self) -> OperandTable:
@@ -130,6 +149,7 @@ class Linear(nn.Linear):
         xq = self.quantize(x2, Operand.FPROP_ACTIVATION, table.fprop_activation, call)
         w_row, _ = self.quantized_weight(table)
         self.record(Operand.FPROP_ACTIVATION, x2, xq, call)
+        self.record(Operand.FPROP_WEIGHT, self.weight.detach(), w_row, call)
         y = operand_matmul(xq, w_row)
         return y if bias is None else y + bias.to(torch.float32)
 
@@ -147,12 +167,14 @@ class Linear(nn.Linear):
         dyq = self.quantize(dy2, Operand.DGRAD_GRADIENT, table.dgrad_gradient, call)
         dx = operand_matmul(dyq, w_col)
         self.record(Operand.DGRAD_GRADIENT, dy2, dyq, call)
+        self.record(Operand.DGRAD_WEIGHT, self.weight.detach().t(), w_col, call)
 
         dy_t, x_t = dy2.t().contiguous(), x2.t().contiguous()
         dyq_t = self.quantize(dy_t, Operand.WGRAD_GRADIENT, table.wgrad_gradient, call)
         xq_t = self.quantize(x_t, Operand.WGRAD_ACTIVATION, table.wgrad_activation, call)
         dw = operand_matmul(dyq_t, xq_t)
         self.record(Operand.WGRAD_GRADIENT, dy_t, dyq_t, call)
+        self.record(Operand.WGRAD_ACTIVATION, x_t, xq_t, call)
         return dx, dw
 
     def quantized_weight(self, table: OperandTable) -> tuple[Any, Any]:
@@ -168,6 +190,7 @@ class Linear(nn.Linear):
                 seed=self.seed,
                 offset=offset + SLOT[Operand.FPROP_WEIGHT],
                 backend=self.backend,
+                mors=self.mors,
             )
             if _transposable(rowwise, table.fprop_weight, table.dgrad_weight):
                 columnwise = rowwise.transpose()  # 2D blocks: the same codes, never requantized
@@ -178,22 +201,35 @@ class Linear(nn.Linear):
                     seed=self.seed,
                     offset=offset + SLOT[Operand.DGRAD_WEIGHT],
                     backend=self.backend,
+                    mors=self.mors,
                 )
             cache.key, cache.rowwise, cache.columnwise = key, rowwise, columnwise
         return cache.rowwise, cache.columnwise
 
     def quantize(self, t: torch.Tensor, op: Operand, spec: OperandSpec, call: int) -> Any:
         return quantize_operand(
-            t, spec, seed=self.seed, offset=8 * call + SLOT[op], backend=self.backend
+            t,
+            spec,
+            seed=self.seed,
+            offset=8 * call + SLOT[op],
+            backend=self.backend,
+            mors=self.mors,
         )
 
     def record(self, op: Operand, source: torch.Tensor, quantized: Any, call: int) -> None:
+        """Append one telemetry record for a quantized operand (high-precision ones have none):
+        error statistics for block formats, decisions and error histograms for MoR."""
         every = self.telemetry.every
-        if not every or call % every or not isinstance(quantized, QuantizedTensor):
+        if not every or call % every:
             return
-        stats = error_stats(source, quantized)
+        if isinstance(quantized, QuantizedTensor):
+            stats = vars(error_stats(source, quantized))
+        elif isinstance(quantized, MoRTensor):
+            stats = quantized.stats()
+        else:
+            return
         self.telemetry.records.append(
-            {"layer": self.name, "call": call, "operand": op.selector, **vars(stats)}
+            {"layer": self.name, "call": call, "operand": op.selector, **stats}
         )
 
 

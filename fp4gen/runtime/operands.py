@@ -1,20 +1,28 @@
 """One GEMM operand of a linear layer: quantize it as its OperandSpec says, and multiply two.
 
-An operand is either a QuantizedTensor (block-scaled format) or a plain tensor already rounded to
-its high-precision dtype. ``operand_matmul`` computes A @ B^T for any mix: two quantized operands
-through ``fp4gen.gemm`` (the best path on the device), mixed ones with the reference semantics
-(exact products, float64 sum, one rounding to fp32).
+An operand is a QuantizedTensor (block-scaled format), a MoRTensor (a Mixture-of-Representations
+rule: each decision unit in its own representation) or a plain tensor already rounded to its
+high-precision dtype. ``operand_matmul`` computes A @ B^T for any mix: two quantized operands
+through ``fp4gen.gemm`` (the best path on the device), every other mix with the reference
+semantics (exact values, float64 sum, one rounding to fp32). For MoR operands that is the
+paper's upcast: a block kept in BF16 meets the other operand's block at the higher precision.
+
+A MoRRef names a rule of the recipe; the caller passes the rules in scope (``mors``, name ->
+MoRSpec, see ``mor_scope``).
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Mapping
+
 import torch
 
-from fp4gen.dsl.model import MoRRef, OperandSpec
+from fp4gen.dsl.model import MoRRef, MoRSpec, OperandSpec, RHTSpec
 from fp4gen.errors import FP4GenError
 from fp4gen.formats import HighPrecision
 from fp4gen.gemm_dispatch import gemm
 from fp4gen.numerics import QuantizedTensor, quantize
+from fp4gen.numerics.mor import MoRTensor, mor_quantize
 
 HP_DTYPES: dict[str, torch.dtype] = {
     "bf16": torch.bfloat16,
@@ -22,26 +30,64 @@ HP_DTYPES: dict[str, torch.dtype] = {
     "fp32": torch.float32,
 }
 
-Operand = QuantizedTensor | torch.Tensor
+Operand = QuantizedTensor | MoRTensor | torch.Tensor
 
 
-def check_supported(spec: OperandSpec, where: str) -> None:
-    """Reject specs the runtime cannot run yet, at conversion time rather than mid-training."""
-    if isinstance(spec.format, MoRRef):
+def mor_scope(*sources: Iterable[MoRSpec]) -> dict[str, MoRSpec]:
+    """The MoR rules of several recipes by name; one name with two different rules is an error
+    (a layer could not tell which one its operands mean)."""
+    scope: dict[str, MoRSpec] = {}
+    for source in sources:
+        for spec in source:
+            known = scope.setdefault(spec.name, spec)
+            if known != spec:
+                raise FP4GenError(
+                    f"two different MoR rules are named '{spec.name}' (from the recipe and a "
+                    "recipe its layer or schedule rules use); rename one"
+                )
+    return scope
+
+
+def check_supported(
+    spec: OperandSpec, where: str, mors: Mapping[str, MoRSpec] | None = None
+) -> None:
+    """Reject specs the runtime cannot run, at conversion time rather than mid-training."""
+    if isinstance(spec.format, MoRRef) and spec.format.name not in (mors or {}):
+        known = ", ".join(sorted(mors or {})) or "none"
         raise FP4GenError(
-            f"{where} uses the Mixture-of-Representations rule '{spec.format.name}'; "
-            "the training runtime does not run MoR operands yet"
+            f"{where} uses the Mixture-of-Representations rule '{spec.format.name}', which is "
+            f"not among the rules given to the layer (known: {known})"
         )
 
 
 def quantize_operand(
-    t: torch.Tensor, spec: OperandSpec, *, seed: int, offset: int, backend: str = "auto"
+    t: torch.Tensor,
+    spec: OperandSpec,
+    *,
+    seed: int,
+    offset: int,
+    backend: str = "auto",
+    mors: Mapping[str, MoRSpec] | None = None,
 ) -> Operand:
-    """Quantize a 2-D tensor along its last dimension per ``spec`` (or round it to its dtype)."""
+    """Quantize a 2-D tensor along its last dimension per ``spec`` (or round it to its dtype).
+
+    A MoR operand (``spec.format`` a MoRRef, looked up in ``mors``) gives a MoRTensor, computed
+    by the reference on the tensor's device ("auto" and "reference"; there are no generated MoR
+    kernels yet, so backend "cute" is an error)."""
     fmt = spec.format
     if isinstance(fmt, HighPrecision):
         return t.to(HP_DTYPES[fmt.name])
-    check_supported(spec, "an operand")
+    check_supported(spec, "an operand", mors)
+    if isinstance(fmt, MoRRef):
+        if backend == "cute":
+            raise FP4GenError(
+                f"MoR rule '{fmt.name}': there are no generated MoR kernels yet; use backend "
+                "'auto' or 'reference'"
+            )
+        assert mors is not None
+        return mor_quantize(
+            t, mors[fmt.name], rounding=spec.rounding, hadamard=spec.rht, seed=seed, offset=offset
+        )
     return quantize(
         t,
         fmt,
@@ -57,17 +103,26 @@ def operand_matmul(a: Operand, b: Operand) -> torch.Tensor:
     """A @ B^T in fp32 for operands quantized (or kept) along the shared K dimension."""
     if isinstance(a, QuantizedTensor) and isinstance(b, QuantizedTensor):
         return gemm(a, b)
-    # Mixed or high-precision: the same exact-products, float64-sum, one-rounding semantics.
+    # Any other mix: exact values, float64 sum, one rounding. Two operands with the same RHT
+    # are multiplied in the rotated space, where the transform cancels.
+    rht_a, rht_b = _rht(a), _rht(b)
+    if rht_a != rht_b:
+        # A lone rotated operand would not cancel; the recipe validator forbids it, so this
+        # only guards direct API use.
+        raise FP4GenError("an operand with an RHT must be multiplied by one with the same RHT")
     va = _values(a)
     vb = _values(b)
     return (va @ vb.t()).to(torch.float32)
 
 
+def _rht(t: Operand) -> RHTSpec | None:
+    return t.rht if isinstance(t, QuantizedTensor | MoRTensor) else None
+
+
 def _values(t: Operand) -> torch.Tensor:
+    """Exact float64 values in the space the codes live in (rotated if there is an RHT)."""
+    if isinstance(t, MoRTensor):
+        return t.values()
     if isinstance(t, QuantizedTensor):
-        if t.rht is not None:
-            # A lone rotated operand would not cancel; the recipe validator forbids it, so this
-            # only guards direct API use.
-            raise FP4GenError("an operand with an RHT must be multiplied by one with the same RHT")
-        return t.dequantize().to(torch.float64).reshape(t.rows, t.cols)
+        return t.dequantize(rotated=True).to(torch.float64).reshape(t.rows, t.cols)
     return t.to(torch.float64)

@@ -11,7 +11,14 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field, fields, replace
 
-from fp4gen.dsl.model import LayerAction, OperandSpec, OperandTable, RecipeRef, ScheduleRule
+from fp4gen.dsl.model import (
+    LayerAction,
+    MoRSpec,
+    OperandSpec,
+    OperandTable,
+    RecipeRef,
+    ScheduleRule,
+)
 from fp4gen.errors import FP4GenError
 from fp4gen.formats import BlockFormat, HighPrecision
 
@@ -46,6 +53,13 @@ def action_table(action: LayerAction) -> OperandTable:
     if isinstance(action, HighPrecision | BlockFormat):
         return OperandTable.uniform(OperandSpec(action))
     raise TypeError(f"unknown action {action!r}")
+
+
+def action_mors(action: LayerAction) -> tuple[MoRSpec, ...]:
+    """The MoR rules the operand table of ``action`` may name (those of a referenced recipe)."""
+    if isinstance(action, RecipeRef) and action.recipe is not None:
+        return action.recipe.mors
+    return ()
 
 
 @dataclass

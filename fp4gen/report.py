@@ -1,0 +1,267 @@
+"""``fp4gen report``: MoR-paper-style heatmaps of quantization telemetry (registered by the CLI).
+
+Input: a telemetry JSON, either a list of records or an object with a ``records`` list, as
+``fp4gen demo --telemetry N`` writes (``telemetry.json``) or as a user writes from
+``fp4gen.telemetry(model)``::
+
+    json.dump({"records": fp4gen.telemetry(model)}, open("telemetry.json", "w"))
+
+Each record names its ``layer`` and ``operand`` (and optionally its ``recipe``). MoR records
+carry ``rel_error_hist`` (decision units per 0.5% relative-error bin, 0..20% and >= 20%) and
+``fallback`` (the fraction of units kept in high precision); a record of a block-scaled operand
+counts once, in the bin of its ``mean_rel_error``. Rows of the heatmap are layer/operand pairs,
+columns the error bins; each row is normalized to sum to 1 (the MoR paper's Figure 11), and a
+side panel shows the mean fallback fraction. Needs no torch; the PNG needs matplotlib.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from fp4gen.errors import FP4GenError
+
+BIN_WIDTH = 0.005  # the 0.5% bins of fp4gen.numerics.mor
+BINS = 41  # 0..20% in 0.5% steps, then >= 20%
+OPERAND_ORDER = (
+    "fprop.activation",
+    "fprop.weight",
+    "dgrad.gradient",
+    "dgrad.weight",
+    "wgrad.gradient",
+    "wgrad.activation",
+)
+
+REPORT_EPILOG = """\
+examples:
+  fp4gen demo --recipes mor_tensor,mor_subtensor_3way --telemetry 10 --out run
+  fp4gen report run/telemetry.json --out run/heatmap.png
+  fp4gen report telemetry.json --recipe mor_tensor --json
+"""
+
+
+@dataclass(frozen=True)
+class Heatmap:
+    """Aggregated telemetry: one row per (recipe, layer, operand)."""
+
+    rows: list[tuple[str, str, str]]
+    counts: list[list[int]]  # [rows][BINS]
+    records: list[int]  # telemetry records per row
+    fallback: list[float | None]  # mean fallback fraction per row (None: no MoR records)
+    threshold: float | None  # the relerr threshold, when every MoR record has the same one
+
+    def normalized(self) -> list[list[float]]:
+        return [[c / max(sum(row), 1) for c in row] for row in self.counts]
+
+    def label(self, i: int) -> str:
+        recipe, layer, operand = self.rows[i]
+        multi = len({r for r, _, _ in self.rows}) > 1
+        return f"{recipe}: {layer} {operand}" if multi else f"{layer} {operand}"
+
+    def as_json(self) -> dict[str, Any]:
+        return {
+            "bin_width": BIN_WIDTH,
+            "bins": BINS,
+            "threshold": self.threshold,
+            "rows": [
+                {
+                    "recipe": recipe,
+                    "layer": layer,
+                    "operand": operand,
+                    "records": n,
+                    "counts": counts,
+                    "fallback": fallback,
+                }
+                for (recipe, layer, operand), counts, n, fallback in zip(
+                    self.rows, self.counts, self.records, self.fallback, strict=True
+                )
+            ],
+        }
+
+
+def load_records(path: Path) -> list[dict[str, Any]]:
+    try:
+        data = json.loads(path.read_text())
+    except OSError as err:
+        raise FP4GenError(f"cannot read {path}: {err.strerror or err}") from None
+    except json.JSONDecodeError as err:
+        raise FP4GenError(f"{path} is not JSON: {err}") from None
+    records = data.get("records") if isinstance(data, dict) else data
+    if not isinstance(records, list) or not all(isinstance(r, dict) for r in records):
+        raise FP4GenError(f"{path}: expected a list of telemetry records or {{'records': [...]}}")
+    return records
+
+
+def error_bin(error: float) -> int:
+    """The bin of a relative error: i with i/200 <= error < (i+1)/200, the last for >= 20%."""
+    if not math.isfinite(error):
+        return BINS - 1
+    return min(max(int(error * 200), 0), BINS - 1)
+
+
+def aggregate(records: list[dict[str, Any]], recipe: str | None = None) -> Heatmap:
+    """Sum the records' histograms per (recipe, layer, operand)."""
+    order: dict[tuple[str, str, str], int] = {}
+    counts: dict[tuple[str, str, str], list[int]] = {}
+    n: dict[tuple[str, str, str], int] = {}
+    fallbacks: dict[tuple[str, str, str], list[float]] = {}
+    recipes: dict[str, int] = {}
+    layers: dict[str, int] = {}
+    thresholds: set[float | None] = set()
+    for i, rec in enumerate(records):
+        name = str(rec.get("recipe", ""))
+        if recipe is not None and name != recipe:
+            continue
+        if "layer" not in rec or "operand" not in rec:
+            raise FP4GenError(f"telemetry record {i} has no 'layer' or 'operand'")
+        key = (name, str(rec["layer"]), str(rec["operand"]))
+        hist = rec.get("rel_error_hist")
+        if hist is None:
+            if "mean_rel_error" not in rec:
+                continue
+            hist = [0] * BINS
+            hist[error_bin(float(rec["mean_rel_error"]))] = 1
+        elif len(hist) != BINS:
+            raise FP4GenError(f"telemetry record {i}: rel_error_hist has {len(hist)} bins, not 41")
+        recipes.setdefault(name, len(recipes))
+        layers.setdefault(key[1], len(layers))
+        order.setdefault(key, len(order))
+        row = counts.setdefault(key, [0] * BINS)
+        for b, c in enumerate(hist):
+            row[b] += int(c)
+        n[key] = n.get(key, 0) + 1
+        if rec.get("fallback") is not None:
+            fallbacks.setdefault(key, []).append(float(rec["fallback"]))
+        if "mor" in rec:
+            t = rec.get("threshold")
+            thresholds.add(None if t is None else float(t))
+    if not order:
+        which = f" of recipe {recipe!r}" if recipe is not None else ""
+        raise FP4GenError(f"no telemetry records{which} with a relative error to plot")
+
+    def sort_key(key: tuple[str, str, str]) -> tuple[int, int, int, int]:
+        op = OPERAND_ORDER.index(key[2]) if key[2] in OPERAND_ORDER else len(OPERAND_ORDER)
+        return recipes[key[0]], layers[key[1]], op, order[key]
+
+    rows = sorted(order, key=sort_key)
+    return Heatmap(
+        rows=rows,
+        counts=[counts[k] for k in rows],
+        records=[n[k] for k in rows],
+        fallback=[sum(fallbacks[k]) / len(fallbacks[k]) if k in fallbacks else None for k in rows],
+        threshold=next(iter(thresholds)) if len(thresholds) == 1 else None,
+    )
+
+
+def draw(heatmap: Heatmap, path: Path, title: str) -> None:
+    """Write the heatmap (and the fallback panel) as a PNG."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        raise FP4GenError("fp4gen report needs matplotlib: pip install matplotlib") from None
+    n = len(heatmap.rows)
+    height = min(2.0 + 0.22 * n, 300.0)
+    fig, (ax, ax_fb) = plt.subplots(
+        1,
+        2,
+        figsize=(13, height),
+        gridspec_kw={"width_ratios": [6, 1]},
+        sharey=True,
+        squeeze=True,
+    )
+    image = ax.imshow(
+        heatmap.normalized(), aspect="auto", cmap="Blues", vmin=0.0, vmax=1.0, interpolation="none"
+    )
+    ticks = list(range(0, BINS, 2))
+    ax.set_xticks(ticks)
+    ax.set_xticklabels(
+        [f"{t * BIN_WIDTH * 100:g}%" if t < BINS - 1 else "20%+" for t in ticks], rotation=90
+    )
+    ax.set_yticks(range(n))
+    ax.set_yticklabels([heatmap.label(i) for i in range(n)], fontsize=7)
+    ax.set_xlabel("mean relative error of the first candidate, 0.5% bins (row-normalized)")
+    if heatmap.threshold is not None:
+        edge = heatmap.threshold / BIN_WIDTH - 0.5  # bin i covers [i - 0.5, i + 0.5]
+        label = f"threshold {heatmap.threshold:.1%}"
+        ax.axvline(edge, color="tab:blue", linewidth=1.5, label=label)
+        ax.legend(loc="lower right", fontsize=8)
+    fig.colorbar(image, ax=ax, fraction=0.03, pad=0.01)
+    fallback = [f if f is not None else 0.0 for f in heatmap.fallback]
+    ax_fb.barh(range(n), fallback, color="tab:green")
+    ax_fb.set_xlim(0, 1)
+    ax_fb.set_xlabel("high-precision fallback")
+    ax_fb.grid(axis="x", alpha=0.3)
+    ax.set_title(title)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def summary_rows(heatmap: Heatmap) -> list[list[str]]:
+    rows = []
+    for i in range(len(heatmap.rows)):
+        counts = heatmap.counts[i]
+        total = sum(counts)
+        below = sum(counts[: int(round(heatmap.threshold / BIN_WIDTH))]) if heatmap.threshold else 0
+        mode = max(range(BINS), key=lambda b: counts[b])
+        fb = heatmap.fallback[i]
+        rows.append(
+            [
+                heatmap.label(i),
+                str(heatmap.records[i]),
+                str(total),
+                f"{mode * 0.5:g}%" if mode < BINS - 1 else "20%+",
+                "-" if heatmap.threshold is None else f"{below / max(total, 1):.1%}",
+                "-" if fb is None else f"{fb:.1%}",
+            ]
+        )
+    return rows
+
+
+def cmd_report(args: argparse.Namespace) -> int:
+    from fp4gen.cli import render_table
+
+    path = Path(args.telemetry)
+    heatmap = aggregate(load_records(path), args.recipe)
+    if args.json:
+        print(json.dumps(heatmap.as_json(), indent=2))
+    else:
+        headers = ["layer / operand", "records", "units", "mode bin", "below thr", "fallback"]
+        print(render_table(headers, summary_rows(heatmap)))
+    if not args.no_png:
+        out = Path(args.out) if args.out else path.with_suffix(".png")
+        title = f"relative-error heatmap of {path.name}"
+        if args.recipe:
+            title += f" ({args.recipe})"
+        draw(heatmap, out, title)
+        if not args.json:
+            print(f"wrote {out}")
+    return 0
+
+
+def add_commands(sub: Any) -> None:
+    """Register ``fp4gen report`` on the CLI's subparsers."""
+    p = sub.add_parser(
+        "report",
+        help="draw relative-error heatmaps from a telemetry JSON",
+        description="Aggregate a telemetry JSON (from 'fp4gen demo --telemetry N' or "
+        "fp4gen.telemetry(model)) per layer and operand: relative-error histograms in 0.5%% "
+        "bins (0..20%%+), normalized per row as in the MoR paper's heatmaps, and the fraction "
+        "of decision units kept in high precision. Prints a table and writes a PNG.",
+        epilog=REPORT_EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("telemetry", metavar="JSON", help="telemetry records (a list or {records})")
+    p.add_argument("--out", help="the PNG to write (default: the JSON's path with .png)")
+    p.add_argument("--recipe", help="only the records of this recipe (their 'recipe' field)")
+    p.add_argument("--json", action="store_true", help="print the aggregated rows as JSON")
+    p.add_argument("--no-png", action="store_true", help="print only; write no PNG")
+    p.set_defaults(func=cmd_report)
