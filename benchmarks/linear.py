@@ -9,11 +9,15 @@ milliseconds per forward+backward and the ratio to BF16 (goal: <= 1.3x at 8192).
 from __future__ import annotations
 
 import argparse
+import sys
+from pathlib import Path
 
 import torch
 
-import fp4gen
-from benchmarks.common import cuda_time_ms, require_cuda
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the checkout, uninstalled
+
+import fp4gen  # noqa: E402
+from benchmarks.common import cuda_time_ms, require_cuda  # noqa: E402
 
 
 def step(layer: torch.nn.Module, x: torch.Tensor, dy: torch.Tensor) -> None:
