@@ -1,8 +1,8 @@
-"""What one generated quantize kernel computes: the unit of code generation and caching.
+"""What one generated kernel computes: the unit of code generation and caching.
 
-A QuantKernelSpec holds every parameter that changes the generated source, and nothing else, so
-equal specs share one kernel (across operands, layers and recipes). Formats are baked into the
-source as constants; shapes (M, K) stay dynamic.
+A QuantKernelSpec (quantize) or GemmKernelSpec (fused GEMM) holds every parameter that changes
+the generated source, and nothing else, so equal specs share one kernel (across operands, layers
+and recipes). Formats are baked into the source as constants; shapes stay dynamic.
 """
 
 from __future__ import annotations
@@ -82,4 +82,107 @@ class QuantKernelSpec:
     @property
     def digest(self) -> str:
         """Content hash of the spec (part of the cache key)."""
+        return hashlib.sha256(repr(self).encode()).hexdigest()[:16]
+
+
+# ----------------------------------------------------------------------------------------------
+# GEMM kernels
+# ----------------------------------------------------------------------------------------------
+GemmOutDType = Literal["bf16", "fp32"]
+
+
+@dataclass(frozen=True)
+class GemmTile:
+    """The CTA tile of a fused GEMM kernel and how its warps cover it.
+
+    One CTA computes one ``tile_m`` x ``tile_n`` output tile over all of K. ``mma_warpgroups``
+    warpgroups (128 threads each) issue the wgmma and dequantize their own operands; they split
+    the tile into ``mma_warpgroups / mma_n_split`` (along M) x ``mma_n_split`` (along N) wgmma
+    atoms of 64 x (tile_n / mma_n_split). One producer warp loads ``stages_fp4`` k-tiles of
+    packed codes and scales ahead. ``acc_sets`` independent accumulators shorten the wgmma
+    dependency chain of small tiles; ``group_m`` M-tiles share one raster group (L2 reuse).
+    """
+
+    tile_m: int
+    tile_n: int
+    mma_warpgroups: int
+    stages_fp4: int
+    mma_n_split: int = 1
+    acc_sets: int = 1
+    group_m: int = 8
+
+    def __post_init__(self) -> None:
+        if self.tile_m not in (64, 128) or self.tile_n not in (32, 64, 128, 256):
+            raise ValueError(f"tile {self.tile_m}x{self.tile_n}: M in (64, 128), N in 32..256")
+        m_split, rest = divmod(self.mma_warpgroups, self.mma_n_split)
+        if rest or m_split < 1:
+            raise ValueError("mma_warpgroups must be a multiple of mma_n_split")
+        if self.tile_m != 64 * m_split and self.mma_warpgroups != 1:
+            raise ValueError(f"{m_split} warpgroups along M do not cover tile_m {self.tile_m}")
+        if (self.tile_n // self.mma_n_split) % 16:
+            raise ValueError("each warpgroup's N extent must be a multiple of 16")
+        if self.acc_sets not in (1, 2, 4):
+            raise ValueError("acc_sets must be 1, 2 or 4")
+        if self.stages_fp4 < 2:
+            raise ValueError("at least two fp4 stages")
+
+    @property
+    def name(self) -> str:
+        """e.g. ``m64n64w1a4s12``: tile, warpgroups (``xN``: split along N), accumulator sets,
+        fp4 stages."""
+        name = f"m{self.tile_m}n{self.tile_n}w{self.mma_warpgroups}"
+        if self.mma_n_split > 1:
+            name += f"x{self.mma_n_split}"
+        if self.acc_sets > 1:
+            name += f"a{self.acc_sets}"
+        return name + f"s{self.stages_fp4}"
+
+
+@dataclass(frozen=True)
+class GemmKernelSpec:
+    """A fused dequantizing GEMM kernel: C = S_a S_b (A_q @ B_q^T) (+ bias) (+ C).
+
+    A is [M, K] and B is [N, K], both quantized along K. Per operand: the element format, the
+    block shape ((1, n) or (n, n), n along K) and the block-scale format (None: fp32 scales).
+    Global scales are runtime tensors (1.0 for formats without one), so they are not part of the
+    spec; neither is the scale rounding (it only matters when quantizing). ``accumulate``: the
+    kernel adds the [M, N] output tensor it is given (C += ...). M, N, K stay dynamic.
+    """
+
+    a_element: ElementFormat
+    a_block: tuple[int, int]
+    a_scale: ElementFormat | None
+    b_element: ElementFormat
+    b_block: tuple[int, int]
+    b_scale: ElementFormat | None
+    out_dtype: GemmOutDType
+    bias: bool
+    accumulate: bool
+    tile: GemmTile
+
+    @staticmethod
+    def _operand(element: ElementFormat, block: tuple[int, int], scale: ElementFormat | None):
+        return f"{element.name}_{block[0]}x{block[1]}_{'fp32' if scale is None else scale.name}"
+
+    @property
+    def name(self) -> str:
+        """A readable, stable kernel name, e.g.
+        ``gemm_e2m1_1x16_e4m3_x_e2m1_16x16_e4m3_bf16_m64n64w1a4s12``."""
+        parts = [
+            "gemm",
+            self._operand(self.a_element, self.a_block, self.a_scale),
+            "x",
+            self._operand(self.b_element, self.b_block, self.b_scale),
+            self.out_dtype,
+        ]
+        if self.bias:
+            parts.append("bias")
+        if self.accumulate:
+            parts.append("acc")
+        parts.append(self.tile.name)
+        return "_".join(parts).replace(" ", "")
+
+    @property
+    def digest(self) -> str:
+        """Content hash of the spec."""
         return hashlib.sha256(repr(self).encode()).hexdigest()[:16]

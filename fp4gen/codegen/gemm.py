@@ -1,0 +1,234 @@
+"""Render a GemmKernelSpec into a CuTe DSL module: the fused dequantizing GEMM for Hopper (sm_90a).
+
+Design (docs/gemm-sm90.md, with the H100 measurements): a producer warp loads the packed 4-bit
+codes (TMA) and the block-scale codes (cp.async) of each 64-wide k-tile into a ring of fp4
+stages; the MMA warpgroups decode the next k-tile to bf16 straight into the wgmma K-major
+128B-swizzle layout (three bf16 stages, one named barrier per k-tile) while wgmma runs on the
+current one; the epilogue applies S_a * S_b, the bias and the accumulation from registers. The
+generated module's docstring has the details.
+
+Everything that depends on the formats is decided here and baked into the module as constants
+and straight-line code. Supported pairs (both operands alike):
+
+* NVFP4: e2m1 elements, e4m3 scales, A 1x16 blocks, B 1x16 or 16x16 blocks. Decode "arith":
+  bf16 bits of the code shifted into place (exact, v * 2^-126), one HMUL2 by the scale times
+  2^119; the epilogue multiplies by 2^14.
+* MXFP4: e2m1 elements, ue8m0 scales, 1x32 blocks for A and B. Decode "lut": prmt byte tables,
+  one HMUL2 by the scale, whose bf16 bits are the scale code shifted by 7 (exponent
+  arithmetic; code 0 is the subnormal 2^-127). The launcher repeats each scale code twice
+  along K, so the kernel reads one code per 16 values as for NVFP4.
+
+Anything else raises NotImplementedError (``fp4gen.gemm`` then takes dequantize + cuBLAS).
+
+The generated module's contract (used through ``fp4gen.runtime.kernels_for``):
+
+* ``KERNELS = ("gemm",)``, ``ARCHS = ("sm_90a",)``;
+* ``compile_kernel(name, arch, *, dump_dir=None)``: the TVM-FFI compiled function (no GPU
+  needed); with ``dump_dir`` the PTX is kept there;
+* ``launch_args(...)``: validates and pads the operands, returns the compiled function's
+  arguments (a benchmark can time the bare call);
+* ``run(fns, a_data, a_scales, a_global, b_data, b_scales, b_global, *, k, out, bias=None)``.
+"""
+
+from __future__ import annotations
+
+import textwrap
+from functools import cache
+from typing import Any
+
+import jinja2
+
+from fp4gen.codegen.quantize import TEMPLATE_DIR, _pytuple, _tidy
+from fp4gen.compiler.spec import GemmKernelSpec, GemmTile
+from fp4gen.formats import E2M1, E4M3, UE8M0, ElementFormat
+
+ARCHS: tuple[str, ...] = ("sm_90a",)
+SMEM_CAP = 232448  # H100 / H200: max dynamic shared memory per block (227 KiB)
+TILE_K = 64  # values per k-tile: 32 code bytes, 128 bf16 bytes (one 128B-swizzle row)
+STAGES_BF16 = 3  # decoded stages: one barrier per k-tile is enough with three (see template)
+
+# Tile configurations (H100 measurements in docs/gemm-sm90.md):
+TILES: dict[str, GemmTile] = {
+    # M <= 64: 64x64 tiles, one MMA warpgroup, 4 accumulator sets (16x8192x8192: 53 us)
+    "small": GemmTile(64, 64, mma_warpgroups=1, stages_fp4=12, acc_sets=4),
+    # M <= 256: 128x64 tiles, two MMA warpgroups (128x8192x8192: 78 us)
+    "mid": GemmTile(128, 64, mma_warpgroups=2, stages_fp4=16),
+    # larger M: 128x256 tiles, two MMA warpgroups (8192^3: 0.58x cuBLAS BF16; fp4gen.gemm's
+    # auto dispatch sends M > 128 to dequantize + cuBLAS instead)
+    "large": GemmTile(128, 256, mma_warpgroups=2, stages_fp4=5),
+}
+
+
+def pick_tile(m: int) -> GemmTile:
+    """The tile configuration for M rows of A."""
+    if m <= 64:
+        return TILES["small"]
+    if m <= 256:
+        return TILES["mid"]
+    return TILES["large"]
+
+
+_OUT = {
+    "bf16": {"cutlass": "BFloat16", "torch": "bfloat16"},
+    "fp32": {"cutlass": "Float32", "torch": "float32"},
+}
+
+# (element, scale) pairs with a decode: scale format -> (decode, block along K)
+_DECODES: dict[tuple[ElementFormat, ElementFormat], tuple[str, int]] = {
+    (E2M1, E4M3): ("arith", 16),
+    (E2M1, UE8M0): ("lut", 32),
+}
+
+
+def unsupported_reason(spec: GemmKernelSpec) -> str | None:
+    """Why the template cannot generate ``spec`` (None when it can)."""
+    for side, element, scale in (
+        ("A", spec.a_element, spec.a_scale),
+        ("B", spec.b_element, spec.b_scale),
+    ):
+        if element != E2M1:
+            return f"{side} has {element.name} elements (the fused GEMM decodes e2m1 only)"
+        if scale is None or (element, scale) not in _DECODES:
+            scale_name = "fp32" if scale is None else scale.name
+            return (
+                f"{side} has {scale_name} block scales (the fused GEMM takes e4m3 or ue8m0 "
+                "scales: NVFP4 or MXFP4)"
+            )
+    if spec.a_scale != spec.b_scale:
+        return "A and B have different scale formats (mixed pairs are not generated)"
+    assert spec.a_scale is not None
+    _, block = _DECODES[(spec.a_element, spec.a_scale)]
+    if spec.a_block != (1, block):
+        return f"A has {spec.a_block[0]}x{spec.a_block[1]} blocks (the fused GEMM takes 1x{block})"
+    b_ok = [(1, block), (block, block)] if block == 16 else [(1, block)]
+    if spec.b_block not in b_ok:
+        shapes = " or ".join(f"{r}x{c}" for r, c in b_ok)
+        return f"B has {spec.b_block[0]}x{spec.b_block[1]} blocks (the fused GEMM takes {shapes})"
+    return None
+
+
+def check_gemm(spec: GemmKernelSpec) -> None:
+    """Raise NotImplementedError (with the reason) unless the template can generate ``spec``;
+    ValueError for a spec no template could (output dtype, a tile over the shared memory)."""
+    reason = unsupported_reason(spec)
+    if reason is not None:
+        raise NotImplementedError(f"{spec.name}: {reason}")
+    if spec.out_dtype not in _OUT:
+        raise ValueError(f"{spec.name}: output dtype {spec.out_dtype!r} (bf16 or fp32)")
+    smem = tile_constants(spec.tile, b_sf_2d=spec.b_block[0] > 1)["smem_bytes"]
+    if smem > SMEM_CAP:
+        raise ValueError(
+            f"{spec.name}: the tile needs {smem} bytes of shared memory (> {SMEM_CAP})"
+        )
+
+
+def _round_up(x: int, a: int) -> int:
+    return (x + a - 1) // a * a
+
+
+def tile_constants(tile: GemmTile, *, b_sf_2d: bool) -> dict[str, Any]:
+    """Thread and shared-memory layout of a tile (every number the kernel bakes in)."""
+    mma_threads = 128 * tile.mma_warpgroups
+    units = 2 * (tile.tile_m + tile.tile_n)  # (row, 32-value half) decode units per k-tile
+    sf_b_rows = tile.tile_n // 16 if b_sf_2d else tile.tile_n
+    sf_rows = tile.tile_m + sf_b_rows
+    sf_stage = _round_up(sf_rows * 4, 128)  # 4 scale codes per row and k-tile
+    fp4_stage = (tile.tile_m + tile.tile_n) * (TILE_K // 2) + sf_stage
+    bf16_stage = (tile.tile_m + tile.tile_n) * TILE_K * 2
+    barriers = 8 * 2 * tile.stages_fp4
+    return {
+        "m_split": tile.mma_warpgroups // tile.mma_n_split,
+        "mma_threads": mma_threads,
+        "threads": mma_threads + 32,
+        "producer_warp": 4 * tile.mma_warpgroups,
+        "units": units,
+        "units_per_thread": -(-units // mma_threads),
+        "partial_units": units % mma_threads != 0,
+        "sf_b_rows": sf_b_rows,
+        "sf_rows": sf_rows,
+        "sf_stage_bytes": sf_stage,
+        "tx_bytes": (tile.tile_m + tile.tile_n) * (TILE_K // 2),
+        # + 3 KiB slack: the 1024-byte alignment of the code and bf16 buffers
+        "smem_bytes": tile.stages_fp4 * fp4_stage + STAGES_BF16 * bf16_stage + barriers + 3072,
+    }
+
+
+def gemm_context(spec: GemmKernelSpec) -> dict[str, Any]:
+    """Everything the template needs, all derived from the spec."""
+    check_gemm(spec)
+    assert spec.a_scale is not None
+    decode, block = _DECODES[(spec.a_element, spec.a_scale)]
+    b_sf_2d = spec.b_block[0] > 1
+    tc = tile_constants(spec.tile, b_sf_2d=b_sf_2d)
+    cutlass_names = ["BFloat16", "Float32", "Int32", "Int64", "Uint8", "Uint32"]
+    b_rows = "ceil(N/16)" if b_sf_2d else "N"
+    launch_doc = (
+        f"a_data uint8 [M, ceil(K/2)], a_scales uint8 [M, ceil(K/{block})] "
+        f"({spec.a_scale.name} codes), b_data uint8 [N, ceil(K/2)], b_scales uint8 "
+        f"[{b_rows}, ceil(K/{block})], a_global and b_global fp32 with one element, out "
+        f"{_OUT[spec.out_dtype]['torch']} [M, N] (contiguous, 16-byte aligned"
+        + ("; it holds C" if spec.accumulate else "")
+        + ")"
+        + (", bias fp32 [N]" if spec.bias else "")
+        + "; all on one CUDA device. K is padded to a multiple of 64 with zero codes"
+        + (f", each scale code repeated {block // 16} times along K." if block > 16 else ".")
+    )
+    return {
+        "spec": spec,
+        "spec_repr": repr(spec),
+        "name": spec.name,
+        "digest": spec.digest,
+        "elem": spec.a_element.name,
+        "scale": spec.a_scale.name,
+        "decode": decode,
+        "a_block": block,
+        "b_block": spec.b_block,
+        "b_sf_2d": b_sf_2d,
+        "expand": block // 16,  # scale codes per 16 values after the launcher's expansion
+        "out": {"name": spec.out_dtype, **_OUT[spec.out_dtype]},
+        "bias": spec.bias,
+        "accumulate": spec.accumulate,
+        "tile": spec.tile,
+        "tc": tc,
+        "tile_k": TILE_K,
+        "stages_bf16": STAGES_BF16,
+        "archs": list(ARCHS),
+        "cutlass_names": cutlass_names,
+        "launch_doc": textwrap.fill(
+            launch_doc, width=96, initial_indent="    ", subsequent_indent="    "
+        ),
+    }
+
+
+@cache
+def _environment() -> jinja2.Environment:
+    env = jinja2.Environment(
+        loader=jinja2.FileSystemLoader(str(TEMPLATE_DIR)),
+        undefined=jinja2.StrictUndefined,
+        trim_blocks=True,
+        lstrip_blocks=True,
+        keep_trailing_newline=True,
+        autoescape=False,
+    )
+    env.filters["pytuple"] = _pytuple
+    return env
+
+
+def render_gemm(spec: GemmKernelSpec) -> str:
+    """The generated CuTe DSL module (Python source) of ``spec``'s fused GEMM kernel.
+
+    Raises NotImplementedError for operand formats or block shapes the template does not
+    cover (see the module docstring)."""
+    return _tidy(_environment().get_template("gemm_sm90.py.j2").render(**gemm_context(spec)))
+
+
+__all__ = [
+    "ARCHS",
+    "TILES",
+    "check_gemm",
+    "gemm_context",
+    "pick_tile",
+    "render_gemm",
+    "tile_constants",
+    "unsupported_reason",
+]
