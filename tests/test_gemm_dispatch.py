@@ -7,6 +7,8 @@ import torch
 
 import fp4gen
 from fp4gen.errors import FP4GenError, TensorError
+from fp4gen.formats import BUILTIN_FORMATS, HighPrecision
+from fp4gen.gemm_dispatch import FUSED_MAX_M, GemmChoice, choose_backend, gemm_path
 from fp4gen.numerics import gemm_reference, quantize
 
 
@@ -57,7 +59,9 @@ def test_bias_accumulate_and_dtype() -> None:
 
 def test_errors() -> None:
     a, b = operands("nvfp4", 8, 12, 64)
-    with pytest.raises(FP4GenError, match="unknown GEMM backend 'cute'"):
+    with pytest.raises(FP4GenError, match="unknown GEMM backend 'cublas'"):
+        fp4gen.gemm(a, b, backend="cublas")
+    with pytest.raises(FP4GenError, match="CUDA"):
         fp4gen.gemm(a, b, backend="cute")
     with pytest.raises(TensorError, match="accumulate has shape"):
         fp4gen.gemm(a, b, accumulate=torch.zeros(3, 3))
@@ -75,3 +79,113 @@ def test_cuda_dequant_matches_reference(fmt: str) -> None:
     got = fp4gen.gemm(a, b)  # auto on CUDA: bf16 cuBLAS with fp32 accumulation
     ref = gemm_reference(a, b)
     assert ((got.double() - ref.double()).abs() <= summation_bound(a, b)).all()
+
+
+# ----------------------------------------------------------------------------------------------
+# backend="auto": which path for which shape, format and arch (pure logic, no GPU)
+# ----------------------------------------------------------------------------------------------
+NVFP4 = BUILTIN_FORMATS["nvfp4"]
+NVFP4_2D = NVFP4.with_block((16, 16))
+MXFP4 = BUILTIN_FORMATS["mxfp4"]
+
+
+@pytest.mark.parametrize(
+    ("a", "b", "m", "arch", "backend", "fallback", "why"),
+    [
+        (NVFP4, NVFP4_2D, 1, "sm_90a", "cute", False, "memory-bound"),
+        (NVFP4, NVFP4_2D, 16, "sm_90a", "cute", False, "memory-bound"),
+        (NVFP4, NVFP4, FUSED_MAX_M, "sm_90a", "cute", False, "memory-bound"),
+        (NVFP4, NVFP4_2D, FUSED_MAX_M + 1, "sm_90a", "dequant", False, "compute-bound"),
+        (NVFP4, NVFP4_2D, 8192, "sm_90a", "dequant", False, "compute-bound"),
+        (MXFP4, MXFP4, 16, "sm_90a", "cute", False, "memory-bound"),
+        (NVFP4, NVFP4_2D, 16, "sm_100a", "dequant", True, "sm_90a only"),
+        (NVFP4, NVFP4_2D, 16, "sm_80", "dequant", True, "sm_90a only"),
+        (NVFP4_2D, NVFP4, 16, "sm_90a", "dequant", True, "A has 16x16 blocks"),
+        (NVFP4, MXFP4, 16, "sm_90a", "dequant", True, "different scale formats"),
+        (MXFP4, MXFP4.with_block((32, 32)), 16, "sm_90a", "dequant", True, "B has 32x32"),
+        (
+            BUILTIN_FORMATS["mxfp8_e4m3"],
+            BUILTIN_FORMATS["mxfp8_e4m3"],
+            16,
+            "sm_90a",
+            "dequant",
+            True,
+            "e4m3 elements",
+        ),
+        (HighPrecision("bf16"), NVFP4, 16, "sm_90a", "dequant", True, "high precision"),
+    ],
+)
+def test_auto_backend_choice(a, b, m, arch, backend, fallback, why) -> None:
+    choice = choose_backend(a, b, m, 4096, 4096, device="cuda", arch=arch)
+    assert (choice.backend, choice.fallback) == (backend, fallback)
+    assert why in choice.why
+    assert choose_backend(a, b, m, 64, 64, device="cpu", arch=None).backend == "reference"
+
+
+def test_auto_backend_falls_back_for_32_bit_indexing() -> None:
+    choice = choose_backend(NVFP4, NVFP4, 128, 2**24, 64, device="cuda", arch="sm_90a")
+    assert choice == GemmChoice("dequant", choice.why, fallback=True) and "2^31" in choice.why
+    big_k = choose_backend(NVFP4, NVFP4, 16, 64, 2**32, device="cuda", arch="sm_90a")
+    assert big_k.backend == "dequant"
+
+
+def test_gemm_path_names_the_fused_kernel_and_why() -> None:
+    path, why = gemm_path(NVFP4, NVFP4_2D)
+    assert path.startswith("dequantize to bf16 + cuBLAS")
+    assert f"fused CuTe kernel if M <= {FUSED_MAX_M} on sm_90a" in path
+    assert "6 significant bits" in why and "fused: 1.6-2.4x faster" in why
+    path, why = gemm_path(BUILTIN_FORMATS["mxfp8_e4m3"], BUILTIN_FORMATS["mxfp8_e4m3"])
+    assert "fused" not in path and "no fused kernel: A has e4m3 elements" in why
+    assert "fused CuTe kernel" in gemm_path(MXFP4, MXFP4)[0]
+
+
+def test_auto_fallback_is_logged_once(monkeypatch, caplog) -> None:
+    import fp4gen.gemm_dispatch as gd
+
+    a, b = operands("nvfp4", 8, 12, 64)
+    expected = fp4gen.gemm(a, b, backend="dequant")
+    monkeypatch.setattr(gd, "_logged", set())
+    # a fused kernel that cannot be had (e.g. no CuTe DSL): dequant, logged once
+    monkeypatch.setattr(gd, "auto_backend", lambda a, b: GemmChoice("cute", "test"))
+
+    def unavailable(*args):
+        raise FP4GenError("the fused GEMM kernel is not available: test")
+
+    monkeypatch.setattr(gd, "_fused", unavailable)
+    with caplog.at_level("INFO", logger="fp4gen.gemm_dispatch"):
+        for _ in range(3):
+            assert torch.equal(fp4gen.gemm(a, b), expected)
+    (record,) = caplog.records
+    assert record.getMessage() == (
+        "gemm(backend='auto') uses dequantize + cuBLAS: "
+        "the fused GEMM kernel is not available: test"
+    )
+
+    def bad_shapes(*args):
+        raise TensorError("K mismatch")  # an operand error is the caller's, not a fallback
+
+    monkeypatch.setattr(gd, "_fused", bad_shapes)
+    with pytest.raises(TensorError, match="K mismatch"):
+        fp4gen.gemm(a, b)
+    # an unsupported pair on a GPU: dequant, the reason logged once
+    caplog.clear()
+    monkeypatch.setattr(
+        gd, "auto_backend", lambda a, b: GemmChoice("dequant", "no fused GEMM kernel: x", True)
+    )
+    with caplog.at_level("INFO", logger="fp4gen.gemm_dispatch"):
+        fp4gen.gemm(a, b)
+        fp4gen.gemm(a, b)
+    assert len(caplog.records) == 1 and "no fused GEMM kernel: x" in caplog.records[0].getMessage()
+
+
+def test_fused_gemm_checks_its_operands() -> None:
+    from fp4gen.runtime.cute_gemm import fused_gemm, gemm_spec
+
+    a, b = operands("nvfp4", 8, 12, 64)
+    with pytest.raises(TensorError, match="CUDA"):
+        fused_gemm(a, b, out_dtype=torch.float32, bias=None, accumulate=None, arch="sm_90a")
+    c, _ = operands("nvfp4", 8, 12, 32)
+    with pytest.raises(TensorError, match="K mismatch"):
+        fused_gemm(c, b, out_dtype=torch.float32, bias=None, accumulate=None, arch="sm_90a")
+    spec = gemm_spec(NVFP4, NVFP4_2D, 100, out_dtype="bf16", bias=True)
+    assert spec.name == "gemm_e2m1_1x16_e4m3_x_e2m1_16x16_e4m3_bf16_bias_m128n64w2s16"

@@ -1,0 +1,256 @@
+"""The generated fused GEMM (``fp4gen.gemm(backend="cute")``, Hopper sm_90a) against
+``fp4gen.numerics.gemm_reference``.
+
+Skipped without an sm_90 GPU (marker ``gpu``). Two kinds of checks:
+
+exact   random codes (all 16 nibbles, -0 included) with block scales from small dyadic sets and
+        global scales 1: every product and every partial sum is a multiple of a power of two
+        that fp32 holds exactly (dyadic e4m3 {0, 1/2, 1, 2}: products are multiples of 2^-4
+        and |sum| <= K * 144 < 2^20 for K <= 4096; subnormal e4m3 {0, 2^-9 .. 15 * 2^-9} with
+        K <= 320: multiples of 2^-20, |sum| <= 320 * (6 * 15 * 2^-9)^2 < 2^4), so any summation
+        order gives the float64 value and the fp32 output must be bit-identical (bf16 output:
+        the float64 value rounded once). Catches any layout, permutation, scale-assignment or
+        tail bug, however small.
+
+tolerance  operands from the reference quantizer (randn, and a "wide" pattern: per-row
+        magnitudes 2^-12 .. 2^12, 3% all-zero blocks, an outlier, which gives zero and
+        subnormal e4m3 block scales), any global scales, bias, accumulate, bf16 and fp32 output.
+        Derivation of the per-element bound, with u = 2^-24 and, per output element,
+        ref = the exact result in float64 (gemm_reference rounded once, plus bias and C in
+        float64) and S = S_a S_b sum_k |a_k b_k| (float64):
+          * the products are exact: each decoded value v * s has at most 2 + 4 = 6 significant
+            bits (e2m1 x e4m3; ue8m0 adds none) and is exact in bf16, a bf16 x bf16 product
+            has at most 12 bits and is exact in fp32 (the arith decode's extra 2^-7 per
+            operand and the epilogue's 2^14 are exact powers of two);
+          * the fp32 accumulation of K products in any order (wgmma's tree, the k-tile
+            chain, 1 to 4 accumulator sets) errs by at most (K - 1) u' S, with u' = 2u instead
+            of u in case the tensor core truncates rather than rounds: 2 u K S;
+          * the epilogue rounds alpha = S_a * S_b and acc * alpha: 4 u (|ref| + B), B the bound
+            so far (gemm_reference's own fp32 rounding is inside this term);
+          * bias and C add one fp32 rounding each: 2 u (|ref| + |bias| + |C| + B);
+          * a bf16 output rounds once more: 2^-7 (|ref| + B) (one bf16 ulp, generous by 2).
+        The prototype measured err/bound <= 0.5 (bf16, the output rounding itself) and <= 0.12
+        (fp32) on H100: the accumulation error stays far below the K u' S worst case.
+"""
+
+from __future__ import annotations
+
+import itertools
+import zlib
+
+import pytest
+import torch
+
+import fp4gen
+from fp4gen.formats import BUILTIN_FORMATS
+from fp4gen.gemm_dispatch import auto_backend
+from fp4gen.numerics import QuantizedTensor, gemm_reference, quantize
+from fp4gen.numerics.minifloat import decode
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(
+        not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0),
+        reason="needs an sm_90 (Hopper) GPU",
+    ),
+]
+
+U = 2.0**-24
+NVFP4 = BUILTIN_FORMATS["nvfp4"]
+MXFP4 = BUILTIN_FORMATS["mxfp4"]
+DEV = "cuda"
+
+
+# ----------------------------------------------------------------------------------------------
+# Operands
+# ----------------------------------------------------------------------------------------------
+def raw_operand(rows: int, k: int, fmt, scale_codes: list[int], seed: int) -> QuantizedTensor:
+    """Random codes with scale codes drawn from ``scale_codes`` and S_dec = 1."""
+    g = torch.Generator(device=DEV).manual_seed(seed)
+    codes = torch.randint(0, 16, (rows, k), generator=g, device=DEV, dtype=torch.uint8)
+    br, bc = fmt.block
+    pick = torch.randint(
+        0, len(scale_codes), (-(-rows // br), -(-k // bc)), generator=g, device=DEV
+    )
+    sc = torch.tensor(scale_codes, dtype=torch.uint8, device=DEV)[pick]
+    return QuantizedTensor(
+        codes=codes,
+        scales=decode(sc, fmt.scale.element),
+        scale_codes=sc,
+        global_scale=torch.ones((), device=DEV),
+        format=fmt,
+        rounding="nearest",
+        rht=None,
+        seed=0,
+        offset=0,
+        shape=torch.Size((rows, k)),
+        dtype=torch.float32,
+    )
+
+
+_QUANTIZED: dict[tuple, QuantizedTensor] = {}
+
+
+def quantized(rows: int, k: int, fmt, block, pattern: str, seed: int) -> QuantizedTensor:
+    """The reference quantizer's operand (cached per operand)."""
+    key = (rows, k, fmt.name, block, pattern, seed)
+    if key not in _QUANTIZED:
+        g = torch.Generator(device=DEV).manual_seed(seed)
+        x = torch.randn(rows, k, generator=g, device=DEV)
+        if pattern == "wide":
+            e = torch.randint(-12, 13, (rows, 1), generator=g, device=DEV).float()
+            x = x * torch.exp2(e)
+            nb = -(-k // 16)
+            zero = torch.rand(rows, nb, generator=g, device=DEV) < 0.03
+            mask = zero.repeat_interleave(16, 1)[:, :k]
+            x = x.masked_fill(mask, 0.0)
+            x[0, 0] = 1e4
+        _QUANTIZED[key] = quantize(x, fmt, block=block, backend="reference")
+        if len(_QUANTIZED) > 16:
+            _QUANTIZED.pop(next(iter(_QUANTIZED)))
+    return _QUANTIZED[key]
+
+
+def magnitude(a: QuantizedTensor, b: QuantizedTensor) -> torch.Tensor:
+    """S = S_a S_b sum_k |a_k b_k| in float64."""
+    va = a.dequantize_blockwise().double().abs()
+    vb = b.dequantize_blockwise().double().abs()
+    return (va @ vb.t()) * (float(a.global_scale) * float(b.global_scale))
+
+
+def bound(ref64, S, k, out_dtype, extra=None) -> torch.Tensor:
+    """The per-element tolerance of the module docstring."""
+    b = 2 * U * k * S
+    b = b + 4 * U * (ref64.abs() + b)
+    if extra is not None:
+        b = b + 2 * U * (ref64.abs() + extra + b)
+    if out_dtype == torch.bfloat16:
+        b = b + 2.0**-7 * (ref64.abs() + b)
+    return b + 1e-30
+
+
+# ----------------------------------------------------------------------------------------------
+# Exact (bit-identical) cases
+# ----------------------------------------------------------------------------------------------
+DYADIC_E4M3 = [0x00, 0x30, 0x38, 0x40]  # 0, 1/2, 1, 2
+SUBNORMAL_E4M3 = [0x00, 0x01, 0x02, 0x05, 0x07, 0x08, 0x0F]  # 0, 2^-9, ..., 15 * 2^-9
+DYADIC_UE8M0 = [126, 127, 128]  # 1/2, 1, 2
+
+EXACT_SHAPES = [
+    (1, 64, 64),
+    (16, 200, 128),
+    (100, 64, 4096),
+    (128, 8192, 128),
+    (16, 8192, 320),  # K padded to 384 inside
+    (100, 200, 192),
+    (61, 37, 60),  # K % 16 != 0: ragged last block, padded
+]
+
+
+@pytest.mark.parametrize(("m", "n", "k"), EXACT_SHAPES, ids=lambda v: str(v))
+@pytest.mark.parametrize("case", ["nvfp4_b2d", "nvfp4_b1d", "nvfp4_subnormal", "mxfp4"])
+def test_exact(case: str, m: int, n: int, k: int) -> None:
+    seed = zlib.crc32(f"{case} {m} {n} {k}".encode())
+    if case == "mxfp4":
+        fa, fb, sset = MXFP4, MXFP4, DYADIC_UE8M0
+    elif case == "nvfp4_b2d":
+        fa, fb, sset = NVFP4, NVFP4.with_block((16, 16)), DYADIC_E4M3
+    else:
+        fa, fb = NVFP4, NVFP4
+        sset = SUBNORMAL_E4M3 if case == "nvfp4_subnormal" else DYADIC_E4M3
+        if case == "nvfp4_subnormal" and k > 320:
+            pytest.skip("subnormal scales stay exact in fp32 for K <= 320 only")
+    a = raw_operand(m, k, fa, sset, seed)
+    b = raw_operand(n, k, fb, sset, seed + 1)
+    ref = gemm_reference(a, b)
+    assert auto_backend(a, b).backend == "cute"
+    if fb.is_2d:  # through the accumulate path (C = 0 adds nothing)
+        got = fp4gen.gemm(a, b, accumulate=torch.zeros(m, n, device=DEV), backend="cute")
+    else:  # through the bias path (bias 0 adds nothing)
+        got = fp4gen.gemm(a, b, bias=torch.zeros(n, device=DEV), backend="cute")
+    assert got.dtype == torch.float32 and got.shape == (m, n)
+    assert torch.equal(got.view(torch.int32), ref.view(torch.int32)), (
+        f"{int((got != ref).sum())} of {m * n} differ, max |err| {float((got - ref).abs().max())}"
+    )
+
+
+def test_exact_large_tile_bf16() -> None:
+    """backend="cute" above M = 256 takes the 128x256 tile (auto would take dequant)."""
+    fb = NVFP4.with_block((16, 16))
+    a = raw_operand(300, 256, NVFP4, DYADIC_E4M3, 7)
+    b = raw_operand(520, 256, fb, DYADIC_E4M3, 8)
+    got = fp4gen.gemm(a, b, out_dtype=torch.bfloat16, backend="cute")
+    want = gemm_reference(a, b).to(torch.bfloat16)  # exact in fp32, rounded once
+    assert torch.equal(got.view(torch.int16), want.view(torch.int16))
+    assert auto_backend(a, b).backend == "dequant"
+
+
+# ----------------------------------------------------------------------------------------------
+# Tolerance sweep against gemm_reference
+# ----------------------------------------------------------------------------------------------
+MS, NS, KS = (1, 16, 100, 128), (64, 200, 8192), (64, 128, 4096)
+SHAPES = list(itertools.product(MS, NS, KS))
+# rotated per shape: output dtype, bias, accumulate, B's block shape (NVFP4)
+VARIANTS = [
+    dict(out=torch.bfloat16, bias=False, acc=False, b2d=True),
+    dict(out=torch.float32, bias=True, acc=False, b2d=False),
+    dict(out=torch.float32, bias=False, acc=True, b2d=True),
+    dict(out=torch.bfloat16, bias=True, acc=True, b2d=False),
+]
+MX_VARIANTS = [
+    dict(out=torch.bfloat16, bias=False, acc=False, b2d=False),
+    dict(out=torch.float32, bias=True, acc=False, b2d=False),
+]
+
+
+def check_tolerance(fa, fb, m, n, k, v, pattern, seed) -> None:
+    a = quantized(m, k, fa, None, pattern, seed)
+    b = quantized(n, k, fb, fb.block, pattern, seed + 1)
+    g = torch.Generator(device=DEV).manual_seed(seed + 2)
+    bias = torch.randn(n, generator=g, device=DEV) if v["bias"] else None
+    acc = torch.randn(m, n, generator=g, device=DEV) if v["acc"] else None
+    acc_copy = None if acc is None else acc.clone()
+    got = fp4gen.gemm(a, b, out_dtype=v["out"], bias=bias, accumulate=acc, backend="cute")
+    assert got.dtype == v["out"] and got.shape == (m, n)
+    assert acc is None or torch.equal(acc, acc_copy), "accumulate was modified"
+    assert bool(torch.isfinite(got).all())
+    ref64 = gemm_reference(a, b).double()
+    extra = None
+    if bias is not None:
+        ref64 = ref64 + bias.double()
+        extra = bias.double().abs().expand(m, n)
+    if acc is not None:
+        ref64 = ref64 + acc.double()
+        extra = (0 if extra is None else extra) + acc.double().abs()
+    err = (got.double() - ref64).abs()
+    tol = bound(ref64, magnitude(a, b), k, v["out"], extra)
+    ratio = float((err / tol).max())
+    assert ratio <= 1.0, f"max err / bound = {ratio:.3g} ({fa.name}, {v}, {pattern})"
+
+
+@pytest.mark.parametrize(("m", "n", "k"), SHAPES, ids=lambda v: str(v))
+def test_tolerance_nvfp4(m: int, n: int, k: int) -> None:
+    i = SHAPES.index((m, n, k))
+    v = VARIANTS[i % len(VARIANTS)]
+    fb = NVFP4.with_block((16, 16)) if v["b2d"] else NVFP4
+    check_tolerance(NVFP4, fb, m, n, k, v, "wide" if i % 3 == 2 else "randn", 11 * i)
+
+
+@pytest.mark.parametrize(("m", "n", "k"), SHAPES, ids=lambda v: str(v))
+def test_tolerance_mxfp4(m: int, n: int, k: int) -> None:
+    i = SHAPES.index((m, n, k))
+    v = MX_VARIANTS[i % len(MX_VARIANTS)]
+    check_tolerance(MXFP4, MXFP4, m, n, k, v, "wide" if i % 3 == 1 else "randn", 13 * i)
+
+
+def test_auto_takes_the_fused_kernel_for_small_m_and_dequant_above() -> None:
+    fb = NVFP4.with_block((16, 16))
+    a = quantized(16, 4096, NVFP4, None, "randn", 1)
+    b = quantized(200, 4096, fb, fb.block, "randn", 2)
+    assert auto_backend(a, b).backend == "cute"
+    bf16 = torch.bfloat16
+    fused = fp4gen.gemm(a, b, out_dtype=bf16, backend="cute")
+    assert torch.equal(fp4gen.gemm(a, b, out_dtype=bf16), fused)  # auto, and deterministic
+    big = quantized(300, 4096, NVFP4, None, "randn", 3)
+    assert auto_backend(big, b).backend == "dequant"
+    assert torch.equal(fp4gen.gemm(big, b), fp4gen.gemm(big, b, backend="dequant"))
