@@ -11,10 +11,10 @@ Paths (``backend=``):
              (A 1x16, B 1x16 or 16x16 blocks) and MXFP4 (1x32 blocks) pairs; FP4GenError with
              the reason for anything else.
   auto       CPU tensors: reference. CUDA tensors: cute on sm_90a when the pair has a fused
-             kernel and M <= FUSED_MAX_M (memory-bound shapes, where it measured 1.6-2.4x faster
-             than dequantize + cuBLAS on H100), else dequant (compute-bound shapes, where
-             cuBLAS wins: the fused kernel reached 0.58x cuBLAS BF16 at 8192^3). Each reason
-             for not taking the fused kernel is logged once (INFO, logger fp4gen.gemm_dispatch).
+             kernel and M <= FUSED_MAX_M (memory-bound shapes: the fused kernel reads the
+             4-bit operands), else dequant. Each reason for not taking the fused kernel is
+             logged once (INFO, logger fp4gen.gemm_dispatch). Measurements, and the trade-off
+             above FUSED_MAX_M: docs/gemm-sm90.md.
 Every path takes the same arguments and computes the same mathematical result (numerics.md 6).
 """
 
@@ -187,7 +187,7 @@ def gemm_path(a: BlockFormat | object, b: BlockFormat | object) -> tuple[str, st
         reason = fused_support(a, b)
         if reason is None:
             path += f"; fused CuTe kernel if M <= {FUSED_MAX_M} on sm_90a"
-            why += f"; fused: 1.6-2.4x faster for M <= {FUSED_MAX_M} (NVFP4, H100), slower above"
+            why += f"; M <= {FUSED_MAX_M} is memory-bound: the fused kernel reads 4-bit operands"
         else:
             why += f"; no fused kernel: {reason}"
         return path, why

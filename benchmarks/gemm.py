@@ -1,0 +1,200 @@
+"""TFLOP/s of the GEMM paths on 4-bit operands (Hopper): fp4gen.gemm (auto), the fused kernel,
+cuBLAS BF16 and dequantize + cuBLAS.
+
+    python benchmarks/gemm.py [--shapes 8192x8192x8192,16x8192x8192] [--formats nvfp4,mxfp4]
+                              [--log FILE]
+
+Per shape MxNxK and format, C = A @ B^T with A [M, K] and B [N, K]:
+
+  cuBLAS bf16           torch.matmul of bf16 [M, K] by [N, K]^T, bf16 out (the target)
+  dequantize + cuBLAS   fp4gen.gemm(backend="dequant", bf16 out): both operands decoded to bf16
+                        (torch ops), cuBLAS with fp32 accumulation, the alpha epilogue
+  fused <tile>          the generated fused kernel alone: its compiled TVM-FFI function called
+                        on arguments prepared beforehand (launch_args), bf16 out
+  fp4gen.gemm auto      end to end (dispatch, checks, launch), bf16 out; A is a fresh
+                        QuantizedTensor every call (its codes packed per call, as an
+                        activation's), B the same one (a weight: packed once)
+
+with the ratios to cuBLAS and to dequantize + cuBLAS. Inputs: random codes (all 16 nibbles),
+block scales 1.0, global scales 1; NVFP4's B has 16x16 blocks (the recipe's weight), MXFP4's
+1x32. Every method rotates over enough input sets that the operands of consecutive calls are not
+in L2 (at least 2 x 50 MB of 4-bit operands; bf16 likewise). CUDA events, best of 3 runs of N
+calls after a warm-up. Needs an sm_90 GPU for the fused kernel (other GPUs: the rest).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import math
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the checkout, uninstalled
+
+import fp4gen
+from fp4gen.formats import BUILTIN_FORMATS
+from fp4gen.gemm_dispatch import auto_backend
+from fp4gen.numerics import QuantizedTensor
+from fp4gen.numerics.minifloat import decode
+
+SHAPES = "8192x8192x8192,16x8192x8192,128x8192x8192,1024x8192x8192"
+L2_BYTES = 50 * 2**20
+ONE = {"e4m3": 0x38, "ue8m0": 127}  # the scale code of 1.0
+FORMATS = {
+    "nvfp4": (BUILTIN_FORMATS["nvfp4"], BUILTIN_FORMATS["nvfp4"].with_block((16, 16))),
+    "mxfp4": (BUILTIN_FORMATS["mxfp4"], BUILTIN_FORMATS["mxfp4"]),
+}
+
+
+def bench(fn, iters: int) -> float:
+    """Seconds per call: CUDA events, best of 3 runs of ``iters`` calls (fn(i), i rotating)."""
+    for i in range(3):
+        fn(i)
+    torch.cuda.synchronize()
+    best = math.inf
+    for _ in range(3):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for i in range(iters):
+            fn(i)
+        end.record()
+        end.synchronize()
+        best = min(best, start.elapsed_time(end) / iters * 1e-3)
+    return best
+
+
+def operand(rows: int, k: int, fmt, g: torch.Generator) -> QuantizedTensor:
+    """Random codes, block scales 1.0, S_dec = 1."""
+    codes = torch.randint(0, 16, (rows, k), generator=g, device="cuda", dtype=torch.uint8)
+    br, bc = fmt.block
+    sc = torch.full(
+        (-(-rows // br), -(-k // bc)), ONE[fmt.scale.name], dtype=torch.uint8, device="cuda"
+    )
+    return QuantizedTensor(
+        codes=codes,
+        scales=decode(sc, fmt.scale.element),
+        scale_codes=sc,
+        global_scale=torch.ones((), device="cuda"),
+        format=fmt,
+        rounding="nearest",
+        rht=None,
+        seed=0,
+        offset=0,
+        shape=torch.Size((rows, k)),
+        dtype=torch.float32,
+    )
+
+
+def run_shape(m: int, n: int, k: int, fmt_name: str, out: list[str]) -> None:
+    fa, fb = FORMATS[fmt_name]
+    flops = 2.0 * m * n * k
+    tag = f"{m}x{n}x{k} {fmt_name}"
+
+    def line(name: str, t: float, ref: dict[str, float], extra: str = "") -> None:
+        text = f"{tag}: {name:<28} {t * 1e6:9.1f} us {flops / t / 1e12:7.1f} TFLOP/s"
+        for label, base in ref.items():
+            text += f"  x{base / t:5.2f} {label}"
+        print(text + extra, flush=True)
+        out.append(text + extra)
+
+    g = torch.Generator(device="cuda").manual_seed(m + n + k)
+    fp4_bytes = (m + n) * k // 2
+    nset = max(1, min(8, math.ceil(2 * L2_BYTES / fp4_bytes)))
+    sets = [(operand(m, k, fa, g), operand(n, k, fb, g)) for _ in range(nset)]
+    bf_bytes = (m + n) * k * 2
+    nbf = max(1, min(4, math.ceil(2 * L2_BYTES / bf_bytes)))
+    abf = [torch.randn(m, k, device="cuda", dtype=torch.bfloat16) for _ in range(nbf)]
+    bbf = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) for _ in range(nbf)]
+
+    def cublas(i: int = 0):
+        return torch.matmul(abf[i % nbf], bbf[i % nbf].t())
+
+    cublas(0)
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    cublas(1)
+    torch.cuda.synchronize()
+    iters = max(3, min(200, int(0.02 / max(time.perf_counter() - t0, 1e-5))))
+
+    t_cublas = bench(cublas, iters)
+    line("cuBLAS bf16 torch.matmul", t_cublas, {})
+
+    def dequant(i: int = 0):
+        a, b = sets[i % nset]
+        return fp4gen.gemm(a, b, out_dtype=torch.bfloat16, backend="dequant")
+
+    t_dq = bench(dequant, max(3, iters // 4))
+    line("dequantize + cuBLAS", t_dq, {"cuBLAS": t_cublas})
+    ref = {"cuBLAS": t_cublas, "dequant+cuBLAS": t_dq}
+
+    fused_ok = torch.cuda.get_device_capability() == (9, 0)
+    if fused_ok:
+        from fp4gen.runtime import kernels_for
+        from fp4gen.runtime.cute_gemm import gemm_spec, packed_codes
+
+        spec = gemm_spec(fa, fb, m, out_dtype="bf16")
+        t0 = time.perf_counter()
+        kernels = kernels_for(spec, "sm_90a")
+        load = time.perf_counter() - t0
+        how = "compiled" if kernels.stats.compiled else "loaded from the cache"
+        c = torch.empty(m, n, dtype=torch.bfloat16, device="cuda")
+        args = [
+            kernels.module.launch_args(
+                packed_codes(a),
+                a.scale_codes,
+                a.global_scale,
+                packed_codes(b),
+                b.scale_codes,
+                b.global_scale,
+                k=k,
+                out=c,
+            )
+            for a, b in sets
+        ]
+        fn = kernels["gemm"]
+
+        def fused(i: int = 0):
+            fn(*args[i % nset])
+
+        t_fused = bench(fused, iters)
+        line(f"fused {spec.tile.name}", t_fused, ref, f"  ({how} in {load:.1f} s)")
+        args.clear()
+
+    choice = auto_backend(*sets[0])
+
+    def auto(i: int = 0):
+        a, b = sets[i % nset]
+        return fp4gen.gemm(dataclasses.replace(a), b, out_dtype=torch.bfloat16)
+
+    t_auto = bench(auto, iters)
+    line(f"fp4gen.gemm auto ({choice.backend})", t_auto, ref)
+    for held in (sets, abf, bbf):  # free before the next shape
+        held.clear()
+    torch.cuda.empty_cache()
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--shapes", default=SHAPES, help=f"MxNxK,... (default {SHAPES})")
+    ap.add_argument("--formats", default="nvfp4", help="nvfp4, mxfp4 or both (default nvfp4)")
+    ap.add_argument("--log", default="", help="also write the result lines to this file")
+    args = ap.parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit("this benchmark needs a CUDA GPU")
+    print(f"device: {torch.cuda.get_device_name()}, torch {torch.__version__}", flush=True)
+    lines: list[str] = []
+    for fmt in args.formats.split(","):
+        for shape in args.shapes.split(","):
+            m, n, k = (int(v) for v in shape.lower().split("x"))
+            run_shape(m, n, k, fmt, lines)
+    if args.log:
+        Path(args.log).write_text("\n".join(lines) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
