@@ -1,5 +1,6 @@
-"""Rowwise quantize codegen: render every rowwise spec of the shipped recipes plus hand-made ones,
-check the source, and cross-compile it for sm_90a and sm_100a on the CPU (PTX read back)."""
+"""Quantize codegen: render every kernel the shipped recipes plan (rowwise + columnwise copies in
+one launch, a columnwise copy alone, 2D tiles), the rowwise stand-ins and hand-made specs, check
+the source, and cross-compile it for sm_90a and sm_100a on the CPU (PTX read back)."""
 
 from __future__ import annotations
 
@@ -13,7 +14,8 @@ import torch
 
 import fp4gen
 from fp4gen.codegen import import_source
-from fp4gen.codegen.quantize import ARCHS, choose_mapping, render
+from fp4gen.codegen.quantize import ARCHS, choose_mapping, choose_tile_mapping, render
+from fp4gen.compiler.plan import plan_recipe
 from fp4gen.compiler.spec import QuantKernelSpec, QuantOutput
 from fp4gen.dsl.model import RHTSpec
 from fp4gen.dsl.parser import load_recipe
@@ -21,6 +23,7 @@ from fp4gen.errors import TensorError
 from fp4gen.formats import (
     E2M1,
     E2M3,
+    E3M2,
     E4M3,
     E5M2,
     UE8M0,
@@ -94,6 +97,88 @@ RECIPE_SPECS = rowwise_specs_of_recipes()
 ALL_SPECS = {s.name: s for s in RECIPE_SPECS} | HAND_SPECS
 
 
+def planned_specs() -> dict[str, QuantKernelSpec]:
+    """Every kernel the planner gives the shipped recipes (deduplicated across recipes)."""
+    specs: dict[str, QuantKernelSpec] = {}
+    for path in sorted(RECIPES.glob("*.fp4r")):
+        for kernel in plan_recipe(load_recipe(path)).kernels:
+            specs.setdefault(kernel.spec.name, kernel.spec)
+    return specs
+
+
+def tile(element, block, scale, global_scale, outs, dtype="bf16") -> QuantKernelSpec:
+    outputs = tuple(
+        QuantOutput(d, r, h, layout)  # type: ignore[arg-type]
+        for d, r, h, layout in outs
+    )
+    return QuantKernelSpec(element, block, scale, global_scale, dtype, outputs)  # type: ignore[arg-type]
+
+
+NV = ScaleSpec(E4M3)
+MX = ScaleSpec(UE8M0, "up")
+TE16 = RHTSpec(16)
+SEEDED32 = RHTSpec(32, "seeded", None, 0)
+ROW_SR, COL_SR_RHT = ("rowwise", SR, None, "compact"), ("columnwise", SR, TE16, "compact")
+PLANNED_SPECS = planned_specs()
+# beyond the shipped recipes: other input dtypes, swizzled scales, partial code words, SR with 2D
+# tiles, fp32 scales with a global scale across warps, 6-bit codes, every scale rounding path
+TILE_HAND_SPECS = {
+    "nvfp4_gradient_fp32in": tile(E2M1, (1, 16), NV, True, [ROW_SR, COL_SR_RHT], "fp32"),
+    "nvfp4_fused_swizzled_fp16in": tile(
+        E2M1,
+        (1, 16),
+        NV,
+        True,
+        [("rowwise", "nearest", None, "swizzled"), ("columnwise", "nearest", TE16, "swizzled")],
+        "fp16",
+    ),
+    "nvfp4_2d_sr_swizzled": tile(
+        E2M1,
+        (16, 16),
+        NV,
+        True,
+        [("rowwise", SR, None, "swizzled"), ("columnwise", SR, None, "swizzled")],
+    ),
+    "nvfp4_2d_rowwise_only_fp32in": tile(
+        E2M1, (16, 16), NV, True, [("rowwise", "nearest", None, "compact")], "fp32"
+    ),
+    "mxfp8_2d_32_fp32in": tile(
+        E4M3,
+        (32, 32),
+        MX,
+        False,
+        [("rowwise", "nearest", None, "compact"), ("columnwise", "nearest", None, "compact")],
+        "fp32",
+    ),
+    "e3m2_2d_16_e4m3up": tile(
+        E3M2,
+        (16, 16),
+        ScaleSpec(E4M3, "up"),
+        True,
+        [("rowwise", "nearest", None, "compact"), ("columnwise", "nearest", None, "compact")],
+    ),
+    "mxfp4_colwise_rht32_sr_ocp": tile(
+        E2M1, (1, 32), ScaleSpec(UE8M0, "ocp"), False, [("columnwise", SR, SEEDED32, "swizzled")]
+    ),
+    "e5m2_1x128_fp32scales_global_sr": tile(
+        E5M2,
+        (1, 128),
+        ScaleSpec(None),
+        True,
+        [("rowwise", SR, None, "compact"), ("columnwise", "zero", None, "compact")],
+    ),
+    "e2m3_1x32_e5m2scales_rne_sr": tile(
+        E2M3,
+        (1, 32),
+        ScaleSpec(E5M2),
+        False,
+        [("rowwise", "nearest", None, "compact"), ("columnwise", SR, None, "compact")],
+        "fp16",
+    ),
+}
+TILE_SPECS = {s.name: s for s in PLANNED_SPECS.values()} | TILE_HAND_SPECS
+
+
 def test_recipes_give_the_expected_rowwise_specs() -> None:
     names = {s.name for s in RECIPE_SPECS}
     assert {
@@ -133,7 +218,7 @@ def test_render_is_valid_deterministic_python(name: str) -> None:
 
 @pytest.mark.skipif(shutil.which("ruff") is None, reason="ruff is not installed")
 def test_generated_sources_are_ruff_clean(tmp_path: Path) -> None:
-    for s in ALL_SPECS.values():
+    for s in [*ALL_SPECS.values(), *TILE_SPECS.values()]:
         (tmp_path / f"{s.name}.py").write_text(render(s))
     for args in (["check", "--select", "E,F,W,I,UP,B,SIM"], ["format", "--check"]):
         proc = subprocess.run(
@@ -149,12 +234,23 @@ def test_unsupported_specs_are_rejected_clearly() -> None:
     rowwise = QuantOutput("rowwise", "nearest", None)
     columnwise = QuantOutput("columnwise", "nearest", None)
     nv = (E2M1, (1, 16), ScaleSpec(E4M3, "nearest"), True, "bf16")
-    with pytest.raises(NotImplementedError, match="rowwise"):
-        render(QuantKernelSpec(*nv, (columnwise,)))
-    with pytest.raises(NotImplementedError, match="rowwise"):
-        render(QuantKernelSpec(*nv, (rowwise, columnwise)))
-    with pytest.raises(NotImplementedError, match="2D"):
-        render(QuantKernelSpec(E2M1, (16, 16), ScaleSpec(E4M3), True, "bf16", (rowwise,)))
+    with pytest.raises(NotImplementedError, match="rowwise RHT"):
+        render(QuantKernelSpec(*nv, (QuantOutput("rowwise", "nearest", TE16), columnwise)))
+    with pytest.raises(NotImplementedError, match="RHT of size 64"):
+        col64 = QuantOutput("columnwise", "nearest", RHTSpec(64, "none", None))
+        render(QuantKernelSpec(*nv, (col64,)))
+    nv2d = (E2M1, (16, 16), ScaleSpec(E4M3), True, "bf16")
+    with pytest.raises(NotImplementedError, match="round alike"):
+        render(QuantKernelSpec(*nv2d, (rowwise, QuantOutput("columnwise", SR, None))))
+    with pytest.raises(NotImplementedError, match="RHT with 2D"):
+        render(QuantKernelSpec(*nv2d, (QuantOutput("columnwise", "nearest", TE16),)))
+    with pytest.raises(NotImplementedError, match="square"):
+        render(QuantKernelSpec(E2M1, (16, 32), ScaleSpec(E4M3), True, "bf16", (rowwise,)))
+    with pytest.raises(NotImplementedError, match="power of two"):
+        render(QuantKernelSpec(E2M1, (1, 24), ScaleSpec(E4M3), True, "bf16", (columnwise,)))
+    swizzled_col = QuantOutput("columnwise", "nearest", None, "swizzled")
+    with pytest.raises(ValueError, match="swizzled"):
+        render(QuantKernelSpec(E4M3, (1, 32), ScaleSpec(None), False, "bf16", (swizzled_col,)))
     with pytest.raises(NotImplementedError, match="multiple of 8"):
         render(QuantKernelSpec(E2M1, (1, 12), ScaleSpec(E4M3), True, "bf16", (rowwise,)))
     with pytest.raises(ValueError, match="swizzled"):
@@ -178,6 +274,65 @@ def test_thread_mapping() -> None:
     assert (m.unit, m.threads_per_block) == (48, 1)
 
 
+def test_tile_mapping() -> None:
+    # NVFP4 gradient: 16 rows x 8 columns per thread, a row block over two lanes, the column
+    # RHT chunk and block inside the strip
+    m = choose_tile_mapping((1, 16), 2, rowwise=True, columnwise=True, col_rht=16)
+    assert (m.rows, m.vec, m.row_lanes, m.col_lanes, m.col_warps) == (16, 8, 2, 1, 1)
+    assert (m.k_multiple, m.m_multiple, m.tile_m, m.tile_k, m.threads) == (16, 16, 128, 128, 128)
+    m = choose_tile_mapping((1, 32), 2, rowwise=True, columnwise=True, col_rht=32)
+    assert (m.rows, m.vec, m.row_lanes, m.m_multiple) == (32, 4, 8, 32)  # 128 values a thread
+    m = choose_tile_mapping((1, 8), 2, rowwise=True, columnwise=True)
+    assert (m.rows, m.col_blocks, m.row_lanes, m.m_multiple) == (16, 2, 1, 8)
+    m = choose_tile_mapping((1, 128), 2, rowwise=True, columnwise=True)  # across warps along M
+    assert (m.rows, m.lanes_k, m.row_lanes, m.col_lanes, m.col_warps) == (32, 32, 32, 1, 4)
+    m = choose_tile_mapping((16, 16), 2, rowwise=True, columnwise=True)
+    assert (m.rows, m.vec, m.row_lanes, m.col_lanes, m.m_multiple) == (16, 8, 2, 1, 8)
+    m = choose_tile_mapping((16, 16), 2, rowwise=True, columnwise=False)
+    assert m.m_multiple == 1  # no columnwise copy: any M
+    m = choose_tile_mapping((128, 128), 4, rowwise=True, columnwise=True)
+    assert (m.rows, m.vec, m.row_lanes, m.col_warps, m.warps_m) == (32, 4, 32, 4, 4)
+    with pytest.raises(NotImplementedError, match="RHT of size 64"):
+        choose_tile_mapping((1, 16), 2, rowwise=False, columnwise=True, col_rht=64)
+
+
+def test_every_planned_kernel_is_generated() -> None:
+    """No shipped recipe needs a stand-in any more: every planned spec renders."""
+    names = set(PLANNED_SPECS)
+    assert {
+        "quant_e2m1_1x16_e4m3rn_g_bf16_row_sr_col_sr_rht16",  # dy
+        "quant_e2m1_1x16_e4m3rn_g_bf16_row_rne_col_rne_rht16",  # x
+        "quant_e2m1_16x16_e4m3rn_g_bf16_row_rne_col_rne",  # W
+        "quant_e2m1_16x16_e4m3rn_g_bf16_col_rne",
+        "quant_e2m1_1x16_e4m3rn_g_bf16_col_rne_rht16",
+        "quant_e4m3_128x128_fp32_nog_bf16_row_rne_col_rne",
+        "quant_e2m1_1x32_ue8m0ru_nog_bf16_row_sr_col_sr_rht32",
+    } <= names
+    for s in PLANNED_SPECS.values():
+        src = render(s)
+        assert f'SPEC_NAME = "{s.name}"' in src
+        assert "OUTPUTS: tuple[str, ...] = " in src
+
+
+@pytest.mark.parametrize("name", sorted(TILE_SPECS))
+def test_tile_render_is_valid_deterministic_python(name: str) -> None:
+    s = TILE_SPECS[name]
+    src = render(s)
+    compile(src, f"<{s.name}>", "exec")
+    assert render(s) == src
+    assert f'ELEM_NAME = "{s.element.name}"' in src
+    assert f"BLOCK = {s.block[1]}" in src
+    assert f"BLOCK_2D = {s.block[0] != 1}" in src
+    kernels = '("amax", "quantize")' if s.global_scale else '("quantize",)'
+    assert f"KERNELS: tuple[str, ...] = {kernels}" in src
+    sr = any(o.rounding == "stochastic" for o in s.outputs)
+    assert ("def philox4x32_10" in src) == sr
+    rht = any(o.rht is not None for o in s.outputs)
+    assert ("RHT_SIZE =" in src) == rht
+    for out in s.outputs:
+        assert f"{'ROW' if out.direction == 'rowwise' else 'COL'}_ROUNDING" in src
+
+
 # ----------------------------------------------------------------------------------------------
 # Cross-compilation (CPU only) and PTX
 # ----------------------------------------------------------------------------------------------
@@ -188,7 +343,7 @@ def modules(tmp_path_factory: pytest.TempPathFactory):
 
     def get(name: str):
         if name not in cache:
-            cache[name] = import_source(render(ALL_SPECS[name]), directory)
+            cache[name] = import_source(render((ALL_SPECS | TILE_SPECS)[name]), directory)
         return cache[name]
 
     return get
@@ -258,3 +413,79 @@ def test_run_validates_the_input(modules) -> None:
         assert str(tuple(x.shape)) in str(err.value) and str(x.dtype) in str(err.value)
     with pytest.raises(TensorError, match="Tensor"):
         mod.run(fns, [[1.0]])
+
+
+# ----------------------------------------------------------------------------------------------
+# Tile kernels: cross-compilation and PTX
+# ----------------------------------------------------------------------------------------------
+def _tile_arch_cases() -> list[tuple[str, str]]:
+    """Every planned spec on both archs; each hand-made spec on one (alternating), to keep the
+    suite short."""
+    cases = [(name, arch) for name in sorted(PLANNED_SPECS) for arch in ARCHS]
+    cases += [(name, ARCHS[i % 2]) for i, name in enumerate(sorted(TILE_HAND_SPECS))]
+    return cases
+
+
+@pytest.mark.parametrize(("name", "arch"), _tile_arch_cases())
+def test_tile_cross_compile(name: str, arch: str, modules, tmp_path: Path) -> None:
+    mod = modules(name)
+    s = TILE_SPECS[name]
+    for kernel in mod.KERNELS:
+        fn = mod.compile_kernel(kernel, arch, dump_dir=str(tmp_path / kernel))
+        ptx = _ptx(fn)
+        assert f".target {arch}" in ptx
+        assert not re.search(r"\.local\b", ptx), f"{kernel} uses local memory (spills)"
+        assert not re.search(r"\.approx|\.ftz", ptx), "approximate or flush-to-zero math"
+        if kernel != "quantize":
+            assert "atom.global" in ptx or "red.global" in ptx  # one atomic max per CTA
+            continue
+        roundings = {o.rounding for o in s.outputs}
+        hw_e2m1 = "cvt.rn.satfinite.e2m1x2.f32" in ptx
+        assert hw_e2m1 == (arch == "sm_100a" and s.element == E2M1 and "nearest" in roundings)
+        if "stochastic" in roundings:
+            assert "mul.wide.u32" in ptx  # Philox
+            assert "add.cc.u32" in ptx and "cvt.rzi.u64.f32" in ptx  # the exact SR step
+        if any(o.rht is not None for o in s.outputs):
+            assert "cvt.rn.bf16x2.f32" in ptx  # the RHT output, rounded to bf16
+        if s.global_scale:
+            assert "div.rn.f32" in ptx
+        assert "st.global" in ptx
+
+
+def test_nvfp4_gradient_kernel_shape(modules, tmp_path: Path) -> None:
+    """The fused gradient kernel: one 16-byte load per strip row, e_b from a shared-memory table,
+    predicated stores (no branch around them)."""
+    mod = modules("quant_e2m1_1x16_e4m3rn_g_bf16_row_sr_col_sr_rht16")
+    ptx = _ptx(mod.compile_kernel("quantize", "sm_90a", dump_dir=str(tmp_path)))
+    assert ptx.count("ld.global.v4") == 16  # 16 rows x 8 bf16
+    assert ptx.count("cvt.rzi.u64.f32") == 2 * 128  # both copies, every element
+    assert ptx.count("@p st.global.u32") == 16 + 16  # 16 row words, 8 columns x 2 words
+    assert "ld.shared.f32" in ptx or "ld.shared.b32" in ptx  # the encode-factor table
+
+
+def test_2d_columnwise_codes_are_a_transpose(modules, tmp_path: Path) -> None:
+    """16x16 NVFP4 weights: the columnwise codes are permuted from the rowwise ones (PRMT and
+    masks), not encoded twice: as many converts as elements on sm_100a."""
+    mod = modules("quant_e2m1_16x16_e4m3rn_g_bf16_row_rne_col_rne")
+    ptx = _ptx(mod.compile_kernel("quantize", "sm_100a", dump_dir=str(tmp_path)))
+    assert ptx.count("cvt.rn.satfinite.e2m1x2.f32") == 16 * 8 // 2
+    assert "prmt.b32" in ptx
+
+
+def test_tile_run_validates_the_input(modules) -> None:
+    mod = modules("quant_e2m1_1x16_e4m3rn_g_bf16_row_sr_col_sr_rht16")
+    assert mod.OUTPUTS == ("rowwise", "columnwise")
+    cases = [
+        (torch.zeros(24, 32, dtype=torch.bfloat16), "M must be a multiple of 16"),
+        (torch.zeros(32, 24, dtype=torch.bfloat16), "K must be a multiple of 16"),
+        (torch.zeros(32, 32, dtype=torch.float32), "bfloat16"),
+        (torch.zeros(32, 32, dtype=torch.bfloat16), "CUDA"),
+    ]
+    for x, rule in cases:
+        with pytest.raises(TensorError, match=rule):
+            mod.run({}, x)
+    with pytest.raises(ValueError, match="one offset per output"):
+        mod._offsets((1, 2, 3))
+    assert mod._offsets(5) == (5, 5) and mod._offsets((1, 2)) == (1, 2)
+    weights = modules("quant_e2m1_16x16_e4m3rn_g_bf16_row_rne_col_rne")
+    assert weights.M_MULTIPLE == 8 and weights.K_MULTIPLE == 16

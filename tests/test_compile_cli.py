@@ -259,7 +259,8 @@ def test_cache_commands_honour_fp4gen_cache_dir(
 
 
 def test_compile_with_the_real_template(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    """mxfp8 (E4M3 1x32, UE8M0 scales): the real template's rowwise kernel, both archs."""
+    """mxfp8 (E4M3 1x32, UE8M0 scales): the real template's fused rowwise + columnwise kernel,
+    both archs, with no stand-in."""
     from fp4gen.compiler.spec import QuantKernelSpec, QuantOutput
     from fp4gen.formats import E4M3, UE8M0, ScaleSpec
 
@@ -269,7 +270,7 @@ def test_compile_with_the_real_template(tmp_path: Path, capsys: pytest.CaptureFi
         ScaleSpec(UE8M0, "up"),
         False,
         "bf16",
-        (QuantOutput("rowwise", "nearest", None),),
+        (QuantOutput("rowwise", "nearest", None), QuantOutput("columnwise", "nearest", None)),
     )
     try:
         jit.render_source(single)
@@ -282,6 +283,7 @@ def test_compile_with_the_real_template(tmp_path: Path, capsys: pytest.CaptureFi
     )  # fmt: skip
     assert code == 0, err
     kernels = by_name(manifest(out))
+    assert list(kernels) == [single.name]  # generated itself: no stand-in
     k = kernels[single.name]
     assert k["status"] == "ok" and k["kernels"] == ["quantize"]
     for arch in ("sm_90a", "sm_100a"):

@@ -196,18 +196,13 @@ def _scale_ctx(spec: QuantKernelSpec) -> dict[str, Any]:
     }
 
 
+def is_rowwise(spec: QuantKernelSpec) -> bool:
+    """One rowwise output and 1D blocks: the rowwise template (quantize.py.j2); every other spec
+    (a columnwise output, rowwise + columnwise, 2D blocks) takes the tile template."""
+    return spec.block[0] == 1 and [o.direction for o in spec.outputs] == ["rowwise"]
+
+
 def _check(spec: QuantKernelSpec) -> None:
-    directions = [o.direction for o in spec.outputs]
-    if directions != ["rowwise"]:
-        raise NotImplementedError(
-            f"{spec.name}: only a single rowwise output is generated so far (got {directions}); "
-            "columnwise and fused rowwise+columnwise kernels come in a later step"
-        )
-    if spec.block[0] != 1:
-        raise NotImplementedError(
-            f"{spec.name}: 2D {spec.block[0]}x{spec.block[1]} blocks are not generated yet "
-            "(only 1xN rowwise blocks)"
-        )
     if not spec.element.signed:
         raise ValueError(f"{spec.name}: element formats must be signed, got {spec.element.name}")
     if spec.block[1] % 8:
@@ -311,6 +306,338 @@ def context(spec: QuantKernelSpec) -> dict[str, Any]:
     return ctx
 
 
+# ----------------------------------------------------------------------------------------------
+# Tile kernels: a columnwise output, rowwise + columnwise in one launch, 2D blocks
+# ----------------------------------------------------------------------------------------------
+TILE_WARPS = 4  # warps per CTA
+MAX_STRIP = 32  # rows of a thread's column strip
+MAX_TILE_VALUES = 128  # input values a thread holds (ROWS x VEC)
+
+
+@dataclass(frozen=True)
+class TileMapping:
+    """How threads cover [M, K] in the tile kernels (see the generated module's docstring).
+
+    A thread holds a strip of ``rows`` x ``vec`` elements (one vector load per row). Lanes of a
+    warp are ``lanes_k`` along K (fastest) x ``lanes_m`` along M; warps are ``warps_k`` along K
+    x ``warps_m`` along M. A row block (1D) or tile (2D) spans ``row_lanes`` lanes along K; a
+    column block (1D) or tile (2D) spans ``col_lanes`` lanes along M and ``col_warps`` warps
+    along M (more than one: the amax is combined through shared memory).
+    """
+
+    rows: int
+    vec: int
+    lanes_k: int
+    lanes_m: int
+    warps_k: int
+    warps_m: int
+    row_lanes: int
+    row_blocks: int  # whole row blocks in a thread's row segment (1D)
+    col_lanes: int
+    col_warps: int
+    col_blocks: int  # whole column blocks in a thread's column strip (1D)
+    k_multiple: int
+    m_multiple: int
+
+    @property
+    def threads(self) -> int:
+        return 32 * self.warps_k * self.warps_m
+
+    @property
+    def tile_k(self) -> int:
+        return self.vec * self.lanes_k * self.warps_k
+
+    @property
+    def tile_m(self) -> int:
+        return self.rows * self.lanes_m * self.warps_m
+
+
+def choose_tile_mapping(
+    block: tuple[int, int],
+    in_bytes: int,
+    *,
+    rowwise: bool,
+    columnwise: bool,
+    col_rht: int | None = None,
+) -> TileMapping:
+    """Thread mapping of a tile kernel: 1xB blocks (B a power of two >= 8) with a rowwise and/or
+    a columnwise output (a column RHT of size d runs inside one thread's strip), or BxB tiles."""
+    two_d = block[0] != 1
+    b = block[1]
+    if not _is_pow2(b) or b < 8 or (two_d and block[0] != b):
+        raise NotImplementedError(
+            f"{block[0]}x{block[1]} blocks: the tile kernels take 1xB and BxB blocks with B a "
+            "power of two >= 8"
+        )
+    d = col_rht or 1
+    if two_d:
+        rows = min(b, MAX_STRIP)
+    else:
+        base = math.lcm(b, d) if columnwise else b
+        if d > MAX_STRIP:
+            raise NotImplementedError(
+                f"a column RHT of size {d}: a thread's strip holds at most {MAX_STRIP} rows "
+                "(cross-thread butterflies are not generated yet)"
+            )
+        rows = base if base <= MAX_STRIP else MAX_STRIP
+        rows = max(rows, 16)
+    vec = min(16 // in_bytes, MAX_TILE_VALUES // rows)
+    # along K: lanes that share a row block (1D) or a tile (2D)
+    if two_d or rowwise:
+        if vec >= b:
+            row_lanes, row_blocks = 1, vec // b
+        else:
+            row_lanes, row_blocks = b // vec, 1
+    else:
+        row_lanes, row_blocks = 1, 1
+    if row_lanes > 32:
+        raise NotImplementedError(f"1x{b} blocks: a row block would span {row_lanes} lanes")
+    lanes_k = max(row_lanes, 8)
+    lanes_m = 32 // lanes_k
+    # along M: strips that share a column block (1D) or a tile (2D)
+    if two_d or columnwise:
+        if rows >= b:
+            total, col_blocks = 1, rows // b
+        else:
+            total, col_blocks = b // rows, 1
+    else:
+        total, col_blocks = 1, 1
+    col_lanes = min(total, lanes_m)
+    col_warps = total // col_lanes
+    if col_warps > TILE_WARPS:
+        raise NotImplementedError(f"{block[0]}x{block[1]} blocks span more than one CTA")
+    if col_warps > 1 and d > 1:
+        raise NotImplementedError(
+            "a column RHT with column blocks spanning several warps is not generated yet"
+        )
+    warps_m = max(col_warps, 2)
+    warps_k = TILE_WARPS // warps_m
+    k_multiple = math.lcm(vec, b) if (two_d or rowwise) else vec
+    m_multiple = math.lcm(8, d) if columnwise else 1
+    return TileMapping(
+        rows=rows,
+        vec=vec,
+        lanes_k=lanes_k,
+        lanes_m=lanes_m,
+        warps_k=warps_k,
+        warps_m=warps_m,
+        row_lanes=row_lanes,
+        row_blocks=row_blocks,
+        col_lanes=col_lanes,
+        col_warps=col_warps,
+        col_blocks=col_blocks,
+        k_multiple=k_multiple,
+        m_multiple=m_multiple,
+    )
+
+
+def _store_bytes(*sizes: int) -> int:
+    """The widest store word (4, 2 or 1 bytes) dividing every size."""
+    g = math.gcd(*sizes)
+    return 4 if g % 4 == 0 else 2 if g % 2 == 0 else 1
+
+
+_STORE_TYPES = {4: "Uint32", 2: "Uint16", 1: "Uint8"}
+_ROUNDING_TAGS = {"nearest": "rne", "stochastic": "sr", "zero": "rz"}
+
+
+def _check_tile(spec: QuantKernelSpec) -> None:
+    if not spec.element.signed:
+        raise ValueError(f"{spec.name}: element formats must be signed, got {spec.element.name}")
+    if spec.input_dtype not in _INPUTS:
+        raise ValueError(f"{spec.name}: unsupported input dtype {spec.input_dtype!r}")
+    for out in spec.outputs:
+        if out.scale_layout == "swizzled" and spec.scale.element is None:
+            raise ValueError(f"{spec.name}: fp32 block scales have no tensor-core swizzled layout")
+    if spec.block[0] != 1:
+        if spec.block[0] != spec.block[1]:
+            raise NotImplementedError(f"{spec.name}: 2D blocks must be square")
+        if any(o.rht is not None for o in spec.outputs):
+            raise NotImplementedError(
+                f"{spec.name}: an RHT with 2D blocks (the columnwise copy is the transpose of "
+                "the same codes, which an RHT along rows does not give)"
+            )
+        if len({o.rounding for o in spec.outputs}) > 1:
+            raise NotImplementedError(
+                f"{spec.name}: with 2D blocks both copies are one set of codes, so they must "
+                "round alike"
+            )
+    for out in spec.outputs:
+        if out.direction == "rowwise" and out.rht is not None:
+            raise NotImplementedError(
+                f"{spec.name}: a rowwise RHT in a kernel with a columnwise output (the tile "
+                "kernels transform columns only)"
+            )
+        if out.rht is not None and not _is_pow2(out.rht.size):
+            raise NotImplementedError(f"{spec.name}: RHT size {out.rht.size} is not supported")
+
+
+def _rht_ctx(rht) -> dict[str, Any]:
+    signs = [int(s) for s in rht_signs(rht).tolist()]
+    source = {
+        "fixed": "fixed vector",
+        "seeded": f"seeded by Philox, seed {rht.seed}",
+        "none": "no signs",
+    }[rht.sign_source]
+    return {
+        "size": rht.size,
+        "signs": signs,
+        "signs_text": "".join("+" if s > 0 else "-" for s in signs),
+        "source": source,
+        "scale": _lit(rht_scale(rht.size)),
+    }
+
+
+def tile_context(spec: QuantKernelSpec) -> dict[str, Any]:
+    """Everything the tile template needs, all derived from the spec."""
+    _check_tile(spec)
+    cutlass_t, torch_t, in_bytes = _INPUTS[spec.input_dtype]
+    two_d = spec.block[0] != 1
+    block = spec.block[1]
+    outs = {o.direction: o for o in spec.outputs}
+    row, col = outs.get("rowwise"), outs.get("columnwise")
+    col_rht = col.rht if col is not None else None
+    mapping = choose_tile_mapping(
+        spec.block,
+        in_bytes,
+        rowwise=row is not None,
+        columnwise=col is not None,
+        col_rht=col_rht.size if col_rht else None,
+    )
+    elem = _element_ctx(spec.element)
+    scale = _scale_ctx(spec)
+    bits = spec.element.bits
+    scale_max_val = FLT_MAX if spec.scale.element is None else max_finite(spec.scale.element)
+    roundings = list(dict.fromkeys(o.rounding for o in spec.outputs))
+    encoders = []
+    for r in roundings:
+        encoders.append(
+            {
+                "rounding": r,
+                "suffix": "" if len(roundings) == 1 else "_" + _ROUNDING_TAGS[r],
+                "sw_encode": (
+                    "rne"
+                    if r == "nearest" and spec.element.man_bits > 0
+                    else "sr64"
+                    if r == "stochastic"
+                    else "floor"
+                ),
+            }
+        )
+    suffix = {e["rounding"]: e["suffix"] for e in encoders}
+    # amax slots: one per distinct transform (no RHT / a column RHT)
+    slots: list[Any] = []
+    outputs = []
+    sr_index = 0
+    for out in spec.outputs:
+        kind = out.rht if out.direction == "columnwise" else None
+        if kind not in slots:
+            slots.append(kind)
+        hw = elem["hw_archs"] if out.rounding == "nearest" else ()
+        o = {
+            "direction": out.direction,
+            "tag": "row" if out.direction == "rowwise" else "col",
+            "prefix": "" if out.direction == "rowwise" else "col_",
+            "rounding": out.rounding,
+            "suffix": suffix[out.rounding],
+            "hw_archs": list(hw),
+            "rht": _rht_ctx(out.rht) if out.rht is not None else None,
+            "swizzled": out.scale_layout == "swizzled",
+            "slot": slots.index(kind),
+            "sr": out.rounding == "stochastic",
+            "sr_index": sr_index,
+        }
+        if o["sr"]:
+            sr_index += 1
+        outputs.append(o)
+    out_by = {o["direction"]: o for o in outputs}
+    # stores: a row segment of VEC codes; a column strip of ROWS codes
+    k_mult, m_mult = mapping.k_multiple, mapping.m_multiple
+    row_bytes = mapping.vec * bits // 8
+    row_store = _store_bytes(row_bytes, k_mult * bits // 8)
+    col_bytes = mapping.rows * bits // 8
+    col_store = _store_bytes(col_bytes, max(m_mult * bits // 8, 1)) if col else 1
+    sr_any = any(o["sr"] for o in outputs)
+    hw_any = any(o["hw_archs"] for o in outputs)
+    names = {"Float32", "Int32", "Int64", "Uint8", "Uint32", "range_constexpr"}
+    if sr_any:
+        names.add("Uint64")
+    need_add_rz = any(e["sw_encode"] == "floor" for e in encoders) or (
+        scale["kind"] == "minifloat"
+        and not (scale["rounding"] == "nearest" and scale["man_bits"] > 0)
+    )
+    swar = 32 % bits == 0
+    partial = swar and (
+        ((row is not None or two_d) and mapping.vec % (32 // bits))
+        or (col is not None and mapping.rows % (32 // bits))
+    )
+    bf16_input = spec.input_dtype == "bf16"
+    bf16_absmax = bf16_input or col_rht is not None
+    # 2D: the columnwise codes are the transpose of the rowwise ones (4- and 8-bit codes with
+    # one word per row segment); otherwise they are encoded again per column
+    transpose = (
+        two_d
+        and col is not None
+        and bits in (4, 8)
+        and mapping.vec == 32 // bits
+        and mapping.rows % (32 // bits) == 0
+    )
+    ctx = {
+        "spec": spec,
+        "spec_repr": repr(spec),
+        "name": spec.name,
+        "digest": spec.digest,
+        "kernels": ["amax", "quantize"] if spec.global_scale else ["quantize"],
+        "input": {"name": spec.input_dtype, "cutlass": cutlass_t, "torch": torch_t},
+        "in_bytes": in_bytes,
+        "elem": elem,
+        "scale": scale,
+        "global_scale": spec.global_scale,
+        "global_num": _lit(_f32_mul(scale_max_val, max_finite(spec.element))),
+        "block": block,
+        "two_d": two_d,
+        "map": mapping,
+        "outputs": outputs,
+        "row": out_by.get("rowwise"),
+        "col": out_by.get("columnwise"),
+        "col_rht": _rht_ctx(col_rht) if col_rht is not None else None,
+        "slots": len(slots),
+        "slot_rht": [s is not None for s in slots],
+        "encoders": encoders,
+        "sr": sr_any,
+        "n_sr": sr_index,
+        "swar": swar,
+        "partial": bool(partial),
+        "hw_any": hw_any,
+        "row_store": {
+            "bytes": row_store,
+            "type": _STORE_TYPES[row_store],
+            "n": row_bytes // row_store,
+            "unit_bytes": row_bytes,
+        },
+        "col_store": {
+            "bytes": col_store,
+            "type": _STORE_TYPES[col_store],
+            "n": col_bytes // col_store,
+            "strip_bytes": col_bytes,
+        },
+        "swizzled": any(o["swizzled"] for o in outputs),
+        "cutlass_names": sorted(names, key=_import_order),
+        "archs": list(ARCHS),
+        "flt_max": _lit(FLT_MAX),
+        "need_add_rz": need_add_rz,
+        "bf16_absmax": bf16_absmax,
+        "bf16_input": bf16_input,
+        "transpose": transpose,
+        # 1D: e_b of each of the 256 e4m3 scale codes once per CTA (shared memory), not a
+        # division per block
+        "encode_table": not two_d and scale["kind"] == "e4m3_hw",
+    }
+    ctx["uses_math"] = spec.global_scale and "math" in ctx["global_num"]
+    ctx["uses_asm"] = True  # the predicated stores are inline PTX
+    return ctx
+
+
 def _pytuple(items) -> str:
     """A Python tuple literal: ("a", "b"), (1,) or ()."""
     items = list(items)
@@ -361,12 +688,25 @@ def _tidy(source: str) -> str:
 
 
 def render(spec: QuantKernelSpec) -> str:
-    """The generated CuTe DSL module (Python source) of ``spec``'s rowwise quantize kernels.
+    """The generated CuTe DSL module (Python source) of ``spec``'s quantize kernels: the rowwise
+    template for one rowwise output with 1xN blocks, the tile template otherwise (a columnwise
+    output, rowwise + columnwise in one launch, 2D blocks).
 
-    Raises NotImplementedError for columnwise / fused outputs and 2D blocks (a later step adds
-    them), and for block/RHT shapes the thread mapping does not cover.
+    Raises NotImplementedError for block/RHT shapes the thread mappings do not cover.
     """
-    return _tidy(_environment().get_template("quantize.py.j2").render(**context(spec)))
+    if is_rowwise(spec):
+        return _tidy(_environment().get_template("quantize.py.j2").render(**context(spec)))
+    return _tidy(_environment().get_template("quantize_tile.py.j2").render(**tile_context(spec)))
 
 
-__all__ = ["ARCHS", "Mapping", "choose_mapping", "context", "render"]
+__all__ = [
+    "ARCHS",
+    "Mapping",
+    "TileMapping",
+    "choose_mapping",
+    "choose_tile_mapping",
+    "context",
+    "is_rowwise",
+    "render",
+    "tile_context",
+]
