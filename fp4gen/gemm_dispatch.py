@@ -11,10 +11,9 @@ Paths (``backend=``):
              (A 1x16, B 1x16 or 16x16 blocks) and MXFP4 (1x32 blocks) pairs; FP4GenError with
              the reason for anything else.
   auto       CPU tensors: reference. CUDA tensors: cute on sm_90a when the pair has a fused
-             kernel and M <= FUSED_MAX_M (memory-bound shapes: the fused kernel reads the
-             4-bit operands), else dequant. Each reason for not taking the fused kernel is
-             logged once (INFO, logger fp4gen.gemm_dispatch). Measurements, and the trade-off
-             above FUSED_MAX_M: docs/gemm-sm90.md.
+             kernel (measured faster than this package's dequant path at every shape, from
+             M=16 to 8192^3: docs/gemm-sm90.md), else dequant. Each reason for not taking the
+             fused kernel is logged once (INFO, logger fp4gen.gemm_dispatch).
 Every path takes the same arguments and computes the same mathematical result (numerics.md 6).
 """
 
@@ -30,7 +29,6 @@ from fp4gen.formats import BlockFormat
 from fp4gen.numerics import QuantizedTensor, gemm_reference
 
 BACKENDS = ("auto", "reference", "dequant", "cute")
-FUSED_MAX_M = 128  # auto: the fused kernel up to this M, dequantize + cuBLAS above
 log = logging.getLogger(__name__)
 _logged: set[str] = set()
 
@@ -117,20 +115,13 @@ def choose_backend(
         return GemmChoice(
             "dequant", f"no fused GEMM kernel for {arch} (wgmma: sm_90a only)", fallback=True
         )
-    if m > FUSED_MAX_M:
-        return GemmChoice(
-            "dequant",
-            f"M > {FUSED_MAX_M}: compute-bound, dequantize + cuBLAS beats the fused kernel",
-        )
     if m * n >= 2**31 or max(m, n) * ((k + 1) // 2) >= 2**31:
         return GemmChoice(
             "dequant",
             "the fused kernel indexes with 32 bits (M * N or max(M, N) * K/2 >= 2^31)",
             fallback=True,
         )
-    return GemmChoice(
-        "cute", f"M <= {FUSED_MAX_M}: memory-bound, the fused kernel reads the 4-bit operands"
-    )
+    return GemmChoice("cute", "fused kernel: reads the 4-bit operands, decodes in the mainloop")
 
 
 def auto_backend(a: QuantizedTensor, b: QuantizedTensor) -> GemmChoice:
@@ -186,8 +177,8 @@ def gemm_path(a: BlockFormat | object, b: BlockFormat | object) -> tuple[str, st
         why = f"element x block scale needs {bits} significant bits, exact in bf16 (8)"
         reason = fused_support(a, b)
         if reason is None:
-            path += f"; fused CuTe kernel if M <= {FUSED_MAX_M} on sm_90a"
-            why += f"; M <= {FUSED_MAX_M} is memory-bound: the fused kernel reads 4-bit operands"
+            path += "; the fused CuTe kernel on sm_90a"
+            why += "; the fused kernel reads the 4-bit operands and decodes in the mainloop"
         else:
             why += f"; no fused kernel: {reason}"
         return path, why

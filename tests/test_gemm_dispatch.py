@@ -8,7 +8,7 @@ import torch
 import fp4gen
 from fp4gen.errors import FP4GenError, TensorError
 from fp4gen.formats import BUILTIN_FORMATS, HighPrecision
-from fp4gen.gemm_dispatch import FUSED_MAX_M, GemmChoice, choose_backend, gemm_path
+from fp4gen.gemm_dispatch import GemmChoice, choose_backend, gemm_path
 from fp4gen.numerics import gemm_reference, quantize
 
 
@@ -92,12 +92,11 @@ MXFP4 = BUILTIN_FORMATS["mxfp4"]
 @pytest.mark.parametrize(
     ("a", "b", "m", "arch", "backend", "fallback", "why"),
     [
-        (NVFP4, NVFP4_2D, 1, "sm_90a", "cute", False, "memory-bound"),
-        (NVFP4, NVFP4_2D, 16, "sm_90a", "cute", False, "memory-bound"),
-        (NVFP4, NVFP4, FUSED_MAX_M, "sm_90a", "cute", False, "memory-bound"),
-        (NVFP4, NVFP4_2D, FUSED_MAX_M + 1, "sm_90a", "dequant", False, "compute-bound"),
-        (NVFP4, NVFP4_2D, 8192, "sm_90a", "dequant", False, "compute-bound"),
-        (MXFP4, MXFP4, 16, "sm_90a", "cute", False, "memory-bound"),
+        (NVFP4, NVFP4_2D, 1, "sm_90a", "cute", False, "fused kernel"),
+        (NVFP4, NVFP4_2D, 16, "sm_90a", "cute", False, "fused kernel"),
+        (NVFP4, NVFP4, 128, "sm_90a", "cute", False, "fused kernel"),
+        (NVFP4, NVFP4_2D, 8192, "sm_90a", "cute", False, "fused kernel"),
+        (MXFP4, MXFP4, 16, "sm_90a", "cute", False, "fused kernel"),
         (NVFP4, NVFP4_2D, 16, "sm_100a", "dequant", True, "sm_90a only"),
         (NVFP4, NVFP4_2D, 16, "sm_80", "dequant", True, "sm_90a only"),
         (NVFP4_2D, NVFP4, 16, "sm_90a", "dequant", True, "A has 16x16 blocks"),
@@ -132,8 +131,8 @@ def test_auto_backend_falls_back_for_32_bit_indexing() -> None:
 def test_gemm_path_names_the_fused_kernel_and_why() -> None:
     path, why = gemm_path(NVFP4, NVFP4_2D)
     assert path.startswith("dequantize to bf16 + cuBLAS")
-    assert f"fused CuTe kernel if M <= {FUSED_MAX_M} on sm_90a" in path
-    assert "6 significant bits" in why and "the fused kernel reads 4-bit operands" in why
+    assert "the fused CuTe kernel on sm_90a" in path
+    assert "6 significant bits" in why and "the fused kernel reads the 4-bit operands" in why
     path, why = gemm_path(BUILTIN_FORMATS["mxfp8_e4m3"], BUILTIN_FORMATS["mxfp8_e4m3"])
     assert "fused" not in path and "no fused kernel: A has e4m3 elements" in why
     assert "fused CuTe kernel" in gemm_path(MXFP4, MXFP4)[0]
