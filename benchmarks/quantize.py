@@ -1,13 +1,16 @@
-"""Bandwidth of the generated rowwise quantize kernels against a device-to-device copy.
+"""Bandwidth of the generated quantize kernels against a device-to-device copy.
 
     python benchmarks/quantize.py [--shapes 8192x8192,16384x8192] [--iters 50] [--no-reference]
                                   [--deadline 300]
 
-For each format (NVFP4 RNE, NVFP4 SR + RHT16, MXFP4, MXFP8) and each bf16 input of 64 MiB and
-more it prints the bytes the quantize kernel moves per second (input read + codes and scales
-written) as a ratio to ``torch`` copying the same input in the same run (read + write), and the
-speedup of the whole quantization (``run``: allocations, amax kernel if any, quantize kernel)
-over the reference ``fp4gen.numerics.quantize`` under ``torch.compile`` (eager if that fails).
+For each kernel (rowwise: NVFP4 RNE, NVFP4 SR + RHT16, MXFP4, MXFP8; tile kernels: the NVFP4
+gradient's rowwise SR + columnwise SR/RHT16 copies in one launch, the activation's rowwise RNE +
+columnwise RNE/RHT16, the 16x16 2D weight kernel's rowwise + transposed copies) and each bf16
+input of 64 MiB and more it prints the bytes the quantize kernel moves per second (input read
+once + every copy's codes and scales written) as a ratio to ``torch`` copying the same input in
+the same run (read + write), and the speedup of the whole quantization (``run``: allocations,
+amax kernel if any, quantize kernel) over the reference ``fp4gen.numerics.quantize`` (one call
+per copy; the columnwise copy from ``x.t()``) under ``torch.compile`` (eager if that fails).
 
 Phase 1 times the kernels (every output checked bit for bit against the reference first) and
 prints a line per shape; phase 2 times the reference, compiled once per format with M dynamic,
@@ -37,14 +40,25 @@ from fp4gen.formats import E2M1, E4M3, UE8M0, BlockFormat, ScaleSpec
 from fp4gen.numerics import quantize
 
 NVFP4 = (E2M1, (1, 16), ScaleSpec(E4M3, "nearest"), True)
+NVFP4_2D = (E2M1, (16, 16), ScaleSpec(E4M3, "nearest"), True)
 MXFP4 = (E2M1, (1, 32), ScaleSpec(UE8M0, "up"), False)
 MXFP8 = (E4M3, (1, 32), ScaleSpec(UE8M0, "up"), False)
+SR, TE16 = "stochastic", RHTSpec(16)
+ROW, COL = "rowwise", "columnwise"
+# label -> (format, outputs as (direction, rounding, rht))
 CONFIGS = {
-    "nvfp4 rowwise rne": (NVFP4, "nearest", None),
-    "nvfp4 rowwise sr+rht16": (NVFP4, "stochastic", RHTSpec(16)),
-    "mxfp4 rowwise rne": (MXFP4, "nearest", None),
-    "mxfp8 rowwise rne": (MXFP8, "nearest", None),
+    "nvfp4 rowwise rne": (NVFP4, ((ROW, "nearest", None),)),
+    "nvfp4 rowwise sr+rht16": (NVFP4, ((ROW, SR, TE16),)),
+    "mxfp4 rowwise rne": (MXFP4, ((ROW, "nearest", None),)),
+    "mxfp8 rowwise rne": (MXFP8, ((ROW, "nearest", None),)),
+    "nvfp4 gradient row sr + col sr+rht16": (NVFP4, ((ROW, SR, None), (COL, SR, TE16))),
+    "nvfp4 activation row rne + col rne+rht16": (
+        NVFP4,
+        ((ROW, "nearest", None), (COL, "nearest", TE16)),
+    ),
+    "nvfp4 weight 2d 16x16 row + col": (NVFP4_2D, ((ROW, "nearest", None), (COL, "nearest", None))),
 }
+OFFSETS = (2, 3)  # one Philox offset per copy
 
 
 def bench(fn, iters: int) -> float:
@@ -76,12 +90,56 @@ def make_x(m: int, k: int) -> torch.Tensor:
     return torch.randn(m, k, device="cuda", dtype=torch.bfloat16, generator=g)
 
 
-def reference_fn(fmt: BlockFormat, rounding: str, rht: RHTSpec | None):
+def make_spec(label: str) -> QuantKernelSpec:
+    (element, block, scale, global_scale), outs = CONFIGS[label]
+    outputs = tuple(QuantOutput(d, r, h) for d, r, h in outs)  # type: ignore[arg-type]
+    return QuantKernelSpec(element, block, scale, global_scale, "bf16", outputs)
+
+
+def reference_fn(label: str):
+    """The reference of every copy: (key, tensor) pairs named like the kernels' outputs."""
+    (element, block, scale, global_scale), outs = CONFIGS[label]
+    fmt = BlockFormat(label, element, block, scale, global_scale)
+
     def ref_fn(x):
-        q = quantize(x, fmt, rounding=rounding, hadamard=rht, seed=1, offset=2, backend="reference")
-        return q.data, q.scale_codes, q.global_scale
+        out = []
+        if block[0] != 1:  # 2D: one quantization, the columnwise copy its transpose
+            q = quantize(
+                x, fmt, rounding=outs[0][1], seed=1, offset=OFFSETS[0], backend="reference"
+            )
+            copies = [(d, q if d == ROW else q.transpose()) for d, _, _ in outs]
+        else:
+            copies = [
+                (
+                    d,
+                    quantize(
+                        x if d == ROW else x.t().contiguous(),
+                        fmt,
+                        rounding=r,
+                        hadamard=h,
+                        seed=1,
+                        offset=OFFSETS[i] if len(outs) > 1 else OFFSETS[0],
+                        backend="reference",
+                    ),
+                )
+                for i, (d, r, h) in enumerate(outs)
+            ]
+        for d, q in copies:
+            p = "" if d == ROW else "col_"
+            out += [(p + "data", q.data), (p + "scales", q.scale_codes)]
+            out.append((p + "global_scale", q.global_scale))
+        return out
 
     return ref_fn
+
+
+def offsets_for(spec: QuantKernelSpec):
+    """The run() offset argument: an int for a rowwise kernel, one per copy for a tile kernel."""
+    return (
+        OFFSETS[0]
+        if len(spec.outputs) == 1 and spec.block[0] == 1
+        else OFFSETS[: len(spec.outputs)]
+    )
 
 
 def main() -> int:
@@ -118,9 +176,8 @@ def main() -> int:
     # ---- phase 1: the generated kernels (checked bit for bit), copy in the same run
     results: dict[tuple[str, int, int], dict[str, float | bool]] = {}
     for label in labels:
-        (element, block, scale, global_scale), rounding, rht = CONFIGS[label]
-        out = QuantOutput("rowwise", rounding, rht)
-        spec = QuantKernelSpec(element, block, scale, global_scale, "bf16", (out,))
+        spec = make_spec(label)
+        global_scale = spec.global_scale
         t0 = time.perf_counter()
         mod = import_source(render(spec), gen_dir)
         t1 = time.perf_counter()
@@ -130,26 +187,26 @@ def main() -> int:
             fns[name] = mod.compile_kernel(name, arch)
             times.append(f"{name} {time.perf_counter() - t:.2f} s")
         print(f"{label}: {spec.name}: render+import {t1 - t0:.2f} s, compile " + ", ".join(times))
-        ref_fn = reference_fn(
-            BlockFormat(label, element, block, scale, global_scale), rounding, rht
-        )
+        ref_fn = reference_fn(label)
+        offset = offsets_for(spec)
         for m, k in shapes:
             x = make_x(m, k)
             in_bytes = x.numel() * x.element_size()
             dst = torch.empty_like(x)
             t_copy = bench(partial(dst.copy_, x), args.iters)
-            res, plan = mod.launches(x, seed=1, offset=2)
+            res, plan = mod.launches(x, seed=1, offset=offset)
             for name, kargs in plan:
                 fns[name](*kargs)
             want = ref_fn(x)
-            exact = all(
-                same(res[key], w)
-                for key, w in zip(("data", "scales", "global_scale"), want, strict=True)
-            )
+            exact = all(same(res[key].reshape(w.shape), w) for key, w in want)
             ok &= exact
-            out_bytes = res["data"].numel() + res["scales"].numel() * res["scales"].element_size()
+            out_bytes = sum(
+                res[key].numel() * res[key].element_size()
+                for key in ("data", "scales", "col_data", "col_scales")
+                if key in res
+            )
             kernel_t = {name: bench(partial(fns[name], *kargs), args.iters) for name, kargs in plan}
-            t_run = bench(partial(mod.run, fns, x, seed=1, offset=2), args.iters)
+            t_run = bench(partial(mod.run, fns, x, seed=1, offset=offset), args.iters)
             bw_copy = 2 * in_bytes / t_copy
             bw_q = (in_bytes + out_bytes) / kernel_t["quantize"]
             run_bytes = (2 if global_scale else 1) * in_bytes + out_bytes  # amax reads x too
@@ -167,10 +224,7 @@ def main() -> int:
     # ---- phase 2: the reference, compiled once per format (M dynamic), eager if that fails
     ref_text: dict[tuple[str, int, int], str] = {}
     for label in [] if args.no_reference else labels:
-        (element, block, scale, global_scale), rounding, rht = CONFIGS[label]
-        ref_fn = reference_fn(
-            BlockFormat(label, element, block, scale, global_scale), rounding, rht
-        )
+        ref_fn = reference_fn(label)
         torch._dynamo.reset()  # formats differ in Python ints that dynamo would make symbolic
         fn, kind = torch.compile(ref_fn), "compiled"
         for m, k in shapes:

@@ -140,21 +140,24 @@ def test_auto_uses_kernels_when_supported(
     x = torch.randn(64, 256, device="cuda", dtype=torch.bfloat16)
     assert_same(quantize(x, "nvfp4"), quantize(x, "nvfp4", backend="reference"))
     assert calls == [True]
-    # 2D blocks are not generated yet: auto stays on the reference and says so once
+    # 2D blocks: the tile kernel (rowwise copy of 16x16 tiles), bit-exact, nothing logged
     with caplog.at_level(logging.INFO, logger="fp4gen.runtime"):
         for _ in range(2):
             q = quantize(x, "nvfp4", block=(16, 16))
             assert q.codes.is_cuda
-    assert calls == [True, False, False]
-    infos = [r.getMessage() for r in caplog.records if r.name == "fp4gen.runtime"]
-    assert len(infos) == 1 and "16x16" in infos[0]
+            assert_same(q, quantize(x, "nvfp4", block=(16, 16), backend="reference"))
+    assert calls == [True, True, True]
+    assert not [r for r in caplog.records if r.name == "fp4gen.runtime"]
     # a shape the kernel does not take (K not a multiple of 16): the reference, no error
     odd = torch.randn(4, 24, device="cuda")
     assert_same(quantize(odd, "nvfp4"), quantize(odd, "nvfp4", backend="reference"))
     with pytest.raises(TensorError, match="multiple of 16"):
         quantize(odd, "nvfp4", backend="cute")
-    with pytest.raises(FP4GenError, match="not supported by the kernel template"):
-        quantize(x, "nvfp4", block=(16, 16), backend="cute")
+    w = torch.randn(1000, 64, device="cuda")  # 2D tiles with M not a multiple of 16
+    assert_same(
+        quantize(w, "nvfp4", block=(16, 16), backend="cute"),
+        quantize(w, "nvfp4", block=(16, 16), backend="reference"),
+    )
     # the reference's input checks hold for the kernels too
     bad = x.clone()
     bad[3, 5] = float("nan")

@@ -1,21 +1,30 @@
-"""Generated rowwise quantize kernels on a CUDA GPU, bit-exact against the reference
+"""Generated quantize kernels on a CUDA GPU, bit-exact against the reference
 ``fp4gen.numerics.quantize``: packed codes, scale codes (fp32 scales by bits), the global scale and
 the swizzled scale layout, over formats, shapes, input dtypes and value patterns.
 
+Rowwise kernels against ``quantize(x)``; tile kernels (rowwise + columnwise in one launch, a
+columnwise copy alone, 2D tiles) per copy: the rowwise copy against ``quantize(x)``, a 1D
+columnwise copy against ``quantize(x.t().contiguous())`` (its Philox index is the transposed
+one), a 2D columnwise copy against ``quantize(x, block=(B, B)).transpose()``.
+
 Skipped without a CUDA GPU (marker ``gpu``). The kernels are compiled for the GPU's arch: sm_90a on
-Hopper (where every 4- and 6-bit encode is the software path) or sm_100a on Blackwell.
+Hopper (where every 4- and 6-bit encode is the software path) or sm_100a on Blackwell, all of them
+first, in parallel worker processes, into a kernel cache for the session.
 """
 
 from __future__ import annotations
 
+import os
 import zlib
-from pathlib import Path
+from dataclasses import replace
 
 import pytest
 import torch
 
-from fp4gen.codegen import import_source
-from fp4gen.codegen.quantize import choose_mapping, render
+from fp4gen.codegen.quantize import choose_mapping, choose_tile_mapping, render
+from fp4gen.compiler import jit
+from fp4gen.compiler.build import CompileTask, compile_all
+from fp4gen.compiler.cache import KernelCache
 from fp4gen.compiler.spec import QuantKernelSpec, QuantOutput
 from fp4gen.dsl.model import RHTSpec
 from fp4gen.errors import TensorError
@@ -31,6 +40,7 @@ from fp4gen.formats import (
     ScaleSpec,
 )
 from fp4gen.numerics import quantize
+from fp4gen.runtime.kernels import kernels_for
 
 pytestmark = [
     pytest.mark.gpu,
@@ -115,19 +125,37 @@ def arch() -> str:
     return {9: "sm_90a", 10: "sm_100a"}[major]
 
 
-@pytest.fixture(scope="module")
-def kernels(tmp_path_factory: pytest.TempPathFactory, arch: str):
-    directory: Path = tmp_path_factory.mktemp("generated")
-    cache: dict = {}
+def every_spec() -> list[QuantKernelSpec]:
+    """The specs of every test in this file (compiled up front, in parallel)."""
+    specs = [make_spec(case, dtype) for case in CASES for dtype in ("bf16", "fp32")]
+    specs += [make_spec(case, "fp16") for case in FP16_CASES]
+    specs += [tile_spec(case, dtype) for case in TILE_CASES for dtype in TILE_DTYPES[case]]
+    return specs
 
+
+@pytest.fixture(scope="session")
+def kernel_cache(tmp_path_factory: pytest.TempPathFactory, arch: str) -> KernelCache:
+    """A kernel cache holding every kernel of this file, compiled by worker processes."""
+    cache = KernelCache(tmp_path_factory.mktemp("kernel-cache"))
+    tasks = {}
+    for spec in every_spec():
+        source = render(spec)
+        path = str(cache.store_source(source))
+        for name in jit.kernel_names(source):
+            key = jit.kernel_key(cache, source, name, arch)
+            tasks[(path, name)] = CompileTask(path, name, arch, None, spec.name, key)
+    results = compile_all(list(tasks.values()), cache=cache, jobs=max(2, (os.cpu_count() or 2) - 1))
+    failed = {k: r["status"] for k, r in results.items() if r.get("status") != "ok"}
+    assert not failed, f"compile failures: {list(failed.items())[:3]}"
+    return cache
+
+
+@pytest.fixture(scope="module")
+def kernels(kernel_cache: KernelCache, arch: str):
     def get(case: str, dtype: str):
-        key = (case, dtype)
-        if key not in cache:
-            spec = make_spec(case, dtype)
-            mod = import_source(render(spec), directory)
-            fns = {name: mod.compile_kernel(name, arch) for name in mod.KERNELS}
-            cache[key] = (spec, mod, fns)
-        return cache[key]
+        spec = make_spec(case, dtype)
+        loaded = kernels_for(spec, arch, cache=kernel_cache)
+        return spec, loaded.module, loaded.fns
 
     return get
 
@@ -251,7 +279,10 @@ def test_bit_exact(case: str, dtype: str, pattern: str, kernels) -> None:
     assert not failures, f"{spec.name}, {pattern}: " + "; ".join(failures[:5])
 
 
-@pytest.mark.parametrize("case", ["nvfp4_rne", "mxfp4_rht32_sr", "e3m2_b8_sr", "fp8_block_1x128"])
+FP16_CASES = ("nvfp4_rne", "mxfp4_rht32_sr", "e3m2_b8_sr", "fp8_block_1x128")
+
+
+@pytest.mark.parametrize("case", FP16_CASES)
 def test_fp16_input(case: str, kernels) -> None:
     spec, mod, fns = kernels(case, "fp16")
     for m, k in [(7, 2048), (272, 384)]:
@@ -285,3 +316,237 @@ def test_run_rejects_bad_inputs_on_the_gpu(kernels) -> None:
         mod.run(fns, buf[1:49].view(3, 16))  # contiguous, but 2 bytes past an aligned address
     with pytest.raises(TensorError, match="bfloat16"):
         mod.run(fns, buf.view(4, 16).float())
+
+
+# ----------------------------------------------------------------------------------------------
+# Tile kernels: rowwise + columnwise in one launch, a columnwise copy alone, 2D tiles
+# ----------------------------------------------------------------------------------------------
+ROW, COL = "rowwise", "columnwise"
+
+
+def out(direction, rounding="nearest", rht=None, layout="compact"):
+    return direction, rounding, rht, layout
+
+
+NVFP4 = (E2M1, NVFP4_SCALE, True)
+MXFP4 = (E2M1, MX_SCALE, False)
+TILE_CASES = {
+    # what the shipped recipes plan (every planned spec's format, block, rounding and RHT)
+    "nvfp4_x": (*NVFP4, (1, 16), (out(ROW), out(COL, rht=TE16))),
+    "nvfp4_dy": (*NVFP4, (1, 16), (out(ROW, SR), out(COL, SR, TE16))),
+    "nvfp4_x_no_rht": (*NVFP4, (1, 16), (out(ROW), out(COL))),
+    "nvfp4_dy_no_rht": (*NVFP4, (1, 16), (out(ROW, SR), out(COL, SR))),
+    "nvfp4_x_col_only": (*NVFP4, (1, 16), (out(COL, rht=TE16),)),
+    "nvfp4_w_16x16": (*NVFP4, (16, 16), (out(ROW), out(COL))),
+    "nvfp4_w_16x16_col_only": (*NVFP4, (16, 16), (out(COL),)),
+    "nvfp4_w_16x16_row_only": (*NVFP4, (16, 16), (out(ROW),)),  # quantize(w, block=(16, 16))
+    "mxfp4_x": (*MXFP4, (1, 32), (out(ROW), out(COL, rht=SEEDED32))),
+    "mxfp4_dy": (*MXFP4, (1, 32), (out(ROW, SR), out(COL, SR, SEEDED32))),
+    "mxfp4_w": (*MXFP4, (1, 32), (out(ROW), out(COL))),
+    "mxfp8": (E4M3, MX_SCALE, False, (1, 32), (out(ROW), out(COL))),
+    "e3m2_b8_rne": (E3M2, NVFP4_SCALE, True, (1, 8), (out(ROW), out(COL))),
+    "e3m2_b8_sr": (E3M2, NVFP4_SCALE, True, (1, 8), (out(ROW, SR), out(COL, SR))),
+    "fp8_1x128": (E4M3, ScaleSpec(None), False, (1, 128), (out(ROW), out(COL))),
+    "fp8_128x128": (E4M3, ScaleSpec(None), False, (128, 128), (out(ROW), out(COL))),
+    # beyond them: swizzled scales, SR with 2D tiles, other scale formats and roundings
+    "nvfp4_swizzled": (
+        *NVFP4,
+        (1, 16),
+        (out(ROW, SR, None, "swizzled"), out(COL, "nearest", TE16, "swizzled")),
+    ),
+    "nvfp4_2d_sr_swizzled": (
+        *NVFP4,
+        (16, 16),
+        (out(ROW, SR, None, "swizzled"), out(COL, SR, None, "swizzled")),
+    ),
+    "mxfp8_2d_32": (E4M3, MX_SCALE, False, (32, 32), (out(ROW), out(COL))),
+    "mxfp4_ocp_col_sr_swizzled": (
+        E2M1,
+        ScaleSpec(UE8M0, "ocp"),
+        False,
+        (1, 32),
+        (out(COL, SR, SEEDED32, "swizzled"),),
+    ),
+    "e5m2_1x128_fp32_global": (
+        E5M2,
+        ScaleSpec(None),
+        True,
+        (1, 128),
+        (out(ROW, SR), out(COL, "zero")),
+    ),
+    "e2m3_e5m2_scales": (E2M3, ScaleSpec(E5M2), False, (1, 32), (out(ROW), out(COL, SR))),
+    "e3m2_2d_e4m3_up": (E3M2, ScaleSpec(E4M3, "up"), True, (16, 16), (out(ROW), out(COL))),
+}
+TILE_DTYPES = {case: ("bf16", "fp32") for case in TILE_CASES} | {
+    "nvfp4_swizzled": ("fp16", "bf16"),
+    "e2m3_e5m2_scales": ("fp16",),
+}
+TILE_PATTERNS = ("randn", "zeros", "outliers", "subnormal_scales", "tiny")
+TILE_MS = (16, 272, 1000, 4096)
+
+
+def tile_spec(case: str, dtype: str) -> QuantKernelSpec:
+    element, scale, global_scale, block, outs = TILE_CASES[case]
+    outputs = tuple(QuantOutput(*o) for o in outs)  # type: ignore[arg-type]
+    return QuantKernelSpec(element, block, scale, global_scale, dtype, outputs)  # type: ignore[arg-type]
+
+
+def tile_mapping(spec: QuantKernelSpec):
+    col = [o for o in spec.outputs if o.direction == COL]
+    rht = col[0].rht if col else None
+    return choose_tile_mapping(
+        spec.block,
+        {"bf16": 2, "fp16": 2, "fp32": 4}[spec.input_dtype],
+        rowwise=any(o.direction == ROW for o in spec.outputs),
+        columnwise=bool(col),
+        col_rht=rht.size if rht else None,
+    )
+
+
+def tile_shapes(spec: QuantKernelSpec) -> list[tuple[int, int]]:
+    """M in TILE_MS, K in {K_MULTIPLE, 304 where allowed, 1024}, as far as the spec allows."""
+    m = tile_mapping(spec)
+    ks = sorted({m.k_multiple, 1024} | ({304} if 304 % m.k_multiple == 0 else set()))
+    ms = [v for v in TILE_MS if v % m.m_multiple == 0]
+    return [(mm, k) for mm in ms for k in ks if mm * k <= 4096 * 1024]
+
+
+def tile_input(spec: QuantKernelSpec, pattern: str, m: int, k: int, salt: int) -> torch.Tensor:
+    dev = torch.device("cuda")
+    g = torch.Generator(device=dev).manual_seed(salt)
+    b = spec.block[1]
+    if pattern == "subnormal_scales":  # magnitudes 2^0 .. 2^-40 per B x B tile: blocks along
+        # either direction, and the 2D tiles, get tiny, subnormal and zero scales
+        x = torch.randn(m, k, generator=g, device=dev)
+        e = torch.randint(-40, 1, (-(-m // b), k // b), generator=g, device=dev).float()
+        x *= torch.exp2(e).repeat_interleave(b, 0)[:m].repeat_interleave(b, 1)
+        x.view(-1)[0] = 8.0
+        return x.to(_TORCH[spec.input_dtype]).contiguous()
+    if spec.input_dtype == "fp16":  # outliers past fp16's range would be inf: clamp them
+        x = make_input(replace(spec, input_dtype="fp32"), pattern, m, k, salt)
+        return x.clamp(-60000.0, 60000.0).to(torch.float16)
+    return make_input(spec, pattern, m, k, salt)
+
+
+@pytest.fixture(scope="module")
+def tile_kernels(kernel_cache: KernelCache, arch: str):
+    def get(case: str, dtype: str):
+        spec = tile_spec(case, dtype)
+        return spec, kernels_for(spec, arch, cache=kernel_cache)
+
+    return get
+
+
+def tile_references(spec: QuantKernelSpec, x: torch.Tensor, seed: int, offsets: tuple[int, ...]):
+    """The reference of each copy, by direction."""
+    fmt = BlockFormat("test", spec.element, spec.block, spec.scale, spec.global_scale)
+    refs = {}
+    if spec.block[0] != 1:  # one set of codes, in the input's orientation
+        o = spec.outputs[0]
+        q = quantize(x, fmt, rounding=o.rounding, seed=seed, offset=offsets[0], backend="reference")
+        for o in spec.outputs:
+            refs[o.direction] = q if o.direction == ROW else q.transpose()
+        return refs
+    for o, offset in zip(spec.outputs, offsets, strict=True):
+        src = x if o.direction == ROW else x.t().contiguous()
+        refs[o.direction] = quantize(
+            src,
+            fmt,
+            rounding=o.rounding,
+            hadamard=o.rht,
+            seed=seed,
+            offset=offset,
+            backend="reference",
+        )
+    return refs
+
+
+def compare_tile(spec: QuantKernelSpec, got: dict, refs: dict) -> list[str]:
+    bad = []
+    for o in spec.outputs:
+        ref = refs[o.direction]
+        p = "" if o.direction == ROW else "col_"
+        tag = o.direction
+        if not torch.equal(got[p + "data"], ref.data):
+            diff = (got[p + "data"] != ref.data).nonzero()
+            r, c = diff[0].tolist()
+            bad.append(
+                f"{tag} data: {diff.shape[0]} bytes differ, first [{r}, {c}]: "
+                f"got {int(got[p + 'data'][r, c]):#04x} want {int(ref.data[r, c]):#04x}"
+            )
+        if spec.scale.element is None:
+            want = ref.scales
+            ok = torch.equal(got[p + "scales"].view(torch.int32), want.view(torch.int32))
+        else:
+            want = ref.scale_codes
+            ok = torch.equal(got[p + "scales"], want)
+        if not ok:
+            if got[p + "scales"].shape != want.shape:
+                bad.append(
+                    f"{tag} scales shape {tuple(got[p + 'scales'].shape)} != {tuple(want.shape)}"
+                )
+            else:
+                i = (got[p + "scales"] != want).nonzero()[0].tolist()
+                bad.append(
+                    f"{tag} scales differ, first {i}: got {got[p + 'scales'][tuple(i)]} "
+                    f"want {want[tuple(i)]}"
+                )
+        gs = got[p + "global_scale"].reshape(()).view(torch.int32)
+        if not torch.equal(gs, ref.global_scale.view(torch.int32)):
+            have, want_s = got[p + "global_scale"].item(), ref.global_scale.item()
+            bad.append(f"{tag} global scale {have!r} != {want_s!r}")
+        if o.scale_layout == "swizzled" and not torch.equal(
+            got[p + "scales_swizzled"], ref.swizzled_scales()
+        ):
+            bad.append(f"{tag} swizzled scales differ")
+    return bad
+
+
+@pytest.mark.parametrize("pattern", TILE_PATTERNS)
+@pytest.mark.parametrize(
+    ("case", "dtype"), [(c, d) for c in sorted(TILE_CASES) for d in TILE_DTYPES[c]]
+)
+def test_tile_bit_exact(case: str, dtype: str, pattern: str, tile_kernels) -> None:
+    spec, loaded = tile_kernels(case, dtype)
+    failures = []
+    for m, k in tile_shapes(spec):
+        salt = zlib.crc32(f"tile/{case}/{dtype}/{pattern}/{m}/{k}".encode())
+        x = tile_input(spec, pattern, m, k, salt)
+        # seeds and offsets above 2^32 exercise every Philox key and counter word; the copies get
+        # different offsets (the runtime gives each operand slot its own stream)
+        seed = salt if m % 3 else (salt << 32) | 0x5EED
+        offsets = tuple((3 << 32) + m + i if m % 2 == 0 else i for i in range(len(spec.outputs)))
+        got = loaded.run(x, seed=seed, offset=offsets)
+        torch.cuda.synchronize()
+        for msg in compare_tile(spec, got, tile_references(spec, x, seed, offsets)):
+            failures.append(f"{m}x{k}: {msg}")
+    assert not failures, f"{spec.name}, {pattern}: " + "; ".join(failures[:5])
+
+
+def test_tile_one_offset_serves_both_copies_and_repeat_calls(tile_kernels) -> None:
+    """An int offset is every copy's; a second call on the same kernels (fresh amax buffers)
+    gives the same bits; many CTAs."""
+    spec, loaded = tile_kernels("nvfp4_dy", "bf16")
+    for scale in (1.0, 300.0):
+        x = tile_input(spec, "randn", 4096, 4096, 9) * scale
+        got = loaded.run(x, seed=5, offset=7)
+        assert not compare_tile(spec, got, tile_references(spec, x, 5, (7, 7)))
+        again = loaded.run(x, seed=5, offset=7)
+        assert torch.equal(got["col_data"], again["col_data"])
+
+
+def test_tile_stochastic_rounding_depends_on_each_offset(tile_kernels) -> None:
+    spec, loaded = tile_kernels("nvfp4_dy", "bf16")
+    x = tile_input(spec, "randn", 256, 1024, 1)
+    a = loaded.run(x, seed=1, offset=(0, 0))
+    b = loaded.run(x, seed=1, offset=(0, 1))
+    assert torch.equal(a["data"], b["data"]) and not torch.equal(a["col_data"], b["col_data"])
+
+
+def test_tile_rejects_bad_shapes_on_the_gpu(tile_kernels) -> None:
+    spec, loaded = tile_kernels("nvfp4_dy", "bf16")
+    with pytest.raises(TensorError, match="M must be a multiple of 16"):
+        loaded.run(torch.zeros(1000, 64, dtype=torch.bfloat16, device="cuda"))
+    spec, loaded = tile_kernels("nvfp4_w_16x16", "bf16")
+    with pytest.raises(TensorError, match="M must be a multiple of 8"):
+        loaded.run(torch.zeros(1004, 64, dtype=torch.bfloat16, device="cuda"))

@@ -1,4 +1,10 @@
-"""Render a QuantKernelSpec into a CuTe DSL module of quantize kernels (rowwise direction).
+"""Render a QuantKernelSpec into a CuTe DSL module of quantize kernels.
+
+Two templates: ``quantize.py.j2`` for a single rowwise copy with 1xN blocks (a flat sequence of
+units, one or more blocks per thread), ``quantize_tile.py.j2`` for everything else: a columnwise
+copy (blocks along M, codes stored transposed [K, M], optional RHT along M), rowwise + columnwise
+copies from one read of the input, and 2D BxB tiles (one scale per tile; the columnwise copy is
+the transpose of the same codes and scales). Tile kernels hold a ROWS x VEC strip per thread.
 
 Everything that depends on the formats is decided here, in Python, and written into the module as
 constants and as straight-line code: the generated source names its formats, grid constants and
@@ -12,7 +18,10 @@ The generated module's contract (used by ``fp4gen.compiler``):
   for ``"sm_90a"`` or ``"sm_100a"`` (no GPU needed); with ``dump_dir`` the PTX is kept there;
 * ``run(fns, x, *, seed=0, offset=0)``: validates ``x``, allocates the outputs, launches the
   kernels of ``fns`` (name -> callable) and returns ``{"data", "scales", "global_scale"}`` plus
-  ``"scales_swizzled"`` for the swizzled layout.
+  ``"scales_swizzled"`` for the swizzled layout, for the rowwise copy; a columnwise copy's keys
+  carry a ``col_`` prefix (``"col_data"`` [K, M*bits/8], ``"col_scales"``, ...). Tile modules
+  take ``offset`` as an int (every copy) or a tuple with one Philox offset per copy, in
+  ``OUTPUTS`` order (a 2D kernel's codes use the first).
 
 Numerics: docs/numerics.md, bit for bit (the reference is ``fp4gen.numerics.quantize``).
 """
