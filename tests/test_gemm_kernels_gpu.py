@@ -175,14 +175,14 @@ def test_exact(case: str, m: int, n: int, k: int) -> None:
 
 
 def test_exact_large_tile_bf16() -> None:
-    """backend="cute" above M = 256 takes the 128x256 tile (auto would take dequant)."""
+    """Above M = 256 the fused kernel takes the 128x256 tile; auto takes it too."""
     fb = NVFP4.with_block((16, 16))
     a = raw_operand(300, 256, NVFP4, DYADIC_E4M3, 7)
     b = raw_operand(520, 256, fb, DYADIC_E4M3, 8)
     got = fp4gen.gemm(a, b, out_dtype=torch.bfloat16, backend="cute")
     want = gemm_reference(a, b).to(torch.bfloat16)  # exact in fp32, rounded once
     assert torch.equal(got.view(torch.int16), want.view(torch.int16))
-    assert auto_backend(a, b).backend == "dequant"
+    assert auto_backend(a, b).backend == "cute"
 
 
 # ----------------------------------------------------------------------------------------------
@@ -243,7 +243,7 @@ def test_tolerance_mxfp4(m: int, n: int, k: int) -> None:
     check_tolerance(MXFP4, MXFP4, m, n, k, v, "wide" if i % 3 == 1 else "randn", 13 * i)
 
 
-def test_auto_takes_the_fused_kernel_for_small_m_and_dequant_above() -> None:
+def test_auto_takes_the_fused_kernel_at_every_m() -> None:
     fb = NVFP4.with_block((16, 16))
     a = quantized(16, 4096, NVFP4, None, "randn", 1)
     b = quantized(200, 4096, fb, fb.block, "randn", 2)
@@ -252,5 +252,5 @@ def test_auto_takes_the_fused_kernel_for_small_m_and_dequant_above() -> None:
     fused = fp4gen.gemm(a, b, out_dtype=bf16, backend="cute")
     assert torch.equal(fp4gen.gemm(a, b, out_dtype=bf16), fused)  # auto, and deterministic
     big = quantized(300, 4096, NVFP4, None, "randn", 3)
-    assert auto_backend(big, b).backend == "dequant"
-    assert torch.equal(fp4gen.gemm(big, b), fp4gen.gemm(big, b, backend="dequant"))
+    assert auto_backend(big, b).backend == "cute"
+    assert torch.equal(fp4gen.gemm(big, b), fp4gen.gemm(big, b, backend="cute"))
