@@ -320,7 +320,8 @@ def context(spec: QuantKernelSpec) -> dict[str, Any]:
 # ----------------------------------------------------------------------------------------------
 TILE_WARPS = 4  # warps per CTA
 MAX_STRIP = 32  # rows of a thread's column strip
-MAX_TILE_VALUES = 128  # input values a thread holds (ROWS x VEC)
+MAX_TILE_VALUES = 128  # input values a thread holds (ROWS x VEC), 2D tiles
+MAX_TILE_VALUES_1D = 128  # the same for 1D blocks
 
 
 @dataclass(frozen=True)
@@ -390,7 +391,8 @@ def choose_tile_mapping(
             )
         rows = base if base <= MAX_STRIP else MAX_STRIP
         rows = max(rows, 16)
-    vec = min(16 // in_bytes, MAX_TILE_VALUES // rows)
+    values = MAX_TILE_VALUES if two_d else MAX_TILE_VALUES_1D
+    vec = max(4, min(16 // in_bytes, values // rows))
     # along K: lanes that share a row block (1D) or a tile (2D)
     if two_d or rowwise:
         if vec >= b:
