@@ -10,10 +10,15 @@ Paths (``backend=``):
              between wgmma instructions; fp32 accumulation, the same numerics as dequant. NVFP4
              (A 1x16, B 1x16 or 16x16 blocks) and MXFP4 (1x32 blocks) pairs; FP4GenError with
              the reason for anything else.
-  auto       CPU tensors: reference. CUDA tensors: cute on sm_90a when the pair has a fused
+  blackwell  the block-scaled tcgen05 MMA of sm_100a (``fp4gen.runtime.blackwell_gemm``,
+             docs/gemm-sm100.md): the tensor cores read the codes and the 128x4 scale factors,
+             accumulate in fp32, the epilogue applies the global scales; e2m1, e2m3, e3m2,
+             e4m3 and e5m2 elements with e4m3 (16-value blocks, e2m1 only) or ue8m0 scales.
+  auto       CPU tensors: reference. CUDA tensors: on sm_100a blackwell when the pair and the
+             shape have a native MMA, else dequant; cute on sm_90a when the pair has a fused
              kernel (measured faster than this package's dequant path at every shape, from
              M=16 to 8192^3: docs/gemm-sm90.md), else dequant. Each reason for not taking the
-             fused kernel is logged once (INFO, logger fp4gen.gemm_dispatch).
+             native or fused kernel is logged once (INFO, logger fp4gen.gemm_dispatch).
 Every path takes the same arguments and computes the same mathematical result (numerics.md 6).
 """
 
@@ -28,7 +33,7 @@ from fp4gen.errors import FP4GenError, TensorError
 from fp4gen.formats import BlockFormat
 from fp4gen.numerics import QuantizedTensor, gemm_reference
 
-BACKENDS = ("auto", "reference", "dequant", "cute")
+BACKENDS = ("auto", "reference", "dequant", "cute", "blackwell")
 log = logging.getLogger(__name__)
 _logged: set[str] = set()
 
@@ -63,9 +68,10 @@ def gemm(
         backend = choice.backend
         if choice.fallback:
             _log_once(choice.why)
-        if backend == "cute":
+        if backend in ("cute", "blackwell"):
+            run = _fused if backend == "cute" else _native
             try:
-                return _fused(a, b, out_dtype, bias, accumulate)
+                return run(a, b, out_dtype, bias, accumulate)
             except TensorError:
                 raise
             except FP4GenError as err:  # the kernel cannot be built or loaded here
@@ -73,6 +79,8 @@ def gemm(
                 backend = "dequant"
     elif backend == "cute":
         return _fused(a, b, out_dtype, bias, accumulate)
+    elif backend == "blackwell":
+        return _native(a, b, out_dtype, bias, accumulate)
     c = gemm_reference(a, b, bias=bias) if backend == "reference" else _dequant_gemm(a, b, bias)
     if accumulate is not None:
         if accumulate.shape != c.shape:
@@ -106,6 +114,14 @@ def choose_backend(
     ("cpu" or "cuda") with a GPU of ``arch`` (e.g. "sm_90a"). Pure logic: needs no GPU."""
     if device != "cuda":
         return GemmChoice("reference", "CPU tensors: the float64 reference")
+    from fp4gen.runtime.blackwell_gemm import NATIVE_ARCHS, mma_plan, shape_reason
+
+    if arch in NATIVE_ARCHS:
+        plan = mma_plan(a, b)
+        reason = plan if isinstance(plan, str) else shape_reason(plan, m, n, k)
+        if reason is not None:
+            return GemmChoice("dequant", f"no native MMA on {arch}: {reason}", fallback=True)
+        return GemmChoice("blackwell", f"native block-scaled MMA: {plan.describe()}")
     reason = fused_support(a, b)
     if reason is not None:
         return GemmChoice("dequant", f"no fused GEMM kernel: {reason}", fallback=True)
@@ -160,6 +176,25 @@ def _fused(
     return fused_gemm(a, b, out_dtype=out_dtype, bias=bias, accumulate=accumulate, arch=arch)
 
 
+def _native(
+    a: QuantizedTensor,
+    b: QuantizedTensor,
+    out_dtype: torch.dtype,
+    bias: torch.Tensor | None,
+    accumulate: torch.Tensor | None,
+) -> torch.Tensor:
+    from fp4gen.compiler.jit import detect_arch
+    from fp4gen.runtime.blackwell_gemm import native_gemm
+
+    for name, t in (("a", a), ("b", b)):
+        if not isinstance(t, QuantizedTensor):
+            raise TypeError(f"{name} must be a QuantizedTensor, got {type(t).__name__}")
+    if a.device.type != "cuda":
+        raise FP4GenError(f"the blackwell GEMM backend runs on CUDA tensors, got {a.device}")
+    arch = detect_arch()
+    return native_gemm(a, b, out_dtype=out_dtype, bias=bias, accumulate=accumulate, arch=arch)
+
+
 def significand_bits(fmt: BlockFormat) -> int:
     """Bits of precision of one block value decode(q) * s_b (numerics.md section 6)."""
     scale = fmt.scale.element
@@ -171,6 +206,14 @@ def gemm_path(a: BlockFormat | object, b: BlockFormat | object) -> tuple[str, st
     """(path, why) that ``gemm(..., backend="auto")`` takes on a GPU for these operand formats."""
     if not (isinstance(a, BlockFormat) and isinstance(b, BlockFormat)):
         return "high-precision GEMM", "an operand is kept in high precision (upcast, fp32 sum)"
+    from fp4gen.runtime.blackwell_gemm import mma_plan
+
+    plan = mma_plan(a, b)
+    if isinstance(plan, str):
+        native, native_why = "", f"; no native MMA on sm_100a: {plan}"
+    else:
+        native = f"; the native {plan.describe()} on sm_100a"
+        native_why = "; on sm_100a the tensor cores read the codes and scales directly"
     bits = max(significand_bits(a), significand_bits(b))
     if a.gemm_exact_in_bf16() and b.gemm_exact_in_bf16():
         path = "dequantize to bf16 + cuBLAS (fp32 accumulation)"
@@ -181,10 +224,10 @@ def gemm_path(a: BlockFormat | object, b: BlockFormat | object) -> tuple[str, st
             why += "; the fused kernel reads the 4-bit operands and decodes in the mainloop"
         else:
             why += f"; no fused kernel: {reason}"
-        return path, why
+        return path + native, why + native_why
     return (
-        "dequantize to fp32 + fp32 GEMM (no TF32)",
-        f"element x block scale needs {bits} significant bits, more than bf16's 8",
+        "dequantize to fp32 + fp32 GEMM (no TF32)" + native,
+        f"element x block scale needs {bits} significant bits, more than bf16's 8" + native_why,
     )
 
 

@@ -97,7 +97,7 @@ MXFP4 = BUILTIN_FORMATS["mxfp4"]
         (NVFP4, NVFP4, 128, "sm_90a", "cute", False, "fused kernel"),
         (NVFP4, NVFP4_2D, 8192, "sm_90a", "cute", False, "fused kernel"),
         (MXFP4, MXFP4, 16, "sm_90a", "cute", False, "fused kernel"),
-        (NVFP4, NVFP4_2D, 16, "sm_100a", "dequant", True, "sm_90a only"),
+        (NVFP4, NVFP4_2D, 16, "sm_120a", "dequant", True, "sm_90a only"),  # sm_100a: blackwell
         (NVFP4, NVFP4_2D, 16, "sm_80", "dequant", True, "sm_90a only"),
         (NVFP4_2D, NVFP4, 16, "sm_90a", "dequant", True, "A has 16x16 blocks"),
         (NVFP4, MXFP4, 16, "sm_90a", "dequant", True, "different scale formats"),
