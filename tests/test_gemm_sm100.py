@@ -603,7 +603,7 @@ def test_configs_name_everything_that_changes_the_binary() -> None:
 # On a Blackwell GPU: the native kernel against the reference
 # ----------------------------------------------------------------------------------------------
 U = 2.0**-24
-ON_SM100 = torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 10
+ON_SM100 = torch.cuda.is_available() and torch.cuda.get_device_capability() == (10, 0)
 # values every native element format holds exactly; products and sums of them scaled by the
 # dyadic scales below are multiples of 2^-4 below 2^20 for K <= 4096: exact in fp32
 SMALL_VALUES = [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0]
