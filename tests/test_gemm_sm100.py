@@ -44,6 +44,7 @@ from fp4gen.runtime.blackwell_gemm import (
     GemmConfig,
     MmaPlan,
     gemm_config,
+    kernel_args,
     mma_plan,
     native_gemm,
     pack_codes,
@@ -302,6 +303,39 @@ def test_scale_buffer_matches_the_kernels_layout_function(name: str, kernel_sf_o
     per_row = q.scale_codes.repeat_interleave(q.format.block[0], 0)[: q.rows]
     assert torch.equal(scale_buffer(q)[offsets], per_row.reshape(-1))
     assert offsets.unique().numel() == offsets.numel()
+
+
+@pytest.mark.parametrize(
+    ("a_fmt", "a_block", "b_fmt", "b_block", "k"),
+    [
+        (NVFP4, None, NVFP4, (16, 16), 96),
+        (MXFP4, None, E4M3, None, 256),
+        (E3M2, None, E4M3, None, 128),
+    ],
+)
+def test_kernel_args_match_the_compiled_signature(a_fmt, a_block, b_fmt, b_block, k) -> None:
+    """What the compiled function takes (``blackwell_kernel.compile_gemm``): uint8 codes
+    [M, K * bits / 8] and [N, K * bits / 8] with 16-byte rows, uint8 scale buffers of whole
+    512-byte atoms, C [M, N], alpha fp32 [1]; 16- / 32-byte aligned."""
+    g = torch.Generator().manual_seed(k)
+    a = quantize(torch.randn(37, k, generator=g), a_fmt, block=a_block)
+    b = quantize(torch.randn(20, k, generator=g), b_fmt, block=b_block)
+    plan = mma_plan(a.format, b.format)
+    assert isinstance(plan, MmaPlan) and shape_reason(plan, 37, 20, k) is None
+    out = torch.empty(37, 20)
+    a_codes, b_codes, sfa, sfb, c, alpha = kernel_args(a, b, plan, out)
+    assert c is out
+    for codes, q, bits in ((a_codes, a, plan.a_bits), (b_codes, b, plan.b_bits)):
+        assert codes.dtype == torch.uint8 and codes.is_contiguous()
+        assert codes.shape == (q.rows, k * bits // 8) and codes.shape[1] * 8 // bits == k
+        assert codes.shape[1] % 16 == 0 and codes.data_ptr() % 16 == 0
+        assert torch.equal(codes, reference_pack(q.codes, bits))
+    for buf, q in ((sfa, a), (sfb, b)):
+        assert buf.dtype == torch.uint8 and buf.numel() % 512 == 0 and buf.data_ptr() % 32 == 0
+        assert torch.equal(buf, expected_buffer(q))
+    assert alpha.shape == (1,) and alpha.dtype == torch.float32
+    assert torch.equal(alpha, (a.global_scale.float() * b.global_scale.float()).reshape(1))
+    assert (float(alpha) != 1.0) == a.format.global_scale  # NVFP4's two decode scales
 
 
 # ----------------------------------------------------------------------------------------------

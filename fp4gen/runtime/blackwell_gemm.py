@@ -393,6 +393,22 @@ def _sm_count(device: torch.device) -> int:
 # ----------------------------------------------------------------------------------------------
 # The GEMM
 # ----------------------------------------------------------------------------------------------
+def kernel_args(a: Any, b: Any, plan: MmaPlan, out: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """The compiled function's arguments: A and B codes (uint8 [rows, K * bits / 8]), their scale
+    buffers (uint8, 128x4 layout), C (``out``, [M, N] row-major) and alpha = S_a * S_b (fp32
+    [1]) on ``out``'s device."""
+    dev = out.device
+    alpha = a.global_scale.to(dev, torch.float32) * b.global_scale.to(dev, torch.float32)
+    return (
+        packed_codes(a, plan.a_bits),
+        packed_codes(b, plan.b_bits),
+        scale_buffer(a),
+        scale_buffer(b),
+        out,
+        alpha.reshape(1),
+    )
+
+
 def native_gemm(
     a: Any,
     b: Any,
@@ -449,18 +465,8 @@ def native_gemm(
     fn = _kernel_or_reason(config, arch)
     if isinstance(fn, str):
         raise FP4GenError(f"the native GEMM kernel is not available: {fn}")
-    alpha = (a.global_scale.to(dev, torch.float32) * b.global_scale.to(dev, torch.float32)).reshape(
-        1
-    )
     out = torch.empty((m, n), dtype=_TORCH_OUT[kernel_dtype], device=dev)
-    fn(
-        packed_codes(a, plan.a_bits),
-        packed_codes(b, plan.b_bits),
-        scale_buffer(a),
-        scale_buffer(b),
-        out,
-        alpha,
-    )
+    fn(*kernel_args(a, b, plan, out))
     if bias is not None:
         out += bias.to(device=dev, dtype=torch.float32)
     if accumulate is not None:
@@ -476,6 +482,7 @@ __all__ = [
     "MmaPlan",
     "gemm_config",
     "gemm_kernel",
+    "kernel_args",
     "mma_plan",
     "native_gemm",
     "pack_codes",
