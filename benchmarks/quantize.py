@@ -43,7 +43,7 @@ NVFP4 = (E2M1, (1, 16), ScaleSpec(E4M3, "nearest"), True)
 NVFP4_2D = (E2M1, (16, 16), ScaleSpec(E4M3, "nearest"), True)
 MXFP4 = (E2M1, (1, 32), ScaleSpec(UE8M0, "up"), False)
 MXFP8 = (E4M3, (1, 32), ScaleSpec(UE8M0, "up"), False)
-SR, TE16 = "stochastic", RHTSpec(16)
+SR, SR8, TE16 = "stochastic", "stochastic8", RHTSpec(16)
 ROW, COL = "rowwise", "columnwise"
 # label -> (format, outputs as (direction, rounding, rht))
 CONFIGS = {
@@ -51,6 +51,9 @@ CONFIGS = {
     "nvfp4 rowwise sr+rht16": (NVFP4, ((ROW, SR, TE16),)),
     "mxfp4 rowwise rne": (MXFP4, ((ROW, "nearest", None),)),
     "mxfp8 rowwise rne": (MXFP8, ((ROW, "nearest", None),)),
+    "nvfp4 rowwise sr8+rht16": (NVFP4, ((ROW, SR8, TE16),)),
+    # the shipped recipe's gradient kernel (8 random bits per value), and with 32
+    "nvfp4 gradient row sr8 + col sr8+rht16": (NVFP4, ((ROW, SR8, None), (COL, SR8, TE16))),
     "nvfp4 gradient row sr + col sr+rht16": (NVFP4, ((ROW, SR, None), (COL, SR, TE16))),
     "nvfp4 activation row rne + col rne+rht16": (
         NVFP4,

@@ -23,8 +23,29 @@ SPECIALS: tuple[str, ...] = ("finite", "fn", "ieee")
 ScaleRounding = Literal["nearest", "up", "down", "ocp"]
 SCALE_ROUNDINGS: tuple[str, ...] = ("nearest", "up", "down", "ocp")
 
-ElementRounding = Literal["nearest", "stochastic", "zero"]
-ELEMENT_ROUNDINGS: tuple[str, ...] = ("nearest", "stochastic", "zero")
+ElementRounding = Literal["nearest", "stochastic", "stochastic16", "stochastic8", "zero"]
+ELEMENT_ROUNDINGS: tuple[str, ...] = (
+    "nearest",
+    "stochastic",
+    "stochastic16",
+    "stochastic8",
+    "zero",
+)
+
+# Random bits a stochastic rounding draws per value: "stochastic" a whole 32-bit Philox word,
+# "stochastic8" one byte (a word per four values: the budget of Blackwell's cvt.rs...e2m1x4).
+_SR_BITS = {"stochastic": 32, "stochastic16": 16, "stochastic8": 8}
+
+
+def sr_bits(rounding: str) -> int:
+    """Random bits per value of an element rounding: 32, 16 or 8 for the stochastic modes, 0
+    for the deterministic ones."""
+    return _SR_BITS.get(rounding, 0)
+
+
+def is_stochastic(rounding: str) -> bool:
+    return rounding in _SR_BITS
+
 
 HIGH_PRECISION_DTYPES: tuple[str, ...] = ("bf16", "fp16", "fp32")
 

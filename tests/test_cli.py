@@ -73,7 +73,7 @@ def test_show_json(capsys: pytest.CaptureFixture[str]) -> None:
     data = json.loads(out)
     op = data["operands"]["wgrad.gradient"]
     assert op["use"] == "columnwise"
-    assert op["rounding"] == "stochastic"
+    assert op["rounding"] == "stochastic8"
     assert op["rht"]["size"] == 16
     assert op["format"]["element"]["name"] == "e2m1"
     assert op["format"]["scale"]["format"] == "e4m3"

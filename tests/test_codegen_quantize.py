@@ -300,7 +300,7 @@ def test_every_planned_kernel_is_generated() -> None:
     """No shipped recipe needs a stand-in any more: every planned spec renders."""
     names = set(PLANNED_SPECS)
     assert {
-        "quant_e2m1_1x16_e4m3rn_g_bf16_row_sr_col_sr_rht16",  # dy
+        "quant_e2m1_1x16_e4m3rn_g_bf16_row_sr8_col_sr8_rht16",  # dy
         "quant_e2m1_1x16_e4m3rn_g_bf16_row_rne_col_rne_rht16",  # x
         "quant_e2m1_16x16_e4m3rn_g_bf16_row_rne_col_rne",  # W
         "quant_e2m1_16x16_e4m3rn_g_bf16_col_rne",
@@ -454,13 +454,28 @@ def test_tile_cross_compile(name: str, arch: str, modules, tmp_path: Path) -> No
 
 def test_nvfp4_gradient_kernel_shape(modules, tmp_path: Path) -> None:
     """The fused gradient kernel: one 16-byte load per strip row, e_b from a shared-memory table,
-    predicated stores (no branch around them)."""
-    mod = modules("quant_e2m1_1x16_e4m3rn_g_bf16_row_sr_col_sr_rht16")
+    8 random bits per value (one Philox call per 16 values: a row segment of 8 takes half a
+    call, a column strip of 16 one), the bit-arithmetic SR encode, predicated stores (no branch
+    around them)."""
+    mod = modules("quant_e2m1_1x16_e4m3rn_g_bf16_row_sr8_col_sr8_rht16")
     ptx = _ptx(mod.compile_kernel("quantize", "sm_90a", dump_dir=str(tmp_path)))
     assert ptx.count("ld.global.v4") == 16  # 16 rows x 8 bf16
-    assert ptx.count("cvt.rzi.u64.f32") == 2 * 128  # both copies, every element
+    # 16 row calls + 8 column calls (LLVM shares the products of counter words equal in all)
+    assert 2 * 10 * (16 + 8) - 64 <= ptx.count("mul.wide.u32") <= 2 * 10 * (16 + 8)
+    assert ptx.count("mul.rz.f32") == 2 * 128  # both copies, every element
+    assert "cvt.rzi" not in ptx  # no float -> integer converts in the encode
     assert ptx.count("@p st.global.u32") == 16 + 16  # 16 row words, 8 columns x 2 words
     assert "ld.shared.f32" in ptx or "ld.shared.b32" in ptx  # the encode-factor table
+
+
+def test_mxfp4_gradient_kernel_draws_a_word_per_value(modules, tmp_path: Path) -> None:
+    """ "round stochastic" (32 random bits per value): one Philox call per 4 values and the
+    64-bit truncating convert per element (a 32 x 4 strip, both copies)."""
+    mod = modules("quant_e2m1_1x32_ue8m0ru_nog_bf16_row_sr_col_sr_rht32")
+    ptx = _ptx(mod.compile_kernel("quantize", "sm_90a", dump_dir=str(tmp_path)))
+    calls = 2 * 128 // 4  # LLVM may share the products of counter words equal in all calls
+    assert 2 * 10 * calls - 2 * calls <= ptx.count("mul.wide.u32") <= 2 * 10 * calls
+    assert ptx.count("cvt.rzi.u64.f32") == 2 * 128
 
 
 def test_2d_columnwise_codes_are_a_transpose(modules, tmp_path: Path) -> None:
@@ -473,7 +488,7 @@ def test_2d_columnwise_codes_are_a_transpose(modules, tmp_path: Path) -> None:
 
 
 def test_tile_run_validates_the_input(modules) -> None:
-    mod = modules("quant_e2m1_1x16_e4m3rn_g_bf16_row_sr_col_sr_rht16")
+    mod = modules("quant_e2m1_1x16_e4m3rn_g_bf16_row_sr8_col_sr8_rht16")
     assert mod.OUTPUTS == ("rowwise", "columnwise")
     cases = [
         (torch.zeros(24, 32, dtype=torch.bfloat16), "M must be a multiple of 16"),

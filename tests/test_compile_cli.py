@@ -54,12 +54,12 @@ def by_name(m: dict) -> dict[str, dict]:
 
 X_ROW = "quant_e2m1_1x16_e4m3rn_g_bf16_row_rne"
 X_COL = "quant_e2m1_1x16_e4m3rn_g_bf16_row_rne_rht16"
-DY_ROW = "quant_e2m1_1x16_e4m3rn_g_bf16_row_sr"
-DY_COL = "quant_e2m1_1x16_e4m3rn_g_bf16_row_sr_rht16"
+DY_ROW = "quant_e2m1_1x16_e4m3rn_g_bf16_row_sr8"
+DY_COL = "quant_e2m1_1x16_e4m3rn_g_bf16_row_sr8_rht16"
 FUSED = {
     "quant_e2m1_1x16_e4m3rn_g_bf16_row_rne_col_rne_rht16": [X_ROW, X_COL],
     "quant_e2m1_16x16_e4m3rn_g_bf16_row_rne_col_rne": [],
-    "quant_e2m1_1x16_e4m3rn_g_bf16_row_sr_col_sr_rht16": [DY_ROW, DY_COL],
+    "quant_e2m1_1x16_e4m3rn_g_bf16_row_sr8_col_sr8_rht16": [DY_ROW, DY_COL],
 }
 
 
@@ -100,7 +100,7 @@ def test_compile_nvfp4_for_both_archs(
         X_ROW,
         X_COL,
         "quant_e2m1_16x16_e4m3rn_g_bf16_row_rne_col_rne",
-        "quant_e2m1_1x16_e4m3rn_g_bf16_row_sr_col_sr_rht16",
+        "quant_e2m1_1x16_e4m3rn_g_bf16_row_sr8_col_sr8_rht16",
         DY_ROW,
         DY_COL,
     ]

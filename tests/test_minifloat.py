@@ -90,14 +90,15 @@ class Ref:
     def up(self, y: float) -> int:
         return self._signed(y, self.neighbours(abs(y))[1])
 
-    def stochastic(self, y: float, r: int) -> int:
+    def stochastic(self, y: float, r: int, bits: int = 32) -> int:
         lo, hi = self.neighbours(abs(y))
         if lo == hi:
             return self._signed(y, lo)
         a = min(Fraction(abs(y)), Fraction(self.max))
         frac = (a - Fraction(self.grid[lo])) / (Fraction(self.grid[hi]) - Fraction(self.grid[lo]))
-        t = math.floor(frac * 2**32)
-        return self._signed(y, hi if r < t else lo)
+        t = math.floor(frac * 2**bits)
+        up = r < t if bits == 32 else t + r >= 2**bits  # 8/16 bits: the carry out of t + r
+        return self._signed(y, hi if up else lo)
 
 
 def f32(values) -> np.ndarray:
@@ -197,6 +198,23 @@ def test_encode_zero_and_stochastic_sample(fmt: ElementFormat) -> None:
     assert encode(y_t, fmt, "zero").tolist() == [ref.toward_zero(float(y)) for y in ys]
     got = encode(y_t, fmt, "stochastic", r_t).tolist()
     assert got == [ref.stochastic(float(y), int(r)) for y, r in zip(ys, rs, strict=True)]
+
+
+@pytest.mark.parametrize("bits", [8, 16])
+@pytest.mark.parametrize("fmt", [E2M1, E4M3, ElementFormat(3, 2), ElementFormat(1, 2)], ids=ids)
+def test_encode_stochastic_fields(fmt: ElementFormat, bits: int) -> None:
+    # 8/16 random bits per value: up iff floor(frac * 2^bits) + r >= 2^bits, for every r at
+    # probe values (grid points, midpoints and their neighbours) and random ones
+    ref = Ref(fmt)
+    rng = np.random.default_rng(bits)
+    g = np.array(ref.grid)
+    ys = f32(np.exp(rng.uniform(np.log(max(g[0], 1e-30)), np.log(g[-1] * 1.1), 300)))
+    ys = np.concatenate([ys * rng.choice([-1, 1], ys.size), probe_values(ref)])
+    rs = rng.integers(0, 2**bits, ys.size, dtype=np.int64)
+    rs[:4] = [0, 1, 2**bits - 2, 2**bits - 1]
+    got = encode(torch.from_numpy(ys), fmt, f"stochastic{bits}", torch.from_numpy(rs)).tolist()
+    want = [ref.stochastic(float(y), int(r), bits) for y, r in zip(ys, rs, strict=True)]
+    assert got == want
 
 
 @pytest.mark.parametrize("fmt", [E2M1, E4M3, UE8M0], ids=ids)

@@ -66,6 +66,23 @@ def test_random_bits_layout(seed: int, offset: int) -> None:
     assert got == [scalar_word(i, seed, offset) for i in range(n)]
 
 
+@pytest.mark.parametrize("bits", [8, 16])
+@pytest.mark.parametrize("seed,offset", [(0, 0), (42, 7), (2**64 - 1, 2**32 + 5)])
+def test_random_fields_layout(seed: int, offset: int, bits: int) -> None:
+    # element i takes field i % v (low bits first) of word i // v, v = 32 / bits fields a word
+    v = 32 // bits
+    n = 16 * v + 3  # ends inside a word and inside a Philox call
+    got = random_bits(n, seed, offset, bits=bits).tolist()
+    mask = 2**bits - 1
+    want = [(scalar_word(i // v, seed, offset) >> (bits * (i % v))) & mask for i in range(n)]
+    assert got == want
+
+
+def test_random_fields_bad_width() -> None:
+    with pytest.raises(ValueError, match="bits must be 8, 16 or 32"):
+        random_bits(4, 0, bits=4)
+
+
 def test_random_words_high_counter_words() -> None:
     # Indices beyond 2^34 reach the counter's second word (q >> 32); the largest index too.
     idx = [0, 5, (5 << 34) + 6, (1 << 40) + 3, 2**63 - 1]

@@ -51,7 +51,7 @@ def test_nvfp4_three_fused_kernels() -> None:
     plan = plan_of("nvfp4")
     x = nvfp4_spec((1, 16), row(), col(rht=RHT16))
     w = nvfp4_spec((16, 16), row(), col())
-    dy = nvfp4_spec((1, 16), row("stochastic"), col("stochastic", RHT16))
+    dy = nvfp4_spec((1, 16), row("stochastic8"), col("stochastic8", RHT16))
     assert plan.specs == (x, w, dy)  # planning order: x, W, dy
     assert users(plan, x) == {
         ("operands", "fprop.activation"),
@@ -63,7 +63,7 @@ def test_nvfp4_three_fused_kernels() -> None:
     # the names say what the kernels do
     assert x.name == "quant_e2m1_1x16_e4m3rn_g_bf16_row_rne_col_rne_rht16"
     assert w.name == "quant_e2m1_16x16_e4m3rn_g_bf16_row_rne_col_rne"
-    assert dy.name == "quant_e2m1_1x16_e4m3rn_g_bf16_row_sr_col_sr_rht16"
+    assert dy.name == "quant_e2m1_1x16_e4m3rn_g_bf16_row_sr8_col_sr8_rht16"
 
 
 def test_nvfp4_outputs_rowwise_first_with_their_own_rounding_and_rht() -> None:
@@ -73,7 +73,7 @@ def test_nvfp4_outputs_rowwise_first_with_their_own_rounding_and_rht() -> None:
     dy = plan.kernel_for(Operand.WGRAD_GRADIENT)
     assert dy is not None
     assert dy.spec.outputs[0].rht is None and dy.spec.outputs[1].rht == RHT16
-    assert {o.rounding for o in dy.spec.outputs} == {"stochastic"}
+    assert {o.rounding for o in dy.spec.outputs} == {"stochastic8"}
 
 
 def test_nvfp4_layer_rules_need_no_kernel_and_say_why() -> None:

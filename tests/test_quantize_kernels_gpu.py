@@ -21,7 +21,7 @@ from dataclasses import replace
 import pytest
 import torch
 
-from fp4gen.codegen.quantize import choose_mapping, choose_tile_mapping, render
+from fp4gen.codegen.quantize import choose_mapping, render, spec_tile_mapping
 from fp4gen.compiler import jit
 from fp4gen.compiler.build import CompileTask, compile_all
 from fp4gen.compiler.cache import KernelCache
@@ -61,7 +61,7 @@ def case(element, block, scale, global_scale, rounding="nearest", rht=None, layo
     return element, block, scale, global_scale, rounding, rht, layout
 
 
-SR = "stochastic"
+SR, SR16, SR8 = "stochastic", "stochastic16", "stochastic8"
 CASES = {
     "nvfp4_rne": case(E2M1, 16, NVFP4_SCALE, True),
     "nvfp4_sr": case(E2M1, 16, NVFP4_SCALE, True, SR),
@@ -76,6 +76,11 @@ CASES = {
     "mxfp8_e5m2": case(E5M2, 32, MX_SCALE, False, layout="swizzled"),
     "e3m2_b8_rne": case(E3M2, 8, NVFP4_SCALE, True),
     "e3m2_b8_sr": case(E3M2, 8, NVFP4_SCALE, True, SR),
+    "nvfp4_sr8": case(E2M1, 16, NVFP4_SCALE, True, SR8),
+    "nvfp4_rht16_sr8": case(E2M1, 16, NVFP4_SCALE, True, SR8, TE16),
+    "mxfp4_sr16": case(E2M1, 32, MX_SCALE, False, SR16),
+    "e3m2_b8_sr8": case(E3M2, 8, NVFP4_SCALE, True, SR8),
+    "e4m3_b128_sr16_fp32_scales": case(E4M3, 128, ScaleSpec(None), False, SR16),
     "fp8_block_1x128": case(E4M3, 128, ScaleSpec(None), False),
     # beyond the shipped recipes
     "mxfp6_e2m3": case(E2M3, 32, MX_SCALE, False),
@@ -349,6 +354,9 @@ TILE_CASES = {
     "mxfp8": (E4M3, MX_SCALE, False, (1, 32), (out(ROW), out(COL))),
     "e3m2_b8_rne": (E3M2, NVFP4_SCALE, True, (1, 8), (out(ROW), out(COL))),
     "e3m2_b8_sr": (E3M2, NVFP4_SCALE, True, (1, 8), (out(ROW, SR), out(COL, SR))),
+    "nvfp4_dy_sr8": (*NVFP4, (1, 16), (out(ROW, SR8), out(COL, SR8, TE16))),
+    "nvfp4_dy_no_rht_sr8": (*NVFP4, (1, 16), (out(ROW, SR8), out(COL, SR8))),
+    "e3m2_b8_sr8": (E3M2, NVFP4_SCALE, True, (1, 8), (out(ROW, SR8), out(COL, SR8))),
     "fp8_1x128": (E4M3, ScaleSpec(None), False, (1, 128), (out(ROW), out(COL))),
     "fp8_128x128": (E4M3, ScaleSpec(None), False, (128, 128), (out(ROW), out(COL))),
     # beyond them: swizzled scales, SR with 2D tiles, other scale formats and roundings
@@ -379,6 +387,14 @@ TILE_CASES = {
     ),
     "e2m3_e5m2_scales": (E2M3, ScaleSpec(E5M2), False, (1, 32), (out(ROW), out(COL, SR))),
     "e3m2_2d_e4m3_up": (E3M2, ScaleSpec(E4M3, "up"), True, (16, 16), (out(ROW), out(COL))),
+    "nvfp4_2d_sr8_swizzled": (
+        *NVFP4,
+        (16, 16),
+        (out(ROW, SR8, None, "swizzled"), out(COL, SR8, None, "swizzled")),
+    ),
+    "mxfp4_dy_sr16": (*MXFP4, (1, 32), (out(ROW, SR16), out(COL, SR16, SEEDED32))),
+    "nvfp4_row_sr8_col_sr32": (*NVFP4, (1, 16), (out(ROW, SR8), out(COL, SR, TE16))),
+    "e2m3_col_sr8_only": (E2M3, MX_SCALE, False, (1, 32), (out(COL, SR8),)),
 }
 TILE_DTYPES = {case: ("bf16", "fp32") for case in TILE_CASES} | {
     "nvfp4_swizzled": ("fp16", "bf16"),
@@ -395,15 +411,7 @@ def tile_spec(case: str, dtype: str) -> QuantKernelSpec:
 
 
 def tile_mapping(spec: QuantKernelSpec):
-    col = [o for o in spec.outputs if o.direction == COL]
-    rht = col[0].rht if col else None
-    return choose_tile_mapping(
-        spec.block,
-        {"bf16": 2, "fp16": 2, "fp32": 4}[spec.input_dtype],
-        rowwise=any(o.direction == ROW for o in spec.outputs),
-        columnwise=bool(col),
-        col_rht=rht.size if rht else None,
-    )
+    return spec_tile_mapping(spec)
 
 
 def tile_shapes(spec: QuantKernelSpec) -> list[tuple[int, int]]:

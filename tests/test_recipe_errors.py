@@ -29,7 +29,7 @@ CASES: list[tuple[str, str, int, int, str]] = [
     ("did_you_mean", "operands {\n    * : nvfp4 rund nearest\n}\n", 2, 15,
      "(did you mean 'round'?)"),
     ("operand_round_value", "operands {\n    * : nvfp4 round up\n}\n", 2, 21,
-     "expected 'nearest', 'stochastic' or 'zero' after 'round'"),
+     "expected 'nearest', 'stochastic', 'stochastic16', 'stochastic8' or 'zero' after 'round'"),
     ("unclosed_brace", "operands {\n    * : nvfp4\n", 2, 14,
      "expected '}' to close the operands block opened on line 1"),
     ("unterminated_string", 'recipe x "abc\n', 1, 10, "unterminated string"),
@@ -271,7 +271,7 @@ def test_child_error_against_parent_settings(tmp_path: Path) -> None:
     path = write(tmp_path, "child.fp4r", text)
     with pytest.raises(RecipeError) as info:
         load_recipe(path)
-    check(info.value, text, 3, 22, "stochastic rounding on dgrad.gradient, which is bf16")
+    check(info.value, text, 3, 22, "stochastic8 rounding on dgrad.gradient, which is bf16")
 
 
 def test_missing_recipe_file(tmp_path: Path) -> None:

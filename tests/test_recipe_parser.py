@@ -95,12 +95,12 @@ def test_nvfp4_full_method() -> None:
     assert t[FW].format == NVFP4.with_block((16, 16)) == t[DW].format
     assert t[FA].format.block == t[DG].format.block == (1, 16)  # type: ignore[union-attr]
     assert t[WG].format == t[WA].format == NVFP4
-    # stochastic rounding on both gradient copies only
+    # stochastic rounding (8 random bits per value) on both gradient copies only
     assert [t[op].rounding for op in Operand] == [
-        "nearest", "nearest", "stochastic", "nearest", "stochastic", "nearest",
+        "nearest", "nearest", "stochastic8", "nearest", "stochastic8", "nearest",
     ]  # fmt: skip
     # RHT 16 with TE's signs on the wgrad inputs only
-    assert t[WG] == OperandSpec(NVFP4, "stochastic", TE16)
+    assert t[WG] == OperandSpec(NVFP4, "stochastic8", TE16)
     assert t[WA] == OperandSpec(NVFP4, "nearest", TE16)
     assert t[WG].rht.signs == (1, 1, 1, -1, 1, -1, -1, -1, -1, -1, -1, 1, -1, 1, -1, -1)  # type: ignore[union-attr]
     assert t[FA].rht is t[FW].rht is t[DG].rht is t[DW].rht is None
@@ -121,7 +121,7 @@ def test_nvfp4_ablations_change_one_thing() -> None:
 
     no_rht = shipped("nvfp4_no_rht")
     assert all(s.rht is None for _, s in no_rht.operands.items())
-    assert no_rht.operands[WG].rounding == "stochastic"
+    assert no_rht.operands[WG].rounding == "stochastic8"
 
     one_d = shipped("nvfp4_1d_weights")
     assert one_d.operands[FW].format == one_d.operands[DW].format == NVFP4

@@ -61,9 +61,9 @@ def test_canonical_text_of_nvfp4() -> None:
         "operands {\n"
         "    fprop.activation : nvfp4 block 1x16 round nearest rht none\n"
         "    fprop.weight     : nvfp4 block 16x16 round nearest rht none\n"
-        "    dgrad.gradient   : nvfp4 block 1x16 round stochastic rht none\n"
+        "    dgrad.gradient   : nvfp4 block 1x16 round stochastic8 rht none\n"
         "    dgrad.weight     : nvfp4 block 16x16 round nearest rht none\n"
-        "    wgrad.gradient   : nvfp4 block 1x16 round stochastic rht 16 signs te\n"
+        "    wgrad.gradient   : nvfp4 block 1x16 round stochastic8 rht 16 signs te\n"
         "    wgrad.activation : nvfp4 block 1x16 round nearest rht 16 signs te\n"
         "}",
         "layers {\n"

@@ -38,8 +38,8 @@ from typing import Any
 import jinja2
 import torch
 
-from fp4gen.compiler.spec import QuantKernelSpec
-from fp4gen.formats import ElementFormat
+from fp4gen.compiler.spec import ROUNDING_TAGS, QuantKernelSpec
+from fp4gen.formats import ElementFormat, is_stochastic, sr_bits
 from fp4gen.numerics.hadamard import rht_scale, rht_signs
 from fp4gen.numerics.minifloat import max_exponent, max_finite
 
@@ -110,6 +110,20 @@ class Mapping:
     k_multiple: int  # K must be a multiple of this
     quant_units: int  # units per thread, quantize kernel
     amax_units: int  # units per thread, amax kernel
+
+
+def _sw_encode(elem: ElementFormat, rounding: str, *, tile: bool) -> str:
+    """The software element encode of a rounding (see quantize_macros.j2 elem_raw): "rne" (one
+    FFMA; needs a mantissa bit so that rint's even integer is the even code), "srshift" (8/16
+    random bits: fp32 bit arithmetic after one exact rescale), "sr64" (32 random bits: a 64-bit
+    truncating convert and a borrow; tile kernels) or "floor" (floor + exact fraction)."""
+    if rounding == "nearest" and elem.man_bits > 0:
+        return "rne"
+    if 0 < sr_bits(rounding) < 32:
+        return "srshift"
+    if rounding == "stochastic" and tile:
+        return "sr64"
+    return "floor"
 
 
 def _is_pow2(n: int) -> bool:
@@ -261,7 +275,8 @@ def context(spec: QuantKernelSpec) -> dict[str, Any]:
     hw_archs = elem["hw_archs"] if out.rounding == "nearest" else ()
     store_type = {4: "Uint32", 2: "Uint16", 1: "Uint8"}[store_bytes]
     names = {"Float32", "Int32", "Uint8", "Uint32", "range_constexpr", store_type}
-    if out.rounding == "stochastic":
+    sr = is_stochastic(out.rounding)
+    if sr:
         names.add("Uint64")
     k_rule = f"1x{block} blocks" + (f", RHT size {rht.size}" if rht else "")
     ctx = {
@@ -274,9 +289,9 @@ def context(spec: QuantKernelSpec) -> dict[str, Any]:
         "in_bytes": in_bytes,
         "elem": elem,
         "rounding": out.rounding,
-        # software element encode: the FFMA round-to-nearest-even path needs a mantissa bit
-        # (rint's even integer is then the even code); everything else takes floor + fraction
-        "sw_encode": "rne" if out.rounding == "nearest" and spec.element.man_bits > 0 else "floor",
+        "sr": sr,
+        "sr_bits": sr_bits(out.rounding),
+        "sw_encode": _sw_encode(spec.element, out.rounding, tile=False),
         "hw_archs": list(hw_archs),
         # whole codes per 32-bit word (4- and 8-bit): pack and sign them word by word
         "swar": 32 % spec.element.bits == 0,
@@ -304,8 +319,11 @@ def context(spec: QuantKernelSpec) -> dict[str, Any]:
         scale["kind"] == "minifloat"
         and not (scale["rounding"] == "nearest" and scale["man_bits"] > 0)
     )
+    ctx["need_mul_rz"] = ctx["sw_encode"] == "srshift"
     ctx["uses_asm"] = bool(
         ctx["need_add_rz"]
+        or ctx["need_mul_rz"]
+        or 0 < ctx["sr_bits"] < 32  # byte_field
         or ctx["swar"]
         or rht
         or spec.input_dtype == "bf16"
@@ -369,9 +387,12 @@ def choose_tile_mapping(
     rowwise: bool,
     columnwise: bool,
     col_rht: int | None = None,
+    col_call: int = 4,
 ) -> TileMapping:
     """Thread mapping of a tile kernel: 1xB blocks (B a power of two >= 8) with a rowwise and/or
-    a columnwise output (a column RHT of size d runs inside one thread's strip), or BxB tiles."""
+    a columnwise output (a column RHT of size d runs inside one thread's strip), or BxB tiles.
+    ``col_call``: elements per Philox call of the columnwise copy's stochastic rounding (a strip's
+    fields must start on a call or inside one: docs/numerics.md 5)."""
     two_d = block[0] != 1
     b = block[1]
     if not _is_pow2(b) or b < 8 or (two_d and block[0] != b):
@@ -424,7 +445,7 @@ def choose_tile_mapping(
     warps_m = max(col_warps, 2)
     warps_k = TILE_WARPS // warps_m
     k_multiple = math.lcm(vec, b) if (two_d or rowwise) else vec
-    m_multiple = math.lcm(8, d) if columnwise else 1
+    m_multiple = math.lcm(8, d, min(rows, col_call)) if columnwise else 1
     return TileMapping(
         rows=rows,
         vec=vec,
@@ -442,6 +463,22 @@ def choose_tile_mapping(
     )
 
 
+def spec_tile_mapping(spec: QuantKernelSpec) -> TileMapping:
+    """The tile mapping of a spec's kernel."""
+    outs = {o.direction: o for o in spec.outputs}
+    row, col = outs.get("rowwise"), outs.get("columnwise")
+    one_d = spec.block[0] == 1
+    return choose_tile_mapping(
+        spec.block,
+        _INPUTS[spec.input_dtype][2],
+        rowwise=row is not None,
+        columnwise=col is not None,
+        col_rht=col.rht.size if col is not None and col.rht is not None else None,
+        # 2D: the columnwise codes reuse the rowwise draws (no column stream)
+        col_call=4 * 32 // (sr_bits(col.rounding) or 32) if col is not None and one_d else 4,
+    )
+
+
 def _store_bytes(*sizes: int) -> int:
     """The widest store word (4, 2 or 1 bytes) dividing every size."""
     g = math.gcd(*sizes)
@@ -449,7 +486,6 @@ def _store_bytes(*sizes: int) -> int:
 
 
 _STORE_TYPES = {4: "Uint32", 2: "Uint16", 1: "Uint8"}
-_ROUNDING_TAGS = {"nearest": "rne", "stochastic": "sr", "zero": "rz"}
 
 
 def _check_tile(spec: QuantKernelSpec) -> None:
@@ -508,13 +544,7 @@ def tile_context(spec: QuantKernelSpec) -> dict[str, Any]:
     outs = {o.direction: o for o in spec.outputs}
     row, col = outs.get("rowwise"), outs.get("columnwise")
     col_rht = col.rht if col is not None else None
-    mapping = choose_tile_mapping(
-        spec.block,
-        in_bytes,
-        rowwise=row is not None,
-        columnwise=col is not None,
-        col_rht=col_rht.size if col_rht else None,
-    )
+    mapping = spec_tile_mapping(spec)
     elem = _element_ctx(spec.element)
     scale = _scale_ctx(spec)
     bits = spec.element.bits
@@ -525,14 +555,8 @@ def tile_context(spec: QuantKernelSpec) -> dict[str, Any]:
         encoders.append(
             {
                 "rounding": r,
-                "suffix": "" if len(roundings) == 1 else "_" + _ROUNDING_TAGS[r],
-                "sw_encode": (
-                    "rne"
-                    if r == "nearest" and spec.element.man_bits > 0
-                    else "sr64"
-                    if r == "stochastic"
-                    else "floor"
-                ),
+                "suffix": "" if len(roundings) == 1 else "_" + ROUNDING_TAGS[r],
+                "sw_encode": _sw_encode(spec.element, r, tile=True),
             }
         )
     suffix = {e["rounding"]: e["suffix"] for e in encoders}
@@ -555,7 +579,8 @@ def tile_context(spec: QuantKernelSpec) -> dict[str, Any]:
             "rht": _rht_ctx(out.rht) if out.rht is not None else None,
             "swizzled": out.scale_layout == "swizzled",
             "slot": slots.index(kind),
-            "sr": out.rounding == "stochastic",
+            "sr": is_stochastic(out.rounding),
+            "sr_bits": sr_bits(out.rounding),
             "sr_index": sr_index,
         }
         if o["sr"]:
@@ -573,6 +598,7 @@ def tile_context(spec: QuantKernelSpec) -> dict[str, Any]:
     names = {"Float32", "Int32", "Int64", "Uint8", "Uint32", "range_constexpr"}
     if sr_any:
         names.add("Uint64")
+    need_mul_rz = any(e["sw_encode"] == "srshift" for e in encoders)
     need_add_rz = any(e["sw_encode"] == "floor" for e in encoders) or (
         scale["kind"] == "minifloat"
         and not (scale["rounding"] == "nearest" and scale["man_bits"] > 0)
@@ -616,6 +642,7 @@ def tile_context(spec: QuantKernelSpec) -> dict[str, Any]:
         "slot_rht": [s is not None for s in slots],
         "encoders": encoders,
         "sr": sr_any,
+        "sr_bits": sorted({o["sr_bits"] for o in outputs if o["sr"]}),
         "n_sr": sr_index,
         "swar": swar,
         "partial": bool(partial),
@@ -637,6 +664,7 @@ def tile_context(spec: QuantKernelSpec) -> dict[str, Any]:
         "archs": list(ARCHS),
         "flt_max": _lit(FLT_MAX),
         "need_add_rz": need_add_rz,
+        "need_mul_rz": need_mul_rz,
         "bf16_absmax": bf16_absmax,
         "bf16_input": bf16_input,
         "transpose": transpose,

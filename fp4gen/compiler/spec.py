@@ -14,6 +14,15 @@ from typing import Literal
 from fp4gen.dsl.model import RHTSpec
 from fp4gen.formats import ElementFormat, ElementRounding, ScaleSpec
 
+# Short tags of the element roundings in kernel names
+ROUNDING_TAGS: dict[str, str] = {
+    "nearest": "rne",
+    "stochastic": "sr",
+    "stochastic16": "sr16",
+    "stochastic8": "sr8",
+    "zero": "rz",
+}
+
 InputDType = Literal["bf16", "fp16", "fp32"]
 Direction = Literal["rowwise", "columnwise"]
 ScaleLayout = Literal["compact", "swizzled"]
@@ -71,7 +80,7 @@ class QuantKernelSpec:
         ]
         for out in self.outputs:
             tag = {"rowwise": "row", "columnwise": "col"}[out.direction]
-            tag += "_" + {"nearest": "rne", "stochastic": "sr", "zero": "rz"}[out.rounding]
+            tag += "_" + ROUNDING_TAGS[out.rounding]
             if out.rht is not None:
                 tag += f"_rht{out.rht.size}"
             if out.scale_layout == "swizzled":

@@ -19,7 +19,7 @@ from fp4gen.errors import RecipeError
 # Terminals that stand for a fixed list of words.
 _ENUMS: dict[str, tuple[str, ...]] = {
     "SCALE_ROUND": ("nearest", "up", "down", "ocp"),
-    "ELEM_ROUND": ("nearest", "stochastic", "zero"),
+    "ELEM_ROUND": ("nearest", "stochastic", "stochastic16", "stochastic8", "zero"),
     "GLOBAL_KIND": ("amax", "none"),
     "MOR_SCALING": ("gam", "e8m0", "amax"),
     "END": ("first", "last"),

@@ -24,14 +24,13 @@ from typing import Literal
 
 import torch
 
-from fp4gen.formats import ElementFormat
+from fp4gen.formats import ElementFormat, is_stochastic, sr_bits
 
-Rounding = Literal["nearest", "stochastic", "zero"]
+Rounding = Literal["nearest", "stochastic", "stochastic16", "stochastic8", "zero"]
 ScaleRoundingMode = Literal["nearest", "up", "down"]
 
-_ROUNDINGS = ("nearest", "stochastic", "zero")
+_ROUNDINGS = ("nearest", "stochastic", "stochastic16", "stochastic8", "zero")
 _SCALE_MODES = ("nearest", "up", "down")
-_TWO32 = float(2**32)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -156,12 +155,15 @@ def _round_magnitude(
     if mode == "nearest":
         up = (frac > 0.5) | ((frac == 0.5) & (lo % 2 == 1))  # tie -> the even code
         return torch.where(up, hi, lo)
-    if mode == "stochastic":
+    if is_stochastic(mode):
         if random_bits is None:
-            raise ValueError("stochastic rounding needs random_bits (one 32-bit word per element)")
-        # t = floor(frac * 2^32) is exact: frac has at most 24 significant bits.
-        t = torch.floor(frac.double() * _TWO32).to(torch.int64)
-        up = random_bits.to(device=a.device, dtype=torch.int64) < t
+            raise ValueError(f"{mode} rounding needs random_bits (one field per element)")
+        # t = floor(frac * 2^bits) is exact: frac has at most 24 significant bits.
+        bits = sr_bits(mode)
+        t = torch.floor(frac.double() * float(2**bits)).to(torch.int64)
+        r = random_bits.to(device=a.device, dtype=torch.int64)
+        # 32 bits: r < t. 8 and 16 bits: the carry out of t + r, as a hardware adder makes it.
+        up = r < t if bits == 32 else t + r >= 1 << bits
         return torch.where(up, hi, lo)
     raise ValueError(f"unknown rounding mode {mode!r}")
 
@@ -180,6 +182,9 @@ def encode(
                   the grid, else t = floor((a - lo) / (hi - lo) * 2^32) and the result is hi
                   (away from zero) iff r < t, r being the element's 32-bit word in
                   ``random_bits`` (int64 tensor of uint32 values, same shape as y);
+      stochastic16, stochastic8
+                  t = floor((a - lo) / (hi - lo) * 2^b) with b = 16 / 8, and the result is hi
+                  iff t + r >= 2^b (the carry out of adding the element's b-bit field r);
       zero        truncate toward zero (lo).
 
     Saturating: |y| beyond the largest finite value (including +-Inf) gives +-max finite.

@@ -60,6 +60,15 @@ Metrics, per decision unit, in float64 over the unit's non-zero x (n of them):
 - ``range``: max|x| / min|x| over non-zeros < q_max / min_normal of the candidate (for E5M2,
   57344 / 2^-14), evaluated exactly as max < (q_max / min_normal) * min; true without non-zeros.
 
+Summation order **(fp4gen)**, so that kernels reproduce the sums bit for bit: the per-element
+terms (|x - Q(x)| / |x|, one correctly rounded float64 division; 0 for x = 0) are added as a
+pairwise tree. The unit is cut by the 128x128 grid of the tensor (``SUM_TILE``) into pieces; in
+each piece the tree first adds columns (adjacent pairs, then pairs of pairs, ..., counted from
+the piece's first column), then rows the same way; the piece sums are then added by the same
+tree over piece columns, then piece rows (counted from the unit's first piece). A level with an
+odd count pairs the last entry with 0, which changes nothing (all terms are >= +0), so this is
+the tree over the counts padded to powers of two. See ``tree_sum``.
+
 Candidates are tried in order (Algorithm 2); the last one is taken when no earlier metric
 accepts. With an RHT, everything above happens on the rotated (bf16-rounded) tensor and
 ``dequantize()`` rotates back.
@@ -73,11 +82,18 @@ import torch
 import torch.nn.functional as F
 
 from fp4gen.dsl.model import Candidate, MoRScaling, MoRSpec, Partition, RHTSpec
-from fp4gen.formats import ELEMENT_ROUNDINGS, ElementFormat, HighPrecision
+from fp4gen.formats import (
+    ELEMENT_ROUNDINGS,
+    ElementFormat,
+    HighPrecision,
+    is_stochastic,
+    sr_bits,
+)
 from fp4gen.numerics.hadamard import inverse_rht, rht
 from fp4gen.numerics.minifloat import decode, encode, max_finite
 from fp4gen.numerics.philox import random_bits
 from fp4gen.numerics.quantize import (
+    BACKENDS,
     FLT_MAX,
     _as_2d_float32,
     _check_finite,
@@ -141,6 +157,87 @@ def _block_sum(t: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:
 
 def _expand_to(per_block: torch.Tensor, block: tuple[int, int], rows: int, cols: int):
     return _expand(per_block, block[0], block[1], rows, cols)
+
+
+# ----------------------------------------------------------------------------------------------
+# The summation order of the error sums (fp4gen): pairwise trees over 128x128 pieces
+# ----------------------------------------------------------------------------------------------
+
+SUM_TILE = 128  # pieces of a unit are its intersections with the tensor's 128x128 tiles
+
+
+def _pairwise(t: torch.Tensor, dim: int) -> torch.Tensor:
+    """Pairwise tree sum along ``dim`` (>= 0), which is removed: adjacent pairs, then pairs of
+    pairs, ...; a level with an odd count pairs its last entry with 0. Only elementwise adds, so
+    the order of operations is fixed on every device."""
+    while t.shape[dim] > 1:
+        if t.shape[dim] % 2:
+            pad = list(t.shape)
+            pad[dim] = 1
+            t = torch.cat([t, t.new_zeros(pad)], dim)
+        t = t.unflatten(dim, (t.shape[dim] // 2, 2))
+        t = t.select(dim + 1, 0) + t.select(dim + 1, 1)
+    return t.squeeze(dim)
+
+
+def _pow2_ceil(n: int) -> int:
+    return 1 << max(n - 1, 0).bit_length()
+
+
+def _segments(n: int, unit: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(starts, lengths) of the pieces along an axis of length n: cuts at the multiples of
+    SUM_TILE and of ``unit``."""
+    if SUM_TILE % unit == 0:
+        starts = torch.arange(0, n, unit)
+    elif unit % SUM_TILE == 0:
+        starts = torch.arange(0, n, SUM_TILE)
+    else:
+        starts = torch.unique(torch.cat([torch.arange(0, n, SUM_TILE), torch.arange(0, n, unit)]))
+    ends = torch.cat([starts[1:], torch.tensor([n])])
+    return starts, ends - starts
+
+
+def _gather_tree(t: torch.Tensor, dim: int, index: torch.Tensor) -> torch.Tensor:
+    """Pairwise sums along ``dim`` of the groups ``index`` [groups, width] names (entries equal
+    to t.shape[dim] stand for 0): the result has ``groups`` entries along ``dim``."""
+    pad = list(t.shape)
+    pad[dim] = 1
+    t = torch.cat([t, t.new_zeros(pad)], dim)
+    groups, width = index.shape
+    picked = t.index_select(dim, index.reshape(-1).to(t.device))
+    return _pairwise(picked.unflatten(dim, (groups, width)), dim + 1)
+
+
+def _within_pieces(t: torch.Tensor, dim: int, starts: torch.Tensor, lengths: torch.Tensor):
+    """One tree sum per piece along ``dim`` (pieces given by their starts and lengths)."""
+    j = torch.arange(_pow2_ceil(int(lengths.max())))
+    index = torch.where(j < lengths[:, None], starts[:, None] + j, t.shape[dim])
+    return _gather_tree(t, dim, index)
+
+
+def _across_pieces(t: torch.Tensor, dim: int, starts: torch.Tensor, unit: int, n: int):
+    """One tree sum per unit along ``dim`` over its pieces (entries of ``t``), counted from the
+    unit's first piece."""
+    owner = starts // unit  # non-decreasing: the unit of each piece
+    units = -(-n // unit)
+    per_unit = torch.bincount(owner, minlength=units)
+    first = torch.searchsorted(owner, torch.arange(units))
+    k = torch.arange(_pow2_ceil(int(per_unit.max())))
+    index = torch.where(k < per_unit[:, None], first[:, None] + k, owner.numel())
+    return _gather_tree(t, dim, index)
+
+
+def tree_sum(t: torch.Tensor, unit: tuple[int, int]) -> torch.Tensor:
+    """[..., R, C] -> [..., ceil(R/ur), ceil(C/uc)]: the sums per unit in fp4gen's order (module
+    docstring): in each 128x128 piece columns, then rows; then piece columns, then piece rows."""
+    rows_dim, cols_dim = t.dim() - 2, t.dim() - 1
+    n_rows, n_cols = t.shape[-2:]
+    r_starts, r_len = _segments(n_rows, unit[0])
+    c_starts, c_len = _segments(n_cols, unit[1])
+    t = _within_pieces(t, cols_dim, c_starts, c_len)
+    t = _within_pieces(t, rows_dim, r_starts, r_len)  # one sum per piece
+    t = _across_pieces(t, cols_dim, c_starts, unit[1], n_cols)
+    return _across_pieces(t, rows_dim, r_starts, unit[0], n_rows)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -399,7 +496,9 @@ class MoRTensor:
 # ----------------------------------------------------------------------------------------------
 
 
-def _evaluated(spec: MoRSpec) -> tuple[Representation, ...]:
+def representations(spec: MoRSpec) -> tuple[Representation, ...]:
+    """Every representation a rule measures, in ``error_sum`` order: its candidates, then each
+    ``relerr(F)`` yardstick that is not one."""
     formats: list[Representation] = [c.format for c in spec.candidates]
     for c in spec.candidates:
         if c.metric is not None and c.metric.versus is not None and c.metric.versus not in formats:
@@ -416,18 +515,39 @@ def mor_quantize(
     seed: int = 0,
     offset: int = 0,
     group: tuple[int, int] | None = None,
+    backend: str = "auto",
 ) -> MoRTensor:
     """Quantize ``x`` with the MoR rule ``spec`` (module docstring for every definition).
 
     x: float32, bfloat16 or float16, any device; viewed as [R, K] like ``quantize`` (empty
     tensors, other dtypes and NaN/Inf raise TensorError). rounding, hadamard, seed and offset
     mean what they mean for ``quantize``; ``group`` is the GAM group shape (None: the tensor).
+    backend: "reference" runs this code; "cute" the generated MoR kernels (CUDA tensors,
+    ``fp4gen.runtime.mor_kernels``, the same result bit for bit); "auto" the kernels for CUDA
+    tensors and rules they support, else this code (the fallback is logged once per reason).
     """
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
     if rounding not in ELEMENT_ROUNDINGS:
         raise ValueError(f"rounding must be one of {ELEMENT_ROUNDINGS}, got {rounding!r}")
     _check_u64("seed", seed)
     _check_u64("offset", offset)
     spec_rht = resolve_rht(hadamard)
+    if backend == "cute" or (backend == "auto" and isinstance(x, torch.Tensor) and x.is_cuda):
+        from fp4gen.runtime.mor_kernels import mor_quantize_cute
+
+        mt = mor_quantize_cute(
+            x,
+            spec,
+            rounding=rounding,
+            rht=spec_rht,
+            seed=seed,
+            offset=offset,
+            group=group,
+            required=backend == "cute",
+        )
+        if mt is not None:
+            return mt
     x2 = _as_2d_float32(x)
     if spec_rht is not None:
         x2 = rht(x2, spec_rht)
@@ -438,8 +558,9 @@ def mor_quantize(
     scale_block = partition_block(spec.scale, rows, cols)
     unit = partition_block(spec.decide, rows, cols)
     bits = None
-    if rounding == "stochastic":
-        bits = random_bits(rows * cols, seed, offset, device=dev).reshape(rows, cols)
+    if is_stochastic(rounding):
+        n_bits = sr_bits(rounding)
+        bits = random_bits(rows * cols, seed, offset, device=dev, bits=n_bits).reshape(rows, cols)
 
     x64 = x2.to(torch.float64)
     nz = x2 != 0
@@ -447,7 +568,7 @@ def mor_quantize(
     safe = torch.where(nz, abs64, torch.ones_like(abs64))
     nonzero = _block_sum(nz.to(torch.float64), unit).to(torch.int64)
 
-    evaluated = _evaluated(spec)
+    evaluated = representations(spec)
     scales: dict[Representation, MoRScales] = {}
     codes: dict[Representation, torch.Tensor] = {}
     values: dict[Representation, torch.Tensor] = {}
@@ -459,7 +580,7 @@ def mor_quantize(
         else:
             values[fmt] = x2.to(HP_DTYPES[fmt.name]).to(torch.float64)
         rel = torch.where(nz, (x64 - values[fmt]).abs() / safe, torch.zeros_like(x64))
-        sums.append(_block_sum(rel, unit))
+        sums.append(tree_sum(rel, unit))
     error_sum = torch.stack(sums)
 
     # Algorithm 2: the first candidate whose metric accepts the unit, else the last one.
@@ -530,6 +651,8 @@ __all__ = [
     "mor_scales",
     "partition_block",
     "partition_text",
+    "representations",
     "quantize_element",
     "split_fp32",
+    "tree_sum",
 ]

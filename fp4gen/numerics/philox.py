@@ -81,16 +81,34 @@ def random_words(index: torch.Tensor, seed: int, offset: int = 0) -> torch.Tenso
 
 
 def random_bits(
-    n: int, seed: int, offset: int = 0, device: torch.device | str | None = None
+    n: int,
+    seed: int,
+    offset: int = 0,
+    device: torch.device | str | None = None,
+    bits: int = 32,
 ) -> torch.Tensor:
-    """The 32-bit random words of elements 0..n-1 (int64 tensor of uint32 values, shape [n])."""
+    """The random fields of elements 0..n-1 (int64 tensor of values in [0, 2^bits), shape [n]).
+
+    ``bits`` = 32: element i takes word i % 4 of Philox call i // 4. ``bits`` = 16 or 8: a word
+    holds v = 32 / bits fields, low bits first; element i takes field i % v of word i // v, so
+    one Philox call serves 4 v consecutive elements (docs/numerics.md section 5).
+    """
     _check_u64("seed", seed)
     _check_u64("offset", offset)
     if n < 0:
         raise ValueError(f"n must be non-negative, got {n}")
-    # One Philox call per 4 consecutive elements (cheaper than random_words on arange(n)).
-    q = torch.arange((n + 3) // 4, dtype=torch.int64, device=device)
+    if bits not in (8, 16, 32):
+        raise ValueError(f"bits must be 8, 16 or 32, got {bits!r}")
+    per_word = 32 // bits
+    n_words = -(-n // per_word)
+    # One Philox call per 4 consecutive words (cheaper than random_words on arange(n)).
+    q = torch.arange((n_words + 3) // 4, dtype=torch.int64, device=device)
     off_lo = torch.full_like(q, offset & _MASK32)
     off_hi = torch.full_like(q, offset >> 32)
     words = philox4x32((q & _MASK32, q >> 32, off_lo, off_hi), (seed & _MASK32, seed >> 32))
-    return torch.stack(words, dim=1).reshape(-1)[:n]
+    words = torch.stack(words, dim=1).reshape(-1)[:n_words]
+    if per_word == 1:
+        return words
+    shifts = torch.arange(per_word, dtype=torch.int64, device=words.device) * bits
+    fields = (words.unsqueeze(1) >> shifts) & ((1 << bits) - 1)
+    return fields.reshape(-1)[:n]

@@ -20,6 +20,8 @@ from fp4gen.formats import (
     BlockFormat,
     ElementFormat,
     HighPrecision,
+    is_stochastic,
+    sr_bits,
 )
 from fp4gen.numerics.hadamard import inverse_rht, rht
 from fp4gen.numerics.layout import pack, swizzle_scales
@@ -280,12 +282,13 @@ def quantize(
     index).
 
     block: overrides the format's block shape, e.g. (16, 16).
-    rounding: element rounding, "nearest" (RNE), "stochastic" or "zero".
+    rounding: element rounding, "nearest" (RNE), "stochastic" (32 random bits per value),
+        "stochastic16", "stochastic8" (16 / 8 random bits per value) or "zero".
     hadamard: None; an int size d (16 uses Transformer Engine's fixed sign vector, any other
         size uses no signs, sign_source "none"); or an RHTSpec. The transform runs along the
         last dimension, its output rounded to bf16, and everything below sees the rotated x.
     seed, offset: the Philox stream of stochastic rounding; element (r, c) of the [R, C] tensor
-        uses word r * C + c (see ``fp4gen.numerics.philox``).
+        uses random field r * C + c (see ``fp4gen.numerics.philox.random_bits``).
     backend: "reference" runs this code; "cute" the generated CuTe DSL kernels (CUDA tensors,
         ``fp4gen.runtime.cute_backend``); "auto" the kernels for CUDA tensors they support, else
         this code.
@@ -338,8 +341,10 @@ def quantize(
 
     y = torch.clamp(x2 * _expand(e_b, br, bc, rows, cols), -elem_max, elem_max)
     bits = None
-    if rounding == "stochastic":
-        bits = random_bits(rows * cols, seed, offset, device=x2.device).reshape(rows, cols)
+    if is_stochastic(rounding):
+        bits = random_bits(
+            rows * cols, seed, offset, device=x2.device, bits=sr_bits(rounding)
+        ).reshape(rows, cols)
     codes = encode(y, elem, rounding, bits)  # type: ignore[arg-type]
 
     return QuantizedTensor(

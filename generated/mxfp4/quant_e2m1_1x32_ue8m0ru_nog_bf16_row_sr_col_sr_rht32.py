@@ -17,10 +17,11 @@ What it computes (docs/numerics.md sections 1-5, bit for bit; oracle: fp4gen.num
     global    none (S_dec = 1)
     input     bf16 [M, K], compact row-major, K % 32 == 0, M % 32 == 0
     rowwise     codes [M, K] (4 bits, little-endian per row), scales [M, K/32],
-                round stochastic (Philox word of the flat index r * K + c)
+                round stochastic (32 random bits: the field of the flat
+                index r * K + c)
     columnwise  codes [K, M] (the transpose), scales [K, ceil(M/32)],
-                blocks along M, round stochastic (Philox word of the transposed flat index
-                c * M + r), RHT 32 along M (seeded by Philox, seed 0),
+                blocks along M, round stochastic (32 random bits: the field of the
+                transposed flat index c * M + r), RHT 32 along M (seeded by Philox, seed 0),
                 bf16-rounded, before the amax
 
 Kernels, in launch order:
@@ -329,12 +330,38 @@ def philox4x32_10(c0, c1, c2, c3, keys: list) -> list:
     return [c0, c1, c2, c3]
 
 
-def random_words(q: Uint32, n: int, keys: list, off_lo: Uint32, off_hi: Uint32) -> list:
-    """The words of 4 * n consecutive elements from flat index 4 * q on: element i uses word
-    i % 4 of Philox(counter = (i // 4, 0, offset_lo, offset_hi), key = seed)."""
-    words = []
-    for c in range(n):
-        words += philox4x32_10(q + Uint32(c), Uint32(0), off_lo, off_hi, keys)
+def random_fields(
+    i0: Uint32, n: int, bits: int, keys: list, off_lo: Uint32, off_hi: Uint32
+) -> list:
+    """The ``bits``-bit random fields (32, 16 or 8) of the n consecutive elements from flat index
+    i0 (docs/numerics.md 5): with v = 32 // bits fields per word, element i takes field i % v
+    (low bits first) of word i // v, and word j is output j % 4 of Philox(counter = (j // 4, 0,
+    offset_lo, offset_hi), key = seed). Either the elements cover whole calls (n and i0
+    multiples of 4 v) or they sit inside one call (n divides 4 v, n >= v, i0 % n == 0)."""
+    per_word = 32 // bits
+    per_call = 4 * per_word
+    if n >= per_call:
+        q = i0 // Uint32(per_call)
+        words = []
+        for c in range(n // per_call):
+            words += philox4x32_10(q + Uint32(c), Uint32(0), off_lo, off_hi, keys)
+    else:
+        call = philox4x32_10(i0 // Uint32(per_call), Uint32(0), off_lo, off_hi, keys)
+        nw = n // per_word  # the words of part (i0 % per_call) // n of the call
+        part = (i0 // Uint32(n)) % Uint32(per_call // n)
+        words = call[:nw]
+        for p in range(1, per_call // n):
+            words = [
+                cutlass.select_(part == Uint32(p), call[p * nw + w], words[w]) for w in range(nw)
+            ]
+    if bits == 16:
+        return [f for w in words for f in (w & Uint32(0xFFFF), w >> Uint32(16))]
+    if bits == 8:
+        return [
+            f
+            for w in words
+            for f in (w & Uint32(0xFF), byte_field(w, 1), byte_field(w, 2), w >> Uint32(24))
+        ]
     return words
 
 
@@ -637,9 +664,9 @@ class QuantizeKernel:
                 # the lanes of a block hold the same scale: all store it
                 b = r * nbk + col0 // BLOCK + g
                 store_if(mS.iterator.toint() + Int64(b * 1), scale_bits(code), ok, 1)
-            q = (Uint32(r) * Uint32(K) + Uint32(col0)) >> Uint32(2)
+            i0 = Uint32(r) * Uint32(K) + Uint32(col0)
             offs = (Uint32(offset0_lo), Uint32(offset0_hi))
-            rand = random_words(q, VEC // 4, keys, *offs)
+            rand = random_fields(i0, VEC, 32, keys, *offs)
             words = pack_bits(encode_elements(ys, rand, self.hw_row))
             vals = to_store(words, ROW_STORE_BYTES, ROW_STORE_N)
             at = mQ.iterator.toint() + Int64((r * K + col0) * ELEM_BITS // 8)
@@ -660,9 +687,9 @@ class QuantizeKernel:
                 b = (row0 + g * bl) // BLOCK
                 ok = Int32(col_ok & (row0 + g * bl < M))
                 store_if(mSc.iterator.toint() + Int64((c * nbm + b) * 1), scale_bits(code), ok, 1)
-            q = (Uint32(c) * Uint32(M) + Uint32(row0)) >> Uint32(2)
+            i0 = Uint32(c) * Uint32(M) + Uint32(row0)
             offs = (Uint32(offset1_lo), Uint32(offset1_hi))
-            rand = random_words(q, ROWS // 4, keys, *offs)
+            rand = random_fields(i0, ROWS, 32, keys, *offs)
             words = pack_bits(encode_elements(ys, rand, self.hw_col))
             vals = to_store(words, COL_STORE_BYTES, COL_STORE_N)
             at = mQc.iterator.toint() + Int64(c * pitch_c + byte0)
