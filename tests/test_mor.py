@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import math
 
 import numpy as np
@@ -14,7 +15,7 @@ from fp4gen.errors import TensorError
 from fp4gen.formats import BUILTIN_FORMATS, E4M3, E5M2, HighPrecision
 from fp4gen.numerics import quantize
 from fp4gen.numerics.minifloat import decode
-from fp4gen.numerics.mor import HIST_BINS, mor_quantize, mor_scales
+from fp4gen.numerics.mor import HIST_BINS, mor_quantize, mor_scales, tree_sum
 
 BF16 = HighPrecision("bf16")
 TENSOR = load_recipe("mor_tensor.fp4r").mors[0]  # decide tensor, scale block 128x128 gam, 4.5%
@@ -278,6 +279,63 @@ def test_range_metric_bound_is_strict() -> None:
     ratio = 57344 / 2.0**-14
     for top, want in ((ratio * 0.5, 0), (ratio, 1)):  # max/min < bound: e5m2; == bound: bf16
         assert mor_quantize(torch.tensor([[1.0, top]]), rule).choice.tolist() == [[want]]
+
+
+# ------------------------------------------------------------------------------------------------
+# The summation order of the error sums (what the kernels reproduce)
+# ------------------------------------------------------------------------------------------------
+
+
+def pairwise_tree(values: list[float]) -> float:
+    """Adjacent pairs, then pairs of pairs; an odd count pairs its last entry with 0."""
+    while len(values) > 1:
+        if len(values) % 2:
+            values = values + [0.0]
+        values = [values[i] + values[i + 1] for i in range(0, len(values), 2)]
+    return values[0] if values else 0.0
+
+
+def naive_tree_sum(t: torch.Tensor, unit: tuple[int, int]) -> torch.Tensor:
+    """The documented order, unit by unit in Python floats: cut each unit by the 128x128 grid;
+    per piece, a tree over each row's columns, then over the rows; then a tree over the piece
+    columns of each piece row, then over the piece rows."""
+    rows, cols = t.shape
+    uh, uw = unit
+    out = torch.zeros(-(-rows // uh), -(-cols // uw), dtype=torch.float64)
+    for i in range(out.shape[0]):
+        for j in range(out.shape[1]):
+            r0, r1, c0, c1 = i * uh, min(rows, (i + 1) * uh), j * uw, min(cols, (j + 1) * uw)
+            rc = sorted({r0, r1, *(k for k in range(r0, r1) if k % 128 == 0)})
+            cc = sorted({c0, c1, *(k for k in range(c0, c1) if k % 128 == 0)})
+            pieces = [
+                [
+                    pairwise_tree([pairwise_tree(t[r, a:b].tolist()) for r in range(ra, rb)])
+                    for a, b in itertools.pairwise(cc)
+                ]
+                for ra, rb in itertools.pairwise(rc)
+            ]
+            out[i, j] = pairwise_tree([pairwise_tree(row) for row in pieces])
+    return out
+
+
+@pytest.mark.parametrize(
+    "shape,unit",
+    [
+        ((5, 7), (2, 3)),
+        ((130, 260), (130, 260)),  # a tensor-level unit over four tiles
+        ((300, 200), (1, 200)),  # channels across two tiles
+        ((257, 129), (48, 96)),  # units that straddle tile boundaries
+        ((129, 300), (256, 256)),
+        ((200, 64), (16, 16)),
+    ],
+)
+def test_error_sums_follow_the_documented_tree(shape, unit) -> None:
+    g = torch.Generator().manual_seed(shape[0])
+    t = torch.rand(shape, generator=g, dtype=torch.float64)
+    t *= torch.exp2(torch.randint(-30, 5, shape, generator=g).double())  # order matters
+    got = tree_sum(t, unit)
+    assert torch.equal(got, naive_tree_sum(t, unit))
+    assert torch.equal(tree_sum(t[None].expand(3, *shape), unit)[1], got)  # batched
 
 
 # ------------------------------------------------------------------------------------------------

@@ -71,22 +71,23 @@ def quantize_operand(
 ) -> Operand:
     """Quantize a 2-D tensor along its last dimension per ``spec`` (or round it to its dtype).
 
-    A MoR operand (``spec.format`` a MoRRef, looked up in ``mors``) gives a MoRTensor, computed
-    by the reference on the tensor's device ("auto" and "reference"; there are no generated MoR
-    kernels yet, so backend "cute" is an error)."""
+    A MoR operand (``spec.format`` a MoRRef, looked up in ``mors``) gives a MoRTensor: "auto"
+    runs the generated MoR kernels on CUDA tensors they support (else the reference, logged
+    once), "cute" requires them, "reference" runs ``fp4gen.numerics.mor``."""
     fmt = spec.format
     if isinstance(fmt, HighPrecision):
         return t.to(HP_DTYPES[fmt.name])
     check_supported(spec, "an operand", mors)
     if isinstance(fmt, MoRRef):
-        if backend == "cute":
-            raise FP4GenError(
-                f"MoR rule '{fmt.name}': there are no generated MoR kernels yet; use backend "
-                "'auto' or 'reference'"
-            )
         assert mors is not None
         return mor_quantize(
-            t, mors[fmt.name], rounding=spec.rounding, hadamard=spec.rht, seed=seed, offset=offset
+            t,
+            mors[fmt.name],
+            rounding=spec.rounding,
+            hadamard=spec.rht,
+            seed=seed,
+            offset=offset,
+            backend=backend,
         )
     return quantize(
         t,

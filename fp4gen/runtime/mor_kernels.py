@@ -1,0 +1,226 @@
+"""The generated MoR kernels behind ``mor_quantize``: compile / load them, run them, build the
+``MoRTensor``.
+
+``mor_kernels_for(spec, arch)`` renders the rule's module (``fp4gen.codegen.mor``), compiles each
+kernel for the arch (the current GPU's by default) into the kernel cache and loads it; later calls
+in the process return the same object. ``mor_quantize_cute`` runs them on a CUDA tensor and wraps
+the outputs in the same ``MoRTensor`` the reference returns (bit for bit: decisions, codes, scales,
+error sums). ``mor_quantize(backend="auto")`` takes this path for CUDA tensors the kernels support
+and otherwise stays on the reference, logged once per reason at INFO.
+
+Everything is launched on the current stream without a host round trip; the one read-back is the
+input check shared with ``quantize`` (non-finite values raise ``TensorError``), taken from the
+tensor amax the first kernel computes anyway.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import torch
+
+from fp4gen.codegen.mor import MoRKernelSpec, render
+from fp4gen.compiler import jit
+from fp4gen.compiler.cache import KernelCache, default_root
+from fp4gen.dsl.model import MoRSpec, RHTSpec
+from fp4gen.errors import FP4GenError, TensorError
+from fp4gen.formats import ElementFormat
+
+log = logging.getLogger("fp4gen.runtime")
+
+_DTYPES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
+FP32_INF_BITS = 0x7F800000
+
+
+@dataclass(eq=False)
+class LoadedMoRKernels:
+    """The loaded kernels of one MoR spec for one arch (name -> TVM-FFI function)."""
+
+    spec: MoRKernelSpec
+    arch: str
+    module: ModuleType
+    fns: dict[str, Callable[..., Any]]
+    source_path: Path
+    compiled: int = 0  # kernels compiled by the call that loaded them (the rest came cached)
+    seconds: float = 0.0
+
+    def run(self, x: torch.Tensor) -> dict[str, Any]:
+        return self.module.run(self.fns, x)
+
+
+_loaded: dict[tuple[MoRKernelSpec, str, str], LoadedMoRKernels] = {}
+_latest: dict[tuple[MoRKernelSpec, str], LoadedMoRKernels] = {}  # whatever cache they came from
+_unsupported: dict[MoRKernelSpec, str] = {}
+_logged: set[str] = set()
+_lock = threading.RLock()
+
+
+def mor_kernels_for(
+    spec: MoRKernelSpec, arch: str | None = None, *, cache: KernelCache | None = None
+) -> LoadedMoRKernels:
+    """The loaded MoR kernels of ``spec`` for ``arch`` (default: the current CUDA device's).
+
+    Raises NotImplementedError when the template does not cover the rule."""
+    arch = arch or jit.detect_arch()
+    root = str(cache.root) if cache is not None else str(default_root())
+    memo = (spec, arch, root)
+    found = _loaded.get(memo)
+    if found is not None:
+        return found
+    cache = cache or KernelCache(root)
+    with _lock:
+        found = _loaded.get(memo)
+        if found is not None:
+            return found
+        start = time.perf_counter()
+        jit.use_cache_for_dsl(cache)
+        source = render(spec)
+        source_path = cache.store_source(source)
+        module = jit.import_source(source_path)
+        fns = {}
+        compiled = 0
+        for name in jit.kernel_names(source):
+            built = jit.build_kernel(cache, source_path, name, arch)
+            fns[name] = jit.load_entry(built.entry)
+            compiled += int(built.built)
+        loaded = LoadedMoRKernels(
+            spec, arch, module, fns, source_path, compiled, time.perf_counter() - start
+        )
+        _loaded[memo] = _latest[(spec, arch)] = loaded
+        return loaded
+
+
+def _log_once(reason: str) -> None:
+    if reason not in _logged:
+        _logged.add(reason)
+        log.info("mor_quantize(backend='auto') uses the reference: %s", reason)
+
+
+def _kernels(spec: MoRKernelSpec) -> LoadedMoRKernels | str:
+    """mor_kernels_for(spec), or why the generated kernels cannot serve it (a str)."""
+    reason = _unsupported.get(spec)
+    if reason is not None:
+        return reason
+    arch = jit.detect_arch()
+    if arch not in jit.ARCHS:
+        return f"no generated kernels for {arch} (only {', '.join(jit.ARCHS)})"
+    found = _latest.get((spec, arch))
+    if found is not None:  # loaded already (from any cache)
+        return found
+    try:
+        return mor_kernels_for(spec, arch)
+    except NotImplementedError as err:
+        reason = f"MoR rule '{spec.rule.name}' is not supported by the kernel template ({err})"
+    except ImportError as err:
+        reason = f"the CuTe DSL cannot be imported ({err})"
+    with _lock:
+        _unsupported[spec] = reason
+    return reason
+
+
+def mor_quantize_cute(
+    x: torch.Tensor,
+    rule: MoRSpec,
+    *,
+    rounding: str,
+    rht: RHTSpec | None,
+    seed: int,
+    offset: int,
+    group: tuple[int, int] | None,
+    required: bool,
+) -> Any:
+    """A MoRTensor from the generated kernels; None when ``required`` is False and the kernels
+    cannot serve this call (the caller then runs the reference, which also raises for inputs
+    nobody takes)."""
+    from fp4gen.numerics.mor import MoRScales, MoRTensor, partition_block, representations
+    from fp4gen.numerics.quantize import _check_finite
+
+    def unavailable(reason: str) -> None:
+        if required:
+            raise FP4GenError(
+                f"the 'cute' backend (generated MoR kernels) is not available: {reason}"
+            )
+        _log_once(reason)
+
+    if not isinstance(x, torch.Tensor) or x.device.type != "cuda":
+        where = x.device if isinstance(x, torch.Tensor) else type(x).__name__
+        return unavailable(f"it runs on CUDA tensors, got a tensor on {where}")
+    if x.dtype not in _DTYPES or x.numel() == 0:
+        return None  # the reference raises the input error
+    if rht is not None:
+        return unavailable("an operand with an RHT (the MoR kernels do not transform)")
+    if group is not None:
+        return unavailable(f"a GAM group {group} (the kernels take one group per tensor)")
+    spec = MoRKernelSpec(rule, rounding, _DTYPES[x.dtype])  # type: ignore[arg-type]
+    kernels = _kernels(spec)
+    if isinstance(kernels, str):
+        return unavailable(kernels)
+
+    x2 = x.reshape(1, -1) if x.dim() <= 1 else x.reshape(-1, x.shape[-1])
+    if not x2.is_contiguous() or x2.data_ptr() % 16:
+        x2 = x2.contiguous() if not x2.is_contiguous() else x2.clone()
+    try:
+        kernels.module.check_input(x2)
+    except TensorError as err:
+        if required:
+            raise
+        _log_once(f"{spec.name} does not take this input ({err})")
+        return None
+
+    out = kernels.run(x2)
+    if int(out["amax"][-1]) >= FP32_INF_BITS:  # the tensor's amax: the one read-back
+        _check_finite(x2, f"the input of shape {tuple(x.shape)}")
+
+    rows, cols = x2.shape
+    block = partition_block(rule.scale, rows, cols)
+    nbr, nbc = out["encode"].shape[1:]
+    evaluated = representations(rule)
+    elements = [f for f in evaluated if isinstance(f, ElementFormat)]
+    scales: list[MoRScales | None] = []
+    for cand in rule.candidates:
+        if not isinstance(cand.format, ElementFormat):
+            scales.append(None)
+            continue
+        i = elements.index(cand.format)
+        scales.append(
+            MoRScales(
+                element=cand.format,
+                scaling=rule.scaling,
+                block=block,
+                group=(nbr * block[0], nbc * block[1]),
+                encode=out["encode"][i],
+                decode=out["decode"][i],
+                exponent=None if rule.scaling == "amax" else out["exponent"][i],
+                mantissa=out["mantissa"][i].reshape(1, 1) if rule.scaling == "gam" else None,
+            )
+        )
+    high = out["high"]
+    if high is None:  # no high-precision candidate: nothing is ever kept there
+        high = torch.zeros((), dtype=torch.float32, device=x2.device).expand(rows, cols)
+    return MoRTensor(
+        spec=rule,
+        choice=out["choice"],
+        codes=out["codes"],
+        high=high,
+        scales=tuple(scales),
+        evaluated=evaluated,
+        error_sum=out["error_sum"],
+        nonzero=out["nonzero"],
+        unit=partition_block(rule.decide, rows, cols),
+        rounding=rounding,
+        rht=None,
+        seed=seed,
+        offset=offset,
+        shape=x.shape,
+        dtype=x.dtype,
+    )
+
+
+__all__ = ["LoadedMoRKernels", "mor_kernels_for", "mor_quantize_cute"]
