@@ -9,7 +9,8 @@ For each bf16 input shape it times, with CUDA events (median of ``--repeats`` af
   up; the reference ``quantize`` on the GPU if the kernel is unavailable);
 * each shipped MoR recipe through its generated kernels (``run``: output allocation and every
   launch: amax, scales, then quantize, or measure / decide / emit for tensor-level decisions),
-  with the time of each kernel on its own;
+  with the time of each kernel on its own, and the same with 256-thread CTAs (8 row segments
+  per thread instead of 4);
 * (unless ``--no-reference``) the MoR reference ``fp4gen.numerics.mor`` in torch ops on the GPU.
 
 and prints the ratios MoR / E4M3 and MoR / copy. Needs a CUDA GPU.
@@ -78,9 +79,12 @@ def bench_shape(shape: tuple[int, int], repeats: int, reference: bool) -> list[s
             fn = kernels.fns[kernel]
             ms = cuda_time_ms(lambda fn=fn, args=args: fn(*args), repeats=repeats)
             parts.append(f"{kernel} {ms:.3f}")
+        wide = mor_kernels_for(MoRKernelSpec(rule, segments=8))
+        s8_ms = cuda_time_ms(lambda k=wide: k.run(x), repeats=repeats)
         line = (
             f"  {name}: {mor_ms:.3f} ms = {mor_ms / e4m3_ms:.2f}x e4m3, "
-            f"{mor_ms / copy_ms:.2f}x copy [{', '.join(parts)} ms]"
+            f"{mor_ms / copy_ms:.2f}x copy [{', '.join(parts)} ms]; "
+            f"256-thread CTAs (8 rows per thread) {s8_ms:.3f} ms"
         )
         if reference:
             ref_ms = cuda_time_ms(

@@ -82,6 +82,9 @@ HAND = {
     ),
 }
 SPECS = {f"{n}_bf16": MoRKernelSpec(r) for n, r in SHIPPED.items()} | HAND
+# 8 row segments per thread (CTAs of 256 threads) instead of 4 (512)
+SPECS["mor_subtensor_3way_s8"] = MoRKernelSpec(SHIPPED["mor_subtensor_3way"], segments=8)
+SPECS["mor_tensor_fp32_s8"] = MoRKernelSpec(SHIPPED["mor_tensor"], input_dtype="fp32", segments=8)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -164,6 +167,8 @@ def test_unsupported_rules_are_rejected_clearly() -> None:
     only_high = rule("hp", BLOCK, BLOCK, "gam", Candidate(BF16, relerr(0.1)), Candidate(FP32))
     with pytest.raises(NotImplementedError, match="without element candidates"):
         render(MoRKernelSpec(only_high))
+    with pytest.raises(NotImplementedError, match="2 segments per thread"):
+        check(MoRKernelSpec(base, segments=2))
 
 
 def test_spec_names_are_unique_and_stable() -> None:
@@ -173,6 +178,7 @@ def test_spec_names_are_unique_and_stable() -> None:
     assert spec.name == MoRKernelSpec(SHIPPED["mor_tensor"]).name
     assert spec.name.startswith("mor_tensor_e4m3_bf16_nearest_")
     assert MoRKernelSpec(SHIPPED["mor_tensor"], input_dtype="fp32").name != spec.name
+    assert "_s4_" in spec.name and "_s8_" in MoRKernelSpec(spec.rule, segments=8).name
 
 
 # ----------------------------------------------------------------------------------------------
@@ -212,11 +218,12 @@ def test_cross_compile(name: str, arch: str, modules, tmp_path: Path) -> None:
         assert not re.search(r"\.approx|\.ftz", ptx), "approximate or flush-to-zero math"
         if kernel == "amax":
             assert "atom.global.max.s32" in ptx  # per scale block and for the tensor
+        seg = spec.segments
         if kernel in ("quantize", "measure"):
-            # one correctly rounded float64 division per element and representation (64
-            # elements per thread), plus a relerr mean per unit the thread decides (at most 8)
-            extra = 8 * any(c.metric and c.metric.kind == "relerr" for c in spec.rule.candidates)
-            assert 64 * divided <= ptx.count("div.rn.f64") <= 64 * divided + extra
+            # one correctly rounded float64 division per element and representation (8 * seg
+            # elements per thread), plus a relerr mean per unit the thread decides (<= seg)
+            extra = seg * any(c.metric and c.metric.kind == "relerr" for c in spec.rule.candidates)
+            assert 8 * seg * divided <= ptx.count("div.rn.f64") <= 8 * seg * divided + extra
             assert "shfl.sync.bfly.b32" in ptx  # the tree across lanes
         if kernel == "scales":
             assert "div.rn.f32" in ptx  # q_max / amax
@@ -224,10 +231,12 @@ def test_cross_compile(name: str, arch: str, modules, tmp_path: Path) -> None:
                 assert "cvt.rn.f32.f64" in ptx  # fp32(m_g * 2^e)
         if kernel == "decide":
             assert "bar.sync" in ptx  # one tree level per barrier
+        if kernel in ("quantize", "measure", "emit"):
+            # seg rows of 8 elements, 128-bit loads (the quantize kernel reads its tile twice)
+            loads = seg * (2 if spec.input_dtype == "fp32" else 1)
+            assert ptx.count("ld.global.v4") == loads * (2 if kernel == "quantize" else 1)
         if kernel in ("quantize", "emit"):
             assert "st.global" in ptx
-            loads = 16 if spec.input_dtype == "fp32" else 8
-            assert ptx.count("ld.global.v4") == loads  # 8 rows of 8 elements, 128-bit loads
 
 
 def test_compile_kernel_rejects_unknown_names(modules) -> None:

@@ -42,6 +42,7 @@ from fp4gen.numerics.mor import SUM_TILE, representations
 TEMPLATE_DIR = Path(__file__).resolve().parent.parent / "templates"
 ARCHS: tuple[str, ...] = ("sm_90a", "sm_100a")
 ROUNDINGS: tuple[str, ...] = ("nearest", "zero")  # stochastic rounding stays on the reference
+SEGMENTS: tuple[int, ...] = (4, 8)  # row segments per thread: 512 or 256 threads (2 spills)
 TILE = 128  # a CTA's tile: TILE x TILE elements (must be the reference's SUM_TILE)
 WHOLE = 31  # the shift of a partition side that spans the whole tensor (R, K < 2^31)
 FLT_MAX = float(torch.finfo(torch.float32).max)
@@ -66,6 +67,7 @@ class MoRKernelSpec:
     rule: MoRSpec
     rounding: str = "nearest"
     input_dtype: InputDType = "bf16"
+    segments: int = 4  # row segments of 8 elements per thread: CTAs of 32 * 64 / segments threads
 
     @property
     def digest(self) -> str:
@@ -74,7 +76,7 @@ class MoRKernelSpec:
     @property
     def name(self) -> str:
         rule = "".join(c if c.isalnum() else "_" for c in self.rule.name)
-        return f"mor_{rule}_{self.input_dtype}_{self.rounding}_{self.digest}"
+        return f"mor_{rule}_{self.input_dtype}_{self.rounding}_s{self.segments}_{self.digest}"
 
 
 def _lit(x: float) -> str:
@@ -137,6 +139,8 @@ def check(spec: MoRKernelSpec) -> None:
         )
     if spec.input_dtype not in _INPUTS:
         raise NotImplementedError(f"input dtype {spec.input_dtype!r}")
+    if spec.segments not in SEGMENTS:
+        raise NotImplementedError(f"{spec.segments} segments per thread (one of {SEGMENTS})")
     _shifts(rule.decide, "a decision")
     _shifts(rule.scale, "a scale")
     if not any(isinstance(c.format, ElementFormat) for c in rule.candidates):
@@ -223,6 +227,8 @@ def context(spec: MoRKernelSpec) -> dict[str, Any]:
         "upr_shift": min(urs - rh, 24),
         "upc_shift": min(ucs - cw, 24),
         "flt_max": _lit(FLT_MAX),
+        "segments": spec.segments,
+        "log_segments": spec.segments.bit_length() - 1,
     }
 
 
@@ -302,4 +308,4 @@ def render(spec: MoRKernelSpec) -> str:
     return _tidy(_environment().get_template("mor.py.j2").render(**context(spec)))
 
 
-__all__ = ["ARCHS", "ROUNDINGS", "TILE", "MoRKernelSpec", "check", "context", "render"]
+__all__ = ["ARCHS", "ROUNDINGS", "SEGMENTS", "TILE", "MoRKernelSpec", "check", "context", "render"]

@@ -139,8 +139,6 @@ def mor_quantize_cute(
     """A MoRTensor from the generated kernels; None when ``required`` is False and the kernels
     cannot serve this call (the caller then runs the reference, which also raises for inputs
     nobody takes)."""
-    from fp4gen.numerics.mor import MoRScales, MoRTensor, partition_block, representations
-    from fp4gen.numerics.quantize import _check_finite
 
     def unavailable(reason: str) -> None:
         if required:
@@ -173,10 +171,28 @@ def mor_quantize_cute(
             raise
         _log_once(f"{spec.name} does not take this input ({err})")
         return None
+    return run_kernels(kernels, x2, shape=x.shape, dtype=x.dtype, seed=seed, offset=offset)
 
+
+def run_kernels(
+    kernels: LoadedMoRKernels,
+    x2: torch.Tensor,
+    *,
+    shape: torch.Size | None = None,
+    dtype: torch.dtype | None = None,
+    seed: int = 0,
+    offset: int = 0,
+) -> Any:
+    """Run loaded MoR kernels on the 2-D CUDA tensor x2 (as their ``check_input`` takes it) and
+    wrap the outputs in a MoRTensor (``shape`` / ``dtype``: the original input's, default
+    x2's). Raises TensorError for non-finite inputs (the one read-back)."""
+    from fp4gen.numerics.mor import MoRScales, MoRTensor, partition_block, representations
+    from fp4gen.numerics.quantize import _check_finite
+
+    rule, rounding = kernels.spec.rule, kernels.spec.rounding
     out = kernels.run(x2)
     if int(out["amax"][-1]) >= FP32_INF_BITS:  # the tensor's amax: the one read-back
-        _check_finite(x2, f"the input of shape {tuple(x.shape)}")
+        _check_finite(x2, f"the input of shape {tuple(shape or x2.shape)}")
 
     rows, cols = x2.shape
     block = partition_block(rule.scale, rows, cols)
@@ -218,9 +234,9 @@ def mor_quantize_cute(
         rht=None,
         seed=seed,
         offset=offset,
-        shape=x.shape,
-        dtype=x.dtype,
+        shape=shape if shape is not None else x2.shape,
+        dtype=dtype if dtype is not None else x2.dtype,
     )
 
 
-__all__ = ["LoadedMoRKernels", "mor_kernels_for", "mor_quantize_cute"]
+__all__ = ["LoadedMoRKernels", "mor_kernels_for", "mor_quantize_cute", "run_kernels"]
