@@ -2,18 +2,24 @@
 cuBLAS BF16 and dequantize + cuBLAS.
 
     python benchmarks/gemm.py [--shapes 8192x8192x8192,16x8192x8192] [--formats nvfp4,mxfp4]
-                              [--log FILE]
+                              [--tiles small,mid] [--no-dequant] [--log FILE]
 
 Per shape MxNxK and format, C = A @ B^T with A [M, K] and B [N, K]:
 
   cuBLAS bf16           torch.matmul of bf16 [M, K] by [N, K]^T, bf16 out (the target)
   dequantize + cuBLAS   fp4gen.gemm(backend="dequant", bf16 out): both operands decoded to bf16
                         (torch ops), cuBLAS with fp32 accumulation, the alpha epilogue
-  fused <tile>          the generated fused kernel alone: its compiled TVM-FFI function called
-                        on arguments prepared beforehand (launch_args), bf16 out
+  fused <tile> [xS]     the generated fused kernel alone: its compiled TVM-FFI function called
+                        on arguments prepared beforehand (launch_args), bf16 out; the tile
+                        fp4gen.gemm picks for M, then those named by --tiles (fp4gen.codegen.gemm
+                        TILES, or CANDIDATES by tile name); xS: the split-K ways of a small-M
+                        tile
   fp4gen.gemm auto      end to end (dispatch, checks, launch), bf16 out; A is a fresh
-                        QuantizedTensor every call (its codes packed per call, as an
-                        activation's), B the same one (a weight: packed once)
+                        QuantizedTensor every call (as an activation: the small-M kernels read
+                        its codes as they are, the wgmma kernels pack them per call), B the same
+                        one (a weight: prepared once)
+  host                  the CPU time of one fp4gen.gemm call (the loop of calls timed without
+                        waiting for the GPU: what a call adds when the kernel is shorter)
 
 with the ratios to cuBLAS and to dequantize + cuBLAS. Inputs: random codes (all 16 nibbles),
 block scales 1.0, global scales 1; NVFP4's B has 16x16 blocks (the recipe's weight), MXFP4's
@@ -89,7 +95,24 @@ def operand(rows: int, k: int, fmt, g: torch.Generator) -> QuantizedTensor:
     )
 
 
-def run_shape(m: int, n: int, k: int, fmt_name: str, out: list[str]) -> None:
+def host_time(fn, iters: int) -> float:
+    """Seconds of CPU time per call of fn(i): the calls are timed without synchronizing."""
+    for i in range(3):
+        fn(i)
+    torch.cuda.synchronize()
+    best = math.inf
+    for _ in range(3):
+        t0 = time.perf_counter()
+        for i in range(iters):
+            fn(i)
+        best = min(best, (time.perf_counter() - t0) / iters)
+        torch.cuda.synchronize()
+    return best
+
+
+def run_shape(
+    m: int, n: int, k: int, fmt_name: str, out: list[str], tiles: list[str], dequant: bool
+) -> None:
     fa, fb = FORMATS[fmt_name]
     flops = 2.0 * m * n * k
     tag = f"{m}x{n}x{k} {fmt_name}"
@@ -123,55 +146,75 @@ def run_shape(m: int, n: int, k: int, fmt_name: str, out: list[str]) -> None:
     t_cublas = bench(cublas, iters)
     line("cuBLAS bf16 torch.matmul", t_cublas, {})
 
-    def dequant(i: int = 0):
-        a, b = sets[i % nset]
-        return fp4gen.gemm(a, b, out_dtype=torch.bfloat16, backend="dequant")
+    ref = {"cuBLAS": t_cublas}
+    if dequant:
 
-    t_dq = bench(dequant, max(3, iters // 4))
-    line("dequantize + cuBLAS", t_dq, {"cuBLAS": t_cublas})
-    ref = {"cuBLAS": t_cublas, "dequant+cuBLAS": t_dq}
+        def dequant_gemm(i: int = 0):
+            a, b = sets[i % nset]
+            return fp4gen.gemm(a, b, out_dtype=torch.bfloat16, backend="dequant")
 
-    fused_ok = torch.cuda.get_device_capability() == (9, 0)
-    if fused_ok:
+        t_dq = bench(dequant_gemm, max(3, iters // 4))
+        line("dequantize + cuBLAS", t_dq, {"cuBLAS": t_cublas})
+        ref["dequant+cuBLAS"] = t_dq
+
+    if torch.cuda.get_device_capability() == (9, 0):
+        from fp4gen.codegen.gemm import CANDIDATES, TILES, SmallMTile, choose_splits, pick_tile
         from fp4gen.runtime import kernels_for
         from fp4gen.runtime.cute_gemm import gemm_spec, packed_codes
 
-        spec = gemm_spec(fa, fb, m, out_dtype="bf16")
-        t0 = time.perf_counter()
-        kernels = kernels_for(spec, "sm_90a")
-        load = time.perf_counter() - t0
-        how = "compiled" if kernels.stats.compiled else "loaded from the cache"
-        c = torch.empty(m, n, dtype=torch.bfloat16, device="cuda")
-        args = [
-            kernels.module.launch_args(
-                packed_codes(a),
-                a.scale_codes,
-                a.global_scale,
-                packed_codes(b),
-                b.scale_codes,
-                b.global_scale,
-                k=k,
-                out=c,
-            )
-            for a, b in sets
-        ]
-        fn = kernels["gemm"]
+        sms = torch.cuda.get_device_properties(0).multi_processor_count
+        named = [TILES[t] if t in TILES else CANDIDATES[t] for t in tiles]
+        for tile in dict.fromkeys([pick_tile(m), *named]):
+            spec = gemm_spec(fa, fb, m, out_dtype="bf16", tile=tile)
+            t0 = time.perf_counter()
+            kernels = kernels_for(spec, "sm_90a")
+            load = time.perf_counter() - t0
+            how = "compiled" if kernels.stats.compiled else "loaded from the cache"
+            c = torch.empty(m, n, dtype=torch.bfloat16, device="cuda")
+            small = isinstance(tile, SmallMTile)
+            extra: dict = {}
+            label = f"fused {tile.name}"
+            if small:  # the split-K ways fp4gen.gemm takes, one workspace for all calls
+                splits = choose_splits(tile, m, n, k, sms)
+                extra = {"splits": splits, "ws": kernels.module.workspace(m, n, splits, "cuda")}
+                label += f" x{splits}"
+            args = [
+                kernels.module.launch_args(
+                    a.codes if small else packed_codes(a),
+                    a.scale_codes,
+                    a.global_scale,
+                    packed_codes(b),
+                    b.scale_codes,
+                    b.global_scale,
+                    k=k,
+                    out=c,
+                    **extra,
+                )
+                for a, b in sets
+            ]
+            fn = kernels["gemm"]
 
-        def fused(i: int = 0):
-            fn(*args[i % nset])
+            def fused(i: int = 0, fn=fn, args=args):
+                fn(*args[i % nset])
 
-        t_fused = bench(fused, iters)
-        line(f"fused {spec.tile.name}", t_fused, ref, f"  ({how} in {load:.1f} s)")
-        args.clear()
+            t_fused = bench(fused, iters)
+            line(label, t_fused, ref, f"  ({how} in {load:.1f} s)")
+            args.clear()
 
     choice = auto_backend(*sets[0])
 
+    # a fresh activation per call (made beforehand: the copy is not part of the call)
+    fresh = [dataclasses.replace(sets[i % nset][0]) for i in range(2 * (3 + 3 * iters))]
+
     def auto(i: int = 0):
-        a, b = sets[i % nset]
-        return fp4gen.gemm(dataclasses.replace(a), b, out_dtype=torch.bfloat16)
+        return fp4gen.gemm(fresh.pop(), sets[i % nset][1], out_dtype=torch.bfloat16)
 
     t_auto = bench(auto, iters)
     line(f"fp4gen.gemm auto ({choice.backend})", t_auto, ref)
+    t_host = host_time(auto, iters)
+    text = f"{tag}: {'host time of fp4gen.gemm':<28} {t_host * 1e6:9.1f} us per call"
+    print(text, flush=True)
+    out.append(text)
     for held in (sets, abf, bbf):  # free before the next shape
         held.clear()
     torch.cuda.empty_cache()
@@ -181,6 +224,10 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--shapes", default=SHAPES, help=f"MxNxK,... (default {SHAPES})")
     ap.add_argument("--formats", default="nvfp4", help="nvfp4, mxfp4 or both (default nvfp4)")
+    ap.add_argument(
+        "--tiles", default="", help="more fused tiles to time (names in TILES or CANDIDATES)"
+    )
+    ap.add_argument("--no-dequant", action="store_true", help="skip dequantize + cuBLAS")
     ap.add_argument("--log", default="", help="also write the result lines to this file")
     args = ap.parse_args()
     if not torch.cuda.is_available():
@@ -190,7 +237,8 @@ def main() -> int:
     for fmt in args.formats.split(","):
         for shape in args.shapes.split(","):
             m, n, k = (int(v) for v in shape.lower().split("x"))
-            run_shape(m, n, k, fmt, lines)
+            tiles = [t for t in args.tiles.split(",") if t]
+            run_shape(m, n, k, fmt, lines, tiles, not args.no_dequant)
     if args.log:
         Path(args.log).write_text("\n".join(lines) + "\n")
     return 0

@@ -18,9 +18,13 @@ import pytest
 
 from fp4gen.codegen import import_source
 from fp4gen.codegen.gemm import (
+    MAX_SPLITS,
     SMEM_CAP,
+    SMEM_PER_SM,
     TILES,
+    SmallMTile,
     check_gemm,
+    choose_splits,
     pick_tile,
     render_gemm,
     tile_constants,
@@ -74,8 +78,14 @@ def test_spec_names_and_tiles() -> None:
     assert make("mxfp4", "mid", "fp32", True, True).name == (
         "gemm_e2m1_1x32_ue8m0_x_e2m1_1x32_ue8m0_fp32_bias_acc_m128n64w2s16"
     )
-    assert len(ALL) == 3 * 3 * 8 and len({s.digest for s in ALL.values()}) == len(ALL)
-    assert pick_tile(1) is pick_tile(64) is TILES["small"]
+    assert make("nvfp4_b2d", "r16").name == (
+        "gemm_e2m1_1x16_e4m3_x_e2m1_16x16_e4m3_bf16_r16n64w1x1x4k4s4c4"
+    )
+    assert TILES["r64"].name == "r64n128w2x2x1k2s4c2"
+    assert len(ALL) == 3 * len(TILES) * 8 and len({s.digest for s in ALL.values()}) == len(ALL)
+    assert pick_tile(1) is pick_tile(16) is TILES["r16"]
+    assert pick_tile(17) is pick_tile(32) is TILES["r32"]
+    assert pick_tile(33) is pick_tile(64) is TILES["r64"]
     assert pick_tile(65) is pick_tile(128) is pick_tile(256) is TILES["mid"]
     assert pick_tile(257) is TILES["large"]
     with pytest.raises(ValueError, match="multiple of mma_n_split"):
@@ -84,11 +94,56 @@ def test_spec_names_and_tiles() -> None:
         GemmTile(256, 64, mma_warpgroups=1, stages_fp4=4)
 
 
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        (dict(tile_m=128, tile_n=64), "tile_m"),
+        (dict(tile_m=16, tile_n=48), "multiple of warp_n"),
+        (dict(tile_m=16, tile_n=192), "do not split"),  # 3 warps along N of 4
+        (dict(tile_m=16, tile_n=64, mma_warpgroups=2), "chunks"),  # 128 chunks, 256 threads
+        (dict(tile_m=16, tile_n=64, warp_m=32), "multiple of warp_m"),
+        (dict(tile_m=16, tile_n=64, acc_sets=2), "accumulator sets"),
+        (dict(tile_m=16, tile_n=64, ktiles_per_stage=3), "k-tiles per stage"),
+    ],
+)
+def test_small_tiles_are_validated(kwargs: dict, match: str) -> None:
+    args = {"mma_warpgroups": 1, "stages_fp4": 4, **kwargs}
+    with pytest.raises(ValueError, match=match):
+        SmallMTile(**args)
+
+
+def test_split_k_fills_one_wave() -> None:
+    r16, r32, r64 = TILES["r16"], TILES["r32"], TILES["r64"]
+    # 16 x 8192 x 8192 on 132 SMs: 128 tiles of 16 x 64, 4 CTAs per SM -> 4 ways (512 CTAs)
+    assert r16.ctas_per_sm == 4 and choose_splits(r16, 16, 8192, 8192, 132) == 4
+    assert r32.ctas_per_sm == 2 and choose_splits(r32, 32, 8192, 8192, 132) == 2
+    # a narrow N: as many ways as the k-tiles allow (>= 8 each, whole stages), <= MAX_SPLITS
+    assert choose_splits(r32, 1, 200, 4096, 132) == 8  # 64 k-tiles in stages of 1
+    assert choose_splits(r16, 1, 200, 4096, 132) == 8  # 16 stages of 4 k-tiles
+    assert choose_splits(r16, 1, 64, 65536, 132) == MAX_SPLITS
+    # normalised so that no split is empty: 20 k-tiles in 2 ways of 10
+    assert choose_splits(r32, 16, 64, 1280, 132) == 2
+    # more tiles than a wave, short K, or a wgmma tile: no split
+    assert choose_splits(r16, 16, 65536, 8192, 132) == 1
+    assert choose_splits(r16, 16, 64, 512, 132) == 1
+    assert choose_splits(TILES["mid"], 128, 64, 8192, 132) == 1
+    for tile, m, n, k in itertools.product(
+        (r16, r32, r64), (1, 16, 61), (1, 64, 200, 8192), (16, 64, 4096, 8192)
+    ):
+        s = choose_splits(tile, m, n, k, 132)
+        stages = -(-k // (64 * tile.ktiles_per_stage))
+        per = -(-stages // s)
+        assert 1 <= s <= MAX_SPLITS and (s - 1) * per < stages  # every split has stages
+
+
 def test_tiles_fit_in_shared_memory() -> None:
     for tile, b2d in itertools.product(TILES.values(), (False, True)):
         tc = tile_constants(tile, b_sf_2d=b2d)
         assert tc["smem_bytes"] <= SMEM_CAP
         assert tc["threads"] == 128 * tile.mma_warpgroups + 32
+        if isinstance(tile, SmallMTile):  # the CTAs per SM it is launched for fit
+            assert tile.ctas_per_sm * (tc["smem_bytes"] + 1024) <= SMEM_PER_SM
+            assert tc["epi_steps"] * tc["compute_threads"] * 8 == tile.tile_m * tile.tile_n
     # small: about 104 KiB, so two CTAs of 160 threads share an SM
     assert tile_constants(TILES["small"], b_sf_2d=True)["smem_bytes"] < SMEM_CAP // 2
     too_big = GemmTile(128, 256, mma_warpgroups=2, stages_fp4=9)
@@ -114,7 +169,10 @@ def test_render_is_valid_deterministic_python(name: str) -> None:
     assert f"B_SF_2D = {s.b_block[0] > 1}" in src
     # only the code paths the spec needs
     assert ("mBias" in src) == s.bias
-    assert ("prmt" in src) == mx
+    assert ("prmt_reg(Uint32(LUT_LO_A)" in src) == mx
+    small = isinstance(s.tile, SmallMTile)
+    assert ("mma.sync.aligned.m16n8k16" in src) == small
+    assert ('A_OPERAND = "codes"' in src) == small
 
 
 @pytest.mark.skipif(shutil.which("ruff") is None, reason="ruff is not installed")
@@ -184,15 +242,31 @@ def test_cross_compile_sm90a(name: str, modules, tmp_path: Path) -> None:
     fn = mod.compile_kernel("gemm", "sm_90a", dump_dir=str(tmp_path))
     ptx = _ptx(fn)
     assert ".target sm_90a" in ptx
-    n = s.tile.tile_n // s.tile.mma_n_split
+    small = isinstance(s.tile, SmallMTile)
     wgmma = re.findall(r"wgmma\.mma_async\.sync\.aligned\.(m64n\d+k16)\.f32\.bf16\.bf16", ptx)
-    assert wgmma == [f"m64n{n}k16"] * 4  # one k-tile: 4 x k16, fp32 accumulation of bf16
+    mma = ptx.count("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32")
+    if small:
+        # a warp's k-tiles of one stage (unrolled): 4 k16 steps of (warp_m / 16) x
+        # (warp_n / 8) atoms each, fp32 accumulation
+        subs = tile_constants(s.tile, b_sf_2d=s.b_block[0] > 1)["subs"]
+        assert not wgmma and mma == subs * 4 * (s.tile.warp_m // 16) * (s.tile.warp_n // 8)
+        # split-K: partial tiles through L2, an acq_rel counter, no proxy fence in the mainloop
+        assert "atom.acq_rel.gpu.global.add.u32" in ptx and "ld.global.cg.v4.f32" in ptx
+        assert "fence.proxy.async" not in ptx
+        assert f".minnctapersm {s.tile.ctas_per_sm}" in ptx
+    else:
+        n = s.tile.tile_n // s.tile.mma_n_split
+        assert wgmma == [f"m64n{n}k16"] * 4 and not mma  # one k-tile: 4 x k16
+        assert "fence.proxy.async" in ptx
     assert not re.search(r"\.local\b", ptx), "local memory (spills or indexed arrays)"
     assert not re.search(r"\.approx|\.ftz", ptx), "approximate or flush-to-zero math"
-    assert ptx.count("cp.async.bulk.tensor.2d") == 2  # TMA of the A and B codes
-    assert "cp.async.mbarrier.arrive.noinc" in ptx and "fence.proxy.async" in ptx
+    # TMA of the A and B codes, for each k-tile of a stage
+    kps = s.tile.ktiles_per_stage if small else 1
+    assert ptx.count("cp.async.bulk.tensor.2d") == 2 * kps
+    assert "cp.async.mbarrier.arrive.noinc" in ptx
     assert "mul.rn.bf16x2" in ptx
-    assert ("prmt.b32" in ptx) == (s.a_scale == UE8M0)
+    # the small-M kernels gather A's byte codes with prmt in both decodes
+    assert ("prmt.b32" in ptx) == (small or s.a_scale == UE8M0)
     assert ("cvt.rn.f16x2.e4m3x2" in ptx) == (s.a_scale == E4M3)
     ptxas = shutil.which("ptxas")
     files = list(tmp_path.glob("*.sm_90a.ptx"))
@@ -206,7 +280,8 @@ def test_cross_compile_sm90a(name: str, modules, tmp_path: Path) -> None:
         if proc.returncode == 0:  # an older ptxas may not know this PTX version
             assert "bytes spill" not in proc.stderr.replace("0 bytes spill", "")
             regs = int(re.search(r"Used (\d+) registers", proc.stderr).group(1))
-            assert regs <= min(255, 65536 // (128 * s.tile.mma_warpgroups + 32) // 8 * 8)
+            ctas = s.tile.ctas_per_sm if small else 1
+            assert regs * (128 * s.tile.mma_warpgroups + 32) * ctas <= 65536 and regs <= 255
 
 
 def test_compile_kernel_rejects_unknown_names_and_archs(modules) -> None:
@@ -218,15 +293,21 @@ def test_compile_kernel_rejects_unknown_names_and_archs(modules) -> None:
         mod.compile_kernel("gemm", "sm_100a")
 
 
-def test_launch_args_validate_the_operands(modules) -> None:
+@pytest.mark.parametrize("small", [False, True], ids=["wgmma", "small_m"])
+def test_launch_args_validate_the_operands(modules, small: bool) -> None:
     import torch
 
-    name = next(n for n, s in COMPILED.items() if s.b_block == (16, 16) and not s.bias)
+    name = next(
+        n
+        for n, s in COMPILED.items()
+        if s.b_block == (16, 16) and not s.bias and isinstance(s.tile, SmallMTile) == small
+    )
     mod = modules(name)
     M, N, K = 3, 40, 64
     u8 = torch.uint8
+    a_name = "a_codes" if small else "a_data"  # the small-M kernels read one code per byte
     ok = {
-        "a_data": torch.zeros(M, K // 2, dtype=u8),
+        a_name: torch.zeros(M, K if small else K // 2, dtype=u8),
         "a_scales": torch.zeros(M, K // 16, dtype=u8),
         "a_global": torch.ones(()),
         "b_data": torch.zeros(N, K // 2, dtype=u8),
@@ -236,8 +317,12 @@ def test_launch_args_validate_the_operands(modules) -> None:
     out = torch.empty(M, N, dtype=mod.OUT_TORCH)
     with pytest.raises(TensorError, match="CUDA"):
         mod.launch_args(**ok, k=K, out=out)
-    with pytest.raises(TensorError, match="a_data"):
-        mod.launch_args(**{**ok, "a_data": torch.zeros(K // 2, dtype=u8)}, k=K, out=out)
+    with pytest.raises(TensorError, match=a_name):
+        mod.launch_args(**{**ok, a_name: torch.zeros(K // 2, dtype=u8)}, k=K, out=out)
+    if small:  # the split-K workspace: [splits, tiles * tile elements] fp32, [tiles] int32
+        ws, counters = mod.workspace(M, N, 3, "cpu")
+        assert tuple(ws.shape) == (3, mod.tiles(M, N) * mod.TILE_ELEMS) == (3, 1 * 1 * 1024)
+        assert counters.dtype == torch.int32 and int(counters.abs().sum()) == 0
 
 
 # ----------------------------------------------------------------------------------------------

@@ -31,21 +31,38 @@ tolerance  operands from the reference quantizer (randn, and a "wide" pattern: p
           * a bf16 output rounds once more: 2^-7 (|ref| + B) (one bf16 ulp, generous by 2).
         The prototype measured err/bound <= 0.5 (bf16, the output rounding itself) and <= 0.12
         (fp32) on H100: the accumulation error stays far below the K u' S worst case.
+        The small-M kernels (M <= 64) sum in yet another order: mma.sync k16 chains per warp,
+        the warps splitting K added in shared memory, the split-K partial tiles added in split
+        order. Still K products summed in fp32 in some order, so the same 2 u K S holds.
+
+The small-M kernels are checked at every tile (r16, r32, r64 and the benchmark's candidates:
+ragged M and N tails, K from one block up), with split-K forced to 1 to 10 ways on exact
+operands (bit-identical to the reference and so to each other), against the wgmma kernel on
+the same operands, and for run-to-run determinism (the split-K counters reset themselves
+between calls). Every kernel the file uses is compiled up front by worker processes into the
+kernel cache.
 """
 
 from __future__ import annotations
 
 import itertools
+import os
 import zlib
 
 import pytest
 import torch
 
 import fp4gen
+from fp4gen.codegen.gemm import CANDIDATES, TILES, SmallMTile, pick_tile
+from fp4gen.compiler import jit
+from fp4gen.compiler.build import CompileTask, compile_all
+from fp4gen.compiler.cache import KernelCache, default_root
 from fp4gen.formats import BUILTIN_FORMATS
 from fp4gen.gemm_dispatch import auto_backend
 from fp4gen.numerics import QuantizedTensor, gemm_reference, quantize
 from fp4gen.numerics.minifloat import decode
+from fp4gen.runtime import kernels_for
+from fp4gen.runtime.cute_gemm import fused_gemm, gemm_spec, packed_codes
 
 pytestmark = [
     pytest.mark.gpu,
@@ -59,6 +76,7 @@ U = 2.0**-24
 NVFP4 = BUILTIN_FORMATS["nvfp4"]
 MXFP4 = BUILTIN_FORMATS["mxfp4"]
 DEV = "cuda"
+ARCH = "sm_90a"
 
 
 # ----------------------------------------------------------------------------------------------
@@ -139,27 +157,36 @@ DYADIC_UE8M0 = [126, 127, 128]  # 1/2, 1, 2
 EXACT_SHAPES = [
     (1, 64, 64),
     (16, 200, 128),
+    (5, 70, 16),  # K = one NVFP4 block (half an MXFP4 block), padded to one k-tile
+    (20, 130, 1000),  # small-M r32; K % 64 != 0
+    (48, 8192, 320),  # small-M r64, K padded to 384 inside
     (100, 64, 4096),
     (128, 8192, 128),
-    (16, 8192, 320),  # K padded to 384 inside
+    (16, 8192, 320),
     (100, 200, 192),
-    (61, 37, 60),  # K % 16 != 0: ragged last block, padded
+    (61, 37, 60),  # small-M r64, ragged M and N tails; K % 16 != 0: ragged last block, padded
 ]
 
 
+EXACT_CASES = ["nvfp4_b2d", "nvfp4_b1d", "nvfp4_subnormal", "mxfp4"]
+
+
+def exact_case(case: str):
+    """(A format, B format, scale codes) of an exact case."""
+    if case == "mxfp4":
+        return MXFP4, MXFP4, DYADIC_UE8M0
+    if case == "nvfp4_b2d":
+        return NVFP4, NVFP4.with_block((16, 16)), DYADIC_E4M3
+    return NVFP4, NVFP4, SUBNORMAL_E4M3 if case == "nvfp4_subnormal" else DYADIC_E4M3
+
+
 @pytest.mark.parametrize(("m", "n", "k"), EXACT_SHAPES, ids=lambda v: str(v))
-@pytest.mark.parametrize("case", ["nvfp4_b2d", "nvfp4_b1d", "nvfp4_subnormal", "mxfp4"])
+@pytest.mark.parametrize("case", EXACT_CASES)
 def test_exact(case: str, m: int, n: int, k: int) -> None:
     seed = zlib.crc32(f"{case} {m} {n} {k}".encode())
-    if case == "mxfp4":
-        fa, fb, sset = MXFP4, MXFP4, DYADIC_UE8M0
-    elif case == "nvfp4_b2d":
-        fa, fb, sset = NVFP4, NVFP4.with_block((16, 16)), DYADIC_E4M3
-    else:
-        fa, fb = NVFP4, NVFP4
-        sset = SUBNORMAL_E4M3 if case == "nvfp4_subnormal" else DYADIC_E4M3
-        if case == "nvfp4_subnormal" and k > 320:
-            pytest.skip("subnormal scales stay exact in fp32 for K <= 320 only")
+    fa, fb, sset = exact_case(case)
+    if case == "nvfp4_subnormal" and k > 320:
+        pytest.skip("subnormal scales stay exact in fp32 for K <= 320 only")
     a = raw_operand(m, k, fa, sset, seed)
     b = raw_operand(n, k, fb, sset, seed + 1)
     ref = gemm_reference(a, b)
@@ -188,7 +215,7 @@ def test_exact_large_tile_bf16() -> None:
 # ----------------------------------------------------------------------------------------------
 # Tolerance sweep against gemm_reference
 # ----------------------------------------------------------------------------------------------
-MS, NS, KS = (1, 16, 100, 128), (64, 200, 8192), (64, 128, 4096)
+MS, NS, KS = (1, 16, 32, 48, 100, 128), (64, 200, 8192), (64, 128, 4096)
 SHAPES = list(itertools.product(MS, NS, KS))
 # rotated per shape: output dtype, bias, accumulate, B's block shape (NVFP4)
 VARIANTS = [
@@ -254,3 +281,133 @@ def test_auto_takes_the_fused_kernel_at_every_m() -> None:
     big = quantized(300, 4096, NVFP4, None, "randn", 3)
     assert auto_backend(big, b).backend == "cute"
     assert torch.equal(fp4gen.gemm(big, b), fp4gen.gemm(big, b, backend="cute"))
+
+
+# ----------------------------------------------------------------------------------------------
+# Small-M kernels: split-K, agreement with the wgmma kernel, the workspace between calls
+# ----------------------------------------------------------------------------------------------
+SPLIT_K = 2560  # 40 k-tiles: 10 stages of 4, 20 of 2, 40 of 1
+# (tile, M, N) of the split-K cases: every small-M tile of TILES and CANDIDATES (NVFP4 only)
+SPLIT_CASES = [
+    *[
+        (name, TILES[name].tile_m - 3, 200, pair)
+        for name in ("r16", "r32", "r64")
+        for pair in ("nvfp4_b2d", "mxfp4")
+    ],
+    *[(name, 13, 130, "nvfp4_b2d") for name in CANDIDATES],
+]
+
+
+def small_tile(name: str):
+    return TILES[name] if name in TILES else CANDIDATES[name]
+
+
+@pytest.mark.parametrize(("tile", "m", "n", "pair"), SPLIT_CASES, ids=str)
+def test_split_k_is_exact(tile: str, m: int, n: int, pair: str) -> None:
+    """Forced split counts (1, 2, 3, 4, 7 ways and one stage per split; 7 ways of 10 stages
+    leave the last split empty) on exact operands: every count gives the reference bit for
+    bit. Ragged M and N tails."""
+    fa, fb, sset = exact_case(pair)
+    a = raw_operand(m, SPLIT_K, fa, sset, 31)
+    b = raw_operand(n, SPLIT_K, fb, sset, 32)
+    spec = gemm_spec(fa, fb, m, out_dtype="fp32", tile=small_tile(tile))
+    loaded = kernels_for(spec, ARCH)
+    stages = SPLIT_K // loaded.module.STAGE_K
+    ref = gemm_reference(a, b)
+    for splits in sorted({1, 2, 3, 4, 7, stages}):
+        out = torch.full((m, n), float("nan"), device=DEV)
+        loaded.module.run(
+            loaded.fns,
+            a.codes,
+            a.scale_codes,
+            a.global_scale,
+            packed_codes(b),
+            b.scale_codes,
+            b.global_scale,
+            k=SPLIT_K,
+            out=out,
+            splits=splits,
+        )
+        assert torch.equal(out.view(torch.int32), ref.view(torch.int32)), (
+            f"{splits} ways: {int((out != ref).sum())} of {m * n} differ"
+        )
+
+
+@pytest.mark.parametrize("m", [1, 16, 32, 48, 64])
+def test_small_m_tiles_agree_with_the_wgmma_kernel(m: int) -> None:
+    """The same exact operands through the small-M tile of M and the wgmma 64x64 tile."""
+    fa, fb, sset = exact_case("nvfp4_b2d")
+    a = raw_operand(m, 2048, fa, sset, 40 + m)
+    b = raw_operand(300, 2048, fb, sset, 41)
+    ref = gemm_reference(a, b)
+    kw = dict(out_dtype=torch.float32, bias=None, accumulate=None, arch=ARCH)
+    small = fused_gemm(a, b, **kw)
+    wgmma = fused_gemm(a, b, **kw, tile=TILES["small"])
+    assert isinstance(pick_tile(m), SmallMTile)
+    assert torch.equal(small, ref) and torch.equal(wgmma, ref)
+
+
+def test_split_k_workspace_is_reused_across_calls() -> None:
+    """Calls on one stream share a workspace; the last CTA of each tile resets its counter, so
+    repeated calls (and a call of another shape in between) stay exact."""
+    fa, fb, sset = exact_case("nvfp4_b1d")
+    a = raw_operand(16, 4096, fa, sset, 50)
+    b = raw_operand(8192, 4096, fb, sset, 51)
+    c = raw_operand(16, 4096, fa, sset, 52)
+    ref_ab, ref_cb = gemm_reference(a, b), gemm_reference(c, b)
+    for _ in range(3):
+        assert torch.equal(fp4gen.gemm(a, b, backend="cute"), ref_ab)
+        assert torch.equal(fp4gen.gemm(c, b, backend="cute"), ref_cb)
+
+
+# ----------------------------------------------------------------------------------------------
+# Every kernel of this file, compiled up front
+# ----------------------------------------------------------------------------------------------
+def kernel_spec(fa, fb, m: int, out: torch.dtype, bias: bool, acc: bool, tile=None):
+    """The spec fp4gen.gemm(backend="cute") picks for these operands and flags."""
+    bf16 = out == torch.bfloat16 and not acc
+    return gemm_spec(
+        fa, fb, m, out_dtype="bf16" if bf16 else "fp32", bias=bias, accumulate=acc, tile=tile
+    )
+
+
+def used_specs() -> list:
+    specs = []
+    for case, (m, _, _) in itertools.product(EXACT_CASES, EXACT_SHAPES):
+        fa, fb, _ = exact_case(case)
+        specs.append(kernel_spec(fa, fb, m, torch.float32, not fb.is_2d, fb.is_2d))
+    b2d = NVFP4.with_block((16, 16))
+    specs.append(kernel_spec(NVFP4, b2d, 300, torch.bfloat16, False, False))
+    specs.append(kernel_spec(NVFP4, b2d, 16, torch.bfloat16, False, False))
+    specs.append(kernel_spec(NVFP4, b2d, 300, torch.float32, False, False))
+    for i, (m, _, _) in enumerate(SHAPES):
+        v = VARIANTS[i % len(VARIANTS)]
+        fb = b2d if v["b2d"] else NVFP4
+        specs.append(kernel_spec(NVFP4, fb, m, v["out"], v["bias"], v["acc"]))
+        v = MX_VARIANTS[i % len(MX_VARIANTS)]
+        specs.append(kernel_spec(MXFP4, MXFP4, m, v["out"], v["bias"], v["acc"]))
+    for tile, _, _, pair in SPLIT_CASES:
+        fa, fb, _ = exact_case(pair)
+        specs.append(kernel_spec(fa, fb, 1, torch.float32, False, False, small_tile(tile)))
+    for m in (1, 16, 32, 48, 64):
+        specs.append(kernel_spec(NVFP4, b2d, m, torch.float32, False, False))
+    specs.append(kernel_spec(NVFP4, b2d, 1, torch.float32, False, False, TILES["small"]))
+    specs.append(kernel_spec(NVFP4, NVFP4, 16, torch.float32, False, False))
+    return list(dict.fromkeys(specs))
+
+
+@pytest.fixture(scope="session", autouse=True)
+def compiled_kernels() -> None:
+    """Compile every kernel of this file in worker processes into the kernel cache that
+    fp4gen.gemm loads from (a few seconds instead of a minute of compiles one by one)."""
+    cache = KernelCache(default_root())
+    tasks = []
+    for spec in used_specs():
+        source = jit.render_source(spec)
+        path = str(cache.store_source(source))
+        key = jit.kernel_key(cache, source, "gemm", ARCH)
+        if cache.lookup(key[0]) is None:
+            tasks.append(CompileTask(path, "gemm", ARCH, None, spec.name, key))
+    results = compile_all(tasks, cache=cache, jobs=max(2, (os.cpu_count() or 2) - 1))
+    failed = {k: r.get("status") for k, r in results.items() if r.get("status") != "ok"}
+    assert not failed, f"compile failures: {list(failed.items())[:3]}"

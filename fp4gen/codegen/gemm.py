@@ -33,6 +33,7 @@ The generated module's contract (used through ``fp4gen.runtime.kernels_for``):
 from __future__ import annotations
 
 import textwrap
+from dataclasses import dataclass
 from functools import cache
 from typing import Any
 
@@ -47,25 +48,128 @@ SMEM_CAP = 232448  # H100 / H200: max dynamic shared memory per block (227 KiB)
 TILE_K = 64  # values per k-tile: 32 code bytes, 128 bf16 bytes (one 128B-swizzle row)
 STAGES_BF16 = 3  # decoded stages: one barrier per k-tile is enough with three (see template)
 
-# Tile configurations (H100 measurements in docs/gemm-sm90.md):
+
+@dataclass(frozen=True)
+class SmallMTile(GemmTile):
+    """A tile of the small-M kernel (``gemm_sm90_small.py.j2``): warp-level mma.sync.m16n8k16
+    with both operands decoded into registers, split-K across CTAs.
+
+    ``tile_m`` x ``tile_n``: rows of A x rows of B per CTA; ``warp_m`` x ``warp_n``: per warp
+    (16 or 32 rows of A: 1 or 2 m16 atoms; 32 or 64 rows of B: 4 or 8 n8 atoms), so
+    ``tile_m / warp_m`` x ``tile_n / warp_n`` warps tile the CTA; ``mma_warpgroups``: 4-warp
+    groups of compute warps, the warps beyond the tiling ones split the CTA's k-tiles round
+    robin; ``stages_fp4``: TMA stages of ``ktiles_per_stage`` k-tiles (64 values) each, loaded
+    back to back (adjacent 32-byte sectors of every B row in one burst) under one mbarrier;
+    ``ctas_per_sm``: the launch bound (registers <= 65536 / (threads * ctas_per_sm)) and the
+    occupancy the split-K choice fills.
+    """
+
+    warp_m: int = 16
+    warp_n: int = 64
+    ctas_per_sm: int = 2
+    ktiles_per_stage: int = 1
+
+    def __post_init__(self) -> None:
+        if self.tile_m not in (16, 32, 64):
+            raise ValueError(f"small-M tile_m {self.tile_m}: 16, 32 or 64")
+        if self.warp_m not in (16, 32) or self.tile_m % self.warp_m:
+            raise ValueError(f"tile_m {self.tile_m} must be a multiple of warp_m (16 or 32)")
+        if self.warp_n not in (32, 64) or self.tile_n % self.warp_n:
+            raise ValueError(f"tile_n {self.tile_n} must be a multiple of warp_n (32 or 64)")
+        warps = 4 * self.mma_warpgroups
+        tiling = (self.tile_m // self.warp_m) * (self.tile_n // self.warp_n)
+        if warps % tiling:
+            raise ValueError(f"{warps} compute warps do not split into {tiling} per k-tile")
+        if (self.tile_m * self.tile_n // 8) % (32 * warps):
+            raise ValueError("the epilogue's 8-column chunks must divide among the threads")
+        if self.mma_n_split != 1 or self.acc_sets != 1:
+            raise ValueError("small-M tiles have no wgmma split or accumulator sets")
+        if (self.warp_m // 16) * (self.warp_n // 8) * 4 > 64:
+            raise ValueError("more than 64 fp32 accumulators per thread")
+        if self.stages_fp4 < 2 or self.ctas_per_sm < 1:
+            raise ValueError("at least two stages and one CTA per SM")
+        kps, warps_k = self.ktiles_per_stage, warps // tiling
+        if kps not in (1, 2, 4) or (kps % warps_k and warps_k % kps):
+            raise ValueError(
+                f"{kps} k-tiles per stage do not divide among {warps_k} warps along K (or the "
+                "reverse): 1, 2 or 4"
+            )
+
+    @property
+    def name(self) -> str:
+        """e.g. ``r16n64w1x1x4k1s12c3``: tile, warps along M x N x K, k-tiles per stage,
+        stages, CTAs per SM."""
+        warps_m = self.tile_m // self.warp_m
+        warps_n = self.tile_n // self.warp_n
+        warps_k = 4 * self.mma_warpgroups // (warps_m * warps_n)
+        return (
+            f"r{self.tile_m}n{self.tile_n}w{warps_m}x{warps_n}x{warps_k}"
+            f"k{self.ktiles_per_stage}s{self.stages_fp4}c{self.ctas_per_sm}"
+        )
+
+
+# Tile configurations (measurements in docs/gemm-sm90.md):
 TILES: dict[str, GemmTile] = {
-    # M <= 64: 64x64 tiles, one MMA warpgroup, 4 accumulator sets (16x8192x8192: 53 us)
+    # M <= 16: one m16 atom and 64 B rows per warp; stages of 4 k-tiles, one per warp (the
+    # four warps split K); 4 CTAs per SM
+    "r16": SmallMTile(16, 64, mma_warpgroups=1, stages_fp4=4, ktiles_per_stage=4, ctas_per_sm=4),
+    # M <= 32: two m16 atoms per warp, the four warps split K k-tile by k-tile
+    "r32": SmallMTile(32, 64, mma_warpgroups=1, stages_fp4=10, warp_m=32, ctas_per_sm=2),
+    # M <= 64: two m16 atoms per warp, 2 x 2 warps over the tile, stages of 2 k-tiles
+    "r64": SmallMTile(
+        64, 128, mma_warpgroups=1, stages_fp4=4, warp_m=32, ktiles_per_stage=2, ctas_per_sm=2
+    ),
+    # wgmma kernel, 64x64 tiles, one MMA warpgroup, 4 accumulator sets (16x8192x8192: 53 us)
     "small": GemmTile(64, 64, mma_warpgroups=1, stages_fp4=12, acc_sets=4),
     # M <= 256: 128x64 tiles, two MMA warpgroups (128x8192x8192: 78 us)
     "mid": GemmTile(128, 64, mma_warpgroups=2, stages_fp4=16),
-    # larger M: 128x256 tiles, two MMA warpgroups (8192^3: 0.58x cuBLAS BF16; fp4gen.gemm's
-    # auto dispatch sends M > 128 to dequantize + cuBLAS instead)
+    # larger M: 128x256 tiles, two MMA warpgroups (8192^3: 0.58x cuBLAS BF16)
     "large": GemmTile(128, 256, mma_warpgroups=2, stages_fp4=5),
 }
+# Small-M alternatives the benchmark times against TILES (benchmarks/gemm.py --tiles NAME), by name
+CANDIDATES: dict[str, GemmTile] = {
+    t.name: t
+    for t in (
+        SmallMTile(16, 64, mma_warpgroups=1, stages_fp4=12, ctas_per_sm=3),
+        SmallMTile(16, 64, mma_warpgroups=1, stages_fp4=12, ctas_per_sm=4),
+        SmallMTile(16, 64, mma_warpgroups=1, stages_fp4=6, ktiles_per_stage=2, ctas_per_sm=4),
+        SmallMTile(16, 64, mma_warpgroups=1, stages_fp4=5, ktiles_per_stage=4, ctas_per_sm=3),
+        SmallMTile(16, 128, mma_warpgroups=2, stages_fp4=4, ktiles_per_stage=4, ctas_per_sm=2),
+    )
+}
+MAX_SPLITS = 16  # split-K ways at most
+MIN_SPLIT_KTILES = 8  # k-tiles per split at least (two per warp splitting K)
 
 
 def pick_tile(m: int) -> GemmTile:
     """The tile configuration for M rows of A."""
+    if m <= 16:
+        return TILES["r16"]
+    if m <= 32:
+        return TILES["r32"]
     if m <= 64:
-        return TILES["small"]
+        return TILES["r64"]
     if m <= 256:
         return TILES["mid"]
     return TILES["large"]
+
+
+def choose_splits(tile: GemmTile, m: int, n: int, k: int, sms: int) -> int:
+    """Ways a small-M tile splits K across CTAs for an M x N x K product on ``sms`` SMs: as
+    many as fit one wave of ``ctas_per_sm`` CTAs per SM, each split at least
+    MIN_SPLIT_KTILES k-tiles (whole stages), at most MAX_SPLITS; normalised so no split is
+    empty. 1 for the wgmma tiles (they do not split K)."""
+    if not isinstance(tile, SmallMTile):
+        return 1
+    tiles = -(-m // tile.tile_m) * -(-n // tile.tile_n)
+    kps = tile.ktiles_per_stage
+    k_stages = -(-k // (TILE_K * kps))  # splits are whole stages
+    min_stages = -(-MIN_SPLIT_KTILES // kps)
+    splits = min(sms * tile.ctas_per_sm // tiles, k_stages // min_stages, MAX_SPLITS)
+    if splits <= 1:
+        return 1
+    per = -(-k_stages // splits)
+    return -(-k_stages // per)
 
 
 _OUT = {
@@ -120,14 +224,67 @@ def check_gemm(spec: GemmKernelSpec) -> None:
         raise ValueError(
             f"{spec.name}: the tile needs {smem} bytes of shared memory (> {SMEM_CAP})"
         )
+    if isinstance(spec.tile, SmallMTile):
+        if spec.tile.ctas_per_sm * (smem + 1024) > SMEM_PER_SM:
+            raise ValueError(
+                f"{spec.name}: {spec.tile.ctas_per_sm} CTAs of {smem} bytes do not fit in one SM"
+            )
+        if not tile_constants(spec.tile, b_sf_2d=spec.b_block[0] > 1)["reduction_fits"]:
+            raise ValueError(f"{spec.name}: the warps' partial tiles exceed the code slots")
 
 
 def _round_up(x: int, a: int) -> int:
     return (x + a - 1) // a * a
 
 
+SMEM_PER_SM = 233472  # H100 / H200: shared memory per SM (228 KiB), 1 KiB of it reserved per CTA
+
+
+def small_tile_constants(tile: SmallMTile, *, b_sf_2d: bool) -> dict[str, Any]:
+    """Thread and shared-memory layout of a small-M tile."""
+    warps = 4 * tile.mma_warpgroups
+    warps_m = tile.tile_m // tile.warp_m
+    warps_n = tile.tile_n // tile.warp_n
+    warps_k = warps // (warps_m * warps_n)
+    kps = tile.ktiles_per_stage
+    sf_b_rows = tile.tile_n // 16 if b_sf_2d else tile.tile_n
+    sf_rows = tile.tile_m + sf_b_rows
+    sf_stage = _round_up(sf_rows * 4 * kps, 128)  # 4 scale codes per row and k-tile
+    slots = tile.stages_fp4 * kps
+    codes = slots * (tile.tile_m * TILE_K + tile.tile_n * (TILE_K // 2))
+    # the warps' partial tiles, fp32 rows of tile_n + 4, reuse the code slots after the mainloop
+    reduction = warps_k * tile.tile_m * (tile.tile_n + 4) * 4
+    barriers = 8 * 2 * tile.stages_fp4 + 16
+    return {
+        "mt": tile.warp_m // 16,
+        "nt": tile.warp_n // 8,
+        "acc_regs": (tile.warp_m // 16) * (tile.warp_n // 8) * 4,
+        "warps_m": warps_m,
+        "warps_n": warps_n,
+        "warps_k": warps_k,
+        "subs": max(1, kps // warps_k),  # k-tile slots per stage and warp
+        "stage_step": max(1, warps_k // kps),  # a warp's stride through the stages
+        "empty_arrivals": 32 * warps_m * warps_n * min(kps, warps_k),
+        "compute_warps": warps,
+        "compute_threads": 32 * warps,
+        "threads": 32 * warps + 32,
+        "producer_warp": warps,
+        "sf_b_rows": sf_b_rows,
+        "sf_rows": sf_rows,
+        "sf_stage_bytes": sf_stage,
+        "tx_bytes": kps * (tile.tile_m * TILE_K + tile.tile_n * (TILE_K // 2)),
+        "epi_steps": tile.tile_m * tile.tile_n // 8 // (32 * warps),
+        "red_bytes": reduction,
+        "reduction_fits": reduction <= codes,
+        # + 2 KiB slack: the 1024-byte alignment of the code buffers
+        "smem_bytes": codes + tile.stages_fp4 * sf_stage + barriers + 2048,
+    }
+
+
 def tile_constants(tile: GemmTile, *, b_sf_2d: bool) -> dict[str, Any]:
     """Thread and shared-memory layout of a tile (every number the kernel bakes in)."""
+    if isinstance(tile, SmallMTile):
+        return small_tile_constants(tile, b_sf_2d=b_sf_2d)
     mma_threads = 128 * tile.mma_warpgroups
     units = 2 * (tile.tile_m + tile.tile_n)  # (row, 32-value half) decode units per k-tile
     sf_b_rows = tile.tile_n // 16 if b_sf_2d else tile.tile_n
@@ -162,8 +319,10 @@ def gemm_context(spec: GemmKernelSpec) -> dict[str, Any]:
     tc = tile_constants(spec.tile, b_sf_2d=b_sf_2d)
     cutlass_names = ["BFloat16", "Float32", "Int32", "Int64", "Uint8", "Uint32"]
     b_rows = "ceil(N/16)" if b_sf_2d else "N"
+    small = isinstance(spec.tile, SmallMTile)
+    a_operand = "a_codes uint8 [M, K] (one code per byte)" if small else "a_data uint8 [M, K/2]"
     launch_doc = (
-        f"a_data uint8 [M, ceil(K/2)], a_scales uint8 [M, ceil(K/{block})] "
+        f"{a_operand}, a_scales uint8 [M, ceil(K/{block})] "
         f"({spec.a_scale.name} codes), b_data uint8 [N, ceil(K/2)], b_scales uint8 "
         f"[{b_rows}, ceil(K/{block})], a_global and b_global fp32 with one element, out "
         f"{_OUT[spec.out_dtype]['torch']} [M, N] (contiguous, 16-byte aligned"
@@ -189,6 +348,7 @@ def gemm_context(spec: GemmKernelSpec) -> dict[str, Any]:
         "bias": spec.bias,
         "accumulate": spec.accumulate,
         "tile": spec.tile,
+        "template": "gemm_sm90_small.py.j2" if small else "gemm_sm90.py.j2",
         "tc": tc,
         "tile_k": TILE_K,
         "stages_bf16": STAGES_BF16,
@@ -219,16 +379,22 @@ def render_gemm(spec: GemmKernelSpec) -> str:
 
     Raises NotImplementedError for operand formats or block shapes the template does not
     cover (see the module docstring)."""
-    return _tidy(_environment().get_template("gemm_sm90.py.j2").render(**gemm_context(spec)))
+    context = gemm_context(spec)
+    return _tidy(_environment().get_template(context["template"]).render(**context))
 
 
 __all__ = [
     "ARCHS",
+    "CANDIDATES",
+    "MAX_SPLITS",
     "TILES",
+    "SmallMTile",
     "check_gemm",
+    "choose_splits",
     "gemm_context",
     "pick_tile",
     "render_gemm",
+    "small_tile_constants",
     "tile_constants",
     "unsupported_reason",
 ]

@@ -3,29 +3,52 @@
 ``fused_gemm(a, b, ...)`` picks the GemmKernelSpec of the operand pair (formats, block shapes,
 output dtype, bias, accumulate, the tile for M), loads its kernel through ``kernels_for`` (the
 kernel cache: the first use compiles, later processes load the shared library) and launches it
-on the packed codes and scale codes of the two QuantizedTensors. Numerics: docs/numerics.md
-section 6 (the products are exact, only the fp32 summation order differs from the reference).
+on the codes and scale codes of the two QuantizedTensors. Numerics: docs/numerics.md section 6
+(the products are exact, only the fp32 summation order differs from the reference).
+
+The per-call path is kept short (docs/gemm-sm90.md, "Host overhead"): everything that depends
+only on the formats, the tile and the flags is decided once (``_Plan``: the spec, the loaded
+function, the module's constants); the split-K count per shape and the split-K workspace per
+device and stream are cached; a weight's packed codes and padded scale codes are prepared once
+per quantization; the activation goes in as it is (the small-M kernels read one code per byte,
+so there is no pack pass; the wgmma kernels pack it in one elementwise op). The operands'
+shapes are checked against each other (cheap integer compares); the generated ``launch_args``,
+which validates every tensor, is for callers outside this module.
 """
 
 from __future__ import annotations
 
 import threading
 import weakref
+from collections.abc import Callable
+from dataclasses import dataclass
+from functools import cache
+from types import ModuleType
 from typing import Any
 
 import torch
 
-from fp4gen.codegen.gemm import pick_tile, unsupported_reason
+from fp4gen.codegen.gemm import SmallMTile, choose_splits, pick_tile, unsupported_reason
 from fp4gen.compiler.spec import GemmKernelSpec, GemmOutDType, GemmTile
 from fp4gen.errors import FP4GenError, TensorError
 from fp4gen.formats import BlockFormat
 
-FUSED_ARCHS: tuple[str, ...] = ("sm_90a",)  # wgmma
+FUSED_ARCHS: tuple[str, ...] = ("sm_90a",)  # wgmma / mma.sync + TMA
 
 _unavailable: dict[GemmKernelSpec, str] = {}  # spec -> why its kernel cannot be built
 _lock = threading.Lock()
 # QuantizedTensor -> (version of its codes, packed codes): a weight is packed once, not per GEMM
 _packed: weakref.WeakKeyDictionary[Any, tuple[int, torch.Tensor]] = weakref.WeakKeyDictionary()
+# QuantizedTensor -> (versions, (codes, scale codes, global scale)) as a kernel reads B
+_b_operands: weakref.WeakKeyDictionary[Any, tuple[tuple[int, ...], tuple]] = (
+    weakref.WeakKeyDictionary()
+)
+_plans: dict[tuple, _Plan] = {}
+_splits: dict[tuple, int] = {}  # (tile, m, n, k, device index) -> split-K ways
+_sms: dict[int, int] = {}  # device index -> SM count
+# (device index, stream, splits, tiles, tile elements) -> (workspace, counters)
+_workspaces: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
+_MAX_WORKSPACES = 64
 
 
 def gemm_spec(
@@ -53,23 +76,26 @@ def gemm_spec(
     )
 
 
+@cache
 def fused_support(a: BlockFormat, b: BlockFormat) -> str | None:
-    """None when a fused kernel is generated for this operand pair, else the reason."""
+    """None when a fused kernel is generated for this operand pair, else the reason
+    (remembered per pair: the dispatch asks on every call)."""
     return unsupported_reason(gemm_spec(a, b, 1))
 
 
 def packed_codes(q: Any) -> torch.Tensor:
     """uint8 [R, ceil(C/2)], two 4-bit codes per byte (element 0 in the low nibble), as
-    ``q.data`` but in one elementwise pass; remembered per QuantizedTensor (until its codes
-    change), so a weight reused across GEMMs is packed once."""
+    ``q.data`` but in one elementwise op (lo + 16 hi: the codes are below 16); remembered per
+    QuantizedTensor (until its codes change), so a weight reused across GEMMs is packed once."""
     codes = q.codes
     hit = _packed.get(q)
     if hit is not None and hit[0] == codes._version:
         return hit[1]
+    version = codes._version
     if codes.shape[1] % 2:
         codes = torch.nn.functional.pad(codes, (0, 1))
-    packed = (codes[:, 0::2] & 0xF) | (codes[:, 1::2] << 4)
-    _packed[q] = (q.codes._version, packed)
+    packed = torch.add(codes[:, 0::2], codes[:, 1::2], alpha=16)
+    _packed[q] = (version, packed)
     return packed
 
 
@@ -93,6 +119,133 @@ def _kernels(spec: GemmKernelSpec, arch: str) -> Any:
     return reason
 
 
+@dataclass(frozen=True)
+class _Plan:
+    """Everything a call needs that depends only on (formats, tile, flags, arch)."""
+
+    spec: GemmKernelSpec
+    module: ModuleType
+    fn: Callable[..., Any]
+    small: bool  # small-M kernel: A one code per byte, split-K workspace
+    expand: int  # times each scale code is repeated along K (MXFP4: 2)
+    out_dtype: torch.dtype  # what the kernel writes
+    b_sf_rows: Callable[[int], int]  # rows of B's scale codes for N rows
+    k_multiple: int  # the kernel's K granularity (its stage)
+
+
+def _plan(
+    a: BlockFormat, b: BlockFormat, tile: GemmTile, bf16: bool, bias: bool, acc: bool, arch: str
+) -> _Plan:
+    spec = gemm_spec(
+        a,
+        b,
+        1,
+        out_dtype="bf16" if bf16 else "fp32",
+        bias=bias,
+        accumulate=acc,
+        tile=tile,
+    )
+    reason = fused_support(a, b)
+    if reason is not None:
+        raise FP4GenError(f"no fused GEMM kernel for {a.name} x {b.name}: {reason}")
+    kernels = _kernels(spec, arch)
+    if isinstance(kernels, str):
+        raise FP4GenError(f"the fused GEMM kernel is not available: {kernels}")
+    br = b.block[0]
+    return _Plan(
+        spec=spec,
+        module=kernels.module,
+        fn=kernels["gemm"],
+        small=isinstance(tile, SmallMTile),
+        expand=getattr(kernels.module, "SCALE_EXPAND", 1),
+        out_dtype=torch.bfloat16 if bf16 else torch.float32,
+        b_sf_rows=lambda n: -(-n // br),
+        k_multiple=kernels.module.K_MULTIPLE,
+    )
+
+
+def _k_padded(t: torch.Tensor, cols: int) -> torch.Tensor:
+    """``t`` as the kernels read it: contiguous, ``cols`` columns (zero-padded: code 0 is 0),
+    16-byte aligned; ``t`` itself when it already is."""
+    if t.shape[1] != cols or not t.is_contiguous():
+        t = torch.nn.functional.pad(t, (0, cols - t.shape[1])).contiguous()
+    if t.data_ptr() % 16:
+        t = t.clone()
+    return t
+
+
+def _scale_codes(q: Any, rows: int, k: int, kp: int, expand: int) -> torch.Tensor:
+    """q's scale codes checked against its codes, repeated ``expand`` times along K and padded
+    to one code per 16 of the padded K."""
+    sc = q.scale_codes
+    bc = q.format.block[1]
+    if sc is None or sc.dtype != torch.uint8 or tuple(sc.shape) != (rows, -(-k // bc)):
+        raise TensorError(
+            f"the fused GEMM needs uint8 scale codes [{rows}, {-(-k // bc)}] for "
+            f"{q.format.name} codes [{q.rows}, {k}]; got "
+            + ("None" if sc is None else f"{sc.dtype} {list(sc.shape)}")
+        )
+    if expand > 1:
+        sc = sc.repeat_interleave(expand, dim=1)
+    return _k_padded(sc, kp // 16)
+
+
+def _global(g: torch.Tensor, dev: torch.device) -> torch.Tensor:
+    if g.dtype != torch.float32 or g.device != dev:
+        g = g.to(device=dev, dtype=torch.float32)
+    return g.view(1)
+
+
+def _b_operand(b: Any, plan: _Plan, kp: int) -> tuple:
+    """(codes packed along K and padded, scale codes, global scale) of B, remembered per
+    QuantizedTensor until its codes, scale codes or global scale change."""
+    versions = (
+        b.codes._version,
+        b.scale_codes._version if b.scale_codes is not None else -1,
+        b.global_scale._version,
+        kp,
+        plan.expand,
+    )
+    hit = _b_operands.get(b)
+    if hit is not None and hit[0] == versions:
+        return hit[1]
+    codes = b.codes
+    if codes.dtype != torch.uint8:
+        raise TensorError(f"the fused GEMM needs uint8 codes; b has {codes.dtype}")
+    ops = (
+        _k_padded(packed_codes(b), kp // 2),
+        _scale_codes(b, plan.b_sf_rows(b.rows), b.cols, kp, plan.expand),
+        _global(b.global_scale, codes.device),
+    )
+    _b_operands[b] = (versions, ops)
+    return ops
+
+
+def _split_count(tile: GemmTile, m: int, n: int, k: int, dev: torch.device) -> int:
+    key = (tile, m, n, k, dev.index)
+    splits = _splits.get(key)
+    if splits is None:
+        sms = _sms.get(dev.index)
+        if sms is None:
+            sms = _sms[dev.index] = torch.cuda.get_device_properties(dev).multi_processor_count
+        splits = _splits[key] = choose_splits(tile, m, n, k, sms)
+    return splits
+
+
+def _workspace(plan: _Plan, m: int, n: int, splits: int, dev: torch.device) -> tuple:
+    """The (workspace, counters) of a small-M launch, one pair per device, stream and shape:
+    calls on one stream run in order, and each call's last CTAs reset the counters."""
+    stream = torch.cuda.current_stream(dev).cuda_stream
+    tiles = plan.module.tiles(m, n)
+    key = (dev.index, stream, splits, tiles, plan.module.TILE_ELEMS)
+    ws = _workspaces.get(key)
+    if ws is None:
+        if len(_workspaces) >= _MAX_WORKSPACES:
+            _workspaces.pop(next(iter(_workspaces)))
+        ws = _workspaces[key] = plan.module.workspace(m, n, splits, dev)
+    return ws
+
+
 def fused_gemm(
     a: Any,
     b: Any,
@@ -113,35 +266,30 @@ def fused_gemm(
         raise TensorError(f"K mismatch: a is [{a.rows}, {a.cols}] and b is [{b.rows}, {b.cols}]")
     if a.rht != b.rht:
         raise TensorError("the operands carry different Hadamard transforms")
-    if a.device != b.device or a.device.type != "cuda":
+    dev = a.device
+    if dev.type != "cuda" or b.device != dev:
         raise TensorError(
-            f"the fused GEMM needs both operands on one CUDA device: {a.device}, {b.device}"
+            f"the fused GEMM needs both operands on one CUDA device: {dev}, {b.device}"
         )
     if arch not in FUSED_ARCHS:
         raise FP4GenError(
             f"no fused GEMM kernel for {arch} (it uses wgmma: {', '.join(FUSED_ARCHS)})"
         )
     m, n, k = a.rows, b.rows, a.cols
+    tile = tile or pick_tile(m)
     # bf16 straight from the kernel when nothing fp32 is added; else fp32 (one rounding at the end)
-    kernel_dtype: GemmOutDType = (
-        "bf16" if out_dtype == torch.bfloat16 and accumulate is None else "fp32"
-    )
-    spec = gemm_spec(
-        a.format,
-        b.format,
-        m,
-        out_dtype=kernel_dtype,
-        bias=bias is not None,
-        accumulate=accumulate is not None,
-        tile=tile,
-    )
-    reason = unsupported_reason(spec)
-    if reason is not None:
-        raise FP4GenError(f"no fused GEMM kernel for {a.format.name} x {b.format.name}: {reason}")
-    kernels = _kernels(spec, arch)
-    if isinstance(kernels, str):
-        raise FP4GenError(f"the fused GEMM kernel is not available: {kernels}")
-    dev = a.device
+    bf16 = out_dtype == torch.bfloat16 and accumulate is None
+    key = (a.format, b.format, tile, bf16, bias is not None, accumulate is not None, arch)
+    plan = _plans.get(key)
+    if plan is None:
+        plan = _plans[key] = _plan(a.format, b.format, *key[2:])
+    if a.codes.dtype != torch.uint8:
+        raise TensorError(f"the fused GEMM needs uint8 codes; a has {a.codes.dtype}")
+    kp = -(-k // plan.k_multiple) * plan.k_multiple  # zero-padded along K (exact)
+    # the small-M kernels read the activation's codes as they are, one per byte
+    a_codes = _k_padded(a.codes, kp) if plan.small else _k_padded(packed_codes(a), kp // 2)
+    a_scales = _scale_codes(a, m, k, kp, plan.expand)
+    b_codes, b_scales, b_global = _b_operand(b, plan, kp)
     if accumulate is not None:
         if tuple(accumulate.shape) != (m, n):
             raise TensorError(
@@ -151,26 +299,26 @@ def fused_gemm(
             device=dev, dtype=torch.float32, copy=True, memory_format=torch.contiguous_format
         )
     else:
-        out = torch.empty(
-            (m, n), dtype=torch.bfloat16 if kernel_dtype == "bf16" else torch.float32, device=dev
-        )
+        out = torch.empty((m, n), dtype=plan.out_dtype, device=dev)
+    # the compiled function's order: A, A's scales, B, B's scales, S_a, S_b, C (, bias) (, ws)
+    args = [a_codes, a_scales, b_codes, b_scales, _global(a.global_scale, dev), b_global, out]
     if bias is not None:
         if tuple(bias.shape) != (n,):
             raise TensorError(f"bias must have shape [{n}], got {tuple(bias.shape)}")
-        bias = bias.to(device=dev, dtype=torch.float32).contiguous()
-    kernels.module.run(
-        kernels.fns,
-        packed_codes(a),
-        a.scale_codes,
-        a.global_scale.to(device=dev, dtype=torch.float32),
-        packed_codes(b),
-        b.scale_codes,
-        b.global_scale.to(device=dev, dtype=torch.float32),
-        k=k,
-        out=out,
-        bias=bias,
-    )
+        if bias.dtype != torch.float32 or bias.device != dev or not bias.is_contiguous():
+            bias = bias.to(device=dev, dtype=torch.float32).contiguous()
+        args.append(bias)
+    if plan.small:
+        splits = _split_count(tile, m, n, k, dev)
+        args.extend(_workspace(plan, m, n, splits, dev))
+    plan.fn(*args)
     return out if out.dtype == out_dtype else out.to(out_dtype)
 
 
-__all__ = ["FUSED_ARCHS", "fused_gemm", "fused_support", "gemm_spec", "packed_codes"]
+__all__ = [
+    "FUSED_ARCHS",
+    "fused_gemm",
+    "fused_support",
+    "gemm_spec",
+    "packed_codes",
+]
