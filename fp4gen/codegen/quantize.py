@@ -323,7 +323,7 @@ def context(spec: QuantKernelSpec) -> dict[str, Any]:
     ctx["uses_asm"] = bool(
         ctx["need_add_rz"]
         or ctx["need_mul_rz"]
-        or 0 < ctx["sr_bits"] < 32  # byte_field
+        or ctx["sr_bits"] == 8  # byte_field
         or ctx["swar"]
         or rht
         or spec.input_dtype == "bf16"

@@ -354,14 +354,6 @@ def random_fields(
             words = [
                 cutlass.select_(part == Uint32(p), call[p * nw + w], words[w]) for w in range(nw)
             ]
-    if bits == 16:
-        return [f for w in words for f in (w & Uint32(0xFFFF), w >> Uint32(16))]
-    if bits == 8:
-        return [
-            f
-            for w in words
-            for f in (w & Uint32(0xFF), byte_field(w, 1), byte_field(w, 2), w >> Uint32(24))
-        ]
     return words
 
 

@@ -392,8 +392,6 @@ def random_fields(
             words = [
                 cutlass.select_(part == Uint32(p), call[p * nw + w], words[w]) for w in range(nw)
             ]
-    if bits == 16:
-        return [f for w in words for f in (w & Uint32(0xFFFF), w >> Uint32(16))]
     if bits == 8:
         return [
             f
@@ -425,8 +423,6 @@ def elem_raw(y: Float32, r: Uint32) -> Uint32:
     z = mul_rz(a, Float32(ELEM_TO_FP32_SUBNORMAL))
     up = r << Uint32(14)  # r at the top of the bits below the code
     return ((z.bitcast(Uint32) + up) >> Uint32(23 - ELEM_MAN_BITS)) + Uint32(ELEM_CODE_BIAS)
-    p = (Uint32((ELEM_MAN_BITS + 254) << 23) - two_k).bitcast(Float32)  # 2^(m - k)
-    e_off = two_k >> Uint32(23 - ELEM_MAN_BITS)  # (k + 127) * 2^m
 
 
 @dsl_user_op
