@@ -2,7 +2,8 @@
 cuBLAS BF16 and dequantize + cuBLAS.
 
     python benchmarks/gemm.py [--shapes 8192x8192x8192,16x8192x8192] [--formats nvfp4,mxfp4]
-                              [--tiles small,mid] [--no-dequant] [--log FILE]
+                              [--tiles small,mid] [--no-dequant] [--host-detail] [--log FILE]
+    python benchmarks/gemm.py --shapes 16x8192x8192 --profile 5   # for ncu / nsys
 
 Per shape MxNxK and format, C = A @ B^T with A [M, K] and B [N, K]:
 
@@ -19,7 +20,9 @@ Per shape MxNxK and format, C = A @ B^T with A [M, K] and B [N, K]:
                         its codes as they are, the wgmma kernels pack them per call), B the same
                         one (a weight: prepared once)
   host                  the CPU time of one fp4gen.gemm call (the loop of calls timed without
-                        waiting for the GPU: what a call adds when the kernel is shorter)
+                        waiting for the GPU: what a call adds when the kernel is shorter);
+                        --host-detail: also its parts (dispatch, fused_gemm, the compiled
+                        function alone, the output allocation, ...)
 
 with the ratios to cuBLAS and to dequantize + cuBLAS. Inputs: random codes (all 16 nibbles),
 block scales 1.0, global scales 1; NVFP4's B has 16x16 blocks (the recipe's weight), MXFP4's
@@ -32,6 +35,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import gc
 import math
 import sys
 import time
@@ -96,10 +100,12 @@ def operand(rows: int, k: int, fmt, g: torch.Generator) -> QuantizedTensor:
 
 
 def host_time(fn, iters: int) -> float:
-    """Seconds of CPU time per call of fn(i): the calls are timed without synchronizing."""
+    """Seconds of CPU time per call of fn(i): the calls are timed without synchronizing (after
+    a garbage collection, so that no earlier garbage is collected on the clock)."""
     for i in range(3):
         fn(i)
     torch.cuda.synchronize()
+    gc.collect()
     best = math.inf
     for _ in range(3):
         t0 = time.perf_counter()
@@ -111,7 +117,14 @@ def host_time(fn, iters: int) -> float:
 
 
 def run_shape(
-    m: int, n: int, k: int, fmt_name: str, out: list[str], tiles: list[str], dequant: bool
+    m: int,
+    n: int,
+    k: int,
+    fmt_name: str,
+    out: list[str],
+    tiles: list[str],
+    dequant: bool,
+    host_detail: bool,
 ) -> None:
     fa, fb = FORMATS[fmt_name]
     flops = 2.0 * m * n * k
@@ -157,49 +170,20 @@ def run_shape(
         line("dequantize + cuBLAS", t_dq, {"cuBLAS": t_cublas})
         ref["dequant+cuBLAS"] = t_dq
 
+    picked = None  # (fn, args) of the tile fp4gen.gemm picks
     if torch.cuda.get_device_capability() == (9, 0):
-        from fp4gen.codegen.gemm import CANDIDATES, TILES, SmallMTile, choose_splits, pick_tile
-        from fp4gen.runtime import kernels_for
-        from fp4gen.runtime.cute_gemm import gemm_spec, packed_codes
+        from fp4gen.codegen.gemm import CANDIDATES, TILES, pick_tile
 
-        sms = torch.cuda.get_device_properties(0).multi_processor_count
         named = [TILES[t] if t in TILES else CANDIDATES[t] for t in tiles]
         for tile in dict.fromkeys([pick_tile(m), *named]):
-            spec = gemm_spec(fa, fb, m, out_dtype="bf16", tile=tile)
-            t0 = time.perf_counter()
-            kernels = kernels_for(spec, "sm_90a")
-            load = time.perf_counter() - t0
-            how = "compiled" if kernels.stats.compiled else "loaded from the cache"
-            c = torch.empty(m, n, dtype=torch.bfloat16, device="cuda")
-            small = isinstance(tile, SmallMTile)
-            extra: dict = {}
-            label = f"fused {tile.name}"
-            if small:  # the split-K ways fp4gen.gemm takes, one workspace for all calls
-                splits = choose_splits(tile, m, n, k, sms)
-                extra = {"splits": splits, "ws": kernels.module.workspace(m, n, splits, "cuda")}
-                label += f" x{splits}"
-            args = [
-                kernels.module.launch_args(
-                    a.codes if small else packed_codes(a),
-                    a.scale_codes,
-                    a.global_scale,
-                    packed_codes(b),
-                    b.scale_codes,
-                    b.global_scale,
-                    k=k,
-                    out=c,
-                    **extra,
-                )
-                for a, b in sets
-            ]
-            fn = kernels["gemm"]
+            fn, args, label, note = fused_launch(fa, fb, m, n, k, tile, sets)
+            picked = picked or (fn, args)
 
             def fused(i: int = 0, fn=fn, args=args):
                 fn(*args[i % nset])
 
             t_fused = bench(fused, iters)
-            line(label, t_fused, ref, f"  ({how} in {load:.1f} s)")
-            args.clear()
+            line(label, t_fused, ref, note)
 
     choice = auto_backend(*sets[0])
 
@@ -211,13 +195,93 @@ def run_shape(
 
     t_auto = bench(auto, iters)
     line(f"fp4gen.gemm auto ({choice.backend})", t_auto, ref)
-    t_host = host_time(auto, iters)
-    text = f"{tag}: {'host time of fp4gen.gemm':<28} {t_host * 1e6:9.1f} us per call"
-    print(text, flush=True)
-    out.append(text)
+
+    def host_line(name: str, seconds: float) -> None:
+        text = f"{tag}: {name:<28} {seconds * 1e6:9.1f} us per call"
+        print(text, flush=True)
+        out.append(text)
+
+    host_line("host time of fp4gen.gemm", host_time(auto, iters))
+    if host_detail and picked is not None:
+        host_steps(sets[0], picked, iters, host_line)
     for held in (sets, abf, bbf):  # free before the next shape
         held.clear()
     torch.cuda.empty_cache()
+
+
+def fused_launch(fa, fb, m: int, n: int, k: int, tile, sets) -> tuple:
+    """(compiled function, its arguments per input set, label, note) of the fused kernel with
+    ``tile``, bf16 out, the split-K ways fp4gen.gemm takes (one workspace for all calls)."""
+    from fp4gen.codegen.gemm import SmallMTile, choose_splits
+    from fp4gen.runtime import kernels_for
+    from fp4gen.runtime.cute_gemm import gemm_spec, packed_codes
+
+    spec = gemm_spec(fa, fb, m, out_dtype="bf16", tile=tile)
+    t0 = time.perf_counter()
+    kernels = kernels_for(spec, "sm_90a")
+    load = time.perf_counter() - t0
+    how = "compiled" if kernels.stats.compiled else "loaded from the cache"
+    c = torch.empty(m, n, dtype=torch.bfloat16, device="cuda")
+    small = isinstance(tile, SmallMTile)
+    extra: dict = {}
+    label = f"fused {tile.name}"
+    if small:
+        sms = torch.cuda.get_device_properties(0).multi_processor_count
+        splits = choose_splits(tile, m, n, k, sms)
+        extra = {"splits": splits, "ws": kernels.module.workspace(m, n, splits, "cuda")}
+        label += f" x{splits}"
+    args = [
+        kernels.module.launch_args(
+            a.codes if small else packed_codes(a),
+            a.scale_codes,
+            a.global_scale,
+            packed_codes(b),
+            b.scale_codes,
+            b.global_scale,
+            k=k,
+            out=c,
+            **extra,
+        )
+        for a, b in sets
+    ]
+    return kernels["gemm"], args, label, f"  ({how} in {load:.1f} s)"
+
+
+def host_steps(operands, picked, iters: int, host_line) -> None:
+    """CPU time of the parts of one fp4gen.gemm call (each timed alone, best of 3)."""
+    from fp4gen.compiler.jit import detect_arch
+    from fp4gen.runtime.cute_gemm import fused_gemm
+
+    a, b = operands
+    fn, args = picked
+    dev = a.device
+    kw = dict(out_dtype=torch.bfloat16, bias=None, accumulate=None, arch=detect_arch())
+    steps = {
+        "  dispatch (auto_backend)": lambda i: auto_backend(a, b),
+        "  cute_gemm.fused_gemm": lambda i: fused_gemm(a, b, **kw),
+        "  compiled function alone": lambda i: fn(*args[0]),
+        "  torch.empty (the output)": lambda i: torch.empty(
+            (a.rows, b.rows), dtype=torch.bfloat16, device=dev
+        ),
+        "  current_stream(device)": lambda i: torch.cuda.current_stream(dev).cuda_stream,
+        "  global_scale.view(1)": lambda i: a.global_scale.view(1),
+    }
+    for name, step in steps.items():
+        host_line(name, host_time(step, iters))
+
+
+def profile_shape(m: int, n: int, k: int, fmt_name: str, calls: int) -> None:
+    """Only the fused kernel fp4gen.gemm picks, ``calls`` launches (for a profiler)."""
+    from fp4gen.codegen.gemm import pick_tile
+
+    fa, fb = FORMATS[fmt_name]
+    g = torch.Generator(device="cuda").manual_seed(m + n + k)
+    sets = [(operand(m, k, fa, g), operand(n, k, fb, g))]
+    fn, args, label, _ = fused_launch(fa, fb, m, n, k, pick_tile(m), sets)
+    for _ in range(calls):
+        fn(*args[0])
+    torch.cuda.synchronize()
+    print(f"{m}x{n}x{k} {fmt_name}: {label}: {calls} launches", flush=True)
 
 
 def main() -> int:
@@ -228,6 +292,16 @@ def main() -> int:
         "--tiles", default="", help="more fused tiles to time (names in TILES or CANDIDATES)"
     )
     ap.add_argument("--no-dequant", action="store_true", help="skip dequantize + cuBLAS")
+    ap.add_argument(
+        "--host-detail", action="store_true", help="also time the parts of one fp4gen.gemm call"
+    )
+    ap.add_argument(
+        "--profile",
+        type=int,
+        default=0,
+        metavar="N",
+        help="only launch the fused kernel N times per shape (for ncu / nsys)",
+    )
     ap.add_argument("--log", default="", help="also write the result lines to this file")
     args = ap.parse_args()
     if not torch.cuda.is_available():
@@ -237,8 +311,11 @@ def main() -> int:
     for fmt in args.formats.split(","):
         for shape in args.shapes.split(","):
             m, n, k = (int(v) for v in shape.lower().split("x"))
+            if args.profile:
+                profile_shape(m, n, k, fmt, args.profile)
+                continue
             tiles = [t for t in args.tiles.split(",") if t]
-            run_shape(m, n, k, fmt, lines, tiles, not args.no_dequant)
+            run_shape(m, n, k, fmt, lines, tiles, not args.no_dequant, args.host_detail)
     if args.log:
         Path(args.log).write_text("\n".join(lines) + "\n")
     return 0

@@ -18,6 +18,7 @@ import pytest
 
 from fp4gen.codegen import import_source
 from fp4gen.codegen.gemm import (
+    CANDIDATES,
     MAX_SPLITS,
     SMEM_CAP,
     SMEM_PER_SM,
@@ -79,7 +80,7 @@ def test_spec_names_and_tiles() -> None:
         "gemm_e2m1_1x32_ue8m0_x_e2m1_1x32_ue8m0_fp32_bias_acc_m128n64w2s16"
     )
     assert make("nvfp4_b2d", "r16").name == (
-        "gemm_e2m1_1x16_e4m3_x_e2m1_16x16_e4m3_bf16_r16n64w1x1x4k4s4c4"
+        "gemm_e2m1_1x16_e4m3_x_e2m1_16x16_e4m3_bf16_r16n64w1x1x4k1s12c3"
     )
     assert TILES["r64"].name == "r64n128w2x2x1k2s4c2"
     assert len(ALL) == 3 * len(TILES) * 8 and len({s.digest for s in ALL.values()}) == len(ALL)
@@ -114,12 +115,14 @@ def test_small_tiles_are_validated(kwargs: dict, match: str) -> None:
 
 def test_split_k_fills_one_wave() -> None:
     r16, r32, r64 = TILES["r16"], TILES["r32"], TILES["r64"]
-    # 16 x 8192 x 8192 on 132 SMs: 128 tiles of 16 x 64, 4 CTAs per SM -> 4 ways (512 CTAs)
-    assert r16.ctas_per_sm == 4 and choose_splits(r16, 16, 8192, 8192, 132) == 4
+    # 16 x 8192 x 8192 on 132 SMs: 128 tiles of 16 x 64, 3 CTAs per SM -> 3 ways (384 CTAs)
+    assert r16.ctas_per_sm == 3 and choose_splits(r16, 16, 8192, 8192, 132) == 3
     assert r32.ctas_per_sm == 2 and choose_splits(r32, 32, 8192, 8192, 132) == 2
     # a narrow N: as many ways as the k-tiles allow (>= 8 each, whole stages), <= MAX_SPLITS
     assert choose_splits(r32, 1, 200, 4096, 132) == 8  # 64 k-tiles in stages of 1
-    assert choose_splits(r16, 1, 200, 4096, 132) == 8  # 16 stages of 4 k-tiles
+    k4 = next(t for t in CANDIDATES.values() if t.ktiles_per_stage == 4)
+    assert choose_splits(k4, 1, 200, 4096, 132) == 8  # 16 stages of 4 k-tiles, >= 2 each
+    assert choose_splits(k4, 1, 200, 2048, 132) == 4
     assert choose_splits(r16, 1, 64, 65536, 132) == MAX_SPLITS
     # normalised so that no split is empty: 20 k-tiles in 2 ways of 10
     assert choose_splits(r32, 16, 64, 1280, 132) == 2
@@ -128,7 +131,7 @@ def test_split_k_fills_one_wave() -> None:
     assert choose_splits(r16, 16, 64, 512, 132) == 1
     assert choose_splits(TILES["mid"], 128, 64, 8192, 132) == 1
     for tile, m, n, k in itertools.product(
-        (r16, r32, r64), (1, 16, 61), (1, 64, 200, 8192), (16, 64, 4096, 8192)
+        (r16, r32, r64, k4), (1, 16, 61), (1, 64, 200, 8192), (16, 64, 4096, 8192)
     ):
         s = choose_splits(tile, m, n, k, 132)
         stages = -(-k // (64 * tile.ktiles_per_stage))
