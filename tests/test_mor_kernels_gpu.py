@@ -317,9 +317,10 @@ def test_random_shapes_match_the_reference(run, name: str) -> None:
         if name in SHIPPED and dtype == "bf16":
             cases.append((LARGE[1], "mixed"))
         for i, (shape, pattern) in enumerate(cases):
-            if dtype == "fp16" and pattern == "huge":
-                pattern = "randn"  # beyond fp16's range
-            x = make_input(pattern, shape, seed=i).to(DTYPES[dtype])
+            x = make_input(pattern, shape, seed=i)
+            if dtype == "fp16":  # stay inside fp16's range (max 65504): inf would be rejected
+                x = x.clamp(-6e4, 6e4)
+            x = x.to(DTYPES[dtype])
             mt = run(x, rule, rounding)
             compare(mt, x, rule, rounding)
             seen.update(mt.choice.unique().tolist())
