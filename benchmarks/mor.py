@@ -1,6 +1,7 @@
 """The cost of Mixture-of-Representations quantization on the GPU, against plain E4M3.
 
     python benchmarks/mor.py [--shapes 4096x4096,8192x8192] [--repeats 20] [--no-reference]
+                             [--no-wide]
 
 For each bf16 input shape it times, with CUDA events (median of ``--repeats`` after a warm-up):
 
@@ -9,8 +10,8 @@ For each bf16 input shape it times, with CUDA events (median of ``--repeats`` af
   up; the reference ``quantize`` on the GPU if the kernel is unavailable);
 * each shipped MoR recipe through its generated kernels (``run``: output allocation and every
   launch: amax, scales, then quantize, or measure / decide / emit for tensor-level decisions),
-  with the time of each kernel on its own, and the same with 256-thread CTAs (8 row segments
-  per thread instead of 4);
+  with the time of each kernel on its own, and (unless ``--no-wide``) the same with 256-thread
+  CTAs (8 row segments per thread instead of 4);
 * (unless ``--no-reference``) the MoR reference ``fp4gen.numerics.mor`` in torch ops on the GPU.
 
 and prints the ratios MoR / E4M3 and MoR / copy. Needs a CUDA GPU.
@@ -56,7 +57,7 @@ def e4m3_quantizer(x: torch.Tensor):
         return "e4m3 reference (mxfp8 1x32)", lambda: quantize(x, fmt, backend="reference")
 
 
-def bench_shape(shape: tuple[int, int], repeats: int, reference: bool) -> list[str]:
+def bench_shape(shape: tuple[int, int], repeats: int, reference: bool, wide: bool) -> list[str]:
     x = torch.randn(shape, device="cuda", dtype=torch.bfloat16)
     nbytes = x.numel() * x.element_size()
     y = torch.empty_like(x)
@@ -79,13 +80,14 @@ def bench_shape(shape: tuple[int, int], repeats: int, reference: bool) -> list[s
             fn = kernels.fns[kernel]
             ms = cuda_time_ms(lambda fn=fn, args=args: fn(*args), repeats=repeats)
             parts.append(f"{kernel} {ms:.3f}")
-        wide = mor_kernels_for(MoRKernelSpec(rule, segments=8))
-        s8_ms = cuda_time_ms(lambda k=wide: k.run(x), repeats=repeats)
         line = (
             f"  {name}: {mor_ms:.3f} ms = {mor_ms / e4m3_ms:.2f}x e4m3, "
-            f"{mor_ms / copy_ms:.2f}x copy [{', '.join(parts)} ms]; "
-            f"256-thread CTAs (8 rows per thread) {s8_ms:.3f} ms"
+            f"{mor_ms / copy_ms:.2f}x copy [{', '.join(parts)} ms]"
         )
+        if wide:
+            s8 = mor_kernels_for(MoRKernelSpec(rule, segments=8))
+            s8_ms = cuda_time_ms(lambda k=s8: k.run(x), repeats=repeats)
+            line += f"; 256-thread CTAs (8 rows per thread) {s8_ms:.3f} ms"
         if reference:
             ref_ms = cuda_time_ms(
                 lambda r=rule: mor_quantize(x, r, backend="reference"), warmup=1, repeats=3
@@ -101,12 +103,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--shapes", default="4096x4096,8192x8192")
     parser.add_argument("--repeats", type=int, default=20)
     parser.add_argument("--no-reference", action="store_true")
+    parser.add_argument(
+        "--no-wide", action="store_true", help="skip the 256-thread-CTA variant (8 rows per thread)"
+    )
     args = parser.parse_args(argv)
     require_cuda()
     print(f"device: {torch.cuda.get_device_name()}", flush=True)
     lines = []
     for shape in parse_shapes(args.shapes):
-        lines += bench_shape(shape, args.repeats, not args.no_reference)
+        lines += bench_shape(shape, args.repeats, not args.no_reference, not args.no_wide)
     print("\nsummary")
     print("\n".join(lines))
     return 0

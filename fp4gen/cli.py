@@ -416,6 +416,43 @@ def cmd_formats(args: argparse.Namespace) -> int:
 # ---------------------------------------------------------------------------------------------
 
 
+DEMO_EPILOG = """\
+sizes (GPT on bytes: blocks x width, context; batch 16 by default):
+  tiny    4 x  64, context  64,  0.24M parameters: CPU (2 cores) about 0.1 s per step in bf16,
+          0.6 s with nvfp4_small / mxfp4_small, 0.9 s with the MoR recipes
+  small   6 x 384, context 128, 11M parameters: for a GPU
+  medium  8 x 768, context 256, 57M parameters: for a GPU (H100 figures: docs/demo.md)
+  --time-budget S times a few steps of each recipe first and trains every recipe the number
+  of steps the slowest one fits into S seconds (at most --steps).
+
+recipes: bf16 (the unconverted model under bf16 autocast), a .fp4r file, or a shipped recipe:
+  {recipes}
+  nvfp4 (first 2 and last 8 blocks in BF16) and mxfp4 (last 8 blocks) follow the papers'
+  50-60-block models, which leaves no quantized layer in these 4-8-block models; nvfp4_small
+  and mxfp4_small are the same methods with only the last block and the head in BF16.
+
+examples:
+  fp4gen demo --steps 200                                  # tiny, on the CPU, a few minutes
+  fp4gen demo --size medium --device cuda --time-budget 60 \\
+      --recipes bf16,nvfp4_small,mxfp4_small,mor_tensor,mor_subtensor_2way --telemetry 20
+  fp4gen report fp4gen-demo/telemetry.json --by operand
+"""
+
+
+def _shipped_recipes() -> str:
+    from fp4gen.dsl.resolve import SHIPPED_RECIPES
+
+    names = sorted(p.stem for p in SHIPPED_RECIPES.glob("*.fp4r"))
+    lines, line = [], ""
+    for name in names:  # wrapped to the epilog's width
+        if line and len(line) + len(name) > 90:
+            lines.append(line.rstrip())
+            line = ""
+        line += f"{name}, "
+    lines.append(line.rstrip(", "))
+    return "\n  ".join(lines)
+
+
 def cmd_demo(args: argparse.Namespace) -> int:
     import torch
 
@@ -424,8 +461,22 @@ def cmd_demo(args: argparse.Namespace) -> int:
     device = args.device
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "cuda" and not torch.cuda.is_available():
+        raise FP4GenError("--device cuda: torch sees no CUDA device")
+    for name, value in (("--steps", args.steps), ("--batch", args.batch)):
+        if value < 1:
+            raise FP4GenError(f"{name} must be at least 1, got {value}")
+    if args.eval_every < 1 or args.telemetry < 0:
+        raise FP4GenError("--eval-every must be at least 1 and --telemetry at least 0")
+    if args.time_budget is not None and args.time_budget <= 0:
+        raise FP4GenError(
+            f"--time-budget must be a positive number of seconds, got {args.time_budget}"
+        )
+    recipes = tuple(r.strip() for r in args.recipes.split(",") if r.strip())
+    if not recipes:
+        raise FP4GenError("--recipes names no recipe")
     cfg = DemoConfig(
-        recipes=tuple(r.strip() for r in args.recipes.split(",") if r.strip()),
+        recipes=recipes,
         size=args.size,
         steps=args.steps,
         batch=args.batch,
@@ -435,6 +486,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
         device=device,
         out=Path(args.out),
         telemetry_every=args.telemetry,
+        time_budget=args.time_budget,
     )
     run_demo(cfg, log=lambda line: print(line, flush=True))
     return 0
@@ -524,9 +576,11 @@ def build_parser() -> argparse.ArgumentParser:
         "demo",
         help="train a small GPT with several recipes side by side",
         description="Train a small GPT on the Python standard library's source bytes (present on "
-        "every machine) with each recipe, from the same initial weights and batches, and write "
-        "losses.csv and losses.png (needs matplotlib) to --out. 'bf16' is the unconverted "
-        "baseline; other names are recipe files or shipped recipe names.",
+        "every machine) with each recipe, from the same initial weights and batches, print "
+        "progress (step, loss, elapsed time, ETA) and a summary table, and write losses.csv, "
+        "losses.png (needs matplotlib) and summary.json to --out.",
+        epilog=DEMO_EPILOG.format(recipes=_shipped_recipes()),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument(
         "--recipes",
@@ -537,9 +591,16 @@ def build_parser() -> argparse.ArgumentParser:
         "--size",
         choices=("tiny", "small", "medium"),
         default="tiny",
-        help="model size: tiny ~0.2M (CPU), small ~11M, medium ~57M parameters",
+        help="model size: tiny 0.24M (CPU), small 11M, medium 57M parameters (see below)",
     )
     p.add_argument("--steps", type=int, default=300, help="optimizer steps per recipe")
+    p.add_argument(
+        "--time-budget",
+        type=float,
+        metavar="S",
+        help="seconds per recipe: time a few steps of each recipe first and train all of them "
+        "the steps the slowest fits into S (at most --steps); a recipe past 1.5*S stops early",
+    )
     p.add_argument("--batch", type=int, default=16, help="sequences per step")
     p.add_argument("--lr", type=float, default=3e-3, help="peak learning rate (cosine decay)")
     p.add_argument("--eval-every", type=int, default=25, help="held-out loss every N steps")
@@ -551,8 +612,8 @@ def build_parser() -> argparse.ArgumentParser:
         type=int,
         default=0,
         metavar="N",
-        help="record quantization telemetry every N layer calls into telemetry.json (see "
-        "'fp4gen report'); default 0: off",
+        help="record every converted layer's operand telemetry on every N-th step into "
+        "telemetry.json (see 'fp4gen report'); default 0: off",
     )
     p.set_defaults(func=cmd_demo)
 

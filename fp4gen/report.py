@@ -9,9 +9,16 @@ Input: a telemetry JSON, either a list of records or an object with a ``records`
 Each record names its ``layer`` and ``operand`` (and optionally its ``recipe``). MoR records
 carry ``rel_error_hist`` (decision units per 0.5% relative-error bin, 0..20% and >= 20%) and
 ``fallback`` (the fraction of units kept in high precision); a record of a block-scaled operand
-counts once, in the bin of its ``mean_rel_error``. Rows of the heatmap are layer/operand pairs,
-columns the error bins; each row is normalized to sum to 1 (the MoR paper's Figure 11), and a
-side panel shows the mean fallback fraction. Needs no torch; the PNG needs matplotlib.
+counts once, in the bin of its ``mean_rel_error``. Rows of the heatmap are layer/operand pairs
+(``--by operand``: one row per operand over all layers), columns the error bins; each row is
+normalized to sum to 1 (the MoR paper's Figure 11), and a side panel shows the mean fallback
+fraction.
+
+A second table gives, per recipe and operand, the share of decision units kept in high precision
+(BF16 for the shipped MoR recipes) over all layers and records, and at the first and the last
+recorded step. When the records carry a ``step`` (the demo's do), a second PNG
+(``<name>_fallback.png``) draws that share over training, one line per operand. Needs no torch;
+the PNGs need matplotlib.
 """
 
 from __future__ import annotations
@@ -40,8 +47,10 @@ REPORT_EPILOG = """\
 examples:
   fp4gen demo --recipes mor_tensor,mor_subtensor_3way --telemetry 10 --out run
   fp4gen report run/telemetry.json --out run/heatmap.png
+  fp4gen report run/telemetry.json --by operand --out run/heatmap_by_operand.png
   fp4gen report telemetry.json --recipe mor_tensor --json
 """
+ALL_LAYERS = "all layers"
 
 
 @dataclass(frozen=True)
@@ -103,8 +112,13 @@ def error_bin(error: float) -> int:
     return min(max(int(error * 200), 0), BINS - 1)
 
 
-def aggregate(records: list[dict[str, Any]], recipe: str | None = None) -> Heatmap:
-    """Sum the records' histograms per (recipe, layer, operand)."""
+def aggregate(
+    records: list[dict[str, Any]], recipe: str | None = None, by: str = "layer"
+) -> Heatmap:
+    """Sum the records' histograms per (recipe, layer, operand), or per (recipe, operand) over
+    all layers when ``by`` is "operand"."""
+    if by not in ("layer", "operand"):
+        raise FP4GenError(f"cannot group telemetry by {by!r}; expected 'layer' or 'operand'")
     order: dict[tuple[str, str, str], int] = {}
     counts: dict[tuple[str, str, str], list[int]] = {}
     n: dict[tuple[str, str, str], int] = {}
@@ -118,7 +132,8 @@ def aggregate(records: list[dict[str, Any]], recipe: str | None = None) -> Heatm
             continue
         if "layer" not in rec or "operand" not in rec:
             raise FP4GenError(f"telemetry record {i} has no 'layer' or 'operand'")
-        key = (name, str(rec["layer"]), str(rec["operand"]))
+        layer = ALL_LAYERS if by == "operand" else str(rec["layer"])
+        key = (name, layer, str(rec["operand"]))
         hist = rec.get("rel_error_hist")
         if hist is None:
             if "mean_rel_error" not in rec:
@@ -219,31 +234,165 @@ def summary_rows(heatmap: Heatmap) -> list[list[str]]:
                 str(heatmap.records[i]),
                 str(total),
                 f"{mode * 0.5:g}%" if mode < BINS - 1 else "20%+",
-                "-" if heatmap.threshold is None else f"{below / max(total, 1):.1%}",
+                "-" if heatmap.threshold is None or fb is None else f"{below / max(total, 1):.1%}",
                 "-" if fb is None else f"{fb:.1%}",
             ]
         )
     return rows
 
 
+@dataclass(frozen=True)
+class Fallback:
+    """The share of MoR decision units kept in high precision, for one (recipe, operand)."""
+
+    recipe: str
+    operand: str
+    records: int
+    units: int
+    overall: float  # over every layer and record, weighted by decision units
+    first: float  # at the first recorded step (or the first record, without steps)
+    last: float  # at the last recorded step
+    worst_layer: str  # the layer with the largest share
+    worst: float
+
+
+def _share(recs: list[dict[str, Any]]) -> float:
+    units = sum(int(r.get("units", 1)) for r in recs)
+    kept = sum(float(r["fallback"]) * int(r.get("units", 1)) for r in recs)
+    return kept / max(units, 1)
+
+
+def _mor_groups(
+    records: list[dict[str, Any]], recipe: str | None
+) -> dict[tuple[str, str], list[dict[str, Any]]]:
+    groups: dict[tuple[str, str], list[dict[str, Any]]] = {}
+    for rec in records:
+        name = str(rec.get("recipe", ""))
+        if rec.get("fallback") is None or (recipe is not None and name != recipe):
+            continue
+        groups.setdefault((name, str(rec.get("operand", ""))), []).append(rec)
+    return groups
+
+
+def _operand_order(key: tuple[str, str]) -> int:
+    return OPERAND_ORDER.index(key[1]) if key[1] in OPERAND_ORDER else len(OPERAND_ORDER)
+
+
+def fallback_summary(records: list[dict[str, Any]], recipe: str | None = None) -> list[Fallback]:
+    """Per (recipe, operand) of the MoR records: the high-precision share overall, at the first
+    and the last recorded step, and in the worst layer."""
+    groups = _mor_groups(records, recipe)
+    recipes = list(dict.fromkeys(name for name, _ in groups))
+    out = []
+    for key in sorted(groups, key=lambda k: (recipes.index(k[0]), _operand_order(k))):
+        recs = groups[key]
+        steps = [r.get("step", r.get("call", 0)) for r in recs]
+        lo, hi = min(steps), max(steps)
+        layers: dict[str, list[dict[str, Any]]] = {}
+        for r in recs:
+            layers.setdefault(str(r.get("layer", "")), []).append(r)
+        worst_layer = max(layers, key=lambda name: _share(layers[name]))
+        out.append(
+            Fallback(
+                recipe=key[0],
+                operand=key[1],
+                records=len(recs),
+                units=sum(int(r.get("units", 1)) for r in recs),
+                overall=_share(recs),
+                first=_share([r for r, s in zip(recs, steps, strict=True) if s == lo]),
+                last=_share([r for r, s in zip(recs, steps, strict=True) if s == hi]),
+                worst_layer=worst_layer,
+                worst=_share(layers[worst_layer]),
+            )
+        )
+    return out
+
+
+def fallback_rows(summary: list[Fallback]) -> list[list[str]]:
+    return [
+        [
+            f.recipe,
+            f.operand,
+            str(f.records),
+            str(f.units),
+            f"{f.overall:.1%}",
+            f"{f.first:.1%}",
+            f"{f.last:.1%}",
+            f"{f.worst_layer} {f.worst:.1%}",
+        ]
+        for f in summary
+    ]
+
+
+def draw_fallback(
+    records: list[dict[str, Any]], path: Path, title: str, recipe: str | None
+) -> bool:
+    """The high-precision share over training per operand (one panel per MoR recipe); False
+    (nothing written) when the records have no MoR decisions or no steps."""
+    groups = _mor_groups(records, recipe)
+    if not groups or not all("step" in r for recs in groups.values() for r in recs):
+        return False
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        raise FP4GenError("fp4gen report needs matplotlib: pip install matplotlib") from None
+    recipes = list(dict.fromkeys(name for name, _ in groups))
+    fig, axes = plt.subplots(
+        1, len(recipes), figsize=(6 * len(recipes), 4), squeeze=False, sharey=True
+    )
+    for ax, name in zip(axes[0], recipes, strict=True):
+        for key in sorted((k for k in groups if k[0] == name), key=_operand_order):
+            by_step: dict[int, list[dict[str, Any]]] = {}
+            for r in groups[key]:
+                by_step.setdefault(int(r["step"]), []).append(r)
+            steps = sorted(by_step)
+            ax.plot(steps, [100 * _share(by_step[s]) for s in steps], marker=".", label=key[1])
+        ax.set(title=name, xlabel="step", ylabel="decision units kept in high precision (%)")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.suptitle(title)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return True
+
+
 def cmd_report(args: argparse.Namespace) -> int:
     from fp4gen.cli import render_table
 
     path = Path(args.telemetry)
-    heatmap = aggregate(load_records(path), args.recipe)
+    records = load_records(path)
+    heatmap = aggregate(records, args.recipe, args.by)
+    fallback = fallback_summary(records, args.recipe)
     if args.json:
-        print(json.dumps(heatmap.as_json(), indent=2))
+        data = heatmap.as_json()
+        data["fallback"] = [vars(f) for f in fallback]
+        print(json.dumps(data, indent=2))
     else:
         headers = ["layer / operand", "records", "units", "mode bin", "below thr", "fallback"]
         print(render_table(headers, summary_rows(heatmap)))
+        if fallback:
+            print("\nshare of MoR decision units kept in high precision, per operand:")
+            headers = ["recipe", "operand", "records", "units", "overall", "first step"]
+            headers += ["last step", "worst layer"]
+            print(render_table(headers, fallback_rows(fallback)))
     if not args.no_png:
         out = Path(args.out) if args.out else path.with_suffix(".png")
         title = f"relative-error heatmap of {path.name}"
         if args.recipe:
             title += f" ({args.recipe})"
         draw(heatmap, out, title)
+        written = [out]
+        over_time = out.with_name(f"{out.stem}_fallback.png")
+        title = f"high-precision fallback over training, {path.name}"
+        if draw_fallback(records, over_time, title, args.recipe):
+            written.append(over_time)
         if not args.json:
-            print(f"wrote {out}")
+            print("wrote " + " and ".join(str(w) for w in written))
     return 0
 
 
@@ -262,6 +411,12 @@ def add_commands(sub: Any) -> None:
     p.add_argument("telemetry", metavar="JSON", help="telemetry records (a list or {records})")
     p.add_argument("--out", help="the PNG to write (default: the JSON's path with .png)")
     p.add_argument("--recipe", help="only the records of this recipe (their 'recipe' field)")
+    p.add_argument(
+        "--by",
+        choices=("layer", "operand"),
+        default="layer",
+        help="heatmap rows: each layer's operands (default), or each operand over all layers",
+    )
     p.add_argument("--json", action="store_true", help="print the aggregated rows as JSON")
     p.add_argument("--no-png", action="store_true", help="print only; write no PNG")
     p.set_defaults(func=cmd_report)

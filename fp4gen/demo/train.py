@@ -3,14 +3,21 @@
 Every recipe starts from the same initial weights and sees the same batches, so the curves differ
 only by the numerics. "bf16" is the baseline: the unconverted model under bf16 autocast (the
 converted models run under the same autocast, so their high-precision layers match it). With
-``telemetry_every`` > 0 the converted layers record telemetry, written to telemetry.json (each
-record tagged with its recipe) for ``fp4gen report``.
+``telemetry_every`` = N > 0 the converted layers record telemetry on every N-th optimizer step
+(the forward and backward GEMM operands of that step), written to telemetry.json with each record
+tagged with its recipe and step, for ``fp4gen report``.
+
+With ``time_budget`` (seconds per recipe) the demo first times a few steps of every recipe (the
+first ones compile the GPU kernels) and lowers the step count so that the slowest recipe fits
+the budget; all recipes then train the same number of steps. A recipe that still runs past 1.5
+times its budget stops early (said in the log and the summary).
 """
 
 from __future__ import annotations
 
 import csv
 import json
+import logging
 import math
 import time
 from collections.abc import Callable
@@ -35,6 +42,9 @@ SIZES: dict[str, GPTConfig] = {
     "small": GPTConfig(context=128, layers=6, heads=6, width=384),  # ~11M
     "medium": GPTConfig(context=256, layers=8, heads=8, width=768),  # ~57M
 }
+CALIBRATION_WARMUP = 3  # untimed steps (kernel compilation, allocator warm-up)
+CALIBRATION_TIMED = 5  # timed steps per recipe
+BUDGET_USE = 0.85  # share of the budget the planned steps take (evaluation and telemetry cost)
 
 
 @dataclass(frozen=True)
@@ -48,7 +58,8 @@ class DemoConfig:
     seed: int = 0
     device: str = "cpu"
     out: Path = Path("fp4gen-demo")
-    telemetry_every: int = 0  # record telemetry every N layer calls (0: off)
+    telemetry_every: int = 0  # record telemetry every N optimizer steps (0: off)
+    time_budget: float | None = None  # seconds per recipe: fewer steps if the slowest needs it
 
 
 @dataclass(frozen=True)
@@ -60,12 +71,28 @@ class Point:
     seconds: float
 
 
-def _lr(step: int, cfg: DemoConfig) -> float:
-    warmup = max(cfg.steps // 20, 1)
+@dataclass(frozen=True)
+class RecipeResult:
+    """One recipe's run: what the summary table and summary.json show."""
+
+    recipe: str
+    parameters: int
+    converted: int
+    steps: int  # steps trained (fewer than planned if the run hit its deadline)
+    planned_steps: int
+    seconds: float
+    final_train_loss: float  # mean of the last 10 steps' training losses
+    final_val_loss: float
+    stopped_early: bool
+
+
+def _lr(step: int, steps: int, peak: float) -> float:
+    """Linear warm-up over 5% of the steps, then cosine decay to 10% of the peak."""
+    warmup = max(steps // 20, 1)
     if step < warmup:
-        return cfg.lr * (step + 1) / warmup
-    progress = (step - warmup) / max(cfg.steps - warmup, 1)
-    return cfg.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress)))
+        return peak * (step + 1) / warmup
+    progress = (step - warmup) / max(steps - warmup, 1)
+    return peak * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress)))
 
 
 @torch.no_grad()
@@ -81,53 +108,192 @@ def _val_loss(model: GPT, data: ByteBatches, cfg: DemoConfig, device: torch.devi
     return sum(losses) / len(losses)
 
 
+def _build(recipe: str, cfg: DemoConfig, steps: int, device: torch.device) -> GPT:
+    """The demo GPT from the seed's initial weights, converted to ``recipe`` unless bf16."""
+    torch.manual_seed(cfg.seed)
+    model = GPT(SIZES[cfg.size]).to(device)
+    if recipe != "bf16":
+        path = recipe if recipe.endswith(".fp4r") else f"{recipe}.fp4r"  # shipped recipe names
+        convert(model, load_recipe(path), seed=cfg.seed, total_steps=steps)
+    return model
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _train_step(
+    model: GPT,
+    opt: torch.optim.Optimizer,
+    data: ByteBatches,
+    step: int,
+    steps: int,
+    cfg: DemoConfig,
+    device: torch.device,
+    converted: bool,
+) -> torch.Tensor:
+    if converted:
+        set_step(model, step)
+    for group in opt.param_groups:
+        group["lr"] = _lr(step, steps, cfg.lr)
+    x, y = data.batch(cfg.batch)
+    with torch.autocast(device.type, dtype=torch.bfloat16):
+        loss = model(x.to(device), y.to(device))
+    opt.zero_grad(set_to_none=True)
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    opt.step()
+    return loss.detach()
+
+
+def _optimizer(model: GPT, lr: float) -> torch.optim.Optimizer:
+    return torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.1)
+
+
+def seconds_per_step(recipe: str, cfg: DemoConfig, corpus: bytes) -> float:
+    """Time a few training steps of ``recipe`` on a throw-away model (after untimed warm-up
+    steps, which also compile the recipe's GPU kernels)."""
+    device = torch.device(cfg.device)
+    model = _build(recipe, cfg, cfg.steps, device)
+    data = ByteBatches(corpus, model.cfg.context, seed=cfg.seed)
+    opt = _optimizer(model, cfg.lr)
+    converted = recipe != "bf16"
+    for step in range(CALIBRATION_WARMUP):
+        _train_step(model, opt, data, step, cfg.steps, cfg, device, converted)
+    _sync(device)
+    start = time.perf_counter()
+    for step in range(CALIBRATION_WARMUP, CALIBRATION_WARMUP + CALIBRATION_TIMED):
+        _train_step(model, opt, data, step, cfg.steps, cfg, device, converted)
+    _sync(device)
+    return (time.perf_counter() - start) / CALIBRATION_TIMED
+
+
+def plan_steps(
+    cfg: DemoConfig, corpus: bytes, log: Callable[[str], None]
+) -> tuple[int, dict[str, float]]:
+    """The step count every recipe trains: ``cfg.steps``, or fewer so that the slowest recipe
+    fits ``cfg.time_budget`` seconds; and the measured seconds per step of each recipe."""
+    if cfg.time_budget is None:
+        return cfg.steps, {}
+    timing: dict[str, float] = {}
+    for recipe in cfg.recipes:
+        start = time.perf_counter()
+        timing[recipe] = seconds_per_step(recipe, cfg, corpus)
+        log(
+            f"[{recipe}] {timing[recipe] * 1e3:.1f} ms per step "
+            f"(timed over {CALIBRATION_TIMED} steps; warm-up and timing took "
+            f"{time.perf_counter() - start:.1f} s)"
+        )
+    slowest = max(timing, key=timing.__getitem__)
+    fit = int(cfg.time_budget * BUDGET_USE / timing[slowest])
+    steps = max(min(cfg.steps, fit), 1)
+    log(
+        f"{steps} steps per recipe: the slowest, {slowest}, needs about "
+        f"{steps * timing[slowest]:.0f} s of the {cfg.time_budget:.0f} s budget"
+        + (
+            f" (--steps {cfg.steps} would take {cfg.steps * timing[slowest]:.0f} s)"
+            if steps < cfg.steps
+            else ""
+        )
+    )
+    return steps, timing
+
+
+def _set_telemetry(model: GPT, on: bool) -> None:
+    enable_telemetry(model, 1 if on else 0)
+
+
+def _tag_records(model: GPT, seen: dict[int, int], step: int) -> None:
+    """Give the records each converted layer appended since the last call the step number."""
+    for module in model.modules():
+        records = getattr(getattr(module, "telemetry", None), "records", None)
+        if records is None:
+            continue
+        for record in records[seen.get(id(module), 0) :]:
+            record["step"] = step
+        seen[id(module)] = len(records)
+
+
+def _clock(seconds: float) -> str:
+    seconds = max(int(round(seconds)), 0)
+    return f"{seconds // 60}:{seconds % 60:02d}" if seconds >= 60 else f"{seconds} s"
+
+
 def train_one(
     recipe: str,
     cfg: DemoConfig,
     corpus: bytes,
     log: Callable[[str], None],
     records: list[dict] | None = None,
-) -> list[Point]:
-    """Train one recipe; its telemetry records (if enabled) are appended to ``records``."""
+    steps: int | None = None,
+) -> tuple[list[Point], RecipeResult]:
+    """Train one recipe for ``steps`` (default ``cfg.steps``); its telemetry records (if
+    enabled) are appended to ``records``."""
+    steps = cfg.steps if steps is None else steps
     device = torch.device(cfg.device)
-    torch.manual_seed(cfg.seed)
-    model = GPT(SIZES[cfg.size]).to(device)
-    if recipe != "bf16":
-        path = recipe if recipe.endswith(".fp4r") else f"{recipe}.fp4r"  # shipped recipe names
-        convert(model, load_recipe(path), seed=cfg.seed, total_steps=cfg.steps)
-        enable_telemetry(model, cfg.telemetry_every)
+    model = _build(recipe, cfg, steps, device)
+    converted = recipe != "bf16"
+    n_converted = count_converted(model)
+    n_params = sum(p.numel() for p in model.parameters())
     log(
-        f"[{recipe}] {sum(p.numel() for p in model.parameters()) / 1e6:.2f}M parameters, "
-        f"{count_converted(model)} linear layers converted"
+        f"[{recipe}] {n_params / 1e6:.2f}M parameters, "
+        f"{n_converted} linear layers converted, {steps} steps"
     )
+    if converted and n_converted == 0:
+        log(
+            f"[{recipe}] warning: the recipe's layer rules keep every linear layer of this "
+            f"{SIZES[cfg.size].layers}-block model in high precision, so it trains like bf16 "
+            "(for small models use the *_small recipes)"
+        )
     data = ByteBatches(corpus, model.cfg.context, seed=cfg.seed)
-    opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=0.1)
+    opt = _optimizer(model, cfg.lr)
     points: list[Point] = []
-    start = time.perf_counter()
-    for step in range(cfg.steps):
-        if recipe != "bf16":
-            set_step(model, step)
-        for group in opt.param_groups:
-            group["lr"] = _lr(step, cfg)
-        x, y = data.batch(cfg.batch)
-        with torch.autocast(device.type, dtype=torch.bfloat16):
-            loss = model(x.to(device), y.to(device))
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        last = step == cfg.steps - 1
+    seen: dict[int, int] = {}
+    deadline = None if cfg.time_budget is None else 1.5 * cfg.time_budget
+    start = last_log = time.perf_counter()
+    stopped_early = False
+    for step in range(steps):
+        record = bool(cfg.telemetry_every) and converted and step % cfg.telemetry_every == 0
+        if record:
+            _set_telemetry(model, True)
+        loss = _train_step(model, opt, data, step, steps, cfg, device, converted)
+        if record:
+            _set_telemetry(model, False)
+            _tag_records(model, seen, step)
+        now = time.perf_counter() - start
+        stopped_early = deadline is not None and now > deadline and step < steps - 1
+        last = step == steps - 1 or stopped_early
         val = _val_loss(model, data, cfg, device) if step % cfg.eval_every == 0 or last else None
-        points.append(Point(recipe, step, float(loss.detach()), val, time.perf_counter() - start))
-        if val is not None:
-            p = points[-1]
+        points.append(Point(recipe, step, float(loss), val, time.perf_counter() - start))
+        p = points[-1]
+        if val is not None or p.seconds - (last_log - start) >= 10.0:
+            last_log = time.perf_counter()
+            rate = (step + 1) / max(p.seconds, 1e-9)
+            shown = f"val {val:.4f}" if val is not None else " " * 10
             log(
-                f"[{recipe}] step {step:5d}/{cfg.steps}  train {p.train_loss:.4f}  "
-                f"val {val:.4f}  ({p.seconds:.0f} s)"
+                f"[{recipe}] step {step + 1:5d}/{steps}  train {p.train_loss:.4f}  {shown}  "
+                f"{_clock(p.seconds)} elapsed, {rate:.2f} steps/s, "
+                f"ETA {_clock((steps - step - 1) / rate)}"
             )
-    if records is not None and recipe != "bf16":
+        if stopped_early:
+            log(f"[{recipe}] stopped after {step + 1} steps: past 1.5 times the time budget")
+            break
+    if records is not None and converted:
         records.extend({"recipe": recipe, **r} for r in telemetry(model))
-    return points
+    tail = [p.train_loss for p in points[-10:]]
+    result = RecipeResult(
+        recipe=recipe,
+        parameters=n_params,
+        converted=n_converted,
+        steps=len(points),
+        planned_steps=steps,
+        seconds=points[-1].seconds,
+        final_train_loss=sum(tail) / len(tail),
+        final_val_loss=next(p.val_loss for p in reversed(points) if p.val_loss is not None),
+        stopped_early=stopped_early,
+    )
+    return points, result
 
 
 def write_csv(points: list[Point], path: Path) -> None:
@@ -172,22 +338,76 @@ def plot(points: list[Point], path: Path, title: str) -> bool:
     return True
 
 
+def summary_table(results: list[RecipeResult], baseline: str = "bf16") -> str:
+    from fp4gen.cli import render_table
+
+    base = next((r for r in results if r.recipe == baseline), None)
+    rows = []
+    for r in results:
+        gap = "-" if base is None or r is base else f"{r.final_val_loss - base.final_val_loss:+.4f}"
+        steps = f"{r.steps}" + (f" of {r.planned_steps}" if r.stopped_early else "")
+        rows.append(
+            [
+                r.recipe,
+                str(r.converted),
+                steps,
+                f"{r.seconds:.1f}",
+                f"{r.seconds / max(r.steps, 1) * 1e3:.1f}",
+                f"{r.final_train_loss:.4f}",
+                f"{r.final_val_loss:.4f}",
+                gap,
+            ]
+        )
+    headers = ["recipe", "converted", "steps", "seconds", "ms/step", "train (last 10)", "val"]
+    return render_table([*headers, f"val - {baseline}"], rows)
+
+
 def run_demo(cfg: DemoConfig, log: Callable[[str], None] = print) -> list[Point]:
+    if cfg.size not in SIZES:
+        raise ValueError(f"unknown size {cfg.size!r}; expected one of {', '.join(SIZES)}")
     cfg.out.mkdir(parents=True, exist_ok=True)
+    logging.getLogger("fp4gen").setLevel(logging.INFO)  # kernel fallbacks are logged once
     corpus = stdlib_corpus()
-    log(f"corpus: {len(corpus) / 1e6:.1f} MB of Python standard-library source")
+    gpt = SIZES[cfg.size]
+    log(
+        f"corpus: {len(corpus) / 1e6:.1f} MB of Python standard-library source; {cfg.size} GPT "
+        f"({gpt.layers} blocks, width {gpt.width}, context {gpt.context}), batch {cfg.batch}, "
+        f"device {cfg.device}"
+    )
+    total = time.perf_counter()
+    steps, timing = plan_steps(cfg, corpus, log)
     points: list[Point] = []
+    results: list[RecipeResult] = []
     records: list[dict] = []
     for recipe in cfg.recipes:
-        points += train_one(recipe, cfg, corpus, log, records)
+        mine, result = train_one(recipe, cfg, corpus, log, records, steps)
+        points += mine
+        results.append(result)
     write_csv(points, cfg.out / "losses.csv")
+    summary = {
+        "size": cfg.size,
+        "batch": cfg.batch,
+        "context": gpt.context,
+        "device": cfg.device,
+        "device_name": torch.cuda.get_device_name(cfg.device)
+        if cfg.device.startswith("cuda")
+        else None,
+        "steps": steps,
+        "time_budget": cfg.time_budget,
+        "calibration_seconds_per_step": timing,
+        "seconds": time.perf_counter() - total,
+        "recipes": [vars(r) for r in results],
+    }
+    (cfg.out / "summary.json").write_text(json.dumps(summary, indent=2))
+    log("\n" + summary_table(results))
     if cfg.telemetry_every:
         path = cfg.out / "telemetry.json"
         path.write_text(json.dumps({"records": records}))
         log(f"wrote {path} ({len(records)} records; draw it with: fp4gen report {path})")
-    title = f"{cfg.size} GPT on stdlib bytes, {cfg.steps} steps, batch {cfg.batch}"
+    title = f"{cfg.size} GPT on stdlib bytes, {steps} steps, batch {cfg.batch}"
     if plot(points, cfg.out / "losses.png", title):
-        log(f"wrote {cfg.out / 'losses.csv'} and {cfg.out / 'losses.png'}")
+        log(f"wrote {cfg.out / 'losses.csv'}, {cfg.out / 'losses.png'} and summary.json")
     else:
-        log(f"wrote {cfg.out / 'losses.csv'} (install matplotlib for the PNG)")
+        log(f"wrote {cfg.out / 'losses.csv'} and summary.json (install matplotlib for the PNG)")
+    log(f"total {_clock(time.perf_counter() - total)}")
     return points

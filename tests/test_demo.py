@@ -1,0 +1,124 @@
+"""The training demo (fp4gen demo) and the telemetry report (fp4gen report) end to end on CPU."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from fp4gen.cli import main
+from fp4gen.demo import train
+from fp4gen.demo.train import DemoConfig, plan_steps
+from fp4gen.report import aggregate, fallback_summary
+
+PNG = b"\x89PNG\r\n\x1a\n"
+
+
+def test_demo_progress_summary_and_step_tagged_telemetry(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    argv = ["demo", "--recipes", "bf16,mor_tensor", "--steps", "5", "--batch", "2"]
+    argv += ["--eval-every", "2", "--device", "cpu", "--telemetry", "2", "--out", str(tmp_path)]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert "[mor_tensor] step     5/5" in out and "ETA" in out and "elapsed" in out
+    assert "val - bf16" in out  # the summary table
+
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["steps"] == 5 and summary["size"] == "tiny"
+    results = {r["recipe"]: r for r in summary["recipes"]}
+    assert results["bf16"]["converted"] == 0 and results["mor_tensor"]["converted"] == 16
+    assert all(r["steps"] == 5 and not r["stopped_early"] for r in results.values())
+
+    records = json.loads((tmp_path / "telemetry.json").read_text())["records"]
+    # steps 0, 2 and 4, each with the six operands of the 16 converted layers
+    assert sorted({r["step"] for r in records}) == [0, 2, 4]
+    assert len(records) == 3 * 16 * 6
+    assert {r["recipe"] for r in records} == {"mor_tensor"}
+    assert all(r["fallback"] in (0.0, 1.0) and r["units"] == 1 for r in records)
+
+    assert main(["report", str(tmp_path / "telemetry.json"), "--by", "operand"]) == 0
+    out = capsys.readouterr().out
+    assert "kept in high precision" in out and "wgrad.activation" in out
+    assert (tmp_path / "telemetry.png").read_bytes()[:8] == PNG
+    assert (tmp_path / "telemetry_fallback.png").read_bytes()[:8] == PNG
+
+
+def test_time_budget_fits_the_slowest_recipe(monkeypatch: pytest.MonkeyPatch) -> None:
+    cost = {"bf16": 0.01, "nvfp4_small": 0.5, "mor_tensor": 0.25}
+    monkeypatch.setattr(train, "seconds_per_step", lambda recipe, cfg, corpus: cost[recipe])
+    lines: list[str] = []
+    cfg = DemoConfig(recipes=tuple(cost), steps=1000, time_budget=100.0)
+    steps, timing = plan_steps(cfg, b"", lines.append)
+    assert steps == int(100.0 * train.BUDGET_USE / 0.5) and timing == cost
+    assert "the slowest, nvfp4_small" in lines[-1]
+    # --steps stays the upper bound; no budget: no timing at all
+    assert (
+        plan_steps(DemoConfig(recipes=tuple(cost), steps=7, time_budget=100.0), b"", print)[0] == 7
+    )
+    assert plan_steps(DemoConfig(steps=9), b"", print) == (9, {})
+
+
+def test_demo_rejects_bad_arguments(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["demo", "--steps", "0", "--device", "cpu"]) == 1
+    assert "--steps must be at least 1" in capsys.readouterr().err
+    assert main(["demo", "--time-budget", "-1", "--device", "cpu"]) == 1
+    assert "--time-budget" in capsys.readouterr().err
+
+
+def test_demo_help_lists_sizes_and_recipes(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        main(["demo", "--help"])
+    out = capsys.readouterr().out
+    assert "medium  8 x 768" in out and "57M parameters" in out
+    assert "mor_subtensor_3way" in out and "nvfp4_small" in out and "--time-budget" in out
+
+
+def _mor(recipe: str, layer: str, operand: str, step: int, units: int, kept: int) -> dict:
+    hist = [0] * 41
+    hist[3] = units
+    return {
+        "recipe": recipe,
+        "layer": layer,
+        "operand": operand,
+        "step": step,
+        "mor": "r",
+        "threshold": 0.045,
+        "units": units,
+        "fallback": kept / units,
+        "rel_error_hist": hist,
+    }
+
+
+def test_fallback_summary_weights_units_and_tracks_steps(tmp_path: Path) -> None:
+    records = [
+        _mor("a", "l0", "fprop.activation", 0, 4, 1),  # 1 of 4 units kept in BF16
+        _mor("a", "l1", "fprop.activation", 0, 4, 3),
+        _mor("a", "l0", "fprop.activation", 10, 8, 0),
+        _mor("a", "l1", "fprop.activation", 10, 8, 2),
+        _mor("a", "l0", "dgrad.gradient", 0, 2, 2),
+        {"recipe": "b", "layer": "l0", "operand": "fprop.activation", "mean_rel_error": 0.3},
+    ]
+    (act, grad) = fallback_summary(records)
+    assert (act.recipe, act.operand, act.records, act.units) == ("a", "fprop.activation", 4, 24)
+    assert act.overall == pytest.approx(6 / 24)
+    assert act.first == pytest.approx(4 / 8) and act.last == pytest.approx(2 / 16)
+    assert act.worst_layer == "l1" and act.worst == pytest.approx(5 / 12)
+    assert (grad.operand, grad.overall, grad.first, grad.last) == ("dgrad.gradient", 1.0, 1.0, 1.0)
+    assert fallback_summary(records, "b") == []
+
+    by_operand = aggregate(records, by="operand")
+    assert by_operand.rows == [
+        ("a", "all layers", "fprop.activation"),
+        ("a", "all layers", "dgrad.gradient"),
+        ("b", "all layers", "fprop.activation"),
+    ]
+    assert by_operand.counts[0][3] == 24 and by_operand.counts[2][40] == 1  # 30% -> 20%+ bin
+    by_layer = aggregate(records)
+    assert len(by_layer.rows) == 4
+
+    path = tmp_path / "t.json"
+    path.write_text(json.dumps(records))
+    assert main(["report", str(path), "--json", "--out", str(tmp_path / "h.png")]) == 0
+    assert (tmp_path / "h_fallback.png").read_bytes()[:8] == PNG
