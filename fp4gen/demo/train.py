@@ -379,30 +379,32 @@ def run_demo(cfg: DemoConfig, log: Callable[[str], None] = print) -> list[Point]
     points: list[Point] = []
     results: list[RecipeResult] = []
     records: list[dict] = []
+    device_name = torch.cuda.get_device_name(cfg.device) if cfg.device.startswith("cuda") else None
     for recipe in cfg.recipes:
         mine, result = train_one(recipe, cfg, corpus, log, records, steps)
         points += mine
         results.append(result)
-    write_csv(points, cfg.out / "losses.csv")
-    summary = {
-        "size": cfg.size,
-        "batch": cfg.batch,
-        "context": gpt.context,
-        "device": cfg.device,
-        "device_name": torch.cuda.get_device_name(cfg.device)
-        if cfg.device.startswith("cuda")
-        else None,
-        "steps": steps,
-        "time_budget": cfg.time_budget,
-        "calibration_seconds_per_step": timing,
-        "seconds": time.perf_counter() - total,
-        "recipes": [vars(r) for r in results],
-    }
-    (cfg.out / "summary.json").write_text(json.dumps(summary, indent=2))
+        # written after every recipe, so an interrupted run keeps what it finished
+        write_csv(points, cfg.out / "losses.csv")
+        summary = {
+            "size": cfg.size,
+            "parameters": result.parameters,
+            "batch": cfg.batch,
+            "context": gpt.context,
+            "device": cfg.device,
+            "device_name": device_name,
+            "steps": steps,
+            "time_budget": cfg.time_budget,
+            "calibration_seconds_per_step": timing,
+            "seconds": time.perf_counter() - total,
+            "recipes": [vars(r) for r in results],
+        }
+        (cfg.out / "summary.json").write_text(json.dumps(summary, indent=2))
+        if cfg.telemetry_every:
+            (cfg.out / "telemetry.json").write_text(json.dumps({"records": records}))
     log("\n" + summary_table(results))
     if cfg.telemetry_every:
         path = cfg.out / "telemetry.json"
-        path.write_text(json.dumps({"records": records}))
         log(f"wrote {path} ({len(records)} records; draw it with: fp4gen report {path})")
     title = f"{cfg.size} GPT on stdlib bytes, {steps} steps, batch {cfg.batch}"
     if plot(points, cfg.out / "losses.png", title):
