@@ -8,8 +8,15 @@ cuBLAS BF16 and dequantize + cuBLAS.
 Per shape MxNxK and format, C = A @ B^T with A [M, K] and B [N, K]:
 
   cuBLAS bf16           torch.matmul of bf16 [M, K] by [N, K]^T, bf16 out (the target)
-  dequantize + cuBLAS   fp4gen.gemm(backend="dequant", bf16 out): both operands decoded to bf16
-                        (torch ops), cuBLAS with fp32 accumulation, the alpha epilogue
+  cuBLAS bf16->fp32     torch.mm(out_dtype=float32) on the same operands: what the dequant path
+                        runs (fp32 accumulation and output)
+  dequantize + cuBLAS   fp4gen.gemm(backend="dequant", bf16 out): the generated dequantize
+                        kernel on A (and on B once: its values are remembered per tensor, as a
+                        weight's), cuBLAS bf16->fp32, alpha and the bf16 cast in one pass
+  dequant, B per call   the same with B decoded on every call (a fresh B tensor each call)
+  dequantize kernel     the generated kernel alone on B [N, K] (one code per byte; "packed":
+                        two per byte), bytes read + written per second and the ratio to a
+                        torch device-to-device copy of as many bytes
   fused <tile> [xS]     the generated fused kernel alone: its compiled TVM-FFI function called
                         on arguments prepared beforehand (launch_args), bf16 out; the tile
                         fp4gen.gemm picks for M, then those named by --tiles (fp4gen.codegen.gemm
@@ -159,6 +166,11 @@ def run_shape(
     t_cublas = bench(cublas, iters)
     line("cuBLAS bf16 torch.matmul", t_cublas, {})
 
+    def cublas_fp32(i: int = 0):
+        return torch.mm(abf[i % nbf], bbf[i % nbf].t(), out_dtype=torch.float32)
+
+    line("cuBLAS bf16->fp32 torch.mm", bench(cublas_fp32, iters), {"cuBLAS": t_cublas})
+
     ref = {"cuBLAS": t_cublas}
     if dequant:
 
@@ -166,9 +178,17 @@ def run_shape(
             a, b = sets[i % nset]
             return fp4gen.gemm(a, b, out_dtype=torch.bfloat16, backend="dequant")
 
-        t_dq = bench(dequant_gemm, max(3, iters // 4))
+        t_dq = bench(dequant_gemm, iters)
         line("dequantize + cuBLAS", t_dq, {"cuBLAS": t_cublas})
         ref["dequant+cuBLAS"] = t_dq
+
+        def dequant_fresh_b(i: int = 0):
+            a, b = sets[i % nset]
+            b = dataclasses.replace(b)  # a new tensor: its values are not remembered
+            return fp4gen.gemm(a, b, out_dtype=torch.bfloat16, backend="dequant")
+
+        line("dequant, B per call", bench(dequant_fresh_b, iters), {"cuBLAS": t_cublas})
+        dequant_kernel_lines(sets, n, k, tag, out)
 
     picked = None  # (fn, args) of the tile fp4gen.gemm picks
     if torch.cuda.get_device_capability() == (9, 0):
@@ -207,6 +227,39 @@ def run_shape(
     for held in (sets, abf, bbf):  # free before the next shape
         held.clear()
     torch.cuda.empty_cache()
+
+
+def dequant_kernel_lines(sets, n: int, k: int, tag: str, out: list[str]) -> None:
+    """The dequantize kernel alone on B [N, K]: GB/s and the ratio to a copy of as many bytes."""
+    from fp4gen.codegen.dequant import spec_for
+    from fp4gen.compiler.jit import detect_arch
+    from fp4gen.runtime import kernels_for
+    from fp4gen.runtime.cute_gemm import packed_codes
+
+    b = sets[0][1]
+    for layout in ("bytes", "packed"):
+        spec = spec_for(b.format, layout)
+        if isinstance(spec, str):
+            continue
+        kernels = kernels_for(spec, detect_arch())  # type: ignore[arg-type]
+        codes = [s[1].codes if layout == "bytes" else packed_codes(s[1]) for s in sets]
+        outs = [torch.empty(n, -(-k // 16) * 16, dtype=torch.bfloat16, device="cuda") for _ in sets]
+        args = [
+            kernels.module.launch_args(c, s[1].scale_codes, cols=k, out=o)
+            for c, s, o in zip(codes, sets, outs, strict=True)
+        ]
+        fn = kernels["dequant"]
+        t = bench(lambda i, fn=fn, args=args: fn(*args[i % len(args)]), 20)
+        nbytes = codes[0].numel() + b.scale_codes.numel() + outs[0].numel() * 2
+        src = torch.empty(nbytes // 2, dtype=torch.uint8, device="cuda")
+        dst = torch.empty_like(src)
+        t_copy = bench(lambda i, dst=dst, src=src: dst.copy_(src), 20)
+        text = (
+            f"{tag}: {'dequantize kernel, ' + layout:<28} {t * 1e6:9.1f} us "
+            f"{nbytes / t / 1e9:7.0f} GB/s  x{t_copy / t:5.2f} copy of the same bytes"
+        )
+        print(text, flush=True)
+        out.append(text)
 
 
 def fused_launch(fa, fb, m: int, n: int, k: int, tile, sets) -> tuple:

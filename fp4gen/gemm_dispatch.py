@@ -4,21 +4,26 @@ Paths (``backend=``):
   reference  exact products summed in float64, one rounding to fp32 (fp4gen.numerics).
   dequant    block values decoded to bf16 when element x scale is exact in bf16 (fp32 otherwise),
              a cuBLAS/CPU GEMM with fp32 accumulation, the two global scales as the epilogue
-             alpha. Matches the reference up to fp32 summation order.
+             alpha. Matches the reference up to fp32 summation order. On CUDA (sm_90a, sm_100a)
+             the decode is the generated dequantize kernel (``fp4gen.runtime.dequant``: one
+             memory-bound pass per operand, B's values remembered per tensor) and the epilogue
+             one elementwise pass; elsewhere, or for formats it does not serve, torch ops.
   cute       the generated fused dequantizing GEMM (``fp4gen.runtime.cute_gemm``, Hopper
-             sm_90a): the MMA warpgroups decode the 4-bit codes to bf16 in shared memory
-             between wgmma instructions; fp32 accumulation, the same numerics as dequant. NVFP4
-             (A 1x16, B 1x16 or 16x16 blocks) and MXFP4 (1x32 blocks) pairs; FP4GenError with
-             the reason for anything else.
+             sm_90a): the kernel decodes the 4-bit codes to bf16 in its mainloop (mma.sync
+             split-K for M <= 64, wgmma above); fp32 accumulation, the same numerics as
+             dequant. NVFP4 (A 1x16, B 1x16 or 16x16 blocks) and MXFP4 (1x32 blocks) pairs;
+             FP4GenError with the reason for anything else.
   blackwell  the block-scaled tcgen05 MMA of sm_100a (``fp4gen.runtime.blackwell_gemm``,
              docs/gemm-sm100.md): the tensor cores read the codes and the 128x4 scale factors,
              accumulate in fp32, the epilogue applies the global scales; e2m1, e2m3, e3m2,
              e4m3 and e5m2 elements with e4m3 (16-value blocks, e2m1 only) or ue8m0 scales.
   auto       CPU tensors: reference. CUDA tensors: on sm_100a blackwell when the pair and the
-             shape have a native MMA, else dequant; cute on sm_90a when the pair has a fused
-             kernel (measured faster than this package's dequant path at every shape, from
-             M=16 to 8192^3: docs/gemm-sm90.md), else dequant. Each reason for not taking the
-             native or fused kernel is logged once (INFO, logger fp4gen.gemm_dispatch).
+             shape have a native MMA, else dequant. On sm_90a: cute for M <= FUSED_MAX_M when
+             the pair has a fused kernel (the small-M kernel streams the 4-bit B once), dequant
+             above (the fused kernel re-decodes each B tile once per M-tile; dequant decodes
+             once and runs cuBLAS at BF16 speed): measured crossover in docs/gemm-sm90.md.
+             Each reason for not taking the native or fused kernel is logged once (INFO,
+             logger fp4gen.gemm_dispatch).
 Every path takes the same arguments and computes the same mathematical result (numerics.md 6).
 """
 
@@ -34,6 +39,8 @@ from fp4gen.formats import BlockFormat
 from fp4gen.numerics import QuantizedTensor, gemm_reference
 
 BACKENDS = ("auto", "reference", "dequant", "cute", "blackwell")
+# sm_90a: the fused kernel up to this M, dequantize kernels + cuBLAS above (docs/gemm-sm90.md)
+FUSED_MAX_M = 64
 log = logging.getLogger(__name__)
 _logged: set[str] = set()
 
@@ -81,6 +88,10 @@ def gemm(
         return _fused(a, b, out_dtype, bias, accumulate)
     elif backend == "blackwell":
         return _native(a, b, out_dtype, bias, accumulate)
+    if backend == "dequant":
+        fast = _fast_dequant(a, b, out_dtype, bias, accumulate)
+        if fast is not None:
+            return fast
     c = gemm_reference(a, b, bias=bias) if backend == "reference" else _dequant_gemm(a, b, bias)
     if accumulate is not None:
         if accumulate.shape != c.shape:
@@ -137,7 +148,20 @@ def choose_backend(
             "the fused kernel indexes with 32 bits (M * N or max(M, N) * K/2 >= 2^31)",
             fallback=True,
         )
+    if m > FUSED_MAX_M and dequant_support(a) is None and dequant_support(b) is None:
+        return GemmChoice(
+            "dequant",
+            f"M = {m} > {FUSED_MAX_M}: dequantize kernels + cuBLAS (decodes each operand once; "
+            "the fused kernel re-decodes B once per M-tile)",
+        )
     return GemmChoice("cute", "fused kernel: reads the 4-bit operands, decodes in the mainloop")
+
+
+def dequant_support(fmt: BlockFormat | object) -> str | None:
+    """None when the generated dequantize kernel serves this operand format, else why not."""
+    from fp4gen.runtime.dequant import support
+
+    return support(fmt)
 
 
 def auto_backend(a: QuantizedTensor, b: QuantizedTensor) -> GemmChoice:
@@ -155,6 +179,41 @@ def _log_once(reason: str) -> None:
     if reason not in _logged:
         _logged.add(reason)
         log.info("gemm(backend='auto') uses dequantize + cuBLAS: %s", reason)
+
+
+def _fast_dequant(
+    a: QuantizedTensor,
+    b: QuantizedTensor,
+    out_dtype: torch.dtype,
+    bias: torch.Tensor | None,
+    accumulate: torch.Tensor | None,
+) -> torch.Tensor | None:
+    """The dequant backend with the generated dequantize kernels on CUDA, or None where they do
+    not serve (CPU tensors, formats not exact in bf16, an arch without the kernel, no CuTe DSL:
+    logged once); the torch decode then runs."""
+    for name, t in (("a", a), ("b", b)):
+        if not isinstance(t, QuantizedTensor):
+            raise TypeError(f"{name} must be a QuantizedTensor, got {type(t).__name__}")
+    if a.device.type != "cuda" or b.device.type != "cuda":
+        return None
+    reason = dequant_support(a.format) or dequant_support(b.format)
+    if reason is None:
+        from fp4gen.compiler.jit import detect_arch
+        from fp4gen.runtime.dequant import dequant_gemm
+
+        try:
+            return dequant_gemm(
+                a, b, out_dtype=out_dtype, bias=bias, accumulate=accumulate, arch=detect_arch()
+            )
+        except TensorError:
+            raise
+        except FP4GenError as err:
+            reason = str(err)
+    message = f"the dequant backend decodes with torch ops: {reason}"
+    if message not in _logged:
+        _logged.add(message)
+        log.info("%s", message)
+    return None
 
 
 def _fused(
@@ -218,9 +277,14 @@ def gemm_path(a: BlockFormat | object, b: BlockFormat | object) -> tuple[str, st
     if a.gemm_exact_in_bf16() and b.gemm_exact_in_bf16():
         path = "dequantize to bf16 + cuBLAS (fp32 accumulation)"
         why = f"element x block scale needs {bits} significant bits, exact in bf16 (8)"
+        kernel = dequant_support(a) or dequant_support(b)
+        if kernel is None:
+            why += "; the generated dequantize kernel decodes each operand once (CUDA)"
+        else:
+            why += f"; decoded by torch ops: {kernel}"
         reason = fused_support(a, b)
         if reason is None:
-            path += "; the fused CuTe kernel on sm_90a"
+            path += f"; the fused CuTe kernel on sm_90a for M <= {FUSED_MAX_M}"
             why += "; the fused kernel reads the 4-bit operands and decodes in the mainloop"
         else:
             why += f"; no fused kernel: {reason}"

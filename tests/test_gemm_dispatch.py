@@ -94,9 +94,12 @@ MXFP4 = BUILTIN_FORMATS["mxfp4"]
     [
         (NVFP4, NVFP4_2D, 1, "sm_90a", "cute", False, "fused kernel"),
         (NVFP4, NVFP4_2D, 16, "sm_90a", "cute", False, "fused kernel"),
-        (NVFP4, NVFP4, 128, "sm_90a", "cute", False, "fused kernel"),
-        (NVFP4, NVFP4_2D, 8192, "sm_90a", "cute", False, "fused kernel"),
+        (NVFP4, NVFP4_2D, 64, "sm_90a", "cute", False, "fused kernel"),
+        (NVFP4, NVFP4, 65, "sm_90a", "dequant", False, "M = 65 > 64: dequantize kernels"),
+        (NVFP4, NVFP4, 128, "sm_90a", "dequant", False, "dequantize kernels + cuBLAS"),
+        (NVFP4, NVFP4_2D, 8192, "sm_90a", "dequant", False, "dequantize kernels + cuBLAS"),
         (MXFP4, MXFP4, 16, "sm_90a", "cute", False, "fused kernel"),
+        (MXFP4, MXFP4, 1024, "sm_90a", "dequant", False, "dequantize kernels + cuBLAS"),
         (NVFP4, NVFP4_2D, 16, "sm_120a", "dequant", True, "sm_90a only"),  # sm_100a: blackwell
         (NVFP4, NVFP4_2D, 16, "sm_80", "dequant", True, "sm_90a only"),
         (NVFP4_2D, NVFP4, 16, "sm_90a", "dequant", True, "A has 16x16 blocks"),
@@ -122,7 +125,7 @@ def test_auto_backend_choice(a, b, m, arch, backend, fallback, why) -> None:
 
 
 def test_auto_backend_falls_back_for_32_bit_indexing() -> None:
-    choice = choose_backend(NVFP4, NVFP4, 128, 2**24, 64, device="cuda", arch="sm_90a")
+    choice = choose_backend(NVFP4, NVFP4, 16, 2**27, 64, device="cuda", arch="sm_90a")
     assert choice == GemmChoice("dequant", choice.why, fallback=True) and "2^31" in choice.why
     big_k = choose_backend(NVFP4, NVFP4, 16, 64, 2**32, device="cuda", arch="sm_90a")
     assert big_k.backend == "dequant"
@@ -136,6 +139,21 @@ def test_gemm_path_names_the_fused_kernel_and_why() -> None:
     path, why = gemm_path(BUILTIN_FORMATS["mxfp8_e4m3"], BUILTIN_FORMATS["mxfp8_e4m3"])
     assert "fused" not in path and "no fused kernel: A has e4m3 elements" in why
     assert "fused CuTe kernel" in gemm_path(MXFP4, MXFP4)[0]
+    # the generated dequantize kernel serves every exact pair; fp32 scales decode with torch
+    assert "the generated dequantize kernel decodes each operand once" in why
+    assert "the fused CuTe kernel on sm_90a for M <= 64" in gemm_path(NVFP4, NVFP4_2D)[0]
+
+
+def test_fused_max_m_is_the_small_m_kernels_range() -> None:
+    from fp4gen.codegen.gemm import SmallMTile, pick_tile
+    from fp4gen.gemm_dispatch import FUSED_MAX_M
+
+    # auto takes the fused kernel only where it is the split-K small-M kernel
+    assert isinstance(pick_tile(FUSED_MAX_M), SmallMTile)
+    for m in (1, 16, 32, FUSED_MAX_M):
+        assert choose_backend(NVFP4, NVFP4_2D, m, 8192, 8192, device="cuda", arch="sm_90a") == (
+            GemmChoice("cute", "fused kernel: reads the 4-bit operands, decodes in the mainloop")
+        )
 
 
 def test_auto_fallback_is_logged_once(monkeypatch, caplog) -> None:

@@ -58,7 +58,7 @@ from fp4gen.compiler import jit
 from fp4gen.compiler.build import CompileTask, compile_all
 from fp4gen.compiler.cache import KernelCache, default_root
 from fp4gen.formats import BUILTIN_FORMATS
-from fp4gen.gemm_dispatch import auto_backend
+from fp4gen.gemm_dispatch import FUSED_MAX_M, auto_backend
 from fp4gen.numerics import QuantizedTensor, gemm_reference, quantize
 from fp4gen.numerics.minifloat import decode
 from fp4gen.runtime import kernels_for
@@ -190,7 +190,7 @@ def test_exact(case: str, m: int, n: int, k: int) -> None:
     a = raw_operand(m, k, fa, sset, seed)
     b = raw_operand(n, k, fb, sset, seed + 1)
     ref = gemm_reference(a, b)
-    assert auto_backend(a, b).backend == "cute"
+    assert auto_backend(a, b).backend == ("cute" if m <= FUSED_MAX_M else "dequant")
     if fb.is_2d:  # through the accumulate path (C = 0 adds nothing)
         got = fp4gen.gemm(a, b, accumulate=torch.zeros(m, n, device=DEV), backend="cute")
     else:  # through the bias path (bias 0 adds nothing)
@@ -209,7 +209,10 @@ def test_exact_large_tile_bf16() -> None:
     got = fp4gen.gemm(a, b, out_dtype=torch.bfloat16, backend="cute")
     want = gemm_reference(a, b).to(torch.bfloat16)  # exact in fp32, rounded once
     assert torch.equal(got.view(torch.int16), want.view(torch.int16))
-    assert auto_backend(a, b).backend == "cute"
+    assert auto_backend(a, b).backend == "dequant"  # M > FUSED_MAX_M
+    assert torch.equal(
+        fp4gen.gemm(a, b, out_dtype=torch.bfloat16).view(torch.int16), got.view(torch.int16)
+    )
 
 
 # ----------------------------------------------------------------------------------------------
@@ -270,7 +273,7 @@ def test_tolerance_mxfp4(m: int, n: int, k: int) -> None:
     check_tolerance(MXFP4, MXFP4, m, n, k, v, "wide" if i % 3 == 1 else "randn", 13 * i)
 
 
-def test_auto_takes_the_fused_kernel_at_every_m() -> None:
+def test_auto_takes_the_fused_kernel_up_to_fused_max_m() -> None:
     fb = NVFP4.with_block((16, 16))
     a = quantized(16, 4096, NVFP4, None, "randn", 1)
     b = quantized(200, 4096, fb, fb.block, "randn", 2)
@@ -279,8 +282,8 @@ def test_auto_takes_the_fused_kernel_at_every_m() -> None:
     fused = fp4gen.gemm(a, b, out_dtype=bf16, backend="cute")
     assert torch.equal(fp4gen.gemm(a, b, out_dtype=bf16), fused)  # auto, and deterministic
     big = quantized(300, 4096, NVFP4, None, "randn", 3)
-    assert auto_backend(big, b).backend == "cute"
-    assert torch.equal(fp4gen.gemm(big, b), fp4gen.gemm(big, b, backend="cute"))
+    assert auto_backend(big, b).backend == "dequant"
+    assert torch.equal(fp4gen.gemm(big, b), fp4gen.gemm(big, b, backend="dequant"))
 
 
 # ----------------------------------------------------------------------------------------------

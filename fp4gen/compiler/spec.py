@@ -195,3 +195,43 @@ class GemmKernelSpec:
     def digest(self) -> str:
         """Content hash of the spec."""
         return hashlib.sha256(repr(self).encode()).hexdigest()[:16]
+
+
+# ----------------------------------------------------------------------------------------------
+# Dequantize kernels (GEMM operands for cuBLAS)
+# ----------------------------------------------------------------------------------------------
+CodeLayout = Literal["bytes", "packed"]
+
+
+@dataclass(frozen=True)
+class DequantKernelSpec:
+    """A dequantize kernel: codes + block-scale codes -> bf16 element x block scale.
+
+    The operand is [R, K] quantized along K with ``block`` ((1, n) or (n, n)) blocks of
+    ``element`` codes and ``scale`` block-scale codes (8 bits at most). ``codes``: "bytes" reads
+    one code per byte (a QuantizedTensor's own ``codes``), "packed" two 4-bit codes per byte
+    (element 0 in the low nibble; 4-bit elements only). The global scale is not applied. R and K
+    stay dynamic.
+    """
+
+    element: ElementFormat
+    block: tuple[int, int]
+    scale: ElementFormat
+    codes: CodeLayout = "bytes"
+
+    @property
+    def name(self) -> str:
+        """A readable, stable kernel name, e.g. ``dequant_e2m1_1x16_e4m3_bytes``."""
+        parts = [
+            "dequant",
+            self.element.name,
+            f"{self.block[0]}x{self.block[1]}",
+            self.scale.name,
+            self.codes,
+        ]
+        return "_".join(parts).replace(" ", "")
+
+    @property
+    def digest(self) -> str:
+        """Content hash of the spec."""
+        return hashlib.sha256(repr(self).encode()).hexdigest()[:16]

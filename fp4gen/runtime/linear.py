@@ -10,7 +10,10 @@ Randomness is reproducible: stochastic rounding draws Philox words keyed by the 
 with offset = 8 * (the layer's forward or backward call count) + the operand slot, so a rerun with
 the same seed and data gives the same bits. The weight is quantized once per optimizer step
 (cached on the parameter's version counter) and reused across micro-batches; with 2D blocks the
-columnwise weight is the transpose of the same codes.
+columnwise weight is the transpose of the same codes. Where ``fp4gen.gemm`` takes the dequantize
++ cuBLAS path (CUDA, large M), the weight's bf16 values are decoded once per quantized weight and
+remembered with it (``fp4gen.runtime.dequant.cached_bf16``), so they too are made once per
+optimizer step. The forward bias goes into the GEMM's epilogue.
 
 Operands whose format is a Mixture-of-Representations rule (``mor NAME``) are quantized by the
 MoR reference (``fp4gen.numerics.mor``) with the rule the layer was given (``mors``: the
@@ -31,6 +34,7 @@ from torch import nn
 
 from fp4gen.dsl.model import MoRSpec, Operand, OperandSpec, OperandTable, Recipe
 from fp4gen.errors import TensorError
+from fp4gen.gemm_dispatch import gemm
 from fp4gen.numerics import QuantizedTensor, error_stats
 from fp4gen.numerics.mor import MoRTensor
 from fp4gen.runtime import ops
@@ -150,6 +154,12 @@ class Linear(nn.Linear):
         w_row, _ = self.quantized_weight(table)
         self.record(Operand.FPROP_ACTIVATION, x2, xq, call)
         self.record(Operand.FPROP_WEIGHT, self.weight.detach(), w_row, call)
+        if (
+            bias is not None
+            and isinstance(xq, QuantizedTensor)
+            and isinstance(w_row, QuantizedTensor)
+        ):
+            return gemm(xq, w_row, bias=bias)  # the bias in the epilogue: one pass fewer
         y = operand_matmul(xq, w_row)
         return y if bias is None else y + bias.to(torch.float32)
 

@@ -1,0 +1,242 @@
+"""Dequantize + cuBLAS: the large-M GEMM path on CUDA (``fp4gen.gemm(backend="dequant")``).
+
+``dequantize_bf16(q)`` runs the generated dequantize kernel (``fp4gen.codegen.dequant``, compiled
+and cached through ``kernels_for`` like the GEMM kernels) on a QuantizedTensor's codes and
+scale codes: bf16 [R, Kp] holding element x block scale exactly (the global scale is not
+applied; K zero-padded to a multiple of 16). ``dequant_gemm(a, b, ...)`` decodes both operands
+(B's values are remembered per QuantizedTensor until its codes change: a weight is decoded once
+per quantization, i.e. once per optimizer step in ``fp4gen.nn.Linear``), multiplies them with
+cuBLAS (``torch.mm(..., out_dtype=torch.float32)``: bf16 products are exact in fp32, fp32
+accumulation) and applies alpha = S_a * S_b (device tensors, no host sync), the bias, the
+accumulation and the output dtype in one elementwise pass where torch has one (``mul`` /
+``addcmul`` writing the output dtype).
+
+Numerics: the fused kernels' contract (docs/numerics.md section 6): K exact products summed in
+fp32 in cuBLAS's order, then y = fp32(acc * alpha) (+ bias) (+ C) rounded once to the output
+dtype. With a bias and no accumulation the bias is added by ``addcmul``, which may fuse the
+multiply and the add (one rounding fewer); the GEMM tolerance covers both.
+
+Formats: every pair whose element x block scale is exact in bf16 (``gemm_exact_in_bf16``) and
+whose scales are codes of at most 8 bits: NVFP4 (1x16 and 16x16), MXFP4, MXFP6, MXFP8, exotic
+eXmY elements with e4m3 or ueXm0 scales. ``support(fmt)`` says why not for the others.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import weakref
+from typing import Any
+
+import torch
+
+from fp4gen.codegen.dequant import spec_for
+from fp4gen.compiler.spec import DequantKernelSpec
+from fp4gen.errors import FP4GenError, TensorError
+from fp4gen.formats import BlockFormat
+
+log = logging.getLogger(__name__)
+
+_unavailable: dict[tuple[DequantKernelSpec, str], str] = {}  # why a kernel cannot be had
+_loaded: dict[tuple[DequantKernelSpec, str], Any] = {}
+_lock = threading.Lock()
+_logged: set[str] = set()
+# QuantizedTensor -> (versions of its codes and scale codes, bf16 values [R, Kp])
+_values: weakref.WeakKeyDictionary[Any, tuple[tuple[int, int], torch.Tensor]] = (
+    weakref.WeakKeyDictionary()
+)
+_MM_DTYPE: list[bool] = []  # [whether torch.mm(..., out_dtype=) exists], filled on first use
+
+
+def support(fmt: BlockFormat | object) -> str | None:
+    """None when the dequantize kernel serves this operand format, else why not."""
+    if not isinstance(fmt, BlockFormat):
+        return "the operand is kept in high precision"
+    spec = spec_for(fmt)
+    return spec if isinstance(spec, str) else None
+
+
+def _log_once(reason: str) -> None:
+    if reason not in _logged:
+        _logged.add(reason)
+        log.info("%s", reason)
+
+
+def kernels(fmt: BlockFormat, arch: str) -> Any:
+    """The loaded dequantize kernels of ``fmt`` for ``arch`` (FP4GenError with the reason when
+    there are none)."""
+    spec = spec_for(fmt)
+    if isinstance(spec, str):
+        raise FP4GenError(f"no dequantize kernel: {spec}")
+    key = (spec, arch)
+    found = _loaded.get(key)
+    if found is not None:
+        return found
+    reason = _unavailable.get(key)
+    if reason is None:
+        from fp4gen.codegen.dequant import ARCHS
+        from fp4gen.runtime.kernels import kernels_for
+
+        if arch not in ARCHS:
+            reason = f"no dequantize kernel for {arch} (only {', '.join(ARCHS)})"
+        else:
+            try:
+                found = kernels_for(spec, arch)  # type: ignore[arg-type]
+            except NotImplementedError as err:
+                reason = f"the template cannot generate {spec.name} ({err})"
+            except ImportError as err:
+                reason = f"the CuTe DSL cannot be imported ({err})"
+            except Exception as err:  # a compile, link or load failure: reported, not retried
+                reason = f"building {spec.name} for {arch} failed ({type(err).__name__}: {err})"
+        with _lock:
+            if found is not None:
+                _loaded[key] = found
+                return found
+            _unavailable[key] = reason
+    raise FP4GenError(reason)
+
+
+def dequantize_bf16(q: Any, *, arch: str | None = None) -> torch.Tensor:
+    """bf16 [R, Kp] = element x block scale of the QuantizedTensor ``q`` (CUDA), Kp = K rounded
+    up to a multiple of 16 (zeros past K). Bit for bit ``q.dequantize_blockwise()`` rounded to
+    bf16 (exact for these formats). FP4GenError when no kernel serves ``q``'s format here."""
+    if q.device.type != "cuda":
+        raise TensorError(f"the dequantize kernel runs on CUDA tensors, got {q.device}")
+    if arch is None:
+        from fp4gen.compiler.jit import detect_arch
+
+        arch = detect_arch()
+    k = kernels(q.format, arch)
+    sc = q.scale_codes
+    if sc is None:
+        raise TensorError(f"{q.format.name}: the dequantize kernel needs scale codes")
+    return k.module.run(k.fns, q.codes, sc, cols=q.cols)
+
+
+def cached_bf16(q: Any, *, arch: str | None = None) -> torch.Tensor:
+    """``dequantize_bf16(q)``, remembered per QuantizedTensor until its codes or scale codes
+    change (a weight's values are decoded once per quantization)."""
+    versions = (q.codes._version, -1 if q.scale_codes is None else q.scale_codes._version)
+    hit = _values.get(q)
+    if hit is not None and hit[0] == versions:
+        return hit[1]
+    values = dequantize_bf16(q, arch=arch)
+    _values[q] = (versions, values)
+    return values
+
+
+def is_cached(q: Any) -> bool:
+    """Whether ``q``'s bf16 values are remembered (and current)."""
+    hit = _values.get(q)
+    if hit is None:
+        return False
+    sc = q.scale_codes
+    return hit[0] == (q.codes._version, -1 if sc is None else sc._version)
+
+
+def _mm_fp32(va: torch.Tensor, vb: torch.Tensor) -> torch.Tensor:
+    """va @ vb^T (bf16 [M, K], [N, K]) with fp32 accumulation and an fp32 result."""
+    if not _MM_DTYPE:
+        try:
+            torch.mm(va[:1, :16], vb[:1, :16].t(), out_dtype=torch.float32)
+            _MM_DTYPE.append(True)
+        except (TypeError, RuntimeError, NotImplementedError) as err:
+            _log_once(f"torch.mm(out_dtype=float32) is unavailable ({err}); fp32 GEMM instead")
+            _MM_DTYPE.append(False)
+    if _MM_DTYPE[0]:
+        return torch.mm(va, vb.t(), out_dtype=torch.float32)
+    saved = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = False  # full fp32 products of the bf16 values
+    try:
+        return torch.mm(va.float(), vb.float().t())
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = saved
+
+
+def epilogue(
+    c: torch.Tensor,
+    alpha: torch.Tensor,
+    bias: torch.Tensor | None,
+    accumulate: torch.Tensor | None,
+    out_dtype: torch.dtype,
+) -> torch.Tensor:
+    """y = fp32(c * alpha) (+ bias) (+ accumulate), converted to ``out_dtype``; ``c`` (fp32,
+    owned by the caller) may be overwritten. One elementwise pass without ``accumulate``."""
+    m, n = c.shape
+    if bias is not None:
+        if tuple(bias.shape) != (n,):
+            raise TensorError(f"bias must have shape [{n}], got {tuple(bias.shape)}")
+        bias = bias.to(device=c.device, dtype=torch.float32)
+    if accumulate is not None:
+        if tuple(accumulate.shape) != (m, n):
+            raise TensorError(
+                f"accumulate has shape {tuple(accumulate.shape)}, the product {(m, n)}"
+            )
+        c.mul_(alpha)
+        if bias is not None:
+            c.add_(bias)
+        c.add_(accumulate.to(device=c.device, dtype=torch.float32))
+        return c if out_dtype == torch.float32 else c.to(out_dtype)
+    out = c if out_dtype == torch.float32 else torch.empty((m, n), dtype=out_dtype, device=c.device)
+    if bias is None:
+        return torch.mul(c, alpha, out=out)
+    return torch.addcmul(bias, c, alpha, out=out)
+
+
+def dequant_gemm(
+    a: Any,
+    b: Any,
+    *,
+    out_dtype: torch.dtype,
+    bias: torch.Tensor | None,
+    accumulate: torch.Tensor | None,
+    arch: str,
+) -> torch.Tensor:
+    """C = S_a S_b (A_q @ B_q^T) (+ bias) (+ accumulate) by dequantize kernels + cuBLAS.
+
+    ``a``, ``b``: QuantizedTensors on one CUDA device, quantized along K with the same RHT (or
+    none), formats served by the dequantize kernel (FP4GenError otherwise). B's values are
+    remembered per tensor (see ``cached_bf16``). ``accumulate`` is not modified.
+    """
+    if a.cols != b.cols:
+        raise TensorError(f"K mismatch: a is [{a.rows}, {a.cols}] and b is [{b.rows}, {b.cols}]")
+    if a.rht != b.rht:
+        raise TensorError("the operands carry different Hadamard transforms")
+    dev = a.device
+    if dev.type != "cuda" or b.device != dev:
+        raise TensorError(
+            f"the dequantize GEMM needs both operands on one CUDA device: {dev}, {b.device}"
+        )
+    kp = -(-a.cols // 16) * 16
+    if max(a.rows, b.rows) * kp >= 2**31:
+        raise FP4GenError("the dequantize kernel indexes with 32 bits (rows * K >= 2^31)")
+    return _gemm(a, b, out_dtype, bias, accumulate, arch)
+
+
+def _gemm(
+    a: Any,
+    b: Any,
+    out_dtype: torch.dtype,
+    bias: torch.Tensor | None,
+    accumulate: torch.Tensor | None,
+    arch: str,
+) -> torch.Tensor:
+    va = dequantize_bf16(a, arch=arch)
+    vb = cached_bf16(b, arch=arch)
+    c = _mm_fp32(va, vb)
+    dev = c.device
+    alpha = a.global_scale.to(device=dev, dtype=torch.float32) * b.global_scale.to(
+        device=dev, dtype=torch.float32
+    )
+    return epilogue(c, alpha, bias, accumulate, out_dtype)
+
+
+__all__ = [
+    "cached_bf16",
+    "dequant_gemm",
+    "dequantize_bf16",
+    "epilogue",
+    "is_cached",
+    "kernels",
+    "support",
+]
