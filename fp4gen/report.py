@@ -11,8 +11,8 @@ carry ``rel_error_hist`` (decision units per 0.5% relative-error bin, 0..20% and
 ``fallback`` (the fraction of units kept in high precision); a record of a block-scaled operand
 counts once, in the bin of its ``mean_rel_error``. Rows of the heatmap are layer/operand pairs
 (``--by operand``: one row per operand over all layers), columns the error bins; each row is
-normalized to sum to 1 (the MoR paper's Figure 11), and a side panel shows the mean fallback
-fraction.
+normalized to sum to 1 (the MoR paper's Figure 11), and a side panel shows the share of decision
+units kept in high precision (over the row's records, weighted by their units).
 
 A second table gives, per recipe and operand, the share of decision units kept in high precision
 (BF16 for the shipped MoR recipes) over all layers and records, and at the first and the last
@@ -60,7 +60,7 @@ class Heatmap:
     rows: list[tuple[str, str, str]]
     counts: list[list[int]]  # [rows][BINS]
     records: list[int]  # telemetry records per row
-    fallback: list[float | None]  # mean fallback fraction per row (None: no MoR records)
+    fallback: list[float | None]  # share of decision units kept per row (None: no MoR records)
     threshold: float | None  # the relerr threshold, when every MoR record has the same one
 
     def normalized(self) -> list[list[float]]:
@@ -112,6 +112,12 @@ def error_bin(error: float) -> int:
     return min(max(int(error * 200), 0), BINS - 1)
 
 
+def _share(recs: list[dict[str, Any]]) -> float:
+    units = sum(int(r.get("units", 1)) for r in recs)
+    kept = sum(float(r["fallback"]) * int(r.get("units", 1)) for r in recs)
+    return kept / max(units, 1)
+
+
 def aggregate(
     records: list[dict[str, Any]], recipe: str | None = None, by: str = "layer"
 ) -> Heatmap:
@@ -122,7 +128,7 @@ def aggregate(
     order: dict[tuple[str, str, str], int] = {}
     counts: dict[tuple[str, str, str], list[int]] = {}
     n: dict[tuple[str, str, str], int] = {}
-    fallbacks: dict[tuple[str, str, str], list[float]] = {}
+    fallbacks: dict[tuple[str, str, str], list[dict[str, Any]]] = {}
     recipes: dict[str, int] = {}
     layers: dict[str, int] = {}
     thresholds: set[float | None] = set()
@@ -150,7 +156,7 @@ def aggregate(
             row[b] += int(c)
         n[key] = n.get(key, 0) + 1
         if rec.get("fallback") is not None:
-            fallbacks.setdefault(key, []).append(float(rec["fallback"]))
+            fallbacks.setdefault(key, []).append(rec)
         if "mor" in rec:
             t = rec.get("threshold")
             thresholds.add(None if t is None else float(t))
@@ -167,7 +173,7 @@ def aggregate(
         rows=rows,
         counts=[counts[k] for k in rows],
         records=[n[k] for k in rows],
-        fallback=[sum(fallbacks[k]) / len(fallbacks[k]) if k in fallbacks else None for k in rows],
+        fallback=[_share(fallbacks[k]) if k in fallbacks else None for k in rows],
         threshold=next(iter(thresholds)) if len(thresholds) == 1 else None,
     )
 
@@ -254,12 +260,6 @@ class Fallback:
     last: float  # at the last recorded step
     worst_layer: str  # the layer with the largest share
     worst: float
-
-
-def _share(recs: list[dict[str, Any]]) -> float:
-    units = sum(int(r.get("units", 1)) for r in recs)
-    kept = sum(float(r["fallback"]) * int(r.get("units", 1)) for r in recs)
-    return kept / max(units, 1)
 
 
 def _mor_groups(

@@ -109,6 +109,7 @@ def test_fallback_summary_weights_units_and_tracks_steps(tmp_path: Path) -> None
     assert fallback_summary(records, "b") == []
 
     by_operand = aggregate(records, by="operand")
+    assert by_operand.fallback[0] == pytest.approx(6 / 24)  # weighted by decision units
     assert by_operand.rows == [
         ("a", "all layers", "fprop.activation"),
         ("a", "all layers", "dgrad.gradient"),
@@ -122,3 +123,17 @@ def test_fallback_summary_weights_units_and_tracks_steps(tmp_path: Path) -> None
     path.write_text(json.dumps(records))
     assert main(["report", str(path), "--json", "--out", str(tmp_path / "h.png")]) == 0
     assert (tmp_path / "h_fallback.png").read_bytes()[:8] == PNG
+
+
+def test_runtime_notes_reach_the_demo_log(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    import logging
+
+    def fake_run(cfg: DemoConfig, log) -> list:
+        logging.getLogger("fp4gen.runtime").info("quantize uses the reference: %s", "why")
+        return []
+
+    monkeypatch.setattr(train, "_run", fake_run)
+    lines: list[str] = []
+    assert train.run_demo(DemoConfig(out=tmp_path), lines.append) == []
+    assert lines == ["note (fp4gen.runtime): quantize uses the reference: why"]
+    assert not any(isinstance(h, train._LogLines) for h in logging.getLogger("fp4gen").handlers)

@@ -366,7 +366,28 @@ def run_demo(cfg: DemoConfig, log: Callable[[str], None] = print) -> list[Point]
     if cfg.size not in SIZES:
         raise ValueError(f"unknown size {cfg.size!r}; expected one of {', '.join(SIZES)}")
     cfg.out.mkdir(parents=True, exist_ok=True)
-    logging.getLogger("fp4gen").setLevel(logging.INFO)  # kernel fallbacks are logged once
+    handler = _LogLines(log)  # the runtime's notes (kernel fallbacks, logged once) in the log
+    logger = logging.getLogger("fp4gen")
+    level = logger.level
+    logger.setLevel(logging.INFO)
+    logger.addHandler(handler)
+    try:
+        return _run(cfg, log)
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(level)
+
+
+class _LogLines(logging.Handler):
+    def __init__(self, log: Callable[[str], None]) -> None:
+        super().__init__(logging.INFO)
+        self.log = log
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.log(f"note ({record.name}): {record.getMessage()}")
+
+
+def _run(cfg: DemoConfig, log: Callable[[str], None]) -> list[Point]:
     corpus = stdlib_corpus()
     gpt = SIZES[cfg.size]
     log(
