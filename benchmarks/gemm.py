@@ -132,6 +132,7 @@ def run_shape(
     tiles: list[str],
     dequant: bool,
     host_detail: bool,
+    units: list[tuple[int, int]],
 ) -> None:
     fa, fb = FORMATS[fmt_name]
     flops = 2.0 * m * n * k
@@ -188,7 +189,7 @@ def run_shape(
             return fp4gen.gemm(a, b, out_dtype=torch.bfloat16, backend="dequant")
 
         line("dequant, B per call", bench(dequant_fresh_b, iters), {"cuBLAS": t_cublas})
-        dequant_kernel_lines(sets, n, k, tag, out)
+        dequant_kernel_lines(sets, n, k, tag, out, units)
 
     picked = None  # (fn, args) of the tile fp4gen.gemm picks
     if torch.cuda.get_device_capability() == (9, 0):
@@ -229,7 +230,9 @@ def run_shape(
     torch.cuda.empty_cache()
 
 
-def dequant_kernel_lines(sets, n: int, k: int, tag: str, out: list[str]) -> None:
+def dequant_kernel_lines(
+    sets, n: int, k: int, tag: str, out: list[str], units: list[tuple[int, int]]
+) -> None:
     """The dequantize kernel alone on B [N, K]: GB/s and the ratio to a copy of as many bytes."""
     from fp4gen.codegen.dequant import spec_for
     from fp4gen.compiler.jit import detect_arch
@@ -237,13 +240,28 @@ def dequant_kernel_lines(sets, n: int, k: int, tag: str, out: list[str]) -> None
     from fp4gen.runtime.cute_gemm import packed_codes
 
     b = sets[0][1]
-    for layout in ("bytes", "packed"):
+    variants = [("bytes", None), ("packed", None)]
+    variants += [("bytes", v) for v in units]
+    for layout, variant in variants:
         spec = spec_for(b.format, layout)
         if isinstance(spec, str):
             continue
-        kernels = kernels_for(spec, detect_arch())  # type: ignore[arg-type]
+        render = None
+        if variant is not None:  # another unit size / units per thread (a rendered variant)
+            import fp4gen.codegen.dequant as codegen
+
+            saved = codegen.UNIT, codegen.UNITS_PER_THREAD
+            codegen.UNIT, codegen.UNITS_PER_THREAD = variant
+            try:
+                source = codegen.render_dequant(spec)
+            finally:
+                codegen.UNIT, codegen.UNITS_PER_THREAD = saved
+            render = lambda s, source=source: source  # noqa: E731
+        kernels = kernels_for(spec, detect_arch(), render=render)  # type: ignore[arg-type]
         codes = [s[1].codes if layout == "bytes" else packed_codes(s[1]) for s in sets]
-        outs = [torch.empty(n, -(-k // 16) * 16, dtype=torch.bfloat16, device="cuda") for _ in sets]
+        unit = kernels.module.UNIT
+        kp = -(-k // unit) * unit
+        outs = [torch.empty(n, kp, dtype=torch.bfloat16, device="cuda") for _ in sets]
         args = [
             kernels.module.launch_args(c, s[1].scale_codes, cols=k, out=o)
             for c, s, o in zip(codes, sets, outs, strict=True)
@@ -254,8 +272,11 @@ def dequant_kernel_lines(sets, n: int, k: int, tag: str, out: list[str]) -> None
         src = torch.empty(nbytes // 2, dtype=torch.uint8, device="cuda")
         dst = torch.empty_like(src)
         t_copy = bench(lambda i, dst=dst, src=src: dst.copy_(src), 20)
+        name = f"dequantize kernel, {layout}"
+        if variant is not None:
+            name += f" {variant[0]}x{variant[1]}"
         text = (
-            f"{tag}: {'dequantize kernel, ' + layout:<28} {t * 1e6:9.1f} us "
+            f"{tag}: {name:<28} {t * 1e6:9.1f} us "
             f"{nbytes / t / 1e9:7.0f} GB/s  x{t_copy / t:5.2f} copy of the same bytes"
         )
         print(text, flush=True)
@@ -346,6 +367,11 @@ def main() -> int:
     )
     ap.add_argument("--no-dequant", action="store_true", help="skip dequantize + cuBLAS")
     ap.add_argument(
+        "--dequant-units",
+        default="",
+        help="also time the dequantize kernel rendered with UNITxUNITS_PER_THREAD, e.g. 16x4",
+    )
+    ap.add_argument(
         "--host-detail", action="store_true", help="also time the parts of one fp4gen.gemm call"
     )
     ap.add_argument(
@@ -368,7 +394,10 @@ def main() -> int:
                 profile_shape(m, n, k, fmt, args.profile)
                 continue
             tiles = [t for t in args.tiles.split(",") if t]
-            run_shape(m, n, k, fmt, lines, tiles, not args.no_dequant, args.host_detail)
+            units = [
+                tuple(int(v) for v in u.split("x")) for u in args.dequant_units.split(",") if u
+            ]
+            run_shape(m, n, k, fmt, lines, tiles, not args.no_dequant, args.host_detail, units)
     if args.log:
         Path(args.log).write_text("\n".join(lines) + "\n")
     return 0

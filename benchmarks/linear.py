@@ -50,24 +50,29 @@ def gemm_paths(layer: torch.nn.Module, x: torch.Tensor, dy: torch.Tensor) -> str
     return ", ".join(seen)
 
 
-def profile(layer: torch.nn.Module, x: torch.Tensor, dy: torch.Tensor, top: int = 14) -> None:
-    """GPU time of one step by kernel, largest first."""
+def profile(layer: torch.nn.Module, x: torch.Tensor, dy: torch.Tensor, top: int = 16) -> None:
+    """GPU time of one step by kernel and by torch operator, largest first."""
     from torch.profiler import ProfilerActivity
     from torch.profiler import profile as torch_profile
 
     step(layer, x, dy)
     torch.cuda.synchronize()
-    with torch_profile(activities=[ProfilerActivity.CUDA]) as prof:
+    activities = [ProfilerActivity.CPU, ProfilerActivity.CUDA]
+    with torch_profile(activities=activities) as prof:
         step(layer, x, dy)
         torch.cuda.synchronize()
     times: Counter[str] = Counter()
     for event in prof.events():
         if event.device_type == torch.autograd.DeviceType.CUDA:
-            times[event.name[:90]] += event.device_time
+            times[event.name[:150]] += event.device_time
     total = sum(times.values())
     print(f"  GPU time of one fp4gen step: {total / 1e3:.3f} ms in {len(times)} kernels")
     for name, us in times.most_common(top):
         print(f"  {us / 1e3:8.3f} ms  {name}")
+    table = prof.key_averages().table(
+        sort_by="self_device_time_total", row_limit=top, max_name_column_width=70
+    )
+    print(table)
 
 
 def main() -> None:

@@ -43,6 +43,7 @@ BACKENDS = ("auto", "reference", "dequant", "cute", "blackwell")
 FUSED_MAX_M = 64
 log = logging.getLogger(__name__)
 _logged: set[str] = set()
+_fused_ids: dict[tuple[int, int], tuple[object, object, str | None]] = {}
 
 
 class GemmChoice(NamedTuple):
@@ -104,11 +105,19 @@ def gemm(
 
 def fused_support(a: BlockFormat | object, b: BlockFormat | object) -> str | None:
     """None when the fused GEMM template generates a kernel for this operand pair, else why not."""
+    hit = _fused_ids.get((id(a), id(b)))  # by identity: hashing two formats costs microseconds
+    if hit is not None and hit[0] is a and hit[1] is b:
+        return hit[2]
     if not (isinstance(a, BlockFormat) and isinstance(b, BlockFormat)):
-        return "an operand is kept in high precision"
-    from fp4gen.runtime.cute_gemm import fused_support as support
+        reason: str | None = "an operand is kept in high precision"
+    else:
+        from fp4gen.runtime.cute_gemm import fused_support as support
 
-    return support(a, b)
+        reason = support(a, b)
+    if len(_fused_ids) >= 256:
+        _fused_ids.clear()
+    _fused_ids[(id(a), id(b))] = (a, b, reason)  # the references keep the ids valid
+    return reason
 
 
 def choose_backend(

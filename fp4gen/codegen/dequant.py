@@ -3,7 +3,8 @@
 The large-M GEMM path on Hopper (docs/gemm-sm90.md) decodes each operand once into bf16
 holding element x block scale, then runs cuBLAS with fp32 accumulation; the fused kernels
 re-decode every B tile once per M-tile instead. This kernel is that decode: a memory-bound
-elementwise pass (reads 1 or 0.5 code bytes and ~1/16 scale byte per value, writes 2 bytes).
+elementwise pass (reads 1 or 0.5 code bytes and 1/16 or 1/32 scale byte per value, writes 2
+bytes).
 
 Decode, for any element format eXmY (3 to 8 bits, signed) and any 8-bit-or-narrower scale
 format (eXmY or exponent-only ueXm0), by bit placement and exact fp32 multiplies:
@@ -44,9 +45,12 @@ from fp4gen.compiler.spec import DequantKernelSpec
 from fp4gen.formats import BlockFormat, ElementFormat
 
 ARCHS: tuple[str, ...] = ("sm_90a", "sm_100a")
-UNIT = 16  # values per unit of work: 16 code bytes (8 packed), 32 output bytes
+# values per unit of work: 8 code bytes (4 packed) in, one 16-byte store out, so that every
+# load and store instruction of a warp covers one contiguous span (a 16-value unit's two
+# 16-byte stores per thread half-fill the sectors of each instruction: 0.75x copy on H100)
+UNIT = 8
 THREADS = 256
-UNITS_PER_THREAD = 4  # loads issued back to back before any decode
+UNITS_PER_THREAD = 8  # loads issued back to back before any decode
 
 
 def unsupported_reason(spec: DequantKernelSpec) -> str | None:
@@ -111,9 +115,9 @@ def _scale_context(s: ElementFormat) -> dict[str, Any]:
 
 
 def _scale_groups(bc: int) -> tuple[str, list[list[int]]]:
-    """How the 16 values of a unit map to scale columns: "unit" (one block covers the unit),
-    "split" (16 / bc blocks per unit, value groups listed) or "value" (per-value index)."""
-    if bc % UNIT == 0:
+    """How the UNIT values of a unit map to scale columns: "unit" (one block covers the unit),
+    "split" (UNIT / bc blocks per unit, value groups listed) or "value" (per-value index)."""
+    if bc % UNIT == 0:  # whole units per block (a unit starts at a multiple of UNIT)
         return "unit", [list(range(UNIT))]
     if UNIT % bc == 0:
         return "split", [list(range(g * bc, (g + 1) * bc)) for g in range(UNIT // bc)]

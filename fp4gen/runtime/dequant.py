@@ -3,7 +3,7 @@
 ``dequantize_bf16(q)`` runs the generated dequantize kernel (``fp4gen.codegen.dequant``, compiled
 and cached through ``kernels_for`` like the GEMM kernels) on a QuantizedTensor's codes and
 scale codes: bf16 [R, Kp] holding element x block scale exactly (the global scale is not
-applied; K zero-padded to a multiple of 16). ``dequant_gemm(a, b, ...)`` decodes both operands
+applied; K zero-padded to a multiple of 8). ``dequant_gemm(a, b, ...)`` decodes both operands
 (B's values are remembered per QuantizedTensor until its codes change: a weight is decoded once
 per quantization, i.e. once per optimizer step in ``fp4gen.nn.Linear``), multiplies them with
 cuBLAS (``torch.mm(..., out_dtype=torch.float32)``: bf16 products are exact in fp32, fp32
@@ -26,11 +26,12 @@ from __future__ import annotations
 import logging
 import threading
 import weakref
+from functools import lru_cache
 from typing import Any
 
 import torch
 
-from fp4gen.codegen.dequant import spec_for
+from fp4gen.codegen.dequant import UNIT, spec_for
 from fp4gen.compiler.spec import DequantKernelSpec
 from fp4gen.errors import FP4GenError, TensorError
 from fp4gen.formats import BlockFormat
@@ -39,6 +40,10 @@ log = logging.getLogger(__name__)
 
 _unavailable: dict[tuple[DequantKernelSpec, str], str] = {}  # why a kernel cannot be had
 _loaded: dict[tuple[DequantKernelSpec, str], Any] = {}
+# per-call lookups by format identity: id(format) -> (format, ...), at most _MAX_IDS entries
+_by_format: dict[tuple[int, str], tuple[BlockFormat, Any]] = {}
+_support_ids: dict[int, tuple[object, str | None]] = {}
+_MAX_IDS = 256
 _lock = threading.Lock()
 _logged: set[str] = set()
 # QuantizedTensor -> (versions of its codes and scale codes, bf16 values [R, Kp])
@@ -50,10 +55,23 @@ _MM_DTYPE: list[bool] = []  # [whether torch.mm(..., out_dtype=) exists], filled
 
 def support(fmt: BlockFormat | object) -> str | None:
     """None when the dequantize kernel serves this operand format, else why not."""
+    hit = _support_ids.get(id(fmt))  # by identity: hashing a format costs microseconds
+    if hit is not None and hit[0] is fmt:
+        return hit[1]
     if not isinstance(fmt, BlockFormat):
-        return "the operand is kept in high precision"
-    spec = spec_for(fmt)
-    return spec if isinstance(spec, str) else None
+        reason: str | None = "the operand is kept in high precision"
+    else:
+        spec = _spec(fmt)
+        reason = spec if isinstance(spec, str) else None
+    if len(_support_ids) >= _MAX_IDS:
+        _support_ids.clear()
+    _support_ids[id(fmt)] = (fmt, reason)  # the reference keeps the id valid
+    return reason
+
+
+@lru_cache(maxsize=256)
+def _spec(fmt: BlockFormat) -> DequantKernelSpec | str:
+    return spec_for(fmt)
 
 
 def _log_once(reason: str) -> None:
@@ -65,12 +83,18 @@ def _log_once(reason: str) -> None:
 def kernels(fmt: BlockFormat, arch: str) -> Any:
     """The loaded dequantize kernels of ``fmt`` for ``arch`` (FP4GenError with the reason when
     there are none)."""
-    spec = spec_for(fmt)
+    hit = _by_format.get((id(fmt), arch))
+    if hit is not None and hit[0] is fmt:
+        return hit[1]
+    spec = _spec(fmt)
     if isinstance(spec, str):
         raise FP4GenError(f"no dequantize kernel: {spec}")
     key = (spec, arch)
     found = _loaded.get(key)
     if found is not None:
+        if len(_by_format) >= _MAX_IDS:
+            _by_format.clear()
+        _by_format[(id(fmt), arch)] = (fmt, found)
         return found
     reason = _unavailable.get(key)
     if reason is None:
@@ -91,6 +115,7 @@ def kernels(fmt: BlockFormat, arch: str) -> Any:
         with _lock:
             if found is not None:
                 _loaded[key] = found
+                _by_format[(id(fmt), arch)] = (fmt, found)
                 return found
             _unavailable[key] = reason
     raise FP4GenError(reason)
@@ -98,7 +123,7 @@ def kernels(fmt: BlockFormat, arch: str) -> Any:
 
 def dequantize_bf16(q: Any, *, arch: str | None = None) -> torch.Tensor:
     """bf16 [R, Kp] = element x block scale of the QuantizedTensor ``q`` (CUDA), Kp = K rounded
-    up to a multiple of 16 (zeros past K). Bit for bit ``q.dequantize_blockwise()`` rounded to
+    up to a multiple of 8 (zeros past K). Bit for bit ``q.dequantize_blockwise()`` rounded to
     bf16 (exact for these formats). FP4GenError when no kernel serves ``q``'s format here."""
     if q.device.type != "cuda":
         raise TensorError(f"the dequantize kernel runs on CUDA tensors, got {q.device}")
@@ -106,11 +131,29 @@ def dequantize_bf16(q: Any, *, arch: str | None = None) -> torch.Tensor:
         from fp4gen.compiler.jit import detect_arch
 
         arch = detect_arch()
-    k = kernels(q.format, arch)
-    sc = q.scale_codes
+    fmt = q.format
+    k = kernels(fmt, arch)
+    codes, sc = q.codes, q.scale_codes
     if sc is None:
-        raise TensorError(f"{q.format.name}: the dequantize kernel needs scale codes")
-    return k.module.run(k.fns, q.codes, sc, cols=q.cols)
+        raise TensorError(f"{fmt.name}: the dequantize kernel needs scale codes")
+    rows, cols = codes.shape
+    br, bc = fmt.block
+    if (  # the common case, checked with integer compares: launch without launch_args
+        cols % UNIT == 0
+        and codes.dtype == torch.uint8
+        and sc.dtype == torch.uint8
+        and codes.is_contiguous()
+        and sc.is_contiguous()
+        and codes.data_ptr() % 16 == 0
+        and sc.device == codes.device
+        and sc.shape == (-(-rows // br), -(-cols // bc))
+        and rows * cols < 2**31
+    ):
+        out = torch.empty((rows, cols), dtype=torch.bfloat16, device=codes.device)
+        if rows:
+            k.fns["dequant"](codes, sc, out)
+        return out
+    return k.module.run(k.fns, codes, sc, cols=cols)  # validates, pads K, copies
 
 
 def cached_bf16(q: Any, *, arch: str | None = None) -> torch.Tensor:
@@ -166,7 +209,7 @@ def epilogue(
     if bias is not None:
         if tuple(bias.shape) != (n,):
             raise TensorError(f"bias must have shape [{n}], got {tuple(bias.shape)}")
-        bias = bias.to(device=c.device, dtype=torch.float32)
+        bias = bias.detach().to(device=c.device, dtype=torch.float32)  # no autograd here
     if accumulate is not None:
         if tuple(accumulate.shape) != (m, n):
             raise TensorError(
@@ -175,7 +218,7 @@ def epilogue(
         c.mul_(alpha)
         if bias is not None:
             c.add_(bias)
-        c.add_(accumulate.to(device=c.device, dtype=torch.float32))
+        c.add_(accumulate.detach().to(device=c.device, dtype=torch.float32))
         return c if out_dtype == torch.float32 else c.to(out_dtype)
     out = c if out_dtype == torch.float32 else torch.empty((m, n), dtype=out_dtype, device=c.device)
     if bias is None:
@@ -207,7 +250,7 @@ def dequant_gemm(
         raise TensorError(
             f"the dequantize GEMM needs both operands on one CUDA device: {dev}, {b.device}"
         )
-    kp = -(-a.cols // 16) * 16
+    kp = -(-a.cols // UNIT) * UNIT
     if max(a.rows, b.rows) * kp >= 2**31:
         raise FP4GenError("the dequantize kernel indexes with 32 bits (rows * K >= 2^31)")
     return _gemm(a, b, out_dtype, bias, accumulate, arch)
@@ -225,10 +268,12 @@ def _gemm(
     vb = cached_bf16(b, arch=arch)
     c = _mm_fp32(va, vb)
     dev = c.device
-    alpha = a.global_scale.to(device=dev, dtype=torch.float32) * b.global_scale.to(
-        device=dev, dtype=torch.float32
-    )
-    return epilogue(c, alpha, bias, accumulate, out_dtype)
+    ga, gb = a.global_scale, b.global_scale
+    if ga.dtype != torch.float32 or ga.device != dev:
+        ga = ga.to(device=dev, dtype=torch.float32)
+    if gb.dtype != torch.float32 or gb.device != dev:
+        gb = gb.to(device=dev, dtype=torch.float32)
+    return epilogue(c, ga * gb, bias, accumulate, out_dtype)
 
 
 __all__ = [
