@@ -71,7 +71,7 @@ def test_demo_help_lists_sizes_and_recipes(capsys: pytest.CaptureFixture[str]) -
     with pytest.raises(SystemExit):
         main(["demo", "--help"])
     out = capsys.readouterr().out
-    assert "medium  8 x 768" in out and "57M parameters" in out
+    assert "medium  8 x 768" in out and "57M parameters: on an H100" in out
     assert "mor_subtensor_3way" in out and "nvfp4_small" in out and "--time-budget" in out
 
 
