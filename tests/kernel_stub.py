@@ -1,11 +1,11 @@
 """A stand-in for the quantize template in compiler tests: ``render_stub(spec)`` returns a tiny
 generated module with the real contract (KERNELS, compile_kernel, run) whose kernels scale a flat
 fp32 tensor. It compiles in a fraction of a second, and like the template it supports only single
-rowwise outputs of 1D blocks (NotImplementedError otherwise)."""
+rowwise outputs of 1D blocks (NotImplementedError otherwise); a MoR spec gets one "mor" kernel."""
 
 from __future__ import annotations
 
-from fp4gen.compiler.spec import QuantKernelSpec
+from fp4gen.compiler.spec import MoRKernelSpec, QuantKernelSpec
 
 STUB = '''\
 """fp4gen test stub for {name}: the generated-module contract around trivial kernels."""
@@ -62,7 +62,9 @@ def run(fns, x, *, seed=0, offset=0):
 '''
 
 
-def render_stub(spec: QuantKernelSpec) -> str:
+def render_stub(spec: QuantKernelSpec | MoRKernelSpec) -> str:
+    if isinstance(spec, MoRKernelSpec):
+        return STUB.format(name=spec.name, kernels=("mor",), factors={"mor": 1.0})
     if [o.direction for o in spec.outputs] != ["rowwise"]:
         raise NotImplementedError(f"{spec.name}: only a single rowwise output (stub)")
     if spec.block[0] != 1:

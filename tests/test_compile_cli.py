@@ -212,10 +212,13 @@ def test_mor_recipe_and_several_recipes(
         "--cache-dir", str(tmp_path / "c"),
     )  # fmt: skip
     assert code == 0
-    assert "mor_tensor: 0 planned kernel(s)" in stdout
+    assert "mor_tensor: 1 planned kernel(s)" in stdout
     m = manifest(tmp_path / "g" / "mor_tensor")
-    assert m["kernels"] == []
-    assert "Mixture of Representations" in m["skipped"][0]["reason"]
+    (k,) = m["kernels"]
+    assert k["spec"]["kind"] == "mor" and k["spec"]["rule"] == "tensor_e4m3"
+    assert k["kernels"] == ["mor"] and len(k["uses"]) == 6
+    assert (tmp_path / "g" / "mor_tensor" / k["file"]).is_file()
+    assert m["skipped"] == []
     # mxfp8: one fused kernel for all tensors; its rowwise stand-in serves all six slots
     k = by_name(manifest(tmp_path / "g" / "mxfp8"))
     (stand_in,) = [v for v in k.values() if v.get("fallback_for")]

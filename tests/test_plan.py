@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from fp4gen.compiler.plan import KernelPlan, plan_recipe
-from fp4gen.compiler.spec import QuantKernelSpec, QuantOutput
+from fp4gen.compiler.spec import MoRKernelSpec, QuantKernelSpec, QuantOutput
 from fp4gen.dsl import load_recipe
 from fp4gen.dsl.model import TE_SIGNS_16, Operand, RHTSpec
 from fp4gen.formats import E2M1, E4M3, UE8M0, ScaleSpec
@@ -174,12 +174,35 @@ def test_fp8_blockwise_2d_weights_fp32_scales() -> None:
 
 
 @pytest.mark.parametrize("name", ["mor_tensor", "mor_subtensor_2way", "mor_subtensor_3way"])
-def test_mor_recipes_have_no_fixed_kernels(name: str) -> None:
-    plan = plan_of(name)
-    assert plan.kernels == ()
+def test_mor_recipes_plan_the_rules_kernels(name: str) -> None:
+    """A MoR rule on every operand: one MoR kernel module (rule, rounding, input dtype) serves
+    all six slots; nothing is skipped."""
+    recipe = load_recipe(RECIPES / f"{name}.fp4r")
+    plan = plan_recipe(recipe)
+    (k,) = plan.kernels
+    assert k.spec == MoRKernelSpec(recipe.mors[0], "nearest", "bf16")
+    assert set(k.operands) == set(Operand)
+    assert plan.skipped == ()
+    assert k.spec.name.startswith("mor_")
+    assert f"MoR rule {recipe.mors[0].name}" in plan.text()
+    entry = plan.to_json()["kernels"][0]["spec"]
+    assert entry["kind"] == "mor" and entry["candidates"][-1] == "bf16"
+    # fp32 inputs: another module
+    assert plan_recipe(recipe, input_dtype="fp32").kernels[0].spec.input_dtype == "fp32"
+
+
+def test_mor_operand_with_an_rht_runs_the_reference(tmp_path: Path) -> None:
+    text = (RECIPES / "mor_tensor.fp4r").read_text()
+    rht = "\n    wgrad.activation : rht 16\n    wgrad.gradient : rht 16"
+    text = text.replace("* : mor tensor_e4m3", "* : mor tensor_e4m3" + rht)
+    path = tmp_path / "mor_rht.fp4r"
+    path.write_text(text)
+    plan = plan_recipe(load_recipe(path))
+    (k,) = plan.kernels
+    assert set(k.operands) == set(Operand) - {Operand.WGRAD_GRADIENT, Operand.WGRAD_ACTIVATION}
     (skip,) = plan.skipped
-    assert set(skip.operands) == set(Operand)
-    assert "Mixture of Representations" in skip.reason
+    assert set(skip.operands) == {Operand.WGRAD_GRADIENT, Operand.WGRAD_ACTIVATION}
+    assert "with an RHT" in skip.reason and "reference" in skip.reason
 
 
 @pytest.mark.parametrize("path", SHIPPED, ids=lambda p: p.stem)
@@ -187,9 +210,10 @@ def test_every_shipped_recipe_plans_consistently(path: Path) -> None:
     plan = plan_recipe(load_recipe(path))
     assert len(set(plan.specs)) == len(plan.specs)  # deduplicated
     for k in plan.kernels:
-        directions = {o.direction for o in k.spec.outputs}
-        for use in k.uses:
-            assert use.operand.use in directions
+        if isinstance(k.spec, QuantKernelSpec):
+            directions = {o.direction for o in k.spec.outputs}
+            for use in k.uses:
+                assert use.operand.use in directions
         assert all(k.spec.input_dtype == "bf16" for k in plan.kernels)
     # every slot of every context is either served by a kernel or skipped with a reason
     for recipe, context in plan.contexts():

@@ -24,16 +24,15 @@ Numerics: docs/numerics.md section 8, bit for bit (the reference is ``fp4gen.num
 
 from __future__ import annotations
 
-import hashlib
 import math
-from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import jinja2
 import torch
 
+from fp4gen.compiler.spec import MoRKernelSpec
 from fp4gen.dsl.model import MoRSpec, Partition
 from fp4gen.formats import ElementFormat, HighPrecision
 from fp4gen.numerics.minifloat import max_finite
@@ -55,28 +54,7 @@ _INPUTS = {
 }
 _HIGH = {"bf16": ("bfloat16", 2), "fp16": ("float16", 2), "fp32": ("float32", 4)}
 
-InputDType = Literal["bf16", "fp16", "fp32"]
-
 assert TILE == SUM_TILE, "the kernels' tile is the reference's summation piece"
-
-
-@dataclass(frozen=True)
-class MoRKernelSpec:
-    """What the MoR kernels of one operand are generated from."""
-
-    rule: MoRSpec
-    rounding: str = "nearest"
-    input_dtype: InputDType = "bf16"
-    segments: int = 4  # row segments of 8 elements per thread: CTAs of 32 * 64 / segments threads
-
-    @property
-    def digest(self) -> str:
-        return hashlib.sha256(repr(self).encode()).hexdigest()[:12]
-
-    @property
-    def name(self) -> str:
-        rule = "".join(c if c.isalnum() else "_" for c in self.rule.name)
-        return f"mor_{rule}_{self.input_dtype}_{self.rounding}_s{self.segments}_{self.digest}"
 
 
 def _lit(x: float) -> str:

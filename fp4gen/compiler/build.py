@@ -33,6 +33,7 @@ from typing import Any, TextIO
 from fp4gen.compiler import jit
 from fp4gen.compiler.cache import KernelCache, cutlass_dsl_version, sha256_text
 from fp4gen.compiler.plan import KernelPlan, PlannedKernel, plan_recipe, spec_json, use_json
+from fp4gen.compiler.spec import QuantKernelSpec
 from fp4gen.dsl.model import Recipe
 
 MANIFEST = "manifest.json"
@@ -85,6 +86,8 @@ def split_specs(planned: PlannedKernel) -> list[PlannedKernel]:
     tensor (rowwise) or on its transpose (columnwise), as ``quantize`` does. 2D blocks have
     none: their columnwise copy is the transpose of the same tile codes."""
     spec = planned.spec
+    if not isinstance(spec, QuantKernelSpec):
+        return []  # MoR kernels: one module, no stand-ins
     if spec.block[0] != 1 or (len(spec.outputs) == 1 and spec.outputs[0].direction == "rowwise"):
         return []
     out = []

@@ -30,7 +30,12 @@ from types import ModuleType
 from typing import Any
 
 from fp4gen.compiler.cache import Entry, KernelCache, sha256_text
-from fp4gen.compiler.spec import DequantKernelSpec, GemmKernelSpec, QuantKernelSpec
+from fp4gen.compiler.spec import (
+    DequantKernelSpec,
+    GemmKernelSpec,
+    MoRKernelSpec,
+    QuantKernelSpec,
+)
 
 ARCHS: tuple[str, ...] = ("sm_90a", "sm_100a")
 # Options that change the binary and are not part of the source (the source fixes the rest).
@@ -46,7 +51,9 @@ _modules_lock = threading.Lock()
 # ----------------------------------------------------------------------------------------------
 
 
-def render_source(spec: QuantKernelSpec | GemmKernelSpec | DequantKernelSpec) -> str:
+def render_source(
+    spec: QuantKernelSpec | GemmKernelSpec | DequantKernelSpec | MoRKernelSpec,
+) -> str:
     """The generated module of ``spec``; NotImplementedError if the template cannot emit it."""
     if isinstance(spec, GemmKernelSpec):
         from fp4gen.codegen.gemm import render_gemm
@@ -56,6 +63,10 @@ def render_source(spec: QuantKernelSpec | GemmKernelSpec | DequantKernelSpec) ->
         from fp4gen.codegen.dequant import render_dequant
 
         return render_dequant(spec)
+    if isinstance(spec, MoRKernelSpec):
+        from fp4gen.codegen.mor import render as render_mor
+
+        return render_mor(spec)
     try:
         from fp4gen.codegen.quantize import render  # type: ignore[import-not-found]
     except ImportError as err:

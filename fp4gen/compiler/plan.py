@@ -10,8 +10,10 @@ For each tensor, the quantized operand slots are grouped by what fixes the block
 block shape, scale format and global scale. Each group is ONE QuantKernelSpec with one output per
 direction (so x's rowwise and columnwise copies come from one launch, each with its own rounding
 and RHT), and a 2D-block weight gets one spec whose two outputs share one set of tile scales.
-Operands in high precision or under a Mixture-of-Representations rule (chosen at run time from
-the data) get no quantize kernel; the plan records why.
+An operand under a Mixture-of-Representations rule (the format chosen at run time from the data)
+gets the rule's MoR kernels (a MoRKernelSpec per rule, rounding and input dtype: they measure,
+decide and quantize in one pass); with an RHT it runs the MoR reference instead (the MoR kernels
+do not transform), and operands in high precision need nothing; the plan records why.
 
 Besides the operand table, a recipe can run other precisions in some layers (``layers``) or from
 some point of training on (``schedule``). The plan covers every such context:
@@ -35,11 +37,18 @@ from dataclasses import dataclass
 from typing import Any
 
 from fp4gen import describe
-from fp4gen.compiler.spec import InputDType, QuantKernelSpec, QuantOutput, ScaleLayout
+from fp4gen.compiler.spec import (
+    InputDType,
+    MoRKernelSpec,
+    QuantKernelSpec,
+    QuantOutput,
+    ScaleLayout,
+)
 from fp4gen.dsl.model import (
     GEMMS,
     ROLES,
     MoRRef,
+    MoRSpec,
     Operand,
     OperandSpec,
     Recipe,
@@ -78,7 +87,7 @@ class OperandUse:
 class PlannedKernel:
     """A kernel of the plan and every operand slot that uses one of its outputs."""
 
-    spec: QuantKernelSpec
+    spec: QuantKernelSpec | MoRKernelSpec
     uses: tuple[OperandUse, ...]
 
     @property
@@ -110,7 +119,7 @@ class KernelPlan:
     skipped: tuple[Skipped, ...]
 
     @property
-    def specs(self) -> tuple[QuantKernelSpec, ...]:
+    def specs(self) -> tuple[QuantKernelSpec | MoRKernelSpec, ...]:
         return tuple(k.spec for k in self.kernels)
 
     def kernel_for(
@@ -144,7 +153,7 @@ class KernelPlan:
             lines.append("")
             lines.append(f"{i}. {k.spec.name}")
             lines.append(f"   tensor {tensors}: {spec_summary(k.spec)}")
-            for out in k.spec.outputs:
+            for out in k.spec.outputs if isinstance(k.spec, QuantKernelSpec) else ():
                 lines.append(f"   - {output_summary(out)}")
             lines.append("   used by:")
             for use in k.uses:
@@ -190,7 +199,15 @@ class KernelPlan:
 # ----------------------------------------------------------------------------------------------
 
 
-def spec_summary(spec: QuantKernelSpec) -> str:
+def spec_summary(spec: QuantKernelSpec | MoRKernelSpec) -> str:
+    if isinstance(spec, MoRKernelSpec):
+        rule = spec.rule
+        cands = " -> ".join(c.format.name for c in rule.candidates)
+        return (
+            f"MoR rule {rule.name} ({cands}; decided per {describe.partition_text(rule.decide)},"
+            f" {rule.scaling} scales per {describe.partition_text(rule.scale)}), round "
+            f"{spec.rounding}, input {spec.input_dtype}: measure, decide and quantize"
+        )
     scale = describe.scale_text(spec.scale)
     glob = "global amax" if spec.global_scale else "no global scale"
     block = describe.block_text(spec.block)
@@ -218,8 +235,22 @@ def output_json(out: QuantOutput) -> dict[str, Any]:
     }
 
 
-def spec_json(spec: QuantKernelSpec) -> dict[str, Any]:
+def spec_json(spec: QuantKernelSpec | MoRKernelSpec) -> dict[str, Any]:
     """Every parameter of a spec, JSON-ready (the manifest and ``show`` print this)."""
+    if isinstance(spec, MoRKernelSpec):
+        rule = spec.rule
+        return {
+            "kind": "mor",
+            "rule": rule.name,
+            "candidates": [c.format.name for c in rule.candidates],
+            "decide": describe.partition_text(rule.decide),
+            "scale": describe.partition_text(rule.scale),
+            "scaling": rule.scaling,
+            "rounding": spec.rounding,
+            "input_dtype": spec.input_dtype,
+            "segments": spec.segments,
+            "digest": spec.digest,
+        }
     return {
         "element": spec.element.name,
         "block": describe.block_text(spec.block),
@@ -286,12 +317,12 @@ def _when(rule: ScheduleRule) -> str:
 
 def _contexts(
     recipe: Recipe, visiting: frozenset[tuple[str, str]] = frozenset()
-) -> Iterator[tuple[str, str, Table | str]]:
-    """(recipe name, context label, operand table or a reason nothing is quantized)."""
+) -> Iterator[tuple[Recipe, str, Table | str]]:
+    """(the recipe whose table it is, context label, operand table or a reason nothing is
+    quantized)."""
     visiting = visiting | {_recipe_key(recipe)}
-    name = recipe.name
     contexts: list[tuple[str, Table]] = [("operands", _table(recipe))]
-    yield name, "operands", contexts[0][1]
+    yield recipe, "operands", contexts[0][1]
 
     included: list[Recipe] = []
     for rule in recipe.layers:
@@ -299,14 +330,14 @@ def _contexts(
         label += describe.action_text(rule.action)
         action = rule.action
         if isinstance(action, HighPrecision):
-            yield name, label, f"layer rule keeps these layers in {action.name}"
+            yield recipe, label, f"layer rule keeps these layers in {action.name}"
         elif isinstance(action, BlockFormat):
             table = _uniform(action)
             contexts.append((label, table))
-            yield name, label, table
+            yield recipe, label, table
         else:
             included.append(_ref_recipe(action, recipe))
-            yield name, label, f"layer rule runs recipe {included[-1].name} (planned with it)"
+            yield recipe, label, f"layer rule runs recipe {included[-1].name} (planned with it)"
 
     # Schedule rules switch passes from some point on; they accumulate in the order written.
     current = list(contexts)
@@ -328,7 +359,7 @@ def _contexts(
         if isinstance(action, RecipeRef):
             included.append(_ref_recipe(action, recipe))
         for label, table in nxt:
-            yield name, label, table
+            yield recipe, label, table
         current = nxt
 
     for sub in included:
@@ -361,12 +392,24 @@ def _specs_of(
 def _skip_reason(spec: OperandSpec) -> str | None:
     if isinstance(spec.format, HighPrecision):
         return f"high precision ({spec.format.name}): no quantization"
-    if isinstance(spec.format, MoRRef):
+    if isinstance(spec.format, MoRRef) and spec.rht is not None:
         return (
-            f"Mixture of Representations rule {spec.format.name}: the format is chosen at run "
-            "time from the data (no fixed quantize kernel)"
+            f"Mixture of Representations rule {spec.format.name} with an RHT: the MoR kernels do "
+            "not transform, so the MoR reference quantizes these operands"
         )
     return None
+
+
+def _mor_specs_of(
+    table: Table, mors: Mapping[str, MoRSpec], dtypes: Mapping[str, InputDType]
+) -> Iterator[tuple[MoRKernelSpec, Operand]]:
+    """The MoR kernels of an operand table: one spec per rule, rounding and input dtype (the
+    rowwise and columnwise slots of a tensor share it: the columnwise copy is the same kernels
+    run on the transpose)."""
+    for op in Operand:
+        spec = table[op]
+        if isinstance(spec.format, MoRRef) and spec.rht is None:
+            yield MoRKernelSpec(mors[spec.format.name], spec.rounding, dtypes[op.role]), op
 
 
 def plan_recipe(
@@ -384,15 +427,25 @@ def plan_recipe(
     dtypes = _dtypes(input_dtype)
     if scale_layout not in ("compact", "swizzled"):
         raise ValueError(f"scale_layout must be 'compact' or 'swizzled', got {scale_layout!r}")
-    kernels: dict[QuantKernelSpec, list[OperandUse]] = {}
+    kernels: dict[QuantKernelSpec | MoRKernelSpec, list[OperandUse]] = {}
     skipped: list[Skipped] = []
-    for rname, context, table in _contexts(recipe):
+    contexts = list(_contexts(recipe))
+    # MoR rules by name across the recipes involved (a schedule rule may bring in the operand
+    # of another recipe; the runtime takes the same scope and rejects a name used twice)
+    mors: dict[str, MoRSpec] = {}
+    for owner, _, _ in contexts:
+        for rule in owner.mors:
+            mors.setdefault(rule.name, rule)
+    for owner, context, table in contexts:
+        rname = owner.name
         if isinstance(table, str):
             skipped.append(Skipped(rname, context, tuple(Operand), table))
             continue
         for spec, ops in _specs_of(table, dtypes, scale_layout):
             uses = kernels.setdefault(spec, [])
             uses.extend(OperandUse(rname, context, op) for op in ops)
+        for mspec, op in _mor_specs_of(table, mors, dtypes):
+            kernels.setdefault(mspec, []).append(OperandUse(rname, context, op))
         reasons: dict[str, list[Operand]] = {}
         for op in Operand:
             reason = _skip_reason(table[op])

@@ -1,6 +1,7 @@
 """What one generated kernel computes: the unit of code generation and caching.
 
-A QuantKernelSpec (quantize) or GemmKernelSpec (fused GEMM) holds every parameter that changes
+A QuantKernelSpec (quantize), MoRKernelSpec (Mixture-of-Representations quantize) or
+GemmKernelSpec (fused GEMM) holds every parameter that changes
 the generated source, and nothing else, so equal specs share one kernel (across operands, layers
 and recipes). Formats are baked into the source as constants; shapes stay dynamic.
 """
@@ -11,7 +12,7 @@ import hashlib
 from dataclasses import dataclass
 from typing import Literal
 
-from fp4gen.dsl.model import RHTSpec
+from fp4gen.dsl.model import MoRSpec, RHTSpec
 from fp4gen.formats import ElementFormat, ElementRounding, ScaleSpec
 
 # Short tags of the element roundings in kernel names
@@ -235,3 +236,23 @@ class DequantKernelSpec:
     def digest(self) -> str:
         """Content hash of the spec."""
         return hashlib.sha256(repr(self).encode()).hexdigest()[:16]
+
+
+@dataclass(frozen=True)
+class MoRKernelSpec:
+    """What the MoR kernels of one operand are generated from (``fp4gen.codegen.mor``): the rule
+    (candidates, metric, threshold, partitions, scaling), the element rounding and the input."""
+
+    rule: MoRSpec
+    rounding: str = "nearest"
+    input_dtype: InputDType = "bf16"
+    segments: int = 4  # row segments of 8 elements per thread: CTAs of 32 * 64 / segments threads
+
+    @property
+    def digest(self) -> str:
+        return hashlib.sha256(repr(self).encode()).hexdigest()[:12]
+
+    @property
+    def name(self) -> str:
+        rule = "".join(c if c.isalnum() else "_" for c in self.rule.name)
+        return f"mor_{rule}_{self.input_dtype}_{self.rounding}_s{self.segments}_{self.digest}"
