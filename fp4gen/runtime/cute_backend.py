@@ -5,6 +5,12 @@ single-output rowwise spec (``kernels_for``) and builds the same QuantizedTensor
 codes unpacked on the device, block scales decoded from their codes, S_dec as a 0-dim fp32
 tensor. ``backend="auto"`` takes this path for CUDA tensors whose spec and shape the kernels
 support, and otherwise stays on the reference (logged once per reason at INFO).
+
+``quantize_tile_cute(x, fmt, outputs, ...)`` quantizes a tensor rowwise and/or columnwise (the
+columnwise copy being the rowwise quantization of ``x.t()``, each copy with its own rounding, RHT
+and Philox offset) in one launch of the tile kernel, reading ``x`` once and never transposing
+it: what a linear layer's backward pass needs for the gradient (dgrad rowwise, wgrad
+columnwise) and the activation (wgrad columnwise).
 """
 
 from __future__ import annotations
@@ -140,6 +146,68 @@ def quantize_cute(
     )
 
 
+TileOutput = tuple[str, str, RHTSpec | None, int]  # (direction, rounding, rht, Philox offset)
+
+
+def quantize_tile_cute(
+    x: torch.Tensor, fmt: BlockFormat, outputs: tuple[TileOutput, ...], *, seed: int
+) -> tuple[Any, ...] | None:
+    """QuantizedTensors of the copies ``outputs`` of the 2-D CUDA tensor ``x`` (1D blocks), from
+    one tile kernel: a rowwise copy equals ``quantize(x, ...)``, a columnwise one
+    ``quantize(x.t().contiguous(), ...)``, bit for bit. None when the kernels cannot serve the
+    call (no GPU kernels, a shape the tile kernel does not take: the caller quantizes the copies
+    one by one); TensorError for non-finite values."""
+    from fp4gen.numerics.quantize import QuantizedTensor, _check_finite
+
+    if x.device.type != "cuda" or x.dim() != 2 or x.dtype not in _DTYPES or fmt.is_2d:
+        return None
+    if x.numel() == 0 or not x.is_contiguous() or x.data_ptr() % 16:
+        return None
+    spec = QuantKernelSpec(
+        element=fmt.element,
+        block=fmt.block,
+        scale=fmt.scale,
+        global_scale=fmt.global_scale,
+        input_dtype=_DTYPES[x.dtype],
+        outputs=tuple(QuantOutput(d, r, h) for d, r, h, _ in outputs),  # type: ignore[arg-type]
+    )
+    kernels = _kernels(spec)
+    if isinstance(kernels, str):
+        _log_once(kernels)
+        return None
+    try:
+        kernels.module.check_input(x)
+    except TensorError as err:
+        _log_once(f"{spec.name} does not take this input ({err}); the copies run one by one")
+        return None
+    if not bool(torch.isfinite(x).all()):  # one reduction and sync for every copy
+        _check_finite(x, f"the input of shape {tuple(x.shape)}")
+
+    out = kernels.module.run(kernels.fns, x, seed=seed, offset=tuple(o for *_, o in outputs))
+    rows, cols = x.shape
+    result = []
+    for direction, rounding, rht, offset in outputs:
+        p = "" if direction == "rowwise" else "col_"
+        shape = (rows, cols) if direction == "rowwise" else (cols, rows)
+        scales = out[p + "scales"]
+        result.append(
+            QuantizedTensor(
+                codes=_codes(out[p + "data"], fmt, shape[1]),
+                scales=_scale_values(scales, fmt),
+                scale_codes=None if fmt.scale.element is None else scales,
+                global_scale=out[p + "global_scale"].reshape(()).to(torch.float32),
+                format=fmt,
+                rounding=rounding,
+                rht=rht,
+                seed=seed,
+                offset=offset,
+                shape=torch.Size(shape),
+                dtype=x.dtype,
+            )
+        )
+    return tuple(result)
+
+
 def _reference_error(x: torch.Tensor) -> None:
     """Raise the reference quantizer's error for an input it rejects."""
     from fp4gen.numerics.quantize import _as_2d_float32
@@ -167,4 +235,4 @@ def _scale_values(scales: torch.Tensor, fmt: BlockFormat) -> torch.Tensor:
     return decode(scales, fmt.scale.element)
 
 
-__all__ = ["quantize_cute", "spec_for"]
+__all__ = ["quantize_cute", "quantize_tile_cute", "spec_for"]

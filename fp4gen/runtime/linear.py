@@ -38,7 +38,13 @@ from fp4gen.gemm_dispatch import gemm
 from fp4gen.numerics import QuantizedTensor, error_stats
 from fp4gen.numerics.mor import MoRTensor
 from fp4gen.runtime import ops
-from fp4gen.runtime.operands import check_supported, mor_scope, operand_matmul, quantize_operand
+from fp4gen.runtime.operands import (
+    check_supported,
+    mor_scope,
+    operand_matmul,
+    quantize_operand,
+    quantize_operand_pair,
+)
 from fp4gen.runtime.schedule import ScheduledOperands, TrainingClock, action_mors, action_table
 
 SLOT = {op: i for i, op in enumerate(Operand)}
@@ -174,17 +180,31 @@ class Linear(nn.Linear):
         call = self._backward_calls
         self._backward_calls += 1
         _, w_col = self.quantized_weight(table)
-        dyq = self.quantize(dy2, Operand.DGRAD_GRADIENT, table.dgrad_gradient, call)
+        # dy rowwise (dgrad) and columnwise (wgrad), x columnwise (wgrad): on CUDA one tile
+        # kernel per tensor reads it once, with no transposed copy
+        dyq, dyq_t = quantize_operand_pair(
+            dy2,
+            self.slot(Operand.DGRAD_GRADIENT, table.dgrad_gradient, call),
+            self.slot(Operand.WGRAD_GRADIENT, table.wgrad_gradient, call),
+            seed=self.seed,
+            backend=self.backend,
+            mors=self.mors,
+        )
         dx = operand_matmul(dyq, w_col)
         self.record(Operand.DGRAD_GRADIENT, dy2, dyq, call)
         self.record(Operand.DGRAD_WEIGHT, self.weight.detach().t(), w_col, call)
 
-        dy_t, x_t = dy2.t().contiguous(), x2.t().contiguous()
-        dyq_t = self.quantize(dy_t, Operand.WGRAD_GRADIENT, table.wgrad_gradient, call)
-        xq_t = self.quantize(x_t, Operand.WGRAD_ACTIVATION, table.wgrad_activation, call)
+        _, xq_t = quantize_operand_pair(
+            x2,
+            None,
+            self.slot(Operand.WGRAD_ACTIVATION, table.wgrad_activation, call),
+            seed=self.seed,
+            backend=self.backend,
+            mors=self.mors,
+        )
         dw = operand_matmul(dyq_t, xq_t)
-        self.record(Operand.WGRAD_GRADIENT, dy_t, dyq_t, call)
-        self.record(Operand.WGRAD_ACTIVATION, x_t, xq_t, call)
+        self.record(Operand.WGRAD_GRADIENT, dy2.t(), dyq_t, call)
+        self.record(Operand.WGRAD_ACTIVATION, x2.t(), xq_t, call)
         return dx, dw
 
     def quantized_weight(self, table: OperandTable) -> tuple[Any, Any]:
@@ -225,6 +245,11 @@ class Linear(nn.Linear):
             backend=self.backend,
             mors=self.mors,
         )
+
+    @staticmethod
+    def slot(op: Operand, spec: OperandSpec, call: int) -> tuple[OperandSpec, int]:
+        """An operand slot's spec and Philox offset in this call (a stream per slot and call)."""
+        return spec, 8 * call + SLOT[op]
 
     def record(self, op: Operand, source: torch.Tensor, quantized: Any, call: int) -> None:
         """Append one telemetry record for a quantized operand (high-precision ones have none):

@@ -9,6 +9,10 @@ paper's upcast: a block kept in BF16 meets the other operand's block at the high
 
 A MoRRef names a rule of the recipe; the caller passes the rules in scope (``mors``, name ->
 MoRSpec, see ``mor_scope``).
+
+``quantize_operand_pair`` gives a tensor's rowwise operand and its transpose's (the columnwise
+one): on CUDA from one tile-kernel launch when both use one block format (the scales of each copy
+along its own direction), else one by one on ``t`` and on ``t.t()``.
 """
 
 from __future__ import annotations
@@ -19,7 +23,7 @@ import torch
 
 from fp4gen.dsl.model import MoRRef, MoRSpec, OperandSpec, RHTSpec
 from fp4gen.errors import FP4GenError
-from fp4gen.formats import HighPrecision
+from fp4gen.formats import BlockFormat, HighPrecision
 from fp4gen.gemm_dispatch import gemm
 from fp4gen.numerics import QuantizedTensor, quantize
 from fp4gen.numerics.mor import MoRTensor, mor_quantize
@@ -98,6 +102,38 @@ def quantize_operand(
         offset=offset,
         backend=backend,
     )
+
+
+def quantize_operand_pair(
+    t: torch.Tensor,
+    row: tuple[OperandSpec, int] | None,
+    col: tuple[OperandSpec, int],
+    *,
+    seed: int,
+    backend: str = "auto",
+    mors: Mapping[str, MoRSpec] | None = None,
+) -> tuple[Operand | None, Operand]:
+    """(the rowwise operand of ``t`` or None, the operand of ``t.t()``) for the (spec, Philox
+    offset) pairs ``row`` and ``col``: the same operands as ``quantize_operand`` on ``t`` and on
+    ``t.t().contiguous()``, from one read of ``t`` when a tile kernel serves both."""
+    fmt = col[0].format
+    same = row is None or row[0].format == fmt
+    if backend in ("auto", "cute") and same and isinstance(fmt, BlockFormat) and t.is_cuda:
+        from fp4gen.runtime.cute_backend import quantize_tile_cute
+
+        outputs = [("columnwise", col[0].rounding, col[0].rht, col[1])]
+        if row is not None:  # the tile kernel writes the rowwise copy first
+            outputs.insert(0, ("rowwise", row[0].rounding, row[0].rht, row[1]))
+        got = quantize_tile_cute(t, fmt, tuple(outputs), seed=seed)
+        if got is not None:
+            return (got[0], got[1]) if row is not None else (None, got[0])
+    rowwise = None
+    if row is not None:
+        rowwise = quantize_operand(t, row[0], seed=seed, offset=row[1], backend=backend, mors=mors)
+    columnwise = quantize_operand(
+        t.t().contiguous(), col[0], seed=seed, offset=col[1], backend=backend, mors=mors
+    )
+    return rowwise, columnwise
 
 
 def operand_matmul(a: Operand, b: Operand) -> torch.Tensor:
