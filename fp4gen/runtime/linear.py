@@ -147,12 +147,15 @@ class Linear(nn.Linear):
             )
         x2 = x.reshape(-1, x.shape[-1])
         _check_rht_tokens(x2.shape[0], self.operands, self.name)
-        y = ops.linear_forward(x2, self.weight, self.bias, self._op_id)
-        return y.to(_output_dtype(x)).reshape(*x.shape[:-1], self.out_features)
+        y = ops.linear_forward(x2, self.weight, self.bias, self._op_id, _output_dtype(x))
+        return y.reshape(*x.shape[:-1], self.out_features)
 
     # --- the GEMMs, run by the custom ops in fp4gen.runtime.ops ---------------------------------
-    def forward_gemm(self, x2: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        """fprop: y = Q(x) @ Q(W)^T (+ bias), fp32 [tokens, out]."""
+    def forward_gemm(
+        self, x2: torch.Tensor, bias: torch.Tensor | None, out_dtype: torch.dtype
+    ) -> torch.Tensor:
+        """fprop: y = Q(x) @ Q(W)^T (+ bias) [tokens, out], in fp32 rounded once to out_dtype
+        (the GEMM's epilogue writes it)."""
         table = self.operands
         call = self._forward_calls
         self._forward_calls += 1
@@ -165,14 +168,15 @@ class Linear(nn.Linear):
             and isinstance(xq, QuantizedTensor)
             and isinstance(w_row, QuantizedTensor)
         ):
-            return gemm(xq, w_row, bias=bias)  # the bias in the epilogue: one pass fewer
+            return gemm(xq, w_row, bias=bias, out_dtype=out_dtype)  # bias in the epilogue
         y = operand_matmul(xq, w_row)
-        return y if bias is None else y + bias.to(torch.float32)
+        return (y if bias is None else y + bias.to(torch.float32)).to(out_dtype)
 
     def backward_gemms(
-        self, dy2: torch.Tensor, x2: torch.Tensor
+        self, dy2: torch.Tensor, x2: torch.Tensor, w_dtype: torch.dtype
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """dgrad and wgrad: (dx [tokens, in], dW [out, in]) in fp32.
+        """dgrad and wgrad: (dx [tokens, in] in x2's dtype, dW [out, in] in w_dtype), computed
+        in fp32 and rounded once.
 
         The operand table is the one in force now; the schedule only moves between optimizer
         steps, so it is the table the forward pass used."""
@@ -190,7 +194,7 @@ class Linear(nn.Linear):
             backend=self.backend,
             mors=self.mors,
         )
-        dx = operand_matmul(dyq, w_col)
+        dx = _matmul(dyq, w_col, x2.dtype)
         self.record(Operand.DGRAD_GRADIENT, dy2, dyq, call)
         self.record(Operand.DGRAD_WEIGHT, self.weight.detach().t(), w_col, call)
 
@@ -202,7 +206,7 @@ class Linear(nn.Linear):
             backend=self.backend,
             mors=self.mors,
         )
-        dw = operand_matmul(dyq_t, xq_t)
+        dw = _matmul(dyq_t, xq_t, w_dtype)
         self.record(Operand.WGRAD_GRADIENT, dy2.t(), dyq_t, call)
         self.record(Operand.WGRAD_ACTIVATION, x2.t(), xq_t, call)
         return dx, dw
@@ -266,6 +270,14 @@ class Linear(nn.Linear):
         self.telemetry.records.append(
             {"layer": self.name, "call": call, "operand": op.selector, **stats}
         )
+
+
+def _matmul(a: Any, b: Any, out_dtype: torch.dtype) -> torch.Tensor:
+    """A @ B^T in fp32, rounded once to out_dtype (by the GEMM's epilogue when both operands are
+    quantized)."""
+    if isinstance(a, QuantizedTensor) and isinstance(b, QuantizedTensor):
+        return gemm(a, b, out_dtype=out_dtype)
+    return operand_matmul(a, b).to(out_dtype)
 
 
 def _transposable(rowwise: Any, fprop: OperandSpec, dgrad: OperandSpec) -> bool:

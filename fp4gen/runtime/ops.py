@@ -35,35 +35,43 @@ def _layer(layer_id: int) -> Any:
 
 @torch.library.custom_op("fp4gen::linear_forward", mutates_args=())
 def linear_forward(
-    x2: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, layer_id: int
+    x2: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    layer_id: int,
+    out_dtype: torch.dtype,
 ) -> torch.Tensor:
-    """y = Q(x) @ Q(W)^T (+ bias) in fp32, for x2 [tokens, in] and weight [out, in]."""
-    return _layer(layer_id).forward_gemm(x2, bias)
+    """y = Q(x) @ Q(W)^T (+ bias), computed in fp32 and rounded once to ``out_dtype``, for x2
+    [tokens, in] and weight [out, in]."""
+    return _layer(layer_id).forward_gemm(x2, bias, out_dtype)
 
 
 @linear_forward.register_fake
-def _(x2: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, layer_id: int):
-    return x2.new_empty((x2.shape[0], weight.shape[0]), dtype=torch.float32)
+def _(
+    x2: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    layer_id: int,
+    out_dtype: torch.dtype,
+):
+    return x2.new_empty((x2.shape[0], weight.shape[0]), dtype=out_dtype)
 
 
 @torch.library.custom_op("fp4gen::linear_backward", mutates_args=())
 def linear_backward(
     dy2: torch.Tensor, x2: torch.Tensor, weight: torch.Tensor, layer_id: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(dx [tokens, in], dW [out, in]) in fp32 from dy2 [tokens, out]."""
-    return _layer(layer_id).backward_gemms(dy2, x2)
+    """(dx [tokens, in] in x2's dtype, dW [out, in] in the weight's) from dy2 [tokens, out]."""
+    return _layer(layer_id).backward_gemms(dy2, x2, weight.dtype)
 
 
 @linear_backward.register_fake
 def _(dy2: torch.Tensor, x2: torch.Tensor, weight: torch.Tensor, layer_id: int):
-    return (
-        x2.new_empty(x2.shape, dtype=torch.float32),
-        weight.new_empty(weight.shape, dtype=torch.float32),
-    )
+    return x2.new_empty(x2.shape), weight.new_empty(weight.shape)
 
 
 def _setup_context(ctx: Any, inputs: tuple, output: torch.Tensor) -> None:
-    x2, weight, bias, layer_id = inputs
+    x2, weight, bias, layer_id, _ = inputs
     ctx.save_for_backward(x2, weight)
     ctx.layer_id = layer_id
     ctx.bias_dtype = None if bias is None else bias.dtype
@@ -73,7 +81,7 @@ def _backward(ctx: Any, dy: torch.Tensor):
     x2, weight = ctx.saved_tensors
     dx, dw = linear_backward(dy.contiguous(), x2, weight, ctx.layer_id)
     db = None if ctx.bias_dtype is None else dy.to(torch.float32).sum(0).to(ctx.bias_dtype)
-    return dx.to(x2.dtype), dw.to(weight.dtype), db, None
+    return dx, dw, db, None, None
 
 
 linear_forward.register_autograd(_backward, setup_context=_setup_context)
