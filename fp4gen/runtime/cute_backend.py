@@ -127,7 +127,7 @@ def quantize_cute(
                 raise
             _log_once(f"{spec.name} does not take this input ({err})")
             return None
-    if not bool(torch.isfinite(x2).all()):  # one reduction and sync; the details on failure
+    if not all_finite(x2):  # the details on failure
         _check_finite(x, f"the input of shape {tuple(x.shape)}")
 
     out = kernels.run(x2, seed=seed, offset=offset)
@@ -144,6 +144,13 @@ def quantize_cute(
         shape=x.shape,
         dtype=x.dtype,
     )
+
+
+def all_finite(x: torch.Tensor) -> bool:
+    """Whether x holds no NaN or Inf: one min/max reduction (NaN propagates through it, an Inf
+    is an extreme) and one sync, instead of a boolean tensor as large as x."""
+    lo, hi = torch.aminmax(x)
+    return bool(torch.isfinite(lo) & torch.isfinite(hi))
 
 
 TileOutput = tuple[str, str, RHTSpec | None, int]  # (direction, rounding, rht, Philox offset)
@@ -180,7 +187,7 @@ def quantize_tile_cute(
     except TensorError as err:
         _log_once(f"{spec.name} does not take this input ({err}); the copies run one by one")
         return None
-    if not bool(torch.isfinite(x).all()):  # one reduction and sync for every copy
+    if not all_finite(x):  # once for every copy; the details on failure
         _check_finite(x, f"the input of shape {tuple(x.shape)}")
 
     out = kernels.module.run(kernels.fns, x, seed=seed, offset=tuple(o for *_, o in outputs))
@@ -223,7 +230,9 @@ def _codes(data: torch.Tensor, fmt: BlockFormat, cols: int) -> torch.Tensor:
     if bits == 8:
         return data
     if bits == 4 and cols % 2 == 0:  # element 0 in the low nibble
-        return torch.stack((data & 0xF, data >> 4), dim=-1).reshape(data.shape[0], cols)
+        # one broadcast shift and one mask write the codes in order (no interleaving copy)
+        shifts = torch.tensor([0, 4], dtype=torch.uint8, device=data.device)
+        return ((data.unsqueeze(-1) >> shifts) & 0xF).reshape(data.shape[0], cols)
     return unpack(data, bits, cols)
 
 
