@@ -180,7 +180,7 @@ def auto_backend(a: QuantizedTensor, b: QuantizedTensor) -> GemmChoice:
     if device == "cuda":
         from fp4gen.compiler.jit import detect_arch
 
-        arch = detect_arch()
+        arch = detect_arch(a.device)
     return choose_backend(a.format, b.format, a.rows, b.rows, a.cols, device=device, arch=arch)
 
 
@@ -212,7 +212,12 @@ def _fast_dequant(
 
         try:
             return dequant_gemm(
-                a, b, out_dtype=out_dtype, bias=bias, accumulate=accumulate, arch=detect_arch()
+                a,
+                b,
+                out_dtype=out_dtype,
+                bias=bias,
+                accumulate=accumulate,
+                arch=detect_arch(a.device),
             )
         except TensorError:
             raise
@@ -240,7 +245,7 @@ def _fused(
             raise TypeError(f"{name} must be a QuantizedTensor, got {type(t).__name__}")
     if a.device.type != "cuda":
         raise FP4GenError(f"the cute GEMM backend runs on CUDA tensors, got {a.device}")
-    arch = detect_arch()
+    arch = detect_arch(a.device)
     return fused_gemm(a, b, out_dtype=out_dtype, bias=bias, accumulate=accumulate, arch=arch)
 
 
@@ -259,7 +264,7 @@ def _native(
             raise TypeError(f"{name} must be a QuantizedTensor, got {type(t).__name__}")
     if a.device.type != "cuda":
         raise FP4GenError(f"the blackwell GEMM backend runs on CUDA tensors, got {a.device}")
-    arch = detect_arch()
+    arch = detect_arch(a.device)
     return native_gemm(a, b, out_dtype=out_dtype, bias=bias, accumulate=accumulate, arch=arch)
 
 

@@ -259,17 +259,25 @@ def build_kernel(
 _archs: dict[int, str] = {}
 
 
-def detect_arch() -> str:
-    """The arch of the current CUDA device: sm_90a (Hopper), sm_100a (Blackwell), ..."""
+def detect_arch(device: Any = None) -> str:
+    """The arch of a CUDA device (default: the current one): sm_90a (Hopper), sm_100a
+    (Blackwell), ... A device given by a tensor's ``.device`` is a dictionary lookup after its
+    first call (the GEMM dispatch asks on every call)."""
+    index = getattr(device, "index", device)
+    if index is not None:
+        known = _archs.get(index)
+        if known is not None:
+            return known
     import torch
 
     if not torch.cuda.is_available():
         raise RuntimeError("no CUDA device: pass the target arch explicitly (sm_90a, sm_100a)")
-    device = torch.cuda.current_device()
-    arch = _archs.get(device)
+    if index is None:
+        index = torch.cuda.current_device()
+    arch = _archs.get(index)
     if arch is None:
-        major, minor = torch.cuda.get_device_capability(device)
-        arch = _archs[device] = f"sm_{major}{minor}a"
+        major, minor = torch.cuda.get_device_capability(index)
+        arch = _archs[index] = f"sm_{major}{minor}a"
     return arch
 
 

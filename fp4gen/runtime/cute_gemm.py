@@ -232,10 +232,19 @@ def _split_count(tile: GemmTile, m: int, n: int, k: int, dev: torch.device) -> i
     return splits
 
 
+def _current_stream(dev: torch.device) -> int:
+    """The device's current CUDA stream handle (torch's raw-stream query: a fraction of the
+    microseconds ``torch.cuda.current_stream`` takes on this per-call path)."""
+    raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+    if raw is not None:
+        return raw(dev.index)
+    return torch.cuda.current_stream(dev).cuda_stream
+
+
 def _workspace(plan: _Plan, m: int, n: int, splits: int, dev: torch.device) -> tuple:
     """The (workspace, counters) of a small-M launch, one pair per device, stream and shape:
     calls on one stream run in order, and each call's last CTAs reset the counters."""
-    stream = torch.cuda.current_stream(dev).cuda_stream
+    stream = _current_stream(dev)
     tiles = plan.module.tiles(m, n)
     key = (dev.index, stream, splits, tiles, plan.module.TILE_ELEMS)
     ws = _workspaces.get(key)
