@@ -210,8 +210,9 @@ def absmax(xs: list) -> Float32:
 
 
 def frag_words(frag: cute.Tensor) -> list:
+    """A row vector of the strip as 32-bit words (the first value in the low bits)."""
     raw = cute.recast_tensor(frag, Uint32)
-    return [raw[i] for i in range(VEC // 2)]
+    return [raw[i] for i in range(VEC * 2 // 4)]
 
 
 def absmax_bf16(words: list) -> Float32:
@@ -231,11 +232,6 @@ def absmax_bf16(words: list) -> Float32:
 def strip_absmax(frags: list, xfs: list) -> Float32:
     """max |x| over a thread's whole strip."""
     return absmax_bf16([w for frag in frags for w in frag_words(frag)])
-
-
-def row_absmax(frag: cute.Tensor, xs: list, lo: int, hi: int) -> Float32:
-    """max |x| over elements lo..hi-1 of one row segment."""
-    return absmax_bf16(frag_words(frag)[lo // 2 : hi // 2])
 
 
 def block_scale(amax_b: Float32, k_enc: Float32, s_enc, s_dec):

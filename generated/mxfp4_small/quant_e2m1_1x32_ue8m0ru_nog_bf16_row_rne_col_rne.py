@@ -218,8 +218,9 @@ def absmax(xs: list) -> Float32:
 
 
 def frag_words(frag: cute.Tensor) -> list:
+    """A row vector of the strip as 32-bit words (the first value in the low bits)."""
     raw = cute.recast_tensor(frag, Uint32)
-    return [raw[i] for i in range(VEC // 2)]
+    return [raw[i] for i in range(VEC * 2 // 4)]
 
 
 def absmax_bf16(words: list) -> Float32:
@@ -239,11 +240,6 @@ def absmax_bf16(words: list) -> Float32:
 def strip_absmax(frags: list, xfs: list) -> Float32:
     """max |x| over a thread's whole strip."""
     return absmax_bf16([w for frag in frags for w in frag_words(frag)])
-
-
-def row_absmax(frag: cute.Tensor, xs: list, lo: int, hi: int) -> Float32:
-    """max |x| over elements lo..hi-1 of one row segment."""
-    return absmax_bf16(frag_words(frag)[lo // 2 : hi // 2])
 
 
 def floor_log2_biased(v: Float32):
@@ -415,12 +411,6 @@ ROW_UNROLL = 1  # row-loop iterations per loop body (2 measured 15% slower)
 COL_UNROLL = 2  # column-loop iterations per loop body (1 measured 2% slower)
 
 
-def strip_words(frag: cute.Tensor) -> list:
-    """A row of the strip as WORDS 32-bit words (CPAIR values each, the first in the low bits)."""
-    raw = cute.recast_tensor(frag, Uint32)
-    return [raw[i] for i in range(WORDS)]
-
-
 def words_f32(words: list) -> list:
     """The values of 32-bit words of the strip as fp32 scalars (exact)."""
     out = []
@@ -580,7 +570,7 @@ class QuantizeKernel:
         # one of the column loop the first word of every row (CPAIR columns) and then rotates each
         # row's words. Rolled loops keep the kernel small enough for the instruction cache (fully
         # unrolled, instruction fetch stalls took half its time); the data stays in registers
-        strip = [w for frag in frags for w in strip_words(frag)]
+        strip = [w for frag in frags for w in frag_words(frag)]
 
         # ---- rowwise copy: ROWS_PER_STEP row segments per iteration, blocks along K
         for t in cutlass.range(ROW_STEPS, unroll=ROW_UNROLL):
