@@ -42,6 +42,13 @@ def spec_for(
     fmt: BlockFormat, rounding: str, rht: RHTSpec | None, dtype: torch.dtype
 ) -> QuantKernelSpec:
     """The single-output rowwise kernel spec that quantizes like ``quantize`` does."""
+    return _spec(fmt, dtype, (QuantOutput("rowwise", rounding, rht),))  # type: ignore[arg-type]
+
+
+def _spec(
+    fmt: BlockFormat, dtype: torch.dtype, outputs: tuple[QuantOutput, ...]
+) -> QuantKernelSpec:
+    """The kernel spec writing ``outputs`` of a ``dtype`` tensor in format ``fmt``."""
     if dtype not in _DTYPES:
         raise TensorError(
             f"cannot quantize a {dtype} tensor: expected float32, bfloat16 or float16"
@@ -52,7 +59,7 @@ def spec_for(
         scale=fmt.scale,
         global_scale=fmt.global_scale,
         input_dtype=_DTYPES[dtype],
-        outputs=(QuantOutput("rowwise", rounding, rht),),  # type: ignore[arg-type]
+        outputs=outputs,
     )
 
 
@@ -96,7 +103,7 @@ def quantize_cute(
 ) -> Any:
     """A QuantizedTensor from the generated kernels; None when ``required`` is False and the
     kernels cannot serve this call (the caller then runs the reference)."""
-    from fp4gen.numerics.quantize import QuantizedTensor, _check_finite
+    from fp4gen.numerics.quantize import _check_finite
 
     def unavailable(reason: str) -> None:
         if required:
@@ -131,18 +138,38 @@ def quantize_cute(
         _check_finite(x, f"the input of shape {tuple(x.shape)}")
 
     out = kernels.run(x2, seed=seed, offset=offset)
+    return _quantized(out, "", fmt, x2.shape[1], rounding, rht, seed, offset, x.shape, x.dtype)
+
+
+def _quantized(
+    out: dict[str, torch.Tensor],
+    prefix: str,
+    fmt: BlockFormat,
+    cols: int,
+    rounding: str,
+    rht: RHTSpec | None,
+    seed: int,
+    offset: int,
+    shape: torch.Size,
+    dtype: torch.dtype,
+) -> Any:
+    """The QuantizedTensor of one copy a generated module's ``run`` wrote (its outputs named
+    ``prefix`` + "data", "scales", "global_scale"; ``cols`` values per row)."""
+    from fp4gen.numerics.quantize import QuantizedTensor
+
+    scales = out[prefix + "scales"]
     return QuantizedTensor(
-        codes=_codes(out["data"], fmt, x2.shape[1]),
-        scales=_scale_values(out["scales"], fmt),
-        scale_codes=None if fmt.scale.element is None else out["scales"],
-        global_scale=out["global_scale"].reshape(()).to(torch.float32),
+        codes=_codes(out[prefix + "data"], fmt, cols),
+        scales=_scale_values(scales, fmt),
+        scale_codes=None if fmt.scale.element is None else scales,
+        global_scale=out[prefix + "global_scale"].reshape(()).to(torch.float32),
         format=fmt,
         rounding=rounding,
         rht=rht,
         seed=seed,
         offset=offset,
-        shape=x.shape,
-        dtype=x.dtype,
+        shape=shape,
+        dtype=dtype,
     )
 
 
@@ -164,20 +191,14 @@ def quantize_tile_cute(
     ``quantize(x.t().contiguous(), ...)``, bit for bit. None when the kernels cannot serve the
     call (no GPU kernels, a shape the tile kernel does not take: the caller quantizes the copies
     one by one); TensorError for non-finite values."""
-    from fp4gen.numerics.quantize import QuantizedTensor, _check_finite
+    from fp4gen.numerics.quantize import _check_finite
 
     if x.device.type != "cuda" or x.dim() != 2 or x.dtype not in _DTYPES or fmt.is_2d:
         return None
     if x.numel() == 0 or not x.is_contiguous() or x.data_ptr() % 16:
         return None
-    spec = QuantKernelSpec(
-        element=fmt.element,
-        block=fmt.block,
-        scale=fmt.scale,
-        global_scale=fmt.global_scale,
-        input_dtype=_DTYPES[x.dtype],
-        outputs=tuple(QuantOutput(d, r, h) for d, r, h, _ in outputs),  # type: ignore[arg-type]
-    )
+    copies = tuple(QuantOutput(d, r, h) for d, r, h, _ in outputs)  # type: ignore[arg-type]
+    spec = _spec(fmt, x.dtype, copies)
     kernels = _kernels(spec)
     if isinstance(kernels, str):
         _log_once(kernels)
@@ -192,25 +213,13 @@ def quantize_tile_cute(
 
     out = kernels.module.run(kernels.fns, x, seed=seed, offset=tuple(o for *_, o in outputs))
     rows, cols = x.shape
+    # a columnwise copy is the rowwise quantization of x.t(): [cols, rows]
+    copies = {"rowwise": ("", cols, (rows, cols)), "columnwise": ("col_", rows, (cols, rows))}
     result = []
     for direction, rounding, rht, offset in outputs:
-        p = "" if direction == "rowwise" else "col_"
-        shape = (rows, cols) if direction == "rowwise" else (cols, rows)
-        scales = out[p + "scales"]
+        prefix, n, shape = copies[direction]
         result.append(
-            QuantizedTensor(
-                codes=_codes(out[p + "data"], fmt, shape[1]),
-                scales=_scale_values(scales, fmt),
-                scale_codes=None if fmt.scale.element is None else scales,
-                global_scale=out[p + "global_scale"].reshape(()).to(torch.float32),
-                format=fmt,
-                rounding=rounding,
-                rht=rht,
-                seed=seed,
-                offset=offset,
-                shape=torch.Size(shape),
-                dtype=x.dtype,
-            )
+            _quantized(out, prefix, fmt, n, rounding, rht, seed, offset, torch.Size(shape), x.dtype)
         )
     return tuple(result)
 

@@ -241,13 +241,9 @@ class Linear(nn.Linear):
         return cache.rowwise, cache.columnwise
 
     def quantize(self, t: torch.Tensor, op: Operand, spec: OperandSpec, call: int) -> Any:
+        _, offset = self.slot(op, spec, call)
         return quantize_operand(
-            t,
-            spec,
-            seed=self.seed,
-            offset=8 * call + SLOT[op],
-            backend=self.backend,
-            mors=self.mors,
+            t, spec, seed=self.seed, offset=offset, backend=self.backend, mors=self.mors
         )
 
     @staticmethod
