@@ -456,18 +456,22 @@ def test_tile_cross_compile(name: str, arch: str, modules, tmp_path: Path) -> No
 def test_nvfp4_gradient_kernel_shape(modules, tmp_path: Path) -> None:
     """The fused gradient kernel: one 16-byte load per strip row, then two rolled loops over the
     strip in registers (4 rows per iteration; 2 x 2 columns per iteration of the second), e_b
-    from a shared-memory table, 8 random bits per value (one Philox call per 16 values: a row
-    segment of 8 takes half a call, a column strip of 16 one), the bit-arithmetic SR encode,
+    from a shared-memory table, 8 random bits per value (one Philox call per 16 values: the two
+    lanes of a call's row segments compute one row's call each and trade halves by shuffles, a
+    column strip of 16 takes one), the fp16-image SR encode (two values per convert and min),
     predicated stores (no branch around them)."""
     mod = modules("quant_e2m1_1x16_e4m3rn_g_bf16_row_sr8_col_sr8_rht16")
     ptx = _ptx(mod.compile_kernel("quantize", "sm_90a", dump_dir=str(tmp_path)))
     assert ptx.count("ld.global.v4") == 16  # 16 rows x 8 bf16
     assert ptx.count('.pragma "nounroll"') == 2  # the row loop and the column loop
-    # per loop body: 4 row calls + 4 column calls (LLVM shares the products of counter words
-    # equal in all calls)
-    assert 2 * 10 * (4 + 4) - 16 <= ptx.count("mul.wide.u32") <= 2 * 10 * (4 + 4)
-    assert ptx.count("mul.rz.f32") == 4 * 8 + 4 * 16  # every element of a loop body, both copies
-    assert "cvt.rzi" not in ptx  # no float -> integer converts in the encode
+    # per loop body: 2 row calls (4 rows, shared by 2 lanes) + 4 column calls (LLVM shares the
+    # products of counter words equal in all calls)
+    assert 2 * 10 * (2 + 4) - 16 <= ptx.count("mul.wide.u32") <= 2 * 10 * (2 + 4)
+    # 4 row amax butterflies + 2 row-call halves per 2 rows
+    assert ptx.count("shfl.sync.bfly") == 4 + 2 * 2
+    # every pair of elements of a loop body, both copies
+    assert ptx.count("cvt.rz.f16x2.f32") == ptx.count("min.xorsign.abs.f16x2") == 4 * 4 + 4 * 8
+    assert "mul.rz.f32" not in ptx and "cvt.rzi" not in ptx  # no per-element rescale or convert
     assert ptx.count("@p st.global.u32") == 4 + 4 * 2  # 4 row words, 4 columns x 2 words
     assert "ld.shared.f32" in ptx or "ld.shared.b32" in ptx  # the encode-factor table
     assert "ld.local" not in ptx and "st.local" not in ptx  # the rotated strip stays in registers
@@ -510,3 +514,55 @@ def test_tile_run_validates_the_input(modules) -> None:
     assert mod._offsets(5) == (5, 5) and mod._offsets((1, 2)) == (1, 2)
     weights = modules("quant_e2m1_16x16_e4m3rn_g_bf16_row_rne_col_rne")
     assert weights.M_MULTIPLE == 8 and weights.K_MULTIPLE == 16
+
+
+@pytest.mark.parametrize(
+    ("element", "rounding", "whole_words", "expected"),
+    [
+        (E2M1, "stochastic8", True, "srhalf"),  # 1 + 8 bits below fp16's 10 mantissa bits
+        (ElementFormat(1, 2), "stochastic8", True, "srhalf"),  # m = 2: the bits just fit
+        (ElementFormat(3, 0), "stochastic8", True, "srhalf"),
+        (E2M1, "stochastic8", False, "srshift"),  # a word with fewer than 8 codes
+        (E2M1, "stochastic16", True, "srshift"),  # 16 random bits do not fit fp16
+        (E3M2, "stochastic8", True, "srshift"),  # 6-bit codes: not 8 per word
+        (E2M1, "stochastic", True, "sr64"),
+        (E2M1, "nearest", True, "rne"),
+    ],
+)
+def test_software_encode_choice(element, rounding, whole_words, expected) -> None:
+    """The fp16-image encode serves 4-bit formats with 8 random bits and m <= 2, called on whole
+    code words; the rest keep the fp32 bit encode."""
+    from fp4gen.codegen.quantize import _sw_encode
+
+    assert _sw_encode(element, rounding, tile=True, whole_words=whole_words) == expected
+
+
+def test_fp16_image_constants() -> None:
+    """E2M1's image: z = y * 2^-14 puts 1.0 on fp16's smallest normal; 6.0 maps to 0x0E00
+    (exponent field 3, mantissa 0x200) in both halves; the code starts at bit 9, its 8 random
+    bits at bit 1."""
+    from fp4gen.codegen.quantize import _element_ctx
+
+    half = _element_ctx(E2M1)["half"]
+    assert float(half["scale"]) == 2.0**-14
+    assert half["max2"] == "0x0E000E00"
+    assert (half["code_shift"], half["rand_shift"]) == (9, 1)
+    assert _element_ctx(E3M2)["half"] is None  # 6-bit codes
+
+
+@pytest.mark.parametrize(
+    ("element", "block", "rounding", "share"),
+    [
+        (E2M1, (1, 16), "stochastic8", 2),  # a call covers 16 values: two 8-value segments
+        (E2M1, (1, 16), "stochastic16", 1),  # a call covers 8: one segment
+        (E2M1, (1, 16), "stochastic", 1),
+        (E3M2, (1, 8), "stochastic8", 1),  # K % 8 only: a call may span two rows
+    ],
+)
+def test_row_philox_sharing(element, block, rounding, share) -> None:
+    """Lanes share a row call only when it covers several of their segments and never spans a
+    row (K a multiple of the call's values)."""
+    from fp4gen.codegen.quantize import tile_context
+
+    outs = (("rowwise", rounding, None, "compact"), ("columnwise", rounding, None, "compact"))
+    assert tile_context(tile(element, block, NV, True, outs))["row_share"] == share

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import math
 import re
+import struct
 from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
@@ -112,18 +113,37 @@ class Mapping:
     amax_units: int  # units per thread, amax kernel
 
 
-def _sw_encode(elem: ElementFormat, rounding: str, *, tile: bool) -> str:
+def _sw_encode(elem: ElementFormat, rounding: str, *, tile: bool, whole_words: bool) -> str:
     """The software element encode of a rounding (see quantize_macros.j2 elem_raw): "rne" (one
-    FFMA; needs a mantissa bit so that rint's even integer is the even code), "srshift" (8/16
-    random bits: fp32 bit arithmetic after one exact rescale), "sr64" (32 random bits: a 64-bit
-    truncating convert and a borrow; tile kernels) or "floor" (floor + exact fraction)."""
+    FFMA; needs a mantissa bit so that rint's even integer is the even code), "srhalf" (4-bit
+    codes with 8 random bits and at most 2 mantissa bits, encoded in groups of 8 values: two
+    values per fp16x2 convert and integer op), "srshift" (8/16 random bits: fp32 bit arithmetic
+    after one exact rescale), "sr64" (32 random bits: a 64-bit truncating convert and a borrow;
+    tile kernels) or "floor" (floor + exact fraction). ``whole_words``: every encode call gets a
+    multiple of 32 // bits values."""
     if rounding == "nearest" and elem.man_bits > 0:
         return "rne"
+    if _half_image_fits(elem, rounding) and whole_words:
+        return "srhalf"
     if 0 < sr_bits(rounding) < 32:
         return "srshift"
     if rounding == "stochastic" and tile:
         return "sr64"
     return "floor"
+
+
+def _half_image_fits(elem: ElementFormat, rounding: str) -> bool:
+    """Whether the fp16 image of a 4-bit format (z = y * 2^(-14 - emin): the format's grid on
+    fp16's) keeps the 8 random bits below the code: m + 8 <= 10 fp16 mantissa bits."""
+    return elem.bits == 4 and rounding == "stochastic8" and elem.man_bits <= 2
+
+
+def _half_bits(value: float) -> int:
+    """The fp16 bits of a value fp16 holds exactly."""
+    bits = struct.unpack("<H", struct.pack("<e", value))[0]
+    if struct.unpack("<e", struct.pack("<H", bits))[0] != value:
+        raise ValueError(f"{value!r} is not an fp16 value")
+    return bits
 
 
 def _is_pow2(n: int) -> bool:
@@ -184,6 +204,15 @@ def _element_ctx(fmt: ElementFormat) -> dict[str, Any]:
         "hw_cvt": hw[0] if hw else None,
         "hw_archs": hw[1] if hw else (),
         "sign_mask": sign,
+        # the fp16 image of the "srhalf" encode: z = y * 2^(-14 - emin), code bits from 10 - m
+        "half": {
+            "scale": _lit(2.0 ** (-14 - emin)),
+            "max2": _hex(_half_bits(emax_val * 2.0 ** (-14 - emin)) * 0x10001),
+            "code_shift": 10 - m,
+            "rand_shift": 2 - m,
+        }
+        if fmt.bits == 4 and m <= 2
+        else None,
     }
 
 
@@ -291,7 +320,9 @@ def context(spec: QuantKernelSpec) -> dict[str, Any]:
         "rounding": out.rounding,
         "sr": sr,
         "sr_bits": sr_bits(out.rounding),
-        "sw_encode": _sw_encode(spec.element, out.rounding, tile=False),
+        "sw_encode": _sw_encode(
+            spec.element, out.rounding, tile=False, whole_words=mapping.unit % 8 == 0
+        ),
         "hw_archs": list(hw_archs),
         # whole codes per 32-bit word (4- and 8-bit): pack and sign them word by word
         "swar": 32 % spec.element.bits == 0,
@@ -320,6 +351,8 @@ def context(spec: QuantKernelSpec) -> dict[str, Any]:
         and not (scale["rounding"] == "nearest" and scale["man_bits"] > 0)
     )
     ctx["need_mul_rz"] = ctx["sw_encode"] == "srshift"
+    # "srhalf" encodes take the Philox words, the others one field per value
+    ctx["rand_fn"] = "random_words" if ctx["sw_encode"] == "srhalf" else "random_fields"
     ctx["uses_asm"] = bool(
         ctx["need_add_rz"]
         or ctx["need_mul_rz"]
@@ -535,6 +568,18 @@ def _rht_ctx(rht) -> dict[str, Any]:
     }
 
 
+def _row_share(row: dict[str, Any] | None, mapping: TileMapping, two_d: bool) -> int:
+    """How many lanes' row segments (VEC values each) one Philox call covers, when more than one
+    (1D tile kernels with 8- or 16-bit random fields; K a multiple of the call's values, so that
+    no call spans two rows): each of them computes one row's call."""
+    if row is None or two_d or not row["sr"]:
+        return 1
+    per_call = 4 * (32 // row["sr_bits"])
+    if per_call <= mapping.vec or mapping.k_multiple % per_call:
+        return 1
+    return per_call // mapping.vec
+
+
 def tile_context(spec: QuantKernelSpec) -> dict[str, Any]:
     """Everything the tile template needs, all derived from the spec."""
     _check_tile(spec)
@@ -550,16 +595,32 @@ def tile_context(spec: QuantKernelSpec) -> dict[str, Any]:
     bits = spec.element.bits
     scale_max_val = FLT_MAX if spec.scale.element is None else max_finite(spec.scale.element)
     roundings = list(dict.fromkeys(o.rounding for o in spec.outputs))
+    swar = 32 % bits == 0
+    partial = swar and (
+        ((row is not None or two_d) and mapping.vec % (32 // bits))
+        or (col is not None and mapping.rows % (32 // bits))
+    )
+    # 2D: the columnwise codes are the transpose of the rowwise ones (4- and 8-bit codes with
+    # one word per row segment); otherwise they are encoded again per column
+    transpose = (
+        two_d
+        and col is not None
+        and bits in (4, 8)
+        and mapping.vec == 32 // bits
+        and mapping.rows % (32 // bits) == 0
+    )
+    whole_words = swar and not partial and (transpose or not two_d)
     encoders = []
     for r in roundings:
         encoders.append(
             {
                 "rounding": r,
                 "suffix": "" if len(roundings) == 1 else "_" + ROUNDING_TAGS[r],
-                "sw_encode": _sw_encode(spec.element, r, tile=True),
+                "sw_encode": _sw_encode(spec.element, r, tile=True, whole_words=whole_words),
             }
         )
     suffix = {e["rounding"]: e["suffix"] for e in encoders}
+    sw_of = {e["rounding"]: e["sw_encode"] for e in encoders}
     # amax slots: one per distinct transform (no RHT / a column RHT)
     slots: list[Any] = []
     outputs = []
@@ -582,6 +643,8 @@ def tile_context(spec: QuantKernelSpec) -> dict[str, Any]:
             "sr": is_stochastic(out.rounding),
             "sr_bits": sr_bits(out.rounding),
             "sr_index": sr_index,
+            # "srhalf" encodes take the Philox words, the others one field per value
+            "rand_fn": "random_words" if sw_of[out.rounding] == "srhalf" else "random_fields",
         }
         if o["sr"]:
             sr_index += 1
@@ -603,22 +666,8 @@ def tile_context(spec: QuantKernelSpec) -> dict[str, Any]:
         scale["kind"] == "minifloat"
         and not (scale["rounding"] == "nearest" and scale["man_bits"] > 0)
     )
-    swar = 32 % bits == 0
-    partial = swar and (
-        ((row is not None or two_d) and mapping.vec % (32 // bits))
-        or (col is not None and mapping.rows % (32 // bits))
-    )
     bf16_input = spec.input_dtype == "bf16"
     bf16_absmax = bf16_input or col_rht is not None
-    # 2D: the columnwise codes are the transpose of the rowwise ones (4- and 8-bit codes with
-    # one word per row segment); otherwise they are encoded again per column
-    transpose = (
-        two_d
-        and col is not None
-        and bits in (4, 8)
-        and mapping.vec == 32 // bits
-        and mapping.rows % (32 // bits) == 0
-    )
     ctx = {
         "spec": spec,
         "spec_repr": repr(spec),
@@ -636,6 +685,8 @@ def tile_context(spec: QuantKernelSpec) -> dict[str, Any]:
         "map": mapping,
         "outputs": outputs,
         "row": out_by.get("rowwise"),
+        # lanes whose row segments make up one Philox call: they share its computation
+        "row_share": _row_share(out_by.get("rowwise"), mapping, two_d),
         "col": out_by.get("columnwise"),
         "col_rht": _rht_ctx(col_rht) if col_rht is not None else None,
         "slots": len(slots),

@@ -326,14 +326,13 @@ def philox4x32_10(c0, c1, c2, c3, keys: list) -> list:
     return [c0, c1, c2, c3]
 
 
-def random_fields(
-    i0: Uint32, n: int, bits: int, keys: list, off_lo: Uint32, off_hi: Uint32
-) -> list:
-    """The ``bits``-bit random fields (32, 16 or 8) of the n consecutive elements from flat index
-    i0 (docs/numerics.md 5): with v = 32 // bits fields per word, element i takes field i % v
-    (low bits first) of word i // v, and word j is output j % 4 of Philox(counter = (j // 4, 0,
-    offset_lo, offset_hi), key = seed). Either the elements cover whole calls (n and i0
-    multiples of 4 v) or they sit inside one call (n divides 4 v, n >= v, i0 % n == 0)."""
+def random_words(i0: Uint32, n: int, bits: int, keys: list, off_lo: Uint32, off_hi: Uint32) -> list:
+    """The Philox words that hold the ``bits``-bit random fields (32, 16 or 8) of the n
+    consecutive elements from flat index i0 (docs/numerics.md 5): with v = 32 // bits fields per
+    word, element i takes field i % v (low bits first) of word i // v, and word j is output j % 4
+    of Philox(counter = (j // 4, 0, offset_lo, offset_hi), key = seed). Either the elements
+    cover whole calls (n and i0 multiples of 4 v) or they sit inside one call (n divides 4 v,
+    n >= v, i0 % n == 0)."""
     per_word = 32 // bits
     per_call = 4 * per_word
     if n >= per_call:
@@ -341,15 +340,31 @@ def random_fields(
         words = []
         for c in range(n // per_call):
             words += philox4x32_10(q + Uint32(c), Uint32(0), off_lo, off_hi, keys)
-    else:
-        call = philox4x32_10(i0 // Uint32(per_call), Uint32(0), off_lo, off_hi, keys)
-        nw = n // per_word  # the words of part (i0 % per_call) // n of the call
-        part = (i0 // Uint32(n)) % Uint32(per_call // n)
-        words = call[:nw]
-        for p in range(1, per_call // n):
-            words = [
-                cutlass.select_(part == Uint32(p), call[p * nw + w], words[w]) for w in range(nw)
-            ]
+        return words
+    call = philox4x32_10(i0 // Uint32(per_call), Uint32(0), off_lo, off_hi, keys)
+    nw = n // per_word  # the words of part (i0 % per_call) // n of the call
+    part = (i0 // Uint32(n)) % Uint32(per_call // n)
+    return call_slice(call, part, nw)
+
+
+def call_slice(call: list, part, nw: int) -> list:
+    """Words part * nw .. part * nw + nw - 1 of a Philox call, for a runtime part."""
+    words = call[:nw]
+    for p in range(1, len(call) // nw):
+        words = [cutlass.select_(part == Uint32(p), call[p * nw + w], words[w]) for w in range(nw)]
+    return words
+
+
+def random_fields(
+    i0: Uint32, n: int, bits: int, keys: list, off_lo: Uint32, off_hi: Uint32
+) -> list:
+    """The ``bits``-bit random fields of the n consecutive elements from flat index i0, one per
+    element (see random_words)."""
+    return fields_of(random_words(i0, n, bits, keys, off_lo, off_hi), bits)
+
+
+def fields_of(words: list, bits: int) -> list:
+    """The ``bits``-bit fields of Philox words, low bits first."""
     return words
 
 

@@ -154,19 +154,6 @@ def _asm(ret_type, operands, text, constraints):
 
 
 @dsl_user_op
-def mul_rz(a: Float32, b: Float32, *, loc=None, ip=None) -> Float32:
-    """a * b rounded toward zero, subnormal results kept (no .ftz)."""
-    return Float32(
-        _asm(
-            T.f32(),
-            [Float32(a).ir_value(loc=loc, ip=ip), Float32(b).ir_value(loc=loc, ip=ip)],
-            "mul.rz.f32 $0, $1, $2;",
-            "=f,f,f",
-        )
-    )
-
-
-@dsl_user_op
 def cvt_bf16x2(a: Float32, b: Float32, *, loc=None, ip=None) -> Uint32:
     """bf16 RNE of a (high half) and b (low half)."""
     return Uint32(
@@ -364,14 +351,13 @@ def byte_field(w: Uint32, j: int, *, loc=None, ip=None) -> Uint32:
     )
 
 
-def random_fields(
-    i0: Uint32, n: int, bits: int, keys: list, off_lo: Uint32, off_hi: Uint32
-) -> list:
-    """The ``bits``-bit random fields (32, 16 or 8) of the n consecutive elements from flat index
-    i0 (docs/numerics.md 5): with v = 32 // bits fields per word, element i takes field i % v
-    (low bits first) of word i // v, and word j is output j % 4 of Philox(counter = (j // 4, 0,
-    offset_lo, offset_hi), key = seed). Either the elements cover whole calls (n and i0
-    multiples of 4 v) or they sit inside one call (n divides 4 v, n >= v, i0 % n == 0)."""
+def random_words(i0: Uint32, n: int, bits: int, keys: list, off_lo: Uint32, off_hi: Uint32) -> list:
+    """The Philox words that hold the ``bits``-bit random fields (32, 16 or 8) of the n
+    consecutive elements from flat index i0 (docs/numerics.md 5): with v = 32 // bits fields per
+    word, element i takes field i % v (low bits first) of word i // v, and word j is output j % 4
+    of Philox(counter = (j // 4, 0, offset_lo, offset_hi), key = seed). Either the elements
+    cover whole calls (n and i0 multiples of 4 v) or they sit inside one call (n divides 4 v,
+    n >= v, i0 % n == 0)."""
     per_word = 32 // bits
     per_call = 4 * per_word
     if n >= per_call:
@@ -379,15 +365,31 @@ def random_fields(
         words = []
         for c in range(n // per_call):
             words += philox4x32_10(q + Uint32(c), Uint32(0), off_lo, off_hi, keys)
-    else:
-        call = philox4x32_10(i0 // Uint32(per_call), Uint32(0), off_lo, off_hi, keys)
-        nw = n // per_word  # the words of part (i0 % per_call) // n of the call
-        part = (i0 // Uint32(n)) % Uint32(per_call // n)
-        words = call[:nw]
-        for p in range(1, per_call // n):
-            words = [
-                cutlass.select_(part == Uint32(p), call[p * nw + w], words[w]) for w in range(nw)
-            ]
+        return words
+    call = philox4x32_10(i0 // Uint32(per_call), Uint32(0), off_lo, off_hi, keys)
+    nw = n // per_word  # the words of part (i0 % per_call) // n of the call
+    part = (i0 // Uint32(n)) % Uint32(per_call // n)
+    return call_slice(call, part, nw)
+
+
+def call_slice(call: list, part, nw: int) -> list:
+    """Words part * nw .. part * nw + nw - 1 of a Philox call, for a runtime part."""
+    words = call[:nw]
+    for p in range(1, len(call) // nw):
+        words = [cutlass.select_(part == Uint32(p), call[p * nw + w], words[w]) for w in range(nw)]
+    return words
+
+
+def random_fields(
+    i0: Uint32, n: int, bits: int, keys: list, off_lo: Uint32, off_hi: Uint32
+) -> list:
+    """The ``bits``-bit random fields of the n consecutive elements from flat index i0, one per
+    element (see random_words)."""
+    return fields_of(random_words(i0, n, bits, keys, off_lo, off_hi), bits)
+
+
+def fields_of(words: list, bits: int) -> list:
+    """The ``bits``-bit fields of Philox words, low bits first."""
     if bits == 8:
         return [
             f
@@ -397,28 +399,48 @@ def random_fields(
     return words
 
 
-# 2^(-126 - ELEM_EMIN): maps the format's smallest normal onto fp32's, its subnormals onto fp32's
-ELEM_TO_FP32_SUBNORMAL = 1.1754943508222875e-38
+# The fp16 image of the format: z = y * ELEM_TO_F16 puts its smallest normal on fp16's and its
+# subnormals on fp16's, so an image's bits >> HALF_CODE are the magnitude code of floor and the
+# HALF_CODE bits below are floor(frac * 2^HALF_CODE) (docs/numerics.md 5)
+ELEM_TO_F16 = 6.103515625e-05  # 2^(-14 - ELEM_EMIN)
+HALF_MAX2 = 0x0E000E00  # the image of ELEM_MAX in both fp16 halves
+HALF_CODE = 9  # the lowest code bit of an image: 10 - m
+HALF_RAND = 1  # the lowest bit of the 8 random bits below it: HALF_CODE - 8
+HALF_MAGS = 0x00070007  # the magnitude bits of nibble 0 and nibble 4
+HALF_SIGNS = 0x00080008  # the sign bits of nibble 0 and nibble 4
 
 
-def elem_raw(y: Float32, r: Uint32) -> Uint32:
-    """The e2m1 magnitude code of y plus ELEM_CODE_BIAS (mod 2^32), saturating,
-    rounded stochastically with the element's 8 random bits r.
+@dsl_user_op
+def cvt_rz_f16x2(a: Float32, b: Float32, *, loc=None, ip=None) -> Uint32:
+    """fp16 of a (high half) and b (low half), rounded toward zero."""
+    return Uint32(
+        _asm(
+            T.i32(),
+            [Float32(a).ir_value(loc=loc, ip=ip), Float32(b).ir_value(loc=loc, ip=ip)],
+            "cvt.rz.f16x2.f32 $0, $1, $2;",
+            "=r,f,f",
+        )
+    )
 
-    With a = min(|y|, ELEM_MAX) and k = max(floor(log2 a), ELEM_EMIN), q = a * 2^(m - k) is exact
-    and the grid step is 1 in q, so the magnitude code is n + (k - ELEM_EMIN) * 2^m for the
-    integer n that q rounds to (n = 2^(m+1) rolls into the next binade).
-    Here the fp32 bits do it all: z = a * ELEM_TO_FP32_SUBNORMAL rounded toward zero maps the
-    format's grid onto fp32's (its subnormals onto fp32 subnormals), so bits(z) >> (23 - m) is
-    the magnitude code of floor and the 23 - m bits below it are floor(frac * 2^(23 - m)).
-    Adding r at the top of those bits carries into the code iff floor(frac * 2^8) + r >=
-    2^8, the round-up rule (docs/numerics.md 5); a carry out of the mantissa moves to
-    the next binade, as the code must.
-    """
-    a = cute.arch.fmin(abs(y), Float32(ELEM_MAX))
-    z = mul_rz(a, Float32(ELEM_TO_FP32_SUBNORMAL))
-    up = r << Uint32(14)  # r at the top of the bits below the code
-    return ((z.bitcast(Uint32) + up) >> Uint32(23 - ELEM_MAN_BITS)) + Uint32(ELEM_CODE_BIAS)
+
+@dsl_user_op
+def min_abs_f16x2(a: Uint32, b: Uint32, *, loc=None, ip=None) -> Uint32:
+    """Per half min(|a|, |b|), with the sign of a xor the sign of b."""
+    return Uint32(
+        _asm(
+            T.i32(),
+            [Uint32(a).ir_value(loc=loc, ip=ip), Uint32(b).ir_value(loc=loc, ip=ip)],
+            "min.xorsign.abs.f16x2 $0, $1, $2;",
+            "=r,r,r",
+        )
+    )
+
+
+def shift_down(v: Uint32, n: int) -> Uint32:
+    """v >> n, or v << -n for a negative n."""
+    if n > 0:
+        return v >> Uint32(n)
+    return v << Uint32(-n) if n < 0 else v
 
 
 @dsl_user_op
@@ -446,18 +468,36 @@ def sign_word(ys: list) -> Uint32:
 
 
 def encode_elements(ys: list, rand, hw: bool) -> list:
-    """Codes of the scaled values ys as (value, width) bit-stream fields, in element order."""
-    # LANES codes per 32-bit word: sum raw_j * 2^(bits * j) by shift-adds, then take all the
-    # ELEM_CODE_BIAS terms off at once (mod 2^32); sign bits only on non-zero codes (SWAR)
+    """Codes of the scaled values ys as (value, width) bit-stream fields, in element order,
+    rounded stochastically with 8 random bits per value; rand: the Philox words of ys (byte j of
+    word w for value 4 w + j).
+
+    Eight values per code word, two per fp16x2 image: values j and j + 2 (j = 0, 1, 4, 5) share
+    a word, so their random bytes (j % 4 and j % 4 + 2 of a Philox word) are 16 bits apart as
+    well and one mask and shift puts both below their codes. Adding them carries into a code iff
+    floor(frac * 2^8) + r >= 2^8 (docs/numerics.md 5). Image n of the word lands in nibbles n
+    and n + 4, which leaves the bytes in the order 0 2 1 3: one byte permute fixes it."""
     fields = []
-    for i in range(0, len(ys), LANES):
-        raws = [elem_raw(ys[i + j], rand[i + j]) for j in range(LANES)]
-        w = raws[-1]
-        for raw in reversed(raws[:-1]):
-            w = (w << Uint32(ELEM_BITS)) + raw
-        w = w - Uint32(WORD_BIAS)
-        nonzero = w + Uint32(LANE_MAGS)  # sets a lane's sign bit iff its code is >= 1
-        fields.append((w | (sign_word(ys[i : i + LANES]) & nonzero & Uint32(LANE_SIGNS)), 32))
+    for i in range(0, len(ys), 8):
+        z = [y * Float32(ELEM_TO_F16) for y in ys[i : i + 8]]  # exact (a tiny z encodes as 0)
+        mags = None
+        signs = None
+        for n, j in enumerate((0, 1, 4, 5)):
+            word = rand[(i + j) // 4]
+            if j % 2:  # random bytes 1 and 3
+                r = (word & Uint32(0xFF00FF00)) >> Uint32(8 - HALF_RAND)
+            else:  # random bytes 0 and 2
+                r = shift_down(word & Uint32(0x00FF00FF), -HALF_RAND)
+            # |image| saturated at ELEM_MAX's (the sign of z kept), plus the random bits
+            h = min_abs_f16x2(cvt_rz_f16x2(z[j + 2], z[j]), Uint32(HALF_MAX2)) + r
+            # to nibbles n and n + 4: the codes from bit HALF_CODE, the signs from bit 15
+            mag = shift_down(h, HALF_CODE - 4 * n) & Uint32(HALF_MAGS << 4 * n)
+            sign = shift_down(h, 12 - 4 * n) & Uint32(HALF_SIGNS << 4 * n)
+            mags = mag if mags is None else mags | mag
+            signs = sign if signs is None else signs | sign
+        # sign bits only on non-zero codes: mag + LANE_MAGS sets a lane's sign bit iff mag >= 1
+        w = mags | (signs & (mags + Uint32(LANE_MAGS)))
+        fields.append((prmt(w, w, 0x3120), 32))
     return fields
 
 
@@ -609,6 +649,38 @@ def load_strip(gX: cute.Tensor, row0: Int32, col0: Int32, M: Int32, K: Int32) ->
         cute.autovec_copy(gX[r * kv + cu, None], frag)
         frags.append(frag)
     return frags
+
+
+ROW_SHARE = 2  # lanes along K whose row segments make up one Philox call
+ROW_RAND_WORDS = VEC * 8 // 32  # Philox words of one row segment
+
+
+def shared_row_words(
+    r0: Int32, col0: Int32, K: Int32, keys: list, off_lo: Uint32, off_hi: Uint32
+) -> list:
+    """The random words of this lane's segments of rows r0 .. r0 + ROW_SHARE - 1, one list per
+    row (docs/numerics.md 5). A Philox call covers the row segments of ROW_SHARE neighbouring
+    lanes; rather than every lane computing the call and keeping its slice, lane `part` computes
+    the call of row r0 + part and the lanes trade slices by butterfly shuffles: one call per
+    lane for ROW_SHARE rows."""
+    part = (Uint32(col0) // Uint32(VEC)) % Uint32(ROW_SHARE)
+    i0 = (Uint32(r0) + part) * Uint32(K) + Uint32(col0)
+    call = philox4x32_10(i0 // Uint32(4 * VEC // ROW_RAND_WORDS), Uint32(0), off_lo, off_hi, keys)
+    own = call_slice(call, part, ROW_RAND_WORDS)
+    got = {}  # d -> this lane's slice of the call of row r0 + (part ^ d), from lane ^ d
+    for d in range(1, ROW_SHARE):
+        send = call_slice(call, part ^ Uint32(d), ROW_RAND_WORDS)
+        got[d] = [cute.arch.shuffle_sync_bfly(w, offset=d) for w in send]
+    rows = []
+    for p in range(ROW_SHARE):
+        words = own
+        for d in range(1, ROW_SHARE):
+            words = [
+                cutlass.select_(part == Uint32(p ^ d), Uint32(got[d][w]), words[w])
+                for w in range(ROW_RAND_WORDS)
+            ]
+        rows.append(words)
+    return rows
 
 
 def units(mX: cute.Tensor) -> cute.Tensor:
@@ -818,6 +890,11 @@ class QuantizeKernel:
 
         # ---- rowwise copy: ROWS_PER_STEP row segments per iteration, blocks along K
         for t in cutlass.range(ROW_STEPS, unroll=ROW_UNROLL):
+            r0 = row0 + t * ROWS_PER_STEP
+            offs = (Uint32(offset0_lo), Uint32(offset0_hi))
+            shared = []
+            for g in range_constexpr(ROWS_PER_STEP // ROW_SHARE):
+                shared += shared_row_words(r0 + g * ROW_SHARE, col0, K, keys, *offs)
             for ii in range_constexpr(ROWS_PER_STEP):
                 r = row0 + t * ROWS_PER_STEP + ii
                 ok = Int32(col_ok & (r < M))
@@ -834,9 +911,7 @@ class QuantizeKernel:
                     b = r * nbk + col0 // BLOCK + g
                     at = mS.iterator.toint() + Int64(b * 1)
                     store_if(at, scale_bits(code), ok, 1)
-                i0 = Uint32(r) * Uint32(K) + Uint32(col0)
-                offs = (Uint32(offset0_lo), Uint32(offset0_hi))
-                rand = random_fields(i0, VEC, 8, keys, *offs)
+                rand = shared[ii]
                 enc = pack_bits(encode_elements(ys, rand, self.hw_row))
                 vals = to_store(enc, ROW_STORE_BYTES, ROW_STORE_N)
                 at = mQ.iterator.toint() + Int64((r * K + col0) * ELEM_BITS // 8)
@@ -864,7 +939,7 @@ class QuantizeKernel:
                     store_if(at, scale_bits(code), ok, 1)
                 i0 = Uint32(c) * Uint32(M) + Uint32(row0)
                 offs = (Uint32(offset1_lo), Uint32(offset1_hi))
-                rand = random_fields(i0, ROWS, 8, keys, *offs)
+                rand = random_words(i0, ROWS, 8, keys, *offs)
                 enc = pack_bits(encode_elements(ys, rand, self.hw_col))
                 vals = to_store(enc, COL_STORE_BYTES, COL_STORE_N)
                 at = mQc.iterator.toint() + Int64(c * pitch_c + byte0)
