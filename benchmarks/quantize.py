@@ -1,7 +1,7 @@
 """Bandwidth of the generated quantize kernels against a device-to-device copy.
 
     python benchmarks/quantize.py [--shapes 8192x8192,16384x8192] [--iters 50] [--no-reference]
-                                  [--deadline 300]
+                                  [--eager-reference] [--deadline 300]
 
 For each kernel (rowwise: NVFP4 RNE, NVFP4 SR + RHT16, MXFP4, MXFP8; tile kernels: the NVFP4
 gradient's rowwise SR + columnwise SR/RHT16 copies in one launch, the activation's rowwise RNE +
@@ -10,7 +10,8 @@ input of 64 MiB and more it prints the bytes the quantize kernel moves per secon
 once + every copy's codes and scales written) as a ratio to ``torch`` copying the same input in
 the same run (read + write), and the speedup of the whole quantization (``run``: allocations,
 amax kernel if any, quantize kernel) over the reference ``fp4gen.numerics.quantize`` (one call
-per copy; the columnwise copy from ``x.t()``) under ``torch.compile`` (eager if that fails).
+per copy; the columnwise copy from ``x.t()``) under ``torch.compile`` (eager if that fails, or
+with ``--eager-reference``: compiling the tile kernels' references takes minutes).
 
 Phase 1 times the kernels (every output checked bit for bit against the reference first) and
 prints a line per shape; phase 2 times the reference, compiled once per format with M dynamic,
@@ -152,6 +153,12 @@ def main() -> int:
     ap.add_argument("--configs", default=",".join(CONFIGS), help="comma-separated names")
     ap.add_argument("--no-reference", action="store_true", help="skip the reference timing")
     ap.add_argument(
+        "--eager-reference",
+        action="store_true",
+        help="time the reference eagerly instead of under torch.compile (compiling the fused "
+        "tile references takes minutes)",
+    )
+    ap.add_argument(
         "--deadline",
         type=float,
         default=300.0,
@@ -229,7 +236,9 @@ def main() -> int:
     for label in [] if args.no_reference else labels:
         ref_fn = reference_fn(label)
         torch._dynamo.reset()  # formats differ in Python ints that dynamo would make symbolic
-        fn, kind = torch.compile(ref_fn), "compiled"
+        fn, kind = ref_fn, "eager"
+        if not args.eager_reference:
+            fn, kind = torch.compile(ref_fn), "compiled"
         for m, k in shapes:
             if time.perf_counter() - start > args.deadline:
                 ref_text[(label, m, k)] = "reference not timed (deadline)"
