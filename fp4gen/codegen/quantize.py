@@ -321,7 +321,10 @@ def context(spec: QuantKernelSpec) -> dict[str, Any]:
         "sr": sr,
         "sr_bits": sr_bits(out.rounding),
         "sw_encode": _sw_encode(
-            spec.element, out.rounding, tile=False, whole_words=mapping.unit % 8 == 0
+            spec.element,
+            out.rounding,
+            tile=False,
+            whole_words=mapping.unit % (32 // spec.element.bits) == 0,
         ),
         "hw_archs": list(hw_archs),
         # whole codes per 32-bit word (4- and 8-bit): pack and sign them word by word

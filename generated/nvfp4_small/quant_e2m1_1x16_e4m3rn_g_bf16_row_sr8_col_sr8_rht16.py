@@ -665,7 +665,7 @@ def shared_row_words(
     lane for ROW_SHARE rows."""
     part = (Uint32(col0) // Uint32(VEC)) % Uint32(ROW_SHARE)
     i0 = (Uint32(r0) + part) * Uint32(K) + Uint32(col0)
-    call = philox4x32_10(i0 // Uint32(4 * VEC // ROW_RAND_WORDS), Uint32(0), off_lo, off_hi, keys)
+    call = philox4x32_10(i0 // Uint32(VEC * ROW_SHARE), Uint32(0), off_lo, off_hi, keys)
     own = call_slice(call, part, ROW_RAND_WORDS)
     got = {}  # d -> this lane's slice of the call of row r0 + (part ^ d), from lane ^ d
     for d in range(1, ROW_SHARE):
