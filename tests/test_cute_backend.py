@@ -218,7 +218,7 @@ def test_fresh_process_loads_from_the_cache(tmp_path: Path) -> None:
     assert first["compiled"] == 2 and first["loaded"] == 0 and first["same"]
     second = run_script(tmp_path / "cache")
     assert second["compiled"] == 0 and second["loaded"] == 2 and second["same"]
-    assert second["kernels_for"] < first["kernels_for"]
+    # the counts are the property; the times are reported, not asserted (they vary by machine)
     print(f"\ncold kernels_for {first['kernels_for']:.3f}s, warm {second['kernels_for']:.3f}s")
 
 

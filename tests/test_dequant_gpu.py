@@ -17,7 +17,10 @@ GEMM    ``fp4gen.gemm(backend="dequant")`` and ``auto`` for M > FUSED_MAX_M agai
         bias and C 2 u (|ref| + |bias| + |C| + B); a bf16 output 2^-7 (|ref| + B)); exact
         operands (dyadic scales) bit-identical to the reference in any summation order; B's
         decoded values remembered per tensor and refreshed when its codes change; fp4gen.nn.Linear
-        routing its three GEMMs through the path and caching the weight's values.
+        routing its three GEMMs through the path and caching the weight's values; the cuBLASLt
+        call (alpha from device memory, bias and C in its epilogue) serving the common shapes
+        and equal to the torch GEMM + epilogue pass on exact operands, a declined shape falling
+        back with its reason logged.
 """
 
 from __future__ import annotations
@@ -308,5 +311,69 @@ def test_linear_routes_its_gemms_through_the_path(monkeypatch) -> None:
     assert layer._weight_cache.rowwise is w_row and dequant.cached_bf16(w_row) is cached
     # the forward equals gemm on the same operands (bias in the epilogue)
     xq = quantize(x.detach(), recipe.operands.fprop_activation.format, backend="auto")
-    want = fp4gen.gemm(xq, w_row, bias=layer.bias, backend="dequant").to(torch.bfloat16)
+    want = fp4gen.gemm(xq, w_row, bias=layer.bias, out_dtype=torch.bfloat16, backend="dequant")
     assert torch.equal(y.detach(), want)
+
+
+def test_cublaslt_serves_the_path() -> None:
+    """The GEMM, alpha, bias and accumulation run as one cuBLASLt call (no fallback) for the
+    layer shapes, and equal the torch path (fp32 product + epilogue pass) bit for bit on exact
+    operands; a shape cuBLASLt does not take falls back with the reason logged."""
+    from fp4gen.runtime import cublaslt, dequant
+
+    a = raw_operand(256, 512, NVFP4, 1, DYADIC["e4m3"])
+    b = raw_operand(128, 512, NVFP4, 2, DYADIC["e4m3"])
+    va, vb = dequant.dequantize_bf16(a), dequant.dequantize_bf16(b)
+    alpha = torch.tensor([0.75], device=DEV)
+    bias16 = torch.arange(128, device=DEV, dtype=torch.bfloat16) / 8
+    acc16 = ((torch.arange(256 * 128, device=DEV) % 64 - 32) / 4).reshape(256, 128)
+    acc16 = acc16.to(torch.bfloat16)  # multiples of 1/4: every sum below stays exact in fp32
+    cases = [
+        dict(out_dtype=torch.bfloat16),
+        dict(out_dtype=torch.float32),
+        dict(out_dtype=torch.bfloat16, bias=bias16),
+        dict(out_dtype=torch.float32, bias=bias16.float()),
+        dict(out_dtype=torch.bfloat16, accumulate=acc16),
+        dict(out_dtype=torch.bfloat16, bias=bias16, accumulate=acc16),
+    ]
+    for kw in cases:
+        got = cublaslt.matmul(va, vb, alpha, **kw)
+        assert got is not None, (cublaslt.unavailable(), kw)
+        # every product, sum and the epilogue are exact here: any order gives these bits
+        want = dequant.epilogue(
+            dequant._mm_fp32(va, vb), alpha, kw.get("bias"), kw.get("accumulate"), kw["out_dtype"]
+        )
+        assert got.dtype == kw["out_dtype"] and torch.equal(got, want), kw
+    # an fp32 bias with a bf16 output: served where cuBLASLt has an algorithm (the H100's
+    # cuBLAS 13 has none), else declined with the reason logged; the path's result is the same
+    kw = dict(out_dtype=torch.bfloat16, bias=bias16.float())
+    got = cublaslt.matmul(va, vb, alpha, **kw)
+    assert got is not None or any("no cuBLASLt algorithm" in r for r in cublaslt._logged)
+    want = dequant.epilogue(dequant._mm_fp32(va, vb), alpha, kw["bias"], None, torch.bfloat16)
+    assert got is None or torch.equal(got, want)
+    # N = 100 bf16 outputs: rows of 200 bytes, not a multiple of 16: declined, logged
+    assert cublaslt.matmul(va, vb[:100].contiguous(), alpha, out_dtype=torch.bfloat16) is None
+    assert any("N = 100" in reason for reason in cublaslt._logged)
+    b100 = raw_operand(100, 512, NVFP4, 2, DYADIC["e4m3"])
+    got = fp4gen.gemm(a, b100, out_dtype=torch.bfloat16, backend="dequant")
+    assert torch.equal(got, gemm_reference(a, b100).to(torch.bfloat16))
+
+
+def test_kernel_output_is_multiplied_without_unpacking() -> None:
+    """A quantize kernel's QuantizedTensor keeps its packed codes: the dequantize kernel reads
+    them as they are (no unpacking pass) and gives the same values as from the unpacked codes."""
+    from fp4gen.runtime import dequant
+
+    g = torch.Generator(device=DEV).manual_seed(5)
+    x = torch.randn(300, 512, device=DEV, generator=g, dtype=torch.bfloat16)
+    w = torch.randn(128, 512, device=DEV, generator=g, dtype=torch.bfloat16)
+    a = quantize(x, NVFP4, backend="cute")
+    b = quantize(w, NVFP4, backend="cute")
+    assert a.packed_codes() is not None and b.packed_codes() is not None
+    got = fp4gen.gemm(a, b, out_dtype=torch.bfloat16, backend="dequant")
+    assert a.packed_codes() is not None and b.packed_codes() is not None  # still not unpacked
+    va = dequant.dequantize_bf16(a)
+    assert torch.equal(va, a.dequantize_blockwise().to(torch.bfloat16))  # unpacks a's codes
+    assert a.packed_codes() is None and torch.equal(dequant.dequantize_bf16(a), va)
+    again = fp4gen.gemm(a, b, out_dtype=torch.bfloat16, backend="dequant")
+    assert torch.equal(got, again)

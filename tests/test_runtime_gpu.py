@@ -48,3 +48,33 @@ def test_cuda_torch_compile() -> None:
     compiled = grads(torch.compile(layer, fullgraph=True), x, dy)
     for a, b in zip(eager, compiled, strict=True):
         assert torch.equal(a, b)
+
+
+def test_non_finite_inputs_propagate_or_raise(monkeypatch) -> None:
+    """fp4gen.runtime.finite: by default a NaN or Inf input makes the quantized operand's global
+    scale NaN (no read-back), so the GEMMs it feeds give NaN; with the "raise" mode each custom
+    op reads its checks back once and raises: a NaN activation fails the forward, an Inf
+    gradient the backward."""
+    from fp4gen.errors import TensorError
+    from fp4gen.runtime import finite
+
+    layer = fp4gen.nn.Linear(256, 192, recipe=load_recipe("nvfp4.fp4r"), device="cuda")
+    x = torch.randn(128, 256, device="cuda")
+    dy = torch.randn(128, 192, device="cuda")
+    bad_x = x.clone()
+    bad_x[5, 7] = float("nan")
+    bad_dy = dy.clone()
+    bad_dy[0, 1] = float("inf")
+    y = layer(bad_x)
+    assert bool(torch.isnan(y).all())
+    xg = x.clone().requires_grad_(True)
+    layer(xg).backward(bad_dy)
+    assert bool(torch.isnan(xg.grad).all()) and bool(torch.isnan(layer.weight.grad).all())
+    assert bool(torch.isfinite(layer(x)).all())  # the layer itself is unharmed
+
+    monkeypatch.setattr(finite, "_layer_mode", ["raise"])
+    with pytest.raises(TensorError, match=r"1 non-finite value.*index \(5, 7\)"):
+        layer(bad_x)
+    y = layer(x.clone().requires_grad_(True))
+    with pytest.raises(TensorError, match=r"1 non-finite value.*index \(0, 1\)"):
+        y.backward(bad_dy)

@@ -57,9 +57,16 @@ _warned: set[str] = set()
 def default_root() -> Path:
     """$FP4GEN_CACHE_DIR, else $XDG_CACHE_HOME/fp4gen, else ~/.cache/fp4gen."""
     env = os.environ.get("FP4GEN_CACHE_DIR")
+    xdg = os.environ.get("XDG_CACHE_HOME")
+    return _root_for(env, xdg, os.environ.get("HOME"))
+
+
+@lru_cache(maxsize=16)
+def _root_for(env: str | None, xdg: str | None, home: str | None) -> Path:
+    # remembered per environment: kernel lookups ask on every quantize call, and resolving
+    # the path costs more than the lookup itself
     if env:
         return Path(env).expanduser()
-    xdg = os.environ.get("XDG_CACHE_HOME")
     base = Path(xdg).expanduser() if xdg else Path.home() / ".cache"
     return base / "fp4gen"
 

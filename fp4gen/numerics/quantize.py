@@ -7,7 +7,9 @@ Generalizes the NVFP4 two-level scaling of the numerics contract (section 2) to 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, replace
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -24,13 +26,67 @@ from fp4gen.formats import (
     sr_bits,
 )
 from fp4gen.numerics.hadamard import inverse_rht, rht
-from fp4gen.numerics.layout import pack, swizzle_scales
+from fp4gen.numerics.layout import pack, swizzle_scales, unpack
 from fp4gen.numerics.minifloat import decode, encode, encode_scale, max_exponent, max_finite
 from fp4gen.numerics.philox import random_bits
 
 FLT_MAX = float(torch.finfo(torch.float32).max)
 _INPUT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 BACKENDS: tuple[str, ...] = ("auto", "reference", "cute")
+
+
+class _DerivedOnRead:
+    """A dataclass field that holds what it was given, or, given None, is derived from the
+    instance on its first read and kept: a kernel's packed codes are unpacked, scale codes
+    decoded, only when something reads them (the GEMM paths read the packed form)."""
+
+    def __init__(self, derive: Callable[[Any], torch.Tensor]) -> None:
+        self.derive = derive
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self.name, self.key = name, "_" + name
+
+    def __get__(self, obj: Any, objtype: type | None = None) -> torch.Tensor:
+        if obj is None:
+            raise AttributeError(self.name)  # a required field: no default
+        value = obj.__dict__[self.key]
+        if value is None:
+            value = self.derive(obj)
+            obj.__dict__[self.key] = value
+        return value
+
+    def __set__(self, obj: Any, value: torch.Tensor | None) -> None:
+        obj.__dict__[self.key] = value
+
+
+@dataclass(frozen=True)
+class PackedCodes:
+    """Codes as a kernel wrote them: ``data`` uint8 [R, ceil(cols * bits / 8)], packed as
+    ``fp4gen.numerics.layout.pack`` packs them (element 0 in the lowest bits)."""
+
+    data: torch.Tensor
+    cols: int
+    bits: int
+
+    def unpack(self) -> torch.Tensor:
+        """uint8 codes [R, cols], one per byte."""
+        data = self.data
+        if self.bits == 4 and self.cols % 2 == 0:  # one shift and one mask, no bit stream
+            shifts = torch.tensor([0, 4], dtype=torch.uint8, device=data.device)
+            return ((data.unsqueeze(-1) >> shifts) & 0xF).reshape(data.shape[0], self.cols)
+        return unpack(data, self.bits, self.cols)
+
+
+def _unpacked_codes(q: QuantizedTensor) -> torch.Tensor:
+    if q.packed is None:
+        raise TensorError("a QuantizedTensor needs codes or packed codes")
+    return q.packed.unpack()
+
+
+def _decoded_scales(q: QuantizedTensor) -> torch.Tensor:
+    if q.scale_codes is None or q.format.scale.element is None:
+        raise TensorError("a QuantizedTensor needs scales or scale codes to decode them from")
+    return decode(q.scale_codes, q.format.scale.element)
 
 
 @dataclass(frozen=True, eq=False)
@@ -43,10 +99,14 @@ class QuantizedTensor:
     scales) and ``global_scale`` the per-tensor decode scale S_dec (float32 0-dim, 1.0 when the
     format has none). ``shape``/``dtype`` describe the original input. ``seed``/``offset`` are
     the Philox stream used for stochastic rounding (in the orientation originally quantized).
+
+    A kernel's output may give ``codes=None`` with ``packed`` (its packed codes) and
+    ``scales=None`` with ``scale_codes``: both are then derived on first read. While ``codes``
+    has not been read, ``packed_codes()`` returns the packed form, which GEMM paths read instead.
     """
 
-    codes: torch.Tensor
-    scales: torch.Tensor
+    codes: torch.Tensor = _DerivedOnRead(_unpacked_codes)  # type: ignore[assignment]
+    scales: torch.Tensor = _DerivedOnRead(_decoded_scales)  # type: ignore[assignment]
     scale_codes: torch.Tensor | None
     global_scale: torch.Tensor
     format: BlockFormat
@@ -57,6 +117,19 @@ class QuantizedTensor:
     shape: torch.Size
     dtype: torch.dtype
     transposed: bool = False
+    packed: PackedCodes | None = None
+
+    def packed_codes(self) -> PackedCodes | None:
+        """The packed codes while ``codes`` has not been materialized (afterwards ``codes`` is
+        the one authority: it may have been modified in place)."""
+        return self.packed if self.__dict__["_codes"] is None else None
+
+    def code_version(self) -> tuple[int, int]:
+        """(identity, version) of the tensor holding the codes now: a cache key that changes
+        when the codes do."""
+        p = self.packed_codes()
+        t = self.codes if p is None else p.data
+        return id(t), t._version
 
     # --- derived views ------------------------------------------------------------------------
     @property
@@ -65,20 +138,24 @@ class QuantizedTensor:
 
     @property
     def rows(self) -> int:
-        return self.codes.shape[0]
+        p = self.packed_codes()
+        return self.codes.shape[0] if p is None else p.data.shape[0]
 
     @property
     def cols(self) -> int:
-        return self.codes.shape[1]
+        p = self.packed_codes()
+        return self.codes.shape[1] if p is None else p.cols
 
     @property
     def device(self) -> torch.device:
-        return self.codes.device
+        p = self.packed_codes()
+        return self.codes.device if p is None else p.data.device
 
     @property
     def data(self) -> torch.Tensor:
         """Packed codes, uint8 [R, ceil(C*bits/8)] (see ``fp4gen.numerics.layout.pack``)."""
-        return pack(self.codes, self.element.bits, check=False)
+        p = self.packed_codes()
+        return pack(self.codes, self.element.bits, check=False) if p is None else p.data
 
     @property
     def encode_scales(self) -> torch.Tensor:
@@ -125,6 +202,7 @@ class QuantizedTensor:
             scale_codes=None if self.scale_codes is None else self.scale_codes.t().contiguous(),
             shape=torch.Size((self.cols, self.rows)),
             transposed=not self.transposed,
+            packed=None,  # the codes above are the transpose's
         )
 
     def swizzled_scales(self) -> torch.Tensor:

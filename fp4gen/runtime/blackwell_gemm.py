@@ -236,7 +236,7 @@ def gemm_config(
 # ----------------------------------------------------------------------------------------------
 # QuantizedTensor -> (version of its codes, bytes): a weight is converted once, not per GEMM
 _packed: weakref.WeakKeyDictionary[Any, tuple[int, torch.Tensor]] = weakref.WeakKeyDictionary()
-_scales: weakref.WeakKeyDictionary[Any, tuple[int, torch.Tensor]] = weakref.WeakKeyDictionary()
+_scales: weakref.WeakKeyDictionary[Any, tuple[Any, torch.Tensor]] = weakref.WeakKeyDictionary()
 
 
 def pack_codes(codes: torch.Tensor, bits: int) -> torch.Tensor:
@@ -268,7 +268,11 @@ def _aligned(t: torch.Tensor, align: int) -> torch.Tensor:
 
 def packed_codes(q: Any, bits: int) -> torch.Tensor:
     """``pack_codes(q.codes, bits)``, 16-byte aligned, remembered per QuantizedTensor until its
-    codes change (a weight reused across GEMMs is packed once)."""
+    codes change (a weight reused across GEMMs is packed once). A quantize kernel's own packed
+    codes (``layout.pack``'s order, the same bytes) are used as they are."""
+    own = q.packed_codes()
+    if own is not None and own.bits == bits and (own.cols * bits) % 8 == 0:
+        return _aligned(own.data, 16)
     hit = _packed.get(q)
     version = q.codes._version
     if hit is not None and hit[0] == version:
@@ -282,7 +286,7 @@ def scale_buffer(q: Any) -> torch.Tensor:
     """The scale codes in the 128x4 tensor-core layout (one scale per row and K block, 2D tile
     scales repeated over the tile's rows), 32-byte aligned, remembered like ``packed_codes``."""
     hit = _scales.get(q)
-    version = q.codes._version
+    version = q.code_version()
     if hit is not None and hit[0] == version:
         return hit[1]
     buf = _aligned(q.swizzled_scales(), 32)

@@ -2,9 +2,11 @@
 
 ``quantize(x, fmt, ..., backend="cute")`` quantizes with the generated kernel of the matching
 single-output rowwise spec (``kernels_for``) and builds the same QuantizedTensor as the reference:
-codes unpacked on the device, block scales decoded from their codes, S_dec as a 0-dim fp32
-tensor. ``backend="auto"`` takes this path for CUDA tensors whose spec and shape the kernels
-support, and otherwise stays on the reference (logged once per reason at INFO).
+the kernel's packed codes (unpacked on first read of ``codes``; the GEMM paths read them packed),
+the scale codes (decoded on first read of ``scales``), S_dec as a 0-dim fp32 tensor. Non-finite
+inputs raise TensorError (``fp4gen.runtime.finite``). ``backend="auto"`` takes this path for
+CUDA tensors whose spec and shape the kernels support, and otherwise stays on the reference
+(logged once per reason at INFO).
 
 ``quantize_tile_cute(x, fmt, outputs, ...)`` quantizes a tensor rowwise and/or columnwise (the
 columnwise copy being the rowwise quantization of ``x.t()``, each copy with its own rounding, RHT
@@ -25,6 +27,7 @@ from fp4gen.compiler.spec import InputDType, QuantKernelSpec, QuantOutput
 from fp4gen.dsl.model import RHTSpec
 from fp4gen.errors import FP4GenError, TensorError
 from fp4gen.formats import BlockFormat
+from fp4gen.runtime import finite
 
 log = logging.getLogger("fp4gen.runtime")
 
@@ -103,7 +106,6 @@ def quantize_cute(
 ) -> Any:
     """A QuantizedTensor from the generated kernels; None when ``required`` is False and the
     kernels cannot serve this call (the caller then runs the reference)."""
-    from fp4gen.numerics.quantize import _check_finite
 
     def unavailable(reason: str) -> None:
         if required:
@@ -134,11 +136,11 @@ def quantize_cute(
                 raise
             _log_once(f"{spec.name} does not take this input ({err})")
             return None
-    if not all_finite(x2):  # the details on failure
-        _check_finite(x, f"the input of shape {tuple(x.shape)}")
+    flag = finite.check(x2, f"the input of shape {tuple(x.shape)}")
 
     out = kernels.run(x2, seed=seed, offset=offset)
-    return _quantized(out, "", fmt, x2.shape[1], rounding, rht, seed, offset, x.shape, x.dtype)
+    cols = x2.shape[1]
+    return _quantized(out, "", fmt, cols, rounding, rht, seed, offset, x.shape, x.dtype, flag)
 
 
 def _quantized(
@@ -152,17 +154,27 @@ def _quantized(
     offset: int,
     shape: torch.Size,
     dtype: torch.dtype,
+    finite_flag: torch.Tensor | None = None,
 ) -> Any:
     """The QuantizedTensor of one copy a generated module's ``run`` wrote (its outputs named
     ``prefix`` + "data", "scales", "global_scale"; ``cols`` values per row)."""
-    from fp4gen.numerics.quantize import QuantizedTensor
+    from fp4gen.numerics.quantize import PackedCodes, QuantizedTensor
 
     scales = out[prefix + "scales"]
+    data = out[prefix + "data"]
+    bits = fmt.element.bits
+    coded_scales = fmt.scale.element is not None
+    # codes and scale values are derived on first read: the GEMM paths read the packed codes
+    # and the scale codes, so a training step never materializes them
     return QuantizedTensor(
-        codes=_codes(out[prefix + "data"], fmt, cols),
-        scales=_scale_values(scales, fmt),
-        scale_codes=None if fmt.scale.element is None else scales,
-        global_scale=out[prefix + "global_scale"].reshape(()).to(torch.float32),
+        codes=data if bits == 8 else None,
+        packed=None if bits == 8 else PackedCodes(data, cols, bits),
+        scales=None if coded_scales else scales.to(torch.float32),
+        scale_codes=scales if coded_scales else None,
+        # NaN when the input was not all finite and the caller propagates that (finite.py)
+        global_scale=finite.poison(out[prefix + "global_scale"].reshape(()), finite_flag).to(
+            torch.float32
+        ),
         format=fmt,
         rounding=rounding,
         rht=rht,
@@ -171,13 +183,6 @@ def _quantized(
         shape=shape,
         dtype=dtype,
     )
-
-
-def all_finite(x: torch.Tensor) -> bool:
-    """Whether x holds no NaN or Inf: one min/max reduction (NaN propagates through it, an Inf
-    is an extreme) and one sync, instead of a boolean tensor as large as x."""
-    lo, hi = torch.aminmax(x)
-    return bool(torch.isfinite(lo) & torch.isfinite(hi))
 
 
 TileOutput = tuple[str, str, RHTSpec | None, int]  # (direction, rounding, rht, Philox offset)
@@ -191,8 +196,6 @@ def quantize_tile_cute(
     ``quantize(x.t().contiguous(), ...)``, bit for bit. None when the kernels cannot serve the
     call (no GPU kernels, a shape the tile kernel does not take: the caller quantizes the copies
     one by one); TensorError for non-finite values."""
-    from fp4gen.numerics.quantize import _check_finite
-
     if x.device.type != "cuda" or x.dim() != 2 or x.dtype not in _DTYPES or fmt.is_2d:
         return None
     if x.numel() == 0 or not x.is_contiguous() or x.data_ptr() % 16:
@@ -208,8 +211,7 @@ def quantize_tile_cute(
     except TensorError as err:
         _log_once(f"{spec.name} does not take this input ({err}); the copies run one by one")
         return None
-    if not all_finite(x):  # once for every copy; the details on failure
-        _check_finite(x, f"the input of shape {tuple(x.shape)}")
+    flag = finite.check(x, f"the input of shape {tuple(x.shape)}")  # once for every copy
 
     out = kernels.module.run(kernels.fns, x, seed=seed, offset=tuple(o for *_, o in outputs))
     rows, cols = x.shape
@@ -219,7 +221,9 @@ def quantize_tile_cute(
     for direction, rounding, rht, offset in outputs:
         prefix, n, shape = copies[direction]
         result.append(
-            _quantized(out, prefix, fmt, n, rounding, rht, seed, offset, torch.Size(shape), x.dtype)
+            _quantized(
+                out, prefix, fmt, n, rounding, rht, seed, offset, torch.Size(shape), x.dtype, flag
+            )
         )
     return tuple(result)
 
@@ -230,27 +234,6 @@ def _reference_error(x: torch.Tensor) -> None:
 
     _as_2d_float32(x)
     raise TensorError(f"cannot quantize a tensor of shape {tuple(x.shape)} and dtype {x.dtype}")
-
-
-def _codes(data: torch.Tensor, fmt: BlockFormat, cols: int) -> torch.Tensor:
-    from fp4gen.numerics.layout import unpack
-
-    bits = fmt.element.bits
-    if bits == 8:
-        return data
-    if bits == 4 and cols % 2 == 0:  # element 0 in the low nibble
-        # one broadcast shift and one mask write the codes in order (no interleaving copy)
-        shifts = torch.tensor([0, 4], dtype=torch.uint8, device=data.device)
-        return ((data.unsqueeze(-1) >> shifts) & 0xF).reshape(data.shape[0], cols)
-    return unpack(data, bits, cols)
-
-
-def _scale_values(scales: torch.Tensor, fmt: BlockFormat) -> torch.Tensor:
-    from fp4gen.numerics.minifloat import decode
-
-    if fmt.scale.element is None:
-        return scales.to(torch.float32)
-    return decode(scales, fmt.scale.element)
 
 
 __all__ = ["quantize_cute", "quantize_tile_cute", "spec_for"]

@@ -86,7 +86,11 @@ def fused_support(a: BlockFormat, b: BlockFormat) -> str | None:
 def packed_codes(q: Any) -> torch.Tensor:
     """uint8 [R, ceil(C/2)], two 4-bit codes per byte (element 0 in the low nibble), as
     ``q.data`` but in one elementwise op (lo + 16 hi: the codes are below 16); remembered per
-    QuantizedTensor (until its codes change), so a weight reused across GEMMs is packed once."""
+    QuantizedTensor (until its codes change), so a weight reused across GEMMs is packed once.
+    A kernel's own packed codes (``q.packed_codes()``) are returned as they are."""
+    own = q.packed_codes()
+    if own is not None and own.bits == 4:
+        return own.data
     codes = q.codes
     hit = _packed.get(q)
     if hit is not None and hit[0] == codes._version:
@@ -200,7 +204,7 @@ def _b_operand(b: Any, plan: _Plan, kp: int) -> tuple:
     """(codes packed along K and padded, scale codes, global scale) of B, remembered per
     QuantizedTensor until its codes, scale codes or global scale change."""
     versions = (
-        b.codes._version,
+        *b.code_version(),
         b.scale_codes._version if b.scale_codes is not None else -1,
         b.global_scale._version,
         kp,
@@ -209,13 +213,13 @@ def _b_operand(b: Any, plan: _Plan, kp: int) -> tuple:
     hit = _b_operands.get(b)
     if hit is not None and hit[0] == versions:
         return hit[1]
-    codes = b.codes
-    if codes.dtype != torch.uint8:
-        raise TensorError(f"the fused GEMM needs uint8 codes; b has {codes.dtype}")
+    packed = packed_codes(b)
+    if packed.dtype != torch.uint8:
+        raise TensorError(f"the fused GEMM needs uint8 codes; b has {packed.dtype}")
     ops = (
-        _k_padded(packed_codes(b), kp // 2),
+        _k_padded(packed, kp // 2),
         _scale_codes(b, plan.b_sf_rows(b.rows), b.cols, kp, plan.expand),
-        _global(b.global_scale, codes.device),
+        _global(b.global_scale, packed.device),
     )
     _b_operands[b] = (versions, ops)
     return ops
@@ -292,11 +296,12 @@ def fused_gemm(
     plan = _plans.get(key)
     if plan is None:
         plan = _plans[key] = _plan(a.format, b.format, *key[2:])
-    if a.codes.dtype != torch.uint8:
-        raise TensorError(f"the fused GEMM needs uint8 codes; a has {a.codes.dtype}")
     kp = -(-k // plan.k_multiple) * plan.k_multiple  # zero-padded along K (exact)
-    # the small-M kernels read the activation's codes as they are, one per byte
-    a_codes = _k_padded(a.codes, kp) if plan.small else _k_padded(packed_codes(a), kp // 2)
+    # the small-M kernels read the activation's codes one per byte, the wgmma kernels packed
+    a_codes = a.codes if plan.small else packed_codes(a)
+    if a_codes.dtype != torch.uint8:
+        raise TensorError(f"the fused GEMM needs uint8 codes; a has {a_codes.dtype}")
+    a_codes = _k_padded(a_codes, kp) if plan.small else _k_padded(a_codes, kp // 2)
     a_scales = _scale_codes(a, m, k, kp, plan.expand)
     b_codes, b_scales, b_global = _b_operand(b, plan, kp)
     if accumulate is not None:

@@ -6,15 +6,17 @@ scale codes: bf16 [R, Kp] holding element x block scale exactly (the global scal
 applied; K zero-padded to a multiple of 8). ``dequant_gemm(a, b, ...)`` decodes both operands
 (B's values are remembered per QuantizedTensor until its codes change: a weight is decoded once
 per quantization, i.e. once per optimizer step in ``fp4gen.nn.Linear``), multiplies them with
-cuBLAS (``torch.mm(..., out_dtype=torch.float32)``: bf16 products are exact in fp32, fp32
-accumulation) and applies alpha = S_a * S_b (device tensors, no host sync), the bias, the
-accumulation and the output dtype in one elementwise pass where torch has one (``mul`` /
-``addcmul`` writing the output dtype).
+cuBLASLt in one call (``fp4gen.runtime.cublaslt``: bf16 products are exact in fp32, fp32
+accumulation; alpha = S_a * S_b read from device memory, no host sync; the bias and the
+accumulation in its epilogue; the output dtype written directly). Where cuBLASLt does not serve a
+call (logged once with the reason) ``torch.mm(..., out_dtype=torch.float32)`` multiplies and one
+elementwise pass applies alpha, the bias, the accumulation and the output dtype (``mul`` /
+``addcmul``).
 
 Numerics: the fused kernels' contract (docs/numerics.md section 6): K exact products summed in
 fp32 in cuBLAS's order, then y = fp32(acc * alpha) (+ bias) (+ C) rounded once to the output
-dtype. With a bias and no accumulation the bias is added by ``addcmul``, which may fuse the
-multiply and the add (one rounding fewer); the GEMM tolerance covers both.
+dtype. cuBLASLt's epilogue and ``addcmul`` may fuse the multiply and the adds (one rounding
+fewer); the GEMM tolerance covers both.
 
 Formats: every pair whose element x block scale is exact in bf16 (``gemm_exact_in_bf16``) and
 whose scales are codes of at most 8 bits: NVFP4 (1x16 and 16x16), MXFP4, MXFP6, MXFP8, exotic
@@ -35,19 +37,20 @@ from fp4gen.codegen.dequant import UNIT, spec_for
 from fp4gen.compiler.spec import DequantKernelSpec
 from fp4gen.errors import FP4GenError, TensorError
 from fp4gen.formats import BlockFormat
+from fp4gen.runtime import cublaslt
 
 log = logging.getLogger(__name__)
 
 _unavailable: dict[tuple[DequantKernelSpec, str], str] = {}  # why a kernel cannot be had
 _loaded: dict[tuple[DequantKernelSpec, str], Any] = {}
 # per-call lookups by format identity: id(format) -> (format, ...), at most _MAX_IDS entries
-_by_format: dict[tuple[int, str], tuple[BlockFormat, Any]] = {}
+_by_format: dict[tuple[int, str, str], tuple[BlockFormat, Any]] = {}
 _support_ids: dict[int, tuple[object, str | None]] = {}
 _MAX_IDS = 256
 _lock = threading.Lock()
 _logged: set[str] = set()
 # QuantizedTensor -> (versions of its codes and scale codes, bf16 values [R, Kp])
-_values: weakref.WeakKeyDictionary[Any, tuple[tuple[int, int], torch.Tensor]] = (
+_values: weakref.WeakKeyDictionary[Any, tuple[tuple[int, int, int], torch.Tensor]] = (
     weakref.WeakKeyDictionary()
 )
 _MM_DTYPE: list[bool] = []  # [whether torch.mm(..., out_dtype=) exists], filled on first use
@@ -70,8 +73,8 @@ def support(fmt: BlockFormat | object) -> str | None:
 
 
 @lru_cache(maxsize=256)
-def _spec(fmt: BlockFormat) -> DequantKernelSpec | str:
-    return spec_for(fmt)
+def _spec(fmt: BlockFormat, codes: str = "bytes") -> DequantKernelSpec | str:
+    return spec_for(fmt, codes)
 
 
 def _log_once(reason: str) -> None:
@@ -80,13 +83,14 @@ def _log_once(reason: str) -> None:
         log.info("%s", reason)
 
 
-def kernels(fmt: BlockFormat, arch: str) -> Any:
-    """The loaded dequantize kernels of ``fmt`` for ``arch`` (FP4GenError with the reason when
-    there are none)."""
-    hit = _by_format.get((id(fmt), arch))
+def kernels(fmt: BlockFormat, arch: str, codes: str = "bytes") -> Any:
+    """The loaded dequantize kernels of ``fmt`` for ``arch`` reading ``codes`` ("bytes": one
+    code per byte, "packed": two 4-bit codes per byte); FP4GenError with the reason when there
+    are none."""
+    hit = _by_format.get((id(fmt), arch, codes))
     if hit is not None and hit[0] is fmt:
         return hit[1]
-    spec = _spec(fmt)
+    spec = _spec(fmt, codes)
     if isinstance(spec, str):
         raise FP4GenError(f"no dequantize kernel: {spec}")
     key = (spec, arch)
@@ -94,7 +98,7 @@ def kernels(fmt: BlockFormat, arch: str) -> Any:
     if found is not None:
         if len(_by_format) >= _MAX_IDS:
             _by_format.clear()
-        _by_format[(id(fmt), arch)] = (fmt, found)
+        _by_format[(id(fmt), arch, codes)] = (fmt, found)
         return found
     reason = _unavailable.get(key)
     if reason is None:
@@ -115,7 +119,7 @@ def kernels(fmt: BlockFormat, arch: str) -> Any:
         with _lock:
             if found is not None:
                 _loaded[key] = found
-                _by_format[(id(fmt), arch)] = (fmt, found)
+                _by_format[(id(fmt), arch, codes)] = (fmt, found)
                 return found
             _unavailable[key] = reason
     raise FP4GenError(reason)
@@ -132,14 +136,23 @@ def dequantize_bf16(q: Any, *, arch: str | None = None) -> torch.Tensor:
 
         arch = detect_arch()
     fmt = q.format
-    k = kernels(fmt, arch)
-    codes, sc = q.codes, q.scale_codes
+    sc = q.scale_codes
     if sc is None:
         raise TensorError(f"{fmt.name}: the dequantize kernel needs scale codes")
-    rows, cols = codes.shape
+    packed = q.packed_codes() if fmt.element.bits == 4 else None
+    if packed is not None:  # a kernel's packed codes, read as they are (no unpacking pass)
+        k = kernels(fmt, arch, "packed")
+        codes, rows, cols = packed.data, packed.data.shape[0], packed.cols
+        code_cols = cols // 2
+    else:
+        k = kernels(fmt, arch)
+        codes = q.codes
+        rows, cols = codes.shape
+        code_cols = cols
     br, bc = fmt.block
     if (  # the common case, checked with integer compares: launch without launch_args
         cols % UNIT == 0
+        and codes.shape[1] == code_cols
         and codes.dtype == torch.uint8
         and sc.dtype == torch.uint8
         and codes.is_contiguous()
@@ -159,7 +172,7 @@ def dequantize_bf16(q: Any, *, arch: str | None = None) -> torch.Tensor:
 def cached_bf16(q: Any, *, arch: str | None = None) -> torch.Tensor:
     """``dequantize_bf16(q)``, remembered per QuantizedTensor until its codes or scale codes
     change (a weight's values are decoded once per quantization)."""
-    versions = (q.codes._version, -1 if q.scale_codes is None else q.scale_codes._version)
+    versions = (*q.code_version(), -1 if q.scale_codes is None else q.scale_codes._version)
     hit = _values.get(q)
     if hit is not None and hit[0] == versions:
         return hit[1]
@@ -174,7 +187,7 @@ def is_cached(q: Any) -> bool:
     if hit is None:
         return False
     sc = q.scale_codes
-    return hit[0] == (q.codes._version, -1 if sc is None else sc._version)
+    return hit[0] == (*q.code_version(), -1 if sc is None else sc._version)
 
 
 def _mm_fp32(va: torch.Tensor, vb: torch.Tensor) -> torch.Tensor:
@@ -266,14 +279,30 @@ def _gemm(
 ) -> torch.Tensor:
     va = dequantize_bf16(a, arch=arch)
     vb = cached_bf16(b, arch=arch)
-    c = _mm_fp32(va, vb)
-    dev = c.device
+    dev = va.device
     ga, gb = a.global_scale, b.global_scale
     if ga.dtype != torch.float32 or ga.device != dev:
         ga = ga.to(device=dev, dtype=torch.float32)
     if gb.dtype != torch.float32 or gb.device != dev:
         gb = gb.to(device=dev, dtype=torch.float32)
-    return epilogue(c, ga * gb, bias, accumulate, out_dtype)
+    alpha = (ga * gb).reshape(1)
+    m, n = va.shape[0], vb.shape[0]
+    if bias is not None:
+        if tuple(bias.shape) != (n,):
+            raise TensorError(f"bias must have shape [{n}], got {tuple(bias.shape)}")
+        bias = bias.detach()  # no autograd here
+    if accumulate is not None:
+        if tuple(accumulate.shape) != (m, n):
+            raise TensorError(
+                f"accumulate has shape {tuple(accumulate.shape)}, the product {(m, n)}"
+            )
+        accumulate = accumulate.detach()
+    on_device = all(t is None or t.device == dev for t in (bias, accumulate))
+    if on_device:  # one cuBLASLt kernel: alpha, bias and C in its epilogue
+        out = cublaslt.matmul(va, vb, alpha, out_dtype=out_dtype, bias=bias, accumulate=accumulate)
+        if out is not None:
+            return out
+    return epilogue(_mm_fp32(va, vb), alpha, bias, accumulate, out_dtype)
 
 
 __all__ = [

@@ -15,6 +15,8 @@ from typing import Any
 
 import torch
 
+from fp4gen.runtime import finite
+
 _layers: "weakref.WeakValueDictionary[int, Any]" = weakref.WeakValueDictionary()
 _ids = itertools.count()
 
@@ -43,7 +45,8 @@ def linear_forward(
 ) -> torch.Tensor:
     """y = Q(x) @ Q(W)^T (+ bias), computed in fp32 and rounded once to ``out_dtype``, for x2
     [tokens, in] and weight [out, in]."""
-    return _layer(layer_id).forward_gemm(x2, bias, out_dtype)
+    with finite.layer_scope():  # non-finite inputs: propagated as NaN, or raised at the end
+        return _layer(layer_id).forward_gemm(x2, bias, out_dtype)
 
 
 @linear_forward.register_fake
@@ -62,7 +65,8 @@ def linear_backward(
     dy2: torch.Tensor, x2: torch.Tensor, weight: torch.Tensor, layer_id: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(dx [tokens, in] in x2's dtype, dW [out, in] in the weight's) from dy2 [tokens, out]."""
-    return _layer(layer_id).backward_gemms(dy2, x2, weight.dtype)
+    with finite.layer_scope():
+        return _layer(layer_id).backward_gemms(dy2, x2, weight.dtype)
 
 
 @linear_backward.register_fake
@@ -80,7 +84,8 @@ def _setup_context(ctx: Any, inputs: tuple, output: torch.Tensor) -> None:
 def _backward(ctx: Any, dy: torch.Tensor):
     x2, weight = ctx.saved_tensors
     dx, dw = linear_backward(dy.contiguous(), x2, weight, ctx.layer_id)
-    db = None if ctx.bias_dtype is None else dy.to(torch.float32).sum(0).to(ctx.bias_dtype)
+    # the sum accumulates in fp32 without an fp32 copy of dy
+    db = None if ctx.bias_dtype is None else dy.sum(0, dtype=torch.float32).to(ctx.bias_dtype)
     return dx, dw, db, None, None
 
 
