@@ -63,8 +63,9 @@ def default_root() -> Path:
 
 @lru_cache(maxsize=16)
 def _root_for(env: str | None, xdg: str | None, home: str | None) -> Path:
-    # remembered per environment: kernel lookups ask on every quantize call, and resolving
-    # the path costs more than the lookup itself
+    # remembered per environment (``home`` is in the key because Path.home() reads $HOME):
+    # kernel lookups ask on every quantize call, and resolving the path costs more than the
+    # lookup itself
     if env:
         return Path(env).expanduser()
     base = Path(xdg).expanduser() if xdg else Path.home() / ".cache"

@@ -217,17 +217,12 @@ def epilogue(
     out_dtype: torch.dtype,
 ) -> torch.Tensor:
     """y = fp32(c * alpha) (+ bias) (+ accumulate), converted to ``out_dtype``; ``c`` (fp32,
-    owned by the caller) may be overwritten. One elementwise pass without ``accumulate``."""
+    owned by the caller) may be overwritten. One elementwise pass without ``accumulate``. The
+    shapes of ``bias`` [N] and ``accumulate`` [M, N] are the caller's to check (``_gemm``)."""
     m, n = c.shape
     if bias is not None:
-        if tuple(bias.shape) != (n,):
-            raise TensorError(f"bias must have shape [{n}], got {tuple(bias.shape)}")
         bias = bias.detach().to(device=c.device, dtype=torch.float32)  # no autograd here
     if accumulate is not None:
-        if tuple(accumulate.shape) != (m, n):
-            raise TensorError(
-                f"accumulate has shape {tuple(accumulate.shape)}, the product {(m, n)}"
-            )
         c.mul_(alpha)
         if bias is not None:
             c.add_(bias)
@@ -287,6 +282,7 @@ def _gemm(
         gb = gb.to(device=dev, dtype=torch.float32)
     alpha = (ga * gb).reshape(1)
     m, n = va.shape[0], vb.shape[0]
+    # checked once here for both the cuBLASLt call and the fallback epilogue
     if bias is not None:
         if tuple(bias.shape) != (n,):
             raise TensorError(f"bias must have shape [{n}], got {tuple(bias.shape)}")
