@@ -400,7 +400,7 @@ TILE_DTYPES = {case: ("bf16", "fp32") for case in TILE_CASES} | {
     "nvfp4_swizzled": ("fp16", "bf16"),
     "e2m3_e5m2_scales": ("fp16",),
 }
-TILE_PATTERNS = ("randn", "zeros", "outliers", "subnormal_scales", "tiny")
+TILE_PATTERNS = ("randn", "zeros", "outliers", "subnormal_scales", "tiny", "huge")
 TILE_MS = (16, 272, 1000, 4096)
 
 

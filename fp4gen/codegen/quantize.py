@@ -726,9 +726,42 @@ def tile_context(spec: QuantKernelSpec) -> dict[str, Any]:
         # division per block
         "encode_table": not two_d and scale["kind"] == "e4m3_hw",
     }
+    # Copies whose fp16-image encode can take ELEM_TO_F16 folded into their encode-factor
+    # table (one multiply per value fewer); exact while every entry stays a normal fp32, which
+    # S_dec <= FOLD_SDEC_MAX guarantees (the kernel checks it and otherwise takes an unfolded path)
+    fold = [
+        o["tag"]
+        for o in outputs
+        if ctx["encode_table"] and spec.global_scale and sw_of[o["rounding"]] == "srhalf"
+    ]
+    # The fused gradient layout: the strip also staged in shared memory, the column copy from
+    # the registers (unrolled, no rotation), the row copy from shared memory (a rolled loop).
+    # Only this layout emits the folded encodes, so the fold goes with it
+    staged = bool(
+        fold
+        and row is not None
+        and col is not None
+        and bf16_input
+        and mapping.col_warps == 1
+        and not any(o["swizzled"] for o in outputs)
+    )
+    ctx["staged"] = staged
+    ctx["fold"] = fold if staged else []
+    ctx["fold_sdec_max"] = _lit(2.0 ** _fold_sdec_exponent(spec)) if staged else None
     ctx["uses_math"] = spec.global_scale and "math" in ctx["global_num"]
     ctx["uses_asm"] = True  # the predicated stores are inline PTX
     return ctx
+
+
+def _fold_sdec_exponent(spec: QuantKernelSpec) -> int:
+    """The largest n such that S_dec <= 2^n keeps every folded table entry e_b * ELEM_TO_F16 a
+    normal fp32: e_b = 1 / (s_b * S_dec) >= 1 / (SCALE_MAX * 2^n) > 2^-(ceil(log2 SCALE_MAX) + n)
+    and ELEM_TO_F16 = 2^(-14 - emin), so n = 126 - 14 - emin - ceil(log2 SCALE_MAX) - 1 (one
+    binade of margin for the rounding of s_b * S_dec and of its reciprocal)."""
+    assert spec.scale.element is not None
+    scale_max = max_finite(spec.scale.element)
+    emin = 1 - spec.element.bias
+    return 126 - 14 - emin - math.ceil(math.log2(scale_max)) - 1
 
 
 def _pytuple(items) -> str:

@@ -464,6 +464,7 @@ ROWS_PER_STEP = 4  # rows per iteration of the row loop
 ROW_STEPS = ROWS // ROWS_PER_STEP
 ROW_UNROLL = 1  # row-loop iterations per loop body (2 measured 15% slower)
 COL_UNROLL = 2  # column-loop iterations per loop body (1 measured 2% slower)
+UNITS_K = TILE_K // VEC  # row vectors per tile row
 
 
 def words_f32(words: list) -> list:

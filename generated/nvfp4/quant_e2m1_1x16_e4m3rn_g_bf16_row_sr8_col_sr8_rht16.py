@@ -467,7 +467,7 @@ def sign_word(ys: list) -> Uint32:
     return (odd & Uint32(0x80808080)) | (even & Uint32(0x08080808))
 
 
-def encode_elements(ys: list, rand, hw: bool) -> list:
+def encode_elements(ys: list, rand, hw: bool, folded: bool = False) -> list:
     """Codes of the scaled values ys as (value, width) bit-stream fields, in element order,
     rounded stochastically with 8 random bits per value; rand: the Philox words of ys (byte j of
     word w for value 4 w + j).
@@ -476,10 +476,12 @@ def encode_elements(ys: list, rand, hw: bool) -> list:
     a word, so their random bytes (j % 4 and j % 4 + 2 of a Philox word) are 16 bits apart as
     well and one mask and shift puts both below their codes. Adding them carries into a code iff
     floor(frac * 2^8) + r >= 2^8 (docs/numerics.md 5). Image n of the word lands in nibbles n
-    and n + 4, which leaves the bytes in the order 0 2 1 3: one byte permute fixes it."""
+    and n + 4, which leaves the bytes in the order 0 2 1 3: one byte permute fixes it.
+    ``folded``: ys are already the images' values (ELEM_TO_F16 folded into the encode factor)."""
     fields = []
     for i in range(0, len(ys), 8):
-        z = [y * Float32(ELEM_TO_F16) for y in ys[i : i + 8]]  # exact (a tiny z encodes as 0)
+        # y * ELEM_TO_F16 is exact (a tiny z encodes as 0)
+        z = ys[i : i + 8] if folded else [y * Float32(ELEM_TO_F16) for y in ys[i : i + 8]]
         mags = None
         signs = None
         for n, j in enumerate((0, 1, 4, 5)):
@@ -571,6 +573,8 @@ ROWS_PER_STEP = 4  # rows per iteration of the row loop
 ROW_STEPS = ROWS // ROWS_PER_STEP
 ROW_UNROLL = 1  # row-loop iterations per loop body (2 measured 15% slower)
 COL_UNROLL = 2  # column-loop iterations per loop body (1 measured 2% slower)
+UNITS_K = TILE_K // VEC  # row vectors per tile row
+FOLD_SDEC_MAX = 5.070602400912918e30  # the S_dec up to which folded encode factors stay normal
 
 
 def words_f32(words: list) -> list:
@@ -873,80 +877,163 @@ class QuantizeKernel:
         k_enc_col = s_enc1 * Float32(INV_ELEM_MAX)  # fp32(S_enc * fp32(1 / ELEM_MAX))
         keys = philox_keys(Uint32(seed_lo), Uint32(seed_hi))
         smem = cutlass.memory.SmemAllocator()
+        # ---- ELEM_TO_F16 folded into the encode factors of the fp16-image copies: exact while
+        # every e_b * ELEM_TO_F16 is a normal fp32, i.e. S_dec <= FOLD_SDEC_MAX (amax beyond
+        # ~2^111 for NVFP4 takes the unfolded path below)
+        fold_ok = (s_dec_row <= Float32(FOLD_SDEC_MAX)) & (s_dec_col <= Float32(FOLD_SDEC_MAX))
+        fold_f = Float32(cutlass.select_(fold_ok, Float32(ELEM_TO_F16), Float32(1.0)))
         # ---- e_b of every scale code, per copy: block scales then cost one shared-memory load
         table_row = smem.allocate_tensor(Float32, cute.make_layout(256), byte_alignment=16)
         for t in range_constexpr(256 // THREADS):
-            table_row[tidx + t * THREADS] = encode_factor(Uint32(tidx + t * THREADS), s_dec_row)
+            table_row[tidx + t * THREADS] = (
+                encode_factor(Uint32(tidx + t * THREADS), s_dec_row) * fold_f
+            )
         table_col = smem.allocate_tensor(Float32, cute.make_layout(256), byte_alignment=16)
         for t in range_constexpr(256 // THREADS):
-            table_col[tidx + t * THREADS] = encode_factor(Uint32(tidx + t * THREADS), s_dec_col)
+            table_col[tidx + t * THREADS] = (
+                encode_factor(Uint32(tidx + t * THREADS), s_dec_col) * fold_f
+            )
         cute.arch.barrier()
-        # ---- the strip as 32-bit words, WORDS per row, rotated through rolled loops: an
-        # iteration of the row loop takes the first ROWS_PER_STEP rows and then rotates the rows,
-        # one of the column loop the first word of every row (CPAIR columns) and then rotates each
-        # row's words. Rolled loops keep the kernel small enough for the instruction cache (fully
-        # unrolled, instruction fetch stalls took half its time); the data stays in registers
+        # ---- the strip in registers and in shared memory: the column copy reads the registers
+        # (unrolled over the WORDS columns pairs, so no rotation), the row copy its rows from
+        # shared memory (a rolled loop can index shared memory, not registers; each thread reads
+        # back only what it wrote, so no barrier)
         strip = [w for frag in frags for w in frag_words(frag)]
-
-        # ---- rowwise copy: ROWS_PER_STEP row segments per iteration, blocks along K
-        for t in cutlass.range(ROW_STEPS, unroll=ROW_UNROLL):
-            r0 = row0 + t * ROWS_PER_STEP
-            offs = (Uint32(offset0_lo), Uint32(offset0_hi))
-            shared = []
-            for g in range_constexpr(ROWS_PER_STEP // ROW_SHARE):
-                shared += shared_row_words(r0 + g * ROW_SHARE, col0, K, keys, *offs)
-            for ii in range_constexpr(ROWS_PER_STEP):
-                r = row0 + t * ROWS_PER_STEP + ii
-                ok = Int32(col_ok & (r < M))
-                words = strip[ii * WORDS : (ii + 1) * WORDS]
-                xs = words_f32(words)
-                ys = []
-                for g in range_constexpr(ROW_BLOCKS):
-                    lo = g * (VEC // ROW_BLOCKS)
-                    hi = lo + VEC // ROW_BLOCKS
-                    amax_b = butterfly_max(words_absmax(words, xs, lo, hi), ROW_OFFSETS)
-                    code, e_b = block_scale_table(amax_b, k_enc_row, table_row)
-                    ys += scaled(xs[lo:hi], e_b)
-                    # the lanes of a block hold the same scale: all store it
-                    b = r * nbk + col0 // BLOCK + g
-                    at = mS.iterator.toint() + Int64(b * 1)
-                    store_if(at, scale_bits(code), ok, 1)
-                rand = shared[ii]
-                enc = pack_bits(encode_elements(ys, rand, self.hw_row))
-                vals = to_store(enc, ROW_STORE_BYTES, ROW_STORE_N)
-                at = mQ.iterator.toint() + Int64((r * K + col0) * ELEM_BITS // 8)
-                for w in range_constexpr(ROW_STORE_N):
-                    store_if(at + Int64(w * ROW_STORE_BYTES), vals[w], ok, ROW_STORE_BYTES)
-            strip = strip[ROWS_PER_STEP * WORDS :] + strip[: ROWS_PER_STEP * WORDS]
-
-        # ---- columnwise copy: CPAIR columns per iteration, blocks along M
+        sX = smem.allocate_tensor(
+            INPUT_T, cute.make_layout((TILE_M * UNITS_K, VEC), stride=(VEC, 1)), byte_alignment=16
+        )
+        unit0 = (wm * LANES_M + lm) * ROWS * UNITS_K + (col0 % TILE_K) // VEC
+        for i in range_constexpr(ROWS):
+            cute.autovec_copy(frags[i], sX[unit0 + i * UNITS_K, None])
         bl = ROWS // COL_BLOCKS  # rows of one column block held by this thread
-        for t in cutlass.range(WORDS, unroll=COL_UNROLL):
-            pxs = first_columns(strip)
-            for q in range_constexpr(CPAIR):
-                j = t * CPAIR + q
-                c = col0 + j
-                xc, xw = bf16_round(butterflies(pxs[q]))
-                ys = []
-                for g in range_constexpr(COL_BLOCKS):
-                    amax_b = absmax_bf16(xw[g * bl // 2 : (g + 1) * bl // 2])  # exact: packed max
-                    amax_b = butterfly_max(amax_b, COL_OFFSETS)
-                    code, e_b = block_scale_table(amax_b, k_enc_col, table_col)
-                    ys += scaled(xc[g * bl : (g + 1) * bl], e_b)
-                    b = (row0 + g * bl) // BLOCK
-                    ok = Int32(col_ok & (row0 + g * bl < M))
-                    at = mSc.iterator.toint() + Int64((c * nbm + b) * 1)
-                    store_if(at, scale_bits(code), ok, 1)
-                i0 = Uint32(c) * Uint32(M) + Uint32(row0)
-                offs = (Uint32(offset1_lo), Uint32(offset1_hi))
-                rand = random_words(i0, ROWS, 8, keys, *offs)
-                enc = pack_bits(encode_elements(ys, rand, self.hw_col))
-                vals = to_store(enc, COL_STORE_BYTES, COL_STORE_N)
-                at = mQc.iterator.toint() + Int64(c * pitch_c + byte0)
-                for w in range_constexpr(COL_STORE_N):
-                    ok = Int32(col_ok & (byte0 + (w + 1) * COL_STORE_BYTES <= pitch_c))
-                    store_if(at + Int64(w * COL_STORE_BYTES), vals[w], ok, COL_STORE_BYTES)
-            strip = rotate_words(strip)
+        if fold_ok:
+            for t in range_constexpr(WORDS):
+                vals = words_f32([strip[i * WORDS + t] for i in range(ROWS)])
+                pxs = [[vals[i * CPAIR + q] for i in range(ROWS)] for q in range(CPAIR)]
+                for q in range_constexpr(CPAIR):
+                    c = col0 + t * CPAIR + q
+                    xc, xw = bf16_round(butterflies(pxs[q]))
+                    ys = []
+                    for g in range_constexpr(COL_BLOCKS):
+                        amax_b = absmax_bf16(xw[g * bl // 2 : (g + 1) * bl // 2])  # exact
+                        amax_b = butterfly_max(amax_b, COL_OFFSETS)
+                        code, e_b = block_scale_table(amax_b, k_enc_col, table_col)
+                        ys += scaled(xc[g * bl : (g + 1) * bl], e_b)
+                        ok = Int32(col_ok & (row0 + g * bl < M))
+                        b = c * nbm + (row0 + g * bl) // BLOCK
+                        at = mSc.iterator.toint() + Int64(b * 1)
+                        store_if(at, scale_bits(code), ok, 1)
+                    i0 = Uint32(c) * Uint32(M) + Uint32(row0)
+                    offs = (Uint32(offset1_lo), Uint32(offset1_hi))
+                    rand = random_words(i0, ROWS, 8, keys, *offs)
+                    enc = encode_elements(ys, rand, self.hw_col, folded=True)
+                    vcol = to_store(pack_bits(enc), COL_STORE_BYTES, COL_STORE_N)
+                    at = mQc.iterator.toint() + Int64(c * pitch_c + byte0)
+                    for w in range_constexpr(COL_STORE_N):
+                        ok = Int32(col_ok & (byte0 + (w + 1) * COL_STORE_BYTES <= pitch_c))
+                        store_if(
+                            at + Int64(w * COL_STORE_BYTES), vcol[w], ok, COL_STORE_BYTES
+                        )
+
+            for t in cutlass.range(ROW_STEPS, unroll=1):
+                r0 = row0 + t * ROWS_PER_STEP
+                rows = []
+                for ii in range_constexpr(ROWS_PER_STEP):
+                    fr = cute.make_rmem_tensor((VEC,), INPUT_T)
+                    cute.autovec_copy(sX[unit0 + (t * ROWS_PER_STEP + ii) * UNITS_K, None], fr)
+                    rows.append(frag_words(fr))
+                offs_r = (Uint32(offset0_lo), Uint32(offset0_hi))
+                shared = []
+                for g in range_constexpr(ROWS_PER_STEP // ROW_SHARE):
+                    shared += shared_row_words(r0 + g * ROW_SHARE, col0, K, keys, *offs_r)
+                for ii in range_constexpr(ROWS_PER_STEP):
+                    r = r0 + ii
+                    ok_r = Int32(col_ok & (r < M))
+                    words = rows[ii]
+                    xs = words_f32(words)
+                    yr = []
+                    for g in range_constexpr(ROW_BLOCKS):
+                        lo = g * (VEC // ROW_BLOCKS)
+                        hi = lo + VEC // ROW_BLOCKS
+                        amax_r = butterfly_max(words_absmax(words, xs, lo, hi), ROW_OFFSETS)
+                        code_r, e_r = block_scale_table(amax_r, k_enc_row, table_row)
+                        yr += scaled(xs[lo:hi], e_r)
+                        # the lanes of a block hold the same scale: all store it
+                        at_r = mS.iterator.toint() + Int64((r * nbk + col0 // BLOCK + g) * 1)
+                        store_if(at_r, scale_bits(code_r), ok_r, 1)
+                    rand_r = shared[ii]
+                    enc_r = encode_elements(yr, rand_r, self.hw_row, folded=True)
+                    vrow = to_store(pack_bits(enc_r), ROW_STORE_BYTES, ROW_STORE_N)
+                    at_r = mQ.iterator.toint() + Int64((r * K + col0) * ELEM_BITS // 8)
+                    for w in range_constexpr(ROW_STORE_N):
+                        store_if(
+                            at_r + Int64(w * ROW_STORE_BYTES), vrow[w], ok_r, ROW_STORE_BYTES
+                        )
+
+        else:  # amax beyond the fold's range: unfolded, both copies from shared memory (rolled)
+            sW_u = cute.recast_tensor(sX, Uint32)
+            for t in cutlass.range(WORDS, unroll=1):
+                vals_u = words_f32([sW_u[unit0 + i * UNITS_K, t] for i in range(ROWS)])
+                pxs_u = [[vals_u[i * CPAIR + q] for i in range(ROWS)] for q in range(CPAIR)]
+                for q in range_constexpr(CPAIR):
+                    c_u = col0 + t * CPAIR + q
+                    xc_u, xw_u = bf16_round(butterflies(pxs_u[q]))
+                    ys_u = []
+                    for g in range_constexpr(COL_BLOCKS):
+                        amax_b_u = absmax_bf16(xw_u[g * bl // 2 : (g + 1) * bl // 2])  # exact
+                        amax_b_u = butterfly_max(amax_b_u, COL_OFFSETS)
+                        code_u, e_b_u = block_scale_table(amax_b_u, k_enc_col, table_col)
+                        ys_u += scaled(xc_u[g * bl : (g + 1) * bl], e_b_u)
+                        ok_u = Int32(col_ok & (row0 + g * bl < M))
+                        b_u = c_u * nbm + (row0 + g * bl) // BLOCK
+                        at_u = mSc.iterator.toint() + Int64(b_u * 1)
+                        store_if(at_u, scale_bits(code_u), ok_u, 1)
+                    i0_u = Uint32(c_u) * Uint32(M) + Uint32(row0)
+                    offs_u = (Uint32(offset1_lo), Uint32(offset1_hi))
+                    rand_u = random_words(i0_u, ROWS, 8, keys, *offs_u)
+                    enc_u = encode_elements(ys_u, rand_u, self.hw_col)
+                    vcol_u = to_store(pack_bits(enc_u), COL_STORE_BYTES, COL_STORE_N)
+                    at_u = mQc.iterator.toint() + Int64(c_u * pitch_c + byte0)
+                    for w in range_constexpr(COL_STORE_N):
+                        ok_u = Int32(col_ok & (byte0 + (w + 1) * COL_STORE_BYTES <= pitch_c))
+                        store_if(
+                            at_u + Int64(w * COL_STORE_BYTES), vcol_u[w], ok_u, COL_STORE_BYTES
+                        )
+
+            for t in cutlass.range(ROW_STEPS, unroll=1):
+                r0_u = row0 + t * ROWS_PER_STEP
+                rows_u = []
+                for ii in range_constexpr(ROWS_PER_STEP):
+                    fr_u = cute.make_rmem_tensor((VEC,), INPUT_T)
+                    cute.autovec_copy(sX[unit0 + (t * ROWS_PER_STEP + ii) * UNITS_K, None], fr_u)
+                    rows_u.append(frag_words(fr_u))
+                offs_r_u = (Uint32(offset0_lo), Uint32(offset0_hi))
+                shared_u = []
+                for g in range_constexpr(ROWS_PER_STEP // ROW_SHARE):
+                    shared_u += shared_row_words(r0_u + g * ROW_SHARE, col0, K, keys, *offs_r_u)
+                for ii in range_constexpr(ROWS_PER_STEP):
+                    r_u = r0_u + ii
+                    ok_r_u = Int32(col_ok & (r_u < M))
+                    words_u = rows_u[ii]
+                    xs_u = words_f32(words_u)
+                    yr_u = []
+                    for g in range_constexpr(ROW_BLOCKS):
+                        lo = g * (VEC // ROW_BLOCKS)
+                        hi = lo + VEC // ROW_BLOCKS
+                        amax_r_u = butterfly_max(words_absmax(words_u, xs_u, lo, hi), ROW_OFFSETS)
+                        code_r_u, e_r_u = block_scale_table(amax_r_u, k_enc_row, table_row)
+                        yr_u += scaled(xs_u[lo:hi], e_r_u)
+                        # the lanes of a block hold the same scale: all store it
+                        at_r_u = mS.iterator.toint() + Int64((r_u * nbk + col0 // BLOCK + g) * 1)
+                        store_if(at_r_u, scale_bits(code_r_u), ok_r_u, 1)
+                    rand_r_u = shared_u[ii]
+                    enc_r_u = encode_elements(yr_u, rand_r_u, self.hw_row)
+                    vrow_u = to_store(pack_bits(enc_r_u), ROW_STORE_BYTES, ROW_STORE_N)
+                    at_r_u = mQ.iterator.toint() + Int64((r_u * K + col0) * ELEM_BITS // 8)
+                    for w in range_constexpr(ROW_STORE_N):
+                        store_if(
+                            at_r_u + Int64(w * ROW_STORE_BYTES), vrow_u[w], ok_r_u, ROW_STORE_BYTES
+                        )
 
 
 # ----------------------------------------------------------------------------------------------
