@@ -454,27 +454,35 @@ def test_tile_cross_compile(name: str, arch: str, modules, tmp_path: Path) -> No
 
 
 def test_nvfp4_gradient_kernel_shape(modules, tmp_path: Path) -> None:
-    """The fused gradient kernel: one 16-byte load per strip row, then two rolled loops over the
-    strip in registers (4 rows per iteration; 2 x 2 columns per iteration of the second), e_b
-    from a shared-memory table, 8 random bits per value (one Philox call per 16 values: the two
-    lanes of a call's row segments compute one row's call each and trade halves by shuffles, a
-    column strip of 16 takes one), the fp16-image SR encode (two values per convert and min),
-    predicated stores (no branch around them)."""
+    """The fused gradient kernel (the staged layout, docs/quantize-kernels.md): one 16-byte load
+    per strip row, the strip also stored to shared memory; the folded path quantizes the 8
+    columns from the registers (unrolled) and the rows in a rolled loop reading 4 rows per
+    iteration from shared memory; the unfolded path (S_dec past FOLD_SDEC_MAX) runs both copies
+    in rolled loops from shared memory. e_b from a shared-memory table, 8 random bits per value
+    (one Philox call per 16 values: the two lanes of a call's row segments compute one row's
+    call each and trade halves by shuffles, a column strip of 16 takes one), the fp16-image SR
+    encode (two values per convert and min), predicated stores (no branch around them)."""
     mod = modules("quant_e2m1_1x16_e4m3rn_g_bf16_row_sr8_col_sr8_rht16")
     ptx = _ptx(mod.compile_kernel("quantize", "sm_90a", dump_dir=str(tmp_path)))
     assert ptx.count("ld.global.v4") == 16  # 16 rows x 8 bf16
-    assert ptx.count('.pragma "nounroll"') == 2  # the row loop and the column loop
-    # per loop body: 2 row calls (4 rows, shared by 2 lanes) + 4 column calls (LLVM shares the
-    # products of counter words equal in all calls)
-    assert 2 * 10 * (2 + 4) - 16 <= ptx.count("mul.wide.u32") <= 2 * 10 * (2 + 4)
-    # 4 row amax butterflies + 2 row-call halves per 2 rows
-    assert ptx.count("shfl.sync.bfly") == 4 + 2 * 2
-    # every pair of elements of a loop body, both copies
-    assert ptx.count("cvt.rz.f16x2.f32") == ptx.count("min.xorsign.abs.f16x2") == 4 * 4 + 4 * 8
+    assert ptx.count("st.shared.v4") == 16  # the strip staged for the row loops
+    assert ptx.count("ld.shared.v4") == 2 * 4  # 4 rows per row-loop iteration, both paths
+    # the folded path's row loop, the unfolded path's column and row loops
+    assert ptx.count('.pragma "nounroll"') == 3
+    # Philox calls: folded 8 columns + 2 per row-loop body; unfolded 2 per column-loop body
+    # + 2 per row-loop body (LLVM shares the products of counter words equal in all calls)
+    calls = 8 + 2 + 2 + 2
+    assert 2 * 10 * calls - 24 <= ptx.count("mul.wide.u32") <= 2 * 10 * calls
+    # per row-loop body: 4 row amax butterflies + 2 row-call halves per 2 rows; two row loops
+    assert ptx.count("shfl.sync.bfly") == 2 * (4 + 2 * 2)
+    # every pair of elements: folded 8 columns x 8 + 4 rows x 4, unfolded 2 x 8 + 4 x 4
+    pairs = 8 * 8 + 4 * 4 + 2 * 8 + 4 * 4
+    assert ptx.count("cvt.rz.f16x2.f32") == ptx.count("min.xorsign.abs.f16x2") == pairs
     assert "mul.rz.f32" not in ptx and "cvt.rzi" not in ptx  # no per-element rescale or convert
-    assert ptx.count("@p st.global.u32") == 4 + 4 * 2  # 4 row words, 4 columns x 2 words
+    # code words: folded 8 columns x 2 + 4 rows, unfolded 2 columns x 2 + 4 rows
+    assert ptx.count("@p st.global.u32") == 8 * 2 + 4 + 2 * 2 + 4
     assert "ld.shared.f32" in ptx or "ld.shared.b32" in ptx  # the encode-factor table
-    assert "ld.local" not in ptx and "st.local" not in ptx  # the rotated strip stays in registers
+    assert "ld.local" not in ptx and "st.local" not in ptx  # no spills
 
 
 def test_mxfp4_gradient_kernel_draws_a_word_per_value(modules, tmp_path: Path) -> None:
@@ -566,3 +574,39 @@ def test_row_philox_sharing(element, block, rounding, share) -> None:
 
     outs = (("rowwise", rounding, None, "compact"), ("columnwise", rounding, None, "compact"))
     assert tile_context(tile(element, block, NV, True, outs))["row_share"] == share
+
+
+def test_folded_encode_factors_stay_normal_up_to_the_bound() -> None:
+    """The staged gradient layout folds ELEM_TO_F16 = 2^-14 into the e4m3 encode-factor table
+    only while S_dec <= FOLD_SDEC_MAX: at the bound every entry e_b * 2^-14 (e_b = min(1 /
+    (s_b * S_dec), FLT_MAX) in fp32, docs/numerics.md 2.5) is still a normal fp32, so x * t
+    equals the unfolded (x * e_b) * 2^-14. Other inputs keep the rotated layout and no fold."""
+    from dataclasses import replace
+
+    from fp4gen.codegen.quantize import tile_context
+
+    spec = QuantKernelSpec(
+        E2M1,
+        (1, 16),
+        ScaleSpec(E4M3, "nearest"),
+        True,
+        "bf16",
+        (
+            QuantOutput("rowwise", "stochastic8", None),
+            QuantOutput("columnwise", "stochastic8", RHTSpec(16)),
+        ),
+    )
+    ctx = tile_context(spec)
+    assert ctx["staged"] and ctx["fold"] == ["row", "col"]
+    bound = float(ctx["fold_sdec_max"])
+    assert bound == 2.0**102
+    codes = torch.arange(256, dtype=torch.int32)
+    s_b = torch.tensor([E4M3.value(int(c)) for c in codes], dtype=torch.float32)
+    s_b = s_b[torch.isfinite(s_b) & (s_b > 0)]
+    e_b = torch.reciprocal(s_b * torch.tensor(bound, dtype=torch.float32))
+    t = e_b * torch.tensor(2.0**-14, dtype=torch.float32)
+    assert float(t.min()) >= 2.0**-126  # normal: the fold is exact
+    assert torch.equal(t * 2.0**14, e_b)
+    for dtype in ("fp32", "fp16"):
+        other = tile_context(replace(spec, input_dtype=dtype))
+        assert not other["staged"] and other["fold"] == []

@@ -931,9 +931,8 @@ class QuantizeKernel:
                     at = mQc.iterator.toint() + Int64(c * pitch_c + byte0)
                     for w in range_constexpr(COL_STORE_N):
                         ok = Int32(col_ok & (byte0 + (w + 1) * COL_STORE_BYTES <= pitch_c))
-                        store_if(
-                            at + Int64(w * COL_STORE_BYTES), vcol[w], ok, COL_STORE_BYTES
-                        )
+                        at_w = at + Int64(w * COL_STORE_BYTES)
+                        store_if(at_w, vcol[w], ok, COL_STORE_BYTES)
 
             for t in cutlass.range(ROW_STEPS, unroll=1):
                 r0 = row0 + t * ROWS_PER_STEP
@@ -966,9 +965,8 @@ class QuantizeKernel:
                     vrow = to_store(pack_bits(enc_r), ROW_STORE_BYTES, ROW_STORE_N)
                     at_r = mQ.iterator.toint() + Int64((r * K + col0) * ELEM_BITS // 8)
                     for w in range_constexpr(ROW_STORE_N):
-                        store_if(
-                            at_r + Int64(w * ROW_STORE_BYTES), vrow[w], ok_r, ROW_STORE_BYTES
-                        )
+                        at_w = at_r + Int64(w * ROW_STORE_BYTES)
+                        store_if(at_w, vrow[w], ok_r, ROW_STORE_BYTES)
 
         else:  # amax beyond the fold's range: unfolded, both copies from shared memory (rolled)
             sW_u = cute.recast_tensor(sX, Uint32)
@@ -996,9 +994,8 @@ class QuantizeKernel:
                     at_u = mQc.iterator.toint() + Int64(c_u * pitch_c + byte0)
                     for w in range_constexpr(COL_STORE_N):
                         ok_u = Int32(col_ok & (byte0 + (w + 1) * COL_STORE_BYTES <= pitch_c))
-                        store_if(
-                            at_u + Int64(w * COL_STORE_BYTES), vcol_u[w], ok_u, COL_STORE_BYTES
-                        )
+                        at_w_u = at_u + Int64(w * COL_STORE_BYTES)
+                        store_if(at_w_u, vcol_u[w], ok_u, COL_STORE_BYTES)
 
             for t in cutlass.range(ROW_STEPS, unroll=1):
                 r0_u = row0 + t * ROWS_PER_STEP
@@ -1031,9 +1028,8 @@ class QuantizeKernel:
                     vrow_u = to_store(pack_bits(enc_r_u), ROW_STORE_BYTES, ROW_STORE_N)
                     at_r_u = mQ.iterator.toint() + Int64((r_u * K + col0) * ELEM_BITS // 8)
                     for w in range_constexpr(ROW_STORE_N):
-                        store_if(
-                            at_r_u + Int64(w * ROW_STORE_BYTES), vrow_u[w], ok_r_u, ROW_STORE_BYTES
-                        )
+                        at_w_u = at_r_u + Int64(w * ROW_STORE_BYTES)
+                        store_if(at_w_u, vrow_u[w], ok_r_u, ROW_STORE_BYTES)
 
 
 # ----------------------------------------------------------------------------------------------
