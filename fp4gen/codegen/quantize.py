@@ -743,7 +743,7 @@ def tile_context(spec: QuantKernelSpec) -> dict[str, Any]:
         and col is not None
         and bf16_input
         and mapping.col_warps == 1
-        and not any(o["swizzled"] for o in outputs)
+        and not ctx["swizzled"]
     )
     ctx["staged"] = staged
     ctx["fold"] = fold if staged else []
