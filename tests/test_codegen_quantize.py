@@ -437,8 +437,10 @@ def test_tile_cross_compile(name: str, arch: str, modules, tmp_path: Path) -> No
         assert f".target {arch}" in ptx
         assert not re.search(r"\.local\b", ptx), f"{kernel} uses local memory (spills)"
         assert not re.search(r"\.approx|\.ftz", ptx), "approximate or flush-to-zero math"
+        prepared = hasattr(mod, "CONST_LEN")  # the amax kernel prepares the global scales
         if kernel != "quantize":
             assert "atom.global" in ptx or "red.global" in ptx  # one atomic max per CTA
+            assert ("div.rn.f32" in ptx) == prepared
             continue
         roundings = {o.rounding for o in s.outputs}
         hw_e2m1 = "cvt.rn.satfinite.e2m1x2.f32" in ptx
@@ -449,7 +451,7 @@ def test_tile_cross_compile(name: str, arch: str, modules, tmp_path: Path) -> No
         if any(o.rht is not None for o in s.outputs):
             assert "cvt.rn.bf16x2.f32" in ptx  # the RHT output, rounded to bf16
         if s.global_scale:
-            assert "div.rn.f32" in ptx
+            assert ("div.rn.f32" in ptx) != prepared
         assert "st.global" in ptx
 
 
@@ -464,7 +466,8 @@ def test_nvfp4_gradient_kernel_shape(modules, tmp_path: Path) -> None:
     encode (two values per convert and min), predicated stores (no branch around them)."""
     mod = modules("quant_e2m1_1x16_e4m3rn_g_bf16_row_sr8_col_sr8_rht16")
     ptx = _ptx(mod.compile_kernel("quantize", "sm_90a", dump_dir=str(tmp_path)))
-    assert ptx.count("ld.global.v4") == 16  # 16 rows x 8 bf16
+    # 16 rows x 8 bf16, and (k_enc, S_dec) of both copies from the prepared constants
+    assert ptx.count("ld.global.v4") == 16 + 1
     assert ptx.count("st.shared.v4") == 16  # the strip staged for the row loops
     assert ptx.count("ld.shared.v4") == 2 * 4  # 4 rows per row-loop iteration, both paths
     # the folded path's row loop, the unfolded path's column and row loops
@@ -483,6 +486,33 @@ def test_nvfp4_gradient_kernel_shape(modules, tmp_path: Path) -> None:
     assert ptx.count("@p st.global.u32") == 8 * 2 + 4 + 2 * 2 + 4
     assert "ld.shared.f32" in ptx or "ld.shared.b32" in ptx  # the encode-factor table
     assert "ld.local" not in ptx and "st.local" not in ptx  # no spills
+
+
+@pytest.mark.parametrize(
+    "name",
+    [
+        "quant_e2m1_1x16_e4m3rn_g_bf16_row_sr8_col_sr8_rht16",
+        "quant_e2m1_1x16_e4m3rn_g_bf16_row_rne_col_rne_rht16",
+        "quant_e3m2_1x8_e4m3rn_g_bf16_row_sr_col_sr",
+    ],
+)
+def test_amax_kernel_prepares_the_encode_constants(name: str, modules, tmp_path: Path) -> None:
+    """1D tile kernels with a global scale and e4m3 scales: the amax kernel's last CTA (one
+    acq_rel counter atomic per CTA, acquire loads of the final amaxes) computes S_enc, S_dec
+    (div.rn, rcp.rn) and the encode-factor tables; the quantize kernel copies them and divides
+    nothing. Both take a (tiles along K, tiles along M) grid: no integer division outside the
+    1-D fallback."""
+    mod = modules(name)
+    amax = _ptx(mod.compile_kernel("amax", "sm_90a", dump_dir=str(tmp_path / "amax")))
+    quant = _ptx(mod.compile_kernel("quantize", "sm_90a", dump_dir=str(tmp_path / "quantize")))
+    assert len(mod.OUTPUTS) * (256 + 2) == mod.CONST_LEN
+    assert amax.count("atom.acq_rel.gpu.global.add.u32") == 1
+    assert amax.count("ld.acquire.gpu.global.f32") == mod.AMAX_SLOTS
+    assert "div.rn.f32" in amax and "rcp.rn.f32" in amax
+    assert "div.rn" not in quant and "rcp.rn" not in quant
+    for ptx in (amax, quant):
+        assert "%ctaid.y" in ptx and "%nctaid.y" in ptx
+        assert ptx.count("div.s32") + ptx.count("div.u32") <= 1  # the 1-D fallback's
 
 
 def test_mxfp4_gradient_kernel_draws_a_word_per_value(modules, tmp_path: Path) -> None:

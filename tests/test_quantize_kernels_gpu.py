@@ -546,6 +546,37 @@ def test_tile_one_offset_serves_both_copies_and_repeat_calls(tile_kernels) -> No
         assert torch.equal(got["col_data"], again["col_data"])
 
 
+@pytest.mark.parametrize("case", ["nvfp4_dy_sr8", "nvfp4_x"])
+def test_tile_one_dimensional_grid_past_max_grid_y(case: str, tile_kernels) -> None:
+    """More than MAX_GRID_Y tile rows: the grid falls back to one dimension and each CTA
+    divides its index (the amax kernel's CTA count for the prepared constants included)."""
+    spec, loaded = tile_kernels(case, "bf16")
+    mod = loaded.module
+    m, k = (mod.MAX_GRID_Y + 1) * mod.TILE_M, tile_mapping(spec).k_multiple
+    x = tile_input(spec, "randn", m, k, 17)
+    offsets = (3, 4)
+    got = loaded.run(x, seed=11, offset=offsets)
+    assert not compare_tile(spec, got, tile_references(spec, x, 11, offsets))
+
+
+def test_tile_amax_kernel_resets_its_cta_counter(tile_kernels) -> None:
+    """The last CTA of the amax kernel sets the counter back to 0, so a plan can be launched
+    again on the same buffers (as benchmarks do) and its last CTA still prepares the constants."""
+    spec, loaded = tile_kernels("nvfp4_dy_sr8", "bf16")
+    mod = loaded.module
+    x = tile_input(spec, "randn", 1008, 1024, 3)
+    out, plan = mod.launches(x, seed=2, offset=(5, 6))
+    (name, amax_args), (_, q_args) = plan
+    count, consts = amax_args[1 + mod.AMAX_SLOTS], amax_args[2 + mod.AMAX_SLOTS]
+    for _ in range(2):
+        consts.fill_(float("nan"))
+        for name, args in plan:
+            loaded.fns[name](*args)
+        torch.cuda.synchronize()
+        assert int(count.item()) == 0
+        assert not compare_tile(spec, out, tile_references(spec, x, 2, (5, 6)))
+
+
 def test_tile_stochastic_rounding_depends_on_each_offset(tile_kernels) -> None:
     spec, loaded = tile_kernels("nvfp4_dy", "bf16")
     x = tile_input(spec, "randn", 256, 1024, 1)

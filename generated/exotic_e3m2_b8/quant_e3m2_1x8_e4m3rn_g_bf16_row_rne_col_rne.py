@@ -96,6 +96,10 @@ SCALE_TORCH = torch.uint8
 GLOBAL_SCALE = True
 GLOBAL_NUM = 12544.0  # fp32(SCALE_MAX * ELEM_MAX)
 AMAX_SLOTS = 1  # distinct global amaxes (one per transform of x)
+# Constants the amax kernel's last CTA prepares for the quantize kernel: the encode-factor
+# table of each copy (256 entries, one per scale code), then (k_enc, S_dec) of each copy
+CONST_HEAD = 256 * 2
+CONST_LEN = CONST_HEAD + 2 * 2
 
 FLT_MAX = 3.4028234663852886e38
 RNE_MAGIC = 8388608.0  # 2^23: adding it rounds a value in [0, 2^22) to an integer
@@ -375,6 +379,38 @@ def store_if(addr: Int64, value: Uint32, ok: Int32, nbytes: int, *, loc=None, ip
     )
 
 
+@dsl_user_op
+def count_cta(addr: Int64, *, loc=None, ip=None) -> Uint32:
+    """atom.add 1 on a global u32 with acquire-release semantics at GPU scope: the old value."""
+    return Uint32(
+        llvm.inline_asm(
+            T.i32(),
+            [Int64(addr).ir_value(loc=loc, ip=ip)],
+            "atom.acq_rel.gpu.global.add.u32 $0, [$1], 1;",
+            "=r,l,~{memory}",
+            has_side_effects=True,
+            is_align_stack=False,
+            asm_dialect=llvm.AsmDialect.AD_ATT,
+        )
+    )
+
+
+@dsl_user_op
+def load_acquire(addr: Int64, *, loc=None, ip=None) -> Float32:
+    """ld.acquire.gpu of a global fp32: a value other CTAs wrote with atomics."""
+    return Float32(
+        llvm.inline_asm(
+            T.f32(),
+            [Int64(addr).ir_value(loc=loc, ip=ip)],
+            "ld.acquire.gpu.global.f32 $0, [$1];",
+            "=f,l,~{memory}",
+            has_side_effects=True,
+            is_align_stack=False,
+            asm_dialect=llvm.AsmDialect.AD_ATT,
+        )
+    )
+
+
 def scale_bits(code) -> Uint32:
     """A scale as the bits to store: its code."""
     return Uint32(code)
@@ -450,16 +486,24 @@ ROW_OFFSETS = tuple(1 << i for i in range(ROW_LANES.bit_length() - 1))
 COL_OFFSETS = tuple(LANES_K << i for i in range(COL_LANES.bit_length() - 1))
 
 
-def strip_origin(tidx: Int32, bidx: Int32, tiles_k: Int32):
-    """(first row, first column) of this thread's strip, and its (warp row, lane row)."""
+@cute.jit
+def strip_origin(tidx: Int32, tiles_k: Int32):
+    """(first row, first column) of this thread's strip, and its (warp row, lane row). The grid
+    is (tiles along K, tiles along M), or 1-D past MAX_GRID_Y tile rows (then the tile index is
+    divided by tiles_k: the only case that pays for an integer division)."""
+    bidx, bidy, _ = cute.arch.block_idx()
+    _, gdy, _ = cute.arch.grid_dim()
     warp = tidx // 32
     lane = tidx - warp * 32
     wm = warp // WARPS_K
     wk = warp - wm * WARPS_K
     lm = lane // LANES_K
     lk = lane - lm * LANES_K
-    tm = bidx // tiles_k
-    tk = bidx - tm * tiles_k
+    tm = Int32(bidy)
+    tk = Int32(bidx)
+    if gdy == 1:
+        tm = Int32(bidx) // tiles_k
+        tk = Int32(bidx) - tm * tiles_k
     row0 = tm * TILE_M + (wm * LANES_M + lm) * ROWS
     col0 = tk * TILE_K + (wk * LANES_K + lk) * VEC
     return row0, col0, wm, lm, lk
@@ -489,15 +533,25 @@ def units(mX: cute.Tensor) -> cute.Tensor:
 # ----------------------------------------------------------------------------------------------
 # Kernels
 # ----------------------------------------------------------------------------------------------
+MAX_GRID_Y = 65535  # CUDA's limit on gridDim.y
+
+
 def _grid(M, K):
+    """(tiles_k, grid): a (tiles along K, tiles along M) grid, 1-D past MAX_GRID_Y tile rows."""
     tiles_k = (K + (TILE_K - 1)) // TILE_K
     tiles_m = (M + (TILE_M - 1)) // TILE_M
-    return tiles_k, tiles_m * tiles_k
+    two_d = tiles_m <= MAX_GRID_Y
+    grid_x = Int32(cutlass.select_(two_d, tiles_k, tiles_k * tiles_m))
+    grid_y = Int32(cutlass.select_(two_d, tiles_m, Int32(1)))
+    return tiles_k, [grid_x, grid_y, 1]
 
 
 class AmaxKernel:
     """Global amaxes into zero-initialised fp32 [1] buffers, one per slot:
-    each CTA reduces its tile, one atomic max per slot."""
+    each CTA reduces its tile, one atomic max per slot. The last CTA to finish (a counter
+    in a zero-initialised int32 [1]) then prepares, from the final amaxes, what every CTA of the
+    quantize kernel needs: S_dec and k_enc of each copy and its encode-factor table (CONST_*),
+    and writes each copy's S_dec."""
 
     def __init__(self, arch: str):
         self.arch = arch
@@ -507,26 +561,41 @@ class AmaxKernel:
         self,
         mX: cute.Tensor,
         mAmax0: cute.Tensor,
+        mCount: cute.Tensor,  # (1,) int32, zero-initialised: CTAs done
+        mConst: cute.Tensor,  # (CONST_LEN,) fp32 out: the prepared constants
+        mSdec_row: cute.Tensor,  # (1,) fp32 out: S_dec of the rowwise copy
+        mSdec_col: cute.Tensor,  # (1,) fp32 out: S_dec of the columnwise copy
         stream: cuda.CUstream,
     ):
         M, K = mX.shape[0], mX.shape[1]
         tiles_k, grid = _grid(M, K)
-        self.kernel(units(mX), mAmax0, M, K, tiles_k).launch(
-            grid=[grid, 1, 1], block=[THREADS, 1, 1], stream=stream
-        )
+        self.kernel(
+            units(mX),
+            mAmax0,
+            mCount,
+            mConst,
+            mSdec_row,
+            mSdec_col,
+            M,
+            K,
+            tiles_k,
+        ).launch(grid=grid, block=[THREADS, 1, 1], stream=stream)
 
     @cute.kernel
     def kernel(
         self,
         gX: cute.Tensor,
         mAmax0: cute.Tensor,
+        mCount: cute.Tensor,
+        mConst: cute.Tensor,
+        mSdec_row: cute.Tensor,
+        mSdec_col: cute.Tensor,
         M: Int32,
         K: Int32,
         tiles_k: Int32,
     ):
         tidx, _, _ = cute.arch.thread_idx()
-        bidx, _, _ = cute.arch.block_idx()
-        row0, col0, _, _, _ = strip_origin(tidx, bidx, tiles_k)
+        row0, col0, _, _, _ = strip_origin(tidx, tiles_k)
         frags = load_strip(gX, row0, col0, M, K)
         xfs = rows_f32(frags)
         accs = []
@@ -553,6 +622,36 @@ class AmaxKernel:
                 # |x| >= 0: the fp32 max is the integer max of the bits
                 cute.arch.atomic_fmax(mAmax0.iterator, w0, sign_bit=False)
 
+        # ---- the last CTA to count itself sees every CTA's atomic max: it prepares S_dec, k_enc
+        # and the encode-factor tables once for the quantize kernel, not once per CTA there
+        last = smem.allocate_tensor(Int32, cute.make_layout(1), byte_alignment=4)
+        if tidx == 0:
+            gdx, gdy, _ = cute.arch.grid_dim()
+            # acq_rel: this CTA's atomic maxes (same thread) are ordered before its count
+            done = count_cta(mCount.iterator.toint())
+            last[0] = Int32(cutlass.select_(done == Uint32(gdx * gdy - 1), Int32(1), Int32(0)))
+        cute.arch.barrier()
+        if last[0] != 0:
+            s_enc0, s_dec0 = global_scales(load_acquire(mAmax0.iterator.toint()))
+            for t in range_constexpr(256 // THREADS):
+                code = tidx + t * THREADS
+                e_b = encode_factor(Uint32(code), s_dec0)
+                mConst[0 + code] = e_b
+            for t in range_constexpr(256 // THREADS):
+                code = tidx + t * THREADS
+                e_b = encode_factor(Uint32(code), s_dec0)
+                mConst[256 + code] = e_b
+            if tidx == 0:
+                mCount[0] = Int32(0)  # ready for another launch on the same buffers
+                # k_enc = fp32(S_enc * fp32(1 / ELEM_MAX))
+                mConst[CONST_HEAD + 0] = s_enc0 * Float32(INV_ELEM_MAX)
+                mConst[CONST_HEAD + 1] = s_dec0
+                mSdec_row[0] = s_dec0
+                # k_enc = fp32(S_enc * fp32(1 / ELEM_MAX))
+                mConst[CONST_HEAD + 2] = s_enc0 * Float32(INV_ELEM_MAX)
+                mConst[CONST_HEAD + 3] = s_dec0
+                mSdec_col[0] = s_dec0
+
 
 class QuantizeKernel:
     """1x8 e3m2 quantization of a compact row-major [M, K] bf16 tensor:
@@ -571,9 +670,7 @@ class QuantizeKernel:
         mS: cute.Tensor,  # (M, K / BLOCK) scale codes
         mQc: cute.Tensor,  # (K, M * ELEM_BITS / 8) uint8 packed codes of the transpose
         mSc: cute.Tensor,  # (K, ceil(M / BLOCK)) scale codes
-        mAmax0: cute.Tensor,  # (1,) fp32 global amax, slot 0
-        mSdec_row: cute.Tensor,  # (1,) fp32 out: S_dec of the rowwise copy
-        mSdec_col: cute.Tensor,  # (1,) fp32 out: S_dec of the columnwise copy
+        mConst: cute.Tensor,  # (CONST_LEN,) fp32: the amax kernel's prepared constants
         stream: cuda.CUstream,
     ):
         M, K = mX.shape[0], mX.shape[1]
@@ -584,13 +681,11 @@ class QuantizeKernel:
             mS,
             mQc,
             mSc,
-            mAmax0,
-            mSdec_row,
-            mSdec_col,
+            mConst,
             M,
             K,
             tiles_k,
-        ).launch(grid=[grid, 1, 1], block=[THREADS, 1, 1], stream=stream)
+        ).launch(grid=grid, block=[THREADS, 1, 1], stream=stream)
 
     @cute.kernel
     def kernel(
@@ -600,16 +695,13 @@ class QuantizeKernel:
         mS: cute.Tensor,
         mQc: cute.Tensor,
         mSc: cute.Tensor,
-        mAmax0: cute.Tensor,
-        mSdec_row: cute.Tensor,
-        mSdec_col: cute.Tensor,
+        mConst: cute.Tensor,
         M: Int32,
         K: Int32,
         tiles_k: Int32,
     ):
         tidx, _, _ = cute.arch.thread_idx()
-        bidx, _, _ = cute.arch.block_idx()
-        row0, col0, wm, lm, lk = strip_origin(tidx, bidx, tiles_k)
+        row0, col0, wm, lm, lk = strip_origin(tidx, tiles_k)
 
         # ---- issue every load of the strip first (clamped: no predicates)
         frags = load_strip(gX, row0, col0, M, K)
@@ -619,24 +711,19 @@ class QuantizeKernel:
         pitch_c = M * ELEM_BITS // 8  # bytes per row of the transposed codes
         byte0 = row0 * ELEM_BITS // 8  # the strip's first byte in such a row
 
-        # ---- global scales, recomputed by every thread (a broadcast load, div.rn + rcp.rn)
-        s_enc0, s_dec0 = global_scales(mAmax0[0])
-        if bidx == 0:  # noqa: SIM102
-            if tidx == 0:
-                mSdec_row[0] = s_dec0
-                mSdec_col[0] = s_dec0
-        s_dec_row = s_dec0
-        k_enc_row = s_enc0 * Float32(INV_ELEM_MAX)  # fp32(S_enc * fp32(1 / ELEM_MAX))
-        s_dec_col = s_dec0
-        k_enc_col = s_enc0 * Float32(INV_ELEM_MAX)  # fp32(S_enc * fp32(1 / ELEM_MAX))
+        # ---- k_enc (and S_dec where the fold needs it) of every copy, prepared by the amax
+        # kernel like the tables below
+        k_enc_row = mConst[CONST_HEAD + 0]
+        k_enc_col = mConst[CONST_HEAD + 2]
         smem = cutlass.memory.SmemAllocator()
-        # ---- e_b of every scale code, per copy: block scales then cost one shared-memory load
+        # ---- the encode-factor table of every copy, copied from the prepared constants: block
+        # scales then cost one shared-memory load
         table_row = smem.allocate_tensor(Float32, cute.make_layout(256), byte_alignment=16)
         for t in range_constexpr(256 // THREADS):
-            table_row[tidx + t * THREADS] = encode_factor(Uint32(tidx + t * THREADS), s_dec_row)
+            table_row[tidx + t * THREADS] = mConst[0 + tidx + t * THREADS]
         table_col = smem.allocate_tensor(Float32, cute.make_layout(256), byte_alignment=16)
         for t in range_constexpr(256 // THREADS):
-            table_col[tidx + t * THREADS] = encode_factor(Uint32(tidx + t * THREADS), s_dec_col)
+            table_col[tidx + t * THREADS] = mConst[256 + tidx + t * THREADS]
         cute.arch.barrier()
         # ---- the strip as 32-bit words, WORDS per row, rotated through rolled loops: an
         # iteration of the row loop takes the first ROWS_PER_STEP rows and then rotates the rows,
@@ -721,8 +808,13 @@ def compile_kernel(name: str, arch: str, *, dump_dir: str | None = None):
     stream = cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True)
     scale_t = Uint8
     one = [fake(Float32, (1,), assumed_align=4) for _ in range(AMAX_SLOTS)]
+    consts = fake(Float32, (CONST_LEN,), assumed_align=16)
     if name == "amax":
-        return cute.compile(AmaxKernel(arch), x, *one, stream, options=options)
+        count = fake(Int32, (1,), assumed_align=4)
+        s_decs = [fake(Float32, (1,), assumed_align=4) for _ in OUTPUTS]
+        return cute.compile(
+            AmaxKernel(arch), x, *one, count, consts, *s_decs, stream, options=options
+        )
     args = [x]
     args += [
         fake(
@@ -737,7 +829,7 @@ def compile_kernel(name: str, arch: str, *, dump_dir: str | None = None):
         fake(Uint8, (k, cute.sym_int()), stride_order=(1, 0), assumed_align=16),
         fake(scale_t, (cute.sym_int(), cute.sym_int()), stride_order=(1, 0), assumed_align=4),
     ]
-    args += one + [fake(Float32, (1,), assumed_align=4) for _ in OUTPUTS]
+    args.append(consts)
     return cute.compile(QuantizeKernel(arch), *args, stream, options=options)
 
 
@@ -814,11 +906,15 @@ def launches(x: torch.Tensor, *, seed: int = 0, offset: int | tuple[int, ...] = 
     out.update(col_data=col_data, col_scales=col_scales)
     args += [col_data, col_scales]
     plan = []
-    amax = torch.zeros(AMAX_SLOTS, dtype=torch.float32, device=dev)
+    # the amaxes and, after them, the amax kernel's CTA counter: zeroed by one allocation
+    amax = torch.zeros(AMAX_SLOTS + 1, dtype=torch.float32, device=dev)
+    count = amax[AMAX_SLOTS:].view(torch.int32)
+    consts = torch.empty(CONST_LEN, dtype=torch.float32, device=dev)
     s_dec = torch.empty(len(OUTPUTS), dtype=torch.float32, device=dev)
     slots = [amax[s : s + 1] for s in range(AMAX_SLOTS)]
-    plan.append(("amax", (x, *slots)))
-    args += slots + [s_dec[i : i + 1] for i in range(len(OUTPUTS))]
+    s_decs = [s_dec[i : i + 1] for i in range(len(OUTPUTS))]
+    plan.append(("amax", (x, *slots, count, consts, *s_decs)))
+    args.append(consts)
     out["global_scale"] = s_dec[0]
     out["col_global_scale"] = s_dec[1]
     del offsets  # no stochastic rounding

@@ -525,9 +525,13 @@ class AmaxKernel:
     ):
         M, K = mX.shape[0], mX.shape[1]
         tiles_k, grid = _grid(M, K)
-        self.kernel(units(mX), mAmax0, M, K, tiles_k).launch(
-            grid=[grid, 1, 1], block=[THREADS, 1, 1], stream=stream
-        )
+        self.kernel(
+            units(mX),
+            mAmax0,
+            M,
+            K,
+            tiles_k,
+        ).launch(grid=[grid, 1, 1], block=[THREADS, 1, 1], stream=stream)
 
     @cute.kernel
     def kernel(
