@@ -25,15 +25,18 @@ What it computes (docs/numerics.md sections 1-5, bit for bit; oracle: fp4gen.num
 Kernels, in launch order:
     amax      the global amax of each copy (2 values: |x| and |RHT_col(x)|) into zeroed fp32
               [1] buffers: registers -> warp shuffles -> shared memory -> one atomic max per CTA.
+              The last CTA to finish (an acq_rel counter) prepares from the final amaxes each
+              copy's S_dec, k_enc and table of the 256 encode factors (CONST_*, once per tensor).
     quantize  every copy from one read of x: block amaxes, scale codes, encode factors, codes.
 
 Thread mapping: a thread holds a strip of ROWS = 16 rows x VEC = 8 columns of x (one 16-byte
 load per row). A warp is LANES_K = 8 lanes along K (fastest) x LANES_M = 4 along M, a CTA 2 x 2
-warps, so a CTA covers a TILE_M = 128 x TILE_K = 128 tile; CTA t takes tile (t // tiles_k, t %
-tiles_k). A row block spans 2 lane(s) along K (butterfly shuffles combine its amax). A column
-block spans 1 strip(s); each of the thread's VEC columns is quantized from registers after an
-in-register RHT of its 16-row chunks. Rows past M are loaded as row M - 1 (a duplicate of a row
-of the same block, so no amax changes) and never stored; columns past K are clamped likewise.
+warps, so a CTA covers a TILE_M = 128 x TILE_K = 128 tile; CTA (x, y) takes tile (y, x) (a 1-D
+grid past 65535 tile rows: CTA t takes tile (t // tiles_k, t % tiles_k)). A row block spans 2
+lane(s) along K (butterfly shuffles combine its amax). A column block spans 1 strip(s); each of
+the thread's VEC columns is quantized from registers after an in-register RHT of its 16-row
+chunks. A strip past M (M % ROWS == 0: a strip is whole or out) is loaded as the last ROWS rows
+and never stored; columns past K are clamped likewise.
 
 Module contract: KERNELS, compile_kernel(name, arch, *, dump_dir=None), launches(x, ...),
 run(fns, x, *, seed=0, offset=0) (see fp4gen.codegen.quantize). Limits: M * K < 2^31 and a
