@@ -8,10 +8,13 @@ gradient's rowwise SR + columnwise SR/RHT16 copies in one launch, the activation
 columnwise RNE/RHT16, the 16x16 2D weight kernel's rowwise + transposed copies) and each bf16
 input of 64 MiB and more it prints the bytes the quantize kernel moves per second (input read
 once + every copy's codes and scales written) as a ratio to ``torch`` copying the same input in
-the same run (read + write), and the speedup of the whole quantization (``run``: allocations,
-amax kernel if any, quantize kernel) over the reference ``fp4gen.numerics.quantize`` (one call
-per copy; the columnwise copy from ``x.t()``) under ``torch.compile`` (eager if that fails, or
-with ``--eager-reference``: compiling the tile kernels' references takes minutes).
+the same run (read + write: "x copy"), and as the ratio of times to a ``torch`` copy that moves
+as many bytes as the kernel ("x copy of the same bytes": a buffer of half of them read and
+written; smaller than the input copy, so its fixed costs weigh a little more), and the speedup
+of the whole quantization (``run``: allocations, amax kernel if any, quantize kernel) over the
+reference ``fp4gen.numerics.quantize`` (one call per copy; the columnwise copy from ``x.t()``)
+under ``torch.compile`` (eager if that fails, or with ``--eager-reference``: compiling the tile
+kernels' references takes minutes).
 
 Phase 1 times the kernels (every output checked bit for bit against the reference first) and
 prints a line per shape; phase 2 times the reference, compiled once per format with M dynamic,
@@ -222,16 +225,30 @@ def main() -> int:
             kernel_t = {name: bench(partial(fns[name], *kargs), args.iters) for name, kargs in plan}
             t_run = bench(partial(mod.run, fns, x, seed=1, offset=offset), args.iters)
             bw_copy = 2 * in_bytes / t_copy
+            # a copy that moves as many bytes as the kernel (reads and writes half each)
+            same_src = torch.empty(
+                (in_bytes + out_bytes) // 4, dtype=torch.bfloat16, device=x.device
+            )
+            same_dst = torch.empty_like(same_src)
+            t_same = bench(partial(same_dst.copy_, same_src), args.iters)
+            ratio_same = t_same / kernel_t["quantize"]
+            del same_src, same_dst
             bw_q = (in_bytes + out_bytes) / kernel_t["quantize"]
             run_bytes = (2 if global_scale else 1) * in_bytes + out_bytes  # amax reads x too
             detail = ", ".join(f"{n} kernel {t * 1e6:.1f} us" for n, t in kernel_t.items())
             print(
-                f"  {m}x{k}: {bw_q / 1e9:.0f} GB/s = {bw_q / bw_copy:.2f} x copy "
+                f"  {m}x{k}: {bw_q / 1e9:.0f} GB/s = {bw_q / bw_copy:.2f} x copy, "
+                f"{ratio_same:.2f} x copy of the same bytes "
                 f"({'bit-exact' if exact else 'NOT BIT-EXACT'}); copy {t_copy * 1e6:.1f} us "
                 f"({bw_copy / 1e9:.0f} GB/s), {detail}, run() {t_run * 1e6:.1f} us "
                 f"({run_bytes / t_run / 1e9:.0f} GB/s)"
             )
-            results[(label, m, k)] = {"bw": bw_q, "ratio": bw_q / bw_copy, "run": t_run}
+            results[(label, m, k)] = {
+                "bw": bw_q,
+                "ratio": bw_q / bw_copy,
+                "same": ratio_same,
+                "run": t_run,
+            }
             del x, dst, res, plan, want
             torch.cuda.empty_cache()
 
@@ -271,7 +288,8 @@ def main() -> int:
             r = results[(label, m, k)]
             ref = ref_text.get((label, m, k), "reference skipped")
             print(
-                f"{label} {m}x{k} bf16: {r['bw'] / 1e9:.0f} GB/s = {r['ratio']:.2f} x copy; {ref}"
+                f"{label} {m}x{k} bf16: {r['bw'] / 1e9:.0f} GB/s = {r['ratio']:.2f} x copy, "
+                f"{r['same']:.2f} x copy of the same bytes; {ref}"
             )
     print("all outputs bit-exact" if ok else "SOME OUTPUTS DIFFER FROM THE REFERENCE")
     return 0 if ok else 1
