@@ -575,28 +575,29 @@ class QuantizeKernel:
 
         # ---- rowwise copy: ROWS_PER_STEP row segments per iteration, blocks along K
         for t in cutlass.range(ROW_STEPS, unroll=ROW_UNROLL):
+            r0 = row0 + t * ROWS_PER_STEP
             for ii in range_constexpr(ROWS_PER_STEP):
-                r = row0 + t * ROWS_PER_STEP + ii
-                ok = Int32(col_ok & (r < M))
+                r = r0 + ii
+                ok_r = Int32(col_ok & (r < M))
                 words = strip[ii * WORDS : (ii + 1) * WORDS]
                 xs = words_f32(words)
-                ys = []
+                yr = []
                 for g in range_constexpr(ROW_BLOCKS):
                     lo = g * (VEC // ROW_BLOCKS)
                     hi = lo + VEC // ROW_BLOCKS
-                    amax_b = butterfly_max(words_absmax(words, xs, lo, hi), ROW_OFFSETS)
-                    code, e_b = block_scale(amax_b, k_enc_row, s_enc_row, s_dec_row)
-                    ys += scaled(xs[lo:hi], e_b)
+                    amax_r = butterfly_max(words_absmax(words, xs, lo, hi), ROW_OFFSETS)
+                    code_r, e_r = block_scale(amax_r, k_enc_row, s_enc_row, s_dec_row)
+                    yr += scaled(xs[lo:hi], e_r)
                     # the lanes of a block hold the same scale: all store it
-                    b = r * nbk + col0 // BLOCK + g
-                    at = mS.iterator.toint() + Int64(b * 1)
-                    store_if(at, scale_bits(code), ok, 1)
-                rand = None
-                enc = pack_bits(encode_elements(ys, rand, self.hw_row))
-                vals = to_store(enc, ROW_STORE_BYTES, ROW_STORE_N)
-                at = mQ.iterator.toint() + Int64((r * K + col0) * ELEM_BITS // 8)
+                    at_r = mS.iterator.toint() + Int64((r * nbk + col0 // BLOCK + g) * 1)
+                    store_if(at_r, scale_bits(code_r), ok_r, 1)
+                rand_r = None
+                enc_r = encode_elements(yr, rand_r, self.hw_row)
+                vrow = to_store(pack_bits(enc_r), ROW_STORE_BYTES, ROW_STORE_N)
+                at_r = mQ.iterator.toint() + Int64((r * K + col0) * ELEM_BITS // 8)
                 for w in range_constexpr(ROW_STORE_N):
-                    store_if(at + Int64(w * ROW_STORE_BYTES), vals[w], ok, ROW_STORE_BYTES)
+                    at_w = at_r + Int64(w * ROW_STORE_BYTES)
+                    store_if(at_w, vrow[w], ok_r, ROW_STORE_BYTES)
             strip = strip[ROWS_PER_STEP * WORDS :] + strip[: ROWS_PER_STEP * WORDS]
 
         # ---- columnwise copy: CPAIR columns per iteration, blocks along M
@@ -617,12 +618,13 @@ class QuantizeKernel:
                     at = mSc.iterator.toint() + Int64((c * nbm + b) * 1)
                     store_if(at, scale_bits(code), ok, 1)
                 rand = None
-                enc = pack_bits(encode_elements(ys, rand, self.hw_col))
-                vals = to_store(enc, COL_STORE_BYTES, COL_STORE_N)
+                enc = encode_elements(ys, rand, self.hw_col)
+                vcol = to_store(pack_bits(enc), COL_STORE_BYTES, COL_STORE_N)
                 at = mQc.iterator.toint() + Int64(c * pitch_c + byte0)
                 for w in range_constexpr(COL_STORE_N):
                     ok = Int32(col_ok & (byte0 + (w + 1) * COL_STORE_BYTES <= pitch_c))
-                    store_if(at + Int64(w * COL_STORE_BYTES), vals[w], ok, COL_STORE_BYTES)
+                    at_w = at + Int64(w * COL_STORE_BYTES)
+                    store_if(at_w, vcol[w], ok, COL_STORE_BYTES)
             strip = rotate_words(strip)
 
 

@@ -800,7 +800,7 @@ class QuantizeKernel:
                 xc, xw = bf16_round(butterflies(pxs[q]))
                 ys = []
                 for g in range_constexpr(COL_BLOCKS):
-                    amax_b = absmax_bf16(xw[g * bl // 2 : (g + 1) * bl // 2])  # exact: packed max
+                    amax_b = absmax_bf16(xw[g * bl // 2 : (g + 1) * bl // 2])  # exact
                     amax_b = butterfly_max(amax_b, COL_OFFSETS)
                     code, e_b = block_scale_table(amax_b, k_enc_col, table_col)
                     ys += scaled(xc[g * bl : (g + 1) * bl], e_b)
@@ -809,12 +809,13 @@ class QuantizeKernel:
                     at = mSc.iterator.toint() + Int64((c * nbm + b) * 1)
                     store_if(at, scale_bits(code), ok, 1)
                 rand = None
-                enc = pack_bits(encode_elements(ys, rand, self.hw_col))
-                vals = to_store(enc, COL_STORE_BYTES, COL_STORE_N)
+                enc = encode_elements(ys, rand, self.hw_col)
+                vcol = to_store(pack_bits(enc), COL_STORE_BYTES, COL_STORE_N)
                 at = mQc.iterator.toint() + Int64(c * pitch_c + byte0)
                 for w in range_constexpr(COL_STORE_N):
                     ok = Int32(col_ok & (byte0 + (w + 1) * COL_STORE_BYTES <= pitch_c))
-                    store_if(at + Int64(w * COL_STORE_BYTES), vals[w], ok, COL_STORE_BYTES)
+                    at_w = at + Int64(w * COL_STORE_BYTES)
+                    store_if(at_w, vcol[w], ok, COL_STORE_BYTES)
             strip = rotate_words(strip)
 
 

@@ -1000,7 +1000,8 @@ class QuantizeKernel:
                 vals = words_f32([strip[i * WORDS + t] for i in range(ROWS)])
                 pxs = [[vals[i * CPAIR + q] for i in range(ROWS)] for q in range(CPAIR)]
                 for q in range_constexpr(CPAIR):
-                    c = col0 + t * CPAIR + q
+                    j = t * CPAIR + q
+                    c = col0 + j
                     xc, xw = bf16_round(butterflies(pxs[q]))
                     ys = []
                     for g in range_constexpr(COL_BLOCKS):
@@ -1008,9 +1009,9 @@ class QuantizeKernel:
                         amax_b = butterfly_max(amax_b, COL_OFFSETS)
                         code, e_b = block_scale_table(amax_b, k_enc_col, table_col)
                         ys += scaled(xc[g * bl : (g + 1) * bl], e_b)
+                        b = (row0 + g * bl) // BLOCK
                         ok = Int32(col_ok & (row0 + g * bl < M))
-                        b = c * nbm + (row0 + g * bl) // BLOCK
-                        at = mSc.iterator.toint() + Int64(b * 1)
+                        at = mSc.iterator.toint() + Int64((c * nbm + b) * 1)
                         store_if(at, scale_bits(code), ok, 1)
                     i0 = Uint32(c) * Uint32(M) + Uint32(row0)
                     offs = (Uint32(offset1_lo), Uint32(offset1_hi))
@@ -1063,7 +1064,8 @@ class QuantizeKernel:
                 vals_u = words_f32([sW_u[unit0 + i * UNITS_K, t] for i in range(ROWS)])
                 pxs_u = [[vals_u[i * CPAIR + q] for i in range(ROWS)] for q in range(CPAIR)]
                 for q in range_constexpr(CPAIR):
-                    c_u = col0 + t * CPAIR + q
+                    j_u = t * CPAIR + q
+                    c_u = col0 + j_u
                     xc_u, xw_u = bf16_round(butterflies(pxs_u[q]))
                     ys_u = []
                     for g in range_constexpr(COL_BLOCKS):
@@ -1071,9 +1073,9 @@ class QuantizeKernel:
                         amax_b_u = butterfly_max(amax_b_u, COL_OFFSETS)
                         code_u, e_b_u = block_scale_table(amax_b_u, k_enc_col, table_col)
                         ys_u += scaled(xc_u[g * bl : (g + 1) * bl], e_b_u)
+                        b_u = (row0 + g * bl) // BLOCK
                         ok_u = Int32(col_ok & (row0 + g * bl < M))
-                        b_u = c_u * nbm + (row0 + g * bl) // BLOCK
-                        at_u = mSc.iterator.toint() + Int64(b_u * 1)
+                        at_u = mSc.iterator.toint() + Int64((c_u * nbm + b_u) * 1)
                         store_if(at_u, scale_bits(code_u), ok_u, 1)
                     i0_u = Uint32(c_u) * Uint32(M) + Uint32(row0)
                     offs_u = (Uint32(offset1_lo), Uint32(offset1_hi))
