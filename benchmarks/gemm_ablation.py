@@ -1,0 +1,272 @@
+"""Where the time of the fused wgmma GEMM goes: the generated kernel with parts of its mainloop
+removed, timed against cuBLAS BF16 and against the kernel as generated (Hopper).
+
+    python benchmarks/gemm_ablation.py [--shape 8192x8192x8192] [--variants full,no-decode,...]
+    python benchmarks/gemm_ablation.py --compile-only     # patch and cross-compile, no GPU
+
+The module of the large-M tile (NVFP4: A 1x16 blocks, B 16x16 blocks, bf16 out; tile
+``m128n256w2s5``) is rendered by fp4gen.codegen.gemm.render_gemm, then each variant replaces
+one piece of its source text (every replacement must match exactly once, so a template change
+that moves the piece stops the benchmark instead of timing the wrong thing). Only "full"
+computes the product; the others leave stale or partial data in the decoded stages and are for
+timing alone:
+
+  full                the kernel as generated
+  no-fence            without the fence.proxy.async that hands the decoded stores to wgmma
+  no-decode           no code loads, decode or stores: TMA, mbarriers, fence, named barrier and
+                      wgmma only (what the pipeline costs without the dequantization)
+  no-decode-no-fence  the same without the fence
+  decode-no-store     the code loads and the decode arithmetic, the words folded into one
+                      register instead of stored
+  store-no-decode     the code loads and the stores (the raw code words), no decode arithmetic
+  fewer-decode-ops    the decode in 14 instructions per 8 values instead of 20 (what a
+                      GEMM-specific bit layout of the packed codes would allow)
+  a-only              only A's rows decoded: the bound for a kernel whose B is decoded for free
+  half-b              A and half of B's rows decoded: the work per CTA of a 2-CTA cluster that
+                      shares B's decode, without the remote stores such sharing needs
+  quarter-b           A and a quarter of B's rows (a 4-CTA cluster, likewise)
+
+Inputs: random codes, block scales 1.0, global scales 1; two operand sets rotated so that
+consecutive calls do not find their operands in L2. CUDA events, best of 3 runs. Measured
+figures and what they mean: docs/gemm-sm90.md, "Where the wgmma kernel's time goes".
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import math
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+from types import ModuleType
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the checkout, uninstalled
+
+from fp4gen.codegen.gemm import TILES, render_gemm
+from fp4gen.formats import BUILTIN_FORMATS
+from fp4gen.runtime.cute_gemm import gemm_spec
+
+Patch = Callable[[str], str]
+ONE_E4M3 = 0x38  # the e4m3 code of 1.0
+
+FENCE = '        cute.arch.fence_proxy("async.shared", space="cta")'
+DECODE_START = "        codes = []\n        scales = []\n"
+STORE_LOOP = """        for i in range_constexpr(UNITS_PER_THREAD):
+            if valid[i]:
+                dst = cutlass.select_(is_a[i], da, db) + dst_off[i]
+                for w in range_constexpr(4):
+"""
+STORE_CALL = "                    o = decode8(codes[i][w], scales[i], w >= 2)\n"
+STORE_WORDS = "                    sts_v4(dst + ((chunk[i] ^ w) << 4), o[0], o[1], o[2], o[3])\n"
+
+
+def _replace_once(src: str, old: str, new: str) -> str:
+    count = src.count(old)
+    if count != 1:
+        raise RuntimeError(
+            f"ablation patch: expected one occurrence of {old.splitlines()[0].strip()!r} in "
+            f"the generated module, found {count} (has the template changed?)"
+        )
+    return src.replace(old, new)
+
+
+def drop_fence(src: str) -> str:
+    line = src[src.index(FENCE) : src.index("\n", src.index(FENCE)) + 1]
+    return _replace_once(src, line, "")
+
+
+def drop_decode(src: str) -> str:
+    start = src.index(DECODE_START)
+    return _replace_once(src, src[start : src.index(FENCE)], "")
+
+
+def decode_no_store(src: str) -> str:
+    # every decoded word folds into one register; the store it feeds is never taken
+    start = src.index(STORE_LOOP)
+    body = src[start : src.index(STORE_WORDS, start) + len(STORE_WORDS)]
+    folded = """        folded = Uint32(0)
+        for i in range_constexpr(UNITS_PER_THREAD):
+            if valid[i]:
+                for w in range_constexpr(4):
+                    o = decode8(codes[i][w], scales[i], w >= 2)
+                    folded = folded ^ o[0] ^ o[1] ^ o[2] ^ o[3]
+        if folded == Uint32(0x12345679):
+            sts_v4(da, folded, folded, folded, folded)
+"""
+    return _replace_once(src, body, folded)
+
+
+def store_no_decode(src: str) -> str:
+    raw = (
+        "                    x = codes[i][w]\n"
+        "                    sts_v4(dst + ((chunk[i] ^ w) << 4), x, x ^ scales[i], x, x)\n"
+    )
+    return _replace_once(src, STORE_CALL + STORE_WORDS, raw)
+
+
+def fewer_decode_ops(src: str) -> str:
+    """decode8 as 14 instructions per 8 values instead of 20: the sequence a GEMM-specific bit
+    layout of the packed codes would allow (three words by one shift and one AND, the fourth by
+    three of each, plus the four HMUL2). The operands keep the usual layout, so it only times
+    the instruction count."""
+    start = src.index("@cute.jit\ndef decode8(")
+    end = src.index("    )\n", start) + len("    )\n")
+    cheaper = """@cute.jit
+def decode8(x: Uint32, sc: Uint32, hi: cutlass.Constexpr[bool]):
+    m = Uint32(MAG_BITS | SIGN_BITS)
+    w3 = ((x >> Uint32(4)) & Uint32(0x00C000C0)) | ((x >> Uint32(5)) & Uint32(0x01000100))
+    w3 = w3 | ((x << Uint32(1)) & Uint32(SIGN_BITS))
+    return (
+        mul_bf16x2_bcast(x & m, sc, hi),
+        mul_bf16x2_bcast((x << Uint32(3)) & m, sc, hi),
+        mul_bf16x2_bcast((x << Uint32(6)) & m, sc, hi),
+        mul_bf16x2_bcast(w3, sc, hi),
+    )
+"""
+    return _replace_once(src, src[start:end], cheaper)
+
+
+def decoded_b_rows(rows: int) -> Patch:
+    """Decode A and only the first ``rows`` rows of B's tile (B row r sits at r * 128 bytes)."""
+
+    def patch(src: str) -> str:
+        return _replace_once(
+            src,
+            "            if valid[i]:\n                dst = cutlass.select_(",
+            f"            if valid[i] & (is_a[i] | (dst_off[i] < {rows * 128})):\n"
+            "                dst = cutlass.select_(",
+        )
+
+    return patch
+
+
+TILE = TILES["large"]
+VARIANTS: dict[str, list[Patch]] = {
+    "full": [],
+    "no-fence": [drop_fence],
+    "no-decode": [drop_decode],
+    "no-decode-no-fence": [drop_decode, drop_fence],
+    "decode-no-store": [decode_no_store],
+    "store-no-decode": [store_no_decode],
+    "fewer-decode-ops": [fewer_decode_ops],
+    "a-only": [decoded_b_rows(0)],
+    "half-b": [decoded_b_rows(TILE.tile_n // 2)],
+    "quarter-b": [decoded_b_rows(TILE.tile_n // 4)],
+}
+
+
+def variant_source(name: str) -> str:
+    """The generated module of the large-M NVFP4 kernel with variant ``name``'s patches."""
+    if name not in VARIANTS:
+        raise SystemExit(f"unknown variant {name!r}; variants: {', '.join(VARIANTS)}")
+    nvfp4 = BUILTIN_FORMATS["nvfp4"]
+    spec = gemm_spec(nvfp4, nvfp4.with_block((16, 16)), 8192, out_dtype="bf16", tile=TILE)
+    src = render_gemm(spec)
+    for patch in VARIANTS[name]:
+        src = patch(src)
+    return src
+
+
+def load_variant(name: str, workdir: Path) -> ModuleType:
+    module_name = "ablation_" + name.replace("-", "_")
+    path = workdir / f"{module_name}.py"
+    path.write_text(variant_source(name))
+    spec = importlib.util.spec_from_file_location(module_name, path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def bench(fn: Callable[[int], object], iters: int) -> float:
+    """Seconds per call: CUDA events, best of 3 runs of ``iters`` calls (fn(i), i rotating)."""
+    for i in range(3):
+        fn(i)
+    torch.cuda.synchronize()
+    best = math.inf
+    for _ in range(3):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for i in range(iters):
+            fn(i)
+        end.record()
+        end.synchronize()
+        best = min(best, start.elapsed_time(end) / iters * 1e-3)
+    return best
+
+
+def operands(m: int, n: int, k: int, g: torch.Generator) -> tuple:
+    """Packed random codes, scale codes of 1.0, global scales 1 (the module's launch_args order)."""
+    a = torch.randint(0, 256, (m, k // 2), generator=g, device="cuda", dtype=torch.uint8)
+    b = torch.randint(0, 256, (n, k // 2), generator=g, device="cuda", dtype=torch.uint8)
+    sa = torch.full((m, k // 16), ONE_E4M3, device="cuda", dtype=torch.uint8)
+    sb = torch.full((-(-n // 16), k // 16), ONE_E4M3, device="cuda", dtype=torch.uint8)
+    one = torch.ones(1, device="cuda")
+    return a, sa, one, b, sb, one
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--shape", default="8192x8192x8192", help="MxNxK (K a multiple of 64)")
+    ap.add_argument("--variants", default=",".join(VARIANTS), help="comma-separated (default: all)")
+    ap.add_argument("--iters", type=int, default=20, help="calls per timed run (default 20)")
+    ap.add_argument(
+        "--compile-only",
+        action="store_true",
+        help="patch and cross-compile every variant for sm_90a (no GPU needed), then stop",
+    )
+    args = ap.parse_args()
+    names = [v for v in args.variants.split(",") if v]
+    with tempfile.TemporaryDirectory(prefix="fp4gen_ablation_") as tmp:
+        modules = {name: load_variant(name, Path(tmp)) for name in names}
+        if args.compile_only:
+            for name, module in modules.items():
+                t0 = time.perf_counter()
+                module.compile_kernel("gemm", "sm_90a")
+                print(f"{name}: compiled for sm_90a in {time.perf_counter() - t0:.1f} s")
+            return 0
+        if not torch.cuda.is_available():
+            raise SystemExit("timing needs a CUDA GPU (sm_90); --compile-only does not")
+        m, n, k = (int(v) for v in args.shape.lower().split("x"))
+        flop = 2 * m * n * k
+        print(f"device: {torch.cuda.get_device_name()}, torch {torch.__version__}", flush=True)
+        g = torch.Generator(device="cuda").manual_seed(0)
+        sets = [operands(m, n, k, g) for _ in range(2)]
+        bf16 = [
+            (
+                torch.randn(m, k, device="cuda", dtype=torch.bfloat16),
+                torch.randn(n, k, device="cuda", dtype=torch.bfloat16),
+            )
+            for _ in range(2)
+        ]
+        t_cublas = bench(lambda i: torch.matmul(bf16[i % 2][0], bf16[i % 2][1].t()), args.iters)
+        label = f"{m}x{n}x{k}"
+        print(
+            f"{label} cuBLAS bf16 torch.matmul {t_cublas * 1e6:9.1f} us "
+            f"{flop / t_cublas / 1e12:6.1f} TFLOP/s",
+            flush=True,
+        )
+        t_full = None
+        for name, module in modules.items():
+            fn = module.compile_kernel("gemm", "sm_90a")
+            out = torch.empty(m, n, dtype=torch.bfloat16, device="cuda")
+            calls = [module.launch_args(*s, k=k, out=out) for s in sets]
+            t = bench(lambda i, fn=fn, calls=calls: fn(*calls[i % 2]), args.iters)
+            if name == "full":
+                t_full = t
+            vs_full = f"  x{t_full / t:5.2f} full" if t_full is not None else ""
+            print(
+                f"{label} {name:22s} {t * 1e6:9.1f} us {flop / t / 1e12:6.1f} TFLOP/s  "
+                f"x{t_cublas / t:5.2f} cuBLAS{vs_full}",
+                flush=True,
+            )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
