@@ -2,7 +2,8 @@
 removed, timed against cuBLAS BF16 and against the kernel as generated (Hopper).
 
     python benchmarks/gemm_ablation.py [--shape 8192x8192x8192] [--variants full,no-decode,...]
-    python benchmarks/gemm_ablation.py --compile-only     # patch and cross-compile, no GPU
+    python benchmarks/gemm_ablation.py --tile r16 [--shape 16x8192x8192]   # a small-M kernel
+    python benchmarks/gemm_ablation.py --compile-only [--tile r16]   # patch and cross-compile
 
 The module of the large-M tile (NVFP4: A 1x16 blocks, B 16x16 blocks, bf16 out; tile
 ``m128n256w2s5``) is rendered by fp4gen.codegen.gemm.render_gemm, then each variant replaces
@@ -26,6 +27,9 @@ timing alone:
                       shares B's decode, without the remote stores such sharing needs
   quarter-b           A and a quarter of B's rows (a 4-CTA cluster, likewise)
 
+The small-M kernels (--tile r16, r32, r64: mma.sync on operands decoded in registers) take
+"full", "fewer-decode-ops" and "no-decode" (the code words passed to the mma undecoded).
+
 Inputs: random codes, block scales 1.0, global scales 1; two operand sets rotated so that
 consecutive calls do not find their operands in L2. CUDA events, best of 3 runs. Measured
 figures and what they mean: docs/gemm-sm90.md, "Where the wgmma kernel's time goes".
@@ -47,7 +51,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the checkout, uninstalled
 
-from fp4gen.codegen.gemm import TILES, render_gemm
+from fp4gen.codegen.gemm import TILES, SmallMTile, choose_splits, render_gemm
 from fp4gen.formats import BUILTIN_FORMATS
 from fp4gen.runtime.cute_gemm import gemm_spec
 
@@ -114,8 +118,7 @@ def fewer_decode_ops(src: str) -> str:
     layout of the packed codes would allow (three words by one shift and one AND, the fourth by
     three of each, plus the four HMUL2). The operands keep the usual layout, so it only times
     the instruction count."""
-    start = src.index("@cute.jit\ndef decode8(")
-    end = src.index("    )\n", start) + len("    )\n")
+    start, end = _function(src, "def decode8(")
     cheaper = """@cute.jit
 def decode8(x: Uint32, sc: Uint32, hi: cutlass.Constexpr[bool]):
     m = Uint32(MAG_BITS | SIGN_BITS)
@@ -129,6 +132,31 @@ def decode8(x: Uint32, sc: Uint32, hi: cutlass.Constexpr[bool]):
     )
 """
     return _replace_once(src, src[start:end], cheaper)
+
+
+def _function(src: str, header: str) -> tuple[int, int]:
+    """Span of a top-level helper of the decode include: from its decorator to its return."""
+    start = src.index("@cute.jit\n" + header)
+    return start, src.index("    )\n", start) + len("    )\n")
+
+
+def passthrough_decode(src: str) -> str:
+    """The small-M kernels' decode of A (bytes) and B (packed) replaced by the code words
+    themselves (one XOR keeps the scale's load): the mma run on undecoded operands."""
+    start, end = _function(src, "def decode8_bytes(")
+    src = _replace_once(
+        src,
+        src[start:end],
+        "@cute.jit\ndef decode8_bytes(lo: Uint32, hi_codes: Uint32, sc: Uint32, "
+        "hi: cutlass.Constexpr[bool]):\n    return (lo, hi_codes ^ sc, lo, hi_codes)\n",
+    )
+    start, end = _function(src, "def decode8(")
+    return _replace_once(
+        src,
+        src[start:end],
+        "@cute.jit\ndef decode8(x: Uint32, sc: Uint32, hi: cutlass.Constexpr[bool]):\n"
+        "    return (x, x ^ sc, x, x)\n",
+    )
 
 
 def decoded_b_rows(rows: int) -> Patch:
@@ -145,7 +173,7 @@ def decoded_b_rows(rows: int) -> Patch:
     return patch
 
 
-TILE = TILES["large"]
+LARGE = TILES["large"]
 VARIANTS: dict[str, list[Patch]] = {
     "full": [],
     "no-fence": [drop_fence],
@@ -155,27 +183,43 @@ VARIANTS: dict[str, list[Patch]] = {
     "store-no-decode": [store_no_decode],
     "fewer-decode-ops": [fewer_decode_ops],
     "a-only": [decoded_b_rows(0)],
-    "half-b": [decoded_b_rows(TILE.tile_n // 2)],
-    "quarter-b": [decoded_b_rows(TILE.tile_n // 4)],
+    "half-b": [decoded_b_rows(LARGE.tile_n // 2)],
+    "quarter-b": [decoded_b_rows(LARGE.tile_n // 4)],
+}
+# the small-M kernels (--tile r16, r32, r64): decode in registers, nothing to store or fence
+SMALL_VARIANTS: dict[str, list[Patch]] = {
+    "full": [],
+    "no-decode": [passthrough_decode],
+    "fewer-decode-ops": [fewer_decode_ops],
 }
 
 
-def variant_source(name: str) -> str:
-    """The generated module of the large-M NVFP4 kernel with variant ``name``'s patches."""
-    if name not in VARIANTS:
-        raise SystemExit(f"unknown variant {name!r}; variants: {', '.join(VARIANTS)}")
+def variants_of(tile_name: str) -> dict[str, list[Patch]]:
+    if tile_name not in TILES:
+        raise SystemExit(f"unknown tile {tile_name!r}; tiles: {', '.join(TILES)}")
+    return SMALL_VARIANTS if isinstance(TILES[tile_name], SmallMTile) else VARIANTS
+
+
+def variant_source(name: str, tile_name: str = "large") -> str:
+    """The generated NVFP4 GEMM module of tile ``tile_name`` with variant ``name``'s patches."""
+    variants = variants_of(tile_name)
+    if name not in variants:
+        raise SystemExit(
+            f"unknown variant {name!r} for tile {tile_name}; variants: {', '.join(variants)}"
+        )
     nvfp4 = BUILTIN_FORMATS["nvfp4"]
-    spec = gemm_spec(nvfp4, nvfp4.with_block((16, 16)), 8192, out_dtype="bf16", tile=TILE)
+    tile = TILES[tile_name]
+    spec = gemm_spec(nvfp4, nvfp4.with_block((16, 16)), 8192, out_dtype="bf16", tile=tile)
     src = render_gemm(spec)
-    for patch in VARIANTS[name]:
+    for patch in variants[name]:
         src = patch(src)
     return src
 
 
-def load_variant(name: str, workdir: Path) -> ModuleType:
-    module_name = "ablation_" + name.replace("-", "_")
+def load_variant(name: str, workdir: Path, tile_name: str = "large") -> ModuleType:
+    module_name = f"ablation_{tile_name}_" + name.replace("-", "_")
     path = workdir / f"{module_name}.py"
-    path.write_text(variant_source(name))
+    path.write_text(variant_source(name, tile_name))
     spec = importlib.util.spec_from_file_location(module_name, path)
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
@@ -200,9 +244,13 @@ def bench(fn: Callable[[int], object], iters: int) -> float:
     return best
 
 
-def operands(m: int, n: int, k: int, g: torch.Generator) -> tuple:
-    """Packed random codes, scale codes of 1.0, global scales 1 (the module's launch_args order)."""
-    a = torch.randint(0, 256, (m, k // 2), generator=g, device="cuda", dtype=torch.uint8)
+def operands(m: int, n: int, k: int, small: bool, g: torch.Generator) -> tuple:
+    """Random codes (A one per byte for the small-M kernels, else packed; B packed), scale codes
+    of 1.0, global scales 1, in the modules' launch_args order."""
+    if small:
+        a = torch.randint(0, 16, (m, k), generator=g, device="cuda", dtype=torch.uint8)
+    else:
+        a = torch.randint(0, 256, (m, k // 2), generator=g, device="cuda", dtype=torch.uint8)
     b = torch.randint(0, 256, (n, k // 2), generator=g, device="cuda", dtype=torch.uint8)
     sa = torch.full((m, k // 16), ONE_E4M3, device="cuda", dtype=torch.uint8)
     sb = torch.full((-(-n // 16), k // 16), ONE_E4M3, device="cuda", dtype=torch.uint8)
@@ -212,8 +260,14 @@ def operands(m: int, n: int, k: int, g: torch.Generator) -> tuple:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--shape", default="8192x8192x8192", help="MxNxK (K a multiple of 64)")
-    ap.add_argument("--variants", default=",".join(VARIANTS), help="comma-separated (default: all)")
+    ap.add_argument(
+        "--tile",
+        default="large",
+        help="a tile of fp4gen.codegen.gemm.TILES: large (default; wgmma) or r16, r32, r64 "
+        "(the small-M kernels, variants full, no-decode, fewer-decode-ops)",
+    )
+    ap.add_argument("--shape", default="", help="MxNxK (default 8192^3, 16x8192x8192 small-M)")
+    ap.add_argument("--variants", default="", help="comma-separated (default: all of the tile)")
     ap.add_argument("--iters", type=int, default=20, help="calls per timed run (default 20)")
     ap.add_argument(
         "--compile-only",
@@ -221,22 +275,27 @@ def main() -> int:
         help="patch and cross-compile every variant for sm_90a (no GPU needed), then stop",
     )
     args = ap.parse_args()
-    names = [v for v in args.variants.split(",") if v]
+    small = isinstance(TILES.get(args.tile), SmallMTile)
+    names = [v for v in args.variants.split(",") if v] or list(variants_of(args.tile))
     with tempfile.TemporaryDirectory(prefix="fp4gen_ablation_") as tmp:
-        modules = {name: load_variant(name, Path(tmp)) for name in names}
+        modules = {name: load_variant(name, Path(tmp), args.tile) for name in names}
         if args.compile_only:
             for name, module in modules.items():
                 t0 = time.perf_counter()
                 module.compile_kernel("gemm", "sm_90a")
-                print(f"{name}: compiled for sm_90a in {time.perf_counter() - t0:.1f} s")
+                print(
+                    f"{args.tile} {name}: compiled for sm_90a in {time.perf_counter() - t0:.1f} s"
+                )
             return 0
         if not torch.cuda.is_available():
             raise SystemExit("timing needs a CUDA GPU (sm_90); --compile-only does not")
-        m, n, k = (int(v) for v in args.shape.lower().split("x"))
+        shape = args.shape or ("16x8192x8192" if small else "8192x8192x8192")
+        m, n, k = (int(v) for v in shape.lower().split("x"))
         flop = 2 * m * n * k
         print(f"device: {torch.cuda.get_device_name()}, torch {torch.__version__}", flush=True)
         g = torch.Generator(device="cuda").manual_seed(0)
-        sets = [operands(m, n, k, g) for _ in range(2)]
+        # enough sets that B (N x K / 2 bytes each) is not found in L2 by the next call
+        sets = [operands(m, n, k, small, g) for _ in range(4 if small else 2)]
         bf16 = [
             (
                 torch.randn(m, k, device="cuda", dtype=torch.bfloat16),
@@ -245,18 +304,25 @@ def main() -> int:
             for _ in range(2)
         ]
         t_cublas = bench(lambda i: torch.matmul(bf16[i % 2][0], bf16[i % 2][1].t()), args.iters)
-        label = f"{m}x{n}x{k}"
+        label = f"{shape} {args.tile}"
         print(
-            f"{label} cuBLAS bf16 torch.matmul {t_cublas * 1e6:9.1f} us "
+            f"{shape} cuBLAS bf16 torch.matmul {t_cublas * 1e6:9.1f} us "
             f"{flop / t_cublas / 1e12:6.1f} TFLOP/s",
             flush=True,
         )
+        extra: dict = {}
+        if small:
+            sms = torch.cuda.get_device_properties(0).multi_processor_count
+            splits = choose_splits(TILES[args.tile], m, n, k, sms)
+            extra = {"splits": splits}
         t_full = None
         for name, module in modules.items():
             fn = module.compile_kernel("gemm", "sm_90a")
             out = torch.empty(m, n, dtype=torch.bfloat16, device="cuda")
-            calls = [module.launch_args(*s, k=k, out=out) for s in sets]
-            t = bench(lambda i, fn=fn, calls=calls: fn(*calls[i % 2]), args.iters)
+            if small:
+                extra["ws"] = module.workspace(m, n, extra["splits"], "cuda")
+            calls = [module.launch_args(*s, k=k, out=out, **extra) for s in sets]
+            t = bench(lambda i, fn=fn, calls=calls: fn(*calls[i % len(calls)]), args.iters)
             if name == "full":
                 t_full = t
             vs_full = f"  x{t_full / t:5.2f} full" if t_full is not None else ""

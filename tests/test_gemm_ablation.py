@@ -27,10 +27,11 @@ def _ablation():
 ablation = _ablation()
 
 
-def test_every_variant_changes_the_module_except_full():
-    full = ablation.variant_source("full")
-    for name in ablation.VARIANTS:
-        src = ablation.variant_source(name)
+@pytest.mark.parametrize("tile", ["large", "r16", "r64"])
+def test_every_variant_changes_the_module_except_full(tile):
+    full = ablation.variant_source("full", tile)
+    for name in ablation.variants_of(tile):
+        src = ablation.variant_source(name, tile)
         assert (src == full) == (name == "full"), name
 
 
@@ -39,9 +40,13 @@ def test_a_patch_that_no_longer_matches_stops_the_benchmark():
         ablation.drop_fence("no fence here\n" + ablation.FENCE + "\n" + ablation.FENCE + "\n")
 
 
-def test_unknown_variant_names_the_known_ones():
+def test_unknown_variant_or_tile_names_the_known_ones():
     with pytest.raises(SystemExit, match="variants: full, no-fence"):
         ablation.variant_source("no-such-variant")
+    with pytest.raises(SystemExit, match="variants: full, no-decode, fewer-decode-ops"):
+        ablation.variant_source("half-b", "r16")
+    with pytest.raises(SystemExit, match="tiles: r16, r32, r64"):
+        ablation.variant_source("full", "r8")
 
 
 @pytest.mark.parametrize("name", list(ablation.VARIANTS))
@@ -64,3 +69,14 @@ def test_variant_cross_compiles_for_sm90a(name, tmp_path):
         # a variant never decodes are compiled out
         units = {"a-only": 1, "half-b": 2, "quarter-b": 2}.get(name, 3)
         assert stores == 2 * 4 * units, (name, stores)
+
+
+@pytest.mark.parametrize("name", list(ablation.SMALL_VARIANTS))
+def test_small_m_variant_cross_compiles_for_sm90a(name, tmp_path):
+    module = ablation.load_variant(name, tmp_path, "r16")
+    module.compile_kernel("gemm", "sm_90a", dump_dir=str(tmp_path / "ptx"))
+    ptx = "\n".join(p.read_text() for p in (tmp_path / "ptx").glob("*.ptx"))
+    # r16: one m16 atom x 8 n8 atoms x 4 k16 steps per k-tile, untouched by every variant
+    assert len(re.findall(r"mma\.sync\.aligned\.m16n8k16", ptx)) == 32
+    hmul = len(re.findall(r"mul\.rn\.bf16x2", ptx))
+    assert (hmul == 0) == (name == "no-decode"), (name, hmul)
