@@ -18,7 +18,7 @@ timing alone:
                       wgmma only (what the pipeline costs without the dequantization)
   no-decode-no-fence  the same without the fence
   decode-no-store     the code loads and the decode arithmetic, the words folded into one
-                      register instead of stored
+                      register (one XOR each) instead of stored
   store-no-decode     the code loads and the stores (the raw code words), no decode arithmetic
   fewer-decode-ops    the decode in 14 instructions per 8 values instead of 20 (what a
                       GEMM-specific bit layout of the packed codes would allow)
@@ -30,9 +30,10 @@ timing alone:
 The small-M kernels (--tile r16, r32, r64: mma.sync on operands decoded in registers) take
 "full", "fewer-decode-ops" and "no-decode" (the code words passed to the mma undecoded).
 
-Inputs: random codes, block scales 1.0, global scales 1; two operand sets rotated so that
-consecutive calls do not find their operands in L2. CUDA events, best of 3 runs. Measured
-figures and what they mean: docs/gemm-sm90.md, "Where the wgmma kernel's time goes".
+Inputs: random codes, block scales 1.0, global scales 1; two operand sets (four for the
+small-M kernels) rotated so that consecutive calls do not find their operands in L2. CUDA
+events, best of 3 runs. Measured figures and what they mean: docs/gemm-sm90.md, "Where the
+wgmma kernel's time goes" and "What is left".
 """
 
 from __future__ import annotations
@@ -79,20 +80,37 @@ def _replace_once(src: str, old: str, new: str) -> str:
     return src.replace(old, new)
 
 
+def _find(src: str, piece: str, start: int = 0) -> int:
+    """Where ``piece`` starts in the generated module (from ``start``), or a clear error."""
+    at = src.find(piece, start)
+    if at < 0:
+        raise RuntimeError(
+            f"ablation patch: {piece.splitlines()[0].strip()!r} is not in the generated module "
+            "(has the template changed?)"
+        )
+    return at
+
+
+def _function(src: str, header: str) -> tuple[int, int]:
+    """Span of a top-level helper of the decode include: from its decorator to its return."""
+    start = _find(src, "@cute.jit\n" + header)
+    return start, _find(src, "    )\n", start) + len("    )\n")
+
+
 def drop_fence(src: str) -> str:
-    line = src[src.index(FENCE) : src.index("\n", src.index(FENCE)) + 1]
+    line = src[_find(src, FENCE) : _find(src, "\n", _find(src, FENCE)) + 1]
     return _replace_once(src, line, "")
 
 
 def drop_decode(src: str) -> str:
-    start = src.index(DECODE_START)
-    return _replace_once(src, src[start : src.index(FENCE)], "")
+    start = _find(src, DECODE_START)
+    return _replace_once(src, src[start : _find(src, FENCE)], "")
 
 
 def decode_no_store(src: str) -> str:
     # every decoded word folds into one register; the store it feeds is never taken
-    start = src.index(STORE_LOOP)
-    body = src[start : src.index(STORE_WORDS, start) + len(STORE_WORDS)]
+    start = _find(src, STORE_LOOP)
+    body = src[start : _find(src, STORE_WORDS, start) + len(STORE_WORDS)]
     folded = """        folded = Uint32(0)
         for i in range_constexpr(UNITS_PER_THREAD):
             if valid[i]:
@@ -132,12 +150,6 @@ def decode8(x: Uint32, sc: Uint32, hi: cutlass.Constexpr[bool]):
     )
 """
     return _replace_once(src, src[start:end], cheaper)
-
-
-def _function(src: str, header: str) -> tuple[int, int]:
-    """Span of a top-level helper of the decode include: from its decorator to its return."""
-    start = src.index("@cute.jit\n" + header)
-    return start, src.index("    )\n", start) + len("    )\n")
 
 
 def passthrough_decode(src: str) -> str:

@@ -38,6 +38,8 @@ def test_every_variant_changes_the_module_except_full(tile):
 def test_a_patch_that_no_longer_matches_stops_the_benchmark():
     with pytest.raises(RuntimeError, match="expected one occurrence"):
         ablation.drop_fence("no fence here\n" + ablation.FENCE + "\n" + ablation.FENCE + "\n")
+    with pytest.raises(RuntimeError, match="is not in the generated module"):
+        ablation.drop_decode("a module without the decode\n")
 
 
 def test_unknown_variant_or_tile_names_the_known_ones():
