@@ -40,7 +40,6 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
-import math
 import sys
 import tempfile
 import time
@@ -52,6 +51,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the checkout, uninstalled
 
+from benchmarks.gemm import bench  # CUDA events, best of 3, inputs rotated by call
 from fp4gen.codegen.gemm import TILES, SmallMTile, choose_splits, render_gemm
 from fp4gen.formats import BUILTIN_FORMATS
 from fp4gen.runtime.cute_gemm import gemm_spec
@@ -237,23 +237,6 @@ def load_variant(name: str, workdir: Path, tile_name: str = "large") -> ModuleTy
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
-
-
-def bench(fn: Callable[[int], object], iters: int) -> float:
-    """Seconds per call: CUDA events, best of 3 runs of ``iters`` calls (fn(i), i rotating)."""
-    for i in range(3):
-        fn(i)
-    torch.cuda.synchronize()
-    best = math.inf
-    for _ in range(3):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for i in range(iters):
-            fn(i)
-        end.record()
-        end.synchronize()
-        best = min(best, start.elapsed_time(end) / iters * 1e-3)
-    return best
 
 
 def operands(m: int, n: int, k: int, small: bool, g: torch.Generator) -> tuple:
