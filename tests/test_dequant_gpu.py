@@ -304,13 +304,11 @@ def test_linear_routes_its_gemms_through_the_path(monkeypatch) -> None:
     y.float().pow(2).sum().backward()
     # fprop [512, 192, K=256], dgrad [512, 256, K=192], wgrad [192, 256, K=512]
     assert calls == [(512, 192, 256), (512, 256, 192), (192, 256, 512)]
-    w_row, w_col = layer._weight_cache.rowwise, layer._weight_cache.columnwise
-    assert dequant.is_cached(w_row) and dequant.is_cached(w_col)
-    cached = dequant.cached_bf16(w_row)
-    layer(x)  # same weight version: quantized and decoded values reused
-    assert layer._weight_cache.rowwise is w_row and dequant.cached_bf16(w_row) is cached
     # the forward equals gemm on the same operands (bias in the epilogue)
-    xq = quantize(x.detach(), recipe.operands.fprop_activation.format, backend="auto")
+    table = recipe.operands
+    w = layer.weight.detach()
+    w_row = layer.quantize(w, fp4gen.Operand.FPROP_WEIGHT, table.fprop_weight, 0)
+    xq = quantize(x.detach(), table.fprop_activation.format, backend="auto")
     want = fp4gen.gemm(xq, w_row, bias=layer.bias, out_dtype=torch.bfloat16, backend="dequant")
     assert torch.equal(y.detach(), want)
 

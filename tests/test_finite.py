@@ -76,4 +76,7 @@ def test_layer_mode_picks_the_scope(monkeypatch) -> None:
         finite.set_layer_mode("ignore")
     monkeypatch.setenv("FP4GEN_CHECK_FINITE", "sometimes")
     with pytest.raises(FP4GenError, match="FP4GEN_CHECK_FINITE='sometimes'"):
-        finite._mode_from_env()
+        finite.mode_from_env()
+    monkeypatch.setattr(finite, "_layer_mode", [None])  # read on first use, not at import
+    with pytest.raises(FP4GenError, match="FP4GEN_CHECK_FINITE='sometimes'"):
+        finite.layer_mode()

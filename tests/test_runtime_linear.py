@@ -88,20 +88,37 @@ def test_sr_grads_unbiased() -> None:
     assert float(draws.std(0).mean()) > 0  # each draw really is stochastic
 
 
-def test_weight_quantized_once_per_step_and_2d_transpose() -> None:
+def test_2d_weight_dgrad_is_the_transpose_of_fprop_codes() -> None:
     layer = make_layer(NVFP4)
-    x = torch.randn(16, 64)
-    layer(x)
-    cache = layer._weight_cache
-    first = cache.rowwise
-    layer(x)  # another micro-batch, same weights
-    assert cache.rowwise is first
-    assert torch.equal(cache.columnwise.codes, first.codes.t())
-    assert torch.equal(cache.columnwise.scales, first.scales.t())
-    with torch.no_grad():
-        layer.weight.add_(0.01)  # an optimizer step bumps the version
-    layer(x)
-    assert cache.rowwise is not first
+    w, table = layer.weight.detach(), layer.operands
+    rowwise = layer.quantize(w, fp4gen.Operand.FPROP_WEIGHT, table.fprop_weight, 0)
+    columnwise = layer.columnwise_weight(w, table, 0)
+    assert torch.equal(columnwise.codes, rowwise.codes.t())
+    assert torch.equal(columnwise.scales, rowwise.scales.t())
+
+
+def test_weight_changed_in_place_without_a_version_bump_is_requantized() -> None:
+    """FSDP2 writes each all-gather into the same storage with the version counter preserved:
+    a quantized weight must never outlive the values it was made from."""
+    layer = make_layer(NO_SR)
+    x, dy = torch.randn(16, 64), torch.randn(16, 48)
+    y1, _, dw1, _ = run_layer(layer, x, dy)
+    before = (layer.weight._version, layer.weight.data_ptr())
+    new_w = torch.randn_like(layer.weight)
+    with torch.no_grad(), torch.autograd._unsafe_preserve_version_counter(layer.weight):
+        layer.weight.copy_(new_w)
+    assert (layer.weight._version, layer.weight.data_ptr()) == before
+    layer.weight.grad = None
+    y2, dx2, _, _ = run_layer(layer, x, dy)
+    y_ref, dx_ref, _, _ = reference_grads(NO_SR, x, new_w, layer.bias.detach(), dy)
+    assert not torch.equal(y1, y2)
+    assert torch.equal(y2, y_ref) and torch.equal(dx2, dx_ref)
+
+
+def test_torch_jit_script_says_it_is_unsupported() -> None:
+    layer = make_layer(NO_SR)
+    with pytest.raises(fp4gen.FP4GenError, match="torch.jit.script is not supported"):
+        torch.jit.script(torch.nn.Sequential(layer))
 
 
 def test_bf16_autocast() -> None:
@@ -167,3 +184,28 @@ def test_torch_compile_matches_eager(backend: str) -> None:
     # sum|dy| per column (32 fp32 additions).
     bound = 32 * 2.0**-24 * dy.abs().sum(0)
     assert ((eager[3] - compiled[3]).abs() <= bound).all()
+
+
+def test_activation_checkpointing_gives_the_same_gradients() -> None:
+    """The recomputed forward quantizes the same weight and input again (round to nearest:
+    the same codes), so checkpointing changes no bit of the gradients."""
+    layer = make_layer(NO_SR)
+    x, dy = torch.randn(16, 64), torch.randn(16, 48)
+    _, dx, dw, db = run_layer(layer, x, dy)
+    layer.weight.grad = layer.bias.grad = None
+    xc = x.clone().requires_grad_(True)
+    torch.utils.checkpoint.checkpoint(layer, xc, use_reentrant=False).backward(dy)
+    assert torch.equal(xc.grad, dx)
+    assert torch.equal(layer.weight.grad, dw) and torch.equal(layer.bias.grad, db)
+
+
+def test_load_state_dict_takes_effect_at_once() -> None:
+    layer = make_layer(NO_SR)
+    x = torch.randn(16, 64)
+    layer(x)
+    other = torch.nn.Linear(64, 48)
+    layer.load_state_dict(other.state_dict())
+    y_ref, _, _, _ = reference_grads(
+        NO_SR, x, other.weight.detach(), other.bias.detach(), torch.zeros(16, 48)
+    )
+    assert torch.equal(layer(x).detach(), y_ref)

@@ -5,7 +5,7 @@ and cached through ``kernels_for`` like the GEMM kernels) on a QuantizedTensor's
 scale codes: bf16 [R, Kp] holding element x block scale exactly (the global scale is not
 applied; K zero-padded to a multiple of 8). ``dequant_gemm(a, b, ...)`` decodes both operands
 (B's values are remembered per QuantizedTensor until its codes change: a weight is decoded once
-per quantization, i.e. once per optimizer step in ``fp4gen.nn.Linear``), multiplies them with
+per quantization), multiplies them with
 cuBLASLt in one call (``fp4gen.runtime.cublaslt``: bf16 products are exact in fp32, fp32
 accumulation; alpha = S_a * S_b read from device memory, no host sync; the bias and the
 accumulation in its epilogue; the output dtype written directly). Where cuBLASLt does not serve a

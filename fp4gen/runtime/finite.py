@@ -32,19 +32,29 @@ LAYER_MODES = ("propagate", "raise")
 _state = threading.local()  # .pending (deferred reads) and .propagate (flags returned)
 
 
-def _mode_from_env() -> str:
-    mode = os.environ.get("FP4GEN_CHECK_FINITE", "propagate")
+ENV_VAR = "FP4GEN_CHECK_FINITE"
+
+
+def mode_from_env() -> str:
+    """The mode ``FP4GEN_CHECK_FINITE`` names ("propagate" when unset); FP4GenError for any
+    other value, so a misspelt setting is never ignored."""
+    mode = os.environ.get(ENV_VAR, "propagate")
     if mode not in LAYER_MODES:
-        raise FP4GenError(f"FP4GEN_CHECK_FINITE={mode!r}: expected one of {', '.join(LAYER_MODES)}")
+        raise FP4GenError(f"{ENV_VAR}={mode!r}: expected one of {', '.join(LAYER_MODES)}")
     return mode
 
 
-_layer_mode = [_mode_from_env()]
+# read on first use, not at import: a bad value is reported where a layer runs (or by the CLI
+# before any command), never as a traceback out of an import
+_layer_mode: list[str | None] = [None]
 
 
 def layer_mode() -> str:
     """How fp4gen.nn.Linear treats non-finite inputs on CUDA ("propagate" or "raise")."""
-    return _layer_mode[0]
+    mode = _layer_mode[0]
+    if mode is None:
+        mode = _layer_mode[0] = mode_from_env()
+    return mode
 
 
 def set_layer_mode(mode: str) -> None:
@@ -133,6 +143,7 @@ __all__ = [
     "deferred",
     "layer_mode",
     "layer_scope",
+    "mode_from_env",
     "poison",
     "propagating",
     "set_layer_mode",

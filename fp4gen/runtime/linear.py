@@ -7,13 +7,18 @@ Q quantizes along the GEMM's K dimension (the last dimension of the tensor given
 comes from the recipe's operand table (as the precision schedule makes it at the current step).
 
 Randomness is reproducible: stochastic rounding draws Philox words keyed by the layer's seed,
-with offset = 8 * (the layer's forward or backward call count) + the operand slot, so a rerun with
-the same seed and data gives the same bits. The weight is quantized once per optimizer step
-(cached on the parameter's version counter) and reused across micro-batches; with 2D blocks the
-columnwise weight is the transpose of the same codes. Where ``fp4gen.gemm`` takes the dequantize
-+ cuBLAS path (CUDA, large M), the weight's bf16 values are decoded once per quantized weight and
-remembered with it (``fp4gen.runtime.dequant.cached_bf16``), so they too are made once per
-optimizer step. The forward bias goes into the GEMM's epilogue.
+with offset = STREAMS_PER_CALL * (the layer's forward or backward call count) + the operand slot,
+so a rerun with the same seed and data gives the same bits.
+
+The weight is quantized from the tensor each GEMM is given, in every forward (rowwise, for fprop)
+and every backward (columnwise, for dgrad), never from a copy remembered across calls: wrappers
+such as FSDP2 re-materialize the parameter in place on every all-gather, at the same address and
+with the same version counter, so no pointer or version key can tell a changed weight from an
+unchanged one. With 2D blocks (and the same spec for fprop and dgrad, no RHT) the backward's
+columnwise weight is the transpose of the rowwise codes of the weight it is given, never
+re-quantized along the other axis. Where ``fp4gen.gemm`` takes the dequantize + cuBLAS path (CUDA,
+large M), a weight's bf16 values are decoded once per quantized weight
+(``fp4gen.runtime.dequant.cached_bf16``). The forward bias goes into the GEMM's epilogue.
 
 Operands whose format is a Mixture-of-Representations rule (``mor NAME``) are quantized by the
 MoR reference (``fp4gen.numerics.mor``) with the rule the layer was given (``mors``: the
@@ -33,7 +38,8 @@ import torch
 from torch import nn
 
 from fp4gen.dsl.model import MoRSpec, Operand, OperandSpec, OperandTable, Recipe
-from fp4gen.errors import TensorError
+from fp4gen.errors import FP4GenError, TensorError
+from fp4gen.formats import BlockFormat
 from fp4gen.gemm_dispatch import gemm
 from fp4gen.numerics import QuantizedTensor, error_stats
 from fp4gen.numerics.mor import MoRTensor
@@ -48,13 +54,9 @@ from fp4gen.runtime.operands import (
 from fp4gen.runtime.schedule import ScheduledOperands, TrainingClock, action_mors, action_table
 
 SLOT = {op: i for i, op in enumerate(Operand)}
-
-
-@dataclass
-class _WeightCache:
-    key: tuple[Any, ...] | None = None
-    rowwise: Any = None
-    columnwise: Any = None
+# Philox offsets reserved per layer call: one stream per operand slot (six used, two spare), so
+# no two operands of any forward or backward call of a layer share random bits.
+STREAMS_PER_CALL = 8
 
 
 @dataclass
@@ -103,7 +105,6 @@ class Linear(nn.Linear):
         self.check_supported()
         self.backend = backend
         self.telemetry = Telemetry()
-        self._weight_cache = _WeightCache()
         self._forward_calls = 0
         self._backward_calls = 0
         self._op_id = ops.register(self)
@@ -150,19 +151,32 @@ class Linear(nn.Linear):
         y = ops.linear_forward(x2, self.weight, self.bias, self._op_id, _output_dtype(x))
         return y.reshape(*x.shape[:-1], self.out_features)
 
+    def __prepare_scriptable__(self) -> Linear:
+        # torch.jit.script calls this on every module it scripts: say plainly that it cannot
+        raise FP4GenError(
+            f"{self.name or 'fp4gen.nn.Linear'}: torch.jit.script is not supported (the GEMMs "
+            "are torch custom ops driven by Python state); use torch.compile or eager mode"
+        )
+
     # --- the GEMMs, run by the custom ops in fp4gen.runtime.ops ---------------------------------
     def forward_gemm(
-        self, x2: torch.Tensor, bias: torch.Tensor | None, out_dtype: torch.dtype
+        self,
+        x2: torch.Tensor,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None,
+        out_dtype: torch.dtype,
     ) -> torch.Tensor:
         """fprop: y = Q(x) @ Q(W)^T (+ bias) [tokens, out], in fp32 rounded once to out_dtype
-        (the GEMM's epilogue writes it)."""
+        (the GEMM's epilogue writes it). ``weight`` is the tensor the op was given (under FSDP2
+        the all-gathered parameter), quantized now."""
         table = self.operands
         call = self._forward_calls
         self._forward_calls += 1
         xq = self.quantize(x2, Operand.FPROP_ACTIVATION, table.fprop_activation, call)
-        w_row, _ = self.quantized_weight(table)
+        w = weight.detach()
+        w_row = self.quantize(w, Operand.FPROP_WEIGHT, table.fprop_weight, call)
         self.record(Operand.FPROP_ACTIVATION, x2, xq, call)
-        self.record(Operand.FPROP_WEIGHT, self.weight.detach(), w_row, call)
+        self.record(Operand.FPROP_WEIGHT, w, w_row, call)
         if (
             bias is not None
             and isinstance(xq, QuantizedTensor)
@@ -173,17 +187,18 @@ class Linear(nn.Linear):
         return (y if bias is None else y + bias.to(torch.float32)).to(out_dtype)
 
     def backward_gemms(
-        self, dy2: torch.Tensor, x2: torch.Tensor, w_dtype: torch.dtype
+        self, dy2: torch.Tensor, x2: torch.Tensor, weight: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """dgrad and wgrad: (dx [tokens, in] in x2's dtype, dW [out, in] in w_dtype), computed
-        in fp32 and rounded once.
+        """dgrad and wgrad: (dx [tokens, in] in x2's dtype, dW [out, in] in the weight's dtype),
+        computed in fp32 and rounded once. ``weight`` is the tensor the forward op was given.
 
         The operand table is the one in force now; the schedule only moves between optimizer
         steps, so it is the table the forward pass used."""
         table = self.operands
         call = self._backward_calls
         self._backward_calls += 1
-        _, w_col = self.quantized_weight(table)
+        w = weight.detach()
+        w_col = self.columnwise_weight(w, table, call)
         # dy rowwise (dgrad) and columnwise (wgrad), x columnwise (wgrad): on CUDA one tile
         # kernel per tensor reads it once, with no transposed copy
         dyq, dyq_t = quantize_operand_pair(
@@ -196,7 +211,7 @@ class Linear(nn.Linear):
         )
         dx = _matmul(dyq, w_col, x2.dtype)
         self.record(Operand.DGRAD_GRADIENT, dy2, dyq, call)
-        self.record(Operand.DGRAD_WEIGHT, self.weight.detach().t(), w_col, call)
+        self.record(Operand.DGRAD_WEIGHT, w.t(), w_col, call)
 
         _, xq_t = quantize_operand_pair(
             x2,
@@ -206,39 +221,17 @@ class Linear(nn.Linear):
             backend=self.backend,
             mors=self.mors,
         )
-        dw = _matmul(dyq_t, xq_t, w_dtype)
+        dw = _matmul(dyq_t, xq_t, w.dtype)
         self.record(Operand.WGRAD_GRADIENT, dy2.t(), dyq_t, call)
         self.record(Operand.WGRAD_ACTIVATION, x2.t(), xq_t, call)
         return dx, dw
 
-    def quantized_weight(self, table: OperandTable) -> tuple[Any, Any]:
-        """(rowwise for fprop, columnwise for dgrad), quantized once per weight version."""
-        w = self.weight.detach()
-        key = (w._version, w.data_ptr(), table.fprop_weight, table.dgrad_weight)
-        cache = self._weight_cache
-        if cache.key != key:
-            offset = 8 * w._version  # a fresh random stream per optimizer step
-            rowwise = quantize_operand(
-                w,
-                table.fprop_weight,
-                seed=self.seed,
-                offset=offset + SLOT[Operand.FPROP_WEIGHT],
-                backend=self.backend,
-                mors=self.mors,
-            )
-            if _transposable(rowwise, table.fprop_weight, table.dgrad_weight):
-                columnwise = rowwise.transpose()  # 2D blocks: the same codes, never requantized
-            else:
-                columnwise = quantize_operand(
-                    w.t().contiguous(),
-                    table.dgrad_weight,
-                    seed=self.seed,
-                    offset=offset + SLOT[Operand.DGRAD_WEIGHT],
-                    backend=self.backend,
-                    mors=self.mors,
-                )
-            cache.key, cache.rowwise, cache.columnwise = key, rowwise, columnwise
-        return cache.rowwise, cache.columnwise
+    def columnwise_weight(self, w: torch.Tensor, table: OperandTable, call: int) -> Any:
+        """Q(W^T; dgrad.weight) for this backward call. With 2D blocks and the fprop spec, the
+        transpose of W's rowwise codes (the paper's consistency of fprop and dgrad weights)."""
+        if _transposable(table.fprop_weight, table.dgrad_weight):
+            return self.quantize(w, Operand.DGRAD_WEIGHT, table.dgrad_weight, call).transpose()
+        return self.quantize(w.t().contiguous(), Operand.DGRAD_WEIGHT, table.dgrad_weight, call)
 
     def quantize(self, t: torch.Tensor, op: Operand, spec: OperandSpec, call: int) -> Any:
         _, offset = self.slot(op, spec, call)
@@ -249,7 +242,7 @@ class Linear(nn.Linear):
     @staticmethod
     def slot(op: Operand, spec: OperandSpec, call: int) -> tuple[OperandSpec, int]:
         """An operand slot's spec and Philox offset in this call (a stream per slot and call)."""
-        return spec, 8 * call + SLOT[op]
+        return spec, STREAMS_PER_CALL * call + SLOT[op]
 
     def record(self, op: Operand, source: torch.Tensor, quantized: Any, call: int) -> None:
         """Append one telemetry record for a quantized operand (high-precision ones have none):
@@ -276,10 +269,11 @@ def _matmul(a: Any, b: Any, out_dtype: torch.dtype) -> torch.Tensor:
     return operand_matmul(a, b).to(out_dtype)
 
 
-def _transposable(rowwise: Any, fprop: OperandSpec, dgrad: OperandSpec) -> bool:
+def _transposable(fprop: OperandSpec, dgrad: OperandSpec) -> bool:
+    """Whether dgrad's weight is the transpose of fprop's codes: 2D blocks, one spec, no RHT."""
     return (
-        isinstance(rowwise, QuantizedTensor)
-        and rowwise.format.is_2d
+        isinstance(fprop.format, BlockFormat)
+        and fprop.format.is_2d
         and fprop == dgrad
         and fprop.rht is None
     )

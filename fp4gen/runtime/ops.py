@@ -46,7 +46,7 @@ def linear_forward(
     """y = Q(x) @ Q(W)^T (+ bias), computed in fp32 and rounded once to ``out_dtype``, for x2
     [tokens, in] and weight [out, in]."""
     with finite.layer_scope():  # non-finite inputs: propagated as NaN, or raised at the end
-        return _layer(layer_id).forward_gemm(x2, bias, out_dtype)
+        return _layer(layer_id).forward_gemm(x2, weight, bias, out_dtype)
 
 
 @linear_forward.register_fake
@@ -66,7 +66,7 @@ def linear_backward(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(dx [tokens, in] in x2's dtype, dW [out, in] in the weight's) from dy2 [tokens, out]."""
     with finite.layer_scope():
-        return _layer(layer_id).backward_gemms(dy2, x2, weight.dtype)
+        return _layer(layer_id).backward_gemms(dy2, x2, weight)
 
 
 @linear_backward.register_fake
