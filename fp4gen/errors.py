@@ -1,4 +1,4 @@
-"""The two kinds of user error fp4gen reports: bad recipes and bad tensors."""
+"""The kinds of user error fp4gen reports: bad recipes, bad tensors and bad arguments."""
 
 from __future__ import annotations
 
@@ -13,7 +13,9 @@ class RecipeError(FP4GenError):
     """A recipe that cannot be parsed or does not make sense.
 
     The message names the file, line and column, shows the offending line with a caret under the
-    column, and says what was expected or why the value is illegal.
+    column (a window of a very long line), and says what was expected or why the value is
+    illegal. A problem with a whole file (missing, a directory, not UTF-8) has no line: its
+    message is one line naming the file.
     """
 
     def __init__(
@@ -33,17 +35,40 @@ class RecipeError(FP4GenError):
 
     def _render(self, text: str | None) -> str:
         if self.line is None:
-            return f"{self.file}: {self.reason}"
+            # A problem with a whole file ("x.fp4r is a directory, not a recipe file") names
+            # the file itself; prefix it only where the message does not.
+            return self.reason if self.file in self.reason else f"{self.file}: {self.reason}"
         where = f"{self.file}:{self.line}:{self.column or 1}"
         out = f"{where}: {self.reason}"
         if text is not None:
             lines = text.splitlines()
             if 1 <= self.line <= len(lines):
-                src = lines[self.line - 1].expandtabs(1)
-                caret = " " * max((self.column or 1) - 1, 0) + "^"
+                src, column = _window(lines[self.line - 1].expandtabs(1), self.column or 1)
+                caret = " " * max(column - 1, 0) + "^"
                 out += f"\n    {src}\n    {caret}"
         return out
 
 
+SOURCE_WIDTH = 160  # longest source line quoted in full under a message
+
+
+def _window(line: str, column: int) -> tuple[str, int]:
+    """The part of a long source line around ``column``, and the column within that part: a
+    message quotes the offending line, never megabytes of it."""
+    if len(line) <= SOURCE_WIDTH:
+        return line, column
+    start = max(0, min(column - 1 - SOURCE_WIDTH // 2, len(line) - SOURCE_WIDTH))
+    part = line[start : start + SOURCE_WIDTH]
+    head = "..." if start > 0 else ""
+    tail = "..." if start + SOURCE_WIDTH < len(line) else ""
+    return f"{head}{part}{tail}", column - start + len(head)
+
+
 class TensorError(FP4GenError, ValueError):
     """A tensor that breaks a rule: its shape, dtype, device or values."""
+
+
+class ArgumentError(FP4GenError, ValueError):
+    """An argument of an fp4gen function or command that breaks its rule: the message names the
+    argument, the value given and the rule. A ValueError, so callers that catch ValueError keep
+    working, also where a wrong type was given."""

@@ -153,8 +153,7 @@ def test_bad_inputs() -> None:
     layer = make_layer(NVFP4)
     with pytest.raises(TensorError, match="does not end in in_features=64"):
         layer(torch.randn(4, 63))
-    with pytest.raises(TensorError, match="not a multiple of the wgrad Hadamard size 16"):
-        layer(torch.randn(10, 64))
+    layer(torch.randn(10, 64)).sum().backward()  # any token count: wgrad pads (test_any_shape)
     with pytest.raises(ValueError, match="exactly one of recipe= or operands="):
         fp4gen.nn.Linear(4, 4)
 

@@ -25,16 +25,25 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, TextIO
 
 from fp4gen.compiler import jit
-from fp4gen.compiler.cache import KernelCache, cutlass_dsl_version, sha256_text
+from fp4gen.compiler.cache import (
+    PLAIN_NAME_RULE,
+    KernelCache,
+    cutlass_dsl_version,
+    inside,
+    is_plain_name,
+    path_problem,
+    sha256_text,
+)
 from fp4gen.compiler.plan import KernelPlan, PlannedKernel, plan_recipe, spec_json, use_json
 from fp4gen.compiler.spec import QuantKernelSpec
 from fp4gen.dsl.model import Recipe
+from fp4gen.errors import FP4GenError, RecipeError
 
 MANIFEST = "manifest.json"
 MANIFEST_FORMAT = 1
@@ -197,25 +206,58 @@ def manifest(
     }
 
 
+def recipe_folder(recipe: Recipe, parent: Path) -> Path:
+    """``parent/<recipe name>``, for a name that cannot lead out of ``parent``."""
+    if not is_plain_name(recipe.name):
+        raise RecipeError(
+            f"recipe name {recipe.name!r} is used as a folder name, so it must be "
+            f"{PLAIN_NAME_RULE}; rename the recipe, or compile it alone with --out DIR",
+            file=recipe.source,
+        )
+    return inside(parent, recipe.name)
+
+
+@contextlib.contextmanager
+def writing_out(folder: Path) -> Iterator[None]:
+    """Turn an OSError of writing into the output folder into a one-line FP4GenError."""
+    try:
+        yield
+    except OSError as err:
+        raise FP4GenError(
+            f"cannot write the output folder {folder}: {path_problem(folder, err)} "
+            "(choose another --out)"
+        ) from err
+
+
+def _stale_files(build: RecipeBuild, keep: set[str]) -> list[Path]:
+    """Kernel files the folder's previous manifest lists and this build does not make; only
+    plain ``.py`` names inside the folder (the manifest is a file anyone could have edited)."""
+    try:
+        previous = json.loads((build.out / MANIFEST).read_text())
+        files = [k.get("file") for k in previous.get("kernels", [])]
+    except (OSError, ValueError, AttributeError, TypeError):
+        return []
+    out = []
+    for f in files:
+        if isinstance(f, str) and f.endswith(".py") and f not in keep and is_plain_name(f):
+            path = build.out / f
+            if path.is_file() and not path.is_symlink():
+                out.append(path)
+    return out
+
+
 def write_sources(build: RecipeBuild) -> None:
     """Write the sources of a recipe folder, removing the ones an earlier run left there."""
-    build.out.mkdir(parents=True, exist_ok=True)
-    keep = {item.file for item in build.kernels if item.source is not None}
-    old = build.out / MANIFEST
-    if old.is_file():
-        try:
-            previous = json.loads(old.read_text())
-            for k in previous.get("kernels", []):
-                f = k.get("file")
-                if f and f not in keep and (build.out / f).is_file():
-                    (build.out / f).unlink()
-        except (OSError, ValueError):
-            pass
-    for item in build.kernels:
-        if item.source is not None:
-            path = build.out / item.file
-            if not path.is_file() or path.read_text() != item.source:
-                path.write_text(item.source)
+    with writing_out(build.out):
+        build.out.mkdir(parents=True, exist_ok=True)
+        keep = {item.file for item in build.kernels if item.source is not None}
+        for stale in _stale_files(build, keep):
+            stale.unlink()
+        for item in build.kernels:
+            if item.source is not None:
+                path = inside(build.out, item.file)
+                if not path.is_file() or path.read_text() != item.source:
+                    path.write_text(item.source)
 
 
 def write_manifest(
@@ -223,7 +265,8 @@ def write_manifest(
 ) -> Path:
     path = build.out / MANIFEST
     data = manifest(build, archs, timings=timings, template=template)
-    path.write_text(json.dumps(data, indent=2) + "\n")
+    with writing_out(build.out):
+        path.write_text(json.dumps(data, indent=2, allow_nan=False) + "\n")
     return path
 
 
@@ -350,8 +393,7 @@ def compile_all(
     for task in tasks:
         queues[task.arch].put(task)
     lock = threading.Lock()
-    log_dir = cache.base / "tmp"
-    log_dir.mkdir(parents=True, exist_ok=True)
+    log_dir = cache.work_dir()
 
     def drive(arch: str) -> None:
         worker: _Worker | None = None
@@ -432,14 +474,16 @@ def compile_recipes(
 
     out: the recipe folder for one recipe, the parent of one folder per recipe for several
     (default: generated/<recipe>/ under the current directory)."""
+    if jobs is not None and jobs < 1:
+        raise ValueError(f"jobs must be at least 1, got {jobs}")
     start = time.perf_counter()
     cache = cache or KernelCache()
     builds = []
     for recipe in recipes:
         if out is None:
-            folder = Path("generated") / recipe.name
+            folder = recipe_folder(recipe, Path("generated"))
         else:
-            folder = Path(out) if len(recipes) == 1 else Path(out) / recipe.name
+            folder = Path(out) if len(recipes) == 1 else recipe_folder(recipe, Path(out))
         plan = plan_recipe(recipe, input_dtype=input_dtype)  # type: ignore[arg-type]
         rendered = render_plan(plan, render, fallback=fallback)
         builds.append(RecipeBuild(recipe, plan, folder, rendered))
@@ -447,6 +491,7 @@ def compile_recipes(
     unsupported: dict[str, list[str]] = {}
     errors: list[str] = []
     tasks: dict[tuple[str, str, str], CompileTask] = {}
+    cache.prepare()  # an unusable cache fails here, before any output folder is written
     for build in builds:
         write_sources(build)
         for item in build.kernels:
@@ -464,7 +509,7 @@ def compile_recipes(
                     for name in item.kernels:
                         dump = None
                         if keep_ptx:
-                            dump = str(build.out / "ptx" / arch / item.name / name)
+                            dump = str(inside(build.out, "ptx", arch, item.name, name))
                         where = (str(item.cache_path), name, arch)
                         if where not in tasks:
                             key = jit.kernel_key(cache, item.source, name, arch)

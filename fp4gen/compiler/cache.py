@@ -2,6 +2,7 @@
 
 Layout (``root`` is $FP4GEN_CACHE_DIR, else $XDG_CACHE_HOME/fp4gen, else ~/.cache/fp4gen)::
 
+    root/.fp4gen-cache              the marker: written on the first write, says "fp4gen's cache"
     root/v1/sources/<sha256>.py     generated module sources, named by the hash of their text
     root/v1/kernels/<key>/          one compiled kernel: kernel.so (+ kernel.o) and entry.json
     root/v1/locks/<key>.lock        one lock file per key (fcntl.flock)
@@ -22,6 +23,11 @@ discards its own. Sources are written to a temp file and ``os.replace``d into pl
 Integrity: ``entry.json`` is written last and lists every file's size and sha256; an entry whose
 files do not match (truncated, corrupt, half-deleted) is reported once per process as a warning,
 removed and rebuilt.
+
+Clearing: ``clear`` refuses a folder without the marker (a cache folder pointed at a folder of
+other files must never lose them) and, in a marked folder, removes only what fp4gen writes: the
+files and folders above whose names match their patterns, and ``cute-dsl/``. Anything else
+(the marker included) stays.
 """
 
 from __future__ import annotations
@@ -33,7 +39,9 @@ import json
 import logging
 import os
 import platform
+import re
 import shutil
+import stat
 import tempfile
 import time
 from collections.abc import Callable, Iterator, Mapping
@@ -42,10 +50,30 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
+from fp4gen.errors import FP4GenError
+
 log = logging.getLogger("fp4gen.cache")
 
 LAYOUT_VERSION = "v1"
 ENTRY_FILE = "entry.json"
+MARKER = ".fp4gen-cache"
+MARKER_TEXT = (
+    "fp4gen kernel cache. 'fp4gen cache clear' removes only what fp4gen wrote here "
+    f"({LAYOUT_VERSION}/ entries and cute-dsl/); other files stay.\n"
+)
+DSL_DIR = "cute-dsl"
+# what fp4gen writes under root/v1/<folder>/: anything else there is not ours to delete
+_OWNED_NAMES = {
+    "sources": re.compile(r"[0-9a-f]{64}\.py|\.[0-9a-f]{64}\.py\..+\.tmp"),
+    "kernels": re.compile(r"[0-9a-f]{40}"),
+    "locks": re.compile(r"[0-9a-f]{40}\.lock"),
+    "tmp": re.compile(r"[0-9a-f]{16}-.+|trash-.+|worker-.+\.log"),
+}
+_KEY = re.compile(r"[0-9a-f]{40}")
+_PLAIN_NAME = re.compile(r"[A-Za-z0-9_.-]+", re.ASCII)
+PLAIN_NAME_RULE = (
+    "a plain name (letters, digits, '_', '-', '.'; not '.' or '..'; no path separators)"
+)
 _warned: set[str] = set()
 
 
@@ -169,6 +197,97 @@ def _warn_once(what: str, message: str) -> None:
 
 
 # ----------------------------------------------------------------------------------------------
+# Paths: names that become paths, and file-system errors in one line
+# ----------------------------------------------------------------------------------------------
+
+
+def is_plain_name(name: str) -> bool:
+    """One path component that cannot climb out of its folder (see PLAIN_NAME_RULE)."""
+    return name not in (".", "..") and _PLAIN_NAME.fullmatch(name) is not None
+
+
+def inside(folder: Path, *names: str) -> Path:
+    """``folder / names...``: each a plain name, and the result, resolved, still under the
+    resolved ``folder`` (a symbolic link inside could lead anywhere). Raises FP4GenError."""
+    for name in names:
+        if not is_plain_name(name):
+            raise FP4GenError(
+                f"{name!r} names a path under {folder}, so it must be {PLAIN_NAME_RULE}"
+            )
+    path = folder.joinpath(*names)
+    if not path.resolve().is_relative_to(folder.resolve()):
+        raise FP4GenError(f"{path} leads out of {folder} through a symbolic link")
+    return path
+
+
+def file_in_the_way(path: Path) -> Path | None:
+    """The first of ``path`` and its parents that exists and is not a folder, if any."""
+    for p in (path, *path.parents):
+        try:
+            mode = p.stat().st_mode
+        except OSError:  # absent, or under a file: the culprit is further up
+            continue
+        return None if stat.S_ISDIR(mode) else p
+    return None
+
+
+def path_problem(folder: Path, err: OSError) -> str:
+    """What ``err`` says is wrong with writing into ``folder``, naming the path at fault."""
+    blocker = file_in_the_way(folder)
+    if blocker is not None:
+        return f"{blocker} is a file, not a folder"
+    where = err.filename if err.filename else folder
+    if isinstance(err, PermissionError):
+        return f"{where}: permission denied"
+    return f"{where}: {err.strerror or err}"
+
+
+def _tree_size(path: Path) -> int:
+    """Bytes of the regular files of ``path`` (a file or a folder), not following links."""
+    try:
+        st = path.lstat()
+    except OSError:
+        return 0
+    if not stat.S_ISDIR(st.st_mode):
+        return st.st_size if stat.S_ISREG(st.st_mode) else 0
+    total = 0
+    for top, _dirs, files in os.walk(path):  # os.walk does not descend into linked folders
+        for name in files:
+            total += _tree_size(Path(top) / name)
+    return total
+
+
+def _unlink(path: Path) -> int:
+    """Delete a file or link; the bytes this freed (0 for a link, or if it could not)."""
+    try:
+        st = path.lstat()
+        path.unlink()
+    except OSError:
+        return 0
+    return st.st_size if stat.S_ISREG(st.st_mode) else 0
+
+
+def _remove_tree(path: Path) -> int:
+    """Delete a file or a folder, never following links out of it; the bytes actually freed."""
+    if path.is_symlink() or not path.is_dir():
+        return _unlink(path)
+    freed = 0
+    for top, dirs, files in os.walk(path, topdown=False):
+        for name in files:
+            freed += _unlink(Path(top) / name)
+        for name in dirs:
+            sub = Path(top) / name
+            if sub.is_symlink():
+                freed += _unlink(sub)
+            else:
+                with contextlib.suppress(OSError):
+                    sub.rmdir()
+    with contextlib.suppress(OSError):
+        path.rmdir()
+    return freed
+
+
+# ----------------------------------------------------------------------------------------------
 # Entries
 # ----------------------------------------------------------------------------------------------
 
@@ -189,8 +308,8 @@ class Entry:
         return tuple(self.meta["files"])
 
 
-class CacheError(RuntimeError):
-    pass
+class CacheError(FP4GenError, RuntimeError):
+    """The cache folder cannot be used or cleared, or a key is malformed."""
 
 
 class KernelCache:
@@ -204,6 +323,7 @@ class KernelCache:
         self.root = Path(root).expanduser() if root is not None else default_root()
         self.base = self.root / LAYOUT_VERSION
         self.template = template
+        self._root_ready = False  # the root exists and carries the marker
 
     @property
     def template_version(self) -> str:
@@ -222,12 +342,49 @@ class KernelCache:
     @property
     def dsl_cache_dir(self) -> Path:
         """Where the CuTe DSL keeps its own file cache (CUTE_DSL_CACHE_DIR) for our compiles."""
-        return self.root / "cute-dsl"
+        return self.root / DSL_DIR
+
+    @property
+    def marker(self) -> Path:
+        return self.root / MARKER
+
+    @property
+    def marked(self) -> bool:
+        """Whether the root carries fp4gen's marker (only then may ``clear`` touch it)."""
+        return self.marker.is_file()
+
+    @contextlib.contextmanager
+    def _writing(self, folder: Path) -> Iterator[None]:
+        """Turn an OSError of writing into ``folder`` into a one-line CacheError."""
+        try:
+            yield
+        except OSError as err:
+            raise CacheError(
+                f"cannot use the kernel cache {self.root}: {path_problem(folder, err)} "
+                "(point FP4GEN_CACHE_DIR or --cache-dir at a writable folder)"
+            ) from err
+
+    def prepare(self) -> None:
+        """Create the root and mark it as fp4gen's (once per instance; every write does it
+        first). Raises CacheError, naming the path, where the root cannot be made or written."""
+        if self._root_ready:
+            return
+        with self._writing(self.root):
+            self.root.mkdir(parents=True, exist_ok=True)
+            if not self.marked:
+                _atomic_write(self.marker, MARKER_TEXT.encode())
+        self._root_ready = True
 
     def _dir(self, name: str) -> Path:
+        self.prepare()
         path = self.base / name
-        path.mkdir(parents=True, exist_ok=True)
+        with self._writing(path):
+            path.mkdir(parents=True, exist_ok=True)
         return path
+
+    def work_dir(self) -> Path:
+        """The staging folder (created): entries in the making, compile worker logs."""
+        return self._dir("tmp")
 
     # --- keys -------------------------------------------------------------------------------
     def key(
@@ -265,13 +422,14 @@ class KernelCache:
             except (OSError, UnicodeDecodeError):
                 pass
             _warn_once(str(path), f"fp4gen cache: corrupt source {path} is rewritten")
-        self._dir("sources")
-        _atomic_write(path, text.encode())
+        folder = self._dir("sources")
+        with self._writing(folder):
+            _atomic_write(path, text.encode())
         return path
 
     # --- compiled kernels -------------------------------------------------------------------
     def entry_path(self, key: str) -> Path:
-        return self.kernels_dir / key
+        return self.kernels_dir / _checked_key(key)
 
     def lookup(self, key: str) -> Entry | None:
         """The valid entry of ``key``, or None. An invalid entry is removed (warning once)."""
@@ -299,8 +457,11 @@ class KernelCache:
     @contextlib.contextmanager
     def lock(self, key: str) -> Iterator[None]:
         """An exclusive per-key lock across processes (released if the holder dies)."""
-        path = self._dir("locks") / f"{key}.lock"
-        with open(path, "a+b") as f:
+        folder = self._dir("locks")
+        path = folder / f"{_checked_key(key)}.lock"
+        with self._writing(folder):
+            f = open(path, "a+b")  # noqa: SIM115 (closed below; only the open is the cache's)
+        with f:
             fcntl.flock(f.fileno(), fcntl.LOCK_EX)
             try:
                 yield
@@ -325,7 +486,9 @@ class KernelCache:
             entry = self.lookup(key)  # another process may have built it while we waited
             if entry is not None:
                 return entry, False
-            stage = Path(tempfile.mkdtemp(prefix=f"{key[:16]}-", dir=self._dir("tmp")))
+            tmp = self.work_dir()
+            with self._writing(tmp):
+                stage = Path(tempfile.mkdtemp(prefix=f"{key[:16]}-", dir=tmp))
             try:
                 meta = dict(build(stage))
                 files = {}
@@ -341,7 +504,8 @@ class KernelCache:
                     "files": files,
                     **{k: v for k, v in meta.items() if k not in ("key", "files", "parts")},
                 }
-                _atomic_write(stage / ENTRY_FILE, json.dumps(record, indent=1).encode())
+                with self._writing(stage):
+                    _atomic_write(stage / ENTRY_FILE, json.dumps(record, indent=1).encode())
                 self._dir("kernels")
                 try:
                     os.rename(stage, self.entry_path(key))
@@ -364,6 +528,8 @@ class KernelCache:
         out = []
         if self.kernels_dir.is_dir():
             for path in sorted(self.kernels_dir.iterdir()):
+                if _KEY.fullmatch(path.name) is None:
+                    continue  # not an entry fp4gen made
                 meta_file = path / ENTRY_FILE
                 try:
                     meta = json.loads(meta_file.read_text())
@@ -372,33 +538,70 @@ class KernelCache:
                 out.append(Entry(path.name, path, meta))
         return out
 
+    def root_problem(self) -> str | None:
+        """Why the root cannot be a cache folder (a file is in the way), or None."""
+        blocker = file_in_the_way(self.root)
+        if blocker is None:
+            return None
+        return f"{blocker} is a file, not a folder"
+
+    def owned_paths(self) -> list[Path]:
+        """What fp4gen wrote under the root: the files and folders ``clear`` removes.
+
+        Only names fp4gen gives (see ``_OWNED_NAMES``) in real folders, never through a link,
+        so user files kept beside or inside the cache are never counted or removed."""
+        out: list[Path] = []
+        dsl = self.dsl_cache_dir
+        if dsl.is_dir() and not dsl.is_symlink():
+            out.append(dsl)
+        if not self.base.is_dir() or self.base.is_symlink():
+            return out
+        for folder, pattern in _OWNED_NAMES.items():
+            path = self.base / folder
+            if not path.is_dir() or path.is_symlink():
+                continue
+            out.extend(p for p in sorted(path.iterdir()) if pattern.fullmatch(p.name))
+        return out
+
     def info(self) -> dict[str, Any]:
-        size = 0
-        if self.root.is_dir():
-            for p in self.root.rglob("*"):
-                with contextlib.suppress(OSError):
-                    if p.is_file():
-                        size += p.stat().st_size
-        sources = list(self.sources_dir.glob("*.py")) if self.sources_dir.is_dir() else []
+        """Location, state, entry counts and the bytes ``clear`` would free."""
+        owned = self.owned_paths()
+        sources = [p for p in owned if p.parent == self.sources_dir and p.suffix == ".py"]
         entries = self.entries()
         return {
             "location": str(self.root),
+            "exists": self.root.is_dir(),
+            "marked": self.marked,
             "kernels": len(entries),
             "sources": len(sources),
-            "bytes": size,
+            "bytes": sum(_tree_size(p) for p in owned),
             "by_arch": _count(str(e.meta.get("parts", {}).get("arch", "?")) for e in entries),
         }
 
     def clear(self) -> int:
-        """Remove every cached file (sources, kernels, the DSL's cache); returns bytes freed."""
-        freed = self.info()["bytes"] if self.root.exists() else 0
-        if self.root.is_dir():
-            for child in self.root.iterdir():
-                if child.is_dir() and not child.is_symlink():
-                    shutil.rmtree(child, ignore_errors=True)
-                else:
-                    with contextlib.suppress(OSError):
-                        child.unlink()
+        """Remove fp4gen's entries (``owned_paths``) from a marked root; returns the bytes
+        actually freed. Raises CacheError for a root that is a file or carries no marker."""
+        problem = self.root_problem()
+        if problem is not None:
+            raise CacheError(
+                f"cannot clear {self.root}: {problem} "
+                "(point FP4GEN_CACHE_DIR or --cache-dir at the cache folder)"
+            )
+        if not self.root.is_dir():
+            return 0  # nothing was ever cached here
+        if not self.marked:
+            raise CacheError(
+                f"refusing to clear {self.root}: it has no {MARKER} marker, so it is not known "
+                "to be an fp4gen cache and may hold other files; point FP4GEN_CACHE_DIR or "
+                f"--cache-dir at a dedicated folder, or delete its {LAYOUT_VERSION}/ and "
+                f"{DSL_DIR}/ folders by hand"
+            )
+        freed = sum(_remove_tree(p) for p in self.owned_paths())
+        # the layout's own folders go too once empty; a folder still holding user files stays
+        for folder in (*(self.base / f for f in _OWNED_NAMES), self.base):
+            if not folder.is_symlink():
+                with contextlib.suppress(OSError):
+                    folder.rmdir()
         return freed
 
 
@@ -407,6 +610,13 @@ def _count(items: Iterator[str]) -> dict[str, int]:
     for item in items:
         out[item] = out.get(item, 0) + 1
     return dict(sorted(out.items()))
+
+
+def _checked_key(key: str) -> str:
+    """``key`` if it is a key ``KernelCache.key`` makes (it names a folder and a file)."""
+    if not isinstance(key, str) or _KEY.fullmatch(key) is None:
+        raise CacheError(f"{key!r} is not a kernel cache key (40 lowercase hex digits)")
+    return key
 
 
 def _verify(path: Path) -> str | None:
@@ -449,11 +659,17 @@ def _atomic_write(path: Path, data: bytes) -> None:
 
 
 __all__ = [
+    "MARKER",
+    "PLAIN_NAME_RULE",
     "CacheError",
     "Entry",
     "KernelCache",
     "cutlass_dsl_version",
     "default_root",
+    "file_in_the_way",
+    "inside",
+    "is_plain_name",
+    "path_problem",
     "sha256_text",
     "template_version",
     "toolchain",

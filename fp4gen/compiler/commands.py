@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from fp4gen.compiler.cache import MARKER, CacheError, KernelCache
 from fp4gen.errors import FP4GenError
 
 COMPILE_EPILOG = """\
@@ -30,6 +31,22 @@ def parse_archs(text: str) -> tuple[str, ...]:
     return archs
 
 
+def positive_int(text: str) -> int:
+    """An argparse type: a whole number of at least 1 (argparse reports the error, exit 2)."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a whole number of at least 1, got {text!r}")
+    return value
+
+
+def _print_json(data: dict[str, Any]) -> None:
+    # strict JSON: a NaN or an infinity is a bug to see, not a token other parsers reject
+    print(json.dumps(data, indent=2, allow_nan=False))
+
+
 def _human(n: float) -> str:
     for unit in ("B", "KiB", "MiB", "GiB"):
         if n < 1024 or unit == "GiB":
@@ -40,10 +57,9 @@ def _human(n: float) -> str:
 
 def cmd_compile(args: argparse.Namespace) -> int:
     from fp4gen.compiler.build import compile_recipes
-    from fp4gen.compiler.cache import KernelCache
-    from fp4gen.dsl import load_recipe
+    from fp4gen.dsl import find_recipe, load_recipe
 
-    recipes = [load_recipe(Path(p)) for p in args.recipes]
+    recipes = [load_recipe(find_recipe(p)) for p in args.recipes]
     names = [r.name for r in recipes]
     if len(set(names)) != len(names):
         raise FP4GenError(f"two recipes have the same name ({', '.join(names)}): one folder each")
@@ -87,24 +103,59 @@ def cmd_compile(args: argparse.Namespace) -> int:
     return 1 if report.errors else 0
 
 
-def cmd_cache(args: argparse.Namespace) -> int:
-    from fp4gen.compiler.cache import KernelCache, toolchain
+def _cache_info(cache: KernelCache) -> dict[str, Any]:
+    """``cache.info()`` for a usable root; CacheError when a file stands where it should be."""
+    problem = cache.root_problem()
+    if problem is not None:
+        raise CacheError(
+            f"cannot read the kernel cache {cache.root}: {problem} "
+            "(point FP4GEN_CACHE_DIR or --cache-dir at a folder)"
+        )
+    return cache.info()
 
-    cache = KernelCache(args.cache_dir) if args.cache_dir else KernelCache()
-    if args.action == "clear":
-        freed = cache.clear()
-        print(f"cleared {cache.root} ({_human(freed)})")
-        return 0
-    info: dict[str, Any] = cache.info()
-    if args.json:
-        info["toolchain"] = toolchain()
-        print(json.dumps(info, indent=2))
-        return 0
+
+def _cache_status(info: dict[str, Any]) -> str:
+    if not info["exists"]:
+        return "not created yet (fp4gen creates and marks it on its first write)"
+    if not info["marked"]:
+        return f"no {MARKER} marker: not known to be an fp4gen cache, so clear refuses it"
+    return f"an fp4gen cache ({MARKER} marker present)"
+
+
+def _print_cache_info(info: dict[str, Any]) -> None:
     by_arch = ", ".join(f"{a}: {n}" for a, n in info["by_arch"].items()) or "none"
     print(f"location   {info['location']}")
+    print(f"status     {_cache_status(info)}")
     print(f"kernels    {info['kernels']} ({by_arch})")
     print(f"sources    {info['sources']}")
     print(f"size       {_human(info['bytes'])}")
+
+
+def cmd_cache(args: argparse.Namespace) -> int:
+    from fp4gen.compiler.cache import toolchain
+
+    cache = KernelCache(args.cache_dir) if args.cache_dir else KernelCache()
+    try:
+        if args.action == "clear":
+            existed = cache.root.is_dir()
+            report = {"location": str(cache.root), "existed": existed, "freed_bytes": cache.clear()}
+        else:
+            report = _cache_info(cache)
+    except CacheError as err:
+        if args.json:  # a script still gets JSON; main() prints the one-line error and exits 1
+            _print_json({"location": str(cache.root), "error": str(err)})
+        raise
+    if args.json:
+        if args.action == "info":
+            report["toolchain"] = toolchain()
+        _print_json(report)
+    elif args.action == "info":
+        _print_cache_info(report)
+    elif not report["existed"]:
+        print(f"nothing to clear: {cache.root} does not exist")
+    else:
+        freed = report["freed_bytes"]
+        print(f"cleared {cache.root} ({_human(freed)}, {freed} bytes)")
     return 0
 
 
@@ -139,7 +190,11 @@ def add_commands(sub: Any) -> None:
     )
     p.add_argument("--keep-ptx", action="store_true", help="keep PTX under DIR/ptx/<arch>/")
     p.add_argument(
-        "--jobs", "-j", type=int, metavar="N", help="compile worker processes (default: CPUs)"
+        "--jobs",
+        "-j",
+        type=positive_int,
+        metavar="N",
+        help="compile worker processes, at least 1 (default: CPUs, at most 8)",
     )
     p.add_argument(
         "--no-compile", action="store_true", help="only write the sources and the manifest"
@@ -167,10 +222,12 @@ def add_commands(sub: Any) -> None:
         "cache",
         help="show or clear the kernel cache",
         description="The on-disk cache of generated sources and compiled kernels: "
-        "$FP4GEN_CACHE_DIR, else $XDG_CACHE_HOME/fp4gen, else ~/.cache/fp4gen.",
+        "$FP4GEN_CACHE_DIR, else $XDG_CACHE_HOME/fp4gen, else ~/.cache/fp4gen. fp4gen marks "
+        f"a cache folder with a {MARKER} file on its first write; clear refuses a folder "
+        "without it and removes only the entries fp4gen wrote (other files stay).",
     )
     p.add_argument("action", choices=("info", "clear"), help="info: location, entries, size")
-    p.add_argument("--json", action="store_true", help="print JSON (info)")
+    p.add_argument("--json", action="store_true", help="print JSON (also on an error)")
     p.add_argument("--cache-dir", metavar="DIR", help="the cache folder to use")
     p.set_defaults(func=cmd_cache)
 

@@ -3,14 +3,19 @@
 from __future__ import annotations
 
 import os
+import re
 from pathlib import Path
 
 from fp4gen.dsl.model import Recipe
-from fp4gen.dsl.resolve import SHIPPED_RECIPES, Loader
-from fp4gen.dsl.source import Source, display_name
-from fp4gen.errors import RecipeError
+from fp4gen.dsl.resolve import Loader
+from fp4gen.dsl.source import Source, display_name, find_recipe, read_source
 
 PathArg = str | os.PathLike[str]
+
+# How recipe text starts when it is one line: a comment or a top-level keyword and a blank or '{'.
+_TEXT_START = re.compile(
+    r"\s*(?:#|(?:recipe|extends|import|format|operands|mor|layers|schedule)[\s{])"
+)
 
 
 def parse_recipe(
@@ -29,31 +34,28 @@ def parse_recipe(
     return Loader().recipe(Source(text, name, path, base))
 
 
+def is_recipe_text(source: str) -> bool:
+    """Does ``load_recipe`` read this string as recipe text (rather than a name or path)?
+
+    Yes when it holds a line break, is blank, or starts (after blanks) with ``#`` or a top-level
+    keyword followed by a blank or ``{`` (``operands { * : nvfp4 }``)."""
+    return "\n" in source or "\r" in source or not source.strip() or bool(_TEXT_START.match(source))
+
+
 def load_recipe(source: PathArg, *, base_dir: PathArg | None = None) -> Recipe:
-    """Load a recipe from a path (an existing file, or any name ending in .fp4r) or from text.
+    """Load a recipe from a file, a shipped recipe's name, or recipe text.
 
-    A relative path that does not exist is also looked up among the shipped recipes, so
-    ``load_recipe("nvfp4.fp4r")`` works from anywhere."""
-    if isinstance(source, os.PathLike) or _looks_like_path(source):
-        path = Path(source)
-        if not path.is_file() and not path.is_absolute() and (SHIPPED_RECIPES / path).is_file():
-            path = SHIPPED_RECIPES / path
-        if not path.is_file():
-            raise RecipeError(f"no such recipe file: {path}", file=str(path))
-        try:
-            text = path.read_text(encoding="utf-8")
-        except (OSError, UnicodeDecodeError) as exc:
-            raise RecipeError(f"cannot read the recipe: {exc}", file=str(path)) from None
-        return parse_recipe(text, file=path, base_dir=base_dir)
-    return parse_recipe(source, base_dir=base_dir)
+    A ``str`` is recipe text when :func:`is_recipe_text` says so (it holds a line break, or
+    starts with ``#`` or a keyword such as ``operands {``); otherwise it, like any PathLike, is
+    resolved by :func:`fp4gen.dsl.source.find_recipe`, as the command line does: ``"nvfp4"``
+    and ``"nvfp4.fp4r"`` are the shipped recipe, anything with a path separator is a path. A
+    missing file, a directory, a FIFO or an unreadable file raises RecipeError in one line.
 
-
-def _looks_like_path(source: str) -> bool:
-    if "\n" in source:
-        return False
-    if source.strip().endswith(".fp4r"):
-        return True
-    try:
-        return Path(source).is_file()
-    except (OSError, ValueError):
-        return False
+    ``base_dir`` overrides where the recipe's includes are looked up (default: next to the file,
+    or the working directory for text)."""
+    if isinstance(source, str) and is_recipe_text(source):
+        return parse_recipe(source, base_dir=base_dir)
+    src = read_source(find_recipe(source))
+    if base_dir is not None:
+        src = Source(src.text, src.file, src.path, Path(base_dir).resolve())
+    return Loader().recipe(src)

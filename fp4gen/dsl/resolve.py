@@ -14,7 +14,16 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from fp4gen.dsl.model import MoRSpec, Operand, Recipe, RHTSpec
-from fp4gen.dsl.source import At, Pos, Source, did_you_mean
+from fp4gen.dsl.source import (
+    SHIPPED_RECIPES,
+    SUFFIX,
+    At,
+    Pos,
+    Source,
+    UnreadableRecipe,
+    clip,
+    did_you_mean,
+)
 from fp4gen.dsl.statements import (
     FormatDef,
     FormatRef,
@@ -45,8 +54,10 @@ from fp4gen.formats import (
 # Words that a format name would be read as where formats are referenced.
 _RESERVED = frozenset({"mor", "block", "round", "rht", "recipe"})
 
-# Recipes shipped with the package; includes fall back to this directory.
-SHIPPED_RECIPES = Path(__file__).resolve().parent.parent / "recipes"
+# How many extends/import/recipe references may be followed from the top-level recipe to the
+# deepest file. Resolution recurses once per file; this keeps it far from Python's recursion
+# limit (and no real recipe comes close: the shipped ones nest two deep).
+MAX_INCLUDE_DEPTH = 32
 
 
 @dataclass
@@ -127,22 +138,28 @@ class Loader:
 
     # --- files ------------------------------------------------------------------------------
     def find(self, path: At[str]) -> Path:
-        """Resolve an include: next to the including file, else among the shipped recipes."""
+        """Resolve a reference: next to the file that names it, else among the shipped recipes.
+        Only .fp4r files are references, so a reference never reads another kind of file."""
         found = locate(path.value, path.pos.source.base_dir)
         if found is not None:
             return found
+        written = Path(_with_suffix(path.value))
         where = (
-            f"in {Path(path.value).parent}"
-            if Path(path.value).is_absolute()
+            f"in {written.parent}"
+            if written.is_absolute()
             else f"in {path.pos.source.base_dir} or among the shipped recipes"
         )
-        raise path.pos.error(f"cannot find recipe file '{path.value}' (looked {where})")
+        looked = f"looked {where}"
+        if not path.value.endswith(SUFFIX):
+            looked = f"looked for {written.name} {where}; references name {SUFFIX} files"
+        raise path.pos.error(f"cannot find recipe file '{clip(path.value, 200)}' ({looked})")
 
     def read(self, found: Path, path: At[str]) -> Source:
         try:
             return Source.from_path(found)
-        except (OSError, UnicodeDecodeError) as exc:
-            raise path.pos.error(f"cannot read '{path.value}': {exc}") from None
+        except UnreadableRecipe as exc:
+            # Say which file the reference led to: it may be a shipped recipe or a link.
+            raise path.pos.error(f"cannot use '{clip(path.value, 200)}': {exc}") from None
 
     def _enter(self, found: Path, path: At[str], via: str, stack: tuple[_Frame, ...]) -> _Frame:
         key = str(found)
@@ -154,6 +171,14 @@ class Loader:
             label = "/".join(sorted(kinds)) if len(kinds) > 1 else next(iter(kinds))
             names = " -> ".join(f.name for f in chain)
             raise path.pos.error(f"{label} cycle: {names}")
+        if len(stack) > MAX_INCLUDE_DEPTH:
+            chain = [*stack, frame]
+            shown = [f.name for f in chain[:2]] + ["..."] + [f.name for f in chain[-2:]]
+            raise path.pos.error(
+                f"{via} '{clip(path.value, 200)}' would be {len(chain) - 1} references deep "
+                f"({' -> '.join(shown)}); extends, import and recipe references nest at most "
+                f"{MAX_INCLUDE_DEPTH} deep"
+            )
         return frame
 
     def include(self, inc: Include, stack: tuple[_Frame, ...]) -> Unit:
@@ -375,17 +400,24 @@ class Loader:
                 slot.order["rht"] = next(self._order)
 
 
+def _with_suffix(written: str) -> str:
+    return written if written.endswith(SUFFIX) else written + SUFFIX
+
+
 def locate(written: str, base: Path) -> Path | None:
-    """The file a path names from ``base``: there first, then among the shipped recipes; a
-    missing ``.fp4r`` suffix is added."""
-    path = Path(written)
-    names = [path] if path.suffix else [path, path.with_suffix(".fp4r")]
-    dirs = [Path("/")] if path.is_absolute() else [base, SHIPPED_RECIPES]
+    """The .fp4r file a reference names from ``base`` (the directory of the file that names
+    it): there first, then among the shipped recipes. A missing ``.fp4r`` is added, so
+    ``"nvfp4"`` finds ``nvfp4.fp4r`` and ``"/etc/passwd"`` only ``/etc/passwd.fp4r``. Whatever
+    exists there is returned, so that a directory or FIFO is reported as such when read."""
+    path = Path(_with_suffix(written))
+    dirs = [Path(path.anchor)] if path.is_absolute() else [base, SHIPPED_RECIPES]
     for directory in dirs:
-        for name in names:
-            place = directory / name
-            if place.is_file():
+        place = directory / path
+        try:
+            if place.exists():
                 return place.resolve()
+        except (OSError, ValueError):  # a name the OS rejects (NUL byte, too long)
+            continue
     return None
 
 

@@ -25,13 +25,37 @@ from fp4gen.dsl.model import (
     Partition,
     RHTSpec,
 )
-from fp4gen.dsl.source import At, Pos, Source, did_you_mean
+from fp4gen.dsl.source import (
+    MAX_NAME_CHARS,
+    MAX_STRING_CHARS,
+    At,
+    Pos,
+    Source,
+    clip,
+    did_you_mean,
+)
 from fp4gen.formats import HIGH_PRECISION_DTYPES, ElementFormat, HighPrecision, default_special
 
 Shape = tuple[int, int]
 
 _ELEMENT = re.compile(r"^(u?)e(\d+)m(\d+)$")
 _ELEMENTISH = re.compile(r"^u?e\d")  # looks like an attempt at an element name
+
+
+# Bounds on numbers, so that an absurd value is an error here rather than an overflow or a huge
+# allocation in a kernel or the runtime. Every shipped recipe is far inside them.
+MAX_BLOCK_DIM = 1024  # rows or columns of a block (format blocks and mor partitions)
+MAX_BLOCK_ELEMENTS = 256 * 256  # elements of one block: 1x1024 and 256x256 fit, 512x512 not
+MAX_COUNT = 1_000_000  # N in `first|last N blocks|layers`
+MAX_STEP = 2**63 - 1  # N in `at step N`: a step counter is an int64
+_MAX_DIGITS = 30  # longer digit strings are beyond every bound above; int() is not even tried
+
+
+def number(text: str) -> int:
+    """The value of a digit string, or 10**_MAX_DIGITS (beyond every bound) for a longer one:
+    int() refuses strings past 4300 digits and is slow long before."""
+    digits = text.lstrip("0")
+    return int(digits or "0") if len(digits) <= _MAX_DIGITS else 10**_MAX_DIGITS
 
 
 def is_element_name(name: str) -> bool:
@@ -157,6 +181,11 @@ class _Builder:
         return Pos(self.source, node.meta.line, node.meta.column)
 
     def at(self, token: Token) -> At[str]:
+        if token.type == "NAME" and len(token) > MAX_NAME_CHARS:
+            raise self.pos(token).error(
+                f"a name of {len(token):,} characters ({clip(str(token))}); names are at most "
+                f"{MAX_NAME_CHARS} characters"
+            )
         return At(str(token), self.pos(token))
 
     # --- top level --------------------------------------------------------------------------
@@ -265,7 +294,7 @@ class _Builder:
                 "bits) such as e2m1 or e4m3, or ueXm0 for an unsigned scale"
             )
         unsigned = match.group(1) == "u"
-        exp_bits, man_bits = int(match.group(2)), int(match.group(3))
+        exp_bits, man_bits = number(match.group(2)), number(match.group(3))
         if unsigned:
             if what != "scale":
                 raise name.pos.error(
@@ -304,14 +333,25 @@ class _Builder:
         return ElementFormat(exp_bits, man_bits, True, chosen)  # type: ignore[arg-type]
 
     def shape(self, token: Token) -> At[Shape]:
-        rows, cols = (int(part) for part in str(token).split("x"))
+        rows, cols = (number(part) for part in str(token).split("x"))
         pos = self.pos(token)
+        shown = clip(str(token))
         if rows < 1 or cols < 1:
-            raise pos.error(f"block {token}: block dimensions must be at least 1")
+            raise pos.error(f"block {shown}: block dimensions must be at least 1")
+        if rows > MAX_BLOCK_DIM or cols > MAX_BLOCK_DIM:
+            raise pos.error(
+                f"block {shown}: a block dimension is at most {MAX_BLOCK_DIM}, e.g. "
+                f"1x{MAX_BLOCK_DIM} or 128x128"
+            )
         if rows != 1 and rows != cols:
             raise pos.error(
-                f"block {token}: 1D blocks are 1xN (along the dot-product dimension) and 2D "
+                f"block {shown}: 1D blocks are 1xN (along the dot-product dimension) and 2D "
                 "blocks are square NxN"
+            )
+        if rows * cols > MAX_BLOCK_ELEMENTS:
+            raise pos.error(
+                f"block {shown} has {rows * cols:,} elements; a block has at most "
+                f"{MAX_BLOCK_ELEMENTS:,} (up to 256x256)"
             )
         return At((rows, cols), pos)
 
@@ -396,11 +436,12 @@ class _Builder:
 
     def rht(self, prop: Tree) -> RHTSpec:
         size_tok = prop.children[0]
-        size = int(size_tok)
+        size = number(size_tok)
         size_pos = self.pos(size_tok)
         if size < 2 or size > 256 or size & (size - 1):
             raise size_pos.error(
-                f"RHT size {size} is not a power of two from 2 to 256 (the paper uses 16)"
+                f"RHT size {clip(str(size_tok))} is not a power of two from 2 to 256 (the paper "
+                "uses 16)"
             )
         signs = prop.children[1] if len(prop.children) > 1 else None
         if signs is None:
@@ -423,9 +464,12 @@ class _Builder:
             return RHTSpec(size, "none", None)
         if kind == "signs_seed":
             seed_tok = signs.children[0]
-            seed = int(seed_tok)
+            seed = number(seed_tok)
             if seed >= 2**64:
-                raise self.pos(seed_tok).error("an RHT seed must fit in 64 bits")
+                raise self.pos(seed_tok).error(
+                    f"RHT seed {clip(str(seed_tok))} does not fit in 64 bits: a seed is a whole "
+                    "number from 0 to 18446744073709551615"
+                )
             return RHTSpec(size, "seeded", None, seed)
         # signs_fixed: a string of + and -
         tok = signs.children[0]
@@ -539,8 +583,8 @@ class _Builder:
             value = self.percent(tok)
             if not 0 < value < 100:
                 raise self.pos(tok).error(
-                    f"threshold {tok} is out of range: a relative-error threshold lies strictly "
-                    "between 0% and 100%"
+                    f"threshold {clip(str(tok))} is out of range: a relative-error threshold lies "
+                    "strictly between 0% and 100%"
                 )
             return Metric("relerr", threshold=value / 100)
         if kind == "relerr_vs":
@@ -578,13 +622,18 @@ class _Builder:
             value = self.percent(amount)
             if not 0 < value <= 100:
                 raise self.pos(amount).error(
-                    f"{amount} is out of range: a share of the {unit} lies in (0%, 100%]"
+                    f"{clip(str(amount))} is out of range: a share of the {unit} lies in (0%, 100%]"
                 )
             selector = LayerSelector(str(end), unit, fraction=value / 100)  # type: ignore[arg-type]
         else:
-            count = int(amount)
+            count = number(amount)
             if count < 1:
                 raise self.pos(amount).error(f"the count of {unit} must be at least 1")
+            if count > MAX_COUNT:
+                raise self.pos(amount).error(
+                    f"{clip(str(amount))} {unit} is out of range: a count of {unit} is at most "
+                    f"{MAX_COUNT:,} (or give a share, e.g. 15%)"
+                )
             selector = LayerSelector(str(end), unit, count=count)  # type: ignore[arg-type]
         return LayerStmt(selector, self.action(action))
 
@@ -602,11 +651,17 @@ class _Builder:
             value = self.percent(point)
             if not 0 < value < 100:
                 raise self.pos(point).error(
-                    f"{point} is out of range: a point in training lies strictly between 0% and "
-                    "100% (use `at step 0` for the start)"
+                    f"{clip(str(point))} is out of range: a point in training lies strictly "
+                    "between 0% and 100% (use `at step 0` for the start)"
                 )
             return ScheduleStmt(None, value / 100, passes, action)  # type: ignore[arg-type]
-        return ScheduleStmt(int(point), None, passes, action)  # type: ignore[arg-type]
+        step = number(point)
+        if step > MAX_STEP:
+            raise self.pos(point).error(
+                f"step {clip(str(point))} is out of range: a step is at most {MAX_STEP:,} "
+                "(2^63 - 1, a 64-bit step counter)"
+            )
+        return ScheduleStmt(step, None, passes, action)  # type: ignore[arg-type]
 
     def action(self, tree: Tree) -> At[ActionRef]:
         tok = tree.children[0]
@@ -617,11 +672,18 @@ class _Builder:
 
     # --- literals ---------------------------------------------------------------------------
     def percent(self, token: Token) -> float:
+        # float() of a digit string never raises: an absurd one becomes inf, which every range
+        # check rejects.
         return float(str(token)[:-1])
 
     def string(self, token: Token) -> str:
         """Unquote a string token; the escapes are \\\\, \\", \\n and \\t."""
         raw = str(token)[1:-1]
+        if len(raw) > MAX_STRING_CHARS:
+            raise self.pos(token).error(
+                f"a string of {len(raw):,} characters; strings are at most "
+                f"{MAX_STRING_CHARS:,} characters"
+            )
         out: list[str] = []
         i = 0
         while i < len(raw):

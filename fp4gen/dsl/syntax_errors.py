@@ -13,7 +13,7 @@ from collections.abc import Iterable, Sequence
 from lark import Token, Tree
 from lark.exceptions import UnexpectedCharacters, UnexpectedInput, UnexpectedToken
 
-from fp4gen.dsl.source import Pos, Source, did_you_mean
+from fp4gen.dsl.source import MAX_STRING_CHARS, Pos, Source, clip, did_you_mean
 from fp4gen.errors import RecipeError
 
 # Terminals that stand for a fixed list of words.
@@ -118,7 +118,9 @@ def _unexpected_token(exc: UnexpectedToken, source: Source) -> RecipeError:
         words = _words(accepts)
         if words and str(token.value) not in _all_words():
             hint = did_you_mean(str(token.value), words)
-            return pos.error(f"unknown keyword '{token.value}': expected {expected}{tail}{hint}")
+            return pos.error(
+                f"unknown keyword '{clip(token.value)}': expected {expected}{tail}{hint}"
+            )
 
     return pos.error(f"unexpected {_describe(token)}: expected {expected}{tail}")
 
@@ -132,9 +134,9 @@ def _special_case(token: Token, ctx: _Context, source: Source) -> str | None:
     if last == "INT" and ctx.prev_type() == "RHT" and str(token.value).startswith("x"):
         return "the Hadamard size is one number, e.g. `rht 16`, not a shape"
     if token.type == "INT" and last == "LESSTHAN":
-        return f"write the threshold as a percentage, e.g. {token.value}%"
+        return f"write the threshold as a percentage, e.g. {clip(token.value)}%"
     if token.type == "INT" and last == "AT":
-        value = token.value
+        value = clip(token.value)
         return f"write a point in training as a percentage ({value}%) or a step (step {value})"
     return None
 
@@ -160,8 +162,8 @@ def _describe(token: Token) -> str:
     if token.type in ("_NL", "$END"):
         return _PUNCT[token.type]
     if token.type == "STRING":
-        return f"string {token.value}"
-    return f"'{token.value}'"
+        return f"string {clip(token.value)}"
+    return f"'{clip(token.value)}'"
 
 
 class _Context:
@@ -234,31 +236,31 @@ class _Context:
         if last.type == "NAME":
             prev = self.prev_type()
             if prev == "FORMAT":
-                return f"the format name '{last.value}'"
+                return f"the format name '{clip(last.value)}'"
             if prev == "MOR":
-                return f"the mor name '{last.value}'"
+                return f"the mor name '{clip(last.value)}'"
             if prev == "EQUAL":
-                return f"the base format '{last.value}'"
+                return f"the base format '{clip(last.value)}'"
             if prev in ("TRY", "ELSE", "LPAR"):
-                return f"the candidate '{last.value}'"
+                return f"the candidate '{clip(last.value)}'"
             if prev == "SCALE":
-                return f"the scale format '{last.value}'"
+                return f"the scale format '{clip(last.value)}'"
             if prev == "COLON":
-                return f"the format name '{last.value}'"
-            return f"'{last.value}'"
+                return f"the format name '{clip(last.value)}'"
+            return f"'{clip(last.value)}'"
         if last.type == "LBRACE":
             return "'{'"
         if last.type in ("INT", "PERCENT") and self.prev_type() == "END":
-            return f"the count {last.value}"
+            return f"the count {clip(last.value)}"
         if last.type == "INT" and self.prev_type() == "RHT":
-            return f"the RHT size {last.value}"
+            return f"the RHT size {clip(last.value)}"
         if last.type == "SHAPE":
-            return f"the block shape {last.value}"
+            return f"the block shape {clip(last.value)}"
         if last.type in ("INT", "PERCENT", "STRING"):
-            return str(last.value)
+            return clip(str(last.value))
         if last.type in _PUNCT:
             return _PUNCT[last.type]
-        return f"'{last.value}'"
+        return f"'{clip(last.value)}'"
 
 
 def _finished(tree: Tree) -> bool:
@@ -407,6 +409,12 @@ def _unexpected_char(exc: UnexpectedCharacters, source: Source) -> RecipeError:
     pos = Pos(source, exc.line, exc.column)
     char = exc.char
     if char == '"':
+        length = _string_length(source.text, exc.pos_in_stream)
+        if length is not None:  # closed, yet no STRING: more escapes than a string may hold
+            return pos.error(
+                f"a string of {length:,} characters; strings are at most "
+                f"{MAX_STRING_CHARS:,} characters"
+            )
         return pos.error("unterminated string: the closing '\"' is missing on this line")
     if char in "×✕":
         return pos.error(f"unexpected character '{char}': write block shapes with an x, e.g. 16x16")
@@ -419,3 +427,19 @@ def _unexpected_char(exc: UnexpectedCharacters, source: Source) -> RecipeError:
     elif char in "-./" and (before.isalnum() or before == "_"):
         hint = ": names are letters, digits and _ (quote file names and patterns)"
     return pos.error(f"unexpected character {char!r}{hint}")
+
+
+def _string_length(text: str, start: int) -> int | None:
+    """The length between the quotes of the string opened at ``start``, or None when the line
+    ends first (a backslash takes the next character with it)."""
+    i = start + 1
+    while i < len(text) and text[i] != "\n":
+        if text[i] == "\\":
+            if text[i + 1 : i + 2] == "\n":
+                return None
+            i += 2
+        elif text[i] == '"':
+            return i - start - 1
+        else:
+            i += 1
+    return None

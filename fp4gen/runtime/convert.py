@@ -1,9 +1,12 @@
 """Whole-model conversion: replace torch.nn.Linear modules according to a recipe's layer rules.
 
-Layers are the model's nn.Linear modules in ``named_modules()`` order. Blocks are the numbered
-children of the model's repeated container (the nn.ModuleList or nn.Sequential whose numbered
-children hold the most linear layers, e.g. ``transformer.h``). Rules apply in recipe order and
-the first that matches a layer decides it:
+Layers are the model's nn.Linear modules, and the GPT-2 style Conv1D modules of Hugging Face
+transformers (a linear layer with a transposed weight, wrapped so that its parameter keeps its
+layout), in ``named_modules()`` order. Blocks are the numbered children of the model's repeated
+container (the nn.ModuleList or nn.Sequential whose numbered children hold the most linear
+layers, e.g. ``transformer.h`` or ``model.layers``) that hold a linear layer; a block's index is
+its rank among them, so in ``nn.Sequential(Linear, ReLU, Linear, ...)`` the activations are not
+blocks. Rules apply in recipe order and the first that matches a layer decides it:
 
 - ``first N blocks`` / ``last N blocks`` / ``first P% layers`` ...: by block or layer index; a
   percentage P of a count C covers round(P * C) units (halves round up);
@@ -21,17 +24,30 @@ from __future__ import annotations
 
 import fnmatch
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from torch import nn
 
 from fp4gen.dsl.model import LayerRule, LayerSelector, MoRSpec, OperandTable, Recipe, RecipeRef
 from fp4gen.errors import FP4GenError
 from fp4gen.formats import HighPrecision
-from fp4gen.runtime.linear import Linear
+from fp4gen.runtime.linear import Conv1DLinear, Linear
 from fp4gen.runtime.schedule import TrainingClock, action_mors, action_table
 
 _INDEX = re.compile(r"^\d+$")
+
+
+def _is_conv1d(module: nn.Module) -> bool:
+    """A Hugging Face transformers Conv1D (GPT-2's linear layer, weight [in, out]), found by its
+    class so that transformers need not be imported."""
+    cls = type(module)
+    return cls.__name__ == "Conv1D" and cls.__module__.split(".", 1)[0] == "transformers"
+
+
+def _is_linear(module: nn.Module) -> bool:
+    """A layer convert() can replace: exactly torch.nn.Linear (subclasses may change what the
+    layer computes) or a transformers Conv1D."""
+    return type(module) is nn.Linear or _is_conv1d(module)
 
 
 @dataclass(frozen=True)
@@ -46,11 +62,18 @@ class LayerDecision:
     reason: str
     table: OperandTable | None = field(default=None, compare=False, repr=False)
     mors: tuple[MoRSpec, ...] = field(default=(), compare=False, repr=False)  # rules table names
+    conv1d: bool = False  # a transformers Conv1D (weight [in, out]) rather than an nn.Linear
 
 
 def find_blocks(model: nn.Module) -> tuple[str | None, dict[str, int]]:
-    """(container name, {linear module name: block index}) for the model's repeated blocks."""
-    linears = [name for name, m in model.named_modules() if isinstance(m, nn.Linear)]
+    """(container name, {linear module name: block index}) for the model's repeated blocks.
+
+    A block's index is its rank among the container's numbered children that hold a linear
+    layer (not its child position): activations, dropouts and norms between them are skipped,
+    so ``first N blocks`` and ``last N blocks`` count blocks with something to convert."""
+    linears = [
+        name for name, m in model.named_modules() if isinstance(m, nn.Linear) or _is_conv1d(m)
+    ]
     best: tuple[int, str | None, dict[str, int]] = (0, None, {})
     for cname, container in model.named_modules():
         if not isinstance(container, nn.ModuleList | nn.Sequential):
@@ -63,9 +86,10 @@ def find_blocks(model: nn.Module) -> tuple[str | None, dict[str, int]]:
             head = lname[len(prefix) :].split(".", 1)[0]
             if _INDEX.match(head):
                 owned[lname] = int(head)
-        blocks = set(owned.values())
-        if len(blocks) >= 2 and len(owned) > best[0]:
-            best = (len(owned), cname, owned)
+        children = sorted(set(owned.values()))
+        if len(children) >= 2 and len(owned) > best[0]:
+            rank = {child: i for i, child in enumerate(children)}
+            best = (len(owned), cname, {lname: rank[c] for lname, c in owned.items()})
     return best[1], best[2]
 
 
@@ -100,11 +124,11 @@ def _describe(rule: LayerRule) -> str:
 
 def plan_layers(model: nn.Module, recipe: Recipe) -> list[LayerDecision]:
     """Decide, for every nn.Linear of ``model``, what the recipe does with it (no changes)."""
-    linears = [(n, m) for n, m in model.named_modules() if type(m) is nn.Linear]
+    linears = [(n, m) for n, m in model.named_modules() if _is_linear(m)]
     _, block_of = find_blocks(model)
     n_blocks = len(set(block_of.values()))
     decisions = []
-    for index, (name, _) in enumerate(linears):
+    for index, (name, module) in enumerate(linears):
         block = block_of.get(name)
         decision = None
         for rule in recipe.layers:
@@ -145,6 +169,8 @@ def plan_layers(model: nn.Module, recipe: Recipe) -> list[LayerDecision]:
                     recipe.operands,
                     recipe.mors,
                 )
+        if _is_conv1d(module):
+            decision = replace(decision, conv1d=True)
         decisions.append(decision)
     return decisions
 
@@ -157,10 +183,12 @@ def convert(
     total_steps: int | None = None,
     backend: str = "auto",
 ) -> nn.Module:
-    """Replace the model's nn.Linear modules by fp4gen Linear layers per the recipe, in place.
+    """Replace the model's nn.Linear modules by fp4gen Linear layers per the recipe, in place
+    (a transformers Conv1D by a ``Conv1DLinear``, which keeps its [in, out] weight).
 
     Returns the model. Each converted layer shares the original parameters (no copy), gets its
-    own seed (``seed`` + its layer index) and a shared clock driven by ``set_step``.
+    own seed (``seed`` + its layer index) and a shared clock driven by ``set_step``. Converted
+    layers take any token count and any feature size (padding, docs/numerics.md section 3).
     """
     if isinstance(recipe, str):
         from fp4gen.dsl import load_recipe
@@ -175,7 +203,8 @@ def convert(
     for decision in decisions:
         if decision.kept:
             continue
-        layer = Linear.from_linear(
+        wrap = Conv1DLinear.from_conv1d if decision.conv1d else Linear.from_linear
+        layer = wrap(
             modules[decision.name],
             operands=decision.table,
             seed=seed + decision.layer_index,
@@ -224,7 +253,7 @@ def show_plan(model: nn.Module) -> str:
         [
             str(d.layer_index),
             "-" if d.block_index is None else str(d.block_index),
-            d.name,
+            f"{d.name} (Conv1D)" if d.conv1d else d.name,
             d.precision,
             d.reason,
         ]

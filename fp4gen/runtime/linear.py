@@ -6,6 +6,16 @@ Backward: dx = Q(dy; dgrad.gradient) @ Q(W^T; dgrad.weight)^T
 Q quantizes along the GEMM's K dimension (the last dimension of the tensor given). Every choice
 comes from the recipe's operand table (as the precision schedule makes it at the current step).
 
+Any token count and any feature size run: a GEMM's K is zero-padded where its operands need it
+(docs/numerics.md, section 3, "Padding K in fp4gen.nn.Linear"). The wgrad GEMM's K is the token
+count: dy^T and x^T are padded with zero tokens to a multiple of lcm(block length, RHT size) of
+the wgrad operands (dy's zero rows also reach the dgrad GEMM, whose extra output rows are
+cropped); fprop's K (in_features) and dgrad's (out_features) are padded to their RHT size, where
+they have one. A zero changes no amax and no code of a real element and adds 0 to every dot
+product (an RHT is orthogonal), so padding adds no error of its own; a copy is made only when a
+size needs it. A forward pass quantizes the fprop operands only: under torch.no_grad() or
+inference_mode no wgrad constraint applies.
+
 Randomness is reproducible: stochastic rounding draws Philox words keyed by the layer's seed,
 with offset = STREAMS_PER_CALL * (the layer's forward or backward call count) + the operand slot,
 so a rerun with the same seed and data gives the same bits.
@@ -46,10 +56,13 @@ from fp4gen.numerics.mor import MoRTensor
 from fp4gen.runtime import ops
 from fp4gen.runtime.operands import (
     check_supported,
+    k_multiple,
     mor_scope,
     operand_matmul,
+    pad_to,
     quantize_operand,
     quantize_operand_pair,
+    round_up,
 )
 from fp4gen.runtime.schedule import ScheduledOperands, TrainingClock, action_mors, action_table
 
@@ -141,14 +154,17 @@ class Linear(nn.Linear):
         return self.schedule.active()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self._linear(x, self.weight)
+
+    def _linear(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        """y = x W^T (+ b) for ``weight`` [out, in] through the custom ops, any leading shape."""
         if x.shape[-1] != self.in_features:
             raise TensorError(
                 f"{self.name or 'Linear'}: input of shape {tuple(x.shape)} does not end in "
                 f"in_features={self.in_features}"
             )
         x2 = x.reshape(-1, x.shape[-1])
-        _check_rht_tokens(x2.shape[0], self.operands, self.name)
-        y = ops.linear_forward(x2, self.weight, self.bias, self._op_id, _output_dtype(x))
+        y = ops.linear_forward(x2, weight, self.bias, self._op_id, _output_dtype(x))
         return y.reshape(*x.shape[:-1], self.out_features)
 
     def __prepare_scriptable__(self) -> Linear:
@@ -172,8 +188,13 @@ class Linear(nn.Linear):
         table = self.operands
         call = self._forward_calls
         self._forward_calls += 1
+        w = _rows_contiguous(weight.detach())
+        # K = in_features, zero-padded to the fprop RHT size where it is not a multiple of it
+        fprop_k = k_multiple(table.fprop_activation, table.fprop_weight, blocks=False)
+        k = round_up(w.shape[1], fprop_k)
+        x2 = pad_to(x2, x2.shape[0], k)
+        w = pad_to(w, w.shape[0], k)
         xq = self.quantize(x2, Operand.FPROP_ACTIVATION, table.fprop_activation, call)
-        w = weight.detach()
         w_row = self.quantize(w, Operand.FPROP_WEIGHT, table.fprop_weight, call)
         self.record(Operand.FPROP_ACTIVATION, x2, xq, call)
         self.record(Operand.FPROP_WEIGHT, w, w_row, call)
@@ -193,14 +214,25 @@ class Linear(nn.Linear):
         computed in fp32 and rounded once. ``weight`` is the tensor the forward op was given.
 
         The operand table is the one in force now; the schedule only moves between optimizer
-        steps, so it is the table the forward pass used."""
+        steps, so it is the table the forward pass used.
+
+        Padding (module docstring): dy and x get zero tokens up to the wgrad GEMM's multiple,
+        dy and W^T zero columns up to the dgrad RHT size; dx and dW are cropped back. With sizes
+        that need none, no copy is made and every bit is as without this step."""
         table = self.operands
         call = self._backward_calls
         self._backward_calls += 1
         w = weight.detach()
-        w_col = self.columnwise_weight(w, table, call)
+        tokens, n_out = dy2.shape
+        wgrad_k = k_multiple(table.wgrad_gradient, table.wgrad_activation, blocks=True)
+        dgrad_k = k_multiple(table.dgrad_gradient, table.dgrad_weight, blocks=False)
+        padded_tokens, padded_out = round_up(tokens, wgrad_k), round_up(n_out, dgrad_k)
+        dy2 = pad_to(dy2, padded_tokens, padded_out)
+        w_col = self.columnwise_weight(w, table, call, padded_out)
         # dy rowwise (dgrad) and columnwise (wgrad), x columnwise (wgrad): on CUDA one tile
-        # kernel per tensor reads it once, with no transposed copy
+        # kernel per tensor reads it once, with no transposed copy. dy's zero tokens leave its
+        # real rows' dgrad codes as they are (1xN blocks run along the row; an SR stream indexes
+        # row * columns + column), so one padded dy serves both GEMMs.
         dyq, dyq_t = quantize_operand_pair(
             dy2,
             self.slot(Operand.DGRAD_GRADIENT, table.dgrad_gradient, call),
@@ -210,9 +242,12 @@ class Linear(nn.Linear):
             mors=self.mors,
         )
         dx = _matmul(dyq, w_col, x2.dtype)
+        if padded_tokens != tokens:
+            dx = dx[:tokens]  # a prefix of rows: still contiguous
         self.record(Operand.DGRAD_GRADIENT, dy2, dyq, call)
         self.record(Operand.DGRAD_WEIGHT, w.t(), w_col, call)
 
+        x2 = pad_to(x2, padded_tokens, x2.shape[1])
         _, xq_t = quantize_operand_pair(
             x2,
             None,
@@ -222,16 +257,25 @@ class Linear(nn.Linear):
             mors=self.mors,
         )
         dw = _matmul(dyq_t, xq_t, w.dtype)
+        if padded_out != n_out:
+            dw = dw[:n_out]
         self.record(Operand.WGRAD_GRADIENT, dy2.t(), dyq_t, call)
         self.record(Operand.WGRAD_ACTIVATION, x2.t(), xq_t, call)
         return dx, dw
 
-    def columnwise_weight(self, w: torch.Tensor, table: OperandTable, call: int) -> Any:
-        """Q(W^T; dgrad.weight) for this backward call. With 2D blocks and the fprop spec, the
-        transpose of W's rowwise codes (the paper's consistency of fprop and dgrad weights)."""
-        if _transposable(table.fprop_weight, table.dgrad_weight):
+    def columnwise_weight(
+        self, w: torch.Tensor, table: OperandTable, call: int, k: int | None = None
+    ) -> Any:
+        """Q(W^T; dgrad.weight) for this backward call, W^T [in, out] zero-padded to ``k``
+        columns (the dgrad GEMM's padded K; default out_features). With 2D blocks and the fprop
+        spec, the transpose of W's rowwise codes (the paper's consistency of fprop and dgrad
+        weights); that spec has no RHT, so its K is never padded."""
+        if _transposable(table.fprop_weight, table.dgrad_weight) and k in (None, w.shape[0]):
+            w = _rows_contiguous(w)
             return self.quantize(w, Operand.DGRAD_WEIGHT, table.dgrad_weight, call).transpose()
-        return self.quantize(w.t().contiguous(), Operand.DGRAD_WEIGHT, table.dgrad_weight, call)
+        wt = w.t()
+        wt = wt.contiguous() if k is None or k == wt.shape[1] else pad_to(wt, wt.shape[0], k)
+        return self.quantize(wt, Operand.DGRAD_WEIGHT, table.dgrad_weight, call)
 
     def quantize(self, t: torch.Tensor, op: Operand, spec: OperandSpec, call: int) -> Any:
         _, offset = self.slot(op, spec, call)
@@ -251,6 +295,8 @@ class Linear(nn.Linear):
         if not every or call % every:
             return
         if isinstance(quantized, QuantizedTensor):
+            if source.shape != quantized.shape:  # an unpadded source: padded only when recorded
+                source = pad_to(source, *quantized.shape)
             stats = vars(error_stats(source, quantized))
         elif isinstance(quantized, MoRTensor):
             stats = quantized.stats()
@@ -261,12 +307,64 @@ class Linear(nn.Linear):
         )
 
 
+class Conv1DLinear(Linear):
+    """``Linear`` in place of a GPT-2 style Conv1D (``transformers.pytorch_utils.Conv1D``:
+    y = x W + b with W [in, out], a linear layer with a transposed weight).
+
+    The GEMMs run on the view W^T [out, in] (the autograd of ``.t()`` brings dW back to the
+    parameter's layout); the parameter itself keeps Conv1D's [in, out] layout, so state_dict
+    keys, shapes and checkpoints are those of the Conv1D. ``nf`` and ``nx`` are Conv1D's names
+    for out_features and in_features."""
+
+    @classmethod
+    def from_conv1d(cls, conv: nn.Module, **kwargs: Any) -> Conv1DLinear:
+        """Wrap a Conv1D, sharing its parameters (no copy)."""
+        weight: torch.Tensor = conv.weight  # type: ignore[assignment]
+        if weight.dim() != 2:
+            raise TensorError(
+                f"{kwargs.get('name') or 'Conv1D'}: expected a 2-D [in, out] weight, got shape "
+                f"{tuple(weight.shape)}"
+            )
+        in_features, out_features = weight.shape
+        layer = cls(
+            in_features,
+            out_features,
+            bias=conv.bias is not None,
+            device="meta",
+            dtype=weight.dtype,
+            **kwargs,
+        )
+        layer.weight = conv.weight  # type: ignore[assignment]
+        layer.bias = conv.bias  # type: ignore[assignment]
+        return layer
+
+    @property
+    def nf(self) -> int:
+        return self.out_features
+
+    @property
+    def nx(self) -> int:
+        return self.in_features
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self._linear(x, self.weight.t())
+
+    def extra_repr(self) -> str:
+        return f"{super().extra_repr()}, weight layout [in, out] (Conv1D)"
+
+
 def _matmul(a: Any, b: Any, out_dtype: torch.dtype) -> torch.Tensor:
     """A @ B^T in fp32, rounded once to out_dtype (by the GEMM's epilogue when both operands are
     quantized)."""
     if isinstance(a, QuantizedTensor) and isinstance(b, QuantizedTensor):
         return gemm(a, b, out_dtype=out_dtype)
     return operand_matmul(a, b).to(out_dtype)
+
+
+def _rows_contiguous(w: torch.Tensor) -> torch.Tensor:
+    """``w`` with contiguous rows: a Conv1D's weight reaches the ops as the view W^T, and the
+    quantizer reads along rows (a transient copy; a plain Linear's weight is never copied)."""
+    return w if w.is_contiguous() else w.contiguous()
 
 
 def _transposable(fprop: OperandSpec, dgrad: OperandSpec) -> bool:
@@ -284,13 +382,3 @@ def _output_dtype(x: torch.Tensor) -> torch.dtype:
     if torch.is_autocast_enabled(device):
         return torch.get_autocast_dtype(device)
     return x.dtype
-
-
-def _check_rht_tokens(tokens: int, table: OperandTable, name: str) -> None:
-    for spec in (table.wgrad_gradient, table.wgrad_activation):
-        if spec.rht is not None and tokens % spec.rht.size:
-            raise TensorError(
-                f"{name or 'Linear'}: {tokens} tokens (the product of the input's leading "
-                f"dimensions) is not a multiple of the wgrad Hadamard size {spec.rht.size}; "
-                "the transform runs along the tokens"
-            )

@@ -13,10 +13,15 @@ MoRSpec, see ``mor_scope``).
 ``quantize_operand_pair`` gives a tensor's rowwise operand and its transpose's (the columnwise
 one): on CUDA from one tile-kernel launch when both use one block format (the scales of each copy
 along its own direction), else one by one on ``t`` and on ``t.t()``.
+
+``k_multiple`` says what a GEMM's K is zero-padded to a multiple of before its operands are
+quantized (docs/numerics.md, section 3: "Padding K in fp4gen.nn.Linear"); ``pad_to`` makes the
+padded copy, only when one is needed.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable, Mapping
 
 import torch
@@ -62,6 +67,39 @@ def check_supported(
             f"{where} uses the Mixture-of-Representations rule '{spec.format.name}', which is "
             f"not among the rules given to the layer (known: {known})"
         )
+
+
+def k_multiple(a: OperandSpec, b: OperandSpec, *, blocks: bool) -> int:
+    """What the K of a GEMM with operands ``a`` and ``b`` is zero-padded to a multiple of: the
+    RHT sizes (the transform needs whole chunks), and with ``blocks`` (the wgrad GEMM, whose K is
+    the token count) the block lengths along K too, so that the kernels take every token count.
+    A MoR rule or a high-precision operand counts as block length 1 (MoR pads its edge blocks
+    itself). Zero padding changes no amax, no code of a real element and no product."""
+    return math.lcm(_k_unit(a, blocks), _k_unit(b, blocks))
+
+
+def _k_unit(spec: OperandSpec, blocks: bool) -> int:
+    rht = 1 if spec.rht is None else spec.rht.size
+    fmt = spec.format
+    if blocks and isinstance(fmt, BlockFormat):
+        return math.lcm(fmt.block_len, rht)
+    return rht
+
+
+def round_up(n: int, multiple: int) -> int:
+    """The smallest multiple of ``multiple`` that is >= n."""
+    return -(-n // multiple) * multiple
+
+
+def pad_to(t: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
+    """The 2-D ``t`` zero-padded at the end to [rows, cols] (a new contiguous tensor), or ``t``
+    itself when it already has that shape: no copy unless padding is needed."""
+    r, c = t.shape
+    if r == rows and c == cols:
+        return t
+    out = t.new_zeros((rows, cols))
+    out[:r, :c] = t
+    return out
 
 
 def quantize_operand(

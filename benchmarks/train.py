@@ -1,0 +1,237 @@
+"""Training-step time of a Llama-architecture model: BF16 against recipes, in one run.
+
+The model is transformers' LlamaForCausalLM built from a config (no download) when transformers
+is installed, otherwise fp4gen's built-in GPT of the same width and depth. Byte vocabulary (256),
+``--tokens`` tokens per step in sequences of ``--seq``, AdamW, bf16 autocast (fp32 master
+weights), as a user would train it. For each hidden size and recipe it prints:
+
+- ms/step eager (CUDA events over ``--steps`` steps run back to back) and, with ``--graphs``,
+  with the whole step (forward, backward, optimizer) captured in one CUDA graph and replayed
+  (or the reason it could not be captured);
+- GPU-busy ms/step: the sum of the kernel times of one step (torch.profiler);
+- host us per Linear forward+backward: the CPU time of fp4gen's two custom ops per layer call
+  (torch.profiler; BF16 shows the aten::linear forward and its backward for comparison);
+- peak memory of a step (torch.cuda.max_memory_allocated);
+- the ratio of each figure to BF16's.
+
+    python benchmarks/train.py [--hidden 1024,2048] [--layers 8,6] [--tokens 8192] [--seq 1024]
+                               [--recipes bf16,recipes/nvfp4.fp4r] [--steps 10] [--graphs]
+                               [--model llama|gpt] [--host-profile N]
+
+``--host-profile N`` prints the N most expensive Python functions of the eager fp4gen steps
+(cProfile, cumulative time), which is where the host path's time goes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import io
+import pstats
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the checkout, uninstalled
+
+import fp4gen  # noqa: E402
+
+VOCAB = 256
+LAYERS_BY_HIDDEN = {1024: 8, 2048: 6, 4096: 4}
+
+
+@dataclass
+class Result:
+    ms_eager: float
+    ms_graph: float | None
+    graph_note: str
+    gpu_busy_ms: float
+    host_us_per_linear: float | None
+    peak_gib: float
+
+
+def build_model(kind: str, hidden: int, layers: int, seq: int, device: str) -> nn.Module:
+    """A Llama-architecture causal LM from a config (fp32 master weights)."""
+    if kind == "llama":
+        from transformers import LlamaConfig, LlamaForCausalLM
+
+        config = LlamaConfig(
+            vocab_size=VOCAB,
+            hidden_size=hidden,
+            intermediate_size=256 * round(8 * hidden / 3 / 256),
+            num_hidden_layers=layers,
+            num_attention_heads=max(hidden // 128, 1),
+            num_key_value_heads=max(hidden // 128, 1),
+            max_position_embeddings=seq,
+            tie_word_embeddings=False,
+        )
+        config._attn_implementation = "sdpa"
+        return LlamaForCausalLM(config).to(device)
+    from fp4gen.demo.gpt import GPT, GPTConfig
+
+    heads = max(hidden // 128, 1)
+    cfg = GPTConfig(layers=layers, width=hidden, heads=heads, context=seq, vocab=VOCAB)
+    return GPT(cfg).to(device)
+
+
+def loss_fn(kind: str) -> Callable[[nn.Module, torch.Tensor], torch.Tensor]:
+    if kind == "llama":
+        return lambda model, tokens: model(input_ids=tokens, labels=tokens).loss
+    return lambda model, tokens: model(tokens[:, :-1], tokens[:, 1:])
+
+
+def make_step(model: nn.Module, loss: Callable, tokens: torch.Tensor, capturable: bool):
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, capturable=capturable)
+
+    def step() -> torch.Tensor:
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            value = loss(model, tokens)
+        value.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=False)  # graphs need the gradients' storage to stay put
+        return value.detach()
+
+    return step
+
+
+def timed_ms(step: Callable[[], object], steps: int) -> float:
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(steps):
+        step()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) / steps
+
+
+def graph_ms(step: Callable[[], object], steps: int) -> tuple[float | None, str]:
+    """ms/step of the step captured in one CUDA graph, or (None, why it could not be)."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    try:
+        with torch.cuda.stream(side):
+            for _ in range(3):
+                step()
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            step()
+        return timed_ms(graph.replay, steps), "captured"
+    except Exception as err:  # report the reason and go on with the other runs
+        torch.cuda.synchronize()
+        return None, f"not capturable: {type(err).__name__}: {str(err).splitlines()[0][:160]}"
+
+
+def profile_step(step: Callable[[], object]) -> tuple[float, float | None]:
+    """(GPU-busy ms of one step, host us per fp4gen Linear forward+backward or None)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        step()
+        torch.cuda.synchronize()
+    gpu_us = sum(
+        e.device_time for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA
+    )
+    ops = [e for e in prof.events() if e.name.startswith("fp4gen::linear_")]
+    forwards = sum(1 for e in ops if e.name == "fp4gen::linear_forward")
+    host_us = sum(e.cpu_time_total for e in ops) / forwards if forwards else None
+    return gpu_us / 1e3, host_us
+
+
+def run_one(args: argparse.Namespace, hidden: int, layers: int, recipe: str) -> Result:
+    torch.manual_seed(0)
+    model = build_model(args.model, hidden, layers, args.seq, "cuda")
+    if recipe != "bf16":
+        fp4gen.convert(model, fp4gen.load_recipe(recipe))
+    batch = args.tokens // args.seq
+    tokens = torch.randint(0, VOCAB, (batch, args.seq + (args.model == "gpt")), device="cuda")
+    step = make_step(model, loss_fn(args.model), tokens, capturable=args.graphs)
+    for _ in range(3):
+        step()
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    ms = timed_ms(step, args.steps)
+    peak = torch.cuda.max_memory_allocated() / 2**30
+    busy, host = profile_step(step)
+    if args.host_profile and recipe != "bf16":
+        host_profile(step, args.host_profile)
+    ms_graph, note = graph_ms(step, args.steps) if args.graphs else (None, "not run")
+    del model, step
+    torch.cuda.empty_cache()
+    return Result(ms, ms_graph, note, busy, host, peak)
+
+
+def host_profile(step: Callable[[], object], top: int) -> None:
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(3):
+        step()
+    torch.cuda.synchronize()
+    prof.disable()
+    out = io.StringIO()
+    pstats.Stats(prof, stream=out).sort_stats("cumulative").print_stats(top)
+    print("  host profile of 3 eager steps (cProfile, cumulative):")
+    print("\n".join("    " + line for line in out.getvalue().splitlines() if line.strip()))
+
+
+def ratio(value: float | None, base: float | None) -> str:
+    return "-" if value is None or not base else f"{value / base:.2f}x"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--hidden", default="1024,2048")
+    parser.add_argument("--layers", default="", help="per hidden size (default: 8, 6, 4)")
+    parser.add_argument("--tokens", type=int, default=8192)
+    parser.add_argument("--seq", type=int, default=1024)
+    parser.add_argument("--recipes", default="bf16,recipes/nvfp4.fp4r")
+    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--graphs", action="store_true", help="also time CUDA-graph replays")
+    parser.add_argument("--model", choices=["llama", "gpt"], default=None)
+    parser.add_argument("--host-profile", type=int, default=0, metavar="N")
+    args = parser.parse_args(argv)
+    if not torch.cuda.is_available():
+        raise SystemExit("this benchmark needs a CUDA GPU")
+    if args.model is None:
+        try:
+            import transformers  # noqa: F401
+
+            args.model = "llama"
+        except ImportError:
+            args.model = "gpt"
+    hiddens = [int(h) for h in args.hidden.split(",")]
+    layer_counts = [int(n) for n in args.layers.split(",")] if args.layers else []
+    recipes = [r for r in args.recipes.split(",") if r]
+    if "bf16" not in recipes:
+        recipes.insert(0, "bf16")
+    print(f"model {args.model}, {args.tokens} tokens/step (seq {args.seq}), AdamW, bf16 autocast, "
+          f"{torch.cuda.get_device_name()}")
+    for i, hidden in enumerate(hiddens):
+        layers = layer_counts[i] if i < len(layer_counts) else LAYERS_BY_HIDDEN.get(hidden, 4)
+        print(f"\nhidden {hidden}, {layers} layers")
+        print(f"  {'recipe':28} {'ms/step':>9} {'x bf16':>7} {'graph ms':>9} {'x bf16':>7} "
+              f"{'gpu-busy':>9} {'x bf16':>7} {'host us/lin':>11} {'peak GiB':>9} {'x bf16':>7}")
+        base: Result | None = None
+        for recipe in recipes:
+            t0 = time.perf_counter()
+            res = run_one(args, hidden, layers, recipe)
+            base = base or res
+            host = "-" if res.host_us_per_linear is None else f"{res.host_us_per_linear:.0f}"
+            graph = "-" if res.ms_graph is None else f"{res.ms_graph:.2f}"
+            eager = ratio(res.ms_eager, base.ms_eager)
+            print(f"  {Path(recipe).stem:28} {res.ms_eager:9.2f} {eager:>7} "
+                  f"{graph:>9} {ratio(res.ms_graph, base.ms_graph):>7} {res.gpu_busy_ms:9.2f} "
+                  f"{ratio(res.gpu_busy_ms, base.gpu_busy_ms):>7} {host:>11} {res.peak_gib:9.2f} "
+                  f"{ratio(res.peak_gib, base.peak_gib):>7}   ({time.perf_counter() - t0:.0f} s)")
+            if args.graphs and res.ms_graph is None:
+                print(f"    graphs: {res.graph_note}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
