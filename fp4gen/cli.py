@@ -51,12 +51,13 @@ def render_table(headers: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
 
 
 def cmd_check(args: argparse.Namespace) -> int:
-    from fp4gen.dsl import load_recipe
+    from fp4gen.dsl import find_recipe, load_recipe
 
     failures = 0
     for path in args.files:
         try:
-            recipe = load_recipe(Path(path))
+            # a path, or a shipped recipe's name: resolved as load_recipe and demo do
+            recipe = load_recipe(find_recipe(path))
         except FP4GenError as err:
             failures += 1
             print(err, file=sys.stderr)
@@ -197,9 +198,9 @@ def show_text(recipe: Any, with_plan: bool = True) -> str:
 
 
 def cmd_show(args: argparse.Namespace) -> int:
-    from fp4gen.dsl import load_recipe
+    from fp4gen.dsl import find_recipe, load_recipe
 
-    recipe = load_recipe(Path(args.file))
+    recipe = load_recipe(find_recipe(args.file))
     if args.json:
         from fp4gen.compiler.plan import plan_recipe
 
@@ -221,14 +222,38 @@ def cmd_show(args: argparse.Namespace) -> int:
 # ---------------------------------------------------------------------------------------------
 
 
+MAX_SAMPLES = 1 << 26  # elements of a synthetic --shape tensor (8192x8192): a few GB of work
+
+
 def parse_shape(text: str) -> tuple[int, int]:
+    """RxC as two integers; their sizes are checked by ``check_shape`` (exit 1, not 2)."""
     try:
         rows, cols = (int(v) for v in text.lower().split("x"))
     except ValueError:
         raise argparse.ArgumentTypeError(f"shape must look like 4096x4096, got {text!r}") from None
-    if rows < 1 or cols < 1:
-        raise argparse.ArgumentTypeError(f"shape dimensions must be positive, got {text!r}")
     return rows, cols
+
+
+def check_shape(shape: tuple[int, int]) -> None:
+    from fp4gen.errors import ArgumentError
+
+    rows, cols = shape
+    if rows < 1 or cols < 1:
+        raise ArgumentError(f"--shape {rows}x{cols}: both sizes must be at least 1")
+    if rows * cols > MAX_SAMPLES:
+        raise ArgumentError(
+            f"--shape {rows}x{cols}: at most {MAX_SAMPLES} elements (8192x8192) are sampled; "
+            "measure a larger tensor with --tensor"
+        )
+
+
+def check_seed(seed: int) -> None:
+    """The seed seeds torch's sampling and the Philox stream of stochastic rounding: both take
+    [0, 2^64)."""
+    from fp4gen.errors import ArgumentError
+
+    if not 0 <= seed < 1 << 64:
+        raise ArgumentError(f"--seed must be an integer in [0, 2^64), got {seed}")
 
 
 def sample_tensor(dist: str, shape: tuple[int, int], seed: int) -> Any:
@@ -256,26 +281,63 @@ def sample_tensor(dist: str, shape: tuple[int, int], seed: int) -> Any:
     return torch.where(mask, x * 100, x)
 
 
+TENSOR_RULE = (
+    "the file must hold one tensor saved with torch.save (loaded with weights_only=True, so "
+    "nothing else in it runs) or a numeric numpy array saved with numpy.save (.npy)"
+)
+
+
 def load_tensor(path: Path) -> Any:
+    """The tensor saved in ``path`` (torch.save, or numpy.save for .npy), as a float32 view of
+    at least one dimension. Every failure is a TensorError of one line."""
     import torch
 
     from fp4gen.errors import TensorError
 
     if not path.exists():
         raise TensorError(f"{path}: no such file")
-    if path.suffix == ".npy":
-        import numpy as np
+    if path.is_dir():
+        raise TensorError(f"{path} is a directory; {TENSOR_RULE}")
+    try:
+        if path.suffix == ".npy":
+            import numpy as np
 
-        return torch.from_numpy(np.load(path))
-    obj = torch.load(path, map_location="cpu", weights_only=True)
+            obj = torch.from_numpy(np.load(path))  # allow_pickle=False: arrays only
+        else:
+            obj = torch.load(path, map_location="cpu", weights_only=True)
+    except OSError as err:
+        raise TensorError(f"{path}: cannot read it ({err.strerror or err})") from None
+    except Exception:
+        # a corrupt or foreign file fails in many ways inside the unpickler (UnpicklingError,
+        # KeyError, EOFError, ...); torch's message advises an unsafe weights_only=False, which
+        # is never repeated here
+        raise TensorError(f"{path}: cannot load a tensor from it; {TENSOR_RULE}") from None
     if isinstance(obj, dict):
         tensors = [v for v in obj.values() if isinstance(v, torch.Tensor)]
         if len(tensors) != 1:
             raise TensorError(f"{path}: holds {len(tensors)} tensors; save exactly one")
         obj = tensors[0]
     if not isinstance(obj, torch.Tensor):
-        raise TensorError(f"{path}: holds a {type(obj).__name__}, not a tensor")
-    return obj
+        raise TensorError(f"{path}: holds a {type(obj).__name__}, not a tensor; {TENSOR_RULE}")
+    if obj.is_complex() or obj.dtype == torch.bool or obj.layout != torch.strided:
+        raise TensorError(
+            f"{path}: holds a {obj.dtype} {str(obj.layout).replace('torch.', '')} tensor; "
+            "expected a dense real (floating-point or integer) one"
+        )
+    if obj.dim() == 0:
+        raise TensorError(
+            f"{path}: holds a 0-d tensor (a scalar); the error needs at least 1 dimension "
+            "(1-D is one row, N-D is viewed as rows x last dimension)"
+        )
+    if obj.numel() == 0:
+        raise TensorError(f"{path}: holds an empty tensor of shape {tuple(obj.shape)}")
+    x = obj.float()
+    if obj.is_floating_point() and not bool(torch.isfinite(x).all()) and bool(obj.isfinite().all()):
+        raise TensorError(
+            f"{path}: holds {obj.dtype} values beyond float32's range (|x| > 3.4e38), which the "
+            "formats quantize from"
+        )
+    return x
 
 
 def error_cases(target: str) -> tuple[str, list[tuple[str, Any, str, Any, str]]]:
@@ -290,9 +352,9 @@ def error_cases(target: str) -> tuple[str, list[tuple[str, Any, str, Any, str]]]
             raise TensorError(f"{target} is a high-precision dtype: there is no quantization error")
         return f"format {target}", [(target, fmt, "nearest", None, "rowwise")]
 
-    from fp4gen.dsl import load_recipe
+    from fp4gen.dsl import find_recipe, load_recipe
 
-    recipe = load_recipe(Path(target))
+    recipe = load_recipe(find_recipe(target))
     cases = []
     seen = set()
     for op, spec in recipe.operands.items():
@@ -306,18 +368,29 @@ def error_cases(target: str) -> tuple[str, list[tuple[str, Any, str, Any, str]]]
     return f"recipe {recipe.name}", cases
 
 
+def json_number(value: float) -> float | None:
+    """A metric for strict JSON: inf and NaN (an exact SNR, an undefined ratio) become null."""
+    import math
+
+    return value if math.isfinite(value) else None
+
+
 def cmd_error(args: argparse.Namespace) -> int:
     from fp4gen.numerics import error_stats, quantize
 
+    check_seed(args.seed)
+    if not args.tensor:
+        check_shape(args.shape)
     title, cases = error_cases(args.target)
     if args.tensor:
-        x = load_tensor(Path(args.tensor)).float()
+        x = load_tensor(Path(args.tensor))
         source = f"tensor {args.tensor} {tuple(x.shape)}"
     else:
         x = sample_tensor(args.dist, args.shape, args.seed)
         source = f"{args.dist} samples {args.shape[0]}x{args.shape[1]}, seed {args.seed}"
     results = []
     for label, fmt, rounding, rht, use in cases:
+        # 1-D is one row, N-D is viewed as rows x last dimension (the GEMM operand's K)
         data = x.reshape(-1, x.shape[-1]) if x.dim() != 2 else x
         if use == "columnwise":
             data = data.t().contiguous()
@@ -338,7 +411,12 @@ def cmd_error(args: argparse.Namespace) -> int:
             }
         )
     if args.json:
-        print(json.dumps({"target": title, "data": source, "results": results}, indent=2))
+        # strict JSON (no Infinity or NaN tokens): a metric that is not finite is null
+        metrics = ("relative_error", "mean_relative_error", "snr_db")
+        for r in results:
+            r.update({k: json_number(r[k]) for k in metrics})
+        doc = {"target": title, "data": source, "results": results}
+        print(json.dumps(doc, indent=2, allow_nan=False))
         return 0
     print(f"{title} on {source}")
     if not results:
@@ -423,8 +501,9 @@ sizes (GPT on bytes: blocks x width, context; batch 16 by default):
   small   6 x 384, context 128, 11M parameters: for a GPU
   medium  8 x 768, context 256, 57M parameters: on an H100 18 ms per step in bf16, 120-130 ms
           with nvfp4_small / mxfp4_small, 170-175 ms with the MoR recipes (docs/demo.md)
-  --time-budget S times a few steps of each recipe first and trains every recipe the number
-  of steps the slowest one fits into S seconds (at most --steps).
+  --time-budget S is for the whole run: the demo times several steps and an evaluation of each
+  recipe first (the median step), trains every recipe the steps that fit what is left of S (at
+  most --steps), and stops a recipe early when its share of S is spent.
 
 recipes: bf16 (the unconverted model under bf16 autocast), a .fp4r file, or a shipped recipe:
   {recipes}
@@ -455,9 +534,12 @@ def _shipped_recipes() -> str:
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
+    import math
+
     import torch
 
     from fp4gen.demo.train import DemoConfig, run_demo
+    from fp4gen.errors import ArgumentError
 
     device = args.device
     if device == "auto":
@@ -469,10 +551,16 @@ def cmd_demo(args: argparse.Namespace) -> int:
             raise FP4GenError(f"{name} must be at least 1, got {value}")
     if args.eval_every < 1 or args.telemetry < 0:
         raise FP4GenError("--eval-every must be at least 1 and --telemetry at least 0")
-    if args.time_budget is not None and args.time_budget <= 0:
-        raise FP4GenError(
-            f"--time-budget must be a positive number of seconds, got {args.time_budget}"
+    # NaN passes every comparison, so finiteness is checked first
+    if args.time_budget is not None and not (
+        math.isfinite(args.time_budget) and args.time_budget > 0
+    ):
+        raise ArgumentError(
+            f"--time-budget must be a positive, finite number of seconds, got {args.time_budget}"
         )
+    if not (math.isfinite(args.lr) and args.lr > 0):
+        raise ArgumentError(f"--lr must be a positive, finite learning rate, got {args.lr}")
+    check_seed(args.seed)
     recipes = tuple(r.strip() for r in args.recipes.split(",") if r.strip())
     if not recipes:
         raise FP4GenError("--recipes names no recipe")
@@ -517,7 +605,9 @@ def build_parser() -> argparse.ArgumentParser:
         description="Parse and validate recipe files. Prints 'ok' per file, or "
         "the error with file, line, column and a caret; exits 1 if any failed.",
     )
-    p.add_argument("files", nargs="+", metavar="FILE", help=".fp4r recipe files")
+    p.add_argument(
+        "files", nargs="+", metavar="FILE", help=".fp4r files or shipped recipe names (nvfp4)"
+    )
     p.add_argument("-q", "--quiet", action="store_true", help="print errors only")
     p.set_defaults(func=cmd_check)
 
@@ -528,7 +618,7 @@ def build_parser() -> argparse.ArgumentParser:
         "wgrad x role) with its format, block layout, scales, rounding and RHT; "
         "the MoR rules; the layer rules; the precision schedule.",
     )
-    p.add_argument("file", metavar="FILE", help="an .fp4r recipe file")
+    p.add_argument("file", metavar="FILE", help="an .fp4r recipe file or a shipped recipe's name")
     output = p.add_mutually_exclusive_group()
     output.add_argument("--json", action="store_true", help="print JSON instead of tables")
     output.add_argument(
@@ -569,8 +659,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--tensor", metavar="PATH", help="use a saved tensor (torch.save .pt or numpy .npy) instead"
     )
-    p.add_argument("--seed", type=int, default=0, help="seed for sampling and stochastic rounding")
-    p.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    p.add_argument(
+        "--seed",
+        type=int,
+        default=0,
+        help="seed for sampling and stochastic rounding, in [0, 2^64) (default: 0)",
+    )
+    p.add_argument(
+        "--json",
+        action="store_true",
+        help="print strict JSON instead of a table; a metric that is not finite (the SNR of an "
+        "exact quantization) is null",
+    )
     p.set_defaults(func=cmd_error)
 
     p = sub.add_parser(
@@ -599,8 +699,9 @@ def build_parser() -> argparse.ArgumentParser:
         "--time-budget",
         type=float,
         metavar="S",
-        help="seconds per recipe: time a few steps of each recipe first and train all of them "
-        "the steps the slowest fits into S (at most --steps); a recipe past 1.5*S stops early",
+        help="seconds for the whole run: time several steps and an evaluation of each recipe "
+        "first, train all of them the steps that fit (at most --steps); a recipe past its "
+        "share of S stops early",
     )
     p.add_argument("--batch", type=int, default=16, help="sequences per step")
     p.add_argument("--lr", type=float, default=3e-3, help="peak learning rate (cosine decay)")
@@ -643,6 +744,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     except FP4GenError as err:
         print(f"fp4gen {args.command}: {err}", file=sys.stderr)
         return 1
+    except OSError as err:
+        # the last line of defence for a file-system error a command did not word itself (a
+        # full disk, a folder that vanished): one line naming the path; other errors are bugs
+        # and keep their traceback
+        print(f"fp4gen {args.command}: {describe_os_error(err)}", file=sys.stderr)
+        return 1
+
+
+def describe_os_error(err: OSError) -> str:
+    """One line: the path(s) involved and the system's reason."""
+    reason = err.strerror or str(err) or type(err).__name__
+    paths = [str(p) for p in (err.filename, err.filename2) if p is not None]
+    return f"{' -> '.join(paths)}: {reason}" if paths else reason
 
 
 if __name__ == "__main__":

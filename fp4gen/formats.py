@@ -10,8 +10,12 @@ from __future__ import annotations
 
 import math
 import re
+import struct
 from dataclasses import dataclass, replace
+from functools import cache
 from typing import Literal
+
+FLT_MAX = 3.4028234663852886e38  # the largest finite float32
 
 # How the all-ones exponent field is used.
 #   "finite": every code is a finite number (e2m1, e2m3, e3m2 and custom formats by default).
@@ -225,7 +229,37 @@ class ScaleSpec:
 
     @property
     def max_value(self) -> float:
-        return 3.4028234663852886e38 if self.element is None else self.element.max_finite
+        return FLT_MAX if self.element is None else self.element.max_finite
+
+
+def _f32_bits(v: float) -> int:
+    return struct.unpack("<I", struct.pack("<f", v))[0]
+
+
+def _f32_from_bits(bits: int) -> float:
+    return struct.unpack("<f", struct.pack("<I", bits))[0]
+
+
+@cache
+def scale_cap(element: ElementFormat, scale: ScaleSpec) -> float:
+    """The largest decode scale s (on the scale format's grid, or any fp32 for fp32 scales, and
+    at most its max finite) with elem_max * s <= FLT_MAX: the saturation point of block scales.
+
+    Without it a block near FLT_MAX whose scale rounds up decodes to +-inf (MXFP4: code 4.0 times
+    the scale 2^126 is 2^128). Products are exact in float64: both factors have at most 24
+    significant bits.
+    """
+    elem_max = element.max_finite
+    if scale.element is None:
+        # FLT_MAX / elem_max rounded to fp32, then one ulp down if that rounding went up
+        s = _f32_from_bits(_f32_bits(FLT_MAX / elem_max))
+        while elem_max * s > FLT_MAX:
+            s = _f32_from_bits(_f32_bits(s) - 1)
+        return s
+    fmt = scale.element
+    n_pos = 1 << (fmt.bits if fmt.exponent_only else fmt.bits - 1)
+    grid = (fmt.value(c) for c in range(n_pos))
+    return max(v for v in grid if math.isfinite(v) and elem_max * v <= FLT_MAX)
 
 
 @dataclass(frozen=True)
@@ -260,6 +294,13 @@ class BlockFormat:
 
     def with_block(self, block: tuple[int, int]) -> BlockFormat:
         return replace(self, block=block)
+
+    @property
+    def scale_cap(self) -> float:
+        """The largest block decode scale s_b the quantizer produces (docs/numerics.md 2): the
+        scale format's max finite, lowered to the largest value of its grid (any fp32 for fp32
+        scales) with elem_max * s_b <= FLT_MAX, so that every code decodes to a finite value."""
+        return scale_cap(self.element, self.scale)
 
     def gemm_exact_in_bf16(self) -> bool:
         """Is element x block scale exact in bf16 (8 significand bits)? See numerics contract 8."""

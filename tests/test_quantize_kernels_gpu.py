@@ -100,7 +100,7 @@ CASES = {
         E2M1, 16, NVFP4_SCALE, True, "nearest", RHTSpec(32, "none", None), "swizzled"
     ),
 }
-PATTERNS = ("randn", "zeros", "outliers", "subnormal_scales", "ties", "tiny", "huge")
+PATTERNS = ("randn", "zeros", "outliers", "subnormal_scales", "ties", "tiny", "huge", "flt_max")
 MS = (1, 7, 128, 272, 1000)
 
 
@@ -209,7 +209,28 @@ def make_input(spec: QuantKernelSpec, pattern: str, m: int, k: int, salt: int) -
         x = x * 1e-39
     elif pattern == "huge":
         x = x * 1e37
+    elif pattern == "flt_max":
+        x = _near_max(spec, m, k, g)
     return x.to(dtype).contiguous()
+
+
+def _near_max(spec: QuantKernelSpec, m: int, k: int, g: torch.Generator) -> torch.Tensor:
+    """Magnitudes from the input dtype's largest finite value down to 2^-12 of it, every 7th
+    value exactly +-max, mixed with tiny values and zeros: block scales saturate at SCALE_CAP
+    (docs/numerics.md 2). With an RHT the values stay below max / size, where the reference's
+    butterflies do not overflow (it rejects what would)."""
+    dev = torch.device("cuda")
+    top = torch.finfo(_TORCH[spec.input_dtype]).max
+    rhts = [o.rht.size for o in spec.outputs if o.rht is not None]
+    top = top / max(rhts) if rhts else top
+    mag = (1 + torch.rand(m, k, generator=g, device=dev, dtype=torch.float64)) / 2
+    mag = mag * torch.exp2(-torch.randint(0, 13, (m, k), generator=g, device=dev).double())
+    sign = torch.where(torch.rand(m, k, generator=g, device=dev) < 0.5, -1.0, 1.0).double()
+    x = sign * mag * top
+    x.view(-1)[::7] = sign.view(-1)[::7] * top
+    x.view(-1)[3::11] = 1e-30
+    x.view(-1)[5::13] = 0.0
+    return x.float()
 
 
 def _ties(spec: QuantKernelSpec, m: int, k: int, g: torch.Generator) -> torch.Tensor:
@@ -400,7 +421,7 @@ TILE_DTYPES = {case: ("bf16", "fp32") for case in TILE_CASES} | {
     "nvfp4_swizzled": ("fp16", "bf16"),
     "e2m3_e5m2_scales": ("fp16",),
 }
-TILE_PATTERNS = ("randn", "zeros", "outliers", "subnormal_scales", "tiny", "huge")
+TILE_PATTERNS = ("randn", "zeros", "outliers", "subnormal_scales", "tiny", "huge", "flt_max")
 TILE_MS = (16, 272, 1000, 4096)
 
 

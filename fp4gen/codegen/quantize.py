@@ -40,7 +40,7 @@ import jinja2
 import torch
 
 from fp4gen.compiler.spec import ROUNDING_TAGS, QuantKernelSpec
-from fp4gen.formats import ElementFormat, is_stochastic, sr_bits
+from fp4gen.formats import ElementFormat, is_stochastic, scale_cap, sr_bits
 from fp4gen.numerics.hadamard import rht_scale, rht_signs
 from fp4gen.numerics.minifloat import max_exponent, max_finite
 
@@ -218,13 +218,22 @@ def _element_ctx(fmt: ElementFormat) -> dict[str, Any]:
 
 def _scale_ctx(spec: QuantKernelSpec) -> dict[str, Any]:
     scale = spec.scale
+    # d_b saturates at the cap, not at the format's max, so no code decodes to +-inf
+    cap = _lit(scale_cap(spec.element, scale))
     if scale.element is None:
-        return {"kind": "fp32", "name": "fp32", "rounding": "exact", "max": _lit(FLT_MAX)}
+        return {
+            "kind": "fp32",
+            "name": "fp32",
+            "rounding": "exact",
+            "max": _lit(FLT_MAX),
+            "cap": cap,
+        }
     fmt = scale.element
     base = {
         "name": fmt.name,
         "rounding": scale.rounding,
         "max": _lit(max_finite(fmt)),
+        "cap": cap,
         "bits": fmt.bits,
         "exp_bits": fmt.exp_bits,
         "man_bits": fmt.man_bits,

@@ -7,10 +7,17 @@ converted models run under the same autocast, so their high-precision layers mat
 (the forward and backward GEMM operands of that step), written to telemetry.json with each record
 tagged with its recipe and step, for ``fp4gen report``.
 
-With ``time_budget`` (seconds per recipe) the demo first times a few steps of every recipe (the
-first ones compile the GPU kernels) and lowers the step count so that the slowest recipe fits
-the budget; all recipes then train the same number of steps. A recipe that still runs past 1.5
-times its budget stops early (said in the log and the summary).
+Every recipe is loaded and checked before the first one trains, so a bad recipe fails at once.
+
+With ``time_budget`` (seconds for the whole run) the demo first calibrates every recipe on a
+throw-away model: untimed warm-up steps (they compile the GPU kernels), then several timed steps
+(the median is the step time, so one slow step does not skew it) and one held-out evaluation.
+It then picks the largest step count, at most ``steps``, whose predicted run (model builds,
+steps and evaluations of every recipe) fits what is left of the budget, and all recipes train
+that many steps. While training, each recipe has a deadline: what is left of the budget, shared
+by the recipes still to run in proportion to their predicted times; a recipe whose next step
+and final evaluation would end past it stops early (said in the log and the summary), so the
+whole run ends near the budget even when the machine slows down.
 """
 
 from __future__ import annotations
@@ -19,8 +26,9 @@ import csv
 import json
 import logging
 import math
+import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -29,6 +37,7 @@ import torch
 from fp4gen.demo.data import ByteBatches, stdlib_corpus
 from fp4gen.demo.gpt import GPT, GPTConfig
 from fp4gen.dsl import load_recipe
+from fp4gen.dsl.model import Recipe
 from fp4gen.runtime.convert import (
     convert,
     count_converted,
@@ -42,9 +51,11 @@ SIZES: dict[str, GPTConfig] = {
     "small": GPTConfig(context=128, layers=6, heads=6, width=384),  # ~11M
     "medium": GPTConfig(context=256, layers=8, heads=8, width=768),  # ~57M
 }
-CALIBRATION_WARMUP = 3  # untimed steps (kernel compilation, allocator warm-up)
-CALIBRATION_TIMED = 5  # timed steps per recipe
-BUDGET_USE = 0.85  # share of the budget the planned steps take (evaluation and telemetry cost)
+CALIBRATION_WARMUP = 2  # untimed steps (kernel compilation, allocator warm-up)
+CALIBRATION_TIMED = 7  # timed steps per recipe at most; their median is the step time
+CALIBRATION_MIN_TIMED = 3  # ... and at least
+CALIBRATION_SHARE = 0.15  # past this share of the budget (all recipes) calibration times no more
+BUDGET_USE = 0.9  # share of the budget left after calibration that the plan fills (margin)
 
 
 @dataclass(frozen=True)
@@ -59,7 +70,7 @@ class DemoConfig:
     device: str = "cpu"
     out: Path = Path("fp4gen-demo")
     telemetry_every: int = 0  # record telemetry every N optimizer steps (0: off)
-    time_budget: float | None = None  # seconds per recipe: fewer steps if the slowest needs it
+    time_budget: float | None = None  # seconds for the whole run: fewer steps if it needs it
 
 
 @dataclass(frozen=True)
@@ -108,13 +119,22 @@ def _val_loss(model: GPT, data: ByteBatches, cfg: DemoConfig, device: torch.devi
     return sum(losses) / len(losses)
 
 
-def _build(recipe: str, cfg: DemoConfig, steps: int, device: torch.device) -> GPT:
-    """The demo GPT from the seed's initial weights, converted to ``recipe`` unless bf16."""
+def load_recipes(names: tuple[str, ...]) -> dict[str, Recipe | None]:
+    """Every recipe of the run, loaded and checked (None for the bf16 baseline), before any
+    trains: a typo in the last one fails at once with the recipe error, not after the others."""
+    # a shipped name or a path: load_recipe resolves it as fp4gen show does
+    return {name: None if name == "bf16" else load_recipe(name) for name in names}
+
+
+def _build(
+    recipe: str, cfg: DemoConfig, steps: int, device: torch.device, loaded: Recipe | None = None
+) -> GPT:
+    """The demo GPT from the seed's initial weights, converted to ``recipe`` unless bf16
+    (``loaded``: the recipe already loaded, else it is loaded here)."""
     torch.manual_seed(cfg.seed)
     model = GPT(SIZES[cfg.size]).to(device)
     if recipe != "bf16":
-        path = recipe if recipe.endswith(".fp4r") else f"{recipe}.fp4r"  # shipped recipe names
-        convert(model, load_recipe(path), seed=cfg.seed, total_steps=steps)
+        convert(model, loaded or load_recipe(recipe), seed=cfg.seed, total_steps=steps)
     return model
 
 
@@ -151,53 +171,132 @@ def _optimizer(model: GPT, lr: float) -> torch.optim.Optimizer:
     return torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.1)
 
 
-def seconds_per_step(recipe: str, cfg: DemoConfig, corpus: bytes) -> float:
-    """Time a few training steps of ``recipe`` on a throw-away model (after untimed warm-up
-    steps, which also compile the recipe's GPU kernels)."""
+@dataclass(frozen=True)
+class Calibration:
+    """What one recipe's calibration measured, in seconds."""
+
+    step: float  # median of the timed training steps
+    evaluation: float  # one held-out evaluation
+    build: float  # building and converting the model
+    total: float  # the whole calibration (warm-up included)
+    timed_steps: int
+
+
+def evaluations(steps: int, eval_every: int) -> int:
+    """Held-out evaluations of a ``steps``-step run: every ``eval_every``-th step and the last."""
+    if steps < 1:
+        return 0
+    return -(-steps // eval_every) + (0 if (steps - 1) % eval_every == 0 else 1)
+
+
+def predicted_seconds(cal: Calibration, steps: int, eval_every: int) -> float:
+    """Predicted seconds of one recipe's run of ``steps`` steps."""
+    return cal.build + steps * cal.step + evaluations(steps, eval_every) * cal.evaluation
+
+
+def calibrate(
+    recipe: str,
+    cfg: DemoConfig,
+    corpus: bytes,
+    loaded: Recipe | None = None,
+    time_limit: float = math.inf,
+) -> Calibration:
+    """Time ``recipe`` on a throw-away model: CALIBRATION_WARMUP untimed steps (they compile
+    the GPU kernels), then CALIBRATION_MIN_TIMED to CALIBRATION_TIMED timed steps (no more once
+    the calibration has taken ``time_limit`` seconds), each timed alone so that their median
+    ignores a step a busy moment slowed down, and one held-out evaluation."""
     device = torch.device(cfg.device)
-    model = _build(recipe, cfg, cfg.steps, device)
+    start = time.perf_counter()
+    model = _build(recipe, cfg, cfg.steps, device, loaded)
+    _sync(device)
+    build = time.perf_counter() - start
     data = ByteBatches(corpus, model.cfg.context, seed=cfg.seed)
     opt = _optimizer(model, cfg.lr)
     converted = recipe != "bf16"
     for step in range(CALIBRATION_WARMUP):
         _train_step(model, opt, data, step, cfg.steps, cfg, device, converted)
     _sync(device)
-    start = time.perf_counter()
+    times: list[float] = []
     for step in range(CALIBRATION_WARMUP, CALIBRATION_WARMUP + CALIBRATION_TIMED):
+        if len(times) >= CALIBRATION_MIN_TIMED and time.perf_counter() - start > time_limit:
+            break
+        t0 = time.perf_counter()
         _train_step(model, opt, data, step, cfg.steps, cfg, device, converted)
+        _sync(device)
+        times.append(time.perf_counter() - t0)
+    t0 = time.perf_counter()
+    _val_loss(model, data, cfg, device)
     _sync(device)
-    return (time.perf_counter() - start) / CALIBRATION_TIMED
+    evaluation = time.perf_counter() - t0
+    return Calibration(
+        step=statistics.median(times),
+        evaluation=evaluation,
+        build=build,
+        total=time.perf_counter() - start,
+        timed_steps=len(times),
+    )
+
+
+def fit_steps(runs: Sequence[Calibration], seconds: float, eval_every: int, max_steps: int) -> int:
+    """The largest step count in [1, max_steps] whose predicted runs (one calibration per run)
+    take at most ``seconds`` together (1 when not even one step fits)."""
+
+    def cost(steps: int) -> float:
+        return sum(predicted_seconds(c, steps, eval_every) for c in runs)
+
+    if cost(max_steps) <= seconds:
+        return max_steps
+    lo, hi = 1, max_steps  # the cost grows with the steps: bisect for the last that fits
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if cost(mid) <= seconds:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
 
 
 def plan_steps(
-    cfg: DemoConfig, corpus: bytes, log: Callable[[str], None]
-) -> tuple[int, dict[str, float]]:
-    """The step count every recipe trains: ``cfg.steps``, or fewer so that the slowest recipe
-    fits ``cfg.time_budget`` seconds; and the measured seconds per step of each recipe."""
+    cfg: DemoConfig,
+    corpus: bytes,
+    log: Callable[[str], None],
+    loaded: dict[str, Recipe | None] | None = None,
+    started: float | None = None,
+) -> tuple[int, dict[str, Calibration]]:
+    """The step count every recipe trains: ``cfg.steps``, or fewer so that the whole run
+    (calibration included, timed from ``started``, default now) fits ``cfg.time_budget``
+    seconds; and each recipe's calibration (none without a budget)."""
     if cfg.time_budget is None:
         return cfg.steps, {}
-    timing: dict[str, float] = {}
-    for recipe in cfg.recipes:
-        start = time.perf_counter()
-        timing[recipe] = seconds_per_step(recipe, cfg, corpus)
+    started = time.perf_counter() if started is None else started
+    loaded = load_recipes(cfg.recipes) if loaded is None else loaded
+    limit = cfg.time_budget * CALIBRATION_SHARE / len(set(cfg.recipes))
+    calibrations: dict[str, Calibration] = {}
+    for recipe in dict.fromkeys(cfg.recipes):  # a recipe named twice is timed once
+        cal = calibrate(recipe, cfg, corpus, loaded.get(recipe), limit)
+        calibrations[recipe] = cal
         log(
-            f"[{recipe}] {timing[recipe] * 1e3:.1f} ms per step "
-            f"(timed over {CALIBRATION_TIMED} steps; warm-up and timing took "
-            f"{time.perf_counter() - start:.1f} s)"
+            f"[{recipe}] {cal.step * 1e3:.1f} ms per step (median of {cal.timed_steps} timed "
+            f"steps), {cal.evaluation * 1e3:.0f} ms per evaluation; calibration took "
+            f"{cal.total:.1f} s"
         )
-    slowest = max(timing, key=timing.__getitem__)
-    fit = int(cfg.time_budget * BUDGET_USE / timing[slowest])
-    steps = max(min(cfg.steps, fit), 1)
-    log(
-        f"{steps} steps per recipe: the slowest, {slowest}, needs about "
-        f"{steps * timing[slowest]:.0f} s of the {cfg.time_budget:.0f} s budget"
-        + (
-            f" (--steps {cfg.steps} would take {cfg.steps * timing[slowest]:.0f} s)"
-            if steps < cfg.steps
-            else ""
-        )
+    runs = [calibrations[r] for r in cfg.recipes]
+    left = cfg.time_budget - (time.perf_counter() - started)
+    steps = fit_steps(runs, left * BUDGET_USE, cfg.eval_every, cfg.steps)
+
+    def predicted(n: int) -> float:
+        return sum(predicted_seconds(c, n, cfg.eval_every) for c in runs)
+
+    line = (
+        f"{steps} steps per recipe: about {predicted(steps):.0f} s of the {max(left, 0):.0f} s "
+        f"left of the {cfg.time_budget:g} s budget"
     )
-    return steps, timing
+    if steps < cfg.steps:
+        line += f" (--steps {cfg.steps} would take {predicted(cfg.steps):.0f} s)"
+    if predicted(steps) > left:
+        line += "; not even one step per recipe fits, so the run will take longer"
+    log(line)
+    return steps, calibrations
 
 
 def _set_telemetry(model: GPT, on: bool) -> None:
@@ -227,12 +326,18 @@ def train_one(
     log: Callable[[str], None],
     records: list[dict] | None = None,
     steps: int | None = None,
+    *,
+    loaded: Recipe | None = None,
+    deadline: float | None = None,
+    calibration: Calibration | None = None,
 ) -> tuple[list[Point], RecipeResult]:
     """Train one recipe for ``steps`` (default ``cfg.steps``); its telemetry records (if
-    enabled) are appended to ``records``."""
+    enabled) are appended to ``records``. With ``deadline`` (a ``time.perf_counter()`` value)
+    the run stops early when its next step and final evaluation would end past it, their cost
+    taken from ``calibration`` and the steps so far."""
     steps = cfg.steps if steps is None else steps
     device = torch.device(cfg.device)
-    model = _build(recipe, cfg, steps, device)
+    model = _build(recipe, cfg, steps, device, loaded)
     converted = recipe != "bf16"
     n_converted = count_converted(model)
     n_params = sum(p.numel() for p in model.parameters())
@@ -250,19 +355,21 @@ def train_one(
     opt = _optimizer(model, cfg.lr)
     points: list[Point] = []
     seen: dict[int, int] = {}
-    deadline = None if cfg.time_budget is None else 1.5 * cfg.time_budget
     start = last_log = time.perf_counter()
+    step_times: list[float] = []
     stopped_early = False
     for step in range(steps):
         record = bool(cfg.telemetry_every) and converted and step % cfg.telemetry_every == 0
         if record:
             _set_telemetry(model, True)
+        t0 = time.perf_counter()
         loss = _train_step(model, opt, data, step, steps, cfg, device, converted)
         if record:
             _set_telemetry(model, False)
             _tag_records(model, seen, step)
-        now = time.perf_counter() - start
-        stopped_early = deadline is not None and now > deadline and step < steps - 1
+        if deadline is not None and step < steps - 1:
+            step_times.append(time.perf_counter() - t0)  # host time: enough to stop in time
+            stopped_early = _past_deadline(deadline, step_times, calibration)
         last = step == steps - 1 or stopped_early
         val = _val_loss(model, data, cfg, device) if step % cfg.eval_every == 0 or last else None
         points.append(Point(recipe, step, float(loss), val, time.perf_counter() - start))
@@ -277,7 +384,10 @@ def train_one(
                 f"ETA {_clock((steps - step - 1) / rate)}"
             )
         if stopped_early:
-            log(f"[{recipe}] stopped after {step + 1} steps: past 1.5 times the time budget")
+            log(
+                f"[{recipe}] stopped after {step + 1} of {steps} steps: its share of the time "
+                "budget is spent"
+            )
             break
     if records is not None and converted:
         records.extend({"recipe": recipe, **r} for r in telemetry(model))
@@ -294,6 +404,18 @@ def train_one(
         stopped_early=stopped_early,
     )
     return points, result
+
+
+def _past_deadline(
+    deadline: float, step_times: list[float], calibration: Calibration | None
+) -> bool:
+    """Would one more step and the final evaluation end past ``deadline``? A step costs the
+    larger of the calibrated median and the median of the last steps (so a machine that slowed
+    down is seen), the evaluation what calibration measured (without one: two steps)."""
+    recent = statistics.median(step_times[-9:])
+    step = recent if calibration is None else max(calibration.step, recent)
+    evaluation = 2 * step if calibration is None else calibration.evaluation
+    return time.perf_counter() + step + evaluation > deadline
 
 
 def write_csv(points: list[Point], path: Path) -> None:
@@ -387,7 +509,26 @@ class _LogLines(logging.Handler):
         self.log(f"note ({record.name}): {record.getMessage()}")
 
 
+def _recipe_deadline(
+    cfg: DemoConfig,
+    calibrations: dict[str, Calibration],
+    remaining: tuple[str, ...],
+    steps: int,
+    started: float,
+) -> float | None:
+    """When the first of ``remaining`` must stop: what is left of the budget, shared by the
+    remaining recipes in proportion to their predicted times (None without a budget)."""
+    if cfg.time_budget is None:
+        return None
+    now = time.perf_counter()
+    left = max(started + cfg.time_budget - now, 0.0)
+    predicted = [predicted_seconds(calibrations[r], steps, cfg.eval_every) for r in remaining]
+    return now + left * predicted[0] / max(sum(predicted), 1e-9)
+
+
 def _run(cfg: DemoConfig, log: Callable[[str], None]) -> list[Point]:
+    total = time.perf_counter()  # the time budget is for all of it
+    loaded = load_recipes(cfg.recipes)  # every recipe checked before the first trains
     corpus = stdlib_corpus()
     gpt = SIZES[cfg.size]
     log(
@@ -395,14 +536,25 @@ def _run(cfg: DemoConfig, log: Callable[[str], None]) -> list[Point]:
         f"({gpt.layers} blocks, width {gpt.width}, context {gpt.context}), batch {cfg.batch}, "
         f"device {cfg.device}"
     )
-    total = time.perf_counter()
-    steps, timing = plan_steps(cfg, corpus, log)
+    steps, calibrations = plan_steps(cfg, corpus, log, loaded, started=total)
+    timing = {r: c.step for r, c in calibrations.items()}
     points: list[Point] = []
     results: list[RecipeResult] = []
     records: list[dict] = []
     device_name = torch.cuda.get_device_name(cfg.device) if cfg.device.startswith("cuda") else None
-    for recipe in cfg.recipes:
-        mine, result = train_one(recipe, cfg, corpus, log, records, steps)
+    for i, recipe in enumerate(cfg.recipes):
+        deadline = _recipe_deadline(cfg, calibrations, cfg.recipes[i:], steps, total)
+        mine, result = train_one(
+            recipe,
+            cfg,
+            corpus,
+            log,
+            records,
+            steps,
+            loaded=loaded[recipe],
+            deadline=deadline,
+            calibration=calibrations.get(recipe),
+        )
         points += mine
         results.append(result)
         # written after every recipe, so an interrupted run keeps what it finished

@@ -19,7 +19,8 @@ class ErrorStats:
 
     rel_error:       ||x - x_hat|| / ||x|| (Frobenius; 0 when both are 0, inf when only x is).
     mean_rel_error:  mean over non-zero x of |x - x_hat| / |x| (MoR paper; 0 if x is all zero).
-    snr_db:          10 log10(sum x^2 / sum (x - x_hat)^2); inf for an exact result.
+    snr_db:          10 log10(sum x^2 / sum (x - x_hat)^2); inf for an exact result, -inf when
+                     x is all zero and x_hat is not (or the ratio underflows float64).
     flushed:         fraction of non-zero inputs of the quantizer (after the RHT, if any) whose
                      code decodes to 0.
     saturated:       fraction of elements with |x * e_b| > elem_max before the clamp (after the
@@ -33,6 +34,26 @@ class ErrorStats:
     saturated: float
 
 
+def _ratio(sig: float, noise: float) -> tuple[float, float]:
+    """(sig / noise, noise / sig) with the limits spelled out, so that no math call sees a NaN
+    or a negative number: 0 / 0 is exact (inf, 0), x / 0 is inf, inf / inf (an overflowed
+    float64 sum; no float32 input gets there) counts as inf noise."""
+    if noise == 0:
+        return math.inf, 0.0
+    if sig == 0 or math.isinf(noise):
+        return 0.0, math.inf
+    return sig / noise, noise / sig
+
+
+def _decibels(ratio: float) -> float:
+    """10 log10(ratio) for ratio in [0, inf]: -inf for 0, inf for inf."""
+    if ratio == 0:
+        return -math.inf
+    if math.isinf(ratio):
+        return math.inf
+    return 10.0 * math.log10(ratio)
+
+
 def error_stats(x: torch.Tensor, qt: QuantizedTensor) -> ErrorStats:
     """Statistics of ``qt`` (quantized from ``x``) against ``x`` itself."""
     if tuple(x.shape) != tuple(qt.shape):
@@ -40,15 +61,11 @@ def error_stats(x: torch.Tensor, qt: QuantizedTensor) -> ErrorStats:
     x64 = x.to(device=qt.device, dtype=torch.float64)
     err = x64 - qt.dequantize().to(torch.float64)
     sig, noise = float((x64 * x64).sum()), float((err * err).sum())
-    rel = math.sqrt(noise / sig) if sig else (0.0 if noise == 0 else math.inf)
     nz = x64 != 0
     mean_rel = float((err.abs()[nz] / x64.abs()[nz]).mean()) if bool(nz.any()) else 0.0
-    if noise == 0:
-        snr = math.inf
-    elif sig == 0:
-        snr = -math.inf
-    else:
-        snr = 10.0 * math.log10(sig / noise)
+    signal_to_noise, noise_to_signal = _ratio(sig, noise)
+    rel = math.sqrt(noise_to_signal)
+    snr = _decibels(signal_to_noise)
 
     # The quantizer's own input: the 2-D view, rotated like the codes.
     src = x.to(device=qt.device, dtype=torch.float32).reshape(qt.rows, qt.cols)

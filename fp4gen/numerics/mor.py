@@ -82,6 +82,7 @@ import torch
 import torch.nn.functional as F
 
 from fp4gen.dsl.model import Candidate, MoRScaling, MoRSpec, Partition, RHTSpec
+from fp4gen.errors import ArgumentError
 from fp4gen.formats import (
     ELEMENT_ROUNDINGS,
     ElementFormat,
@@ -522,17 +523,20 @@ def mor_quantize(
     x: float32, bfloat16 or float16, any device; viewed as [R, K] like ``quantize`` (empty
     tensors, other dtypes and NaN/Inf raise TensorError). rounding, hadamard, seed and offset
     mean what they mean for ``quantize``; ``group`` is the GAM group shape (None: the tensor).
+    Not differentiable, like ``quantize``: ``x`` is detached.
     backend: "reference" runs this code; "cute" the generated MoR kernels (CUDA tensors,
     ``fp4gen.runtime.mor_kernels``, the same result bit for bit); "auto" the kernels for CUDA
     tensors and rules they support, else this code (the fallback is logged once per reason).
     """
-    if backend not in BACKENDS:
-        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
-    if rounding not in ELEMENT_ROUNDINGS:
-        raise ValueError(f"rounding must be one of {ELEMENT_ROUNDINGS}, got {rounding!r}")
-    _check_u64("seed", seed)
-    _check_u64("offset", offset)
+    if not isinstance(backend, str) or backend not in BACKENDS:
+        raise ArgumentError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    if not isinstance(rounding, str) or rounding not in ELEMENT_ROUNDINGS:
+        raise ArgumentError(f"rounding must be one of {ELEMENT_ROUNDINGS}, got {rounding!r}")
+    seed = _check_u64("seed", seed)
+    offset = _check_u64("offset", offset)
     spec_rht = resolve_rht(hadamard)
+    if isinstance(x, torch.Tensor):
+        x = x.detach()  # not differentiable, like quantize: no graph in the result
     if backend == "cute" or (backend == "auto" and isinstance(x, torch.Tensor) and x.is_cuda):
         from fp4gen.runtime.mor_kernels import mor_quantize_cute
 

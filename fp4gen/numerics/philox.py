@@ -21,6 +21,8 @@ from __future__ import annotations
 
 import torch
 
+from fp4gen.errors import ArgumentError
+
 _MASK32 = 0xFFFFFFFF
 _MASK16 = 0xFFFF
 PHILOX_M0 = 0xD2511F53
@@ -62,7 +64,7 @@ def philox4x32(
 
 def _check_u64(name: str, value: int) -> None:
     if not isinstance(value, int) or not 0 <= value < 1 << 64:
-        raise ValueError(f"{name} must be an integer in [0, 2^64), got {value!r}")
+        raise ArgumentError(f"{name} must be an integer in [0, 2^64), got {value!r}")
 
 
 def random_words(index: torch.Tensor, seed: int, offset: int = 0) -> torch.Tensor:

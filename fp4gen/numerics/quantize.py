@@ -7,6 +7,7 @@ Generalizes the NVFP4 two-level scaling of the numerics contract (section 2) to 
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any
@@ -15,7 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from fp4gen.dsl.model import RHTSpec
-from fp4gen.errors import TensorError
+from fp4gen.errors import ArgumentError, TensorError
 from fp4gen.formats import (
     BUILTIN_FORMATS,
     ELEMENT_ROUNDINGS,
@@ -210,7 +211,8 @@ class QuantizedTensor:
         scales are replicated to the tile's rows, as the GEMM reads them)."""
         if self.scale_codes is None:
             raise TensorError("fp32 block scales have no tensor-core swizzled layout")
-        per_row = self.scale_codes.repeat_interleave(self.format.block[0], 0)[: self.rows]
+        br = min(self.format.block[0], self.rows)  # a taller block is one block of all rows
+        per_row = self.scale_codes.repeat_interleave(br, 0)[: self.rows]
         return swizzle_scales(per_row)
 
 
@@ -220,6 +222,9 @@ class QuantizedTensor:
 
 
 def _expand(per_block: torch.Tensor, br: int, bc: int, rows: int, cols: int) -> torch.Tensor:
+    # A block side beyond the tensor's is one block along that side: clip it, so that a huge
+    # block shape costs no memory
+    br, bc = min(br, rows), min(bc, cols)
     return per_block.repeat_interleave(br, 0).repeat_interleave(bc, 1)[:rows, :cols]
 
 
@@ -229,31 +234,79 @@ def _encode_factors(s_b: torch.Tensor, s_dec: torch.Tensor) -> torch.Tensor:
     return torch.clamp(1.0 / (s_b * s_dec), max=FLT_MAX)
 
 
+def _shown(value: Any) -> str:
+    """repr(value) cut to a readable length (a tensor passed by mistake can print pages)."""
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
+def _as_int(value: Any) -> int | None:
+    """``value`` as a Python int if it is an integer (int, numpy or torch integer), else None.
+    bool is not an integer here."""
+    if isinstance(value, bool):
+        return None
+    try:
+        return operator.index(value)
+    except TypeError:
+        return None
+
+
+def _check_block(block: Any) -> tuple[int, int]:
+    rule = "blocks are 1xN or NxN with N a positive integer, given as a pair (1, N) or (N, N)"
+    sides = None
+    if isinstance(block, (tuple, list, torch.Size)) and len(block) == 2:
+        sides = (_as_int(block[0]), _as_int(block[1]))
+    if sides is None or sides[0] is None or sides[1] is None:
+        raise ArgumentError(f"block={_shown(block)}: {rule}")
+    rows, cols = sides
+    if rows < 1 or cols < 1 or (rows != 1 and rows != cols):
+        raise ArgumentError(f"block={_shown(block)}: {rule}")
+    return rows, cols
+
+
 def resolve_format(fmt: BlockFormat | HighPrecision | str, block: tuple[int, int] | None = None):
-    """A BlockFormat from a format or builtin name, with ``block`` overriding its block shape."""
+    """A BlockFormat from a format or builtin name, with ``block`` overriding its block shape.
+
+    Raises ArgumentError for an unknown name, a wrong type or a bad block, TensorError for a
+    high-precision dtype (there is nothing to quantize)."""
     if isinstance(fmt, str):
         if fmt not in BUILTIN_FORMATS:
-            raise ValueError(f"unknown format {fmt!r}; builtin formats: {sorted(BUILTIN_FORMATS)}")
+            raise ArgumentError(
+                f"fmt: unknown format {_shown(fmt)}; a format is a BlockFormat or a built-in "
+                f"name: {', '.join(sorted(BUILTIN_FORMATS))}"
+            )
         fmt = BUILTIN_FORMATS[fmt]
     if isinstance(fmt, HighPrecision):
         raise TensorError(f"{fmt.name} is a high-precision dtype, not a quantized format")
     if not isinstance(fmt, BlockFormat):
-        raise TypeError(f"fmt must be a BlockFormat or a format name, got {type(fmt).__name__}")
+        raise ArgumentError(
+            f"fmt must be a BlockFormat or a built-in format name, got {type(fmt).__name__} "
+            f"{_shown(fmt)}"
+        )
     if block is not None:
-        fmt = fmt.with_block((int(block[0]), int(block[1])))
+        fmt = fmt.with_block(_check_block(block))
     return fmt
+
+
+RHT_SIZES = "a power of two from 2 to 256"
 
 
 def resolve_rht(hadamard: int | RHTSpec | None) -> RHTSpec | None:
     """None, an RHT size (16: Transformer Engine's fixed signs; any other size: no signs), or a
-    full RHTSpec."""
+    full RHTSpec. Anything else raises ArgumentError."""
     if hadamard is None or isinstance(hadamard, RHTSpec):
         return hadamard
-    if isinstance(hadamard, bool) or not isinstance(hadamard, int):
-        raise TypeError(f"hadamard must be None, an int size or an RHTSpec, got {hadamard!r}")
-    if hadamard == 16:
+    size = _as_int(hadamard)
+    if size is None:
+        raise ArgumentError(
+            f"hadamard must be None, an RHT size ({RHT_SIZES}) or an RHTSpec, "
+            f"got {type(hadamard).__name__} {_shown(hadamard)}"
+        )
+    if not 2 <= size <= 256 or size & (size - 1):
+        raise ArgumentError(f"hadamard={size}: the RHT size must be {RHT_SIZES}")
+    if size == 16:
         return RHTSpec(16)
-    return RHTSpec(hadamard, sign_source="none", signs=None, seed=None)
+    return RHTSpec(size, sign_source="none", signs=None, seed=None)
 
 
 def _check_finite(x: torch.Tensor, what: str) -> None:
@@ -270,6 +323,8 @@ def _check_finite(x: torch.Tensor, what: str) -> None:
 def _as_2d_float32(x: torch.Tensor) -> torch.Tensor:
     if not isinstance(x, torch.Tensor):
         raise TensorError(f"expected a torch.Tensor, got {type(x).__name__}")
+    if x.layout != torch.strided:
+        raise TensorError(f"cannot quantize a {x.layout} tensor: expected a dense (strided) one")
     if x.dtype not in _INPUT_DTYPES:
         raise TensorError(
             f"cannot quantize a {x.dtype} tensor: expected float32, bfloat16 or float16"
@@ -287,9 +342,12 @@ def _as_2d_float32(x: torch.Tensor) -> torch.Tensor:
     return x.reshape(-1, x.shape[-1])
 
 
-def _check_u64(name: str, value: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < 1 << 64:
-        raise ValueError(f"{name} must be an integer in [0, 2^64), got {value!r}")
+def _check_u64(name: str, value: int) -> int:
+    """``value`` as an int in [0, 2^64) (a Philox key or counter word pair), else ArgumentError."""
+    n = _as_int(value)
+    if n is None or not 0 <= n < 1 << 64:
+        raise ArgumentError(f"{name} must be an integer in [0, 2^64), got {_shown(value)}")
+    return n
 
 
 def _scalar(value: float, device: torch.device) -> torch.Tensor:
@@ -328,7 +386,10 @@ def _block_scales(
         codes = biased.to(torch.uint8)
         return decode(codes, scale.element), codes
     inv_elem_max = _scalar(1.0, dev) / _scalar(elem_max, dev)  # fp32(1/elem_max), RNE
-    d_b = torch.clamp(amax_b * (s_enc * inv_elem_max), max=scale.max_value)
+    # Saturate at the cap, not at the scale format's max: a larger scale could decode a code to
+    # +-inf (elem_max * s_b > FLT_MAX). The cap is on the grid, so rounding keeps s_b <= cap.
+    # (ocp above needs no cap: s_b <= 2^(127 - emax_elem) and elem_max < 2^(emax_elem + 1).)
+    d_b = torch.clamp(amax_b * (s_enc * inv_elem_max), max=fmt.scale_cap)
     if scale.element is None:
         return d_b, None
     codes = encode_scale(d_b, scale.element, scale.rounding)  # type: ignore[arg-type]
@@ -353,7 +414,7 @@ def quantize(
 ) -> QuantizedTensor:
     """Quantize ``x`` to the block-scaled format ``fmt`` (a BlockFormat or a builtin name).
 
-    x: float32, bfloat16 or float16 on any device; 1-D is treated as [1, n], higher ranks
+    x: float32, bfloat16 or float16 on cpu or cuda; 0-D and 1-D are one row [1, n], higher ranks
     flatten their leading dimensions into rows. Blocks run along the last dimension (1 x N) or
     are N x N tiles. Empty tensors, other dtypes and NaN/Inf raise TensorError (kernels cannot
     represent non-finite values, so they are rejected up front, naming the count and the first
@@ -371,26 +432,38 @@ def quantize(
         ``fp4gen.runtime.cute_backend``); "auto" the kernels for CUDA tensors they support, else
         this code.
 
+    Not differentiable: ``x`` is detached, so no field of the result (and nothing
+    ``dequantize()`` returns) carries an autograd graph. A gradient through the rounding would be
+    zero almost everywhere and one through the scales only partial; to train with a format use
+    ``fp4gen.nn.Linear``, which defines the GEMMs' gradients (the recipe's dgrad and wgrad).
+
+    Bad arguments raise ``fp4gen.errors.ArgumentError`` (a ValueError) naming the argument, its
+    value and the rule; bad tensors raise TensorError; both are FP4GenErrors.
+
     Algorithm (fp32 throughout):
       pad rows/cols to block multiples with zeros (padding only affects the amaxes, which it
       cannot change; outputs are cropped to the input);
       with a global scale: A = amax, S_enc = fp32(fp32(scale_max * elem_max) / A) capped at
       FLT_MAX, S_enc = 1 if A == 0 or S_enc == 0, S_dec = fp32(1 / S_enc); else both are 1;
-      d_b = min(fp32(amax_b * fp32(S_enc * fp32(1 / elem_max))), scale_max);
+      d_b = min(fp32(amax_b * fp32(S_enc * fp32(1 / elem_max))), scale_cap), scale_cap being
+      the largest scale value with elem_max * scale_cap <= FLT_MAX (``BlockFormat.scale_cap``:
+      the scale format's max unless that could decode to +-inf), so every code decodes finite;
       s_b = d_b rounded into the scale format per ScaleSpec.rounding (nearest/up/down; "ocp":
       2^(floor(log2(amax_b * S_enc)) - emax_elem) clamped, amax 0 -> smallest; fp32 scales:
       s_b = d_b);
       e_b = min(fp32(1 / fp32(s_b * S_dec)), FLT_MAX);
       y = clamp(fp32(x * e_b), -elem_max, elem_max); code = encode(y, element, rounding).
     """
-    if backend not in BACKENDS:
-        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
-    if rounding not in ELEMENT_ROUNDINGS:
-        raise ValueError(f"rounding must be one of {ELEMENT_ROUNDINGS}, got {rounding!r}")
-    _check_u64("seed", seed)
-    _check_u64("offset", offset)
+    if not isinstance(backend, str) or backend not in BACKENDS:
+        raise ArgumentError(f"backend must be one of {BACKENDS}, got {_shown(backend)}")
+    if not isinstance(rounding, str) or rounding not in ELEMENT_ROUNDINGS:
+        raise ArgumentError(f"rounding must be one of {ELEMENT_ROUNDINGS}, got {_shown(rounding)}")
+    seed = _check_u64("seed", seed)
+    offset = _check_u64("offset", offset)
     bf = resolve_format(fmt, block)
     spec = resolve_rht(hadamard)
+    if isinstance(x, torch.Tensor):
+        x = x.detach()  # quantization is not differentiable (docstring): no graph in the result
     if backend == "cute" or (backend == "auto" and isinstance(x, torch.Tensor) and x.is_cuda):
         from fp4gen.runtime.cute_backend import quantize_cute
 
@@ -407,6 +480,7 @@ def quantize(
 
     rows, cols = x2.shape
     br, bc = bf.block
+    br, bc = min(br, rows), min(bc, cols)  # the same blocks (see _expand), padding <= the tensor
     nbr, nbc = -(-rows // br), -(-cols // bc)
     padded = F.pad(x2, (0, nbc * bc - cols, 0, nbr * br - rows))
     amax_b = padded.abs().reshape(nbr, br, nbc, bc).amax(dim=(1, 3))

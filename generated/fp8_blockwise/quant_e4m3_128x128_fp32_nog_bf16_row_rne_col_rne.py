@@ -91,6 +91,7 @@ LANE_SIGNS = 0x80808080  # per lane: the sign bit
 SCALE_NAME = "fp32"
 SCALE_ROUNDING = "exact"
 SCALE_MAX = 3.4028234663852886e38
+SCALE_CAP = 7.595588094610019e35  # ELEM_MAX * SCALE_CAP <= FLT_MAX: every code decodes finite
 SCALE_TORCH = torch.float32
 
 GLOBAL_SCALE = False
@@ -236,9 +237,9 @@ def strip_absmax(frags: list, xfs: list) -> Float32:
 
 def block_scale(amax_b: Float32, k_enc: Float32, s_enc, s_dec):
     """Block scale and encode factor (docs/numerics.md 2, steps 4-5):
-    d_b = min(amax_b * fp32(S_enc * fp32(1 / ELEM_MAX)), SCALE_MAX), s_b = fp32(d_b),
+    d_b = min(amax_b * fp32(S_enc * fp32(1 / ELEM_MAX)), SCALE_CAP), s_b = fp32(d_b),
     e_b = min(1 / (s_b), FLT_MAX). Returns (s_b, e_b)."""
-    s_b = cute.arch.fmin(amax_b * k_enc, Float32(FLT_MAX))
+    s_b = cute.arch.fmin(amax_b * k_enc, Float32(SCALE_CAP))
     out = s_b
     e_b = cute.arch.fmin(Float32(1.0) / s_b, Float32(FLT_MAX))
     return out, e_b

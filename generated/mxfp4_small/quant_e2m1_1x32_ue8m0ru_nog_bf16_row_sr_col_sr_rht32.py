@@ -97,6 +97,7 @@ LANE_SIGNS = 0x88888888  # per lane: the sign bit
 SCALE_NAME = "ue8m0"
 SCALE_ROUNDING = "up"
 SCALE_MAX = 1.7014118346046923e38
+SCALE_CAP = 4.253529586511731e37  # ELEM_MAX * SCALE_CAP <= FLT_MAX: every code decodes finite
 SCALE_EXP_BITS = 8
 SCALE_BIAS = 127
 SCALE_MIN = 5.877471754111438e-39  # 2^-bias: exponent-only scales have no zero
@@ -287,7 +288,7 @@ def pow2(n: Int32) -> Float32:
 
 
 def scale_round(d: Float32):
-    """(code, fp32 value) of d in [SCALE_MIN, SCALE_MAX] on the ue8m0 grid (powers of
+    """(code, fp32 value) of d in [SCALE_MIN, SCALE_CAP] on the ue8m0 grid (powers of
     two), rounded up: exact exponent-bit arithmetic."""
     fl, frac = floor_log2_biased(d)
     code = fl + Int32(SCALE_BIAS - 127)  # floor(log2 d) + bias
@@ -297,9 +298,9 @@ def scale_round(d: Float32):
 
 def block_scale(amax_b: Float32, k_enc: Float32, s_enc, s_dec):
     """Block scale and encode factor (docs/numerics.md 2, steps 4-5):
-    d_b = min(amax_b * fp32(S_enc * fp32(1 / ELEM_MAX)), SCALE_MAX), s_b = ue8m0(d_b),
+    d_b = min(amax_b * fp32(S_enc * fp32(1 / ELEM_MAX)), SCALE_CAP), s_b = ue8m0(d_b),
     e_b = min(1 / (s_b), FLT_MAX). Returns (scale code, e_b)."""
-    d_b = cute.arch.fmin(amax_b * k_enc, Float32(SCALE_MAX))
+    d_b = cute.arch.fmin(amax_b * k_enc, Float32(SCALE_CAP))
     out, s_b = scale_round(cute.arch.fmax(d_b, Float32(SCALE_MIN)))  # no zero: clamp up
     e_b = cute.arch.fmin(Float32(1.0) / s_b, Float32(FLT_MAX))
     return out, e_b

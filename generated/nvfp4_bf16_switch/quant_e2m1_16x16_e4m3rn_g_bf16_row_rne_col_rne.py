@@ -94,6 +94,7 @@ LANE_SIGNS = 0x88888888  # per lane: the sign bit
 SCALE_NAME = "e4m3"
 SCALE_ROUNDING = "nearest"
 SCALE_MAX = 448.0
+SCALE_CAP = 448.0  # ELEM_MAX * SCALE_CAP <= FLT_MAX: every code decodes finite
 SCALE_TORCH = torch.uint8
 
 GLOBAL_SCALE = True
@@ -280,9 +281,9 @@ def global_scales(amax: Float32):
 
 def block_scale(amax_b: Float32, k_enc: Float32, s_enc, s_dec):
     """Block scale and encode factor (docs/numerics.md 2, steps 4-5):
-    d_b = min(amax_b * fp32(S_enc * fp32(1 / ELEM_MAX)), SCALE_MAX), s_b = e4m3(d_b),
+    d_b = min(amax_b * fp32(S_enc * fp32(1 / ELEM_MAX)), SCALE_CAP), s_b = e4m3(d_b),
     e_b = min(1 / (s_b * S_dec), FLT_MAX). Returns (scale code, e_b)."""
-    d_b = cute.arch.fmin(amax_b * k_enc, Float32(SCALE_MAX))
+    d_b = cute.arch.fmin(amax_b * k_enc, Float32(SCALE_CAP))
     out = cvt_f32_to_e4m3(d_b)  # RNE, satfinite: the hardware convert is the contract's
     s_b = cvt_e4m3_to_f32(out)
     e_b = cute.arch.fmin(Float32(1.0) / (s_b * s_dec), Float32(FLT_MAX))
