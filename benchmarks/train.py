@@ -209,13 +209,17 @@ def main(argv: list[str] | None = None) -> int:
     recipes = [r for r in args.recipes.split(",") if r]
     if "bf16" not in recipes:
         recipes.insert(0, "bf16")
-    print(f"model {args.model}, {args.tokens} tokens/step (seq {args.seq}), AdamW, bf16 autocast, "
-          f"{torch.cuda.get_device_name()}")
+    print(
+        f"model {args.model}, {args.tokens} tokens/step (seq {args.seq}), AdamW, bf16 autocast, "
+        f"{torch.cuda.get_device_name()}"
+    )
     for i, hidden in enumerate(hiddens):
         layers = layer_counts[i] if i < len(layer_counts) else LAYERS_BY_HIDDEN.get(hidden, 4)
         print(f"\nhidden {hidden}, {layers} layers")
-        print(f"  {'recipe':28} {'ms/step':>9} {'x bf16':>7} {'graph ms':>9} {'x bf16':>7} "
-              f"{'gpu-busy':>9} {'x bf16':>7} {'host us/lin':>11} {'peak GiB':>9} {'x bf16':>7}")
+        print(
+            f"  {'recipe':28} {'ms/step':>9} {'x bf16':>7} {'graph ms':>9} {'x bf16':>7} "
+            f"{'gpu-busy':>9} {'x bf16':>7} {'host us/lin':>11} {'peak GiB':>9} {'x bf16':>7}"
+        )
         base: Result | None = None
         for recipe in recipes:
             t0 = time.perf_counter()
@@ -224,10 +228,12 @@ def main(argv: list[str] | None = None) -> int:
             host = "-" if res.host_us_per_linear is None else f"{res.host_us_per_linear:.0f}"
             graph = "-" if res.ms_graph is None else f"{res.ms_graph:.2f}"
             eager = ratio(res.ms_eager, base.ms_eager)
-            print(f"  {Path(recipe).stem:28} {res.ms_eager:9.2f} {eager:>7} "
-                  f"{graph:>9} {ratio(res.ms_graph, base.ms_graph):>7} {res.gpu_busy_ms:9.2f} "
-                  f"{ratio(res.gpu_busy_ms, base.gpu_busy_ms):>7} {host:>11} {res.peak_gib:9.2f} "
-                  f"{ratio(res.peak_gib, base.peak_gib):>7}   ({time.perf_counter() - t0:.0f} s)")
+            print(
+                f"  {Path(recipe).stem:28} {res.ms_eager:9.2f} {eager:>7} "
+                f"{graph:>9} {ratio(res.ms_graph, base.ms_graph):>7} {res.gpu_busy_ms:9.2f} "
+                f"{ratio(res.gpu_busy_ms, base.gpu_busy_ms):>7} {host:>11} {res.peak_gib:9.2f} "
+                f"{ratio(res.peak_gib, base.peak_gib):>7}   ({time.perf_counter() - t0:.0f} s)"
+            )
             if args.graphs and res.ms_graph is None:
                 print(f"    graphs: {res.graph_note}")
     return 0

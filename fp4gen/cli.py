@@ -15,6 +15,7 @@ from typing import Any
 
 from fp4gen import describe
 from fp4gen.errors import FP4GenError
+from fp4gen.settings import check_environment
 
 DISTRIBUTIONS = ("normal", "laplace", "student-t", "uniform", "lognormal", "outliers")
 
@@ -561,6 +562,8 @@ def cmd_demo(args: argparse.Namespace) -> int:
     if not (math.isfinite(args.lr) and args.lr > 0):
         raise ArgumentError(f"--lr must be a positive, finite learning rate, got {args.lr}")
     check_seed(args.seed)
+    if "\0" in args.out:
+        raise ArgumentError(f"--out {args.out!r}: a folder name holds no NUL byte")
     recipes = tuple(r.strip() for r in args.recipes.split(",") if r.strip())
     if not recipes:
         raise FP4GenError("--recipes names no recipe")
@@ -740,6 +743,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
+        check_environment()
         return int(args.func(args))
     except FP4GenError as err:
         print(f"fp4gen {args.command}: {err}", file=sys.stderr)

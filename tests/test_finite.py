@@ -80,3 +80,12 @@ def test_layer_mode_picks_the_scope(monkeypatch) -> None:
     monkeypatch.setattr(finite, "_layer_mode", [None])  # read on first use, not at import
     with pytest.raises(FP4GenError, match="FP4GEN_CHECK_FINITE='sometimes'"):
         finite.layer_mode()
+
+
+def test_cli_reports_a_bad_setting_before_any_command(monkeypatch, capsys) -> None:
+    from fp4gen.cli import main
+
+    monkeypatch.setenv("FP4GEN_CHECK_FINITE", "bogus")
+    assert main(["formats"]) == 1
+    err = capsys.readouterr().err
+    assert err == "fp4gen formats: FP4GEN_CHECK_FINITE='bogus': expected one of propagate, raise\n"

@@ -72,9 +72,11 @@ class PackedCodes:
     def unpack(self) -> torch.Tensor:
         """uint8 codes [R, cols], one per byte."""
         data = self.data
-        if self.bits == 4 and self.cols % 2 == 0:  # one shift and one mask, no bit stream
-            shifts = torch.tensor([0, 4], dtype=torch.uint8, device=data.device)
-            return ((data.unsqueeze(-1) >> shifts) & 0xF).reshape(data.shape[0], self.cols)
+        if self.bits == 4 and self.cols % 2 == 0:  # a mask and a shift, no bit stream
+            # built from the data alone: a shift tensor made on the host would be a copy from
+            # pageable memory, which waits for the GPU (and cannot be captured in a CUDA graph)
+            pairs = torch.stack((data & 0xF, data >> 4), dim=-1)
+            return pairs.reshape(data.shape[0], self.cols)
         return unpack(data, self.bits, self.cols)
 
 

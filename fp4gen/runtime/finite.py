@@ -19,7 +19,6 @@ layer), which no BF16 layer does. So ``fp4gen.nn.Linear``'s custom ops run in a 
 
 from __future__ import annotations
 
-import os
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -27,21 +26,14 @@ from contextlib import contextmanager
 import torch
 
 from fp4gen.errors import FP4GenError
+from fp4gen.settings import LAYER_MODES, check_finite_mode
 
-LAYER_MODES = ("propagate", "raise")
 _state = threading.local()  # .pending (deferred reads) and .propagate (flags returned)
 
 
-ENV_VAR = "FP4GEN_CHECK_FINITE"
-
-
 def mode_from_env() -> str:
-    """The mode ``FP4GEN_CHECK_FINITE`` names ("propagate" when unset); FP4GenError for any
-    other value, so a misspelt setting is never ignored."""
-    mode = os.environ.get(ENV_VAR, "propagate")
-    if mode not in LAYER_MODES:
-        raise FP4GenError(f"{ENV_VAR}={mode!r}: expected one of {', '.join(LAYER_MODES)}")
-    return mode
+    """The mode ``FP4GEN_CHECK_FINITE`` names (fp4gen.settings: FP4GenError for a bad value)."""
+    return check_finite_mode()
 
 
 # read on first use, not at import: a bad value is reported where a layer runs (or by the CLI
