@@ -96,3 +96,48 @@ def test_non_finite_inputs_propagate_or_raise(monkeypatch) -> None:
     y = layer(x.clone().requires_grad_(True))
     with pytest.raises(TensorError, match=r"1 non-finite value.*index \(0, 1\)"):
         y.backward(bad_dy)
+
+
+def _graph_step(layer, x, dy):
+    """Forward + backward captured in one CUDA graph (after a warm-up on a side stream)."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(2):
+            layer.weight.grad = None
+            layer(x).backward(dy)
+    torch.cuda.current_stream().wait_stream(side)
+    layer.weight.grad = None
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        y = layer(x)
+        y.backward(dy)
+    return graph, y
+
+
+def test_cuda_graph_of_a_round_to_nearest_step_equals_eager() -> None:
+    r = load_recipe("nvfp4_no_sr.fp4r")
+    torch.manual_seed(2)
+    layer = fp4gen.nn.Linear(256, 192, recipe=r, device="cuda", dtype=torch.bfloat16)
+    x = torch.randn(128, 256, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    dy = torch.randn(128, 192, device="cuda", dtype=torch.bfloat16)
+    y_eager = layer(x)
+    y_eager.backward(dy)
+    dx_eager, dw_eager = x.grad.clone(), layer.weight.grad.clone()
+    x.grad = None
+    graph, y = _graph_step(layer, x, dy)
+    for _ in range(2):  # every replay gives the eager step's bits
+        x.grad.zero_()
+        layer.weight.grad.zero_()
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(y, y_eager)
+        assert torch.equal(x.grad, dx_eager) and torch.equal(layer.weight.grad, dw_eager)
+
+
+def test_cuda_graph_capture_refuses_stochastic_rounding() -> None:
+    layer = fp4gen.nn.Linear(256, 192, recipe=load_recipe("nvfp4.fp4r"), device="cuda")
+    x = torch.randn(128, 256, device="cuda", requires_grad=True)
+    dy = torch.randn(128, 192, device="cuda")
+    with pytest.raises(fp4gen.FP4GenError, match="cannot be captured in a CUDA graph yet"):
+        _graph_step(layer, x, dy)

@@ -186,6 +186,7 @@ class Linear(nn.Linear):
         (the GEMM's epilogue writes it). ``weight`` is the tensor the op was given (under FSDP2
         the all-gathered parameter), quantized now."""
         table = self.operands
+        _refuse_sr_capture(x2, (table.fprop_activation, table.fprop_weight), self.name)
         call = self._forward_calls
         self._forward_calls += 1
         w = _rows_contiguous(weight.detach())
@@ -220,6 +221,13 @@ class Linear(nn.Linear):
         dy and W^T zero columns up to the dgrad RHT size; dx and dW are cropped back. With sizes
         that need none, no copy is made and every bit is as without this step."""
         table = self.operands
+        backward_specs = (
+            table.dgrad_gradient,
+            table.dgrad_weight,
+            table.wgrad_gradient,
+            table.wgrad_activation,
+        )
+        _refuse_sr_capture(dy2, backward_specs, self.name)
         call = self._backward_calls
         self._backward_calls += 1
         w = weight.detach()
@@ -375,6 +383,22 @@ def _transposable(fprop: OperandSpec, dgrad: OperandSpec) -> bool:
         and fprop == dgrad
         and fprop.rht is None
     )
+
+
+def _refuse_sr_capture(t: torch.Tensor, specs: tuple[OperandSpec, ...], name: str) -> None:
+    """FP4GenError when a CUDA graph is being captured and an operand rounds stochastically:
+    the Philox offset is a host counter, so every replay would draw the same bits (a biased
+    rounding, silently). Round-to-nearest recipes capture and replay exactly."""
+    if not t.is_cuda or not torch.cuda.is_current_stream_capturing():
+        return
+    for spec in specs:
+        if spec.rounding.startswith("stochastic"):
+            raise FP4GenError(
+                f"{name or 'fp4gen.nn.Linear'}: an operand rounds stochastically "
+                f"({spec.rounding}), which cannot be captured in a CUDA graph yet (every replay "
+                "would draw the same random bits); capture a round-to-nearest recipe, or run "
+                "this one eagerly"
+            )
 
 
 def _output_dtype(x: torch.Tensor) -> torch.dtype:

@@ -1,0 +1,150 @@
+"""Host time of fp4gen's per-call path, piece by piece, against plain torch calls.
+
+Small shapes (the GPU finishes each kernel before the host queues the next), so the wall time
+per call is the host's: a torch allocation, an elementwise op, nn.Linear forward + backward in
+BF16, and fp4gen's quantize, GEMM and Linear forward + backward. ``--profile N`` adds a cProfile
+of the Linear forward + backward loop sorted by self time (where the host time is spent, not
+what it is spent under).
+
+    python benchmarks/host_path.py [--recipe recipes/nvfp4_small.fp4r] [--size 256]
+                                   [--calls 300] [--profile 40]
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import io
+import pstats
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the checkout, uninstalled
+
+import fp4gen  # noqa: E402
+from fp4gen.dsl.model import Operand  # noqa: E402
+
+
+def host_us(fn: Callable[[], object], calls: int) -> float:
+    """Wall microseconds per call, the GPU idle before and drained after."""
+    for _ in range(5):
+        fn()
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - start) / calls * 1e6
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--recipe", default="recipes/nvfp4_small.fp4r")
+    parser.add_argument("--size", type=int, default=256, help="tokens = in = out features")
+    parser.add_argument("--calls", type=int, default=300)
+    parser.add_argument("--profile", type=int, default=0, metavar="N")
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit("this benchmark needs a CUDA GPU")
+    n = args.size
+    recipe = fp4gen.load_recipe(args.recipe)
+    table = recipe.operands
+    x = torch.randn(n, n, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    dy = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
+    plain = torch.nn.Linear(n, n, device="cuda", dtype=torch.bfloat16)
+    layer = fp4gen.nn.Linear(n, n, recipe=recipe, device="cuda", dtype=torch.bfloat16)
+    xd = x.detach()
+    spec = table.fprop_activation
+    xq = layer.quantize(xd, Operand.FPROP_ACTIVATION, spec, 0)
+    wq = layer.quantize(layer.weight.detach(), Operand.FPROP_WEIGHT, table.fprop_weight, 0)
+
+    def plain_step() -> None:
+        plain(x).backward(dy)
+
+    def fp4gen_step() -> None:
+        layer(x).backward(dy)
+
+    @torch.library.custom_op("fp4gen_bench::copy", mutates_args=())
+    def copy_op(t: torch.Tensor) -> torch.Tensor:
+        return t.clone()
+
+    def forward_direct() -> None:  # the layer's fprop without the custom op around it
+        with torch.no_grad():
+            layer.forward_gemm(xd, layer.weight, layer.bias, torch.bfloat16)
+
+    def backward_direct() -> None:
+        with torch.no_grad():
+            layer.backward_gemms(dy, xd, layer.weight)
+
+    # the pieces of one quantize call (fp4gen.runtime.cute_backend.quantize_cute)
+    from fp4gen.runtime import cute_backend, finite
+
+    qspec = cute_backend.spec_for(spec.format, spec.rounding, spec.rht, xd.dtype)
+    kernels = cute_backend._kernels(qspec)
+    out, plan = kernels.module.launches(xd)
+
+    def launch_only() -> None:
+        for name, kargs in plan:
+            kernels.fns[name](*kargs)
+
+    def check_only() -> None:
+        with finite.propagating():
+            finite.check(xd, "x")
+
+    def wrap_only() -> None:
+        cute_backend._quantized(
+            out, "", spec.format, n, spec.rounding, spec.rht, 0, 0, xd.shape, xd.dtype, None
+        )
+
+    rows = [
+        (
+            "quantize: kernel lookup",
+            lambda: cute_backend._kernels(
+                cute_backend.spec_for(spec.format, spec.rounding, spec.rht, xd.dtype)
+            ),
+        ),
+        ("quantize: finite check", check_only),
+        ("quantize: launches() (checks, allocations)", lambda: kernels.module.launches(xd)),
+        (f"quantize: the {len(plan)} kernel calls alone", launch_only),
+        ("quantize: QuantizedTensor wrap", wrap_only),
+        ("a custom op that clones its input", lambda: copy_op(xd)),
+        ("fp4gen fprop, no custom op", forward_direct),
+        ("fp4gen dgrad + wgrad, no custom op", backward_direct),
+        ("torch.empty (cuda)", lambda: torch.empty(n, n, device="cuda")),
+        ("x + 1", lambda: xd + 1),
+        ("nn.Linear fwd+bwd (bf16)", plain_step),
+        (
+            "fp4gen quantize (fprop activation)",
+            lambda: layer.quantize(xd, Operand.FPROP_ACTIVATION, spec, 0),
+        ),
+        ("fp4gen.gemm (fprop)", lambda: fp4gen.gemm(xq, wq, out_dtype=torch.bfloat16)),
+        ("fp4gen Linear forward", lambda: layer(xd)),
+        ("fp4gen Linear fwd+bwd", fp4gen_step),
+    ]
+    print(f"{args.recipe}, {n} x {n}, {torch.cuda.get_device_name()}")
+    base = None
+    for name, fn in rows:
+        us = host_us(fn, args.calls)
+        base = us if name.startswith("nn.Linear") else base
+        extra = f"  ({us / base:.1f}x nn.Linear)" if base and "Linear" in name else ""
+        print(f"  {name:40} {us:9.1f} us{extra}")
+    if args.profile:
+        prof = cProfile.Profile()
+        prof.enable()
+        for _ in range(50):
+            fp4gen_step()
+        torch.cuda.synchronize()
+        prof.disable()
+        out = io.StringIO()
+        pstats.Stats(prof, stream=out).sort_stats("tottime").print_stats(args.profile)
+        print("cProfile of 50 fp4gen Linear fwd+bwd, by self time:")
+        print(out.getvalue())
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
