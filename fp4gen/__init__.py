@@ -40,6 +40,9 @@ _LAZY: dict[str, str] = {
     "show_plan": "fp4gen.runtime.convert",
     "enable_telemetry": "fp4gen.runtime.convert",
     "telemetry": "fp4gen.runtime.convert",
+    "export_quantized": "fp4gen.export",
+    "import_quantized": "fp4gen.export",
+    "load_quantized": "fp4gen.export",
 }
 
 __all__ = [
@@ -70,11 +73,15 @@ __all__ = [
     "show_plan",
     "enable_telemetry",
     "telemetry",
+    "export_quantized",
+    "import_quantized",
+    "load_quantized",
 ]
 
 if TYPE_CHECKING:
     from fp4gen.dsl import load_recipe, parse_recipe, print_recipe
     from fp4gen.dsl.model import Operand, OperandSpec, Recipe, RHTSpec
+    from fp4gen.export import export_quantized, import_quantized, load_quantized
     from fp4gen.formats import BUILTIN_FORMATS, BlockFormat, ElementFormat, HighPrecision, ScaleSpec
     from fp4gen.gemm_dispatch import gemm
     from fp4gen.numerics import ErrorStats, QuantizedTensor, error_stats, gemm_reference, quantize

@@ -736,6 +736,12 @@ def build_parser() -> argparse.ArgumentParser:
     from fp4gen.report import add_commands as add_report_commands
 
     add_report_commands(sub)  # report
+    from fp4gen.experiments.command import add_commands as add_sweep_commands
+
+    add_sweep_commands(sub)  # sweep
+    from fp4gen.export_cli import add_commands as add_export_commands
+
+    add_export_commands(sub)  # export
     return parser
 
 

@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import reprlib
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -93,23 +94,76 @@ class Heatmap:
 
 
 def load_records(path: Path) -> list[dict[str, Any]]:
+    if "\0" in str(path):
+        raise FP4GenError(f"cannot read {str(path)!r}: a file name holds no NUL byte")
     try:
         data = json.loads(path.read_text())
     except OSError as err:
         raise FP4GenError(f"cannot read {path}: {err.strerror or err}") from None
+    except UnicodeDecodeError as err:
+        raise FP4GenError(f"{path} is not JSON: not UTF-8 text (byte {err.start})") from None
     except json.JSONDecodeError as err:
         raise FP4GenError(f"{path} is not JSON: {err}") from None
+    except RecursionError:
+        raise FP4GenError(f"{path}: its JSON nests too deeply for telemetry records") from None
+    except ValueError as err:  # an integer of more than 4300 digits, a name the OS rejects
+        raise FP4GenError(f"cannot read telemetry from {path}: {err}") from None
     records = data.get("records") if isinstance(data, dict) else data
     if not isinstance(records, list) or not all(isinstance(r, dict) for r in records):
         raise FP4GenError(f"{path}: expected a list of telemetry records or {{'records': [...]}}")
+    for i, rec in enumerate(records):
+        check_record(i, rec)
     return records
+
+
+def _is_number(value: Any, finite: bool = False) -> bool:
+    """A JSON number within float's range (an integer of 400 digits is not), finite if asked."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return False
+    try:
+        number = float(value)
+    except OverflowError:
+        return False
+    return not finite or math.isfinite(number)
+
+
+def check_record(i: int, rec: dict[str, Any]) -> None:
+    """FP4GenError naming the record, the field and the rule for a field value the report
+    cannot use (the fields ``fp4gen.telemetry`` writes; others are ignored)."""
+
+    def bad(field: str, rule: str) -> FP4GenError:
+        shown = reprlib.repr(rec[field])  # short: nested and long values are elided
+        return FP4GenError(f"telemetry record {i}: {field!r} must be {rule}, got {shown}")
+
+    for field in ("recipe", "layer", "operand"):
+        if field in rec and not (isinstance(rec[field], str) or _is_number(rec[field])):
+            raise bad(field, "a name (a string or a number)")
+    hist = rec.get("rel_error_hist")
+    if hist is not None and not (
+        isinstance(hist, list) and all(_is_number(c, finite=True) and c >= 0 for c in hist)
+    ):
+        raise bad("rel_error_hist", "a list of finite, non-negative counts")
+    if "mean_rel_error" in rec and not _is_number(rec["mean_rel_error"]):
+        raise bad("mean_rel_error", "a number")
+    if rec.get("fallback") is not None and not _is_number(rec["fallback"]):
+        raise bad("fallback", "a number (the share of units kept in high precision) or null")
+    units = rec.get("units", 0)
+    if not (_is_number(units, finite=True) and 0 <= units < 2**53):
+        raise bad("units", "a count of decision units from 0 to 2^53")
+    for field in ("step", "call"):
+        if field in rec and not _is_number(rec[field], finite=True):
+            raise bad(field, "a finite number")
+    t = rec.get("threshold")
+    if t is not None and not (_is_number(t) and 0 < t < 1):
+        raise bad("threshold", "a relative error between 0 and 1 (exclusive) or null")
 
 
 def error_bin(error: float) -> int:
     """The bin of a relative error: i with i/200 <= error < (i+1)/200, the last for >= 20%."""
     if not math.isfinite(error):
         return BINS - 1
-    return min(max(int(error * 200), 0), BINS - 1)
+    # clamped before int(): error * 200 of a huge finite error is inf, which int() refuses
+    return int(min(max(error * 200, 0.0), BINS - 1))
 
 
 def _share(recs: list[dict[str, Any]]) -> float:
@@ -361,10 +415,31 @@ def draw_fallback(
     return True
 
 
+def check_out(out: Path) -> None:
+    """FP4GenError for an --out path no PNG (or other matplotlib image) can be written to."""
+    if "\0" in str(out):
+        raise FP4GenError(f"--out {str(out)!r}: a file name holds no NUL byte")
+    if not out.name:
+        raise FP4GenError(f"--out {out}: names no file; give an image path such as heatmap.png")
+    try:
+        from matplotlib.backend_bases import FigureCanvasBase
+    except ImportError:
+        return  # draw() reports that matplotlib is missing
+    kinds = FigureCanvasBase.get_supported_filetypes()
+    kind = out.suffix[1:].lower()
+    if kind and kind not in kinds:
+        raise FP4GenError(
+            f"--out {out}: matplotlib cannot write .{kind} images; use one of "
+            f"{', '.join(sorted(kinds))} (or no suffix: .png)"
+        )
+
+
 def cmd_report(args: argparse.Namespace) -> int:
     from fp4gen.cli import render_table
 
     path = Path(args.telemetry)
+    if not args.no_png and args.out:
+        check_out(Path(args.out))
     records = load_records(path)
     heatmap = aggregate(records, args.recipe, args.by)
     fallback = fallback_summary(records, args.recipe)

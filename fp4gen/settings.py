@@ -21,6 +21,23 @@ def check_finite_mode() -> str:
     return mode
 
 
+def check_folder_setting(var: str) -> None:
+    """FP4GenError when the folder an environment variable names cannot be a path: a NUL byte,
+    or a ``~user`` whose home folder is unknown."""
+    value = os.environ.get(var)
+    if not value:
+        return
+    if "\0" in value:
+        raise FP4GenError(f"{var}={value!r}: a folder name holds no NUL byte")
+    if (
+        value.startswith("~")
+        and os.path.expanduser(value.split(os.sep, 1)[0]) == value.split(os.sep, 1)[0]
+    ):
+        raise FP4GenError(f"{var}={value}: cannot expand its '~': no home folder for that user")
+
+
 def check_environment() -> None:
     """FP4GenError for any fp4gen setting in the environment that names no valid value."""
     check_finite_mode()
+    for var in ("FP4GEN_CACHE_DIR", "XDG_CACHE_HOME"):
+        check_folder_setting(var)

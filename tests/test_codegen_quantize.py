@@ -369,6 +369,8 @@ def test_cross_compile(name: str, arch: str, modules, tmp_path: Path) -> None:
         assert not re.search(r"\.local\b", ptx), f"{kernel} uses local memory (spills)"
         assert not re.search(r"\.approx|\.ftz", ptx), "approximate or flush-to-zero math"
         if kernel == "quantize":
+            # the element scaling: fma.rn with +0.0 (the sign bit of the result is x < 0)
+            assert re.search(r"fma\.rn\.f32 [^;]*, 0f00000000;", ptx)
             hw_e2m1 = "cvt.rn.satfinite.e2m1x2.f32" in ptx
             wants = arch == "sm_100a" and s.element == E2M1 and s.outputs[0].rounding == "nearest"
             assert hw_e2m1 == wants
@@ -443,6 +445,7 @@ def test_tile_cross_compile(name: str, arch: str, modules, tmp_path: Path) -> No
             assert ("div.rn.f32" in ptx) == prepared
             continue
         roundings = {o.rounding for o in s.outputs}
+        assert re.search(r"fma\.rn\.f32 [^;]*, 0f00000000;", ptx)  # the element scaling
         hw_e2m1 = "cvt.rn.satfinite.e2m1x2.f32" in ptx
         assert hw_e2m1 == (arch == "sm_100a" and s.element == E2M1 and "nearest" in roundings)
         if "stochastic" in roundings:
@@ -481,6 +484,8 @@ def test_nvfp4_gradient_kernel_shape(modules, tmp_path: Path) -> None:
     # every pair of elements: folded 8 columns x 8 + 4 rows x 4, unfolded 2 x 8 + 4 x 4
     pairs = 8 * 8 + 4 * 4 + 2 * 8 + 4 * 4
     assert ptx.count("cvt.rz.f16x2.f32") == ptx.count("min.xorsign.abs.f16x2") == pairs
+    # each value scaled by one fma.rn with +0.0 (the sign bit x < 0, no extra instruction)
+    assert len(re.findall(r"fma\.rn\.f32 [^;]*, 0f00000000;", ptx)) == 2 * pairs
     assert "mul.rz.f32" not in ptx and "cvt.rzi" not in ptx  # no per-element rescale or convert
     # code words: folded 8 columns x 2 + 4 rows, unfolded 2 columns x 2 + 4 rows
     assert ptx.count("@p st.global.u32") == 8 * 2 + 4 + 2 * 2 + 4

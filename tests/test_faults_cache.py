@@ -522,3 +522,15 @@ def test_jobs_must_be_at_least_one(
     with pytest.raises(ValueError, match="jobs must be at least 1, got 0"):
         compile_recipes([load_recipe(recipe)], jobs=0, compile=False, out=tmp_path / "o")
     assert not (tmp_path / "o").exists()
+
+
+def test_cache_dir_setting_with_an_unknown_home_is_one_line(monkeypatch, capsys) -> None:
+    from fp4gen.cli import main
+
+    monkeypatch.setenv("FP4GEN_CACHE_DIR", "~nosuchuser-fp4gen/x")
+    assert main(["cache", "info"]) == 1
+    err = capsys.readouterr().err
+    assert err == (
+        "fp4gen cache: FP4GEN_CACHE_DIR=~nosuchuser-fp4gen/x: cannot expand its '~': "
+        "no home folder for that user\n"
+    )

@@ -292,6 +292,7 @@ LOAD_SCRIPT = textwrap.dedent(
     import json, sys, time
     sys.path.insert(0, sys.argv[2])
     from kernel_stub import render_stub
+    from fp4gen.compiler import jit
     from fp4gen.compiler.cache import KernelCache
     from fp4gen.compiler.spec import QuantKernelSpec, QuantOutput
     from fp4gen.formats import E2M1, E4M3, ScaleSpec
@@ -305,7 +306,9 @@ LOAD_SCRIPT = textwrap.dedent(
     s = k.stats
     print(json.dumps({"compiled": s.compiled, "loaded": s.loaded, "names": list(k),
                       "seconds": time.perf_counter() - start,
-                      "callable": all(callable(f) for f in k.values())}))
+                      "callable": all(callable(f) for f in k.values()),
+                      "compile_count": jit.compile_count(), "load_count": jit.load_count(),
+                      "compiled_kernels": [k for _, k, _ in jit.compiled_kernels()]}))
     """
 )
 
@@ -328,8 +331,12 @@ def run_load_script(tmp_path: Path) -> dict:
 def test_kernels_for_compiles_once_then_loads_in_a_new_process(tmp_path: Path) -> None:
     first = run_load_script(tmp_path)
     assert first == {**first, "compiled": 2, "loaded": 0, "names": ["amax", "quantize"]}
+    # the process-wide counters (fp4gen.compiler.jit) agree with the loader's own
+    assert first["compile_count"] == 2 and first["compiled_kernels"] == ["amax", "quantize"]
+    assert first["load_count"] == 2  # what it compiled, it loads from the cache entry
     second = run_load_script(tmp_path)  # a fresh process: everything from the cache
     assert second == {**second, "compiled": 0, "loaded": 2, "callable": True}
+    assert second["compile_count"] == 0 and second["load_count"] == 2
     entries = KernelCache(tmp_path / "c").entries()
     assert len(entries) == 2
     linked = find_linker() is not None

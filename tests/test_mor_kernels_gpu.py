@@ -246,7 +246,7 @@ def test_threshold_per_channel(run) -> None:
 
 SHAPES = [(1, 8), (7, 40), (128, 128), (130, 264), (256, 384)]
 LARGE = [(300, 1000), (1024, 2048)]  # "mixed" (and "randn" for the first) only
-PATTERNS = ("mixed", "randn", "outliers", "zeros", "tiny", "huge")
+PATTERNS = ("mixed", "randn", "outliers", "zeros", "tiny", "huge", "signed_zero")
 
 
 def make_input(pattern: str, shape: tuple[int, int], seed: int) -> torch.Tensor:
@@ -254,7 +254,10 @@ def make_input(pattern: str, shape: tuple[int, int], seed: int) -> torch.Tensor:
     uniform in [1, 5) (a narrow range: formats with the same mantissa width tie), log-uniform
     over 2^20 (fits e5m2's range, e4m3 flushes) or over 2^34 (fits neither), so every candidate
     wins somewhere. "randn": blocks of magnitudes 2^[-20, 20]. "outliers". "zeros": with -0.0
-    and one exactly representable value. "tiny": fp32 subnormals. "huge": near the fp32 max."""
+    and one exactly representable value. "tiny": fp32 subnormals. "huge": near the fp32 max.
+    "signed_zero": magnitudes 2^0 .. 2^-149, three in four negative, among -0.0 and +0.0, and a
+    few outliers up to 2^100: negative values that round to zero encode as negative zero, -0.0
+    as code 0 (docs/numerics.md 1)."""
     g = torch.Generator(device="cuda").manual_seed(seed)
     rows, cols = shape
     dev = "cuda"
@@ -286,6 +289,17 @@ def make_input(pattern: str, shape: tuple[int, int], seed: int) -> torch.Tensor:
         x = x * 1e-40
     elif pattern == "huge":
         x = x * 1e37
+    elif pattern == "signed_zero":
+        mag = torch.exp2(-torch.randint(0, 150, (rows, cols), generator=g, device=dev).float())
+        x = torch.where(torch.rand(rows, cols, generator=g, device=dev) < 0.75, -mag, mag)
+        flat = x.view(-1)
+        n = max(1, flat.numel() // 300)
+        idx = torch.randint(0, flat.numel(), (n,), generator=g, device=dev)
+        flat[idx] = flat[idx].sign() * torch.exp2(
+            torch.randint(-4, 101, (n,), generator=g, device=dev).float()
+        )
+        flat[1::5] = -0.0
+        flat[2::7] = 0.0
     return x
 
 

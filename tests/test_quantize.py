@@ -153,7 +153,9 @@ def ref_quantize(
                                 frac = (a - vals[lo]) / (vals[lo + 1] - vals[lo])  # exact
                                 t = math.floor(frac * 2**32)
                                 mag = lo + 1 if int(sr_bits[r, c]) < t else lo
-                        codes[r, c] = mag | (elem.sign if (y < 0 and mag != 0) else 0)
+                        # the sign of x: also on a zero magnitude, and where x * e_b
+                        # underflows to -0.0; -0.0 is code 0
+                        codes[r, c] = mag | (elem.sign if blk[i, j] < 0 else 0)
     return codes, s_vals, s_codes, s_dec
 
 

@@ -100,7 +100,17 @@ CASES = {
         E2M1, 16, NVFP4_SCALE, True, "nearest", RHTSpec(32, "none", None), "swizzled"
     ),
 }
-PATTERNS = ("randn", "zeros", "outliers", "subnormal_scales", "ties", "tiny", "huge", "flt_max")
+PATTERNS = (
+    "randn",
+    "zeros",
+    "outliers",
+    "subnormal_scales",
+    "ties",
+    "tiny",
+    "huge",
+    "flt_max",
+    "signed_zero",
+)
 MS = (1, 7, 128, 272, 1000)
 
 
@@ -211,7 +221,29 @@ def make_input(spec: QuantKernelSpec, pattern: str, m: int, k: int, salt: int) -
         x = x * 1e37
     elif pattern == "flt_max":
         x = _near_max(spec, m, k, g)
+    elif pattern == "signed_zero":
+        x = _signed_zeros(m, k, b, g)
     return x.to(dtype).contiguous()
+
+
+def _signed_zeros(m: int, k: int, b: int, g: torch.Generator) -> torch.Tensor:
+    """Negative values that round to zero (docs/numerics.md 1: negative zero, sign bit set),
+    among -0.0 (code 0), +0.0 and tiny positives: magnitudes 2^0 .. 2^-133 (bf16's smallest
+    subnormal), three in four negative, and about one outlier per block of 2^-4 .. 2^100, so
+    that many values round to zero and some products x * e_b underflow to -0.0 (the sign of x
+    is kept there too)."""
+    dev = torch.device("cuda")
+    mag = torch.exp2(-torch.randint(0, 134, (m, k), generator=g, device=dev).float())
+    mag = mag * (1 + torch.rand(m, k, generator=g, device=dev))
+    sign = torch.where(torch.rand(m, k, generator=g, device=dev) < 0.75, -1.0, 1.0)
+    x = sign * mag
+    n = max(1, m * k // b)
+    idx = torch.randint(0, m * k, (n,), generator=g, device=dev)
+    top = torch.exp2(torch.randint(-4, 101, (n,), generator=g, device=dev).float())
+    x.view(-1)[idx] = top * sign.view(-1)[idx]
+    x.view(-1)[1::5] = -0.0
+    x.view(-1)[2::7] = 0.0
+    return x
 
 
 def _near_max(spec: QuantKernelSpec, m: int, k: int, g: torch.Generator) -> torch.Tensor:
@@ -421,7 +453,16 @@ TILE_DTYPES = {case: ("bf16", "fp32") for case in TILE_CASES} | {
     "nvfp4_swizzled": ("fp16", "bf16"),
     "e2m3_e5m2_scales": ("fp16",),
 }
-TILE_PATTERNS = ("randn", "zeros", "outliers", "subnormal_scales", "tiny", "huge", "flt_max")
+TILE_PATTERNS = (
+    "randn",
+    "zeros",
+    "outliers",
+    "subnormal_scales",
+    "tiny",
+    "huge",
+    "flt_max",
+    "signed_zero",
+)
 TILE_MS = (16, 272, 1000, 4096)
 
 

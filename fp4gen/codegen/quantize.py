@@ -199,7 +199,6 @@ def _element_ctx(fmt: ElementFormat) -> dict[str, Any]:
         # magnitude code = bits(2^23 + n) + (k + 127) * 2^m - code_bias
         "code_bias": _hex(code_bias),
         "word_bias": _hex(sum(code_bias << (fmt.bits * j) for j in range(lanes))),
-        "lane_mags": _hex(sum((sign - 1) << (fmt.bits * j) for j in range(lanes))),
         "lane_signs": _hex(sum(sign << (fmt.bits * j) for j in range(lanes))),
         "hw_cvt": hw[0] if hw else None,
         "hw_archs": hw[1] if hw else (),
@@ -365,16 +364,7 @@ def context(spec: QuantKernelSpec) -> dict[str, Any]:
     ctx["need_mul_rz"] = ctx["sw_encode"] == "srshift"
     # "srhalf" encodes take the Philox words, the others one field per value
     ctx["rand_fn"] = "random_words" if ctx["sw_encode"] == "srhalf" else "random_fields"
-    ctx["uses_asm"] = bool(
-        ctx["need_add_rz"]
-        or ctx["need_mul_rz"]
-        or ctx["sr_bits"] == 8  # byte_field
-        or ctx["swar"]
-        or rht
-        or spec.input_dtype == "bf16"
-        or scale["kind"] == "e4m3_hw"
-        or hw_archs
-    )
+    ctx["uses_asm"] = True  # scale_value, the element scaling, is inline PTX
     return ctx
 
 

@@ -1,8 +1,15 @@
 """``fp4gen compile``: plan recipes, render every kernel, compile each for each arch.
 
-Per recipe folder: one ``<kernel>.py`` per planned kernel (the generated CuTe DSL module) and
-``manifest.json`` (recipe name and hash, template and toolchain versions, archs, every kernel
-with its spec parameters, the operands that use it, its kernel names and compile results).
+Per recipe folder: one ``<kernel>.py`` per quantize and MoR kernel (the generated CuTe DSL
+module; the dequantize and GEMM modules too with ``gemm_sources``) and ``manifest.json``, which
+lists every kernel. The kernels are the recipe's quantize plan (``fp4gen.compiler.plan``) and
+every kernel the runtime can load besides (``fp4gen.compiler.aot``: the quantize kernels
+``fp4gen.nn.Linear`` asks for, MoR, dequantize, the sm_90a fused GEMMs and the sm_100a
+block-scaled GEMMs). The manifest holds the recipe name and hash, template and toolchain
+versions, archs, the GEMM routes, what is left to run time, and every kernel with its spec
+parameters, the operands or GEMMs that use it, its kernel names and the archs it is built for:
+nothing that depends on the machine, the cache or the clock, so rendering a recipe twice gives
+the same bytes (compile results and timings are printed, see ``CompileReport.results``).
 Compiled kernels go to the kernel cache (``fp4gen.compiler.cache``), so a later
 ``fp4gen.runtime.kernels_for`` on this machine, or on a GPU machine given the same cache folder,
 loads them without compiling.
@@ -16,21 +23,22 @@ default to sm_100a). A spec the template does not support yet is listed as
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import json
 import os
-import queue
 import subprocess
 import sys
 import tempfile
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, TextIO
 
 from fp4gen.compiler import jit
+from fp4gen.compiler.aot import RuntimeKernel, RuntimePlan, kernel_spec_json, runtime_plan
 from fp4gen.compiler.cache import (
     PLAIN_NAME_RULE,
     KernelCache,
@@ -40,13 +48,14 @@ from fp4gen.compiler.cache import (
     path_problem,
     sha256_text,
 )
-from fp4gen.compiler.plan import KernelPlan, PlannedKernel, plan_recipe, spec_json, use_json
-from fp4gen.compiler.spec import QuantKernelSpec
+from fp4gen.compiler.plan import KernelPlan, PlannedKernel, plan_recipe, use_json
+from fp4gen.compiler.spec import MoRKernelSpec, QuantKernelSpec
 from fp4gen.dsl.model import Recipe
 from fp4gen.errors import FP4GenError, RecipeError
 
 MANIFEST = "manifest.json"
-MANIFEST_FORMAT = 1
+# 2: every kernel the runtime loads (kind, archs), GEMM routes, no compile results or timings
+MANIFEST_FORMAT = 2
 
 
 # ----------------------------------------------------------------------------------------------
@@ -56,7 +65,7 @@ MANIFEST_FORMAT = 1
 
 @dataclass
 class RenderedKernel:
-    planned: PlannedKernel
+    planned: PlannedKernel | RuntimeKernel  # from the quantize plan, or what the runtime loads
     source: str | None = None  # None when unsupported
     kernels: tuple[str, ...] = ()
     unsupported: str | None = None
@@ -64,7 +73,6 @@ class RenderedKernel:
     fallback_for: str | None = None  # set on a split kernel standing in for a fused one
     fallback: list[str] = field(default_factory=list)  # on a fused kernel: its stand-ins
     cache_path: Path | None = None  # the source in the cache (what workers compile)
-    compile: dict[str, dict[str, dict[str, Any]]] = field(default_factory=dict)
 
     @property
     def name(self) -> str:
@@ -74,6 +82,19 @@ class RenderedKernel:
     def file(self) -> str:
         return f"{self.name}.py"
 
+    @property
+    def kind(self) -> str:
+        if isinstance(self.planned, RuntimeKernel):
+            return self.planned.kind
+        return "mor" if isinstance(self.planned.spec, MoRKernelSpec) else "quantize"
+
+    @property
+    def archs(self) -> tuple[str, ...]:
+        """The archs the kernel is built for (quantize and MoR templates target every one)."""
+        if isinstance(self.planned, RuntimeKernel):
+            return self.planned.archs
+        return jit.ARCHS
+
 
 @dataclass
 class RecipeBuild:
@@ -81,6 +102,15 @@ class RecipeBuild:
     plan: KernelPlan
     out: Path
     kernels: list[RenderedKernel]
+    runtime: RuntimePlan | None = None  # what the runtime loads (None: the plan's kernels only)
+    gemm_sources: bool = False  # also write the dequantize and GEMM modules into ``out``
+
+    def writes(self, item: RenderedKernel) -> bool:
+        """Whether ``item``'s module goes into the folder. The quantize and MoR modules always
+        do; the dequantize and GEMM modules (about 40 KiB each, 20-30 for an NVFP4 recipe, the
+        same for every recipe with the same operand pairs) only when asked: the manifest lists
+        them with their source hash, and the kernel cache holds their text."""
+        return item.source is not None and (item.kind in ("quantize", "mor") or self.gemm_sources)
 
 
 def recipe_sha256(recipe: Recipe) -> str:
@@ -153,9 +183,38 @@ def render_plan(
     return out
 
 
-def manifest(
-    build: RecipeBuild, archs: Sequence[str], *, timings: bool, template: str
-) -> dict[str, Any]:
+def render_runtime(
+    items: list[RenderedKernel], runtime: RuntimePlan, render: Callable[[Any], str] | None = None
+) -> list[RenderedKernel]:
+    """``items`` (a rendered plan) followed by the runtime's kernels it does not hold yet, each
+    rendered: quantize kernels with ``render`` (default ``jit.render_source``, as the plan),
+    dequantize and GEMM kernels with ``jit.render_gemm_source``. A runtime kernel the template
+    cannot make gets no stand-in: the runtime itself falls back (to the single-output kernels,
+    which the runtime plan lists, or to the reference)."""
+    out = list(items)
+    known = {item.planned.spec for item in items}
+    for kernel in runtime.kernels:
+        if kernel.spec in known:
+            continue  # planned already (its uses are the plan's operand slots)
+        known.add(kernel.spec)
+        item = RenderedKernel(kernel)
+        if kernel.kind in ("quantize", "mor"):
+            _render_one(item, render or jit.render_source)
+        else:
+            _render_one(item, jit.render_gemm_source)
+        out.append(item)
+    return out
+
+
+def _uses_json(item: RenderedKernel) -> list[dict[str, Any]]:
+    if isinstance(item.planned, RuntimeKernel):
+        return [u.to_json() for u in item.planned.uses]
+    return [use_json(u) for u in item.planned.uses]
+
+
+def manifest(build: RecipeBuild, archs: Sequence[str], *, template: str) -> dict[str, Any]:
+    """The manifest of a recipe folder: only what the recipe, the templates, the toolchain
+    versions and the arguments decide (no compile results, timings or paths)."""
     recipe = build.recipe
     kernels = []
     for item in build.kernels:
@@ -166,30 +225,25 @@ def manifest(
             status = f"error: {item.error}"
         entry: dict[str, Any] = {
             "name": item.name,
+            "kind": item.kind,
             "status": status,
-            "file": item.file if item.source is not None else None,
+            "file": item.file if build.writes(item) else None,
             "source_sha256": sha256_text(item.source) if item.source is not None else None,
-            "spec": spec_json(item.planned.spec),
-            "tensors": [
-                {"activation": "x", "weight": "W", "gradient": "dy"}[r] for r in item.planned.roles
-            ],
-            "uses": [use_json(u) for u in item.planned.uses],
-            "kernels": list(item.kernels),
+            "spec": kernel_spec_json(item.planned.spec),
         }
+        if item.kind in ("quantize", "mor"):
+            entry["tensors"] = [
+                {"activation": "x", "weight": "W", "gradient": "dy"}[r] for r in item.planned.roles
+            ]
+        entry["uses"] = _uses_json(item)
+        entry["kernels"] = list(item.kernels)
+        entry["archs"] = [a for a in archs if a in item.archs]
         if item.fallback:
             entry["fallback"] = list(item.fallback)
         if item.fallback_for is not None:
             entry["fallback_for"] = item.fallback_for
-        if item.compile:
-            entry["compile"] = {
-                arch: {
-                    name: (result if timings else {"status": result["status"]})
-                    for name, result in per_arch.items()
-                }
-                for arch, per_arch in item.compile.items()
-            }
         kernels.append(entry)
-    return {
+    data: dict[str, Any] = {
         "format": MANIFEST_FORMAT,
         "recipe": {
             "name": recipe.name,
@@ -204,6 +258,9 @@ def manifest(
         "kernels": kernels,
         "skipped": build.plan.to_json()["skipped"],
     }
+    if build.runtime is not None:
+        data.update(build.runtime.to_json())
+    return data
 
 
 def recipe_folder(recipe: Recipe, parent: Path) -> Path:
@@ -248,25 +305,33 @@ def _stale_files(build: RecipeBuild, keep: set[str]) -> list[Path]:
 
 def write_sources(build: RecipeBuild) -> None:
     """Write the sources of a recipe folder, removing the ones an earlier run left there."""
+    files: dict[str, str] = {}
+    for item in build.kernels:
+        if not build.writes(item):
+            continue
+        if files.setdefault(item.file, item.source) != item.source:
+            # two specs with one name (kernel names do not spell out every parameter, e.g.
+            # RHT signs): one would silently overwrite the other
+            raise FP4GenError(
+                f"{build.recipe.name}: two different kernels are both named {item.name}; "
+                "compile the contexts that need them separately"
+            )
     with writing_out(build.out):
         build.out.mkdir(parents=True, exist_ok=True)
-        keep = {item.file for item in build.kernels if item.source is not None}
-        for stale in _stale_files(build, keep):
+        for stale in _stale_files(build, set(files)):
             stale.unlink()
-        for item in build.kernels:
-            if item.source is not None:
-                path = inside(build.out, item.file)
-                if not path.is_file() or path.read_text() != item.source:
-                    path.write_text(item.source)
+        for file, source in files.items():
+            path = inside(build.out, file)
+            if not path.is_file() or path.read_text() != source:
+                path.write_text(source)
 
 
-def write_manifest(
-    build: RecipeBuild, archs: Sequence[str], *, timings: bool, template: str
-) -> Path:
+def write_manifest(build: RecipeBuild, archs: Sequence[str], *, template: str) -> Path:
     path = build.out / MANIFEST
-    data = manifest(build, archs, timings=timings, template=template)
+    text = json.dumps(manifest(build, archs, template=template), indent=2, allow_nan=False) + "\n"
     with writing_out(build.out):
-        path.write_text(json.dumps(data, indent=2, allow_nan=False) + "\n")
+        if not path.is_file() or path.read_text() != text:  # unchanged files keep their mtime
+            path.write_text(text)
     return path
 
 
@@ -310,6 +375,7 @@ class _Worker:
     def __init__(self, arch: str, cache: KernelCache, log_dir: Path) -> None:
         import fp4gen
 
+        self.arch = arch
         env = dict(os.environ)
         env["CUTE_DSL_ARCH"] = arch
         env["FP4GEN_CACHE_DIR"] = str(cache.root)
@@ -383,29 +449,39 @@ def compile_all(
     jobs: int,
     progress: Progress | None = None,
 ) -> dict[tuple[str, str, str], dict[str, Any]]:
-    """Compile tasks in worker processes, one arch per worker (``jobs`` workers in all, at
-    least one per arch); results by (source, kernel, arch)."""
+    """Compile tasks in ``jobs`` worker processes at most; results by (source, kernel, arch).
+
+    A worker compiles for one arch (CUTE_DSL_ARCH is read when the DSL is imported), so each
+    thread drives one worker at a time: it starts on an arch of its own (the archs with the most
+    tasks first) and, when that arch's queue is empty, moves to the arch with the most tasks
+    left, with a new worker. The archs' queues rarely have equal lengths (the sm_90a GEMMs have
+    no sm_100a counterpart), so a fixed worker per arch would leave one idle."""
     results: dict[tuple[str, str, str], dict[str, Any]] = {}
     if not tasks:
         return results
-    archs = list(dict.fromkeys(t.arch for t in tasks))
-    queues: dict[str, queue.SimpleQueue[CompileTask]] = {a: queue.SimpleQueue() for a in archs}
+    pending: dict[str, collections.deque[CompileTask]] = {}
     for task in tasks:
-        queues[task.arch].put(task)
+        pending.setdefault(task.arch, collections.deque()).append(task)
+    by_size = sorted(pending, key=lambda a: -len(pending[a]))
     lock = threading.Lock()
     log_dir = cache.work_dir()
 
-    def drive(arch: str) -> None:
+    def next_task(arch: str) -> CompileTask | None:
+        with lock:
+            if not pending[arch]:  # this arch is done: help the one with the most left
+                arch = max(pending, key=lambda a: len(pending[a]))
+            return pending[arch].popleft() if pending[arch] else None
+
+    def drive(first: str) -> None:
         worker: _Worker | None = None
+        arch = first
         try:
-            while True:
-                try:
-                    task = queues[arch].get_nowait()
-                except queue.Empty:
-                    return
-                if worker is None or not worker.alive:
-                    if worker is not None:
-                        worker.close()
+            while (task := next_task(arch)) is not None:
+                arch = task.arch
+                if worker is not None and (worker.arch != arch or not worker.alive):
+                    worker.close()
+                    worker = None
+                if worker is None:
                     worker = _Worker(arch, cache, log_dir)
                 result = worker.ask(
                     {
@@ -426,12 +502,10 @@ def compile_all(
             if worker is not None:
                 worker.close()
 
-    counts = {a: sum(1 for t in tasks if t.arch == a) for a in archs}
-    per_arch = max(1, jobs // len(archs))
+    count = min(jobs, len(tasks))
     threads = [
-        threading.Thread(target=drive, args=(arch,), daemon=True)
-        for arch in archs
-        for _ in range(min(per_arch, counts[arch]))
+        threading.Thread(target=drive, args=(by_size[i % len(by_size)],), daemon=True)
+        for i in range(count)
     ]
     for t in threads:
         t.start()
@@ -445,6 +519,19 @@ def compile_all(
 # ----------------------------------------------------------------------------------------------
 
 
+@dataclass(frozen=True)
+class CompileResult:
+    """One kernel of one generated module for one arch, as this run found or built it."""
+
+    module: str  # the generated module's name (the spec's)
+    kind: str
+    kernel: str  # the kernel's name in the module ("quantize", "gemm", ...)
+    arch: str
+    status: str  # "ok" or "error: ..."
+    cached: bool  # found in the kernel cache (no compile)
+    seconds: float  # compile seconds of this run (0 for a cached kernel)
+
+
 @dataclass
 class CompileReport:
     builds: list[RecipeBuild]
@@ -453,6 +540,36 @@ class CompileReport:
     seconds: float
     compiled: int
     cached: int
+    results: list[CompileResult] = field(default_factory=list)  # in plan order, each once
+
+
+def prepare_builds(
+    recipes: Sequence[Recipe],
+    *,
+    archs: Sequence[str] = jit.ARCHS,
+    out: Path | None = None,
+    render: Callable[[Any], str] | None = None,
+    input_dtype: str | Mapping[str, str] = "bf16",
+    fallback: bool = True,
+    runtime: bool = True,
+    gemm_sources: bool = False,
+) -> list[RecipeBuild]:
+    """Plan and render ``recipes`` (no file is written): the quantize plan with its stand-ins,
+    then (with ``runtime``) every other kernel the runtime loads on ``archs``."""
+    builds = []
+    for recipe in recipes:
+        if out is None:
+            folder = recipe_folder(recipe, Path("generated"))
+        else:
+            folder = Path(out) if len(recipes) == 1 else recipe_folder(recipe, Path(out))
+        plan = plan_recipe(recipe, input_dtype=input_dtype)  # type: ignore[arg-type]
+        rendered = render_plan(plan, render, fallback=fallback)
+        loads = None
+        if runtime:
+            loads = runtime_plan(recipe, archs=tuple(archs), input_dtype=input_dtype)  # type: ignore[arg-type]
+            rendered = render_runtime(rendered, loads, render)
+        builds.append(RecipeBuild(recipe, plan, folder, rendered, loads, gemm_sources))
+    return builds
 
 
 def compile_recipes(
@@ -463,30 +580,37 @@ def compile_recipes(
     keep_ptx: bool = False,
     jobs: int | None = None,
     compile: bool = True,
-    timings: bool = True,
     cache: KernelCache | None = None,
     render: Callable[[Any], str] | None = None,
     progress_stream: TextIO | None = None,
-    input_dtype: str = "bf16",
+    input_dtype: str | Mapping[str, str] = "bf16",
     fallback: bool = True,
+    runtime: bool = True,
+    gemm_sources: bool = False,
+    announce: Callable[[list[RecipeBuild]], None] | None = None,
 ) -> CompileReport:
     """Plan, render and (unless ``compile`` is False) compile ``recipes`` for ``archs``.
 
     out: the recipe folder for one recipe, the parent of one folder per recipe for several
-    (default: generated/<recipe>/ under the current directory)."""
+    (default: generated/<recipe>/ under the current directory). runtime: also every kernel the
+    runtime loads besides the quantize plan (``fp4gen.compiler.aot``). gemm_sources: write the
+    dequantize and GEMM modules into the folder too (``RecipeBuild.writes``). announce: called with
+    the rendered builds once the sources are written, before anything is compiled (the
+    command prints the plan; an unusable cache or output folder fails before it)."""
     if jobs is not None and jobs < 1:
         raise ValueError(f"jobs must be at least 1, got {jobs}")
     start = time.perf_counter()
     cache = cache or KernelCache()
-    builds = []
-    for recipe in recipes:
-        if out is None:
-            folder = recipe_folder(recipe, Path("generated"))
-        else:
-            folder = Path(out) if len(recipes) == 1 else recipe_folder(recipe, Path(out))
-        plan = plan_recipe(recipe, input_dtype=input_dtype)  # type: ignore[arg-type]
-        rendered = render_plan(plan, render, fallback=fallback)
-        builds.append(RecipeBuild(recipe, plan, folder, rendered))
+    builds = prepare_builds(
+        recipes,
+        archs=archs,
+        out=out,
+        render=render,
+        input_dtype=input_dtype,
+        fallback=fallback,
+        runtime=runtime,
+        gemm_sources=gemm_sources,
+    )
 
     unsupported: dict[str, list[str]] = {}
     errors: list[str] = []
@@ -504,58 +628,76 @@ def compile_recipes(
             if item.source is None:
                 continue
             item.cache_path = cache.store_source(item.source)
-            if compile:
-                for arch in archs:
-                    for name in item.kernels:
-                        dump = None
-                        if keep_ptx:
-                            dump = str(inside(build.out, "ptx", arch, item.name, name))
-                        where = (str(item.cache_path), name, arch)
-                        if where not in tasks:
-                            key = jit.kernel_key(cache, item.source, name, arch)
-                            tasks[where] = CompileTask(*where, dump, item.name, key)
+            if not compile:
+                continue
+            for arch in archs:
+                if arch not in item.archs:
+                    continue  # e.g. the wgmma GEMMs on sm_100a
+                for name in item.kernels:
+                    dump = None
+                    if keep_ptx:
+                        dump = str(inside(build.out, "ptx", arch, item.name, name))
+                    where = (str(item.cache_path), name, arch)
+                    if where not in tasks:
+                        key = jit.kernel_key(cache, item.source, name, arch)
+                        tasks[where] = CompileTask(*where, dump, item.name, key)
+
+    if announce is not None:  # the folders are usable: say what is about to be built
+        announce(builds)
 
     # kernels already in the cache need no worker (unless PTX is wanted: that is a compile)
-    results: dict[tuple[str, str, str], dict[str, Any]] = {}
+    found: dict[tuple[str, str, str], dict[str, Any]] = {}
     ordered = []
     for where, task in tasks.items():
         entry = None if keep_ptx or task.key is None else cache.lookup(task.key[0])
         if entry is None:
             ordered.append(task)
         else:
-            seconds = round(float(entry.meta.get("compile_seconds", 0.0)), 3)
-            results[where] = {"status": "ok", "seconds": seconds, "cached": True}
+            found[where] = {"status": "ok", "seconds": 0.0, "cached": True}
     jobs = jobs or min(8, os.cpu_count() or 1)
     progress = Progress(len(ordered), progress_stream) if ordered else None
-    results.update(compile_all(ordered, cache=cache, jobs=jobs, progress=progress))
+    found.update(compile_all(ordered, cache=cache, jobs=jobs, progress=progress))
 
-    compiled = cached = 0
-    for (source, name, arch), result in results.items():
-        if result["status"] != "ok":
-            errors.append(f"{Path(source).name} {name} {arch}: {result['status']}")
-        elif result.get("cached"):
-            cached += 1
-        else:
-            compiled += 1
+    results: list[CompileResult] = []
+    done: set[tuple[str, str, str]] = set()
     for build in builds:
         for item in build.kernels:
             if item.cache_path is None or not compile:
                 continue
-            for arch in archs:
+            for arch in (a for a in archs if a in item.archs):
                 for name in item.kernels:
-                    r = results[(str(item.cache_path), name, arch)]
-                    kept = {k: r[k] for k in ("status", "seconds", "cached") if k in r}
-                    item.compile.setdefault(arch, {})[name] = kept
-        write_manifest(build, archs, timings=timings, template=cache.template_version)
-    return CompileReport(builds, unsupported, errors, time.perf_counter() - start, compiled, cached)
+                    where = (str(item.cache_path), name, arch)
+                    if where in done:
+                        continue  # one module shared by several recipes: reported once
+                    done.add(where)
+                    r = found[where]
+                    cached = bool(r.get("cached"))
+                    seconds = 0.0 if cached else float(r.get("seconds", 0.0))
+                    results.append(
+                        CompileResult(
+                            item.name, item.kind, name, arch, r["status"], cached, seconds
+                        )
+                    )
+    for build in builds:
+        write_manifest(build, archs, template=cache.template_version)
+    for r in results:
+        if r.status != "ok":
+            errors.append(f"{r.module} {r.kernel} {r.arch}: {r.status}")
+    compiled = sum(1 for r in results if r.status == "ok" and not r.cached)
+    cached = sum(1 for r in results if r.status == "ok" and r.cached)
+    seconds = time.perf_counter() - start
+    return CompileReport(builds, unsupported, errors, seconds, compiled, cached, results)
 
 
 __all__ = [
     "MANIFEST",
     "CompileReport",
+    "CompileResult",
     "RecipeBuild",
     "compile_recipes",
     "manifest",
+    "prepare_builds",
     "recipe_sha256",
     "render_plan",
+    "render_runtime",
 ]

@@ -5,17 +5,22 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import textwrap
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from fp4gen.compiler.cache import MARKER, CacheError, KernelCache
 from fp4gen.errors import FP4GenError
+
+if TYPE_CHECKING:
+    from fp4gen.compiler.build import CompileReport, RecipeBuild, RenderedKernel
 
 COMPILE_EPILOG = """\
 examples:
   fp4gen compile recipes/nvfp4.fp4r
   fp4gen compile recipes/nvfp4.fp4r --arch sm_100a --out /tmp/nvfp4 --keep-ptx
-  fp4gen compile recipes/*.fp4r --out generated --no-timings
+  fp4gen compile recipes/*.fp4r --out generated
 """
 
 
@@ -42,6 +47,21 @@ def positive_int(text: str) -> int:
     return value
 
 
+def cache_for(cache_dir: str | None) -> KernelCache:
+    """The kernel cache ``--cache-dir`` names (none: the default location); CacheError, one line,
+    for a name no folder can have (a NUL byte, ``~user`` of an unknown user)."""
+    if not cache_dir:  # unset or empty: the default, as before
+        return KernelCache()
+    if "\0" in cache_dir:
+        raise CacheError(f"--cache-dir {cache_dir!r}: a folder name holds no NUL byte")
+    try:
+        return KernelCache(cache_dir)
+    except RuntimeError:  # Path.expanduser: no home folder for this ~ or ~user
+        raise CacheError(
+            f"--cache-dir {cache_dir}: cannot expand its '~': no home folder for that user"
+        ) from None
+
+
 def _print_json(data: dict[str, Any]) -> None:
     # strict JSON: a NaN or an infinity is a bug to see, not a token other parsers reject
     print(json.dumps(data, indent=2, allow_nan=False))
@@ -55,10 +75,93 @@ def _human(n: float) -> str:
     return f"{n:.1f} GiB"
 
 
+def _archs_text(archs: Sequence[str]) -> str:
+    return ", ".join(archs)
+
+
+def _where(item: RenderedKernel) -> str:
+    """Who uses a kernel, in short: the operand slots or the GEMMs (the manifest has when)."""
+    seen: dict[str, None] = {}
+    for use in item.planned.uses:
+        operand = getattr(use, "operand", None)
+        seen[operand.selector if operand is not None else str(use.gemm)] = None
+    return ", ".join(seen)
+
+
+def print_plan(builds: list[RecipeBuild], archs: Sequence[str]) -> None:
+    """What each recipe needs and what will be built (before anything is compiled)."""
+    from fp4gen.compiler.aot import KIND_TEXT, KINDS, RuntimeKernel
+    from fp4gen.compiler.plan import TENSOR_NAMES
+
+    for build in builds:
+        recipe = build.recipe
+        source = f" ({recipe.source.name})" if recipe.source is not None else ""
+        print(f"{recipe.name}{source} -> {build.out}")
+        inputs = ", ".join(f"{TENSOR_NAMES[r]} {d}" for r, d in build.plan.input_dtypes)
+        print(f"  inputs {inputs}; archs {_archs_text(archs)}")
+        planned = [k for k in build.kernels if not isinstance(k.planned, RuntimeKernel)]
+        ok = [k for k in planned if k.source is not None and k.fallback_for is None]
+        stand_ins = [k for k in planned if k.fallback_for is not None]
+        unsupported = [k for k in planned if k.unsupported is not None]
+        parts = [f"{len(build.plan.kernels)} planned kernel(s)", f"{len(ok)} generated"]
+        if unsupported:
+            parts.append(f"{len(unsupported)} unsupported")
+        if stand_ins:
+            parts.append(f"{len(stand_ins)} single-output stand-in(s)")
+        print(f"  quantize plan: {', '.join(parts)}")
+        if build.runtime is not None and build.runtime.gemms:
+            for line in build.runtime.gemm_text().splitlines():
+                print(f"  {line}")
+        made = [k for k in build.kernels if k.source is not None]
+        counts = [
+            f"{n} {KIND_TEXT[kind]}"
+            for kind in KINDS
+            if (n := sum(1 for k in made if k.kind == kind))
+        ]
+        compiles = sum(len(k.kernels) * len([a for a in archs if a in k.archs]) for k in made)
+        lacking = sum(
+            1 for k in build.kernels if k.source is None and isinstance(k.planned, RuntimeKernel)
+        )
+        print(
+            f"  kernels: {', '.join(counts) or 'none'} ({len(made)} module(s), {compiles} "
+            f"kernel compile(s) for {_archs_text(archs)})"
+            + (f"; {lacking} more the template cannot make yet" if lacking else "")
+        )
+        width = max((len(k.name) for k in made), default=0)
+        for k in made:
+            where = [a for a in archs if a in k.archs]
+            print(f"    {k.kind:<10} {k.name:<{width}}  {' '.join(where):<15} {_where(k)}")
+        if build.runtime is not None and build.runtime.notes:
+            print("  left to run time (not compiled here):")
+            for note in build.runtime.notes:
+                print(f"    - {note}")
+    sys.stdout.flush()  # before the workers' progress on stderr
+
+
+def print_results(report: CompileReport) -> None:
+    """Every kernel compiled or found in the cache, with its arch and compile seconds."""
+    if not report.results:
+        return
+    width = max(len(f"{r.module} {r.kernel}") for r in report.results)
+    print("built (kernel, arch, result, compile seconds):")
+    for r in report.results:
+        label = f"{r.module} {r.kernel}"
+        if r.status != "ok":
+            result = r.status
+        elif r.cached:
+            result = "cached"
+        else:
+            result = f"compiled  {r.seconds:6.2f}s"
+        print(f"  {label:<{width}}  {r.arch:<8} {result}")
+
+
 def cmd_compile(args: argparse.Namespace) -> int:
     from fp4gen.compiler.build import compile_recipes
     from fp4gen.dsl import find_recipe, load_recipe
 
+    if args.out is not None and "\0" in args.out:
+        raise FP4GenError(f"--out {args.out!r}: a folder name holds no NUL byte")
+    cache = cache_for(args.cache_dir) if args.cache_dir else None
     recipes = [load_recipe(find_recipe(p)) for p in args.recipes]
     names = [r.name for r in recipes]
     if len(set(names)) != len(names):
@@ -70,21 +173,12 @@ def cmd_compile(args: argparse.Namespace) -> int:
         keep_ptx=args.keep_ptx,
         jobs=args.jobs,
         compile=not args.no_compile,
-        timings=not args.no_timings,
-        cache=KernelCache(args.cache_dir) if args.cache_dir else None,
+        cache=cache,
         input_dtype=args.input_dtype,
         fallback=not args.no_fallback,
+        gemm_sources=args.gemm_sources,
+        announce=lambda builds: print_plan(builds, args.arch),
     )
-    for build in report.builds:
-        ok = [k for k in build.kernels if k.source is not None and k.fallback_for is None]
-        stand_ins = [k for k in build.kernels if k.fallback_for is not None]
-        unsupported = [k for k in build.kernels if k.unsupported is not None]
-        parts = [f"{len(build.plan.kernels)} planned kernel(s)", f"{len(ok)} generated"]
-        if unsupported:
-            parts.append(f"{len(unsupported)} unsupported")
-        if stand_ins:
-            parts.append(f"{len(stand_ins)} single-output stand-in(s)")
-        print(f"{build.recipe.name}: {', '.join(parts)} -> {build.out / 'manifest.json'}")
     if report.unsupported:
         count = sum(len(v) for v in report.unsupported.values())
         print(f"not supported by the template yet ({count} kernel(s)):", file=sys.stderr)
@@ -93,10 +187,13 @@ def cmd_compile(args: argparse.Namespace) -> int:
                 shown = reason if reason.startswith(name) else f"{name}: {reason}"
                 print(f"  {shown}", file=sys.stderr)
     if not args.no_compile:
-        archs = ", ".join(args.arch)
+        print_results(report)
+    for build in report.builds:
+        print(f"{build.recipe.name}: wrote {build.out / 'manifest.json'}")
+    if not args.no_compile:  # the summary last: scripts read the final line
         print(
-            f"compiled {report.compiled} kernel(s), {report.cached} from the cache, for {archs} "
-            f"in {report.seconds:.1f}s"
+            f"compiled {report.compiled} kernel(s), {report.cached} from the cache, for "
+            f"{_archs_text(args.arch)} in {report.seconds:.1f}s"
         )
     for err in report.errors:
         print(f"error: {err}", file=sys.stderr)
@@ -134,7 +231,12 @@ def _print_cache_info(info: dict[str, Any]) -> None:
 def cmd_cache(args: argparse.Namespace) -> int:
     from fp4gen.compiler.cache import toolchain
 
-    cache = KernelCache(args.cache_dir) if args.cache_dir else KernelCache()
+    try:
+        cache = cache_for(args.cache_dir)
+    except CacheError as err:
+        if args.json:  # a script still gets JSON, as for the errors below
+            _print_json({"location": args.cache_dir, "error": str(err)})
+        raise
     try:
         if args.action == "clear":
             existed = cache.root.is_dir()
@@ -165,12 +267,22 @@ def add_commands(sub: Any) -> None:
 
     p = sub.add_parser(
         "compile",
-        help="generate and compile a recipe's quantize kernels",
-        description="Plan the quantize kernels of each recipe, write every generated CuTe DSL "
-        "module and a manifest.json into the output folder, and compile each kernel for each "
-        "arch in worker processes (no GPU needed) into the kernel cache, from which "
-        "fp4gen.runtime loads them. Specs the template does not support yet are listed in the "
-        "manifest as unsupported.",
+        help="generate and compile every kernel a recipe's training run loads",
+        description=textwrap.fill(
+            "Plan every kernel a training run with each recipe can load: the quantize plan, "
+            "the quantize kernels fp4gen.nn.Linear asks for, MoR, dequantize, the sm_90a fused "
+            "GEMMs (small-M mma.sync and wgmma tiles) and the sm_100a block-scaled tcgen05 GEMMs "
+            "of the recipe's operand pairs. Print the plan, write the generated CuTe DSL quantize "
+            "and MoR modules (with --gemm-sources the dequantize and GEMM modules too) and a "
+            "manifest.json listing every kernel into the output folder (no timings or "
+            "machine-dependent fields: the same recipe gives the same bytes), and compile each "
+            "kernel for each arch in worker processes (no GPU needed) into the kernel cache, "
+            "from which fp4gen.runtime loads them: a later process on a GPU compiles nothing. "
+            "Then print every kernel compiled or found in the cache, with its arch and compile "
+            "seconds. Specs the template does not support yet are listed in the manifest as "
+            "unsupported.",
+            width=80,
+        ),
         epilog=COMPILE_EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
@@ -200,9 +312,15 @@ def add_commands(sub: Any) -> None:
         "--no-compile", action="store_true", help="only write the sources and the manifest"
     )
     p.add_argument(
+        "--gemm-sources",
+        action="store_true",
+        help="also write the dequantize and GEMM modules into DIR (default: the manifest lists "
+        "them with their source hash; the kernel cache holds them)",
+    )
+    p.add_argument(
         "--no-timings",
         action="store_true",
-        help="leave compile seconds out of the manifest (for checked-in output)",
+        help=argparse.SUPPRESS,  # accepted for old scripts: manifests never hold timings now
     )
     p.add_argument(
         "--no-fallback",
@@ -213,7 +331,8 @@ def add_commands(sub: Any) -> None:
         "--input-dtype",
         choices=("bf16", "fp16", "fp32"),
         default="bf16",
-        help="dtype the kernels read (default: bf16)",
+        help="dtype of the tensors the kernels read (x, W, dy) and of the GEMM outputs "
+        "(default: bf16, a bf16 model)",
     )
     p.add_argument("--cache-dir", metavar="DIR", help="kernel cache (default: FP4GEN_CACHE_DIR)")
     p.set_defaults(func=cmd_compile)

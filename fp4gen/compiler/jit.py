@@ -44,6 +44,11 @@ COMPILE_OPTIONS: dict[str, Any] = {"abi": "tvm-ffi", "export": "so"}
 _compile_lock = threading.Lock()  # cute.compile is not thread-safe
 _modules: dict[Path, ModuleType] = {}
 _modules_lock = threading.Lock()
+# Every ``cute.compile`` this process ran, as (generated module's file stem, kernel, arch), and
+# every cache entry it loaded: after ``fp4gen compile`` a training process should only load
+# (``compile_count() == 0``), which tests and users can check.
+_compiled: list[tuple[str, str, str]] = []
+_loads = [0]
 
 
 # ----------------------------------------------------------------------------------------------
@@ -52,17 +57,14 @@ _modules_lock = threading.Lock()
 
 
 def render_source(
-    spec: QuantKernelSpec | GemmKernelSpec | DequantKernelSpec | MoRKernelSpec,
+    spec: QuantKernelSpec | GemmKernelSpec | DequantKernelSpec | MoRKernelSpec | Any,
 ) -> str:
-    """The generated module of ``spec``; NotImplementedError if the template cannot emit it."""
-    if isinstance(spec, GemmKernelSpec):
-        from fp4gen.codegen.gemm import render_gemm
+    """The generated module of ``spec``; NotImplementedError if the template cannot emit it.
 
-        return render_gemm(spec)
-    if isinstance(spec, DequantKernelSpec):
-        from fp4gen.codegen.dequant import render_dequant
-
-        return render_dequant(spec)
+    ``spec`` may also be an sm_100a ``fp4gen.runtime.blackwell_gemm.GemmConfig`` (see
+    ``render_gemm_source``)."""
+    if not isinstance(spec, QuantKernelSpec | MoRKernelSpec):
+        return render_gemm_source(spec)
     if isinstance(spec, MoRKernelSpec):
         from fp4gen.codegen.mor import render as render_mor
 
@@ -76,6 +78,28 @@ def render_source(
             "no quantize kernel template in this fp4gen (fp4gen.codegen.quantize is missing)"
         ) from err
     return render(spec)
+
+
+def render_gemm_source(spec: GemmKernelSpec | DequantKernelSpec | Any) -> str:
+    """The generated module of a GEMM-side spec: a fused sm_90a GEMM (``GemmKernelSpec``), a
+    dequantize kernel (``DequantKernelSpec``) or an sm_100a block-scaled GEMM
+    (``fp4gen.runtime.blackwell_gemm.GemmConfig``: the module ``gemm_kernel`` renders, the same
+    text, so the same cache key). ``fp4gen compile`` renders these through here and the
+    quantize and MoR specs through ``render_source``, so a test can stand in for either."""
+    if isinstance(spec, GemmKernelSpec):
+        from fp4gen.codegen.gemm import render_gemm
+
+        return render_gemm(spec)
+    if isinstance(spec, DequantKernelSpec):
+        from fp4gen.codegen.dequant import render_dequant
+
+        return render_dequant(spec)
+    # imported only here: the Blackwell glue imports torch
+    from fp4gen.runtime.blackwell_gemm import GemmConfig, render_module
+
+    if isinstance(spec, GemmConfig):
+        return render_module(spec)
+    raise TypeError(f"no template renders a {type(spec).__name__}")
 
 
 def kernel_names(source: str) -> tuple[str, ...]:
@@ -164,7 +188,26 @@ def compile_kernel(
     with _compile_lock:
         start = time.perf_counter()
         fn = module.compile_kernel(name, arch, dump_dir=None if dump_dir is None else str(dump_dir))
+        _compiled.append((Path(getattr(module, "__file__", None) or "?").stem, name, arch))
         return fn, time.perf_counter() - start
+
+
+def compile_count() -> int:
+    """How many kernels this process compiled (``cute.compile`` calls, in ``compile_kernel``:
+    the runtime's loaders, ``build_kernel`` and PTX dumps all go through it). A process that
+    finds every kernel in the cache, e.g. after ``fp4gen compile``, keeps it at 0."""
+    return len(_compiled)
+
+
+def compiled_kernels() -> list[tuple[str, str, str]]:
+    """What this process compiled, in order: (generated module's file stem, kernel, arch). The
+    stem is the sha256 of the module's text for modules stored in the kernel cache."""
+    return list(_compiled)
+
+
+def load_count() -> int:
+    """How many cache entries this process loaded (``load_entry`` calls)."""
+    return _loads[0]
 
 
 def export_entry(fn: Any, folder: Path, symbol: str) -> dict[str, Any]:
@@ -200,9 +243,13 @@ def load_entry(entry: Entry) -> Callable[..., Any]:
             continue
         try:
             module = cute.runtime.load_module(str(entry.file(name)), enable_tvm_ffi=True)
-            return getattr(module, symbol)
+            fn = getattr(module, symbol)
         except Exception as err:  # try the next artifact
             errors.append(f"{name}: {err}")
+            continue
+        with _modules_lock:  # += on a list item is not atomic across threads
+            _loads[0] += 1
+        return fn
     raise RuntimeError(f"cannot load cache entry {entry.path}: " + "; ".join(errors))
 
 
@@ -286,14 +333,18 @@ __all__ = [
     "COMPILE_OPTIONS",
     "BuiltKernel",
     "build_kernel",
+    "compile_count",
     "compile_kernel",
+    "compiled_kernels",
     "detect_arch",
     "export_entry",
     "find_linker",
     "import_source",
     "kernel_key",
     "kernel_names",
+    "load_count",
     "load_entry",
+    "render_gemm_source",
     "render_source",
     "symbol_for",
     "use_cache_for_dsl",

@@ -173,6 +173,7 @@ def encode(
     fmt: ElementFormat,
     rounding: Rounding = "nearest",
     random_bits: torch.Tensor | None = None,
+    negative: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """float32 values -> uint8 codes of ``fmt`` (same shape).
 
@@ -188,9 +189,14 @@ def encode(
       zero        truncate toward zero (lo).
 
     Saturating: |y| beyond the largest finite value (including +-Inf) gives +-max finite.
-    Signed zero: -0.0, and negatives whose magnitude rounds to 0, encode as code 0 (+0); the
-    sign bit is set only on non-zero results. NaN gives the format's NaN code when it has one,
-    else the code of +0 (the quantizer rejects non-finite input before it gets here).
+    Signed zero: the sign bit is set for every strictly negative y, whatever its magnitude
+    rounds to, so a negative value that rounds to zero encodes as negative zero (e2m1: -0.1 ->
+    0x8, which decodes to -0.0), as Transformer Engine's reference, torchao and torch's float8
+    casts do; -0.0 (and +0.0) encode as code 0. ``negative`` (bool, same shape) overrides which
+    values are negative: a quantizer passes x < 0 for y = fp32(x * e), so that a negative x whose
+    product underflows to -0.0 keeps its sign (docs/numerics.md 1). NaN gives the format's NaN
+    code when it has one, else the code of +0 (the quantizer rejects non-finite input before it
+    gets here).
     Exponent-only (unsigned) formats encode |y| clamped into [min_positive, max_finite]; the sign
     is dropped since they have none.
     """
@@ -201,10 +207,12 @@ def encode(
     a = torch.where(nan, torch.zeros_like(y), y.abs())
     if random_bits is not None and random_bits.shape != y.shape:
         raise ValueError(f"random_bits has shape {tuple(random_bits.shape)}, y {tuple(y.shape)}")
+    if negative is not None and negative.shape != y.shape:
+        raise ValueError(f"negative has shape {tuple(negative.shape)}, y {tuple(y.shape)}")
     mag = _round_magnitude(a, fmt, rounding, random_bits)
     if fmt.signed:
-        negative = (y < 0) & (mag != 0)
-        mag = mag | (negative.to(torch.int64) << (fmt.bits - 1))
+        neg = y < 0 if negative is None else negative.to(device=y.device, dtype=torch.bool)
+        mag = mag | (neg.to(torch.int64) << (fmt.bits - 1))
     nc = nan_code(fmt)
     if nc is not None:
         mag = torch.where(nan, torch.full_like(mag, nc), mag)

@@ -47,6 +47,7 @@ is what ``values()`` returns and what a mixed GEMM sums; ``dequantize()`` rounds
 A kernel applies fp32(1/m_g_a) * fp32(1/m_g_b) in its epilogue and the exponents per block pair.
 
 Element quantization: y = clamp(fp32(x * encode scale), -q_max, q_max), code = round(y) with the
+sign bit set iff x < 0 (a negative x that rounds to zero is negative zero, -0.0 is code 0) and the
 operand's rounding (``nearest``, ``zero``, or ``stochastic`` with the same Philox words as
 ``quantize``: element (r, c) uses word r * K + c of (seed, offset); every candidate sees the same
 words). High-precision candidates (bf16, fp16, fp32) round x to the dtype (RNE).
@@ -341,7 +342,8 @@ def quantize_element(
     q_max = max_finite(scales.element)
     enc = _expand_to(scales.encode, scales.block, rows, cols)
     y = torch.clamp(x2 * enc, -q_max, q_max)
-    codes = encode(y, scales.element, rounding, bits)  # type: ignore[arg-type]
+    # the sign of x: a negative x that rounds (or whose product underflows) to zero keeps it
+    codes = encode(y, scales.element, rounding, bits, negative=x2 < 0)  # type: ignore[arg-type]
     dec = _expand_to(scales.decode, scales.block, rows, cols)
     return codes, decode(codes, scales.element).to(torch.float64) * dec
 

@@ -454,7 +454,9 @@ def quantize(
       2^(floor(log2(amax_b * S_enc)) - emax_elem) clamped, amax 0 -> smallest; fp32 scales:
       s_b = d_b);
       e_b = min(fp32(1 / fp32(s_b * S_dec)), FLT_MAX);
-      y = clamp(fp32(x * e_b), -elem_max, elem_max); code = encode(y, element, rounding).
+      y = clamp(fp32(x * e_b), -elem_max, elem_max); code = encode(y, element, rounding) with
+      the sign bit set iff x < 0 (a negative x that rounds to zero is negative zero, -0.0 is
+      code 0).
     """
     if not isinstance(backend, str) or backend not in BACKENDS:
         raise ArgumentError(f"backend must be one of {BACKENDS}, got {_shown(backend)}")
@@ -499,7 +501,8 @@ def quantize(
         bits = random_bits(
             rows * cols, seed, offset, device=x2.device, bits=sr_bits(rounding)
         ).reshape(rows, cols)
-    codes = encode(y, elem, rounding, bits)  # type: ignore[arg-type]
+    # the sign of x, not of y: a negative x whose product underflows to -0.0 keeps it
+    codes = encode(y, elem, rounding, bits, negative=x2 < 0)  # type: ignore[arg-type]
 
     return QuantizedTensor(
         codes=codes,

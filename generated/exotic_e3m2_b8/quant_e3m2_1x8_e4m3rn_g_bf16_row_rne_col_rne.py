@@ -147,6 +147,22 @@ def _asm(ret_type, operands, text, constraints):
 
 
 @dsl_user_op
+def scale_value(x: Float32, e: Float32, *, loc=None, ip=None) -> Float32:
+    """fp32(x * e) for e > 0, as one fma.rn with +0.0 added: the product itself wherever it is
+    not zero, -0.0 where a negative product underflows, and +0.0 for x = -0.0 (-0 + +0 = +0
+    when rounding to nearest). So the result's sign bit is x < 0: the sign bit of x's code
+    (docs/numerics.md 1), at the cost of the multiply it replaces."""
+    return Float32(
+        _asm(
+            T.f32(),
+            [Float32(x).ir_value(loc=loc, ip=ip), Float32(e).ir_value(loc=loc, ip=ip)],
+            "fma.rn.f32 $0, $1, $2, 0f00000000;",
+            "=f,f,f",
+        )
+    )
+
+
+@dsl_user_op
 def bf16x2_absmax(a: Uint32, b: Uint32, *, loc=None, ip=None) -> Uint32:
     """Per-half max(|a|, |b|) of two bf16x2 words (the sign of the result is garbage)."""
     return Uint32(
@@ -188,6 +204,12 @@ def cvt_e4m3_to_f32(code: Uint32, *, loc=None, ip=None) -> Float32:
     )
 
 
+# The hardware cvt sets a code's sign bit from its source's, also where the magnitude rounds to 0
+# (-0.0 included): the contract's rule (docs/numerics.md 1), since the sources come from
+# scale_value, whose sign bit is x < 0 (an x of -0.0 gives +0.0). Nothing to clear.
+HW_PER_WORD = 4  # values per hardware-converted word
+
+
 @dsl_user_op
 def cvt_hw(v, *, loc=None, ip=None) -> Uint32:
     """4 fp32 -> 4 e3m2 codes (RNE, satfinite), one per byte, element 0 in the low byte.
@@ -205,20 +227,6 @@ def cvt_hw(v, *, loc=None, ip=None) -> Uint32:
             "=r,f,f,f,f",
         )
     )
-
-
-HW_PER_WORD = 4  # values per hardware-converted word
-HW_LANE_BITS = 8  # bits per value in that word
-# per lane: the sign bit of a code and the magnitude bits below it
-HW_SIGNS = sum(ELEM_SIGN << (HW_LANE_BITS * i) for i in range(HW_PER_WORD))
-HW_MAGS = sum((ELEM_SIGN - 1) << (HW_LANE_BITS * i) for i in range(HW_PER_WORD))
-
-
-def clear_negative_zero(w: Uint32) -> Uint32:
-    """Hardware cvt output: clear the sign of every lane whose magnitude is 0 (-0 and negatives
-    that round to 0 encode as code 0). mag + MAGS sets a lane's sign bit iff mag >= 1."""
-    nonzero = (w & Uint32(HW_MAGS)) + Uint32(HW_MAGS)
-    return w & (nonzero | Uint32(HW_MAGS))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -310,9 +318,9 @@ def elem_raw(y: Float32) -> Uint32:
 
 
 def with_sign(mag: Uint32, y: Float32) -> Uint32:
-    """Add y's sign bit to a magnitude code, only where the magnitude is non-zero."""
-    sign = (y.bitcast(Uint32) >> Uint32(32 - ELEM_BITS)) & Uint32(ELEM_SIGN)
-    return mag | cutlass.select_(mag != Uint32(0), sign, Uint32(0))
+    """Add y's sign bit to a magnitude code, a zero magnitude included (y comes from
+    scale_value: its sign bit is x < 0)."""
+    return mag | ((y.bitcast(Uint32) >> Uint32(32 - ELEM_BITS)) & Uint32(ELEM_SIGN))
 
 
 def encode_elements(ys: list, rand, hw: bool) -> list:
@@ -320,7 +328,7 @@ def encode_elements(ys: list, rand, hw: bool) -> list:
     if hw:
         fields = []
         for i in range(0, len(ys), HW_PER_WORD):
-            w = clear_negative_zero(cvt_hw(ys[i : i + HW_PER_WORD]))
+            w = cvt_hw(ys[i : i + HW_PER_WORD])
             # four 6-bit codes from the low 6 bits of each byte -> 24 bits
             w = (
                 (w & Uint32(0x3F))
@@ -475,8 +483,8 @@ def column(rows: list, j: int) -> list:
 
 
 def scaled(xs: list, e: Float32) -> list:
-    """fp32(x * e) for every x."""
-    return [x * e for x in xs]
+    """fp32(x * e) for every x, with the sign bit x < 0 (scale_value: -0.0 gives +0.0)."""
+    return [scale_value(x, e) for x in xs]
 
 
 def butterfly_max(v: Float32, offsets) -> Float32:

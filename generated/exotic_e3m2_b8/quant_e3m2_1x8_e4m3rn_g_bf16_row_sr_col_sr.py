@@ -152,6 +152,22 @@ def _asm(ret_type, operands, text, constraints):
 
 
 @dsl_user_op
+def scale_value(x: Float32, e: Float32, *, loc=None, ip=None) -> Float32:
+    """fp32(x * e) for e > 0, as one fma.rn with +0.0 added: the product itself wherever it is
+    not zero, -0.0 where a negative product underflows, and +0.0 for x = -0.0 (-0 + +0 = +0
+    when rounding to nearest). So the result's sign bit is x < 0: the sign bit of x's code
+    (docs/numerics.md 1), at the cost of the multiply it replaces."""
+    return Float32(
+        _asm(
+            T.f32(),
+            [Float32(x).ir_value(loc=loc, ip=ip), Float32(e).ir_value(loc=loc, ip=ip)],
+            "fma.rn.f32 $0, $1, $2, 0f00000000;",
+            "=f,f,f",
+        )
+    )
+
+
+@dsl_user_op
 def bf16x2_absmax(a: Uint32, b: Uint32, *, loc=None, ip=None) -> Uint32:
     """Per-half max(|a|, |b|) of two bf16x2 words (the sign of the result is garbage)."""
     return Uint32(
@@ -367,9 +383,9 @@ def elem_raw(y: Float32, r: Uint32) -> Uint32:
 
 
 def with_sign(mag: Uint32, y: Float32) -> Uint32:
-    """Add y's sign bit to a magnitude code, only where the magnitude is non-zero."""
-    sign = (y.bitcast(Uint32) >> Uint32(32 - ELEM_BITS)) & Uint32(ELEM_SIGN)
-    return mag | cutlass.select_(mag != Uint32(0), sign, Uint32(0))
+    """Add y's sign bit to a magnitude code, a zero magnitude included (y comes from
+    scale_value: its sign bit is x < 0)."""
+    return mag | ((y.bitcast(Uint32) >> Uint32(32 - ELEM_BITS)) & Uint32(ELEM_SIGN))
 
 
 def encode_elements(ys: list, rand, hw: bool) -> list:
@@ -519,8 +535,8 @@ def column(rows: list, j: int) -> list:
 
 
 def scaled(xs: list, e: Float32) -> list:
-    """fp32(x * e) for every x."""
-    return [x * e for x in xs]
+    """fp32(x * e) for every x, with the sign bit x < 0 (scale_value: -0.0 gives +0.0)."""
+    return [scale_value(x, e) for x in xs]
 
 
 def butterfly_max(v: Float32, offsets) -> Float32:

@@ -333,9 +333,9 @@ def scaled(a: Float32, enc: Float32, q_max: float) -> Float32:
 
 
 def signed(mag: Uint32, x: Float32, shift: int) -> Uint32:
-    """The code of a magnitude code and x's sign: the sign bit only on a non-zero magnitude."""
-    sign = (x.bitcast(Uint32) >> Uint32(31)) << Uint32(shift)
-    return mag | cutlass.select_(mag != Uint32(0), sign, Uint32(0))
+    """The code of a magnitude code and x's sign: the sign bit iff x < 0, a zero magnitude
+    included (a negative x that rounds to zero is negative zero; -0.0 is code 0)."""
+    return mag | Uint32(cutlass.select_(x < Float32(0.0), Uint32(1 << shift), Uint32(0)))
 
 
 def byte_words(cs: list) -> list:

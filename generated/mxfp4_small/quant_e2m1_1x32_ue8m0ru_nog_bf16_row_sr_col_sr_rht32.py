@@ -90,7 +90,6 @@ COL_HW_CVT_ARCHS: tuple[str, ...] = ()  # software encode on every arch
 ELEM_CODE_BIAS = 0x4B0000FE
 LANES = 8  # codes per 32-bit word
 WORD_BIAS = 0xE9EEEEDE  # sum of ELEM_CODE_BIAS << (ELEM_BITS * j), mod 2^32
-LANE_MAGS = 0x77777777  # per lane: the magnitude bits
 LANE_SIGNS = 0x88888888  # per lane: the sign bit
 
 # Scale format ue8m0
@@ -152,6 +151,22 @@ def _asm(ret_type, operands, text, constraints):
         has_side_effects=False,
         is_align_stack=False,
         asm_dialect=llvm.AsmDialect.AD_ATT,
+    )
+
+
+@dsl_user_op
+def scale_value(x: Float32, e: Float32, *, loc=None, ip=None) -> Float32:
+    """fp32(x * e) for e > 0, as one fma.rn with +0.0 added: the product itself wherever it is
+    not zero, -0.0 where a negative product underflows, and +0.0 for x = -0.0 (-0 + +0 = +0
+    when rounding to nearest). So the result's sign bit is x < 0: the sign bit of x's code
+    (docs/numerics.md 1), at the cost of the multiply it replaces."""
+    return Float32(
+        _asm(
+            T.f32(),
+            [Float32(x).ir_value(loc=loc, ip=ip), Float32(e).ir_value(loc=loc, ip=ip)],
+            "fma.rn.f32 $0, $1, $2, 0f00000000;",
+            "=f,f,f",
+        )
     )
 
 
@@ -439,7 +454,8 @@ def sign_word(ys: list) -> Uint32:
 def encode_elements(ys: list, rand, hw: bool) -> list:
     """Codes of the scaled values ys as (value, width) bit-stream fields, in element order."""
     # LANES codes per 32-bit word: sum raw_j * 2^(bits * j) by shift-adds, then take all the
-    # ELEM_CODE_BIAS terms off at once (mod 2^32); sign bits only on non-zero codes (SWAR)
+    # ELEM_CODE_BIAS terms off at once (mod 2^32); the sign bits of ys on every code, zero
+    # magnitudes included (ys come from scale_value: the sign bit is x < 0)
     fields = []
     for i in range(0, len(ys), LANES):
         n = min(LANES, len(ys) - i)  # a short last word: n lanes, the padding lanes masked off
@@ -448,9 +464,8 @@ def encode_elements(ys: list, rand, hw: bool) -> list:
         for raw in reversed(raws[:-1]):
             w = (w << Uint32(ELEM_BITS)) + raw
         w = w - Uint32(lanes_of(ELEM_CODE_BIAS, n))
-        nonzero = w + Uint32(lanes_of(ELEM_SIGN - 1, n))  # a lane's sign bit iff its code >= 1
         group = ys[i : i + n] + [ys[i]] * (LANES - n)
-        signs = sign_word(group) & nonzero & Uint32(lanes_of(ELEM_SIGN, n))
+        signs = sign_word(group) & Uint32(lanes_of(ELEM_SIGN, n))  # the padding lanes off
         fields.append((w | signs, n * ELEM_BITS))
     return fields
 
@@ -550,8 +565,8 @@ def column(rows: list, j: int) -> list:
 
 
 def scaled(xs: list, e: Float32) -> list:
-    """fp32(x * e) for every x."""
-    return [x * e for x in xs]
+    """fp32(x * e) for every x, with the sign bit x < 0 (scale_value: -0.0 gives +0.0)."""
+    return [scale_value(x, e) for x in xs]
 
 
 def butterfly_max(v: Float32, offsets) -> Float32:

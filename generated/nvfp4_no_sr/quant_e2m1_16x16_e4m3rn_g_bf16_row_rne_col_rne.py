@@ -87,7 +87,6 @@ COL_HW_CVT_ARCHS: tuple[str, ...] = ("sm_100a",)  # e2m1x2 equals the RNE encode
 ELEM_CODE_BIAS = 0x4B0000FE
 LANES = 8  # codes per 32-bit word
 WORD_BIAS = 0xE9EEEEDE  # sum of ELEM_CODE_BIAS << (ELEM_BITS * j), mod 2^32
-LANE_MAGS = 0x77777777  # per lane: the magnitude bits
 LANE_SIGNS = 0x88888888  # per lane: the sign bit
 
 # Scale format e4m3
@@ -143,6 +142,22 @@ def _asm(ret_type, operands, text, constraints):
 
 
 @dsl_user_op
+def scale_value(x: Float32, e: Float32, *, loc=None, ip=None) -> Float32:
+    """fp32(x * e) for e > 0, as one fma.rn with +0.0 added: the product itself wherever it is
+    not zero, -0.0 where a negative product underflows, and +0.0 for x = -0.0 (-0 + +0 = +0
+    when rounding to nearest). So the result's sign bit is x < 0: the sign bit of x's code
+    (docs/numerics.md 1), at the cost of the multiply it replaces."""
+    return Float32(
+        _asm(
+            T.f32(),
+            [Float32(x).ir_value(loc=loc, ip=ip), Float32(e).ir_value(loc=loc, ip=ip)],
+            "fma.rn.f32 $0, $1, $2, 0f00000000;",
+            "=f,f,f",
+        )
+    )
+
+
+@dsl_user_op
 def bf16x2_absmax(a: Uint32, b: Uint32, *, loc=None, ip=None) -> Uint32:
     """Per-half max(|a|, |b|) of two bf16x2 words (the sign of the result is garbage)."""
     return Uint32(
@@ -184,6 +199,12 @@ def cvt_e4m3_to_f32(code: Uint32, *, loc=None, ip=None) -> Float32:
     )
 
 
+# The hardware cvt sets a code's sign bit from its source's, also where the magnitude rounds to 0
+# (-0.0 included): the contract's rule (docs/numerics.md 1), since the sources come from
+# scale_value, whose sign bit is x < 0 (an x of -0.0 gives +0.0). Nothing to clear.
+HW_PER_WORD = 8  # values per hardware-converted word
+
+
 @dsl_user_op
 def cvt_hw(v, *, loc=None, ip=None) -> Uint32:
     """8 fp32 -> 8 e2m1 nibbles (RNE, satfinite), element 0 in the low nibble. cvt.e2m1x2 puts
@@ -202,20 +223,6 @@ def cvt_hw(v, *, loc=None, ip=None) -> Uint32:
             "=r,f,f,f,f,f,f,f,f",
         )
     )
-
-
-HW_PER_WORD = 8  # values per hardware-converted word
-HW_LANE_BITS = 4  # bits per value in that word
-# per lane: the sign bit of a code and the magnitude bits below it
-HW_SIGNS = sum(ELEM_SIGN << (HW_LANE_BITS * i) for i in range(HW_PER_WORD))
-HW_MAGS = sum((ELEM_SIGN - 1) << (HW_LANE_BITS * i) for i in range(HW_PER_WORD))
-
-
-def clear_negative_zero(w: Uint32) -> Uint32:
-    """Hardware cvt output: clear the sign of every lane whose magnitude is 0 (-0 and negatives
-    that round to 0 encode as code 0). mag + MAGS sets a lane's sign bit iff mag >= 1."""
-    nonzero = (w & Uint32(HW_MAGS)) + Uint32(HW_MAGS)
-    return w & (nonzero | Uint32(HW_MAGS))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -335,11 +342,12 @@ def encode_elements(ys: list, rand, hw: bool) -> list:
     if hw:
         fields = []
         for i in range(0, len(ys), HW_PER_WORD):
-            w = clear_negative_zero(cvt_hw(ys[i : i + HW_PER_WORD]))
+            w = cvt_hw(ys[i : i + HW_PER_WORD])
             fields.append((w, 32))
         return fields
     # LANES codes per 32-bit word: sum raw_j * 2^(bits * j) by shift-adds, then take all the
-    # ELEM_CODE_BIAS terms off at once (mod 2^32); sign bits only on non-zero codes (SWAR)
+    # ELEM_CODE_BIAS terms off at once (mod 2^32); the sign bits of ys on every code, zero
+    # magnitudes included (ys come from scale_value: the sign bit is x < 0)
     fields = []
     for i in range(0, len(ys), LANES):
         raws = [elem_raw(ys[i + j]) for j in range(LANES)]
@@ -347,8 +355,7 @@ def encode_elements(ys: list, rand, hw: bool) -> list:
         for raw in reversed(raws[:-1]):
             w = (w << Uint32(ELEM_BITS)) + raw
         w = w - Uint32(WORD_BIAS)
-        nonzero = w + Uint32(LANE_MAGS)  # sets a lane's sign bit iff its code is >= 1
-        fields.append((w | (sign_word(ys[i : i + LANES]) & nonzero & Uint32(LANE_SIGNS)), 32))
+        fields.append((w | (sign_word(ys[i : i + LANES]) & Uint32(LANE_SIGNS)), 32))
     return fields
 
 
@@ -450,8 +457,8 @@ def column(rows: list, j: int) -> list:
 
 
 def scaled(xs: list, e: Float32) -> list:
-    """fp32(x * e) for every x."""
-    return [x * e for x in xs]
+    """fp32(x * e) for every x, with the sign bit x < 0 (scale_value: -0.0 gives +0.0)."""
+    return [scale_value(x, e) for x in xs]
 
 
 def butterfly_max(v: Float32, offsets) -> Float32:

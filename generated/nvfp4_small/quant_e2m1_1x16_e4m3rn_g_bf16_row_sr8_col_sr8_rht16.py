@@ -95,7 +95,6 @@ COL_HW_CVT_ARCHS: tuple[str, ...] = ()  # software encode on every arch
 ELEM_CODE_BIAS = 0x4B0000FE
 LANES = 8  # codes per 32-bit word
 WORD_BIAS = 0xE9EEEEDE  # sum of ELEM_CODE_BIAS << (ELEM_BITS * j), mod 2^32
-LANE_MAGS = 0x77777777  # per lane: the magnitude bits
 LANE_SIGNS = 0x88888888  # per lane: the sign bit
 
 # Scale format e4m3
@@ -158,6 +157,22 @@ def _asm(ret_type, operands, text, constraints):
         has_side_effects=False,
         is_align_stack=False,
         asm_dialect=llvm.AsmDialect.AD_ATT,
+    )
+
+
+@dsl_user_op
+def scale_value(x: Float32, e: Float32, *, loc=None, ip=None) -> Float32:
+    """fp32(x * e) for e > 0, as one fma.rn with +0.0 added: the product itself wherever it is
+    not zero, -0.0 where a negative product underflows, and +0.0 for x = -0.0 (-0 + +0 = +0
+    when rounding to nearest). So the result's sign bit is x < 0: the sign bit of x's code
+    (docs/numerics.md 1), at the cost of the multiply it replaces."""
+    return Float32(
+        _asm(
+            T.f32(),
+            [Float32(x).ir_value(loc=loc, ip=ip), Float32(e).ir_value(loc=loc, ip=ip)],
+            "fma.rn.f32 $0, $1, $2, 0f00000000;",
+            "=f,f,f",
+        )
     )
 
 
@@ -488,7 +503,7 @@ def encode_elements(ys: list, rand, hw: bool, folded: bool = False) -> list:
     ``folded``: ys are already the images' values (ELEM_TO_F16 folded into the encode factor)."""
     fields = []
     for i in range(0, len(ys), 8):
-        # y * ELEM_TO_F16 is exact (a tiny z encodes as 0)
+        # y * ELEM_TO_F16 is exact (a tiny z encodes as a zero magnitude, its sign kept)
         z = ys[i : i + 8] if folded else [y * Float32(ELEM_TO_F16) for y in ys[i : i + 8]]
         mags = None
         signs = None
@@ -505,8 +520,10 @@ def encode_elements(ys: list, rand, hw: bool, folded: bool = False) -> list:
             sign = shift_down(h, 12 - 4 * n) & Uint32(HALF_SIGNS << 4 * n)
             mags = mag if mags is None else mags | mag
             signs = sign if signs is None else signs | sign
-        # sign bits only on non-zero codes: mag + LANE_MAGS sets a lane's sign bit iff mag >= 1
-        w = mags | (signs & (mags + Uint32(LANE_MAGS)))
+        # the sign bits on every code, zero magnitudes included: cvt.rz keeps the sign of a
+        # value that becomes (or is) -0.0, and the values come from scale_value (sign bit:
+        # x < 0), with ELEM_TO_F16 applied by an exact or sign-keeping multiply
+        w = mags | signs
         fields.append((prmt(w, w, 0x3120), 32))
     return fields
 
@@ -651,8 +668,8 @@ def column(rows: list, j: int) -> list:
 
 
 def scaled(xs: list, e: Float32) -> list:
-    """fp32(x * e) for every x."""
-    return [x * e for x in xs]
+    """fp32(x * e) for every x, with the sign bit x < 0 (scale_value: -0.0 gives +0.0)."""
+    return [scale_value(x, e) for x in xs]
 
 
 def butterfly_max(v: Float32, offsets) -> Float32:

@@ -1,0 +1,846 @@
+"""Checkpoint export and import in the layouts inference engines already load.
+
+``export_quantized`` writes a model's weights as a Hugging Face folder of safetensors files in
+which the linear layers a recipe quantizes are stored quantized:
+
+- NVFP4, NVIDIA Model Optimizer's unified checkpoint: ``<layer>.weight`` uint8 [N, K/2] (two
+  e2m1 codes per byte, element 0 in the low nibble), ``<layer>.weight_scale`` float8_e4m3fn
+  [N, K/16] (the block scale codes, row-major, not swizzled), ``<layer>.weight_scale_2`` fp32
+  scalar (the global decode scale), and ``<layer>.input_scale`` fp32 when calibrated.
+- MXFP8 and MXFP4, the OCP MX layout: ``<layer>.weight`` float8_e4m3fn [N, K] (MXFP8) or uint8
+  [N, K/2] (MXFP4), ``<layer>.weight_scale`` uint8 [N, K/32] ue8m0 exponent codes.
+
+Every other tensor is written as it is (cast to bf16 by default), ``hf_quant_config.json`` says
+which format and which layers stay in high precision, and config.json (for a Hugging Face
+model) gets a ``quantization_config`` entry in Model Optimizer's form.
+
+Which layers are quantized is the recipe's plan (``fp4gen.runtime.convert.plan_layers``, what
+``fp4gen.convert`` and ``show_plan`` use), and each layer's format is its fprop weight operand:
+the weight exactly as the forward GEMM quantized it in training. Inference layouts have one
+scale per row and K block, so a 2D (16x16 or 32x32) weight quantization is written with its
+tile scale repeated over the tile's rows: each element keeps its code and its scale, so it
+decodes to the same value bit for bit (``import_quantized`` checks nothing else is needed).
+
+``import_quantized`` reads such a folder back into a state_dict of dequantized weights.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import json
+import math
+import re
+import shutil
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, NamedTuple
+
+import torch
+from torch import nn
+
+from fp4gen.errors import FP4GenError
+
+if TYPE_CHECKING:
+    from fp4gen.dsl.model import OperandSpec, Recipe
+    from fp4gen.runtime.convert import LayerDecision
+
+QUANT_CONFIG = "hf_quant_config.json"
+SINGLE_FILE = "model.safetensors"
+INDEX_FILE = "model.safetensors.index.json"
+
+# quant_algo -> elements per block along K (the checkpoint's group_size)
+GROUP_SIZE: dict[str, int] = {"NVFP4": 16, "MXFP8": 32, "MXFP4": 32}
+EXPORTABLE = (
+    "NVFP4 (e2m1 elements, 1x16 or 16x16 blocks, e4m3 scales), MXFP8 (e4m3 elements, 1x32 or "
+    "32x32 blocks, ue8m0 scales, no global scale) and MXFP4 (e2m1 elements, 1x32 or 32x32 "
+    "blocks, ue8m0 scales, no global scale), without an RHT on the fprop weight"
+)
+
+# The 16 e2m1 values by code, sign bit 3: the importer decodes with its own table rather than
+# fp4gen's encoder tables, so a round trip checks the layout against the OCP definition.
+_E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
+E2M1_VALUES: tuple[float, ...] = _E2M1 + tuple(-v for v in _E2M1)
+
+# Module names of a plain state_dict that are embedding tables, not linear layers: both are
+# 2-D ".weight" tensors, and only the name tells them apart (matched on the last component).
+EMBEDDING_NAMES: tuple[str, ...] = ("*emb*", "wte", "wpe", "tok", "pos")
+
+_WEIGHT_FILES = ("*.safetensors", INDEX_FILE, QUANT_CONFIG)  # what a new export replaces
+
+
+class ExportError(FP4GenError):
+    """A model, recipe, folder or checkpoint that cannot be exported or imported."""
+
+
+# ---------------------------------------------------------------------------------------------
+# formats
+# ---------------------------------------------------------------------------------------------
+
+
+def export_algo(spec: OperandSpec, layer: str) -> str | None:
+    """The checkpoint format (``NVFP4``, ``MXFP8``, ``MXFP4``) of a layer's fprop weight
+    operand, None when the recipe keeps it in high precision; ExportError for anything else."""
+    from fp4gen.dsl.model import MoRRef
+    from fp4gen.formats import E2M1, E4M3, UE8M0, BlockFormat, HighPrecision
+
+    fmt = spec.format
+    if isinstance(fmt, HighPrecision):
+        return None
+    if isinstance(fmt, MoRRef):
+        raise ExportError(
+            f"{layer}: the fprop weight uses the MoR rule {fmt.name!r}, which picks a format per "
+            f"block at run time and has no checkpoint layout; exportable: {EXPORTABLE}"
+        )
+    assert isinstance(fmt, BlockFormat)
+    rows, cols = fmt.block
+    square = rows in (1, cols)
+    algo = None
+    # the scale rounding (nearest, up, down, ocp) only decides which code is chosen: any code
+    # decodes the same way, so it does not matter here
+    if square and fmt.element == E2M1 and cols == 16 and fmt.scale.element == E4M3:
+        algo = "NVFP4"  # without a global scale its weight_scale_2 is 1.0, which decodes alike
+    elif square and cols == 32 and fmt.scale.element == UE8M0 and not fmt.global_scale:
+        algo = {E4M3: "MXFP8", E2M1: "MXFP4"}.get(fmt.element)
+    if algo is None:
+        scale = fmt.scale.name
+        glob = "amax" if fmt.global_scale else "none"
+        raise ExportError(
+            f"{layer}: the fprop weight format {fmt.name} ({fmt.element.name} elements, "
+            f"{rows}x{cols} blocks, {scale} scales, global {glob}) has no inference checkpoint "
+            f"layout; exportable: {EXPORTABLE}"
+        )
+    if spec.rht is not None:
+        raise ExportError(
+            f"{layer}: the fprop weight of {fmt.name} has a Random Hadamard Transform, which an "
+            f"inference engine does not undo; exportable: {EXPORTABLE}"
+        )
+    return algo
+
+
+def _group_config(algo: str) -> dict[str, Any]:
+    """A compressed-tensors config group, as Model Optimizer writes into config.json."""
+    bits = 8 if algo == "MXFP8" else 4
+    tensor = {"dynamic": False, "num_bits": bits, "type": "float", "group_size": GROUP_SIZE[algo]}
+    return {"input_activations": dict(tensor), "weights": dict(tensor)}
+
+
+# ---------------------------------------------------------------------------------------------
+# export
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ExportReport:
+    """What ``export_quantized`` wrote: the format, which layer went how, and the files."""
+
+    out_dir: Path
+    quant_algo: str  # NVFP4, MXFP8, MXFP4, or MIXED_PRECISION when layers differ
+    layers: tuple[tuple[str, str, str], ...]  # (layer, "NVFP4" / "kept", why)
+    files: tuple[str, ...]
+    quantized: dict[str, str]  # layer -> quant_algo
+    excluded: tuple[str, ...]  # the exclude_modules list
+
+    def table(self) -> str:
+        from fp4gen.cli import render_table
+
+        return render_table(["module", "written as", "why"], [list(row) for row in self.layers])
+
+
+@dataclass
+class _Layer:
+    name: str
+    weight: torch.Tensor  # [N, K]: [out, in] (a Conv1D's [in, out] weight transposed)
+    conv1d: bool
+    reason: str
+    algo: str | None = None  # None: written in high precision
+    spec: OperandSpec | None = None
+
+
+def parse_size(size: int | str) -> int:
+    """Bytes from an int or a string such as "5GB", "500MB" or "2GiB"."""
+    if isinstance(size, int) and not isinstance(size, bool):
+        value = size
+    else:
+        match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]?i?B)?\s*", str(size), flags=re.I)
+        if match is None:
+            raise ExportError(
+                f"max_shard_size (--max-shard-size) {size!r}: give bytes or a size such as 5GB, "
+                "500MB or 2GiB"
+            )
+        unit = (match.group(2) or "B").upper()
+        power = "BKMGT".index(unit[0])
+        base = 1024 if "I" in unit else 1000
+        value = int(float(match.group(1)) * base**power)
+    if value < 1:
+        raise ExportError(f"max_shard_size (--max-shard-size) {size!r}: at least one byte")
+    return value
+
+
+def check_out_dir(out: Path, overwrite: bool, source: Path | None) -> None:
+    """ExportError, one line, for an output path that is a file, the source model's folder, or
+    a folder already holding a checkpoint (unless ``overwrite``)."""
+    if out.exists() and not out.is_dir():
+        raise ExportError(f"{out}: is a file, not a folder: give an output folder")
+    if source is not None and out.exists() and out.resolve() == source.resolve():
+        raise ExportError(f"{out}: is the model's own folder: give another output folder")
+    if out.is_dir():
+        old = sorted(p.name for pat in _WEIGHT_FILES for p in out.glob(pat))
+        if old and not overwrite:
+            shown = ", ".join(old[:3]) + (", ..." if len(old) > 3 else "")
+            raise ExportError(
+                f"{out}: already holds a checkpoint ({shown}); pass overwrite=True "
+                "(--overwrite) to replace it"
+            )
+
+
+def _is_embedding(name: str) -> bool:
+    last = name.rpartition(".")[2].lower()
+    return any(fnmatch.fnmatchcase(last, pat) for pat in EMBEDDING_NAMES)
+
+
+def skeleton(state_dict: Mapping[str, torch.Tensor]) -> nn.Module:
+    """A module tree on the meta device with an nn.Linear for every linear layer of a plain
+    state_dict, so that a recipe's layer rules (blocks, layer indices, globs) plan it as they
+    plan the model: a linear layer is a module whose tensors are a 2-D floating ``weight`` and
+    an optional ``bias`` of its row count, with no submodules and a name that is not an
+    embedding's (``EMBEDDING_NAMES``). Numbered children make an nn.Sequential, the repeated
+    blocks ``first/last N blocks`` count. Weights are read as nn.Linear's [out, in]."""
+    tensors: dict[str, dict[str, torch.Tensor]] = {}
+    for key, value in state_dict.items():
+        module, _, leaf = key.rpartition(".")
+        tensors.setdefault(module, {})[leaf] = value
+    prefixes = {name[:i] for name in tensors for i, ch in enumerate(name) if ch == "."}
+
+    tree: dict[str, Any] = {}
+    for name, leaves in tensors.items():
+        w, b = leaves.get("weight"), leaves.get("bias")
+        if (
+            not name
+            or set(leaves) - {"weight", "bias"}
+            or not isinstance(w, torch.Tensor)
+            or w.dim() != 2
+            or not w.is_floating_point()
+            or (b is not None and tuple(b.shape) != (w.shape[0],))
+            or name in prefixes  # it has submodules
+            or "" in name.split(".")
+            or _is_embedding(name)
+        ):
+            continue
+        node = tree
+        *path, last = name.split(".")
+        for part in path:  # never a linear layer: those have no submodules
+            node = node.setdefault(part, {})
+        node[last] = nn.Linear(w.shape[1], w.shape[0], bias=b is not None, device="meta")
+
+    def build(node: dict[str, Any]) -> nn.Module:
+        numbered = all(part.isdigit() for part in node)
+        module: nn.Module = nn.Sequential() if numbered else nn.Module()
+        for part, child in node.items():
+            module.add_module(part, child if isinstance(child, nn.Module) else build(child))
+        return module
+
+    return build(tree)
+
+
+def _decisions(
+    model: nn.Module | Mapping[str, torch.Tensor], recipe: Recipe | str | None
+) -> tuple[list[LayerDecision], dict[str, torch.Tensor]]:
+    """The recipe's plan for every linear layer, and the tensors to write."""
+    from fp4gen.runtime.convert import plan_layers
+
+    converted = getattr(model, "_fp4gen_plan", None)
+    if converted is not None:
+        if recipe is not None:
+            raise ExportError(
+                "this model was converted with fp4gen.convert, whose plan decides which layers "
+                "are quantized: call export_quantized without a recipe"
+            )
+        return list(converted), dict(model.state_dict())  # type: ignore[union-attr]
+    if recipe is None:
+        raise ExportError(
+            "give a recipe (a Recipe, a path or a shipped name): it decides which layers are "
+            "quantized and in which format"
+        )
+    if isinstance(recipe, str):
+        from fp4gen.dsl import load_recipe
+
+        recipe = load_recipe(recipe)
+    if isinstance(model, nn.Module):
+        return plan_layers(model, recipe), dict(model.state_dict())
+    if isinstance(model, Mapping):
+        state = dict(model)
+        bad = [k for k, v in state.items() if not isinstance(k, str) or not torch.is_tensor(v)]
+        if bad:
+            raise ExportError(
+                f"a state_dict maps names to tensors; {bad[0]!r} holds a "
+                f"{type(state[bad[0]]).__name__}"
+            )
+        return plan_layers(skeleton(state), recipe), state
+    raise ExportError(
+        f"export_quantized takes an nn.Module or a state_dict, got {type(model).__name__}"
+    )
+
+
+def _layers(decisions: list[LayerDecision], state: dict[str, torch.Tensor]) -> list[_Layer]:
+    layers = []
+    for d in decisions:
+        weight = state.get(f"{d.name}.weight")
+        if weight is None or weight.dim() != 2:
+            continue  # nothing this layout can hold (no weight in its state_dict)
+        if d.conv1d:
+            weight = weight.t()
+        layer = _Layer(d.name, weight, d.conv1d, f"{d.precision} ({d.reason})")
+        if not d.kept:
+            assert d.table is not None
+            layer.spec = d.table.fprop_weight
+            layer.algo = export_algo(layer.spec, d.name)
+            if layer.algo is None:
+                layer.reason = f"fprop weight in {layer.spec.format.name} ({d.reason})"
+            elif weight.shape[1] % GROUP_SIZE[layer.algo]:
+                layer.reason = (
+                    f"K={weight.shape[1]} is not a multiple of the {layer.algo} group size "
+                    f"{GROUP_SIZE[layer.algo]}"
+                )
+                layer.algo = None
+        layers.append(layer)
+    return layers
+
+
+def _quantized_tensors(layer: _Layer, seed: int) -> dict[str, torch.Tensor]:
+    """The checkpoint tensors of one quantized layer (no input_scale)."""
+    from fp4gen.formats import BlockFormat
+    from fp4gen.numerics import quantize
+
+    assert layer.spec is not None and layer.algo is not None
+    fmt = layer.spec.format
+    # exactly the forward GEMM's weight operand: the format with its (1D or 2D) blocks
+    assert isinstance(fmt, BlockFormat)
+    weight = layer.weight.detach().contiguous()  # a Conv1D weight.t() is a strided view
+    q = quantize(weight, fmt, rounding=layer.spec.rounding, seed=seed)
+    rows = q.rows
+    codes = q.scale_codes
+    assert codes is not None
+    block_rows = min(q.format.block[0], rows)
+    if block_rows > 1:
+        # inference layouts hold one scale per row and K block: a tile's scale repeated over
+        # its rows gives every element its own code and scale, so the values are unchanged
+        codes = codes.repeat_interleave(block_rows, 0)[:rows]
+    name = layer.name
+    out: dict[str, torch.Tensor] = {}
+    if layer.algo == "MXFP8":
+        out[f"{name}.weight"] = q.codes.view(torch.float8_e4m3fn)
+    else:
+        out[f"{name}.weight"] = q.data  # two e2m1 codes per byte, element 0 in the low nibble
+    if layer.algo == "NVFP4":
+        out[f"{name}.weight_scale"] = codes.view(torch.float8_e4m3fn)
+        # S_dec itself, the global decode scale the codes were made with (amax / 2688 up to
+        # the rounding of 1 / fp32(2688 / amax)): a recomputed amax / 2688 could differ by an
+        # ulp and then every decoded value would too
+        out[f"{name}.weight_scale_2"] = q.global_scale.reshape(()).to(torch.float32)
+    else:
+        out[f"{name}.weight_scale"] = codes
+    return {k: v.detach().cpu().contiguous() for k, v in out.items()}
+
+
+def _global_decode_scale(amax: float) -> float:
+    """S_dec of NVFP4 for a tensor amax, by the quantizer's rule (docs/numerics.md 2)."""
+    a = torch.tensor(amax, dtype=torch.float32)
+    s_enc = torch.tensor(448.0 * 6.0, dtype=torch.float32) / a
+    s_enc = torch.clamp(s_enc, max=torch.finfo(torch.float32).max)
+    if amax == 0 or float(s_enc) == 0:
+        return 1.0
+    return float(1.0 / s_enc)
+
+
+def _calibrate(model: nn.Module, names: list[str], samples: Iterable[Any]) -> dict[str, float]:
+    """Each named layer's input amax over the samples (a tensor: model(x); a tuple: model(*x);
+    a mapping: model(**x)), run without gradients."""
+    modules = dict(model.named_modules())
+    amax: dict[str, float] = {}
+    hooks = []
+
+    def hook(name: str) -> Callable[[nn.Module, tuple[Any, ...]], None]:
+        def record(_: nn.Module, args: tuple[Any, ...]) -> None:
+            x = args[0]
+            value = float(x.detach().abs().amax().float()) if x.numel() else 0.0
+            amax[name] = max(amax.get(name, 0.0), value)
+
+        return record
+
+    try:
+        for name in names:
+            hooks.append(modules[name].register_forward_pre_hook(hook(name)))
+        with torch.no_grad():
+            for sample in samples:
+                if isinstance(sample, Mapping):
+                    model(**sample)
+                elif isinstance(sample, tuple | list):
+                    model(*sample)
+                else:
+                    model(sample)
+    finally:
+        for h in hooks:
+            h.remove()
+    missing = [n for n in names if n not in amax]
+    if missing:
+        raise ExportError(f"calibration: layer {missing[0]} saw no input in the samples given")
+    bad = [n for n in names if not math.isfinite(amax[n])]
+    if bad:
+        raise ExportError(f"calibration: the input of {bad[0]} holds NaN or Inf")
+    return amax
+
+
+def _write_shards(
+    tensors: dict[str, torch.Tensor], out: Path, max_bytes: int, metadata: dict[str, str]
+) -> list[str]:
+    """Write safetensors files, one or several of at most ``max_bytes`` (a tensor larger than
+    that gets a file to itself) with Hugging Face's index file, and return their names."""
+    from safetensors.torch import save_file
+
+    shards: list[dict[str, torch.Tensor]] = [{}]
+    size = 0
+    for key, t in tensors.items():
+        nbytes = t.numel() * t.element_size()
+        if shards[-1] and size + nbytes > max_bytes:
+            shards.append({})
+            size = 0
+        shards[-1][key] = t
+        size += nbytes
+    if len(shards) == 1:
+        save_file(shards[0], str(out / SINGLE_FILE), metadata=metadata)
+        return [SINGLE_FILE]
+    names = [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
+    weight_map = {}
+    for name, shard in zip(names, shards, strict=True):
+        save_file(shard, str(out / name), metadata=metadata)
+        weight_map.update(dict.fromkeys(shard, name))
+    total = sum(t.numel() * t.element_size() for t in tensors.values())
+    index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+    (out / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")
+    return [*names, INDEX_FILE]
+
+
+def export_quantized(
+    model: nn.Module | Mapping[str, torch.Tensor],
+    out_dir: str | Path,
+    recipe: Recipe | str | None = None,
+    *,
+    calibration: Iterable[Any] | None = None,
+    dtype: torch.dtype | None = torch.bfloat16,
+    max_shard_size: int | str = "5GB",
+    overwrite: bool = False,
+    seed: int = 0,
+) -> ExportReport:
+    """Write ``model`` (an nn.Module, a model converted with ``fp4gen.convert``, or a plain
+    state_dict) to ``out_dir`` as a checkpoint with the recipe's quantized linear layers.
+
+    recipe: decides which linear layers are quantized (its layer rules: the plan of
+        ``fp4gen.convert``) and in which format (each layer's fprop weight operand). Leave it
+        out for a converted model: its own plan decides.
+    calibration: sample inputs (tensors, argument tuples or keyword mappings, run through the
+        model without gradients): each NVFP4 layer then gets ``input_scale``, the global
+        decode scale of its input amax (amax / 2688 as the quantizer rounds it); without
+        samples it is omitted.
+    dtype: the dtype of every tensor not quantized (embeddings, norms, biases, the layers kept
+        in high precision); None keeps each as it is. Integer tensors keep theirs.
+    max_shard_size: the largest safetensors file (bytes, or "5GB", "500MB"); past it the
+        tensors go to numbered files with ``model.safetensors.index.json``, as Hugging Face
+        writes them.
+    overwrite: replace a checkpoint already in ``out_dir`` (its safetensors files, index and
+        ``hf_quant_config.json``); without it such a folder is refused.
+    seed: the Philox seed of a stochastic rounding of the fprop weight (none of the shipped
+        recipes rounds weights stochastically).
+
+    Layers whose K (in_features) is not a multiple of the group size (16 for NVFP4, 32 for MX)
+    have no inference layout: they are written in high precision and listed as excluded.
+    A transformers Conv1D (GPT-2) layer's quantized weight is written [out, in] (blocks run
+    along K, the last dimension); ``hf_quant_config.json`` lists such layers under
+    ``fp4gen.transposed_conv1d`` and ``import_quantized`` transposes them back.
+
+    Raises ExportError (an FP4GenError) for a format with no checkpoint layout, a recipe that
+    quantizes nothing, an output path that is a file or already holds a checkpoint.
+    """
+    try:
+        import safetensors.torch  # noqa: F401  (needed below; say so before any work)
+    except ImportError:
+        raise ExportError(
+            "exporting a checkpoint needs the safetensors package: pip install 'fp4gen[hf]'"
+        ) from None
+    from fp4gen import __version__
+
+    out = Path(out_dir)
+    check_out_dir(out, overwrite, None)
+    max_bytes = parse_size(max_shard_size)
+    decisions, state = _decisions(model, recipe)
+    layers = _layers(decisions, state)
+    quantized = [layer for layer in layers if layer.algo is not None]
+    if not quantized:
+        raise ExportError(
+            f"the recipe keeps all {len(layers)} linear layers in high precision: there is "
+            "nothing to quantize (see fp4gen.show_plan, or a recipe whose layer rules leave "
+            "some blocks quantized)"
+        )
+    input_scales: dict[str, float] = {}
+    if calibration is not None:
+        if not isinstance(model, nn.Module):
+            raise ExportError("calibration needs a model to run: a state_dict has no forward")
+        nvfp4 = [layer.name for layer in quantized if layer.algo == "NVFP4"]
+        amax = _calibrate(model, nvfp4, calibration) if nvfp4 else {}
+        input_scales = {name: _global_decode_scale(a) for name, a in amax.items()}
+
+    # every tensor in state_dict order; a quantized layer's weight replaced by its tensors
+    by_weight = {f"{layer.name}.weight": layer for layer in quantized}
+    tensors: dict[str, torch.Tensor] = {}
+    seen: set[int] = set()
+    for key, value in state.items():
+        layer = by_weight.get(key)
+        if layer is not None:
+            tensors.update(_quantized_tensors(layer, seed))
+            if layer.name in input_scales:
+                scale = torch.tensor(input_scales[layer.name], dtype=torch.float32)
+                tensors[f"{layer.name}.input_scale"] = scale
+            continue
+        t = value.detach().cpu()
+        if dtype is not None and t.is_floating_point():
+            t = t.to(dtype)
+        t = t.contiguous()
+        # safetensors refuses tensors that share memory (tied embeddings and heads, views of
+        # one fused tensor): a second name in a storage gets its own copy, so every key of the
+        # state_dict is in the checkpoint
+        if t.untyped_storage().data_ptr() in seen:
+            t = t.clone()
+        seen.add(t.untyped_storage().data_ptr())
+        tensors[key] = t
+
+    algos = {layer.name: layer.algo for layer in quantized if layer.algo is not None}
+    distinct = sorted(set(algos.values()))
+    quant_algo = distinct[0] if len(distinct) == 1 else "MIXED_PRECISION"
+    excluded = [layer.name for layer in layers if layer.algo is None]
+    section: dict[str, Any] = {"quant_algo": quant_algo}
+    if quant_algo == "MIXED_PRECISION":
+        section["quantized_layers"] = {
+            name: {"quant_algo": a, "group_size": GROUP_SIZE[a]} for name, a in algos.items()
+        }
+    else:
+        section["group_size"] = GROUP_SIZE[quant_algo]
+    section["exclude_modules"] = excluded
+    producer = {"name": "fp4gen", "version": __version__}
+    quant_config: dict[str, Any] = {"producer": producer, "quantization": section}
+    conv1d = [layer.name for layer in quantized if layer.conv1d]
+    if conv1d:
+        quant_config["fp4gen"] = {"transposed_conv1d": conv1d}
+
+    if overwrite and out.is_dir():
+        for pattern in _WEIGHT_FILES:
+            for old in out.glob(pattern):
+                old.unlink()
+    out.mkdir(parents=True, exist_ok=True)
+    files = _write_shards(tensors, out, max_bytes, {"format": "pt"})
+    (out / QUANT_CONFIG).write_text(json.dumps(quant_config, indent=2) + "\n")
+    files.append(QUANT_CONFIG)
+    files += _write_hf_config(model, out, quant_config, algos, dtype)
+
+    rows = tuple(
+        (
+            f"{layer.name} (Conv1D)" if layer.conv1d else layer.name,
+            _written_as(layer, dtype),
+            layer.reason,
+        )
+        for layer in layers
+    )
+    return ExportReport(out, quant_algo, rows, tuple(files), algos, tuple(excluded))
+
+
+def _written_as(layer: _Layer, dtype: torch.dtype | None) -> str:
+    if layer.algo is None:
+        names = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
+        return f"kept, {names.get(dtype, 'as stored') if dtype is not None else 'as stored'}"
+    assert layer.spec is not None
+    rows, cols = layer.spec.format.block  # type: ignore[union-attr]  # a BlockFormat here
+    tiles = f", {rows}x{cols} tile scales per row" if rows > 1 else ""
+    return f"{layer.algo}{tiles}"
+
+
+def quantization_config(quant_config: dict[str, Any], algos: Mapping[str, str]) -> dict[str, Any]:
+    """config.json's ``quantization_config``: hf_quant_config.json in the compressed-tensors
+    form Model Optimizer writes there (config groups, ignore, quant_algo, producer, quant_method
+    "modelopt")."""
+    section = quant_config["quantization"]
+    quant_algo = section["quant_algo"]
+    if quant_algo == "MIXED_PRECISION":
+        groups = {}
+        for i, algo in enumerate(sorted(set(algos.values()))):
+            group = _group_config(algo)
+            group["targets"] = sorted(name for name, a in algos.items() if a == algo)
+            groups[f"group_{i}"] = group
+    else:
+        groups = {"group_0": {**_group_config(quant_algo), "targets": ["Linear"]}}
+    out: dict[str, Any] = {"config_groups": groups}
+    if quant_algo == "MIXED_PRECISION":
+        out["quantized_layers"] = section["quantized_layers"]
+    out["ignore"] = list(section["exclude_modules"])
+    out["quant_algo"] = quant_algo
+    out["producer"] = quant_config["producer"]
+    out["quant_method"] = "modelopt"
+    return out
+
+
+_DTYPE_NAMES = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32"}
+
+
+def _write_hf_config(
+    model: Any,
+    out: Path,
+    quant_config: dict[str, Any],
+    algos: Mapping[str, str],
+    dtype: torch.dtype | None,
+) -> list[str]:
+    """config.json (and generation_config.json) of a transformers model, with its
+    quantization_config; the names of the files written (none for a model without a Hugging
+    Face config)."""
+    config = getattr(model, "config", None)
+    to_json = getattr(config, "to_json_string", None)
+    if not callable(to_json):
+        return []
+    data = json.loads(to_json(use_diff=False))
+    data["quantization_config"] = quantization_config(quant_config, algos)
+    dtype_name = _DTYPE_NAMES.get(dtype) if dtype is not None else None
+    if dtype_name is not None:
+        for key in ("dtype", "torch_dtype"):  # transformers 5 writes "dtype", 4.x "torch_dtype"
+            if key in data:
+                data[key] = dtype_name
+    (out / "config.json").write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
+    generation = getattr(model, "generation_config", None)
+    if generation is not None and hasattr(generation, "to_json_file"):
+        generation.to_json_file(str(out / "generation_config.json"))
+        return ["config.json", "generation_config.json"]
+    return ["config.json"]
+
+
+# ---------------------------------------------------------------------------------------------
+# loading a model for the command line
+# ---------------------------------------------------------------------------------------------
+
+
+def load_source(path: str | Path) -> nn.Module | dict[str, torch.Tensor]:
+    """A Hugging Face model folder (AutoModelForCausalLM, local files only, in its stored dtype)
+    or a torch state_dict file (loaded with weights_only=True); ExportError, one line, for
+    anything else."""
+    src = Path(path)
+    if not src.exists():
+        raise ExportError(f"{src}: no such file or folder (give a model folder or a state_dict)")
+    if src.is_dir():
+        if not (src / "config.json").is_file():
+            raise ExportError(f"{src}: not a Hugging Face model folder (it has no config.json)")
+        try:
+            import transformers
+        except ImportError:
+            raise ExportError(
+                f"{src}: loading a model folder needs transformers: pip install 'fp4gen[hf]'"
+            ) from None
+        # "dtype" replaced "torch_dtype" in transformers 4.56; "auto" keeps the stored dtype
+        major, minor = (int(p) for p in re.findall(r"\d+", transformers.__version__)[:2])
+        kwargs = {"dtype" if (major, minor) >= (4, 56) else "torch_dtype": "auto"}
+        try:
+            return transformers.AutoModelForCausalLM.from_pretrained(
+                str(src), local_files_only=True, **kwargs
+            )
+        except (OSError, ValueError, KeyError, RuntimeError) as err:
+            first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+            raise ExportError(f"{src}: transformers could not load the model: {first}") from None
+    try:
+        data = torch.load(src, map_location="cpu", weights_only=True)
+    except Exception as err:  # pickle, zip and weights_only errors: all say "not a state_dict"
+        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        raise ExportError(f"{src}: not a torch state_dict file ({first[:200]})") from None
+    if isinstance(data, Mapping):
+        for key in ("state_dict", "model"):  # a training checkpoint that wraps the state_dict
+            inner = data.get(key)
+            if isinstance(inner, Mapping) and not torch.is_tensor(inner):
+                data = inner
+                break
+    if not isinstance(data, Mapping) or not data:
+        raise ExportError(f"{src}: not a state_dict (a mapping of names to tensors)")
+    bad = [k for k, v in data.items() if not torch.is_tensor(v)]
+    if bad:
+        raise ExportError(
+            f"{src}: not a state_dict: {bad[0]!r} holds a {type(data[bad[0]]).__name__}, "
+            "not a tensor"
+        )
+    return dict(data)
+
+
+def copy_model_files(src: Path, out: Path, written: Iterable[str]) -> list[str]:
+    """Copy a model folder's other files (tokenizer, chat template, ...) next to the export:
+    everything but weights and what the export wrote itself."""
+    skip = set(written)
+    weights = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".h5", ".msgpack", ".gguf")
+    copied = []
+    for path in sorted(src.iterdir()):
+        name = path.name
+        if not path.is_file() or name in skip or name.startswith("."):
+            continue
+        if name.endswith(weights) or name.endswith(".index.json"):
+            continue
+        shutil.copy2(path, out / name)
+        copied.append(name)
+    return copied
+
+
+# ---------------------------------------------------------------------------------------------
+# import
+# ---------------------------------------------------------------------------------------------
+
+
+class QuantizedCheckpoint(NamedTuple):
+    """What ``import_quantized`` returns: unpack it as ``state_dict, config``."""
+
+    state_dict: dict[str, torch.Tensor]  # quantized layers' weights dequantized, scales gone
+    config: dict[str, Any]  # hf_quant_config.json
+
+
+def _read_tensors(folder: Path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    index = folder / INDEX_FILE
+    if index.is_file():
+        files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+    elif (folder / SINGLE_FILE).is_file():
+        files = [SINGLE_FILE]
+    else:
+        files = sorted(p.name for p in folder.glob("*.safetensors"))
+    if not files:
+        raise ExportError(f"{folder}: holds no safetensors file")
+    tensors: dict[str, torch.Tensor] = {}
+    for name in files:
+        tensors.update(load_file(str(folder / name)))
+    return tensors
+
+
+def _unpack_fp4(packed: torch.Tensor) -> torch.Tensor:
+    """uint8 [N, K/2] -> codes [N, K], element 0 from the low nibble."""
+    pairs = torch.stack((packed & 0xF, packed >> 4), dim=-1)
+    return pairs.reshape(packed.shape[0], packed.shape[1] * 2)
+
+
+def _ue8m0(codes: torch.Tensor) -> torch.Tensor:
+    """ue8m0 codes -> fp32 2^(code - 127), built from the bits (exact, 2^-127 is subnormal);
+    code 255 is NaN."""
+    c = codes.to(torch.int32)
+    bits = torch.where(c == 0, torch.full_like(c, 1 << 22), c << 23)
+    bits = torch.where(c == 255, torch.full_like(c, 0x7FC00000), bits)
+    return bits.view(torch.float32)
+
+
+def _expect(tensor: torch.Tensor, key: str, dtype: torch.dtype, shape: tuple[int, ...]) -> None:
+    if tensor.dtype != dtype or tuple(tensor.shape) != shape:
+        raise ExportError(
+            f"{key}: expected {dtype} {list(shape)}, found {tensor.dtype} {list(tensor.shape)}"
+        )
+
+
+def _dequantize(algo: str, name: str, tensors: dict[str, torch.Tensor]) -> torch.Tensor:
+    """The fp32 values of one quantized layer: fp32(fp32(value(code) * scale) * global), the
+    quantizer's order (docs/numerics.md 2.7)."""
+    key = f"{name}.weight"
+    weight = tensors.get(key)
+    scale = tensors[f"{name}.weight_scale"]
+    if weight is None or weight.dim() != 2 or scale.dim() != 2:
+        raise ExportError(f"{name}: a quantized layer needs a 2-D weight and weight_scale")
+    group = GROUP_SIZE[algo]
+    rows = weight.shape[0]
+    cols = weight.shape[1] * (1 if algo == "MXFP8" else 2)
+    if cols % group:
+        raise ExportError(f"{key}: K={cols} is not a multiple of the {algo} group size {group}")
+    if algo == "MXFP8":
+        _expect(weight, key, torch.float8_e4m3fn, (rows, cols))
+        values = weight.to(torch.float32)
+    else:
+        _expect(weight, key, torch.uint8, (rows, cols // 2))
+        table = torch.tensor(E2M1_VALUES, dtype=torch.float32)
+        values = table[_unpack_fp4(weight).long()]
+    scale_dtype = torch.float8_e4m3fn if algo == "NVFP4" else torch.uint8
+    _expect(scale, f"{name}.weight_scale", scale_dtype, (rows, cols // group))
+    decoded = scale.to(torch.float32) if algo == "NVFP4" else _ue8m0(scale)
+    out = values * decoded.repeat_interleave(group, dim=1)
+    if algo == "NVFP4":
+        key2 = f"{name}.weight_scale_2"
+        global_scale = tensors.get(key2)
+        if global_scale is None or global_scale.numel() != 1:
+            raise ExportError(f"{key2}: an NVFP4 layer needs its fp32 global scale")
+        out = out * global_scale.to(torch.float32).reshape(())
+    return out
+
+
+def import_quantized(path: str | Path, *, dtype: torch.dtype | None = None) -> QuantizedCheckpoint:
+    """Read a checkpoint folder written by ``export_quantized`` (or Model Optimizer's NVFP4,
+    MXFP8 or MXFP4 layout) into ``(state_dict, config)``.
+
+    Every quantized layer's ``weight`` is dequantized to fp32 (bit for bit the values
+    ``QuantizedTensor.dequantize()`` gave at export) and its scale tensors are consumed, so the
+    state_dict loads into the original model; layers listed in ``fp4gen.transposed_conv1d`` are
+    transposed back to Conv1D's [in, out]. Other tensors are returned as stored. ``dtype``
+    casts the dequantized weights (None: fp32, exact). ``config`` is hf_quant_config.json.
+    """
+    try:
+        import safetensors.torch  # noqa: F401
+    except ImportError:
+        raise ExportError(
+            "reading a checkpoint needs the safetensors package: pip install 'fp4gen[hf]'"
+        ) from None
+    folder = Path(path)
+    if not folder.is_dir():
+        what = "is a file" if folder.exists() else "no such folder"
+        raise ExportError(f"{folder}: {what}: give the folder export_quantized wrote")
+    config_path = folder / QUANT_CONFIG
+    if not config_path.is_file():
+        raise ExportError(f"{folder}: not a quantized checkpoint (it has no {QUANT_CONFIG})")
+    try:
+        config = json.loads(config_path.read_text())
+        section = config["quantization"]
+        quant_algo = section["quant_algo"]
+    except (ValueError, KeyError, TypeError) as err:
+        raise ExportError(f"{config_path}: not a valid {QUANT_CONFIG} ({err})") from None
+    per_layer: dict[str, str] = {}
+    if quant_algo == "MIXED_PRECISION":
+        per_layer = {n: c["quant_algo"] for n, c in section.get("quantized_layers", {}).items()}
+    elif quant_algo not in GROUP_SIZE:
+        raise ExportError(
+            f"{config_path}: quant_algo {quant_algo!r} is not one fp4gen reads "
+            f"({', '.join(GROUP_SIZE)} or MIXED_PRECISION)"
+        )
+    transposed = set(config.get("fp4gen", {}).get("transposed_conv1d", ()))
+
+    tensors = _read_tensors(folder)
+    layers = [k[: -len(".weight_scale")] for k in tensors if k.endswith(".weight_scale")]
+    out = dict(tensors)
+    for name in layers:
+        algo = per_layer.get(name, quant_algo)
+        if algo not in GROUP_SIZE:
+            raise ExportError(f"{name}: quant_algo {algo!r} is not one fp4gen reads")
+        values = _dequantize(algo, name, tensors)
+        if name in transposed:
+            values = values.t().contiguous()
+        for suffix in ("weight_scale", "weight_scale_2", "input_scale"):
+            out.pop(f"{name}.{suffix}", None)
+        out[f"{name}.weight"] = values if dtype is None else values.to(dtype)
+    return QuantizedCheckpoint(out, config)
+
+
+load_quantized = import_quantized
+
+__all__ = [
+    "EXPORTABLE",
+    "ExportError",
+    "ExportReport",
+    "QuantizedCheckpoint",
+    "export_algo",
+    "export_quantized",
+    "import_quantized",
+    "load_quantized",
+    "load_source",
+    "parse_size",
+    "quantization_config",
+    "skeleton",
+]
