@@ -83,9 +83,7 @@ import torch
 import torch.nn.functional as F
 
 from fp4gen.dsl.model import Candidate, MoRScaling, MoRSpec, Partition, RHTSpec
-from fp4gen.errors import ArgumentError
 from fp4gen.formats import (
-    ELEMENT_ROUNDINGS,
     ElementFormat,
     HighPrecision,
     is_stochastic,
@@ -95,11 +93,10 @@ from fp4gen.numerics.hadamard import inverse_rht, rht
 from fp4gen.numerics.minifloat import decode, encode, max_finite
 from fp4gen.numerics.philox import random_bits
 from fp4gen.numerics.quantize import (
-    BACKENDS,
     FLT_MAX,
     _as_2d_float32,
+    _check_call,
     _check_finite,
-    _check_u64,
     _expand,
     resolve_rht,
 )
@@ -530,12 +527,7 @@ def mor_quantize(
     ``fp4gen.runtime.mor_kernels``, the same result bit for bit); "auto" the kernels for CUDA
     tensors and rules they support, else this code (the fallback is logged once per reason).
     """
-    if not isinstance(backend, str) or backend not in BACKENDS:
-        raise ArgumentError(f"backend must be one of {BACKENDS}, got {backend!r}")
-    if not isinstance(rounding, str) or rounding not in ELEMENT_ROUNDINGS:
-        raise ArgumentError(f"rounding must be one of {ELEMENT_ROUNDINGS}, got {rounding!r}")
-    seed = _check_u64("seed", seed)
-    offset = _check_u64("offset", offset)
+    seed, offset = _check_call(backend, rounding, seed, offset)
     spec_rht = resolve_rht(hadamard)
     if isinstance(x, torch.Tensor):
         x = x.detach()  # not differentiable, like quantize: no graph in the result

@@ -344,6 +344,16 @@ def _as_2d_float32(x: torch.Tensor) -> torch.Tensor:
     return x.reshape(-1, x.shape[-1])
 
 
+def _check_call(backend: Any, rounding: Any, seed: Any, offset: Any) -> tuple[int, int]:
+    """ArgumentError for a backend or rounding outside the vocabulary, or a seed or offset
+    outside [0, 2^64); the seed and offset as ints. Shared by quantize and mor_quantize."""
+    if not isinstance(backend, str) or backend not in BACKENDS:
+        raise ArgumentError(f"backend must be one of {BACKENDS}, got {_shown(backend)}")
+    if not isinstance(rounding, str) or rounding not in ELEMENT_ROUNDINGS:
+        raise ArgumentError(f"rounding must be one of {ELEMENT_ROUNDINGS}, got {_shown(rounding)}")
+    return _check_u64("seed", seed), _check_u64("offset", offset)
+
+
 def _check_u64(name: str, value: int) -> int:
     """``value`` as an int in [0, 2^64) (a Philox key or counter word pair), else ArgumentError."""
     n = _as_int(value)
@@ -458,12 +468,7 @@ def quantize(
       the sign bit set iff x < 0 (a negative x that rounds to zero is negative zero, -0.0 is
       code 0).
     """
-    if not isinstance(backend, str) or backend not in BACKENDS:
-        raise ArgumentError(f"backend must be one of {BACKENDS}, got {_shown(backend)}")
-    if not isinstance(rounding, str) or rounding not in ELEMENT_ROUNDINGS:
-        raise ArgumentError(f"rounding must be one of {ELEMENT_ROUNDINGS}, got {_shown(rounding)}")
-    seed = _check_u64("seed", seed)
-    offset = _check_u64("offset", offset)
+    seed, offset = _check_call(backend, rounding, seed, offset)
     bf = resolve_format(fmt, block)
     spec = resolve_rht(hadamard)
     if isinstance(x, torch.Tensor):
