@@ -1,7 +1,8 @@
-"""TFLOP/s of the GEMM paths on 4-bit operands (Hopper): fp4gen.gemm (auto), the fused kernel,
-cuBLAS BF16 and dequantize + cuBLAS.
+"""TFLOP/s of the GEMM paths on block-scaled operands (Hopper): fp4gen.gemm (auto), the fused
+kernel, the block-scaled FP8 scaled_mm, cuBLAS BF16 and dequantize + cuBLAS.
 
-    python benchmarks/gemm.py [--shapes 8192x8192x8192,16x8192x8192] [--formats nvfp4,mxfp4]
+    python benchmarks/gemm.py [--shapes 8192x8192x8192,16x8192x8192]
+                              [--formats nvfp4,mxfp4,fp8_blockwise,mxfp8]
                               [--tiles small,mid] [--no-dequant] [--host-detail] [--log FILE]
     python benchmarks/gemm.py --shapes 16x8192x8192 --profile 5   # for ncu / nsys
 
@@ -22,6 +23,12 @@ Per shape MxNxK and format, C = A @ B^T with A [M, K] and B [N, K]:
                         fp4gen.gemm picks for M, then those named by --tiles (fp4gen.codegen.gemm
                         TILES, or CANDIDATES by tile name); xS: the split-K ways of a small-M
                         tile
+  block-scaled scaled_mm
+                        FP8 pairs with fp32 1x128 / 128x128 block scales (fp8_blockwise: A 1x128,
+                        B 128x128, the fprop / dgrad pair; fp8_blockwise_1d: both 1x128, the
+                        wgrad pair): torch.nn.functional.scaled_mm alone on operands converted
+                        beforehand (fp4gen.runtime.fp8_gemm.Operands), bf16 out, and
+                        fp4gen.gemm(backend="block_scaled") end to end (with the conversion)
   fp4gen.gemm auto      end to end (dispatch, checks, launch), bf16 out; A is a fresh
                         QuantizedTensor every call (as an activation: the small-M kernels read
                         its codes as they are, the wgmma kernels pack them per call), B the same
@@ -31,10 +38,12 @@ Per shape MxNxK and format, C = A @ B^T with A [M, K] and B [N, K]:
                         --host-detail: also its parts (dispatch, fused_gemm, the compiled
                         function alone, the output allocation, ...)
 
-with the ratios to cuBLAS and to dequantize + cuBLAS. Inputs: random codes (all 16 nibbles),
-block scales 1.0, global scales 1; NVFP4's B has 16x16 blocks (the recipe's weight), MXFP4's
-1x32. Every method rotates over enough input sets that the operands of consecutive calls are not
-in L2 (at least 2 x 50 MB of 4-bit operands; bf16 likewise). CUDA events, best of 3 runs of N
+with the ratios to cuBLAS and to dequantize + cuBLAS. Inputs: random codes (all 16 nibbles; for
+8-bit elements every code but NaN), block scales 1.0, global scales 1; NVFP4's B has 16x16
+blocks (the recipe's weight), MXFP4's and MXFP8's 1x32 (MXFP8 on Hopper: no block-scaled
+scaled_mm, torch runs MX scaling on sm_100+ only, so auto is dequantize + cuBLAS). Every method
+rotates over enough input sets that the operands of consecutive calls are not in L2 (at least
+2 x 50 MB of quantized operands; bf16 likewise). CUDA events, best of 3 runs of N
 calls after a warm-up. Needs an sm_90 GPU for the fused kernel (other GPUs: the rest).
 """
 
@@ -53,17 +62,24 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the checkout, uninstalled
 
 import fp4gen
-from fp4gen.formats import BUILTIN_FORMATS
-from fp4gen.gemm_dispatch import auto_backend
+from fp4gen.formats import BUILTIN_FORMATS, BlockFormat, ScaleSpec
+from fp4gen.gemm_dispatch import auto_backend, fused_support
 from fp4gen.numerics import QuantizedTensor
 from fp4gen.numerics.minifloat import decode
+from fp4gen.runtime import fp8_gemm
 
 SHAPES = "8192x8192x8192,16x8192x8192,128x8192x8192,1024x8192x8192"
 L2_BYTES = 50 * 2**20
 ONE = {"e4m3": 0x38, "ue8m0": 127}  # the scale code of 1.0
+FP8_BLOCK = BlockFormat(
+    "fp8_block", BUILTIN_FORMATS["mxfp8_e4m3"].element, (1, 128), ScaleSpec(None)
+)
 FORMATS = {
     "nvfp4": (BUILTIN_FORMATS["nvfp4"], BUILTIN_FORMATS["nvfp4"].with_block((16, 16))),
     "mxfp4": (BUILTIN_FORMATS["mxfp4"], BUILTIN_FORMATS["mxfp4"]),
+    "mxfp8": (BUILTIN_FORMATS["mxfp8_e4m3"], BUILTIN_FORMATS["mxfp8_e4m3"]),
+    "fp8_blockwise": (FP8_BLOCK, FP8_BLOCK.with_block((128, 128))),
+    "fp8_blockwise_1d": (FP8_BLOCK, FP8_BLOCK),
 }
 
 
@@ -85,15 +101,21 @@ def bench(fn, iters: int) -> float:
 
 
 def operand(rows: int, k: int, fmt, g: torch.Generator) -> QuantizedTensor:
-    """Random codes, block scales 1.0, S_dec = 1."""
-    codes = torch.randint(0, 16, (rows, k), generator=g, device="cuda", dtype=torch.uint8)
+    """Random codes (no NaN), block scales 1.0, S_dec = 1."""
+    bits = fmt.element.bits
+    codes = torch.randint(0, 1 << bits, (rows, k), generator=g, device="cuda", dtype=torch.uint8)
+    if bits == 8:  # e4m3's NaN codes are 0x7f and 0xff (e5m2 is not benchmarked here)
+        codes = torch.where((codes & 0x7F) == 0x7F, torch.zeros_like(codes), codes)
     br, bc = fmt.block
-    sc = torch.full(
-        (-(-rows // br), -(-k // bc)), ONE[fmt.scale.name], dtype=torch.uint8, device="cuda"
-    )
+    blocks = (-(-rows // min(br, rows)), -(-k // min(bc, k)))
+    if fmt.scale.element is None:  # fp32 block scales
+        sc, scales = None, torch.ones(blocks, device="cuda")
+    else:
+        sc = torch.full(blocks, ONE[fmt.scale.name], dtype=torch.uint8, device="cuda")
+        scales = decode(sc, fmt.scale.element)
     return QuantizedTensor(
         codes=codes,
-        scales=decode(sc, fmt.scale.element),
+        scales=scales,
         scale_codes=sc,
         global_scale=torch.ones((), device="cuda"),
         format=fmt,
@@ -146,8 +168,8 @@ def run_shape(
         out.append(text + extra)
 
     g = torch.Generator(device="cuda").manual_seed(m + n + k)
-    fp4_bytes = (m + n) * k // 2
-    nset = max(1, min(8, math.ceil(2 * L2_BYTES / fp4_bytes)))
+    q_bytes = (m + n) * k * max(fa.element.bits, fb.element.bits) // 8
+    nset = max(1, min(8, math.ceil(2 * L2_BYTES / q_bytes)))
     sets = [(operand(m, k, fa, g), operand(n, k, fb, g)) for _ in range(nset)]
     bf_bytes = (m + n) * k * 2
     nbf = max(1, min(4, math.ceil(2 * L2_BYTES / bf_bytes)))
@@ -191,8 +213,11 @@ def run_shape(
         line("dequant, B per call", bench(dequant_fresh_b, iters), {"cuBLAS": t_cublas})
         dequant_kernel_lines(sets, n, k, tag, out, units)
 
+    if fp8_gemm.support(fa, fb) is None and torch.cuda.get_device_capability() == (9, 0):
+        block_scaled_lines(sets, nset, iters, line, ref)
+
     picked = None  # (fn, args) of the tile fp4gen.gemm picks
-    if torch.cuda.get_device_capability() == (9, 0):
+    if torch.cuda.get_device_capability() == (9, 0) and fused_support(fa, fb) is None:
         from fp4gen.codegen.gemm import CANDIDATES, TILES, pick_tile
 
         named = [TILES[t] if t in TILES else CANDIDATES[t] for t in tiles]
@@ -228,6 +253,34 @@ def run_shape(
     for held in (sets, abf, bbf):  # free before the next shape
         held.clear()
     torch.cuda.empty_cache()
+
+
+def block_scaled_lines(sets, nset: int, iters: int, line, ref: dict[str, float]) -> None:
+    """scaled_mm alone on converted operands, and fp4gen.gemm(backend="block_scaled")."""
+    import torch.nn.functional as F
+
+    ops = [fp8_gemm.Operands(a, b) for a, b in sets]
+
+    def alone(i: int = 0):
+        o = ops[i % nset]
+        return F.scaled_mm(
+            o.mat_a,
+            o.mat_b,
+            o.scale_a,
+            o.recipe_a,
+            o.scale_b,
+            o.recipe_b,
+            output_dtype=torch.bfloat16,
+            use_fast_accum=False,
+        )
+
+    line("block-scaled scaled_mm alone", bench(alone, iters), ref)
+
+    def end_to_end(i: int = 0):
+        a, b = sets[i % nset]
+        return fp4gen.gemm(a, b, out_dtype=torch.bfloat16, backend="block_scaled")
+
+    line("fp4gen.gemm block_scaled", bench(end_to_end, iters), ref)
 
 
 def dequant_kernel_lines(
@@ -361,7 +414,11 @@ def profile_shape(m: int, n: int, k: int, fmt_name: str, calls: int) -> None:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--shapes", default=SHAPES, help=f"MxNxK,... (default {SHAPES})")
-    ap.add_argument("--formats", default="nvfp4", help="nvfp4, mxfp4 or both (default nvfp4)")
+    ap.add_argument(
+        "--formats",
+        default="nvfp4",
+        help=f"comma-separated, of {', '.join(FORMATS)} (default nvfp4)",
+    )
     ap.add_argument(
         "--tiles", default="", help="more fused tiles to time (names in TILES or CANDIDATES)"
     )

@@ -134,8 +134,11 @@ def profile_step(step: Callable[[], object]) -> tuple[float, float | None]:
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         step()
         torch.cuda.synchronize()
-    gpu_us = sum(
-        e.device_time for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA
+    gpu_us = sum(  # kernels only: a named range (record_function) spans kernels on the GPU too
+        e.device_time
+        for e in prof.events()
+        if e.device_type == torch.autograd.DeviceType.CUDA
+        and not getattr(e, "is_user_annotation", False)
     )
     ops = [e for e in prof.events() if e.name.startswith("fp4gen::linear_")]
     forwards = sum(1 for e in ops if e.name == "fp4gen::linear_forward")
@@ -173,10 +176,11 @@ def host_profile(step: Callable[[], object], top: int) -> None:
         step()
     torch.cuda.synchronize()
     prof.disable()
-    out = io.StringIO()
-    pstats.Stats(prof, stream=out).sort_stats("cumulative").print_stats(top)
-    print("  host profile of 3 eager steps (cProfile, cumulative):")
-    print("\n".join("    " + line for line in out.getvalue().splitlines() if line.strip()))
+    for order in ("cumulative", "tottime"):
+        out = io.StringIO()
+        pstats.Stats(prof, stream=out).sort_stats(order).print_stats(top)
+        print(f"  host profile of 3 eager steps (cProfile, {order}):")
+        print("\n".join("    " + line for line in out.getvalue().splitlines() if line.strip()))
 
 
 def ratio(value: float | None, base: float | None) -> str:

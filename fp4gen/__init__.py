@@ -37,7 +37,7 @@ _LAZY: dict[str, str] = {
     "gemm": "fp4gen.gemm_dispatch",
     "convert": "fp4gen.runtime.convert",
     "set_step": "fp4gen.runtime.convert",
-    "show_plan": "fp4gen.runtime.convert",
+    "show_plan": "fp4gen.table",
     "enable_telemetry": "fp4gen.runtime.convert",
     "telemetry": "fp4gen.runtime.convert",
     "export_quantized": "fp4gen.export",
@@ -85,7 +85,8 @@ if TYPE_CHECKING:
     from fp4gen.formats import BUILTIN_FORMATS, BlockFormat, ElementFormat, HighPrecision, ScaleSpec
     from fp4gen.gemm_dispatch import gemm
     from fp4gen.numerics import ErrorStats, QuantizedTensor, error_stats, gemm_reference, quantize
-    from fp4gen.runtime.convert import convert, enable_telemetry, set_step, show_plan, telemetry
+    from fp4gen.runtime.convert import convert, enable_telemetry, set_step, telemetry
+    from fp4gen.table import show_plan
 
 
 def __getattr__(name: str) -> Any:

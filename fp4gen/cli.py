@@ -16,6 +16,7 @@ from typing import Any
 from fp4gen import describe
 from fp4gen.errors import FP4GenError
 from fp4gen.settings import check_environment
+from fp4gen.table import render_table
 
 DISTRIBUTIONS = ("normal", "laplace", "student-t", "uniform", "lognormal", "outliers")
 
@@ -27,23 +28,6 @@ examples:
   fp4gen error recipes/nvfp4.fp4r --dist student-t
   fp4gen error mxfp4 --tensor activations.pt
 """
-
-
-# ---------------------------------------------------------------------------------------------
-# tables
-# ---------------------------------------------------------------------------------------------
-
-
-def render_table(headers: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
-    widths = [len(h) for h in headers]
-    for row in rows:
-        widths = [max(w, len(cell)) for w, cell in zip(widths, row, strict=False)]
-    line = "  ".join(h.ljust(w) for h, w in zip(headers, widths, strict=True)).rstrip()
-    rule = "  ".join("-" * w for w in widths)
-    body = [
-        "  ".join(c.ljust(w) for c, w in zip(row, widths, strict=False)).rstrip() for row in rows
-    ]
-    return "\n".join([line, rule, *body])
 
 
 # ---------------------------------------------------------------------------------------------
@@ -194,7 +178,7 @@ def show_text(recipe: Any, with_plan: bool = True) -> str:
         from fp4gen.compiler.plan import plan_recipe
 
         parts.append("")
-        parts.append(plan_recipe(recipe).text())
+        parts.append(describe.plan_text(plan_recipe(recipe)))
     return "\n".join(parts)
 
 

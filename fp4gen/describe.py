@@ -1,17 +1,24 @@
-"""Plain descriptions of recipe objects: one-line text for tables and JSON-ready dicts."""
+"""What the app prints about recipes and kernel plans: one-line text for tables, JSON-ready
+dicts, and the text of a ``KernelPlan`` (``plan_text``).
+
+The short spellings of model values (a block shape, a selector, a schedule point) are the model's
+own, in ``fp4gen.dsl.spelling``; they are re-exported here for the command line. The plan is
+data (``fp4gen.compiler.plan``); this module renders it, so nothing below the app imports it.
+"""
 
 from __future__ import annotations
 
 from typing import Any
 
+from fp4gen.compiler.plan import TENSOR_NAMES, KernelPlan
 from fp4gen.dsl.model import (
     TE_SIGNS_16,
     Candidate,
     LayerRule,
-    LayerSelector,
     Metric,
     MoRRef,
     MoRSpec,
+    Operand,
     OperandSpec,
     Partition,
     Recipe,
@@ -19,15 +26,18 @@ from fp4gen.dsl.model import (
     RHTSpec,
     ScheduleRule,
 )
+from fp4gen.dsl.spelling import (
+    action_text,
+    block_text,
+    format_text,
+    partition_text,
+    percent,
+    rht_json,
+    selector_text,
+    when_text,
+)
 from fp4gen.formats import BlockFormat, ElementFormat, HighPrecision, ScaleSpec
-
-
-def block_text(block: tuple[int, int]) -> str:
-    return f"{block[0]}x{block[1]}"
-
-
-def percent(fraction: float) -> str:
-    return f"{fraction * 100:g}%"
+from fp4gen.spec import MoRKernelSpec, QuantKernelSpec, QuantOutput
 
 
 def scale_text(scale: ScaleSpec) -> str:
@@ -50,18 +60,6 @@ def rht_text(rht: RHTSpec | None) -> str:
     return f"{rht.size} (signs {signs})"
 
 
-def format_text(fmt: BlockFormat | HighPrecision | MoRRef | ElementFormat) -> str:
-    if isinstance(fmt, BlockFormat):
-        return fmt.name
-    if isinstance(fmt, MoRRef):
-        return f"mor {fmt.name}"
-    return fmt.name
-
-
-def partition_text(part: Partition) -> str:
-    return f"block {block_text(part.block)}" if part.block else part.kind
-
-
 def metric_text(metric: Metric | None) -> str:
     if metric is None:
         return "always (fallback)"
@@ -71,23 +69,6 @@ def metric_text(metric: Metric | None) -> str:
         name = metric.versus.name if metric.versus else "?"
         return f"summed relative error < that of {name}"
     return "dynamic range fits the normal range"
-
-
-def selector_text(sel: LayerSelector) -> str:
-    if sel.kind == "match":
-        return f'match "{sel.pattern}"'
-    amount = percent(sel.fraction) if sel.fraction is not None else str(sel.count)
-    return f"{sel.kind} {amount} {sel.unit}"
-
-
-def action_text(action: HighPrecision | BlockFormat | RecipeRef) -> str:
-    if isinstance(action, RecipeRef):
-        return f'recipe "{action.path}"'
-    return action.name
-
-
-def when_text(rule: ScheduleRule) -> str:
-    return f"step {rule.step}" if rule.step is not None else f"{percent(rule.fraction or 0.0)}"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -130,17 +111,6 @@ def format_json(fmt: BlockFormat | HighPrecision | MoRRef | ElementFormat) -> di
     if isinstance(fmt, ElementFormat):
         return {"kind": "element", **(element_json(fmt) or {})}
     return {"kind": "mor", "name": fmt.name}
-
-
-def rht_json(rht: RHTSpec | None) -> dict[str, Any] | None:
-    if rht is None:
-        return None
-    return {
-        "size": rht.size,
-        "sign_source": rht.sign_source,
-        "signs": list(rht.signs) if rht.signs else None,
-        "seed": rht.seed,
-    }
 
 
 def operand_json(spec: OperandSpec) -> dict[str, Any]:
@@ -222,3 +192,91 @@ def recipe_json(recipe: Recipe) -> dict[str, Any]:
         "layers": [layer_rule_json(r) for r in recipe.layers],
         "schedule": [schedule_rule_json(r) for r in recipe.schedule],
     }
+
+
+# ---------------------------------------------------------------------------------------------
+# kernel plans
+# ---------------------------------------------------------------------------------------------
+
+
+def spec_summary(spec: QuantKernelSpec | MoRKernelSpec) -> str:
+    if isinstance(spec, MoRKernelSpec):
+        rule = spec.rule
+        cands = " -> ".join(c.format.name for c in rule.candidates)
+        return (
+            f"MoR rule {rule.name} ({cands}; decided per {partition_text(rule.decide)},"
+            f" {rule.scaling} scales per {partition_text(rule.scale)}), round "
+            f"{spec.rounding}, input {spec.input_dtype}: measure, decide and quantize"
+        )
+    scale = scale_text(spec.scale)
+    glob = "global amax" if spec.global_scale else "no global scale"
+    block = block_text(spec.block)
+    return f"{spec.element.name} {block} blocks, scale {scale}, {glob}, input {spec.input_dtype}"
+
+
+def operands_text(operands: tuple[Operand, ...]) -> str:
+    if set(operands) == set(Operand):
+        return "every operand"
+    return ", ".join(op.selector for op in operands)
+
+
+def output_summary(out: QuantOutput) -> str:
+    rht = "" if out.rht is None else f", RHT {rht_text(out.rht)}"
+    layout = "" if out.scale_layout == "compact" else f", {out.scale_layout} scales"
+    return f"{out.direction}: round {out.rounding}{rht}{layout}"
+
+
+def plan_text(plan: KernelPlan) -> str:
+    """The plan as ``fp4gen show`` prints it: each kernel, its outputs and who uses them, then
+    the operand slots that need no kernel and why."""
+    lines = [f"kernel plan for recipe {plan.recipe}: {len(plan.kernels)} quantize kernel(s)"]
+    dtypes = ", ".join(f"{TENSOR_NAMES[r]} {d}" for r, d in plan.input_dtypes)
+    lines.append(f"  inputs: {dtypes}")
+    for i, k in enumerate(plan.kernels, 1):
+        tensors = "/".join(TENSOR_NAMES[r] for r in k.roles)
+        lines.append("")
+        lines.append(f"{i}. {k.spec.name}")
+        lines.append(f"   tensor {tensors}: {spec_summary(k.spec)}")
+        for out in k.spec.outputs if isinstance(k.spec, QuantKernelSpec) else ():
+            lines.append(f"   - {output_summary(out)}")
+        lines.append("   used by:")
+        for use in k.uses:
+            prefix = "" if use.recipe == plan.recipe else f"recipe {use.recipe}: "
+            lines.append(f"     {prefix}{use.text}")
+    if plan.skipped:
+        lines.append("")
+        lines.append("no quantize kernel:")
+        for s in plan.skipped:
+            prefix = "" if s.recipe == plan.recipe else f"recipe {s.recipe}: "
+            where = "" if s.context == "operands" else f" [{s.context}]"
+            lines.append(f"  {prefix}{operands_text(s.operands)}{where}: {s.reason}")
+    return "\n".join(lines)
+
+
+__all__ = [
+    "action_json",
+    "action_text",
+    "block_text",
+    "candidate_json",
+    "element_json",
+    "format_json",
+    "format_text",
+    "layer_rule_json",
+    "metric_text",
+    "mor_json",
+    "operand_json",
+    "operands_text",
+    "output_summary",
+    "partition_json",
+    "partition_text",
+    "percent",
+    "plan_text",
+    "recipe_json",
+    "rht_json",
+    "rht_text",
+    "scale_text",
+    "schedule_rule_json",
+    "selector_text",
+    "spec_summary",
+    "when_text",
+]

@@ -40,6 +40,7 @@ import torch
 from torch import nn
 
 from fp4gen.errors import FP4GenError
+from fp4gen.table import render_table
 
 if TYPE_CHECKING:
     from fp4gen.dsl.model import OperandSpec, Recipe
@@ -142,8 +143,6 @@ class ExportReport:
     excluded: tuple[str, ...]  # the exclude_modules list
 
     def table(self) -> str:
-        from fp4gen.cli import render_table
-
         return render_table(["module", "written as", "why"], [list(row) for row in self.layers])
 
 

@@ -15,6 +15,8 @@ from dataclasses import dataclass, replace
 from functools import cache
 from typing import Literal
 
+from fp4gen import vocab
+
 FLT_MAX = 3.4028234663852886e38  # the largest finite float32
 
 # How the all-ones exponent field is used.
@@ -24,21 +26,21 @@ FLT_MAX = 3.4028234663852886e38  # the largest finite float32
 Special = Literal["finite", "fn", "ieee"]
 SPECIALS: tuple[str, ...] = ("finite", "fn", "ieee")
 
+# The words of fp4gen.vocab.ScaleRounding and vocab.Rounding; the Literal types spell them again
+# for type checkers (tests/test_layers.py checks that they agree).
 ScaleRounding = Literal["nearest", "up", "down", "ocp"]
-SCALE_ROUNDINGS: tuple[str, ...] = ("nearest", "up", "down", "ocp")
+SCALE_ROUNDINGS: tuple[str, ...] = vocab.words(vocab.ScaleRounding)
 
 ElementRounding = Literal["nearest", "stochastic", "stochastic16", "stochastic8", "zero"]
-ELEMENT_ROUNDINGS: tuple[str, ...] = (
-    "nearest",
-    "stochastic",
-    "stochastic16",
-    "stochastic8",
-    "zero",
-)
+ELEMENT_ROUNDINGS: tuple[str, ...] = vocab.words(vocab.Rounding)
 
 # Random bits a stochastic rounding draws per value: "stochastic" a whole 32-bit Philox word,
 # "stochastic8" one byte (a word per four values: the budget of Blackwell's cvt.rs...e2m1x4).
-_SR_BITS = {"stochastic": 32, "stochastic16": 16, "stochastic8": 8}
+_SR_BITS: dict[str, int] = {
+    vocab.Rounding.STOCHASTIC.value: 32,
+    vocab.Rounding.STOCHASTIC16.value: 16,
+    vocab.Rounding.STOCHASTIC8.value: 8,
+}
 
 
 def sr_bits(rounding: str) -> int:
@@ -51,7 +53,7 @@ def is_stochastic(rounding: str) -> bool:
     return rounding in _SR_BITS
 
 
-HIGH_PRECISION_DTYPES: tuple[str, ...] = ("bf16", "fp16", "fp32")
+HIGH_PRECISION_DTYPES: tuple[str, ...] = tuple(vocab.DTYPES)  # "bf16", "fp16", "fp32"
 
 _ELEMENT_NAME = re.compile(r"^(u?)e(\d+)m(\d+)$")
 

@@ -13,6 +13,13 @@ Paths (``backend=``):
              split-K for M <= 64, wgmma above); fp32 accumulation, the same numerics as
              dequant. NVFP4 (A 1x16, B 1x16 or 16x16 blocks) and MXFP4 (1x32 blocks) pairs;
              FP4GenError with the reason for anything else.
+  block_scaled
+             block-scaled accumulation (numerics.md 6.1): the element products exact, each
+             K-block's partial sum in fp32, scaled by s_a s_b and accumulated in fp32. On CUDA
+             ``torch.nn.functional.scaled_mm`` (cuBLASLt, sm_90a; ``fp4gen.runtime.fp8_gemm``):
+             e4m3/e5m2 elements, fp32 scales, A 1x128 and B 1x128 or 128x128 blocks, the pairs of
+             the fp8_blockwise recipe; FP4GenError with the reason for anything else. On CPU the
+             float64 oracle ``gemm_block_scaled_reference``.
   blackwell  the block-scaled tcgen05 MMA of sm_100a (``fp4gen.runtime.blackwell_gemm``,
              docs/gemm-sm100.md): the tensor cores read the codes and the 128x4 scale factors,
              accumulate in fp32, the epilogue applies the global scales; e2m1, e2m3, e3m2,
@@ -22,23 +29,33 @@ Paths (``backend=``):
              the pair has a fused kernel (the small-M kernel streams the 4-bit B once), dequant
              above (the fused kernel re-decodes each B tile once per M-tile; dequant decodes
              once and runs cuBLAS at BF16 speed): measured crossover in docs/gemm-sm90.md.
+             Pairs the block_scaled backend serves take it on sm_90a (the FP8 tensor cores);
+             ``set_fp8_semantics("exact")`` / ``with fp8_semantics("exact")`` keeps them on the
+             exact dequantized product instead (what every other arch runs for them).
              Each reason for not taking the native or fused kernel is logged once (INFO,
              logger fp4gen.gemm_dispatch).
-Every path takes the same arguments and computes the same mathematical result (numerics.md 6).
+Every path takes the same arguments. reference, dequant, cute and blackwell compute the exact
+product of the dequantized operands up to fp32 summation order (numerics.md 6); block_scaled
+computes block-scaled accumulation, within the bound of numerics.md 6.1 of that product.
 """
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import NamedTuple
 
 import torch
 
 from fp4gen.errors import FP4GenError, TensorError
 from fp4gen.formats import BlockFormat
-from fp4gen.numerics import QuantizedTensor, gemm_reference
+from fp4gen.numerics import QuantizedTensor, gemm_block_scaled_reference, gemm_reference
 
-BACKENDS = ("auto", "reference", "dequant", "cute", "blackwell")
+BACKENDS = ("auto", "reference", "dequant", "cute", "blackwell", "block_scaled")
+# what backend="auto" computes for the pairs the block_scaled backend serves (numerics.md 6.1)
+FP8_SEMANTICS = ("block_scaled", "exact")
+_fp8_semantics = "block_scaled"
 # sm_90a: the fused kernel up to this M, dequantize kernels + cuBLAS above (docs/gemm-sm90.md)
 FUSED_MAX_M = 64
 log = logging.getLogger(__name__)
@@ -76,8 +93,8 @@ def gemm(
         backend = choice.backend
         if choice.fallback:
             _log_once(choice.why)
-        if backend in ("cute", "blackwell"):
-            run = _fused if backend == "cute" else _native
+        if backend in ("cute", "blackwell", "block_scaled"):
+            run = {"cute": _fused, "blackwell": _native, "block_scaled": _block_scaled}[backend]
             try:
                 return run(a, b, out_dtype, bias, accumulate)
             except TensorError:
@@ -89,11 +106,22 @@ def gemm(
         return _fused(a, b, out_dtype, bias, accumulate)
     elif backend == "blackwell":
         return _native(a, b, out_dtype, bias, accumulate)
+    elif backend == "block_scaled":
+        if a.device.type == "cuda":
+            return _block_scaled(a, b, out_dtype, bias, accumulate)
+        return _finish(gemm_block_scaled_reference(a, b, bias=bias), accumulate, out_dtype)
     if backend == "dequant":
         fast = _fast_dequant(a, b, out_dtype, bias, accumulate)
         if fast is not None:
             return fast
     c = gemm_reference(a, b, bias=bias) if backend == "reference" else _dequant_gemm(a, b, bias)
+    return _finish(c, accumulate, out_dtype)
+
+
+def _finish(
+    c: torch.Tensor, accumulate: torch.Tensor | None, out_dtype: torch.dtype
+) -> torch.Tensor:
+    """The fp32 product ``c`` plus ``accumulate`` (checked against its shape), in out_dtype."""
     if accumulate is not None:
         if accumulate.shape != c.shape:
             raise TensorError(
@@ -120,6 +148,46 @@ def fused_support(a: BlockFormat | object, b: BlockFormat | object) -> str | Non
     return reason
 
 
+def set_fp8_semantics(semantics: str) -> str:
+    """What ``backend="auto"`` computes for the operand pairs the block_scaled backend serves
+    (FP8 elements, fp32 1x128 / 128x128 block scales): "block_scaled" (the default: scaled_mm
+    on sm_90a, numerics.md 6.1) or "exact" (the dequantized product, fp32 GEMM). Process-wide,
+    read at every call (fp4gen.nn.Linear included); returns the previous setting."""
+    global _fp8_semantics
+    if semantics not in FP8_SEMANTICS:
+        raise FP4GenError(
+            f"unknown FP8 GEMM semantics {semantics!r}; choose one of {FP8_SEMANTICS}"
+        )
+    previous, _fp8_semantics = _fp8_semantics, semantics
+    return previous
+
+
+def fp8_semantics_setting() -> str:
+    """The current ``set_fp8_semantics`` setting."""
+    return _fp8_semantics
+
+
+@contextmanager
+def fp8_semantics(semantics: str) -> Iterator[None]:
+    """``with fp8_semantics("exact"):`` runs the block with that setting (restored after)."""
+    previous = set_fp8_semantics(semantics)
+    try:
+        yield
+    finally:
+        set_fp8_semantics(previous)
+
+
+def fp8_support(a: BlockFormat | object, b: BlockFormat | object) -> str | None:
+    """None when the block_scaled backend (scaled_mm) serves this operand pair, else why not."""
+    from fp4gen.runtime.fp8_gemm import support
+
+    return support(a, b)
+
+
+def _fp32_scaled(fmt: BlockFormat | object) -> bool:
+    return isinstance(fmt, BlockFormat) and fmt.scale.element is None
+
+
 def choose_backend(
     a: BlockFormat | object,
     b: BlockFormat | object,
@@ -129,13 +197,30 @@ def choose_backend(
     *,
     device: str,
     arch: str | None,
+    semantics: str = "block_scaled",
 ) -> GemmChoice:
     """What ``backend="auto"`` runs for A [m, k] and B [n, k] in these formats on ``device``
-    ("cpu" or "cuda") with a GPU of ``arch`` (e.g. "sm_90a"). Pure logic: needs no GPU."""
+    ("cpu" or "cuda") with a GPU of ``arch`` (e.g. "sm_90a"), the FP8 pairs computing
+    ``semantics`` (``set_fp8_semantics``). Pure logic: needs no GPU."""
     if device != "cuda":
         return GemmChoice("reference", "CPU tensors: the float64 reference")
     from fp4gen.runtime.blackwell_gemm import NATIVE_ARCHS, mma_plan, shape_reason
 
+    if arch not in NATIVE_ARCHS and _fp32_scaled(a) and _fp32_scaled(b):
+        # FP8-style pairs with fp32 block scales: no fused kernel or bf16-exact decode serves
+        # them, only scaled_mm's block-scaled accumulation or the exact fp32 GEMM
+        from fp4gen.runtime.fp8_gemm import arch_reason, describe
+
+        reason = fp8_support(a, b)
+        if reason is None and semantics == "exact":
+            return GemmChoice("dequant", "exact products requested (set_fp8_semantics('exact'))")
+        reason = reason or arch_reason(arch)
+        if reason is not None:
+            return GemmChoice("dequant", f"no block-scaled FP8 GEMM: {reason}", fallback=True)
+        return GemmChoice(
+            "block_scaled",
+            f"block-scaled FP8 GEMM: scaled_mm {describe(a, b)} (cuBLAS, fp32 block scales)",  # type: ignore[arg-type]
+        )
     if arch in NATIVE_ARCHS:
         plan = mma_plan(a, b)
         reason = plan if isinstance(plan, str) else shape_reason(plan, m, n, k)
@@ -181,7 +266,16 @@ def auto_backend(a: QuantizedTensor, b: QuantizedTensor) -> GemmChoice:
         from fp4gen.compiler.jit import detect_arch
 
         arch = detect_arch(a.device)
-    return choose_backend(a.format, b.format, a.rows, b.rows, a.cols, device=device, arch=arch)
+    return choose_backend(
+        a.format,
+        b.format,
+        a.rows,
+        b.rows,
+        a.cols,
+        device=device,
+        arch=arch,
+        semantics=_fp8_semantics,
+    )
 
 
 def _log_once(reason: str) -> None:
@@ -268,6 +362,18 @@ def _native(
     return native_gemm(a, b, out_dtype=out_dtype, bias=bias, accumulate=accumulate, arch=arch)
 
 
+def _block_scaled(
+    a: QuantizedTensor,
+    b: QuantizedTensor,
+    out_dtype: torch.dtype,
+    bias: torch.Tensor | None,
+    accumulate: torch.Tensor | None,
+) -> torch.Tensor:
+    from fp4gen.runtime.fp8_gemm import block_scaled_gemm
+
+    return block_scaled_gemm(a, b, out_dtype=out_dtype, bias=bias, accumulate=accumulate)
+
+
 def significand_bits(fmt: BlockFormat) -> int:
     """Bits of precision of one block value decode(q) * s_b (numerics.md section 6)."""
     scale = fmt.scale.element
@@ -302,10 +408,35 @@ def gemm_path(a: BlockFormat | object, b: BlockFormat | object) -> tuple[str, st
             why += "; the fused kernel reads the 4-bit operands and decodes in the mainloop"
         else:
             why += f"; no fused kernel: {reason}"
-        return path + native, why + native_why
+        return path + native, why + _mx_note(a, b) + native_why
+    exact = "dequantize to fp32 + fp32 GEMM (no TF32)"
+    exact_why = f"element x block scale needs {bits} significant bits, more than bf16's 8"
+    if fp8_support(a, b) is None:
+        from fp4gen.runtime.fp8_gemm import describe
+
+        return (
+            f"block-scaled FP8 GEMM on sm_90a: torch scaled_mm {describe(a, b)} (cuBLAS); "
+            f"elsewhere, or with set_fp8_semantics('exact'): {exact}" + native,
+            "the FP8 products are exact and each 128-wide K-block is summed in fp32, then "
+            "scaled by s_a s_b and accumulated in fp32 (block-scaled accumulation, "
+            f"numerics.md 6.1); the exact dequantized product: {exact_why}" + native_why,
+        )
+    return exact + native, exact_why + native_why
+
+
+def _mx_note(a: BlockFormat, b: BlockFormat) -> str:
+    """Why an MXFP8 pair stays on the exact bf16 path on Hopper."""
+    from fp4gen.runtime.fp8_gemm import support
+
+    fp8 = all(
+        (f.element.exp_bits, f.element.man_bits) in ((4, 3), (5, 2)) and f.block == (1, 32)
+        for f in (a, b)
+    )
+    if not fp8 or support(a, b) is None:
+        return ""
     return (
-        "dequantize to fp32 + fp32 GEMM (no TF32)" + native,
-        f"element x block scale needs {bits} significant bits, more than bf16's 8" + native_why,
+        "; no block-scaled FP8 GEMM on sm_90a: torch's scaled_mm runs 1x32 ue8m0 (MX) scaling "
+        "on sm_100+ only (cuBLAS VEC32_UE8M0), so the exact bf16 path it is"
     )
 
 

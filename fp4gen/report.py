@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from fp4gen.errors import FP4GenError
+from fp4gen.table import render_table
 
 BIN_WIDTH = 0.005  # the 0.5% bins of fp4gen.numerics.mor
 BINS = 41  # 0..20% in 0.5% steps, then >= 20%
@@ -435,8 +436,6 @@ def check_out(out: Path) -> None:
 
 
 def cmd_report(args: argparse.Namespace) -> int:
-    from fp4gen.cli import render_table
-
     path = Path(args.telemetry)
     if not args.no_png and args.out:
         check_out(Path(args.out))

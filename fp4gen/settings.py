@@ -21,6 +21,20 @@ def check_finite_mode() -> str:
     return mode
 
 
+LAYER_GRAPHS_VAR = "FP4GEN_LAYER_GRAPHS"
+_SWITCH = {"1": True, "on": True, "0": False, "off": False}
+
+
+def layer_graphs_enabled() -> bool:
+    """Whether fp4gen.nn.Linear replays its CUDA work from per-layer CUDA graphs
+    (``FP4GEN_LAYER_GRAPHS``: 1/on, the default, or 0/off; fp4gen.runtime.layer_graphs).
+    FP4GenError for any other value."""
+    value = os.environ.get(LAYER_GRAPHS_VAR, "1").lower()
+    if value not in _SWITCH:
+        raise FP4GenError(f"{LAYER_GRAPHS_VAR}={value!r}: expected 1, on, 0 or off")
+    return _SWITCH[value]
+
+
 def check_folder_setting(var: str) -> None:
     """FP4GenError when the folder an environment variable names cannot be a path: a NUL byte,
     or a ``~user`` whose home folder is unknown."""
@@ -39,5 +53,6 @@ def check_folder_setting(var: str) -> None:
 def check_environment() -> None:
     """FP4GenError for any fp4gen setting in the environment that names no valid value."""
     check_finite_mode()
+    layer_graphs_enabled()
     for var in ("FP4GEN_CACHE_DIR", "XDG_CACHE_HOME"):
         check_folder_setting(var)

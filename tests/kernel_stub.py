@@ -5,7 +5,7 @@ rowwise outputs of 1D blocks (NotImplementedError otherwise); a MoR spec gets on
 
 from __future__ import annotations
 
-from fp4gen.compiler.spec import MoRKernelSpec, QuantKernelSpec
+from fp4gen.spec import MoRKernelSpec, QuantKernelSpec
 
 STUB = '''\
 """fp4gen test stub for {name}: the generated-module contract around trivial kernels."""

@@ -27,9 +27,9 @@ from fp4gen.compiler import jit
 from fp4gen.compiler.aot import runtime_plan, tile_buckets
 from fp4gen.compiler.build import compile_recipes
 from fp4gen.compiler.cache import KernelCache
-from fp4gen.compiler.spec import QuantOutput
 from fp4gen.dsl import load_recipe
 from fp4gen.dsl.model import Operand
+from fp4gen.spec import QuantOutput
 
 ROOT = Path(__file__).resolve().parent.parent
 RECIPES = ROOT / "fp4gen" / "recipes"

@@ -22,7 +22,6 @@ from fp4gen.codegen.dequant import (
     spec_for,
     unsupported_reason,
 )
-from fp4gen.compiler.spec import DequantKernelSpec
 from fp4gen.dsl import load_recipe
 from fp4gen.dsl.model import Operand
 from fp4gen.formats import (
@@ -38,6 +37,7 @@ from fp4gen.formats import (
     ScaleSpec,
 )
 from fp4gen.numerics.minifloat import decode
+from fp4gen.spec import DequantKernelSpec
 
 ROOT = Path(__file__).resolve().parent.parent
 RECIPES = sorted((ROOT / "fp4gen" / "recipes").glob("*.fp4r"))

@@ -30,9 +30,9 @@ from fp4gen.codegen.gemm import (
     render_gemm,
     tile_constants,
 )
-from fp4gen.compiler.spec import GemmKernelSpec, GemmTile
 from fp4gen.errors import TensorError
 from fp4gen.formats import E2M1, E4M3, E5M2, UE8M0, ElementFormat
+from fp4gen.spec import GemmKernelSpec, GemmTile
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -336,7 +336,7 @@ LOAD_SCRIPT = textwrap.dedent(
     import json, sys
     from fp4gen.codegen.gemm import TILES
     from fp4gen.compiler.cache import KernelCache
-    from fp4gen.compiler.spec import GemmKernelSpec
+    from fp4gen.spec import GemmKernelSpec
     from fp4gen.formats import E2M1, E4M3
     from fp4gen.runtime import kernels_for
 

@@ -20,8 +20,8 @@ from fp4gen.compiler import cache as cache_mod
 from fp4gen.compiler import jit
 from fp4gen.compiler.build import recipe_sha256
 from fp4gen.compiler.cache import KernelCache
-from fp4gen.compiler.spec import QuantKernelSpec, QuantOutput
 from fp4gen.dsl import load_recipe
+from fp4gen.spec import QuantKernelSpec, QuantOutput
 
 TESTS = Path(__file__).resolve().parent
 RECIPES = TESTS.parent / "fp4gen" / "recipes"

@@ -378,7 +378,10 @@ def test_gemm_path_reports_the_native_mma() -> None:
     assert "kind::mxf8f6f4.block_scale.block32, ue8m0 scales on sm_100a" in path
     fp8_block = BlockFormat("fp8_block", E4M3.element, (1, 128), ScaleSpec(None))
     path, why = gemm_path(fp8_block, fp8_block)
-    assert path == "dequantize to fp32 + fp32 GEMM (no TF32)"
+    # no native MMA: the path names no sm_100a kernel (Hopper's block-scaled scaled_mm aside)
+    assert path.endswith(
+        "elsewhere, or with set_fp8_semantics('exact'): dequantize to fp32 + fp32 GEMM (no TF32)"
+    )
     assert "no native MMA on sm_100a: A has fp32 block scales" in why
 
 

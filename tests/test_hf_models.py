@@ -205,3 +205,39 @@ def test_converted_gpt2_saves_and_loads_as_a_plain_checkpoint(tmp_path) -> None:
     back.load_state_dict(plain.state_dict())
     got, want = back.transformer.h[0].attn.c_attn, plain.transformer.h[0].attn.c_attn
     assert isinstance(got, Conv1DLinear) and torch.equal(got.weight, want.weight)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("shape", [(16, 257), (1, 7), (3, 1371)])
+def test_llama_on_the_gpu_trains_on_odd_batches_and_evaluates(shape: tuple[int, int]) -> None:
+    """A Llama with the NVFP4 method (nvfp4_small: 16x16 weights, RHT and SR on wgrad) trains on
+    the GPU kernels with token counts that no block or RHT size divides, and evaluates under
+    no_grad and inference_mode with the same logits."""
+    model = build("llama", layers=3).cuda()
+    fp4gen.convert(model, SMALL)
+    layers = converted(model)
+    assert layers, "nvfp4_small converts the first blocks of a 3-block Llama"
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    ids = torch.randint(0, VOCAB, shape, generator=torch.Generator().manual_seed(4)).cuda()
+    losses = []
+    for step in range(3):
+        fp4gen.set_step(model, step)
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            loss = model(input_ids=ids, labels=ids).loss
+        opt.zero_grad()
+        loss.backward()
+        for name, layer in layers.items():
+            grad = layer.weight.grad
+            assert grad is not None and torch.isfinite(grad).all(), name
+            assert grad.abs().sum() > 0, name
+        opt.step()
+        losses.append(float(loss))
+    assert all(torch.isfinite(torch.tensor(losses)))
+    model.eval()
+    with torch.no_grad(), torch.autocast("cuda", dtype=torch.bfloat16):
+        logits = model(input_ids=ids).logits
+    with torch.inference_mode(), torch.autocast("cuda", dtype=torch.bfloat16):
+        again = model(input_ids=ids).logits
+    assert logits.shape == (*shape, VOCAB) and torch.isfinite(logits).all()
+    assert torch.equal(logits, again)

@@ -19,8 +19,8 @@ import pytest
 from fp4gen.compiler import cache as cache_mod
 from fp4gen.compiler.cache import KernelCache, default_root, sha256_text
 from fp4gen.compiler.jit import find_linker
-from fp4gen.compiler.spec import QuantKernelSpec, QuantOutput
 from fp4gen.formats import E2M1, E4M3, ScaleSpec
+from fp4gen.spec import QuantKernelSpec, QuantOutput
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -294,7 +294,7 @@ LOAD_SCRIPT = textwrap.dedent(
     from kernel_stub import render_stub
     from fp4gen.compiler import jit
     from fp4gen.compiler.cache import KernelCache
-    from fp4gen.compiler.spec import QuantKernelSpec, QuantOutput
+    from fp4gen.spec import QuantKernelSpec, QuantOutput
     from fp4gen.formats import E2M1, E4M3, ScaleSpec
     from fp4gen.runtime import kernels_for
 

@@ -7,11 +7,12 @@ from pathlib import Path
 
 import pytest
 
+from fp4gen import describe
 from fp4gen.compiler.plan import KernelPlan, plan_recipe
-from fp4gen.compiler.spec import MoRKernelSpec, QuantKernelSpec, QuantOutput
 from fp4gen.dsl import load_recipe
 from fp4gen.dsl.model import TE_SIGNS_16, Operand, RHTSpec
 from fp4gen.formats import E2M1, E4M3, UE8M0, ScaleSpec
+from fp4gen.spec import MoRKernelSpec, QuantKernelSpec, QuantOutput
 
 RECIPES = Path(__file__).resolve().parent.parent / "fp4gen" / "recipes"
 SHIPPED = sorted(RECIPES.glob("*.fp4r"))
@@ -184,7 +185,7 @@ def test_mor_recipes_plan_the_rules_kernels(name: str) -> None:
     assert set(k.operands) == set(Operand)
     assert plan.skipped == ()
     assert k.spec.name.startswith("mor_")
-    assert f"MoR rule {recipe.mors[0].name}" in plan.text()
+    assert f"MoR rule {recipe.mors[0].name}" in describe.plan_text(plan)
     entry = plan.to_json()["kernels"][0]["spec"]
     assert entry["kind"] == "mor" and entry["candidates"][-1] == "bf16"
     # fp32 inputs: another module
@@ -224,7 +225,7 @@ def test_every_shipped_recipe_plans_consistently(path: Path) -> None:
             )
             assert served != skipped, (recipe, context, op)
     json.dumps(plan.to_json())  # JSON-ready
-    assert plan.recipe in plan.text()
+    assert plan.recipe in describe.plan_text(plan)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -279,7 +280,7 @@ def test_layer_rules_with_formats_and_recipes(tmp_path: Path) -> None:
     reasons = {s.context: s.reason for s in plan.skipped}
     assert "inner" in reasons['layers: last 1 blocks : recipe "inner.fp4r"']
     assert "bf16" in reasons['layers: match "*head" : bf16']
-    assert "recipe inner: " in plan.text()
+    assert "recipe inner: " in describe.plan_text(plan)
 
 
 def test_schedule_applies_to_layer_contexts_and_recipes(tmp_path: Path) -> None:

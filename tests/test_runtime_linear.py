@@ -208,3 +208,39 @@ def test_load_state_dict_takes_effect_at_once() -> None:
         NO_SR, x, other.weight.detach(), other.bias.detach(), torch.zeros(16, 48)
     )
     assert torch.equal(layer(x).detach(), y_ref)
+
+
+def test_eager_route_equals_the_custom_op_bit_for_bit() -> None:
+    """Eager mode runs the layer through a plain autograd.Function (less host time); the custom
+    op that torch.compile sees must give the same output and gradients bit for bit, SR on."""
+    from fp4gen.runtime import ops
+
+    torch.manual_seed(5)
+    recipe = load_recipe("nvfp4_small.fp4r")  # RHT and stochastic rounding in the backward
+    results = []
+    for route in (ops.linear, ops.linear_forward):
+        layer = fp4gen.nn.Linear(64, 48, recipe=recipe, seed=3)
+        torch.manual_seed(6)
+        layer.reset_parameters()
+        x = torch.randn(40, 64, generator=torch.Generator().manual_seed(7), requires_grad=True)
+        y = route(x, layer.weight, layer.bias, layer._op_id, torch.float32)
+        y.backward(torch.randn(40, 48, generator=torch.Generator().manual_seed(8)))
+        results.append((y.detach(), x.grad, layer.weight.grad, layer.bias.grad))
+    for eager, op in zip(*results, strict=True):
+        assert torch.equal(eager, op)
+
+
+def test_schedule_keeps_one_table_object_per_phase() -> None:
+    """What a layer derives from its operand table is kept by the table's identity: the active
+    table must be the same object while the schedule stays in a phase, and change with it."""
+    from fp4gen.runtime.schedule import TrainingClock
+
+    clock = TrainingClock(total_steps=100)
+    layer = fp4gen.nn.Linear(64, 64, recipe=load_recipe("nvfp4_bf16_switch.fp4r"), clock=clock)
+    first = layer.operands
+    assert layer.operands is first
+    clock.step = 99  # past the switch of the forward pass to BF16
+    late = layer.operands
+    assert late is not first and late is layer.operands and late != first
+    clock.step = 0
+    assert layer.operands is first

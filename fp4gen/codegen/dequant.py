@@ -41,10 +41,11 @@ from typing import Any
 import jinja2
 
 from fp4gen.codegen.quantize import TEMPLATE_DIR, _pytuple, _tidy
-from fp4gen.compiler.spec import DequantKernelSpec
 from fp4gen.formats import BlockFormat, ElementFormat
+from fp4gen.spec import DequantKernelSpec
+from fp4gen.vocab import Arch, words
 
-ARCHS: tuple[str, ...] = ("sm_90a", "sm_100a")
+ARCHS: tuple[str, ...] = words(Arch)
 # values per unit of work: 8 code bytes (4 packed) in, one 16-byte store out, so that every
 # load and store instruction of a warp covers one contiguous span (a 16-value unit's two
 # 16-byte stores per thread half-fill the sectors of each instruction: 0.75x copy on H100)

@@ -40,10 +40,11 @@ from typing import Any
 import jinja2
 
 from fp4gen.codegen.quantize import TEMPLATE_DIR, _pytuple, _tidy
-from fp4gen.compiler.spec import GemmKernelSpec, GemmTile
 from fp4gen.formats import E2M1, E4M3, UE8M0, ElementFormat
+from fp4gen.spec import GemmKernelSpec, GemmTile
+from fp4gen.vocab import DTYPES, Arch
 
-ARCHS: tuple[str, ...] = ("sm_90a",)
+ARCHS: tuple[str, ...] = (Arch.SM90A.value,)
 SMEM_CAP = 232448  # H100 / H200: max dynamic shared memory per block (227 KiB)
 TILE_K = 64  # values per k-tile: 32 code bytes, 128 bf16 bytes (one 128B-swizzle row)
 STAGES_BF16 = 3  # decoded stages: one barrier per k-tile is enough with three (see template)
@@ -172,10 +173,7 @@ def choose_splits(tile: GemmTile, m: int, n: int, k: int, sms: int) -> int:
     return -(-k_stages // per)
 
 
-_OUT = {
-    "bf16": {"cutlass": "BFloat16", "torch": "bfloat16"},
-    "fp32": {"cutlass": "Float32", "torch": "float32"},
-}
+_OUT = {n: {"cutlass": DTYPES[n].cute, "torch": DTYPES[n].torch_name} for n in ("bf16", "fp32")}
 
 # (element, scale) pairs with a decode: scale format -> (decode, block along K)
 _DECODES: dict[tuple[ElementFormat, ElementFormat], tuple[str, int]] = {

@@ -32,27 +32,21 @@ from typing import Any
 import jinja2
 import torch
 
-from fp4gen.compiler.spec import MoRKernelSpec
 from fp4gen.dsl.model import MoRSpec, Partition
 from fp4gen.formats import ElementFormat, HighPrecision
 from fp4gen.numerics.minifloat import max_finite
 from fp4gen.numerics.mor import SUM_TILE, representations
+from fp4gen.spec import MoRKernelSpec
+from fp4gen.vocab import DTYPES, Arch, words
 
 TEMPLATE_DIR = Path(__file__).resolve().parent.parent / "templates"
-ARCHS: tuple[str, ...] = ("sm_90a", "sm_100a")
+ARCHS: tuple[str, ...] = words(Arch)
 ROUNDINGS: tuple[str, ...] = ("nearest", "zero")  # stochastic rounding stays on the reference
 SEGMENTS: tuple[int, ...] = (4, 8)  # row segments per thread: 512 or 256 threads (2 spills)
 TILE = 128  # a CTA's tile: TILE x TILE elements (must be the reference's SUM_TILE)
 WHOLE = 31  # the shift of a partition side that spans the whole tensor (R, K < 2^31)
 FLT_MAX = float(torch.finfo(torch.float32).max)
 
-# Input dtypes: (cutlass type, torch dtype)
-_INPUTS = {
-    "bf16": ("BFloat16", "bfloat16"),
-    "fp16": ("Float16", "float16"),
-    "fp32": ("Float32", "float32"),
-}
-_HIGH = {"bf16": ("bfloat16", 2), "fp16": ("float16", 2), "fp32": ("float32", 4)}
 
 assert TILE == SUM_TILE, "the kernels' tile is the reference's summation piece"
 
@@ -115,7 +109,7 @@ def check(spec: MoRKernelSpec) -> None:
         raise NotImplementedError(
             f"rounding {spec.rounding!r}: the MoR kernels round {' or '.join(ROUNDINGS)}"
         )
-    if spec.input_dtype not in _INPUTS:
+    if spec.input_dtype not in DTYPES:
         raise NotImplementedError(f"input dtype {spec.input_dtype!r}")
     if spec.segments not in SEGMENTS:
         raise NotImplementedError(f"{spec.segments} segments per thread (one of {SEGMENTS})")
@@ -171,7 +165,7 @@ def context(spec: MoRKernelSpec) -> dict[str, Any]:
     srs, scs = _shifts(rule.scale, "a scale")
     rh, cw = min(urs, 7), min(ucs, 7)
     fused = urs <= 7 and ucs <= 7
-    cutlass_t, torch_t = _INPUTS[spec.input_dtype]
+    dtype = DTYPES[spec.input_dtype]
     return {
         "spec": spec,
         "name": spec.name,
@@ -182,15 +176,15 @@ def context(spec: MoRKernelSpec) -> dict[str, Any]:
         else ["amax", "scales", "measure", "decide", "emit"],
         "fused": fused,
         "archs": list(ARCHS),
-        "input": {"name": spec.input_dtype, "cutlass": cutlass_t, "torch": torch_t},
+        "input": {"name": spec.input_dtype, "cutlass": dtype.cute, "torch": dtype.torch_name},
         "rounding": spec.rounding,
         "reps": reps,
         "elems": [r for r in reps if r["kind"] == "elem"],
         "n_elem": n_elem,
         "cands": cands,
         "n_cands": len(cands),
-        "high": None if high is None else {"name": high, "torch": _HIGH[high][0]},
-        "high_bytes": 0 if high is None else _HIGH[high][1],
+        "high": None if high is None else {"name": high, "torch": DTYPES[high].torch_name},
+        "high_bytes": 0 if high is None else DTYPES[high].size,
         "high_cands": highs,
         "uses_range": any(c["metric"] == "range" for c in cands),
         "scaling": rule.scaling,

@@ -21,7 +21,13 @@ The generated module's contract (used by ``fp4gen.compiler``):
   ``"scales_swizzled"`` for the swizzled layout, for the rowwise copy; a columnwise copy's keys
   carry a ``col_`` prefix (``"col_data"`` [K, M*bits/8], ``"col_scales"``, ...). Tile modules
   take ``offset`` as an int (every copy) or a tuple with one Philox offset per copy, in
-  ``OUTPUTS`` order (a 2D kernel's codes use the first).
+  ``OUTPUTS`` order (a 2D kernel's codes use the first). Every module also takes a
+  ``fp4gen.device_offset.DeviceOffset(counter, stride, slots)``: copy i's offset is then
+  counter[0] * stride + slots[i], read by the kernel from device memory (CUDA graphs);
+* ``NONFINITE_TO_NAN_SCALE = True``: after the launches each copy's S_dec (``global_scale``,
+  ``col_global_scale``) is NaN iff the input held a NaN or an Inf, and every output bit is
+  unchanged for a finite input (docs/numerics.md section 7), so the runtime needs no separate
+  finite check.
 
 Numerics: docs/numerics.md, bit for bit (the reference is ``fp4gen.numerics.quantize``).
 """

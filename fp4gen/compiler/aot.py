@@ -49,9 +49,11 @@ from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from fp4gen import describe
 from fp4gen.compiler.plan import TENSOR_NAMES, Table, _contexts, _dtypes, spec_json
-from fp4gen.compiler.spec import (
+from fp4gen.dsl.model import MoRRef, Operand, OperandSpec, Recipe
+from fp4gen.dsl.spelling import block_text, format_text
+from fp4gen.formats import BlockFormat, HighPrecision
+from fp4gen.spec import (
     DequantKernelSpec,
     GemmKernelSpec,
     InputDType,
@@ -59,8 +61,6 @@ from fp4gen.compiler.spec import (
     QuantKernelSpec,
     QuantOutput,
 )
-from fp4gen.dsl.model import MoRRef, Operand, OperandSpec, Recipe
-from fp4gen.formats import BlockFormat, HighPrecision
 
 Kind = Literal["quantize", "mor", "dequant", "gemm_sm90", "gemm_sm100"]
 KINDS: tuple[Kind, ...] = ("quantize", "mor", "dequant", "gemm_sm90", "gemm_sm100")
@@ -200,8 +200,8 @@ class RuntimePlan:
 
 def _operand_text(fmt: BlockFormat | HighPrecision | MoRRef) -> str:
     if isinstance(fmt, BlockFormat):
-        return f"{fmt.name} {describe.block_text(fmt.block)}"
-    return describe.format_text(fmt)
+        return f"{fmt.name} {block_text(fmt.block)}"
+    return format_text(fmt)
 
 
 def _element_json(element: Any) -> str | None:
@@ -216,7 +216,7 @@ def kernel_spec_json(spec: Any) -> dict[str, Any]:
         return {
             "kind": "dequant",
             "element": spec.element.name,
-            "block": describe.block_text(spec.block),
+            "block": block_text(spec.block),
             "scale": spec.scale.name,
             "codes": spec.codes,
             "digest": spec.digest,
@@ -226,12 +226,12 @@ def kernel_spec_json(spec: Any) -> dict[str, Any]:
             "kind": "gemm_sm90",
             "a": {
                 "element": spec.a_element.name,
-                "block": describe.block_text(spec.a_block),
+                "block": block_text(spec.a_block),
                 "scale": _element_json(spec.a_scale) or "fp32",
             },
             "b": {
                 "element": spec.b_element.name,
-                "block": describe.block_text(spec.b_block),
+                "block": block_text(spec.b_block),
                 "scale": _element_json(spec.b_scale) or "fp32",
             },
             "out_dtype": spec.out_dtype,

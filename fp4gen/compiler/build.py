@@ -49,9 +49,9 @@ from fp4gen.compiler.cache import (
     sha256_text,
 )
 from fp4gen.compiler.plan import KernelPlan, PlannedKernel, plan_recipe, use_json
-from fp4gen.compiler.spec import MoRKernelSpec, QuantKernelSpec
 from fp4gen.dsl.model import Recipe
 from fp4gen.errors import FP4GenError, RecipeError
+from fp4gen.spec import MoRKernelSpec, QuantKernelSpec
 
 MANIFEST = "manifest.json"
 # 2: every kernel the runtime loads (kind, archs), GEMM routes, no compile results or timings

@@ -153,13 +153,9 @@ def template_version() -> str:
             if path.is_file() and "__pycache__" not in path.parts and path.suffix != ".pyc":
                 digest.update(str(path.relative_to(pkg)).encode() + b"\0")
                 digest.update(path.read_bytes() + b"\0")
-    declared = "none"
-    try:
-        from fp4gen.codegen import quantize as codegen  # type: ignore[import-not-found]
+    from fp4gen.codegen import quantize as codegen  # torch and Jinja: loaded when a key is made
 
-        declared = str(getattr(codegen, "TEMPLATE_VERSION", "none"))
-    except ImportError:
-        pass
+    declared = str(getattr(codegen, "TEMPLATE_VERSION", "none"))
     return f"{declared}+{digest.hexdigest()[:16]}"
 
 

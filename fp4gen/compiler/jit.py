@@ -30,14 +30,15 @@ from types import ModuleType
 from typing import Any
 
 from fp4gen.compiler.cache import Entry, KernelCache, sha256_text
-from fp4gen.compiler.spec import (
+from fp4gen.spec import (
     DequantKernelSpec,
     GemmKernelSpec,
     MoRKernelSpec,
     QuantKernelSpec,
 )
+from fp4gen.vocab import Arch, words
 
-ARCHS: tuple[str, ...] = ("sm_90a", "sm_100a")
+ARCHS: tuple[str, ...] = words(Arch)  # every arch the compiler targets
 # Options that change the binary and are not part of the source (the source fixes the rest).
 COMPILE_OPTIONS: dict[str, Any] = {"abi": "tvm-ffi", "export": "so"}
 
@@ -69,14 +70,8 @@ def render_source(
         from fp4gen.codegen.mor import render as render_mor
 
         return render_mor(spec)
-    try:
-        from fp4gen.codegen.quantize import render  # type: ignore[import-not-found]
-    except ImportError as err:
-        if err.name is not None and not err.name.startswith("fp4gen.codegen"):
-            raise
-        raise NotImplementedError(
-            "no quantize kernel template in this fp4gen (fp4gen.codegen.quantize is missing)"
-        ) from err
+    from fp4gen.codegen.quantize import render
+
     return render(spec)
 
 

@@ -36,14 +36,6 @@ from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from fp4gen import describe
-from fp4gen.compiler.spec import (
-    InputDType,
-    MoRKernelSpec,
-    QuantKernelSpec,
-    QuantOutput,
-    ScaleLayout,
-)
 from fp4gen.dsl.model import (
     GEMMS,
     ROLES,
@@ -55,7 +47,22 @@ from fp4gen.dsl.model import (
     RecipeRef,
     ScheduleRule,
 )
+from fp4gen.dsl.spelling import (
+    action_text,
+    block_text,
+    partition_text,
+    rht_json,
+    selector_text,
+    when_text,
+)
 from fp4gen.formats import BlockFormat, HighPrecision
+from fp4gen.spec import (
+    InputDType,
+    MoRKernelSpec,
+    QuantKernelSpec,
+    QuantOutput,
+    ScaleLayout,
+)
 
 INPUT_DTYPES: tuple[str, ...] = ("bf16", "fp16", "fp32")
 PASS_GEMMS: dict[str, tuple[str, ...]] = {
@@ -143,32 +150,6 @@ class KernelPlan:
             seen.setdefault((s.recipe, s.context), None)
         return tuple(seen)
 
-    # --- presentation ----------------------------------------------------------------------
-    def text(self) -> str:
-        lines = [f"kernel plan for recipe {self.recipe}: {len(self.kernels)} quantize kernel(s)"]
-        dtypes = ", ".join(f"{TENSOR_NAMES[r]} {d}" for r, d in self.input_dtypes)
-        lines.append(f"  inputs: {dtypes}")
-        for i, k in enumerate(self.kernels, 1):
-            tensors = "/".join(TENSOR_NAMES[r] for r in k.roles)
-            lines.append("")
-            lines.append(f"{i}. {k.spec.name}")
-            lines.append(f"   tensor {tensors}: {spec_summary(k.spec)}")
-            for out in k.spec.outputs if isinstance(k.spec, QuantKernelSpec) else ():
-                lines.append(f"   - {output_summary(out)}")
-            lines.append("   used by:")
-            for use in k.uses:
-                prefix = "" if use.recipe == self.recipe else f"recipe {use.recipe}: "
-                lines.append(f"     {prefix}{use.text}")
-        if self.skipped:
-            lines.append("")
-            lines.append("no quantize kernel:")
-            for s in self.skipped:
-                prefix = "" if s.recipe == self.recipe else f"recipe {s.recipe}: "
-                where = "" if s.context == "operands" else f" [{s.context}]"
-                ops = operands_text(s.operands)
-                lines.append(f"  {prefix}{ops}{where}: {s.reason}")
-        return "\n".join(lines)
-
     def to_json(self) -> dict[str, Any]:
         return {
             "recipe": self.recipe,
@@ -195,42 +176,15 @@ class KernelPlan:
 
 
 # ----------------------------------------------------------------------------------------------
-# Descriptions
+# JSON (the manifest's view of the plan; fp4gen.describe renders it as text)
 # ----------------------------------------------------------------------------------------------
-
-
-def spec_summary(spec: QuantKernelSpec | MoRKernelSpec) -> str:
-    if isinstance(spec, MoRKernelSpec):
-        rule = spec.rule
-        cands = " -> ".join(c.format.name for c in rule.candidates)
-        return (
-            f"MoR rule {rule.name} ({cands}; decided per {describe.partition_text(rule.decide)},"
-            f" {rule.scaling} scales per {describe.partition_text(rule.scale)}), round "
-            f"{spec.rounding}, input {spec.input_dtype}: measure, decide and quantize"
-        )
-    scale = describe.scale_text(spec.scale)
-    glob = "global amax" if spec.global_scale else "no global scale"
-    block = describe.block_text(spec.block)
-    return f"{spec.element.name} {block} blocks, scale {scale}, {glob}, input {spec.input_dtype}"
-
-
-def operands_text(operands: tuple[Operand, ...]) -> str:
-    if set(operands) == set(Operand):
-        return "every operand"
-    return ", ".join(op.selector for op in operands)
-
-
-def output_summary(out: QuantOutput) -> str:
-    rht = "" if out.rht is None else f", RHT {describe.rht_text(out.rht)}"
-    layout = "" if out.scale_layout == "compact" else f", {out.scale_layout} scales"
-    return f"{out.direction}: round {out.rounding}{rht}{layout}"
 
 
 def output_json(out: QuantOutput) -> dict[str, Any]:
     return {
         "direction": out.direction,
         "rounding": out.rounding,
-        "rht": describe.rht_json(out.rht),
+        "rht": rht_json(out.rht),
         "scale_layout": out.scale_layout,
     }
 
@@ -243,8 +197,8 @@ def spec_json(spec: QuantKernelSpec | MoRKernelSpec) -> dict[str, Any]:
             "kind": "mor",
             "rule": rule.name,
             "candidates": [c.format.name for c in rule.candidates],
-            "decide": describe.partition_text(rule.decide),
-            "scale": describe.partition_text(rule.scale),
+            "decide": partition_text(rule.decide),
+            "scale": partition_text(rule.scale),
             "scaling": rule.scaling,
             "rounding": spec.rounding,
             "input_dtype": spec.input_dtype,
@@ -253,7 +207,7 @@ def spec_json(spec: QuantKernelSpec | MoRKernelSpec) -> dict[str, Any]:
         }
     return {
         "element": spec.element.name,
-        "block": describe.block_text(spec.block),
+        "block": block_text(spec.block),
         "scale": {"format": spec.scale.name, "rounding": spec.scale.rounding},
         "global_scale": spec.global_scale,
         "input_dtype": spec.input_dtype,
@@ -312,7 +266,7 @@ def _recipe_key(recipe: Recipe) -> tuple[str, str]:
 
 
 def _when(rule: ScheduleRule) -> str:
-    return f"schedule: at {describe.when_text(rule)} {rule.passes}"
+    return f"schedule: at {when_text(rule)} {rule.passes}"
 
 
 def _contexts(
@@ -326,8 +280,8 @@ def _contexts(
 
     included: list[Recipe] = []
     for rule in recipe.layers:
-        label = f"layers: {describe.selector_text(rule.selector)} : "
-        label += describe.action_text(rule.action)
+        label = f"layers: {selector_text(rule.selector)} : "
+        label += action_text(rule.action)
         action = rule.action
         if isinstance(action, HighPrecision):
             yield recipe, label, f"layer rule keeps these layers in {action.name}"
@@ -354,7 +308,7 @@ def _contexts(
                     new[op] = _ref_recipe(action, recipe).operands[op]
                 else:
                     new[op] = OperandSpec(action)
-            when = _when(rule) + f" : {describe.action_text(action)}"
+            when = _when(rule) + f" : {action_text(action)}"
             nxt.append((f"{when}" if label == "operands" else f"{label}; {when}", new))
         if isinstance(action, RecipeRef):
             included.append(_ref_recipe(action, recipe))
@@ -469,5 +423,4 @@ __all__ = [
     "output_json",
     "plan_recipe",
     "spec_json",
-    "spec_summary",
 ]

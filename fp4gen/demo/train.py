@@ -45,6 +45,7 @@ from fp4gen.runtime.convert import (
     set_step,
     telemetry,
 )
+from fp4gen.table import render_table
 
 SIZES: dict[str, GPTConfig] = {
     "tiny": GPTConfig(context=64, layers=4, heads=4, width=64),  # ~0.2M parameters: CPU minutes
@@ -461,8 +462,6 @@ def plot(points: list[Point], path: Path, title: str) -> bool:
 
 
 def summary_table(results: list[RecipeResult], baseline: str = "bf16") -> str:
-    from fp4gen.cli import render_table
-
     base = next((r for r in results if r.recipe == baseline), None)
     rows = []
     for r in results:

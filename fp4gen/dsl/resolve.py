@@ -41,6 +41,7 @@ from fp4gen.dsl.statements import (
     looks_like_element,
 )
 from fp4gen.dsl.syntax import parse_tree
+from fp4gen.dsl.validate import finish
 from fp4gen.formats import (
     BUILTIN_FORMATS,
     HIGH_PRECISION_DTYPES,
@@ -106,8 +107,6 @@ class Loader:
 
     # --- entry points -----------------------------------------------------------------------
     def recipe(self, source: Source, stack: tuple[_Frame, ...] = ()) -> Recipe:
-        from fp4gen.dsl.validate import finish  # validate imports this module
-
         if source.key in self._recipes:
             return self._recipes[source.key]
         root_name = source.path.name if source.path is not None else source.file

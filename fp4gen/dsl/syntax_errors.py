@@ -15,11 +15,12 @@ from lark.exceptions import UnexpectedCharacters, UnexpectedInput, UnexpectedTok
 
 from fp4gen.dsl.source import MAX_STRING_CHARS, Pos, Source, clip, did_you_mean
 from fp4gen.errors import RecipeError
+from fp4gen.vocab import Rounding, ScaleRounding, words
 
 # Terminals that stand for a fixed list of words.
 _ENUMS: dict[str, tuple[str, ...]] = {
-    "SCALE_ROUND": ("nearest", "up", "down", "ocp"),
-    "ELEM_ROUND": ("nearest", "stochastic", "stochastic16", "stochastic8", "zero"),
+    "SCALE_ROUND": words(ScaleRounding),
+    "ELEM_ROUND": words(Rounding),
     "GLOBAL_KIND": ("amax", "none"),
     "MOR_SCALING": ("gam", "e8m0", "amax"),
     "END": ("first", "last"),

@@ -5,6 +5,7 @@ blocks only on weights, both operands of a GEMM transformed alike)."""
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 from fp4gen.dsl.model import (
     GEMMS,
@@ -20,7 +21,6 @@ from fp4gen.dsl.model import (
     ScheduleRule,
 )
 from fp4gen.dsl.printer import rht_text
-from fp4gen.dsl.resolve import Slot, Unit
 from fp4gen.dsl.source import At, Pos, did_you_mean
 from fp4gen.dsl.statements import ActionRef
 from fp4gen.formats import (
@@ -30,6 +30,9 @@ from fp4gen.formats import (
     Format,
     HighPrecision,
 )
+
+if TYPE_CHECKING:  # the resolver calls finish(); its types are annotations here
+    from fp4gen.dsl.resolve import Slot, Unit
 
 LoadRef = Callable[[At[str]], tuple[str, Recipe]]
 

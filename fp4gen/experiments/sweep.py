@@ -34,6 +34,7 @@ from fp4gen.errors import FP4GenError
 from fp4gen.experiments.models import ModelSpec, find_model, require_family
 from fp4gen.experiments.progress import Progress, clock
 from fp4gen.experiments.stats import Interval, mean, relative_gaps, sample_std, t_interval
+from fp4gen.table import render_table
 
 if TYPE_CHECKING:  # torch is imported where a run needs it: the CLI's parser stays light
     import torch
@@ -586,8 +587,6 @@ def _gap(seeds: list[int], losses: list[float], base: list[float], conf: float) 
 
 
 def summary_table(summary: dict[str, Any]) -> str:
-    from fp4gen.cli import render_table
-
     pct = f"{summary['confidence'] * 100:g}%"
     rows = []
     for r in summary["recipes"]:

@@ -1,5 +1,10 @@
 """Pure-torch reference numerics (CPU and CUDA): the bit-exact oracle for generated kernels."""
 
+from fp4gen.numerics.block_scaled import (
+    block_scaled_error_bound,
+    gemm_block_scaled_reference,
+    k_segments,
+)
 from fp4gen.numerics.gemm import gemm_reference
 from fp4gen.numerics.hadamard import (
     hadamard_matrix,
@@ -41,15 +46,18 @@ __all__ = [
     "BACKENDS",
     "ErrorStats",
     "QuantizedTensor",
+    "block_scaled_error_bound",
     "code_value",
     "decode",
     "encode",
     "encode_scale",
     "error_stats",
+    "gemm_block_scaled_reference",
     "gemm_reference",
     "grid_values",
     "hadamard_matrix",
     "inverse_rht",
+    "k_segments",
     "max_exponent",
     "max_finite",
     "nan_code",

@@ -24,12 +24,12 @@ from typing import Literal
 
 import torch
 
-from fp4gen.formats import ElementFormat, is_stochastic, sr_bits
+from fp4gen.formats import ELEMENT_ROUNDINGS, ElementFormat, ElementRounding, is_stochastic, sr_bits
 
-Rounding = Literal["nearest", "stochastic", "stochastic16", "stochastic8", "zero"]
+Rounding = ElementRounding
 ScaleRoundingMode = Literal["nearest", "up", "down"]
 
-_ROUNDINGS = ("nearest", "stochastic", "stochastic16", "stochastic8", "zero")
+_ROUNDINGS = ELEMENT_ROUNDINGS
 _SCALE_MODES = ("nearest", "up", "down")
 
 

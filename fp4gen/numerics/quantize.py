@@ -7,6 +7,7 @@ Generalizes the NVFP4 two-level scaling of the numerics contract (section 2) to 
 
 from __future__ import annotations
 
+import itertools
 import operator
 from collections.abc import Callable
 from dataclasses import dataclass, replace
@@ -33,6 +34,7 @@ from fp4gen.numerics.philox import random_bits
 
 FLT_MAX = float(torch.finfo(torch.float32).max)
 _INPUT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+_UNVERSIONED = itertools.count(1)  # code_version of inference tensors
 BACKENDS: tuple[str, ...] = ("auto", "reference", "cute")
 
 
@@ -132,7 +134,7 @@ class QuantizedTensor:
         when the codes do."""
         p = self.packed_codes()
         t = self.codes if p is None else p.data
-        return id(t), t._version
+        return id(t), tensor_version(t)
 
     # --- derived views ------------------------------------------------------------------------
     @property
@@ -221,6 +223,15 @@ class QuantizedTensor:
 # ----------------------------------------------------------------------------------------------
 # Helpers
 # ----------------------------------------------------------------------------------------------
+
+
+def tensor_version(t: torch.Tensor) -> int:
+    """``t._version`` (in-place writes bump it), for keys of values derived from ``t``.
+    Inference tensors keep no version counter: they get a number that never repeats, so
+    nothing derived from them is reused (a stale derived value would be a silent error)."""
+    if t.is_inference():
+        return -next(_UNVERSIONED)
+    return t._version
 
 
 def _expand(per_block: torch.Tensor, br: int, bc: int, rows: int, cols: int) -> torch.Tensor:

@@ -38,8 +38,10 @@ import torch
 
 from fp4gen.errors import FP4GenError, TensorError
 from fp4gen.formats import BlockFormat, ElementFormat
+from fp4gen.numerics.quantize import tensor_version
+from fp4gen.vocab import Arch
 
-NATIVE_ARCHS: tuple[str, ...] = ("sm_100a",)  # tcgen05 block-scaled MMA (B200, GB200)
+NATIVE_ARCHS: tuple[str, ...] = (Arch.SM100A.value,)  # tcgen05 block-scaled MMA (B200, GB200)
 DEFAULT_SM_COUNT = 148  # B200: sizes the persistent grid when compiling without a GPU
 OPERATORS_PACKAGE = "nvidia-cutlass-operators"
 
@@ -274,7 +276,7 @@ def packed_codes(q: Any, bits: int) -> torch.Tensor:
     if own is not None and own.bits == bits and (own.cols * bits) % 8 == 0:
         return _aligned(own.data, 16)
     hit = _packed.get(q)
-    version = q.codes._version
+    version = tensor_version(q.codes)
     if hit is not None and hit[0] == version:
         return hit[1]
     packed = _aligned(pack_codes(q.codes, bits), 16)

@@ -41,8 +41,9 @@ from cutlass.operators.providers.cutedsl.gemm.implementations.sm100_dense_blocks
 )
 
 from fp4gen.runtime.blackwell_gemm import GemmConfig
+from fp4gen.vocab import Arch
 
-ARCHS: tuple[str, ...] = ("sm_100a",)
+ARCHS: tuple[str, ...] = (Arch.SM100A.value,)
 
 # The package kernel's parameters, in order, after ``self`` and before ``epilogue_op``: our
 # kernel takes the same (plus alpha). Checked against the installed package at import.

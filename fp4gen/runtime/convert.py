@@ -242,24 +242,13 @@ def set_step(model: nn.Module, step: int, total_steps: int | None = None) -> Non
         clock.total_steps = total_steps
 
 
-def show_plan(model: nn.Module) -> str:
-    """A table of every linear layer of a converted model and what it runs in."""
+def layer_decisions(model: nn.Module) -> list[LayerDecision]:
+    """What ``convert`` decided for each linear layer of ``model``, in layer order
+    (``fp4gen.show_plan`` prints them as a table)."""
     decisions: list[LayerDecision] | None = getattr(model, "_fp4gen_plan", None)
     if decisions is None:
         raise FP4GenError("this model was not converted with fp4gen.convert")
-    from fp4gen.cli import render_table
-
-    rows = [
-        [
-            str(d.layer_index),
-            "-" if d.block_index is None else str(d.block_index),
-            f"{d.name} (Conv1D)" if d.conv1d else d.name,
-            d.precision,
-            d.reason,
-        ]
-        for d in decisions
-    ]
-    return render_table(["layer", "block", "module", "runs in", "why"], rows)
+    return decisions
 
 
 def enable_telemetry(model: nn.Module, every: int) -> None:
@@ -288,8 +277,8 @@ __all__ = [
     "count_converted",
     "enable_telemetry",
     "find_blocks",
+    "layer_decisions",
     "plan_layers",
     "set_step",
-    "show_plan",
     "telemetry",
 ]

@@ -238,6 +238,13 @@ def _plan(lib: _Lib, problem: Problem, device: int) -> _Plan | None:
 def _workspace(device: int, stream: int) -> torch.Tensor:
     ws = _workspaces.get((device, stream))
     if ws is None:  # one per stream: work on one stream runs in order and can share it
+        if torch.cuda.is_current_stream_capturing():
+            # Made now, it would live in the capture's private pool, which torch.compile's
+            # CUDA graphs forbid for anything kept across calls: borrow one made eagerly on
+            # this device (a captured graph replays on the stream that work ran on).
+            ws = next((w for (d, _), w in _workspaces.items() if d == device), None)
+            if ws is not None:
+                return ws
         ws = torch.empty(WORKSPACE_BYTES, dtype=torch.uint8, device=f"cuda:{device}")
         _workspaces[(device, stream)] = ws
     return ws

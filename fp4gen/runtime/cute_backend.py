@@ -19,14 +19,16 @@ from __future__ import annotations
 
 import logging
 import threading
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from fp4gen.compiler.spec import InputDType, QuantKernelSpec, QuantOutput
+from fp4gen.device_offset import DeviceOffset
 from fp4gen.dsl.model import RHTSpec
 from fp4gen.errors import FP4GenError, TensorError
-from fp4gen.formats import BlockFormat
+from fp4gen.formats import BlockFormat, is_stochastic
 from fp4gen.runtime import finite
 
 log = logging.getLogger("fp4gen.runtime")
@@ -94,6 +96,57 @@ def _kernels(spec: QuantKernelSpec) -> Any:
     return reason
 
 
+@dataclass(frozen=True)
+class _Launch:
+    """What one quantize call needs that depends only on the format, the copies, the input's
+    dtype and shape: found once per such key (``_launch``), not per call. ``kernels`` is the
+    loaded kernels or the reason there are none; ``refused`` the input check's error for this
+    shape (None: accepted)."""
+
+    spec: QuantKernelSpec
+    kernels: Any
+    refused: TensorError | None
+    nan_scale: bool  # a NaN or Inf input makes every copy's S_dec NaN (the kernels see to it)
+
+
+# (id(fmt), dtype, copies, shape) -> (fmt, rhts, _Launch): by identity, because hashing a format
+# and its RHT spec per call costs more than the launch; the references keep the ids valid
+_launches: dict[tuple[Any, ...], tuple[BlockFormat, tuple[Any, ...], _Launch]] = {}
+_MAX_LAUNCHES = 4096
+
+
+def _launch(
+    fmt: BlockFormat, copies: tuple[tuple[str, str, RHTSpec | None], ...], x: torch.Tensor
+) -> _Launch:
+    """The memoized _Launch of ``copies`` ((direction, rounding, rht) each) of inputs like the
+    2-D CUDA tensor ``x``: its dtype and shape, contiguous and 16-byte aligned (the callers make
+    it so, which is what lets the check of the first such input stand for every later one)."""
+    rhts = tuple(rht for _, _, rht in copies)
+    dtype = x.dtype
+    key = (id(fmt), dtype, tuple((d, r, id(h)) for d, r, h in copies), x.shape)
+    hit = _launches.get(key)
+    if hit is not None and hit[0] is fmt and all(a is b for a, b in zip(hit[1], rhts, strict=True)):
+        return hit[2]
+    spec = _spec(fmt, dtype, tuple(QuantOutput(d, r, h) for d, r, h in copies))  # type: ignore[arg-type]
+    kernels = _kernels(spec)
+    refused = None
+    check = None if isinstance(kernels, str) else getattr(kernels.module, "check_input", None)
+    if check is not None:
+        try:
+            check(x)
+        except TensorError as err:
+            refused = err
+    nan_scale = not isinstance(kernels, str) and getattr(
+        kernels.module, "NONFINITE_TO_NAN_SCALE", False
+    )
+    launch = _Launch(spec, kernels, refused, bool(nan_scale))
+    with _lock:
+        if len(_launches) >= _MAX_LAUNCHES:
+            _launches.clear()
+        _launches[key] = (fmt, rhts, launch)
+    return launch
+
+
 def quantize_cute(
     x: torch.Tensor,
     fmt: BlockFormat,
@@ -101,11 +154,12 @@ def quantize_cute(
     rounding: str,
     rht: RHTSpec | None,
     seed: int,
-    offset: int,
+    offset: int | DeviceOffset,
     required: bool,
 ) -> Any:
     """A QuantizedTensor from the generated kernels; None when ``required`` is False and the
-    kernels cannot serve this call (the caller then runs the reference)."""
+    kernels cannot serve this call (the caller then runs the reference). ``offset`` may be a
+    DeviceOffset (one slot): the kernels then read it from device memory when they run."""
 
     def unavailable(reason: str) -> None:
         if required:
@@ -119,24 +173,23 @@ def quantize_cute(
         return unavailable(f"it runs on CUDA tensors, got a tensor on {where}")
     if x.dtype not in _DTYPES or x.numel() == 0:
         return None if not required else _reference_error(x)
-    spec = spec_for(fmt, rounding, rht, x.dtype)
-    kernels = _kernels(spec)
-    if isinstance(kernels, str):
-        return unavailable(kernels)
-
     x2 = x.reshape(1, -1) if x.dim() <= 1 else x.reshape(-1, x.shape[-1])
     if not x2.is_contiguous() or x2.data_ptr() % 16:
         x2 = x2.contiguous() if not x2.is_contiguous() else x2.clone()
-    check = getattr(kernels.module, "check_input", None)
-    if check is not None:
-        try:
-            check(x2)
-        except TensorError as err:
-            if required:
-                raise
-            _log_once(f"{spec.name} does not take this input ({err})")
-            return None
-    flag = finite.check(x2, f"the input of shape {tuple(x.shape)}")
+    launch = _launch(fmt, (("rowwise", rounding, rht),), x2)
+    kernels = launch.kernels
+    if isinstance(kernels, str):
+        return unavailable(kernels)
+    if launch.refused is not None:
+        if required:
+            raise launch.refused
+        _log_once(f"{launch.spec.name} does not take this input ({launch.refused})")
+        return None
+    flag = (
+        None
+        if launch.nan_scale and finite.propagates()
+        else finite.check(x2, "the input of shape {}", x.shape)
+    )
 
     out = kernels.run(x2, seed=seed, offset=offset)
     cols = x2.shape[1]
@@ -151,7 +204,7 @@ def _quantized(
     rounding: str,
     rht: RHTSpec | None,
     seed: int,
-    offset: int,
+    offset: int | DeviceOffset,
     shape: torch.Size,
     dtype: torch.dtype,
     finite_flag: torch.Tensor | None = None,
@@ -185,35 +238,72 @@ def _quantized(
     )
 
 
-TileOutput = tuple[str, str, RHTSpec | None, int]  # (direction, rounding, rht, Philox offset)
+# (direction, rounding, rht, Philox offset): the offsets all ints, or all one-slot DeviceOffsets
+# on one counter with one stride (the kernel then reads every copy's offset on the device)
+TileOutput = tuple[str, str, RHTSpec | None, "int | DeviceOffset"]
+_joined: dict[tuple[int, ...], tuple[tuple[DeviceOffset, ...], DeviceOffset]] = {}
+
+
+def _joined_offset(parts: tuple[DeviceOffset, ...]) -> DeviceOffset:
+    """One DeviceOffset with the slots of ``parts`` (same counter and stride), kept per tuple
+    of parts: building and validating one per call would cost host time."""
+    key = tuple(id(p) for p in parts)
+    hit = _joined.get(key)
+    if hit is not None and all(a is b for a, b in zip(hit[0], parts, strict=True)):
+        return hit[1]
+    first = parts[0]
+    if any(p.counter is not first.counter or p.stride != first.stride for p in parts):
+        raise FP4GenError("the copies of one tile launch must share one Philox counter")
+    joined = DeviceOffset(first.counter, first.stride, tuple(p.slots[0] for p in parts))
+    if len(_joined) >= _MAX_LAUNCHES:
+        _joined.clear()
+    _joined[key] = (parts, joined)
+    return joined
 
 
 def quantize_tile_cute(
     x: torch.Tensor, fmt: BlockFormat, outputs: tuple[TileOutput, ...], *, seed: int
 ) -> tuple[Any, ...] | None:
-    """QuantizedTensors of the copies ``outputs`` of the 2-D CUDA tensor ``x`` (1D blocks), from
-    one tile kernel: a rowwise copy equals ``quantize(x, ...)``, a columnwise one
-    ``quantize(x.t().contiguous(), ...)``, bit for bit. None when the kernels cannot serve the
-    call (no GPU kernels, a shape the tile kernel does not take: the caller quantizes the copies
-    one by one); TensorError for non-finite values."""
-    if x.device.type != "cuda" or x.dim() != 2 or x.dtype not in _DTYPES or fmt.is_2d:
+    """QuantizedTensors of the copies ``outputs`` of the 2-D CUDA tensor ``x``, from one tile
+    kernel: a rowwise copy equals ``quantize(x, ...)``, a columnwise one
+    ``quantize(x.t().contiguous(), ...)``, bit for bit (with 2D blocks the transpose of the
+    rowwise codes and tile scales, ``quantize(x, ...).transpose()``: the same codes, so 2D
+    blocks are taken only where every copy rounds to nearest without an RHT). None when
+    the kernels cannot serve the call (no GPU kernels, a shape the tile kernel does not take:
+    the caller quantizes the copies one by one); TensorError for non-finite values."""
+    if x.device.type != "cuda" or x.dim() != 2 or x.dtype not in _DTYPES:
         return None
+    if fmt.is_2d and any(r != "nearest" or h is not None for _, r, h, _ in outputs):
+        return None  # a stochastic copy of x.t() draws other bits than the rowwise copy's
     if x.numel() == 0 or not x.is_contiguous() or x.data_ptr() % 16:
         return None
-    copies = tuple(QuantOutput(d, r, h) for d, r, h, _ in outputs)  # type: ignore[arg-type]
-    spec = _spec(fmt, x.dtype, copies)
-    kernels = _kernels(spec)
+    launch = _launch(fmt, tuple((d, r, h) for d, r, h, _ in outputs), x)
+    kernels = launch.kernels
     if isinstance(kernels, str):
         _log_once(kernels)
         return None
-    try:
-        kernels.module.check_input(x)
-    except TensorError as err:
-        _log_once(f"{spec.name} does not take this input ({err}); the copies run one by one")
+    if launch.refused is not None:
+        _log_once(
+            f"{launch.spec.name} does not take this input ({launch.refused}); "
+            "the copies run one by one"
+        )
         return None
-    flag = finite.check(x, f"the input of shape {tuple(x.shape)}")  # once for every copy
+    # once for every copy; none where the kernels make the decode scales NaN themselves
+    flag = (
+        None
+        if launch.nan_scale and finite.propagates()
+        else finite.check(x, "the input of shape {}", x.shape)
+    )
 
-    out = kernels.module.run(kernels.fns, x, seed=seed, offset=tuple(o for *_, o in outputs))
+    offsets: Any = tuple(o for *_, o in outputs)
+    device = [o for o in offsets if isinstance(o, DeviceOffset)]
+    if device:  # a copy that rounds to nearest ignores its offset: it takes any slot
+        if any(not isinstance(o, DeviceOffset) and is_stochastic(r) for _, r, _, o in outputs):
+            raise FP4GenError("stochastic copies of one tile launch need one kind of offset")
+        offsets = _joined_offset(
+            tuple(o if isinstance(o, DeviceOffset) else device[0] for o in offsets)
+        )
+    out = kernels.module.run(kernels.fns, x, seed=seed, offset=offsets)
     rows, cols = x.shape
     # a columnwise copy is the rowwise quantization of x.t(): [cols, rows]
     copies = {"rowwise": ("", cols, (rows, cols)), "columnwise": ("col_", rows, (cols, rows))}

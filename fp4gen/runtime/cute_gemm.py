@@ -29,11 +29,13 @@ from typing import Any
 import torch
 
 from fp4gen.codegen.gemm import SmallMTile, choose_splits, pick_tile, unsupported_reason
-from fp4gen.compiler.spec import GemmKernelSpec, GemmOutDType, GemmTile
 from fp4gen.errors import FP4GenError, TensorError
 from fp4gen.formats import BlockFormat
+from fp4gen.numerics.quantize import tensor_version
+from fp4gen.spec import GemmKernelSpec, GemmOutDType, GemmTile
+from fp4gen.vocab import Arch
 
-FUSED_ARCHS: tuple[str, ...] = ("sm_90a",)  # wgmma / mma.sync + TMA
+FUSED_ARCHS: tuple[str, ...] = (Arch.SM90A.value,)  # wgmma / mma.sync + TMA
 
 _unavailable: dict[GemmKernelSpec, str] = {}  # spec -> why its kernel cannot be built
 _lock = threading.Lock()
@@ -93,9 +95,9 @@ def packed_codes(q: Any) -> torch.Tensor:
         return own.data
     codes = q.codes
     hit = _packed.get(q)
-    if hit is not None and hit[0] == codes._version:
+    if hit is not None and hit[0] == tensor_version(codes):
         return hit[1]
-    version = codes._version
+    version = tensor_version(codes)
     if codes.shape[1] % 2:
         codes = torch.nn.functional.pad(codes, (0, 1))
     packed = torch.add(codes[:, 0::2], codes[:, 1::2], alpha=16)
@@ -205,8 +207,8 @@ def _b_operand(b: Any, plan: _Plan, kp: int) -> tuple:
     QuantizedTensor until its codes, scale codes or global scale change."""
     versions = (
         *b.code_version(),
-        b.scale_codes._version if b.scale_codes is not None else -1,
-        b.global_scale._version,
+        tensor_version(b.scale_codes) if b.scale_codes is not None else -1,
+        tensor_version(b.global_scale),
         kp,
         plan.expand,
     )

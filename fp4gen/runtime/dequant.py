@@ -37,6 +37,7 @@ from fp4gen.codegen.dequant import UNIT, spec_for
 from fp4gen.compiler.spec import DequantKernelSpec
 from fp4gen.errors import FP4GenError, TensorError
 from fp4gen.formats import BlockFormat
+from fp4gen.numerics.quantize import tensor_version
 from fp4gen.runtime import cublaslt
 
 log = logging.getLogger(__name__)
@@ -172,7 +173,7 @@ def dequantize_bf16(q: Any, *, arch: str | None = None) -> torch.Tensor:
 def cached_bf16(q: Any, *, arch: str | None = None) -> torch.Tensor:
     """``dequantize_bf16(q)``, remembered per QuantizedTensor until its codes or scale codes
     change (a weight's values are decoded once per quantization)."""
-    versions = (*q.code_version(), -1 if q.scale_codes is None else q.scale_codes._version)
+    versions = (*q.code_version(), -1 if q.scale_codes is None else tensor_version(q.scale_codes))
     hit = _values.get(q)
     if hit is not None and hit[0] == versions:
         return hit[1]
@@ -187,7 +188,7 @@ def is_cached(q: Any) -> bool:
     if hit is None:
         return False
     sc = q.scale_codes
-    return hit[0] == (*q.code_version(), -1 if sc is None else sc._version)
+    return hit[0] == (*q.code_version(), -1 if sc is None else tensor_version(sc))
 
 
 def _mm_fp32(va: torch.Tensor, vb: torch.Tensor) -> torch.Tensor:

@@ -15,6 +15,16 @@ layer), which no BF16 layer does. So ``fp4gen.nn.Linear``'s custom ops run in a 
   checks (or a GradScaler) see it.
 * ``raise``: the flags are read once when the op ends (``deferred()``), after its GEMMs are
   queued, and the op raises TensorError for the first input that held a NaN or an Inf.
+
+The generated quantize kernels do the ``propagate`` part themselves: a module exporting
+``NONFINITE_TO_NAN_SCALE = True`` (every generated quantize module, rowwise and tile) leaves each
+copy's S_dec output NaN if and only if its input held a NaN or an Inf (an RHT copy: also when the
+transform overflows), and every output bit unchanged for a finite input, with no extra launch:
+with a global scale the amax reduction propagates NaN and a non-finite amax becomes S_dec =
+NaN; without one the kernel stores NaN over the 1.0 S_dec that ``launches()`` wrote, from a
+NaN-propagating max of the block amaxes (docs/numerics.md section 7). For such modules the
+separate reduction, ``isfinite`` and ``poison`` of ``propagate`` are redundant; ``raise`` can
+read the S_dec instead of a flag.
 """
 
 from __future__ import annotations
@@ -62,8 +72,9 @@ def _all_finite_flag(x: torch.Tensor) -> torch.Tensor:
     return torch.isfinite(torch.linalg.vector_norm(x, float("inf")))
 
 
-def check(x: torch.Tensor, what: str) -> torch.Tensor | None:
-    """Check x (a CUDA tensor about to be quantized) for NaN and Inf; ``what`` names it.
+def check(x: torch.Tensor, what: str, *args: object) -> torch.Tensor | None:
+    """Check x (a CUDA tensor about to be quantized) for NaN and Inf; ``what.format(*args)``
+    names it (formatted only when a message is needed: this runs on every quantize call).
 
     Outside a scope: raises TensorError at once. Inside ``deferred()``: the read waits for the
     end of the block. Inside ``propagating()``: returns the flag, which the caller folds into the
@@ -73,11 +84,22 @@ def check(x: torch.Tensor, what: str) -> torch.Tensor | None:
         return flag
     pending = getattr(_state, "pending", None)
     if pending is not None:
-        pending.append((flag, x, what))
+        pending.append((flag, x, what, args))
         return None
     if not bool(flag):
-        _raise(x, what)
+        _raise(x, _named(what, args))
     return None
+
+
+def _named(what: str, args: tuple[object, ...]) -> str:
+    """``what`` formatted with ``args``, shapes written as tuples: (2, 3), not torch.Size."""
+    return what.format(*(tuple(a) if isinstance(a, torch.Size) else a for a in args))
+
+
+def propagates() -> bool:
+    """Whether non-finite inputs are being propagated here (inside ``propagating()``): a kernel
+    that makes its own decode scale NaN for them then needs no separate check."""
+    return getattr(_state, "propagate", False)
 
 
 def poison(global_scale: torch.Tensor, flag: torch.Tensor | None) -> torch.Tensor:
@@ -106,9 +128,9 @@ def deferred() -> Iterator[None]:
         yield
     finally:
         _state.pending = None
-    for flag, x, what in pending:  # the first read waits for the GPU, the others are done
+    for flag, x, what, args in pending:  # the first read waits for the GPU, the others are done
         if not bool(flag):
-            _raise(x, what)
+            _raise(x, _named(what, args))
 
 
 @contextmanager
@@ -122,11 +144,24 @@ def propagating() -> Iterator[None]:
         _state.propagate = before
 
 
-@contextmanager
-def layer_scope() -> Iterator[None]:
-    """The scope of one fp4gen.nn.Linear custom op, per ``layer_mode()``."""
-    with propagating() if layer_mode() == "propagate" else deferred():
-        yield
+class layer_scope:  # noqa: N801 (used like the context-manager functions above)
+    """The scope of one fp4gen.nn.Linear op, per ``layer_mode()``: ``propagating()`` or
+    ``deferred()``. A class rather than a generator: it is entered twice per layer and step."""
+
+    def __enter__(self) -> None:
+        if layer_mode() == "propagate":
+            self.before = getattr(_state, "propagate", False)
+            _state.propagate = True
+            self.inner = None
+        else:
+            self.inner = deferred()
+            self.inner.__enter__()
+
+    def __exit__(self, *exc: object) -> None:
+        if self.inner is None:
+            _state.propagate = self.before
+        else:
+            self.inner.__exit__(*exc)
 
 
 __all__ = [
@@ -137,6 +172,7 @@ __all__ = [
     "layer_scope",
     "mode_from_env",
     "poison",
+    "propagates",
     "propagating",
     "set_layer_mode",
 ]

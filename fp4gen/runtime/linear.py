@@ -18,7 +18,14 @@ inference_mode no wgrad constraint applies.
 
 Randomness is reproducible: stochastic rounding draws Philox words keyed by the layer's seed,
 with offset = STREAMS_PER_CALL * (the layer's forward or backward call count) + the operand slot,
-so a rerun with the same seed and data gives the same bits.
+so a rerun with the same seed and data gives the same bits. On CUDA the call count the kernels
+read is a device counter per pass (``DeviceOffset``), advanced on the device by every call, so a
+CUDA graph (a captured step, torch.compile's cudagraphs, the layer graphs below) draws fresh bits
+on every replay: the same bits as the eager call with that count.
+
+On CUDA the work of a forward or a backward call runs from a per-layer CUDA graph once its
+shapes have been seen (``fp4gen.runtime.layer_graphs``: one graph launch instead of some 30
+kernel launches from Python, the same bits); ``FP4GEN_LAYER_GRAPHS=0`` runs it eagerly.
 
 The weight is quantized from the tensor each GEMM is given, in every forward (rowwise, for fprop)
 and every backward (columnwise, for dgrad), never from a copy remembered across calls: wrappers
@@ -47,13 +54,16 @@ from typing import Any
 import torch
 from torch import nn
 
-from fp4gen.dsl.model import MoRSpec, Operand, OperandSpec, OperandTable, Recipe
+from fp4gen.device_offset import DeviceOffset
+from fp4gen.dsl.model import MoRRef, MoRSpec, Operand, OperandSpec, OperandTable, Recipe
 from fp4gen.errors import FP4GenError, TensorError
-from fp4gen.formats import BlockFormat
+from fp4gen.formats import BlockFormat, is_stochastic
 from fp4gen.gemm_dispatch import gemm
 from fp4gen.numerics import QuantizedTensor, error_stats
 from fp4gen.numerics.mor import MoRTensor
-from fp4gen.runtime import ops
+from fp4gen.runtime import finite, ops
+from fp4gen.runtime.cute_backend import quantize_tile_cute
+from fp4gen.runtime.layer_graphs import LayerGraphs
 from fp4gen.runtime.operands import (
     check_supported,
     k_multiple,
@@ -64,9 +74,18 @@ from fp4gen.runtime.operands import (
     quantize_operand_pair,
     round_up,
 )
-from fp4gen.runtime.schedule import ScheduledOperands, TrainingClock, action_mors, action_table
+from fp4gen.runtime.schedule import (
+    BACKWARD_SLOTS,
+    FORWARD_SLOTS,
+    ScheduledOperands,
+    TrainingClock,
+    action_mors,
+    action_table,
+)
+from fp4gen.settings import layer_graphs_enabled
 
 SLOT = {op: i for i, op in enumerate(Operand)}
+FORWARD_OPERANDS = (Operand.FPROP_ACTIVATION, Operand.FPROP_WEIGHT)
 # Philox offsets reserved per layer call: one stream per operand slot (six used, two spare), so
 # no two operands of any forward or backward call of a layer share random bits.
 STREAMS_PER_CALL = 8
@@ -120,6 +139,10 @@ class Linear(nn.Linear):
         self.telemetry = Telemetry()
         self._forward_calls = 0
         self._backward_calls = 0
+        # device copies of the call counts (per pass and device) and the offsets that read them
+        self._counters: dict[tuple[bool, torch.device], torch.Tensor] = {}
+        self._device_offsets: dict[tuple[Operand, torch.device], DeviceOffset] = {}
+        self._graphs: LayerGraphs | None = None  # made on the first CUDA call
         self._op_id = ops.register(self)
 
     @classmethod
@@ -164,7 +187,7 @@ class Linear(nn.Linear):
                 f"in_features={self.in_features}"
             )
         x2 = x.reshape(-1, x.shape[-1])
-        y = ops.linear_forward(x2, weight, self.bias, self._op_id, _output_dtype(x))
+        y = ops.linear(x2, weight, self.bias, self._op_id, _output_dtype(x))
         return y.reshape(*x.shape[:-1], self.out_features)
 
     def __prepare_scriptable__(self) -> Linear:
@@ -188,7 +211,34 @@ class Linear(nn.Linear):
         table = self.operands
         _refuse_sr_capture(x2, (table.fprop_activation, table.fprop_weight), self.name)
         call = self._forward_calls
+        graphs = self._graphs_for(x2, table, forward=True)
+        if graphs is None:
+            y = self._fprop(x2, weight, bias, out_dtype, table, call)
+        else:
+            key = (
+                "fprop", x2.shape, x2.dtype, _param_key(weight), _param_key(bias), out_dtype,
+                _Identity(table), _autocast_key(),
+            )  # fmt: skip
+            (y,) = graphs.run(
+                key,
+                lambda x, w, b: (self._fprop(x, w, b, out_dtype, table, call),),
+                (x2,),
+                (weight, bias),
+            )
         self._forward_calls += 1
+        assert y is not None
+        return y
+
+    def _fprop(
+        self,
+        x2: torch.Tensor,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None,
+        out_dtype: torch.dtype,
+        table: OperandTable,
+        call: int,
+    ) -> torch.Tensor:
+        """forward_gemm's work, all of it on the device where x2 is (a layer graph captures it)."""
         w = _rows_contiguous(weight.detach())
         # K = in_features, zero-padded to the fprop RHT size where it is not a multiple of it
         fprop_k = k_multiple(table.fprop_activation, table.fprop_weight, blocks=False)
@@ -197,6 +247,7 @@ class Linear(nn.Linear):
         w = pad_to(w, w.shape[0], k)
         xq = self.quantize(x2, Operand.FPROP_ACTIVATION, table.fprop_activation, call)
         w_row = self.quantize(w, Operand.FPROP_WEIGHT, table.fprop_weight, call)
+        self._advance_device(forward=True)
         self.record(Operand.FPROP_ACTIVATION, x2, xq, call)
         self.record(Operand.FPROP_WEIGHT, w, w_row, call)
         if (
@@ -229,7 +280,30 @@ class Linear(nn.Linear):
         )
         _refuse_sr_capture(dy2, backward_specs, self.name)
         call = self._backward_calls
+        graphs = self._graphs_for(dy2, table, forward=False)
+        if graphs is None:
+            dx, dw = self._grads(dy2, x2, weight, table, call)
+        else:
+            key = (
+                "grads", dy2.shape, dy2.dtype, x2.shape, x2.dtype, _param_key(weight),
+                _Identity(table), _autocast_key(),
+            )  # fmt: skip
+            dx, dw = graphs.run(
+                key, lambda dy, x, w: self._grads(dy, x, w, table, call), (dy2, x2), (weight,)
+            )
         self._backward_calls += 1
+        assert dx is not None and dw is not None
+        return dx, dw
+
+    def _grads(
+        self,
+        dy2: torch.Tensor,
+        x2: torch.Tensor,
+        weight: torch.Tensor,
+        table: OperandTable,
+        call: int,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """backward_gemms' work, all of it on the device (a layer graph captures it)."""
         w = weight.detach()
         tokens, n_out = dy2.shape
         wgrad_k = k_multiple(table.wgrad_gradient, table.wgrad_activation, blocks=True)
@@ -243,8 +317,8 @@ class Linear(nn.Linear):
         # row * columns + column), so one padded dy serves both GEMMs.
         dyq, dyq_t = quantize_operand_pair(
             dy2,
-            self.slot(Operand.DGRAD_GRADIENT, table.dgrad_gradient, call),
-            self.slot(Operand.WGRAD_GRADIENT, table.wgrad_gradient, call),
+            self.slot(Operand.DGRAD_GRADIENT, table.dgrad_gradient, call, dy2),
+            self.slot(Operand.WGRAD_GRADIENT, table.wgrad_gradient, call, dy2),
             seed=self.seed,
             backend=self.backend,
             mors=self.mors,
@@ -259,11 +333,12 @@ class Linear(nn.Linear):
         _, xq_t = quantize_operand_pair(
             x2,
             None,
-            self.slot(Operand.WGRAD_ACTIVATION, table.wgrad_activation, call),
+            self.slot(Operand.WGRAD_ACTIVATION, table.wgrad_activation, call, x2),
             seed=self.seed,
             backend=self.backend,
             mors=self.mors,
         )
+        self._advance_device(forward=False)
         dw = _matmul(dyq_t, xq_t, w.dtype)
         if padded_out != n_out:
             dw = dw[:n_out]
@@ -280,21 +355,84 @@ class Linear(nn.Linear):
         weights); that spec has no RHT, so its K is never padded."""
         if _transposable(table.fprop_weight, table.dgrad_weight) and k in (None, w.shape[0]):
             w = _rows_contiguous(w)
+            if w.is_cuda and self.backend in ("auto", "cute"):
+                # the 2D tile kernel writes the columnwise copy as the transpose of the rowwise
+                # codes and tile scales, packed: no unpacking and transposing pass
+                spec, offset = self.slot(Operand.DGRAD_WEIGHT, table.dgrad_weight, call, w)
+                copies = tuple((d, spec.rounding, None, offset) for d in ("rowwise", "columnwise"))
+                got = quantize_tile_cute(w, spec.format, copies, seed=self.seed)
+                if got is not None:
+                    return got[1]
             return self.quantize(w, Operand.DGRAD_WEIGHT, table.dgrad_weight, call).transpose()
         wt = w.t()
         wt = wt.contiguous() if k is None or k == wt.shape[1] else pad_to(wt, wt.shape[0], k)
         return self.quantize(wt, Operand.DGRAD_WEIGHT, table.dgrad_weight, call)
 
     def quantize(self, t: torch.Tensor, op: Operand, spec: OperandSpec, call: int) -> Any:
-        _, offset = self.slot(op, spec, call)
+        _, offset = self.slot(op, spec, call, t)
         return quantize_operand(
             t, spec, seed=self.seed, offset=offset, backend=self.backend, mors=self.mors
         )
 
-    @staticmethod
-    def slot(op: Operand, spec: OperandSpec, call: int) -> tuple[OperandSpec, int]:
-        """An operand slot's spec and Philox offset in this call (a stream per slot and call)."""
+    def slot(
+        self, op: Operand, spec: OperandSpec, call: int, t: torch.Tensor
+    ) -> tuple[OperandSpec, int | DeviceOffset]:
+        """An operand slot's spec and Philox offset in this call (a stream per slot and call):
+        STREAMS_PER_CALL * call + slot. For a stochastically rounded CUDA operand of a block
+        format the offset is a DeviceOffset on the layer's device counter of that pass, which
+        holds ``call`` (module docstring), so a CUDA graph draws fresh bits on every replay."""
+        if t.is_cuda and isinstance(spec.format, BlockFormat) and is_stochastic(spec.rounding):
+            return spec, self._device_offset(op, t.device)
         return spec, STREAMS_PER_CALL * call + SLOT[op]
+
+    def _device_offset(self, op: Operand, device: torch.device) -> DeviceOffset:
+        key = (op, device)
+        found = self._device_offsets.get(key)
+        if found is None:
+            counter = self._philox_counter(op in FORWARD_OPERANDS, device)
+            found = DeviceOffset(counter, STREAMS_PER_CALL, (SLOT[op],))
+            self._device_offsets[key] = found
+        return found
+
+    def _philox_counter(self, forward: bool, device: torch.device) -> torch.Tensor:
+        """The device copy of the forward (or backward) call count: int64 [1], made from the
+        host count on first use and advanced on the device with every call that reads it."""
+        key = (forward, device)
+        counter = self._counters.get(key)
+        if counter is None:
+            if torch.cuda.is_current_stream_capturing():
+                raise FP4GenError(
+                    f"{self.name or 'fp4gen.nn.Linear'}: its stochastic rounding counter is made "
+                    "on the first eager call; run one step eagerly before capturing a CUDA graph"
+                )
+            calls = self._forward_calls if forward else self._backward_calls
+            counter = torch.tensor([calls], dtype=torch.int64, device=device)
+            self._counters[key] = counter
+        return counter
+
+    def _advance_device(self, forward: bool) -> None:
+        """Count a forward (or backward) call on every device counter of that pass (the host
+        counts in forward_gemm / backward_gemms; a replayed layer graph advances these)."""
+        for (is_forward, _), counter in self._counters.items():
+            if is_forward == forward:
+                counter.add_(1)
+
+    def _graphs_for(
+        self, t: torch.Tensor, table: OperandTable, *, forward: bool
+    ) -> LayerGraphs | None:
+        """The layer's graphs when this pass may run from one (fp4gen.runtime.layer_graphs):
+        CUDA, the kernels' backend, block formats or high precision only (MoR decides on the
+        host), no telemetry (it records on the host), non-finite inputs propagated."""
+        if not t.is_cuda or self.telemetry.every or not layer_graphs_enabled():
+            return None
+        if self.backend not in ("auto", "cute") or finite.layer_mode() != "propagate":
+            return None
+        slots = FORWARD_SLOTS if forward else BACKWARD_SLOTS
+        if any(isinstance(getattr(table, name).format, MoRRef) for name in slots):
+            return None
+        if self._graphs is None:
+            self._graphs = LayerGraphs(self.name)
+        return self._graphs
 
     def record(self, op: Operand, source: torch.Tensor, quantized: Any, call: int) -> None:
         """Append one telemetry record for a quantized operand (high-precision ones have none):
@@ -386,19 +524,46 @@ def _transposable(fprop: OperandSpec, dgrad: OperandSpec) -> bool:
 
 
 def _refuse_sr_capture(t: torch.Tensor, specs: tuple[OperandSpec, ...], name: str) -> None:
-    """FP4GenError when a CUDA graph is being captured and an operand rounds stochastically:
-    the Philox offset is a host counter, so every replay would draw the same bits (a biased
-    rounding, silently). Round-to-nearest recipes capture and replay exactly."""
+    """FP4GenError when a CUDA graph is being captured and a Mixture-of-Representations operand
+    rounds stochastically: its kernels take the Philox offset from the host, so every replay
+    would draw the same bits (a biased rounding, silently). Block formats read their offset
+    from a device counter (``Linear.slot``) and capture like round-to-nearest."""
     if not t.is_cuda or not torch.cuda.is_current_stream_capturing():
         return
     for spec in specs:
-        if spec.rounding.startswith("stochastic"):
+        if isinstance(spec.format, MoRRef) and is_stochastic(spec.rounding):
             raise FP4GenError(
-                f"{name or 'fp4gen.nn.Linear'}: an operand rounds stochastically "
-                f"({spec.rounding}), which cannot be captured in a CUDA graph yet (every replay "
-                "would draw the same random bits); capture a round-to-nearest recipe, or run "
-                "this one eagerly"
+                f"{name or 'fp4gen.nn.Linear'}: a Mixture-of-Representations operand rounds "
+                f"stochastically ({spec.rounding}), which cannot be captured in a CUDA graph "
+                "(every replay would draw the same random bits); run it eagerly"
             )
+
+
+class _Identity:
+    """A key part that compares by identity and keeps its object alive (so its id is never
+    reused while a key holds it): hashing an operand table per call would cost host time."""
+
+    __slots__ = ("obj",)
+
+    def __init__(self, obj: object) -> None:
+        self.obj = obj
+
+    def __hash__(self) -> int:
+        return id(self.obj)
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, _Identity) and other.obj is self.obj
+
+
+def _param_key(p: torch.Tensor | None) -> tuple[Any, ...] | None:
+    """A parameter as a layer graph reads it: in place, at this address and layout."""
+    if p is None:
+        return None
+    return (p.data_ptr(), p.shape, p.stride(), p.dtype, p.device)
+
+
+def _autocast_key() -> tuple[bool, torch.dtype]:
+    return torch.is_autocast_enabled("cuda"), torch.get_autocast_dtype("cuda")
 
 
 def _output_dtype(x: torch.Tensor) -> torch.dtype:

@@ -26,12 +26,14 @@ from collections.abc import Iterable, Mapping
 
 import torch
 
+from fp4gen.device_offset import DeviceOffset
 from fp4gen.dsl.model import MoRRef, MoRSpec, OperandSpec, RHTSpec
 from fp4gen.errors import FP4GenError
 from fp4gen.formats import BlockFormat, HighPrecision
 from fp4gen.gemm_dispatch import gemm
 from fp4gen.numerics import QuantizedTensor, quantize
 from fp4gen.numerics.mor import MoRTensor, mor_quantize
+from fp4gen.runtime.cute_backend import quantize_cute, quantize_tile_cute
 
 HP_DTYPES: dict[str, torch.dtype] = {
     "bf16": torch.bfloat16,
@@ -107,7 +109,7 @@ def quantize_operand(
     spec: OperandSpec,
     *,
     seed: int,
-    offset: int,
+    offset: int | DeviceOffset,
     backend: str = "auto",
     mors: Mapping[str, MoRSpec] | None = None,
 ) -> Operand:
@@ -131,6 +133,20 @@ def quantize_operand(
             offset=offset,
             backend=backend,
         )
+    if isinstance(offset, DeviceOffset):
+        # a stochastic operand whose offset lives on the device (fp4gen.nn.Linear on CUDA)
+        got = quantize_cute(
+            t.detach(),
+            fmt,
+            rounding=spec.rounding,
+            rht=spec.rht,
+            seed=seed,
+            offset=offset,
+            required=backend == "cute",
+        )
+        if got is not None:
+            return got
+        offset = offset.offsets()[0]  # the reference takes it from the host: one read
     return quantize(
         t,
         fmt,
@@ -144,8 +160,8 @@ def quantize_operand(
 
 def quantize_operand_pair(
     t: torch.Tensor,
-    row: tuple[OperandSpec, int] | None,
-    col: tuple[OperandSpec, int],
+    row: tuple[OperandSpec, int | DeviceOffset] | None,
+    col: tuple[OperandSpec, int | DeviceOffset],
     *,
     seed: int,
     backend: str = "auto",
@@ -157,8 +173,6 @@ def quantize_operand_pair(
     fmt = col[0].format
     same = row is None or row[0].format == fmt
     if backend in ("auto", "cute") and same and isinstance(fmt, BlockFormat) and t.is_cuda:
-        from fp4gen.runtime.cute_backend import quantize_tile_cute
-
         outputs = [("columnwise", col[0].rounding, col[0].rht, col[1])]
         if row is not None:  # the tile kernel writes the rowwise copy first
             outputs.insert(0, ("rowwise", row[0].rounding, row[0].rht, row[1]))

@@ -5,10 +5,17 @@ their fake implementations give torch.compile the output shapes without running 
 compiled model keeps the exact numerics of eager mode. A layer is named by an integer id (custom
 ops take tensors and plain values, not modules).
 
+In eager mode ``linear`` calls the same layer methods through a plain autograd.Function
+(``_EagerLinear``) instead: the custom-op machinery (schema dispatch, argument defaults,
+aliasing checks, the autograd wrapper around it) costs tens of microseconds of host time per
+call, which only torch.compile needs. Both routes run the same code with the same saved tensors,
+so their results are identical bit for bit.
+
 This module does not use ``from __future__ import annotations``: custom_op reads the real
 annotations to build the op schema.
 """
 
+import contextlib
 import itertools
 import weakref
 from typing import Any
@@ -84,9 +91,56 @@ def _setup_context(ctx: Any, inputs: tuple, output: torch.Tensor) -> None:
 def _backward(ctx: Any, dy: torch.Tensor):
     x2, weight = ctx.saved_tensors
     dx, dw = linear_backward(dy.contiguous(), x2, weight, ctx.layer_id)
-    # the sum accumulates in fp32 without an fp32 copy of dy
-    db = None if ctx.bias_dtype is None else dy.sum(0, dtype=torch.float32).to(ctx.bias_dtype)
-    return dx, dw, db, None, None
+    return dx, dw, _bias_grad(dy, ctx.bias_dtype), None, None
+
+
+def _bias_grad(dy: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor | None:
+    """The bias gradient (None without a bias): the sum accumulates in fp32 without an fp32
+    copy of dy."""
+    return None if dtype is None else dy.sum(0, dtype=torch.float32).to(dtype)
 
 
 linear_forward.register_autograd(_backward, setup_context=_setup_context)
+
+
+def _profiled(name: str) -> Any:
+    """A profiler range named as the custom op (so profiles read the same either way), only
+    while torch's profiler runs: a record_function costs host time on every call."""
+    if torch.autograd.profiler._is_profiler_enabled:
+        return torch.profiler.record_function(name)
+    return contextlib.nullcontext()
+
+
+class _EagerLinear(torch.autograd.Function):
+    """linear_forward and its backward without the custom-op dispatch (eager mode)."""
+
+    @staticmethod
+    def forward(ctx: Any, x2, weight, bias, layer_id, out_dtype):  # type: ignore[override]
+        layer = _layer(layer_id)
+        with _profiled("fp4gen::linear_forward"), finite.layer_scope():
+            y = layer.forward_gemm(x2, weight, bias, out_dtype)
+        ctx.save_for_backward(x2, weight)
+        ctx.layer_id = layer_id
+        ctx.bias_dtype = None if bias is None else bias.dtype
+        return y
+
+    @staticmethod
+    def backward(ctx: Any, dy: torch.Tensor):  # type: ignore[override]
+        x2, weight = ctx.saved_tensors
+        with _profiled("fp4gen::linear_backward"), finite.layer_scope():
+            dx, dw = _layer(ctx.layer_id).backward_gemms(dy.contiguous(), x2, weight)
+        return dx, dw, _bias_grad(dy, ctx.bias_dtype), None, None
+
+
+def linear(
+    x2: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    layer_id: int,
+    out_dtype: torch.dtype,
+) -> torch.Tensor:
+    """y = Q(x) @ Q(W)^T (+ bias) with its backward: the custom op while torch.compile traces,
+    the eager autograd.Function otherwise (module docstring)."""
+    if torch.compiler.is_compiling():
+        return linear_forward(x2, weight, bias, layer_id, out_dtype)
+    return _EagerLinear.apply(x2, weight, bias, layer_id, out_dtype)

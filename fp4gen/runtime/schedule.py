@@ -69,11 +69,31 @@ class ScheduledOperands:
     base: OperandTable
     rules: tuple[ScheduleRule, ...] = ()
     clock: TrainingClock = field(default_factory=TrainingClock)
+    # which rules are in force -> the table they make: one object per phase of training, so
+    # that what a layer derives from a table can be kept by the table's identity
+    _tables: dict[tuple[bool, ...], OperandTable] = field(
+        default_factory=dict, init=False, repr=False, compare=False
+    )
+
+    def __setattr__(self, name: str, value: object) -> None:
+        super().__setattr__(name, value)
+        if name in ("base", "rules") and "_tables" in self.__dict__:
+            self._tables.clear()  # composed from what just changed
 
     def active(self) -> OperandTable:
+        if not self.rules:
+            return self.base
+        reached = tuple(self.clock.reached(rule) for rule in self.rules)
+        table = self._tables.get(reached)
+        if table is None:
+            table = self._tables[reached] = self._compose(reached)
+        return table
+
+    def _compose(self, reached: tuple[bool, ...]) -> OperandTable:
         table = self.base
-        for rule in self.rules:  # in recipe order: a later rule overrides an earlier one
-            if not self.clock.reached(rule):
+        # in recipe order: a later rule overrides an earlier one
+        for rule, on in zip(self.rules, reached, strict=True):
+            if not on:
                 continue
             target = action_table(rule.action)
             slots = {"forward": FORWARD_SLOTS, "backward": BACKWARD_SLOTS}.get(

@@ -18,9 +18,14 @@ What it computes (docs/numerics.md sections 1-5, bit for bit; oracle: fp4gen.num
 
 Kernels, in launch order:
     amax      A = max |x| over the tensor into a zeroed fp32 [1] buffer: registers ->
-              warp shuffles -> shared memory -> one atomic max per CTA.
+              warp shuffles -> shared memory -> one atomic max per CTA. Every max propagates
+              NaN (max.NaN), and the atomic max of the fp32 bits keeps a NaN or an Inf.
     quantize  per block: amax_b, scale code s_b, encode factor e_b, element codes; writes the
               packed codes [M, K*6/8] and the scale codes [M, K/8], S_dec.
+
+Non-finite inputs (NONFINITE_TO_NAN_SCALE): S_dec is NaN iff x holds a NaN or an Inf; the codes
+and scales are then meaningless. An amax A that is not finite gives S_dec = NaN. Finite inputs:
+every bit as without this rule.
 
 Thread mapping: [M, K] is a flat sequence of M*K/8 units of 8 contiguous elements (1 whole
 block: a thread owns whole blocks). The v-th unit of a thread is cta * (T * V) + v * T + tid, so
@@ -29,8 +34,10 @@ last unit (no predicates), stores are predicated. The flat element index u * 8 +
 K + col.
 
 Module contract: KERNELS, compile_kernel(name, arch, *, dump_dir=None), launches(x, ...),
-run(fns, x, *, seed=0, offset=0) (see fp4gen.codegen.quantize). Limits: M * K < 2^31 and a
-16-byte aligned input.
+run(fns, x, *, seed=0, offset=0) (see fp4gen.codegen.quantize); the offset may be a DeviceOffset
+(fp4gen.device_offset: read by the kernel from device memory), and NONFINITE_TO_NAN_SCALE says
+that S_dec is NaN iff the input held a NaN or an Inf. Limits: M * K < 2^31 and a 16-byte
+aligned input.
 """
 
 from __future__ import annotations
@@ -47,6 +54,7 @@ from cutlass import Float32, Int32, Uint8, Uint16, Uint32, range_constexpr
 from cutlass._mlir.dialects import llvm
 from cutlass.cutlass_dsl import T, dsl_user_op
 
+from fp4gen.device_offset import DeviceOffset
 from fp4gen.errors import TensorError
 
 # ----------------------------------------------------------------------------------------------
@@ -88,6 +96,10 @@ SCALE_TORCH = torch.uint8
 SCALES_SWIZZLED = False
 
 GLOBAL_SCALE = True
+# S_dec is NaN iff the input held a NaN or an Inf (the runtime needs no separate finite check)
+NONFINITE_TO_NAN_SCALE = True
+NONFINITE_BITS = 0x7F800000  # bits of |v| at or above this (unsigned): v is an Inf or a NaN
+NAN_BITS = 0x7FFFFFFF  # the NaN stored as S_dec
 GLOBAL_NUM = 12544.0  # fp32(SCALE_MAX * ELEM_MAX)
 
 FLT_MAX = 3.4028234663852886e38
@@ -141,12 +153,13 @@ def scale_value(x: Float32, e: Float32, *, loc=None, ip=None) -> Float32:
 
 @dsl_user_op
 def bf16x2_absmax(a: Uint32, b: Uint32, *, loc=None, ip=None) -> Uint32:
-    """Per-half max(|a|, |b|) of two bf16x2 words (the sign of the result is garbage)."""
+    """Per-half max(|a|, |b|) of two bf16x2 words, NaN where either half is NaN (the sign of the
+    result is garbage)."""
     return Uint32(
         _asm(
             T.i32(),
             [Uint32(a).ir_value(loc=loc, ip=ip), Uint32(b).ir_value(loc=loc, ip=ip)],
-            "max.xorsign.abs.bf16x2 $0, $1, $2;",
+            "max.NaN.xorsign.abs.bf16x2 $0, $1, $2;",
             "=r,r,r",
         )
     )
@@ -217,20 +230,26 @@ def to_f32(frag: cute.Tensor) -> list:
     return [xf[j] for j in range(UNIT)]
 
 
+def fmax_nan(a: Float32, b: Float32) -> Float32:
+    """max(a, b), NaN if either is NaN (max.NaN.f32: one instruction, as the plain max)."""
+    return cute.arch.fmax(a, b, nan=True)
+
+
 def absmax(xs: list) -> Float32:
-    """max |x| over fp32 scalars."""
+    """max |x| over fp32 scalars; NaN if any is NaN."""
     acc = abs(xs[0])
     for x in xs[1:]:
-        acc = cute.arch.fmax(acc, abs(x))
+        acc = fmax_nan(acc, abs(x))
     return acc
 
 
 def absmax_bf16(words: list) -> Float32:
-    """max |x| over bf16x2 words: packed HMNMX2, then one fp32 max of the halves (exact)."""
+    """max |x| over bf16x2 words: packed HMNMX2, then one fp32 max of the halves (exact); NaN
+    if any is NaN."""
     h = words[0]
     for w in words[1:]:
         h = bf16x2_absmax(h, w)
-    return cute.arch.fmax(
+    return fmax_nan(
         abs((h << Uint32(16)).bitcast(Float32)), abs((h & Uint32(0xFFFF0000)).bitcast(Float32))
     )
 
@@ -242,11 +261,15 @@ def unit_words(frag: cute.Tensor) -> list:
 
 def global_scales(amax: Float32):
     """S_enc = min(fp32(SCALE_MAX * ELEM_MAX) / A, FLT_MAX), 1 if A == 0 or S_enc == 0;
-    S_dec = 1 / S_enc (IEEE div.rn / rcp.rn)."""
+    S_dec = 1 / S_enc (IEEE div.rn / rcp.rn). A that is not finite (the NaN-propagating amax of
+    an input holding a NaN or an Inf) gives S_dec = NaN; S_enc is then any finite value, so the
+    codes are meaningless but computed as usual."""
     s_enc = cute.arch.fmin(Float32(GLOBAL_NUM) / amax, Float32(FLT_MAX))
     degenerate = (amax == Float32(0.0)) | (s_enc == Float32(0.0))
     s_enc = Float32(cutlass.select_(degenerate, Float32(1.0), s_enc))
-    return s_enc, Float32(1.0) / s_enc
+    finite = amax.bitcast(Uint32) < Uint32(NONFINITE_BITS)  # A >= 0: its bits order like it
+    nan = Uint32(NAN_BITS).bitcast(Float32)
+    return s_enc, Float32(cutlass.select_(finite, Float32(1.0) / s_enc, nan))
 
 
 def block_scale(amax_b: Float32, k_enc: Float32, s_enc, s_dec):
@@ -384,10 +407,11 @@ class AmaxKernel:
             frags.append(frag)
         acc = Float32(0.0)
         for v in range_constexpr(AMAX_UNITS):
-            acc = cute.arch.fmax(acc, absmax_bf16(unit_words(frags[v])))
+            acc = fmax_nan(acc, absmax_bf16(unit_words(frags[v])))
 
-        # CTA reduction: warp shuffles, one shared-memory slot per warp, warp 0 finishes
-        acc = cute.arch.warp_reduction(acc, cute.arch.fmax)
+        # CTA reduction: warp shuffles, one shared-memory slot per warp, warp 0 finishes; every
+        # max propagates NaN, so a NaN anywhere reaches the atomic as the canonical (positive) NaN
+        acc = cute.arch.warp_reduction(acc, fmax_nan)
         smem = cutlass.memory.SmemAllocator()
         red = smem.allocate_tensor(Float32, cute.make_layout(AMAX_THREADS // 32), byte_alignment=16)
         warp = cute.arch.warp_idx()
@@ -399,9 +423,10 @@ class AmaxKernel:
             w = Float32(0.0)
             if lane < AMAX_THREADS // 32:
                 w = red[lane]
-            w = cute.arch.warp_reduction(w, cute.arch.fmax)
+            w = cute.arch.warp_reduction(w, fmax_nan)
             if lane == 0:
-                # |x| >= 0: the fp32 max is the integer max of the bits
+                # |x| >= 0: the fp32 max is the integer max of the bits (Inf and the positive NaN
+                # above every finite value)
                 cute.arch.atomic_fmax(mAmax.iterator, w, sign_bit=False)
 
 
@@ -556,17 +581,23 @@ def _u64(name: str, value: int) -> None:
         raise ValueError(f"{name} must be an integer in [0, 2^64), got {value!r}")
 
 
+def _check_offset(offset) -> None:
+    """An int offset in [0, 2^64) or a DeviceOffset: unused, there is no stochastic rounding."""
+    if not isinstance(offset, DeviceOffset):
+        _u64("offset", offset)
+
+
 def swizzled_bytes(rows: int, cols: int) -> int:
     """Size of the 128x4 swizzled layout of a [rows, cols] scale matrix (padding included)."""
     return -(-rows // 128) * 128 * (-(-cols // 4) * 4)
 
 
-def launches(x: torch.Tensor, *, seed: int = 0, offset: int = 0):
+def launches(x: torch.Tensor, *, seed: int = 0, offset: int | DeviceOffset = 0):
     """Validate x and allocate the outputs: returns (outputs, [(kernel name, arguments)] in
     launch order). ``run`` launches them; a benchmark can time each launch on its own."""
     check_input(x)
     _u64("seed", seed)
-    _u64("offset", offset)
+    _check_offset(offset)
     M, K = x.shape
     dev = x.device
     data = torch.empty((M, K * ELEM_BITS // 8), dtype=torch.uint8, device=dev)
@@ -584,14 +615,21 @@ def launches(x: torch.Tensor, *, seed: int = 0, offset: int = 0):
 
 
 def run(
-    fns: Mapping[str, Callable], x: torch.Tensor, *, seed: int = 0, offset: int = 0
+    fns: Mapping[str, Callable],
+    x: torch.Tensor,
+    *,
+    seed: int = 0,
+    offset: int | DeviceOffset = 0,
 ) -> dict[str, torch.Tensor]:
     """Quantize x with the compiled kernels ``fns`` (name -> callable, see KERNELS).
 
     Returns {"data": packed codes uint8 [M, K*ELEM_BITS/8], "scales": [M, K/BLOCK] scale codes
     (uint8; fp32 values for fp32 scales), "global_scale": fp32 0-dim S_dec}.
-    ``seed``/``offset`` select the Philox stream of stochastic rounding (unused otherwise).
-    Raises TensorError for an input the kernels cannot take.
+    ``seed``/``offset`` select the Philox stream of stochastic rounding (unused otherwise); the
+    offset is an int or a DeviceOffset (read by the kernel from device memory, see
+    fp4gen.device_offset).
+    S_dec is NaN iff x held a NaN or an Inf (NONFINITE_TO_NAN_SCALE). Raises TensorError for an
+    input the kernels cannot take.
     """
     out, plan = launches(x, seed=seed, offset=offset)
     for name, args in plan:

@@ -19,9 +19,14 @@ What it computes (docs/numerics.md sections 1-5, bit for bit; oracle: fp4gen.num
 
 Kernels, in launch order:
     amax      A = max |x| over the tensor into a zeroed fp32 [1] buffer: registers ->
-              warp shuffles -> shared memory -> one atomic max per CTA.
+              warp shuffles -> shared memory -> one atomic max per CTA. Every max propagates
+              NaN (max.NaN), and the atomic max of the fp32 bits keeps a NaN or an Inf.
     quantize  per block: amax_b, scale code s_b, encode factor e_b, element codes; writes the
               packed codes [M, K*6/8] and the scale codes [M, K/8], S_dec.
+
+Non-finite inputs (NONFINITE_TO_NAN_SCALE): S_dec is NaN iff x holds a NaN or an Inf; the codes
+and scales are then meaningless. An amax A that is not finite gives S_dec = NaN. Finite inputs:
+every bit as without this rule.
 
 Thread mapping: [M, K] is a flat sequence of M*K/8 units of 8 contiguous elements (1 whole
 block: a thread owns whole blocks). The v-th unit of a thread is cta * (T * V) + v * T + tid, so
@@ -30,8 +35,10 @@ last unit (no predicates), stores are predicated. The flat element index u * 8 +
 K + col.
 
 Module contract: KERNELS, compile_kernel(name, arch, *, dump_dir=None), launches(x, ...),
-run(fns, x, *, seed=0, offset=0) (see fp4gen.codegen.quantize). Limits: M * K < 2^31 and a
-16-byte aligned input.
+run(fns, x, *, seed=0, offset=0) (see fp4gen.codegen.quantize); the offset may be a DeviceOffset
+(fp4gen.device_offset: read by the kernel from device memory), and NONFINITE_TO_NAN_SCALE says
+that S_dec is NaN iff the input held a NaN or an Inf. Limits: M * K < 2^31 and a 16-byte
+aligned input.
 """
 
 from __future__ import annotations
@@ -48,6 +55,7 @@ from cutlass import Float32, Int32, Uint8, Uint16, Uint32, Uint64, range_constex
 from cutlass._mlir.dialects import llvm
 from cutlass.cutlass_dsl import T, dsl_user_op
 
+from fp4gen.device_offset import DeviceOffset
 from fp4gen.errors import TensorError
 
 # ----------------------------------------------------------------------------------------------
@@ -88,6 +96,10 @@ SCALE_TORCH = torch.uint8
 SCALES_SWIZZLED = False
 
 GLOBAL_SCALE = True
+# S_dec is NaN iff the input held a NaN or an Inf (the runtime needs no separate finite check)
+NONFINITE_TO_NAN_SCALE = True
+NONFINITE_BITS = 0x7F800000  # bits of |v| at or above this (unsigned): v is an Inf or a NaN
+NAN_BITS = 0x7FFFFFFF  # the NaN stored as S_dec
 GLOBAL_NUM = 12544.0  # fp32(SCALE_MAX * ELEM_MAX)
 
 FLT_MAX = 3.4028234663852886e38
@@ -158,12 +170,13 @@ def add_rz(a: Float32, b: Float32, *, loc=None, ip=None) -> Float32:
 
 @dsl_user_op
 def bf16x2_absmax(a: Uint32, b: Uint32, *, loc=None, ip=None) -> Uint32:
-    """Per-half max(|a|, |b|) of two bf16x2 words (the sign of the result is garbage)."""
+    """Per-half max(|a|, |b|) of two bf16x2 words, NaN where either half is NaN (the sign of the
+    result is garbage)."""
     return Uint32(
         _asm(
             T.i32(),
             [Uint32(a).ir_value(loc=loc, ip=ip), Uint32(b).ir_value(loc=loc, ip=ip)],
-            "max.xorsign.abs.bf16x2 $0, $1, $2;",
+            "max.NaN.xorsign.abs.bf16x2 $0, $1, $2;",
             "=r,r,r",
         )
     )
@@ -209,20 +222,26 @@ def to_f32(frag: cute.Tensor) -> list:
     return [xf[j] for j in range(UNIT)]
 
 
+def fmax_nan(a: Float32, b: Float32) -> Float32:
+    """max(a, b), NaN if either is NaN (max.NaN.f32: one instruction, as the plain max)."""
+    return cute.arch.fmax(a, b, nan=True)
+
+
 def absmax(xs: list) -> Float32:
-    """max |x| over fp32 scalars."""
+    """max |x| over fp32 scalars; NaN if any is NaN."""
     acc = abs(xs[0])
     for x in xs[1:]:
-        acc = cute.arch.fmax(acc, abs(x))
+        acc = fmax_nan(acc, abs(x))
     return acc
 
 
 def absmax_bf16(words: list) -> Float32:
-    """max |x| over bf16x2 words: packed HMNMX2, then one fp32 max of the halves (exact)."""
+    """max |x| over bf16x2 words: packed HMNMX2, then one fp32 max of the halves (exact); NaN
+    if any is NaN."""
     h = words[0]
     for w in words[1:]:
         h = bf16x2_absmax(h, w)
-    return cute.arch.fmax(
+    return fmax_nan(
         abs((h << Uint32(16)).bitcast(Float32)), abs((h & Uint32(0xFFFF0000)).bitcast(Float32))
     )
 
@@ -234,11 +253,15 @@ def unit_words(frag: cute.Tensor) -> list:
 
 def global_scales(amax: Float32):
     """S_enc = min(fp32(SCALE_MAX * ELEM_MAX) / A, FLT_MAX), 1 if A == 0 or S_enc == 0;
-    S_dec = 1 / S_enc (IEEE div.rn / rcp.rn)."""
+    S_dec = 1 / S_enc (IEEE div.rn / rcp.rn). A that is not finite (the NaN-propagating amax of
+    an input holding a NaN or an Inf) gives S_dec = NaN; S_enc is then any finite value, so the
+    codes are meaningless but computed as usual."""
     s_enc = cute.arch.fmin(Float32(GLOBAL_NUM) / amax, Float32(FLT_MAX))
     degenerate = (amax == Float32(0.0)) | (s_enc == Float32(0.0))
     s_enc = Float32(cutlass.select_(degenerate, Float32(1.0), s_enc))
-    return s_enc, Float32(1.0) / s_enc
+    finite = amax.bitcast(Uint32) < Uint32(NONFINITE_BITS)  # A >= 0: its bits order like it
+    nan = Uint32(NAN_BITS).bitcast(Float32)
+    return s_enc, Float32(cutlass.select_(finite, Float32(1.0) / s_enc, nan))
 
 
 def block_scale(amax_b: Float32, k_enc: Float32, s_enc, s_dec):
@@ -250,6 +273,32 @@ def block_scale(amax_b: Float32, k_enc: Float32, s_enc, s_dec):
     s_b = cvt_e4m3_to_f32(out)
     e_b = cute.arch.fmin(Float32(1.0) / (s_b * s_dec), Float32(FLT_MAX))
     return out, e_b
+
+
+@dsl_user_op
+def load_counter(addr_lo: Int32, addr_hi: Int32, *, loc=None, ip=None) -> Uint64:
+    """The u64 at global address (addr_hi, addr_lo), or 0 where the address is 0 (a predicated
+    load: no access, no branch)."""
+    return Uint64(
+        _asm(
+            T.i64(),
+            [Int32(addr_lo).ir_value(loc=loc, ip=ip), Int32(addr_hi).ir_value(loc=loc, ip=ip)],
+            "{\n\t.reg .pred p;\n\t.reg .b64 a;\n\tmov.b64 a, {$1, $2};\n\t"
+            "setp.ne.b64 p, a, 0;\n\tmov.b64 $0, 0;\n\t@p ld.global.u64 $0, [a];\n\t}",
+            "=l,r,r",
+        )
+    )
+
+
+def philox_offset(ctr_lo, ctr_hi, stride_lo, stride_hi, off_lo, off_hi):
+    """(lo, hi) words of the Philox offset: counter * stride + offset (mod 2^64), with the
+    counter read from device memory (a DeviceOffset; its slot is the offset), or 0 for an int
+    offset (address 0: the offset itself, bit for bit)."""
+    count = load_counter(ctr_lo, ctr_hi)
+    stride = (Uint64(Uint32(stride_hi)) << Uint64(32)) | Uint64(Uint32(stride_lo))
+    base = (Uint64(Uint32(off_hi)) << Uint64(32)) | Uint64(Uint32(off_lo))
+    offset = count * stride + base
+    return Uint32(offset), Uint32(offset >> Uint64(32))
 
 
 def philox_keys(seed_lo: Uint32, seed_hi: Uint32) -> list:
@@ -433,10 +482,11 @@ class AmaxKernel:
             frags.append(frag)
         acc = Float32(0.0)
         for v in range_constexpr(AMAX_UNITS):
-            acc = cute.arch.fmax(acc, absmax_bf16(unit_words(frags[v])))
+            acc = fmax_nan(acc, absmax_bf16(unit_words(frags[v])))
 
-        # CTA reduction: warp shuffles, one shared-memory slot per warp, warp 0 finishes
-        acc = cute.arch.warp_reduction(acc, cute.arch.fmax)
+        # CTA reduction: warp shuffles, one shared-memory slot per warp, warp 0 finishes; every
+        # max propagates NaN, so a NaN anywhere reaches the atomic as the canonical (positive) NaN
+        acc = cute.arch.warp_reduction(acc, fmax_nan)
         smem = cutlass.memory.SmemAllocator()
         red = smem.allocate_tensor(Float32, cute.make_layout(AMAX_THREADS // 32), byte_alignment=16)
         warp = cute.arch.warp_idx()
@@ -448,9 +498,10 @@ class AmaxKernel:
             w = Float32(0.0)
             if lane < AMAX_THREADS // 32:
                 w = red[lane]
-            w = cute.arch.warp_reduction(w, cute.arch.fmax)
+            w = cute.arch.warp_reduction(w, fmax_nan)
             if lane == 0:
-                # |x| >= 0: the fp32 max is the integer max of the bits
+                # |x| >= 0: the fp32 max is the integer max of the bits (Inf and the positive NaN
+                # above every finite value)
                 cute.arch.atomic_fmax(mAmax.iterator, w, sign_bit=False)
 
 
@@ -473,6 +524,10 @@ class QuantizeKernel:
         seed_hi: Int32,
         offset_lo: Int32,
         offset_hi: Int32,
+        ctr_lo: Int32,  # address of a DeviceOffset counter (0: none), low and high words
+        ctr_hi: Int32,
+        stride_lo: Int32,  # the DeviceOffset stride
+        stride_hi: Int32,
         stream: cuda.CUstream,
     ):
         gX, num_units = _units(mX)
@@ -494,6 +549,10 @@ class QuantizeKernel:
             seed_hi,
             offset_lo,
             offset_hi,
+            ctr_lo,
+            ctr_hi,
+            stride_lo,
+            stride_hi,
             num_units,
         ).launch(grid=[grid, 1, 1], block=[QUANT_THREADS, 1, 1], stream=stream)
 
@@ -509,6 +568,10 @@ class QuantizeKernel:
         seed_hi: Int32,
         offset_lo: Int32,
         offset_hi: Int32,
+        ctr_lo: Int32,
+        ctr_hi: Int32,
+        stride_lo: Int32,
+        stride_hi: Int32,
         num_units: Int32,
     ):
         tidx, _, _ = cute.arch.thread_idx()
@@ -530,11 +593,13 @@ class QuantizeKernel:
                 mSdec[0] = s_dec
         k_enc = s_enc * Float32(INV_ELEM_MAX)  # fp32(S_enc * fp32(1 / ELEM_MAX))
         keys = philox_keys(Uint32(seed_lo), Uint32(seed_hi))
+        # the Philox offset: the int one, or counter * stride + slot read from device memory
+        off_lo, off_hi = philox_offset(ctr_lo, ctr_hi, stride_lo, stride_hi, offset_lo, offset_hi)
 
         for v in range_constexpr(QUANT_UNITS):
             u = base + v * QUANT_THREADS
             i0 = Uint32(u) * Uint32(UNIT)
-            rand = random_fields(i0, UNIT, SR_BITS, keys, Uint32(offset_lo), Uint32(offset_hi))
+            rand = random_fields(i0, UNIT, SR_BITS, keys, off_lo, off_hi)
             vals, scales = quantize_unit(frags[v], self.hw, k_enc, s_enc, s_dec, rand)
             q = cute.make_rmem_tensor((STORE_N,), STORE_T)
             for i in range_constexpr(STORE_N):
@@ -582,7 +647,7 @@ def compile_kernel(name: str, arch: str, *, dump_dir: str | None = None):
         fake(Uint8, (m, cute.sym_int()), stride_order=(1, 0), assumed_align=4),
     ]
     args += [fake(Float32, (1,), assumed_align=4), fake(Float32, (1,), assumed_align=4)]
-    args += [Int32(0), Int32(0), Int32(0), Int32(0)]
+    args += [Int32(0)] * 8  # seed, offset, counter address, stride: (lo, hi) each
     return cute.compile(QuantizeKernel(arch), *args, stream, options=options)
 
 
@@ -625,17 +690,37 @@ def _i32(word: int) -> int:
     return word - (1 << 32) if word >= 1 << 31 else word
 
 
+def _offset_args(offset, x: torch.Tensor) -> list[int]:
+    """The kernel's Philox offset scalars (offset, counter address, stride; (lo, hi) each) of an
+    int offset (address 0: the kernel reads nothing) or a DeviceOffset (one slot; the kernel
+    reads its counter)."""
+    if not isinstance(offset, DeviceOffset):
+        _u64("offset", offset)
+        return [_i32(offset & 0xFFFFFFFF), _i32(offset >> 32), 0, 0, 0, 0]
+    if len(offset.slots) != 1:
+        raise ValueError(f"{SPEC_NAME}: one output, one DeviceOffset slot; got {offset.slots}")
+    if offset.counter.device != x.device:
+        raise ValueError(
+            f"{SPEC_NAME}: the DeviceOffset counter is on {offset.counter.device}, the input on "
+            f"{x.device}"
+        )
+    words = []
+    for w in (offset.slots[0], offset.counter.data_ptr(), offset.stride):
+        words += [_i32(w & 0xFFFFFFFF), _i32(w >> 32)]
+    return words
+
+
 def swizzled_bytes(rows: int, cols: int) -> int:
     """Size of the 128x4 swizzled layout of a [rows, cols] scale matrix (padding included)."""
     return -(-rows // 128) * 128 * (-(-cols // 4) * 4)
 
 
-def launches(x: torch.Tensor, *, seed: int = 0, offset: int = 0):
+def launches(x: torch.Tensor, *, seed: int = 0, offset: int | DeviceOffset = 0):
     """Validate x and allocate the outputs: returns (outputs, [(kernel name, arguments)] in
     launch order). ``run`` launches them; a benchmark can time each launch on its own."""
     check_input(x)
     _u64("seed", seed)
-    _u64("offset", offset)
+    offset_args = _offset_args(offset, x)
     M, K = x.shape
     dev = x.device
     data = torch.empty((M, K * ELEM_BITS // 8), dtype=torch.uint8, device=dev)
@@ -648,21 +733,27 @@ def launches(x: torch.Tensor, *, seed: int = 0, offset: int = 0):
     plan.append(("amax", (x, amax)))
     args += [amax, s_dec]
     out["global_scale"] = s_dec.reshape(())
-    mask = 0xFFFFFFFF
-    args += [_i32(seed & mask), _i32(seed >> 32), _i32(offset & mask), _i32(offset >> 32)]
+    args += [_i32(seed & 0xFFFFFFFF), _i32(seed >> 32), *offset_args]
     plan.append(("quantize", tuple(args)))
     return out, plan
 
 
 def run(
-    fns: Mapping[str, Callable], x: torch.Tensor, *, seed: int = 0, offset: int = 0
+    fns: Mapping[str, Callable],
+    x: torch.Tensor,
+    *,
+    seed: int = 0,
+    offset: int | DeviceOffset = 0,
 ) -> dict[str, torch.Tensor]:
     """Quantize x with the compiled kernels ``fns`` (name -> callable, see KERNELS).
 
     Returns {"data": packed codes uint8 [M, K*ELEM_BITS/8], "scales": [M, K/BLOCK] scale codes
     (uint8; fp32 values for fp32 scales), "global_scale": fp32 0-dim S_dec}.
-    ``seed``/``offset`` select the Philox stream of stochastic rounding (unused otherwise).
-    Raises TensorError for an input the kernels cannot take.
+    ``seed``/``offset`` select the Philox stream of stochastic rounding (unused otherwise); the
+    offset is an int or a DeviceOffset (read by the kernel from device memory, see
+    fp4gen.device_offset).
+    S_dec is NaN iff x held a NaN or an Inf (NONFINITE_TO_NAN_SCALE). Raises TensorError for an
+    input the kernels cannot take.
     """
     out, plan = launches(x, seed=seed, offset=offset)
     for name, args in plan:

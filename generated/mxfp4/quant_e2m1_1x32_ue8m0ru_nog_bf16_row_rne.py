@@ -18,7 +18,12 @@ What it computes (docs/numerics.md sections 1-5, bit for bit; oracle: fp4gen.num
 
 Kernels, in launch order:
     quantize  per block: amax_b, scale code s_b, encode factor e_b, element codes; writes the
-              packed codes [M, K*4/8] and the scale codes [M, K/32].
+              packed codes [M, K*4/8] and the scale codes [M, K/32], S_dec.
+
+Non-finite inputs (NONFINITE_TO_NAN_SCALE): S_dec is NaN iff x holds a NaN or an Inf; the codes
+and scales are then meaningless. launches() fills S_dec with 1.0; a thread whose blocks hold a
+NaN or an Inf (the NaN-propagating max of its block amaxes, one FMNMX per block) stores NaN over
+it. Finite inputs: every bit as without this rule.
 
 Thread mapping: [M, K] is a flat sequence of M*K/32 units of 32 contiguous elements (1 whole
 block: a thread owns whole blocks). The v-th unit of a thread is cta * (T * V) + v * T + tid, so
@@ -27,8 +32,10 @@ last unit (no predicates), stores are predicated. The flat element index u * 32 
 * K + col.
 
 Module contract: KERNELS, compile_kernel(name, arch, *, dump_dir=None), launches(x, ...),
-run(fns, x, *, seed=0, offset=0) (see fp4gen.codegen.quantize). Limits: M * K < 2^31 and a
-16-byte aligned input.
+run(fns, x, *, seed=0, offset=0) (see fp4gen.codegen.quantize); the offset may be a DeviceOffset
+(fp4gen.device_offset: read by the kernel from device memory), and NONFINITE_TO_NAN_SCALE says
+that S_dec is NaN iff the input held a NaN or an Inf. Limits: M * K < 2^31 and a 16-byte
+aligned input.
 """
 
 from __future__ import annotations
@@ -45,6 +52,7 @@ from cutlass import Float32, Int32, Uint8, Uint32, range_constexpr
 from cutlass._mlir.dialects import llvm
 from cutlass.cutlass_dsl import T, dsl_user_op
 
+from fp4gen.device_offset import DeviceOffset
 from fp4gen.errors import TensorError
 
 # ----------------------------------------------------------------------------------------------
@@ -93,6 +101,10 @@ SCALE_TORCH = torch.uint8
 SCALES_SWIZZLED = False
 
 GLOBAL_SCALE = False
+# S_dec is NaN iff the input held a NaN or an Inf (the runtime needs no separate finite check)
+NONFINITE_TO_NAN_SCALE = True
+NONFINITE_BITS = 0x7F800000  # bits of |v| at or above this (unsigned): v is an Inf or a NaN
+NAN_BITS = 0x7FFFFFFF  # the NaN stored as S_dec
 
 FLT_MAX = 3.4028234663852886e38
 RNE_MAGIC = 8388608.0  # 2^23: adding it rounds a value in [0, 2^22) to an integer
@@ -143,12 +155,13 @@ def scale_value(x: Float32, e: Float32, *, loc=None, ip=None) -> Float32:
 
 @dsl_user_op
 def bf16x2_absmax(a: Uint32, b: Uint32, *, loc=None, ip=None) -> Uint32:
-    """Per-half max(|a|, |b|) of two bf16x2 words (the sign of the result is garbage)."""
+    """Per-half max(|a|, |b|) of two bf16x2 words, NaN where either half is NaN (the sign of the
+    result is garbage)."""
     return Uint32(
         _asm(
             T.i32(),
             [Uint32(a).ir_value(loc=loc, ip=ip), Uint32(b).ir_value(loc=loc, ip=ip)],
-            "max.xorsign.abs.bf16x2 $0, $1, $2;",
+            "max.NaN.xorsign.abs.bf16x2 $0, $1, $2;",
             "=r,r,r",
         )
     )
@@ -191,20 +204,26 @@ def to_f32(frag: cute.Tensor) -> list:
     return [xf[j] for j in range(UNIT)]
 
 
+def fmax_nan(a: Float32, b: Float32) -> Float32:
+    """max(a, b), NaN if either is NaN (max.NaN.f32: one instruction, as the plain max)."""
+    return cute.arch.fmax(a, b, nan=True)
+
+
 def absmax(xs: list) -> Float32:
-    """max |x| over fp32 scalars."""
+    """max |x| over fp32 scalars; NaN if any is NaN."""
     acc = abs(xs[0])
     for x in xs[1:]:
-        acc = cute.arch.fmax(acc, abs(x))
+        acc = fmax_nan(acc, abs(x))
     return acc
 
 
 def absmax_bf16(words: list) -> Float32:
-    """max |x| over bf16x2 words: packed HMNMX2, then one fp32 max of the halves (exact)."""
+    """max |x| over bf16x2 words: packed HMNMX2, then one fp32 max of the halves (exact); NaN
+    if any is NaN."""
     h = words[0]
     for w in words[1:]:
         h = bf16x2_absmax(h, w)
-    return cute.arch.fmax(
+    return fmax_nan(
         abs((h << Uint32(16)).bitcast(Float32)), abs((h & Uint32(0xFFFF0000)).bitcast(Float32))
     )
 
@@ -335,18 +354,21 @@ def store_words(words: list) -> list:
 
 
 def quantize_unit(frag: cute.Tensor, hw: bool, k_enc, s_enc, s_dec, rand):
-    """Quantize one unit: returns (store values, [(scale code or value) per block])."""
+    """Quantize one unit: returns (store values, [(scale code or value) per block], max of
+    this thread's block amaxes: NaN or Inf iff its values hold a NaN or an Inf)."""
     xs = to_f32(frag)
     raw = unit_words(frag)
     bl = UNIT // BLOCKS_PER_UNIT  # elements of one block held by this thread
     ys = []
     scales = []
+    seen = None
     for g in range(BLOCKS_PER_UNIT):
         amax_b = absmax_bf16(raw[g * bl // 2 : (g + 1) * bl // 2])
+        seen = amax_b if seen is None else fmax_nan(seen, amax_b)  # before any shuffle
         scale, e_b = block_scale(amax_b, k_enc, s_enc, s_dec)
         scales.append(scale)
         ys += [scale_value(x, e_b) for x in xs[g * bl : (g + 1) * bl]]  # sign bit: x < 0
-    return store_words(pack_bits(encode_elements(ys, rand, hw))), scales
+    return store_words(pack_bits(encode_elements(ys, rand, hw))), scales, seen
 
 
 # ----------------------------------------------------------------------------------------------
@@ -372,6 +394,7 @@ class QuantizeKernel:
         mX: cute.Tensor,  # (M, K) input
         mQ: cute.Tensor,  # (M, K * ELEM_BITS / 8) uint8 packed codes
         mS: cute.Tensor,  # (M, K / BLOCK) scale codes
+        mSdec: cute.Tensor,  # (1,) fp32 S_dec, 1.0 from launches(): NaN for a non-finite input
         stream: cuda.CUstream,
     ):
         gX, num_units = _units(mX)
@@ -387,6 +410,7 @@ class QuantizeKernel:
             gX,
             gQ,
             gS,
+            mSdec,
             num_units,
         ).launch(grid=[grid, 1, 1], block=[QUANT_THREADS, 1, 1], stream=stream)
 
@@ -396,6 +420,7 @@ class QuantizeKernel:
         gX: cute.Tensor,
         gQ: cute.Tensor,
         gS: cute.Tensor,
+        mSdec: cute.Tensor,
         num_units: Int32,
     ):
         tidx, _, _ = cute.arch.thread_idx()
@@ -412,11 +437,13 @@ class QuantizeKernel:
 
         s_enc = s_dec = None  # no global scale: S_enc = S_dec = 1
         k_enc = Float32(INV_ELEM_MAX)  # fp32(1 * fp32(1 / ELEM_MAX))
+        seen = Float32(0.0)  # max of this thread's block amaxes (NaN-propagating)
 
         for v in range_constexpr(QUANT_UNITS):
             u = base + v * QUANT_THREADS
             rand = None
-            vals, scales = quantize_unit(frags[v], self.hw, k_enc, s_enc, s_dec, rand)
+            vals, scales, seen_v = quantize_unit(frags[v], self.hw, k_enc, s_enc, s_dec, rand)
+            seen = fmax_nan(seen, seen_v)  # a clamped (duplicate) unit holds real values too
             q = cute.make_rmem_tensor((STORE_N,), STORE_T)
             for i in range_constexpr(STORE_N):
                 q[i] = vals[i]
@@ -425,6 +452,11 @@ class QuantizeKernel:
                 for g in range_constexpr(BLOCKS_PER_UNIT):
                     b = u * BLOCKS_PER_UNIT + g
                     gS[b] = Uint8(scales[g])
+
+        # ---- a NaN or an Inf among this thread's values (rare): S_dec = NaN over launches()'
+        # 1.0 (every writer stores the same NaN, so no race)
+        if seen.bitcast(Uint32) >= Uint32(NONFINITE_BITS):
+            mSdec[0] = Uint32(NAN_BITS).bitcast(Float32)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -459,6 +491,7 @@ def compile_kernel(name: str, arch: str, *, dump_dir: str | None = None):
         ),
         fake(Uint8, (m, cute.sym_int()), stride_order=(1, 0), assumed_align=4),
     ]
+    args.append(fake(Float32, (1,), assumed_align=4))
     return cute.compile(QuantizeKernel(arch), *args, stream, options=options)
 
 
@@ -496,17 +529,23 @@ def _u64(name: str, value: int) -> None:
         raise ValueError(f"{name} must be an integer in [0, 2^64), got {value!r}")
 
 
+def _check_offset(offset) -> None:
+    """An int offset in [0, 2^64) or a DeviceOffset: unused, there is no stochastic rounding."""
+    if not isinstance(offset, DeviceOffset):
+        _u64("offset", offset)
+
+
 def swizzled_bytes(rows: int, cols: int) -> int:
     """Size of the 128x4 swizzled layout of a [rows, cols] scale matrix (padding included)."""
     return -(-rows // 128) * 128 * (-(-cols // 4) * 4)
 
 
-def launches(x: torch.Tensor, *, seed: int = 0, offset: int = 0):
+def launches(x: torch.Tensor, *, seed: int = 0, offset: int | DeviceOffset = 0):
     """Validate x and allocate the outputs: returns (outputs, [(kernel name, arguments)] in
     launch order). ``run`` launches them; a benchmark can time each launch on its own."""
     check_input(x)
     _u64("seed", seed)
-    _u64("offset", offset)
+    _check_offset(offset)
     M, K = x.shape
     dev = x.device
     data = torch.empty((M, K * ELEM_BITS // 8), dtype=torch.uint8, device=dev)
@@ -514,20 +553,31 @@ def launches(x: torch.Tensor, *, seed: int = 0, offset: int = 0):
     out = {"data": data, "scales": scales}
     plan = []
     args = [x, data, scales]
-    out["global_scale"] = torch.ones((), dtype=torch.float32, device=dev)
+    # S_dec = 1 (no global scale), written here: the kernel stores NaN over it for an input
+    # with a NaN or an Inf, and only then
+    s_dec = torch.ones(1, dtype=torch.float32, device=dev)
+    args.append(s_dec)
+    out["global_scale"] = s_dec.reshape(())
     plan.append(("quantize", tuple(args)))
     return out, plan
 
 
 def run(
-    fns: Mapping[str, Callable], x: torch.Tensor, *, seed: int = 0, offset: int = 0
+    fns: Mapping[str, Callable],
+    x: torch.Tensor,
+    *,
+    seed: int = 0,
+    offset: int | DeviceOffset = 0,
 ) -> dict[str, torch.Tensor]:
     """Quantize x with the compiled kernels ``fns`` (name -> callable, see KERNELS).
 
     Returns {"data": packed codes uint8 [M, K*ELEM_BITS/8], "scales": [M, K/BLOCK] scale codes
     (uint8; fp32 values for fp32 scales), "global_scale": fp32 0-dim S_dec}.
-    ``seed``/``offset`` select the Philox stream of stochastic rounding (unused otherwise).
-    Raises TensorError for an input the kernels cannot take.
+    ``seed``/``offset`` select the Philox stream of stochastic rounding (unused otherwise); the
+    offset is an int or a DeviceOffset (read by the kernel from device memory, see
+    fp4gen.device_offset).
+    S_dec is NaN iff x held a NaN or an Inf (NONFINITE_TO_NAN_SCALE). Raises TensorError for an
+    input the kernels cannot take.
     """
     out, plan = launches(x, seed=seed, offset=offset)
     for name, args in plan:

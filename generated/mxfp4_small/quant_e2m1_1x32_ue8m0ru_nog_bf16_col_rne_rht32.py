@@ -21,6 +21,12 @@ What it computes (docs/numerics.md sections 1-5, bit for bit; oracle: fp4gen.num
 Kernels, in launch order:
     quantize  every copy from one read of x: block amaxes, scale codes, encode factors, codes.
 
+Non-finite inputs (NONFINITE_TO_NAN_SCALE): each copy's S_dec is NaN iff x holds a NaN or an Inf
+(for the RHT copy also where the transform overflows, which the reference rejects too); the
+codes and scales are then meaningless. launches() fills S_dec with 1.0; a thread whose values
+hold a NaN or an Inf (the NaN-propagating max of its block amaxes, per copy: one FMNMX per
+block) stores NaN over that copy's S_dec. Finite inputs: every bit as without this rule.
+
 Thread mapping: a thread holds a strip of ROWS = 32 rows x VEC = 4 columns of x (one 8-byte load
 per row). A warp is LANES_K = 8 lanes along K (fastest) x LANES_M = 4 along M, a CTA 2 x 2
 warps, so a CTA covers a TILE_M = 256 x TILE_K = 64 tile; CTA t takes tile (t // tiles_k, t %
@@ -30,8 +36,10 @@ duplicate of a row of the same block, so no amax changes) and never stored; colu
 clamped likewise.
 
 Module contract: KERNELS, compile_kernel(name, arch, *, dump_dir=None), launches(x, ...),
-run(fns, x, *, seed=0, offset=0) (see fp4gen.codegen.quantize). Limits: M * K < 2^31 and a
-16-byte aligned input.
+run(fns, x, *, seed=0, offset=0) (see fp4gen.codegen.quantize); the offset may be a DeviceOffset
+(fp4gen.device_offset: read by the kernel from device memory), and NONFINITE_TO_NAN_SCALE says
+that S_dec is NaN iff the input held a NaN or an Inf. Limits: M * K < 2^31 and a 16-byte
+aligned input.
 """
 
 from __future__ import annotations
@@ -48,6 +56,7 @@ from cutlass import Float32, Int32, Int64, Uint8, Uint32, range_constexpr
 from cutlass._mlir.dialects import llvm
 from cutlass.cutlass_dsl import T, dsl_user_op
 
+from fp4gen.device_offset import DeviceOffset
 from fp4gen.errors import TensorError
 
 # ----------------------------------------------------------------------------------------------
@@ -96,6 +105,11 @@ SCALE_MAX_CODE = 254  # all ones is NaN
 SCALE_TORCH = torch.uint8
 
 GLOBAL_SCALE = False
+# Each copy's S_dec is NaN iff the input held a NaN or an Inf (the runtime needs no separate
+# finite check)
+NONFINITE_TO_NAN_SCALE = True
+NONFINITE_BITS = 0x7F800000  # bits of |v| at or above this (unsigned): v is an Inf or a NaN
+NAN_BITS = 0x7FFFFFFF  # the NaN stored as S_dec
 AMAX_SLOTS = 1  # distinct global amaxes (one per transform of x)
 # Random Hadamard transform of the columnwise copy, along M: seeded by Philox, seed 0
 RHT_SIZE = 32
@@ -172,12 +186,13 @@ def cvt_bf16x2(a: Float32, b: Float32, *, loc=None, ip=None) -> Uint32:
 
 @dsl_user_op
 def bf16x2_absmax(a: Uint32, b: Uint32, *, loc=None, ip=None) -> Uint32:
-    """Per-half max(|a|, |b|) of two bf16x2 words (the sign of the result is garbage)."""
+    """Per-half max(|a|, |b|) of two bf16x2 words, NaN where either half is NaN (the sign of the
+    result is garbage)."""
     return Uint32(
         _asm(
             T.i32(),
             [Uint32(a).ir_value(loc=loc, ip=ip), Uint32(b).ir_value(loc=loc, ip=ip)],
-            "max.xorsign.abs.bf16x2 $0, $1, $2;",
+            "max.NaN.xorsign.abs.bf16x2 $0, $1, $2;",
             "=r,r,r",
         )
     )
@@ -225,11 +240,16 @@ def rows_f32(frags: list) -> list:
     return [to_f32(frag) for frag in frags]
 
 
+def fmax_nan(a: Float32, b: Float32) -> Float32:
+    """max(a, b), NaN if either is NaN (max.NaN.f32: one instruction, as the plain max)."""
+    return cute.arch.fmax(a, b, nan=True)
+
+
 def absmax(xs: list) -> Float32:
-    """max |x| over fp32 scalars (a balanced tree)."""
+    """max |x| over fp32 scalars (a balanced tree); NaN if any is NaN."""
     vals = [abs(x) for x in xs]
     while len(vals) > 1:
-        nxt = [cute.arch.fmax(vals[i], vals[i + 1]) for i in range(0, len(vals) - 1, 2)]
+        nxt = [fmax_nan(vals[i], vals[i + 1]) for i in range(0, len(vals) - 1, 2)]
         if len(vals) % 2:
             nxt.append(vals[-1])
         vals = nxt
@@ -244,14 +264,14 @@ def frag_words(frag: cute.Tensor) -> list:
 
 def absmax_bf16(words: list) -> Float32:
     """max |x| over bf16x2 words: packed HMNMX2 (a balanced tree), then one fp32 max of the
-    halves (exact)."""
+    halves (exact); NaN if any is NaN."""
     while len(words) > 1:
         nxt = [bf16x2_absmax(words[i], words[i + 1]) for i in range(0, len(words) - 1, 2)]
         if len(words) % 2:
             nxt.append(words[-1])
         words = nxt
     h = words[0]
-    return cute.arch.fmax(
+    return fmax_nan(
         abs((h << Uint32(16)).bitcast(Float32)), abs((h & Uint32(0xFFFF0000)).bitcast(Float32))
     )
 
@@ -565,6 +585,7 @@ class QuantizeKernel:
         mX: cute.Tensor,  # (M, K) input
         mQc: cute.Tensor,  # (K, M * ELEM_BITS / 8) uint8 packed codes of the transpose
         mSc: cute.Tensor,  # (K, ceil(M / BLOCK)) scale codes
+        mSdec_col: cute.Tensor,  # (1,) fp32 S_dec of the columnwise copy: 1.0, NaN if non-finite
         stream: cuda.CUstream,
     ):
         M, K = mX.shape[0], mX.shape[1]
@@ -573,6 +594,7 @@ class QuantizeKernel:
             units(mX),
             mQc,
             mSc,
+            mSdec_col,
             M,
             K,
             tiles_k,
@@ -584,6 +606,7 @@ class QuantizeKernel:
         gX: cute.Tensor,
         mQc: cute.Tensor,
         mSc: cute.Tensor,
+        mSdec_col: cute.Tensor,
         M: Int32,
         K: Int32,
         tiles_k: Int32,
@@ -607,6 +630,9 @@ class QuantizeKernel:
         # row's words. Rolled loops keep the kernel small enough for the instruction cache (fully
         # unrolled, instruction fetch stalls took half its time); the data stays in registers
         strip = [w for frag in frags for w in frag_words(frag)]
+        # the NaN-propagating max of this thread's block amaxes, per copy (S_dec = NaN if not
+        # finite)
+        seen_col = Float32(0.0)
 
         # ---- columnwise copy: CPAIR columns per iteration, blocks along M
         bl = ROWS // COL_BLOCKS  # rows of one column block held by this thread
@@ -619,6 +645,7 @@ class QuantizeKernel:
                 ys = []
                 for g in range_constexpr(COL_BLOCKS):
                     amax_b = absmax_bf16(xw[g * bl // 2 : (g + 1) * bl // 2])  # exact
+                    seen_col = fmax_nan(seen_col, amax_b)  # this thread's part of the block
                     amax_b = butterfly_max(amax_b, COL_OFFSETS)
                     code, e_b = block_scale(amax_b, k_enc_col, s_enc_col, s_dec_col)
                     ys += scaled(xc[g * bl : (g + 1) * bl], e_b)
@@ -635,6 +662,10 @@ class QuantizeKernel:
                     at_w = at + Int64(w * COL_STORE_BYTES)
                     store_if(at_w, vcol[w], ok, COL_STORE_BYTES)
             strip = rotate_words(strip)
+
+        # ---- a NaN or an Inf among this thread's values (rare): that copy's S_dec = NaN
+        bad_col = Int32(seen_col.bitcast(Uint32) >= Uint32(NONFINITE_BITS))
+        store_if(mSdec_col.iterator.toint(), Uint32(NAN_BITS), bad_col, 4)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -664,6 +695,7 @@ def compile_kernel(name: str, arch: str, *, dump_dir: str | None = None):
         fake(Uint8, (k, cute.sym_int()), stride_order=(1, 0), assumed_align=16),
         fake(scale_t, (cute.sym_int(), cute.sym_int()), stride_order=(1, 0), assumed_align=4),
     ]
+    args += [fake(Float32, (1,), assumed_align=4) for _ in OUTPUTS]
     return cute.compile(QuantizeKernel(arch), *args, stream, options=options)
 
 
@@ -710,7 +742,10 @@ def swizzled_bytes(rows: int, cols: int) -> int:
 
 
 def _offsets(offset) -> tuple[int, ...]:
-    """One Philox offset per output: an int serves every output, a tuple gives one each."""
+    """One Philox offset per output: an int serves every output, a tuple gives one each. For a
+    DeviceOffset, its slots likewise (the kernel adds counter * stride to them)."""
+    if isinstance(offset, DeviceOffset):
+        offset = offset.slots[0] if len(offset.slots) == 1 else offset.slots
     offsets = (offset,) * len(OUTPUTS) if isinstance(offset, int) else tuple(offset)
     if len(offsets) != len(OUTPUTS):
         raise ValueError(f"{SPEC_NAME}: expected one offset per output {OUTPUTS}, got {offset!r}")
@@ -719,7 +754,7 @@ def _offsets(offset) -> tuple[int, ...]:
     return offsets
 
 
-def launches(x: torch.Tensor, *, seed: int = 0, offset: int | tuple[int, ...] = 0):
+def launches(x: torch.Tensor, *, seed: int = 0, offset: int | tuple[int, ...] | DeviceOffset = 0):
     """Validate x and allocate the outputs: returns (outputs, [(kernel name, arguments)] in
     launch order). ``run`` launches them; a benchmark can time each launch on its own."""
     check_input(x)
@@ -735,7 +770,11 @@ def launches(x: torch.Tensor, *, seed: int = 0, offset: int | tuple[int, ...] = 
     out.update(col_data=col_data, col_scales=col_scales)
     args += [col_data, col_scales]
     plan = []
-    out["col_global_scale"] = torch.ones((), dtype=torch.float32, device=dev)
+    # S_dec = 1 (no global scale), written here: the kernel stores NaN over a copy's S_dec for
+    # an input with a NaN or an Inf, and only then
+    s_dec = torch.ones(len(OUTPUTS), dtype=torch.float32, device=dev)
+    args += [s_dec[i : i + 1] for i in range(len(OUTPUTS))]
+    out["col_global_scale"] = s_dec[0]
     del offsets  # no stochastic rounding
     plan.append(("quantize", tuple(args)))
     return out, plan
@@ -746,7 +785,7 @@ def run(
     x: torch.Tensor,
     *,
     seed: int = 0,
-    offset: int | tuple[int, ...] = 0,
+    offset: int | tuple[int, ...] | DeviceOffset = 0,
 ) -> dict[str, torch.Tensor]:
     """Quantize x with the compiled kernels ``fns`` (name -> callable, see KERNELS).
 
@@ -754,8 +793,9 @@ def run(
     fp32 0-dim S_dec and, for the swizzled layout, the 128x4 tensor-core scale buffer:
     columnwise "col_data" [K, M*ELEM_BITS/8], "col_scales", "col_global_scale".
     ``seed``/``offset`` select the Philox stream of stochastic rounding (an offset per copy as a
-    tuple in OUTPUTS order; unused without SR). Raises TensorError for an input the kernels
-    cannot take.
+    tuple in OUTPUTS order, or a DeviceOffset read by the kernel from device memory:
+    fp4gen.device_offset; unused without SR). Each copy's S_dec is NaN iff x held a NaN or an
+    Inf (NONFINITE_TO_NAN_SCALE). Raises TensorError for an input the kernels cannot take.
     """
     out, plan = launches(x, seed=seed, offset=offset)
     for name, args in plan:

@@ -20,7 +20,13 @@ What it computes (docs/numerics.md sections 1-5, bit for bit; oracle: fp4gen.num
 
 Kernels, in launch order:
     quantize  per block: amax_b, scale code s_b, encode factor e_b, element codes; writes the
-              packed codes [M, K*4/8] and the scale codes [M, K/32].
+              packed codes [M, K*4/8] and the scale codes [M, K/32], S_dec.
+
+Non-finite inputs (NONFINITE_TO_NAN_SCALE): S_dec is NaN iff x' holds a NaN or an Inf (a NaN or
+an Inf in x, or an RHT that overflows, which the reference rejects too); the codes and scales
+are then meaningless. launches() fills S_dec with 1.0; a thread whose blocks hold a NaN or an
+Inf (the NaN-propagating max of its block amaxes, one FMNMX per block) stores NaN over it.
+Finite inputs: every bit as without this rule.
 
 Thread mapping: [M, K] is a flat sequence of M*K/32 units of 32 contiguous elements (1 whole
 block, 1 RHT chunk: a thread owns whole blocks). The v-th unit of a thread is cta * (T * V) + v
@@ -29,8 +35,10 @@ clamped to the last unit (no predicates), stores are predicated. The flat elemen
 j is also row * K + col.
 
 Module contract: KERNELS, compile_kernel(name, arch, *, dump_dir=None), launches(x, ...),
-run(fns, x, *, seed=0, offset=0) (see fp4gen.codegen.quantize). Limits: M * K < 2^31 and a
-16-byte aligned input.
+run(fns, x, *, seed=0, offset=0) (see fp4gen.codegen.quantize); the offset may be a DeviceOffset
+(fp4gen.device_offset: read by the kernel from device memory), and NONFINITE_TO_NAN_SCALE says
+that S_dec is NaN iff the input held a NaN or an Inf. Limits: M * K < 2^31 and a 16-byte
+aligned input.
 """
 
 from __future__ import annotations
@@ -47,6 +55,7 @@ from cutlass import Float32, Int32, Uint8, Uint32, Uint64, range_constexpr
 from cutlass._mlir.dialects import llvm
 from cutlass.cutlass_dsl import T, dsl_user_op
 
+from fp4gen.device_offset import DeviceOffset
 from fp4gen.errors import TensorError
 
 # ----------------------------------------------------------------------------------------------
@@ -94,6 +103,10 @@ SCALE_TORCH = torch.uint8
 SCALES_SWIZZLED = False
 
 GLOBAL_SCALE = False
+# S_dec is NaN iff the input held a NaN or an Inf (the runtime needs no separate finite check)
+NONFINITE_TO_NAN_SCALE = True
+NONFINITE_BITS = 0x7F800000  # bits of |v| at or above this (unsigned): v is an Inf or a NaN
+NAN_BITS = 0x7FFFFFFF  # the NaN stored as S_dec
 # Random Hadamard transform along the row: seeded by Philox, seed 0
 RHT_SIZE = 32
 RHT_SIGNS = tuple(1 if c == "+" else -1 for c in "+----+-+++++-+-+----++-+---+-+-+")
@@ -207,11 +220,16 @@ def rht_chunks(xs: list) -> list:
     return out
 
 
+def fmax_nan(a: Float32, b: Float32) -> Float32:
+    """max(a, b), NaN if either is NaN (max.NaN.f32: one instruction, as the plain max)."""
+    return cute.arch.fmax(a, b, nan=True)
+
+
 def absmax(xs: list) -> Float32:
-    """max |x| over fp32 scalars."""
+    """max |x| over fp32 scalars; NaN if any is NaN."""
     acc = abs(xs[0])
     for x in xs[1:]:
-        acc = cute.arch.fmax(acc, abs(x))
+        acc = fmax_nan(acc, abs(x))
     return acc
 
 
@@ -249,6 +267,32 @@ def block_scale(amax_b: Float32, k_enc: Float32, s_enc, s_dec):
     out, s_b = scale_round(cute.arch.fmax(d_b, Float32(SCALE_MIN)))  # no zero: clamp up
     e_b = cute.arch.fmin(Float32(1.0) / s_b, Float32(FLT_MAX))
     return out, e_b
+
+
+@dsl_user_op
+def load_counter(addr_lo: Int32, addr_hi: Int32, *, loc=None, ip=None) -> Uint64:
+    """The u64 at global address (addr_hi, addr_lo), or 0 where the address is 0 (a predicated
+    load: no access, no branch)."""
+    return Uint64(
+        _asm(
+            T.i64(),
+            [Int32(addr_lo).ir_value(loc=loc, ip=ip), Int32(addr_hi).ir_value(loc=loc, ip=ip)],
+            "{\n\t.reg .pred p;\n\t.reg .b64 a;\n\tmov.b64 a, {$1, $2};\n\t"
+            "setp.ne.b64 p, a, 0;\n\tmov.b64 $0, 0;\n\t@p ld.global.u64 $0, [a];\n\t}",
+            "=l,r,r",
+        )
+    )
+
+
+def philox_offset(ctr_lo, ctr_hi, stride_lo, stride_hi, off_lo, off_hi):
+    """(lo, hi) words of the Philox offset: counter * stride + offset (mod 2^64), with the
+    counter read from device memory (a DeviceOffset; its slot is the offset), or 0 for an int
+    offset (address 0: the offset itself, bit for bit)."""
+    count = load_counter(ctr_lo, ctr_hi)
+    stride = (Uint64(Uint32(stride_hi)) << Uint64(32)) | Uint64(Uint32(stride_lo))
+    base = (Uint64(Uint32(off_hi)) << Uint64(32)) | Uint64(Uint32(off_lo))
+    offset = count * stride + base
+    return Uint32(offset), Uint32(offset >> Uint64(32))
 
 
 def philox_keys(seed_lo: Uint32, seed_hi: Uint32) -> list:
@@ -400,18 +444,21 @@ def store_words(words: list) -> list:
 
 
 def quantize_unit(frag: cute.Tensor, hw: bool, k_enc, s_enc, s_dec, rand):
-    """Quantize one unit: returns (store values, [(scale code or value) per block])."""
+    """Quantize one unit: returns (store values, [(scale code or value) per block], max of
+    this thread's block amaxes: NaN or Inf iff its values hold a NaN or an Inf)."""
     xs = to_f32(frag)
     xs = rht_chunks(xs)
     bl = UNIT // BLOCKS_PER_UNIT  # elements of one block held by this thread
     ys = []
     scales = []
+    seen = None
     for g in range(BLOCKS_PER_UNIT):
         amax_b = absmax(xs[g * bl : (g + 1) * bl])
+        seen = amax_b if seen is None else fmax_nan(seen, amax_b)  # before any shuffle
         scale, e_b = block_scale(amax_b, k_enc, s_enc, s_dec)
         scales.append(scale)
         ys += [scale_value(x, e_b) for x in xs[g * bl : (g + 1) * bl]]  # sign bit: x < 0
-    return store_words(pack_bits(encode_elements(ys, rand, hw))), scales
+    return store_words(pack_bits(encode_elements(ys, rand, hw))), scales, seen
 
 
 # ----------------------------------------------------------------------------------------------
@@ -437,10 +484,15 @@ class QuantizeKernel:
         mX: cute.Tensor,  # (M, K) input
         mQ: cute.Tensor,  # (M, K * ELEM_BITS / 8) uint8 packed codes
         mS: cute.Tensor,  # (M, K / BLOCK) scale codes
+        mSdec: cute.Tensor,  # (1,) fp32 S_dec, 1.0 from launches(): NaN for a non-finite input
         seed_lo: Int32,
         seed_hi: Int32,
         offset_lo: Int32,
         offset_hi: Int32,
+        ctr_lo: Int32,  # address of a DeviceOffset counter (0: none), low and high words
+        ctr_hi: Int32,
+        stride_lo: Int32,  # the DeviceOffset stride
+        stride_hi: Int32,
         stream: cuda.CUstream,
     ):
         gX, num_units = _units(mX)
@@ -456,10 +508,15 @@ class QuantizeKernel:
             gX,
             gQ,
             gS,
+            mSdec,
             seed_lo,
             seed_hi,
             offset_lo,
             offset_hi,
+            ctr_lo,
+            ctr_hi,
+            stride_lo,
+            stride_hi,
             num_units,
         ).launch(grid=[grid, 1, 1], block=[QUANT_THREADS, 1, 1], stream=stream)
 
@@ -469,10 +526,15 @@ class QuantizeKernel:
         gX: cute.Tensor,
         gQ: cute.Tensor,
         gS: cute.Tensor,
+        mSdec: cute.Tensor,
         seed_lo: Int32,
         seed_hi: Int32,
         offset_lo: Int32,
         offset_hi: Int32,
+        ctr_lo: Int32,
+        ctr_hi: Int32,
+        stride_lo: Int32,
+        stride_hi: Int32,
         num_units: Int32,
     ):
         tidx, _, _ = cute.arch.thread_idx()
@@ -490,12 +552,16 @@ class QuantizeKernel:
         s_enc = s_dec = None  # no global scale: S_enc = S_dec = 1
         k_enc = Float32(INV_ELEM_MAX)  # fp32(1 * fp32(1 / ELEM_MAX))
         keys = philox_keys(Uint32(seed_lo), Uint32(seed_hi))
+        # the Philox offset: the int one, or counter * stride + slot read from device memory
+        off_lo, off_hi = philox_offset(ctr_lo, ctr_hi, stride_lo, stride_hi, offset_lo, offset_hi)
+        seen = Float32(0.0)  # max of this thread's block amaxes (NaN-propagating)
 
         for v in range_constexpr(QUANT_UNITS):
             u = base + v * QUANT_THREADS
             i0 = Uint32(u) * Uint32(UNIT)
-            rand = random_fields(i0, UNIT, SR_BITS, keys, Uint32(offset_lo), Uint32(offset_hi))
-            vals, scales = quantize_unit(frags[v], self.hw, k_enc, s_enc, s_dec, rand)
+            rand = random_fields(i0, UNIT, SR_BITS, keys, off_lo, off_hi)
+            vals, scales, seen_v = quantize_unit(frags[v], self.hw, k_enc, s_enc, s_dec, rand)
+            seen = fmax_nan(seen, seen_v)  # a clamped (duplicate) unit holds real values too
             q = cute.make_rmem_tensor((STORE_N,), STORE_T)
             for i in range_constexpr(STORE_N):
                 q[i] = vals[i]
@@ -504,6 +570,11 @@ class QuantizeKernel:
                 for g in range_constexpr(BLOCKS_PER_UNIT):
                     b = u * BLOCKS_PER_UNIT + g
                     gS[b] = Uint8(scales[g])
+
+        # ---- a NaN or an Inf among this thread's values (rare): S_dec = NaN over launches()'
+        # 1.0 (every writer stores the same NaN, so no race)
+        if seen.bitcast(Uint32) >= Uint32(NONFINITE_BITS):
+            mSdec[0] = Uint32(NAN_BITS).bitcast(Float32)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -538,7 +609,8 @@ def compile_kernel(name: str, arch: str, *, dump_dir: str | None = None):
         ),
         fake(Uint8, (m, cute.sym_int()), stride_order=(1, 0), assumed_align=4),
     ]
-    args += [Int32(0), Int32(0), Int32(0), Int32(0)]
+    args.append(fake(Float32, (1,), assumed_align=4))
+    args += [Int32(0)] * 8  # seed, offset, counter address, stride: (lo, hi) each
     return cute.compile(QuantizeKernel(arch), *args, stream, options=options)
 
 
@@ -581,17 +653,37 @@ def _i32(word: int) -> int:
     return word - (1 << 32) if word >= 1 << 31 else word
 
 
+def _offset_args(offset, x: torch.Tensor) -> list[int]:
+    """The kernel's Philox offset scalars (offset, counter address, stride; (lo, hi) each) of an
+    int offset (address 0: the kernel reads nothing) or a DeviceOffset (one slot; the kernel
+    reads its counter)."""
+    if not isinstance(offset, DeviceOffset):
+        _u64("offset", offset)
+        return [_i32(offset & 0xFFFFFFFF), _i32(offset >> 32), 0, 0, 0, 0]
+    if len(offset.slots) != 1:
+        raise ValueError(f"{SPEC_NAME}: one output, one DeviceOffset slot; got {offset.slots}")
+    if offset.counter.device != x.device:
+        raise ValueError(
+            f"{SPEC_NAME}: the DeviceOffset counter is on {offset.counter.device}, the input on "
+            f"{x.device}"
+        )
+    words = []
+    for w in (offset.slots[0], offset.counter.data_ptr(), offset.stride):
+        words += [_i32(w & 0xFFFFFFFF), _i32(w >> 32)]
+    return words
+
+
 def swizzled_bytes(rows: int, cols: int) -> int:
     """Size of the 128x4 swizzled layout of a [rows, cols] scale matrix (padding included)."""
     return -(-rows // 128) * 128 * (-(-cols // 4) * 4)
 
 
-def launches(x: torch.Tensor, *, seed: int = 0, offset: int = 0):
+def launches(x: torch.Tensor, *, seed: int = 0, offset: int | DeviceOffset = 0):
     """Validate x and allocate the outputs: returns (outputs, [(kernel name, arguments)] in
     launch order). ``run`` launches them; a benchmark can time each launch on its own."""
     check_input(x)
     _u64("seed", seed)
-    _u64("offset", offset)
+    offset_args = _offset_args(offset, x)
     M, K = x.shape
     dev = x.device
     data = torch.empty((M, K * ELEM_BITS // 8), dtype=torch.uint8, device=dev)
@@ -599,22 +691,32 @@ def launches(x: torch.Tensor, *, seed: int = 0, offset: int = 0):
     out = {"data": data, "scales": scales}
     plan = []
     args = [x, data, scales]
-    out["global_scale"] = torch.ones((), dtype=torch.float32, device=dev)
-    mask = 0xFFFFFFFF
-    args += [_i32(seed & mask), _i32(seed >> 32), _i32(offset & mask), _i32(offset >> 32)]
+    # S_dec = 1 (no global scale), written here: the kernel stores NaN over it for an input
+    # with a NaN or an Inf, and only then
+    s_dec = torch.ones(1, dtype=torch.float32, device=dev)
+    args.append(s_dec)
+    out["global_scale"] = s_dec.reshape(())
+    args += [_i32(seed & 0xFFFFFFFF), _i32(seed >> 32), *offset_args]
     plan.append(("quantize", tuple(args)))
     return out, plan
 
 
 def run(
-    fns: Mapping[str, Callable], x: torch.Tensor, *, seed: int = 0, offset: int = 0
+    fns: Mapping[str, Callable],
+    x: torch.Tensor,
+    *,
+    seed: int = 0,
+    offset: int | DeviceOffset = 0,
 ) -> dict[str, torch.Tensor]:
     """Quantize x with the compiled kernels ``fns`` (name -> callable, see KERNELS).
 
     Returns {"data": packed codes uint8 [M, K*ELEM_BITS/8], "scales": [M, K/BLOCK] scale codes
     (uint8; fp32 values for fp32 scales), "global_scale": fp32 0-dim S_dec}.
-    ``seed``/``offset`` select the Philox stream of stochastic rounding (unused otherwise).
-    Raises TensorError for an input the kernels cannot take.
+    ``seed``/``offset`` select the Philox stream of stochastic rounding (unused otherwise); the
+    offset is an int or a DeviceOffset (read by the kernel from device memory, see
+    fp4gen.device_offset).
+    S_dec is NaN iff x held a NaN or an Inf (NONFINITE_TO_NAN_SCALE). Raises TensorError for an
+    input the kernels cannot take.
     """
     out, plan = launches(x, seed=seed, offset=offset)
     for name, args in plan:

@@ -31,6 +31,12 @@ Kernels, in launch order:
               copy's S_dec, k_enc and table of the 256 encode factors (CONST_*, once per tensor).
     quantize  every copy from one read of x: block amaxes, scale codes, encode factors, codes.
 
+Non-finite inputs (NONFINITE_TO_NAN_SCALE): each copy's S_dec is NaN iff x holds a NaN or an Inf
+(for the RHT copy also where the transform overflows, which the reference rejects too); the
+codes and scales are then meaningless. Every max of the amax kernel propagates NaN (max.NaN),
+the atomic max of the fp32 bits keeps a NaN or an Inf, and an amax that is not finite gives
+S_dec = NaN. Finite inputs: every bit as without this rule.
+
 Thread mapping: a thread holds a strip of ROWS = 16 rows x VEC = 8 columns of x (one 16-byte
 load per row). A warp is LANES_K = 8 lanes along K (fastest) x LANES_M = 4 along M, a CTA 2 x 2
 warps, so a CTA covers a TILE_M = 128 x TILE_K = 128 tile; CTA (x, y) takes tile (y, x) (a 1-D
@@ -41,8 +47,10 @@ chunks. A strip past M (M % ROWS == 0: a strip is whole or out) is loaded as the
 and never stored; columns past K are clamped likewise.
 
 Module contract: KERNELS, compile_kernel(name, arch, *, dump_dir=None), launches(x, ...),
-run(fns, x, *, seed=0, offset=0) (see fp4gen.codegen.quantize). Limits: M * K < 2^31 and a
-16-byte aligned input.
+run(fns, x, *, seed=0, offset=0) (see fp4gen.codegen.quantize); the offset may be a DeviceOffset
+(fp4gen.device_offset: read by the kernel from device memory), and NONFINITE_TO_NAN_SCALE says
+that S_dec is NaN iff the input held a NaN or an Inf. Limits: M * K < 2^31 and a 16-byte
+aligned input.
 """
 
 from __future__ import annotations
@@ -59,6 +67,7 @@ from cutlass import Float32, Int32, Int64, Uint8, Uint32, Uint64, range_constexp
 from cutlass._mlir.dialects import llvm
 from cutlass.cutlass_dsl import T, dsl_user_op
 
+from fp4gen.device_offset import DeviceOffset
 from fp4gen.errors import TensorError
 
 # ----------------------------------------------------------------------------------------------
@@ -105,6 +114,11 @@ SCALE_CAP = 448.0  # ELEM_MAX * SCALE_CAP <= FLT_MAX: every code decodes finite
 SCALE_TORCH = torch.uint8
 
 GLOBAL_SCALE = True
+# Each copy's S_dec is NaN iff the input held a NaN or an Inf (the runtime needs no separate
+# finite check)
+NONFINITE_TO_NAN_SCALE = True
+NONFINITE_BITS = 0x7F800000  # bits of |v| at or above this (unsigned): v is an Inf or a NaN
+NAN_BITS = 0x7FFFFFFF  # the NaN stored as S_dec
 GLOBAL_NUM = 2688.0  # fp32(SCALE_MAX * ELEM_MAX)
 AMAX_SLOTS = 2  # distinct global amaxes (one per transform of x)
 # Constants the amax kernel's last CTA prepares for the quantize kernel: the encode-factor
@@ -191,12 +205,13 @@ def cvt_bf16x2(a: Float32, b: Float32, *, loc=None, ip=None) -> Uint32:
 
 @dsl_user_op
 def bf16x2_absmax(a: Uint32, b: Uint32, *, loc=None, ip=None) -> Uint32:
-    """Per-half max(|a|, |b|) of two bf16x2 words (the sign of the result is garbage)."""
+    """Per-half max(|a|, |b|) of two bf16x2 words, NaN where either half is NaN (the sign of the
+    result is garbage)."""
     return Uint32(
         _asm(
             T.i32(),
             [Uint32(a).ir_value(loc=loc, ip=ip), Uint32(b).ir_value(loc=loc, ip=ip)],
-            "max.xorsign.abs.bf16x2 $0, $1, $2;",
+            "max.NaN.xorsign.abs.bf16x2 $0, $1, $2;",
             "=r,r,r",
         )
     )
@@ -247,11 +262,16 @@ def rows_f32(frags: list) -> list:
     return [to_f32(frag) for frag in frags]
 
 
+def fmax_nan(a: Float32, b: Float32) -> Float32:
+    """max(a, b), NaN if either is NaN (max.NaN.f32: one instruction, as the plain max)."""
+    return cute.arch.fmax(a, b, nan=True)
+
+
 def absmax(xs: list) -> Float32:
-    """max |x| over fp32 scalars (a balanced tree)."""
+    """max |x| over fp32 scalars (a balanced tree); NaN if any is NaN."""
     vals = [abs(x) for x in xs]
     while len(vals) > 1:
-        nxt = [cute.arch.fmax(vals[i], vals[i + 1]) for i in range(0, len(vals) - 1, 2)]
+        nxt = [fmax_nan(vals[i], vals[i + 1]) for i in range(0, len(vals) - 1, 2)]
         if len(vals) % 2:
             nxt.append(vals[-1])
         vals = nxt
@@ -266,14 +286,14 @@ def frag_words(frag: cute.Tensor) -> list:
 
 def absmax_bf16(words: list) -> Float32:
     """max |x| over bf16x2 words: packed HMNMX2 (a balanced tree), then one fp32 max of the
-    halves (exact)."""
+    halves (exact); NaN if any is NaN."""
     while len(words) > 1:
         nxt = [bf16x2_absmax(words[i], words[i + 1]) for i in range(0, len(words) - 1, 2)]
         if len(words) % 2:
             nxt.append(words[-1])
         words = nxt
     h = words[0]
-    return cute.arch.fmax(
+    return fmax_nan(
         abs((h << Uint32(16)).bitcast(Float32)), abs((h & Uint32(0xFFFF0000)).bitcast(Float32))
     )
 
@@ -322,11 +342,15 @@ def rht_amax(xs: list) -> Float32:
 
 def global_scales(amax: Float32):
     """S_enc = min(fp32(SCALE_MAX * ELEM_MAX) / A, FLT_MAX), 1 if A == 0 or S_enc == 0;
-    S_dec = 1 / S_enc (IEEE div.rn / rcp.rn)."""
+    S_dec = 1 / S_enc (IEEE div.rn / rcp.rn). A that is not finite (the NaN-propagating amax of
+    an input holding a NaN or an Inf) gives S_dec = NaN; S_enc is then any finite value, so the
+    codes are meaningless but computed as usual."""
     s_enc = cute.arch.fmin(Float32(GLOBAL_NUM) / amax, Float32(FLT_MAX))
     degenerate = (amax == Float32(0.0)) | (s_enc == Float32(0.0))
     s_enc = Float32(cutlass.select_(degenerate, Float32(1.0), s_enc))
-    return s_enc, Float32(1.0) / s_enc
+    finite = amax.bitcast(Uint32) < Uint32(NONFINITE_BITS)  # A >= 0: its bits order like it
+    nan = Uint32(NAN_BITS).bitcast(Float32)
+    return s_enc, Float32(cutlass.select_(finite, Float32(1.0) / s_enc, nan))
 
 
 def block_scale(amax_b: Float32, k_enc: Float32, s_enc, s_dec):
@@ -338,6 +362,32 @@ def block_scale(amax_b: Float32, k_enc: Float32, s_enc, s_dec):
     s_b = cvt_e4m3_to_f32(out)
     e_b = cute.arch.fmin(Float32(1.0) / (s_b * s_dec), Float32(FLT_MAX))
     return out, e_b
+
+
+@dsl_user_op
+def load_counter(addr_lo: Int32, addr_hi: Int32, *, loc=None, ip=None) -> Uint64:
+    """The u64 at global address (addr_hi, addr_lo), or 0 where the address is 0 (a predicated
+    load: no access, no branch)."""
+    return Uint64(
+        _asm(
+            T.i64(),
+            [Int32(addr_lo).ir_value(loc=loc, ip=ip), Int32(addr_hi).ir_value(loc=loc, ip=ip)],
+            "{\n\t.reg .pred p;\n\t.reg .b64 a;\n\tmov.b64 a, {$1, $2};\n\t"
+            "setp.ne.b64 p, a, 0;\n\tmov.b64 $0, 0;\n\t@p ld.global.u64 $0, [a];\n\t}",
+            "=l,r,r",
+        )
+    )
+
+
+def philox_offset(ctr_lo, ctr_hi, stride_lo, stride_hi, off_lo, off_hi):
+    """(lo, hi) words of the Philox offset: counter * stride + offset (mod 2^64), with the
+    counter read from device memory (a DeviceOffset; its slot is the offset), or 0 for an int
+    offset (address 0: the offset itself, bit for bit)."""
+    count = load_counter(ctr_lo, ctr_hi)
+    stride = (Uint64(Uint32(stride_hi)) << Uint64(32)) | Uint64(Uint32(stride_lo))
+    base = (Uint64(Uint32(off_hi)) << Uint64(32)) | Uint64(Uint32(off_lo))
+    offset = count * stride + base
+    return Uint32(offset), Uint32(offset >> Uint64(32))
 
 
 def philox_keys(seed_lo: Uint32, seed_hi: Uint32) -> list:
@@ -835,12 +885,13 @@ class AmaxKernel:
         accs.append(strip_absmax(frags, xfs))
         acc = rht_amax(column(xfs, 0))
         for j in range_constexpr(1, VEC):
-            acc = cute.arch.fmax(acc, rht_amax(column(xfs, j)))
+            acc = fmax_nan(acc, rht_amax(column(xfs, j)))
         # a strip past M (all rows clamped to M - 1) is no chunk of x: M % RHT_SIZE == 0, so a
         # strip is either whole or out
         accs.append(Float32(cutlass.select_(row0 < M, acc, Float32(0.0))))
 
-        # CTA reduction per slot: warp shuffles, one shared-memory slot per warp, warp 0 ends
+        # CTA reduction per slot: warp shuffles, one shared-memory slot per warp, warp 0 ends;
+        # every max propagates NaN, so a NaN reaches the atomic as the canonical (positive) NaN
         smem = cutlass.memory.SmemAllocator()
         red = smem.allocate_tensor(
             Float32, cute.make_layout(AMAX_SLOTS * (THREADS // 32)), byte_alignment=16
@@ -848,7 +899,7 @@ class AmaxKernel:
         warp = cute.arch.warp_idx()
         lane = cute.arch.lane_idx()
         for s in range_constexpr(AMAX_SLOTS):
-            acc = cute.arch.warp_reduction(accs[s], cute.arch.fmax)
+            acc = cute.arch.warp_reduction(accs[s], fmax_nan)
             if lane == 0:
                 red[s * (THREADS // 32) + warp] = acc
         cute.arch.barrier()
@@ -856,16 +907,18 @@ class AmaxKernel:
             w0 = Float32(0.0)
             if lane < THREADS // 32:
                 w0 = red[0 * (THREADS // 32) + lane]
-            w0 = cute.arch.warp_reduction(w0, cute.arch.fmax)
+            w0 = cute.arch.warp_reduction(w0, fmax_nan)
             if lane == 0:
-                # |x| >= 0: the fp32 max is the integer max of the bits
+                # |x| >= 0: the fp32 max is the integer max of the bits (Inf and the positive
+                # NaN above every finite value)
                 cute.arch.atomic_fmax(mAmax0.iterator, w0, sign_bit=False)
             w1 = Float32(0.0)
             if lane < THREADS // 32:
                 w1 = red[1 * (THREADS // 32) + lane]
-            w1 = cute.arch.warp_reduction(w1, cute.arch.fmax)
+            w1 = cute.arch.warp_reduction(w1, fmax_nan)
             if lane == 0:
-                # |x| >= 0: the fp32 max is the integer max of the bits
+                # |x| >= 0: the fp32 max is the integer max of the bits (Inf and the positive
+                # NaN above every finite value)
                 cute.arch.atomic_fmax(mAmax1.iterator, w1, sign_bit=False)
 
         # ---- the last CTA to count itself sees every CTA's atomic max: it prepares S_dec, k_enc
@@ -928,6 +981,10 @@ class QuantizeKernel:
         offset0_hi: Int32,
         offset1_lo: Int32,
         offset1_hi: Int32,
+        ctr_lo: Int32,
+        ctr_hi: Int32,
+        stride_lo: Int32,
+        stride_hi: Int32,
         stream: cuda.CUstream,
     ):
         M, K = mX.shape[0], mX.shape[1]
@@ -945,6 +1002,10 @@ class QuantizeKernel:
             offset0_hi,
             offset1_lo,
             offset1_hi,
+            ctr_lo,
+            ctr_hi,
+            stride_lo,
+            stride_hi,
             M,
             K,
             tiles_k,
@@ -965,6 +1026,10 @@ class QuantizeKernel:
         offset0_hi: Int32,
         offset1_lo: Int32,
         offset1_hi: Int32,
+        ctr_lo: Int32,
+        ctr_hi: Int32,
+        stride_lo: Int32,
+        stride_hi: Int32,
         M: Int32,
         K: Int32,
         tiles_k: Int32,
@@ -987,6 +1052,10 @@ class QuantizeKernel:
         k_enc_col = mConst[CONST_HEAD + 2]
         s_dec_col = mConst[CONST_HEAD + 3]
         keys = philox_keys(Uint32(seed_lo), Uint32(seed_hi))
+        # each copy's Philox offset: the int one, or counter * stride + slot read from device
+        # memory (a DeviceOffset)
+        poffs0 = philox_offset(ctr_lo, ctr_hi, stride_lo, stride_hi, offset0_lo, offset0_hi)
+        poffs1 = philox_offset(ctr_lo, ctr_hi, stride_lo, stride_hi, offset1_lo, offset1_hi)
         smem = cutlass.memory.SmemAllocator()
         # ---- ELEM_TO_F16 folded into the encode factors of the fp16-image copies: exact while
         # every e_b * ELEM_TO_F16 is a normal fp32, i.e. S_dec <= FOLD_SDEC_MAX (amax beyond
@@ -1032,7 +1101,7 @@ class QuantizeKernel:
                         at = mSc.iterator.toint() + Int64((c * nbm + b) * 1)
                         store_if(at, scale_bits(code), ok, 1)
                     i0 = Uint32(c) * Uint32(M) + Uint32(row0)
-                    offs = (Uint32(offset1_lo), Uint32(offset1_hi))
+                    offs = poffs1
                     rand = random_words(i0, ROWS, 8, keys, *offs)
                     enc = encode_elements(ys, rand, self.hw_col, folded=True)
                     vcol = to_store(pack_bits(enc), COL_STORE_BYTES, COL_STORE_N)
@@ -1049,7 +1118,7 @@ class QuantizeKernel:
                     fr = cute.make_rmem_tensor((VEC,), INPUT_T)
                     cute.autovec_copy(sX[unit0 + (t * ROWS_PER_STEP + ii) * UNITS_K, None], fr)
                     rows.append(frag_words(fr))
-                offs_r = (Uint32(offset0_lo), Uint32(offset0_hi))
+                offs_r = poffs0
                 shared = []
                 for g in range_constexpr(ROWS_PER_STEP // ROW_SHARE):
                     shared += shared_row_words(r0 + g * ROW_SHARE, col0, K, keys, *offs_r)
@@ -1096,7 +1165,7 @@ class QuantizeKernel:
                         at_u = mSc.iterator.toint() + Int64((c_u * nbm + b_u) * 1)
                         store_if(at_u, scale_bits(code_u), ok_u, 1)
                     i0_u = Uint32(c_u) * Uint32(M) + Uint32(row0)
-                    offs_u = (Uint32(offset1_lo), Uint32(offset1_hi))
+                    offs_u = poffs1
                     rand_u = random_words(i0_u, ROWS, 8, keys, *offs_u)
                     enc_u = encode_elements(ys_u, rand_u, self.hw_col)
                     vcol_u = to_store(pack_bits(enc_u), COL_STORE_BYTES, COL_STORE_N)
@@ -1113,7 +1182,7 @@ class QuantizeKernel:
                     fr_u = cute.make_rmem_tensor((VEC,), INPUT_T)
                     cute.autovec_copy(sX[unit0 + (t * ROWS_PER_STEP + ii) * UNITS_K, None], fr_u)
                     rows_u.append(frag_words(fr_u))
-                offs_r_u = (Uint32(offset0_lo), Uint32(offset0_hi))
+                offs_r_u = poffs0
                 shared_u = []
                 for g in range_constexpr(ROWS_PER_STEP // ROW_SHARE):
                     shared_u += shared_row_words(r0_u + g * ROW_SHARE, col0, K, keys, *offs_r_u)
@@ -1186,7 +1255,7 @@ def compile_kernel(name: str, arch: str, *, dump_dir: str | None = None):
         fake(scale_t, (cute.sym_int(), cute.sym_int()), stride_order=(1, 0), assumed_align=4),
     ]
     args.append(consts)
-    args += [Int32(0)] * 6
+    args += [Int32(0)] * 10  # seed, offsets, counter address, stride
     return cute.compile(QuantizeKernel(arch), *args, stream, options=options)
 
 
@@ -1232,13 +1301,32 @@ def _i32(word: int) -> int:
     return word - (1 << 32) if word >= 1 << 31 else word
 
 
+def _counter_args(offset, x: torch.Tensor) -> list[int]:
+    """The kernel's counter address and stride, (lo, hi) words each: a DeviceOffset's, or zeros
+    for int offsets (address 0: the kernel reads nothing and uses the offsets as they are)."""
+    if not isinstance(offset, DeviceOffset):
+        return [0, 0, 0, 0]
+    if offset.counter.device != x.device:
+        raise ValueError(
+            f"{SPEC_NAME}: the DeviceOffset counter is on {offset.counter.device}, the input on "
+            f"{x.device}"
+        )
+    words = []
+    for w in (offset.counter.data_ptr(), offset.stride):
+        words += [_i32(w & 0xFFFFFFFF), _i32(w >> 32)]
+    return words
+
+
 def swizzled_bytes(rows: int, cols: int) -> int:
     """Size of the 128x4 swizzled layout of a [rows, cols] scale matrix (padding included)."""
     return -(-rows // 128) * 128 * (-(-cols // 4) * 4)
 
 
 def _offsets(offset) -> tuple[int, ...]:
-    """One Philox offset per output: an int serves every output, a tuple gives one each."""
+    """One Philox offset per output: an int serves every output, a tuple gives one each. For a
+    DeviceOffset, its slots likewise (the kernel adds counter * stride to them)."""
+    if isinstance(offset, DeviceOffset):
+        offset = offset.slots[0] if len(offset.slots) == 1 else offset.slots
     offsets = (offset,) * len(OUTPUTS) if isinstance(offset, int) else tuple(offset)
     if len(offsets) != len(OUTPUTS):
         raise ValueError(f"{SPEC_NAME}: expected one offset per output {OUTPUTS}, got {offset!r}")
@@ -1247,7 +1335,7 @@ def _offsets(offset) -> tuple[int, ...]:
     return offsets
 
 
-def launches(x: torch.Tensor, *, seed: int = 0, offset: int | tuple[int, ...] = 0):
+def launches(x: torch.Tensor, *, seed: int = 0, offset: int | tuple[int, ...] | DeviceOffset = 0):
     """Validate x and allocate the outputs: returns (outputs, [(kernel name, arguments)] in
     launch order). ``run`` launches them; a benchmark can time each launch on its own."""
     check_input(x)
@@ -1283,6 +1371,7 @@ def launches(x: torch.Tensor, *, seed: int = 0, offset: int | tuple[int, ...] = 
     args += [_i32(seed & mask), _i32(seed >> 32)]
     args += [_i32(offsets[0] & mask), _i32(offsets[0] >> 32)]
     args += [_i32(offsets[1] & mask), _i32(offsets[1] >> 32)]
+    args += _counter_args(offset, x)
     plan.append(("quantize", tuple(args)))
     return out, plan
 
@@ -1292,7 +1381,7 @@ def run(
     x: torch.Tensor,
     *,
     seed: int = 0,
-    offset: int | tuple[int, ...] = 0,
+    offset: int | tuple[int, ...] | DeviceOffset = 0,
 ) -> dict[str, torch.Tensor]:
     """Quantize x with the compiled kernels ``fns`` (name -> callable, see KERNELS).
 
@@ -1301,8 +1390,9 @@ def run(
     rowwise "data" [M, K*ELEM_BITS/8], "scales", "global_scale";
     columnwise "col_data" [K, M*ELEM_BITS/8], "col_scales", "col_global_scale".
     ``seed``/``offset`` select the Philox stream of stochastic rounding (an offset per copy as a
-    tuple in OUTPUTS order; unused without SR). Raises TensorError for an input the kernels
-    cannot take.
+    tuple in OUTPUTS order, or a DeviceOffset read by the kernel from device memory:
+    fp4gen.device_offset; unused without SR). Each copy's S_dec is NaN iff x held a NaN or an
+    Inf (NONFINITE_TO_NAN_SCALE). Raises TensorError for an input the kernels cannot take.
     """
     out, plan = launches(x, seed=seed, offset=offset)
     for name, args in plan:

@@ -27,6 +27,11 @@ Kernels, in launch order:
               copy's S_dec, k_enc and table of the 256 encode factors (CONST_*, once per tensor).
     quantize  every copy from one read of x: block amaxes, scale codes, encode factors, codes.
 
+Non-finite inputs (NONFINITE_TO_NAN_SCALE): each copy's S_dec is NaN iff x holds a NaN or an
+Inf; the codes and scales are then meaningless. Every max of the amax kernel propagates NaN
+(max.NaN), the atomic max of the fp32 bits keeps a NaN or an Inf, and an amax that is not finite
+gives S_dec = NaN. Finite inputs: every bit as without this rule.
+
 Thread mapping: a thread holds a strip of ROWS = 16 rows x VEC = 8 columns of x (one 16-byte
 load per row). A warp is LANES_K = 8 lanes along K (fastest) x LANES_M = 4 along M, a CTA 2 x 2
 warps, so a CTA covers a TILE_M = 128 x TILE_K = 128 tile; CTA (x, y) takes tile (y, x) (a 1-D
@@ -37,8 +42,10 @@ duplicate of a row of the same block, so no amax changes) and never stored; colu
 clamped likewise.
 
 Module contract: KERNELS, compile_kernel(name, arch, *, dump_dir=None), launches(x, ...),
-run(fns, x, *, seed=0, offset=0) (see fp4gen.codegen.quantize). Limits: M * K < 2^31 and a
-16-byte aligned input.
+run(fns, x, *, seed=0, offset=0) (see fp4gen.codegen.quantize); the offset may be a DeviceOffset
+(fp4gen.device_offset: read by the kernel from device memory), and NONFINITE_TO_NAN_SCALE says
+that S_dec is NaN iff the input held a NaN or an Inf. Limits: M * K < 2^31 and a 16-byte
+aligned input.
 """
 
 from __future__ import annotations
@@ -55,6 +62,7 @@ from cutlass import Float32, Int32, Int64, Uint8, Uint32, range_constexpr
 from cutlass._mlir.dialects import llvm
 from cutlass.cutlass_dsl import T, dsl_user_op
 
+from fp4gen.device_offset import DeviceOffset
 from fp4gen.errors import TensorError
 
 # ----------------------------------------------------------------------------------------------
@@ -101,6 +109,11 @@ SCALE_CAP = 448.0  # ELEM_MAX * SCALE_CAP <= FLT_MAX: every code decodes finite
 SCALE_TORCH = torch.uint8
 
 GLOBAL_SCALE = True
+# Each copy's S_dec is NaN iff the input held a NaN or an Inf (the runtime needs no separate
+# finite check)
+NONFINITE_TO_NAN_SCALE = True
+NONFINITE_BITS = 0x7F800000  # bits of |v| at or above this (unsigned): v is an Inf or a NaN
+NAN_BITS = 0x7FFFFFFF  # the NaN stored as S_dec
 GLOBAL_NUM = 2688.0  # fp32(SCALE_MAX * ELEM_MAX)
 AMAX_SLOTS = 1  # distinct global amaxes (one per transform of x)
 # Constants the amax kernel's last CTA prepares for the quantize kernel: the encode-factor
@@ -167,12 +180,13 @@ def scale_value(x: Float32, e: Float32, *, loc=None, ip=None) -> Float32:
 
 @dsl_user_op
 def bf16x2_absmax(a: Uint32, b: Uint32, *, loc=None, ip=None) -> Uint32:
-    """Per-half max(|a|, |b|) of two bf16x2 words (the sign of the result is garbage)."""
+    """Per-half max(|a|, |b|) of two bf16x2 words, NaN where either half is NaN (the sign of the
+    result is garbage)."""
     return Uint32(
         _asm(
             T.i32(),
             [Uint32(a).ir_value(loc=loc, ip=ip), Uint32(b).ir_value(loc=loc, ip=ip)],
-            "max.xorsign.abs.bf16x2 $0, $1, $2;",
+            "max.NaN.xorsign.abs.bf16x2 $0, $1, $2;",
             "=r,r,r",
         )
     )
@@ -249,11 +263,16 @@ def rows_f32(frags: list) -> list:
     return [to_f32(frag) for frag in frags]
 
 
+def fmax_nan(a: Float32, b: Float32) -> Float32:
+    """max(a, b), NaN if either is NaN (max.NaN.f32: one instruction, as the plain max)."""
+    return cute.arch.fmax(a, b, nan=True)
+
+
 def absmax(xs: list) -> Float32:
-    """max |x| over fp32 scalars (a balanced tree)."""
+    """max |x| over fp32 scalars (a balanced tree); NaN if any is NaN."""
     vals = [abs(x) for x in xs]
     while len(vals) > 1:
-        nxt = [cute.arch.fmax(vals[i], vals[i + 1]) for i in range(0, len(vals) - 1, 2)]
+        nxt = [fmax_nan(vals[i], vals[i + 1]) for i in range(0, len(vals) - 1, 2)]
         if len(vals) % 2:
             nxt.append(vals[-1])
         vals = nxt
@@ -268,14 +287,14 @@ def frag_words(frag: cute.Tensor) -> list:
 
 def absmax_bf16(words: list) -> Float32:
     """max |x| over bf16x2 words: packed HMNMX2 (a balanced tree), then one fp32 max of the
-    halves (exact)."""
+    halves (exact); NaN if any is NaN."""
     while len(words) > 1:
         nxt = [bf16x2_absmax(words[i], words[i + 1]) for i in range(0, len(words) - 1, 2)]
         if len(words) % 2:
             nxt.append(words[-1])
         words = nxt
     h = words[0]
-    return cute.arch.fmax(
+    return fmax_nan(
         abs((h << Uint32(16)).bitcast(Float32)), abs((h & Uint32(0xFFFF0000)).bitcast(Float32))
     )
 
@@ -287,11 +306,15 @@ def strip_absmax(frags: list, xfs: list) -> Float32:
 
 def global_scales(amax: Float32):
     """S_enc = min(fp32(SCALE_MAX * ELEM_MAX) / A, FLT_MAX), 1 if A == 0 or S_enc == 0;
-    S_dec = 1 / S_enc (IEEE div.rn / rcp.rn)."""
+    S_dec = 1 / S_enc (IEEE div.rn / rcp.rn). A that is not finite (the NaN-propagating amax of
+    an input holding a NaN or an Inf) gives S_dec = NaN; S_enc is then any finite value, so the
+    codes are meaningless but computed as usual."""
     s_enc = cute.arch.fmin(Float32(GLOBAL_NUM) / amax, Float32(FLT_MAX))
     degenerate = (amax == Float32(0.0)) | (s_enc == Float32(0.0))
     s_enc = Float32(cutlass.select_(degenerate, Float32(1.0), s_enc))
-    return s_enc, Float32(1.0) / s_enc
+    finite = amax.bitcast(Uint32) < Uint32(NONFINITE_BITS)  # A >= 0: its bits order like it
+    nan = Uint32(NAN_BITS).bitcast(Float32)
+    return s_enc, Float32(cutlass.select_(finite, Float32(1.0) / s_enc, nan))
 
 
 def block_scale(amax_b: Float32, k_enc: Float32, s_enc, s_dec):
@@ -636,7 +659,8 @@ class AmaxKernel:
         accs = []
         accs.append(strip_absmax(frags, xfs))
 
-        # CTA reduction per slot: warp shuffles, one shared-memory slot per warp, warp 0 ends
+        # CTA reduction per slot: warp shuffles, one shared-memory slot per warp, warp 0 ends;
+        # every max propagates NaN, so a NaN reaches the atomic as the canonical (positive) NaN
         smem = cutlass.memory.SmemAllocator()
         red = smem.allocate_tensor(
             Float32, cute.make_layout(AMAX_SLOTS * (THREADS // 32)), byte_alignment=16
@@ -644,7 +668,7 @@ class AmaxKernel:
         warp = cute.arch.warp_idx()
         lane = cute.arch.lane_idx()
         for s in range_constexpr(AMAX_SLOTS):
-            acc = cute.arch.warp_reduction(accs[s], cute.arch.fmax)
+            acc = cute.arch.warp_reduction(accs[s], fmax_nan)
             if lane == 0:
                 red[s * (THREADS // 32) + warp] = acc
         cute.arch.barrier()
@@ -652,9 +676,10 @@ class AmaxKernel:
             w0 = Float32(0.0)
             if lane < THREADS // 32:
                 w0 = red[0 * (THREADS // 32) + lane]
-            w0 = cute.arch.warp_reduction(w0, cute.arch.fmax)
+            w0 = cute.arch.warp_reduction(w0, fmax_nan)
             if lane == 0:
-                # |x| >= 0: the fp32 max is the integer max of the bits
+                # |x| >= 0: the fp32 max is the integer max of the bits (Inf and the positive
+                # NaN above every finite value)
                 cute.arch.atomic_fmax(mAmax0.iterator, w0, sign_bit=False)
 
         # ---- the last CTA to count itself sees every CTA's atomic max: it prepares S_dec, k_enc
@@ -913,7 +938,10 @@ def swizzled_bytes(rows: int, cols: int) -> int:
 
 
 def _offsets(offset) -> tuple[int, ...]:
-    """One Philox offset per output: an int serves every output, a tuple gives one each."""
+    """One Philox offset per output: an int serves every output, a tuple gives one each. For a
+    DeviceOffset, its slots likewise (the kernel adds counter * stride to them)."""
+    if isinstance(offset, DeviceOffset):
+        offset = offset.slots[0] if len(offset.slots) == 1 else offset.slots
     offsets = (offset,) * len(OUTPUTS) if isinstance(offset, int) else tuple(offset)
     if len(offsets) != len(OUTPUTS):
         raise ValueError(f"{SPEC_NAME}: expected one offset per output {OUTPUTS}, got {offset!r}")
@@ -922,7 +950,7 @@ def _offsets(offset) -> tuple[int, ...]:
     return offsets
 
 
-def launches(x: torch.Tensor, *, seed: int = 0, offset: int | tuple[int, ...] = 0):
+def launches(x: torch.Tensor, *, seed: int = 0, offset: int | tuple[int, ...] | DeviceOffset = 0):
     """Validate x and allocate the outputs: returns (outputs, [(kernel name, arguments)] in
     launch order). ``run`` launches them; a benchmark can time each launch on its own."""
     check_input(x)
@@ -964,7 +992,7 @@ def run(
     x: torch.Tensor,
     *,
     seed: int = 0,
-    offset: int | tuple[int, ...] = 0,
+    offset: int | tuple[int, ...] | DeviceOffset = 0,
 ) -> dict[str, torch.Tensor]:
     """Quantize x with the compiled kernels ``fns`` (name -> callable, see KERNELS).
 
@@ -973,8 +1001,9 @@ def run(
     rowwise "data" [M, K*ELEM_BITS/8], "scales", "global_scale";
     columnwise "col_data" [K, M*ELEM_BITS/8], "col_scales", "col_global_scale".
     ``seed``/``offset`` select the Philox stream of stochastic rounding (an offset per copy as a
-    tuple in OUTPUTS order; unused without SR). Raises TensorError for an input the kernels
-    cannot take.
+    tuple in OUTPUTS order, or a DeviceOffset read by the kernel from device memory:
+    fp4gen.device_offset; unused without SR). Each copy's S_dec is NaN iff x held a NaN or an
+    Inf (NONFINITE_TO_NAN_SCALE). Raises TensorError for an input the kernels cannot take.
     """
     out, plan = launches(x, seed=seed, offset=offset)
     for name, args in plan:

@@ -1,0 +1,183 @@
+"""Per-layer CUDA graphs: a Linear's forward (or backward) GEMMs as one graph launch.
+
+Why: an ``fp4gen.nn.Linear`` forward + backward on CUDA launches about 30 kernels (quantize
+passes, decode passes, GEMMs) through Python, and the host spends milliseconds per layer
+doing so while the GPU needs a fraction of that (docs/training-step.md). Replaying a captured
+graph costs one launch.
+
+What: ``LayerGraphs.run(key, fn, activations, params)`` calls ``fn(*activations, *params)``. The
+first call with a key runs it eagerly (a warm-up: kernels are compiled and loaded, cuBLASLt plans
+made, outside any capture). The second captures it into a CUDA graph and replays it; later calls
+replay it. The graph reads
+
+* the activations (the input x, the output gradient dy) from static buffers that each call
+  copies into: an activation's address changes from call to call;
+* the parameters (weight, bias) in place: their addresses are part of the key, so a graph only
+  ever reads the tensor the call was given (an optimizer or FSDP2 all-gather that writes a
+  parameter in place is seen; a parameter that moved is a new key);
+
+and writes its results into static output buffers, which each call copies out to fresh tensors.
+A replay launches the same kernels with the same arguments as the eager call, so the results are
+the same bits (tests/test_layer_graphs_gpu.py); stochastic rounding reads its Philox offset from
+the layer's device counter, which the graph advances (``Linear.slot``).
+
+Memory: every layer graph of a device and stream allocates its intermediates from one private
+pool, and static buffers are shared by every graph with the same (role, shape, dtype). Sharing is
+safe because the graphs of one stream run one after another and nothing a graph computes is
+read after its results are copied out; graphs captured for one stream replay only on that
+stream. So the graphs add the static buffers and the largest graph's intermediates, not one
+copy per layer.
+
+When not: the caller decides what may be graphed (``Linear``: CUDA tensors, block formats, the
+kernels' backend, no telemetry, non-finite inputs propagated rather than raised); here, a call
+made while a stream is being captured (an outer graph or torch.compile's cudagraphs records the
+eager kernels instead), a key whose capture failed (it runs eagerly from then on, logged once),
+and beyond ``MAX_GRAPHS`` keys per layer (shapes that keep changing: the oldest graph is
+dropped). ``FP4GEN_LAYER_GRAPHS=0`` turns layer graphs off (``fp4gen.settings``).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import OrderedDict
+from collections.abc import Callable, Hashable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+log = logging.getLogger("fp4gen.runtime")
+
+MAX_GRAPHS = 8  # per layer: keys beyond this evict the least recently used graph
+_pools: dict[tuple[int, int], Any] = {}  # (device, stream) -> private memory pool
+_capture_streams: dict[int, torch.cuda.Stream] = {}
+_statics: dict[tuple[Any, ...], torch.Tensor] = {}  # (device, stream, role, shape, dtype)
+_logged: set[str] = set()
+
+
+@dataclass
+class _Graph:
+    graph: torch.cuda.CUDAGraph
+    inputs: tuple[torch.Tensor, ...]  # static activation buffers, copied into per call
+    outputs: tuple[torch.Tensor | None, ...]  # static result buffers, copied out per call
+
+
+def _static(
+    role: str, shape: torch.Size, dtype: torch.dtype, device: torch.device, stream: int
+) -> torch.Tensor:
+    """The static buffer shared by every graph of this stream for ``role``, ``shape`` and
+    ``dtype`` (allocated outside any graph pool, kept for the process)."""
+    key = (device, stream, role, tuple(shape), dtype)
+    found = _statics.get(key)
+    if found is None:
+        found = _statics[key] = torch.empty(shape, dtype=dtype, device=device)
+    return found
+
+
+Result = tuple[torch.Tensor | None, ...]
+
+
+class LayerGraphs:
+    """The captured graphs of one layer, by key (module docstring)."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self.graphs: OrderedDict[Hashable, _Graph] = OrderedDict()
+        # keys run once eagerly (warmed up) -> (shape, dtype) of each result, or None
+        self.seen: dict[Hashable, tuple[tuple[torch.Size, torch.dtype] | None, ...]] = {}
+        self.failed: dict[Hashable, str] = {}  # keys whose capture failed (why): always eager
+        self.replays = 0  # calls served by a replay (tests, benchmarks)
+
+    def run(
+        self,
+        key: Hashable,
+        fn: Callable[..., Sequence[torch.Tensor | None]],
+        activations: tuple[torch.Tensor, ...],
+        params: tuple[Any, ...],
+    ) -> Result:
+        """``fn(*activations, *params)``, a tuple of tensors or None, eagerly or from a graph.
+        ``fn`` must do all its work on the GPU (its host-side effects happen only when it runs
+        eagerly or is captured); ``key`` must name everything else ``fn`` depends on."""
+        if torch.cuda.is_current_stream_capturing():
+            return tuple(fn(*activations, *params))
+        stream = torch.cuda.current_stream(activations[0].device)
+        key = (key, stream.cuda_stream)
+        found = self.graphs.get(key)
+        if found is not None:
+            self.graphs.move_to_end(key)
+            self.replays += 1
+            return _replay(found, activations)
+        shapes = self.seen.get(key)
+        if shapes is None or key in self.failed:
+            results = tuple(fn(*activations, *params))
+            self.seen[key] = tuple(None if r is None else (r.shape, r.dtype) for r in results)
+            return results
+        try:
+            found = _capture(fn, activations, params, shapes, stream)
+        except Exception as err:  # e.g. an operation a capture cannot take: stay eager
+            why = f"{type(err).__name__}: {err}"
+            self.failed[key] = why
+            message = f"{self.name or 'fp4gen.nn.Linear'}: no layer graph, runs eagerly ({why})"
+            if message not in _logged:
+                _logged.add(message)
+                log.warning("%s", message)
+            return tuple(fn(*activations, *params))
+        if len(self.graphs) >= MAX_GRAPHS:
+            self.graphs.popitem(last=False)
+        self.graphs[key] = found
+        return _replay(found, activations)  # the capture ran nothing: this call's results
+
+
+def _replay(found: _Graph, activations: tuple[torch.Tensor, ...]) -> Result:
+    for static, t in zip(found.inputs, activations, strict=True):
+        static.copy_(t)
+    found.graph.replay()
+    return tuple(None if t is None else t.clone() for t in found.outputs)
+
+
+def _capture(
+    fn: Callable[..., Sequence[torch.Tensor | None]],
+    activations: tuple[torch.Tensor, ...],
+    params: tuple[Any, ...],
+    shapes: tuple[tuple[torch.Size, torch.dtype] | None, ...],
+    stream: torch.cuda.Stream,
+) -> _Graph:
+    """Capture ``fn`` on static copies of ``activations`` into a new graph whose results land in
+    static buffers of ``shapes`` (those of the warm-up call's results)."""
+    device = activations[0].device
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    sid = stream.cuda_stream
+    # every static buffer is made before the capture: outside the pool, shared by shape
+    inputs = tuple(
+        _static(f"in{i}", t.shape, t.dtype, device, sid) for i, t in enumerate(activations)
+    )
+    outputs = tuple(
+        None if s is None else _static(f"out{i}", s[0], s[1], device, sid)
+        for i, s in enumerate(shapes)
+    )
+    for static, t in zip(inputs, activations, strict=True):
+        static.copy_(t)
+    pool = _pools.get((index, sid))
+    if pool is None:
+        pool = _pools[(index, sid)] = torch.cuda.graph_pool_handle()
+    side = _capture_streams.get(index)
+    if side is None:
+        side = _capture_streams[index] = torch.cuda.Stream(device)
+    graph = torch.cuda.CUDAGraph()
+    side.wait_stream(stream)
+    with torch.cuda.stream(side):
+        graph.capture_begin(pool=pool, capture_error_mode="thread_local")
+        try:
+            results = tuple(fn(*inputs, *params))
+            if len(results) != len(outputs):
+                raise RuntimeError("the results changed in number since the warm-up call")
+            for static, r in zip(outputs, results, strict=True):
+                if static is not None:
+                    static.copy_(r)  # a shape or dtype that changed raises here
+        finally:
+            graph.capture_end()
+    stream.wait_stream(side)
+    return _Graph(graph, inputs, outputs)
+
+
+__all__ = ["MAX_GRAPHS", "LayerGraphs"]

@@ -1,0 +1,180 @@
+"""CUDA graphs and fp4gen.nn.Linear: per-layer graphs (fp4gen.runtime.layer_graphs) give the
+eager layer's bits, stochastic rounding draws fresh bits on every replay of a captured step, and
+torch.compile(mode="reduce-overhead") runs a converted layer."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import fp4gen
+from fp4gen.dsl import load_recipe
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
+]
+
+RNE = "nvfp4_no_sr.fp4r"
+SR = "nvfp4_small.fp4r"  # stochastic rounding and a 16-point RHT on the wgrad operands
+
+
+def _pair(recipe: str, shapes=((256, 192),), seed: int = 3):
+    """Two identical stacks of Linears: one with layer graphs, one without (eager)."""
+    r = load_recipe(recipe)
+    stacks = []
+    for _ in range(2):
+        torch.manual_seed(0)
+        layers = [
+            fp4gen.nn.Linear(i, o, recipe=r, seed=seed + n, device="cuda", name=f"l{n}")
+            for n, (i, o) in enumerate(shapes)
+        ]
+        stacks.append(torch.nn.Sequential(*layers))
+    return stacks
+
+
+def _step(model, x, dy):
+    x = x.clone().requires_grad_(True)
+    y = model(x)
+    y.backward(dy)
+    grads = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad(set_to_none=True)
+    return y.detach(), x.grad, grads
+
+
+def _run(model, graphs: bool, monkeypatch, batches):
+    monkeypatch.setenv("FP4GEN_LAYER_GRAPHS", "1" if graphs else "0")
+    opt = torch.optim.SGD(model.parameters(), lr=1e-2)
+    out = []
+    for x, dy in batches:
+        y, dx, grads = _step(model, x, dy)
+        out.append((y, dx, grads))
+        for p, g in zip(model.parameters(), grads, strict=True):
+            p.grad = g
+        opt.step()  # the weights change in place: the graphs must read them as they are now
+        model.zero_grad(set_to_none=True)
+    return out
+
+
+def _assert_same(a, b) -> None:
+    for (ya, dxa, ga), (yb, dxb, gb) in zip(a, b, strict=True):
+        assert torch.equal(ya, yb) and torch.equal(dxa, dxb)
+        assert all(torch.equal(p, q) for p, q in zip(ga, gb, strict=True))
+
+
+@pytest.mark.parametrize("recipe", [RNE, SR])
+def test_layer_graphs_give_the_eager_bits(recipe: str, monkeypatch) -> None:
+    """Three layers (two of one shape, sharing static buffers), five steps with the weights
+    updated in place between them, a token count that changes and comes back: every output and
+    gradient equals the eager run's, stochastic rounding included (its offsets advance on the
+    device), and the later steps are served by replays."""
+    shapes = ((256, 192), (192, 192), (192, 192))
+    graphed, eager = _pair(recipe, shapes)
+    gen = torch.Generator(device="cuda").manual_seed(1)
+    tokens = (128, 128, 96, 128, 128)
+    batches = [
+        (
+            torch.randn(t, 256, device="cuda", generator=gen),
+            torch.randn(t, 192, device="cuda", generator=gen),
+        )
+        for t in tokens
+    ]
+    with_graphs = _run(graphed, True, monkeypatch, batches)
+    without = _run(eager, False, monkeypatch, batches)
+    _assert_same(with_graphs, without)
+    assert all(not layer._graphs.failed for layer in graphed), [
+        layer._graphs.failed for layer in graphed
+    ]
+    replays = [layer._graphs.replays for layer in graphed]
+    assert all(n >= 4 for n in replays), replays  # steps 4 and 5, forward and backward
+    assert all(layer._graphs is None for layer in eager)
+
+
+def test_stochastic_rounding_differs_between_calls_of_a_graphed_layer(monkeypatch) -> None:
+    """The same dy twice: the wgrad operands round with fresh random bits each call."""
+    (model,) = _pair(SR)[:1]
+    monkeypatch.setenv("FP4GEN_LAYER_GRAPHS", "1")
+    x = torch.randn(128, 256, device="cuda")
+    dy = torch.randn(128, 192, device="cuda")
+    dws = [_step(model, x, dy)[2][0] for _ in range(4)]
+    assert model[0]._graphs.replays >= 2
+    assert not torch.equal(dws[2], dws[3])
+
+
+def _capture_step(model, x, dy):
+    """Forward + backward of ``model`` captured in one CUDA graph after two eager warm-ups on a
+    side stream; the gradients accumulate into .grad, zeroed before each replay."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(2):
+            model.zero_grad(set_to_none=True)
+            model(x).backward(dy)
+    torch.cuda.current_stream().wait_stream(side)
+    for p in model.parameters():
+        p.grad.zero_()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        model(x).backward(dy)
+    return graph
+
+
+def test_a_captured_step_with_stochastic_rounding_draws_fresh_bits(monkeypatch) -> None:
+    """A whole step captured in one graph: each replay equals the eager step with the same call
+    count (the Philox offset is read from the layer's device counter, which the graph
+    advances), and replays draw fresh, independent bits."""
+    graphed, eager = _pair(SR)
+    monkeypatch.setenv("FP4GEN_LAYER_GRAPHS", "0")
+    x = torch.randn(128, 256, device="cuda")
+    dy = torch.randn(128, 192, device="cuda")
+    graph = _capture_step(graphed, x, dy)
+    expected = []
+    for _ in range(2 + 3):  # the warm-ups, then one eager step per replay below
+        expected.append(_step(eager, x, dy)[2][0])
+    replays = []
+    for _ in range(3):
+        graphed[0].weight.grad.zero_()
+        graph.replay()
+        torch.cuda.synchronize()
+        replays.append(graphed[0].weight.grad.clone())
+    for got, want in zip(replays, expected[2:], strict=True):
+        assert torch.equal(got, want)
+    assert not torch.equal(replays[0], replays[1])
+    # fresh, independent draws: the means of two sets of 16 replays differ by about a quarter
+    # of what two single replays differ by (sqrt(1/8) of the noise's spread); a replay that
+    # reused its bits would make the sets equal, correlated ones would not shrink
+    draws = []
+    for _ in range(32):
+        graphed[0].weight.grad.zero_()
+        graph.replay()
+        draws.append(graphed[0].weight.grad.clone())
+    spread = (draws[0] - draws[1]).norm()
+    means = (torch.stack(draws[:16]).mean(0) - torch.stack(draws[16:]).mean(0)).norm()
+    assert 0 < means < spread / 2, (float(means), float(spread))
+
+
+def test_a_captured_round_to_nearest_step_equals_eager(monkeypatch) -> None:
+    graphed, eager = _pair(RNE)
+    monkeypatch.setenv("FP4GEN_LAYER_GRAPHS", "0")
+    x = torch.randn(128, 256, device="cuda")
+    dy = torch.randn(128, 192, device="cuda")
+    graph = _capture_step(graphed, x, dy)
+    want = _step(eager, x, dy)[2]
+    for _ in range(2):
+        for p in graphed.parameters():
+            p.grad.zero_()
+        graph.replay()
+        torch.cuda.synchronize()
+        assert all(torch.equal(p.grad, w) for p, w in zip(graphed.parameters(), want, strict=True))
+
+
+def test_torch_compile_reduce_overhead_equals_eager(monkeypatch) -> None:
+    graphed, eager = _pair(RNE)
+    compiled = torch.compile(graphed, mode="reduce-overhead")
+    x = torch.randn(128, 256, device="cuda")
+    dy = torch.randn(128, 192, device="cuda")
+    want = _step(eager, x, dy)
+    for _ in range(4):  # warm-up, recording, then replays
+        got = _step(compiled, x, dy)
+        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+        assert all(torch.equal(a, b) for a, b in zip(got[2], want[2], strict=True))
