@@ -26,7 +26,8 @@ pool, and static buffers are shared by every graph with the same (role, shape, d
 safe because the graphs of one stream run one after another and nothing a graph computes is
 read after its results are copied out; graphs captured for one stream replay only on that
 stream. So the graphs add the static buffers and the largest graph's intermediates, not one
-copy per layer.
+copy per layer. A static buffer is freed with the last graph that uses it (graphs beyond
+``MAX_GRAPHS`` per layer are dropped oldest first), so shapes that keep changing do not pile up.
 
 When not: the caller decides what may be graphed (``Linear``: CUDA tensors, block formats, the
 kernels' backend, no telemetry, non-finite inputs propagated rather than raised); here, a call
@@ -51,7 +52,9 @@ log = logging.getLogger("fp4gen.runtime")
 MAX_GRAPHS = 8  # per layer: keys beyond this evict the least recently used graph
 _pools: dict[tuple[int, int], Any] = {}  # (device, stream) -> private memory pool
 _capture_streams: dict[int, torch.cuda.Stream] = {}
-_statics: dict[tuple[Any, ...], torch.Tensor] = {}  # (device, stream, role, shape, dtype)
+# (device, stream, role, shape, dtype) -> [buffer, graphs using it]: freed with its last graph
+_statics: dict[tuple[Any, ...], list[Any]] = {}
+MAX_SEEN = 256  # per layer: keys remembered as warmed up (shapes that keep changing)
 _logged: set[str] = set()
 
 
@@ -60,18 +63,36 @@ class _Graph:
     graph: torch.cuda.CUDAGraph
     inputs: tuple[torch.Tensor, ...]  # static activation buffers, copied into per call
     outputs: tuple[torch.Tensor | None, ...]  # static result buffers, copied out per call
+    statics: tuple[tuple[Any, ...], ...]  # the keys of its static buffers (released with it)
+
+    def release(self) -> None:
+        """Drop this graph's claim on its static buffers; a buffer no graph uses is freed."""
+        for key in self.statics:
+            entry = _statics.get(key)
+            if entry is not None:
+                entry[1] -= 1
+                if entry[1] <= 0:
+                    del _statics[key]
 
 
 def _static(
-    role: str, shape: torch.Size, dtype: torch.dtype, device: torch.device, stream: int
+    role: str,
+    shape: torch.Size,
+    dtype: torch.dtype,
+    device: torch.device,
+    stream: int,
+    claims: list[tuple[Any, ...]],
 ) -> torch.Tensor:
     """The static buffer shared by every graph of this stream for ``role``, ``shape`` and
-    ``dtype`` (allocated outside any graph pool, kept for the process)."""
+    ``dtype`` (allocated outside any graph pool); the caller's claim is appended to ``claims``
+    and holds the buffer until ``_Graph.release``."""
     key = (device, stream, role, tuple(shape), dtype)
-    found = _statics.get(key)
-    if found is None:
-        found = _statics[key] = torch.empty(shape, dtype=dtype, device=device)
-    return found
+    entry = _statics.get(key)
+    if entry is None:
+        entry = _statics[key] = [torch.empty(shape, dtype=dtype, device=device), 0]
+    entry[1] += 1
+    claims.append(key)
+    return entry[0]
 
 
 Result = tuple[torch.Tensor | None, ...]
@@ -110,6 +131,8 @@ class LayerGraphs:
         shapes = self.seen.get(key)
         if shapes is None or key in self.failed:
             results = tuple(fn(*activations, *params))
+            if len(self.seen) >= MAX_SEEN:
+                self.seen.clear()
             self.seen[key] = tuple(None if r is None else (r.shape, r.dtype) for r in results)
             return results
         try:
@@ -123,7 +146,7 @@ class LayerGraphs:
                 log.warning("%s", message)
             return tuple(fn(*activations, *params))
         if len(self.graphs) >= MAX_GRAPHS:
-            self.graphs.popitem(last=False)
+            self.graphs.popitem(last=False)[1].release()
         self.graphs[key] = found
         return _replay(found, activations)  # the capture ran nothing: this call's results
 
@@ -148,13 +171,35 @@ def _capture(
     index = device.index if device.index is not None else torch.cuda.current_device()
     sid = stream.cuda_stream
     # every static buffer is made before the capture: outside the pool, shared by shape
+    claims: list[tuple[Any, ...]] = []
     inputs = tuple(
-        _static(f"in{i}", t.shape, t.dtype, device, sid) for i, t in enumerate(activations)
+        _static(f"in{i}", t.shape, t.dtype, device, sid, claims) for i, t in enumerate(activations)
     )
     outputs = tuple(
-        None if s is None else _static(f"out{i}", s[0], s[1], device, sid)
+        None if s is None else _static(f"out{i}", s[0], s[1], device, sid, claims)
         for i, s in enumerate(shapes)
     )
+    made = _Graph(torch.cuda.CUDAGraph(), inputs, outputs, tuple(claims))
+    try:
+        _record(made, fn, activations, params, stream, index)
+    except BaseException:
+        made.release()
+        raise
+    return made
+
+
+def _record(
+    made: _Graph,
+    fn: Callable[..., Sequence[torch.Tensor | None]],
+    activations: tuple[torch.Tensor, ...],
+    params: tuple[Any, ...],
+    stream: torch.cuda.Stream,
+    index: int,
+) -> None:
+    """Capture ``fn`` on ``made``'s static inputs into ``made.graph``, its results copied into
+    ``made``'s static outputs."""
+    inputs, outputs, graph = made.inputs, made.outputs, made.graph
+    sid = stream.cuda_stream
     for static, t in zip(inputs, activations, strict=True):
         static.copy_(t)
     pool = _pools.get((index, sid))
@@ -162,8 +207,7 @@ def _capture(
         pool = _pools[(index, sid)] = torch.cuda.graph_pool_handle()
     side = _capture_streams.get(index)
     if side is None:
-        side = _capture_streams[index] = torch.cuda.Stream(device)
-    graph = torch.cuda.CUDAGraph()
+        side = _capture_streams[index] = torch.cuda.Stream(index)
     side.wait_stream(stream)
     with torch.cuda.stream(side):
         graph.capture_begin(pool=pool, capture_error_mode="thread_local")
@@ -177,7 +221,6 @@ def _capture(
         finally:
             graph.capture_end()
     stream.wait_stream(side)
-    return _Graph(graph, inputs, outputs)
 
 
 __all__ = ["MAX_GRAPHS", "LayerGraphs"]

@@ -1,0 +1,43 @@
+"""The host-side bookkeeping of fp4gen.runtime.layer_graphs and its setting (CPU; the graphs
+themselves are tested on the GPU in tests/test_layer_graphs_gpu.py)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from fp4gen.errors import FP4GenError
+from fp4gen.runtime import layer_graphs
+from fp4gen.settings import check_environment, layer_graphs_enabled
+
+
+def test_static_buffers_are_shared_by_shape_and_freed_with_their_last_graph() -> None:
+    claims: list = []
+    cpu = torch.device("cpu")
+    a = layer_graphs._static("in0", torch.Size([4, 8]), torch.float32, cpu, 7, claims)
+    b = layer_graphs._static("in0", torch.Size([4, 8]), torch.float32, cpu, 7, claims)
+    c = layer_graphs._static("in0", torch.Size([4, 8]), torch.float32, cpu, 8, claims)
+    assert a is b and a is not c  # another stream gets its own buffer
+    first = layer_graphs._Graph(None, (a,), (), (claims[0],))  # type: ignore[arg-type]
+    second = layer_graphs._Graph(None, (b,), (), (claims[1],))  # type: ignore[arg-type]
+    third = layer_graphs._Graph(None, (c,), (), (claims[2],))  # type: ignore[arg-type]
+    first.release()
+    assert claims[0] in layer_graphs._statics  # the second graph still reads it
+    second.release()
+    third.release()
+    assert claims[0] not in layer_graphs._statics and claims[2] not in layer_graphs._statics
+
+
+@pytest.mark.parametrize(("value", "on"), [(None, True), ("1", True), ("on", True), ("0", False)])
+def test_the_setting(monkeypatch, value: str | None, on: bool) -> None:
+    if value is None:
+        monkeypatch.delenv("FP4GEN_LAYER_GRAPHS", raising=False)
+    else:
+        monkeypatch.setenv("FP4GEN_LAYER_GRAPHS", value)
+    assert layer_graphs_enabled() is on
+
+
+def test_a_bad_setting_is_an_error(monkeypatch) -> None:
+    monkeypatch.setenv("FP4GEN_LAYER_GRAPHS", "maybe")
+    with pytest.raises(FP4GenError, match="FP4GEN_LAYER_GRAPHS='maybe': expected 1, on, 0 or off"):
+        check_environment()
