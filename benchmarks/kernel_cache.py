@@ -58,8 +58,8 @@ OVERHEAD = textwrap.dedent(
     import json, sys, time
     import torch
     from fp4gen.formats import BUILTIN_FORMATS
-    from fp4gen.numerics import quantize
     from fp4gen.runtime import cute_backend, kernels_for
+    from fp4gen.runtime.quantize_dispatch import quantize
 
     fmt = BUILTIN_FORMATS["nvfp4"]
     spec = cute_backend.spec_for(fmt, "nearest", None, torch.bfloat16)

@@ -54,7 +54,7 @@ def e4m3_quantizer(x: torch.Tensor):
         return "e4m3 kernel (mxfp8 1x32)", lambda: kernels.run(x)
     except Exception as err:  # the benchmark still measures MoR; say what was compared
         print(f"  (the generated e4m3 kernel is unavailable: {err}; using the reference)")
-        return "e4m3 reference (mxfp8 1x32)", lambda: quantize(x, fmt, backend="reference")
+        return "e4m3 reference (mxfp8 1x32)", lambda: quantize(x, fmt)
 
 
 def bench_shape(shape: tuple[int, int], repeats: int, reference: bool, wide: bool) -> list[str]:
@@ -89,9 +89,7 @@ def bench_shape(shape: tuple[int, int], repeats: int, reference: bool, wide: boo
             s8_ms = cuda_time_ms(lambda k=s8: k.run(x), repeats=repeats)
             line += f"; 256-thread CTAs (8 rows per thread) {s8_ms:.3f} ms"
         if reference:
-            ref_ms = cuda_time_ms(
-                lambda r=rule: mor_quantize(x, r, backend="reference"), warmup=1, repeats=3
-            )
+            ref_ms = cuda_time_ms(lambda r=rule: mor_quantize(x, r), warmup=1, repeats=3)
             line += f"; reference {ref_ms:.1f} ms ({ref_ms / mor_ms:.0f}x the kernels)"
         print(line, flush=True)
         lines.append(line)

@@ -111,9 +111,7 @@ def reference_fn(label: str):
     def ref_fn(x):
         out = []
         if block[0] != 1:  # 2D: one quantization, the columnwise copy its transpose
-            q = quantize(
-                x, fmt, rounding=outs[0][1], seed=1, offset=OFFSETS[0], backend="reference"
-            )
+            q = quantize(x, fmt, rounding=outs[0][1], seed=1, offset=OFFSETS[0])
             copies = [(d, q if d == ROW else q.transpose()) for d, _, _ in outs]
         else:
             copies = [
@@ -126,7 +124,6 @@ def reference_fn(label: str):
                         hadamard=h,
                         seed=1,
                         offset=OFFSETS[i] if len(outs) > 1 else OFFSETS[0],
-                        backend="reference",
                     ),
                 )
                 for i, (d, r, h) in enumerate(outs)

@@ -29,7 +29,7 @@ _LAZY: dict[str, str] = {
     "ScaleSpec": "fp4gen.formats",
     "HighPrecision": "fp4gen.formats",
     "BUILTIN_FORMATS": "fp4gen.formats",
-    "quantize": "fp4gen.numerics",
+    "quantize": "fp4gen.runtime.quantize_dispatch",  # the oracle or the kernels (backend=)
     "QuantizedTensor": "fp4gen.numerics",
     "gemm_reference": "fp4gen.numerics",
     "error_stats": "fp4gen.numerics",
@@ -84,8 +84,9 @@ if TYPE_CHECKING:
     from fp4gen.export import export_quantized, import_quantized, load_quantized
     from fp4gen.formats import BUILTIN_FORMATS, BlockFormat, ElementFormat, HighPrecision, ScaleSpec
     from fp4gen.gemm_dispatch import gemm
-    from fp4gen.numerics import ErrorStats, QuantizedTensor, error_stats, gemm_reference, quantize
+    from fp4gen.numerics import ErrorStats, QuantizedTensor, error_stats, gemm_reference
     from fp4gen.runtime.convert import convert, enable_telemetry, set_step, telemetry
+    from fp4gen.runtime.quantize_dispatch import quantize
     from fp4gen.table import show_plan
 
 

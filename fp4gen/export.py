@@ -309,7 +309,7 @@ def _layers(decisions: list[LayerDecision], state: dict[str, torch.Tensor]) -> l
 def _quantized_tensors(layer: _Layer, seed: int) -> dict[str, torch.Tensor]:
     """The checkpoint tensors of one quantized layer (no input_scale)."""
     from fp4gen.formats import BlockFormat
-    from fp4gen.numerics import quantize
+    from fp4gen.runtime.quantize_dispatch import quantize  # the kernels on CUDA, as in training
 
     assert layer.spec is not None and layer.algo is not None
     fmt = layer.spec.format

@@ -1,4 +1,4 @@
-"""``quantize(..., backend="cute")``: the generated kernels behind fp4gen's quantize API.
+"""``fp4gen.quantize(..., backend="cute")``: the generated kernels behind fp4gen's quantize API.
 
 GPU tests (marker ``gpu``, skipped without CUDA): the kernels are bit-exact with the reference
 through ``quantize``; ``kernels_for`` compiles once and a fresh process loads the kernels from the
@@ -23,8 +23,8 @@ from fp4gen.compiler.spec import QuantKernelSpec, QuantOutput
 from fp4gen.dsl.model import RHTSpec
 from fp4gen.errors import FP4GenError, TensorError
 from fp4gen.formats import BUILTIN_FORMATS
-from fp4gen.numerics import quantize
 from fp4gen.runtime import cute_backend
+from fp4gen.runtime.quantize_dispatch import quantize
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -188,7 +188,7 @@ SCRIPT = textwrap.dedent(
     out = k.run(x, seed=7)
     torch.cuda.synchronize()
     t3 = time.perf_counter()
-    ref = quantize(x, fmt, rounding="stochastic", seed=7, backend="reference")
+    ref = quantize(x, fmt, rounding="stochastic", seed=7)
     same = bool(torch.equal(out["data"], ref.data)) and bool(
         torch.equal(out["scales"], ref.scale_codes))
     print(json.dumps({"compiled": k.stats.compiled, "loaded": k.stats.loaded, "same": same,

@@ -47,6 +47,7 @@ from fp4gen.formats import (
 from fp4gen.gemm_dispatch import FUSED_MAX_M, auto_backend
 from fp4gen.numerics import QuantizedTensor, gemm_reference, quantize
 from fp4gen.numerics.minifloat import decode
+from fp4gen.runtime import quantize_dispatch
 
 pytestmark = [
     pytest.mark.gpu,
@@ -119,7 +120,7 @@ def quantized(rows: int, k: int, fmt: BlockFormat, seed: int, wide: bool = False
     if wide:  # per-row magnitudes 2^-12 .. 2^12 and an outlier: zero and subnormal scales
         x = x * torch.exp2(torch.randint(-12, 13, (rows, 1), generator=g, device=DEV).float())
         x[0, 0] = 1e4
-    return quantize(x, fmt, backend="reference")
+    return quantize(x, fmt)
 
 
 def check_exact(q: QuantizedTensor, got: torch.Tensor) -> None:
@@ -308,7 +309,7 @@ def test_linear_routes_its_gemms_through_the_path(monkeypatch) -> None:
     table = recipe.operands
     w = layer.weight.detach()
     w_row = layer.quantize(w, fp4gen.Operand.FPROP_WEIGHT, table.fprop_weight, 0)
-    xq = quantize(x.detach(), table.fprop_activation.format, backend="auto")
+    xq = quantize_dispatch.quantize(x.detach(), table.fprop_activation.format, backend="auto")
     want = fp4gen.gemm(xq, w_row, bias=layer.bias, out_dtype=torch.bfloat16, backend="dequant")
     assert torch.equal(y.detach(), want)
 
@@ -365,8 +366,8 @@ def test_kernel_output_is_multiplied_without_unpacking() -> None:
     g = torch.Generator(device=DEV).manual_seed(5)
     x = torch.randn(300, 512, device=DEV, generator=g, dtype=torch.bfloat16)
     w = torch.randn(128, 512, device=DEV, generator=g, dtype=torch.bfloat16)
-    a = quantize(x, NVFP4, backend="cute")
-    b = quantize(w, NVFP4, backend="cute")
+    a = quantize_dispatch.quantize(x, NVFP4, backend="cute")
+    b = quantize_dispatch.quantize(w, NVFP4, backend="cute")
     assert a.packed_codes() is not None and b.packed_codes() is not None
     got = fp4gen.gemm(a, b, out_dtype=torch.bfloat16, backend="dequant")
     assert a.packed_codes() is not None and b.packed_codes() is not None  # still not unpacked

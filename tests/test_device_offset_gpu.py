@@ -200,7 +200,6 @@ def test_device_offset_equals_int_offsets(kind: str, kernels) -> None:
             hadamard=o.rht,
             seed=SEED,
             offset=(9 * STRIDE + (slot if spec.block[0] == 1 else slots[0])) % U64,
-            backend="reference",
         )
         key = ("" if o.direction == ROW else "col_") + "data"
         assert torch.equal(got[key], ref.data), f"{spec.name}: {key} differs from the reference"

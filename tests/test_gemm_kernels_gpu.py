@@ -123,7 +123,7 @@ def quantized(rows: int, k: int, fmt, block, pattern: str, seed: int) -> Quantiz
             mask = zero.repeat_interleave(16, 1)[:, :k]
             x = x.masked_fill(mask, 0.0)
             x[0, 0] = 1e4
-        _QUANTIZED[key] = quantize(x, fmt, block=block, backend="reference")
+        _QUANTIZED[key] = quantize(x, fmt, block=block)
         if len(_QUANTIZED) > 16:
             _QUANTIZED.pop(next(iter(_QUANTIZED)))
     return _QUANTIZED[key]

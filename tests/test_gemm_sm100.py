@@ -256,7 +256,7 @@ def random_operand(name: str, seed: int = 0) -> QuantizedTensor:
     fmt, block, rows, k = OPERANDS[name]
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(rows, k, generator=g) * torch.exp2(torch.randint(-6, 7, (rows, 1), generator=g))
-    return quantize(x, fmt, block=block, backend="reference")
+    return quantize(x, fmt, block=block)
 
 
 @pytest.mark.parametrize("name", sorted(OPERANDS))
@@ -718,10 +718,10 @@ def test_native_gemm_matches_reference(pair: str, mnk) -> None:
     xa = torch.randn(m, k, generator=g, device="cuda")
     xa = xa * torch.exp2(torch.randint(-8, 9, (m, 1), generator=g, device="cuda").float())
     xb = torch.randn(n, k, generator=g, device="cuda")
-    a = quantize(xa, a_fmt, block=a_block, backend="reference")
-    b = quantize(xb, b_fmt, block=b_block, backend="reference")
+    a = quantize(xa, a_fmt, block=a_block)
+    b = quantize(xb, b_fmt, block=b_block)
     if b_block == (16, 16):  # dgrad: the columnwise weight is the transposed 2D quantization
-        b = quantize(xb.t().contiguous(), b_fmt, block=b_block, backend="reference").transpose()
+        b = quantize(xb.t().contiguous(), b_fmt, block=b_block).transpose()
 
     ea, eb = dyadic_operand(a, 1), dyadic_operand(b, 2)
     exact = gemm_reference(ea, eb)

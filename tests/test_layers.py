@@ -67,12 +67,6 @@ LAYER_OF: dict[str, str] = {
 # Upward imports (importer, imported) waiting on files other work is changing. Keep it short:
 # an entry goes as soon as its import does (test_pending_entries_still_exist says when).
 PENDING: dict[tuple[str, str], str] = {
-    # fp4gen/numerics/quantize.py: quantize(backend=...) runs the quantize kernels; the backend
-    # argument leaves the oracle with the work on fp4gen.numerics.quantize (issue 20).
-    ("fp4gen.numerics.quantize", "fp4gen.runtime.cute_backend"): "oracle has a backend argument",
-    # fp4gen/numerics/mor.py: mor_quantize(backend=...) shares quantize's backend check
-    # (numerics.quantize._check_call); it goes with the one above.
-    ("fp4gen.numerics.mor", "fp4gen.runtime.mor_kernels"): "oracle has a backend argument",
     # fp4gen/codegen/quantize.py: the kernel specs moved to the core (fp4gen.spec);
     # fp4gen.compiler.spec re-exports them until this file (being reworked) imports fp4gen.spec.
     ("fp4gen.codegen.quantize", "fp4gen.compiler.spec"): "specs moved to fp4gen.spec",

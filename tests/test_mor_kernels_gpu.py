@@ -30,8 +30,9 @@ from fp4gen.compiler.cache import KernelCache
 from fp4gen.dsl import load_recipe
 from fp4gen.dsl.model import Candidate, Metric, MoRSpec, Partition
 from fp4gen.errors import TensorError
-from fp4gen.numerics.mor import MoRTensor, mor_quantize
+from fp4gen.numerics.mor import MoRTensor
 from fp4gen.runtime import mor_kernels
+from fp4gen.runtime.quantize_dispatch import mor_quantize  # backend= picks kernels or oracle
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from test_codegen_mor import HAND, SHIPPED  # noqa: E402  (the same hand-made rules)

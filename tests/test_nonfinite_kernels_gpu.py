@@ -5,7 +5,7 @@ variants, tile row + column, MX ue8m0 without a global scale, FP8 1x128 and 128x
 scales) and input dtype: an input holding a NaN, a +Inf or a -Inf (first element, last element,
 the first and last of a padded edge tile, the middle) gives a NaN S_dec in every copy the module
 writes (``NONFINITE_TO_NAN_SCALE``); an all-finite input gives every output bit for bit as the
-reference quantizer (``fp4gen.numerics.quantize``, backend "reference"), also right after a
+reference quantizer (``fp4gen.numerics.quantize``, the oracle), also right after a
 non-finite call on the same kernels.
 
 The kernels are called directly (``kernels_for``), as in test_quantize_kernels_gpu.py. Skipped
@@ -183,7 +183,7 @@ def references(spec: QuantKernelSpec, x: torch.Tensor, seed: int) -> dict:
     refs = {}
     if spec.block[0] != 1:  # one set of codes; the columnwise copy is its transpose
         o = spec.outputs[0]
-        q = quantize(x, fmt, rounding=o.rounding, seed=seed, offset=offsets[0], backend="reference")
+        q = quantize(x, fmt, rounding=o.rounding, seed=seed, offset=offsets[0])
         for o in spec.outputs:
             refs["" if o.direction == ROW else "col_"] = q if o.direction == ROW else q.transpose()
         return refs
@@ -196,7 +196,6 @@ def references(spec: QuantKernelSpec, x: torch.Tensor, seed: int) -> dict:
             hadamard=o.rht,
             seed=seed,
             offset=offset,
-            backend="reference",
         )
     return refs
 

@@ -188,7 +188,6 @@ def reference(spec: QuantKernelSpec, x: torch.Tensor, seed: int, offset: int):
         hadamard=out.rht,
         seed=seed,
         offset=offset,
-        backend="reference",  # "auto" would run the generated kernels on a CUDA tensor
     )
 
 
@@ -516,7 +515,7 @@ def tile_references(spec: QuantKernelSpec, x: torch.Tensor, seed: int, offsets: 
     refs = {}
     if spec.block[0] != 1:  # one set of codes, in the input's orientation
         o = spec.outputs[0]
-        q = quantize(x, fmt, rounding=o.rounding, seed=seed, offset=offsets[0], backend="reference")
+        q = quantize(x, fmt, rounding=o.rounding, seed=seed, offset=offsets[0])
         for o in spec.outputs:
             refs[o.direction] = q if o.direction == ROW else q.transpose()
         return refs
@@ -529,7 +528,6 @@ def tile_references(spec: QuantKernelSpec, x: torch.Tensor, seed: int, offsets: 
             hadamard=o.rht,
             seed=seed,
             offset=offset,
-            backend="reference",
         )
     return refs
 

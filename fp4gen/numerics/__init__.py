@@ -35,7 +35,6 @@ from fp4gen.numerics.minifloat import (
 )
 from fp4gen.numerics.philox import philox4x32, random_bits, random_words
 from fp4gen.numerics.quantize import (
-    BACKENDS,
     QuantizedTensor,
     quantize,
     resolve_format,
@@ -43,7 +42,6 @@ from fp4gen.numerics.quantize import (
 )
 
 __all__ = [
-    "BACKENDS",
     "ErrorStats",
     "QuantizedTensor",
     "block_scaled_error_bound",

@@ -5,7 +5,9 @@ with one scale partition and scaling, measures every decision unit (the whole te
 an RxC block) and keeps, per unit, the first candidate whose metric accepts it, else the final
 fallback. Everything is computed with torch ops on the tensor's device; the decision path has no
 host synchronization (only the input check shared with ``quantize`` reads a value back), so the
-decisions and errors can be logged later without stalling the device.
+decisions and errors can be logged later without stalling the device. ``mor_quantize`` always
+runs these torch ops; the generated MoR kernels are chosen in the backends
+(``fp4gen.runtime.quantize_dispatch.mor_quantize``, ``backend=``).
 
 Geometry **(fp4gen)**. The operand is the 2-D [R, K] view the GEMM reads (1-D inputs are one row,
 higher ranks flatten their leading dimensions; a columnwise operand is given transposed, as for
@@ -515,7 +517,6 @@ def mor_quantize(
     seed: int = 0,
     offset: int = 0,
     group: tuple[int, int] | None = None,
-    backend: str = "auto",
 ) -> MoRTensor:
     """Quantize ``x`` with the MoR rule ``spec`` (module docstring for every definition).
 
@@ -523,29 +524,11 @@ def mor_quantize(
     tensors, other dtypes and NaN/Inf raise TensorError). rounding, hadamard, seed and offset
     mean what they mean for ``quantize``; ``group`` is the GAM group shape (None: the tensor).
     Not differentiable, like ``quantize``: ``x`` is detached.
-    backend: "reference" runs this code; "cute" the generated MoR kernels (CUDA tensors,
-    ``fp4gen.runtime.mor_kernels``, the same result bit for bit); "auto" the kernels for CUDA
-    tensors and rules they support, else this code (the fallback is logged once per reason).
     """
-    seed, offset = _check_call(backend, rounding, seed, offset)
+    seed, offset = _check_call(rounding, seed, offset)
     spec_rht = resolve_rht(hadamard)
     if isinstance(x, torch.Tensor):
         x = x.detach()  # not differentiable, like quantize: no graph in the result
-    if backend == "cute" or (backend == "auto" and isinstance(x, torch.Tensor) and x.is_cuda):
-        from fp4gen.runtime.mor_kernels import mor_quantize_cute
-
-        mt = mor_quantize_cute(
-            x,
-            spec,
-            rounding=rounding,
-            rht=spec_rht,
-            seed=seed,
-            offset=offset,
-            group=group,
-            required=backend == "cute",
-        )
-        if mt is not None:
-            return mt
     x2 = _as_2d_float32(x)
     if spec_rht is not None:
         x2 = rht(x2, spec_rht)

@@ -3,6 +3,10 @@
 Generalizes the NVFP4 two-level scaling of the numerics contract (section 2) to every
 :class:`~fp4gen.formats.BlockFormat`. All arithmetic is float32 and each rounding is explicit
 (torch's float32 ops are correctly rounded); the order of operations is part of the contract.
+
+``quantize`` always runs these torch ops, on the input's device (cpu or cuda): it is what the
+kernels are checked against. Choosing the generated kernels instead (``backend=``) belongs to the
+backends: ``fp4gen.quantize`` is ``fp4gen.runtime.quantize_dispatch.quantize``.
 """
 
 from __future__ import annotations
@@ -35,7 +39,6 @@ from fp4gen.numerics.philox import random_bits
 FLT_MAX = float(torch.finfo(torch.float32).max)
 _INPUT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _UNVERSIONED = itertools.count(1)  # code_version of inference tensors
-BACKENDS: tuple[str, ...] = ("auto", "reference", "cute")
 
 
 class _DerivedOnRead:
@@ -355,11 +358,10 @@ def _as_2d_float32(x: torch.Tensor) -> torch.Tensor:
     return x.reshape(-1, x.shape[-1])
 
 
-def _check_call(backend: Any, rounding: Any, seed: Any, offset: Any) -> tuple[int, int]:
-    """ArgumentError for a backend or rounding outside the vocabulary, or a seed or offset
-    outside [0, 2^64); the seed and offset as ints. Shared by quantize and mor_quantize."""
-    if not isinstance(backend, str) or backend not in BACKENDS:
-        raise ArgumentError(f"backend must be one of {BACKENDS}, got {_shown(backend)}")
+def _check_call(rounding: Any, seed: Any, offset: Any) -> tuple[int, int]:
+    """ArgumentError for a rounding outside the vocabulary, or a seed or offset outside
+    [0, 2^64); the seed and offset as ints. Shared by quantize and mor_quantize (and the
+    backends' versions of both, ``fp4gen.runtime.quantize_dispatch``)."""
     if not isinstance(rounding, str) or rounding not in ELEMENT_ROUNDINGS:
         raise ArgumentError(f"rounding must be one of {ELEMENT_ROUNDINGS}, got {_shown(rounding)}")
     return _check_u64("seed", seed), _check_u64("offset", offset)
@@ -433,7 +435,6 @@ def quantize(
     hadamard: int | RHTSpec | None = None,
     seed: int = 0,
     offset: int = 0,
-    backend: str = "auto",
 ) -> QuantizedTensor:
     """Quantize ``x`` to the block-scaled format ``fmt`` (a BlockFormat or a builtin name).
 
@@ -451,9 +452,6 @@ def quantize(
         last dimension, its output rounded to bf16, and everything below sees the rotated x.
     seed, offset: the Philox stream of stochastic rounding; element (r, c) of the [R, C] tensor
         uses random field r * C + c (see ``fp4gen.numerics.philox.random_bits``).
-    backend: "reference" runs this code; "cute" the generated CuTe DSL kernels (CUDA tensors,
-        ``fp4gen.runtime.cute_backend``); "auto" the kernels for CUDA tensors they support, else
-        this code.
 
     Not differentiable: ``x`` is detached, so no field of the result (and nothing
     ``dequantize()`` returns) carries an autograd graph. A gradient through the rounding would be
@@ -479,19 +477,11 @@ def quantize(
       the sign bit set iff x < 0 (a negative x that rounds to zero is negative zero, -0.0 is
       code 0).
     """
-    seed, offset = _check_call(backend, rounding, seed, offset)
+    seed, offset = _check_call(rounding, seed, offset)
     bf = resolve_format(fmt, block)
     spec = resolve_rht(hadamard)
     if isinstance(x, torch.Tensor):
         x = x.detach()  # quantization is not differentiable (docstring): no graph in the result
-    if backend == "cute" or (backend == "auto" and isinstance(x, torch.Tensor) and x.is_cuda):
-        from fp4gen.runtime.cute_backend import quantize_cute
-
-        q = quantize_cute(
-            x, bf, rounding=rounding, rht=spec, seed=seed, offset=offset, required=backend == "cute"
-        )
-        if q is not None:
-            return q
 
     x2 = _as_2d_float32(x)  # validates x first, so x.shape and x.dtype exist below
     if spec is not None:
@@ -535,4 +525,4 @@ def quantize(
     )
 
 
-__all__ = ["BACKENDS", "FLT_MAX", "QuantizedTensor", "quantize", "resolve_format", "resolve_rht"]
+__all__ = ["FLT_MAX", "QuantizedTensor", "quantize", "resolve_format", "resolve_rht"]

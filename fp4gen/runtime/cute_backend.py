@@ -1,12 +1,12 @@
 """The ``cute`` backend of ``fp4gen.quantize``: generated kernels -> a QuantizedTensor.
 
-``quantize(x, fmt, ..., backend="cute")`` quantizes with the generated kernel of the matching
-single-output rowwise spec (``kernels_for``) and builds the same QuantizedTensor as the reference:
-the kernel's packed codes (unpacked on first read of ``codes``; the GEMM paths read them packed),
-the scale codes (decoded on first read of ``scales``), S_dec as a 0-dim fp32 tensor. Non-finite
-inputs raise TensorError (``fp4gen.runtime.finite``). ``backend="auto"`` takes this path for
-CUDA tensors whose spec and shape the kernels support, and otherwise stays on the reference
-(logged once per reason at INFO).
+``fp4gen.quantize(x, fmt, ..., backend="cute")`` (``fp4gen.runtime.quantize_dispatch``)
+quantizes with the generated kernel of the matching single-output rowwise spec (``kernels_for``)
+and builds the same QuantizedTensor as the reference: the kernel's packed codes (unpacked on
+first read of ``codes``; the GEMM paths read them packed), the scale codes (decoded on first read
+of ``scales``), S_dec as a 0-dim fp32 tensor. Non-finite inputs raise TensorError
+(``fp4gen.runtime.finite``). ``backend="auto"`` takes this path for CUDA tensors whose spec and
+shape the kernels support, and otherwise stays on the reference (logged once per reason at INFO).
 
 ``quantize_tile_cute(x, fmt, outputs, ...)`` quantizes a tensor rowwise and/or columnwise (the
 columnwise copy being the rowwise quantization of ``x.t()``, each copy with its own rounding, RHT

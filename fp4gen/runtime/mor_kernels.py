@@ -5,8 +5,9 @@
 kernel for the arch (the current GPU's by default) into the kernel cache and loads it; later calls
 in the process return the same object. ``mor_quantize_cute`` runs them on a CUDA tensor and wraps
 the outputs in the same ``MoRTensor`` the reference returns (bit for bit: decisions, codes, scales,
-error sums). ``mor_quantize(backend="auto")`` takes this path for CUDA tensors the kernels support
-and otherwise stays on the reference, logged once per reason at INFO.
+error sums). ``mor_quantize(backend="auto")`` (``fp4gen.runtime.quantize_dispatch``) takes this
+path for CUDA tensors the kernels support and otherwise stays on the reference, logged once per
+reason at INFO.
 
 Everything is launched on the current stream without a host round trip; the one read-back is the
 input check shared with ``quantize`` (non-finite values raise ``TensorError``), taken from the

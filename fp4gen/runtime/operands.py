@@ -31,9 +31,10 @@ from fp4gen.dsl.model import MoRRef, MoRSpec, OperandSpec, RHTSpec
 from fp4gen.errors import FP4GenError
 from fp4gen.formats import BlockFormat, HighPrecision
 from fp4gen.gemm_dispatch import gemm
-from fp4gen.numerics import QuantizedTensor, quantize
-from fp4gen.numerics.mor import MoRTensor, mor_quantize
+from fp4gen.numerics import QuantizedTensor
+from fp4gen.numerics.mor import MoRTensor
 from fp4gen.runtime.cute_backend import quantize_cute, quantize_tile_cute
+from fp4gen.runtime.quantize_dispatch import mor_quantize, quantize
 
 HP_DTYPES: dict[str, torch.dtype] = {
     "bf16": torch.bfloat16,
