@@ -39,6 +39,7 @@ dropped). ``FP4GEN_LAYER_GRAPHS=0`` turns layer graphs off (``fp4gen.settings``)
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from collections import OrderedDict
 from collections.abc import Callable, Hashable, Sequence
@@ -184,8 +185,22 @@ def _capture(
         _record(made, fn, activations, params, stream, index)
     except BaseException:
         made.release()
+        _reset_capture_state(index, sid)
         raise
     return made
+
+
+def _reset_capture_state(index: int, sid: int) -> None:
+    """After a failed capture: torch's capture_end raises before it stops routing allocations
+    to the graph's pool, and a pool left in that state fails every later capture into it. Stop
+    the routing (best effort: where the capture did end, there is nothing to stop) and give later
+    captures a fresh pool and side stream; graphs captured before keep theirs."""
+    pool = _pools.pop((index, sid), None)
+    end = getattr(torch._C, "_cuda_endAllocateToPool", None)
+    if pool is not None and end is not None:
+        with contextlib.suppress(RuntimeError):  # the routing had ended with the capture
+            end(index, pool)
+    _capture_streams.pop(index, None)
 
 
 def _record(
