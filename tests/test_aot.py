@@ -254,10 +254,11 @@ def test_runtime_loaders_find_everything_without_compiling(
 
     monkeypatch.setenv("FP4GEN_CACHE_DIR", str(compiled["cache"]))
     monkeypatch.setenv("CUTE_DSL_CACHE_DIR", str(compiled["cache"] / "cute-dsl"))
-    for module in (kernels, dequant, blackwell_gemm):  # no memo of another cache
+    for module in (kernels, blackwell_gemm):  # no memo of another cache
         monkeypatch.setattr(module, "_loaded", {})
-    for module in (cute_gemm, dequant, blackwell_gemm):
-        monkeypatch.setattr(module, "_unavailable", {})
+    for module in (cute_gemm, dequant, blackwell_gemm):  # nor a remembered load or failure
+        monkeypatch.setattr(module._loader, "loaded", {})
+        monkeypatch.setattr(module._loader, "failed", {})
     monkeypatch.setattr(dequant, "_by_format", {})
 
     def forbidden(module: Any, name: str, arch: str, **_: Any) -> Any:

@@ -39,6 +39,7 @@ import torch
 from fp4gen.errors import FP4GenError, TensorError
 from fp4gen.formats import BlockFormat, ElementFormat
 from fp4gen.numerics.quantize import tensor_version
+from fp4gen.runtime.loader import BUILD_FAILED, KernelLoader, Reasons, Unsupported
 from fp4gen.vocab import Arch
 
 NATIVE_ARCHS: tuple[str, ...] = (Arch.SM100A.value,)  # tcgen05 block-scaled MMA (B200, GB200)
@@ -322,8 +323,14 @@ def compile_kernel(name, arch, *, dump_dir=None):
 '''
 
 _loaded: dict[tuple[GemmConfig, str, str], Any] = {}
-_unavailable: dict[tuple[GemmConfig, str], str] = {}
 _lock = threading.Lock()
+# (config, arch) -> the loaded function or why it cannot be built (remembered, not retried)
+_loader: KernelLoader[GemmConfig, Any] = KernelLoader(
+    Reasons(
+        dsl=f"{OPERATORS_PACKAGE} or the CuTe DSL cannot be imported ({{err}})",
+        build=BUILD_FAILED,
+    )
+)
 
 
 def operators_version() -> str:
@@ -371,18 +378,8 @@ def gemm_kernel(config: GemmConfig, arch: str, *, cache: Any = None) -> Any:
 
 
 def _kernel_or_reason(config: GemmConfig, arch: str) -> Any:
-    reason = _unavailable.get((config, arch))
-    if reason is not None:
-        return reason
-    try:
-        return gemm_kernel(config, arch)
-    except ImportError as err:
-        reason = f"{OPERATORS_PACKAGE} or the CuTe DSL cannot be imported ({err})"
-    except Exception as err:  # a compile, link or load failure: reported, not retried
-        reason = f"building {config.name} for {arch} failed ({type(err).__name__}: {err})"
-    with _lock:
-        _unavailable[(config, arch)] = reason
-    return reason
+    """gemm_kernel(config, arch), or why it cannot be had (an Unsupported, remembered)."""
+    return _loader.get(config, arch, gemm_kernel)
 
 
 _sm_counts: dict[int, int] = {}
@@ -469,8 +466,8 @@ def native_gemm(
     kernel_dtype: OutDType = "BFloat16" if direct_bf16 else "Float32"
     config = gemm_config(plan, m, out_dtype=kernel_dtype, tile=tile, sm_count=_sm_count(dev))
     fn = _kernel_or_reason(config, arch)
-    if isinstance(fn, str):
-        raise FP4GenError(f"the native GEMM kernel is not available: {fn}")
+    if isinstance(fn, Unsupported):
+        raise FP4GenError(f"the native GEMM kernel is not available: {fn.reason}")
     out = torch.empty((m, n), dtype=_TORCH_OUT[kernel_dtype], device=dev)
     fn(*kernel_args(a, b, plan, out))
     if bias is not None:

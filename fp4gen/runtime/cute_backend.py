@@ -30,6 +30,7 @@ from fp4gen.dsl.model import RHTSpec
 from fp4gen.errors import FP4GenError, TensorError
 from fp4gen.formats import BlockFormat, is_stochastic
 from fp4gen.runtime import finite
+from fp4gen.runtime.loader import KernelLoader, LogOnce, Reasons, Unsupported
 
 log = logging.getLogger("fp4gen.runtime")
 
@@ -38,8 +39,11 @@ _DTYPES: dict[torch.dtype, InputDType] = {
     torch.float16: "fp16",
     torch.float32: "fp32",
 }
-_unsupported: dict[QuantKernelSpec, str] = {}  # spec -> why the template cannot make it
-_logged: set[str] = set()
+# (spec, arch) -> the loaded kernels (through kernels_for) or why the template cannot make them
+_loader: KernelLoader[QuantKernelSpec, Any] = KernelLoader(
+    Reasons.falling_back("{spec.name} is not supported by the kernel template yet ({err})")
+)
+_log_once = LogOnce(log, "quantize(backend='auto') uses the reference: %s")
 _lock = threading.Lock()
 
 
@@ -68,40 +72,20 @@ def _spec(
     )
 
 
-def _log_once(reason: str) -> None:
-    if reason not in _logged:
-        _logged.add(reason)
-        log.info("quantize(backend='auto') uses the reference: %s", reason)
-
-
 def _kernels(spec: QuantKernelSpec) -> Any:
-    """kernels_for(spec), or the reason the generated kernels cannot serve it (a str)."""
-    reason = _unsupported.get(spec)
-    if reason is not None:
-        return reason
-    from fp4gen.compiler.jit import ARCHS, detect_arch
+    """kernels_for(spec) for the current GPU's arch, or why the generated kernels cannot serve
+    it (an Unsupported)."""
     from fp4gen.runtime.kernels import kernels_for
 
-    arch = detect_arch()
-    if arch not in ARCHS:
-        return f"no generated kernels for {arch} (only {', '.join(ARCHS)})"
-    try:
-        return kernels_for(spec, arch)
-    except NotImplementedError as err:
-        reason = f"{spec.name} is not supported by the kernel template yet ({err})"
-    except ImportError as err:
-        reason = f"the CuTe DSL cannot be imported ({err})"
-    with _lock:
-        _unsupported[spec] = reason
-    return reason
+    return _loader.get_current(spec, kernels_for)
 
 
 @dataclass(frozen=True)
 class _Launch:
     """What one quantize call needs that depends only on the format, the copies, the input's
     dtype and shape: found once per such key (``_launch``), not per call. ``kernels`` is the
-    loaded kernels or the reason there are none; ``refused`` the input check's error for this
-    shape (None: accepted)."""
+    loaded kernels or the reason there are none (an Unsupported); ``refused`` the input check's
+    error for this shape (None: accepted)."""
 
     spec: QuantKernelSpec
     kernels: Any
@@ -130,13 +114,15 @@ def _launch(
     spec = _spec(fmt, dtype, tuple(QuantOutput(d, r, h) for d, r, h in copies))  # type: ignore[arg-type]
     kernels = _kernels(spec)
     refused = None
-    check = None if isinstance(kernels, str) else getattr(kernels.module, "check_input", None)
+    check = (
+        None if isinstance(kernels, Unsupported) else getattr(kernels.module, "check_input", None)
+    )
     if check is not None:
         try:
             check(x)
         except TensorError as err:
             refused = err
-    nan_scale = not isinstance(kernels, str) and getattr(
+    nan_scale = not isinstance(kernels, Unsupported) and getattr(
         kernels.module, "NONFINITE_TO_NAN_SCALE", False
     )
     launch = _Launch(spec, kernels, refused, bool(nan_scale))
@@ -178,8 +164,8 @@ def quantize_cute(
         x2 = x2.contiguous() if not x2.is_contiguous() else x2.clone()
     launch = _launch(fmt, (("rowwise", rounding, rht),), x2)
     kernels = launch.kernels
-    if isinstance(kernels, str):
-        return unavailable(kernels)
+    if isinstance(kernels, Unsupported):
+        return unavailable(kernels.reason)
     if launch.refused is not None:
         if required:
             raise launch.refused
@@ -279,8 +265,8 @@ def quantize_tile_cute(
         return None
     launch = _launch(fmt, tuple((d, r, h) for d, r, h, _ in outputs), x)
     kernels = launch.kernels
-    if isinstance(kernels, str):
-        _log_once(kernels)
+    if isinstance(kernels, Unsupported):
+        _log_once(kernels.reason)
         return None
     if launch.refused is not None:
         _log_once(

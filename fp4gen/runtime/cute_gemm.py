@@ -18,7 +18,6 @@ which validates every tensor, is for callers outside this module.
 
 from __future__ import annotations
 
-import threading
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -32,13 +31,14 @@ from fp4gen.codegen.gemm import SmallMTile, choose_splits, pick_tile, unsupporte
 from fp4gen.errors import FP4GenError, TensorError
 from fp4gen.formats import BlockFormat
 from fp4gen.numerics.quantize import tensor_version
+from fp4gen.runtime.loader import KernelLoader, Reasons, Unsupported
 from fp4gen.spec import GemmKernelSpec, GemmOutDType, GemmTile
 from fp4gen.vocab import Arch
 
 FUSED_ARCHS: tuple[str, ...] = (Arch.SM90A.value,)  # wgmma / mma.sync + TMA
 
-_unavailable: dict[GemmKernelSpec, str] = {}  # spec -> why its kernel cannot be built
-_lock = threading.Lock()
+# (spec, arch) -> the loaded kernel or why it cannot be built (remembered, not retried)
+_loader: KernelLoader[GemmKernelSpec, Any] = KernelLoader(Reasons.building())
 # QuantizedTensor -> (version of its codes, packed codes): a weight is packed once, not per GEMM
 _packed: weakref.WeakKeyDictionary[Any, tuple[int, torch.Tensor]] = weakref.WeakKeyDictionary()
 # QuantizedTensor -> (versions, (codes, scale codes, global scale)) as a kernel reads B
@@ -106,23 +106,10 @@ def packed_codes(q: Any) -> torch.Tensor:
 
 
 def _kernels(spec: GemmKernelSpec, arch: str) -> Any:
-    """kernels_for(spec, arch), or the reason it cannot be had (a str, remembered)."""
-    reason = _unavailable.get(spec)
-    if reason is not None:
-        return reason
+    """kernels_for(spec, arch), or why it cannot be had (an Unsupported, remembered)."""
     from fp4gen.runtime.kernels import kernels_for
 
-    try:
-        return kernels_for(spec, arch)  # type: ignore[arg-type]
-    except NotImplementedError as err:
-        reason = f"the template cannot generate {spec.name} ({err})"
-    except ImportError as err:
-        reason = f"the CuTe DSL cannot be imported ({err})"
-    except Exception as err:  # a compile, link or load failure: reported, not retried
-        reason = f"building {spec.name} for {arch} failed ({type(err).__name__}: {err})"
-    with _lock:
-        _unavailable[spec] = reason
-    return reason
+    return _loader.get(spec, arch, kernels_for)  # type: ignore[arg-type]
 
 
 @dataclass(frozen=True)
@@ -155,8 +142,8 @@ def _plan(
     if reason is not None:
         raise FP4GenError(f"no fused GEMM kernel for {a.name} x {b.name}: {reason}")
     kernels = _kernels(spec, arch)
-    if isinstance(kernels, str):
-        raise FP4GenError(f"the fused GEMM kernel is not available: {kernels}")
+    if isinstance(kernels, Unsupported):
+        raise FP4GenError(f"the fused GEMM kernel is not available: {kernels.reason}")
     br = b.block[0]
     return _Plan(
         spec=spec,

@@ -26,7 +26,6 @@ eXmY elements with e4m3 or ueXm0 scales. ``support(fmt)`` says why not for the o
 from __future__ import annotations
 
 import logging
-import threading
 import weakref
 from functools import lru_cache
 from typing import Any
@@ -39,17 +38,19 @@ from fp4gen.errors import FP4GenError, TensorError
 from fp4gen.formats import BlockFormat
 from fp4gen.numerics.quantize import tensor_version
 from fp4gen.runtime import cublaslt
+from fp4gen.runtime.loader import KernelLoader, LogOnce, Reasons, Unsupported
 
 log = logging.getLogger(__name__)
 
-_unavailable: dict[tuple[DequantKernelSpec, str], str] = {}  # why a kernel cannot be had
-_loaded: dict[tuple[DequantKernelSpec, str], Any] = {}
+# (spec, arch) -> the loaded kernels (kept) or why they cannot be had (a build failure too)
+_loader: KernelLoader[DequantKernelSpec, Any] = KernelLoader(
+    Reasons.building(arch="no dequantize kernel for {arch} (only {archs})"), keep_loaded=True
+)
 # per-call lookups by format identity: id(format) -> (format, ...), at most _MAX_IDS entries
 _by_format: dict[tuple[int, str, str], tuple[BlockFormat, Any]] = {}
 _support_ids: dict[int, tuple[object, str | None]] = {}
 _MAX_IDS = 256
-_lock = threading.Lock()
-_logged: set[str] = set()
+_log_once = LogOnce(log)
 # QuantizedTensor -> (versions of its codes and scale codes, bf16 values [R, Kp])
 _values: weakref.WeakKeyDictionary[Any, tuple[tuple[int, int, int], torch.Tensor]] = (
     weakref.WeakKeyDictionary()
@@ -78,12 +79,6 @@ def _spec(fmt: BlockFormat, codes: str = "bytes") -> DequantKernelSpec | str:
     return spec_for(fmt, codes)
 
 
-def _log_once(reason: str) -> None:
-    if reason not in _logged:
-        _logged.add(reason)
-        log.info("%s", reason)
-
-
 def kernels(fmt: BlockFormat, arch: str, codes: str = "bytes") -> Any:
     """The loaded dequantize kernels of ``fmt`` for ``arch`` reading ``codes`` ("bytes": one
     code per byte, "packed": two 4-bit codes per byte); FP4GenError with the reason when there
@@ -94,36 +89,15 @@ def kernels(fmt: BlockFormat, arch: str, codes: str = "bytes") -> Any:
     spec = _spec(fmt, codes)
     if isinstance(spec, str):
         raise FP4GenError(f"no dequantize kernel: {spec}")
-    key = (spec, arch)
-    found = _loaded.get(key)
-    if found is not None:
-        if len(_by_format) >= _MAX_IDS:
-            _by_format.clear()
-        _by_format[(id(fmt), arch, codes)] = (fmt, found)
-        return found
-    reason = _unavailable.get(key)
-    if reason is None:
-        from fp4gen.codegen.dequant import ARCHS
-        from fp4gen.runtime.kernels import kernels_for
+    from fp4gen.runtime.kernels import kernels_for
 
-        if arch not in ARCHS:
-            reason = f"no dequantize kernel for {arch} (only {', '.join(ARCHS)})"
-        else:
-            try:
-                found = kernels_for(spec, arch)  # type: ignore[arg-type]
-            except NotImplementedError as err:
-                reason = f"the template cannot generate {spec.name} ({err})"
-            except ImportError as err:
-                reason = f"the CuTe DSL cannot be imported ({err})"
-            except Exception as err:  # a compile, link or load failure: reported, not retried
-                reason = f"building {spec.name} for {arch} failed ({type(err).__name__}: {err})"
-        with _lock:
-            if found is not None:
-                _loaded[key] = found
-                _by_format[(id(fmt), arch, codes)] = (fmt, found)
-                return found
-            _unavailable[key] = reason
-    raise FP4GenError(reason)
+    found = _loader.get(spec, arch, kernels_for)  # type: ignore[arg-type]
+    if isinstance(found, Unsupported):
+        raise FP4GenError(found.reason)
+    if len(_by_format) >= _MAX_IDS:
+        _by_format.clear()
+    _by_format[(id(fmt), arch, codes)] = (fmt, found)
+    return found
 
 
 def dequantize_bf16(q: Any, *, arch: str | None = None) -> torch.Tensor:

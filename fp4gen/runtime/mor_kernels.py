@@ -33,6 +33,7 @@ from fp4gen.compiler.cache import KernelCache, default_root
 from fp4gen.dsl.model import MoRSpec, RHTSpec
 from fp4gen.errors import FP4GenError, TensorError
 from fp4gen.formats import ElementFormat
+from fp4gen.runtime.loader import KernelLoader, LogOnce, Reasons, Unsupported
 
 log = logging.getLogger("fp4gen.runtime")
 
@@ -58,9 +59,14 @@ class LoadedMoRKernels:
 
 _loaded: dict[tuple[MoRKernelSpec, str, str], LoadedMoRKernels] = {}
 _latest: dict[tuple[MoRKernelSpec, str], LoadedMoRKernels] = {}  # whatever cache they came from
-_unsupported: dict[MoRKernelSpec, str] = {}
-_logged: set[str] = set()
 _lock = threading.RLock()
+# (spec, arch) -> the loaded kernels or why the template cannot make them
+_loader: KernelLoader[MoRKernelSpec, LoadedMoRKernels] = KernelLoader(
+    Reasons.falling_back(
+        "MoR rule '{spec.rule.name}' is not supported by the kernel template ({err})"
+    )
+)
+_log_once = LogOnce(log, "mor_quantize(backend='auto') uses the reference: %s")
 
 
 def mor_kernels_for(
@@ -98,32 +104,17 @@ def mor_kernels_for(
         return loaded
 
 
-def _log_once(reason: str) -> None:
-    if reason not in _logged:
-        _logged.add(reason)
-        log.info("mor_quantize(backend='auto') uses the reference: %s", reason)
-
-
-def _kernels(spec: MoRKernelSpec) -> LoadedMoRKernels | str:
-    """mor_kernels_for(spec), or why the generated kernels cannot serve it (a str)."""
-    reason = _unsupported.get(spec)
-    if reason is not None:
-        return reason
-    arch = jit.detect_arch()
-    if arch not in jit.ARCHS:
-        return f"no generated kernels for {arch} (only {', '.join(jit.ARCHS)})"
+def _load(spec: MoRKernelSpec, arch: str) -> LoadedMoRKernels:
+    """The kernels mor_kernels_for loaded already for (spec, arch) from any cache, else
+    mor_kernels_for(spec, arch)."""
     found = _latest.get((spec, arch))
-    if found is not None:  # loaded already (from any cache)
-        return found
-    try:
-        return mor_kernels_for(spec, arch)
-    except NotImplementedError as err:
-        reason = f"MoR rule '{spec.rule.name}' is not supported by the kernel template ({err})"
-    except ImportError as err:
-        reason = f"the CuTe DSL cannot be imported ({err})"
-    with _lock:
-        _unsupported[spec] = reason
-    return reason
+    return found if found is not None else mor_kernels_for(spec, arch)
+
+
+def _kernels(spec: MoRKernelSpec) -> LoadedMoRKernels | Unsupported:
+    """mor_kernels_for(spec) for the current GPU's arch, or why the generated kernels cannot
+    serve it (an Unsupported)."""
+    return _loader.get_current(spec, _load)
 
 
 def mor_quantize_cute(
@@ -159,8 +150,8 @@ def mor_quantize_cute(
         return unavailable(f"a GAM group {group} (the kernels take one group per tensor)")
     spec = MoRKernelSpec(rule, rounding, _DTYPES[x.dtype])  # type: ignore[arg-type]
     kernels = _kernels(spec)
-    if isinstance(kernels, str):
-        return unavailable(kernels)
+    if isinstance(kernels, Unsupported):
+        return unavailable(kernels.reason)
 
     x2 = x.reshape(1, -1) if x.dim() <= 1 else x.reshape(-1, x.shape[-1])
     if not x2.is_contiguous() or x2.data_ptr() % 16:
