@@ -142,3 +142,20 @@ def test_kernels_read_the_counter(name: str, arch: str, modules, tmp_path: Path)
     assert "mul.lo.s64" in ptx or "mul.lo.u64" in ptx or "mad.lo.s64" in ptx or "mad.lo.u64" in ptx
     assert "mul.wide.u32" in ptx  # Philox
     assert ".local" not in ptx
+
+
+def test_tile_copies_join_into_one_device_offset() -> None:
+    """The copies of one tile launch each bring a one-slot DeviceOffset; the launch takes one
+    offset with every slot, made once per set of parts (a per-call build would cost host time)."""
+    from fp4gen.errors import FP4GenError
+    from fp4gen.runtime.cute_backend import _joined_offset
+
+    counter = torch.zeros(1, dtype=torch.int64)
+    row = DeviceOffset(counter, 8, (2,))
+    col = DeviceOffset(counter, 8, (4,))
+    joined = _joined_offset((row, col))
+    assert joined.counter is counter and joined.stride == 8 and joined.slots == (2, 4)
+    assert _joined_offset((row, col)) is joined
+    other = DeviceOffset(torch.zeros(1, dtype=torch.int64), 8, (4,))
+    with pytest.raises(FP4GenError, match="share one Philox counter"):
+        _joined_offset((row, other))
