@@ -51,6 +51,7 @@ import torch
 from fp4gen.errors import FP4GenError, TensorError
 from fp4gen.formats import BlockFormat
 from fp4gen.numerics import QuantizedTensor, gemm_block_scaled_reference, gemm_reference
+from fp4gen.numerics.gemm import require_quantized
 
 BACKENDS = ("auto", "reference", "dequant", "cute", "blackwell", "block_scaled")
 # what backend="auto" computes for the pairs the block_scaled backend serves (numerics.md 6.1)
@@ -294,9 +295,7 @@ def _fast_dequant(
     """The dequant backend with the generated dequantize kernels on CUDA, or None where they do
     not serve (CPU tensors, formats not exact in bf16, an arch without the kernel, no CuTe DSL:
     logged once); the torch decode then runs."""
-    for name, t in (("a", a), ("b", b)):
-        if not isinstance(t, QuantizedTensor):
-            raise TypeError(f"{name} must be a QuantizedTensor, got {type(t).__name__}")
+    require_quantized(a, b)
     if a.device.type != "cuda" or b.device.type != "cuda":
         return None
     reason = dequant_support(a.format) or dequant_support(b.format)
@@ -334,9 +333,7 @@ def _fused(
     from fp4gen.compiler.jit import detect_arch
     from fp4gen.runtime.cute_gemm import fused_gemm
 
-    for name, t in (("a", a), ("b", b)):
-        if not isinstance(t, QuantizedTensor):
-            raise TypeError(f"{name} must be a QuantizedTensor, got {type(t).__name__}")
+    require_quantized(a, b)
     if a.device.type != "cuda":
         raise FP4GenError(f"the cute GEMM backend runs on CUDA tensors, got {a.device}")
     arch = detect_arch(a.device)
@@ -353,9 +350,7 @@ def _native(
     from fp4gen.compiler.jit import detect_arch
     from fp4gen.runtime.blackwell_gemm import native_gemm
 
-    for name, t in (("a", a), ("b", b)):
-        if not isinstance(t, QuantizedTensor):
-            raise TypeError(f"{name} must be a QuantizedTensor, got {type(t).__name__}")
+    require_quantized(a, b)
     if a.device.type != "cuda":
         raise FP4GenError(f"the blackwell GEMM backend runs on CUDA tensors, got {a.device}")
     arch = detect_arch(a.device)

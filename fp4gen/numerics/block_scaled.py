@@ -14,6 +14,7 @@ from __future__ import annotations
 import torch
 
 from fp4gen.errors import TensorError
+from fp4gen.numerics.gemm import check_operands
 from fp4gen.numerics.minifloat import decode
 from fp4gen.numerics.quantize import QuantizedTensor
 
@@ -51,22 +52,8 @@ def gemm_block_scaled_reference(
     float64 rounding, a relative error of at most 2^-53 per operation, 2^29 times below fp32's
     unit roundoff. Both operands must carry the same RHT (or none), as for ``gemm_reference``.
     """
-    for name, t in (("a", a), ("b", b)):
-        if not isinstance(t, QuantizedTensor):
-            raise TypeError(f"{name} must be a QuantizedTensor, got {type(t).__name__}")
-    m, k = a.rows, a.cols
-    n, k_b = b.rows, b.cols
-    if k != k_b:
-        raise TensorError(
-            f"K mismatch: a is [{m}, {k}] and b is [{n}, {k_b}] (both must be quantized along K)"
-        )
-    if a.rht != b.rht:
-        raise TensorError(
-            f"the operands carry different Hadamard transforms ({a.rht} vs {b.rht}); "
-            "the GEMM is only invariant when both use the same one (or none)"
-        )
-    if a.device != b.device:
-        raise TensorError(f"operands on different devices: {a.device} and {b.device}")
+    check_operands(a, b)
+    m, k, n = a.rows, a.cols, b.rows
     qa = decode(a.codes, a.element).to(torch.float64)
     qb = decode(b.codes, b.element).to(torch.float64)
     sa = _row_scales(a)  # [M, K-blocks of a], float64

@@ -26,10 +26,31 @@ def gemm_reference(
     The float64 sum is the oracle: an fp32-accumulating kernel differs from it only by its own
     summation error.
     """
+    check_operands(a, b)
+    va = a.dequantize_blockwise().to(torch.float64)
+    vb = b.dequantize_blockwise().to(torch.float64)
+    alpha = a.global_scale.to(torch.float64) * b.global_scale.to(torch.float64)
+    c = ((va @ vb.t()) * alpha).to(torch.float32)
+    if bias is not None:
+        n = b.rows
+        if bias.shape != (n,):
+            raise TensorError(f"bias must have shape [{n}], got {tuple(bias.shape)}")
+        c = c + bias.to(device=c.device, dtype=torch.float32)
+    return c.to(out_dtype)
+
+
+def require_quantized(a: object, b: object) -> None:
+    """TypeError unless both GEMM operands are QuantizedTensors."""
     for name, t in (("a", a), ("b", b)):
         if not isinstance(t, QuantizedTensor):
             raise TypeError(f"{name} must be a QuantizedTensor, got {type(t).__name__}")
-    (m, k), (n, k_b) = a.codes.shape, b.codes.shape
+
+
+def check_operands(a: QuantizedTensor, b: QuantizedTensor) -> None:
+    """What every GEMM of two quantized operands A [M, K], B [N, K] needs: QuantizedTensors
+    (TypeError), one K, one RHT (or none) and one device (TensorError)."""
+    require_quantized(a, b)
+    (m, k), (n, k_b) = (a.rows, a.cols), (b.rows, b.cols)
     if k != k_b:
         raise TensorError(
             f"K mismatch: a is [{m}, {k}] and b is [{n}, {k_b}] (both must be quantized along K)"
@@ -41,12 +62,3 @@ def gemm_reference(
         )
     if a.device != b.device:
         raise TensorError(f"operands on different devices: {a.device} and {b.device}")
-    va = a.dequantize_blockwise().to(torch.float64)
-    vb = b.dequantize_blockwise().to(torch.float64)
-    alpha = a.global_scale.to(torch.float64) * b.global_scale.to(torch.float64)
-    c = ((va @ vb.t()) * alpha).to(torch.float32)
-    if bias is not None:
-        if bias.shape != (n,):
-            raise TensorError(f"bias must have shape [{n}], got {tuple(bias.shape)}")
-        c = c + bias.to(device=c.device, dtype=torch.float32)
-    return c.to(out_dtype)

@@ -37,6 +37,7 @@ import torch.nn.functional as F
 from fp4gen.errors import FP4GenError, TensorError
 from fp4gen.formats import BlockFormat, ElementFormat
 from fp4gen.numerics import QuantizedTensor
+from fp4gen.numerics.gemm import require_quantized
 
 ARCHS = ("sm_90a",)  # cuBLASLt's 1x128 / 128x128 fp32 block scaling: Hopper only
 BLOCK = 128
@@ -200,9 +201,7 @@ def block_scaled_gemm(
     Raises TensorError for operands that cannot be multiplied (shapes, devices, transforms) and
     FP4GenError where this path does not serve them (formats, arch, torch build): the caller's
     cue to take another path."""
-    for name, t in (("a", a), ("b", b)):
-        if not isinstance(t, QuantizedTensor):
-            raise TypeError(f"{name} must be a QuantizedTensor, got {type(t).__name__}")
+    require_quantized(a, b)
     if a.cols != b.cols:
         raise TensorError(f"K mismatch: a is [{a.rows}, {a.cols}] and b is [{b.rows}, {b.cols}]")
     if a.rht != b.rht:
