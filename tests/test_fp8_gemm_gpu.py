@@ -228,6 +228,20 @@ def test_bias_and_accumulate_follow_the_reference() -> None:
     assert torch.equal(got, (acc + ref).bfloat16())  # C exact, then the same fp32 epilogue
 
 
+@pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("n", [96, 88])  # 88: N padded to 96 for scaled_mm, the bias with it
+def test_a_bias_of_the_output_dtype_goes_into_the_epilogue(out_dtype, n) -> None:
+    """A 16-bit bias of the output's dtype is added by cuBLASLt's epilogue: to the fp32 sum,
+    rounded once, the reference's order (C is exact here, so the bits must be equal)."""
+    g = torch.Generator().manual_seed(14 + n)
+    a = integer_operand(100, 256, ROW, g)
+    b = integer_operand(n, 256, TILE, g)
+    bias = (torch.randn(n, generator=g) * 8).to(out_dtype).cuda()
+    got = fp4gen.gemm(a, b, bias=bias, out_dtype=out_dtype, backend="block_scaled")
+    assert got.dtype == out_dtype and got.shape == (100, n)
+    assert torch.equal(got, gemm_block_scaled_reference(a, b, bias=bias, out_dtype=out_dtype))
+
+
 # ----------------------------------------------------------------------------------------------
 # Within the bound otherwise
 # ----------------------------------------------------------------------------------------------

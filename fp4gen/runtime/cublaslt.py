@@ -34,6 +34,8 @@ from typing import Any
 
 import torch
 
+from fp4gen.runtime.device_memory import capturing, persistent
+
 log = logging.getLogger(__name__)
 
 # cuBLASLt / CUDA enum values (cublasLt.h, library_types.h)
@@ -238,24 +240,27 @@ def _plan(lib: _Lib, problem: Problem, device: int) -> _Plan | None:
 def _workspace(device: int, stream: int) -> torch.Tensor:
     ws = _workspaces.get((device, stream))
     if ws is None:  # one per stream: work on one stream runs in order and can share it
-        if torch.cuda.is_current_stream_capturing():
-            # Made now, it would live in the capture's private pool, which torch.compile's
-            # CUDA graphs forbid for anything kept across calls: borrow one made eagerly on
-            # this device (a captured graph replays on the stream that work ran on).
-            ws = next((w for (d, _), w in _workspaces.items() if d == device), None)
-            if ws is not None:
-                return ws
-        ws = torch.empty(WORKSPACE_BYTES, dtype=torch.uint8, device=f"cuda:{device}")
-        _workspaces[(device, stream)] = ws
+
+        def make() -> torch.Tensor:
+            return torch.empty(WORKSPACE_BYTES, dtype=torch.uint8, device=f"cuda:{device}")
+
+        if capturing():
+            return make()  # not kept: the graph being captured owns it (runtime.device_memory)
+        ws = _workspaces[(device, stream)] = persistent(make, device)
     return ws
 
 
 def constant(device: int, value: float) -> torch.Tensor:
-    """A cached fp32 device scalar (beta)."""
+    """A cached fp32 device scalar (beta); during a capture, one the graph owns."""
     t = _constants.get((device, value))
     if t is None:
-        t = torch.full((1,), value, dtype=torch.float32, device=f"cuda:{device}")
-        _constants[(device, value)] = t
+
+        def make() -> torch.Tensor:
+            return torch.full((1,), value, dtype=torch.float32, device=f"cuda:{device}")
+
+        if capturing():
+            return make()
+        t = _constants[(device, value)] = persistent(make, device)
     return t
 
 

@@ -19,8 +19,11 @@ aten/src/ATen/native/cuda/ScaledBlas.cpp and its test test/test_scaled_matmul_cu
     multiple of 4: the [ceil(N/128), L4] row-major tensor (fp4gen's [N/128, K/128] layout
     with its columns zero-padded to L4) viewed through ``.t()``. The scale of B's tile
     (n-block j, K-block b) is element [b, j] of the view.
-* ``use_fast_accum`` must be False for block scaling; ``bias`` is refused with an fp32 output
-  (this module adds bias and ``accumulate`` in fp32 itself, after the GEMM).
+* ``use_fast_accum`` must be False for block scaling; ``bias`` is refused with an fp32 output.
+  A bias of the output's dtype (bf16 or fp16) goes into cuBLASLt's epilogue, which adds it to
+  the fp32 sum and rounds once, as the reference does (fp32 C + fp32 bias, then one rounding;
+  tests/test_fp8_gemm_gpu.py); any other bias, ``accumulate`` and the global scales are applied
+  here in fp32 after an fp32 GEMM.
 
 fp4gen pads (with zero codes, which add exactly 0) where the contract or cuBLAS alignment needs
 it, and crops the result: M to a multiple of ``ROW_ALIGN`` (so A's M-major scale columns are
@@ -227,8 +230,19 @@ def block_scaled_gemm(
             f"accumulate has shape {tuple(accumulate.shape)}, the product {(a.rows, b.rows)}"
         )
     ops = Operands(a, b)
-    epilogue = bias is not None or accumulate is not None
     global_scales = a.format.global_scale or b.format.global_scale
+    # cuBLASLt's epilogue adds a bias of the output's (16-bit) dtype in fp32 and rounds once:
+    # the reference's order, and no fp32 copy of C (module docstring)
+    fused_bias = (
+        bias is not None
+        and accumulate is None
+        and not global_scales
+        and out_dtype != torch.float32
+        and bias.dtype == out_dtype
+    )
+    if fused_bias and ops.np != ops.n:
+        bias = F.pad(bias, (0, ops.np - ops.n))
+    epilogue = (bias is not None and not fused_bias) or accumulate is not None
     direct = out_dtype if not (epilogue or global_scales) else torch.float32
     try:
         c = F.scaled_mm(
@@ -238,6 +252,7 @@ def block_scaled_gemm(
             ops.recipe_a,
             ops.scale_b,
             ops.recipe_b,
+            bias=bias if fused_bias else None,
             output_dtype=direct,
             use_fast_accum=False,
         )

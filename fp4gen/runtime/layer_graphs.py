@@ -30,7 +30,8 @@ copy per layer. A static buffer is freed with the last graph that uses it (graph
 ``MAX_GRAPHS`` per layer are dropped oldest first), so shapes that keep changing do not pile up.
 
 When not: the caller decides what may be graphed (``Linear``: CUDA tensors, block formats, the
-kernels' backend, no telemetry, non-finite inputs propagated rather than raised); here, a call
+kernels' backend, no telemetry, non-finite inputs propagated rather than raised, a pass small
+enough to gain: ``worth_graphing``, its GEMMs at most ``MAX_GEMM_FLOPS``); here, a call
 made while a stream is being captured (an outer graph or torch.compile's cudagraphs records the
 eager kernels instead), a key whose capture failed (it runs eagerly from then on, logged once),
 and beyond ``MAX_GRAPHS`` keys per layer (shapes that keep changing: the oldest graph is
@@ -41,6 +42,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import warnings
 from collections import OrderedDict
 from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
@@ -48,10 +50,21 @@ from typing import Any
 
 import torch
 
+from fp4gen.runtime.device_memory import persistent
+
 log = logging.getLogger("fp4gen.runtime")
 
 MAX_GRAPHS = 8  # per layer: keys beyond this evict the least recently used graph
-_pools: dict[tuple[int, int], Any] = {}  # (device, stream) -> private memory pool
+# Graph a layer's pass only while one of its GEMMs has at most this many FLOPs (2 * tokens *
+# in * out): about 0.3 ms of an H100's tensor cores. Above it the GPU work of a pass outlasts
+# the host's launches, which then run ahead anyway, and the copies into and out of the static
+# buffers (about 90 us per 8192 x 8192 bf16 tensor, six per forward + backward) would cost
+# more than the launches they save (docs/training-step.md).
+MAX_GEMM_FLOPS = 2.5e11
+# (device, stream) -> the private memory pool of its graphs and an empty graph captured into it
+# that keeps the pool alive: once every graph of a pool is gone, torch's device and pinned-host
+# allocators refuse another capture into it (an internal assert) while any block of it lives on.
+_pools: dict[tuple[int, int], tuple[Any, torch.cuda.CUDAGraph]] = {}
 _capture_streams: dict[int, torch.cuda.Stream] = {}
 # (device, stream, role, shape, dtype) -> [buffer, graphs using it]: freed with its last graph
 _statics: dict[tuple[Any, ...], list[Any]] = {}
@@ -90,7 +103,8 @@ def _static(
     key = (device, stream, role, tuple(shape), dtype)
     entry = _statics.get(key)
     if entry is None:
-        entry = _statics[key] = [torch.empty(shape, dtype=dtype, device=device), 0]
+        made = persistent(lambda: torch.empty(shape, dtype=dtype, device=device), device)
+        entry = _statics[key] = [made, 0]
     entry[1] += 1
     claims.append(key)
     return entry[0]
@@ -152,6 +166,12 @@ class LayerGraphs:
         return _replay(found, activations)  # the capture ran nothing: this call's results
 
 
+def worth_graphing(tokens: int, in_features: int, out_features: int) -> bool:
+    """Whether a pass of a [tokens, in] x [in, out] layer is small enough to gain from a graph
+    (``MAX_GEMM_FLOPS``)."""
+    return 2 * tokens * in_features * out_features <= MAX_GEMM_FLOPS
+
+
 def _replay(found: _Graph, activations: tuple[torch.Tensor, ...]) -> Result:
     for static, t in zip(found.inputs, activations, strict=True):
         static.copy_(t)
@@ -191,16 +211,33 @@ def _capture(
 
 
 def _reset_capture_state(index: int, sid: int) -> None:
-    """After a failed capture: torch's capture_end raises before it stops routing allocations
-    to the graph's pool, and a pool left in that state fails every later capture into it. Stop
-    the routing (best effort: where the capture did end, there is nothing to stop) and give later
-    captures a fresh pool and side stream; graphs captured before keep theirs."""
+    """After a failed capture, leave torch as a capture that ended would have:
+
+    * torch's capture_end can raise before it stops routing allocations to the graph's pool,
+      and a pool left in that state fails every later capture into it: stop the routing (best
+      effort: where the capture did end, there is nothing to stop) and give later captures a
+      fresh pool and side stream (graphs captured before keep theirs);
+    * a capture that fails after it began leaves the device's default CUDA generator in capture
+      mode, and every later random draw outside a capture raises ("Offset increment outside
+      graph capture"): a user's dropout would fail steps later. An empty capture on a fresh
+      stream takes it through capture and back out."""
     pool = _pools.pop((index, sid), None)
     end = getattr(torch._C, "_cuda_endAllocateToPool", None)
     if pool is not None and end is not None:
         with contextlib.suppress(RuntimeError):  # the routing had ended with the capture
-            end(index, pool)
+            end(index, pool[0])
     _capture_streams.pop(index, None)
+    _empty_graph(torch.cuda.Stream(index), None)
+
+
+def _empty_graph(stream: torch.cuda.Stream, pool: Any) -> torch.cuda.CUDAGraph:
+    """A graph captured on ``stream`` (into ``pool``; None: a new one) with nothing in it."""
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.stream(stream), warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # "the CUDA graph is empty": it is meant to be
+        graph.capture_begin(pool=pool, capture_error_mode="thread_local")
+        graph.capture_end()
+    return graph
 
 
 def _record(
@@ -217,12 +254,14 @@ def _record(
     sid = stream.cuda_stream
     for static, t in zip(inputs, activations, strict=True):
         static.copy_(t)
-    pool = _pools.get((index, sid))
-    if pool is None:
-        pool = _pools[(index, sid)] = torch.cuda.graph_pool_handle()
     side = _capture_streams.get(index)
     if side is None:
         side = _capture_streams[index] = torch.cuda.Stream(index)
+    found = _pools.get((index, sid))
+    if found is None:
+        pool = torch.cuda.graph_pool_handle()
+        found = _pools[(index, sid)] = (pool, _empty_graph(side, pool))
+    pool = found[0]
     side.wait_stream(stream)
     with torch.cuda.stream(side):
         graph.capture_begin(pool=pool, capture_error_mode="thread_local")
@@ -238,4 +277,4 @@ def _record(
     stream.wait_stream(side)
 
 
-__all__ = ["MAX_GRAPHS", "LayerGraphs"]
+__all__ = ["MAX_GEMM_FLOPS", "MAX_GRAPHS", "LayerGraphs", "worth_graphing"]

@@ -63,7 +63,8 @@ from fp4gen.numerics import QuantizedTensor, error_stats
 from fp4gen.numerics.mor import MoRTensor
 from fp4gen.runtime import finite, ops
 from fp4gen.runtime.cute_backend import quantize_tile_cute
-from fp4gen.runtime.layer_graphs import LayerGraphs
+from fp4gen.runtime.device_memory import persistent
+from fp4gen.runtime.layer_graphs import LayerGraphs, worth_graphing
 from fp4gen.runtime.operands import (
     check_supported,
     k_multiple,
@@ -406,7 +407,11 @@ class Linear(nn.Linear):
                     "on the first eager call; run one step eagerly before capturing a CUDA graph"
                 )
             calls = self._forward_calls if forward else self._backward_calls
-            counter = torch.tensor([calls], dtype=torch.int64, device=device)
+            # kept for the layer's life: made outside any CUDA-graph pool (torch.compile's
+            # CUDA graphs may be warming up the current stream)
+            counter = persistent(
+                lambda: torch.tensor([calls], dtype=torch.int64, device=device), device
+            )
             self._counters[key] = counter
         return counter
 
@@ -427,6 +432,8 @@ class Linear(nn.Linear):
             return None
         if self.backend not in ("auto", "cute") or finite.layer_mode() != "propagate":
             return None
+        if not worth_graphing(t.shape[0], self.in_features, self.out_features):
+            return None  # the GPU work outlasts the launches: a graph's copies would cost more
         slots = FORWARD_SLOTS if forward else BACKWARD_SLOTS
         if any(isinstance(getattr(table, name).format, MoRRef) for name in slots):
             return None
