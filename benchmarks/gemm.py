@@ -339,9 +339,9 @@ def dequant_kernel_lines(
 def fused_launch(fa, fb, m: int, n: int, k: int, tile, sets) -> tuple:
     """(compiled function, its arguments per input set, label, note) of the fused kernel with
     ``tile``, bf16 out, the split-K ways fp4gen.gemm takes (one workspace for all calls)."""
-    from fp4gen.codegen.gemm import SmallMTile, choose_splits
+    from fp4gen.codegen.gemm import SmallMTile, choose_splits, gemm_spec
     from fp4gen.runtime import kernels_for
-    from fp4gen.runtime.cute_gemm import gemm_spec, packed_codes
+    from fp4gen.runtime.cute_gemm import packed_codes
 
     spec = gemm_spec(fa, fb, m, out_dtype="bf16", tile=tile)
     t0 = time.perf_counter()

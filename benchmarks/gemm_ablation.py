@@ -52,9 +52,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the checkout, uninstalled
 
 from benchmarks.gemm import bench  # CUDA events, best of 3, inputs rotated by call
-from fp4gen.codegen.gemm import TILES, SmallMTile, choose_splits, render_gemm
+from fp4gen.codegen.gemm import TILES, SmallMTile, choose_splits, gemm_spec, render_gemm
 from fp4gen.formats import BUILTIN_FORMATS
-from fp4gen.runtime.cute_gemm import gemm_spec
 
 Patch = Callable[[str], str]
 ONE_E4M3 = 0x38  # the e4m3 code of 1.0

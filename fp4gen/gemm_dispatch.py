@@ -48,6 +48,13 @@ from typing import NamedTuple
 
 import torch
 
+from fp4gen.codegen.gemm_configs import (
+    FUSED_ARCHS,
+    FUSED_MAX_M,
+    NATIVE_ARCHS,
+    mma_plan,
+    shape_reason,
+)
 from fp4gen.errors import FP4GenError, TensorError
 from fp4gen.formats import BlockFormat
 from fp4gen.numerics import QuantizedTensor, gemm_block_scaled_reference, gemm_reference
@@ -57,8 +64,6 @@ BACKENDS = ("auto", "reference", "dequant", "cute", "blackwell", "block_scaled")
 # what backend="auto" computes for the pairs the block_scaled backend serves (numerics.md 6.1)
 FP8_SEMANTICS = ("block_scaled", "exact")
 _fp8_semantics = "block_scaled"
-# sm_90a: the fused kernel up to this M, dequantize kernels + cuBLAS above (docs/gemm-sm90.md)
-FUSED_MAX_M = 64
 log = logging.getLogger(__name__)
 _logged: set[str] = set()
 _fused_ids: dict[tuple[int, int], tuple[object, object, str | None]] = {}
@@ -140,7 +145,7 @@ def fused_support(a: BlockFormat | object, b: BlockFormat | object) -> str | Non
     if not (isinstance(a, BlockFormat) and isinstance(b, BlockFormat)):
         reason: str | None = "an operand is kept in high precision"
     else:
-        from fp4gen.runtime.cute_gemm import fused_support as support
+        from fp4gen.codegen.gemm import fused_support as support  # Jinja: loaded on first ask
 
         reason = support(a, b)
     if len(_fused_ids) >= 256:
@@ -205,8 +210,6 @@ def choose_backend(
     ``semantics`` (``set_fp8_semantics``). Pure logic: needs no GPU."""
     if device != "cuda":
         return GemmChoice("reference", "CPU tensors: the float64 reference")
-    from fp4gen.runtime.blackwell_gemm import NATIVE_ARCHS, mma_plan, shape_reason
-
     if arch not in NATIVE_ARCHS and _fp32_scaled(a) and _fp32_scaled(b):
         # FP8-style pairs with fp32 block scales: no fused kernel or bf16-exact decode serves
         # them, only scaled_mm's block-scaled accumulation or the exact fp32 GEMM
@@ -231,8 +234,6 @@ def choose_backend(
     reason = fused_support(a, b)
     if reason is not None:
         return GemmChoice("dequant", f"no fused GEMM kernel: {reason}", fallback=True)
-    from fp4gen.runtime.cute_gemm import FUSED_ARCHS
-
     if arch not in FUSED_ARCHS:
         return GemmChoice(
             "dequant", f"no fused GEMM kernel for {arch} (wgmma: sm_90a only)", fallback=True
@@ -380,8 +381,6 @@ def gemm_path(a: BlockFormat | object, b: BlockFormat | object) -> tuple[str, st
     """(path, why) that ``gemm(..., backend="auto")`` takes on a GPU for these operand formats."""
     if not (isinstance(a, BlockFormat) and isinstance(b, BlockFormat)):
         return "high-precision GEMM", "an operand is kept in high precision (upcast, fp32 sum)"
-    from fp4gen.runtime.blackwell_gemm import mma_plan
-
     plan = mma_plan(a, b)
     if isinstance(plan, str):
         native, native_why = "", f"; no native MMA on sm_100a: {plan}"

@@ -86,8 +86,9 @@ def test_nvfp4_runtime_plan_counts_and_keys() -> None:
 def test_runtime_plan_matches_the_runtime_spec_builders() -> None:
     """Each key the runtime builds for the nvfp4 recipe's Linear (bf16 model, layers with a
     bias) is in the plan: the same builders, called as the runtime calls them."""
-    from fp4gen.codegen.gemm import pick_tile
-    from fp4gen.runtime import blackwell_gemm, cute_backend, cute_gemm, dequant
+    from fp4gen.codegen.gemm import gemm_spec, pick_tile
+    from fp4gen.codegen.gemm_configs import DEFAULT_SM_COUNT, gemm_config, mma_plan
+    from fp4gen.runtime import cute_backend, dequant
 
     recipe = load_recipe(RECIPES / "nvfp4.fp4r")
     specs = {k.spec for k in runtime_plan(recipe).kernels}
@@ -123,12 +124,11 @@ def test_runtime_plan_matches_the_runtime_spec_builders() -> None:
                 assert dequant._spec(fmt, codes) in specs
         for m in (1, 16, 17, 32, 33, 64, 65, 256, 257, 8192):
             for out, bias in flags[gemm]:
-                spec = cute_gemm.gemm_spec(a, b, m, out_dtype=out, bias=bias, tile=pick_tile(m))
+                spec = gemm_spec(a, b, m, out_dtype=out, bias=bias, tile=pick_tile(m))
                 assert spec in specs, (gemm, m, out, bias)
-            mma = blackwell_gemm.mma_plan(a, b)
-            config = blackwell_gemm.gemm_config(
-                mma, m, out_dtype="Float32", sm_count=blackwell_gemm.DEFAULT_SM_COUNT
-            )
+            mma = mma_plan(a, b)
+            assert not isinstance(mma, str)
+            config = gemm_config(mma, m, out_dtype="Float32", sm_count=DEFAULT_SM_COUNT)
             assert config in specs, (gemm, m)
 
 
@@ -250,6 +250,7 @@ def test_runtime_loaders_find_everything_without_compiling(
     use (each M bucket, with and without a bias), load from the cache: compiling is forbidden
     (``jit.compile_kernel`` raises), and the compile count does not move."""
     from fp4gen.codegen.gemm import pick_tile
+    from fp4gen.codegen.gemm_configs import DEFAULT_SM_COUNT, gemm_config, mma_plan
     from fp4gen.runtime import blackwell_gemm, cute_backend, cute_gemm, dequant, kernels
 
     monkeypatch.setenv("FP4GEN_CACHE_DIR", str(compiled["cache"]))
@@ -280,10 +281,9 @@ def test_runtime_loaders_find_everything_without_compiling(
         for bf16, bias in ((False, False), (True, True), (True, False)):
             plan = cute_gemm._plan(fmt, fmt, pick_tile(m), bf16, bias, False, "sm_90a")
             assert plan.spec.tile == pick_tile(m)
-        mma = blackwell_gemm.mma_plan(fmt, fmt)
-        config = blackwell_gemm.gemm_config(
-            mma, m, out_dtype="Float32", sm_count=blackwell_gemm.DEFAULT_SM_COUNT
-        )
+        mma = mma_plan(fmt, fmt)
+        assert not isinstance(mma, str)
+        config = gemm_config(mma, m, out_dtype="Float32", sm_count=DEFAULT_SM_COUNT)
         blackwell_gemm.gemm_kernel(config, "sm_100a")
     assert jit.compile_count() == before[0]
     assert jit.load_count() - before[1] == 33  # every kernel once (the loaders memoize)

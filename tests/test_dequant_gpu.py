@@ -34,6 +34,7 @@ import torch
 
 import fp4gen
 from fp4gen.codegen.dequant import UNIT
+from fp4gen.codegen.gemm_configs import FUSED_MAX_M
 from fp4gen.compiler.jit import detect_arch
 from fp4gen.formats import (
     BUILTIN_FORMATS,
@@ -44,7 +45,7 @@ from fp4gen.formats import (
     ElementFormat,
     ScaleSpec,
 )
-from fp4gen.gemm_dispatch import FUSED_MAX_M, auto_backend
+from fp4gen.gemm_dispatch import auto_backend
 from fp4gen.numerics import QuantizedTensor, gemm_reference, quantize
 from fp4gen.numerics.minifloat import decode
 from fp4gen.runtime import quantize_dispatch

@@ -146,7 +146,7 @@ def test_gemm_path_names_the_fused_kernel_and_why() -> None:
 
 def test_fused_max_m_is_the_small_m_kernels_range() -> None:
     from fp4gen.codegen.gemm import SmallMTile, pick_tile
-    from fp4gen.gemm_dispatch import FUSED_MAX_M
+    from fp4gen.codegen.gemm_configs import FUSED_MAX_M
 
     # auto takes the fused kernel only where it is the split-K small-M kernel
     assert isinstance(pick_tile(FUSED_MAX_M), SmallMTile)
@@ -196,7 +196,8 @@ def test_auto_fallback_is_logged_once(monkeypatch, caplog) -> None:
 
 
 def test_fused_gemm_checks_its_operands() -> None:
-    from fp4gen.runtime.cute_gemm import fused_gemm, gemm_spec
+    from fp4gen.codegen.gemm import gemm_spec
+    from fp4gen.runtime.cute_gemm import fused_gemm
 
     a, b = operands("nvfp4", 8, 12, 64)
     with pytest.raises(TensorError, match="CUDA"):

@@ -53,16 +53,17 @@ import pytest
 import torch
 
 import fp4gen
-from fp4gen.codegen.gemm import CANDIDATES, TILES, SmallMTile, pick_tile
+from fp4gen.codegen.gemm import CANDIDATES, TILES, SmallMTile, gemm_spec, pick_tile
+from fp4gen.codegen.gemm_configs import FUSED_MAX_M
 from fp4gen.compiler import jit
 from fp4gen.compiler.build import CompileTask, compile_all
 from fp4gen.compiler.cache import KernelCache, default_root
 from fp4gen.formats import BUILTIN_FORMATS
-from fp4gen.gemm_dispatch import FUSED_MAX_M, auto_backend
+from fp4gen.gemm_dispatch import auto_backend
 from fp4gen.numerics import QuantizedTensor, gemm_reference, quantize
 from fp4gen.numerics.minifloat import decode
 from fp4gen.runtime import kernels_for
-from fp4gen.runtime.cute_gemm import fused_gemm, gemm_spec, packed_codes
+from fp4gen.runtime.cute_gemm import fused_gemm, packed_codes
 
 pytestmark = [
     pytest.mark.gpu,

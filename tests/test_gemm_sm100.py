@@ -31,6 +31,16 @@ import pytest
 import torch
 
 import fp4gen
+from fp4gen.codegen.gemm_configs import (
+    TILES,
+    GemmConfig,
+    MmaPlan,
+    gemm_config,
+    mma_plan,
+    pick_tile,
+    render_module,
+    shape_reason,
+)
 from fp4gen.dsl import load_recipe
 from fp4gen.dsl.model import Operand
 from fp4gen.errors import FP4GenError, TensorError
@@ -39,20 +49,7 @@ from fp4gen.gemm_dispatch import GemmChoice, choose_backend, gemm_path
 from fp4gen.numerics import QuantizedTensor, gemm_reference, quantize
 from fp4gen.numerics.layout import pack
 from fp4gen.numerics.minifloat import decode, encode
-from fp4gen.runtime.blackwell_gemm import (
-    TILES,
-    GemmConfig,
-    MmaPlan,
-    gemm_config,
-    kernel_args,
-    mma_plan,
-    native_gemm,
-    pack_codes,
-    pick_tile,
-    render_module,
-    scale_buffer,
-    shape_reason,
-)
+from fp4gen.runtime.blackwell_gemm import kernel_args, native_gemm, pack_codes, scale_buffer
 
 ROOT = Path(__file__).resolve().parent.parent
 RECIPES = sorted((ROOT / "fp4gen" / "recipes").glob("*.fp4r"))
@@ -619,6 +616,25 @@ def test_kernel_cache_compiles_once_then_loads(tmp_path: Path) -> None:
     path = cache.store_source(source)
     again = jit.build_kernel(cache, path, "gemm", "sm_100a")
     assert not again.built and again.entry.meta["artifact"] in ("kernel.so", "kernel.o")
+
+
+def test_rendered_module_loads_its_config_and_names_the_wrapper() -> None:
+    """The module ``render_module`` writes (fp4gen.codegen.gemm_configs) runs without the CuTe DSL
+    until a kernel is compiled: its CONFIG is the config rendered, of the class the backend
+    uses, and its docstring carries the digest of the wrapper it calls."""
+    import hashlib
+
+    from fp4gen.runtime import blackwell_gemm
+
+    plan = mma_plan(NVFP4, NVFP4_2D)
+    assert isinstance(plan, MmaPlan)
+    config = gemm_config(plan, 1000, out_dtype="BFloat16")
+    source = render_module(config)
+    namespace: dict[str, object] = {}
+    exec(compile(source, "generated", "exec"), namespace)
+    assert namespace["CONFIG"] == config and blackwell_gemm.GemmConfig is GemmConfig
+    wrapper = (ROOT / "fp4gen" / "runtime" / "blackwell_kernel.py").read_bytes()
+    assert f"source digest {hashlib.sha256(wrapper).hexdigest()[:16]}" in source
 
 
 def test_configs_name_everything_that_changes_the_binary() -> None:

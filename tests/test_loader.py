@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from fp4gen.codegen.gemm import pick_tile
+from fp4gen.codegen.gemm_configs import MmaPlan, gemm_config, mma_plan
 from fp4gen.runtime import blackwell_gemm, cute_backend, cute_gemm, dequant, mor_kernels
 from fp4gen.runtime.loader import (
     ARCHS,
@@ -279,9 +280,9 @@ def test_the_backends_report_a_failed_load_as_before(
         cute_gemm._plan(nvfp4, nvfp4, pick_tile(64), False, False, False, "sm_90a")
 
     monkeypatch.setattr(blackwell_gemm, "gemm_kernel", failing)
-    mma = blackwell_gemm.mma_plan(nvfp4, nvfp4)
-    assert isinstance(mma, blackwell_gemm.MmaPlan)
-    config = blackwell_gemm.gemm_config(mma, 64)
+    mma = mma_plan(nvfp4, nvfp4)
+    assert isinstance(mma, MmaPlan)
+    config = gemm_config(mma, 64)
     got = blackwell_gemm._kernel_or_reason(config, "sm_100a")
     assert got == Unsupported(f"building {config.name} for sm_100a failed (OSError: link failed)")
     assert blackwell_gemm._kernel_or_reason(config, "sm_100a") is got

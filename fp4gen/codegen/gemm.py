@@ -20,6 +20,10 @@ and straight-line code. Supported pairs (both operands alike):
 
 Anything else raises NotImplementedError (``fp4gen.gemm`` then takes dequantize + cuBLAS).
 
+``gemm_spec(a, b, m)`` is the spec of an operand pair for M rows of A and ``fused_support(a, b)``
+why a pair has no kernel (None when it has one): the backend (``fp4gen.runtime.cute_gemm``) and
+the compiler's list of kernels (``fp4gen.compiler.aot``) ask the same functions.
+
 The generated module's contract (used through ``fp4gen.runtime.kernels_for``):
 
 * ``KERNELS = ("gemm",)``, ``ARCHS = ("sm_90a",)``;
@@ -40,8 +44,8 @@ from typing import Any
 import jinja2
 
 from fp4gen.codegen.quantize import TEMPLATE_DIR, _pytuple, _tidy
-from fp4gen.formats import E2M1, E4M3, UE8M0, ElementFormat
-from fp4gen.spec import GemmKernelSpec, GemmTile
+from fp4gen.formats import E2M1, E4M3, UE8M0, BlockFormat, ElementFormat
+from fp4gen.spec import GemmKernelSpec, GemmOutDType, GemmTile
 from fp4gen.vocab import DTYPES, Arch
 
 ARCHS: tuple[str, ...] = (Arch.SM90A.value,)
@@ -207,6 +211,38 @@ def unsupported_reason(spec: GemmKernelSpec) -> str | None:
         shapes = " or ".join(f"{r}x{c}" for r, c in b_ok)
         return f"B has {spec.b_block[0]}x{spec.b_block[1]} blocks (the fused GEMM takes {shapes})"
     return None
+
+
+def gemm_spec(
+    a: BlockFormat,
+    b: BlockFormat,
+    m: int,
+    *,
+    out_dtype: GemmOutDType = "fp32",
+    bias: bool = False,
+    accumulate: bool = False,
+    tile: GemmTile | None = None,
+) -> GemmKernelSpec:
+    """The fused-kernel spec for A [m, K] in format ``a`` times B^T in format ``b``."""
+    return GemmKernelSpec(
+        a_element=a.element,
+        a_block=a.block,
+        a_scale=a.scale.element,
+        b_element=b.element,
+        b_block=b.block,
+        b_scale=b.scale.element,
+        out_dtype=out_dtype,
+        bias=bias,
+        accumulate=accumulate,
+        tile=tile or pick_tile(m),
+    )
+
+
+@cache
+def fused_support(a: BlockFormat, b: BlockFormat) -> str | None:
+    """None when a fused kernel is generated for this operand pair, else the reason
+    (remembered per pair: the dispatch asks on every call)."""
+    return unsupported_reason(gemm_spec(a, b, 1))
 
 
 def check_gemm(spec: GemmKernelSpec) -> None:
@@ -389,7 +425,9 @@ __all__ = [
     "SmallMTile",
     "check_gemm",
     "choose_splits",
+    "fused_support",
     "gemm_context",
+    "gemm_spec",
     "pick_tile",
     "render_gemm",
     "small_tile_constants",

@@ -45,10 +45,10 @@ from typing import Any
 import jinja2
 import torch
 
-from fp4gen.compiler.spec import ROUNDING_TAGS, QuantKernelSpec
 from fp4gen.formats import ElementFormat, is_stochastic, scale_cap, sr_bits
 from fp4gen.numerics.hadamard import rht_scale, rht_signs
 from fp4gen.numerics.minifloat import max_exponent, max_finite
+from fp4gen.spec import ROUNDING_TAGS, QuantKernelSpec
 
 TEMPLATE_DIR = Path(__file__).resolve().parent.parent / "templates"
 ARCHS: tuple[str, ...] = ("sm_90a", "sm_100a")

@@ -40,7 +40,9 @@ than ``DEFAULT_SM_COUNT`` (the persistent grid is compiled in); GEMMs only direc
 ``fp4gen.gemm`` calls make (``accumulate=``, an explicit ``tile=``). Every shape-dependent
 choice above is enumerated.
 
-Importing this module imports torch (the runtime's dispatch modules), not the CuTe DSL.
+Importing this module imports neither torch nor the CuTe DSL; ``runtime_plan`` loads the GEMM and
+dequantize code generators (torch, Jinja). The choices it enumerates are the ones the backends
+make, read from the same functions (``fp4gen.codegen.gemm``, ``fp4gen.codegen.gemm_configs``).
 """
 
 from __future__ import annotations
@@ -49,6 +51,16 @@ from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
 
+from fp4gen.codegen.gemm_configs import (
+    DEFAULT_SM_COUNT,
+    FUSED_ARCHS,
+    FUSED_MAX_M,
+    NATIVE_ARCHS,
+    gemm_config,
+    mma_plan,
+)
+from fp4gen.codegen.gemm_configs import pick_tile as sm100_pick
+from fp4gen.compiler.jit import ARCHS
 from fp4gen.compiler.plan import TENSOR_NAMES, Table, _contexts, _dtypes, spec_json
 from fp4gen.dsl.model import MoRRef, Operand, OperandSpec, Recipe
 from fp4gen.dsl.spelling import block_text, format_text
@@ -395,12 +407,10 @@ def runtime_plan(
     quantize kernels ``fp4gen.nn.Linear`` asks for, and the dequantize and GEMM kernels of the
     recipe's GEMMs (module docstring). The plan's own quantize and MoR kernels are not repeated
     here unless the runtime uses them too."""
+    # the code generators load torch and Jinja: only when a plan is made
     from fp4gen.codegen import dequant as dequant_codegen
+    from fp4gen.codegen.gemm import fused_support, gemm_spec
     from fp4gen.codegen.gemm import pick_tile as sm90_pick
-    from fp4gen.compiler.jit import ARCHS
-    from fp4gen.gemm_dispatch import FUSED_MAX_M
-    from fp4gen.runtime import blackwell_gemm as sm100
-    from fp4gen.runtime import cute_gemm as sm90
 
     archs = tuple(archs or ARCHS)
     dtypes = _dtypes(input_dtype)
@@ -408,10 +418,10 @@ def runtime_plan(
     routes: list[GemmRoute] = []
     quant_archs = _among(ARCHS, archs)
     dequant_archs = _among(dequant_codegen.ARCHS, archs)
-    sm90_archs = _among(sm90.FUSED_ARCHS, archs)
-    sm100_archs = _among(sm100.NATIVE_ARCHS, archs)
+    sm90_archs = _among(FUSED_ARCHS, archs)
+    sm100_archs = _among(NATIVE_ARCHS, archs)
     sm90_tiles = tile_buckets(sm90_pick)
-    sm100_tiles = tile_buckets(sm100.pick_tile)
+    sm100_tiles = tile_buckets(sm100_pick)
     outputs = gemm_outputs(dtypes)
     notes: dict[str, None] = {}
 
@@ -459,16 +469,14 @@ def runtime_plan(
 
             # sm_90a: the fused kernels
             if "sm_90a" in archs:
-                reason = sm90.fused_support(a, b)
+                reason = fused_support(a, b)
                 if reason is not None:
                     lines.append(("sm_90a", f"no fused kernel ({reason}): {dequant_what}"))
                 else:
                     for out_dtype, bias in outputs[gemm]:
                         kernel_out = "bf16" if out_dtype == "bf16" else "fp32"
                         for lo, hi, tile in sm90_tiles:
-                            spec = sm90.gemm_spec(
-                                a, b, lo, out_dtype=kernel_out, bias=bias, tile=tile
-                            )
+                            spec = gemm_spec(a, b, lo, out_dtype=kernel_out, bias=bias, tile=tile)
                             how = "auto" if lo <= FUSED_MAX_M else 'backend="cute"'
                             when = f"{_m_text(lo, hi)} ({how}), {kernel_out} out"
                             when += ", bias" if bias else ""
@@ -486,7 +494,7 @@ def runtime_plan(
 
             # sm_100a: the native block-scaled MMA
             if "sm_100a" in archs:
-                mma = sm100.mma_plan(a, b)
+                mma = mma_plan(a, b)
                 if isinstance(mma, str):
                     lines.append(("sm_100a", f"no native MMA ({mma}): {dequant_what}"))
                 else:
@@ -497,9 +505,9 @@ def runtime_plan(
                         kinds = ("BFloat16", "Float32") if direct else ("Float32",)
                         for kernel_out in kinds:
                             for lo, hi, tile in sm100_tiles:
-                                config = sm100.gemm_config(
+                                config = gemm_config(
                                     mma, lo, out_dtype=kernel_out, tile=tile,  # type: ignore[arg-type]
-                                    sm_count=sm100.DEFAULT_SM_COUNT,
+                                    sm_count=DEFAULT_SM_COUNT,
                                 )  # fmt: skip
                                 when = f"{_m_text(lo, hi)}, {kernel_out} out"
                                 if kernel_out == "BFloat16":
@@ -513,7 +521,7 @@ def runtime_plan(
                     lines.append(("sm_100a", f"shapes it does not take: {dequant_what}"))
                     grid = (
                         "sm_100a GEMMs are compiled for a persistent grid of "
-                        f"{sm100.DEFAULT_SM_COUNT} SMs (a B200); an sm_100a GPU with another SM "
+                        f"{DEFAULT_SM_COUNT} SMs (a B200); an sm_100a GPU with another SM "
                         "count compiles its own on first use"
                     )
                     notes[grid] = None

@@ -29,6 +29,7 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
+from fp4gen.codegen.gemm_configs import GemmConfig, render_module
 from fp4gen.compiler.cache import Entry, KernelCache, sha256_text
 from fp4gen.spec import (
     DequantKernelSpec,
@@ -62,7 +63,7 @@ def render_source(
 ) -> str:
     """The generated module of ``spec``; NotImplementedError if the template cannot emit it.
 
-    ``spec`` may also be an sm_100a ``fp4gen.runtime.blackwell_gemm.GemmConfig`` (see
+    ``spec`` may also be an sm_100a ``fp4gen.codegen.gemm_configs.GemmConfig`` (see
     ``render_gemm_source``)."""
     if not isinstance(spec, QuantKernelSpec | MoRKernelSpec):
         return render_gemm_source(spec)
@@ -78,9 +79,10 @@ def render_source(
 def render_gemm_source(spec: GemmKernelSpec | DequantKernelSpec | Any) -> str:
     """The generated module of a GEMM-side spec: a fused sm_90a GEMM (``GemmKernelSpec``), a
     dequantize kernel (``DequantKernelSpec``) or an sm_100a block-scaled GEMM
-    (``fp4gen.runtime.blackwell_gemm.GemmConfig``: the module ``gemm_kernel`` renders, the same
-    text, so the same cache key). ``fp4gen compile`` renders these through here and the
-    quantize and MoR specs through ``render_source``, so a test can stand in for either."""
+    (``fp4gen.codegen.gemm_configs.GemmConfig``: the module the sm_100a backend's
+    ``gemm_kernel`` renders, the same text, so the same cache key). ``fp4gen compile`` renders
+    these through here and the quantize and MoR specs through ``render_source``, so a test can
+    stand in for either."""
     if isinstance(spec, GemmKernelSpec):
         from fp4gen.codegen.gemm import render_gemm
 
@@ -89,9 +91,6 @@ def render_gemm_source(spec: GemmKernelSpec | DequantKernelSpec | Any) -> str:
         from fp4gen.codegen.dequant import render_dequant
 
         return render_dequant(spec)
-    # imported only here: the Blackwell glue imports torch
-    from fp4gen.runtime.blackwell_gemm import GemmConfig, render_module
-
     if isinstance(spec, GemmConfig):
         return render_module(spec)
     raise TypeError(f"no template renders a {type(spec).__name__}")

@@ -1,7 +1,7 @@
 """The kernel specs, under their former name: they live in ``fp4gen.spec`` (the core layer).
 
-Kept for the modules that still import them from here (``fp4gen.codegen.quantize``, the runtime
-backends, benchmarks); new code imports ``fp4gen.spec``.
+Kept for the modules that still import them from here (the runtime backends, tests,
+benchmarks); new code imports ``fp4gen.spec``.
 """
 
 from fp4gen.spec import (

@@ -21,22 +21,19 @@ from __future__ import annotations
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
-from functools import cache
 from types import ModuleType
 from typing import Any
 
 import torch
 
-from fp4gen.codegen.gemm import SmallMTile, choose_splits, pick_tile, unsupported_reason
+from fp4gen.codegen.gemm import SmallMTile, choose_splits, fused_support, gemm_spec, pick_tile
+from fp4gen.codegen.gemm_configs import FUSED_ARCHS
 from fp4gen.errors import FP4GenError, TensorError
 from fp4gen.formats import BlockFormat
 from fp4gen.numerics.quantize import tensor_version
 from fp4gen.runtime.device_memory import capturing, persistent
 from fp4gen.runtime.loader import KernelLoader, Reasons, Unsupported
-from fp4gen.spec import GemmKernelSpec, GemmOutDType, GemmTile
-from fp4gen.vocab import Arch
-
-FUSED_ARCHS: tuple[str, ...] = (Arch.SM90A.value,)  # wgmma / mma.sync + TMA
+from fp4gen.spec import GemmKernelSpec, GemmTile
 
 # (spec, arch) -> the loaded kernel or why it cannot be built (remembered, not retried)
 _loader: KernelLoader[GemmKernelSpec, Any] = KernelLoader(Reasons.building())
@@ -52,38 +49,6 @@ _sms: dict[int, int] = {}  # device index -> SM count
 # (device index, stream, splits, tiles, tile elements) -> (workspace, counters)
 _workspaces: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
 _MAX_WORKSPACES = 64
-
-
-def gemm_spec(
-    a: BlockFormat,
-    b: BlockFormat,
-    m: int,
-    *,
-    out_dtype: GemmOutDType = "fp32",
-    bias: bool = False,
-    accumulate: bool = False,
-    tile: GemmTile | None = None,
-) -> GemmKernelSpec:
-    """The fused-kernel spec for A [m, K] in format ``a`` times B^T in format ``b``."""
-    return GemmKernelSpec(
-        a_element=a.element,
-        a_block=a.block,
-        a_scale=a.scale.element,
-        b_element=b.element,
-        b_block=b.block,
-        b_scale=b.scale.element,
-        out_dtype=out_dtype,
-        bias=bias,
-        accumulate=accumulate,
-        tile=tile or pick_tile(m),
-    )
-
-
-@cache
-def fused_support(a: BlockFormat, b: BlockFormat) -> str | None:
-    """None when a fused kernel is generated for this operand pair, else the reason
-    (remembered per pair: the dispatch asks on every call)."""
-    return unsupported_reason(gemm_spec(a, b, 1))
 
 
 def packed_codes(q: Any) -> torch.Tensor:
@@ -324,9 +289,6 @@ def fused_gemm(
 
 
 __all__ = [
-    "FUSED_ARCHS",
     "fused_gemm",
-    "fused_support",
-    "gemm_spec",
     "packed_codes",
 ]
