@@ -31,6 +31,7 @@ from torch import nn
 from fp4gen.dsl.model import LayerRule, LayerSelector, MoRSpec, OperandTable, Recipe, RecipeRef
 from fp4gen.errors import FP4GenError
 from fp4gen.formats import HighPrecision
+from fp4gen.runtime.fsdp import enable_quantized_all_gather
 from fp4gen.runtime.linear import Conv1DLinear, Linear
 from fp4gen.runtime.schedule import TrainingClock, action_mors, action_table
 
@@ -182,6 +183,7 @@ def convert(
     seed: int = 0,
     total_steps: int | None = None,
     backend: str = "auto",
+    fsdp_quantized_all_gather: bool = False,
 ) -> nn.Module:
     """Replace the model's nn.Linear modules by fp4gen Linear layers per the recipe, in place
     (a transformers Conv1D by a ``Conv1DLinear``, which keeps its [in, out] weight).
@@ -189,6 +191,10 @@ def convert(
     Returns the model. Each converted layer shares the original parameters (no copy), gets its
     own seed (``seed`` + its layer index) and a shared clock driven by ``set_step``. Converted
     layers take any token count and any feature size (padding, docs/numerics.md section 3).
+
+    ``fsdp_quantized_all_gather``: under FSDP2, all-gather the converted layers' weights as
+    codes and scales where that is exact, in high precision elsewhere
+    (``fp4gen.runtime.fsdp.enable_quantized_all_gather``; call ``fully_shard`` afterwards).
     """
     if isinstance(recipe, str):
         from fp4gen.dsl import load_recipe
@@ -216,6 +222,8 @@ def convert(
         layer.schedule.rules = recipe.schedule  # the schedule applies to every converted layer
         layer.check_supported()
         _set_module(model, decision.name, layer)
+    if fsdp_quantized_all_gather:
+        enable_quantized_all_gather(model)
     model._fp4gen_plan = decisions  # type: ignore[attr-defined]
     model._fp4gen_clock = clock  # type: ignore[attr-defined]
     return model

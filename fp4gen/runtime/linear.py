@@ -36,6 +36,9 @@ columnwise weight is the transpose of the rowwise codes of the weight it is give
 re-quantized along the other axis. Where ``fp4gen.gemm`` takes the dequantize + cuBLAS path (CUDA,
 large M), a weight's bf16 values are decoded once per quantized weight
 (``fp4gen.runtime.dequant.cached_bf16``). The forward bias goes into the GEMM's epilogue.
+Under FSDP2's quantized weight all-gather (``fp4gen.runtime.fsdp``) the GEMMs are given the
+gathered codes and scales themselves (a ``GatheredWeight``, made anew by every all-gather): they
+are the fprop weight operand as they are, and their transpose the dgrad one.
 
 Operands whose format is a Mixture-of-Representations rule (``mor NAME``) are quantized by the
 MoR reference (``fp4gen.numerics.mor``) with the rule the layer was given (``mors``: the
@@ -212,9 +215,12 @@ class Linear(nn.Linear):
         table = self.operands
         _refuse_sr_capture(x2, (table.fprop_activation, table.fprop_weight), self.name)
         call = self._forward_calls
-        graphs = self._graphs_for(x2, table, forward=True)
+        # FSDP2's quantized all-gather (fp4gen.runtime.fsdp) hands over the quantized weight
+        # itself: used as it is, eagerly (a layer graph keys the weight by its address)
+        gathered = _gathered_operand(weight, table, self.name)
+        graphs = None if gathered is not None else self._graphs_for(x2, table, forward=True)
         if graphs is None:
-            y = self._fprop(x2, weight, bias, out_dtype, table, call)
+            y = self._fprop(x2, weight, bias, out_dtype, table, call, gathered)
         else:
             key = (
                 "fprop", x2.shape, x2.dtype, _param_key(weight), _param_key(bias), out_dtype,
@@ -238,19 +244,24 @@ class Linear(nn.Linear):
         out_dtype: torch.dtype,
         table: OperandTable,
         call: int,
+        gathered: QuantizedTensor | None = None,
     ) -> torch.Tensor:
-        """forward_gemm's work, all of it on the device where x2 is (a layer graph captures it)."""
-        w = _rows_contiguous(weight.detach())
+        """forward_gemm's work, all of it on the device where x2 is (a layer graph captures it).
+        ``gathered``: the weight already quantized (FSDP2's quantized all-gather)."""
         # K = in_features, zero-padded to the fprop RHT size where it is not a multiple of it
         fprop_k = k_multiple(table.fprop_activation, table.fprop_weight, blocks=False)
-        k = round_up(w.shape[1], fprop_k)
+        k = round_up(weight.shape[1], fprop_k)
         x2 = pad_to(x2, x2.shape[0], k)
-        w = pad_to(w, w.shape[0], k)
         xq = self.quantize(x2, Operand.FPROP_ACTIVATION, table.fprop_activation, call)
-        w_row = self.quantize(w, Operand.FPROP_WEIGHT, table.fprop_weight, call)
+        if gathered is None:
+            w = pad_to(_rows_contiguous(weight.detach()), weight.shape[0], k)
+            w_row = self.quantize(w, Operand.FPROP_WEIGHT, table.fprop_weight, call)
+        else:  # its K is never padded (fp4gen.runtime.fsdp.plan_for)
+            w_row = gathered
         self._advance_device(forward=True)
         self.record(Operand.FPROP_ACTIVATION, x2, xq, call)
-        self.record(Operand.FPROP_WEIGHT, w, w_row, call)
+        if gathered is None:  # a gathered weight's high-precision values are not here
+            self.record(Operand.FPROP_WEIGHT, w, w_row, call)
         if (
             bias is not None
             and isinstance(xq, QuantizedTensor)
@@ -281,9 +292,10 @@ class Linear(nn.Linear):
         )
         _refuse_sr_capture(dy2, backward_specs, self.name)
         call = self._backward_calls
-        graphs = self._graphs_for(dy2, table, forward=False)
+        gathered = _gathered_operand(weight, table, self.name)  # as in forward_gemm
+        graphs = None if gathered is not None else self._graphs_for(dy2, table, forward=False)
         if graphs is None:
-            dx, dw = self._grads(dy2, x2, weight, table, call)
+            dx, dw = self._grads(dy2, x2, weight, table, call, gathered)
         else:
             key = (
                 "grads", dy2.shape, dy2.dtype, x2.shape, x2.dtype, _param_key(weight),
@@ -303,15 +315,20 @@ class Linear(nn.Linear):
         weight: torch.Tensor,
         table: OperandTable,
         call: int,
+        gathered: QuantizedTensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """backward_gemms' work, all of it on the device (a layer graph captures it)."""
+        """backward_gemms' work, all of it on the device (a layer graph captures it).
+        ``gathered``: the weight already quantized rowwise; dgrad takes its transpose."""
         w = weight.detach()
         tokens, n_out = dy2.shape
         wgrad_k = k_multiple(table.wgrad_gradient, table.wgrad_activation, blocks=True)
         dgrad_k = k_multiple(table.dgrad_gradient, table.dgrad_weight, blocks=False)
         padded_tokens, padded_out = round_up(tokens, wgrad_k), round_up(n_out, dgrad_k)
         dy2 = pad_to(dy2, padded_tokens, padded_out)
-        w_col = self.columnwise_weight(w, table, call, padded_out)
+        if gathered is None:
+            w_col = self.columnwise_weight(w, table, call, padded_out)
+        else:  # 2D blocks, one spec, no RHT, no padding (fp4gen.runtime.fsdp.plan_for)
+            w_col = gathered.transpose()
         # dy rowwise (dgrad) and columnwise (wgrad), x columnwise (wgrad): on CUDA one tile
         # kernel per tensor reads it once, with no transposed copy. dy's zero tokens leave its
         # real rows' dgrad codes as they are (1xN blocks run along the row; an SR stream indexes
@@ -328,7 +345,8 @@ class Linear(nn.Linear):
         if padded_tokens != tokens:
             dx = dx[:tokens]  # a prefix of rows: still contiguous
         self.record(Operand.DGRAD_GRADIENT, dy2, dyq, call)
-        self.record(Operand.DGRAD_WEIGHT, w.t(), w_col, call)
+        if gathered is None:
+            self.record(Operand.DGRAD_WEIGHT, w.t(), w_col, call)
 
         x2 = pad_to(x2, padded_tokens, x2.shape[1])
         _, xq_t = quantize_operand_pair(
@@ -518,6 +536,28 @@ def _rows_contiguous(w: torch.Tensor) -> torch.Tensor:
     """``w`` with contiguous rows: a Conv1D's weight reaches the ops as the view W^T, and the
     quantizer reads along rows (a transient copy; a plain Linear's weight is never copied)."""
     return w if w.is_contiguous() else w.contiguous()
+
+
+def _gathered_operand(
+    weight: torch.Tensor, table: OperandTable, name: str
+) -> QuantizedTensor | None:
+    """The quantized operand of a weight FSDP2 all-gathered as codes and scales (a
+    ``fp4gen.runtime.fsdp.GatheredWeight``, which has ``quantized_weight``), else None. Its spec
+    must be the fprop weight spec in force, transposable to the dgrad one."""
+    get = getattr(weight, "quantized_weight", None)
+    if get is None:
+        return None
+    q: QuantizedTensor = get()
+    spec = table.fprop_weight
+    if not _transposable(spec, table.dgrad_weight) or (q.format, q.rounding) != (
+        spec.format,
+        spec.rounding,
+    ):
+        raise FP4GenError(
+            f"{name or 'fp4gen.nn.Linear'}: the all-gathered quantized weight is not the "
+            "recipe's fprop weight operand in force now"
+        )
+    return q
 
 
 def _transposable(fprop: OperandSpec, dgrad: OperandSpec) -> bool:
