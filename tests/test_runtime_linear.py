@@ -244,3 +244,11 @@ def test_schedule_keeps_one_table_object_per_phase() -> None:
     assert late is not first and late is layer.operands and late != first
     clock.step = 0
     assert layer.operands is first
+
+
+def test_the_output_of_a_2d_input_is_not_a_view() -> None:
+    """As nn.Linear's: FSDP2 warns when a sharded module returns a view."""
+    layer = fp4gen.nn.Linear(64, 32, recipe=fp4gen.load_recipe("nvfp4_no_sr.fp4r"))
+    y = layer(torch.randn(4, 64))
+    assert y.shape == (4, 32) and not y._is_view()
+    assert layer(torch.randn(2, 3, 64)).shape == (2, 3, 32)

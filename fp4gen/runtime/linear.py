@@ -192,6 +192,8 @@ class Linear(nn.Linear):
             )
         x2 = x.reshape(-1, x.shape[-1])
         y = ops.linear(x2, weight, self.bias, self._op_id, _output_dtype(x))
+        if x.dim() == 2:
+            return y  # not a view, as nn.Linear's (FSDP2 warns about modules returning views)
         return y.reshape(*x.shape[:-1], self.out_features)
 
     def __prepare_scriptable__(self) -> Linear:
