@@ -15,6 +15,22 @@ from fp4gen.errors import FP4GenError, RecipeError, TensorError
 
 __version__ = "0.1.0"
 
+
+def lazy_attribute(
+    package: str, table: dict[str, str], namespace: dict[str, Any], name: str
+) -> Any:
+    """Public name ``name`` of ``package``, imported from the module ``table`` maps it to and kept
+    in the package's ``namespace`` (its globals), so that the next lookup does not come here.
+    The packages whose names load on first use (this one, ``fp4gen.dsl``, ``fp4gen.runtime``)
+    call it from their module ``__getattr__``."""
+    module = table.get(name)
+    if module is None:
+        raise AttributeError(f"module {package!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    namespace[name] = value
+    return value
+
+
 # public name -> module that defines it
 _LAZY: dict[str, str] = {
     "load_recipe": "fp4gen.dsl",
@@ -93,12 +109,7 @@ if TYPE_CHECKING:
 def __getattr__(name: str) -> Any:
     if name == "nn":  # the submodule fp4gen.nn, loaded on first use like the names above
         return importlib.import_module("fp4gen.nn")
-    module = _LAZY.get(name)
-    if module is None:
-        raise AttributeError(f"module 'fp4gen' has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
-    globals()[name] = value
-    return value
+    return lazy_attribute(__name__, _LAZY, globals(), name)
 
 
 def __dir__() -> list[str]:

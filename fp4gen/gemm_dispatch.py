@@ -42,7 +42,7 @@ computes block-scaled accumulation, within the bound of numerics.md 6.1 of that 
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import NamedTuple
 
@@ -59,6 +59,7 @@ from fp4gen.errors import FP4GenError, TensorError
 from fp4gen.formats import BlockFormat
 from fp4gen.numerics import QuantizedTensor, gemm_block_scaled_reference, gemm_reference
 from fp4gen.numerics.gemm import require_quantized
+from fp4gen.runtime.checks import check_pair
 
 BACKENDS = ("auto", "reference", "dequant", "cute", "blackwell", "block_scaled")
 # what backend="auto" computes for the pairs the block_scaled backend serves (numerics.md 6.1)
@@ -280,10 +281,14 @@ def auto_backend(a: QuantizedTensor, b: QuantizedTensor) -> GemmChoice:
     )
 
 
-def _log_once(reason: str) -> None:
-    if reason not in _logged:
-        _logged.add(reason)
-        log.info("gemm(backend='auto') uses dequantize + cuBLAS: %s", reason)
+def _log_once(
+    reason: str, message: str = "gemm(backend='auto') uses dequantize + cuBLAS: %s"
+) -> None:
+    """Log ``message % reason`` at INFO the first time that line comes (``_logged``)."""
+    line = message % reason
+    if line not in _logged:
+        _logged.add(line)
+        log.info(message, reason)
 
 
 def _fast_dequant(
@@ -317,13 +322,31 @@ def _fast_dequant(
             raise
         except FP4GenError as err:
             reason = str(err)
-    message = f"the dequant backend decodes with torch ops: {reason}"
-    if message not in _logged:
-        _logged.add(message)
-        log.info("%s", message)
+    _log_once(str(reason), "the dequant backend decodes with torch ops: %s")
     return None
 
 
+def _kernel_gemm(
+    backend: str,
+    run: Callable[..., torch.Tensor],
+    a: QuantizedTensor,
+    b: QuantizedTensor,
+    out_dtype: torch.dtype,
+    bias: torch.Tensor | None,
+    accumulate: torch.Tensor | None,
+) -> torch.Tensor:
+    """``run`` (``fused_gemm`` or ``native_gemm``) on the arch of ``a``'s GPU, after the checks
+    both kernel backends make first (QuantizedTensors, on CUDA)."""
+    from fp4gen.compiler.jit import detect_arch
+
+    require_quantized(a, b)
+    if a.device.type != "cuda":
+        raise FP4GenError(f"the {backend} GEMM backend runs on CUDA tensors, got {a.device}")
+    arch = detect_arch(a.device)
+    return run(a, b, out_dtype=out_dtype, bias=bias, accumulate=accumulate, arch=arch)
+
+
+# _fused and _native stay two names: tests replace each on its own
 def _fused(
     a: QuantizedTensor,
     b: QuantizedTensor,
@@ -331,14 +354,9 @@ def _fused(
     bias: torch.Tensor | None,
     accumulate: torch.Tensor | None,
 ) -> torch.Tensor:
-    from fp4gen.compiler.jit import detect_arch
     from fp4gen.runtime.cute_gemm import fused_gemm
 
-    require_quantized(a, b)
-    if a.device.type != "cuda":
-        raise FP4GenError(f"the cute GEMM backend runs on CUDA tensors, got {a.device}")
-    arch = detect_arch(a.device)
-    return fused_gemm(a, b, out_dtype=out_dtype, bias=bias, accumulate=accumulate, arch=arch)
+    return _kernel_gemm("cute", fused_gemm, a, b, out_dtype, bias, accumulate)
 
 
 def _native(
@@ -348,14 +366,9 @@ def _native(
     bias: torch.Tensor | None,
     accumulate: torch.Tensor | None,
 ) -> torch.Tensor:
-    from fp4gen.compiler.jit import detect_arch
     from fp4gen.runtime.blackwell_gemm import native_gemm
 
-    require_quantized(a, b)
-    if a.device.type != "cuda":
-        raise FP4GenError(f"the blackwell GEMM backend runs on CUDA tensors, got {a.device}")
-    arch = detect_arch(a.device)
-    return native_gemm(a, b, out_dtype=out_dtype, bias=bias, accumulate=accumulate, arch=arch)
+    return _kernel_gemm("blackwell", native_gemm, a, b, out_dtype, bias, accumulate)
 
 
 def _block_scaled(
@@ -437,10 +450,7 @@ def _mx_note(a: BlockFormat, b: BlockFormat) -> str:
 def _dequant_gemm(
     a: QuantizedTensor, b: QuantizedTensor, bias: torch.Tensor | None
 ) -> torch.Tensor:
-    if a.cols != b.cols:
-        raise TensorError(f"K mismatch: a is [{a.rows}, {a.cols}] and b is [{b.rows}, {b.cols}]")
-    if a.rht != b.rht:
-        raise TensorError("the operands carry different Hadamard transforms")
+    check_pair(a, b)
     exact_bf16 = a.format.gemm_exact_in_bf16() and b.format.gemm_exact_in_bf16()
     va, vb = a.dequantize_blockwise(), b.dequantize_blockwise()
     if exact_bf16 and a.device.type == "cuda":

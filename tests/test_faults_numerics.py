@@ -30,7 +30,8 @@ from hypothesis import strategies as st
 
 import fp4gen
 from fp4gen.cli import main
-from fp4gen.codegen.quantize import _lit, render
+from fp4gen.codegen.quantize import render
+from fp4gen.codegen.render import lit
 from fp4gen.compiler.spec import QuantKernelSpec, QuantOutput
 from fp4gen.demo import train
 from fp4gen.demo.train import Calibration, DemoConfig
@@ -304,7 +305,7 @@ def _spec(element, block, scale, global_scale, outputs=("rowwise",)) -> QuantKer
 )
 def test_kernels_clamp_block_scales_at_the_cap(spec: QuantKernelSpec) -> None:
     src = render(spec)
-    assert f"SCALE_CAP = {_lit(scale_cap(spec.element, spec.scale))}  #" in src
+    assert f"SCALE_CAP = {lit(scale_cap(spec.element, spec.scale))}  #" in src
     assert "amax_b * k_enc, Float32(SCALE_CAP))" in src
     assert "Float32(SCALE_MAX))" not in src and "amax_b * k_enc, Float32(FLT_MAX))" not in src
 

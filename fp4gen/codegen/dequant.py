@@ -34,13 +34,9 @@ The generated module's contract (used through ``fp4gen.runtime.kernels_for``):
 
 from __future__ import annotations
 
-import textwrap
-from functools import cache
 from typing import Any
 
-import jinja2
-
-from fp4gen.codegen.quantize import TEMPLATE_DIR, _pytuple, _tidy
+from fp4gen.codegen.render import doc_block, render_template, spec_entries
 from fp4gen.formats import BlockFormat, ElementFormat
 from fp4gen.spec import DequantKernelSpec
 from fp4gen.vocab import Arch, words
@@ -142,10 +138,7 @@ def dequant_context(spec: DequantKernelSpec) -> dict[str, Any]:
         "(allocated when not given; columns K..Kp hold zeros)"
     )
     return {
-        "spec": spec,
-        "spec_repr": repr(spec),
-        "name": spec.name,
-        "digest": spec.digest,
+        **spec_entries(spec),
         "elem": _element_context(spec.element),
         "scale": _scale_context(spec.scale),
         "block": spec.block,
@@ -160,24 +153,8 @@ def dequant_context(spec: DequantKernelSpec) -> dict[str, Any]:
         "scale_mode": mode,
         "scale_groups": groups,
         "archs": list(ARCHS),
-        "launch_doc": textwrap.fill(
-            launch_doc, width=96, initial_indent="    ", subsequent_indent="    "
-        ),
+        "launch_doc": doc_block(launch_doc),
     }
-
-
-@cache
-def _environment() -> jinja2.Environment:
-    env = jinja2.Environment(
-        loader=jinja2.FileSystemLoader(str(TEMPLATE_DIR)),
-        undefined=jinja2.StrictUndefined,
-        trim_blocks=True,
-        lstrip_blocks=True,
-        keep_trailing_newline=True,
-        autoescape=False,
-    )
-    env.filters["pytuple"] = _pytuple
-    return env
 
 
 def render_dequant(spec: DequantKernelSpec) -> str:
@@ -186,7 +163,7 @@ def render_dequant(spec: DequantKernelSpec) -> str:
     Raises NotImplementedError for formats the template does not cover (see
     ``unsupported_reason``)."""
     context = dequant_context(spec)
-    return _tidy(_environment().get_template("dequant.py.j2").render(**context))
+    return render_template("dequant.py.j2", context)
 
 
 __all__ = [

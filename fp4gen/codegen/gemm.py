@@ -36,14 +36,11 @@ The generated module's contract (used through ``fp4gen.runtime.kernels_for``):
 
 from __future__ import annotations
 
-import textwrap
 from dataclasses import dataclass
 from functools import cache
 from typing import Any
 
-import jinja2
-
-from fp4gen.codegen.quantize import TEMPLATE_DIR, _pytuple, _tidy
+from fp4gen.codegen.render import doc_block, render_template, spec_entries
 from fp4gen.formats import E2M1, E4M3, UE8M0, BlockFormat, ElementFormat
 from fp4gen.spec import GemmKernelSpec, GemmOutDType, GemmTile
 from fp4gen.vocab import DTYPES, Arch
@@ -367,10 +364,7 @@ def gemm_context(spec: GemmKernelSpec) -> dict[str, Any]:
         + (f", each scale code repeated {block // 16} times along K." if block > 16 else ".")
     )
     return {
-        "spec": spec,
-        "spec_repr": repr(spec),
-        "name": spec.name,
-        "digest": spec.digest,
+        **spec_entries(spec),
         "elem": spec.a_element.name,
         "scale": spec.a_scale.name,
         "decode": decode,
@@ -388,24 +382,8 @@ def gemm_context(spec: GemmKernelSpec) -> dict[str, Any]:
         "stages_bf16": STAGES_BF16,
         "archs": list(ARCHS),
         "cutlass_names": cutlass_names,
-        "launch_doc": textwrap.fill(
-            launch_doc, width=96, initial_indent="    ", subsequent_indent="    "
-        ),
+        "launch_doc": doc_block(launch_doc),
     }
-
-
-@cache
-def _environment() -> jinja2.Environment:
-    env = jinja2.Environment(
-        loader=jinja2.FileSystemLoader(str(TEMPLATE_DIR)),
-        undefined=jinja2.StrictUndefined,
-        trim_blocks=True,
-        lstrip_blocks=True,
-        keep_trailing_newline=True,
-        autoescape=False,
-    )
-    env.filters["pytuple"] = _pytuple
-    return env
 
 
 def render_gemm(spec: GemmKernelSpec) -> str:
@@ -414,7 +392,7 @@ def render_gemm(spec: GemmKernelSpec) -> str:
     Raises NotImplementedError for operand formats or block shapes the template does not
     cover (see the module docstring)."""
     context = gemm_context(spec)
-    return _tidy(_environment().get_template(context["template"]).render(**context))
+    return render_template(context["template"], context)
 
 
 __all__ = [

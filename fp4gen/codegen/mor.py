@@ -24,14 +24,11 @@ Numerics: docs/numerics.md section 8, bit for bit (the reference is ``fp4gen.num
 
 from __future__ import annotations
 
-import math
-from functools import cache
-from pathlib import Path
 from typing import Any
 
-import jinja2
 import torch
 
+from fp4gen.codegen.render import lit, render_template, spec_entries
 from fp4gen.dsl.model import MoRSpec, Partition
 from fp4gen.formats import ElementFormat, HighPrecision
 from fp4gen.numerics.minifloat import max_finite
@@ -39,7 +36,6 @@ from fp4gen.numerics.mor import SUM_TILE, representations
 from fp4gen.spec import MoRKernelSpec
 from fp4gen.vocab import DTYPES, Arch, words
 
-TEMPLATE_DIR = Path(__file__).resolve().parent.parent / "templates"
 ARCHS: tuple[str, ...] = words(Arch)
 ROUNDINGS: tuple[str, ...] = ("nearest", "zero")  # stochastic rounding stays on the reference
 SEGMENTS: tuple[int, ...] = (4, 8)  # row segments per thread: 512 or 256 threads (2 spills)
@@ -49,13 +45,6 @@ FLT_MAX = float(torch.finfo(torch.float32).max)
 
 
 assert TILE == SUM_TILE, "the kernels' tile is the reference's summation piece"
-
-
-def _lit(x: float) -> str:
-    """A Python literal for a float (repr round-trips exactly; inf via math.inf)."""
-    if math.isinf(x):
-        return "math.inf"
-    return repr(float(x)).replace("e+", "e")
 
 
 def _f32(x: float) -> float:
@@ -96,9 +85,9 @@ def _element(fmt: ElementFormat, index: int) -> dict[str, Any]:
         "man_bits": fmt.man_bits,
         "special": fmt.special,
         "emin_biased": emin + 127,
-        "max": _lit(q_max),
+        "max": lit(q_max),
         "sign_shift": fmt.bits - 1,
-        "range_bound": _lit(q_max / fmt.min_normal),  # exact: q_max has few significant bits
+        "range_bound": lit(q_max / fmt.min_normal),  # exact: q_max has few significant bits
     }
 
 
@@ -147,7 +136,7 @@ def context(spec: MoRKernelSpec) -> dict[str, Any]:
             entry["metric"] = metric.kind
             if metric.kind == "relerr":
                 assert metric.threshold is not None
-                entry["threshold"] = _lit(metric.threshold)
+                entry["threshold"] = lit(metric.threshold)
                 entry["text"] = f"relerr < {metric.threshold!r}"
             elif metric.kind == "relerr_vs":
                 assert metric.versus is not None
@@ -167,9 +156,7 @@ def context(spec: MoRKernelSpec) -> dict[str, Any]:
     fused = urs <= 7 and ucs <= 7
     dtype = DTYPES[spec.input_dtype]
     return {
-        "spec": spec,
-        "name": spec.name,
-        "digest": spec.digest,
+        **spec_entries(spec),
         "rule_text": _rule_text(rule),
         "kernels": ["amax", "scales", "quantize"]
         if fused
@@ -198,7 +185,7 @@ def context(spec: MoRKernelSpec) -> dict[str, Any]:
         "s_cw": min(scs, 7),
         "upr_shift": min(urs - rh, 24),
         "upc_shift": min(ucs - cw, 24),
-        "flt_max": _lit(FLT_MAX),
+        "flt_max": lit(FLT_MAX),
         "segments": spec.segments,
         "log_segments": spec.segments.bit_length() - 1,
     }
@@ -227,57 +214,11 @@ def _rule_text(rule: MoRSpec) -> list[str]:
     return lines
 
 
-def _pytuple(items: list[str]) -> str:
-    """A Python tuple literal of strings: ("a", "b") or ("a",)."""
-    body = ", ".join(f'"{i}"' for i in items)
-    return f"({body},)" if len(items) == 1 else f"({body})"
-
-
-@cache
-def _environment() -> jinja2.Environment:
-    env = jinja2.Environment(
-        loader=jinja2.FileSystemLoader(str(TEMPLATE_DIR)),
-        undefined=jinja2.StrictUndefined,
-        trim_blocks=True,
-        lstrip_blocks=True,
-        keep_trailing_newline=True,
-        autoescape=False,
-    )
-    env.filters["pytuple"] = _pytuple
-    return env
-
-
-_TOP_LEVEL = ("def ", "class ", "@")
-
-
-def _tidy(source: str) -> str:
-    """PEP 8 spacing of the rendered text: two blank lines before a top-level definition (with
-    its decorators and the comments right above it) and before a top-level comment that follows
-    an indented block; at most two blank lines in a row; one newline at the end."""
-    lines = [line.rstrip() for line in source.splitlines()]
-    out: list[str] = []
-    for line in lines:
-        if not line:
-            if len(out) < 2 or out[-1] or out[-2]:
-                out.append(line)
-            continue
-        if not line[0].isspace() and out:
-            prev = next((p for p in reversed(out) if p), "")
-            opens = line.startswith(_TOP_LEVEL) and not prev.startswith(("@", "#"))
-            after_body = line.startswith("#") and prev[:1].isspace()
-            if opens or after_body:
-                while out and not out[-1]:
-                    out.pop()
-                out += ["", ""]
-        out.append(line)
-    return "\n".join(out).rstrip("\n") + "\n"
-
-
 def render(spec: MoRKernelSpec) -> str:
     """The generated CuTe DSL module (Python source) of ``spec``'s MoR kernels.
 
     Raises NotImplementedError for rules the kernels do not cover (``check``)."""
-    return _tidy(_environment().get_template("mor.py.j2").render(**context(spec)))
+    return render_template("mor.py.j2", context(spec))
 
 
 __all__ = ["ARCHS", "ROUNDINGS", "SEGMENTS", "TILE", "MoRKernelSpec", "check", "context", "render"]

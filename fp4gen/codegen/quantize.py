@@ -38,19 +38,16 @@ import math
 import re
 import struct
 from dataclasses import dataclass
-from functools import cache
-from pathlib import Path
 from typing import Any
 
-import jinja2
 import torch
 
+from fp4gen.codegen.render import lit, render_template, spec_entries
 from fp4gen.formats import ElementFormat, is_stochastic, scale_cap, sr_bits
 from fp4gen.numerics.hadamard import rht_scale, rht_signs
 from fp4gen.numerics.minifloat import max_exponent, max_finite
 from fp4gen.spec import ROUNDING_TAGS, QuantKernelSpec
 
-TEMPLATE_DIR = Path(__file__).resolve().parent.parent / "templates"
 ARCHS: tuple[str, ...] = ("sm_90a", "sm_100a")
 
 FLT_MAX = float(torch.finfo(torch.float32).max)
@@ -88,13 +85,6 @@ def _f32_mul(a: float, b: float) -> float:
 
 def _f32_div(a: float, b: float) -> float:
     return (torch.tensor(a, dtype=torch.float32) / torch.tensor(b, dtype=torch.float32)).item()
-
-
-def _lit(x: float) -> str:
-    """A Python literal for an fp32 value (repr round-trips exactly; inf via math.inf)."""
-    if math.isinf(x):
-        return "math.inf" if x > 0 else "-math.inf"
-    return repr(float(x)).replace("e+", "e")
 
 
 def _import_order(name: str) -> tuple:
@@ -199,8 +189,8 @@ def _element_ctx(fmt: ElementFormat) -> dict[str, Any]:
         "emin": emin,
         "emin_biased": emin + 127,
         "special": fmt.special,
-        "max": _lit(emax_val),
-        "inv_max": _lit(_f32_div(1.0, emax_val)),
+        "max": lit(emax_val),
+        "inv_max": lit(_f32_div(1.0, emax_val)),
         "emax": max_exponent(fmt),
         # magnitude code = bits(2^23 + n) + (k + 127) * 2^m - code_bias
         "code_bias": _hex(code_bias),
@@ -211,7 +201,7 @@ def _element_ctx(fmt: ElementFormat) -> dict[str, Any]:
         "sign_mask": sign,
         # the fp16 image of the "srhalf" encode: z = y * 2^(-14 - emin), code bits from 10 - m
         "half": {
-            "scale": _lit(2.0 ** (-14 - emin)),
+            "scale": lit(2.0 ** (-14 - emin)),
             "max2": _hex(_half_bits(emax_val * 2.0 ** (-14 - emin)) * 0x10001),
             "code_shift": 10 - m,
             "rand_shift": 2 - m,
@@ -224,20 +214,20 @@ def _element_ctx(fmt: ElementFormat) -> dict[str, Any]:
 def _scale_ctx(spec: QuantKernelSpec) -> dict[str, Any]:
     scale = spec.scale
     # d_b saturates at the cap, not at the format's max, so no code decodes to +-inf
-    cap = _lit(scale_cap(spec.element, scale))
+    cap = lit(scale_cap(spec.element, scale))
     if scale.element is None:
         return {
             "kind": "fp32",
             "name": "fp32",
             "rounding": "exact",
-            "max": _lit(FLT_MAX),
+            "max": lit(FLT_MAX),
             "cap": cap,
         }
     fmt = scale.element
     base = {
         "name": fmt.name,
         "rounding": scale.rounding,
-        "max": _lit(max_finite(fmt)),
+        "max": lit(max_finite(fmt)),
         "cap": cap,
         "bits": fmt.bits,
         "exp_bits": fmt.exp_bits,
@@ -248,7 +238,7 @@ def _scale_ctx(spec: QuantKernelSpec) -> dict[str, Any]:
         return {
             **base,
             "kind": "exponent",
-            "min": _lit(fmt.min_positive),
+            "min": lit(fmt.min_positive),
             "max_code": (1 << fmt.exp_bits) - 2,
         }
     if (fmt.exp_bits, fmt.man_bits, fmt.special) == (4, 3, "fn") and scale.rounding == "nearest":
@@ -289,32 +279,15 @@ def context(spec: QuantKernelSpec) -> dict[str, Any]:
     """Everything the template needs, all derived from the spec."""
     _check(spec)
     out = spec.outputs[0]
-    cutlass_t, torch_t, in_bytes = _INPUTS[spec.input_dtype]
+    in_bytes = _INPUTS[spec.input_dtype][2]
     block = spec.block[1]
     rht = out.rht
     mapping = choose_mapping(block, rht.size if rht else None, in_bytes)
     elem = _element_ctx(spec.element)
     scale = _scale_ctx(spec)
-    scale_max = torch.finfo(torch.float32).max if spec.scale.element is None else None
-    scale_max_val = scale_max if scale_max is not None else max_finite(spec.scale.element)
-    elem_max_val = max_finite(spec.element)
     unit_bits = mapping.unit * spec.element.bits
     unit_bytes = unit_bits // 8
     store_bytes = 4 if unit_bytes % 4 == 0 else 2 if unit_bytes % 2 == 0 else 1
-    rht_ctx = None
-    if rht is not None:
-        signs = [int(s) for s in rht_signs(rht).tolist()]
-        source = {
-            "fixed": "fixed vector",
-            "seeded": f"seeded by Philox, seed {rht.seed}",
-            "none": "no signs",
-        }[rht.sign_source]
-        rht_ctx = {
-            "size": rht.size,
-            "signs": signs,
-            "source": source,
-            "scale": _lit(rht_scale(rht.size)),
-        }
     hw_archs = elem["hw_archs"] if out.rounding == "nearest" else ()
     store_type = {4: "Uint32", 2: "Uint16", 1: "Uint8"}[store_bytes]
     names = {"Float32", "Int32", "Uint8", "Uint32", "range_constexpr", store_type}
@@ -323,14 +296,7 @@ def context(spec: QuantKernelSpec) -> dict[str, Any]:
         names.add("Uint64")
     k_rule = f"1x{block} blocks" + (f", RHT size {rht.size}" if rht else "")
     ctx = {
-        "spec": spec,
-        "spec_repr": repr(spec),
-        "name": spec.name,
-        "digest": spec.digest,
-        "kernels": ["amax", "quantize"] if spec.global_scale else ["quantize"],
-        "input": {"name": spec.input_dtype, "cutlass": cutlass_t, "torch": torch_t},
-        "in_bytes": in_bytes,
-        "elem": elem,
+        **_shared_ctx(spec, elem, scale),
         "rounding": out.rounding,
         "sr": sr,
         "sr_bits": sr_bits(out.rounding),
@@ -343,9 +309,6 @@ def context(spec: QuantKernelSpec) -> dict[str, Any]:
         "hw_archs": list(hw_archs),
         # whole codes per 32-bit word (4- and 8-bit): pack and sign them word by word
         "swar": 32 % spec.element.bits == 0,
-        "scale": scale,
-        "global_scale": spec.global_scale,
-        "global_num": _lit(_f32_mul(scale_max_val, elem_max_val)),
         "block": block,
         "map": mapping,
         "unit_bytes": unit_bytes,
@@ -355,12 +318,10 @@ def context(spec: QuantKernelSpec) -> dict[str, Any]:
         "cutlass_names": sorted(names, key=_import_order),
         "k_rule": k_rule,
         "n_words": -(-unit_bits // 32),
-        "rht": rht_ctx,
+        "rht": _rht_ctx(rht) if rht is not None else None,
         "swizzled": out.scale_layout == "swizzled",
-        "archs": list(ARCHS),
         "quant_threads": QUANT_THREADS,
         "amax_threads": AMAX_THREADS,
-        "flt_max": _lit(FLT_MAX),
     }
     ctx["uses_math"] = spec.global_scale and "math" in ctx["global_num"]
     ctx["need_add_rz"] = ctx["sw_encode"] == "floor" or (
@@ -421,6 +382,12 @@ class TileMapping:
         return self.rows * self.lanes_m * self.warps_m
 
 
+def _share(span: int, b: int) -> tuple[int, int]:
+    """(threads that share one block, blocks per thread) when each thread holds ``span`` values
+    along a direction with blocks of ``b``: one of the two is 1."""
+    return (1, span // b) if span >= b else (b // span, 1)
+
+
 def choose_tile_mapping(
     block: tuple[int, int],
     in_bytes: int,
@@ -456,25 +423,13 @@ def choose_tile_mapping(
     values = MAX_TILE_VALUES if two_d else MAX_TILE_VALUES_1D
     vec = max(4, min(16 // in_bytes, values // rows))
     # along K: lanes that share a row block (1D) or a tile (2D)
-    if two_d or rowwise:
-        if vec >= b:
-            row_lanes, row_blocks = 1, vec // b
-        else:
-            row_lanes, row_blocks = b // vec, 1
-    else:
-        row_lanes, row_blocks = 1, 1
+    row_lanes, row_blocks = _share(vec, b) if two_d or rowwise else (1, 1)
     if row_lanes > 32:
         raise NotImplementedError(f"1x{b} blocks: a row block would span {row_lanes} lanes")
     lanes_k = max(row_lanes, 8)
     lanes_m = 32 // lanes_k
     # along M: strips that share a column block (1D) or a tile (2D)
-    if two_d or columnwise:
-        if rows >= b:
-            total, col_blocks = 1, rows // b
-        else:
-            total, col_blocks = b // rows, 1
-    else:
-        total, col_blocks = 1, 1
+    total, col_blocks = _share(rows, b) if two_d or columnwise else (1, 1)
     col_lanes = min(total, lanes_m)
     col_warps = total // col_lanes
     if col_warps > TILE_WARPS:
@@ -560,6 +515,27 @@ def _check_tile(spec: QuantKernelSpec) -> None:
             raise NotImplementedError(f"{spec.name}: RHT size {out.rht.size} is not supported")
 
 
+def _shared_ctx(
+    spec: QuantKernelSpec, elem: dict[str, Any], scale: dict[str, Any]
+) -> dict[str, Any]:
+    """The entries the rowwise and the tile context share: the spec, its kernels, the input
+    type, the element and scale formats with the global scale's numerator, the archs."""
+    cutlass_t, torch_t, in_bytes = _INPUTS[spec.input_dtype]
+    scale_max = FLT_MAX if spec.scale.element is None else max_finite(spec.scale.element)
+    return {
+        **spec_entries(spec),
+        "kernels": ["amax", "quantize"] if spec.global_scale else ["quantize"],
+        "input": {"name": spec.input_dtype, "cutlass": cutlass_t, "torch": torch_t},
+        "in_bytes": in_bytes,
+        "elem": elem,
+        "scale": scale,
+        "global_scale": spec.global_scale,
+        "global_num": lit(_f32_mul(scale_max, max_finite(spec.element))),
+        "archs": list(ARCHS),
+        "flt_max": lit(FLT_MAX),
+    }
+
+
 def _rht_ctx(rht) -> dict[str, Any]:
     signs = [int(s) for s in rht_signs(rht).tolist()]
     source = {
@@ -572,7 +548,7 @@ def _rht_ctx(rht) -> dict[str, Any]:
         "signs": signs,
         "signs_text": "".join("+" if s > 0 else "-" for s in signs),
         "source": source,
-        "scale": _lit(rht_scale(rht.size)),
+        "scale": lit(rht_scale(rht.size)),
     }
 
 
@@ -591,7 +567,6 @@ def _row_share(row: dict[str, Any] | None, mapping: TileMapping, two_d: bool) ->
 def tile_context(spec: QuantKernelSpec) -> dict[str, Any]:
     """Everything the tile template needs, all derived from the spec."""
     _check_tile(spec)
-    cutlass_t, torch_t, in_bytes = _INPUTS[spec.input_dtype]
     two_d = spec.block[0] != 1
     block = spec.block[1]
     outs = {o.direction: o for o in spec.outputs}
@@ -601,7 +576,6 @@ def tile_context(spec: QuantKernelSpec) -> dict[str, Any]:
     elem = _element_ctx(spec.element)
     scale = _scale_ctx(spec)
     bits = spec.element.bits
-    scale_max_val = FLT_MAX if spec.scale.element is None else max_finite(spec.scale.element)
     roundings = list(dict.fromkeys(o.rounding for o in spec.outputs))
     swar = 32 % bits == 0
     partial = swar and (
@@ -677,17 +651,7 @@ def tile_context(spec: QuantKernelSpec) -> dict[str, Any]:
     bf16_input = spec.input_dtype == "bf16"
     bf16_absmax = bf16_input or col_rht is not None
     ctx = {
-        "spec": spec,
-        "spec_repr": repr(spec),
-        "name": spec.name,
-        "digest": spec.digest,
-        "kernels": ["amax", "quantize"] if spec.global_scale else ["quantize"],
-        "input": {"name": spec.input_dtype, "cutlass": cutlass_t, "torch": torch_t},
-        "in_bytes": in_bytes,
-        "elem": elem,
-        "scale": scale,
-        "global_scale": spec.global_scale,
-        "global_num": _lit(_f32_mul(scale_max_val, max_finite(spec.element))),
+        **_shared_ctx(spec, elem, scale),
         "block": block,
         "two_d": two_d,
         "map": mapping,
@@ -720,8 +684,6 @@ def tile_context(spec: QuantKernelSpec) -> dict[str, Any]:
         },
         "swizzled": any(o["swizzled"] for o in outputs),
         "cutlass_names": sorted(names, key=_import_order),
-        "archs": list(ARCHS),
-        "flt_max": _lit(FLT_MAX),
         "need_add_rz": need_add_rz,
         "need_mul_rz": need_mul_rz,
         "bf16_absmax": bf16_absmax,
@@ -760,7 +722,7 @@ def tile_context(spec: QuantKernelSpec) -> dict[str, Any]:
     # weight kernel, measured, went from 161 to 254 registers without the division and lost 5%
     ctx["grid_2d"] = ctx["prep"]
     ctx["fold"] = fold if staged else []
-    ctx["fold_sdec_max"] = _lit(2.0 ** _fold_sdec_exponent(spec)) if staged else None
+    ctx["fold_sdec_max"] = lit(2.0 ** _fold_sdec_exponent(spec)) if staged else None
     ctx["uses_math"] = spec.global_scale and "math" in ctx["global_num"]
     ctx["uses_asm"] = True  # the predicated stores are inline PTX
     return ctx
@@ -777,55 +739,6 @@ def _fold_sdec_exponent(spec: QuantKernelSpec) -> int:
     return 126 - 14 - emin - math.ceil(math.log2(scale_max)) - 1
 
 
-def _pytuple(items) -> str:
-    """A Python tuple literal: ("a", "b"), (1,) or ()."""
-    items = list(items)
-    body = ", ".join(f'"{i}"' if isinstance(i, str) else repr(i) for i in items)
-    return f"({body},)" if len(items) == 1 else f"({body})"
-
-
-@cache
-def _environment() -> jinja2.Environment:
-    env = jinja2.Environment(
-        loader=jinja2.FileSystemLoader(str(TEMPLATE_DIR)),
-        undefined=jinja2.StrictUndefined,
-        trim_blocks=True,
-        lstrip_blocks=True,
-        keep_trailing_newline=True,
-        autoescape=False,
-    )
-    env.filters["pytuple"] = _pytuple
-    return env
-
-
-_DEFINITION = re.compile(r"^(def |class |@)")
-
-
-def _tidy(source: str) -> str:
-    """PEP 8 spacing of the rendered text: two blank lines around top-level definitions (a
-    top-level def/class/decorator, or a comment after an indented body), at most two blank lines
-    in a row, one newline at the end."""
-    out: list[str] = []
-    for line in source.splitlines():
-        line = line.rstrip()
-        if not line:
-            if len(out) < 2 or out[-1] or out[-2]:
-                out.append(line)
-            continue
-        if not line[0].isspace():
-            prev = next((p for p in reversed(out) if p), "")
-            leaving_body = prev[:1].isspace()
-            if (_DEFINITION.match(line) and not prev.startswith(("@", "#"))) or (
-                leaving_body and line.startswith("#")
-            ):
-                while out and not out[-1]:
-                    out.pop()
-                if out:
-                    out += ["", ""]
-        out.append(line)
-    return "\n".join(out).rstrip("\n") + "\n"
-
-
 def render(spec: QuantKernelSpec) -> str:
     """The generated CuTe DSL module (Python source) of ``spec``'s quantize kernels: the rowwise
     template for one rowwise output with 1xN blocks, the tile template otherwise (a columnwise
@@ -834,8 +747,8 @@ def render(spec: QuantKernelSpec) -> str:
     Raises NotImplementedError for block/RHT shapes the thread mappings do not cover.
     """
     if is_rowwise(spec):
-        return _tidy(_environment().get_template("quantize.py.j2").render(**context(spec)))
-    return _tidy(_environment().get_template("quantize_tile.py.j2").render(**tile_context(spec)))
+        return render_template("quantize.py.j2", context(spec))
+    return render_template("quantize_tile.py.j2", tile_context(spec))
 
 
 __all__ = [

@@ -6,8 +6,9 @@ which the numerics read) does not load the parser and Lark.
 
 from __future__ import annotations
 
-import importlib
 from typing import TYPE_CHECKING, Any
+
+from fp4gen import lazy_attribute
 
 _LAZY: dict[str, str] = {
     "find_recipe": "fp4gen.dsl.source",
@@ -25,12 +26,7 @@ if TYPE_CHECKING:
 
 
 def __getattr__(name: str) -> Any:
-    module = _LAZY.get(name)
-    if module is None:
-        raise AttributeError(f"module 'fp4gen.dsl' has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
-    globals()[name] = value
-    return value
+    return lazy_attribute(__name__, _LAZY, globals(), name)
 
 
 def __dir__() -> list[str]:

@@ -49,6 +49,7 @@ from fp4gen.codegen.gemm_configs import (
 )
 from fp4gen.errors import FP4GenError, TensorError
 from fp4gen.numerics.quantize import tensor_version
+from fp4gen.runtime.checks import check_accumulate, check_bias, check_pair, one_cuda_device
 from fp4gen.runtime.loader import BUILD_FAILED, KernelLoader, Reasons, Unsupported
 
 _TORCH_OUT: dict[str, torch.dtype] = {"Float32": torch.float32, "BFloat16": torch.bfloat16}
@@ -208,10 +209,7 @@ def native_gemm(
     bf16 kernel would round twice. Raises FP4GenError when no MMA serves the pair, the shape or
     the arch, TensorError for operands that do not fit together.
     """
-    if a.cols != b.cols:
-        raise TensorError(f"K mismatch: a is [{a.rows}, {a.cols}] and b is [{b.rows}, {b.cols}]")
-    if a.rht != b.rht:
-        raise TensorError("the operands carry different Hadamard transforms")
+    check_pair(a, b)
     if arch not in NATIVE_ARCHS:
         raise FP4GenError(
             f"no block-scaled tcgen05 MMA on {arch} (the native GEMM targets {NATIVE_ARCHS})"
@@ -223,15 +221,9 @@ def native_gemm(
     reason = shape_reason(plan, m, n, k)
     if reason is not None:
         raise FP4GenError(f"the native GEMM cannot take {m} x {n} x {k}: {reason}")
-    if a.device != b.device or a.device.type != "cuda":
-        raise TensorError(
-            f"the blackwell GEMM needs both operands on one CUDA device: {a.device}, {b.device}"
-        )
-    dev = a.device
-    if bias is not None and tuple(bias.shape) != (n,):
-        raise TensorError(f"bias must have shape [{n}], got {tuple(bias.shape)}")
-    if accumulate is not None and tuple(accumulate.shape) != (m, n):
-        raise TensorError(f"accumulate has shape {tuple(accumulate.shape)}, the product {(m, n)}")
+    dev = one_cuda_device(a, b, "blackwell GEMM")
+    check_bias(bias, n)
+    check_accumulate(accumulate, m, n)
     direct_bf16 = (
         out_dtype == torch.bfloat16
         and bias is None

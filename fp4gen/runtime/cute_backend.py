@@ -20,6 +20,7 @@ from __future__ import annotations
 import logging
 import threading
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 import torch
@@ -30,6 +31,7 @@ from fp4gen.dsl.model import RHTSpec
 from fp4gen.errors import FP4GenError, TensorError
 from fp4gen.formats import BlockFormat, is_stochastic
 from fp4gen.runtime import finite
+from fp4gen.runtime.checks import launch_rows, not_cuda, served_by_reference
 from fp4gen.runtime.loader import KernelLoader, LogOnce, Reasons, Unsupported
 
 log = logging.getLogger("fp4gen.runtime")
@@ -147,21 +149,18 @@ def quantize_cute(
     kernels cannot serve this call (the caller then runs the reference). ``offset`` may be a
     DeviceOffset (one slot): the kernels then read it from device memory when they run."""
 
-    def unavailable(reason: str) -> None:
-        if required:
-            raise FP4GenError(
-                f"the 'cute' backend (generated CuTe DSL kernels) is not available: {reason}"
-            )
-        _log_once(reason)
-
-    if not isinstance(x, torch.Tensor) or x.device.type != "cuda":
-        where = x.device if isinstance(x, torch.Tensor) else type(x).__name__
-        return unavailable(f"it runs on CUDA tensors, got a tensor on {where}")
+    unavailable = partial(
+        served_by_reference,
+        required=required,
+        kernels="generated CuTe DSL kernels",
+        log_once=_log_once,
+    )
+    refusal = not_cuda(x)
+    if refusal is not None:
+        return unavailable(refusal)
     if x.dtype not in _DTYPES or x.numel() == 0:
         return None if not required else _reference_error(x)
-    x2 = x.reshape(1, -1) if x.dim() <= 1 else x.reshape(-1, x.shape[-1])
-    if not x2.is_contiguous() or x2.data_ptr() % 16:
-        x2 = x2.contiguous() if not x2.is_contiguous() else x2.clone()
+    x2 = launch_rows(x)
     launch = _launch(fmt, (("rowwise", rounding, rht),), x2)
     kernels = launch.kernels
     if isinstance(kernels, Unsupported):

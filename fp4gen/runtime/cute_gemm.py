@@ -31,6 +31,7 @@ from fp4gen.codegen.gemm_configs import FUSED_ARCHS
 from fp4gen.errors import FP4GenError, TensorError
 from fp4gen.formats import BlockFormat
 from fp4gen.numerics.quantize import tensor_version
+from fp4gen.runtime.checks import check_accumulate, check_bias, check_pair, one_cuda_device
 from fp4gen.runtime.device_memory import capturing, persistent
 from fp4gen.runtime.loader import KernelLoader, Reasons, Unsupported
 from fp4gen.spec import GemmKernelSpec, GemmTile
@@ -234,15 +235,8 @@ def fused_gemm(
     none). Raises FP4GenError when no fused kernel serves the pair or the arch, TensorError for
     operands that do not fit together. ``accumulate`` (fp32 [M, N]) is not modified.
     """
-    if a.cols != b.cols:
-        raise TensorError(f"K mismatch: a is [{a.rows}, {a.cols}] and b is [{b.rows}, {b.cols}]")
-    if a.rht != b.rht:
-        raise TensorError("the operands carry different Hadamard transforms")
-    dev = a.device
-    if dev.type != "cuda" or b.device != dev:
-        raise TensorError(
-            f"the fused GEMM needs both operands on one CUDA device: {dev}, {b.device}"
-        )
+    check_pair(a, b)
+    dev = one_cuda_device(a, b, "fused GEMM")
     if arch not in FUSED_ARCHS:
         raise FP4GenError(
             f"no fused GEMM kernel for {arch} (it uses wgmma: {', '.join(FUSED_ARCHS)})"
@@ -264,10 +258,7 @@ def fused_gemm(
     a_scales = _scale_codes(a, m, k, kp, plan.expand)
     b_codes, b_scales, b_global = _b_operand(b, plan, kp)
     if accumulate is not None:
-        if tuple(accumulate.shape) != (m, n):
-            raise TensorError(
-                f"accumulate has shape {tuple(accumulate.shape)}, the product {(m, n)}"
-            )
+        check_accumulate(accumulate, m, n)
         out = accumulate.to(
             device=dev, dtype=torch.float32, copy=True, memory_format=torch.contiguous_format
         )
@@ -276,8 +267,7 @@ def fused_gemm(
     # the compiled function's order: A, A's scales, B, B's scales, S_a, S_b, C (, bias) (, ws)
     args = [a_codes, a_scales, b_codes, b_scales, _global(a.global_scale, dev), b_global, out]
     if bias is not None:
-        if tuple(bias.shape) != (n,):
-            raise TensorError(f"bias must have shape [{n}], got {tuple(bias.shape)}")
+        check_bias(bias, n)
         if bias.dtype != torch.float32 or bias.device != dev or not bias.is_contiguous():
             bias = bias.to(device=dev, dtype=torch.float32).contiguous()
         args.append(bias)

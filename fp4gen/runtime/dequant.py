@@ -38,6 +38,7 @@ from fp4gen.errors import FP4GenError, TensorError
 from fp4gen.formats import BlockFormat
 from fp4gen.numerics.quantize import tensor_version
 from fp4gen.runtime import cublaslt
+from fp4gen.runtime.checks import check_accumulate, check_bias, check_pair, one_cuda_device
 from fp4gen.runtime.loader import KernelLoader, LogOnce, Reasons, Unsupported
 
 log = logging.getLogger(__name__)
@@ -224,15 +225,8 @@ def dequant_gemm(
     none), formats served by the dequantize kernel (FP4GenError otherwise). B's values are
     remembered per tensor (see ``cached_bf16``). ``accumulate`` is not modified.
     """
-    if a.cols != b.cols:
-        raise TensorError(f"K mismatch: a is [{a.rows}, {a.cols}] and b is [{b.rows}, {b.cols}]")
-    if a.rht != b.rht:
-        raise TensorError("the operands carry different Hadamard transforms")
-    dev = a.device
-    if dev.type != "cuda" or b.device != dev:
-        raise TensorError(
-            f"the dequantize GEMM needs both operands on one CUDA device: {dev}, {b.device}"
-        )
+    check_pair(a, b)
+    one_cuda_device(a, b, "dequantize GEMM")
     kp = -(-a.cols // UNIT) * UNIT
     if max(a.rows, b.rows) * kp >= 2**31:
         raise FP4GenError("the dequantize kernel indexes with 32 bits (rows * K >= 2^31)")
@@ -259,14 +253,10 @@ def _gemm(
     m, n = va.shape[0], vb.shape[0]
     # checked once here for both the cuBLASLt call and the fallback epilogue
     if bias is not None:
-        if tuple(bias.shape) != (n,):
-            raise TensorError(f"bias must have shape [{n}], got {tuple(bias.shape)}")
+        check_bias(bias, n)
         bias = bias.detach()  # no autograd here
     if accumulate is not None:
-        if tuple(accumulate.shape) != (m, n):
-            raise TensorError(
-                f"accumulate has shape {tuple(accumulate.shape)}, the product {(m, n)}"
-            )
+        check_accumulate(accumulate, m, n)
         accumulate = accumulate.detach()
     on_device = all(t is None or t.device == dev for t in (bias, accumulate))
     if on_device:  # one cuBLASLt kernel: alpha, bias and C in its epilogue

@@ -21,6 +21,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from types import ModuleType
 from typing import Any
@@ -31,8 +32,9 @@ from fp4gen.codegen.mor import MoRKernelSpec, render
 from fp4gen.compiler import jit
 from fp4gen.compiler.cache import KernelCache, default_root
 from fp4gen.dsl.model import MoRSpec, RHTSpec
-from fp4gen.errors import FP4GenError, TensorError
+from fp4gen.errors import TensorError
 from fp4gen.formats import ElementFormat
+from fp4gen.runtime.checks import launch_rows, not_cuda, served_by_reference
 from fp4gen.runtime.loader import KernelLoader, LogOnce, Reasons, Unsupported
 
 log = logging.getLogger("fp4gen.runtime")
@@ -132,16 +134,12 @@ def mor_quantize_cute(
     cannot serve this call (the caller then runs the reference, which also raises for inputs
     nobody takes)."""
 
-    def unavailable(reason: str) -> None:
-        if required:
-            raise FP4GenError(
-                f"the 'cute' backend (generated MoR kernels) is not available: {reason}"
-            )
-        _log_once(reason)
-
-    if not isinstance(x, torch.Tensor) or x.device.type != "cuda":
-        where = x.device if isinstance(x, torch.Tensor) else type(x).__name__
-        return unavailable(f"it runs on CUDA tensors, got a tensor on {where}")
+    unavailable = partial(
+        served_by_reference, required=required, kernels="generated MoR kernels", log_once=_log_once
+    )
+    refusal = not_cuda(x)
+    if refusal is not None:
+        return unavailable(refusal)
     if x.dtype not in _DTYPES or x.numel() == 0:
         return None  # the reference raises the input error
     if rht is not None:
@@ -153,9 +151,7 @@ def mor_quantize_cute(
     if isinstance(kernels, Unsupported):
         return unavailable(kernels.reason)
 
-    x2 = x.reshape(1, -1) if x.dim() <= 1 else x.reshape(-1, x.shape[-1])
-    if not x2.is_contiguous() or x2.data_ptr() % 16:
-        x2 = x2.contiguous() if not x2.is_contiguous() else x2.clone()
+    x2 = launch_rows(x)
     try:
         kernels.module.check_input(x2)
     except TensorError as err:
