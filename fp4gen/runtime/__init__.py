@@ -4,15 +4,10 @@ from __future__ import annotations
 
 from typing import Any
 
+from fp4gen import lazy_attribute
+
 _LAZY = {"kernels_for": "fp4gen.runtime.kernels", "LoadedKernels": "fp4gen.runtime.kernels"}
 
 
 def __getattr__(name: str) -> Any:
-    module = _LAZY.get(name)
-    if module is None:
-        raise AttributeError(f"module 'fp4gen.runtime' has no attribute {name!r}")
-    import importlib
-
-    value = getattr(importlib.import_module(module), name)
-    globals()[name] = value
-    return value
+    return lazy_attribute("fp4gen.runtime", _LAZY, globals(), name)

@@ -41,6 +41,7 @@ from fp4gen.errors import FP4GenError, TensorError
 from fp4gen.formats import BlockFormat, ElementFormat
 from fp4gen.numerics import QuantizedTensor
 from fp4gen.numerics.gemm import require_quantized
+from fp4gen.runtime.checks import check_accumulate, check_bias, check_pair
 
 ARCHS = ("sm_90a",)  # cuBLASLt's 1x128 / 128x128 fp32 block scaling: Hopper only
 BLOCK = 128
@@ -205,10 +206,7 @@ def block_scaled_gemm(
     FP4GenError where this path does not serve them (formats, arch, torch build): the caller's
     cue to take another path."""
     require_quantized(a, b)
-    if a.cols != b.cols:
-        raise TensorError(f"K mismatch: a is [{a.rows}, {a.cols}] and b is [{b.rows}, {b.cols}]")
-    if a.rht != b.rht:
-        raise TensorError("the operands carry different Hadamard transforms")
+    check_pair(a, b)
     if a.device.type != "cuda" or b.device != a.device:
         raise TensorError(
             f"the block_scaled GEMM needs both operands on one CUDA device, got "
@@ -223,12 +221,8 @@ def block_scaled_gemm(
         reason = arch_reason(detect_arch(a.device))
     if reason is not None:
         raise FP4GenError(f"the block-scaled FP8 GEMM does not serve this pair: {reason}")
-    if bias is not None and bias.shape != (b.rows,):
-        raise TensorError(f"bias must have shape [{b.rows}], got {tuple(bias.shape)}")
-    if accumulate is not None and accumulate.shape != (a.rows, b.rows):
-        raise TensorError(
-            f"accumulate has shape {tuple(accumulate.shape)}, the product {(a.rows, b.rows)}"
-        )
+    check_bias(bias, b.rows)
+    check_accumulate(accumulate, a.rows, b.rows)
     ops = Operands(a, b)
     global_scales = a.format.global_scale or b.format.global_scale
     # cuBLASLt's epilogue adds a bias of the output's (16-bit) dtype in fp32 and rounds once:
