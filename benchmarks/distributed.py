@@ -134,7 +134,10 @@ def run_recipe(args: argparse.Namespace, recipe: str, device: torch.device) -> R
     torch.manual_seed(0)  # the same initial model on every rank
     model = build_model(args.model, args.hidden, args.layers, args.seq, str(device))
     if recipe != "bf16":
-        fp4gen.convert(model, fp4gen.load_recipe(recipe))
+        # --quantized-all-gather: FSDP2 gathers the exact layers' weights as codes and scales
+        fp4gen.convert(
+            model, fp4gen.load_recipe(recipe), fsdp_quantized_all_gather=args.quantized_all_gather
+        )
     units = shard(model, device)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     loss = loss_fn(args.model)
@@ -216,6 +219,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--recipes", default="bf16,recipes/nvfp4_small.fp4r")
     parser.add_argument("--model", choices=["llama", "gpt"], default=None)
+    parser.add_argument(
+        "--quantized-all-gather",
+        action="store_true",
+        help="gather the recipes' exact weights as codes and scales (docs/distributed.md)",
+    )
     args = parser.parse_args(argv)
     if args.device == "cuda":
         if not torch.cuda.is_available():
@@ -239,8 +247,8 @@ def main(argv: list[str] | None = None) -> int:
     where = torch.cuda.get_device_name() if args.device == "cuda" else "CPU (gloo)"
     print(
         f"model {args.model}, hidden {args.hidden}, {args.layers} layers, {args.tokens} tokens "
-        f"per rank and step (seq {args.seq}), AdamW, FSDP2 (bf16 parameters, fp32 reduce), "
-        f"{where}"
+        f"per rank and step (seq {args.seq}), AdamW, FSDP2 (bf16 parameters, fp32 reduce"
+        f"{', quantized weight all-gather' if args.quantized_all_gather else ''}), {where}"
     )
     print(
         f"  {'ranks':>5} {'recipe':24} {'tokens/s':>11} {'x bf16':>7} {'scaling':>8} "
