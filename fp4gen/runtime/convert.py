@@ -24,11 +24,21 @@ from __future__ import annotations
 
 import fnmatch
 import re
+from collections.abc import Iterable
 from dataclasses import dataclass, field, replace
+from typing import Any
 
 from torch import nn
 
-from fp4gen.dsl.model import LayerRule, LayerSelector, MoRSpec, OperandTable, Recipe, RecipeRef
+from fp4gen.dsl.model import (
+    LayerRule,
+    LayerSelector,
+    MoRSpec,
+    Operand,
+    OperandTable,
+    Recipe,
+    RecipeRef,
+)
 from fp4gen.errors import FP4GenError
 from fp4gen.formats import HighPrecision
 from fp4gen.runtime.fsdp import enable_quantized_all_gather
@@ -184,6 +194,8 @@ def convert(
     total_steps: int | None = None,
     backend: str = "auto",
     fsdp_quantized_all_gather: bool = False,
+    amax_group: Any = None,
+    amax_operands: Iterable[Operand | str] | None = None,
 ) -> nn.Module:
     """Replace the model's nn.Linear modules by fp4gen Linear layers per the recipe, in place
     (a transformers Conv1D by a ``Conv1DLinear``, which keeps its [in, out] weight).
@@ -195,6 +207,13 @@ def convert(
     ``fsdp_quantized_all_gather``: under FSDP2, all-gather the converted layers' weights as
     codes and scales where that is exact, in high precision elsewhere
     (``fp4gen.runtime.fsdp.enable_quantized_all_gather``; call ``fully_shard`` afterwards).
+
+    ``amax_group`` (a torch.distributed process group) and ``amax_operands``: sequence- or
+    tensor-parallel inputs. Every converted layer quantizes those operands (default
+    fprop.activation and dgrad.gradient) with the amax all-reduced over the group and rounds its
+    activations and gradients with seed + rank * 2**20 (``Linear.set_amax_group``;
+    docs/distributed.md). FP4GenError, before any layer is replaced, for an operand a layer
+    cannot reduce exactly.
     """
     if isinstance(recipe, str):
         from fp4gen.dsl import load_recipe
@@ -206,6 +225,7 @@ def convert(
     decisions = plan_layers(model, recipe)
     schedule_mors = tuple(m for rule in recipe.schedule for m in action_mors(rule.action))
     modules = dict(model.named_modules())
+    layers: list[tuple[str, Linear]] = []
     for decision in decisions:
         if decision.kept:
             continue
@@ -221,7 +241,12 @@ def convert(
         )
         layer.schedule.rules = recipe.schedule  # the schedule applies to every converted layer
         layer.check_supported()
-        _set_module(model, decision.name, layer)
+        if amax_group is not None:  # checked against the schedule's tables too
+            layer.set_amax_group(amax_group, amax_operands)
+        layers.append((decision.name, layer))
+    # replaced only once every layer was accepted: a refusal leaves the model as it was
+    for name, layer in layers:
+        _set_module(model, name, layer)
     if fsdp_quantized_all_gather:
         enable_quantized_all_gather(model)
     model._fp4gen_plan = decisions  # type: ignore[attr-defined]

@@ -26,8 +26,9 @@ depends only on the elements of its block and the global scale, so a block that 
 shard is quantized the same by the shard's rank as by anyone holding the whole weight. The
 reference quantizer takes the global amax from the tensor it is given; each rank therefore
 quantizes its shard with one extra block-row appended that holds the global amax in one
-element and zeros elsewhere (``_quantize_shard``): the tensor's amax is then the global amax,
-that block-row is a block of its own, and its codes and scales are cut off again.
+element and zeros elsewhere (``fp4gen.runtime.global_amax.quantize_with_amax``): the tensor's
+amax is then the global amax, that block-row is a block of its own, and its codes and scales are
+cut off again.
 
 Where this is exact, and so used (``plan_for``, checked when a layer is enabled; the shard size
 when FSDP2 first gathers):
@@ -58,7 +59,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.utils._pytree import tree_flatten, tree_map_only
 
@@ -67,9 +67,10 @@ from fp4gen.errors import FP4GenError
 from fp4gen.formats import BlockFormat
 from fp4gen.numerics import QuantizedTensor
 from fp4gen.numerics.quantize import PackedCodes
+from fp4gen.runtime.global_amax import group_amax, quantize_with_amax
 from fp4gen.runtime.linear import Linear, _transposable
 from fp4gen.runtime.loader import LogOnce
-from fp4gen.runtime.operands import k_multiple, quantize_operand
+from fp4gen.runtime.operands import k_multiple
 from fp4gen.runtime.schedule import action_table
 
 log = logging.getLogger("fp4gen.runtime")
@@ -176,36 +177,9 @@ def _plain_state_dict(module: nn.Module, state: dict[str, Any], prefix: str, met
 def _quantize_shard(
     shard: torch.Tensor, spec: OperandSpec, amax: torch.Tensor, backend: str
 ) -> QuantizedTensor:
-    """Q(shard) with the per-tensor amax ``amax`` (>= the shard's own) in place of the shard's:
-    one block-row [block height, cols] holding ``amax`` in its first element is appended, so the
-    tensor's amax is ``amax`` and the other blocks are untouched; its codes and scales are cut
-    off. The block height divides the shard's rows (the caller checks)."""
-    assert isinstance(spec.format, BlockFormat)
-    height = spec.format.block[0]
-    rows, cols = shard.shape
-    extra = shard.new_zeros((height, cols))
-    extra[0, 0] = amax.to(shard.dtype)  # exact: the amax is one of the weight's values
-    q = quantize_operand(torch.cat((shard, extra)), spec, seed=0, offset=0, backend=backend)
-    assert isinstance(q, QuantizedTensor)
-    data = q.data[:rows]
-    if q.scale_codes is not None:
-        scales, scale_codes = None, q.scale_codes[: rows // height]
-    else:
-        scales, scale_codes = q.scales[: rows // height], None
-    return QuantizedTensor(
-        codes=None,
-        scales=scales,
-        scale_codes=scale_codes,
-        global_scale=q.global_scale,
-        format=q.format,
-        rounding=q.rounding,
-        rht=None,
-        seed=0,
-        offset=0,
-        shape=shard.shape,
-        dtype=shard.dtype,
-        packed=PackedCodes(data, cols, q.element.bits),
-    )
+    """Q(shard) with the whole weight's amax ``amax`` in place of the shard's (round to nearest:
+    no random stream). The block height divides the shard's rows (the caller checks)."""
+    return quantize_with_amax(shard, spec, amax, seed=0, offset=0, backend=backend)
 
 
 # --- the sharded parameter -----------------------------------------------------------------------
@@ -310,14 +284,11 @@ class ShardedWeight(torch.Tensor):
             return (shard,), None
         spec = self.plan.spec
         assert spec is not None
-        # One all-reduce: the amax of the whole weight, and whether any shard holds a NaN or an
-        # Inf (a MAX reduction need not propagate NaN). Then every rank quantizes with a NaN
-        # amax and does what the layer does with a non-finite weight (the reference raises; the
-        # kernels give a NaN global scale), rather than one rank raising while the others wait
-        # in the all-gather. No value is read back to the host.
-        local = torch.stack((shard.abs().amax().float(), (~torch.isfinite(shard)).any().float()))
-        dist.all_reduce(local, op=dist.ReduceOp.MAX, group=mesh.get_group())
-        amax = torch.where(local[1] > 0, torch.full_like(local[0], float("nan")), local[0])
+        # One all-reduce: the amax of the whole weight, NaN on every rank when any shard holds
+        # a NaN or an Inf (fp4gen.runtime.global_amax.group_amax), so that every rank does what
+        # the layer does with a non-finite weight rather than one raising while the others
+        # wait in the all-gather.
+        amax = group_amax(shard, mesh.get_group())
         q = _quantize_shard(shard.contiguous(), spec, amax, self.plan.backend)
         scales = q.scale_codes if q.scale_codes is not None else q.scales
         global_scale = q.global_scale.reshape(1).to(torch.float32)

@@ -40,6 +40,14 @@ Under FSDP2's quantized weight all-gather (``fp4gen.runtime.fsdp``) the GEMMs ar
 gathered codes and scales themselves (a ``GatheredWeight``, made anew by every all-gather): they
 are the fprop weight operand as they are, and their transpose the dgrad one.
 
+Sequence- or tensor-parallel inputs (``amax_group``, ``set_amax_group``): the chosen activation
+and gradient operands (default fprop.activation and dgrad.gradient) are quantized with the amax
+of the whole tensor the ranks of a process group hold token slices of (one all-reduce MAX per
+tensor, ``fp4gen.runtime.global_amax``), so a rank's operand is its rows of the whole batch's,
+bit for bit; the activation and gradient operands then round with seed + rank * 2**20
+(``data_seed``), the weights with the layer's seed. Such a layer runs eagerly (no layer graph:
+a collective in a captured graph is not proven safe). docs/distributed.md says more.
+
 Operands whose format is a Mixture-of-Representations rule (``mor NAME``) are quantized by the
 MoR reference (``fp4gen.numerics.mor``) with the rule the layer was given (``mors``: the
 recipe's own, plus those of recipes its schedule switches to); the columnwise MoR weight is
@@ -55,6 +63,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from fp4gen.device_offset import DeviceOffset
@@ -67,6 +76,13 @@ from fp4gen.numerics.mor import MoRTensor
 from fp4gen.runtime import finite, ops
 from fp4gen.runtime.cute_backend import quantize_tile_cute
 from fp4gen.runtime.device_memory import persistent
+from fp4gen.runtime.global_amax import (
+    RANK_SEED_STRIDE,
+    check_reducible,
+    group_amax,
+    quantize_with_amax,
+    resolve_operands,
+)
 from fp4gen.runtime.layer_graphs import LayerGraphs, worth_graphing
 from fp4gen.runtime.operands import (
     check_supported,
@@ -107,8 +123,9 @@ class Linear(nn.Linear):
     """torch.nn.Linear whose three GEMMs run with the numerics of a recipe.
 
     Same constructor and state_dict as torch.nn.Linear, plus the recipe (or an explicit operand
-    table and the MoR rules it names), a seed for stochastic rounding and a name used in
-    telemetry.
+    table and the MoR rules it names), a seed for stochastic rounding, a name used in
+    telemetry, and optionally a process group whose amax some operands share (``amax_group``,
+    ``amax_operands``: ``set_amax_group``).
     """
 
     def __init__(
@@ -126,6 +143,8 @@ class Linear(nn.Linear):
         backend: str = "auto",
         clock: TrainingClock | None = None,
         mors: Iterable[MoRSpec] = (),
+        amax_group: Any = None,
+        amax_operands: Iterable[Operand | str] | None = None,
     ) -> None:
         super().__init__(in_features, out_features, bias=bias, device=device, dtype=dtype)
         if (recipe is None) == (operands is None):
@@ -147,6 +166,11 @@ class Linear(nn.Linear):
         self._counters: dict[tuple[bool, torch.device], torch.Tensor] = {}
         self._device_offsets: dict[tuple[Operand, torch.device], DeviceOffset] = {}
         self._graphs: LayerGraphs | None = None  # made on the first CUDA call
+        self._amax_group = _SharedGroup(None)
+        self.amax_operands: frozenset[Operand] = frozenset()
+        self._group_rank = 0
+        if amax_group is not None:
+            self.set_amax_group(amax_group, amax_operands)
         self._op_id = ops.register(self)
 
     @classmethod
@@ -166,6 +190,60 @@ class Linear(nn.Linear):
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, seed={self.seed}"
+
+    def set_amax_group(self, group: Any, operands: Iterable[Operand | str] | None = None) -> None:
+        """Quantize ``operands`` (default: fprop.activation and dgrad.gradient) with the amax
+        of the whole tensor the ranks of the process group ``group`` hold token slices of (one
+        all-reduce MAX per tensor and call), and round this rank's activation and gradient
+        operands with its own stream (``data_seed``). FP4GenError for an operand, in any table
+        the precision schedule can switch to, that cannot be reduced exactly
+        (``fp4gen.runtime.global_amax.check_reducible``). ``None`` turns it off. Every rank of
+        the group must then call the layer's forward and backward in step (collectives)."""
+        if group is None:
+            self._amax_group, self._group_rank = _SharedGroup(None), 0
+            self.amax_operands = frozenset()
+            return
+        chosen = resolve_operands(operands)
+        tables = [self.schedule.base, *(action_table(r.action) for r in self.schedule.rules)]
+        for table in tables:
+            for op in sorted(chosen, key=SLOT.__getitem__):
+                check_reducible(op, getattr(table, op.name.lower()), self.name or "this layer")
+        rank = dist.get_rank(group)
+        if rank < 0:
+            raise FP4GenError(f"{self.name or 'this layer'}: this process is not in amax_group")
+        self._amax_group, self.amax_operands, self._group_rank = _SharedGroup(group), chosen, rank
+
+    @property
+    def amax_group(self) -> Any:
+        """The process group whose amax the reduced operands use (None: off)."""
+        return self._amax_group.group
+
+    @property
+    def data_seed(self) -> int:
+        """The Philox seed of the activation and gradient operands: the layer's seed, plus
+        rank * RANK_SEED_STRIDE under an amax group (those tensors differ per rank, so every
+        rank draws its own stream; the weight, the same on every rank, keeps ``seed``)."""
+        return self.seed + self._group_rank * RANK_SEED_STRIDE
+
+    def _seed_of(self, op: Operand) -> int:
+        return self.seed if op.role == "weight" else self.data_seed
+
+    def _group_amax(self, t: torch.Tensor) -> torch.Tensor:
+        """The group's amax of the tensor ``t`` is a slice of (one all-reduce). Refused while a
+        CUDA graph is being captured (a captured step, torch.compile's cudagraphs): a collective
+        inside a captured graph is not proven safe here."""
+        if t.is_cuda and torch.cuda.is_current_stream_capturing():
+            raise FP4GenError(
+                f"{self.name or 'fp4gen.nn.Linear'}: a layer with an amax_group all-reduces "
+                "in every call, which is not supported inside a CUDA graph capture; run it "
+                "eagerly (or without CUDA graphs)"
+            )
+        return group_amax(t, self.amax_group)
+
+    def _reduced(self, op: Operand, spec: OperandSpec) -> bool:
+        """Whether ``op`` is quantized with its group's amax in this table (a high-precision
+        operand has no scale to share)."""
+        return op in self.amax_operands and isinstance(spec.format, BlockFormat)
 
     def check_supported(self) -> None:
         """Raise FP4GenError for an operand (of the base table or any table the schedule switches
@@ -335,14 +413,25 @@ class Linear(nn.Linear):
         # kernel per tensor reads it once, with no transposed copy. dy's zero tokens leave its
         # real rows' dgrad codes as they are (1xN blocks run along the row; an SR stream indexes
         # row * columns + column), so one padded dy serves both GEMMs.
-        dyq, dyq_t = quantize_operand_pair(
-            dy2,
-            self.slot(Operand.DGRAD_GRADIENT, table.dgrad_gradient, call, dy2),
-            self.slot(Operand.WGRAD_GRADIENT, table.wgrad_gradient, call, dy2),
-            seed=self.seed,
-            backend=self.backend,
-            mors=self.mors,
-        )
+        if self._reduced(Operand.DGRAD_GRADIENT, table.dgrad_gradient) or self._reduced(
+            Operand.WGRAD_GRADIENT, table.wgrad_gradient
+        ):
+            # one all-reduce serves both copies (dy^T has dy's amax); each copy quantized on
+            # its own, the columnwise one from dy^T as quantize_operand_pair does without a kernel
+            amax = self._group_amax(dy2)
+            dyq = self.quantize(dy2, Operand.DGRAD_GRADIENT, table.dgrad_gradient, call, amax)
+            dyq_t = self.quantize(
+                dy2.t().contiguous(), Operand.WGRAD_GRADIENT, table.wgrad_gradient, call, amax
+            )
+        else:
+            dyq, dyq_t = quantize_operand_pair(
+                dy2,
+                self.slot(Operand.DGRAD_GRADIENT, table.dgrad_gradient, call, dy2),
+                self.slot(Operand.WGRAD_GRADIENT, table.wgrad_gradient, call, dy2),
+                seed=self.data_seed,
+                backend=self.backend,
+                mors=self.mors,
+            )
         dx = _matmul(dyq, w_col, x2.dtype)
         if padded_tokens != tokens:
             dx = dx[:tokens]  # a prefix of rows: still contiguous
@@ -351,14 +440,19 @@ class Linear(nn.Linear):
             self.record(Operand.DGRAD_WEIGHT, w.t(), w_col, call)
 
         x2 = pad_to(x2, padded_tokens, x2.shape[1])
-        _, xq_t = quantize_operand_pair(
-            x2,
-            None,
-            self.slot(Operand.WGRAD_ACTIVATION, table.wgrad_activation, call, x2),
-            seed=self.seed,
-            backend=self.backend,
-            mors=self.mors,
-        )
+        if self._reduced(Operand.WGRAD_ACTIVATION, table.wgrad_activation):
+            xq_t = self.quantize(
+                x2.t().contiguous(), Operand.WGRAD_ACTIVATION, table.wgrad_activation, call
+            )
+        else:
+            _, xq_t = quantize_operand_pair(
+                x2,
+                None,
+                self.slot(Operand.WGRAD_ACTIVATION, table.wgrad_activation, call, x2),
+                seed=self.data_seed,
+                backend=self.backend,
+                mors=self.mors,
+            )
         self._advance_device(forward=False)
         dw = _matmul(dyq_t, xq_t, w.dtype)
         if padded_out != n_out:
@@ -389,10 +483,24 @@ class Linear(nn.Linear):
         wt = wt.contiguous() if k is None or k == wt.shape[1] else pad_to(wt, wt.shape[0], k)
         return self.quantize(wt, Operand.DGRAD_WEIGHT, table.dgrad_weight, call)
 
-    def quantize(self, t: torch.Tensor, op: Operand, spec: OperandSpec, call: int) -> Any:
+    def quantize(
+        self,
+        t: torch.Tensor,
+        op: Operand,
+        spec: OperandSpec,
+        call: int,
+        amax: torch.Tensor | None = None,
+    ) -> Any:
+        """Q(t) for operand slot ``op`` in this call; a reduced operand (``set_amax_group``)
+        with the group's amax (``amax`` when the caller has it already, else all-reduced now)."""
         _, offset = self.slot(op, spec, call, t)
+        seed = self._seed_of(op)
+        if self._reduced(op, spec):
+            if amax is None:
+                amax = self._group_amax(t)
+            return quantize_with_amax(t, spec, amax, seed=seed, offset=offset, backend=self.backend)
         return quantize_operand(
-            t, spec, seed=self.seed, offset=offset, backend=self.backend, mors=self.mors
+            t, spec, seed=seed, offset=offset, backend=self.backend, mors=self.mors
         )
 
     def slot(
@@ -447,9 +555,12 @@ class Linear(nn.Linear):
     ) -> LayerGraphs | None:
         """The layer's graphs when this pass may run from one (fp4gen.runtime.layer_graphs):
         CUDA, the kernels' backend, block formats or high precision only (MoR decides on the
-        host), no telemetry (it records on the host), non-finite inputs propagated."""
+        host), no telemetry (it records on the host), non-finite inputs propagated, and no
+        amax group."""
         if not t.is_cuda or self.telemetry.every or not layer_graphs_enabled():
             return None
+        if self.amax_group is not None:
+            return None  # a collective inside a captured graph: not proven safe, so eager
         if self.backend not in ("auto", "cute") or finite.layer_mode() != "propagate":
             return None
         if not worth_graphing(t.shape[0], self.in_features, self.out_features):
@@ -478,6 +589,20 @@ class Linear(nn.Linear):
         self.telemetry.records.append(
             {"layer": self.name, "call": call, "operand": op.selector, **stats}
         )
+
+
+class _SharedGroup:
+    """A process group as a layer holds it: a deep copy of the layer (an EMA copy, a reference
+    model) shares it, as it is a handle to the ranks' communicator (a ProcessGroup cannot be
+    copied or pickled)."""
+
+    __slots__ = ("group",)
+
+    def __init__(self, group: Any) -> None:
+        self.group = group
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> _SharedGroup:
+        return self
 
 
 class Conv1DLinear(Linear):
