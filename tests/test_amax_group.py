@@ -22,20 +22,14 @@ deadline after which the test kills the ranks and fails.
 from __future__ import annotations
 
 import copy
-import itertools
-import os
 import sys
-import time
-from collections.abc import Callable
 from dataclasses import replace
-from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch import nn
 
 import fp4gen
@@ -46,18 +40,17 @@ from fp4gen.runtime.convert import count_converted
 from fp4gen.runtime.global_amax import DEFAULT_AMAX_OPERANDS, RANK_SEED_STRIDE
 from fp4gen.runtime.linear import SLOT, STREAMS_PER_CALL
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from rank_harness import spawn  # noqa: E402
+
 WORLD = 2
 TOKENS = 32  # per rank: a multiple of the 16-token blocks of the wgrad copies
 IN, OUT = 64, 48
 WIDTH = 64
 STEPS = 3
 DATA_OPERANDS = ("fprop.activation", "dgrad.gradient", "wgrad.gradient", "wgrad.activation")
-RANK_TIMEOUT_S = 60
-SPAWN_TIMEOUT_S = 240
 
 pytestmark = pytest.mark.skipif(not dist.is_available(), reason="torch.distributed not built")
-
-_spawns = itertools.count()
 
 
 def recipe(rounding: str) -> Any:
@@ -70,46 +63,6 @@ def recipe(rounding: str) -> Any:
         "    weight : block 16x16 round nearest\n"
         "}\n"
     )
-
-
-# --- the multi-process harness -------------------------------------------------------------------
-def rank_main(rank: int, world: int, store: str, job: Callable[..., None], args: tuple) -> None:
-    torch.set_num_threads(1)
-    dist.init_process_group(
-        "gloo",
-        init_method=f"file://{store}",
-        rank=rank,
-        world_size=world,
-        timeout=timedelta(seconds=RANK_TIMEOUT_S),
-    )
-    try:
-        job(rank, world, *args)
-        dist.barrier()
-    finally:
-        dist.destroy_process_group()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)  # no C++ destructors: gloo's threads may abort the exit (tests/test_distributed)
-
-
-def spawn(job: Callable[..., None], tmp: Path, *args: Any) -> None:
-    """Run ``job(rank, WORLD, *args)`` on WORLD gloo ranks; fail (never hang) past the deadline.
-    A rank's failed assertion fails the test with its traceback."""
-    store = tmp / f"store-{next(_spawns)}"
-    ctx = mp.start_processes(
-        rank_main,
-        args=(WORLD, str(store), job, args),
-        nprocs=WORLD,
-        join=False,
-        start_method="spawn",
-    )
-    deadline = time.monotonic() + SPAWN_TIMEOUT_S
-    while not ctx.join(timeout=2):
-        if time.monotonic() > deadline:
-            for proc in ctx.processes:
-                if proc.is_alive():
-                    proc.kill()
-            pytest.fail(f"{job.__name__} on {WORLD} ranks ran past {SPAWN_TIMEOUT_S} s")
 
 
 def capture(layer: fp4gen.nn.Linear) -> dict[Operand, Any]:
@@ -198,7 +151,7 @@ def operands_job(rank: int, world: int) -> None:
 
 @pytest.mark.slow
 def test_each_operand_is_its_rows_of_the_concatenation(tmp_path: Path) -> None:
-    spawn(operands_job, tmp_path)
+    spawn(operands_job, WORLD, tmp_path)
 
 
 # --- 2: sequence-parallel training against one process running the whole batch -----------------
@@ -286,7 +239,7 @@ def test_sequence_parallel_training_equals_the_whole_batch(
     operands with its own amax, so dW is another quantization of the same product than the
     whole batch's: only the first step's y and dx (and loss, to summation order) compare."""
     out = tmp_path / "sp.pt"
-    spawn(training_job, tmp_path, operands, str(out))
+    spawn(training_job, WORLD, tmp_path, operands, str(out))
     got = torch.load(out)
     want = whole_batch_run(operands)
     assert torch.equal(got["y"][0], want["y"][0])
@@ -339,7 +292,7 @@ def test_stochastic_rounding_differs_per_rank_and_repeats(tmp_path: Path) -> Non
     runs = []
     for run in range(2):  # two fresh sets of ranks
         out = tmp_path / f"streams-{run}.pt"
-        spawn(streams_job, tmp_path, str(out))
+        spawn(streams_job, WORLD, tmp_path, str(out))
         runs.append(torch.load(out))
     first, second = runs
     for name, (rank0, rank1) in first["codes"].items():

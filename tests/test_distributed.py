@@ -18,9 +18,10 @@ CUDA has at least as many devices as ranks (marked ``gpu``; skipped otherwise):
 ``pytest -m gpu tests/test_distributed.py``. ``FP4GEN_DIST_BACKEND=gloo`` or ``nccl`` runs only
 that backend's cases.
 
-Every multi-process run has a deadline: the ranks' collectives time out (``RANK_TIMEOUT_S``) and
-the test kills ranks still alive at its own deadline, so a broken collective fails the test
-instead of hanging the suite.
+Every multi-process run has a deadline (tests/rank_harness.py, shared with the FSDP2
+quantized all-gather and amax-group tests): the ranks' collectives time out and the test kills
+ranks still alive at its own deadline, so a broken collective fails the test instead of hanging
+the suite.
 """
 
 from __future__ import annotations
@@ -29,20 +30,19 @@ import copy
 import itertools
 import os
 import sys
-import time
 import warnings
-from collections.abc import Callable
-from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch import nn
 
 import fp4gen
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from rank_harness import rank_device, spawn  # noqa: E402
 
 RECIPE = """recipe nearest_nvfp4 "NVFP4 with round-to-nearest everywhere"
 operands {
@@ -55,12 +55,8 @@ STEPS = 4
 WIDTH = 64
 TOKENS = 32
 REPEATS = int(os.environ.get("FP4GEN_DIST_REPEATS", "3"))
-RANK_TIMEOUT_S = 120  # a collective waiting longer than this raises in the rank
-SPAWN_TIMEOUT_S = 300  # the whole multi-process run, start-up (imports) included
 
 pytestmark = pytest.mark.skipif(not dist.is_available(), reason="torch.distributed not built")
-
-_spawns = itertools.count()
 
 
 # --- backends and the multi-process harness ------------------------------------------------------
@@ -68,9 +64,9 @@ def nccl_ready(world: int) -> bool:
     return dist.is_nccl_available() and torch.cuda.device_count() >= world
 
 
-def rank_device(backend: str, rank: int) -> torch.device:
-    """gloo runs on the CPU; NCCL puts rank r on cuda:r."""
-    return torch.device("cuda", rank) if backend == "nccl" else torch.device("cpu")
+def on(backend: str) -> dict[str, Any]:
+    """spawn's arguments for ``backend``: the jobs here take the rank's device."""
+    return {"backend": backend, "with_device": True}
 
 
 def selected(backend: str) -> bool:
@@ -97,55 +93,6 @@ def cases(worlds: tuple[int, ...], *modes: str) -> list[Any]:
         for mode, world, backend in itertools.product(modes, worlds, ("gloo", "nccl"))
         if selected(backend)
     ]
-
-
-def rank_main(
-    rank: int, world: int, backend: str, store: str, job: Callable[..., None], args: tuple
-) -> None:
-    """One rank: join the group, run ``job(rank, world, device, *args)``, leave."""
-    device = rank_device(backend, rank)
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
-    else:
-        torch.set_num_threads(1)  # 4 ranks on a 2-core CI machine: no thread oversubscription
-    dist.init_process_group(
-        backend,
-        init_method=f"file://{store}",
-        rank=rank,
-        world_size=world,
-        timeout=timedelta(seconds=RANK_TIMEOUT_S),
-    )
-    try:
-        job(rank, world, device, *args)
-        dist.barrier()
-    finally:
-        dist.destroy_process_group()
-    # Leave without running C++ destructors: gloo's threads may still be joinable at interpreter
-    # exit, which aborts the process ("terminate called without an active exception") after
-    # the work is done and the results saved.
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
-
-
-def spawn(job: Callable[..., None], world: int, backend: str, tmp: Path, *args: Any) -> None:
-    """Run ``job`` on ``world`` fresh ranks; fail (never hang) past SPAWN_TIMEOUT_S."""
-    store = tmp / f"store-{next(_spawns)}"  # a FileStore's file serves one group only
-    ctx = mp.start_processes(
-        rank_main,
-        args=(world, backend, str(store), job, args),
-        nprocs=world,
-        join=False,
-        start_method="spawn",
-    )
-    deadline = time.monotonic() + SPAWN_TIMEOUT_S
-    # join raises as soon as a rank fails (and ends the others); True once all exited cleanly
-    while not ctx.join(timeout=5):
-        if time.monotonic() > deadline:
-            for proc in ctx.processes:
-                if proc.is_alive():
-                    proc.kill()
-            pytest.fail(f"{job.__name__} on {world} {backend} ranks ran past {SPAWN_TIMEOUT_S} s")
 
 
 # --- the model and its training -----------------------------------------------------------------
@@ -288,7 +235,7 @@ def check_against_accumulation(
     mode: str, backend: str, world: int, seeds: list[int], tmp: Path
 ) -> None:
     out = tmp / f"{mode}-{world}.pt"
-    spawn(train_job, world, backend, tmp, mode, seeds, str(out))
+    spawn(train_job, world, tmp, mode, seeds, str(out), **on(backend))
     got = torch.load(out)
     device = rank_device(backend, 0)
     for seed, res in zip(seeds, got, strict=True):
@@ -412,8 +359,8 @@ def test_checkpoint_saved_at_4_ranks_loads_at_2_and_at_1(backend: str, tmp_path:
     import torch.distributed.checkpoint as dcp
 
     ckpt = tmp_path / "ckpt"
-    spawn(save_job, 4, backend, tmp_path, str(ckpt), str(tmp_path / "saved.pt"))
-    spawn(load_job, 2, backend, tmp_path, str(ckpt), str(tmp_path / "loaded.pt"))
+    spawn(save_job, 4, tmp_path, str(ckpt), str(tmp_path / "saved.pt"), **on(backend))
+    spawn(load_job, 2, tmp_path, str(ckpt), str(tmp_path / "loaded.pt"), **on(backend))
     saved, loaded = torch.load(tmp_path / "saved.pt"), torch.load(tmp_path / "loaded.pt")
 
     assert saved["model"].keys() == loaded["model"].keys()

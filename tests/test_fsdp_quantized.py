@@ -28,18 +28,14 @@ from __future__ import annotations
 import copy
 import itertools
 import logging
-import os
 import sys
-import time
 from collections.abc import Callable
-from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch import nn
 
 import fp4gen
@@ -54,6 +50,9 @@ from fp4gen.runtime.fsdp import (
 )
 from fp4gen.runtime.linear import Conv1DLinear
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from rank_harness import spawn  # noqa: E402
+
 RECIPE = """recipe nearest_nvfp4 "NVFP4, 16x16 weight tiles, round-to-nearest"
 operands {
     *      : nvfp4 round nearest
@@ -65,54 +64,11 @@ operands {
     * : nvfp4 round nearest
 }
 """
-RANK_TIMEOUT_S = 60
-SPAWN_TIMEOUT_S = 240
 STEPS = 2
 WIDTH = 64
 TOKENS = 32
 
 pytestmark = pytest.mark.skipif(not dist.is_available(), reason="torch.distributed not built")
-
-_spawns = itertools.count()
-
-
-# --- the multi-process harness -------------------------------------------------------------------
-def rank_main(rank: int, world: int, store: str, job: Callable[..., None], args: tuple) -> None:
-    torch.set_num_threads(1)  # several ranks on a small CI machine
-    dist.init_process_group(
-        "gloo",
-        init_method=f"file://{store}",
-        rank=rank,
-        world_size=world,
-        timeout=timedelta(seconds=RANK_TIMEOUT_S),
-    )
-    try:
-        job(rank, world, *args)
-        dist.barrier()
-    finally:
-        dist.destroy_process_group()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)  # no C++ destructors (module docstring)
-
-
-def spawn(job: Callable[..., None], world: int, tmp: Path, *args: Any) -> None:
-    """Run ``job(rank, world, *args)`` on ``world`` gloo ranks; fail past SPAWN_TIMEOUT_S."""
-    store = tmp / f"store-{next(_spawns)}"
-    ctx = mp.start_processes(
-        rank_main,
-        args=(world, str(store), job, args),
-        nprocs=world,
-        join=False,
-        start_method="spawn",
-    )
-    deadline = time.monotonic() + SPAWN_TIMEOUT_S
-    while not ctx.join(timeout=2):
-        if time.monotonic() > deadline:
-            for proc in ctx.processes:
-                if proc.is_alive():
-                    proc.kill()
-            pytest.fail(f"{job.__name__} on {world} ranks ran past {SPAWN_TIMEOUT_S} s")
 
 
 class ByteCounter:
