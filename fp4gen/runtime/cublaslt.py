@@ -34,7 +34,7 @@ from typing import Any
 
 import torch
 
-from fp4gen.runtime.device_memory import capturing, persistent
+from fp4gen.runtime.device_memory import kept
 
 log = logging.getLogger(__name__)
 
@@ -238,30 +238,21 @@ def _plan(lib: _Lib, problem: Problem, device: int) -> _Plan | None:
 
 
 def _workspace(device: int, stream: int) -> torch.Tensor:
-    ws = _workspaces.get((device, stream))
-    if ws is None:  # one per stream: work on one stream runs in order and can share it
+    """One per stream: work on one stream runs in order and can share it."""
 
-        def make() -> torch.Tensor:
-            return torch.empty(WORKSPACE_BYTES, dtype=torch.uint8, device=f"cuda:{device}")
+    def make() -> torch.Tensor:
+        return torch.empty(WORKSPACE_BYTES, dtype=torch.uint8, device=f"cuda:{device}")
 
-        if capturing():
-            return make()  # not kept: the graph being captured owns it (runtime.device_memory)
-        ws = _workspaces[(device, stream)] = persistent(make, device)
-    return ws
+    return kept(_workspaces, (device, stream), make, device)
 
 
 def constant(device: int, value: float) -> torch.Tensor:
     """A cached fp32 device scalar (beta); during a capture, one the graph owns."""
-    t = _constants.get((device, value))
-    if t is None:
 
-        def make() -> torch.Tensor:
-            return torch.full((1,), value, dtype=torch.float32, device=f"cuda:{device}")
+    def make() -> torch.Tensor:
+        return torch.full((1,), value, dtype=torch.float32, device=f"cuda:{device}")
 
-        if capturing():
-            return make()
-        t = _constants[(device, value)] = persistent(make, device)
-    return t
+    return kept(_constants, (device, value), make, device)
 
 
 def matmul(

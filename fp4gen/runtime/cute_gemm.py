@@ -32,7 +32,7 @@ from fp4gen.errors import FP4GenError, TensorError
 from fp4gen.formats import BlockFormat
 from fp4gen.numerics.quantize import tensor_version
 from fp4gen.runtime.checks import check_accumulate, check_bias, check_pair, one_cuda_device
-from fp4gen.runtime.device_memory import capturing, persistent
+from fp4gen.runtime.device_memory import kept
 from fp4gen.runtime.loader import KernelLoader, Reasons, Unsupported
 from fp4gen.spec import GemmKernelSpec, GemmTile
 
@@ -207,16 +207,12 @@ def _workspace(plan: _Plan, m: int, n: int, splits: int, dev: torch.device) -> t
     stream = _current_stream(dev)
     tiles = plan.module.tiles(m, n)
     key = (dev.index, stream, splits, tiles, plan.module.TILE_ELEMS)
-    ws = _workspaces.get(key)
-    if ws is None:
-        if capturing():
-            # not kept: a graph being captured owns its workspace (made in its pool, its counters
-            # zeroed by the graph on every replay), so no cached buffer ever outlives its graph
-            return plan.module.workspace(m, n, splits, dev)
-        if len(_workspaces) >= _MAX_WORKSPACES:
-            _workspaces.pop(next(iter(_workspaces)))
-        ws = _workspaces[key] = persistent(lambda: plan.module.workspace(m, n, splits, dev), dev)
-    return ws
+
+    def make() -> tuple:
+        # during a capture the graph's own pair: its counters zeroed by the graph on every replay
+        return plan.module.workspace(m, n, splits, dev)
+
+    return kept(_workspaces, key, make, dev, limit=_MAX_WORKSPACES)
 
 
 def fused_gemm(

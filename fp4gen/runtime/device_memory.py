@@ -12,13 +12,15 @@ pool.
 
 ``persistent(make, device)`` runs ``make`` there, outside any capture; while the current stream
 is being captured a kept buffer cannot be made at all (the capturing stream could not wait for
-its initialisation), and callers make an uncached one that the graph owns instead
-(``capturing()``).
+its initialisation). ``kept(cache, key, make, device)`` is what the caches use: the cached
+buffer, made by ``persistent`` on first use, or during a capture an uncached one that the graph
+owns (made in its pool, initialised by the graph on every replay), so no cached buffer ever
+outlives its graph.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Hashable
 from concurrent.futures import ThreadPoolExecutor
 from typing import TypeVar
 
@@ -74,4 +76,26 @@ def persistent(make: Callable[[], T], device: torch.device | int) -> T:
     return made
 
 
-__all__ = ["capturing", "persistent"]
+def kept(
+    cache: dict[Hashable, T],
+    key: Hashable,
+    make: Callable[[], T],
+    device: torch.device | int,
+    *,
+    limit: int | None = None,
+) -> T:
+    """``cache[key]``, made by ``make`` outside every graph pool on first use (the oldest entry
+    dropped first when ``limit`` entries are kept); while the current stream is being captured,
+    a fresh ``make()`` the graph owns, not cached (module docstring)."""
+    found = cache.get(key)
+    if found is not None:
+        return found
+    if capturing():
+        return make()
+    if limit is not None and len(cache) >= limit:
+        cache.pop(next(iter(cache)))
+    made = cache[key] = persistent(make, device)
+    return made
+
+
+__all__ = ["capturing", "kept", "persistent"]
