@@ -202,6 +202,26 @@ def test_graphs_capture_again_after_earlier_graphs_are_gone(monkeypatch) -> None
         torch.cuda.synchronize()
 
 
+def test_graphs_follow_the_fp8_semantics_setting(monkeypatch) -> None:
+    """A layer graphed under the default FP8 GEMM semantics (block-scaled) and then run under
+    ``fp8_semantics("exact")`` computes the exact products, the eager layer's bits, from graphs
+    of its own: the setting is part of a graph's key (a graph captured under one semantics
+    replayed under the other before). Both settings' graphs capture without a failure."""
+    import fp4gen.gemm_dispatch as gd
+
+    graphed, eager = _pair("fp8_blockwise.fp4r", ((384, 256),))
+    batches = [(torch.randn(128, 384, device="cuda"), torch.randn(128, 256, device="cuda"))] * 3
+    _run(graphed, True, monkeypatch, batches)
+    _run(eager, False, monkeypatch, batches)
+    with gd.fp8_semantics("exact"):
+        _assert_same(
+            _run(graphed, True, monkeypatch, batches), _run(eager, False, monkeypatch, batches)
+        )
+    layer = graphed[0]
+    assert not layer._graphs.failed and layer._graphs.replays >= 2
+    assert {key[0][-1][-1] for key in layer._graphs.graphs} == {"block_scaled", "exact"}
+
+
 def test_a_failed_capture_leaves_torch_usable() -> None:
     """A layer graph whose capture fails (here: a host sync inside the captured work) runs
     eagerly with the right result, and afterwards torch's random numbers and later captures

@@ -70,7 +70,7 @@ from fp4gen.device_offset import DeviceOffset
 from fp4gen.dsl.model import MoRRef, MoRSpec, Operand, OperandSpec, OperandTable, Recipe
 from fp4gen.errors import FP4GenError, TensorError
 from fp4gen.formats import BlockFormat, is_stochastic
-from fp4gen.gemm_dispatch import gemm
+from fp4gen.gemm_dispatch import fp8_semantics_setting, gemm
 from fp4gen.numerics import QuantizedTensor, error_stats
 from fp4gen.numerics.mor import MoRTensor
 from fp4gen.runtime import finite, ops
@@ -304,7 +304,7 @@ class Linear(nn.Linear):
         else:
             key = (
                 "fprop", x2.shape, x2.dtype, _param_key(weight), _param_key(bias), out_dtype,
-                _Identity(table), _autocast_key(),
+                _Identity(table), _context_key(),
             )  # fmt: skip
             (y,) = graphs.run(
                 key,
@@ -379,7 +379,7 @@ class Linear(nn.Linear):
         else:
             key = (
                 "grads", dy2.shape, dy2.dtype, x2.shape, x2.dtype, _param_key(weight),
-                _Identity(table), _autocast_key(),
+                _Identity(table), _context_key(),
             )  # fmt: skip
             dx, dw = graphs.run(
                 key, lambda dy, x, w: self._grads(dy, x, w, table, call), (dy2, x2), (weight,)
@@ -736,8 +736,14 @@ def _param_key(p: torch.Tensor | None) -> tuple[Any, ...] | None:
     return (p.data_ptr(), p.shape, p.stride(), p.dtype, p.device)
 
 
-def _autocast_key() -> tuple[bool, torch.dtype]:
-    return torch.is_autocast_enabled("cuda"), torch.get_autocast_dtype("cuda")
+def _context_key() -> tuple[bool, torch.dtype, str]:
+    """What a pass depends on besides its tensors and recipe: autocast, and the process-wide
+    FP8 GEMM semantics (a graph captured under one must not replay under the other)."""
+    return (
+        torch.is_autocast_enabled("cuda"),
+        torch.get_autocast_dtype("cuda"),
+        fp8_semantics_setting(),
+    )
 
 
 def _output_dtype(x: torch.Tensor) -> torch.dtype:
