@@ -16,10 +16,12 @@ weights), as a user would train it. For each hidden size and recipe it prints:
 
     python benchmarks/train.py [--hidden 1024,2048] [--layers 8,6] [--tokens 8192] [--seq 1024]
                                [--recipes bf16,recipes/nvfp4.fp4r] [--steps 10] [--graphs]
-                               [--model llama|gpt] [--host-profile N]
+                               [--model llama|gpt] [--host-profile N] [--compare-saved-x]
 
 ``--host-profile N`` prints the N most expensive Python functions of the eager fp4gen steps
-(cProfile, cumulative time), which is where the host path's time goes.
+(cProfile, cumulative time), which is where the host path's time goes. ``--compare-saved-x``
+adds a run of each recipe whose layers save x for the backward instead of x's quantized wgrad
+copy (``Linear.keep_quantized_input = False``): the peak-memory difference of that choice.
 """
 
 from __future__ import annotations
@@ -146,11 +148,18 @@ def profile_step(step: Callable[[], object]) -> tuple[float, float | None]:
     return gpu_us / 1e3, host_us
 
 
-def run_one(args: argparse.Namespace, hidden: int, layers: int, recipe: str) -> Result:
+def run_one(
+    args: argparse.Namespace, hidden: int, layers: int, recipe: str, saves_x: bool = False
+) -> Result:
+    """One model and recipe; ``saves_x``: the converted layers save x for the backward instead
+    of its quantized wgrad copy (``keep_quantized_input = False``), to compare memory."""
     torch.manual_seed(0)
     model = build_model(args.model, hidden, layers, args.seq, "cuda")
     if recipe != "bf16":
         fp4gen.convert(model, fp4gen.load_recipe(recipe))
+        for module in model.modules():
+            if isinstance(module, fp4gen.nn.Linear):
+                module.keep_quantized_input = not saves_x
     batch = args.tokens // args.seq
     tokens = torch.randint(0, VOCAB, (batch, args.seq + (args.model == "gpt")), device="cuda")
     step = make_step(model, loss_fn(args.model), tokens, capturable=args.graphs)
@@ -198,6 +207,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--graphs", action="store_true", help="also time CUDA-graph replays")
     parser.add_argument("--model", choices=["llama", "gpt"], default=None)
     parser.add_argument("--host-profile", type=int, default=0, metavar="N")
+    parser.add_argument(
+        "--compare-saved-x",
+        action="store_true",
+        help="also run each recipe with its layers saving x instead of x's quantized wgrad copy",
+    )
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("this benchmark needs a CUDA GPU")
@@ -225,15 +239,19 @@ def main(argv: list[str] | None = None) -> int:
             f"{'gpu-busy':>9} {'x bf16':>7} {'host us/lin':>11} {'peak GiB':>9} {'x bf16':>7}"
         )
         base: Result | None = None
-        for recipe in recipes:
+        runs = [(r, False) for r in recipes]
+        if args.compare_saved_x:
+            runs += [(r, True) for r in recipes if r != "bf16"]
+        for recipe, saves_x in runs:
             t0 = time.perf_counter()
-            res = run_one(args, hidden, layers, recipe)
+            res = run_one(args, hidden, layers, recipe, saves_x)
             base = base or res
+            label = Path(recipe).stem + (" (saves x)" if saves_x else "")
             host = "-" if res.host_us_per_linear is None else f"{res.host_us_per_linear:.0f}"
             graph = "-" if res.ms_graph is None else f"{res.ms_graph:.2f}"
             eager = ratio(res.ms_eager, base.ms_eager)
             print(
-                f"  {Path(recipe).stem:28} {res.ms_eager:9.2f} {eager:>7} "
+                f"  {label:28} {res.ms_eager:9.2f} {eager:>7} "
                 f"{graph:>9} {ratio(res.ms_graph, base.ms_graph):>7} {res.gpu_busy_ms:9.2f} "
                 f"{ratio(res.gpu_busy_ms, base.gpu_busy_ms):>7} {host:>11} {res.peak_gib:9.2f} "
                 f"{ratio(res.peak_gib, base.peak_gib):>7}   ({time.perf_counter() - t0:.0f} s)"

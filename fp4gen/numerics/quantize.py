@@ -97,6 +97,22 @@ def _decoded_scales(q: QuantizedTensor) -> torch.Tensor:
     return decode(q.scale_codes, q.format.scale.element)
 
 
+@dataclass(frozen=True)
+class QuantizedLayout:
+    """Everything of a QuantizedTensor but its tensors (``QuantizedTensor.split``): hashable,
+    so it can be part of a cache or CUDA-graph key. ``packed``: (cols, bits) of packed codes."""
+
+    format: BlockFormat
+    rounding: str
+    rht: RHTSpec | None
+    seed: int
+    offset: Any  # an int, or a DeviceOffset for stochastic rounding on CUDA
+    shape: torch.Size
+    dtype: torch.dtype
+    transposed: bool
+    packed: tuple[int, int] | None
+
+
 @dataclass(frozen=True, eq=False)
 class QuantizedTensor:
     """A block-scaled tensor as the reference quantizer produced it.
@@ -174,6 +190,62 @@ class QuantizedTensor:
         """Broadcast a per-block tensor to the [R, C] elements (padding cropped)."""
         br, bc = self.format.block
         return _expand(per_block, br, bc, self.rows, self.cols)
+
+    # --- as tensors and a layout (autograd's saved tensors, CUDA-graph outputs) ----------------
+    def split(self) -> tuple[tuple[torch.Tensor | None, ...], QuantizedLayout]:
+        """The tensors this holds, as they are (codes, scales, scale codes, global scale, packed
+        codes; None where absent or not derived yet: nothing is materialized), and the rest.
+        ``QuantizedTensor.join(tensors, layout)`` puts them back together."""
+        d = self.__dict__
+        packed = self.packed
+        tensors = (
+            d["_codes"],
+            d["_scales"],
+            self.scale_codes,
+            self.global_scale,
+            None if packed is None else packed.data,
+        )
+        layout = QuantizedLayout(
+            self.format,
+            self.rounding,
+            self.rht,
+            self.seed,
+            self.offset,
+            self.shape,
+            self.dtype,
+            self.transposed,
+            None if packed is None else (packed.cols, packed.bits),
+        )
+        return tensors, layout
+
+    @classmethod
+    def join(
+        cls, tensors: tuple[torch.Tensor | None, ...], layout: QuantizedLayout
+    ) -> QuantizedTensor:
+        """The QuantizedTensor ``split`` took apart (the same tensors, not copies)."""
+        codes, scales, scale_codes, global_scale, packed_data = tensors
+        if global_scale is None:
+            raise TensorError("a QuantizedTensor needs its global scale")
+        packed = None
+        if layout.packed is not None:
+            if packed_data is None:
+                raise TensorError("the layout has packed codes but no packed tensor was given")
+            packed = PackedCodes(packed_data, *layout.packed)
+        return cls(
+            codes=codes,
+            scales=scales,
+            scale_codes=scale_codes,
+            global_scale=global_scale,
+            format=layout.format,
+            rounding=layout.rounding,
+            rht=layout.rht,
+            seed=layout.seed,
+            offset=layout.offset,
+            shape=layout.shape,
+            dtype=layout.dtype,
+            transposed=layout.transposed,
+            packed=packed,
+        )
 
     # --- operations ---------------------------------------------------------------------------
     def dequantize(self, rotated: bool = False) -> torch.Tensor:
@@ -525,4 +597,11 @@ def quantize(
     )
 
 
-__all__ = ["FLT_MAX", "QuantizedTensor", "quantize", "resolve_format", "resolve_rht"]
+__all__ = [
+    "FLT_MAX",
+    "QuantizedLayout",
+    "QuantizedTensor",
+    "quantize",
+    "resolve_format",
+    "resolve_rht",
+]

@@ -78,6 +78,7 @@ class _Graph:
     inputs: tuple[torch.Tensor, ...]  # static activation buffers, copied into per call
     outputs: tuple[torch.Tensor | None, ...]  # static result buffers, copied out per call
     statics: tuple[tuple[Any, ...], ...]  # the keys of its static buffers (released with it)
+    meta: Any = None  # what fn returned besides its tensors when captured (run_with_meta)
 
     def release(self) -> None:
         """Drop this graph's claim on its static buffers; a buffer no graph uses is freed."""
@@ -111,6 +112,7 @@ def _static(
 
 
 Result = tuple[torch.Tensor | None, ...]
+MetaFn = Callable[..., tuple[Sequence[torch.Tensor | None], Any]]
 
 
 class LayerGraphs:
@@ -134,22 +136,36 @@ class LayerGraphs:
         """``fn(*activations, *params)``, a tuple of tensors or None, eagerly or from a graph.
         ``fn`` must do all its work on the GPU (its host-side effects happen only when it runs
         eagerly or is captured); ``key`` must name everything else ``fn`` depends on."""
+        return self.run_with_meta(key, lambda *args: (fn(*args), None), activations, params)[0]
+
+    def run_with_meta(
+        self,
+        key: Hashable,
+        fn: MetaFn,
+        activations: tuple[torch.Tensor, ...],
+        params: tuple[Any, ...],
+    ) -> tuple[Result, Any]:
+        """``run`` for an ``fn`` that returns (tensors, meta): ``meta`` describes the tensors
+        (e.g. what a quantized tensor's pieces are) and must follow from ``key`` alone; a replay
+        returns the meta of the call that was captured."""
         if torch.cuda.is_current_stream_capturing():
-            return tuple(fn(*activations, *params))
+            results, meta = fn(*activations, *params)
+            return tuple(results), meta
         stream = torch.cuda.current_stream(activations[0].device)
         key = (key, stream.cuda_stream)
         found = self.graphs.get(key)
         if found is not None:
             self.graphs.move_to_end(key)
             self.replays += 1
-            return _replay(found, activations)
+            return _replay(found, activations), found.meta
         shapes = self.seen.get(key)
         if shapes is None or key in self.failed:
-            results = tuple(fn(*activations, *params))
+            results, meta = fn(*activations, *params)
+            results = tuple(results)
             if len(self.seen) >= MAX_SEEN:
                 self.seen.clear()
             self.seen[key] = tuple(None if r is None else (r.shape, r.dtype) for r in results)
-            return results
+            return results, meta
         try:
             found = _capture(fn, activations, params, shapes, stream)
         except Exception as err:  # e.g. an operation a capture cannot take: stay eager
@@ -159,11 +175,12 @@ class LayerGraphs:
             if message not in _logged:
                 _logged.add(message)
                 log.warning("%s", message)
-            return tuple(fn(*activations, *params))
+            results, meta = fn(*activations, *params)
+            return tuple(results), meta
         if len(self.graphs) >= MAX_GRAPHS:
             self.graphs.popitem(last=False)[1].release()
         self.graphs[key] = found
-        return _replay(found, activations)  # the capture ran nothing: this call's results
+        return _replay(found, activations), found.meta  # the capture ran nothing: replay
 
 
 def worth_graphing(tokens: int, in_features: int, out_features: int) -> bool:
@@ -180,7 +197,7 @@ def _replay(found: _Graph, activations: tuple[torch.Tensor, ...]) -> Result:
 
 
 def _capture(
-    fn: Callable[..., Sequence[torch.Tensor | None]],
+    fn: MetaFn,
     activations: tuple[torch.Tensor, ...],
     params: tuple[Any, ...],
     shapes: tuple[tuple[torch.Size, torch.dtype] | None, ...],
@@ -242,7 +259,7 @@ def _empty_graph(stream: torch.cuda.Stream, pool: Any) -> torch.cuda.CUDAGraph:
 
 def _record(
     made: _Graph,
-    fn: Callable[..., Sequence[torch.Tensor | None]],
+    fn: MetaFn,
     activations: tuple[torch.Tensor, ...],
     params: tuple[Any, ...],
     stream: torch.cuda.Stream,
@@ -266,7 +283,8 @@ def _record(
     with torch.cuda.stream(side):
         graph.capture_begin(pool=pool, capture_error_mode="thread_local")
         try:
-            results = tuple(fn(*inputs, *params))
+            found_results, made.meta = fn(*inputs, *params)
+            results = tuple(found_results)
             if len(results) != len(outputs):
                 raise RuntimeError("the results changed in number since the warm-up call")
             for static, r in zip(outputs, results, strict=True):

@@ -16,6 +16,11 @@ product (an RHT is orthogonal), so padding adds no error of its own; a copy is m
 size needs it. A forward pass quantizes the fprop operands only: under torch.no_grad() or
 inference_mode no wgrad constraint applies.
 
+What a training forward saves: x's wgrad copy Q(x^T; wgrad.activation), quantized then rather
+than in the backward, where it is rounded to nearest (``keeps_wgrad_input``): the backward needs
+nothing else of x, and the copy takes 4.5 bits per value for NVFP4 against x's 16
+(``fp4gen.runtime.ops``). Otherwise x itself, as torch.nn.Linear does.
+
 Randomness is reproducible: stochastic rounding draws Philox words keyed by the layer's seed,
 with offset = STREAMS_PER_CALL * (the layer's forward or backward call count) + the operand slot,
 so a rerun with the same seed and data gives the same bits. On CUDA the call count the kernels
@@ -59,7 +64,7 @@ decision units kept in high precision and a histogram of relative errors (0.5% b
 from __future__ import annotations
 
 from collections.abc import Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -171,6 +176,9 @@ class Linear(nn.Linear):
         self._group_rank = 0
         if amax_group is not None:
             self.set_amax_group(amax_group, amax_operands)
+        # training forwards save x's quantized wgrad copy instead of x (keeps_wgrad_input);
+        # False saves x and quantizes the copy in the backward (the same bits, more memory)
+        self.keep_quantized_input = True
         self._op_id = ops.register(self)
 
     @classmethod
@@ -288,33 +296,58 @@ class Linear(nn.Linear):
         weight: torch.Tensor,
         bias: torch.Tensor | None,
         out_dtype: torch.dtype,
-    ) -> torch.Tensor:
+        *,
+        keep_wgrad_input: bool = False,
+    ) -> tuple[torch.Tensor, ops.WgradInput | None]:
         """fprop: y = Q(x) @ Q(W)^T (+ bias) [tokens, out], in fp32 rounded once to out_dtype
         (the GEMM's epilogue writes it). ``weight`` is the tensor the op was given (under FSDP2
-        the all-gathered parameter), quantized now."""
+        the all-gathered parameter), quantized now.
+
+        With ``keep_wgrad_input`` (the caller saves for a backward that computes dW) and where
+        ``keeps_wgrad_input`` allows, also x's wgrad copy, quantized now rather than in the
+        backward (``fp4gen.runtime.ops``: what is saved); else None."""
         table = self.operands
         _refuse_sr_capture(x2, (table.fprop_activation, table.fprop_weight), self.name)
         call = self._forward_calls
+        keep = keep_wgrad_input and self.keeps_wgrad_input(table)
         # FSDP2's quantized all-gather (fp4gen.runtime.fsdp) hands over the quantized weight
         # itself: used as it is, eagerly (a layer graph keys the weight by its address)
         gathered = _gathered_operand(weight, table, self.name)
         graphs = None if gathered is not None else self._graphs_for(x2, table, forward=True)
         if graphs is None:
-            y = self._fprop(x2, weight, bias, out_dtype, table, call, gathered)
+            y, xq_t = self._fprop(x2, weight, bias, out_dtype, table, call, gathered, keep)
         else:
             key = (
                 "fprop", x2.shape, x2.dtype, _param_key(weight), _param_key(bias), out_dtype,
-                _Identity(table), _context_key(),
+                _Identity(table), _context_key(), keep,
             )  # fmt: skip
-            (y,) = graphs.run(
-                key,
-                lambda x, w, b: (self._fprop(x, w, b, out_dtype, table, call),),
-                (x2,),
-                (weight, bias),
-            )
+
+            def work(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> Any:
+                y, xq_t = self._fprop(x, w, b, out_dtype, table, call, None, keep)
+                if xq_t is None:
+                    return (y,), None
+                tensors, layout = xq_t.split()  # graph outputs are tensors: its pieces
+                return (y, *tensors), layout
+
+            (y, *pieces), layout = graphs.run_with_meta(key, work, (x2,), (weight, bias))
+            xq_t = None if layout is None else QuantizedTensor.join(tuple(pieces), layout)
         self._forward_calls += 1
         assert y is not None
-        return y
+        return y, None if xq_t is None else ops.WgradInput(xq_t, x2.dtype)
+
+    def keeps_wgrad_input(self, table: OperandTable) -> bool:
+        """Whether a training forward quantizes x's wgrad copy and saves it instead of x
+        (``keep_quantized_input``, on by default): for a block format rounded to nearest (a
+        stochastic copy draws from the backward call's stream), without an amax group on it
+        (its all-reduce stays in the backward) or telemetry (which records x itself)."""
+        spec = table.wgrad_activation
+        return (
+            self.keep_quantized_input
+            and isinstance(spec.format, BlockFormat)
+            and not is_stochastic(spec.rounding)
+            and not self._reduced(Operand.WGRAD_ACTIVATION, spec)
+            and not self.telemetry.every
+        )
 
     def _fprop(
         self,
@@ -325,9 +358,12 @@ class Linear(nn.Linear):
         table: OperandTable,
         call: int,
         gathered: QuantizedTensor | None = None,
-    ) -> torch.Tensor:
-        """forward_gemm's work, all of it on the device where x2 is (a layer graph captures it).
-        ``gathered``: the weight already quantized (FSDP2's quantized all-gather)."""
+        keep: bool = False,
+    ) -> tuple[torch.Tensor, Any]:
+        """forward_gemm's work, all of it on the device where x2 is (a layer graph captures it):
+        y, and with ``keep`` x's wgrad copy (else None). ``gathered``: the weight already
+        quantized (FSDP2's quantized all-gather)."""
+        xq_t = self.wgrad_activation(x2, table, call) if keep else None
         # K = in_features, zero-padded to the fprop RHT size where it is not a multiple of it
         fprop_k = k_multiple(table.fprop_activation, table.fprop_weight, blocks=False)
         k = round_up(weight.shape[1], fprop_k)
@@ -347,15 +383,16 @@ class Linear(nn.Linear):
             and isinstance(xq, QuantizedTensor)
             and isinstance(w_row, QuantizedTensor)
         ):
-            return gemm(xq, w_row, bias=bias, out_dtype=out_dtype)  # bias in the epilogue
+            return gemm(xq, w_row, bias=bias, out_dtype=out_dtype), xq_t  # bias in the epilogue
         y = operand_matmul(xq, w_row)
-        return (y if bias is None else y + bias.to(torch.float32)).to(out_dtype)
+        return (y if bias is None else y + bias.to(torch.float32)).to(out_dtype), xq_t
 
     def backward_gemms(
-        self, dy2: torch.Tensor, x2: torch.Tensor, weight: torch.Tensor
+        self, dy2: torch.Tensor, x2: torch.Tensor | ops.WgradInput, weight: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """dgrad and wgrad: (dx [tokens, in] in x2's dtype, dW [out, in] in the weight's dtype),
-        computed in fp32 and rounded once. ``weight`` is the tensor the forward op was given.
+        """dgrad and wgrad: (dx [tokens, in] in x's dtype, dW [out, in] in the weight's dtype),
+        computed in fp32 and rounded once. ``weight`` is the tensor the forward op was given;
+        ``x2`` the forward's input, or its wgrad copy the forward kept (``forward_gemm``).
 
         The operand table is the one in force now; the schedule only moves between optimizer
         steps, so it is the table the forward pass used.
@@ -376,7 +413,7 @@ class Linear(nn.Linear):
         graphs = None if gathered is not None else self._graphs_for(dy2, table, forward=False)
         if graphs is None:
             dx, dw = self._grads(dy2, x2, weight, table, call, gathered)
-        else:
+        elif isinstance(x2, torch.Tensor):
             key = (
                 "grads", dy2.shape, dy2.dtype, x2.shape, x2.dtype, _param_key(weight),
                 _Identity(table), _context_key(),
@@ -384,6 +421,26 @@ class Linear(nn.Linear):
             dx, dw = graphs.run(
                 key, lambda dy, x, w: self._grads(dy, x, w, table, call), (dy2, x2), (weight,)
             )
+        else:
+            kept = x2
+            tensors, layout = kept.quantized.split()
+            present = tuple(t is not None for t in tensors)
+            # a round-to-nearest copy's offset names the call only: not part of the key
+            shape = replace(layout, offset=None)
+            key = (
+                "grads", dy2.shape, dy2.dtype, shape, present,
+                tuple(t.shape for t in tensors if t is not None), kept.dtype,
+                _param_key(weight), _Identity(table), _context_key(),
+            )  # fmt: skip
+
+            def work(dy: torch.Tensor, *rest: torch.Tensor) -> tuple[Any, Any]:
+                given = iter(rest[:-1])
+                pieces = tuple(next(given) if p else None for p in present)
+                x = ops.WgradInput(QuantizedTensor.join(pieces, layout), kept.dtype)
+                return self._grads(dy, x, rest[-1], table, call)
+
+            given = tuple(t for t in tensors if t is not None)
+            dx, dw = graphs.run(key, work, (dy2, *given), (weight,))
         self._backward_calls += 1
         assert dx is not None and dw is not None
         return dx, dw
@@ -391,7 +448,7 @@ class Linear(nn.Linear):
     def _grads(
         self,
         dy2: torch.Tensor,
-        x2: torch.Tensor,
+        x2: torch.Tensor | ops.WgradInput,
         weight: torch.Tensor,
         table: OperandTable,
         call: int,
@@ -432,34 +489,45 @@ class Linear(nn.Linear):
                 backend=self.backend,
                 mors=self.mors,
             )
-        dx = _matmul(dyq, w_col, x2.dtype)
+        dx = _matmul(dyq, w_col, x2.dtype)  # x's dtype (a WgradInput holds it)
         if padded_tokens != tokens:
             dx = dx[:tokens]  # a prefix of rows: still contiguous
         self.record(Operand.DGRAD_GRADIENT, dy2, dyq, call)
         if gathered is None:
             self.record(Operand.DGRAD_WEIGHT, w.t(), w_col, call)
 
-        x2 = pad_to(x2, padded_tokens, x2.shape[1])
-        if self._reduced(Operand.WGRAD_ACTIVATION, table.wgrad_activation):
-            xq_t = self.quantize(
-                x2.t().contiguous(), Operand.WGRAD_ACTIVATION, table.wgrad_activation, call
-            )
-        else:
-            _, xq_t = quantize_operand_pair(
-                x2,
-                None,
-                self.slot(Operand.WGRAD_ACTIVATION, table.wgrad_activation, call, x2),
-                seed=self.data_seed,
-                backend=self.backend,
-                mors=self.mors,
-            )
+        if isinstance(x2, torch.Tensor):
+            xq_t = self.wgrad_activation(x2, table, call)
+        else:  # quantized by the forward (keeps_wgrad_input)
+            xq_t = x2.quantized
         self._advance_device(forward=False)
         dw = _matmul(dyq_t, xq_t, w.dtype)
         if padded_out != n_out:
             dw = dw[:n_out]
         self.record(Operand.WGRAD_GRADIENT, dy2.t(), dyq_t, call)
-        self.record(Operand.WGRAD_ACTIVATION, x2.t(), xq_t, call)
+        if isinstance(x2, torch.Tensor):
+            self.record(Operand.WGRAD_ACTIVATION, x2.t(), xq_t, call)
         return dx, dw
+
+    def wgrad_activation(self, x2: torch.Tensor, table: OperandTable, call: int) -> Any:
+        """Q(x^T; wgrad.activation) for x [tokens, in], with zero tokens up to the wgrad GEMM's
+        K multiple (module docstring); on CUDA a tile kernel reads x once, with no transposed
+        copy."""
+        wgrad_k = k_multiple(table.wgrad_gradient, table.wgrad_activation, blocks=True)
+        x2 = pad_to(x2, round_up(x2.shape[0], wgrad_k), x2.shape[1])
+        if self._reduced(Operand.WGRAD_ACTIVATION, table.wgrad_activation):
+            return self.quantize(
+                x2.t().contiguous(), Operand.WGRAD_ACTIVATION, table.wgrad_activation, call
+            )
+        _, xq_t = quantize_operand_pair(
+            x2,
+            None,
+            self.slot(Operand.WGRAD_ACTIVATION, table.wgrad_activation, call, x2),
+            seed=self.data_seed,
+            backend=self.backend,
+            mors=self.mors,
+        )
+        return xq_t
 
     def columnwise_weight(
         self, w: torch.Tensor, table: OperandTable, call: int, k: int | None = None

@@ -8,8 +8,16 @@ ops take tensors and plain values, not modules).
 In eager mode ``linear`` calls the same layer methods through a plain autograd.Function
 (``_EagerLinear``) instead: the custom-op machinery (schema dispatch, argument defaults,
 aliasing checks, the autograd wrapper around it) costs tens of microseconds of host time per
-call, which only torch.compile needs. Both routes run the same code with the same saved tensors,
-so their results are identical bit for bit.
+call, which only torch.compile needs. Both routes run the same code, so their results are
+identical bit for bit.
+
+What is saved for the backward: the custom op saves x and W. The eager route, when the weight
+needs a gradient and the layer allows it (``Linear.keeps_wgrad_input``), saves x's wgrad copy
+instead, Q(x^T; wgrad.activation) quantized in the forward (``WgradInput``: its tensors go
+through ``save_for_backward``, so activation checkpointing and saved-tensor hooks see them):
+4.5 bits per value for NVFP4 instead of x's 16, the way Transformer Engine saves its inputs.
+The copy is the one the backward would quantize (round-to-nearest only, so no random stream
+depends on when it is made): the same bits either way.
 
 This module does not use ``from __future__ import annotations``: custom_op reads the real
 annotations to build the op schema.
@@ -18,14 +26,25 @@ annotations to build the op schema.
 import contextlib
 import itertools
 import weakref
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
+from fp4gen.numerics import QuantizedTensor
 from fp4gen.runtime import finite
 
 _layers: "weakref.WeakValueDictionary[int, Any]" = weakref.WeakValueDictionary()
 _ids = itertools.count()
+
+
+@dataclass(frozen=True)
+class WgradInput:
+    """What the backward needs of x when its wgrad copy was quantized in the forward:
+    Q(x^T; wgrad.activation) (tokens zero-padded as the wgrad GEMM needs) and x's dtype (dx's)."""
+
+    quantized: QuantizedTensor
+    dtype: torch.dtype
 
 
 def register(layer: Any) -> int:
@@ -53,7 +72,7 @@ def linear_forward(
     """y = Q(x) @ Q(W)^T (+ bias), computed in fp32 and rounded once to ``out_dtype``, for x2
     [tokens, in] and weight [out, in]."""
     with finite.layer_scope():  # non-finite inputs: propagated as NaN, or raised at the end
-        return _layer(layer_id).forward_gemm(x2, weight, bias, out_dtype)
+        return _layer(layer_id).forward_gemm(x2, weight, bias, out_dtype)[0]
 
 
 @linear_forward.register_fake
@@ -115,21 +134,35 @@ class _EagerLinear(torch.autograd.Function):
     """linear_forward and its backward without the custom-op dispatch (eager mode)."""
 
     @staticmethod
-    def forward(ctx: Any, x2, weight, bias, layer_id, out_dtype):  # type: ignore[override]
+    def forward(ctx: Any, x2, weight, bias, layer_id, out_dtype, grad_mode):  # type: ignore[override]
         layer = _layer(layer_id)
+        # dW needs x: its wgrad copy may be kept instead. ``grad_mode``: the caller's (forward
+        # runs with grad off, and needs_input_grad follows requires_grad even under no_grad)
+        wants_dw = grad_mode and ctx.needs_input_grad[1]
         with _profiled("fp4gen::linear_forward"), finite.layer_scope():
-            y = layer.forward_gemm(x2, weight, bias, out_dtype)
-        ctx.save_for_backward(x2, weight)
+            y, kept = layer.forward_gemm(x2, weight, bias, out_dtype, keep_wgrad_input=wants_dw)
+        if kept is None:
+            ctx.save_for_backward(x2, weight)
+            ctx.kept = None
+        else:
+            tensors, layout = kept.quantized.split()
+            ctx.save_for_backward(weight, *tensors)
+            ctx.kept = (layout, kept.dtype)
         ctx.layer_id = layer_id
         ctx.bias_dtype = None if bias is None else bias.dtype
         return y
 
     @staticmethod
     def backward(ctx: Any, dy: torch.Tensor):  # type: ignore[override]
-        x2, weight = ctx.saved_tensors
+        if ctx.kept is None:
+            x, weight = ctx.saved_tensors
+        else:
+            weight, *tensors = ctx.saved_tensors
+            layout, dtype = ctx.kept
+            x = WgradInput(QuantizedTensor.join(tuple(tensors), layout), dtype)
         with _profiled("fp4gen::linear_backward"), finite.layer_scope():
-            dx, dw = _layer(ctx.layer_id).backward_gemms(dy.contiguous(), x2, weight)
-        return dx, dw, _bias_grad(dy, ctx.bias_dtype), None, None
+            dx, dw = _layer(ctx.layer_id).backward_gemms(dy.contiguous(), x, weight)
+        return dx, dw, _bias_grad(dy, ctx.bias_dtype), None, None, None
 
 
 def linear(
@@ -143,4 +176,4 @@ def linear(
     the eager autograd.Function otherwise (module docstring)."""
     if torch.compiler.is_compiling():
         return linear_forward(x2, weight, bias, layer_id, out_dtype)
-    return _EagerLinear.apply(x2, weight, bias, layer_id, out_dtype)
+    return _EagerLinear.apply(x2, weight, bias, layer_id, out_dtype, torch.is_grad_enabled())
