@@ -319,7 +319,7 @@ class Linear(nn.Linear):
         else:
             key = (
                 "fprop", x2.shape, x2.dtype, _param_key(weight), _param_key(bias), out_dtype,
-                _Identity(table), _context_key(), keep,
+                _Identity(table), _context_key(), self.backend, self.seed, keep,
             )  # fmt: skip
 
             def work(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> Any:
@@ -416,7 +416,7 @@ class Linear(nn.Linear):
         elif isinstance(x2, torch.Tensor):
             key = (
                 "grads", dy2.shape, dy2.dtype, x2.shape, x2.dtype, _param_key(weight),
-                _Identity(table), _context_key(),
+                _Identity(table), _context_key(), self.backend, self.seed,
             )  # fmt: skip
             dx, dw = graphs.run(
                 key, lambda dy, x, w: self._grads(dy, x, w, table, call), (dy2, x2), (weight,)
@@ -430,7 +430,7 @@ class Linear(nn.Linear):
             key = (
                 "grads", dy2.shape, dy2.dtype, shape, present,
                 tuple(t.shape for t in tensors if t is not None), kept.dtype,
-                _param_key(weight), _Identity(table), _context_key(),
+                _param_key(weight), _Identity(table), _context_key(), self.backend, self.seed,
             )  # fmt: skip
 
             def work(dy: torch.Tensor, *rest: torch.Tensor) -> tuple[Any, Any]:
