@@ -79,6 +79,16 @@ class GemmChoice(NamedTuple):
     fallback: bool = False
 
 
+class _GemmCall(NamedTuple):
+    """The arguments of one ``gemm`` call, as each kernel path below takes them."""
+
+    a: QuantizedTensor
+    b: QuantizedTensor
+    out_dtype: torch.dtype
+    bias: torch.Tensor | None
+    accumulate: torch.Tensor | None
+
+
 def gemm(
     a: QuantizedTensor,
     b: QuantizedTensor,
@@ -95,6 +105,7 @@ def gemm(
     """
     if backend not in BACKENDS:
         raise FP4GenError(f"unknown GEMM backend {backend!r}; choose one of {BACKENDS}")
+    call = _GemmCall(a, b, out_dtype, bias, accumulate)
     if backend == "auto":
         choice = auto_backend(a, b)
         backend = choice.backend
@@ -103,22 +114,22 @@ def gemm(
         if backend in ("cute", "blackwell", "block_scaled"):
             run = {"cute": _fused, "blackwell": _native, "block_scaled": _block_scaled}[backend]
             try:
-                return run(a, b, out_dtype, bias, accumulate)
+                return run(call)
             except TensorError:
                 raise
             except FP4GenError as err:  # the kernel cannot be built or loaded here
                 _log_once(str(err))
                 backend = "dequant"
     elif backend == "cute":
-        return _fused(a, b, out_dtype, bias, accumulate)
+        return _fused(call)
     elif backend == "blackwell":
-        return _native(a, b, out_dtype, bias, accumulate)
+        return _native(call)
     elif backend == "block_scaled":
         if a.device.type == "cuda":
-            return _block_scaled(a, b, out_dtype, bias, accumulate)
+            return _block_scaled(call)
         return _finish(gemm_block_scaled_reference(a, b, bias=bias), accumulate, out_dtype)
     if backend == "dequant":
-        fast = _fast_dequant(a, b, out_dtype, bias, accumulate)
+        fast = _fast_dequant(call)
         if fast is not None:
             return fast
     c = gemm_reference(a, b, bias=bias) if backend == "reference" else _dequant_gemm(a, b, bias)
@@ -291,16 +302,11 @@ def _log_once(
         log.info(message, reason)
 
 
-def _fast_dequant(
-    a: QuantizedTensor,
-    b: QuantizedTensor,
-    out_dtype: torch.dtype,
-    bias: torch.Tensor | None,
-    accumulate: torch.Tensor | None,
-) -> torch.Tensor | None:
+def _fast_dequant(call: _GemmCall) -> torch.Tensor | None:
     """The dequant backend with the generated dequantize kernels on CUDA, or None where they do
     not serve (CPU tensors, formats not exact in bf16, an arch without the kernel, no CuTe DSL:
     logged once); the torch decode then runs."""
+    a, b, out_dtype, bias, accumulate = call
     require_quantized(a, b)
     if a.device.type != "cuda" or b.device.type != "cuda":
         return None
@@ -326,19 +332,12 @@ def _fast_dequant(
     return None
 
 
-def _kernel_gemm(
-    backend: str,
-    run: Callable[..., torch.Tensor],
-    a: QuantizedTensor,
-    b: QuantizedTensor,
-    out_dtype: torch.dtype,
-    bias: torch.Tensor | None,
-    accumulate: torch.Tensor | None,
-) -> torch.Tensor:
+def _kernel_gemm(backend: str, run: Callable[..., torch.Tensor], call: _GemmCall) -> torch.Tensor:
     """``run`` (``fused_gemm`` or ``native_gemm``) on the arch of ``a``'s GPU, after the checks
     both kernel backends make first (QuantizedTensors, on CUDA)."""
     from fp4gen.compiler.jit import detect_arch
 
+    a, b, out_dtype, bias, accumulate = call
     require_quantized(a, b)
     if a.device.type != "cuda":
         raise FP4GenError(f"the {backend} GEMM backend runs on CUDA tensors, got {a.device}")
@@ -346,40 +345,23 @@ def _kernel_gemm(
     return run(a, b, out_dtype=out_dtype, bias=bias, accumulate=accumulate, arch=arch)
 
 
-# _fused and _native stay two names: tests replace each on its own
-def _fused(
-    a: QuantizedTensor,
-    b: QuantizedTensor,
-    out_dtype: torch.dtype,
-    bias: torch.Tensor | None,
-    accumulate: torch.Tensor | None,
-) -> torch.Tensor:
+# _fused, _native and _block_scaled stay three names: tests replace each on its own
+def _fused(call: _GemmCall) -> torch.Tensor:
     from fp4gen.runtime.cute_gemm import fused_gemm
 
-    return _kernel_gemm("cute", fused_gemm, a, b, out_dtype, bias, accumulate)
+    return _kernel_gemm("cute", fused_gemm, call)
 
 
-def _native(
-    a: QuantizedTensor,
-    b: QuantizedTensor,
-    out_dtype: torch.dtype,
-    bias: torch.Tensor | None,
-    accumulate: torch.Tensor | None,
-) -> torch.Tensor:
+def _native(call: _GemmCall) -> torch.Tensor:
     from fp4gen.runtime.blackwell_gemm import native_gemm
 
-    return _kernel_gemm("blackwell", native_gemm, a, b, out_dtype, bias, accumulate)
+    return _kernel_gemm("blackwell", native_gemm, call)
 
 
-def _block_scaled(
-    a: QuantizedTensor,
-    b: QuantizedTensor,
-    out_dtype: torch.dtype,
-    bias: torch.Tensor | None,
-    accumulate: torch.Tensor | None,
-) -> torch.Tensor:
+def _block_scaled(call: _GemmCall) -> torch.Tensor:
     from fp4gen.runtime.fp8_gemm import block_scaled_gemm
 
+    a, b, out_dtype, bias, accumulate = call
     return block_scaled_gemm(a, b, out_dtype=out_dtype, bias=bias, accumulate=accumulate)
 
 

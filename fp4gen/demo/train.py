@@ -36,6 +36,7 @@ import torch
 
 from fp4gen.demo.data import ByteBatches, stdlib_corpus
 from fp4gen.demo.gpt import GPT, GPTConfig
+from fp4gen.demo.lr_schedule import lr_at
 from fp4gen.dsl import load_recipe
 from fp4gen.dsl.model import Recipe
 from fp4gen.runtime.convert import (
@@ -98,15 +99,6 @@ class RecipeResult:
     stopped_early: bool
 
 
-def _lr(step: int, steps: int, peak: float) -> float:
-    """Linear warm-up over 5% of the steps, then cosine decay to 10% of the peak."""
-    warmup = max(steps // 20, 1)
-    if step < warmup:
-        return peak * (step + 1) / warmup
-    progress = (step - warmup) / max(steps - warmup, 1)
-    return peak * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress)))
-
-
 @torch.no_grad()
 def _val_loss(model: GPT, data: ByteBatches, cfg: DemoConfig, device: torch.device) -> float:
     gen_state = data.generator.get_state()
@@ -157,7 +149,7 @@ def _train_step(
     if converted:
         set_step(model, step)
     for group in opt.param_groups:
-        group["lr"] = _lr(step, steps, cfg.lr)
+        group["lr"] = lr_at(step, steps, cfg.lr)
     x, y = data.batch(cfg.batch)
     with torch.autocast(device.type, dtype=torch.bfloat16):
         loss = model(x.to(device), y.to(device))

@@ -323,24 +323,18 @@ class Loader:
             return base
 
         element: ElementFormat = fd.element if fd.element is not None else base.element  # type: ignore[union-attr]
-        if fd.block is not None:
-            block = fd.block.value
-        elif base is not None:
-            block = base.block
-        else:
-            raise fd.base.pos.error(
-                f"format {name} is built from the element {fd.base.value} and needs a block "
-                "shape: add e.g. `block 1x16`"
+        # a format built from a bare element has no base to inherit its block or scale from
+        if base is None and (fd.block is None or fd.scale is None):
+            needed = (
+                "a block shape: add e.g. `block 1x16`"
+                if fd.block is None
+                else "a scale format: add e.g. `scale e4m3` or `scale ue8m0`"
             )
-        if fd.scale is not None:
-            scale_el = fd.scale.value
-        elif base is not None:
-            scale_el = base.scale.element
-        else:
             raise fd.base.pos.error(
-                f"format {name} is built from the element {fd.base.value} and needs a scale "
-                "format: add e.g. `scale e4m3` or `scale ue8m0`"
+                f"format {name} is built from the element {fd.base.value} and needs {needed}"
             )
+        block = fd.block.value if fd.block is not None else base.block  # type: ignore[union-attr]
+        scale_el = fd.scale.value if fd.scale is not None else base.scale.element  # type: ignore[union-attr]
         # A new scale starts from its own default rounding; an inherited one keeps the base's.
         if fd.rounding is not None:
             rounding = fd.rounding.value

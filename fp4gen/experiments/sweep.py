@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from fp4gen.demo.lr_schedule import lr_at
 from fp4gen.errors import FP4GenError
 from fp4gen.experiments.models import ModelSpec, find_model, require_family
 from fp4gen.experiments.progress import Progress, clock
@@ -322,15 +323,6 @@ def prepare(cfg: SweepConfig, log: Callable[[str], None] = print) -> Plan:
 # ---------------------------------------------------------------------------------------------
 # training one run
 # ---------------------------------------------------------------------------------------------
-
-
-def lr_at(step: int, steps: int, peak: float) -> float:
-    """Linear warm-up over 5% of the steps, then cosine decay to 10% of the peak (the demo's)."""
-    warmup = max(steps // 20, 1)
-    if step < warmup:
-        return peak * (step + 1) / warmup
-    progress = (step - warmup) / max(steps - warmup, 1)
-    return peak * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress)))
 
 
 def build_run_model(plan: Plan, entry: RecipeEntry, seed: int) -> torch.nn.Module:

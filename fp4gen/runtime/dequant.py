@@ -194,7 +194,8 @@ def epilogue(
 ) -> torch.Tensor:
     """y = fp32(c * alpha) (+ bias) (+ accumulate), converted to ``out_dtype``; ``c`` (fp32,
     owned by the caller) may be overwritten. One elementwise pass without ``accumulate``. The
-    shapes of ``bias`` [N] and ``accumulate`` [M, N] are the caller's to check (``_gemm``)."""
+    shapes of ``bias`` [N] and ``accumulate`` [M, N] are the caller's to check
+    (``dequant_gemm``)."""
     m, n = c.shape
     if bias is not None:
         bias = bias.detach().to(device=c.device, dtype=torch.float32)  # no autograd here
@@ -230,17 +231,6 @@ def dequant_gemm(
     kp = -(-a.cols // UNIT) * UNIT
     if max(a.rows, b.rows) * kp >= 2**31:
         raise FP4GenError("the dequantize kernel indexes with 32 bits (rows * K >= 2^31)")
-    return _gemm(a, b, out_dtype, bias, accumulate, arch)
-
-
-def _gemm(
-    a: Any,
-    b: Any,
-    out_dtype: torch.dtype,
-    bias: torch.Tensor | None,
-    accumulate: torch.Tensor | None,
-    arch: str,
-) -> torch.Tensor:
     va = dequantize_bf16(a, arch=arch)
     vb = cached_bf16(b, arch=arch)
     dev = va.device
