@@ -185,3 +185,43 @@ def test_split_and_join_give_back_the_same_tensor() -> None:
     back = QuantizedTensor.join(tensors, layout)
     assert back.packed_codes() is not None and torch.equal(back.codes, q.codes)
     assert torch.equal(back.dequantize(), q.dequantize())
+
+
+def test_layers_reading_the_same_x_share_one_copy(monkeypatch) -> None:
+    """Three layers on one x (a Llama's q, k and v): the wgrad copy is quantized once and the
+    three backward passes read that one tensor; an in-place write to x between two layers, or
+    a different x, makes a new copy. Outputs and gradients equal three layers that each save x."""
+    recipe = load_recipe("nvfp4_small.fp4r")
+
+    def run(keep: bool, x: torch.Tensor, bump: bool = False) -> list[torch.Tensor]:
+        layers = [_layer(recipe, keep, 64, 32) for _ in range(3)]
+        x = x.clone().requires_grad_(True)
+        h = x * 1.0  # a non-leaf: the layers' x2 are views of it, as a norm's output would be
+        ys = []
+        for i, layer in enumerate(layers):
+            if bump and i == 2:
+                with torch.no_grad():
+                    h.mul_(1.0)  # the same values, a new version: must not reuse the copy
+            ys.append(layer(h.reshape(4, 8, 64)))
+        sum((y * (i + 1)).sum() for i, y in enumerate(ys)).backward()
+        return [y.detach() for y in ys] + [x.grad] + [layer.weight.grad for layer in layers]
+
+    copies = []
+    real = fp4gen.nn.Linear.wgrad_activation
+
+    def counting(self, *args):
+        copies.append(real(self, *args))
+        return copies[-1]
+
+    monkeypatch.setattr(fp4gen.nn.Linear, "wgrad_activation", counting)
+    x = torch.randn(32, 64)
+    shared = run(True, x)
+    assert len(copies) == 1
+    run(True, x, bump=True)
+    assert len(copies) == 3
+    run(True, x + 1)
+    assert len(copies) == 4
+    separate = run(False, x)
+    assert len(copies) == 7  # each layer's backward quantizes its own
+    for a, b in zip(shared, separate, strict=True):
+        assert torch.equal(a, b)

@@ -19,7 +19,8 @@ inference_mode no wgrad constraint applies.
 What a training forward saves: x's wgrad copy Q(x^T; wgrad.activation), quantized then rather
 than in the backward, where it is rounded to nearest (``keeps_wgrad_input``): the backward needs
 nothing else of x, and the copy takes 4.5 bits per value for NVFP4 against x's 16
-(``fp4gen.runtime.ops``). Otherwise x itself, as torch.nn.Linear does.
+(``fp4gen.runtime.ops``). Layers that read the same x in a row share one copy (``_LastCopy``).
+Otherwise x itself, as torch.nn.Linear does.
 
 Randomness is reproducible: stochastic rounding draws Philox words keyed by the layer's seed,
 with offset = STREAMS_PER_CALL * (the layer's forward or backward call count) + the operand slot,
@@ -63,6 +64,7 @@ decision units kept in high precision and a histogram of relative errors (0.5% b
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Iterable
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -315,7 +317,17 @@ class Linear(nn.Linear):
         gathered = _gathered_operand(weight, table, self.name)
         graphs = None if gathered is not None else self._graphs_for(x2, table, forward=True)
         if graphs is None:
-            y, xq_t = self._fprop(x2, weight, bias, out_dtype, table, call, gathered, keep)
+            # layers reading the same x in a row (q, k and v; gate and up) share one copy
+            sharing = keep and not (x2.is_cuda and torch.cuda.is_current_stream_capturing())
+            share_key = self._copy_key(x2, table) if sharing else None
+            shared = _last_copy.find(x2, share_key) if sharing else None
+            y, xq_t = self._fprop(
+                x2, weight, bias, out_dtype, table, call, gathered, keep and shared is None
+            )
+            if shared is not None:
+                xq_t = shared
+            elif sharing:
+                _last_copy.remember(x2, share_key, xq_t)
         else:
             key = (
                 "fprop", x2.shape, x2.dtype, _param_key(weight), _param_key(bias), out_dtype,
@@ -334,6 +346,12 @@ class Linear(nn.Linear):
         self._forward_calls += 1
         assert y is not None
         return y, None if xq_t is None else ops.WgradInput(xq_t, x2.dtype)
+
+    def _copy_key(self, x2: torch.Tensor, table: OperandTable) -> tuple[Any, ...]:
+        """What x's wgrad copy depends on besides x: its spec, the wgrad K multiple its tokens
+        are padded to and the backend (a round-to-nearest copy draws no random stream)."""
+        wgrad_k = k_multiple(table.wgrad_gradient, table.wgrad_activation, blocks=True)
+        return (table.wgrad_activation, wgrad_k, self.backend)
 
     def keeps_wgrad_input(self, table: OperandTable) -> bool:
         """Whether a training forward quantizes x's wgrad copy and saves it instead of x
@@ -657,6 +675,43 @@ class Linear(nn.Linear):
         self.telemetry.records.append(
             {"layer": self.name, "call": call, "operand": op.selector, **stats}
         )
+
+
+class _LastCopy:
+    """The wgrad copy of the last x a training forward quantized, for the next layer that reads
+    the same x (a Llama's q, k and v projections; gate and up): one quantize pass and one saved
+    copy instead of one per layer. It is the same x when its tensor (the base of x2's view) is
+    alive, with the same address, layout and version counter (an in-place write bumps it), and
+    the copy's key (``Linear._copy_key``) is equal. Holds x weakly: x's memory cannot be reused
+    while the weak reference resolves, and the copy is dropped with the next one."""
+
+    def __init__(self) -> None:
+        self.source: weakref.ref[torch.Tensor] | None = None
+        self.key: tuple[Any, ...] = ()
+        self.copy: Any = None
+
+    @staticmethod
+    def _identity(x2: torch.Tensor, key: tuple[Any, ...]) -> tuple[Any, ...]:
+        return (x2.data_ptr(), x2._version, x2.shape, x2.stride(), x2.dtype, x2.device, key)
+
+    def find(self, x2: torch.Tensor, key: tuple[Any, ...]) -> Any:
+        source = None if self.source is None else self.source()
+        if source is None or source is not _base(x2) or self.key != self._identity(x2, key):
+            return None
+        return self.copy
+
+    def remember(self, x2: torch.Tensor, key: tuple[Any, ...], copy: Any) -> None:
+        self.source = weakref.ref(_base(x2))
+        self.key = self._identity(x2, key)
+        self.copy = copy
+
+
+def _base(t: torch.Tensor) -> torch.Tensor:
+    """The tensor ``t`` is a view of (the caller's x, alive across its layers), or ``t``."""
+    return t if t._base is None else t._base
+
+
+_last_copy = _LastCopy()
 
 
 class _SharedGroup:
