@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from fp4gen.codegen import import_source
-from fp4gen.codegen.mor import ARCHS, MoRKernelSpec, check, context, render
+from fp4gen.codegen.mor import ARCHS, ElementRep, MoRKernelSpec, check, context, render
 from fp4gen.dsl import load_recipe
 from fp4gen.dsl.model import Candidate, Metric, MoRSpec, Partition
 from fp4gen.formats import E2M1, E3M2, E4M3, E5M2, ElementFormat, HighPrecision
@@ -104,9 +104,9 @@ def test_render_is_valid_deterministic_python(name: str) -> None:
         if isinstance(n, ast.AnnAssign) and getattr(n.target, "id", "") == "KERNELS"
     )
     ctx = context(spec)
-    assert list(kernels) == ctx["kernels"]
-    assert ("QuantizeKernel" in src) == ctx["fused"]
-    assert ("DecideKernel" in src) != ctx["fused"]
+    assert kernels == ctx.kernels
+    assert ("QuantizeKernel" in src) == ctx.fused
+    assert ("DecideKernel" in src) != ctx.fused
     assert f'SPEC_NAME = "{spec.name}"' in src
     # one encoder per element representation, named in the docstring
     n_elem = sum(isinstance(r, ElementFormat) for r in representations(spec.rule))
@@ -116,18 +116,21 @@ def test_render_is_valid_deterministic_python(name: str) -> None:
 
 def test_shipped_rules_shape_the_module() -> None:
     tensor = context(MoRKernelSpec(SHIPPED["mor_tensor"]))
-    assert not tensor["fused"] and (tensor["urs"], tensor["ucs"]) == (31, 31)
-    assert (tensor["srs"], tensor["scs"]) == (7, 7) and tensor["scaling"] == "gam"
+    assert not tensor.fused and (tensor.urs, tensor.ucs) == (31, 31)
+    assert (tensor.srs, tensor.scs) == (7, 7) and tensor.scaling == "gam"
     two = context(MoRKernelSpec(SHIPPED["mor_subtensor_2way"]))
-    assert two["fused"] and [r["name"] for r in two["reps"]] == ["e4m3", "bf16", "e5m2"]
-    assert [c["rep"]["name"] for c in two["cands"]] == ["e4m3", "bf16"]
-    assert two["cands"][0]["versus"] == 2  # e5m2 is only the yardstick
+    assert two.fused and [r.name for r in two.reps] == ["e4m3", "bf16", "e5m2"]
+    assert [c.rep.name for c in two.cands] == ["e4m3", "bf16"]
+    assert two.cands[0].versus == 2  # e5m2 is only the yardstick
     three = context(MoRKernelSpec(SHIPPED["mor_subtensor_3way"]))
-    assert three["uses_range"] and three["cands"][1]["rep"]["range_bound"] == "939524096.0"
-    assert three["high"]["name"] == "bf16"
+    range_rep = three.cands[1].rep
+    assert three.uses_range and isinstance(range_rep, ElementRep)
+    assert range_rep.range_bound == "939524096.0"
+    assert three.high is not None and three.high.name == "bf16"
     wide = context(HAND["wide_two_high_rz"])
-    assert wide["high"]["name"] == "fp32" and wide["high_cands"] == ["bf16", "fp32"]
-    assert (wide["upr_shift"], wide["upc_shift"]) == (1, 1)  # 2x2 tiles per decision
+    assert wide.high is not None and wide.high.name == "fp32"
+    assert wide.high_cands == ("bf16", "fp32")
+    assert (wide.upr_shift, wide.upc_shift) == (1, 1)  # 2x2 tiles per decision
 
 
 def test_element_constants_come_from_the_format() -> None:

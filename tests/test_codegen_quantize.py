@@ -584,13 +584,14 @@ def test_fp16_image_constants() -> None:
     """E2M1's image: z = y * 2^-14 puts 1.0 on fp16's smallest normal; 6.0 maps to 0x0E00
     (exponent field 3, mantissa 0x200) in both halves; the code starts at bit 9, its 8 random
     bits at bit 1."""
-    from fp4gen.codegen.quantize import _element_ctx
+    from fp4gen.codegen.quantize import _element_context
 
-    half = _element_ctx(E2M1)["half"]
-    assert float(half["scale"]) == 2.0**-14
-    assert half["max2"] == "0x0E000E00"
-    assert (half["code_shift"], half["rand_shift"]) == (9, 1)
-    assert _element_ctx(E3M2)["half"] is None  # 6-bit codes
+    half = _element_context(E2M1).half
+    assert half is not None
+    assert float(half.scale) == 2.0**-14
+    assert half.max2 == "0x0E000E00"
+    assert (half.code_shift, half.rand_shift) == (9, 1)
+    assert _element_context(E3M2).half is None  # 6-bit codes
 
 
 @pytest.mark.parametrize(
@@ -608,7 +609,7 @@ def test_row_philox_sharing(element, block, rounding, share) -> None:
     from fp4gen.codegen.quantize import tile_context
 
     outs = (("rowwise", rounding, None, "compact"), ("columnwise", rounding, None, "compact"))
-    assert tile_context(tile(element, block, NV, True, outs))["row_share"] == share
+    assert tile_context(tile(element, block, NV, True, outs)).row_share == share
 
 
 def test_folded_encode_factors_stay_normal_up_to_the_bound() -> None:
@@ -632,8 +633,9 @@ def test_folded_encode_factors_stay_normal_up_to_the_bound() -> None:
         ),
     )
     ctx = tile_context(spec)
-    assert ctx["staged"] and ctx["fold"] == ["row", "col"]
-    bound = float(ctx["fold_sdec_max"])
+    assert ctx.staged and ctx.fold == ("row", "col")
+    assert ctx.fold_sdec_max is not None
+    bound = float(ctx.fold_sdec_max)
     assert bound == 2.0**102
     codes = torch.arange(256, dtype=torch.int32)
     s_b = torch.tensor([E4M3.value(int(c)) for c in codes], dtype=torch.float32)
@@ -644,4 +646,4 @@ def test_folded_encode_factors_stay_normal_up_to_the_bound() -> None:
     assert torch.equal(t * 2.0**14, e_b)
     for dtype in ("fp32", "fp16"):
         other = tile_context(replace(spec, input_dtype=dtype))
-        assert not other["staged"] and other["fold"] == []
+        assert not other.staged and other.fold == ()

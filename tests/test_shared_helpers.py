@@ -4,12 +4,23 @@
 from __future__ import annotations
 
 import math
+from dataclasses import FrozenInstanceError, dataclass
 from types import SimpleNamespace
 
 import pytest
 import torch
 
-from fp4gen.codegen.render import lit, pytuple, render_template, spec_entries, tidy
+from fp4gen.codegen.render import (
+    SpecEntries,
+    TemplateContext,
+    inline,
+    input_context,
+    lit,
+    pytuple,
+    render_template,
+    spec_entries,
+    tidy,
+)
 from fp4gen.errors import FP4GenError, TensorError
 from fp4gen.runtime.checks import (
     check_accumulate,
@@ -44,6 +55,47 @@ def test_spec_entries_and_templates_render() -> None:
     assert entries["spec_repr"] == repr(spec)
     # a macro file renders nothing of its own at the top level
     assert render_template("common.j2", {}) == "\n"
+
+
+@dataclass(frozen=True)
+class _Inner(TemplateContext):
+    a: int
+
+
+@dataclass(frozen=True)
+class _Outer(TemplateContext):
+    inner: _Inner = inline()
+    b: str
+
+
+@dataclass(frozen=True)
+class _Holder(TemplateContext):
+    inner: _Inner
+
+
+@dataclass(frozen=True)
+class _Clash(TemplateContext):
+    inner: _Inner = inline()
+    a: int
+
+
+def test_typed_contexts() -> None:
+    """A typed context is frozen, spreads its inline() fields into the template's variables
+    (shallowly: nested contexts stay objects) and refuses a variable defined twice."""
+    outer = _Outer(_Inner(1), "x")
+    assert outer.as_template_vars() == {"a": 1, "b": "x"}
+    assert _Holder(outer.inner).as_template_vars()["inner"] is outer.inner
+    with pytest.raises(FrozenInstanceError):
+        outer.b = "y"  # type: ignore[misc]
+    with pytest.raises(TypeError, match=r"template variables \['a'\] twice"):
+        _Clash(_Inner(1), 2).as_template_vars()
+    with pytest.raises(TypeError):
+        _Outer(_Inner(1))  # type: ignore[call-arg]  # a missing field fails where it is built
+    spec = SimpleNamespace(name="k", digest="d")
+    assert SpecEntries.of(spec).as_template_vars() == spec_entries(spec)
+    assert render_template("common.j2", outer) == "\n"
+    bf16 = input_context("bf16")
+    assert (bf16.name, bf16.cutlass, bf16.torch) == ("bf16", "BFloat16", "bfloat16")
 
 
 def _q(rows: int, cols: int, rht: object = None) -> SimpleNamespace:

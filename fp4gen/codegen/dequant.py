@@ -34,12 +34,12 @@ The generated module's contract (used through ``fp4gen.runtime.kernels_for``):
 
 from __future__ import annotations
 
-from typing import Any
+from dataclasses import dataclass
 
-from fp4gen.codegen.render import doc_block, render_template, spec_entries
+from fp4gen.codegen.render import SpecEntries, TemplateContext, doc_block, inline, render_template
 from fp4gen.formats import BlockFormat, ElementFormat
 from fp4gen.spec import DequantKernelSpec
-from fp4gen.vocab import Arch, words
+from fp4gen.vocab import Arch, StrEnum, words
 
 ARCHS: tuple[str, ...] = words(Arch)
 # values per unit of work: 8 code bytes (4 packed) in, one 16-byte store out, so that every
@@ -82,46 +82,110 @@ def spec_for(fmt: BlockFormat, codes: str = "bytes") -> DequantKernelSpec | str:
     return spec if reason is None else f"{fmt.name}: {reason}"
 
 
-def _element_context(e: ElementFormat) -> dict[str, Any]:
-    return {
-        "name": e.name,
-        "bits": e.bits,
-        "man_bits": e.man_bits,
-        "bias": e.bias,
-        "mag_mask": (1 << (e.bits - 1)) - 1,
-        "shift": 23 - e.man_bits,
-    }
+class ScaleKind(StrEnum):
+    """How the kernel decodes a scale code; the template compares it with these words."""
+
+    EXPONENT = "exponent"  # ueXm0: code c is 2^(c - bias), placed as an fp32 exponent field
+    MINIFLOAT = "minifloat"  # eXmY: the magnitude field shifted into place, as the elements
 
 
-def _scale_context(s: ElementFormat) -> dict[str, Any]:
+class ScaleMode(StrEnum):
+    """How the UNIT values of a unit map to scale columns."""
+
+    UNIT = "unit"  # one block covers the unit
+    SPLIT = "split"  # UNIT / bc blocks per unit
+    VALUE = "value"  # a scale column per value
+
+
+@dataclass(frozen=True)
+class ElementDecode:
+    """What the decode of an element code needs."""
+
+    name: str
+    bits: int
+    man_bits: int
+    bias: int
+    mag_mask: int  # the magnitude bits of a code
+    shift: int  # 23 - man_bits: the magnitude field's shift to fp32's exponent/mantissa
+
+
+@dataclass(frozen=True)
+class ScaleDecode:
+    """What the decode of a scale code needs; the fields after ``bias`` are None where ``kind``
+    has no use for them."""
+
+    name: str
+    kind: ScaleKind
+    bias: int
+    offset: int | None = None  # exponent-only: the fp32 biased exponent of code c is c + offset
+    code0_subnormal: bool | None = None  # exponent-only: 2^-127 is below fp32's normal range
+    mag_mask: int | None = None  # minifloat: the magnitude bits of a code
+    shift: int | None = None  # minifloat: 23 - man_bits
+
+
+@dataclass(frozen=True)
+class DequantContext(TemplateContext):
+    """The variables of dequant.py.j2."""
+
+    entries: SpecEntries[DequantKernelSpec] = inline()
+    elem: ElementDecode
+    scale: ScaleDecode
+    block: tuple[int, int]
+    br: int  # block rows
+    bc: int  # block columns
+    packed: bool  # two 4-bit codes per byte
+    unit: int  # values per unit of work
+    unit_bytes: int  # code bytes of a unit
+    code_words: int  # 32-bit words of a unit's codes
+    threads: int  # threads per CTA
+    units_per_thread: int
+    scale_mode: ScaleMode
+    scale_groups: tuple[tuple[int, ...], ...]  # per scale column of a unit: its values
+    archs: tuple[str, ...]
+    launch_doc: str  # the launch function's docstring paragraph
+
+
+def _element_context(e: ElementFormat) -> ElementDecode:
+    return ElementDecode(
+        name=e.name,
+        bits=e.bits,
+        man_bits=e.man_bits,
+        bias=e.bias,
+        mag_mask=(1 << (e.bits - 1)) - 1,
+        shift=23 - e.man_bits,
+    )
+
+
+def _scale_context(s: ElementFormat) -> ScaleDecode:
     if s.exponent_only:
-        return {
-            "name": s.name,
-            "kind": "exponent",
-            "bias": s.bias,
-            "offset": 127 - s.bias,  # fp32 biased exponent of code c: c + offset
-            "code0_subnormal": s.bias == 127,  # 2^-127 is below fp32's normal range
-        }
-    return {
-        "name": s.name,
-        "kind": "minifloat",
-        "bias": s.bias,
-        "mag_mask": (1 << (s.bits - 1)) - 1,
-        "shift": 23 - s.man_bits,
-    }
+        return ScaleDecode(
+            name=s.name,
+            kind=ScaleKind.EXPONENT,
+            bias=s.bias,
+            offset=127 - s.bias,
+            code0_subnormal=s.bias == 127,
+        )
+    return ScaleDecode(
+        name=s.name,
+        kind=ScaleKind.MINIFLOAT,
+        bias=s.bias,
+        mag_mask=(1 << (s.bits - 1)) - 1,
+        shift=23 - s.man_bits,
+    )
 
 
-def _scale_groups(bc: int) -> tuple[str, list[list[int]]]:
-    """How the UNIT values of a unit map to scale columns: "unit" (one block covers the unit),
-    "split" (UNIT / bc blocks per unit, value groups listed) or "value" (per-value index)."""
+def _scale_groups(bc: int) -> tuple[ScaleMode, tuple[tuple[int, ...], ...]]:
+    """How the UNIT values of a unit map to scale columns (see ScaleMode), with the values of
+    each scale column."""
     if bc % UNIT == 0:  # whole units per block (a unit starts at a multiple of UNIT)
-        return "unit", [list(range(UNIT))]
+        return ScaleMode.UNIT, (tuple(range(UNIT)),)
     if UNIT % bc == 0:
-        return "split", [list(range(g * bc, (g + 1) * bc)) for g in range(UNIT // bc)]
-    return "value", [[j] for j in range(UNIT)]
+        groups = tuple(tuple(range(g * bc, (g + 1) * bc)) for g in range(UNIT // bc))
+        return ScaleMode.SPLIT, groups
+    return ScaleMode.VALUE, tuple((j,) for j in range(UNIT))
 
 
-def dequant_context(spec: DequantKernelSpec) -> dict[str, Any]:
+def dequant_context(spec: DequantKernelSpec) -> DequantContext:
     """Everything the template needs, all derived from the spec."""
     reason = unsupported_reason(spec)
     if reason is not None:
@@ -137,24 +201,24 @@ def dequant_context(spec: DequantKernelSpec) -> dict[str, Any]:
         f"CUDA device; out bf16 [R, Kp] with Kp = K rounded up to a multiple of {UNIT} "
         "(allocated when not given; columns K..Kp hold zeros)"
     )
-    return {
-        **spec_entries(spec),
-        "elem": _element_context(spec.element),
-        "scale": _scale_context(spec.scale),
-        "block": spec.block,
-        "br": br,
-        "bc": bc,
-        "packed": packed,
-        "unit": UNIT,
-        "unit_bytes": unit_bytes,
-        "code_words": unit_bytes // 4,
-        "threads": THREADS,
-        "units_per_thread": UNITS_PER_THREAD,
-        "scale_mode": mode,
-        "scale_groups": groups,
-        "archs": list(ARCHS),
-        "launch_doc": doc_block(launch_doc),
-    }
+    return DequantContext(
+        entries=SpecEntries.of(spec),
+        elem=_element_context(spec.element),
+        scale=_scale_context(spec.scale),
+        block=spec.block,
+        br=br,
+        bc=bc,
+        packed=packed,
+        unit=UNIT,
+        unit_bytes=unit_bytes,
+        code_words=unit_bytes // 4,
+        threads=THREADS,
+        units_per_thread=UNITS_PER_THREAD,
+        scale_mode=mode,
+        scale_groups=groups,
+        archs=ARCHS,
+        launch_doc=doc_block(launch_doc),
+    )
 
 
 def render_dequant(spec: DequantKernelSpec) -> str:
@@ -162,14 +226,18 @@ def render_dequant(spec: DequantKernelSpec) -> str:
 
     Raises NotImplementedError for formats the template does not cover (see
     ``unsupported_reason``)."""
-    context = dequant_context(spec)
-    return render_template("dequant.py.j2", context)
+    return render_template("dequant.py.j2", dequant_context(spec))
 
 
 __all__ = [
     "ARCHS",
     "THREADS",
     "UNIT",
+    "DequantContext",
+    "ElementDecode",
+    "ScaleDecode",
+    "ScaleKind",
+    "ScaleMode",
     "dequant_context",
     "render_dequant",
     "spec_for",

@@ -24,17 +24,26 @@ Numerics: docs/numerics.md section 8, bit for bit (the reference is ``fp4gen.num
 
 from __future__ import annotations
 
-from typing import Any
+from dataclasses import dataclass
+from typing import Literal
 
 import torch
 
-from fp4gen.codegen.render import lit, render_template, spec_entries
-from fp4gen.dsl.model import MoRSpec, Partition
-from fp4gen.formats import ElementFormat, HighPrecision
+from fp4gen.codegen.render import (
+    InputContext,
+    SpecEntries,
+    TemplateContext,
+    inline,
+    input_context,
+    lit,
+    render_template,
+)
+from fp4gen.dsl.model import MoRScaling, MoRSpec, Partition
+from fp4gen.formats import ElementFormat, HighPrecision, Special
 from fp4gen.numerics.minifloat import max_finite
 from fp4gen.numerics.mor import SUM_TILE, representations
 from fp4gen.spec import MoRKernelSpec
-from fp4gen.vocab import DTYPES, Arch, words
+from fp4gen.vocab import DTYPES, Arch, Rounding, words
 
 ARCHS: tuple[str, ...] = words(Arch)
 ROUNDINGS: tuple[str, ...] = ("nearest", "zero")  # stochastic rounding stays on the reference
@@ -71,24 +80,110 @@ def _shifts(part: Partition, what: str) -> tuple[int, int]:
     return rows.bit_length() - 1, cols.bit_length() - 1
 
 
-def _element(fmt: ElementFormat, index: int) -> dict[str, Any]:
+@dataclass(frozen=True)
+class ElementRep:
+    """A representation the kernels measure that is an element format (a candidate or a
+    ``relerr(F)`` yardstick): its encode constants."""
+
+    name: str
+    index: int  # among the element representations (their scale buffers, encode_<index>)
+    rep: int  # among all the representations
+    bits: int
+    exp_bits: int
+    man_bits: int
+    special: Special
+    emin_biased: int  # 1 - bias + 127: the smallest normal's fp32 exponent field
+    max: str  # literal of the largest finite value
+    sign_shift: int  # bits - 1: the sign bit of a code
+    range_bound: str  # literal of max / min normal, the ``range`` metric's bound
+    kind: Literal["elem"] = "elem"
+
+
+@dataclass(frozen=True)
+class HighRep:
+    """A representation that keeps the values in a high-precision dtype."""
+
+    name: str  # the dtype: "bf16", "fp16" or "fp32"
+    rep: int  # among all the representations
+    index: None = None  # not an element representation: no scale buffer
+    kind: Literal["hp"] = "hp"
+
+
+def _element(fmt: ElementFormat, index: int, rep: int) -> ElementRep:
     if not fmt.signed:
         raise NotImplementedError(f"{fmt.name}: MoR candidates must be signed element formats")
     q_max = max_finite(fmt)
     emin = 1 - fmt.bias
-    return {
-        "kind": "elem",
-        "name": fmt.name,
-        "index": index,  # among the element representations (scale buffers)
-        "bits": fmt.bits,
-        "exp_bits": fmt.exp_bits,
-        "man_bits": fmt.man_bits,
-        "special": fmt.special,
-        "emin_biased": emin + 127,
-        "max": lit(q_max),
-        "sign_shift": fmt.bits - 1,
-        "range_bound": lit(q_max / fmt.min_normal),  # exact: q_max has few significant bits
-    }
+    return ElementRep(
+        name=fmt.name,
+        index=index,
+        rep=rep,
+        bits=fmt.bits,
+        exp_bits=fmt.exp_bits,
+        man_bits=fmt.man_bits,
+        special=fmt.special,
+        emin_biased=emin + 127,
+        max=lit(q_max),
+        sign_shift=fmt.bits - 1,
+        range_bound=lit(q_max / fmt.min_normal),  # exact: q_max has few significant bits
+    )
+
+
+@dataclass(frozen=True)
+class CandidateContext:
+    """A candidate of the rule, in its order."""
+
+    index: int
+    rep: ElementRep | HighRep
+    metric: Literal["relerr", "relerr_vs", "range"] | None  # None: the fallback
+    text: str  # when it is taken, in words
+    threshold: str | None = None  # relerr: literal of the threshold
+    versus: int | None = None  # relerr_vs: the yardstick's representation
+
+
+@dataclass(frozen=True)
+class HighContext:
+    """The high-precision dtype the kernels write high-precision candidates' values in."""
+
+    name: str  # "bf16", "fp16" or "fp32"
+    torch: str  # the torch attribute: "bfloat16"
+
+
+@dataclass(frozen=True)
+class MoRContext(TemplateContext):
+    """The variables of mor.py.j2. Partition shifts: a row's (column's) unit index is row >> shift,
+    31 for a side that spans the whole tensor."""
+
+    entries: SpecEntries[MoRKernelSpec] = inline()
+    rule_text: tuple[str, ...]  # the rule, one statement a line
+    kernels: tuple[str, ...]  # kernel names in launch order
+    fused: bool  # a decision unit fits a 128x128 tile: decided in the quantizing pass
+    archs: tuple[str, ...]
+    input: InputContext
+    rounding: Rounding
+    reps: tuple[ElementRep | HighRep, ...]  # every representation measured, in order
+    elems: tuple[ElementRep, ...]  # the element ones
+    n_elem: int
+    cands: tuple[CandidateContext, ...]
+    n_cands: int
+    high: HighContext | None  # None: no high-precision candidate
+    high_bytes: int  # bytes per value of ``high``, 0 without
+    high_cands: tuple[str, ...]  # the high-precision candidates' dtypes, sorted
+    uses_range: bool  # some candidate takes the ``range`` metric
+    scaling: MoRScaling
+    urs: int  # the decision unit's row shift
+    ucs: int  # the decision unit's column shift
+    rh: int  # its row shift within a 128x128 tile: min(urs, 7)
+    cw: int  # its column shift within a tile: min(ucs, 7)
+    srs: int  # the scale unit's row shift
+    scs: int  # the scale unit's column shift
+    s_rh: int  # its row shift within a tile: min(srs, 7)
+    s_cw: int  # its column shift within a tile: min(scs, 7)
+    upr_shift: int  # log2 of the tiles a decision unit spans along rows (at most 24)
+    upc_shift: int  # the same along columns
+    flt_max: str  # literal of the largest fp32
+    segments: int  # row segments per thread
+    log_segments: int
 
 
 def check(spec: MoRKernelSpec) -> None:
@@ -111,84 +206,89 @@ def check(spec: MoRKernelSpec) -> None:
             raise NotImplementedError(f"{rep.name}: MoR candidates must be signed formats")
 
 
-def context(spec: MoRKernelSpec) -> dict[str, Any]:
+def context(spec: MoRKernelSpec) -> MoRContext:
     """Everything the template needs, derived from the spec."""
     check(spec)
     rule = spec.rule
     evaluated = representations(rule)
-    reps: list[dict[str, Any]] = []
+    reps: list[ElementRep | HighRep] = []
     n_elem = 0
     for i, fmt in enumerate(evaluated):
         if isinstance(fmt, ElementFormat):
-            rep = _element(fmt, n_elem)
+            reps.append(_element(fmt, n_elem, i))
             n_elem += 1
         else:
             assert isinstance(fmt, HighPrecision)
-            rep = {"kind": "hp", "name": fmt.name, "index": None}
-        rep["rep"] = i
-        reps.append(rep)
+            reps.append(HighRep(fmt.name, i))
     cands = []
     for i, cand in enumerate(rule.candidates):
         rep = reps[evaluated.index(cand.format)]
         metric = cand.metric
-        entry: dict[str, Any] = {"index": i, "rep": rep, "metric": None}
-        if metric is not None:
-            entry["metric"] = metric.kind
-            if metric.kind == "relerr":
-                assert metric.threshold is not None
-                entry["threshold"] = lit(metric.threshold)
-                entry["text"] = f"relerr < {metric.threshold!r}"
-            elif metric.kind == "relerr_vs":
-                assert metric.versus is not None
-                entry["versus"] = evaluated.index(metric.versus)
-                entry["text"] = f"relerr < relerr({metric.versus.name})"
-            else:
-                assert isinstance(cand.format, ElementFormat)
-                entry["text"] = f"range: max < {rep['range_bound']} * min over non-zeros"
+        threshold: str | None = None
+        versus: int | None = None
+        if metric is None:
+            text = "no other candidate accepts (the fallback)"
+        elif metric.kind == "relerr":
+            assert metric.threshold is not None
+            threshold = lit(metric.threshold)
+            text = f"relerr < {metric.threshold!r}"
+        elif metric.kind == "relerr_vs":
+            assert metric.versus is not None
+            versus = evaluated.index(metric.versus)
+            text = f"relerr < relerr({metric.versus.name})"
         else:
-            entry["text"] = "no other candidate accepts (the fallback)"
-        cands.append(entry)
+            assert isinstance(rep, ElementRep)
+            text = f"range: max < {rep.range_bound} * min over non-zeros"
+        cands.append(
+            CandidateContext(
+                index=i,
+                rep=rep,
+                metric=None if metric is None else metric.kind,
+                text=text,
+                threshold=threshold,
+                versus=versus,
+            )
+        )
     highs = sorted({c.format.name for c in rule.candidates if isinstance(c.format, HighPrecision)})
     high = highs[0] if len(highs) == 1 else ("fp32" if highs else None)
     urs, ucs = _shifts(rule.decide, "a decision")
     srs, scs = _shifts(rule.scale, "a scale")
     rh, cw = min(urs, 7), min(ucs, 7)
     fused = urs <= 7 and ucs <= 7
-    dtype = DTYPES[spec.input_dtype]
-    return {
-        **spec_entries(spec),
-        "rule_text": _rule_text(rule),
-        "kernels": ["amax", "scales", "quantize"]
+    return MoRContext(
+        entries=SpecEntries.of(spec),
+        rule_text=tuple(_rule_text(rule)),
+        kernels=("amax", "scales", "quantize")
         if fused
-        else ["amax", "scales", "measure", "decide", "emit"],
-        "fused": fused,
-        "archs": list(ARCHS),
-        "input": {"name": spec.input_dtype, "cutlass": dtype.cute, "torch": dtype.torch_name},
-        "rounding": spec.rounding,
-        "reps": reps,
-        "elems": [r for r in reps if r["kind"] == "elem"],
-        "n_elem": n_elem,
-        "cands": cands,
-        "n_cands": len(cands),
-        "high": None if high is None else {"name": high, "torch": DTYPES[high].torch_name},
-        "high_bytes": 0 if high is None else DTYPES[high].size,
-        "high_cands": highs,
-        "uses_range": any(c["metric"] == "range" for c in cands),
-        "scaling": rule.scaling,
-        "urs": urs,
-        "ucs": ucs,
-        "rh": rh,
-        "cw": cw,
-        "srs": srs,
-        "scs": scs,
-        "s_rh": min(srs, 7),
-        "s_cw": min(scs, 7),
-        "upr_shift": min(urs - rh, 24),
-        "upc_shift": min(ucs - cw, 24),
-        "flt_max": lit(FLT_MAX),
-        "segments": spec.segments,
-        "log_segments": spec.segments.bit_length() - 1,
-    }
+        else ("amax", "scales", "measure", "decide", "emit"),
+        fused=fused,
+        archs=ARCHS,
+        input=input_context(spec.input_dtype),
+        rounding=Rounding(spec.rounding),
+        reps=tuple(reps),
+        elems=tuple(r for r in reps if isinstance(r, ElementRep)),
+        n_elem=n_elem,
+        cands=tuple(cands),
+        n_cands=len(cands),
+        high=None if high is None else HighContext(high, DTYPES[high].torch_name),
+        high_bytes=0 if high is None else DTYPES[high].size,
+        high_cands=tuple(highs),
+        uses_range=any(c.metric == "range" for c in cands),
+        scaling=rule.scaling,
+        urs=urs,
+        ucs=ucs,
+        rh=rh,
+        cw=cw,
+        srs=srs,
+        scs=scs,
+        s_rh=min(srs, 7),
+        s_cw=min(scs, 7),
+        upr_shift=min(urs - rh, 24),
+        upc_shift=min(ucs - cw, 24),
+        flt_max=lit(FLT_MAX),
+        segments=spec.segments,
+        log_segments=spec.segments.bit_length() - 1,
+    )
 
 
 def _part_text(part: Partition) -> str:
@@ -221,4 +321,18 @@ def render(spec: MoRKernelSpec) -> str:
     return render_template("mor.py.j2", context(spec))
 
 
-__all__ = ["ARCHS", "ROUNDINGS", "SEGMENTS", "TILE", "MoRKernelSpec", "check", "context", "render"]
+__all__ = [
+    "ARCHS",
+    "ROUNDINGS",
+    "SEGMENTS",
+    "TILE",
+    "CandidateContext",
+    "ElementRep",
+    "HighContext",
+    "HighRep",
+    "MoRContext",
+    "MoRKernelSpec",
+    "check",
+    "context",
+    "render",
+]

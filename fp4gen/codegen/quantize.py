@@ -38,26 +38,29 @@ import math
 import re
 import struct
 from dataclasses import dataclass
-from typing import Any
+from typing import Literal
 
 import torch
 
-from fp4gen.codegen.render import lit, render_template, spec_entries
-from fp4gen.formats import ElementFormat, is_stochastic, scale_cap, sr_bits
+from fp4gen.codegen.render import (
+    InputContext,
+    SpecEntries,
+    TemplateContext,
+    inline,
+    input_context,
+    lit,
+    render_template,
+)
+from fp4gen.dsl.model import RHTSpec
+from fp4gen.formats import ElementFormat, Special, is_stochastic, scale_cap, sr_bits
 from fp4gen.numerics.hadamard import rht_scale, rht_signs
 from fp4gen.numerics.minifloat import max_exponent, max_finite
 from fp4gen.spec import ROUNDING_TAGS, QuantKernelSpec
+from fp4gen.vocab import DTYPES, Direction, Rounding, ScaleRounding, StrEnum
 
 ARCHS: tuple[str, ...] = ("sm_90a", "sm_100a")
 
 FLT_MAX = float(torch.finfo(torch.float32).max)
-
-# Input dtypes: (cutlass type, torch dtype, bytes per element)
-_INPUTS = {
-    "bf16": ("BFloat16", "bfloat16", 2),
-    "fp16": ("Float16", "float16", 2),
-    "fp32": ("Float32", "float32", 4),
-}
 
 # Hardware converts whose result equals the contract's RNE encode (satfinite = the clamp), keyed
 # by (exp_bits, man_bits, special). Value: (PTX type, arches that have it).
@@ -72,6 +75,9 @@ _HW_CVT = {
 QUANT_THREADS = 256
 AMAX_THREADS = 256
 MAX_UNIT = 64  # elements one thread holds at once (registers)
+
+# The CuTe type of a store word of codes, by its bytes
+_STORE_TYPES = {4: "Uint32", 2: "Uint16", 1: "Uint8"}
 
 
 def _f32(x: float) -> float:
@@ -109,23 +115,51 @@ class Mapping:
     amax_units: int  # units per thread, amax kernel
 
 
-def _sw_encode(elem: ElementFormat, rounding: str, *, tile: bool, whole_words: bool) -> str:
-    """The software element encode of a rounding (see quantize_macros.j2 elem_raw): "rne" (one
-    FFMA; needs a mantissa bit so that rint's even integer is the even code), "srhalf" (4-bit
-    codes with 8 random bits and at most 2 mantissa bits, encoded in groups of 8 values: two
-    values per fp16x2 convert and integer op), "srshift" (8/16 random bits: fp32 bit arithmetic
-    after one exact rescale), "sr64" (32 random bits: a 64-bit truncating convert and a borrow;
-    tile kernels) or "floor" (floor + exact fraction). ``whole_words``: every encode call gets a
-    multiple of 32 // bits values."""
+class SwEncode(StrEnum):
+    """The software element encode of a rounding (quantize_macros.j2 ``elem_raw``); the templates
+    compare it with these words."""
+
+    RNE = "rne"  # one FFMA; needs a mantissa bit so that rint's even integer is the even code
+    # 4-bit codes with 8 random bits and at most 2 mantissa bits, encoded in groups of 8 values:
+    # two values per fp16x2 convert and integer op
+    SRHALF = "srhalf"
+    SRSHIFT = "srshift"  # 8/16 random bits: fp32 bit arithmetic after one exact rescale
+    SR64 = "sr64"  # 32 random bits (tile kernels): a 64-bit truncating convert and a borrow
+    FLOOR = "floor"  # floor + exact fraction
+
+
+class ScaleKind(StrEnum):
+    """How a kernel encodes its block scales; the templates compare it with these words."""
+
+    FP32 = "fp32"  # plain fp32 scales, nothing to round
+    EXPONENT = "exponent"  # an exponent-only format (UExM0)
+    E4M3_HW = "e4m3_hw"  # e4m3 rounded to nearest: the hardware convert
+    MINIFLOAT = "minifloat"  # any other minifloat, rounded in software
+
+
+class RandomSource(StrEnum):
+    """The generated function that draws a copy's random bits (the words are its name)."""
+
+    WORDS = "random_words"  # whole Philox words: what the "srhalf" encode takes
+    FIELDS = "random_fields"  # one sr_bits field per value: every other encode
+
+
+def _random_source(encode: SwEncode) -> RandomSource:
+    return RandomSource.WORDS if encode == SwEncode.SRHALF else RandomSource.FIELDS
+
+
+def _sw_encode(elem: ElementFormat, rounding: str, *, tile: bool, whole_words: bool) -> SwEncode:
+    """The software element encode of a rounding (see SwEncode). ``whole_words``: every encode
+    call gets a multiple of 32 // bits values."""
     if rounding == "nearest" and elem.man_bits > 0:
-        return "rne"
+        return SwEncode.RNE
     if _half_image_fits(elem, rounding) and whole_words:
-        return "srhalf"
+        return SwEncode.SRHALF
     if 0 < sr_bits(rounding) < 32:
-        return "srshift"
+        return SwEncode.SRSHIFT
     if rounding == "stochastic" and tile:
-        return "sr64"
-    return "floor"
+        return SwEncode.SR64
+    return SwEncode.FLOOR
 
 
 def _half_image_fits(elem: ElementFormat, rounding: str) -> bool:
@@ -171,85 +205,208 @@ def choose_mapping(block: int, rht: int | None, in_bytes: int) -> Mapping:
     return Mapping(unit, unit // block if tpb == 1 else 1, tpb, k_multiple, quant_units, amax_units)
 
 
-def _element_ctx(fmt: ElementFormat) -> dict[str, Any]:
+@dataclass(frozen=True)
+class HalfImage:
+    """The fp16 image of a 4-bit format that the "srhalf" encode works on: z = y * 2^(-14 - emin)
+    puts the format's grid on fp16's, the code in the fp16 bits from 10 - m."""
+
+    scale: str  # literal of 2^(-14 - emin), the factor y -> z
+    max2: str  # hex word: the fp16 bits of the image of the format's max, in both halves
+    code_shift: int  # 10 - m: the lowest code bit of an image
+    rand_shift: int  # 2 - m: the lowest of the 8 random bits below the code
+
+
+@dataclass(frozen=True)
+class ElementContext:
+    """The element format's constants, spelled as the generated module writes them."""
+
+    name: str
+    bits: int
+    exp_bits: int
+    man_bits: int
+    bias: int
+    emin: int  # 1 - bias: exponent of the smallest normal (and of the subnormals)
+    emin_biased: int  # emin + 127, as an fp32 exponent field
+    special: Special  # which codes are Inf / NaN
+    max: str  # literal of the largest finite value
+    inv_max: str  # literal of fp32(1 / max)
+    emax: int  # floor(log2(max))
+    # magnitude code = bits(2^23 + n) + (k + 127) * 2^m - code_bias (hex, as the next two)
+    code_bias: str
+    word_bias: str  # code_bias in every lane of a 32-bit word, mod 2^32
+    lane_signs: str  # the sign bit of every lane of a 32-bit word
+    hw_cvt: str | None  # the PTX type of a hardware convert equal to the RNE encode, if any
+    hw_archs: tuple[str, ...]  # the arches that have that convert
+    sign_mask: int  # the sign bit of a code
+    half: HalfImage | None  # the fp16 image, for 4-bit formats with at most 2 mantissa bits
+
+
+def _element_context(fmt: ElementFormat) -> ElementContext:
     emax_val = max_finite(fmt)
-    bias = fmt.bias
-    emin = 1 - bias
+    emin = 1 - fmt.bias
     m = fmt.man_bits
     hw = _HW_CVT.get((fmt.exp_bits, fmt.man_bits, fmt.special))
     code_bias = 0x4B000000 + ((emin + 127) << m)
     lanes = 32 // fmt.bits
     sign = 1 << (fmt.bits - 1)
-    return {
-        "name": fmt.name,
-        "bits": fmt.bits,
-        "exp_bits": fmt.exp_bits,
-        "man_bits": m,
-        "bias": bias,
-        "emin": emin,
-        "emin_biased": emin + 127,
-        "special": fmt.special,
-        "max": lit(emax_val),
-        "inv_max": lit(_f32_div(1.0, emax_val)),
-        "emax": max_exponent(fmt),
-        # magnitude code = bits(2^23 + n) + (k + 127) * 2^m - code_bias
-        "code_bias": _hex(code_bias),
-        "word_bias": _hex(sum(code_bias << (fmt.bits * j) for j in range(lanes))),
-        "lane_signs": _hex(sum(sign << (fmt.bits * j) for j in range(lanes))),
-        "hw_cvt": hw[0] if hw else None,
-        "hw_archs": hw[1] if hw else (),
-        "sign_mask": sign,
-        # the fp16 image of the "srhalf" encode: z = y * 2^(-14 - emin), code bits from 10 - m
-        "half": {
-            "scale": lit(2.0 ** (-14 - emin)),
-            "max2": _hex(_half_bits(emax_val * 2.0 ** (-14 - emin)) * 0x10001),
-            "code_shift": 10 - m,
-            "rand_shift": 2 - m,
-        }
-        if fmt.bits == 4 and m <= 2
-        else None,
-    }
+    half = None
+    if fmt.bits == 4 and m <= 2:
+        half = HalfImage(
+            scale=lit(2.0 ** (-14 - emin)),
+            max2=_hex(_half_bits(emax_val * 2.0 ** (-14 - emin)) * 0x10001),
+            code_shift=10 - m,
+            rand_shift=2 - m,
+        )
+    return ElementContext(
+        name=fmt.name,
+        bits=fmt.bits,
+        exp_bits=fmt.exp_bits,
+        man_bits=m,
+        bias=fmt.bias,
+        emin=emin,
+        emin_biased=emin + 127,
+        special=fmt.special,
+        max=lit(emax_val),
+        inv_max=lit(_f32_div(1.0, emax_val)),
+        emax=max_exponent(fmt),
+        code_bias=_hex(code_bias),
+        word_bias=_hex(sum(code_bias << (fmt.bits * j) for j in range(lanes))),
+        lane_signs=_hex(sum(sign << (fmt.bits * j) for j in range(lanes))),
+        hw_cvt=hw[0] if hw else None,
+        hw_archs=hw[1] if hw else (),
+        sign_mask=sign,
+        half=half,
+    )
 
 
-def _scale_ctx(spec: QuantKernelSpec) -> dict[str, Any]:
+@dataclass(frozen=True)
+class ScaleContext:
+    """The block scale format's constants. The fields after ``cap`` are None where ``kind`` has
+    no use for them (fp32 scales have none of them)."""
+
+    kind: ScaleKind
+    name: str
+    rounding: ScaleRounding | Literal["exact"]  # "exact": fp32 scales are not rounded
+    max: str  # literal of the largest finite scale
+    cap: str  # literal of the saturation point: element max * cap <= FLT_MAX
+    bits: int | None = None
+    exp_bits: int | None = None
+    man_bits: int | None = None
+    bias: int | None = None
+    min: str | None = None  # exponent-only: literal of 2^-bias (these formats have no zero)
+    max_code: int | None = None  # exponent-only: the largest finite code (all ones is NaN)
+    emin_biased: int | None = None  # software minifloat: emin + 127, an fp32 exponent field
+    rne_bias: str | None = None  # software minifloat: hex of its RNE code bias
+
+    @property
+    def needs_add_rz(self) -> bool:
+        """A software minifloat scale rounded other than to nearest with a mantissa: its encode
+        takes the add.rz helper."""
+        return self.kind == ScaleKind.MINIFLOAT and not (
+            self.rounding == "nearest" and (self.man_bits or 0) > 0
+        )
+
+
+def _scale_context(spec: QuantKernelSpec) -> ScaleContext:
     scale = spec.scale
     # d_b saturates at the cap, not at the format's max, so no code decodes to +-inf
     cap = lit(scale_cap(spec.element, scale))
-    if scale.element is None:
-        return {
-            "kind": "fp32",
-            "name": "fp32",
-            "rounding": "exact",
-            "max": lit(FLT_MAX),
-            "cap": cap,
-        }
     fmt = scale.element
-    base = {
-        "name": fmt.name,
-        "rounding": scale.rounding,
-        "max": lit(max_finite(fmt)),
-        "cap": cap,
-        "bits": fmt.bits,
-        "exp_bits": fmt.exp_bits,
-        "man_bits": fmt.man_bits,
-        "bias": fmt.bias,
-    }
-    if fmt.exponent_only:
-        return {
-            **base,
-            "kind": "exponent",
-            "min": lit(fmt.min_positive),
-            "max_code": (1 << fmt.exp_bits) - 2,
-        }
-    if (fmt.exp_bits, fmt.man_bits, fmt.special) == (4, 3, "fn") and scale.rounding == "nearest":
-        return {**base, "kind": "e4m3_hw"}
+    if fmt is None:
+        return ScaleContext(
+            kind=ScaleKind.FP32, name="fp32", rounding="exact", max=lit(FLT_MAX), cap=cap
+        )
+    rounding = ScaleRounding(scale.rounding)
     emin = 1 - fmt.bias
-    return {
-        **base,
-        "kind": "minifloat",
-        "emin_biased": emin + 127,
-        "rne_bias": _hex(0x4B000000 + ((emin + 127) << fmt.man_bits)),
-    }
+    if fmt.exponent_only:
+        kind = ScaleKind.EXPONENT
+    elif (fmt.exp_bits, fmt.man_bits, fmt.special) == (4, 3, "fn") and rounding == "nearest":
+        kind = ScaleKind.E4M3_HW
+    else:
+        kind = ScaleKind.MINIFLOAT
+    return ScaleContext(
+        kind=kind,
+        name=fmt.name,
+        rounding=rounding,
+        max=lit(max_finite(fmt)),
+        cap=cap,
+        bits=fmt.bits,
+        exp_bits=fmt.exp_bits,
+        man_bits=fmt.man_bits,
+        bias=fmt.bias,
+        min=lit(fmt.min_positive) if kind == ScaleKind.EXPONENT else None,
+        max_code=(1 << fmt.exp_bits) - 2 if kind == ScaleKind.EXPONENT else None,
+        emin_biased=emin + 127 if kind == ScaleKind.MINIFLOAT else None,
+        rne_bias=_hex(0x4B000000 + ((emin + 127) << fmt.man_bits))
+        if kind == ScaleKind.MINIFLOAT
+        else None,
+    )
+
+
+@dataclass(frozen=True)
+class RHTContext:
+    """A random Hadamard transform of a copy."""
+
+    size: int
+    signs: tuple[int, ...]  # +1 / -1 per position
+    signs_text: str  # the signs as a string of "+" and "-"
+    source: str  # where the signs come from, in words
+    scale: str  # literal of fp32(1 / sqrt(size))
+
+
+def _rht_context(rht: RHTSpec) -> RHTContext:
+    signs = tuple(int(s) for s in rht_signs(rht).tolist())
+    source = {
+        "fixed": "fixed vector",
+        "seeded": f"seeded by Philox, seed {rht.seed}",
+        "none": "no signs",
+    }[rht.sign_source]
+    return RHTContext(
+        size=rht.size,
+        signs=signs,
+        signs_text="".join("+" if s > 0 else "-" for s in signs),
+        source=source,
+        scale=lit(rht_scale(rht.size)),
+    )
+
+
+@dataclass(frozen=True)
+class QuantCommon(TemplateContext):
+    """The variables the rowwise and the tile template share: the spec, its kernels, the input
+    type, the element and scale formats with the global scale's numerator, the archs."""
+
+    entries: SpecEntries[QuantKernelSpec] = inline()
+    kernels: tuple[str, ...]  # kernel names in launch order
+    input: InputContext
+    in_bytes: int  # bytes per input value
+    elem: ElementContext
+    scale: ScaleContext
+    global_scale: bool  # an fp32 per-tensor scale from the tensor's amax
+    global_num: str  # literal of fp32(scale max * element max), S_enc's numerator
+    archs: tuple[str, ...]
+    flt_max: str  # literal of the largest fp32
+    uses_math: bool  # the global numerator is spelled with math.inf: the module imports math
+    # inline PTX: the rowwise element scaling (scale_value), the tile kernels' predicated stores
+    uses_asm: bool
+
+
+def _common_context(spec: QuantKernelSpec) -> QuantCommon:
+    scale_max = FLT_MAX if spec.scale.element is None else max_finite(spec.scale.element)
+    global_num = lit(_f32_mul(scale_max, max_finite(spec.element)))
+    return QuantCommon(
+        entries=SpecEntries.of(spec),
+        kernels=("amax", "quantize") if spec.global_scale else ("quantize",),
+        input=input_context(spec.input_dtype),
+        in_bytes=DTYPES[spec.input_dtype].size,
+        elem=_element_context(spec.element),
+        scale=_scale_context(spec),
+        global_scale=spec.global_scale,
+        global_num=global_num,
+        archs=ARCHS,
+        flt_max=lit(FLT_MAX),
+        uses_math=spec.global_scale and "math" in global_num,
+        uses_asm=True,
+    )
 
 
 def is_rowwise(spec: QuantKernelSpec) -> bool:
@@ -266,7 +423,7 @@ def _check(spec: QuantKernelSpec) -> None:
             f"{spec.name}: block length {spec.block[1]} is not a multiple of 8 (a thread's unit "
             "must be whole 128-bit loads and whole bytes of codes)"
         )
-    if spec.input_dtype not in _INPUTS:
+    if spec.input_dtype not in DTYPES:
         raise ValueError(f"{spec.name}: unsupported input dtype {spec.input_dtype!r}")
     out = spec.outputs[0]
     if out.scale_layout == "swizzled" and spec.scale.element is None:
@@ -275,64 +432,82 @@ def _check(spec: QuantKernelSpec) -> None:
         raise NotImplementedError(f"{spec.name}: RHT size {out.rht.size} is not supported")
 
 
-def context(spec: QuantKernelSpec) -> dict[str, Any]:
-    """Everything the template needs, all derived from the spec."""
+@dataclass(frozen=True)
+class RowwiseContext(TemplateContext):
+    """The variables of quantize.py.j2: one rowwise copy with 1xN blocks."""
+
+    common: QuantCommon = inline()
+    rounding: Rounding
+    sr: bool  # stochastic rounding
+    sr_bits: int  # random bits per value, 0 for a deterministic rounding
+    sw_encode: SwEncode
+    hw_archs: tuple[str, ...]  # arches whose hardware convert gives this rounding's codes
+    swar: bool  # whole codes per 32-bit word (4- and 8-bit): pack and sign them word by word
+    block: int  # elements per 1xN block
+    map: Mapping
+    unit_bytes: int  # bytes of a unit's packed codes
+    store_bytes: int  # bytes of one store word of codes
+    store_n: int  # store words per unit
+    store_type: str  # the CuTe type of a store word
+    cutlass_names: tuple[str, ...]  # names the module imports from cutlass, in isort's order
+    k_rule: str  # what K must be a multiple of, in words
+    n_words: int  # 32-bit words of a unit's codes
+    rht: RHTContext | None  # the row RHT before every amax
+    swizzled: bool  # scales also in the swizzled 128x4 layout
+    quant_threads: int  # threads per CTA, quantize kernel
+    amax_threads: int  # threads per CTA, amax kernel
+    need_add_rz: bool  # the module defines the add.rz helper (floor encode, software scales)
+    need_mul_rz: bool  # the module defines the mul.rz helper (the "srshift" encode)
+    rand_fn: RandomSource
+
+
+def context(spec: QuantKernelSpec) -> RowwiseContext:
+    """Everything the rowwise template needs, all derived from the spec."""
     _check(spec)
+    common = _common_context(spec)
     out = spec.outputs[0]
-    in_bytes = _INPUTS[spec.input_dtype][2]
     block = spec.block[1]
     rht = out.rht
-    mapping = choose_mapping(block, rht.size if rht else None, in_bytes)
-    elem = _element_ctx(spec.element)
-    scale = _scale_ctx(spec)
+    mapping = choose_mapping(block, rht.size if rht else None, common.in_bytes)
     unit_bits = mapping.unit * spec.element.bits
     unit_bytes = unit_bits // 8
     store_bytes = 4 if unit_bytes % 4 == 0 else 2 if unit_bytes % 2 == 0 else 1
-    hw_archs = elem["hw_archs"] if out.rounding == "nearest" else ()
-    store_type = {4: "Uint32", 2: "Uint16", 1: "Uint8"}[store_bytes]
+    store_type = _STORE_TYPES[store_bytes]
     names = {"Float32", "Int32", "Uint8", "Uint32", "range_constexpr", store_type}
     sr = is_stochastic(out.rounding)
     if sr:
         names.add("Uint64")
-    k_rule = f"1x{block} blocks" + (f", RHT size {rht.size}" if rht else "")
-    ctx = {
-        **_shared_ctx(spec, elem, scale),
-        "rounding": out.rounding,
-        "sr": sr,
-        "sr_bits": sr_bits(out.rounding),
-        "sw_encode": _sw_encode(
-            spec.element,
-            out.rounding,
-            tile=False,
-            whole_words=mapping.unit % (32 // spec.element.bits) == 0,
-        ),
-        "hw_archs": list(hw_archs),
-        # whole codes per 32-bit word (4- and 8-bit): pack and sign them word by word
-        "swar": 32 % spec.element.bits == 0,
-        "block": block,
-        "map": mapping,
-        "unit_bytes": unit_bytes,
-        "store_bytes": store_bytes,
-        "store_n": unit_bytes // store_bytes,
-        "store_type": store_type,
-        "cutlass_names": sorted(names, key=_import_order),
-        "k_rule": k_rule,
-        "n_words": -(-unit_bits // 32),
-        "rht": _rht_ctx(rht) if rht is not None else None,
-        "swizzled": out.scale_layout == "swizzled",
-        "quant_threads": QUANT_THREADS,
-        "amax_threads": AMAX_THREADS,
-    }
-    ctx["uses_math"] = spec.global_scale and "math" in ctx["global_num"]
-    ctx["need_add_rz"] = ctx["sw_encode"] == "floor" or (
-        scale["kind"] == "minifloat"
-        and not (scale["rounding"] == "nearest" and scale["man_bits"] > 0)
+    sw_encode = _sw_encode(
+        spec.element,
+        out.rounding,
+        tile=False,
+        whole_words=mapping.unit % (32 // spec.element.bits) == 0,
     )
-    ctx["need_mul_rz"] = ctx["sw_encode"] == "srshift"
-    # "srhalf" encodes take the Philox words, the others one field per value
-    ctx["rand_fn"] = "random_words" if ctx["sw_encode"] == "srhalf" else "random_fields"
-    ctx["uses_asm"] = True  # scale_value, the element scaling, is inline PTX
-    return ctx
+    return RowwiseContext(
+        common=common,
+        rounding=Rounding(out.rounding),
+        sr=sr,
+        sr_bits=sr_bits(out.rounding),
+        sw_encode=sw_encode,
+        hw_archs=common.elem.hw_archs if out.rounding == "nearest" else (),
+        swar=32 % spec.element.bits == 0,
+        block=block,
+        map=mapping,
+        unit_bytes=unit_bytes,
+        store_bytes=store_bytes,
+        store_n=unit_bytes // store_bytes,
+        store_type=store_type,
+        cutlass_names=tuple(sorted(names, key=_import_order)),
+        k_rule=f"1x{block} blocks" + (f", RHT size {rht.size}" if rht else ""),
+        n_words=-(-unit_bits // 32),
+        rht=_rht_context(rht) if rht is not None else None,
+        swizzled=out.scale_layout == "swizzled",
+        quant_threads=QUANT_THREADS,
+        amax_threads=AMAX_THREADS,
+        need_add_rz=sw_encode == SwEncode.FLOOR or common.scale.needs_add_rz,
+        need_mul_rz=sw_encode == SwEncode.SRSHIFT,
+        rand_fn=_random_source(sw_encode),
+    )
 
 
 # ----------------------------------------------------------------------------------------------
@@ -466,7 +641,7 @@ def spec_tile_mapping(spec: QuantKernelSpec) -> TileMapping:
     one_d = spec.block[0] == 1
     return choose_tile_mapping(
         spec.block,
-        _INPUTS[spec.input_dtype][2],
+        DTYPES[spec.input_dtype].size,
         rowwise=row is not None,
         columnwise=col is not None,
         col_rht=col.rht.size if col is not None and col.rht is not None else None,
@@ -481,13 +656,10 @@ def _store_bytes(*sizes: int) -> int:
     return 4 if g % 4 == 0 else 2 if g % 2 == 0 else 1
 
 
-_STORE_TYPES = {4: "Uint32", 2: "Uint16", 1: "Uint8"}
-
-
 def _check_tile(spec: QuantKernelSpec) -> None:
     if not spec.element.signed:
         raise ValueError(f"{spec.name}: element formats must be signed, got {spec.element.name}")
-    if spec.input_dtype not in _INPUTS:
+    if spec.input_dtype not in DTYPES:
         raise ValueError(f"{spec.name}: unsupported input dtype {spec.input_dtype!r}")
     for out in spec.outputs:
         if out.scale_layout == "swizzled" and spec.scale.element is None:
@@ -515,66 +687,121 @@ def _check_tile(spec: QuantKernelSpec) -> None:
             raise NotImplementedError(f"{spec.name}: RHT size {out.rht.size} is not supported")
 
 
-def _shared_ctx(
-    spec: QuantKernelSpec, elem: dict[str, Any], scale: dict[str, Any]
-) -> dict[str, Any]:
-    """The entries the rowwise and the tile context share: the spec, its kernels, the input
-    type, the element and scale formats with the global scale's numerator, the archs."""
-    cutlass_t, torch_t, in_bytes = _INPUTS[spec.input_dtype]
-    scale_max = FLT_MAX if spec.scale.element is None else max_finite(spec.scale.element)
-    return {
-        **spec_entries(spec),
-        "kernels": ["amax", "quantize"] if spec.global_scale else ["quantize"],
-        "input": {"name": spec.input_dtype, "cutlass": cutlass_t, "torch": torch_t},
-        "in_bytes": in_bytes,
-        "elem": elem,
-        "scale": scale,
-        "global_scale": spec.global_scale,
-        "global_num": lit(_f32_mul(scale_max, max_finite(spec.element))),
-        "archs": list(ARCHS),
-        "flt_max": lit(FLT_MAX),
-    }
+@dataclass(frozen=True)
+class TileOutput:
+    """One copy a tile kernel writes."""
+
+    direction: Direction
+    tag: str  # "row" / "col": the copy's names in the module (ROW_ROUNDING, mSdec_col, ...)
+    prefix: str  # "" / "col_": the copy's keys in run()'s result
+    rounding: Rounding
+    suffix: str  # the name suffix of its encoder ("" when the kernel has one)
+    hw_archs: tuple[str, ...]  # arches whose hardware convert gives this copy's codes
+    rht: RHTContext | None
+    swizzled: bool  # scales also in the swizzled 128x4 layout
+    slot: int  # its amax slot: one per distinct transform (none / a column RHT)
+    sr: bool  # stochastic rounding
+    sr_bits: int  # random bits per value, 0 for a deterministic rounding
+    sr_index: int  # its Philox offset among the kernel's stochastic copies
+    rand_fn: RandomSource
 
 
-def _rht_ctx(rht) -> dict[str, Any]:
-    signs = [int(s) for s in rht_signs(rht).tolist()]
-    source = {
-        "fixed": "fixed vector",
-        "seeded": f"seeded by Philox, seed {rht.seed}",
-        "none": "no signs",
-    }[rht.sign_source]
-    return {
-        "size": rht.size,
-        "signs": signs,
-        "signs_text": "".join("+" if s > 0 else "-" for s in signs),
-        "source": source,
-        "scale": lit(rht_scale(rht.size)),
-    }
+@dataclass(frozen=True)
+class Encoder:
+    """One element encode function of a tile module: one per distinct rounding of its copies."""
+
+    rounding: Rounding
+    suffix: str  # its name suffix: "" when the module has one encoder, else "_" + the tag
+    sw_encode: SwEncode
 
 
-def _row_share(row: dict[str, Any] | None, mapping: TileMapping, two_d: bool) -> int:
+@dataclass(frozen=True)
+class StoreWords:
+    """How a thread stores one segment of packed codes: ``n`` words of ``bytes`` bytes."""
+
+    bytes: int
+    type: str  # the CuTe type of a word
+    n: int
+
+
+@dataclass(frozen=True)
+class RowStore(StoreWords):
+    unit_bytes: int  # bytes of a row segment's codes (VEC values)
+
+
+@dataclass(frozen=True)
+class ColStore(StoreWords):
+    strip_bytes: int  # bytes of a column strip's codes (ROWS values)
+
+
+@dataclass(frozen=True)
+class TileContext(TemplateContext):
+    """The variables of quantize_tile.py.j2: a columnwise copy, rowwise + columnwise copies in
+    one launch, or 2D tiles."""
+
+    common: QuantCommon = inline()
+    block: int  # B of the 1xB blocks or BxB tiles
+    two_d: bool  # BxB tiles: one scale per tile, the columnwise copy its transpose
+    map: TileMapping
+    outputs: tuple[TileOutput, ...]  # in the spec's order
+    row: TileOutput | None
+    # lanes whose row segments make up one Philox call: they share its computation
+    row_share: int
+    col: TileOutput | None
+    col_rht: RHTContext | None  # the columnwise copy's RHT along M
+    slots: int  # amax slots: one per distinct transform
+    slot_rht: tuple[bool, ...]  # per slot: is it the column RHT's
+    encoders: tuple[Encoder, ...]
+    sr: bool  # some copy rounds stochastically
+    sr_bits: tuple[int, ...]  # the random field widths the kernel draws, ascending
+    n_sr: int  # stochastic copies (Philox offsets)
+    swar: bool  # whole codes per 32-bit word (4- and 8-bit)
+    partial: bool  # a row segment or column strip holds part of a code word
+    hw_any: bool  # some copy may take the hardware convert
+    row_store: RowStore
+    col_store: ColStore
+    swizzled: bool  # some copy's scales also in the swizzled 128x4 layout
+    cutlass_names: tuple[str, ...]  # names the module imports from cutlass, in isort's order
+    need_add_rz: bool  # the module defines the add.rz helper (floor encode, software scales)
+    need_mul_rz: bool  # the module defines the mul.rz helper (the "srshift" encode)
+    bf16_absmax: bool  # the module defines the bf16 absmax helper
+    bf16_input: bool
+    transpose: bool  # 2D: the columnwise codes are the transpose of the rowwise code words
+    # 1D with e4m3 scales: e_b of each of the 256 scale codes once per CTA (shared memory), not
+    # a division per block
+    encode_table: bool
+    # the fused gradient layout: the strip also staged in shared memory, the column copy from
+    # the registers, the row copy from shared memory
+    staged: bool
+    # the amax kernel's last CTA prepares S_dec, k_enc and the encode-factor tables once
+    prep: bool
+    grid_2d: bool  # a (tiles along K, tiles along M) grid, one row clamp per strip
+    fold: tuple[str, ...]  # tags of the copies whose encode-factor table folds ELEM_TO_F16 in
+    fold_sdec_max: str | None  # literal of the largest S_dec the fold is exact for
+
+
+def _row_share(row: TileOutput | None, mapping: TileMapping, two_d: bool) -> int:
     """How many lanes' row segments (VEC values each) one Philox call covers, when more than one
     (1D tile kernels with 8- or 16-bit random fields; K a multiple of the call's values, so that
     no call spans two rows): each of them computes one row's call."""
-    if row is None or two_d or not row["sr"]:
+    if row is None or two_d or not row.sr:
         return 1
-    per_call = 4 * (32 // row["sr_bits"])
+    per_call = 4 * (32 // row.sr_bits)
     if per_call <= mapping.vec or mapping.k_multiple % per_call:
         return 1
     return per_call // mapping.vec
 
 
-def tile_context(spec: QuantKernelSpec) -> dict[str, Any]:
+def tile_context(spec: QuantKernelSpec) -> TileContext:
     """Everything the tile template needs, all derived from the spec."""
     _check_tile(spec)
+    common = _common_context(spec)
     two_d = spec.block[0] != 1
     block = spec.block[1]
     outs = {o.direction: o for o in spec.outputs}
     row, col = outs.get("rowwise"), outs.get("columnwise")
     col_rht = col.rht if col is not None else None
     mapping = spec_tile_mapping(spec)
-    elem = _element_ctx(spec.element)
-    scale = _scale_ctx(spec)
     bits = spec.element.bits
     roundings = list(dict.fromkeys(o.rounding for o in spec.outputs))
     swar = 32 % bits == 0
@@ -592,115 +819,68 @@ def tile_context(spec: QuantKernelSpec) -> dict[str, Any]:
         and mapping.rows % (32 // bits) == 0
     )
     whole_words = swar and not partial and (transpose or not two_d)
-    encoders = []
-    for r in roundings:
-        encoders.append(
-            {
-                "rounding": r,
-                "suffix": "" if len(roundings) == 1 else "_" + ROUNDING_TAGS[r],
-                "sw_encode": _sw_encode(spec.element, r, tile=True, whole_words=whole_words),
-            }
+    encoders = tuple(
+        Encoder(
+            rounding=Rounding(r),
+            suffix="" if len(roundings) == 1 else "_" + ROUNDING_TAGS[r],
+            sw_encode=_sw_encode(spec.element, r, tile=True, whole_words=whole_words),
         )
-    suffix = {e["rounding"]: e["suffix"] for e in encoders}
-    sw_of = {e["rounding"]: e["sw_encode"] for e in encoders}
+        for r in roundings
+    )
+    encoder_of = {e.rounding: e for e in encoders}
     # amax slots: one per distinct transform (no RHT / a column RHT)
-    slots: list[Any] = []
-    outputs = []
+    slots: list[RHTSpec | None] = []
+    outputs: list[TileOutput] = []
     sr_index = 0
     for out in spec.outputs:
-        kind = out.rht if out.direction == "columnwise" else None
-        if kind not in slots:
-            slots.append(kind)
-        hw = elem["hw_archs"] if out.rounding == "nearest" else ()
-        o = {
-            "direction": out.direction,
-            "tag": "row" if out.direction == "rowwise" else "col",
-            "prefix": "" if out.direction == "rowwise" else "col_",
-            "rounding": out.rounding,
-            "suffix": suffix[out.rounding],
-            "hw_archs": list(hw),
-            "rht": _rht_ctx(out.rht) if out.rht is not None else None,
-            "swizzled": out.scale_layout == "swizzled",
-            "slot": slots.index(kind),
-            "sr": is_stochastic(out.rounding),
-            "sr_bits": sr_bits(out.rounding),
-            "sr_index": sr_index,
-            # "srhalf" encodes take the Philox words, the others one field per value
-            "rand_fn": "random_words" if sw_of[out.rounding] == "srhalf" else "random_fields",
-        }
-        if o["sr"]:
+        transform = out.rht if out.direction == "columnwise" else None
+        if transform not in slots:
+            slots.append(transform)
+        encoder = encoder_of[out.rounding]
+        sr = is_stochastic(out.rounding)
+        outputs.append(
+            TileOutput(
+                direction=Direction(out.direction),
+                tag="row" if out.direction == "rowwise" else "col",
+                prefix="" if out.direction == "rowwise" else "col_",
+                rounding=Rounding(out.rounding),
+                suffix=encoder.suffix,
+                hw_archs=common.elem.hw_archs if out.rounding == "nearest" else (),
+                rht=_rht_context(out.rht) if out.rht is not None else None,
+                swizzled=out.scale_layout == "swizzled",
+                slot=slots.index(transform),
+                sr=sr,
+                sr_bits=sr_bits(out.rounding),
+                sr_index=sr_index,
+                rand_fn=_random_source(encoder.sw_encode),
+            )
+        )
+        if sr:
             sr_index += 1
-        outputs.append(o)
-    out_by = {o["direction"]: o for o in outputs}
+    out_by = {o.direction: o for o in outputs}
     # stores: a row segment of VEC codes; a column strip of ROWS codes
     k_mult, m_mult = mapping.k_multiple, mapping.m_multiple
     row_bytes = mapping.vec * bits // 8
-    row_store = _store_bytes(row_bytes, k_mult * bits // 8)
+    row_word = _store_bytes(row_bytes, k_mult * bits // 8)
     col_bytes = mapping.rows * bits // 8
-    col_store = _store_bytes(col_bytes, max(m_mult * bits // 8, 1)) if col else 1
-    sr_any = any(o["sr"] for o in outputs)
-    hw_any = any(o["hw_archs"] for o in outputs)
+    col_word = _store_bytes(col_bytes, max(m_mult * bits // 8, 1)) if col else 1
+    sr_any = any(o.sr for o in outputs)
     names = {"Float32", "Int32", "Int64", "Uint8", "Uint32", "range_constexpr"}
     if sr_any:
         names.add("Uint64")
-    need_mul_rz = any(e["sw_encode"] == "srshift" for e in encoders)
-    need_add_rz = any(e["sw_encode"] == "floor" for e in encoders) or (
-        scale["kind"] == "minifloat"
-        and not (scale["rounding"] == "nearest" and scale["man_bits"] > 0)
-    )
     bf16_input = spec.input_dtype == "bf16"
-    bf16_absmax = bf16_input or col_rht is not None
-    ctx = {
-        **_shared_ctx(spec, elem, scale),
-        "block": block,
-        "two_d": two_d,
-        "map": mapping,
-        "outputs": outputs,
-        "row": out_by.get("rowwise"),
-        # lanes whose row segments make up one Philox call: they share its computation
-        "row_share": _row_share(out_by.get("rowwise"), mapping, two_d),
-        "col": out_by.get("columnwise"),
-        "col_rht": _rht_ctx(col_rht) if col_rht is not None else None,
-        "slots": len(slots),
-        "slot_rht": [s is not None for s in slots],
-        "encoders": encoders,
-        "sr": sr_any,
-        "sr_bits": sorted({o["sr_bits"] for o in outputs if o["sr"]}),
-        "n_sr": sr_index,
-        "swar": swar,
-        "partial": bool(partial),
-        "hw_any": hw_any,
-        "row_store": {
-            "bytes": row_store,
-            "type": _STORE_TYPES[row_store],
-            "n": row_bytes // row_store,
-            "unit_bytes": row_bytes,
-        },
-        "col_store": {
-            "bytes": col_store,
-            "type": _STORE_TYPES[col_store],
-            "n": col_bytes // col_store,
-            "strip_bytes": col_bytes,
-        },
-        "swizzled": any(o["swizzled"] for o in outputs),
-        "cutlass_names": sorted(names, key=_import_order),
-        "need_add_rz": need_add_rz,
-        "need_mul_rz": need_mul_rz,
-        "bf16_absmax": bf16_absmax,
-        "bf16_input": bf16_input,
-        "transpose": transpose,
-        # 1D: e_b of each of the 256 e4m3 scale codes once per CTA (shared memory), not a
-        # division per block
-        "encode_table": not two_d and scale["kind"] == "e4m3_hw",
-    }
+    swizzled = any(o.swizzled for o in outputs)
+    encode_table = not two_d and common.scale.kind == ScaleKind.E4M3_HW
     # Copies whose fp16-image encode can take ELEM_TO_F16 folded into their encode-factor
     # table (one multiply per value fewer); exact while every entry stays a normal fp32, which
     # S_dec <= FOLD_SDEC_MAX guarantees (the kernel checks it and otherwise takes an unfolded path)
-    fold = [
-        o["tag"]
+    fold = tuple(
+        o.tag
         for o in outputs
-        if ctx["encode_table"] and spec.global_scale and sw_of[o["rounding"]] == "srhalf"
-    ]
+        if encode_table
+        and spec.global_scale
+        and encoder_of[o.rounding].sw_encode == SwEncode.SRHALF
+    )
     # The fused gradient layout: the strip also staged in shared memory, the column copy from
     # the registers (unrolled, no rotation), the row copy from shared memory (a rolled loop).
     # Only this layout emits the folded encodes, so the fold goes with it
@@ -710,22 +890,53 @@ def tile_context(spec: QuantKernelSpec) -> dict[str, Any]:
         and col is not None
         and bf16_input
         and mapping.col_warps == 1
-        and not ctx["swizzled"]
+        and not swizzled
     )
-    ctx["staged"] = staged
     # The amax kernel's last CTA prepares S_dec, k_enc and the encode-factor tables once, where
     # every CTA of the quantize kernel would otherwise compute them (about 100 instructions per
     # thread: two div.rn + rcp.rn pairs, two table entries per copy)
-    ctx["prep"] = bool(ctx["encode_table"] and spec.global_scale)
-    # The same kernels take a (tiles along K, tiles along M) grid and load a strip with one row
-    # clamp (no integer division, fewer address instructions). Not the other layouts: the 2D
-    # weight kernel, measured, went from 161 to 254 registers without the division and lost 5%
-    ctx["grid_2d"] = ctx["prep"]
-    ctx["fold"] = fold if staged else []
-    ctx["fold_sdec_max"] = lit(2.0 ** _fold_sdec_exponent(spec)) if staged else None
-    ctx["uses_math"] = spec.global_scale and "math" in ctx["global_num"]
-    ctx["uses_asm"] = True  # the predicated stores are inline PTX
-    return ctx
+    prep = encode_table and spec.global_scale
+    return TileContext(
+        common=common,
+        block=block,
+        two_d=two_d,
+        map=mapping,
+        outputs=tuple(outputs),
+        row=out_by.get(Direction.ROWWISE),
+        row_share=_row_share(out_by.get(Direction.ROWWISE), mapping, two_d),
+        col=out_by.get(Direction.COLUMNWISE),
+        col_rht=_rht_context(col_rht) if col_rht is not None else None,
+        slots=len(slots),
+        slot_rht=tuple(s is not None for s in slots),
+        encoders=encoders,
+        sr=sr_any,
+        sr_bits=tuple(sorted({o.sr_bits for o in outputs if o.sr})),
+        n_sr=sr_index,
+        swar=swar,
+        partial=bool(partial),
+        hw_any=any(o.hw_archs for o in outputs),
+        row_store=RowStore(row_word, _STORE_TYPES[row_word], row_bytes // row_word, row_bytes),
+        col_store=ColStore(col_word, _STORE_TYPES[col_word], col_bytes // col_word, col_bytes),
+        swizzled=swizzled,
+        cutlass_names=tuple(sorted(names, key=_import_order)),
+        need_add_rz=any(e.sw_encode == SwEncode.FLOOR for e in encoders)
+        or common.scale.needs_add_rz,
+        need_mul_rz=any(e.sw_encode == SwEncode.SRSHIFT for e in encoders),
+        # the bf16 absmax helper: bf16 inputs, and a column RHT's bf16-rounded values
+        bf16_absmax=bf16_input or col_rht is not None,
+        bf16_input=bf16_input,
+        transpose=transpose,
+        encode_table=encode_table,
+        staged=staged,
+        prep=prep,
+        # The same kernels take a (tiles along K, tiles along M) grid and load a strip with one
+        # row clamp (no integer division, fewer address instructions). Not the other layouts:
+        # the 2D weight kernel, measured, went from 161 to 254 registers without the division
+        # and lost 5%
+        grid_2d=prep,
+        fold=fold if staged else (),
+        fold_sdec_max=lit(2.0 ** _fold_sdec_exponent(spec)) if staged else None,
+    )
 
 
 def _fold_sdec_exponent(spec: QuantKernelSpec) -> int:
@@ -753,8 +964,21 @@ def render(spec: QuantKernelSpec) -> str:
 
 __all__ = [
     "ARCHS",
+    "ElementContext",
+    "Encoder",
+    "HalfImage",
+    "InputContext",
     "Mapping",
+    "QuantCommon",
+    "RHTContext",
+    "RandomSource",
+    "RowwiseContext",
+    "ScaleContext",
+    "ScaleKind",
+    "SwEncode",
+    "TileContext",
     "TileMapping",
+    "TileOutput",
     "choose_mapping",
     "choose_tile_mapping",
     "context",

@@ -1,6 +1,7 @@
 """What every code generator shares to turn a context into module text: the template folder, the
-Jinja environment with its filters, the PEP 8 tidy pass over the rendered text, and the spellings
-of literals and docstring blocks.
+Jinja environment with its filters, the PEP 8 tidy pass over the rendered text, the spellings
+of literals and docstring blocks, and the base of the typed contexts (``TemplateContext``) with
+the parts they share (``SpecEntries``, ``InputContext``).
 
 One environment serves every template so that the generated modules differ only where their
 contexts do (the same whitespace rules, the same ``pytuple`` filter).
@@ -11,12 +12,15 @@ from __future__ import annotations
 import math
 import re
 import textwrap
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field, fields
 from functools import cache
 from pathlib import Path
-from typing import Any
+from typing import Any, Generic, Protocol, TypeVar
 
 import jinja2
+
+from fp4gen.vocab import DTYPES
 
 TEMPLATE_DIR = Path(__file__).resolve().parent.parent / "templates"
 
@@ -35,10 +39,84 @@ def pytuple(items: Iterable[object]) -> str:
     return f"({body},)" if len(items) == 1 else f"({body})"
 
 
+# Field metadata of a TemplateContext field whose own fields are template variables
+_INLINE = "inline"
+
+
+def inline() -> Any:
+    """A TemplateContext field whose value (a TemplateContext) is spread into the template's
+    variables: the part several contexts share, typed once."""
+    return field(metadata={_INLINE: True})
+
+
+@dataclass(frozen=True)
+class TemplateContext:
+    """A typed template context: a frozen dataclass whose fields are the template's variables.
+
+    Each subclass is built in one place, so a missing or misspelt entry fails where the context
+    is built, not halfway through a render. Nested values stay objects: Jinja reads
+    ``elem.name`` from a dataclass as it read it from a dict.
+    """
+
+    def as_template_vars(self) -> dict[str, Any]:
+        """The fields by name, shallowly; an ``inline()`` field's own variables in its place."""
+        out: dict[str, Any] = {}
+        for f in fields(self):
+            value = getattr(self, f.name)
+            inner = value.as_template_vars() if f.metadata.get(_INLINE) else {f.name: value}
+            clash = out.keys() & inner.keys()
+            if clash:
+                raise TypeError(f"{type(self).__name__}: template variables {sorted(clash)} twice")
+            out.update(inner)
+        return out
+
+
+class KernelSpec(Protocol):
+    """What SpecEntries reads of a kernel spec (every spec of fp4gen.spec has it)."""
+
+    @property
+    def name(self) -> str: ...
+
+    @property
+    def digest(self) -> str: ...
+
+
+SpecT = TypeVar("SpecT", bound=KernelSpec)
+
+
+@dataclass(frozen=True)
+class SpecEntries(TemplateContext, Generic[SpecT]):
+    """The variables every template reads the same way: the spec, its repr (the module records
+    it), its name and digest. A context holds it as an ``inline()`` field."""
+
+    spec: SpecT
+    spec_repr: str
+    name: str  # the spec's kernel name
+    digest: str  # the spec's content hash
+
+    @classmethod
+    def of(cls, spec: SpecT) -> SpecEntries[SpecT]:
+        return cls(spec, repr(spec), spec.name, spec.digest)
+
+
 def spec_entries(spec: Any) -> dict[str, Any]:
-    """The context entries every template reads the same way: the spec, its repr (the module
-    records it), its name and digest."""
-    return {"spec": spec, "spec_repr": repr(spec), "name": spec.name, "digest": spec.digest}
+    """The entries of ``SpecEntries`` as a plain mapping, for the contexts that are dicts."""
+    return SpecEntries.of(spec).as_template_vars()
+
+
+@dataclass(frozen=True)
+class InputContext:
+    """A high-precision input dtype under the names a generated module uses."""
+
+    name: str  # the spec's word: "bf16"
+    cutlass: str  # the CuTe DSL type: "BFloat16"
+    torch: str  # the torch attribute: "bfloat16"
+
+
+def input_context(dtype: str) -> InputContext:
+    """The names of input dtype ``dtype`` (a word of ``vocab.DTYPES``)."""
+    d = DTYPES[dtype]
+    return InputContext(d.name, d.cute, d.torch_name)
 
 
 def doc_block(text: str) -> str:
@@ -89,15 +167,21 @@ def environment() -> jinja2.Environment:
     return env
 
 
-def render_template(name: str, context: dict[str, Any]) -> str:
-    """Template ``name`` rendered with ``context``, tidied."""
-    return tidy(environment().get_template(name).render(**context))
+def render_template(name: str, context: TemplateContext | Mapping[str, Any]) -> str:
+    """Template ``name`` rendered with ``context`` (a typed context or a plain mapping), tidied."""
+    variables = context.as_template_vars() if isinstance(context, TemplateContext) else context
+    return tidy(environment().get_template(name).render(**variables))
 
 
 __all__ = [
     "TEMPLATE_DIR",
+    "InputContext",
+    "SpecEntries",
+    "TemplateContext",
     "doc_block",
     "environment",
+    "inline",
+    "input_context",
     "lit",
     "pytuple",
     "render_template",
