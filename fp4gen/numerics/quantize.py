@@ -97,6 +97,10 @@ def _decoded_scales(q: QuantizedTensor) -> torch.Tensor:
     return decode(q.scale_codes, q.format.scale.element)
 
 
+# the fields of a QuantizedTensor that QuantizedLayout holds as they are
+_LAYOUT_FIELDS = ("format", "rounding", "rht", "seed", "offset", "shape", "dtype", "transposed")
+
+
 @dataclass(frozen=True)
 class QuantizedLayout:
     """Everything of a QuantizedTensor but its tensors (``QuantizedTensor.split``): hashable,
@@ -196,27 +200,13 @@ class QuantizedTensor:
         """The tensors this holds, as they are (codes, scales, scale codes, global scale, packed
         codes; None where absent or not derived yet: nothing is materialized), and the rest.
         ``QuantizedTensor.join(tensors, layout)`` puts them back together."""
-        d = self.__dict__
-        packed = self.packed
-        tensors = (
-            d["_codes"],
-            d["_scales"],
-            self.scale_codes,
-            self.global_scale,
-            None if packed is None else packed.data,
-        )
+        d, packed = self.__dict__, self.packed
+        tensors = (d["_codes"], d["_scales"], self.scale_codes, self.global_scale)
+        described = {name: getattr(self, name) for name in _LAYOUT_FIELDS}
         layout = QuantizedLayout(
-            self.format,
-            self.rounding,
-            self.rht,
-            self.seed,
-            self.offset,
-            self.shape,
-            self.dtype,
-            self.transposed,
-            None if packed is None else (packed.cols, packed.bits),
+            **described, packed=None if packed is None else (packed.cols, packed.bits)
         )
-        return tensors, layout
+        return (*tensors, None if packed is None else packed.data), layout
 
     @classmethod
     def join(
@@ -231,21 +221,8 @@ class QuantizedTensor:
             if packed_data is None:
                 raise TensorError("the layout has packed codes but no packed tensor was given")
             packed = PackedCodes(packed_data, *layout.packed)
-        return cls(
-            codes=codes,
-            scales=scales,
-            scale_codes=scale_codes,
-            global_scale=global_scale,
-            format=layout.format,
-            rounding=layout.rounding,
-            rht=layout.rht,
-            seed=layout.seed,
-            offset=layout.offset,
-            shape=layout.shape,
-            dtype=layout.dtype,
-            transposed=layout.transposed,
-            packed=packed,
-        )
+        described = {name: getattr(layout, name) for name in _LAYOUT_FIELDS}
+        return cls(codes, scales, scale_codes, global_scale, **described, packed=packed)
 
     # --- operations ---------------------------------------------------------------------------
     def dequantize(self, rotated: bool = False) -> torch.Tensor:
