@@ -62,6 +62,8 @@ MODELS: dict[str, ModelSpec] = {
         ModelSpec("llama-tiny", "llama", 4, 64, 4, 64, 3e-3, "a CPU"),
         ModelSpec("llama-small", "llama", 12, 384, 6, 128, 1e-3, "a GPU"),
         ModelSpec("llama-medium", "llama", 16, 768, 12, 256, 6e-4, "a GPU; the ablations"),
+        # few blocks, real width: FP8 and NVFP4 GEMMs at the sizes where they pay on Hopper
+        ModelSpec("llama-wide", "llama", 4, 4096, 32, 256, 3e-4, "a GPU; hidden 4096"),
     )
 }
 ALIASES = {"gpt": "gpt-tiny", "llama": "llama-tiny"}
