@@ -12,7 +12,7 @@ import math
 import re
 import struct
 from dataclasses import dataclass, replace
-from functools import cache
+from functools import cache, cached_property
 from typing import Literal
 
 from fp4gen import vocab
@@ -138,7 +138,7 @@ class ElementFormat:
             return sign * math.ldexp(mant, 1 - self.bias - self.man_bits)
         return sign * math.ldexp((1 << self.man_bits) + mant, exp_field - self.bias - self.man_bits)
 
-    @property
+    @cached_property  # the reference reads it per quantize call: decode the codes once
     def max_finite(self) -> float:
         """Largest finite value, found by decoding the positive codes (no special cases)."""
         positive = range(1 << (self.bits if self.exponent_only else self.bits - 1))
