@@ -15,6 +15,7 @@ from fp4gen.dsl import load_recipe, parse_recipe
 from fp4gen.numerics import QuantizedTensor, quantize
 from fp4gen.numerics.layout import pack
 from fp4gen.numerics.quantize import PackedCodes
+from fp4gen.runtime.linear import _last_copy
 
 KEPT = ["nvfp4_small", "nvfp4_no_sr", "mxfp4_small", "mxfp8", "fp8_blockwise", "nvfp4"]
 # the wgrad copy of x drawn from the backward call's random stream: x itself is saved
@@ -204,6 +205,7 @@ def test_layers_reading_the_same_x_share_one_copy(monkeypatch) -> None:
                     h.mul_(1.0)  # the same values, a new version: must not reuse the copy
             ys.append(layer(h.reshape(4, 8, 64)))
         sum((y * (i + 1)).sum() for i, y in enumerate(ys)).backward()
+        assert _last_copy.copy is None  # dropped by the backward: it does not outlive training
         return [y.detach() for y in ys] + [x.grad] + [layer.weight.grad for layer in layers]
 
     copies = []

@@ -418,6 +418,8 @@ class Linear(nn.Linear):
         Padding (module docstring): dy and x get zero tokens up to the wgrad GEMM's multiple,
         dy and W^T zero columns up to the dgrad RHT size; dx and dW are cropped back. With sizes
         that need none, no copy is made and every bit is as without this step."""
+        if _last_copy.copy is not None:
+            _last_copy.forget()
         table = self.operands
         backward_specs = (
             table.dgrad_gradient,
@@ -704,6 +706,11 @@ class _LastCopy:
         self.source = weakref.ref(_base(x2))
         self.key = self._identity(x2, key)
         self.copy = copy
+
+    def forget(self) -> None:
+        """Drop the copy (a backward has begun: the forward that could share it is over), so
+        that it does not outlive training."""
+        self.source, self.key, self.copy = None, (), None
 
 
 def _base(t: torch.Tensor) -> torch.Tensor:
