@@ -24,6 +24,7 @@ from fp4gen.codegen.gemm import (
     SMEM_PER_SM,
     TILES,
     SmallMTile,
+    SmallTileConstants,
     check_gemm,
     choose_splits,
     pick_tile,
@@ -142,13 +143,14 @@ def test_split_k_fills_one_wave() -> None:
 def test_tiles_fit_in_shared_memory() -> None:
     for tile, b2d in itertools.product(TILES.values(), (False, True)):
         tc = tile_constants(tile, b_sf_2d=b2d)
-        assert tc["smem_bytes"] <= SMEM_CAP
-        assert tc["threads"] == 128 * tile.mma_warpgroups + 32
+        assert tc.smem_bytes <= SMEM_CAP
+        assert tc.threads == 128 * tile.mma_warpgroups + 32
         if isinstance(tile, SmallMTile):  # the CTAs per SM it is launched for fit
-            assert tile.ctas_per_sm * (tc["smem_bytes"] + 1024) <= SMEM_PER_SM
-            assert tc["epi_steps"] * tc["compute_threads"] * 8 == tile.tile_m * tile.tile_n
+            assert isinstance(tc, SmallTileConstants)
+            assert tile.ctas_per_sm * (tc.smem_bytes + 1024) <= SMEM_PER_SM
+            assert tc.epi_steps * tc.compute_threads * 8 == tile.tile_m * tile.tile_n
     # small: about 104 KiB, so two CTAs of 160 threads share an SM
-    assert tile_constants(TILES["small"], b_sf_2d=True)["smem_bytes"] < SMEM_CAP // 2
+    assert tile_constants(TILES["small"], b_sf_2d=True).smem_bytes < SMEM_CAP // 2
     too_big = GemmTile(128, 256, mma_warpgroups=2, stages_fp4=9)
     with pytest.raises(ValueError, match="shared memory"):
         check_gemm(GemmKernelSpec(*PAIRS["nvfp4_b1d"], "bf16", False, False, too_big))
@@ -251,7 +253,9 @@ def test_cross_compile_sm90a(name: str, modules, tmp_path: Path) -> None:
     if small:
         # a warp's k-tiles of one stage (unrolled): 4 k16 steps of (warp_m / 16) x
         # (warp_n / 8) atoms each, fp32 accumulation
-        subs = tile_constants(s.tile, b_sf_2d=s.b_block[0] > 1)["subs"]
+        tc = tile_constants(s.tile, b_sf_2d=s.b_block[0] > 1)
+        assert isinstance(tc, SmallTileConstants)
+        subs = tc.subs
         assert not wgmma and mma == subs * 4 * (s.tile.warp_m // 16) * (s.tile.warp_n // 8)
         # split-K: partial tiles through L2, an acq_rel counter, no proxy fence in the mainloop
         assert "atom.acq_rel.gpu.global.add.u32" in ptx and "ld.global.cg.v4.f32" in ptx

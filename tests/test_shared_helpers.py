@@ -18,7 +18,6 @@ from fp4gen.codegen.render import (
     lit,
     pytuple,
     render_template,
-    spec_entries,
     tidy,
 )
 from fp4gen.errors import FP4GenError, TensorError
@@ -50,7 +49,7 @@ def test_tidy_spaces_top_level_definitions() -> None:
 
 def test_spec_entries_and_templates_render() -> None:
     spec = SimpleNamespace(name="k", digest="d")
-    entries = spec_entries(spec)
+    entries = SpecEntries.of(spec).as_template_vars()
     assert entries["name"] == "k" and entries["digest"] == "d" and entries["spec"] is spec
     assert entries["spec_repr"] == repr(spec)
     # a macro file renders nothing of its own at the top level
@@ -92,7 +91,12 @@ def test_typed_contexts() -> None:
     with pytest.raises(TypeError):
         _Outer(_Inner(1))  # type: ignore[call-arg]  # a missing field fails where it is built
     spec = SimpleNamespace(name="k", digest="d")
-    assert SpecEntries.of(spec).as_template_vars() == spec_entries(spec)
+    assert SpecEntries.of(spec).as_template_vars() == {
+        "spec": spec,
+        "spec_repr": repr(spec),
+        "name": "k",
+        "digest": "d",
+    }
     assert render_template("common.j2", outer) == "\n"
     bf16 = input_context("bf16")
     assert (bf16.name, bf16.cutlass, bf16.torch) == ("bf16", "BFloat16", "bfloat16")

@@ -38,12 +38,20 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from functools import cache
-from typing import Any
+from typing import ClassVar
 
-from fp4gen.codegen.render import doc_block, render_template, spec_entries
+from fp4gen.codegen.render import (
+    InputContext,
+    SpecEntries,
+    TemplateContext,
+    doc_block,
+    inline,
+    input_context,
+    render_template,
+)
 from fp4gen.formats import E2M1, E4M3, UE8M0, BlockFormat, ElementFormat
 from fp4gen.spec import GemmKernelSpec, GemmOutDType, GemmTile
-from fp4gen.vocab import DTYPES, Arch
+from fp4gen.vocab import Arch, StrEnum
 
 ARCHS: tuple[str, ...] = (Arch.SM90A.value,)
 SMEM_CAP = 232448  # H100 / H200: max dynamic shared memory per block (227 KiB)
@@ -174,12 +182,21 @@ def choose_splits(tile: GemmTile, m: int, n: int, k: int, sms: int) -> int:
     return -(-k_stages // per)
 
 
-_OUT = {n: {"cutlass": DTYPES[n].cute, "torch": DTYPES[n].torch_name} for n in ("bf16", "fp32")}
+_OUT_DTYPES: tuple[GemmOutDType, ...] = ("bf16", "fp32")  # the output dtypes the kernels write
+
+
+class Decode(StrEnum):
+    """How the kernel decodes an operand's e2m1 codes and block scales to bf16 (the module
+    docstring has the details); the templates compare it with these words."""
+
+    ARITH = "arith"  # e4m3 scales: the code's bf16 bits shifted into place, one HMUL2
+    LUT = "lut"  # ue8m0 scales: prmt byte tables, one HMUL2 (scale by exponent arithmetic)
+
 
 # (element, scale) pairs with a decode: scale format -> (decode, block along K)
-_DECODES: dict[tuple[ElementFormat, ElementFormat], tuple[str, int]] = {
-    (E2M1, E4M3): ("arith", 16),
-    (E2M1, UE8M0): ("lut", 32),
+_DECODES: dict[tuple[ElementFormat, ElementFormat], tuple[Decode, int]] = {
+    (E2M1, E4M3): (Decode.ARITH, 16),
+    (E2M1, UE8M0): (Decode.LUT, 32),
 }
 
 
@@ -248,19 +265,21 @@ def check_gemm(spec: GemmKernelSpec) -> None:
     reason = unsupported_reason(spec)
     if reason is not None:
         raise NotImplementedError(f"{spec.name}: {reason}")
-    if spec.out_dtype not in _OUT:
+    if spec.out_dtype not in _OUT_DTYPES:
         raise ValueError(f"{spec.name}: output dtype {spec.out_dtype!r} (bf16 or fp32)")
-    smem = tile_constants(spec.tile, b_sf_2d=spec.b_block[0] > 1)["smem_bytes"]
+    tc = tile_constants(spec.tile, b_sf_2d=spec.b_block[0] > 1)
+    smem = tc.smem_bytes
     if smem > SMEM_CAP:
         raise ValueError(
             f"{spec.name}: the tile needs {smem} bytes of shared memory (> {SMEM_CAP})"
         )
     if isinstance(spec.tile, SmallMTile):
+        assert isinstance(tc, SmallTileConstants)
         if spec.tile.ctas_per_sm * (smem + 1024) > SMEM_PER_SM:
             raise ValueError(
                 f"{spec.name}: {spec.tile.ctas_per_sm} CTAs of {smem} bytes do not fit in one SM"
             )
-        if not tile_constants(spec.tile, b_sf_2d=spec.b_block[0] > 1)["reduction_fits"]:
+        if not tc.reduction_fits:
             raise ValueError(f"{spec.name}: the warps' partial tiles exceed the code slots")
 
 
@@ -271,7 +290,52 @@ def _round_up(x: int, a: int) -> int:
 SMEM_PER_SM = 233472  # H100 / H200: shared memory per SM (228 KiB), 1 KiB of it reserved per CTA
 
 
-def small_tile_constants(tile: SmallMTile, *, b_sf_2d: bool) -> dict[str, Any]:
+@dataclass(frozen=True)
+class SmallTileConstants:
+    """Thread and shared-memory layout of a small-M tile (``tc`` of gemm_sm90_small.py.j2)."""
+
+    mt: int  # m16 atoms per warp along M
+    nt: int  # n8 atoms per warp along N
+    acc_regs: int  # fp32 accumulators per thread: mt * nt * 4
+    warps_m: int  # warps along M of the tile
+    warps_n: int  # warps along N of the tile
+    warps_k: int  # warps splitting each stage's k-tiles (the compute warps beyond the tiling)
+    subs: int  # k-tile slots per stage and warp
+    stage_step: int  # a warp's stride through the stages
+    empty_arrivals: int  # arrivals that release a stage (the warps reading it, 32 each)
+    compute_warps: int  # the mma warps
+    compute_threads: int  # 32 * compute_warps
+    threads: int  # per CTA: the compute threads and the producer warp
+    producer_warp: int  # the producer warp's index (after the compute warps)
+    sf_b_rows: int  # B scale rows per tile: tile_n, or tile_n / 16 for 16x16 blocks
+    sf_rows: int  # scale rows per tile: tile_m + sf_b_rows
+    sf_stage_bytes: int  # shared memory of a stage's scale codes (128-byte multiple)
+    tx_bytes: int  # TMA bytes of a stage's A and B codes
+    epi_steps: int  # 8-column chunks of the output tile per compute thread
+    red_bytes: int  # the warps' fp32 partial tiles (reusing the code slots after the mainloop)
+    reduction_fits: bool  # red_bytes fit in the code slots
+    smem_bytes: int  # dynamic shared memory per CTA
+
+
+@dataclass(frozen=True)
+class WgmmaTileConstants:
+    """Thread and shared-memory layout of a wgmma tile (``tc`` of gemm_sm90.py.j2)."""
+
+    m_split: int  # MMA warpgroups along M: mma_warpgroups / mma_n_split
+    mma_threads: int  # the MMA warpgroups' threads (they also decode)
+    threads: int  # per CTA: the MMA threads and the producer warp
+    producer_warp: int  # the producer warp's index (after the MMA warpgroups)
+    units: int  # (row, 32-value half) decode units per k-tile: 2 * (tile_m + tile_n)
+    units_per_thread: int  # decode units per MMA thread and k-tile, rounded up
+    partial_units: bool  # the units do not divide evenly among the MMA threads
+    sf_b_rows: int  # B scale rows per tile: tile_n, or tile_n / 16 for 16x16 blocks
+    sf_rows: int  # scale rows per tile: tile_m + sf_b_rows
+    sf_stage_bytes: int  # shared memory of a stage's scale codes (128-byte multiple)
+    tx_bytes: int  # TMA bytes of a stage's A and B codes
+    smem_bytes: int  # dynamic shared memory per CTA
+
+
+def small_tile_constants(tile: SmallMTile, *, b_sf_2d: bool) -> SmallTileConstants:
     """Thread and shared-memory layout of a small-M tile."""
     warps = 4 * tile.mma_warpgroups
     warps_m = tile.tile_m // tile.warp_m
@@ -286,33 +350,33 @@ def small_tile_constants(tile: SmallMTile, *, b_sf_2d: bool) -> dict[str, Any]:
     # the warps' partial tiles, fp32 rows of tile_n + 4, reuse the code slots after the mainloop
     reduction = warps_k * tile.tile_m * (tile.tile_n + 4) * 4
     barriers = 8 * 2 * tile.stages_fp4 + 16
-    return {
-        "mt": tile.warp_m // 16,
-        "nt": tile.warp_n // 8,
-        "acc_regs": (tile.warp_m // 16) * (tile.warp_n // 8) * 4,
-        "warps_m": warps_m,
-        "warps_n": warps_n,
-        "warps_k": warps_k,
-        "subs": max(1, kps // warps_k),  # k-tile slots per stage and warp
-        "stage_step": max(1, warps_k // kps),  # a warp's stride through the stages
-        "empty_arrivals": 32 * warps_m * warps_n * min(kps, warps_k),
-        "compute_warps": warps,
-        "compute_threads": 32 * warps,
-        "threads": 32 * warps + 32,
-        "producer_warp": warps,
-        "sf_b_rows": sf_b_rows,
-        "sf_rows": sf_rows,
-        "sf_stage_bytes": sf_stage,
-        "tx_bytes": kps * (tile.tile_m * TILE_K + tile.tile_n * (TILE_K // 2)),
-        "epi_steps": tile.tile_m * tile.tile_n // 8 // (32 * warps),
-        "red_bytes": reduction,
-        "reduction_fits": reduction <= codes,
+    return SmallTileConstants(
+        mt=tile.warp_m // 16,
+        nt=tile.warp_n // 8,
+        acc_regs=(tile.warp_m // 16) * (tile.warp_n // 8) * 4,
+        warps_m=warps_m,
+        warps_n=warps_n,
+        warps_k=warps_k,
+        subs=max(1, kps // warps_k),
+        stage_step=max(1, warps_k // kps),
+        empty_arrivals=32 * warps_m * warps_n * min(kps, warps_k),
+        compute_warps=warps,
+        compute_threads=32 * warps,
+        threads=32 * warps + 32,
+        producer_warp=warps,
+        sf_b_rows=sf_b_rows,
+        sf_rows=sf_rows,
+        sf_stage_bytes=sf_stage,
+        tx_bytes=kps * (tile.tile_m * TILE_K + tile.tile_n * (TILE_K // 2)),
+        epi_steps=tile.tile_m * tile.tile_n // 8 // (32 * warps),
+        red_bytes=reduction,
+        reduction_fits=reduction <= codes,
         # + 2 KiB slack: the 1024-byte alignment of the code buffers
-        "smem_bytes": codes + tile.stages_fp4 * sf_stage + barriers + 2048,
-    }
+        smem_bytes=codes + tile.stages_fp4 * sf_stage + barriers + 2048,
+    )
 
 
-def tile_constants(tile: GemmTile, *, b_sf_2d: bool) -> dict[str, Any]:
+def tile_constants(tile: GemmTile, *, b_sf_2d: bool) -> WgmmaTileConstants | SmallTileConstants:
     """Thread and shared-memory layout of a tile (every number the kernel bakes in)."""
     if isinstance(tile, SmallMTile):
         return small_tile_constants(tile, b_sf_2d=b_sf_2d)
@@ -324,31 +388,75 @@ def tile_constants(tile: GemmTile, *, b_sf_2d: bool) -> dict[str, Any]:
     fp4_stage = (tile.tile_m + tile.tile_n) * (TILE_K // 2) + sf_stage
     bf16_stage = (tile.tile_m + tile.tile_n) * TILE_K * 2
     barriers = 8 * 2 * tile.stages_fp4
-    return {
-        "m_split": tile.mma_warpgroups // tile.mma_n_split,
-        "mma_threads": mma_threads,
-        "threads": mma_threads + 32,
-        "producer_warp": 4 * tile.mma_warpgroups,
-        "units": units,
-        "units_per_thread": -(-units // mma_threads),
-        "partial_units": units % mma_threads != 0,
-        "sf_b_rows": sf_b_rows,
-        "sf_rows": sf_rows,
-        "sf_stage_bytes": sf_stage,
-        "tx_bytes": (tile.tile_m + tile.tile_n) * (TILE_K // 2),
+    return WgmmaTileConstants(
+        m_split=tile.mma_warpgroups // tile.mma_n_split,
+        mma_threads=mma_threads,
+        threads=mma_threads + 32,
+        producer_warp=4 * tile.mma_warpgroups,
+        units=units,
+        units_per_thread=-(-units // mma_threads),
+        partial_units=units % mma_threads != 0,
+        sf_b_rows=sf_b_rows,
+        sf_rows=sf_rows,
+        sf_stage_bytes=sf_stage,
+        tx_bytes=(tile.tile_m + tile.tile_n) * (TILE_K // 2),
         # + 3 KiB slack: the 1024-byte alignment of the code and bf16 buffers
-        "smem_bytes": tile.stages_fp4 * fp4_stage + STAGES_BF16 * bf16_stage + barriers + 3072,
-    }
+        smem_bytes=tile.stages_fp4 * fp4_stage + STAGES_BF16 * bf16_stage + barriers + 3072,
+    )
 
 
-def gemm_context(spec: GemmKernelSpec) -> dict[str, Any]:
-    """Everything the template needs, all derived from the spec."""
-    check_gemm(spec)
+@dataclass(frozen=True)
+class GemmCommon(TemplateContext):
+    """The variables both GEMM templates read (and the shared gemm_sm90_decode.j2 and
+    gemm_sm90_macros.j2, which see the including template's variables)."""
+
+    entries: SpecEntries[GemmKernelSpec] = inline()
+    elem: str  # the element format's name, both operands: "e2m1"
+    scale: str  # the scale format's name, both operands: "e4m3" or "ue8m0"
+    decode: Decode
+    a_block: int  # values per block along K (A's 1xN blocks; B's blocks are as long)
+    b_block: tuple[int, int]  # B's block shape: (1, N) or (16, 16)
+    b_sf_2d: bool  # 16x16 B blocks: one scale row per 16 rows of B
+    expand: int  # scale codes per 16 values after the launcher's expansion (1, or 2 for 1x32)
+    out: InputContext  # the output dtype's names (name, CuTe DSL type, torch attribute)
+    bias: bool  # an fp32 [N] bias added in the epilogue
+    accumulate: bool  # the output tensor holds C: C += A @ B^T
+    tile_k: int  # values per k-tile
+    archs: tuple[str, ...]
+    launch_doc: str  # the launch function's docstring paragraph
+
+
+@dataclass(frozen=True)
+class WgmmaContext(TemplateContext):
+    """The variables of gemm_sm90.py.j2: the wgmma kernel (operands decoded to bf16 in shared
+    memory)."""
+
+    TEMPLATE: ClassVar[str] = "gemm_sm90.py.j2"
+
+    common: GemmCommon = inline()
+    tile: GemmTile
+    tc: WgmmaTileConstants
+    stages_bf16: int  # decoded bf16 stages in shared memory
+    cutlass_names: tuple[str, ...]  # names the module imports from cutlass (isort's order)
+
+
+@dataclass(frozen=True)
+class SmallMContext(TemplateContext):
+    """The variables of gemm_sm90_small.py.j2: the small-M kernel (mma.sync on operands decoded
+    in registers, split-K across CTAs)."""
+
+    TEMPLATE: ClassVar[str] = "gemm_sm90_small.py.j2"
+
+    common: GemmCommon = inline()
+    tile: SmallMTile
+    tc: SmallTileConstants
+
+
+def _common_context(spec: GemmKernelSpec) -> GemmCommon:
     assert spec.a_scale is not None
     decode, block = _DECODES[(spec.a_element, spec.a_scale)]
     b_sf_2d = spec.b_block[0] > 1
-    tc = tile_constants(spec.tile, b_sf_2d=b_sf_2d)
-    cutlass_names = ["BFloat16", "Float32", "Int32", "Int64", "Uint8", "Uint32"]
+    out = input_context(spec.out_dtype)
     b_rows = "ceil(N/16)" if b_sf_2d else "N"
     small = isinstance(spec.tile, SmallMTile)
     a_operand = "a_codes uint8 [M, K] (one code per byte)" if small else "a_data uint8 [M, K/2]"
@@ -356,34 +464,51 @@ def gemm_context(spec: GemmKernelSpec) -> dict[str, Any]:
         f"{a_operand}, a_scales uint8 [M, ceil(K/{block})] "
         f"({spec.a_scale.name} codes), b_data uint8 [N, ceil(K/2)], b_scales uint8 "
         f"[{b_rows}, ceil(K/{block})], a_global and b_global fp32 with one element, out "
-        f"{_OUT[spec.out_dtype]['torch']} [M, N] (contiguous, 16-byte aligned"
+        f"{out.torch} [M, N] (contiguous, 16-byte aligned"
         + ("; it holds C" if spec.accumulate else "")
         + ")"
         + (", bias fp32 [N]" if spec.bias else "")
         + "; all on one CUDA device. K is padded to a multiple of 64 with zero codes"
         + (f", each scale code repeated {block // 16} times along K." if block > 16 else ".")
     )
-    return {
-        **spec_entries(spec),
-        "elem": spec.a_element.name,
-        "scale": spec.a_scale.name,
-        "decode": decode,
-        "a_block": block,
-        "b_block": spec.b_block,
-        "b_sf_2d": b_sf_2d,
-        "expand": block // 16,  # scale codes per 16 values after the launcher's expansion
-        "out": {"name": spec.out_dtype, **_OUT[spec.out_dtype]},
-        "bias": spec.bias,
-        "accumulate": spec.accumulate,
-        "tile": spec.tile,
-        "template": "gemm_sm90_small.py.j2" if small else "gemm_sm90.py.j2",
-        "tc": tc,
-        "tile_k": TILE_K,
-        "stages_bf16": STAGES_BF16,
-        "archs": list(ARCHS),
-        "cutlass_names": cutlass_names,
-        "launch_doc": doc_block(launch_doc),
-    }
+    return GemmCommon(
+        entries=SpecEntries.of(spec),
+        elem=spec.a_element.name,
+        scale=spec.a_scale.name,
+        decode=decode,
+        a_block=block,
+        b_block=spec.b_block,
+        b_sf_2d=b_sf_2d,
+        expand=block // 16,
+        out=out,
+        bias=spec.bias,
+        accumulate=spec.accumulate,
+        tile_k=TILE_K,
+        archs=ARCHS,
+        launch_doc=doc_block(launch_doc),
+    )
+
+
+def gemm_context(spec: GemmKernelSpec) -> WgmmaContext | SmallMContext:
+    """Everything the template of ``spec``'s tile needs, all derived from the spec: the small-M
+    template for a SmallMTile, the wgmma template otherwise."""
+    check_gemm(spec)
+    common = _common_context(spec)
+    if isinstance(spec.tile, SmallMTile):
+        return SmallMContext(
+            common=common,
+            tile=spec.tile,
+            tc=small_tile_constants(spec.tile, b_sf_2d=common.b_sf_2d),
+        )
+    tc = tile_constants(spec.tile, b_sf_2d=common.b_sf_2d)
+    assert isinstance(tc, WgmmaTileConstants)
+    return WgmmaContext(
+        common=common,
+        tile=spec.tile,
+        tc=tc,
+        stages_bf16=STAGES_BF16,
+        cutlass_names=("BFloat16", "Float32", "Int32", "Int64", "Uint8", "Uint32"),
+    )
 
 
 def render_gemm(spec: GemmKernelSpec) -> str:
@@ -392,7 +517,7 @@ def render_gemm(spec: GemmKernelSpec) -> str:
     Raises NotImplementedError for operand formats or block shapes the template does not
     cover (see the module docstring)."""
     context = gemm_context(spec)
-    return render_template(context["template"], context)
+    return render_template(context.TEMPLATE, context)
 
 
 __all__ = [
@@ -400,7 +525,13 @@ __all__ = [
     "CANDIDATES",
     "MAX_SPLITS",
     "TILES",
+    "Decode",
+    "GemmCommon",
+    "SmallMContext",
     "SmallMTile",
+    "SmallTileConstants",
+    "WgmmaContext",
+    "WgmmaTileConstants",
     "check_gemm",
     "choose_splits",
     "fused_support",

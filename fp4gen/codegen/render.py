@@ -99,14 +99,10 @@ class SpecEntries(TemplateContext, Generic[SpecT]):
         return cls(spec, repr(spec), spec.name, spec.digest)
 
 
-def spec_entries(spec: Any) -> dict[str, Any]:
-    """The entries of ``SpecEntries`` as a plain mapping, for the contexts that are dicts."""
-    return SpecEntries.of(spec).as_template_vars()
-
-
 @dataclass(frozen=True)
 class InputContext:
-    """A high-precision input dtype under the names a generated module uses."""
+    """A high-precision dtype (a kernel's input, the GEMM's output) under the names a generated
+    module uses."""
 
     name: str  # the spec's word: "bf16"
     cutlass: str  # the CuTe DSL type: "BFloat16"
@@ -114,7 +110,7 @@ class InputContext:
 
 
 def input_context(dtype: str) -> InputContext:
-    """The names of input dtype ``dtype`` (a word of ``vocab.DTYPES``)."""
+    """The names of dtype ``dtype`` (a word of ``vocab.DTYPES``)."""
     d = DTYPES[dtype]
     return InputContext(d.name, d.cute, d.torch_name)
 
@@ -185,6 +181,5 @@ __all__ = [
     "lit",
     "pytuple",
     "render_template",
-    "spec_entries",
     "tidy",
 ]
