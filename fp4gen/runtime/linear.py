@@ -319,7 +319,7 @@ class Linear(nn.Linear):
         if graphs is None:
             # layers reading the same x in a row (q, k and v; gate and up) share one copy
             sharing = keep and not (x2.is_cuda and torch.cuda.is_current_stream_capturing())
-            share_key = self._copy_key(x2, table) if sharing else None
+            share_key = self._copy_key(table) if sharing else None
             shared = _last_copy.find(x2, share_key) if sharing else None
             y, xq_t = self._fprop(
                 x2, weight, bias, out_dtype, table, call, gathered, keep and shared is None
@@ -347,7 +347,7 @@ class Linear(nn.Linear):
         assert y is not None
         return y, None if xq_t is None else ops.WgradInput(xq_t, x2.dtype)
 
-    def _copy_key(self, x2: torch.Tensor, table: OperandTable) -> tuple[Any, ...]:
+    def _copy_key(self, table: OperandTable) -> tuple[Any, ...]:
         """What x's wgrad copy depends on besides x: its spec, the wgrad K multiple its tokens
         are padded to and the backend (a round-to-nearest copy draws no random stream)."""
         wgrad_k = k_multiple(table.wgrad_gradient, table.wgrad_activation, blocks=True)
@@ -446,9 +446,9 @@ class Linear(nn.Linear):
             tensors, layout = kept.quantized.split()
             present = tuple(t is not None for t in tensors)
             # a round-to-nearest copy's offset names the call only: not part of the key
-            shape = replace(layout, offset=None)
+            described = replace(layout, offset=None)
             key = (
-                "grads", dy2.shape, dy2.dtype, shape, present,
+                "grads", dy2.shape, dy2.dtype, described, present,
                 tuple(t.shape for t in tensors if t is not None), kept.dtype,
                 _param_key(weight), _Identity(table), _context_key(), self.backend, self.seed,
             )  # fmt: skip
