@@ -32,13 +32,17 @@ class ModelSpec:
     context: int
     lr: float  # the default peak learning rate for this size
     note: str
+    # Llama rounds SwiGLU's 8/3 width up to a multiple of this (Llama 2 uses 256: 11008 at 4096)
+    mlp_multiple: int = 64
 
     @property
     def intermediate(self) -> int:
-        """The MLP's hidden size: 4x for the GPT, SwiGLU's 8/3 rounded up to 64 for Llama."""
+        """The MLP's hidden size: 4x for the GPT, SwiGLU's 8/3 rounded up to ``mlp_multiple``
+        for Llama."""
         if self.family == "gpt":
             return 4 * self.width
-        return 64 * math.ceil(8 * self.width / 3 / 64)
+        m = self.mlp_multiple
+        return m * math.ceil(8 * self.width / 3 / m)
 
     def parameters(self, vocab: int = 256) -> int:
         """The exact parameter count of the model built for ``vocab`` tokens."""
@@ -62,8 +66,10 @@ MODELS: dict[str, ModelSpec] = {
         ModelSpec("llama-tiny", "llama", 4, 64, 4, 64, 3e-3, "a CPU"),
         ModelSpec("llama-small", "llama", 12, 384, 6, 128, 1e-3, "a GPU"),
         ModelSpec("llama-medium", "llama", 16, 768, 12, 256, 6e-4, "a GPU; the ablations"),
-        # few blocks, real width: FP8 and NVFP4 GEMMs at the sizes where they pay on Hopper
-        ModelSpec("llama-wide", "llama", 4, 4096, 32, 256, 3e-4, "a GPU; hidden 4096"),
+        # few blocks, real width: FP8 and NVFP4 GEMMs at the sizes where they pay on Hopper; the
+        # MLP is Llama 2's 11008 wide, a multiple of every shipped block size (the 64-rounded
+        # 10944 is not a multiple of 128, so FP8's 1x128 blocks would leave the fused kernels)
+        ModelSpec("llama-wide", "llama", 4, 4096, 32, 256, 3e-4, "a GPU; hidden 4096", 256),
     )
 }
 ALIASES = {"gpt": "gpt-tiny", "llama": "llama-tiny"}
