@@ -17,11 +17,14 @@ weights), as a user would train it. For each hidden size and recipe it prints:
     python benchmarks/train.py [--hidden 1024,2048] [--layers 8,6] [--tokens 8192] [--seq 1024]
                                [--recipes bf16,recipes/nvfp4.fp4r] [--steps 10] [--graphs]
                                [--model llama|gpt] [--host-profile N] [--compare-saved-x]
+                               [--layer-graph-flops F,...]
 
 ``--host-profile N`` prints the N most expensive Python functions of the eager fp4gen steps
 (cProfile, cumulative time), which is where the host path's time goes. ``--compare-saved-x``
 adds a run of each recipe whose layers save x for the backward instead of x's quantized wgrad
 copy (``Linear.keep_quantized_input = False``): the peak-memory difference of that choice.
+``--layer-graph-flops 0,5e10`` adds runs of each recipe with another layer-graph threshold (the
+largest GEMM a graphed pass may have; 0 turns layer graphs off): where graphs stop paying.
 """
 
 from __future__ import annotations
@@ -42,6 +45,7 @@ from torch import nn
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the checkout, uninstalled
 
 import fp4gen  # noqa: E402
+from fp4gen.runtime import layer_graphs  # noqa: E402
 
 VOCAB = 256
 LAYERS_BY_HIDDEN = {1024: 8, 2048: 6, 4096: 4}
@@ -208,6 +212,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--model", choices=["llama", "gpt"], default=None)
     parser.add_argument("--host-profile", type=int, default=0, metavar="N")
     parser.add_argument(
+        "--layer-graph-flops",
+        default="",
+        metavar="F,...",
+        help="also run each recipe with layer graphs only for passes whose GEMMs have at most F "
+        "FLOPs (fp4gen.runtime.layer_graphs.MAX_GEMM_FLOPS; 0: no layer graphs)",
+    )
+    parser.add_argument(
         "--compare-saved-x",
         action="store_true",
         help="also run each recipe with its layers saving x instead of x's quantized wgrad copy",
@@ -239,14 +250,22 @@ def main(argv: list[str] | None = None) -> int:
             f"{'gpu-busy':>9} {'x bf16':>7} {'host us/lin':>11} {'peak GiB':>9} {'x bf16':>7}"
         )
         base: Result | None = None
-        runs = [(r, False) for r in recipes]
+        default_flops = layer_graphs.MAX_GEMM_FLOPS
+        runs: list[tuple[str, bool, float | None]] = [(r, False, None) for r in recipes]
         if args.compare_saved_x:
-            runs += [(r, True) for r in recipes if r != "bf16"]
-        for recipe, saves_x in runs:
+            runs += [(r, True, None) for r in recipes if r != "bf16"]
+        for flops in (float(f) for f in args.layer_graph_flops.split(",") if f):
+            runs += [(r, False, flops) for r in recipes if r != "bf16"]
+        for recipe, saves_x, flops in runs:
             t0 = time.perf_counter()
-            res = run_one(args, hidden, layers, recipe, saves_x)
+            layer_graphs.MAX_GEMM_FLOPS = default_flops if flops is None else flops
+            try:
+                res = run_one(args, hidden, layers, recipe, saves_x)
+            finally:
+                layer_graphs.MAX_GEMM_FLOPS = default_flops
             base = base or res
             label = Path(recipe).stem + (" (saves x)" if saves_x else "")
+            label += "" if flops is None else f" (graphs <= {flops:.0e})"
             host = "-" if res.host_us_per_linear is None else f"{res.host_us_per_linear:.0f}"
             graph = "-" if res.ms_graph is None else f"{res.ms_graph:.2f}"
             eager = ratio(res.ms_eager, base.ms_eager)

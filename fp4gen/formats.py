@@ -285,6 +285,18 @@ class BlockFormat:
         if rows != 1 and rows != cols:
             raise ValueError(f"{self.name}: blocks are 1xN or NxN, got {rows}x{cols}")
 
+    def __hash__(self) -> int:
+        # formats key the per-call kernel and dispatch caches: hash the nested fields once
+        h = self.__dict__.get("_hash")
+        if h is None:
+            h = hash((self.name, self.element, self.block, self.scale, self.global_scale))
+            object.__setattr__(self, "_hash", h)
+        return h
+
+    def __getstate__(self) -> dict[str, object]:
+        # string hashes differ between processes: an unpickled format hashes afresh
+        return {k: v for k, v in self.__dict__.items() if k != "_hash"}
+
     @property
     def is_2d(self) -> bool:
         return self.block[0] > 1

@@ -65,6 +65,9 @@ BACKENDS = ("auto", "reference", "dequant", "cute", "blackwell", "block_scaled")
 # what backend="auto" computes for the pairs the block_scaled backend serves (numerics.md 6.1)
 FP8_SEMANTICS = ("block_scaled", "exact")
 _fp8_semantics = "block_scaled"
+# auto_backend's CUDA choices: (formats, M, N, K, device index, semantics) -> GemmChoice
+_choices: dict[tuple, GemmChoice] = {}
+_MAX_CHOICES = 4096  # shapes that keep changing: cleared, not grown without end
 log = logging.getLogger(__name__)
 _logged: set[str] = set()
 _fused_ids: dict[tuple[int, int], tuple[object, object, str | None]] = {}
@@ -273,23 +276,38 @@ def dequant_support(fmt: BlockFormat | object) -> str | None:
 
 
 def auto_backend(a: QuantizedTensor, b: QuantizedTensor) -> GemmChoice:
-    """What ``gemm(a, b, backend="auto")`` runs."""
-    device = a.device.type
-    arch = None
-    if device == "cuda":
+    """What ``gemm(a, b, backend="auto")`` runs. On CUDA the choice is kept per formats, shape,
+    GPU and semantics (``choose_backend`` is pure): the per-call path is one lookup."""
+    dev = a.device
+    if dev.type != "cuda":
+        return choose_backend(
+            a.format,
+            b.format,
+            a.rows,
+            b.rows,
+            a.cols,
+            device=dev.type,
+            arch=None,
+            semantics=_fp8_semantics,
+        )
+    key = (a.format, b.format, a.rows, b.rows, a.cols, dev.index, _fp8_semantics)
+    choice = _choices.get(key)
+    if choice is None:
         from fp4gen.compiler.jit import detect_arch
 
-        arch = detect_arch(a.device)
-    return choose_backend(
-        a.format,
-        b.format,
-        a.rows,
-        b.rows,
-        a.cols,
-        device=device,
-        arch=arch,
-        semantics=_fp8_semantics,
-    )
+        if len(_choices) >= _MAX_CHOICES:
+            _choices.clear()
+        choice = _choices[key] = choose_backend(
+            a.format,
+            b.format,
+            a.rows,
+            b.rows,
+            a.cols,
+            device="cuda",
+            arch=detect_arch(dev),
+            semantics=_fp8_semantics,
+        )
+    return choice
 
 
 def _log_once(

@@ -46,7 +46,8 @@ def test_a_bad_setting_is_an_error(monkeypatch) -> None:
 def test_only_passes_small_enough_to_gain_are_graphed() -> None:
     """A pass is graphed while its GEMMs are small enough for the host's launches to be the
     bottleneck (MAX_GEMM_FLOPS); larger passes run eagerly (their copies would cost more)."""
-    assert layer_graphs.worth_graphing(8192, 2048, 5632)  # a Llama hidden-2048 MLP projection
+    assert layer_graphs.worth_graphing(8192, 1024, 2816)  # a Llama hidden-1024 MLP projection
     assert layer_graphs.worth_graphing(128, 256, 192)
+    assert not layer_graphs.worth_graphing(8192, 2048, 2048)  # hidden 2048: eager is faster
     assert not layer_graphs.worth_graphing(8192, 4096, 4096)
     assert not layer_graphs.worth_graphing(8192, 8192, 8192)

@@ -64,7 +64,8 @@ def ops(text: str) -> str:
 
 def test_the_expected_recipes_are_shipped() -> None:
     assert {p.stem for p in SHIPPED} >= {
-        "nvfp4", "nvfp4_no_sr", "nvfp4_no_rht", "nvfp4_1d_weights", "nvfp4_fewer_bf16", "mxfp4",
+        "nvfp4", "nvfp4_no_sr", "nvfp4_no_rht", "nvfp4_1d_weights", "nvfp4_fewer_bf16",
+        "nvfp4_no_bf16", "mxfp4",
         "mxfp8", "fp8_blockwise", "mor_tensor", "mor_subtensor_2way", "mor_subtensor_3way",
         "exotic_e3m2_b8",
     }  # fmt: skip

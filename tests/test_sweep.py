@@ -348,11 +348,11 @@ def test_interrupt_says_how_to_resume(
 def test_the_ablation_recipes_quantize_the_papers_blocks_of_llama_medium() -> None:
     """On llama-medium (16 blocks of 7 linear layers, and the head) the paper's layer rules
     leave 6 blocks in NVFP4 for the full method and its ablations, 8 for MXFP4 (last 8 blocks
-    kept) and 12 for the fewer-BF16-blocks ablation (last 4 kept): the counts the sweep prints
-    and docs/experiments.md reports."""
+    kept), 12 for the fewer-BF16-blocks ablation (last 4 kept) and all 16 for the no-BF16
+    ablation (only the head kept): the counts the sweep prints and docs/experiments.md reports."""
     pytest.importorskip("transformers")
     names = ("nvfp4", "nvfp4_no_rht", "nvfp4_no_sr", "nvfp4_1d_weights", "mxfp4")
-    names += ("nvfp4_bf16_switch", "nvfp4_fewer_bf16")
+    names += ("nvfp4_bf16_switch", "nvfp4_fewer_bf16", "nvfp4_no_bf16")
     entries = sweep._load_recipes(names, MODELS["llama-medium"], 256)
     counts = {e.label: (e.quantized, e.linears) for e in entries}
     assert counts == {
@@ -360,4 +360,5 @@ def test_the_ablation_recipes_quantize_the_papers_blocks_of_llama_medium() -> No
         **{name: (6 * 7, 113) for name in names},
         "mxfp4": (8 * 7, 113),
         "nvfp4_fewer_bf16": (12 * 7, 113),
+        "nvfp4_no_bf16": (16 * 7, 113),
     }

@@ -15,6 +15,7 @@ import itertools
 import operator
 from collections.abc import Callable
 from dataclasses import dataclass, replace
+from functools import cached_property
 from typing import Any
 
 import torch
@@ -164,17 +165,25 @@ class QuantizedTensor:
     def element(self) -> ElementFormat:
         return self.format.element
 
-    @property
+    # rows, cols and device are read several times per GEMM call and never change (the code
+    # tensors are fixed at construction; in-place writes keep their shape and device): kept,
+    # but not pickled (a tensor loaded with map_location has another device)
+    _KEPT = ("rows", "cols", "device")
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {k: v for k, v in self.__dict__.items() if k not in self._KEPT}
+
+    @cached_property
     def rows(self) -> int:
         p = self.packed_codes()
         return self.codes.shape[0] if p is None else p.data.shape[0]
 
-    @property
+    @cached_property
     def cols(self) -> int:
         p = self.packed_codes()
         return self.codes.shape[1] if p is None else p.cols
 
-    @property
+    @cached_property
     def device(self) -> torch.device:
         p = self.packed_codes()
         return self.codes.device if p is None else p.data.device

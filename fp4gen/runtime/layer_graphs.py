@@ -56,11 +56,13 @@ log = logging.getLogger("fp4gen.runtime")
 
 MAX_GRAPHS = 8  # per layer: keys beyond this evict the least recently used graph
 # Graph a layer's pass only while one of its GEMMs has at most this many FLOPs (2 * tokens *
-# in * out): about 0.3 ms of an H100's tensor cores. Above it the GPU work of a pass outlasts
-# the host's launches, which then run ahead anyway, and the copies into and out of the static
-# buffers (about 90 us per 8192 x 8192 bf16 tensor, six per forward + backward) would cost
-# more than the launches they save (docs/training-step.md).
-MAX_GEMM_FLOPS = 2.5e11
+# in * out): about 0.1 ms of an H100's tensor cores. Above it the GPU work of the pass, with the
+# rest of the model's, outlasts the host's launches, which then run ahead anyway, and the
+# copies into and out of the static buffers (two passes over x, y, dy, dx and dW) cost more
+# than the launches they save. Measured on a Llama at 8192 tokens (docs/training-step.md): at
+# hidden 2048 (GEMMs of 6.9e10 to 1.9e11) the eager step is 1.16x BF16 without layer graphs and
+# 1.33x with them; at hidden 1024 (1.7e10 to 4.7e10) 1.45x with them and 2.49x without.
+MAX_GEMM_FLOPS = 5e10
 # (device, stream) -> the private memory pool of its graphs and an empty graph captured into it
 # that keeps the pool alive: once every graph of a pool is gone, torch's device and pinned-host
 # allocators refuse another capture into it (an internal assert) while any block of it lives on.
