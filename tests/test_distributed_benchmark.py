@@ -32,7 +32,10 @@ def expected_gather_mb(quantized_blocks: int) -> tuple[str, str]:
 
 
 @pytest.mark.slow
-def test_benchmark_smoke_on_cpu() -> None:
+@pytest.mark.parametrize("quantized", [False, True], ids=["bf16-gather", "quantized-gather"])
+def test_benchmark_smoke_on_cpu(quantized: bool) -> None:
+    """The table at 1 and 2 gloo ranks; with the quantized all-gather too (at one rank FSDP2
+    gathers nothing and the option steps aside: docs/distributed.md)."""
     cmd = [
         sys.executable,
         "benchmarks/distributed.py",
@@ -40,6 +43,7 @@ def test_benchmark_smoke_on_cpu() -> None:
         "--hidden", str(HIDDEN), "--layers", str(LAYERS), "--seq", "16", "--tokens", "32",
         "--steps", "2", "--recipes", "bf16,recipes/nvfp4_small.fp4r",
     ]  # fmt: skip
+    cmd += ["--quantized-all-gather"] if quantized else []
     # its own session, so that a timeout ends the ranks it spawned too, not only the launcher
     proc = subprocess.Popen(
         cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,

@@ -78,7 +78,11 @@ class ByteCounter:
     def __init__(self) -> None:
         self.gathered = 0
         self.reduced = 0
-        self._gather, self._reduce = dist.all_gather_single, dist.all_reduce
+        # FSDP2 calls all_gather_single where torch has it, all_gather_into_tensor before
+        self._name = "all_gather_single"
+        if not hasattr(dist, self._name):
+            self._name = "all_gather_into_tensor"
+        self._gather, self._reduce = getattr(dist, self._name), dist.all_reduce
 
     def __enter__(self) -> ByteCounter:
         def gather(output: torch.Tensor, input: torch.Tensor, *a: Any, **k: Any) -> Any:
@@ -89,11 +93,13 @@ class ByteCounter:
             self.reduced += tensor.numel() * tensor.element_size()
             return self._reduce(tensor, *a, **k)
 
-        dist.all_gather_single, dist.all_reduce = gather, reduce  # type: ignore[assignment]
+        setattr(dist, self._name, gather)
+        dist.all_reduce = reduce  # type: ignore[assignment]
         return self
 
     def __exit__(self, *exc: Any) -> None:
-        dist.all_gather_single, dist.all_reduce = self._gather, self._reduce  # type: ignore[assignment]
+        setattr(dist, self._name, self._gather)
+        dist.all_reduce = self._reduce  # type: ignore[assignment]
 
 
 def policy(param_dtype: torch.dtype | None) -> Any:
@@ -104,10 +110,10 @@ def policy(param_dtype: torch.dtype | None) -> Any:
     return MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
 
 
-def mesh(world: int) -> Any:
+def mesh(world: int, device_type: str = "cpu") -> Any:
     from torch.distributed.device_mesh import init_device_mesh
 
-    return init_device_mesh("cpu", (world,))
+    return init_device_mesh(device_type, (world,))
 
 
 def nvfp4_16x16() -> Any:
@@ -337,12 +343,20 @@ def build_model(seed: int, quantized: bool, recipe: str = RECIPE, rows: int = WI
 
 
 def train(
-    rank: int, world: int, model: nn.Module, dtype: torch.dtype | None, ckpt: bool = False
+    rank: int,
+    world: int,
+    model: nn.Module,
+    dtype: torch.dtype | None,
+    ckpt: bool = False,
+    device: torch.device | None = None,
 ) -> tuple[dict[str, list], ByteCounter, list[type]]:
     """STEPS of FSDP2 training (each block and the root sharded; with ``ckpt`` each block's
     activations recomputed in the backward), this rank's micro-batch per step: the losses of
-    all ranks, the full gradients and parameters, the bytes and the weight types the converted
-    layers were called with."""
+    all ranks, the full gradients and parameters (on the CPU), the bytes and the weight types
+    the converted layers were called with. ``device``: where the model trains (the CPU, or
+    the rank's GPU under NCCL)."""
+    device = device or torch.device("cpu")
+    model.to(device)
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
     from torch.distributed.fsdp import fully_shard
 
@@ -353,22 +367,23 @@ def train(
     for i, block in enumerate(list(model)[:-1]):
         if ckpt:
             block = model[i] = checkpoint_wrapper(block)
-        fully_shard(block, mesh=mesh(world), mp_policy=policy(dtype))
-    fully_shard(model, mesh=mesh(world), mp_policy=policy(dtype))
+        fully_shard(block, mesh=mesh(world, device.type), mp_policy=policy(dtype))
+    fully_shard(model, mesh=mesh(world, device.type), mp_policy=policy(dtype))
     opt = torch.optim.Adam(model.parameters(), lr=1e-2)
     res: dict[str, list] = {"loss": [], "grads": [], "params": []}
     with ByteCounter() as counted:
         for step in range(STEPS):
             opt.zero_grad()
             g = torch.Generator().manual_seed(step * 101 + rank)
-            loss = model(torch.randn(TOKENS, WIDTH, generator=g)).float().square().mean()
+            x = torch.randn(TOKENS, WIDTH, generator=g).to(device)
+            loss = model(x).float().square().mean()
             loss.backward()
-            losses = [torch.zeros(1) for _ in range(world)]
+            losses = [torch.zeros(1, device=device) for _ in range(world)]
             dist.all_gather(losses, loss.detach().reshape(1))
-            res["loss"].append(torch.cat(losses))
-            res["grads"].append([p.grad.full_tensor().clone() for p in model.parameters()])
+            res["loss"].append(torch.cat(losses).cpu())
+            res["grads"].append([p.grad.full_tensor().cpu() for p in model.parameters()])
             opt.step()
-    res["params"] = [p.detach().full_tensor().clone() for p in model.parameters()]
+    res["params"] = [p.detach().full_tensor().cpu() for p in model.parameters()]
     # the state dict holds plain shards with the option too: checkpoints do not change
     assert all(type(v._local_tensor) is torch.Tensor for v in model.state_dict().values())
     return res, counted, seen
@@ -465,3 +480,67 @@ def test_fallbacks_gather_in_high_precision_and_say_so_once(
             "rank, so blocks would straddle shards"
             for name in ("0.0", "1.0", "2.0", "3")
         ]
+
+
+def nccl_job(rank: int, world: int, device: torch.device, out: str) -> None:
+    """The training comparison of ``world_job`` on the ranks' GPUs: bf16 parameters, the
+    shards quantized by the CUDA kernels, the codes gathered by NCCL."""
+    results: dict[Any, Any] = {}
+    for quantized in (False, True):
+        res, counted, seen = train(
+            rank, world, build_model(3, quantized), torch.bfloat16, device=device
+        )
+        results[quantized] = (res, counted.gathered, seen)
+    if rank == 0:
+        torch.save(results, out)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(
+    not (dist.is_nccl_available() and torch.cuda.device_count() >= 2), reason="needs 2 GPUs"
+)
+def test_quantized_all_gather_on_nccl_is_bit_identical(tmp_path: Path) -> None:
+    """On 2 GPUs (NCCL): training with the quantized all-gather gives the bits of training
+    with the bf16 all-gather (tolerance zero, as on gloo): the CUDA quantize kernels are
+    bit-exact with the reference, and each rank's shard is quantized with the global amax."""
+    out = tmp_path / "out.pt"
+    spawn(nccl_job, 2, tmp_path, str(out), backend="nccl", with_device=True)
+    results = torch.load(out, weights_only=False)
+    plain, plain_bytes, plain_seen = results[False]
+    quant, quant_bytes, quant_seen = results[True]
+    assert_identical(plain, quant)
+    assert plain["loss"][0].unique().numel() == 2  # the ranks' batches differ
+    assert len(quant_seen) == 4 * STEPS and set(quant_seen) == {GatheredWeight}
+    assert GatheredWeight not in plain_seen
+    assert plain_bytes / quant_bytes > 2.5
+
+
+def one_rank_job(rank: int, world: int, out: str) -> None:
+    """FSDP2 on a single rank, with and without the quantized all-gather."""
+    messages: list[str] = []
+
+    class Keep(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            messages.append(record.getMessage())
+
+    logger = logging.getLogger("fp4gen.runtime")
+    logger.addHandler(Keep())
+    logger.setLevel(logging.INFO)
+    plain, _, _ = train(rank, world, build_model(3, False), torch.bfloat16)
+    quant, _, seen = train(rank, world, build_model(3, True), torch.bfloat16)
+    torch.save({"plain": plain, "quant": quant, "seen": seen, "messages": messages}, out)
+
+
+def test_one_rank_gathers_in_high_precision(tmp_path: Path) -> None:
+    """On one rank FSDP2 skips the all-gather and passes on only the first of an extension's
+    inputs: the quantized all-gather steps aside there (the layer quantizes the whole weight
+    itself), trains the same bits and says so once per layer."""
+    out = tmp_path / "out.pt"
+    spawn(one_rank_job, 1, tmp_path, str(out))
+    got = torch.load(out, weights_only=False)
+    assert_identical(got["plain"], got["quant"])
+    assert GatheredWeight not in got["seen"]
+    prefix = "FSDP2 all-gathers a weight in high precision: "
+    assert sorted(m for m in got["messages"] if m.startswith(prefix)) == [
+        f"{prefix}{name}: one rank, nothing to gather" for name in ("0.0", "1.0", "2.0", "3")
+    ]

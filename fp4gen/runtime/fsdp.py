@@ -302,6 +302,10 @@ class ShardedWeight(torch.Tensor):
         if mesh.ndim != 1:
             return f"{plan.name}: a {mesh.ndim}-D mesh (only 1-D FSDP meshes)"
         world = mesh.size()
+        if world == 1:
+            # FSDP2 skips the all-gather on one rank and hands over its first input alone; the
+            # shard is the whole weight, which the layer quantizes as without FSDP2
+            return f"{plan.name}: one rank, nothing to gather"
         height = plan.spec.format.block[0]  # type: ignore[union-attr]
         rows = outer_size[0]
         if rows % world or (rows // world) % height:
