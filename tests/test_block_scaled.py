@@ -257,6 +257,17 @@ def test_tile_scales() -> None:
     assert square.stride() == (1, 64)  # what scaled_mm's "strides (1, 64)" asked for
 
 
+def test_unpadded_scale_layouts_are_fully_written() -> None:
+    """Without padding the buffers are not zeroed first (a launch less per call): every element
+    must come from the scales."""
+    s = torch.arange(1, 33, dtype=torch.float32).reshape(16, 2)
+    out = fp8_gemm.outer_major_scales(s, 16, torch.tensor(2.0))
+    assert torch.equal(out, 2 * s) and out.stride() == (1, 16)
+    t = torch.arange(1, 25, dtype=torch.float32).reshape(3, 8)  # K/128 = 8: a multiple of 4
+    out = fp8_gemm.tile_scales(t)
+    assert torch.equal(out, t.t()) and out.stride() == (1, 8)
+
+
 @pytest.mark.parametrize(("m", "n", "k"), [(1, 16, 128), (7, 130, 300), (129, 256, 1024)])
 def test_operands_pad_and_keep_values(m, n, k) -> None:
     g = torch.Generator().manual_seed(m + n + k)

@@ -126,7 +126,7 @@ def outer_major_scales(
     [rows, KB] with strides (1, rows), rows >= R; padded rows get scale 0 (their codes are 0).
     ``times`` (an fp32 0-dim tensor) multiplies them in the same pass (``_folded``)."""
     r, kb = scales.shape
-    out = torch.zeros(kb, rows, dtype=torch.float32, device=scales.device)
+    out = _buffer((kb, rows), padded=rows != r, device=scales.device)
     _write(out[:, :r], scales.t(), times)
     return out.t()
 
@@ -136,9 +136,17 @@ def tile_scales(scales: torch.Tensor, times: torch.Tensor | None = None) -> torc
     with strides (1, L4), L4 = KB rounded up to 4; the padded K-blocks get scale 0."""
     nb, kb = scales.shape
     l4 = round_up(kb, 4)
-    out = torch.zeros(nb, l4, dtype=torch.float32, device=scales.device)
+    out = _buffer((nb, l4), padded=l4 != kb, device=scales.device)
     _write(out[:, :kb], scales, times)
     return out.t()
+
+
+def _buffer(shape: tuple[int, int], *, padded: bool, device: torch.device) -> torch.Tensor:
+    """An fp32 scale buffer; zeroed only where padding leaves part of it unwritten (one launch
+    less per operand on the per-call path otherwise)."""
+    if padded:
+        return torch.zeros(shape, dtype=torch.float32, device=device)
+    return torch.empty(shape, dtype=torch.float32, device=device)
 
 
 def _write(dst: torch.Tensor, src: torch.Tensor, times: torch.Tensor | None) -> None:
