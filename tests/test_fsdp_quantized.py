@@ -475,7 +475,11 @@ def test_fallbacks_gather_in_high_precision_and_say_so_once(
         for name in ("0.0", "1.0", "2.0", "3")
     ]
     for case, rows in (("rows", 48), ("uneven", 47)):
-        assert sorted(report[case]) == [
+        # 47 rows is also a width the quantize kernels do not take: convert says that first
+        widths = [m for m in report[case] if m.startswith("fp4gen.convert: ")]
+        assert len(widths) == (2 if rows == 47 else 0)
+        gathers = [m for m in report[case] if not m.startswith("fp4gen.convert: ")]
+        assert sorted(gathers) == [
             f"{prefix}{name}: {rows} rows on 2 ranks is not a multiple of the 16-row block per "
             "rank, so blocks would straddle shards"
             for name in ("0.0", "1.0", "2.0", "3")

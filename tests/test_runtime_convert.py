@@ -134,3 +134,36 @@ def test_mor_recipe_converts() -> None:
     model = fp4gen.convert(gpt(), load_recipe("mor_tensor.fp4r"))
     layer = model.blocks[0].mlp.fc1
     assert isinstance(layer, fp4gen.nn.Linear) and set(layer.mors) == {"tensor_e4m3"}
+
+
+def test_widths_the_quantize_kernels_do_not_take_are_warned_once(caplog) -> None:
+    """A feature size that is not a multiple of an operand's block length (after the RHT
+    padding) sends that operand to the reference quantizer on CUDA: convert says so once per
+    size and operand pair, naming the layers (the llama-wide MLP of 10944 under FP8's 1x128
+    blocks ran 3x slower: docs/experiments.md)."""
+    model = nn.Sequential(
+        nn.Linear(256, 10944), nn.ReLU(), nn.Linear(10944, 256), nn.ReLU(),
+        nn.Linear(256, 10944), nn.ReLU(), nn.Linear(10944, 256),
+    )  # fmt: skip
+    with caplog.at_level("WARNING", logger="fp4gen.runtime"):
+        fp4gen.convert(model, "recipes/fp8_blockwise.fp4r")
+    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("fp4gen.convert")]
+    assert len(lines) == 2
+    out, inp = lines
+    assert out.startswith(
+        "fp4gen.convert: out_features 10944 of 0 (and 1 more layers) is not a multiple of the "
+        "blocks of dgrad.gradient (fp8_block 1x128) and dgrad.weight (fp8_block 128x128): "
+    )
+    assert inp.startswith("fp4gen.convert: in_features 10944 of 2 (and 1 more layers) ")
+    assert "a multiple of 128 avoids it" in inp
+
+
+def test_widths_padded_to_the_rht_or_multiples_of_the_blocks_are_not_warned(caplog) -> None:
+    # 256 and 1024: multiples of every block; nvfp4's wgrad RHT pads only the token count
+    model = nn.Sequential(nn.Linear(256, 1024), nn.ReLU(), nn.Linear(1024, 256))
+    recipe = parse_recipe("operands {\n * : nvfp4 rht 16\n}\n", base_dir=None)
+    small = nn.Sequential(nn.Linear(40, 24))  # padded to 48 and 32 by the RHT: multiples of 16
+    with caplog.at_level("WARNING", logger="fp4gen.runtime"):
+        fp4gen.convert(model, "recipes/fp8_blockwise.fp4r")
+        fp4gen.convert(small, recipe)
+    assert not [r for r in caplog.records if r.getMessage().startswith("fp4gen.convert")]

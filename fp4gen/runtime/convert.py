@@ -23,6 +23,8 @@ rule names them, as the NVFP4 paper keeps its head in high precision.
 from __future__ import annotations
 
 import fnmatch
+import logging
+import math
 import re
 from collections.abc import Iterable
 from dataclasses import dataclass, field, replace
@@ -40,11 +42,13 @@ from fp4gen.dsl.model import (
     RecipeRef,
 )
 from fp4gen.errors import FP4GenError
-from fp4gen.formats import HighPrecision
+from fp4gen.formats import BlockFormat, HighPrecision
 from fp4gen.runtime.fsdp import enable_quantized_all_gather
 from fp4gen.runtime.linear import Conv1DLinear, Linear
+from fp4gen.runtime.operands import k_multiple, round_up
 from fp4gen.runtime.schedule import TrainingClock, action_mors, action_table
 
+log = logging.getLogger("fp4gen.runtime")
 _INDEX = re.compile(r"^\d+$")
 
 
@@ -247,11 +251,70 @@ def convert(
     # replaced only once every layer was accepted: a refusal leaves the model as it was
     for name, layer in layers:
         _set_module(model, name, layer)
+    _warn_widths(layers)
     if fsdp_quantized_all_gather:
         enable_quantized_all_gather(model)
     model._fp4gen_plan = decisions  # type: ignore[attr-defined]
     model._fp4gen_clock = clock  # type: ignore[attr-defined]
     return model
+
+
+@dataclass(frozen=True)
+class WidthNote:
+    """A feature size of converted layers that the generated quantize kernels do not take:
+    ``features`` ("in_features" or "out_features") of ``size`` (after the RHT padding) is not a
+    multiple of the block length of each of ``operands`` along it."""
+
+    features: str
+    size: int
+    operands: tuple[str, ...]  # "fprop.activation (nvfp4 1x16)", ...
+    multiple: int  # the least common multiple of their block lengths
+
+    def message(self, layers: list[str]) -> str:
+        more = f" (and {len(layers) - 1} more layers)" if len(layers) > 1 else ""
+        return (
+            f"fp4gen.convert: {self.features} {self.size} of {layers[0]}{more} is not a "
+            f"multiple of the blocks of {' and '.join(self.operands)}: on CUDA the generated "
+            "quantize kernels do not take it, so those operands are quantized by the torch "
+            "reference (the same bits, several times slower); a multiple of "
+            f"{self.multiple} avoids it (docs/numerics.md, section 3)"
+        )
+
+
+def width_notes(layer: Linear) -> list[WidthNote]:
+    """The feature sizes of ``layer`` that leave a block-format operand of any operand table its
+    precision schedule can switch to without a quantize kernel (``WidthNote``). A GEMM's K is
+    padded to its operands' RHT sizes only (docs/numerics.md, section 3), so a K that is not a
+    multiple of a block length is quantized with an edge block, which the kernels do not
+    generate; the token count is padded to the blocks and never appears here."""
+    tables = [layer.schedule.base, *(action_table(r.action) for r in layer.schedule.rules)]
+    notes: dict[WidthNote, None] = {}
+    for table in tables:
+        gemms = (  # the GEMMs whose K is a feature size: fprop (in) and dgrad (out)
+            ("in_features", layer.in_features, Operand.FPROP_ACTIVATION, Operand.FPROP_WEIGHT),
+            ("out_features", layer.out_features, Operand.DGRAD_GRADIENT, Operand.DGRAD_WEIGHT),
+        )
+        for features, size, a, b in gemms:
+            padded = round_up(size, k_multiple(table[a], table[b], blocks=False))
+            short, lengths = [], []
+            for op in (a, b):
+                fmt = table[op].format
+                if isinstance(fmt, BlockFormat) and padded % fmt.block_len:
+                    short.append(f"{op.selector} ({fmt.name} {fmt.block[0]}x{fmt.block[1]})")
+                    lengths.append(fmt.block_len)
+            if short:
+                notes[WidthNote(features, padded, tuple(short), math.lcm(*lengths))] = None
+    return list(notes)
+
+
+def _warn_widths(layers: list[tuple[str, Linear]]) -> None:
+    """One warning per feature size the kernels do not take, naming the layers (``WidthNote``)."""
+    named: dict[WidthNote, list[str]] = {}
+    for name, layer in layers:
+        for note in width_notes(layer):
+            named.setdefault(note, []).append(name)
+    for note, names in named.items():
+        log.warning("%s", note.message(names))
 
 
 def _set_module(model: nn.Module, name: str, module: nn.Module) -> None:
