@@ -58,7 +58,8 @@ def build_model(arch: str, hidden: int, layers: int, heads: int, seq: int) -> to
     extra = {"head_dim": hidden // heads} if arch == "qwen3" else {}
     config = getattr(transformers, config_name)(
         hidden_size=hidden,
-        intermediate_size=64 * math.ceil(8 * hidden / 3 / 64),  # SwiGLU's 8/3, whole tiles
+        # SwiGLU's 8/3, rounded to a multiple of every shipped block (FP8 blockwise: 128)
+        intermediate_size=128 * math.ceil(8 * hidden / 3 / 128),
         num_hidden_layers=layers,
         num_attention_heads=heads,
         num_key_value_heads=heads,
