@@ -279,34 +279,21 @@ def auto_backend(a: QuantizedTensor, b: QuantizedTensor) -> GemmChoice:
     """What ``gemm(a, b, backend="auto")`` runs. On CUDA the choice is kept per formats, shape,
     GPU and semantics (``choose_backend`` is pure): the per-call path is one lookup."""
     dev = a.device
-    if dev.type != "cuda":
-        return choose_backend(
-            a.format,
-            b.format,
-            a.rows,
-            b.rows,
-            a.cols,
-            device=dev.type,
-            arch=None,
-            semantics=_fp8_semantics,
-        )
+    cuda = dev.type == "cuda"
     key = (a.format, b.format, a.rows, b.rows, a.cols, dev.index, _fp8_semantics)
-    choice = _choices.get(key)
+    choice = _choices.get(key) if cuda else None
     if choice is None:
         from fp4gen.compiler.jit import detect_arch
 
-        if len(_choices) >= _MAX_CHOICES:
-            _choices.clear()
-        choice = _choices[key] = choose_backend(
-            a.format,
-            b.format,
-            a.rows,
-            b.rows,
-            a.cols,
-            device="cuda",
-            arch=detect_arch(dev),
-            semantics=_fp8_semantics,
-        )
+        arch = detect_arch(dev) if cuda else None
+        choice = choose_backend(
+            a.format, b.format, a.rows, b.rows, a.cols,
+            device=dev.type, arch=arch, semantics=_fp8_semantics,
+        )  # fmt: skip
+        if cuda:
+            if len(_choices) >= _MAX_CHOICES:
+                _choices.clear()
+            _choices[key] = choice
     return choice
 
 

@@ -415,10 +415,8 @@ def world_job(rank: int, world: int, out: str, dtypes: tuple, fallbacks: bool) -
         torch.save(results, out)
 
 
-def fallback_runs(rank: int, world: int) -> dict[str, list[str]]:
-    """1D weight blocks (RECIPE_1D), and 16x16 tiles with 48 and 47 rows on 2 ranks (24 rows
-    per rank, and an uneven split FSDP2 pads): the high-precision all-gather, the same results
-    and bytes as without the option; the log lines of each."""
+def runtime_messages() -> list[str]:
+    """A list that every later fp4gen.runtime log line (INFO and up) of this rank is added to."""
     messages: list[str] = []
 
     class Keep(logging.Handler):
@@ -428,6 +426,14 @@ def fallback_runs(rank: int, world: int) -> dict[str, list[str]]:
     logger = logging.getLogger("fp4gen.runtime")
     logger.addHandler(Keep())
     logger.setLevel(logging.INFO)
+    return messages
+
+
+def fallback_runs(rank: int, world: int) -> dict[str, list[str]]:
+    """1D weight blocks (RECIPE_1D), and 16x16 tiles with 48 and 47 rows on 2 ranks (24 rows
+    per rank, and an uneven split FSDP2 pads): the high-precision all-gather, the same results
+    and bytes as without the option; the log lines of each."""
+    messages = runtime_messages()
     report = {}
     cases = (("1d", RECIPE_1D, WIDTH), ("rows", RECIPE, 48), ("uneven", RECIPE, 47))
     for name, recipe, rows in cases:
@@ -521,15 +527,7 @@ def test_quantized_all_gather_on_nccl_is_bit_identical(tmp_path: Path) -> None:
 
 def one_rank_job(rank: int, world: int, out: str) -> None:
     """FSDP2 on a single rank, with and without the quantized all-gather."""
-    messages: list[str] = []
-
-    class Keep(logging.Handler):
-        def emit(self, record: logging.LogRecord) -> None:
-            messages.append(record.getMessage())
-
-    logger = logging.getLogger("fp4gen.runtime")
-    logger.addHandler(Keep())
-    logger.setLevel(logging.INFO)
+    messages = runtime_messages()
     plain, _, _ = train(rank, world, build_model(3, False), torch.bfloat16)
     quant, _, seen = train(rank, world, build_model(3, True), torch.bfloat16)
     torch.save({"plain": plain, "quant": quant, "seen": seen, "messages": messages}, out)
