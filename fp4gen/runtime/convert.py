@@ -287,7 +287,7 @@ def width_notes(layer: Linear) -> list[WidthNote]:
     padded to its operands' RHT sizes only (docs/numerics.md, section 3), so a K that is not a
     multiple of a block length is quantized with an edge block, which the kernels do not
     generate; the token count is padded to the blocks and never appears here."""
-    tables = [layer.schedule.base, *(action_table(r.action) for r in layer.schedule.rules)]
+    tables = layer.schedule.tables()
     notes: dict[WidthNote, None] = {}
     for table in tables:
         gemms = (  # the GEMMs whose K is a feature size: fprop (in) and dgrad (out)

@@ -71,7 +71,6 @@ from fp4gen.runtime.global_amax import group_amax, quantize_with_amax
 from fp4gen.runtime.linear import Linear, _transposable
 from fp4gen.runtime.loader import LogOnce
 from fp4gen.runtime.operands import k_multiple
-from fp4gen.runtime.schedule import action_table
 
 log = logging.getLogger("fp4gen.runtime")
 _log_once = LogOnce(log, "FSDP2 all-gathers a weight in high precision: %s")
@@ -98,7 +97,7 @@ def plan_for(layer: Linear) -> GatherPlan:
     if type(layer) is not Linear:
         return GatherPlan(name, None, f"{name}: a {type(layer).__name__} (only Linear)")
     # the tables the schedule can switch to; any table in force takes each slot from one of them
-    tables = [layer.schedule.base, *(action_table(r.action) for r in layer.schedule.rules)]
+    tables = layer.schedule.tables()
     specs = {t.fprop_weight for t in tables} | {t.dgrad_weight for t in tables}
     if len(specs) != 1:
         why = "the fprop and dgrad weight specs differ (or the precision schedule changes them)"

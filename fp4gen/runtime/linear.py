@@ -107,7 +107,6 @@ from fp4gen.runtime.schedule import (
     ScheduledOperands,
     TrainingClock,
     action_mors,
-    action_table,
 )
 from fp4gen.settings import layer_graphs_enabled
 
@@ -214,7 +213,7 @@ class Linear(nn.Linear):
             self.amax_operands = frozenset()
             return
         chosen = resolve_operands(operands)
-        tables = [self.schedule.base, *(action_table(r.action) for r in self.schedule.rules)]
+        tables = self.schedule.tables()
         for table in tables:
             for op in sorted(chosen, key=SLOT.__getitem__):
                 check_reducible(op, getattr(table, op.name.lower()), self.name or "this layer")
@@ -258,7 +257,7 @@ class Linear(nn.Linear):
     def check_supported(self) -> None:
         """Raise FP4GenError for an operand (of the base table or any table the schedule switches
         to) that the runtime cannot run, e.g. a MoR rule the layer was not given."""
-        tables = [self.schedule.base, *(action_table(r.action) for r in self.schedule.rules)]
+        tables = self.schedule.tables()
         for table in tables:
             for op, spec in table.items():
                 check_supported(spec, f"{self.name or 'this layer'}: {op.selector}", self.mors)

@@ -80,6 +80,10 @@ class ScheduledOperands:
         if name in ("base", "rules") and "_tables" in self.__dict__:
             self._tables.clear()  # composed from what just changed
 
+    def tables(self) -> list[OperandTable]:
+        """The base table and each rule's table: every table a slot in force is taken from."""
+        return [self.base, *(action_table(rule.action) for rule in self.rules)]
+
     def active(self) -> OperandTable:
         if not self.rules:
             return self.base
