@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import cProfile
+import gc
 import io
 import pstats
 import sys
@@ -41,12 +42,46 @@ def host_us(fn: Callable[[], object], calls: int) -> float:
     return (time.perf_counter() - start) / calls * 1e6
 
 
+class _gc_timer:  # noqa: N801 (a callback holder)
+    """Counts Python's garbage collections by generation and the time they take."""
+
+    def __init__(self) -> None:
+        self.count = [0, 0, 0]
+        self.seconds = 0.0
+        self._start = 0.0
+        gc.callbacks.append(self)
+
+    def __call__(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self._start = time.perf_counter()
+        else:
+            self.count[info["generation"]] += 1
+            self.seconds += time.perf_counter() - self._start
+
+    def summary(self) -> str:
+        return f"{self.count} by generation, {self.seconds * 1e3:.1f} ms in all"
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--recipe", default="recipes/nvfp4_small.fp4r")
     parser.add_argument("--size", type=int, default=256, help="tokens = in = out features")
     parser.add_argument("--calls", type=int, default=300)
     parser.add_argument("--profile", type=int, default=0, metavar="N")
+    parser.add_argument(
+        "--torch-profile",
+        type=int,
+        default=0,
+        metavar="N",
+        help="also list the N ops (C++ included) with the most host time in the Linear loop",
+    )
+    parser.add_argument(
+        "--gc",
+        choices=["on", "freeze", "off"],
+        default="on",
+        help="Python's garbage collector while timing: as it is, gc.freeze() after setup (the "
+        "objects alive then are never scanned again), or disabled",
+    )
     args = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("this benchmark needs a CUDA GPU")
@@ -72,16 +107,16 @@ def main() -> int:
     def copy_op(t: torch.Tensor) -> torch.Tensor:
         return t.clone()
 
+    # the pieces of one quantize call (fp4gen.runtime.cute_backend.quantize_cute)
+    from fp4gen.runtime import cute_backend, finite
+
     def forward_direct() -> None:  # the layer's fprop without the custom op around it
-        with torch.no_grad():
+        with torch.no_grad(), finite.layer_scope():  # the op's scope (layer graphs need it)
             layer.forward_gemm(xd, layer.weight, layer.bias, torch.bfloat16)
 
     def backward_direct() -> None:
-        with torch.no_grad():
+        with torch.no_grad(), finite.layer_scope():
             layer.backward_gemms(dy, xd, layer.weight)
-
-    # the pieces of one quantize call (fp4gen.runtime.cute_backend.quantize_cute)
-    from fp4gen.runtime import cute_backend, finite
 
     qspec = cute_backend.spec_for(spec.format, spec.rounding, spec.rht, xd.dtype)
     kernels = cute_backend._kernels(qspec)
@@ -125,13 +160,21 @@ def main() -> int:
         ("fp4gen Linear forward", lambda: layer(xd)),
         ("fp4gen Linear fwd+bwd", fp4gen_step),
     ]
-    print(f"{args.recipe}, {n} x {n}, {torch.cuda.get_device_name()}")
+    print(f"{args.recipe}, {n} x {n}, {torch.cuda.get_device_name()}, gc {args.gc}")
+    for _name, fn in rows:  # warm up everything (kernel loads, captures) before gc settings
+        host_us(fn, 3)
+    gc_time = _gc_timer()
+    if args.gc == "freeze":
+        gc.freeze()
+    elif args.gc == "off":
+        gc.disable()
     base = None
     for name, fn in rows:
         us = host_us(fn, args.calls)
         base = us if name.startswith("nn.Linear") else base
         extra = f"  ({us / base:.1f}x nn.Linear)" if base and "Linear" in name else ""
         print(f"  {name:40} {us:9.1f} us{extra}")
+    print(f"  garbage collections while timing: {gc_time.summary()}")
     if args.profile:
         prof = cProfile.Profile()
         prof.enable()
@@ -143,6 +186,24 @@ def main() -> int:
         pstats.Stats(prof, stream=out).sort_stats("tottime").print_stats(args.profile)
         print("cProfile of 50 fp4gen Linear fwd+bwd, by self time:")
         print(out.getvalue())
+    if args.torch_profile:
+        from torch.profiler import ProfilerActivity, profile
+
+        with profile(activities=[ProfilerActivity.CPU]) as tprof:
+            for _ in range(50):
+                fp4gen_step()
+            torch.cuda.synchronize()
+        print("torch.profiler of 50 fp4gen Linear fwd+bwd, host time by op:")
+        table = tprof.key_averages().table(
+            sort_by="self_cpu_time_total", row_limit=args.torch_profile
+        )
+        print(table)
+    if layer._graphs is not None:
+        g = layer._graphs
+        print(
+            f"layer graphs: {g.replays} replays ({g.in_place_replays} in place), "
+            f"{len(g.graphs)} graphs, failed: {list(g.failed.values()) or 'none'}"
+        )
     return 0
 
 

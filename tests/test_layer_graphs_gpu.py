@@ -192,7 +192,7 @@ def test_graphs_capture_again_after_earlier_graphs_are_gone(monkeypatch) -> None
     for recipe in (RNE, SR, RNE):
         graphed, eager = _pair(recipe, ((256, 192), (192, 192)))
         batches = [(torch.randn(128, 256, device="cuda"), torch.randn(128, 192, device="cuda"))]
-        batches *= 4
+        batches *= 6  # graphs on static copies from the 2nd call, on x's own address from the 3rd
         _assert_same(
             _run(graphed, True, monkeypatch, batches), _run(eager, False, monkeypatch, batches)
         )
@@ -210,7 +210,7 @@ def test_graphs_follow_the_fp8_semantics_setting(monkeypatch) -> None:
     import fp4gen.gemm_dispatch as gd
 
     graphed, eager = _pair("fp8_blockwise.fp4r", ((384, 256),))
-    batches = [(torch.randn(128, 384, device="cuda"), torch.randn(128, 256, device="cuda"))] * 3
+    batches = [(torch.randn(128, 384, device="cuda"), torch.randn(128, 256, device="cuda"))] * 5
     _run(graphed, True, monkeypatch, batches)
     _run(eager, False, monkeypatch, batches)
     with gd.fp8_semantics("exact"):
@@ -221,8 +221,8 @@ def test_graphs_follow_the_fp8_semantics_setting(monkeypatch) -> None:
     assert not layer._graphs.failed and layer._graphs.replays >= 2
     semantics = {
         part[-1]
-        for key in layer._graphs.graphs
-        for part in key[0]
+        for graph in layer._graphs.graphs.values()
+        for part in graph.key
         if isinstance(part, tuple) and part and part[-1] in ("block_scaled", "exact")
     }
     assert semantics == {"block_scaled", "exact"}
@@ -254,3 +254,52 @@ def test_a_failed_capture_leaves_torch_usable() -> None:
         (got,) = working.run("k", lambda t: (t + 1,), (x,), ())
         assert torch.equal(got, x + 1)
     assert not working.failed and working.replays == 1  # the 3rd call; the 2nd captured
+
+
+def test_direct_gemm_calls_outside_a_layer_scope_run_eagerly(caplog) -> None:
+    """``forward_gemm`` called directly (not through the layer's op, so outside the scope that
+    propagates non-finite inputs) checks its input on the host: it runs eagerly, without a
+    capture that would fail on that read (it did, logging "no layer graph"), and gives the op's
+    bits; the same layer called as a module replays its graph."""
+    from fp4gen.runtime import finite
+
+    torch.manual_seed(0)
+    layer = fp4gen.nn.Linear(256, 256, recipe=load_recipe(RNE), device="cuda", name="direct")
+    x = torch.randn(256, 256, device="cuda", dtype=torch.bfloat16)
+    with torch.no_grad():
+        direct = [
+            layer.forward_gemm(x, layer.weight, layer.bias, torch.float32)[0] for _ in range(3)
+        ]
+        assert layer._graphs is None or (not layer._graphs.failed and not layer._graphs.graphs)
+        with finite.layer_scope():
+            scoped = [
+                layer.forward_gemm(x, layer.weight, layer.bias, torch.float32)[0] for _ in range(3)
+            ]
+    assert layer._graphs is not None and layer._graphs.replays == 1 and not layer._graphs.failed
+    assert all(torch.equal(d, direct[0]) for d in direct + scoped)
+    assert "no layer graph" not in caplog.text
+
+
+def test_graphs_read_activations_in_place_where_they_met_them_twice(monkeypatch) -> None:
+    """A training loop that hands a layer its activations at the same addresses every step
+    (what the caching allocator does) gets graphs that read them in place, with no copy in;
+    new values at those addresses give the eager bits."""
+    graphed, eager = _pair(RNE, shapes=((256, 192), (192, 128)))
+    x = torch.empty(256, 256, device="cuda", requires_grad=True)
+    dy = torch.empty(256, 128, device="cuda")
+    torch.manual_seed(1)
+    for _ in range(5):
+        with torch.no_grad():
+            x.copy_(torch.randn_like(x))
+            dy.copy_(torch.randn_like(dy))
+        got = []
+        for model, graphs in ((graphed, "1"), (eager, "0")):
+            monkeypatch.setenv("FP4GEN_LAYER_GRAPHS", graphs)
+            y = model(x)
+            y.backward(dy)
+            got.append((y.detach(), x.grad.clone(), [p.grad.clone() for p in model.parameters()]))
+            x.grad = None
+            model.zero_grad(set_to_none=True)
+        _assert_same([got[0]], [got[1]])
+    first = graphed[0]._graphs
+    assert first is not None and first.in_place_replays >= 3  # x's address from the 3rd step

@@ -10,8 +10,13 @@ first call with a key runs it eagerly (a warm-up: kernels are compiled and loade
 made, outside any capture). The second captures it into a CUDA graph and replays it; later calls
 replay it. The graph reads
 
-* the activations (the input x, the output gradient dy) from static buffers that each call
-  copies into: an activation's address changes from call to call;
+* the activations (the input x, the output gradient dy) in place once a key has met the same
+  activation addresses twice (``_AddressLog``): a training loop's caching allocator hands each
+  layer the same addresses step after step, so from the third step on its graphs read x and dy
+  where they are, with no copy (one graph per address set, up to ``MAX_GRAPHS`` per layer and
+  ``MAX_IN_PLACE_CAPTURES`` captures, after which addresses that keep changing stop being
+  captured); until then, and for addresses that do not repeat, from static buffers that each
+  call copies into;
 * the parameters (weight, bias) in place: their addresses are part of the key, so a graph only
   ever reads the tensor the call was given (an optimizer or FSDP2 all-gather that writes a
   parameter in place is seen; a parameter that moved is a new key);
@@ -71,16 +76,21 @@ _capture_streams: dict[int, torch.cuda.Stream] = {}
 # (device, stream, role, shape, dtype) -> [buffer, graphs using it]: freed with its last graph
 _statics: dict[tuple[Any, ...], list[Any]] = {}
 MAX_SEEN = 256  # per layer: keys remembered as warmed up (shapes that keep changing)
+# per layer: graphs captured on the activations' own addresses, at most (addresses that recur
+# in more sets than MAX_GRAPHS would otherwise be captured again and again, evicting each other)
+MAX_IN_PLACE_CAPTURES = 4 * MAX_GRAPHS
 _logged: set[str] = set()
 
 
 @dataclass
 class _Graph:
     graph: torch.cuda.CUDAGraph
-    inputs: tuple[torch.Tensor, ...]  # static activation buffers, copied into per call
+    inputs: tuple[torch.Tensor, ...] | None  # static activation buffers, copied into per
+    # call; None: the graph reads the activations in place (they are at its key's addresses)
     outputs: tuple[torch.Tensor | None, ...]  # static result buffers, copied out per call
     statics: tuple[tuple[Any, ...], ...]  # the keys of its static buffers (released with it)
     meta: Any = None  # what fn returned besides its tensors when captured (run_with_meta)
+    key: Hashable = None  # the caller's key (tests, benchmarks)
 
     def release(self) -> None:
         """Drop this graph's claim on its static buffers; a buffer no graph uses is freed."""
@@ -126,7 +136,10 @@ class LayerGraphs:
         # keys run once eagerly (warmed up) -> (shape, dtype) of each result, or None
         self.seen: dict[Hashable, tuple[tuple[torch.Size, torch.dtype] | None, ...]] = {}
         self.failed: dict[Hashable, str] = {}  # keys whose capture failed (why): always eager
+        self.addresses = _AddressLog()
+        self.in_place_captures = 0
         self.replays = 0  # calls served by a replay (tests, benchmarks)
+        self.in_place_replays = 0  # of those, replays that read the activations in place
 
     def run(
         self,
@@ -155,10 +168,12 @@ class LayerGraphs:
             return tuple(results), meta
         stream = torch.cuda.current_stream(activations[0].device)
         key = (key, stream.cuda_stream)
-        found = self.graphs.get(key)
-        if found is not None:
-            self.graphs.move_to_end(key)
+        where = (key, _addresses(activations))
+        found = self.graphs.get(where)
+        if found is not None:  # a graph on these very addresses: no copy in
+            self.graphs.move_to_end(where)
             self.replays += 1
+            self.in_place_replays += 1
             return _replay(found, activations), found.meta
         shapes = self.seen.get(key)
         if shapes is None or key in self.failed:
@@ -167,22 +182,53 @@ class LayerGraphs:
             if len(self.seen) >= MAX_SEEN:
                 self.seen.clear()
             self.seen[key] = tuple(None if r is None else (r.shape, r.dtype) for r in results)
+            self.addresses.met(where)
             return results, meta
+        if self.addresses.met(where) and self.in_place_captures < MAX_IN_PLACE_CAPTURES:
+            self.in_place_captures += 1
+            made = self._capture(where, fn, activations, params, shapes, stream, in_place=True)
+        else:
+            found = self.graphs.get(key)
+            if found is not None:
+                self.graphs.move_to_end(key)
+                self.replays += 1
+                return _replay(found, activations), found.meta
+            made = self._capture(key, fn, activations, params, shapes, stream, in_place=False)
+        if made is None:  # the capture failed (logged): this key runs eagerly from now on
+            results, meta = fn(*activations, *params)
+            return tuple(results), meta
+        return made
+
+    def _capture(
+        self,
+        key: Hashable,
+        fn: MetaFn,
+        activations: tuple[torch.Tensor, ...],
+        params: tuple[Any, ...],
+        shapes: tuple[tuple[torch.Size, torch.dtype] | None, ...],
+        stream: torch.cuda.Stream,
+        *,
+        in_place: bool,
+    ) -> tuple[Result, Any] | None:
+        """Capture a graph for ``key`` (with its addresses: ``in_place``) and replay it once
+        (the capture itself runs nothing): its results, or None when the capture failed (the
+        key then always runs eagerly)."""
         try:
-            found = _capture(fn, activations, params, shapes, stream)
+            found = _capture(fn, activations, params, shapes, stream, in_place=in_place)
         except Exception as err:  # e.g. an operation a capture cannot take: stay eager
             why = f"{type(err).__name__}: {err}"
-            self.failed[key] = why
+            base = key[0] if in_place else key
+            self.failed[base] = why
             message = f"{self.name or 'fp4gen.nn.Linear'}: no layer graph, runs eagerly ({why})"
             if message not in _logged:
                 _logged.add(message)
                 log.warning("%s", message)
-            results, meta = fn(*activations, *params)
-            return tuple(results), meta
+            return None
+        found.key = key[0][0] if in_place else key[0]
         if len(self.graphs) >= MAX_GRAPHS:
             self.graphs.popitem(last=False)[1].release()
         self.graphs[key] = found
-        return _replay(found, activations), found.meta  # the capture ran nothing: replay
+        return _replay(found, activations), found.meta
 
 
 def worth_graphing(tokens: int, in_features: int, out_features: int) -> bool:
@@ -191,9 +237,34 @@ def worth_graphing(tokens: int, in_features: int, out_features: int) -> bool:
     return 2 * tokens * in_features * out_features <= MAX_GEMM_FLOPS
 
 
+class _AddressLog:
+    """The activation addresses each key met lately (a few sets per key, the newest kept):
+    ``met`` says whether a set was met before, the cue to capture a graph that reads it in
+    place."""
+
+    def __init__(self) -> None:
+        self.recent: OrderedDict[Hashable, None] = OrderedDict()
+
+    def met(self, where: Hashable) -> bool:
+        if where in self.recent:
+            self.recent.move_to_end(where)
+            return True
+        self.recent[where] = None
+        if len(self.recent) > 2 * MAX_GRAPHS:
+            self.recent.popitem(last=False)
+        return False
+
+
+def _addresses(activations: tuple[torch.Tensor, ...]) -> tuple[tuple[Any, ...], ...]:
+    """Where a graph that reads ``activations`` in place finds them: address and strides (the
+    key names shapes and dtypes)."""
+    return tuple((t.data_ptr(), t.stride()) for t in activations)
+
+
 def _replay(found: _Graph, activations: tuple[torch.Tensor, ...]) -> Result:
-    for static, t in zip(found.inputs, activations, strict=True):
-        static.copy_(t)
+    if found.inputs is not None:
+        for static, t in zip(found.inputs, activations, strict=True):
+            static.copy_(t)
     found.graph.replay()
     return tuple(None if t is None else t.clone() for t in found.outputs)
 
@@ -204,17 +275,23 @@ def _capture(
     params: tuple[Any, ...],
     shapes: tuple[tuple[torch.Size, torch.dtype] | None, ...],
     stream: torch.cuda.Stream,
+    *,
+    in_place: bool,
 ) -> _Graph:
-    """Capture ``fn`` on static copies of ``activations`` into a new graph whose results land in
-    static buffers of ``shapes`` (those of the warm-up call's results)."""
+    """Capture ``fn`` on ``activations`` where they are (``in_place``) or on static copies of
+    them into a new graph whose results land in static buffers of ``shapes`` (those of the
+    warm-up call's results)."""
     device = activations[0].device
     index = device.index if device.index is not None else torch.cuda.current_device()
     sid = stream.cuda_stream
     # every static buffer is made before the capture: outside the pool, shared by shape
     claims: list[tuple[Any, ...]] = []
-    inputs = tuple(
-        _static(f"in{i}", t.shape, t.dtype, device, sid, claims) for i, t in enumerate(activations)
-    )
+    inputs = None
+    if not in_place:
+        inputs = tuple(
+            _static(f"in{i}", t.shape, t.dtype, device, sid, claims)
+            for i, t in enumerate(activations)
+        )
     outputs = tuple(
         None if s is None else _static(f"out{i}", s[0], s[1], device, sid, claims)
         for i, s in enumerate(shapes)
@@ -267,12 +344,15 @@ def _record(
     stream: torch.cuda.Stream,
     index: int,
 ) -> None:
-    """Capture ``fn`` on ``made``'s static inputs into ``made.graph``, its results copied into
-    ``made``'s static outputs."""
-    inputs, outputs, graph = made.inputs, made.outputs, made.graph
+    """Capture ``fn`` on ``made``'s static inputs (or on ``activations`` for a graph that reads
+    them in place) into ``made.graph``, its results copied into ``made``'s static outputs."""
+    outputs, graph = made.outputs, made.graph
     sid = stream.cuda_stream
-    for static, t in zip(inputs, activations, strict=True):
-        static.copy_(t)
+    inputs = activations
+    if made.inputs is not None:
+        inputs = made.inputs
+        for static, t in zip(inputs, activations, strict=True):
+            static.copy_(t)
     side = _capture_streams.get(index)
     if side is None:
         side = _capture_streams[index] = torch.cuda.Stream(index)
@@ -297,4 +377,4 @@ def _record(
     stream.wait_stream(side)
 
 
-__all__ = ["MAX_GEMM_FLOPS", "MAX_GRAPHS", "LayerGraphs", "worth_graphing"]
+__all__ = ["MAX_GEMM_FLOPS", "MAX_GRAPHS", "MAX_IN_PLACE_CAPTURES", "LayerGraphs", "worth_graphing"]

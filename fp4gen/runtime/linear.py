@@ -648,7 +648,9 @@ class Linear(nn.Linear):
             return None
         if self.amax_group is not None:
             return None  # a collective inside a captured graph: not proven safe, so eager
-        if self.backend not in ("auto", "cute") or finite.layer_mode() != "propagate":
+        if self.backend not in ("auto", "cute") or not finite.propagates():
+            # outside a propagating scope (a direct forward_gemm call, FP4GEN_CHECK_FINITE=raise)
+            # the quantize calls read their finite flags on the host, which a capture refuses
             return None
         if not worth_graphing(t.shape[0], self.in_features, self.out_features):
             return None  # the GPU work outlasts the launches: a graph's copies would cost more
