@@ -189,15 +189,13 @@ def main() -> int:
     if args.torch_profile:
         from torch.profiler import ProfilerActivity, profile
 
-        with profile(activities=[ProfilerActivity.CPU]) as tprof:
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as tprof:
             for _ in range(50):
                 fp4gen_step()
             torch.cuda.synchronize()
-        print("torch.profiler of 50 fp4gen Linear fwd+bwd, host time by op:")
-        table = tprof.key_averages().table(
-            sort_by="self_cpu_time_total", row_limit=args.torch_profile
-        )
-        print(table)
+        for what, key in (("host", "self_cpu_time_total"), ("GPU", "self_device_time_total")):
+            print(f"torch.profiler of 50 fp4gen Linear fwd+bwd, {what} time by op:")
+            print(tprof.key_averages().table(sort_by=key, row_limit=args.torch_profile))
     if layer._graphs is not None:
         g = layer._graphs
         print(
