@@ -166,8 +166,8 @@ class LayerGraphs:
         if torch.cuda.is_current_stream_capturing():
             results, meta = fn(*activations, *params)
             return tuple(results), meta
-        stream = torch.cuda.current_stream(activations[0].device)
-        key = (key, stream.cuda_stream)
+        device = activations[0].device
+        key = (key, _current_stream_id(device))
         where = (key, _addresses(activations))
         found = self.graphs.get(where)
         if found is not None:  # a graph on these very addresses: no copy in
@@ -186,14 +186,14 @@ class LayerGraphs:
             return results, meta
         if self.addresses.met(where) and self.in_place_captures < MAX_IN_PLACE_CAPTURES:
             self.in_place_captures += 1
-            made = self._capture(where, fn, activations, params, shapes, stream, in_place=True)
+            made = self._capture(where, fn, activations, params, shapes, device, in_place=True)
         else:
             found = self.graphs.get(key)
             if found is not None:
                 self.graphs.move_to_end(key)
                 self.replays += 1
                 return _replay(found, activations), found.meta
-            made = self._capture(key, fn, activations, params, shapes, stream, in_place=False)
+            made = self._capture(key, fn, activations, params, shapes, device, in_place=False)
         if made is None:  # the capture failed (logged): this key runs eagerly from now on
             results, meta = fn(*activations, *params)
             return tuple(results), meta
@@ -206,13 +206,14 @@ class LayerGraphs:
         activations: tuple[torch.Tensor, ...],
         params: tuple[Any, ...],
         shapes: tuple[tuple[torch.Size, torch.dtype] | None, ...],
-        stream: torch.cuda.Stream,
+        device: torch.device,
         *,
         in_place: bool,
     ) -> tuple[Result, Any] | None:
         """Capture a graph for ``key`` (with its addresses: ``in_place``) and replay it once
         (the capture itself runs nothing): its results, or None when the capture failed (the
         key then always runs eagerly)."""
+        stream = torch.cuda.current_stream(device)
         try:
             found = _capture(fn, activations, params, shapes, stream, in_place=in_place)
         except Exception as err:  # e.g. an operation a capture cannot take: stay eager
@@ -235,6 +236,13 @@ def worth_graphing(tokens: int, in_features: int, out_features: int) -> bool:
     """Whether a pass of a [tokens, in] x [in, out] layer is small enough to gain from a graph
     (``MAX_GEMM_FLOPS``)."""
     return 2 * tokens * in_features * out_features <= MAX_GEMM_FLOPS
+
+
+def _current_stream_id(device: torch.device) -> int:
+    """The current stream's handle on ``device``, as ``Stream.cuda_stream`` gives it, without
+    making a Stream object (this runs twice per layer and step)."""
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return torch._C._cuda_getCurrentRawStream(index)
 
 
 class _AddressLog:

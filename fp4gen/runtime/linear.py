@@ -341,10 +341,12 @@ class Linear(nn.Linear):
                 return (y, *tensors), layout
 
             (y, *pieces), layout = graphs.run_with_meta(key, work, (x2,), (weight, bias))
-            xq_t = None if layout is None else QuantizedTensor.join(tuple(pieces), layout)
+            self._forward_calls += 1
+            assert y is not None
+            return y, None if layout is None else ops.WgradInput(tuple(pieces), layout, x2.dtype)
         self._forward_calls += 1
         assert y is not None
-        return y, None if xq_t is None else ops.WgradInput(xq_t, x2.dtype)
+        return y, None if xq_t is None else ops.WgradInput.of(xq_t, x2.dtype)
 
     def _copy_key(self, table: OperandTable) -> tuple[Any, ...]:
         """What x's wgrad copy depends on besides x: its spec, the wgrad K multiple its tokens
@@ -442,7 +444,7 @@ class Linear(nn.Linear):
             )
         else:
             kept = x2
-            tensors, layout = kept.quantized.split()
+            tensors, layout = kept.tensors, kept.layout
             present = tuple(t is not None for t in tensors)
             # a round-to-nearest copy's offset names the call only: not part of the key
             described = replace(layout, offset=None)
@@ -455,7 +457,7 @@ class Linear(nn.Linear):
             def work(dy: torch.Tensor, *rest: torch.Tensor) -> tuple[Any, Any]:
                 given = iter(rest[:-1])
                 pieces = tuple(next(given) if p else None for p in present)
-                x = ops.WgradInput(QuantizedTensor.join(pieces, layout), kept.dtype)
+                x = ops.WgradInput(pieces, layout, kept.dtype)
                 return self._grads(dy, x, rest[-1], table, call)
 
             given = tuple(t for t in tensors if t is not None)

@@ -27,11 +27,13 @@ import contextlib
 import itertools
 import weakref
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Any
 
 import torch
 
 from fp4gen.numerics import QuantizedTensor
+from fp4gen.numerics.quantize import QuantizedLayout
 from fp4gen.runtime import finite
 
 _layers: "weakref.WeakValueDictionary[int, Any]" = weakref.WeakValueDictionary()
@@ -41,10 +43,25 @@ _ids = itertools.count()
 @dataclass(frozen=True)
 class WgradInput:
     """What the backward needs of x when its wgrad copy was quantized in the forward:
-    Q(x^T; wgrad.activation) (tokens zero-padded as the wgrad GEMM needs) and x's dtype (dx's)."""
+    Q(x^T; wgrad.activation) (tokens zero-padded as the wgrad GEMM needs) and x's dtype (dx's).
 
-    quantized: QuantizedTensor
+    Held as ``QuantizedTensor.split`` gives it (its tensors and layout): what
+    ``save_for_backward`` and a layer graph take, so a graphed layer passes the pieces from
+    its forward graph to its backward graph without putting them together in between."""
+
+    tensors: tuple[torch.Tensor | None, ...]
+    layout: QuantizedLayout
     dtype: torch.dtype
+
+    @classmethod
+    def of(cls, quantized: QuantizedTensor, dtype: torch.dtype) -> "WgradInput":
+        tensors, layout = quantized.split()
+        return cls(tensors, layout, dtype)
+
+    @cached_property
+    def quantized(self) -> QuantizedTensor:
+        """The copy as a QuantizedTensor (put together on first use)."""
+        return QuantizedTensor.join(self.tensors, self.layout)
 
 
 def register(layer: Any) -> int:
@@ -145,9 +162,8 @@ class _EagerLinear(torch.autograd.Function):
             ctx.save_for_backward(x2, weight)
             ctx.kept = None
         else:
-            tensors, layout = kept.quantized.split()
-            ctx.save_for_backward(weight, *tensors)
-            ctx.kept = (layout, kept.dtype)
+            ctx.save_for_backward(weight, *kept.tensors)
+            ctx.kept = (kept.layout, kept.dtype)
         ctx.layer_id = layer_id
         ctx.bias_dtype = None if bias is None else bias.dtype
         return y
@@ -159,7 +175,7 @@ class _EagerLinear(torch.autograd.Function):
         else:
             weight, *tensors = ctx.saved_tensors
             layout, dtype = ctx.kept
-            x = WgradInput(QuantizedTensor.join(tuple(tensors), layout), dtype)
+            x = WgradInput(tuple(tensors), layout, dtype)
         with _profiled("fp4gen::linear_backward"), finite.layer_scope():
             dx, dw = _layer(ctx.layer_id).backward_gemms(dy.contiguous(), x, weight)
         return dx, dw, _bias_grad(dy, ctx.bias_dtype), None, None, None
