@@ -47,6 +47,7 @@ NVFP4 = (E2M1, (1, 16), ScaleSpec(E4M3, "nearest"), True)
 NVFP4_2D = (E2M1, (16, 16), ScaleSpec(E4M3, "nearest"), True)
 MXFP4 = (E2M1, (1, 32), ScaleSpec(UE8M0, "up"), False)
 MXFP8 = (E4M3, (1, 32), ScaleSpec(UE8M0, "up"), False)
+FP8_BLOCK = (E4M3, (1, 128), ScaleSpec(None), False)
 SR, SR8, TE16 = "stochastic", "stochastic8", RHTSpec(16)
 ROW, COL = "rowwise", "columnwise"
 # label -> (format, outputs as (direction, rounding, rht))
@@ -64,6 +65,7 @@ CONFIGS = {
         ((ROW, "nearest", None), (COL, "nearest", TE16)),
     ),
     "nvfp4 weight 2d 16x16 row + col": (NVFP4_2D, ((ROW, "nearest", None), (COL, "nearest", None))),
+    "fp8 1x128 row + col": (FP8_BLOCK, ((ROW, "nearest", None), (COL, "nearest", None))),
 }
 OFFSETS = (2, 3)  # one Philox offset per copy
 
@@ -130,7 +132,8 @@ def reference_fn(label: str):
             ]
         for d, q in copies:
             p = "" if d == ROW else "col_"
-            out += [(p + "data", q.data), (p + "scales", q.scale_codes)]
+            scales = q.scales if q.scale_codes is None else q.scale_codes  # fp32 scales: values
+            out += [(p + "data", q.data), (p + "scales", scales)]
             out.append((p + "global_scale", q.global_scale))
         return out
 

@@ -410,6 +410,7 @@ TILE_CASES = {
     "nvfp4_dy_no_rht_sr8": (*NVFP4, (1, 16), (out(ROW, SR8), out(COL, SR8))),
     "e3m2_b8_sr8": (E3M2, NVFP4_SCALE, True, (1, 8), (out(ROW, SR8), out(COL, SR8))),
     "fp8_1x128": (E4M3, ScaleSpec(None), False, (1, 128), (out(ROW), out(COL))),
+    "fp8_1x128_col_only": (E4M3, ScaleSpec(None), False, (1, 128), (out(COL),)),
     "fp8_128x128": (E4M3, ScaleSpec(None), False, (128, 128), (out(ROW), out(COL))),
     # beyond them: swizzled scales, SR with 2D tiles, other scale formats and roundings
     "nvfp4_swizzled": (

@@ -594,6 +594,11 @@ def choose_tile_mapping(
                 "(cross-thread butterflies are not generated yet)"
             )
         rows = base if base <= MAX_STRIP else MAX_STRIP
+        if base > MAX_STRIP and d == 1:
+            # a column block spans several strips anyway (FP8's 1x128): strips short enough
+            # that a thread's rows are whole 16-byte loads (for bf16, 16 rows x 8 columns instead
+            # of 32 x 4: half the load instructions and of the row-amax shuffles per value)
+            rows = max(MAX_TILE_VALUES_1D * in_bytes // 16, 16)
         rows = max(rows, 16)
     values = MAX_TILE_VALUES if two_d else MAX_TILE_VALUES_1D
     vec = max(4, min(16 // in_bytes, values // rows))

@@ -12,7 +12,7 @@ What it computes (docs/numerics.md sections 1-5, bit for bit; oracle: fp4gen.num
     blocks    1x128 along the quantized direction of each copy
     scales    fp32
     global    none (S_dec = 1)
-    input     bf16 [M, K], compact row-major, K % 4 == 0, M % 8 == 0
+    input     bf16 [M, K], compact row-major, K % 8 == 0, M % 8 == 0
     columnwise  codes [K, M] (the transpose), scales [K, ceil(M/128)],
                 blocks along M, round nearest
 
@@ -24,12 +24,13 @@ Inf; the codes and scales are then meaningless. launches() fills S_dec with 1.0;
 values hold a NaN or an Inf (the NaN-propagating max of its block amaxes, per copy: one FMNMX
 per block) stores NaN over that copy's S_dec. Finite inputs: every bit as without this rule.
 
-Thread mapping: a thread holds a strip of ROWS = 32 rows x VEC = 4 columns of x (one 8-byte load
-per row). A warp is LANES_K = 8 lanes along K (fastest) x LANES_M = 4 along M, a CTA 2 x 2
-warps, so a CTA covers a TILE_M = 256 x TILE_K = 64 tile; CTA t takes tile (t // tiles_k, t %
-tiles_k). A column block spans 4 strip(s); each of the thread's VEC columns is quantized from
-registers. Rows past M are loaded as row M - 1 (a duplicate of a row of the same block, so no
-amax changes) and never stored; columns past K are clamped likewise.
+Thread mapping: a thread holds a strip of ROWS = 16 rows x VEC = 8 columns of x (one 16-byte
+load per row). A warp is LANES_K = 8 lanes along K (fastest) x LANES_M = 4 along M, a CTA 2 x 2
+warps, so a CTA covers a TILE_M = 128 x TILE_K = 128 tile; CTA t takes tile (t // tiles_k, t %
+tiles_k). A column block spans 8 strip(s) in 2 warps (partial amaxes meet in shared memory);
+each of the thread's VEC columns is quantized from registers. Rows past M are loaded as row M -
+1 (a duplicate of a row of the same block, so no amax changes) and never stored; columns past K
+are clamped likewise.
 
 Module contract: KERNELS, compile_kernel(name, arch, *, dump_dir=None), launches(x, ...),
 run(fns, x, *, seed=0, offset=0) (see fp4gen.codegen.quantize); the offset may be a DeviceOffset
@@ -108,24 +109,24 @@ FLT_MAX = 3.4028234663852886e38
 RNE_MAGIC = 8388608.0  # 2^23: adding it rounds a value in [0, 2^22) to an integer
 
 # Thread mapping
-ROWS = 32  # rows of a thread's strip
-VEC = 4  # columns of a thread's strip (one vector load per row)
+ROWS = 16  # rows of a thread's strip
+VEC = 8  # columns of a thread's strip (one vector load per row)
 LANES_K = 8
 LANES_M = 4
 WARPS_K = 2
 WARPS_M = 2
 THREADS = 128
-TILE_K = 64  # VEC * LANES_K * WARPS_K
-TILE_M = 256  # ROWS * LANES_M * WARPS_M
+TILE_K = 128  # VEC * LANES_K * WARPS_K
+TILE_M = 128  # ROWS * LANES_M * WARPS_M
 ROW_LANES = 1  # lanes along K sharing a row block
 ROW_BLOCKS = 1  # whole row blocks in a thread's row segment
 COL_LANES = 4  # lanes along M sharing a column block
-COL_WARPS = 1  # warps along M sharing one (partial amaxes in shared memory)
+COL_WARPS = 2  # warps along M sharing one (partial amaxes in shared memory)
 COL_BLOCKS = 1  # whole column blocks in a thread's strip
-K_MULTIPLE = 4  # K must be a multiple of this
+K_MULTIPLE = 8  # K must be a multiple of this
 M_MULTIPLE = 8  # M must be a multiple of this
 COL_STORE_BYTES = 4  # store word of a column strip's packed codes
-COL_STORE_N = 8  # store words per column strip (32 bytes)
+COL_STORE_N = 4  # store words per column strip (16 bytes)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -530,6 +531,7 @@ class QuantizeKernel:
 
         s_enc_col = s_dec_col = None  # no global scale: S_enc = S_dec = 1
         k_enc_col = Float32(INV_ELEM_MAX)  # fp32(1 * fp32(1 / ELEM_MAX))
+        smem = cutlass.memory.SmemAllocator()
         # ---- the strip as 32-bit words, WORDS per row, rotated through rolled loops: an
         # iteration of the row loop takes the first ROWS_PER_STEP rows and then rotates the rows,
         # one of the column loop the first word of every row (CPAIR columns) and then rotates each
@@ -542,6 +544,19 @@ class QuantizeKernel:
 
         # ---- columnwise copy: CPAIR columns per iteration, blocks along M
         bl = ROWS // COL_BLOCKS  # rows of one column block held by this thread
+        # a column block spans COL_WARPS warps along M: partial amaxes meet in shared memory
+        part = smem.allocate_tensor(Float32, cute.make_layout(WARPS_M * TILE_K), byte_alignment=16)
+        tcol = col0 % TILE_K
+        for t in cutlass.range(WORDS, unroll=1):
+            pxs = first_columns(strip)
+            for q in range_constexpr(CPAIR):
+                amax_p = absmax(pxs[q])
+                seen_col = fmax_nan(seen_col, amax_p)  # this thread's part of the block
+                amax_p = butterfly_max(amax_p, COL_OFFSETS)
+                part[wm * TILE_K + tcol + t * CPAIR + q] = amax_p
+            strip = rotate_words(strip)
+        cute.arch.barrier()
+        g0 = (wm // COL_WARPS) * COL_WARPS
         for t in cutlass.range(WORDS, unroll=COL_UNROLL):
             pxs = first_columns(strip)
             for q in range_constexpr(CPAIR):
@@ -550,9 +565,9 @@ class QuantizeKernel:
                 xc = pxs[q]
                 ys = []
                 for g in range_constexpr(COL_BLOCKS):
-                    amax_b = absmax(xc[g * bl : (g + 1) * bl])
-                    seen_col = fmax_nan(seen_col, amax_b)  # this thread's part of the block
-                    amax_b = butterfly_max(amax_b, COL_OFFSETS)
+                    amax_b = part[g0 * TILE_K + tcol + j]
+                    for p in range_constexpr(1, COL_WARPS):
+                        amax_b = cute.arch.fmax(amax_b, part[(g0 + p) * TILE_K + tcol + j])
                     code, e_b = block_scale(amax_b, k_enc_col, s_enc_col, s_dec_col)
                     ys += scaled(xc[g * bl : (g + 1) * bl], e_b)
                     b = (row0 + g * bl) // BLOCK
