@@ -274,13 +274,19 @@ def block_scaled_lines(sets, nset: int, iters: int, line, ref: dict[str, float])
             use_fast_accum=False,
         )
 
-    line("block-scaled scaled_mm alone", bench(alone, iters), ref)
-
     def end_to_end(i: int = 0):
         a, b = sets[i % nset]
         return fp4gen.gemm(a, b, out_dtype=torch.bfloat16, backend="block_scaled")
 
-    line("fp4gen.gemm block_scaled", bench(end_to_end, iters), ref)
+    # timed in turns, best of each: at 8192^3 the FP8 tensor cores draw enough power for the
+    # clock to fall from one timing to the next, which one after the other would charge to
+    # whichever ran second
+    times: dict[str, float] = {"alone": math.inf, "end to end": math.inf}
+    for _ in range(3):
+        times["alone"] = min(times["alone"], bench(alone, iters))
+        times["end to end"] = min(times["end to end"], bench(end_to_end, iters))
+    line("block-scaled scaled_mm alone", times["alone"], ref)
+    line("fp4gen.gemm block_scaled", times["end to end"], ref)
 
 
 def dequant_kernel_lines(
