@@ -4,10 +4,14 @@ Small shapes (the GPU finishes each kernel before the host queues the next), so 
 per call is the host's: a torch allocation, an elementwise op, nn.Linear forward + backward in
 BF16, and fp4gen's quantize, GEMM and Linear forward + backward. ``--profile N`` adds a cProfile
 of the Linear forward + backward loop sorted by self time (where the host time is spent, not
-what it is spent under).
+what it is spent under); ``--torch-profile N`` the N ops with the most host and GPU time
+(torch.profiler, C++ included); ``--pieces`` the wall time of the runtime's per-call pieces
+(autograd wrappers, forward_gemm / backward_gemms, the layer-graph replay), each wrapped in a
+timer; ``--gc`` runs the timings with Python's garbage collector frozen or off.
 
     python benchmarks/host_path.py [--recipe recipes/nvfp4_small.fp4r] [--size 256]
-                                   [--calls 300] [--profile 40]
+                                   [--calls 300] [--profile 40] [--torch-profile 30]
+                                   [--pieces] [--gc on|freeze|off]
 """
 
 from __future__ import annotations
@@ -42,6 +46,51 @@ def host_us(fn: Callable[[], object], calls: int) -> float:
     return (time.perf_counter() - start) / calls * 1e6
 
 
+def piece_times(step: Callable[[], object], calls: int) -> list[tuple[str, float]]:
+    """Wall microseconds per ``step`` spent in each of the runtime's per-call pieces, each
+    wrapped in a timer for the duration (nested pieces are counted in their callers too)."""
+    from fp4gen.runtime import layer_graphs, linear, ops
+
+    pieces = [
+        (linear.Linear, "forward", "Linear.forward (autograd wrapper)"),
+        (ops._EagerLinear, "backward", "_EagerLinear.backward"),
+        (linear.Linear, "forward_gemm", "Linear.forward_gemm"),
+        (linear.Linear, "backward_gemms", "Linear.backward_gemms"),
+        (layer_graphs.LayerGraphs, "run_with_meta", "LayerGraphs.run_with_meta"),
+        (layer_graphs, "_replay", "layer_graphs._replay"),
+        (torch.cuda.CUDAGraph, "replay", "CUDAGraph.replay"),
+    ]
+    spent = {label: 0 for _, _, label in pieces}
+    saved = []
+    for owner, name, label in pieces:
+        original = owner.__dict__[name]
+        saved.append((owner, name, original))
+        fn = original.__func__ if isinstance(original, staticmethod) else original
+
+        def timed(*args, _fn=fn, _label=label, **kwargs):
+            start = time.perf_counter_ns()
+            try:
+                return _fn(*args, **kwargs)
+            finally:
+                spent[_label] += time.perf_counter_ns() - start
+
+        setattr(owner, name, staticmethod(timed) if isinstance(original, staticmethod) else timed)
+    try:
+        for _ in range(5):
+            step()
+        torch.cuda.synchronize()
+        spent.update((label, 0) for label in spent)  # the warm-up calls do not count
+        start = time.perf_counter_ns()
+        for _ in range(calls):
+            step()
+        torch.cuda.synchronize()
+        total = time.perf_counter_ns() - start
+    finally:
+        for owner, name, original in saved:
+            setattr(owner, name, original)
+    return [(label, ns / 1e3 / calls) for label, ns in (("whole fwd+bwd", total), *spent.items())]
+
+
 class _gc_timer:  # noqa: N801 (a callback holder)
     """Counts Python's garbage collections by generation and the time they take."""
 
@@ -68,6 +117,11 @@ def main() -> int:
     parser.add_argument("--size", type=int, default=256, help="tokens = in = out features")
     parser.add_argument("--calls", type=int, default=300)
     parser.add_argument("--profile", type=int, default=0, metavar="N")
+    parser.add_argument(
+        "--pieces",
+        action="store_true",
+        help="also time the pieces of the Linear fwd+bwd (each wrapped in a wall-clock timer)",
+    )
     parser.add_argument(
         "--torch-profile",
         type=int,
@@ -186,6 +240,11 @@ def main() -> int:
         pstats.Stats(prof, stream=out).sort_stats("tottime").print_stats(args.profile)
         print("cProfile of 50 fp4gen Linear fwd+bwd, by self time:")
         print(out.getvalue())
+    if args.pieces:
+        print("wall time of the pieces of one fp4gen Linear fwd+bwd (nested: a piece includes")
+        print("the pieces it calls):")
+        for name, us in piece_times(fp4gen_step, args.calls):
+            print(f"  {name:36} {us:8.1f} us")
     if args.torch_profile:
         from torch.profiler import ProfilerActivity, profile
 
