@@ -105,7 +105,8 @@ def test_render_is_valid_deterministic_python(name: str) -> None:
     assert render_dequant(spec) == src
     assert f'SPEC_NAME = "{name}"' in src and 'KERNELS: tuple[str, ...] = ("dequant",)' in src
     assert f"PACKED = {spec.codes == 'packed'}" in src
-    assert ("SCALE_OFFSET" in src) == spec.scale.exponent_only
+    assert ("scale_exponent=True" in src) == spec.scale.exponent_only
+    assert "from fp4gen.kernels import dequant" in src  # the kernel is the shared class
 
 
 @pytest.mark.skipif(shutil.which("ruff") is None, reason="ruff is not installed")
@@ -152,12 +153,13 @@ def _f32(bits: torch.Tensor) -> torch.Tensor:
 
 
 def _consts(src: str) -> dict[str, float]:
-    """The module's numeric constants (literals and powers of two such as ``2.0**126``)."""
+    """The numeric fields of the module's ``PARAMS`` (literals and powers of two such as
+    ``2.0**126``), by their names in upper case (``elem_shift``: ``ELEM_SHIFT``)."""
     out: dict[str, float] = {}
-    for name, value in re.findall(r"^([A-Z_]+) = (\d[0-9.xXA-Fa-f*+-]*)", src, re.M):
+    for name, value in re.findall(r"^    ([a-z_]+)=(\d[0-9.xXA-Fa-f*+-]*),", src, re.M):
         base, _, exp = value.partition("**")
         number = float(int(base, 16)) if base.lower().startswith("0x") else float(base)
-        out[name] = number ** int(exp) if exp else number
+        out[name.upper()] = number ** int(exp) if exp else number
     return out
 
 
@@ -223,7 +225,7 @@ def test_cross_compile(name: str, arch: str, modules, tmp_path: Path) -> None:
     fn = mod.compile_kernel("dequant", arch, dump_dir=str(tmp_path))
     ptx = "\n".join(ln for ln in fn.__ptx__.splitlines() if not ln.lstrip().startswith("//"))
     assert f".target {arch}" in ptx
-    units = mod.UNITS_PER_THREAD
+    units = mod.PARAMS.units_per_thread
     # one load of codes per unit (8 bytes, or 4 packed), one 16-byte store of bf16
     load = r"ld\.global\.(b|u)32\s" if spec.codes == "packed" else r"ld\.global\.v2\.(b|u)32\s"
     assert len(re.findall(load, ptx)) == units
@@ -231,7 +233,7 @@ def test_cross_compile(name: str, arch: str, modules, tmp_path: Path) -> None:
     assert ptx.count("cvt.rn.bf16x2.f32") == UNIT // 2 * units
     assert not re.search(r"\.local\b", ptx), "local memory (spills or indexed arrays)"
     assert not re.search(r"\.approx|\.ftz", ptx), "approximate or flush-to-zero math"
-    assert f".maxntid {THREADS}" in ptx or "reqntid" in ptx or THREADS == mod.THREADS
+    assert f".maxntid {THREADS}" in ptx or "reqntid" in ptx or mod.PARAMS.threads == THREADS
     ptxas = shutil.which("ptxas")
     files = list(tmp_path.glob(f"*.{arch}.ptx"))
     if ptxas and files:

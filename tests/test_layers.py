@@ -44,6 +44,7 @@ LAYER_OF: dict[str, str] = {
     "fp4gen.dsl": "dsl",
     "fp4gen.numerics": "numerics",
     "fp4gen.codegen": "kernels",
+    "fp4gen.kernels": "kernels",  # the CuTe DSL kernel classes generated modules bind
     "fp4gen.compiler": "compiler",
     "fp4gen.compiler.commands": "app",  # the ``fp4gen compile`` / ``cache`` commands
     "fp4gen.runtime": "backends",

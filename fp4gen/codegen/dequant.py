@@ -25,7 +25,9 @@ format (eXmY or exponent-only ueXm0), by bit placement and exact fp32 multiplies
 Codes a quantizer never writes (NaN of e4m3, Inf/NaN of e5m2, the NaN code of ueXm0) decode
 as the finite value of their bit pattern.
 
-The generated module's contract (used through ``fp4gen.runtime.kernels_for``):
+The kernel itself is ``fp4gen.kernels.dequant.DequantKernel``, one CuTe DSL class for every
+format; the generated module binds this spec's ``DequantParams`` (derived here) and adds the
+host code. Its contract (used through ``fp4gen.runtime.kernels_for``):
 
 * ``KERNELS = ("dequant",)``, ``ARCHS = ("sm_90a", "sm_100a")``;
 * ``compile_kernel(name, arch, *, dump_dir=None)``: the TVM-FFI compiled function (no GPU);

@@ -133,14 +133,17 @@ def cutlass_dsl_libs() -> str:
     return ", ".join(sorted(names)) or "absent"
 
 
-_TEMPLATE_DIRS = ("templates", "codegen")
+# what generated modules are made of (templates, their renderers) and import (the kernel
+# classes): a change to any of these files is a new template version, so no cached kernel of
+# the old code is loaded
+_TEMPLATE_DIRS = ("templates", "codegen", "kernels")
 
 
 @lru_cache(maxsize=1)
 def template_version() -> str:
     """The quantize template's version: its declared TEMPLATE_VERSION (if any) and a hash of
-    every file of fp4gen/templates and fp4gen/codegen (what generated modules are made of and
-    may import)."""
+    every file of fp4gen/templates, fp4gen/codegen and fp4gen/kernels (what generated modules
+    are made of and import)."""
     import fp4gen
 
     pkg = Path(fp4gen.__file__).resolve().parent
