@@ -246,9 +246,9 @@ def _current_stream_id(device: torch.device) -> int:
 
 
 class _AddressLog:
-    """The activation addresses each key met lately (a few sets per key, the newest kept):
-    ``met`` says whether a set was met before, the cue to capture a graph that reads it in
-    place."""
+    """The (key, activation addresses) pairs a layer met lately, the newest ``2 * MAX_GRAPHS``
+    kept: ``met`` says whether a pair was met before, the cue to capture a graph that reads the
+    activations in place."""
 
     def __init__(self) -> None:
         self.recent: OrderedDict[Hashable, None] = OrderedDict()

@@ -327,6 +327,7 @@ class Linear(nn.Linear):
                 xq_t = shared
             elif sharing:
                 _last_copy.remember(x2, share_key, xq_t)
+            kept = None if xq_t is None else ops.WgradInput.of(xq_t, x2.dtype)
         else:
             key = (
                 "fprop", x2.shape, x2.dtype, _param_key(weight), _param_key(bias), out_dtype,
@@ -341,12 +342,11 @@ class Linear(nn.Linear):
                 return (y, *tensors), layout
 
             (y, *pieces), layout = graphs.run_with_meta(key, work, (x2,), (weight, bias))
-            self._forward_calls += 1
-            assert y is not None
-            return y, None if layout is None else ops.WgradInput(tuple(pieces), layout, x2.dtype)
+            # the pieces go to the backward graph as they are: no QuantizedTensor in between
+            kept = None if layout is None else ops.WgradInput(tuple(pieces), layout, x2.dtype)
         self._forward_calls += 1
         assert y is not None
-        return y, None if xq_t is None else ops.WgradInput.of(xq_t, x2.dtype)
+        return y, kept
 
     def _copy_key(self, table: OperandTable) -> tuple[Any, ...]:
         """What x's wgrad copy depends on besides x: its spec, the wgrad K multiple its tokens

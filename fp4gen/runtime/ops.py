@@ -40,7 +40,7 @@ _layers: "weakref.WeakValueDictionary[int, Any]" = weakref.WeakValueDictionary()
 _ids = itertools.count()
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)  # compared by identity: it holds tensors
 class WgradInput:
     """What the backward needs of x when its wgrad copy was quantized in the forward:
     Q(x^T; wgrad.activation) (tokens zero-padded as the wgrad GEMM needs) and x's dtype (dx's).
