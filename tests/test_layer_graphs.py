@@ -51,3 +51,25 @@ def test_only_passes_small_enough_to_gain_are_graphed() -> None:
     assert not layer_graphs.worth_graphing(8192, 2048, 2048)  # hidden 2048: eager is faster
     assert not layer_graphs.worth_graphing(8192, 4096, 4096)
     assert not layer_graphs.worth_graphing(8192, 8192, 8192)
+
+
+def test_the_address_log_says_met_on_the_second_sighting_and_stays_bounded() -> None:
+    """A (key, addresses) pair is 'met' from its second sighting on, the cue for a graph that
+    reads the activations in place; the log keeps the newest 2 * MAX_GRAPHS pairs, so
+    addresses that never repeat cannot grow it."""
+    log = layer_graphs._AddressLog()
+    first = ("fprop", ((0x1000, (256, 1)),))
+    assert not log.met(first)
+    assert log.met(first) and log.met(first)
+    for i in range(2 * layer_graphs.MAX_GRAPHS):  # fresh addresses every call
+        assert not log.met(("fprop", ((0x2000 + 256 * i, (256, 1)),)))
+    assert len(log.recent) == 2 * layer_graphs.MAX_GRAPHS
+    assert not log.met(first)  # pushed out by newer pairs: met again from the next call
+    assert log.met(first)
+
+
+def test_in_place_addresses_name_strides_as_well() -> None:
+    """Two views at one address with other strides are other inputs to a graph."""
+    x = torch.zeros(4, 8)
+    assert layer_graphs._addresses((x,)) != layer_graphs._addresses((x.t(),))
+    assert layer_graphs._addresses((x,)) == layer_graphs._addresses((x.view(4, 8),))
