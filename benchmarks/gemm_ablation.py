@@ -91,9 +91,31 @@ def _find(src: str, piece: str, start: int = 0) -> int:
 
 
 def _function(src: str, header: str) -> tuple[int, int]:
-    """Span of a top-level helper of the decode include: from its decorator to its return."""
+    """Span of a top-level helper of the generated module: from its decorator to its return."""
     start = _find(src, "@cute.jit\n" + header)
     return start, _find(src, "    )\n", start) + len("    )\n")
+
+
+# what a replacement decode8 in the generated module reads (the module imports its decode
+# from fp4gen.kernels.sm90_decode and no longer holds these names itself)
+DECODE_NAMES = (
+    "from cutlass import Uint32\n"
+    "from fp4gen.kernels.sm90_decode import MAG_BITS, SIGN_BITS, mul_bf16x2_bcast\n"
+)
+
+
+def _local_decode8(src: str, definition: str) -> str:
+    """``src`` with decode8 defined by ``definition`` in the module instead of imported from
+    fp4gen.kernels.sm90_decode (defined at the end: the kernels call it when compiled)."""
+    start = _find(src, "from fp4gen.kernels.sm90_decode import decode8_")
+    line = src[start : _find(src, "\n", start) + 1]
+    return _replace_once(src, line, "") + "\n\n" + DECODE_NAMES + "\n\n" + definition
+
+
+def _with_uint32(src: str) -> str:
+    """``src`` with cutlass's Uint32 imported (a patch's code uses it)."""
+    head = "from __future__ import annotations\n"
+    return _replace_once(src, head, head + "\nfrom cutlass import Uint32  # noqa: E402\n")
 
 
 def drop_fence(src: str) -> str:
@@ -119,7 +141,7 @@ def decode_no_store(src: str) -> str:
         if folded == Uint32(0x12345679):
             sts_v4(da, folded, folded, folded, folded)
 """
-    return _replace_once(src, body, folded)
+    return _with_uint32(_replace_once(src, body, folded))
 
 
 def store_no_decode(src: str) -> str:
@@ -135,7 +157,6 @@ def fewer_decode_ops(src: str) -> str:
     layout of the packed codes would allow (three words by one shift and one AND, the fourth by
     three of each, plus the four HMUL2). The operands keep the usual layout, so it only times
     the instruction count."""
-    start, end = _function(src, "def decode8(")
     cheaper = """@cute.jit
 def decode8(x: Uint32, sc: Uint32, hi: cutlass.Constexpr[bool]):
     m = Uint32(MAG_BITS | SIGN_BITS)
@@ -148,7 +169,7 @@ def decode8(x: Uint32, sc: Uint32, hi: cutlass.Constexpr[bool]):
         mul_bf16x2_bcast(w3, sc, hi),
     )
 """
-    return _replace_once(src, src[start:end], cheaper)
+    return _local_decode8(src, cheaper)
 
 
 def passthrough_decode(src: str) -> str:
@@ -161,10 +182,8 @@ def passthrough_decode(src: str) -> str:
         "@cute.jit\ndef decode8_bytes(lo: Uint32, hi_codes: Uint32, sc: Uint32, "
         "hi: cutlass.Constexpr[bool]):\n    return (lo, hi_codes ^ sc, lo, hi_codes)\n",
     )
-    start, end = _function(src, "def decode8(")
-    return _replace_once(
+    return _local_decode8(
         src,
-        src[start:end],
         "@cute.jit\ndef decode8(x: Uint32, sc: Uint32, hi: cutlass.Constexpr[bool]):\n"
         "    return (x, x ^ sc, x, x)\n",
     )

@@ -174,7 +174,9 @@ def test_render_is_valid_deterministic_python(name: str) -> None:
     assert f"B_SF_2D = {s.b_block[0] > 1}" in src
     # only the code paths the spec needs
     assert ("mBias" in src) == s.bias
-    assert ("prmt_reg(Uint32(LUT_LO_A)" in src) == mx
+    # the decode the spec picks, imported from fp4gen.kernels.sm90_decode
+    assert f"import decode8_{'lut' if mx else 'arith'} as decode8\n" in src
+    assert f"import scale_pair_{'lut' if mx else 'arith'} as scale_pair\n" in src
     small = isinstance(s.tile, SmallMTile)
     assert ("mma.sync.aligned.m16n8k16" in src) == small
     assert ('A_OPERAND = "codes"' in src) == small

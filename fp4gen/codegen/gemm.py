@@ -407,8 +407,9 @@ def tile_constants(tile: GemmTile, *, b_sf_2d: bool) -> WgmmaTileConstants | Sma
 
 @dataclass(frozen=True)
 class GemmCommon(TemplateContext):
-    """The variables both GEMM templates read (and the shared gemm_sm90_decode.j2 and
-    gemm_sm90_macros.j2, which see the including template's variables)."""
+    """The variables both GEMM templates read (and the shared gemm_sm90_macros.j2, which sees
+    the including template's variables). Their decodes and PTX helpers are imported from
+    ``fp4gen.kernels.sm90_decode``; ``decode`` picks which."""
 
     entries: SpecEntries[GemmKernelSpec] = inline()
     elem: str  # the element format's name, both operands: "e2m1"
@@ -507,7 +508,7 @@ def gemm_context(spec: GemmKernelSpec) -> WgmmaContext | SmallMContext:
         tile=spec.tile,
         tc=tc,
         stages_bf16=STAGES_BF16,
-        cutlass_names=("BFloat16", "Float32", "Int32", "Int64", "Uint8", "Uint32"),
+        cutlass_names=("BFloat16", "Float32", "Int64", "Uint8"),
     )
 
 

@@ -1,25 +1,50 @@
-{#- Decode constants and PTX helpers shared by the Hopper GEMM templates (gemm_sm90.py.j2,
-    gemm_sm90_small.py.j2): the e2m1 decode of the spec's pair ("arith" or "lut") and its
-    scale conversion. -#}
-{% if decode == "arith" %}
+"""Device helpers of the Hopper fused GEMMs (fp4gen/templates/gemm_sm90*.py.j2): PTX wrappers
+for shared-memory loads and stores, cp.async, byte permutes and the bf16x2 multiply, and the two
+e2m1 decodes with their scale conversions. None depends on the spec beyond the decode it picks,
+so generated modules import them from here.
+
+The decodes (sm_90 has no e2m1 convert):
+
+* "arith" (e4m3 block scales): the bf16 bits (code & 7) << 6 are exactly v * 2^-126 (a bf16
+  subnormal for |v| = 0.5), the sign goes to bit 15. bf16x2 word j of an 8-value group holds
+  elements (j, j+4): a K permutation inside each group, the same for A and B, so every dot
+  product is unchanged. One HMUL2.BF16 by bf16(s * 2^119) gives v * s * 2^-7 exactly; the
+  epilogue multiplies by ``EPILOGUE_SCALE`` (2^14).
+* "lut" (ue8m0 block scales): prmt byte tables of the eight bf16 magnitudes, the sign bytes
+  gathered with two more prmt (natural K order), then one HMUL2.BF16 by the block scale, whose
+  bf16 bits are c << 7 (code 0 the subnormal 2^-127, code 255 NaN).
+
+Shared-memory and cp.async helpers have side effects (they must stay after the mbarrier
+waits); pure math is free for LLVM to schedule.
+"""
+
+from __future__ import annotations
+
+import cutlass
+import cutlass.cute as cute
+from cutlass import Int32, Int64, Uint32
+from cutlass._mlir import ir
+from cutlass._mlir.dialects import llvm
+from cutlass.cutlass_dsl import T, dsl_user_op
+
+# ---- "arith" decode
 TWO_POW_119 = 0x7B000000  # fp32 bits of 2^119
 EPILOGUE_SCALE = 16384.0  # 2^14: undoes the 2^-7 per operand of the arith decode
 # bf16x2 masks of the arith decode
 MAG_BITS = 0x01C001C0  # bits 6..8 of both halves: (code & 7) << 6
 SIGN_BITS = 0x80008000
-{% else %}
-# bf16 magnitudes of the e2m1 codes 0..7 [0, .5, 1, 1.5, 2, 3, 4, 6] =
+
+# ---- "lut" decode: bf16 magnitudes of the e2m1 codes 0..7 [0, .5, 1, 1.5, 2, 3, 4, 6] =
 # 0000 3F00 3F80 3FC0 4000 4040 4080 40C0, as prmt byte tables (low bytes, high bytes)
 LUT_LO_A, LUT_LO_B = 0xC0800000, 0xC0804000  # codes 0-3 / 4-7
 LUT_HI_A, LUT_HI_B = 0x3F3F3F00, 0x40404040
-{% endif %}
 
 
 # ----------------------------------------------------------------------------------------------
-# PTX helpers. Shared-memory and cp.async ones have side effects (they must stay after the
-# mbarrier waits); pure math is free for LLVM to schedule.
+# PTX helpers
 # ----------------------------------------------------------------------------------------------
-def _asm(ret, operands, text, constraints, side_effects=False):
+def inline_asm(ret, operands, text, constraints, side_effects=False):
+    """One PTX inline-asm statement (AT&T dialect, no stack alignment)."""
     return llvm.inline_asm(
         ret,
         operands,
@@ -31,7 +56,8 @@ def _asm(ret, operands, text, constraints, side_effects=False):
     )
 
 
-def _v(x, t, loc, ip):
+def ir_arg(x, t, loc, ip):
+    """``x`` as an MLIR value of DSL type ``t`` (an inline-asm operand)."""
     return t(x).ir_value(loc=loc, ip=ip)
 
 
@@ -39,9 +65,9 @@ def _v(x, t, loc, ip):
 def lds_v4(addr: Int32, *, loc=None, ip=None):
     """16-byte shared load."""
     st = ir.Type.parse("!llvm.struct<(i32, i32, i32, i32)>")
-    res = _asm(
+    res = inline_asm(
         st,
-        [_v(addr, Int32, loc, ip)],
+        [ir_arg(addr, Int32, loc, ip)],
         "ld.shared.v4.b32 {$0, $1, $2, $3}, [$4];",
         "=r,=r,=r,=r,r,~{memory}",
         side_effects=True,
@@ -53,16 +79,22 @@ def lds_v4(addr: Int32, *, loc=None, ip=None):
 def lds_u16(addr: Int32, *, loc=None, ip=None) -> Uint32:
     """2-byte shared load (two scale codes)."""
     return Uint32(
-        _asm(T.i32(), [_v(addr, Int32, loc, ip)], "ld.shared.u16 $0, [$1];", "=r,r,~{memory}", True)
+        inline_asm(
+            T.i32(),
+            [ir_arg(addr, Int32, loc, ip)],
+            "ld.shared.u16 $0, [$1];",
+            "=r,r,~{memory}",
+            True,
+        )
     )
 
 
 @dsl_user_op
 def sts_v4(addr: Int32, a: Uint32, b: Uint32, c: Uint32, d: Uint32, *, loc=None, ip=None):
     """16-byte shared store."""
-    _asm(
+    inline_asm(
         None,
-        [_v(addr, Int32, loc, ip)] + [_v(x, Uint32, loc, ip) for x in (a, b, c, d)],
+        [ir_arg(addr, Int32, loc, ip)] + [ir_arg(x, Uint32, loc, ip) for x in (a, b, c, d)],
         "st.shared.v4.b32 [$0], {$1, $2, $3, $4};",
         "r,r,r,r,r,~{memory}",
         True,
@@ -72,9 +104,9 @@ def sts_v4(addr: Int32, a: Uint32, b: Uint32, c: Uint32, d: Uint32, *, loc=None,
 @dsl_user_op
 def cp_async_4(dst_smem: Int32, src_gmem: Int64, *, loc=None, ip=None):
     """4-byte cp.async global -> shared (completion tracked by an mbarrier)."""
-    _asm(
+    inline_asm(
         None,
-        [_v(dst_smem, Int32, loc, ip), _v(src_gmem, Int64, loc, ip)],
+        [ir_arg(dst_smem, Int32, loc, ip), ir_arg(src_gmem, Int64, loc, ip)],
         "cp.async.ca.shared.global [$0], [$1], 4;",
         "r,l,~{memory}",
         True,
@@ -87,9 +119,9 @@ def mul_bf16x2_bcast(a: Uint32, pair: Uint32, hi: bool, *, loc=None, ip=None) ->
     broadcast into the HMUL2 operand swizzle)."""
     half = "h" if hi else "l"
     return Uint32(
-        _asm(
+        inline_asm(
             T.i32(),
-            [_v(a, Uint32, loc, ip), _v(pair, Uint32, loc, ip)],
+            [ir_arg(a, Uint32, loc, ip), ir_arg(pair, Uint32, loc, ip)],
             "{\n\t.reg .b16 l, h;\n\t.reg .b32 s;\n\t"
             "mov.b32 {l, h}, $2;\n\t"
             "mov.b32 s, {" + half + ", " + half + "};\n\t"
@@ -103,9 +135,9 @@ def mul_bf16x2_bcast(a: Uint32, pair: Uint32, hi: bool, *, loc=None, ip=None) ->
 def prmt(a: Uint32, b: Uint32, sel: int, *, loc=None, ip=None) -> Uint32:
     """Byte permute of {b, a} with an immediate selector."""
     return Uint32(
-        _asm(
+        inline_asm(
             T.i32(),
-            [_v(a, Uint32, loc, ip), _v(b, Uint32, loc, ip)],
+            [ir_arg(a, Uint32, loc, ip), ir_arg(b, Uint32, loc, ip)],
             f"prmt.b32 $0, $1, $2, {sel:#x};",
             "=r,r,r",
         )
@@ -116,25 +148,27 @@ def prmt(a: Uint32, b: Uint32, sel: int, *, loc=None, ip=None) -> Uint32:
 def prmt_reg(a: Uint32, b: Uint32, sel: Uint32, *, loc=None, ip=None) -> Uint32:
     """Byte permute of {b, a} with a register selector (the table lookup)."""
     return Uint32(
-        _asm(
+        inline_asm(
             T.i32(),
-            [_v(a, Uint32, loc, ip), _v(b, Uint32, loc, ip), _v(sel, Uint32, loc, ip)],
+            [ir_arg(a, Uint32, loc, ip), ir_arg(b, Uint32, loc, ip), ir_arg(sel, Uint32, loc, ip)],
             "prmt.b32 $0, $1, $2, $3;",
             "=r,r,r,r",
         )
     )
 
 
-{% if decode == "arith" %}
+# ----------------------------------------------------------------------------------------------
+# The "arith" decode (e4m3 scales)
+# ----------------------------------------------------------------------------------------------
 @dsl_user_op
-def scale_pair(codes: Uint32, *, loc=None, ip=None) -> Uint32:
+def scale_pair_arith(codes: Uint32, *, loc=None, ip=None) -> Uint32:
     """Two e4m3 codes (low 16 bits) -> bf16x2 of s * 2^119, exactly (byte 0 -> low half):
     cvt.rn.f16x2.e4m3x2, widen to f32, times 2^119 (448 * 2^119 < 2^128), cvt.rn.bf16x2.f32
     (its first source goes to the HIGH half)."""
     return Uint32(
-        _asm(
+        inline_asm(
             T.i32(),
-            [_v(codes, Uint32, loc, ip)],
+            [ir_arg(codes, Uint32, loc, ip)],
             "{\n\t.reg .b16 lo, hi;\n\t.reg .b32 h2;\n\t.reg .f32 f0, f1;\n\t"
             "mov.b32 {lo, hi}, $1;\n\t"
             "cvt.rn.f16x2.e4m3x2 h2, lo;\n\t"
@@ -150,7 +184,7 @@ def scale_pair(codes: Uint32, *, loc=None, ip=None) -> Uint32:
 
 
 @cute.jit
-def decode8(x: Uint32, sc: Uint32, hi: cutlass.Constexpr[bool]):
+def decode8_arith(x: Uint32, sc: Uint32, hi: cutlass.Constexpr[bool]):
     """8 e2m1 codes -> 4 bf16x2 words of v * s * 2^-7; word j holds elements (j, j+4)."""
     m = Uint32(MAG_BITS)
     sg = Uint32(SIGN_BITS)
@@ -164,10 +198,14 @@ def decode8(x: Uint32, sc: Uint32, hi: cutlass.Constexpr[bool]):
         mul_bf16x2_bcast(w2, sc, hi),
         mul_bf16x2_bcast(w3, sc, hi),
     )
-{% else %}
+
+
+# ----------------------------------------------------------------------------------------------
+# The "lut" decode (ue8m0 scales)
+# ----------------------------------------------------------------------------------------------
 @cute.jit
-def scale_bits(c: Uint32) -> Uint32:
-    """bf16 bits of the {{ scale }} value 2^(c - 127): c << 7; code 0 is the subnormal 0x0040,
+def scale_bits_lut(c: Uint32) -> Uint32:
+    """bf16 bits of the ue8m0 value 2^(c - 127): c << 7; code 0 is the subnormal 0x0040,
     code 255 NaN."""
     bits = c << Uint32(7)
     bits = cutlass.select_(c == Uint32(0), Uint32(0x0040), bits)
@@ -175,15 +213,15 @@ def scale_bits(c: Uint32) -> Uint32:
 
 
 @cute.jit
-def scale_pair(codes: Uint32) -> Uint32:
-    """Two {{ scale }} codes (low 16 bits) -> bf16x2 of their values (byte 0 -> low half)."""
-    lo = scale_bits(codes & Uint32(0xFF))
-    hi = scale_bits((codes >> Uint32(8)) & Uint32(0xFF))
+def scale_pair_lut(codes: Uint32) -> Uint32:
+    """Two ue8m0 codes (low 16 bits) -> bf16x2 of their values (byte 0 -> low half)."""
+    lo = scale_bits_lut(codes & Uint32(0xFF))
+    hi = scale_bits_lut((codes >> Uint32(8)) & Uint32(0xFF))
     return lo | (hi << Uint32(16))
 
 
 @cute.jit
-def decode8(x: Uint32, sc: Uint32, hi: cutlass.Constexpr[bool]):
+def decode8_lut(x: Uint32, sc: Uint32, hi: cutlass.Constexpr[bool]):
     """8 e2m1 codes -> 4 bf16x2 words of v * s, natural order: word j = elements (2j, 2j+1)."""
     xm = x & Uint32(0x77777777)  # magnitudes as prmt byte indices (bit 3, the mode, cleared)
     xm_hi = xm >> Uint32(16)
@@ -201,4 +239,3 @@ def decode8(x: Uint32, sc: Uint32, hi: cutlass.Constexpr[bool]):
         mul_bf16x2_bcast(prmt(l47, h47, 0x5140), sc, hi),
         mul_bf16x2_bcast(prmt(l47, h47, 0x7362), sc, hi),
     )
-{% endif %}
