@@ -1,6 +1,8 @@
-"""CuTe DSL kernels written as ordinary Python classes, one per kind of kernel, configured by
-frozen parameter objects whose fields are compile-time constants (``cutlass.const_expr``).
+"""CuTe DSL device code that generated modules import instead of carrying it as template text.
 
-A generated module (``fp4gen.codegen``) binds the parameters of its spec and compiles the class;
-the kernel's code is read here, once, for every format. Imported only where a kernel is compiled
-(it loads cutlass)."""
+* ``dequant``: the dequantize kernel as one class for every format, configured by a frozen
+  parameter object whose fields are compile-time constants (``cutlass.const_expr``);
+* ``sm90_decode``: the Hopper GEMMs' e2m1 decodes and PTX helpers.
+
+A generated module (``fp4gen.codegen``) binds what its spec needs and compiles it. Imported only
+where a kernel is compiled (it loads cutlass)."""
