@@ -57,6 +57,15 @@ class Arch(StrEnum):
     SM100A = "sm_100a"  # Blackwell: tcgen05 block-scaled MMA
 
 
+class DequantScaleMode(StrEnum):
+    """How the values of a dequantize kernel's unit of work map to scale columns (the codegen
+    derives it from the block width; the kernel class branches on it at compile time)."""
+
+    UNIT = "unit"  # one block covers the unit
+    SPLIT = "split"  # unit / block-width blocks per unit
+    VALUE = "value"  # a scale column per value: blocks straddle units
+
+
 class Direction(StrEnum):
     """Which way a quantized copy's blocks run."""
 
@@ -105,6 +114,7 @@ def dtype_name(dtype: Any) -> str | None:
 
 
 __all__ = [
+    "DequantScaleMode",
     "DTYPES",
     "Arch",
     "DType",

@@ -41,7 +41,7 @@ from dataclasses import dataclass
 from fp4gen.codegen.render import SpecEntries, TemplateContext, doc_block, inline, render_template
 from fp4gen.formats import BlockFormat, ElementFormat
 from fp4gen.spec import DequantKernelSpec
-from fp4gen.vocab import Arch, StrEnum, words
+from fp4gen.vocab import Arch, DequantScaleMode, StrEnum, words
 
 ARCHS: tuple[str, ...] = words(Arch)
 # values per unit of work: 8 code bytes (4 packed) in, one 16-byte store out, so that every
@@ -91,12 +91,7 @@ class ScaleKind(StrEnum):
     MINIFLOAT = "minifloat"  # eXmY: the magnitude field shifted into place, as the elements
 
 
-class ScaleMode(StrEnum):
-    """How the UNIT values of a unit map to scale columns."""
-
-    UNIT = "unit"  # one block covers the unit
-    SPLIT = "split"  # UNIT / bc blocks per unit
-    VALUE = "value"  # a scale column per value
+ScaleMode = DequantScaleMode  # how the UNIT values of a unit map to scale columns
 
 
 @dataclass(frozen=True)

@@ -24,8 +24,7 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import BFloat16, Float32, Int32, Uint32, const_expr, range_constexpr
 
-# how the unit values of a unit map to scale columns (fp4gen.codegen.dequant.ScaleMode)
-UNIT_SCALE, SPLIT_SCALES, VALUE_SCALES = "unit", "split", "value"
+from fp4gen.vocab import DequantScaleMode
 
 
 @dataclass(frozen=True)
@@ -49,7 +48,7 @@ class DequantParams:
     code_words: int  # 32-bit words of codes per unit
     threads: int  # per CTA
     units_per_thread: int
-    scale_mode: str  # UNIT_SCALE, SPLIT_SCALES or VALUE_SCALES
+    scale_mode: str  # a DequantScaleMode word
 
 
 class DequantKernel:
@@ -153,7 +152,7 @@ class DequantKernel:
                 srow = row // p.block_rows
             codes = self.unit_codes(frags[v])
             vals = cute.make_rmem_tensor((p.unit,), Float32)
-            if const_expr(p.scale_mode == UNIT_SCALE):  # one block covers the unit
+            if const_expr(p.scale_mode == DequantScaleMode.UNIT):  # one block covers the unit
                 ucol = cu
                 if const_expr(p.block_cols > p.unit):
                     ucol = cu // (p.block_cols // p.unit)
@@ -161,7 +160,7 @@ class DequantKernel:
                 s = self.scale_value(Uint32(mScales[srow, col]))
                 for j in range_constexpr(p.unit):
                     vals[j] = self.element_value(codes[j]) * s
-            elif const_expr(p.scale_mode == SPLIT_SCALES):  # unit / bc blocks per unit
+            elif const_expr(p.scale_mode == DequantScaleMode.SPLIT):  # unit / bc blocks per unit
                 groups = p.unit // p.block_cols
                 for g in range_constexpr(groups):
                     col = cutlass.min(cu * groups + g, last_scale_col)
@@ -182,4 +181,4 @@ class DequantKernel:
                 cute.autovec_copy(cute.recast_tensor(out, Uint32), gO[u, None])
 
 
-__all__ = ["SPLIT_SCALES", "UNIT_SCALE", "VALUE_SCALES", "DequantKernel", "DequantParams"]
+__all__ = ["DequantKernel", "DequantParams"]

@@ -214,18 +214,18 @@ class LayerGraphs:
         (the capture itself runs nothing): its results, or None when the capture failed (the
         key then always runs eagerly)."""
         stream = torch.cuda.current_stream(device)
+        base = key[0] if in_place else key  # (the caller's key, stream)
         try:
             found = _capture(fn, activations, params, shapes, stream, in_place=in_place)
         except Exception as err:  # e.g. an operation a capture cannot take: stay eager
             why = f"{type(err).__name__}: {err}"
-            base = key[0] if in_place else key
             self.failed[base] = why
             message = f"{self.name or 'fp4gen.nn.Linear'}: no layer graph, runs eagerly ({why})"
             if message not in _logged:
                 _logged.add(message)
                 log.warning("%s", message)
             return None
-        found.key = key[0][0] if in_place else key[0]
+        found.key = base[0]
         if len(self.graphs) >= MAX_GRAPHS:
             self.graphs.popitem(last=False)[1].release()
         self.graphs[key] = found
