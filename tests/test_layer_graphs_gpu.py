@@ -85,8 +85,11 @@ def test_layer_graphs_give_the_eager_bits(recipe: str, monkeypatch) -> None:
     assert all(not layer._graphs.failed for layer in graphed), [
         layer._graphs.failed for layer in graphed
     ]
-    replays = [layer._graphs.replays for layer in graphed]
-    assert all(n >= 4 for n in replays), replays  # steps 4 and 5, forward and backward
+    # steps 2, 4 and 5, forward and backward: 128 tokens warm up in step 1 and 96 in step 3. A
+    # step may capture instead of replaying (x met at the same address twice gets an in-place
+    # graph; where the allocator puts x varies), so count every call a graph served.
+    served = [layer._graphs.graph_calls for layer in graphed]
+    assert served == [6, 6, 6], served
     assert all(layer._graphs is None for layer in eager)
 
 
@@ -197,7 +200,8 @@ def test_graphs_capture_again_after_earlier_graphs_are_gone(monkeypatch) -> None
             _run(graphed, True, monkeypatch, batches), _run(eager, False, monkeypatch, batches)
         )
         assert all(not layer._graphs.failed for layer in graphed), recipe
-        assert all(layer._graphs.replays >= 4 for layer in graphed), recipe
+        # calls 2 to 6, forward and backward (the first warms up)
+        assert [layer._graphs.graph_calls for layer in graphed] == [10, 10], recipe
         del graphed, eager
         torch.cuda.synchronize()
 

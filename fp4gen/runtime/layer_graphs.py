@@ -138,7 +138,8 @@ class LayerGraphs:
         self.failed: dict[Hashable, str] = {}  # keys whose capture failed (why): always eager
         self.addresses = _AddressLog()
         self.in_place_captures = 0
-        self.replays = 0  # calls served by a replay (tests, benchmarks)
+        self.replays = 0  # calls served by a replay of an earlier capture (tests, benchmarks)
+        self.graph_calls = 0  # calls served by a graph: those replays, and each capture's first run
         self.in_place_replays = 0  # of those, replays that read the activations in place
 
     def run(
@@ -173,6 +174,7 @@ class LayerGraphs:
         if found is not None:  # a graph on these very addresses: no copy in
             self.graphs.move_to_end(where)
             self.replays += 1
+            self.graph_calls += 1
             self.in_place_replays += 1
             return _replay(found, activations), found.meta
         shapes = self.seen.get(key)
@@ -192,6 +194,7 @@ class LayerGraphs:
             if found is not None:
                 self.graphs.move_to_end(key)
                 self.replays += 1
+                self.graph_calls += 1
                 return _replay(found, activations), found.meta
             made = self._capture(key, fn, activations, params, shapes, device, in_place=False)
         if made is None:  # the capture failed (logged): this key runs eagerly from now on
@@ -229,6 +232,7 @@ class LayerGraphs:
         if len(self.graphs) >= MAX_GRAPHS:
             self.graphs.popitem(last=False)[1].release()
         self.graphs[key] = found
+        self.graph_calls += 1
         return _replay(found, activations), found.meta
 
 
