@@ -182,6 +182,7 @@ def rank_main(rank: int, world: int, args: argparse.Namespace, store: str, out: 
         rank=rank,
         world_size=world,
         timeout=timedelta(seconds=RANK_TIMEOUT_S),
+        device_id=device if device.type == "cuda" else None,  # NCCL: no guessing rank -> GPU
     )
     try:
         results = [run_recipe(args, recipe, device) for recipe in args.recipe_list]
