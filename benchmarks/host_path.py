@@ -57,7 +57,8 @@ def piece_times(step: Callable[[], object], calls: int) -> list[tuple[str, float
         (linear.Linear, "forward_gemm", "Linear.forward_gemm"),
         (linear.Linear, "backward_gemms", "Linear.backward_gemms"),
         (layer_graphs.LayerGraphs, "run_with_meta", "LayerGraphs.run_with_meta"),
-        (layer_graphs, "_replay", "layer_graphs._replay"),
+        (layer_graphs, "_fresh", "layer_graphs._fresh (result tensors)"),
+        (layer_graphs, "_replay_static", "layer_graphs._replay_static"),
         (torch.cuda.CUDAGraph, "replay", "CUDAGraph.replay"),
     ]
     spent = {label: 0 for _, _, label in pieces}

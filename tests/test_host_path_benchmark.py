@@ -21,7 +21,7 @@ def test_piece_times_puts_every_piece_back_and_nests(monkeypatch) -> None:
     before = (
         linear.Linear.__dict__["forward"],
         ops._EagerLinear.__dict__["backward"],
-        layer_graphs.__dict__["_replay"],
+        layer_graphs.__dict__["_replay_static"],
         torch.cuda.CUDAGraph.__dict__["replay"],
     )
     layer = fp4gen.nn.Linear(64, 32, recipe=fp4gen.load_recipe("recipes/nvfp4_small.fp4r"))
@@ -34,7 +34,7 @@ def test_piece_times_puts_every_piece_back_and_nests(monkeypatch) -> None:
     after = (
         linear.Linear.__dict__["forward"],
         ops._EagerLinear.__dict__["backward"],
-        layer_graphs.__dict__["_replay"],
+        layer_graphs.__dict__["_replay_static"],
         torch.cuda.CUDAGraph.__dict__["replay"],
     )
     assert after == before

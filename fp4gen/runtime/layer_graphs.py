@@ -7,21 +7,23 @@ graph costs one launch.
 
 What: ``LayerGraphs.run(key, fn, activations, params)`` calls ``fn(*activations, *params)``. The
 first call with a key runs it eagerly (a warm-up: kernels are compiled and loaded, cuBLASLt plans
-made, outside any capture). The second captures it into a CUDA graph and replays it; later calls
-replay it. The graph reads
+made, outside any capture). Later calls make the result tensors first (``torch.empty``, shaped as
+the warm-up's results) and run a captured graph:
 
-* the activations (the input x, the output gradient dy) in place once a key has met the same
-  activation addresses twice (``_AddressLog``): a training loop's caching allocator hands each
-  layer the same addresses step after step, so from the third step on its graphs read x and dy
-  where they are, with no copy (one graph per address set, up to ``MAX_GRAPHS`` per layer and
-  ``MAX_IN_PLACE_CAPTURES`` captures, after which addresses that keep changing stop being
-  captured); until then, and for addresses that do not repeat, from static buffers that each
-  call copies into;
-* the parameters (weight, bias) in place: their addresses are part of the key, so a graph only
-  ever reads the tensor the call was given (an optimizer or FSDP2 all-gather that writes a
-  parameter in place is seen; a parameter that moved is a new key);
+* on the activations (the input x, the output gradient dy) and the results where they are, once
+  a key has met the same activation and result addresses twice (``_AddressLog``): a training
+  loop's caching allocator hands each layer the same addresses step after step, so from the
+  third step on its graphs read x and dy and write y, dx and dW with no copy in or out (one graph
+  per address set, up to ``MAX_GRAPHS`` per layer and ``MAX_IN_PLACE_CAPTURES`` captures, after
+  which addresses that keep changing stop being captured);
+* until then, and for addresses that do not repeat, on static buffers: the activations copied
+  in, the results copied out into the new tensors;
 
-and writes its results into static output buffers, which each call copies out to fresh tensors.
+and the parameters (weight, bias) in place either way: their addresses are part of the key, so
+a graph only ever reads the tensor the call was given (an optimizer or FSDP2 all-gather that
+writes a parameter in place is seen; a parameter that moved is a new key). A graph that writes
+results in place keeps their addresses only, not the tensors: it replays only into tensors this
+call has just made at those addresses, so a result the caller still holds is never written.
 A replay launches the same kernels with the same arguments as the eager call, so the results are
 the same bits (tests/test_layer_graphs_gpu.py); stochastic rounding reads its Philox offset from
 the layer's device counter, which the graph advances (``Linear.slot``).
@@ -85,9 +87,10 @@ _logged: set[str] = set()
 @dataclass
 class _Graph:
     graph: torch.cuda.CUDAGraph
-    inputs: tuple[torch.Tensor, ...] | None  # static activation buffers, copied into per
-    # call; None: the graph reads the activations in place (they are at its key's addresses)
-    outputs: tuple[torch.Tensor | None, ...]  # static result buffers, copied out per call
+    # static activation and result buffers, copied into and out of per call; None: the graph
+    # reads the activations and writes the results in place (at its key's addresses)
+    inputs: tuple[torch.Tensor, ...] | None
+    outputs: tuple[torch.Tensor | None, ...] | None
     statics: tuple[tuple[Any, ...], ...]  # the keys of its static buffers (released with it)
     meta: Any = None  # what fn returned besides its tensors when captured (run_with_meta)
     key: Hashable = None  # the caller's key (tests, benchmarks)
@@ -169,14 +172,6 @@ class LayerGraphs:
             return tuple(results), meta
         device = activations[0].device
         key = (key, _current_stream_id(device))
-        where = (key, _addresses(activations))
-        found = self.graphs.get(where)
-        if found is not None:  # a graph on these very addresses: no copy in
-            self.graphs.move_to_end(where)
-            self.replays += 1
-            self.graph_calls += 1
-            self.in_place_replays += 1
-            return _replay(found, activations), found.meta
         shapes = self.seen.get(key)
         if shapes is None or key in self.failed:
             results, meta = fn(*activations, *params)
@@ -184,23 +179,35 @@ class LayerGraphs:
             if len(self.seen) >= MAX_SEEN:
                 self.seen.clear()
             self.seen[key] = tuple(None if r is None else (r.shape, r.dtype) for r in results)
-            self.addresses.met(where)
             return results, meta
+        # the results are made here, before the replay: a graph that met these activation and
+        # result addresses before writes the results where they are (no copy in or out)
+        results = _fresh(shapes, device)
+        where = (key, _addresses(activations), _addresses(results))
+        found = self.graphs.get(where)
+        if found is not None:
+            self.graphs.move_to_end(where)
+            self.replays += 1
+            self.graph_calls += 1
+            self.in_place_replays += 1
+            found.graph.replay()
+            return results, found.meta
         if self.addresses.met(where) and self.in_place_captures < MAX_IN_PLACE_CAPTURES:
             self.in_place_captures += 1
-            made = self._capture(where, fn, activations, params, shapes, device, in_place=True)
+            made = self._capture(where, fn, activations, params, results, device, in_place=True)
         else:
             found = self.graphs.get(key)
             if found is not None:
                 self.graphs.move_to_end(key)
                 self.replays += 1
                 self.graph_calls += 1
-                return _replay(found, activations), found.meta
-            made = self._capture(key, fn, activations, params, shapes, device, in_place=False)
+                _replay_static(found, activations, results)
+                return results, found.meta
+            made = self._capture(key, fn, activations, params, results, device, in_place=False)
         if made is None:  # the capture failed (logged): this key runs eagerly from now on
             results, meta = fn(*activations, *params)
             return tuple(results), meta
-        return made
+        return results, made.meta
 
     def _capture(
         self,
@@ -208,18 +215,19 @@ class LayerGraphs:
         fn: MetaFn,
         activations: tuple[torch.Tensor, ...],
         params: tuple[Any, ...],
-        shapes: tuple[tuple[torch.Size, torch.dtype] | None, ...],
+        results: Result,
         device: torch.device,
         *,
         in_place: bool,
-    ) -> tuple[Result, Any] | None:
-        """Capture a graph for ``key`` (with its addresses: ``in_place``) and replay it once
-        (the capture itself runs nothing): its results, or None when the capture failed (the
-        key then always runs eagerly)."""
+    ) -> _Graph | None:
+        """Capture a graph for ``key`` and replay it once into ``results`` (the capture itself
+        runs nothing): the graph, or None when the capture failed (the key then always runs
+        eagerly): ``in_place``, a graph on the activations and results where they are (``key``
+        names their addresses); else one on static buffers."""
         stream = torch.cuda.current_stream(device)
         base = key[0] if in_place else key  # (the caller's key, stream)
         try:
-            found = _capture(fn, activations, params, shapes, stream, in_place=in_place)
+            found = _capture(fn, activations, params, results, stream, in_place=in_place)
         except Exception as err:  # e.g. an operation a capture cannot take: stay eager
             why = f"{type(err).__name__}: {err}"
             self.failed[base] = why
@@ -233,7 +241,11 @@ class LayerGraphs:
             self.graphs.popitem(last=False)[1].release()
         self.graphs[key] = found
         self.graph_calls += 1
-        return _replay(found, activations), found.meta
+        if in_place:
+            found.graph.replay()
+        else:
+            _replay_static(found, activations, results)
+        return found
 
 
 def worth_graphing(tokens: int, in_features: int, out_features: int) -> bool:
@@ -267,50 +279,62 @@ class _AddressLog:
         return False
 
 
-def _addresses(activations: tuple[torch.Tensor, ...]) -> tuple[tuple[Any, ...], ...]:
-    """Where a graph that reads ``activations`` in place finds them: address and strides (the
-    key names shapes and dtypes)."""
-    return tuple((t.data_ptr(), t.stride()) for t in activations)
+def _addresses(tensors: tuple[torch.Tensor | None, ...]) -> tuple[tuple[Any, ...] | None, ...]:
+    """Where a graph that reads (or writes) ``tensors`` in place finds them: address and
+    strides (the key names shapes and dtypes)."""
+    return tuple(None if t is None else (t.data_ptr(), t.stride()) for t in tensors)
 
 
-def _replay(found: _Graph, activations: tuple[torch.Tensor, ...]) -> Result:
-    if found.inputs is not None:
-        for static, t in zip(found.inputs, activations, strict=True):
-            static.copy_(t)
+def _fresh(
+    shapes: tuple[tuple[torch.Size, torch.dtype] | None, ...], device: torch.device
+) -> Result:
+    """New tensors for a call's results, of the shapes and dtypes its warm-up call gave."""
+    return tuple(
+        None if s is None else torch.empty(s[0], dtype=s[1], device=device) for s in shapes
+    )
+
+
+def _replay_static(found: _Graph, activations: tuple[torch.Tensor, ...], results: Result) -> None:
+    """Replay a graph on static buffers: the activations copied in, the results copied out."""
+    assert found.inputs is not None and found.outputs is not None
+    for static, t in zip(found.inputs, activations, strict=True):
+        static.copy_(t)
     found.graph.replay()
-    return tuple(None if t is None else t.clone() for t in found.outputs)
+    for t, static in zip(results, found.outputs, strict=True):
+        if t is not None:
+            t.copy_(static)
 
 
 def _capture(
     fn: MetaFn,
     activations: tuple[torch.Tensor, ...],
     params: tuple[Any, ...],
-    shapes: tuple[tuple[torch.Size, torch.dtype] | None, ...],
+    results: Result,
     stream: torch.cuda.Stream,
     *,
     in_place: bool,
 ) -> _Graph:
-    """Capture ``fn`` on ``activations`` where they are (``in_place``) or on static copies of
-    them into a new graph whose results land in static buffers of ``shapes`` (those of the
-    warm-up call's results)."""
+    """Capture ``fn`` into a new graph: on ``activations`` where they are, its results written
+    into ``results`` (``in_place``: the graph keeps their addresses, not the tensors), or on
+    static copies of the activations with results in static buffers shaped as ``results``."""
     device = activations[0].device
     index = device.index if device.index is not None else torch.cuda.current_device()
     sid = stream.cuda_stream
     # every static buffer is made before the capture: outside the pool, shared by shape
     claims: list[tuple[Any, ...]] = []
-    inputs = None
+    inputs = outputs = None
     if not in_place:
         inputs = tuple(
             _static(f"in{i}", t.shape, t.dtype, device, sid, claims)
             for i, t in enumerate(activations)
         )
-    outputs = tuple(
-        None if s is None else _static(f"out{i}", s[0], s[1], device, sid, claims)
-        for i, s in enumerate(shapes)
-    )
+        outputs = tuple(
+            None if r is None else _static(f"out{i}", r.shape, r.dtype, device, sid, claims)
+            for i, r in enumerate(results)
+        )
     made = _Graph(torch.cuda.CUDAGraph(), inputs, outputs, tuple(claims))
     try:
-        _record(made, fn, activations, params, stream, index)
+        _record(made, fn, activations, params, results if in_place else outputs, stream, index)
     except BaseException:
         made.release()
         _reset_capture_state(index, sid)
@@ -353,12 +377,14 @@ def _record(
     fn: MetaFn,
     activations: tuple[torch.Tensor, ...],
     params: tuple[Any, ...],
+    targets: Result,
     stream: torch.cuda.Stream,
     index: int,
 ) -> None:
     """Capture ``fn`` on ``made``'s static inputs (or on ``activations`` for a graph that reads
-    them in place) into ``made.graph``, its results copied into ``made``'s static outputs."""
-    outputs, graph = made.outputs, made.graph
+    them in place) into ``made.graph``, its results copied into ``targets`` (static buffers, or
+    the call's own result tensors)."""
+    graph = made.graph
     sid = stream.cuda_stream
     inputs = activations
     if made.inputs is not None:
@@ -378,12 +404,12 @@ def _record(
         graph.capture_begin(pool=pool, capture_error_mode="thread_local")
         try:
             found_results, made.meta = fn(*inputs, *params)
-            results = tuple(found_results)
-            if len(results) != len(outputs):
+            computed = tuple(found_results)
+            if len(computed) != len(targets):
                 raise RuntimeError("the results changed in number since the warm-up call")
-            for static, r in zip(outputs, results, strict=True):
-                if static is not None:
-                    static.copy_(r)  # a shape or dtype that changed raises here
+            for target, r in zip(targets, computed, strict=True):
+                if target is not None:
+                    target.copy_(r)  # a shape or dtype that changed raises here
         finally:
             graph.capture_end()
     stream.wait_stream(side)
