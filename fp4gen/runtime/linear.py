@@ -80,6 +80,7 @@ from fp4gen.formats import BlockFormat, is_stochastic
 from fp4gen.gemm_dispatch import fp8_semantics_setting, gemm
 from fp4gen.numerics import QuantizedTensor, error_stats
 from fp4gen.numerics.mor import MoRTensor
+from fp4gen.numerics.quantize import QuantizedLayout
 from fp4gen.runtime import finite, ops
 from fp4gen.runtime.cute_backend import quantize_tile_cute
 from fp4gen.runtime.device_memory import persistent
@@ -172,6 +173,7 @@ class Linear(nn.Linear):
         self._counters: dict[tuple[bool, torch.device], torch.Tensor] = {}
         self._device_offsets: dict[tuple[Operand, torch.device], DeviceOffset] = {}
         self._graphs: LayerGraphs | None = None  # made on the first CUDA call
+        self._last_described: list[Any] = [None, None]  # backward_gemms' layout key (_described)
         self._amax_group = _SharedGroup(None)
         self.amax_operands: frozenset[Operand] = frozenset()
         self._group_rank = 0
@@ -447,7 +449,7 @@ class Linear(nn.Linear):
             tensors, layout = kept.tensors, kept.layout
             present = tuple(t is not None for t in tensors)
             # a round-to-nearest copy's offset names the call only: not part of the key
-            described = replace(layout, offset=None)
+            described = self._described(layout)
             key = (
                 "grads", dy2.shape, dy2.dtype, described, present,
                 tuple(t.shape for t in tensors if t is not None), kept.dtype,
@@ -465,6 +467,14 @@ class Linear(nn.Linear):
         self._backward_calls += 1
         assert dx is not None and dw is not None
         return dx, dw
+
+    def _described(self, layout: QuantizedLayout) -> QuantizedLayout:
+        """``layout`` without its offset, as a backward graph's key holds it. A replayed forward
+        graph hands over the same layout object every step: made once for it."""
+        last = self._last_described  # [layout, described], mutated: no Module.__setattr__
+        if last[0] is not layout:
+            last[:] = layout, replace(layout, offset=None)
+        return last[1]
 
     def _grads(
         self,
@@ -835,10 +845,13 @@ def _refuse_sr_capture(t: torch.Tensor, specs: tuple[OperandSpec, ...], name: st
     rounds stochastically: its kernels take the Philox offset from the host, so every replay
     would draw the same bits (a biased rounding, silently). Block formats read their offset
     from a device counter (``Linear.slot``) and capture like round-to-nearest."""
-    if not t.is_cuda or not torch.cuda.is_current_stream_capturing():
-        return
-    for spec in specs:
-        if isinstance(spec.format, MoRRef) and is_stochastic(spec.rounding):
+    for spec in specs:  # the specs first: asking CUDA whether it captures costs more
+        if (
+            isinstance(spec.format, MoRRef)
+            and is_stochastic(spec.rounding)
+            and t.is_cuda
+            and torch.cuda.is_current_stream_capturing()
+        ):
             raise FP4GenError(
                 f"{name or 'fp4gen.nn.Linear'}: a Mixture-of-Representations operand rounds "
                 f"stochastically ({spec.rounding}), which cannot be captured in a CUDA graph "
