@@ -48,6 +48,7 @@ NVFP4_2D = (E2M1, (16, 16), ScaleSpec(E4M3, "nearest"), True)
 MXFP4 = (E2M1, (1, 32), ScaleSpec(UE8M0, "up"), False)
 MXFP8 = (E4M3, (1, 32), ScaleSpec(UE8M0, "up"), False)
 FP8_BLOCK = (E4M3, (1, 128), ScaleSpec(None), False)
+FP8_TILE = (E4M3, (128, 128), ScaleSpec(None), False)
 SR, SR8, TE16 = "stochastic", "stochastic8", RHTSpec(16)
 ROW, COL = "rowwise", "columnwise"
 # label -> (format, outputs as (direction, rounding, rht))
@@ -66,6 +67,8 @@ CONFIGS = {
     ),
     "nvfp4 weight 2d 16x16 row + col": (NVFP4_2D, ((ROW, "nearest", None), (COL, "nearest", None))),
     "fp8 1x128 row + col": (FP8_BLOCK, ((ROW, "nearest", None), (COL, "nearest", None))),
+    "fp8 weight 128x128 row + col": (FP8_TILE, ((ROW, "nearest", None), (COL, "nearest", None))),
+    "mxfp8 1x32 row + col": (MXFP8, ((ROW, "nearest", None), (COL, "nearest", None))),
 }
 OFFSETS = (2, 3)  # one Philox offset per copy
 

@@ -586,6 +586,10 @@ def choose_tile_mapping(
     d = col_rht or 1
     if two_d:
         rows = min(b, MAX_STRIP)
+        if b > MAX_STRIP:
+            # a tile spans several strips anyway (FP8's 128x128): strips short enough that a
+            # thread's rows are whole 16-byte loads (bf16: 16 rows x 8 columns, not 32 x 4)
+            rows = max(MAX_TILE_VALUES * in_bytes // 16, 16)
     else:
         base = math.lcm(b, d) if columnwise else b
         if d > MAX_STRIP:
