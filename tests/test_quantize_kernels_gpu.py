@@ -413,6 +413,7 @@ TILE_CASES = {
     "fp8_1x128_col_only": (E4M3, ScaleSpec(None), False, (1, 128), (out(COL),)),
     "fp8_128x128": (E4M3, ScaleSpec(None), False, (128, 128), (out(ROW), out(COL))),
     "fp8_64x64": (E4M3, ScaleSpec(None), False, (64, 64), (out(ROW), out(COL))),  # 4 lanes on M
+    "fp8_128x128_row_only": (E4M3, ScaleSpec(None), False, (128, 128), (out(ROW),)),
     # beyond them: swizzled scales, SR with 2D tiles, other scale formats and roundings
     "nvfp4_swizzled": (
         *NVFP4,

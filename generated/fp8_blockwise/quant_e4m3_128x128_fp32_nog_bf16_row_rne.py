@@ -24,10 +24,10 @@ Inf; the codes and scales are then meaningless. launches() fills S_dec with 1.0;
 values hold a NaN or an Inf (the NaN-propagating max of its block amaxes, per copy: one FMNMX
 per block) stores NaN over that copy's S_dec. Finite inputs: every bit as without this rule.
 
-Thread mapping: a thread holds a strip of ROWS = 32 rows x VEC = 4 columns of x (one 8-byte load
-per row). A warp is LANES_K = 32 lanes along K (fastest) x LANES_M = 1 along M, a CTA 1 x 4
+Thread mapping: a thread holds a strip of ROWS = 16 rows x VEC = 8 columns of x (one 16-byte
+load per row). A warp is LANES_K = 16 lanes along K (fastest) x LANES_M = 2 along M, a CTA 1 x 4
 warps, so a CTA covers a TILE_M = 128 x TILE_K = 128 tile; CTA t takes tile (t // tiles_k, t %
-tiles_k). A 128x128 tile spans 32 lane(s) along K and 4 strip(s) along M in 4 warps (partial
+tiles_k). A 128x128 tile spans 16 lane(s) along K and 8 strip(s) along M in 4 warps (partial
 amaxes meet in shared memory). Rows past M are loaded as row M - 1 (a duplicate of a row of the
 same block, so no amax changes) and never stored; columns past K are clamped likewise.
 
@@ -108,24 +108,24 @@ FLT_MAX = 3.4028234663852886e38
 RNE_MAGIC = 8388608.0  # 2^23: adding it rounds a value in [0, 2^22) to an integer
 
 # Thread mapping
-ROWS = 32  # rows of a thread's strip
-VEC = 4  # columns of a thread's strip (one vector load per row)
-LANES_K = 32
-LANES_M = 1
+ROWS = 16  # rows of a thread's strip
+VEC = 8  # columns of a thread's strip (one vector load per row)
+LANES_K = 16
+LANES_M = 2
 WARPS_K = 1
 WARPS_M = 4
 THREADS = 128
 TILE_K = 128  # VEC * LANES_K * WARPS_K
 TILE_M = 128  # ROWS * LANES_M * WARPS_M
-ROW_LANES = 32  # lanes along K sharing a tile
+ROW_LANES = 16  # lanes along K sharing a tile
 ROW_BLOCKS = 1  # whole row blocks in a thread's row segment
-COL_LANES = 1  # lanes along M sharing a tile
+COL_LANES = 2  # lanes along M sharing a tile
 COL_WARPS = 4  # warps along M sharing one (partial amaxes in shared memory)
 COL_BLOCKS = 1  # whole column blocks in a thread's strip
 K_MULTIPLE = 128  # K must be a multiple of this
 M_MULTIPLE = 1  # M must be a multiple of this
 ROW_STORE_BYTES = 4  # store word of a row segment's packed codes
-ROW_STORE_N = 1  # store words per row segment (4 bytes)
+ROW_STORE_N = 2  # store words per row segment (8 bytes)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -27,10 +27,10 @@ Inf; the codes and scales are then meaningless. launches() fills S_dec with 1.0;
 values hold a NaN or an Inf (the NaN-propagating max of its block amaxes, per copy: one FMNMX
 per block) stores NaN over that copy's S_dec. Finite inputs: every bit as without this rule.
 
-Thread mapping: a thread holds a strip of ROWS = 32 rows x VEC = 4 columns of x (one 8-byte load
-per row). A warp is LANES_K = 32 lanes along K (fastest) x LANES_M = 1 along M, a CTA 1 x 4
+Thread mapping: a thread holds a strip of ROWS = 16 rows x VEC = 8 columns of x (one 16-byte
+load per row). A warp is LANES_K = 16 lanes along K (fastest) x LANES_M = 2 along M, a CTA 1 x 4
 warps, so a CTA covers a TILE_M = 128 x TILE_K = 128 tile; CTA t takes tile (t // tiles_k, t %
-tiles_k). A 128x128 tile spans 32 lane(s) along K and 4 strip(s) along M in 4 warps (partial
+tiles_k). A 128x128 tile spans 16 lane(s) along K and 8 strip(s) along M in 4 warps (partial
 amaxes meet in shared memory). Rows past M are loaded as row M - 1 (a duplicate of a row of the
 same block, so no amax changes) and never stored; columns past K are clamped likewise.
 
@@ -113,26 +113,26 @@ FLT_MAX = 3.4028234663852886e38
 RNE_MAGIC = 8388608.0  # 2^23: adding it rounds a value in [0, 2^22) to an integer
 
 # Thread mapping
-ROWS = 32  # rows of a thread's strip
-VEC = 4  # columns of a thread's strip (one vector load per row)
-LANES_K = 32
-LANES_M = 1
+ROWS = 16  # rows of a thread's strip
+VEC = 8  # columns of a thread's strip (one vector load per row)
+LANES_K = 16
+LANES_M = 2
 WARPS_K = 1
 WARPS_M = 4
 THREADS = 128
 TILE_K = 128  # VEC * LANES_K * WARPS_K
 TILE_M = 128  # ROWS * LANES_M * WARPS_M
-ROW_LANES = 32  # lanes along K sharing a tile
+ROW_LANES = 16  # lanes along K sharing a tile
 ROW_BLOCKS = 1  # whole row blocks in a thread's row segment
-COL_LANES = 1  # lanes along M sharing a tile
+COL_LANES = 2  # lanes along M sharing a tile
 COL_WARPS = 4  # warps along M sharing one (partial amaxes in shared memory)
 COL_BLOCKS = 1  # whole column blocks in a thread's strip
 K_MULTIPLE = 128  # K must be a multiple of this
 M_MULTIPLE = 8  # M must be a multiple of this
 ROW_STORE_BYTES = 4  # store word of a row segment's packed codes
-ROW_STORE_N = 1  # store words per row segment (4 bytes)
+ROW_STORE_N = 2  # store words per row segment (8 bytes)
 COL_STORE_BYTES = 4  # store word of a column strip's packed codes
-COL_STORE_N = 8  # store words per column strip (32 bytes)
+COL_STORE_N = 4  # store words per column strip (16 bytes)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -381,46 +381,6 @@ def scale_bits(code) -> Uint32:
     return code.bitcast(Uint32)
 
 
-CODES_PER_WORD = 32 // ELEM_BITS
-
-
-def transpose_codes(words: list) -> list:
-    """Transpose a CODES_PER_WORD x CODES_PER_WORD matrix of codes held as one word per row
-    (code j of word i = element (i, j)): recursive 2x2 block swaps, byte-sized and larger blocks
-    by byte permutes, nibble blocks by masks."""
-    n = CODES_PER_WORD
-    w = list(words)
-    s = n // 2
-    while s >= 1:
-        bits = s * ELEM_BITS  # width of a block of s codes
-        for i in range(n):
-            if (i // s) % 2:
-                continue
-            a, b = w[i], w[i + s]
-            if bits == 16:
-                w[i], w[i + s] = prmt(a, b, 0x5410), prmt(a, b, 0x7632)
-            elif bits == 8:
-                w[i], w[i + s] = prmt(a, b, 0x6240), prmt(a, b, 0x7351)
-            else:
-                low = sum(((1 << bits) - 1) << (2 * bits * g) for g in range(32 // (2 * bits)))
-                t = ((a >> Uint32(bits)) ^ b) & Uint32(low)
-                w[i], w[i + s] = a ^ (t << Uint32(bits)), b ^ t
-        s //= 2
-    return w
-
-
-def transpose_strip(row_words: list) -> list:
-    """Packed codes of the strip's rows (one word each) -> each column's packed codes (ROWS codes
-    in ROWS / CODES_PER_WORD words)."""
-    n = CODES_PER_WORD
-    cols = [[] for _ in range(VEC)]
-    for g in range(0, ROWS, n):
-        t = transpose_codes([row_words[g + i][0] for i in range(n)])
-        for j in range(VEC):
-            cols[j].append(t[j])
-    return cols
-
-
 def column(rows: list, j: int) -> list:
     """Element j of every row: a column of the strip."""
     return [xs[j] for xs in rows]
@@ -585,7 +545,10 @@ class QuantizeKernel:
                 store_if(at + Int64(w * ROW_STORE_BYTES), vals[w], ok, ROW_STORE_BYTES)
         at = mS.iterator.toint() + Int64((tile_row * nbk + tile_col) * 4)
         store_if(at, scale_bits(code_t), tile_ok, 4)
-        col_words = transpose_strip(row_words)
+        # codes per column (the same encode of the same values as the rows)
+        col_words = []
+        for j in range_constexpr(VEC):
+            col_words.append(pack_bits(encode_elements(column(ys, j), None, self.hw_row)))
         for j in range_constexpr(VEC):
             c = col0 + j
             vals = to_store(col_words[j], COL_STORE_BYTES, COL_STORE_N)
