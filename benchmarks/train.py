@@ -25,6 +25,11 @@ adds a run of each recipe whose layers save x for the backward instead of x's qu
 copy (``Linear.keep_quantized_input = False``): the peak-memory difference of that choice.
 ``--layer-graph-flops 0,5e10`` adds runs of each recipe with another layer-graph threshold (the
 largest GEMM a graphed pass may have; 0 turns layer graphs off): where graphs stop paying.
+``--loss-steps N`` then trains each recipe N steps on real text (the Python standard library's
+source bytes, ``fp4gen.demo.data``) from the same initial weights and batches, with the demo's
+learning-rate schedule, and compares the loss curves to BF16's: the mean loss of the last tenth
+of the steps, its paired difference to BF16's (the same batches) and BF16's step-to-step
+standard deviation over those steps, the noise a difference is measured against.
 """
 
 from __future__ import annotations
@@ -45,6 +50,8 @@ from torch import nn
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the checkout, uninstalled
 
 import fp4gen  # noqa: E402
+from fp4gen.demo.data import ByteBatches, stdlib_corpus  # noqa: E402
+from fp4gen.demo.lr_schedule import lr_at  # noqa: E402
 from fp4gen.runtime import layer_graphs  # noqa: E402
 
 VOCAB = 256
@@ -186,6 +193,82 @@ def run_one(
     return Result(ms, ms_graph, note, busy, host, peak)
 
 
+def loss_curve(
+    args: argparse.Namespace, hidden: int, layers: int, recipe: str, steps: int, device: str
+) -> list[float]:
+    """The training losses of ``steps`` AdamW steps of a fresh seed-0 model with ``recipe`` on
+    the standard library's source bytes: the same batches for every recipe (data seed 1), the
+    demo's schedule (warm-up, cosine decay) peaking at ``args.loss_lr``, bf16 autocast."""
+    torch.manual_seed(0)
+    model = build_model(args.model, hidden, layers, args.seq, device)
+    if recipe != "bf16":
+        fp4gen.convert(model, fp4gen.load_recipe(recipe))
+    batches = ByteBatches(stdlib_corpus(), args.seq, seed=1)
+    opt = torch.optim.AdamW(model.parameters(), lr=args.loss_lr)
+    loss = loss_fn(args.model)
+    per_step = max(args.tokens // args.seq, 1)
+    values = []
+    for i in range(steps):
+        for group in opt.param_groups:
+            group["lr"] = lr_at(i, steps, args.loss_lr)
+        x, y = batches.batch(per_step)
+        tokens = x if args.model == "llama" else torch.cat([x, y[:, -1:]], dim=1)
+        with torch.autocast(torch.device(device).type, dtype=torch.bfloat16):
+            value = loss(model, tokens.to(device, non_blocking=True))
+        value.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        values.append(value.detach().float())  # read at the end: no sync per step
+    return torch.stack(values).cpu().tolist()
+
+
+@dataclass
+class CurveSummary:
+    recipe: str
+    mean: float  # mean loss over the last window steps
+    diff: float  # mean of (loss - BF16's loss) over them, step by step (the same batches)
+    diff_se: float  # the standard error of that mean
+    noise: float  # BF16's step-to-step standard deviation over the window
+
+    @property
+    def within_noise(self) -> bool:
+        return abs(self.diff) <= self.noise
+
+
+def summarize_curves(curves: dict[str, list[float]], window: int) -> list[CurveSummary]:
+    """Each curve's last ``window`` steps against BF16's (``curves["bf16"]``)."""
+    base = torch.tensor(curves["bf16"][-window:], dtype=torch.float64)
+    noise = float(base.std()) if window > 1 else 0.0
+    out = []
+    for recipe, losses in curves.items():
+        tail = torch.tensor(losses[-window:], dtype=torch.float64)
+        diff = tail - base
+        se = float(diff.std()) / window**0.5 if window > 1 else 0.0
+        out.append(CurveSummary(recipe, float(tail.mean()), float(diff.mean()), se, noise))
+    return out
+
+
+def print_curves(curves: dict[str, list[float]], points: int = 10) -> None:
+    """The mean loss of each tenth of the steps per recipe, then the last tenth against BF16."""
+    steps = len(curves["bf16"])
+    chunk = max(steps // points, 1)
+    names = list(curves)
+    print(f"  loss curves, {steps} steps (mean of each {chunk} steps):")
+    print("  " + f"{'steps':>11}" + "".join(f" {Path(n).stem:>14}" for n in names))
+    for start in range(0, steps - chunk + 1, chunk):
+        means = [sum(curves[n][start : start + chunk]) / chunk for n in names]
+        print("  " + f"{start + 1:>5}-{start + chunk:<5}" + "".join(f" {m:14.4f}" for m in means))
+    for s in summarize_curves(curves, chunk):
+        if s.recipe == "bf16":
+            continue
+        verdict = "within" if s.within_noise else "OUTSIDE"
+        print(
+            f"  {Path(s.recipe).stem}: last {chunk} steps {s.mean:.4f} vs bf16 "
+            f"{s.mean - s.diff:.4f}, difference {s.diff:+.4f} +- {s.diff_se:.4f} (same batches), "
+            f"{verdict} bf16's step-to-step noise {s.noise:.4f}"
+        )
+
+
 def host_profile(step: Callable[[], object], top: int) -> None:
     prof = cProfile.Profile()
     prof.enable()
@@ -227,6 +310,14 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="also run each recipe with its layers saving x instead of x's quantized wgrad copy",
     )
+    parser.add_argument(
+        "--loss-steps",
+        type=int,
+        default=0,
+        metavar="N",
+        help="also train each recipe N steps on real text and compare its loss curve to BF16's",
+    )
+    parser.add_argument("--loss-lr", type=float, default=3e-4, help="peak learning rate of those")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("this benchmark needs a CUDA GPU")
@@ -281,6 +372,12 @@ def main(argv: list[str] | None = None) -> int:
             )
             if args.graphs and res.ms_graph is None:
                 print(f"    graphs: {res.graph_note}")
+        if args.loss_steps:
+            curves = {}
+            for recipe in recipes:
+                curves[recipe] = loss_curve(args, hidden, layers, recipe, args.loss_steps, "cuda")
+                torch.cuda.empty_cache()
+            print_curves(curves)
     return 0
 
 

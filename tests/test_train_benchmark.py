@@ -1,0 +1,48 @@
+"""benchmarks/train.py's loss-curve comparison on the CPU: the same batches and initial weights
+for every recipe (BF16 against itself gives a zero difference), a converted model's curve is its
+own, and the summary measures the difference against BF16's step-to-step noise."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
+
+import train  # noqa: E402
+
+
+def _args() -> argparse.Namespace:
+    return argparse.Namespace(model="gpt", seq=16, tokens=64, loss_lr=3e-3)
+
+
+def test_loss_curves_start_alike_and_bf16_repeats_itself() -> None:
+    args = _args()
+    bf16 = train.loss_curve(args, 32, 1, "bf16", 6, "cpu")
+    again = train.loss_curve(args, 32, 1, "bf16", 6, "cpu")
+    nvfp4 = train.loss_curve(args, 32, 1, "recipes/nvfp4_small.fp4r", 6, "cpu")
+    assert bf16 == again  # the same weights, batches and schedule: the same losses
+    assert len(nvfp4) == 6 and nvfp4 != bf16  # quantized GEMMs: another curve
+    assert abs(nvfp4[0] - bf16[0]) < 0.1 * bf16[0]  # the same start (untrained: about ln 256)
+    assert all(v > 0 for v in nvfp4)
+
+
+def test_the_summary_measures_differences_against_bf16_noise(capsys) -> None:
+    curves = {
+        "bf16": [3.0, 2.0, 2.2, 1.8, 2.0, 2.0],
+        "a.fp4r": [3.1, 2.1, 2.3, 1.9, 2.1, 2.1],  # 0.1 above on every step
+    }
+    base, other = train.summarize_curves(curves, 4)
+    assert base.recipe == "bf16" and base.diff == 0.0 and base.mean == pytest.approx(2.0)
+    assert other.diff == pytest.approx(0.1) and other.diff_se == pytest.approx(0.0, abs=1e-12)
+    assert other.noise == pytest.approx(0.16329931618554522)  # std of 2.2, 1.8, 2.0, 2.0
+    assert other.within_noise
+    curves["a.fp4r"] = [v + 0.3 for v in curves["bf16"]]
+    assert not train.summarize_curves(curves, 4)[1].within_noise
+    train.print_curves(curves, points=3)
+    out = capsys.readouterr().out
+    assert "a: last 2 steps 2.3000 vs bf16 2.0000, difference +0.3000" in out
+    assert "OUTSIDE" in out
