@@ -54,7 +54,7 @@ from benchmarks.train import VOCAB, build_model, loss_fn  # noqa: E402
 from fp4gen.formats import BlockFormat  # noqa: E402
 
 PARAM_DTYPE = torch.bfloat16
-WARMUP = 2
+WARMUP = 5  # layer graphs capture in the first steps (warm-up, static, in place)
 RANK_TIMEOUT_S = 600  # a collective waiting longer than this raises in the rank
 
 

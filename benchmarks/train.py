@@ -56,6 +56,9 @@ from fp4gen.runtime import layer_graphs  # noqa: E402
 
 VOCAB = 256
 LAYERS_BY_HIDDEN = {1024: 8, 2048: 6, 4096: 4}
+# untimed steps first: kernels load, and layer graphs capture in the first steps (a warm-up
+# call, a graph on static buffers, then graphs on the addresses the allocator settles on)
+WARMUP_STEPS = 5
 
 
 @dataclass
@@ -176,7 +179,7 @@ def run_one(
     # eager: AdamW as a training loop makes it; the graph replays need a capturable one (its
     # step count on the device), which adds launches, so it is made for those only
     step = make_step(model, loss_fn(args.model), tokens, capturable=False)
-    for _ in range(3):
+    for _ in range(WARMUP_STEPS):
         step()
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
