@@ -6,11 +6,12 @@ removed, timed against cuBLAS BF16 and against the kernel as generated (Hopper).
     python benchmarks/gemm_ablation.py --compile-only [--tile r16]   # patch and cross-compile
 
 The module of the large-M tile (NVFP4: A 1x16 blocks, B 16x16 blocks, bf16 out; tile
-``m128n256w2s5``) is rendered by fp4gen.codegen.gemm.render_gemm, then each variant replaces
-one piece of its source text (every replacement must match exactly once, so a template change
-that moves the piece stops the benchmark instead of timing the wrong thing). Only "full"
-computes the product; the others leave stale or partial data in the decoded stages and are for
-timing alone:
+``m128n256w2s5``) is rendered by fp4gen.codegen.gemm.render_gemm and made self-contained: the
+kernel class it binds (fp4gen/kernels/gemm_sm90.py, where the mainloop is) goes in front of it.
+Each variant then replaces one piece of that source text (every replacement must match exactly
+once, so a kernel or template change that moves the piece stops the benchmark instead of timing
+the wrong thing). Only "full" computes the product; the others leave stale or partial data in
+the decoded stages and are for timing alone:
 
   full                the kernel as generated
   no-fence            without the fence.proxy.async that hands the decoded stores to wgmma
@@ -60,12 +61,12 @@ ONE_E4M3 = 0x38  # the e4m3 code of 1.0
 
 FENCE = '        cute.arch.fence_proxy("async.shared", space="cta")'
 DECODE_START = "        codes = []\n        scales = []\n"
-STORE_LOOP = """        for i in range_constexpr(UNITS_PER_THREAD):
+STORE_LOOP = """        for i in range_constexpr(p.units_per_thread):
             if valid[i]:
                 dst = cutlass.select_(is_a[i], da, db) + dst_off[i]
                 for w in range_constexpr(4):
 """
-STORE_CALL = "                    o = decode8(codes[i][w], scales[i], w >= 2)\n"
+STORE_CALL = "                    o = self.decode8(codes[i][w], scales[i], w >= 2)\n"
 STORE_WORDS = "                    sts_v4(dst + ((chunk[i] ^ w) << 4), o[0], o[1], o[2], o[3])\n"
 
 
@@ -112,10 +113,25 @@ def _local_decode8(src: str, definition: str) -> str:
     return _replace_once(src, line, "") + "\n\n" + DECODE_NAMES + "\n\n" + definition
 
 
+FUTURE = "from __future__ import annotations\n"
+KERNEL_IMPORT = "from fp4gen.kernels.gemm_sm90 import "
+
+
+def with_kernel_class(src: str) -> str:
+    """The generated wgmma module ``src`` made self-contained: the source of
+    fp4gen.kernels.gemm_sm90 (the kernel's body, which the patches edit), then the generated
+    module without its import of that module (its subclass and PARAMS take the classes defined
+    above)."""
+    origin = importlib.util.find_spec("fp4gen.kernels.gemm_sm90").origin
+    assert origin is not None
+    line = src[_find(src, KERNEL_IMPORT) : _find(src, "\n", _find(src, KERNEL_IMPORT)) + 1]
+    generated = _replace_once(_replace_once(src, line, ""), FUTURE, "")
+    return Path(origin).read_text() + "\n\n" + generated
+
+
 def _with_uint32(src: str) -> str:
     """``src`` with cutlass's Uint32 imported (a patch's code uses it)."""
-    head = "from __future__ import annotations\n"
-    return _replace_once(src, head, head + "\nfrom cutlass import Uint32  # noqa: E402\n")
+    return _replace_once(src, FUTURE, FUTURE + "\nfrom cutlass import Uint32  # noqa: E402\n")
 
 
 def drop_fence(src: str) -> str:
@@ -133,10 +149,10 @@ def decode_no_store(src: str) -> str:
     start = _find(src, STORE_LOOP)
     body = src[start : _find(src, STORE_WORDS, start) + len(STORE_WORDS)]
     folded = """        folded = Uint32(0)
-        for i in range_constexpr(UNITS_PER_THREAD):
+        for i in range_constexpr(p.units_per_thread):
             if valid[i]:
                 for w in range_constexpr(4):
-                    o = decode8(codes[i][w], scales[i], w >= 2)
+                    o = self.decode8(codes[i][w], scales[i], w >= 2)
                     folded = folded ^ o[0] ^ o[1] ^ o[2] ^ o[3]
         if folded == Uint32(0x12345679):
             sts_v4(da, folded, folded, folded, folded)
@@ -241,6 +257,8 @@ def variant_source(name: str, tile_name: str = "large") -> str:
     tile = TILES[tile_name]
     spec = gemm_spec(nvfp4, nvfp4.with_block((16, 16)), 8192, out_dtype="bf16", tile=tile)
     src = render_gemm(spec)
+    if not isinstance(tile, SmallMTile):  # the wgmma kernel's body is in its class's module
+        src = with_kernel_class(src)
     for patch in variants[name]:
         src = patch(src)
     return src
@@ -253,6 +271,7 @@ def load_variant(name: str, workdir: Path, tile_name: str = "large") -> ModuleTy
     spec = importlib.util.spec_from_file_location(module_name, path)
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
+    sys.modules[module_name] = module  # dataclasses (the kernel's params) look their module up
     spec.loader.exec_module(module)
     return module
 

@@ -4,11 +4,13 @@ Design (docs/gemm-sm90.md, with the H100 measurements): a producer warp loads th
 codes (TMA) and the block-scale codes (cp.async) of each 64-wide k-tile into a ring of fp4
 stages; the MMA warpgroups decode the next k-tile to bf16 straight into the wgmma K-major
 128B-swizzle layout (three bf16 stages, one named barrier per k-tile) while wgmma runs on the
-current one; the epilogue applies S_a * S_b, the bias and the accumulation from registers. The
-generated module's docstring has the details.
+current one; the epilogue applies S_a * S_b, the bias and the accumulation from registers. That
+kernel is the class ``fp4gen.kernels.gemm_sm90.GemmSm90Kernel`` (its docstring has the details);
+the small-M kernels (mma.sync, split-K) are rendered whole from ``gemm_sm90_small.py.j2``.
 
-Everything that depends on the formats is decided here and baked into the module as constants
-and straight-line code. Supported pairs (both operands alike):
+Everything that depends on the formats is decided here and baked into the module: the wgmma
+kernel's ``GemmSm90Params`` and decode, the small-M kernel's constants and straight-line code.
+Supported pairs (both operands alike):
 
 * NVFP4: e2m1 elements, e4m3 scales, A 1x16 blocks, B 1x16 or 16x16 blocks. Decode "arith":
   bf16 bits of the code shifted into place (exact, v * 2^-126), one HMUL2 by the scale times
@@ -430,7 +432,8 @@ class GemmCommon(TemplateContext):
 @dataclass(frozen=True)
 class WgmmaContext(TemplateContext):
     """The variables of gemm_sm90.py.j2: the wgmma kernel (operands decoded to bf16 in shared
-    memory)."""
+    memory). The kernel is ``fp4gen.kernels.gemm_sm90.GemmSm90Kernel``; the template writes
+    these values into the spec's ``GemmSm90Params``."""
 
     TEMPLATE: ClassVar[str] = "gemm_sm90.py.j2"
 
@@ -508,7 +511,8 @@ def gemm_context(spec: GemmKernelSpec) -> WgmmaContext | SmallMContext:
         tile=spec.tile,
         tc=tc,
         stages_bf16=STAGES_BF16,
-        cutlass_names=("BFloat16", "Float32", "Int64", "Uint8"),
+        # the host code's fake tensors: codes, fp32 scalars (and bias), the output
+        cutlass_names=tuple(sorted({"Float32", "Uint8", common.out.cutlass})),
     )
 
 

@@ -2,6 +2,8 @@
 
 * ``dequant``: the dequantize kernel as one class for every format, configured by a frozen
   parameter object whose fields are compile-time constants (``cutlass.const_expr``);
+* ``gemm_sm90``: the Hopper wgmma fused GEMM as one class (``GemmSm90Kernel``, with a bias
+  ``GemmSm90BiasKernel``), configured likewise by ``GemmSm90Params`` and given its e2m1 decode;
 * ``sm90_decode``: the Hopper GEMMs' e2m1 decodes and PTX helpers.
 
 A generated module (``fp4gen.codegen``) binds what its spec needs and compiles it. Imported only
