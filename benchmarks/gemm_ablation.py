@@ -29,7 +29,9 @@ the decoded stages and are for timing alone:
   quarter-b           A and a quarter of B's rows (a 4-CTA cluster, likewise)
 
 The small-M kernels (--tile r16, r32, r64: mma.sync on operands decoded in registers) take
-"full", "fewer-decode-ops" and "no-decode" (the code words passed to the mma undecoded).
+"full", "fewer-decode-ops" and "no-decode" (the code words passed to the mma undecoded); their
+patches replace the decodes the generated module imports and hands its kernel class
+(fp4gen/kernels/gemm_sm90_small.py) with definitions of its own.
 
 Inputs: random codes, block scales 1.0, global scales 1; two operand sets (four for the
 small-M kernels) rotated so that consecutive calls do not find their operands in L2. CUDA
@@ -91,24 +93,22 @@ def _find(src: str, piece: str, start: int = 0) -> int:
     return at
 
 
-def _function(src: str, header: str) -> tuple[int, int]:
-    """Span of a top-level helper of the generated module: from its decorator to its return."""
-    start = _find(src, "@cute.jit\n" + header)
-    return start, _find(src, "    )\n", start) + len("    )\n")
-
-
 # what a replacement decode8 in the generated module reads (the module imports its decode
 # from fp4gen.kernels.sm90_decode and no longer holds these names itself)
 DECODE_NAMES = (
+    "import cutlass\n"
     "from cutlass import Uint32\n"
     "from fp4gen.kernels.sm90_decode import MAG_BITS, SIGN_BITS, mul_bf16x2_bcast\n"
 )
 
 
-def _local_decode8(src: str, definition: str) -> str:
-    """``src`` with decode8 defined by ``definition`` in the module instead of imported from
-    fp4gen.kernels.sm90_decode (defined at the end: the kernels call it when compiled)."""
-    start = _find(src, "from fp4gen.kernels.sm90_decode import decode8_")
+def _local_decode8(
+    src: str, definition: str, imported: str = "from fp4gen.kernels.sm90_decode import decode8_"
+) -> str:
+    """``src`` with decode8 (or the function of the import line starting ``imported``) defined
+    by ``definition`` in the module instead of imported (defined at the end: the kernel class
+    is given it when the module compiles its kernel)."""
+    start = _find(src, imported)
     line = src[start : _find(src, "\n", start) + 1]
     return _replace_once(src, line, "") + "\n\n" + DECODE_NAMES + "\n\n" + definition
 
@@ -191,12 +191,11 @@ def decode8(x: Uint32, sc: Uint32, hi: cutlass.Constexpr[bool]):
 def passthrough_decode(src: str) -> str:
     """The small-M kernels' decode of A (bytes) and B (packed) replaced by the code words
     themselves (one XOR keeps the scale's load): the mma run on undecoded operands."""
-    start, end = _function(src, "def decode8_bytes(")
-    src = _replace_once(
+    src = _local_decode8(
         src,
-        src[start:end],
         "@cute.jit\ndef decode8_bytes(lo: Uint32, hi_codes: Uint32, sc: Uint32, "
         "hi: cutlass.Constexpr[bool]):\n    return (lo, hi_codes ^ sc, lo, hi_codes)\n",
+        "from fp4gen.kernels.gemm_sm90_small import decode8_bytes_",
     )
     return _local_decode8(
         src,

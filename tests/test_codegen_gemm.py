@@ -172,13 +172,13 @@ def test_render_is_valid_deterministic_python(name: str) -> None:
     assert ("SCALE_EXPAND = 2" in src) == mx
     assert ("EPILOGUE_SCALE" in src) == (not mx)
     assert f"B_SF_2D = {s.b_block[0] > 1}" in src
-    # only the code paths the spec needs
-    assert ("mBias" in src) == s.bias
+    small = isinstance(s.tile, SmallMTile)
+    # the kernel class the spec's subclass binds: with a bias, the one whose launch takes it
+    kernel = ("GemmSm90Small" if small else "GemmSm90") + ("BiasKernel" if s.bias else "Kernel")
+    assert f"({kernel}):" in src
     # the decode the spec picks, imported from fp4gen.kernels.sm90_decode
     assert f"import decode8_{'lut' if mx else 'arith'} as decode8\n" in src
     assert f"import scale_pair_{'lut' if mx else 'arith'} as scale_pair\n" in src
-    small = isinstance(s.tile, SmallMTile)
-    assert ("mma.sync.aligned.m16n8k16" in src) == small
     assert ('A_OPERAND = "codes"' in src) == small
 
 

@@ -6,10 +6,11 @@ stages; the MMA warpgroups decode the next k-tile to bf16 straight into the wgmm
 128B-swizzle layout (three bf16 stages, one named barrier per k-tile) while wgmma runs on the
 current one; the epilogue applies S_a * S_b, the bias and the accumulation from registers. That
 kernel is the class ``fp4gen.kernels.gemm_sm90.GemmSm90Kernel`` (its docstring has the details);
-the small-M kernels (mma.sync, split-K) are rendered whole from ``gemm_sm90_small.py.j2``.
+the small-M kernels (mma.sync on operands decoded in registers, split-K) are the class
+``fp4gen.kernels.gemm_sm90_small.GemmSm90SmallKernel``.
 
-Everything that depends on the formats is decided here and baked into the module: the wgmma
-kernel's ``GemmSm90Params`` and decode, the small-M kernel's constants and straight-line code.
+Everything that depends on the formats is decided here and baked into the module: each kernel's
+parameters (``GemmSm90Params``, ``GemmSm90SmallParams``) and the decodes it is given.
 Supported pairs (both operands alike):
 
 * NVFP4: e2m1 elements, e4m3 scales, A 1x16 blocks, B 1x16 or 16x16 blocks. Decode "arith":
@@ -447,7 +448,9 @@ class WgmmaContext(TemplateContext):
 @dataclass(frozen=True)
 class SmallMContext(TemplateContext):
     """The variables of gemm_sm90_small.py.j2: the small-M kernel (mma.sync on operands decoded
-    in registers, split-K across CTAs)."""
+    in registers, split-K across CTAs). The kernel is
+    ``fp4gen.kernels.gemm_sm90_small.GemmSm90SmallKernel``; the template writes these values
+    into the spec's ``GemmSm90SmallParams``."""
 
     TEMPLATE: ClassVar[str] = "gemm_sm90_small.py.j2"
 
