@@ -411,8 +411,9 @@ def tile_constants(tile: GemmTile, *, b_sf_2d: bool) -> WgmmaTileConstants | Sma
 @dataclass(frozen=True)
 class GemmCommon(TemplateContext):
     """The variables both GEMM templates read (and the shared gemm_sm90_macros.j2, which sees
-    the including template's variables). Their decodes and PTX helpers are imported from
-    ``fp4gen.kernels.sm90_decode``; ``decode`` picks which."""
+    the including template's variables). Their e2m1 decodes are imported from
+    ``fp4gen.kernels.sm90_decode`` (``decode`` picks which); the kernels' PTX helpers live in
+    ``fp4gen.kernels.sm90_ptx``."""
 
     entries: SpecEntries[GemmKernelSpec] = inline()
     elem: str  # the element format's name, both operands: "e2m1"

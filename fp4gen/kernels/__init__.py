@@ -7,7 +7,11 @@
 * ``gemm_sm90_small``: the Hopper small-M fused GEMM (mma.sync on operands decoded in
   registers, split-K) as one class (``GemmSm90SmallKernel``, with a bias
   ``GemmSm90SmallBiasKernel``), configured by ``GemmSm90SmallParams`` and given its decodes;
-* ``sm90_decode``: the Hopper GEMMs' e2m1 decodes and PTX helpers.
+* ``gemm_sm90_base``: what the two Hopper GEMM classes share (``GemmSm90Base``: the TMA and
+  cp.async producer warp, the stage barriers, the epilogue's arithmetic; ``GemmSm90BaseParams``);
+* ``sm90_decode``: the Hopper GEMMs' e2m1 decodes and scale conversions;
+* ``sm90_ptx``: the PTX inline-asm wrappers both Hopper GEMMs and the decodes use (shared and
+  global loads and stores, cp.async, atomics, mma.sync, prmt, the bf16x2 multiply).
 
 A generated module (``fp4gen.codegen``) binds what its spec needs and compiles it. Imported only
 where a kernel is compiled (it loads cutlass)."""

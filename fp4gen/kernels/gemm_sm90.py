@@ -15,7 +15,7 @@ Design (design (a) of the CuTe DSL guide: dequantize through shared memory, SS w
 on H100 in docs/gemm-sm90.md). One CTA computes one tile_m x tile_n output tile over all of K
 (no split-K); the grid is rasterized in groups of group_m M-tiles for L2 reuse. The threads:
 
-producer warp (after the MMA warpgroups)
+producer warp (after the MMA warpgroups; ``gemm_sm90_base.GemmSm90Base.producer``)
     per k-tile (64 values), into fp4 stage kt % stages_fp4: TMA of the packed codes of A
     [tile_m, 32 B] and B [tile_n, 32 B], and 4-byte cp.async of the scale codes (scale rows are
     K/16 bytes, too short for a TMA descriptor below K = 256). Both land on one mbarrier:
@@ -60,20 +60,19 @@ import cutlass
 import cutlass.cute as cute
 import cutlass.utils.hopper_helpers as sm90_utils
 from cutlass import BFloat16, Float32, Int64, Uint8, Uint32, const_expr, range_constexpr
-from cutlass.cute.nvgpu import cpasync, warpgroup
+from cutlass.cute.nvgpu import warpgroup
 from cutlass.tensor_utils import LayoutEnum
 
-from fp4gen.kernels.sm90_decode import cp_async_4, lds_u16, lds_v4, sts_v4
+from fp4gen.kernels.gemm_sm90_base import CodeSources, CtaTile, GemmSm90Base, GemmSm90BaseParams
+from fp4gen.kernels.sm90_ptx import lds_u16, lds_v4, sts_v4
 
 
 @dataclass(frozen=True)
-class GemmSm90Params:
+class GemmSm90Params(GemmSm90BaseParams):
     """Everything the kernel depends on besides its tensors and its decode: compile-time
-    constants (``fp4gen.codegen.gemm`` derives them from the spec and its tile)."""
+    constants (``fp4gen.codegen.gemm`` derives them from the spec and its tile). A row's k-tile
+    is 32 code bytes, decoded 128 bf16 bytes (one 128B-swizzle row)."""
 
-    tile_m: int  # rows of A per CTA
-    tile_n: int  # rows of B per CTA
-    tile_k: int  # values per k-tile: 32 code bytes, 128 bf16 bytes (one 128B-swizzle row)
     mma_warpgroups: int
     mma_m_split: int  # wgmma atoms of 64 x tile_n / mma_n_split: mma_m_split x mma_n_split
     mma_n_split: int
@@ -82,29 +81,33 @@ class GemmSm90Params:
     stages_bf16: int  # decoded operands (three: one barrier per k-tile suffices)
     group_m: int  # M-tiles per raster group
     mma_threads: int  # the MMA warpgroups' threads (they also decode)
-    threads: int  # per CTA: the MMA threads and the producer warp
-    producer_warp: int
     units: int  # decode units (row, 32 values) per k-tile: 2 * (tile_m + tile_n)
     units_per_thread: int  # rounded up
     partial_units: bool  # the units do not divide evenly among the MMA threads
-    sf_rows: int  # scale rows per stage: A's tile_m, then B's
-    sf_stage_bytes: int  # shared memory of a stage's scale codes
     tx_bytes: int  # TMA bytes per fp4 stage
-    b_sf_2d: bool  # 16x16 B blocks: one B scale row per 16 rows of B
-    out_dtype: type[cutlass.Numeric]  # C's element type
-    bias: bool  # + bias[n], fp32 [N]
-    accumulate: bool  # + C[m, n]: C is read, then overwritten
-    epilogue_scale: float | None  # alpha's factor undoing the decode's scaling (None: none)
 
     @property
     def code_row_bytes(self) -> int:
         """Packed code bytes of a row per k-tile."""
         return self.tile_k // 2
 
+    # what GemmSm90Base's producer reads (GemmSm90BaseParams): one k-tile per fp4 stage, A and
+    # B codes both packed
     @property
-    def sf_per_ktile(self) -> int:
-        """Scale codes of a row per k-tile (one per 16 values)."""
-        return self.tile_k // 16
+    def ktiles_per_stage(self) -> int:
+        return 1
+
+    @property
+    def a_row_bytes(self) -> int:
+        return self.code_row_bytes
+
+    @property
+    def b_row_bytes(self) -> int:
+        return self.code_row_bytes
+
+    @property
+    def sf_row_bytes(self) -> int:
+        return self.sf_per_ktile
 
 
 # 8 e2m1 codes, a bf16x2 scale pair and which half of it -> 4 bf16x2 words (sm90_decode.decode8_*)
@@ -115,18 +118,14 @@ ScalePair = Callable[[Uint32], Uint32]
 UnitConsts = tuple[list, list, list, list, list, list]
 
 
-class GemmSm90Kernel:
+class GemmSm90Kernel(GemmSm90Base):
     """C = alpha * A @ B^T (+ C) on sm_90a without a bias (module docstring):
     ``__call__(mA, mSFA, mB, mSFB, mGA, mGB, mC, stream)``."""
 
-    TAKES_BIAS: ClassVar[bool] = False  # the launch's arguments: with or without mBias
+    p: GemmSm90Params
 
     def __init__(self, params: GemmSm90Params, decode8: Decode8, scale_pair: ScalePair) -> None:
-        if params.bias != self.TAKES_BIAS:
-            raise ValueError(
-                f"{type(self).__name__} takes bias={self.TAKES_BIAS}; the params say {params.bias}"
-            )
-        self.p = params
+        super().__init__(params)
         self.decode8 = decode8
         self.scale_pair = scale_pair
 
@@ -174,26 +173,7 @@ class GemmSm90Kernel:
         )
         sA_layout = cute.tile_to_shape(atom, (p.tile_m, p.tile_k, p.stages_bf16), order=(0, 1, 2))
         sB_layout = cute.tile_to_shape(atom, (p.tile_n, p.tile_k, p.stages_bf16), order=(0, 1, 2))
-        a4_layout = cute.make_layout(
-            (p.tile_m, p.code_row_bytes, p.stages_fp4),
-            stride=(p.code_row_bytes, 1, p.tile_m * p.code_row_bytes),
-        )
-        b4_layout = cute.make_layout(
-            (p.tile_n, p.code_row_bytes, p.stages_fp4),
-            stride=(p.code_row_bytes, 1, p.tile_n * p.code_row_bytes),
-        )
-        tma_atom_a, tma_a = cpasync.make_tiled_tma_atom(
-            cpasync.CopyBulkTensorTileG2SOp(),
-            mA,
-            cute.slice_(a4_layout, (None, None, 0)),
-            (p.tile_m, p.code_row_bytes),
-        )
-        tma_atom_b, tma_b = cpasync.make_tiled_tma_atom(
-            cpasync.CopyBulkTensorTileG2SOp(),
-            mB,
-            cute.slice_(b4_layout, (None, None, 0)),
-            (p.tile_n, p.code_row_bytes),
-        )
+        a4_layout, b4_layout, tma_atom_a, tma_a, tma_atom_b, tma_b = self.code_tma(mA, mB)
 
         @cute.struct
         class SharedStorage:
@@ -213,8 +193,7 @@ class GemmSm90Kernel:
 
         self.shared_storage = SharedStorage
 
-        m_tiles = (mC.shape[0] + (p.tile_m - 1)) // p.tile_m
-        n_tiles = (mC.shape[1] + (p.tile_n - 1)) // p.tile_n
+        m_tiles, n_tiles = self.tile_counts(mC.shape[0], mC.shape[1])
         self.kernel(
             tma_atom_a,
             tma_a,
@@ -272,8 +251,7 @@ class GemmSm90Kernel:
         nsf_b = mSFB.shape[0]
 
         # ---- tile coordinates: groups of group_m M-tiles, M fastest inside a group
-        m_tiles = (M + (p.tile_m - 1)) // p.tile_m
-        n_tiles = (N + (p.tile_n - 1)) // p.tile_n
+        m_tiles, n_tiles = self.tile_counts(M, N)
         per_group = p.group_m * n_tiles
         group = bidx // per_group
         first_m = group * p.group_m
@@ -284,45 +262,16 @@ class GemmSm90Kernel:
         m0 = m_tile * p.tile_m
         n0 = n_tile * p.tile_n
 
-        # ---- shared memory and the fp4 stage barriers
-        smem = cutlass.utils.SmemAllocator()
-        storage = smem.allocate(self.shared_storage)
-        full = storage.full.data_ptr()
-        empty = storage.empty.data_ptr()
-        if tidx == 0:
-            for i in range_constexpr(p.stages_fp4):
-                cute.arch.mbarrier_init(full + i, 33)  # expect_tx arrive + 32 cp.async arrives
-                cute.arch.mbarrier_init(empty + i, p.mma_threads)
-            cute.arch.mbarrier_init_fence()
-        if warp_idx == p.producer_warp:
-            cpasync.prefetch_descriptor(tma_atom_a)
-            cpasync.prefetch_descriptor(tma_atom_b)
-        cute.arch.barrier()
+        src = CodeSources(
+            tma_atom_a, mA_tma, tma_atom_b, mB_tma, a4_layout, b4_layout, mSFA, mSFB, ks, nsf_b
+        )
+        # ---- shared memory and the fp4 stage barriers (every MMA thread releases a stage)
+        storage, full, empty = self.stage_barriers(src, tidx, warp_idx, p.mma_threads)
 
         # ============================================================== producer warp
         if warp_idx == p.producer_warp:
-            self.producer(
-                tma_atom_a,
-                mA_tma,
-                tma_atom_b,
-                mB_tma,
-                mSFA,
-                mSFB,
-                storage,
-                a4_layout,
-                b4_layout,
-                full,
-                empty,
-                m_tile,
-                n_tile,
-                m0,
-                n0,
-                M,
-                ks,
-                k_tiles,
-                nsf_b,
-                lane,
-            )
+            tile = CtaTile(m_tile, n_tile, m0, n0, M, N)
+            self.producer(src, storage, full, empty, tile, 0, k_tiles, lane)  # all of K
 
         # ============================================================== MMA warpgroups
         if wg_idx < p.mma_warpgroups:
@@ -365,9 +314,7 @@ class GemmSm90Kernel:
             warpgroup.wait_group(0)
 
             # ---- epilogue: registers -> global, predicated
-            alpha = mGA[0] * mGB[0]
-            if const_expr(p.epilogue_scale is not None):
-                alpha = alpha * Float32(p.epilogue_scale)
+            alpha = self.alpha(mGA, mGB)
             if const_expr(p.acc_sets > 1):
                 for i in range_constexpr(cute.size(acc)):
                     acc[i] = self.sum_sets(accs, i, 0, p.acc_sets)
@@ -376,12 +323,7 @@ class GemmSm90Kernel:
                 gm = m0 + mm
                 gn = n0 + nn
                 if (gm < M) & (gn < N):
-                    y = acc[i] * alpha
-                    if const_expr(p.bias):
-                        y = y + mBias[gn]
-                    if const_expr(p.accumulate):
-                        y = y + Float32(mC[gm, gn])
-                    mC[gm, gn] = p.out_dtype(y)
+                    self.store_output(mC, mBias, gm, gn, acc[i] * alpha)
 
     def sum_sets(self, accs: list, i: int, lo: int, hi: int) -> Float32:
         """Element i of accumulator sets lo..hi-1 summed as a balanced tree ((a0 + a1) +
@@ -391,85 +333,6 @@ class GemmSm90Kernel:
             return accs[lo][i]
         mid = (lo + hi) // 2
         return self.sum_sets(accs, i, lo, mid) + self.sum_sets(accs, i, mid, hi)
-
-    # ------------------------------------------------------------------------------------------
-    @cute.jit
-    def producer(
-        self,
-        tma_atom_a: cute.CopyAtom,
-        mA_tma: cute.Tensor,
-        tma_atom_b: cute.CopyAtom,
-        mB_tma: cute.Tensor,
-        mSFA: cute.Tensor,
-        mSFB: cute.Tensor,
-        storage,
-        a4_layout: cute.Layout,
-        b4_layout: cute.Layout,
-        full,
-        empty,
-        m_tile,
-        n_tile,
-        m0,
-        n0,
-        M,
-        ks,
-        k_tiles,
-        nsf_b,
-        lane,
-    ):
-        """TMA of the packed codes + cp.async of the scale codes, one fp4 stage per k-tile."""
-        p = self.p
-        sA4 = storage.sA4.get_tensor(a4_layout)
-        sB4 = storage.sB4.get_tensor(b4_layout)
-        gA4 = cute.local_tile(mA_tma, (p.tile_m, p.code_row_bytes), (None, None))
-        gB4 = cute.local_tile(mB_tma, (p.tile_n, p.code_row_bytes), (None, None))
-        tAsA, tAgA = cpasync.tma_partition(
-            tma_atom_a,
-            0,
-            cute.make_layout(1),
-            cute.group_modes(sA4, 0, 2),
-            cute.group_modes(gA4, 0, 2),
-        )
-        tBsB, tBgB = cpasync.tma_partition(
-            tma_atom_b,
-            0,
-            cute.make_layout(1),
-            cute.group_modes(sB4, 0, 2),
-            cute.group_modes(gB4, 0, 2),
-        )
-        sf_base = storage.sSF.data_ptr().toint()
-        sfa_g = mSFA.iterator.toint()
-        sfb_g = mSFB.iterator.toint()
-        for kt in cutlass.range(k_tiles, unroll=1):
-            st = kt % p.stages_fp4
-            cute.arch.mbarrier_wait(empty + st, ((kt // p.stages_fp4) & 1) ^ 1)
-            with cute.arch.elect_one():
-                cute.arch.mbarrier_arrive_and_expect_tx(full + st, p.tx_bytes)
-            # cute.copy elects its own thread: called by the whole warp
-            cute.copy(tma_atom_a, tAgA[(None, m_tile, kt)], tAsA[(None, st)], tma_bar_ptr=full + st)
-            cute.copy(tma_atom_b, tBgB[(None, n_tile, kt)], tBsB[(None, st)], tma_bar_ptr=full + st)
-            # scale codes: sf_per_ktile bytes per row, cp.async, the same barrier
-            sf_dst = sf_base + st * p.sf_stage_bytes
-            for j in range_constexpr((p.sf_rows + 31) // 32):
-                row = lane + 32 * j
-                if row < p.tile_m:
-                    if m0 + row < M:
-                        cp_async_4(
-                            sf_dst + row * p.sf_per_ktile,
-                            sfa_g + Int64(m0 + row) * Int64(ks) + Int64(kt * p.sf_per_ktile),
-                        )
-                elif row < p.sf_rows:
-                    if const_expr(p.b_sf_2d):
-                        grow = n0 // 16 + (row - p.tile_m)  # one scale row per 16 rows of B
-                    else:
-                        grow = n0 + (row - p.tile_m)
-                    if grow < nsf_b:
-                        cp_async_4(
-                            sf_dst + row * p.sf_per_ktile,
-                            sfb_g + Int64(grow) * Int64(ks) + Int64(kt * p.sf_per_ktile),
-                        )
-            cute.arch.cp_async_mbarrier_arrive_noinc(full + st)
-        cute.arch.cp_async_wait_group(0)
 
     # ------------------------------------------------------------------------------------------
     @cute.jit

@@ -22,7 +22,7 @@ grid (M-tiles, N-tiles, splits)
     CTA (m, n, s) computes the tile_m x tile_n tile (m, n) over the s-th of ``splits`` equal
     ranges of stages (ktiles_per_stage k-tiles of 64 values each); splits is the workspace's
     first extent, chosen per shape on the host to fill one wave of ctas_per_sm CTAs per SM.
-producer warp (after the compute warps)
+producer warp (after the compute warps; ``gemm_sm90_base.GemmSm90Base.producer``)
     per stage i (buffer i % stages), for each of its k-tiles: TMA of the A codes [tile_m rows,
     64 B] and the B codes [tile_n rows, 32 B] (back to back: the adjacent sectors of every row
     reach DRAM together); one cp.async of the stage's scale codes per row (4 bytes per k-tile);
@@ -82,35 +82,30 @@ import cuda.bindings.driver as cuda
 import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32, Int64, Uint8, Uint32, const_expr, range_constexpr
-from cutlass._mlir import ir
-from cutlass._mlir.dialects import llvm
-from cutlass.cute.nvgpu import cpasync
-from cutlass.cutlass_dsl import T, dsl_user_op
 
-from fp4gen.kernels.sm90_decode import (
-    LUT_HI_A,
-    LUT_HI_B,
-    LUT_LO_A,
-    LUT_LO_B,
-    MAG_BITS,
-    SIGN_BITS,
-    inline_asm,
-    ir_arg,
+from fp4gen.kernels.gemm_sm90_base import CodeSources, CtaTile, GemmSm90Base, GemmSm90BaseParams
+from fp4gen.kernels.sm90_decode import MAG_BITS, SIGN_BITS, lut_lookup, times_scale
+from fp4gen.kernels.sm90_ptx import (
+    atom_add_acq_rel,
+    ldg_cg_v4_f32,
+    lds_u32,
+    lds_v2,
     lds_v4,
-    mul_bf16x2_bcast,
+    lds_v4_f32,
+    mma_16816,
     prmt,
-    prmt_reg,
+    stg_u32_relaxed,
+    stg_v4_f32,
+    sts_u32,
+    sts_v2_f32,
 )
 
 
 @dataclass(frozen=True)
-class GemmSm90SmallParams:
+class GemmSm90SmallParams(GemmSm90BaseParams):
     """Everything the kernel depends on besides its tensors and its decodes: compile-time
     constants (``fp4gen.codegen.gemm`` derives them from the spec and its ``SmallMTile``)."""
 
-    tile_m: int  # rows of A per CTA
-    tile_n: int  # rows of B per CTA
-    tile_k: int  # values per k-tile (64)
     warp_m: int  # rows per warp
     warp_n: int  # columns per warp
     mma_m: int  # m16 atoms per warp (warp_m / 16)
@@ -121,22 +116,13 @@ class GemmSm90SmallParams:
     warps_k: int  # warps splitting the CTA's k-tiles round robin
     compute_warps: int
     compute_threads: int
-    threads: int  # compute warps + one producer warp
-    producer_warp: int
     stages: int  # mbarrier-guarded stages of ktiles_per_stage k-tiles each
     ktiles_per_stage: int  # loaded back to back: adjacent sectors of each row
     ctas_per_sm: int  # launch bound (ptxas keeps registers <= 65536 / (threads * this))
     subs: int  # a warp's k-tile slots per stage: sub0 + u * warps_k (u < subs)
     stage_step: int  # a warp's stride through the stages
     empty_arrivals: int  # the lanes of the warps that read a stage
-    sf_rows: int  # scale rows per stage: A's tile_m, then B's
-    sf_stage_bytes: int  # shared memory of a stage's scale codes
     epi_steps: int  # epilogue chunks (8 consecutive columns of one row) per compute thread
-    b_sf_2d: bool  # 16x16 B blocks: one B scale row per 16 rows of B
-    out_dtype: type[cutlass.Numeric]  # C's element type
-    bias: bool  # + bias[n], fp32 [N]
-    accumulate: bool  # + C[m, n]: C is read, then overwritten
-    epilogue_scale: float | None  # alpha's factor undoing the decode's scaling (None: none)
 
     @property
     def slots(self) -> int:
@@ -159,14 +145,14 @@ class GemmSm90SmallParams:
         return self.tile_k // 2
 
     @property
-    def sf_per_ktile(self) -> int:
-        """Scale codes of a row per k-tile (one per 16 values)."""
-        return self.tile_k // 16
-
-    @property
     def sf_row_bytes(self) -> int:
         """Scale codes of a row per stage (one cp.async)."""
         return self.sf_per_ktile * self.ktiles_per_stage
+
+    @property
+    def stages_fp4(self) -> int:
+        """``stages`` by the name GemmSm90Base's producer reads (GemmSm90BaseParams)."""
+        return self.stages
 
     @property
     def a_slot_bytes(self) -> int:
@@ -219,156 +205,6 @@ ScalePair = Callable[[Uint32], Uint32]
 
 
 # ----------------------------------------------------------------------------------------------
-# PTX helpers of this kernel (register fragments, the split-K reduction)
-# ----------------------------------------------------------------------------------------------
-@dsl_user_op
-def cp_async(dst_smem: Int32, src_gmem: Int64, nbytes: int, *, loc=None, ip=None):
-    """4-, 8- or 16-byte cp.async global -> shared (completion tracked by an mbarrier)."""
-    inline_asm(
-        None,
-        [ir_arg(dst_smem, Int32, loc, ip), ir_arg(src_gmem, Int64, loc, ip)],
-        f"cp.async.ca.shared.global [$0], [$1], {nbytes};",
-        "r,l,~{memory}",
-        True,
-    )
-
-
-@dsl_user_op
-def lds_v2(addr: Int32, *, loc=None, ip=None):
-    """8-byte shared load."""
-    st = ir.Type.parse("!llvm.struct<(i32, i32)>")
-    res = inline_asm(
-        st,
-        [ir_arg(addr, Int32, loc, ip)],
-        "ld.shared.v2.b32 {$0, $1}, [$2];",
-        "=r,=r,r,~{memory}",
-        side_effects=True,
-    )
-    return tuple(Uint32(llvm.extractvalue(T.i32(), res, [i], loc=loc, ip=ip)) for i in range(2))
-
-
-@dsl_user_op
-def lds_u32(addr: Int32, *, loc=None, ip=None) -> Uint32:
-    """4-byte shared load."""
-    return Uint32(
-        inline_asm(
-            T.i32(),
-            [ir_arg(addr, Int32, loc, ip)],
-            "ld.shared.b32 $0, [$1];",
-            "=r,r,~{memory}",
-            True,
-        )
-    )
-
-
-@dsl_user_op
-def sts_u32(addr: Int32, v: Uint32, *, loc=None, ip=None):
-    """4-byte shared store."""
-    inline_asm(
-        None,
-        [ir_arg(addr, Int32, loc, ip), ir_arg(v, Uint32, loc, ip)],
-        "st.shared.b32 [$0], $1;",
-        "r,r,~{memory}",
-        True,
-    )
-
-
-@dsl_user_op
-def sts_v2_f32(addr: Int32, a: Float32, b: Float32, *, loc=None, ip=None):
-    """Two fp32 to shared memory."""
-    inline_asm(
-        None,
-        [ir_arg(addr, Int32, loc, ip), ir_arg(a, Float32, loc, ip), ir_arg(b, Float32, loc, ip)],
-        "st.shared.v2.f32 [$0], {$1, $2};",
-        "r,f,f,~{memory}",
-        True,
-    )
-
-
-@dsl_user_op
-def lds_v4_f32(addr: Int32, *, loc=None, ip=None):
-    """Four fp32 from shared memory."""
-    st = ir.Type.parse("!llvm.struct<(f32, f32, f32, f32)>")
-    res = inline_asm(
-        st,
-        [ir_arg(addr, Int32, loc, ip)],
-        "ld.shared.v4.f32 {$0, $1, $2, $3}, [$4];",
-        "=f,=f,=f,=f,r,~{memory}",
-        side_effects=True,
-    )
-    return tuple(Float32(llvm.extractvalue(T.f32(), res, [i], loc=loc, ip=ip)) for i in range(4))
-
-
-@dsl_user_op
-def stg_v4_f32(addr: Int64, a: Float32, b: Float32, c: Float32, d: Float32, *, loc=None, ip=None):
-    """Four fp32 to global memory (the split-K workspace)."""
-    inline_asm(
-        None,
-        [ir_arg(addr, Int64, loc, ip)] + [ir_arg(x, Float32, loc, ip) for x in (a, b, c, d)],
-        "st.global.v4.f32 [$0], {$1, $2, $3, $4};",
-        "l,f,f,f,f,~{memory}",
-        True,
-    )
-
-
-@dsl_user_op
-def ldg_cg_v4_f32(addr: Int64, *, loc=None, ip=None):
-    """Four fp32 from global memory through L2 only (other CTAs wrote them)."""
-    st = ir.Type.parse("!llvm.struct<(f32, f32, f32, f32)>")
-    res = inline_asm(
-        st,
-        [ir_arg(addr, Int64, loc, ip)],
-        "ld.global.cg.v4.f32 {$0, $1, $2, $3}, [$4];",
-        "=f,=f,=f,=f,l,~{memory}",
-        side_effects=True,
-    )
-    return tuple(Float32(llvm.extractvalue(T.f32(), res, [i], loc=loc, ip=ip)) for i in range(4))
-
-
-@dsl_user_op
-def atom_add_acq_rel(addr: Int64, v: Uint32, *, loc=None, ip=None) -> Uint32:
-    """Atomic add on a global u32 with acquire-release semantics at GPU scope; the old value."""
-    return Uint32(
-        inline_asm(
-            T.i32(),
-            [ir_arg(addr, Int64, loc, ip), ir_arg(v, Uint32, loc, ip)],
-            "atom.acq_rel.gpu.global.add.u32 $0, [$1], $2;",
-            "=r,l,r,~{memory}",
-            True,
-        )
-    )
-
-
-@dsl_user_op
-def stg_u32(addr: Int64, v: Uint32, *, loc=None, ip=None):
-    """4-byte global store (the counter reset)."""
-    inline_asm(
-        None,
-        [ir_arg(addr, Int64, loc, ip), ir_arg(v, Uint32, loc, ip)],
-        "st.relaxed.gpu.global.b32 [$0], $1;",
-        "l,r,~{memory}",
-        True,
-    )
-
-
-@dsl_user_op
-def mma_16816(a, b, c, *, loc=None, ip=None):
-    """mma.sync m16n8k16, bf16 x bf16 -> fp32: a = 4 bf16x2 words (rows g / g+8, k 2q.. /
-    2q+8..), b = 2 bf16x2 words (k 2q.. / 2q+8.., column g), c = 4 fp32 (rows g, g+8; columns
-    2q, 2q+1); returns d = a b + c."""
-    st = ir.Type.parse("!llvm.struct<(f32, f32, f32, f32)>")
-    ops = [ir_arg(x, Uint32, loc, ip) for x in (*a, *b)] + [ir_arg(x, Float32, loc, ip) for x in c]
-    res = inline_asm(
-        st,
-        ops,
-        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 "
-        "{$0, $1, $2, $3}, {$4, $5, $6, $7}, {$8, $9}, {$10, $11, $12, $13};",
-        "=f,=f,=f,=f,r,r,r,r,r,r,0,1,2,3",
-    )
-    return tuple(Float32(llvm.extractvalue(T.f32(), res, [i], loc=loc, ip=ip)) for i in range(4))
-
-
-# ----------------------------------------------------------------------------------------------
 # A's decodes: 8 e2m1 codes one per byte, in the K order of B's decode8 of the same name
 # ----------------------------------------------------------------------------------------------
 @cute.jit
@@ -383,12 +219,7 @@ def decode8_bytes_arith(lo: Uint32, hi_codes: Uint32, sc: Uint32, hi: cutlass.Co
     w1 = ((od << Uint32(6)) & m) | ((od << Uint32(12)) & sg)  # (1, 5)
     w2 = ((ev >> Uint32(2)) & m) | ((ev << Uint32(4)) & sg)  # (2, 6)
     w3 = ((od >> Uint32(2)) & m) | ((od << Uint32(4)) & sg)  # (3, 7)
-    return (
-        mul_bf16x2_bcast(w0, sc, hi),
-        mul_bf16x2_bcast(w1, sc, hi),
-        mul_bf16x2_bcast(w2, sc, hi),
-        mul_bf16x2_bcast(w3, sc, hi),
-    )
+    return times_scale((w0, w1, w2, w3), sc, hi)
 
 
 @cute.jit
@@ -397,10 +228,8 @@ def decode4_bytes_lut(x: Uint32):
     mm = x & Uint32(0x07070707)
     sel = mm | (mm << Uint32(4))  # selector nibbles: element 0, 0, 1, 1, 2, 2, 3, 3
     sel_hi = sel >> Uint32(16)
-    lo01 = prmt_reg(Uint32(LUT_LO_A), Uint32(LUT_LO_B), sel)
-    hi01 = prmt_reg(Uint32(LUT_HI_A), Uint32(LUT_HI_B), sel)
-    lo23 = prmt_reg(Uint32(LUT_LO_A), Uint32(LUT_LO_B), sel_hi)
-    hi23 = prmt_reg(Uint32(LUT_HI_A), Uint32(LUT_HI_B), sel_hi)
+    lo01, hi01 = lut_lookup(sel)
+    lo23, hi23 = lut_lookup(sel_hi)
     s = x << Uint32(4)  # the sign of element e at bit 7 of byte e
     sign = Uint32(0x80008000)
     w01 = prmt(lo01, hi01, 0x7250) | (prmt(s, s, 0x1000) & sign)
@@ -414,22 +243,17 @@ def decode8_bytes_lut(lo: Uint32, hi_codes: Uint32, sc: Uint32, hi: cutlass.Cons
     in decode8_lut's order: word j holds elements (2j, 2j+1)."""
     w0, w1 = decode4_bytes_lut(lo)
     w2, w3 = decode4_bytes_lut(hi_codes)
-    return (
-        mul_bf16x2_bcast(w0, sc, hi),
-        mul_bf16x2_bcast(w1, sc, hi),
-        mul_bf16x2_bcast(w2, sc, hi),
-        mul_bf16x2_bcast(w3, sc, hi),
-    )
+    return times_scale((w0, w1, w2, w3), sc, hi)
 
 
 # ----------------------------------------------------------------------------------------------
 # The kernel
 # ----------------------------------------------------------------------------------------------
-class GemmSm90SmallKernel:
+class GemmSm90SmallKernel(GemmSm90Base):
     """C = alpha * A @ B^T (+ C) on sm_90a for small M without a bias (module docstring):
     ``__call__(mA, mSFA, mB, mSFB, mGA, mGB, mC, mWs, mCtr, stream)``."""
 
-    TAKES_BIAS: ClassVar[bool] = False  # the launch's arguments: with or without mBias
+    p: GemmSm90SmallParams
 
     def __init__(
         self,
@@ -438,11 +262,7 @@ class GemmSm90SmallKernel:
         decode8_bytes: Decode8Bytes,
         scale_pair: ScalePair,
     ) -> None:
-        if params.bias != self.TAKES_BIAS:
-            raise ValueError(
-                f"{type(self).__name__} takes bias={self.TAKES_BIAS}; the params say {params.bias}"
-            )
-        self.p = params
+        super().__init__(params)
         self.decode8 = decode8  # B: 8 packed codes
         self.decode8_bytes = decode8_bytes  # A: 8 codes one per byte
         self.scale_pair = scale_pair
@@ -481,24 +301,7 @@ class GemmSm90SmallKernel:
     ):
         """The TMA descriptors, the shared-memory layout and the grid of the kernel."""
         p = self.p
-        a_layout = cute.make_layout(
-            (p.tile_m, p.a_row_bytes, p.slots), stride=(p.a_row_bytes, 1, p.a_slot_bytes)
-        )
-        b_layout = cute.make_layout(
-            (p.tile_n, p.b_row_bytes, p.slots), stride=(p.b_row_bytes, 1, p.b_slot_bytes)
-        )
-        tma_atom_a, tma_a = cpasync.make_tiled_tma_atom(
-            cpasync.CopyBulkTensorTileG2SOp(),
-            mA,
-            cute.slice_(a_layout, (None, None, 0)),
-            (p.tile_m, p.a_row_bytes),
-        )
-        tma_atom_b, tma_b = cpasync.make_tiled_tma_atom(
-            cpasync.CopyBulkTensorTileG2SOp(),
-            mB,
-            cute.slice_(b_layout, (None, None, 0)),
-            (p.tile_n, p.b_row_bytes),
-        )
+        a_layout, b_layout, tma_atom_a, tma_a, tma_atom_b, tma_b = self.code_tma(mA, mB)
 
         @cute.struct
         class SharedStorage:
@@ -513,8 +316,7 @@ class GemmSm90SmallKernel:
 
         self.shared_storage = SharedStorage
 
-        m_tiles = (mC.shape[0] + (p.tile_m - 1)) // p.tile_m
-        n_tiles = (mC.shape[1] + (p.tile_n - 1)) // p.tile_n
+        m_tiles, n_tiles = self.tile_counts(mC.shape[0], mC.shape[1])
         self.kernel(
             tma_atom_a,
             tma_a,
@@ -573,49 +375,17 @@ class GemmSm90SmallKernel:
         kt_per = (k_stages + splits - 1) // splits
         k_begin = split * kt_per
         nk = cutlass.max(cutlass.min(kt_per, k_stages - k_begin), 0)
-        m0 = m_tile * p.tile_m
-        n0 = n_tile * p.tile_n
+        tile = CtaTile(m_tile, n_tile, m_tile * p.tile_m, n_tile * p.tile_n, M, N)
+        src = CodeSources(
+            tma_atom_a, mA_tma, tma_atom_b, mB_tma, a_layout, b_layout, mSFA, mSFB, ks, nsf_b
+        )
 
-        # ---- shared memory and the stage barriers
-        smem = cutlass.memory.SmemAllocator()
-        storage = smem.allocate(self.shared_storage)
-        full = storage.full.data_ptr()
-        empty = storage.empty.data_ptr()
-        if tidx == 0:
-            for i in range_constexpr(p.stages):
-                cute.arch.mbarrier_init(full + i, 33)  # expect_tx arrive + 32 cp.async arrives
-                cute.arch.mbarrier_init(empty + i, p.empty_arrivals)
-            cute.arch.mbarrier_init_fence()
-        if warp_idx == p.producer_warp:
-            cpasync.prefetch_descriptor(tma_atom_a)
-            cpasync.prefetch_descriptor(tma_atom_b)
-        cute.arch.barrier()
+        # ---- shared memory and the stage barriers (the lanes of the warps that read a stage)
+        storage, full, empty = self.stage_barriers(src, tidx, warp_idx, p.empty_arrivals)
 
         # ============================================================== producer warp
         if warp_idx == p.producer_warp:
-            self.producer(
-                tma_atom_a,
-                mA_tma,
-                tma_atom_b,
-                mB_tma,
-                mSFA,
-                mSFB,
-                storage,
-                a_layout,
-                b_layout,
-                full,
-                empty,
-                m_tile,
-                n_tile,
-                m0,
-                n0,
-                M,
-                ks,
-                k_begin,
-                nk,
-                nsf_b,
-                lane,
-            )
+            self.producer(src, storage, full, empty, tile, k_begin, nk, lane)
 
         # ============================================================== compute warps
         if warp_idx < p.compute_warps:
@@ -624,126 +394,25 @@ class GemmSm90SmallKernel:
             self.mainloop(storage, full, empty, nk, warp_idx, lane, acc)
             part = cute.make_rmem_tensor((p.epi_steps * 8,), Float32)
             self.reduce_warps(storage, warp_idx, lane, tidx, acc, part)
-            self.finish(
-                storage,
-                mGA,
-                mGB,
-                mC,
-                mBias,
-                mWs,
-                mCtr,
-                part,
-                tidx,
-                m_tile,
-                n_tile,
-                split,
-                splits,
-                m0,
-                n0,
-                M,
-                N,
-            )
+            self.finish(storage, mGA, mGB, mC, mBias, mWs, mCtr, part, tidx, tile, split, splits)
 
     # ------------------------------------------------------------------------------------------
-    @cute.jit
-    def producer(
-        self,
-        tma_atom_a,
-        mA_tma,
-        tma_atom_b,
-        mB_tma,
-        mSFA,
-        mSFB,
-        storage,
-        a_layout,
-        b_layout,
-        full,
-        empty,
-        m_tile,
-        n_tile,
-        m0,
-        n0,
-        M,
-        ks,
-        k_begin,
-        nk,
-        nsf_b,
-        lane,
-    ):
-        """TMA of the codes (ktiles_per_stage k-tiles per stage) + cp.async of the scale codes."""
-        p = self.p
-        sA4 = storage.sA4.get_tensor(a_layout)
-        sB4 = storage.sB4.get_tensor(b_layout)
-        gA4 = cute.local_tile(mA_tma, (p.tile_m, p.a_row_bytes), (None, None))
-        gB4 = cute.local_tile(mB_tma, (p.tile_n, p.b_row_bytes), (None, None))
-        tAsA, tAgA = cpasync.tma_partition(
-            tma_atom_a,
-            0,
-            cute.make_layout(1),
-            cute.group_modes(sA4, 0, 2),
-            cute.group_modes(gA4, 0, 2),
-        )
-        tBsB, tBgB = cpasync.tma_partition(
-            tma_atom_b,
-            0,
-            cute.make_layout(1),
-            cute.group_modes(sB4, 0, 2),
-            cute.group_modes(gB4, 0, 2),
-        )
-        sf_base = storage.sSF.data_ptr().toint()
-        sfa_g = mSFA.iterator.toint()
-        sfb_g = mSFB.iterator.toint()
-        for i in cutlass.range(nk, unroll=1):
-            st = i % p.stages
-            kst = k_begin + i
-            cute.arch.mbarrier_wait(empty + st, ((i // p.stages) & 1) ^ 1)
-            with cute.arch.elect_one():
-                cute.arch.mbarrier_arrive_and_expect_tx(full + st, p.tx_bytes)
-            # cute.copy elects its own thread: called by the whole warp
-            for s in range_constexpr(p.ktiles_per_stage):
-                kt = kst * p.ktiles_per_stage + s
-                slot = st * p.ktiles_per_stage + s
-                cute.copy(
-                    tma_atom_a, tAgA[(None, m_tile, kt)], tAsA[(None, slot)], tma_bar_ptr=full + st
-                )
-                cute.copy(
-                    tma_atom_b, tBgB[(None, n_tile, kt)], tBsB[(None, slot)], tma_bar_ptr=full + st
-                )
-            # scale codes: sf_row_bytes per row, one cp.async each, the same barrier
-            sf_dst = sf_base + st * p.sf_stage_bytes
-            for j in range_constexpr((p.sf_rows + 31) // 32):
-                row = lane + 32 * j
-                if row < p.tile_m:
-                    if m0 + row < M:
-                        cp_async(
-                            sf_dst + row * p.sf_row_bytes,
-                            sfa_g + Int64(m0 + row) * Int64(ks) + Int64(kst * p.sf_row_bytes),
-                            p.sf_row_bytes,
-                        )
-                elif row < p.sf_rows:
-                    if const_expr(p.b_sf_2d):
-                        grow = n0 // 16 + (row - p.tile_m)  # one scale row per 16 rows of B
-                    else:
-                        grow = n0 + (row - p.tile_m)
-                    if grow < nsf_b:
-                        cp_async(
-                            sf_dst + row * p.sf_row_bytes,
-                            sfb_g + Int64(grow) * Int64(ks) + Int64(kst * p.sf_row_bytes),
-                            p.sf_row_bytes,
-                        )
-            cute.arch.cp_async_mbarrier_arrive_noinc(full + st)
-        cute.arch.cp_async_wait_group(0)
-
-    # ------------------------------------------------------------------------------------------
-    @cute.jit
-    def mainloop(self, storage, full, empty, nk, warp, lane, acc):
-        """Warp (wm, wn, wk): its k-tile slots of the CTA's stages, decoded in registers."""
+    def warp_coords(self, warp, lane) -> tuple[Int32, Int32, Int32, Int32, Int32]:
+        """Warp (wm, wn, wk) of the warps_m x warps_n x warps_k compute warps (M fastest) and
+        its lane's mma fragment coordinates (g, q) = (lane / 4, lane % 4)."""
         p = self.p
         wm = warp % p.warps_m
         wn = (warp // p.warps_m) % p.warps_n
         wk = warp // (p.warps_m * p.warps_n)
         g = lane >> 2
         q = lane & 3
+        return wm, wn, wk, g, q
+
+    @cute.jit
+    def mainloop(self, storage, full, empty, nk, warp, lane, acc):
+        """Warp (wm, wn, wk): its k-tile slots of the CTA's stages, decoded in registers."""
+        p = self.p
+        wm, wn, wk, g, q = self.warp_coords(warp, lane)
         # byte offsets inside a slot: A rows wm * warp_m + 16 i + g (+ 8), B rows
         # wn * warp_n + 8 t + g, lane q's 16-value block (16 A bytes, 8 B bytes); scale rows
         # inside a stage (sf_row_bytes each, 4 per k-tile slot)
@@ -820,16 +489,14 @@ class GemmSm90SmallKernel:
         sa_codes = []
         for i2 in range_constexpr(p.mma_m):
             sa_codes.append(
-                prmt_reg(
+                prmt(
                     lds_u32(sf_slot + sfa_off[2 * i2]), lds_u32(sf_slot + sfa_off[2 * i2 + 1]), sel
                 )
             )
         sb_codes = []
         for j in range_constexpr(len(sfb_off) // 2):
             sb_codes.append(
-                prmt_reg(
-                    lds_u32(sf_slot + sfb_off[2 * j]), lds_u32(sf_slot + sfb_off[2 * j + 1]), sel
-                )
+                prmt(lds_u32(sf_slot + sfb_off[2 * j]), lds_u32(sf_slot + sfb_off[2 * j + 1]), sel)
             )
         if const_expr(release):
             cute.arch.mbarrier_arrive(empty_bar)  # the stage is in registers
@@ -872,11 +539,7 @@ class GemmSm90SmallKernel:
         """Sum the warps_k partial tiles in shared memory (warp order) into ``part``: thread
         tidx holds chunks c = tidx + s * compute_threads (8 consecutive columns of one row)."""
         p = self.p
-        wm = warp % p.warps_m
-        wn = (warp // p.warps_m) % p.warps_n
-        wk = warp // (p.warps_m * p.warps_n)
-        g = lane >> 2
-        q = lane & 3
+        wm, wn, wk, g, q = self.warp_coords(warp, lane)
         red = storage.sA4.data_ptr().toint()  # the code slots, read by every warp by now
         cute.arch.barrier(barrier_id=1, number_of_threads=p.compute_threads)
         for i2 in range_constexpr(p.mma_m):
@@ -916,17 +579,13 @@ class GemmSm90SmallKernel:
         mCtr,
         part,
         tidx,
-        m_tile,
-        n_tile,
+        tile: CtaTile,
         split,
         splits,
-        m0,
-        n0,
-        M,
-        N,
     ):
         """Split-K (workspace, counter, ordered sum by the last CTA), then the epilogue."""
         p = self.p
+        m_tile, n_tile, m0, n0, M, N = tile
         flag = storage.flag.data_ptr().toint()
         m_tiles, n_tiles, _ = cute.arch.grid_dim()
         tile_id = n_tile * m_tiles + m_tile
@@ -947,7 +606,7 @@ class GemmSm90SmallKernel:
                 old = atom_add_acq_rel(ctr, Uint32(1))
                 last = old == Uint32(splits - 1)
                 if last:
-                    stg_u32(ctr, Uint32(0))  # ready for the next call
+                    stg_u32_relaxed(ctr, Uint32(0))  # ready for the next call
                 sts_u32(flag, cutlass.select_(last, Uint32(1), Uint32(0)))
         else:
             if tidx == 0:
@@ -968,9 +627,7 @@ class GemmSm90SmallKernel:
                             part[s * 8 + e] = part[s * 8 + e] + v0[e]
                             part[s * 8 + 4 + e] = part[s * 8 + 4 + e] + v1[e]
             # ---- epilogue: y = acc * alpha (+ bias) (+ C), predicated stores
-            alpha = mGA[0] * mGB[0]
-            if const_expr(p.epilogue_scale is not None):
-                alpha = alpha * Float32(p.epilogue_scale)
+            alpha = self.alpha(mGA, mGB)
             for s in range_constexpr(p.epi_steps):
                 c = tidx + s * p.compute_threads
                 gm = m0 + c // p.chunks_per_row
@@ -979,12 +636,7 @@ class GemmSm90SmallKernel:
                     for e in range_constexpr(8):
                         gn = gn0 + e
                         if gn < N:
-                            y = part[s * 8 + e] * alpha
-                            if const_expr(p.bias):
-                                y = y + mBias[gn]
-                            if const_expr(p.accumulate):
-                                y = y + Float32(mC[gm, gn])
-                            mC[gm, gn] = p.out_dtype(y)
+                            self.store_output(mC, mBias, gm, gn, part[s * 8 + e] * alpha)
 
 
 class GemmSm90SmallBiasKernel(GemmSm90SmallKernel):

@@ -1,7 +1,7 @@
-"""Device helpers of the Hopper fused GEMMs (fp4gen/templates/gemm_sm90*.py.j2): PTX wrappers
-for shared-memory loads and stores, cp.async, byte permutes and the bf16x2 multiply, and the two
-e2m1 decodes with their scale conversions. None depends on the spec beyond the decode it picks,
-so generated modules import them from here.
+"""The e2m1 decodes of the Hopper fused GEMMs (fp4gen/templates/gemm_sm90*.py.j2) and their
+scale conversions: 8 packed codes and a pair of block-scale codes -> 4 bf16x2 words. None
+depends on the spec beyond the decode it picks, so generated modules import them from here; the
+PTX wrappers they are made of (prmt, the bf16x2 multiply) are ``fp4gen.kernels.sm90_ptx``'s.
 
 The decodes (sm_90 has no e2m1 convert):
 
@@ -13,19 +13,16 @@ The decodes (sm_90 has no e2m1 convert):
 * "lut" (ue8m0 block scales): prmt byte tables of the eight bf16 magnitudes, the sign bytes
   gathered with two more prmt (natural K order), then one HMUL2.BF16 by the block scale, whose
   bf16 bits are c << 7 (code 0 the subnormal 2^-127, code 255 NaN).
-
-Shared-memory and cp.async helpers have side effects (they must stay after the mbarrier
-waits); pure math is free for LLVM to schedule.
 """
 
 from __future__ import annotations
 
 import cutlass
 import cutlass.cute as cute
-from cutlass import Int32, Int64, Uint32
-from cutlass._mlir import ir
-from cutlass._mlir.dialects import llvm
+from cutlass import Uint32
 from cutlass.cutlass_dsl import T, dsl_user_op
+
+from fp4gen.kernels.sm90_ptx import inline_asm, ir_arg, mul_bf16x2_bcast, prmt
 
 # ---- "arith" decode
 TWO_POW_119 = 0x7B000000  # fp32 bits of 2^119
@@ -40,121 +37,10 @@ LUT_LO_A, LUT_LO_B = 0xC0800000, 0xC0804000  # codes 0-3 / 4-7
 LUT_HI_A, LUT_HI_B = 0x3F3F3F00, 0x40404040
 
 
-# ----------------------------------------------------------------------------------------------
-# PTX helpers
-# ----------------------------------------------------------------------------------------------
-def inline_asm(ret, operands, text, constraints, side_effects=False):
-    """One PTX inline-asm statement (AT&T dialect, no stack alignment)."""
-    return llvm.inline_asm(
-        ret,
-        operands,
-        text,
-        constraints,
-        has_side_effects=side_effects,
-        is_align_stack=False,
-        asm_dialect=llvm.AsmDialect.AD_ATT,
-    )
-
-
-def ir_arg(x, t, loc, ip):
-    """``x`` as an MLIR value of DSL type ``t`` (an inline-asm operand)."""
-    return t(x).ir_value(loc=loc, ip=ip)
-
-
-@dsl_user_op
-def lds_v4(addr: Int32, *, loc=None, ip=None):
-    """16-byte shared load."""
-    st = ir.Type.parse("!llvm.struct<(i32, i32, i32, i32)>")
-    res = inline_asm(
-        st,
-        [ir_arg(addr, Int32, loc, ip)],
-        "ld.shared.v4.b32 {$0, $1, $2, $3}, [$4];",
-        "=r,=r,=r,=r,r,~{memory}",
-        side_effects=True,
-    )
-    return tuple(Uint32(llvm.extractvalue(T.i32(), res, [i], loc=loc, ip=ip)) for i in range(4))
-
-
-@dsl_user_op
-def lds_u16(addr: Int32, *, loc=None, ip=None) -> Uint32:
-    """2-byte shared load (two scale codes)."""
-    return Uint32(
-        inline_asm(
-            T.i32(),
-            [ir_arg(addr, Int32, loc, ip)],
-            "ld.shared.u16 $0, [$1];",
-            "=r,r,~{memory}",
-            True,
-        )
-    )
-
-
-@dsl_user_op
-def sts_v4(addr: Int32, a: Uint32, b: Uint32, c: Uint32, d: Uint32, *, loc=None, ip=None):
-    """16-byte shared store."""
-    inline_asm(
-        None,
-        [ir_arg(addr, Int32, loc, ip)] + [ir_arg(x, Uint32, loc, ip) for x in (a, b, c, d)],
-        "st.shared.v4.b32 [$0], {$1, $2, $3, $4};",
-        "r,r,r,r,r,~{memory}",
-        True,
-    )
-
-
-@dsl_user_op
-def cp_async_4(dst_smem: Int32, src_gmem: Int64, *, loc=None, ip=None):
-    """4-byte cp.async global -> shared (completion tracked by an mbarrier)."""
-    inline_asm(
-        None,
-        [ir_arg(dst_smem, Int32, loc, ip), ir_arg(src_gmem, Int64, loc, ip)],
-        "cp.async.ca.shared.global [$0], [$1], 4;",
-        "r,l,~{memory}",
-        True,
-    )
-
-
-@dsl_user_op
-def mul_bf16x2_bcast(a: Uint32, pair: Uint32, hi: bool, *, loc=None, ip=None) -> Uint32:
-    """a (bf16x2) times one bf16 half of ``pair`` broadcast to both halves (ptxas folds the
-    broadcast into the HMUL2 operand swizzle)."""
-    half = "h" if hi else "l"
-    return Uint32(
-        inline_asm(
-            T.i32(),
-            [ir_arg(a, Uint32, loc, ip), ir_arg(pair, Uint32, loc, ip)],
-            "{\n\t.reg .b16 l, h;\n\t.reg .b32 s;\n\t"
-            "mov.b32 {l, h}, $2;\n\t"
-            "mov.b32 s, {" + half + ", " + half + "};\n\t"
-            "mul.rn.bf16x2 $0, $1, s;\n\t}",
-            "=r,r,r",
-        )
-    )
-
-
-@dsl_user_op
-def prmt(a: Uint32, b: Uint32, sel: int, *, loc=None, ip=None) -> Uint32:
-    """Byte permute of {b, a} with an immediate selector."""
-    return Uint32(
-        inline_asm(
-            T.i32(),
-            [ir_arg(a, Uint32, loc, ip), ir_arg(b, Uint32, loc, ip)],
-            f"prmt.b32 $0, $1, $2, {sel:#x};",
-            "=r,r,r",
-        )
-    )
-
-
-@dsl_user_op
-def prmt_reg(a: Uint32, b: Uint32, sel: Uint32, *, loc=None, ip=None) -> Uint32:
-    """Byte permute of {b, a} with a register selector (the table lookup)."""
-    return Uint32(
-        inline_asm(
-            T.i32(),
-            [ir_arg(a, Uint32, loc, ip), ir_arg(b, Uint32, loc, ip), ir_arg(sel, Uint32, loc, ip)],
-            "prmt.b32 $0, $1, $2, $3;",
-            "=r,r,r,r",
-        )
-    )
+def times_scale(words: tuple[Uint32, ...], sc: Uint32, hi: bool) -> tuple[Uint32, ...]:
+    """The decoded bf16x2 words times the low (hi False) or high half of the scale pair ``sc``:
+    the last step of every decode (one HMUL2.BF16 a word)."""
+    return tuple(mul_bf16x2_bcast(w, sc, hi) for w in words)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -192,12 +78,7 @@ def decode8_arith(x: Uint32, sc: Uint32, hi: cutlass.Constexpr[bool]):
     w1 = ((x << Uint32(2)) & m) | ((x << Uint32(8)) & sg)
     w2 = ((x >> Uint32(2)) & m) | ((x << Uint32(4)) & sg)
     w3 = ((x >> Uint32(6)) & m) | (x & sg)
-    return (
-        mul_bf16x2_bcast(w0, sc, hi),
-        mul_bf16x2_bcast(w1, sc, hi),
-        mul_bf16x2_bcast(w2, sc, hi),
-        mul_bf16x2_bcast(w3, sc, hi),
-    )
+    return times_scale((w0, w1, w2, w3), sc, hi)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -220,19 +101,27 @@ def scale_pair_lut(codes: Uint32) -> Uint32:
     return lo | (hi << Uint32(16))
 
 
+def lut_lookup(sel: Uint32) -> tuple[Uint32, Uint32]:
+    """The low and the high bytes of the bf16 magnitudes whose codes the nibbles of ``sel``'s low
+    half select (prmt byte tables)."""
+    lo = prmt(Uint32(LUT_LO_A), Uint32(LUT_LO_B), sel)
+    hi = prmt(Uint32(LUT_HI_A), Uint32(LUT_HI_B), sel)
+    return lo, hi
+
+
 @cute.jit
 def decode8_lut(x: Uint32, sc: Uint32, hi: cutlass.Constexpr[bool]):
     """8 e2m1 codes -> 4 bf16x2 words of v * s, natural order: word j = elements (2j, 2j+1)."""
     xm = x & Uint32(0x77777777)  # magnitudes as prmt byte indices (bit 3, the mode, cleared)
     xm_hi = xm >> Uint32(16)
-    l03 = prmt_reg(Uint32(LUT_LO_A), Uint32(LUT_LO_B), xm)
-    h03 = prmt_reg(Uint32(LUT_HI_A), Uint32(LUT_HI_B), xm)
-    l47 = prmt_reg(Uint32(LUT_LO_A), Uint32(LUT_LO_B), xm_hi)
-    h47 = prmt_reg(Uint32(LUT_HI_A), Uint32(LUT_HI_B), xm_hi)
+    l03, h03 = lut_lookup(xm)
+    l47, h47 = lut_lookup(xm_hi)
     # the sign of element e to bit 7 of byte e: even elements from x << 4, odd ones from x
     xs = x << Uint32(4)
     h03 = h03 | (prmt(xs, x, 0x5140) & Uint32(0x80808080))
     h47 = h47 | (prmt(xs, x, 0x7362) & Uint32(0x80808080))
+    # each word multiplied as soon as it is gathered (times_scale after all four prmt would
+    # reorder the instructions of every lut GEMM's PTX)
     return (
         mul_bf16x2_bcast(prmt(l03, h03, 0x5140), sc, hi),
         mul_bf16x2_bcast(prmt(l03, h03, 0x7362), sc, hi),
