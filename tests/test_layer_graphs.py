@@ -73,3 +73,16 @@ def test_in_place_addresses_name_strides_as_well() -> None:
     x = torch.zeros(4, 8)
     assert layer_graphs._addresses((x,)) != layer_graphs._addresses((x.t(),))
     assert layer_graphs._addresses((x,)) == layer_graphs._addresses((x.view(4, 8),))
+
+
+def test_result_tensors_are_made_as_the_warm_up_gave_them_and_named_by_address() -> None:
+    """A call's result tensors (made before its replay) have the warm-up's shapes and dtypes,
+    absent results stay None, and their addresses name them like the activations'."""
+    shapes = ((torch.Size([4, 8]), torch.bfloat16), None, (torch.Size([]), torch.float32))
+    made = layer_graphs._fresh(shapes, torch.device("cpu"))
+    assert made[1] is None
+    assert made[0].shape == (4, 8) and made[0].dtype == torch.bfloat16
+    assert made[2].shape == () and made[2].dtype == torch.float32
+    where = layer_graphs._addresses(made)
+    assert where[1] is None
+    assert where[0] == (made[0].data_ptr(), (8, 1)) and where[2] == (made[2].data_ptr(), ())
