@@ -173,6 +173,9 @@ class Linear(nn.Linear):
         self._counters: dict[tuple[bool, torch.device], torch.Tensor] = {}
         self._device_offsets: dict[tuple[Operand, torch.device], DeviceOffset] = {}
         self._graphs: LayerGraphs | None = None  # made on the first CUDA call
+        # per pass (forward, backward): the last operand table _graphs_for checked for MoR
+        # operands and its answer, mutated in place (no Module.__setattr__ per call)
+        self._mor_free: list[tuple[Any, bool]] = [(None, False), (None, False)]
         self._last_described: list[Any] = [None, None]  # backward_gemms' layout key (_described)
         self._amax_group = _SharedGroup(None)
         self.amax_operands: frozenset[Operand] = frozenset()
@@ -346,7 +349,7 @@ class Linear(nn.Linear):
             (y, *pieces), layout = graphs.run_with_meta(key, work, (x2,), (weight, bias))
             # the pieces go to the backward graph as they are: no QuantizedTensor in between
             kept = None if layout is None else ops.WgradInput(tuple(pieces), layout, x2.dtype)
-        self._forward_calls += 1
+        self.__dict__["_forward_calls"] = call + 1  # not Module.__setattr__: it costs per call
         assert y is not None
         return y, kept
 
@@ -464,7 +467,7 @@ class Linear(nn.Linear):
 
             given = tuple(t for t in tensors if t is not None)
             dx, dw = graphs.run(key, work, (dy2, *given), (weight,))
-        self._backward_calls += 1
+        self.__dict__["_backward_calls"] = call + 1  # as in forward_gemm
         assert dx is not None and dw is not None
         return dx, dw
 
@@ -666,8 +669,12 @@ class Linear(nn.Linear):
             return None
         if not worth_graphing(t.shape[0], self.in_features, self.out_features):
             return None  # the GPU work outlasts the launches: a graph's copies would cost more
-        slots = FORWARD_SLOTS if forward else BACKWARD_SLOTS
-        if any(isinstance(getattr(table, name).format, MoRRef) for name in slots):
+        checked, mor_free = self._mor_free[forward]
+        if checked is not table:  # the schedule hands over the same table until it switches
+            slots = FORWARD_SLOTS if forward else BACKWARD_SLOTS
+            mor_free = not any(isinstance(getattr(table, name).format, MoRRef) for name in slots)
+            self._mor_free[forward] = (table, mor_free)
+        if not mor_free:
             return None
         if self._graphs is None:
             self._graphs = LayerGraphs(self.name)
