@@ -86,3 +86,32 @@ def test_result_tensors_are_made_as_the_warm_up_gave_them_and_named_by_address()
     where = layer_graphs._addresses(made)
     assert where[1] is None
     assert where[0] == (made[0].data_ptr(), (8, 1)) and where[2] == (made[2].data_ptr(), ())
+
+
+class _CudaLike:
+    """What ``Linear._graphs_for`` reads of a pass's input: is_cuda and the token count."""
+
+    is_cuda = True
+    shape = (64, 64)
+
+
+def test_a_pass_with_a_mor_operand_is_never_graphed_also_after_the_table_changes(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """``_graphs_for`` remembers its MoR answer per pass and operand table: a table with a MoR
+    operand (its kernels decide on the host) gets no graph, the block-format table does, and a
+    switch between them is seen in both directions."""
+    import fp4gen
+    from fp4gen.runtime import finite
+
+    monkeypatch.setenv("FP4GEN_LAYER_GRAPHS", "1")
+    plain = fp4gen.load_recipe("recipes/nvfp4_no_sr.fp4r").operands
+    mor = fp4gen.load_recipe("recipes/mor_tensor.fp4r")
+    layer = fp4gen.nn.Linear(64, 64, recipe=mor)
+    t = _CudaLike()
+    with finite.propagating():
+        for forward in (True, False):
+            assert layer._graphs_for(t, mor.operands, forward=forward) is None
+            assert layer._graphs_for(t, plain, forward=forward) is not None
+            assert layer._graphs_for(t, mor.operands, forward=forward) is None
+            assert layer._graphs_for(t, plain, forward=forward) is layer._graphs

@@ -173,8 +173,8 @@ class Linear(nn.Linear):
         self._counters: dict[tuple[bool, torch.device], torch.Tensor] = {}
         self._device_offsets: dict[tuple[Operand, torch.device], DeviceOffset] = {}
         self._graphs: LayerGraphs | None = None  # made on the first CUDA call
-        # per pass (forward, backward): the last operand table _graphs_for checked for MoR
-        # operands and its answer, mutated in place (no Module.__setattr__ per call)
+        # indexed by _graphs_for's ``forward`` (0: backward, 1: forward): the operand table it
+        # last checked for MoR operands and the answer, mutated in place (no Module.__setattr__)
         self._mor_free: list[tuple[Any, bool]] = [(None, False), (None, False)]
         self._last_described: list[Any] = [None, None]  # backward_gemms' layout key (_described)
         self._amax_group = _SharedGroup(None)
