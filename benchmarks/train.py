@@ -14,6 +14,10 @@ weights), as a user would train it. For each hidden size and recipe it prints:
 - peak memory of a step (torch.cuda.max_memory_allocated);
 - the ratio of each figure to BF16's.
 
+The header line times a bare ``x + 1`` and a ``torch.empty`` on the GPU's host: where the host's
+time meets the GPU's (hidden 1024-2048 eagerly) the eager columns follow the host's speed, and
+these two tell a slow host from a regression.
+
     python benchmarks/train.py [--hidden 1024,2048] [--layers 8,6] [--tokens 8192] [--seq 1024]
                                [--recipes bf16,recipes/nvfp4.fp4r] [--steps 10] [--graphs]
                                [--model llama|gpt] [--host-profile N] [--compare-saved-x]
@@ -286,6 +290,27 @@ def host_profile(step: Callable[[], object], top: int) -> None:
         print("\n".join("    " + line for line in out.getvalue().splitlines() if line.strip()))
 
 
+def host_speed(device: str, calls: int = 2000) -> tuple[float, float]:
+    """Microseconds per bare ``x + 1`` and per ``torch.empty`` on ``device``, the host's part
+    of a launch and of an allocation: the eager columns follow the host's speed where its time
+    meets the GPU's, so a run prints them beside its figures (docs/training-step.md)."""
+    x = torch.zeros(8, device=device)
+
+    def per_call(fn: Callable[[], object]) -> float:
+        for _ in range(50):
+            fn()
+        if x.is_cuda:
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        if x.is_cuda:
+            torch.cuda.synchronize()
+        return (time.perf_counter() - start) / calls * 1e6
+
+    return per_call(lambda: x + 1), per_call(lambda: torch.empty(8, device=device))
+
+
 def ratio(value: float | None, base: float | None) -> str:
     return "-" if value is None or not base else f"{value / base:.2f}x"
 
@@ -339,6 +364,11 @@ def main(argv: list[str] | None = None) -> int:
     print(
         f"model {args.model}, {args.tokens} tokens/step (seq {args.seq}), AdamW, bf16 autocast, "
         f"{torch.cuda.get_device_name()}"
+    )
+    add_us, empty_us = host_speed("cuda")
+    print(
+        f"host: x + 1 {add_us:.1f} us, torch.empty {empty_us:.1f} us per call (the eager "
+        "columns follow the host's speed where its time meets the GPU's)"
     )
     for i, hidden in enumerate(hiddens):
         layers = layer_counts[i] if i < len(layer_counts) else LAYERS_BY_HIDDEN.get(hidden, 4)

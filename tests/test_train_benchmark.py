@@ -46,3 +46,10 @@ def test_the_summary_measures_differences_against_bf16_noise(capsys) -> None:
     out = capsys.readouterr().out
     assert "a: last 2 steps 2.3000 vs bf16 2.0000, difference +0.3000" in out
     assert "OUTSIDE" in out
+
+
+def test_the_host_speed_line_times_a_launch_and_an_allocation() -> None:
+    """The header's two per-call times, in microseconds (a CPU host here; no bound on them: a
+    benchmark's figures are not asserted)."""
+    times = train.host_speed("cpu", calls=200)
+    assert len(times) == 2 and all(isinstance(t, float) and t > 0.0 for t in times)
