@@ -77,15 +77,15 @@ def test_in_place_addresses_name_strides_as_well() -> None:
 
 def test_result_tensors_are_made_as_the_warm_up_gave_them_and_named_by_address() -> None:
     """A call's result tensors (made before its replay) have the warm-up's shapes and dtypes,
-    absent results stay None, and their addresses name them like the activations'."""
+    absent results stay None, and their addresses name them (contiguous in the key's shapes,
+    so the address alone: their strides follow)."""
     shapes = ((torch.Size([4, 8]), torch.bfloat16), None, (torch.Size([]), torch.float32))
     made = layer_graphs._fresh(shapes, torch.device("cpu"))
     assert made[1] is None
     assert made[0].shape == (4, 8) and made[0].dtype == torch.bfloat16
     assert made[2].shape == () and made[2].dtype == torch.float32
-    where = layer_graphs._addresses(made)
-    assert where[1] is None
-    assert where[0] == (made[0].data_ptr(), (8, 1)) and where[2] == (made[2].data_ptr(), ())
+    assert all(t is None or t.is_contiguous() for t in made)
+    assert layer_graphs._result_addresses(made) == (made[0].data_ptr(), None, made[2].data_ptr())
 
 
 class _CudaLike:
@@ -115,3 +115,127 @@ def test_a_pass_with_a_mor_operand_is_never_graphed_also_after_the_table_changes
             assert layer._graphs_for(t, plain, forward=forward) is not None
             assert layer._graphs_for(t, mor.operands, forward=forward) is None
             assert layer._graphs_for(t, plain, forward=forward) is layer._graphs
+
+
+class _ReplayedFn:
+    """Stands in for a CUDA graph on the CPU: a replay runs the captured function again on
+    the static inputs and writes its results into the static outputs, as a graph would."""
+
+    def __init__(self, fn, inputs, params, outputs) -> None:
+        self.fn, self.inputs, self.params, self.outputs = fn, inputs, params, outputs
+
+    def replay(self) -> None:
+        results, _ = self.fn(*self.inputs, *self.params)
+        for out, r in zip(self.outputs, results, strict=True):
+            out.copy_(r)
+
+
+def _cpu_graphs(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """LayerGraphs on the CPU: one stream, never capturing, captures on static buffers made by
+    ``_ReplayedFn``; returns the list each capture appends its kind to."""
+    captured: list[str] = []
+
+    def capture(fn, activations, params, results, stream, *, in_place):
+        captured.append("in place" if in_place else "static")
+        if in_place:  # reads the activations and writes the results where they are
+            graph = _ReplayedFn(fn, activations, params, results)
+            made = layer_graphs._Graph(graph, None, None, ())  # type: ignore[arg-type]
+        else:
+            inputs = tuple(t.clone() for t in activations)
+            outputs = tuple(torch.empty_like(r) for r in results)
+            graph = _ReplayedFn(fn, inputs, params, outputs)
+            made = layer_graphs._Graph(graph, inputs, outputs, ())  # type: ignore[arg-type]
+        made.meta = fn(*activations, *params)[1]  # a capture records the meta of its run
+        return made
+
+    monkeypatch.setattr(layer_graphs, "_current_stream_id", lambda device: 7)
+    monkeypatch.setattr(layer_graphs, "_capture", capture)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: None)
+    return captured
+
+
+def test_graphs_serve_a_key_from_its_second_call_with_the_functions_results(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The first call of a key runs eagerly, the second captures (here on static buffers), the
+    later ones replay; every call returns what the function computes of its own inputs, and
+    a key holds the stream and hashes once (``_Key``: equal parts, equal keys)."""
+    captured = _cpu_graphs(monkeypatch)
+    graphs = layer_graphs.LayerGraphs("test")
+    w = torch.tensor([2.0, 3.0])
+    for step in range(5):
+        x = torch.full((2,), float(step))  # new values (and addresses) every call
+        (y,), meta = graphs.run_with_meta(("k",), lambda a, b: ((a * b,), "meta"), (x,), (w,))
+        assert torch.equal(y, x * w) and meta == "meta"
+    assert captured == ["static"] and graphs.replays == 3 and graphs.graph_calls == 4
+    assert layer_graphs._Key((("k",), 7)) == layer_graphs._Key((("k",), 7))
+    assert layer_graphs._Key((("k",), 7)) != layer_graphs._Key((("k",), 8))
+
+
+def test_a_full_layer_drops_its_least_recently_used_graph(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Beyond ``MAX_GRAPHS`` keys the graph that served a call longest ago is dropped, not the
+    one captured first: a key used on every step keeps its graph."""
+    _cpu_graphs(monkeypatch)
+    graphs = layer_graphs.LayerGraphs("test")
+    x, w = torch.ones(2), torch.ones(2)
+
+    def call(name: str) -> None:
+        graphs.run((name,), lambda a, b: (a + b,), (x,), (w,))
+
+    def held() -> set[str]:
+        return {graph.key[0] for graph in graphs.graphs.values()}
+
+    for i in range(layer_graphs.MAX_GRAPHS):
+        call(f"k{i}")  # warm-up
+        call(f"k{i}")  # capture
+    assert held() == {f"k{i}" for i in range(layer_graphs.MAX_GRAPHS)}
+    call("k0")  # k0 serves a call: k1 is now the least recently used
+    call("new")
+    call("new")  # captured: one graph must go
+    assert "k0" in held() and "k1" not in held() and "new" in held()
+    assert len(graphs.graphs) == layer_graphs.MAX_GRAPHS
+
+
+def test_a_wgrad_copys_layout_keys_a_backward_graph_by_value_without_its_offset() -> None:
+    """``Linear._described``: layouts equal but for their Philox offset give the same key part
+    (one interned object, compared by identity), other layouts another, also once the intern
+    table starts over."""
+    import importlib
+
+    import fp4gen
+
+    quantize = importlib.import_module("fp4gen.numerics.quantize").quantize
+    layer = fp4gen.nn.Linear(64, 64, recipe=fp4gen.load_recipe("recipes/nvfp4_no_sr.fp4r"))
+    x = torch.randn(32, 64)
+    first = quantize(x, "nvfp4", offset=0).split()[1]
+    later = quantize(x, "nvfp4", offset=8).split()[1]  # the next call's copy: a new object
+    other = quantize(torch.randn(64, 64), "nvfp4").split()[1]  # more tokens
+    part = layer._described(first)
+    assert layer._described(later) is part and layer._described(first) is part
+    assert layer._described(other) is not part and layer._described(other) != part
+    layer._layout_parts.clear()  # as when MAX_LAYOUT_PARTS is reached
+    again = layer._described(later)
+    assert again is not part and again != part  # a new key: captured anew, never a stale graph
+    assert again.obj == part.obj  # the same layout value
+
+
+def test_addresses_met_twice_get_a_graph_that_works_in_place(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """An activation and results at the same addresses on every call (a training loop's
+    allocator) are captured in place from their second sighting, and the replays compute the
+    new values written there."""
+    captured = _cpu_graphs(monkeypatch)
+    results = (torch.empty(2),)  # the allocator handing back the same block every call
+    monkeypatch.setattr(layer_graphs, "_fresh", lambda shapes, device: results)
+    graphs = layer_graphs.LayerGraphs("test")
+    x, w = torch.empty(2), torch.tensor([2.0, 3.0])
+    for step in range(6):
+        x.copy_(torch.tensor([step, -step], dtype=torch.float32))  # new values, same address
+        (y,) = graphs.run(("k",), lambda a, b: (a * b,), (x,), (w,))
+        assert torch.equal(y, x * w), step
+    assert captured == ["static", "in place"]
+    assert graphs.in_place_replays == 3 and graphs.replays == 3

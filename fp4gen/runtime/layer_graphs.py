@@ -34,15 +34,16 @@ safe because the graphs of one stream run one after another and nothing a graph 
 read after its results are copied out; graphs captured for one stream replay only on that
 stream. So the graphs add the static buffers and the largest graph's intermediates, not one
 copy per layer. A static buffer is freed with the last graph that uses it (graphs beyond
-``MAX_GRAPHS`` per layer are dropped oldest first), so shapes that keep changing do not pile up.
+``MAX_GRAPHS`` per layer are dropped least recently used first), so shapes that keep changing
+do not pile up.
 
 When not: the caller decides what may be graphed (``Linear``: CUDA tensors, block formats, the
 kernels' backend, no telemetry, non-finite inputs propagated rather than raised, a pass small
 enough to gain: ``worth_graphing``, its GEMMs at most ``MAX_GEMM_FLOPS``); here, a call
 made while a stream is being captured (an outer graph or torch.compile's cudagraphs records the
 eager kernels instead), a key whose capture failed (it runs eagerly from then on, logged once),
-and beyond ``MAX_GRAPHS`` keys per layer (shapes that keep changing: the oldest graph is
-dropped). ``FP4GEN_LAYER_GRAPHS=0`` turns layer graphs off (``fp4gen.settings``).
+and beyond ``MAX_GRAPHS`` keys per layer (shapes that keep changing: the least recently used
+graph is dropped). ``FP4GEN_LAYER_GRAPHS=0`` turns layer graphs off (``fp4gen.settings``).
 """
 
 from __future__ import annotations
@@ -94,6 +95,7 @@ class _Graph:
     statics: tuple[tuple[Any, ...], ...]  # the keys of its static buffers (released with it)
     meta: Any = None  # what fn returned besides its tensors when captured (run_with_meta)
     key: Hashable = None  # the caller's key (tests, benchmarks)
+    used: int = 0  # the layer's call count when it last served a call (evicted: the lowest)
 
     def release(self) -> None:
         """Drop this graph's claim on its static buffers; a buffer no graph uses is freed."""
@@ -130,12 +132,33 @@ Result = tuple[torch.Tensor | None, ...]
 MetaFn = Callable[..., tuple[Sequence[torch.Tensor | None], Any]]
 
 
+class _Key:
+    """A layer call's key (the caller's, and the stream) with its hash computed once: a call
+    looks it up several times, alone and inside the (key, addresses) pairs, and a tuple's hash
+    is computed anew each time."""
+
+    __slots__ = ("hash", "parts")
+
+    def __init__(self, parts: tuple[Hashable, ...]) -> None:
+        self.parts = parts
+        self.hash = hash(parts)
+
+    def __hash__(self) -> int:
+        return self.hash
+
+    def __eq__(self, other: object) -> bool:
+        return self is other or (
+            isinstance(other, _Key) and self.hash == other.hash and self.parts == other.parts
+        )
+
+
 class LayerGraphs:
     """The captured graphs of one layer, by key (module docstring)."""
 
     def __init__(self, name: str) -> None:
         self.name = name
-        self.graphs: OrderedDict[Hashable, _Graph] = OrderedDict()
+        self.graphs: dict[Hashable, _Graph] = {}
+        self.calls = 0  # calls made of a graph (replays and captures): the graphs' clock
         # keys run once eagerly (warmed up) -> (shape, dtype) of each result, or None
         self.seen: dict[Hashable, tuple[tuple[torch.Size, torch.dtype] | None, ...]] = {}
         self.failed: dict[Hashable, str] = {}  # keys whose capture failed (why): always eager
@@ -171,7 +194,7 @@ class LayerGraphs:
             results, meta = fn(*activations, *params)
             return tuple(results), meta
         device = activations[0].device
-        key = (key, _current_stream_id(device))
+        key = _Key((key, _current_stream_id(device)))
         shapes = self.seen.get(key)
         if shapes is None or key in self.failed:
             results, meta = fn(*activations, *params)
@@ -183,10 +206,11 @@ class LayerGraphs:
         # the results are made here, before the replay: a graph that met these activation and
         # result addresses before writes the results where they are (no copy in or out)
         results = _fresh(shapes, device)
-        where = (key, _addresses(activations), _addresses(results))
+        where = (key, _addresses(activations), _result_addresses(results))
         found = self.graphs.get(where)
+        self.calls += 1
         if found is not None:
-            self.graphs.move_to_end(where)
+            found.used = self.calls
             self.replays += 1
             self.graph_calls += 1
             self.in_place_replays += 1
@@ -198,7 +222,7 @@ class LayerGraphs:
         else:
             found = self.graphs.get(key)
             if found is not None:
-                self.graphs.move_to_end(key)
+                found.used = self.calls
                 self.replays += 1
                 self.graph_calls += 1
                 _replay_static(found, activations, results)
@@ -236,9 +260,11 @@ class LayerGraphs:
                 _logged.add(message)
                 log.warning("%s", message)
             return None
-        found.key = base[0]
-        if len(self.graphs) >= MAX_GRAPHS:
-            self.graphs.popitem(last=False)[1].release()
+        found.key = base.parts[0]
+        found.used = self.calls
+        if len(self.graphs) >= MAX_GRAPHS:  # drop the least recently used
+            oldest = min(self.graphs, key=lambda k: self.graphs[k].used)
+            self.graphs.pop(oldest).release()
         self.graphs[key] = found
         self.graph_calls += 1
         if in_place:
@@ -282,7 +308,13 @@ class _AddressLog:
 def _addresses(tensors: tuple[torch.Tensor | None, ...]) -> tuple[tuple[Any, ...] | None, ...]:
     """Where a graph that reads (or writes) ``tensors`` in place finds them: address and
     strides (the key names shapes and dtypes)."""
-    return tuple(None if t is None else (t.data_ptr(), t.stride()) for t in tensors)
+    return tuple([None if t is None else (t.data_ptr(), t.stride()) for t in tensors])
+
+
+def _result_addresses(results: Result) -> tuple[int | None, ...]:
+    """Where a graph that writes ``results`` in place finds them: their addresses only, as
+    ``_fresh`` makes them contiguous in the key's shapes (so their strides follow)."""
+    return tuple([None if t is None else t.data_ptr() for t in results])
 
 
 def _fresh(

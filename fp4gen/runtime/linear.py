@@ -116,6 +116,8 @@ FORWARD_OPERANDS = (Operand.FPROP_ACTIVATION, Operand.FPROP_WEIGHT)
 # Philox offsets reserved per layer call: one stream per operand slot (six used, two spare), so
 # no two operands of any forward or backward call of a layer share random bits.
 STREAMS_PER_CALL = 8
+# distinct wgrad-copy layouts a layer interns for its backward graph keys before starting over
+MAX_LAYOUT_PARTS = 64
 
 
 @dataclass
@@ -177,6 +179,8 @@ class Linear(nn.Linear):
         # last checked for MoR operands and the answer, mutated in place (no Module.__setattr__)
         self._mor_free: list[tuple[Any, bool]] = [(None, False), (None, False)]
         self._last_described: list[Any] = [None, None]  # backward_gemms' layout key (_described)
+        self._layout_parts: dict[QuantizedLayout, _Identity] = {}  # interned by _described
+        self._table_part: list[Any] = [None, None]  # [table, _Identity(table)] (_table_key)
         self._amax_group = _SharedGroup(None)
         self.amax_operands: frozenset[Operand] = frozenset()
         self._group_rank = 0
@@ -336,7 +340,7 @@ class Linear(nn.Linear):
         else:
             key = (
                 "fprop", x2.shape, x2.dtype, _param_key(weight), _param_key(bias), out_dtype,
-                _Identity(table), _context_key(), self.backend, self.seed, keep,
+                self._table_key(table), _context_key(), self.backend, self.seed, keep,
             )  # fmt: skip
 
             def work(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> Any:
@@ -442,7 +446,7 @@ class Linear(nn.Linear):
         elif isinstance(x2, torch.Tensor):
             key = (
                 "grads", dy2.shape, dy2.dtype, x2.shape, x2.dtype, _param_key(weight),
-                _Identity(table), _context_key(), self.backend, self.seed,
+                self._table_key(table), _context_key(), self.backend, self.seed,
             )  # fmt: skip
             dx, dw = graphs.run(
                 key, lambda dy, x, w: self._grads(dy, x, w, table, call), (dy2, x2), (weight,)
@@ -450,13 +454,13 @@ class Linear(nn.Linear):
         else:
             kept = x2
             tensors, layout = kept.tensors, kept.layout
-            present = tuple(t is not None for t in tensors)
+            present = tuple([t is not None for t in tensors])
             # a round-to-nearest copy's offset names the call only: not part of the key
             described = self._described(layout)
             key = (
                 "grads", dy2.shape, dy2.dtype, described, present,
-                tuple(t.shape for t in tensors if t is not None), kept.dtype,
-                _param_key(weight), _Identity(table), _context_key(), self.backend, self.seed,
+                tuple([t.shape for t in tensors if t is not None]), kept.dtype,
+                _param_key(weight), self._table_key(table), _context_key(), self.backend, self.seed,
             )  # fmt: skip
 
             def work(dy: torch.Tensor, *rest: torch.Tensor) -> tuple[Any, Any]:
@@ -465,18 +469,32 @@ class Linear(nn.Linear):
                 x = ops.WgradInput(pieces, layout, kept.dtype)
                 return self._grads(dy, x, rest[-1], table, call)
 
-            given = tuple(t for t in tensors if t is not None)
+            given = tuple([t for t in tensors if t is not None])
             dx, dw = graphs.run(key, work, (dy2, *given), (weight,))
         self.__dict__["_backward_calls"] = call + 1  # as in forward_gemm
         assert dx is not None and dw is not None
         return dx, dw
 
-    def _described(self, layout: QuantizedLayout) -> QuantizedLayout:
-        """``layout`` without its offset, as a backward graph's key holds it. A replayed forward
-        graph hands over the same layout object every step: made once for it."""
-        last = self._last_described  # [layout, described], mutated: no Module.__setattr__
+    def _described(self, layout: QuantizedLayout) -> _Identity:
+        """``layout`` without its offset, as a backward graph's key holds it: one object per
+        distinct value (interned), named by identity, so a key hashes and compares it without
+        walking its fields. A replayed forward graph hands over the same layout object every
+        step: looked up once for it."""
+        last = self._last_described  # [layout, its key part], mutated: no Module.__setattr__
         if last[0] is not layout:
-            last[:] = layout, replace(layout, offset=None)
+            described = replace(layout, offset=None)
+            parts = self._layout_parts
+            if len(parts) >= MAX_LAYOUT_PARTS:  # shapes that keep changing: start over (keys
+                parts.clear()  # hold their parts, so an equal layout only gets a new key)
+            last[:] = layout, parts.setdefault(described, _Identity(described))
+        return last[1]
+
+    def _table_key(self, table: OperandTable) -> _Identity:
+        """The operand table as a graph key holds it (by identity: the schedule hands over the
+        same table object until it switches), made once per table."""
+        last = self._table_part  # [table, its key part], mutated: no Module.__setattr__
+        if last[0] is not table:
+            last[:] = table, _Identity(table)
         return last[1]
 
     def _grads(
