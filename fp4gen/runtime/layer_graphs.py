@@ -159,8 +159,10 @@ class LayerGraphs:
         self.name = name
         self.graphs: dict[Hashable, _Graph] = {}
         self.calls = 0  # calls made of a graph (replays and captures): the graphs' clock
-        # keys run once eagerly (warmed up) -> (shape, dtype) of each result, or None
-        self.seen: dict[Hashable, tuple[tuple[torch.Size, torch.dtype] | None, ...]] = {}
+        # keys run once eagerly (warmed up) -> (that key object, (shape, dtype) of each result
+        # or None): later calls use the stored key object, which the graphs' keys hold, so
+        # their lookups compare it by identity
+        self.seen: dict[_Key, tuple[_Key, tuple[tuple[torch.Size, torch.dtype] | None, ...]]] = {}
         self.failed: dict[Hashable, str] = {}  # keys whose capture failed (why): always eager
         self.addresses = _AddressLog()
         self.in_place_captures = 0
@@ -195,14 +197,16 @@ class LayerGraphs:
             return tuple(results), meta
         device = activations[0].device
         key = _Key((key, _current_stream_id(device)))
-        shapes = self.seen.get(key)
-        if shapes is None or key in self.failed:
+        seen = self.seen.get(key)
+        if seen is None or key in self.failed:
             results, meta = fn(*activations, *params)
             results = tuple(results)
             if len(self.seen) >= MAX_SEEN:
                 self.seen.clear()
-            self.seen[key] = tuple(None if r is None else (r.shape, r.dtype) for r in results)
+            shapes = tuple(None if r is None else (r.shape, r.dtype) for r in results)
+            self.seen[key] = (key, shapes)
             return results, meta
+        key, shapes = seen
         # the results are made here, before the replay: a graph that met these activation and
         # result addresses before writes the results where they are (no copy in or out)
         results = _fresh(shapes, device)
