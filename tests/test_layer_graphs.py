@@ -239,3 +239,56 @@ def test_addresses_met_twice_get_a_graph_that_works_in_place(
         assert torch.equal(y, x * w), step
     assert captured == ["static", "in place"]
     assert graphs.in_place_replays == 3 and graphs.replays == 3
+
+
+_MOR_SR_GRADIENTS = """
+recipe mor_sr "MoR on every operand, gradients rounded stochastically"
+mor tensor_e4m3 {
+    decide tensor
+    scale block 128x128 gam
+    try e4m3 if relerr < 4.5%
+    else bf16
+}
+operands {
+    *        : mor tensor_e4m3
+    gradient : round stochastic
+}
+"""
+
+
+def test_a_stochastic_mor_operand_refuses_a_cuda_graph_capture_in_its_pass_only(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """MoR kernels take their Philox offset from the host, so a captured pass would draw the
+    same bits on every replay: the pass whose MoR operand rounds stochastically (the backward,
+    with its gradients) raises while a capture runs; the forward, round-to-nearest, does not.
+    ``_pass_mors`` answers per pass and table, and sees a table switch."""
+    import fp4gen
+    from fp4gen.runtime import linear
+
+    sr = fp4gen.load_recipe(_MOR_SR_GRADIENTS)
+    mor = fp4gen.load_recipe("recipes/mor_tensor.fp4r")
+    plain = fp4gen.load_recipe("recipes/nvfp4_no_sr.fp4r").operands
+    layer = fp4gen.nn.Linear(64, 64, recipe=sr)
+    assert layer._pass_mors(sr.operands, forward=True) == (True, False)
+    assert layer._pass_mors(sr.operands, forward=False) == (True, True)
+    assert layer._pass_mors(plain, forward=False) == (False, False)
+    assert layer._pass_mors(mor.operands, forward=False) == (True, False)
+    assert layer._pass_mors(sr.operands, forward=False) == (True, True)
+
+    checked: list[int] = []  # the passes that ask: the backward's four operands only
+    monkeypatch.setattr(
+        linear, "_refuse_sr_capture", lambda t, specs, name: checked.append(len(specs))
+    )
+    x, dy = torch.randn(8, 64), torch.randn(8, 64)
+    layer.forward_gemm(x, layer.weight, None, torch.float32)
+    layer.backward_gemms(dy, x, layer.weight)
+    assert checked == [4]
+    monkeypatch.undo()
+
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    table = sr.operands
+    backward = (table.dgrad_gradient, table.dgrad_weight, table.wgrad_gradient)
+    with pytest.raises(FP4GenError, match="rounds stochastically"):
+        linear._refuse_sr_capture(_CudaLike(), backward, "layer")
+    linear._refuse_sr_capture(_CudaLike(), (table.fprop_activation, table.fprop_weight), "layer")

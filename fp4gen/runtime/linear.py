@@ -175,9 +175,9 @@ class Linear(nn.Linear):
         self._counters: dict[tuple[bool, torch.device], torch.Tensor] = {}
         self._device_offsets: dict[tuple[Operand, torch.device], DeviceOffset] = {}
         self._graphs: LayerGraphs | None = None  # made on the first CUDA call
-        # indexed by _graphs_for's ``forward`` (0: backward, 1: forward): the operand table it
-        # last checked for MoR operands and the answer, mutated in place (no Module.__setattr__)
-        self._mor_free: list[tuple[Any, bool]] = [(None, False), (None, False)]
+        # indexed by a pass's ``forward`` (0: backward, 1: forward): the operand table
+        # _pass_mors last looked at and its answer, mutated in place (no Module.__setattr__)
+        self._mors_seen: list[tuple[Any, tuple[bool, bool]]] = [(None, (True, True))] * 2
         self._last_described: list[Any] = [None, None]  # backward_gemms' layout key (_described)
         self._layout_parts: dict[QuantizedLayout, _Identity] = {}  # interned by _described
         self._table_part: list[Any] = [None, None]  # [table, _Identity(table)] (_table_key)
@@ -317,7 +317,8 @@ class Linear(nn.Linear):
         ``keeps_wgrad_input`` allows, also x's wgrad copy, quantized now rather than in the
         backward (``fp4gen.runtime.ops``: what is saved); else None."""
         table = self.operands
-        _refuse_sr_capture(x2, (table.fprop_activation, table.fprop_weight), self.name)
+        if self._pass_mors(table, forward=True)[1]:
+            _refuse_sr_capture(x2, (table.fprop_activation, table.fprop_weight), self.name)
         call = self._forward_calls
         keep = keep_wgrad_input and self.keeps_wgrad_input(table)
         # FSDP2's quantized all-gather (fp4gen.runtime.fsdp) hands over the quantized weight
@@ -431,13 +432,14 @@ class Linear(nn.Linear):
         if _last_copy.copy is not None:
             _last_copy.forget()
         table = self.operands
-        backward_specs = (
-            table.dgrad_gradient,
-            table.dgrad_weight,
-            table.wgrad_gradient,
-            table.wgrad_activation,
-        )
-        _refuse_sr_capture(dy2, backward_specs, self.name)
+        if self._pass_mors(table, forward=False)[1]:
+            backward_specs = (
+                table.dgrad_gradient,
+                table.dgrad_weight,
+                table.wgrad_gradient,
+                table.wgrad_activation,
+            )
+            _refuse_sr_capture(dy2, backward_specs, self.name)
         call = self._backward_calls
         gathered = _gathered_operand(weight, table, self.name)  # as in forward_gemm
         graphs = None if gathered is not None else self._graphs_for(dy2, table, forward=False)
@@ -687,16 +689,25 @@ class Linear(nn.Linear):
             return None
         if not worth_graphing(t.shape[0], self.in_features, self.out_features):
             return None  # the GPU work outlasts the launches: a graph's copies would cost more
-        checked, mor_free = self._mor_free[forward]
-        if checked is not table:  # the schedule hands over the same table until it switches
-            slots = FORWARD_SLOTS if forward else BACKWARD_SLOTS
-            mor_free = not any(isinstance(getattr(table, name).format, MoRRef) for name in slots)
-            self._mor_free[forward] = (table, mor_free)
-        if not mor_free:
+        if self._pass_mors(table, forward)[0]:
             return None
         if self._graphs is None:
             self._graphs = LayerGraphs(self.name)
         return self._graphs
+
+    def _pass_mors(self, table: OperandTable, forward: bool) -> tuple[bool, bool]:
+        """(whether a pass has a MoR operand, whether one of them rounds stochastically) under
+        ``table``, looked at once per table (the schedule hands over the same table object
+        until it switches): a per-call question of the forward and backward paths."""
+        seen, answer = self._mors_seen[forward]
+        if seen is not table:
+            specs = [
+                getattr(table, name) for name in (FORWARD_SLOTS if forward else BACKWARD_SLOTS)
+            ]
+            mors = [spec for spec in specs if isinstance(spec.format, MoRRef)]
+            answer = (bool(mors), any(is_stochastic(spec.rounding) for spec in mors))
+            self._mors_seen[forward] = (table, answer)
+        return answer
 
     def record(self, op: Operand, source: torch.Tensor, quantized: Any, call: int) -> None:
         """Append one telemetry record for a quantized operand (high-precision ones have none):
