@@ -1,0 +1,38 @@
+"""benchmarks/host_keys.py on the CPU: every timed call is an in-place layer-graph replay (the
+path it claims to time), and the stand-ins are put back afterwards."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import torch
+
+from fp4gen.runtime import layer_graphs, linear
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
+
+import host_keys  # noqa: E402
+
+
+def test_the_timed_calls_are_in_place_replays_and_the_stand_ins_go_back() -> None:
+    before = (
+        layer_graphs._fresh,
+        layer_graphs._capture,
+        layer_graphs._current_stream_id,
+        torch.cuda.is_current_stream_capturing,
+        linear.Linear._graphs_for,
+    )
+    us, graphs = host_keys.keying("recipes/nvfp4_small.fp4r", 64, calls=20)
+    # 5 warm-up steps: eager, a static capture, an in-place capture, then 2 in-place replays
+    # per step (forward and backward), as on the timed calls
+    assert graphs.replays == graphs.in_place_replays == 2 * 2 + 2 * 20
+    assert not graphs.failed and us > 0.0
+    after = (
+        layer_graphs._fresh,
+        layer_graphs._capture,
+        layer_graphs._current_stream_id,
+        torch.cuda.is_current_stream_capturing,
+        linear.Linear._graphs_for,
+    )
+    assert after == before
