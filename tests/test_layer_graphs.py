@@ -127,7 +127,8 @@ class _ReplayedFn:
     def replay(self) -> None:
         results, _ = self.fn(*self.inputs, *self.params)
         for out, r in zip(self.outputs, results, strict=True):
-            out.copy_(r)
+            if out is not None:
+                out.copy_(r)
 
 
 def _cpu_graphs(monkeypatch: pytest.MonkeyPatch) -> list[str]:
@@ -142,7 +143,7 @@ def _cpu_graphs(monkeypatch: pytest.MonkeyPatch) -> list[str]:
             made = layer_graphs._Graph(graph, None, None, ())  # type: ignore[arg-type]
         else:
             inputs = tuple(t.clone() for t in activations)
-            outputs = tuple(torch.empty_like(r) for r in results)
+            outputs = tuple(None if r is None else torch.empty_like(r) for r in results)
             graph = _ReplayedFn(fn, inputs, params, outputs)
             made = layer_graphs._Graph(graph, inputs, outputs, ())  # type: ignore[arg-type]
         made.meta = fn(*activations, *params)[1]  # a capture records the meta of its run
@@ -292,3 +293,59 @@ def test_a_stochastic_mor_operand_refuses_a_cuda_graph_capture_in_its_pass_only(
     with pytest.raises(FP4GenError, match="rounds stochastically"):
         linear._refuse_sr_capture(_CudaLike(), backward, "layer")
     linear._refuse_sr_capture(_CudaLike(), (table.fprop_activation, table.fprop_weight), "layer")
+
+
+def test_graphed_layers_on_one_x_share_its_wgrad_copy(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Layers reading the same x (a Llama's q, k and v), each run from its layer graphs: only
+    the first layer's forward graph quantizes x's wgrad copy, the others' graphs leave it out
+    and their backward graphs read that copy; every step (warm-up, capture, replays) gives the
+    bits of layers that save x and quantize it in their own backward, eagerly."""
+    import fp4gen
+    from fp4gen.runtime import linear
+
+    recipe = fp4gen.load_recipe("recipes/nvfp4_small.fp4r")
+    _cpu_graphs(monkeypatch)
+    made_by: list[str] = []
+    real = linear.Linear.wgrad_activation
+
+    def counting(self, *args):
+        made_by.append(self.name)
+        return real(self, *args)
+
+    def graphs_for(self, t, table, *, forward):
+        if self._graphs is None:
+            self._graphs = layer_graphs.LayerGraphs(self.name)
+        return self._graphs
+
+    def run(graphed: bool) -> list[list[torch.Tensor]]:
+        with monkeypatch.context() as patch:
+            if graphed:
+                patch.setattr(linear.Linear, "_graphs_for", graphs_for)
+                patch.setattr(linear.Linear, "wgrad_activation", counting)
+            torch.manual_seed(0)
+            layers = [
+                fp4gen.nn.Linear(64, 32, recipe=recipe, seed=5, name=f"l{i}") for i in range(3)
+            ]
+            for layer in layers:
+                layer.keep_quantized_input = graphed
+            gen = torch.Generator().manual_seed(2)
+            steps = []
+            for _ in range(5):
+                x = torch.randn(32, 64, generator=gen).requires_grad_(True)
+                h = x * 1.0  # a non-leaf, as a norm's output would be
+                ys = [layer(h.reshape(4, 8, 64)) for layer in layers]
+                sum((y * (i + 1)).sum() for i, y in enumerate(ys)).backward()
+                steps.append([*(y.detach() for y in ys), x.grad, *(m.weight.grad for m in layers)])
+                for layer in layers:
+                    layer.weight.grad = None
+            if graphed:
+                keys = [g.key for m in layers for g in m._graphs.graphs.values()]
+                assert sum(1 for k in keys if k[0] == "fprop" and k[-1]) == 1  # l0's only
+                assert sum(1 for k in keys if k[0] == "fprop" and not k[-1]) == 2
+            return steps
+
+    shared, separate = run(True), run(False)
+    assert made_by and set(made_by) == {"l0"}
+    for step, (a, b) in enumerate(zip(shared, separate, strict=True)):
+        for u, v in zip(a, b, strict=True):
+            assert torch.equal(u, v), step

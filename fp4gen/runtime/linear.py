@@ -181,6 +181,7 @@ class Linear(nn.Linear):
         self._last_described: list[Any] = [None, None]  # backward_gemms' layout key (_described)
         self._layout_parts: dict[QuantizedLayout, _Identity] = {}  # interned by _described
         self._table_part: list[Any] = [None, None]  # [table, _Identity(table)] (_table_key)
+        self._copy_key_part: list[Any] = [None, None, ()]  # [table, backend, key] (_copy_key)
         self._amax_group = _SharedGroup(None)
         self.amax_operands: frozenset[Operand] = frozenset()
         self._group_rank = 0
@@ -325,27 +326,23 @@ class Linear(nn.Linear):
         # itself: used as it is, eagerly (a layer graph keys the weight by its address)
         gathered = _gathered_operand(weight, table, self.name)
         graphs = None if gathered is not None else self._graphs_for(x2, table, forward=True)
+        # layers reading the same x in a row (q, k and v; gate and up) share one copy, eagerly
+        # or from layer graphs (the first layer's graph makes it, the others' graphs skip it)
+        sharing = keep and not (x2.is_cuda and torch.cuda.is_current_stream_capturing())
+        share_key = self._copy_key(table) if sharing else None
+        shared = _last_copy.find(x2, share_key) if sharing else None
+        own = keep and shared is None  # this call quantizes x's wgrad copy itself
         if graphs is None:
-            # layers reading the same x in a row (q, k and v; gate and up) share one copy
-            sharing = keep and not (x2.is_cuda and torch.cuda.is_current_stream_capturing())
-            share_key = self._copy_key(table) if sharing else None
-            shared = _last_copy.find(x2, share_key) if sharing else None
-            y, xq_t = self._fprop(
-                x2, weight, bias, out_dtype, table, call, gathered, keep and shared is None
-            )
-            if shared is not None:
-                xq_t = shared
-            elif sharing:
-                _last_copy.remember(x2, share_key, xq_t)
+            y, xq_t = self._fprop(x2, weight, bias, out_dtype, table, call, gathered, own)
             kept = None if xq_t is None else ops.WgradInput.of(xq_t, x2.dtype)
         else:
             key = (
                 "fprop", x2.shape, x2.dtype, _param_key(weight), _param_key(bias), out_dtype,
-                self._table_key(table), _context_key(), self.backend, self.seed, keep,
+                self._table_key(table), _context_key(), self.backend, self.seed, own,
             )  # fmt: skip
 
             def work(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> Any:
-                y, xq_t = self._fprop(x, w, b, out_dtype, table, call, None, keep)
+                y, xq_t = self._fprop(x, w, b, out_dtype, table, call, None, own)
                 if xq_t is None:
                     return (y,), None
                 tensors, layout = xq_t.split()  # graph outputs are tensors: its pieces
@@ -354,15 +351,24 @@ class Linear(nn.Linear):
             (y, *pieces), layout = graphs.run_with_meta(key, work, (x2,), (weight, bias))
             # the pieces go to the backward graph as they are: no QuantizedTensor in between
             kept = None if layout is None else ops.WgradInput(tuple(pieces), layout, x2.dtype)
+        if shared is not None:
+            kept = shared
+        elif sharing:
+            _last_copy.remember(x2, share_key, kept)
         self.__dict__["_forward_calls"] = call + 1  # not Module.__setattr__: it costs per call
         assert y is not None
         return y, kept
 
     def _copy_key(self, table: OperandTable) -> tuple[Any, ...]:
         """What x's wgrad copy depends on besides x: its spec, the wgrad K multiple its tokens
-        are padded to and the backend (a round-to-nearest copy draws no random stream)."""
-        wgrad_k = k_multiple(table.wgrad_gradient, table.wgrad_activation, blocks=True)
-        return (table.wgrad_activation, wgrad_k, self.backend)
+        are padded to and the backend (a round-to-nearest copy draws no random stream). One
+        tuple per (table, backend), so that comparing it with the last copy's is an identity
+        check (the schedule hands over the same table object until it switches)."""
+        last = self._copy_key_part  # [table, backend, key], mutated: no Module.__setattr__
+        if last[0] is not table or last[1] != self.backend:
+            wgrad_k = k_multiple(table.wgrad_gradient, table.wgrad_activation, blocks=True)
+            last[:] = table, self.backend, (table.wgrad_activation, wgrad_k, self.backend)
+        return last[2]
 
     def keeps_wgrad_input(self, table: OperandTable) -> bool:
         """Whether a training forward quantizes x's wgrad copy and saves it instead of x
