@@ -9,8 +9,11 @@ weights), as a user would train it. For each hidden size and recipe it prints:
   with the whole step (forward, backward, optimizer) captured in one CUDA graph and replayed
   (or the reason it could not be captured);
 - GPU-busy ms/step: the sum of the kernel times of one step (torch.profiler);
-- host us per Linear forward+backward: the CPU time of fp4gen's two custom ops per layer call
-  (torch.profiler; BF16 shows the aten::linear forward and its backward for comparison);
+- host us per Linear forward+backward: the wall time the host spends in fp4gen's two ops per
+  layer call (``Linear.forward_gemm`` + ``backward_gemms``, the bodies of its custom ops),
+  timed with ``time.perf_counter`` over three eager steps, no profiler attached; and the same
+  ops' CPU time under torch.profiler (CPU + CUDA activities, one step), which instruments
+  every launch, graph nodes included, and so reads higher (docs/training-step.md);
 - peak memory of a step (torch.cuda.max_memory_allocated);
 - the ratio of each figure to BF16's.
 
@@ -47,6 +50,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import nn
@@ -63,6 +67,7 @@ LAYERS_BY_HIDDEN = {1024: 8, 2048: 6, 4096: 4}
 # untimed steps first: kernels load, and layer graphs capture in the first steps (a warm-up
 # call, a graph on static buffers, then graphs on the addresses the allocator settles on)
 WARMUP_STEPS = 5
+HOST_STEPS = 3  # eager steps timed for the host us per Linear
 
 
 @dataclass
@@ -71,7 +76,8 @@ class Result:
     ms_graph: float | None
     graph_note: str
     gpu_busy_ms: float
-    host_us_per_linear: float | None
+    host_us_per_linear: float | None  # timed, no profiler (host_us_per_linear())
+    profiled_host_us: float | None  # the same ops' CPU time under torch.profiler
     peak_gib: float
 
 
@@ -147,6 +153,39 @@ def graph_ms(step: Callable[[], object], steps: int) -> tuple[float | None, str]
         return None, f"not capturable: {type(err).__name__}: {str(err).splitlines()[0][:160]}"
 
 
+def host_us_per_linear(step: Callable[[], object], steps: int) -> float | None:
+    """Wall microseconds the host spends per fp4gen Linear forward + backward in ``steps``
+    eager steps (``forward_gemm`` + ``backward_gemms``, each wrapped in a ``perf_counter``
+    timer for the duration), or None when the model has no fp4gen Linear."""
+    spent = [0]  # nanoseconds in the two ops
+    calls = [0]  # forward calls
+    linear_cls = fp4gen.nn.Linear
+    originals = {name: linear_cls.__dict__[name] for name in ("forward_gemm", "backward_gemms")}
+
+    def timer(fn: Callable[..., Any], counts: bool) -> Callable[..., Any]:
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            start = time.perf_counter_ns()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                spent[0] += time.perf_counter_ns() - start
+                calls[0] += counts
+
+        return timed
+
+    try:
+        for name, fn in originals.items():
+            setattr(linear_cls, name, timer(fn, counts=name == "forward_gemm"))
+        for _ in range(steps):
+            step()
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+    finally:
+        for name, fn in originals.items():
+            setattr(linear_cls, name, fn)
+    return spent[0] / 1e3 / calls[0] if calls[0] else None
+
+
 def profile_step(step: Callable[[], object]) -> tuple[float, float | None]:
     """(GPU-busy ms of one step, host us per fp4gen Linear forward+backward or None)."""
     from torch.profiler import ProfilerActivity, profile
@@ -189,7 +228,8 @@ def run_one(
     torch.cuda.reset_peak_memory_stats()
     ms = timed_ms(step, args.steps)
     peak = torch.cuda.max_memory_allocated() / 2**30
-    busy, host = profile_step(step)
+    busy, profiled_host = profile_step(step)
+    host = host_us_per_linear(step, HOST_STEPS) if recipe != "bf16" else None
     if args.host_profile and recipe != "bf16":
         host_profile(step, args.host_profile)
     ms_graph, note = None, "not run"
@@ -197,7 +237,7 @@ def run_one(
         ms_graph, note = graph_ms(make_step(model, loss_fn(args.model), tokens, True), args.steps)
     del model, step
     torch.cuda.empty_cache()
-    return Result(ms, ms_graph, note, busy, host, peak)
+    return Result(ms, ms_graph, note, busy, host, profiled_host, peak)
 
 
 def loss_curve(
@@ -375,7 +415,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"\nhidden {hidden}, {layers} layers")
         print(
             f"  {'recipe':28} {'ms/step':>9} {'x bf16':>7} {'graph ms':>9} {'x bf16':>7} "
-            f"{'gpu-busy':>9} {'x bf16':>7} {'host us/lin':>11} {'peak GiB':>9} {'x bf16':>7}"
+            f"{'gpu-busy':>9} {'x bf16':>7} {'host us/lin':>11} {'profiled':>8} {'peak GiB':>9} "
+            f"{'x bf16':>7}"
         )
         base: Result | None = None
         default_flops = layer_graphs.MAX_GEMM_FLOPS
@@ -395,13 +436,15 @@ def main(argv: list[str] | None = None) -> int:
             label = Path(recipe).stem + (" (saves x)" if saves_x else "")
             label += "" if flops is None else f" (graphs <= {flops:.0e})"
             host = "-" if res.host_us_per_linear is None else f"{res.host_us_per_linear:.0f}"
+            prof = "-" if res.profiled_host_us is None else f"{res.profiled_host_us:.0f}"
             graph = "-" if res.ms_graph is None else f"{res.ms_graph:.2f}"
             eager = ratio(res.ms_eager, base.ms_eager)
             print(
                 f"  {label:28} {res.ms_eager:9.2f} {eager:>7} "
                 f"{graph:>9} {ratio(res.ms_graph, base.ms_graph):>7} {res.gpu_busy_ms:9.2f} "
-                f"{ratio(res.gpu_busy_ms, base.gpu_busy_ms):>7} {host:>11} {res.peak_gib:9.2f} "
-                f"{ratio(res.peak_gib, base.peak_gib):>7}   ({time.perf_counter() - t0:.0f} s)"
+                f"{ratio(res.gpu_busy_ms, base.gpu_busy_ms):>7} {host:>11} {prof:>8} "
+                f"{res.peak_gib:9.2f} {ratio(res.peak_gib, base.peak_gib):>7}   "
+                f"({time.perf_counter() - t0:.0f} s)"
             )
             if args.graphs and res.ms_graph is None:
                 print(f"    graphs: {res.graph_note}")

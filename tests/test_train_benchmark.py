@@ -53,3 +53,39 @@ def test_the_host_speed_line_times_a_launch_and_an_allocation() -> None:
     benchmark's figures are not asserted)."""
     times = train.host_speed("cpu", calls=200)
     assert len(times) == 2 and all(isinstance(t, float) and t > 0.0 for t in times)
+
+
+def test_the_host_time_per_linear_counts_each_forward_and_backward_and_restores_the_ops(
+    monkeypatch,
+) -> None:
+    """``host_us_per_linear``: one figure per Linear forward + backward (the two op bodies
+    timed, divided by the forward calls), the ops put back afterwards, None without fp4gen.
+    A clock that advances 1 us per reading makes each op body take exactly 1 us."""
+    import itertools
+
+    import torch
+
+    import fp4gen
+
+    torch.manual_seed(0)
+    layers = [fp4gen.nn.Linear(32, 32, recipe=fp4gen.load_recipe("nvfp4_small.fp4r"))] * 2
+    x = torch.randn(16, 32, requires_grad=True)
+    calls: list[str] = []
+    real = fp4gen.nn.Linear.forward_gemm
+
+    def step() -> None:
+        calls.append("step")
+        layers[1](layers[0](x)).sum().backward()
+
+    before = dict(fp4gen.nn.Linear.__dict__)
+    clock = itertools.count(0, 1000)
+    monkeypatch.setattr(train.time, "perf_counter_ns", lambda: next(clock))
+    us = train.host_us_per_linear(step, 3)
+    monkeypatch.undo()
+    assert calls == ["step"] * 3
+    assert us == 2.0  # 6 forwards and 6 backwards, 1 us each: 2 us per forward + backward
+    assert fp4gen.nn.Linear.forward_gemm is real
+    assert {k: before[k] for k in ("forward_gemm", "backward_gemms")} == {
+        k: fp4gen.nn.Linear.__dict__[k] for k in ("forward_gemm", "backward_gemms")
+    }
+    assert train.host_us_per_linear(lambda: torch.nn.Linear(4, 4)(torch.ones(4)), 2) is None
