@@ -90,6 +90,7 @@ class _GemmCall(NamedTuple):
     out_dtype: torch.dtype
     bias: torch.Tensor | None
     accumulate: torch.Tensor | None
+    out: torch.Tensor | None = None  # where the result is written (checked by ``gemm``)
 
 
 def gemm(
@@ -100,15 +101,25 @@ def gemm(
     bias: torch.Tensor | None = None,
     accumulate: torch.Tensor | None = None,
     backend: str = "auto",
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """C = S_a S_b (A_q @ B_q^T) (+ bias) for a: [M, K] and b: [N, K], both quantized along K.
 
     ``accumulate`` (fp32 [M, N]) is added to the result, as a wgrad GEMM accumulates across
-    micro-batches; the sum is returned (the tensor given is not modified).
+    micro-batches; the sum is returned (the tensor given is not modified). ``out``: a
+    contiguous [M, N] tensor of ``out_dtype`` on a's device that receives the result and is
+    returned (the fused and dequant kernels write it directly; other paths copy into it).
     """
     if backend not in BACKENDS:
         raise FP4GenError(f"unknown GEMM backend {backend!r}; choose one of {BACKENDS}")
-    call = _GemmCall(a, b, out_dtype, bias, accumulate)
+    if out is not None:
+        check_out(out, a.rows, b.rows, out_dtype, a.device)
+    return _into(_gemm(_GemmCall(a, b, out_dtype, bias, accumulate, out), backend), out)
+
+
+def _gemm(call: _GemmCall, backend: str) -> torch.Tensor:
+    """``gemm`` on ``backend`` (``call.out``: where a kernel may write the result)."""
+    a, b, out_dtype, bias, accumulate, _ = call
     if backend == "auto":
         choice = auto_backend(a, b)
         backend = choice.backend
@@ -137,6 +148,29 @@ def gemm(
             return fast
     c = gemm_reference(a, b, bias=bias) if backend == "reference" else _dequant_gemm(a, b, bias)
     return _finish(c, accumulate, out_dtype)
+
+
+def check_out(out: torch.Tensor, m: int, n: int, dtype: torch.dtype, device: torch.device) -> None:
+    """TensorError unless ``out`` can take an [m, n] product of ``dtype`` on ``device``."""
+    if (
+        tuple(out.shape) != (m, n)
+        or out.dtype != dtype
+        or out.device != device
+        or not out.is_contiguous()
+    ):
+        raise TensorError(
+            f"out must be a contiguous [{m}, {n}] {dtype} tensor on {device}; got "
+            f"{tuple(out.shape)} {out.dtype} on {out.device}"
+            + ("" if out.is_contiguous() else ", not contiguous")
+        )
+
+
+def _into(c: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
+    """``c`` written into ``out`` (returned), unless a kernel wrote it there already."""
+    if out is None or c is out:
+        return c
+    out.copy_(c)
+    return out
 
 
 def _finish(
@@ -311,7 +345,7 @@ def _fast_dequant(call: _GemmCall) -> torch.Tensor | None:
     """The dequant backend with the generated dequantize kernels on CUDA, or None where they do
     not serve (CPU tensors, formats not exact in bf16, an arch without the kernel, no CuTe DSL:
     logged once); the torch decode then runs."""
-    a, b, out_dtype, bias, accumulate = call
+    a, b, out_dtype, bias, accumulate, out = call
     require_quantized(a, b)
     if a.device.type != "cuda" or b.device.type != "cuda":
         return None
@@ -328,6 +362,7 @@ def _fast_dequant(call: _GemmCall) -> torch.Tensor | None:
                 bias=bias,
                 accumulate=accumulate,
                 arch=detect_arch(a.device),
+                out=out,
             )
         except TensorError:
             raise
@@ -342,12 +377,14 @@ def _kernel_gemm(backend: str, run: Callable[..., torch.Tensor], call: _GemmCall
     both kernel backends make first (QuantizedTensors, on CUDA)."""
     from fp4gen.compiler.jit import detect_arch
 
-    a, b, out_dtype, bias, accumulate = call
+    a, b, out_dtype, bias, accumulate, out = call
     require_quantized(a, b)
     if a.device.type != "cuda":
         raise FP4GenError(f"the {backend} GEMM backend runs on CUDA tensors, got {a.device}")
     arch = detect_arch(a.device)
-    return run(a, b, out_dtype=out_dtype, bias=bias, accumulate=accumulate, arch=arch)
+    # the fused kernel writes into ``out``; native_gemm makes its own result (``gemm`` copies it)
+    into = {"out": out} if out is not None and backend == "cute" else {}
+    return run(a, b, out_dtype=out_dtype, bias=bias, accumulate=accumulate, arch=arch, **into)
 
 
 # _fused, _native and _block_scaled stay three names: tests replace each on its own
@@ -366,7 +403,7 @@ def _native(call: _GemmCall) -> torch.Tensor:
 def _block_scaled(call: _GemmCall) -> torch.Tensor:
     from fp4gen.runtime.fp8_gemm import block_scaled_gemm
 
-    a, b, out_dtype, bias, accumulate = call
+    a, b, out_dtype, bias, accumulate, _ = call
     return block_scaled_gemm(a, b, out_dtype=out_dtype, bias=bias, accumulate=accumulate)
 
 

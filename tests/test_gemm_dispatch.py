@@ -70,6 +70,54 @@ def test_errors() -> None:
         fp4gen.gemm(c, b, backend="dequant")
 
 
+@pytest.mark.parametrize("backend", ["auto", "reference", "dequant"])
+def test_out_receives_the_result(backend: str) -> None:
+    """``out=``: the result is written there and ``out`` itself is returned, with the bits of
+    a call without it (bias and accumulate included)."""
+    a, b = operands("nvfp4", 8, 12, 64)
+    bias, acc = torch.randn(12), torch.randn(8, 12)
+    for kw in ({}, {"bias": bias, "accumulate": acc}):
+        want = fp4gen.gemm(a, b, out_dtype=torch.bfloat16, backend=backend, **kw)
+        out = torch.full((8, 12), float("nan"), dtype=torch.bfloat16)
+        got = fp4gen.gemm(a, b, out_dtype=torch.bfloat16, backend=backend, out=out, **kw)
+        assert got is out and torch.equal(out, want)
+
+
+def test_a_wrong_out_is_refused_before_any_work() -> None:
+    a, b = operands("nvfp4", 8, 12, 64)
+    for bad, rule in (
+        (torch.empty(8, 13), r"\[8, 12\]"),
+        (torch.empty(8, 12, dtype=torch.bfloat16), "float32"),
+        (torch.empty(12, 8).t(), "not contiguous"),
+    ):
+        with pytest.raises(TensorError, match=rule):
+            fp4gen.gemm(a, b, out=bad)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize(("m", "backend"), [(16, "cute"), (300, "dequant"), (300, "auto")])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_cuda_kernels_write_into_out(m: int, backend: str, dtype: torch.dtype, monkeypatch) -> None:
+    """The fused kernel and the dequantize + cuBLASLt path write the result into ``out``
+    directly (the path returns ``out`` itself: nothing copied into it afterwards; fp32 through
+    cuBLASLt where it serves), with the bits of a call without it."""
+    import fp4gen.gemm_dispatch as gd
+
+    a, b = operands("nvfp4", m, 256, 1024, block_b=(16, 16))
+    a = quantize(a.dequantize().cuda(), "nvfp4")
+    b = quantize(b.dequantize().cuda(), "nvfp4", block=(16, 16))
+    want = fp4gen.gemm(a, b, out_dtype=dtype, backend=backend)
+    direct: list[bool] = []
+    real = gd._into
+    monkeypatch.setattr(gd, "_into", lambda c, out: (direct.append(c is out), real(c, out))[1])
+    out = torch.full((m, 256), float("nan"), dtype=dtype, device="cuda")
+    got = fp4gen.gemm(a, b, out_dtype=dtype, backend=backend, out=out)
+    assert got is out and torch.equal(out, want)
+    if backend == "cute" or dtype == torch.bfloat16:
+        assert direct == [True]
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4", "mxfp8_e4m3", "mxfp6_e3m2"])

@@ -263,9 +263,11 @@ def matmul(
     out_dtype: torch.dtype,
     bias: torch.Tensor | None = None,
     accumulate: torch.Tensor | None = None,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor | None:
     """D = alpha * (a @ b^T) (+ accumulate) (+ bias) in one cuBLASLt call, or None when cuBLASLt
-    does not serve this call (the caller then takes the torch path).
+    does not serve this call (the caller then takes the torch path). D is ``out`` (contiguous
+    [M, N] of ``out_dtype``, as ``fp4gen.gemm`` checks) where given and aligned, else new.
 
     ``a`` [M, K] and ``b`` [N, K]: contiguous bf16 on one CUDA device; ``alpha``: an fp32 device
     scalar; ``bias`` [N] in ``out_dtype`` or fp32; ``accumulate`` [M, N] in ``out_dtype`` (not
@@ -298,7 +300,8 @@ def matmul(
         return None
     assert isinstance(plan, _Plan)
     lib = _lib[0]
-    out = torch.empty((m, n), dtype=out_dtype, device=a.device)
+    if out is None or out.data_ptr() % PTR_ALIGN_BYTES:
+        out = torch.empty((m, n), dtype=out_dtype, device=a.device)
     stream = _current_stream(device)
     ws = _workspace(device, stream)
     beta = accumulate if accumulate is not None else out  # C: read only with beta = 1

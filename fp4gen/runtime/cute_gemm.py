@@ -224,12 +224,15 @@ def fused_gemm(
     accumulate: torch.Tensor | None,
     arch: str,
     tile: GemmTile | None = None,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """C = S_a S_b (A_q @ B_q^T) (+ bias) (+ accumulate) with the generated fused kernel.
 
     ``a``, ``b``: QuantizedTensors on one CUDA device, quantized along K with the same RHT (or
     none). Raises FP4GenError when no fused kernel serves the pair or the arch, TensorError for
-    operands that do not fit together. ``accumulate`` (fp32 [M, N]) is not modified.
+    operands that do not fit together. ``accumulate`` (fp32 [M, N]) is not modified. ``out``
+    (contiguous [M, N] of ``out_dtype``, checked by ``fp4gen.gemm``): the kernel writes the
+    result there when it writes ``out_dtype`` itself; else a new tensor is returned.
     """
     check_pair(a, b)
     dev = one_cuda_device(a, b, "fused GEMM")
@@ -258,7 +261,7 @@ def fused_gemm(
         out = accumulate.to(
             device=dev, dtype=torch.float32, copy=True, memory_format=torch.contiguous_format
         )
-    else:
+    elif out is None or out.dtype != plan.out_dtype:
         out = torch.empty((m, n), dtype=plan.out_dtype, device=dev)
     # the compiled function's order: A, A's scales, B, B's scales, S_a, S_b, C (, bias) (, ws)
     args = [a_codes, a_scales, b_codes, b_scales, _global(a.global_scale, dev), b_global, out]

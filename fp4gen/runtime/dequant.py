@@ -219,12 +219,15 @@ def dequant_gemm(
     bias: torch.Tensor | None,
     accumulate: torch.Tensor | None,
     arch: str,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """C = S_a S_b (A_q @ B_q^T) (+ bias) (+ accumulate) by dequantize kernels + cuBLAS.
 
     ``a``, ``b``: QuantizedTensors on one CUDA device, quantized along K with the same RHT (or
     none), formats served by the dequantize kernel (FP4GenError otherwise). B's values are
-    remembered per tensor (see ``cached_bf16``). ``accumulate`` is not modified.
+    remembered per tensor (see ``cached_bf16``). ``accumulate`` is not modified. ``out``
+    (contiguous [M, N] of ``out_dtype``, checked by ``fp4gen.gemm``): cuBLASLt writes the
+    result there; the fallback epilogue returns a new tensor.
     """
     check_pair(a, b)
     one_cuda_device(a, b, "dequantize GEMM")
@@ -250,9 +253,11 @@ def dequant_gemm(
         accumulate = accumulate.detach()
     on_device = all(t is None or t.device == dev for t in (bias, accumulate))
     if on_device:  # one cuBLASLt kernel: alpha, bias and C in its epilogue
-        out = cublaslt.matmul(va, vb, alpha, out_dtype=out_dtype, bias=bias, accumulate=accumulate)
-        if out is not None:
-            return out
+        c = cublaslt.matmul(
+            va, vb, alpha, out_dtype=out_dtype, bias=bias, accumulate=accumulate, out=out
+        )
+        if c is not None:
+            return c
     return epilogue(_mm_fp32(va, vb), alpha, bias, accumulate, out_dtype)
 
 
