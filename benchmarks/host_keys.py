@@ -58,7 +58,7 @@ def stand_ins(graphs: layer_graphs.LayerGraphs) -> Iterator[None]:
             )
         return made[shapes]
 
-    def capture(fn, activations, params, results, stream, *, in_place):
+    def capture(fn, activations, params, results, stream, *, in_place, into=False):
         inputs = outputs = None
         if not in_place:  # a graph on static buffers, copied into and out of per call
             inputs = tuple(t.clone() for t in activations)

@@ -79,6 +79,8 @@ class Result:
     host_us_per_linear: float | None  # timed, no profiler (host_us_per_linear())
     profiled_host_us: float | None  # the same ops' CPU time under torch.profiler
     peak_gib: float
+    graph_calls: float = 0.0  # per timed step: layer calls served by a layer graph
+    in_place: float = 0.0  # of those, replays of graphs that read and write in place
 
 
 def build_model(kind: str, hidden: int, layers: int, seq: int, device: str) -> nn.Module:
@@ -151,6 +153,18 @@ def graph_ms(step: Callable[[], object], steps: int) -> tuple[float | None, str]
     except Exception as err:  # report the reason and go on with the other runs
         torch.cuda.synchronize()
         return None, f"not capturable: {type(err).__name__}: {str(err).splitlines()[0][:160]}"
+
+
+def graph_counts(model: nn.Module) -> tuple[int, int]:
+    """(layer calls served by a layer graph, in-place replays) summed over the model's fp4gen
+    Linears so far (fp4gen.runtime.layer_graphs.LayerGraphs' counters)."""
+    served = in_place = 0
+    for module in model.modules():
+        graphs = getattr(module, "_graphs", None)
+        if isinstance(module, fp4gen.nn.Linear) and graphs is not None:
+            served += graphs.graph_calls
+            in_place += graphs.in_place_replays
+    return served, in_place
 
 
 def host_us_per_linear(step: Callable[[], object], steps: int) -> float | None:
@@ -226,7 +240,9 @@ def run_one(
         step()
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
+    before = graph_counts(model)
     ms = timed_ms(step, args.steps)
+    replays = [(b - a) / args.steps for a, b in zip(before, graph_counts(model), strict=True)]
     peak = torch.cuda.max_memory_allocated() / 2**30
     busy, profiled_host = profile_step(step)
     host = host_us_per_linear(step, HOST_STEPS) if recipe != "bf16" else None
@@ -237,7 +253,7 @@ def run_one(
         ms_graph, note = graph_ms(make_step(model, loss_fn(args.model), tokens, True), args.steps)
     del model, step
     torch.cuda.empty_cache()
-    return Result(ms, ms_graph, note, busy, host, profiled_host, peak)
+    return Result(ms, ms_graph, note, busy, host, profiled_host, peak, *replays)
 
 
 def loss_curve(
@@ -446,6 +462,11 @@ def main(argv: list[str] | None = None) -> int:
                 f"{res.peak_gib:9.2f} {ratio(res.peak_gib, base.peak_gib):>7}   "
                 f"({time.perf_counter() - t0:.0f} s)"
             )
+            if res.graph_calls:
+                print(
+                    f"    layer graphs: {res.graph_calls:.0f} layer calls per step from a graph, "
+                    f"{res.in_place:.0f} of them in place (no copies in or out)"
+                )
             if args.graphs and res.ms_graph is None:
                 print(f"    graphs: {res.graph_note}")
         if args.loss_steps:

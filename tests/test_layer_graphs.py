@@ -136,7 +136,7 @@ def _cpu_graphs(monkeypatch: pytest.MonkeyPatch) -> list[str]:
     ``_ReplayedFn``; returns the list each capture appends its kind to."""
     captured: list[str] = []
 
-    def capture(fn, activations, params, results, stream, *, in_place):
+    def capture(fn, activations, params, results, stream, *, in_place, into=False):
         captured.append("in place" if in_place else "static")
         if in_place:  # reads the activations and writes the results where they are
             graph = _ReplayedFn(fn, activations, params, results)

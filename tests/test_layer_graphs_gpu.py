@@ -315,3 +315,42 @@ def test_graphs_read_activations_in_place_where_they_met_them_twice(monkeypatch)
     # graphs on x's, dy's and the results' own addresses: met twice from the 3rd step on (a
     # 4th where the allocator alternates between two sets), replayed after
     assert first is not None and first.in_place_replays >= 4, first.in_place_replays
+
+
+def test_graphed_layers_reading_one_x_share_its_wgrad_copy(monkeypatch) -> None:
+    """q, k and v on one x, each run from its layer graphs: the first layer's forward graph
+    quantizes x's wgrad copy, the others' graphs leave it out and their backward graphs read
+    that copy; every step gives the bits of eager layers that save x itself."""
+    r = load_recipe(RNE)
+    stacks = []
+    for graphed in (True, False):
+        torch.manual_seed(0)
+        layers = [
+            fp4gen.nn.Linear(256, o, recipe=r, seed=3, device="cuda", name=f"l{n}")
+            for n, o in enumerate((256, 128, 128))
+        ]
+        for layer in layers:
+            layer.keep_quantized_input = graphed
+        stacks.append(layers)
+    x = torch.empty(512, 256, device="cuda", requires_grad=True)
+    torch.manual_seed(1)
+    for step in range(6):
+        with torch.no_grad():
+            x.copy_(torch.randn_like(x))
+        got = []
+        for layers, graphs in zip(stacks, ("1", "0"), strict=True):
+            monkeypatch.setenv("FP4GEN_LAYER_GRAPHS", graphs)
+            h = x * 1.0  # a non-leaf, as a norm's output would be
+            ys = [layer(h) for layer in layers]
+            sum((y.float() * (i + 1)).sum() for i, y in enumerate(ys)).backward()
+            got.append([*(y.detach() for y in ys), x.grad, *(m.weight.grad for m in layers)])
+            x.grad = None
+            for m in layers:
+                m.weight.grad = m.bias.grad = None
+        for u, v in zip(*got, strict=True):
+            assert torch.equal(u, v), step
+    owns = [
+        [g.key[-1] for g in m._graphs.graphs.values() if g.key[0] == "fprop"] for m in stacks[0]
+    ]
+    assert owns[0] and all(owns[0]), owns  # the first layer's graphs make the copy
+    assert owns[1] and owns[2] and not any(owns[1] + owns[2]), owns  # the others' read it

@@ -89,3 +89,18 @@ def test_the_host_time_per_linear_counts_each_forward_and_backward_and_restores_
         k: fp4gen.nn.Linear.__dict__[k] for k in ("forward_gemm", "backward_gemms")
     }
     assert train.host_us_per_linear(lambda: torch.nn.Linear(4, 4)(torch.ones(4)), 2) is None
+
+
+def test_graph_counts_sum_the_layers_graph_counters() -> None:
+    import torch
+
+    import fp4gen
+    from fp4gen.runtime.layer_graphs import LayerGraphs
+
+    recipe = fp4gen.load_recipe("nvfp4_small.fp4r")
+    model = torch.nn.Sequential(*(fp4gen.nn.Linear(8, 8, recipe=recipe) for _ in range(3)))
+    assert train.graph_counts(model) == (0, 0)  # no layer graphs made (a CPU model)
+    for i, layer in enumerate(model[:2]):
+        layer._graphs = LayerGraphs(f"l{i}")
+        layer._graphs.graph_calls, layer._graphs.in_place_replays = 5 + i, 3 + i
+    assert train.graph_counts(model) == (11, 7)

@@ -176,11 +176,19 @@ class LayerGraphs:
         fn: Callable[..., Sequence[torch.Tensor | None]],
         activations: tuple[torch.Tensor, ...],
         params: tuple[Any, ...],
+        *,
+        into: bool = False,
     ) -> Result:
         """``fn(*activations, *params)``, a tuple of tensors or None, eagerly or from a graph.
         ``fn`` must do all its work on the GPU (its host-side effects happen only when it runs
-        eagerly or is captured); ``key`` must name everything else ``fn`` depends on."""
-        return self.run_with_meta(key, lambda *args: (fn(*args), None), activations, params)[0]
+        eagerly or is captured); ``key`` must name everything else ``fn`` depends on. ``into``:
+        ``fn`` also takes ``out=`` (the tensors the results go to, or None), and a result it
+        returns as that very tensor needs no copy in the graph."""
+
+        def with_meta(*args: Any, out: Result | None = None) -> tuple[Any, None]:
+            return (fn(*args, out=out) if into else fn(*args)), None
+
+        return self.run_with_meta(key, with_meta, activations, params, into=into)[0]
 
     def run_with_meta(
         self,
@@ -188,6 +196,8 @@ class LayerGraphs:
         fn: MetaFn,
         activations: tuple[torch.Tensor, ...],
         params: tuple[Any, ...],
+        *,
+        into: bool = False,
     ) -> tuple[Result, Any]:
         """``run`` for an ``fn`` that returns (tensors, meta): ``meta`` describes the tensors
         (e.g. what a quantized tensor's pieces are) and must follow from ``key`` alone; a replay
@@ -222,7 +232,9 @@ class LayerGraphs:
             return results, found.meta
         if self.addresses.met(where) and self.in_place_captures < MAX_IN_PLACE_CAPTURES:
             self.in_place_captures += 1
-            made = self._capture(where, fn, activations, params, results, device, in_place=True)
+            made = self._capture(
+                where, fn, activations, params, results, device, in_place=True, into=into
+            )
         else:
             found = self.graphs.get(key)
             if found is not None:
@@ -231,7 +243,9 @@ class LayerGraphs:
                 self.graph_calls += 1
                 _replay_static(found, activations, results)
                 return results, found.meta
-            made = self._capture(key, fn, activations, params, results, device, in_place=False)
+            made = self._capture(
+                key, fn, activations, params, results, device, in_place=False, into=into
+            )
         if made is None:  # the capture failed (logged): this key runs eagerly from now on
             results, meta = fn(*activations, *params)
             return tuple(results), meta
@@ -247,6 +261,7 @@ class LayerGraphs:
         device: torch.device,
         *,
         in_place: bool,
+        into: bool,
     ) -> _Graph | None:
         """Capture a graph for ``key`` and replay it once into ``results`` (the capture itself
         runs nothing): the graph, or None when the capture failed (the key then always runs
@@ -255,7 +270,7 @@ class LayerGraphs:
         stream = torch.cuda.current_stream(device)
         base = key[0] if in_place else key  # (the caller's key, stream)
         try:
-            found = _capture(fn, activations, params, results, stream, in_place=in_place)
+            found = _capture(fn, activations, params, results, stream, in_place=in_place, into=into)
         except Exception as err:  # e.g. an operation a capture cannot take: stay eager
             why = f"{type(err).__name__}: {err}"
             self.failed[base] = why
@@ -349,10 +364,12 @@ def _capture(
     stream: torch.cuda.Stream,
     *,
     in_place: bool,
+    into: bool = False,
 ) -> _Graph:
     """Capture ``fn`` into a new graph: on ``activations`` where they are, its results written
     into ``results`` (``in_place``: the graph keeps their addresses, not the tensors), or on
-    static copies of the activations with results in static buffers shaped as ``results``."""
+    static copies of the activations with results in static buffers shaped as ``results``.
+    ``into``: ``fn`` takes those result tensors as ``out=`` (``LayerGraphs.run``)."""
     device = activations[0].device
     index = device.index if device.index is not None else torch.cuda.current_device()
     sid = stream.cuda_stream
@@ -370,7 +387,8 @@ def _capture(
         )
     made = _Graph(torch.cuda.CUDAGraph(), inputs, outputs, tuple(claims))
     try:
-        _record(made, fn, activations, params, results if in_place else outputs, stream, index)
+        targets = results if in_place else outputs
+        _record(made, fn, activations, params, targets, stream, index, into)
     except BaseException:
         made.release()
         _reset_capture_state(index, sid)
@@ -416,10 +434,12 @@ def _record(
     targets: Result,
     stream: torch.cuda.Stream,
     index: int,
+    into: bool = False,
 ) -> None:
     """Capture ``fn`` on ``made``'s static inputs (or on ``activations`` for a graph that reads
     them in place) into ``made.graph``, its results copied into ``targets`` (static buffers, or
-    the call's own result tensors)."""
+    the call's own result tensors); with ``into``, ``fn`` is given ``out=targets``, and a
+    result it wrote there itself (returned as the target tensor) is not copied."""
     graph = made.graph
     sid = stream.cuda_stream
     inputs = activations
@@ -439,12 +459,15 @@ def _record(
     with torch.cuda.stream(side):
         graph.capture_begin(pool=pool, capture_error_mode="thread_local")
         try:
-            found_results, made.meta = fn(*inputs, *params)
+            if into:
+                found_results, made.meta = fn(*inputs, *params, out=targets)
+            else:
+                found_results, made.meta = fn(*inputs, *params)
             computed = tuple(found_results)
             if len(computed) != len(targets):
                 raise RuntimeError("the results changed in number since the warm-up call")
             for target, r in zip(targets, computed, strict=True):
-                if target is not None:
+                if target is not None and r is not target:
                     target.copy_(r)  # a shape or dtype that changed raises here
         finally:
             graph.capture_end()

@@ -341,14 +341,17 @@ class Linear(nn.Linear):
                 self._table_key(table), _context_key(), self.backend, self.seed, own,
             )  # fmt: skip
 
-            def work(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> Any:
-                y, xq_t = self._fprop(x, w, b, out_dtype, table, call, None, own)
+            def work(
+                x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, out: Any = None
+            ) -> Any:
+                y_out = None if out is None else out[0]  # the GEMM writes y there (no copy)
+                y, xq_t = self._fprop(x, w, b, out_dtype, table, call, None, own, y_out)
                 if xq_t is None:
                     return (y,), None
                 tensors, layout = xq_t.split()  # graph outputs are tensors: its pieces
                 return (y, *tensors), layout
 
-            (y, *pieces), layout = graphs.run_with_meta(key, work, (x2,), (weight, bias))
+            (y, *pieces), layout = graphs.run_with_meta(key, work, (x2,), (weight, bias), into=True)
             # the pieces go to the backward graph as they are: no QuantizedTensor in between
             kept = None if layout is None else ops.WgradInput(tuple(pieces), layout, x2.dtype)
         if shared is not None:
@@ -394,10 +397,12 @@ class Linear(nn.Linear):
         call: int,
         gathered: QuantizedTensor | None = None,
         keep: bool = False,
+        out: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, Any]:
         """forward_gemm's work, all of it on the device where x2 is (a layer graph captures it):
         y, and with ``keep`` x's wgrad copy (else None). ``gathered``: the weight already
-        quantized (FSDP2's quantized all-gather)."""
+        quantized (FSDP2's quantized all-gather). ``out``: where the GEMM may write y (a layer
+        graph's result tensor; y is then that tensor)."""
         xq_t = self.wgrad_activation(x2, table, call) if keep else None
         # K = in_features, zero-padded to the fprop RHT size where it is not a multiple of it
         fprop_k = k_multiple(table.fprop_activation, table.fprop_weight, blocks=False)
@@ -413,12 +418,9 @@ class Linear(nn.Linear):
         self.record(Operand.FPROP_ACTIVATION, x2, xq, call)
         if gathered is None:  # a gathered weight's high-precision values are not here
             self.record(Operand.FPROP_WEIGHT, w, w_row, call)
-        if (
-            bias is not None
-            and isinstance(xq, QuantizedTensor)
-            and isinstance(w_row, QuantizedTensor)
-        ):
-            return gemm(xq, w_row, bias=bias, out_dtype=out_dtype), xq_t  # bias in the epilogue
+        if isinstance(xq, QuantizedTensor) and isinstance(w_row, QuantizedTensor):
+            # the bias and the rounding to out_dtype in the GEMM's epilogue
+            return gemm(xq, w_row, bias=bias, out_dtype=out_dtype, out=out), xq_t
         y = operand_matmul(xq, w_row)
         return (y if bias is None else y + bias.to(torch.float32)).to(out_dtype), xq_t
 
@@ -457,7 +459,11 @@ class Linear(nn.Linear):
                 self._table_key(table), _context_key(), self.backend, self.seed,
             )  # fmt: skip
             dx, dw = graphs.run(
-                key, lambda dy, x, w: self._grads(dy, x, w, table, call), (dy2, x2), (weight,)
+                key,
+                lambda dy, x, w, out=None: self._grads(dy, x, w, table, call, out=out),
+                (dy2, x2),
+                (weight,),
+                into=True,
             )
         else:
             kept = x2
@@ -471,14 +477,14 @@ class Linear(nn.Linear):
                 _param_key(weight), self._table_key(table), _context_key(), self.backend, self.seed,
             )  # fmt: skip
 
-            def work(dy: torch.Tensor, *rest: torch.Tensor) -> tuple[Any, Any]:
+            def work(dy: torch.Tensor, *rest: torch.Tensor, out: Any = None) -> tuple[Any, Any]:
                 given = iter(rest[:-1])
                 pieces = tuple(next(given) if p else None for p in present)
                 x = ops.WgradInput(pieces, layout, kept.dtype)
-                return self._grads(dy, x, rest[-1], table, call)
+                return self._grads(dy, x, rest[-1], table, call, out=out)
 
             given = tuple([t for t in tensors if t is not None])
-            dx, dw = graphs.run(key, work, (dy2, *given), (weight,))
+            dx, dw = graphs.run(key, work, (dy2, *given), (weight,), into=True)
         self.__dict__["_backward_calls"] = call + 1  # as in forward_gemm
         assert dx is not None and dw is not None
         return dx, dw
@@ -513,9 +519,12 @@ class Linear(nn.Linear):
         table: OperandTable,
         call: int,
         gathered: QuantizedTensor | None = None,
+        out: tuple[torch.Tensor | None, ...] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """backward_gemms' work, all of it on the device (a layer graph captures it).
-        ``gathered``: the weight already quantized rowwise; dgrad takes its transpose."""
+        ``gathered``: the weight already quantized rowwise; dgrad takes its transpose.
+        ``out``: (dx, dW) tensors the GEMMs may write into (a layer graph's results; where no
+        padding is cropped, dx and dW are then those tensors)."""
         w = weight.detach()
         tokens, n_out = dy2.shape
         wgrad_k = k_multiple(table.wgrad_gradient, table.wgrad_activation, blocks=True)
@@ -549,7 +558,12 @@ class Linear(nn.Linear):
                 backend=self.backend,
                 mors=self.mors,
             )
-        dx = _matmul(dyq, w_col, x2.dtype)  # x's dtype (a WgradInput holds it)
+        dx_out, dw_out = (None, None) if out is None else out
+        if padded_tokens != tokens:
+            dx_out = None  # the GEMM's rows are padded: dx is a cropped view, copied out
+        if padded_out != n_out:
+            dw_out = None
+        dx = _matmul(dyq, w_col, x2.dtype, dx_out)  # x's dtype (a WgradInput holds it)
         if padded_tokens != tokens:
             dx = dx[:tokens]  # a prefix of rows: still contiguous
         self.record(Operand.DGRAD_GRADIENT, dy2, dyq, call)
@@ -561,7 +575,7 @@ class Linear(nn.Linear):
         else:  # quantized by the forward (keeps_wgrad_input)
             xq_t = x2.quantized
         self._advance_device(forward=False)
-        dw = _matmul(dyq_t, xq_t, w.dtype)
+        dw = _matmul(dyq_t, xq_t, w.dtype, dw_out)
         if padded_out != n_out:
             dw = dw[:n_out]
         self.record(Operand.WGRAD_GRADIENT, dy2.t(), dyq_t, call)
@@ -836,11 +850,13 @@ class Conv1DLinear(Linear):
         return f"{super().extra_repr()}, weight layout [in, out] (Conv1D)"
 
 
-def _matmul(a: Any, b: Any, out_dtype: torch.dtype) -> torch.Tensor:
+def _matmul(
+    a: Any, b: Any, out_dtype: torch.dtype, out: torch.Tensor | None = None
+) -> torch.Tensor:
     """A @ B^T in fp32, rounded once to out_dtype (by the GEMM's epilogue when both operands are
-    quantized)."""
+    quantized, written into ``out`` where given: then the result is ``out``)."""
     if isinstance(a, QuantizedTensor) and isinstance(b, QuantizedTensor):
-        return gemm(a, b, out_dtype=out_dtype)
+        return gemm(a, b, out_dtype=out_dtype, out=out)
     return operand_matmul(a, b).to(out_dtype)
 
 
