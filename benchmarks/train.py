@@ -9,11 +9,13 @@ weights), as a user would train it. For each hidden size and recipe it prints:
   with the whole step (forward, backward, optimizer) captured in one CUDA graph and replayed
   (or the reason it could not be captured);
 - GPU-busy ms/step: the sum of the kernel times of one step (torch.profiler);
-- host us per Linear forward+backward: the wall time the host spends in fp4gen's two ops per
-  layer call (``Linear.forward_gemm`` + ``backward_gemms``, the bodies of its custom ops),
-  timed with ``time.perf_counter`` over three eager steps, no profiler attached; and the same
-  ops' CPU time under torch.profiler (CPU + CUDA activities, one step), which instruments
-  every launch, graph nodes included, and so reads higher (docs/training-step.md);
+- host us per Linear forward+backward: the CPU time of fp4gen's two custom ops per layer call
+  (torch.profiler, CPU + CUDA activities, one step started on an idle GPU);
+- wall us per Linear forward+backward: the wall time the host spends in the same two ops
+  (``Linear.forward_gemm`` + ``backward_gemms``) over three steps run back to back, timed with
+  ``time.perf_counter`` and no profiler: where the GPU is the bottleneck this includes the
+  launches' waits for room in the full launch queue, so it reads above the host column there
+  and equals the host's own cost only where the host is the bottleneck (docs/training-step.md);
 - peak memory of a step (torch.cuda.max_memory_allocated);
 - the ratio of each figure to BF16's.
 
@@ -30,7 +32,7 @@ these two tell a slow host from a regression.
 (cProfile, cumulative time), which is where the host path's time goes. ``--compare-saved-x``
 adds a run of each recipe whose layers save x for the backward instead of x's quantized wgrad
 copy (``Linear.keep_quantized_input = False``): the peak-memory difference of that choice.
-``--layer-graph-flops 0,5e10`` adds runs of each recipe with another layer-graph threshold (the
+``--layer-graph-flops 0,1e11`` adds runs of each recipe with another layer-graph threshold (the
 largest GEMM a graphed pass may have; 0 turns layer graphs off): where graphs stop paying.
 ``--loss-steps N`` then trains each recipe N steps on real text (the Python standard library's
 source bytes, ``fp4gen.demo.data``) from the same initial weights and batches, with the demo's
@@ -67,7 +69,7 @@ LAYERS_BY_HIDDEN = {1024: 8, 2048: 6, 4096: 4}
 # untimed steps first: kernels load, and layer graphs capture in the first steps (a warm-up
 # call, a graph on static buffers, then graphs on the addresses the allocator settles on)
 WARMUP_STEPS = 5
-HOST_STEPS = 3  # eager steps timed for the host us per Linear
+WALL_STEPS = 3  # eager steps timed back to back for the wall us per Linear
 
 
 @dataclass
@@ -76,8 +78,8 @@ class Result:
     ms_graph: float | None
     graph_note: str
     gpu_busy_ms: float
-    host_us_per_linear: float | None  # timed, no profiler (host_us_per_linear())
-    profiled_host_us: float | None  # the same ops' CPU time under torch.profiler
+    wall_us_per_linear: float | None  # the ops' wall time, back to back (wall_us_per_linear())
+    host_us_per_linear: float | None  # the same ops' CPU time under torch.profiler
     peak_gib: float
     graph_calls: float = 0.0  # per timed step: layer calls served by a layer graph
     in_place: float = 0.0  # of those, replays of graphs that read and write in place
@@ -167,7 +169,7 @@ def graph_counts(model: nn.Module) -> tuple[int, int]:
     return served, in_place
 
 
-def host_us_per_linear(step: Callable[[], object], steps: int) -> float | None:
+def wall_us_per_linear(step: Callable[[], object], steps: int) -> float | None:
     """Wall microseconds the host spends per fp4gen Linear forward + backward in ``steps``
     eager steps (``forward_gemm`` + ``backward_gemms``, each wrapped in a ``perf_counter``
     timer for the duration), or None when the model has no fp4gen Linear."""
@@ -244,8 +246,8 @@ def run_one(
     ms = timed_ms(step, args.steps)
     replays = [(b - a) / args.steps for a, b in zip(before, graph_counts(model), strict=True)]
     peak = torch.cuda.max_memory_allocated() / 2**30
-    busy, profiled_host = profile_step(step)
-    host = host_us_per_linear(step, HOST_STEPS) if recipe != "bf16" else None
+    busy, host = profile_step(step)
+    wall = wall_us_per_linear(step, WALL_STEPS) if recipe != "bf16" else None
     if args.host_profile and recipe != "bf16":
         host_profile(step, args.host_profile)
     ms_graph, note = None, "not run"
@@ -253,7 +255,7 @@ def run_one(
         ms_graph, note = graph_ms(make_step(model, loss_fn(args.model), tokens, True), args.steps)
     del model, step
     torch.cuda.empty_cache()
-    return Result(ms, ms_graph, note, busy, host, profiled_host, peak, *replays)
+    return Result(ms, ms_graph, note, busy, wall, host, peak, *replays)
 
 
 def loss_curve(
@@ -431,7 +433,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"\nhidden {hidden}, {layers} layers")
         print(
             f"  {'recipe':28} {'ms/step':>9} {'x bf16':>7} {'graph ms':>9} {'x bf16':>7} "
-            f"{'gpu-busy':>9} {'x bf16':>7} {'host us/lin':>11} {'profiled':>8} {'peak GiB':>9} "
+            f"{'gpu-busy':>9} {'x bf16':>7} {'host us/lin':>11} {'wall us':>8} {'peak GiB':>9} "
             f"{'x bf16':>7}"
         )
         base: Result | None = None
@@ -452,13 +454,13 @@ def main(argv: list[str] | None = None) -> int:
             label = Path(recipe).stem + (" (saves x)" if saves_x else "")
             label += "" if flops is None else f" (graphs <= {flops:.0e})"
             host = "-" if res.host_us_per_linear is None else f"{res.host_us_per_linear:.0f}"
-            prof = "-" if res.profiled_host_us is None else f"{res.profiled_host_us:.0f}"
+            wall = "-" if res.wall_us_per_linear is None else f"{res.wall_us_per_linear:.0f}"
             graph = "-" if res.ms_graph is None else f"{res.ms_graph:.2f}"
             eager = ratio(res.ms_eager, base.ms_eager)
             print(
                 f"  {label:28} {res.ms_eager:9.2f} {eager:>7} "
                 f"{graph:>9} {ratio(res.ms_graph, base.ms_graph):>7} {res.gpu_busy_ms:9.2f} "
-                f"{ratio(res.gpu_busy_ms, base.gpu_busy_ms):>7} {host:>11} {prof:>8} "
+                f"{ratio(res.gpu_busy_ms, base.gpu_busy_ms):>7} {host:>11} {wall:>8} "
                 f"{res.peak_gib:9.2f} {ratio(res.peak_gib, base.peak_gib):>7}   "
                 f"({time.perf_counter() - t0:.0f} s)"
             )

@@ -43,14 +43,15 @@ def test_a_bad_setting_is_an_error(monkeypatch) -> None:
         check_environment()
 
 
-def test_only_passes_small_enough_to_gain_are_graphed() -> None:
-    """A pass is graphed while its GEMMs are small enough for the host's launches to be the
-    bottleneck (MAX_GEMM_FLOPS); larger passes run eagerly (their copies would cost more)."""
+def test_passes_up_to_the_measured_sizes_are_graphed() -> None:
+    """A pass is graphed while its GEMMs are within the sizes where graphs were measured to
+    gain (MAX_GEMM_FLOPS: a Llama up to hidden 4096 at 8192 tokens); larger passes run
+    eagerly."""
     assert layer_graphs.worth_graphing(8192, 1024, 2816)  # a Llama hidden-1024 MLP projection
     assert layer_graphs.worth_graphing(128, 256, 192)
-    assert not layer_graphs.worth_graphing(8192, 2048, 2048)  # hidden 2048: eager is faster
-    assert not layer_graphs.worth_graphing(8192, 4096, 4096)
-    assert not layer_graphs.worth_graphing(8192, 8192, 8192)
+    assert layer_graphs.worth_graphing(8192, 2048, 5632)  # hidden 2048's MLP
+    assert layer_graphs.worth_graphing(8192, 4096, 11008)  # hidden 4096's MLP (7.4e11)
+    assert not layer_graphs.worth_graphing(8192, 8192, 8192)  # not measured: eager
 
 
 def test_the_address_log_says_met_on_the_second_sighting_and_stays_bounded() -> None:

@@ -55,10 +55,10 @@ def test_the_host_speed_line_times_a_launch_and_an_allocation() -> None:
     assert len(times) == 2 and all(isinstance(t, float) and t > 0.0 for t in times)
 
 
-def test_the_host_time_per_linear_counts_each_forward_and_backward_and_restores_the_ops(
+def test_the_wall_time_per_linear_counts_each_forward_and_backward_and_restores_the_ops(
     monkeypatch,
 ) -> None:
-    """``host_us_per_linear``: one figure per Linear forward + backward (the two op bodies
+    """``wall_us_per_linear``: one figure per Linear forward + backward (the two op bodies
     timed, divided by the forward calls), the ops put back afterwards, None without fp4gen.
     A clock that advances 1 us per reading makes each op body take exactly 1 us."""
     import itertools
@@ -80,7 +80,7 @@ def test_the_host_time_per_linear_counts_each_forward_and_backward_and_restores_
     before = dict(fp4gen.nn.Linear.__dict__)
     clock = itertools.count(0, 1000)
     monkeypatch.setattr(train.time, "perf_counter_ns", lambda: next(clock))
-    us = train.host_us_per_linear(step, 3)
+    us = train.wall_us_per_linear(step, 3)
     monkeypatch.undo()
     assert calls == ["step"] * 3
     assert us == 2.0  # 6 forwards and 6 backwards, 1 us each: 2 us per forward + backward
@@ -88,7 +88,7 @@ def test_the_host_time_per_linear_counts_each_forward_and_backward_and_restores_
     assert {k: before[k] for k in ("forward_gemm", "backward_gemms")} == {
         k: fp4gen.nn.Linear.__dict__[k] for k in ("forward_gemm", "backward_gemms")
     }
-    assert train.host_us_per_linear(lambda: torch.nn.Linear(4, 4)(torch.ones(4)), 2) is None
+    assert train.wall_us_per_linear(lambda: torch.nn.Linear(4, 4)(torch.ones(4)), 2) is None
 
 
 def test_graph_counts_sum_the_layers_graph_counters() -> None:

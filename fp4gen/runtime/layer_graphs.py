@@ -64,13 +64,13 @@ log = logging.getLogger("fp4gen.runtime")
 
 MAX_GRAPHS = 8  # per layer: keys beyond this evict the least recently used graph
 # Graph a layer's pass only while one of its GEMMs has at most this many FLOPs (2 * tokens *
-# in * out): about 0.1 ms of an H100's tensor cores. Above it the GPU work of the pass, with the
-# rest of the model's, outlasts the host's launches, which then run ahead anyway, and the
-# copies into and out of the static buffers (two passes over x, y, dy, dx and dW) cost more
-# than the launches they save. Measured on a Llama at 8192 tokens (docs/training-step.md): at
-# hidden 2048 (GEMMs of 6.9e10 to 1.9e11) the eager step is 1.16x BF16 without layer graphs and
-# 1.33x with them; at hidden 1024 (1.7e10 to 4.7e10) 1.45x with them and 2.49x without.
-MAX_GEMM_FLOPS = 5e10
+# in * out). A graph that reads and writes in place adds no GPU work (the GEMMs write their
+# results into the call's tensors, layers reading one x share its wgrad copy), so graphs pay
+# at every size measured: a Llama at 8192 tokens on an H100 (docs/training-step.md), hidden
+# 2048 (GEMMs up to 1.9e11) eagerly 1.15x -> 1.11x BF16 with host time 844 -> 136 us per
+# Linear, hidden 4096 (up to 7.4e11) 1.06x either way with 782 -> 156 us. Larger passes were
+# not measured and stay eager: the limit covers hidden 4096 at 8192 tokens.
+MAX_GEMM_FLOPS = 1e12
 # (device, stream) -> the private memory pool of its graphs and an empty graph captured into it
 # that keeps the pool alive: once every graph of a pool is gone, torch's device and pinned-host
 # allocators refuse another capture into it (an internal assert) while any block of it lives on.
