@@ -42,9 +42,10 @@ computes block-scaled accumulation, within the bound of numerics.md 6.1 of that 
 from __future__ import annotations
 
 import logging
+import weakref
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 
@@ -71,6 +72,9 @@ _MAX_CHOICES = 4096  # shapes that keep changing: cleared, not grown without end
 log = logging.getLogger(__name__)
 _logged: set[str] = set()
 _fused_ids: dict[tuple[int, int], tuple[object, object, str | None]] = {}
+# B -> the small-M fused call auto made with it last (cute_gemm.PreparedGemm): the next auto
+# call like it (same A format and shape, B unchanged) launches with no dispatch or plan lookups
+_prepared: weakref.WeakKeyDictionary[QuantizedTensor, Any] = weakref.WeakKeyDictionary()
 
 
 class GemmChoice(NamedTuple):
@@ -91,6 +95,7 @@ class _GemmCall(NamedTuple):
     bias: torch.Tensor | None
     accumulate: torch.Tensor | None
     out: torch.Tensor | None = None  # where the result is written (checked by ``gemm``)
+    auto: bool = False  # backend="auto" chose the path (a fused call then prepares the next)
 
 
 def gemm(
@@ -110,6 +115,18 @@ def gemm(
     contiguous [M, N] tensor of ``out_dtype`` on a's device that receives the result and is
     returned (the fused and dequant kernels write it directly; other paths copy into it).
     """
+    if (
+        backend == "auto"
+        and out is None
+        and bias is None
+        and accumulate is None
+        and isinstance(b, QuantizedTensor)
+    ):
+        prepared = _prepared.get(b)  # a call like the last one with this B (a weight)
+        if prepared is not None:
+            c = prepared(a, b, out_dtype)
+            if c is not None:
+                return c
     if backend not in BACKENDS:
         raise FP4GenError(f"unknown GEMM backend {backend!r}; choose one of {BACKENDS}")
     if out is not None:
@@ -119,7 +136,7 @@ def gemm(
 
 def _gemm(call: _GemmCall, backend: str) -> torch.Tensor:
     """``gemm`` on ``backend`` (``call.out``: where a kernel may write the result)."""
-    a, b, out_dtype, bias, accumulate, _ = call
+    a, b, out_dtype, bias, accumulate, _, _ = call
     if backend == "auto":
         choice = auto_backend(a, b)
         backend = choice.backend
@@ -128,7 +145,7 @@ def _gemm(call: _GemmCall, backend: str) -> torch.Tensor:
         if backend in ("cute", "blackwell", "block_scaled"):
             run = {"cute": _fused, "blackwell": _native, "block_scaled": _block_scaled}[backend]
             try:
-                return run(call)
+                return run(call._replace(auto=True))
             except TensorError:
                 raise
             except FP4GenError as err:  # the kernel cannot be built or loaded here
@@ -345,7 +362,7 @@ def _fast_dequant(call: _GemmCall) -> torch.Tensor | None:
     """The dequant backend with the generated dequantize kernels on CUDA, or None where they do
     not serve (CPU tensors, formats not exact in bf16, an arch without the kernel, no CuTe DSL:
     logged once); the torch decode then runs."""
-    a, b, out_dtype, bias, accumulate, out = call
+    a, b, out_dtype, bias, accumulate, out, _ = call
     require_quantized(a, b)
     if a.device.type != "cuda" or b.device.type != "cuda":
         return None
@@ -372,25 +389,32 @@ def _fast_dequant(call: _GemmCall) -> torch.Tensor | None:
     return None
 
 
-def _kernel_gemm(backend: str, run: Callable[..., torch.Tensor], call: _GemmCall) -> torch.Tensor:
+def _kernel_gemm(
+    backend: str, run: Callable[..., torch.Tensor], call: _GemmCall, **extra: Any
+) -> torch.Tensor:
     """``run`` (``fused_gemm`` or ``native_gemm``) on the arch of ``a``'s GPU, after the checks
     both kernel backends make first (QuantizedTensors, on CUDA)."""
     from fp4gen.compiler.jit import detect_arch
 
-    a, b, out_dtype, bias, accumulate, out = call
+    a, b, out_dtype, bias, accumulate, out, _ = call
     require_quantized(a, b)
     if a.device.type != "cuda":
         raise FP4GenError(f"the {backend} GEMM backend runs on CUDA tensors, got {a.device}")
     arch = detect_arch(a.device)
     # the fused kernel writes into ``out``; native_gemm makes its own result (``gemm`` copies it)
-    into = {"out": out} if out is not None and backend == "cute" else {}
-    return run(a, b, out_dtype=out_dtype, bias=bias, accumulate=accumulate, arch=arch, **into)
+    if out is not None and backend == "cute":
+        extra["out"] = out
+    return run(a, b, out_dtype=out_dtype, bias=bias, accumulate=accumulate, arch=arch, **extra)
 
 
 # _fused, _native and _block_scaled stay three names: tests replace each on its own
 def _fused(call: _GemmCall) -> torch.Tensor:
+    """The fused kernel; where ``backend="auto"`` chose it, a small-M call also leaves a
+    prepared call for its B (``_prepared``), which serves the next auto calls like it."""
     from fp4gen.runtime.cute_gemm import fused_gemm
 
+    if call.auto:
+        return _kernel_gemm("cute", fused_gemm, call, keep=_prepared)
     return _kernel_gemm("cute", fused_gemm, call)
 
 
@@ -403,7 +427,7 @@ def _native(call: _GemmCall) -> torch.Tensor:
 def _block_scaled(call: _GemmCall) -> torch.Tensor:
     from fp4gen.runtime.fp8_gemm import block_scaled_gemm
 
-    a, b, out_dtype, bias, accumulate, _ = call
+    a, b, out_dtype, bias, accumulate, _, _ = call
     return block_scaled_gemm(a, b, out_dtype=out_dtype, bias=bias, accumulate=accumulate)
 
 

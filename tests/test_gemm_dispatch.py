@@ -255,3 +255,132 @@ def test_fused_gemm_checks_its_operands() -> None:
         fused_gemm(c, b, out_dtype=torch.float32, bias=None, accumulate=None, arch="sm_90a")
     spec = gemm_spec(NVFP4, NVFP4_2D, 100, out_dtype="bf16", bias=True)
     assert spec.name == "gemm_e2m1_1x16_e4m3_x_e2m1_16x16_e4m3_bf16_bias_m128n64w2s16"
+
+
+# ----------------------------------------------------------------------------------------------
+# the prepared small-M call (cute_gemm.PreparedGemm): what it launches, and when it steps aside
+# ----------------------------------------------------------------------------------------------
+class _RecordingFn:
+    """A compiled kernel's stand-in: records the arguments of each launch."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple] = []
+
+    def __call__(self, *args) -> None:
+        self.calls.append(args)
+
+
+def _prepared_on_cpu(monkeypatch, fmt: str = "nvfp4", expand: int = 1):
+    """A PreparedGemm for a CPU pair (its kernel a recorder, the split-K workspace a stand-in),
+    and the pair."""
+    from fp4gen.runtime import cute_gemm
+
+    workspace = (torch.zeros(4), torch.zeros(4, dtype=torch.int32))
+    monkeypatch.setattr(cute_gemm, "_workspace", lambda plan, m, n, splits, dev: workspace)
+    a, b = operands(fmt, 16, 48, 96, block_b=(16, 16) if fmt == "nvfp4" else None)
+    plan = cute_gemm._Plan(
+        spec=None,  # type: ignore[arg-type]
+        module=None,  # type: ignore[arg-type]
+        fn=_RecordingFn(),
+        small=True,
+        expand=expand,
+        out_dtype=torch.bfloat16,
+        b_sf_rows=lambda rows: -(-rows // b.format.block[0]),
+        k_multiple=64,
+    )
+    return cute_gemm.PreparedGemm(a, b, torch.bfloat16, plan, 128, 3), a, b, workspace
+
+
+@pytest.mark.parametrize(("fmt", "expand"), [("nvfp4", 1), ("mxfp4", 2)])
+def test_a_prepared_call_launches_what_the_full_path_does(monkeypatch, fmt, expand) -> None:
+    """A new A of the prepared format and shape: the kernel gets A's codes and scale codes
+    padded to the kernel's K (scales repeated ``expand`` times along K), B's prepared operands,
+    the two global scales, a new [M, N] output and the workspace, in the kernel's order."""
+    from fp4gen.runtime import cute_gemm
+
+    prepared, a, b, workspace = _prepared_on_cpu(monkeypatch, fmt, expand)
+    a2 = quantize(torch.randn(16, 96), fmt)  # the next activation
+    out = prepared(a2, b, torch.bfloat16)
+    assert out is not None and out.shape == (16, 48) and out.dtype == torch.bfloat16
+    (args,) = prepared.plan.fn.calls
+    want = [
+        cute_gemm._k_padded(a2.codes, 128),
+        cute_gemm._scale_codes(a2, 16, 96, 128, expand),
+        *cute_gemm._b_operand(b, prepared.plan, 128)[:2],
+        a2.global_scale.view(1),
+        b.global_scale.view(1),
+        out,
+        *workspace,
+    ]
+    assert len(args) == len(want)
+    assert args[6] is out and args[7] is workspace[0]  # the output: new, unwritten here
+    for i, (got, expected) in enumerate(zip(args, want, strict=True)):
+        assert got.shape == expected.shape and (i == 6 or torch.equal(got, expected)), i
+
+
+def test_a_prepared_call_steps_aside_for_anything_else(monkeypatch) -> None:
+    """Another A format, shape, RHT or output dtype, or a B changed in place since: None (the
+    full path runs, checks and prepares again); nothing is launched."""
+    prepared, a, b, _ = _prepared_on_cpu(monkeypatch)
+    others = [
+        (quantize(torch.randn(16, 96), "mxfp4"), torch.bfloat16),  # format
+        (quantize(torch.randn(17, 96), "nvfp4"), torch.bfloat16),  # M
+        (quantize(torch.randn(16, 96), "nvfp4", hadamard=16), torch.bfloat16),  # RHT
+        (a, torch.float32),  # output dtype
+        (torch.randn(16, 96), torch.bfloat16),  # not quantized
+    ]
+    for other, dtype in others:
+        assert prepared(other, b, dtype) is None
+    b.global_scale.mul_(1.0)  # an in-place write: B's version moves on
+    assert prepared(a, b, torch.bfloat16) is None
+    assert prepared.plan.fn.calls == []
+
+
+def test_gemm_takes_a_prepared_call_only_for_auto_without_extras(monkeypatch) -> None:
+    """``fp4gen.gemm`` asks B's prepared call first for backend="auto" without bias, accumulate
+    or out, and takes the full path when it steps aside (returns None)."""
+    import fp4gen.gemm_dispatch as gd
+
+    a, b = operands("nvfp4", 8, 12, 64)
+    marker = torch.full((8, 12), 7.0)
+    answers: list[torch.Tensor | None] = [marker]
+
+    def prepared(a_, b_, out_dtype):
+        assert b_ is b
+        return answers[0]
+
+    monkeypatch.setattr(gd, "_prepared", {b: prepared})
+    assert fp4gen.gemm(a, b) is marker
+    ref = gemm_reference(a, b)
+    assert torch.equal(fp4gen.gemm(a, b, backend="reference"), ref)
+    assert torch.equal(fp4gen.gemm(a, b, bias=torch.zeros(12)), ref)
+    answers[0] = None  # not the prepared call: the full path (the reference on a CPU)
+    assert torch.equal(fp4gen.gemm(a, b), ref)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_auto_small_m_calls_after_the_first_are_prepared_and_follow_b() -> None:
+    """backend="auto" at M = 16: the second call with a B prepares, the next ones launch from
+    the prepared call with the bits of the fused kernel called directly; a B changed in place
+    is seen (the next call prepares again); a B met once is never prepared."""
+    import fp4gen.gemm_dispatch as gd
+
+    g = torch.Generator().manual_seed(5)
+    b = quantize(torch.randn(256, 1024, generator=g).cuda(), "nvfp4", block=(16, 16))
+    once = quantize(torch.randn(256, 1024, generator=g).cuda(), "nvfp4", block=(16, 16))
+    a = quantize(torch.randn(16, 1024, generator=g).cuda(), "nvfp4")
+    fp4gen.gemm(a, once, out_dtype=torch.bfloat16)
+    assert once not in gd._prepared
+    for step in range(4):
+        a = quantize(torch.randn(16, 1024, generator=g).cuda(), "nvfp4")
+        got = fp4gen.gemm(a, b, out_dtype=torch.bfloat16)
+        want = fp4gen.gemm(a, b, out_dtype=torch.bfloat16, backend="cute")
+        assert torch.equal(got, want), step
+        assert (b in gd._prepared) == (step > 0)  # B met before the auto call: prepared
+    first = gd._prepared[b]
+    b.global_scale.mul_(2.0)
+    a = quantize(torch.randn(16, 1024, generator=g).cuda(), "nvfp4")
+    got = fp4gen.gemm(a, b, out_dtype=torch.bfloat16)
+    assert torch.equal(got, fp4gen.gemm(a, b, out_dtype=torch.bfloat16, backend="cute"))
+    assert gd._prepared[b] is not first  # prepared again for the changed B

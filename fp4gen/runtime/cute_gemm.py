@@ -19,7 +19,7 @@ which validates every tensor, is for callers outside this module.
 from __future__ import annotations
 
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, MutableMapping
 from dataclasses import dataclass
 from types import ModuleType
 from typing import Any
@@ -30,7 +30,7 @@ from fp4gen.codegen.gemm import SmallMTile, choose_splits, fused_support, gemm_s
 from fp4gen.codegen.gemm_configs import FUSED_ARCHS
 from fp4gen.errors import FP4GenError, TensorError
 from fp4gen.formats import BlockFormat
-from fp4gen.numerics.quantize import tensor_version
+from fp4gen.numerics.quantize import QuantizedTensor, tensor_version
 from fp4gen.runtime.checks import check_accumulate, check_bias, check_pair, one_cuda_device
 from fp4gen.runtime.device_memory import kept
 from fp4gen.runtime.loader import KernelLoader, Reasons, Unsupported
@@ -156,16 +156,22 @@ def _global(g: torch.Tensor, dev: torch.device) -> torch.Tensor:
     return g.view(1)
 
 
-def _b_operand(b: Any, plan: _Plan, kp: int) -> tuple:
-    """(codes packed along K and padded, scale codes, global scale) of B, remembered per
-    QuantizedTensor until its codes, scale codes or global scale change."""
-    versions = (
+def _b_versions(b: Any, kp: int, expand: int) -> tuple[int, ...]:
+    """What B's kernel operands are derived from: its codes, scale codes and global scale (the
+    tensors and their versions), the padded K and the scale expansion."""
+    return (
         *b.code_version(),
         tensor_version(b.scale_codes) if b.scale_codes is not None else -1,
         tensor_version(b.global_scale),
         kp,
-        plan.expand,
+        expand,
     )
+
+
+def _b_operand(b: Any, plan: _Plan, kp: int) -> tuple:
+    """(codes packed along K and padded, scale codes, global scale) of B, remembered per
+    QuantizedTensor until its codes, scale codes or global scale change."""
+    versions = _b_versions(b, kp, plan.expand)
     hit = _b_operands.get(b)
     if hit is not None and hit[0] == versions:
         return hit[1]
@@ -215,6 +221,59 @@ def _workspace(plan: _Plan, m: int, n: int, splits: int, dev: torch.device) -> t
     return kept(_workspaces, key, make, dev, limit=_MAX_WORKSPACES)
 
 
+class PreparedGemm:
+    """A small-M fused GEMM call with one B, kept by ``fused_gemm`` for the calls after it (a
+    weight multiplied by new activations of one shape: a decode step, a small-M layer): the
+    plan, B's kernel operands, the padded K and the split count. A call checks that A is what
+    it was prepared for (format, shape, RHT, device), that B's codes, scales and global scale
+    are unchanged (their versions), and launches; it returns None where anything differs, and
+    the caller takes the full path (which checks, raises and prepares again)."""
+
+    __slots__ = ("a_format", "m", "n", "k", "rht", "dev", "out_dtype", "plan", "kp", "splits",
+                 "versions", "b_ops", "sc_shape")  # fmt: skip
+
+    def __init__(
+        self, a: Any, b: Any, out_dtype: torch.dtype, plan: _Plan, kp: int, splits: int
+    ) -> None:
+        self.a_format, self.rht, self.dev = a.format, a.rht, a.device
+        self.m, self.n, self.k = a.rows, b.rows, a.cols
+        self.out_dtype, self.plan, self.kp, self.splits = out_dtype, plan, kp, splits
+        self.versions = _b_versions(b, kp, plan.expand)
+        self.b_ops = _b_operand(b, plan, kp)
+        self.sc_shape = (self.m, -(-self.k // a.format.block[1]))
+
+    def __call__(self, a: Any, b: Any, out_dtype: torch.dtype) -> torch.Tensor | None:
+        """C = S_a S_b (A_q @ B_q^T) in ``out_dtype``, or None where this call is not the one
+        prepared (``b``: the B it was prepared with, as the caller looked it up)."""
+        if (
+            not isinstance(a, QuantizedTensor)
+            or a.format is not self.a_format
+            or out_dtype != self.out_dtype
+            or a.rows != self.m
+            or a.cols != self.k
+            or a.device != self.dev
+            or (a.rht is not self.rht and a.rht != self.rht)
+            or _b_versions(b, self.kp, self.plan.expand) != self.versions
+        ):
+            return None
+        codes, sc = a.codes, a.scale_codes
+        if codes.dtype != torch.uint8 or sc is None or sc.dtype != torch.uint8:
+            return None
+        if tuple(sc.shape) != self.sc_shape:
+            return None
+        plan, m, n, kp, dev = self.plan, self.m, self.n, self.kp, self.dev
+        if plan.expand > 1:
+            sc = sc.repeat_interleave(plan.expand, dim=1)
+        out = torch.empty((m, n), dtype=plan.out_dtype, device=dev)
+        b_codes, b_scales, b_global = self.b_ops
+        plan.fn(
+            _k_padded(codes, kp), _k_padded(sc, kp // 16), b_codes, b_scales,
+            _global(a.global_scale, dev), b_global, out,
+            *_workspace(plan, m, n, self.splits, dev),
+        )  # fmt: skip
+        return out if out.dtype == out_dtype else out.to(out_dtype)
+
+
 def fused_gemm(
     a: Any,
     b: Any,
@@ -225,6 +284,7 @@ def fused_gemm(
     arch: str,
     tile: GemmTile | None = None,
     out: torch.Tensor | None = None,
+    keep: MutableMapping[Any, PreparedGemm] | None = None,
 ) -> torch.Tensor:
     """C = S_a S_b (A_q @ B_q^T) (+ bias) (+ accumulate) with the generated fused kernel.
 
@@ -232,7 +292,10 @@ def fused_gemm(
     none). Raises FP4GenError when no fused kernel serves the pair or the arch, TensorError for
     operands that do not fit together. ``accumulate`` (fp32 [M, N]) is not modified. ``out``
     (contiguous [M, N] of ``out_dtype``, checked by ``fp4gen.gemm``): the kernel writes the
-    result there when it writes ``out_dtype`` itself; else a new tensor is returned.
+    result there when it writes ``out_dtype`` itself; else a new tensor is returned. ``keep``:
+    where a small-M call without bias, accumulate, ``out`` or a tile of its own leaves a
+    ``PreparedGemm`` for ``b`` once ``b`` is met a second time (``fp4gen.gemm``'s per-call
+    path).
     """
     check_pair(a, b)
     dev = one_cuda_device(a, b, "fused GEMM")
@@ -241,6 +304,9 @@ def fused_gemm(
             f"no fused GEMM kernel for {arch} (it uses wgmma: {', '.join(FUSED_ARCHS)})"
         )
     m, n, k = a.rows, b.rows, a.cols
+    # prepared for the next calls once B is met a second time (a weight reused as it is; a
+    # weight quantized anew per call is a new B every time, and preparing would only cost)
+    preparing = keep is not None and tile is None and out is None and b in _b_operands
     tile = tile or pick_tile(m)
     # bf16 straight from the kernel when nothing fp32 is added; else fp32 (one rounding at the end)
     bf16 = out_dtype == torch.bfloat16 and accumulate is None
@@ -274,10 +340,14 @@ def fused_gemm(
         splits = _split_count(tile, m, n, k, dev)
         args.extend(_workspace(plan, m, n, splits, dev))
     plan.fn(*args)
+    if preparing and plan.small and bias is None and accumulate is None:
+        assert keep is not None
+        keep[b] = PreparedGemm(a, b, out_dtype, plan, kp, splits)
     return out if out.dtype == out_dtype else out.to(out_dtype)
 
 
 __all__ = [
+    "PreparedGemm",
     "fused_gemm",
     "packed_codes",
 ]
