@@ -1,4 +1,5 @@
-"""The per-call Python of a graphed fp4gen.nn.Linear, on any machine (no GPU needed).
+"""The per-call Python of a graphed fp4gen.nn.Linear and of a small-M fp4gen.gemm, on any
+machine (no GPU needed).
 
 A layer-graphed ``Linear`` forward + backward on CUDA is, per call: the runtime's Python
 (``forward_gemm`` / ``backward_gemms``: the operand table, the checks, the graph key), the
@@ -10,6 +11,11 @@ loop's allocator does), so every call after the first few is an in-place replay,
 from the third step on. ``--profile N`` adds a cProfile of the calls by self time. What it
 measures is host work only: compare before and after a change on one machine
 (docs/training-step.md item 16); ``benchmarks/host_path.py --pieces`` times the real path on a GPU.
+
+It then times ``fp4gen.gemm(a, b)`` at M = 16 on the small-M fused path, a new activation per
+call and one weight, with the kernel launch, the CUDA device and the output allocation stood in
+for: the full path (dispatch, plan lookups, checks) and a prepared call (docs/gemm-sm90.md,
+"Prepared calls").
 
     python benchmarks/host_keys.py [--recipe recipes/nvfp4_small.fp4r] [--size 256]
                                    [--calls 20000] [--profile 25]
@@ -117,6 +123,111 @@ def keying(recipe: str, size: int, calls: int, profile: int = 0) -> tuple[float,
     return us, graphs
 
 
+class _FakeGemmModule:
+    """A small-M GEMM module's stand-in: the constants ``fused_gemm`` reads, no kernel."""
+
+    TILE_ELEMS = 1024
+    K_MULTIPLE = 64
+
+    @staticmethod
+    def tiles(m: int, n: int) -> int:
+        return 128
+
+
+class _Launches:
+    """A compiled kernel's stand-in: counts its launches."""
+
+    def __init__(self) -> None:
+        self.count = 0
+
+    def __call__(self, *args: Any) -> None:
+        self.count += 1
+
+
+@contextlib.contextmanager
+def gemm_stand_ins(plan_key: tuple, launches: _Launches) -> Iterator[None]:
+    """CUDA stood in for under ``fp4gen.gemm``'s small-M path while the block runs (everything
+    put back after): the operands report device cuda:0 (sm_90a) but their tensors stay on the
+    CPU, the plan of ``plan_key`` holds a kernel that only counts its launches, the split-K
+    workspace is a CPU tensor pair and the output a CPU allocation."""
+    from fp4gen.compiler import jit
+    from fp4gen.runtime import cute_gemm
+
+    cpu = torch.device("cpu")
+    workspace = (torch.zeros(4), torch.zeros(4, dtype=torch.int32))
+    plan = cute_gemm._Plan(
+        spec=None,  # type: ignore[arg-type]
+        module=_FakeGemmModule,  # type: ignore[arg-type]
+        fn=launches,
+        small=True,
+        expand=1,
+        out_dtype=torch.bfloat16,
+        b_sf_rows=lambda rows: -(-rows // 16),
+        k_multiple=_FakeGemmModule.K_MULTIPLE,
+    )
+    real_empty = torch.empty
+
+    def empty(*args: Any, device: Any = None, **kwargs: Any) -> torch.Tensor:
+        return real_empty(*args, **kwargs)  # the output on the CPU, whatever device is asked
+
+    def global_view(g: torch.Tensor, dev: torch.device) -> torch.Tensor:
+        if g.dtype != torch.float32 or (g.device != dev and g.device.type == "cuda"):
+            raise AssertionError("the stand-in's global scales are fp32 CPU tensors")
+        return g.view(1)  # what ``_global`` does for an fp32 scale on the operands' device
+
+    with contextlib.ExitStack() as torch_view:
+        torch_view.enter_context(mock.patch.dict(jit._archs, {0: "sm_90a"}))
+        torch_view.enter_context(mock.patch.dict(cute_gemm._plans, {plan_key: plan}))
+        torch_view.enter_context(mock.patch.dict(cute_gemm._sms, {0: 132, None: 132}))
+        torch_view.enter_context(
+            mock.patch.object(cute_gemm, "one_cuda_device", lambda a, b, what: cpu)
+        )
+        torch_view.enter_context(
+            mock.patch.object(cute_gemm, "_workspace", lambda *args: workspace)
+        )
+        torch_view.enter_context(mock.patch.object(cute_gemm, "_global", global_view))
+        # torch.empty itself while the block runs (the output is made through it)
+        torch_view.enter_context(mock.patch.object(torch, "empty", empty))
+        yield
+
+
+def gemm_call(m: int, n: int, k: int, calls: int, prepared: bool = True) -> tuple[float, int]:
+    """(microseconds of host path per ``fp4gen.gemm(a, b)`` call at M = ``m`` on the small-M
+    fused path, a new NVFP4 activation A per call and one 16x16 weight B; the launches made).
+    ``prepared=False`` times the full path (dispatch, plan lookups, checks) on every call."""
+    from fp4gen import gemm_dispatch
+    from fp4gen.codegen.gemm import pick_tile
+    from fp4gen.numerics import quantize
+
+    gen = torch.Generator().manual_seed(0)
+    b = quantize(torch.randn(n, k, generator=gen), "nvfp4", block=(16, 16))
+    acts = [quantize(torch.randn(m, k, generator=gen), "nvfp4") for _ in range(4)]
+    cuda0 = torch.device("cuda", 0)
+    for q in (b, *acts):
+        q.__dict__["device"] = cuda0  # QuantizedTensor.device is a cached property
+    key = (acts[0].format, b.format, pick_tile(m), True, False, False, "sm_90a")
+    launches = _Launches()
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(gemm_stand_ins(key, launches))
+        if not prepared:  # prepared calls neither kept nor found
+            stack.enter_context(mock.patch.object(gemm_dispatch, "_prepared", _Forgetful()))
+        for i in range(8):  # the first calls meet B (and prepare)
+            fp4gen.gemm(acts[i % 4], b, out_dtype=torch.bfloat16)
+        start = time.perf_counter()
+        for i in range(calls):
+            fp4gen.gemm(acts[i % 4], b, out_dtype=torch.bfloat16)
+        us = (time.perf_counter() - start) / calls * 1e6
+        gemm_dispatch._prepared.pop(b, None)
+    return us, launches.count
+
+
+class _Forgetful(dict):
+    """A registry of prepared calls that keeps none."""
+
+    def __setitem__(self, key: Any, value: Any) -> None:
+        pass
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--recipe", default="recipes/nvfp4_small.fp4r")
@@ -130,6 +241,13 @@ def main(argv: list[str] | None = None) -> int:
         f"(layer graphs: {graphs.replays} replays, {graphs.in_place_replays} in place; "
         "allocations and replays stood in for)"
     )
+    for prepared in (False, True):
+        us, _ = gemm_call(16, 8192, 8192, args.calls, prepared)
+        how = "a prepared call" if prepared else "the full path on every call"
+        print(
+            f"fp4gen.gemm M=16 N=K=8192 nvfp4: {us:.2f} us of host path per call ({how}; the "
+            "launch stood in for, the output a CPU allocation)"
+        )
     return 0
 
 

@@ -36,3 +36,31 @@ def test_the_timed_calls_are_in_place_replays_and_the_stand_ins_go_back() -> Non
         linear.Linear._graphs_for,
     )
     assert after == before
+
+
+def test_the_gemm_measure_launches_once_per_call_and_puts_everything_back(monkeypatch) -> None:
+    """``gemm_call``: every call reaches the (stood-in) kernel once; with ``prepared`` every
+    timed call goes through the prepared call (B prepared at its second call), without it none;
+    afterwards torch.empty, the plans, the arch table and the registry of prepared calls are as
+    before."""
+    from fp4gen import gemm_dispatch
+    from fp4gen.compiler import jit
+    from fp4gen.runtime import cute_gemm
+
+    served: list[bool] = []
+    real = cute_gemm.PreparedGemm.__call__
+
+    def counting(self, a, b, out_dtype):
+        c = real(self, a, b, out_dtype)
+        served.append(c is not None)
+        return c
+
+    monkeypatch.setattr(cute_gemm.PreparedGemm, "__call__", counting)
+    before = (torch.empty, dict(cute_gemm._plans), dict(jit._archs), len(gemm_dispatch._prepared))
+    for prepared, hits in ((True, 6 + 30), (False, 0)):
+        served.clear()
+        us, launches = host_keys.gemm_call(16, 256, 512, calls=30, prepared=prepared)
+        assert launches == 8 + 30 and us > 0.0
+        assert served == [True] * hits
+    after = (torch.empty, dict(cute_gemm._plans), dict(jit._archs), len(gemm_dispatch._prepared))
+    assert after == before
