@@ -60,7 +60,7 @@ from fp4gen.errors import FP4GenError, TensorError
 from fp4gen.formats import BlockFormat
 from fp4gen.numerics import QuantizedTensor, gemm_block_scaled_reference, gemm_reference
 from fp4gen.numerics.gemm import require_quantized
-from fp4gen.runtime.checks import check_pair
+from fp4gen.runtime.checks import check_out, check_pair
 
 BACKENDS = ("auto", "reference", "dequant", "cute", "blackwell", "block_scaled")
 # what backend="auto" computes for the pairs the block_scaled backend serves (numerics.md 6.1)
@@ -165,21 +165,6 @@ def _gemm(call: _GemmCall, backend: str) -> torch.Tensor:
             return fast
     c = gemm_reference(a, b, bias=bias) if backend == "reference" else _dequant_gemm(a, b, bias)
     return _finish(c, accumulate, out_dtype)
-
-
-def check_out(out: torch.Tensor, m: int, n: int, dtype: torch.dtype, device: torch.device) -> None:
-    """TensorError unless ``out`` can take an [m, n] product of ``dtype`` on ``device``."""
-    if (
-        tuple(out.shape) != (m, n)
-        or out.dtype != dtype
-        or out.device != device
-        or not out.is_contiguous()
-    ):
-        raise TensorError(
-            f"out must be a contiguous [{m}, {n}] {dtype} tensor on {device}; got "
-            f"{tuple(out.shape)} {out.dtype} on {out.device}"
-            + ("" if out.is_contiguous() else ", not contiguous")
-        )
 
 
 def _into(c: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:

@@ -1,8 +1,8 @@
 """The checks and input shaping the kernel backends make before a launch, written once.
 
 GEMM backends (``cute_gemm``, ``dequant``, ``blackwell_gemm``, ``gemm_dispatch``): the operand
-pair's K and RHT, one CUDA device, the shapes of ``bias`` and ``accumulate``; their messages are
-the backends' own (the oracle's, in ``numerics.gemm``, say more). Quantize backends
+pair's K and RHT, one CUDA device, the shapes of ``bias``, ``accumulate`` and ``out``; their
+messages are the backends' own (the oracle's, in ``numerics.gemm``, say more). Quantize backends
 (``cute_backend``, ``mor_kernels``): why a tensor is not a CUDA input, the 2D view a kernel
 launch reads, and the error or log line when the kernels do not serve a call.
 """
@@ -37,6 +37,21 @@ def check_bias(bias: torch.Tensor | None, n: int) -> None:
     """TensorError unless ``bias`` is None or has shape [N]."""
     if bias is not None and tuple(bias.shape) != (n,):
         raise TensorError(f"bias must have shape [{n}], got {tuple(bias.shape)}")
+
+
+def check_out(out: torch.Tensor, m: int, n: int, dtype: torch.dtype, device: torch.device) -> None:
+    """TensorError unless ``out`` can take an [m, n] product of ``dtype`` on ``device``."""
+    if (
+        tuple(out.shape) != (m, n)
+        or out.dtype != dtype
+        or out.device != device
+        or not out.is_contiguous()
+    ):
+        raise TensorError(
+            f"out must be a contiguous [{m}, {n}] {dtype} tensor on {device}; got "
+            f"{tuple(out.shape)} {out.dtype} on {out.device}"
+            + ("" if out.is_contiguous() else ", not contiguous")
+        )
 
 
 def check_accumulate(accumulate: torch.Tensor | None, m: int, n: int) -> None:
@@ -76,6 +91,7 @@ def served_by_reference(
 __all__ = [
     "check_accumulate",
     "check_bias",
+    "check_out",
     "check_pair",
     "launch_rows",
     "not_cuda",

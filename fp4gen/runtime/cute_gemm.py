@@ -145,6 +145,12 @@ def _scale_codes(q: Any, rows: int, k: int, kp: int, expand: int) -> torch.Tenso
             f"{q.format.name} codes [{q.rows}, {k}]; got "
             + ("None" if sc is None else f"{sc.dtype} {list(sc.shape)}")
         )
+    return _scales_for_kernel(sc, kp, expand)
+
+
+def _scales_for_kernel(sc: torch.Tensor, kp: int, expand: int) -> torch.Tensor:
+    """Checked scale codes as the kernel reads them: each repeated ``expand`` times along K,
+    one per 16 of the padded K."""
     if expand > 1:
         sc = sc.repeat_interleave(expand, dim=1)
     return _k_padded(sc, kp // 16)
@@ -262,12 +268,10 @@ class PreparedGemm:
         if tuple(sc.shape) != self.sc_shape:
             return None
         plan, m, n, kp, dev = self.plan, self.m, self.n, self.kp, self.dev
-        if plan.expand > 1:
-            sc = sc.repeat_interleave(plan.expand, dim=1)
         out = torch.empty((m, n), dtype=plan.out_dtype, device=dev)
         b_codes, b_scales, b_global = self.b_ops
         plan.fn(
-            _k_padded(codes, kp), _k_padded(sc, kp // 16), b_codes, b_scales,
+            _k_padded(codes, kp), _scales_for_kernel(sc, kp, plan.expand), b_codes, b_scales,
             _global(a.global_scale, dev), b_global, out,
             *_workspace(plan, m, n, self.splits, dev),
         )  # fmt: skip
