@@ -149,7 +149,8 @@ def gemm_stand_ins(plan_key: tuple, launches: _Launches) -> Iterator[None]:
     """CUDA stood in for under ``fp4gen.gemm``'s small-M path while the block runs (everything
     put back after): the operands report device cuda:0 (sm_90a) but their tensors stay on the
     CPU, the plan of ``plan_key`` holds a kernel that only counts its launches, the split-K
-    workspace is a CPU tensor pair and the output a CPU allocation."""
+    workspace is a CPU tensor pair on one stream, never capturing, and the output a CPU
+    allocation."""
     from fp4gen.compiler import jit
     from fp4gen.runtime import cute_gemm
 
@@ -186,6 +187,8 @@ def gemm_stand_ins(plan_key: tuple, launches: _Launches) -> Iterator[None]:
             mock.patch.object(cute_gemm, "_workspace", lambda *args: workspace)
         )
         torch_view.enter_context(mock.patch.object(cute_gemm, "_global", global_view))
+        torch_view.enter_context(mock.patch.object(cute_gemm, "_current_stream", lambda dev: 0))
+        torch_view.enter_context(mock.patch.object(cute_gemm, "capturing", lambda: False))
         # torch.empty itself while the block runs (the output is made through it)
         torch_view.enter_context(mock.patch.object(torch, "empty", empty))
         yield

@@ -277,6 +277,8 @@ def _prepared_on_cpu(monkeypatch, fmt: str = "nvfp4", expand: int = 1):
 
     workspace = (torch.zeros(4), torch.zeros(4, dtype=torch.int32))
     monkeypatch.setattr(cute_gemm, "_workspace", lambda plan, m, n, splits, dev: workspace)
+    monkeypatch.setattr(cute_gemm, "_current_stream", lambda dev: 7)
+    monkeypatch.setattr(cute_gemm, "capturing", lambda: False)
     a, b = operands(fmt, 16, 48, 96, block_b=(16, 16) if fmt == "nvfp4" else None)
     plan = cute_gemm._Plan(
         spec=None,  # type: ignore[arg-type]
@@ -314,8 +316,48 @@ def test_a_prepared_call_launches_what_the_full_path_does(monkeypatch, fmt, expa
     ]
     assert len(args) == len(want)
     assert args[6] is out and args[7] is workspace[0]  # the output: new, unwritten here
+    assert out.is_contiguous() and out.stride() == (48, 1)
     for i, (got, expected) in enumerate(zip(args, want, strict=True)):
         assert got.shape == expected.shape and (i == 6 or torch.equal(got, expected)), i
+
+
+def test_a_prepared_call_keeps_its_workspace_per_stream(monkeypatch) -> None:
+    """The split-K workspace is looked up once per stream and kept; a call on another stream
+    looks it up again; one looked up while capturing a graph (the graph's own) is not kept."""
+    from fp4gen.runtime import cute_gemm
+
+    prepared, a, b, _ = _prepared_on_cpu(monkeypatch)
+    looked: list[int] = []
+    stream = [1]
+    pairs = {s: (torch.zeros(4), torch.zeros(4, dtype=torch.int32)) for s in (1, 2, 3)}
+
+    def lookup(plan, m, n, splits, dev):
+        looked.append(stream[0])
+        return pairs[stream[0]]
+
+    monkeypatch.setattr(cute_gemm, "_workspace", lookup)
+    monkeypatch.setattr(cute_gemm, "_current_stream", lambda dev: stream[0])
+    capture = [False]
+    monkeypatch.setattr(cute_gemm, "capturing", lambda: capture[0])
+    for s, capturing in ((1, False), (1, False), (2, False), (2, False), (3, True), (3, True)):
+        stream[0], capture[0] = s, capturing
+        assert prepared(a, b, torch.bfloat16) is not None
+        assert prepared.plan.fn.calls[-1][7] is pairs[s][0]
+    assert looked == [1, 2, 3, 3]
+
+
+@pytest.mark.parametrize(("cols", "expand", "kp"), [(6, 2, 192), (4, 2, 128), (8, 1, 256)])
+def test_scale_codes_for_the_kernel_are_repeated_and_zero_padded(cols, expand, kp) -> None:
+    """The kernel's scale operand: each code ``expand`` times along K, then zeros up to one
+    code per 16 of the padded K; contiguous (equal to repeat_interleave and a zero pad)."""
+    from fp4gen.runtime import cute_gemm
+
+    sc = torch.randint(1, 256, (5, cols), dtype=torch.uint8)
+    got = cute_gemm._scales_for_kernel(sc, kp, expand)
+    want = torch.nn.functional.pad(
+        sc.repeat_interleave(expand, dim=1), (0, kp // 16 - cols * expand)
+    )
+    assert got.is_contiguous() and torch.equal(got, want)
 
 
 def test_a_prepared_call_steps_aside_for_anything_else(monkeypatch) -> None:

@@ -32,7 +32,7 @@ from fp4gen.errors import FP4GenError, TensorError
 from fp4gen.formats import BlockFormat
 from fp4gen.numerics.quantize import QuantizedTensor, tensor_version
 from fp4gen.runtime.checks import check_accumulate, check_bias, check_pair, one_cuda_device
-from fp4gen.runtime.device_memory import kept
+from fp4gen.runtime.device_memory import capturing, kept
 from fp4gen.runtime.loader import KernelLoader, Reasons, Unsupported
 from fp4gen.spec import GemmKernelSpec, GemmTile
 
@@ -150,10 +150,19 @@ def _scale_codes(q: Any, rows: int, k: int, kp: int, expand: int) -> torch.Tenso
 
 def _scales_for_kernel(sc: torch.Tensor, kp: int, expand: int) -> torch.Tensor:
     """Checked scale codes as the kernel reads them: each repeated ``expand`` times along K,
-    one per 16 of the padded K."""
-    if expand > 1:
-        sc = sc.repeat_interleave(expand, dim=1)
-    return _k_padded(sc, kp // 16)
+    one per 16 of the padded K (zero past the codes: scale code 0 times code 0 is 0)."""
+    if expand == 1:
+        return _k_padded(sc, kp // 16)
+    # one broadcast copy into the kernel's layout: the activation's scales are expanded on
+    # every small-M call, and repeat_interleave plus a pad is several times the host work
+    rows, cols = sc.shape
+    width, used = kp // 16, cols * expand
+    kernel_sc = (torch.empty if used == width else torch.zeros)(
+        (rows, width), dtype=torch.uint8, device=sc.device
+    )
+    dst = kernel_sc if used == width else kernel_sc[:, :used]
+    dst.view(rows, cols, expand).copy_(sc.unsqueeze(2))
+    return kernel_sc
 
 
 def _global(g: torch.Tensor, dev: torch.device) -> torch.Tensor:
@@ -236,7 +245,7 @@ class PreparedGemm:
     the caller takes the full path (which checks, raises and prepares again)."""
 
     __slots__ = ("a_format", "m", "n", "k", "rht", "dev", "out_dtype", "plan", "kp", "splits",
-                 "versions", "b_ops", "sc_shape")  # fmt: skip
+                 "versions", "b_ops", "sc_shape", "out_like", "ws_stream", "ws")  # fmt: skip
 
     def __init__(
         self, a: Any, b: Any, out_dtype: torch.dtype, plan: _Plan, kp: int, splits: int
@@ -247,6 +256,13 @@ class PreparedGemm:
         self.versions = _b_versions(b, kp, plan.expand)
         self.b_ops = _b_operand(b, plan, kp)
         self.sc_shape = (self.m, -(-self.k // a.format.block[1]))
+        # the output's shape, dtype and device on two bytes: empty_like of it allocates a
+        # contiguous [M, N] with half of torch.empty's argument parsing
+        self.out_like = torch.empty((1, 1), dtype=plan.out_dtype, device=self.dev).expand(
+            self.m, self.n
+        )
+        self.ws_stream: int | None = None  # the stream of the workspace kept below
+        self.ws: tuple = ()
 
     def __call__(self, a: Any, b: Any, out_dtype: torch.dtype) -> torch.Tensor | None:
         """C = S_a S_b (A_q @ B_q^T) in ``out_dtype``, or None where this call is not the one
@@ -267,13 +283,19 @@ class PreparedGemm:
             return None
         if tuple(sc.shape) != self.sc_shape:
             return None
-        plan, m, n, kp, dev = self.plan, self.m, self.n, self.kp, self.dev
-        out = torch.empty((m, n), dtype=plan.out_dtype, device=dev)
+        plan, kp, dev = self.plan, self.kp, self.dev
+        stream = _current_stream(dev)
+        if stream != self.ws_stream:
+            ws = _workspace(plan, self.m, self.n, self.splits, dev)
+            if not capturing():  # a capture's own workspace belongs to its graph alone
+                self.ws_stream, self.ws = stream, ws
+        else:
+            ws = self.ws
+        out = torch.empty_like(self.out_like, memory_format=torch.contiguous_format)
         b_codes, b_scales, b_global = self.b_ops
         plan.fn(
             _k_padded(codes, kp), _scales_for_kernel(sc, kp, plan.expand), b_codes, b_scales,
-            _global(a.global_scale, dev), b_global, out,
-            *_workspace(plan, m, n, self.splits, dev),
+            _global(a.global_scale, dev), b_global, out, *ws,
         )  # fmt: skip
         return out if out.dtype == out_dtype else out.to(out_dtype)
 
