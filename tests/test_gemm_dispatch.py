@@ -270,7 +270,7 @@ class _RecordingFn:
         self.calls.append(args)
 
 
-def _prepared_on_cpu(monkeypatch, fmt: str = "nvfp4", expand: int = 1):
+def _prepared_on_cpu(monkeypatch, fmt: str = "nvfp4", expand: int = 1, a_native: bool = False):
     """A PreparedGemm for a CPU pair (its kernel a recorder, the split-K workspace a stand-in),
     and the pair."""
     from fp4gen.runtime import cute_gemm
@@ -289,25 +289,32 @@ def _prepared_on_cpu(monkeypatch, fmt: str = "nvfp4", expand: int = 1):
         out_dtype=torch.bfloat16,
         b_sf_rows=lambda rows: -(-rows // b.format.block[0]),
         k_multiple=64,
+        # A's 1x32 scale codes as they are (the small-M kernels), or repeated as B's
+        a_expand=1 if a_native else expand,
+        a_sf_cols=(lambda kp: -(-(kp // 32) // 4) * 4) if a_native else (lambda kp: kp // 16),
     )
     return cute_gemm.PreparedGemm(a, b, torch.bfloat16, plan, 128, 3), a, b, workspace
 
 
-@pytest.mark.parametrize(("fmt", "expand"), [("nvfp4", 1), ("mxfp4", 2)])
-def test_a_prepared_call_launches_what_the_full_path_does(monkeypatch, fmt, expand) -> None:
+@pytest.mark.parametrize(
+    ("fmt", "expand", "a_native"), [("nvfp4", 1, False), ("mxfp4", 2, False), ("mxfp4", 2, True)]
+)
+def test_a_prepared_call_launches_what_the_full_path_does(
+    monkeypatch, fmt, expand, a_native
+) -> None:
     """A new A of the prepared format and shape: the kernel gets A's codes and scale codes
     padded to the kernel's K (scales repeated ``expand`` times along K), B's prepared operands,
     the two global scales, a new [M, N] output and the workspace, in the kernel's order."""
     from fp4gen.runtime import cute_gemm
 
-    prepared, a, b, workspace = _prepared_on_cpu(monkeypatch, fmt, expand)
+    prepared, a, b, workspace = _prepared_on_cpu(monkeypatch, fmt, expand, a_native)
     a2 = quantize(torch.randn(16, 96), fmt)  # the next activation
     out = prepared(a2, b, torch.bfloat16)
     assert out is not None and out.shape == (16, 48) and out.dtype == torch.bfloat16
     (args,) = prepared.plan.fn.calls
     want = [
         cute_gemm._k_padded(a2.codes, 128),
-        cute_gemm._scale_codes(a2, 16, 96, 128, expand),
+        cute_gemm._scale_codes(a2, 16, 96, prepared.plan.a_sf_cols(128), prepared.plan.a_expand),
         *cute_gemm._b_operand(b, prepared.plan, 128)[:2],
         a2.global_scale.view(1),
         b.global_scale.view(1),
@@ -319,6 +326,11 @@ def test_a_prepared_call_launches_what_the_full_path_does(monkeypatch, fmt, expa
     assert out.is_contiguous() and out.stride() == (48, 1)
     for i, (got, expected) in enumerate(zip(args, want, strict=True)):
         assert got.shape == expected.shape and (i == 6 or torch.equal(got, expected)), i
+    # A's scale codes by value: 1x32 codes as they are, 3 of them padded to 4 (whole 4-byte
+    # words per row), or repeated to one per 16 values and padded to 128 / 16
+    sc = a2.scale_codes if a_native else a2.scale_codes.repeat_interleave(expand, dim=1)
+    cols = 4 if a_native else 128 // 16
+    assert torch.equal(args[1], torch.nn.functional.pad(sc, (0, cols - sc.shape[1])))
 
 
 def test_a_prepared_call_keeps_its_workspace_per_stream(monkeypatch) -> None:
@@ -353,7 +365,7 @@ def test_scale_codes_for_the_kernel_are_repeated_and_zero_padded(cols, expand, k
     from fp4gen.runtime import cute_gemm
 
     sc = torch.randint(1, 256, (5, cols), dtype=torch.uint8)
-    got = cute_gemm._scales_for_kernel(sc, kp, expand)
+    got = cute_gemm._scales_for_kernel(sc, kp // 16, expand)
     want = torch.nn.functional.pad(
         sc.repeat_interleave(expand, dim=1), (0, kp // 16 - cols * expand)
     )
@@ -402,27 +414,30 @@ def test_gemm_takes_a_prepared_call_only_for_auto_without_extras(monkeypatch) ->
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_auto_small_m_calls_after_the_first_are_prepared_and_follow_b() -> None:
+@pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4"])
+def test_auto_small_m_calls_after_the_first_are_prepared_and_follow_b(fmt: str) -> None:
     """backend="auto" at M = 16: the second call with a B prepares, the next ones launch from
     the prepared call with the bits of the fused kernel called directly; a B changed in place
-    is seen (the next call prepares again); a B met once is never prepared."""
+    is seen (the next call prepares again); a B met once is never prepared. MXFP4: A's 1x32
+    scale codes go to the kernel as they are."""
     import fp4gen.gemm_dispatch as gd
 
     g = torch.Generator().manual_seed(5)
-    b = quantize(torch.randn(256, 1024, generator=g).cuda(), "nvfp4", block=(16, 16))
-    once = quantize(torch.randn(256, 1024, generator=g).cuda(), "nvfp4", block=(16, 16))
-    a = quantize(torch.randn(16, 1024, generator=g).cuda(), "nvfp4")
+    block = (16, 16) if fmt == "nvfp4" else None
+    b = quantize(torch.randn(256, 1024, generator=g).cuda(), fmt, block=block)
+    once = quantize(torch.randn(256, 1024, generator=g).cuda(), fmt, block=block)
+    a = quantize(torch.randn(16, 1024, generator=g).cuda(), fmt)
     fp4gen.gemm(a, once, out_dtype=torch.bfloat16)
     assert once not in gd._prepared
     for step in range(4):
-        a = quantize(torch.randn(16, 1024, generator=g).cuda(), "nvfp4")
+        a = quantize(torch.randn(16, 1024, generator=g).cuda(), fmt)
         got = fp4gen.gemm(a, b, out_dtype=torch.bfloat16)
         want = fp4gen.gemm(a, b, out_dtype=torch.bfloat16, backend="cute")
         assert torch.equal(got, want), step
         assert (b in gd._prepared) == (step > 0)  # B met before the auto call: prepared
     first = gd._prepared[b]
     b.global_scale.mul_(2.0)
-    a = quantize(torch.randn(16, 1024, generator=g).cuda(), "nvfp4")
+    a = quantize(torch.randn(16, 1024, generator=g).cuda(), fmt)
     got = fp4gen.gemm(a, b, out_dtype=torch.bfloat16)
     assert torch.equal(got, fp4gen.gemm(a, b, out_dtype=torch.bfloat16, backend="cute"))
     assert gd._prepared[b] is not first  # prepared again for the changed B

@@ -291,14 +291,15 @@ def test_auto_takes_the_fused_kernel_up_to_fused_max_m() -> None:
 # Small-M kernels: split-K, agreement with the wgmma kernel, the workspace between calls
 # ----------------------------------------------------------------------------------------------
 SPLIT_K = 2560  # 40 k-tiles: 10 stages of 4, 20 of 2, 40 of 1
-# (tile, M, N) of the split-K cases: every small-M tile of TILES and CANDIDATES (NVFP4 only)
+# (tile, M, N) of the split-K cases: every small-M tile of TILES and CANDIDATES, NVFP4 and
+# MXFP4 (whose A scale codes the kernels read one per 32 values)
 SPLIT_CASES = [
     *[
         (name, TILES[name].tile_m - 3, 200, pair)
         for name in ("r16", "r32", "r64")
         for pair in ("nvfp4_b2d", "mxfp4")
     ],
-    *[(name, 13, 130, "nvfp4_b2d") for name in CANDIDATES],
+    *[(name, 13, 130, pair) for name in CANDIDATES for pair in ("nvfp4_b2d", "mxfp4")],
 ]
 
 

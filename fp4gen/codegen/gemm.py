@@ -458,6 +458,7 @@ class SmallMContext(TemplateContext):
     common: GemmCommon = inline()
     tile: SmallMTile
     tc: SmallTileConstants
+    a_sf_32: bool  # A's 1x32 scale codes read as they are (no per-call repeat along K)
 
 
 def _common_context(spec: GemmKernelSpec) -> GemmCommon:
@@ -477,7 +478,13 @@ def _common_context(spec: GemmKernelSpec) -> GemmCommon:
         + ")"
         + (", bias fp32 [N]" if spec.bias else "")
         + "; all on one CUDA device. K is padded to a multiple of 64 with zero codes"
-        + (f", each scale code repeated {block // 16} times along K." if block > 16 else ".")
+        + (
+            "."
+            if block == 16
+            else f", B's scale codes repeated {block // 16} times along K (A's as they are)."
+            if small
+            else f", each scale code repeated {block // 16} times along K."
+        )
     )
     return GemmCommon(
         entries=SpecEntries.of(spec),
@@ -507,6 +514,7 @@ def gemm_context(spec: GemmKernelSpec) -> WgmmaContext | SmallMContext:
             common=common,
             tile=spec.tile,
             tc=small_tile_constants(spec.tile, b_sf_2d=common.b_sf_2d),
+            a_sf_32=common.a_block == 32,
         )
     tc = tile_constants(spec.tile, b_sf_2d=common.b_sf_2d)
     assert isinstance(tc, WgmmaTileConstants)

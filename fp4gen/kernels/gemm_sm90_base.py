@@ -19,7 +19,7 @@ wgmma, or into registers for mma.sync) and in the A codes' width (packed, or one
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, ClassVar, NamedTuple
 
 import cutlass
@@ -51,11 +51,24 @@ class GemmSm90BaseParams:
     bias: bool  # + bias[n], fp32 [N]
     accumulate: bool  # + C[m, n]: C is read, then overwritten
     epilogue_scale: float | None  # alpha's factor undoing the decode's scaling (None: none)
+    # A's scale codes one per 32 values ([M, K/32], 1x32 blocks), copied as they are: A's rows
+    # of a stage hold a_sf_copy_bytes of them (the small-M kernel reads them so; B's stay
+    # repeated to one per 16 values, as its launcher prepares them once per weight)
+    a_sf_32: bool = field(default=False, kw_only=True)
 
     @property
     def sf_per_ktile(self) -> int:
         """Scale codes of a row per k-tile (one per 16 values)."""
         return self.tile_k // 16
+
+    @property
+    def a_sf_copy_bytes(self) -> int:
+        """Bytes of one A row's cp.async of scale codes per stage: sf_row_bytes, or with
+        ``a_sf_32`` the stage's 2 * ktiles_per_stage codes; a stage of one k-tile (2 codes)
+        copies the aligned 4-byte word of its pair of stages (cp.async moves 4, 8 or 16)."""
+        if not self.a_sf_32:
+            return self.sf_row_bytes  # type: ignore[attr-defined]
+        return max(4, self.tile_k // 32 * self.ktiles_per_stage)  # type: ignore[attr-defined]
 
 
 class CtaTile(NamedTuple):
@@ -188,6 +201,7 @@ class GemmSm90Base:
         )
         sf_base = storage.sSF.data_ptr().toint()
         sfa_g = mSFA.iterator.toint()
+        ks_a = mSFA.shape[1]  # A's scale codes per row: ks, or with a_sf_32 its 1x32 codes
         sfb_g = mSFB.iterator.toint()
         for i in cutlass.range(nk, unroll=1):
             st = i % p.stages_fp4
@@ -211,10 +225,14 @@ class GemmSm90Base:
                 row = lane + 32 * j
                 if row < p.tile_m:
                     if m0 + row < M:
+                        if const_expr(p.a_sf_32 and p.ktiles_per_stage == 1):
+                            a_off = (kst // 2) * 4  # the word of stages kst & ~1 and kst | 1
+                        else:
+                            a_off = kst * p.a_sf_copy_bytes
                         cp_async(
                             sf_dst + row * p.sf_row_bytes,
-                            sfa_g + Int64(m0 + row) * Int64(ks) + Int64(kst * p.sf_row_bytes),
-                            p.sf_row_bytes,
+                            sfa_g + Int64(m0 + row) * Int64(ks_a) + Int64(a_off),
+                            p.a_sf_copy_bytes,
                         )
                 elif row < p.sf_rows:
                     if const_expr(p.b_sf_2d):

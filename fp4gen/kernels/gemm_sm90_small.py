@@ -8,9 +8,11 @@ What it computes (docs/numerics.md section 6; oracle: ``fp4gen.numerics.gemm_ref
 A is e2m1 codes [M, K], ONE CODE PER BYTE (``QuantizedTensor.codes`` as they are: no pack pass
 for the activation); B is e2m1 codes [N, K] packed two per byte (element 0 in the low nibble).
 Both carry one block-scale code per 16 values along K ([M, K/16]; B's [N, K/16], or
-[ceil(N/16), K/16] for 16x16 blocks). S_a and S_b are fp32 device tensors of one element (never
-read on the host). The epilogue follows gemm_reference: y = fp32(acc * S_a * S_b) (+ bias[n])
-(+ C[m, n]) in fp32, one rounding to C's dtype. Element x block scale is exact in bf16, so the
+[ceil(N/16), K/16] for 16x16 blocks); with ``a_sf_32`` A's are its 1x32 codes as they are
+([M, K/32], rows padded to whole 4-byte words) while B's are repeated to one per 16 values.
+S_a and S_b are fp32 device tensors of one element (never read on the host). The epilogue
+follows gemm_reference: y = fp32(acc * S_a * S_b) (+ bias[n]) (+ C[m, n]) in fp32, one
+rounding to C's dtype. Element x block scale is exact in bf16, so the
 products are exact and the result differs from the float64 oracle only by the fp32 summation
 order.
 
@@ -25,7 +27,8 @@ grid (M-tiles, N-tiles, splits)
 producer warp (after the compute warps; ``gemm_sm90_base.GemmSm90Base.producer``)
     per stage i (buffer i % stages), for each of its k-tiles: TMA of the A codes [tile_m rows,
     64 B] and the B codes [tile_n rows, 32 B] (back to back: the adjacent sectors of every row
-    reach DRAM together); one cp.async of the stage's scale codes per row (4 bytes per k-tile);
+    reach DRAM together); one cp.async of the stage's scale codes per row (4 bytes per k-tile;
+    A's 1x32 codes: 2 per k-tile, and a stage of one k-tile copies its stage pair's word);
     all on one mbarrier (arrive.expect_tx + 32 cp.async.mbarrier.arrive.noinc: count 33). Rows
     past M / N: TMA zero-fills the codes, the scale copies are skipped.
 compute warps (warps_m along M x warps_n along N x warps_k along K)
@@ -60,8 +63,10 @@ The e2m1 decodes are passed in: B's (8 packed codes, ``fp4gen.kernels.sm90_decod
   honouring subnormal bf16 inputs (verified on H100 and H200).
 * "lut" (ue8m0 scales): prmt byte tables of the eight bf16 magnitudes plus the sign bit, natural
   K order inside an 8-value group (word j holds elements (2j, 2j+1)), then one HMUL2.BF16 by the
-  block scale (exponent arithmetic). Each scale code covers 32 values; the launcher repeats it
-  twice along K, so the kernel reads one code per 16 values.
+  block scale (exponent arithmetic). Each scale code covers 32 values: A's are read as they are
+  (``a_sf_32``: lane q's 16-value block takes code q / 2 of its k-tile's two; no per-call
+  expansion of the activation's codes), B's the launcher repeats twice along K once per weight,
+  so B has one code per 16 values.
 
 Limits: K % (64 * ktiles_per_stage) == 0 in the kernel (the launcher zero-pads codes and scales,
 exact); M, N >= 1 arbitrary; compact row-major operands with 16-byte aligned bases; M * N < 2^31
@@ -367,7 +372,7 @@ class GemmSm90SmallKernel(GemmSm90Base):
 
         M = mC.shape[0]
         N = mC.shape[1]
-        ks = mSFA.shape[1]  # K / 16
+        ks = mSFB.shape[1]  # K / 16 (A's are K / 32 with a_sf_32; B's always one per 16)
         k_stages = ks // p.sf_row_bytes
         nsf_b = mSFB.shape[0]
         splits = mWs.shape[0]
@@ -391,7 +396,7 @@ class GemmSm90SmallKernel(GemmSm90Base):
         if warp_idx < p.compute_warps:
             acc = cute.make_rmem_tensor((p.acc_regs,), Float32)
             acc.fill(0.0)
-            self.mainloop(storage, full, empty, nk, warp_idx, lane, acc)
+            self.mainloop(storage, full, empty, k_begin, nk, warp_idx, lane, acc)
             part = cute.make_rmem_tensor((p.epi_steps * 8,), Float32)
             self.reduce_warps(storage, warp_idx, lane, tidx, acc, part)
             self.finish(storage, mGA, mGB, mC, mBias, mWs, mCtr, part, tidx, tile, split, splits)
@@ -409,8 +414,9 @@ class GemmSm90SmallKernel(GemmSm90Base):
         return wm, wn, wk, g, q
 
     @cute.jit
-    def mainloop(self, storage, full, empty, nk, warp, lane, acc):
-        """Warp (wm, wn, wk): its k-tile slots of the CTA's stages, decoded in registers."""
+    def mainloop(self, storage, full, empty, k_begin, nk, warp, lane, acc):
+        """Warp (wm, wn, wk): its k-tile slots of the CTA's stages (the CTA's first is stage
+        ``k_begin`` of the whole K), decoded in registers."""
         p = self.p
         wm, wn, wk, g, q = self.warp_coords(warp, lane)
         # byte offsets inside a slot: A rows wm * warp_m + 16 i + g (+ 8), B rows
@@ -446,15 +452,32 @@ class GemmSm90SmallKernel(GemmSm90Base):
             for u in range_constexpr(p.subs):
                 sub = sub0 + u * p.warps_k
                 slot = st * kps + sub
+                sf_stage = sf_base + st * p.sf_stage_bytes
+                sf_slot = sf_stage + sub * p.sf_per_ktile
+                sfa_slot, sel_a = sf_slot, sel
+                if const_expr(p.a_sf_32):
+                    # A's row of the stage holds its 1x32 codes as they are: k-tile ``sub``
+                    # has two, at bytes 2 sub and 2 sub + 1 (one k-tile per stage: the word
+                    # of the stage pair, this stage's at 2 (stage % 2)); lane q's 16-value
+                    # block takes code q / 2
+                    if const_expr(kps == 1):
+                        j = (Uint32(k_begin + i) & Uint32(1)) * Uint32(2) + (Uint32(q) >> 1)
+                        sfa_slot = sf_stage
+                    else:
+                        j = (Uint32(sub) & Uint32(1)) * Uint32(2) + (Uint32(q) >> 1)
+                        sfa_slot = sf_stage + (sub >> 1) * 4
+                    sel_a = j | ((j + Uint32(4)) << Uint32(4))
                 self.ktile(
                     a_base + slot * p.a_slot_bytes,
                     b_base + slot * p.b_slot_bytes,
-                    sf_base + st * p.sf_stage_bytes + sub * p.sf_per_ktile,
+                    sf_slot,
+                    sfa_slot,
                     a_off,
                     sfa_off,
                     b_off,
                     sfb_off,
                     sel,
+                    sel_a,
                     empty + st,
                     u == p.subs - 1,
                     acc,
@@ -466,17 +489,21 @@ class GemmSm90SmallKernel(GemmSm90Base):
         a_slot,
         b_slot,
         sf_slot,
+        sfa_slot,
         a_off,
         sfa_off,
         b_off,
         sfb_off,
         sel,
+        sel_a,
         empty_bar,
         release: cutlass.Constexpr[bool],
         acc,
     ):
         """One k-tile slot: codes and scale codes to registers (then, for the warp's last slot
-        of the stage, release the stage), decode, mma_m x mma_n x 4 mma."""
+        of the stage, release the stage), decode, mma_m x mma_n x 4 mma. ``sfa_slot`` and
+        ``sel_a``: where A's scale words of the k-tile are and which byte is lane q's (with
+        one code per 16 values, ``sf_slot`` and ``sel``, as for B)."""
         p = self.p
         xa = []
         for r in range_constexpr(2 * p.mma_m):
@@ -490,7 +517,9 @@ class GemmSm90SmallKernel(GemmSm90Base):
         for i2 in range_constexpr(p.mma_m):
             sa_codes.append(
                 prmt(
-                    lds_u32(sf_slot + sfa_off[2 * i2]), lds_u32(sf_slot + sfa_off[2 * i2 + 1]), sel
+                    lds_u32(sfa_slot + sfa_off[2 * i2]),
+                    lds_u32(sfa_slot + sfa_off[2 * i2 + 1]),
+                    sel_a,
                 )
             )
         sb_codes = []

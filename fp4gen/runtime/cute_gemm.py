@@ -87,10 +87,12 @@ class _Plan:
     module: ModuleType
     fn: Callable[..., Any]
     small: bool  # small-M kernel: A one code per byte, split-K workspace
-    expand: int  # times each scale code is repeated along K (MXFP4: 2)
+    expand: int  # times each of B's scale codes is repeated along K (MXFP4: 2)
     out_dtype: torch.dtype  # what the kernel writes
     b_sf_rows: Callable[[int], int]  # rows of B's scale codes for N rows
     k_multiple: int  # the kernel's K granularity (its stage)
+    a_expand: int = 1  # ... and A's (1 where the kernel reads A's 1x32 codes as they are)
+    a_sf_cols: Callable[[int], int] = lambda kp: kp // 16  # A's scale columns for padded K
 
 
 def _plan(
@@ -121,6 +123,10 @@ def _plan(
         out_dtype=torch.bfloat16 if bf16 else torch.float32,
         b_sf_rows=lambda n: -(-n // br),
         k_multiple=kernels.module.K_MULTIPLE,
+        a_expand=getattr(
+            kernels.module, "A_SCALE_EXPAND", getattr(kernels.module, "SCALE_EXPAND", 1)
+        ),
+        a_sf_cols=getattr(kernels.module, "a_scale_cols", lambda kp: kp // 16),
     )
 
 
@@ -134,9 +140,9 @@ def _k_padded(t: torch.Tensor, cols: int) -> torch.Tensor:
     return t
 
 
-def _scale_codes(q: Any, rows: int, k: int, kp: int, expand: int) -> torch.Tensor:
+def _scale_codes(q: Any, rows: int, k: int, cols: int, expand: int) -> torch.Tensor:
     """q's scale codes checked against its codes, repeated ``expand`` times along K and padded
-    to one code per 16 of the padded K."""
+    to the ``cols`` columns the kernel reads."""
     sc = q.scale_codes
     bc = q.format.block[1]
     if sc is None or sc.dtype != torch.uint8 or tuple(sc.shape) != (rows, -(-k // bc)):
@@ -145,17 +151,15 @@ def _scale_codes(q: Any, rows: int, k: int, kp: int, expand: int) -> torch.Tenso
             f"{q.format.name} codes [{q.rows}, {k}]; got "
             + ("None" if sc is None else f"{sc.dtype} {list(sc.shape)}")
         )
-    return _scales_for_kernel(sc, kp, expand)
+    return _scales_for_kernel(sc, cols, expand)
 
 
-def _scales_for_kernel(sc: torch.Tensor, kp: int, expand: int) -> torch.Tensor:
+def _scales_for_kernel(sc: torch.Tensor, cols: int, expand: int) -> torch.Tensor:
     """Checked scale codes as the kernel reads them: each repeated ``expand`` times along K,
-    one per 16 of the padded K (zero past the codes: scale code 0 times code 0 is 0)."""
+    ``cols`` columns (zero past the codes: scale code 0 times code 0 is 0)."""
     if expand > 1:
-        # one torch call on the per-call path: on a GPU host each call costs about a bare
-        # elementwise op (a broadcast copy into a new tensor measured no cheaper)
         sc = sc.repeat_interleave(expand, dim=1)
-    return _k_padded(sc, kp // 16)
+    return _k_padded(sc, cols)
 
 
 def _global(g: torch.Tensor, dev: torch.device) -> torch.Tensor:
@@ -188,7 +192,7 @@ def _b_operand(b: Any, plan: _Plan, kp: int) -> tuple:
         raise TensorError(f"the fused GEMM needs uint8 codes; b has {packed.dtype}")
     ops = (
         _k_padded(packed, kp // 2),
-        _scale_codes(b, plan.b_sf_rows(b.rows), b.cols, kp, plan.expand),
+        _scale_codes(b, plan.b_sf_rows(b.rows), b.cols, kp // 16, plan.expand),
         _global(b.global_scale, packed.device),
     )
     _b_operands[b] = (versions, ops)
@@ -238,7 +242,8 @@ class PreparedGemm:
     the caller takes the full path (which checks, raises and prepares again)."""
 
     __slots__ = ("a_format", "m", "n", "k", "rht", "dev", "out_dtype", "plan", "kp", "splits",
-                 "versions", "b_ops", "sc_shape", "out_like", "ws_stream", "ws")  # fmt: skip
+                 "versions", "b_ops", "sc_shape", "a_sf_cols", "out_like", "ws_stream",
+                 "ws")  # fmt: skip
 
     def __init__(
         self, a: Any, b: Any, out_dtype: torch.dtype, plan: _Plan, kp: int, splits: int
@@ -249,6 +254,7 @@ class PreparedGemm:
         self.versions = _b_versions(b, kp, plan.expand)
         self.b_ops = _b_operand(b, plan, kp)
         self.sc_shape = (self.m, -(-self.k // a.format.block[1]))
+        self.a_sf_cols = plan.a_sf_cols(kp)
         # the output's shape, dtype and device on two bytes: empty_like of it allocates a
         # contiguous [M, N] with half of torch.empty's argument parsing
         self.out_like = torch.empty((1, 1), dtype=plan.out_dtype, device=self.dev).expand(
@@ -287,7 +293,8 @@ class PreparedGemm:
         out = torch.empty_like(self.out_like, memory_format=torch.contiguous_format)
         b_codes, b_scales, b_global = self.b_ops
         plan.fn(
-            _k_padded(codes, kp), _scales_for_kernel(sc, kp, plan.expand), b_codes, b_scales,
+            _k_padded(codes, kp), _scales_for_kernel(sc, self.a_sf_cols, plan.a_expand),
+            b_codes, b_scales,
             _global(a.global_scale, dev), b_global, out, *ws,
         )  # fmt: skip
         return out if out.dtype == out_dtype else out.to(out_dtype)
@@ -339,7 +346,7 @@ def fused_gemm(
     if a_codes.dtype != torch.uint8:
         raise TensorError(f"the fused GEMM needs uint8 codes; a has {a_codes.dtype}")
     a_codes = _k_padded(a_codes, kp) if plan.small else _k_padded(a_codes, kp // 2)
-    a_scales = _scale_codes(a, m, k, kp, plan.expand)
+    a_scales = _scale_codes(a, m, k, plan.a_sf_cols(kp), plan.a_expand)
     b_codes, b_scales, b_global = _b_operand(b, plan, kp)
     if accumulate is not None:
         check_accumulate(accumulate, m, n)
