@@ -137,6 +137,7 @@ def gemm(
 def _gemm(call: _GemmCall, backend: str) -> torch.Tensor:
     """``gemm`` on ``backend`` (``call.out``: where a kernel may write the result)."""
     a, b, out_dtype, bias, accumulate, _, _ = call
+    call_backend = backend
     if backend == "auto":
         choice = auto_backend(a, b)
         backend = choice.backend
@@ -160,7 +161,8 @@ def _gemm(call: _GemmCall, backend: str) -> torch.Tensor:
             return _block_scaled(call)
         return _finish(gemm_block_scaled_reference(a, b, bias=bias), accumulate, out_dtype)
     if backend == "dequant":
-        fast = _fast_dequant(call)
+        # where auto chose it, a call also leaves a prepared call for a B met before
+        fast = _fast_dequant(call._replace(auto=call_backend == "auto"))
         if fast is not None:
             return fast
     c = gemm_reference(a, b, bias=bias) if backend == "reference" else _dequant_gemm(a, b, bias)
@@ -346,8 +348,9 @@ def _log_once(
 def _fast_dequant(call: _GemmCall) -> torch.Tensor | None:
     """The dequant backend with the generated dequantize kernels on CUDA, or None where they do
     not serve (CPU tensors, formats not exact in bf16, an arch without the kernel, no CuTe DSL:
-    logged once); the torch decode then runs."""
-    a, b, out_dtype, bias, accumulate, out, _ = call
+    logged once); the torch decode then runs. Where auto chose it (``call.auto``), a call with
+    a B met before leaves a prepared call for it (``_prepared``)."""
+    a, b, out_dtype, bias, accumulate, out, auto = call
     require_quantized(a, b)
     if a.device.type != "cuda" or b.device.type != "cuda":
         return None
@@ -365,6 +368,7 @@ def _fast_dequant(call: _GemmCall) -> torch.Tensor | None:
                 accumulate=accumulate,
                 arch=detect_arch(a.device),
                 out=out,
+                keep=_prepared if auto else None,
             )
         except TensorError:
             raise

@@ -412,6 +412,83 @@ def test_gemm_takes_a_prepared_call_only_for_auto_without_extras(monkeypatch) ->
     assert torch.equal(fp4gen.gemm(a, b), ref)
 
 
+# ----------------------------------------------------------------------------------------------
+# the prepared dequantize + cuBLASLt call (dequant.PreparedDequantGemm)
+# ----------------------------------------------------------------------------------------------
+def _dequant_on_cpu(monkeypatch) -> list[tuple]:
+    """CUDA stood in for under dequant_gemm: the operands' "dequantized values" are their
+    blockwise values in bf16, cuBLASLt a recorder returning a marker; the calls recorded."""
+    from fp4gen.runtime import cublaslt, dequant
+
+    calls: list[tuple] = []
+
+    def values(q, *, arch=None):
+        calls.append(("dequantize", q))
+        return q.dequantize_blockwise().to(torch.bfloat16)
+
+    def matmul(va, vb, alpha, *, out_dtype, bias=None, accumulate=None, out=None):
+        calls.append(("matmul", va, vb, alpha, out_dtype))
+        return torch.full((va.shape[0], vb.shape[0]), 3.0, dtype=out_dtype)
+
+    monkeypatch.setattr(dequant, "dequantize_bf16", values)
+    monkeypatch.setattr(dequant, "one_cuda_device", lambda a, b, what: torch.device("cpu"))
+    monkeypatch.setattr(cublaslt, "matmul", matmul)
+    return calls
+
+
+def test_dequant_gemm_prepares_for_a_b_met_before_without_extras(monkeypatch) -> None:
+    """dequant_gemm leaves a PreparedDequantGemm for B in ``keep`` from B's second call on
+    (its values remembered), and never for a call with a bias, accumulate or out."""
+    from fp4gen.runtime import dequant
+
+    _dequant_on_cpu(monkeypatch)
+    a, b = operands("nvfp4", 8, 12, 64)
+    keep: dict = {}
+    run = dict(out_dtype=torch.bfloat16, accumulate=None, arch="sm_90a")
+    dequant.dequant_gemm(a, b, bias=None, keep=keep, **run)
+    assert keep == {}  # B met once
+    dequant.dequant_gemm(a, b, bias=torch.zeros(12), keep=keep, **run)
+    assert keep == {}  # a bias: not the prepared kind of call
+    given = torch.empty(8, 12, dtype=torch.bfloat16)
+    dequant.dequant_gemm(a, b, bias=None, out=given, keep=keep, **run)
+    assert keep == {}
+    dequant.dequant_gemm(a, b, bias=None, keep=keep, **run)
+    assert isinstance(keep[b], dequant.PreparedDequantGemm)
+
+
+def test_a_prepared_dequant_call_runs_the_dequant_path_and_steps_aside(monkeypatch) -> None:
+    """A new A of the prepared format and shape: A dequantized, B's remembered values, one
+    cuBLASLt call with alpha = S_a * S_b; another format, shape, RHT, output dtype or a
+    tensor that is not quantized: None, with nothing run."""
+    from fp4gen.runtime import dequant
+
+    calls = _dequant_on_cpu(monkeypatch)
+    a, b = operands("nvfp4", 8, 12, 64)
+    prepared = dequant.PreparedDequantGemm(a, torch.bfloat16, "sm_90a")
+    a2 = quantize(torch.randn(8, 64), "nvfp4")
+    dequant.cached_bf16(b)  # B's values remembered, as the call that prepared left them
+    calls.clear()
+    got = prepared(a2, b, torch.bfloat16)
+    assert got is not None and torch.equal(got, torch.full((8, 12), 3.0, dtype=torch.bfloat16))
+    assert [c[0] for c in calls] == ["dequantize", "matmul"]  # B: remembered, not decoded
+    _, va, vb, alpha, out_dtype = calls[-1]
+    assert torch.equal(va, a2.dequantize_blockwise().to(torch.bfloat16))
+    assert torch.equal(vb, b.dequantize_blockwise().to(torch.bfloat16))
+    assert alpha.dtype == torch.float32 and torch.equal(alpha, a2.global_scale * b.global_scale)
+    assert out_dtype == torch.bfloat16
+    calls.clear()
+    others = [
+        (quantize(torch.randn(8, 64), "mxfp4"), torch.bfloat16),  # format
+        (quantize(torch.randn(9, 64), "nvfp4"), torch.bfloat16),  # M
+        (quantize(torch.randn(8, 64), "nvfp4", hadamard=16), torch.bfloat16),  # RHT
+        (a2, torch.float32),  # output dtype
+        (torch.randn(8, 64), torch.bfloat16),  # not quantized
+    ]
+    for other, dtype in others:
+        assert prepared(other, b, dtype) is None
+    assert calls == []
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4"])
@@ -441,3 +518,31 @@ def test_auto_small_m_calls_after_the_first_are_prepared_and_follow_b(fmt: str) 
     got = fp4gen.gemm(a, b, out_dtype=torch.bfloat16)
     assert torch.equal(got, fp4gen.gemm(a, b, out_dtype=torch.bfloat16, backend="cute"))
     assert gd._prepared[b] is not first  # prepared again for the changed B
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_auto_dequant_calls_after_the_first_are_prepared_and_follow_b() -> None:
+    """backend="auto" at M = 128 (dequantize + cuBLASLt): from B's second call on the calls
+    launch from a PreparedDequantGemm, with the bits of backend="dequant"; B's scale codes and
+    global scale changed in place are seen (compared with a new tensor holding B's pieces,
+    whose values are decoded afresh)."""
+    import dataclasses
+
+    import fp4gen.gemm_dispatch as gd
+    from fp4gen.runtime.dequant import PreparedDequantGemm
+
+    g = torch.Generator().manual_seed(6)
+    b = quantize(torch.randn(256, 1024, generator=g).cuda(), "nvfp4", block=(16, 16))
+    for step in range(3):
+        a = quantize(torch.randn(128, 1024, generator=g).cuda(), "nvfp4")
+        got = fp4gen.gemm(a, b, out_dtype=torch.bfloat16)
+        want = fp4gen.gemm(a, dataclasses.replace(b), out_dtype=torch.bfloat16, backend="dequant")
+        assert torch.equal(got, want), step
+        assert isinstance(gd._prepared.get(b), PreparedDequantGemm) == (step > 0)
+    b.scale_codes[:, :8] = b.scale_codes[:, 8:16].clone()  # other values, in place
+    b.global_scale.mul_(2.0)
+    a = quantize(torch.randn(128, 1024, generator=g).cuda(), "nvfp4")
+    got = fp4gen.gemm(a, b, out_dtype=torch.bfloat16)
+    want = fp4gen.gemm(a, dataclasses.replace(b), out_dtype=torch.bfloat16, backend="dequant")
+    assert torch.equal(got, want)

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import logging
 import weakref
+from collections.abc import MutableMapping
 from functools import lru_cache
 from typing import Any
 
@@ -36,7 +37,7 @@ from fp4gen.codegen.dequant import UNIT, spec_for
 from fp4gen.compiler.spec import DequantKernelSpec
 from fp4gen.errors import FP4GenError, TensorError
 from fp4gen.formats import BlockFormat
-from fp4gen.numerics.quantize import tensor_version
+from fp4gen.numerics.quantize import QuantizedTensor, tensor_version
 from fp4gen.runtime import cublaslt
 from fp4gen.runtime.checks import check_accumulate, check_bias, check_pair, one_cuda_device
 from fp4gen.runtime.loader import KernelLoader, LogOnce, Reasons, Unsupported
@@ -220,6 +221,7 @@ def dequant_gemm(
     accumulate: torch.Tensor | None,
     arch: str,
     out: torch.Tensor | None = None,
+    keep: MutableMapping[Any, PreparedDequantGemm] | None = None,
 ) -> torch.Tensor:
     """C = S_a S_b (A_q @ B_q^T) (+ bias) (+ accumulate) by dequantize kernels + cuBLAS.
 
@@ -227,13 +229,19 @@ def dequant_gemm(
     none), formats served by the dequantize kernel (FP4GenError otherwise). B's values are
     remembered per tensor (see ``cached_bf16``). ``accumulate`` is not modified. ``out``
     (contiguous [M, N] of ``out_dtype``, checked by ``fp4gen.gemm``): cuBLASLt writes the
-    result there; the fallback epilogue returns a new tensor.
+    result there; the fallback epilogue returns a new tensor. ``keep``: where a call without
+    bias, accumulate or ``out`` leaves a ``PreparedDequantGemm`` for ``b`` once ``b`` is met a
+    second time (``fp4gen.gemm``'s per-call path).
     """
     check_pair(a, b)
     one_cuda_device(a, b, "dequantize GEMM")
     kp = -(-a.cols // UNIT) * UNIT
     if max(a.rows, b.rows) * kp >= 2**31:
         raise FP4GenError("the dequantize kernel indexes with 32 bits (rows * K >= 2^31)")
+    # a weight met before, multiplied as it is: the calls after this one are prepared
+    preparing = (
+        keep is not None and bias is None and accumulate is None and out is None and is_cached(b)
+    )
     va = dequantize_bf16(a, arch=arch)
     vb = cached_bf16(b, arch=arch)
     dev = va.device
@@ -242,7 +250,7 @@ def dequant_gemm(
         ga = ga.to(device=dev, dtype=torch.float32)
     if gb.dtype != torch.float32 or gb.device != dev:
         gb = gb.to(device=dev, dtype=torch.float32)
-    alpha = (ga * gb).reshape(1)
+    alpha = ga * gb  # one fp32 element: cuBLASLt reads it by pointer, the epilogue broadcasts it
     m, n = va.shape[0], vb.shape[0]
     # checked once here for both the cuBLASLt call and the fallback epilogue
     if bias is not None:
@@ -257,11 +265,59 @@ def dequant_gemm(
             va, vb, alpha, out_dtype=out_dtype, bias=bias, accumulate=accumulate, out=out
         )
         if c is not None:
+            if preparing:
+                assert keep is not None
+                keep[b] = PreparedDequantGemm(a, out_dtype, arch)
             return c
     return epilogue(_mm_fp32(va, vb), alpha, bias, accumulate, out_dtype)
 
 
+class PreparedDequantGemm:
+    """A dequantize + cuBLASLt call with one B, kept by ``dequant_gemm`` for the calls after it
+    (a weight multiplied by new activations of one shape): what A must be for the call to be
+    the prepared one. A call checks A's format (the same object), shape, RHT, device and the
+    output dtype, and runs what ``dequant_gemm`` runs for them without its checks and lookups:
+    A's dequantize kernel, B's remembered values (``cached_bf16`` follows B's versions) and
+    one cuBLASLt call. It returns None where A differs (the caller then takes the full path,
+    which checks, raises and prepares again)."""
+
+    __slots__ = ("a_format", "rows", "cols", "rht", "dev", "out_dtype", "arch")
+
+    def __init__(self, a: Any, out_dtype: torch.dtype, arch: str) -> None:
+        self.a_format, self.rht, self.dev = a.format, a.rht, a.device
+        self.rows, self.cols = a.rows, a.cols
+        self.out_dtype, self.arch = out_dtype, arch
+
+    def __call__(self, a: Any, b: Any, out_dtype: torch.dtype) -> torch.Tensor | None:
+        """C = S_a S_b (A_q @ B_q^T) in ``out_dtype``, or None where this call is not the one
+        prepared (``b``: the B it was prepared with, as the caller looked it up)."""
+        if (
+            not isinstance(a, QuantizedTensor)
+            or a.format is not self.a_format
+            or out_dtype != self.out_dtype
+            or a.rows != self.rows
+            or a.cols != self.cols
+            or a.device != self.dev
+            or (a.rht is not self.rht and a.rht != self.rht)
+        ):
+            return None
+        ga, gb = a.global_scale, b.global_scale
+        if (
+            ga.dtype != torch.float32
+            or gb.dtype != torch.float32
+            or ga.device != self.dev
+            or gb.device != self.dev
+        ):
+            return None
+        va = dequantize_bf16(a, arch=self.arch)
+        vb = cached_bf16(b, arch=self.arch)
+        alpha = ga * gb
+        c = cublaslt.matmul(va, vb, alpha, out_dtype=out_dtype)
+        return c if c is not None else epilogue(_mm_fp32(va, vb), alpha, None, None, out_dtype)
+
+
 __all__ = [
+    "PreparedDequantGemm",
     "cached_bf16",
     "dequant_gemm",
     "dequantize_bf16",
