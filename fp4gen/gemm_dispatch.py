@@ -72,8 +72,9 @@ _MAX_CHOICES = 4096  # shapes that keep changing: cleared, not grown without end
 log = logging.getLogger(__name__)
 _logged: set[str] = set()
 _fused_ids: dict[tuple[int, int], tuple[object, object, str | None]] = {}
-# B -> the small-M fused call auto made with it last (cute_gemm.PreparedGemm): the next auto
-# call like it (same A format and shape, B unchanged) launches with no dispatch or plan lookups
+# B -> the call auto made with it last, prepared (cute_gemm.PreparedGemm at small M,
+# dequant.PreparedDequantGemm above the fused range): the next auto call like it (same A format
+# and shape, B unchanged) launches with no dispatch, checks or plan lookups
 _prepared: weakref.WeakKeyDictionary[QuantizedTensor, Any] = weakref.WeakKeyDictionary()
 
 
@@ -95,7 +96,8 @@ class _GemmCall(NamedTuple):
     bias: torch.Tensor | None
     accumulate: torch.Tensor | None
     out: torch.Tensor | None = None  # where the result is written (checked by ``gemm``)
-    auto: bool = False  # backend="auto" chose the path (a fused call then prepares the next)
+    auto: bool = False  # backend="auto" chose the path (a fused or dequantize call then
+    # prepares the next)
 
 
 def gemm(

@@ -12,9 +12,8 @@ Both carry one block-scale code per 16 values along K ([M, K/16]; B's [N, K/16],
 ([M, K/32], rows padded to whole 4-byte words) while B's are repeated to one per 16 values.
 S_a and S_b are fp32 device tensors of one element (never read on the host). The epilogue
 follows gemm_reference: y = fp32(acc * S_a * S_b) (+ bias[n]) (+ C[m, n]) in fp32, one
-rounding to C's dtype. Element x block scale is exact in bf16, so the
-products are exact and the result differs from the float64 oracle only by the fp32 summation
-order.
+rounding to C's dtype. Element x block scale is exact in bf16, so the products are exact and the
+result differs from the float64 oracle only by the fp32 summation order.
 
 Design (docs/gemm-sm90.md): at small M the GEMM is a stream over B (N x K / 2 bytes), so the
 kernel keeps as many B bytes in flight as the SMs can take and decodes with no shared-memory

@@ -236,10 +236,11 @@ def _workspace(plan: _Plan, m: int, n: int, splits: int, dev: torch.device) -> t
 class PreparedGemm:
     """A small-M fused GEMM call with one B, kept by ``fused_gemm`` for the calls after it (a
     weight multiplied by new activations of one shape: a decode step, a small-M layer): the
-    plan, B's kernel operands, the padded K and the split count. A call checks that A is what
-    it was prepared for (format, shape, RHT, device), that B's codes, scales and global scale
-    are unchanged (their versions), and launches; it returns None where anything differs, and
-    the caller takes the full path (which checks, raises and prepares again)."""
+    plan, B's kernel operands, the padded K, the split count, the split-K workspace of the
+    last stream (not one made during a capture) and a template of the output. A call checks
+    that A is what it was prepared for (format, shape, RHT, device), that B's codes, scales and
+    global scale are unchanged (their versions), and launches; it returns None where anything
+    differs, and the caller takes the full path (which checks, raises and prepares again)."""
 
     __slots__ = ("a_format", "m", "n", "k", "rht", "dev", "out_dtype", "plan", "kp", "splits",
                  "versions", "b_ops", "sc_shape", "a_sf_cols", "out_like", "ws_stream",
