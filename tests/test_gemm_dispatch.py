@@ -372,18 +372,24 @@ def test_scale_codes_for_the_kernel_are_repeated_and_zero_padded(cols, expand, k
     assert got.is_contiguous() and torch.equal(got, want)
 
 
+def _other_activations(a) -> list[tuple]:
+    """(A, output dtype) pairs a call prepared for the NVFP4 ``a`` and bf16 is not: another
+    format, M, RHT or output dtype, or a tensor that is not quantized."""
+    m, k = a.rows, a.cols
+    return [
+        (quantize(torch.randn(m, k), "mxfp4"), torch.bfloat16),
+        (quantize(torch.randn(m + 1, k), "nvfp4"), torch.bfloat16),
+        (quantize(torch.randn(m, k), "nvfp4", hadamard=16), torch.bfloat16),
+        (a, torch.float32),
+        (torch.randn(m, k), torch.bfloat16),
+    ]
+
+
 def test_a_prepared_call_steps_aside_for_anything_else(monkeypatch) -> None:
     """Another A format, shape, RHT or output dtype, or a B changed in place since: None (the
     full path runs, checks and prepares again); nothing is launched."""
     prepared, a, b, _ = _prepared_on_cpu(monkeypatch)
-    others = [
-        (quantize(torch.randn(16, 96), "mxfp4"), torch.bfloat16),  # format
-        (quantize(torch.randn(17, 96), "nvfp4"), torch.bfloat16),  # M
-        (quantize(torch.randn(16, 96), "nvfp4", hadamard=16), torch.bfloat16),  # RHT
-        (a, torch.float32),  # output dtype
-        (torch.randn(16, 96), torch.bfloat16),  # not quantized
-    ]
-    for other, dtype in others:
+    for other, dtype in _other_activations(a):
         assert prepared(other, b, dtype) is None
     b.global_scale.mul_(1.0)  # an in-place write: B's version moves on
     assert prepared(a, b, torch.bfloat16) is None
@@ -477,14 +483,7 @@ def test_a_prepared_dequant_call_runs_the_dequant_path_and_steps_aside(monkeypat
     assert alpha.dtype == torch.float32 and torch.equal(alpha, a2.global_scale * b.global_scale)
     assert out_dtype == torch.bfloat16
     calls.clear()
-    others = [
-        (quantize(torch.randn(8, 64), "mxfp4"), torch.bfloat16),  # format
-        (quantize(torch.randn(9, 64), "nvfp4"), torch.bfloat16),  # M
-        (quantize(torch.randn(8, 64), "nvfp4", hadamard=16), torch.bfloat16),  # RHT
-        (a2, torch.float32),  # output dtype
-        (torch.randn(8, 64), torch.bfloat16),  # not quantized
-    ]
-    for other, dtype in others:
+    for other, dtype in _other_activations(a2):
         assert prepared(other, b, dtype) is None
     assert calls == []
 

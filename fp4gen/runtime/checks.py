@@ -2,7 +2,8 @@
 
 GEMM backends (``cute_gemm``, ``dequant``, ``blackwell_gemm``, ``gemm_dispatch``): the operand
 pair's K and RHT, one CUDA device, the shapes of ``bias``, ``accumulate`` and ``out``; their
-messages are the backends' own (the oracle's, in ``numerics.gemm``, say more). Quantize backends
+messages are the backends' own (the oracle's, in ``numerics.gemm``, say more); ``PreparedA``,
+what a prepared call's activation must be. Quantize backends
 (``cute_backend``, ``mor_kernels``): why a tensor is not a CUDA input, the 2D view a kernel
 launch reads, and the error or log line when the kernels do not serve a call.
 """
@@ -15,6 +16,7 @@ from typing import Any
 import torch
 
 from fp4gen.errors import FP4GenError, TensorError
+from fp4gen.numerics.quantize import QuantizedTensor
 
 
 def check_pair(a: Any, b: Any) -> None:
@@ -23,6 +25,30 @@ def check_pair(a: Any, b: Any) -> None:
         raise TensorError(f"K mismatch: a is [{a.rows}, {a.cols}] and b is [{b.rows}, {b.cols}]")
     if a.rht != b.rht:
         raise TensorError("the operands carry different Hadamard transforms")
+
+
+class PreparedA:
+    """What A must be for a prepared GEMM call (``cute_gemm.PreparedGemm``,
+    ``dequant.PreparedDequantGemm``) to be the call it was prepared for: a QuantizedTensor of
+    the same format object, shape, RHT and device, with the same output dtype asked. Together
+    with B (the prepared call's key) that is everything the full path checked."""
+
+    __slots__ = ("format", "rows", "cols", "rht", "device", "out_dtype")
+
+    def __init__(self, a: Any, out_dtype: torch.dtype) -> None:
+        self.format, self.rows, self.cols = a.format, a.rows, a.cols
+        self.rht, self.device, self.out_dtype = a.rht, a.device, out_dtype
+
+    def matches(self, a: Any, out_dtype: torch.dtype) -> bool:
+        return (
+            isinstance(a, QuantizedTensor)
+            and a.format is self.format
+            and out_dtype == self.out_dtype
+            and a.rows == self.rows
+            and a.cols == self.cols
+            and a.device == self.device
+            and (a.rht is self.rht or a.rht == self.rht)
+        )
 
 
 def one_cuda_device(a: Any, b: Any, gemm: str) -> torch.device:

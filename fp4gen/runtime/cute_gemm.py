@@ -30,8 +30,14 @@ from fp4gen.codegen.gemm import SmallMTile, choose_splits, fused_support, gemm_s
 from fp4gen.codegen.gemm_configs import FUSED_ARCHS
 from fp4gen.errors import FP4GenError, TensorError
 from fp4gen.formats import BlockFormat
-from fp4gen.numerics.quantize import QuantizedTensor, tensor_version
-from fp4gen.runtime.checks import check_accumulate, check_bias, check_pair, one_cuda_device
+from fp4gen.numerics.quantize import tensor_version
+from fp4gen.runtime.checks import (
+    PreparedA,
+    check_accumulate,
+    check_bias,
+    check_pair,
+    one_cuda_device,
+)
 from fp4gen.runtime.device_memory import capturing, kept
 from fp4gen.runtime.loader import KernelLoader, Reasons, Unsupported
 from fp4gen.spec import GemmKernelSpec, GemmTile
@@ -242,19 +248,18 @@ class PreparedGemm:
     global scale are unchanged (their versions), and launches; it returns None where anything
     differs, and the caller takes the full path (which checks, raises and prepares again)."""
 
-    __slots__ = ("a_format", "m", "n", "k", "rht", "dev", "out_dtype", "plan", "kp", "splits",
-                 "versions", "b_ops", "sc_shape", "a_sf_cols", "out_like", "ws_stream",
-                 "ws")  # fmt: skip
+    __slots__ = ("a", "m", "n", "dev", "plan", "kp", "splits", "versions", "b_ops", "sc_shape",
+                 "a_sf_cols", "out_like", "ws_stream", "ws")  # fmt: skip
 
     def __init__(
         self, a: Any, b: Any, out_dtype: torch.dtype, plan: _Plan, kp: int, splits: int
     ) -> None:
-        self.a_format, self.rht, self.dev = a.format, a.rht, a.device
-        self.m, self.n, self.k = a.rows, b.rows, a.cols
-        self.out_dtype, self.plan, self.kp, self.splits = out_dtype, plan, kp, splits
+        self.a = PreparedA(a, out_dtype)
+        self.m, self.n, self.dev = a.rows, b.rows, a.device
+        self.plan, self.kp, self.splits = plan, kp, splits
         self.versions = _b_versions(b, kp, plan.expand)
         self.b_ops = _b_operand(b, plan, kp)
-        self.sc_shape = (self.m, -(-self.k // a.format.block[1]))
+        self.sc_shape = (self.m, -(-a.cols // a.format.block[1]))
         self.a_sf_cols = plan.a_sf_cols(kp)
         # the output's shape, dtype and device on two bytes: empty_like of it allocates a
         # contiguous [M, N] with half of torch.empty's argument parsing
@@ -267,16 +272,9 @@ class PreparedGemm:
     def __call__(self, a: Any, b: Any, out_dtype: torch.dtype) -> torch.Tensor | None:
         """C = S_a S_b (A_q @ B_q^T) in ``out_dtype``, or None where this call is not the one
         prepared (``b``: the B it was prepared with, as the caller looked it up)."""
-        if (
-            not isinstance(a, QuantizedTensor)
-            or a.format is not self.a_format
-            or out_dtype != self.out_dtype
-            or a.rows != self.m
-            or a.cols != self.k
-            or a.device != self.dev
-            or (a.rht is not self.rht and a.rht != self.rht)
-            or _b_versions(b, self.kp, self.plan.expand) != self.versions
-        ):
+        if not self.a.matches(a, out_dtype):
+            return None
+        if _b_versions(b, self.kp, self.plan.expand) != self.versions:
             return None
         codes, sc = a.codes, a.scale_codes
         if codes.dtype != torch.uint8 or sc is None or sc.dtype != torch.uint8:

@@ -37,9 +37,15 @@ from fp4gen.codegen.dequant import UNIT, spec_for
 from fp4gen.compiler.spec import DequantKernelSpec
 from fp4gen.errors import FP4GenError, TensorError
 from fp4gen.formats import BlockFormat
-from fp4gen.numerics.quantize import QuantizedTensor, tensor_version
+from fp4gen.numerics.quantize import tensor_version
 from fp4gen.runtime import cublaslt
-from fp4gen.runtime.checks import check_accumulate, check_bias, check_pair, one_cuda_device
+from fp4gen.runtime.checks import (
+    PreparedA,
+    check_accumulate,
+    check_bias,
+    check_pair,
+    one_cuda_device,
+)
 from fp4gen.runtime.loader import KernelLoader, LogOnce, Reasons, Unsupported
 
 log = logging.getLogger(__name__)
@@ -281,32 +287,23 @@ class PreparedDequantGemm:
     one cuBLASLt call. It returns None where A differs (the caller then takes the full path,
     which checks, raises and prepares again)."""
 
-    __slots__ = ("a_format", "rows", "cols", "rht", "dev", "out_dtype", "arch")
+    __slots__ = ("a", "arch")
 
     def __init__(self, a: Any, out_dtype: torch.dtype, arch: str) -> None:
-        self.a_format, self.rht, self.dev = a.format, a.rht, a.device
-        self.rows, self.cols = a.rows, a.cols
-        self.out_dtype, self.arch = out_dtype, arch
+        self.a, self.arch = PreparedA(a, out_dtype), arch
 
     def __call__(self, a: Any, b: Any, out_dtype: torch.dtype) -> torch.Tensor | None:
         """C = S_a S_b (A_q @ B_q^T) in ``out_dtype``, or None where this call is not the one
         prepared (``b``: the B it was prepared with, as the caller looked it up)."""
-        if (
-            not isinstance(a, QuantizedTensor)
-            or a.format is not self.a_format
-            or out_dtype != self.out_dtype
-            or a.rows != self.rows
-            or a.cols != self.cols
-            or a.device != self.dev
-            or (a.rht is not self.rht and a.rht != self.rht)
-        ):
+        if not self.a.matches(a, out_dtype):
             return None
+        dev = self.a.device
         ga, gb = a.global_scale, b.global_scale
         if (
             ga.dtype != torch.float32
             or gb.dtype != torch.float32
-            or ga.device != self.dev
-            or gb.device != self.dev
+            or ga.device != dev
+            or gb.device != dev
         ):
             return None
         va = dequantize_bf16(a, arch=self.arch)
