@@ -139,8 +139,8 @@ def gemm(
 def _gemm(call: _GemmCall, backend: str) -> torch.Tensor:
     """``gemm`` on ``backend`` (``call.out``: where a kernel may write the result)."""
     a, b, out_dtype, bias, accumulate, _, _ = call
-    call_backend = backend
     if backend == "auto":
+        call = call._replace(auto=True)  # the fused and dequant paths then prepare the next
         choice = auto_backend(a, b)
         backend = choice.backend
         if choice.fallback:
@@ -148,7 +148,7 @@ def _gemm(call: _GemmCall, backend: str) -> torch.Tensor:
         if backend in ("cute", "blackwell", "block_scaled"):
             run = {"cute": _fused, "blackwell": _native, "block_scaled": _block_scaled}[backend]
             try:
-                return run(call._replace(auto=True))
+                return run(call)
             except TensorError:
                 raise
             except FP4GenError as err:  # the kernel cannot be built or loaded here
@@ -163,8 +163,7 @@ def _gemm(call: _GemmCall, backend: str) -> torch.Tensor:
             return _block_scaled(call)
         return _finish(gemm_block_scaled_reference(a, b, bias=bias), accumulate, out_dtype)
     if backend == "dequant":
-        # where auto chose it, a call also leaves a prepared call for a B met before
-        fast = _fast_dequant(call._replace(auto=call_backend == "auto"))
+        fast = _fast_dequant(call)
         if fast is not None:
             return fast
     c = gemm_reference(a, b, bias=bias) if backend == "reference" else _dequant_gemm(a, b, bias)
@@ -404,9 +403,7 @@ def _fused(call: _GemmCall) -> torch.Tensor:
     prepared call for its B (``_prepared``), which serves the next auto calls like it."""
     from fp4gen.runtime.cute_gemm import fused_gemm
 
-    if call.auto:
-        return _kernel_gemm("cute", fused_gemm, call, keep=_prepared)
-    return _kernel_gemm("cute", fused_gemm, call)
+    return _kernel_gemm("cute", fused_gemm, call, keep=_prepared if call.auto else None)
 
 
 def _native(call: _GemmCall) -> torch.Tensor:

@@ -115,6 +115,7 @@ def served_by_reference(
 
 
 __all__ = [
+    "PreparedA",
     "check_accumulate",
     "check_bias",
     "check_out",
