@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from fp4gen.errors import FP4GenError
-from fp4gen.runtime import layer_graphs
+from fp4gen.runtime import layer_graphs, ops
 from fp4gen.settings import check_environment, layer_graphs_enabled
 
 
@@ -215,11 +215,16 @@ def test_a_wgrad_copys_layout_keys_a_backward_graph_by_value_without_its_offset(
     first = quantize(x, "nvfp4", offset=0).split()[1]
     later = quantize(x, "nvfp4", offset=8).split()[1]  # the next call's copy: a new object
     other = quantize(torch.randn(64, 64), "nvfp4").split()[1]  # more tokens
-    part = layer._described(first)
-    assert layer._described(later) is part and layer._described(first) is part
-    assert layer._described(other) is not part and layer._described(other) != part
+    part = layer._described(first, None)
+    assert layer._described(later, None) is part and layer._described(first, None) is part
+    assert layer._described(other, None) is not part and layer._described(other, None) != part
+    # a packed copy (a layer graph's forward): its packing is part of the key, by value
+    tensors = quantize(x, "nvfp4").split()[0]
+    packing, same = ops.Packing.of(tensors), ops.Packing.of(tensors)
+    packed = layer._described(first, packing)
+    assert packed is not part and layer._described(later, same) is packed
     layer._layout_parts.clear()  # as when MAX_LAYOUT_PARTS is reached
-    again = layer._described(later)
+    again = layer._described(later, None)
     assert again is not part and again != part  # a new key: captured anew, never a stale graph
     assert again.obj == part.obj  # the same layout value
 
@@ -350,3 +355,81 @@ def test_graphed_layers_on_one_x_share_its_wgrad_copy(monkeypatch: pytest.Monkey
     for step, (a, b) in enumerate(zip(shared, separate, strict=True)):
         for u, v in zip(a, b, strict=True):
             assert torch.equal(u, v), step
+
+
+def test_a_graphed_forward_saves_x_s_wgrad_copy_packed_in_one_tensor(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """From a layer graph the forward hands over x's wgrad copy as one byte buffer
+    (``ops.Packing``: one result tensor per call instead of one per piece), which autograd saves
+    beside the weight; the backward graph reads the pieces from it, and every step gives the
+    bits of an eager layer that never packs."""
+    import fp4gen
+    from fp4gen.runtime import linear
+
+    recipe = fp4gen.load_recipe("recipes/nvfp4_small.fp4r")
+    _cpu_graphs(monkeypatch)
+
+    def graphs_for(self, t, table, *, forward):
+        if self._graphs is None:
+            self._graphs = layer_graphs.LayerGraphs(self.name)
+        return self._graphs
+
+    def kept_by(kept: list[torch.Tensor]):
+        return lambda t: kept.append(t) or t
+
+    def run(graphed: bool) -> tuple[list[list[torch.Tensor]], list[list[torch.Tensor]]]:
+        with monkeypatch.context() as patch:
+            if graphed:
+                patch.setattr(linear.Linear, "_graphs_for", graphs_for)
+            torch.manual_seed(0)
+            layer = fp4gen.nn.Linear(64, 32, recipe=recipe, seed=5)
+            gen = torch.Generator().manual_seed(2)
+            steps, saved = [], []
+            for _ in range(5):
+                x = torch.randn(32, 64, generator=gen).requires_grad_(True)
+                kept: list[torch.Tensor] = []
+                with torch.autograd.graph.saved_tensors_hooks(kept_by(kept), lambda t: t):
+                    y = layer(x * 1.0)
+                (y * 3).sum().backward()
+                steps.append([y.detach(), x.grad, layer.weight.grad])
+                saved.append(kept)
+                layer.weight.grad = None
+            return steps, saved
+
+    (graphed, saved), (eager, eager_saved) = run(True), run(False)
+    for step, (a, b) in enumerate(zip(graphed, eager, strict=True)):
+        for u, v in zip(a, b, strict=True):
+            assert torch.equal(u, v), step
+    assert len(eager_saved[-1]) > 2  # the pieces, one saved tensor each
+    for kept in saved[1:]:  # a layer graph from the second call on (capture, then replays)
+        weight, packed = kept
+        assert weight.shape == (32, 64) and packed.dtype == torch.uint8 and packed.dim() == 1
+        pieces = [t for t in eager_saved[-1] if t.shape != (32, 64)]
+        assert packed.numel() >= sum(t.numel() * t.element_size() for t in pieces)
+
+
+def test_packing_lays_the_pieces_out_aligned_and_gives_them_back() -> None:
+    """``ops.Packing``: each piece at a 16-byte boundary in order, absent pieces None, the
+    views of a packed buffer equal to the pieces; a non-contiguous piece is not packed."""
+    codes = torch.arange(30, dtype=torch.uint8).reshape(3, 10)
+    scales = torch.tensor([1.5, -2.0, 3.25], dtype=torch.float32)
+    global_scale = torch.tensor(0.75)
+    tensors = (codes, None, scales, global_scale)
+    packing = ops.Packing.of(tensors)
+    assert packing is not None
+    assert [p and p[0] for p in packing.pieces] == [0, None, 32, 48]
+    assert packing.nbytes == 52
+    buffer = packing.pack(tensors)
+    assert buffer.dtype == torch.uint8 and buffer.shape == (52,)
+    back = packing.unpack(buffer)
+    assert back[1] is None
+    for original, view in zip((codes, scales, global_scale), back[::2] + back[3:], strict=True):
+        assert view.dtype == original.dtype and view.shape == original.shape
+        assert torch.equal(view, original)
+    assert ops.Packing.of((codes.t(), scales)) is None
+    into = torch.zeros(52, dtype=torch.uint8)  # a given buffer (a layer graph's result tensor)
+    assert packing.pack(tensors, into) is into
+    gaps = torch.ones(52, dtype=torch.bool)
+    gaps[:30] = gaps[32:44] = gaps[48:] = False
+    assert torch.equal(into[~gaps], buffer[~gaps]) and not into[gaps].any()

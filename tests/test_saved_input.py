@@ -95,10 +95,12 @@ def _saved_tensors(layer: fp4gen.nn.Linear, x: torch.Tensor) -> list[torch.Tenso
     return saved
 
 
-# bytes per value of the saved NVFP4 copy: the kernels' output (packed 4-bit codes, E4M3 scale
-# codes) on CUDA; the reference's on a CPU, which also holds unpacked codes and fp32 scales
+# bytes of the saved NVFP4 copy of n values: on CUDA the kernels' output (E4M3 scale codes,
+# the global scale, packed 4-bit codes), which a layer graph's call (from the first one, the
+# warm-up) hands over packed in one buffer, each piece at a 16-byte boundary (ops.Packing); on
+# a CPU the reference's pieces, which also hold unpacked codes and fp32 scales
 COPY_BYTES = {
-    "cuda": lambda n: n // 2 + n // 16 + 4,
+    "cuda": lambda n: -(-(n // 16) // 16) * 16 + 16 + n // 2,
     "cpu": lambda n: n + n // 16 * 4 + n // 16 + 4,
 }
 
@@ -107,7 +109,8 @@ COPY_BYTES = {
 def test_a_training_forward_saves_the_quantized_copy_not_x(device: str) -> None:
     """NVFP4 (1x16 blocks, E4M3 scales), bf16 x [256, 64]: the forward saves the weight and
     x's wgrad copy, not x. On CUDA the copy is the kernels' packed codes, a scale byte per 16
-    values and the global scale: 0.28x x's bytes. With keep_quantized_input off, x is saved."""
+    values and the global scale, in one buffer: 0.28x x's bytes. With keep_quantized_input
+    off, x is saved."""
     recipe = load_recipe("nvfp4_small.fp4r")
     x = torch.randn(256, 64, dtype=torch.bfloat16, device=device)
     layer = _layer(recipe, True).to(device=device, dtype=torch.bfloat16)
@@ -117,6 +120,8 @@ def test_a_training_forward_saves_the_quantized_copy_not_x(device: str) -> None:
     assert len(weight) == 1 and not any(t.dtype == torch.bfloat16 for t in others)
     copy_bytes = sum(t.numel() * t.element_size() for t in others)
     assert copy_bytes == COPY_BYTES[device](x.numel())
+    if device == "cuda":
+        assert len(others) == 1 and others[0].dtype == torch.uint8  # packed
     if device == "cuda":
         assert copy_bytes / (x.numel() * x.element_size()) < 0.29
     layer.keep_quantized_input = False

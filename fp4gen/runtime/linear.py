@@ -178,8 +178,8 @@ class Linear(nn.Linear):
         # indexed by a pass's ``forward`` (0: backward, 1: forward): the operand table
         # _pass_mors last looked at and its answer, mutated in place (no Module.__setattr__)
         self._mors_seen: list[tuple[Any, tuple[bool, bool]]] = [(None, (True, True))] * 2
-        self._last_described: list[Any] = [None, None]  # backward_gemms' layout key (_described)
-        self._layout_parts: dict[QuantizedLayout, _Identity] = {}  # interned by _described
+        self._last_described: list[Any] = [None, None, None]  # the layout key (_described)
+        self._layout_parts: dict[tuple[Any, ...], _Identity] = {}  # interned by _described
         self._table_part: list[Any] = [None, None]  # [table, _Identity(table)] (_table_key)
         self._copy_key_part: list[Any] = [None, None, ()]  # [table, backend, key] (_copy_key)
         self._amax_group = _SharedGroup(None)
@@ -348,12 +348,20 @@ class Linear(nn.Linear):
                 y, xq_t = self._fprop(x, w, b, out_dtype, table, call, None, own, y_out)
                 if xq_t is None:
                     return (y,), None
-                tensors, layout = xq_t.split()  # graph outputs are tensors: its pieces
-                return (y, *tensors), layout
+                tensors, layout = xq_t.split()  # graph outputs are tensors: its pieces,
+                packing = ops.Packing.of(tensors)  # packed into one (one allocation per call)
+                if packing is None:
+                    return (y, *tensors), (layout, None)
+                packed = packing.pack(tensors, None if out is None else out[1])
+                return (y, packed), (layout, packing)
 
-            (y, *pieces), layout = graphs.run_with_meta(key, work, (x2,), (weight, bias), into=True)
-            # the pieces go to the backward graph as they are: no QuantizedTensor in between
-            kept = None if layout is None else ops.WgradInput(tuple(pieces), layout, x2.dtype)
+            (y, *pieces), meta = graphs.run_with_meta(key, work, (x2,), (weight, bias), into=True)
+            # the copy goes to the backward graph as it is: no QuantizedTensor in between
+            if meta is None:
+                kept = None
+            else:
+                layout, packing = meta
+                kept = ops.WgradInput(tuple(pieces), layout, x2.dtype, packing)
         if shared is not None:
             kept = shared
         elif sharing:
@@ -470,7 +478,7 @@ class Linear(nn.Linear):
             tensors, layout = kept.tensors, kept.layout
             present = tuple([t is not None for t in tensors])
             # a round-to-nearest copy's offset names the call only: not part of the key
-            described = self._described(layout)
+            described = self._described(layout, kept.packing)
             key = (
                 "grads", dy2.shape, dy2.dtype, described, present,
                 tuple([t.shape for t in tensors if t is not None]), kept.dtype,
@@ -480,7 +488,7 @@ class Linear(nn.Linear):
             def work(dy: torch.Tensor, *rest: torch.Tensor, out: Any = None) -> tuple[Any, Any]:
                 given = iter(rest[:-1])
                 pieces = tuple(next(given) if p else None for p in present)
-                x = ops.WgradInput(pieces, layout, kept.dtype)
+                x = ops.WgradInput(pieces, layout, kept.dtype, kept.packing)
                 return self._grads(dy, x, rest[-1], table, call, out=out)
 
             given = tuple([t for t in tensors if t is not None])
@@ -489,19 +497,19 @@ class Linear(nn.Linear):
         assert dx is not None and dw is not None
         return dx, dw
 
-    def _described(self, layout: QuantizedLayout) -> _Identity:
-        """``layout`` without its offset, as a backward graph's key holds it: one object per
-        distinct value (interned), named by identity, so a key hashes and compares it without
-        walking its fields. A replayed forward graph hands over the same layout object every
-        step: looked up once for it."""
-        last = self._last_described  # [layout, its key part], mutated: no Module.__setattr__
-        if last[0] is not layout:
-            described = replace(layout, offset=None)
+    def _described(self, layout: QuantizedLayout, packing: ops.Packing | None) -> _Identity:
+        """``layout`` without its offset, and the copy's packing, as a backward graph's key
+        holds them: one object per distinct value (interned), named by identity, so a key hashes
+        and compares it without walking its fields. A replayed forward graph hands over the
+        same layout and packing objects every step: looked up once for them."""
+        last = self._last_described  # [layout, packing, its key part], mutated (no setattr)
+        if last[0] is not layout or last[1] is not packing:
+            described = (replace(layout, offset=None), packing)
             parts = self._layout_parts
             if len(parts) >= MAX_LAYOUT_PARTS:  # shapes that keep changing: start over (keys
                 parts.clear()  # hold their parts, so an equal layout only gets a new key)
-            last[:] = layout, parts.setdefault(described, _Identity(described))
-        return last[1]
+            last[:] = layout, packing, parts.setdefault(described, _Identity(described))
+        return last[2]
 
     def _table_key(self, table: OperandTable) -> _Identity:
         """The operand table as a graph key holds it (by identity: the schedule hands over the

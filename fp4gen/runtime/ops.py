@@ -40,18 +40,78 @@ _layers: "weakref.WeakValueDictionary[int, Any]" = weakref.WeakValueDictionary()
 _ids = itertools.count()
 
 
+PIECE_ALIGNMENT = 16  # bytes: where each piece starts in a packed buffer (the kernels' loads)
+
+
+@dataclass(frozen=True)
+class Packing:
+    """Where the pieces of a wgrad copy lie in one byte buffer: (byte offset, shape, dtype) per
+    piece, or None where a piece is absent. A layer graph's forward writes the copy packed,
+    so that a call makes one result tensor for it instead of one per piece (an allocation
+    costs the host more than the piece's copy costs the GPU), and autograd saves one tensor."""
+
+    pieces: tuple[tuple[int, torch.Size, torch.dtype] | None, ...]
+    nbytes: int
+
+    @classmethod
+    def of(cls, tensors: tuple[torch.Tensor | None, ...]) -> "Packing | None":
+        """The packing of ``tensors``, or None where one is not contiguous (then they stay
+        apart: a packed piece is read back contiguous)."""
+        pieces: list[tuple[int, torch.Size, torch.dtype] | None] = []
+        end = 0
+        for t in tensors:
+            if t is None:
+                pieces.append(None)
+                continue
+            if not t.is_contiguous():
+                return None
+            start = -(-end // PIECE_ALIGNMENT) * PIECE_ALIGNMENT
+            pieces.append((start, t.shape, t.dtype))
+            end = start + t.numel() * t.element_size()
+        return cls(tuple(pieces), end)
+
+    def pack(
+        self, tensors: tuple[torch.Tensor | None, ...], into: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """The pieces copied into ``into`` (a uint8 tensor of ``nbytes``; made where None)."""
+        if into is None:
+            into = torch.empty(self.nbytes, dtype=torch.uint8, device=_device_of(tensors))
+        for view, t in zip(self.unpack(into), tensors, strict=True):
+            if view is not None:
+                view.copy_(t)
+        return into
+
+    def unpack(self, buffer: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        """The pieces as views of ``buffer`` (nothing copied)."""
+        views: list[torch.Tensor | None] = []
+        for piece in self.pieces:
+            if piece is None:
+                views.append(None)
+                continue
+            start, shape, dtype = piece
+            nbytes = shape.numel() * dtype.itemsize
+            views.append(buffer[start : start + nbytes].view(dtype).view(shape))
+        return tuple(views)
+
+
+def _device_of(tensors: tuple[torch.Tensor | None, ...]) -> torch.device:
+    return next(t.device for t in tensors if t is not None)
+
+
 @dataclass(frozen=True, eq=False)  # compared by identity: it holds tensors
 class WgradInput:
     """What the backward needs of x when its wgrad copy was quantized in the forward:
     Q(x^T; wgrad.activation) (tokens zero-padded as the wgrad GEMM needs) and x's dtype (dx's).
 
-    Held as ``QuantizedTensor.split`` gives it (its tensors and layout): what
-    ``save_for_backward`` and a layer graph take, so a graphed layer passes the pieces from
-    its forward graph to its backward graph without putting them together in between."""
+    Held as ``QuantizedTensor.split`` gives it (its tensors and layout), or, from a layer
+    graph, those tensors packed into one (``packing``): what ``save_for_backward`` and a layer
+    graph take, so a graphed layer passes the copy from its forward graph to its backward graph
+    without putting it together in between."""
 
     tensors: tuple[torch.Tensor | None, ...]
     layout: QuantizedLayout
     dtype: torch.dtype
+    packing: Packing | None = None  # where set, ``tensors`` is the one packed buffer
 
     @classmethod
     def of(cls, quantized: QuantizedTensor, dtype: torch.dtype) -> "WgradInput":
@@ -61,7 +121,10 @@ class WgradInput:
     @cached_property
     def quantized(self) -> QuantizedTensor:
         """The copy as a QuantizedTensor (put together on first use)."""
-        return QuantizedTensor.join(self.tensors, self.layout)
+        tensors = self.tensors
+        if self.packing is not None:
+            tensors = self.packing.unpack(tensors[0])  # type: ignore[arg-type]
+        return QuantizedTensor.join(tensors, self.layout)
 
 
 def register(layer: Any) -> int:
@@ -163,7 +226,7 @@ class _EagerLinear(torch.autograd.Function):
             ctx.kept = None
         else:
             ctx.save_for_backward(weight, *kept.tensors)
-            ctx.kept = (kept.layout, kept.dtype)
+            ctx.kept = (kept.layout, kept.dtype, kept.packing)
         ctx.layer_id = layer_id
         ctx.bias_dtype = None if bias is None else bias.dtype
         return y
@@ -174,8 +237,7 @@ class _EagerLinear(torch.autograd.Function):
             x, weight = ctx.saved_tensors
         else:
             weight, *tensors = ctx.saved_tensors
-            layout, dtype = ctx.kept
-            x = WgradInput(tuple(tensors), layout, dtype)
+            x = WgradInput(tuple(tensors), *ctx.kept)
         with _profiled("fp4gen::linear_backward"), finite.layer_scope():
             dx, dw = _layer(ctx.layer_id).backward_gemms(dy.contiguous(), x, weight)
         return dx, dw, _bias_grad(dy, ctx.bias_dtype), None, None, None
