@@ -25,8 +25,14 @@ these two tell a slow host from a regression.
 
     python benchmarks/train.py [--hidden 1024,2048] [--layers 8,6] [--tokens 8192] [--seq 1024]
                                [--recipes bf16,recipes/nvfp4.fp4r] [--steps 10] [--graphs]
-                               [--model llama|gpt] [--host-profile N] [--compare-saved-x]
-                               [--layer-graph-flops F,...]
+                               [--rounds R] [--model llama|gpt] [--host-profile N]
+                               [--compare-saved-x] [--layer-graph-flops F,...]
+
+``--rounds R`` runs every hidden size's rows R times and then prints, per recipe, the median and
+range of its eager and graph ratios (each round's against that round's BF16 run) and of its host
+time per Linear. Where the host's time meets the GPU's, the eager ratio moves with the speed of
+the machine's host from minute to minute (docs/training-step.md, "Runs on different hosts"): a
+single run is one draw from that spread.
 
 ``--host-profile N`` prints the N most expensive Python functions of the eager fp4gen steps
 (cProfile, cumulative time), which is where the host path's time goes. ``--compare-saved-x``
@@ -369,6 +375,75 @@ def host_speed(device: str, calls: int = 2000) -> tuple[float, float]:
     return per_call(lambda: x + 1), per_call(lambda: torch.empty(8, device=device))
 
 
+def run_round(
+    args: argparse.Namespace, hidden: int, layers: int, runs: list[tuple[str, bool, float | None]]
+) -> dict[str, tuple[Result, Result]]:
+    """One row per run (BF16 first, the base of the ratios); returns label -> (result, base)."""
+    base: Result | None = None
+    default_flops = layer_graphs.MAX_GEMM_FLOPS
+    rows: dict[str, tuple[Result, Result]] = {}
+    for recipe, saves_x, flops in runs:
+        t0 = time.perf_counter()
+        layer_graphs.MAX_GEMM_FLOPS = default_flops if flops is None else flops
+        try:
+            res = run_one(args, hidden, layers, recipe, saves_x)
+        finally:
+            layer_graphs.MAX_GEMM_FLOPS = default_flops
+        base = base or res
+        label = Path(recipe).stem + (" (saves x)" if saves_x else "")
+        label += "" if flops is None else f" (graphs <= {flops:.0e})"
+        rows[label] = (res, base)
+        host = "-" if res.host_us_per_linear is None else f"{res.host_us_per_linear:.0f}"
+        wall = "-" if res.wall_us_per_linear is None else f"{res.wall_us_per_linear:.0f}"
+        graph = "-" if res.ms_graph is None else f"{res.ms_graph:.2f}"
+        eager = ratio(res.ms_eager, base.ms_eager)
+        print(
+            f"  {label:28} {res.ms_eager:9.2f} {eager:>7} "
+            f"{graph:>9} {ratio(res.ms_graph, base.ms_graph):>7} {res.gpu_busy_ms:9.2f} "
+            f"{ratio(res.gpu_busy_ms, base.gpu_busy_ms):>7} {host:>11} {wall:>8} "
+            f"{res.peak_gib:9.2f} {ratio(res.peak_gib, base.peak_gib):>7}   "
+            f"({time.perf_counter() - t0:.0f} s)"
+        )
+        if res.graph_calls:
+            print(
+                f"    layer graphs: {res.graph_calls:.0f} layer calls per step from a graph, "
+                f"{res.in_place:.0f} of them in place (no copies in or out)"
+            )
+        if args.graphs and res.ms_graph is None:
+            print(f"    graphs: {res.graph_note}")
+    return rows
+
+
+def spread(values: list[float], unit: str = "x") -> str:
+    """The median of ``values`` and their range, e.g. '1.40x (1.32x-1.55x)'."""
+    if not values:
+        return "-"
+    values = sorted(values)
+    mid = len(values) // 2
+    median = values[mid] if len(values) % 2 else (values[mid - 1] + values[mid]) / 2
+    fmt = "{:.2f}" + unit if unit == "x" else "{:.0f}" + unit
+    return f"{fmt.format(median)} ({fmt.format(values[0])}-{fmt.format(values[-1])})"
+
+
+def print_rounds(rounds: list[dict[str, tuple[Result, Result]]]) -> None:
+    """Each run's figures over the rounds: median (min-max), each round's ratio taken against
+    that round's BF16 (the host's speed drifts between rounds; a ratio within one is paired)."""
+    print(f"  over {len(rounds)} rounds, median (min-max):")
+    for label in rounds[0]:
+        if label == "bf16":
+            continue
+        got = [r[label] for r in rounds if label in r]
+        eager = [res.ms_eager / base.ms_eager for res, base in got]
+        graph = [
+            res.ms_graph / base.ms_graph for res, base in got if res.ms_graph and base.ms_graph
+        ]
+        host = [res.host_us_per_linear for res, _ in got if res.host_us_per_linear is not None]
+        print(
+            f"  {label:28} eager x bf16 {spread(eager)}, graph x bf16 {spread(graph)}, "
+            f"host us/lin {spread(host, ' us')}"
+        )
+
+
 def ratio(value: float | None, base: float | None) -> str:
     return "-" if value is None or not base else f"{value / base:.2f}x"
 
@@ -382,6 +457,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--recipes", default="bf16,recipes/nvfp4.fp4r")
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--graphs", action="store_true", help="also time CUDA-graph replays")
+    parser.add_argument(
+        "--rounds",
+        type=int,
+        default=1,
+        metavar="R",
+        help="run every hidden size's rows R times (each round's ratios against its own BF16 "
+        "run) and print each figure's median and range: the host's speed drifts",
+    )
     parser.add_argument("--model", choices=["llama", "gpt"], default=None)
     parser.add_argument("--host-profile", type=int, default=0, metavar="N")
     parser.add_argument(
@@ -436,41 +519,18 @@ def main(argv: list[str] | None = None) -> int:
             f"{'gpu-busy':>9} {'x bf16':>7} {'host us/lin':>11} {'wall us':>8} {'peak GiB':>9} "
             f"{'x bf16':>7}"
         )
-        base: Result | None = None
-        default_flops = layer_graphs.MAX_GEMM_FLOPS
         runs: list[tuple[str, bool, float | None]] = [(r, False, None) for r in recipes]
         if args.compare_saved_x:
             runs += [(r, True, None) for r in recipes if r != "bf16"]
         for flops in (float(f) for f in args.layer_graph_flops.split(",") if f):
             runs += [(r, False, flops) for r in recipes if r != "bf16"]
-        for recipe, saves_x, flops in runs:
-            t0 = time.perf_counter()
-            layer_graphs.MAX_GEMM_FLOPS = default_flops if flops is None else flops
-            try:
-                res = run_one(args, hidden, layers, recipe, saves_x)
-            finally:
-                layer_graphs.MAX_GEMM_FLOPS = default_flops
-            base = base or res
-            label = Path(recipe).stem + (" (saves x)" if saves_x else "")
-            label += "" if flops is None else f" (graphs <= {flops:.0e})"
-            host = "-" if res.host_us_per_linear is None else f"{res.host_us_per_linear:.0f}"
-            wall = "-" if res.wall_us_per_linear is None else f"{res.wall_us_per_linear:.0f}"
-            graph = "-" if res.ms_graph is None else f"{res.ms_graph:.2f}"
-            eager = ratio(res.ms_eager, base.ms_eager)
-            print(
-                f"  {label:28} {res.ms_eager:9.2f} {eager:>7} "
-                f"{graph:>9} {ratio(res.ms_graph, base.ms_graph):>7} {res.gpu_busy_ms:9.2f} "
-                f"{ratio(res.gpu_busy_ms, base.gpu_busy_ms):>7} {host:>11} {wall:>8} "
-                f"{res.peak_gib:9.2f} {ratio(res.peak_gib, base.peak_gib):>7}   "
-                f"({time.perf_counter() - t0:.0f} s)"
-            )
-            if res.graph_calls:
-                print(
-                    f"    layer graphs: {res.graph_calls:.0f} layer calls per step from a graph, "
-                    f"{res.in_place:.0f} of them in place (no copies in or out)"
-                )
-            if args.graphs and res.ms_graph is None:
-                print(f"    graphs: {res.graph_note}")
+        rounds: list[dict[str, tuple[Result, Result]]] = []
+        for n in range(args.rounds):
+            if args.rounds > 1:
+                print(f"  round {n + 1} of {args.rounds}")
+            rounds.append(run_round(args, hidden, layers, runs))
+        if args.rounds > 1:
+            print_rounds(rounds)
         if args.loss_steps:
             curves = {}
             for recipe in recipes:

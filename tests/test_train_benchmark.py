@@ -104,3 +104,24 @@ def test_graph_counts_sum_the_layers_graph_counters() -> None:
         layer._graphs = LayerGraphs(f"l{i}")
         layer._graphs.graph_calls, layer._graphs.in_place_replays = 5 + i, 3 + i
     assert train.graph_counts(model) == (11, 7)
+
+
+def _result(eager: float, graph: float | None, host: float | None) -> train.Result:
+    return train.Result(eager, graph, "", 1.0, None, host, 1.0)
+
+
+def test_rounds_summarize_each_ratio_against_its_own_rounds_bf16(capsys) -> None:
+    """--rounds: each round's eager and graph ratios are taken against that round's BF16 run
+    (a slow round's BF16 is slow too), then the median and range over the rounds printed."""
+    rounds = []
+    for bf16_ms, nvfp4_ms, host in ((40.0, 52.0, 150.0), (50.0, 75.0, 250.0), (36.0, 45.0, 140.0)):
+        base = _result(bf16_ms, 37.5, None)
+        rounds.append({"bf16": (base, base), "nvfp4_small": (_result(nvfp4_ms, 45.0, host), base)})
+    train.print_rounds(rounds)
+    out = capsys.readouterr().out
+    assert "over 3 rounds" in out
+    # eager ratios 1.30, 1.50, 1.25 -> median 1.30; graph 1.20 each; host 140-250
+    assert "nvfp4_small" in out and "eager x bf16 1.30x (1.25x-1.50x)" in out
+    assert "graph x bf16 1.20x (1.20x-1.20x)" in out and "host us/lin 150 us (140 us-250 us)" in out
+    assert "bf16  " not in out.split("over 3 rounds")[1]  # the base has no row of its own
+    assert train.spread([2.0, 1.0]) == "1.50x (1.00x-2.00x)" and train.spread([]) == "-"
