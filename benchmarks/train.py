@@ -51,6 +51,7 @@ from __future__ import annotations
 
 import argparse
 import cProfile
+import gc
 import io
 import pstats
 import sys
@@ -260,6 +261,7 @@ def run_one(
     if args.graphs:
         ms_graph, note = graph_ms(make_step(model, loss_fn(args.model), tokens, True), args.steps)
     del model, step
+    gc.collect()  # modules in reference cycles: freed now, not in a later run's peak or step
     torch.cuda.empty_cache()
     return Result(ms, ms_graph, note, busy, wall, host, peak, *replays)
 

@@ -28,6 +28,46 @@ def test_static_buffers_are_shared_by_shape_and_freed_with_their_last_graph() ->
     assert claims[0] not in layer_graphs._statics and claims[2] not in layer_graphs._statics
 
 
+def test_a_deleted_layers_graphs_give_back_their_static_buffers_and_pool(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A LayerGraphs that goes (its layer was deleted) releases its graphs: their static
+    buffers are freed where no other graph uses them, and a pool's keeper goes with the last
+    graph captured into it (a later capture on that stream makes a new pool); releasing twice
+    changes nothing."""
+    import gc
+
+    cpu = torch.device("cpu")
+    pool = (0, 99)
+    monkeypatch.setitem(layer_graphs._pools, pool, ("pool", "its keeper"))
+    monkeypatch.setattr(layer_graphs, "_pool_graphs", {})
+
+    def graph(claims: list) -> layer_graphs._Graph:
+        made = layer_graphs._Graph(None, None, None, tuple(claims))  # type: ignore[arg-type]
+        made.pool = pool
+        layer_graphs._pool_graphs[pool] = layer_graphs._pool_graphs.get(pool, 0) + 1
+        return made
+
+    shape = torch.Size([2, 3])
+    mine: list = []
+    layer_graphs._static("in0", shape, torch.float32, cpu, 99, mine)
+    theirs: list = []
+    layer_graphs._static("in0", shape, torch.float32, cpu, 99, theirs)
+    layer_graphs._static("out0", shape, torch.float32, cpu, 99, mine)
+    gone, kept = layer_graphs.LayerGraphs("gone"), layer_graphs.LayerGraphs("kept")
+    gone.graphs["a"] = graph(mine)
+    kept.graphs["b"] = graph(theirs)
+    del gone
+    gc.collect()
+    assert theirs[0] in layer_graphs._statics  # still read by the live layer's graph
+    assert mine[1] not in layer_graphs._statics  # only the deleted layer's graph used it
+    assert layer_graphs._pools[pool] == ("pool", "its keeper")  # one graph of it lives on
+    kept.graphs["b"].release()
+    kept.graphs["b"].release()  # a second release: nothing more
+    assert theirs[0] not in layer_graphs._statics
+    assert pool not in layer_graphs._pools and pool not in layer_graphs._pool_graphs
+
+
 @pytest.mark.parametrize(("value", "on"), [(None, True), ("1", True), ("on", True), ("0", False)])
 def test_the_setting(monkeypatch, value: str | None, on: bool) -> None:
     if value is None:

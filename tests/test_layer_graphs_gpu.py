@@ -206,6 +206,35 @@ def test_graphs_capture_again_after_earlier_graphs_are_gone(monkeypatch) -> None
         torch.cuda.synchronize()
 
 
+def test_deleted_layers_leave_no_graph_memory_behind(monkeypatch) -> None:
+    """Graphed layers built, run and deleted again and again in one process (a sweep, a
+    benchmark): after the first round (which makes the buffers fp4gen keeps per device and
+    stream), each round leaves the allocated memory where it was, and the layer graphs' static
+    buffers and pools are gone with their layers. (They were kept: 0.34 GiB more per model of
+    hidden 1024 at 8192 tokens.)"""
+    import gc
+
+    from fp4gen.runtime import layer_graphs
+
+    monkeypatch.setenv("FP4GEN_LAYER_GRAPHS", "1")
+    gc.collect()  # layers of earlier tests that are garbage already: released now
+    statics, pools = set(layer_graphs._statics), set(layer_graphs._pool_graphs)
+    left = []
+    for _ in range(3):
+        graphed, _ = _pair(RNE, ((256, 192), (192, 192)))
+        batches = [(torch.randn(128, 256, device="cuda"), torch.randn(128, 192, device="cuda"))]
+        _run(graphed, True, monkeypatch, batches * 6)
+        assert all(layer._graphs.graph_calls == 10 for layer in graphed)
+        assert set(layer_graphs._statics) - statics  # graphs on static copies too
+        del graphed, _
+        gc.collect()
+        torch.cuda.synchronize()
+        assert set(layer_graphs._statics) <= statics
+        assert set(layer_graphs._pool_graphs) <= pools
+        left.append(torch.cuda.memory_allocated())
+    assert left[1] == left[0] and left[2] == left[0], left
+
+
 def test_graphs_follow_the_fp8_semantics_setting(monkeypatch) -> None:
     """A layer graphed under the default FP8 GEMM semantics (block-scaled) and then run under
     ``fp8_semantics("exact")`` computes the exact products, the eager layer's bits, from graphs

@@ -35,7 +35,9 @@ read after its results are copied out; graphs captured for one stream replay onl
 stream. So the graphs add the static buffers and the largest graph's intermediates, not one
 copy per layer. A static buffer is freed with the last graph that uses it (graphs beyond
 ``MAX_GRAPHS`` per layer are dropped least recently used first), so shapes that keep changing
-do not pile up.
+do not pile up, and a pool goes with the last graph captured into it. A deleted layer's
+graphs are released with it, so building model after model in one process (a sweep, a
+benchmark) does not keep the static buffers and pools of the models before.
 
 When not: the caller decides what may be graphed (``Linear``: CUDA tensors, block formats, the
 kernels' backend, no telemetry, non-finite inputs propagated rather than raised, a pass small
@@ -51,6 +53,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import warnings
+import weakref
 from collections import OrderedDict
 from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
@@ -76,6 +79,7 @@ MAX_GEMM_FLOPS = 1e12
 # allocators refuse another capture into it (an internal assert) while any block of it lives on.
 _pools: dict[tuple[int, int], tuple[Any, torch.cuda.CUDAGraph]] = {}
 _capture_streams: dict[int, torch.cuda.Stream] = {}
+_pool_graphs: dict[tuple[int, int], int] = {}  # (device, stream) -> graphs alive in its pool
 # (device, stream, role, shape, dtype) -> [buffer, graphs using it]: freed with its last graph
 _statics: dict[tuple[Any, ...], list[Any]] = {}
 MAX_SEEN = 256  # per layer: keys remembered as warmed up (shapes that keep changing)
@@ -96,15 +100,35 @@ class _Graph:
     meta: Any = None  # what fn returned besides its tensors when captured (run_with_meta)
     key: Hashable = None  # the caller's key (tests, benchmarks)
     used: int = 0  # the layer's call count when it last served a call (evicted: the lowest)
+    pool: tuple[int, int] | None = None  # the (device, stream) pool it was captured into
 
     def release(self) -> None:
-        """Drop this graph's claim on its static buffers; a buffer no graph uses is freed."""
+        """Drop this graph's claims (once): on its static buffers, a buffer no graph uses
+        being freed, and on its pool, whose keeper goes with the pool's last graph (the
+        memory the graphs reserved in it is then freed with them)."""
         for key in self.statics:
             entry = _statics.get(key)
             if entry is not None:
                 entry[1] -= 1
                 if entry[1] <= 0:
                     del _statics[key]
+        self.statics = ()
+        if self.pool is not None:
+            left = _pool_graphs.get(self.pool, 0) - 1
+            if left > 0:
+                _pool_graphs[self.pool] = left
+            else:
+                _pool_graphs.pop(self.pool, None)
+                _pools.pop(self.pool, None)  # the next capture on that stream makes a new one
+            self.pool = None
+
+
+def _release_all(graphs: dict[Hashable, _Graph]) -> None:
+    """A layer's graphs released when its LayerGraphs goes (the layer was deleted): their
+    static buffers and pools are not kept for layers that no longer exist."""
+    for graph in graphs.values():
+        graph.release()
+    graphs.clear()
 
 
 def _static(
@@ -158,6 +182,8 @@ class LayerGraphs:
     def __init__(self, name: str) -> None:
         self.name = name
         self.graphs: dict[Hashable, _Graph] = {}
+        # a deleted layer's graphs give back their static buffers and pools
+        weakref.finalize(self, _release_all, self.graphs).atexit = False
         self.calls = 0  # calls made of a graph (replays and captures): the graphs' clock
         # keys run once eagerly (warmed up) -> (that key object, (shape, dtype) of each result
         # or None): later calls use the stored key object, which the graphs' keys hold, so
@@ -393,6 +419,8 @@ def _capture(
         made.release()
         _reset_capture_state(index, sid)
         raise
+    made.pool = (index, sid)
+    _pool_graphs[made.pool] = _pool_graphs.get(made.pool, 0) + 1
     return made
 
 
