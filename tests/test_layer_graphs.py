@@ -274,7 +274,8 @@ def test_addresses_met_twice_get_a_graph_that_works_in_place(
 ) -> None:
     """An activation and results at the same addresses on every call (a training loop's
     allocator) are captured in place from their second sighting, and the replays compute the
-    new values written there."""
+    new values written there; the key's graph on static copies goes then, and other addresses
+    get one again."""
     captured = _cpu_graphs(monkeypatch)
     results = (torch.empty(2),)  # the allocator handing back the same block every call
     monkeypatch.setattr(layer_graphs, "_fresh", lambda shapes, device: results)
@@ -286,6 +287,12 @@ def test_addresses_met_twice_get_a_graph_that_works_in_place(
         assert torch.equal(y, x * w), step
     assert captured == ["static", "in place"]
     assert graphs.in_place_replays == 3 and graphs.replays == 3
+    # the graph on static copies served its one call and went with the in-place capture
+    assert [g.inputs for g in graphs.graphs.values()] == [None]
+    x2 = torch.empty(2)  # another address: on static copies again (a new capture)
+    x2.copy_(torch.tensor([7.0, 8.0]))
+    (y,) = graphs.run(("k",), lambda a, b: (a * b,), (x2,), (w,))
+    assert torch.equal(y, x2 * w) and captured == ["static", "in place", "static"]
 
 
 _MOR_SR_GRADIENTS = """

@@ -17,7 +17,9 @@ the warm-up's results) and run a captured graph:
   per address set, up to ``MAX_GRAPHS`` per layer and ``MAX_IN_PLACE_CAPTURES`` captures, after
   which addresses that keep changing stop being captured);
 * until then, and for addresses that do not repeat, on static buffers: the activations copied
-  in, the results copied out into the new tensors;
+  in, the results copied out into the new tensors (a key's graph on static buffers is dropped
+  when its first in-place graph is captured, so a training loop holds no static buffers from
+  its third step on);
 
 and the parameters (weight, bias) in place either way: their addresses are part of the key, so
 a graph only ever reads the tensor the call was given (an optimizer or FSDP2 all-gather that
@@ -275,6 +277,13 @@ class LayerGraphs:
         if made is None:  # the capture failed (logged): this key runs eagerly from now on
             results, meta = fn(*activations, *params)
             return tuple(results), meta
+        if made.inputs is None:
+            # the key's graph on static copies has served its one call (the one between the
+            # warm-up and the in-place capture, in a training loop): its static buffers go
+            # (captured again should other addresses come)
+            static = self.graphs.pop(key, None)
+            if static is not None:
+                static.release()
         return results, made.meta
 
     def _capture(
