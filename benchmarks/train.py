@@ -54,6 +54,7 @@ import cProfile
 import gc
 import io
 import pstats
+import statistics
 import sys
 import time
 from collections.abc import Callable
@@ -416,15 +417,13 @@ def run_round(
     return rows
 
 
-def spread(values: list[float], unit: str = "x") -> str:
+def spread(values: list[float], unit: str = "x", digits: int = 2) -> str:
     """The median of ``values`` and their range, e.g. '1.40x (1.32x-1.55x)'."""
     if not values:
         return "-"
-    values = sorted(values)
-    mid = len(values) // 2
-    median = values[mid] if len(values) % 2 else (values[mid - 1] + values[mid]) / 2
-    fmt = "{:.2f}" + unit if unit == "x" else "{:.0f}" + unit
-    return f"{fmt.format(median)} ({fmt.format(values[0])}-{fmt.format(values[-1])})"
+    shown = [statistics.median(values), min(values), max(values)]
+    median, low, high = (f"{v:.{digits}f}{unit}" for v in shown)
+    return f"{median} ({low}-{high})"
 
 
 def print_rounds(rounds: list[dict[str, tuple[Result, Result]]]) -> None:
@@ -442,7 +441,7 @@ def print_rounds(rounds: list[dict[str, tuple[Result, Result]]]) -> None:
         host = [res.host_us_per_linear for res, _ in got if res.host_us_per_linear is not None]
         print(
             f"  {label:28} eager x bf16 {spread(eager)}, graph x bf16 {spread(graph)}, "
-            f"host us/lin {spread(host, ' us')}"
+            f"host us/lin {spread(host, ' us', 0)}"
         )
 
 

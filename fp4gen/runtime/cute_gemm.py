@@ -85,6 +85,12 @@ def _kernels(spec: GemmKernelSpec, arch: str) -> Any:
     return _loader.get(spec, arch, kernels_for)  # type: ignore[arg-type]
 
 
+def _sf_cols_16(kp: int) -> int:
+    """Scale-code columns of a row with K padded to ``kp``, one code per 16 values (what the
+    kernels read, 1x32 codes repeated; a small-M kernel's A may read fewer: ``a_scale_cols``)."""
+    return kp // 16
+
+
 @dataclass(frozen=True)
 class _Plan:
     """Everything a call needs that depends only on (formats, tile, flags, arch)."""
@@ -98,7 +104,7 @@ class _Plan:
     b_sf_rows: Callable[[int], int]  # rows of B's scale codes for N rows
     k_multiple: int  # the kernel's K granularity (its stage)
     a_expand: int = 1  # ... and A's (1 where the kernel reads A's 1x32 codes as they are)
-    a_sf_cols: Callable[[int], int] = lambda kp: kp // 16  # A's scale columns for padded K
+    a_sf_cols: Callable[[int], int] = _sf_cols_16  # A's scale columns for padded K
 
 
 def _plan(
@@ -132,7 +138,7 @@ def _plan(
         a_expand=getattr(
             kernels.module, "A_SCALE_EXPAND", getattr(kernels.module, "SCALE_EXPAND", 1)
         ),
-        a_sf_cols=getattr(kernels.module, "a_scale_cols", lambda kp: kp // 16),
+        a_sf_cols=getattr(kernels.module, "a_scale_cols", _sf_cols_16),
     )
 
 
@@ -198,7 +204,7 @@ def _b_operand(b: Any, plan: _Plan, kp: int) -> tuple:
         raise TensorError(f"the fused GEMM needs uint8 codes; b has {packed.dtype}")
     ops = (
         _k_padded(packed, kp // 2),
-        _scale_codes(b, plan.b_sf_rows(b.rows), b.cols, kp // 16, plan.expand),
+        _scale_codes(b, plan.b_sf_rows(b.rows), b.cols, _sf_cols_16(kp), plan.expand),
         _global(b.global_scale, packed.device),
     )
     _b_operands[b] = (versions, ops)
