@@ -70,7 +70,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the checkout,
 import fp4gen  # noqa: E402
 from fp4gen.demo.data import ByteBatches, stdlib_corpus  # noqa: E402
 from fp4gen.demo.lr_schedule import lr_at  # noqa: E402
-from fp4gen.runtime import layer_graphs  # noqa: E402
+from fp4gen.runtime import layer_graphs, layer_groups  # noqa: E402
 
 VOCAB = 256
 LAYERS_BY_HIDDEN = {1024: 8, 2048: 6, 4096: 4}
@@ -167,64 +167,90 @@ def graph_ms(step: Callable[[], object], steps: int) -> tuple[float | None, str]
 
 def graph_counts(model: nn.Module) -> tuple[int, int]:
     """(layer calls served by a layer graph, in-place replays) summed over the model's fp4gen
-    Linears so far (fp4gen.runtime.layer_graphs.LayerGraphs' counters)."""
+    Linears so far (fp4gen.runtime.layer_graphs.LayerGraphs' counters); a layer group's graph
+    call serves each of its members (fp4gen.runtime.layer_groups)."""
     served = in_place = 0
+    groups = {}
     for module in model.modules():
+        if not isinstance(module, fp4gen.nn.Linear):
+            continue
         graphs = getattr(module, "_graphs", None)
-        if isinstance(module, fp4gen.nn.Linear) and graphs is not None:
+        if graphs is not None:
             served += graphs.graph_calls
             in_place += graphs.in_place_replays
+        group = layer_groups.group_of(module)
+        if group is not None:
+            groups[id(group)] = group
+    for group in groups.values():
+        served += group.graphs.graph_calls * group.size
+        in_place += group.graphs.in_place_replays * group.size
     return served, in_place
 
 
-def wall_us_per_linear(step: Callable[[], object], steps: int) -> float | None:
-    """Wall microseconds the host spends per fp4gen Linear forward + backward in ``steps``
-    eager steps (``forward_gemm`` + ``backward_gemms``, each wrapped in a ``perf_counter``
-    timer for the duration), or None when the model has no fp4gen Linear."""
-    spent = [0]  # nanoseconds in the two ops
-    calls = [0]  # forward calls
-    linear_cls = fp4gen.nn.Linear
-    originals = {name: linear_cls.__dict__[name] for name in ("forward_gemm", "backward_gemms")}
+def linear_forwards(model: nn.Module) -> int:
+    """Forward calls of the model's fp4gen Linears so far, alone or in a layer group."""
+    return sum(m._forward_calls for m in model.modules() if isinstance(m, fp4gen.nn.Linear))
 
-    def timer(fn: Callable[..., Any], counts: bool) -> Callable[..., Any]:
+
+def wall_us_per_linear(model: nn.Module, step: Callable[[], object], steps: int) -> float | None:
+    """Wall microseconds the host spends per fp4gen Linear forward + backward in ``steps``
+    eager steps (``forward_gemm`` + ``backward_gemms``, and a layer group's passes, each wrapped
+    in a ``perf_counter`` timer for the duration), or None when the model has no fp4gen
+    Linear."""
+    spent = [0]  # nanoseconds in the ops
+    depth = [0]  # a group's pass can call a member's backward_gemms: timed once
+    targets = [
+        (fp4gen.nn.Linear, ("forward_gemm", "backward_gemms")),
+        (layer_groups.LayerGroup, ("forward_pass", "backward_pass")),
+    ]
+    originals = [(cls, name, cls.__dict__[name]) for cls, names in targets for name in names]
+
+    def timer(fn: Callable[..., Any]) -> Callable[..., Any]:
         def timed(*args: Any, **kwargs: Any) -> Any:
+            depth[0] += 1
             start = time.perf_counter_ns()
             try:
                 return fn(*args, **kwargs)
             finally:
-                spent[0] += time.perf_counter_ns() - start
-                calls[0] += counts
+                depth[0] -= 1
+                if depth[0] == 0:
+                    spent[0] += time.perf_counter_ns() - start
 
         return timed
 
+    before = linear_forwards(model)
     try:
-        for name, fn in originals.items():
-            setattr(linear_cls, name, timer(fn, counts=name == "forward_gemm"))
+        for cls, name, fn in originals:
+            setattr(cls, name, timer(fn))
         for _ in range(steps):
             step()
         if torch.cuda.is_available():
             torch.cuda.synchronize()
     finally:
-        for name, fn in originals.items():
-            setattr(linear_cls, name, fn)
-    return spent[0] / 1e3 / calls[0] if calls[0] else None
+        for cls, name, fn in originals:
+            setattr(cls, name, fn)
+    calls = linear_forwards(model) - before
+    return spent[0] / 1e3 / calls if calls else None
 
 
-def profile_step(step: Callable[[], object]) -> tuple[float, float | None]:
-    """(GPU-busy ms of one step, host us per fp4gen Linear forward+backward or None)."""
+def profile_step(model: nn.Module, step: Callable[[], object]) -> tuple[float, float | None]:
+    """(GPU-busy ms of one step, host us per fp4gen Linear forward+backward or None): the CPU
+    time of the ranges of fp4gen's ops (a Linear's, and a layer group's for its members) over
+    the Linear forwards they served."""
     from torch.profiler import ProfilerActivity, profile
 
+    before = linear_forwards(model)
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         step()
         torch.cuda.synchronize()
+    forwards = linear_forwards(model) - before
     gpu_us = sum(  # kernels only: a named range (record_function) spans kernels on the GPU too
         e.device_time
         for e in prof.events()
         if e.device_type == torch.autograd.DeviceType.CUDA
         and not getattr(e, "is_user_annotation", False)
     )
-    ops = [e for e in prof.events() if e.name.startswith("fp4gen::linear_")]
-    forwards = sum(1 for e in ops if e.name == "fp4gen::linear_forward")
+    ops = [e for e in prof.events() if e.name.startswith(("fp4gen::linear_", "fp4gen::group_"))]
     host_us = sum(e.cpu_time_total for e in ops) / forwards if forwards else None
     return gpu_us / 1e3, host_us
 
@@ -254,8 +280,8 @@ def run_one(
     ms = timed_ms(step, args.steps)
     replays = [(b - a) / args.steps for a, b in zip(before, graph_counts(model), strict=True)]
     peak = torch.cuda.max_memory_allocated() / 2**30
-    busy, host = profile_step(step)
-    wall = wall_us_per_linear(step, WALL_STEPS) if recipe != "bf16" else None
+    busy, host = profile_step(model, step)
+    wall = wall_us_per_linear(model, step, WALL_STEPS) if recipe != "bf16" else None
     if args.host_profile and recipe != "bf16":
         host_profile(step, args.host_profile)
     ms_graph, note = None, "not run"

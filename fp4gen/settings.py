@@ -35,6 +35,19 @@ def layer_graphs_enabled() -> bool:
     return _SWITCH[value]
 
 
+LAYER_GROUPS_VAR = "FP4GEN_LAYER_GROUPS"
+
+
+def layer_groups_enabled() -> bool:
+    """Whether fp4gen.nn.Linear layers that read one x in a row (q, k and v; gate and up) run as
+    one forward and one backward (``FP4GEN_LAYER_GROUPS``: 1/on, the default, or 0/off;
+    fp4gen.runtime.layer_groups). FP4GenError for any other value."""
+    value = os.environ.get(LAYER_GROUPS_VAR, "1").lower()
+    if value not in _SWITCH:
+        raise FP4GenError(f"{LAYER_GROUPS_VAR}={value!r}: expected 1, on, 0 or off")
+    return _SWITCH[value]
+
+
 def check_folder_setting(var: str) -> None:
     """FP4GenError when the folder an environment variable names cannot be a path: a NUL byte,
     or a ``~user`` whose home folder is unknown."""
@@ -54,5 +67,6 @@ def check_environment() -> None:
     """FP4GenError for any fp4gen setting in the environment that names no valid value."""
     check_finite_mode()
     layer_graphs_enabled()
+    layer_groups_enabled()
     for var in ("FP4GEN_CACHE_DIR", "XDG_CACHE_HOME"):
         check_folder_setting(var)

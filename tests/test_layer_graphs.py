@@ -358,6 +358,7 @@ def test_graphed_layers_on_one_x_share_its_wgrad_copy(monkeypatch: pytest.Monkey
 
     recipe = fp4gen.load_recipe("recipes/nvfp4_small.fp4r")
     _cpu_graphs(monkeypatch)
+    monkeypatch.setenv("FP4GEN_LAYER_GROUPS", "0")  # each layer's own graphs (not a group's)
     made_by: list[str] = []
     real = linear.Linear.wgrad_activation
 

@@ -51,6 +51,7 @@ LAYER_OF: dict[str, str] = {
     "fp4gen.gemm_dispatch": "backends",
     "fp4gen.runtime.linear": "nn",
     "fp4gen.runtime.ops": "nn",
+    "fp4gen.runtime.layer_groups": "nn",  # sibling Linears run as one (uses Linear by duck type)
     "fp4gen.runtime.convert": "nn",
     "fp4gen.runtime.schedule": "nn",
     "fp4gen.runtime.fsdp": "nn",  # FSDP2's quantized weight all-gather (wraps Linear)

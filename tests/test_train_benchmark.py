@@ -80,7 +80,7 @@ def test_the_wall_time_per_linear_counts_each_forward_and_backward_and_restores_
     before = dict(fp4gen.nn.Linear.__dict__)
     clock = itertools.count(0, 1000)
     monkeypatch.setattr(train.time, "perf_counter_ns", lambda: next(clock))
-    us = train.wall_us_per_linear(step, 3)
+    us = train.wall_us_per_linear(torch.nn.ModuleList(layers), step, 3)
     monkeypatch.undo()
     assert calls == ["step"] * 3
     assert us == 2.0  # 6 forwards and 6 backwards, 1 us each: 2 us per forward + backward
@@ -88,7 +88,8 @@ def test_the_wall_time_per_linear_counts_each_forward_and_backward_and_restores_
     assert {k: before[k] for k in ("forward_gemm", "backward_gemms")} == {
         k: fp4gen.nn.Linear.__dict__[k] for k in ("forward_gemm", "backward_gemms")
     }
-    assert train.wall_us_per_linear(lambda: torch.nn.Linear(4, 4)(torch.ones(4)), 2) is None
+    plain = torch.nn.Linear(4, 4)
+    assert train.wall_us_per_linear(plain, lambda: plain(torch.ones(4)), 2) is None
 
 
 def test_graph_counts_sum_the_layers_graph_counters() -> None:
@@ -104,6 +105,16 @@ def test_graph_counts_sum_the_layers_graph_counters() -> None:
         layer._graphs = LayerGraphs(f"l{i}")
         layer._graphs.graph_calls, layer._graphs.in_place_replays = 5 + i, 3 + i
     assert train.graph_counts(model) == (11, 7)
+    # a layer group's graph call serves each of its members
+    from fp4gen.runtime import layer_groups
+
+    layer_groups.sighted(list(model[1:]))
+    layer_groups.sighted(list(model[1:]))
+    group = layer_groups.group_of(model[1])
+    assert group is not None and group is layer_groups.group_of(model[2]) and group.size == 2
+    group.graphs.graph_calls, group.graphs.in_place_replays = 4, 1
+    assert train.graph_counts(model) == (11 + 8, 7 + 2)
+    group.dissolve()
 
 
 def _result(eager: float, graph: float | None, host: float | None) -> train.Result:

@@ -77,11 +77,11 @@ from fp4gen.device_offset import DeviceOffset
 from fp4gen.dsl.model import MoRRef, MoRSpec, Operand, OperandSpec, OperandTable, Recipe
 from fp4gen.errors import FP4GenError, TensorError
 from fp4gen.formats import BlockFormat, is_stochastic
-from fp4gen.gemm_dispatch import fp8_semantics_setting, gemm
+from fp4gen.gemm_dispatch import gemm
 from fp4gen.numerics import QuantizedTensor, error_stats
 from fp4gen.numerics.mor import MoRTensor
 from fp4gen.numerics.quantize import QuantizedLayout
-from fp4gen.runtime import finite, ops
+from fp4gen.runtime import finite, layer_groups, ops
 from fp4gen.runtime.cute_backend import quantize_tile_cute
 from fp4gen.runtime.device_memory import persistent
 from fp4gen.runtime.global_amax import (
@@ -281,7 +281,12 @@ class Linear(nn.Linear):
         return self._linear(x, self.weight)
 
     def _linear(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        """y = x W^T (+ b) for ``weight`` [out, in] through the custom ops, any leading shape."""
+        """y = x W^T (+ b) for ``weight`` [out, in] through the custom ops, any leading shape;
+        from the layer's group where it has one (``fp4gen.runtime.layer_groups``)."""
+        if not torch.compiler.is_compiling() and layer_groups.formed():
+            grouped = layer_groups.dispatch(self, x, _output_dtype(x))
+            if grouped is not None:
+                return grouped
         if x.shape[-1] != self.in_features:
             raise TensorError(
                 f"{self.name or 'Linear'}: input of shape {tuple(x.shape)} does not end in "
@@ -338,7 +343,7 @@ class Linear(nn.Linear):
         else:
             key = (
                 "fprop", x2.shape, x2.dtype, _param_key(weight), _param_key(bias), out_dtype,
-                self._table_key(table), _context_key(), self.backend, self.seed, own,
+                self._table_key(table), ops.context_key(), self.backend, self.seed, own,
             )  # fmt: skip
 
             def work(
@@ -364,8 +369,11 @@ class Linear(nn.Linear):
                 kept = ops.WgradInput(tuple(pieces), layout, x2.dtype, packing)
         if shared is not None:
             kept = shared
+            _last_copy.join(self)
         elif sharing:
-            _last_copy.remember(x2, share_key, kept)
+            _last_copy.remember(x2, share_key, kept, self)
+        elif _last_copy.run:
+            _last_copy.read_alone(x2)
         self.__dict__["_forward_calls"] = call + 1  # not Module.__setattr__: it costs per call
         assert y is not None
         return y, kept
@@ -445,8 +453,7 @@ class Linear(nn.Linear):
         Padding (module docstring): dy and x get zero tokens up to the wgrad GEMM's multiple,
         dy and W^T zero columns up to the dgrad RHT size; dx and dW are cropped back. With sizes
         that need none, no copy is made and every bit is as without this step."""
-        if _last_copy.copy is not None:
-            _last_copy.forget()
+        self.forget_shared_copy()
         table = self.operands
         if self._pass_mors(table, forward=False)[1]:
             backward_specs = (
@@ -464,7 +471,7 @@ class Linear(nn.Linear):
         elif isinstance(x2, torch.Tensor):
             key = (
                 "grads", dy2.shape, dy2.dtype, x2.shape, x2.dtype, _param_key(weight),
-                self._table_key(table), _context_key(), self.backend, self.seed,
+                self._table_key(table), ops.context_key(), self.backend, self.seed,
             )  # fmt: skip
             dx, dw = graphs.run(
                 key,
@@ -482,7 +489,8 @@ class Linear(nn.Linear):
             key = (
                 "grads", dy2.shape, dy2.dtype, described, present,
                 tuple([t.shape for t in tensors if t is not None]), kept.dtype,
-                _param_key(weight), self._table_key(table), _context_key(), self.backend, self.seed,
+                _param_key(weight), self._table_key(table), ops.context_key(), self.backend,
+                self.seed,
             )  # fmt: skip
 
             def work(dy: torch.Tensor, *rest: torch.Tensor, out: Any = None) -> tuple[Any, Any]:
@@ -707,21 +715,45 @@ class Linear(nn.Linear):
         CUDA, the kernels' backend, block formats or high precision only (MoR decides on the
         host), no telemetry (it records on the host), non-finite inputs propagated, and no
         amax group."""
-        if not t.is_cuda or self.telemetry.every or not layer_graphs_enabled():
-            return None
-        if self.amax_group is not None:
-            return None  # a collective inside a captured graph: not proven safe, so eager
-        if self.backend not in ("auto", "cute") or not finite.propagates():
-            # outside a propagating scope (a direct forward_gemm call, FP4GEN_CHECK_FINITE=raise)
-            # the quantize calls read their finite flags on the host, which a capture refuses
-            return None
-        if not worth_graphing(t.shape[0], self.in_features, self.out_features):
-            return None  # the GPU work outlasts the launches: a graph's copies would cost more
-        if self._pass_mors(table, forward)[0]:
+        if not self._graphable(t, table, forward=forward):
             return None
         if self._graphs is None:
             self._graphs = LayerGraphs(self.name)
         return self._graphs
+
+    def _graphable(self, t: torch.Tensor, table: OperandTable, *, forward: bool) -> bool:
+        """Whether a pass on ``t`` may run from a layer graph (``_graphs_for``)."""
+        if not t.is_cuda or self.telemetry.every or not layer_graphs_enabled():
+            return False
+        if self.amax_group is not None:
+            return False  # a collective inside a captured graph: not proven safe, so eager
+        if self.backend not in ("auto", "cute") or not finite.propagates():
+            # outside a propagating scope (a direct forward_gemm call, FP4GEN_CHECK_FINITE=raise)
+            # the quantize calls read their finite flags on the host, which a capture refuses
+            return False
+        if not worth_graphing(t.shape[0], self.in_features, self.out_features):
+            return False  # the GPU work outlasts the launches: a graph's copies would cost more
+        return not self._pass_mors(table, forward)[0]
+
+    def _pass_key(
+        self, table: OperandTable, weight: torch.Tensor, bias: torch.Tensor | None
+    ) -> tuple[Any, ...]:
+        """What a layer graph of a group (``fp4gen.runtime.layer_groups``) depends on in this
+        member besides the group's tensors: its parameters where they are, its operand table,
+        backend and seed."""
+        return (
+            _param_key(weight),
+            _param_key(bias),
+            self._table_key(table),
+            self.backend,
+            self.seed,
+        )
+
+    @staticmethod
+    def forget_shared_copy() -> None:
+        """A backward has begun: the last forward's shared wgrad copy is not shared again."""
+        if _last_copy.copy is not None or _last_copy.run:
+            _last_copy.forget()
 
     def _pass_mors(self, table: OperandTable, forward: bool) -> tuple[bool, bool]:
         """(whether a pass has a MoR operand, whether one of them rounds stochastically) under
@@ -768,6 +800,9 @@ class _LastCopy:
         self.source: weakref.ref[torch.Tensor] | None = None
         self.key: tuple[Any, ...] = ()
         self.copy: Any = None
+        # the layers that used the copy, in call order (held weakly): a run of two or more is
+        # reported to the layer groups when the copy is replaced or dropped
+        self.run: list[weakref.ref[Linear]] = []
 
     @staticmethod
     def _identity(x2: torch.Tensor, key: tuple[Any, ...]) -> tuple[Any, ...]:
@@ -779,15 +814,38 @@ class _LastCopy:
             return None
         return self.copy
 
-    def remember(self, x2: torch.Tensor, key: tuple[Any, ...], copy: Any) -> None:
+    def remember(self, x2: torch.Tensor, key: tuple[Any, ...], copy: Any, layer: Linear) -> None:
+        self.read_alone(x2)
+        self._end_run()
         self.source = weakref.ref(_base(x2))
         self.key = self._identity(x2, key)
         self.copy = copy
+        self.run = [weakref.ref(layer)]
+
+    def join(self, layer: Linear) -> None:
+        """``layer`` used the copy too."""
+        self.run.append(weakref.ref(layer))
+
+    def read_alone(self, x2: torch.Tensor) -> None:
+        """A layer read the copy's x without sharing the copy (another spec, a frozen weight):
+        the run is not x's only readers, so it is not reported (a group's dx would be summed
+        in another order than autograd sums the separate layers')."""
+        source = None if self.source is None else self.source()
+        if source is not None and source is _base(x2):
+            self.run = []
 
     def forget(self) -> None:
         """Drop the copy (a backward has begun: the forward that could share it is over), so
         that it does not outlive training."""
+        self._end_run()
         self.source, self.key, self.copy = None, (), None
+
+    def _end_run(self) -> None:
+        """Report the run of layers that shared the copy (plain Linears, two or more, alive)."""
+        run = [ref() for ref in self.run]
+        self.run = []
+        if len(run) >= 2 and all(type(layer) is Linear for layer in run):
+            layer_groups.sighted(run)
 
 
 def _base(t: torch.Tensor) -> torch.Tensor:
@@ -946,16 +1004,6 @@ def _param_key(p: torch.Tensor | None) -> tuple[Any, ...] | None:
     if p is None:
         return None
     return (p.data_ptr(), p.shape, p.stride(), p.dtype, p.device)
-
-
-def _context_key() -> tuple[bool, torch.dtype, str]:
-    """What a pass depends on besides its tensors and recipe: autocast, and the process-wide
-    FP8 GEMM semantics (a graph captured under one must not replay under the other)."""
-    return (
-        torch.is_autocast_enabled("cuda"),
-        torch.get_autocast_dtype("cuda"),
-        fp8_semantics_setting(),
-    )
 
 
 def _output_dtype(x: torch.Tensor) -> torch.dtype:

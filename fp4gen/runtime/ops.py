@@ -32,6 +32,7 @@ from typing import Any
 
 import torch
 
+from fp4gen.gemm_dispatch import fp8_semantics_setting
 from fp4gen.numerics import QuantizedTensor
 from fp4gen.numerics.quantize import QuantizedLayout
 from fp4gen.runtime import finite
@@ -190,10 +191,10 @@ def _setup_context(ctx: Any, inputs: tuple, output: torch.Tensor) -> None:
 def _backward(ctx: Any, dy: torch.Tensor):
     x2, weight = ctx.saved_tensors
     dx, dw = linear_backward(dy.contiguous(), x2, weight, ctx.layer_id)
-    return dx, dw, _bias_grad(dy, ctx.bias_dtype), None, None
+    return dx, dw, bias_grad(dy, ctx.bias_dtype), None, None
 
 
-def _bias_grad(dy: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor | None:
+def bias_grad(dy: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor | None:
     """The bias gradient (None without a bias): the sum accumulates in fp32 without an fp32
     copy of dy."""
     return None if dtype is None else dy.sum(0, dtype=torch.float32).to(dtype)
@@ -202,7 +203,17 @@ def _bias_grad(dy: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor | No
 linear_forward.register_autograd(_backward, setup_context=_setup_context)
 
 
-def _profiled(name: str) -> Any:
+def context_key() -> tuple[bool, torch.dtype, str]:
+    """What a pass depends on besides its tensors and recipe: autocast, and the process-wide
+    FP8 GEMM semantics (a graph captured under one must not replay under the other)."""
+    return (
+        torch.is_autocast_enabled("cuda"),
+        torch.get_autocast_dtype("cuda"),
+        fp8_semantics_setting(),
+    )
+
+
+def profiled(name: str) -> Any:
     """A profiler range named as the custom op (so profiles read the same either way), only
     while torch's profiler runs: a record_function costs host time on every call."""
     if getattr(torch.autograd.profiler, "_is_profiler_enabled", False):
@@ -219,7 +230,7 @@ class _EagerLinear(torch.autograd.Function):
         # dW needs x: its wgrad copy may be kept instead. ``grad_mode``: the caller's (forward
         # runs with grad off, and needs_input_grad follows requires_grad even under no_grad)
         wants_dw = grad_mode and ctx.needs_input_grad[1]
-        with _profiled("fp4gen::linear_forward"), finite.layer_scope():
+        with profiled("fp4gen::linear_forward"), finite.layer_scope():
             y, kept = layer.forward_gemm(x2, weight, bias, out_dtype, keep_wgrad_input=wants_dw)
         if kept is None:
             ctx.save_for_backward(x2, weight)
@@ -238,9 +249,9 @@ class _EagerLinear(torch.autograd.Function):
         else:
             weight, *tensors = ctx.saved_tensors
             x = WgradInput(tuple(tensors), *ctx.kept)
-        with _profiled("fp4gen::linear_backward"), finite.layer_scope():
+        with profiled("fp4gen::linear_backward"), finite.layer_scope():
             dx, dw = _layer(ctx.layer_id).backward_gemms(dy.contiguous(), x, weight)
-        return dx, dw, _bias_grad(dy, ctx.bias_dtype), None, None, None
+        return dx, dw, bias_grad(dy, ctx.bias_dtype), None, None, None
 
 
 def linear(
