@@ -12,6 +12,10 @@ from the third step on. ``--profile N`` adds a cProfile of the calls by self tim
 measures is host work only: compare before and after a change on one machine
 (docs/training-step.md item 16); ``benchmarks/host_path.py --pieces`` times the real path on a GPU.
 
+It then times three layers that read one x (a Llama's q, k and v) as a training step calls them:
+module calls and autograd's backward included, one layer at a time and as one layer group
+(``fp4gen.runtime.layer_groups``), per Linear forward + backward.
+
 It then times ``fp4gen.gemm(a, b)`` at M = 16 on the small-M fused path, a new activation per
 call and one weight, with the kernel launch, the CUDA device and the output allocation stood in
 for: the full path (dispatch, plan lookups, checks) and a prepared call (docs/gemm-sm90.md,
@@ -121,6 +125,69 @@ def keying(recipe: str, size: int, calls: int, profile: int = 0) -> tuple[float,
             prof.disable()
             pstats.Stats(prof).sort_stats("tottime").print_stats(profile)
     return us, graphs
+
+
+def siblings(
+    recipe: str, size: int, calls: int, grouped: bool, profile: int = 0
+) -> tuple[float, Any]:
+    """(microseconds of host time per Linear forward + backward, the group or None) for three
+    layers that read one x (a Llama's q, k and v), called as modules and differentiated by
+    autograd: everything a training step does per layer (the modules' calls, the autograd
+    nodes, the passes' Python), as layer groups run them (``grouped``) or one layer at a time
+    (``FP4GEN_LAYER_GROUPS=0``)."""
+    from fp4gen.runtime import layer_groups
+
+    torch.manual_seed(0)
+    layers = [
+        fp4gen.nn.Linear(size, size, recipe=fp4gen.load_recipe(recipe), name=n) for n in "qkv"
+    ]
+    base = torch.randn(size, size, requires_grad=True)
+    dys = [torch.randn(size, size) for _ in layers]
+    graphs = layer_graphs.LayerGraphs("host_keys")
+
+    def step() -> None:
+        x = base * 1.0  # a fresh x per step, as a norm's output is
+        ys = [layer(x) for layer in layers]
+        torch.autograd.backward(ys, dys)
+
+    setting = "1" if grouped else "0"
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(stand_ins(graphs))
+        stack.enter_context(mock.patch.dict("os.environ", {"FP4GEN_LAYER_GROUPS": setting}))
+        stack.enter_context(
+            mock.patch.object(linear_module.Linear, "_graphable", lambda *a, **k: True)
+        )
+        # each call's results are tensors of its own (the three layers' outputs are alive at
+        # once), and every call is met at the addresses of its key (an in-place replay)
+        stack.enter_context(mock.patch.object(layer_graphs, "_fresh", _fresh_tensors))
+        stack.enter_context(mock.patch.object(layer_graphs, "_addresses", _no_addresses))
+        stack.enter_context(mock.patch.object(layer_graphs, "_result_addresses", _no_addresses))
+        for _ in range(8):  # sightings, then the group's warm-up and captures
+            step()
+        start = time.perf_counter()
+        for _ in range(calls):
+            step()
+        us = (time.perf_counter() - start) / calls / len(layers) * 1e6
+        if profile:
+            prof = cProfile.Profile()
+            prof.enable()
+            for _ in range(min(calls, 2000)):
+                step()
+            prof.disable()
+            pstats.Stats(prof).sort_stats("tottime").print_stats(profile)
+        group = layer_groups.group_of(layers[0])
+        if group is not None:
+            group.dissolve()  # the next measure starts from ungrouped layers
+    base.grad = None
+    return us, group
+
+
+def _fresh_tensors(shapes: tuple, device: torch.device) -> tuple:
+    return tuple(None if s is None else torch.empty(s[0], dtype=s[1]) for s in shapes)
+
+
+def _no_addresses(tensors: tuple) -> tuple:
+    return ()
 
 
 class _FakeGemmModule:
@@ -244,6 +311,14 @@ def main(argv: list[str] | None = None) -> int:
         f"(layer graphs: {graphs.replays} replays, {graphs.in_place_replays} in place; "
         "allocations and replays stood in for)"
     )
+    for grouped in (False, True):
+        us, group = siblings(args.recipe, args.size, args.calls // 4, grouped)
+        how = f"one layer group ({group.runs} group runs)" if group else "each layer alone"
+        print(
+            f"{Path(args.recipe).stem}: {us:.2f} us of host time per Linear forward + backward "
+            f"for q, k and v reading one x, {how} (module calls and autograd included; "
+            "allocations and replays stood in for)"
+        )
     for prepared in (False, True):
         us, _ = gemm_call(16, 8192, 8192, args.calls, prepared)
         how = "a prepared call" if prepared else "the full path on every call"

@@ -64,3 +64,22 @@ def test_the_gemm_measure_launches_once_per_call_and_puts_everything_back(monkey
         assert served == [True] * hits
     after = (torch.empty, dict(cute_gemm._plans), dict(jit._archs), len(gemm_dispatch._prepared))
     assert after == before
+
+
+def test_the_siblings_measure_runs_the_group_or_each_layer_and_puts_everything_back() -> None:
+    """``siblings``: q, k and v on one x as one layer group (every timed step a group run) or
+    each alone (no group formed); the stand-ins and the setting go back afterwards."""
+    import os
+
+    from fp4gen.runtime import layer_groups
+
+    before = (layer_graphs._fresh, layer_graphs._addresses, linear.Linear._graphable)
+    setting = os.environ.get("FP4GEN_LAYER_GROUPS")
+    us, group = host_keys.siblings("recipes/nvfp4_small.fp4r", 64, calls=10, grouped=True)
+    assert group is not None and group.size == 3 and us > 0.0
+    assert group.runs == 8 - layer_groups.SIGHTINGS + 10  # every step after the sightings
+    assert not layer_groups.formed() or layer_groups.group_of(group.refs[0]()) is None
+    us, group = host_keys.siblings("recipes/nvfp4_small.fp4r", 64, calls=10, grouped=False)
+    assert group is None and us > 0.0
+    assert (layer_graphs._fresh, layer_graphs._addresses, linear.Linear._graphable) == before
+    assert os.environ.get("FP4GEN_LAYER_GROUPS") == setting

@@ -92,12 +92,12 @@ def formed() -> bool:
     return bool(_leaders) or bool(_members)
 
 
-def dispatch(layer: Any, x: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor | None:
+def dispatch(layer: Any, x: torch.Tensor) -> torch.Tensor | None:
     """``layer``'s output for ``x`` from its group (the leader runs the group; another member
     gets the output the group made for it), or None: the layer runs alone."""
     group = _leaders.get(layer)
     if group is not None:
-        return group.lead(x, out_dtype)
+        return group.lead(x)
     group = _members.get(layer)
     if group is not None and group.pending:
         return group.hand_over(layer, x)
@@ -126,6 +126,7 @@ class LayerGroup:
 
     def __init__(self, layers: Sequence[Any]) -> None:
         self.refs = tuple(weakref.ref(layer) for layer in layers)
+        self.index = {id(layer): i for i, layer in enumerate(layers)}  # of live members only
         self.name = "+".join(layer.name or f"Linear{i}" for i, layer in enumerate(layers))
         self.graphs = LayerGraphs(self.name)
         self.size = len(layers)
@@ -135,7 +136,7 @@ class LayerGroup:
         # each member's weight and bias with their versions
         self.source: tuple[Any, ...] = ()
         # the members' settings last checked (ids, objects held so ids stay theirs) -> verdict
-        self._checked: tuple[tuple[int, ...], tuple[Any, ...], bool] = ((), (), False)
+        self._checked: tuple[list[Any], list[Any], bool] = ([], [], False)
         self.runs = 0  # group forwards run (tests, benchmarks)
         self.handed = 0  # outputs handed over to members
 
@@ -145,7 +146,7 @@ class LayerGroup:
         return None if any(layer is None for layer in layers) else layers
 
     # --- forward --------------------------------------------------------------------------------
-    def lead(self, x: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor | None:
+    def lead(self, x: torch.Tensor) -> torch.Tensor | None:
         """The leader's output for ``x``, every other member's made and kept for its call; None
         when the group cannot run now (the leader then runs alone)."""
         if self.pending:  # a member was not called since the last run
@@ -160,10 +161,11 @@ class LayerGroup:
         if x.shape[-1] != layers[0].in_features or not self._members_fit(layers, x):
             return None
         x2 = x.reshape(-1, x.shape[-1])
-        params: list[torch.Tensor | None] = []
+        params: list[Any] = []
         for layer in layers:
-            params += [layer.weight, layer.bias]
-        outputs = _GroupLinear.apply(x2, self, out_dtype, *params)
+            given = layer._parameters
+            params += (given["weight"], given.get("bias"))
+        outputs = _GroupLinear.apply(x2, self, ops.output_dtype(x), *params)
         if x.dim() != 2:
             lead = x.shape[:-1]
             outputs = tuple(
@@ -175,7 +177,7 @@ class LayerGroup:
             weakref.ref(x),
             x._version,
             ops.context_key(),
-            tuple((layer.weight, layer.weight._version, layer.bias) for layer in layers),
+            [(w, w._version, b) for w, b in zip(params[0::2], params[1::2], strict=True)],
         )
         self.runs += 1
         return outputs[0]
@@ -183,21 +185,21 @@ class LayerGroup:
     def hand_over(self, layer: Any, x: torch.Tensor) -> torch.Tensor | None:
         """The output the group made for ``layer`` when it is called on the same x, weight and
         context, else None (a miss: ``layer`` runs alone, the group is dissolved)."""
-        index = next((i for i, ref in enumerate(self.refs) if ref() is layer), None)
-        y = None if index is None else self.pending.pop(index, None)
+        index = self.index[id(layer)]  # a live member: its id is its own
+        y = self.pending.pop(index, None)
         if y is None:
             return None  # called again after its output was handed over: it runs alone
-        assert index is not None
         source, version, context, params = self.source
         weight, weight_version, bias = params[index]
+        given = layer._parameters
         if (
             source() is not x
             or x._version != version
+            or given["weight"] is not weight
+            or weight._version != weight_version
+            or given.get("bias") is not bias
             or not torch.is_grad_enabled()
             or ops.context_key() != context
-            or layer.weight is not weight
-            or weight._version != weight_version
-            or layer.bias is not bias
         ):
             self.miss("a member was called on another x, weight or context than its output's")
             return None
@@ -206,28 +208,27 @@ class LayerGroup:
 
     def _members_fit(self, layers: tuple[Any, ...], x: torch.Tensor) -> bool:
         """Whether every member may run in the group now (module docstring), checked again only
-        when a member's settings or parameters changed."""
-        held = tuple(
-            part
-            for layer in layers
-            for part in (
-                layer.operands,
-                layer.weight,
-                layer.bias,
-                layer.telemetry.every,
-                layer.amax_group,
-                layer.keep_quantized_input,
-                layer.backend,
-            )
-        )
-        # a parameter can change in place: frozen, or moved by Module.to()
-        flags = tuple((layer.weight.requires_grad, layer.weight.device) for layer in layers)
-        ids = (*(id(part) for part in held), flags, x.device)
-        checked_ids, _, verdict = self._checked
-        if ids == checked_ids:
+        when a member's settings or parameters changed (compared by identity: the objects are
+        held with the verdict, so their ids stay theirs)."""
+        held: list[Any] = []
+        state: list[Any] = [x.get_device()]
+        for layer in layers:
+            params = layer._parameters
+            weight, bias = params["weight"], params.get("bias")
+            table = layer.schedule.active()
+            group = layer._amax_group.group
+            held += (table, weight, bias, group)
+            state += (
+                id(table), id(weight), id(bias), id(group), layer.telemetry.every,
+                layer.keep_quantized_input, layer.backend,
+                # a parameter changes in place too: frozen, or moved by Module.to()
+                weight.requires_grad, weight.get_device(),
+            )  # fmt: skip
+        checked, _, verdict = self._checked
+        if state == checked:
             return verdict
         verdict = _fit(layers, x)
-        self._checked = (ids, held, verdict)
+        self._checked = (state, held, verdict)
         return verdict
 
     def forward_pass(

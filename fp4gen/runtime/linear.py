@@ -284,7 +284,7 @@ class Linear(nn.Linear):
         """y = x W^T (+ b) for ``weight`` [out, in] through the custom ops, any leading shape;
         from the layer's group where it has one (``fp4gen.runtime.layer_groups``)."""
         if not torch.compiler.is_compiling() and layer_groups.formed():
-            grouped = layer_groups.dispatch(self, x, _output_dtype(x))
+            grouped = layer_groups.dispatch(self, x)
             if grouped is not None:
                 return grouped
         if x.shape[-1] != self.in_features:
@@ -293,7 +293,7 @@ class Linear(nn.Linear):
                 f"in_features={self.in_features}"
             )
         x2 = x.reshape(-1, x.shape[-1])
-        y = ops.linear(x2, weight, self.bias, self._op_id, _output_dtype(x))
+        y = ops.linear(x2, weight, self.bias, self._op_id, ops.output_dtype(x))
         if x.dim() == 2:
             return y  # not a view, as nn.Linear's (FSDP2 warns about modules returning views)
         return y.reshape(*x.shape[:-1], self.out_features)
@@ -1004,10 +1004,3 @@ def _param_key(p: torch.Tensor | None) -> tuple[Any, ...] | None:
     if p is None:
         return None
     return (p.data_ptr(), p.shape, p.stride(), p.dtype, p.device)
-
-
-def _output_dtype(x: torch.Tensor) -> torch.dtype:
-    device = x.device.type
-    if torch.is_autocast_enabled(device):
-        return torch.get_autocast_dtype(device)
-    return x.dtype

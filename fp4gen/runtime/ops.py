@@ -213,6 +213,14 @@ def context_key() -> tuple[bool, torch.dtype, str]:
     )
 
 
+def output_dtype(x: torch.Tensor) -> torch.dtype:
+    """The dtype of a layer's output for input ``x``: autocast's where it is on, else x's."""
+    device = x.device.type
+    if torch.is_autocast_enabled(device):
+        return torch.get_autocast_dtype(device)
+    return x.dtype
+
+
 def profiled(name: str) -> Any:
     """A profiler range named as the custom op (so profiles read the same either way), only
     while torch's profiler runs: a record_function costs host time on every call."""
