@@ -306,3 +306,32 @@ def test_a_llama_on_the_gpu_trains_grouped_bit_for_bit_from_layer_graphs(
             group = layer_groups.group_of(leader)
             assert group is not None and group.size == size and group.runs == 4
             assert not group.graphs.failed and group.graphs.graph_calls >= 6
+
+
+def test_groups_run_from_layer_graphs_and_release_the_members_own(monkeypatch) -> None:
+    """With layer graphs (stood in for on the CPU: captures that rerun the captured function
+    on replay), the groups' forward and backward are served by their graphs from their second
+    run, with the ungrouped bits; the members' own graphs, made before the group formed, are
+    released when it forms (their static buffers would otherwise stay for good)."""
+    from test_layer_graphs import _cpu_graphs
+
+    from fp4gen.runtime import linear
+
+    _cpu_graphs(monkeypatch)
+    monkeypatch.setattr(linear.Linear, "_graphable", lambda self, t, table, *, forward: True)
+    formed: list[int] = []
+    real = layer_groups.LayerGroup.__init__
+
+    def counting(self, layers) -> None:
+        formed.append(sum(len(layer._graphs.graphs) for layer in layers))
+        real(self, layers)
+
+    monkeypatch.setattr(layer_groups.LayerGroup, "__init__", counting)
+    # round to nearest only: on the CPU a stochastic offset is a host number, which a stood-in
+    # replay would reuse (on CUDA it is read from the device counter the graph advances)
+    model = _compare(monkeypatch, steps=6, recipe=load_recipe("nvfp4_no_sr.fp4r"))
+    group = layer_groups.group_of(model.q)
+    assert group is not None and group.runs == 4
+    assert formed == [3]  # q, k and v had their static-copy forward graphs then
+    assert all(not layer._graphs.graphs for layer in (model.q, model.k, model.v))
+    assert group.graphs.graph_calls == 6 and not group.graphs.failed  # runs 2-4, both passes

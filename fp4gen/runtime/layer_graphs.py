@@ -198,6 +198,16 @@ class LayerGraphs:
         self.graph_calls = 0  # calls served by a graph: those replays, and each capture's first run
         self.in_place_replays = 0  # of those, replays that read the activations in place
 
+    def clear(self) -> None:
+        """Release every graph (static buffers and pool claims) and forget the keys seen: the
+        layer's passes run elsewhere from now on (a layer group's graph), so its own graphs
+        would only hold memory; a later call starts over with a warm-up."""
+        _release_all(self.graphs)
+        self.seen.clear()
+        self.failed.clear()
+        self.addresses = _AddressLog()
+        self.in_place_captures = 0
+
     def run(
         self,
         key: Hashable,

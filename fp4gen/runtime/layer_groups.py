@@ -85,6 +85,8 @@ def sighted(run: Sequence[Any]) -> None:
     _leaders[leader] = group
     for layer in run[1:]:
         _members[layer] = group
+    for layer in run:
+        layer.release_graphs()  # the group's graphs run their passes now
 
 
 def formed() -> bool:

@@ -749,6 +749,12 @@ class Linear(nn.Linear):
             self.seed,
         )
 
+    def release_graphs(self) -> None:
+        """Release this layer's own layer graphs (their static buffers and pool claims): its
+        passes run from its layer group's graphs now (``fp4gen.runtime.layer_groups``)."""
+        if self._graphs is not None:
+            self._graphs.clear()
+
     @staticmethod
     def forget_shared_copy() -> None:
         """A backward has begun: the last forward's shared wgrad copy is not shared again."""
