@@ -29,6 +29,11 @@ read is a device counter per pass (``DeviceOffset``), advanced on the device by 
 CUDA graph (a captured step, torch.compile's cudagraphs, the layer graphs below) draws fresh bits
 on every replay: the same bits as the eager call with that count.
 
+Layers that read one x in a row (q, k and v; gate and up) run as a layer group once two
+forwards have shown them so (``fp4gen.runtime.layer_groups``): the first layer's call runs
+every member's forward under one autograd node, whose backward runs every member's; each
+member computes what it computes alone, and ``FP4GEN_LAYER_GROUPS=0`` turns groups off.
+
 On CUDA the work of a forward or a backward call runs from a per-layer CUDA graph once its
 shapes have been seen (``fp4gen.runtime.layer_graphs``: one graph launch instead of some 30
 kernel launches from Python, the same bits); ``FP4GEN_LAYER_GRAPHS=0`` runs it eagerly.
