@@ -335,3 +335,51 @@ def test_groups_run_from_layer_graphs_and_release_the_members_own(monkeypatch) -
     assert formed == [3]  # q, k and v had their static-copy forward graphs then
     assert all(not layer._graphs.graphs for layer in (model.q, model.k, model.v))
     assert group.graphs.graph_calls == 6 and not group.graphs.failed  # runs 2-4, both passes
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_a_whole_step_captured_after_the_groups_formed_gives_the_grouped_bits(
+    monkeypatch,
+) -> None:
+    """Groups formed in eager steps, then the whole forward + backward captured in one CUDA
+    graph (inside a capture the layers run alone, their kernels recorded): each replay's
+    gradients equal a grouped eager step's on the same batch, bit for bit."""
+    monkeypatch.setenv("FP4GEN_LAYER_GRAPHS", "1")
+    monkeypatch.setenv(LAYER_GROUPS_VAR, "1")
+    torch.manual_seed(0)
+    model = _llama(torch.float32, "nvfp4_no_sr", hidden=256).cuda()
+    ids = torch.randint(0, 256, (4, 64), device="cuda", generator=None)
+
+    def step() -> None:
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            model(input_ids=ids, labels=ids).loss.backward()
+
+    def grads() -> list[torch.Tensor]:
+        return [p.grad.clone() for p in model.parameters()]
+
+    for _ in range(4):  # sightings, then the groups' warm-up and captures
+        model.zero_grad(set_to_none=True)
+        step()
+    eager = grads()
+    group = layer_groups.group_of(model.model.layers[0].self_attn.q_proj)
+    assert group is not None and group.runs == 2
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        model.zero_grad(set_to_none=True)
+        step()
+    torch.cuda.current_stream().wait_stream(side)
+    for p in model.parameters():
+        p.grad.zero_()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    runs = group.runs
+    for _ in range(2):
+        for p in model.parameters():
+            p.grad.zero_()
+        graph.replay()
+        torch.cuda.synchronize()
+        _assert_same([grads()], [eager])
+    assert group.runs == runs  # the capture recorded the layers alone

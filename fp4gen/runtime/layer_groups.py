@@ -305,7 +305,7 @@ class LayerGroup:
         if layers is None:
             raise RuntimeError(f"fp4gen layer group {self.name}: a member was deleted")
         layers[0].forget_shared_copy()
-        dys = tuple(None if dy is None else dy.contiguous() for dy in dys)
+        dys = tuple(dy if dy is None or dy.is_contiguous() else dy.contiguous() for dy in dys)
         tables = tuple(layer.operands for layer in layers)
         if all(dy is not None for dy in dys) and all(
             layer._graphable(dy, table, forward=False)
