@@ -350,6 +350,7 @@ def test_graphed_layers_reading_one_x_share_its_wgrad_copy(monkeypatch) -> None:
     """q, k and v on one x, each run from its layer graphs: the first layer's forward graph
     quantizes x's wgrad copy, the others' graphs leave it out and their backward graphs read
     that copy; every step gives the bits of eager layers that save x itself."""
+    monkeypatch.setenv("FP4GEN_LAYER_GROUPS", "0")  # each layer's own graphs (not a group's)
     r = load_recipe(RNE)
     stacks = []
     for graphed in (True, False):

@@ -19,6 +19,7 @@ from torch.utils.checkpoint import checkpoint
 
 import fp4gen
 from fp4gen.dsl import load_recipe, parse_recipe
+from fp4gen.dsl.model import Recipe
 from fp4gen.errors import FP4GenError
 from fp4gen.runtime import layer_groups
 from fp4gen.settings import LAYER_GROUPS_VAR, check_environment
@@ -216,7 +217,7 @@ def test_the_setting_is_checked(monkeypatch) -> None:
 transformers = pytest.importorskip("transformers")
 
 
-def _llama(dtype: torch.dtype, recipe_name: str, hidden: int = 64) -> nn.Module:
+def _llama(dtype: torch.dtype, recipe_name: str | Recipe, hidden: int = 64) -> nn.Module:
     """A 3-block Llama; FP8 blocks of 128 need every feature size a multiple of 128 for the
     generated kernels (hidden 256: one key/value head of 128)."""
     config = transformers.LlamaConfig(
@@ -232,7 +233,8 @@ def _llama(dtype: torch.dtype, recipe_name: str, hidden: int = 64) -> nn.Module:
         tie_word_embeddings=False,
     )
     model = transformers.LlamaForCausalLM(config).to(dtype)
-    return fp4gen.convert(model, load_recipe(f"{recipe_name}.fp4r"))
+    recipe = load_recipe(f"{recipe_name}.fp4r") if isinstance(recipe_name, str) else recipe_name
+    return fp4gen.convert(model, recipe)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
@@ -348,7 +350,8 @@ def test_a_whole_step_captured_after_the_groups_formed_gives_the_grouped_bits(
     monkeypatch.setenv("FP4GEN_LAYER_GRAPHS", "1")
     monkeypatch.setenv(LAYER_GROUPS_VAR, "1")
     torch.manual_seed(0)
-    model = _llama(torch.float32, "nvfp4_no_sr", hidden=256).cuda()
+    # every layer NVFP4 rounded to nearest: a replay then equals any eager step bit for bit
+    model = _llama(torch.float32, parse_recipe("operands {\n * : nvfp4\n}\n"), 256).cuda()
     ids = torch.randint(0, 256, (4, 64), device="cuda", generator=None)
 
     def step() -> None:

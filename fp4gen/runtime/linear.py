@@ -855,8 +855,11 @@ class _LastCopy:
         """Report the run of layers that shared the copy (plain Linears, two or more, alive)."""
         run = [ref() for ref in self.run]
         self.run = []
-        if len(run) >= 2 and all(type(layer) is Linear for layer in run):
-            layer_groups.sighted(run)
+        if len(run) < 2 or not all(type(layer) is Linear for layer in run):
+            return
+        if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+            return  # a group forming would release graphs and buffers in the middle of a capture
+        layer_groups.sighted(run)
 
 
 def _base(t: torch.Tensor) -> torch.Tensor:
