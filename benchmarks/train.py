@@ -8,9 +8,11 @@ weights), as a user would train it. For each hidden size and recipe it prints:
 - ms/step eager (CUDA events over ``--steps`` steps run back to back) and, with ``--graphs``,
   with the whole step (forward, backward, optimizer) captured in one CUDA graph and replayed
   (or the reason it could not be captured);
-- GPU-busy ms/step: the sum of the kernel times of one step (torch.profiler);
-- host us per Linear forward+backward: the CPU time of fp4gen's two custom ops per layer call
-  (torch.profiler, CPU + CUDA activities, one step started on an idle GPU);
+- GPU-busy ms/step: the sum of the kernel times of a step (torch.profiler, the mean of three
+  steps after one it discards: the profiler's own start-up lands in that one);
+- host us per Linear forward+backward: the CPU time of fp4gen's ops per layer call (a layer's
+  two, or a layer group's two divided among its members; torch.profiler, CPU + CUDA
+  activities, the same three steps, each started on an idle GPU);
 - wall us per Linear forward+backward: the wall time the host spends in the same two ops
   (``Linear.forward_gemm`` + ``backward_gemms``) over three steps run back to back, timed with
   ``time.perf_counter`` and no profiler: where the GPU is the bottleneck this includes the
@@ -78,6 +80,7 @@ LAYERS_BY_HIDDEN = {1024: 8, 2048: 6, 4096: 4}
 # call, a graph on static buffers, then graphs on the addresses the allocator settles on)
 WARMUP_STEPS = 5
 WALL_STEPS = 3  # eager steps timed back to back for the wall us per Linear
+PROFILED_STEPS = 3  # steps whose kernels and op ranges torch.profiler sums (after one discarded)
 
 
 @dataclass
@@ -234,25 +237,34 @@ def wall_us_per_linear(model: nn.Module, step: Callable[[], object], steps: int)
 
 
 def profile_step(model: nn.Module, step: Callable[[], object]) -> tuple[float, float | None]:
-    """(GPU-busy ms of one step, host us per fp4gen Linear forward+backward or None): the CPU
-    time of the ranges of fp4gen's ops (a Linear's, and a layer group's for its members) over
-    the Linear forwards they served."""
-    from torch.profiler import ProfilerActivity, profile
+    """(GPU-busy ms per step, host us per fp4gen Linear forward+backward or None) over
+    ``PROFILED_STEPS`` steps after one the profiler runs but discards (its first step pays for
+    the profiler's own start: CUPTI's instrumentation of launches it meets first). The host
+    figure is the CPU time of the ranges of fp4gen's ops (a Linear's, and a layer group's for
+    its members) over the Linear forwards they served."""
+    from torch.profiler import ProfilerActivity, profile, schedule
 
-    before = linear_forwards(model)
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        step()
-        torch.cuda.synchronize()
-    forwards = linear_forwards(model) - before
+    gpu_us = host_us = 0.0
+    forwards = 0
+    plan = schedule(wait=0, warmup=1, active=PROFILED_STEPS, repeat=1)
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], schedule=plan) as prof:
+        for i in range(1 + PROFILED_STEPS):
+            before = linear_forwards(model)
+            step()
+            torch.cuda.synchronize()  # each step starts on an idle GPU: no launch waits
+            if i > 0:
+                forwards += linear_forwards(model) - before
+            prof.step()
+    events = prof.events()
     gpu_us = sum(  # kernels only: a named range (record_function) spans kernels on the GPU too
         e.device_time
-        for e in prof.events()
+        for e in events
         if e.device_type == torch.autograd.DeviceType.CUDA
         and not getattr(e, "is_user_annotation", False)
     )
-    ops = [e for e in prof.events() if e.name.startswith(("fp4gen::linear_", "fp4gen::group_"))]
-    host_us = sum(e.cpu_time_total for e in ops) / forwards if forwards else None
-    return gpu_us / 1e3, host_us
+    ops = [e for e in events if e.name.startswith(("fp4gen::linear_", "fp4gen::group_"))]
+    host_us = sum(e.cpu_time_total for e in ops)
+    return gpu_us / 1e3 / PROFILED_STEPS, (host_us / forwards if forwards else None)
 
 
 def run_one(
