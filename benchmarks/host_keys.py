@@ -111,20 +111,28 @@ def keying(recipe: str, size: int, calls: int, profile: int = 0) -> tuple[float,
             layer.backward_gemms(dy, x if kept is None else kept, layer.weight)
 
     with stand_ins(graphs):
-        for _ in range(5):  # warm-up, static capture, in-place capture
-            step()
-        start = time.perf_counter()
-        for _ in range(calls):
-            step()
-        us = (time.perf_counter() - start) / calls * 1e6
-        if profile:
-            prof = cProfile.Profile()
-            prof.enable()
-            for _ in range(min(calls, 2000)):
-                step()
-            prof.disable()
-            pstats.Stats(prof).sort_stats("tottime").print_stats(profile)
+        # warm-up, static capture, in-place capture
+        us = _timed_steps(step, warm=5, calls=calls, profile=profile) * 1e6
     return us, graphs
+
+
+def _timed_steps(step: Any, warm: int, calls: int, profile: int) -> float:
+    """Seconds per ``step()`` over ``calls`` calls after ``warm`` untimed ones; ``profile``:
+    then print a cProfile of up to 2000 more by self time (its top ``profile`` entries)."""
+    for _ in range(warm):
+        step()
+    start = time.perf_counter()
+    for _ in range(calls):
+        step()
+    seconds = (time.perf_counter() - start) / calls
+    if profile:
+        prof = cProfile.Profile()
+        prof.enable()
+        for _ in range(min(calls, 2000)):
+            step()
+        prof.disable()
+        pstats.Stats(prof).sort_stats("tottime").print_stats(profile)
+    return seconds
 
 
 def siblings(
@@ -162,19 +170,8 @@ def siblings(
         stack.enter_context(mock.patch.object(layer_graphs, "_fresh", _fresh_tensors))
         stack.enter_context(mock.patch.object(layer_graphs, "_addresses", _no_addresses))
         stack.enter_context(mock.patch.object(layer_graphs, "_result_addresses", _no_addresses))
-        for _ in range(8):  # sightings, then the group's warm-up and captures
-            step()
-        start = time.perf_counter()
-        for _ in range(calls):
-            step()
-        us = (time.perf_counter() - start) / calls / len(layers) * 1e6
-        if profile:
-            prof = cProfile.Profile()
-            prof.enable()
-            for _ in range(min(calls, 2000)):
-                step()
-            prof.disable()
-            pstats.Stats(prof).sort_stats("tottime").print_stats(profile)
+        # sightings, then the group's warm-up and captures
+        us = _timed_steps(step, warm=8, calls=calls, profile=profile) / len(layers) * 1e6
         group = layer_groups.group_of(layers[0])
         if group is not None:
             group.dissolve()  # the next measure starts from ungrouped layers

@@ -78,7 +78,8 @@ def test_the_siblings_measure_runs_the_group_or_each_layer_and_puts_everything_b
     us, group = host_keys.siblings("recipes/nvfp4_small.fp4r", 64, calls=10, grouped=True)
     assert group is not None and group.size == 3 and us > 0.0
     assert group.runs == 8 - layer_groups.SIGHTINGS + 10  # every step after the sightings
-    assert not layer_groups.formed() or layer_groups.group_of(group.refs[0]()) is None
+    leader = group.refs[0]()  # dissolved at the end of the measure (the layers may be gone)
+    assert leader is None or layer_groups.group_of(leader) is None
     us, group = host_keys.siblings("recipes/nvfp4_small.fp4r", 64, calls=10, grouped=False)
     assert group is None and us > 0.0
     assert (layer_graphs._fresh, layer_graphs._addresses, linear.Linear._graphable) == before

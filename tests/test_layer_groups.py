@@ -240,6 +240,30 @@ def _llama(
     return fp4gen.convert(model, recipe)
 
 
+def _train_llama(
+    make: Callable[[], nn.Module],
+    batches: Sequence[torch.Tensor],
+    groups: bool,
+    monkeypatch: pytest.MonkeyPatch,
+    autocast: bool = False,
+) -> tuple[nn.Module, list[list[torch.Tensor]]]:
+    """AdamW steps of a fresh seed-0 model on ``batches``: per step the loss and every
+    parameter's gradient (under bf16 autocast on CUDA with ``autocast``)."""
+    monkeypatch.setenv(LAYER_GROUPS_VAR, "1" if groups else "0")
+    torch.manual_seed(0)
+    model = make()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    seen = []
+    for ids in batches:
+        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=autocast):
+            loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        seen.append([loss.detach(), *(p.grad.clone() for p in model.parameters())])
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    return model, seen
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
 @pytest.mark.parametrize("recipe_name", ["nvfp4_small", "mxfp8"])
 def test_a_llama_trains_grouped_bit_for_bit(dtype, recipe_name, monkeypatch) -> None:
@@ -248,23 +272,8 @@ def test_a_llama_trains_grouped_bit_for_bit(dtype, recipe_name, monkeypatch) -> 
     order of dx's sum shows: summed oldest layer first, these steps differ."""
     gen = torch.Generator().manual_seed(3)
     batches = [torch.randint(0, 256, (2, 24), generator=gen) for _ in range(5)]
-
-    def run(groups: bool) -> tuple[nn.Module, list]:
-        monkeypatch.setenv(LAYER_GROUPS_VAR, "1" if groups else "0")
-        torch.manual_seed(0)
-        model = _llama(dtype, recipe_name)
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-        seen = []
-        for ids in batches:
-            loss = model(input_ids=ids, labels=ids).loss
-            loss.backward()
-            seen.append([loss.detach(), *(p.grad.clone() for p in model.parameters())])
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-        return model, seen
-
-    grouped, a = run(True)
-    _, b = run(False)
+    grouped, a = _train_llama(lambda: _llama(dtype, recipe_name), batches, True, monkeypatch)
+    _, b = _train_llama(lambda: _llama(dtype, recipe_name), batches, False, monkeypatch)
     _assert_same(a, b)
     blocks = grouped.model.layers[:-1]  # the last block stays in BF16 (nvfp4_small)
     for block in blocks:
@@ -288,23 +297,11 @@ def test_a_llama_on_the_gpu_trains_grouped_bit_for_bit_from_layer_graphs(
     gen = torch.Generator().manual_seed(3)
     batches = [torch.randint(0, 256, (4, 64), generator=gen).cuda() for _ in range(6)]
 
-    def run(groups: bool) -> tuple[nn.Module, list]:
-        monkeypatch.setenv(LAYER_GROUPS_VAR, "1" if groups else "0")
-        torch.manual_seed(0)
-        model = _llama(torch.float32, recipe_name, hidden=256).cuda()
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-        seen = []
-        for ids in batches:
-            with torch.autocast("cuda", dtype=torch.bfloat16):
-                loss = model(input_ids=ids, labels=ids).loss
-            loss.backward()
-            seen.append([loss.detach(), *(p.grad.clone() for p in model.parameters())])
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-        return model, seen
+    def make() -> nn.Module:
+        return _llama(torch.float32, recipe_name, hidden=256).cuda()
 
-    grouped, a = run(True)
-    _, b = run(False)
+    grouped, a = _train_llama(make, batches, True, monkeypatch, autocast=True)
+    _, b = _train_llama(make, batches, False, monkeypatch, autocast=True)
     _assert_same(a, b)
     for block in grouped.model.layers[:-1]:
         for leader, size in ((block.self_attn.q_proj, 3), (block.mlp.gate_proj, 2)):
