@@ -19,7 +19,12 @@ call counts, on the one wgrad copy the ungrouped layers share; and dx is summed 
 autograd's engine sums the separate layers' dx, the last member's first (it runs the nodes of
 one input's consumers newest first: a Llama's v, k, q; up, gate), each addition rounded to dx's
 dtype as the engine's is (``_sum_newest_first``). tests/test_layer_groups.py compares grouped
-and ungrouped training steps bit for bit.
+and ungrouped training steps bit for bit. That order is the engine's only where nothing else
+reads x after the leader: an fp4gen Linear that reads x without sharing its copy keeps a run
+from being reported (``_LastCopy.read_alone``), but another module reading x in between or
+after (an adapter beside each projection) is not seen, and its gradient then joins the
+group's sum in another order: the same terms, added in another order, so x's gradient may
+differ from the ungrouped one in its last bit (every GEMM result stays the same).
 
 When not: a member's output is handed over only when it is called on the very tensor x (the
 same object, not written in place since: its version counter), with the same weight and bias
