@@ -202,7 +202,7 @@ class LayerGroup:
         if (
             source() is not x
             or x._version != version
-            or given["weight"] is not weight
+            or given.get("weight") is not weight
             or weight._version != weight_version
             or given.get("bias") is not bias
             or not torch.is_grad_enabled()
@@ -221,7 +221,9 @@ class LayerGroup:
         state: list[Any] = [x.get_device()]
         for layer in layers:
             params = layer._parameters
-            weight, bias = params["weight"], params.get("bias")
+            weight, bias = params.get("weight"), params.get("bias")
+            if weight is None:  # not a registered parameter now (reparametrized): run alone
+                return False
             table = layer.schedule.active()
             group = layer._amax_group.group
             held += (table, weight, bias, group)
