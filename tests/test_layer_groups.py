@@ -395,3 +395,24 @@ def test_a_whole_step_captured_after_the_groups_formed_is_the_ungrouped_capture(
     grouped = captured(True)
     _assert_same(grouped[:1], grouped[1:])
     _assert_same(grouped, captured(False))
+
+
+def test_a_group_quantizes_x_for_fprop_once_where_its_members_specs_agree(monkeypatch) -> None:
+    """q, k and v quantize x for fprop with one spec: a group does it once (the same bits as
+    each alone: the runs above compare them) where the layers alone do it three times."""
+    from fp4gen.dsl.model import Operand
+    from fp4gen.runtime import linear
+
+    counted: list[str] = []
+    real = linear.Linear.quantize
+
+    def counting(self, t, op, spec, call, amax=None):
+        if op is Operand.FPROP_ACTIVATION:
+            counted.append(self.name)
+        return real(self, t, op, spec, call, amax)
+
+    monkeypatch.setattr(linear.Linear, "quantize", counting)
+    _compare(monkeypatch, steps=3)  # the grouped run, then the ungrouped one
+    # grouped run: two steps alone (the sightings), then the group's step quantizes x once (in
+    # its leader); the ungrouped run: every layer, every step
+    assert counted == list("qkv") * 2 + ["q"] + list("qkv") * 3

@@ -260,7 +260,13 @@ class LayerGroup:
         def work(x: torch.Tensor, *given: Any, out: Any = None) -> tuple[Any, Any]:
             ys = []
             copy = None
+            shared: tuple[Any, Any] = (None, None)  # (what x's fprop operand depends on, it)
             for i, layer in enumerate(layers):
+                # members whose fprop operand of x is the same (spec, K, backend: q, k and v
+                # alike) quantize x once, with the same bits as each of them alone
+                needs = layer.fprop_input_key(tables[i])
+                if needs != shared[0]:
+                    shared = (needs, layer.fprop_input(x, tables[i], calls[i]))
                 y, made = layer._fprop(
                     x,
                     given[2 * i],
@@ -271,6 +277,7 @@ class LayerGroup:
                     None,
                     i == 0,  # the leader quantizes x's wgrad copy, shared by all
                     None if out is None else out[i],
+                    x_quantized=shared[1],
                 )
                 ys.append(y)
                 copy = made if i == 0 else copy

@@ -419,17 +419,21 @@ class Linear(nn.Linear):
         gathered: QuantizedTensor | None = None,
         keep: bool = False,
         out: torch.Tensor | None = None,
+        *,
+        x_quantized: Any = None,
     ) -> tuple[torch.Tensor, Any]:
         """forward_gemm's work, all of it on the device where x2 is (a layer graph captures it):
         y, and with ``keep`` x's wgrad copy (else None). ``gathered``: the weight already
         quantized (FSDP2's quantized all-gather). ``out``: where the GEMM may write y (a layer
-        graph's result tensor; y is then that tensor)."""
+        graph's result tensor; y is then that tensor). ``x_quantized``: x's fprop operand as
+        ``fprop_input`` made it for another layer of a group, where it is this layer's too."""
         xq_t = self.wgrad_activation(x2, table, call) if keep else None
-        # K = in_features, zero-padded to the fprop RHT size where it is not a multiple of it
-        fprop_k = k_multiple(table.fprop_activation, table.fprop_weight, blocks=False)
-        k = round_up(weight.shape[1], fprop_k)
+        k = self.fprop_k(table, weight.shape[1])
         x2 = pad_to(x2, x2.shape[0], k)
-        xq = self.quantize(x2, Operand.FPROP_ACTIVATION, table.fprop_activation, call)
+        if x_quantized is None:
+            xq = self.quantize(x2, Operand.FPROP_ACTIVATION, table.fprop_activation, call)
+        else:
+            xq = x_quantized
         if gathered is None:
             w = pad_to(_rows_contiguous(weight.detach()), weight.shape[0], k)
             w_row = self.quantize(w, Operand.FPROP_WEIGHT, table.fprop_weight, call)
@@ -444,6 +448,23 @@ class Linear(nn.Linear):
             return gemm(xq, w_row, bias=bias, out_dtype=out_dtype, out=out), xq_t
         y = operand_matmul(xq, w_row)
         return (y if bias is None else y + bias.to(torch.float32)).to(out_dtype), xq_t
+
+    def fprop_k(self, table: OperandTable, in_features: int | None = None) -> int:
+        """The fprop GEMM's K: in_features (the weight's, where given), zero-padded to the fprop
+        RHT size where it is not a multiple of it."""
+        fprop_k = k_multiple(table.fprop_activation, table.fprop_weight, blocks=False)
+        return round_up(self.in_features if in_features is None else in_features, fprop_k)
+
+    def fprop_input_key(self, table: OperandTable) -> tuple[Any, ...]:
+        """What x's fprop operand depends on besides x, for a round-to-nearest spec (a layer
+        group has no other: ``fp4gen.runtime.layer_groups``): layers with equal keys get the
+        same bits from one ``fprop_input``."""
+        return (table.fprop_activation, self.fprop_k(table), self.backend)
+
+    def fprop_input(self, x2: torch.Tensor, table: OperandTable, call: int) -> Any:
+        """Q(x; fprop.activation), x zero-padded to the fprop K, as ``_fprop`` makes it."""
+        x2 = pad_to(x2, x2.shape[0], self.fprop_k(table))
+        return self.quantize(x2, Operand.FPROP_ACTIVATION, table.fprop_activation, call)
 
     def backward_gemms(
         self, dy2: torch.Tensor, x2: torch.Tensor | ops.WgradInput, weight: torch.Tensor
