@@ -281,11 +281,8 @@ class LayerGroup:
                 )
                 ys.append(y)
                 copy = made if i == 0 else copy
-            tensors, layout = copy.split()
-            packing = ops.Packing.of(tensors) if graphed else None
-            if packing is None:
-                return (*ys, *tensors), (layout, None)
-            return (*ys, packing.pack(tensors, None if out is None else out[n])), (layout, packing)
+            pieces, meta = ops.graph_pieces(copy, None if out is None else out[n], pack=graphed)
+            return (*ys, *pieces), meta
 
         if graphed:
             key = (
@@ -347,15 +344,10 @@ class LayerGroup:
     ) -> tuple[torch.Tensor, list[torch.Tensor | None]]:
         n = self.size
         calls = tuple(layer._backward_calls for layer in layers)
-        pieces = tuple([t for t in kept.tensors if t is not None])
-        present = tuple([t is not None for t in kept.tensors])
-        layout, dtype, packing = kept.layout, kept.dtype, kept.packing
+        pieces = kept.given
 
         def work(*given: torch.Tensor, out: Any = None) -> tuple[torch.Tensor, ...]:
-            found = iter(given[n : n + len(pieces)])
-            copy = ops.WgradInput(
-                tuple(next(found) if p else None for p in present), layout, dtype, packing
-            )
+            copy = kept.with_given(given[n : n + len(pieces)])
             dxs, dws = [], []
             for i, layer in enumerate(layers):
                 dw_out = None if out is None else out[1 + i]
@@ -369,8 +361,8 @@ class LayerGroup:
 
         key = (
             "group-grads", tuple([(dy.shape, dy.dtype) for dy in dys]),
-            layers[0]._described(layout, packing), present,
-            tuple([t.shape for t in pieces]), dtype, ops.context_key(),
+            layers[0]._described(kept.layout, kept.packing), kept.present,
+            tuple([t.shape for t in pieces]), kept.dtype, ops.context_key(),
             tuple([layer._pass_key(table, w, None) for layer, table, w in zip(
                 layers, tables, weights, strict=True)]),
         )  # fmt: skip

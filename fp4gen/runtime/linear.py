@@ -358,12 +358,9 @@ class Linear(nn.Linear):
                 y, xq_t = self._fprop(x, w, b, out_dtype, table, call, None, own, y_out)
                 if xq_t is None:
                     return (y,), None
-                tensors, layout = xq_t.split()  # graph outputs are tensors: its pieces,
-                packing = ops.Packing.of(tensors)  # packed into one (one allocation per call)
-                if packing is None:
-                    return (y, *tensors), (layout, None)
-                packed = packing.pack(tensors, None if out is None else out[1])
-                return (y, packed), (layout, packing)
+                # packed into one (one allocation per call)
+                pieces, meta = ops.graph_pieces(xq_t, None if out is None else out[1])
+                return (y, *pieces), meta
 
             (y, *pieces), meta = graphs.run_with_meta(key, work, (x2,), (weight, bias), into=True)
             # the copy goes to the backward graph as it is: no QuantizedTensor in between
@@ -508,24 +505,20 @@ class Linear(nn.Linear):
             )
         else:
             kept = x2
-            tensors, layout = kept.tensors, kept.layout
-            present = tuple([t is not None for t in tensors])
+            given = kept.given
             # a round-to-nearest copy's offset names the call only: not part of the key
-            described = self._described(layout, kept.packing)
+            described = self._described(kept.layout, kept.packing)
             key = (
-                "grads", dy2.shape, dy2.dtype, described, present,
-                tuple([t.shape for t in tensors if t is not None]), kept.dtype,
+                "grads", dy2.shape, dy2.dtype, described, kept.present,
+                tuple([t.shape for t in given]), kept.dtype,
                 _param_key(weight), self._table_key(table), ops.context_key(), self.backend,
                 self.seed,
             )  # fmt: skip
 
             def work(dy: torch.Tensor, *rest: torch.Tensor, out: Any = None) -> tuple[Any, Any]:
-                given = iter(rest[:-1])
-                pieces = tuple(next(given) if p else None for p in present)
-                x = ops.WgradInput(pieces, layout, kept.dtype, kept.packing)
+                x = kept.with_given(rest[:-1])
                 return self._grads(dy, x, rest[-1], table, call, out=out)
 
-            given = tuple([t for t in tensors if t is not None])
             dx, dw = graphs.run(key, work, (dy2, *given), (weight,), into=True)
         self.__dict__["_backward_calls"] = call + 1  # as in forward_gemm
         assert dx is not None and dw is not None

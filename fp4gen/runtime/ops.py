@@ -95,6 +95,19 @@ class Packing:
         return tuple(views)
 
 
+def graph_pieces(
+    copy: QuantizedTensor, into: torch.Tensor | None = None, pack: bool = True
+) -> tuple[tuple[torch.Tensor | None, ...], tuple[QuantizedLayout, Packing | None]]:
+    """A wgrad copy as a layer graph returns it (graph results are tensors): its pieces, packed
+    into one buffer (``into`` where given) where ``pack`` and they allow it, and what puts them
+    back together (layout, packing)."""
+    tensors, layout = copy.split()
+    packing = Packing.of(tensors) if pack else None
+    if packing is None:
+        return tensors, (layout, None)
+    return (packing.pack(tensors, into),), (layout, packing)
+
+
 def _device_of(tensors: tuple[torch.Tensor | None, ...]) -> torch.device:
     return next(t.device for t in tensors if t is not None)
 
@@ -113,6 +126,23 @@ class WgradInput:
     layout: QuantizedLayout
     dtype: torch.dtype
     packing: Packing | None = None  # where set, ``tensors`` is the one packed buffer
+
+    @cached_property
+    def present(self) -> tuple[bool, ...]:
+        """Which of ``tensors`` are there (a layer graph's key names it)."""
+        return tuple([t is not None for t in self.tensors])
+
+    @property
+    def given(self) -> tuple[torch.Tensor, ...]:
+        """The tensors that are there, in order: what a layer graph takes as activations."""
+        return tuple([t for t in self.tensors if t is not None])
+
+    def with_given(self, given: "tuple[torch.Tensor, ...]") -> "WgradInput":
+        """This copy on other tensors (a graph's inputs): ``given`` in place of the tensors
+        that are there, in order."""
+        found = iter(given)
+        tensors = tuple(next(found) if p else None for p in self.present)
+        return WgradInput(tensors, self.layout, self.dtype, self.packing)
 
     @classmethod
     def of(cls, quantized: QuantizedTensor, dtype: torch.dtype) -> "WgradInput":
