@@ -10,13 +10,22 @@ weights), as a user would train it. For each hidden size and recipe it prints:
   (or the reason it could not be captured);
 - GPU-busy ms/step: the sum of the kernel times of a step (torch.profiler, the mean of three
   steps after one it discards: the profiler's own start-up lands in that one);
-- host us per Linear forward+backward: the CPU time of fp4gen's ops per layer call (a layer's
-  two, or a layer group's two divided among its members; torch.profiler, CPU + CUDA
-  activities, the same three steps, each started on an idle GPU);
+- host us per Linear forward+backward: the host's time in fp4gen's ops per layer call
+  (``Linear.forward_gemm`` + ``backward_gemms``, or a layer group's two passes divided among its
+  members), timed with ``time.perf_counter`` and no profiler over steps on one sequence
+  (forward + backward), where the GPU waits for the host: no launch waits for room in the
+  launch queue, the same kernels, layer graphs and Python per call as the full batch's;
+- call us per Linear forward+backward: the same steps' time in the whole layer call as a
+  training step makes it: the module's ``__call__`` (the autograd.Function's apply, a layer
+  group's checks and hand-overs included) plus the body of its autograd node's backward (the
+  engine's own work between nodes is not in it);
+- prof us per Linear: the ops' CPU time as torch.profiler records it (CPU + CUDA activities,
+  the three profiled steps, each started on an idle GPU): the profiler's own instrumentation of
+  every op and launch is in it, so it reads above the host column (docs/training-step.md);
 - wall us per Linear forward+backward: the wall time the host spends in the same two ops
-  (``Linear.forward_gemm`` + ``backward_gemms``) over three steps run back to back, timed with
-  ``time.perf_counter`` and no profiler: where the GPU is the bottleneck this includes the
-  launches' waits for room in the full launch queue, so it reads above the host column there
+  (``Linear.forward_gemm`` + ``backward_gemms``) over three steps of the full batch run back to
+  back, no profiler: where the GPU is the bottleneck this includes the launches' waits for room
+  in the full launch queue, so it reads above the host column there
   and equals the host's own cost only where the host is the bottleneck (docs/training-step.md);
 - peak memory of a step (torch.cuda.max_memory_allocated);
 - the ratio of each figure to BF16's.
@@ -52,6 +61,7 @@ standard deviation over those steps, the noise a difference is measured against.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import cProfile
 import gc
 import io
@@ -59,7 +69,7 @@ import pstats
 import statistics
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -72,7 +82,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the checkout,
 import fp4gen  # noqa: E402
 from fp4gen.demo.data import ByteBatches, stdlib_corpus  # noqa: E402
 from fp4gen.demo.lr_schedule import lr_at  # noqa: E402
-from fp4gen.runtime import layer_graphs, layer_groups  # noqa: E402
+from fp4gen.runtime import layer_graphs, layer_groups, ops  # noqa: E402
 
 VOCAB = 256
 LAYERS_BY_HIDDEN = {1024: 8, 2048: 6, 4096: 4}
@@ -80,6 +90,7 @@ LAYERS_BY_HIDDEN = {1024: 8, 2048: 6, 4096: 4}
 # call, a graph on static buffers, then graphs on the addresses the allocator settles on)
 WARMUP_STEPS = 5
 WALL_STEPS = 3  # eager steps timed back to back for the wall us per Linear
+HOST_STEPS = 5  # steps on one sequence timed for the host and call us per Linear
 PROFILED_STEPS = 3  # steps whose kernels and op ranges torch.profiler sums (after one discarded)
 
 
@@ -90,7 +101,9 @@ class Result:
     graph_note: str
     gpu_busy_ms: float
     wall_us_per_linear: float | None  # the ops' wall time, back to back (wall_us_per_linear())
-    host_us_per_linear: float | None  # the same ops' CPU time under torch.profiler
+    host_us_per_linear: float | None  # the ops' time, host-bound, no profiler (host_us())
+    call_us_per_linear: float | None  # the whole layer calls' time, the same steps (host_us())
+    prof_us_per_linear: float | None  # the ops' CPU time under torch.profiler (profile_step())
     peak_gib: float
     graph_calls: float = 0.0  # per timed step: layer calls served by a layer graph
     in_place: float = 0.0  # of those, replays of graphs that read and write in place
@@ -195,56 +208,114 @@ def linear_forwards(model: nn.Module) -> int:
     return sum(m._forward_calls for m in model.modules() if isinstance(m, fp4gen.nn.Linear))
 
 
+# (class, attribute) pairs timed per layer call: fp4gen's ops, and the whole call
+OPS = (
+    (fp4gen.nn.Linear, "forward_gemm"),
+    (fp4gen.nn.Linear, "backward_gemms"),
+    (layer_groups.LayerGroup, "forward_pass"),
+    (layer_groups.LayerGroup, "backward_pass"),
+)
+CALLS = (
+    (fp4gen.nn.Linear, "__call__"),
+    (ops._EagerLinear, "backward"),
+    (layer_groups._GroupLinear, "backward"),
+)
+
+
+@contextlib.contextmanager
+def timers(*groups: tuple[tuple[type, str], ...]) -> Iterator[list[int]]:
+    """Wrap each (class, attribute) of every group in a ``perf_counter`` timer for the block;
+    yields one nanosecond total per group. Within a group an outer call is timed once (a
+    group's pass can call a member's ``backward_gemms``; a module call runs the forward op)."""
+    spent = [0] * len(groups)
+    depth = [0] * len(groups)
+    saved: list[tuple[type, str, Any]] = []
+
+    def timer(fn: Callable[..., Any], g: int) -> Callable[..., Any]:
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            depth[g] += 1
+            start = time.perf_counter_ns()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                depth[g] -= 1
+                if depth[g] == 0:
+                    spent[g] += time.perf_counter_ns() - start
+
+        return timed
+
+    try:
+        for g, targets in enumerate(groups):
+            for cls, name in targets:
+                own = cls.__dict__.get(name)  # None: inherited (nn.Module.__call__)
+                saved.append((cls, name, own))
+                if isinstance(own, staticmethod):  # an autograd.Function's backward
+                    setattr(cls, name, staticmethod(timer(own.__func__, g)))
+                else:
+                    setattr(cls, name, timer(getattr(cls, name), g))
+        yield spent
+    finally:
+        for cls, name, own in reversed(saved):
+            if own is None:
+                delattr(cls, name)
+            else:
+                setattr(cls, name, own)
+
+
 def wall_us_per_linear(model: nn.Module, step: Callable[[], object], steps: int) -> float | None:
     """Wall microseconds the host spends per fp4gen Linear forward + backward in ``steps``
     eager steps (``forward_gemm`` + ``backward_gemms``, and a layer group's passes, each wrapped
     in a ``perf_counter`` timer for the duration), or None when the model has no fp4gen
     Linear."""
-    spent = [0]  # nanoseconds in the ops
-    depth = [0]  # a group's pass can call a member's backward_gemms: timed once
-    targets = [
-        (fp4gen.nn.Linear, ("forward_gemm", "backward_gemms")),
-        (layer_groups.LayerGroup, ("forward_pass", "backward_pass")),
-    ]
-    originals = [(cls, name, cls.__dict__[name]) for cls, names in targets for name in names]
-
-    def timer(fn: Callable[..., Any]) -> Callable[..., Any]:
-        def timed(*args: Any, **kwargs: Any) -> Any:
-            depth[0] += 1
-            start = time.perf_counter_ns()
-            try:
-                return fn(*args, **kwargs)
-            finally:
-                depth[0] -= 1
-                if depth[0] == 0:
-                    spent[0] += time.perf_counter_ns() - start
-
-        return timed
-
     before = linear_forwards(model)
-    try:
-        for cls, name, fn in originals:
-            setattr(cls, name, timer(fn))
+    with timers(OPS) as spent:
         for _ in range(steps):
             step()
         if torch.cuda.is_available():
             torch.cuda.synchronize()
-    finally:
-        for cls, name, fn in originals:
-            setattr(cls, name, fn)
     calls = linear_forwards(model) - before
     return spent[0] / 1e3 / calls if calls else None
 
 
+def host_us(
+    model: nn.Module, loss: Callable, tokens: torch.Tensor
+) -> tuple[float | None, float | None]:
+    """(host us in fp4gen's ops, us in the whole layer calls) per fp4gen Linear forward +
+    backward, over ``HOST_STEPS`` forward + backward steps on one sequence of ``tokens`` after
+    ``WARMUP_STEPS`` (its layer graphs captured): the GPU waits for the host there, so no
+    launch waits for room in the queue, and no profiler adds its own work."""
+    one = tokens[:1]
+
+    def step() -> None:
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            value = loss(model, one)
+        value.backward()
+
+    for _ in range(WARMUP_STEPS):
+        step()
+    torch.cuda.synchronize()
+    before = linear_forwards(model)
+    with timers(OPS, CALLS) as spent:
+        for _ in range(HOST_STEPS):
+            step()
+        torch.cuda.synchronize()
+    model.zero_grad(set_to_none=False)
+    calls = linear_forwards(model) - before
+    if not calls:
+        return None, None
+    return spent[0] / 1e3 / calls, spent[1] / 1e3 / calls
+
+
 def profile_step(model: nn.Module, step: Callable[[], object]) -> tuple[float, float | None]:
-    """(GPU-busy ms per step, host us per fp4gen Linear forward+backward or None) over
+    """(GPU-busy ms per step, profiled us per fp4gen Linear forward+backward or None) over
     ``PROFILED_STEPS`` steps after one the profiler runs but discards (its first step pays for
-    the profiler's own start: CUPTI's instrumentation of launches it meets first). The host
-    figure is the CPU time of the ranges of fp4gen's ops (a Linear's, and a layer group's for
-    its members) over the Linear forwards they served."""
+    the profiler's own start: CUPTI's instrumentation of launches it meets first). The
+    second figure is the CPU time of the ranges of fp4gen's ops (a Linear's, and a layer
+    group's for its members) over the Linear forwards they served, the profiler's own work
+    on every op and launch inside them included."""
     from torch.profiler import ProfilerActivity, profile, schedule
 
-    gpu_us = host_us = 0.0
+    gpu_us = cpu_us = 0.0
     forwards = 0
     plan = schedule(wait=0, warmup=1, active=PROFILED_STEPS, repeat=1)
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], schedule=plan) as prof:
@@ -262,9 +333,9 @@ def profile_step(model: nn.Module, step: Callable[[], object]) -> tuple[float, f
         if e.device_type == torch.autograd.DeviceType.CUDA
         and not getattr(e, "is_user_annotation", False)
     )
-    ops = [e for e in events if e.name.startswith(("fp4gen::linear_", "fp4gen::group_"))]
-    host_us = sum(e.cpu_time_total for e in ops)
-    return gpu_us / 1e3 / PROFILED_STEPS, (host_us / forwards if forwards else None)
+    ranges = [e for e in events if e.name.startswith(("fp4gen::linear_", "fp4gen::group_"))]
+    cpu_us = sum(e.cpu_time_total for e in ranges)
+    return gpu_us / 1e3 / PROFILED_STEPS, (cpu_us / forwards if forwards else None)
 
 
 def run_one(
@@ -292,8 +363,9 @@ def run_one(
     ms = timed_ms(step, args.steps)
     replays = [(b - a) / args.steps for a, b in zip(before, graph_counts(model), strict=True)]
     peak = torch.cuda.max_memory_allocated() / 2**30
-    busy, host = profile_step(model, step)
+    busy, prof = profile_step(model, step)
     wall = wall_us_per_linear(model, step, WALL_STEPS) if recipe != "bf16" else None
+    host, call = host_us(model, loss_fn(args.model), tokens) if recipe != "bf16" else (None, None)
     if args.host_profile and recipe != "bf16":
         host_profile(step, args.host_profile)
     ms_graph, note = None, "not run"
@@ -302,7 +374,7 @@ def run_one(
     del model, step
     gc.collect()  # modules in reference cycles: freed now, not in a later run's peak or step
     torch.cuda.empty_cache()
-    return Result(ms, ms_graph, note, busy, wall, host, peak, *replays)
+    return Result(ms, ms_graph, note, busy, wall, host, call, prof, peak, *replays)
 
 
 def loss_curve(
@@ -434,14 +506,18 @@ def run_round(
         label = Path(recipe).stem + (" (saves x)" if saves_x else "")
         label += "" if flops is None else f" (graphs <= {flops:.0e})"
         rows[label] = (res, base)
-        host = "-" if res.host_us_per_linear is None else f"{res.host_us_per_linear:.0f}"
+        host, call, prof = (
+            "-" if v is None else f"{v:.0f}"
+            for v in (res.host_us_per_linear, res.call_us_per_linear, res.prof_us_per_linear)
+        )
         wall = "-" if res.wall_us_per_linear is None else f"{res.wall_us_per_linear:.0f}"
         graph = "-" if res.ms_graph is None else f"{res.ms_graph:.2f}"
         eager = ratio(res.ms_eager, base.ms_eager)
         print(
             f"  {label:28} {res.ms_eager:9.2f} {eager:>7} "
             f"{graph:>9} {ratio(res.ms_graph, base.ms_graph):>7} {res.gpu_busy_ms:9.2f} "
-            f"{ratio(res.gpu_busy_ms, base.gpu_busy_ms):>7} {host:>11} {wall:>8} "
+            f"{ratio(res.gpu_busy_ms, base.gpu_busy_ms):>7} "
+            f"{host:>8} {call:>8} {prof:>8} {wall:>8} "
             f"{res.peak_gib:9.2f} {ratio(res.peak_gib, base.peak_gib):>7}   "
             f"({time.perf_counter() - t0:.0f} s)"
         )
@@ -476,11 +552,15 @@ def print_rounds(rounds: list[dict[str, tuple[Result, Result]]]) -> None:
         graph = [
             res.ms_graph / base.ms_graph for res, base in got if res.ms_graph and base.ms_graph
         ]
-        host = [res.host_us_per_linear for res, _ in got if res.host_us_per_linear is not None]
-        print(
-            f"  {label:28} eager x bf16 {spread(eager)}, graph x bf16 {spread(graph)}, "
-            f"host us/lin {spread(host, ' us', 0)}"
+        per_linear = {
+            name: [getattr(res, f"{name}_us_per_linear") for res, _ in got]
+            for name in ("host", "call", "prof")
+        }
+        figures = ", ".join(
+            f"{name} us/lin {spread([v for v in values if v is not None], ' us', 0)}"
+            for name, values in per_linear.items()
         )
+        print(f"  {label:28} eager x bf16 {spread(eager)}, graph x bf16 {spread(graph)}, {figures}")
 
 
 def ratio(value: float | None, base: float | None) -> str:
@@ -555,7 +635,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"\nhidden {hidden}, {layers} layers")
         print(
             f"  {'recipe':28} {'ms/step':>9} {'x bf16':>7} {'graph ms':>9} {'x bf16':>7} "
-            f"{'gpu-busy':>9} {'x bf16':>7} {'host us/lin':>11} {'wall us':>8} {'peak GiB':>9} "
+            f"{'gpu-busy':>9} {'x bf16':>7} "
+            f"{'host us':>8} {'call us':>8} {'prof us':>8} {'wall us':>8} {'peak GiB':>9} "
             f"{'x bf16':>7}"
         )
         runs: list[tuple[str, bool, float | None]] = [(r, False, None) for r in recipes]

@@ -92,6 +92,39 @@ def test_the_wall_time_per_linear_counts_each_forward_and_backward_and_restores_
     assert train.wall_us_per_linear(plain, lambda: plain(torch.ones(4)), 2) is None
 
 
+def test_the_call_timers_time_whole_layer_calls_beside_the_ops_and_put_everything_back(
+    monkeypatch,
+) -> None:
+    """``timers(OPS, CALLS)``, as ``host_us`` uses them: the ops (forward_gemm, backward_gemms)
+    and the whole calls (the module's ``__call__``, the autograd node's backward) each timed
+    once per call, nested timers in one group not counted twice, and afterwards every
+    attribute as it was (``__call__`` inherited again, the backward the same staticmethod).
+    A clock that advances 1 us per reading: an op body takes 1 us, a call around one 3 us."""
+    import itertools
+
+    import torch
+
+    import fp4gen
+    from fp4gen.runtime import ops
+
+    torch.manual_seed(0)
+    recipe = fp4gen.load_recipe("nvfp4_small.fp4r")
+    model = torch.nn.Sequential(fp4gen.nn.Linear(32, 32, recipe=recipe), torch.nn.ReLU())
+    x = torch.randn(16, 32, requires_grad=True)
+    backward = ops._EagerLinear.__dict__["backward"]
+    clock = itertools.count(0, 1000)
+    monkeypatch.setattr(train.time, "perf_counter_ns", lambda: next(clock))
+    with train.timers(train.OPS, train.CALLS) as spent:
+        assert "__call__" in fp4gen.nn.Linear.__dict__  # timed while the block runs
+        for _ in range(2):
+            model(x).sum().backward()
+    monkeypatch.undo()
+    assert spent == [4000, 12000]  # 2 steps: ops 1 + 1 us, calls 3 + 3 us (each around an op)
+    assert "__call__" not in fp4gen.nn.Linear.__dict__  # nn.Module's again
+    assert ops._EagerLinear.__dict__["backward"] is backward
+    assert x.grad is not None and torch.isfinite(x.grad).all()
+
+
 def test_graph_counts_sum_the_layers_graph_counters() -> None:
     import torch
 
@@ -118,7 +151,7 @@ def test_graph_counts_sum_the_layers_graph_counters() -> None:
 
 
 def _result(eager: float, graph: float | None, host: float | None) -> train.Result:
-    return train.Result(eager, graph, "", 1.0, None, host, 1.0)
+    return train.Result(eager, graph, "", 1.0, None, host, None, None, 1.0)
 
 
 def test_rounds_summarize_each_ratio_against_its_own_rounds_bf16(capsys) -> None:
