@@ -397,6 +397,50 @@ def test_a_whole_step_captured_after_the_groups_formed_is_the_ungrouped_capture(
     _assert_same(grouped, captured(False))
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_a_whole_fp32_llama_step_captured_in_one_graph_equals_the_eager_step(monkeypatch) -> None:
+    """A Llama whose every Linear is NVFP4 rounded to nearest, trained in fp32 (no autocast):
+    the whole forward + backward captured in one CUDA graph after the groups formed gives the
+    eager step's gradients bit for bit. (Under bf16 autocast a capture of the same Llama with
+    no fp4gen layer at all already differs from its eager step in the last bits, in torch's
+    own backward: docs/training-step.md, Known gaps; so the comparison is made in fp32, where
+    torch's part of the step captures exactly.)"""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    monkeypatch.setenv("FP4GEN_LAYER_GRAPHS", "1")
+    monkeypatch.setenv(LAYER_GROUPS_VAR, "1")
+    recipe = parse_recipe("operands {\n * : nvfp4\n}\n")
+    ids = torch.randint(0, 256, (4, 64), generator=torch.Generator().manual_seed(5)).cuda()
+    torch.manual_seed(0)
+    model = _llama(torch.float32, recipe, 256).cuda()
+
+    def step() -> None:
+        with sdpa_kernel(SDPBackend.MATH):
+            model(input_ids=ids, labels=ids).loss.backward()
+
+    for _ in range(5):  # sightings, the groups' warm-up and captures, then an in-place replay
+        model.zero_grad(set_to_none=True)
+        step()
+    assert layer_groups.group_of(model.model.layers[0].self_attn.q_proj) is not None
+    eager = [p.grad.clone() for p in model.parameters()]
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        model.zero_grad(set_to_none=True)
+        step()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    for _ in range(2):
+        for p in model.parameters():
+            p.grad.zero_()
+        graph.replay()
+        torch.cuda.synchronize()
+        _assert_same([[p.grad for p in model.parameters()]], [eager])
+
+
 def test_a_group_quantizes_x_for_fprop_once_where_its_members_specs_agree(monkeypatch) -> None:
     """q, k and v quantize x for fprop with one spec: a group does it once (the same bits as
     each alone: the runs above compare them) where the layers alone do it three times."""
