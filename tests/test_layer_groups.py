@@ -339,6 +339,23 @@ def test_groups_run_from_layer_graphs_and_release_the_members_own(monkeypatch) -
     assert group.graphs.graph_calls == 6 and not group.graphs.failed  # runs 2-4, both passes
 
 
+def _captured(model: nn.Module, step: Callable[[], None]) -> torch.cuda.CUDAGraph:
+    """``step`` (a forward + backward) captured in one CUDA graph after a warm-up on a side
+    stream, as ``torch.cuda.graph`` asks; the gradients accumulate into .grad, zeroed first."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        model.zero_grad(set_to_none=True)
+        step()
+    torch.cuda.current_stream().wait_stream(side)
+    for p in model.parameters():
+        p.grad.zero_()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    return graph
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_a_whole_step_captured_after_the_groups_formed_is_the_ungrouped_capture(
@@ -370,17 +387,7 @@ def test_a_whole_step_captured_after_the_groups_formed_is_the_ungrouped_capture(
             step()
         group = layer_groups.group_of(model.model.layers[0].self_attn.q_proj)
         assert (group is not None and group.runs == 2) if groups else group is None
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            model.zero_grad(set_to_none=True)
-            step()
-        torch.cuda.current_stream().wait_stream(side)
-        for p in model.parameters():
-            p.grad.zero_()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            step()
+        graph = _captured(model, step)
         runs = None if group is None else group.runs
         replays = []
         for _ in range(2):
@@ -424,15 +431,7 @@ def test_a_whole_fp32_llama_step_captured_in_one_graph_equals_the_eager_step(mon
         step()
     assert layer_groups.group_of(model.model.layers[0].self_attn.q_proj) is not None
     eager = [p.grad.clone() for p in model.parameters()]
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        model.zero_grad(set_to_none=True)
-        step()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        step()
+    graph = _captured(model, step)
     for _ in range(2):
         for p in model.parameters():
             p.grad.zero_()
