@@ -1,5 +1,5 @@
-"""cuBLASLt through ctypes: D = alpha * (A @ B^T) [+ beta * C] [+ bias] with alpha and beta read
-from device memory, for the dequantize + cuBLAS GEMM path (``fp4gen.runtime.dequant``).
+"""cuBLASLt through nvmath-python: D = alpha * (A @ B^T) [+ beta * C] [+ bias] with alpha and
+beta read from device memory, for the dequantize + cuBLAS GEMM path (``fp4gen.runtime.dequant``).
 
 Why not ``torch.mm``: the global scales S_a * S_b live on the GPU, and torch's bf16 GEMMs take
 alpha only as a host number (a device-to-host sync per GEMM) and no fused bias with an fp32
@@ -19,51 +19,33 @@ D[M, N] = A[M, K] @ B[N, K]^T is computed as the column-major D^T[N, M] = op(B) 
 ``TRANSA = T`` on B's buffer (K x N, ld K) and ``TRANSB = N`` on A's (K x M, ld K). The bias
 (length N) then runs along D^T's rows, which is what the bias epilogue adds.
 
-The library is the libcublasLt the running torch loaded (``libcublasLt.so.<CUDA major>``). When
-it cannot be loaded, or no algorithm serves a problem, ``matmul`` returns None and the caller
-takes the torch path; ``unavailable()`` says why.
+The binding is NVIDIA's (``nvmath.bindings.cublasLt`` of nvmath-python: typed, maintained, a
+Cython call per function), which finds the libcublasLt of the CUDA that torch runs on. A plan
+(descriptors and the heuristic's algorithm) is made once per problem and device, so a call is
+one ``cublasLtMatmul`` (and, with a bias, one attribute write for its pointer). When nvmath or
+the library cannot be loaded, or no algorithm serves a problem, ``matmul`` returns None and the
+caller takes the torch path; ``unavailable()`` says why.
 """
 
 from __future__ import annotations
 
-import ctypes
 import logging
 import threading
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 
 from fp4gen.runtime.device_memory import kept
 
 log = logging.getLogger(__name__)
 
-# cuBLASLt / CUDA enum values (cublasLt.h, library_types.h)
-CUDA_R_32F = 0
-CUDA_R_16F = 2
-CUDA_R_16BF = 14
-CUBLAS_COMPUTE_32F = 68
-CUBLAS_OP_N = 0
-CUBLAS_OP_T = 1
-CUBLASLT_POINTER_MODE_DEVICE = 1
-DESC_SCALE_TYPE = 1
-DESC_POINTER_MODE = 2
-DESC_TRANSA = 3
-DESC_TRANSB = 4
-DESC_EPILOGUE = 7
-DESC_BIAS_POINTER = 8
-DESC_BIAS_DATA_TYPE = 26
-EPILOGUE_DEFAULT = 1
-EPILOGUE_BIAS = 4
-PREF_MAX_WORKSPACE_BYTES = 1
-HEURISTIC_RESULT_BYTES = 96  # cublasLtMatmulHeuristicResult_t: algo, size_t, int, float, int[4]
-ALGO_BYTES = 64
-
 WORKSPACE_BYTES = 32 * 2**20  # what cuBLAS itself uses on Hopper
 ROW_ALIGN_BYTES = 16  # leading dimensions in bytes: what the tensor-core kernels need
 PTR_ALIGN_BYTES = 256  # what the heuristic assumes of every pointer unless told otherwise
 
-_DTYPES = {torch.bfloat16: CUDA_R_16BF, torch.float16: CUDA_R_16F, torch.float32: CUDA_R_32F}
+_DTYPES = (torch.bfloat16, torch.float16, torch.float32)  # the outputs and biases it takes
 
 
 @dataclass(frozen=True)
@@ -78,14 +60,13 @@ class Problem:
     bias_dtype: torch.dtype | None  # None: no bias
     accumulate: bool
 
-    def layouts(self) -> dict[str, tuple[int, int, int, int]]:
-        """The column-major (type, rows, cols, ld) of cuBLASLt's A (B's buffer), B (A's) and
+    def layouts(self) -> dict[str, tuple[torch.dtype, int, int, int]]:
+        """The column-major (dtype, rows, cols, ld) of cuBLASLt's A (B's buffer), B (A's) and
         C / D, as the module docstring derives them."""
-        out = _DTYPES[self.out_dtype]
         return {
-            "A": (CUDA_R_16BF, self.k, self.n, self.k),
-            "B": (CUDA_R_16BF, self.k, self.m, self.k),
-            "D": (out, self.n, self.m, self.n),
+            "A": (torch.bfloat16, self.k, self.n, self.k),
+            "B": (torch.bfloat16, self.k, self.m, self.k),
+            "D": (self.out_dtype, self.n, self.m, self.n),
         }
 
     def reason(self) -> str | None:
@@ -102,56 +83,23 @@ class Problem:
         return None
 
 
-class _Lib:
-    """The loaded libcublasLt with the argument types of the functions used."""
-
-    def __init__(self) -> None:
-        major = (torch.version.cuda or "0").split(".")[0]
-        names = [f"libcublasLt.so.{major}", "libcublasLt.so"]
-        last: OSError | None = None
-        for name in names:
-            try:
-                self.dll = ctypes.CDLL(name)
-                break
-            except OSError as err:
-                last = err
-        else:
-            raise OSError(f"cannot load {' or '.join(names)}: {last}")
-        vp, i32, sz = ctypes.c_void_p, ctypes.c_int, ctypes.c_size_t
-        sigs: dict[str, list[Any]] = {
-            "cublasLtCreate": [ctypes.POINTER(vp)],
-            "cublasLtMatmulDescCreate": [ctypes.POINTER(vp), i32, i32],
-            "cublasLtMatmulDescSetAttribute": [vp, i32, vp, sz],
-            "cublasLtMatrixLayoutCreate": [ctypes.POINTER(vp), i32, ctypes.c_uint64,
-                                           ctypes.c_uint64, ctypes.c_int64],
-            "cublasLtMatmulPreferenceCreate": [ctypes.POINTER(vp)],
-            "cublasLtMatmulPreferenceSetAttribute": [vp, i32, vp, sz],
-            "cublasLtMatmulAlgoGetHeuristic": [vp, vp, vp, vp, vp, vp, vp, i32, vp,
-                                               ctypes.POINTER(i32)],
-            "cublasLtMatmul": [vp, vp, vp, vp, vp, vp, vp, vp, vp, vp, vp, vp, vp, vp, sz, vp],
-        }  # fmt: skip
-        for fn_name, argtypes in sigs.items():
-            fn = getattr(self.dll, fn_name)
-            fn.argtypes = argtypes
-            fn.restype = ctypes.c_int
-
-    def check(self, status: int, what: str) -> None:
-        if status != 0:
-            raise RuntimeError(f"{what} returned cuBLAS status {status}")
-
-
 @dataclass
 class _Plan:
     """Descriptors and the chosen algorithm of one Problem on one device."""
 
-    desc: ctypes.c_void_p
-    layouts: dict[str, ctypes.c_void_p]
-    algo: ctypes.Array  # the algo bytes of the heuristic result
+    desc: int
+    layouts: dict[str, int]
+    heuristic: Any  # the heuristic's result (kept alive: its first field is the algorithm)
+    bias_pointer: np.ndarray  # the bias pointer attribute's value, written per call
+
+    @property
+    def algo(self) -> int:
+        return self.heuristic.ptr  # cublasLtMatmulAlgo_t is the result's first field
 
 
-_lib: list[_Lib] = []
+_lib: list[Any] = []  # nvmath.bindings.cublasLt, once imported
 _unavailable: list[str] = []
-_handles: dict[int, ctypes.c_void_p] = {}  # device index -> cublasLt handle
+_handles: dict[int, int] = {}  # device index -> cublasLt handle
 # (M, N, K, out dtype, bias dtype, accumulate, device) -> plan, or why cuBLASLt declines it
 _plans: dict[tuple[Any, ...], _Plan | str] = {}
 _workspaces: dict[tuple[int, int], torch.Tensor] = {}  # (device, stream) -> workspace
@@ -172,69 +120,89 @@ def unavailable() -> str | None:
     return _unavailable[0] if _unavailable else None
 
 
-def _library() -> _Lib | None:
+def _library() -> Any | None:
+    """nvmath's cuBLASLt binding with the library loaded (its version asked once: that loads
+    it), or None with the reason in ``unavailable()``."""
     if not _lib and not _unavailable:
         try:
-            _lib.append(_Lib())
-        except (OSError, AttributeError) as err:
-            _unavailable.append(f"cuBLASLt is unavailable ({err})")
+            from nvmath.bindings import cublasLt
+
+            cublasLt.get_version()
+            _lib.append(cublasLt)
+        except ImportError as err:
+            _unavailable.append(f"nvmath-python is not installed ({err})")
+        except Exception as err:  # the library itself: nvmath raises its own errors for it
+            _unavailable.append(f"cuBLASLt is unavailable ({type(err).__name__}: {err})")
     return _lib[0] if _lib else None
 
 
-def _handle(lib: _Lib, device: int) -> ctypes.c_void_p:
+def _data_type(dtype: torch.dtype) -> int:
+    from nvmath import CudaDataType
+
+    return {
+        torch.bfloat16: CudaDataType.CUDA_R_16BF,
+        torch.float16: CudaDataType.CUDA_R_16F,
+        torch.float32: CudaDataType.CUDA_R_32F,
+    }[dtype]
+
+
+def _handle(lt: Any, device: int) -> int:
     handle = _handles.get(device)
     if handle is None:
-        handle = ctypes.c_void_p()
         with torch.cuda.device(device):
-            lib.check(lib.dll.cublasLtCreate(ctypes.byref(handle)), "cublasLtCreate")
+            handle = lt.create()
         _handles[device] = handle
     return handle
 
 
-def _set(lib: _Lib, fn: Any, obj: ctypes.c_void_p, attr: int, value: Any, what: str) -> None:
-    lib.check(fn(obj, attr, ctypes.byref(value), ctypes.sizeof(value)), what)
+def _set_desc(lt: Any, desc: int, attr: Any, value: Any) -> np.ndarray:
+    """Set a matmul descriptor attribute from a value of the type cuBLASLt gives it; returns the
+    buffer (a caller that rewrites it per call keeps it)."""
+    buf = np.array([value], dtype=lt.get_matmul_desc_attribute_dtype(attr))
+    lt.matmul_desc_set_attribute(desc, attr, buf.ctypes.data, buf.itemsize)
+    return buf
 
 
-def _plan(lib: _Lib, problem: Problem, device: int) -> _Plan | None:
+def _plan(lt: Any, problem: Problem, device: int) -> _Plan | None:
     """Descriptors for ``problem`` and the heuristic's first algorithm (None: none serves it)."""
-    desc = ctypes.c_void_p()
-    lib.check(
-        lib.dll.cublasLtMatmulDescCreate(ctypes.byref(desc), CUBLAS_COMPUTE_32F, CUDA_R_32F),
-        "cublasLtMatmulDescCreate",
-    )
-    set_desc = lib.dll.cublasLtMatmulDescSetAttribute
-    _set(lib, set_desc, desc, DESC_SCALE_TYPE, ctypes.c_int32(CUDA_R_32F), "scale type")
-    _set(lib, set_desc, desc, DESC_POINTER_MODE,
-         ctypes.c_int32(CUBLASLT_POINTER_MODE_DEVICE), "pointer mode")  # fmt: skip
-    _set(lib, set_desc, desc, DESC_TRANSA, ctypes.c_int32(CUBLAS_OP_T), "transa")
-    _set(lib, set_desc, desc, DESC_TRANSB, ctypes.c_int32(CUBLAS_OP_N), "transb")
-    epilogue = EPILOGUE_DEFAULT if problem.bias_dtype is None else EPILOGUE_BIAS
-    _set(lib, set_desc, desc, DESC_EPILOGUE, ctypes.c_int32(epilogue), "epilogue")
+    from nvmath.bindings.cublas import ComputeType, Operation
+
+    attr = lt.MatmulDescAttribute
+    f32 = _data_type(torch.float32)
+    desc = lt.matmul_desc_create(ComputeType.COMPUTE_32F, f32)
+    _set_desc(lt, desc, attr.SCALE_TYPE, f32)
+    _set_desc(lt, desc, attr.POINTER_MODE, lt.PointerMode.DEVICE)
+    _set_desc(lt, desc, attr.TRANSA, Operation.T)
+    _set_desc(lt, desc, attr.TRANSB, Operation.N)
+    epilogue = lt.Epilogue.DEFAULT if problem.bias_dtype is None else lt.Epilogue.BIAS
+    _set_desc(lt, desc, attr.EPILOGUE, epilogue)
     if problem.bias_dtype is not None:
-        bias_type = ctypes.c_int32(_DTYPES[problem.bias_dtype])
-        _set(lib, set_desc, desc, DESC_BIAS_DATA_TYPE, bias_type, "bias data type")
-    layouts: dict[str, ctypes.c_void_p] = {}
-    for name, (dtype, rows, cols, ld) in problem.layouts().items():
-        layout = ctypes.c_void_p()
-        lib.check(
-            lib.dll.cublasLtMatrixLayoutCreate(ctypes.byref(layout), dtype, rows, cols, ld),
-            "cublasLtMatrixLayoutCreate",
-        )
-        layouts[name] = layout
-    pref = ctypes.c_void_p()
-    lib.check(lib.dll.cublasLtMatmulPreferenceCreate(ctypes.byref(pref)), "preference")
-    _set(lib, lib.dll.cublasLtMatmulPreferenceSetAttribute, pref, PREF_MAX_WORKSPACE_BYTES,
-         ctypes.c_uint64(WORKSPACE_BYTES), "max workspace")  # fmt: skip
-    result = (ctypes.c_uint8 * HEURISTIC_RESULT_BYTES)()
-    count = ctypes.c_int(0)
-    status = lib.dll.cublasLtMatmulAlgoGetHeuristic(
-        _handle(lib, device), desc, layouts["A"], layouts["B"], layouts["D"], layouts["D"],
-        pref, 1, result, ctypes.byref(count),
-    )  # fmt: skip
-    if status != 0 or count.value < 1:
+        _set_desc(lt, desc, attr.BIAS_DATA_TYPE, _data_type(problem.bias_dtype))
+    bias_pointer = _set_desc(lt, desc, attr.BIAS_POINTER, 0)
+    layouts = {
+        name: lt.matrix_layout_create(_data_type(dtype), rows, cols, ld)
+        for name, (dtype, rows, cols, ld) in problem.layouts().items()
+    }
+    pref = lt.matmul_preference_create()
+    size = np.array([WORKSPACE_BYTES], dtype=np.uint64)
+    lt.matmul_preference_set_attribute(
+        pref, lt.MatmulPreferenceAttribute.MAX_WORKSPACE_BYTES, size.ctypes.data, size.itemsize
+    )
+    result = lt.MatmulHeuristicResult()
+    count = np.zeros(1, dtype=np.int32)
+    handle = _handle(lt, device)
+    try:
+        lt.matmul_algo_get_heuristic(
+            handle, desc, layouts["A"], layouts["B"], layouts["D"], layouts["D"],
+            pref, 1, result.ptr, count.ctypes.data,
+        )  # fmt: skip
+    except lt.cuBLASLtError:  # e.g. NOT_SUPPORTED: no algorithm for this problem
         return None
-    algo = (ctypes.c_uint8 * ALGO_BYTES).from_buffer_copy(bytes(result[:ALGO_BYTES]))
-    return _Plan(desc, layouts, algo)
+    finally:
+        lt.matmul_preference_destroy(pref)
+    if count[0] < 1:
+        return None
+    return _Plan(desc, layouts, result, bias_pointer)
 
 
 def _workspace(device: int, stream: int) -> torch.Tensor:
@@ -299,7 +267,7 @@ def matmul(
         _declined(reason)
         return None
     assert isinstance(plan, _Plan)
-    lib = _lib[0]
+    lt = _lib[0]
     if out is None or out.data_ptr() % PTR_ALIGN_BYTES:
         out = torch.empty((m, n), dtype=out_dtype, device=a.device)
     stream = _current_stream(device)
@@ -308,17 +276,18 @@ def matmul(
     beta_value = constant(device, 1.0 if accumulate is not None else 0.0)
     with _lock:
         if bias is not None:
-            ptr = ctypes.c_void_p(bias.data_ptr())
-            _set(lib, lib.dll.cublasLtMatmulDescSetAttribute, plan.desc, DESC_BIAS_POINTER,
-                 ptr, "bias pointer")  # fmt: skip
-        status = lib.dll.cublasLtMatmul(
-            _handle(lib, device), plan.desc, alpha.data_ptr(),
+            plan.bias_pointer[0] = bias.data_ptr()
+            lt.matmul_desc_set_attribute(
+                plan.desc, lt.MatmulDescAttribute.BIAS_POINTER,
+                plan.bias_pointer.ctypes.data, plan.bias_pointer.itemsize,
+            )  # fmt: skip
+        lt.matmul(
+            _handle(lt, device), plan.desc, alpha.data_ptr(),
             b.data_ptr(), plan.layouts["A"], a.data_ptr(), plan.layouts["B"],
             beta_value.data_ptr(), beta.data_ptr(), plan.layouts["D"],
             out.data_ptr(), plan.layouts["D"], plan.algo,
             ws.data_ptr(), WORKSPACE_BYTES, stream,
         )  # fmt: skip
-    lib.check(status, "cublasLtMatmul")
     return out
 
 
@@ -327,11 +296,11 @@ def _plan_for(problem: Problem, device: int) -> _Plan | str:
     reason = problem.reason()
     if reason is not None:
         return reason
-    lib = _library()
-    if lib is None:
+    lt = _library()
+    if lt is None:
         return unavailable() or "cuBLASLt is unavailable"
     with _lock:
-        plan = _plan(lib, problem, device)
+        plan = _plan(lt, problem, device)
     return plan if plan is not None else f"no cuBLASLt algorithm for {problem}"
 
 
