@@ -127,12 +127,22 @@ def test_the_plan_describes_the_problem_to_cublaslt(monkeypatch) -> None:
         def matmul_preference_destroy(pref: int) -> None:
             calls.append(("destroy preference", pref))
 
+        found = 1  # algorithms the heuristic returns
+
         @staticmethod
         def matmul_algo_get_heuristic(handle, desc, a, b, c, d, pref, n, results, count) -> None:
             import ctypes
 
             calls.append(("heuristic", handle, desc, a, b, c, d, pref, n))
-            ctypes.c_int32.from_address(count).value = 1
+            ctypes.c_int32.from_address(count).value = Binding.found
+
+        @staticmethod
+        def matrix_layout_destroy(layout: int) -> None:
+            calls.append(("destroy layout", layout))
+
+        @staticmethod
+        def matmul_desc_destroy(desc: int) -> None:
+            calls.append(("destroy desc", desc))
 
     monkeypatch.setattr(cublaslt, "_handles", {0: 7})
     p = Problem(300, 64, 512, torch.bfloat16, bias_dtype=torch.float32, accumulate=False)
@@ -152,3 +162,12 @@ def test_the_plan_describes_the_problem_to_cublaslt(monkeypatch) -> None:
     assert calls[5] == ("heuristic", 7, 11, 102, 103, 104, 104, 13, 1)  # A, B, C = D, D
     assert calls[6] == ("destroy preference", 13)
     assert plan is not None and plan.desc == 11 and plan.algo == plan.heuristic.ptr
+    assert len(calls) == 7  # a plan that serves keeps its descriptors
+    # no algorithm: no plan, and the descriptors made for it are destroyed
+    calls.clear()
+    Binding.found = 0
+    assert cublaslt._plan(Binding, p, 0) is None
+    assert calls[-4:] == [
+        ("destroy layout", 102), ("destroy layout", 103), ("destroy layout", 104),
+        ("destroy desc", 11),
+    ]  # fmt: skip

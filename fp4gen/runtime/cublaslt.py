@@ -197,10 +197,13 @@ def _plan(lt: Any, problem: Problem, device: int) -> _Plan | None:
             pref, 1, result.ptr, count.ctypes.data,
         )  # fmt: skip
     except lt.cuBLASLtError:  # e.g. NOT_SUPPORTED: no algorithm for this problem
-        return None
+        count[0] = 0
     finally:
         lt.matmul_preference_destroy(pref)
-    if count[0] < 1:
+    if count[0] < 1:  # the declined problem keeps no descriptors
+        for layout in layouts.values():
+            lt.matrix_layout_destroy(layout)
+        lt.matmul_desc_destroy(desc)
         return None
     return _Plan(desc, layouts, result, bias_pointer)
 
