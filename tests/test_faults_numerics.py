@@ -773,7 +773,10 @@ def test_the_whole_demo_run_ends_near_its_budget(
     cfg = DemoConfig(recipes=("bf16", "bf16"), steps=100_000, out=tmp_path, time_budget=budget)
     train.run_demo(cfg, log=lambda line: None)
     summary = json.loads((tmp_path / "summary.json").read_text())
-    assert 0.8 * budget <= summary["seconds"] <= budget + 0.3
+    # near the budget: a run that ignored it would take 100,000 x 10 ms, one that stopped after
+    # calibrating well under it; the margin absorbs a loaded CI host's timing of the
+    # calibration (2.7-3.0 s measured here, one run of a full suite fell outside 2.4-3.3 s)
+    assert 0.7 * budget <= summary["seconds"] <= budget + 0.5
     recipes = summary["recipes"]
     assert len(recipes) == 2 and all(r["steps"] >= 10 for r in recipes)
     stopped = [r["stopped_early"] for r in recipes]
