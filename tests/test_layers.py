@@ -37,6 +37,7 @@ LAYER_OF: dict[str, str] = {
     "fp4gen.errors": "core",
     "fp4gen.formats": "core",
     "fp4gen.settings": "core",
+    "fp4gen.outputs": "core",  # writing user-visible files: whole, never through a link
     "fp4gen.device_offset": "core",  # a value type generated modules and the runtime share
     "fp4gen.vocab": "core",
     "fp4gen.spec": "core",

@@ -51,6 +51,13 @@ from pathlib import Path
 from typing import Any
 
 from fp4gen.errors import FP4GenError
+from fp4gen.outputs import (  # the rules of every command that writes (re-exported)
+    PLAIN_NAME_RULE,
+    file_in_the_way,
+    inside,
+    is_plain_name,
+    path_problem,
+)
 
 log = logging.getLogger("fp4gen.cache")
 
@@ -70,10 +77,6 @@ _OWNED_NAMES = {
     "tmp": re.compile(r"[0-9a-f]{16}-.+|trash-.+|worker-.+\.log"),
 }
 _KEY = re.compile(r"[0-9a-f]{40}")
-_PLAIN_NAME = re.compile(r"[A-Za-z0-9_.-]+", re.ASCII)
-PLAIN_NAME_RULE = (
-    "a plain name (letters, digits, '_', '-', '.'; not '.' or '..'; no path separators)"
-)
 _warned: set[str] = set()
 
 
@@ -196,49 +199,8 @@ def _warn_once(what: str, message: str) -> None:
 
 
 # ----------------------------------------------------------------------------------------------
-# Paths: names that become paths, and file-system errors in one line
+# Sizes and removal, never following links (path rules: fp4gen.outputs)
 # ----------------------------------------------------------------------------------------------
-
-
-def is_plain_name(name: str) -> bool:
-    """One path component that cannot climb out of its folder (see PLAIN_NAME_RULE)."""
-    return name not in (".", "..") and _PLAIN_NAME.fullmatch(name) is not None
-
-
-def inside(folder: Path, *names: str) -> Path:
-    """``folder / names...``: each a plain name, and the result, resolved, still under the
-    resolved ``folder`` (a symbolic link inside could lead anywhere). Raises FP4GenError."""
-    for name in names:
-        if not is_plain_name(name):
-            raise FP4GenError(
-                f"{name!r} names a path under {folder}, so it must be {PLAIN_NAME_RULE}"
-            )
-    path = folder.joinpath(*names)
-    if not path.resolve().is_relative_to(folder.resolve()):
-        raise FP4GenError(f"{path} leads out of {folder} through a symbolic link")
-    return path
-
-
-def file_in_the_way(path: Path) -> Path | None:
-    """The first of ``path`` and its parents that exists and is not a folder, if any."""
-    for p in (path, *path.parents):
-        try:
-            mode = p.stat().st_mode
-        except OSError:  # absent, or under a file: the culprit is further up
-            continue
-        return None if stat.S_ISDIR(mode) else p
-    return None
-
-
-def path_problem(folder: Path, err: OSError) -> str:
-    """What ``err`` says is wrong with writing into ``folder``, naming the path at fault."""
-    blocker = file_in_the_way(folder)
-    if blocker is not None:
-        return f"{blocker} is a file, not a folder"
-    where = err.filename if err.filename else folder
-    if isinstance(err, PermissionError):
-        return f"{where}: permission denied"
-    return f"{where}: {err.strerror or err}"
 
 
 def _tree_size(path: Path) -> int:
