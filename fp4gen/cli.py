@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import select
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -729,7 +731,28 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+# The status of a command whose reader closed its output (``fp4gen show nvfp4 | head -1``):
+# what a shell reports for a Unix tool that SIGPIPE ended, 128 + SIGPIPE.
+CLOSED_PIPE_STATUS = 141
+
+
 def main(argv: Sequence[str] | None = None) -> int:
+    """Run one command; its exit status. A reader that stops reading the output early (``head``)
+    ends the command quietly with CLOSED_PIPE_STATUS, as it ends a Unix tool."""
+    try:
+        try:
+            status = _run(argv)
+        finally:
+            # a closed pipe shows here, not in the interpreter's flush at exit, which would print
+            # "Exception ignored ... BrokenPipeError" (also after --help, through SystemExit)
+            sys.stdout.flush()
+    except BrokenPipeError:
+        _discard_stdout()
+        return CLOSED_PIPE_STATUS
+    return status
+
+
+def _run(argv: Sequence[str] | None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
@@ -739,11 +762,41 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"fp4gen {args.command}: {err}", file=sys.stderr)
         return 1
     except OSError as err:
+        if isinstance(err, BrokenPipeError) and stdout_closed():
+            raise  # the reader went away: main() ends quietly
         # the last line of defence for a file-system error a command did not word itself (a
         # full disk, a folder that vanished): one line naming the path; other errors are bugs
         # and keep their traceback
         print(f"fp4gen {args.command}: {describe_os_error(err)}", file=sys.stderr)
         return 1
+
+
+def stdout_closed() -> bool:
+    """Whether standard output is a pipe or socket whose reader has gone (so a BrokenPipeError
+    came from our output, not from a pipe to a child process). Where this cannot be told (no
+    poll, no file descriptor), a broken pipe is taken to be stdout's."""
+    try:
+        fd = sys.stdout.fileno()
+    except (AttributeError, OSError, ValueError):  # replaced by an in-memory stream
+        return False
+    poll = getattr(select, "poll", None)
+    if poll is None:
+        return True
+    poller = poll()
+    poller.register(fd, select.POLLOUT)
+    # a pipe without readers polls as an error (POLLERR), a closed socket as a hang-up
+    return any(events & (select.POLLERR | select.POLLHUP) for _, events in poller.poll(0))
+
+
+def _discard_stdout() -> None:
+    """Point standard output at the null device, so that what is still buffered for the
+    closed pipe goes nowhere when the interpreter flushes it at exit."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+    except (AttributeError, OSError, ValueError):
+        pass
 
 
 def describe_os_error(err: OSError) -> str:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -10,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from fp4gen.cli import main
+from fp4gen.cli import CLOSED_PIPE_STATUS, main
 
 RECIPES = Path(__file__).resolve().parent.parent / "fp4gen" / "recipes"
 SHIPPED = sorted(RECIPES.glob("*.fp4r"))
@@ -174,6 +175,59 @@ def test_console_entry_point_runs() -> None:
     )
     assert proc.returncode == 0, proc.stderr
     assert "mxfp4" in proc.stdout
+
+
+def _closed_pipe_run(*argv: str) -> subprocess.CompletedProcess[bytes]:
+    """Run ``python -m fp4gen ARGV`` with its stdout a pipe whose reader is already gone."""
+    read_end, write_end = os.pipe()
+    os.close(read_end)
+    try:
+        return subprocess.run(
+            [sys.executable, "-m", "fp4gen", *argv],
+            stdout=write_end,
+            stderr=subprocess.PIPE,
+            check=False,
+            timeout=120,
+        )
+    finally:
+        os.close(write_end)
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [("show", "nvfp4"), ("show", "nvfp4", "--json"), ("formats",), ("check", "nvfp4", "mxfp4")],
+    ids=lambda argv: " ".join(argv),
+)
+def test_a_closed_pipe_ends_the_command_quietly(argv: tuple[str, ...]) -> None:
+    proc = _closed_pipe_run(*argv)
+    assert (proc.returncode, proc.stderr.decode()) == (CLOSED_PIPE_STATUS, "")
+
+
+def test_a_reader_that_stops_early_ends_the_command_quietly() -> None:
+    # `fp4gen check nvfp4 ... | head -1`: more output than a pipe holds, read one line, close
+    names = ["nvfp4"] * 6000  # 20 bytes a line: about 120 KB
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "fp4gen", "check", *names],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    )
+    assert proc.stdout is not None and proc.stderr is not None
+    first = proc.stdout.readline()
+    proc.stdout.close()
+    err = proc.stderr.read()
+    assert proc.wait(timeout=120) == CLOSED_PIPE_STATUS
+    assert (first, err) == (b"ok  nvfp4  (nvfp4)\n", b"")
+
+
+def test_a_broken_pipe_that_is_not_stdout_is_an_error(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # a pipe to a child process that died is a failure to report, not a reader that left
+    def broken(args: object) -> int:
+        raise BrokenPipeError(32, "Broken pipe")
+
+    monkeypatch.setattr("fp4gen.cli.cmd_formats", broken)  # read when the parser is built
+    assert run(capsys, "formats") == (1, "", "fp4gen formats: Broken pipe\n")
 
 
 def test_demo_writes_csv_and_png(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
