@@ -343,3 +343,79 @@ def test_compile_with_the_real_template(
     rows = built(stdout)
     for arch in ("sm_90a", "sm_100a"):
         assert rows[(single.name, "quantize", arch)].startswith("compiled")
+
+
+# ----------------------------------------------------------------------------------------------
+# --out: no writing through links, whole files, what was replaced
+# ----------------------------------------------------------------------------------------------
+
+
+def _compile_into(capsys: pytest.CaptureFixture[str], out: Path, cache: Path) -> tuple:
+    return run(
+        capsys, "compile", NVFP4, "--out", str(out), "--cache-dir", str(cache), "--no-compile"
+    )
+
+
+def test_compile_refuses_links_in_out(
+    stub: None, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    victim = tmp_path / "users-notes.txt"
+    victim.write_text("precious")
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "manifest.json").symlink_to(victim)
+    code, _, err = _compile_into(capsys, out, tmp_path / "c")
+    assert code == 1 and "Traceback" not in err and len(err.strip().splitlines()) == 1
+    assert "manifest.json is a symbolic link" in err and "users-notes.txt" in err
+    assert victim.read_text() == "precious"
+    # a generated module's name as a link: refused before anything is written through it
+    (out / "manifest.json").unlink()
+    assert sorted(out.iterdir()) == []  # nothing was written
+    (out / f"{X_ROW}.py").symlink_to(victim)
+    code, _, err = _compile_into(capsys, out, tmp_path / "c")
+    assert code == 1 and f"{X_ROW}.py is a symbolic link" in err
+    assert victim.read_text() == "precious" and not (out / "manifest.json").exists()
+
+
+def test_compile_says_which_files_it_replaced(
+    stub: None, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "manifest.json").write_text('{"mine": true, "kernels": [{"file": "keep.py"}]}\n')
+    (out / "keep.py").write_text("# a user's file a foreign manifest names")
+    code, stdout, err = _compile_into(capsys, out, tmp_path / "c")
+    assert code == 0, err
+    assert f"nvfp4: replaced 1 existing file(s) in {out}: manifest.json" in stdout
+    assert manifest(out)["recipe"]["name"] == "nvfp4" and (out / "keep.py").is_file()
+    # the same compile again changes nothing, so it replaces nothing
+    code, stdout, _ = _compile_into(capsys, out, tmp_path / "c")
+    assert code == 0 and "replaced" not in stdout
+
+
+def test_compile_on_a_full_disk_leaves_no_partial_module(
+    stub: None, tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import errno
+    import os
+
+    from fp4gen import outputs
+
+    out = tmp_path / "out"
+    assert _compile_into(capsys, out, tmp_path / "c")[0] == 0
+    module = out / f"{X_ROW}.py"
+    room = module.stat().st_size // 2  # half the module fits, then the disk is full
+    module.write_text("# the previous module\n")
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+
+    def full_disk(file, data: bytes) -> None:
+        file.write(data[:room])
+        if len(data) > room:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(outputs, "_write_data", full_disk)
+    code, _, err = _compile_into(capsys, out, tmp_path / "c")
+    assert code == 1 and "Traceback" not in err and len(err.strip().splitlines()) == 1
+    assert f"cannot write {module}: No space left on device" in err
+    assert "previous file is unchanged" in err
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before  # no partial, no temp

@@ -51,6 +51,7 @@ from fp4gen.compiler.cache import (
 from fp4gen.compiler.plan import KernelPlan, PlannedKernel, plan_recipe, use_json
 from fp4gen.dsl.model import Recipe
 from fp4gen.errors import FP4GenError, RecipeError
+from fp4gen.outputs import OutputFiles
 from fp4gen.spec import MoRKernelSpec, QuantKernelSpec
 
 MANIFEST = "manifest.json"
@@ -104,6 +105,10 @@ class RecipeBuild:
     kernels: list[RenderedKernel]
     runtime: RuntimePlan | None = None  # what the runtime loads (None: the plan's kernels only)
     gemm_sources: bool = False  # also write the dequantize and GEMM modules into ``out``
+    files: OutputFiles = field(init=False)  # what was written into ``out`` and replaced there
+
+    def __post_init__(self) -> None:
+        self.files = OutputFiles(self.out)
 
     def writes(self, item: RenderedKernel) -> bool:
         """Whether ``item``'s module goes into the folder. The quantize and MoR modules always
@@ -291,6 +296,8 @@ def _stale_files(build: RecipeBuild, keep: set[str]) -> list[Path]:
     plain ``.py`` names inside the folder (the manifest is a file anyone could have edited)."""
     try:
         previous = json.loads((build.out / MANIFEST).read_text())
+        if "template_version" not in previous or "recipe" not in previous:
+            return []  # someone else's manifest.json: it names no file of ours
         files = [k.get("file") for k in previous.get("kernels", [])]
     except (OSError, ValueError, AttributeError, TypeError):
         return []
@@ -304,7 +311,8 @@ def _stale_files(build: RecipeBuild, keep: set[str]) -> list[Path]:
 
 
 def write_sources(build: RecipeBuild) -> None:
-    """Write the sources of a recipe folder, removing the ones an earlier run left there."""
+    """Write the sources of a recipe folder, removing the ones an earlier run left there; each
+    file whole (``fp4gen.outputs``: a full disk leaves the old file, never part of a new one)."""
     files: dict[str, str] = {}
     for item in build.kernels:
         if not build.writes(item):
@@ -318,21 +326,17 @@ def write_sources(build: RecipeBuild) -> None:
             )
     with writing_out(build.out):
         build.out.mkdir(parents=True, exist_ok=True)
+        build.files.refuse_existing([*files, MANIFEST])  # a link fails before any file is written
         for stale in _stale_files(build, set(files)):
-            stale.unlink()
-        for file, source in files.items():
-            path = inside(build.out, file)
-            if not path.is_file() or path.read_text() != source:
-                path.write_text(source)
+            build.files.remove(stale.name)
+        for file, source in files.items():  # unchanged files keep their mtime
+            build.files.write_text(file, source, keep_same=True)
 
 
 def write_manifest(build: RecipeBuild, archs: Sequence[str], *, template: str) -> Path:
-    path = build.out / MANIFEST
     text = json.dumps(manifest(build, archs, template=template), indent=2, allow_nan=False) + "\n"
-    with writing_out(build.out):
-        if not path.is_file() or path.read_text() != text:  # unchanged files keep their mtime
-            path.write_text(text)
-    return path
+    with writing_out(build.out):  # unchanged files keep their mtime
+        return build.files.write_text(MANIFEST, text, keep_same=True)
 
 
 # ----------------------------------------------------------------------------------------------

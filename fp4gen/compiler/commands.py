@@ -190,6 +190,9 @@ def cmd_compile(args: argparse.Namespace) -> int:
         print_results(report)
     for build in report.builds:
         print(f"{build.recipe.name}: wrote {build.out / 'manifest.json'}")
+        replaced = build.files.replaced_text()
+        if replaced is not None:  # files that were there before and now differ
+            print(f"{build.recipe.name}: {replaced}")
     if not args.no_compile:  # the summary last: scripts read the final line
         print(
             f"compiled {report.compiled} kernel(s), {report.cached} from the cache, for "
