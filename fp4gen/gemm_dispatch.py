@@ -56,11 +56,11 @@ from fp4gen.codegen.gemm_configs import (
     mma_plan,
     shape_reason,
 )
-from fp4gen.errors import FP4GenError, TensorError
+from fp4gen.errors import ArgumentError, FP4GenError, TensorError
 from fp4gen.formats import BlockFormat
 from fp4gen.numerics import QuantizedTensor, gemm_block_scaled_reference, gemm_reference
-from fp4gen.numerics.gemm import require_quantized
-from fp4gen.runtime.checks import check_out, check_pair
+from fp4gen.runtime.checks import check_accumulate, check_bias, check_out, check_pair
+from fp4gen.runtime.epilogue import OUT_DTYPES, GemmProduct, finish
 
 BACKENDS = ("auto", "reference", "dequant", "cute", "blackwell", "block_scaled")
 # what backend="auto" computes for the pairs the block_scaled backend serves (numerics.md 6.1)
@@ -112,10 +112,14 @@ def gemm(
 ) -> torch.Tensor:
     """C = S_a S_b (A_q @ B_q^T) (+ bias) for a: [M, K] and b: [N, K], both quantized along K.
 
-    ``accumulate`` (fp32 [M, N]) is added to the result, as a wgrad GEMM accumulates across
-    micro-batches; the sum is returned (the tensor given is not modified). ``out``: a
-    contiguous [M, N] tensor of ``out_dtype`` on a's device that receives the result and is
-    returned (the fused and dequant kernels write it directly; other paths copy into it).
+    ``out_dtype``: float32, bfloat16 or float16 (the fp32 result rounded once). ``bias``: a
+    floating-point [N] tensor. ``accumulate`` (a floating-point [M, N] tensor, read in fp32) is
+    added to the result, as a wgrad GEMM accumulates across micro-batches; the sum is returned
+    (the tensor given is not modified). ``out``: a contiguous [M, N] tensor of ``out_dtype`` on
+    a's device that receives the result and is returned (the fused and dequant kernels write it
+    directly; other paths copy into it). Every backend's product goes through one epilogue
+    (``fp4gen.runtime.epilogue.finish``), which applies the scales, bias and accumulate the
+    backend did not apply itself. A bad argument raises ArgumentError, a bad tensor TensorError.
     """
     if (
         backend == "auto"
@@ -126,9 +130,10 @@ def gemm(
     ):
         prepared = _prepared.get(b)  # a call like the last one with this B (a weight)
         if prepared is not None:
-            c = prepared(a, b, out_dtype)
+            c = prepared(a, b, out_dtype)  # checks that A and out_dtype are what it was made for
             if c is not None:
                 return c
+    _check_arguments(a, b, out_dtype, bias, accumulate, out)
     if backend not in BACKENDS:
         raise FP4GenError(f"unknown GEMM backend {backend!r}; choose one of {BACKENDS}")
     if out is not None:
@@ -136,38 +141,93 @@ def gemm(
     return _into(_gemm(_GemmCall(a, b, out_dtype, bias, accumulate, out), backend), out)
 
 
+def _check_arguments(
+    a: object, b: object, out_dtype: object, bias: object, accumulate: object, out: object
+) -> None:
+    """ArgumentError for an argument of the wrong kind, TensorError for a bias or accumulate
+    of the wrong shape: before any work, whatever the backend (``out``'s shape, dtype and
+    device are ``check_out``'s)."""
+    for name, operand in (("a", a), ("b", b)):
+        if not isinstance(operand, QuantizedTensor):
+            raise ArgumentError(
+                f"gemm: {name} must be a QuantizedTensor (quantize the tensor first: "
+                f"fp4gen.quantize), got {_kind(operand)}"
+            )
+    assert isinstance(a, QuantizedTensor) and isinstance(b, QuantizedTensor)
+    if out_dtype not in OUT_DTYPES:
+        raise ArgumentError(
+            f"gemm: out_dtype must be torch.float32, torch.bfloat16 or torch.float16 (the fp32 "
+            f"result rounded once), got {out_dtype!r}"
+        )
+    for name, t, shape in (("bias", bias, (b.rows,)), ("accumulate", accumulate, (a.rows, b.rows))):
+        if t is None:
+            continue
+        if not isinstance(t, torch.Tensor) or not t.is_floating_point():
+            raise ArgumentError(
+                f"gemm: {name} must be None or a floating-point tensor of shape "
+                f"{list(shape)}, got {_kind(t)}"
+            )
+    if out is not None and not isinstance(out, torch.Tensor):
+        raise ArgumentError(f"gemm: out must be None or a tensor, got {_kind(out)}")
+    check_bias(bias, b.rows)  # type: ignore[arg-type]
+    check_accumulate(accumulate, a.rows, b.rows)  # type: ignore[arg-type]
+
+
+def _kind(x: object) -> str:
+    """What was passed, in a few words (a tensor by dtype and shape, not its values)."""
+    if isinstance(x, torch.Tensor):
+        return f"a {x.dtype} tensor of shape {list(x.shape)}"
+    if isinstance(x, bool | int | float | str):
+        return f"{type(x).__name__} {x!r}"
+    return type(x).__name__
+
+
+KERNEL_BACKENDS = ("cute", "blackwell", "block_scaled")
+
+
+def _kernel_path(backend: str) -> Callable[[_GemmCall], GemmProduct]:
+    """The product function of a kernel backend, looked up at each call (tests replace them)."""
+    return {"cute": _fused, "blackwell": _native, "block_scaled": _block_scaled}[backend]
+
+
 def _gemm(call: _GemmCall, backend: str) -> torch.Tensor:
-    """``gemm`` on ``backend`` (``call.out``: where a kernel may write the result)."""
+    """``gemm`` on ``backend`` (``call.out``: where a kernel may write the result): the
+    backend's product, then the shared epilogue, which applies every step (global scales,
+    bias, accumulate, the rounding to out_dtype) the backend does not say it applied."""
+    backend, product = _product(call, backend)
     a, b, out_dtype, bias, accumulate, _, _ = call
+    return finish(
+        product, a, b, bias=bias, accumulate=accumulate, out_dtype=out_dtype, backend=backend
+    )
+
+
+def _product(call: _GemmCall, backend: str) -> tuple[str, GemmProduct]:
+    """(the backend that ran, its product) for ``backend`` ("auto" resolved here)."""
+    a, b = call.a, call.b
     if backend == "auto":
         call = call._replace(auto=True)  # the fused and dequant paths then prepare the next
         choice = auto_backend(a, b)
         backend = choice.backend
         if choice.fallback:
             _log_once(choice.why)
-        if backend in ("cute", "blackwell", "block_scaled"):
-            run = {"cute": _fused, "blackwell": _native, "block_scaled": _block_scaled}[backend]
+        if backend in KERNEL_BACKENDS:
             try:
-                return run(call)
+                return backend, _kernel_path(backend)(call)
             except TensorError:
                 raise
             except FP4GenError as err:  # the kernel cannot be built or loaded here
                 _log_once(str(err))
                 backend = "dequant"
-    elif backend == "cute":
-        return _fused(call)
-    elif backend == "blackwell":
-        return _native(call)
-    elif backend == "block_scaled":
-        if a.device.type == "cuda":
-            return _block_scaled(call)
-        return _finish(gemm_block_scaled_reference(a, b, bias=bias), accumulate, out_dtype)
+    elif backend == "block_scaled" and a.device.type != "cuda":
+        return backend, GemmProduct(gemm_block_scaled_reference(a, b), scaled=True)
+    elif backend in KERNEL_BACKENDS:
+        return backend, _kernel_path(backend)(call)
     if backend == "dequant":
         fast = _fast_dequant(call)
         if fast is not None:
-            return fast
-    c = gemm_reference(a, b, bias=bias) if backend == "reference" else _dequant_gemm(a, b, bias)
-    return _finish(c, accumulate, out_dtype)
+            return backend, fast
+        return backend, _dequant_gemm(a, b)
+    return backend, GemmProduct(gemm_reference(a, b), scaled=True)
 
 
 def _into(c: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
@@ -176,19 +236,6 @@ def _into(c: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
         return c
     out.copy_(c)
     return out
-
-
-def _finish(
-    c: torch.Tensor, accumulate: torch.Tensor | None, out_dtype: torch.dtype
-) -> torch.Tensor:
-    """The fp32 product ``c`` plus ``accumulate`` (checked against its shape), in out_dtype."""
-    if accumulate is not None:
-        if accumulate.shape != c.shape:
-            raise TensorError(
-                f"accumulate has shape {tuple(accumulate.shape)}, the product {tuple(c.shape)}"
-            )
-        c = accumulate.to(torch.float32) + c
-    return c.to(out_dtype)
 
 
 def fused_support(a: BlockFormat | object, b: BlockFormat | object) -> str | None:
@@ -346,22 +393,21 @@ def _log_once(
         log.info(message, reason)
 
 
-def _fast_dequant(call: _GemmCall) -> torch.Tensor | None:
+def _fast_dequant(call: _GemmCall) -> GemmProduct | None:
     """The dequant backend with the generated dequantize kernels on CUDA, or None where they do
     not serve (CPU tensors, formats not exact in bf16, an arch without the kernel, no CuTe DSL:
     logged once); the torch decode then runs. Where auto chose it (``call.auto``), a call with
     a B met before leaves a prepared call for it (``_prepared``)."""
     a, b, out_dtype, bias, accumulate, out, auto = call
-    require_quantized(a, b)
     if a.device.type != "cuda" or b.device.type != "cuda":
         return None
     reason = dequant_support(a.format) or dequant_support(b.format)
     if reason is None:
         from fp4gen.compiler.jit import detect_arch
-        from fp4gen.runtime.dequant import dequant_gemm
+        from fp4gen.runtime.dequant import dequant_product
 
         try:
-            return dequant_gemm(
+            return dequant_product(
                 a,
                 b,
                 out_dtype=out_dtype,
@@ -380,43 +426,43 @@ def _fast_dequant(call: _GemmCall) -> torch.Tensor | None:
 
 
 def _kernel_gemm(
-    backend: str, run: Callable[..., torch.Tensor], call: _GemmCall, **extra: Any
-) -> torch.Tensor:
-    """``run`` (``fused_gemm`` or ``native_gemm``) on the arch of ``a``'s GPU, after the checks
-    both kernel backends make first (QuantizedTensors, on CUDA)."""
+    backend: str, run: Callable[..., GemmProduct], call: _GemmCall, **extra: Any
+) -> GemmProduct:
+    """``run`` (``fused_product`` or ``native_product``) on the arch of ``a``'s GPU, after the
+    check both kernel backends make first (CUDA tensors)."""
     from fp4gen.compiler.jit import detect_arch
 
     a, b, out_dtype, bias, accumulate, out, _ = call
-    require_quantized(a, b)
     if a.device.type != "cuda":
         raise FP4GenError(f"the {backend} GEMM backend runs on CUDA tensors, got {a.device}")
     arch = detect_arch(a.device)
-    # the fused kernel writes into ``out``; native_gemm makes its own result (``gemm`` copies it)
+    # the fused kernel writes into ``out``; the native one makes its own (``gemm`` copies it)
     if out is not None and backend == "cute":
         extra["out"] = out
     return run(a, b, out_dtype=out_dtype, bias=bias, accumulate=accumulate, arch=arch, **extra)
 
 
-# _fused, _native and _block_scaled stay three names: tests replace each on its own
-def _fused(call: _GemmCall) -> torch.Tensor:
+# _fused, _native and _block_scaled stay three names: tests replace each on its own. Each
+# returns the backend's GemmProduct; ``_gemm`` finishes it (the shared epilogue).
+def _fused(call: _GemmCall) -> GemmProduct:
     """The fused kernel; where ``backend="auto"`` chose it, a small-M call also leaves a
     prepared call for its B (``_prepared``), which serves the next auto calls like it."""
-    from fp4gen.runtime.cute_gemm import fused_gemm
+    from fp4gen.runtime.cute_gemm import fused_product
 
-    return _kernel_gemm("cute", fused_gemm, call, keep=_prepared if call.auto else None)
-
-
-def _native(call: _GemmCall) -> torch.Tensor:
-    from fp4gen.runtime.blackwell_gemm import native_gemm
-
-    return _kernel_gemm("blackwell", native_gemm, call)
+    return _kernel_gemm("cute", fused_product, call, keep=_prepared if call.auto else None)
 
 
-def _block_scaled(call: _GemmCall) -> torch.Tensor:
-    from fp4gen.runtime.fp8_gemm import block_scaled_gemm
+def _native(call: _GemmCall) -> GemmProduct:
+    from fp4gen.runtime.blackwell_gemm import native_product
+
+    return _kernel_gemm("blackwell", native_product, call)
+
+
+def _block_scaled(call: _GemmCall) -> GemmProduct:
+    from fp4gen.runtime.fp8_gemm import block_scaled_product
 
     a, b, out_dtype, bias, accumulate, _, _ = call
-    return block_scaled_gemm(a, b, out_dtype=out_dtype, bias=bias, accumulate=accumulate)
+    return block_scaled_product(a, b, out_dtype=out_dtype, bias=bias, accumulate=accumulate)
 
 
 def significand_bits(fmt: BlockFormat) -> int:
@@ -483,22 +529,21 @@ def _mx_note(a: BlockFormat, b: BlockFormat) -> str:
     )
 
 
-def _dequant_gemm(
-    a: QuantizedTensor, b: QuantizedTensor, bias: torch.Tensor | None
-) -> torch.Tensor:
+def _dequant_gemm(a: QuantizedTensor, b: QuantizedTensor) -> GemmProduct:
+    """The dequant backend with torch ops: the block values' fp32 product, the global scales,
+    bias and accumulate left to the epilogue."""
     check_pair(a, b)
     exact_bf16 = a.format.gemm_exact_in_bf16() and b.format.gemm_exact_in_bf16()
     va, vb = a.dequantize_blockwise(), b.dequantize_blockwise()
-    if exact_bf16 and a.device.type == "cuda":
-        # bf16 inputs hold the block values exactly; cuBLAS accumulates in fp32.
-        c = torch.mm(va.to(torch.bfloat16), vb.to(torch.bfloat16).t(), out_dtype=torch.float32)
-    else:
-        with _no_tf32():
-            c = va @ vb.t()
-    c = c * (a.global_scale * b.global_scale)
-    if bias is not None:
-        c = c + bias.to(torch.float32)
-    return c
+    # autocast would round fp32 block values to 16 bits: this GEMM keeps the types it is given
+    with torch.autocast(a.device.type, enabled=False):
+        if exact_bf16 and a.device.type == "cuda":
+            # bf16 inputs hold the block values exactly; cuBLAS accumulates in fp32.
+            c = torch.mm(va.to(torch.bfloat16), vb.to(torch.bfloat16).t(), out_dtype=torch.float32)
+        else:
+            with _no_tf32():
+                c = va @ vb.t()
+    return GemmProduct(c, scaled=False)
 
 
 class _no_tf32:

@@ -18,8 +18,10 @@ with the epilogue alpha); fp4gen supplies the glue:
   output dtype, tile, cluster and the persistent grid size), rendered into a small generated
   module so that it compiles and caches like every fp4gen kernel
   (``fp4gen.compiler.jit.build_kernel``: a later process loads the shared library).
-* ``native_gemm``: C = S_a S_b (A @ B^T) (+ bias) (+ accumulate), the same result as the other
-  paths up to the fp32 summation order (docs/numerics.md section 6).
+* ``native_product``: S_a S_b (A @ B^T) as the kernel writes it, which ``fp4gen.gemm`` finishes
+  with the shared epilogue (bias, accumulate, the output dtype); ``native_gemm``: the two
+  together, C = S_a S_b (A @ B^T) (+ bias) (+ accumulate), the same result as the other paths
+  up to the fp32 summation order (docs/numerics.md section 6).
 
 Nothing here has run on a Blackwell GPU yet: the kernels are cross-compiled and their PTX is
 checked (tests/test_gemm_sm100.py), the layouts are checked bit for bit on the CPU.
@@ -50,6 +52,7 @@ from fp4gen.codegen.gemm_configs import (
 from fp4gen.errors import FP4GenError, TensorError
 from fp4gen.numerics.quantize import tensor_version
 from fp4gen.runtime.checks import check_accumulate, check_bias, check_pair, one_cuda_device
+from fp4gen.runtime.epilogue import GemmProduct, finish
 from fp4gen.runtime.loader import BUILD_FAILED, KernelLoader, Reasons, Unsupported
 
 _TORCH_OUT: dict[str, torch.dtype] = {"Float32": torch.float32, "BFloat16": torch.bfloat16}
@@ -199,15 +202,36 @@ def native_gemm(
     arch: str,
     tile: str | None = None,
 ) -> torch.Tensor:
-    """C = S_a S_b (A_q @ B_q^T) (+ bias) (+ accumulate) on the tensor cores of sm_100a.
+    """C = S_a S_b (A_q @ B_q^T) (+ bias) (+ accumulate) on the tensor cores of sm_100a:
+    ``native_product`` finished by the shared epilogue (``fp4gen.gemm`` runs the same two)."""
+    product = native_product(
+        a, b, out_dtype=out_dtype, bias=bias, accumulate=accumulate, arch=arch, tile=tile
+    )
+    return finish(
+        product, a, b, bias=bias, accumulate=accumulate, out_dtype=out_dtype, backend="blackwell"
+    )
+
+
+def native_product(
+    a: Any,
+    b: Any,
+    *,
+    out_dtype: torch.dtype,
+    bias: torch.Tensor | None,
+    accumulate: torch.Tensor | None,
+    arch: str,
+    tile: str | None = None,
+) -> GemmProduct:
+    """S_a S_b (A_q @ B_q^T) on the tensor cores of sm_100a, as a GemmProduct: the kernel
+    applies alpha = S_a S_b and writes fp32; bias and accumulate are the shared epilogue's (in
+    fp32 after it, the order of gemm_reference), then one rounding to ``out_dtype``.
 
     ``a``, ``b``: QuantizedTensors [M, K] and [N, K] on one CUDA device, quantized along K with
-    the same RHT (or none). The kernel writes fp32 acc * alpha; bias and accumulate are added in
-    fp32 after it (the order of gemm_reference), then one rounding to ``out_dtype``. bf16 comes
-    straight from the kernel only when nothing is added and neither format has a global scale
-    (alpha is 1): the package's epilogue converts to the output type before our multiply, so a
-    bf16 kernel would round twice. Raises FP4GenError when no MMA serves the pair, the shape or
-    the arch, TensorError for operands that do not fit together.
+    the same RHT (or none). bf16 comes straight from the kernel only when nothing is added and
+    neither format has a global scale (alpha is 1): the package's epilogue converts to the
+    output type before our multiply, so a bf16 kernel would round twice. Raises FP4GenError
+    when no MMA serves the pair, the shape or the arch, TensorError for operands that do not fit
+    together.
     """
     check_pair(a, b)
     if arch not in NATIVE_ARCHS:
@@ -238,11 +262,7 @@ def native_gemm(
         raise FP4GenError(f"the native GEMM kernel is not available: {fn.reason}")
     out = torch.empty((m, n), dtype=_TORCH_OUT[kernel_dtype], device=dev)
     fn(*kernel_args(a, b, plan, out))
-    if bias is not None:
-        out += bias.to(device=dev, dtype=torch.float32)
-    if accumulate is not None:
-        out = accumulate.to(device=dev, dtype=torch.float32) + out
-    return out if out.dtype == out_dtype else out.to(out_dtype)
+    return GemmProduct(out, scaled=True)
 
 
 __all__ = [
@@ -250,6 +270,7 @@ __all__ = [
     "gemm_kernel",
     "kernel_args",
     "native_gemm",
+    "native_product",
     "pack_codes",
     "packed_codes",
     "scale_buffer",

@@ -39,6 +39,7 @@ from fp4gen.runtime.checks import (
     one_cuda_device,
 )
 from fp4gen.runtime.device_memory import capturing, kept
+from fp4gen.runtime.epilogue import GemmProduct, finish
 from fp4gen.runtime.loader import KernelLoader, Reasons, Unsupported
 from fp4gen.spec import GemmKernelSpec, GemmTile
 
@@ -317,13 +318,38 @@ def fused_gemm(
     out: torch.Tensor | None = None,
     keep: MutableMapping[Any, PreparedGemm] | None = None,
 ) -> torch.Tensor:
-    """C = S_a S_b (A_q @ B_q^T) (+ bias) (+ accumulate) with the generated fused kernel.
+    """C = S_a S_b (A_q @ B_q^T) (+ bias) (+ accumulate) with the generated fused kernel:
+    ``fused_product`` finished by the shared epilogue (``fp4gen.gemm`` runs the same two)."""
+    product = fused_product(
+        a, b, out_dtype=out_dtype, bias=bias, accumulate=accumulate, arch=arch, tile=tile,
+        out=out, keep=keep,
+    )  # fmt: skip
+    return finish(
+        product, a, b, bias=bias, accumulate=accumulate, out_dtype=out_dtype, backend="cute"
+    )
+
+
+def fused_product(
+    a: Any,
+    b: Any,
+    *,
+    out_dtype: torch.dtype,
+    bias: torch.Tensor | None,
+    accumulate: torch.Tensor | None,
+    arch: str,
+    tile: GemmTile | None = None,
+    out: torch.Tensor | None = None,
+    keep: MutableMapping[Any, PreparedGemm] | None = None,
+) -> GemmProduct:
+    """C = S_a S_b (A_q @ B_q^T) (+ bias) (+ accumulate) with the generated fused kernel, as a
+    GemmProduct: the kernel applies the global scales, the bias and accumulate (its spec has
+    them) and writes bf16 or fp32 (the shared epilogue rounds fp32 to ``out_dtype``).
 
     ``a``, ``b``: QuantizedTensors on one CUDA device, quantized along K with the same RHT (or
     none). Raises FP4GenError when no fused kernel serves the pair or the arch, TensorError for
     operands that do not fit together. ``accumulate`` (fp32 [M, N]) is not modified. ``out``
     (contiguous [M, N] of ``out_dtype``, checked by ``fp4gen.gemm``): the kernel writes the
-    result there when it writes ``out_dtype`` itself; else a new tensor is returned. ``keep``:
+    result there when it writes ``out_dtype`` itself; else into a new tensor. ``keep``:
     where a small-M call without bias, accumulate, ``out`` or a tile of its own leaves a
     ``PreparedGemm`` for ``b`` once ``b`` is met a second time (``fp4gen.gemm``'s per-call
     path).
@@ -374,11 +400,12 @@ def fused_gemm(
     if preparing and plan.small and bias is None and accumulate is None:
         assert keep is not None
         keep[b] = PreparedGemm(a, b, out_dtype, plan, kp, splits)
-    return out if out.dtype == out_dtype else out.to(out_dtype)
+    return GemmProduct(out, scaled=True, bias=True, accumulated=True)
 
 
 __all__ = [
     "PreparedGemm",
     "fused_gemm",
+    "fused_product",
     "packed_codes",
 ]

@@ -9,9 +9,10 @@ per quantization), multiplies them with
 cuBLASLt in one call (``fp4gen.runtime.cublaslt``: bf16 products are exact in fp32, fp32
 accumulation; alpha = S_a * S_b read from device memory, no host sync; the bias and the
 accumulation in its epilogue; the output dtype written directly). Where cuBLASLt does not serve a
-call (logged once with the reason) ``torch.mm(..., out_dtype=torch.float32)`` multiplies and one
-elementwise pass applies alpha, the bias, the accumulation and the output dtype (``mul`` /
-``addcmul``).
+call (logged once with the reason) ``torch.mm(..., out_dtype=torch.float32)`` multiplies and the
+shared GEMM epilogue (``fp4gen.runtime.epilogue``: one elementwise pass, ``mul`` / ``addcmul``)
+applies alpha, the bias, the accumulation and the output dtype. ``dequant_product`` says which
+of them cuBLASLt applied; ``fp4gen.gemm`` finishes it like every backend's product.
 
 Numerics: the fused kernels' contract (docs/numerics.md section 6): K exact products summed in
 fp32 in cuBLAS's order, then y = fp32(acc * alpha) (+ bias) (+ C) rounded once to the output
@@ -46,6 +47,8 @@ from fp4gen.runtime.checks import (
     check_pair,
     one_cuda_device,
 )
+from fp4gen.runtime.epilogue import GemmProduct, finish
+from fp4gen.runtime.epilogue import apply_steps as epilogue  # the fallback's arithmetic
 from fp4gen.runtime.loader import KernelLoader, LogOnce, Reasons, Unsupported
 
 log = logging.getLogger(__name__)
@@ -192,32 +195,6 @@ def _mm_fp32(va: torch.Tensor, vb: torch.Tensor) -> torch.Tensor:
         torch.backends.cuda.matmul.allow_tf32 = saved
 
 
-def epilogue(
-    c: torch.Tensor,
-    alpha: torch.Tensor,
-    bias: torch.Tensor | None,
-    accumulate: torch.Tensor | None,
-    out_dtype: torch.dtype,
-) -> torch.Tensor:
-    """y = fp32(c * alpha) (+ bias) (+ accumulate), converted to ``out_dtype``; ``c`` (fp32,
-    owned by the caller) may be overwritten. One elementwise pass without ``accumulate``. The
-    shapes of ``bias`` [N] and ``accumulate`` [M, N] are the caller's to check
-    (``dequant_gemm``)."""
-    m, n = c.shape
-    if bias is not None:
-        bias = bias.detach().to(device=c.device, dtype=torch.float32)  # no autograd here
-    if accumulate is not None:
-        c.mul_(alpha)
-        if bias is not None:
-            c.add_(bias)
-        c.add_(accumulate.detach().to(device=c.device, dtype=torch.float32))
-        return c if out_dtype == torch.float32 else c.to(out_dtype)
-    out = c if out_dtype == torch.float32 else torch.empty((m, n), dtype=out_dtype, device=c.device)
-    if bias is None:
-        return torch.mul(c, alpha, out=out)
-    return torch.addcmul(bias, c, alpha, out=out)
-
-
 def dequant_gemm(
     a: Any,
     b: Any,
@@ -229,13 +206,37 @@ def dequant_gemm(
     out: torch.Tensor | None = None,
     keep: MutableMapping[Any, PreparedDequantGemm] | None = None,
 ) -> torch.Tensor:
-    """C = S_a S_b (A_q @ B_q^T) (+ bias) (+ accumulate) by dequantize kernels + cuBLAS.
+    """C = S_a S_b (A_q @ B_q^T) (+ bias) (+ accumulate) by dequantize kernels + cuBLAS:
+    ``dequant_product`` finished by the shared epilogue (``fp4gen.gemm`` runs the same two)."""
+    product = dequant_product(
+        a, b, out_dtype=out_dtype, bias=bias, accumulate=accumulate, arch=arch, out=out, keep=keep
+    )
+    return finish(
+        product, a, b, bias=bias, accumulate=accumulate, out_dtype=out_dtype, backend="dequant"
+    )
+
+
+def dequant_product(
+    a: Any,
+    b: Any,
+    *,
+    out_dtype: torch.dtype,
+    bias: torch.Tensor | None,
+    accumulate: torch.Tensor | None,
+    arch: str,
+    out: torch.Tensor | None = None,
+    keep: MutableMapping[Any, PreparedDequantGemm] | None = None,
+) -> GemmProduct:
+    """C = S_a S_b (A_q @ B_q^T) (+ bias) (+ accumulate) by dequantize kernels + cuBLAS, as a
+    GemmProduct: cuBLASLt applies alpha, the bias and accumulate in its epilogue and writes
+    ``out_dtype``; where it declines, the fp32 product with nothing applied (the shared
+    epilogue, ``fp4gen.runtime.epilogue.finish``, then applies them).
 
     ``a``, ``b``: QuantizedTensors on one CUDA device, quantized along K with the same RHT (or
     none), formats served by the dequantize kernel (FP4GenError otherwise). B's values are
     remembered per tensor (see ``cached_bf16``). ``accumulate`` is not modified. ``out``
     (contiguous [M, N] of ``out_dtype``, checked by ``fp4gen.gemm``): cuBLASLt writes the
-    result there; the fallback epilogue returns a new tensor. ``keep``: where a call without
+    result there; the fallback's result is a new tensor. ``keep``: where a call without
     bias, accumulate or ``out`` leaves a ``PreparedDequantGemm`` for ``b`` once ``b`` is met a
     second time (``fp4gen.gemm``'s per-call path).
     """
@@ -274,8 +275,8 @@ def dequant_gemm(
             if preparing:
                 assert keep is not None
                 keep[b] = PreparedDequantGemm(a, out_dtype, arch)
-            return c
-    return epilogue(_mm_fp32(va, vb), alpha, bias, accumulate, out_dtype)
+            return GemmProduct(c, scaled=True, bias=True, accumulated=True)
+    return GemmProduct(_mm_fp32(va, vb), scaled=False)
 
 
 class PreparedDequantGemm:
@@ -317,6 +318,7 @@ __all__ = [
     "PreparedDequantGemm",
     "cached_bf16",
     "dequant_gemm",
+    "dequant_product",
     "dequantize_bf16",
     "epilogue",
     "is_cached",

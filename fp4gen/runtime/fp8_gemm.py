@@ -22,8 +22,9 @@ aten/src/ATen/native/cuda/ScaledBlas.cpp and its test test/test_scaled_matmul_cu
 * ``use_fast_accum`` must be False for block scaling; ``bias`` is refused with an fp32 output.
   A bias of the output's dtype (bf16 or fp16) goes into cuBLASLt's epilogue, which adds it to
   the fp32 sum and rounds once, as the reference does (fp32 C + fp32 bias, then one rounding;
-  tests/test_fp8_gemm_gpu.py); any other bias, ``accumulate`` and the global scales are applied
-  here in fp32 after an fp32 GEMM.
+  tests/test_fp8_gemm_gpu.py); any other bias, ``accumulate`` and the global scales are left
+  to the shared epilogue of ``fp4gen.gemm`` (``fp4gen.runtime.epilogue.finish``: in fp32 after
+  an fp32 GEMM), which applies what ``block_scaled_product`` does not say it applied.
 
 fp4gen pads (with zero codes, which add exactly 0) where the contract or cuBLAS alignment needs
 it, and crops the result: M to a multiple of ``ROW_ALIGN`` (so A's M-major scale columns are
@@ -42,6 +43,7 @@ from fp4gen.formats import BlockFormat, ElementFormat
 from fp4gen.numerics import QuantizedTensor
 from fp4gen.numerics.gemm import require_quantized
 from fp4gen.runtime.checks import check_accumulate, check_bias, check_pair
+from fp4gen.runtime.epilogue import GemmProduct, finish
 
 ARCHS = ("sm_90a",)  # cuBLASLt's 1x128 / 128x128 fp32 block scaling: Hopper only
 BLOCK = 128
@@ -208,7 +210,34 @@ def block_scaled_gemm(
     bias: torch.Tensor | None = None,
     accumulate: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """C = S_dec(a) S_dec(b) sum_b s_a s_b P_b (+ bias) (+ accumulate) on the FP8 tensor cores.
+    """C = S_dec(a) S_dec(b) sum_b s_a s_b P_b (+ bias) (+ accumulate) on the FP8 tensor cores:
+    ``block_scaled_product`` finished by the shared epilogue (``fp4gen.gemm`` runs the same
+    two)."""
+    product = block_scaled_product(a, b, out_dtype=out_dtype, bias=bias, accumulate=accumulate)
+    return finish(
+        product,
+        a,
+        b,
+        bias=bias,
+        accumulate=accumulate,
+        out_dtype=out_dtype,
+        backend="block_scaled",
+    )
+
+
+def block_scaled_product(
+    a: QuantizedTensor,
+    b: QuantizedTensor,
+    *,
+    out_dtype: torch.dtype = torch.float32,
+    bias: torch.Tensor | None = None,
+    accumulate: torch.Tensor | None = None,
+) -> GemmProduct:
+    """S_dec(a) S_dec(b) sum_b s_a s_b P_b on the FP8 tensor cores, as a GemmProduct: the
+    global scales applied where they are folded into the block scales (formats without one),
+    a bias of the 16-bit output dtype in cuBLASLt's epilogue; everything else (the global
+    scales of formats with one, any other bias, accumulate, the rounding of an fp32 product)
+    is the shared epilogue's (``fp4gen.runtime.epilogue.finish``).
 
     Raises TensorError for operands that cannot be multiplied (shapes, devices, transforms) and
     FP4GenError where this path does not serve them (formats, arch, torch build): the caller's
@@ -242,10 +271,12 @@ def block_scaled_gemm(
         and out_dtype != torch.float32
         and bias.dtype == out_dtype
     )
-    if fused_bias and ops.np != ops.n:
-        bias = F.pad(bias, (0, ops.np - ops.n))
-    epilogue = (bias is not None and not fused_bias) or accumulate is not None
-    direct = out_dtype if not (epilogue or global_scales) else torch.float32
+    epilogue_bias = None
+    if fused_bias:
+        assert bias is not None
+        epilogue_bias = bias if ops.np == ops.n else F.pad(bias, (0, ops.np - ops.n))
+    # the output dtype straight from cuBLASLt only where nothing is left to add in fp32
+    left = (bias is not None and not fused_bias) or accumulate is not None or global_scales
     try:
         c = F.scaled_mm(
             ops.mat_a,
@@ -254,8 +285,8 @@ def block_scaled_gemm(
             ops.recipe_a,
             ops.scale_b,
             ops.recipe_b,
-            bias=bias if fused_bias else None,
-            output_dtype=direct,
+            bias=epilogue_bias,
+            output_dtype=torch.float32 if left else out_dtype,
             use_fast_accum=False,
         )
     except NotImplementedError as err:  # this GPU / cuBLAS has no such kernel
@@ -263,16 +294,8 @@ def block_scaled_gemm(
             f"torch.nn.functional.scaled_mm refused the block-scaled GEMM: {err}"
         ) from err
     if (ops.mp, ops.np) != (ops.m, ops.n):
-        c = c[: ops.m, : ops.n]
-    if direct == out_dtype:
-        return c if c.is_contiguous() else c.contiguous()
-    if global_scales:
-        c = c * (a.global_scale * b.global_scale)
-    if bias is not None:
-        c = c + bias.to(torch.float32)
-    if accumulate is not None:
-        c = accumulate.to(torch.float32) + c
-    return c.to(out_dtype)
+        c = c[: ops.m, : ops.n]  # the shared epilogue makes the result contiguous
+    return GemmProduct(c, scaled=not global_scales, bias=fused_bias)
 
 
 def _recipe(fmt: BlockFormat):
@@ -295,6 +318,7 @@ __all__ = [
     "Operands",
     "arch_reason",
     "block_scaled_gemm",
+    "block_scaled_product",
     "describe",
     "fp8_codes",
     "outer_major_scales",
