@@ -476,8 +476,10 @@ def test_shipped_names_resolve_in_references(tmp_path: Path, written: str) -> No
 def test_a_referenced_directory_fifo_or_binary_is_named(tmp_path: Path) -> None:
     (tmp_path / "d.fp4r").mkdir()
     write(tmp_path, "bin.fp4r", b"operands {\n\xff\n}\n")
-    cases = [("d", "is a directory, not a recipe file"),
-             ("bin", "is not UTF-8 text (byte 0xff on line 2): save it as UTF-8")]  # fmt: skip
+    cases = [
+        ("d", "is a directory, not a recipe file"),
+        ("bin", "is not UTF-8 text (byte 0xff at line 2, column 1): save it as UTF-8"),
+    ]
     if hasattr(os, "mkfifo"):
         os.mkfifo(tmp_path / "p.fp4r")
         cases.append(("p", "is a FIFO (named pipe), not a recipe file"))
@@ -677,7 +679,7 @@ def test_a_file_that_is_not_utf8_is_one_line(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     path = write(tmp_path, "latin1.fp4r", "# caf\u00e9\n".encode("latin-1") + OPS.encode())
-    message = f"{path} is not UTF-8 text (byte 0xe9 on line 1): save it as UTF-8"
+    message = f"{path} is not UTF-8 text (byte 0xe9 at line 1, column 6): save it as UTF-8"
     with pytest.raises(RecipeError) as info:
         load_recipe(path)
     assert str(info.value) == message
@@ -722,3 +724,142 @@ def test_shipped_recipes_still_check(capsys: pytest.CaptureFixture[str]) -> None
     code, out, err = run(capsys, "check", *(p.stem for p in SHIPPED))
     assert (code, err) == (0, "")
     assert out.count("ok  ") == len(SHIPPED)
+
+
+# ------------------------------------------------------------------------------------------------
+# 7. Byte order marks, files without statements, links that lead nowhere
+# ------------------------------------------------------------------------------------------------
+
+BOM = "\ufeff"
+NEEDS = "a recipe needs at least an operands section, or an extends line"
+
+
+def test_a_byte_order_mark_is_dropped_and_columns_stay(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    good = write(tmp_path, "good.fp4r", (BOM + "recipe marked\n" + OPS).encode())
+    assert load_recipe(good) == parse_recipe("recipe marked\n" + OPS, file=str(good))
+    assert run(capsys, "check", str(good)) == (0, f"ok  {good}  (marked)\n", "")
+    # an error on the first line is at the column an editor shows, quoting no mark
+    bad = write(tmp_path, "bad.fp4r", (BOM + "format x = nvfp5\n" + OPS).encode())
+    with pytest.raises(RecipeError) as info:
+        load_recipe(bad)
+    assert (info.value.line, info.value.column) == (1, 12)
+    assert str(info.value).splitlines()[1:] == ["    format x = nvfp5", "               ^"]
+    # text and included files alike
+    assert (
+        load_recipe(BOM + "operands { * : mxfp4 }").operands
+        == parse_recipe("operands { * : mxfp4 }").operands
+    )
+    child = parse_recipe('extends "good"\n', base_dir=tmp_path)
+    assert child.operands == load_recipe(good).operands
+
+
+NO_STATEMENTS = "has no statements, only blank lines and comments"
+BLANK = [
+    ("empty", b"", "is empty"),
+    ("bom_only", BOM.encode(), "is empty"),
+    ("cr_only", b"\r\r\r", NO_STATEMENTS),
+    ("crlf_blanks", b"\r\n  \t\r\n\n", NO_STATEMENTS),
+    ("comments", b"# a recipe, some day\n   # more\r\n", NO_STATEMENTS),
+]
+
+
+@pytest.mark.parametrize(("name", "data", "why"), BLANK, ids=[b[0] for b in BLANK])
+def test_a_file_without_statements_says_so(
+    name: str, data: bytes, why: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    path = write(tmp_path, f"{name}.fp4r", data)
+    message = f"{path} {why}: {NEEDS}"
+    with pytest.raises(RecipeError) as info:
+        load_recipe(path)
+    assert str(info.value) == message
+    assert run(capsys, "check", str(path)) == (1, "", message + "\n")
+    assert run(capsys, "show", str(path)) == (1, "", f"fp4gen show: {message}\n")
+    # extends and import read through the same loader
+    for kind, column in (("extends", 9), ("import", 8)):
+        err = error_of(f'{kind} "{name}"\n' + OPS, file=str(tmp_path / "main.fp4r"))
+        located(err, 1, column, f"cannot use '{name}': {message}")
+    # recipe text says so too
+    text = data.decode("utf-8")
+    assert str(error_of(text, file=str(path))) == message
+    with pytest.raises(RecipeError) as info:
+        parse_recipe(text)
+    assert str(info.value) == f"<recipe>: the recipe text {why}: {NEEDS}"
+
+
+def test_a_symbolic_link_loop_is_named(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    os.symlink("b.fp4r", tmp_path / "a.fp4r")
+    os.symlink("a.fp4r", tmp_path / "b.fp4r")
+    os.symlink("loopdir", tmp_path / "loopdir")  # a loop on the way to a file
+    loop = "is a symbolic-link loop: following its links never reaches a file"
+    for arg in ("a.fp4r", "loopdir/x.fp4r", str(tmp_path / "b.fp4r")):
+        message = f"{arg} {loop}"
+        with pytest.raises(RecipeError) as info:
+            load_recipe(arg)
+        assert str(info.value) == message
+        assert run(capsys, "check", arg) == (1, "", message + "\n")
+    for kind, column in (("extends", 9), ("import", 8)):
+        err = error_of(f'{kind} "a"\n' + OPS, file=str(tmp_path / "main.fp4r"))
+        located(err, 1, column, f"cannot use 'a': {tmp_path / 'a.fp4r'} {loop}")
+
+
+def test_a_dangling_link_names_its_target(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    os.symlink("gone.fp4r", tmp_path / "link.fp4r")
+    message = "link.fp4r is a symbolic link to gone.fp4r, which does not exist"
+    assert run(capsys, "check", "link.fp4r") == (1, "", message + "\n")
+    err = error_of('extends "link"\n', file=str(tmp_path / "main.fp4r"))
+    located(
+        err,
+        1,
+        9,
+        f"cannot use 'link': {tmp_path / 'link.fp4r'} is a symbolic link to gone.fp4r, "
+        "which does not exist",
+    )
+
+
+def test_bytes_that_are_not_utf8_are_placed_by_line_and_column(tmp_path: Path) -> None:
+    # columns count characters (é is one), and a byte order mark is not one
+    data = (BOM + OPS + "# caf\u00e9 ").encode() + b"\xff\n"
+    path = write(tmp_path, "mixed.fp4r", data)
+    with pytest.raises(RecipeError) as info:
+        load_recipe(path)
+    assert str(info.value) == (
+        f"{path} is not UTF-8 text (byte 0xff at line 4, column 8): save it as UTF-8"
+    )
+    first = write(tmp_path, "first.fp4r", (BOM + "#").encode() + b"\xc3(\n")
+    with pytest.raises(RecipeError, match=r"\(byte 0xc3 at line 1, column 2\)"):
+        load_recipe(first)
+
+
+def test_a_lone_carriage_return_is_named() -> None:
+    err = error_of("recipe x\roperands {\r    * : nvfp4\r}\r")
+    located(
+        err,
+        1,
+        9,
+        "a carriage return without a line feed: lines end with \\n or \\r\\n; save the file "
+        "with Unix or Windows line endings",
+    )
+
+
+def test_a_folder_that_cannot_be_searched_is_not_a_missing_file(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    path = write(tmp_path, "locked/r.fp4r", OPS)
+    real_stat = os.stat
+
+    def denied(file: object, *args: object, **kwargs: object) -> os.stat_result:
+        if Path(str(file)).name == "r.fp4r":
+            raise PermissionError(13, "Permission denied", str(file))
+        return real_stat(file, *args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(os, "stat", denied)
+    message = f"{path} cannot be read: permission denied"
+    assert run(capsys, "check", str(path)) == (1, "", message + "\n")

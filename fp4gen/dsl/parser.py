@@ -8,7 +8,15 @@ from pathlib import Path
 
 from fp4gen.dsl.model import Recipe
 from fp4gen.dsl.resolve import Loader
-from fp4gen.dsl.source import Source, display_name, find_recipe, read_source
+from fp4gen.dsl.source import (
+    BOM,
+    Source,
+    blank_reason,
+    display_name,
+    find_recipe,
+    read_source,
+)
+from fp4gen.errors import RecipeError
 
 PathArg = str | os.PathLike[str]
 
@@ -22,7 +30,9 @@ def parse_recipe(
     text: str, *, file: PathArg | None = None, base_dir: PathArg | None = None
 ) -> Recipe:
     """Parse recipe text. ``file`` names it in messages (and gives the default recipe name);
-    includes are resolved in ``base_dir``, else next to ``file``, else in the working directory."""
+    includes are resolved in ``base_dir``, else next to ``file``, else in the working directory.
+    A leading byte order mark is dropped; text without a statement is a RecipeError."""
+    text = text.removeprefix(BOM)
     path = Path(file).resolve() if file is not None else None
     if base_dir is not None:
         base = Path(base_dir).resolve()
@@ -31,6 +41,9 @@ def parse_recipe(
     else:
         base = Path.cwd()
     name = display_name(path) if path is not None else "<recipe>"
+    blank = blank_reason(text)
+    if blank is not None:
+        raise RecipeError(f"{name if path is not None else 'the recipe text'} {blank}", file=name)
     return Loader().recipe(Source(text, name, path, base))
 
 
@@ -53,7 +66,7 @@ def load_recipe(source: PathArg, *, base_dir: PathArg | None = None) -> Recipe:
 
     ``base_dir`` overrides where the recipe's includes are looked up (default: next to the file,
     or the working directory for text)."""
-    if isinstance(source, str) and is_recipe_text(source):
+    if isinstance(source, str) and is_recipe_text(source.removeprefix(BOM)):
         return parse_recipe(source, base_dir=base_dir)
     src = read_source(find_recipe(source))
     if base_dir is not None:

@@ -50,6 +50,7 @@ from fp4gen.formats import (
     Format,
     HighPrecision,
     ScaleSpec,
+    global_scale_problem,
 )
 
 # Words that a format name would be read as where formats are referenced.
@@ -368,6 +369,10 @@ class Loader:
                 "a global amax scale brings block scales into a narrow scale format's range; "
                 "fp32 block scales do not need one (use global none)"
             )
+        problem = global_scale_problem(element, scale_el) if global_scale else None
+        if problem is not None:  # at the clause that asked for it, or the scale that broke it
+            where = fd.global_scale.pos if fd.global_scale is not None else fd.scale.pos  # type: ignore[union-attr]
+            raise where.error(problem)
         try:
             return BlockFormat(name, element, block, ScaleSpec(scale_el, rounding), global_scale)  # type: ignore[arg-type]
         except ValueError as exc:  # the checks above should have caught it; keep the position
@@ -401,7 +406,8 @@ def locate(written: str, base: Path) -> Path | None:
     """The .fp4r file a reference names from ``base`` (the directory of the file that names
     it): there first, then among the shipped recipes. A missing ``.fp4r`` is added, so
     ``"nvfp4"`` finds ``nvfp4.fp4r`` and ``"/etc/passwd"`` only ``/etc/passwd.fp4r``. Whatever
-    exists there is returned, so that a directory or FIFO is reported as such when read."""
+    exists there is returned, so that a directory or FIFO is reported as such when read, and a
+    symbolic link that leads nowhere (a loop, a missing target) as such when opened."""
     path = Path(_with_suffix(written))
     dirs = [Path(path.anchor)] if path.is_absolute() else [base, SHIPPED_RECIPES]
     for directory in dirs:
@@ -409,6 +415,8 @@ def locate(written: str, base: Path) -> Path | None:
         try:
             if place.exists():
                 return place.resolve()
+            if place.is_symlink():  # a loop or a dangling link: reading it says which
+                return place.absolute()
         except (OSError, ValueError):  # a name the OS rejects (NUL byte, too long)
             continue
     return None

@@ -10,7 +10,9 @@ names, paths and unreadable files alike.
 from __future__ import annotations
 
 import difflib
+import errno
 import os
+import re
 import stat
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -30,6 +32,12 @@ MAX_RECIPE_CHARS = 1_000_000  # recipe text, in characters (a file: in bytes)
 MAX_STRING_CHARS = 4096  # one quoted string, between the quotes
 MAX_NAME_CHARS = 256  # one name (format, mor, recipe, selector, keyword)
 
+# A byte order mark some editors put first in UTF-8 files: not part of the recipe.
+BOM = "\ufeff"
+LINK_LOOP = "is a symbolic-link loop: following its links never reaches a file"
+# A line whose first non-blank character starts something other than a comment.
+_STATEMENT_LINE = re.compile(r"^[ \t\r\f\v]*[^ \t\r\f\v\n#]", re.MULTILINE)
+
 
 @dataclass(frozen=True)
 class Source:
@@ -42,9 +50,22 @@ class Source:
 
     @staticmethod
     def from_path(path: Path) -> Source:
-        """Read a recipe file; a file that cannot be read raises :class:`UnreadableRecipe`."""
-        path = path.resolve()
+        """Read a recipe file; a file that cannot be read, or holds no statement, raises
+        :class:`UnreadableRecipe`."""
+        try:
+            os.stat(path)  # a link loop or a dangling link is named before resolve() hides it
+        except OSError as exc:
+            reason = _unreachable(path, exc)
+            if reason is not None:
+                raise UnreadableRecipe(path, reason) from None
+        try:
+            path = path.resolve()
+        except (OSError, RuntimeError):  # RuntimeError: Python before 3.13 on a link loop
+            raise UnreadableRecipe(path, LINK_LOOP) from None
         text = read_recipe_file(path)
+        blank = blank_reason(text)
+        if blank is not None:
+            raise UnreadableRecipe(path, blank)
         return Source(text, display_name(path), path, path.parent)
 
     @property
@@ -151,6 +172,36 @@ def _os_reason(exc: OSError) -> str:
     return (exc.strerror or type(exc).__name__).lower()
 
 
+def _unreachable(path: Path, exc: OSError) -> str | None:
+    """Why ``path`` cannot be opened, worded to follow its name; None where it simply does not
+    exist (or the OS rejects the name), which the caller reports in its own words."""
+    if exc.errno == errno.ELOOP:
+        return LINK_LOOP
+    if exc.errno in (errno.ENOENT, errno.ENOTDIR):
+        try:
+            target = os.readlink(path)
+        except (OSError, ValueError):
+            return None  # not a link: simply missing
+        return f"is a symbolic link to {target}, which does not exist"
+    if exc.errno == errno.ENAMETOOLONG:
+        return None
+    if isinstance(exc, PermissionError):
+        return "cannot be read: permission denied"
+    return f"cannot be read: {_os_reason(exc)}"
+
+
+def blank_reason(text: str) -> str | None:
+    """Why ``text`` holds no recipe (empty, or only blank lines and comments), worded to follow
+    the file's name; None when it has a statement. A statement never spans lines and nothing
+    but a comment starts with '#', so a line scan tells exactly what the grammar would."""
+    if _STATEMENT_LINE.search(text) is not None:  # stops at the first: no copy of the text
+        return None
+    hint = "a recipe needs at least an operands section, or an extends line"
+    if not text:
+        return f"is empty: {hint}"
+    return f"has no statements, only blank lines and comments: {hint}"
+
+
 def read_recipe_file(path: Path) -> str:
     """The UTF-8 text of a regular file of at most MAX_RECIPE_CHARS bytes.
 
@@ -163,7 +214,8 @@ def read_recipe_file(path: Path) -> str:
     except IsADirectoryError:
         raise UnreadableRecipe(path, "is a directory, not a recipe file") from None
     except OSError as exc:
-        raise UnreadableRecipe(path, f"cannot be read: {_os_reason(exc)}") from None
+        reason = _unreachable(path, exc) or f"cannot be read: {_os_reason(exc)}"
+        raise UnreadableRecipe(path, reason) from None
     try:
         info = os.fstat(fd)
         kind = _not_regular(info.st_mode)
@@ -180,13 +232,21 @@ def read_recipe_file(path: Path) -> str:
     if len(data) > MAX_RECIPE_CHARS:
         raise UnreadableRecipe(path, _too_long(len(data), "bytes"))
     try:
-        return data.decode("utf-8")
+        return data.decode("utf-8").removeprefix(BOM)
     except UnicodeDecodeError as exc:
-        line = data.count(b"\n", 0, exc.start) + 1
-        byte = data[exc.start]
-        raise UnreadableRecipe(
-            path, f"is not UTF-8 text (byte 0x{byte:02x} on line {line}): save it as UTF-8"
-        ) from None
+        raise UnreadableRecipe(path, _not_utf8(data, exc.start)) from None
+
+
+def _not_utf8(data: bytes, start: int) -> str:
+    """Where the first byte that is not UTF-8 is, by line and column (columns count characters
+    as the parser does; a leading byte order mark is not one)."""
+    line = data.count(b"\n", 0, start) + 1
+    line_start = data.rfind(b"\n", 0, start) + 1
+    before = data[line_start:start].decode("utf-8")  # valid: the first bad byte is at ``start``
+    if line_start == 0:
+        before = before.removeprefix(BOM)
+    where = f"byte 0x{data[start]:02x} at line {line}, column {len(before) + 1}"
+    return f"is not UTF-8 text ({where}): save it as UTF-8"
 
 
 def _too_long(size: int, unit: str) -> str:
@@ -229,8 +289,13 @@ def find_recipe(name: str | os.PathLike[str]) -> Path:
     for path in candidates:
         try:
             mode = path.stat().st_mode
-        except (OSError, ValueError):  # missing, a dangling link, a name the OS rejects
+        except ValueError:  # a name the OS rejects
             continue
+        except OSError as exc:  # missing, or there but out of reach (a link loop, no access)
+            reason = _unreachable(path, exc)
+            if reason is None:
+                continue
+            raise RecipeError(f"{text} {reason}", file=text) from None
         kind = _not_regular(mode)
         if kind is not None:
             raise RecipeError(f"{text} is {kind}, not a recipe file", file=text)

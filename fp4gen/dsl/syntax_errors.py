@@ -419,6 +419,11 @@ def _unexpected_char(exc: UnexpectedCharacters, source: Source) -> RecipeError:
         return pos.error("unterminated string: the closing '\"' is missing on this line")
     if char in "×✕":
         return pos.error(f"unexpected character '{char}': write block shapes with an x, e.g. 16x16")
+    if char == "\r":  # a lone carriage return: the old Mac line end, which the grammar lacks
+        return pos.error(
+            "a carriage return without a line feed: lines end with \\n or \\r\\n; save the "
+            "file with Unix or Windows line endings"
+        )
     index = exc.pos_in_stream
     before = source.text[index - 1] if index > 0 else ""
     after = source.text[index + 1] if index + 1 < len(source.text) else ""
