@@ -25,6 +25,7 @@ from __future__ import annotations
 import fnmatch
 import logging
 import math
+import os
 import re
 from collections.abc import Iterable
 from dataclasses import dataclass, field, replace
@@ -207,6 +208,14 @@ def convert(
     Returns the model. Each converted layer shares the original parameters (no copy), gets its
     own seed (``seed`` + its layer index) and a shared clock driven by ``set_step``. Converted
     layers take any token count and any feature size (padding, docs/numerics.md section 3).
+    ``recipe``: a Recipe, a path or a shipped recipe's name.
+
+    Converting a model once more with the same recipe and options changes nothing (a
+    ``total_steps`` given is set, as ``set_step`` sets it); with another recipe or other options
+    it raises FP4GenError and leaves the model as it is, as it does for a model holding layers a
+    ``convert`` of one of its parts made: one model holds one conversion (its plan, which
+    ``show_plan`` prints and ``fp4gen.export_quantized`` writes). Convert the original model
+    again for another recipe.
 
     ``fsdp_quantized_all_gather``: under FSDP2, all-gather the converted layers' weights as
     codes and scales where that is exact, in high precision elsewhere
@@ -219,12 +228,23 @@ def convert(
     docs/distributed.md). FP4GenError, before any layer is replaced, for an operand a layer
     cannot reduce exactly.
     """
-    if isinstance(recipe, str):
+    if isinstance(recipe, str | os.PathLike):
         from fp4gen.dsl import load_recipe
 
         recipe = load_recipe(recipe)
     if not isinstance(model, nn.Module):
         raise TypeError(f"convert() takes an nn.Module, got {type(model).__name__}")
+    options = ConvertOptions(
+        seed,
+        backend,
+        fsdp_quantized_all_gather,
+        amax_group,
+        None if amax_operands is None else tuple(amax_operands),
+    )
+    if _already_converted(model, recipe, options):
+        if total_steps is not None:  # the run's length, as set_step takes it
+            _clock(model).total_steps = total_steps
+        return model
     clock = TrainingClock(total_steps=total_steps)
     decisions = plan_layers(model, recipe)
     schedule_mors = tuple(m for rule in recipe.schedule for m in action_mors(rule.action))
@@ -250,13 +270,74 @@ def convert(
         layers.append((decision.name, layer))
     # replaced only once every layer was accepted: a refusal leaves the model as it was
     for name, layer in layers:
+        layer.converted_by = recipe.name  # a later convert of a model holding it refuses
         _set_module(model, name, layer)
     _warn_widths(layers)
     if fsdp_quantized_all_gather:
         enable_quantized_all_gather(model)
     model._fp4gen_plan = decisions  # type: ignore[attr-defined]
     model._fp4gen_clock = clock  # type: ignore[attr-defined]
+    model._fp4gen_conversion = (recipe, options)  # type: ignore[attr-defined]
     return model
+
+
+@dataclass(frozen=True)
+class ConvertOptions:
+    """The arguments of ``convert`` that shape its layers (besides the recipe): a second
+    ``convert`` of a converted model is a no-op only where they are the same."""
+
+    seed: int
+    backend: str
+    fsdp_quantized_all_gather: bool
+    amax_group: Any = field(compare=False)  # a process group: compared by identity below
+    amax_operands: tuple[Operand | str, ...] | None
+
+    def same_as(self, other: ConvertOptions) -> bool:
+        return self == other and self.amax_group is other.amax_group
+
+    def differences(self, earlier: ConvertOptions) -> tuple[str, str]:
+        """('seed=0', 'seed=1'): the options that differ, as ``earlier`` and this hold them."""
+        before, now = [], []
+        for name in ("seed", "backend", "fsdp_quantized_all_gather", "amax_operands"):
+            if getattr(earlier, name) != getattr(self, name):
+                before.append(f"{name}={getattr(earlier, name)!r}")
+                now.append(f"{name}={getattr(self, name)!r}")
+        if self.amax_group is not earlier.amax_group:
+            before.append("one amax_group")
+            now.append("another amax_group")
+        return ", ".join(before), ", ".join(now)
+
+
+def _already_converted(model: nn.Module, recipe: Recipe, options: ConvertOptions) -> bool:
+    """Whether ``model`` was converted before with this recipe and these options (then a
+    second ``convert`` changes nothing). FP4GenError where it was converted with another recipe
+    or options, or where it holds layers a ``convert`` of another module installed: converting
+    again would mix two recipes' layers in one model and one plan, which ``show_plan`` and
+    ``export_quantized`` would then misreport."""
+    done: tuple[Recipe, ConvertOptions] | None = getattr(model, "_fp4gen_conversion", None)
+    if done is not None:
+        before, before_options = done
+        if before == recipe and options.same_as(before_options):
+            return True
+        if before != recipe:
+            was, wanted = f"recipe '{before.name}'", f"recipe '{recipe.name}'"
+        else:
+            was, wanted = options.differences(before_options)
+            was = f"recipe '{before.name}' and {was}"
+        raise FP4GenError(
+            f"this model was already converted by fp4gen.convert with {was}; converting it "
+            f"again with {wanted} would mix two conversions in one model: convert the "
+            "original model (build or load it again) instead"
+        )
+    for name, module in model.named_modules():
+        earlier = getattr(module, "converted_by", None)
+        if isinstance(module, Linear) and earlier is not None:
+            raise FP4GenError(
+                f"{name or 'the model'} was already converted by fp4gen.convert (recipe "
+                f"'{earlier}') as part of another module: convert the whole model once, "
+                "with one recipe"
+            )
+    return False
 
 
 @dataclass(frozen=True)
@@ -330,12 +411,33 @@ def _clock(model: nn.Module) -> TrainingClock:
     return clock
 
 
+def _clocks(model: nn.Module) -> list[TrainingClock]:
+    """The clocks ``set_step`` drives: a converted model's, and those of the fp4gen Linears
+    ``model`` is or holds (a layer built with fp4gen.nn.Linear has its own)."""
+    clocks: dict[int, TrainingClock] = {}
+    converted = getattr(model, "_fp4gen_clock", None)
+    if converted is not None:
+        clocks[id(converted)] = converted
+    for module in model.modules():
+        if isinstance(module, Linear):
+            clock = module.schedule.clock
+            clocks.setdefault(id(clock), clock)
+    if not clocks:
+        raise FP4GenError(
+            f"set_step: this {type(model).__name__} holds no fp4gen layer (convert it with "
+            "fp4gen.convert, or build it with fp4gen.nn.Linear)"
+        )
+    return list(clocks.values())
+
+
 def set_step(model: nn.Module, step: int, total_steps: int | None = None) -> None:
-    """Tell a converted model which optimizer step it is at (drives the precision schedule)."""
-    clock = _clock(model)
-    clock.step = step
-    if total_steps is not None:
-        clock.total_steps = total_steps
+    """Tell a model which optimizer step it is at (drives the precision schedule): a model
+    converted with ``convert``, an ``fp4gen.nn.Linear`` or any module holding such layers.
+    ``total_steps``: the run's length, for a schedule that switches at a fraction of it."""
+    for clock in _clocks(model):
+        clock.step = step
+        if total_steps is not None:
+            clock.total_steps = total_steps
 
 
 def layer_decisions(model: nn.Module) -> list[LayerDecision]:

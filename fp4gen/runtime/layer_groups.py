@@ -455,6 +455,8 @@ class _GroupLinear(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, *dys: torch.Tensor | None):  # type: ignore[override]
         group: LayerGroup = ctx.group
+        if torch.is_grad_enabled():
+            raise ops.double_backward_error(f"fp4gen layer group {group.name}")
         saved = ctx.saved_tensors
         weights, tensors = saved[: group.size], saved[group.size :]
         kept = ops.WgradInput(tuple(tensors), *ctx.kept)

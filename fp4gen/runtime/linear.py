@@ -69,6 +69,7 @@ decision units kept in high precision and a histogram of relative errors (0.5% b
 
 from __future__ import annotations
 
+import os
 import weakref
 from collections.abc import Iterable
 from dataclasses import dataclass, field, replace
@@ -150,7 +151,7 @@ class Linear(nn.Linear):
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
         *,
-        recipe: Recipe | None = None,
+        recipe: Recipe | str | os.PathLike[str] | None = None,
         operands: OperandTable | None = None,
         seed: int = 0,
         name: str = "",
@@ -163,6 +164,10 @@ class Linear(nn.Linear):
         super().__init__(in_features, out_features, bias=bias, device=device, dtype=dtype)
         if (recipe is None) == (operands is None):
             raise ValueError("give exactly one of recipe= or operands=")
+        if isinstance(recipe, str | os.PathLike):  # a path or a shipped name, as convert takes
+            from fp4gen.dsl import load_recipe
+
+            recipe = load_recipe(recipe)
         table = recipe.operands if recipe is not None else operands
         assert table is not None
         rules = recipe.schedule if recipe is not None else ()
@@ -171,6 +176,7 @@ class Linear(nn.Linear):
         self.schedule = ScheduledOperands(table, rules, clock or TrainingClock())
         self.seed = seed
         self.name = name
+        self.converted_by: str | None = None  # the recipe's name where fp4gen.convert made it
         self.check_supported()
         self.backend = backend
         self.telemetry = Telemetry()
@@ -288,6 +294,13 @@ class Linear(nn.Linear):
     def _linear(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         """y = x W^T (+ b) for ``weight`` [out, in] through the custom ops, any leading shape;
         from the layer's group where it has one (``fp4gen.runtime.layer_groups``)."""
+        if x.dim() == 0:  # torch.nn.Linear rejects it too: there is no feature dimension
+            raise TensorError(
+                f"{self.name or 'Linear'}: input of shape () is 0-d; expected at least 1-D, "
+                f"[..., in_features={self.in_features}]"
+            )
+        if x.numel() == 0 or self.out_features == 0:
+            return self._empty_linear(x, weight)
         if not torch.compiler.is_compiling() and layer_groups.formed():
             grouped = layer_groups.dispatch(self, x)
             if grouped is not None:
@@ -302,6 +315,20 @@ class Linear(nn.Linear):
         if x.dim() == 2:
             return y  # not a view, as nn.Linear's (FSDP2 warns about modules returning views)
         return y.reshape(*x.shape[:-1], self.out_features)
+
+    def _empty_linear(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        """y for an input or output with no elements (no tokens, as an expert given none;
+        in_features or out_features 0): a GEMM with an empty dimension has nothing to quantize
+        and its result is exact (zeros, plus the bias), so torch.nn.Linear's computation gives
+        it and its gradients (dW and the bias gradient zeros, dx empty or zeros)."""
+        if x.shape[-1] != self.in_features:
+            raise TensorError(
+                f"{self.name or 'Linear'}: input of shape {tuple(x.shape)} does not end in "
+                f"in_features={self.in_features}"
+            )
+        bias = None if self.bias is None else self.bias.to(x.dtype)
+        y = nn.functional.linear(x, weight.to(x.dtype), bias)
+        return y.to(ops.output_dtype(x))
 
     def __prepare_scriptable__(self) -> Linear:
         # torch.jit.script calls this on every module it scripts: say plainly that it cannot

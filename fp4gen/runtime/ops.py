@@ -32,6 +32,7 @@ from typing import Any
 
 import torch
 
+from fp4gen.errors import FP4GenError
 from fp4gen.gemm_dispatch import fp8_semantics_setting
 from fp4gen.numerics import QuantizedTensor
 from fp4gen.numerics.quantize import QuantizedLayout
@@ -218,7 +219,21 @@ def _setup_context(ctx: Any, inputs: tuple, output: torch.Tensor) -> None:
     ctx.bias_dtype = None if bias is None else bias.dtype
 
 
+def double_backward_error(name: str) -> FP4GenError:
+    """The error of a backward run with create_graph=True (grad mode is on in a backward only
+    then, so the backwards check ``torch.is_grad_enabled()``): the GEMMs' gradients are
+    computed from quantized operands by opaque kernels and have no graph of their own, so
+    gradients of gradients would silently come out zero."""
+    return FP4GenError(
+        f"{name or 'fp4gen.nn.Linear'}: a backward with create_graph=True (double backward, "
+        "gradients of gradients) is not supported through fp4gen's quantized GEMMs; keep the "
+        "layers it differentiates twice in torch.nn.Linear"
+    )
+
+
 def _backward(ctx: Any, dy: torch.Tensor):
+    if torch.is_grad_enabled():
+        raise double_backward_error(_layer(ctx.layer_id).name)
     x2, weight = ctx.saved_tensors
     dx, dw = linear_backward(dy.contiguous(), x2, weight, ctx.layer_id)
     return dx, dw, bias_grad(dy, ctx.bias_dtype), None, None
@@ -282,6 +297,8 @@ class _EagerLinear(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, dy: torch.Tensor):  # type: ignore[override]
+        if torch.is_grad_enabled():
+            raise double_backward_error(_layer(ctx.layer_id).name)
         if ctx.kept is None:
             x, weight = ctx.saved_tensors
         else:

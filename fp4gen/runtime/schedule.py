@@ -39,7 +39,8 @@ class TrainingClock:
         if self.total_steps is None:
             raise FP4GenError(
                 f"the recipe switches precision at {rule.fraction:.4g} of training; "
-                "pass total_steps to fp4gen.convert or fp4gen.set_step"
+                "pass total_steps to fp4gen.convert or to fp4gen.set_step (a converted model "
+                "or an fp4gen.nn.Linear)"
             )
         return self.step >= math.ceil((rule.fraction or 0.0) * self.total_steps)
 
