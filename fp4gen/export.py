@@ -29,6 +29,7 @@ from __future__ import annotations
 import fnmatch
 import json
 import math
+import pickle
 import re
 import shutil
 from collections.abc import Callable, Iterable, Mapping
@@ -39,7 +40,8 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 import torch
 from torch import nn
 
-from fp4gen.errors import FP4GenError
+from fp4gen.errors import FP4GenError, TensorError
+from fp4gen.outputs import OutputError, OutputFiles
 from fp4gen.table import render_table
 
 if TYPE_CHECKING:
@@ -68,6 +70,7 @@ E2M1_VALUES: tuple[float, ...] = _E2M1 + tuple(-v for v in _E2M1)
 EMBEDDING_NAMES: tuple[str, ...] = ("*emb*", "wte", "wpe", "tok", "pos")
 
 _WEIGHT_FILES = ("*.safetensors", INDEX_FILE, QUANT_CONFIG)  # what a new export replaces
+HF_CONFIG_FILES = ("config.json", "generation_config.json")  # written for a transformers model
 
 
 class ExportError(FP4GenError):
@@ -141,6 +144,7 @@ class ExportReport:
     files: tuple[str, ...]
     quantized: dict[str, str]  # layer -> quant_algo
     excluded: tuple[str, ...]  # the exclude_modules list
+    replaced: tuple[str, ...] = ()  # files of out_dir this export replaced or removed (overwrite)
 
     def table(self) -> str:
         return render_table(["module", "written as", "why"], [list(row) for row in self.layers])
@@ -176,21 +180,36 @@ def parse_size(size: int | str) -> int:
     return value
 
 
-def check_out_dir(out: Path, overwrite: bool, source: Path | None) -> None:
-    """ExportError, one line, for an output path that is a file, the source model's folder, or
-    a folder already holding a checkpoint (unless ``overwrite``)."""
+def check_out_dir(
+    out: Path, overwrite: bool, source: Path | None, names: Iterable[str] = HF_CONFIG_FILES
+) -> None:
+    """ExportError, one line, for an output path that is a file, the source model's folder, a
+    folder already holding a checkpoint or any of ``names`` (the other files the export will
+    write; unless ``overwrite``), or holding a symbolic link where a file is to be written
+    (even with ``overwrite``: nothing is written through a link)."""
     if out.exists() and not out.is_dir():
         raise ExportError(f"{out}: is a file, not a folder: give an output folder")
     if source is not None and out.exists() and out.resolve() == source.resolve():
         raise ExportError(f"{out}: is the model's own folder: give another output folder")
-    if out.is_dir():
-        old = sorted(p.name for pat in _WEIGHT_FILES for p in out.glob(pat))
-        if old and not overwrite:
+    if not out.is_dir():
+        return
+    old = sorted(p.name for pat in _WEIGHT_FILES for p in out.glob(pat))
+    try:
+        OutputFiles(out).refuse_existing([*old, *names])  # links, whatever overwrite says
+    except OutputError as err:
+        raise ExportError(str(err)) from None
+    if not overwrite:
+        if old:
             shown = ", ".join(old[:3]) + (", ..." if len(old) > 3 else "")
             raise ExportError(
                 f"{out}: already holds a checkpoint ({shown}); pass overwrite=True "
                 "(--overwrite) to replace it"
             )
+        try:
+            hint = "overwrite=True (--overwrite)"
+            OutputFiles(out, overwrite=False).refuse_existing(names, hint=hint)
+        except OutputError as err:
+            raise ExportError(str(err)) from None
 
 
 def _is_embedding(name: str) -> bool:
@@ -316,7 +335,12 @@ def _quantized_tensors(layer: _Layer, seed: int) -> dict[str, torch.Tensor]:
     # exactly the forward GEMM's weight operand: the format with its (1D or 2D) blocks
     assert isinstance(fmt, BlockFormat)
     weight = layer.weight.detach().contiguous()  # a Conv1D weight.t() is a strided view
-    q = quantize(weight, fmt, rounding=layer.spec.rounding, seed=seed)
+    try:
+        q = quantize(weight, fmt, rounding=layer.spec.rounding, seed=seed)
+    except TensorError as err:  # NaN or Inf in the weight: say which tensor of the model
+        raise ExportError(
+            f"{layer.name}.weight [{weight.shape[0]}, {weight.shape[1]}]: {err}"
+        ) from None
     rows = q.rows
     codes = q.scale_codes
     assert codes is not None
@@ -391,7 +415,7 @@ def _calibrate(model: nn.Module, names: list[str], samples: Iterable[Any]) -> di
 
 
 def _write_shards(
-    tensors: dict[str, torch.Tensor], out: Path, max_bytes: int, metadata: dict[str, str]
+    tensors: dict[str, torch.Tensor], files: OutputFiles, max_bytes: int, metadata: dict[str, str]
 ) -> list[str]:
     """Write safetensors files, one or several of at most ``max_bytes`` (a tensor larger than
     that gets a file to itself) with Hugging Face's index file, and return their names."""
@@ -406,17 +430,21 @@ def _write_shards(
             size = 0
         shards[-1][key] = t
         size += nbytes
+
+    def save(shard: dict[str, torch.Tensor]) -> Callable[[Path], None]:
+        return lambda path: save_file(shard, str(path), metadata=metadata)
+
     if len(shards) == 1:
-        save_file(shards[0], str(out / SINGLE_FILE), metadata=metadata)
+        files.write_with(SINGLE_FILE, save(shards[0]))
         return [SINGLE_FILE]
     names = [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
     weight_map = {}
     for name, shard in zip(names, shards, strict=True):
-        save_file(shard, str(out / name), metadata=metadata)
+        files.write_with(name, save(shard))
         weight_map.update(dict.fromkeys(shard, name))
     total = sum(t.numel() * t.element_size() for t in tensors.values())
     index = {"metadata": {"total_size": total}, "weight_map": weight_map}
-    (out / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")
+    files.write_text(INDEX_FILE, json.dumps(index, indent=2) + "\n")
     return [*names, INDEX_FILE]
 
 
@@ -446,8 +474,11 @@ def export_quantized(
     max_shard_size: the largest safetensors file (bytes, or "5GB", "500MB"); past it the
         tensors go to numbered files with ``model.safetensors.index.json``, as Hugging Face
         writes them.
-    overwrite: replace a checkpoint already in ``out_dir`` (its safetensors files, index and
-        ``hf_quant_config.json``); without it such a folder is refused.
+    overwrite: replace a checkpoint already in ``out_dir`` (its safetensors files, index,
+        ``hf_quant_config.json``, ``config.json`` and ``generation_config.json``); without it
+        a folder holding any of them is refused. Every file is written under a temporary name
+        and all are renamed into place once each is whole, so an error (a full disk) leaves the
+        folder as it was; a symbolic link where a file is to be written is refused.
     seed: the Philox seed of a stochastic rounding of the fprop weight (none of the shipped
         recipes rounds weights stochastically).
 
@@ -469,7 +500,12 @@ def export_quantized(
     from fp4gen import __version__
 
     out = Path(out_dir)
-    check_out_dir(out, overwrite, None)
+    config_files = (
+        HF_CONFIG_FILES
+        if callable(getattr(getattr(model, "config", None), "to_json_string", None))
+        else ()
+    )
+    check_out_dir(out, overwrite, None, config_files)
     max_bytes = parse_size(max_shard_size)
     decisions, state = _decisions(model, recipe)
     layers = _layers(decisions, state)
@@ -530,15 +566,18 @@ def export_quantized(
     if conv1d:
         quant_config["fp4gen"] = {"transposed_conv1d": conv1d}
 
-    if overwrite and out.is_dir():
-        for pattern in _WEIGHT_FILES:
-            for old in out.glob(pattern):
-                old.unlink()
-    out.mkdir(parents=True, exist_ok=True)
-    files = _write_shards(tensors, out, max_bytes, {"format": "pt"})
-    (out / QUANT_CONFIG).write_text(json.dumps(quant_config, indent=2) + "\n")
-    files.append(QUANT_CONFIG)
-    files += _write_hf_config(model, out, quant_config, algos, dtype)
+    files = OutputFiles(out, overwrite=overwrite)
+    old = sorted({p.name for pat in _WEIGHT_FILES for p in out.glob(pat)}) if out.is_dir() else []
+    try:
+        with files.transaction():  # all files whole, or the folder as it was
+            written = _write_shards(tensors, files, max_bytes, {"format": "pt"})
+            files.write_text(QUANT_CONFIG, json.dumps(quant_config, indent=2) + "\n")
+            written.append(QUANT_CONFIG)
+            written += _write_hf_config(model, files, quant_config, algos, dtype)
+            removed = [name for name in old if name not in written and files.remove(name)]
+    except OutputError as err:
+        raise ExportError(str(err)) from None
+    replaced = [str(p.relative_to(out)) for p in files.replaced] + removed
 
     rows = tuple(
         (
@@ -548,7 +587,9 @@ def export_quantized(
         )
         for layer in layers
     )
-    return ExportReport(out, quant_algo, rows, tuple(files), algos, tuple(excluded))
+    return ExportReport(
+        out, quant_algo, rows, tuple(written), algos, tuple(excluded), tuple(replaced)
+    )
 
 
 def _written_as(layer: _Layer, dtype: torch.dtype | None) -> str:
@@ -590,7 +631,7 @@ _DTYPE_NAMES = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.floa
 
 def _write_hf_config(
     model: Any,
-    out: Path,
+    files: OutputFiles,
     quant_config: dict[str, Any],
     algos: Mapping[str, str],
     dtype: torch.dtype | None,
@@ -609,10 +650,11 @@ def _write_hf_config(
         for key in ("dtype", "torch_dtype"):  # transformers 5 writes "dtype", 4.x "torch_dtype"
             if key in data:
                 data[key] = dtype_name
-    (out / "config.json").write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
+    files.write_text("config.json", json.dumps(data, indent=2, sort_keys=True) + "\n")
     generation = getattr(model, "generation_config", None)
-    if generation is not None and hasattr(generation, "to_json_file"):
-        generation.to_json_file(str(out / "generation_config.json"))
+    if generation is not None and hasattr(generation, "to_json_string"):
+        # the text to_json_file writes, written whole by the output rules
+        files.write_text("generation_config.json", generation.to_json_string(use_diff=True))
         return ["config.json", "generation_config.json"]
     return ["config.json"]
 
@@ -638,21 +680,33 @@ def load_source(path: str | Path) -> nn.Module | dict[str, torch.Tensor]:
             raise ExportError(
                 f"{src}: loading a model folder needs transformers: pip install 'fp4gen[hf]'"
             ) from None
+        _check_safetensors(src)
         # "dtype" replaced "torch_dtype" in transformers 4.56; "auto" keeps the stored dtype
         major, minor = (int(p) for p in re.findall(r"\d+", transformers.__version__)[:2])
         kwargs = {"dtype" if (major, minor) >= (4, 56) else "torch_dtype": "auto"}
+        logging = transformers.utils.logging
+        verbosity = logging.get_verbosity()
+        logging.set_verbosity_error()  # its load report: the keys are checked below instead
         try:
-            return transformers.AutoModelForCausalLM.from_pretrained(
-                str(src), local_files_only=True, **kwargs
+            model, info = transformers.AutoModelForCausalLM.from_pretrained(
+                str(src), local_files_only=True, output_loading_info=True, **kwargs
             )
-        except (OSError, ValueError, KeyError, RuntimeError) as err:
-            first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
-            raise ExportError(f"{src}: transformers could not load the model: {first}") from None
+        except (OSError, ValueError, KeyError, RuntimeError, pickle.UnpicklingError) as err:
+            if _is_weights_only_refusal(err):
+                raise ExportError(f"{src}: {_refused_pickle(err)}") from None
+            raise ExportError(
+                f"{src}: transformers could not load the model: {_first(err)}"
+            ) from None
+        finally:
+            logging.set_verbosity(verbosity)
+        _check_loaded_keys(src, info)
+        return model
     try:
         data = torch.load(src, map_location="cpu", weights_only=True)
-    except Exception as err:  # pickle, zip and weights_only errors: all say "not a state_dict"
-        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
-        raise ExportError(f"{src}: not a torch state_dict file ({first[:200]})") from None
+    except Exception as err:  # zip and format errors: all say "not a state_dict"
+        if _is_weights_only_refusal(err):
+            raise ExportError(f"{src}: {_refused_pickle(err)}") from None
+        raise ExportError(f"{src}: not a torch state_dict file ({_first(err)[:200]})") from None
     if isinstance(data, Mapping):
         for key in ("state_dict", "model"):  # a training checkpoint that wraps the state_dict
             inner = data.get(key)
@@ -670,21 +724,94 @@ def load_source(path: str | Path) -> nn.Module | dict[str, torch.Tensor]:
     return dict(data)
 
 
-def copy_model_files(src: Path, out: Path, written: Iterable[str]) -> list[str]:
-    """Copy a model folder's other files (tokenizer, chat template, ...) next to the export:
-    everything but weights and what the export wrote itself."""
+def model_files(src: Path, written: Iterable[str]) -> list[str]:
+    """The names of a model folder's other files (tokenizer, chat template, ...) that go next
+    to the export: everything but weights and what the export writes itself."""
     skip = set(written)
     weights = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".h5", ".msgpack", ".gguf")
-    copied = []
+    names = []
     for path in sorted(src.iterdir()):
         name = path.name
         if not path.is_file() or name in skip or name.startswith("."):
             continue
         if name.endswith(weights) or name.endswith(".index.json"):
             continue
-        shutil.copy2(path, out / name)
-        copied.append(name)
-    return copied
+        names.append(name)
+    return names
+
+
+def copy_model_files(
+    src: Path, out: Path, written: Iterable[str], *, overwrite: bool = True
+) -> tuple[list[str], list[str]]:
+    """Copy ``model_files`` next to the export, each whole and never through a link; returns
+    the names copied and those of them that replaced a file (``overwrite=False``: refused)."""
+    files = OutputFiles(out, overwrite=overwrite)
+    names = model_files(src, written)
+    try:
+        files.refuse_existing(names)
+        for name in names:
+            files.write_with(name, lambda path, name=name: shutil.copy2(src / name, path))
+    except OutputError as err:
+        raise ExportError(str(err)) from None
+    return names, [p.name for p in files.replaced]
+
+
+def _first(err: BaseException) -> str:
+    """An exception's first line (its type's name when it has no text)."""
+    text = str(err).strip()
+    return text.splitlines()[0] if text else type(err).__name__
+
+
+def _is_weights_only_refusal(err: BaseException) -> bool:
+    """torch.load(weights_only=True) refused a pickle for what it holds (not for its format)."""
+    return isinstance(err, pickle.UnpicklingError) and "Weights only load failed" in str(err)
+
+
+def _refused_pickle(err: BaseException) -> str:
+    """Why weights-only loading refused a pickle file, without torch's advice to load it with
+    weights_only=False (that runs whatever code the file holds)."""
+    found = re.search(r"WeightsUnpickler error: (.*?)(?: Please use|$)", str(err), flags=re.M)
+    what = f" ({found.group(1).strip().rstrip('.')})" if found else ""
+    return (
+        f"a pickle file holding more than tensors{what}: weights-only loading refused it and "
+        "nothing in it ran; loading it with weights_only=False would run whatever code it "
+        "holds, so convert it to safetensors where its source is trusted"
+    )
+
+
+def _check_safetensors(folder: Path) -> None:
+    """ExportError, one line, for a safetensors file of the folder that cannot be opened
+    (truncated, or not safetensors), naming it."""
+    from safetensors import SafetensorError, safe_open
+
+    for path in sorted(folder.glob("*.safetensors")):
+        try:
+            with safe_open(str(path), framework="pt"):
+                pass
+        except (SafetensorError, OSError) as err:
+            raise ExportError(
+                f"{path}: not a whole safetensors file ({_first(err)}): truncated or damaged"
+            ) from None
+
+
+def _check_loaded_keys(src: Path, info: Mapping[str, Any]) -> None:
+    """ExportError, one line, when the checkpoint's tensors do not match the model's: a missing
+    one would be exported as the random values transformers initialized it with."""
+    problems = []
+    for key, what in (
+        (
+            "missing_keys",
+            "missing from the checkpoint (transformers would initialize them randomly)",
+        ),
+        ("unexpected_keys", "in the checkpoint but not in the model"),
+        ("mismatched_keys", "of another shape than the model's"),
+    ):
+        names = sorted(str(k[0] if isinstance(k, tuple) else k) for k in info.get(key) or ())
+        if names:
+            shown = ", ".join(names[:4]) + (f" and {len(names) - 4} more" if len(names) > 4 else "")
+            problems.append(f"{len(names)} tensor(s) {what}: {shown}")
+    if problems:
+        raise ExportError(f"{src}: the checkpoint does not match its config: {'; '.join(problems)}")
 
 
 # ---------------------------------------------------------------------------------------------

@@ -34,10 +34,12 @@ def cmd_export(args: argparse.Namespace) -> int:
 
     from fp4gen.dsl import load_recipe
     from fp4gen.export import (
+        HF_CONFIG_FILES,
         check_out_dir,
         copy_model_files,
         export_quantized,
         load_source,
+        model_files,
         parse_size,
     )
 
@@ -48,7 +50,10 @@ def cmd_export(args: argparse.Namespace) -> int:
     # the cheap checks first: a bad recipe or output folder fails before a model loads
     recipe = load_recipe(args.recipe)
     parse_size(args.max_shard_size)
-    check_out_dir(out, args.overwrite, source if source.is_dir() else None)
+    folder = source if source.is_dir() else None
+    # a model folder brings config.json and generation_config.json, and its other files
+    also = [*HF_CONFIG_FILES, *model_files(source, HF_CONFIG_FILES)] if folder else []
+    check_out_dir(out, args.overwrite, folder, also)
     if source.is_dir():
         try:  # a command prints its own summary: no loading progress bars on stderr
             import transformers
@@ -67,8 +72,13 @@ def cmd_export(args: argparse.Namespace) -> int:
         overwrite=args.overwrite,
     )
     files = list(report.files)
+    replaced = list(report.replaced)
     if source.is_dir():
-        files += copy_model_files(source, out, report.files)
+        copied, also_replaced = copy_model_files(
+            source, out, report.files, overwrite=args.overwrite
+        )
+        files += copied
+        replaced += also_replaced
     print(report.table())
     print()
     kept = len(report.excluded)
@@ -77,6 +87,8 @@ def cmd_export(args: argparse.Namespace) -> int:
         f"{kept} kept in high precision (exclude_modules)"
     )
     print(f"files: {', '.join(files)}")
+    if replaced:  # only with --overwrite
+        print(f"replaced {len(replaced)} existing file(s) in {out}: {', '.join(replaced)}")
     return 0
 
 
@@ -127,6 +139,7 @@ def add_commands(sub: Any) -> None:
     p.add_argument(
         "--overwrite",
         action="store_true",
-        help="replace a checkpoint already in DIR (its safetensors files and configs)",
+        help="replace a checkpoint already in DIR (its safetensors files, configs and the "
+        "model folder's files it copies); without it such a DIR is refused",
     )
     p.set_defaults(func=cmd_export)

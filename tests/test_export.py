@@ -465,3 +465,170 @@ def test_readme_export_example_runs(tmp_path: Path, monkeypatch: pytest.MonkeyPa
     exec(compile(blocks[0], str(README), "exec"), namespace)
     assert namespace["config"]["quantization"]["quant_algo"] == "NVFP4"  # type: ignore[index]
     assert "fp4gen export MODEL_DIR" in text
+
+
+# ---------------------------------------------------------------------------------------------
+# damaged sources, NaN weights, and the output folder's files
+# ---------------------------------------------------------------------------------------------
+
+
+def test_missing_and_unexpected_tensors_are_a_one_line_error(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from safetensors.torch import save_file
+
+    folder = tmp_path / "llama"
+    tiny_llama(folder)
+    capsys.readouterr()  # its saving progress bar
+    tensors = load_file(str(folder / "model.safetensors"))
+    del tensors["model.layers.0.self_attn.q_proj.weight"]
+    del tensors["model.layers.1.mlp.down_proj.weight"]
+    tensors["model.extra.weight"] = torch.zeros(2)
+    save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    out = tmp_path / "out"
+    line = one_line_error(capsys, str(folder), "--recipe", "nvfp4_small", "--out", str(out))
+    assert "2 tensor(s) missing from the checkpoint" in line and "randomly" in line
+    assert "model.layers.0.self_attn.q_proj.weight" in line
+    assert "model.layers.1.mlp.down_proj.weight" in line
+    assert "1 tensor(s) in the checkpoint but not in the model: model.extra.weight" in line
+    assert not out.exists()
+
+
+def test_a_truncated_safetensors_file_is_a_one_line_error(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    folder = tmp_path / "llama"
+    tiny_llama(folder)
+    capsys.readouterr()  # its saving progress bar
+    weights = folder / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:12288])
+    out = tmp_path / "out"
+    line = one_line_error(capsys, str(folder), "--recipe", "nvfp4_small", "--out", str(out))
+    assert f"{weights}: not a whole safetensors file" in line and "truncated" in line
+    assert not out.exists()
+
+
+class _RunsCode:
+    """A pickle that would create ``marker`` when loaded without weights_only."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self) -> tuple:
+        return (open, (str(self.marker), "w"))
+
+
+def test_a_pickle_weights_only_loading_refuses_is_a_one_line_error(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    marker = tmp_path / "code-ran"
+    bad = {"w": torch.zeros(2), "x": _RunsCode(marker)}
+    torch.save(bad, tmp_path / "weights.pt")
+    folder = tmp_path / "llama"
+    tiny_llama(folder)
+    (folder / "model.safetensors").unlink()
+    torch.save(bad, folder / "pytorch_model.bin")
+    capsys.readouterr()
+    out = str(tmp_path / "out")
+    for source in (tmp_path / "weights.pt", folder):
+        line = one_line_error(capsys, str(source), "--recipe", "nvfp4_small", "--out", out)
+        assert line.startswith(f"fp4gen export: {source}: a pickle file holding more than tensors")
+        assert "nothing in it ran" in line and "open" in line  # the global it refused
+        # torch's advice comes with why not to follow it, and torch's own wording is gone
+        assert "weights_only=False would run whatever code it holds" in line
+        assert "Weights only load failed" not in line and "\x1b" not in line
+    assert not marker.exists() and not Path(out).exists()
+
+
+def test_a_nan_weight_names_its_tensor(tmp_path: Path) -> None:
+    model = gpt()
+    with torch.no_grad():
+        model.blocks[1].mlp.fc1.weight[3, 7] = float("nan")
+    with pytest.raises(ExportError) as err:
+        export_quantized(model, tmp_path / "out", SMALL)
+    message = str(err.value)
+    assert message.startswith("blocks.1.mlp.fc1.weight [256, 64]: ")
+    assert "1 non-finite value(s)" in message and "(3, 7)" in message
+    assert not (tmp_path / "out").exists()
+
+
+def test_export_writes_through_no_link(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    folder = tmp_path / "llama"
+    tiny_llama(folder)
+    capsys.readouterr()  # its saving progress bar
+    victim = tmp_path / "users-file.json"
+    victim.write_text("precious")
+    for name in ("config.json", "generation_config.json", "tokenizer_config.json"):
+        out = tmp_path / f"out-{name}"
+        out.mkdir()
+        (out / name).symlink_to(victim)
+        for extra in ((), ("--overwrite",)):  # --overwrite does not make a link writable
+            argv = (str(folder), "--recipe", "nvfp4_small", "--out", str(out), *extra)
+            line = one_line_error(capsys, *argv)
+            assert f"{out / name} is a symbolic link (to {victim})" in line
+        assert victim.read_text() == "precious"
+        assert [p.name for p in out.iterdir()] == [name]  # nothing else was written
+
+
+def test_export_refuses_then_replaces_config_files(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    folder = tmp_path / "llama"
+    tiny_llama(folder)
+    capsys.readouterr()  # its saving progress bar
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "config.json").write_text('{"mine": 1}\n')
+    args = (str(folder), "--recipe", "nvfp4_small", "--out", str(out))
+    line = one_line_error(capsys, *args)
+    assert f"{out}: already holds config.json; pass overwrite=True (--overwrite)" in line
+    assert (out / "config.json").read_text() == '{"mine": 1}\n'
+    code, stdout, err = run(capsys, "export", *args, "--overwrite")
+    assert code == 0, err
+    assert f"replaced 1 existing file(s) in {out}: config.json" in stdout
+    assert "quantization_config" in json.loads((out / "config.json").read_text())
+
+
+def test_export_on_a_full_disk_leaves_the_old_checkpoint(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import errno
+    import os
+
+    import safetensors.torch
+
+    from fp4gen import outputs
+
+    weights = tmp_path / "weights.pt"
+    torch.save(gpt().state_dict(), weights)
+    out = tmp_path / "out"
+    args = (str(weights), "--recipe", "nvfp4_small", "--out", str(out))
+    assert run(capsys, "export", *args, "--max-shard-size", "20KB")[0] == 0
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+    assert len(before) > 3  # shards, index and hf_quant_config.json
+
+    def full_disk_save(tensors: dict, path: str, metadata: dict | None = None) -> None:
+        Path(path).write_bytes(b"\0" * 100)  # part of it, then the disk is full
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(safetensors.torch, "save_file", full_disk_save)
+    line = one_line_error(capsys, *args, "--overwrite")
+    assert f"cannot write {out / 'model.safetensors'}: No space left on device" in line
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before
+    monkeypatch.undo()
+
+    def full_disk_text(file, data: bytes) -> None:  # the shard is written, the JSON is not
+        file.write(data[:10])
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(outputs, "_write_data", full_disk_text)
+    line = one_line_error(capsys, *args, "--overwrite")
+    assert f"cannot write {out / 'hf_quant_config.json'}: No space left on device" in line
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before  # old shards, no temp
+    monkeypatch.undo()
+    code, stdout, err = run(capsys, "export", *args, "--overwrite")
+    assert code == 0, err
+    assert sorted(p.name for p in out.iterdir()) == ["hf_quant_config.json", "model.safetensors"]
+    gone = sorted(name for name in before if name != "hf_quant_config.json")  # shards, index
+    listed = ", ".join(["hf_quant_config.json", *gone])
+    assert f"replaced {len(before)} existing file(s) in {out}: {listed}" in stdout
