@@ -42,7 +42,7 @@ from fp4gen.errors import FP4GenError, TensorError
 from fp4gen.formats import BlockFormat, ElementFormat
 from fp4gen.numerics import QuantizedTensor
 from fp4gen.numerics.gemm import require_quantized
-from fp4gen.runtime.checks import check_accumulate, check_bias, check_pair
+from fp4gen.runtime.checks import check_accumulate, check_bias, check_pair, one_cuda_device
 from fp4gen.runtime.epilogue import GemmProduct, finish
 
 ARCHS = ("sm_90a",)  # cuBLASLt's 1x128 / 128x128 fp32 block scaling: Hopper only
@@ -244,11 +244,7 @@ def block_scaled_product(
     cue to take another path."""
     require_quantized(a, b)
     check_pair(a, b)
-    if a.device.type != "cuda" or b.device != a.device:
-        raise TensorError(
-            f"the block_scaled GEMM needs both operands on one CUDA device, got "
-            f"{a.device} and {b.device}"
-        )
+    one_cuda_device(a, b, "block_scaled GEMM")
     if out_dtype not in OUT_DTYPES:
         raise TensorError(f"out_dtype must be one of {OUT_DTYPES}, got {out_dtype}")
     reason = support(a.format, b.format) or torch_reason()
