@@ -130,7 +130,7 @@ def test_fallback_summary_weights_units_and_tracks_steps(tmp_path: Path) -> None
 def test_runtime_notes_reach_the_demo_log(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     import logging
 
-    def fake_run(cfg: DemoConfig, log) -> list:
+    def fake_run(cfg: DemoConfig, log, files) -> list:
         logging.getLogger("fp4gen.runtime").info("quantize uses the reference: %s", "why")
         return []
 
@@ -139,3 +139,102 @@ def test_runtime_notes_reach_the_demo_log(monkeypatch: pytest.MonkeyPatch, tmp_p
     assert train.run_demo(DemoConfig(out=tmp_path), lines.append) == []
     assert lines == ["note (fp4gen.runtime): quantize uses the reference: why"]
     assert not any(isinstance(h, train._LogLines) for h in logging.getLogger("fp4gen").handlers)
+
+
+def _point(recipe: str, step: int, val: float | None) -> train.Point:
+    return train.Point(recipe, step, 5.0, val, float(step))
+
+
+def _result(recipe: str, steps: int, val: float, planned: int = 3) -> train.RecipeResult:
+    return train.RecipeResult(recipe, 1000, 0, steps, planned, 1.0, 5.0, val, steps < planned)
+
+
+def test_runs_of_unequal_length_are_compared_at_a_common_step() -> None:
+    # bf16 stopped after 1 step, nvfp4_small after 3: their final losses are 2 steps apart
+    points = [_point("bf16", 0, 5.50), _point("nvfp4_small", 0, 5.40)]
+    points += [_point("nvfp4_small", 1, None), _point("nvfp4_small", 2, 4.85)]
+    results = [_result("bf16", 1, 5.50), _result("nvfp4_small", 3, 4.85)]
+    found = train.compare(points, "nvfp4_small", "bf16")
+    assert found == train.Comparison("nvfp4_small", "bf16", 1, pytest.approx(-0.10), False)
+    table, notes = train.summary_table(results, points)
+    assert "-0.1000 @1" in table and "-0.6500" not in table  # not step 3 against step 1
+    assert notes == [
+        "nvfp4_small trained 3 steps and bf16 1: val - bf16 compares them after 1 step(s), the "
+        "last both evaluated, not their final losses"
+    ]
+    # equal runs: the final losses, no note
+    same = [_point("bf16", 0, 5.5), _point("bf16", 2, 5.0), *points[1:]]
+    table, notes = train.summary_table([_result("bf16", 3, 5.0), results[1]], same)
+    assert "-0.1500" in table and "@" not in table and notes == []
+    # no step evaluated by both: said plainly, no number
+    apart = [_point("bf16", 1, 5.0), _point("nvfp4_small", 2, 4.85)]
+    assert train.compare(apart, "nvfp4_small", "bf16") is None
+    table, notes = train.summary_table(results, apart)
+    assert "none" in table.splitlines()[-1]
+    assert notes == [
+        "nvfp4_small and bf16 have no evaluated step in common: their held-out losses cannot "
+        "be compared"
+    ]
+    assert train._comparisons_json(results, points) == [
+        {
+            "recipe": "nvfp4_small",
+            "baseline": "bf16",
+            "steps": 1,
+            "val_gap": pytest.approx(-0.10),
+            "at_final_steps": False,
+        }
+    ]
+
+
+def _demo(out: Path) -> list[str]:
+    return ["demo", "--recipes", "bf16", "--steps", "1", "--batch", "1", "--device", "cpu",
+            "--out", str(out)]  # fmt: skip
+
+
+def test_demo_writes_through_no_link(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    victim = tmp_path / "users-file.json"
+    victim.write_text("precious")
+    for name in train.OUTPUT_FILES:
+        out = tmp_path / f"out-{name}"
+        out.mkdir()
+        (out / name).symlink_to(victim)
+        assert main(_demo(out)) == 1
+        captured = capsys.readouterr()
+        assert captured.out == ""  # refused before anything trained
+        assert captured.err == (
+            f"fp4gen demo: {out / name} is a symbolic link (to {victim}): fp4gen writes no file "
+            "through a link; remove the link or choose another --out\n"
+        )
+    assert victim.read_text() == "precious"
+
+
+def test_demo_on_a_full_disk_keeps_the_old_file(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import errno
+    import os
+
+    from fp4gen import outputs
+
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "losses.csv").write_text("old\n")
+
+    def full_disk(file, data: bytes) -> None:
+        file.write(data[:5])
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(outputs, "_write_data", full_disk)
+    assert main(_demo(out)) == 1
+    err = capsys.readouterr().err
+    assert err == (
+        f"fp4gen demo: cannot write {out / 'losses.csv'}: No space left on device (the previous "
+        "file is unchanged)\n"
+    )
+    assert sorted(p.name for p in out.iterdir()) == ["losses.csv"]
+    assert (out / "losses.csv").read_text() == "old\n"
+    monkeypatch.undo()
+    assert main(_demo(out)) == 0
+    stdout = capsys.readouterr().out
+    assert f"replaced 1 existing file(s) in {out}: losses.csv" in stdout
+    assert (out / "losses.csv").read_text().startswith("recipe,step,train_loss")

@@ -23,6 +23,7 @@ whole run ends near the budget even when the machine slows down.
 from __future__ import annotations
 
 import csv
+import io
 import json
 import logging
 import math
@@ -39,6 +40,7 @@ from fp4gen.demo.gpt import GPT, GPTConfig
 from fp4gen.demo.lr_schedule import lr_at
 from fp4gen.dsl import load_recipe
 from fp4gen.dsl.model import Recipe
+from fp4gen.outputs import OutputFiles
 from fp4gen.runtime.convert import (
     convert,
     count_converted,
@@ -47,6 +49,8 @@ from fp4gen.runtime.convert import (
     telemetry,
 )
 from fp4gen.table import render_table
+
+OUTPUT_FILES = ("losses.csv", "summary.json", "telemetry.json", "losses.png")  # in --out
 
 SIZES: dict[str, GPTConfig] = {
     "tiny": GPTConfig(context=64, layers=4, heads=4, width=64),  # ~0.2M parameters: CPU minutes
@@ -411,17 +415,20 @@ def _past_deadline(
     return time.perf_counter() + step + evaluation > deadline
 
 
-def write_csv(points: list[Point], path: Path) -> None:
-    with path.open("w", newline="") as f:
-        writer = csv.writer(f)
-        writer.writerow(["recipe", "step", "train_loss", "val_loss", "seconds"])
-        for p in points:
-            val = "" if p.val_loss is None else f"{p.val_loss:.6f}"
-            writer.writerow([p.recipe, p.step, f"{p.train_loss:.6f}", val, f"{p.seconds:.3f}"])
+def losses_csv(points: list[Point]) -> str:
+    """recipe, step, train_loss, val_loss, seconds: one row per training step."""
+    buf = io.StringIO()
+    writer = csv.writer(buf, lineterminator="\n")
+    writer.writerow(["recipe", "step", "train_loss", "val_loss", "seconds"])
+    for p in points:
+        val = "" if p.val_loss is None else f"{p.val_loss:.6f}"
+        writer.writerow([p.recipe, p.step, f"{p.train_loss:.6f}", val, f"{p.seconds:.3f}"])
+    return buf.getvalue()
 
 
-def plot(points: list[Point], path: Path, title: str) -> bool:
-    """Loss curves as a PNG; False (and nothing written) when matplotlib is not installed."""
+def plot(points: list[Point], files: OutputFiles, name: str, title: str) -> bool:
+    """Loss curves as the PNG ``name`` of ``files``; False (and nothing written) when matplotlib
+    is not installed."""
     try:
         import matplotlib
 
@@ -448,16 +455,65 @@ def plot(points: list[Point], path: Path, title: str) -> bool:
         ax.legend()
     fig.suptitle(title)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    try:
+        files.write_with(name, lambda path: fig.savefig(path, dpi=110, format="png"))
+    finally:
+        plt.close(fig)
     return True
 
 
-def summary_table(results: list[RecipeResult], baseline: str = "bf16") -> str:
-    base = next((r for r in results if r.recipe == baseline), None)
-    rows = []
+@dataclass(frozen=True)
+class Comparison:
+    """A recipe's held-out loss against the baseline's, at one step both evaluated."""
+
+    recipe: str
+    baseline: str
+    steps: int  # steps both had trained when compared
+    gap: float  # recipe's held-out loss - the baseline's
+    final: bool  # both runs ended there (else at least one trained on past it)
+
+
+def compare(points: list[Point], recipe: str, baseline: str) -> Comparison | None:
+    """``recipe``'s held-out loss minus ``baseline``'s at the last step both evaluated: runs that
+    stopped at different steps (a time budget on a busy machine) are compared where they are
+    comparable, not at their ends. None when no step was evaluated by both."""
+    mine = {p.step: p for p in points if p.recipe == recipe and p.val_loss is not None}
+    base = {p.step: p for p in points if p.recipe == baseline and p.val_loss is not None}
+    common = sorted(mine.keys() & base.keys())
+    if not common:
+        return None
+    step = common[-1]
+    last = {max(p.step for p in points if p.recipe == r) for r in (recipe, baseline)}
+    gap = mine[step].val_loss - base[step].val_loss  # type: ignore[operator]
+    return Comparison(recipe, baseline, step + 1, gap, last == {step})
+
+
+def summary_table(
+    results: list[RecipeResult], points: list[Point], baseline: str = "bf16"
+) -> tuple[str, list[str]]:
+    """The summary table and the notes under it (what the gap column compares, when the runs
+    stopped at different steps)."""
+    has_base = any(r.recipe == baseline for r in results)
+    rows, notes = [], []
     for r in results:
-        gap = "-" if base is None or r is base else f"{r.final_val_loss - base.final_val_loss:+.4f}"
+        gap = "-"
+        if has_base and r.recipe != baseline:
+            found = compare(points, r.recipe, baseline)
+            if found is None:
+                gap = "none"
+                notes.append(
+                    f"{r.recipe} and {baseline} have no evaluated step in common: their "
+                    "held-out losses cannot be compared"
+                )
+            elif found.final:
+                gap = f"{found.gap:+.4f}"
+            else:
+                gap = f"{found.gap:+.4f} @{found.steps}"
+                notes.append(
+                    f"{r.recipe} trained {r.steps} steps and {baseline} "
+                    f"{_steps_of(results, baseline)}: val - {baseline} compares them after "
+                    f"{found.steps} step(s), the last both evaluated, not their final losses"
+                )
         steps = f"{r.steps}" + (f" of {r.planned_steps}" if r.stopped_early else "")
         rows.append(
             [
@@ -472,20 +528,50 @@ def summary_table(results: list[RecipeResult], baseline: str = "bf16") -> str:
             ]
         )
     headers = ["recipe", "converted", "steps", "seconds", "ms/step", "train (last 10)", "val"]
-    return render_table([*headers, f"val - {baseline}"], rows)
+    return render_table([*headers, f"val - {baseline}"], rows), notes
+
+
+def _steps_of(results: list[RecipeResult], recipe: str) -> int:
+    return next(r.steps for r in results if r.recipe == recipe)
+
+
+def _comparisons_json(
+    results: list[RecipeResult], points: list[Point], baseline: str = "bf16"
+) -> list[dict]:
+    """summary.json's comparisons: each recipe against the baseline at a common step."""
+    out = []
+    if not any(r.recipe == baseline for r in results):
+        return out
+    for r in results:
+        if r.recipe == baseline:
+            continue
+        found = compare(points, r.recipe, baseline)
+        out.append(
+            {"recipe": r.recipe, "baseline": baseline, "steps": None, "val_gap": None}
+            if found is None
+            else {
+                "recipe": r.recipe,
+                "baseline": baseline,
+                "steps": found.steps,
+                "val_gap": found.gap,
+                "at_final_steps": found.final,
+            }
+        )
+    return out
 
 
 def run_demo(cfg: DemoConfig, log: Callable[[str], None] = print) -> list[Point]:
     if cfg.size not in SIZES:
         raise ValueError(f"unknown size {cfg.size!r}; expected one of {', '.join(SIZES)}")
-    cfg.out.mkdir(parents=True, exist_ok=True)
+    files = OutputFiles(cfg.out)
+    files.refuse_existing(OUTPUT_FILES)  # a link in --out fails before anything trains
     handler = _LogLines(log)  # the runtime's notes (kernel fallbacks, logged once) in the log
     logger = logging.getLogger("fp4gen")
     level = logger.level
     logger.setLevel(logging.INFO)
     logger.addHandler(handler)
     try:
-        return _run(cfg, log)
+        return _run(cfg, log, files)
     finally:
         logger.removeHandler(handler)
         logger.setLevel(level)
@@ -517,7 +603,7 @@ def _recipe_deadline(
     return now + left * predicted[0] / max(sum(predicted), 1e-9)
 
 
-def _run(cfg: DemoConfig, log: Callable[[str], None]) -> list[Point]:
+def _run(cfg: DemoConfig, log: Callable[[str], None], files: OutputFiles) -> list[Point]:
     total = time.perf_counter()  # the time budget is for all of it
     loaded = load_recipes(cfg.recipes)  # every recipe checked before the first trains
     corpus = stdlib_corpus()
@@ -549,7 +635,7 @@ def _run(cfg: DemoConfig, log: Callable[[str], None]) -> list[Point]:
         points += mine
         results.append(result)
         # written after every recipe, so an interrupted run keeps what it finished
-        write_csv(points, cfg.out / "losses.csv")
+        files.write_text("losses.csv", losses_csv(points))
         summary = {
             "size": cfg.size,
             "parameters": result.parameters,
@@ -562,18 +648,25 @@ def _run(cfg: DemoConfig, log: Callable[[str], None]) -> list[Point]:
             "calibration_seconds_per_step": timing,
             "seconds": time.perf_counter() - total,
             "recipes": [vars(r) for r in results],
+            "comparisons": _comparisons_json(results, points),
         }
-        (cfg.out / "summary.json").write_text(json.dumps(summary, indent=2))
+        files.write_text("summary.json", json.dumps(summary, indent=2))
         if cfg.telemetry_every:
-            (cfg.out / "telemetry.json").write_text(json.dumps({"records": records}))
-    log("\n" + summary_table(results))
+            files.write_text("telemetry.json", json.dumps({"records": records}))
+    table, notes = summary_table(results, points)
+    log("\n" + table)
+    for note in notes:
+        log(note)
     if cfg.telemetry_every:
         path = cfg.out / "telemetry.json"
         log(f"wrote {path} ({len(records)} records; draw it with: fp4gen report {path})")
     title = f"{cfg.size} GPT on stdlib bytes, {steps} steps, batch {cfg.batch}"
-    if plot(points, cfg.out / "losses.png", title):
+    if plot(points, files, "losses.png", title):
         log(f"wrote {cfg.out / 'losses.csv'}, {cfg.out / 'losses.png'} and summary.json")
     else:
         log(f"wrote {cfg.out / 'losses.csv'} and summary.json (install matplotlib for the PNG)")
+    replaced = files.replaced_text()
+    if replaced is not None:
+        log(replaced)
     log(f"total {_clock(time.perf_counter() - total)}")
     return points
