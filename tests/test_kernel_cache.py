@@ -284,6 +284,126 @@ def test_info_and_clear(tmp_path: Path) -> None:
 
 
 # ----------------------------------------------------------------------------------------------
+# A cache cleared under a build (fp4gen cache clear in another shell during a compile)
+# ----------------------------------------------------------------------------------------------
+
+
+def clearing_build(cache: KernelCache, clears: int, counter: list[int]):
+    """A build that clears the cache (staging folder included) during its first ``clears``
+    calls, as ``fp4gen cache clear`` in another shell would, then fails as the export would."""
+
+    def build(folder: Path) -> dict:
+        counter.append(1)
+        (folder / "kernel.so").write_bytes(b"\x7fELF fake kernel")
+        if len(counter) <= clears:
+            cache.clear()
+            (folder / "kernel.o").write_bytes(b"x")  # the export writes into a folder now gone
+        return {"symbol": "fp4gen_test"}
+
+    return build
+
+
+def test_a_build_whose_staging_folder_is_cleared_is_built_again(tmp_path: Path) -> None:
+    cache = KernelCache(tmp_path / "c")
+    key, parts = cache.key(source_sha256="s", kernel="k", arch="sm_90a")
+    calls: list[int] = []
+    entry, built = cache.get_or_build(key, clearing_build(cache, 1, calls), parts=parts)
+    assert built and len(calls) == 2  # recompiled once
+    assert entry.file("kernel.so").read_bytes() == b"\x7fELF fake kernel"
+    assert cache.lookup(key) is not None and cache.info()["kernels"] == 1
+
+
+def test_a_build_cleared_twice_says_so(tmp_path: Path) -> None:
+    cache = KernelCache(tmp_path / "c")
+    key, parts = cache.key(source_sha256="s", kernel="k", arch="sm_90a")
+    calls: list[int] = []
+    with pytest.raises(cache_mod.CacheVanished) as info:
+        cache.get_or_build(key, clearing_build(cache, 2, calls), parts=parts)
+    assert len(calls) == 2
+    message = str(info.value)
+    assert "\n" not in message and message.startswith(f"cache entry {key}: its staging folder ")
+    assert message.endswith(
+        "vanished while the kernel was built (lost twice; was the kernel cache cleared during "
+        "the compile? Compile again once it is not)"
+    )
+    assert cache.lookup(key) is None
+
+
+def test_a_kernels_folder_cleared_before_publishing_is_built_again(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    cache = KernelCache(tmp_path / "c")
+    key, parts = cache.key(source_sha256="s", kernel="k", arch="sm_90a")
+    real_rename = os.rename
+    renames: list[str] = []
+
+    def rename_after_a_clear(src: object, dst: object) -> None:
+        renames.append(str(dst))
+        if len(renames) == 1:  # the first publish finds kernels/ gone
+            shutil.rmtree(cache.kernels_dir)
+        real_rename(src, dst)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(os, "rename", rename_after_a_clear)
+    calls: list[int] = []
+    entry, built = cache.get_or_build(key, fake_build(counter=calls), parts=parts)
+    assert built and len(calls) == 2 and renames == [str(entry.path)] * 2
+    assert cache.lookup(key) is not None
+
+
+def test_a_source_cleared_before_its_compile_is_named(tmp_path: Path) -> None:
+    from fp4gen.compiler import jit
+
+    cache = KernelCache(tmp_path / "c")
+    source = cache.store_source("KERNELS = ('quantize',)\n")
+    key = jit.kernel_key(cache, source.read_text(), "quantize", "sm_90a")
+    cache.clear()
+    message = f"the generated source {source} vanished from the kernel cache before it was compiled"
+    for given in (None, key):  # the key read from the source, or the parent's
+        with pytest.raises(cache_mod.SourceVanished) as info:
+            jit.build_kernel(cache, source, "quantize", "sm_90a", key=given)
+        assert str(info.value) == message
+    # a missing file outside the cache is what it is
+    with pytest.raises(FileNotFoundError):
+        jit.build_kernel(cache, tmp_path / "elsewhere.py", "quantize", "sm_90a")
+
+
+def test_a_worker_reports_a_vanished_source_in_one_line(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from fp4gen.compiler import jit, worker
+
+    monkeypatch.setenv("CUTE_DSL_ARCH", "sm_90a")
+    monkeypatch.setenv("FP4GEN_CACHE_DIR", str(tmp_path / "c"))
+    cache = KernelCache(tmp_path / "c")
+    source = cache.store_source("KERNELS = ('quantize',)\n")
+    key, parts = jit.kernel_key(cache, source.read_text(), "quantize", "sm_90a")
+    cache.clear()
+    task = {"source": str(source), "kernel": "quantize", "arch": "sm_90a", "key": key}
+    result = worker.compile_task({**task, "parts": parts})
+    assert result == {
+        "status": f"error: the generated source {source} vanished from the kernel cache "
+        "before it was compiled",
+        "seconds": 0.0,
+        "cached": False,
+        "vanished": True,
+    }
+
+
+def test_failure_text_is_one_line() -> None:
+    from fp4gen.compiler.worker import REASON_CHARS, failure_text
+
+    lost = FileNotFoundError(2, "No such file or directory", "/c/v1/sources/a.py")
+    assert failure_text(lost) == "/c/v1/sources/a.py: no such file or directory"
+    assert (
+        failure_text(RuntimeError("ptxas failed\n  line 2\n")) == "RuntimeError: ptxas failed (...)"
+    )
+    assert failure_text(cache_mod.CacheError("the cache is full")) == "the cache is full"
+    assert failure_text(ValueError()) == "ValueError"
+    long = failure_text(RuntimeError("x" * 1000))
+    assert len(long) == REASON_CHARS and long.endswith("...")
+
+
+# ----------------------------------------------------------------------------------------------
 # Real compiled kernels (the stub template: compiles in a second, no GPU)
 # ----------------------------------------------------------------------------------------------
 

@@ -18,7 +18,9 @@ Compilation runs in worker processes (``cute.compile`` is not thread-safe; see
 ``fp4gen.compiler.worker``), each for one arch with ``CUTE_DSL_ARCH`` set before the DSL is
 imported, so a worker never depends on the GPU it runs on (a GPU-blind worker would otherwise
 default to sm_100a). A spec the template does not support yet is listed as
-``unsupported: <reason>``.
+``unsupported: <reason>``. A kernel that fails is reported in one line and counted
+(``CompileReport.failed``); one whose cache files vanished under the compile (``fp4gen cache
+clear`` meanwhile) has its source stored again and is compiled once more.
 """
 
 from __future__ import annotations
@@ -40,6 +42,7 @@ from typing import Any, TextIO
 from fp4gen.compiler import jit
 from fp4gen.compiler.aot import RuntimeKernel, RuntimePlan, kernel_spec_json, runtime_plan
 from fp4gen.compiler.cache import (
+    CLEARED_MEANWHILE,
     PLAIN_NAME_RULE,
     KernelCache,
     cutlass_dsl_version,
@@ -49,6 +52,7 @@ from fp4gen.compiler.cache import (
     sha256_text,
 )
 from fp4gen.compiler.plan import KernelPlan, PlannedKernel, plan_recipe, use_json
+from fp4gen.compiler.worker import failure_text
 from fp4gen.dsl.model import Recipe
 from fp4gen.errors import FP4GenError, RecipeError
 from fp4gen.outputs import OutputFiles
@@ -444,6 +448,35 @@ class CompileTask:
     dump_dir: str | None = None
     label: str = ""  # shown in the progress output (the spec's name)
     key: tuple[str, dict[str, Any]] | None = None  # (cache key, parts), computed by the parent
+    # the module's text, to store again where the cache lost it under the compile
+    text: str | None = field(default=None, repr=False, compare=False)
+
+
+def _ask(worker: _Worker, task: CompileTask) -> dict[str, Any]:
+    return worker.ask(
+        {
+            "source": task.source,
+            "kernel": task.kernel,
+            "arch": task.arch,
+            "dump_dir": task.dump_dir,
+            "key": task.key[0] if task.key else None,
+            "parts": task.key[1] if task.key else None,
+        }
+    )
+
+
+def _compile_one(worker: _Worker, task: CompileTask, cache: KernelCache) -> dict[str, Any]:
+    """One task's result; where the cache lost a file under it, the source is stored again and
+    the task asked once more, and a second loss says so."""
+    result = _ask(worker, task)
+    if not result.get("vanished"):
+        return result
+    if task.text is not None:
+        cache.store_source(task.text)  # the same path: its name is the text's hash
+    again = _ask(worker, task)
+    if again.get("vanished") and CLEARED_MEANWHILE not in again["status"]:
+        again["status"] += f" ({CLEARED_MEANWHILE})"
+    return again
 
 
 def compile_all(
@@ -468,7 +501,6 @@ def compile_all(
         pending.setdefault(task.arch, collections.deque()).append(task)
     by_size = sorted(pending, key=lambda a: -len(pending[a]))
     lock = threading.Lock()
-    log_dir = cache.work_dir()
 
     def next_task(arch: str) -> CompileTask | None:
         with lock:
@@ -485,18 +517,12 @@ def compile_all(
                 if worker is not None and (worker.arch != arch or not worker.alive):
                     worker.close()
                     worker = None
-                if worker is None:
-                    worker = _Worker(arch, cache, log_dir)
-                result = worker.ask(
-                    {
-                        "source": task.source,
-                        "kernel": task.kernel,
-                        "arch": arch,
-                        "dump_dir": task.dump_dir,
-                        "key": task.key[0] if task.key else None,
-                        "parts": task.key[1] if task.key else None,
-                    }
-                )
+                try:
+                    if worker is None:  # its log goes to the staging folder, made again if cleared
+                        worker = _Worker(arch, cache, cache.work_dir())
+                    result = _compile_one(worker, task, cache)
+                except Exception as err:  # every task gets a result, in one line
+                    result = {"status": f"error: {failure_text(err)}", "seconds": 0.0}
                 with lock:
                     results[(task.source, task.kernel, arch)] = result
                     if progress is not None:
@@ -545,6 +571,7 @@ class CompileReport:
     compiled: int
     cached: int
     results: list[CompileResult] = field(default_factory=list)  # in plan order, each once
+    failed: int = 0  # kernel compiles that failed (each also in ``errors``, one line)
 
 
 def prepare_builds(
@@ -644,7 +671,7 @@ def compile_recipes(
                     where = (str(item.cache_path), name, arch)
                     if where not in tasks:
                         key = jit.kernel_key(cache, item.source, name, arch)
-                        tasks[where] = CompileTask(*where, dump, item.name, key)
+                        tasks[where] = CompileTask(*where, dump, item.name, key, item.source)
 
     if announce is not None:  # the folders are usable: say what is about to be built
         announce(builds)
@@ -674,7 +701,7 @@ def compile_recipes(
                     if where in done:
                         continue  # one module shared by several recipes: reported once
                     done.add(where)
-                    r = found[where]
+                    r = found.get(where) or {"status": "error: no compile result came back"}
                     cached = bool(r.get("cached"))
                     seconds = 0.0 if cached else float(r.get("seconds", 0.0))
                     results.append(
@@ -684,13 +711,15 @@ def compile_recipes(
                     )
     for build in builds:
         write_manifest(build, archs, template=cache.template_version)
-    for r in results:
-        if r.status != "ok":
-            errors.append(f"{r.module} {r.kernel} {r.arch}: {r.status}")
+    failed = [r for r in results if r.status != "ok"]
+    for r in failed:
+        errors.append(f"{r.module} {r.kernel} {r.arch}: {r.status.removeprefix('error: ')}")
     compiled = sum(1 for r in results if r.status == "ok" and not r.cached)
     cached = sum(1 for r in results if r.status == "ok" and r.cached)
     seconds = time.perf_counter() - start
-    return CompileReport(builds, unsupported, errors, seconds, compiled, cached, results)
+    return CompileReport(
+        builds, unsupported, errors, seconds, compiled, cached, results, len(failed)
+    )
 
 
 __all__ = [

@@ -20,6 +20,11 @@ first, so a second process waits and then loads the first one's entry instead of
 again; without the lock (or if it fails) the rename still lets exactly one copy win and the loser
 discards its own. Sources are written to a temp file and ``os.replace``d into place.
 
+Clearing under a compile: a folder or source that vanishes while an entry is built (``fp4gen
+cache clear`` in another shell) raises ``CacheVanished``; ``get_or_build`` then builds the entry
+once more, and a second loss is reported as such (a compile worker's parent stores a lost source
+again and asks once more, see ``fp4gen.compiler.build``).
+
 Integrity: ``entry.json`` is written last and lists every file's size and sha256; an entry whose
 files do not match (truncated, corrupt, half-deleted) is reported once per process as a warning,
 removed and rebuilt.
@@ -273,6 +278,26 @@ class CacheError(FP4GenError, RuntimeError):
     """The cache folder cannot be used or cleared, or a key is malformed."""
 
 
+class CacheVanished(CacheError):
+    """A file or folder of the cache vanished while it was in use (the cache was cleared, or
+    another process removed it meanwhile): worth one more try, then reported as such."""
+
+    def __init__(self, message: str, path: Path) -> None:
+        self.path = path
+        super().__init__(message)
+
+
+class SourceVanished(CacheVanished):
+    """A generated source of the cache vanished before it was compiled: only who has its text
+    (the compile's parent) can store it again, so ``get_or_build`` does not try again."""
+
+
+# What a second loss adds to the message: the likely cause and what to do.
+CLEARED_MEANWHILE = (
+    "lost twice; was the kernel cache cleared during the compile? Compile again once it is not"
+)
+
+
 class KernelCache:
     """The on-disk cache. Cheap to construct; creates its folders on first write."""
 
@@ -399,7 +424,10 @@ class KernelCache:
             return None
         problem = _verify(path)
         if problem is None:
-            meta = json.loads((path / ENTRY_FILE).read_text())
+            try:
+                meta = json.loads((path / ENTRY_FILE).read_text())
+            except (OSError, ValueError):  # removed or replaced since it was verified
+                return None
             return Entry(key, path, meta)
         _warn_once(
             key,
@@ -421,7 +449,11 @@ class KernelCache:
         folder = self._dir("locks")
         path = folder / f"{_checked_key(key)}.lock"
         with self._writing(folder):
-            f = open(path, "a+b")  # noqa: SIM115 (closed below; only the open is the cache's)
+            try:
+                f = open(path, "a+b")  # noqa: SIM115 (closed below; only the open is the cache's)
+            except FileNotFoundError:  # the folder was cleared just now: make it again, once
+                self._dir("locks")
+                f = open(path, "a+b")  # noqa: SIM115
         with f:
             fcntl.flock(f.fileno(), fcntl.LOCK_EX)
             try:
@@ -439,10 +471,43 @@ class KernelCache:
         """(entry, built): the valid entry of ``key``, built with ``build(folder)`` if needed.
 
         ``build`` writes the entry's files into the (empty) folder it is given and returns
-        metadata to store with them; the entry is published atomically with checksums."""
+        metadata to store with them; the entry is published atomically with checksums. Where
+        the cache loses a folder under the build (cleared meanwhile), it builds once more; a
+        second loss raises CacheVanished saying so."""
         entry = self.lookup(key)
         if entry is not None:
             return entry, False
+        try:
+            return self._build(key, build, parts)
+        except SourceVanished:
+            raise
+        except CacheVanished as first:
+            log.info("fp4gen cache: %s; building it again", first)
+        try:
+            return self._build(key, build, parts)
+        except CacheVanished as again:
+            raise CacheVanished(f"{again} ({CLEARED_MEANWHILE})", again.path) from again
+
+    @contextlib.contextmanager
+    def _staged(self, key: str, stage: Path) -> Iterator[None]:
+        """Turn a failure of building into ``stage`` that the stage's loss explains (the folder
+        is gone) into CacheVanished."""
+        try:
+            yield
+        except CacheVanished:
+            raise
+        except Exception as err:
+            if stage.is_dir():
+                raise
+            raise CacheVanished(
+                f"cache entry {key}: its staging folder {stage} vanished while the kernel was "
+                "built",
+                stage,
+            ) from err
+
+    def _build(
+        self, key: str, build: Callable[[Path], Mapping[str, Any]], parts: Mapping[str, Any] | None
+    ) -> tuple[Entry, bool]:
         with self.lock(key):
             entry = self.lookup(key)  # another process may have built it while we waited
             if entry is not None:
@@ -451,37 +516,44 @@ class KernelCache:
             with self._writing(tmp):
                 stage = Path(tempfile.mkdtemp(prefix=f"{key[:16]}-", dir=tmp))
             try:
-                meta = dict(build(stage))
-                files = {}
-                for p in sorted(stage.iterdir()):
-                    if p.is_file():
-                        files[p.name] = {"size": p.stat().st_size, "sha256": _sha256_file(p)}
-                if not files:
-                    raise CacheError(f"building cache entry {key} produced no files")
-                record = {
-                    "key": key,
-                    "created": time.time(),
-                    "parts": dict(parts or {}),
-                    "files": files,
-                    **{k: v for k, v in meta.items() if k not in ("key", "files", "parts")},
-                }
-                with self._writing(stage):
-                    _atomic_write(stage / ENTRY_FILE, json.dumps(record, indent=1).encode())
+                with self._staged(key, stage):
+                    meta = dict(build(stage))
+                    files = {}
+                    for p in sorted(stage.iterdir()):
+                        if p.is_file():
+                            files[p.name] = {"size": p.stat().st_size, "sha256": _sha256_file(p)}
+                    if not files:
+                        raise CacheError(f"building cache entry {key} produced no files")
+                    record = {
+                        "key": key,
+                        "created": time.time(),
+                        "parts": dict(parts or {}),
+                        "files": files,
+                        **{k: v for k, v in meta.items() if k not in ("key", "files", "parts")},
+                    }
+                    with self._writing(stage):
+                        _atomic_write(stage / ENTRY_FILE, json.dumps(record, indent=1).encode())
                 self._dir("kernels")
                 try:
                     os.rename(stage, self.entry_path(key))
-                except OSError:
+                except OSError as err:
                     # lost a race (the folder exists now): keep the winner's entry if valid
                     entry = self.lookup(key)
-                    if entry is None:
-                        raise
-                    return entry, False
+                    if entry is not None:
+                        return entry, False
+                    if isinstance(err, FileNotFoundError):  # the stage or kernels/ was cleared
+                        raise CacheVanished(
+                            f"cache entry {key} could not be published: {path_problem(stage, err)}",
+                            stage,
+                        ) from err
+                    raise
             finally:
                 if stage.exists():
                     shutil.rmtree(stage, ignore_errors=True)
         entry = self.lookup(key)
         if entry is None:
-            raise CacheError(f"cache entry {key} vanished right after it was written")
+            path = self.entry_path(key)
+            raise CacheVanished(f"cache entry {path} vanished right after it was written", path)
         return entry, True
 
     # --- inspection and maintenance -----------------------------------------------------------
@@ -623,7 +695,9 @@ __all__ = [
     "MARKER",
     "PLAIN_NAME_RULE",
     "CacheError",
+    "CacheVanished",
     "Entry",
+    "SourceVanished",
     "KernelCache",
     "cutlass_dsl_version",
     "default_root",

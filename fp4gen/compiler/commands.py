@@ -194,8 +194,9 @@ def cmd_compile(args: argparse.Namespace) -> int:
         if replaced is not None:  # files that were there before and now differ
             print(f"{build.recipe.name}: {replaced}")
     if not args.no_compile:  # the summary last: scripts read the final line
+        failed = f", {report.failed} failed (see below)" if report.failed else ""
         print(
-            f"compiled {report.compiled} kernel(s), {report.cached} from the cache, for "
+            f"compiled {report.compiled} kernel(s), {report.cached} from the cache{failed}, for "
             f"{_archs_text(args.arch)} in {report.seconds:.1f}s"
         )
     for err in report.errors:

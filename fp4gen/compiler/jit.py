@@ -16,6 +16,7 @@ file is kept too: where no C compiler is found to link, the entry has only ``ker
 from __future__ import annotations
 
 import ast
+import contextlib
 import importlib.util
 import os
 import shutil
@@ -23,14 +24,14 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
 from typing import Any
 
 from fp4gen.codegen.gemm_configs import GemmConfig, render_module
-from fp4gen.compiler.cache import Entry, KernelCache, sha256_text
+from fp4gen.compiler.cache import Entry, KernelCache, SourceVanished, sha256_text
 from fp4gen.spec import (
     DequantKernelSpec,
     GemmKernelSpec,
@@ -279,22 +280,44 @@ def build_kernel(
 ) -> BuiltKernel:
     """Make sure the cache holds ``name`` of the generated module at ``source_path`` for
     ``arch`` (compiling it if not), and return its entry. ``key`` is (key, parts) when the
-    caller computed it already (a compile worker gets its parent's, so the two never differ)."""
+    caller computed it already (a compile worker gets its parent's, so the two never differ).
+    A source in the cache that is gone (the cache was cleared meanwhile) raises SourceVanished."""
     if key is None:
-        key = kernel_key(cache, Path(source_path).read_text(), name, arch)
+        with _source_lost(cache, source_path):
+            key = kernel_key(cache, Path(source_path).read_text(), name, arch)
     key, parts = key
+
+    def module() -> ModuleType:
+        with _source_lost(cache, source_path):
+            return import_source(source_path)
 
     compiled = None
     if dump_dir is not None:  # dumping PTX needs a real compile, even on a cache hit
-        compiled = compile_kernel(import_source(source_path), name, arch, dump_dir=dump_dir)
+        compiled = compile_kernel(module(), name, arch, dump_dir=dump_dir)
 
     def build(folder: Path) -> Mapping[str, Any]:
-        fn, seconds = compiled or compile_kernel(import_source(source_path), name, arch)
+        fn, seconds = compiled or compile_kernel(module(), name, arch)
         meta = export_entry(fn, folder, symbol_for(key))
         return {"symbol": symbol_for(key), "compile_seconds": seconds, **meta}
 
     entry, built = cache.get_or_build(key, build, parts=parts)
     return BuiltKernel(name, arch, entry, built)
+
+
+@contextlib.contextmanager
+def _source_lost(cache: KernelCache, source_path: Path) -> Iterator[None]:
+    """A generated source of the cache that is missing when it is read is SourceVanished (the
+    compile's parent can store it again); a missing file elsewhere stays a FileNotFoundError."""
+    try:
+        yield
+    except FileNotFoundError as err:
+        path = Path(source_path)
+        if path.exists() or not path.absolute().is_relative_to(cache.root.absolute()):
+            raise
+        raise SourceVanished(
+            f"the generated source {path} vanished from the kernel cache before it was compiled",
+            path,
+        ) from err
 
 
 _archs: dict[int, str] = {}
