@@ -362,3 +362,61 @@ def test_the_ablation_recipes_quantize_the_papers_blocks_of_llama_medium() -> No
         "nvfp4_fewer_bf16": (12 * 7, 113),
         "nvfp4_no_bf16": (16 * 7, 113),
     }
+
+
+def test_sweep_writes_through_no_link(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def no_training(*args: object, **kwargs: object) -> None:
+        raise AssertionError("a run started before the output files were checked")
+
+    monkeypatch.setattr(sweep, "train_run", no_training)
+    victim = tmp_path / "users-file.json"
+    victim.write_text("precious")
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    for i, name in enumerate(("summary.json", "loss_vs_tokens.png", "runs/bf16__seed1.json")):
+        out = tmp_path / f"out{i}"
+        (out / "runs").mkdir(parents=True)
+        (out / name).symlink_to(victim)
+        assert main([*_sweep(out), *TINY]) == 1
+        err = capsys.readouterr().err
+        assert err == (
+            f"fp4gen sweep: {out / name} is a symbolic link (to {victim}): fp4gen writes no "
+            "file through a link; remove the link or choose another --out\n"
+        )
+    out = tmp_path / "out-runs"
+    out.mkdir()
+    (out / "runs").symlink_to(elsewhere)  # runs/ itself leads out of --out
+    assert main([*_sweep(out), *TINY]) == 1
+    err = capsys.readouterr().err
+    assert "leads out of" in err and "through a symbolic link" in err and err.count("\n") == 1
+    assert victim.read_text() == "precious" and list(elsewhere.iterdir()) == []
+
+
+def test_sweep_on_a_full_disk_leaves_no_partial_run_file(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import errno
+    import os
+
+    from fp4gen import outputs
+
+    def fake_run(plan, entry, seed, held_out, progress) -> dict:
+        return {"format": sweep.RUN_FORMAT, "label": entry.label, "seed": seed, "pad": "x" * 99}
+
+    def full_disk(file, data: bytes) -> None:  # 20 bytes fit (the empty probe file does)
+        file.write(data[:20])
+        if len(data) > 20:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(sweep, "train_run", fake_run)
+    monkeypatch.setattr(outputs, "_write_data", full_disk)
+    assert main([*_sweep(tmp_path), *TINY]) == 1
+    err = capsys.readouterr().err
+    run_file = tmp_path / "runs" / "bf16__seed0.json"
+    assert err.splitlines()[-1] == (
+        f"fp4gen sweep: cannot write {run_file}: No space left on device (nothing was written)"
+    )
+    assert "Traceback" not in err
+    assert list(tmp_path.rglob("*")) == [tmp_path / "runs"]  # no partial file, no temporary

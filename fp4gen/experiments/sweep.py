@@ -35,6 +35,7 @@ from fp4gen.errors import FP4GenError
 from fp4gen.experiments.models import ModelSpec, find_model, require_family
 from fp4gen.experiments.progress import Progress, clock
 from fp4gen.experiments.stats import Interval, mean, relative_gaps, sample_std, t_interval
+from fp4gen.outputs import OutputFiles
 from fp4gen.table import render_table
 
 if TYPE_CHECKING:  # torch is imported where a run needs it: the CLI's parser stays light
@@ -52,6 +53,8 @@ SCHEDULE = "adamw(wd=0.1) warmup 5% cosine to 10% clip 1.0, bf16 autocast"
 EVALS_PER_RUN = 10  # default held-out evaluations along a run (and always after the last step)
 FINAL_TRAIN_STEPS = 10  # the final training loss is the mean of this many last steps
 _LABEL = re.compile(r"[A-Za-z0-9_.-]+", re.ASCII)
+# what a sweep writes into --out besides runs/<recipe>__seed<k>.json
+OUTPUT_FILES = ("losses.csv", "summary.json", "loss_vs_tokens.png", "gap_to_bf16.png")
 
 
 @dataclass(frozen=True)
@@ -96,6 +99,10 @@ class Plan:
     settings: dict[str, Any]
     finished: dict[tuple[str, int], dict[str, Any]] = field(default_factory=dict)
     parameters: int = 0
+    files: OutputFiles = field(init=False)  # what the sweep writes into --out, and replaced
+
+    def __post_init__(self) -> None:
+        self.files = OutputFiles(self.cfg.out)
 
     @property
     def tokens_per_step(self) -> int:
@@ -111,8 +118,12 @@ class Plan:
     def todo(self) -> list[tuple[str, int]]:
         return [run for run in self.runs if run not in self.finished]
 
+    def run_name(self, label: str, seed: int) -> str:
+        """A run file's name under --out."""
+        return f"runs/{label}__seed{seed}.json"
+
     def run_path(self, label: str, seed: int) -> Path:
-        return self.cfg.out / "runs" / f"{label}__seed{seed}.json"
+        return self.cfg.out / self.run_name(label, seed)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -229,18 +240,25 @@ def _check_numbers(cfg: SweepConfig) -> None:
 
 
 def _prepare_out(out: Path) -> None:
-    """The output folder and its runs/ exist and take files, or a one-line error."""
+    """The output folder and its runs/ exist, or a one-line error."""
     if "\0" in str(out):
         raise FP4GenError(f"--out {str(out)!r}: a folder name holds no NUL byte")
     if out.exists() and not out.is_dir():
         raise FP4GenError(f"--out {out}: exists and is not a folder")
     try:
         (out / "runs").mkdir(parents=True, exist_ok=True)
-        probe = out / "runs" / f".probe-{os.getpid()}"
-        probe.write_bytes(b"")
-        probe.unlink()
     except OSError as err:
         raise FP4GenError(f"--out {out}: cannot write there ({err.strerror or err})") from None
+
+
+def _check_out_files(plan: Plan) -> None:
+    """Every file the sweep writes can be written: no symbolic link at its name or on its way
+    out of --out, and the folder takes files (a one-line error before anything trains)."""
+    names = [plan.run_name(label, seed) for label, seed in plan.runs]
+    plan.files.refuse_existing([*names, *OUTPUT_FILES])
+    probe = f"runs/.probe-{os.getpid()}"
+    plan.files.write_bytes(probe, b"")
+    plan.files.remove(probe)
 
 
 def _finished_runs(plan: Plan, log: Callable[[str], None]) -> dict[tuple[str, int], dict]:
@@ -316,6 +334,7 @@ def prepare(cfg: SweepConfig, log: Callable[[str], None] = print) -> Plan:
         settings=settings,
         parameters=spec.parameters(data.vocab),
     )
+    _check_out_files(plan)
     plan.finished = _finished_runs(plan, log)
     return plan
 
@@ -432,20 +451,6 @@ def _finite(value: float) -> float | None:
 # ---------------------------------------------------------------------------------------------
 # files
 # ---------------------------------------------------------------------------------------------
-
-
-def write_atomic(path: Path, text: str) -> None:
-    """Write ``text`` to ``path`` so that a reader (or a resumed sweep) sees the old file or the
-    whole new one, never a part: an interrupted write leaves only a temporary file."""
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    try:
-        with tmp.open("w", newline="") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
 
 
 def losses_csv(plan: Plan, runs: dict[tuple[str, int], dict]) -> str:
@@ -631,7 +636,9 @@ def _ema(values: list[float | None], weight: float = 0.9) -> list[float]:
     return out
 
 
-def plot(plan: Plan, runs: dict[tuple[str, int], dict], summary: dict, out: Path) -> list[Path]:
+def plot(
+    plan: Plan, runs: dict[tuple[str, int], dict], summary: dict, files: OutputFiles
+) -> list[Path]:
     """loss_vs_tokens.png (mean over seeds, band from the lowest to the highest seed) and
     gap_to_bf16.png (each seed's gap, the mean and its interval; not for bf16 alone); the
     paths written, [] without matplotlib."""
@@ -666,9 +673,7 @@ def plot(plan: Plan, runs: dict[tuple[str, int], dict], summary: dict, out: Path
         ax.legend(fontsize=8)
     fig.suptitle(title, fontsize=10)
     fig.tight_layout()
-    curves_path = out / "loss_vs_tokens.png"
-    fig.savefig(curves_path, dpi=110)
-    plt.close(fig)
+    curves_path = _save_png(fig, files, "loss_vs_tokens.png")
 
     rows = [r for r in summary["recipes"] if r["gap_to_bf16_percent"] is not None]
     if not rows:  # bf16 alone: no gap to draw
@@ -702,10 +707,18 @@ def plot(plan: Plan, runs: dict[tuple[str, int], dict], summary: dict, out: Path
     )
     ax.grid(alpha=0.3, axis="x")
     fig.tight_layout()
-    gap_path = out / "gap_to_bf16.png"
-    fig.savefig(gap_path, dpi=110)
-    plt.close(fig)
+    gap_path = _save_png(fig, files, "gap_to_bf16.png")
     return [curves_path, gap_path]
+
+
+def _save_png(fig: Any, files: OutputFiles, name: str) -> Path:
+    """Write a figure whole (fp4gen.outputs) and close it."""
+    import matplotlib.pyplot as plt
+
+    try:
+        return files.write_with(name, lambda path: fig.savefig(path, dpi=110, format="png"))
+    finally:
+        plt.close(fig)
 
 
 def _band(ax: Any, x: list[int], curves: list[list[float]], color: str, label: str, **kw) -> None:
@@ -803,8 +816,8 @@ def run_sweep(
                 for label, seed in todo:
                     progress.start_run(label, seed)
                     run = train_run(plan, entries[label], seed, held_out, progress)
-                    path = plan.run_path(label, seed)
-                    write_atomic(path, json.dumps(run, indent=1, allow_nan=False))
+                    text = json.dumps(run, indent=1, allow_nan=False)
+                    path = plan.files.write_text(plan.run_name(label, seed), text)
                     runs[(label, seed)] = run
                     progress.end_run(run["final_eval_loss"] or math.nan, str(path))
                     # rewritten after every run: an interrupted sweep's files show what finished
@@ -819,19 +832,20 @@ def run_sweep(
         r["gap_to_bf16_percent"] and r["gap_to_bf16_percent"]["note"] for r in summary["recipes"]
     ):
         log("with one seed the interval is undefined: run --seeds 2 or more")
-    pngs = plot(plan, runs, summary, out)
+    pngs = plot(plan, runs, summary, plan.files)
     written = ["losses.csv", "summary.json", *(p.name for p in pngs)]
     log(f"wrote {', '.join(str(out / w) for w in written)}")
     if not pngs:
         log("(install matplotlib for the PNGs: pip install matplotlib)")
+    replaced = plan.files.replaced_text()
+    if replaced is not None:  # files of an earlier sweep (or anyone's) in --out
+        log(replaced)
     log(f"total {clock(time.perf_counter() - started)}")
     return summary
 
 
 def _write_tables(plan: Plan, runs: dict[tuple[str, int], dict]) -> dict[str, Any]:
     summary = summarize(plan, runs)
-    write_atomic(plan.cfg.out / "losses.csv", losses_csv(plan, runs))
-    write_atomic(
-        plan.cfg.out / "summary.json", json.dumps(summary, indent=2, allow_nan=False) + "\n"
-    )
+    plan.files.write_text("losses.csv", losses_csv(plan, runs))
+    plan.files.write_text("summary.json", json.dumps(summary, indent=2, allow_nan=False) + "\n")
     return summary
