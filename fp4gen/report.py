@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from fp4gen.errors import FP4GenError
+from fp4gen.outputs import OutputFiles
 from fp4gen.table import render_table
 
 BIN_WIDTH = 0.005  # the 0.5% bins of fp4gen.numerics.mor
@@ -233,8 +234,9 @@ def aggregate(
     )
 
 
-def draw(heatmap: Heatmap, path: Path, title: str) -> None:
-    """Write the heatmap (and the fallback panel) as a PNG."""
+def draw(heatmap: Heatmap, path: Path, title: str, files: OutputFiles | None = None) -> None:
+    """Write the heatmap (and the fallback panel) as a PNG (``files``: the output folder's
+    files, ``path`` one of them; default: the folder of ``path``)."""
     try:
         import matplotlib
 
@@ -276,9 +278,7 @@ def draw(heatmap: Heatmap, path: Path, title: str) -> None:
     ax_fb.grid(axis="x", alpha=0.3)
     ax.set_title(title)
     fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
+    _save_figure(fig, path, files)
 
 
 def summary_rows(heatmap: Heatmap) -> list[list[str]]:
@@ -380,7 +380,11 @@ def fallback_rows(summary: list[Fallback]) -> list[list[str]]:
 
 
 def draw_fallback(
-    records: list[dict[str, Any]], path: Path, title: str, recipe: str | None
+    records: list[dict[str, Any]],
+    path: Path,
+    title: str,
+    recipe: str | None,
+    files: OutputFiles | None = None,
 ) -> bool:
     """The high-precision share over training per operand (one panel per MoR recipe); False
     (nothing written) when the records have no MoR decisions or no steps."""
@@ -410,10 +414,21 @@ def draw_fallback(
         ax.legend(fontsize=8)
     fig.suptitle(title)
     fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
+    _save_figure(fig, path, files)
     return True
+
+
+def _save_figure(fig: Any, path: Path, files: OutputFiles | None) -> None:
+    """Write a figure whole, never through a link (fp4gen.outputs), in the format its suffix
+    names (none: PNG), and close it."""
+    import matplotlib.pyplot as plt
+
+    files = files or OutputFiles(path.parent)
+    kind = path.suffix[1:].lower() or "png"
+    try:
+        files.write_with(path.name, lambda tmp: fig.savefig(tmp, dpi=100, format=kind))
+    finally:
+        plt.close(fig)
 
 
 def check_out(out: Path) -> None:
@@ -456,17 +471,22 @@ def cmd_report(args: argparse.Namespace) -> int:
             print(render_table(headers, fallback_rows(fallback)))
     if not args.no_png:
         out = Path(args.out) if args.out else path.with_suffix(".png")
+        over_time = out.with_name(f"{out.stem}_fallback.png")
+        files = OutputFiles(out.parent)
+        files.refuse_existing([out.name, over_time.name])  # no link, before anything is drawn
         title = f"relative-error heatmap of {path.name}"
         if args.recipe:
             title += f" ({args.recipe})"
-        draw(heatmap, out, title)
+        draw(heatmap, out, title, files)
         written = [out]
-        over_time = out.with_name(f"{out.stem}_fallback.png")
         title = f"high-precision fallback over training, {path.name}"
-        if draw_fallback(records, over_time, title, args.recipe):
+        if draw_fallback(records, over_time, title, args.recipe, files):
             written.append(over_time)
         if not args.json:
             print("wrote " + " and ".join(str(w) for w in written))
+            replaced = files.replaced_text()
+            if replaced is not None:
+                print(replaced)
     return 0
 
 

@@ -238,3 +238,59 @@ def test_demo_on_a_full_disk_keeps_the_old_file(
     stdout = capsys.readouterr().out
     assert f"replaced 1 existing file(s) in {out}: losses.csv" in stdout
     assert (out / "losses.csv").read_text().startswith("recipe,step,train_loss")
+
+
+def test_report_writes_through_no_link_and_whole_files(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import errno
+    import os
+
+    from fp4gen import outputs
+
+    records = [_mor("a", "l0", "fprop.activation", s, 4, 1) for s in (0, 10)]
+    telemetry = tmp_path / "t.json"
+    telemetry.write_text(json.dumps(records))
+    victim = tmp_path / "users-picture.png"
+    victim.write_bytes(b"precious")
+    for name in ("h.png", "h_fallback.png"):
+        out = tmp_path / f"out-{name}"
+        out.mkdir()
+        (out / name).symlink_to(victim)
+        assert main(["report", str(telemetry), "--out", str(out / "h.png")]) == 1
+        err = capsys.readouterr().err
+        assert err == (
+            f"fp4gen report: {out / name} is a symbolic link (to {victim}): fp4gen writes no "
+            "file through a link; remove the link or choose another --out\n"
+        )
+        assert [p.name for p in out.iterdir()] == [name]
+    assert victim.read_bytes() == b"precious"
+
+    out = tmp_path / "h.png"
+    out.write_bytes(b"old picture")
+
+    def full_disk(file, data: bytes) -> None:
+        file.write(data[:4])
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    def savefig_full_disk(self, fname, **kwargs) -> None:  # matplotlib writes by name
+        with open(fname, "wb") as f:
+            outputs._write_data(f, PNG * 100)
+
+    import matplotlib.figure
+
+    monkeypatch.setattr(outputs, "_write_data", full_disk)
+    monkeypatch.setattr(matplotlib.figure.Figure, "savefig", savefig_full_disk)
+    assert main(["report", str(telemetry), "--out", str(out)]) == 1
+    err = capsys.readouterr().err
+    assert err.endswith(
+        f"cannot write {out}: No space left on device (the previous file is unchanged)\n"
+    )
+    assert "Traceback" not in err and err.count("\n") == 1
+    assert out.read_bytes() == b"old picture"
+    assert sorted(p.name for p in tmp_path.glob("h*")) == ["h.png"]  # no partial, no temp
+    monkeypatch.undo()
+    assert main(["report", str(telemetry), "--out", str(out)]) == 0
+    stdout = capsys.readouterr().out
+    assert f"replaced 1 existing file(s) in {tmp_path}: h.png" in stdout
+    assert out.read_bytes()[:8] == PNG and (tmp_path / "h_fallback.png").read_bytes()[:8] == PNG
