@@ -721,3 +721,77 @@ def test_compile_rejects_an_unusable_folder_before_loading(
 def test_demo_rejects_a_nul_byte_in_out(sandbox: Path) -> None:
     code, _, err = invoke(["demo", "--out", "a\x00b", "--recipes", "bogus"])
     assert code == 1 and "--out" in err and "no NUL byte" in err
+
+
+# ---------------------------------------------------------------------------------------------
+# recipe files with a byte order mark, without statements or behind links; a reader that leaves
+# ---------------------------------------------------------------------------------------------
+
+BLANK_PIECES = ["", " ", "\n", "\r", "\r\n", "\t", "\f", "# a comment", "#", "  # x\n"]
+
+
+@st.composite
+def marked_blank_or_linked(draw: st.DrawFn, root: Path) -> tuple[str, str, str | None]:
+    """(argument, how it is reached, the shipped text it holds or None for a file without
+    statements): a shipped recipe or blanks and comments, with or without a byte order mark,
+    with \\n or \\r\\n line ends, named directly, through a link, a link loop or a dangling link."""
+    shipped = draw(st.sampled_from([None, *SHIPPED_TEXTS]))
+    if shipped is not None:
+        text = shipped.replace("\n", draw(st.sampled_from(["\n", "\r\n"])))
+    else:
+        text = "".join(draw(st.lists(st.sampled_from(BLANK_PIECES), max_size=6)))
+    path = fresh(root, "r.fp4r")
+    path.write_bytes((draw(st.sampled_from(["", "\ufeff"])) + text).encode())
+    how = draw(st.sampled_from(["file", "link", "loop", "dangling"]))
+    if how == "file":
+        return str(path), how, shipped
+    link = fresh(root, "link.fp4r")
+    if how == "link":
+        os.symlink(path, link)
+    elif how == "loop":
+        os.symlink(link, link)
+    else:
+        os.symlink(root / "gone.fp4r", link)
+    return str(link), how, shipped
+
+
+def invoke_closed_stdout(argv: Sequence[str]) -> tuple[int, str]:
+    """(exit status, stderr) of ``main(argv)`` writing to a pipe whose reader is gone."""
+    read_end, write_end = os.pipe()
+    os.close(read_end)
+    stream = open(write_end, "w", encoding="utf-8", errors="surrogateescape")  # noqa: SIM115
+    err = io.StringIO()
+    try:
+        with contextlib.redirect_stdout(stream), contextlib.redirect_stderr(err):
+            code = main(list(argv))
+    finally:
+        with contextlib.suppress(OSError):  # main pointed the descriptor at the null device
+            stream.close()
+    return code, err.getvalue()
+
+
+@fuzz(120)
+@given(data=st.data())
+def test_fuzz_marked_blank_and_linked_recipes(sandbox: Path, data: st.DataObject) -> None:
+    arg, how, shipped = data.draw(marked_blank_or_linked(sandbox), label="recipe")
+    argv = data.draw(
+        st.sampled_from([["check", arg], ["show", arg], ["show", arg, "--json"]]), label="argv"
+    )
+    code, out, err = invoke(argv)
+    if how == "loop":
+        assert code == 1 and "is a symbolic-link loop" in err
+    elif how == "dangling":
+        assert code == 1 and "which does not exist" in err
+    elif shipped is None:
+        assert code == 1 and ("is empty" in err or "has no statements" in err)
+    else:  # a byte order mark and \r\n line ends change nothing
+        assert code == 0, err
+        from fp4gen.dsl import load_recipe, parse_recipe
+
+        assert load_recipe(arg).operands == parse_recipe(shipped, base_dir=SHIPPED_RECIPES).operands
+    if code == 1:  # one line naming the file (what a working link leads to: the file read)
+        named = arg if how != "link" else os.path.realpath(arg)
+        assert len(err.strip().splitlines()) == 1 and named in err, err
+    # the same command with a reader that has left: quiet, 141 where it had output
+    closed, closed_err = invoke_closed_stdout(argv)
+    assert (closed, closed_err) == ((141, "") if out else (code, err))
