@@ -16,8 +16,10 @@ from functools import cache, cached_property
 from typing import Literal
 
 from fp4gen import vocab
+from fp4gen.errors import ArgumentError
 
 FLT_MAX = 3.4028234663852886e38  # the largest finite float32
+FLT_MIN_NORMAL = 2.0**-126  # the smallest normal float32
 
 # How the all-ones exponent field is used.
 #   "finite": every code is a finite number (e2m1, e2m3, e3m2 and custom formats by default).
@@ -264,6 +266,60 @@ def scale_cap(element: ElementFormat, scale: ScaleSpec) -> float:
     return max(v for v in grid if math.isfinite(v) and elem_max * v <= FLT_MAX)
 
 
+def _power(value: float) -> str:
+    """``value`` for a message: 2^k for a large or small power of two (scale maxima often
+    are), else 4 digits."""
+    mantissa, exponent = math.frexp(value)
+    return f"2^{exponent - 1}" if mantissa == 0.5 and abs(exponent - 1) > 10 else f"{value:.4g}"
+
+
+def global_scale_problem(element: ElementFormat, scale: ElementFormat | None) -> str | None:
+    """Why a global amax scale cannot pair ``element`` with block scales in ``scale`` (None:
+    fp32 scales), or None where it can (docs/numerics.md, section 2.1).
+
+    The global scale maps the tensor's amax A onto P = elem_max * scale_max: S_enc = P / A,
+    S_dec = A / P, and the largest block's decode scale lands on scale_max. That holds for
+    every finite A > 0, with S_enc, S_dec, every s_b and e_b finite, only when
+      1. the scale format's range scale_max / scale_min is at most 2^126, fp32's normal range
+         (a wider one, ue8m0, reaches every fp32 exponent itself; with a global scale S_dec
+         would be subnormal for any A below 2 * elem_max);
+      2. P <= FLT_MAX: otherwise S_enc's numerator is not an fp32 and the largest block's scale
+         is cut at the scale cap, far below the scale S_dec was made for (the data saturates);
+      3. P >= 2^-126 * FLT_MAX (about 4): otherwise S_enc = P / A is subnormal (or S_dec
+         infinite) for amaxes near FLT_MAX.
+    P is exact in float64: both maxima have at most 8 significant bits.
+    """
+    if scale is None:
+        return "fp32 block scales hold any fp32 value and need no global scale; write global none"
+    elem_max, scale_max, scale_min = element.max_finite, scale.max_finite, scale.min_positive
+    product = elem_max * scale_max
+    pair = f"{element.name} elements with {scale.name} block scales"
+    maxima = f"elem_max * scale_max = {_power(elem_max)} * {_power(scale_max)}"
+    if scale_max / scale_min > 2.0**126:
+        return (
+            f"global amax cannot be used with {pair}: a {scale.name} scale spans "
+            f"{_power(scale_min)} to {_power(scale_max)}, fp32's whole exponent range, by "
+            "itself, so it needs no global scale, and one would make the decode scale "
+            f"S_dec = amax / ({_power(elem_max)} * {_power(scale_max)}) subnormal for every "
+            f"amax below {product * FLT_MIN_NORMAL:.4g}; write global none"
+        )
+    if product > FLT_MAX:
+        return (
+            f"global amax cannot be used with {pair}: the global encode scale "
+            f"elem_max * scale_max / amax needs {maxima} = {_power(product)}, more than "
+            "fp32's largest value (just under 2^128); use a scale format with a smaller max, "
+            "or write global none"
+        )
+    if product < FLT_MIN_NORMAL * FLT_MAX:
+        return (
+            f"global amax cannot be used with {pair}: {maxima} = {_power(product)} is below 4 "
+            "(2^-126 times fp32's largest value), so the global encode scale "
+            "elem_max * scale_max / amax would be subnormal for amaxes near fp32's largest "
+            "value; use a scale format with a larger max, or write global none"
+        )
+    return None
+
+
 @dataclass(frozen=True)
 class BlockFormat:
     """A block-scaled format: elements, block shape (rows, cols), block scale, global scale.
@@ -284,6 +340,11 @@ class BlockFormat:
             raise ValueError(f"{self.name}: block dimensions must be positive, got {self.block}")
         if rows != 1 and rows != cols:
             raise ValueError(f"{self.name}: blocks are 1xN or NxN, got {rows}x{cols}")
+        if self.global_scale:
+            # here, not in the parser: formats built in Python meet the same rule
+            problem = global_scale_problem(self.element, self.scale.element)
+            if problem is not None:
+                raise ArgumentError(f"format {self.name}: {problem}")
 
     def __hash__(self) -> int:
         # formats key the per-call kernel and dispatch caches: hash the nested fields once

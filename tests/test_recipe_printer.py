@@ -34,6 +34,7 @@ from fp4gen.formats import (
     ElementFormat,
     HighPrecision,
     ScaleSpec,
+    global_scale_problem,
 )
 
 RECIPES = Path(__file__).resolve().parent.parent / "fp4gen" / "recipes"
@@ -137,8 +138,10 @@ def formats(draw: st.DrawFn, name: str) -> BlockFormat | HighPrecision:
     if draw(st.integers(0, 4)) == 0:
         return HighPrecision(draw(st.sampled_from(HIGH_PRECISION_DTYPES)))
     scale = draw(scales())
-    global_scale = scale.element is not None and draw(st.booleans())
-    return BlockFormat(name, draw(elements()), draw(shapes()), scale, global_scale)
+    element = draw(elements())
+    # only where a global scale can work (ue8m0 or fp32 scales take none)
+    global_scale = global_scale_problem(element, scale.element) is None and draw(st.booleans())
+    return BlockFormat(name, element, draw(shapes()), scale, global_scale)
 
 
 @st.composite
