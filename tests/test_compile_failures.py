@@ -232,3 +232,27 @@ def test_a_real_compile_survives_a_cache_clear(
     compiled, cached, failed = summary(out)
     assert compiled > 0 and (cached, failed) == (0, 0) and cleared[0] > 0
     assert KernelCache(tmp_path / "c").info()["kernels"] == compiled
+
+
+def test_a_worker_that_dies_is_one_line(tmp_path: Path) -> None:
+    import subprocess
+    import tempfile
+
+    worker = build._Worker.__new__(build._Worker)
+    worker.arch = "sm_90a"
+    worker.log = tempfile.NamedTemporaryFile(mode="w+", dir=tmp_path, delete=False)  # noqa: SIM115
+    script = "import sys; print('starting', file=sys.stderr); raise RuntimeError('no DSL here')"
+    worker.proc = subprocess.Popen(
+        [sys.executable, "-c", script],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=worker.log,
+        text=True,
+    )
+    worker.proc.wait()
+    result = worker.ask({"source": "s.py", "kernel": "quantize", "arch": "sm_90a"})
+    worker.close()
+    assert result == {
+        "status": "error: the compile worker died (exit 1): RuntimeError: no DSL here",
+        "seconds": 0.0,
+    }

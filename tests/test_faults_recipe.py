@@ -863,3 +863,5 @@ def test_a_folder_that_cannot_be_searched_is_not_a_missing_file(
     monkeypatch.setattr(os, "stat", denied)
     message = f"{path} cannot be read: permission denied"
     assert run(capsys, "check", str(path)) == (1, "", message + "\n")
+    err = error_of('import "locked/r"\n' + OPS, file=str(tmp_path / "main.fp4r"))
+    located(err, 1, 8, f"cannot use 'locked/r': {message}")

@@ -52,7 +52,7 @@ from fp4gen.compiler.cache import (
     sha256_text,
 )
 from fp4gen.compiler.plan import KernelPlan, PlannedKernel, plan_recipe, use_json
-from fp4gen.compiler.worker import failure_text
+from fp4gen.compiler.worker import REASON_CHARS, failure_text
 from fp4gen.dsl.model import Recipe
 from fp4gen.errors import FP4GenError, RecipeError
 from fp4gen.outputs import OutputFiles
@@ -414,7 +414,9 @@ class _Worker:
         if not line:
             self.proc.wait()
             self.log.seek(0)
-            tail = self.log.read()[-2000:].strip()
+            # the last line it wrote (a traceback's ends with the exception), kept to one line
+            lines = [line.strip() for line in self.log.read()[-2000:].splitlines()]
+            tail = next((line for line in reversed(lines) if line), "")[:REASON_CHARS]
             return {
                 "status": f"error: the compile worker died (exit {self.proc.returncode})"
                 + (f": {tail}" if tail else ""),

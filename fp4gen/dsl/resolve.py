@@ -417,6 +417,8 @@ def locate(written: str, base: Path) -> Path | None:
                 return place.resolve()
             if place.is_symlink():  # a loop or a dangling link: reading it says which
                 return place.absolute()
+        except PermissionError:  # a folder on the way that may not be searched: reading says so
+            return place.absolute()
         except (OSError, ValueError):  # a name the OS rejects (NUL byte, too long)
             continue
     return None
