@@ -89,3 +89,133 @@ def test_cli_reports_a_bad_setting_before_any_command(monkeypatch, capsys) -> No
     assert main(["formats"]) == 1
     err = capsys.readouterr().err
     assert err == "fp4gen formats: FP4GEN_CHECK_FINITE='bogus': expected one of propagate, raise\n"
+
+
+# --- fp4gen.nn.Linear: propagated on every device, or raised naming the tensor given -----------
+
+LAYER_RECIPES = ["nvfp4_small", "mxfp8", "nvfp4"]  # 2D and 1D blocks, SR and RHT (nvfp4)
+
+
+def _layer(recipe: str, device: str = "cpu"):
+    import fp4gen
+
+    torch.manual_seed(0)
+    return fp4gen.nn.Linear(64, 32, recipe=recipe, name="lin", device=device)
+
+
+def _bad(shape: tuple[int, ...], index: tuple[int, ...], value: float, device: str = "cpu"):
+    t = torch.randn(shape, device=device)
+    t[index] = value
+    return t
+
+
+@pytest.mark.parametrize("recipe", LAYER_RECIPES)
+def test_a_layer_propagates_a_nan_input_as_nan_outputs_and_weight_gradient(
+    recipe, monkeypatch
+) -> None:
+    monkeypatch.setattr(finite, "_layer_mode", ["propagate"])
+    layer = _layer(recipe)
+    x = _bad((8, 64), (1, 3), float("nan")).requires_grad_(True)
+    y = layer(x)
+    assert torch.isnan(y).all()  # x's quantized operand has a NaN global scale: every output
+    y.backward(torch.randn_like(y))
+    assert torch.isnan(layer.weight.grad).all()  # x's wgrad copy too
+    assert torch.isfinite(x.grad).all()  # dgrad reads dy and W, both finite
+    assert torch.isfinite(layer.bias.grad).all()
+
+
+@pytest.mark.parametrize("recipe", LAYER_RECIPES)
+def test_a_layer_propagates_an_inf_gradient_into_dx_and_dw(recipe, monkeypatch) -> None:
+    monkeypatch.setattr(finite, "_layer_mode", ["propagate"])
+    layer = _layer(recipe)
+    x = torch.randn(2, 4, 64, requires_grad=True)
+    y = layer(x)
+    assert torch.isfinite(y).all()
+    dy = torch.randn_like(y)
+    dy[1, 2, 5] = float("inf")
+    y.backward(dy)
+    assert torch.isnan(x.grad).all() and torch.isnan(layer.weight.grad).all()
+
+
+def test_a_finite_step_after_a_nan_one_is_bit_exact(monkeypatch) -> None:
+    """The non-finite call changes no state: the next finite call gives what it gives alone."""
+    monkeypatch.setattr(finite, "_layer_mode", ["propagate"])
+    a, b = _layer("nvfp4_small"), _layer("nvfp4_small")
+    a(_bad((8, 64), (0, 0), float("nan")))
+    x = torch.randn(8, 64)
+    b._forward_calls = a._forward_calls  # the same call count (round to nearest: no stream)
+    assert torch.equal(a(x), b(x))
+
+
+@pytest.mark.parametrize(
+    ("shape", "index", "named"),
+    [
+        ((8, 64), (1, 3), r"\(8, 64\).*index \(1, 3\)"),
+        ((2, 4, 64), (1, 2, 3), r"\(2, 4, 64\).*index \(1, 2, 3\)"),
+    ],
+)
+def test_raise_mode_names_the_input_as_given(shape, index, named, monkeypatch) -> None:
+    monkeypatch.setattr(finite, "_layer_mode", ["raise"])
+    layer = _layer("nvfp4_small")
+    with pytest.raises(TensorError, match=r"^lin: the input of shape " + named):
+        layer(_bad(shape, index, float("nan")))
+
+
+def test_raise_mode_names_the_weight_and_the_output_gradient(monkeypatch) -> None:
+    monkeypatch.setattr(finite, "_layer_mode", ["raise"])
+    layer = _layer("nvfp4_small")
+    x = torch.randn(2, 4, 64, requires_grad=True)
+    y = layer(x)
+    dy = _bad(tuple(y.shape), (1, 2, 5), float("-inf"))
+    with pytest.raises(
+        TensorError,
+        match=r"^lin: the gradient of its output, of shape \(2, 4, 32\) has 1 .*index \(1, 2, 5\)",
+    ):
+        y.backward(dy)
+    with torch.no_grad():
+        layer.weight[7, 9] = float("nan")
+    with pytest.raises(
+        TensorError, match=r"^lin: the weight of shape \(32, 64\) has 1 .*index \(7, 9\)"
+    ):
+        layer(torch.randn(8, 64))
+
+
+def test_raise_mode_names_a_conv1d_weight_in_its_own_layout(monkeypatch) -> None:
+    from fp4gen.runtime.linear import Conv1DLinear
+
+    class Conv1D(torch.nn.Module):  # transformers' Conv1D as convert sees it: weight [in, out]
+        def __init__(self) -> None:
+            super().__init__()
+            self.weight = torch.nn.Parameter(torch.randn(64, 32))
+            self.bias = torch.nn.Parameter(torch.zeros(32))
+
+    monkeypatch.setattr(finite, "_layer_mode", ["raise"])
+    conv = Conv1D()
+    with torch.no_grad():
+        conv.weight[60, 2] = float("inf")
+    layer = Conv1DLinear.from_conv1d(conv, operands=_layer("nvfp4_small").operands, name="c")
+    with pytest.raises(TensorError, match=r"^c: the weight of shape \(64, 32\) .*index \(60, 2\)"):
+        layer(torch.randn(8, 64))
+
+
+def test_a_reference_fallback_that_refuses_a_nan_propagates_it(monkeypatch) -> None:
+    """On CUDA a shape the kernels do not take falls back to the reference, which raises for a
+    NaN: the layer then propagates it as the kernels would. Played on a CPU by handing the
+    reference the input unguarded, as the CUDA "auto" path does."""
+    guard = finite.reference_input
+    monkeypatch.setattr(
+        finite,
+        "reference_input",
+        lambda t, backend: guard(t, backend) if backend == "reference" else (t, None),
+    )
+    monkeypatch.setattr(finite, "_layer_mode", ["propagate"])
+    layer = _layer("nvfp4")  # SR gradients and an RHT on the wgrad operands
+    x = _bad((8, 64), (1, 3), float("nan")).requires_grad_(True)
+    y = layer(x)
+    assert torch.isnan(y).all()
+    dy = _bad(tuple(y.shape), (0, 0), float("inf"))
+    y.backward(dy)
+    assert torch.isnan(x.grad).all() and torch.isnan(layer.weight.grad).all()
+    monkeypatch.setattr(finite, "_layer_mode", ["raise"])  # and "raise" still raises
+    with pytest.raises(TensorError, match="^lin: the input of shape"):
+        layer(x)

@@ -1,4 +1,5 @@
-"""Non-finite inputs on the CUDA quantize paths: raised, or propagated without stopping the GPU.
+"""Non-finite inputs of fp4gen.nn.Linear's quantize paths: raised, or propagated without
+stopping the GPU.
 
 Block-scaled formats cannot represent NaN or Inf. ``fp4gen.quantize`` raises TensorError for
 such an input, as the reference does: on CUDA one max |x| reduction of the input (NaN propagates
@@ -14,7 +15,15 @@ layer), which no BF16 layer does. So ``fp4gen.nn.Linear``'s custom ops run in a 
   feeds then gives NaN, as a BF16 layer would propagate it, and the usual loss or gradient-norm
   checks (or a GradScaler) see it.
 * ``raise``: the flags are read once when the op ends (``deferred()``), after its GEMMs are
-  queued, and the op raises TensorError for the first input that held a NaN or an Inf.
+  queued, and the op raises TensorError for the first input that held a NaN or an Inf. The
+  tensors the layer was given (x, the weight, y's gradient) are checked first
+  (``check_given``), so the error names them as the caller shaped them, not a padded or
+  transposed operand.
+
+On a CPU (and with the "reference" backend, or on CUDA for a shape the kernels do not take)
+the torch reference quantizes, and it raises for a non-finite input. In ``propagate`` the layer
+hands it the input with those values zeroed and makes the operand's global scale NaN itself
+(``reference_input``, ``poisoned``): the same NaN outputs as the kernels give, on every device.
 
 The generated quantize kernels do the ``propagate`` part themselves: a module exporting
 ``NONFINITE_TO_NAN_SCALE = True`` (every generated quantize module, rowwise and tile) leaves each
@@ -32,10 +41,12 @@ from __future__ import annotations
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
+from typing import Any
 
 import torch
 
 from fp4gen.errors import FP4GenError
+from fp4gen.numerics import QuantizedTensor
 from fp4gen.settings import LAYER_MODES, check_finite_mode
 
 _state = threading.local()  # .pending (deferred reads) and .propagate (flags returned)
@@ -91,6 +102,25 @@ def check(x: torch.Tensor, what: str, *args: object) -> torch.Tensor | None:
     return None
 
 
+def checks_given() -> bool:
+    """Whether ``check_given`` checks here (in a ``deferred()`` block, not propagating)."""
+    return getattr(_state, "pending", None) is not None and not getattr(_state, "propagate", False)
+
+
+def check_given(x: torch.Tensor, what: str, *args: object) -> None:
+    """In a ``deferred()`` block (a layer call that raises): check a tensor the caller gave
+    before the operands made from it are checked, so that an error names it as the caller
+    shaped it, not a padded or transposed operand. Queued on CUDA (read when the block ends),
+    read at once on a CPU (no GPU to stall; the reference quantizer would raise first, naming
+    its operand). Nothing outside such a block."""
+    if not checks_given():
+        return
+    if x.is_cuda:
+        check(x, what, *args)
+    elif not bool(_all_finite_flag(x)):
+        _raise(x, _named(what, args))
+
+
 def _named(what: str, args: tuple[object, ...]) -> str:
     """``what`` formatted with ``args``, shapes written as tuples: (2, 3), not torch.Size."""
     return what.format(*(tuple(a) if isinstance(a, torch.Size) else a for a in args))
@@ -107,6 +137,30 @@ def poison(global_scale: torch.Tensor, flag: torch.Tensor | None) -> torch.Tenso
     if flag is None:
         return global_scale
     return torch.where(flag, global_scale, float("nan"))
+
+
+def reference_input(t: torch.Tensor, backend: str) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """What a layer hands the torch reference quantizer (a CPU tensor, or any tensor with
+    ``backend="reference"``) inside ``propagating()``: ``t`` and None, or where ``t`` holds a
+    NaN or an Inf, ``t`` with those values zeroed (the reference raises for them) and the
+    False flag, which ``poisoned`` folds into the operand's global scale, as the generated
+    kernels fold theirs. Elsewhere ``t`` and None: the kernels, or a raising reference."""
+    if not getattr(_state, "propagate", False) or (t.is_cuda and backend != "reference"):
+        return t, None
+    flag = _all_finite_flag(t)
+    if bool(flag):  # one read, as the reference makes for its own check
+        return t, None
+    return torch.where(torch.isfinite(t), t, torch.zeros((), dtype=t.dtype)), flag
+
+
+def poisoned(operand: Any, flag: torch.Tensor | None) -> Any:
+    """``operand`` (a quantized operand made from a ``reference_input``), its global scale NaN
+    where ``flag`` says the input was not all finite: every GEMM it feeds then gives NaN."""
+    if flag is None or not isinstance(operand, QuantizedTensor):
+        return operand
+    # a fresh result nothing else holds yet: its global scale is set in place
+    object.__setattr__(operand, "global_scale", poison(operand.global_scale, flag))
+    return operand
 
 
 def _raise(x: torch.Tensor, what: str) -> None:
@@ -167,12 +221,16 @@ class layer_scope:  # noqa: N801 (used like the context-manager functions above)
 __all__ = [
     "LAYER_MODES",
     "check",
+    "check_given",
+    "checks_given",
     "deferred",
     "layer_mode",
     "layer_scope",
     "mode_from_env",
     "poison",
+    "poisoned",
     "propagates",
     "propagating",
+    "reference_input",
     "set_layer_mode",
 ]

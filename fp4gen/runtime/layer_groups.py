@@ -461,6 +461,11 @@ class _GroupLinear(torch.autograd.Function):
         weights, tensors = saved[: group.size], saved[group.size :]
         kept = ops.WgradInput(tuple(tensors), *ctx.kept)
         with ops.profiled("fp4gen::group_backward"), finite.layer_scope():
+            if finite.layer_mode() == "raise":  # the gradients given, named (check_given)
+                for ref, dy in zip(group.refs, dys, strict=True):
+                    layer = ref()
+                    if dy is not None and layer is not None:
+                        ops.check_output_grad(layer.name, dy)
             dx, dws = group.backward_pass(dys, kept, tuple(weights))
         grads: list[torch.Tensor | None] = [dx, None, None]
         for dy, dw, bias_dtype in zip(dys, dws, ctx.bias_dtypes, strict=True):

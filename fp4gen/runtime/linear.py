@@ -73,6 +73,7 @@ import os
 import weakref
 from collections.abc import Iterable
 from dataclasses import dataclass, field, replace
+from functools import partial
 from typing import Any
 
 import torch
@@ -301,6 +302,23 @@ class Linear(nn.Linear):
             )
         if x.numel() == 0 or self.out_features == 0:
             return self._empty_linear(x, weight)
+        if finite.layer_mode() == "raise" and not torch.compiler.is_compiling():
+            # the tensors given are checked first, so that an error names them as given (one
+            # read at the end of the call on CUDA, with the operands' checks)
+            with finite.deferred():
+                label = self.name or "fp4gen.nn.Linear"
+                finite.check_given(x, "{}: the input of shape {}", label, x.shape)
+                given = self._given_weight(weight)
+                finite.check_given(given, "{}: the weight of shape {}", label, given.shape)
+                return self._run(x, weight)
+        return self._run(x, weight)
+
+    def _given_weight(self, weight: torch.Tensor) -> torch.Tensor:
+        """The weight the GEMMs read, in the layout the layer holds it (messages name it)."""
+        return weight
+
+    def _run(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        """``_linear`` once its input was accepted."""
         if not torch.compiler.is_compiling() and layer_groups.formed():
             grouped = layer_groups.dispatch(self, x)
             if grouped is not None:
@@ -311,7 +329,7 @@ class Linear(nn.Linear):
                 f"in_features={self.in_features}"
             )
         x2 = x.reshape(-1, x.shape[-1])
-        y = ops.linear(x2, weight, self.bias, self._op_id, ops.output_dtype(x))
+        y = ops.linear(x2, weight, self.bias, self._op_id, ops.output_dtype(x), x.shape)
         if x.dim() == 2:
             return y  # not a view, as nn.Linear's (FSDP2 warns about modules returning views)
         return y.reshape(*x.shape[:-1], self.out_features)
@@ -612,13 +630,11 @@ class Linear(nn.Linear):
                 dy2.t().contiguous(), Operand.WGRAD_GRADIENT, table.wgrad_gradient, call, amax
             )
         else:
-            dyq, dyq_t = quantize_operand_pair(
+            dyq, dyq_t = self._quantize_pair(
                 dy2,
                 self.slot(Operand.DGRAD_GRADIENT, table.dgrad_gradient, call, dy2),
                 self.slot(Operand.WGRAD_GRADIENT, table.wgrad_gradient, call, dy2),
                 seed=self.data_seed,
-                backend=self.backend,
-                mors=self.mors,
             )
         dx_out, dw_out = (None, None) if out is None else out
         if padded_tokens != tokens:
@@ -655,15 +671,63 @@ class Linear(nn.Linear):
             return self.quantize(
                 x2.t().contiguous(), Operand.WGRAD_ACTIVATION, table.wgrad_activation, call
             )
-        _, xq_t = quantize_operand_pair(
+        _, xq_t = self._quantize_pair(
             x2,
             None,
             self.slot(Operand.WGRAD_ACTIVATION, table.wgrad_activation, call, x2),
             seed=self.data_seed,
-            backend=self.backend,
-            mors=self.mors,
         )
         return xq_t
+
+    def _quantize_pair(
+        self,
+        t: torch.Tensor,
+        row: tuple[OperandSpec, int | DeviceOffset] | None,
+        col: tuple[OperandSpec, int | DeviceOffset],
+        *,
+        seed: int,
+    ) -> tuple[Any, Any]:
+        """``quantize_operand_pair`` of ``t`` (the rowwise copy where ``row`` is given, and
+        the columnwise one); where the torch reference quantizes them in a propagating scope
+        (``_quantize_operand``), a NaN or an Inf in ``t`` gives both block-format copies a NaN
+        global scale, as the kernels give them on CUDA."""
+        if not finite.propagates() or (t.is_cuda and self.backend != "reference"):
+            try:
+                return quantize_operand_pair(
+                    t, row, col, seed=seed, backend=self.backend, mors=self.mors
+                )
+            except TensorError:
+                if not _refused_non_finite(t):
+                    raise
+                # a shape the kernels do not take went to the reference, which raised
+        # the reference quantizes the copies one by one, as quantize_operand_pair does here
+        rowwise = None if row is None else self._quantize_operand(t, *row, seed=seed)
+        return rowwise, self._quantize_operand(t.t().contiguous(), *col, seed=seed)
+
+    def _quantize_operand(
+        self, t: torch.Tensor, spec: OperandSpec, offset: int | DeviceOffset, *, seed: int
+    ) -> Any:
+        """``quantize_operand`` of ``t``. In a propagating scope a block format's input that
+        the torch reference quantizes (``finite.reference_input``: a CPU tensor, the
+        "reference" backend, or on CUDA a shape the kernels do not take, found when the
+        reference refuses it) gets a NaN global scale for a NaN or an Inf, as the kernels give
+        it, rather than an error."""
+        flag = None
+        if isinstance(spec.format, BlockFormat):
+            t, flag = finite.reference_input(t, self.backend)
+        quantize = partial(
+            quantize_operand, spec=spec, seed=seed, offset=offset, backend=self.backend
+        )
+        try:
+            q = quantize(t, mors=self.mors)
+        except TensorError:
+            if flag is not None or not isinstance(spec.format, BlockFormat):
+                raise
+            if not _refused_non_finite(t):
+                raise
+            t, flag = finite.reference_input(t, "reference")
+            q = quantize(t, mors=self.mors)
+        return finite.poisoned(q, flag)
 
     def columnwise_weight(
         self, w: torch.Tensor, table: OperandTable, call: int, k: int | None = None
@@ -703,9 +767,7 @@ class Linear(nn.Linear):
             if amax is None:
                 amax = self._group_amax(t)
             return quantize_with_amax(t, spec, amax, seed=seed, offset=offset, backend=self.backend)
-        return quantize_operand(
-            t, spec, seed=seed, offset=offset, backend=self.backend, mors=self.mors
-        )
+        return self._quantize_operand(t, spec, offset, seed=seed)
 
     def slot(
         self, op: Operand, spec: OperandSpec, call: int, t: torch.Tensor
@@ -967,6 +1029,9 @@ class Conv1DLinear(Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self._linear(x, self.weight.t())
 
+    def _given_weight(self, weight: torch.Tensor) -> torch.Tensor:
+        return weight.t()  # the [in, out] parameter the GEMMs read as W^T
+
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, weight layout [in, out] (Conv1D)"
 
@@ -979,6 +1044,13 @@ def _matmul(
     if isinstance(a, QuantizedTensor) and isinstance(b, QuantizedTensor):
         return gemm(a, b, out_dtype=out_dtype, out=out)
     return operand_matmul(a, b).to(out_dtype)
+
+
+def _refused_non_finite(t: torch.Tensor) -> bool:
+    """Whether a quantizer's TensorError for ``t`` is the torch reference refusing a NaN or an
+    Inf in a propagating scope (on CUDA, for a shape the kernels do not take): then the layer
+    propagates it as the kernels do. One read, on a path that raised already."""
+    return finite.propagates() and not bool(torch.isfinite(t).all())
 
 
 def _rows_contiguous(w: torch.Tensor) -> torch.Tensor:

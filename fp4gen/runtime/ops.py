@@ -183,8 +183,12 @@ def linear_forward(
 ) -> torch.Tensor:
     """y = Q(x) @ Q(W)^T (+ bias), computed in fp32 and rounded once to ``out_dtype``, for x2
     [tokens, in] and weight [out, in]."""
+    layer = _layer(layer_id)
     with finite.layer_scope():  # non-finite inputs: propagated as NaN, or raised at the end
-        return _layer(layer_id).forward_gemm(x2, weight, bias, out_dtype)[0]
+        label = layer.name or "fp4gen.nn.Linear"
+        finite.check_given(x2, "{}: the input (as [tokens, in]) of shape {}", label, x2.shape)
+        finite.check_given(weight, "{}: the weight of shape {}", label, weight.shape)
+        return layer.forward_gemm(x2, weight, bias, out_dtype)[0]
 
 
 @linear_forward.register_fake
@@ -203,8 +207,10 @@ def linear_backward(
     dy2: torch.Tensor, x2: torch.Tensor, weight: torch.Tensor, layer_id: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(dx [tokens, in] in x2's dtype, dW [out, in] in the weight's) from dy2 [tokens, out]."""
+    layer = _layer(layer_id)
     with finite.layer_scope():
-        return _layer(layer_id).backward_gemms(dy2, x2, weight)
+        check_output_grad(layer.name, dy2)
+        return layer.backward_gemms(dy2, x2, weight)
 
 
 @linear_backward.register_fake
@@ -278,7 +284,7 @@ class _EagerLinear(torch.autograd.Function):
     """linear_forward and its backward without the custom-op dispatch (eager mode)."""
 
     @staticmethod
-    def forward(ctx: Any, x2, weight, bias, layer_id, out_dtype, grad_mode):  # type: ignore[override]
+    def forward(ctx: Any, x2, weight, bias, layer_id, out_dtype, grad_mode, shape):  # type: ignore[override]
         layer = _layer(layer_id)
         # dW needs x: its wgrad copy may be kept instead. ``grad_mode``: the caller's (forward
         # runs with grad off, and needs_input_grad follows requires_grad even under no_grad)
@@ -293,6 +299,7 @@ class _EagerLinear(torch.autograd.Function):
             ctx.kept = (kept.layout, kept.dtype, kept.packing)
         ctx.layer_id = layer_id
         ctx.bias_dtype = None if bias is None else bias.dtype
+        ctx.out_shape = (*shape[:-1], y.shape[1])  # y as the caller gets it (messages name it)
         return y
 
     @staticmethod
@@ -304,9 +311,11 @@ class _EagerLinear(torch.autograd.Function):
         else:
             weight, *tensors = ctx.saved_tensors
             x = WgradInput(tuple(tensors), *ctx.kept)
+        layer = _layer(ctx.layer_id)
         with profiled("fp4gen::linear_backward"), finite.layer_scope():
-            dx, dw = _layer(ctx.layer_id).backward_gemms(dy.contiguous(), x, weight)
-        return dx, dw, bias_grad(dy, ctx.bias_dtype), None, None, None
+            check_output_grad(layer.name, dy, ctx.out_shape)
+            dx, dw = layer.backward_gemms(dy.contiguous(), x, weight)
+        return dx, dw, bias_grad(dy, ctx.bias_dtype), None, None, None, None
 
 
 def linear(
@@ -315,9 +324,23 @@ def linear(
     bias: torch.Tensor | None,
     layer_id: int,
     out_dtype: torch.dtype,
+    shape: tuple[int, ...] | None = None,
 ) -> torch.Tensor:
     """y = Q(x) @ Q(W)^T (+ bias) with its backward: the custom op while torch.compile traces,
-    the eager autograd.Function otherwise (module docstring)."""
+    the eager autograd.Function otherwise (module docstring). ``shape``: x's shape as the
+    caller gave it (x2 is its 2-D view), which an error about y's gradient names."""
     if torch.compiler.is_compiling():
         return linear_forward(x2, weight, bias, layer_id, out_dtype)
-    return _EagerLinear.apply(x2, weight, bias, layer_id, out_dtype, torch.is_grad_enabled())
+    shape = tuple(x2.shape) if shape is None else shape
+    return _EagerLinear.apply(x2, weight, bias, layer_id, out_dtype, torch.is_grad_enabled(), shape)
+
+
+def check_output_grad(name: str, dy: torch.Tensor, shape: tuple[int, ...] | None = None) -> None:
+    """The check of a layer's output gradient in a call that raises for non-finite values
+    (``finite.check_given``), naming the layer and the gradient's shape (``shape``: y's as the
+    caller got it, where dy is its 2-D view)."""
+    if not finite.checks_given():
+        return
+    dy = dy if shape is None else dy.view(shape)
+    what = "{}: the gradient of its output, of shape {}"
+    finite.check_given(dy, what, name or "fp4gen.nn.Linear", dy.shape)
