@@ -15,7 +15,9 @@ far); ``fp4gen.gemm`` with bias and accumulate on every such pair and backend.
 
 from __future__ import annotations
 
+import hashlib
 import math
+from pathlib import Path
 
 import pytest
 import torch
@@ -27,6 +29,7 @@ from fp4gen.errors import ArgumentError, FP4GenError
 from fp4gen.formats import BUILTIN_FORMATS, BlockFormat, ScaleSpec
 from fp4gen.numerics import (
     QuantizedTensor,
+    block_scaled_error_bound,
     gemm_block_scaled_reference,
     gemm_reference,
     quantize,
@@ -308,10 +311,11 @@ def test_block_scaled_keeps_the_bias_and_accumulate(
 # ----------------------------------------------------------------------------------------------
 def relative_errors(layer, x: torch.Tensor, y: torch.Tensor) -> tuple[float, float]:
     """(|y - (x W^T + b)| / |x W^T + b|, the same for y without b) in fp32 (Frobenius)."""
-    exact = x.float() @ layer.weight.detach().float().t() + layer.bias.detach().float()
-    norm = float(exact.norm())
     bias = layer.bias.detach().float()
-    return float((y.float() - exact).norm()) / norm, float((y.float() - bias - exact).norm()) / norm
+    exact = x.float() @ layer.weight.detach().float().t() + bias
+    y = y.detach().float()
+    norm = float(exact.norm())
+    return float((y - exact).norm()) / norm, float((y - bias - exact).norm()) / norm
 
 
 @pytest.mark.parametrize("recipe", ["fp8_blockwise", "nvfp4"])
@@ -414,3 +418,172 @@ def test_epilogue_steps_in_the_contracts_order() -> None:
         assert torch.equal(
             epilogue.apply_steps(c.clone(), None, bias, None, out_dtype), (c + bias).to(out_dtype)
         )
+
+
+# ----------------------------------------------------------------------------------------------
+# GPU: fp4gen.nn.Linear with a bias, every shipped recipe and every backend that serves it
+# ----------------------------------------------------------------------------------------------
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+ROOT = Path(__file__).resolve().parent.parent
+BACKENDS = ("auto", "reference", "dequant", "cute", "block_scaled", "blackwell")
+MODES = ("fp32", "bf16", "fp16", "autocast_bf16")
+TC_REL = 4 * 33 * 2.0**-13  # Hopper's FP8 adder per K-block (numerics.md 6.1, "Hopper")
+
+
+def shipped_recipes() -> list[Path]:
+    """recipes/*.fp4r and fp4gen/recipes/*.fp4r, a file whose bytes another already has once."""
+    unique: dict[str, Path] = {}
+    for path in sorted((ROOT / "recipes").glob("*.fp4r")) + sorted(
+        (ROOT / "fp4gen" / "recipes").glob("*.fp4r")
+    ):
+        unique.setdefault(hashlib.sha256(path.read_bytes()).hexdigest(), path)
+    return list(unique.values())
+
+
+# the GPU tests' parameters, made only where they run (a CPU run skips one test each)
+ON_GPU = torch.cuda.is_available()
+RECIPES = shipped_recipes() if ON_GPU else []
+
+
+def not_served(backend: str, fa: object, fb: object, arch: str) -> str | None:
+    """Why ``backend`` cannot run the pair (fa, fb) on ``arch``, or None."""
+    from fp4gen.codegen.gemm_configs import FUSED_ARCHS, NATIVE_ARCHS, mma_plan
+
+    if backend == "auto":
+        return None
+    if not (isinstance(fa, BlockFormat) and isinstance(fb, BlockFormat)):
+        return "not block formats (MoR or high precision: the layer multiplies them itself)"
+    if backend in ("reference", "dequant"):
+        return None
+    if backend == "cute":
+        return gd.fused_support(fa, fb) or (None if arch in FUSED_ARCHS else f"not {FUSED_ARCHS}")
+    if backend == "block_scaled":
+        return fp8_gemm.support(fa, fb) or fp8_gemm.torch_reason() or fp8_gemm.arch_reason(arch)
+    plan = mma_plan(fa, fb)
+    return plan if isinstance(plan, str) else (None if arch in NATIVE_ARCHS else "not sm_100a")
+
+
+def within_reference(got: torch.Tensor, a, b, bias, acc, out_dtype, ran: str) -> None:
+    """``got`` against the float64 reference of the same operands (fp32, + bias, + acc): within
+    the fp32 summation-order bound of numerics.md 6 (K + 4 roundings of each product's path),
+    or 6.1's block-scaled bound plus the Hopper adder term, plus the output's rounding."""
+    ref = gd.gemm(a, b, bias=bias, accumulate=acc, backend="reference").double()
+    va, vb = a.dequantize_blockwise().double().abs(), b.dequantize_blockwise().double().abs()
+    mag = (va @ vb.t()) * abs(float(a.global_scale) * float(b.global_scale))
+    if ran == "block_scaled":
+        delta = block_scaled_error_bound(a, b) + TC_REL * mag * (1 + 2 * 2.0**-24) ** 2
+    else:
+        delta = (a.cols + 4) * 2.0**-24 * mag
+    delta = delta.to(ref.device) + 4 * 2.0**-24 * ref.abs()
+    limit = delta + UNIT[out_dtype] * (ref.abs() + delta)
+    err = (got.double() - ref).abs()
+    worst = float((err / limit.clamp_min(1e-300)).max())
+    assert got.dtype == out_dtype and got.shape == ref.shape
+    assert (err <= limit).all(), f"{ran}: error up to x{worst:.3g} the bound"
+    if bias is not None:  # the same result without the bias would be far out of bounds
+        dropped = (got.double() - bias.double() - ref).abs() > limit
+        assert float(dropped.double().mean()) > 0.5
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("tokens", [48, 1024])
+@pytest.mark.parametrize("recipe", RECIPES, ids=lambda p: f"{p.parent.name}/{p.stem}")
+def test_linear_bias_on_every_backend(monkeypatch, recipe, tokens, backend, mode) -> None:
+    """Linear(896, 128, bias=True): the forward GEMM on ``backend`` (the layer's call to
+    fp4gen.gemm redirected to it) within the bound of the reference GEMM of the same operands,
+    and y within the quantization error of x W^T + b in fp32, where a dropped bias is 0.9 off."""
+    from fp4gen.compiler.jit import detect_arch
+    from fp4gen.runtime import linear
+
+    arch = detect_arch()
+    table = fp4gen.load_recipe(recipe).operands
+    fa = table[fp4gen.Operand.FPROP_ACTIVATION].format
+    fb = table[fp4gen.Operand.FPROP_WEIGHT].format
+    reason = not_served(backend, fa, fb, arch)
+    if reason is not None:
+        pytest.skip(f"{backend}: {reason}")
+    torch.manual_seed(tokens)
+    layer = fp4gen.nn.Linear(896, 128, bias=True, recipe=recipe, seed=1, device="cuda")
+    fp4gen.set_step(layer, 0, total_steps=100)  # a schedule switching late: its first step
+    x = torch.randn(tokens, 896, device="cuda")
+    with torch.no_grad():
+        rms = float((x @ layer.weight.t()).pow(2).mean().sqrt())
+        layer.bias.copy_(torch.randn(128, device="cuda") * 2 * rms)
+    calls: list[tuple] = []
+    real = gd.gemm
+
+    def on_backend(a, b, **kw):
+        y = real(a, b, **kw) if backend == "auto" else real(a, b, backend=backend, **kw)
+        calls.append((a, b, kw, y))
+        return y
+
+    monkeypatch.setattr(linear, "gemm", on_backend)
+    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}.get(mode)
+    if dtype is None:
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            y = layer(x)
+        out_dtype = torch.bfloat16
+    else:
+        y = layer(x.to(dtype))
+        out_dtype = dtype
+    assert y.dtype == out_dtype and y.shape == (tokens, 128)
+    if isinstance(fa, BlockFormat) and isinstance(fb, BlockFormat):
+        (a, b, kw, got), *_ = calls
+        ran = gd.auto_backend(a, b).backend if backend == "auto" else backend
+        assert kw["bias"] is not None and kw.get("accumulate") is None
+        within_reference(got, a, b, kw["bias"], None, out_dtype, ran)
+    err, dropped = relative_errors(layer, x.to(dtype or torch.float32), y)
+    assert dropped > 0.8 and err < 0.3, (err, dropped)
+
+
+def recipe_pairs() -> list[tuple[str, BlockFormat, BlockFormat]]:
+    """The distinct (A, B) block-format pairs of the shipped recipes' fprop and wgrad GEMMs."""
+    Op = fp4gen.Operand
+    pairs: dict[tuple, tuple[str, BlockFormat, BlockFormat]] = {}
+    for path in RECIPES:
+        table = fp4gen.load_recipe(path).operands
+        for gemm, a, b in (
+            ("fprop", Op.FPROP_ACTIVATION, Op.FPROP_WEIGHT),
+            ("wgrad", Op.WGRAD_GRADIENT, Op.WGRAD_ACTIVATION),
+        ):
+            fa, fb = table[a].format, table[b].format
+            if isinstance(fa, BlockFormat) and isinstance(fb, BlockFormat):
+                pairs.setdefault((fa, fb), (f"{path.stem}.{gemm}", fa, fb))
+    return list(pairs.values())
+
+
+PAIRS = recipe_pairs() if ON_GPU else []
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("autocast", [False, True])
+@pytest.mark.parametrize("with_accumulate", [False, True])
+@pytest.mark.parametrize("out_dtype", OUT_DTYPES)
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("pair", PAIRS, ids=lambda p: p[0])
+def test_gemm_bias_and_accumulate_on_every_backend(
+    pair, backend, out_dtype, with_accumulate, autocast
+) -> None:
+    """fp4gen.gemm with a bias (and an fp32 accumulator) on every backend that serves the
+    pair, fp32 / bf16 / fp16 out, with and without bf16 autocast: within the bound of the
+    reference GEMM of the same operands."""
+    from fp4gen.compiler.jit import detect_arch
+
+    name, fa, fb = pair
+    reason = not_served(backend, fa, fb, detect_arch())
+    if reason is not None:
+        pytest.skip(f"{backend}: {reason}")
+    g = torch.Generator().manual_seed(len(name))
+    m, n, k = 256, 384, 1024
+    a = fp4gen.quantize(torch.randn(m, k, generator=g).cuda(), fa)
+    b = fp4gen.quantize((torch.randn(n, k, generator=g) * 0.05).cuda(), fb)
+    bias, acc = extras(m, n, with_accumulate)
+    bias, acc = bias.cuda(), None if acc is None else acc.cuda()
+    with torch.autocast("cuda", dtype=torch.bfloat16, enabled=autocast):
+        got = fp4gen.gemm(a, b, bias=bias, accumulate=acc, out_dtype=out_dtype, backend=backend)
+    ran = gd.auto_backend(a, b).backend if backend == "auto" else backend
+    within_reference(got, a, b, bias, acc, out_dtype, ran)
