@@ -217,15 +217,21 @@ def test_exact_k_not_a_multiple_of_128() -> None:
     assert torch.equal(fp4gen.gemm(a, b, backend="block_scaled"), gemm_block_scaled_reference(a, b))
 
 
-def test_bias_and_accumulate_follow_the_reference() -> None:
+@pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("with_accumulate", [False, True])
+def test_bias_and_accumulate_follow_the_reference(out_dtype, with_accumulate) -> None:
+    """An fp32 bias (and accumulate) with every output dtype: C exact, then the same fp32
+    epilogue as the reference (an fp32 output once came back without the bias)."""
     g = torch.Generator().manual_seed(13)
     a = integer_operand(100, 256, ROW, g)
     b = integer_operand(96, 256, TILE, g)
-    bias = torch.randn(96, generator=g).cuda()
-    acc = torch.randn(100, 96, generator=g).cuda()
-    got = fp4gen.gemm(a, b, bias=bias, accumulate=acc, out_dtype=torch.bfloat16)
-    ref = gemm_block_scaled_reference(a, b, bias=bias)
-    assert torch.equal(got, (acc + ref).bfloat16())  # C exact, then the same fp32 epilogue
+    bias = torch.randn(96, generator=g).cuda() * 8
+    acc = torch.randn(100, 96, generator=g).cuda() if with_accumulate else None
+    for backend in ("auto", "block_scaled"):
+        got = fp4gen.gemm(a, b, bias=bias, accumulate=acc, out_dtype=out_dtype, backend=backend)
+        ref = gemm_block_scaled_reference(a, b, bias=bias)
+        want = (ref if acc is None else acc + ref).to(out_dtype)
+        assert torch.equal(got, want), backend
 
 
 @pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float16])
@@ -279,6 +285,8 @@ def test_linear_forward_backward_against_exact(tokens: int) -> None:
     recipe = load_recipe("fp8_blockwise.fp4r")
     torch.manual_seed(tokens)
     layer = fp4gen.nn.Linear(384, 256, recipe=recipe, seed=1, device="cuda")
+    with torch.no_grad():  # a bias far above the tolerance below: a dropped one fails
+        layer.bias.normal_(0.0, 4.0)
     x = torch.randn(tokens, 384, device="cuda")
     dy = torch.randn(tokens, 256, device="cuda")
 
