@@ -195,7 +195,8 @@ def check_out_dir(
         return
     old = sorted(p.name for pat in _WEIGHT_FILES for p in out.glob(pat))
     try:
-        OutputFiles(out).refuse_existing([*old, *names])  # links, whatever overwrite says
+        # a link at any name the export may write, whatever overwrite says
+        OutputFiles(out).refuse_existing([SINGLE_FILE, INDEX_FILE, QUANT_CONFIG, *old, *names])
     except OutputError as err:
         raise ExportError(str(err)) from None
     if not overwrite:

@@ -454,6 +454,12 @@ def cmd_report(args: argparse.Namespace) -> int:
     path = Path(args.telemetry)
     if not args.no_png and args.out:
         check_out(Path(args.out))
+    pictures: tuple[Path, Path, OutputFiles] | None = None
+    if not args.no_png and (args.out or path.name):  # no name: load_records says what is wrong
+        out = Path(args.out) if args.out else path.with_suffix(".png")
+        over_time = out.with_name(f"{out.stem}_fallback.png")
+        pictures = (out, over_time, OutputFiles(out.parent))
+        pictures[2].refuse_existing([out.name, over_time.name])  # a link fails before any work
     records = load_records(path)
     heatmap = aggregate(records, args.recipe, args.by)
     fallback = fallback_summary(records, args.recipe)
@@ -469,11 +475,8 @@ def cmd_report(args: argparse.Namespace) -> int:
             headers = ["recipe", "operand", "records", "units", "overall", "first step"]
             headers += ["last step", "worst layer"]
             print(render_table(headers, fallback_rows(fallback)))
-    if not args.no_png:
-        out = Path(args.out) if args.out else path.with_suffix(".png")
-        over_time = out.with_name(f"{out.stem}_fallback.png")
-        files = OutputFiles(out.parent)
-        files.refuse_existing([out.name, over_time.name])  # no link, before anything is drawn
+    if pictures is not None:
+        out, over_time, files = pictures
         title = f"relative-error heatmap of {path.name}"
         if args.recipe:
             title += f" ({args.recipe})"

@@ -28,6 +28,7 @@ from hypothesis import strategies as st
 
 import fp4gen.compiler.build
 import fp4gen.demo.train
+import fp4gen.experiments.sweep
 from fp4gen.cli import DISTRIBUTIONS, main
 from fp4gen.dsl.source import SHIPPED_RECIPES
 from fp4gen.formats import BUILTIN_FORMATS
@@ -36,6 +37,7 @@ SHIPPED = sorted(SHIPPED_RECIPES.glob("*.fp4r"))
 SHIPPED_NAMES = [p.stem for p in SHIPPED]
 SHIPPED_TEXTS = [p.read_text() for p in SHIPPED]
 SCALE = max(1, int(os.environ.get("FP4GEN_FUZZ_SCALE", "1")))
+REAL_COMPILE_RECIPES = fp4gen.compiler.build.compile_recipes  # before the sandbox guards it
 
 
 def fuzz(examples: int) -> settings:
@@ -795,3 +797,83 @@ def test_fuzz_marked_blank_and_linked_recipes(sandbox: Path, data: st.DataObject
     # the same command with a reader that has left: quiet, 141 where it had output
     closed, closed_err = invoke_closed_stdout(argv)
     assert (closed, closed_err) == ((141, "") if out else (code, err))
+
+
+# every command that writes files: a symbolic link where one of its files goes is refused
+WRITERS: dict[str, tuple[str, ...]] = {
+    "compile": ("manifest.json", "quant_e2m1_1x16_e4m3rn_g_bf16_row_rne.py"),
+    "export": ("model.safetensors", "hf_quant_config.json", "model.safetensors.index.json"),
+    "demo": ("losses.csv", "summary.json", "telemetry.json", "losses.png"),
+    "sweep": ("summary.json", "losses.csv", "gap_to_bf16.png", "runs/bf16__seed0.json"),
+    "report": ("heat.png", "heat_fallback.png"),
+}
+
+
+def writer_argv(command: str, root: Path, out: Path) -> list[str]:
+    """Arguments of ``command`` that write into ``out`` and fail before any real work."""
+    if command == "compile":
+        return ["compile", "nvfp4", "--out", str(out), "--no-compile", "--arch", "sm_100a"]
+    if command == "export":
+        weights = root / "weights.pt"
+        if not weights.exists():
+            import torch
+
+            torch.save({"blocks.0.fc.weight": torch.ones(32, 32)}, weights)
+        return ["export", str(weights), "--recipe", "nvfp4_no_bf16", "--out", str(out)]
+    if command == "demo":
+        return ["demo", "--recipes", "bf16", "--device", "cpu", "--out", str(out)]
+    if command == "sweep":
+        return ["sweep", "nvfp4_small", "--seeds", "1", "--device", "cpu", "--out", str(out)]
+    telemetry = root / "telemetry.json"
+    telemetry.write_text("[]")
+    return ["report", str(telemetry), "--out", str(out / "heat.png")]
+
+
+@fuzz(40)
+@given(data=st.data())
+def test_fuzz_writing_commands_refuse_links(
+    sandbox: Path, data: st.DataObject, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import sys
+
+    from fp4gen.compiler import cache, jit
+
+    tests = str(Path(__file__).resolve().parent)
+    sys.path.insert(0, tests)
+    try:
+        from kernel_stub import render_stub
+    finally:
+        sys.path.remove(tests)
+
+    def no_gemm(spec: object) -> str:
+        raise NotImplementedError("no GEMM template in this test")
+
+    # compile renders (the stub template) and writes, but compiles nothing (--no-compile)
+    monkeypatch.setattr(fp4gen.compiler.build, "compile_recipes", REAL_COMPILE_RECIPES)
+    monkeypatch.setattr(jit, "render_source", render_stub)
+    monkeypatch.setattr(jit, "render_gemm_source", no_gemm)
+    monkeypatch.setattr(cache, "template_version", lambda: "stub")
+
+    def no_training(*args: object, **kwargs: object) -> None:
+        raise AssertionError("a sweep run started before its files were checked")
+
+    monkeypatch.setattr(fp4gen.experiments.sweep, "train_run", no_training)
+
+    command = data.draw(st.sampled_from(sorted(WRITERS)), label="command")
+    name = data.draw(st.sampled_from(WRITERS[command]), label="name")
+    how = data.draw(st.sampled_from(["file", "dangling", "folder", "loop"]), label="link")
+    root = fresh(sandbox, "w")
+    out = root / "out"
+    (out / "runs").mkdir(parents=True)
+    victim = root / "users-file"
+    victim.write_text("precious")
+    link = out / name
+    target = {"file": victim, "dangling": root / "gone", "folder": root, "loop": link}[how]
+    os.symlink(target, link)
+    before = sorted(p.name for p in out.rglob("*"))
+
+    code, _, err = invoke(writer_argv(command, root, out))
+    assert code == 1, err
+    assert len(err.strip().splitlines()) == 1 and f"{link} is a symbolic link" in err, err
+    assert victim.read_text() == "precious" and not (root / "gone").exists()
+    assert sorted(p.name for p in out.rglob("*")) == before  # nothing written, no temporary
