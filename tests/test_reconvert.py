@@ -114,3 +114,14 @@ def test_export_after_converting_twice_is_the_export_of_one_conversion(tmp_path:
         k: (ta[k].reshape(-1).view(torch.uint8), tb[k].reshape(-1).view(torch.uint8)) for k in ta
     }
     assert all(torch.equal(x, y) for x, y in raw.values())
+
+
+def test_a_converted_model_deep_copies_and_the_copy_keeps_its_conversion() -> None:
+    import copy
+
+    model = fp4gen.convert(gpt(), "nvfp4_small")
+    twin = copy.deepcopy(model)
+    assert fp4gen.show_plan(twin) == fp4gen.show_plan(model)
+    assert fp4gen.convert(twin, "nvfp4_small") is twin  # the same conversion: nothing to do
+    with pytest.raises(FP4GenError, match="already converted"):
+        fp4gen.convert(twin, "mxfp8")

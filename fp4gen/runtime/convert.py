@@ -45,7 +45,7 @@ from fp4gen.dsl.model import (
 from fp4gen.errors import FP4GenError
 from fp4gen.formats import BlockFormat, HighPrecision
 from fp4gen.runtime.fsdp import enable_quantized_all_gather
-from fp4gen.runtime.linear import Conv1DLinear, Linear
+from fp4gen.runtime.linear import Conv1DLinear, Linear, SharedGroup
 from fp4gen.runtime.operands import k_multiple, round_up
 from fp4gen.runtime.schedule import TrainingClock, action_mors, action_table
 
@@ -238,7 +238,7 @@ def convert(
         seed,
         backend,
         fsdp_quantized_all_gather,
-        amax_group,
+        SharedGroup(amax_group),
         None if amax_operands is None else tuple(amax_operands),
     )
     if _already_converted(model, recipe, options):
@@ -289,11 +289,13 @@ class ConvertOptions:
     seed: int
     backend: str
     fsdp_quantized_all_gather: bool
-    amax_group: Any = field(compare=False)  # a process group: compared by identity below
+    # a process group, held as the layers hold it (a deep copy of the model shares it) and
+    # compared by identity
+    amax_group: SharedGroup = field(compare=False)
     amax_operands: tuple[Operand | str, ...] | None
 
     def same_as(self, other: ConvertOptions) -> bool:
-        return self == other and self.amax_group is other.amax_group
+        return self == other and self.amax_group.group is other.amax_group.group
 
     def differences(self, earlier: ConvertOptions) -> tuple[str, str]:
         """('seed=0', 'seed=1'): the options that differ, as ``earlier`` and this hold them."""
@@ -302,7 +304,7 @@ class ConvertOptions:
             if getattr(earlier, name) != getattr(self, name):
                 before.append(f"{name}={getattr(earlier, name)!r}")
                 now.append(f"{name}={getattr(self, name)!r}")
-        if self.amax_group is not earlier.amax_group:
+        if self.amax_group.group is not earlier.amax_group.group:
             before.append("one amax_group")
             now.append("another amax_group")
         return ", ".join(before), ", ".join(now)

@@ -194,7 +194,7 @@ class Linear(nn.Linear):
         self._layout_parts: dict[tuple[Any, ...], _Identity] = {}  # interned by _described
         self._table_part: list[Any] = [None, None]  # [table, _Identity(table)] (_table_key)
         self._copy_key_part: list[Any] = [None, None, ()]  # [table, backend, key] (_copy_key)
-        self._amax_group = _SharedGroup(None)
+        self._amax_group = SharedGroup(None)
         self.amax_operands: frozenset[Operand] = frozenset()
         self._group_rank = 0
         if amax_group is not None:
@@ -231,7 +231,7 @@ class Linear(nn.Linear):
         (``fp4gen.runtime.global_amax.check_reducible``). ``None`` turns it off. Every rank of
         the group must then call the layer's forward and backward in step (collectives)."""
         if group is None:
-            self._amax_group, self._group_rank = _SharedGroup(None), 0
+            self._amax_group, self._group_rank = SharedGroup(None), 0
             self.amax_operands = frozenset()
             return
         chosen = resolve_operands(operands)
@@ -242,7 +242,7 @@ class Linear(nn.Linear):
         rank = dist.get_rank(group)
         if rank < 0:
             raise FP4GenError(f"{self.name or 'this layer'}: this process is not in amax_group")
-        self._amax_group, self.amax_operands, self._group_rank = _SharedGroup(group), chosen, rank
+        self._amax_group, self.amax_operands, self._group_rank = SharedGroup(group), chosen, rank
 
     @property
     def amax_group(self) -> Any:
@@ -973,7 +973,7 @@ def _base(t: torch.Tensor) -> torch.Tensor:
 _last_copy = _LastCopy()
 
 
-class _SharedGroup:
+class SharedGroup:
     """A process group as a layer holds it: a deep copy of the layer (an EMA copy, a reference
     model) shares it, as it is a handle to the ranks' communicator (a ProcessGroup cannot be
     copied or pickled)."""
@@ -983,7 +983,7 @@ class _SharedGroup:
     def __init__(self, group: Any) -> None:
         self.group = group
 
-    def __deepcopy__(self, memo: dict[int, Any]) -> _SharedGroup:
+    def __deepcopy__(self, memo: dict[int, Any]) -> SharedGroup:
         return self
 
 
