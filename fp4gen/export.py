@@ -420,6 +420,7 @@ def _write_shards(
 ) -> list[str]:
     """Write safetensors files, one or several of at most ``max_bytes`` (a tensor larger than
     that gets a file to itself) with Hugging Face's index file, and return their names."""
+    from safetensors import SafetensorError
     from safetensors.torch import save_file
 
     shards: list[dict[str, torch.Tensor]] = [{}]
@@ -433,7 +434,13 @@ def _write_shards(
         size += nbytes
 
     def save(shard: dict[str, torch.Tensor]) -> Callable[[Path], None]:
-        return lambda path: save_file(shard, str(path), metadata=metadata)
+        def write(path: Path) -> None:
+            try:
+                save_file(shard, str(path), metadata=metadata)
+            except SafetensorError as err:  # its I/O errors (a full disk) are no OSErrors
+                raise OSError(_first(err)) from None
+
+        return write
 
     if len(shards) == 1:
         files.write_with(SINGLE_FILE, save(shards[0]))

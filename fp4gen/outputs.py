@@ -146,14 +146,14 @@ class OutputFiles:
     # -- paths ---------------------------------------------------------------------------------
 
     def target(self, name: str) -> Path:
-        """The checked path of ``name`` (a plain name, or plain names joined by ``/``): not a
+        """The checked path of ``name`` (names joined by ``/``, none of them ``..``): not a
         symbolic link, and its folder resolves inside the output folder. OutputError if not."""
         parts = name.split("/")
         for part in parts:
-            if not is_plain_name(part):
+            if part in ("", ".", "..") or "\0" in part:
                 raise OutputError(
-                    f"{name!r} names a file under {self.folder}, so each part must be "
-                    f"{PLAIN_NAME_RULE}"
+                    f"{name!r} names a file under {self.folder}, so each of its '/'-separated "
+                    "parts must be a file or folder name (not empty, '.' or '..'; no NUL byte)"
                 )
         path = self.folder.joinpath(*parts)
         if path.is_symlink():

@@ -596,6 +596,7 @@ def test_export_on_a_full_disk_leaves_the_old_checkpoint(
     import os
 
     import safetensors.torch
+    from safetensors import SafetensorError
 
     from fp4gen import outputs
 
@@ -609,11 +610,11 @@ def test_export_on_a_full_disk_leaves_the_old_checkpoint(
 
     def full_disk_save(tensors: dict, path: str, metadata: dict | None = None) -> None:
         Path(path).write_bytes(b"\0" * 100)  # part of it, then the disk is full
-        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        raise SafetensorError(f"Error while serializing: {os.strerror(errno.ENOSPC)}")
 
     monkeypatch.setattr(safetensors.torch, "save_file", full_disk_save)
     line = one_line_error(capsys, *args, "--overwrite")
-    assert f"cannot write {out / 'model.safetensors'}: No space left on device" in line
+    assert f"cannot write {out / 'model.safetensors'}: Error while serializing: No space" in line
     assert {p.name: p.read_bytes() for p in out.iterdir()} == before
     monkeypatch.undo()
 

@@ -89,7 +89,7 @@ def test_a_folder_leading_out_through_a_link_is_refused(tmp_path: Path) -> None:
     with pytest.raises(OutputError, match="leads out of .* through a symbolic link"):
         OutputFiles(out).write_text("runs/a.json", "{}")
     assert list(elsewhere.iterdir()) == []
-    with pytest.raises(OutputError, match="must be a plain name"):
+    with pytest.raises(OutputError, match=r"not empty, '\.' or '\.\.'"):
         OutputFiles(out).write_text("../escape.txt", "x")
     assert not (tmp_path / "escape.txt").exists()
 
