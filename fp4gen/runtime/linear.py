@@ -138,10 +138,16 @@ class Telemetry:
 class Linear(nn.Linear):
     """torch.nn.Linear whose three GEMMs run with the numerics of a recipe.
 
-    Same constructor and state_dict as torch.nn.Linear, plus the recipe (or an explicit operand
-    table and the MoR rules it names), a seed for stochastic rounding, a name used in
-    telemetry, and optionally a process group whose amax some operands share (``amax_group``,
-    ``amax_operands``: ``set_amax_group``).
+    Same constructor and state_dict as torch.nn.Linear, plus the recipe (a Recipe, a path or a
+    shipped name; or an explicit operand table and the MoR rules it names), a seed for
+    stochastic rounding, a name used in telemetry, and optionally a process group whose amax
+    some operands share (``amax_group``, ``amax_operands``: ``set_amax_group``). A recipe's
+    precision schedule follows ``fp4gen.set_step(layer, step, total_steps)``.
+
+    As torch.nn.Linear: an input with no tokens, or a layer with no in or out features, gives
+    torch's result (``_empty_linear``); a 0-d input raises TensorError. Not twice
+    differentiable: a backward with create_graph=True raises FP4GenError
+    (``ops.double_backward_error``).
     """
 
     def __init__(
