@@ -41,9 +41,12 @@ class RecipeError(FP4GenError):
         where = f"{self.file}:{self.line}:{self.column or 1}"
         out = f"{where}: {self.reason}"
         if text is not None:
-            lines = text.splitlines()
+            # the grammar's line ends only: \x0b, \x0c, \x85, \u2028 ... stay inside a line,
+            # as they do for the line numbers
+            lines = text.split("\n")
             if 1 <= self.line <= len(lines):
-                src, column = _window(lines[self.line - 1].expandtabs(1), self.column or 1)
+                line = lines[self.line - 1].removesuffix("\r")
+                src, column = _window(line.expandtabs(1), self.column or 1)
                 caret = " " * max(column - 1, 0) + "^"
                 out += f"\n    {src}\n    {caret}"
         return out

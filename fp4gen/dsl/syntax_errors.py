@@ -152,7 +152,7 @@ def _char_after(token: Token, source: Source) -> str:
 def _token_pos(token: Token, source: Source) -> Pos:
     # Lark borrows the last token's position for $END; point just after that token.
     if token.type == "$END" and token.value == "" and token.end_line is not None:
-        text_lines = source.text.splitlines() or [""]
+        text_lines = source.text.split("\n")  # the grammar's line ends only (not \x0b, \x85...)
         line = min(token.line or 1, len(text_lines))
         last = text_lines[line - 1].split("#")[0].rstrip()
         return Pos(source, line, len(last) + 1)

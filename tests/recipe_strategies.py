@@ -1,0 +1,651 @@
+"""Hypothesis strategies that write valid ``.fp4r`` recipes over the whole grammar.
+
+``recipe_cases()`` draws a ``RecipeCase``: the text of a main recipe, the helper files it
+``extends``, ``import``s or names with ``recipe "..."`` (written into a folder by
+``RecipeCase.write``), and what the operand cascade must resolve to (``expected``: the six
+``OperandSpec``s, computed here independently of ``fp4gen.dsl.resolve``).
+
+What is drawn: elements of 3 to 8 bits with and without ``finite``/``fn``/``ieee``; 1xN and NxN
+blocks (N also not a power of two); signed, exponent-only and fp32 scales with every scale
+rounding the scale takes; ``global amax``/``none``; formats built from an element or from
+another format (built-in, inherited, imported or defined earlier); every element rounding;
+RHTs of every size and sign source; MoR rules with every partition, scaling and metric; layer
+rules and schedules with format, dtype and ``recipe "..."`` actions; ``extends`` (also from a
+sub-folder) and ``import``; names that are keywords elsewhere (``up``, ``tensor``, ``none``);
+numbers with leading zeros; comments, blank lines, tabs, CRLF line ends, one-line sections.
+
+A recipe is valid by construction, except one combination that is refused on purpose and drawn
+now and then (``RecipeCase.refusable``): a global amax scale whose element and scale formats
+cannot carry one (``fp4gen.formats.global_scale_problem``: a scale as wide as fp32, ue8m0, or a
+product elem_max * scale_max outside fp32's range).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from hypothesis import strategies as st
+
+from fp4gen.dsl.model import GEMMS, ROLES, TE_SIGNS_16, MoRRef, Operand, OperandSpec, RHTSpec
+from fp4gen.errors import FP4GenError
+from fp4gen.formats import (
+    BUILTIN_FORMATS,
+    HIGH_PRECISION_DTYPES,
+    BlockFormat,
+    ElementFormat,
+    HighPrecision,
+    ScaleSpec,
+    default_special,
+)
+
+Format = BlockFormat | HighPrecision
+Shape = tuple[int, int]
+
+# Block lengths: powers of two and not (3, 12, 24, 48, 100), up to the 1x1024 limit.
+LENGTHS_1D = [1, 2, 3, 4, 8, 12, 16, 24, 32, 48, 64, 100, 128, 256, 1024]
+LENGTHS_2D = [2, 4, 8, 12, 16, 24, 32, 64, 128, 256]
+RHT_SIZES = [2, 4, 8, 16, 32, 64, 128, 256]
+ELEMENT_ROUNDINGS = ["nearest", "stochastic", "stochastic16", "stochastic8", "zero"]
+# names that are keywords elsewhere in the grammar, and plain ones
+FORMAT_NAMES = ["fa", "fb", "fc", "up", "tensor", "none", "seed", "x_1", "Wide"]
+MOR_NAMES = ["m1", "m2", "channel", "gam"]
+REFUSALS = ("global amax cannot be used with", "need no global scale", "do not need one")
+
+
+@dataclass
+class RecipeCase:
+    """A drawn recipe: ``files`` maps a relative path to its text; ``main`` is the recipe."""
+
+    files: dict[str, str]
+    main: str = "main.fp4r"
+    expected: dict[Operand, OperandSpec] | None = None  # None when the recipe may be refused
+    refusable: bool = False  # holds a combination refused on purpose (module docstring)
+    layer_count: int = 0
+    schedule_count: int = 0
+
+    @property
+    def text(self) -> str:
+        return self.files[self.main]
+
+    def write(self, folder: Path) -> Path:
+        for rel, text in self.files.items():
+            path = folder / rel
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_bytes(text.encode("utf-8"))
+        return folder / self.main
+
+    def listing(self) -> str:
+        """Every file, for a failure message."""
+        return "\n".join(f"--- {rel}\n{text}" for rel, text in self.files.items())
+
+
+# ------------------------------------------------------------------------------------------------
+# The cascade, as docs/recipe-language.md describes it
+# ------------------------------------------------------------------------------------------------
+
+UNSET = object()  # an RHT never set (the default, none), as opposed to `rht none`
+
+
+@dataclass
+class Slot:
+    format: tuple[str, str] | None = None  # ("format" | "mor", name)
+    block: Shape | None = None
+    rounding: str | None = None
+    rht: object = UNSET  # RHTSpec, None (`rht none`) or UNSET
+
+    def apply(self, fmt: tuple[str, str] | None, block: Shape | None, rnd: str | None, rht: object):
+        if fmt is not None:  # a block override belongs to the format it was given with
+            self.format, self.block = fmt, block
+        elif block is not None:
+            self.block = block
+        if rnd is not None:
+            self.rounding = rnd
+        if rht is not UNSET:
+            self.rht = rht
+
+    def copy(self) -> Slot:
+        return Slot(self.format, self.block, self.rounding, self.rht)
+
+
+def nests(length: int, size: int) -> bool:
+    return length % size == 0 or size % length == 0
+
+
+def resolve_slot(op: Operand, slot: Slot, scope: dict[str, Format]) -> OperandSpec | None:
+    """The slot's spec, or None where the validator must refuse it."""
+    if slot.format is None:
+        return None
+    kind, name = slot.format
+    rounding = slot.rounding or "nearest"
+    rht = None if slot.rht is UNSET else slot.rht
+    assert rht is None or isinstance(rht, RHTSpec)
+    if kind == "mor":
+        return None if slot.block is not None else OperandSpec(MoRRef(name), rounding, rht)  # type: ignore[arg-type]
+    fmt = scope[name]
+    if isinstance(fmt, HighPrecision):
+        if slot.block is not None or rounding != "nearest" or rht is not None:
+            return None
+        return OperandSpec(fmt)
+    if slot.block is not None:
+        fmt = fmt.with_block(slot.block)
+    if fmt.is_2d and op.role != "weight":
+        return None
+    if rht is not None and not nests(fmt.block_len, rht.size):
+        return None
+    return OperandSpec(fmt, rounding, rht)  # type: ignore[arg-type]
+
+
+# ------------------------------------------------------------------------------------------------
+# Text
+# ------------------------------------------------------------------------------------------------
+
+
+class _Writer:
+    """Draws the pieces of recipes, keeping what the cascade and the scope will hold."""
+
+    def __init__(self, draw: st.DrawFn) -> None:
+        self.draw = draw
+        self.refusable = False
+
+    # --- lexical variety ------------------------------------------------------------------------
+    def sp(self) -> str:
+        return self.draw(st.sampled_from([" ", " ", " ", "  ", "\t", " \t "]))
+
+    def num(self, value: int) -> str:
+        """A non-negative integer, now and then with leading zeros."""
+        return (
+            "0" * self.draw(st.integers(1, 3)) if self.draw(st.integers(0, 9)) == 0 else ""
+        ) + str(value)
+
+    def shape(self, shape: Shape) -> str:
+        return f"{self.num(shape[0])}x{self.num(shape[1])}"
+
+    def percent(self, upper: int, inclusive: bool = False) -> tuple[str, float]:
+        """A percentage in (0, upper) (or (0, upper]) and the fraction the parser makes of it."""
+        hundredths = self.draw(st.integers(1, upper * 100 - (0 if inclusive else 1)))
+        whole, frac = divmod(hundredths, 100)
+        style = self.draw(st.integers(0, 3))
+        if frac == 0 and style:
+            text = str(whole)
+        elif frac % 10 == 0 and style == 1:
+            text = f"{whole}.{frac // 10}"
+        else:
+            text = f"{whole}.{frac:02d}"
+        if self.draw(st.integers(0, 9)) == 0:
+            text = "0" + text
+        return text + "%", float(text) / 100
+
+    def string(self, min_size: int = 0) -> str:
+        """A quoted string: any characters but quote, backslash and line breaks, and escapes."""
+        plain = st.characters(blacklist_categories=("Cs",), blacklist_characters='"\\\n\r')
+        parts = self.draw(
+            st.lists(
+                st.text(plain, min_size=1, max_size=4)
+                | st.sampled_from(["\\\\", '\\"', "\\n", "\\t"]),
+                min_size=min_size,
+                max_size=4,
+            )
+        )
+        return '"' + "".join(parts) + '"'
+
+    def comment(self) -> str:
+        if self.draw(st.integers(0, 5)):
+            return ""
+        return self.sp() + "# " + self.draw(st.sampled_from(["note", "x : y { }", "é", ""]))
+
+    # --- formats ---------------------------------------------------------------------------------
+    def element(self, allow_ieee: bool = True) -> tuple[str, ElementFormat]:
+        exp_bits = self.draw(st.integers(1, 7))
+        man_bits = self.draw(st.integers(max(0, 2 - exp_bits), 7 - exp_bits))
+        base = f"e{exp_bits}m{man_bits}"
+        specials = ["finite", "fn"] + (["ieee"] if man_bits and allow_ieee else [])
+        default = default_special(exp_bits, man_bits)
+        special = self.draw(st.sampled_from([None, *specials]))
+        chosen = special or default
+        if chosen == "ieee" and man_bits == 0:  # only e.g. a bare e5m0 would imply it: never
+            chosen, special = "finite", "finite"
+        text = base if special is None else f"{base}{self.sp()}{special}"
+        return text, ElementFormat(exp_bits, man_bits, True, chosen)  # type: ignore[arg-type]
+
+    def scale(self) -> tuple[str, ElementFormat | None]:
+        kind = self.draw(st.sampled_from(["signed", "signed", "unsigned", "unsigned", "fp32"]))
+        if kind == "fp32":
+            return "fp32", None
+        if kind == "unsigned":
+            exp_bits = self.draw(st.integers(2, 8))
+            return f"ue{exp_bits}m0", ElementFormat(exp_bits, 0, signed=False)
+        return self.element()
+
+    def block(self, two_d: bool) -> Shape:
+        if two_d and self.draw(st.integers(0, 2)) == 0:
+            n = self.draw(st.sampled_from(LENGTHS_2D))
+            return (n, n)
+        return (1, self.draw(st.sampled_from(LENGTHS_1D)))
+
+    def format_def(self, name: str, scope: dict[str, Format]) -> tuple[str, Format]:
+        """`format NAME = ...` and what it defines, given the formats in scope before it."""
+        bases = [n for n, f in scope.items() if isinstance(f, BlockFormat)]
+        kind = self.draw(st.sampled_from(["element", "element", "base", "dtype"]))
+        if kind == "dtype":
+            dtype = self.draw(st.sampled_from(HIGH_PRECISION_DTYPES))
+            return f"format {name} ={self.sp()}{dtype}", HighPrecision(dtype)
+        clauses: list[str] = []
+        if kind == "element":
+            head, element = self.element()
+            block: Shape = self.block(True)
+            scale_text, scale_el = self.scale()
+            given_scale, given_block = True, True
+            rounding, global_scale = None, False
+        else:
+            head = self.draw(st.sampled_from(bases))
+            base = scope[head]
+            assert isinstance(base, BlockFormat)
+            element, block, scale_el = base.element, base.block, base.scale.element
+            rounding, global_scale = base.scale.rounding, base.global_scale
+            given_block, given_scale = self.draw(st.booleans()), self.draw(st.booleans())
+            if given_block:
+                block = self.block(True)
+            if given_scale:
+                scale_text, scale_el = self.scale()
+                rounding = None
+        if given_block:
+            clauses.append(f"block{self.sp()}{self.shape(block)}")
+        if given_scale:
+            clauses.append(f"scale{self.sp()}{scale_text}")
+        # scale rounding: what the scale takes; a new scale without one gets its default
+        allowed = ["nearest"] if scale_el is None else ["nearest", "up", "down"]
+        if scale_el is not None and scale_el.exponent_only:
+            allowed.append("ocp")
+        if rounding not in allowed:  # an inherited rounding the new scale does not take
+            rounding = None
+        if rounding is None or self.draw(st.booleans()):
+            if rounding is None and self.draw(st.booleans()) and scale_el is not None:
+                rounding = "up" if scale_el.exponent_only else "nearest"  # the default
+            else:
+                rounding = self.draw(st.sampled_from(allowed))
+                clauses.append(f"round{self.sp()}{rounding}")
+        # global scale: never with fp32 scales; a combination refused on purpose, now and then
+        want_global = scale_el is not None and self.draw(st.booleans())
+        spec = ScaleSpec(scale_el, rounding)  # type: ignore[arg-type]
+        fmt: Format = BUILTIN_FORMATS["nvfp4"]  # a stand-in where the recipe is refused
+        try:
+            fmt = BlockFormat(name, element, block, spec, want_global)
+        except (FP4GenError, ValueError):
+            if self.draw(st.integers(0, 2)):  # mostly: written without the global scale
+                want_global = False
+                fmt = BlockFormat(name, element, block, spec, False)
+            else:
+                self.refusable = True
+        if want_global != global_scale or self.draw(st.booleans()):
+            clauses.append(f"global{self.sp()}{'amax' if want_global else 'none'}")
+        order = self.draw(st.permutations(clauses))
+        return f"format {name} = {head}" + "".join(self.sp() + c for c in order), fmt
+
+    # --- RHT and MoR -----------------------------------------------------------------------------
+    def rht(self, lengths: list[int]) -> tuple[str, RHTSpec]:
+        """An RHT whose size nests with every block length in ``lengths``."""
+        sizes = [s for s in RHT_SIZES if all(nests(n, s) for n in lengths)]
+        size = self.draw(st.sampled_from(sizes))
+        source = self.draw(st.sampled_from(["te", "seed", "none", "string"]))
+        if source == "te" and size == 16:
+            text = self.draw(st.sampled_from(["rht 16", "rht 16 signs te", "rht 016 signs te"]))
+            return text, RHTSpec(16, "fixed", TE_SIGNS_16)
+        if source == "seed":
+            seed = self.draw(st.integers(0, 2**64 - 1) | st.sampled_from([0, 1, 2**64 - 1]))
+            return f"rht {self.num(size)} seed {self.num(seed)}", RHTSpec(
+                size, "seeded", None, seed
+            )
+        if source == "none":
+            return f"rht {self.num(size)} signs none", RHTSpec(size, "none", None)
+        signs = self.draw(st.lists(st.sampled_from([1, -1]), min_size=size, max_size=size))
+        written = "".join("+" if s > 0 else "-" for s in signs)
+        return f'rht {self.num(size)} signs "{written}"', RHTSpec(size, "fixed", tuple(signs))
+
+    def partition(self) -> str:
+        kind = self.draw(st.sampled_from(["tensor", "channel", "block"]))
+        if kind != "block":
+            return kind
+        return f"block{self.sp()}{self.shape(self.block(True))}"
+
+    def candidate(self, dtype_ok: bool) -> tuple[str, bool]:
+        """(text, is an element)."""
+        if dtype_ok and self.draw(st.integers(0, 3)) == 0:
+            return self.draw(st.sampled_from(HIGH_PRECISION_DTYPES)), False
+        return self.element()[0], True
+
+    def mor_def(self, name: str) -> list[str]:
+        lines = [f"decide{self.sp()}{self.partition()}"]
+        scaling = self.draw(st.sampled_from(["gam", "e8m0", "amax"]))
+        lines.insert(self.draw(st.integers(0, 1)), f"scale{self.sp()}{self.partition()} {scaling}")
+        for _ in range(self.draw(st.integers(1, 3))):
+            cand, is_element = self.candidate(dtype_ok=True)
+            metric = self.draw(st.sampled_from(["relerr", "relerr_vs", "range"]))
+            if metric == "range" and is_element:
+                written = "range"
+            elif metric == "relerr_vs":
+                written = f"relerr < relerr({self.element()[0]})"
+            else:
+                written = f"relerr{self.sp()}<{self.sp()}{self.percent(100)[0]}"
+            lines.insert(self.draw(st.integers(0, len(lines))), f"try {cand} if {written}")
+        lines.append(f"else {self.candidate(dtype_ok=True)[0]}")
+        return self.section(f"mor {name}", lines)
+
+    # --- sections --------------------------------------------------------------------------------
+    def section(self, head: str, lines: list[str]) -> list[str]:
+        if len(lines) == 1 and self.draw(st.integers(0, 2)) == 0:
+            return [f"{head} {{ {lines[0]} }}"]
+        indent = self.draw(st.sampled_from(["    ", "\t", "  ", ""]))
+        body = [indent + line + self.comment() for line in lines]
+        if self.draw(st.integers(0, 4)) == 0:
+            body.insert(self.draw(st.integers(0, len(body))), "")
+        return [f"{head} {{" + self.comment(), *body, "}"]
+
+    def selector(self) -> tuple[str, tuple[Operand, ...]]:
+        words = ["*", *ROLES, *GEMMS, *(op.selector for op in Operand)]
+        word = self.draw(st.sampled_from(words))
+        if word == "*":
+            return word, tuple(Operand)
+        if word in ROLES:
+            return word, tuple(op for op in Operand if op.role == word)
+        if word in GEMMS:
+            return word, tuple(op for op in Operand if op.gemm == word)
+        return word, tuple(op for op in Operand if op.selector == word)
+
+    def action(self, scope: dict[str, Format], refs: list[str]) -> str:
+        choices = ["dtype", "format"] + (["recipe"] if refs else [])
+        kind = self.draw(st.sampled_from(choices))
+        if kind == "dtype":
+            return self.draw(st.sampled_from(HIGH_PRECISION_DTYPES))
+        if kind == "recipe":
+            return f'recipe "{self.draw(st.sampled_from(refs))}"'
+        # a 1D block format or a dtype alias (a layer runs every operand in it)
+        names = [n for n, f in scope.items() if isinstance(f, HighPrecision) or not f.is_2d]
+        return self.draw(st.sampled_from(names))
+
+    def layers(self, scope: dict[str, Format], refs: list[str]) -> list[str]:
+        lines = []
+        for _ in range(self.draw(st.integers(0, 4))):
+            if self.draw(st.integers(0, 3)) == 0:
+                head = f"match {self.string(min_size=1)}"
+            else:
+                end = self.draw(st.sampled_from(["first", "last"]))
+                unit = self.draw(st.sampled_from(["blocks", "block", "layers", "layer"]))
+                if self.draw(st.booleans()):
+                    amount = self.percent(100, inclusive=True)[0]
+                else:
+                    amount = self.num(self.draw(st.integers(1, 1_000_000) | st.integers(1, 8)))
+                head = f"{end}{self.sp()}{amount}{self.sp()}{unit}"
+            lines.append(f"{head}{self.sp()}:{self.sp()}{self.action(scope, refs)}")
+        return lines
+
+    def schedule(self, scope: dict[str, Format], refs: list[str]) -> list[str]:
+        lines = []
+        for _ in range(self.draw(st.integers(0, 3))):
+            if self.draw(st.booleans()):
+                point = self.percent(100)[0]
+            else:
+                point = f"step {self.num(self.draw(st.integers(0, 2**63 - 1) | st.integers(0, 9)))}"
+            passes = self.draw(st.sampled_from(["", " forward", " backward", " both"]))
+            lines.append(f"at {point}{passes} : {self.action(scope, refs)}")
+        return lines
+
+
+# ------------------------------------------------------------------------------------------------
+# Files
+# ------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class _File:
+    """What one file defines, before it is written out."""
+
+    items: list[list[str]] = field(default_factory=list)  # top-level items, each some lines
+    formats: list[list[str]] = field(default_factory=list)  # format lines, in order
+    operands: list[list[str]] = field(default_factory=list)  # operands sections, in order
+    scope: dict[str, Format] = field(default_factory=dict)  # formats it defines
+    mors: list[str] = field(default_factory=list)
+
+
+def _assemble(w: _Writer, header: list[list[str]], body: _File) -> str:
+    """Interleave the items; format definitions (each may name earlier ones) and operands
+    sections (a cascade) keep their order."""
+    items: list[list[str]] = list(w.draw(st.permutations(body.items))) if body.items else []
+    for ordered in (body.formats, body.operands):
+        # positions among the items so far, in order; each insertion shifts the later ones
+        spots = sorted(w.draw(st.integers(0, len(items))) for _ in ordered)
+        for shift, (spot, item) in enumerate(zip(spots, ordered, strict=True)):
+            items.insert(spot + shift, item)
+    lines: list[str] = []
+    for item in [*header, *items]:
+        if lines and w.draw(st.integers(0, 2)) == 0:
+            lines.append(w.draw(st.sampled_from(["", "# a comment", "   ", "\t# é"])))
+        lines.extend(item)
+    ending = "\r\n" if w.draw(st.integers(0, 9)) == 0 else "\n"
+    text = ending.join(line + (w.comment() if not line.endswith("{") else "") for line in lines)
+    if w.draw(st.integers(0, 5)):
+        text += ending
+    return text
+
+
+def _define(w: _Writer, file: _File, scope: dict[str, Format], names: list[str]) -> None:
+    """Format definitions into ``file``; ``scope`` grows as they are defined."""
+    for name in names:
+        line, fmt = w.format_def(name, scope)
+        file.formats.append([line])
+        file.scope[name] = fmt
+        scope[name] = fmt
+
+
+def _operand_lines(
+    w: _Writer, slots: dict[Operand, Slot], formats: list[str], mors: list[str], count: int
+) -> list[str]:
+    """``count`` random cascade statements (not necessarily valid on their own)."""
+    lines = []
+    for _ in range(count):
+        text, ops = w.selector()
+        props: list[str] = []
+        fmt = block = rnd = None
+        rht: object = UNSET
+        if w.draw(st.integers(0, 2)):
+            if mors and w.draw(st.integers(0, 4)) == 0:
+                name = w.draw(st.sampled_from(mors))
+                fmt = ("mor", name)
+                props.append(f"mor {name}")
+            else:
+                name = w.draw(st.sampled_from(formats))
+                fmt = ("format", name)
+                props.append(name)
+        if w.draw(st.integers(0, 3)) == 0:
+            block = w.block(all(op.role == "weight" for op in ops))
+            props.append(f"block {w.shape(block)}")
+        if w.draw(st.integers(0, 2)) == 0:
+            rnd = w.draw(st.sampled_from(ELEMENT_ROUNDINGS))
+            props.append(f"round {rnd}")
+        if w.draw(st.integers(0, 3)) == 0:
+            if w.draw(st.booleans()):
+                rht_text, rht = w.rht([])
+            else:
+                rht_text, rht = "rht none", None
+            props.append(rht_text)
+        if not props:
+            rnd = "nearest"
+            props.append("round nearest")
+        head, *rest = props
+        props = [head, *w.draw(st.permutations(rest))] if fmt else w.draw(st.permutations(props))
+        for op in ops:
+            slots[op].apply(fmt, block, rnd, rht)
+        lines.append(f"{text}{w.sp()}:{w.sp()}" + w.sp().join(props))
+    return lines
+
+
+def _repair(
+    w: _Writer, slots: dict[Operand, Slot], scope: dict[str, Format], mors: list[str]
+) -> list[str]:
+    """Statements that make the final cascade valid, and the slots updated with them."""
+    lines = []
+    names = sorted(scope)
+    for op in Operand:
+        if resolve_slot(op, slots[op], scope) is not None and w.draw(st.integers(0, 5)):
+            continue
+        # the whole slot, written out: a format (or mor), block, rounding, RHT
+        choices = [("format", n) for n in names] + [("mor", m) for m in mors]
+        kind, name = w.draw(st.sampled_from(choices))
+        fmt = scope.get(name) if kind == "format" else None
+        block = None
+        if isinstance(fmt, BlockFormat) and (
+            (fmt.is_2d and op.role != "weight") or w.draw(st.integers(0, 2)) == 0
+        ):
+            block = w.block(op.role == "weight")
+        rnd = (
+            "nearest"
+            if isinstance(fmt, HighPrecision)
+            else w.draw(st.sampled_from(ELEMENT_ROUNDINGS))
+        )
+        props = [name if kind == "format" else f"mor {name}"]
+        if block is not None:
+            props.append(f"block {w.shape(block)}")
+        props.append(f"round {rnd}")
+        props.append("rht none")
+        slots[op].apply((kind, name), block, rnd, None)
+        lines.append(f"{op.selector} : " + " ".join(props))
+    # both operands of a GEMM transformed alike; now and then an RHT for the pair
+    for gemm in GEMMS:
+        pair = [op for op in Operand if op.gemm == gemm]
+        specs = [resolve_slot(op, slots[op], scope) for op in pair]
+        assert all(s is not None for s in specs)
+        if specs[0].rht == specs[1].rht and w.draw(st.integers(0, 2)):  # type: ignore[union-attr]
+            continue
+        lengths = [s.format.block_len for s in specs if isinstance(s.format, BlockFormat)]  # type: ignore[union-attr]
+        high = any(isinstance(s.format, HighPrecision) for s in specs)  # type: ignore[union-attr]
+        sizes = [r for r in RHT_SIZES if all(nests(n, r) for n in lengths)]
+        if high or not sizes or w.draw(st.booleans()):
+            text, rht = "rht none", None
+        else:
+            text, rht = w.rht(lengths)
+        for op in pair:
+            slots[op].apply(None, None, None, rht)
+        lines.append(f"{gemm} : {text}")
+    return lines
+
+
+def _ref_recipe(w: _Writer) -> str:
+    """A small complete recipe that a layer or schedule rule names with ``recipe "..."``."""
+    name = w.draw(st.sampled_from(["nvfp4", "mxfp4", "mxfp8_e4m3", "fa"]))
+    lines = []
+    if name == "fa":
+        lines.append("format fa = e3m2 block 1x24 scale e4m3 round down")
+    lines.append(f"operands {{ * : {name} round {w.draw(st.sampled_from(ELEMENT_ROUNDINGS))} }}")
+    return "\n".join(lines) + "\n"
+
+
+@st.composite
+def recipe_cases(draw: st.DrawFn) -> RecipeCase:
+    w = _Writer(draw)
+    files: dict[str, str] = {}
+    scope: dict[str, Format] = dict(BUILTIN_FORMATS)
+    slots = {op: Slot() for op in Operand}
+    mors: list[str] = []
+    layer_lines: list[str] | None = None
+    schedule_lines: list[str] | None = None
+    names = list(draw(st.permutations(FORMAT_NAMES)))
+    mor_names = list(draw(st.permutations(MOR_NAMES)))
+    header: list[list[str]] = []
+
+    # recipes a layer or schedule rule may run (a shipped one is found among the shipped recipes)
+    refs = ["mxfp8.fp4r", "nvfp4"]
+    if draw(st.booleans()):
+        files["ref.fp4r"] = _ref_recipe(w)
+        refs.append("ref.fp4r")
+
+    # the parent (extends), possibly in a sub-folder: its own formats, mors, cascade, rules
+    if draw(st.integers(0, 2)) == 0:
+        folder = draw(st.sampled_from(["", "sub/"]))
+        parent = _File()
+        _define(w, parent, scope, [names.pop() for _ in range(draw(st.integers(0, 2)))])
+        for _ in range(draw(st.integers(0, 1))):
+            name = mor_names.pop()
+            parent.items.append(w.mor_def(name))
+            mors.append(name)
+        lines = _operand_lines(w, slots, sorted(scope), mors, draw(st.integers(0, 4)))
+        if lines:
+            parent.operands.append(w.section("operands", lines))
+        parent_refs = ["../ref.fp4r" if folder and r == "ref.fp4r" else r for r in refs]
+        if draw(st.booleans()):
+            layer_lines = w.layers(scope, [r for r in refs if r != "ref.fp4r" or not folder])
+            parent.items.append(w.section("layers", layer_lines))
+        if draw(st.booleans()):
+            schedule_lines = w.schedule(scope, parent_refs)
+            parent.items.append(w.section("schedule", schedule_lines))
+        if not parent.items and not parent.formats and not parent.operands:
+            parent.operands.append(["operands { * : nvfp4 }"])
+            slots = {op: Slot(("format", "nvfp4")) for op in Operand}
+        parent_header = [[f"recipe base{w.sp()}{w.string()}"]] if draw(st.booleans()) else []
+        files[f"{folder}base.fp4r"] = _assemble(w, parent_header, parent)
+        header.append([f'extends "{folder}base{draw(st.sampled_from([".fp4r", ""]))}"'])
+
+    # imported files: formats and mors only (names distinct between imports)
+    for i in range(draw(st.integers(0, 2))):
+        lib = _File()
+        lib_scope = dict(BUILTIN_FORMATS)  # an imported file sees only its own scope
+        _define(w, lib, lib_scope, [names.pop() for _ in range(draw(st.integers(1, 2)))])
+        scope.update(lib.scope)
+        if mor_names and draw(st.booleans()):
+            name = mor_names.pop()
+            lib.items.append(w.mor_def(name))
+            if name not in mors:
+                mors.append(name)
+        files[f"lib{i}.fp4r"] = _assemble(w, [], lib)
+        header.append([f'import "lib{i}.fp4r"'])
+
+    # the main recipe: its own formats (a parent's may be redefined), mors, cascade, rules
+    main = _File()
+    own = [names.pop() for _ in range(draw(st.integers(0, 3)))]
+    if draw(st.integers(0, 3)) == 0:
+        own.append(draw(st.sampled_from(["nvfp4", "mxfp4", "mxfp8_e5m2"])))  # a redefinition
+    seen: set[str] = set()
+    own = [n for n in own if not (n in seen or seen.add(n))]  # type: ignore[func-returns-value]
+    _define(w, main, scope, own)
+    for _ in range(draw(st.integers(0, 2))):
+        if not mor_names:
+            break
+        name = mor_names.pop()
+        main.items.append(w.mor_def(name))
+        mors.append(name)
+    lines = _operand_lines(w, slots, sorted(scope), mors, draw(st.integers(0, 6)))
+    lines += _repair(w, slots, scope, mors)
+    # the statements may go into one or two operands sections
+    cut = draw(st.integers(0, len(lines)))
+    for part in (lines[:cut], lines[cut:]):
+        if part:
+            main.operands.append(w.section("operands", part))
+    if not main.operands:
+        main.operands.append(["operands {", "}"])
+    if draw(st.integers(0, 2)) == 0:
+        layer_lines = w.layers(scope, refs)
+        main.items.append(w.section("layers", layer_lines))
+    if draw(st.integers(0, 2)) == 0:
+        schedule_lines = w.schedule(scope, refs)
+        main.items.append(w.section("schedule", schedule_lines))
+    if draw(st.booleans()):
+        name = (
+            draw(st.sampled_from(["main", "r1", "up", "tensor"]))
+            if draw(st.booleans())
+            else w.string(1)
+        )
+        desc = f"{w.sp()}{w.string()}" if draw(st.booleans()) else ""
+        header.insert(draw(st.integers(0, len(header))), [f"recipe {name}{desc}"])
+    files["main.fp4r"] = _assemble(w, header, main)
+
+    expected = None
+    if not w.refusable:
+        found = {op: resolve_slot(op, slots[op], scope) for op in Operand}
+        assert all(spec is not None for spec in found.values()), found
+        expected = found  # type: ignore[assignment]
+    return RecipeCase(
+        files=files,
+        expected=expected,
+        refusable=w.refusable,
+        layer_count=len(layer_lines or []),
+        schedule_count=len(schedule_lines or []),
+    )
