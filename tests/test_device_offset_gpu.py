@@ -71,7 +71,7 @@ KINDS = {
         E5M2,
         (1, 128),
         ScaleSpec(None),
-        True,
+        False,  # fp32 block scales take no global scale (numerics.md 2.1)
         (out(ROW, SR), out(COL)),
         256,
         512,

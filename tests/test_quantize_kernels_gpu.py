@@ -87,12 +87,13 @@ CASES = {
     "mxfp4_ocp": case(E2M1, 32, ScaleSpec(UE8M0, "ocp"), False),
     "e5m2_ue8m0_down_saturates": case(E5M2, 32, ScaleSpec(UE8M0, "down"), False),
     "e4m3_ue8m0_down_saturates": case(E4M3, 32, ScaleSpec(UE8M0, "down"), False),
-    "e4m3_sr_ue8m0_nearest_global": case(E4M3, 32, ScaleSpec(UE8M0, "nearest"), True, SR),
+    # ue8m0 and fp32 block scales take no global scale (numerics.md 2.1 refuses the pair)
+    "e4m3_sr_ue8m0_nearest": case(E4M3, 32, ScaleSpec(UE8M0, "nearest"), False, SR),
     "e3m3fn_ue5m0_up": case(E3M3FN, 16, ScaleSpec(UE5M0, "up"), False),
     "e2m0_b24_e4m3_up": case(E2M0, 24, ScaleSpec(E4M3, "up"), False),
     "e3m0_rz_e3m0_scales": case(E3M0, 16, ScaleSpec(E3M0), True, "zero"),
     "e1m1_b8_sr_e5m2_scales": case(E1M1, 8, ScaleSpec(E5M2), False, SR),
-    "e5m2_b128_fp32_scales_global_sr": case(E5M2, 128, ScaleSpec(None), True, SR),
+    "e5m2_b128_fp32_scales_sr": case(E5M2, 128, ScaleSpec(None), False, SR),
     "nvfp4_b128_rht32_seeded_sr": case(
         E2M1, 128, ScaleSpec(E4M3, "down"), True, SR, RHTSpec(32, "seeded", None, 5)
     ),
@@ -433,10 +434,10 @@ TILE_CASES = {
         (1, 32),
         (out(COL, SR, SEEDED32, "swizzled"),),
     ),
-    "e5m2_1x128_fp32_global": (
+    "e5m2_1x128_fp32": (  # fp32 block scales take no global scale (numerics.md 2.1)
         E5M2,
         ScaleSpec(None),
-        True,
+        False,
         (1, 128),
         (out(ROW, SR), out(COL, "zero")),
     ),
