@@ -516,3 +516,37 @@ def test_an_unfinished_statement_is_placed_on_its_line_after_a_unicode_line_brea
     assert first.startswith("<recipe>:2:27: ")
     assert quoted == "    operands { * : nvfp4 round"
     assert caret == "    " + " " * 26 + "^"
+
+
+def test_plan_contexts_of_close_schedule_points_have_distinct_names() -> None:
+    # the spelling rounded percentages to 6 digits: both rules were "at 10% both : mxfp4"
+    from fp4gen.compiler.plan import plan_recipe
+
+    recipe = parse_recipe(
+        "operands { * : nvfp4 }\nschedule {\n    at 10.0000001% : mxfp4\n"
+        "    at 10.0000002% : mxfp4\n}\n"
+    )
+    labels = [context for _, context in plan_recipe(recipe).contexts()]
+    assert labels == [
+        "operands",
+        "schedule: at 10.0000001% both : mxfp4",
+        "schedule: at 10.0000001% both : mxfp4; schedule: at 10.0000002% both : mxfp4",
+    ]
+
+
+def test_spellings_of_patterns_and_paths_stay_on_one_line_and_read_back() -> None:
+    from fp4gen.dsl.model import LayerSelector, RecipeRef
+    from fp4gen.dsl.spelling import action_text, percent, selector_text
+
+    pattern = 'a"b\\c\nd\te'
+    assert selector_text(LayerSelector("match", pattern=pattern)) == 'match "a\\"b\\\\c\\nd\\te"'
+    assert action_text(RecipeRef('x"y.fp4r')) == 'recipe "x\\"y.fp4r"'
+    rule = selector_text(LayerSelector("match", pattern=pattern))
+    recipe = parse_recipe(f"operands {{ * : nvfp4 }}\nlayers {{\n    {rule} : bf16\n}}\n")
+    assert recipe.layers[0].selector.pattern == pattern
+    assert [percent(f) for f in (0.82, 0.15, 0.123456781, 1.0)] == [
+        "82%",
+        "15%",
+        "12.3456781%",
+        "100%",
+    ]

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import math
 import re
-from decimal import Decimal
 
 from fp4gen.dsl.model import (
     TE_SIGNS_16,
@@ -21,6 +20,7 @@ from fp4gen.dsl.model import (
     RHTSpec,
     ScheduleRule,
 )
+from fp4gen.dsl.spelling import percent, quoted
 from fp4gen.formats import BUILTIN_FORMATS, BlockFormat, ElementFormat, HighPrecision
 
 _NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
@@ -68,8 +68,7 @@ def _name(name: str) -> str:
 
 
 def _string(text: str) -> str:
-    escaped = text.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
-    return '"' + escaped.replace("\t", "\\t") + '"'
+    return quoted(text)
 
 
 def _format_body(fmt: BlockFormat | HighPrecision) -> str:
@@ -204,11 +203,7 @@ def _schedule(rule: ScheduleRule, scope: dict[str, BlockFormat | HighPrecision])
 
 def _percent(fraction: float) -> str:
     """The shortest decimal percentage that reads back as exactly this fraction."""
-    center = fraction * 100
-    candidates = [center, math.nextafter(center, math.inf), math.nextafter(center, -math.inf)]
-    for digits in range(1, 18):
-        for value in candidates:
-            text = format(Decimal(f"{value:.{digits}g}"), "f")
-            if float(text) / 100 == fraction:
-                return text + "%"
-    raise ValueError(f"{fraction!r} cannot be written as a percentage that reads back exactly")
+    text = percent(fraction)
+    if not (math.isfinite(fraction) and float(text[:-1]) / 100 == fraction):
+        raise ValueError(f"{fraction!r} cannot be written as a percentage that reads back exactly")
+    return text

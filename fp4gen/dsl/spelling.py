@@ -8,6 +8,8 @@ are part of the model's vocabulary, so they live below both (no parser, no torch
 
 from __future__ import annotations
 
+import math
+from decimal import Decimal
 from typing import Any
 
 from fp4gen.dsl.model import LayerSelector, MoRRef, Partition, RecipeRef, RHTSpec, ScheduleRule
@@ -19,7 +21,23 @@ def block_text(block: tuple[int, int]) -> str:
 
 
 def percent(fraction: float) -> str:
-    return f"{fraction * 100:g}%"
+    """The shortest decimal percentage that reads back as exactly this fraction: two rules at
+    different points of training never share a spelling (``:g`` would round to 6 digits)."""
+    center = fraction * 100
+    candidates = [center, math.nextafter(center, math.inf), math.nextafter(center, -math.inf)]
+    for digits in range(1, 18):
+        for value in candidates:
+            text = format(Decimal(f"{value:.{digits}g}"), "f")
+            if float(text) / 100 == fraction:
+                return text + "%"
+    return f"{center!r}%"  # not finite: no decimal reads back as it
+
+
+def quoted(text: str) -> str:
+    """``text`` as a recipe string: quotes, backslashes, line feeds and tabs escaped, so that
+    a pattern or a path stays on one line and reads back as written."""
+    escaped = text.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
+    return '"' + escaped.replace("\t", "\\t") + '"'
 
 
 def format_text(fmt: BlockFormat | HighPrecision | MoRRef | ElementFormat) -> str:
@@ -34,14 +52,14 @@ def partition_text(part: Partition) -> str:
 
 def selector_text(sel: LayerSelector) -> str:
     if sel.kind == "match":
-        return f'match "{sel.pattern}"'
+        return f"match {quoted(sel.pattern or '')}"
     amount = percent(sel.fraction) if sel.fraction is not None else str(sel.count)
     return f"{sel.kind} {amount} {sel.unit}"
 
 
 def action_text(action: HighPrecision | BlockFormat | RecipeRef) -> str:
     if isinstance(action, RecipeRef):
-        return f'recipe "{action.path}"'
+        return f"recipe {quoted(action.path)}"
     return action.name
 
 
@@ -66,6 +84,7 @@ __all__ = [
     "format_text",
     "partition_text",
     "percent",
+    "quoted",
     "rht_json",
     "selector_text",
     "when_text",
