@@ -25,21 +25,44 @@ def render_table(headers: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
 
 
 def show_plan(model: Any) -> str:
-    """A table of every linear layer of a converted model and what it runs in."""
+    """A table of every linear layer of a converted model and what it runs in; then the
+    parameters of ``report_min_elements`` or more that the conversion left in high precision,
+    with the reason, and the shares of the parameters (and of the linear layers' parameters)
+    quantized."""
     # loaded here, not with the module: the runtime imports torch, which the CLI defers
-    from fp4gen.runtime.convert import layer_decisions
+    from fp4gen.runtime.convert import layer_decisions, report
 
     rows = [
         [
             str(d.layer_index),
             "-" if d.block_index is None else str(d.block_index),
-            f"{d.name} (Conv1D)" if d.conv1d else d.name,
+            _module_label(d),
             d.precision,
             d.reason,
         ]
         for d in layer_decisions(model)
     ]
-    return render_table(["layer", "block", "module", "runs in", "why"], rows)
+    text = render_table(["layer", "block", "module", "runs in", "why"], rows)
+    done = report(model)
+    if done.kept:
+        kept = [[k.name, "x".join(map(str, k.shape)), k.reason] for k in done.kept]
+        text += (
+            f"\n\nleft in high precision (parameters of {done.min_elements} elements or more):\n"
+            + render_table(["parameter", "shape", "why"], kept)
+        )
+    text += (
+        f"\n\nquantized: {done.quantized} of {done.parameters} parameter elements "
+        f"({done.share:.1%}); {done.quantized} of {done.layer_parameters} in linear layers "
+        f"({done.layer_share:.1%})"
+    )
+    return text
+
+
+def _module_label(decision: Any) -> str:
+    """A layer's name, with its kind where it is not an nn.Linear."""
+    if decision.conv1d:
+        return f"{decision.name} (Conv1D)"
+    return decision.name
 
 
 __all__ = ["render_table", "show_plan"]

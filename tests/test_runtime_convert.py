@@ -167,3 +167,89 @@ def test_widths_padded_to_the_rht_or_multiples_of_the_blocks_are_not_warned(capl
         fp4gen.convert(model, "recipes/fp8_blockwise.fp4r")
         fp4gen.convert(small, recipe)
     assert not [r for r in caplog.records if r.getMessage().startswith("fp4gen.convert")]
+
+
+class _ScaledLinear(nn.Linear):
+    """A subclass of nn.Linear: convert replaces exactly nn.Linear, so it stays."""
+
+
+def _report_model() -> nn.Module:
+    torch.manual_seed(0)
+    model = nn.Module()
+    model.embed = nn.Embedding(64, 32)  # 2048 elements
+    model.blocks = nn.ModuleList(
+        nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 32)) for _ in range(3)
+    )
+    model.custom = _ScaledLinear(32, 40)  # 1280 + 40
+    model.head = nn.Linear(32, 64, bias=False)  # outside the blocks: 2048
+    model.norm = nn.LayerNorm(32)
+    return model
+
+
+def test_convert_names_the_large_parameters_it_leaves_in_high_precision(caplog) -> None:
+    """Every parameter of report_min_elements or more that stays in high precision is named
+    once, at WARNING, with the reason; show_plan lists them and the shares quantized."""
+    model = _report_model()
+    recipe = parse_recipe(BASE + "layers {\n last 1 blocks : bf16\n}\n", base_dir=None)
+    with caplog.at_level("WARNING", logger="fp4gen.runtime"):
+        fp4gen.convert(model, recipe, report_min_elements=1280)
+        fp4gen.convert(model, recipe, report_min_elements=1280)  # a no-op: no second warning
+    warnings = [r.getMessage() for r in caplog.records if "left" in r.getMessage()]
+    assert len(warnings) == 1
+    lines = warnings[0].splitlines()
+    assert lines[0] == (
+        "fp4gen.convert left 5 parameters of 1280 elements or more in high precision (8192 of "
+        "18056 parameter elements quantized, 45.4%):"
+    )
+    assert [line.split(" [")[0].strip() for line in lines[1:]] == [
+        "embed.weight",
+        "blocks.2.0.weight",
+        "blocks.2.2.weight",
+        "custom.weight",
+        "head.weight",
+    ]
+    assert lines[1] == (
+        "  embed.weight [64, 32]: an embedding (Embedding): convert quantizes linear layers only"
+    )
+    assert lines[2] == "  blocks.2.0.weight [64, 32]: kept in bf16 by the rule last 1 blocks"
+    assert lines[4] == (
+        "  custom.weight [40, 32]: a subclass of nn.Linear (_ScaledLinear): convert replaces "
+        "exactly torch.nn.Linear"
+    )
+    assert lines[5] == (
+        "  head.weight [64, 32]: outside the repeated blocks (kept as it is unless a layer rule "
+        "names it)"
+    )
+    done = fp4gen.runtime.convert.report(model)
+    # 2 converted blocks x (2048 + 2048) weights; linear layers: 3 blocks x (4096 + 96 biases)
+    # + head 2048 (custom is a subclass, not a layer convert takes); the norm's 64 too
+    assert (done.quantized, done.parameters, done.layer_parameters) == (8192, 18056, 14624)
+    table = fp4gen.show_plan(model)
+    assert "left in high precision (parameters of 1280 elements or more):" in table
+    assert "custom.weight" in table and "40x32" in table
+    assert table.endswith(
+        "quantized: 8192 of 18056 parameter elements (45.4%); 8192 of 14624 in linear layers "
+        "(56.0%)"
+    )
+
+
+def test_the_report_threshold_defaults_to_a_million_elements(caplog) -> None:
+    from fp4gen.runtime.convert import REPORT_MIN_ELEMENTS
+
+    assert REPORT_MIN_ELEMENTS == 1_000_000
+    model = _report_model()
+    model.big = nn.Embedding(1000, 1000)  # exactly 1M: named
+    model.near = nn.Embedding(999, 1000)  # one row short: not named
+    with caplog.at_level("WARNING", logger="fp4gen.runtime"):
+        fp4gen.convert(model, parse_recipe(BASE, base_dir=None))
+    (warning,) = [r.getMessage() for r in caplog.records if "left" in r.getMessage()]
+    assert warning.splitlines()[1:] == [
+        "  big.weight [1000, 1000]: an embedding (Embedding): convert quantizes linear layers only"
+    ]
+    assert "big.weight" in fp4gen.show_plan(model) and "near.weight" not in fp4gen.show_plan(model)
+
+
+@pytest.mark.parametrize("bad", [-1, 1.5, True, "1M"])
+def test_the_report_threshold_is_checked(bad) -> None:
+    with pytest.raises(fp4gen.errors.ArgumentError, match="report_min_elements must be"):
+        fp4gen.convert(_report_model(), parse_recipe(BASE, base_dir=None), report_min_elements=bad)

@@ -42,7 +42,7 @@ from fp4gen.dsl.model import (
     Recipe,
     RecipeRef,
 )
-from fp4gen.errors import FP4GenError
+from fp4gen.errors import ArgumentError, FP4GenError
 from fp4gen.formats import BlockFormat, HighPrecision
 from fp4gen.runtime.fsdp import enable_quantized_all_gather
 from fp4gen.runtime.linear import Conv1DLinear, Linear, SharedGroup
@@ -191,6 +191,115 @@ def plan_layers(model: nn.Module, recipe: Recipe) -> list[LayerDecision]:
     return decisions
 
 
+# Parameters of at least this many elements that convert leaves in high precision are named in
+# one warning and in show_plan (``convert(report_min_elements=...)``): a large tensor left
+# behind is a large share of the model's memory and GEMM time outside the recipe.
+REPORT_MIN_ELEMENTS = 1_000_000
+
+
+@dataclass(frozen=True)
+class KeptParameter:
+    """A parameter ``convert`` left in high precision, and why."""
+
+    name: str  # its qualified name, as in named_parameters() and the state_dict
+    shape: tuple[int, ...]
+    reason: str
+
+
+@dataclass(frozen=True)
+class ConversionReport:
+    """What a conversion left in high precision and how much of the model it quantized, in
+    parameter elements (a parameter tied to two modules counts once)."""
+
+    kept: tuple[KeptParameter, ...]  # the large ones only: at least ``min_elements`` each
+    min_elements: int
+    parameters: int  # every parameter of the model
+    quantized: int  # the weights of the converted layers: the GEMM operands the recipe quantizes
+    layer_parameters: int  # the weights and biases of every linear layer (converted or not)
+
+    @property
+    def share(self) -> float:
+        """The share of the model's parameters quantized."""
+        return self.quantized / self.parameters if self.parameters else 0.0
+
+    @property
+    def layer_share(self) -> float:
+        """The share of the linear layers' parameters quantized."""
+        return self.quantized / self.layer_parameters if self.layer_parameters else 0.0
+
+    def warning(self) -> str | None:
+        """The one warning naming the kept parameters (None where there is none)."""
+        if not self.kept:
+            return None
+        lines = [f"  {k.name} {list(k.shape)}: {k.reason}" for k in self.kept]
+        return (
+            f"fp4gen.convert left {len(self.kept)} parameters of {self.min_elements} elements "
+            f"or more in high precision ({self.quantized} of {self.parameters} parameter "
+            f"elements quantized, {self.share:.1%}):\n" + "\n".join(lines)
+        )
+
+
+def _owned_parameters(model: nn.Module) -> list[tuple[str, str, nn.Module, nn.Parameter]]:
+    """(parameter name, owning module's name, module, parameter) for every parameter, each once
+    (a tied parameter under its first name, as named_parameters() gives it)."""
+    seen: set[int] = set()
+    out = []
+    for mname, module in model.named_modules():
+        for pname, param in module.named_parameters(recurse=False):
+            if id(param) in seen:
+                continue
+            seen.add(id(param))
+            out.append((f"{mname}.{pname}" if mname else pname, mname, module, param))
+    return out
+
+
+def _kept_reason(module: nn.Module, decision: LayerDecision | None) -> str:
+    """Why a parameter of ``module`` stays in high precision."""
+    if decision is not None:  # a layer the plan keeps
+        if decision.precision == "unchanged":
+            return f"{decision.reason} (kept as it is unless a layer rule names it)"
+        return f"kept in {decision.precision} by the {decision.reason}"
+    kind = type(module).__name__
+    if isinstance(module, nn.Embedding):
+        return f"an embedding ({kind}): convert quantizes linear layers only"
+    if isinstance(module, nn.Linear):
+        return f"a subclass of nn.Linear ({kind}): convert replaces exactly torch.nn.Linear"
+    if any(p.dim() == 3 for p in module.parameters(recurse=False)):
+        return (
+            f"an unsupported experts module ({kind}): its 3-D parameters are not a grouped-experts "
+            "layout convert recognises (docs/moe.md)"
+        )
+    return f"a parameter of a {kind} module: not a linear layer"
+
+
+def conversion_report(
+    model: nn.Module, decisions: list[LayerDecision], min_elements: int = REPORT_MIN_ELEMENTS
+) -> ConversionReport:
+    """The parameters ``decisions`` leave in high precision (those of ``min_elements`` or more)
+    and the shares quantized, for ``model`` before its layers are replaced."""
+    by_name = {d.name: d for d in decisions}
+    kept: list[KeptParameter] = []
+    total = quantized = layer_total = 0
+    for name, mname, module, param in _owned_parameters(model):
+        n = param.numel()
+        total += n
+        decision = by_name.get(mname)
+        if decision is not None:
+            layer_total += n
+            if not decision.kept and name in _quantized_names(mname, module):
+                quantized += n
+                continue
+        if n >= min_elements:
+            kept.append(KeptParameter(name, tuple(param.shape), _kept_reason(module, decision)))
+    return ConversionReport(tuple(kept), min_elements, total, quantized, layer_total)
+
+
+def _quantized_names(mname: str, module: nn.Module) -> set[str]:
+    """The parameters of a converted layer that are GEMM operands (a bias is added in fp32)."""
+    prefix = f"{mname}." if mname else ""
+    return {f"{prefix}weight"}
+
+
 def convert(
     model: nn.Module,
     recipe: Recipe | str,
@@ -201,6 +310,7 @@ def convert(
     fsdp_quantized_all_gather: bool = False,
     amax_group: Any = None,
     amax_operands: Iterable[Operand | str] | None = None,
+    report_min_elements: int = REPORT_MIN_ELEMENTS,
 ) -> nn.Module:
     """Replace the model's nn.Linear modules by fp4gen Linear layers per the recipe, in place
     (a transformers Conv1D by a ``Conv1DLinear``, which keeps its [in, out] weight).
@@ -227,6 +337,13 @@ def convert(
     activations and gradients with seed + rank * 2**20 (``Linear.set_amax_group``;
     docs/distributed.md). FP4GenError, before any layer is replaced, for an operand a layer
     cannot reduce exactly.
+
+    Nothing large is left behind silently: every parameter of ``report_min_elements``
+    (``REPORT_MIN_ELEMENTS``, 1M) elements or more that stays in high precision (a layer rule
+    keeps its layer, it is outside the repeated blocks, an embedding, a module kind convert does
+    not replace) is named with the reason in one WARNING of the ``fp4gen.runtime`` logger, with
+    the share of the parameters quantized; ``show_plan`` lists them too
+    (``ConversionReport``, ``report``).
     """
     if isinstance(recipe, str | os.PathLike):
         from fp4gen.dsl import load_recipe
@@ -234,6 +351,13 @@ def convert(
         recipe = load_recipe(recipe)
     if not isinstance(model, nn.Module):
         raise TypeError(f"convert() takes an nn.Module, got {type(model).__name__}")
+    if isinstance(report_min_elements, bool) or not isinstance(report_min_elements, int):
+        raise ArgumentError(
+            "report_min_elements must be an int (elements), got "
+            f"{type(report_min_elements).__name__}"
+        )
+    if report_min_elements < 0:
+        raise ArgumentError(f"report_min_elements must be >= 0, got {report_min_elements}")
     options = ConvertOptions(
         seed,
         backend,
@@ -247,6 +371,7 @@ def convert(
         return model
     clock = TrainingClock(total_steps=total_steps)
     decisions = plan_layers(model, recipe)
+    report = conversion_report(model, decisions, report_min_elements)
     schedule_mors = tuple(m for rule in recipe.schedule for m in action_mors(rule.action))
     modules = dict(model.named_modules())
     layers: list[tuple[str, Linear]] = []
@@ -276,6 +401,10 @@ def convert(
     if fsdp_quantized_all_gather:
         enable_quantized_all_gather(model)
     model._fp4gen_plan = decisions  # type: ignore[attr-defined]
+    model._fp4gen_report = report  # type: ignore[attr-defined]
+    warning = report.warning()
+    if warning is not None:
+        log.warning("%s", warning)
     model._fp4gen_clock = clock  # type: ignore[attr-defined]
     model._fp4gen_conversion = (recipe, options)  # type: ignore[attr-defined]
     return model
@@ -451,6 +580,15 @@ def layer_decisions(model: nn.Module) -> list[LayerDecision]:
     return decisions
 
 
+def report(model: nn.Module) -> ConversionReport:
+    """What ``convert`` left in high precision in ``model`` and the shares it quantized
+    (``fp4gen.show_plan`` prints it under the layers)."""
+    found: ConversionReport | None = getattr(model, "_fp4gen_report", None)
+    if found is None:
+        raise FP4GenError("this model was not converted with fp4gen.convert")
+    return found
+
+
 def enable_telemetry(model: nn.Module, every: int) -> None:
     """Record each converted layer's quantization error every ``every`` calls (0 turns it off)."""
     for module in model.modules():
@@ -472,6 +610,9 @@ def count_converted(model: nn.Module) -> int:
 
 
 __all__ = [
+    "REPORT_MIN_ELEMENTS",
+    "ConversionReport",
+    "KeptParameter",
     "LayerDecision",
     "convert",
     "count_converted",
@@ -479,6 +620,7 @@ __all__ = [
     "find_blocks",
     "layer_decisions",
     "plan_layers",
+    "report",
     "set_step",
     "telemetry",
 ]
