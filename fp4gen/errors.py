@@ -42,10 +42,10 @@ class RecipeError(FP4GenError):
         out = f"{where}: {self.reason}"
         if text is not None:
             # the grammar's line ends only: \x0b, \x0c, \x85, \u2028 ... stay inside a line,
-            # as they do for the line numbers
+            # as they do for the line numbers; quoted as blanks, so the message is 3 lines
             lines = text.split("\n")
             if 1 <= self.line <= len(lines):
-                line = lines[self.line - 1].removesuffix("\r")
+                line = lines[self.line - 1].removesuffix("\r").translate(_BLANK_BREAKS)
                 src, column = _window(line.expandtabs(1), self.column or 1)
                 caret = " " * max(column - 1, 0) + "^"
                 out += f"\n    {src}\n    {caret}"
@@ -53,6 +53,8 @@ class RecipeError(FP4GenError):
 
 
 SOURCE_WIDTH = 160  # longest source line quoted in full under a message
+# what str.splitlines() breaks at besides \n: a blank each in a quoted line (the caret's column)
+_BLANK_BREAKS = str.maketrans("\r\x0b\x0c\x1c\x1d\x1e\x85\u2028\u2029", " " * 9)
 
 
 def _window(line: str, column: int) -> tuple[str, int]:

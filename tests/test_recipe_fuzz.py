@@ -171,7 +171,9 @@ def assert_placed(message: str, root: Path) -> re.Match[str]:
     source = file.read_bytes().decode("utf-8").split("\n")
     line, column = int(found["line"]), int(found["column"])
     assert 1 <= line <= len(source), message
-    text = source[line - 1].removesuffix("\r").expandtabs(1)
+    breaks = "\r\x0b\x0c\x1c\x1d\x1e\x85\u2028\u2029"  # quoted as blanks
+    text = source[line - 1].removesuffix("\r").translate(str.maketrans(breaks, " " * 9))
+    text = text.expandtabs(1)
     assert 1 <= column <= len(text) + 1, message
     if len(text) <= 160:  # a longer line is quoted as a window around the column
         assert len(lines) == 3, message
@@ -392,9 +394,11 @@ def test_stochastic_rounding_is_unbiased(
     case: RecipeCase, data: st.DataObject, tmp_path: Path
 ) -> None:
     """One fixed seed, ROWS copies of a row: each element's mean decoded value is x within
-    5 standard errors (sd = step * s * sqrt(p (1 - p)), p the position of x / s between its grid
-    neighbours), plus the bias of b random bits (step * s * 2^-b, toward zero), plus fp32 slack.
-    Saturated elements are left out (a clamp is biased on purpose)."""
+    5 standard errors (sd = step * s * sqrt(q (1 - q)), q = floor(p * 2^b) / 2^b the chance of
+    rounding up with b random bits, p the position of y = fp32(|x| * e_b) between its grid
+    neighbours), plus
+    the bias of b random bits (step * s * 2^-b, toward zero), plus fp32 slack. Saturated
+    elements are left out (a clamp is biased on purpose)."""
     path = written(case, tmp_path)
     recipe = load(case, path)
     assume(recipe is not None)
@@ -417,13 +421,18 @@ def test_stochastic_rounding_is_unbiased(
     mean = q.dequantize().double().mean(0)
     s = q.block_values(q.scales)[0].double() * q.global_scale.double()
     ax = row.double().abs()
-    y = torch.where(s > 0, ax / s, torch.full_like(ax, math.inf))
+    # y as the quantizer scales it, fp32(|x| * e_b): near a grid point the chance of rounding
+    # up depends on which side y fell
+    e_b = q.block_values(q.encode_scales)[0]
+    y = torch.where(s > 0, (row.abs() * e_b).double(), torch.full_like(ax, math.inf))
     kept = y <= q.element.max_finite
     y = torch.where(kept, y, torch.zeros_like(y))
     step = grid_step(y, q.element)
     p = (y - torch.floor(y / step) * step) / step
-    se = step * s * torch.sqrt(p * (1 - p) / (ROWS * rows))
-    tolerance = 5 * se + step * s * 2.0 ** -sr_bits(spec.rounding) + 2.0**-20 * ax + 2.0**-147
+    bits = sr_bits(spec.rounding)
+    up = torch.floor(p * 2.0**bits) / 2.0**bits
+    se = step * s * torch.sqrt(up * (1 - up) / (ROWS * rows))
+    tolerance = 5 * se + step * s * 2.0**-bits + 2.0**-20 * ax + 2.0**-147
     off = (mean - row.double()).abs()
     assert torch.all((off <= tolerance)[kept]), (spec, off[kept].max().item())
 
@@ -502,7 +511,7 @@ def test_an_error_quotes_its_own_line_after_a_string_holding_a_unicode_line_brea
     text = f'recipe a "x{odd}y"\noperands {{ * : nvfp4 rht 3 }}\n'
     with pytest.raises(FP4GenError) as caught:
         parse_recipe(text)
-    assert str(caught.value).split("\n") == [
+    assert str(caught.value).splitlines() == [
         "<recipe>:2:26: RHT size 3 is not a power of two from 2 to 256 (the paper uses 16)",
         "    operands { * : nvfp4 rht 3 }",
         "    " + " " * 25 + "^",
@@ -512,7 +521,7 @@ def test_an_error_quotes_its_own_line_after_a_string_holding_a_unicode_line_brea
 def test_an_unfinished_statement_is_placed_on_its_line_after_a_unicode_line_break() -> None:
     with pytest.raises(FP4GenError) as caught:
         parse_recipe('recipe a "\x85\x0b"\noperands { * : nvfp4 round')
-    first, quoted, caret = str(caught.value).split("\n")
+    first, quoted, caret = str(caught.value).splitlines()
     assert first.startswith("<recipe>:2:27: ")
     assert quoted == "    operands { * : nvfp4 round"
     assert caret == "    " + " " * 26 + "^"
@@ -550,3 +559,12 @@ def test_spellings_of_patterns_and_paths_stay_on_one_line_and_read_back() -> Non
         "12.3456781%",
         "100%",
     ]
+
+
+def test_a_line_holding_a_unicode_line_break_is_quoted_whole_with_a_blank_for_it() -> None:
+    with pytest.raises(FP4GenError) as caught:
+        parse_recipe('recipe a "x\x85y" "z" 5\noperands { * : nvfp4 }\n')
+    first, quoted, caret = str(caught.value).split("\n")  # the reason quotes the token as is
+    assert first.startswith('<recipe>:1:16: unexpected string "z"')
+    assert quoted == '    recipe a "x y" "z" 5'
+    assert caret == "    " + " " * 15 + "^"
