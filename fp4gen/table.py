@@ -62,6 +62,8 @@ def _module_label(decision: Any) -> str:
     """A layer's name, with its kind where it is not an nn.Linear."""
     if decision.conv1d:
         return f"{decision.name} (Conv1D)"
+    if decision.experts:
+        return f"{decision.name} ({decision.experts} experts)"
     return decision.name
 
 

@@ -44,6 +44,7 @@ from fp4gen.dsl.model import (
 )
 from fp4gen.errors import ArgumentError, FP4GenError
 from fp4gen.formats import BlockFormat, HighPrecision
+from fp4gen.runtime.experts import GroupedExperts, all_gemms, experts_layout
 from fp4gen.runtime.fsdp import enable_quantized_all_gather
 from fp4gen.runtime.linear import Conv1DLinear, Linear, SharedGroup
 from fp4gen.runtime.operands import k_multiple, round_up
@@ -61,9 +62,23 @@ def _is_conv1d(module: nn.Module) -> bool:
 
 
 def _is_linear(module: nn.Module) -> bool:
-    """A layer convert() can replace: exactly torch.nn.Linear (subclasses may change what the
-    layer computes) or a transformers Conv1D."""
+    """A linear layer convert() can replace: exactly torch.nn.Linear (subclasses may change what
+    the layer computes) or a transformers Conv1D."""
     return type(module) is nn.Linear or _is_conv1d(module)
+
+
+def _is_layer(module: nn.Module) -> bool:
+    """A layer of the plan: a linear layer convert() can replace, or a grouped-experts module
+    (``fp4gen.runtime.experts.experts_layout``), which a ``GroupedExperts`` replaces."""
+    if _is_linear(module):
+        return True
+    return not isinstance(module, GroupedExperts) and _experts(module) is not None
+
+
+def _experts(module: nn.Module) -> Any:
+    """The module's ExpertsLayout, where it is a grouped-experts module convert can run."""
+    layout = experts_layout(module)
+    return None if layout is None or isinstance(layout, str) else layout
 
 
 @dataclass(frozen=True)
@@ -79,6 +94,7 @@ class LayerDecision:
     table: OperandTable | None = field(default=None, compare=False, repr=False)
     mors: tuple[MoRSpec, ...] = field(default=(), compare=False, repr=False)  # rules table names
     conv1d: bool = False  # a transformers Conv1D (weight [in, out]) rather than an nn.Linear
+    experts: int = 0  # a grouped-experts module of this many experts (GroupedExperts)
 
 
 def find_blocks(model: nn.Module) -> tuple[str | None, dict[str, int]]:
@@ -88,7 +104,9 @@ def find_blocks(model: nn.Module) -> tuple[str | None, dict[str, int]]:
     layer (not its child position): activations, dropouts and norms between them are skipped,
     so ``first N blocks`` and ``last N blocks`` count blocks with something to convert."""
     linears = [
-        name for name, m in model.named_modules() if isinstance(m, nn.Linear) or _is_conv1d(m)
+        name
+        for name, m in model.named_modules()
+        if isinstance(m, nn.Linear) or _is_conv1d(m) or _is_layer(m)
     ]
     best: tuple[int, str | None, dict[str, int]] = (0, None, {})
     for cname, container in model.named_modules():
@@ -139,8 +157,9 @@ def _describe(rule: LayerRule) -> str:
 
 
 def plan_layers(model: nn.Module, recipe: Recipe) -> list[LayerDecision]:
-    """Decide, for every nn.Linear of ``model``, what the recipe does with it (no changes)."""
-    linears = [(n, m) for n, m in model.named_modules() if _is_linear(m)]
+    """Decide, for every nn.Linear (and grouped-experts module) of ``model``, what the recipe
+    does with it (no changes)."""
+    linears = [(n, m) for n, m in model.named_modules() if _is_layer(m)]
     _, block_of = find_blocks(model)
     n_blocks = len(set(block_of.values()))
     decisions = []
@@ -187,6 +206,8 @@ def plan_layers(model: nn.Module, recipe: Recipe) -> list[LayerDecision]:
                 )
         if _is_conv1d(module):
             decision = replace(decision, conv1d=True)
+        elif not _is_linear(module):
+            decision = replace(decision, experts=_experts(module).num_experts)
         decisions.append(decision)
     return decisions
 
@@ -264,6 +285,9 @@ def _kept_reason(module: nn.Module, decision: LayerDecision | None) -> str:
         return f"an embedding ({kind}): convert quantizes linear layers only"
     if isinstance(module, nn.Linear):
         return f"a subclass of nn.Linear ({kind}): convert replaces exactly torch.nn.Linear"
+    layout = experts_layout(module)
+    if isinstance(layout, str):
+        return f"an unsupported experts module: {layout} (docs/moe.md)"
     if any(p.dim() == 3 for p in module.parameters(recurse=False)):
         return (
             f"an unsupported experts module ({kind}): its 3-D parameters are not a grouped-experts "
@@ -286,7 +310,7 @@ def conversion_report(
         decision = by_name.get(mname)
         if decision is not None:
             layer_total += n
-            if not decision.kept and name in _quantized_names(mname, module):
+            if not decision.kept and name in _quantized_names(mname, decision, module):
                 quantized += n
                 continue
         if n >= min_elements:
@@ -294,9 +318,11 @@ def conversion_report(
     return ConversionReport(tuple(kept), min_elements, total, quantized, layer_total)
 
 
-def _quantized_names(mname: str, module: nn.Module) -> set[str]:
+def _quantized_names(mname: str, decision: LayerDecision, module: nn.Module) -> set[str]:
     """The parameters of a converted layer that are GEMM operands (a bias is added in fp32)."""
     prefix = f"{mname}." if mname else ""
+    if decision.experts:
+        return {f"{prefix}{name}" for name in _experts(module).weights}
     return {f"{prefix}weight"}
 
 
@@ -374,9 +400,15 @@ def convert(
     report = conversion_report(model, decisions, report_min_elements)
     schedule_mors = tuple(m for rule in recipe.schedule for m in action_mors(rule.action))
     modules = dict(model.named_modules())
-    layers: list[tuple[str, Linear]] = []
+    _refuse_grouped_amax(decisions, options)
+    layers: list[tuple[str, Linear | GroupedExperts]] = []
     for decision in decisions:
         if decision.kept:
+            continue
+        if decision.experts:
+            layers.append(
+                (decision.name, _grouped_experts(modules, decision, recipe, options, clock))
+            )
             continue
         wrap = Conv1DLinear.from_conv1d if decision.conv1d else Linear.from_linear
         layer = wrap(
@@ -462,7 +494,7 @@ def _already_converted(model: nn.Module, recipe: Recipe, options: ConvertOptions
         )
     for name, module in model.named_modules():
         earlier = getattr(module, "converted_by", None)
-        if isinstance(module, Linear) and earlier is not None:
+        if isinstance(module, Linear | GroupedExperts) and earlier is not None:
             raise FP4GenError(
                 f"{name or 'the model'} was already converted by fp4gen.convert (recipe "
                 f"'{earlier}') as part of another module: convert the whole model once, "
@@ -519,11 +551,54 @@ def width_notes(layer: Linear) -> list[WidthNote]:
     return list(notes)
 
 
-def _warn_widths(layers: list[tuple[str, Linear]]) -> None:
+def _refuse_grouped_amax(decisions: list[LayerDecision], options: ConvertOptions) -> None:
+    """FP4GenError, before any layer is made, for an amax_group with an experts module to
+    convert: each rank routes its own tokens, so the ranks would not call an expert's GEMMs (and
+    their all-reduces) together."""
+    if options.amax_group.group is None:
+        return
+    for decision in decisions:
+        if decision.experts and not decision.kept:
+            raise FP4GenError(
+                f"{decision.name}: amax_group is not supported for experts modules (each rank "
+                "routes its own tokens, so the ranks would not call an expert's GEMMs "
+                "together); keep it in high precision with a layer rule, or convert without "
+                "amax_group"
+            )
+
+
+def _grouped_experts(
+    modules: dict[str, nn.Module],
+    decision: LayerDecision,
+    recipe: Recipe,
+    options: ConvertOptions,
+    clock: TrainingClock,
+) -> GroupedExperts:
+    """The GroupedExperts that replaces the experts module ``decision`` names."""
+    source = modules[decision.name]
+    assert decision.table is not None
+    experts = GroupedExperts(
+        source,
+        _experts(source),
+        operands=decision.table,
+        seed=options.seed + decision.layer_index,
+        name=decision.name,
+        backend=options.backend,
+        clock=clock,
+        mors=decision.mors + tuple(m for r in recipe.schedule for m in action_mors(r.action)),
+        recipe=recipe,
+    )
+    experts.check_supported()
+    return experts
+
+
+def _warn_widths(layers: list[tuple[str, Linear | GroupedExperts]]) -> None:
     """One warning per feature size the kernels do not take, naming the layers (``WidthNote``)."""
     named: dict[WidthNote, list[str]] = {}
-    for name, layer in layers:
-        for note in width_notes(layer):
+    for name, module in layers:
+        # an experts module's GEMMs: every expert's have the sizes of the first one's
+        gemms = module.gemms[0] if isinstance(module, GroupedExperts) else (module,)
+        for note in (n for layer in gemms for n in width_notes(layer)):
             named.setdefault(note, []).append(name)
     for note, names in named.items():
         log.warning("%s", note.message(names))
@@ -591,7 +666,7 @@ def report(model: nn.Module) -> ConversionReport:
 
 def enable_telemetry(model: nn.Module, every: int) -> None:
     """Record each converted layer's quantization error every ``every`` calls (0 turns it off)."""
-    for module in model.modules():
+    for module in [*model.modules(), *all_gemms(model)]:
         if isinstance(module, Linear):
             module.telemetry.every = every
 
@@ -599,14 +674,15 @@ def enable_telemetry(model: nn.Module, every: int) -> None:
 def telemetry(model: nn.Module) -> list[dict]:
     """All telemetry records of the model's converted layers, oldest first per layer."""
     out: list[dict] = []
-    for module in model.modules():
+    for module in [*model.modules(), *all_gemms(model)]:
         if isinstance(module, Linear):
             out.extend(module.telemetry.records)
     return out
 
 
 def count_converted(model: nn.Module) -> int:
-    return sum(isinstance(m, Linear) for m in model.modules())
+    """The converted layers of ``model``: its fp4gen Linears and GroupedExperts modules."""
+    return sum(isinstance(m, Linear | GroupedExperts) for m in model.modules())
 
 
 __all__ = [

@@ -1,0 +1,313 @@
+"""Mixture-of-Experts layers under a recipe: ``GroupedExperts``.
+
+transformers 5 holds the experts of a MoE layer as one module with 3-D parameters (Mixtral's
+``MixtralExperts``, Qwen3-MoE's ``Qwen3MoeExperts``, gpt-oss's ``GptOssExperts``, ...): a
+stacked up projection ``gate_up_proj`` (or ``up_proj``) and ``down_proj``, one slice per
+expert, optional biases, and a forward ``(hidden_states [T, H], top_k_index [T, k],
+top_k_weights [T, k]) -> [T, H]``. ``experts_layout`` recognises such a module (the grouped-experts
+shape below); ``GroupedExperts`` takes its place and runs every expert's GEMMs (fprop, dgrad,
+wgrad) with the recipe's operand table.
+
+The grouped-experts shape, duck-typed (what transformers' ``use_experts_implementation``
+decorator gives a class, and what any module may offer):
+
+- 3-D parameters ``down_proj`` and ``gate_up_proj`` (``up_proj`` where ``has_gate`` is False),
+  one slice per expert along dimension 0;
+- ``is_transposed`` (default False): False for weights [E, out, in] (y = x W^T, Mixtral,
+  Qwen3-MoE), True for [E, in, out] (y = x W, gpt-oss);
+- ``has_bias`` (default: whether ``<name>_bias`` parameters exist): biases ``gate_up_proj_bias``
+  [E, out] and ``down_proj_bias`` [E, H];
+- the activation: ``_apply_gate(gate_up)`` where gated (else ``act_fn(gate) * up`` of the two
+  halves), ``act_fn`` where not;
+- no other parameter, and no ``has_post_expert_norm``.
+
+The computation is the transformers experts' own (their eager forward): for each expert with
+routed tokens, in expert order, gather its tokens, y = down(gate(up(x))), scale by the routing
+weight and ``index_add_`` into a zero output. Each GEMM is one call of the dense layer's
+quantized linear op (``fp4gen.runtime.ops.linear``) on that expert's weight slice, driven by a
+``Linear`` per expert and projection that holds no parameter: autograd, the reference numerics
+and every backend are the dense layer's. Every operand is quantized per call of one expert's
+GEMM, so a weight's global amax scale is its expert's slice (per GEMM operand, as the dense
+layer's). Experts with no tokens run nothing (their weights get no gradient from the step). A
+GEMM whose six operands the operand table keeps in the dtype the tensors already have (nothing
+to round) runs as the module it replaced runs it (torch's GEMM), so a high-precision table
+reproduces that module bit for bit. The grouped quantize and grouped GEMM kernels are future
+work: the loop launches each expert's GEMMs separately.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from fp4gen.dsl.model import MoRSpec, OperandTable, Recipe
+from fp4gen.errors import TensorError
+from fp4gen.formats import HighPrecision
+from fp4gen.runtime import ops
+from fp4gen.runtime.linear import Linear
+from fp4gen.runtime.operands import HP_DTYPES
+from fp4gen.runtime.schedule import TrainingClock
+
+# The GEMMs of one experts module draw their stochastic rounding from seeds
+# seed + layer index + EXPERT_SEED_STRIDE * (1 + 2 * expert + projection): apart from every dense
+# layer's seed (seed + layer index) and every rank's (multiples of 2**20, RANK_SEED_STRIDE).
+EXPERT_SEED_STRIDE = 2**32
+
+
+@dataclass(frozen=True)
+class ExpertsLayout:
+    """How a grouped-experts module holds its weights (module docstring)."""
+
+    num_experts: int
+    up: str  # the up projection's parameter: "gate_up_proj" or "up_proj"
+    gated: bool
+    transposed: bool  # weights [E, in, out] (y = x W) rather than [E, out, in] (y = x W^T)
+    bias: bool
+    hidden: int  # H: the up projection's in features, the down projection's out features
+    up_features: int  # the up projection's out features (2I where gated)
+    inner: int  # I: the down projection's in features
+
+    @property
+    def weights(self) -> tuple[str, str]:
+        """The two weight parameters, up then down."""
+        return (self.up, "down_proj")
+
+    @property
+    def biases(self) -> tuple[str, str] | None:
+        return (f"{self.up}_bias", "down_proj_bias") if self.bias else None
+
+
+def experts_layout(module: nn.Module) -> ExpertsLayout | str | None:
+    """The layout of a grouped-experts module; a string saying why one that holds 3-D
+    ``down_proj`` and up projection parameters cannot run under a recipe; None for any other
+    module."""
+    params = dict(module.named_parameters(recurse=False))
+    gated = getattr(module, "has_gate", "gate_up_proj" in params)
+    up_name = "gate_up_proj" if gated else "up_proj"
+    up, down = params.get(up_name), params.get("down_proj")
+    if up is None or down is None or up.dim() != 3 or down.dim() != 3:
+        return None
+    kind = type(module).__name__
+    if getattr(module, "has_post_expert_norm", False):
+        return f"{kind} applies a norm after each expert, which the grouped experts do not run"
+    transposed = bool(getattr(module, "is_transposed", False))
+    bias = bool(getattr(module, "has_bias", f"{up_name}_bias" in params))
+    experts = up.shape[0]
+    if transposed:
+        hidden, up_features = up.shape[1], up.shape[2]
+        inner, down_out = down.shape[1], down.shape[2]
+    else:
+        up_features, hidden = up.shape[1], up.shape[2]
+        down_out, inner = down.shape[1], down.shape[2]
+    shapes = f"{up_name} {list(up.shape)} and down_proj {list(down.shape)}"
+    if down.shape[0] != experts or down_out != hidden:
+        return f"{kind}'s {shapes} are not one expert's up and down projections per slice"
+    if up_features != (2 * inner if gated else inner):
+        times = "2x " if gated else ""
+        return f"{kind}'s {shapes}: the up projection's out features are not {times}down's in"
+    if getattr(module, "num_experts", experts) != experts:
+        return f"{kind}.num_experts is {module.num_experts}, its {up_name} holds {experts}"
+    expected = {up_name: up.shape, "down_proj": down.shape}
+    if bias:
+        expected[f"{up_name}_bias"] = torch.Size([experts, up_features])
+        expected["down_proj_bias"] = torch.Size([experts, hidden])
+    for name, shape in expected.items():
+        got = params.get(name)
+        if got is None or got.shape != shape:
+            found = "none" if got is None else list(got.shape)
+            return f"{kind}.{name} should be {list(shape)}, found {found}"
+    extra = sorted(set(params) - set(expected))
+    if extra:
+        return (
+            f"{kind} holds parameters the grouped-experts layout does not have: {', '.join(extra)}"
+        )
+    gate = getattr(module, "_apply_gate", None) if gated else None
+    if gate is None and not callable(getattr(module, "act_fn", None)):
+        return f"{kind} has no act_fn{' or _apply_gate' if gated else ''}"
+    return ExpertsLayout(experts, up_name, gated, transposed, bias, hidden, up_features, inner)
+
+
+class _ExpertGemm(Linear):
+    """One expert's projection: the dense layer's GEMMs on a weight slice it is given per call
+    (its own parameters are empty, on the meta device, and belong to no model). Never run from
+    a layer graph: an expert's token count changes every step, and a graph per count would be
+    captured again and again."""
+
+    def _graphable(self, t: torch.Tensor, table: OperandTable, *, forward: bool) -> bool:
+        return False
+
+
+class GroupedExperts(nn.Module):
+    """A grouped-experts module whose GEMMs run with a recipe's operand table (module
+    docstring). It holds the replaced module's parameters, buffers and children under their
+    names (the same state_dict keys and shapes, no copy) and reads its other attributes
+    (``num_experts``, ``config``, the activation) from it."""
+
+    def __init__(
+        self,
+        source: nn.Module,
+        layout: ExpertsLayout,
+        *,
+        operands: OperandTable,
+        seed: int,
+        name: str,
+        backend: str = "auto",
+        clock: TrainingClock | None = None,
+        mors: tuple[MoRSpec, ...] = (),
+        recipe: Recipe | None = None,
+    ) -> None:
+        super().__init__()
+        for pname, param in source.named_parameters(recurse=False):
+            self.register_parameter(pname, param)
+        skipped = source._non_persistent_buffers_set
+        for bname, buf in source.named_buffers(recurse=False):
+            self.register_buffer(bname, buf, persistent=bname not in skipped)
+        for cname, child in source.named_children():
+            self.add_module(cname, child)
+        self.__dict__["source"] = source  # not a submodule: its parameters are ours already
+        self.layout = layout
+        self.name = name
+        self.seed = seed
+        self.converted_by: str | None = None  # the recipe's name where fp4gen.convert made it
+        clock = clock or TrainingClock()
+        gemms = []
+        for expert in range(layout.num_experts):
+            pair = []
+            for proj, (pname, fan_in, fan_out) in enumerate(
+                (
+                    (layout.up, layout.hidden, layout.up_features),
+                    ("down_proj", layout.inner, layout.hidden),
+                )
+            ):
+                gemm = _ExpertGemm(
+                    fan_in,
+                    fan_out,
+                    bias=False,
+                    device="meta",
+                    operands=operands,
+                    seed=seed + EXPERT_SEED_STRIDE * (1 + 2 * expert + proj),
+                    name=f"{name}.{pname}[{expert}]",
+                    backend=backend,
+                    clock=clock,
+                    mors=mors,
+                )
+                if recipe is not None:  # the schedule applies to every GEMM
+                    gemm.schedule.rules = recipe.schedule
+                pair.append(gemm)
+            gemms.append(tuple(pair))
+        # not submodules: their (empty) parameters must not reach the state_dict
+        self.__dict__["gemms"] = tuple(gemms)
+        self._identity_seen: tuple[Any, torch.dtype | None, bool] = (None, None, False)
+
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            source = self.__dict__.get("source")
+            if source is None or name.startswith("__"):
+                raise
+            return getattr(source, name)
+
+    @property
+    def operands(self) -> OperandTable:
+        """The operand table in force at the current step."""
+        return self.gemms[0][0].operands
+
+    def check_supported(self) -> None:
+        for pair in self.gemms:
+            for gemm in pair:
+                gemm.check_supported()
+
+    def extra_repr(self) -> str:
+        lay = self.layout
+        return (
+            f"experts={lay.num_experts}, hidden={lay.hidden}, {lay.up}={lay.up_features}, "
+            f"down_proj in={lay.inner}, bias={lay.bias}, transposed={lay.transposed}, "
+            f"seed={self.seed}"
+        )
+
+    def forward(
+        self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
+    ) -> torch.Tensor:
+        lay = self.layout
+        if hidden_states.dim() != 2 or hidden_states.shape[1] != lay.hidden:
+            raise TensorError(
+                f"{self.name or 'GroupedExperts'}: hidden_states of shape "
+                f"{tuple(hidden_states.shape)}; expected [tokens, {lay.hidden}]"
+            )
+        if top_k_index.dim() != 2 or top_k_index.shape[0] != hidden_states.shape[0]:
+            raise TensorError(
+                f"{self.name or 'GroupedExperts'}: top_k_index of shape "
+                f"{tuple(top_k_index.shape)}; expected [tokens={hidden_states.shape[0]}, k]"
+            )
+        final = torch.zeros_like(hidden_states)
+        with torch.no_grad():
+            hit = torch.unique(top_k_index).tolist()  # sorted: experts in index order
+        for expert in hit:
+            if not 0 <= expert < lay.num_experts:
+                continue  # an expert-parallel sentinel: another rank's expert
+            # [k, tokens], row-major: the token order of transformers' eager loop
+            top_k_pos, token_idx = torch.where((top_k_index == expert).t())
+            h = self._gemm(expert, 0, hidden_states[token_idx])
+            h = self._activation(h)
+            y = self._gemm(expert, 1, h)
+            y = y * top_k_weights[token_idx, top_k_pos, None]
+            final.index_add_(0, token_idx, y.to(final.dtype))
+        return final
+
+    def _activation(self, h: torch.Tensor) -> torch.Tensor:
+        source = self.source
+        if not self.layout.gated:
+            return source.act_fn(h)
+        gate = getattr(source, "_apply_gate", None)
+        if gate is not None:
+            return gate(h)
+        g, up = h.chunk(2, dim=-1)
+        return source.act_fn(g) * up
+
+    def _gemm(self, expert: int, proj: int, x: torch.Tensor) -> torch.Tensor:
+        """One projection of one expert on its tokens x [n, in]: x W^T (+ b)."""
+        lay = self.layout
+        weight = getattr(self, lay.weights[proj])[expert]
+        bias = None if lay.biases is None else getattr(self, lay.biases[proj])[expert]
+        layer = self.gemms[expert][proj]
+        if self._keeps_everything(layer.operands, x.dtype, weight.dtype):
+            # nothing to round: the replaced module's own computation
+            y = x @ weight if lay.transposed else nn.functional.linear(x, weight)
+            return y if bias is None else y + bias
+        w = weight.t() if lay.transposed else weight  # [out, in]: autograd maps dW back
+        return ops.linear(x, w, bias, layer._op_id, ops.output_dtype(x), tuple(x.shape))
+
+    def _keeps_everything(
+        self, table: OperandTable, x_dtype: torch.dtype, w_dtype: torch.dtype
+    ) -> bool:
+        """Whether every operand of ``table`` is a high-precision format of the tensors' own
+        dtype (x's and the weight's, one dtype, outside autocast): then no GEMM rounds its
+        inputs. Looked at once per table and dtype."""
+        if x_dtype != w_dtype or torch.is_autocast_enabled(self._device_type()):
+            return False
+        seen, dtype, answer = self._identity_seen
+        if seen is not table or dtype != x_dtype:
+            answer = all(
+                isinstance(spec.format, HighPrecision) and HP_DTYPES[spec.format.name] == x_dtype
+                for _, spec in table.items()
+            )
+            self.__dict__["_identity_seen"] = (table, x_dtype, answer)
+        return answer
+
+    def _device_type(self) -> str:
+        return getattr(self, self.layout.up).device.type
+
+
+def all_gemms(module: nn.Module) -> list[Linear]:
+    """The per-expert GEMM layers of every ``GroupedExperts`` in ``module`` (telemetry and the
+    like walk them with the model's Linears)."""
+    return [
+        g for m in module.modules() if isinstance(m, GroupedExperts) for p in m.gemms for g in p
+    ]
+
+
+__all__ = ["EXPERT_SEED_STRIDE", "ExpertsLayout", "GroupedExperts", "all_gemms", "experts_layout"]
