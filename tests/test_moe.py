@@ -227,7 +227,7 @@ def run(module: nn.Module, hidden: torch.Tensor, index, weights, fn=None):
     module.zero_grad(set_to_none=True)
     out = (fn or module)(hidden, index, weights)
     g = torch.Generator().manual_seed(2)
-    out.backward(torch.randn(out.shape, generator=g).to(out.dtype))
+    out.backward(torch.randn(out.shape, generator=g).to(out.device, out.dtype))
     params = {n: p.grad for n, p in module.named_parameters()}
     return out.detach(), hidden.grad, weights.grad, params
 
@@ -251,14 +251,10 @@ def test_forward_and_backward_equal_a_per_expert_reference(arch: str) -> None:
     assert got[0].abs().sum() > 0
 
 
-@pytest.mark.parametrize("arch", ARCHS)
-def test_each_expert_is_a_dense_fp4gen_linear(arch: str) -> None:
-    """Under the full NVFP4 recipe (stochastic rounding, RHT on wgrad) every expert's GEMMs are
-    those of an fp4gen.nn.Linear with the expert's seed, bit for bit."""
-    model = fp4gen.convert(build(arch, torch.bfloat16), "nvfp4_no_bf16", seed=5)
-    module = experts_of(model)
+def dense_layers(module: GroupedExperts, seed: int, layer_index: int) -> list[list[nn.Module]]:
+    """One fp4gen.nn.Linear (nvfp4) per expert and projection, holding a copy of the expert's
+    weight slice (as [out, in]) and bias, with the seed convert gives that GEMM."""
     lay = module.layout
-    layer_index = 4  # q, k, v, o, then the experts
     dense = []
     for e in range(lay.num_experts):
         pair = []
@@ -266,20 +262,30 @@ def test_each_expert_is_a_dense_fp4gen_linear(arch: str) -> None:
             w = getattr(module, name)[e]
             w = w.t() if lay.transposed else w
             b = getattr(module, lay.biases[proj])[e] if lay.bias else None
-            seed = 5 + layer_index + EXPERT_SEED_STRIDE * (1 + 2 * e + proj)
             linear = fp4gen.nn.Linear(
-                w.shape[1], w.shape[0], bias=b is not None, recipe="nvfp4", seed=seed
-            ).to(torch.bfloat16)
+                w.shape[1],
+                w.shape[0],
+                bias=b is not None,
+                recipe="nvfp4",
+                seed=seed + layer_index + EXPERT_SEED_STRIDE * (1 + 2 * e + proj),
+                device=w.device,
+                dtype=w.dtype,
+            )
             with torch.no_grad():
                 linear.weight.copy_(w)
                 if b is not None:
                     linear.bias.copy_(b)
             pair.append(linear)
         dense.append(pair)
+    return dense
 
-    def by_dense(hidden, index, weights):
+
+def dense_forward(module: GroupedExperts, dense: list[list[nn.Module]]):
+    """The experts' forward with the dense layers in place of each expert's GEMMs."""
+
+    def forward(hidden, index, weights):
         out = torch.zeros_like(hidden)
-        for e in range(lay.num_experts):
+        for e in range(module.layout.num_experts):
             pos, tok = torch.where((index == e).t())
             if tok.numel():
                 h = module.source._apply_gate(dense[e][0](hidden[tok]))
@@ -287,19 +293,36 @@ def test_each_expert_is_a_dense_fp4gen_linear(arch: str) -> None:
                 out.index_add_(0, tok, y.to(out.dtype))
         return out
 
-    hidden = torch.randn(40, 64).to(torch.bfloat16)
-    index, weights = routing(40, empty=1)
-    got = run(module, hidden, index, weights.to(torch.bfloat16))
-    want = run(module, hidden, index, weights.to(torch.bfloat16), by_dense)
+    return forward
+
+
+def check_dense(module: GroupedExperts, dense, hidden, index, weights, empty: int) -> None:
+    """GroupedExperts equals the dense layers bit for bit: output, dx, the routing weights'
+    gradient and every expert's weight gradient (none for the expert ``empty``)."""
+    got = run(module, hidden, index, weights)
+    want = run(module, hidden, index, weights, dense_forward(module, dense))
     for a, b in zip(got[:3], want[:3], strict=True):
         assert torch.equal(a, b)
+    lay = module.layout
     for e in range(lay.num_experts):
         for proj, name in enumerate(lay.weights):
             grad = got[3][name][e]
             grad = grad.t() if lay.transposed else grad
             dw = dense[e][proj].weight.grad
             assert torch.equal(grad, torch.zeros_like(grad) if dw is None else dw), (e, name)
-            assert (dw is None) == (e == 1)  # expert 1 had no tokens
+            assert (dw is None) == (e == empty)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_each_expert_is_a_dense_fp4gen_linear(arch: str) -> None:
+    """Under the full NVFP4 recipe (stochastic rounding, RHT on wgrad) every expert's GEMMs are
+    those of an fp4gen.nn.Linear with the expert's seed, bit for bit."""
+    model = fp4gen.convert(build(arch, torch.bfloat16), "nvfp4_no_bf16", seed=5)
+    module = experts_of(model)
+    dense = dense_layers(module, 5, layer_index=4)  # q, k, v, o, then the experts
+    index, weights = routing(40, empty=1)
+    hidden = torch.randn(40, 64).to(torch.bfloat16)
+    check_dense(module, dense, hidden, index, weights.to(torch.bfloat16), empty=1)
 
 
 @pytest.mark.parametrize("arch", ARCHS)
