@@ -18,6 +18,11 @@ blocks. Rules apply in recipe order and the first that matches a layer decides i
 Layers no rule matches use the recipe's own operand table, except those outside the repeated
 blocks (embeddings are not linear; output heads and the like): they stay as they are unless a
 rule names them, as the NVFP4 paper keeps its head in high precision.
+
+A Mixture-of-Experts layer's experts module (one module of 3-D weights, as transformers 5 holds
+them: ``fp4gen.runtime.experts.experts_layout``) is one layer of its block here: rules match it
+by name and index like a linear layer, and a converted one is a ``GroupedExperts`` running every
+expert's GEMMs with its operand table (docs/moe.md).
 """
 
 from __future__ import annotations
