@@ -157,6 +157,13 @@ CASES: list[tuple[str, str, int, int, str]] = [
      OPS + "layers {\n    last 2 blocks : bf16\n}\nlayers {\n    first 2 blocks : bf16\n}\n",
      7, 1, "a second layers section (the first is on line 4)"),
     ("second_recipe_line", 'recipe a "x"\nrecipe b "y"\n', 2, 1, "a second 'recipe' line"),
+    # a format action stands for all six operands, activations and gradients too
+    ("layer_rule_2d_format",
+     "format w = nvfp4 block 16x16\n" + OPS + "layers {\n    first 1 block : w\n}\n", 6, 21,
+     "w has 16x16 blocks, but a layer or schedule rule's format applies to every operand"),
+    ("schedule_rule_2d_format",
+     "format w = nvfp4 block 16x16\n" + OPS + "schedule {\n    at 50% : w\n}\n", 6, 14,
+     "only weights can have 2D blocks"),
 ]  # fmt: skip
 
 

@@ -207,4 +207,14 @@ def _action(
         return RecipeRef(path, recipe)
     if ref.name in HIGH_PRECISION_DTYPES:
         return HighPrecision(ref.name)
-    return _lookup(ref.name, action.pos, unit, scope)
+    fmt = _lookup(ref.name, action.pos, unit, scope)
+    # a format action stands for every operand of the layers it matches (activations and
+    # gradients too), so it is held to the operands section's rule: 2D blocks only on weights
+    if isinstance(fmt, BlockFormat) and fmt.is_2d:
+        rows, cols = fmt.block
+        raise action.pos.error(
+            f"{ref.name} has {rows}x{cols} blocks, but a layer or schedule rule's format applies "
+            "to every operand of its layers and only weights can have 2D blocks; name a recipe "
+            '(recipe "FILE") whose operands section gives the weights their 2D blocks'
+        )
+    return fmt
