@@ -413,3 +413,29 @@ def test_bad_hidden_states_are_one_line_errors() -> None:
     index, weights = routing()
     with pytest.raises(fp4gen.errors.TensorError, match=r"hidden_states of shape \(24, 32\)"):
         module(torch.randn(24, 32), index, weights)
+
+
+@pytest.mark.parametrize("arch", ["mixtral", "gpt_oss"])
+def test_export_writes_experts_in_high_precision_and_excludes_them(arch: str, tmp_path) -> None:
+    """No quantized experts checkpoint layout is written yet: the experts' tensors go out in
+    the export dtype, under their own keys, and exclude_modules names every experts module, so
+    an inference engine never reads them as quantized."""
+    import json
+
+    from safetensors.torch import load_file
+
+    model = build(arch)
+    fp4gen.convert(model, "nvfp4_no_bf16")
+    report_ = fp4gen.export_quantized(model, tmp_path / "out")
+    config = json.loads((tmp_path / "out" / "hf_quant_config.json").read_text())
+    excluded = config["quantization"]["exclude_modules"]
+    experts = [f"model.layers.{i}.mlp.experts" for i in range(2)]
+    assert all(name in excluded for name in experts)
+    assert all(name in report_.excluded for name in experts)
+    tensors = load_file(tmp_path / "out" / "model.safetensors")
+    original = experts_of(model, 0)
+    for key in ("gate_up_proj", "down_proj"):
+        got = tensors[f"model.layers.0.mlp.experts.{key}"]
+        assert got.dtype == torch.bfloat16
+        assert torch.equal(got, getattr(original, key).detach().to(torch.bfloat16))
+    assert "model.layers.0.self_attn.q_proj.weight_scale" in tensors  # the rest is quantized
