@@ -188,3 +188,43 @@ def test_double_backward_through_a_layer_group_is_refused(monkeypatch) -> None:
     assert layer_groups.group_of(model.q) is not None
     with pytest.raises(FP4GenError, match="layer group q\\+k\\+v: a backward with create_graph"):
         double_backward(model, torch.randn(8, 64))
+
+
+# --- copies -----------------------------------------------------------------------------------
+
+
+def test_a_deep_copy_runs_as_itself_not_as_the_original() -> None:
+    """A copy's calls reach the copy's own state (its schedule clock here), and it outlives
+    the original: the op looks a layer up by its id, so a copy needs an id of its own."""
+    import copy
+    import gc
+
+    layer = fp4gen.nn.Linear(64, 32, recipe=SWITCH)
+    fp4gen.set_step(layer, 0, total_steps=100)
+    twin = copy.deepcopy(layer)
+    fp4gen.set_step(twin, 90)  # the twin is past the switch (bf16), the original is not
+    x = torch.randn(4, 64)
+    w = twin.weight.detach()
+    want = (x.bfloat16().double() @ w.bfloat16().double().t()).float() + twin.bias.detach()
+    assert torch.equal(twin(x), want)
+    assert not torch.equal(layer(x), want)  # nvfp4 still
+    del layer
+    gc.collect()
+    assert torch.equal(twin(x), want)
+
+
+def test_a_pickled_layer_runs_as_itself() -> None:
+    """torch.save / torch.load of a whole layer (pickle) gives a layer with its own id."""
+    import io
+
+    layer = fp4gen.nn.Linear(64, 32, recipe=SMALL)
+    x = torch.randn(4, 64)
+    want = layer(x)
+    buf = io.BytesIO()
+    torch.save(layer, buf)
+    buf.seek(0)
+    loaded = torch.load(buf, weights_only=False)
+    other = fp4gen.nn.Linear(64, 32, recipe=SWITCH)  # a layer made later takes a new id
+    fp4gen.set_step(other, 90, total_steps=100)
+    assert loaded._op_id != layer._op_id and loaded._op_id != other._op_id
+    assert torch.equal(loaded(x), want)

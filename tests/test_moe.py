@@ -439,3 +439,21 @@ def test_export_writes_experts_in_high_precision_and_excludes_them(arch: str, tm
         assert got.dtype == torch.bfloat16
         assert torch.equal(got, getattr(original, key).detach().to(torch.bfloat16))
     assert "model.layers.0.self_attn.q_proj.weight_scale" in tensors  # the rest is quantized
+
+
+def test_a_deep_copy_of_a_converted_moe_model_runs_its_own_expert_gemms() -> None:
+    """Each expert GEMM of a copy is a layer of its own (its own op id), and the copy computes
+    what the original does (same weights, same seeds)."""
+    import gc
+
+    model = build("mixtral")
+    fp4gen.convert(model, "nvfp4_small")
+    twin = copy.deepcopy(model)
+    ours, theirs = experts_of(model), experts_of(twin)
+    ids = {g._op_id for row in ours.gemms for g in row}
+    assert not ids & {g._op_id for row in theirs.gemms for g in row}
+    tokens = torch.randint(0, 128, (2, 8))
+    want = model(tokens).logits
+    del model, ours
+    gc.collect()
+    assert torch.equal(twin(tokens).logits, want)

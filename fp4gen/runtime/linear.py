@@ -210,6 +210,13 @@ class Linear(nn.Linear):
         self.keep_quantized_input = True
         self._op_id = ops.register(self)
 
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        # a copy (copy.deepcopy, pickle) is a layer of its own: the ops find a layer by its
+        # id, so a copy keeping the original's id would run with the original's state
+        # (schedule clock, caches) and fail once the original is gone
+        super().__setstate__(state)
+        self._op_id = ops.register(self)
+
     @classmethod
     def from_linear(cls, linear: nn.Linear, **kwargs: Any) -> Linear:
         """Wrap an existing nn.Linear, sharing its parameters (no copy)."""
