@@ -67,6 +67,7 @@ LAYER_OF: dict[str, str] = {
     "fp4gen.experiments": "app",
     "fp4gen.export": "app",
     "fp4gen.export_cli": "app",
+    "fp4gen.integrations": "app",  # callbacks for other training frameworks (HF Trainer)
 }
 
 # Upward imports (importer, imported) waiting on files other work is changing, each with the
