@@ -6,13 +6,18 @@ which the linear layers a recipe quantizes are stored quantized:
 - NVFP4, NVIDIA Model Optimizer's unified checkpoint: ``<layer>.weight`` uint8 [N, K/2] (two
   e2m1 codes per byte, element 0 in the low nibble), ``<layer>.weight_scale`` float8_e4m3fn
   [N, K/16] (the block scale codes, row-major, not swizzled), ``<layer>.weight_scale_2`` fp32
-  scalar (the global decode scale), and ``<layer>.input_scale`` fp32 when calibrated.
+  scalar (the global decode scale), and ``<layer>.input_scale`` fp32 when calibrated. The
+  configs say quant_algo ``NVFP4`` (W4A4) only with calibrated input scales; without them
+  ``W4A16_NVFP4`` (weights only), so no loader quantizes activations with a made-up scale.
 - MXFP8 and MXFP4, the OCP MX layout: ``<layer>.weight`` float8_e4m3fn [N, K] (MXFP8) or uint8
   [N, K/2] (MXFP4), ``<layer>.weight_scale`` uint8 [N, K/32] ue8m0 exponent codes.
 
 Every other tensor is written as it is (cast to bf16 by default), ``hf_quant_config.json`` says
 which format and which layers stay in high precision, and config.json (for a Hugging Face
-model) gets a ``quantization_config`` entry in Model Optimizer's form.
+model) gets a ``quantization_config`` entry in Model Optimizer's form: quant_method
+``modelopt`` where an engine's ModelOpt loader reads the checkpoint (NVFP4, W4A16_NVFP4,
+MXFP8), else ``fp4gen`` (MXFP4, and mixed checkpoints), which engines refuse rather than
+misread.
 
 Which layers are quantized is the recipe's plan (``fp4gen.runtime.convert.plan_layers``, what
 ``fp4gen.convert`` and ``show_plan`` use), and each layer's format is its fprop weight operand:
@@ -54,6 +59,17 @@ INDEX_FILE = "model.safetensors.index.json"
 
 # quant_algo -> elements per block along K (the checkpoint's group_size)
 GROUP_SIZE: dict[str, int] = {"NVFP4": 16, "MXFP8": 32, "MXFP4": 32}
+# the checkpoint's quant_algo of an NVFP4 layer without a calibrated input_scale: Model
+# Optimizer's weight-only NVFP4, activations kept in high precision (an "NVFP4" layer is W4A4,
+# and a loader would quantize its activations with whatever input_scale it finds or defaults)
+W4A16_NVFP4 = "W4A16_NVFP4"
+# checkpoint quant_algo -> the weight layout written (what import_quantized decodes)
+LAYOUT: dict[str, str] = {**{algo: algo for algo in GROUP_SIZE}, W4A16_NVFP4: "NVFP4"}
+# quant_algo values an engine's ModelOpt loader reads in fp4gen's layout (vLLM's modelopt.py:
+# NVFP4 and W4A16_NVFP4 as modelopt_fp4, MXFP8 as modelopt_mxfp8); MXFP4 and MIXED_PRECISION
+# with MX layers are not among them, so config.json does not claim "modelopt" for those
+ENGINE_ALGOS: tuple[str, ...] = ("NVFP4", W4A16_NVFP4, "MXFP8")
+NO_ENGINE = "fp4gen"  # config.json's quant_method where no engine loader reads the checkpoint
 EXPORTABLE = (
     "NVFP4 (e2m1 elements, 1x16 or 16x16 blocks, e4m3 scales), MXFP8 (e4m3 elements, 1x32 or "
     "32x32 blocks, ue8m0 scales, no global scale) and MXFP4 (e2m1 elements, 1x32 or 32x32 "
@@ -123,10 +139,48 @@ def export_algo(spec: OperandSpec, layer: str) -> str | None:
 
 
 def _group_config(algo: str) -> dict[str, Any]:
-    """A compressed-tensors config group, as Model Optimizer writes into config.json."""
-    bits = 8 if algo == "MXFP8" else 4
-    tensor = {"dynamic": False, "num_bits": bits, "type": "float", "group_size": GROUP_SIZE[algo]}
-    return {"input_activations": dict(tensor), "weights": dict(tensor)}
+    """A compressed-tensors config group for a checkpoint quant_algo, in the form Model
+    Optimizer writes into config.json, saying only what the checkpoint holds: NVFP4 (W4A4)
+    activations are static (the calibrated ``input_scale`` is written), W4A16_NVFP4 has no
+    activation entry (weight-only), MX activations are dynamic (their block scales are computed
+    at run time; nothing is written for them)."""
+    layout = LAYOUT[algo]
+    bits = 8 if layout == "MXFP8" else 4
+    weights = {
+        "dynamic": False,
+        "num_bits": bits,
+        "type": "float",
+        "group_size": GROUP_SIZE[layout],
+    }
+    if algo == W4A16_NVFP4:
+        return {"weights": weights}
+    activations = {**weights, "dynamic": algo != "NVFP4"}
+    return {"input_activations": activations, "weights": weights}
+
+
+def engine_note(quant_algo: str) -> str:
+    """Which loader reads a checkpoint of this quant_algo, and how, in one sentence."""
+    if quant_algo == "NVFP4":
+        return (
+            "W4A4 NVFP4 with calibrated static input scales: vLLM's ModelOpt loader "
+            "(modelopt_fp4) reads it"
+        )
+    if quant_algo == W4A16_NVFP4:
+        return (
+            "NVFP4 weights only (W4A16_NVFP4: activations stay in high precision, no "
+            "input_scale without calibration): vLLM's ModelOpt loader reads it with its NVFP4 "
+            "weight-only kernel; for W4A4 export with calibration samples (--calibrate)"
+        )
+    if quant_algo == "MXFP8":
+        return (
+            "MXFP8, activations quantized at run time: vLLM's ModelOpt loader (modelopt_mxfp8) "
+            "reads it"
+        )
+    return (
+        f"{quant_algo}: no inference engine's loader reads this layout (vLLM's ModelOpt loader "
+        "has no MXFP4, and its MIXED_PRECISION only FP8 and NVFP4 layers), so config.json "
+        f'says quant_method "{NO_ENGINE}"; read it back with fp4gen.import_quantized'
+    )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -145,6 +199,8 @@ class ExportReport:
     quantized: dict[str, str]  # layer -> quant_algo
     excluded: tuple[str, ...]  # the exclude_modules list
     replaced: tuple[str, ...] = ()  # files of out_dir this export replaced or removed (overwrite)
+    config_algo: str = ""  # the configs' quant_algo: W4A16_NVFP4 for NVFP4 without input_scale
+    engine: str = ""  # which loader reads the checkpoint, and how (engine_note)
 
     def table(self) -> str:
         return render_table(["module", "written as", "why"], [list(row) for row in self.layers])
@@ -406,13 +462,19 @@ def _calibrate(model: nn.Module, names: list[str], samples: Iterable[Any]) -> di
         for name in names:
             hooks.append(modules[name].register_forward_pre_hook(hook(name)))
         with torch.no_grad():
-            for sample in samples:
-                if isinstance(sample, Mapping):
-                    model(**sample)
-                elif isinstance(sample, tuple | list):
-                    model(*sample)
-                else:
-                    model(sample)
+            for i, sample in enumerate(samples):
+                try:
+                    if isinstance(sample, Mapping):
+                        model(**sample)
+                    elif isinstance(sample, tuple | list):
+                        model(*sample)
+                    else:
+                        model(sample)
+                except (RuntimeError, IndexError, ValueError, TypeError) as err:
+                    shape = list(sample.shape) if torch.is_tensor(sample) else type(sample).__name__
+                    raise ExportError(
+                        f"calibration: the model failed on sample {i} ({shape}): {_first(err)}"
+                    ) from None
     finally:
         for h in hooks:
             h.remove()
@@ -485,8 +547,10 @@ def export_quantized(
         out for a converted model: its own plan decides.
     calibration: sample inputs (tensors, argument tuples or keyword mappings, run through the
         model without gradients): each NVFP4 layer then gets ``input_scale``, the global
-        decode scale of its input amax (amax / 2688 as the quantizer rounds it); without
-        samples it is omitted.
+        decode scale of its input amax (amax / 2688 as the quantizer rounds it), and the
+        checkpoint is W4A4 (quant_algo NVFP4). Without samples no input_scale is written and
+        the NVFP4 layers are declared weight-only (quant_algo W4A16_NVFP4): a loader never
+        quantizes activations with a scale that was not calibrated.
     dtype: the dtype of every tensor not quantized (embeddings, norms, biases, the layers kept
         in high precision); None keeps each as it is. Integer tensors keep theirs.
     max_shard_size: the largest safetensors file (bytes, or "5GB", "500MB"); past it the
@@ -569,14 +633,26 @@ def export_quantized(
     algos = {layer.name: layer.algo for layer in quantized if layer.algo is not None}
     distinct = sorted(set(algos.values()))
     quant_algo = distinct[0] if len(distinct) == 1 else "MIXED_PRECISION"
+    # what the configs say per layer: an NVFP4 layer without an input_scale is weight-only,
+    # never W4A4 (a loader would quantize its activations with a default or garbage scale)
+    config_algos = {
+        name: W4A16_NVFP4 if a == "NVFP4" and name not in input_scales else a
+        for name, a in algos.items()
+    }
+    distinct_config = sorted(set(config_algos.values()))
+    config_algo = distinct_config[0] if len(distinct_config) == 1 else "MIXED_PRECISION"
     excluded = [layer.name for layer in layers if layer.algo is None]
-    section: dict[str, Any] = {"quant_algo": quant_algo}
-    if quant_algo == "MIXED_PRECISION":
+    section: dict[str, Any] = {"quant_algo": config_algo}
+    if config_algo == "MIXED_PRECISION":
         section["quantized_layers"] = {
-            name: {"quant_algo": a, "group_size": GROUP_SIZE[a]} for name, a in algos.items()
+            name: {"quant_algo": a, "group_size": GROUP_SIZE[LAYOUT[a]]}
+            for name, a in config_algos.items()
         }
     else:
-        section["group_size"] = GROUP_SIZE[quant_algo]
+        section["group_size"] = GROUP_SIZE[LAYOUT[config_algo]]
+    # Model Optimizer always writes the key (null: the KV cache is not quantized), and
+    # vLLM's ModelOpt loader refuses an NVFP4 or MXFP8 hf_quant_config.json without it
+    section["kv_cache_quant_algo"] = None
     section["exclude_modules"] = excluded
     producer = {"name": "fp4gen", "version": __version__}
     quant_config: dict[str, Any] = {"producer": producer, "quantization": section}
@@ -591,7 +667,7 @@ def export_quantized(
             written = _write_shards(tensors, files, max_bytes, {"format": "pt"})
             files.write_text(QUANT_CONFIG, json.dumps(quant_config, indent=2) + "\n")
             written.append(QUANT_CONFIG)
-            written += _write_hf_config(model, files, quant_config, algos, dtype)
+            written += _write_hf_config(model, files, quant_config, config_algos, dtype)
             removed = [name for name in old if name not in written and files.remove(name)]
     except OutputError as err:
         raise ExportError(str(err)) from None
@@ -600,30 +676,41 @@ def export_quantized(
     rows = tuple(
         (
             f"{layer.name} (Conv1D)" if layer.conv1d else layer.name,
-            _written_as(layer, dtype),
+            _written_as(layer, dtype, config_algos.get(layer.name)),
             layer.reason,
         )
         for layer in layers
     )
     return ExportReport(
-        out, quant_algo, rows, tuple(written), algos, tuple(excluded), tuple(replaced)
+        out,
+        quant_algo,
+        rows,
+        tuple(written),
+        algos,
+        tuple(excluded),
+        tuple(replaced),
+        config_algo,
+        engine_note(config_algo),
     )
 
 
-def _written_as(layer: _Layer, dtype: torch.dtype | None) -> str:
+def _written_as(layer: _Layer, dtype: torch.dtype | None, config_algo: str | None) -> str:
     if layer.algo is None:
         names = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
         return f"kept, {names.get(dtype, 'as stored') if dtype is not None else 'as stored'}"
     assert layer.spec is not None
     rows, cols = layer.spec.format.block  # type: ignore[union-attr]  # a BlockFormat here
     tiles = f", {rows}x{cols} tile scales per row" if rows > 1 else ""
-    return f"{layer.algo}{tiles}"
+    weight_only = " weights only (W4A16_NVFP4)" if config_algo == W4A16_NVFP4 else ""
+    return f"{layer.algo}{weight_only}{tiles}"
 
 
 def quantization_config(quant_config: dict[str, Any], algos: Mapping[str, str]) -> dict[str, Any]:
     """config.json's ``quantization_config``: hf_quant_config.json in the compressed-tensors
     form Model Optimizer writes there (config groups, ignore, quant_algo, producer, quant_method
-    "modelopt")."""
+    "modelopt"); ``algos`` maps each quantized layer to its checkpoint quant_algo. quant_method
+    is "modelopt" only where an engine's ModelOpt loader reads the checkpoint (ENGINE_ALGOS),
+    else "fp4gen", which no engine claims: it refuses the folder instead of misreading it."""
     section = quant_config["quantization"]
     quant_algo = section["quant_algo"]
     if quant_algo == "MIXED_PRECISION":
@@ -640,7 +727,7 @@ def quantization_config(quant_config: dict[str, Any], algos: Mapping[str, str]) 
     out["ignore"] = list(section["exclude_modules"])
     out["quant_algo"] = quant_algo
     out["producer"] = quant_config["producer"]
-    out["quant_method"] = "modelopt"
+    out["quant_method"] = "modelopt" if quant_algo in ENGINE_ALGOS else NO_ENGINE
     return out
 
 
@@ -740,6 +827,38 @@ def load_source(path: str | Path) -> nn.Module | dict[str, torch.Tensor]:
             "not a tensor"
         )
     return dict(data)
+
+
+def load_calibration(path: str | Path, model: nn.Module | None = None) -> list[torch.Tensor]:
+    """Calibration batches from a torch-saved tensor of token ids (loaded with
+    weights_only=True): an integer tensor [N, B, T] is N batches of [B, T], one [B, T] is a
+    single batch. ExportError, one line, for anything else, or for an id past the model's
+    embedding table."""
+    src = Path(path)
+    if not src.is_file():
+        raise ExportError(f"{src}: no such calibration file (give a torch-saved tensor of ids)")
+    try:
+        data = torch.load(src, map_location="cpu", weights_only=True)
+    except Exception as err:  # zip and format errors alike: not a tensor file
+        if _is_weights_only_refusal(err):
+            raise ExportError(f"{src}: {_refused_pickle(err)}") from None
+        raise ExportError(f"{src}: not a torch-saved tensor ({_first(err)[:200]})") from None
+    rule = "calibration data is an integer tensor of token ids, [N, B, T] (N batches) or [B, T]"
+    if not torch.is_tensor(data):
+        raise ExportError(f"{src}: holds a {type(data).__name__}; {rule}")
+    if data.is_floating_point() or data.is_complex() or data.dtype == torch.bool:
+        raise ExportError(f"{src}: {data.dtype} {list(data.shape)}; {rule}")
+    if data.dim() not in (2, 3) or data.numel() == 0:
+        raise ExportError(f"{src}: shape {list(data.shape)}; {rule}")
+    ids = data.long()
+    embeddings = getattr(model, "get_input_embeddings", None)
+    table = embeddings() if callable(embeddings) else None
+    vocab = getattr(table, "num_embeddings", None)
+    low, high = int(ids.min()), int(ids.max())
+    if low < 0 or (isinstance(vocab, int) and high >= vocab):
+        bound = f"[0, {vocab})" if isinstance(vocab, int) else "non-negative"
+        raise ExportError(f"{src}: token ids span [{low}, {high}]; the model's ids are {bound}")
+    return list(ids) if ids.dim() == 3 else [ids]
 
 
 def model_files(src: Path, written: Iterable[str]) -> list[str]:
@@ -949,10 +1068,10 @@ def import_quantized(path: str | Path, *, dtype: torch.dtype | None = None) -> Q
     per_layer: dict[str, str] = {}
     if quant_algo == "MIXED_PRECISION":
         per_layer = {n: c["quant_algo"] for n, c in section.get("quantized_layers", {}).items()}
-    elif quant_algo not in GROUP_SIZE:
+    elif quant_algo not in LAYOUT:
         raise ExportError(
             f"{config_path}: quant_algo {quant_algo!r} is not one fp4gen reads "
-            f"({', '.join(GROUP_SIZE)} or MIXED_PRECISION)"
+            f"({', '.join(LAYOUT)} or MIXED_PRECISION)"
         )
     transposed = set(config.get("fp4gen", {}).get("transposed_conv1d", ()))
 
@@ -961,9 +1080,9 @@ def import_quantized(path: str | Path, *, dtype: torch.dtype | None = None) -> Q
     out = dict(tensors)
     for name in layers:
         algo = per_layer.get(name, quant_algo)
-        if algo not in GROUP_SIZE:
+        if algo not in LAYOUT:
             raise ExportError(f"{name}: quant_algo {algo!r} is not one fp4gen reads")
-        values = _dequantize(algo, name, tensors)
+        values = _dequantize(LAYOUT[algo], name, tensors)
         if name in transposed:
             values = values.t().contiguous()
         for suffix in ("weight_scale", "weight_scale_2", "input_scale"):
@@ -980,8 +1099,10 @@ __all__ = [
     "ExportReport",
     "QuantizedCheckpoint",
     "export_algo",
+    "engine_note",
     "export_quantized",
     "import_quantized",
+    "load_calibration",
     "load_quantized",
     "load_source",
     "parse_size",

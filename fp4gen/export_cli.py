@@ -14,16 +14,26 @@ what is written to DIR:
   model.safetensors (or model-0000N-of-0000M.safetensors and model.safetensors.index.json):
     NVFP4 layer: <name>.weight uint8 [N, K/2] (two e2m1 codes per byte, element 0 in the low
       nibble), <name>.weight_scale float8_e4m3fn [N, K/16], <name>.weight_scale_2 fp32 scalar
-      (the global decode scale); NVIDIA Model Optimizer's unified checkpoint layout
+      (the global decode scale), with --calibrate <name>.input_scale fp32 scalar; NVIDIA Model
+      Optimizer's unified checkpoint layout, quant_algo NVFP4 (W4A4) with --calibrate, else
+      W4A16_NVFP4 (weights only: no activation scale is claimed that was not calibrated)
     MXFP8 / MXFP4 layer: <name>.weight float8_e4m3fn [N, K] / uint8 [N, K/2], and
       <name>.weight_scale uint8 [N, K/32] (ue8m0 exponent codes); the OCP MX layout
     every other tensor as it is, in --dtype
-  hf_quant_config.json: quant_algo, group_size and exclude_modules (the layers kept in high
-    precision); config.json with quantization_config, and the model folder's tokenizer files
+  hf_quant_config.json: quant_algo, group_size, kv_cache_quant_algo (null) and
+    exclude_modules (the layers kept in high precision); config.json with quantization_config
+    (quant_method modelopt for NVFP4, W4A16_NVFP4 and MXFP8, which vLLM's ModelOpt loader reads;
+    fp4gen for MXFP4 and mixed formats, which no engine loads), and the model folder's
+    tokenizer files
 
 examples:
   fp4gen export my-llama/ --recipe nvfp4_small --out my-llama-nvfp4
+  fp4gen export my-llama/ --recipe nvfp4_small --out my-llama-w4a4 --calibrate ids.pt
   fp4gen export weights.pt --recipe recipes/mxfp8.fp4r --out weights-mxfp8 --dtype keep
+
+--calibrate DATA: torch.save(ids) of an integer tensor of token ids, [N, B, T] (N batches of
+  B sequences of T tokens) or [B, T]; each batch runs through the model once, without
+  gradients, and each NVFP4 layer's input_scale is amax / 2688 over all of them
 """
 
 DTYPES = ("bf16", "fp16", "fp32", "keep")
@@ -38,6 +48,7 @@ def cmd_export(args: argparse.Namespace) -> int:
         check_out_dir,
         copy_model_files,
         export_quantized,
+        load_calibration,
         load_source,
         model_files,
         parse_size,
@@ -54,6 +65,13 @@ def cmd_export(args: argparse.Namespace) -> int:
     # a model folder brings config.json and generation_config.json, and its other files
     also = [*HF_CONFIG_FILES, *model_files(source, HF_CONFIG_FILES)] if folder else []
     check_out_dir(out, args.overwrite, folder, also)
+    if args.calibrate is not None and folder is None:
+        raise FP4GenError(
+            f"--calibrate {args.calibrate}: calibration runs the model, and {source} is a "
+            "state_dict (no forward): export its model folder instead"
+        )
+    if args.calibrate is not None:
+        load_calibration(args.calibrate)  # a bad file fails before the model loads
     if source.is_dir():
         try:  # a command prints its own summary: no loading progress bars on stderr
             import transformers
@@ -62,11 +80,16 @@ def cmd_export(args: argparse.Namespace) -> int:
         except ImportError:
             pass  # load_source says what to install
     model = load_source(source)
+    calibration = None
+    if args.calibrate is not None:
+        assert isinstance(model, torch.nn.Module)  # a folder loads a model (checked above)
+        calibration = load_calibration(args.calibrate, model)
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}.get(args.dtype)
     report = export_quantized(
         model,
         out,
         recipe,
+        calibration=calibration,
         dtype=dtype,
         max_shard_size=args.max_shard_size,
         overwrite=args.overwrite,
@@ -86,6 +109,7 @@ def cmd_export(args: argparse.Namespace) -> int:
         f"wrote {out}: {report.quant_algo}, {len(report.quantized)} linear layers quantized, "
         f"{kept} kept in high precision (exclude_modules)"
     )
+    print(f"checkpoint: {report.engine}")
     print(f"files: {', '.join(files)}")
     if replaced:  # only with --overwrite
         print(f"replaced {len(replaced)} existing file(s) in {out}: {', '.join(replaced)}")
@@ -135,6 +159,13 @@ def add_commands(sub: Any) -> None:
         default="5GB",
         metavar="SIZE",
         help="largest safetensors file, e.g. 5GB or 500MB (default: 5GB)",
+    )
+    p.add_argument(
+        "--calibrate",
+        metavar="DATA",
+        help="a torch-saved integer tensor of token ids, [N, B, T] (N batches) or [B, T]: run "
+        "through the model to give each NVFP4 layer its input_scale (W4A4); without it NVFP4 "
+        "is written weights-only (W4A16_NVFP4)",
     )
     p.add_argument(
         "--overwrite",

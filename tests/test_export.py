@@ -103,9 +103,14 @@ def test_nvfp4_names_dtypes_and_shapes(tmp_path: Path) -> None:
     config = json.loads((tmp_path / "out" / "hf_quant_config.json").read_text())
     assert config == {
         "producer": {"name": "fp4gen", "version": fp4gen.__version__},
-        "quantization": {"quant_algo": "NVFP4", "group_size": 16, "exclude_modules": kept},
+        "quantization": {
+            "quant_algo": "W4A16_NVFP4",  # no input_scale: weights only, never W4A4
+            "group_size": 16,
+            "kv_cache_quant_algo": None,
+            "exclude_modules": kept,
+        },
     }
-    assert report.quant_algo == "NVFP4"
+    assert report.quant_algo == "NVFP4" and report.config_algo == "W4A16_NVFP4"
     assert set(report.quantized) == set(quantized) and list(report.excluded) == kept
     assert report.files == ("model.safetensors", "hf_quant_config.json")  # no HF config
 
@@ -144,11 +149,18 @@ def test_2d_tile_scales_are_repeated_per_row(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize(
-    ("recipe", "algo"),
-    [(SMALL, "NVFP4"), (NVFP4_1D, "NVFP4"), (MXFP8, "MXFP8"), (MXFP4, "MXFP4")],
+    ("recipe", "algo", "config_algo"),
+    [
+        (SMALL, "NVFP4", "W4A16_NVFP4"),
+        (NVFP4_1D, "NVFP4", "W4A16_NVFP4"),
+        (MXFP8, "MXFP8", "MXFP8"),
+        (MXFP4, "MXFP4", "MXFP4"),
+    ],
     ids=["nvfp4-2d", "nvfp4-1d", "mxfp8", "mxfp4"],
 )
-def test_round_trip_is_bit_exact(tmp_path: Path, recipe: fp4gen.Recipe, algo: str) -> None:
+def test_round_trip_is_bit_exact(
+    tmp_path: Path, recipe: fp4gen.Recipe, algo: str, config_algo: str
+) -> None:
     model = gpt()
     source = {k: v.clone() for k, v in model.state_dict().items()}
     quantized, kept = quantized_names(model, recipe)
@@ -156,7 +168,7 @@ def test_round_trip_is_bit_exact(tmp_path: Path, recipe: fp4gen.Recipe, algo: st
     report = export_quantized(model, tmp_path, recipe, dtype=None)
     assert report.quant_algo == algo
     state_dict, config = import_quantized(tmp_path)
-    assert config["quantization"]["quant_algo"] == algo
+    assert config["quantization"]["quant_algo"] == config_algo
     assert set(state_dict) == set(source)
     spec = recipe.operands.fprop_weight
     for name in quantized:
@@ -195,6 +207,7 @@ def test_layer_rules_giving_formats_make_a_mixed_checkpoint(tmp_path: Path) -> N
     state_dict, config = import_quantized(tmp_path)
     layers = config["quantization"]["quantized_layers"]
     assert layers["blocks.1.mlp.fc1"] == {"quant_algo": "MXFP8", "group_size": 32}
+    assert layers["blocks.0.mlp.fc2"] == {"quant_algo": "W4A16_NVFP4", "group_size": 16}
     q = fp4gen.quantize(source["blocks.1.mlp.fc1.weight"], "mxfp8_e4m3")
     assert torch.equal(bits(state_dict["blocks.1.mlp.fc1.weight"]), bits(q.dequantize()))
 
@@ -239,6 +252,117 @@ def test_calibration_sets_the_input_scale(tmp_path: Path) -> None:
     amax = torch.tensor(seen["amax"], dtype=torch.float32)
     assert torch.equal(scale, 1.0 / (torch.tensor(2688.0) / amax))  # the quantizer's S_dec
     assert float(scale) == pytest.approx(seen["amax"] / (6 * 448), rel=1e-6)
+    config = json.loads((tmp_path / "hf_quant_config.json").read_text())
+    assert config["quantization"]["quant_algo"] == "NVFP4"  # calibrated: W4A4
+
+
+def test_nvfp4_without_calibration_claims_no_static_input_scale(tmp_path: Path) -> None:
+    model = tiny_llama(tmp_path / "llama")
+    report = export_quantized(model, tmp_path / "out", SMALL)
+    tensors = load_file(str(tmp_path / "out" / "model.safetensors"))
+    assert not [k for k in tensors if k.endswith("input_scale")]
+    qc = json.loads((tmp_path / "out" / "config.json").read_text())["quantization_config"]
+    assert qc["quant_algo"] == "W4A16_NVFP4" and qc["quant_method"] == "modelopt"
+    groups = qc["config_groups"]
+    assert list(groups) == ["group_0"] and "input_activations" not in groups["group_0"]
+    hf_quant = json.loads((tmp_path / "out" / "hf_quant_config.json").read_text())
+    assert hf_quant["quantization"]["quant_algo"] == "W4A16_NVFP4"
+    assert report.config_algo == "W4A16_NVFP4" and "calibration" in report.engine
+
+
+def test_calibrated_nvfp4_declares_static_input_scales(tmp_path: Path) -> None:
+    model = tiny_llama(tmp_path / "llama")
+    quantized, _ = quantized_names(model, SMALL)
+    batches = [torch.randint(0, 256, (2, 8)) for _ in range(2)]
+    report = export_quantized(model, tmp_path / "out", SMALL, calibration=batches)
+    tensors = load_file(str(tmp_path / "out" / "model.safetensors"))
+    assert {k for k in tensors if k.endswith("input_scale")} == {
+        f"{n}.input_scale" for n in quantized
+    }
+    qc = json.loads((tmp_path / "out" / "config.json").read_text())["quantization_config"]
+    assert qc["quant_algo"] == "NVFP4" and qc["quant_method"] == "modelopt"
+    tensor = {"dynamic": False, "num_bits": 4, "type": "float", "group_size": 16}
+    assert qc["config_groups"] == {
+        "group_0": {"input_activations": tensor, "weights": tensor, "targets": ["Linear"]}
+    }
+    assert report.config_algo == "NVFP4" and report.engine.startswith("W4A4 NVFP4")
+
+
+def test_mx_configs_claim_only_what_an_engine_loads(tmp_path: Path) -> None:
+    model = tiny_llama(tmp_path / "llama")
+    mxfp8 = export_quantized(model, tmp_path / "mxfp8", MXFP8)
+    qc = json.loads((tmp_path / "mxfp8" / "config.json").read_text())["quantization_config"]
+    assert qc["quant_method"] == "modelopt" and qc["quant_algo"] == "MXFP8"
+    weights = {"dynamic": False, "num_bits": 8, "type": "float", "group_size": 32}
+    assert qc["config_groups"]["group_0"] == {  # activation block scales: at run time
+        "input_activations": {**weights, "dynamic": True},
+        "weights": weights,
+        "targets": ["Linear"],
+    }
+    assert "modelopt_mxfp8" in mxfp8.engine
+    # MXFP4 and mixed formats: no engine's loader reads them, so no engine is named
+    mixed = load_recipe(
+        'recipe mixed\nextends "nvfp4_small.fp4r"\nlayers {\n    match "*gate_proj" : '
+        'mxfp8_e4m3\n    last 1 blocks : bf16\n    match "*lm_head" : bf16\n}\n'
+    )
+    for recipe, algo in ((MXFP4, "MXFP4"), (mixed, "MIXED_PRECISION")):
+        out = tmp_path / algo
+        report = export_quantized(model, out, recipe)
+        qc = json.loads((out / "config.json").read_text())["quantization_config"]
+        assert qc["quant_method"] == "fp4gen" and qc["quant_algo"] == algo
+        assert report.engine.startswith(f"{algo}: no inference engine")
+
+
+def test_cli_calibrate(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    model = tiny_llama(tmp_path / "llama")
+    quantized, _ = quantized_names(model, SMALL)
+    ids = torch.randint(0, 256, (3, 2, 8))  # 3 batches of 2 sequences of 8 tokens
+    torch.save(ids, tmp_path / "ids.pt")
+    out = tmp_path / "out"
+    llama = str(tmp_path / "llama")
+    argv = ("export", llama, "--recipe", "nvfp4_small", "--out", str(out))
+    code, stdout, err = run(capsys, *argv, "--calibrate", str(tmp_path / "ids.pt"))
+    assert code == 0, err
+    assert "checkpoint: W4A4 NVFP4 with calibrated static input scales" in stdout
+    tensors = load_file(str(out / "model.safetensors"))
+    # the input amax of one layer over the 3 batches, as the CLI ran them
+    seen: list[float] = []
+    layer = model.get_submodule(quantized[0])
+    handle = layer.register_forward_pre_hook(
+        lambda _, args: seen.append(float(args[0].abs().max()))
+    )
+    with torch.no_grad():
+        for batch in ids:
+            model(batch)
+    handle.remove()
+    expected = 1.0 / (torch.tensor(2688.0) / torch.tensor(max(seen), dtype=torch.float32))
+    assert torch.equal(tensors[f"{quantized[0]}.input_scale"], expected)
+    config = json.loads((out / "config.json").read_text())["quantization_config"]
+    assert config["quant_algo"] == "NVFP4"
+
+    # bad calibration data: one line, exit 1, before anything is written
+    torch.save(ids.float(), tmp_path / "float.pt")
+    torch.save(torch.full((2, 8), 300), tmp_path / "big.pt")
+    torch.save({"ids": ids}, tmp_path / "dict.pt")
+    torch.save(model.state_dict(), tmp_path / "weights.pt")
+    cases = [
+        (
+            (llama, "--calibrate", str(tmp_path / "float.pt")),
+            r"torch.float32 \[3, 2, 8\]; .*integer tensor of token ids",
+        ),
+        ((llama, "--calibrate", str(tmp_path / "big.pt")), r"span \[300, 300\].*\[0, 256\)"),
+        ((llama, "--calibrate", str(tmp_path / "dict.pt")), "holds a dict"),
+        ((llama, "--calibrate", str(tmp_path / "none.pt")), "no such calibration file"),
+        ((str(tmp_path / "weights.pt"), "--calibrate", str(tmp_path / "ids.pt")), "state_dict"),
+    ]
+    for (source, *flags), message in cases:
+        target = tmp_path / "bad"
+        code, stdout, err = run(
+            capsys, "export", source, "--recipe", "nvfp4_small", "--out", str(target), *flags
+        )
+        assert code == 1 and re.search(message, err), (message, err)
+        assert len(err.strip().splitlines()) == 1 and "Traceback" not in err
+        assert not target.exists()
 
 
 def test_shards_and_index(tmp_path: Path) -> None:
@@ -309,9 +433,13 @@ def test_cli_exports_a_llama_folder(tmp_path: Path, capsys: pytest.CaptureFixtur
 
     config = json.loads((out / "config.json").read_text())
     qc = config["quantization_config"]
-    assert qc["quant_method"] == "modelopt" and qc["quant_algo"] == "NVFP4"
+    assert qc["quant_method"] == "modelopt" and qc["quant_algo"] == "W4A16_NVFP4"
     assert qc["ignore"] == kept
-    assert qc["config_groups"]["group_0"]["weights"]["group_size"] == 16
+    assert qc["config_groups"]["group_0"] == {  # weights only: no activation scheme claimed
+        "weights": {"dynamic": False, "num_bits": 4, "type": "float", "group_size": 16},
+        "targets": ["Linear"],
+    }
+    assert "checkpoint: NVFP4 weights only (W4A16_NVFP4" in stdout
     assert config.get("dtype", config.get("torch_dtype")) == "bfloat16"
     hf_quant = json.loads((out / "hf_quant_config.json").read_text())
     assert hf_quant["quantization"]["exclude_modules"] == kept == qc["ignore"]
@@ -363,6 +491,7 @@ def test_cli_exports_a_state_dict_file(tmp_path: Path, capsys: pytest.CaptureFix
     assert config["quantization"] == {
         "quant_algo": "MXFP8",
         "group_size": 32,
+        "kv_cache_quant_algo": None,
         "exclude_modules": ["lm_head"],
     }
     state_dict, _ = import_quantized(out)
@@ -463,7 +592,8 @@ def test_readme_export_example_runs(tmp_path: Path, monkeypatch: pytest.MonkeyPa
     monkeypatch.chdir(tmp_path)
     namespace: dict[str, object] = {}
     exec(compile(blocks[0], str(README), "exec"), namespace)
-    assert namespace["config"]["quantization"]["quant_algo"] == "NVFP4"  # type: ignore[index]
+    quantization = namespace["config"]["quantization"]  # type: ignore[index]
+    assert quantization["quant_algo"] == "W4A16_NVFP4"  # no calibration: weights only
     assert "fp4gen export MODEL_DIR" in text
 
 
