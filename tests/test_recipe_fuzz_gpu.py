@@ -1,0 +1,841 @@
+"""The recipe fuzzer on a GPU: drawn recipes run their planned kernels and train bit for bit
+like the reference path.
+
+A seeded batch of recipes is drawn from ``tests/recipe_strategies.py`` (``recipe_cases()``):
+200 by default, ``FP4GEN_FUZZ_EXAMPLES=N`` for N. The batch is drawn by hypothesis' own engine,
+``@given`` with ``@seed(SEED)``, the database off and only the generate phase, collecting each
+example (``draw_batch``): a seed then always gives the same recipes in the same order (for one
+hypothesis version), which ``.example()`` does not promise, and the recipes exist before any
+test runs, so every kernel of the batch is compiled up front in parallel and each recipe is a
+test of its own (``test_...[17]``). The default seed is ``DEFAULT_SEED`` (the same batch every
+run); with ``FP4GEN_FUZZ_EXAMPLES`` and no seed a fresh one is drawn. Each test prints
+``FP4GEN_FUZZ_SEED=...``, which replays the batch.
+
+For each recipe fp4gen accepts (the one refusal drawn on purpose is skipped), on CUDA:
+
+1. every quantize kernel and MoR kernel its plan lists (``fp4gen.compiler.plan.plan_recipe``)
+   runs on seeded bf16 tensors of two shapes (one aligned to every block and RHT, one that is
+   not) through the runtime: a single rowwise copy through ``fp4gen.quantize(backend="cute")``,
+   a tile kernel (columnwise or two copies) through the runtime loader
+   (``fp4gen.runtime.kernels.kernels_for`` via ``cute_backend``), a MoR kernel through
+   ``mor_quantize(backend="cute")``. Codes, scales and the global scale must equal the
+   reference quantizer's (``fp4gen.numerics``, the same seed and Philox offsets) bit for bit.
+   Where the kernels refuse the spec or the shape, the reason must be one of the documented
+   ones (``REFUSALS``: docs/testing.md, "Fallbacks and their reasons"), and ``backend="auto"``
+   must log it once (two calls, one INFO line) and give the reference's result;
+2. three SGD steps of a two-layer model (two ``fp4gen.nn.Linear`` with the recipe and a bias,
+   bf16, odd sizes, the recipe's schedule over the three steps) with the default backends,
+   against the same model with ``backend="reference"`` and reference GEMMs. In the default run
+   every ``fp4gen.gemm`` call is checked against the reference product of the same operands
+   (bit for bit where the call ran on the reference, else within the fp32 summation-order
+   bound of docs/numerics.md 6, as ``tests/test_conformance.py`` states it) and then hands the
+   reference product on, so both runs see the same values: losses, outputs, gradients and the
+   final weights must then be equal bit for bit, which checks every quantize call of training
+   (device Philox offsets, tile kernels, padding) exactly. Every GEMM fallback (a pair no fused
+   kernel or native MMA serves) must be logged once with its reason, and no fallback line twice.
+
+The CPU tests run the same harness with the reference on both sides for three recipes (so the
+harness itself is tested without a GPU), check that it reports an injected difference, and
+that every reason the planner gives over a batch of drawn recipes is one of the documented
+kinds.
+
+Run on a GPU (sm_90a or sm_100a)::
+
+    pytest -m gpu tests/test_recipe_fuzz_gpu.py
+    FP4GEN_FUZZ_EXAMPLES=1000 pytest -m gpu tests/test_recipe_fuzz_gpu.py   # a fresh seed
+    FP4GEN_FUZZ_SEED=1234 pytest -m gpu tests/test_recipe_fuzz_gpu.py   # replay a batch
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import functools
+import logging
+import math
+import os
+import random
+import re
+import sys
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from hypothesis import HealthCheck, Phase, given, seed, settings
+from torch import nn
+
+import fp4gen
+import fp4gen.gemm_dispatch as gd
+from fp4gen.compiler.build import compile_recipes, prepare_builds
+from fp4gen.compiler.plan import plan_recipe
+from fp4gen.dsl import load_recipe
+from fp4gen.dsl.model import Recipe
+from fp4gen.errors import FP4GenError
+from fp4gen.formats import BlockFormat
+from fp4gen.numerics.mor import MoRTensor
+from fp4gen.numerics.mor import mor_quantize as reference_mor_quantize
+from fp4gen.numerics.quantize import QuantizedTensor
+from fp4gen.numerics.quantize import quantize as reference_quantize
+from fp4gen.runtime import cute_backend, linear, mor_kernels
+from fp4gen.runtime.loader import LogOnce, Unsupported
+from fp4gen.runtime.quantize_dispatch import mor_quantize, quantize
+from fp4gen.settings import LAYER_GRAPHS_VAR, LAYER_GROUPS_VAR
+from fp4gen.spec import MoRKernelSpec, QuantKernelSpec
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from recipe_strategies import REFUSALS as RECIPE_REFUSALS  # noqa: E402
+from recipe_strategies import RecipeCase, recipe_cases  # noqa: E402
+from test_conformance import TC_REL, U32, UNIT, environment  # noqa: E402
+
+sys.path.remove(str(Path(__file__).resolve().parent))
+
+ON_GPU = torch.cuda.is_available()
+DEFAULT_SEED = 20251
+DEFAULT_EXAMPLES = 200
+EXAMPLES = int(os.environ.get("FP4GEN_FUZZ_EXAMPLES", DEFAULT_EXAMPLES))
+if "FP4GEN_FUZZ_SEED" in os.environ:
+    SEED = int(os.environ["FP4GEN_FUZZ_SEED"])
+elif "FP4GEN_FUZZ_EXAMPLES" in os.environ:
+    SEED = random.randrange(2**32)  # hunting: a fresh batch, printed for the replay
+else:
+    SEED = DEFAULT_SEED
+CPU_RECIPES = 3  # the CPU run of the harness
+STEPS = 3
+TOKENS, IN_FEATURES, HIDDEN, OUT_FEATURES = 37, 100, 52, 24  # multiples of no block or RHT
+ROOT = Path(__file__).resolve().parent.parent
+
+# ---------------------------------------------------------------------------------------------
+# The documented reasons (docs/testing.md, "Fallbacks and their reasons")
+# ---------------------------------------------------------------------------------------------
+
+# Why the quantize and MoR kernels refuse a planned spec or an input shape: (kind, pattern of
+# the runtime's reason). A reason outside these fails the test: document it first.
+REFUSALS: tuple[tuple[str, str], ...] = (
+    ("block length", r"block length \d+ is not a multiple of 8"),
+    ("tile block shape", r"the tile kernels take 1xB and BxB blocks with B a power of two >= 8"),
+    ("block beyond a CTA", r"blocks span more than one CTA"),
+    ("row block beyond a warp", r"a row block would span \d+ lanes"),
+    ("RHT size", r"RHT size \d+ is not supported"),
+    ("row RHT too wide", r"with an RHT of size \d+: a thread would hold \d+ elements"),
+    ("column RHT too tall", r"a column RHT of size \d+: a thread's strip holds at most"),
+    ("column RHT across warps", r"a column RHT with column blocks spanning several warps"),
+    ("row RHT with a column copy", r"a rowwise RHT in a kernel with a columnwise output"),
+    ("RHT with 2D blocks", r"an RHT with 2D blocks"),
+    ("2D copies round alike", r"with 2D blocks both copies are one set of codes"),
+    ("input shape", r"[KM] must be a multiple of \d+"),
+    ("MoR rounding", r"rounding '\w+': the MoR kernels round nearest or zero"),
+    ("MoR block shape", r"(decision|scale) block \d+x\d+: (at least 8 columns|the kernels take)"),
+    ("MoR candidates", r"a rule without element candidates|MoR candidates must be signed"),
+)
+# What the planner leaves to the reference or to high precision, and the GEMM fallbacks
+PLAN_REASONS: tuple[tuple[str, str], ...] = (
+    ("high precision operand", r"^high precision \(\w+\): no quantization$"),
+    ("layer rule in high precision", r"^layer rule keeps these layers in \w+$"),
+    ("layer rule runs a recipe", r"^layer rule runs recipe .+ \(planned with it\)$"),
+    ("MoR with an RHT", r"^Mixture of Representations rule .+ with an RHT: the MoR kernels do"),
+    ("GEMM in high precision or MoR", r"^no GEMM kernel: an operand is high precision or a MoR"),
+    ("no fused sm_90a kernel", r"^no fused kernel \(.+\): "),
+    ("no native sm_100a MMA", r"^no native MMA \(.+\): "),
+    ("torch decode", r"torch decode \+ GEMM \(.+\)$"),
+)
+
+
+def refusal_kind(reason: str) -> str | None:
+    """The documented kind of a kernel refusal, or None."""
+    return next((kind for kind, pattern in REFUSALS if re.search(pattern, reason)), None)
+
+
+# ---------------------------------------------------------------------------------------------
+# The batch
+# ---------------------------------------------------------------------------------------------
+
+
+def draw_batch(batch_seed: int, count: int) -> list[RecipeCase]:
+    """``count`` recipes drawn by hypothesis from ``batch_seed`` (module docstring): the same
+    list for the same seed."""
+    cases: list[RecipeCase] = []
+
+    @settings(
+        max_examples=count,
+        database=None,
+        derandomize=False,
+        phases=(Phase.generate,),
+        deadline=None,
+        suppress_health_check=list(HealthCheck),
+    )
+    @seed(batch_seed)
+    @given(case=recipe_cases())
+    def collect(case: RecipeCase) -> None:
+        cases.append(case)
+
+    collect()
+    return cases[:count]
+
+
+@functools.cache
+def batch(batch_seed: int, count: int) -> tuple[RecipeCase, ...]:
+    return tuple(draw_batch(batch_seed, count))
+
+
+def load_case(case: RecipeCase, folder: Path) -> Recipe | None:
+    """The recipe with its files written under ``folder``; None where fp4gen refuses it on
+    purpose (``RecipeCase.refusable``)."""
+    folder.mkdir(parents=True, exist_ok=True)
+    path = case.write(folder)
+    try:
+        return load_recipe(path)
+    except FP4GenError as err:
+        if case.refusable and any(reason in str(err) for reason in RECIPE_REFUSALS):
+            return None
+        raise
+
+
+# ---------------------------------------------------------------------------------------------
+# 1. The planned quantize and MoR kernels
+# ---------------------------------------------------------------------------------------------
+
+Quantized = QuantizedTensor | MoRTensor
+
+
+@dataclass
+class KernelResult:
+    """One planned kernel on one input: ``refused`` is None where it ran and matched."""
+
+    kernel: str
+    shape: tuple[int, int]
+    refused: str | None = None
+    differences: list[str] = field(default_factory=list)
+
+
+def block_format(spec: QuantKernelSpec) -> BlockFormat:
+    return BlockFormat("planned", spec.element, spec.block, spec.scale, spec.global_scale)
+
+
+def kernel_shapes(spec: QuantKernelSpec | MoRKernelSpec) -> list[tuple[int, int]]:
+    """An input aligned to every block and RHT of the spec, and one a few rows and columns off."""
+    if isinstance(spec, MoRKernelSpec):
+        return [(128, 256), (37, 100)]
+    rhts = {o.direction: o.rht.size for o in spec.outputs if o.rht is not None}
+    cols = math.lcm(64, spec.block[1], *rhts.values())
+    rows = math.lcm(64, spec.block[0], *rhts.values())
+    # an RHT runs along whole groups of its size (the reference refuses other lengths)
+    return [(rows, cols), (rows + rhts.get("columnwise", 5), cols + max(8, rhts.get("rowwise", 8)))]
+
+
+def make_input(shape: tuple[int, int], device: str, rnd: random.Random) -> torch.Tensor:
+    """Gaussian bf16 values times 2^e (e in [-40, 40]), a zero row now and then; drawn on the
+    CPU, so both devices see the same numbers."""
+    g = torch.Generator().manual_seed(rnd.getrandbits(63))
+    x = torch.randn(shape, generator=g) * 2.0 ** rnd.randint(-40, 40)
+    if rnd.random() < 0.3:
+        x[rnd.randrange(shape[0])] = 0
+    return x.to(torch.bfloat16).to(device)
+
+
+def reference_copies(
+    spec: QuantKernelSpec, x: torch.Tensor, seed_: int, offsets: tuple[int, ...]
+) -> list[QuantizedTensor]:
+    """Each output of ``spec`` as the reference makes it: a rowwise copy quantizes x, a 1D
+    columnwise one x.t(); with 2D blocks both are one set of codes (the columnwise copy its
+    transpose)."""
+    fmt = block_format(spec)
+    if spec.block[0] != 1:
+        o = spec.outputs[0]
+        q = reference_quantize(x, fmt, rounding=o.rounding, seed=seed_, offset=offsets[0])
+        return [q if o.direction == "rowwise" else q.transpose() for o in spec.outputs]
+    copies = []
+    for o, offset in zip(spec.outputs, offsets, strict=True):
+        src = x if o.direction == "rowwise" else x.t().contiguous()
+        copies.append(
+            reference_quantize(
+                src, fmt, rounding=o.rounding, hadamard=o.rht, seed=seed_, offset=offset
+            )
+        )
+    return copies
+
+
+def single_rowwise(spec: QuantKernelSpec) -> bool:
+    """The spec ``fp4gen.quantize`` itself loads: one rowwise copy, 1D blocks."""
+    return spec.block[0] == 1 and [o.direction for o in spec.outputs] == ["rowwise"]
+
+
+class Refused(Exception):
+    """The kernels do not serve a spec or input; ``args[0]`` is the runtime's reason."""
+
+
+def kernel_copies(
+    spec: QuantKernelSpec, x: torch.Tensor, seed_: int, offsets: tuple[int, ...], backend: str
+) -> list[QuantizedTensor]:
+    """Each output of ``spec`` from ``backend``: "cute" runs the kernels through the runtime
+    (raises Refused with its reason where they do not serve), "reference" is the harness run
+    on the CPU (``fp4gen.quantize(backend="reference")`` per copy)."""
+    fmt = block_format(spec)
+    if backend == "reference" or single_rowwise(spec):
+        if spec.block[0] != 1:
+            o = spec.outputs[0]
+            q = quantize(
+                x, fmt, rounding=o.rounding, seed=seed_, offset=offsets[0], backend=backend
+            )
+            return [q if o.direction == "rowwise" else q.transpose() for o in spec.outputs]
+        copies = []
+        for o, offset in zip(spec.outputs, offsets, strict=True):
+            src = x if o.direction == "rowwise" else x.t().contiguous()
+            try:
+                copies.append(
+                    quantize(
+                        src,
+                        fmt,
+                        rounding=o.rounding,
+                        hadamard=o.rht,
+                        seed=seed_,
+                        offset=offset,
+                        backend=backend,
+                    )
+                )
+            except FP4GenError as err:  # the cute backend's refusal (or the input's)
+                raise Refused(str(err).split("is not available: ", 1)[-1]) from err
+        return copies
+    # a tile kernel: the runtime loader, the kernel's own input check, one launch
+    loaded = cute_backend._kernels(spec)
+    if isinstance(loaded, Unsupported):
+        raise Refused(loaded.reason)
+    try:
+        loaded.module.check_input(x)
+    except FP4GenError as err:
+        raise Refused(str(err)) from err
+    out = loaded.run(x, seed=seed_, offset=offsets)
+    rows, cols = x.shape
+    copies = []
+    for o, offset in zip(spec.outputs, offsets, strict=True):
+        prefix, n, shape = (
+            ("", cols, (rows, cols)) if o.direction == "rowwise" else ("col_", rows, (cols, rows))
+        )
+        copies.append(
+            cute_backend._quantized(
+                out, prefix, fmt, n, o.rounding, o.rht, seed_, offset, torch.Size(shape), x.dtype
+            )
+        )
+    return copies
+
+
+def bits(t: torch.Tensor) -> torch.Tensor:
+    """The bit pattern of a float tensor (NaNs and signed zeros compare as bits)."""
+    t = t.detach().contiguous()
+    return t.view(torch.int32) if t.dtype == torch.float32 else t
+
+
+def differences(got: Quantized, want: Quantized, tag: str) -> list[str]:
+    """What differs between two quantized copies, bit for bit: codes, scales, global scale (a
+    MoR tensor: choices, codes, high-precision values, the dequantized values)."""
+    if isinstance(want, MoRTensor):
+        assert isinstance(got, MoRTensor)
+        pairs = {
+            "choice": (got.choice, want.choice),
+            "codes": (got.codes, want.codes),
+            "high": (bits(got.high), bits(want.high)),
+            "values": (bits(got.dequantize().float()), bits(want.dequantize().float())),
+        }
+    else:
+        assert isinstance(got, QuantizedTensor)
+        pairs = {
+            "codes": (got.codes, want.codes),
+            "scales": (bits(got.scales.float()), bits(want.scales.float())),
+            "global scale": (bits(got.global_scale.float()), bits(want.global_scale.float())),
+        }
+    found = []
+    for name, (a, b) in pairs.items():
+        a, b = a.cpu(), b.cpu()
+        if a.shape != b.shape:
+            found.append(f"{tag} {name}: shape {tuple(a.shape)} != {tuple(b.shape)}")
+        elif not torch.equal(a, b):
+            where = (a != b).nonzero()[0].tolist()
+            found.append(f"{tag} {name}: {int((a != b).sum())} differ, first at {where}")
+    return found
+
+
+@contextlib.contextmanager
+def fresh_quantize_logs() -> Iterator[None]:
+    """The quantize and MoR backends' LogOnce forgets what it logged (for this block), so a
+    fallback met earlier in the session is logged again."""
+    saved = cute_backend._log_once, mor_kernels._log_once
+    cute_backend._log_once = LogOnce(saved[0].log, saved[0].message)
+    mor_kernels._log_once = LogOnce(saved[1].log, saved[1].message)
+    try:
+        yield
+    finally:
+        cute_backend._log_once, mor_kernels._log_once = saved
+
+
+def fallback_lines(records: list[logging.LogRecord]) -> list[str]:
+    return [r.getMessage() for r in records if r.name.startswith("fp4gen")]
+
+
+def check_fallback_logged_once(
+    spec: QuantKernelSpec | MoRKernelSpec,
+    x: torch.Tensor,
+    seed_: int,
+    offsets: tuple[int, ...],
+    reason: str,
+    caplog: pytest.LogCaptureFixture,
+) -> list[str]:
+    """Two ``backend="auto"`` calls where the kernels refused with ``reason``: the result is
+    the reference's, bit for bit, and ``reason`` is logged once. The problems found."""
+    problems = []
+    caplog.clear()
+    with fresh_quantize_logs(), caplog.at_level(logging.INFO, logger="fp4gen"):
+        for _ in range(2):
+            if isinstance(spec, MoRKernelSpec):
+                got: list[Quantized] = [
+                    mor_quantize(
+                        x, spec.rule, rounding=spec.rounding, seed=seed_, offset=offsets[0]
+                    )
+                ]
+                want: list[Quantized] = [
+                    reference_mor_quantize(
+                        x, spec.rule, rounding=spec.rounding, seed=seed_, offset=offsets[0]
+                    )
+                ]
+            elif single_rowwise(spec):
+                o = spec.outputs[0]
+                got = [
+                    quantize(
+                        x,
+                        block_format(spec),
+                        rounding=o.rounding,
+                        hadamard=o.rht,
+                        seed=seed_,
+                        offset=offsets[0],
+                    )
+                ]
+                want = list(reference_copies(spec, x, seed_, offsets))
+            else:  # what Linear asks first for a tensor's copies; None: one by one
+                outputs = tuple(
+                    (o.direction, o.rounding, o.rht, offset)
+                    for o, offset in zip(spec.outputs, offsets, strict=True)
+                )
+                if cute_backend.quantize_tile_cute(x, block_format(spec), outputs, seed=seed_):
+                    problems.append("quantize_tile_cute served a spec the kernels refused")
+                got = want = []
+            for i, (a, b) in enumerate(zip(got, want, strict=True)):
+                problems += differences(a, b, f"auto copy {i}")
+    lines = fallback_lines(caplog.records)
+    if len([line for line in lines if reason in line]) != 1:
+        problems.append(f"the fallback {reason!r} was not logged once: {lines}")
+    if len(lines) != len(set(lines)):
+        problems.append(f"a fallback was logged twice: {lines}")
+    return problems
+
+
+def run_planned_kernels(
+    recipe: Recipe,
+    device: str,
+    backend: str,
+    rnd: random.Random,
+    caplog: pytest.LogCaptureFixture | None = None,
+) -> list[KernelResult]:
+    """Every quantize and MoR kernel of the recipe's plan on each of its shapes (module
+    docstring, 1): what ran and matched, what was refused and why, what differed."""
+    results = []
+    for planned in plan_recipe(recipe).kernels:
+        spec = planned.spec
+        for shape in kernel_shapes(spec):
+            x = make_input(shape, device, rnd)
+            seed_ = rnd.getrandbits(64)
+            count = 1 if isinstance(spec, MoRKernelSpec) else len(spec.outputs)
+            offsets = tuple(rnd.getrandbits(40) for _ in range(count))
+            result = KernelResult(spec.name, shape)
+            try:
+                if isinstance(spec, MoRKernelSpec):
+                    got: list[Quantized] = [mor_copy(spec, x, seed_, offsets[0], backend)]
+                    want: list[Quantized] = [
+                        reference_mor_quantize(
+                            x, spec.rule, rounding=spec.rounding, seed=seed_, offset=offsets[0]
+                        )
+                    ]
+                else:
+                    got = list(kernel_copies(spec, x, seed_, offsets, backend))
+                    want = list(reference_copies(spec, x, seed_, offsets))
+            except Refused as refusal:
+                result.refused = str(refusal)
+                if refusal_kind(result.refused) is None:
+                    result.differences.append(f"undocumented refusal: {result.refused}")
+                elif caplog is not None:
+                    result.differences += check_fallback_logged_once(
+                        spec, x, seed_, offsets, result.refused, caplog
+                    )
+                results.append(result)
+                continue
+            for i, (a, b) in enumerate(zip(got, want, strict=True)):
+                result.differences += differences(a, b, f"copy {i}")
+            results.append(result)
+    return results
+
+
+def mor_copy(spec: MoRKernelSpec, x: torch.Tensor, seed_: int, offset: int, backend: str) -> Any:
+    try:
+        return mor_quantize(
+            x, spec.rule, rounding=spec.rounding, seed=seed_, offset=offset, backend=backend
+        )
+    except FP4GenError as err:
+        raise Refused(str(err).split("is not available: ", 1)[-1]) from err
+
+
+# ---------------------------------------------------------------------------------------------
+# 2. Three training steps against the reference path
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass
+class GemmCheck:
+    """One ``fp4gen.gemm`` call of the default run: the backend auto chose, the worst ratio of
+    |got - reference| to the bound (0 bit for bit; inf an exact call that differed)."""
+
+    backend: str
+    ratio: float
+    fallback: str | None  # auto's reason for leaving the fused kernel / native MMA
+
+
+@dataclass
+class TrainRun:
+    losses: list[torch.Tensor]
+    outputs: list[torch.Tensor]
+    grads: list[dict[str, torch.Tensor]]
+    params: dict[str, torch.Tensor]
+    gemms: list[GemmCheck] = field(default_factory=list)
+    log: list[str] = field(default_factory=list)
+
+
+def gemm_bound_ratio(
+    got: torch.Tensor, want: torch.Tensor, a: QuantizedTensor, b: QuantizedTensor, backend: str
+) -> float:
+    """max |got - want| / bound, the bound as test_conformance states docs/numerics.md 6:
+    (2 (K + 8) u + adder) sum_k |a_k b_k| + unit (|got| + |want|) / (1 - unit), u = 2^-24, unit
+    the output dtype's, adder Hopper's FP8 term (6.1) where block_scaled ran on CUDA."""
+    if backend == "reference":
+        return 0.0 if torch.equal(got, want) else math.inf
+    mag = a.dequantize(rotated=True).double().reshape(a.rows, a.cols).abs()
+    mag = mag @ b.dequantize(rotated=True).double().reshape(b.rows, b.cols).abs().t()
+    adder = TC_REL if backend == "block_scaled" and got.is_cuda else 0.0
+    unit = UNIT[got.dtype]
+    f, r = got.double(), want.double()
+    limit = (2 * (a.cols + 8) * U32 + adder) * mag.reshape(f.shape)
+    limit = limit + unit * (f.abs() + r.abs()) / (1 - unit)
+    return float(((f - r).abs() / limit.clamp_min(1e-300)).max())
+
+
+@contextlib.contextmanager
+def gemms_of(default: bool, checks: list[GemmCheck]) -> Iterator[None]:
+    """The layers' GEMMs: the reference run's on the reference; the default run's on auto,
+    each checked against the reference product of its operands, which it then returns."""
+    real = linear.gemm
+
+    def reference(a: Any, b: Any, **kw: Any) -> torch.Tensor:
+        return real(a, b, **{**kw, "backend": "reference"})
+
+    def checked(a: Any, b: Any, **kw: Any) -> torch.Tensor:
+        if not (isinstance(a, QuantizedTensor) and isinstance(b, QuantizedTensor)):
+            return real(a, b, **kw)
+        choice = gd.auto_backend(a, b)
+        out = kw.pop("out", None)
+        got = real(a, b, **{**kw, "backend": "auto"}).clone()
+        want = reference(a, b, **kw)
+        ratio = gemm_bound_ratio(got, want, a, b, choice.backend)
+        checks.append(GemmCheck(choice.backend, ratio, choice.why if choice.fallback else None))
+        if out is not None:
+            out.copy_(want)
+            return out
+        return want
+
+    linear.gemm = checked if default else reference  # type: ignore[assignment]
+    try:
+        yield
+    finally:
+        linear.gemm = real  # type: ignore[assignment]
+
+
+def train(recipe: Recipe, device: str, *, default: bool) -> TrainRun:
+    """Three SGD steps of Linear -> Linear (module docstring, 2); ``default``: the default
+    backends (else quantize and GEMMs on the reference)."""
+    g = torch.Generator().manual_seed(SEED % 2**63)
+    dtype = torch.bfloat16
+    backend = "auto" if default else "reference"
+    layers = [
+        fp4gen.nn.Linear(n_in, n_out, recipe=recipe, seed=7 + i, name=f"layer{i}", backend=backend)
+        for i, (n_in, n_out) in enumerate([(IN_FEATURES, HIDDEN), (HIDDEN, OUT_FEATURES)])
+    ]
+    model = nn.Sequential(*layers)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(torch.randn(p.shape, generator=g) / math.sqrt(p.shape[-1]))
+    model = model.to(device=device, dtype=dtype)
+    x = torch.randn(TOKENS, IN_FEATURES, generator=g).to(device=device, dtype=dtype)
+    target = torch.randn(TOKENS, OUT_FEATURES, generator=g).to(device)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    run = TrainRun([], [], [], {})
+    env = {LAYER_GROUPS_VAR: "0", LAYER_GRAPHS_VAR: "0"}  # every GEMM through linear.gemm
+    with environment(**env), gemms_of(default, run.gemms):
+        for step in range(STEPS):
+            fp4gen.set_step(model, step, total_steps=STEPS)  # the schedule's switches
+            opt.zero_grad()
+            y = model(x)
+            loss = (y.float() - target).pow(2).mean()
+            loss.backward()
+            run.outputs.append(y.detach().clone())
+            run.losses.append(loss.detach().clone())
+            run.grads.append({n: p.grad.clone() for n, p in model.named_parameters()})
+            opt.step()
+    run.params = {n: p.detach().clone() for n, p in model.named_parameters()}
+    return run
+
+
+def train_and_compare(
+    recipe: Recipe, device: str, *, default: bool, caplog: pytest.LogCaptureFixture | None
+) -> tuple[TrainRun, list[str]]:
+    """The run (default backends or the reference) against the reference run: the problems."""
+    want = train(recipe, device, default=False)
+    saved = gd._logged
+    gd._logged = set()  # GEMM fallbacks met earlier in the session are logged again
+    try:
+        if caplog is not None:
+            caplog.clear()
+        with (
+            fresh_quantize_logs(),
+            caplog.at_level(logging.INFO, logger="fp4gen") if caplog else contextlib.nullcontext(),
+        ):
+            got = train(recipe, device, default=default)
+        got.log = fallback_lines(caplog.records) if caplog is not None else []
+    finally:
+        gd._logged = saved
+    problems = []
+    for step in range(STEPS):
+        for name, a, b in [
+            ("loss", got.losses[step], want.losses[step]),
+            ("y", got.outputs[step], want.outputs[step]),
+            *[(f"grad {n}", got.grads[step][n], want.grads[step][n]) for n in want.grads[step]],
+        ]:
+            if not torch.equal(bits(a), bits(b)):
+                problems.append(f"step {step}: {name} differs from the reference path")
+    for name, p in want.params.items():
+        if not torch.equal(bits(got.params[name]), bits(p)):
+            problems.append(f"the trained {name} differs from the reference path")
+    for i, check in enumerate(got.gemms):
+        if not check.ratio <= 1.0:
+            problems.append(f"GEMM call {i} on {check.backend}: x{check.ratio:.3g} the bound")
+    if caplog is not None:
+        if len(got.log) != len(set(got.log)):
+            problems.append(f"a fallback was logged twice: {got.log}")
+        for why in {c.fallback for c in got.gemms if c.fallback}:
+            if not any(why in line for line in got.log):
+                problems.append(f"the GEMM fallback {why!r} was not logged")
+    return got, problems
+
+
+# ---------------------------------------------------------------------------------------------
+# The GPU tests
+# ---------------------------------------------------------------------------------------------
+
+gpu = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not ON_GPU, reason="needs a CUDA GPU"),
+]
+
+
+@pytest.fixture(scope="module")
+def gpu_batch(tmp_path_factory: pytest.TempPathFactory) -> list[Recipe | None]:
+    """The batch's recipes (None: refused on purpose), every kernel they load compiled up
+    front for this GPU's arch, in parallel, into the kernel cache the runtime reads."""
+    from fp4gen.compiler.jit import detect_arch
+
+    arch = detect_arch()
+    if arch not in ("sm_90a", "sm_100a"):
+        pytest.skip(f"no generated kernels for {arch}")
+    root = tmp_path_factory.mktemp("fuzz-gpu")
+    recipes = [load_case(c, root / f"case{i}") for i, c in enumerate(batch(SEED, EXAMPLES))]
+    accepted = [r for r in recipes if r is not None]
+    report = compile_recipes(
+        accepted, archs=(arch,), out=root / "generated", jobs=max(2, (os.cpu_count() or 2) - 1)
+    )
+    assert not report.errors, report.errors[:3]
+    return recipes
+
+
+def announce() -> None:
+    print(f"recipe fuzz (GPU): FP4GEN_FUZZ_SEED={SEED} FP4GEN_FUZZ_EXAMPLES={EXAMPLES} replays")
+
+
+@pytest.mark.parametrize("index", range(EXAMPLES))
+@pytest.mark.gpu
+@pytest.mark.skipif(not ON_GPU, reason="needs a CUDA GPU")
+def test_planned_kernels_match_the_reference_on_gpu(
+    index: int, gpu_batch: list[Recipe | None], caplog: pytest.LogCaptureFixture
+) -> None:
+    announce()
+    recipe = gpu_batch[index]
+    if recipe is None:
+        pytest.skip("a recipe fp4gen refuses on purpose")
+    rnd = random.Random(f"{SEED}/{index}/kernels")
+    results = run_planned_kernels(recipe, "cuda", "cute", rnd, caplog)
+    torch.cuda.synchronize()
+    bad = [f"{r.kernel} {r.shape}: {d}" for r in results for d in r.differences]
+    assert not bad, f"{batch(SEED, EXAMPLES)[index].listing()}\n" + "\n".join(bad[:10])
+
+
+@pytest.mark.parametrize("index", range(EXAMPLES))
+@pytest.mark.gpu
+@pytest.mark.skipif(not ON_GPU, reason="needs a CUDA GPU")
+def test_training_steps_match_the_reference_path_on_gpu(
+    index: int, gpu_batch: list[Recipe | None], caplog: pytest.LogCaptureFixture
+) -> None:
+    announce()
+    recipe = gpu_batch[index]
+    if recipe is None:
+        pytest.skip("a recipe fp4gen refuses on purpose")
+    got, problems = train_and_compare(recipe, "cuda", default=True, caplog=caplog)
+    assert got.gemms, "no GEMM was checked"
+    assert not problems, f"{batch(SEED, EXAMPLES)[index].listing()}\n" + "\n".join(problems[:10])
+
+
+# ---------------------------------------------------------------------------------------------
+# The CPU tests: the harness itself, and the documented reasons
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def cpu_recipes(tmp_path_factory: pytest.TempPathFactory) -> list[tuple[RecipeCase, Recipe]]:
+    """The first CPU_RECIPES accepted recipes of the default batch."""
+    root = tmp_path_factory.mktemp("fuzz-cpu")
+    found = []
+    for i, case in enumerate(batch(DEFAULT_SEED, 12)):
+        recipe = load_case(case, root / f"case{i}")
+        if recipe is not None and plan_recipe(recipe).kernels:
+            found.append((case, recipe))
+        if len(found) == CPU_RECIPES:
+            break
+    assert len(found) == CPU_RECIPES
+    return found
+
+
+def test_the_batch_is_the_same_for_a_seed() -> None:
+    first = [c.files for c in draw_batch(5, 4)]
+    assert first == [c.files for c in draw_batch(5, 4)]
+    assert len({str(f) for f in first}) == 4  # four different recipes
+    assert first != [c.files for c in draw_batch(6, 4)]
+
+
+def test_the_kernel_harness_on_the_cpu_reference(
+    cpu_recipes: list[tuple[RecipeCase, Recipe]],
+) -> None:
+    """Both sides on the reference: every planned kernel of three recipes, on both shapes,
+    matches bit for bit (a harness bug in the copies, shapes or offsets would not)."""
+    for index, (case, recipe) in enumerate(cpu_recipes):
+        rnd = random.Random(f"{DEFAULT_SEED}/{index}/kernels")
+        results = run_planned_kernels(recipe, "cpu", "reference", rnd)
+        expected = sum(len(kernel_shapes(k.spec)) for k in plan_recipe(recipe).kernels)
+        assert len(results) == expected > 0
+        bad = [f"{r.kernel} {r.shape}: {r.refused} {r.differences}" for r in results]
+        bad = [b for r, b in zip(results, bad, strict=True) if r.refused or r.differences]
+        assert not bad, case.listing() + "\n".join(bad)
+
+
+def test_the_kernel_harness_reports_a_flipped_code(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A kernel side whose first code is off by one is reported (codes differ, scales not)."""
+    recipe = load_recipe(ROOT / "recipes" / "nvfp4.fp4r")
+    real = kernel_copies
+
+    def faulty(*args: Any, **kw: Any) -> list[QuantizedTensor]:
+        copies = real(*args, **kw)
+        codes = copies[0].codes.clone()
+        codes[0, 0] ^= 1
+        return [dataclasses.replace(copies[0], codes=codes), *copies[1:]]
+
+    monkeypatch.setattr(sys.modules[__name__], "kernel_copies", faulty)
+    results = run_planned_kernels(recipe, "cpu", "reference", random.Random(0))
+    assert results and all(r.differences for r in results)
+    assert all(
+        d.startswith("copy 0 codes: 1 differ, first at [0, 0]")
+        for r in results
+        for d in r.differences
+    )
+
+
+def test_the_training_harness_on_the_cpu_reference(
+    cpu_recipes: list[tuple[RecipeCase, Recipe]],
+) -> None:
+    """Both sides on the reference, on the CPU: three steps equal bit for bit, every GEMM
+    checked with a zero ratio, and the loss moved by the steps."""
+    for case, recipe in cpu_recipes:
+        got, problems = train_and_compare(recipe, "cpu", default=False, caplog=None)
+        assert not problems, case.listing() + "\n".join(problems)
+        assert not torch.equal(got.params["0.weight"], train_params_at_start(recipe))
+        assert all(torch.isfinite(loss) for loss in got.losses)
+
+
+def train_params_at_start(recipe: Recipe) -> torch.Tensor:
+    """The first layer's weight before training (the same draw ``train`` makes)."""
+    g = torch.Generator().manual_seed(SEED % 2**63)
+    return (torch.randn(HIDDEN, IN_FEATURES, generator=g) / math.sqrt(IN_FEATURES)).to(
+        torch.bfloat16
+    )
+
+
+def test_the_gemm_check_catches_an_error_beyond_the_bound() -> None:
+    """The per-call bound passes the fp32 result of the same product and fails one that is off
+    by 1e-3 of its magnitude; an exact call must be bit for bit."""
+    g = torch.Generator().manual_seed(3)
+    a = reference_quantize(torch.randn(8, 64, generator=g), "nvfp4")
+    b = reference_quantize(torch.randn(16, 64, generator=g), "nvfp4")
+    want = gd.gemm(a, b, backend="reference")
+    exact = a.dequantize().double() @ b.dequantize().double().t()
+    fp32_sum = (a.dequantize() @ b.dequantize().t()).float()
+    assert gemm_bound_ratio(fp32_sum, want, a, b, "dequant") <= 1.0
+    off = (exact * (1 + 1e-3)).float()
+    assert gemm_bound_ratio(off, want, a, b, "dequant") > 1.0
+    assert gemm_bound_ratio(want, want, a, b, "reference") == 0.0
+    assert gemm_bound_ratio(fp32_sum, want, a, b, "reference") in (0.0, math.inf)
+
+
+def documented_kinds() -> set[str]:
+    """The kinds named in the first column of docs/testing.md's fallback table."""
+    text = (ROOT / "docs" / "testing.md").read_text(encoding="utf-8")
+    section = text.split("## Fallbacks and their reasons", 1)[1]
+    return {m[1] for m in re.finditer(r"^\| ([^|]+?) \|", section, re.M)}
+
+
+def test_every_reason_kind_is_documented() -> None:
+    kinds = {kind for kind, _ in REFUSALS + PLAN_REASONS}
+    missing = kinds - documented_kinds()
+    assert not missing, f"docs/testing.md does not list {sorted(missing)}"
+
+
+def plan_reasons(recipe: Recipe, folder: Path) -> list[str]:
+    """Every reason the planner gives for a recipe: kernels the templates do not generate,
+    operands left unquantized, GEMM fallbacks on sm_90a and sm_100a."""
+    build = prepare_builds([recipe], out=folder)[0]
+    found = [item.unsupported for item in build.kernels if item.unsupported]
+    found += [s.reason for s in build.plan.skipped]
+    assert build.runtime is not None
+    for route in build.runtime.gemms:
+        for arch, what in route.routes:
+            if arch == "all" or what.startswith(("no fused kernel", "no native MMA")):
+                found.append(what)
+    return found
+
+
+def test_every_reason_the_planner_gives_is_documented(tmp_path: Path) -> None:
+    """Over 40 drawn recipes, each reason the planner gives is one of the documented kinds:
+    a kernel refusal (``REFUSALS``) or a plan reason (``PLAN_REASONS``)."""
+    seen: set[str] = set()
+    for i, case in enumerate(batch(DEFAULT_SEED, 40)):
+        recipe = load_case(case, tmp_path / f"case{i}")
+        if recipe is None:
+            continue
+        for reason in plan_reasons(recipe, tmp_path / f"gen{i}"):
+            kind = refusal_kind(reason) or next(
+                (k for k, p in PLAN_REASONS if re.search(p, reason)), None
+            )
+            assert kind is not None, f"undocumented reason: {reason}\n{case.listing()}"
+            seen.add(kind)
+    assert {"high precision operand", "block length", "no native sm_100a MMA"} <= seen
