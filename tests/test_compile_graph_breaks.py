@@ -1,0 +1,217 @@
+"""torch.compile sees a converted block as one graph: no graph breaks in fp4gen's demo GPT block
+or a converted transformers Llama decoder layer (``torch._dynamo.explain``, the eager backend),
+the whole block compiles with fullgraph=True forward and backward with eager mode's bits, and
+the custom ops behind fp4gen.nn.Linear pass ``torch.library.opcheck`` (schema, autograd
+registration, fake kernels, AOT dispatch) with fake outputs of exactly the real shape, dtype,
+strides and device."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+import fp4gen
+from fp4gen.demo.gpt import GPT, GPTConfig
+
+# SR and RHT (nvfp4_no_bf16), per-tensor MoR, MX blocks, FP8 2D blocks
+RECIPES = ("nvfp4_no_bf16", "mor_tensor", "mxfp4_small", "fp8_blockwise")
+# opcheck calls an op several times and compares the results: no stochastic rounding
+DETERMINISTIC = ("nvfp4_no_sr", "mor_tensor")
+CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+
+def gpt_block(recipe: str, seed: int = 0) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    model = GPT(GPTConfig(layers=2, width=64, heads=4, context=32))
+    fp4gen.convert(model, recipe, total_steps=10)
+    block = model.blocks[0]
+    assert isinstance(block.attn.qkv, fp4gen.nn.Linear)
+    return block
+
+
+def llama(recipe: str):
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        vocab_size=256,
+        max_position_embeddings=64,
+    )
+    model = transformers.LlamaForCausalLM(config)
+    fp4gen.convert(model, recipe, total_steps=10)
+    assert isinstance(model.model.layers[0].self_attn.q_proj, fp4gen.nn.Linear)
+    return model
+
+
+def explain(fn, *args, **kwargs):
+    torch._dynamo.reset()
+    found = torch._dynamo.explain(fn)(*args, **kwargs)
+    reasons = [str(r.reason).splitlines()[0] for r in found.break_reasons]
+    return found, reasons
+
+
+@pytest.mark.parametrize("autocast", [False, True], ids=["fp32", "bf16-autocast"])
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_demo_gpt_block_has_no_graph_breaks(recipe: str, autocast: bool) -> None:
+    block = gpt_block(recipe)
+    x = torch.randn(2, 32, 64, requires_grad=True)
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+        found, reasons = explain(block, x)
+    assert (found.graph_break_count, reasons) == (0, [])
+    assert found.graph_count == 1
+    # the four layers are four calls of the forward op in that graph
+    ops = [n for g in found.graphs for n in g.graph.nodes if "linear_forward" in str(n.target)]
+    assert len(ops) == 4
+
+
+@pytest.mark.parametrize("autocast", [False, True], ids=["fp32", "bf16-autocast"])
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_llama_decoder_layer_has_no_graph_breaks(recipe: str, autocast: bool) -> None:
+    model = llama(recipe)
+    ids = torch.randint(0, 256, (2, 16))
+    for step in range(3):  # eager steps first: what they set up must not break the trace
+        fp4gen.set_step(model, step)
+        model(input_ids=ids, labels=ids).loss.backward()
+    layer = model.model.layers[0]
+    h = torch.randn(2, 16, 64, requires_grad=True)
+    positions = torch.arange(16)[None].expand(2, 16)
+    rotary = model.model.rotary_emb(h, positions)
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+        found, reasons = explain(
+            layer, h, position_embeddings=rotary, attention_mask=None, position_ids=positions
+        )
+    assert (found.graph_break_count, reasons) == (0, [])
+    assert found.graph_count == 1
+    ops = [n for g in found.graphs for n in g.graph.nodes if "linear_forward" in str(n.target)]
+    assert len(ops) == 7  # q, k, v, o, gate, up, down
+
+
+def test_whole_converted_llama_with_its_loss_has_no_graph_breaks() -> None:
+    model = llama("nvfp4_small")  # the last block and lm_head stay nn.Linear
+    ids = torch.randint(0, 256, (2, 16))
+    found, reasons = explain(model, input_ids=ids, labels=ids)
+    assert (found.graph_break_count, reasons) == (0, [])
+
+
+@pytest.mark.parametrize("recipe", ["nvfp4_no_bf16", "mor_tensor"])
+def test_fullgraph_block_matches_eager_forward_and_backward(recipe: str) -> None:
+    """Two identical blocks (same seeds, stochastic rounding on), one eager and one compiled
+    with fullgraph=True (aot_eager: the backward goes through the backward op): the same y, dx
+    and weight gradients bit for bit; the LayerNorm and residual math is traced the same."""
+    eager, compiled = gpt_block(recipe), gpt_block(recipe)
+    torch._dynamo.reset()
+    run = torch.compile(compiled, backend="aot_eager", fullgraph=True)
+    torch.manual_seed(1)
+    x, dy = torch.randn(2, 32, 64), torch.randn(2, 32, 64)
+    outputs = []
+    for block in (eager, run):
+        xi = x.clone().requires_grad_()
+        y = block(xi)
+        y.backward(dy)
+        outputs.append((y.detach(), xi.grad))
+    assert torch.equal(outputs[0][0], outputs[1][0])
+    assert torch.equal(outputs[0][1], outputs[1][1])
+    for (name, a), b in zip(eager.named_parameters(), compiled.parameters(), strict=True):
+        assert torch.equal(a.grad, b.grad), name
+
+
+def op_cases(device: str):
+    """(tokens, in, out, x dtype, weight dtype, out dtype, bias): odd token counts and widths
+    (padded inside), mixed dtypes as under autocast, no bias."""
+    return [
+        (30, 72, 40, torch.float32, torch.float32, torch.float32, True),
+        (17, 64, 48, torch.bfloat16, torch.float32, torch.bfloat16, True),
+        (1, 16, 8, torch.bfloat16, torch.bfloat16, torch.float32, False),
+    ]
+
+
+def op_args(layer, tokens, x_dtype, w_dtype, out_dtype, bias, device, contiguous=True):
+    torch.manual_seed(2)
+    x = torch.randn(tokens, layer.in_features, device=device, dtype=x_dtype)
+    w = layer.weight.detach().to(device, w_dtype)
+    if not contiguous:  # a transposed x, and a Conv1D-style [in, out] weight seen as [out, in]
+        x = x.t().contiguous().t()
+        w = w.t().contiguous().t()
+    b = layer.bias.detach().to(device) if bias else None
+    dy = torch.randn(tokens, layer.out_features, device=device, dtype=out_dtype)
+    return x, w, b, dy
+
+
+@pytest.mark.parametrize("case", range(3))
+@pytest.mark.parametrize("recipe", DETERMINISTIC)
+def test_custom_ops_pass_opcheck(recipe: str, case: int) -> None:
+    tokens, n_in, n_out, x_dtype, w_dtype, out_dtype, bias = op_cases("cpu")[case]
+    layer = fp4gen.nn.Linear(n_in, n_out, recipe=recipe)
+    x, w, b, dy = op_args(layer, tokens, x_dtype, w_dtype, out_dtype, bias, "cpu")
+    passed = {
+        "test_schema": "SUCCESS",
+        "test_autograd_registration": "SUCCESS",
+        "test_faketensor": "SUCCESS",
+        "test_aot_dispatch_dynamic": "SUCCESS",
+    }
+    x.requires_grad_()
+    w.requires_grad_()
+    forward = (x, w, b, layer._op_id, out_dtype)
+    assert torch.library.opcheck(torch.ops.fp4gen.linear_forward.default, forward) == passed
+    backward = (dy, x.detach(), w.detach(), layer._op_id)
+    assert torch.library.opcheck(torch.ops.fp4gen.linear_backward.default, backward) == passed
+
+
+def metadata(t: torch.Tensor) -> tuple:
+    return tuple(t.shape), t.dtype, t.stride(), t.device
+
+
+def check_fake_outputs(recipe: str, case: int, contiguous: bool, device: str) -> None:
+    """The fake kernels' outputs have the real outputs' shape, dtype, strides and device."""
+    tokens, n_in, n_out, x_dtype, w_dtype, out_dtype, bias = op_cases(device)[case]
+    layer = fp4gen.nn.Linear(n_in, n_out, recipe=recipe, device=device)
+    x, w, b, dy = op_args(layer, tokens, x_dtype, w_dtype, out_dtype, bias, device, contiguous)
+    real = [torch.ops.fp4gen.linear_forward(x, w, b, layer._op_id, out_dtype)]
+    real += torch.ops.fp4gen.linear_backward(dy, x, w, layer._op_id)
+    with FakeTensorMode() as mode:
+        fx, fw, fdy = (mode.from_tensor(t) for t in (x, w, dy))
+        fb = None if b is None else mode.from_tensor(b)
+        fake = [torch.ops.fp4gen.linear_forward(fx, fw, fb, layer._op_id, out_dtype)]
+        fake += torch.ops.fp4gen.linear_backward(fdy, fx, fw, layer._op_id)
+    assert [metadata(t) for t in fake] == [metadata(t) for t in real]
+    assert metadata(real[0])[:2] == ((tokens, n_out), out_dtype)
+    assert metadata(real[1])[:2] == ((tokens, n_in), x_dtype)  # dx in x's dtype
+    assert metadata(real[2])[:2] == ((n_out, n_in), w_dtype)  # dW in the weight's
+
+
+@pytest.mark.parametrize("contiguous", [True, False], ids=["contiguous", "transposed"])
+@pytest.mark.parametrize("case", range(3))
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_fake_kernels_give_the_real_metadata(recipe: str, case: int, contiguous: bool) -> None:
+    check_fake_outputs(recipe, case, contiguous, "cpu")
+
+
+@pytest.mark.gpu
+@CUDA
+@pytest.mark.parametrize("contiguous", [True, False], ids=["contiguous", "transposed"])
+@pytest.mark.parametrize("case", range(3))
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_fake_kernels_give_the_real_metadata_on_cuda(
+    recipe: str, case: int, contiguous: bool
+) -> None:
+    """On CUDA the generated kernels and cuBLAS write the outputs: the fakes still match."""
+    check_fake_outputs(recipe, case, contiguous, "cuda")
+
+
+@pytest.mark.gpu
+@CUDA
+@pytest.mark.parametrize("recipe", DETERMINISTIC)
+def test_custom_ops_pass_opcheck_on_cuda(recipe: str) -> None:
+    layer = fp4gen.nn.Linear(64, 48, recipe=recipe, device="cuda")
+    x, w, b, dy = op_args(layer, 32, torch.bfloat16, torch.float32, torch.bfloat16, True, "cuda")
+    forward = (x.requires_grad_(), w.requires_grad_(), b, layer._op_id, torch.bfloat16)
+    result = torch.library.opcheck(torch.ops.fp4gen.linear_forward.default, forward)
+    assert set(result.values()) == {"SUCCESS"}
+    backward = (dy, x.detach(), w.detach(), layer._op_id)
+    result = torch.library.opcheck(torch.ops.fp4gen.linear_backward.default, backward)
+    assert set(result.values()) == {"SUCCESS"}
