@@ -422,7 +422,14 @@ def check_fallback_logged_once(
             for i, (a, b) in enumerate(zip(got, want, strict=True)):
                 problems += differences(a, b, f"auto copy {i}")
     lines = fallback_lines(caplog.records)
-    if len([line for line in lines if reason in line]) != 1:
+    # a 2D tile whose copies round stochastically or transform: the runtime quantizes the
+    # copies one by one without asking the tile kernel, so nothing falls back or is logged
+    silent = (
+        isinstance(spec, QuantKernelSpec)
+        and spec.block[0] != 1
+        and any(o.rounding != "nearest" or o.rht is not None for o in spec.outputs)
+    )
+    if not silent and len([line for line in lines if reason in line]) != 1:
         problems.append(f"the fallback {reason!r} was not logged once: {lines}")
     if len(lines) != len(set(lines)):
         problems.append(f"a fallback was logged twice: {lines}")
@@ -654,11 +661,11 @@ def gpu_batch(tmp_path_factory: pytest.TempPathFactory) -> list[Recipe | None]:
         pytest.skip(f"no generated kernels for {arch}")
     root = tmp_path_factory.mktemp("fuzz-gpu")
     recipes = [load_case(c, root / f"case{i}") for i, c in enumerate(batch(SEED, EXAMPLES))]
-    accepted = [r for r in recipes if r is not None]
-    report = compile_recipes(
-        accepted, archs=(arch,), out=root / "generated", jobs=max(2, (os.cpu_count() or 2) - 1)
-    )
-    assert not report.errors, report.errors[:3]
+    jobs = max(2, (os.cpu_count() or 2) - 1)
+    for i, recipe in enumerate(recipes):  # one folder each: a drawn name need not be plain
+        if recipe is not None:
+            report = compile_recipes([recipe], archs=(arch,), out=root / f"gen{i}", jobs=jobs)
+            assert not report.errors, report.errors[:3]
     return recipes
 
 
