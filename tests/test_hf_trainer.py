@@ -107,6 +107,46 @@ def test_gradient_accumulation_sets_the_step_once_per_optimizer_step(tmp_path: P
     check_run(example, result, 4, tmp_path, calls_per_step=2)
 
 
+def test_trainer_with_torch_compile(tmp_path: Path) -> None:
+    """TrainingArguments(torch_compile=True) wraps the model before on_train_begin; it is traced
+    on its first call, after the conversion, and the schedule switches inside the custom ops
+    (no retrace needed)."""
+    import transformers
+
+    example = load_example()
+    torch.manual_seed(0)
+    model = example.build_model(64, 2, 4, 32)
+    callback = FP4GenCallback(example.SWITCH_RECIPE, telemetry_every=1)
+    args = transformers.TrainingArguments(
+        output_dir=str(tmp_path),
+        max_steps=4,
+        per_device_train_batch_size=4,
+        logging_steps=1,
+        save_strategy="no",
+        report_to="none",
+        disable_tqdm=True,
+        use_cpu=True,
+        torch_compile=True,
+        torch_compile_backend="aot_eager",
+    )
+    torch._dynamo.reset()
+    trainer = transformers.Trainer(
+        model=model,
+        args=args,
+        train_dataset=example.RandomTokens(16, 32, 0),
+        callbacks=[callback],
+    )
+    trainer.train()
+    assert type(trainer.model_wrapped).__name__ == "OptimizedModule"
+    assert count_converted(model) == FIRST_BLOCK
+    assert model._fp4gen_clock.step == 3
+    losses = [e["loss"] for e in trainer.state.log_history if "loss" in e]
+    assert len(losses) == 4 and all(math.isfinite(loss) for loss in losses)
+    records = callback.records()
+    assert {r["step"] for r in records if r["operand"] in FORWARD} == {0, 1}
+    assert {r["step"] for r in records if r["operand"] in BACKWARD} == {0, 1, 2, 3}
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_trainer_on_the_gpu(tmp_path: Path) -> None:
