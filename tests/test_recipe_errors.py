@@ -23,7 +23,7 @@ CASES: list[tuple[str, str, int, int, str]] = [
     ("missing_colon", "operands {\n    * nvfp4\n}\n", 2, 7,
      "expected ':' after the operand selector"),
     ("unknown_top_keyword", "formt x = e2m1\n", 1, 1,
-     "unknown keyword 'formt': expected 'extends', 'format'"),
+     "unknown keyword 'formt': expected 'eval', 'extends', 'format'"),
     ("unknown_prop_keyword", "operands {\n    * : nvfp4 rund nearest\n}\n", 2, 15,
      "unknown keyword 'rund'"),
     ("did_you_mean", "operands {\n    * : nvfp4 rund nearest\n}\n", 2, 15,

@@ -250,6 +250,9 @@ class Recipe:
     mors: tuple[MoRSpec, ...] = ()
     layers: tuple[LayerRule, ...] = ()
     schedule: tuple[ScheduleRule, ...] = ()
+    # what the forward of a layer that is not training (module.eval()) runs in: None keeps the
+    # fprop operands in force (``eval : fprop``); an action replaces the fprop slots with its own
+    evaluation: LayerAction | None = None
     source: Path | None = field(default=None, compare=False)
 
     def mor(self, name: str) -> MoRSpec:

@@ -20,9 +20,10 @@ from fp4gen.errors import RecipeError
 
 PathArg = str | os.PathLike[str]
 
-# How recipe text starts when it is one line: a comment or a top-level keyword and a blank or '{'.
+# How recipe text starts when it is one line: a comment or a top-level keyword and a blank or '{'
+# (or ':' after eval).
 _TEXT_START = re.compile(
-    r"\s*(?:#|(?:recipe|extends|import|format|operands|mor|layers|schedule)[\s{])"
+    r"\s*(?:#|(?:recipe|extends|import|format|operands|mor|layers|schedule)[\s{]|eval[\s:])"
 )
 
 

@@ -55,6 +55,8 @@ def print_recipe(recipe: Recipe) -> str:
         out += ["", "schedule {"]
         out.extend(_INDENT + _schedule(rule, scope) for rule in recipe.schedule)
         out.append("}")
+    if recipe.evaluation is not None:  # absent: eval : fprop, the default
+        out += ["", f"eval : {_eval_action(recipe.evaluation, scope)}"]
     return "\n".join(out) + "\n"
 
 
@@ -172,6 +174,13 @@ def _action(action: LayerAction, scope: dict[str, BlockFormat | HighPrecision]) 
     if isinstance(action, BlockFormat) and scope.get(action.name) != action:
         raise ValueError(f"layer action {action.name} is not a format of the recipe as it is")
     return _format_ref(action, scope, "layer action")
+
+
+def _eval_action(action: LayerAction, scope: dict[str, BlockFormat | HighPrecision]) -> str:
+    text = _action(action, scope)
+    if text == "fprop":  # the keyword there: a format of that name cannot be written back
+        raise ValueError("an eval action format named fprop reads back as `eval : fprop`")
+    return text
 
 
 def _layer(rule: LayerRule, scope: dict[str, BlockFormat | HighPrecision]) -> str:

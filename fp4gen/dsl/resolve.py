@@ -25,6 +25,7 @@ from fp4gen.dsl.source import (
     did_you_mean,
 )
 from fp4gen.dsl.statements import (
+    EvalStmt,
     FormatDef,
     FormatRef,
     Include,
@@ -88,6 +89,7 @@ class Unit:
     slots: dict[Operand, Slot] = field(default_factory=lambda: {op: Slot() for op in Operand})
     layers: LayersSection | None = None
     schedule: ScheduleSection | None = None
+    evaluation: EvalStmt | None = None  # the eval statement in force (this file's or inherited)
     anchor: Pos | None = None  # where an operand left without a format is reported
 
 
@@ -220,12 +222,14 @@ class Loader:
             unit.mors = dict(parent.mors)
             unit.slots = {op: slot.copy() for op, slot in parent.slots.items()}
             unit.layers, unit.schedule = parent.layers, parent.schedule
+            unit.evaluation = parent.evaluation
             unit.anchor = extends.pos
         self._import_all(unit, imports, stack)
 
         local_formats: dict[str, At[Format]] = {}
         local_mors: dict[str, At[MoRSpec]] = {}
         sections: dict[type, Pos] = {}
+        own_eval: EvalStmt | None = None
         for st in statements:
             if isinstance(st, FormatDef):
                 self._define_format(unit, st, local_formats)
@@ -253,6 +257,13 @@ class Loader:
                     unit.layers = st
                 else:
                     unit.schedule = st
+            elif isinstance(st, EvalStmt):
+                if own_eval is not None:
+                    raise st.pos.error(
+                        f"a second eval statement (the first is on {own_eval.pos.where()}): a "
+                        "recipe says once what its layers run in when not training"
+                    )
+                own_eval = unit.evaluation = st  # a child's replaces the parent's
         return unit
 
     def _import_all(self, unit: Unit, imports: list[Include], stack: tuple[_Frame, ...]) -> None:

@@ -156,8 +156,23 @@ class ScheduleSection:
     rules: tuple[ScheduleStmt, ...]
 
 
+@dataclass(frozen=True, eq=False)
+class EvalStmt:
+    """``eval : fprop | ACTION``; ``action`` is None for ``fprop`` (the default)."""
+
+    action: At[ActionRef] | None
+    pos: Pos  # the keyword
+
+
 Statement = (
-    RecipeDecl | Include | FormatDef | OperandsSection | MoRDef | LayersSection | ScheduleSection
+    RecipeDecl
+    | Include
+    | FormatDef
+    | OperandsSection
+    | MoRDef
+    | LayersSection
+    | ScheduleSection
+    | EvalStmt
 )
 
 
@@ -662,6 +677,12 @@ class _Builder:
                 "(2^63 - 1, a 64-bit step counter)"
             )
         return ScheduleStmt(step, None, passes, action)  # type: ignore[arg-type]
+
+    def eval_decl(self, tree: Tree) -> EvalStmt:
+        (what,) = tree.children
+        if isinstance(what, Token):  # fprop: the forward's own operands, as in training
+            return EvalStmt(None, self.pos(tree))
+        return EvalStmt(self.action(what), self.pos(tree))
 
     def action(self, tree: Tree) -> At[ActionRef]:
         tok = tree.children[0]

@@ -42,7 +42,9 @@ _PUNCT: dict[str, str] = {
 }
 
 # Keywords that start a top-level item; the value stack tells us which one we are inside.
-_ITEMS = {"RECIPE", "EXTENDS", "IMPORT", "FORMAT", "OPERANDS", "MOR", "LAYERS", "SCHEDULE"}
+_ITEMS = {
+    "RECIPE", "EXTENDS", "IMPORT", "FORMAT", "OPERANDS", "MOR", "LAYERS", "SCHEDULE", "EVAL",
+}  # fmt: skip
 
 _TREE_PHRASES = {
     "selector": "the operand selector",
@@ -396,7 +398,7 @@ def _all_words() -> set[str]:
         "recipe", "extends", "import", "format", "operands", "mor", "layers", "schedule",
         "block", "scale", "round", "global", "finite", "fn", "ieee", "rht", "signs", "seed",
         "te", "none", "decide", "try", "else", "if", "relerr", "range", "tensor", "channel",
-        "match", "at", "step",
+        "match", "at", "step", "eval", "fprop",
     }  # fmt: skip
     return words
 

@@ -35,6 +35,7 @@ if TYPE_CHECKING:  # the resolver calls finish(); its types are annotations here
     from fp4gen.dsl.resolve import Slot, Unit
 
 LoadRef = Callable[[At[str]], tuple[str, Recipe]]
+EVAL_2D = "an eval statement's format applies to the fprop activation too"
 
 
 def finish(unit: Unit, load_ref: LoadRef) -> Recipe:
@@ -61,6 +62,9 @@ def finish(unit: Unit, load_ref: LoadRef) -> Recipe:
             )
             for rule in unit.schedule.rules
         )
+    evaluation = None
+    if unit.evaluation is not None and unit.evaluation.action is not None:
+        evaluation = _eval_action(unit.evaluation.action, unit, scope, load_ref)
     # Only what differs from the builtins is part of the recipe, so equal recipes compare equal.
     formats = tuple(
         (name, fmt.value)
@@ -75,6 +79,7 @@ def finish(unit: Unit, load_ref: LoadRef) -> Recipe:
         mors=tuple(m.value for m in unit.mors.values()),
         layers=layers,
         schedule=schedule,
+        evaluation=evaluation,
         source=unit.source.path,
     )
 
@@ -198,8 +203,26 @@ def _check_rht_pairs(unit: Unit, specs: dict[Operand, OperandSpec]) -> None:
         )
 
 
-def _action(
+def _eval_action(
     action: At[ActionRef], unit: Unit, scope: dict[str, Format], load_ref: LoadRef
+) -> LayerAction:
+    ref = action.value
+    if ref.kind == "format" and ref.name not in scope:
+        words = ["fprop", *scope]
+        raise action.pos.error(
+            f"unknown eval action '{ref.name}'{did_you_mean(ref.name, words)}: expected fprop "
+            '(the forward\'s own operands, the default), recipe "FILE" or a format in scope: '
+            + ", ".join(sorted(scope))
+        )
+    return _action(action, unit, scope, load_ref, EVAL_2D)
+
+
+def _action(
+    action: At[ActionRef],
+    unit: Unit,
+    scope: dict[str, Format],
+    load_ref: LoadRef,
+    applies: str = "a layer or schedule rule's format applies to every operand of its layers",
 ) -> LayerAction:
     ref = action.value
     if ref.kind == "recipe":
@@ -213,8 +236,8 @@ def _action(
     if isinstance(fmt, BlockFormat) and fmt.is_2d:
         rows, cols = fmt.block
         raise action.pos.error(
-            f"{ref.name} has {rows}x{cols} blocks, but a layer or schedule rule's format applies "
-            "to every operand of its layers and only weights can have 2D blocks; name a recipe "
-            '(recipe "FILE") whose operands section gives the weights their 2D blocks'
+            f"{ref.name} has {rows}x{cols} blocks, but {applies} and only weights can have 2D "
+            'blocks; name a recipe (recipe "FILE") whose operands section gives the weights '
+            "their 2D blocks"
         )
     return fmt
