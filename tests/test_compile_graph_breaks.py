@@ -215,3 +215,36 @@ def test_custom_ops_pass_opcheck_on_cuda(recipe: str) -> None:
     backward = (dy, x.detach(), w.detach(), layer._op_id)
     result = torch.library.opcheck(torch.ops.fp4gen.linear_backward.default, backward)
     assert set(result.values()) == {"SUCCESS"}
+
+
+def test_a_converted_moe_model_compiles_with_the_breaks_of_the_original() -> None:
+    """A converted Mixtral's experts loop (data-dependent routing) runs eagerly inside a
+    compiled model (torch.compiler.disable): no graph break that the unconverted model does not
+    have, no retrace per expert (each expert's GEMM has its own op id, a constant to dynamo,
+    which hit the recompile limit), and the compiled model computes eager mode's bits."""
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    config = transformers.MixtralConfig(
+        vocab_size=128,
+        hidden_size=64,
+        intermediate_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        num_local_experts=4,
+        num_experts_per_tok=2,
+    )
+    model = transformers.MixtralForCausalLM(config)
+    ids = torch.randint(0, 128, (2, 16))
+    original, _ = explain(model, input_ids=ids)
+    fp4gen.convert(model, "nvfp4_no_sr")
+    found, reasons = explain(model, input_ids=ids)
+    assert found.graph_break_count == original.graph_break_count, reasons
+    want = model(input_ids=ids).logits
+    torch._dynamo.reset()
+    counters = torch._dynamo.utils.counters
+    counters.clear()
+    got = torch.compile(model, backend="eager")(input_ids=ids).logits
+    assert torch.equal(got, want)
+    assert not counters["stats"].get("recompiles_due_to_cache_limit"), dict(counters["stats"])
+    assert counters["stats"]["unique_graphs"] <= original.graph_count
