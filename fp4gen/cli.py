@@ -176,6 +176,7 @@ def show_text(recipe: Any, with_plan: bool = True) -> str:
         )
     else:
         parts.append("Precision schedule: none")
+    parts.append(f"Evaluation (module.eval()): {describe.eval_text(recipe.evaluation)}")
     if with_plan:
         from fp4gen.compiler.plan import plan_recipe
 

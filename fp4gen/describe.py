@@ -178,6 +178,20 @@ def schedule_rule_json(rule: ScheduleRule) -> dict[str, Any]:
     }
 
 
+def eval_json(action: HighPrecision | BlockFormat | RecipeRef | None) -> dict[str, Any]:
+    """The eval statement: ``{"kind": "fprop"}`` for the default, else its action."""
+    return {"kind": "fprop"} if action is None else action_json(action)
+
+
+def eval_text(action: HighPrecision | BlockFormat | RecipeRef | None) -> str:
+    """What the forward of a layer that is not training runs in, as ``fp4gen show`` says it."""
+    if action is None:
+        return "fprop (the forward's operands in force)"
+    if isinstance(action, RecipeRef):
+        return f"the fprop operands of {action_text(action)}"
+    return f"{action.name} (both fprop operands)"
+
+
 def recipe_json(recipe: Recipe) -> dict[str, Any]:
     return {
         "name": recipe.name,
@@ -191,6 +205,7 @@ def recipe_json(recipe: Recipe) -> dict[str, Any]:
         "mor": [mor_json(m) for m in recipe.mors],
         "layers": [layer_rule_json(r) for r in recipe.layers],
         "schedule": [schedule_rule_json(r) for r in recipe.schedule],
+        "eval": eval_json(recipe.evaluation),
     }
 
 
@@ -259,6 +274,8 @@ __all__ = [
     "block_text",
     "candidate_json",
     "element_json",
+    "eval_json",
+    "eval_text",
     "format_json",
     "format_text",
     "layer_rule_json",

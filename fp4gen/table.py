@@ -55,7 +55,24 @@ def show_plan(model: Any) -> str:
         f"({done.share:.1%}); {done.quantized} of {done.layer_parameters} in linear layers "
         f"({done.layer_share:.1%})"
     )
+    evaluation = _evaluation(model)
+    if evaluation is not None:
+        text += f"\nnot training (model.eval()): the forward runs {evaluation}"
     return text
+
+
+def _evaluation(model: Any) -> str | None:
+    """What the converted layers' forward runs in under model.eval(), where the recipe's eval
+    statement changes it (one statement per conversion: the first layer's says it)."""
+    from fp4gen.describe import eval_text
+    from fp4gen.runtime.experts import GroupedExperts
+    from fp4gen.runtime.linear import Linear
+
+    for module in model.modules():
+        layer = module.gemms[0][0] if isinstance(module, GroupedExperts) else module
+        if isinstance(layer, Linear) and layer.schedule.evaluation is not None:
+            return eval_text(layer.schedule.evaluation)
+    return None
 
 
 def _module_label(decision: Any) -> str:

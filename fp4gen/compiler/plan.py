@@ -25,7 +25,10 @@ some point of training on (``schedule``). The plan covers every such context:
   quantized layer context: ``forward`` replaces the fprop slots, ``backward`` the dgrad and wgrad
   slots, ``both`` all six (a format as above, a recipe by its slots for those GEMMs plus its own
   plan). Taking every context is a superset of what any one reading of the rules needs; the
-  kernels are deduplicated, so the cost is at most a few extra kernels in unusual recipes.
+  kernels are deduplicated, so the cost is at most a few extra kernels in unusual recipes;
+- the ``eval`` statement (what the forward of a layer that is not training runs in) is one more
+  context, the operand table with the eval action's fprop slots: a high-precision eval needs
+  nothing, a format or a recipe its fprop kernels (a recipe is planned with it, as above).
 
 Equal specs are one kernel, whichever tensors, contexts and recipes use them. Pure Python.
 """
@@ -315,6 +318,23 @@ def _contexts(
         for label, table in nxt:
             yield recipe, label, table
         current = nxt
+
+    evaluation = recipe.evaluation
+    if evaluation is not None:
+        label = f"eval : {action_text(evaluation)}"
+        if isinstance(evaluation, HighPrecision):
+            yield recipe, label, f"eval runs the forward in {evaluation.name}: no quantization"
+        else:
+            table = dict(contexts[0][1])
+            for op in Operand:
+                if op.gemm == "fprop":
+                    if isinstance(evaluation, RecipeRef):
+                        table[op] = _ref_recipe(evaluation, recipe).operands[op]
+                    else:
+                        table[op] = OperandSpec(evaluation)
+            if isinstance(evaluation, RecipeRef):
+                included.append(_ref_recipe(evaluation, recipe))
+            yield recipe, label, table
 
     for sub in included:
         if _recipe_key(sub) in visiting:

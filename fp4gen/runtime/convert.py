@@ -404,6 +404,7 @@ def convert(
     decisions = plan_layers(model, recipe)
     report = conversion_report(model, decisions, report_min_elements)
     schedule_mors = tuple(m for rule in recipe.schedule for m in action_mors(rule.action))
+    schedule_mors += action_mors(recipe.evaluation)  # the eval statement's recipe may name some
     modules = dict(model.named_modules())
     _refuse_grouped_amax(decisions, options)
     layers: list[tuple[str, Linear | GroupedExperts]] = []
@@ -426,6 +427,7 @@ def convert(
             mors=decision.mors + schedule_mors,
         )
         layer.schedule.rules = recipe.schedule  # the schedule applies to every converted layer
+        layer.schedule.evaluation = recipe.evaluation  # and so does the eval statement
         layer.check_supported()
         if amax_group is not None:  # checked against the schedule's tables too
             layer.set_amax_group(amax_group, amax_operands)
@@ -590,7 +592,9 @@ def _grouped_experts(
         name=decision.name,
         backend=options.backend,
         clock=clock,
-        mors=decision.mors + tuple(m for r in recipe.schedule for m in action_mors(r.action)),
+        mors=decision.mors
+        + tuple(m for r in recipe.schedule for m in action_mors(r.action))
+        + action_mors(recipe.evaluation),
         recipe=recipe,
     )
     experts.check_supported()

@@ -224,7 +224,7 @@ class LayerGroup:
             weight, bias = params.get("weight"), params.get("bias")
             if weight is None:  # not a registered parameter now (reparametrized): run alone
                 return False
-            table = layer.schedule.active()
+            table = layer.operands  # the eval table while not training
             group = layer._amax_group.group
             held += (table, weight, bias, group)
             state += (

@@ -59,6 +59,13 @@ bit for bit; the activation and gradient operands then round with seed + rank * 
 (``data_seed``), the weights with the layer's seed. Such a layer runs eagerly (no layer graph:
 a collective in a captured graph is not proven safe). docs/distributed.md says more.
 
+Evaluation: while the layer is not training (``module.eval()``; grad mode does not matter, so a
+reentrant activation checkpoint's no_grad forward runs the training formats), the forward takes
+its fprop operands from the recipe's ``eval`` statement (``eval : bf16``: x and W as they are,
+y = x W^T in fp32 rounded once); the backward slots stay the training ones. The eval table is a
+table object of its own, so layer graphs and layer groups keyed by table identity never hand an
+eval forward's graph or verdict to a training one.
+
 Operands whose format is a Mixture-of-Representations rule (``mor NAME``) are quantized by the
 MoR reference (``fp4gen.numerics.mor``) with the rule the layer was given (``mors``: the
 recipe's own, plus those of recipes its schedule switches to); the columnwise MoR weight is
@@ -179,8 +186,11 @@ class Linear(nn.Linear):
         assert table is not None
         rules = recipe.schedule if recipe is not None else ()
         own = recipe.mors if recipe is not None else ()
-        self.mors = mor_scope(own, mors, *(action_mors(r.action) for r in rules))
-        self.schedule = ScheduledOperands(table, rules, clock or TrainingClock())
+        evaluation = recipe.evaluation if recipe is not None else None
+        self.mors = mor_scope(
+            own, mors, *(action_mors(r.action) for r in rules), action_mors(evaluation)
+        )
+        self.schedule = ScheduledOperands(table, rules, clock or TrainingClock(), evaluation)
         self.seed = seed
         self.name = name
         self.converted_by: str | None = None  # the recipe's name where fp4gen.convert made it
@@ -299,8 +309,9 @@ class Linear(nn.Linear):
 
     @property
     def operands(self) -> OperandTable:
-        """The operand table in force at the current step."""
-        return self.schedule.active()
+        """The operand table in force at the current step; while the layer is not training
+        (``module.eval()``), with the recipe's eval statement's fprop operands."""
+        return self.schedule.active(evaluating=not self.training)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self._linear(x, self.weight)
