@@ -217,11 +217,12 @@ def test_custom_ops_pass_opcheck_on_cuda(recipe: str) -> None:
     assert set(result.values()) == {"SUCCESS"}
 
 
-def test_a_converted_moe_model_compiles_with_the_breaks_of_the_original() -> None:
+def test_a_converted_moe_model_compiles_around_its_experts_loop() -> None:
     """A converted Mixtral's experts loop (data-dependent routing) runs eagerly inside a
-    compiled model (torch.compiler.disable): no graph break that the unconverted model does not
-    have, no retrace per expert (each expert's GEMM has its own op id, a constant to dynamo,
-    which hit the recompile limit), and the compiled model computes eager mode's bits."""
+    compiled model (torch.compiler.disable): the graph breaks only where the loop is entered
+    (traced, it broke the graph at every expert: 18 breaks in this model), no retrace per
+    expert (each expert's GEMM has its own op id, a constant to dynamo), and the compiled model
+    computes eager mode's bits."""
     transformers = pytest.importorskip("transformers")
     torch.manual_seed(0)
     config = transformers.MixtralConfig(
@@ -237,9 +238,13 @@ def test_a_converted_moe_model_compiles_with_the_breaks_of_the_original() -> Non
     model = transformers.MixtralForCausalLM(config)
     ids = torch.randint(0, 128, (2, 16))
     original, _ = explain(model, input_ids=ids)
-    fp4gen.convert(model, "nvfp4_no_sr")
+    # every GEMM operand NVFP4, round to nearest: no layer rule keeps the experts in BF16
+    fp4gen.convert(model, fp4gen.parse_recipe("operands {\n    * : nvfp4\n}\n"))
+    assert type(model.model.layers[1].mlp.experts).__name__ == "GroupedExperts"
     found, reasons = explain(model, input_ids=ids)
-    assert found.graph_break_count == original.graph_break_count, reasons
+    assert original.graph_break_count == 0
+    # only where the experts' loop is entered (explain counts each frame that reaches it)
+    assert set(reasons) == {"Skip inlining `torch.compiler.disable()`d function"}, reasons
     want = model(input_ids=ids).logits
     torch._dynamo.reset()
     counters = torch._dynamo.utils.counters
@@ -247,4 +252,4 @@ def test_a_converted_moe_model_compiles_with_the_breaks_of_the_original() -> Non
     got = torch.compile(model, backend="eager")(input_ids=ids).logits
     assert torch.equal(got, want)
     assert not counters["stats"].get("recompiles_due_to_cache_limit"), dict(counters["stats"])
-    assert counters["stats"]["unique_graphs"] <= original.graph_count
+    assert counters["stats"]["unique_graphs"] <= 8

@@ -252,6 +252,18 @@ class GroupedExperts(nn.Module):
                 f"{self.name or 'GroupedExperts'}: top_k_index of shape "
                 f"{tuple(top_k_index.shape)}; expected [tokens={hidden_states.shape[0]}, k]"
             )
+        return self._run_experts(hidden_states, top_k_index, top_k_weights)
+
+    # The loop depends on the routing (which experts got tokens, how many), so torch.compile
+    # runs it eagerly (one graph break per MoE layer) rather than tracing it: traced, its
+    # data-dependent ops broke the graph at every expert, and each expert's GEMM (its own op id,
+    # a constant to dynamo) was traced again until the recompile limit
+    @torch.compiler.disable
+    def _run_experts(
+        self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
+    ) -> torch.Tensor:
+        """The sum over each token's k experts of weight * down(act(up(x))), expert by expert."""
+        lay = self.layout
         final = torch.zeros_like(hidden_states)
         with torch.no_grad():
             hit = torch.unique(top_k_index).tolist()  # sorted: experts in index order
