@@ -10,7 +10,8 @@ blocks (N also not a power of two); signed, exponent-only and fp32 scales with e
 rounding the scale takes; ``global amax``/``none``; formats built from an element or from
 another format (built-in, inherited, imported or defined earlier); every element rounding;
 RHTs of every size and sign source; MoR rules with every partition, scaling and metric; layer
-rules and schedules with format, dtype and ``recipe "..."`` actions; ``extends`` (also from a
+rules, schedules and ``eval`` statements with format, dtype and ``recipe "..."`` actions (and
+``eval : fprop``); ``extends`` (also from a
 sub-folder) and ``import``; names that are keywords elsewhere (``up``, ``tensor``, ``none``);
 numbers with leading zeros; comments, blank lines, tabs, CRLF line ends, one-line sections.
 
@@ -63,6 +64,7 @@ class RecipeCase:
     refusable: bool = False  # holds a combination refused on purpose (module docstring)
     layer_count: int = 0
     schedule_count: int = 0
+    evaluated: bool = False  # an eval statement other than `eval : fprop` is in force
 
     @property
     def text(self) -> str:
@@ -390,6 +392,12 @@ class _Writer:
             lines.append(f"at {point}{passes} : {self.action(scope, refs)}")
         return lines
 
+    def evaluation(self, scope: dict[str, Format], refs: list[str]) -> tuple[list[str], bool]:
+        """An eval statement, and whether it sets Recipe.evaluation (`fprop` is the default)."""
+        if self.draw(st.integers(0, 3)) == 0:
+            return [f"eval{self.sp()}:{self.sp()}fprop"], False
+        return [f"eval{self.sp()}:{self.sp()}{self.action(scope, refs)}"], True
+
 
 # ------------------------------------------------------------------------------------------------
 # Files
@@ -548,6 +556,7 @@ def recipe_cases(draw: st.DrawFn) -> RecipeCase:
     mors: list[str] = []
     layer_lines: list[str] | None = None
     schedule_lines: list[str] | None = None
+    evaluated = False
     names = list(draw(st.permutations(FORMAT_NAMES)))
     mor_names = list(draw(st.permutations(MOR_NAMES)))
     header: list[list[str]] = []
@@ -577,6 +586,10 @@ def recipe_cases(draw: st.DrawFn) -> RecipeCase:
         if draw(st.booleans()):
             schedule_lines = w.schedule(scope, parent_refs)
             parent.items.append(w.section("schedule", schedule_lines))
+        if draw(st.integers(0, 3)) == 0:  # dtypes only: the child may redefine a format as 2D
+            dtypes = {n: f for n, f in scope.items() if isinstance(f, HighPrecision)}
+            line, evaluated = w.evaluation(dtypes, parent_refs)
+            parent.items.append(line)
         if not parent.items and not parent.formats and not parent.operands:
             parent.operands.append(["operands { * : nvfp4 }"])
             slots = {op: Slot(("format", "nvfp4")) for op in Operand}
@@ -627,6 +640,9 @@ def recipe_cases(draw: st.DrawFn) -> RecipeCase:
     if draw(st.integers(0, 2)) == 0:
         schedule_lines = w.schedule(scope, refs)
         main.items.append(w.section("schedule", schedule_lines))
+    if draw(st.integers(0, 3)) == 0:  # replaces the parent's
+        line, evaluated = w.evaluation(scope, refs)
+        main.items.append(line)
     if draw(st.booleans()):
         name = (
             draw(st.sampled_from(["main", "r1", "up", "tensor"]))
@@ -648,4 +664,5 @@ def recipe_cases(draw: st.DrawFn) -> RecipeCase:
         refusable=w.refusable,
         layer_count=len(layer_lines or []),
         schedule_count=len(schedule_lines or []),
+        evaluated=evaluated,
     )

@@ -137,6 +137,7 @@ def test_drawn_recipes_resolve_and_round_trip(case: RecipeCase, tmp_path: Path) 
     if case.expected is not None:
         assert dict(recipe.operands.items()) == case.expected
     assert (len(recipe.layers), len(recipe.schedule)) == (case.layer_count, case.schedule_count)
+    assert (recipe.evaluation is not None) == case.evaluated
     text = print_recipe(recipe)
     again = parse_recipe(text, base_dir=path.parent)
     assert again == recipe, text
@@ -334,8 +335,10 @@ def drawn_tensor(
     rows = data.draw(st.sampled_from(sorted({1, 3, rows_block + 1, 2 * rows_block - 1})))
     cols = data.draw(st.sampled_from(sorted({1, 5, cols_block + 3, 2 * cols_block - 1})))
     cols = -(-min(cols, 300) // width_unit) * width_unit
+    # at most 4096 elements where the width unit allows: the width stays a multiple of it
+    cols = min(cols, max(width_unit, 4096 // rows // width_unit * width_unit))
     generator = torch.Generator().manual_seed(data.draw(st.integers(0, 2**31 - 1)))
-    x = torch.randn(rows, min(rows * cols, 4096) // rows or 1, generator=generator)
+    x = torch.randn(rows, cols, generator=generator)
     kind = data.draw(st.sampled_from(["normal", "outliers", "sparse", "constant"]))
     if kind == "outliers":
         x = torch.where(torch.rand(x.shape, generator=generator) < 0.05, x * 2.0**20, x)
