@@ -133,6 +133,7 @@ REFUSALS: tuple[tuple[str, str], ...] = (
 # What the planner leaves to the reference or to high precision, and the GEMM fallbacks
 PLAN_REASONS: tuple[tuple[str, str], ...] = (
     ("high precision operand", r"^high precision \(\w+\): no quantization$"),
+    ("eval in high precision", r"^eval runs the forward in \w+: no quantization$"),
     ("layer rule in high precision", r"^layer rule keeps these layers in \w+$"),
     ("layer rule runs a recipe", r"^layer rule runs recipe .+ \(planned with it\)$"),
     ("MoR with an RHT", r"^Mixture of Representations rule .+ with an RHT: the MoR kernels do"),
