@@ -83,7 +83,7 @@ def operand_rows(recipe: Any) -> list[list[str]]:
                 op.gemm,
                 op.role,
                 op.use,
-                describe.format_text(fmt),
+                describe.operand_format_text(spec),
                 *detail,
                 describe.rht_text(spec.rht),
             ]

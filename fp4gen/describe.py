@@ -114,11 +114,20 @@ def format_json(fmt: BlockFormat | HighPrecision | MoRRef | ElementFormat) -> di
 
 
 def operand_json(spec: OperandSpec) -> dict[str, Any]:
-    return {
+    out: dict[str, Any] = {
         "format": format_json(spec.format),
         "rounding": spec.rounding,
         "rht": rht_json(spec.rht),
     }
+    if spec.source is not None:  # only where set: existing descriptions stay as they were
+        out["source"] = spec.source.selector
+    return out
+
+
+def operand_format_text(spec: OperandSpec) -> str:
+    """The operand's format, and the copy it is quantized from where it has one."""
+    text = format_text(spec.format)
+    return text if spec.source is None else f"{text} from {spec.source.selector}"
 
 
 def partition_json(part: Partition) -> dict[str, Any]:
@@ -281,6 +290,7 @@ __all__ = [
     "layer_rule_json",
     "metric_text",
     "mor_json",
+    "operand_format_text",
     "operand_json",
     "operands_text",
     "output_summary",

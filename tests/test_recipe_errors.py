@@ -42,7 +42,7 @@ CASES: list[tuple[str, str, int, int, str]] = [
     ("bad_character", "operands {\n    * : nvfp4 @\n}\n", 2, 15, "unexpected character '@'"),
     ("missing_brace", "operands\n    * : nvfp4\n", 1, 9, "expected '{' after 'operands'"),
     ("empty_statement", "operands {\n    weight :\n}\n", 2, 13,
-     "unexpected end of line: expected a format name, 'block', 'mor', 'rht' or 'round'"),
+     "unexpected end of line: expected a format name, 'block', 'from', 'mor', 'rht' or 'round'"),
     ("selector_missing_role", "operands {\n    wgrad. : nvfp4\n}\n", 2, 12,
      "expected a role (weight, activation, gradient) after '.'"),
     ("rht_shape", "operands {\n    * : nvfp4\n    wgrad : rht 16x16\n}\n", 3, 19,

@@ -55,6 +55,13 @@ class Operand(Enum):
         return f"{self.gemm}.{self.role}"
 
 
+# Which operand may be quantized from which other copy of the same tensor (``from GEMM.ROLE``).
+SOURCE_PAIRS: dict[Operand, Operand] = {
+    Operand.WGRAD_ACTIVATION: Operand.FPROP_ACTIVATION,
+    Operand.DGRAD_WEIGHT: Operand.FPROP_WEIGHT,
+    Operand.WGRAD_GRADIENT: Operand.DGRAD_GRADIENT,
+}
+
 # --------------------------------------------------------------------------------------------
 # Per-operand quantization
 # --------------------------------------------------------------------------------------------
@@ -104,6 +111,9 @@ class OperandSpec:
     format: BlockFormat | HighPrecision | MoRRef
     rounding: ElementRounding = "nearest"
     rht: RHTSpec | None = None
+    # the copy of the same tensor in another GEMM that this operand is quantized from
+    # (dequantized first), so the backward sees the forward's rounded values; None: the tensor
+    source: Operand | None = None
 
 
 @dataclass(frozen=True)

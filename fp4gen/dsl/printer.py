@@ -114,6 +114,8 @@ def _operand(
     else:
         parts = [_format_ref(fmt, scope, "operand")]
     parts += [f"round {spec.rounding}", rht_text(spec.rht)]
+    if spec.source is not None:  # absent: quantized from the tensor, the default
+        parts.append(f"from {spec.source.selector}")
     return " ".join(parts)
 
 

@@ -55,7 +55,7 @@ from fp4gen.formats import (
 )
 
 # Words that a format name would be read as where formats are referenced.
-_RESERVED = frozenset({"mor", "block", "round", "rht", "recipe"})
+_RESERVED = frozenset({"mor", "block", "round", "rht", "recipe", "from"})
 
 # How many extends/import/recipe references may be followed from the top-level recipe to the
 # deepest file. Resolution recurses once per file; this keeps it far from Python's recursion
@@ -71,6 +71,7 @@ class Slot:
     block: At[Shape] | None = None
     rounding: At[str] | None = None
     rht: At[RHTSpec | None] | None = None
+    source: At[Operand | None] | None = None  # ``from GEMM.ROLE`` / ``from none``
     order: dict[str, int] = field(default_factory=dict)  # property -> when it was set
 
     def copy(self) -> Slot:
@@ -407,6 +408,9 @@ class Loader:
             if stmt.rht is not None:
                 slot.rht = stmt.rht
                 slot.order["rht"] = next(self._order)
+            if stmt.source is not None:
+                slot.source = stmt.source
+                slot.order["source"] = next(self._order)
 
 
 def _with_suffix(written: str) -> str:

@@ -110,6 +110,8 @@ class OperandStmt:
     block: At[Shape] | None
     rounding: At[str] | None
     rht: At[RHTSpec | None] | None
+    # ``from GEMM.ROLE`` (the copy quantized from) or ``from none`` (a None value)
+    source: At[Operand | None] | None = None
 
 
 @dataclass(frozen=True, eq=False)
@@ -381,9 +383,13 @@ class _Builder:
         found: dict[str, At] = {}
         for prop in props:
             kind = str(prop.data)
-            key = {"o_rht_none": "o_rht", "mor_ref": "format_ref"}.get(kind, kind)
+            key = {"o_rht_none": "o_rht", "mor_ref": "format_ref", "o_from_none": "o_from"}.get(
+                kind, kind
+            )
             if key in found:
-                word = {"o_block": "block", "o_round": "round", "o_rht": "rht"}[key]
+                word = {"o_block": "block", "o_round": "round", "o_rht": "rht", "o_from": "from"}[
+                    key
+                ]
                 raise self.pos(prop).error(
                     f"'{word}' given twice in one statement (first at column "
                     f"{found[key].pos.column})"
@@ -395,6 +401,7 @@ class _Builder:
             block=found.get("o_block"),
             rounding=found.get("o_round"),
             rht=found.get("o_rht"),
+            source=found.get("o_from"),
         )
 
     def selector(self, tree: Tree) -> At[tuple[Operand, ...]]:
@@ -447,7 +454,25 @@ class _Builder:
             return At(None, pos)
         if kind == "o_rht":
             return At(self.rht(prop), pos)
+        if kind == "o_from_none":
+            return At(None, pos)
+        if kind == "o_from":
+            return At(self.copied_from(prop), pos)
         raise AssertionError(kind)
+
+    def copied_from(self, prop: Tree) -> Operand:
+        """The operand ``from GEMM.ROLE`` names; which pairs are allowed is checked once the
+        cascade has said which operand the statement applies to."""
+        gemm_tok, role_tok = prop.children
+        gemm, role = str(gemm_tok), str(role_tok)
+        for op in Operand:
+            if op.gemm == gemm and op.role == role:
+                return op
+        known = ", ".join(op.selector for op in Operand)
+        hint = did_you_mean(f"{gemm}.{role}", [op.selector for op in Operand])
+        raise self.pos(gemm_tok).error(
+            f"'from {clip(gemm)}.{clip(role)}' names no GEMM operand{hint}: expected one of {known}"
+        )
 
     def rht(self, prop: Tree) -> RHTSpec:
         size_tok = prop.children[0]

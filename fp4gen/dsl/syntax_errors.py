@@ -54,6 +54,8 @@ _TREE_PHRASES = {
     "o_round": "the rounding",
     "o_rht": "the RHT size",
     "o_rht_none": "'rht none'",
+    "o_from": "the operand copied from",
+    "o_from_none": "'from none'",
     "candidate": "the candidate format",
     "partition": "the partition",
     "special": "the special-value option",
@@ -398,7 +400,7 @@ def _all_words() -> set[str]:
         "recipe", "extends", "import", "format", "operands", "mor", "layers", "schedule",
         "block", "scale", "round", "global", "finite", "fn", "ieee", "rht", "signs", "seed",
         "te", "none", "decide", "try", "else", "if", "relerr", "range", "tensor", "channel",
-        "match", "at", "step", "eval", "fprop",
+        "match", "at", "step", "eval", "fprop", "from",
     }  # fmt: skip
     return words
 

@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING
 
 from fp4gen.dsl.model import (
     GEMMS,
+    SOURCE_PAIRS,
     LayerAction,
     LayerRule,
     MoRRef,
@@ -163,7 +164,21 @@ def _operand(op: Operand, slot: Slot, unit: Unit, scope: dict[str, Format]) -> O
                 f"RHT size {size} and block length {length} of {op.selector} do not nest: the "
                 "block length must be a multiple of the Hadamard size, or the other way round"
             )
-    return OperandSpec(fmt, rounding, rht)  # type: ignore[arg-type]
+    return OperandSpec(fmt, rounding, rht, _source(op, slot))  # type: ignore[arg-type]
+
+
+def _source(op: Operand, slot: Slot) -> Operand | None:
+    """The copy ``op`` is quantized from: only the same tensor in another GEMM, read before it."""
+    if slot.source is None or slot.source.value is None:
+        return None
+    source = slot.source.value
+    if SOURCE_PAIRS.get(op) != source:
+        allowed = ", ".join(f"{a.selector} from {b.selector}" for a, b in SOURCE_PAIRS.items())
+        raise slot.source.pos.error(
+            f"{op.selector} cannot be quantized from {source.selector}: an operand comes only "
+            f"from the copy of the same tensor that an earlier GEMM quantized ({allowed})"
+        )
+    return source
 
 
 def _lookup(name: str, pos: Pos, unit: Unit, scope: dict[str, Format]) -> Format:

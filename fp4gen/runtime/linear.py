@@ -5,6 +5,10 @@ Backward: dx = Q(dy; dgrad.gradient) @ Q(W^T; dgrad.weight)^T
           dW = Q(dy^T; wgrad.gradient) @ Q(x^T; wgrad.activation)^T
 Q quantizes along the GEMM's K dimension (the last dimension of the tensor given). Every choice
 comes from the recipe's operand table (as the precision schedule makes it at the current step).
+A backward operand with a source (``wgrad.activation : from fprop.activation`` and the other
+two pairs) is quantized from dequantize(the source copy) instead: that copy is quantized again
+with its own slot (the same bits as the GEMM that reads it) and decoded in fp32 (docs/numerics.md,
+section 10).
 
 Any token count and any feature size run: a GEMM's K is zero-padded where its operands need it
 (docs/numerics.md, section 3, "Padding K in fp4gen.nn.Linear"). The wgrad GEMM's K is the token
@@ -650,8 +654,25 @@ class Linear(nn.Linear):
             # its own, the columnwise one from dy^T as quantize_operand_pair does without a kernel
             amax = self._group_amax(dy2)
             dyq = self.quantize(dy2, Operand.DGRAD_GRADIENT, table.dgrad_gradient, call, amax)
+            if table.wgrad_gradient.source is None:
+                dyq_t = self.quantize(
+                    dy2.t().contiguous(), Operand.WGRAD_GRADIENT, table.wgrad_gradient, call, amax
+                )
+            else:  # the dequantized copy has its own amax (all-reduced where the group asks)
+                dyq_t = self.quantize(
+                    _dequantized(dyq).t().contiguous(),
+                    Operand.WGRAD_GRADIENT,
+                    table.wgrad_gradient,
+                    call,
+                )
+        elif table.wgrad_gradient.source is not None:
+            # wgrad's copy from dgrad's, dequantized (exact in fp32) and quantized columnwise
+            dyq = self.quantize(dy2, Operand.DGRAD_GRADIENT, table.dgrad_gradient, call)
             dyq_t = self.quantize(
-                dy2.t().contiguous(), Operand.WGRAD_GRADIENT, table.wgrad_gradient, call, amax
+                _dequantized(dyq).t().contiguous(),
+                Operand.WGRAD_GRADIENT,
+                table.wgrad_gradient,
+                call,
             )
         else:
             dyq, dyq_t = self._quantize_pair(
@@ -690,6 +711,9 @@ class Linear(nn.Linear):
         K multiple (module docstring); on CUDA a tile kernel reads x once, with no transposed
         copy."""
         wgrad_k = k_multiple(table.wgrad_gradient, table.wgrad_activation, blocks=True)
+        if table.wgrad_activation.source is not None:  # from x's fprop copy, dequantized
+            fprop_copy = self.fprop_input(x2, table, call)
+            x2 = _dequantized(fprop_copy)[:, : x2.shape[1]]
         x2 = pad_to(x2, round_up(x2.shape[0], wgrad_k), x2.shape[1])
         if self._reduced(Operand.WGRAD_ACTIVATION, table.wgrad_activation):
             return self.quantize(
@@ -759,7 +783,13 @@ class Linear(nn.Linear):
         """Q(W^T; dgrad.weight) for this backward call, W^T [in, out] zero-padded to ``k``
         columns (the dgrad GEMM's padded K; default out_features). With 2D blocks and the fprop
         spec, the transpose of W's rowwise codes (the paper's consistency of fprop and dgrad
-        weights); that spec has no RHT, so its K is never padded."""
+        weights); that spec has no RHT, so its K is never padded. With ``from fprop.weight``,
+        W is first replaced by the dequantized fprop copy (zero-padded as ``_fprop`` pads it)."""
+        if table.dgrad_weight.source is not None:
+            k_fprop = self.fprop_k(table, w.shape[1])
+            w_fprop = pad_to(_rows_contiguous(w), w.shape[0], k_fprop)
+            fprop_copy = self.quantize(w_fprop, Operand.FPROP_WEIGHT, table.fprop_weight, call)
+            w = _dequantized(fprop_copy)[:, : w.shape[1]]
         if _transposable(table.fprop_weight, table.dgrad_weight) and k in (None, w.shape[0]):
             w = _rows_contiguous(w)
             if w.is_cuda and self.backend in ("auto", "cute"):
@@ -1103,6 +1133,14 @@ def _gathered_operand(
             "recipe's fprop weight operand in force now"
         )
     return q
+
+
+def _dequantized(copy: Any) -> torch.Tensor:
+    """The values of a quantized operand copy in fp32 (a high-precision one as it is), for an
+    operand quantized from another GEMM's copy (``from GEMM.ROLE``)."""
+    if isinstance(copy, torch.Tensor):
+        return copy.float()
+    return copy.dequantize()
 
 
 def _transposable(fprop: OperandSpec, dgrad: OperandSpec) -> bool:
