@@ -9,9 +9,10 @@ What is drawn: elements of 3 to 8 bits with and without ``finite``/``fn``/``ieee
 blocks (N also not a power of two); signed, exponent-only and fp32 scales with every scale
 rounding the scale takes; ``global amax``/``none``; formats built from an element or from
 another format (built-in, inherited, imported or defined earlier); every element rounding;
-RHTs of every size and sign source; MoR rules with every partition, scaling and metric; layer
-rules, schedules and ``eval`` statements with format, dtype and ``recipe "..."`` actions (and
-``eval : fprop``); ``extends`` (also from a
+RHTs of every size and sign source; operand sources (``from GEMM.ROLE`` on the one operand of
+each pair, later format or rounding statements that keep it, ``from none``); MoR rules with
+every partition, scaling and metric; layer rules, schedules and ``eval`` statements with
+format, dtype and ``recipe "..."`` actions (and ``eval : fprop``); ``extends`` (also from a
 sub-folder) and ``import``; names that are keywords elsewhere (``up``, ``tensor``, ``none``);
 numbers with leading zeros; comments, blank lines, tabs, CRLF line ends, one-line sections.
 
@@ -28,7 +29,16 @@ from pathlib import Path
 
 from hypothesis import strategies as st
 
-from fp4gen.dsl.model import GEMMS, ROLES, TE_SIGNS_16, MoRRef, Operand, OperandSpec, RHTSpec
+from fp4gen.dsl.model import (
+    GEMMS,
+    ROLES,
+    SOURCE_PAIRS,
+    TE_SIGNS_16,
+    MoRRef,
+    Operand,
+    OperandSpec,
+    RHTSpec,
+)
 from fp4gen.errors import FP4GenError
 from fp4gen.formats import (
     BUILTIN_FORMATS,
@@ -95,8 +105,16 @@ class Slot:
     block: Shape | None = None
     rounding: str | None = None
     rht: object = UNSET  # RHTSpec, None (`rht none`) or UNSET
+    source: Operand | None = None  # `from GEMM.ROLE`; None: the tensor (default, `from none`)
 
-    def apply(self, fmt: tuple[str, str] | None, block: Shape | None, rnd: str | None, rht: object):
+    def apply(
+        self,
+        fmt: tuple[str, str] | None,
+        block: Shape | None,
+        rnd: str | None,
+        rht: object,
+        source: object = UNSET,  # Operand, None (`from none`) or UNSET (not named)
+    ) -> None:
         if fmt is not None:  # a block override belongs to the format it was given with
             self.format, self.block = fmt, block
         elif block is not None:
@@ -105,9 +123,12 @@ class Slot:
             self.rounding = rnd
         if rht is not UNSET:
             self.rht = rht
+        if source is not UNSET:  # a property of its own: a format or rounding keeps it
+            assert source is None or isinstance(source, Operand)
+            self.source = source
 
     def copy(self) -> Slot:
-        return Slot(self.format, self.block, self.rounding, self.rht)
+        return Slot(self.format, self.block, self.rounding, self.rht, self.source)
 
 
 def nests(length: int, size: int) -> bool:
@@ -123,19 +144,21 @@ def resolve_slot(op: Operand, slot: Slot, scope: dict[str, Format]) -> OperandSp
     rht = None if slot.rht is UNSET else slot.rht
     assert rht is None or isinstance(rht, RHTSpec)
     if kind == "mor":
-        return None if slot.block is not None else OperandSpec(MoRRef(name), rounding, rht)  # type: ignore[arg-type]
+        if slot.block is not None:
+            return None
+        return OperandSpec(MoRRef(name), rounding, rht, slot.source)  # type: ignore[arg-type]
     fmt = scope[name]
     if isinstance(fmt, HighPrecision):
         if slot.block is not None or rounding != "nearest" or rht is not None:
             return None
-        return OperandSpec(fmt)
+        return OperandSpec(fmt, source=slot.source)
     if slot.block is not None:
         fmt = fmt.with_block(slot.block)
     if fmt.is_2d and op.role != "weight":
         return None
     if rht is not None and not nests(fmt.block_len, rht.size):
         return None
-    return OperandSpec(fmt, rounding, rht)  # type: ignore[arg-type]
+    return OperandSpec(fmt, rounding, rht, slot.source)  # type: ignore[arg-type]
 
 
 # ------------------------------------------------------------------------------------------------
@@ -476,13 +499,21 @@ def _operand_lines(
             else:
                 rht_text, rht = "rht none", None
             props.append(rht_text)
+        source: object = UNSET
+        if len(ops) == 1 and ops[0] in SOURCE_PAIRS and w.draw(st.booleans()):
+            # only the one operand of a pair may name its source; a wider selector could not
+            source = SOURCE_PAIRS[ops[0]]
+            props.append(f"from{w.sp()}{source.selector}")
+        elif w.draw(st.integers(0, 9)) == 0:  # valid on any selector: back to the tensor
+            source = None
+            props.append(f"from{w.sp()}none")
         if not props:
             rnd = "nearest"
             props.append("round nearest")
         head, *rest = props
         props = [head, *w.draw(st.permutations(rest))] if fmt else w.draw(st.permutations(props))
         for op in ops:
-            slots[op].apply(fmt, block, rnd, rht)
+            slots[op].apply(fmt, block, rnd, rht, source)
         lines.append(f"{text}{w.sp()}:{w.sp()}" + w.sp().join(props))
     return lines
 
@@ -493,6 +524,11 @@ def _repair(
     """Statements that make the final cascade valid, and the slots updated with them."""
     lines = []
     names = sorted(scope)
+    # now and then a source first, so the statements below rewrite a slot that has one
+    for op, source in SOURCE_PAIRS.items():
+        if w.draw(st.integers(0, 3)) == 0:
+            slots[op].apply(None, None, None, UNSET, source)
+            lines.append(f"{op.selector}{w.sp()}:{w.sp()}from{w.sp()}{source.selector}")
     for op in Operand:
         if resolve_slot(op, slots[op], scope) is not None and w.draw(st.integers(0, 5)):
             continue
@@ -614,8 +650,10 @@ def recipe_cases(draw: st.DrawFn) -> RecipeCase:
     # the main recipe: its own formats (a parent's may be redefined), mors, cascade, rules
     main = _File()
     own = [names.pop() for _ in range(draw(st.integers(0, 3)))]
-    if draw(st.integers(0, 3)) == 0:
-        own.append(draw(st.sampled_from(["nvfp4", "mxfp4", "mxfp8_e5m2"])))  # a redefinition
+    # a redefinition, which may be 2D: not under a parent's layer or schedule rules, whose
+    # format actions see it and must stay 1D
+    if layer_lines is None and schedule_lines is None and draw(st.integers(0, 3)) == 0:
+        own.append(draw(st.sampled_from(["nvfp4", "mxfp4", "mxfp8_e5m2"])))
     seen: set[str] = set()
     own = [n for n in own if not (n in seen or seen.add(n))]  # type: ignore[func-returns-value]
     _define(w, main, scope, own)
