@@ -27,6 +27,7 @@ import torch
 pytest.importorskip("safetensors")
 pytest.importorskip("transformers")
 from safetensors.torch import load_file  # noqa: E402
+from test_export import tiny_llama  # noqa: E402  (the same small Llama checkpoint)
 
 from fp4gen.dsl import load_recipe  # noqa: E402
 from fp4gen.export import export_quantized  # noqa: E402
@@ -89,25 +90,6 @@ def vllm_modelopt_reads(folder: Path) -> str:
             assert got is not None, f"{name}.{suffix} missing"
             assert (got.dtype, tuple(got.shape)) == (dtype, shape), f"{name}.{suffix}"
     return algo
-
-
-def tiny_llama(folder: Path) -> torch.nn.Module:
-    import transformers
-
-    torch.manual_seed(0)
-    config = transformers.LlamaConfig(
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=3,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        vocab_size=256,
-        max_position_embeddings=128,
-        tie_word_embeddings=False,
-    )
-    model = transformers.LlamaForCausalLM(config)
-    model.save_pretrained(folder)
-    return model
 
 
 def export(tmp_path: Path, recipe: str, calibrate: bool = False) -> Path:
