@@ -289,7 +289,10 @@ def test_b_values_are_remembered_until_the_codes_change() -> None:
 
 
 def test_linear_routes_its_gemms_through_the_path(monkeypatch) -> None:
-    from fp4gen.runtime import dequant
+    from fp4gen.runtime import cublaslt, dequant
+
+    if not cublaslt.available():  # the path under test is the cuBLASLt call
+        pytest.skip(f"cuBLASLt unavailable: {cublaslt.unavailable()}")
 
     calls: list[tuple[int, int, int]] = []
     real = dequant.dequant_gemm
@@ -321,6 +324,8 @@ def test_cublaslt_serves_the_path() -> None:
     operands; a shape cuBLASLt does not take falls back with the reason logged."""
     from fp4gen.runtime import cublaslt, dequant
 
+    if not cublaslt.available():
+        pytest.skip(f"cuBLASLt unavailable: {cublaslt.unavailable()}")
     a = raw_operand(256, 512, NVFP4, 1, DYADIC["e4m3"])
     b = raw_operand(128, 512, NVFP4, 2, DYADIC["e4m3"])
     va, vb = dequant.dequantize_bf16(a), dequant.dequantize_bf16(b)

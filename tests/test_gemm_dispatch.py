@@ -114,7 +114,9 @@ def test_cuda_kernels_write_into_out(m: int, backend: str, dtype: torch.dtype, m
     out = torch.full((m, 256), float("nan"), dtype=dtype, device="cuda")
     got = fp4gen.gemm(a, b, out_dtype=dtype, backend=backend, out=out)
     assert got is out and torch.equal(out, want)
-    if backend == "cute" or dtype == torch.bfloat16:
+    from fp4gen.runtime import cublaslt
+
+    if backend == "cute" or (dtype == torch.bfloat16 and cublaslt.available()):
         assert direct == [True]
 
 
@@ -529,7 +531,11 @@ def test_auto_dequant_calls_after_the_first_are_prepared_and_follow_b() -> None:
     import dataclasses
 
     import fp4gen.gemm_dispatch as gd
+    from fp4gen.runtime import cublaslt
     from fp4gen.runtime.dequant import PreparedDequantGemm
+
+    if not cublaslt.available():  # a call is prepared only where cuBLASLt serves it
+        pytest.skip(f"cuBLASLt unavailable: {cublaslt.unavailable()}")
 
     g = torch.Generator().manual_seed(6)
     b = quantize(torch.randn(256, 1024, generator=g).cuda(), "nvfp4", block=(16, 16))

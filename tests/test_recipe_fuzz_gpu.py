@@ -50,6 +50,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import fcntl
 import functools
 import logging
 import math
@@ -663,10 +664,17 @@ def gpu_batch(tmp_path_factory: pytest.TempPathFactory) -> list[Recipe | None]:
     root = tmp_path_factory.mktemp("fuzz-gpu")
     recipes = [load_case(c, root / f"case{i}") for i, c in enumerate(batch(SEED, EXAMPLES))]
     jobs = max(2, (os.cpu_count() or 2) - 1)
-    for i, recipe in enumerate(recipes):  # one folder each: a drawn name need not be plain
-        if recipe is not None:
-            report = compile_recipes([recipe], archs=(arch,), out=root / f"gen{i}", jobs=jobs)
-            assert not report.errors, report.errors[:3]
+    # Under pytest-xdist every worker running a test of this module builds the batch: the first
+    # to take the lock compiles every kernel into the shared kernel cache, the others then find
+    # them there instead of compiling the same kernels at once.
+    lock_path = tmp_path_factory.getbasetemp().parent / "fuzz-gpu-compile.lock"
+    with open(lock_path, "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        # one compile call, so the jobs run across recipes; each gets a plain name for its
+        # source folder (a drawn name need not be one; kernels are cached by their specs)
+        named = [dataclasses.replace(r, name=f"r{i}") for i, r in enumerate(recipes) if r]
+        report = compile_recipes(named, archs=(arch,), out=root / "gen", jobs=jobs)
+        assert not report.errors, report.errors[:3]
     return recipes
 
 

@@ -120,6 +120,11 @@ def unavailable() -> str | None:
     return _unavailable[0] if _unavailable else None
 
 
+def available() -> bool:
+    """Whether cuBLASLt can serve calls in this process (loads nvmath's binding once)."""
+    return _library() is not None
+
+
 def _library() -> Any | None:
     """nvmath's cuBLASLt binding with the library loaded (its version asked once: that loads
     it), or None with the reason in ``unavailable()``."""
