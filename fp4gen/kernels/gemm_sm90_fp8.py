@@ -1,0 +1,644 @@
+"""The block-scaled FP8 GEMM for Hopper (sm_90a): C = S_a S_b sum_b s_a s_b P_b (+ bias) (+ C).
+
+What it computes (docs/numerics.md section 6.1; oracle:
+``fp4gen.numerics.gemm_block_scaled_reference``), for A [M, K] and B [N, K] FP8 codes (e4m3 or
+e5m2 on either side) quantized along K in K-blocks of ``block_k`` values::
+
+    P_b[m, n] = sum_{i in K-block b} q_a[m, i] q_b[n, i]          (FP8 tensor cores)
+    C[m, n]   = fp32(S_a S_b) * sum_b fp32(s_a[m, b] s_b[n, b]) P_b[m, n]  (+ bias[n]) (+ C[m, n])
+
+A's block scales are one per row and K-block, [M, KB]; B's one per row and K-block ([N, KB],
+1 x block_k blocks) or one per block_k x block_k tile ([ceil(N / block_k), KB]), both
+row-major as the quantize kernels write them: fp32 decode factors, or ue8m0 codes (uint8,
+value 2^(code - 127); code 0 is 2^-127, 255 NaN) whose rows the launcher pads to a multiple of
+4 bytes. S_a and S_b are fp32 device tensors of one element (never read on the host).
+
+Design (DeepGEMM's published scheme for 1x128 x 128x128 FP8; CUTLASS's CuTe DSL Hopper
+examples for the TMA / wgmma plumbing). Persistent: a grid of at most one CTA per SM walks the
+output tiles (tile_m x tile_n, rasterized in groups of group_m M-tiles for L2 reuse) with
+stride gridDim. 384 threads:
+
+producer warp (warp 8; its warpgroup gives registers away: setmaxnreg 40)
+    per k-tile (tile_k values) into stage s % stages: TMA of A [tile_m, tile_k] and B [tile_n,
+    tile_k] straight into the 128B-swizzled (64B / 32B for tile_k 64 / 32) wgmma layout, and
+    one 4-byte cp.async per row of the k-tile's block scale (A's tile_m rows, then B's tile_n
+    columns: B's scale row n, or n // block_k for tiles), all on one mbarrier:
+    arrive.expect_tx + 32 cp.async.mbarrier.arrive.noinc (count 33). Rows past M / N: TMA
+    zero-fills the codes; the scale reads are clamped to the last row (they only feed outputs
+    that are never stored).
+MMA warpgroups 0, 1 (setmaxnreg 232; rows 0-63 and 64-127 of the tile, m64 n{tile_n} k32 FP8
+wgmma, fp32 accumulation)
+    per K-block: the block's k-tiles into a partial accumulator (the first wgmma of the block
+    overwrites it), the block's scales from the stage (shared memory, read while the wgmma
+    run), wait for the wgmma, release the stage, then promote:
+    total[i] += partial[i] * fp32(s_a[row] s_b[col]). The two warpgroups interleave, so one's
+    promotion overlaps the other's tensor-core work.
+epilogue
+    from the registers: y = total * fp32(S_a S_b) (+ bias[n]) (+ C[m, n]) in fp32, one
+    rounding to C's dtype, predicated scalar stores (any M and N). The producer already loads
+    the next tile meanwhile.
+
+Numerics: each P_b is the tensor cores' sum of the block's products (their adder keeps about
+14 bits of the aligned sum: numerics.md 6.1 bounds it), then fp32 multiplies and adds as the
+formula says (the compiler may fuse the multiply-add: one rounding fewer, inside the bound).
+
+Limits: K % block_k == 0 (the launcher zero-pads codes, which add exactly 0; the scales keep
+their ceil(K / block_k) columns), block_k a multiple of the wgmma K (32) that divides 128 or is a
+multiple of 128: 32, 64, 128, 256, 384, ...; tile_k = min(block_k, 128). A and B row-major with
+16-byte aligned rows (K % 16 == 0) and bases; M, N >= 1 arbitrary; M * N < 2^31.
+"""
+
+from __future__ import annotations
+
+import os
+import shlex
+from dataclasses import dataclass
+from typing import ClassVar
+
+import cuda.bindings.driver as cuda
+import cutlass
+import cutlass.cute as cute
+import cutlass.utils.hopper_helpers as sm90_utils
+from cutlass import BFloat16, Float32, Int32, Int64, Uint8, Uint32, const_expr, range_constexpr
+from cutlass.cute.nvgpu import cpasync, warpgroup
+from cutlass.cutlass_dsl import dsl_user_op
+from cutlass.tensor_utils import LayoutEnum
+
+from fp4gen.kernels.sm90_ptx import cp_async, inline_asm, ir_arg, lds_u32
+
+from cutlass._mlir import ir  # isort: skip  (after cutlass: the DSL's MLIR bindings)
+from cutlass._mlir.dialects import llvm  # isort: skip
+
+WGMMA_K = 32  # FP8 wgmma consumes 32 values of K per instruction
+MAX_TILE_K = 128  # one 128-byte swizzle row of FP8 codes per k-tile
+SMEM_BYTES = 227 * 1024  # sm_90a's shared memory per CTA
+SCALE_KINDS = ("fp32", "ue8m0")
+ELEMENTS = {"e4m3": cutlass.Float8E4M3FN, "e5m2": cutlass.Float8E5M2}
+OUTPUTS = {"bf16": BFloat16, "fp32": Float32}
+
+
+def block_k_reason(block_k: int) -> str | None:
+    """None when the kernel takes K-blocks of ``block_k`` values, else why not."""
+    if block_k < WGMMA_K or block_k % WGMMA_K:
+        return f"block length {block_k} along K is not a multiple of the FP8 wgmma K ({WGMMA_K})"
+    if block_k < MAX_TILE_K and MAX_TILE_K % block_k:
+        return f"block length {block_k} along K neither divides {MAX_TILE_K} nor is a multiple"
+    if block_k > MAX_TILE_K and block_k % MAX_TILE_K:
+        return f"block length {block_k} along K neither divides {MAX_TILE_K} nor is a multiple"
+    return None
+
+
+@dataclass(frozen=True)
+class GemmSm90Fp8Params:
+    """Everything the kernel depends on besides its tensors (``make_params`` derives the rest
+    from the recipe's pair): compile-time constants, one compiled kernel per value."""
+
+    a_element: str  # "e4m3" or "e5m2"
+    b_element: str
+    scale_kind: str  # "fp32" (decode factors) or "ue8m0" (codes)
+    block_k: int  # K-block length of both operands
+    b_2d: bool  # B's blocks are block_k x block_k tiles (one scale row per block_k rows)
+    out: str  # "bf16" or "fp32"
+    bias: bool  # + bias[n], fp32 [N]
+    accumulate: bool  # + C[m, n]: C is read, then overwritten
+    tile_m: int = 128  # two MMA warpgroups of 64 rows
+    tile_n: int = 128
+    stages: int = 0  # 0: as many as shared memory holds
+    group_m: int = 8  # M-tiles per raster group
+
+    def __post_init__(self) -> None:
+        reason = block_k_reason(self.block_k)
+        for name, value, allowed in (
+            ("a_element", self.a_element, ELEMENTS),
+            ("b_element", self.b_element, ELEMENTS),
+            ("scale_kind", self.scale_kind, SCALE_KINDS),
+            ("out", self.out, OUTPUTS),
+        ):
+            if value not in allowed:
+                reason = reason or f"{name} must be one of {tuple(allowed)}, got {value!r}"
+        if self.tile_m != 128:
+            reason = reason or f"tile_m must be 128 (two warpgroups of 64 rows), got {self.tile_m}"
+        if self.tile_n % 32 or not 32 <= self.tile_n <= 192:
+            reason = reason or f"tile_n must be a multiple of 32 in [32, 192], got {self.tile_n}"
+        if reason is not None:
+            raise ValueError(f"GemmSm90Fp8Params: {reason}")
+
+    @property
+    def tile_k(self) -> int:
+        return min(self.block_k, MAX_TILE_K)
+
+    @property
+    def ktiles_per_block(self) -> int:
+        return self.block_k // self.tile_k
+
+    @property
+    def sf_stage_bytes(self) -> int:
+        """A stage's block scales: 4 bytes per row of A and of B (an fp32 scale, or the aligned
+        word holding a ue8m0 code)."""
+        return 4 * (self.tile_m + self.tile_n)
+
+    @property
+    def stage_bytes(self) -> int:
+        return (self.tile_m + self.tile_n) * self.tile_k + self.sf_stage_bytes
+
+    @property
+    def num_stages(self) -> int:
+        if self.stages:
+            return self.stages
+        # the barriers and alignment padding: 2 KiB kept free
+        return max(2, min(8, (SMEM_BYTES - 2048) // self.stage_bytes))
+
+    @property
+    def b_scale_per_tile(self) -> bool:
+        """One B scale per tile and K-block (tiles of B no wider than its scale tiles)."""
+        return self.b_2d and self.block_k % self.tile_n == 0
+
+    @property
+    def name(self) -> str:
+        """A short name of the specialization (cache keys, logs)."""
+        b = f"{self.block_k}x{self.block_k}" if self.b_2d else f"1x{self.block_k}"
+        extra = ("_bias" if self.bias else "") + ("_acc" if self.accumulate else "")
+        return (
+            f"fp8gemm_{self.a_element}_1x{self.block_k}_{self.b_element}_{b}_{self.scale_kind}"
+            f"_{self.out}{extra}_m{self.tile_m}n{self.tile_n}s{self.num_stages}"
+        )
+
+
+# ---- PTX helpers this kernel alone needs
+@dsl_user_op
+def lds_f32(addr: Int32, *, loc=None, ip=None) -> Float32:
+    """One fp32 from shared memory."""
+    res = inline_asm(
+        ir.Type.parse("f32"),
+        [ir_arg(addr, Int32, loc, ip)],
+        "ld.shared.f32 $0, [$1];",
+        "=f,r,~{memory}",
+        True,
+    )
+    return Float32(res)
+
+
+@dsl_user_op
+def lds_v2_f32(addr: Int32, *, loc=None, ip=None) -> tuple[Float32, Float32]:
+    """Two fp32 from shared memory (8-byte aligned)."""
+    f32 = ir.Type.parse("f32")
+    res = inline_asm(
+        ir.Type.parse("!llvm.struct<(f32, f32)>"),
+        [ir_arg(addr, Int32, loc, ip)],
+        "ld.shared.v2.f32 {$0, $1}, [$2];",
+        "=f,=f,r,~{memory}",
+        True,
+    )
+    return (
+        Float32(llvm.extractvalue(f32, res, [0], loc=loc, ip=ip)),
+        Float32(llvm.extractvalue(f32, res, [1], loc=loc, ip=ip)),
+    )
+
+
+@dsl_user_op
+def bits_to_f32(bits: Uint32, *, loc=None, ip=None) -> Float32:
+    """The fp32 whose bits are ``bits``."""
+    res = inline_asm(
+        ir.Type.parse("f32"), [ir_arg(bits, Uint32, loc, ip)], "mov.b32 $0, $1;", "=f,r"
+    )
+    return Float32(res)
+
+
+@cute.jit
+def ue8m0_value(word: Uint32, byte: Int32) -> Float32:
+    """Byte ``byte`` of ``word`` as a ue8m0 scale: 2^(code - 127) (fp32 exponent bits; code 0
+    is the subnormal 2^-127, code 255 NaN)."""
+    code = (word >> Uint32(byte * 8)) & Uint32(0xFF)
+    bits = code << Uint32(23)
+    bits = cutlass.select_(code == Uint32(0), Uint32(0x00400000), bits)
+    bits = cutlass.select_(code == Uint32(0xFF), Uint32(0x7FC00000), bits)
+    return bits_to_f32(bits)
+
+
+class GemmSm90Fp8Kernel:
+    """The block-scaled FP8 GEMM (module docstring):
+    ``__call__(mA, mSFA, mB, mSFB, mGA, mGB, mC, max_ctas, stream)``; ``GemmSm90Fp8BiasKernel``
+    adds ``mBias`` after ``mC``."""
+
+    TAKES_BIAS: ClassVar[bool] = False
+    MMA_WARPGROUPS: ClassVar[int] = 2
+    PRODUCER_WARP: ClassVar[int] = 8  # the first warp of the third warpgroup
+    THREADS: ClassVar[int] = 384
+    PRODUCER_REGS: ClassVar[int] = 40
+    MMA_REGS: ClassVar[int] = 232
+
+    def __init__(self, params: GemmSm90Fp8Params) -> None:
+        if params.bias != self.TAKES_BIAS:
+            raise ValueError(
+                f"{type(self).__name__} takes bias={self.TAKES_BIAS}; the params say {params.bias}"
+            )
+        self.p = params
+        self.a_dtype = ELEMENTS[params.a_element]
+        self.b_dtype = ELEMENTS[params.b_element]
+        self.out_dtype = OUTPUTS[params.out]
+
+    @cute.jit
+    def __call__(
+        self,
+        mA: cute.Tensor,  # fp8 [M, K]
+        mSFA: cute.Tensor,  # fp32 [M, KB] or uint8 [M, KB padded to 4]
+        mB: cute.Tensor,  # fp8 [N, K]
+        mSFB: cute.Tensor,  # [N or ceil(N / block_k), KB (padded)]
+        mGA: cute.Tensor,  # fp32 [1] S_a
+        mGB: cute.Tensor,  # fp32 [1] S_b
+        mC: cute.Tensor,  # out [M, N]
+        max_ctas: Int32,  # the persistent grid's size limit (the GPU's SM count)
+        stream: cuda.CUstream,
+    ):
+        self.launch(mA, mSFA, mB, mSFB, mGA, mGB, mC, None, max_ctas, stream)
+
+    @cute.jit
+    def launch(
+        self,
+        mA: cute.Tensor,
+        mSFA: cute.Tensor,
+        mB: cute.Tensor,
+        mSFB: cute.Tensor,
+        mGA: cute.Tensor,
+        mGB: cute.Tensor,
+        mC: cute.Tensor,
+        mBias: cute.Tensor | None,
+        max_ctas: Int32,
+        stream: cuda.CUstream,
+    ):
+        """The TMA atoms, shared-memory layouts and the persistent grid."""
+        p = self.p
+        stages = p.num_stages
+        tiler = (p.tile_m, p.tile_n, p.tile_k)
+        tiled_mma = sm90_utils.make_trivial_tiled_mma(
+            self.a_dtype,
+            self.b_dtype,
+            warpgroup.OperandMajorMode.K,
+            warpgroup.OperandMajorMode.K,
+            Float32,
+            (self.MMA_WARPGROUPS, 1, 1),
+            tiler_mn=(64, p.tile_n),
+        )
+        sA_layout = sm90_utils.make_smem_layout_a(LayoutEnum.ROW_MAJOR, tiler, self.a_dtype, stages)
+        sB_layout = sm90_utils.make_smem_layout_b(LayoutEnum.ROW_MAJOR, tiler, self.b_dtype, stages)
+        tma_atom_a, tma_a = cpasync.make_tiled_tma_atom(
+            cpasync.CopyBulkTensorTileG2SOp(),
+            mA,
+            cute.slice_(sA_layout, (None, None, 0)),
+            (p.tile_m, p.tile_k),
+        )
+        tma_atom_b, tma_b = cpasync.make_tiled_tma_atom(
+            cpasync.CopyBulkTensorTileG2SOp(),
+            mB,
+            cute.slice_(sB_layout, (None, None, 0)),
+            (p.tile_n, p.tile_k),
+        )
+
+        @cute.struct
+        class SharedStorage:
+            full: cute.struct.MemRange[Int64, stages]
+            empty: cute.struct.MemRange[Int64, stages]
+            sSF: cute.struct.Align[cute.struct.MemRange[Uint8, p.sf_stage_bytes * stages], 16]
+            sA: cute.struct.Align[cute.struct.MemRange[self.a_dtype, cute.cosize(sA_layout)], 1024]
+            sB: cute.struct.Align[cute.struct.MemRange[self.b_dtype, cute.cosize(sB_layout)], 1024]
+
+        self.shared_storage = SharedStorage
+
+        m_tiles = (mC.shape[0] + (p.tile_m - 1)) // p.tile_m
+        n_tiles = (mC.shape[1] + (p.tile_n - 1)) // p.tile_n
+        ctas = cutlass.min(m_tiles * n_tiles, max_ctas)
+        self.kernel(
+            tma_atom_a,
+            tma_a,
+            tma_atom_b,
+            tma_b,
+            mSFA,
+            mSFB,
+            mGA,
+            mGB,
+            mC,
+            mBias,
+            tiled_mma,
+            sA_layout,
+            sB_layout,
+        ).launch(
+            grid=[ctas, 1, 1],
+            block=[self.THREADS, 1, 1],
+            min_blocks_per_mp=1,
+            stream=stream,
+        )
+
+    # ---- device side
+    @cute.jit
+    def tile_origin(self, t, m_tiles, n_tiles):
+        """Output tile t's first row and column: groups of group_m M-tiles, M fastest inside a
+        group (neighbouring CTAs share B tiles and, across a group, A tiles in L2)."""
+        p = self.p
+        per_group = p.group_m * n_tiles
+        group = t // per_group
+        first_m = group * p.group_m
+        group_size = cutlass.min(m_tiles - first_m, p.group_m)
+        in_group = t - group * per_group
+        m_tile = first_m + in_group % group_size
+        n_tile = in_group // group_size
+        return m_tile, n_tile
+
+    @cute.kernel
+    def kernel(
+        self,
+        tma_atom_a: cute.CopyAtom,
+        mA_tma: cute.Tensor,
+        tma_atom_b: cute.CopyAtom,
+        mB_tma: cute.Tensor,
+        mSFA: cute.Tensor,
+        mSFB: cute.Tensor,
+        mGA: cute.Tensor,
+        mGB: cute.Tensor,
+        mC: cute.Tensor,
+        mBias: cute.Tensor | None,
+        tiled_mma: cute.TiledMma,
+        sA_layout: cute.ComposedLayout,
+        sB_layout: cute.ComposedLayout,
+    ):
+        p = self.p
+        stages = p.num_stages
+        kpb = p.ktiles_per_block
+        tidx, _, _ = cute.arch.thread_idx()
+        bidx, _, _ = cute.arch.block_idx()
+        nctas, _, _ = cute.arch.grid_dim()
+        warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+        wg_idx = warp_idx // 4
+        lane = cute.arch.lane_idx()
+
+        M = mC.shape[0]
+        N = mC.shape[1]
+        m_tiles = (M + (p.tile_m - 1)) // p.tile_m
+        n_tiles = (N + (p.tile_n - 1)) // p.tile_n
+        tiles = m_tiles * n_tiles
+        my_tiles = (tiles - bidx + nctas - 1) // nctas  # t = bidx, bidx + nctas, ...
+
+        gA = cute.local_tile(mA_tma, (p.tile_m, p.tile_k), (None, None))  # (tm, tk, m, k)
+        gB = cute.local_tile(mB_tma, (p.tile_n, p.tile_k), (None, None))
+        k_tiles = cute.size(gA, mode=[3])
+        k_blocks = k_tiles // kpb
+
+        # ---- shared memory and the stage barriers
+        smem = cutlass.utils.SmemAllocator()
+        storage = smem.allocate(self.shared_storage)
+        full = storage.full.data_ptr()
+        empty = storage.empty.data_ptr()
+        if tidx == 0:
+            for i in range_constexpr(stages):
+                cute.arch.mbarrier_init(full + i, 33)  # expect_tx arrive + 32 cp.async arrives
+                cute.arch.mbarrier_init(empty + i, 4 * self.MMA_WARPGROUPS)  # one per MMA warp
+            cute.arch.mbarrier_init_fence()
+        if warp_idx == self.PRODUCER_WARP:
+            cpasync.prefetch_descriptor(tma_atom_a)
+            cpasync.prefetch_descriptor(tma_atom_b)
+        cute.arch.barrier()
+
+        sA = storage.sA.get_tensor(sA_layout.outer, swizzle=sA_layout.inner)
+        sB = storage.sB.get_tensor(sB_layout.outer, swizzle=sB_layout.inner)
+        sf_base = storage.sSF.data_ptr().toint()
+
+        # ============================================================== producer warpgroup
+        if wg_idx == self.MMA_WARPGROUPS:
+            cute.arch.setmaxregister_decrease(self.PRODUCER_REGS)
+        if warp_idx == self.PRODUCER_WARP:
+            tAsA, tAgA = cpasync.tma_partition(
+                tma_atom_a,
+                0,
+                cute.make_layout(1),
+                cute.group_modes(sA, 0, 2),
+                cute.group_modes(gA, 0, 2),
+            )
+            tBsB, tBgB = cpasync.tma_partition(
+                tma_atom_b,
+                0,
+                cute.make_layout(1),
+                cute.group_modes(sB, 0, 2),
+                cute.group_modes(gB, 0, 2),
+            )
+            tx_bytes = (p.tile_m + p.tile_n) * p.tile_k
+            sfa_g = mSFA.iterator.toint()
+            sfb_g = mSFB.iterator.toint()
+            sfa_cols = mSFA.shape[1]
+            sfb_cols = mSFB.shape[1]
+            last_a = mSFA.shape[0] - 1
+            last_b = mSFB.shape[0] - 1
+            for i in cutlass.range(my_tiles, unroll=1):
+                m_tile, n_tile = self.tile_origin(bidx + i * nctas, m_tiles, n_tiles)
+                m0 = m_tile * p.tile_m
+                n0 = n_tile * p.tile_n
+                for kt in cutlass.range(k_tiles, unroll=1):
+                    s_lin = i * k_tiles + kt
+                    st = s_lin % stages
+                    cute.arch.mbarrier_wait(empty + st, ((s_lin // stages) & 1) ^ 1)
+                    with cute.arch.elect_one():
+                        cute.arch.mbarrier_arrive_and_expect_tx(full + st, tx_bytes)
+                    # cute.copy elects its own thread: called by the whole warp
+                    cute.copy(tma_atom_a, tAgA[(None, m_tile, kt)], tAsA[(None, st)],
+                              tma_bar_ptr=full + st)  # fmt: skip
+                    cute.copy(tma_atom_b, tBgB[(None, n_tile, kt)], tBsB[(None, st)],
+                              tma_bar_ptr=full + st)  # fmt: skip
+                    # the block scales of the k-tile's K-block: one 4-byte cp.async per row
+                    kb = kt // kpb
+                    if const_expr(p.scale_kind == "fp32"):
+                        col_bytes = kb * 4
+                        elem = 4
+                    else:
+                        col_bytes = kb & ~3  # the aligned word holding the code
+                        elem = 1
+                    sf_dst = sf_base + st * p.sf_stage_bytes
+                    for j in range_constexpr((p.tile_m + p.tile_n) // 32):
+                        row = lane + 32 * j
+                        if const_expr(32 * (j + 1) <= p.tile_m):  # rows of A
+                            grow = cutlass.min(m0 + row, last_a)
+                            src = sfa_g + Int64(grow) * Int64(sfa_cols * elem) + Int64(col_bytes)
+                        else:  # columns of C: rows of B or of its scale tiles
+                            n = n0 + (row - p.tile_m)
+                            if const_expr(p.b_2d):
+                                n = n // p.block_k
+                            grow = cutlass.min(n, last_b)
+                            src = sfb_g + Int64(grow) * Int64(sfb_cols * elem) + Int64(col_bytes)
+                        cp_async(sf_dst + row * 4, src, 4)
+                    cute.arch.cp_async_mbarrier_arrive_noinc(full + st)
+            cute.arch.cp_async_wait_group(0)
+
+        # ============================================================== MMA warpgroups
+        if wg_idx < self.MMA_WARPGROUPS:
+            cute.arch.setmaxregister_increase(self.MMA_REGS)
+            thr_wg = tiled_mma.get_slice(wg_idx * 128)
+            tCrA = tiled_mma.make_fragment_A(thr_wg.partition_A(sA))
+            tCrB = tiled_mma.make_fragment_B(thr_wg.partition_B(sB))
+            cC = cute.make_identity_tensor((p.tile_m, p.tile_n))
+            tCcC = tiled_mma.get_slice(tidx).partition_C(cC)
+            total = cute.make_rmem_tensor(tCcC.shape, Float32)
+            partial = cute.make_rmem_tensor(tCcC.shape, Float32)
+            num_kk = cute.size(tCrA, mode=[2])  # wgmma k-steps per k-tile
+            # the accumulator of m64 n{tile_n}: element v0 + 2 v1 + 4 j holds row r0 + 8 v1,
+            # column c_j + v0 (c_j = 2 (lane % 4) + 8 j), as tCcC says
+            row0, _ = tCcC[0]
+            row1, _ = tCcC[2]
+            cols = []
+            for j in range_constexpr(p.tile_n // 8):
+                _, c = tCcC[4 * j]
+                cols.append(c)
+            alpha = mGA[0] * mGB[0]
+            for i in cutlass.range(my_tiles, unroll=1):
+                m_tile, n_tile = self.tile_origin(bidx + i * nctas, m_tiles, n_tiles)
+                m0 = m_tile * p.tile_m
+                n0 = n_tile * p.tile_n
+                total.fill(0.0)
+                for blk in cutlass.range(k_blocks, unroll=1):
+                    for sub in range_constexpr(kpb):
+                        s_lin = i * k_tiles + blk * kpb + sub
+                        st = s_lin % stages
+                        cute.arch.mbarrier_wait(full + st, (s_lin // stages) & 1)
+                        warpgroup.fence()
+                        for kk in range_constexpr(num_kk):
+                            # the block's first wgmma overwrites the partial sum
+                            tiled_mma.set(warpgroup.Field.ACCUMULATE, sub > 0 or kk > 0)
+                            cute.gemm(
+                                tiled_mma,
+                                partial,
+                                tCrA[(None, None, kk, st)],
+                                tCrB[(None, None, kk, st)],
+                                partial,
+                            )
+                        warpgroup.commit_group()
+                        if const_expr(sub == kpb - 1):
+                            sa, sb = self.block_scales(sf_base + st * p.sf_stage_bytes,
+                                                       blk, row0, row1, cols)  # fmt: skip
+                        warpgroup.wait_group(0)
+                        if lane == 0:
+                            cute.arch.mbarrier_arrive(empty + st)
+                    self.promote(total, partial, sa, sb)
+
+                # ---- epilogue: registers -> global, predicated
+                for e in range_constexpr(cute.size(total)):
+                    mm, nn = tCcC[e]
+                    gm = m0 + mm
+                    gn = n0 + nn
+                    if (gm < M) & (gn < N):
+                        self.store_output(mC, mBias, gm, gn, total[e] * alpha)
+
+    @cute.jit
+    def block_scales(self, base: Int32, kb, row0, row1, cols: list):
+        """The K-block's scales this thread needs from the stage at ``base``: s_a of its two
+        rows and s_b of its columns (pairs (c_j, c_j + 1), or one value per tile)."""
+        p = self.p
+        b0 = base + p.tile_m * 4
+        if const_expr(p.scale_kind == "fp32"):
+            sa = (lds_f32(base + row0 * 4), lds_f32(base + row1 * 4))
+            if const_expr(p.b_scale_per_tile):
+                sb = lds_f32(b0)
+            else:
+                sb = [lds_v2_f32(b0 + c * 4) for c in cols]
+        else:
+            byte = kb & 3
+            sa = (
+                ue8m0_value(lds_u32(base + row0 * 4), byte),
+                ue8m0_value(lds_u32(base + row1 * 4), byte),
+            )
+            if const_expr(p.b_scale_per_tile):
+                sb = ue8m0_value(lds_u32(b0), byte)
+            else:
+                sb = [
+                    (
+                        ue8m0_value(lds_u32(b0 + c * 4), byte),
+                        ue8m0_value(lds_u32(b0 + c * 4 + 4), byte),
+                    )
+                    for c in cols
+                ]
+        return sa, sb
+
+    @cute.jit
+    def promote(self, total: cute.Tensor, partial: cute.Tensor, sa, sb):
+        """total += partial * fp32(s_a s_b), element by element."""
+        p = self.p
+        for j in range_constexpr(p.tile_n // 8):
+            for v1 in range_constexpr(2):
+                for v0 in range_constexpr(2):
+                    e = v0 + 2 * v1 + 4 * j
+                    s_b = sb if const_expr(p.b_scale_per_tile) else sb[j][v0]
+                    s = sa[v1] * s_b
+                    total[e] = total[e] + partial[e] * s
+
+    @cute.jit
+    def store_output(self, mC: cute.Tensor, mBias: cute.Tensor | None, gm, gn, y: Float32):
+        """C[gm, gn] = y (+ bias[gn]) (+ C[gm, gn]) in fp32, one rounding to C's dtype."""
+        p = self.p
+        if const_expr(p.bias):
+            y = y + mBias[gn]
+        if const_expr(p.accumulate):
+            y = y + Float32(mC[gm, gn])
+        mC[gm, gn] = self.out_dtype(y)
+
+
+class GemmSm90Fp8BiasKernel(GemmSm90Fp8Kernel):
+    """The kernel with a bias: ``__call__(mA, mSFA, mB, mSFB, mGA, mGB, mC, mBias, max_ctas,
+    stream)`` with mBias fp32 [N]."""
+
+    TAKES_BIAS: ClassVar[bool] = True
+
+    @cute.jit
+    def __call__(
+        self,
+        mA: cute.Tensor,
+        mSFA: cute.Tensor,
+        mB: cute.Tensor,
+        mSFB: cute.Tensor,
+        mGA: cute.Tensor,
+        mGB: cute.Tensor,
+        mC: cute.Tensor,
+        mBias: cute.Tensor,
+        max_ctas: Int32,
+        stream: cuda.CUstream,
+    ):
+        self.launch(mA, mSFA, mB, mSFB, mGA, mGB, mC, mBias, max_ctas, stream)
+
+
+def compile_fp8_gemm(
+    params: GemmSm90Fp8Params, arch: str = "sm_90a", *, dump_dir: str | None = None
+):
+    """The TVM-FFI compiled kernel of ``params`` for ``arch`` (sm_90a), built against fake
+    tensors with dynamic M, N and K (K % block_k == 0, checked by the caller); needs no GPU.
+    With ``dump_dir`` (created if missing) the PTX is kept there. Arguments of the result: A, A's
+    scales, B, B's scales, S_a, S_b, C (, bias), max_ctas; the stream is the current torch one."""
+    if arch != "sm_90a":
+        raise ValueError(f"unsupported arch {arch!r}: the FP8 wgmma kernel is sm_90a's")
+    options = f"--enable-tvm-ffi --gpu-arch {arch}"
+    if dump_dir is not None:
+        os.makedirs(dump_dir, exist_ok=True)
+        options += f" --keep-ptx --dump-dir {shlex.quote(os.fspath(dump_dir))}"
+    fake = cute.runtime.make_fake_compact_tensor
+    m, n = cute.sym_int(), cute.sym_int()
+    k = cute.sym_int(divisibility=params.block_k)
+    sf_t = Float32 if params.scale_kind == "fp32" else Uint8
+    sf_div = 1 if params.scale_kind == "fp32" else 4  # ue8m0 rows padded to whole words
+    kb_a = cute.sym_int(divisibility=sf_div)
+    kb_b = cute.sym_int(divisibility=sf_div)
+    cls = GemmSm90Fp8BiasKernel if params.bias else GemmSm90Fp8Kernel
+    args = [
+        fake(ELEMENTS[params.a_element], (m, k), stride_order=(1, 0), assumed_align=16),
+        fake(sf_t, (m, kb_a), stride_order=(1, 0), assumed_align=4),
+        fake(ELEMENTS[params.b_element], (n, k), stride_order=(1, 0), assumed_align=16),
+        fake(sf_t, (cute.sym_int(), kb_b), stride_order=(1, 0), assumed_align=4),
+        fake(Float32, (1,), assumed_align=4),
+        fake(Float32, (1,), assumed_align=4),
+        fake(OUTPUTS[params.out], (m, n), stride_order=(1, 0), assumed_align=16),
+    ]
+    if params.bias:
+        args.append(fake(Float32, (n,), assumed_align=4))
+    stream = cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True)
+    return cute.compile(cls(params), *args, Int32(1), stream, options=options)
+
+
+__all__ = [
+    "GemmSm90Fp8BiasKernel",
+    "GemmSm90Fp8Kernel",
+    "GemmSm90Fp8Params",
+    "block_k_reason",
+    "compile_fp8_gemm",
+]
