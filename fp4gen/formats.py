@@ -30,7 +30,7 @@ SPECIALS: tuple[str, ...] = ("finite", "fn", "ieee")
 
 # The words of fp4gen.vocab.ScaleRounding and vocab.Rounding; the Literal types spell them again
 # for type checkers (tests/test_layers.py checks that they agree).
-ScaleRounding = Literal["nearest", "up", "down", "ocp"]
+ScaleRounding = Literal["nearest", "up", "down", "ocp", "stochastic"]
 SCALE_ROUNDINGS: tuple[str, ...] = vocab.words(vocab.ScaleRounding)
 
 ElementRounding = Literal["nearest", "stochastic", "stochastic16", "stochastic8", "zero"]
@@ -55,7 +55,13 @@ def is_stochastic(rounding: str) -> bool:
     return rounding in _SR_BITS
 
 
-HIGH_PRECISION_DTYPES: tuple[str, ...] = tuple(vocab.DTYPES)  # "bf16", "fp16", "fp32"
+HIGH_PRECISION_DTYPES: tuple[str, ...] = tuple(vocab.DTYPES)
+
+# How Four Over Six compares a block's candidates (docs/numerics.md 11.1).
+TargetError = Literal["mse", "mae"]
+TARGET_ERRORS: tuple[str, ...] = ("mse", "mae")
+MAX_TARGETS = 8  # candidates per block: each is one more quantization of the block
+MAX_EDEN_GROUP = 4096  # elements of an MS-EDEN group along a row  # "bf16", "fp16", "fp32"
 
 _ELEMENT_NAME = re.compile(r"^(u?)e(\d+)m(\d+)$")
 
@@ -213,7 +219,9 @@ class ScaleSpec:
       nearest: round to nearest, ties to even (NVFP4's e4m3 scales);
       up:      toward +inf (the NVFP4 paper's MX convention, nothing saturates);
       down:    toward zero;
-      ocp:     OCP MX v1.0: 2^(floor(log2 amax) - emax_elem); exponent-only scales only.
+      ocp:     OCP MX v1.0: 2^(floor(log2 amax) - emax_elem); exponent-only scales only;
+      stochastic: up or down at random, up with probability (d - lo) / (hi - lo), from a
+               32-bit Philox word of the block (docs/numerics.md 11.2).
     """
 
     element: ElementFormat | None = None
@@ -224,8 +232,8 @@ class ScaleSpec:
             raise ValueError(f"scale rounding must be one of {SCALE_ROUNDINGS}")
         if self.rounding == "ocp" and (self.element is None or not self.element.exponent_only):
             raise ValueError("the ocp scale rounding is defined for exponent-only (UExM0) scales")
-        if self.element is not None and self.element.signed and self.element.special == "ieee":
-            pass  # e5m2 scales are allowed; Inf is never produced (scales saturate)
+        if self.rounding == "stochastic" and self.element is None:
+            raise ValueError("fp32 scales are stored as computed: stochastic rounding needs a grid")
 
     @property
     def name(self) -> str:
@@ -273,9 +281,19 @@ def _power(value: float) -> str:
     return f"2^{exponent - 1}" if mantissa == 0.5 and abs(exponent - 1) > 10 else f"{value:.4g}"
 
 
-def global_scale_problem(element: ElementFormat, scale: ElementFormat | None) -> str | None:
+def grid_values(element: ElementFormat) -> tuple[float, ...]:
+    """The finite non-negative values of a format's codes, ascending."""
+    n_pos = 1 << (element.bits if element.exponent_only else element.bits - 1)
+    return tuple(sorted({v for v in map(element.value, range(n_pos)) if math.isfinite(v)}))
+
+
+def global_scale_problem(
+    element: ElementFormat, scale: ElementFormat | None, bound: float | None = None
+) -> str | None:
     """Why a global amax scale cannot pair ``element`` with block scales in ``scale`` (None:
-    fp32 scales), or None where it can (docs/numerics.md, section 2.1).
+    fp32 scales), or None where it can (docs/numerics.md, section 2.1). ``bound`` (None: the
+    scale format's max) is the block scale the tensor's amax is mapped onto (section 11.1): a
+    value of the scale format's grid, at most its max; it takes scale_max's place below.
 
     The global scale maps the tensor's amax A onto P = elem_max * scale_max: S_enc = P / A,
     S_dec = A / P, and the largest block's decode scale lands on scale_max. That holds for
@@ -292,6 +310,13 @@ def global_scale_problem(element: ElementFormat, scale: ElementFormat | None) ->
     if scale is None:
         return "fp32 block scales hold any fp32 value and need no global scale; write global none"
     elem_max, scale_max, scale_min = element.max_finite, scale.max_finite, scale.min_positive
+    if bound is not None:
+        if bound not in grid_values(scale) or bound <= 0:
+            return (
+                f"the global bound {bound:g} is not a positive value of the block scale format "
+                f"{scale.name} (whose largest is {_power(scale_max)})"
+            )
+        scale_max = bound
     product = elem_max * scale_max
     pair = f"{element.name} elements with {scale.name} block scales"
     maxima = f"elem_max * scale_max = {_power(elem_max)} * {_power(scale_max)}"
@@ -320,12 +345,72 @@ def global_scale_problem(element: ElementFormat, scale: ElementFormat | None) ->
     return None
 
 
+def options_problem(fmt: BlockFormat) -> str | None:
+    """Why the options of docs/numerics.md 11 (targets, global bound, per-row global scales,
+    MS-EDEN, stochastic scales) do not fit the rest of ``fmt``, or None where they do. Each
+    message says what the option needs."""
+    elem, scale = fmt.element, fmt.scale
+    if fmt.targets:
+        grid = grid_values(elem)
+        shown = " ".join(f"{t:g}" for t in fmt.targets)
+        if len(fmt.targets) > MAX_TARGETS:
+            return f"targets {shown}: at most {MAX_TARGETS} candidates per block"
+        if len(set(fmt.targets)) != len(fmt.targets):
+            return f"targets {shown}: a candidate is given twice"
+        for t in fmt.targets:
+            if t <= 0 or t not in grid:
+                return (
+                    f"target {t:g} is not a positive value of the element {elem.name} (its "
+                    f"values run up to {elem.max_finite:g}: the block's amax is mapped onto one)"
+                )
+        if scale.rounding == "ocp":
+            return (
+                "targets need a block scale computed as amax / target; the ocp rounding fixes "
+                "it from amax's exponent alone (use round up, nearest, down or stochastic)"
+            )
+    if fmt.target_error not in TARGET_ERRORS:
+        return f"the targets' error must be one of {TARGET_ERRORS}, got {fmt.target_error!r}"
+    if fmt.global_bound is not None and not fmt.global_scale:
+        return "a global bound belongs to a global amax scale (global amax BOUND)"
+    if fmt.global_rows:
+        if not fmt.global_scale:
+            return "per-row global scales need a global scale (global row)"
+        if fmt.is_2d:
+            return (
+                f"per-row global scales need 1D blocks: a {fmt.block[0]}x{fmt.block[1]} tile "
+                "spans several rows, and its columnwise copy (the same codes) would need one "
+                "scale per column along the dot product"
+            )
+    if fmt.eden_group is not None:
+        group, bc = fmt.eden_group, fmt.block[1]
+        if fmt.is_2d:
+            return "the MS-EDEN correction runs along rows: it needs 1D blocks"
+        if scale.rounding == "ocp":
+            return "the MS-EDEN correction rescales the block scale; ocp rounding fixes it"
+        if not 1 <= group <= MAX_EDEN_GROUP or group % bc:
+            return (
+                f"MS-EDEN group {group}: a multiple of the block length {bc} up to "
+                f"{MAX_EDEN_GROUP} (whole blocks share one correction)"
+            )
+    return None
+
+
 @dataclass(frozen=True)
 class BlockFormat:
     """A block-scaled format: elements, block shape (rows, cols), block scale, global scale.
 
     ``block`` is (1, N) for 1D blocks along the dot-product dimension and (N, N) for 2D tiles.
     ``global_scale`` adds NVFP4's fp32 per-tensor scale computed from the tensor's amax.
+
+    The 2026 options (docs/numerics.md 11; all off by default):
+    ``targets``: candidate values the block's amax is mapped to (Four Over Six: (6.0, 4.0));
+    each block keeps the candidate whose decoded values have the lower ``target_error`` ("mse"
+    or "mae"), ties to the first; () is the element's max alone.
+    ``global_bound``: the block scale value the tensor's amax is mapped to by the global scale
+    (None: the scale format's max; Four Over Six uses 256 with e4m3 so a 4-target fits).
+    ``global_rows``: one global scale per row (the row's amax) instead of one per tensor.
+    ``eden_group``: MS-EDEN correction (Quartet II): per group of this many elements along a
+    row, the block scales are multiplied by <x, x> / <x, q> before their final rounding.
     """
 
     name: str
@@ -333,6 +418,11 @@ class BlockFormat:
     block: tuple[int, int]
     scale: ScaleSpec
     global_scale: bool = False
+    targets: tuple[float, ...] = ()
+    target_error: TargetError = "mse"
+    global_bound: float | None = None
+    global_rows: bool = False
+    eden_group: int | None = None
 
     def __post_init__(self) -> None:
         rows, cols = self.block
@@ -342,15 +432,31 @@ class BlockFormat:
             raise ValueError(f"{self.name}: blocks are 1xN or NxN, got {rows}x{cols}")
         if self.global_scale:
             # here, not in the parser: formats built in Python meet the same rule
-            problem = global_scale_problem(self.element, self.scale.element)
+            problem = global_scale_problem(self.element, self.scale.element, self.global_bound)
             if problem is not None:
                 raise ArgumentError(f"format {self.name}: {problem}")
+        problem = options_problem(self)
+        if problem is not None:
+            raise ArgumentError(f"format {self.name}: {problem}")
 
     def __hash__(self) -> int:
         # formats key the per-call kernel and dispatch caches: hash the nested fields once
         h = self.__dict__.get("_hash")
         if h is None:
-            h = hash((self.name, self.element, self.block, self.scale, self.global_scale))
+            h = hash(
+                (
+                    self.name,
+                    self.element,
+                    self.block,
+                    self.scale,
+                    self.global_scale,
+                    self.targets,
+                    self.target_error,
+                    self.global_bound,
+                    self.global_rows,
+                    self.eden_group,
+                )
+            )
             object.__setattr__(self, "_hash", h)
         return h
 
@@ -361,6 +467,29 @@ class BlockFormat:
     @property
     def is_2d(self) -> bool:
         return self.block[0] > 1
+
+    @property
+    def block_targets(self) -> tuple[float, ...]:
+        """The values a block's amax is mapped to, in the order tried: ``targets``, or the
+        element's max alone."""
+        return self.targets or (self.element.max_finite,)
+
+    @property
+    def global_max(self) -> float:
+        """The block scale the global scale maps the tensor's (or row's) amax onto: the bound,
+        or the scale format's max."""
+        return self.scale.max_value if self.global_bound is None else self.global_bound
+
+    @property
+    def is_plain(self) -> bool:
+        """No option of docs/numerics.md 11: what the generated quantize kernels implement."""
+        return (
+            not self.targets
+            and self.global_bound is None
+            and not self.global_rows
+            and self.eden_group is None
+            and self.scale.rounding != "stochastic"
+        )
 
     @property
     def block_len(self) -> int:

@@ -221,6 +221,8 @@ def _product(call: _GemmCall, backend: str) -> tuple[str, GemmProduct]:
     elif backend == "block_scaled" and a.device.type != "cuda":
         return backend, GemmProduct(gemm_block_scaled_reference(a, b), scaled=True)
     elif backend in KERNEL_BACKENDS:
+        if _row_scaled(a.format) or _row_scaled(b.format):
+            raise FP4GenError(f"gemm(backend={backend!r}) cannot run: {ROW_SCALED_REASON}")
         return backend, _kernel_path(backend)(call)
     if backend == "dequant":
         fast = _fast_dequant(call)
@@ -311,6 +313,8 @@ def choose_backend(
     ``semantics`` (``set_fp8_semantics``). Pure logic: needs no GPU."""
     if device != "cuda":
         return GemmChoice("reference", "CPU tensors: the float64 reference")
+    if _row_scaled(a) or _row_scaled(b):
+        return GemmChoice("dequant", ROW_SCALED_REASON, fallback=True)
     if arch not in NATIVE_ARCHS and _fp32_scaled(a) and _fp32_scaled(b):
         # FP8-style pairs with fp32 block scales: no fused kernel or bf16-exact decode serves
         # them, only scaled_mm's block-scaled accumulation or the exact fp32 GEMM
@@ -354,9 +358,24 @@ def choose_backend(
     return GemmChoice("cute", "fused kernel: reads the 4-bit operands, decodes in the mainloop")
 
 
+# per-row global scales (docs/numerics.md 11.4): the GEMM kernels take one global scale per
+# operand, so the operands are decoded by torch ops and the epilogue applies S_dec per row
+ROW_SCALED_REASON = (
+    "per-row global scales: the kernels take one global scale per operand; torch decodes the "
+    "operands and the epilogue scales each row"
+)
+
+
+def _row_scaled(fmt: BlockFormat | object) -> bool:
+    return isinstance(fmt, BlockFormat) and fmt.global_rows
+
+
 def dequant_support(fmt: BlockFormat | object) -> str | None:
     """None when the generated dequantize kernel serves this operand format, else why not."""
     from fp4gen.runtime.dequant import support
+
+    if _row_scaled(fmt):
+        return ROW_SCALED_REASON
 
     return support(fmt)
 

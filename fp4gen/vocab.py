@@ -48,6 +48,7 @@ class ScaleRounding(StrEnum):
     UP = "up"
     DOWN = "down"
     OCP = "ocp"  # the OCP MX rule: floor(log2(amax)) - emax of the element
+    STOCHASTIC = "stochastic"  # up with probability (d - lo) / (hi - lo): a 32-bit word a block
 
 
 class Arch(StrEnum):

@@ -295,7 +295,9 @@ def tile_buckets(
 
 
 def _block(spec: OperandSpec) -> BlockFormat | None:
-    return spec.format if isinstance(spec.format, BlockFormat) else None
+    # a format with an option no kernel implements is quantized by the reference (plan.py)
+    fmt = spec.format
+    return fmt if isinstance(fmt, BlockFormat) and fmt.is_plain else None
 
 
 def _quant(fmt: BlockFormat, dtype: InputDType, *outputs: QuantOutput) -> QuantKernelSpec:

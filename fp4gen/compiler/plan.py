@@ -352,7 +352,7 @@ def _specs_of(
         groups: dict[tuple[Any, ...], list[Operand]] = {}
         for op in slots:
             fmt = table[op].format
-            if isinstance(fmt, BlockFormat):
+            if isinstance(fmt, BlockFormat) and fmt.is_plain:  # else: the reference, skipped
                 key = (fmt.element, fmt.block, fmt.scale, fmt.global_scale)
                 groups.setdefault(key, []).append(op)
         for (element, block, scale, global_scale), ops in groups.items():
@@ -363,7 +363,33 @@ def _specs_of(
             yield spec, tuple(ops)
 
 
+def reference_only_reason(fmt: BlockFormat) -> str | None:
+    """Why no generated quantize kernel serves ``fmt`` (an option of docs/numerics.md 11 that
+    the kernel templates do not implement yet), or None. The runtime quantizes such operands
+    with the reference (``backend="auto"`` logs this reason once, ``"cute"`` raises it)."""
+    if fmt.is_plain:
+        return None
+    options = []
+    if fmt.targets:
+        targets = " ".join(f"{t:g}" for t in fmt.targets)
+        options.append(f"targets {targets} (a choice of scale per block)")
+    if fmt.global_bound is not None:
+        options.append(f"a global bound {fmt.global_bound:g}")
+    if fmt.global_rows:
+        options.append("per-row global scales")
+    if fmt.eden_group is not None:
+        options.append(f"the MS-EDEN correction over {fmt.eden_group} elements")
+    if fmt.scale.rounding == "stochastic":
+        options.append("stochastic block scales")
+    return (
+        f"format {fmt.name} has {', '.join(options)}: no quantize kernel implements it yet, so "
+        "the reference quantizes these operands"
+    )
+
+
 def _skip_reason(spec: OperandSpec) -> str | None:
+    if isinstance(spec.format, BlockFormat):
+        return reference_only_reason(spec.format)
     if isinstance(spec.format, HighPrecision):
         return f"high precision ({spec.format.name}): no quantization"
     if isinstance(spec.format, MoRRef) and spec.rht is not None:
@@ -442,5 +468,6 @@ __all__ = [
     "Skipped",
     "output_json",
     "plan_recipe",
+    "reference_only_reason",
     "spec_json",
 ]

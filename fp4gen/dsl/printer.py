@@ -77,10 +77,31 @@ def _format_body(fmt: BlockFormat | HighPrecision) -> str:
     if isinstance(fmt, HighPrecision):
         return fmt.name
     rows, cols = fmt.block
-    return (
+    glob = ("row" if fmt.global_rows else "amax") if fmt.global_scale else "none"
+    if fmt.global_bound is not None:
+        glob += f" {_number(fmt.global_bound)}"
+    text = (
         f"{fmt.element.name} block {rows}x{cols} scale {fmt.scale.name} "
-        f"round {fmt.scale.rounding} global {'amax' if fmt.global_scale else 'none'}"
+        f"round {fmt.scale.rounding} global {glob}"
     )
+    # the options of numerics.md 11, only where set: existing formats print as they did
+    if fmt.targets:
+        targets = " ".join(_number(t) for t in fmt.targets)
+        text += f" targets {targets} by {fmt.target_error}"
+    if fmt.eden_group is not None:
+        text += f" correct eden {fmt.eden_group}"
+    return text
+
+
+def _number(value: float) -> str:
+    """A format value as the shortest decimal that reads back as the same double (repr), in
+    plain notation (the grammar has no exponents): 6, 1.5, 0.0078125."""
+    if value == int(value) and abs(value) < 2**63:
+        return str(int(value))
+    text = repr(value)
+    if "e" in text or "E" in text:
+        text = f"{value:.60f}".rstrip("0")
+    return text
 
 
 def _format_ref(

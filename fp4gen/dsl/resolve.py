@@ -43,6 +43,7 @@ from fp4gen.dsl.statements import (
 )
 from fp4gen.dsl.syntax import parse_tree
 from fp4gen.dsl.validate import finish
+from fp4gen.errors import ArgumentError
 from fp4gen.formats import (
     BUILTIN_FORMATS,
     HIGH_PRECISION_DTYPES,
@@ -372,23 +373,77 @@ class Loader:
                 "(use round nearest)"
             )
         if fd.global_scale is not None:
-            global_scale = fd.global_scale.value
+            clause = fd.global_scale.value
+            global_scale, global_rows = clause.kind != "none", clause.kind == "row"
+            global_bound = clause.bound.value if clause.bound is not None else None
+        elif base is not None:
+            global_scale, global_rows = base.global_scale, base.global_rows
+            global_bound = base.global_bound
         else:
-            global_scale = base.global_scale if base is not None else False
+            global_scale, global_rows, global_bound = False, False, None
         if global_scale and scale_el is None:
             where = fd.global_scale.pos if fd.global_scale is not None else fd.scale.pos  # type: ignore[union-attr]
             raise where.error(
                 "a global amax scale brings block scales into a narrow scale format's range; "
                 "fp32 block scales do not need one (use global none)"
             )
-        problem = global_scale_problem(element, scale_el) if global_scale else None
+        problem = global_scale_problem(element, scale_el, global_bound) if global_scale else None
         if problem is not None:  # at the clause that asked for it, or the scale that broke it
-            where = fd.global_scale.pos if fd.global_scale is not None else fd.scale.pos  # type: ignore[union-attr]
+            clause_pos = fd.global_scale
+            if clause_pos is not None and clause_pos.value.bound is not None:
+                bound_problem = global_scale_problem(element, scale_el)
+                where = clause_pos.value.bound.pos if bound_problem is None else clause_pos.pos
+            elif clause_pos is not None:
+                where = clause_pos.pos
+            else:
+                where = fd.scale.pos  # type: ignore[union-attr]
             raise where.error(problem)
         try:
-            return BlockFormat(name, element, block, ScaleSpec(scale_el, rounding), global_scale)  # type: ignore[arg-type]
+            fmt = BlockFormat(name, element, block, ScaleSpec(scale_el, rounding), global_scale)  # type: ignore[arg-type]
         except ValueError as exc:  # the checks above should have caught it; keep the position
             raise fd.name.pos.error(str(exc)) from None
+        return self._with_options(fd, base, fmt, global_bound, global_rows)
+
+    def _with_options(
+        self,
+        fd: FormatDef,
+        base: BlockFormat | None,
+        fmt: BlockFormat,
+        global_bound: float | None,
+        global_rows: bool,
+    ) -> BlockFormat:
+        """``fmt`` with the options of numerics.md 11 (targets, global bound and rows, MS-EDEN),
+        each from its clause or the base format; a misfit is an error at the clause that set
+        the option (or, for an inherited one, at the clause that broke it)."""
+        if fd.targets is not None:
+            targets, target_error = fd.targets.value.targets, fd.targets.value.error
+            if targets == (fmt.element.max_finite,):
+                targets, target_error = (), "mse"  # the element's max alone: the default
+        elif base is not None:
+            targets, target_error = base.targets, base.target_error
+        else:
+            targets, target_error = (), "mse"
+        if fd.correct is not None:
+            clause = fd.correct.value
+            eden_group = None
+            if clause.kind == "eden":
+                eden_group = fmt.block[1] if clause.group is None else clause.group.value
+        else:
+            eden_group = base.eden_group if base is not None else None
+        # an inherited option that no longer fits: at the first clause that changed the base
+        changed = fd.rounding or fd.scale or fd.block or fd.global_scale or fd.targets or fd.base
+        steps = (
+            (fd.global_scale, {"global_bound": global_bound, "global_rows": global_rows}),
+            (fd.targets, {"targets": targets, "target_error": target_error}),
+            (fd.correct, {"eden_group": eden_group}),
+        )
+        for clause, options in steps:
+            try:
+                fmt = replace(fmt, **options)  # type: ignore[arg-type]
+            except ArgumentError as exc:  # BlockFormat checks them: options_problem
+                where = clause.pos if clause is not None else changed.pos
+                raise where.error(str(exc)) from None
+        return fmt
 
     def _apply(self, unit: Unit, stmt: OperandStmt) -> None:
         """One cascade step: set only the properties the statement names."""

@@ -34,7 +34,13 @@ from fp4gen.dsl.source import (
     clip,
     did_you_mean,
 )
-from fp4gen.formats import HIGH_PRECISION_DTYPES, ElementFormat, HighPrecision, default_special
+from fp4gen.formats import (
+    HIGH_PRECISION_DTYPES,
+    MAX_EDEN_GROUP,
+    ElementFormat,
+    HighPrecision,
+    default_special,
+)
 
 Shape = tuple[int, int]
 
@@ -85,6 +91,31 @@ class Include:
     pos: Pos  # the keyword
 
 
+@dataclass(frozen=True)
+class GlobalClause:
+    """``global amax|row|none [BOUND]``: per tensor, per row or no global scale, and the block
+    scale value the amax is mapped onto (None: the scale format's max)."""
+
+    kind: Literal["amax", "row", "none"]
+    bound: At[float] | None = None
+
+
+@dataclass(frozen=True)
+class TargetsClause:
+    """``targets T1 T2 ... [by mse|mae]``: the values a block's amax may be mapped onto."""
+
+    targets: tuple[float, ...]
+    error: str = "mse"
+
+
+@dataclass(frozen=True)
+class CorrectClause:
+    """``correct eden [GROUP]`` or ``correct none``; ``group`` None: the block length."""
+
+    kind: Literal["eden", "none"]
+    group: At[int] | None = None
+
+
 @dataclass(frozen=True, eq=False)
 class FormatDef:
     name: At[str]
@@ -94,7 +125,9 @@ class FormatDef:
     block: At[Shape] | None
     scale: At[ElementFormat | None] | None  # a None value means fp32 scales
     rounding: At[str] | None
-    global_scale: At[bool] | None
+    global_scale: At[GlobalClause] | None
+    targets: At[TargetsClause] | None = None
+    correct: At[CorrectClause] | None = None
 
 
 @dataclass(frozen=True)
@@ -271,6 +304,8 @@ class _Builder:
             scale=clauses.get("f_scale"),
             rounding=clauses.get("f_round"),
             global_scale=clauses.get("f_global"),
+            targets=clauses.get("f_targets"),
+            correct=clauses.get("f_correct"),
         )
 
     def format_clause(self, clause: Tree) -> At:
@@ -296,8 +331,48 @@ class _Builder:
         if kind == "f_round":
             return self.at(first)
         if kind == "f_global":
-            return At(str(first) == "amax", self.pos(first))
+            bound = None
+            if len(clause.children) > 1:
+                bound = self.number(clause.children[1], what="global bound")
+                if str(first) == "none":
+                    raise bound.pos.error(
+                        "'global none' has no bound: a bound belongs to global amax or global row"
+                    )
+            return At(GlobalClause(str(first), bound), self.pos(first))  # type: ignore[arg-type]
+        if kind == "f_targets":
+            numbers = [c for c in clause.children if isinstance(c, Tree)]
+            values = tuple(self.number(c, what="target").value for c in numbers)
+            error = [c for c in clause.children if isinstance(c, Token)]
+            return At(
+                TargetsClause(values, str(error[0]) if error else "mse"), self.pos(numbers[0])
+            )
+        if kind == "f_correct":
+            group = None
+            if len(clause.children) > 1:
+                token = clause.children[1]
+                group = At(number(str(token)), self.pos(token))
+                if str(first) == "none":
+                    raise group.pos.error("'correct none' takes no group length")
+                if group.value < 1 or group.value > MAX_EDEN_GROUP:
+                    raise group.pos.error(
+                        f"MS-EDEN group {clip(str(token))}: 1 to {MAX_EDEN_GROUP} elements"
+                    )
+            return At(CorrectClause(str(first), group), self.pos(first))  # type: ignore[arg-type]
         raise AssertionError(kind)
+
+    def number(self, tree: Tree, *, what: str) -> At[float]:
+        """A decimal number (INT or DECIMAL) as the nearest double; more than 12 significant
+        digits or a value beyond 2^128 is refused (no format value needs them)."""
+        token = tree.children[0]
+        text = str(token)
+        pos = self.pos(token)
+        digits = text.replace(".", "").lstrip("0")
+        if len(digits) > 12:
+            raise pos.error(f"{what} {clip(text)}: at most 12 significant digits")
+        value = float(text)
+        if value >= 2.0**128:
+            raise pos.error(f"{what} {clip(text)}: beyond every format's range")
+        return At(value, pos)
 
     def special(self, tree: Tree) -> At[str]:
         return self.at(tree.children[0])

@@ -21,7 +21,9 @@ from fp4gen.vocab import Rounding, ScaleRounding, words
 _ENUMS: dict[str, tuple[str, ...]] = {
     "SCALE_ROUND": words(ScaleRounding),
     "ELEM_ROUND": words(Rounding),
-    "GLOBAL_KIND": ("amax", "none"),
+    "GLOBAL_KIND": ("amax", "row", "none"),
+    "TARGET_ERROR": ("mse", "mae"),
+    "CORRECTION": ("eden", "none"),
     "MOR_SCALING": ("gam", "e8m0", "amax"),
     "END": ("first", "last"),
     "UNIT": ("blocks", "layers"),
@@ -63,6 +65,8 @@ _TREE_PHRASES = {
     "f_scale": "the scale format",
     "f_round": "the scale rounding",
     "f_global": "the global scale",
+    "f_targets": "the block targets",
+    "f_correct": "the scale correction",
     "signs_te": "the sign source",
     "signs_none": "the sign source",
     "signs_fixed": "the sign string",
@@ -319,6 +323,8 @@ def _terminal_phrase(name: str, ctx: _Context) -> str:
         return "a block shape such as 1x16 or 16x16"
     if name == "PERCENT":
         return "a percentage such as 4.5%"
+    if name == "DECIMAL":
+        return "a number such as 4 or 1.5"
     if name == "INT":
         return {
             "RHT": "the Hadamard size (a power of two such as 16)",

@@ -36,6 +36,8 @@ if TYPE_CHECKING:  # the resolver calls finish(); its types are annotations here
     from fp4gen.dsl.resolve import Slot, Unit
 
 LoadRef = Callable[[At[str]], tuple[str, Recipe]]
+# the copies whose rows are tokens: where a per-row global scale is one scale per token
+ROW_SCALED_OPERANDS: tuple[Operand, ...] = (Operand.FPROP_ACTIVATION, Operand.DGRAD_GRADIENT)
 EVAL_2D = "an eval statement's format applies to the fprop activation too"
 
 
@@ -144,6 +146,13 @@ def _operand(op: Operand, slot: Slot, unit: Unit, scope: dict[str, Format]) -> O
         raise where.error(
             f"{op.selector} cannot use {rows}x{cols} blocks: only weights can have 2D blocks; "
             f"{op.role}s are scaled in 1xN blocks along the dot product"
+        )
+    if isinstance(fmt, BlockFormat) and fmt.global_rows and op not in ROW_SCALED_OPERANDS:
+        tokens = " and ".join(o.selector for o in ROW_SCALED_OPERANDS)
+        raise ref.pos.error(
+            f"{op.selector} cannot use {fmt.name}'s per-row global scales: a row of this copy is "
+            f"not a token; they are defined on {tokens} (one scale per token, folded into the "
+            "GEMM's output rows)"
         )
     if isinstance(fmt, HighPrecision):
         if rounding != "nearest":
@@ -254,5 +263,11 @@ def _action(
             f"{ref.name} has {rows}x{cols} blocks, but {applies} and only weights can have 2D "
             'blocks; name a recipe (recipe "FILE") whose operands section gives the weights '
             "their 2D blocks"
+        )
+    if isinstance(fmt, BlockFormat) and fmt.global_rows:
+        raise action.pos.error(
+            f"{ref.name} has per-row global scales, but {applies} and they are defined only on "
+            "the copies whose rows are tokens (fprop.activation, dgrad.gradient); name a recipe "
+            '(recipe "FILE") whose operands section gives them to those operands'
         )
     return fmt

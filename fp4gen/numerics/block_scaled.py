@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 
 from fp4gen.errors import TensorError
-from fp4gen.numerics.gemm import check_operands
+from fp4gen.numerics.gemm import check_operands, global_alpha
 from fp4gen.numerics.minifloat import decode
 from fp4gen.numerics.quantize import QuantizedTensor
 
@@ -65,8 +65,7 @@ def gemm_block_scaled_reference(
         partial = qa[:, k0:k1] @ qb[:, k0:k1].t()
         scale = sa[:, k0 // bka, None] * sb[None, :, k0 // bkb]
         c += scale * partial
-    alpha = a.global_scale.to(torch.float64) * b.global_scale.to(torch.float64)
-    c = (c * alpha).to(torch.float32)
+    c = (c * global_alpha(a, b, torch.float64)).to(torch.float32)
     if bias is not None:
         if bias.shape != (n,):
             raise TensorError(f"bias must have shape [{n}], got {tuple(bias.shape)}")
@@ -88,7 +87,7 @@ def block_scaled_error_bound(a: QuantizedTensor, b: QuantizedTensor) -> torch.Te
     gamma = r * U32 / (1 - r * U32)
     va = a.dequantize_blockwise().to(torch.float64).abs()  # |q s| exactly: fp32 products of
     vb = b.dequantize_blockwise().to(torch.float64).abs()  # exact values, up to 2^-24 each
-    alpha = abs(float(a.global_scale) * float(b.global_scale))
+    alpha = global_alpha(a, b, torch.float64).abs()
     magnitude = (va @ vb.t()) * alpha * (1 + 2 * U32) ** 2  # covers the fp32 rounding of q s
     return gamma * magnitude
 

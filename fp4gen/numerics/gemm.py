@@ -15,7 +15,8 @@ def gemm_reference(
     out_dtype: torch.dtype = torch.float32,
     bias: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """C[m, n] = S_dec(a) * S_dec(b) * sum_k s_a * s_b * q_a * q_b for a: [M, K], b: [N, K].
+    """C[m, n] = S_dec(a) * S_dec(b) * sum_k s_a * s_b * q_a * q_b for a: [M, K], b: [N, K]
+    (S_dec(a)[m] and S_dec(b)[n] with per-row global scales, ``global_alpha``).
 
     Both operands are quantized along K (1D or 2D blocks, in any mix). The block-scaled
     products decode(q) * s_b are exact in float32 and float64; the sum over K runs in float64
@@ -29,14 +30,24 @@ def gemm_reference(
     check_operands(a, b)
     va = a.dequantize_blockwise().to(torch.float64)
     vb = b.dequantize_blockwise().to(torch.float64)
-    alpha = a.global_scale.to(torch.float64) * b.global_scale.to(torch.float64)
-    c = ((va @ vb.t()) * alpha).to(torch.float32)
+    c = ((va @ vb.t()) * global_alpha(a, b, torch.float64)).to(torch.float32)
     if bias is not None:
         n = b.rows
         if bias.shape != (n,):
             raise TensorError(f"bias must have shape [{n}], got {tuple(bias.shape)}")
         c = c + bias.to(device=c.device, dtype=torch.float32)
     return c.to(out_dtype)
+
+
+def global_alpha(a: QuantizedTensor, b: QuantizedTensor, dtype: torch.dtype) -> torch.Tensor:
+    """S_dec(A) * S_dec(B) in ``dtype``: a 0-dim tensor, or with per-row global scales
+    (numerics.md 11.4) the outer product [M, 1] x [1, N] (A's rows are C's rows, B's rows C's
+    columns), which broadcasts over C [M, N]. One product per element: exact in float64."""
+    ga = a.global_scale.to(dtype)
+    gb = b.global_scale.to(dtype)
+    if gb.dim() == 2:  # per row of B: per column of C
+        gb = gb.reshape(1, -1)
+    return ga * gb
 
 
 def require_quantized(a: object, b: object) -> None:

@@ -27,10 +27,10 @@ import torch
 from fp4gen.formats import ELEMENT_ROUNDINGS, ElementFormat, ElementRounding, is_stochastic, sr_bits
 
 Rounding = ElementRounding
-ScaleRoundingMode = Literal["nearest", "up", "down"]
+ScaleRoundingMode = Literal["nearest", "up", "down", "stochastic"]
 
 _ROUNDINGS = ELEMENT_ROUNDINGS
-_SCALE_MODES = ("nearest", "up", "down")
+_SCALE_MODES = ("nearest", "up", "down", "stochastic")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -220,16 +220,21 @@ def encode(
 
 
 def encode_scale(
-    d: torch.Tensor, fmt: ElementFormat, rounding: ScaleRoundingMode = "nearest"
+    d: torch.Tensor,
+    fmt: ElementFormat,
+    rounding: ScaleRoundingMode = "nearest",
+    random_bits: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Round non-negative ideal scales ``d`` (float32) onto the grid of ``fmt``; returns codes.
 
     nearest: nearest value, ties to the even code; up: smallest grid value >= d; down: largest
-    grid value <= d. Results are clamped to max finite; exponent-only formats also clamp up to
-    their smallest value 2^-bias (they have no zero). Signed formats keep 0 for d == 0 and can
-    give 0 or a subnormal for tiny d (no lower clamp, per the NVFP4 contract).
+    grid value <= d; stochastic: as ``encode``'s 32-bit stochastic rounding, with one word per
+    scale in ``random_bits`` (same shape as d). Results are clamped to max finite;
+    exponent-only formats also clamp up to their smallest value 2^-bias (they have no zero).
+    Signed formats keep 0 for d == 0 and can give 0 or a subnormal for tiny d (no lower clamp,
+    per the NVFP4 contract).
     """
     if rounding not in _SCALE_MODES:
         raise ValueError(f"scale rounding must be one of {_SCALE_MODES}, got {rounding!r}")
     d = d.to(torch.float32)
-    return _round_magnitude(d.abs(), fmt, rounding).to(torch.uint8)
+    return _round_magnitude(d.abs(), fmt, rounding, random_bits).to(torch.uint8)

@@ -35,7 +35,7 @@ from fp4gen.formats import (
 from fp4gen.numerics.hadamard import inverse_rht, rht
 from fp4gen.numerics.layout import pack, swizzle_scales, unpack
 from fp4gen.numerics.minifloat import decode, encode, encode_scale, max_exponent, max_finite
-from fp4gen.numerics.philox import random_bits
+from fp4gen.numerics.philox import random_bits, random_words
 
 FLT_MAX = float(torch.finfo(torch.float32).max)
 _INPUT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -440,21 +440,28 @@ def _scalar(value: float, device: torch.device) -> torch.Tensor:
 def _global_scales(
     amax: torch.Tensor, fmt: BlockFormat, elem_max: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(S_enc, S_dec) as fp32 0-dim tensors."""
+    """(S_enc, S_dec) as fp32 tensors shaped like ``amax`` (0-dim, or [R, 1] per row)."""
     dev = amax.device
     if not fmt.global_scale:
         one = _scalar(1.0, dev)
         return one, one
-    product = _scalar(fmt.scale.max_value, dev) * _scalar(elem_max, dev)  # fp32, may be inf
+    product = _scalar(fmt.global_max, dev) * _scalar(elem_max, dev)  # fp32, may be inf
     s_enc = torch.clamp(product / amax, max=FLT_MAX)  # amax == 0 -> inf -> replaced below
     s_enc = torch.where((amax == 0) | (s_enc == 0), _scalar(1.0, dev), s_enc)
     return s_enc, 1.0 / s_enc
 
 
 def _block_scales(
-    amax_b: torch.Tensor, s_enc: torch.Tensor, fmt: BlockFormat, elem_max: float
+    amax_b: torch.Tensor,
+    s_enc: torch.Tensor,
+    fmt: BlockFormat,
+    target: float,
+    rounding: str,
+    bits: torch.Tensor | None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """(s_b float32, scale codes or None) from the block amaxes."""
+    """(s_b float32, scale codes or None) from the block amaxes, mapping each block's amax to
+    ``target`` (the element's max unless the format has targets), rounded by ``rounding``
+    (``bits``: the blocks' 32-bit words for stochastic rounding)."""
     dev = amax_b.device
     scale = fmt.scale
     if scale.rounding == "ocp":
@@ -468,15 +475,99 @@ def _block_scales(
         biased = torch.where(v == 0, torch.zeros_like(biased), biased)  # amax 0 -> smallest
         codes = biased.to(torch.uint8)
         return decode(codes, scale.element), codes
-    inv_elem_max = _scalar(1.0, dev) / _scalar(elem_max, dev)  # fp32(1/elem_max), RNE
+    inv_target = _scalar(1.0, dev) / _scalar(target, dev)  # fp32(1/target), RNE
     # Saturate at the cap, not at the scale format's max: a larger scale could decode a code to
     # +-inf (elem_max * s_b > FLT_MAX). The cap is on the grid, so rounding keeps s_b <= cap.
     # (ocp above needs no cap: s_b <= 2^(127 - emax_elem) and elem_max < 2^(emax_elem + 1).)
-    d_b = torch.clamp(amax_b * (s_enc * inv_elem_max), max=fmt.scale_cap)
+    d_b = torch.clamp(amax_b * (s_enc * inv_target), max=fmt.scale_cap)
+    return _rounded_scales(d_b, fmt, rounding, bits)
+
+
+def _rounded_scales(
+    d_b: torch.Tensor, fmt: BlockFormat, rounding: str, bits: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Ideal decode scales d_b (fp32, at most the cap) -> (s_b, scale codes or None)."""
+    scale = fmt.scale
     if scale.element is None:
         return d_b, None
-    codes = encode_scale(d_b, scale.element, scale.rounding)  # type: ignore[arg-type]
+    codes = encode_scale(d_b, scale.element, rounding, bits)  # type: ignore[arg-type]
     return decode(codes, scale.element), codes
+
+
+# The element index of block 0's scale word in a quantize call's Philox stream: far above every
+# element's own index, so stochastic scales and elements never share a word (numerics.md 11.2).
+SCALE_STREAM_INDEX = 1 << 62
+
+
+def tree_sum(values: torch.Tensor) -> torch.Tensor:
+    """fp32 sum over the last dimension as a pairwise tree in index order ((v0 + v1) +
+    (v2 + v3)) + ..., zero-padded to a power of two: what a warp's xor-butterfly computes
+    (fp32 addition commutes), so a kernel can give the same bits."""
+    n = values.shape[-1]
+    width = 1 << (n - 1).bit_length()
+    if width != n:
+        values = F.pad(values, (0, width - n))
+    while values.shape[-1] > 1:
+        values = values[..., 0::2] + values[..., 1::2]
+    return values[..., 0]
+
+
+def _per_block(values: torch.Tensor, br: int, bc: int) -> torch.Tensor:
+    """[nbr * br, nbc * bc] -> [nbr, nbc, br * bc]: each block's elements, row-major."""
+    rows, cols = values.shape
+    blocks = values.reshape(rows // br, br, cols // bc, bc).permute(0, 2, 1, 3)
+    return blocks.reshape(rows // br, cols // bc, br * bc)
+
+
+@dataclass
+class _Choice:
+    """One candidate quantization of every block (numerics.md 11.1)."""
+
+    s_b: torch.Tensor
+    scale_codes: torch.Tensor | None
+    codes: torch.Tensor
+
+
+def _block_error(
+    choice: _Choice, z: torch.Tensor, fmt: BlockFormat, br: int, bc: int, nbr: int, nbc: int
+) -> torch.Tensor:
+    """Each block's error [nbr, nbc]: tree_sum over its elements (row-major) of
+    fp32(deq - z)^2 (mse) or |fp32(deq - z)| (mae), deq = fp32(decode(code) * s_b)."""
+    rows, cols = z.shape
+    deq = decode(choice.codes, fmt.element) * _expand(choice.s_b, br, bc, rows, cols)
+    diff = deq - z
+    err = diff * diff if fmt.target_error == "mse" else diff.abs()
+    err = F.pad(err, (0, nbc * bc - cols, 0, nbr * br - rows))
+    return tree_sum(_per_block(err, br, bc))
+
+
+def _eden_scales(
+    choice: _Choice,
+    z: torch.Tensor,
+    fmt: BlockFormat,
+    scale_bits: torch.Tensor | None,
+    nbc: int,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """MS-EDEN (numerics.md 11.3): per group of G elements of a row, F = fp32(<z, z> / <z, q>)
+    (tree sums; F = 1 where <z, q> is 0 or F is not finite), q = fp32(decode(code) * s_b);
+    every block scale of the group becomes the format's rounding of min(fp32(s_b * F), cap)."""
+    assert fmt.eden_group is not None
+    rows, cols = z.shape
+    bc = min(fmt.block[1], cols)
+    group = fmt.eden_group
+    deq = decode(choice.codes, fmt.element) * _expand(choice.s_b, 1, bc, rows, cols)
+    n_groups = -(-cols // group)
+
+    def grouped(v: torch.Tensor) -> torch.Tensor:
+        return F.pad(v, (0, n_groups * group - cols)).reshape(rows, n_groups, group)
+
+    zz = tree_sum(grouped(z * z))
+    zq = tree_sum(grouped(z * deq))
+    factor = zz / zq
+    factor = torch.where((zq > 0) & torch.isfinite(factor), factor, torch.ones_like(factor))
+    per_block = factor.repeat_interleave(max(group // bc, 1), dim=1)[:, :nbc]
+    d_b = torch.clamp(choice.s_b * per_block, max=fmt.scale_cap)
+    return _rounded_scales(d_b, fmt, fmt.scale.rounding, scale_bits)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -555,18 +646,55 @@ def quantize(
 
     elem = bf.element
     elem_max = max_finite(elem)
-    s_enc, s_dec = _global_scales(amax_b.max(), bf, elem_max)
-    s_b, scale_codes = _block_scales(amax_b, s_enc, bf, elem_max)
-    e_b = _encode_factors(s_b, s_dec)
+    # per row (1D blocks: block row = row) or per tensor
+    amax = amax_b.amax(dim=1, keepdim=True) if bf.global_rows else amax_b.max()
+    s_enc, s_dec = _global_scales(amax, bf, elem_max)
 
-    y = torch.clamp(x2 * _expand(e_b, br, bc, rows, cols), -elem_max, elem_max)
     bits = None
     if is_stochastic(rounding):
         bits = random_bits(
             rows * cols, seed, offset, device=x2.device, bits=sr_bits(rounding)
         ).reshape(rows, cols)
-    # the sign of x, not of y: a negative x whose product underflows to -0.0 keeps it
-    codes = encode(y, elem, rounding, bits, negative=x2 < 0)  # type: ignore[arg-type]
+    scale_bits = None
+    if bf.scale.rounding == "stochastic":
+        index = torch.arange(nbr * nbc, dtype=torch.int64, device=x2.device) + SCALE_STREAM_INDEX
+        scale_bits = random_words(index, seed, offset).reshape(nbr, nbc)
+    # MS-EDEN rounds the scale once, after the correction: the codes are made with the nearest
+    # scale; any other rounding is the format's own
+    eden_stochastic = bf.eden_group is not None and bf.scale.rounding == "stochastic"
+    first_rounding = "nearest" if eden_stochastic else bf.scale.rounding
+
+    def candidate(target: float) -> _Choice:
+        s_b, scale_codes = _block_scales(
+            amax_b, s_enc, bf, target, first_rounding, None if eden_stochastic else scale_bits
+        )
+        e_b = _encode_factors(s_b, s_dec)
+        y = torch.clamp(x2 * _expand(e_b, br, bc, rows, cols), -elem_max, elem_max)
+        # the sign of x, not of y: a negative x whose product underflows to -0.0 keeps it
+        codes = encode(y, elem, rounding, bits, negative=x2 < 0)  # type: ignore[arg-type]
+        return _Choice(s_b, scale_codes, codes)
+
+    targets = bf.block_targets
+    chosen = candidate(targets[0])
+    if len(targets) > 1:
+        # Four Over Six: each block keeps the candidate of lower error, ties to the first
+        z = x2 * s_enc  # the input in the units of the block scales, one rounding
+        best = _block_error(chosen, z, bf, br, bc, nbr, nbc)
+        for target in targets[1:]:
+            other = candidate(target)
+            err = _block_error(other, z, bf, br, bc, nbr, nbc)
+            better = err < best
+            best = torch.where(better, err, best)
+            chosen = _Choice(
+                torch.where(better, other.s_b, chosen.s_b),
+                None
+                if chosen.scale_codes is None or other.scale_codes is None
+                else torch.where(better, other.scale_codes, chosen.scale_codes),
+                torch.where(_expand(better, br, bc, rows, cols), other.codes, chosen.codes),
+            )
+    s_b, scale_codes, codes = chosen.s_b, chosen.scale_codes, chosen.codes
+    if bf.eden_group is not None:
+        s_b, scale_codes = _eden_scales(chosen, x2 * s_enc, bf, scale_bits, nbc)
 
     return QuantizedTensor(
         codes=codes,

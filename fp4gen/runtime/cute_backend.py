@@ -25,6 +25,7 @@ from typing import Any
 
 import torch
 
+from fp4gen.compiler.plan import reference_only_reason
 from fp4gen.compiler.spec import InputDType, QuantKernelSpec, QuantOutput
 from fp4gen.device_offset import DeviceOffset
 from fp4gen.dsl.model import RHTSpec
@@ -114,7 +115,9 @@ def _launch(
     if hit is not None and hit[0] is fmt and all(a is b for a, b in zip(hit[1], rhts, strict=True)):
         return hit[2]
     spec = _spec(fmt, dtype, tuple(QuantOutput(d, r, h) for d, r, h in copies))  # type: ignore[arg-type]
-    kernels = _kernels(spec)
+    # the spec cannot say what the kernels do not implement (numerics.md 11): the reference
+    only = reference_only_reason(fmt)
+    kernels = Unsupported(only) if only is not None else _kernels(spec)
     refused = None
     check = (
         None if isinstance(kernels, Unsupported) else getattr(kernels.module, "check_input", None)

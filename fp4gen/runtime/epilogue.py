@@ -108,9 +108,12 @@ def apply_steps(
 
 
 def _alpha(a: Any, b: Any, device: torch.device) -> torch.Tensor:
-    """S_dec(A) * S_dec(B) as one fp32 element on ``device``."""
+    """S_dec(A) * S_dec(B) as one fp32 element on ``device``; with per-row global scales
+    (docs/numerics.md 11.4) [M, 1] (A's) times [1, N] (B's), one fp32 product per element."""
     ga = a.global_scale.to(device=device, dtype=torch.float32)
     gb = b.global_scale.to(device=device, dtype=torch.float32)
+    if gb.dim() == 2:  # per row of B: per column of C
+        gb = gb.reshape(1, -1)
     return ga * gb
 
 
