@@ -12,7 +12,10 @@ Paths (``backend=``):
              sm_90a): the kernel decodes the 4-bit codes to bf16 in its mainloop (mma.sync
              split-K for M <= 64, wgmma above); fp32 accumulation, the same numerics as
              dequant. NVFP4 (A 1x16, B 1x16 or 16x16 blocks) and MXFP4 (1x32 blocks) pairs;
-             FP4GenError with the reason for anything else.
+             FP8 pairs (e4m3 / e5m2 either side, fp32 or ue8m0 scales, A 1xN, B 1xN or NxN
+             for N = 32, 64 or a multiple of 128) take the generated block-scaled FP8 kernel
+             (``fp8_gemm.cute_block_scaled_product``): block_scaled's semantics on the FP8
+             tensor cores. FP4GenError with the reason for anything else.
   block_scaled
              block-scaled accumulation (numerics.md 6.1): the element products exact, each
              K-block's partial sum in fp32, scaled by s_a s_b and accumulated in fp32. On CUDA
@@ -315,6 +318,12 @@ def choose_backend(
         return GemmChoice("reference", "CPU tensors: the float64 reference")
     if _row_scaled(a) or _row_scaled(b):
         return GemmChoice("dequant", ROW_SCALED_REASON, fallback=True)
+    if arch == "sm_90a" and semantics != "exact":
+        from fp4gen.runtime.fp8_gemm import cute_auto_reason
+
+        why = cute_auto_reason(a, b, m)  # the measured table (fp8_gemm.CUTE_AUTO_MIN_M)
+        if why is not None:
+            return GemmChoice("cute", why)
     if arch not in NATIVE_ARCHS and _fp32_scaled(a) and _fp32_scaled(b):
         # FP8-style pairs with fp32 block scales: no fused kernel or bf16-exact decode serves
         # them, only scaled_mm's block-scaled accumulation or the exact fp32 GEMM
@@ -465,8 +474,16 @@ def _kernel_gemm(
 # returns the backend's GemmProduct; ``_gemm`` finishes it (the shared epilogue).
 def _fused(call: _GemmCall) -> GemmProduct:
     """The fused kernel; where ``backend="auto"`` chose it, a small-M call also leaves a
-    prepared call for its B (``_prepared``), which serves the next auto calls like it."""
+    prepared call for its B (``_prepared``), which serves the next auto calls like it. FP8
+    pairs take the generated block-scaled FP8 kernel (``fp8_gemm.cute_block_scaled_product``)."""
     from fp4gen.runtime.cute_gemm import fused_product
+    from fp4gen.runtime.fp8_gemm import cute_block_scaled_product, cute_support
+
+    a, b = call.a, call.b
+    if fused_support(a.format, b.format) is not None and cute_support(a.format, b.format) is None:
+        return cute_block_scaled_product(
+            a, b, out_dtype=call.out_dtype, bias=call.bias, accumulate=call.accumulate
+        )
 
     return _kernel_gemm("cute", fused_product, call, keep=_prepared if call.auto else None)
 

@@ -273,8 +273,8 @@ class GemmSm90Fp8Kernel:
         tiled_mma = sm90_utils.make_trivial_tiled_mma(
             self.a_dtype,
             self.b_dtype,
-            warpgroup.OperandMajorMode.K,
-            warpgroup.OperandMajorMode.K,
+            cute.nvgpu.OperandMajorMode.K,
+            cute.nvgpu.OperandMajorMode.K,
             Float32,
             (self.MMA_WARPGROUPS, 1, 1),
             tiler_mn=(64, p.tile_n),
@@ -383,7 +383,7 @@ class GemmSm90Fp8Kernel:
         k_blocks = k_tiles // kpb
 
         # ---- shared memory and the stage barriers
-        smem = cutlass.utils.SmemAllocator()
+        smem = cutlass.memory.SmemAllocator()
         storage = smem.allocate(self.shared_storage)
         full = storage.full.data_ptr()
         empty = storage.empty.data_ptr()

@@ -35,11 +35,14 @@ it, and crops the result: M to a multiple of ``ROW_ALIGN`` (so A's M-major scale
 
 from __future__ import annotations
 
+import threading
+from typing import Any, NamedTuple
+
 import torch
 import torch.nn.functional as F
 
 from fp4gen.errors import FP4GenError, TensorError
-from fp4gen.formats import BlockFormat, ElementFormat
+from fp4gen.formats import UE8M0, BlockFormat, ElementFormat
 from fp4gen.numerics import QuantizedTensor
 from fp4gen.numerics.gemm import require_quantized
 from fp4gen.runtime.checks import check_accumulate, check_bias, check_pair, one_cuda_device
@@ -294,6 +297,233 @@ def block_scaled_product(
     return GemmProduct(c, scaled=not global_scales, bias=fused_bias)
 
 
+# ----------------------------------------------------------------------------------------------
+# The generated kernel (backend="cute" for FP8 pairs): fp4gen.kernels.gemm_sm90_fp8
+# ----------------------------------------------------------------------------------------------
+CUTE_ARCHS = ("sm_90a",)
+_ELEMENT_NAMES = {_E4M3: "e4m3", _E5M2: "e5m2"}
+# Where backend="auto" takes the generated kernel instead of scaled_mm: pair name
+# (``cute_pair_name``) -> the smallest M it won at in benchmarks/gemm.py (H200, N = K = 8192,
+# the same run). Empty until measured: auto keeps scaled_mm (and the exact path for the pairs
+# scaled_mm does not serve) for every pair.
+CUTE_AUTO_MIN_M: dict[str, int] = {}
+
+
+def cute_support(a: BlockFormat | object, b: BlockFormat | object) -> str | None:
+    """None when the generated block-scaled FP8 kernel serves the operand pair (A [M, K], B
+    [N, K], both quantized along K), else why not. Pure logic on the formats: e4m3 / e5m2
+    elements on either side, fp32 or ue8m0 block scales (the same kind on both), A in 1xN and
+    B in 1xN or NxN blocks for one N that the FP8 wgmma K (32) divides and that divides 128 or
+    is a multiple of it (32, 64, 128, 256, ...)."""
+    from fp4gen.kernels.gemm_sm90_fp8 import block_k_reason
+
+    if not (isinstance(a, BlockFormat) and isinstance(b, BlockFormat)):
+        return "an operand is kept in high precision"
+    for name, fmt in (("A", a), ("B", b)):
+        if fmt.element not in _ELEMENT_NAMES:
+            return f"{name} has {fmt.element.name} elements (the FP8 kernel reads e4m3 and e5m2)"
+        if _scale_kind(fmt) is None:
+            return (
+                f"{name} has {fmt.scale.element.name} block scales (the FP8 kernel reads fp32 "
+                "and ue8m0 scales)"
+            )
+    if _scale_kind(a) != _scale_kind(b):
+        return "the operands' block scales differ in kind (fp32 and ue8m0)"
+    n = a.block[1]
+    if a.block[0] != 1:
+        return f"A has {_block_text(a)} blocks (the FP8 kernel takes 1xN for A)"
+    if b.block not in ((1, n), (n, n)):
+        return f"B has {_block_text(b)} blocks (A's 1x{n} needs 1x{n} or {n}x{n})"
+    return block_k_reason(n)
+
+
+def cute_pair_name(a: BlockFormat, b: BlockFormat) -> str:
+    """The pair as ``CUTE_AUTO_MIN_M`` names it, e.g. "e4m3 1x128 x e4m3 128x128 fp32"."""
+    return (
+        f"{_ELEMENT_NAMES[a.element]} {_block_text(a)} x {_ELEMENT_NAMES[b.element]} "
+        f"{_block_text(b)} {_scale_kind(a)}"
+    )
+
+
+def cute_auto_reason(a: BlockFormat | object, b: BlockFormat | object, m: int) -> str | None:
+    """Why ``backend="auto"`` takes the generated FP8 kernel for this pair at M = ``m`` (the
+    measured table ``CUTE_AUTO_MIN_M`` says it is the faster), or None (it does not)."""
+    if cute_support(a, b) is not None:
+        return None
+    assert isinstance(a, BlockFormat) and isinstance(b, BlockFormat)
+    name = cute_pair_name(a, b)
+    least = CUTE_AUTO_MIN_M.get(name)
+    if least is None or m < least:
+        return None
+    return f"generated block-scaled FP8 kernel: {name} (measured faster from M = {least})"
+
+
+def _scale_kind(fmt: BlockFormat) -> str | None:
+    scale = fmt.scale.element
+    if scale is None:
+        return "fp32"
+    return "ue8m0" if scale == UE8M0 else None
+
+
+_cute_compiled: dict[Any, Any] = {}  # GemmSm90Fp8Params -> the compiled function
+_cute_lock = threading.Lock()
+_sm_counts: dict[int, int] = {}
+
+
+def cute_kernel(params: Any) -> Any:
+    """The compiled kernel of ``params`` (a ``GemmSm90Fp8Params``), compiled on first use in
+    this process (about 1.5 s)."""
+    fn = _cute_compiled.get(params)
+    if fn is not None:
+        return fn
+    with _cute_lock:  # cute.compile is not thread-safe
+        fn = _cute_compiled.get(params)
+        if fn is None:
+            from fp4gen.kernels.gemm_sm90_fp8 import compile_fp8_gemm
+
+            try:
+                fn = _cute_compiled[params] = compile_fp8_gemm(params, "sm_90a")
+            except Exception as err:  # the DSL's errors have no common base
+                raise FP4GenError(
+                    f"the FP8 GEMM kernel {params.name} did not compile: {err}"
+                ) from err
+    return fn
+
+
+class CutePlan(NamedTuple):
+    """What a call of the generated kernel needs besides its tensors, per (formats, output
+    dtype, bias, accumulate): kept, so a call builds no params and hashes no formats."""
+
+    params: Any  # GemmSm90Fp8Params
+    block_k: int
+    ue8m0: bool
+    kernel_out: torch.dtype  # what the kernel writes: bf16 or fp32
+
+
+_cute_plans: dict[tuple, tuple[BlockFormat, BlockFormat, CutePlan]] = {}
+
+
+def cute_plan(
+    a: BlockFormat, b: BlockFormat, out_dtype: torch.dtype, bias: bool, accumulate: bool
+) -> CutePlan:
+    """The plan of a supported pair (``cute_support``), looked up by the formats' identity."""
+    key = (id(a), id(b), out_dtype, bias, accumulate)
+    hit = _cute_plans.get(key)
+    if hit is not None and hit[0] is a and hit[1] is b:
+        return hit[2]
+    from fp4gen.kernels.gemm_sm90_fp8 import GemmSm90Fp8Params
+
+    kernel_out = torch.bfloat16 if out_dtype == torch.bfloat16 and not accumulate else torch.float32
+    params = GemmSm90Fp8Params(
+        a_element=_ELEMENT_NAMES[a.element],
+        b_element=_ELEMENT_NAMES[b.element],
+        scale_kind=_scale_kind(a) or "fp32",
+        block_k=a.block[1],
+        b_2d=b.block[0] != 1,
+        out="bf16" if kernel_out == torch.bfloat16 else "fp32",
+        bias=bias,
+        accumulate=accumulate,
+    )
+    plan = CutePlan(params, a.block[1], params.scale_kind == "ue8m0", kernel_out)
+    if len(_cute_plans) >= 256:
+        _cute_plans.clear()
+    _cute_plans[key] = (a, b, plan)  # the references keep the ids valid
+    return plan
+
+
+def cute_scales(q: QuantizedTensor, ue8m0: bool) -> torch.Tensor:
+    """The block scales as the kernel reads them: fp32 [R, KB] as the quantize kernels write
+    them, or the ue8m0 codes uint8 [R, KB] with KB zero-padded to a multiple of 4 (the kernel
+    copies aligned 4-byte words)."""
+    if not ue8m0:
+        s = q.scales
+        if s.dtype != torch.float32:
+            s = s.to(torch.float32)
+        return s if s.is_contiguous() else s.contiguous()
+    codes = q.scale_codes
+    if codes is None:
+        raise TensorError("a ue8m0-scaled QuantizedTensor without scale codes")
+    kb = codes.shape[1]
+    if kb % 4:
+        return F.pad(codes, (0, 4 - kb % 4))
+    return codes if codes.is_contiguous() else codes.contiguous()
+
+
+def sm_count(device: torch.device) -> int:
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    count = _sm_counts.get(index)
+    if count is None:
+        count = _sm_counts[index] = torch.cuda.get_device_properties(index).multi_processor_count
+    return count
+
+
+def cute_block_scaled_product(
+    a: QuantizedTensor,
+    b: QuantizedTensor,
+    *,
+    out_dtype: torch.dtype = torch.float32,
+    bias: torch.Tensor | None = None,
+    accumulate: torch.Tensor | None = None,
+) -> GemmProduct:
+    """S_dec(a) S_dec(b) sum_b s_a s_b P_b (+ bias) (+ accumulate) with the generated FP8
+    kernel (``fp4gen.kernels.gemm_sm90_fp8``), as a GemmProduct: the global scales, the bias
+    (in fp32) and ``accumulate`` (an fp32 copy read and overwritten by the kernel) applied in
+    the kernel, in the reference's order; a bf16 result straight from the kernel, any other
+    output dtype rounded by the shared epilogue from its fp32 result.
+
+    Raises TensorError for operands that cannot be multiplied and FP4GenError where the kernel
+    does not serve them (formats, arch): the caller's cue to take another path."""
+    require_quantized(a, b)
+    check_pair(a, b)
+    dev = one_cuda_device(a, b, "generated FP8 GEMM")
+    if out_dtype not in OUT_DTYPES:
+        raise TensorError(f"out_dtype must be one of {OUT_DTYPES}, got {out_dtype}")
+    reason = cute_support(a.format, b.format)
+    if reason is None:
+        from fp4gen.compiler.jit import detect_arch
+
+        arch = detect_arch(dev)
+        if arch not in CUTE_ARCHS:
+            reason = f"no generated FP8 GEMM for {arch} (FP8 wgmma: sm_90a only)"
+    if reason is not None:
+        raise FP4GenError(f"the generated FP8 GEMM does not serve this pair: {reason}")
+    check_bias(bias, b.rows)
+    check_accumulate(accumulate, a.rows, b.rows)
+    m, n, k = a.rows, b.rows, a.cols
+    if m * n >= 2**31:
+        raise FP4GenError(f"the generated FP8 GEMM indexes C with 32 bits: M * N = {m * n}")
+    plan = cute_plan(a.format, b.format, out_dtype, bias is not None, accumulate is not None)
+    kp = round_up(k, plan.block_k)  # whole K-blocks: zero codes add exactly 0
+    args = [
+        fp8_codes(a, m, kp),
+        cute_scales(a, plan.ue8m0),
+        fp8_codes(b, n, kp),
+        cute_scales(b, plan.ue8m0),
+        _global(a, dev),
+        _global(b, dev),
+    ]
+    if accumulate is not None:  # read and overwritten by the kernel: a copy of its own
+        c = accumulate.detach().to(
+            device=dev, dtype=torch.float32, memory_format=torch.contiguous_format, copy=True
+        )
+    else:
+        c = torch.empty((m, n), dtype=plan.kernel_out, device=dev)
+    args.append(c)
+    if bias is not None:
+        args.append(bias.detach().to(device=dev, dtype=torch.float32).contiguous())
+    args.append(sm_count(dev))
+    cute_kernel(plan.params)(*args)
+    return GemmProduct(c, scaled=True, bias=bias is not None, accumulated=accumulate is not None)
+
+
+def _global(q: QuantizedTensor, device: torch.device) -> torch.Tensor:
+    """S_dec as the kernel reads it: fp32 [1] on ``device`` (a view when it already is)."""
+    g = q.global_scale
+    if g.dtype != torch.float32 or g.device != device:
+        g = g.to(device=device, dtype=torch.float32)
+    return g.reshape(1)
+
+
 def _recipe(fmt: BlockFormat):
     scaling = F.ScalingType  # type: ignore[attr-defined]
     return scaling.BlockWise128x128 if fmt.block == (BLOCK, BLOCK) else scaling.BlockWise1x128
@@ -310,11 +540,16 @@ def _block_text(fmt: BlockFormat) -> str:
 __all__ = [
     "ARCHS",
     "BLOCK",
+    "CUTE_ARCHS",
+    "CUTE_AUTO_MIN_M",
     "ROW_ALIGN",
     "Operands",
     "arch_reason",
     "block_scaled_gemm",
     "block_scaled_product",
+    "cute_auto_reason",
+    "cute_block_scaled_product",
+    "cute_support",
     "describe",
     "fp8_codes",
     "outer_major_scales",

@@ -1,0 +1,253 @@
+"""The generated block-scaled FP8 GEMM without a GPU: which pairs it serves, that its kernels
+cross-compile for sm_90a to FP8 wgmma (the shipped fp8 recipes' pairs, e5m2 x e4m3, 1x64 and
+1x256 blocks), the dispatch around it (``backend="cute"`` for FP8 pairs, ``auto`` behind the
+measured table) and the host path's cached pieces (fp4gen.runtime.fp8_gemm)."""
+
+from __future__ import annotations
+
+import importlib.util
+import re
+from pathlib import Path
+
+import pytest
+import torch
+
+import fp4gen.gemm_dispatch as gd
+from fp4gen.dsl import load_recipe
+from fp4gen.formats import BUILTIN_FORMATS, BlockFormat, ScaleSpec
+from fp4gen.runtime import fp8_gemm
+
+E4M3 = BUILTIN_FORMATS["mxfp8_e4m3"].element
+E5M2 = BUILTIN_FORMATS["mxfp8_e5m2"].element
+MXFP8 = BUILTIN_FORMATS["mxfp8_e4m3"]
+NVFP4 = BUILTIN_FORMATS["nvfp4"]
+ROW = BlockFormat("fp8_block", E4M3, (1, 128), ScaleSpec(None))
+TILE = ROW.with_block((128, 128))
+ROW_E5M2 = BlockFormat("fp8_e5m2_block", E5M2, (1, 128), ScaleSpec(None))
+
+
+def fp8(element, block: tuple[int, int]) -> BlockFormat:
+    return BlockFormat("fp8_test", element, block, ScaleSpec(None))
+
+
+# ----------------------------------------------------------------------------------------------
+# Which pairs the kernel serves (pure logic)
+# ----------------------------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    "a, b",
+    [
+        (ROW, TILE),
+        (ROW, ROW),
+        (ROW_E5M2, ROW),
+        (ROW, ROW_E5M2),
+        (fp8(E4M3, (1, 64)), fp8(E4M3, (64, 64))),
+        (fp8(E4M3, (1, 256)), fp8(E4M3, (1, 256))),
+        (fp8(E4M3, (1, 32)), fp8(E5M2, (1, 32))),
+        (MXFP8, MXFP8),
+        (MXFP8, BUILTIN_FORMATS["mxfp8_e5m2"]),
+    ],
+)
+def test_served_pairs(a, b) -> None:
+    assert fp8_gemm.cute_support(a, b) is None
+
+
+@pytest.mark.parametrize(
+    "a, b, words",
+    [
+        (NVFP4, NVFP4, "e2m1 elements"),
+        (fp8(E4M3, (1, 96)), fp8(E4M3, (1, 96)), "neither divides 128"),
+        (fp8(E4M3, (1, 16)), fp8(E4M3, (1, 16)), "multiple of the FP8 wgmma K"),
+        (fp8(E4M3, (1, 64)), TILE, "1x64 needs 1x64 or 64x64"),
+        (TILE, TILE, "takes 1xN for A"),
+        (ROW, MXFP8, "differ in kind"),
+        (ROW, "bf16", "high precision"),
+    ],
+)
+def test_refused_pairs_say_why(a, b, words) -> None:
+    reason = fp8_gemm.cute_support(a, b)
+    assert reason is not None and words in reason, reason
+
+
+def test_pair_names_of_the_measured_table() -> None:
+    assert fp8_gemm.cute_pair_name(ROW, TILE) == "e4m3 1x128 x e4m3 128x128 fp32"
+    assert fp8_gemm.cute_pair_name(MXFP8, MXFP8) == "e4m3 1x32 x e4m3 1x32 ue8m0"
+
+
+# ----------------------------------------------------------------------------------------------
+# Dispatch: backend="cute" takes the FP8 kernel; auto keeps scaled_mm until the table says
+# ----------------------------------------------------------------------------------------------
+def test_auto_keeps_scaled_mm_until_measured() -> None:
+    assert fp8_gemm.CUTE_AUTO_MIN_M == {}  # nothing measured yet
+    for b in (TILE, ROW):
+        choice = gd.choose_backend(ROW, b, 8192, 8192, 8192, device="cuda", arch="sm_90a")
+        assert choice.backend == "block_scaled"
+    choice = gd.choose_backend(MXFP8, MXFP8, 8192, 8192, 8192, device="cuda", arch="sm_90a")
+    assert choice.backend == "dequant"
+
+
+def test_auto_takes_the_kernel_where_the_table_says(monkeypatch) -> None:
+    monkeypatch.setitem(fp8_gemm.CUTE_AUTO_MIN_M, "e4m3 1x128 x e4m3 128x128 fp32", 256)
+    big = gd.choose_backend(ROW, TILE, 4096, 8192, 8192, device="cuda", arch="sm_90a")
+    assert big.backend == "cute" and "from M = 256" in big.why
+    small = gd.choose_backend(ROW, TILE, 128, 8192, 8192, device="cuda", arch="sm_90a")
+    assert small.backend == "block_scaled"
+    other = gd.choose_backend(ROW, ROW, 4096, 8192, 8192, device="cuda", arch="sm_90a")
+    assert other.backend == "block_scaled"  # another pair: not in the table
+    exact = gd.choose_backend(
+        ROW, TILE, 4096, 8192, 8192, device="cuda", arch="sm_90a", semantics="exact"
+    )
+    assert exact.backend == "dequant"
+    blackwell = gd.choose_backend(ROW, TILE, 4096, 8192, 8192, device="cuda", arch="sm_100a")
+    assert blackwell.backend != "cute"
+
+
+def test_backend_cute_routes_fp8_pairs_to_the_fp8_kernel(monkeypatch) -> None:
+    seen = {}
+
+    def fake_product(a, b, *, out_dtype, bias, accumulate):
+        seen["args"] = (a, b, out_dtype, bias, accumulate)
+        return "fp8 product"
+
+    monkeypatch.setattr(fp8_gemm, "cute_block_scaled_product", fake_product)
+
+    class Q:  # only the formats are read before the kernel call
+        def __init__(self, fmt):
+            self.format = fmt
+
+    a, b = Q(ROW), Q(TILE)
+    call = gd._GemmCall(a, b, torch.bfloat16, None, None, None, False)
+    assert gd._fused(call) == "fp8 product"
+    assert seen["args"] == (a, b, torch.bfloat16, None, None)
+
+
+# ----------------------------------------------------------------------------------------------
+# Host path: the plan is kept per formats (identity), output dtype, bias and accumulate
+# ----------------------------------------------------------------------------------------------
+def test_plan_is_kept_and_says_what_the_kernel_writes() -> None:
+    fp8_gemm._cute_plans.clear()
+    plan = fp8_gemm.cute_plan(ROW, TILE, torch.bfloat16, False, False)
+    assert fp8_gemm.cute_plan(ROW, TILE, torch.bfloat16, False, False) is plan
+    assert plan.kernel_out == torch.bfloat16 and plan.block_k == 128 and not plan.ue8m0
+    assert plan.params.b_2d and plan.params.b_scale_per_tile
+    # accumulate is read in fp32: the kernel writes fp32, the epilogue rounds once
+    acc = fp8_gemm.cute_plan(ROW, TILE, torch.bfloat16, True, True)
+    assert acc.kernel_out == torch.float32 and acc.params.bias and acc.params.accumulate
+    fp16 = fp8_gemm.cute_plan(ROW, ROW, torch.float16, False, False)
+    assert fp16.kernel_out == torch.float32 and not fp16.params.b_2d
+    mx = fp8_gemm.cute_plan(MXFP8, MXFP8, torch.float32, False, False)
+    assert mx.ue8m0 and mx.block_k == 32 and mx.params.scale_kind == "ue8m0"
+    # an equal format that is another object gets its own entry (lookups are by identity)
+    twin = BlockFormat("fp8_block", E4M3, (1, 128), ScaleSpec(None))
+    assert fp8_gemm.cute_plan(twin, TILE, torch.bfloat16, False, False) is not plan
+
+
+class _Q:
+    """The fields cute_scales reads."""
+
+    def __init__(self, scales, scale_codes=None):
+        self.scales = scales
+        self.scale_codes = scale_codes
+
+
+def test_scales_are_passed_as_the_quantize_kernels_write_them() -> None:
+    s = torch.rand(5, 3)
+    assert fp8_gemm.cute_scales(_Q(s), ue8m0=False) is s  # fp32 row-major: no copy
+    t = torch.rand(3, 5).t()
+    got = fp8_gemm.cute_scales(_Q(t), ue8m0=False)
+    assert got.is_contiguous() and torch.equal(got, t)
+    codes = torch.arange(15, dtype=torch.uint8).reshape(5, 3)
+    padded = fp8_gemm.cute_scales(_Q(None, codes), ue8m0=True)  # rows of whole 4-byte words
+    assert padded.shape == (5, 4) and torch.equal(padded[:, :3], codes)
+    assert (padded[:, 3] == 0).all()
+    words = torch.arange(40, dtype=torch.uint8).reshape(5, 8)
+    assert fp8_gemm.cute_scales(_Q(None, words), ue8m0=True) is words
+
+
+def test_params_refuse_what_the_kernel_cannot_do() -> None:
+    from fp4gen.kernels.gemm_sm90_fp8 import GemmSm90Fp8Params
+
+    good = dict(a_element="e4m3", b_element="e4m3", scale_kind="fp32", block_k=128)
+    good.update(b_2d=True, out="bf16", bias=False, accumulate=False)
+    assert GemmSm90Fp8Params(**good).num_stages == 6  # 33 KiB stages in 227 KiB
+    for change, words in (
+        ({"block_k": 96}, "neither divides 128"),
+        ({"a_element": "e2m1"}, "a_element must be one of"),
+        ({"tile_n": 48}, "tile_n must be a multiple of 32"),
+        ({"out": "fp16"}, "out must be one of"),
+    ):
+        with pytest.raises(ValueError, match=words):
+            GemmSm90Fp8Params(**{**good, **change})
+
+
+# ----------------------------------------------------------------------------------------------
+# Cross-compilation for sm_90a (no GPU): FP8 wgmma of the right element pair
+# ----------------------------------------------------------------------------------------------
+def _recipe_pairs(name: str) -> set[tuple[BlockFormat, BlockFormat]]:
+    """The (A, B) format pairs of a shipped recipe's fprop, dgrad and wgrad GEMMs."""
+    from fp4gen.dsl.model import Operand
+
+    ops = load_recipe(f"{name}.fp4r").operands
+    return {
+        (ops[a].format, ops[b].format)
+        for a, b in (
+            (Operand.FPROP_ACTIVATION, Operand.FPROP_WEIGHT),
+            (Operand.DGRAD_GRADIENT, Operand.DGRAD_WEIGHT),
+            (Operand.WGRAD_GRADIENT, Operand.WGRAD_ACTIVATION),
+        )
+    }
+
+
+CUTE_DSL = importlib.util.find_spec("cutlass") is not None
+
+
+@pytest.mark.skipif(not CUTE_DSL, reason="needs the CuTe DSL (nvidia-cutlass-dsl)")
+def test_kernels_cross_compile_to_fp8_wgmma(tmp_path: Path, monkeypatch) -> None:
+    """One compile per case (about 1.5 s each on two CPU cores): the fp8_blockwise pairs
+    (1x128 x 128x128 with a bf16 output, 1x128 x 1x128 with an fp32 one, a bias and
+    accumulate), mxfp8's (1x32, ue8m0), e5m2 x e4m3, and 1x64 / 1x256 blocks."""
+    from fp4gen.kernels.gemm_sm90_fp8 import GemmSm90Fp8Params, compile_fp8_gemm
+
+    monkeypatch.setenv("CUTE_DSL_ARCH", "sm_90a")
+    cases = [
+        ("e4m3", "e4m3", "fp32", 128, True, "bf16", False, False),
+        ("e4m3", "e4m3", "fp32", 128, False, "fp32", True, True),
+        ("e4m3", "e4m3", "ue8m0", 32, False, "bf16", False, False),
+        ("e5m2", "e4m3", "fp32", 128, False, "bf16", True, False),
+        ("e4m3", "e5m2", "fp32", 64, True, "fp32", False, False),
+        ("e4m3", "e4m3", "fp32", 256, False, "bf16", False, True),
+    ]
+    for a_el, b_el, kind, block_k, b_2d, out, bias, accumulate in cases:
+        params = GemmSm90Fp8Params(
+            a_element=a_el,
+            b_element=b_el,
+            scale_kind=kind,
+            block_k=block_k,
+            b_2d=b_2d,
+            out=out,
+            bias=bias,
+            accumulate=accumulate,
+        )
+        dump = tmp_path / params.name
+        compile_fp8_gemm(params, "sm_90a", dump_dir=str(dump))
+        ptx = "\n".join(p.read_text() for p in dump.glob("*.ptx"))
+        wgmma = set(re.findall(r"wgmma\.mma_async\.sync\.aligned\.(\S+?) ", ptx))
+        # m64 n128 k32 wgmma, A's element first
+        assert wgmma == {f"m64n128k32.f32.{a_el}.{b_el}"}, (params.name, wgmma)
+        assert ptx.count("wgmma.mma_async") == block_k // 32, params.name  # one K-block
+        assert "setmaxnreg.inc.sync.aligned.u32 \t232" in ptx
+        assert "cp.async.bulk.tensor.2d" in ptx  # TMA of the codes
+        assert ".local" not in ptx, f"{params.name} uses local memory"
+
+
+def test_shipped_fp8_recipe_pairs_are_served() -> None:
+    """The pairs the compile test covers are the shipped recipes' (fp8_blockwise, mxfp8)."""
+    names = set()
+    for recipe in ("fp8_blockwise", "mxfp8"):
+        for a, b in _recipe_pairs(recipe):
+            assert fp8_gemm.cute_support(a, b) is None, (recipe, a, b)
+            names.add(fp8_gemm.cute_pair_name(a, b))
+    assert names == {
+        "e4m3 1x128 x e4m3 128x128 fp32",
+        "e4m3 1x128 x e4m3 1x128 fp32",
+        "e4m3 1x32 x e4m3 1x32 ue8m0",
+    }
