@@ -1,0 +1,194 @@
+"""The generated block-scaled FP8 GEMM (``backend="cute"`` for FP8 pairs,
+fp4gen.kernels.gemm_sm90_fp8) on a Hopper GPU against the float64 oracle
+``gemm_block_scaled_reference`` (docs/numerics.md 6.1).
+
+* Bit-exact where every intermediate is exact: integer codes |q| <= 4 and power-of-two block
+  scales 2^0 .. 2^2 (fp32 or ue8m0 codes 127 .. 129), so every K-block's partial sum is an
+  integer below 2^13 (exact in the tensor cores' adder, which keeps at least 13 fraction bits
+  of the largest aligned term) and every scaled term and the whole sum are integers below 2^24
+  (exact in fp32): the result is the oracle's, rounded once to the output dtype, for every
+  pair, shape (tails of M, N and K; more tiles than SMs), output dtype, bias and accumulate.
+* Otherwise within ``bound()``: numerics.md 6.1's fp32 bound plus the Hopper tensor-core term
+  (per K-block of L values, L / 32 wgmma k=32 steps of 33 aligned terms each, at most
+  L / 32 * 33 * 2^-13 sum_block |p|: a worst case; the measured ratio is printed), plus the
+  output dtype's rounding.
+
+Run on an sm_90 GPU: pytest -m gpu tests/test_fp8_gemm_sm90_gpu.py
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+import fp4gen
+from fp4gen.formats import BUILTIN_FORMATS, UE8M0, BlockFormat, ScaleSpec
+from fp4gen.numerics import (
+    QuantizedTensor,
+    block_scaled_error_bound,
+    gemm_block_scaled_reference,
+    quantize,
+)
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
+    pytest.mark.skipif(
+        torch.cuda.is_available() and torch.cuda.get_device_capability() != (9, 0),
+        reason="FP8 wgmma: sm_90a only",
+    ),
+]
+
+E4M3 = BUILTIN_FORMATS["mxfp8_e4m3"].element
+E5M2 = BUILTIN_FORMATS["mxfp8_e5m2"].element
+UNIT = {torch.float32: 2.0**-24, torch.bfloat16: 2.0**-8, torch.float16: 2.0**-11}
+
+
+def fp8(element, block: tuple[int, int], scale=None) -> BlockFormat:
+    return BlockFormat("fp8_test", element, block, ScaleSpec(scale))
+
+
+ROW = fp8(E4M3, (1, 128))
+TILE = fp8(E4M3, (128, 128))
+# (A, B): the fp8_blockwise pairs, e5m2 on either side, 1x64 / 1x256 blocks, MXFP8's 1x32 ue8m0
+PAIRS = {
+    "1x128 x 128x128": (ROW, TILE),
+    "1x128 x 1x128": (ROW, ROW),
+    "e5m2 x e4m3": (fp8(E5M2, (1, 128)), ROW),
+    "e4m3 x e5m2 tiles": (ROW, fp8(E5M2, (128, 128))),
+    "1x64 x 64x64": (fp8(E4M3, (1, 64)), fp8(E4M3, (64, 64))),
+    "1x256 x 1x256": (fp8(E4M3, (1, 256)), fp8(E4M3, (1, 256))),
+    "1x256 x 256x256": (fp8(E4M3, (1, 256)), fp8(E4M3, (256, 256))),
+    "mxfp8 1x32 ue8m0": (BUILTIN_FORMATS["mxfp8_e4m3"], BUILTIN_FORMATS["mxfp8_e4m3"]),
+}
+# (M, N, K): one partial tile; tails of M, N and K (K padded to whole blocks); more tiles than
+# SMs (the persistent loop and the stage phases across tiles); the benchmark's square
+SHAPES = [(1, 32, 128), (7, 144, 384), (129, 200, 1000), (2048, 2048, 256), (512, 768, 4096)]
+
+
+def integer_operand(rows: int, k: int, fmt: BlockFormat, g: torch.Generator) -> QuantizedTensor:
+    """Codes of the integers -4 .. 4 and block scales 2^0 .. 2^2 (ue8m0 codes 127 .. 129)."""
+    values = torch.randint(-4, 5, (rows, k), generator=g).to(torch.float32)
+    dtype = torch.float8_e4m3fn if fmt.element == E4M3 else torch.float8_e5m2
+    codes = values.to(dtype).view(torch.uint8)
+    br, bc = fmt.block
+    shape = (math.ceil(rows / min(br, rows)), math.ceil(k / min(bc, k)))
+    exponents = torch.randint(0, 3, shape, generator=g)
+    scales = torch.exp2(exponents.to(torch.float32))
+    scale_codes = None
+    if fmt.scale.element == UE8M0:
+        scale_codes = (exponents + 127).to(torch.uint8).cuda()
+    return QuantizedTensor(
+        codes=codes.cuda(),
+        scales=scales.cuda(),
+        scale_codes=scale_codes,
+        global_scale=torch.ones((), device="cuda"),
+        format=fmt,
+        rounding="nearest",
+        rht=None,
+        seed=0,
+        offset=0,
+        shape=torch.Size((rows, k)),
+        dtype=torch.float32,
+    )
+
+
+def sum_abs(a: QuantizedTensor, b: QuantizedTensor) -> torch.Tensor:
+    va = a.dequantize_blockwise().double().abs()
+    vb = b.dequantize_blockwise().double().abs()
+    return (va @ vb.t()) * (1 + 2 * 2.0**-24) ** 2
+
+
+def bound(a: QuantizedTensor, b: QuantizedTensor, ref: torch.Tensor, out_dtype) -> torch.Tensor:
+    """|C_gpu - C_ref| bound (module docstring)."""
+    block_k = a.format.block[1]
+    tc_rel = block_k / 32 * 33 * 2.0**-13
+    fp32_and_tc = block_scaled_error_bound(a, b) + tc_rel * sum_abs(a, b)
+    return fp32_and_tc + (UNIT[out_dtype] + 2.0**-24) * (ref.double().abs() + fp32_and_tc)
+
+
+def check_within(got, ref, limit, what: str) -> None:
+    err = (got.double() - ref.double()).abs()
+    worst = float((err / limit.clamp_min(1e-300)).max())
+    rel = float(err.norm() / ref.double().norm().clamp_min(1e-300))
+    print(f"{what}: max err / bound = {worst:.3g}, relative Frobenius error {rel:.3g}")
+    assert (err <= limit).all(), f"{what}: error exceeds the bound by x{worst:.3g}"
+
+
+@pytest.mark.parametrize("pair", list(PAIRS))
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
+@pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float32])
+def test_exact_on_integer_inputs(pair, shape, out_dtype) -> None:
+    m, n, k = shape
+    fa, fb = PAIRS[pair]
+    g = torch.Generator().manual_seed(m * 7 + n * 13 + k)
+    a, b = integer_operand(m, k, fa, g), integer_operand(n, k, fb, g)
+    got = fp4gen.gemm(a, b, backend="cute", out_dtype=out_dtype)
+    want = gemm_block_scaled_reference(a, b).to(out_dtype)
+    assert got.dtype == out_dtype and got.shape == (m, n)
+    assert torch.equal(got, want), f"{pair} {shape}: {(got.double() - want.double()).abs().max()}"
+
+
+@pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float32, torch.float16])
+def test_bias_and_accumulate_exact(out_dtype) -> None:
+    """y = C + bias + accumulate in fp32, one rounding: integer bias and accumulator keep it
+    exact (the kernel adds both in fp32, as the reference's order)."""
+    m, n, k = 130, 272, 640
+    g = torch.Generator().manual_seed(5)
+    a, b = integer_operand(m, k, ROW, g), integer_operand(n, k, TILE, g)
+    bias = torch.randint(-64, 65, (n,), generator=g).to(torch.bfloat16).cuda()
+    acc = torch.randint(-1000, 1001, (m, n), generator=g).to(torch.float32).cuda()
+    keep = acc.clone()
+    ref = gemm_block_scaled_reference(a, b)
+    got = fp4gen.gemm(a, b, backend="cute", out_dtype=out_dtype, bias=bias)
+    assert torch.equal(got, (ref + bias.float()).to(out_dtype))
+    got = fp4gen.gemm(a, b, backend="cute", out_dtype=out_dtype, bias=bias, accumulate=acc)
+    assert torch.equal(got, (ref + bias.float() + acc).to(out_dtype))
+    assert torch.equal(acc, keep)  # the accumulator given is not modified
+
+
+def test_global_scales_are_applied() -> None:
+    """S_dec(A) S_dec(B) as the kernel's alpha (powers of two: still exact), and a NaN S_dec
+    (an input with a NaN) makes every output NaN."""
+    g = torch.Generator().manual_seed(9)
+    a, b = integer_operand(64, 256, ROW, g), integer_operand(96, 256, TILE, g)
+    a.global_scale.fill_(2.0)
+    b.global_scale.fill_(0.25)
+    got = fp4gen.gemm(a, b, backend="cute")
+    assert torch.equal(got, gemm_block_scaled_reference(a, b))
+    b.global_scale.fill_(float("nan"))
+    assert fp4gen.gemm(a, b, backend="cute").isnan().all()
+
+
+@pytest.mark.parametrize("pair", list(PAIRS))
+@pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float32])
+def test_random_data_within_the_bound(pair, out_dtype) -> None:
+    """Gaussian data quantized by the reference quantizer, outliers included: within the
+    block-scaled bound of the oracle."""
+    fa, fb = PAIRS[pair]
+    m, n, k = 384, 320, 2048
+    g = torch.Generator(device="cuda").manual_seed(3)
+    x = torch.randn(m, k, device="cuda", generator=g)
+    w = torch.randn(n, k, device="cuda", generator=g)
+    x[5, 100] = 300.0
+    w[7, 900] = -200.0
+    a, b = quantize(x, fa), quantize(w, fb)
+    got = fp4gen.gemm(a, b, backend="cute", out_dtype=out_dtype)
+    ref = gemm_block_scaled_reference(a, b)
+    check_within(got, ref, bound(a, b, ref, out_dtype), f"cute {pair} {out_dtype}")
+
+
+def test_agrees_with_scaled_mm_on_fp8_blockwise() -> None:
+    """The two block_scaled implementations of the fp8_blockwise fprop pair, each within the
+    bound of the oracle at a training-like shape."""
+    g = torch.Generator(device="cuda").manual_seed(4)
+    x = torch.randn(1024, 4096, device="cuda", generator=g)
+    w = torch.randn(2048, 4096, device="cuda", generator=g) * 0.02
+    a, b = quantize(x, ROW), quantize(w, TILE)
+    ref = gemm_block_scaled_reference(a, b)
+    limit = bound(a, b, ref, torch.bfloat16)
+    for backend in ("cute", "block_scaled"):
+        got = fp4gen.gemm(a, b, backend=backend, out_dtype=torch.bfloat16)
+        check_within(got, ref, limit, backend)
