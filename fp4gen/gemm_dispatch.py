@@ -59,6 +59,7 @@ from fp4gen.codegen.gemm_configs import (
     mma_plan,
     shape_reason,
 )
+from fp4gen.compiler.plan import ROW_SCALED_REASON
 from fp4gen.errors import ArgumentError, FP4GenError, TensorError
 from fp4gen.formats import BlockFormat
 from fp4gen.numerics import QuantizedTensor, gemm_block_scaled_reference, gemm_reference
@@ -367,14 +368,6 @@ def choose_backend(
     return GemmChoice("cute", "fused kernel: reads the 4-bit operands, decodes in the mainloop")
 
 
-# per-row global scales (docs/numerics.md 11.4): the GEMM kernels take one global scale per
-# operand, so the operands are decoded by torch ops and the epilogue applies S_dec per row
-ROW_SCALED_REASON = (
-    "per-row global scales: the kernels take one global scale per operand; torch decodes the "
-    "operands and the epilogue scales each row"
-)
-
-
 def _row_scaled(fmt: BlockFormat | object) -> bool:
     return isinstance(fmt, BlockFormat) and fmt.global_rows
 
@@ -383,7 +376,7 @@ def dequant_support(fmt: BlockFormat | object) -> str | None:
     """None when the generated dequantize kernel serves this operand format, else why not."""
     from fp4gen.runtime.dequant import support
 
-    if _row_scaled(fmt):
+    if _row_scaled(fmt):  # docs/numerics.md 11.4: the epilogue applies S_dec per row
         return ROW_SCALED_REASON
 
     return support(fmt)

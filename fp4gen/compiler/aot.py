@@ -61,7 +61,14 @@ from fp4gen.codegen.gemm_configs import (
 )
 from fp4gen.codegen.gemm_configs import pick_tile as sm100_pick
 from fp4gen.compiler.jit import ARCHS
-from fp4gen.compiler.plan import TENSOR_NAMES, Table, _contexts, _dtypes, spec_json
+from fp4gen.compiler.plan import (
+    ROW_SCALED_REASON,
+    TENSOR_NAMES,
+    Table,
+    _contexts,
+    _dtypes,
+    spec_json,
+)
 from fp4gen.dsl.model import MoRRef, Operand, OperandSpec, Recipe
 from fp4gen.dsl.spelling import block_text, format_text
 from fp4gen.formats import BlockFormat, HighPrecision
@@ -444,6 +451,9 @@ def runtime_plan(
             if not (isinstance(a, BlockFormat) and isinstance(b, BlockFormat)):
                 what = "no GEMM kernel: an operand is high precision or a MoR mix"
                 routes.append(GemmRoute(rname, context, gemm, pair, (("all", what),)))
+                continue
+            if a.global_rows or b.global_rows:
+                routes.append(GemmRoute(rname, context, gemm, pair, (("all", ROW_SCALED_REASON),)))
                 continue
             lines: list[tuple[str, str]] = []
 

@@ -363,6 +363,14 @@ def _specs_of(
             yield spec, tuple(ops)
 
 
+# docs/numerics.md 11.4: the GEMM kernels take one global scale per operand, so an operand with
+# per-row global scales is decoded by torch ops and the shared epilogue applies S_dec per row
+ROW_SCALED_REASON = (
+    "per-row global scales: the GEMM kernels take one global scale per operand; torch decodes "
+    "the operands and the epilogue scales each row"
+)
+
+
 def reference_only_reason(fmt: BlockFormat) -> str | None:
     """Why no generated quantize kernel serves ``fmt`` (an option of docs/numerics.md 11 that
     the kernel templates do not implement yet), or None. The runtime quantizes such operands
@@ -462,6 +470,7 @@ def plan_recipe(
 
 
 __all__ = [
+    "ROW_SCALED_REASON",
     "KernelPlan",
     "OperandUse",
     "PlannedKernel",
