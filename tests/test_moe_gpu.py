@@ -1,6 +1,8 @@
-"""GroupedExperts on CUDA (needs a GPU): each expert's GEMMs run on the same kernels as a dense
-fp4gen.nn.Linear with the expert's seed (bit for bit), a converted MoE model trains, and the
-CUDA result is the CPU reference's up to the GEMMs' fp32 summation order."""
+"""GroupedExperts on CUDA (needs a GPU): in the per-expert loop each expert's GEMMs run on the same
+kernels as a dense fp4gen.nn.Linear with the expert's seed (bit for bit); the grouped GEMMs
+(torch._grouped_mm in BF16) are the float64 product of the same operands within the fp32
+summation bound plus one bf16 rounding; a converted MoE model trains either way, and the CUDA
+result is the CPU reference's up to the GEMMs' fp32 summation order."""
 
 from __future__ import annotations
 
@@ -11,6 +13,7 @@ import pytest
 import torch
 
 import fp4gen
+import fp4gen.runtime.grouped as grouped
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from test_moe import (  # noqa: E402  (the same models, routing and dense layers)
@@ -21,6 +24,13 @@ from test_moe import (  # noqa: E402  (the same models, routing and dense layers
     experts_of,
     routing,
     run,
+)
+from test_moe_grouped import (  # noqa: E402
+    pair,
+    per_group,
+    pieces,
+    recorded_products,
+    unequal_routing,
 )
 
 pytestmark = [
@@ -35,6 +45,7 @@ def test_cuda_experts_are_dense_fp4gen_linears(arch: str, tokens: int) -> None:
     model = build(arch, torch.bfloat16).cuda()
     fp4gen.convert(model, "nvfp4_no_bf16", seed=5)
     module = experts_of(model)
+    module.grouped = False  # the per-expert loop: each GEMM is the dense layer's kernel
     dense = dense_layers(module, 5, layer_index=4)
     index, weights = routing(tokens, empty=1)
     hidden = torch.randn(tokens, 64).to(torch.bfloat16)
@@ -74,3 +85,62 @@ def test_cuda_moe_model_trains(arch: str) -> None:
         assert grad is not None and torch.isfinite(grad).all() and grad.abs().sum() > 0
         assert torch.isfinite(loss.detach())
         opt.step()
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_cuda_grouped_products_are_within_the_bound(monkeypatch, arch: str) -> None:
+    """Every grouped GEMM of a training step (torch._grouped_mm, BF16 in and out on sm_90a and
+    sm_100a: the fp32 accumulator rounded once to bf16) against the float64 product of the
+    block values it was given: within (K + 8) u sum |a b| (any fp32 summation order) plus
+    2^-9 of the product (one rounding to bf16's 8 significant bits, to nearest), times
+    1 + 2^-9 for the rounding of the bound's own terms."""
+    for kind, a, b, ends in recorded_products(monkeypatch, arch, device="cuda"):
+        fn = grouped.group_rows if kind == "rows" else grouped.group_k
+        c = fn(a, b, ends).cpu()
+        for got, (exact, bound) in zip(
+            pieces(kind, c, ends), per_group(kind, a.cpu(), b.cpu(), ends), strict=True
+        ):
+            allowed = (bound + 2.0**-9 * exact.abs()) * (1 + 2.0**-9)
+            assert ((got.double() - exact).abs() <= allowed).all(), kind
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_cuda_grouped_experts_match_the_loop(arch: str) -> None:
+    """The grouped path (taken by default on sm_90a) against the per-expert loop on very
+    unequal groups with an empty expert: the same operands, other products (one more bf16
+    rounding, another summation order; a code of the down projection's input can then flip),
+    so outputs and gradients agree within a few bf16 units, as CUDA and CPU do above."""
+    loop, group = pair(arch, torch.bfloat16, device="cuda")
+    group.grouped = None
+    from fp4gen.compiler.jit import detect_arch
+
+    if detect_arch(torch.device("cuda")) == "sm_90a":
+        assert group.loop_reason(group.operands, torch.device("cuda")) is None
+    group.grouped = True
+    index, weights = unequal_routing()
+    hidden = torch.randn(70, 64).to(torch.bfloat16).cuda()
+    args = (hidden, index.cuda(), weights.to(torch.bfloat16).cuda())
+    want, got = run(loop, *args), run(group, *args)
+    for a, b in zip(got[:3], want[:3], strict=True):
+        torch.testing.assert_close(a.float(), b.float(), rtol=0.05, atol=0.05)
+    for name, grad in want[3].items():
+        torch.testing.assert_close(got[3][name].float(), grad.float(), rtol=0.05, atol=0.05)
+        if not name.endswith("bias"):
+            assert not got[3][name][2].any()  # expert 2 had no tokens
+
+
+def test_cuda_grouped_moe_model_trains() -> None:
+    model = fp4gen.convert(build("qwen3_moe", torch.bfloat16).cuda(), "nvfp4_small")
+    for layer in model.model.layers:
+        layer.mlp.experts.grouped = True
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    ids = torch.randint(0, 128, (4, 32), generator=torch.Generator().manual_seed(3)).cuda()
+    losses = []
+    for step in range(5):
+        fp4gen.set_step(model, step)
+        loss = model(input_ids=ids, labels=ids).loss
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(float(loss.detach()))
+    assert all(torch.isfinite(torch.tensor(losses))) and losses[-1] < losses[0]

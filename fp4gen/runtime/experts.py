@@ -31,12 +31,14 @@ GEMM, so a weight's global amax scale is its expert's slice (per GEMM operand, a
 layer's). Experts with no tokens run nothing (their weights get no gradient from the step). A
 GEMM whose six operands the operand table keeps in the dtype the tensors already have (nothing
 to round) runs as the module it replaced runs it (torch's GEMM), so a high-precision table
-reproduces that module bit for bit. The grouped quantize and grouped GEMM kernels are future
-work: the loop launches each expert's GEMMs separately.
+reproduces that module bit for bit. Where the formats allow (``loop_reason``), each
+projection's GEMMs run grouped over the experts instead (``fp4gen.runtime.grouped``: the same
+operands, one ``torch._grouped_mm`` per GEMM); the quantize kernels still run per expert.
 """
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from typing import Any
 
@@ -47,6 +49,7 @@ from fp4gen.dsl.model import MoRSpec, OperandTable, Recipe
 from fp4gen.errors import TensorError
 from fp4gen.formats import HighPrecision
 from fp4gen.runtime import ops
+from fp4gen.runtime.grouped import GroupedProjection, Groups, pass_reason
 from fp4gen.runtime.linear import Linear
 from fp4gen.runtime.operands import HP_DTYPES
 from fp4gen.runtime.schedule import TrainingClock
@@ -55,6 +58,8 @@ from fp4gen.runtime.schedule import TrainingClock
 # seed + layer index + EXPERT_SEED_STRIDE * (1 + 2 * expert + projection): apart from every dense
 # layer's seed (seed + layer index) and every rank's (multiples of 2**20, RANK_SEED_STRIDE).
 EXPERT_SEED_STRIDE = 2**32
+log = logging.getLogger(__name__)
+_logged: set[str] = set()
 
 
 @dataclass(frozen=True)
@@ -202,6 +207,9 @@ class GroupedExperts(nn.Module):
         # not submodules: their (empty) parameters must not reach the state_dict
         self.__dict__["gemms"] = tuple(gemms)
         self._identity_seen: tuple[Any, torch.dtype | None, bool] = (None, None, False)
+        # grouped GEMMs (fp4gen.runtime.grouped): None chooses (loop_reason), True takes them
+        # wherever the formats allow, False runs expert by expert
+        self.grouped: bool | None = None
 
     def __getattr__(self, name: str) -> Any:
         try:
@@ -262,9 +270,17 @@ class GroupedExperts(nn.Module):
     def _run_experts(
         self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
     ) -> torch.Tensor:
-        """The sum over each token's k experts of weight * down(act(up(x))), expert by expert."""
+        """The sum over each token's k experts of weight * down(act(up(x))), expert by expert
+        (or with grouped GEMMs: ``loop_reason``)."""
         lay = self.layout
         final = torch.zeros_like(hidden_states)
+        weight = getattr(self, lay.up)
+        table = self.operands
+        if (
+            not self._keeps_everything(table, hidden_states.dtype, weight.dtype)
+            and self.loop_reason(table, hidden_states.device) is None
+        ):
+            return self._run_grouped(hidden_states, top_k_index, top_k_weights, final)
         with torch.no_grad():
             hit = torch.unique(top_k_index).tolist()  # sorted: experts in index order
         for expert in hit:
@@ -278,6 +294,91 @@ class GroupedExperts(nn.Module):
             y = y * top_k_weights[token_idx, top_k_pos, None]
             final.index_add_(0, token_idx, y.to(final.dtype))
         return final
+
+    def _run_grouped(
+        self,
+        hidden_states: torch.Tensor,
+        top_k_index: torch.Tensor,
+        top_k_weights: torch.Tensor,
+        final: torch.Tensor,
+    ) -> torch.Tensor:
+        """``_run_experts`` with each projection's GEMMs grouped over the experts
+        (``fp4gen.runtime.grouped``): the tokens sorted by expert, in the loop's order within
+        each expert ([k, tokens] row-major), so every expert quantizes the rows the loop
+        quantizes, in the same order (a stochastic rounding stream is indexed by position)."""
+        lay = self.layout
+        tokens = top_k_index.shape[0]
+        flat = top_k_index.t().reshape(-1)  # k-major: the loop's order within an expert
+        with torch.no_grad():
+            valid = (flat >= 0) & (flat < lay.num_experts)  # not an expert-parallel sentinel
+            order = torch.nonzero(valid).squeeze(1)
+            order = order[torch.argsort(flat[order], stable=True)]
+            counts = torch.bincount(flat[order], minlength=lay.num_experts).tolist()
+        if not order.numel():
+            return final
+        token_idx, top_k_pos = order % tokens, order // tokens
+        hit = [e for e in range(lay.num_experts) if counts[e]]
+        x = hidden_states[token_idx]
+        for proj in (0, 1):
+            name = lay.weights[proj]
+            bias = None if lay.biases is None else getattr(self, lay.biases[proj])
+            groups = Groups(
+                hit,
+                [counts[e] for e in hit],
+                [self.gemms[e][proj] for e in hit],
+                lay.transposed,
+                ops.output_dtype(x),
+                f"{self.name}.{name}",
+            )
+            x = GroupedProjection.apply(x, getattr(self, name), bias, groups)
+            if proj == 0:
+                x = self._activation(x)
+        y = x * top_k_weights[token_idx, top_k_pos, None]
+        return final.index_add_(0, token_idx, y.to(final.dtype))
+
+    def loop_reason(self, table: OperandTable, device: torch.device) -> str | None:
+        """Why the experts' GEMMs run expert by expert under ``table`` on ``device``, or None
+        where they run grouped (``fp4gen.runtime.grouped``): ``grouped`` False turns grouped
+        GEMMs off, True takes them wherever the formats allow; None (the default) takes them on
+        CUDA where the dense layer's GEMM would be the dequantize path (not on sm_100a, whose
+        native block-scaled MMA runs per expert), never on the float64 reference (CPU tensors,
+        the reference backend). Looked at once per table, device and setting; a reason on
+        CUDA is logged once."""
+        backend = self.gemms[0][0].backend
+        key = (table, device, self.grouped, backend, self.gemms[0][0].telemetry.every)
+        seen = self.__dict__.get("_loop_seen")
+        if seen is not None and seen[0] == key:
+            return seen[1]
+        reason = self._loop_reason(table, device, backend)
+        self.__dict__["_loop_seen"] = (key, reason)
+        if reason is not None and device.type == "cuda" and self.grouped is not False:
+            message = (
+                f"{self.name or 'GroupedExperts'}: the experts' GEMMs run per expert: {reason}"
+            )
+            if message not in _logged:
+                _logged.add(message)
+                log.info(message)
+        return reason
+
+    def _loop_reason(self, table: OperandTable, device: torch.device, backend: str) -> str | None:
+        if self.grouped is False:
+            return "grouped GEMMs are turned off (GroupedExperts.grouped = False)"
+        if self.gemms[0][0].telemetry.every:  # enable_telemetry sets every expert's GEMMs
+            return "telemetry records each expert's operands"
+        reason = pass_reason(table)
+        if reason is not None or self.grouped:
+            return reason
+        if backend == "reference":
+            return "the reference backend: each GEMM is the float64 reference, per expert"
+        if device.type != "cuda":
+            return "CPU tensors: each GEMM is the float64 reference, as a dense layer's"
+        from fp4gen.codegen.gemm_configs import NATIVE_ARCHS
+        from fp4gen.compiler.jit import detect_arch
+
+        arch = detect_arch(device)
+        if arch in NATIVE_ARCHS:
+            return f"{arch}: the native block-scaled MMA reads the codes, per expert"
+        return None
 
     def _activation(self, h: torch.Tensor) -> torch.Tensor:
         source = self.source

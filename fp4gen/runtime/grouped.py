@@ -1,0 +1,305 @@
+"""Grouped GEMMs of a Mixture-of-Experts layer: every expert's fprop, dgrad or wgrad in one call.
+
+``GroupedProjection`` runs one projection (up or down) of every expert that has tokens: its
+operands are quantized per expert exactly as the per-expert loop quantizes them (each expert's
+``Linear`` quantizes its own operands with its own seed, Philox offset and global scale, by the
+same methods), then decoded to their block values (``QuantizedTensor.dequantize_blockwise``:
+element x block scale, exact in bf16 for NVFP4, MXFP4, MXFP6 and MXFP8) and multiplied by ONE
+``torch._grouped_mm`` call per GEMM (fprop: tokens x weights per expert; dgrad: gradients x
+weights; wgrad: gradients^T x activations, grouped along the token dimension). The per-expert
+global scales, the bias and the rounding to the output dtype are the dense epilogue's
+(``fp4gen.runtime.epilogue``: y = fp32(C S_a S_b) + bias, rounded once), applied per group.
+
+What the product is (``product_dtype``):
+
+- CUDA: ``torch._grouped_mm`` in BF16, whose fast kernel (sm_90a, sm_100a) writes BF16 only:
+  the fp32 accumulator of each group's exact products is rounded once to BF16 before the
+  epilogue multiplies by the global scales. Against the per-expert loop that is one more
+  rounding of relative size at most 2^-9 per element of the product (docs/moe.md, "Grouped
+  GEMMs"); the operands are the same bits.
+- CPU (and anything else): ``torch._grouped_mm`` in fp32 (the block values are exact in fp32),
+  so the result equals the per-expert loop's dequantize path up to fp32 summation order.
+
+Where this torch has no ``torch._grouped_mm``, or the call refuses the operands' layout, a loop
+of ``torch.mm`` over the groups computes the same product (logged once).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from fp4gen.dsl.model import Operand
+from fp4gen.runtime import finite, ops
+from fp4gen.runtime.linear import Linear
+from fp4gen.runtime.operands import k_multiple, pad_to, round_up
+
+log = logging.getLogger(__name__)
+_logged: set[str] = set()
+
+
+def _log_once(message: str) -> None:
+    if message not in _logged:
+        _logged.add(message)
+        log.info(message)
+
+
+def grouped_mm_available() -> bool:
+    """Whether this torch has ``torch._grouped_mm`` (tests turn it off to run the loop)."""
+    return callable(getattr(torch, "_grouped_mm", None))
+
+
+def product_dtype(device: torch.device) -> torch.dtype:
+    """The dtype the grouped product is computed in on ``device`` (module docstring)."""
+    return torch.bfloat16 if device.type == "cuda" else torch.float32
+
+
+def group_rows(a: torch.Tensor, b: torch.Tensor, ends: Sequence[int]) -> torch.Tensor:
+    """C [M, N] in fp32 with C[s:e] = a[s:e] @ b[g]^T for the groups of rows that end at
+    ``ends`` (a [M, K], b [G, N, K]): fprop and dgrad."""
+    dtype = product_dtype(a.device)
+    a, b = a.to(dtype), b.to(dtype)
+    if grouped_mm_available():
+        offs = torch.tensor(list(ends), dtype=torch.int32, device=a.device)
+        try:
+            return torch._grouped_mm(a, b.transpose(1, 2), offs=offs).float()
+        except (RuntimeError, ValueError) as err:  # a layout it refuses (stride alignment)
+            _log_once(f"torch._grouped_mm refused the expert GEMM ({err}); a loop of torch.mm")
+    else:
+        _log_once("this torch has no torch._grouped_mm: the expert GEMMs run a loop of torch.mm")
+    out = torch.empty((a.shape[0], b.shape[1]), dtype=dtype, device=a.device)
+    start = 0
+    for g, end in enumerate(ends):
+        torch.mm(a[start:end], b[g].t(), out=out[start:end])
+        start = end
+    return out.float()
+
+
+def group_k(a: torch.Tensor, b: torch.Tensor, ends: Sequence[int]) -> torch.Tensor:
+    """C [G, N, M] in fp32 with C[g] = a[:, s:e] @ b[:, s:e]^T for the groups of columns (the
+    GEMM's K) that end at ``ends`` (a [N, K], b [M, K]): wgrad, K being the tokens."""
+    dtype = product_dtype(a.device)
+    a, b = a.to(dtype), b.to(dtype)
+    if grouped_mm_available():
+        offs = torch.tensor(list(ends), dtype=torch.int32, device=a.device)
+        try:
+            return torch._grouped_mm(a, b.t(), offs=offs).float()
+        except (RuntimeError, ValueError) as err:
+            _log_once(f"torch._grouped_mm refused the expert GEMM ({err}); a loop of torch.mm")
+    else:
+        _log_once("this torch has no torch._grouped_mm: the expert GEMMs run a loop of torch.mm")
+    out = torch.empty((len(ends), a.shape[0], b.shape[0]), dtype=dtype, device=a.device)
+    start = 0
+    for g, end in enumerate(ends):
+        torch.mm(a[:, start:end], b[:, start:end].t(), out=out[g])
+        start = end
+    return out.float()
+
+
+def _scaled(
+    c: torch.Tensor, alpha: torch.Tensor, bias: torch.Tensor | None, out_dtype: torch.dtype
+) -> torch.Tensor:
+    """The dense epilogue (``epilogue.apply_steps``) with an alpha (and bias) per row or group:
+    fp32(c * alpha) (+ bias in fp32), rounded once to ``out_dtype``."""
+    out = (
+        c if out_dtype == torch.float32 else torch.empty(c.shape, dtype=out_dtype, device=c.device)
+    )
+    if bias is None:
+        return torch.mul(c, alpha, out=out)
+    return torch.addcmul(bias.detach().float(), c, alpha, out=out)
+
+
+@dataclass
+class Groups:
+    """The experts one projection runs for, in order: each expert's index, token count and
+    GEMM layer (an ``experts._ExpertGemm``), the weight layout and the output dtype."""
+
+    experts: list[int]
+    counts: list[int]
+    layers: list[Any]
+    transposed: bool  # the 3-D weight is [E, in, out] (y = x W)
+    out_dtype: torch.dtype
+    name: str  # the projection's, in messages
+
+
+def _weight(weight: torch.Tensor, expert: int, transposed: bool) -> torch.Tensor:
+    """Expert ``expert``'s weight as [out, in], detached (the GEMMs define the gradients)."""
+    w = weight.detach()[expert]
+    return w.t() if transposed else w
+
+
+def _contiguous_rows(w: torch.Tensor) -> torch.Tensor:
+    return w if w.is_contiguous() else w.contiguous()
+
+
+def _alpha(a: Any, b: Any) -> torch.Tensor:
+    """S_dec(a) * S_dec(b) in fp32, one element (as ``epilogue._alpha``)."""
+    return a.global_scale.float().reshape(1) * b.global_scale.float().reshape(1)
+
+
+class GroupedProjection(torch.autograd.Function):
+    """y = x_e W_e^T (+ b_e) for every group of rows of ``x`` (the tokens routed to each expert,
+    sorted by expert), with the three GEMMs grouped (module docstring). Returns y [T, out];
+    its backward dx [T, in], dW into the experts' slices (zero for experts not in the groups)
+    and the bias gradient per expert."""
+
+    @staticmethod
+    def forward(ctx: Any, x, weight, bias, groups: Groups):  # type: ignore[override]
+        with finite.layer_scope():
+            values, weights, alphas = [], [], []
+            start = 0
+            for expert, count, layer in zip(
+                groups.experts, groups.counts, groups.layers, strict=True
+            ):
+                x_e = x[start : start + count]
+                start += count
+                w = _weight(weight, expert, groups.transposed)
+                table = layer.operands
+                call = layer._forward_calls
+                k = layer.fprop_k(table, w.shape[1])
+                xq = layer.quantize(
+                    pad_to(x_e, count, k), Operand.FPROP_ACTIVATION, table.fprop_activation, call
+                )
+                wq = layer.quantize(
+                    pad_to(_contiguous_rows(w), w.shape[0], k),
+                    Operand.FPROP_WEIGHT,
+                    table.fprop_weight,
+                    call,
+                )
+                layer._advance_device(forward=True)
+                layer.__dict__["_forward_calls"] = call + 1
+                values.append(xq.dequantize_blockwise())
+                weights.append(wq.dequantize_blockwise())
+                alphas.append(_alpha(xq, wq))
+            counts = torch.tensor(groups.counts, device=x.device)
+            c = group_rows(torch.cat(values), torch.stack(weights), _ends(groups.counts))
+            alpha = torch.cat(alphas).repeat_interleave(counts)[:, None]
+            b = None if bias is None else bias.detach()[groups.experts].repeat_interleave(counts, 0)
+            y = _scaled(c, alpha, b, groups.out_dtype)
+        ctx.save_for_backward(x, weight)
+        ctx.groups = groups
+        ctx.bias_shape = None if bias is None else (bias.shape, bias.dtype)
+        return y
+
+    @staticmethod
+    def backward(ctx: Any, dy: torch.Tensor):  # type: ignore[override]
+        groups: Groups = ctx.groups
+        if torch.is_grad_enabled():
+            raise ops.double_backward_error(groups.name)
+        x, weight = ctx.saved_tensors
+        dy = dy.contiguous()
+        Linear.forget_shared_copy()  # as a dense backward: the forward's shared copy is done
+        with finite.layer_scope():
+            ops.check_output_grad(groups.name, dy)
+            dx, dw = _grads(x, weight, dy, groups)
+        db = None
+        if ctx.bias_shape is not None:
+            shape, dtype = ctx.bias_shape
+            db = torch.zeros(shape, dtype=dtype, device=dy.device)
+            start = 0
+            for expert, count in zip(
+                groups.experts, groups.counts, strict=True
+            ):  # ops.bias_grad per expert
+                db[expert] = ops.bias_grad(dy[start : start + count], dtype)
+                start += count
+        return dx, dw, db, None
+
+
+def _ends(counts: Sequence[int]) -> list[int]:
+    ends, total = [], 0
+    for n in counts:
+        total += n
+        ends.append(total)
+    return ends
+
+
+def _grads(
+    x: torch.Tensor, weight: torch.Tensor, dy: torch.Tensor, groups: Groups
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """dx [T, in] (x's dtype) and dW (the weight's shape and dtype) by a grouped dgrad and a
+    grouped wgrad; each expert's operands quantized as ``Linear._grads`` quantizes them."""
+    dy_values, w_values, dy_alphas, rows = [], [], [], []
+    gt_values, xt_values, w_alphas, padded = [], [], [], []
+    start = padded_start = 0
+    n_out = dy.shape[1]
+    for expert, count, layer in zip(groups.experts, groups.counts, groups.layers, strict=True):
+        table = layer.operands
+        call = layer._backward_calls
+        w = _weight(weight, expert, groups.transposed)
+        x_e, dy_e = x[start : start + count], dy[start : start + count]
+        start += count
+        wgrad_k = k_multiple(table.wgrad_gradient, table.wgrad_activation, blocks=True)
+        dgrad_k = k_multiple(table.dgrad_gradient, table.dgrad_weight, blocks=False)
+        tokens, out = round_up(count, wgrad_k), round_up(n_out, dgrad_k)
+        dy_p = pad_to(dy_e, tokens, out)
+        w_col = layer.columnwise_weight(w, table, call, out)
+        dyq, dyq_t = layer._quantize_pair(
+            dy_p,
+            layer.slot(Operand.DGRAD_GRADIENT, table.dgrad_gradient, call, dy_p),
+            layer.slot(Operand.WGRAD_GRADIENT, table.wgrad_gradient, call, dy_p),
+            seed=layer.data_seed,
+        )
+        xq_t = layer.wgrad_activation(x_e, table, call)
+        layer._advance_device(forward=False)
+        layer.__dict__["_backward_calls"] = call + 1
+        dy_values.append(dyq.dequantize_blockwise())
+        w_values.append(w_col.dequantize_blockwise())
+        dy_alphas.append(_alpha(dyq, w_col).expand(tokens))
+        rows.append(torch.arange(padded_start, padded_start + count, device=dy.device))
+        padded_start += tokens
+        gt_values.append(dyq_t.dequantize_blockwise())
+        xt_values.append(xq_t.dequantize_blockwise())
+        w_alphas.append(_alpha(dyq_t, xq_t))
+        padded.append(tokens)
+    # dgrad: the padded token rows of every expert, then the real rows taken back
+    c = group_rows(torch.cat(dy_values), torch.stack(w_values), _ends(padded))
+    real = torch.cat(rows)
+    dx = _scaled(c[real], torch.cat(dy_alphas)[real][:, None], None, x.dtype)
+    # wgrad: the experts' token columns side by side, one group each
+    c = group_k(torch.cat(gt_values, dim=1), torch.cat(xt_values, dim=1), _ends(padded))
+    dw_groups = _scaled(c, torch.cat(w_alphas)[:, None, None], None, weight.dtype)[:, :n_out]
+    dw = torch.zeros_like(weight)
+    index = torch.tensor(groups.experts, device=weight.device)
+    dw.index_copy_(0, index, dw_groups.transpose(1, 2) if groups.transposed else dw_groups)
+    return dx, dw
+
+
+def pass_reason(table: Any) -> str | None:
+    """None when every GEMM of ``table`` can run grouped (both operands of each block formats
+    whose element x block scale is exact in bf16, no operand quantized from another copy), else
+    why not."""
+    from fp4gen.formats import BlockFormat
+
+    pairs = (
+        ("fprop", table.fprop_activation, table.fprop_weight),
+        ("dgrad", table.dgrad_gradient, table.dgrad_weight),
+        ("wgrad", table.wgrad_gradient, table.wgrad_activation),
+    )
+    for gemm, a, b in pairs:
+        for spec in (a, b):
+            fmt = spec.format
+            if not isinstance(fmt, BlockFormat):
+                return f"the {gemm} GEMM has an operand in {fmt} (not a block format)"
+            if not fmt.gemm_exact_in_bf16():
+                return (
+                    f"the {gemm} GEMM's {fmt.name} values (element x block scale) are not exact "
+                    "in bf16 (their GEMM is the block-scaled or fp32 one, per expert)"
+                )
+            if spec.source is not None:
+                return f"a {gemm} operand is quantized from another GEMM's copy"
+    return None
+
+
+__all__ = [
+    "GroupedProjection",
+    "Groups",
+    "group_k",
+    "group_rows",
+    "grouped_mm_available",
+    "pass_reason",
+    "product_dtype",
+]

@@ -1,0 +1,262 @@
+"""Grouped GEMMs of the experts (fp4gen.runtime.grouped) on the CPU: the grouped path quantizes
+every expert's operands exactly as the per-expert loop does (the same bits, the same epilogue),
+so with the same per-group products it equals the loop bit for bit; torch._grouped_mm's product
+is within the fp32 summation-order bound of the float64 product (docs/numerics.md 6), and the
+BF16 product the CUDA kernel writes within one more bf16 rounding of it."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+import fp4gen
+import fp4gen.runtime.grouped as grouped
+import fp4gen.runtime.linear as linear_module
+from fp4gen.dsl import parse_recipe
+from fp4gen.gemm_dispatch import gemm
+from fp4gen.runtime.grouped import GroupedProjection, Groups
+
+transformers = pytest.importorskip("transformers")
+
+from test_moe import ARCHS, RNE, build, experts_of, routing, run  # noqa: E402
+
+U32 = 2.0**-24  # fp32 unit roundoff
+
+
+def unequal_routing(tokens: int = 70) -> tuple[torch.Tensor, torch.Tensor]:
+    """top-2 over 4 experts with very unequal groups: expert 0 gets every token (slot 0),
+    expert 1 one token, expert 2 none, expert 3 the rest (slot 1)."""
+    index = torch.zeros(tokens, 2, dtype=torch.long)
+    index[:, 1] = 3
+    index[5, 1] = 1
+    weights = torch.softmax(torch.randn(tokens, 2, generator=torch.Generator().manual_seed(4)), 1)
+    return index, weights
+
+
+@pytest.fixture
+def dequant_loop(monkeypatch):
+    """The per-expert loop's GEMMs on the dequantize path (block values, an fp32 torch GEMM,
+    the shared epilogue) instead of the CPU's float64 reference, and the grouped path's
+    products a torch.mm per group: the two paths then sum every product in the same order."""
+    monkeypatch.setattr(
+        linear_module, "gemm", lambda a, b, **kw: gemm(a, b, backend="dequant", **kw)
+    )
+    monkeypatch.setattr(grouped, "grouped_mm_available", lambda: False)
+
+
+def pair(arch: str, dtype: torch.dtype, recipe: str = "nvfp4_no_bf16", device: str = "cpu"):
+    """Two converted copies of one model's first experts module: the loop and the grouped."""
+    loop, group = (
+        experts_of(fp4gen.convert(build(arch, dtype).to(device), recipe, seed=5)) for _ in range(2)
+    )
+    loop.grouped, group.grouped = False, True
+    return loop, group
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("routed", ["top2", "unequal"])
+def test_grouped_equals_the_loop_bit_for_bit(arch, dtype, routed, dequant_loop) -> None:
+    """The full NVFP4 recipe (stochastic rounding of the gradients, RHT on wgrad), biases
+    (gpt-oss), an expert without tokens and very unequal groups: output, dx, the routing
+    weights' gradient and every parameter's gradient are the loop's bits."""
+    loop, group = pair(arch, dtype)
+    index, weights = routing(40, empty=1) if routed == "top2" else unequal_routing()
+    hidden = torch.randn(index.shape[0], 64).to(dtype)
+    want = run(loop, hidden, index, weights.to(dtype))
+    got = run(group, hidden, index, weights.to(dtype))
+    for a, b in zip(got[:3], want[:3], strict=True):
+        assert torch.equal(a, b)
+    empty = 1 if routed == "top2" else 2
+    for name, grad in want[3].items():
+        assert torch.equal(got[3][name], grad), name
+        if not name.endswith("bias"):
+            assert not grad[empty].any() and grad.abs().sum() > 0
+    assert got[0].abs().sum() > 0
+    # both paths counted the same calls (the next step's random streams)
+    for pl, pg in zip(loop.gemms, group.gemms, strict=True):
+        for a, b in zip(pl, pg, strict=True):
+            assert (a._forward_calls, a._backward_calls) == (b._forward_calls, b._backward_calls)
+
+
+def test_a_second_step_draws_the_loops_streams(dequant_loop) -> None:
+    loop, group = pair("mixtral", torch.float32)
+    index, weights = routing(40, empty=1)
+    for step in range(2):
+        hidden = torch.randn(40, 64, generator=torch.Generator().manual_seed(step))
+        want, got = run(loop, hidden, index, weights), run(group, hidden, index, weights)
+        assert all(torch.equal(a, b) for a, b in zip(got[:3], want[:3], strict=True)), step
+        assert all(torch.equal(got[3][n], want[3][n]) for n in want[3]), step
+
+
+def test_sentinel_experts_and_no_tokens(dequant_loop) -> None:
+    """An expert-parallel sentinel (an index outside [0, E)) is another rank's expert: skipped
+    as the loop skips it; a batch with no tokens, or only sentinels, gives zeros."""
+    loop, group = pair("qwen3_moe", torch.float32)
+    index, weights = routing(24, empty=2)
+    index[::3, 1] = 4  # the sentinel transformers' expert parallelism writes (num_experts)
+    hidden = torch.randn(24, 64)
+    want, got = run(loop, hidden, index, weights), run(group, hidden, index, weights)
+    assert all(torch.equal(a, b) for a, b in zip(got[:3], want[:3], strict=True))
+    assert torch.equal(group(hidden, torch.full((24, 2), 4), weights), torch.zeros(24, 64))
+    out = group(torch.randn(0, 64), torch.zeros(0, 2, dtype=torch.long), torch.zeros(0, 2))
+    assert out.shape == (0, 64)
+
+
+def sum_bound(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """Entry-wise bound of an fp32 sum of K exact products against the float64 sum rounded
+    once (docs/numerics.md 6): (K + 8) u sum_k |a_k b_k|, in float64."""
+    k = a.shape[-1]
+    return (k + 8) * U32 * (a.double().abs() @ b.double().abs().transpose(-1, -2))
+
+
+def recorded_products(
+    monkeypatch, arch: str, device: str = "cpu"
+) -> list[tuple[str, torch.Tensor, torch.Tensor, list]]:
+    """The block values every grouped GEMM of one training step of the experts is given."""
+    calls: list[tuple[str, torch.Tensor, torch.Tensor, list]] = []
+    rows, k = grouped.group_rows, grouped.group_k
+
+    def record_rows(a, b, ends):
+        calls.append(("rows", a.clone(), b.clone(), list(ends)))
+        return rows(a, b, ends)
+
+    def record_k(a, b, ends):
+        calls.append(("k", a.clone(), b.clone(), list(ends)))
+        return k(a, b, ends)
+
+    monkeypatch.setattr(grouped, "group_rows", record_rows)
+    monkeypatch.setattr(grouped, "group_k", record_k)
+    _, group = pair(arch, torch.bfloat16, device=device)
+    index, weights = unequal_routing()
+    hidden = torch.randn(70, 64).to(torch.bfloat16)
+    run(group, hidden.to(device), index.to(device), weights.to(torch.bfloat16).to(device))
+    monkeypatch.undo()
+    assert [c[0] for c in calls] == ["rows", "rows", "rows", "k", "rows", "k"]
+    return calls
+
+
+def per_group(kind: str, a: torch.Tensor, b: torch.Tensor, ends: list) -> list:
+    """(exact float64 product, its summation bound) per group."""
+    starts = [0, *ends[:-1]]
+    out = []
+    for g, (s, e) in enumerate(zip(starts, ends, strict=True)):
+        ga, gb = (a[s:e], b[g]) if kind == "rows" else (a[:, s:e], b[:, s:e])
+        out.append((ga.double() @ gb.double().t(), sum_bound(ga, gb)))
+    return out
+
+
+def pieces(kind: str, c: torch.Tensor, ends: list) -> list:
+    starts = [0, *ends[:-1]]
+    return [
+        c[s:e] if kind == "rows" else c[g]
+        for g, (s, e) in enumerate(zip(starts, ends, strict=True))
+    ]
+
+
+@pytest.mark.parametrize("arch", ["mixtral", "gpt_oss"])
+def test_grouped_mm_is_within_the_summation_bound(monkeypatch, arch) -> None:
+    """torch._grouped_mm on the CPU (fp32 block values: exact) against the float64 product of
+    each group: within (K + 8) u sum |a b| entry-wise, the bound of any fp32 summation order.
+    (The BF16 product of the CUDA kernel is checked on the GPU: the CPU's bf16 GEMM does not
+    accumulate as the kernel does.)"""
+    assert grouped.grouped_mm_available()  # torch 2.9+ has it for CPU tensors
+    for kind, a, b, ends in recorded_products(monkeypatch, arch):
+        fn = grouped.group_rows if kind == "rows" else grouped.group_k
+        c = fn(a, b, ends)
+        assert c.dtype == torch.float32
+        for got, (exact, bound) in zip(
+            pieces(kind, c, ends), per_group(kind, a, b, ends), strict=True
+        ):
+            assert ((got.double() - exact).abs() <= bound).all()
+
+
+def test_without_grouped_mm_a_loop_of_mm_gives_the_same_product(monkeypatch, caplog) -> None:
+    """Both branches: torch._grouped_mm where torch has it, else a loop of torch.mm (logged
+    once at INFO); on fp32 block values both are within the summation bound, and here equal."""
+    g = torch.Generator().manual_seed(7)
+    a, b = torch.randn(48, 32, generator=g), torch.randn(3, 16, 32, generator=g)
+    at, bt = torch.randn(16, 48, generator=g), torch.randn(24, 48, generator=g)
+    ends = [16, 16, 48]  # an empty group in the middle
+    with_mm = grouped.group_rows(a, b, ends), grouped.group_k(at, bt, ends)
+    monkeypatch.setattr(grouped, "grouped_mm_available", lambda: False)
+    grouped._logged.clear()
+    with caplog.at_level(logging.INFO, logger="fp4gen.runtime.grouped"):
+        loop = grouped.group_rows(a, b, ends), grouped.group_k(at, bt, ends)
+        grouped.group_rows(a, b, ends)
+    assert [r.getMessage() for r in caplog.records].count(
+        "this torch has no torch._grouped_mm: the expert GEMMs run a loop of torch.mm"
+    ) == 1
+    assert with_mm[0].shape == loop[0].shape == (48, 16)
+    assert with_mm[1].shape == loop[1].shape == (3, 16, 24)
+    assert not loop[1][1].any()  # the empty group: a zero product
+    for kind, (pa, pb), c_mm, c_loop in zip(
+        ("rows", "k"), ((a, b), (at, bt)), with_mm, loop, strict=True
+    ):
+        exact = per_group(kind, pa, pb, ends)
+        for c in (c_mm, c_loop):
+            for got, (want, bound) in zip(pieces(kind, c, ends), exact, strict=True):
+                assert ((got.double() - want).abs() <= bound).all()
+
+
+def test_the_path_chosen(caplog) -> None:
+    """Who runs grouped: never on the CPU's float64 reference by default (the dense layer's
+    numerics), wherever the formats allow with grouped=True; the loop, with the reason, for a
+    format whose values are not exact in bf16 (FP8 with fp32 block scales), MoR, telemetry, or
+    grouped=False."""
+    cpu = torch.device("cpu")
+    module = experts_of(fp4gen.convert(build("mixtral"), "nvfp4_no_bf16"))
+    assert "CPU tensors" in module.loop_reason(module.operands, cpu)
+    module.grouped = True
+    assert module.loop_reason(module.operands, cpu) is None
+    fp4gen.runtime.convert.enable_telemetry(module, 1)
+    assert "telemetry" in module.loop_reason(module.operands, cpu)
+    fp4gen.runtime.convert.enable_telemetry(module, 0)
+    module.grouped = False
+    assert "turned off" in module.loop_reason(module.operands, cpu)
+    for recipe, why in (("fp8_blockwise", "not exact in bf16"), ("mor_tensor", "not a block")):
+        module = experts_of(fp4gen.convert(build("mixtral"), recipe))
+        module.grouped = True
+        assert why in module.loop_reason(module.operands, cpu), recipe
+    ref = experts_of(fp4gen.convert(build("mixtral"), "nvfp4_no_bf16", backend="reference"))
+    assert "reference backend" in ref.loop_reason(ref.operands, cpu)
+
+
+def test_a_forced_grouped_path_on_an_fp8_recipe_runs_the_loop() -> None:
+    """grouped=True with a recipe the grouped GEMMs do not serve: the loop, the same bits as
+    grouped=False."""
+    loop, group = pair("mixtral", torch.float32, "fp8_blockwise")
+    index, weights = routing(24, empty=0)
+    hidden = torch.randn(24, 64)
+    want, got = run(loop, hidden, index, weights), run(group, hidden, index, weights)
+    assert all(torch.equal(a, b) for a, b in zip(got[:3], want[:3], strict=True))
+
+
+def test_rne_grouped_training_step_against_the_reference(dequant_loop) -> None:
+    """A converted model whose experts run grouped trains (a loss that goes down over a few
+    steps at a fixed batch), with the RNE recipe."""
+    model = fp4gen.convert(build("qwen3_moe"), parse_recipe(RNE, base_dir=None))
+    for layer in model.model.layers:
+        layer.mlp.experts.grouped = True
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    ids = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(3))
+    losses = []
+    for step in range(4):
+        fp4gen.set_step(model, step)
+        loss = model(input_ids=ids, labels=ids).loss
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(float(loss.detach()))
+    assert losses[-1] < losses[0]
+
+
+def test_double_backward_is_refused() -> None:
+    module = experts_of(fp4gen.convert(build("mixtral"), "nvfp4_no_bf16"))
+    groups = Groups([0], [4], [module.gemms[0][1]], False, torch.float32, "experts.down_proj")
+    x = torch.randn(4, 32, requires_grad=True)
+    y = GroupedProjection.apply(x, module.down_proj, None, groups)
+    with pytest.raises(fp4gen.FP4GenError, match="double backward"):
+        torch.autograd.grad(y.sum(), x, create_graph=True)
