@@ -295,13 +295,13 @@ def test_linear_routes_its_gemms_through_the_path(monkeypatch) -> None:
         pytest.skip(f"cuBLASLt unavailable: {cublaslt.unavailable()}")
 
     calls: list[tuple[int, int, int]] = []
-    real = dequant.dequant_gemm
+    real = dequant.dequant_product  # what fp4gen.gemm's dequant path calls on CUDA
 
     def spy(a, b, **kw):
         calls.append((a.rows, b.rows, a.cols))
         return real(a, b, **kw)
 
-    monkeypatch.setattr(dequant, "dequant_gemm", spy)
+    monkeypatch.setattr(dequant, "dequant_product", spy)
     recipe = fp4gen.load_recipe("nvfp4.fp4r")
     layer = fp4gen.nn.Linear(256, 192, device=DEV, dtype=torch.bfloat16, recipe=recipe)
     x = torch.randn(512, 256, device=DEV, dtype=torch.bfloat16, requires_grad=True)

@@ -50,7 +50,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import fcntl
 import functools
 import logging
 import math
@@ -654,8 +653,8 @@ gpu = [
 
 @pytest.fixture(scope="module")
 def gpu_batch(tmp_path_factory: pytest.TempPathFactory) -> list[Recipe | None]:
-    """The batch's recipes (None: refused on purpose), every kernel they load compiled up
-    front for this GPU's arch, in parallel, into the kernel cache the runtime reads."""
+    """The batch's recipes (None: refused on purpose); in one process, every kernel they load
+    compiled up front for this GPU's arch, in parallel, into the kernel cache the runtime reads."""
     from fp4gen.compiler.jit import detect_arch
 
     arch = detect_arch()
@@ -663,15 +662,13 @@ def gpu_batch(tmp_path_factory: pytest.TempPathFactory) -> list[Recipe | None]:
         pytest.skip(f"no generated kernels for {arch}")
     root = tmp_path_factory.mktemp("fuzz-gpu")
     recipes = [load_case(c, root / f"case{i}") for i, c in enumerate(batch(SEED, EXAMPLES))]
-    jobs = max(2, (os.cpu_count() or 2) - 1)
-    # Under pytest-xdist every worker running a test of this module builds the batch: the first
-    # to take the lock compiles every kernel into the shared kernel cache, the others then find
-    # them there instead of compiling the same kernels at once.
-    lock_path = tmp_path_factory.getbasetemp().parent / "fuzz-gpu-compile.lock"
-    with open(lock_path, "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        # one compile call, so the jobs run across recipes; each gets a plain name for its
-        # source folder (a drawn name need not be one; kernels are cached by their specs)
+    if os.environ.get("PYTEST_XDIST_WORKER") is None:
+        # one process: every kernel compiled up front in parallel, across recipes, each with a
+        # plain name for its source folder (a drawn name need not be one; kernels are cached
+        # by their specs). Under pytest-xdist each test's kernels compile on first use instead,
+        # spread over the workers (compiling the batch in every worker, or in one while the
+        # others wait, is slower than that).
+        jobs = max(2, (os.cpu_count() or 2) - 1)
         named = [dataclasses.replace(r, name=f"r{i}") for i, r in enumerate(recipes) if r]
         report = compile_recipes(named, archs=(arch,), out=root / "gen", jobs=jobs)
         assert not report.errors, report.errors[:3]

@@ -173,6 +173,20 @@ def _layer(layer_id: int) -> Any:
     return layer
 
 
+def row_major(t: torch.Tensor) -> torch.Tensor:
+    """``t`` with the row-major strides the fake kernels declare. A GEMM result sliced from a
+    padded one can be contiguous with another stride on a size-1 dimension ([1, 8] with stride
+    (16, 1)): that stride is re-stated (a view, no copy), as the compiler compares strides."""
+    strides, step = [], 1
+    for size in reversed(t.shape):
+        strides.append(step)
+        step *= max(size, 1)
+    want = tuple(reversed(strides))
+    if t.stride() == want:
+        return t
+    return t.as_strided(t.shape, want) if t.is_contiguous() else t.contiguous()
+
+
 @torch.library.custom_op("fp4gen::linear_forward", mutates_args=())
 def linear_forward(
     x2: torch.Tensor,
@@ -188,7 +202,7 @@ def linear_forward(
         label = layer.name or "fp4gen.nn.Linear"
         finite.check_given(x2, "{}: the input (as [tokens, in]) of shape {}", label, x2.shape)
         finite.check_given(weight, "{}: the weight of shape {}", label, weight.shape)
-        return layer.forward_gemm(x2, weight, bias, out_dtype)[0]
+        return row_major(layer.forward_gemm(x2, weight, bias, out_dtype)[0])
 
 
 @linear_forward.register_fake
@@ -210,7 +224,8 @@ def linear_backward(
     layer = _layer(layer_id)
     with finite.layer_scope():
         check_output_grad(layer.name, dy2)
-        return layer.backward_gemms(dy2, x2, weight)
+        dx, dw = layer.backward_gemms(dy2, x2, weight)
+        return row_major(dx), row_major(dw)
 
 
 @linear_backward.register_fake
