@@ -1,0 +1,270 @@
+"""MoE training time: an MoE layer's fwd+bwd and an MoE model's step, BF16 against recipes.
+
+The layer is transformers' Qwen3-MoE sparse block (router, top-k, experts) in BF16 at
+``--hidden`` / ``--inner`` for every ``--experts`` x ``--topk`` pair, ``--tokens`` tokens. The
+model is transformers' Qwen3MoeForCausalLM (or MixtralForCausalLM, ``--model mixtral``) built
+from a config (no download) at the same widths, ``--model-layers`` layers of
+``--model-experts`` experts, top ``--model-topk``, byte vocabulary, AdamW, bf16 autocast
+(fp32 master weights) as benchmarks/train.py trains. Every row of a section runs in the same
+process, after the BF16 baseline:
+
+- ``bf16 grouped_mm``: the transformers experts with ``grouped_mm`` (torch._grouped_mm in
+  BF16), the baseline every ratio divides by;
+- ``bf16 eager``: the transformers experts' own per-expert loop (layer section only);
+- each recipe (``--recipes``), converted by ``fp4gen.convert`` with its default path (on sm_90a
+  NVFP4 / MX experts run grouped GEMMs, FP8 blockwise the block-scaled FP8 GEMM per expert:
+  docs/moe.md), and for recipes whose experts run grouped also ``<recipe> loop`` (the same
+  recipe expert by expert, ``GroupedExperts.grouped = False``).
+
+Printed per row: ms per forward+backward (layer) or per training step (model), median of
+``--steps`` timed runs after warm-up (CUDA events; ``time.perf_counter`` on the CPU), its
+ratio to ``bf16 grouped_mm``, and the peak memory on CUDA.
+
+    python benchmarks/moe.py [--hidden 2048] [--inner 768] [--experts 8,64] [--topk 2,8]
+                             [--tokens 8192] [--recipes nvfp4_small,fp8_blockwise]
+                             [--model qwen3_moe|mixtral] [--model-layers 4]
+                             [--model-experts 64] [--model-topk 8] [--seq 1024] [--steps 10]
+                             [--skip-layer] [--skip-model] [--device cuda|cpu]
+
+``--device cpu`` runs the same code on the CPU (the float64 reference GEMMs: only for a smoke
+run at tiny sizes, not a timing).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+from torch import nn
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the checkout, uninstalled
+
+import fp4gen  # noqa: E402
+from fp4gen.runtime.experts import GroupedExperts  # noqa: E402
+
+VOCAB = 256  # bytes, as benchmarks/train.py
+
+
+def time_ms(fn: Callable[[], object], device: str, steps: int, warmup: int = 2) -> float:
+    """Median time of ``fn`` in milliseconds: CUDA events on CUDA, perf_counter elsewhere."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(steps):
+        if device == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end))
+        else:
+            t0 = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(times)
+
+
+def peak_gib(device: str) -> float | None:
+    return torch.cuda.max_memory_allocated() / 2**30 if device == "cuda" else None
+
+
+def reset_peak(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+
+
+def moe_config(kind: str, args: argparse.Namespace, experts: int, topk: int, layers: int) -> object:
+    """A transformers config of the MoE family ``kind`` at the benchmark's widths."""
+    import transformers
+
+    heads = max(args.hidden // 128, 1)
+    common = dict(
+        vocab_size=VOCAB,
+        hidden_size=args.hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=max(heads // 4, 1),
+        num_experts_per_tok=topk,
+        max_position_embeddings=args.seq,
+        tie_word_embeddings=False,
+    )
+    if kind == "mixtral":
+        cfg = transformers.MixtralConfig(
+            intermediate_size=args.inner, num_local_experts=experts, **common
+        )
+    else:
+        cfg = transformers.Qwen3MoeConfig(
+            intermediate_size=4 * args.inner,
+            moe_intermediate_size=args.inner,
+            num_experts=experts,
+            head_dim=args.hidden // heads,
+            **common,
+        )
+    cfg._attn_implementation = "sdpa"
+    return cfg
+
+
+def experts_rows(model: nn.Module) -> list[GroupedExperts]:
+    return [m for m in model.modules() if isinstance(m, GroupedExperts)]
+
+
+def recipe_rows(
+    make: Callable[[str], nn.Module],
+    recipes: list[str],
+    device: str,
+    measure: Callable[[nn.Module], tuple[float, float | None]],
+    base: float,
+) -> None:
+    """Print each recipe's row, and ``<recipe> loop`` after it where its experts ran grouped."""
+    for recipe in recipes:
+        model = fp4gen.convert(make("eager"), recipe)
+        ms, peak = measure(model)
+        print_row(recipe, ms, base, peak)
+        dev = torch.device(device)
+        grouped = any(e.loop_reason(e.operands, dev) is None for e in experts_rows(model))
+        del model
+        if grouped:
+            model = fp4gen.convert(make("eager"), recipe)
+            for module in experts_rows(model):
+                module.grouped = False
+            ms, peak = measure(model)
+            print_row(f"{recipe} loop", ms, base, peak)
+            del model
+
+
+def print_row(name: str, ms: float, base: float | None, peak: float | None, note: str = "") -> None:
+    ratio = "" if base is None else f"{ms / base:7.2f}x"
+    memory = "" if peak is None else f"{peak:9.2f}"
+    print(f"  {name:34} {ms:10.2f} {ratio:>8} {memory:>9} {note}", flush=True)
+
+
+def layer_section(args: argparse.Namespace, device: str, recipes: list[str]) -> None:
+    from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeSparseMoeBlock
+
+    for experts in args.experts:
+        for topk in args.topk:
+            cfg = moe_config("qwen3_moe", args, experts, topk, 1)
+            print(
+                f"\nMoE layer fwd+bwd: hidden {args.hidden}, inner {args.inner}, {experts} "
+                f"experts, top-{topk}, {args.tokens} tokens, BF16"
+            )
+            print(f"  {'row':34} {'ms':>10} {'x bf16':>8} {'peak GiB':>9}")
+            torch.manual_seed(0)
+            state = Qwen3MoeSparseMoeBlock(cfg).state_dict()
+
+            def make(impl: str, cfg: object = cfg, state: dict = state) -> nn.Module:
+                cfg._experts_implementation = impl  # type: ignore[attr-defined]
+                block = Qwen3MoeSparseMoeBlock(cfg)
+                block.load_state_dict(state)
+                return block.to(device=device, dtype=torch.bfloat16)
+
+            x = torch.randn(1, args.tokens, args.hidden, device=device, dtype=torch.bfloat16)
+            dy = torch.randn_like(x)
+
+            def measure(
+                block: nn.Module, x: torch.Tensor = x, dy: torch.Tensor = dy
+            ) -> tuple[float, float | None]:
+                inp = x.detach().requires_grad_()
+
+                def step() -> None:
+                    out = block(inp)
+                    out = out[0] if isinstance(out, tuple) else out
+                    out.backward(dy)
+
+                reset_peak(device)
+                ms = time_ms(step, device, args.steps)
+                return ms, peak_gib(device)
+
+            base, peak = measure(make("grouped_mm"))
+            print_row("bf16 grouped_mm", base, base, peak)
+            ms, peak = measure(make("eager"))
+            print_row("bf16 eager", ms, base, peak)
+            recipe_rows(make, recipes, device, measure, base)
+
+
+def model_section(args: argparse.Namespace, device: str, recipes: list[str]) -> None:
+    import transformers
+
+    family = transformers.MixtralForCausalLM if args.model == "mixtral" else None
+    family = family or transformers.Qwen3MoeForCausalLM
+    cfg = moe_config(args.model, args, args.model_experts, args.model_topk, args.model_layers)
+    torch.manual_seed(0)
+    state = family(cfg).state_dict()
+    params = sum(v.numel() for v in state.values())
+    print(
+        f"\n{family.__name__} training step: {args.model_layers} layers, hidden {args.hidden}, "
+        f"{args.model_experts} experts top-{args.model_topk}, inner {args.inner}, "
+        f"{params / 1e6:.0f}M parameters, {args.tokens} tokens/step (seq {args.seq}), AdamW, "
+        "bf16 autocast"
+    )
+    print(f"  {'row':34} {'ms/step':>10} {'x bf16':>8} {'peak GiB':>9}")
+
+    def make(impl: str) -> nn.Module:
+        cfg._experts_implementation = impl  # type: ignore[attr-defined]
+        model = family(cfg)
+        model.load_state_dict(state)
+        return model.to(device)
+
+    seqs = max(args.tokens // args.seq, 1)
+    tokens = torch.randint(0, VOCAB, (seqs, args.seq), generator=torch.Generator().manual_seed(1))
+    tokens = tokens.to(device)
+
+    def measure(model: nn.Module) -> tuple[float, float | None]:
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+
+        def step() -> None:
+            with torch.autocast(device, dtype=torch.bfloat16):
+                loss = model(input_ids=tokens, labels=tokens).loss
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=False)
+
+        reset_peak(device)
+        ms = time_ms(step, device, args.steps)
+        return ms, peak_gib(device)
+
+    base, peak = measure(make("grouped_mm"))
+    print_row("bf16 grouped_mm", base, base, peak)
+    recipe_rows(make, recipes, device, measure, base)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ints = lambda s: [int(v) for v in s.split(",") if v]  # noqa: E731
+    parser.add_argument("--hidden", type=int, default=2048)
+    parser.add_argument("--inner", type=int, default=768, help="each expert's intermediate size")
+    parser.add_argument("--experts", type=ints, default=[8, 64], help="layer rows, e.g. 8,64")
+    parser.add_argument("--topk", type=ints, default=[2, 8], help="layer rows, e.g. 2,8")
+    parser.add_argument("--tokens", type=int, default=8192)
+    parser.add_argument("--recipes", default="nvfp4_small,fp8_blockwise")
+    parser.add_argument("--model", choices=["qwen3_moe", "mixtral"], default="qwen3_moe")
+    parser.add_argument("--model-layers", type=int, default=4)
+    parser.add_argument("--model-experts", type=int, default=64)
+    parser.add_argument("--model-topk", type=int, default=8)
+    parser.add_argument("--seq", type=int, default=1024)
+    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--skip-layer", action="store_true", help="no MoE layer section")
+    parser.add_argument("--skip-model", action="store_true", help="no whole-model section")
+    parser.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
+    args = parser.parse_args(argv)
+    if args.device == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("this benchmark needs a CUDA GPU (--device cpu: a smoke run)")
+    recipes = [r for r in args.recipes.split(",") if r and r != "bf16"]
+    where = torch.cuda.get_device_name() if args.device == "cuda" else "CPU (smoke run)"
+    print(f"fp4gen MoE benchmark on {where}, torch {torch.__version__}")
+    if not args.skip_layer:
+        layer_section(args, args.device, recipes)
+    if not args.skip_model:
+        model_section(args, args.device, recipes)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,57 @@
+"""benchmarks/moe.py on the CPU at tiny sizes (a smoke run: the rows and ratios are printed,
+BF16 first; no timing is asserted)."""
+
+from __future__ import annotations
+
+import re
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("transformers")
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
+
+import moe  # noqa: E402
+
+TINY = [
+    "--device", "cpu", "--hidden", "64", "--inner", "32", "--experts", "4", "--topk", "2",
+    "--tokens", "32", "--seq", "16", "--model-layers", "2", "--model-experts", "4",
+    "--model-topk", "2", "--steps", "1",
+]  # fmt: skip
+
+
+def rows(out: str) -> list[tuple[str, float]]:
+    """(row name, ratio to BF16) of every printed row."""
+    return [
+        (m.group(1).strip(), float(m.group(2)))
+        for m in re.finditer(r"^  (\S.*?)\s+[\d.]+\s+([\d.]+)x", out, re.MULTILINE)
+    ]
+
+
+def test_layer_and_model_sections_print_every_row(capsys) -> None:
+    assert moe.main([*TINY, "--recipes", "nvfp4_small,fp8_blockwise"]) == 0
+    out = capsys.readouterr().out
+    assert "MoE layer fwd+bwd: hidden 64, inner 32, 4 experts, top-2, 32 tokens" in out
+    assert "Qwen3MoeForCausalLM training step: 2 layers" in out
+    got = rows(out)
+    names = [name for name, _ in got]
+    assert names == [
+        "bf16 grouped_mm", "bf16 eager", "nvfp4_small", "fp8_blockwise",
+        "bf16 grouped_mm", "nvfp4_small", "fp8_blockwise",
+    ]  # fmt: skip
+    assert [ratio for name, ratio in got if name == "bf16 grouped_mm"] == [1.0, 1.0]
+    assert all(ratio > 0 for _, ratio in got)
+
+
+def test_mixtral_model_only(capsys) -> None:
+    assert moe.main([*TINY, "--skip-layer", "--model", "mixtral", "--recipes", "nvfp4_small"]) == 0
+    out = capsys.readouterr().out
+    assert "MoE layer" not in out and "MixtralForCausalLM training step" in out
+    assert [name for name, _ in rows(out)] == ["bf16 grouped_mm", "nvfp4_small"]
+
+
+def test_help() -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        moe.main(["--help"])
+    assert exit_info.value.code == 0
