@@ -36,6 +36,7 @@ it, and crops the result: M to a multiple of ``ROW_ALIGN`` (so A's M-major scale
 from __future__ import annotations
 
 import threading
+import weakref
 from typing import Any, NamedTuple
 
 import torch
@@ -45,6 +46,7 @@ from fp4gen.errors import FP4GenError, TensorError
 from fp4gen.formats import UE8M0, BlockFormat, ElementFormat
 from fp4gen.numerics import QuantizedTensor
 from fp4gen.numerics.gemm import require_quantized
+from fp4gen.numerics.quantize import tensor_version
 from fp4gen.runtime.checks import check_accumulate, check_bias, check_pair, one_cuda_device
 from fp4gen.runtime.epilogue import GemmProduct, finish
 
@@ -59,7 +61,29 @@ _TORCH_DTYPES = {_E4M3: torch.float8_e4m3fn, _E5M2: torch.float8_e5m2}
 
 def support(a: BlockFormat | object, b: BlockFormat | object) -> str | None:
     """None when ``scaled_mm``'s blockwise FP8 GEMM serves the operand pair (A [M, K], B [N, K],
-    both quantized along K), else why not. Pure logic on the formats."""
+    both quantized along K), else why not. Pure logic on the formats, remembered per pair of
+    format objects (asked on every call: comparing formats costs microseconds)."""
+    return _by_identity(_support_ids, a, b, _support)
+
+
+def _by_identity(memo: dict, a: object, b: object, decide) -> str | None:
+    """``decide(a, b)``, remembered in ``memo`` by the objects' identity (the entry holds them,
+    so the ids stay valid)."""
+    hit = memo.get((id(a), id(b)))
+    if hit is not None and hit[0] is a and hit[1] is b:
+        return hit[2]
+    reason = decide(a, b)
+    if len(memo) >= 256:
+        memo.clear()
+    memo[(id(a), id(b))] = (a, b, reason)
+    return reason
+
+
+_support_ids: dict[tuple[int, int], tuple[object, object, str | None]] = {}
+_cute_support_ids: dict[tuple[int, int], tuple[object, object, str | None]] = {}
+
+
+def _support(a: BlockFormat | object, b: BlockFormat | object) -> str | None:
     if not (isinstance(a, BlockFormat) and isinstance(b, BlockFormat)):
         return "an operand is kept in high precision"
     for name, fmt in (("A", a), ("B", b)):
@@ -96,7 +120,16 @@ def arch_reason(arch: str | None) -> str | None:
 
 def torch_reason() -> str | None:
     """None when this torch build has the blockwise ``scaled_mm`` (torch >= 2.10 with CUDA
-    >= 12.9), else why not."""
+    >= 12.9), else why not. Found once per process (the build does not change)."""
+    if not _torch_reason:
+        _torch_reason.append(_find_torch_reason())
+    return _torch_reason[0]
+
+
+_torch_reason: list[str | None] = []
+
+
+def _find_torch_reason() -> str | None:
     scaling = getattr(F, "ScalingType", None)
     if not hasattr(F, "scaled_mm") or not hasattr(scaling, "BlockWise128x128"):
         return f"torch {torch.__version__} has no torch.nn.functional.scaled_mm with block scaling"
@@ -190,14 +223,36 @@ class Operands:
         self.mp, self.np = round_up(self.m, ROW_ALIGN), round_up(self.n, ROW_ALIGN)
         self.kp = round_up(self.k, BLOCK)
         self.mat_a = fp8_codes(a, self.mp, self.kp)
-        self.mat_b = fp8_codes(b, self.np, self.kp).t()  # [K, N], column-major
         self.scale_a = outer_major_scales(a.scales.to(torch.float32), self.mp, _folded(a))
-        if b.format.block == (BLOCK, BLOCK):
-            self.scale_b = tile_scales(b.scales.to(torch.float32), _folded(b))
-        else:
-            self.scale_b = outer_major_scales(b.scales.to(torch.float32), self.np, _folded(b))
+        self.mat_b, self.scale_b = b_operand(b, self.np, self.kp)
         self.recipe_a = _recipe(a.format)
         self.recipe_b = _recipe(b.format)
+
+
+def b_operand(b: QuantizedTensor, rows: int, cols: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """B's codes as scaled_mm's column-major [cols, rows] and its scales in scaled_mm's layout
+    (global scale folded in), remembered per B until its codes, scales or global scale change
+    (their version counters): a weight used by several calls is converted once, the same
+    tensors and values every time."""
+    key = (b.code_version(), _version(b.scales), _version(b.global_scale), rows, cols)
+    kept = _b_operands.get(b)
+    if kept is not None and kept[0] == key:
+        return kept[1], kept[2]
+    mat_b = fp8_codes(b, rows, cols).t()  # [K, N], column-major
+    if b.format.block == (BLOCK, BLOCK):
+        scale_b = tile_scales(b.scales.to(torch.float32), _folded(b))
+    else:
+        scale_b = outer_major_scales(b.scales.to(torch.float32), rows, _folded(b))
+    _b_operands[b] = (key, mat_b, scale_b)
+    return mat_b, scale_b
+
+
+def _version(t: torch.Tensor) -> tuple[int, int]:
+    return id(t), tensor_version(t)
+
+
+# B (a QuantizedTensor, weakly held) -> (its versions, mat_b, scale_b)
+_b_operands: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 # ----------------------------------------------------------------------------------------------
@@ -314,7 +369,11 @@ def cute_support(a: BlockFormat | object, b: BlockFormat | object) -> str | None
     [N, K], both quantized along K), else why not. Pure logic on the formats: e4m3 / e5m2
     elements on either side, fp32 or ue8m0 block scales (the same kind on both), A in 1xN and
     B in 1xN or NxN blocks for one N that the FP8 wgmma K (32) divides and that divides 128 or
-    is a multiple of it (32, 64, 128, 256, ...)."""
+    is a multiple of it (32, 64, 128, 256, ...). Remembered per pair of format objects."""
+    return _by_identity(_cute_support_ids, a, b, _cute_support)
+
+
+def _cute_support(a: BlockFormat | object, b: BlockFormat | object) -> str | None:
     from fp4gen.kernels.gemm_sm90_fp8 import block_k_reason
 
     if not (isinstance(a, BlockFormat) and isinstance(b, BlockFormat)):
@@ -545,6 +604,7 @@ __all__ = [
     "ROW_ALIGN",
     "Operands",
     "arch_reason",
+    "b_operand",
     "block_scaled_gemm",
     "block_scaled_product",
     "cute_auto_reason",
