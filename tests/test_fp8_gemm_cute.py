@@ -5,13 +5,16 @@ measured table) and the host path's cached pieces (fp4gen.runtime.fp8_gemm)."""
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import re
 from pathlib import Path
+from unittest import mock
 
 import pytest
 import torch
 
+import fp4gen
 import fp4gen.gemm_dispatch as gd
 from fp4gen.dsl import load_recipe
 from fp4gen.formats import BUILTIN_FORMATS, BlockFormat, ScaleSpec
@@ -251,3 +254,85 @@ def test_shipped_fp8_recipe_pairs_are_served() -> None:
         "e4m3 1x128 x e4m3 1x128 fp32",
         "e4m3 1x32 x e4m3 1x32 ue8m0",
     }
+
+
+# ----------------------------------------------------------------------------------------------
+# The launch's arguments (the compiled kernel stood in: CPU tensors, the device said to be
+# cuda:0 on sm_90a)
+# ----------------------------------------------------------------------------------------------
+@contextlib.contextmanager
+def _cuda_stood_in(launched: list):
+    from fp4gen.compiler import jit
+
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(mock.patch.dict(jit._archs, {0: "sm_90a"}))
+        stack.enter_context(mock.patch.dict(fp8_gemm._sm_counts, {0: 132}))
+        stack.enter_context(
+            mock.patch.object(fp8_gemm, "one_cuda_device", lambda a, b, w: torch.device("cpu"))
+        )
+        stack.enter_context(mock.patch.object(fp8_gemm, "sm_count", lambda dev: 132))
+        stack.enter_context(
+            mock.patch.object(fp8_gemm, "cute_kernel", lambda params: launched.append(params))
+        )
+        yield
+
+
+def _on_cuda0(*qs) -> None:
+    for q in qs:
+        q.__dict__["device"] = torch.device("cuda", 0)  # a cached property
+
+
+@pytest.mark.parametrize(
+    "fa, fb", [(ROW, TILE), (MXFP8, MXFP8), (fp8(E5M2, (1, 64)), fp8(E4M3, (64, 64)))]
+)
+def test_launch_arguments(fa, fb) -> None:
+    from fp4gen.numerics import quantize
+
+    g = torch.Generator().manual_seed(0)
+    m, n, k = 40, 200, 300  # K not a whole number of blocks: zero codes appended
+    a = quantize(torch.randn(m, k, generator=g), fa)
+    b = quantize(torch.randn(n, k, generator=g), fb)
+    _on_cuda0(a, b)
+    bias = torch.randn(n, generator=g).to(torch.bfloat16)
+    launched: list = []
+    with _cuda_stood_in(launched):
+        fn, args, product = fp8_gemm.cute_launch(a, b, out_dtype=torch.bfloat16, bias=bias)
+    params = launched[0]
+    block_k = fa.block[1]
+    kp = -(-k // block_k) * block_k
+    codes_a, sf_a, codes_b, sf_b, ga, gb, c, bias_arg, ctas = args
+    assert codes_a.shape == (m, kp) and codes_b.shape == (n, kp)
+    assert codes_a.dtype == (torch.float8_e4m3fn if fa.element == E4M3 else torch.float8_e5m2)
+    assert torch.equal(codes_a.view(torch.uint8)[:, :k], a.codes)
+    assert (codes_a.view(torch.uint8)[:, k:] == 0).all()  # zero codes add exactly 0
+    if params.scale_kind == "fp32":
+        assert sf_a is a.scales and sf_b is b.scales  # as the quantize kernels wrote them
+    else:  # ue8m0 codes, rows padded to whole 4-byte words
+        kb = -(-k // block_k)
+        assert sf_a.dtype == torch.uint8 and sf_a.shape == (m, -(-kb // 4) * 4)
+        assert torch.equal(sf_a[:, :kb], a.scale_codes)
+    assert ga.shape == (1,) and gb.shape == (1,) and ga.dtype == torch.float32
+    assert c.shape == (m, n) and c.dtype == torch.bfloat16  # bf16 straight from the kernel
+    assert bias_arg.dtype == torch.float32 and torch.equal(bias_arg, bias.float())
+    assert ctas == 132
+    assert params.bias and not params.accumulate and params.b_2d == fb.is_2d
+    assert product.c is c and product.scaled and product.bias and not product.accumulated
+
+
+def test_accumulate_is_a_copy_the_kernel_overwrites() -> None:
+    from fp4gen.numerics import quantize
+
+    g = torch.Generator().manual_seed(1)
+    a = quantize(torch.randn(16, 256, generator=g), ROW)
+    b = quantize(torch.randn(32, 256, generator=g), ROW)
+    _on_cuda0(a, b)
+    acc = torch.randn(16, 32, generator=g).to(torch.bfloat16)
+    launched: list = []
+    with _cuda_stood_in(launched):
+        _, args, product = fp8_gemm.cute_launch(a, b, out_dtype=torch.bfloat16, accumulate=acc)
+    c = args[6]
+    assert c.dtype == torch.float32 and c.data_ptr() != acc.data_ptr()
+    assert torch.equal(c, acc.float()) and product.accumulated
+    assert launched[0].accumulate and launched[0].out == "fp32"  # the epilogue rounds once
+    with _cuda_stood_in(launched), pytest.raises(fp4gen.errors.TensorError, match="bias"):
+        fp8_gemm.cute_launch(a, b, bias=torch.zeros(5))

@@ -532,6 +532,24 @@ def cute_block_scaled_product(
 
     Raises TensorError for operands that cannot be multiplied and FP4GenError where the kernel
     does not serve them (formats, arch): the caller's cue to take another path."""
+    fn, args, product = cute_launch(a, b, out_dtype=out_dtype, bias=bias, accumulate=accumulate)
+    fn(*args)
+    return product
+
+
+def cute_launch(
+    a: QuantizedTensor,
+    b: QuantizedTensor,
+    *,
+    out_dtype: torch.dtype = torch.float32,
+    bias: torch.Tensor | None = None,
+    accumulate: torch.Tensor | None = None,
+) -> tuple[Any, list, GemmProduct]:
+    """``cute_block_scaled_product`` up to the launch: (the compiled kernel, its arguments,
+    the product it will have written). The arguments, in the kernel's order: A's codes
+    [M, Kp] and scales, B's codes [N, Kp] and scales (Kp = K rounded up to whole K-blocks,
+    zero codes appended), S_a and S_b as fp32 [1], C [M, N] (an fp32 copy of ``accumulate``
+    when given), the bias as fp32 [N] when given, the GPU's SM count (the persistent grid)."""
     require_quantized(a, b)
     check_pair(a, b)
     dev = one_cuda_device(a, b, "generated FP8 GEMM")
@@ -541,7 +559,7 @@ def cute_block_scaled_product(
     if reason is None:
         from fp4gen.compiler.jit import detect_arch
 
-        arch = detect_arch(dev)
+        arch = detect_arch(a.device)
         if arch not in CUTE_ARCHS:
             reason = f"no generated FP8 GEMM for {arch} (FP8 wgmma: sm_90a only)"
     if reason is not None:
@@ -571,8 +589,8 @@ def cute_block_scaled_product(
     if bias is not None:
         args.append(bias.detach().to(device=dev, dtype=torch.float32).contiguous())
     args.append(sm_count(dev))
-    cute_kernel(plan.params)(*args)
-    return GemmProduct(c, scaled=True, bias=bias is not None, accumulated=accumulate is not None)
+    product = GemmProduct(c, scaled=True, bias=bias is not None, accumulated=accumulate is not None)
+    return cute_kernel(plan.params), args, product
 
 
 def _global(q: QuantizedTensor, device: torch.device) -> torch.Tensor:
@@ -609,6 +627,7 @@ __all__ = [
     "block_scaled_product",
     "cute_auto_reason",
     "cute_block_scaled_product",
+    "cute_launch",
     "cute_support",
     "describe",
     "fp8_codes",
