@@ -1,8 +1,9 @@
 """TFLOP/s of the GEMM paths on block-scaled operands (Hopper): fp4gen.gemm (auto), the fused
-kernel, the block-scaled FP8 scaled_mm, cuBLAS BF16 and dequantize + cuBLAS.
+kernel, the block-scaled FP8 scaled_mm and generated FP8 kernel, cuBLAS BF16 and dequantize +
+cuBLAS.
 
     python benchmarks/gemm.py [--shapes 8192x8192x8192,16x8192x8192]
-                              [--formats nvfp4,mxfp4,fp8_blockwise,mxfp8]
+                              [--formats nvfp4,mxfp4,fp8_blockwise,mxfp8,fp8_e5m2_e4m3]
                               [--tiles small,mid] [--no-dequant] [--host-detail] [--log FILE]
     python benchmarks/gemm.py --shapes 16x8192x8192 --profile 5   # for ncu / nsys
 
@@ -29,6 +30,12 @@ Per shape MxNxK and format, C = A @ B^T with A [M, K] and B [N, K]:
                         wgrad pair): torch.nn.functional.scaled_mm alone on operands converted
                         beforehand (fp4gen.runtime.fp8_gemm.Operands), bf16 out, and
                         fp4gen.gemm(backend="block_scaled") end to end (with the conversion)
+  generated FP8 kernel  the same pairs, MXFP8's and those scaled_mm refuses (fp8_e5m2_e4m3: an
+                        e5m2 A; fp8_1x64, fp8_1x256: 1x64 / 1x256 A and 64x64 / 256x256 B
+                        blocks) on the generated block-scaled FP8 kernel
+                        (fp4gen.kernels.gemm_sm90_fp8): alone (compiled function, arguments made
+                        beforehand) and fp4gen.gemm(backend="cute") end to end; timed in turns
+                        with the scaled_mm lines, then the host time of each
   fp4gen.gemm auto      end to end (dispatch, checks, launch), bf16 out; A is a fresh
                         QuantizedTensor every call (as an activation: the small-M kernels read
                         its codes as they are, the wgmma kernels pack them per call), B the same
@@ -74,12 +81,19 @@ ONE = {"e4m3": 0x38, "ue8m0": 127}  # the scale code of 1.0
 FP8_BLOCK = BlockFormat(
     "fp8_block", BUILTIN_FORMATS["mxfp8_e4m3"].element, (1, 128), ScaleSpec(None)
 )
+FP8_E5M2_BLOCK = BlockFormat(
+    "fp8_e5m2_block", BUILTIN_FORMATS["mxfp8_e5m2"].element, (1, 128), ScaleSpec(None)
+)
 FORMATS = {
     "nvfp4": (BUILTIN_FORMATS["nvfp4"], BUILTIN_FORMATS["nvfp4"].with_block((16, 16))),
     "mxfp4": (BUILTIN_FORMATS["mxfp4"], BUILTIN_FORMATS["mxfp4"]),
     "mxfp8": (BUILTIN_FORMATS["mxfp8_e4m3"], BUILTIN_FORMATS["mxfp8_e4m3"]),
     "fp8_blockwise": (FP8_BLOCK, FP8_BLOCK.with_block((128, 128))),
     "fp8_blockwise_1d": (FP8_BLOCK, FP8_BLOCK),
+    # pairs scaled_mm does not take, for the generated FP8 kernel (backend="cute")
+    "fp8_e5m2_e4m3": (FP8_E5M2_BLOCK, FP8_BLOCK.with_block((128, 128))),
+    "fp8_1x64": (FP8_BLOCK.with_block((1, 64)), FP8_BLOCK.with_block((64, 64))),
+    "fp8_1x256": (FP8_BLOCK.with_block((1, 256)), FP8_BLOCK.with_block((256, 256))),
 }
 
 
@@ -104,8 +118,9 @@ def operand(rows: int, k: int, fmt, g: torch.Generator) -> QuantizedTensor:
     """Random codes (no NaN), block scales 1.0, S_dec = 1."""
     bits = fmt.element.bits
     codes = torch.randint(0, 1 << bits, (rows, k), generator=g, device="cuda", dtype=torch.uint8)
-    if bits == 8:  # e4m3's NaN codes are 0x7f and 0xff (e5m2 is not benchmarked here)
-        codes = torch.where((codes & 0x7F) == 0x7F, torch.zeros_like(codes), codes)
+    if bits == 8:  # no NaN (or Inf) codes: e4m3's are 0x7f and 0xff, e5m2's exponent 31
+        special = 0x7C if fmt.element.exp_bits == 5 else 0x7F
+        codes = torch.where((codes & special) == special, torch.zeros_like(codes), codes)
     br, bc = fmt.block
     blocks = (-(-rows // min(br, rows)), -(-k // min(bc, k)))
     if fmt.scale.element is None:  # fp32 block scales
@@ -213,8 +228,13 @@ def run_shape(
         line("dequant, B per call", bench(dequant_fresh_b, iters), {"cuBLAS": t_cublas})
         dequant_kernel_lines(sets, n, k, tag, out, units)
 
-    if fp8_gemm.support(fa, fb) is None and torch.cuda.get_device_capability() == (9, 0):
-        block_scaled_lines(sets, nset, iters, line, ref)
+    def host_line(name: str, seconds: float) -> None:
+        text = f"{tag}: {name:<28} {seconds * 1e6:9.1f} us per call"
+        print(text, flush=True)
+        out.append(text)
+
+    if torch.cuda.get_device_capability() == (9, 0):
+        fp8_lines(fa, fb, sets, nset, iters, line, ref, host_line)
 
     picked = None  # (fn, args) of the tile fp4gen.gemm picks
     if torch.cuda.get_device_capability() == (9, 0) and fused_support(fa, fb) is None:
@@ -242,11 +262,6 @@ def run_shape(
     t_auto = bench(auto, iters)
     line(f"fp4gen.gemm auto ({choice.backend})", t_auto, ref)
 
-    def host_line(name: str, seconds: float) -> None:
-        text = f"{tag}: {name:<28} {seconds * 1e6:9.1f} us per call"
-        print(text, flush=True)
-        out.append(text)
-
     host_line("host time of fp4gen.gemm", host_time(auto, iters))
     if host_detail and picked is not None:
         host_steps(sets[0], picked, iters, host_line)
@@ -255,38 +270,66 @@ def run_shape(
     torch.cuda.empty_cache()
 
 
-def block_scaled_lines(sets, nset: int, iters: int, line, ref: dict[str, float]) -> None:
-    """scaled_mm alone on converted operands, and fp4gen.gemm(backend="block_scaled")."""
+def fp8_lines(fa, fb, sets, nset: int, iters: int, line, ref: dict[str, float], host_line):
+    """The block-scaled FP8 GEMMs of the pair, bf16 out: scaled_mm alone on operands converted
+    beforehand (fp4gen.runtime.fp8_gemm.Operands) and fp4gen.gemm(backend="block_scaled") end
+    to end, where scaled_mm takes the pair; the generated FP8 kernel alone (its compiled
+    function on arguments made beforehand, fp8_gemm.cute_launch) and fp4gen.gemm(
+    backend="cute") end to end, where the kernel takes it. Timed in turns, best of each, then
+    each one's host time per call."""
     import torch.nn.functional as F
 
-    ops = [fp8_gemm.Operands(a, b) for a, b in sets]
+    methods = {}
+    if fp8_gemm.support(fa, fb) is None:
+        ops = [fp8_gemm.Operands(a, b) for a, b in sets]
 
-    def alone(i: int = 0):
-        o = ops[i % nset]
-        return F.scaled_mm(
-            o.mat_a,
-            o.mat_b,
-            o.scale_a,
-            o.recipe_a,
-            o.scale_b,
-            o.recipe_b,
-            output_dtype=torch.bfloat16,
-            use_fast_accum=False,
-        )
+        def scaled_mm_alone(i: int = 0):
+            o = ops[i % nset]
+            return F.scaled_mm(
+                o.mat_a,
+                o.mat_b,
+                o.scale_a,
+                o.recipe_a,
+                o.scale_b,
+                o.recipe_b,
+                output_dtype=torch.bfloat16,
+                use_fast_accum=False,
+            )
 
-    def end_to_end(i: int = 0):
-        a, b = sets[i % nset]
-        return fp4gen.gemm(a, b, out_dtype=torch.bfloat16, backend="block_scaled")
+        def block_scaled(i: int = 0):
+            a, b = sets[i % nset]
+            return fp4gen.gemm(a, b, out_dtype=torch.bfloat16, backend="block_scaled")
 
+        methods["block-scaled scaled_mm alone"] = scaled_mm_alone
+        methods["fp4gen.gemm block_scaled"] = block_scaled
+    if fp8_gemm.cute_support(fa, fb) is None:
+        t0 = time.perf_counter()
+        launches = [
+            fp8_gemm.cute_launch(a, b, out_dtype=torch.bfloat16)[:2] for a, b in sets
+        ]  # the first compiles the kernel
+        print(f"generated FP8 kernel ready in {time.perf_counter() - t0:.1f} s", flush=True)
+
+        def cute_alone(i: int = 0):
+            fn, args = launches[i % nset]
+            fn(*args)
+
+        def cute(i: int = 0):
+            a, b = sets[i % nset]
+            return fp4gen.gemm(a, b, out_dtype=torch.bfloat16, backend="cute")
+
+        methods["generated FP8 kernel alone"] = cute_alone
+        methods["fp4gen.gemm cute (FP8)"] = cute
     # timed in turns, best of each: at 8192^3 the FP8 tensor cores draw enough power for the
     # clock to fall from one timing to the next, which one after the other would charge to
     # whichever ran second
-    times: dict[str, float] = {"alone": math.inf, "end to end": math.inf}
+    times = dict.fromkeys(methods, math.inf)
     for _ in range(3):
-        times["alone"] = min(times["alone"], bench(alone, iters))
-        times["end to end"] = min(times["end to end"], bench(end_to_end, iters))
-    line("block-scaled scaled_mm alone", times["alone"], ref)
-    line("fp4gen.gemm block_scaled", times["end to end"], ref)
+        for name, fn in methods.items():
+            times[name] = min(times[name], bench(fn, iters))
+    for name in methods:
+        line(name, times[name], ref)
+    for name, fn in methods.items():
+        host_line(f"host: {name}", host_time(fn, iters))
 
 
 def dequant_kernel_lines(
