@@ -47,6 +47,10 @@ Bytes: for NVFP4 16x16 a rank sends 0.5 bytes per element for the codes, 1/256 f
 tile scales and 4 for the global scale, against 2 per element in BF16 (about 3.97x fewer) and 4
 in fp32 (about 7.9x fewer).
 
+Experts (``fp4gen.runtime.experts.GroupedExperts``): FSDP2 shards their 3-D parameters along
+dim 0, the experts, and all-gathers them in high precision (``param_dtype``) before the experts'
+GEMMs quantize each expert's slice; ``enable_quantized_all_gather`` says so once per module.
+
 Limits: the gathered weight is read only by ``fp4gen.nn.Linear`` in eager mode (not under
 torch.compile, which would have to trace the subclass); telemetry records no fprop or dgrad
 weight error for a gathered weight (its high-precision values are not on the rank).
@@ -76,6 +80,9 @@ log = logging.getLogger("fp4gen.runtime")
 _log_once = LogOnce(log, "FSDP2 all-gathers a weight in high precision: %s")
 
 aten = torch.ops.aten
+EXPERTS_REASON = (
+    "an experts module's 3-D weights (the quantized all-gather covers fp4gen.nn.Linear weights)"
+)
 
 
 @dataclass(frozen=True)
@@ -128,9 +135,20 @@ def enable_quantized_all_gather(model: nn.Module) -> list[GatherPlan]:
     """Give every ``fp4gen.nn.Linear`` of ``model`` the quantized weight all-gather, before
     ``fully_shard``: its weight becomes a ``ShardedWeight`` parameter around the same tensor (no
     copy). Layers where it is not exact keep the high-precision all-gather, said once when
-    FSDP2 first gathers them. Returns each layer's plan, in module order."""
+    FSDP2 first gathers them. An experts module (``GroupedExperts``) keeps it too, said once
+    now: FSDP2 shards and gathers its 3-D parameters as they are. Returns each layer's plan
+    (an experts module's among them), in module order."""
+    from fp4gen.runtime.experts import GroupedExperts  # imports this module's Linear too
+
     plans = []
     for module in model.modules():
+        if isinstance(module, GroupedExperts):
+            # FSDP2 shards its 3-D parameters along the experts and gathers them as they are
+            name = module.name or "GroupedExperts"
+            plan = GatherPlan(name, None, f"{name}: {EXPERTS_REASON}")
+            _log_once(plan.reason)
+            plans.append(plan)
+            continue
         if not isinstance(module, Linear):
             continue
         weight = module.weight
