@@ -159,8 +159,29 @@ class WgradInput:
         return QuantizedTensor.join(tensors, self.layout)
 
 
+# The layers keep their id in ``_op_id``. torch.compile specializes an nn.Module's int
+# attributes: every layer's id would be a constant of its graph, so the blocks of a model
+# compiled block by block (as torchtitan compiles them) would each compile once more, and with
+# fullgraph=True the ninth block fails on dynamo's recompile limit. Listed as a dynamic source
+# (this pattern only), the id is a graph input: one graph serves every block of one shape.
+OP_ID_SOURCE = r".*\._op_id$"
+
+
+def _op_ids_dynamic() -> None:
+    """Add ``OP_ID_SOURCE`` to ``torch.compiler.config.dynamic_sources`` (kept as the user set
+    it otherwise); a torch without that setting recompiles per block (docs/compile.md)."""
+    config = getattr(torch.compiler, "config", None)
+    current = getattr(config, "dynamic_sources", None)
+    if not isinstance(current, str):
+        return
+    entries = [e.strip() for e in current.split(",") if e.strip()]
+    if OP_ID_SOURCE not in entries:
+        config.dynamic_sources = ",".join([*entries, OP_ID_SOURCE])  # type: ignore[union-attr]
+
+
 def register(layer: Any) -> int:
     """Give a layer an id the ops can find it by (held weakly)."""
+    _op_ids_dynamic()
     layer_id = next(_ids)
     _layers[layer_id] = layer
     return layer_id

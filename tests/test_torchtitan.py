@@ -1,0 +1,258 @@
+"""fp4gen as a torchtitan (0.3) model converter: torchtitan's Llama 3 debug model converted with
+a recipe through its converter protocol, built on the meta device, parallelized by torchtitan's
+own ``parallelize_llama`` (FSDP2 on a one-rank gloo group, selective activation checkpointing,
+per-block torch.compile) and trained a few steps on the CPU, with the precision schedule driven
+by the optimizer step hook. The GPU test runs the same with CUDA, inductor and flex attention.
+
+CPU only: torchtitan's flex attention has no backward on the CPU, so the CPU tests swap the
+blocks' inner attention for torchtitan's ``ScaledDotProductAttention`` (causal); everything
+else is the debug model as torchtitan builds it.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+
+import pytest
+import torch
+
+pytest.importorskip("torchtitan.models.llama3", reason="needs torchtitan 0.3 (.[torchtitan])")
+
+from torchtitan.models.common.attention import (  # noqa: E402
+    FlexAttention,
+    ScaledDotProductAttention,
+)
+from torchtitan.models.common.linear import Linear as TitanLinear  # noqa: E402
+from torchtitan.models.llama3 import model_registry  # noqa: E402
+
+import fp4gen  # noqa: E402
+from fp4gen.errors import FP4GenError, RecipeError  # noqa: E402
+from fp4gen.integrations.torchtitan import (  # noqa: E402
+    FP4GenConverter,
+    FP4GenLinear,
+    layer_rules,
+    optimizer_steps,
+    step_hook,
+)
+
+CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+VOCAB = 2048  # the debug model's
+BLOCKS = 6
+
+
+def debug_spec(converter: FP4GenConverter.Config | None, cpu_attention: bool = True):
+    spec = model_registry("debugmodel", converters=None if converter is None else [converter])
+    if cpu_attention:
+        for _, _, parent, attr in list(spec.model.traverse(FlexAttention.Config)):
+            setattr(parent, attr, ScaledDotProductAttention.Config())
+    return spec
+
+
+def materialize(model: torch.nn.Module, device: str, seed: int = 0) -> torch.nn.Module:
+    model.to_empty(device=device)
+    torch.manual_seed(seed)
+    with torch.no_grad():
+        model.init_weights(buffer_device=None)
+    return model.train()
+
+
+def build(spec) -> torch.nn.Module:
+    with torch.device("meta"):
+        model = spec.model.build()
+    model.verify_module_protocol()  # what torchtitan's trainer checks after the converters
+    return model
+
+
+def kinds(model: torch.nn.Module) -> dict[str, str]:
+    linears = (TitanLinear, FP4GenLinear)
+    return {n: type(m).__name__ for n, m in model.named_modules() if isinstance(m, linears)}
+
+
+def test_converter_swaps_the_linear_configs_the_recipe_converts() -> None:
+    """nvfp4_small keeps the last block and the head in BF16: blocks 0-4's five linear layers
+    (fused qkv, wo, w1, w2, w3) become FP4GenLinear with the recipe's operand table, block 5
+    and lm_head stay torchtitan's Linear; seeds are seed + the layer's index."""
+    converter = FP4GenConverter.Config(recipe="nvfp4_small", seed=7)
+    model = build(debug_spec(converter))
+    got = kinds(model)
+    converted = {n for n, k in got.items() if k == "FP4GenLinear"}
+    assert converted == {
+        f"layers.{b}.{name}"
+        for b in range(BLOCKS - 1)
+        for name in (
+            "attention.qkv_linear.wqkv",
+            "attention.wo",
+            "feed_forward.w1",
+            "feed_forward.w2",
+            "feed_forward.w3",
+        )
+    }
+    assert got["lm_head"] == got["layers.5.attention.wo"] == "Linear"
+    recipe = fp4gen.load_recipe("nvfp4_small")
+    layer = model.get_submodule("layers.0.attention.wo")
+    assert isinstance(layer, FP4GenLinear) and isinstance(layer, fp4gen.nn.Linear)
+    assert layer.operands == recipe.operands
+    assert layer.converted_by == "nvfp4_small"
+    assert layer.name == "layers.0.attention.wo"
+    # torchtitan's traverse order: lm_head is layer 0, then block 0's wqkv, wo, ...
+    assert layer.seed == 7 + 2
+    assert layer.weight.device.type == "meta"  # built on meta: torchtitan initializes later
+    # one clock per conversion: set_step reaches every layer through the model
+    fp4gen.set_step(model, 5, 10)
+    assert {m.schedule.clock.step for m in model.modules() if isinstance(m, FP4GenLinear)} == {5}
+
+
+def test_job_config_layer_rules_replace_the_recipes() -> None:
+    converter = FP4GenConverter.Config(
+        recipe="nvfp4_small", layers=["first 2 blocks : bf16", 'match "lm_head" : mxfp8_e4m3']
+    )
+    got = kinds(build(debug_spec(converter)))
+    assert got["layers.1.feed_forward.w2"] == "Linear"  # first 2 blocks: bf16
+    assert got["layers.2.feed_forward.w2"] == "FP4GenLinear"
+    assert got["layers.5.feed_forward.w2"] == "FP4GenLinear"  # the recipe's last-block rule went
+    assert got["lm_head"] == "FP4GenLinear"
+    model = build(debug_spec(converter))
+    head = model.get_submodule("lm_head")
+    assert {spec.format.name for _, spec in head.operands.items()} == {"mxfp8_e4m3"}
+
+
+def test_a_bad_layer_rule_names_its_index() -> None:
+    recipe = fp4gen.load_recipe("nvfp4_small")
+    with pytest.raises(RecipeError, match=r"layers\[1\] 'frist 2 blocks : bf16'.*unknown keyword"):
+        layer_rules(recipe, ["last 1 blocks : bf16", "frist 2 blocks : bf16"])
+
+
+def test_tensor_parallelism_is_refused() -> None:
+    model = build(debug_spec(FP4GenConverter.Config(recipe="nvfp4_small")))
+
+    class TwoWayTP:
+        tp = 2
+
+    layer = model.get_submodule("layers.0.attention.wo")
+    with pytest.raises(FP4GenError, match="tensor parallelism"):
+        layer.parallelize(TwoWayTP())
+
+
+def test_step_hook_follows_the_optimizer_and_a_resumed_run() -> None:
+    model = materialize(build(debug_spec(FP4GenConverter.Config(recipe="nvfp4_small"))), "cpu")
+    layer = model.get_submodule("layers.0.attention.wo")
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    post_build = step_hook(total_steps=40)
+    post_build(optimizer, [model], None)
+    assert (layer.schedule.clock.step, layer.schedule.clock.total_steps) == (0, 40)
+    tokens = torch.randint(0, VOCAB, (1, 16))
+    for step in range(2):
+        model(tokens).float().mean().backward()
+        assert layer.schedule.clock.step == step  # the forward ran at this step
+        optimizer.step()
+        optimizer.zero_grad()
+    assert layer.schedule.clock.step == 2 == optimizer_steps(optimizer)
+    # a resumed run: a new hook on an optimizer that has taken 2 steps reads them at the first
+    # forward (torchtitan loads the checkpoint after post_optimizer_build_fn)
+    resumed = step_hook(total_steps=40)
+    resumed(optimizer, [model], None)
+    assert layer.schedule.clock.step == 0
+    model(tokens)
+    assert layer.schedule.clock.step == 2
+    assert not model._forward_pre_hooks  # each first-forward hook removed itself
+
+
+def rendezvous() -> None:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0", WORLD_SIZE="1")
+    os.environ["LOCAL_RANK"] = "0"
+
+
+def train_parallelized(device: str, steps: int, backend: str, cpu_attention: bool) -> list:
+    """torchtitan's parallelize_llama on a one-rank group (FSDP2, selective AC, per-block
+    compile with ``backend``), the debug model converted with nvfp4_small; ``steps`` AdamW
+    steps on random tokens. Returns the losses and the converted model."""
+    import torch.distributed as dist
+    import torchtitan.distributed.parallel_dims as titan_dims
+    from torchtitan.config import CompileConfig, ParallelismConfig, TrainingConfig
+    from torchtitan.distributed import ParallelDims
+    from torchtitan.distributed.activation_checkpoint import SelectiveAC
+
+    rendezvous()
+    dist.init_process_group("gloo" if device == "cpu" else "nccl")
+    try:
+        spec = debug_spec(FP4GenConverter.Config(recipe="nvfp4_small"), cpu_attention)
+        training = TrainingConfig(local_batch_size=2, seq_len=32, steps=steps)
+        if device == "cpu":
+            titan_dims.device_type = "cpu"  # torchtitan builds its meshes on its device type
+            training.mixed_precision_param = "float32"  # no bf16 autocast-free GEMMs on CPU
+        parallelism = ParallelismConfig()
+        dims = ParallelDims(
+            dp_replicate=1, dp_shard=1, cp=1, tp=1, pp=1, ep=1, world_size=1,
+            spmd_backend=parallelism.spmd_backend,
+        )  # fmt: skip
+        dims.build_mesh()
+        model = build(spec)
+        model = spec.parallelize_fn(
+            model,
+            parallel_dims=dims,
+            training=training,
+            parallelism=parallelism,
+            compile_config=CompileConfig(enable=True, components=["model"], backend=backend),
+            ac_config=SelectiveAC.Config(),
+            dump_folder="",
+        )
+        model = materialize(model, device)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        post_build = step_hook(total_steps=steps)
+        post_build(optimizer, [model], dims)
+        tokens = torch.randint(0, VOCAB, (2, 33), generator=torch.Generator().manual_seed(1))
+        tokens = tokens.to(device)
+        losses = []
+        torch._dynamo.utils.counters.clear()
+        for _ in range(steps):
+            logits = model(tokens[:, :-1])
+            loss = torch.nn.functional.cross_entropy(
+                logits.flatten(0, 1).float(), tokens[:, 1:].flatten()
+            )
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            losses.append(loss.item())
+        graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+        return [losses, model, post_build.hook, graphs]
+    finally:
+        dist.destroy_process_group()
+        torch._dynamo.reset()
+
+
+@pytest.mark.slow
+def test_debug_model_trains_under_fsdp2_ac_and_compile_on_cpu() -> None:
+    """torchtitan's own parallelize_llama (FSDP2 on one gloo rank, selective AC, each block
+    compiled with fullgraph=True by the aot_eager backend: traced through fp4gen's custom ops)
+    and 3 AdamW steps: the loss falls, the schedule's clock is at step 3, the converted layers
+    are fp4gen's and ran. The six blocks compile into at most three graphs (five converted
+    blocks share one: their layers' ids are graph inputs, not constants; the BF16 block has
+    its own; one recompile when fp4gen's non-finite mode is first read): one graph per block
+    would hit dynamo's recompile limit at the ninth block under fullgraph=True."""
+    losses, model, hook, graphs = train_parallelized("cpu", 3, "aot_eager", cpu_attention=True)
+    assert losses[-1] < losses[0], losses
+    assert all(torch.isfinite(torch.tensor(losses)))
+    assert hook.step == 3
+    layers = [m for m in model.modules() if isinstance(m, FP4GenLinear)]
+    assert len(layers) == 25
+    assert all(m.schedule.clock.step == 3 for m in layers)
+    assert all(m._forward_calls > 0 for m in layers)
+    assert graphs <= 3, graphs
+
+
+@pytest.mark.gpu
+@CUDA
+def test_debug_model_trains_under_fsdp2_ac_and_compile_on_gpu() -> None:
+    """The GPU run: torchtitan's parallelize_llama on one GPU (FSDP2 with bf16 parameters,
+    selective AC, inductor per block) and flex attention, the debug model converted with
+    nvfp4_small, 10 AdamW steps: finite losses that fall, the schedule at step 10."""
+    losses, model, hook, graphs = train_parallelized("cuda", 10, "inductor", cpu_attention=False)
+    assert all(torch.isfinite(torch.tensor(losses))), losses
+    assert losses[-1] < losses[0], losses
+    assert hook.step == 10
+    assert sum(isinstance(m, FP4GenLinear) for m in model.modules()) == 25
+    assert graphs <= 3, graphs
