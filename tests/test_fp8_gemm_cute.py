@@ -139,6 +139,11 @@ def test_plan_is_kept_and_says_what_the_kernel_writes() -> None:
     assert fp16.kernel_out == torch.float32 and not fp16.params.b_2d
     mx = fp8_gemm.cute_plan(MXFP8, MXFP8, torch.float32, False, False)
     assert mx.ue8m0 and mx.block_k == 32 and mx.params.scale_kind == "ue8m0"
+    assert not plan.params.overlap
+    with mock.patch.object(fp8_gemm, "CUTE_OVERLAP", True):
+        assert fp8_gemm.cute_plan(ROW, TILE, torch.bfloat16, False, False).params.overlap
+        wide = fp8(E4M3, (1, 512))  # two K-blocks of 4 stages each do not fit in 6
+        assert not fp8_gemm.cute_plan(wide, wide, torch.bfloat16, False, False).params.overlap
     # an equal format that is another object gets its own entry (lookups are by identity)
     twin = BlockFormat("fp8_block", E4M3, (1, 128), ScaleSpec(None))
     assert fp8_gemm.cute_plan(twin, TILE, torch.bfloat16, False, False) is not plan
@@ -177,6 +182,7 @@ def test_params_refuse_what_the_kernel_cannot_do() -> None:
         ({"a_element": "e2m1"}, "a_element must be one of"),
         ({"tile_n": 48}, "tile_n must be a multiple of 32"),
         ({"out": "fp16"}, "out must be one of"),
+        ({"block_k": 512, "overlap": True}, "overlap holds two K-blocks of 4 stages"),
     ):
         with pytest.raises(ValueError, match=words):
             GemmSm90Fp8Params(**{**good, **change})
@@ -219,7 +225,11 @@ def test_kernels_cross_compile_to_fp8_wgmma(tmp_path: Path, monkeypatch) -> None
         ("e4m3", "e5m2", "fp32", 64, True, "fp32", False, False),
         ("e4m3", "e4m3", "fp32", 256, False, "bf16", False, True),
     ]
-    for a_el, b_el, kind, block_k, b_2d, out, bias, accumulate in cases:
+    cases = [(*case, False) for case in cases]
+    # the overlapped variant (two partial accumulators) of the fp8_blockwise fprop pair and of
+    # 1x256 blocks (two k-tiles per K-block)
+    cases += [(*cases[0][:-1], True), (*cases[-1][:-1], True)]
+    for a_el, b_el, kind, block_k, b_2d, out, bias, accumulate, overlap in cases:
         params = GemmSm90Fp8Params(
             a_element=a_el,
             b_element=b_el,
@@ -229,6 +239,7 @@ def test_kernels_cross_compile_to_fp8_wgmma(tmp_path: Path, monkeypatch) -> None
             out=out,
             bias=bias,
             accumulate=accumulate,
+            overlap=overlap,
         )
         dump = tmp_path / params.name
         compile_fp8_gemm(params, "sm_90a", dump_dir=str(dump))
@@ -236,7 +247,11 @@ def test_kernels_cross_compile_to_fp8_wgmma(tmp_path: Path, monkeypatch) -> None
         wgmma = set(re.findall(r"wgmma\.mma_async\.sync\.aligned\.(\S+?) ", ptx))
         # m64 n128 k32 wgmma, A's element first
         assert wgmma == {f"m64n128k32.f32.{a_el}.{b_el}"}, (params.name, wgmma)
-        assert ptx.count("wgmma.mma_async") == block_k // 32, params.name  # one K-block
+        # one K-block's wgmma per issue site: one site, or three with overlap (the first
+        # block, the loop's two halves; and the odd block left at the end)
+        sites = 4 if overlap else 1
+        assert ptx.count("wgmma.mma_async") == sites * block_k // 32, params.name
+        assert ("wgmma.wait_group.sync.aligned \t1;" in ptx) == overlap
         assert "setmaxnreg.inc.sync.aligned.u32 \t232" in ptx
         assert "cp.async.bulk.tensor.2d" in ptx  # TMA of the codes
         assert ".local" not in ptx, f"{params.name} uses local memory"

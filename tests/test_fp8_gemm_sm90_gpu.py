@@ -31,6 +31,7 @@ from fp4gen.numerics import (
     gemm_block_scaled_reference,
     quantize,
 )
+from fp4gen.runtime import fp8_gemm
 
 pytestmark = [
     pytest.mark.gpu,
@@ -117,10 +118,17 @@ def check_within(got, ref, limit, what: str) -> None:
     assert (err <= limit).all(), f"{what}: error exceeds the bound by x{worst:.3g}"
 
 
+@pytest.fixture(params=[False, True], ids=["one_partial", "overlap"])
+def overlap(request, monkeypatch) -> bool:
+    """Each kernel variant: one partial accumulator, or two (fp8_gemm.CUTE_OVERLAP)."""
+    monkeypatch.setattr(fp8_gemm, "CUTE_OVERLAP", request.param)
+    return request.param
+
+
 @pytest.mark.parametrize("pair", list(PAIRS))
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
 @pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float32])
-def test_exact_on_integer_inputs(pair, shape, out_dtype) -> None:
+def test_exact_on_integer_inputs(pair, shape, out_dtype, overlap) -> None:
     m, n, k = shape
     fa, fb = PAIRS[pair]
     g = torch.Generator().manual_seed(m * 7 + n * 13 + k)
@@ -132,7 +140,7 @@ def test_exact_on_integer_inputs(pair, shape, out_dtype) -> None:
 
 
 @pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float32, torch.float16])
-def test_bias_and_accumulate_exact(out_dtype) -> None:
+def test_bias_and_accumulate_exact(out_dtype, overlap) -> None:
     """y = C + bias + accumulate in fp32, one rounding: integer bias and accumulator keep it
     exact (the kernel adds both in fp32, as the reference's order)."""
     m, n, k = 130, 272, 640
@@ -164,7 +172,7 @@ def test_global_scales_are_applied() -> None:
 
 @pytest.mark.parametrize("pair", list(PAIRS))
 @pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float32])
-def test_random_data_within_the_bound(pair, out_dtype) -> None:
+def test_random_data_within_the_bound(pair, out_dtype, overlap) -> None:
     """Gaussian data quantized by the reference quantizer, outliers included: within the
     block-scaled bound of the oracle."""
     fa, fb = PAIRS[pair]

@@ -105,6 +105,10 @@ class GemmSm90Fp8Params:
     tile_n: int = 128
     stages: int = 0  # 0: as many as shared memory holds
     group_m: int = 8  # M-tiles per raster group
+    # two partial accumulators: K-block b's wgmma run while block b - 1 is promoted (three
+    # accumulators of tile_n / 2 registers each; off: one, the tensor cores idle during the
+    # promotion unless the other warpgroup fills them)
+    overlap: bool = False
 
     def __post_init__(self) -> None:
         reason = block_k_reason(self.block_k)
@@ -120,6 +124,12 @@ class GemmSm90Fp8Params:
             reason = reason or f"tile_m must be 128 (two warpgroups of 64 rows), got {self.tile_m}"
         if self.tile_n % 32 or not 32 <= self.tile_n <= 192:
             reason = reason or f"tile_n must be a multiple of 32 in [32, 192], got {self.tile_n}"
+        if reason is None and self.overlap and self.num_stages < 2 * self.ktiles_per_block:
+            # two K-blocks in flight hold their stages until promoted: fewer would deadlock
+            reason = (
+                f"overlap holds two K-blocks of {self.ktiles_per_block} stages; "
+                f"{self.num_stages} stages are too few"
+            )
         if reason is not None:
             raise ValueError(f"GemmSm90Fp8Params: {reason}")
 
@@ -158,6 +168,7 @@ class GemmSm90Fp8Params:
         """A short name of the specialization (cache keys, logs)."""
         b = f"{self.block_k}x{self.block_k}" if self.b_2d else f"1x{self.block_k}"
         extra = ("_bias" if self.bias else "") + ("_acc" if self.accumulate else "")
+        extra += "_overlap" if self.overlap else ""
         return (
             f"fp8gemm_{self.a_element}_1x{self.block_k}_{self.b_element}_{b}_{self.scale_kind}"
             f"_{self.out}{extra}_m{self.tile_m}n{self.tile_n}s{self.num_stages}"
@@ -270,14 +281,20 @@ class GemmSm90Fp8Kernel:
         p = self.p
         stages = p.num_stages
         tiler = (p.tile_m, p.tile_n, p.tile_k)
-        tiled_mma = sm90_utils.make_trivial_tiled_mma(
-            self.a_dtype,
-            self.b_dtype,
-            cute.nvgpu.OperandMajorMode.K,
-            cute.nvgpu.OperandMajorMode.K,
-            Float32,
-            (self.MMA_WARPGROUPS, 1, 1),
-            tiler_mn=(64, p.tile_n),
+        # two copies of one wgmma: one overwrites its accumulator (a K-block's first k-step),
+        # one adds to it; each field set once, outside the loops (a field set inside a loop
+        # region cannot be used in another)
+        tiled_mma, mma_add = (
+            sm90_utils.make_trivial_tiled_mma(
+                self.a_dtype,
+                self.b_dtype,
+                cute.nvgpu.OperandMajorMode.K,
+                cute.nvgpu.OperandMajorMode.K,
+                Float32,
+                (self.MMA_WARPGROUPS, 1, 1),
+                tiler_mn=(64, p.tile_n),
+            )
+            for _ in range(2)
         )
         sA_layout = sm90_utils.make_smem_layout_a(LayoutEnum.ROW_MAJOR, tiler, self.a_dtype, stages)
         sB_layout = sm90_utils.make_smem_layout_b(LayoutEnum.ROW_MAJOR, tiler, self.b_dtype, stages)
@@ -319,6 +336,7 @@ class GemmSm90Fp8Kernel:
             mC,
             mBias,
             tiled_mma,
+            mma_add,
             sA_layout,
             sB_layout,
         ).launch(
@@ -357,6 +375,7 @@ class GemmSm90Fp8Kernel:
         mC: cute.Tensor,
         mBias: cute.Tensor | None,
         tiled_mma: cute.TiledMma,
+        mma_add: cute.TiledMma,
         sA_layout: cute.ComposedLayout,
         sB_layout: cute.ComposedLayout,
     ):
@@ -468,6 +487,9 @@ class GemmSm90Fp8Kernel:
         # ============================================================== MMA warpgroups
         if wg_idx < self.MMA_WARPGROUPS:
             cute.arch.setmaxregister_increase(self.MMA_REGS)
+            tiled_mma.set(warpgroup.Field.ACCUMULATE, False)
+            mma_add.set(warpgroup.Field.ACCUMULATE, True)
+            mmas = (tiled_mma, mma_add)
             thr_wg = tiled_mma.get_slice(wg_idx * 128)
             tCrA = tiled_mma.make_fragment_A(thr_wg.partition_A(sA))
             tCrB = tiled_mma.make_fragment_B(thr_wg.partition_B(sB))
@@ -475,6 +497,9 @@ class GemmSm90Fp8Kernel:
             tCcC = tiled_mma.get_slice(tidx).partition_C(cC)
             total = cute.make_rmem_tensor(tCcC.shape, Float32)
             partial = cute.make_rmem_tensor(tCcC.shape, Float32)
+            parts = [partial]
+            if const_expr(p.overlap):
+                parts.append(cute.make_rmem_tensor(tCcC.shape, Float32))
             num_kk = cute.size(tCrA, mode=[2])  # wgmma k-steps per k-tile
             # the accumulator of m64 n{tile_n}: element v0 + 2 v1 + 4 j holds row r0 + 8 v1,
             # column c_j + v0 (c_j = 2 (lane % 4) + 8 j), as tCcC says
@@ -490,7 +515,26 @@ class GemmSm90Fp8Kernel:
                 m0 = m_tile * p.tile_m
                 n0 = n_tile * p.tile_n
                 total.fill(0.0)
-                for blk in cutlass.range(k_blocks, unroll=1):
+                if const_expr(p.overlap):
+                    ks = (full, empty, sf_base, lane, i * k_tiles, row0, row1, cols)
+                    # block b into parts[b % 2] while block b - 1 is promoted
+                    self.issue_block(mmas, parts[0], tCrA, tCrB, ks, 0)
+                    for q in cutlass.range((k_blocks - 1) // 2, unroll=1):
+                        for h in range_constexpr(2):
+                            blk = 1 + 2 * q + h
+                            self.issue_block(mmas, parts[1 - h], tCrA, tCrB, ks, blk)
+                            warpgroup.wait_group(1)  # block blk - 1 done
+                            self.finish_block(total, parts[h], ks, blk - 1)
+                    if k_blocks % 2 == 0:  # an odd block left: it goes to parts[1]
+                        self.issue_block(mmas, parts[1], tCrA, tCrB, ks, k_blocks - 1)
+                        warpgroup.wait_group(1)
+                        self.finish_block(total, parts[0], ks, k_blocks - 2)
+                        warpgroup.wait_group(0)
+                        self.finish_block(total, parts[1], ks, k_blocks - 1)
+                    else:
+                        warpgroup.wait_group(0)
+                        self.finish_block(total, parts[0], ks, k_blocks - 1)
+                for blk in cutlass.range(0 if const_expr(p.overlap) else k_blocks, unroll=1):
                     for sub in range_constexpr(kpb):
                         s_lin = i * k_tiles + blk * kpb + sub
                         st = s_lin % stages
@@ -498,9 +542,8 @@ class GemmSm90Fp8Kernel:
                         warpgroup.fence()
                         for kk in range_constexpr(num_kk):
                             # the block's first wgmma overwrites the partial sum
-                            tiled_mma.set(warpgroup.Field.ACCUMULATE, sub > 0 or kk > 0)
                             cute.gemm(
-                                tiled_mma,
+                                mmas[int(sub > 0 or kk > 0)],
                                 partial,
                                 tCrA[(None, None, kk, st)],
                                 tCrB[(None, None, kk, st)],
@@ -522,6 +565,37 @@ class GemmSm90Fp8Kernel:
                     gn = n0 + nn
                     if (gm < M) & (gn < N):
                         self.store_output(mC, mBias, gm, gn, total[e] * alpha)
+
+    @cute.jit
+    def issue_block(self, mmas, acc, tCrA, tCrB, ks, blk):
+        """The wgmma of K-block ``blk`` into ``acc`` (its first one overwrites it), one commit
+        group; its stages stay held until ``finish_block``."""
+        p = self.p
+        full, _, _, _, tile_stage0, _, _, _ = ks
+        for sub in range_constexpr(p.ktiles_per_block):
+            s_lin = tile_stage0 + blk * p.ktiles_per_block + sub
+            st = s_lin % p.num_stages
+            cute.arch.mbarrier_wait(full + st, (s_lin // p.num_stages) & 1)
+            warpgroup.fence()
+            for kk in range_constexpr(p.tile_k // 32):
+                mma = mmas[int(sub > 0 or kk > 0)]  # the block's first overwrites acc
+                cute.gemm(mma, acc, tCrA[(None, None, kk, st)], tCrB[(None, None, kk, st)], acc)
+        warpgroup.commit_group()
+
+    @cute.jit
+    def finish_block(self, total, acc, ks, blk):
+        """K-block ``blk``'s wgmma are done: its scales from its last stage, its stages
+        released, ``acc`` promoted into ``total``."""
+        p = self.p
+        _, empty, sf_base, lane, tile_stage0, row0, row1, cols = ks
+        last = tile_stage0 + blk * p.ktiles_per_block + p.ktiles_per_block - 1
+        st_last = last % p.num_stages
+        sa, sb = self.block_scales(sf_base + st_last * p.sf_stage_bytes, blk, row0, row1, cols)
+        if lane == 0:
+            for sub in range_constexpr(p.ktiles_per_block):
+                st = (last - sub) % p.num_stages
+                cute.arch.mbarrier_arrive(empty + st)
+        self.promote(total, acc, sa, sb)
 
     @cute.jit
     def block_scales(self, base: Int32, kb, row0, row1, cols: list):

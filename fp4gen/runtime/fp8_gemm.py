@@ -362,6 +362,10 @@ _ELEMENT_NAMES = {_E4M3: "e4m3", _E5M2: "e5m2"}
 # the same run). Empty until measured: auto keeps scaled_mm (and the exact path for the pairs
 # scaled_mm does not serve) for every pair.
 CUTE_AUTO_MIN_M: dict[str, int] = {}
+# The kernel variant calls take: K-block b's wgmma overlapped with block b - 1's promotion
+# (GemmSm90Fp8Params.overlap), where the K-block's stages allow it. Off until measured faster
+# (benchmarks/gemm.py times both variants alone).
+CUTE_OVERLAP = False
 
 
 def cute_support(a: BlockFormat | object, b: BlockFormat | object) -> str | None:
@@ -466,13 +470,14 @@ def cute_plan(
     a: BlockFormat, b: BlockFormat, out_dtype: torch.dtype, bias: bool, accumulate: bool
 ) -> CutePlan:
     """The plan of a supported pair (``cute_support``), looked up by the formats' identity."""
-    key = (id(a), id(b), out_dtype, bias, accumulate)
+    key = (id(a), id(b), out_dtype, bias, accumulate, CUTE_OVERLAP)
     hit = _cute_plans.get(key)
     if hit is not None and hit[0] is a and hit[1] is b:
         return hit[2]
-    from fp4gen.kernels.gemm_sm90_fp8 import GemmSm90Fp8Params
+    from fp4gen.kernels.gemm_sm90_fp8 import MAX_TILE_K, GemmSm90Fp8Params
 
     kernel_out = torch.bfloat16 if out_dtype == torch.bfloat16 and not accumulate else torch.float32
+    block_k = a.block[1]
     params = GemmSm90Fp8Params(
         a_element=_ELEMENT_NAMES[a.element],
         b_element=_ELEMENT_NAMES[b.element],
@@ -482,6 +487,7 @@ def cute_plan(
         out="bf16" if kernel_out == torch.bfloat16 else "fp32",
         bias=bias,
         accumulate=accumulate,
+        overlap=CUTE_OVERLAP and block_k <= 3 * MAX_TILE_K,  # two blocks' stages fit
     )
     plan = CutePlan(params, a.block[1], params.scale_kind == "ue8m0", kernel_out)
     if len(_cute_plans) >= 256:
