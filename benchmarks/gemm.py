@@ -35,7 +35,8 @@ Per shape MxNxK and format, C = A @ B^T with A [M, K] and B [N, K]:
                         blocks) on the generated block-scaled FP8 kernel
                         (fp4gen.kernels.gemm_sm90_fp8): alone (compiled function, arguments made
                         beforehand) and fp4gen.gemm(backend="cute") end to end; timed in turns
-                        with the scaled_mm lines, then the host time of each
+                        with the scaled_mm lines, then the host time of each; the kernel's other
+                        variant alone too (overlapped promotion on / off: fp8_gemm.CUTE_OVERLAP)
   fp4gen.gemm auto      end to end (dispatch, checks, launch), bf16 out; A is a fresh
                         QuantizedTensor every call (as an activation: the small-M kernels read
                         its codes as they are, the wgmma kernels pack them per call), B the same
@@ -319,6 +320,19 @@ def fp8_lines(fa, fb, sets, nset: int, iters: int, line, ref: dict[str, float], 
 
         methods["generated FP8 kernel alone"] = cute_alone
         methods["fp4gen.gemm cute (FP8)"] = cute
+        params = fp8_gemm.cute_plan(fa, fb, torch.bfloat16, False, False).params
+        variant = dataclasses.replace(params, overlap=not params.overlap)
+        try:  # the other variant of the kernel: overlapped promotion on or off
+            other = fp8_gemm.cute_kernel(variant)
+        except (ValueError, fp4gen.errors.FP4GenError) as err:
+            print(f"no {variant.name}: {err}", flush=True)
+        else:
+
+            def cute_other(i: int = 0, fn=other):
+                fn(*launches[i % nset][1])
+
+            label = "overlap" if variant.overlap else "one partial"
+            methods[f"generated FP8 kernel, {label}"] = cute_other
     # timed in turns, best of each: at 8192^3 the FP8 tensor cores draw enough power for the
     # clock to fall from one timing to the next, which one after the other would charge to
     # whichever ran second
