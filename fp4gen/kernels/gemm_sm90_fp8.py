@@ -251,9 +251,9 @@ class GemmSm90Fp8Kernel:
     @cute.jit
     def __call__(
         self,
-        mA: cute.Tensor,  # fp8 [M, K]
+        mA: cute.Tensor,  # uint8 [M, K]: FP8 codes
         mSFA: cute.Tensor,  # fp32 [M, KB] or uint8 [M, KB padded to 4]
-        mB: cute.Tensor,  # fp8 [N, K]
+        mB: cute.Tensor,  # uint8 [N, K]: FP8 codes
         mSFB: cute.Tensor,  # [N or ceil(N / block_k), KB (padded)]
         mGA: cute.Tensor,  # fp32 [1] S_a
         mGB: cute.Tensor,  # fp32 [1] S_b
@@ -277,8 +277,11 @@ class GemmSm90Fp8Kernel:
         max_ctas: Int32,
         stream: cuda.CUstream,
     ):
-        """The TMA atoms, shared-memory layouts and the persistent grid."""
+        """The TMA atoms, shared-memory layouts and the persistent grid. The codes come as
+        uint8 tensors (what every fp4gen kernel takes) and are read as their FP8 type."""
         p = self.p
+        mA = cute.make_tensor(cute.recast_ptr(mA.iterator, dtype=self.a_dtype), mA.layout)
+        mB = cute.make_tensor(cute.recast_ptr(mB.iterator, dtype=self.b_dtype), mB.layout)
         stages = p.num_stages
         tiler = (p.tile_m, p.tile_n, p.tile_k)
         # two copies of one wgmma: one overwrites its accumulator (a K-block's first k-step),
@@ -695,9 +698,9 @@ def compile_fp8_gemm(
     kb_b = cute.sym_int(divisibility=sf_div)
     cls = GemmSm90Fp8BiasKernel if params.bias else GemmSm90Fp8Kernel
     args = [
-        fake(ELEMENTS[params.a_element], (m, k), stride_order=(1, 0), assumed_align=16),
+        fake(Uint8, (m, k), stride_order=(1, 0), assumed_align=16),  # A's FP8 codes
         fake(sf_t, (m, kb_a), stride_order=(1, 0), assumed_align=4),
-        fake(ELEMENTS[params.b_element], (n, k), stride_order=(1, 0), assumed_align=16),
+        fake(Uint8, (n, k), stride_order=(1, 0), assumed_align=16),  # B's FP8 codes
         fake(sf_t, (cute.sym_int(), kb_b), stride_order=(1, 0), assumed_align=4),
         fake(Float32, (1,), assumed_align=4),
         fake(Float32, (1,), assumed_align=4),

@@ -554,8 +554,9 @@ def cute_launch(
     """``cute_block_scaled_product`` up to the launch: (the compiled kernel, its arguments,
     the product it will have written). The arguments, in the kernel's order: A's codes
     [M, Kp] and scales, B's codes [N, Kp] and scales (Kp = K rounded up to whole K-blocks,
-    zero codes appended), S_a and S_b as fp32 [1], C [M, N] (an fp32 copy of ``accumulate``
-    when given), the bias as fp32 [N] when given, the GPU's SM count (the persistent grid)."""
+    zero codes appended; uint8, read as FP8), S_a and S_b as fp32 [1], C [M, N] (an fp32
+    copy of ``accumulate`` when given), the bias as fp32 [N] when given, the GPU's SM count
+    (the persistent grid)."""
     require_quantized(a, b)
     check_pair(a, b)
     dev = one_cuda_device(a, b, "generated FP8 GEMM")
@@ -578,9 +579,9 @@ def cute_launch(
     plan = cute_plan(a.format, b.format, out_dtype, bias is not None, accumulate is not None)
     kp = round_up(k, plan.block_k)  # whole K-blocks: zero codes add exactly 0
     args = [
-        fp8_codes(a, m, kp),
+        fp8_codes(a, m, kp).view(torch.uint8),  # read as FP8 by the kernel
         cute_scales(a, plan.ue8m0),
-        fp8_codes(b, n, kp),
+        fp8_codes(b, n, kp).view(torch.uint8),
         cute_scales(b, plan.ue8m0),
         _global(a, dev),
         _global(b, dev),
