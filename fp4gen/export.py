@@ -26,7 +26,14 @@ scale per row and K block, so a 2D (16x16 or 32x32) weight quantization is writt
 tile scale repeated over the tile's rows: each element keeps its code and its scale, so it
 decodes to the same value bit for bit (``import_quantized`` checks nothing else is needed).
 
-``import_quantized`` reads such a folder back into a state_dict of dequantized weights.
+The experts of a Mixtral or Qwen3-MoE model (one module of 3-D parameters in transformers 5)
+are written per expert in the layout of the family's hub checkpoints, each expert's gate, up and
+down projection a layer of the checkpoint's format (``EXPERTS_HUB``, ``experts_export``; gate and
+up share the fused slice's global scale). Experts without such a layout (gpt-oss) are written as
+3-D tensors in high precision and listed in exclude_modules.
+
+``import_quantized`` reads such a folder back into a state_dict of dequantized weights (the
+experts' 3-D parameters put back together).
 """
 
 from __future__ import annotations
@@ -206,6 +213,86 @@ class ExportReport:
         return render_table(["module", "written as", "why"], [list(row) for row in self.layers])
 
 
+@dataclass(frozen=True)
+class ExpertsLayout:
+    """How an experts module of a known MoE family goes into a checkpoint: per expert, 2-D
+    ``<prefix>.<e>.<gate|up|down>`` layers (the layout of the family's Hugging Face hub
+    checkpoints, which transformers 5 fuses on load and inference engines read), the module's
+    MoE block renamed where the hub names it otherwise (Mixtral's ``block_sparse_moe``)."""
+
+    module: str  # the experts module's name in the model (``model.layers.0.mlp.experts``)
+    count: int
+    names: tuple[str, str, str]  # the per-expert gate, up and down projections
+    prefix: str  # the per-expert layers' prefix in the checkpoint
+    block: tuple[str, str] | None  # (the MoE block's name in the model, in the checkpoint)
+    inner: int  # I: the gate's and the up projection's out features
+
+    def layer(self, expert: int, proj: int) -> str:
+        return f"{self.prefix}.{expert}.{self.names[proj]}"
+
+    def layers(self) -> list[str]:
+        return [self.layer(e, p) for e in range(self.count) for p in range(3)]
+
+    def key(self, key: str) -> str:
+        """A state_dict key as the checkpoint names it (inside the renamed block or not)."""
+        if self.block is not None and key.startswith(self.block[0] + "."):
+            return self.block[1] + key[len(self.block[0]) :]
+        return key
+
+    def described(self) -> dict[str, Any]:
+        """What ``import_quantized`` needs to put the 3-D tensors back together."""
+        return {
+            "module": self.module,
+            "experts": self.count,
+            "names": list(self.names),
+            "prefix": self.prefix,
+            "block": None if self.block is None else list(self.block),
+        }
+
+
+# The experts classes whose hub checkpoints hold per-expert 2-D projections (transformers'
+# conversion_mapping.py merges them into gate_up_proj = cat(gate, up) and down_proj on load):
+# class -> (gate, up, down names, the MoE block's hub name where it differs from the model's).
+# gpt-oss is not among them: its hub checkpoints hold 3-D experts tensors (interleaved gate and
+# up, biases; MXFP4 in a blocks-and-scales layout of its own).
+EXPERTS_HUB: dict[str, tuple[tuple[str, str, str], str | None]] = {
+    "MixtralExperts": (("w1", "w3", "w2"), "block_sparse_moe"),
+    "Qwen2MoeExperts": (("gate_proj", "up_proj", "down_proj"), None),
+    "Qwen3MoeExperts": (("gate_proj", "up_proj", "down_proj"), None),
+}
+
+
+def experts_export(name: str, module: nn.Module) -> ExpertsLayout | str:
+    """The checkpoint layout of the experts module ``name`` (a ``GroupedExperts`` or the
+    transformers module it replaces), or why it has none."""
+    from fp4gen.runtime.experts import experts_layout
+
+    source = getattr(module, "source", module)
+    kind = type(source).__name__
+    layout = getattr(module, "layout", None) or experts_layout(module)
+    if isinstance(layout, str) or layout is None:
+        return f"{kind}: not a grouped-experts module ({layout})"
+    hub = EXPERTS_HUB.get(kind)
+    if kind == "GptOssExperts":
+        return (
+            "gpt-oss checkpoints hold 3-D experts tensors (interleaved gate and up, biases; "
+            "MXFP4 in blocks and scales of their own)"
+        )
+    if hub is None:
+        return f"{kind}: no per-expert checkpoint layout is known for its family"
+    if layout.transposed or layout.bias or not layout.gated:
+        return f"{kind}: its layout is not the [E, 2I, H] / [E, H, I] one of its family"
+    names, block_name = hub
+    parent, _, leaf = name.rpartition(".")
+    block = None
+    if block_name is not None and parent:
+        grand, _, old = parent.rpartition(".")
+        if old != block_name:
+            block = (parent, f"{grand}.{block_name}" if grand else block_name)
+    prefix = f"{block[1] if block else parent}.{leaf}" if parent else leaf
+    return ExpertsLayout(name, layout.num_experts, names, prefix, block, layout.inner)
+
+
 @dataclass
 class _Layer:
     name: str
@@ -214,6 +301,11 @@ class _Layer:
     reason: str
     algo: str | None = None  # None: written in high precision
     spec: OperandSpec | None = None
+    experts: ExpertsLayout | None = None  # an experts module written per expert
+
+    def names(self) -> list[str]:
+        """The checkpoint's layer names this layer is written as."""
+        return [self.name] if self.experts is None else self.experts.layers()
 
 
 def parse_size(size: int | str) -> int:
@@ -357,19 +449,16 @@ def _decisions(
     )
 
 
-def _layers(decisions: list[LayerDecision], state: dict[str, torch.Tensor]) -> list[_Layer]:
+def _layers(
+    decisions: list[LayerDecision],
+    state: dict[str, torch.Tensor],
+    modules: Mapping[str, nn.Module] | None = None,
+) -> list[_Layer]:
     layers = []
     for d in decisions:
         weight = state.get(f"{d.name}.weight")
         if d.experts and weight is None:
-            # a grouped-experts module (3-D parameters): no quantized checkpoint layout is
-            # written for it yet, so it goes out in high precision and is listed in
-            # exclude_modules, never left for an inference engine to read as quantized
-            reason = (
-                f"{d.experts} experts: written in high precision (no quantized experts "
-                f"checkpoint layout yet; trained as {d.precision})"
-            )
-            layers.append(_Layer(d.name, torch.empty(0), False, reason))
+            layers.append(_experts_layer(d, state, None if modules is None else modules[d.name]))
             continue
         if weight is None or weight.dim() != 2:
             continue  # nothing this layout can hold (no weight in its state_dict)
@@ -390,6 +479,75 @@ def _layers(decisions: list[LayerDecision], state: dict[str, torch.Tensor]) -> l
                 layer.algo = None
         layers.append(layer)
     return layers
+
+
+def _experts_layer(
+    d: LayerDecision, state: dict[str, torch.Tensor], module: nn.Module | None
+) -> _Layer:
+    """An experts module's layer: written per expert in its family's checkpoint layout
+    (``experts_export``), quantized as its fprop weight operand where the recipe quantizes it;
+    else (no known layout) its 3-D tensors in high precision under their own keys, listed in
+    exclude_modules so that no engine reads them as quantized."""
+    found = "no model" if module is None else experts_export(d.name, module)
+    if isinstance(found, str):
+        reason = (
+            f"{d.experts} experts: written in high precision as 3-D tensors ({found}; "
+            f"trained as {d.precision})"
+        )
+        return _Layer(d.name, torch.empty(0), False, reason)
+    layer = _Layer(d.name, torch.empty(0), False, f"{d.precision} ({d.reason})", experts=found)
+    if d.kept:
+        layer.reason = f"{d.precision} ({d.reason}); per expert as {found.prefix}.<e>.*"
+        return layer
+    assert d.table is not None
+    layer.spec = d.table.fprop_weight
+    layer.algo = export_algo(layer.spec, d.name)
+    where = f"per expert as {found.prefix}.<e>.{{{','.join(found.names)}}}"
+    if layer.algo is None:
+        layer.reason = f"fprop weight in {layer.spec.format.name} ({d.reason}); {where}"
+        return layer
+    hidden = state[f"{d.name}.down_proj"].shape[1]
+    group = GROUP_SIZE[layer.algo]
+    bad = [k for k in (hidden, found.inner) if k % group]
+    if bad:
+        layer.reason = f"K={bad[0]} is not a multiple of the {layer.algo} group size {group}"
+        layer.algo = None
+        return layer
+    layer.reason = f"{d.precision} ({d.reason}); {where}, gate and up share a global scale"
+    return layer
+
+
+def _experts_tensors(
+    layer: _Layer, key: str, value: torch.Tensor, seed: int, dtype: torch.dtype | None
+) -> dict[str, torch.Tensor]:
+    """The per-expert checkpoint tensors of one of an experts module's 3-D parameters
+    (``gate_up_proj`` [E, 2I, H] or ``down_proj`` [E, H, I]): each expert's slice quantized as
+    its fprop GEMM quantizes it (the fused gate and up slice in one, so both halves keep the
+    codes, block scales and global scale of training) and split into gate and up rows; or the
+    slices in ``dtype`` where the layer is kept."""
+    lay = layer.experts
+    assert lay is not None
+    fused = key.endswith(".gate_up_proj")
+    out: dict[str, torch.Tensor] = {}
+    for e in range(lay.count):
+        w = value[e]
+        if layer.algo is None:
+            t = w.detach().cpu()
+            if dtype is not None:
+                t = t.to(dtype)
+            parts = {"weight": t.contiguous()}
+        else:
+            one = _Layer(f"{layer.name}[{e}]", w, False, "", layer.algo, layer.spec)
+            parts = {k.rpartition(".")[2]: t for k, t in _quantized_tensors(one, seed).items()}
+        if not fused:
+            out.update({f"{lay.layer(e, 2)}.{k}": t for k, t in parts.items()})
+            continue
+        for proj, rows in ((0, slice(0, lay.inner)), (1, slice(lay.inner, 2 * lay.inner))):
+            for k, t in parts.items():
+                # the global scale (a scalar) belongs to both halves; the rest is split by row
+                piece = t if t.dim() == 0 else t[rows]
+                out[f"{lay.layer(e, proj)}.{k}"] = piece.clone().contiguous()
+    return out
 
 
 def _quantized_tensors(layer: _Layer, seed: int) -> dict[str, torch.Tensor]:
@@ -590,7 +748,8 @@ def export_quantized(
     check_out_dir(out, overwrite, None, config_files)
     max_bytes = parse_size(max_shard_size)
     decisions, state = _decisions(model, recipe)
-    layers = _layers(decisions, state)
+    modules = dict(model.named_modules()) if isinstance(model, nn.Module) else None
+    layers = _layers(decisions, state, modules)
     quantized = [layer for layer in layers if layer.algo is not None]
     if not quantized:
         raise ExportError(
@@ -602,16 +761,31 @@ def export_quantized(
     if calibration is not None:
         if not isinstance(model, nn.Module):
             raise ExportError("calibration needs a model to run: a state_dict has no forward")
-        nvfp4 = [layer.name for layer in quantized if layer.algo == "NVFP4"]
+        # an experts module's inputs are its tokens per expert, which no hook sees: its
+        # layers stay weight-only (W4A16_NVFP4)
+        nvfp4 = [
+            layer.name for layer in quantized if layer.algo == "NVFP4" and layer.experts is None
+        ]
         amax = _calibrate(model, nvfp4, calibration) if nvfp4 else {}
         input_scales = {name: _global_decode_scale(a) for name, a in amax.items()}
 
     # every tensor in state_dict order; a quantized layer's weight replaced by its tensors
-    by_weight = {f"{layer.name}.weight": layer for layer in quantized}
+    by_weight = {f"{layer.name}.weight": layer for layer in quantized if layer.experts is None}
+    experts = [layer for layer in layers if layer.experts is not None]
+    by_expert_key = {
+        f"{layer.name}.{p}": layer for layer in experts for p in ("gate_up_proj", "down_proj")
+    }
     tensors: dict[str, torch.Tensor] = {}
     seen: set[int] = set()
     for key, value in state.items():
+        expert_layer = by_expert_key.get(key)
+        if expert_layer is not None:
+            tensors.update(_experts_tensors(expert_layer, key, value, seed, dtype))
+            continue
         layer = by_weight.get(key)
+        for moe in experts:  # a key inside a renamed MoE block (Mixtral's router)
+            assert moe.experts is not None
+            key = moe.experts.key(key)
         if layer is not None:
             tensors.update(_quantized_tensors(layer, seed))
             if layer.name in input_scales:
@@ -630,7 +804,7 @@ def export_quantized(
         seen.add(t.untyped_storage().data_ptr())
         tensors[key] = t
 
-    algos = {layer.name: layer.algo for layer in quantized if layer.algo is not None}
+    algos = {name: layer.algo for layer in quantized for name in layer.names() if layer.algo}
     distinct = sorted(set(algos.values()))
     quant_algo = distinct[0] if len(distinct) == 1 else "MIXED_PRECISION"
     # what the configs say per layer: an NVFP4 layer without an input_scale is weight-only,
@@ -641,7 +815,15 @@ def export_quantized(
     }
     distinct_config = sorted(set(config_algos.values()))
     config_algo = distinct_config[0] if len(distinct_config) == 1 else "MIXED_PRECISION"
-    excluded = [layer.name for layer in layers if layer.algo is None]
+    excluded = [name for layer in layers if layer.algo is None for name in layer.names()]
+    # the routers of the MoE blocks written per expert (a 2-D ``gate.weight``, never
+    # quantized): named, as Model Optimizer names them, so no loader quantizes them
+    excluded += [
+        moe.experts.key(router)
+        for moe in experts
+        if moe.experts is not None
+        and f"{(router := moe.name.rpartition('.')[0] + '.gate')}.weight" in state
+    ]
     section: dict[str, Any] = {"quant_algo": config_algo}
     if config_algo == "MIXED_PRECISION":
         section["quantized_layers"] = {
@@ -657,8 +839,13 @@ def export_quantized(
     producer = {"name": "fp4gen", "version": __version__}
     quant_config: dict[str, Any] = {"producer": producer, "quantization": section}
     conv1d = [layer.name for layer in quantized if layer.conv1d]
+    ours: dict[str, Any] = {}
     if conv1d:
-        quant_config["fp4gen"] = {"transposed_conv1d": conv1d}
+        ours["transposed_conv1d"] = conv1d
+    if experts:
+        ours["experts"] = [layer.experts.described() for layer in experts if layer.experts]
+    if ours:
+        quant_config["fp4gen"] = ours
 
     files = OutputFiles(out, overwrite=overwrite)
     old = sorted({p.name for pat in _WEIGHT_FILES for p in out.glob(pat)}) if out.is_dir() else []
@@ -675,8 +862,8 @@ def export_quantized(
 
     rows = tuple(
         (
-            f"{layer.name} (Conv1D)" if layer.conv1d else layer.name,
-            _written_as(layer, dtype, config_algos.get(layer.name)),
+            _row_name(layer),
+            _written_as(layer, dtype, config_algos.get(layer.names()[0])),
             layer.reason,
         )
         for layer in layers
@@ -692,6 +879,14 @@ def export_quantized(
         config_algo,
         engine_note(config_algo),
     )
+
+
+def _row_name(layer: _Layer) -> str:
+    if layer.conv1d:
+        return f"{layer.name} (Conv1D)"
+    if layer.experts is not None:
+        return f"{layer.name} ({layer.experts.count} experts)"
+    return layer.name
 
 
 def _written_as(layer: _Layer, dtype: torch.dtype | None, config_algo: str | None) -> str:
@@ -1088,7 +1283,41 @@ def import_quantized(path: str | Path, *, dtype: torch.dtype | None = None) -> Q
         for suffix in ("weight_scale", "weight_scale_2", "input_scale"):
             out.pop(f"{name}.{suffix}", None)
         out[f"{name}.weight"] = values if dtype is None else values.to(dtype)
+    for described in config.get("fp4gen", {}).get("experts", ()):
+        out = _fused_experts(out, described, f"{config_path}")
     return QuantizedCheckpoint(out, config)
+
+
+def _fused_experts(
+    tensors: dict[str, torch.Tensor], described: Mapping[str, Any], where: str
+) -> dict[str, torch.Tensor]:
+    """The state_dict with one experts module's per-expert 2-D weights put back into the 3-D
+    parameters the model holds (``gate_up_proj`` = cat(gate, up) [E, 2I, H], ``down_proj``
+    [E, H, I]) under the model's names (the MoE block renamed back)."""
+    try:
+        module, count = str(described["module"]), int(described["experts"])
+        names, prefix = [str(n) for n in described["names"]], str(described["prefix"])
+        block = described["block"]
+    except (KeyError, TypeError, ValueError) as err:
+        raise ExportError(f"{where}: a malformed fp4gen.experts entry ({err})") from None
+    lay = ExpertsLayout(module, count, (names[0], names[1], names[2]), prefix, None, 0)
+    gate_up, down = [], []
+    for e in range(count):
+        try:
+            gate, up, dn = (tensors.pop(f"{lay.layer(e, p)}.weight") for p in range(3))
+        except KeyError as err:
+            raise ExportError(f"{where}: expert tensor {err} is missing") from None
+        gate_up.append(torch.cat([gate, up]))
+        down.append(dn)
+    out = {}
+    back = None if block is None else (str(block[1]), str(block[0]))
+    for key, value in tensors.items():
+        if back is not None and key.startswith(back[0] + "."):
+            key = back[1] + key[len(back[0]) :]
+        out[key] = value
+    out[f"{module}.gate_up_proj"] = torch.stack(gate_up)
+    out[f"{module}.down_proj"] = torch.stack(down)
+    return out
 
 
 load_quantized = import_quantized

@@ -1,0 +1,163 @@
+"""Export of MoE checkpoints (fp4gen.export): a converted Mixtral's or Qwen3-MoE's experts are
+written per expert in the layout of the family's Hugging Face hub checkpoints, which inference
+engines load (Mixtral ``block_sparse_moe.experts.<e>.w1/w3/w2``, Qwen3-MoE
+``mlp.experts.<e>.gate_proj/up_proj/down_proj``; transformers 5 fuses them on load), each a
+quantized layer of Model Optimizer's NVFP4 (or the OCP MX) layout; gate and up share the fused
+projection's global scale. ``import_quantized`` puts the 3-D parameters back together: the round
+trip gives each expert's fprop weight operand bit for bit, and the state_dict loads into the
+model. vLLM's fused-MoE ModelOpt loader is restated as in tests/test_export_loaders.py."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+pytest.importorskip("safetensors")
+transformers = pytest.importorskip("transformers")
+from safetensors.torch import load_file  # noqa: E402
+
+import fp4gen  # noqa: E402
+from fp4gen.dsl import parse_recipe  # noqa: E402
+from fp4gen.dsl.model import Operand  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from test_export_loaders import vllm_tensors  # noqa: E402
+from test_moe import build, experts_of  # noqa: E402
+
+# family -> (the MoE block's name in the checkpoint, per-expert gate, up and down names): the
+# ckpt_gate_proj_name / ckpt_up_proj_name / ckpt_down_proj_name vLLM's models give
+# FusedMoE.make_expert_params_mapping (mixtral.py: w1, w3, w2; qwen3_moe.py: gate_proj,
+# up_proj, down_proj)
+HUB = {
+    "mixtral": ("block_sparse_moe", ("w1", "w3", "w2")),
+    "qwen3_moe": ("mlp", ("gate_proj", "up_proj", "down_proj")),
+}
+
+
+def exported(arch: str, tmp_path: Path, recipe: str = "nvfp4_no_bf16", **kw) -> tuple:
+    model = build(arch)
+    fp4gen.convert(model, recipe if "{" not in recipe else parse_recipe(recipe, base_dir=None))
+    out = tmp_path / arch
+    report = fp4gen.export_quantized(model, out, **kw)
+    return model, out, report, load_file(str(out / "model.safetensors"))
+
+
+def fprop_weights(module, proj: int) -> list[torch.Tensor]:
+    """Each expert's fprop weight operand of projection ``proj`` as training quantizes it (the
+    expert's GEMM layer, round-to-nearest), dequantized in fp32."""
+    lay = module.layout
+    weight = getattr(module, lay.weights[proj])
+    out = []
+    for e in range(lay.num_experts):
+        layer = module.gemms[e][proj]
+        spec = layer.operands.fprop_weight
+        q = layer.quantize(weight[e].detach(), Operand.FPROP_WEIGHT, spec, 0)
+        out.append(q.dequantize())
+    return out
+
+
+@pytest.mark.parametrize("arch", list(HUB))
+def test_experts_are_written_per_expert_in_the_hub_layout(arch: str, tmp_path: Path) -> None:
+    model, out, report, tensors = exported(arch, tmp_path)
+    block, names = HUB[arch]
+    experts = experts_of(model)
+    hidden, inner = 64, experts.layout.inner
+    for e in range(4):
+        prefix = f"model.layers.0.{block}.experts.{e}"
+        shapes = ((inner, hidden), (inner, hidden), (hidden, inner))
+        for name, (n, k) in zip(names, shapes, strict=True):
+            for suffix, (dtype, shape) in vllm_tensors("W4A16_NVFP4", n, k).items():
+                got = tensors[f"{prefix}.{name}.{suffix}"]
+                assert (got.dtype, tuple(got.shape)) == (dtype, shape), (name, suffix)
+        # w1 and w3 (gate and up) share one global scale: vLLM's fused w13 reads one per expert
+        gate, up = (tensors[f"{prefix}.{n}.weight_scale_2"] for n in names[:2])
+        assert torch.equal(gate, up)
+    assert not [k for k in tensors if k.endswith(("gate_up_proj", "down_proj"))]
+    config = json.loads((out / "hf_quant_config.json").read_text())
+    excluded = config["quantization"]["exclude_modules"]
+    assert f"model.layers.0.{block}.gate" in excluded  # the router: never quantized
+    assert f"model.layers.0.{block}.gate.weight" in tensors
+    assert not [name for name in excluded if ".experts" in name]
+    assert report.config_algo == "W4A16_NVFP4"
+    assert f"model.layers.0.{block}.experts.3.{names[2]}" in report.quantized
+    row = next(r for r in report.layers if r[0] == "model.layers.0.mlp.experts (4 experts)")
+    assert row[1].startswith("NVFP4") and "gate and up share a global scale" in row[2]
+    qc = json.loads((out / "config.json").read_text())["quantization_config"]
+    assert qc["quant_method"] == "modelopt" and qc["quant_algo"] == "W4A16_NVFP4"
+
+
+@pytest.mark.parametrize("arch", list(HUB))
+@pytest.mark.parametrize("recipe", ["nvfp4_no_bf16", "mxfp8"])
+def test_round_trip_is_bit_exact(arch: str, recipe: str, tmp_path: Path) -> None:
+    """import_quantized gives each expert's fprop weight operand (the codes, block scales and
+    global scale of training) bit for bit, under the model's keys and 3-D shapes; every other
+    tensor as written; the state_dict loads into the model."""
+    model, out, _, _ = exported(arch, tmp_path, recipe)
+    state, config = fp4gen.import_quantized(out)
+    assert set(state) == set(model.state_dict())
+    for i in range(2):
+        experts = experts_of(model, i)
+        inner = experts.layout.inner
+        gate_up = state[f"model.layers.{i}.mlp.experts.gate_up_proj"]
+        down = state[f"model.layers.{i}.mlp.experts.down_proj"]
+        assert gate_up.shape == experts.gate_up_proj.shape and gate_up.dtype == torch.float32
+        for e, want in enumerate(fprop_weights(experts, 0)):
+            assert torch.equal(gate_up[e], want), (i, e)
+            assert gate_up[e, :inner].abs().sum() > 0 and gate_up[e, inner:].abs().sum() > 0
+        for e, want in enumerate(fprop_weights(experts, 1)):
+            assert torch.equal(down[e], want), (i, e)
+    router = "model.layers.0.mlp.gate.weight"
+    assert torch.equal(state[router], model.state_dict()[router].to(torch.bfloat16))
+    assert [d["module"] for d in config["fp4gen"]["experts"]] == [
+        f"model.layers.{i}.mlp.experts" for i in range(2)
+    ]
+    fresh = build(arch)
+    fresh.load_state_dict(state)
+    assert torch.equal(experts_of(fresh).down_proj[2], fprop_weights(experts_of(model), 1)[2])
+
+
+def test_mxfp8_experts_are_the_ocp_mx_layout(tmp_path: Path) -> None:
+    _, _, report, tensors = exported("qwen3_moe", tmp_path, "mxfp8")
+    weight = tensors["model.layers.1.mlp.experts.2.up_proj.weight"]
+    scale = tensors["model.layers.1.mlp.experts.2.up_proj.weight_scale"]
+    assert (weight.dtype, tuple(weight.shape)) == (torch.float8_e4m3fn, (32, 64))
+    assert (scale.dtype, tuple(scale.shape)) == (torch.uint8, (32, 2))
+    assert report.config_algo == "MXFP8"
+
+
+def test_experts_kept_in_high_precision_are_written_per_expert(tmp_path: Path) -> None:
+    """A rule keeping the experts in BF16: their weights go out per expert in the hub layout,
+    in the export dtype, listed in exclude_modules; the round trip gives them as written."""
+    recipe = (
+        'operands {\n * : nvfp4\n weight : block 16x16\n}\nlayers {\n match "*experts*" : bf16\n}\n'
+    )
+    model, out, report, tensors = exported("mixtral", tmp_path, recipe)
+    w1 = tensors["model.layers.0.block_sparse_moe.experts.1.w1.weight"]
+    assert w1.dtype == torch.bfloat16
+    assert torch.equal(w1, experts_of(model).gate_up_proj[1, :32].detach().to(torch.bfloat16))
+    assert "model.layers.0.block_sparse_moe.experts.1.w1.weight_scale" not in tensors
+    assert "model.layers.0.block_sparse_moe.experts.1.w3" in report.excluded
+    state, _ = fp4gen.import_quantized(out)
+    want = experts_of(model).gate_up_proj.detach().to(torch.bfloat16)
+    assert torch.equal(state["model.layers.0.mlp.experts.gate_up_proj"], want)
+
+
+def test_calibration_leaves_the_experts_weight_only(tmp_path: Path) -> None:
+    """Calibrated NVFP4 (W4A4) for the linear layers; the experts' inputs (tokens per expert)
+    are not calibrated, so they are declared weight-only and get no input_scale."""
+    ids = [
+        torch.randint(0, 128, (2, 8), generator=torch.Generator().manual_seed(s)) for s in (1, 2)
+    ]
+    _, out, report, tensors = exported("qwen3_moe", tmp_path, calibration=ids)
+    assert report.config_algo == "MIXED_PRECISION"
+    layers = json.loads((out / "hf_quant_config.json").read_text())["quantization"][
+        "quantized_layers"
+    ]
+    assert layers["model.layers.0.self_attn.q_proj"]["quant_algo"] == "NVFP4"
+    assert layers["model.layers.0.mlp.experts.0.gate_proj"]["quant_algo"] == "W4A16_NVFP4"
+    assert "model.layers.0.self_attn.q_proj.input_scale" in tensors
+    assert not [k for k in tensors if ".experts." in k and k.endswith("input_scale")]
