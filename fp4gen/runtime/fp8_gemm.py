@@ -204,6 +204,11 @@ def _folded(q: QuantizedTensor) -> torch.Tensor | None:
 
 def fp8_codes(q: QuantizedTensor, rows: int, cols: int) -> torch.Tensor:
     """The codes of ``q`` as a row-major FP8 tensor [rows, cols] (zero codes appended)."""
+    return code_bytes(q, rows, cols).view(_TORCH_DTYPES[q.element])
+
+
+def code_bytes(q: QuantizedTensor, rows: int, cols: int) -> torch.Tensor:
+    """The codes of ``q`` as a row-major uint8 tensor [rows, cols] (zero codes appended)."""
     p = q.packed_codes()
     codes = q.codes if p is None else p.data  # 8-bit codes: the packed form is one per byte
     if codes.dtype != torch.uint8:
@@ -212,7 +217,7 @@ def fp8_codes(q: QuantizedTensor, rows: int, cols: int) -> torch.Tensor:
         codes = F.pad(codes, (0, cols - codes.shape[1], 0, rows - codes.shape[0]))
     elif not codes.is_contiguous():
         codes = codes.contiguous()
-    return codes.view(_TORCH_DTYPES[q.element])
+    return codes
 
 
 class Operands:
@@ -579,9 +584,9 @@ def cute_launch(
     plan = cute_plan(a.format, b.format, out_dtype, bias is not None, accumulate is not None)
     kp = round_up(k, plan.block_k)  # whole K-blocks: zero codes add exactly 0
     args = [
-        fp8_codes(a, m, kp).view(torch.uint8),  # read as FP8 by the kernel
+        code_bytes(a, m, kp),  # read as FP8 by the kernel
         cute_scales(a, plan.ue8m0),
-        fp8_codes(b, n, kp).view(torch.uint8),
+        code_bytes(b, n, kp),
         cute_scales(b, plan.ue8m0),
         _global(a, dev),
         _global(b, dev),
@@ -636,6 +641,7 @@ __all__ = [
     "cute_block_scaled_product",
     "cute_launch",
     "cute_support",
+    "code_bytes",
     "describe",
     "fp8_codes",
     "outer_major_scales",
