@@ -64,9 +64,17 @@ PAIRS = {
     "1x256 x 256x256": (fp8(E4M3, (1, 256)), fp8(E4M3, (256, 256))),
     "mxfp8 1x32 ue8m0": (BUILTIN_FORMATS["mxfp8_e4m3"], BUILTIN_FORMATS["mxfp8_e4m3"]),
 }
-# (M, N, K): one partial tile; tails of M, N and K (K padded to whole blocks); more tiles than
-# SMs (the persistent loop and the stage phases across tiles); the benchmark's square
-SHAPES = [(1, 32, 128), (7, 144, 384), (129, 200, 1000), (2048, 2048, 256), (512, 768, 4096)]
+# (M, N, K): one partial tile; tails of M, N and K (K padded to whole blocks; K = 160: MXFP8's
+# 5 scale codes per row padded to a 4-byte word); more tiles than SMs (the persistent loop and
+# the stage phases across tiles); a long K
+SHAPES = [
+    (1, 32, 128),
+    (7, 144, 384),
+    (33, 96, 160),
+    (129, 200, 1000),
+    (2048, 2048, 256),
+    (512, 768, 4096),
+]
 
 
 def integer_operand(rows: int, k: int, fmt: BlockFormat, g: torch.Generator) -> QuantizedTensor:
