@@ -7,9 +7,10 @@ e5m2 on either side) quantized along K in K-blocks of ``block_k`` values::
     P_b[m, n] = sum_{i in K-block b} q_a[m, i] q_b[n, i]          (FP8 tensor cores)
     C[m, n]   = fp32(S_a S_b) * sum_b fp32(s_a[m, b] s_b[n, b]) P_b[m, n]  (+ bias[n]) (+ C[m, n])
 
-A's block scales are one per row and K-block, [M, KB]; B's one per row and K-block ([N, KB],
-1 x block_k blocks) or one per block_k x block_k tile ([ceil(N / block_k), KB]), both
-row-major as the quantize kernels write them: fp32 decode factors, or ue8m0 codes (uint8,
+The codes come as uint8 tensors and are read as their FP8 type. A's block scales are one per
+row and K-block, [M, KB]; B's one per row and K-block ([N, KB], 1 x block_k blocks) or one per
+block_k x block_k tile ([ceil(N / block_k), KB]), both row-major as the quantize kernels write
+them: fp32 decode factors, or ue8m0 codes (uint8,
 value 2^(code - 127); code 0 is 2^-127, 255 NaN) whose rows the launcher pads to a multiple of
 4 bytes. S_a and S_b are fp32 device tensors of one element (never read on the host).
 
@@ -31,8 +32,10 @@ wgmma, fp32 accumulation)
     per K-block: the block's k-tiles into a partial accumulator (the first wgmma of the block
     overwrites it), the block's scales from the stage (shared memory, read while the wgmma
     run), wait for the wgmma, release the stage, then promote:
-    total[i] += partial[i] * fp32(s_a[row] s_b[col]). The two warpgroups interleave, so one's
-    promotion overlaps the other's tensor-core work.
+    total[i] += partial[i] * fp32(s_a[row] s_b[col]). Both warpgroups wait for the same
+    stages, so their promotions coincide and the tensor cores idle meanwhile; with ``overlap``
+    each keeps two partial accumulators and issues block b's wgmma before it promotes block
+    b - 1 (``wgmma.wait_group 1``), releasing block b - 1's stages after reading its scales.
 epilogue
     from the registers: y = total * fp32(S_a S_b) (+ bias[n]) (+ C[m, n]) in fp32, one
     rounding to C's dtype, predicated scalar stores (any M and N). The producer already loads
