@@ -351,3 +351,22 @@ def test_accumulate_is_a_copy_the_kernel_overwrites() -> None:
     assert launched[0].accumulate and launched[0].out == "fp32"  # the epilogue rounds once
     with _cuda_stood_in(launched), pytest.raises(fp4gen.errors.TensorError, match="bias"):
         fp8_gemm.cute_launch(a, b, bias=torch.zeros(5))
+
+
+@pytest.mark.skipif(not CUTE_DSL, reason="needs the CuTe DSL (nvidia-cutlass-dsl)")
+def test_kernel_is_cached_on_disk(tmp_path: Path, monkeypatch) -> None:
+    """The first use compiles into the kernel cache; a new process (its memory cleared here)
+    loads the shared library instead of compiling again."""
+    from fp4gen.compiler.cache import KernelCache
+
+    monkeypatch.setenv("CUTE_DSL_ARCH", "sm_90a")
+    monkeypatch.setattr(fp8_gemm, "_cute_compiled", {})
+    params = fp8_gemm.cute_plan(ROW, TILE, torch.bfloat16, False, False).params
+    cache = KernelCache(tmp_path / "cache")
+    first = fp8_gemm.cute_kernel(params, cache)
+    assert fp8_gemm._cute_loaded[params].compiled == 1 and callable(first)
+    assert fp8_gemm.cute_kernel(params) is first  # kept in this process
+    fp8_gemm._cute_compiled.clear()
+    fp8_gemm.cute_kernel(params, cache)
+    stats = fp8_gemm._cute_loaded[params]
+    assert (stats.compiled, stats.loaded) == (0, 1)

@@ -438,24 +438,33 @@ _cute_lock = threading.Lock()
 _sm_counts: dict[int, int] = {}
 
 
-def cute_kernel(params: Any) -> Any:
-    """The compiled kernel of ``params`` (a ``GemmSm90Fp8Params``), compiled on first use in
-    this process (about 1.5 s)."""
+def cute_kernel(params: Any, cache: Any = None) -> Any:
+    """The compiled kernel of ``params`` (a ``GemmSm90Fp8Params``): from the kernel cache on
+    disk (``fp4gen.runtime.kernels_for``, keyed by its generated module's text and the kernel
+    code's version), compiled into it on first use (about 2-3 s), then kept in this process.
+    ``cache``: a ``KernelCache`` other than the default one."""
     fn = _cute_compiled.get(params)
-    if fn is not None:
+    if fn is not None and cache is None:
         return fn
     with _cute_lock:  # cute.compile is not thread-safe
         fn = _cute_compiled.get(params)
-        if fn is None:
-            from fp4gen.kernels.gemm_sm90_fp8 import compile_fp8_gemm
+        if fn is None or cache is not None:
+            from fp4gen.kernels.gemm_sm90_fp8 import module_source
+            from fp4gen.runtime.kernels import kernels_for
 
+            source = module_source(params)
             try:
-                fn = _cute_compiled[params] = compile_fp8_gemm(params, "sm_90a")
-            except Exception as err:  # the DSL's errors have no common base
+                loaded = kernels_for(params, "sm_90a", cache=cache, render=lambda _: source)
+            except Exception as err:  # the DSL's and the cache's errors have no common base
                 raise FP4GenError(
-                    f"the FP8 GEMM kernel {params.name} did not compile: {err}"
+                    f"the FP8 GEMM kernel {params.name} did not compile or load: {err}"
                 ) from err
+            fn = _cute_compiled[params] = loaded["gemm"]
+            _cute_loaded[params] = loaded.stats
     return fn
+
+
+_cute_loaded: dict[Any, Any] = {}  # params -> LoadStats of the last compile or load
 
 
 class CutePlan(NamedTuple):
