@@ -38,6 +38,8 @@ these two tell a slow host from a regression.
                                [--recipes bf16,recipes/nvfp4.fp4r] [--steps 10] [--graphs]
                                [--rounds R] [--model llama|gpt] [--host-profile N]
                                [--compare-saved-x] [--layer-graph-flops F,...]
+                               [--compile blocks,model] [--compile-modes default,...]
+                               [--compile-backend inductor] [--compile-only]
 
 ``--rounds R`` runs every hidden size's rows R times and then prints, per recipe, the median and
 range of its eager and graph ratios (each round's against that round's BF16 run) and of its host
@@ -51,6 +53,13 @@ adds a run of each recipe whose layers save x for the backward instead of x's qu
 copy (``Linear.keep_quantized_input = False``): the peak-memory difference of that choice.
 ``--layer-graph-flops 0,1e11`` adds runs of each recipe with another layer-graph threshold (the
 largest GEMM a graphed pass may have; 0 turns layer graphs off): where graphs stop paying.
+``--compile blocks,model`` adds compiled rows: every recipe (BF16 first) with each decoder
+block compiled on its own (``blocks``, as torchtitan compiles a model: embedding, head and loss
+eager) and/or the whole model with its loss compiled (``model``), in each mode of
+``--compile-modes default,reduce-overhead,max-autotune`` (``--compile-backend``, default
+inductor): ms/step, its ratio to compiled BF16 of the same scope and mode, to eager BF16 and to
+the recipe's own eager run, and dynamo's distinct graphs, graph breaks and recompiles.
+``--compile-only`` skips the eager rows.
 ``--loss-steps N`` then trains each recipe N steps on real text (the Python standard library's
 source bytes, ``fp4gen.demo.data``) from the same initial weights and batches, with the demo's
 learning-rate schedule, and compares the loss curves to BF16's: the mean loss of the last tenth
@@ -139,11 +148,25 @@ def loss_fn(kind: str) -> Callable[[nn.Module, torch.Tensor], torch.Tensor]:
     return lambda model, tokens: model(tokens[:, :-1], tokens[:, 1:])
 
 
-def make_step(model: nn.Module, loss: Callable, tokens: torch.Tensor, capturable: bool):
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, capturable=capturable)
+def make_step(
+    model: nn.Module,
+    loss: Callable,
+    tokens: torch.Tensor,
+    capturable: bool,
+    cudagraph_steps: bool = False,
+    params: nn.Module | None = None,
+):
+    """One training step (bf16 autocast on the tokens' device, AdamW). ``cudagraph_steps``: a
+    step of a model compiled with mode="reduce-overhead" starts a new CUDA-graph-trees step
+    (its replays' outputs may then be overwritten). ``params``: the module whose parameters
+    the optimizer updates, where ``model`` wraps it (a compiled whole model)."""
+    opt = torch.optim.AdamW((params or model).parameters(), lr=1e-4, capturable=capturable)
+    device = tokens.device.type
 
     def step() -> torch.Tensor:
-        with torch.autocast("cuda", dtype=torch.bfloat16):
+        if cudagraph_steps:
+            torch.compiler.cudagraph_mark_step_begin()
+        with torch.autocast(device, dtype=torch.bfloat16):
             value = loss(model, tokens)
         value.backward()
         opt.step()
@@ -153,7 +176,12 @@ def make_step(model: nn.Module, loss: Callable, tokens: torch.Tensor, capturable
     return step
 
 
-def timed_ms(step: Callable[[], object], steps: int) -> float:
+def timed_ms(step: Callable[[], object], steps: int, device: str = "cuda") -> float:
+    if device != "cuda":  # the CPU (the tests): wall time
+        begin = time.perf_counter()
+        for _ in range(steps):
+            step()
+        return (time.perf_counter() - begin) * 1e3 / steps
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     start.record()
     for _ in range(steps):
@@ -488,6 +516,146 @@ def host_speed(device: str, calls: int = 2000) -> tuple[float, float]:
     return per_call(lambda: x + 1), per_call(lambda: torch.empty(8, device=device))
 
 
+COMPILE_SCOPES = ("blocks", "model")
+COMPILE_MODES = ("default", "reduce-overhead", "max-autotune")
+
+
+@dataclass
+class CompiledResult:
+    """One compiled run: ms/step (None where it failed: ``note`` says why), and what dynamo
+    made of the model: distinct graphs, graph breaks and recompiles."""
+
+    ms: float | None
+    graphs: int
+    breaks: int
+    recompiles: int
+    note: str = ""
+
+
+def decoder_blocks(model: nn.Module) -> list[nn.Module]:
+    """The repeated blocks torchtitan compiles one by one: a transformers Llama's decoder
+    layers, the built-in GPT's blocks."""
+    inner = getattr(model, "model", None)
+    if inner is not None and hasattr(inner, "layers"):
+        return list(inner.layers)
+    return list(model.blocks)
+
+
+def compile_model(model: nn.Module, scope: str, mode: str, backend: str = "inductor") -> nn.Module:
+    """``model`` compiled per ``scope``: "blocks" compiles each decoder block on its own (as
+    torchtitan does; the model's embedding, head and loss stay eager), "model" the whole model
+    with its loss. ``mode``: torch.compile's (``default`` is None; the modes are inductor's, so
+    another ``backend`` takes the default)."""
+    kwargs: dict[str, Any] = {"backend": backend}
+    if backend == "inductor":
+        kwargs["mode"] = None if mode == "default" else mode
+    if scope == "blocks":
+        for block in decoder_blocks(model):
+            block.compile(**kwargs)
+        return model
+    if scope == "model":
+        return torch.compile(model, **kwargs)
+    raise ValueError(f"compile scope {scope!r}: expected one of {', '.join(COMPILE_SCOPES)}")
+
+
+def run_compiled(
+    args: argparse.Namespace,
+    hidden: int,
+    layers: int,
+    recipe: str,
+    scope: str,
+    mode: str,
+    device: str = "cuda",
+) -> CompiledResult:
+    """ms/step of one model and recipe compiled per ``scope`` and ``mode`` (compiled during the
+    warm-up steps), with dynamo's counts; a failure is reported, not raised."""
+    torch._dynamo.reset()
+    counters = torch._dynamo.utils.counters
+    counters.clear()
+    torch.manual_seed(0)
+    model = build_model(args.model, hidden, layers, args.seq, device)
+    if recipe != "bf16":
+        fp4gen.convert(model, fp4gen.load_recipe(recipe))
+    batch = max(args.tokens // args.seq, 1)
+    tokens = torch.randint(0, VOCAB, (batch, args.seq + (args.model == "gpt")), device=device)
+    ms: float | None = None
+    note = ""
+    try:
+        compiled = compile_model(model, scope, mode, args.compile_backend)
+        graphs_on = mode == "reduce-overhead" and device == "cuda"
+        step = make_step(compiled, loss_fn(args.model), tokens, False, graphs_on, model)
+        for _ in range(WARMUP_STEPS):
+            step()
+        if device == "cuda":
+            torch.cuda.synchronize()
+        ms = timed_ms(step, args.steps, device)
+    except Exception as err:  # report the reason and go on with the other runs
+        if device == "cuda":
+            torch.cuda.synchronize()
+        note = f"failed: {type(err).__name__}: {str(err).splitlines()[0][:160]}"
+    stats = counters["stats"]
+    result = CompiledResult(
+        ms,
+        int(stats.get("unique_graphs", 0)),
+        int(sum(counters["graph_break"].values())),
+        int(sum(counters["recompiles"].values())) if "recompiles" in counters else 0,
+        note,
+    )
+    del model
+    gc.collect()
+    if device == "cuda":
+        torch.cuda.empty_cache()
+    torch._dynamo.reset()
+    return result
+
+
+def run_compiled_table(
+    args: argparse.Namespace,
+    hidden: int,
+    layers: int,
+    recipes: list[str],
+    eager: dict[str, tuple[Result, Result]] | None,
+    device: str = "cuda",
+) -> dict[tuple[str, str, str], CompiledResult]:
+    """Every recipe (BF16 first) compiled per each scope of ``args.compile`` and mode of
+    ``args.compile_modes``; prints ms/step against compiled BF16 of the same scope and mode,
+    against eager BF16 and against the recipe's own eager run (where ``eager`` holds this
+    round's eager rows). Returns (scope, mode, recipe) -> result."""
+    scopes = [c for c in args.compile.split(",") if c]
+    modes = [m for m in args.compile_modes.split(",") if m]
+    for name, given, allowed in (("scope", scopes, COMPILE_SCOPES), ("mode", modes, COMPILE_MODES)):
+        for value in given:
+            if value not in allowed:
+                raise SystemExit(f"compile {name} {value!r}: expected one of {', '.join(allowed)}")
+    print(
+        f"  {'compiled':28} {'scope':6} {'mode':15} {'ms/step':>9} {'x bf16':>7} "
+        f"{'x eager bf16':>12} {'x own eager':>11} {'graphs':>6} {'breaks':>6} {'recomp':>6}"
+    )
+    eager_base = None if not eager else next(iter(eager.values()))[1].ms_eager
+    results: dict[tuple[str, str, str], CompiledResult] = {}
+    for scope in scopes:
+        for mode in modes:
+            base: CompiledResult | None = None
+            for recipe in recipes:
+                t0 = time.perf_counter()
+                res = run_compiled(args, hidden, layers, recipe, scope, mode, device)
+                base = base or res
+                results[(scope, mode, recipe)] = res
+                label = Path(recipe).stem
+                own = eager.get(label) if eager else None
+                ms = "-" if res.ms is None else f"{res.ms:.2f}"
+                print(
+                    f"  {label:28} {scope:6} {mode:15} {ms:>9} {ratio(res.ms, base.ms):>7} "
+                    f"{ratio(res.ms, eager_base):>12} "
+                    f"{ratio(res.ms, own[0].ms_eager if own else None):>11} "
+                    f"{res.graphs:6d} {res.breaks:6d} {res.recompiles:6d}   "
+                    f"({time.perf_counter() - t0:.0f} s)"
+                )
+                if res.note:
+                    print(f"    {res.note}")
+    return results
+
+
 def run_round(
     args: argparse.Namespace, hidden: int, layers: int, runs: list[tuple[str, bool, float | None]]
 ) -> dict[str, tuple[Result, Result]]:
@@ -606,6 +774,31 @@ def main(argv: list[str] | None = None) -> int:
         help="also train each recipe N steps on real text and compare its loss curve to BF16's",
     )
     parser.add_argument("--loss-lr", type=float, default=3e-4, help="peak learning rate of those")
+    parser.add_argument(
+        "--compile",
+        default="",
+        metavar="SCOPES",
+        help="also time every recipe under torch.compile: blocks (each decoder block compiled "
+        "on its own, as torchtitan does) and/or model (the whole model with its loss), "
+        "comma-separated; each against compiled BF16 of the same scope and mode",
+    )
+    parser.add_argument(
+        "--compile-modes",
+        default="default",
+        metavar="MODES",
+        help="torch.compile modes of those runs: default, reduce-overhead, max-autotune",
+    )
+    parser.add_argument(
+        "--compile-backend",
+        default="inductor",
+        help="torch.compile backend of those runs (aot_eager: dynamo and AOT autograd without "
+        "inductor's kernels)",
+    )
+    parser.add_argument(
+        "--compile-only",
+        action="store_true",
+        help="run only the compiled rows (no eager rows, profiles or host timings)",
+    )
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("this benchmark needs a CUDA GPU")
@@ -633,24 +826,27 @@ def main(argv: list[str] | None = None) -> int:
     for i, hidden in enumerate(hiddens):
         layers = layer_counts[i] if i < len(layer_counts) else LAYERS_BY_HIDDEN.get(hidden, 4)
         print(f"\nhidden {hidden}, {layers} layers")
-        print(
-            f"  {'recipe':28} {'ms/step':>9} {'x bf16':>7} {'graph ms':>9} {'x bf16':>7} "
-            f"{'gpu-busy':>9} {'x bf16':>7} "
-            f"{'host us':>8} {'call us':>8} {'prof us':>8} {'wall us':>8} {'peak GiB':>9} "
-            f"{'x bf16':>7}"
-        )
+        if not args.compile_only:
+            print(
+                f"  {'recipe':28} {'ms/step':>9} {'x bf16':>7} {'graph ms':>9} {'x bf16':>7} "
+                f"{'gpu-busy':>9} {'x bf16':>7} "
+                f"{'host us':>8} {'call us':>8} {'prof us':>8} {'wall us':>8} {'peak GiB':>9} "
+                f"{'x bf16':>7}"
+            )
         runs: list[tuple[str, bool, float | None]] = [(r, False, None) for r in recipes]
         if args.compare_saved_x:
             runs += [(r, True, None) for r in recipes if r != "bf16"]
         for flops in (float(f) for f in args.layer_graph_flops.split(",") if f):
             runs += [(r, False, flops) for r in recipes if r != "bf16"]
         rounds: list[dict[str, tuple[Result, Result]]] = []
-        for n in range(args.rounds):
+        for n in range(0 if args.compile_only else args.rounds):
             if args.rounds > 1:
                 print(f"  round {n + 1} of {args.rounds}")
             rounds.append(run_round(args, hidden, layers, runs))
-        if args.rounds > 1:
+        if args.rounds > 1 and rounds:
             print_rounds(rounds)
+        if args.compile:
+            run_compiled_table(args, hidden, layers, recipes, rounds[-1] if rounds else None)
         if args.loss_steps:
             curves = {}
             for recipe in recipes:
