@@ -260,3 +260,16 @@ def test_double_backward_is_refused() -> None:
     y = GroupedProjection.apply(x, module.down_proj, None, groups)
     with pytest.raises(fp4gen.FP4GenError, match="double backward"):
         torch.autograd.grad(y.sum(), x, create_graph=True)
+
+
+def test_under_autocast_the_grouped_product_keeps_fp32_values(dequant_loop) -> None:
+    """bf16 autocast (fp32 weights): each GEMM's output is bf16, but the block values are
+    multiplied as given (autocast would round them to bf16 inside torch._grouped_mm): the
+    grouped path equals the loop bit for bit, as without autocast."""
+    loop, group = pair("qwen3_moe", torch.float32)
+    index, weights = unequal_routing(40)
+    hidden = torch.randn(40, 64)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        want, got = run(loop, hidden, index, weights), run(group, hidden, index, weights)
+    assert all(torch.equal(a, b) for a, b in zip(got[:3], want[:3], strict=True))
+    assert all(torch.equal(got[3][n], want[3][n]) for n in want[3])

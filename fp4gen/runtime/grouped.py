@@ -3,8 +3,9 @@
 ``GroupedProjection`` runs one projection (up or down) of every expert that has tokens: its
 operands are quantized per expert exactly as the per-expert loop quantizes them (each expert's
 ``Linear`` quantizes its own operands with its own seed, Philox offset and global scale, by the
-same methods), then decoded to their block values (``QuantizedTensor.dequantize_blockwise``:
-element x block scale, exact in bf16 for NVFP4, MXFP4, MXFP6 and MXFP8) and multiplied by ONE
+same methods), then decoded to their block values (element x block scale, exact in bf16 for
+NVFP4, MXFP4, MXFP6 and MXFP8: on CUDA by the generated dequantize kernel, elsewhere by
+``QuantizedTensor.dequantize_blockwise``) and multiplied by ONE
 ``torch._grouped_mm`` call per GEMM (fprop: tokens x weights per expert; dgrad: gradients x
 weights; wgrad: gradients^T x activations, grouped along the token dimension). The per-expert
 global scales, the bias and the rounding to the output dtype are the dense epilogue's
@@ -61,6 +62,12 @@ def product_dtype(device: torch.device) -> torch.dtype:
 def group_rows(a: torch.Tensor, b: torch.Tensor, ends: Sequence[int]) -> torch.Tensor:
     """C [M, N] in fp32 with C[s:e] = a[s:e] @ b[g]^T for the groups of rows that end at
     ``ends`` (a [M, K], b [G, N, K]): fprop and dgrad."""
+    # autocast would round fp32 block values to 16 bits: the product keeps the types given
+    with torch.autocast(a.device.type, enabled=False):
+        return _group_rows(a, b, ends)
+
+
+def _group_rows(a: torch.Tensor, b: torch.Tensor, ends: Sequence[int]) -> torch.Tensor:
     dtype = product_dtype(a.device)
     a, b = a.to(dtype), b.to(dtype)
     if grouped_mm_available():
@@ -82,6 +89,11 @@ def group_rows(a: torch.Tensor, b: torch.Tensor, ends: Sequence[int]) -> torch.T
 def group_k(a: torch.Tensor, b: torch.Tensor, ends: Sequence[int]) -> torch.Tensor:
     """C [G, N, M] in fp32 with C[g] = a[:, s:e] @ b[:, s:e]^T for the groups of columns (the
     GEMM's K) that end at ``ends`` (a [N, K], b [M, K]): wgrad, K being the tokens."""
+    with torch.autocast(a.device.type, enabled=False):
+        return _group_k(a, b, ends)
+
+
+def _group_k(a: torch.Tensor, b: torch.Tensor, ends: Sequence[int]) -> torch.Tensor:
     dtype = product_dtype(a.device)
     a, b = a.to(dtype), b.to(dtype)
     if grouped_mm_available():
@@ -136,6 +148,22 @@ def _contiguous_rows(w: torch.Tensor) -> torch.Tensor:
     return w if w.is_contiguous() else w.contiguous()
 
 
+def _values(q: Any) -> torch.Tensor:
+    """The block values (element x block scale, no global scale) of a QuantizedTensor [R, C]:
+    on CUDA in bf16 by the generated dequantize kernel (``fp4gen.runtime.dequant``, one pass;
+    exact for the formats grouped here), else ``dequantize_blockwise`` in fp32 (torch ops;
+    where no kernel serves the format here, logged once)."""
+    if q.device.type == "cuda":
+        from fp4gen.errors import FP4GenError
+        from fp4gen.runtime.dequant import dequantize_bf16
+
+        try:
+            return dequantize_bf16(q)[:, : q.cols]  # its K is padded to a multiple of 8
+        except FP4GenError as err:
+            _log_once(f"the experts' operands are decoded by torch ops: {err}")
+    return q.dequantize_blockwise()
+
+
 def _alpha(a: Any, b: Any) -> torch.Tensor:
     """S_dec(a) * S_dec(b) in fp32, one element (as ``epilogue._alpha``)."""
     return a.global_scale.float().reshape(1) * b.global_scale.float().reshape(1)
@@ -172,8 +200,8 @@ class GroupedProjection(torch.autograd.Function):
                 )
                 layer._advance_device(forward=True)
                 layer.__dict__["_forward_calls"] = call + 1
-                values.append(xq.dequantize_blockwise())
-                weights.append(wq.dequantize_blockwise())
+                values.append(_values(xq))
+                weights.append(_values(wq))
                 alphas.append(_alpha(xq, wq))
             counts = torch.tensor(groups.counts, device=x.device)
             c = group_rows(torch.cat(values), torch.stack(weights), _ends(groups.counts))
@@ -246,13 +274,13 @@ def _grads(
         xq_t = layer.wgrad_activation(x_e, table, call)
         layer._advance_device(forward=False)
         layer.__dict__["_backward_calls"] = call + 1
-        dy_values.append(dyq.dequantize_blockwise())
-        w_values.append(w_col.dequantize_blockwise())
+        dy_values.append(_values(dyq))
+        w_values.append(_values(w_col))
         dy_alphas.append(_alpha(dyq, w_col).expand(tokens))
         rows.append(torch.arange(padded_start, padded_start + count, device=dy.device))
         padded_start += tokens
-        gt_values.append(dyq_t.dequantize_blockwise())
-        xt_values.append(xq_t.dequantize_blockwise())
+        gt_values.append(_values(dyq_t))
+        xt_values.append(_values(xq_t))
         w_alphas.append(_alpha(dyq_t, xq_t))
         padded.append(tokens)
     # dgrad: the padded token rows of every expert, then the real rows taken back
