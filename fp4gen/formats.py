@@ -310,7 +310,8 @@ def global_scale_problem(
     if scale is None:
         return "fp32 block scales hold any fp32 value and need no global scale; write global none"
     elem_max, scale_max, scale_min = element.max_finite, scale.max_finite, scale.min_positive
-    if bound is not None:
+    wide = scale_max / scale_min > 2.0**126  # condition 1, whatever the bound
+    if bound is not None and not wide:
         if bound not in grid_values(scale) or bound <= 0:
             return (
                 f"the global bound {bound:g} is not a positive value of the block scale format "
@@ -320,7 +321,7 @@ def global_scale_problem(
     product = elem_max * scale_max
     pair = f"{element.name} elements with {scale.name} block scales"
     maxima = f"elem_max * scale_max = {_power(elem_max)} * {_power(scale_max)}"
-    if scale_max / scale_min > 2.0**126:
+    if wide:
         return (
             f"global amax cannot be used with {pair}: a {scale.name} scale spans "
             f"{_power(scale_min)} to {_power(scale_max)}, fp32's whole exponent range, by "

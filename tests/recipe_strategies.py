@@ -7,7 +7,10 @@
 
 What is drawn: elements of 3 to 8 bits with and without ``finite``/``fn``/``ieee``; 1xN and NxN
 blocks (N also not a power of two); signed, exponent-only and fp32 scales with every scale
-rounding the scale takes; ``global amax``/``none``; formats built from an element or from
+rounding the scale takes (``stochastic`` too); ``global amax``/``row``/``none`` with and without
+a bound; block targets by mse or mae and ``correct eden``/``none`` (docs/numerics.md 11, reset
+where an inherited one no longer fits; per-row formats only where a token operand uses them);
+formats built from an element or from
 another format (built-in, inherited, imported or defined earlier); every element rounding;
 RHTs of every size and sign source; operand sources (``from GEMM.ROLE`` on the one operand of
 each pair, later format or rounding statements that keep it, ``from none``); MoR rules with
@@ -24,7 +27,8 @@ product elem_max * scale_max outside fp32's range).
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
+from decimal import Decimal
 from pathlib import Path
 
 from hypothesis import strategies as st
@@ -42,12 +46,15 @@ from fp4gen.dsl.model import (
 from fp4gen.errors import FP4GenError
 from fp4gen.formats import (
     BUILTIN_FORMATS,
+    FLT_MAX,
     HIGH_PRECISION_DTYPES,
+    MAX_EDEN_GROUP,
     BlockFormat,
     ElementFormat,
     HighPrecision,
     ScaleSpec,
     default_special,
+    grid_values,
 )
 
 Format = BlockFormat | HighPrecision
@@ -62,6 +69,8 @@ ELEMENT_ROUNDINGS = ["nearest", "stochastic", "stochastic16", "stochastic8", "ze
 FORMAT_NAMES = ["fa", "fb", "fc", "up", "tensor", "none", "seed", "x_1", "Wide"]
 MOR_NAMES = ["m1", "m2", "channel", "gam"]
 REFUSALS = ("global amax cannot be used with", "need no global scale", "do not need one")
+# the copies whose rows are tokens: the only ones a format with per-row global scales may serve
+TOKEN_ROWS = (Operand.FPROP_ACTIVATION, Operand.DGRAD_GRADIENT)
 
 
 @dataclass
@@ -131,6 +140,11 @@ class Slot:
         return Slot(self.format, self.block, self.rounding, self.rht, self.source)
 
 
+def exact(value: float) -> str:
+    """A format value written out in full (the grammar has no exponents)."""
+    return format(Decimal(value), "f")
+
+
 def nests(length: int, size: int) -> bool:
     return length % size == 0 or size % length == 0
 
@@ -153,8 +167,13 @@ def resolve_slot(op: Operand, slot: Slot, scope: dict[str, Format]) -> OperandSp
             return None
         return OperandSpec(fmt, source=slot.source)
     if slot.block is not None:
-        fmt = fmt.with_block(slot.block)
+        try:
+            fmt = fmt.with_block(slot.block)
+        except ValueError:  # an option that needs other blocks (MS-EDEN, per-row scales)
+            return None
     if fmt.is_2d and op.role != "weight":
+        return None
+    if fmt.global_rows and op not in TOKEN_ROWS:
         return None
     if rht is not None and not nests(fmt.block_len, rht.size):
         return None
@@ -248,8 +267,12 @@ class _Writer:
             return (n, n)
         return (1, self.draw(st.sampled_from(LENGTHS_1D)))
 
-    def format_def(self, name: str, scope: dict[str, Format]) -> tuple[str, Format]:
-        """`format NAME = ...` and what it defines, given the formats in scope before it."""
+    def format_def(
+        self, name: str, scope: dict[str, Format], allow_rows: bool = False
+    ) -> tuple[str, Format]:
+        """`format NAME = ...` and what it defines, given the formats in scope before it.
+        ``allow_rows``: it may have per-row global scales (only where no layer, schedule or eval
+        rule of a parent can name it: those apply a format to every operand)."""
         bases = [n for n, f in scope.items() if isinstance(f, BlockFormat)]
         kind = self.draw(st.sampled_from(["element", "element", "base", "dtype"]))
         if kind == "dtype":
@@ -279,7 +302,7 @@ class _Writer:
         if given_scale:
             clauses.append(f"scale{self.sp()}{scale_text}")
         # scale rounding: what the scale takes; a new scale without one gets its default
-        allowed = ["nearest"] if scale_el is None else ["nearest", "up", "down"]
+        allowed = ["nearest"] if scale_el is None else ["nearest", "up", "down", "stochastic"]
         if scale_el is not None and scale_el.exponent_only:
             allowed.append("ocp")
         if rounding not in allowed:  # an inherited rounding the new scale does not take
@@ -294,6 +317,7 @@ class _Writer:
         want_global = scale_el is not None and self.draw(st.booleans())
         spec = ScaleSpec(scale_el, rounding)  # type: ignore[arg-type]
         fmt: Format = BUILTIN_FORMATS["nvfp4"]  # a stand-in where the recipe is refused
+        refused = False
         try:
             fmt = BlockFormat(name, element, block, spec, want_global)
         except (FP4GenError, ValueError):
@@ -301,11 +325,97 @@ class _Writer:
                 want_global = False
                 fmt = BlockFormat(name, element, block, spec, False)
             else:
-                self.refusable = True
-        if want_global != global_scale or self.draw(st.booleans()):
-            clauses.append(f"global{self.sp()}{'amax' if want_global else 'none'}")
+                self.refusable = refused = True
+        inherited = (
+            (base.global_rows, base.global_bound, base.targets, base.target_error, base.eden_group)
+            if kind == "base"
+            else (False, None, (), "mse", None)
+        )
+        options, option_clauses = self.options(fmt, want_global, allow_rows, inherited)
+        if refused:  # the stand-in's options would not be the format's: none drawn
+            options.update(global_rows=False, global_bound=None)
+            option_clauses = []
+        if (want_global, options["global_rows"], options["global_bound"]) != (
+            global_scale,
+            inherited[0],
+            inherited[1],
+        ) or self.draw(st.booleans()):
+            word = ("row" if options["global_rows"] else "amax") if want_global else "none"
+            bound = options["global_bound"]
+            written = "" if bound is None else f"{self.sp()}{exact(bound)}"
+            clauses.append(f"global{self.sp()}{word}{written}")
+        clauses.extend(option_clauses)
+        if not self.refusable:
+            fmt = replace(fmt, **options)  # type: ignore[arg-type]
         order = self.draw(st.permutations(clauses))
         return f"format {name} = {head}" + "".join(self.sp() + c for c in order), fmt
+
+    def options(
+        self,
+        fmt: Format,
+        want_global: bool,
+        allow_rows: bool,
+        inherited: tuple[bool, float | None, tuple[float, ...], str, int | None],
+    ) -> tuple[dict[str, object], list[str]]:
+        """The options of numerics.md 11 for the plain format ``fmt``: per-row global scales and
+        a bound (written with the global clause by the caller), targets and MS-EDEN (their
+        clauses returned); an inherited option the new format cannot take is reset."""
+        assert isinstance(fmt, BlockFormat)
+        rows, bound, targets, target_error, eden = inherited
+        clauses: list[str] = []
+        one_d, ocp = fmt.block[0] == 1, fmt.scale.rounding == "ocp"
+        scale_el, elem_max = fmt.scale.element, fmt.element.max_finite
+        # the global clause: per row now and then, a bound on the scale grid now and then
+        rows = want_global and allow_rows and one_d and self.draw(st.integers(0, 3)) == 0
+        bounds = [
+            b
+            for b in (grid_values(scale_el) if scale_el is not None else ())
+            if b > 0 and 4 <= elem_max * b <= FLT_MAX
+        ]
+        keep = bound is not None and want_global and bound in bounds and self.draw(st.booleans())
+        if not keep:
+            bound = None
+            if want_global and bounds and self.draw(st.integers(0, 2)) == 0:
+                bound = self.draw(st.sampled_from(bounds))
+        # targets: values of the element's grid, by mse or mae; the default again now and then
+        grid = [v for v in grid_values(fmt.element) if v > 0]
+        if ocp or self.draw(st.integers(0, 3)) == 0:
+            drawn = (
+                ()
+                if ocp
+                else tuple(
+                    self.draw(st.lists(st.sampled_from(grid), min_size=1, max_size=3, unique=True))
+                )
+            )
+            error = self.draw(st.sampled_from(["mse", "mae"]))
+            by = "" if error == "mse" and self.draw(st.booleans()) else f" by {error}"
+            if drawn and drawn != (elem_max,):
+                targets, target_error = drawn, error
+                clauses.append("targets " + " ".join(exact(t) for t in drawn) + by)
+            elif targets or self.draw(st.integers(0, 4)) == 0:  # back to the element's max
+                targets, target_error = (), "mse"
+                clauses.append(f"targets {exact(elem_max)}{by}")
+        # MS-EDEN: a multiple of the block length along rows; reset where it no longer fits
+        fits = one_d and not ocp
+        if fits and self.draw(st.integers(0, 3)) == 0:
+            eden = fmt.block[1] * self.draw(st.integers(1, 4))
+            if eden > MAX_EDEN_GROUP:
+                eden = fmt.block[1]
+            written = "" if eden == fmt.block[1] and self.draw(st.booleans()) else f" {eden}"
+            clauses.append(f"correct eden{written}")
+        elif (eden is not None and (not fits or eden % fmt.block[1])) or (
+            self.draw(st.integers(0, 9)) == 0
+        ):
+            eden = None
+            clauses.append("correct none")
+        options = {
+            "global_rows": rows,
+            "global_bound": bound,
+            "targets": targets,
+            "target_error": target_error,
+            "eden_group": eden,
+        }
+        return options, clauses
 
     # --- RHT and MoR -----------------------------------------------------------------------------
     def rht(self, lengths: list[int]) -> tuple[str, RHTSpec]:
@@ -385,7 +495,11 @@ class _Writer:
         if kind == "recipe":
             return f'recipe "{self.draw(st.sampled_from(refs))}"'
         # a 1D block format or a dtype alias (a layer runs every operand in it)
-        names = [n for n, f in scope.items() if isinstance(f, HighPrecision) or not f.is_2d]
+        names = [
+            n
+            for n, f in scope.items()
+            if isinstance(f, HighPrecision) or not (f.is_2d or f.global_rows)
+        ]
         return self.draw(st.sampled_from(names))
 
     def layers(self, scope: dict[str, Format], refs: list[str]) -> list[str]:
@@ -459,10 +573,13 @@ def _assemble(w: _Writer, header: list[list[str]], body: _File) -> str:
     return text
 
 
-def _define(w: _Writer, file: _File, scope: dict[str, Format], names: list[str]) -> None:
-    """Format definitions into ``file``; ``scope`` grows as they are defined."""
+def _define(
+    w: _Writer, file: _File, scope: dict[str, Format], names: list[str], allow_rows: bool = True
+) -> None:
+    """Format definitions into ``file``; ``scope`` grows as they are defined. A built-in name
+    redefined never gets per-row global scales (a parent's rules may name it)."""
     for name in names:
-        line, fmt = w.format_def(name, scope)
+        line, fmt = w.format_def(name, scope, allow_rows and name not in BUILTIN_FORMATS)
         file.formats.append([line])
         file.scope[name] = fmt
         scope[name] = fmt
@@ -533,7 +650,12 @@ def _repair(
         if resolve_slot(op, slots[op], scope) is not None and w.draw(st.integers(0, 5)):
             continue
         # the whole slot, written out: a format (or mor), block, rounding, RHT
-        choices = [("format", n) for n in names] + [("mor", m) for m in mors]
+        choices = [
+            ("format", n)
+            for n in names
+            if not (isinstance(scope[n], BlockFormat) and scope[n].global_rows)  # type: ignore[union-attr]
+            or op in TOKEN_ROWS
+        ] + [("mor", m) for m in mors]
         kind, name = w.draw(st.sampled_from(choices))
         fmt = scope.get(name) if kind == "format" else None
         block = None
@@ -541,6 +663,8 @@ def _repair(
             (fmt.is_2d and op.role != "weight") or w.draw(st.integers(0, 2)) == 0
         ):
             block = w.block(op.role == "weight")
+        if isinstance(fmt, BlockFormat) and (fmt.eden_group or fmt.global_rows):
+            block = None  # they are 1D and MS-EDEN's group must stay a multiple of the block
         rnd = (
             "nearest"
             if isinstance(fmt, HighPrecision)

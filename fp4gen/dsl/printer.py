@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 import re
+from decimal import Decimal
 
 from fp4gen.dsl.model import (
     TE_SIGNS_16,
@@ -94,14 +95,9 @@ def _format_body(fmt: BlockFormat | HighPrecision) -> str:
 
 
 def _number(value: float) -> str:
-    """A format value as the shortest decimal that reads back as the same double (repr), in
-    plain notation (the grammar has no exponents): 6, 1.5, 0.0078125."""
-    if value == int(value) and abs(value) < 2**63:
-        return str(int(value))
-    text = repr(value)
-    if "e" in text or "E" in text:
-        text = f"{value:.60f}".rstrip("0")
-    return text
+    """A format value (a target or a bound) as its exact decimal, in plain notation (the
+    grammar has no exponents): 6, 1.5, 0.0078125; the parser reads it back exactly."""
+    return format(Decimal(value), "f")
 
 
 def _format_ref(

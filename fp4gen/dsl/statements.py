@@ -54,6 +54,7 @@ MAX_BLOCK_DIM = 1024  # rows or columns of a block (format blocks and mor partit
 MAX_BLOCK_ELEMENTS = 256 * 256  # elements of one block: 1x1024 and 256x256 fit, 512x512 not
 MAX_COUNT = 1_000_000  # N in `first|last N blocks|layers`
 MAX_STEP = 2**63 - 1  # N in `at step N`: a step counter is an int64
+MAX_NUMBER_CHARS = 200  # a target or bound written out: ue8m0's 2^-127 takes 130 characters
 _MAX_DIGITS = 30  # longer digit strings are beyond every bound above; int() is not even tried
 
 
@@ -361,14 +362,17 @@ class _Builder:
         raise AssertionError(kind)
 
     def number(self, tree: Tree, *, what: str) -> At[float]:
-        """A decimal number (INT or DECIMAL) as the nearest double; more than 12 significant
-        digits or a value beyond 2^128 is refused (no format value needs them)."""
+        """A decimal number (INT or DECIMAL) as the nearest double (the exact value of a
+        format's grid point when it is written out in full, as the printer does); more than
+        MAX_NUMBER_CHARS characters or a value beyond 2^128 is refused."""
         token = tree.children[0]
         text = str(token)
         pos = self.pos(token)
-        digits = text.replace(".", "").lstrip("0")
-        if len(digits) > 12:
-            raise pos.error(f"{what} {clip(text)}: at most 12 significant digits")
+        if len(text) > MAX_NUMBER_CHARS:
+            raise pos.error(
+                f"{what} {clip(text)}: a number of {len(text):,} characters; at most "
+                f"{MAX_NUMBER_CHARS} (enough for every value of an 8-bit format in full)"
+            )
         value = float(text)
         if value >= 2.0**128:
             raise pos.error(f"{what} {clip(text)}: beyond every format's range")

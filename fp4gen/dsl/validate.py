@@ -24,6 +24,7 @@ from fp4gen.dsl.model import (
 from fp4gen.dsl.printer import rht_text
 from fp4gen.dsl.source import At, Pos, did_you_mean
 from fp4gen.dsl.statements import ActionRef
+from fp4gen.errors import ArgumentError
 from fp4gen.formats import (
     BUILTIN_FORMATS,
     HIGH_PRECISION_DTYPES,
@@ -136,7 +137,10 @@ def _operand(op: Operand, slot: Slot, unit: Unit, scope: dict[str, Format]) -> O
                 f"'block {rows}x{cols}' applies to block-scaled formats, but {op.selector} uses "
                 f"{_describe(fmt)}"
             )
-        fmt = fmt.with_block(block.value)
+        try:
+            fmt = fmt.with_block(block.value)
+        except ArgumentError as exc:  # an option of the format that needs its own blocks
+            raise block.pos.error(f"{op.selector}: {exc}") from None
     rounding = slot.rounding.value if slot.rounding is not None else "nearest"
     rht = slot.rht.value if slot.rht is not None else None
 
