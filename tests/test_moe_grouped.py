@@ -273,3 +273,32 @@ def test_under_autocast_the_grouped_product_keeps_fp32_values(dequant_loop) -> N
         want, got = run(loop, hidden, index, weights), run(group, hidden, index, weights)
     assert all(torch.equal(a, b) for a, b in zip(got[:3], want[:3], strict=True))
     assert all(torch.equal(got[3][n], want[3][n]) for n in want[3])
+
+
+def test_non_finite_inputs_as_the_loop(dequant_loop) -> None:
+    """A NaN in one token's hidden state: propagated as the loop propagates it (the same
+    outputs, NaN where the loop has NaN) by default; with the raise mode a TensorError, as the
+    loop raises, naming the projection and its input as given."""
+    from fp4gen.runtime import finite
+
+    loop, group = pair("mixtral", torch.float32)
+    index, weights = routing(24, empty=1)
+    hidden = torch.randn(24, 64)
+    hidden[5, 3] = float("nan")
+    with torch.no_grad():
+        want, got = loop(hidden, index, weights), group(hidden, index, weights)
+    assert torch.isnan(want).any()
+    torch.testing.assert_close(got, want, rtol=0, atol=0, equal_nan=True)
+    previous = finite.layer_mode()
+    finite.set_layer_mode("raise")
+    try:
+        with pytest.raises(fp4gen.errors.TensorError) as grouped_error:
+            group(hidden, index, weights)
+        with pytest.raises(fp4gen.errors.TensorError) as loop_error:
+            loop(hidden, index, weights)
+    finally:
+        finite.set_layer_mode(previous)
+    assert "model.layers.0.mlp.experts.gate_up_proj: the input of shape (48, 64)" in str(
+        grouped_error.value
+    )
+    assert "non-finite" in str(loop_error.value)

@@ -177,37 +177,15 @@ class GroupedProjection(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, x, weight, bias, groups: Groups):  # type: ignore[override]
-        with finite.layer_scope():
-            values, weights, alphas = [], [], []
-            start = 0
-            for expert, count, layer in zip(
-                groups.experts, groups.counts, groups.layers, strict=True
-            ):
-                x_e = x[start : start + count]
-                start += count
-                w = _weight(weight, expert, groups.transposed)
-                table = layer.operands
-                call = layer._forward_calls
-                k = layer.fprop_k(table, w.shape[1])
-                xq = layer.quantize(
-                    pad_to(x_e, count, k), Operand.FPROP_ACTIVATION, table.fprop_activation, call
-                )
-                wq = layer.quantize(
-                    pad_to(_contiguous_rows(w), w.shape[0], k),
-                    Operand.FPROP_WEIGHT,
-                    table.fprop_weight,
-                    call,
-                )
-                layer._advance_device(forward=True)
-                layer.__dict__["_forward_calls"] = call + 1
-                values.append(_values(xq))
-                weights.append(_values(wq))
-                alphas.append(_alpha(xq, wq))
-            counts = torch.tensor(groups.counts, device=x.device)
-            c = group_rows(torch.cat(values), torch.stack(weights), _ends(groups.counts))
-            alpha = torch.cat(alphas).repeat_interleave(counts)[:, None]
-            b = None if bias is None else bias.detach()[groups.experts].repeat_interleave(counts, 0)
-            y = _scaled(c, alpha, b, groups.out_dtype)
+        if finite.layer_mode() == "raise":
+            # the tensors given are checked first, so that an error names them as given
+            with finite.deferred():
+                finite.check_given(x, "{}: the input of shape {}", groups.name, x.shape)
+                shape = weight.shape
+                finite.check_given(weight, "{}: the weight of shape {}", groups.name, shape)
+                y = _fprop(x, weight, bias, groups)
+        else:
+            y = _fprop(x, weight, bias, groups)
         ctx.save_for_backward(x, weight)
         ctx.groups = groups
         ctx.bias_shape = None if bias is None else (bias.shape, bias.dtype)
@@ -229,12 +207,47 @@ class GroupedProjection(torch.autograd.Function):
             shape, dtype = ctx.bias_shape
             db = torch.zeros(shape, dtype=dtype, device=dy.device)
             start = 0
-            for expert, count in zip(
-                groups.experts, groups.counts, strict=True
-            ):  # ops.bias_grad per expert
+            # ops.bias_grad per expert, as the loop sums each expert's dy
+            for expert, count in zip(groups.experts, groups.counts, strict=True):
                 db[expert] = ops.bias_grad(dy[start : start + count], dtype)
                 start += count
         return dx, dw, db, None
+
+
+def _fprop(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, groups: Groups
+) -> torch.Tensor:
+    """``GroupedProjection``'s forward: y [T, out] in the groups' output dtype, each expert's
+    operands quantized as ``Linear._fprop`` quantizes them."""
+    with finite.layer_scope():  # non-finite inputs: propagated as NaN, or raised at the end
+        values, weights, alphas = [], [], []
+        start = 0
+        for expert, count, layer in zip(groups.experts, groups.counts, groups.layers, strict=True):
+            x_e = x[start : start + count]
+            start += count
+            w = _weight(weight, expert, groups.transposed)
+            table = layer.operands
+            call = layer._forward_calls
+            k = layer.fprop_k(table, w.shape[1])
+            xq = layer.quantize(
+                pad_to(x_e, count, k), Operand.FPROP_ACTIVATION, table.fprop_activation, call
+            )
+            wq = layer.quantize(
+                pad_to(_contiguous_rows(w), w.shape[0], k),
+                Operand.FPROP_WEIGHT,
+                table.fprop_weight,
+                call,
+            )
+            layer._advance_device(forward=True)
+            layer.__dict__["_forward_calls"] = call + 1
+            values.append(_values(xq))
+            weights.append(_values(wq))
+            alphas.append(_alpha(xq, wq))
+        counts = torch.tensor(groups.counts, device=x.device)
+        c = group_rows(torch.cat(values), torch.stack(weights), _ends(groups.counts))
+        alpha = torch.cat(alphas).repeat_interleave(counts)[:, None]
+        b = None if bias is None else bias.detach()[groups.experts].repeat_interleave(counts, 0)
+        return _scaled(c, alpha, b, groups.out_dtype)
 
 
 def _ends(counts: Sequence[int]) -> list[int]:
