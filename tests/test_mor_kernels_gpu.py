@@ -32,6 +32,7 @@ from fp4gen.dsl.model import Candidate, Metric, MoRSpec, Partition
 from fp4gen.errors import TensorError
 from fp4gen.numerics.mor import MoRTensor
 from fp4gen.runtime import mor_kernels
+from fp4gen.runtime.loader import LogOnce
 from fp4gen.runtime.quantize_dispatch import mor_quantize  # backend= picks kernels or oracle
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -362,7 +363,11 @@ def test_eight_segments_per_thread_match_too(kernel_cache, arch, name: str) -> N
 # ----------------------------------------------------------------------------------------------
 
 
-def test_auto_takes_the_kernels_and_falls_back_once(run, caplog) -> None:
+def test_auto_takes_the_kernels_and_falls_back_once(run, caplog, monkeypatch) -> None:
+    # a fresh log-once record: under pytest-xdist another test in this worker may have met the
+    # same fallback first, and the process-wide one would then (rightly) stay silent here
+    once = mor_kernels._log_once
+    monkeypatch.setattr(mor_kernels, "_log_once", LogOnce(once.log, once.message))
     rule = SHIPPED["mor_subtensor_2way"]
     x = make_input("mixed", (256, 512), seed=5).to(torch.bfloat16)
     run(x, rule)  # loaded
