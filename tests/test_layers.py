@@ -55,6 +55,7 @@ LAYER_OF: dict[str, str] = {
     "fp4gen.runtime.layer_groups": "nn",  # sibling Linears run as one (uses Linear by duck type)
     "fp4gen.runtime.convert": "nn",
     "fp4gen.runtime.experts": "nn",  # GroupedExperts: MoE experts run through Linear's op
+    "fp4gen.runtime.grouped": "nn",  # grouped expert GEMMs (quantize through each Linear)
     "fp4gen.runtime.schedule": "nn",
     "fp4gen.runtime.fsdp": "nn",  # FSDP2's quantized weight all-gather (wraps Linear)
     "fp4gen.nn": "nn",
