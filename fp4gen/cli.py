@@ -70,8 +70,8 @@ def operand_rows(recipe: Any) -> list[list[str]]:
                 fmt.element.name,
                 describe.block_text(fmt.block),
                 "2d" if fmt.is_2d else "1d",
-                describe.scale_text(fmt.scale),
-                "fp32 amax" if fmt.global_scale else "none",
+                describe.scale_detail(fmt),
+                describe.global_text(fmt),
                 spec.rounding,
             ]
         elif isinstance(fmt, HighPrecision):

@@ -44,6 +44,26 @@ def scale_text(scale: ScaleSpec) -> str:
     return "fp32" if scale.element is None else f"{scale.element.name} ({scale.rounding})"
 
 
+def global_text(fmt: BlockFormat) -> str:
+    """A format's global scale in a table cell: none, fp32 amax (per tensor or per row), and
+    the bound the amax is mapped to where it is not the scale format's max."""
+    if not fmt.global_scale:
+        return "none"
+    text = "fp32 amax per row" if fmt.global_rows else "fp32 amax"
+    return text if fmt.global_bound is None else f"{text} to {fmt.global_bound:g}"
+
+
+def scale_detail(fmt: BlockFormat) -> str:
+    """``scale_text`` with the block-scale options of docs/numerics.md 11 that are set."""
+    parts = [scale_text(fmt.scale)]
+    if fmt.targets:
+        targets = " ".join(f"{t:g}" for t in fmt.targets)
+        parts.append(f"targets {targets} by {fmt.target_error}")
+    if fmt.eden_group is not None:
+        parts.append(f"MS-EDEN over {fmt.eden_group}")
+    return ", ".join(parts)
+
+
 def rht_text(rht: RHTSpec | None) -> str:
     if rht is None:
         return "-"
@@ -105,6 +125,15 @@ def format_json(fmt: BlockFormat | HighPrecision | MoRRef | ElementFormat) -> di
                 "element": element_json(fmt.scale.element),
             },
             "global_scale": "amax" if fmt.global_scale else "none",
+            # the options of docs/numerics.md 11, only where set (other formats read as before)
+            **({"global_rows": True} if fmt.global_rows else {}),
+            **({"global_bound": fmt.global_bound} if fmt.global_bound is not None else {}),
+            **(
+                {"targets": list(fmt.targets), "target_error": fmt.target_error}
+                if fmt.targets
+                else {}
+            ),
+            **({"eden_group": fmt.eden_group} if fmt.eden_group is not None else {}),
         }
     if isinstance(fmt, HighPrecision):
         return {"kind": "high_precision", "name": fmt.name}

@@ -505,6 +505,8 @@ def gemm_path(a: BlockFormat | object, b: BlockFormat | object) -> tuple[str, st
     """(path, why) that ``gemm(..., backend="auto")`` takes on a GPU for these operand formats."""
     if not (isinstance(a, BlockFormat) and isinstance(b, BlockFormat)):
         return "high-precision GEMM", "an operand is kept in high precision (upcast, fp32 sum)"
+    if _row_scaled(a) or _row_scaled(b):
+        return "operands decoded by torch ops + cuBLAS (fp32 accumulation)", ROW_SCALED_REASON
     plan = mma_plan(a, b)
     if isinstance(plan, str):
         native, native_why = "", f"; no native MMA on sm_100a: {plan}"

@@ -468,3 +468,29 @@ def test_gpu_linear_step_with_the_shipped_recipes(name: str) -> None:
     assert bool(((y.detach() - expected).abs() <= 2e-5 * magnitude + 1e-6).all())
     y.sum().backward()
     assert bool(torch.isfinite(x.grad).all()) and bool(torch.isfinite(layer.weight.grad).all())
+
+
+def test_show_names_the_options() -> None:
+    from fp4gen.cli import show_text
+    from fp4gen.describe import format_json
+    from fp4gen.gemm_dispatch import gemm_path
+
+    text = show_text(load_recipe("nvfp4_quartet2"), with_plan=False)
+    assert "e4m3 (stochastic), MS-EDEN over 128" in text and "fp32 amax to 384" in text
+    text = show_text(load_recipe("nvfp4_4over6"), with_plan=False)
+    assert "targets 6 4 by mse" in text and "fp32 amax to 256" in text
+    assert "fp32 amax per row" in show_text(load_recipe("nvfp4_rowscaled"), with_plan=False)
+    assert format_json(FOUR_OVER_SIX)["targets"] == [6.0, 4.0]
+    assert "targets" not in format_json(NVFP4)  # other formats' JSON as before
+    assert gemm_path(ROWS, NVFP4)[1] == ROW_SCALED_REASON
+
+
+def test_a_group_amax_leaves_per_row_scales_to_the_rows() -> None:
+    from fp4gen.dsl.model import OperandSpec
+    from fp4gen.runtime.global_amax import quantize_with_amax
+
+    torch.manual_seed(11)
+    x = torch.randn(16, 64)
+    q = quantize_with_amax(x, OperandSpec(ROWS), torch.tensor(1000.0), seed=0, offset=0)
+    plain = quantize(x, ROWS)
+    assert torch.equal(q.codes, plain.codes) and torch.equal(q.global_scale, plain.global_scale)
