@@ -36,7 +36,8 @@ Per shape MxNxK and format, C = A @ B^T with A [M, K] and B [N, K]:
                         (fp4gen.kernels.gemm_sm90_fp8): alone (compiled function, arguments made
                         beforehand) and fp4gen.gemm(backend="cute") end to end; timed in turns
                         with the scaled_mm lines, then the host time of each; the kernel's other
-                        variant alone too (overlapped promotion on / off: fp8_gemm.CUTE_OVERLAP)
+                        variants alone too (overlapped promotion on / off, 1 or 2 CTAs per
+                        cluster: fp8_gemm.CUTE_OVERLAP, CUTE_CLUSTER_M)
   fp4gen.gemm auto      end to end (dispatch, checks, launch), bf16 out; A is a fresh
                         QuantizedTensor every call (as an activation: the small-M kernels read
                         its codes as they are, the wgmma kernels pack them per call), B the same
@@ -321,18 +322,24 @@ def fp8_lines(fa, fb, sets, nset: int, iters: int, line, ref: dict[str, float], 
         methods["generated FP8 kernel alone"] = cute_alone
         methods["fp4gen.gemm cute (FP8)"] = cute
         params = fp8_gemm.cute_plan(fa, fb, torch.bfloat16, False, False).params
-        variant = dataclasses.replace(params, overlap=not params.overlap)
-        try:  # the other variant of the kernel: overlapped promotion on or off
-            other = fp8_gemm.cute_kernel(variant)
-        except (ValueError, fp4gen.errors.FP4GenError) as err:
-            print(f"no {variant.name}: {err}", flush=True)
-        else:
+        for overlap in (False, True):  # the kernel's other variants, alone
+            for cluster_m in (1, 2):
+                variant = dataclasses.replace(params, overlap=overlap, cluster_m=cluster_m)
+                if variant == params:
+                    continue
+                try:
+                    other = fp8_gemm.cute_kernel(variant)
+                except (ValueError, fp4gen.errors.FP4GenError) as err:
+                    print(f"no {variant.name}: {err}", flush=True)
+                    continue
+                grid = fp8_gemm.sm_count(sets[0][0].device, cluster_m)
+                calls = [[*args[:-1], grid] for _, args in launches]
 
-            def cute_other(i: int = 0, fn=other):
-                fn(*launches[i % nset][1])
+                def cute_other(i: int = 0, fn=other, calls=calls):
+                    fn(*calls[i % nset])
 
-            label = "overlap" if variant.overlap else "one partial"
-            methods[f"generated FP8 kernel, {label}"] = cute_other
+                label = ("overlap" if overlap else "one partial") + f", cluster {cluster_m}x1"
+                methods[f"FP8 kernel, {label}"] = cute_other
     # timed in turns, best of each: at 8192^3 the FP8 tensor cores draw enough power for the
     # clock to fall from one timing to the next, which one after the other would charge to
     # whichever ran second

@@ -139,7 +139,9 @@ def test_plan_is_kept_and_says_what_the_kernel_writes() -> None:
     assert fp16.kernel_out == torch.float32 and not fp16.params.b_2d
     mx = fp8_gemm.cute_plan(MXFP8, MXFP8, torch.float32, False, False)
     assert mx.ue8m0 and mx.block_k == 32 and mx.params.scale_kind == "ue8m0"
-    assert not plan.params.overlap
+    assert not plan.params.overlap and plan.params.cluster_m == 1
+    with mock.patch.object(fp8_gemm, "CUTE_CLUSTER_M", 2):
+        assert fp8_gemm.cute_plan(ROW, TILE, torch.bfloat16, False, False).params.cluster_m == 2
     with mock.patch.object(fp8_gemm, "CUTE_OVERLAP", True):
         assert fp8_gemm.cute_plan(ROW, TILE, torch.bfloat16, False, False).params.overlap
         wide = fp8(E4M3, (1, 512))  # two K-blocks of 4 stages each do not fit in 6
@@ -183,6 +185,7 @@ def test_params_refuse_what_the_kernel_cannot_do() -> None:
         ({"tile_n": 48}, "tile_n must be a multiple of 32"),
         ({"out": "fp16"}, "out must be one of"),
         ({"block_k": 512, "overlap": True}, "overlap holds two K-blocks of 4 stages"),
+        ({"cluster_m": 4}, "cluster_m must be 1 or 2"),
     ):
         with pytest.raises(ValueError, match=words):
             GemmSm90Fp8Params(**{**good, **change})
@@ -225,11 +228,12 @@ def test_kernels_cross_compile_to_fp8_wgmma(tmp_path: Path, monkeypatch) -> None
         ("e4m3", "e5m2", "fp32", 64, True, "fp32", False, False),
         ("e4m3", "e4m3", "fp32", 256, False, "bf16", False, True),
     ]
-    cases = [(*case, False) for case in cases]
+    cases = [(*case, False, 1) for case in cases]
     # the overlapped variant (two partial accumulators) of the fp8_blockwise fprop pair and of
-    # 1x256 blocks (two k-tiles per K-block)
-    cases += [(*cases[0][:-1], True), (*cases[-1][:-1], True)]
-    for a_el, b_el, kind, block_k, b_2d, out, bias, accumulate, overlap in cases:
+    # 1x256 blocks (two k-tiles per K-block); 2-CTA clusters multicasting B, with and without
+    cases += [(*cases[0][:-2], True, 1), (*cases[-1][:-2], True, 1)]
+    cases += [(*cases[0][:-2], False, 2), (*cases[2][:-2], True, 2)]
+    for a_el, b_el, kind, block_k, b_2d, out, bias, accumulate, overlap, cluster_m in cases:
         params = GemmSm90Fp8Params(
             a_element=a_el,
             b_element=b_el,
@@ -240,6 +244,7 @@ def test_kernels_cross_compile_to_fp8_wgmma(tmp_path: Path, monkeypatch) -> None
             bias=bias,
             accumulate=accumulate,
             overlap=overlap,
+            cluster_m=cluster_m,
         )
         dump = tmp_path / params.name
         compile_fp8_gemm(params, "sm_90a", dump_dir=str(dump))
@@ -255,6 +260,11 @@ def test_kernels_cross_compile_to_fp8_wgmma(tmp_path: Path, monkeypatch) -> None
         assert "setmaxnreg.inc.sync.aligned.u32 \t232" in ptx
         assert "cp.async.bulk.tensor.2d" in ptx  # TMA of the codes
         assert ".local" not in ptx, f"{params.name} uses local memory"
+        # clusters: B's TMA multicast, stage releases to both CTAs, cluster barriers at the
+        # start (barriers initialized) and the end (no CTA leaves before its peer)
+        multicast = "multicast::cluster" in ptx
+        assert multicast == (cluster_m > 1) and ("mapa.shared::cluster" in ptx) == multicast
+        assert ptx.count("barrier.cluster.wait") == (2 if cluster_m > 1 else 0)
 
 
 def test_shipped_fp8_recipe_pairs_are_served() -> None:
@@ -281,11 +291,10 @@ def _cuda_stood_in(launched: list):
 
     with contextlib.ExitStack() as stack:
         stack.enter_context(mock.patch.dict(jit._archs, {0: "sm_90a"}))
-        stack.enter_context(mock.patch.dict(fp8_gemm._sm_counts, {0: 132}))
         stack.enter_context(
             mock.patch.object(fp8_gemm, "one_cuda_device", lambda a, b, w: torch.device("cpu"))
         )
-        stack.enter_context(mock.patch.object(fp8_gemm, "sm_count", lambda dev: 132))
+        stack.enter_context(mock.patch.object(fp8_gemm, "sm_count", lambda dev, cluster: 132))
         stack.enter_context(
             mock.patch.object(fp8_gemm, "cute_kernel", lambda params: launched.append(params))
         )

@@ -208,3 +208,28 @@ def test_agrees_with_scaled_mm_on_fp8_blockwise() -> None:
     for backend in ("cute", "block_scaled"):
         got = fp4gen.gemm(a, b, backend=backend, out_dtype=torch.bfloat16)
         check_within(got, ref, limit, backend)
+
+
+CLUSTER_PAIRS = ["1x128 x 128x128", "1x128 x 1x128", "mxfp8 1x32 ue8m0", "1x256 x 256x256"]
+# odd M-tile counts (the cluster's second CTA past M), one unit, more units than clusters
+CLUSTER_SHAPES = [(1, 32, 128), (300, 256, 512), (129, 200, 1000), (2048, 2048, 256)]
+
+
+@pytest.mark.parametrize("overlap_too", [False, True], ids=["one_partial", "overlap"])
+@pytest.mark.parametrize("pair", CLUSTER_PAIRS)
+@pytest.mark.parametrize("shape", CLUSTER_SHAPES, ids=lambda s: "x".join(map(str, s)))
+def test_cluster_of_two_exact(pair, shape, overlap_too, monkeypatch) -> None:
+    """2-CTA clusters (B multicast, fp8_gemm.CUTE_CLUSTER_M = 2): the oracle bit for bit on
+    integer inputs, as one CTA gives it; a bias and accumulate too."""
+    monkeypatch.setattr(fp8_gemm, "CUTE_CLUSTER_M", 2)
+    monkeypatch.setattr(fp8_gemm, "CUTE_OVERLAP", overlap_too)
+    m, n, k = shape
+    fa, fb = PAIRS[pair]
+    g = torch.Generator().manual_seed(m + n + k)
+    a, b = integer_operand(m, k, fa, g), integer_operand(n, k, fb, g)
+    ref = gemm_block_scaled_reference(a, b)
+    assert torch.equal(fp4gen.gemm(a, b, backend="cute", out_dtype=torch.bfloat16), ref.bfloat16())
+    bias = torch.randint(-64, 65, (n,), generator=g).float().cuda()
+    acc = torch.randint(-1000, 1001, (m, n), generator=g).float().cuda()
+    got = fp4gen.gemm(a, b, backend="cute", bias=bias, accumulate=acc)
+    assert torch.equal(got, ref + bias + acc)

@@ -371,6 +371,9 @@ CUTE_AUTO_MIN_M: dict[str, int] = {}
 # (GemmSm90Fp8Params.overlap), where the K-block's stages allow it. Off until measured faster
 # (benchmarks/gemm.py times both variants alone).
 CUTE_OVERLAP = False
+# CTAs per cluster along M (GemmSm90Fp8Params.cluster_m): 2 multicasts each B tile to two CTAs.
+# 1 until measured faster.
+CUTE_CLUSTER_M = 1
 
 
 def cute_support(a: BlockFormat | object, b: BlockFormat | object) -> str | None:
@@ -435,7 +438,7 @@ def _scale_kind(fmt: BlockFormat) -> str | None:
 
 _cute_compiled: dict[Any, Any] = {}  # GemmSm90Fp8Params -> the compiled function
 _cute_lock = threading.Lock()
-_sm_counts: dict[int, int] = {}
+_sm_counts: dict[tuple[int, int], int] = {}  # (device, cluster size) -> grid limit
 
 
 def cute_kernel(params: Any, cache: Any = None) -> Any:
@@ -484,7 +487,7 @@ def cute_plan(
     a: BlockFormat, b: BlockFormat, out_dtype: torch.dtype, bias: bool, accumulate: bool
 ) -> CutePlan:
     """The plan of a supported pair (``cute_support``), looked up by the formats' identity."""
-    key = (id(a), id(b), out_dtype, bias, accumulate, CUTE_OVERLAP)
+    key = (id(a), id(b), out_dtype, bias, accumulate, CUTE_OVERLAP, CUTE_CLUSTER_M)
     hit = _cute_plans.get(key)
     if hit is not None and hit[0] is a and hit[1] is b:
         return hit[2]
@@ -502,6 +505,7 @@ def cute_plan(
         bias=bias,
         accumulate=accumulate,
         overlap=CUTE_OVERLAP and block_k <= 3 * MAX_TILE_K,  # two blocks' stages fit
+        cluster_m=CUTE_CLUSTER_M,
     )
     plan = CutePlan(params, a.block[1], params.scale_kind == "ue8m0", kernel_out)
     if len(_cute_plans) >= 256:
@@ -528,11 +532,21 @@ def cute_scales(q: QuantizedTensor, ue8m0: bool) -> torch.Tensor:
     return codes if codes.is_contiguous() else codes.contiguous()
 
 
-def sm_count(device: torch.device) -> int:
+def sm_count(device: torch.device, cluster: int = 1) -> int:
+    """The persistent grid's limit on ``device``: its SM count, or for clusters of ``cluster``
+    CTAs that many times the clusters that can be resident at once (the GPCs' SM counts
+    leave some SMs out of pairs; more clusters would run in a second wave)."""
     index = device.index if device.index is not None else torch.cuda.current_device()
-    count = _sm_counts.get(index)
+    count = _sm_counts.get((index, cluster))
     if count is None:
-        count = _sm_counts[index] = torch.cuda.get_device_properties(index).multi_processor_count
+        if cluster == 1:
+            count = torch.cuda.get_device_properties(index).multi_processor_count
+        else:
+            from cutlass.utils import HardwareInfo
+
+            with _cute_lock:  # it compiles a probe kernel: cute.compile is not thread-safe
+                count = cluster * HardwareInfo(index).get_max_active_clusters(cluster)
+        _sm_counts[(index, cluster)] = count
     return count
 
 
@@ -609,7 +623,7 @@ def cute_launch(
     args.append(c)
     if bias is not None:
         args.append(bias.detach().to(device=dev, dtype=torch.float32).contiguous())
-    args.append(sm_count(dev))
+    args.append(sm_count(dev, plan.params.cluster_m))
     product = GemmProduct(c, scaled=True, bias=bias is not None, accumulated=accumulate is not None)
     return cute_kernel(plan.params), args, product
 
