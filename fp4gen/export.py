@@ -601,12 +601,17 @@ def _global_decode_scale(amax: float) -> float:
     return float(1.0 / s_enc)
 
 
-def _calibrate(model: nn.Module, names: list[str], samples: Iterable[Any]) -> dict[str, float]:
+def _calibrate(
+    model: nn.Module, names: list[str], samples: Iterable[Any], experts: Iterable[_Layer] = ()
+) -> dict[str, float]:
     """Each named layer's input amax over the samples (a tensor: model(x); a tuple: model(*x);
-    a mapping: model(**x)), run without gradients."""
+    a mapping: model(**x)), run without gradients; and each expert's layers' (by their
+    checkpoint names, ``_experts_amax``)."""
     modules = dict(model.named_modules())
     amax: dict[str, float] = {}
     hooks = []
+    seen: dict[str, dict[tuple[int, int], float]] = {}
+    swapped: list[tuple[nn.Module, str, nn.Module]] = []
 
     def hook(name: str) -> Callable[[nn.Module, tuple[Any, ...]], None]:
         def record(_: nn.Module, args: tuple[Any, ...]) -> None:
@@ -619,6 +624,9 @@ def _calibrate(model: nn.Module, names: list[str], samples: Iterable[Any]) -> di
     try:
         for name in names:
             hooks.append(modules[name].register_forward_pre_hook(hook(name)))
+        for layer in experts:
+            observer = _expert_observer(seen.setdefault(layer.name, {}))
+            _observed_experts(modules, layer.name, observer, swapped)
         with torch.no_grad():
             for i, sample in enumerate(samples):
                 try:
@@ -636,13 +644,79 @@ def _calibrate(model: nn.Module, names: list[str], samples: Iterable[Any]) -> di
     finally:
         for h in hooks:
             h.remove()
+        for module in modules.values():
+            if getattr(module, "observe", None) is not None:
+                module.observe = None
+        for parent, leaf, original in swapped:
+            setattr(parent, leaf, original)
+    for layer in experts:
+        amax.update(_experts_amax(layer, seen[layer.name]))
     missing = [n for n in names if n not in amax]
     if missing:
         raise ExportError(f"calibration: layer {missing[0]} saw no input in the samples given")
-    bad = [n for n in names if not math.isfinite(amax[n])]
+    bad = [n for n in amax if not math.isfinite(amax[n])]
     if bad:
         raise ExportError(f"calibration: the input of {bad[0]} holds NaN or Inf")
     return amax
+
+
+def _expert_observer(
+    seen: dict[tuple[int, int], float],
+) -> Callable[[int, int, torch.Tensor], None]:
+    def observe(expert: int, proj: int, x: torch.Tensor) -> None:
+        value = float(x.detach().abs().amax().float()) if x.numel() else 0.0
+        seen[(expert, proj)] = max(seen.get((expert, proj), 0.0), value)
+
+    return observe
+
+
+def _observed_experts(
+    modules: Mapping[str, nn.Module],
+    name: str,
+    observer: Callable[[int, int, torch.Tensor], None],
+    swapped: list[tuple[nn.Module, str, nn.Module]],
+) -> None:
+    """Have the experts module ``name`` report each expert's projection inputs to
+    ``observer``: a converted model's ``GroupedExperts`` as it runs (its quantized forward); a
+    transformers experts module through a ``GroupedExperts`` put in its place for the
+    calibration, with every operand in the weights' own dtype, so that it computes what the
+    module computes (its own torch GEMMs, bit for bit); ``swapped`` says what to put back."""
+    from fp4gen.dsl import parse_recipe
+    from fp4gen.runtime.experts import GroupedExperts, experts_layout
+
+    module = modules[name]
+    if not isinstance(module, GroupedExperts):
+        layout = experts_layout(module)
+        assert not isinstance(layout, str) and layout is not None  # experts_export checked it
+        dtype = getattr(module, layout.up).dtype
+        hp = {torch.bfloat16: "bf16", torch.float16: "fp16"}.get(dtype, "fp32")
+        table = parse_recipe(f"operands {{\n * : {hp}\n}}\n", base_dir=None).operands
+        stand_in = GroupedExperts(module, layout, operands=table, seed=0, name=name)
+        parent_name, _, leaf = name.rpartition(".")
+        parent = modules[parent_name] if parent_name else None
+        if parent is None:
+            raise ExportError(f"calibration: the experts module {name} is the model itself")
+        setattr(parent, leaf, stand_in)
+        swapped.append((parent, leaf, module))
+        module = stand_in
+    module.observe = observer
+
+
+def _experts_amax(layer: _Layer, seen: Mapping[tuple[int, int], float]) -> dict[str, float]:
+    """The input amax of each per-expert layer (gate and up: the expert's tokens; down: its
+    activation). An expert no calibration token was routed to gets the largest of its module's
+    experts (the scale an engine that keeps one input scale per layer takes anyway)."""
+    lay = layer.experts
+    assert lay is not None
+    widest = [max((v for (e, p), v in seen.items() if p == proj), default=None) for proj in (0, 1)]
+    if widest[0] is None:
+        raise ExportError(f"calibration: no token was routed to any expert of {layer.name}")
+    out = {}
+    for e in range(lay.count):
+        for proj in (0, 1, 2):
+            which = 0 if proj < 2 else 1
+            out[lay.layer(e, proj)] = seen.get((e, which), widest[which])  # type: ignore[arg-type]
+    return out
 
 
 def _write_shards(
@@ -761,12 +835,12 @@ def export_quantized(
     if calibration is not None:
         if not isinstance(model, nn.Module):
             raise ExportError("calibration needs a model to run: a state_dict has no forward")
-        # an experts module's inputs are its tokens per expert, which no hook sees: its
-        # layers stay weight-only (W4A16_NVFP4)
         nvfp4 = [
             layer.name for layer in quantized if layer.algo == "NVFP4" and layer.experts is None
         ]
-        amax = _calibrate(model, nvfp4, calibration) if nvfp4 else {}
+        # experts modules: each expert's own inputs (its tokens; its activation)
+        moe = [layer for layer in quantized if layer.algo == "NVFP4" and layer.experts]
+        amax = _calibrate(model, nvfp4, calibration, moe) if nvfp4 or moe else {}
         input_scales = {name: _global_decode_scale(a) for name, a in amax.items()}
 
     # every tensor in state_dict order; a quantized layer's weight replaced by its tensors
@@ -781,6 +855,10 @@ def export_quantized(
         expert_layer = by_expert_key.get(key)
         if expert_layer is not None:
             tensors.update(_experts_tensors(expert_layer, key, value, seed, dtype))
+            for name in expert_layer.names():  # the calibrated ones: gate, up, down per expert
+                if name in input_scales and f"{name}.weight" in tensors:
+                    scale = torch.tensor(input_scales[name], dtype=torch.float32)
+                    tensors[f"{name}.input_scale"] = scale
             continue
         layer = by_weight.get(key)
         for moe in experts:  # a key inside a renamed MoE block (Mixtral's router)

@@ -146,18 +146,83 @@ def test_experts_kept_in_high_precision_are_written_per_expert(tmp_path: Path) -
     assert torch.equal(state["model.layers.0.mlp.experts.gate_up_proj"], want)
 
 
-def test_calibration_leaves_the_experts_weight_only(tmp_path: Path) -> None:
-    """Calibrated NVFP4 (W4A4) for the linear layers; the experts' inputs (tokens per expert)
-    are not calibrated, so they are declared weight-only and get no input_scale."""
+def routed_amax(model, ids_list) -> dict[tuple[int, int], float]:
+    """Each expert's input amax of the first experts module over the batches, from the
+    module's arguments: its routed tokens (projection 0) and, computed here in high precision,
+    act(x W_up^T) (projection 1)."""
+    experts = experts_of(model)
+    source = getattr(experts, "source", experts)
+    seen: dict[tuple[int, int], float] = {}
+
+    def hook(_, args):
+        hidden, index = args[0], args[1]
+        for e in range(4):
+            x = hidden[(index == e).any(dim=1)]
+            if not x.numel():
+                continue
+            h = source._apply_gate(x @ source.gate_up_proj[e].t())
+            for proj, t in ((0, x), (1, h)):
+                seen[(e, proj)] = max(seen.get((e, proj), 0.0), float(t.abs().amax()))
+
+    handle = experts.register_forward_pre_hook(hook)
+    with torch.no_grad():
+        for ids in ids_list:
+            model(ids)
+    handle.remove()
+    return seen
+
+
+@pytest.mark.parametrize("converted", [True, False], ids=["converted", "with-recipe"])
+def test_calibration_gives_each_expert_its_input_scales(converted: bool, tmp_path: Path) -> None:
+    """Calibrated NVFP4 (W4A4) for the experts too, so the checkpoint stays one vLLM's ModelOpt
+    loader reads: gate and up get the global decode scale of the amax of the expert's routed
+    tokens, down of its activation's amax (a converted model: its quantized forward's, within
+    a few percent of the high-precision one; a model exported with a recipe: the
+    transformers module's own forward, exactly, run through a stand-in put back after)."""
+    from fp4gen.export import _global_decode_scale
+
     ids = [
         torch.randint(0, 128, (2, 8), generator=torch.Generator().manual_seed(s)) for s in (1, 2)
     ]
-    _, out, report, tensors = exported("qwen3_moe", tmp_path, calibration=ids)
-    assert report.config_algo == "MIXED_PRECISION"
-    layers = json.loads((out / "hf_quant_config.json").read_text())["quantization"][
-        "quantized_layers"
-    ]
-    assert layers["model.layers.0.self_attn.q_proj"]["quant_algo"] == "NVFP4"
-    assert layers["model.layers.0.mlp.experts.0.gate_proj"]["quant_algo"] == "W4A16_NVFP4"
+    model = build("qwen3_moe")
+    original = experts_of(model)
+    if converted:
+        fp4gen.convert(model, "nvfp4_no_bf16")
+    report = fp4gen.export_quantized(
+        model, tmp_path / "out", None if converted else "nvfp4_no_bf16", calibration=ids
+    )
+    tensors = load_file(str(tmp_path / "out" / "model.safetensors"))
+    assert report.config_algo == "NVFP4"
+    assert experts_of(model) is not original if converted else experts_of(model) is original
+    want = routed_amax(model, ids)
+    for e in range(4):
+        prefix = f"model.layers.0.mlp.experts.{e}"
+        gate, up, down = (
+            float(tensors[f"{prefix}.{n}.input_scale"])
+            for n in ("gate_proj", "up_proj", "down_proj")
+        )
+        assert gate == up == _global_decode_scale(want[(e, 0)])  # the tokens: exact
+        if converted:  # the quantized forward's activation: close to the high-precision one
+            assert down == pytest.approx(_global_decode_scale(want[(e, 1)]), rel=0.1)
+        else:
+            assert down == _global_decode_scale(want[(e, 1)])
     assert "model.layers.0.self_attn.q_proj.input_scale" in tensors
-    assert not [k for k in tensors if ".experts." in k and k.endswith("input_scale")]
+    assert (
+        json.loads((tmp_path / "out" / "config.json").read_text())["quantization_config"][
+            "quant_method"
+        ]
+        == "modelopt"
+    )
+
+
+def test_an_expert_no_calibration_token_reached_gets_its_modules_widest_scale() -> None:
+    from fp4gen.export import ExpertsLayout, ExportError, _experts_amax, _Layer
+
+    lay = ExpertsLayout("m.experts", 3, ("w1", "w3", "w2"), "m.experts", None, 8)
+    layer = _Layer("m.experts", torch.empty(0), False, "", experts=lay)
+    got = _experts_amax(layer, {(0, 0): 2.0, (0, 1): 5.0, (2, 0): 3.0, (2, 1): 1.0})
+    assert got["m.experts.1.w1"] == got["m.experts.1.w3"] == 3.0  # the widest tokens' amax
+    assert got["m.experts.1.w2"] == 5.0
+    assert got["m.experts.2.w1"] == 3.0 and got["m.experts.0.w2"] == 5.0
+    with pytest.raises(ExportError, match="no token was routed to any expert of m.experts"):
+        _experts_amax(layer, {})

@@ -39,6 +39,7 @@ operands, one ``torch._grouped_mm`` per GEMM); the quantize kernels still run pe
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -210,6 +211,9 @@ class GroupedExperts(nn.Module):
         # grouped GEMMs (fp4gen.runtime.grouped): None chooses (loop_reason), True takes them
         # wherever the formats allow, False runs expert by expert
         self.grouped: bool | None = None
+        # called with (expert, projection, that projection's input) before each expert GEMM
+        # where set (export's calibration records the inputs' amax); None: nothing
+        self.observe: Callable[[int, int, torch.Tensor], None] | None = None
 
     def __getattr__(self, name: str) -> Any:
         try:
@@ -288,8 +292,12 @@ class GroupedExperts(nn.Module):
                 continue  # an expert-parallel sentinel: another rank's expert
             # [k, tokens], row-major: the token order of transformers' eager loop
             top_k_pos, token_idx = torch.where((top_k_index == expert).t())
-            h = self._gemm(expert, 0, hidden_states[token_idx])
-            h = self._activation(h)
+            x = hidden_states[token_idx]
+            if self.observe is not None:
+                self.observe(expert, 0, x)
+            h = self._activation(self._gemm(expert, 0, x))
+            if self.observe is not None:
+                self.observe(expert, 1, h)
             y = self._gemm(expert, 1, h)
             y = y * top_k_weights[token_idx, top_k_pos, None]
             final.index_add_(0, token_idx, y.to(final.dtype))
@@ -320,6 +328,11 @@ class GroupedExperts(nn.Module):
         hit = [e for e in range(lay.num_experts) if counts[e]]
         x = hidden_states[token_idx]
         for proj in (0, 1):
+            if self.observe is not None:
+                start = 0
+                for e in hit:
+                    self.observe(e, proj, x[start : start + counts[e]])
+                    start += counts[e]
             name = lay.weights[proj]
             bias = None if lay.biases is None else getattr(self, lay.biases[proj])
             groups = Groups(
