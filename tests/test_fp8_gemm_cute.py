@@ -8,6 +8,8 @@ from __future__ import annotations
 import contextlib
 import importlib.util
 import re
+import subprocess
+import sys
 from pathlib import Path
 from unittest import mock
 
@@ -379,3 +381,23 @@ def test_kernel_is_cached_on_disk(tmp_path: Path, monkeypatch) -> None:
     fp8_gemm.cute_kernel(params, cache)
     stats = fp8_gemm._cute_loaded[params]
     assert (stats.compiled, stats.loaded) == (0, 1)
+
+
+def test_dispatch_and_support_do_not_import_the_cute_dsl() -> None:
+    """The FP8 pair checks are pure logic: asking them loads no cutlass (a CPU-only install,
+    and every dispatch, stay without it)."""
+    code = (
+        "import sys\n"
+        "import fp4gen.gemm_dispatch as gd\n"
+        "from fp4gen.formats import BUILTIN_FORMATS, BlockFormat, ScaleSpec\n"
+        "from fp4gen.runtime import fp8_gemm\n"
+        "e4m3 = BUILTIN_FORMATS['mxfp8_e4m3'].element\n"
+        "row = BlockFormat('fp8_block', e4m3, (1, 128), ScaleSpec(None))\n"
+        "tile = row.with_block((128, 128))\n"
+        "assert fp8_gemm.cute_support(row, tile) is None\n"
+        "c = gd.choose_backend(row, tile, 64, 64, 128, device='cuda', arch='sm_90a')\n"
+        "assert c.backend == 'block_scaled', c\n"
+        "assert 'cutlass' not in sys.modules, 'cutlass imported'\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-2000:]

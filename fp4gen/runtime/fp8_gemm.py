@@ -386,7 +386,7 @@ def cute_support(a: BlockFormat | object, b: BlockFormat | object) -> str | None
 
 
 def _cute_support(a: BlockFormat | object, b: BlockFormat | object) -> str | None:
-    from fp4gen.kernels.gemm_sm90_fp8 import block_k_reason
+    from fp4gen.codegen.gemm_fp8 import block_k_reason  # pure logic: no CuTe DSL import
 
     if not (isinstance(a, BlockFormat) and isinstance(b, BlockFormat)):
         return "an operand is kept in high precision"
@@ -419,7 +419,7 @@ def cute_pair_name(a: BlockFormat, b: BlockFormat) -> str:
 def cute_auto_reason(a: BlockFormat | object, b: BlockFormat | object, m: int) -> str | None:
     """Why ``backend="auto"`` takes the generated FP8 kernel for this pair at M = ``m`` (the
     measured table ``CUTE_AUTO_MIN_M`` says it is the faster), or None (it does not)."""
-    if cute_support(a, b) is not None:
+    if not CUTE_AUTO_MIN_M or cute_support(a, b) is not None:  # nothing measured: no import
         return None
     assert isinstance(a, BlockFormat) and isinstance(b, BlockFormat)
     name = cute_pair_name(a, b)
@@ -452,7 +452,7 @@ def cute_kernel(params: Any, cache: Any = None) -> Any:
     with _cute_lock:  # cute.compile is not thread-safe
         fn = _cute_compiled.get(params)
         if fn is None or cache is not None:
-            from fp4gen.kernels.gemm_sm90_fp8 import module_source
+            from fp4gen.codegen.gemm_fp8 import module_source
             from fp4gen.runtime.kernels import kernels_for
 
             source = module_source(params)
@@ -491,7 +491,8 @@ def cute_plan(
     hit = _cute_plans.get(key)
     if hit is not None and hit[0] is a and hit[1] is b:
         return hit[2]
-    from fp4gen.kernels.gemm_sm90_fp8 import MAX_TILE_K, GemmSm90Fp8Params
+    from fp4gen.codegen.gemm_fp8 import MAX_TILE_K
+    from fp4gen.kernels.gemm_sm90_fp8 import GemmSm90Fp8Params
 
     kernel_out = torch.bfloat16 if out_dtype == torch.bfloat16 and not accumulate else torch.float32
     block_k = a.block[1]
