@@ -546,7 +546,7 @@ def sm_count(device: torch.device, cluster: int = 1) -> int:
             from cutlass.utils import HardwareInfo
 
             with _cute_lock:  # it compiles a probe kernel: cute.compile is not thread-safe
-                count = cluster * HardwareInfo(index).get_max_active_clusters(cluster)
+                count = cluster * max(1, HardwareInfo(index).get_max_active_clusters(cluster))
         _sm_counts[(index, cluster)] = count
     return count
 
