@@ -9,6 +9,7 @@ the quantize kernel stores NaN over the 1.0 S_dec of a copy whose block amaxes w
 
 from __future__ import annotations
 
+import inspect
 import re
 from pathlib import Path
 
@@ -17,6 +18,8 @@ from test_codegen_quantize import ALL_SPECS, PLANNED_SPECS, TILE_SPECS  # noqa: 
 
 from fp4gen.codegen import import_source
 from fp4gen.codegen.quantize import ARCHS, render
+from fp4gen.kernels import quantize as kernels_quantize
+from fp4gen.kernels import scale as kernels_scale
 
 ROOT = Path(__file__).resolve().parent.parent
 NAN_BITS = "0f7FFFFFFF"  # the NaN stored as S_dec, as a PTX fp32 literal
@@ -126,13 +129,16 @@ def test_tile_kernels_without_a_global_scale_store_nan_per_copy(modules) -> None
 def test_rowwise_kernel_without_a_global_scale_takes_its_decode_scale() -> None:
     src = render(SPECS["quant_e4m3_1x128_fp32_nog_bf16_row_rne"])
     assert "s_dec = torch.ones(1, dtype=torch.float32, device=dev)" in src
-    assert "mSdec[0] = Uint32(NAN_BITS).bitcast(Float32)" in src
-    assert "seen = fmax_nan(seen, seen_v)" in src
+    assert "GLOBAL_SCALE = False" in src and "global_scale=GLOBAL_SCALE," in src
+    # the rowwise kernel class: a thread with a non-finite block amax stores NaN over the 1.0
+    body = inspect.getsource(kernels_quantize.RowwiseQuantizeKernel.body)
+    assert "mSdec[0] = Uint32(NAN_BITS).bitcast(Float32)" in body
+    assert "seen = fmax_nan(seen, seen_v)" in body
 
 
 def test_global_scales_map_a_non_finite_amax_to_nan() -> None:
     src = render(SPECS["quant_e2m1_1x16_e4m3rn_g_bf16_row_sr8"])
-    body = src[src.index("def global_scales") :]
-    body = body[: body.index("\n\n\n")]
+    assert "global_num=GLOBAL_NUM," in src  # the rowwise kernel takes kernels.scale's
+    body = inspect.getsource(kernels_scale.global_scales)
     assert "amax.bitcast(Uint32) < Uint32(NONFINITE_BITS)" in body
     assert "NAN_BITS" in body

@@ -37,7 +37,7 @@ from __future__ import annotations
 import math
 import re
 import struct
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Literal
 
 import torch
@@ -116,7 +116,7 @@ class Mapping:
 
 
 class SwEncode(StrEnum):
-    """The software element encode of a rounding (quantize_macros.j2 ``elem_raw``); the templates
+    """The software element encode of a rounding (``fp4gen.kernels.encode``); the kernels
     compare it with these words."""
 
     RNE = "rne"  # one FFMA; needs a mantissa bit so that rint's even integer is the even code
@@ -296,15 +296,6 @@ class ScaleContext:
     min: str | None = None  # exponent-only: literal of 2^-bias (these formats have no zero)
     max_code: int | None = None  # exponent-only: the largest finite code (all ones is NaN)
     emin_biased: int | None = None  # software minifloat: emin + 127, an fp32 exponent field
-    rne_bias: str | None = None  # software minifloat: hex of its RNE code bias
-
-    @property
-    def needs_add_rz(self) -> bool:
-        """A software minifloat scale rounded other than to nearest with a mantissa: its encode
-        takes the add.rz helper."""
-        return self.kind == ScaleKind.MINIFLOAT and not (
-            self.rounding == "nearest" and (self.man_bits or 0) > 0
-        )
 
 
 def _scale_context(spec: QuantKernelSpec) -> ScaleContext:
@@ -337,9 +328,6 @@ def _scale_context(spec: QuantKernelSpec) -> ScaleContext:
         min=lit(fmt.min_positive) if kind == ScaleKind.EXPONENT else None,
         max_code=(1 << fmt.exp_bits) - 2 if kind == ScaleKind.EXPONENT else None,
         emin_biased=emin + 127 if kind == ScaleKind.MINIFLOAT else None,
-        rne_bias=_hex(0x4B000000 + ((emin + 127) << fmt.man_bits))
-        if kind == ScaleKind.MINIFLOAT
-        else None,
     )
 
 
@@ -448,16 +436,12 @@ class RowwiseContext(TemplateContext):
     unit_bytes: int  # bytes of a unit's packed codes
     store_bytes: int  # bytes of one store word of codes
     store_n: int  # store words per unit
-    store_type: str  # the CuTe type of a store word
     cutlass_names: tuple[str, ...]  # names the module imports from cutlass, in isort's order
     k_rule: str  # what K must be a multiple of, in words
-    n_words: int  # 32-bit words of a unit's codes
     rht: RHTContext | None  # the row RHT before every amax
     swizzled: bool  # scales also in the swizzled 128x4 layout
     quant_threads: int  # threads per CTA, quantize kernel
     amax_threads: int  # threads per CTA, amax kernel
-    need_add_rz: bool  # the module defines the add.rz helper (floor encode, software scales)
-    need_mul_rz: bool  # the module defines the mul.rz helper (the "srshift" encode)
     rand_fn: RandomSource
 
 
@@ -472,11 +456,11 @@ def context(spec: QuantKernelSpec) -> RowwiseContext:
     unit_bits = mapping.unit * spec.element.bits
     unit_bytes = unit_bits // 8
     store_bytes = 4 if unit_bytes % 4 == 0 else 2 if unit_bytes % 2 == 0 else 1
-    store_type = _STORE_TYPES[store_bytes]
-    names = {"Float32", "Int32", "Uint8", "Uint32", "range_constexpr", store_type}
+    # the module itself spells only the entry and the host code: the device code is
+    # fp4gen.kernels.quantize's (no inline PTX of its own)
+    common = replace(common, uses_asm=False)
+    names = {"Float32", "Int32", "Uint8"}
     sr = is_stochastic(out.rounding)
-    if sr:
-        names.add("Uint64")
     sw_encode = _sw_encode(
         spec.element,
         out.rounding,
@@ -496,16 +480,12 @@ def context(spec: QuantKernelSpec) -> RowwiseContext:
         unit_bytes=unit_bytes,
         store_bytes=store_bytes,
         store_n=unit_bytes // store_bytes,
-        store_type=store_type,
         cutlass_names=tuple(sorted(names, key=_import_order)),
         k_rule=f"1x{block} blocks" + (f", RHT size {rht.size}" if rht else ""),
-        n_words=-(-unit_bits // 32),
         rht=_rht_context(rht) if rht is not None else None,
         swizzled=out.scale_layout == "swizzled",
         quant_threads=QUANT_THREADS,
         amax_threads=AMAX_THREADS,
-        need_add_rz=sw_encode == SwEncode.FLOOR or common.scale.needs_add_rz,
-        need_mul_rz=sw_encode == SwEncode.SRSHIFT,
         rand_fn=_random_source(sw_encode),
     )
 
@@ -762,17 +742,13 @@ class TileContext(TemplateContext):
     slot_rht: tuple[bool, ...]  # per slot: is it the column RHT's
     encoders: tuple[Encoder, ...]
     sr: bool  # some copy rounds stochastically
-    sr_bits: tuple[int, ...]  # the random field widths the kernel draws, ascending
     n_sr: int  # stochastic copies (Philox offsets)
     swar: bool  # whole codes per 32-bit word (4- and 8-bit)
     partial: bool  # a row segment or column strip holds part of a code word
-    hw_any: bool  # some copy may take the hardware convert
     row_store: RowStore
     col_store: ColStore
     swizzled: bool  # some copy's scales also in the swizzled 128x4 layout
     cutlass_names: tuple[str, ...]  # names the module imports from cutlass, in isort's order
-    need_add_rz: bool  # the module defines the add.rz helper (floor encode, software scales)
-    need_mul_rz: bool  # the module defines the mul.rz helper (the "srshift" encode)
     bf16_absmax: bool  # the module defines the bf16 absmax helper
     bf16_input: bool
     transpose: bool  # 2D: the columnwise codes are the transpose of the rowwise code words
@@ -787,6 +763,7 @@ class TileContext(TemplateContext):
     grid_2d: bool  # a (tiles along K, tiles along M) grid, one row clamp per strip
     fold: tuple[str, ...]  # tags of the copies whose encode-factor table folds ELEM_TO_F16 in
     fold_sdec_max: str | None  # literal of the largest S_dec the fold is exact for
+    kernel_imports: str  # the import of the fp4gen.kernels modules the module calls
 
 
 def _row_share(row: TileOutput | None, mapping: TileMapping, two_d: bool) -> int:
@@ -875,8 +852,6 @@ def tile_context(spec: QuantKernelSpec) -> TileContext:
     col_word = _store_bytes(col_bytes, max(m_mult * bits // 8, 1)) if col else 1
     sr_any = any(o.sr for o in outputs)
     names = {"Float32", "Int32", "Int64", "Uint8", "Uint32", "range_constexpr"}
-    if sr_any:
-        names.add("Uint64")
     bf16_input = spec.input_dtype == "bf16"
     swizzled = any(o.swizzled for o in outputs)
     encode_table = not two_d and common.scale.kind == ScaleKind.E4M3_HW
@@ -919,18 +894,13 @@ def tile_context(spec: QuantKernelSpec) -> TileContext:
         slot_rht=tuple(s is not None for s in slots),
         encoders=encoders,
         sr=sr_any,
-        sr_bits=tuple(sorted({o.sr_bits for o in outputs if o.sr})),
         n_sr=sr_index,
         swar=swar,
         partial=bool(partial),
-        hw_any=any(o.hw_archs for o in outputs),
         row_store=RowStore(row_word, _STORE_TYPES[row_word], row_bytes // row_word, row_bytes),
         col_store=ColStore(col_word, _STORE_TYPES[col_word], col_bytes // col_word, col_bytes),
         swizzled=swizzled,
         cutlass_names=tuple(sorted(names, key=_import_order)),
-        need_add_rz=any(e.sw_encode == SwEncode.FLOOR for e in encoders)
-        or common.scale.needs_add_rz,
-        need_mul_rz=any(e.sw_encode == SwEncode.SRSHIFT for e in encoders),
         # the bf16 absmax helper: bf16 inputs, and a column RHT's bf16-rounded values
         bf16_absmax=bf16_input or col_rht is not None,
         bf16_input=bf16_input,
@@ -945,6 +915,8 @@ def tile_context(spec: QuantKernelSpec) -> TileContext:
         grid_2d=prep,
         fold=fold if staged else (),
         fold_sdec_max=lit(2.0 ** _fold_sdec_exponent(spec)) if staged else None,
+        kernel_imports="from fp4gen.kernels import "
+        + ("encode, philox, quant_ptx, scale" if sr_any else "encode, quant_ptx, scale"),
     )
 
 

@@ -64,6 +64,7 @@ from cutlass.cutlass_dsl import T, dsl_user_op
 
 from fp4gen.device_offset import DeviceOffset
 from fp4gen.errors import TensorError
+from fp4gen.kernels import encode, quant_ptx, scale
 
 # ----------------------------------------------------------------------------------------------
 # The spec, baked in
@@ -119,7 +120,6 @@ CONST_HEAD = 256 * 2
 CONST_LEN = CONST_HEAD + 2 * 2
 
 FLT_MAX = 3.4028234663852886e38
-RNE_MAGIC = 8388608.0  # 2^23: adding it rounds a value in [0, 2^22) to an integer
 
 # Thread mapping
 ROWS = 16  # rows of a thread's strip
@@ -145,102 +145,44 @@ COL_STORE_N = 6  # store words per column strip (12 bytes)
 
 
 # ----------------------------------------------------------------------------------------------
-# PTX helpers (pure: has_side_effects=False, so LLVM may CSE and schedule them)
+# The element encode and the block scales: fp4gen.kernels' classes with these constants
 # ----------------------------------------------------------------------------------------------
-def _asm(ret_type, operands, text, constraints):
-    return llvm.inline_asm(
-        ret_type,
-        operands,
-        text,
-        constraints,
-        has_side_effects=False,
-        is_align_stack=False,
-        asm_dialect=llvm.AsmDialect.AD_ATT,
-    )
+ELEMENT = encode.ElementParams(
+    name=ELEM_NAME,
+    bits=ELEM_BITS,
+    man_bits=ELEM_MAN_BITS,
+    emin=ELEM_EMIN,
+    emin_biased=ELEM_EMIN_BIASED,
+    max=ELEM_MAX,
+    inv_max=INV_ELEM_MAX,
+    emax=4,
+    code_bias=ELEM_CODE_BIAS,
+    word_bias=0x06EFBEF4,
+    lane_signs=0x20820820,
+    sign_mask=ELEM_SIGN,
+    hw_cvt="e3m2x2",
+)
+SCALE = scale.ScaleParams(
+    kind="e4m3_hw",
+    rounding=SCALE_ROUNDING,
+    cap=SCALE_CAP,
+)
+BLOCK_SCALER = scale.BlockScaler(SCALE, GLOBAL_SCALE)
+block_scale = BLOCK_SCALER.block_scale  # (amax_b, k_enc, s_enc, s_dec) -> (code, e_b)
+# copies rounding nearest: the "rne" software encode
+ENCODER = encode.ElementEncoder(
+    ELEMENT,
+    rounding="nearest",
+    sw_encode="rne",
+    swar=False,  # codes packed and signed word by word
+    partial=False,  # a last code word may hold fewer codes
+)
+encode_elements = ENCODER.encode_elements
 
 
-@dsl_user_op
-def scale_value(x: Float32, e: Float32, *, loc=None, ip=None) -> Float32:
-    """fp32(x * e) for e > 0, as one fma.rn with +0.0 added: the product itself wherever it is
-    not zero, -0.0 where a negative product underflows, and +0.0 for x = -0.0 (-0 + +0 = +0
-    when rounding to nearest). So the result's sign bit is x < 0: the sign bit of x's code
-    (docs/numerics.md 1), at the cost of the multiply it replaces."""
-    return Float32(
-        _asm(
-            T.f32(),
-            [Float32(x).ir_value(loc=loc, ip=ip), Float32(e).ir_value(loc=loc, ip=ip)],
-            "fma.rn.f32 $0, $1, $2, 0f00000000;",
-            "=f,f,f",
-        )
-    )
-
-
-@dsl_user_op
-def bf16x2_absmax(a: Uint32, b: Uint32, *, loc=None, ip=None) -> Uint32:
-    """Per-half max(|a|, |b|) of two bf16x2 words, NaN where either half is NaN (the sign of the
-    result is garbage)."""
-    return Uint32(
-        _asm(
-            T.i32(),
-            [Uint32(a).ir_value(loc=loc, ip=ip), Uint32(b).ir_value(loc=loc, ip=ip)],
-            "max.NaN.xorsign.abs.bf16x2 $0, $1, $2;",
-            "=r,r,r",
-        )
-    )
-
-
-@dsl_user_op
-def cvt_f32_to_e4m3(x: Float32, *, loc=None, ip=None) -> Uint32:
-    """e4m3 code of x (RNE, satfinite) in the low byte; the x2 cvt puts its first source in the
-    high byte, so x goes second."""
-    return Uint32(
-        _asm(
-            T.i32(),
-            [Float32(x).ir_value(loc=loc, ip=ip)],
-            "{\n\t.reg .b16 h;\n\tcvt.rn.satfinite.e4m3x2.f32 h, 0f00000000, $1;\n\t"
-            "cvt.u32.u16 $0, h;\n\t}",
-            "=r,f",
-        )
-    )
-
-
-@dsl_user_op
-def cvt_e4m3_to_f32(code: Uint32, *, loc=None, ip=None) -> Float32:
-    """fp32 value of the e4m3 code in the low byte (exact: e4m3 -> f16 -> f32)."""
-    return Float32(
-        _asm(
-            T.f32(),
-            [Uint32(code).ir_value(loc=loc, ip=ip)],
-            "{\n\t.reg .b16 lo, hi;\n\t.reg .b32 h2;\n\tmov.b32 {lo, hi}, $1;\n\t"
-            "cvt.rn.f16x2.e4m3x2 h2, lo;\n\tmov.b32 {lo, hi}, h2;\n\tcvt.f32.f16 $0, lo;\n\t}",
-            "=f,r",
-        )
-    )
-
-
-# The hardware cvt sets a code's sign bit from its source's, also where the magnitude rounds to 0
-# (-0.0 included): the contract's rule (docs/numerics.md 1), since the sources come from
-# scale_value, whose sign bit is x < 0 (an x of -0.0 gives +0.0). Nothing to clear.
-HW_PER_WORD = 4  # values per hardware-converted word
-
-
-@dsl_user_op
-def cvt_hw(v, *, loc=None, ip=None) -> Uint32:
-    """4 fp32 -> 4 e3m2 codes (RNE, satfinite), one per byte, element 0 in the low byte.
-    The codes are 6-bit: the two top bits of each byte are zero.
-    The x2 cvt puts its first source in the HIGH byte, so pairs go in as (odd, even)."""
-    ops = [Float32(x).ir_value(loc=loc, ip=ip) for x in v]
-    return Uint32(
-        _asm(
-            T.i32(),
-            ops,
-            "{\n\t.reg .b16 lo, hi;\n\t"
-            "cvt.rn.satfinite.e3m2x2.f32 lo, $2, $1;\n\t"
-            "cvt.rn.satfinite.e3m2x2.f32 hi, $4, $3;\n\t"
-            "mov.b32 $0, {lo, hi};\n\t}",
-            "=r,f,f,f,f",
-        )
-    )
+def global_scales(amax: Float32):
+    """(S_enc, S_dec) of a global amax: fp4gen.kernels.scale.global_scales."""
+    return scale.global_scales(amax, GLOBAL_NUM)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -285,7 +227,7 @@ def absmax_bf16(words: list) -> Float32:
     """max |x| over bf16x2 words: packed HMNMX2 (a balanced tree), then one fp32 max of the
     halves (exact); NaN if any is NaN."""
     while len(words) > 1:
-        nxt = [bf16x2_absmax(words[i], words[i + 1]) for i in range(0, len(words) - 1, 2)]
+        nxt = [quant_ptx.bf16x2_absmax(words[i], words[i + 1]) for i in range(0, len(words) - 1, 2)]
         if len(words) % 2:
             nxt.append(words[-1])
         words = nxt
@@ -298,90 +240,6 @@ def absmax_bf16(words: list) -> Float32:
 def strip_absmax(frags: list, xfs: list) -> Float32:
     """max |x| over a thread's whole strip."""
     return absmax_bf16([w for frag in frags for w in frag_words(frag)])
-
-
-def global_scales(amax: Float32):
-    """S_enc = min(fp32(SCALE_MAX * ELEM_MAX) / A, FLT_MAX), 1 if A == 0 or S_enc == 0;
-    S_dec = 1 / S_enc (IEEE div.rn / rcp.rn). A that is not finite (the NaN-propagating amax of
-    an input holding a NaN or an Inf) gives S_dec = NaN; S_enc is then any finite value, so the
-    codes are meaningless but computed as usual."""
-    s_enc = cute.arch.fmin(Float32(GLOBAL_NUM) / amax, Float32(FLT_MAX))
-    degenerate = (amax == Float32(0.0)) | (s_enc == Float32(0.0))
-    s_enc = Float32(cutlass.select_(degenerate, Float32(1.0), s_enc))
-    finite = amax.bitcast(Uint32) < Uint32(NONFINITE_BITS)  # A >= 0: its bits order like it
-    nan = Uint32(NAN_BITS).bitcast(Float32)
-    return s_enc, Float32(cutlass.select_(finite, Float32(1.0) / s_enc, nan))
-
-
-def block_scale(amax_b: Float32, k_enc: Float32, s_enc, s_dec):
-    """Block scale and encode factor (docs/numerics.md 2, steps 4-5):
-    d_b = min(amax_b * fp32(S_enc * fp32(1 / ELEM_MAX)), SCALE_CAP), s_b = e4m3(d_b),
-    e_b = min(1 / (s_b * S_dec), FLT_MAX). Returns (scale code, e_b)."""
-    d_b = cute.arch.fmin(amax_b * k_enc, Float32(SCALE_CAP))
-    out = cvt_f32_to_e4m3(d_b)  # RNE, satfinite: the hardware convert is the contract's
-    s_b = cvt_e4m3_to_f32(out)
-    e_b = cute.arch.fmin(Float32(1.0) / (s_b * s_dec), Float32(FLT_MAX))
-    return out, e_b
-
-
-def elem_raw(y: Float32) -> Uint32:
-    """The e3m2 magnitude code of y plus ELEM_CODE_BIAS (mod 2^32), saturating,
-    rounded to nearest, ties to the even code.
-
-    With a = min(|y|, ELEM_MAX) and k = max(floor(log2 a), ELEM_EMIN), q = a * 2^(m - k) is exact
-    and the grid step is 1 in q, so the magnitude code is n + (k - ELEM_EMIN) * 2^m for the
-    integer n that q rounds to (n = 2^(m+1) rolls into the next binade).
-    One FFMA q + 2^23 rounds to nearest even, and with m >= 1 rint's even integer is the even code.
-    """
-    a = cute.arch.fmin(abs(y), Float32(ELEM_MAX))
-    two_k = cutlass.max(a.bitcast(Uint32) & Uint32(0x7F800000), Uint32(ELEM_EMIN_BIASED << 23))
-    p = (Uint32((ELEM_MAN_BITS + 254) << 23) - two_k).bitcast(Float32)  # 2^(m - k)
-    e_off = two_k >> Uint32(23 - ELEM_MAN_BITS)  # (k + 127) * 2^m
-    return (a * p + Float32(RNE_MAGIC)).bitcast(Uint32) + e_off  # bits(2^23 + rint(q))
-
-
-def with_sign(mag: Uint32, y: Float32) -> Uint32:
-    """Add y's sign bit to a magnitude code, a zero magnitude included (y comes from
-    scale_value: its sign bit is x < 0)."""
-    return mag | ((y.bitcast(Uint32) >> Uint32(32 - ELEM_BITS)) & Uint32(ELEM_SIGN))
-
-
-def encode_elements(ys: list, rand, hw: bool) -> list:
-    """Codes of the scaled values ys as (value, width) bit-stream fields, in element order."""
-    if hw:
-        fields = []
-        for i in range(0, len(ys), HW_PER_WORD):
-            w = cvt_hw(ys[i : i + HW_PER_WORD])
-            # four 6-bit codes from the low 6 bits of each byte -> 24 bits
-            w = (
-                (w & Uint32(0x3F))
-                | ((w >> Uint32(2)) & Uint32(0xFC0))
-                | ((w >> Uint32(4)) & Uint32(0x3F000))
-                | ((w >> Uint32(6)) & Uint32(0xFC0000))
-            )
-            fields.append((w, 24))
-        return fields
-    return [
-        (with_sign(elem_raw(ys[i]) - Uint32(ELEM_CODE_BIAS), ys[i]), ELEM_BITS)
-        for i in range(len(ys))
-    ]
-
-
-def pack_bits(fields: list) -> list:
-    """Little-endian bit stream of (value, width) fields as 32-bit words (a field may straddle
-    two words); values must fit their width."""
-    words = []
-    pos = 0
-    for val, width in fields:
-        w, s = divmod(pos, 32)
-        while len(words) <= w:
-            words.append(None)
-        part = val << Uint32(s) if s else val
-        words[w] = part if words[w] is None else words[w] | part
-        if s + width > 32:
-            words.append(val >> Uint32(32 - s))
-        pos += width
-    return [Uint32(0) if w is None else w for w in words]
 
 
 def to_store(words: list, word_bytes: int, n: int) -> list:
@@ -453,13 +311,14 @@ def scale_bits(code) -> Uint32:
 
 def encode_factor(code: Uint32, s_dec) -> Float32:
     """e_b of the e4m3 scale code (docs/numerics.md 2.5): min(1 / (s_b * S_dec), FLT_MAX)."""
-    return cute.arch.fmin(Float32(1.0) / (cvt_e4m3_to_f32(code) * s_dec), Float32(FLT_MAX))
+    s_b = quant_ptx.cvt_e4m3_to_f32(code)
+    return cute.arch.fmin(Float32(1.0) / (s_b * s_dec), Float32(FLT_MAX))
 
 
 def block_scale_table(amax_b: Float32, k_enc: Float32, table: cute.Tensor):
     """block_scale with e_b read from the copy's table of encode factors: (scale code, e_b)."""
     d_b = cute.arch.fmin(amax_b * k_enc, Float32(SCALE_CAP))
-    code = cvt_f32_to_e4m3(d_b)  # RNE, satfinite: the hardware convert is the contract's
+    code = quant_ptx.cvt_f32_to_e4m3(d_b)  # RNE, satfinite: the hardware convert is the contract's
     return code, table[Int32(code)]
 
 
@@ -507,7 +366,7 @@ def column(rows: list, j: int) -> list:
 
 def scaled(xs: list, e: Float32) -> list:
     """fp32(x * e) for every x, with the sign bit x < 0 (scale_value: -0.0 gives +0.0)."""
-    return [scale_value(x, e) for x in xs]
+    return [quant_ptx.scale_value(x, e) for x in xs]
 
 
 def butterfly_max(v: Float32, offsets) -> Float32:
@@ -789,7 +648,7 @@ class QuantizeKernel:
                     store_if(at_r, scale_bits(code_r), ok_r, 1)
                 rand_r = None
                 enc_r = encode_elements(yr, rand_r, self.hw_row)
-                vrow = to_store(pack_bits(enc_r), ROW_STORE_BYTES, ROW_STORE_N)
+                vrow = to_store(encode.pack_bits(enc_r), ROW_STORE_BYTES, ROW_STORE_N)
                 at_r = mQ.iterator.toint() + Int64((r * K + col0) * ELEM_BITS // 8)
                 for w in range_constexpr(ROW_STORE_N):
                     at_w = at_r + Int64(w * ROW_STORE_BYTES)
@@ -815,7 +674,7 @@ class QuantizeKernel:
                     store_if(at, scale_bits(code), ok, 1)
                 rand = None
                 enc = encode_elements(ys, rand, self.hw_col)
-                vcol = to_store(pack_bits(enc), COL_STORE_BYTES, COL_STORE_N)
+                vcol = to_store(encode.pack_bits(enc), COL_STORE_BYTES, COL_STORE_N)
                 at = mQc.iterator.toint() + Int64(c * pitch_c + byte0)
                 for w in range_constexpr(COL_STORE_N):
                     ok = Int32(col_ok & (byte0 + (w + 1) * COL_STORE_BYTES <= pitch_c))

@@ -54,10 +54,11 @@ import cutlass.cute as cute
 import torch
 from cutlass import Float32, Int32, Int64, Uint8, Uint32, range_constexpr
 from cutlass._mlir.dialects import llvm
-from cutlass.cutlass_dsl import T, dsl_user_op
+from cutlass.cutlass_dsl import dsl_user_op
 
 from fp4gen.device_offset import DeviceOffset
 from fp4gen.errors import TensorError
+from fp4gen.kernels import encode, quant_ptx, scale
 
 # ----------------------------------------------------------------------------------------------
 # The spec, baked in
@@ -117,7 +118,6 @@ RHT_SIGNS = tuple(1 if c == "+" else -1 for c in "+----+-+++++-+-+----++-+---+-+
 RHT_SCALE = 0.1767766922712326  # fp32(1 / sqrt(RHT_SIZE))
 
 FLT_MAX = 3.4028234663852886e38
-RNE_MAGIC = 8388608.0  # 2^23: adding it rounds a value in [0, 2^22) to an integer
 
 # Thread mapping
 ROWS = 32  # rows of a thread's strip
@@ -141,87 +141,47 @@ COL_STORE_N = 4  # store words per column strip (16 bytes)
 
 
 # ----------------------------------------------------------------------------------------------
-# PTX helpers (pure: has_side_effects=False, so LLVM may CSE and schedule them)
+# The element encode and the block scales: fp4gen.kernels' classes with these constants
 # ----------------------------------------------------------------------------------------------
-def _asm(ret_type, operands, text, constraints):
-    return llvm.inline_asm(
-        ret_type,
-        operands,
-        text,
-        constraints,
-        has_side_effects=False,
-        is_align_stack=False,
-        asm_dialect=llvm.AsmDialect.AD_ATT,
-    )
-
-
-@dsl_user_op
-def scale_value(x: Float32, e: Float32, *, loc=None, ip=None) -> Float32:
-    """fp32(x * e) for e > 0, as one fma.rn with +0.0 added: the product itself wherever it is
-    not zero, -0.0 where a negative product underflows, and +0.0 for x = -0.0 (-0 + +0 = +0
-    when rounding to nearest). So the result's sign bit is x < 0: the sign bit of x's code
-    (docs/numerics.md 1), at the cost of the multiply it replaces."""
-    return Float32(
-        _asm(
-            T.f32(),
-            [Float32(x).ir_value(loc=loc, ip=ip), Float32(e).ir_value(loc=loc, ip=ip)],
-            "fma.rn.f32 $0, $1, $2, 0f00000000;",
-            "=f,f,f",
-        )
-    )
-
-
-@dsl_user_op
-def cvt_bf16x2(a: Float32, b: Float32, *, loc=None, ip=None) -> Uint32:
-    """bf16 RNE of a (high half) and b (low half)."""
-    return Uint32(
-        _asm(
-            T.i32(),
-            [Float32(a).ir_value(loc=loc, ip=ip), Float32(b).ir_value(loc=loc, ip=ip)],
-            "cvt.rn.bf16x2.f32 $0, $1, $2;",
-            "=r,f,f",
-        )
-    )
-
-
-@dsl_user_op
-def bf16x2_absmax(a: Uint32, b: Uint32, *, loc=None, ip=None) -> Uint32:
-    """Per-half max(|a|, |b|) of two bf16x2 words, NaN where either half is NaN (the sign of the
-    result is garbage)."""
-    return Uint32(
-        _asm(
-            T.i32(),
-            [Uint32(a).ir_value(loc=loc, ip=ip), Uint32(b).ir_value(loc=loc, ip=ip)],
-            "max.NaN.xorsign.abs.bf16x2 $0, $1, $2;",
-            "=r,r,r",
-        )
-    )
-
-
-# The hardware cvt sets a code's sign bit from its source's, also where the magnitude rounds to 0
-# (-0.0 included): the contract's rule (docs/numerics.md 1), since the sources come from
-# scale_value, whose sign bit is x < 0 (an x of -0.0 gives +0.0). Nothing to clear.
-HW_PER_WORD = 8  # values per hardware-converted word
-
-
-@dsl_user_op
-def cvt_hw(v, *, loc=None, ip=None) -> Uint32:
-    """8 fp32 -> 8 e2m1 nibbles (RNE, satfinite), element 0 in the low nibble. cvt.e2m1x2 puts
-    its first source in the HIGH nibble, so pairs go in as (odd, even)."""
-    ops = [Float32(x).ir_value(loc=loc, ip=ip) for x in v]
-    return Uint32(
-        _asm(
-            T.i32(),
-            ops,
-            "{\n\t.reg .b8 b0, b1, b2, b3;\n\t"
-            "cvt.rn.satfinite.e2m1x2.f32 b0, $2, $1;\n\t"
-            "cvt.rn.satfinite.e2m1x2.f32 b1, $4, $3;\n\t"
-            "cvt.rn.satfinite.e2m1x2.f32 b2, $6, $5;\n\t"
-            "cvt.rn.satfinite.e2m1x2.f32 b3, $8, $7;\n\t"
-            "mov.b32 $0, {b0, b1, b2, b3};\n\t}",
-            "=r,f,f,f,f,f,f,f,f",
-        )
-    )
+ELEMENT = encode.ElementParams(
+    name=ELEM_NAME,
+    bits=ELEM_BITS,
+    man_bits=ELEM_MAN_BITS,
+    emin=ELEM_EMIN,
+    emin_biased=ELEM_EMIN_BIASED,
+    max=ELEM_MAX,
+    inv_max=INV_ELEM_MAX,
+    emax=2,
+    code_bias=ELEM_CODE_BIAS,
+    word_bias=0xE9EEEEDE,
+    lane_signs=0x88888888,
+    sign_mask=ELEM_SIGN,
+    hw_cvt="e2m1x2",
+    half_scale=6.103515625e-05,  # the fp16 image: 2^(-14 - ELEM_EMIN)
+    half_max2=0x0E000E00,
+    half_code=9,
+    half_rand=1,
+)
+SCALE = scale.ScaleParams(
+    kind="exponent",
+    rounding=SCALE_ROUNDING,
+    cap=SCALE_CAP,
+    bias=SCALE_BIAS,
+    min=SCALE_MIN,
+    max_code=SCALE_MAX_CODE,
+    elem_emax=2,
+)
+BLOCK_SCALER = scale.BlockScaler(SCALE, GLOBAL_SCALE)
+block_scale = BLOCK_SCALER.block_scale  # (amax_b, k_enc, s_enc, s_dec) -> (code, e_b)
+# copies rounding nearest: the "rne" software encode
+ENCODER = encode.ElementEncoder(
+    ELEMENT,
+    rounding="nearest",
+    sw_encode="rne",
+    swar=True,  # codes packed and signed word by word
+    partial=False,  # a last code word may hold fewer codes
+)
+encode_elements = ENCODER.encode_elements
 
 
 # ----------------------------------------------------------------------------------------------
@@ -266,7 +226,7 @@ def absmax_bf16(words: list) -> Float32:
     """max |x| over bf16x2 words: packed HMNMX2 (a balanced tree), then one fp32 max of the
     halves (exact); NaN if any is NaN."""
     while len(words) > 1:
-        nxt = [bf16x2_absmax(words[i], words[i + 1]) for i in range(0, len(words) - 1, 2)]
+        nxt = [quant_ptx.bf16x2_absmax(words[i], words[i + 1]) for i in range(0, len(words) - 1, 2)]
         if len(words) % 2:
             nxt.append(words[-1])
         words = nxt
@@ -303,7 +263,7 @@ def bf16_round(v: list):
     out = []
     words = []
     for i in range(0, len(v), 2):
-        w = cvt_bf16x2(v[i], v[i + 1])
+        w = quant_ptx.cvt_bf16x2(v[i], v[i + 1])
         words.append(w)
         out.append((w & Uint32(0xFFFF0000)).bitcast(Float32))
         out.append((w << Uint32(16)).bitcast(Float32))
@@ -315,122 +275,7 @@ def rht_amax(xs: list) -> Float32:
     and rounding to bf16 are monotone and odd, so the max of the rounded values is the rounded
     max."""
     m = absmax(butterflies(xs)) * Float32(RHT_SCALE)
-    return (cvt_bf16x2(m, m) & Uint32(0xFFFF0000)).bitcast(Float32)
-
-
-def floor_log2_biased(v: Float32):
-    """(floor(log2 v) + 127, the 23 fraction bits of v) for a finite v > 0, also when v is an
-    fp32 subnormal (scaled by 2^64 first)."""
-    small = v < Float32(2.0**-126)
-    vn = Float32(cutlass.select_(small, v * Float32(2.0**64), v))
-    bits = vn.bitcast(Uint32)
-    fl = Int32(bits >> Uint32(23)) - cutlass.select_(small, Int32(64), Int32(0))
-    return fl, bits & Uint32(0x7FFFFF)
-
-
-def pow2(n: Int32) -> Float32:
-    """2^n as fp32 for n in [-SCALE_BIAS, SCALE_MAX_CODE - SCALE_BIAS]."""
-    bits = Uint32((n + Int32(127)) << Int32(23))
-    bits = Uint32(cutlass.select_(n == Int32(-127), Uint32(0x00400000), bits))  # 2^-127
-    return bits.bitcast(Float32)
-
-
-def scale_round(d: Float32):
-    """(code, fp32 value) of d in [SCALE_MIN, SCALE_CAP] on the ue8m0 grid (powers of
-    two), rounded up: exact exponent-bit arithmetic."""
-    fl, frac = floor_log2_biased(d)
-    code = fl + Int32(SCALE_BIAS - 127)  # floor(log2 d) + bias
-    code = code + cutlass.select_(frac != Uint32(0), Int32(1), Int32(0))
-    return code, pow2(code - Int32(SCALE_BIAS))
-
-
-def block_scale(amax_b: Float32, k_enc: Float32, s_enc, s_dec):
-    """Block scale and encode factor (docs/numerics.md 2, steps 4-5):
-    d_b = min(amax_b * fp32(S_enc * fp32(1 / ELEM_MAX)), SCALE_CAP), s_b = ue8m0(d_b),
-    e_b = min(1 / (s_b), FLT_MAX). Returns (scale code, e_b)."""
-    d_b = cute.arch.fmin(amax_b * k_enc, Float32(SCALE_CAP))
-    out, s_b = scale_round(cute.arch.fmax(d_b, Float32(SCALE_MIN)))  # no zero: clamp up
-    e_b = cute.arch.fmin(Float32(1.0) / s_b, Float32(FLT_MAX))
-    return out, e_b
-
-
-def elem_raw(y: Float32) -> Uint32:
-    """The e2m1 magnitude code of y plus ELEM_CODE_BIAS (mod 2^32), saturating,
-    rounded to nearest, ties to the even code.
-
-    With a = min(|y|, ELEM_MAX) and k = max(floor(log2 a), ELEM_EMIN), q = a * 2^(m - k) is exact
-    and the grid step is 1 in q, so the magnitude code is n + (k - ELEM_EMIN) * 2^m for the
-    integer n that q rounds to (n = 2^(m+1) rolls into the next binade).
-    One FFMA q + 2^23 rounds to nearest even, and with m >= 1 rint's even integer is the even code.
-    """
-    a = cute.arch.fmin(abs(y), Float32(ELEM_MAX))
-    two_k = cutlass.max(a.bitcast(Uint32) & Uint32(0x7F800000), Uint32(ELEM_EMIN_BIASED << 23))
-    p = (Uint32((ELEM_MAN_BITS + 254) << 23) - two_k).bitcast(Float32)  # 2^(m - k)
-    e_off = two_k >> Uint32(23 - ELEM_MAN_BITS)  # (k + 127) * 2^m
-    return (a * p + Float32(RNE_MAGIC)).bitcast(Uint32) + e_off  # bits(2^23 + rint(q))
-
-
-@dsl_user_op
-def prmt(a: Uint32, b: Uint32, selector: int, *, loc=None, ip=None) -> Uint32:
-    """Byte permute of {b, a}: selector nibble i picks byte i of the result (bit 3 of the nibble
-    replicates the sign of the picked byte)."""
-    return Uint32(
-        _asm(
-            T.i32(),
-            [Uint32(a).ir_value(loc=loc, ip=ip), Uint32(b).ir_value(loc=loc, ip=ip)],
-            f"prmt.b32 $0, $1, $2, {selector:#x};",
-            "=r,r,r",
-        )
-    )
-
-
-def sign_word(ys: list) -> Uint32:
-    """The sign of ys[j] (8 fp32) at bit 4j + 3, the sign bit of nibble j (other bits garbage).
-    Byte 3 of an fp32 holds its sign: two byte gathers per 4 values, the second replicating
-    each sign over its byte."""
-    yb = [y.bitcast(Uint32) for y in ys]
-    even = prmt(prmt(yb[0], yb[2], 0x0073), prmt(yb[4], yb[6], 0x0073), 0xDC98)
-    odd = prmt(prmt(yb[1], yb[3], 0x0073), prmt(yb[5], yb[7], 0x0073), 0xDC98)
-    return (odd & Uint32(0x80808080)) | (even & Uint32(0x08080808))
-
-
-def encode_elements(ys: list, rand, hw: bool) -> list:
-    """Codes of the scaled values ys as (value, width) bit-stream fields, in element order."""
-    if hw:
-        fields = []
-        for i in range(0, len(ys), HW_PER_WORD):
-            w = cvt_hw(ys[i : i + HW_PER_WORD])
-            fields.append((w, 32))
-        return fields
-    # LANES codes per 32-bit word: sum raw_j * 2^(bits * j) by shift-adds, then take all the
-    # ELEM_CODE_BIAS terms off at once (mod 2^32); the sign bits of ys on every code, zero
-    # magnitudes included (ys come from scale_value: the sign bit is x < 0)
-    fields = []
-    for i in range(0, len(ys), LANES):
-        raws = [elem_raw(ys[i + j]) for j in range(LANES)]
-        w = raws[-1]
-        for raw in reversed(raws[:-1]):
-            w = (w << Uint32(ELEM_BITS)) + raw
-        w = w - Uint32(WORD_BIAS)
-        fields.append((w | (sign_word(ys[i : i + LANES]) & Uint32(LANE_SIGNS)), 32))
-    return fields
-
-
-def pack_bits(fields: list) -> list:
-    """Little-endian bit stream of (value, width) fields as 32-bit words (a field may straddle
-    two words); values must fit their width."""
-    words = []
-    pos = 0
-    for val, width in fields:
-        w, s = divmod(pos, 32)
-        while len(words) <= w:
-            words.append(None)
-        part = val << Uint32(s) if s else val
-        words[w] = part if words[w] is None else words[w] | part
-        if s + width > 32:
-            words.append(val >> Uint32(32 - s))
-        pos += width
-    return [Uint32(0) if w is None else w for w in words]
+    return (quant_ptx.cvt_bf16x2(m, m) & Uint32(0xFFFF0000)).bitcast(Float32)
 
 
 def to_store(words: list, word_bytes: int, n: int) -> list:
@@ -512,7 +357,7 @@ def column(rows: list, j: int) -> list:
 
 def scaled(xs: list, e: Float32) -> list:
     """fp32(x * e) for every x, with the sign bit x < 0 (scale_value: -0.0 gives +0.0)."""
-    return [scale_value(x, e) for x in xs]
+    return [quant_ptx.scale_value(x, e) for x in xs]
 
 
 def butterfly_max(v: Float32, offsets) -> Float32:
@@ -655,7 +500,7 @@ class QuantizeKernel:
                     store_if(at, scale_bits(code), ok, 1)
                 rand = None
                 enc = encode_elements(ys, rand, self.hw_col)
-                vcol = to_store(pack_bits(enc), COL_STORE_BYTES, COL_STORE_N)
+                vcol = to_store(encode.pack_bits(enc), COL_STORE_BYTES, COL_STORE_N)
                 at = mQc.iterator.toint() + Int64(c * pitch_c + byte0)
                 for w in range_constexpr(COL_STORE_N):
                     ok = Int32(col_ok & (byte0 + (w + 1) * COL_STORE_BYTES <= pitch_c))

@@ -58,12 +58,13 @@ import cuda.bindings.driver as cuda
 import cutlass
 import cutlass.cute as cute
 import torch
-from cutlass import Float32, Int32, Int64, Uint8, Uint32, Uint64, range_constexpr
+from cutlass import Float32, Int32, Int64, Uint8, Uint32, range_constexpr
 from cutlass._mlir.dialects import llvm
-from cutlass.cutlass_dsl import T, dsl_user_op
+from cutlass.cutlass_dsl import dsl_user_op
 
 from fp4gen.device_offset import DeviceOffset
 from fp4gen.errors import TensorError
+from fp4gen.kernels import encode, philox, quant_ptx, scale
 
 # ----------------------------------------------------------------------------------------------
 # The spec, baked in
@@ -125,10 +126,6 @@ RHT_SIGNS = tuple(1 if c == "+" else -1 for c in "+----+-+++++-+-+----++-+---+-+
 RHT_SCALE = 0.1767766922712326  # fp32(1 / sqrt(RHT_SIZE))
 
 FLT_MAX = 3.4028234663852886e38
-RNE_MAGIC = 8388608.0  # 2^23: adding it rounds a value in [0, 2^22) to an integer
-TWO32 = 4294967296.0
-PHILOX_M0, PHILOX_M1 = 0xD2511F53, 0xCD9E8D57
-PHILOX_W0, PHILOX_W1 = 0x9E3779B9, 0xBB67AE85
 
 # Thread mapping
 ROWS = 32  # rows of a thread's strip
@@ -154,61 +151,47 @@ COL_STORE_N = 4  # store words per column strip (16 bytes)
 
 
 # ----------------------------------------------------------------------------------------------
-# PTX helpers (pure: has_side_effects=False, so LLVM may CSE and schedule them)
+# The element encode and the block scales: fp4gen.kernels' classes with these constants
 # ----------------------------------------------------------------------------------------------
-def _asm(ret_type, operands, text, constraints):
-    return llvm.inline_asm(
-        ret_type,
-        operands,
-        text,
-        constraints,
-        has_side_effects=False,
-        is_align_stack=False,
-        asm_dialect=llvm.AsmDialect.AD_ATT,
-    )
-
-
-@dsl_user_op
-def scale_value(x: Float32, e: Float32, *, loc=None, ip=None) -> Float32:
-    """fp32(x * e) for e > 0, as one fma.rn with +0.0 added: the product itself wherever it is
-    not zero, -0.0 where a negative product underflows, and +0.0 for x = -0.0 (-0 + +0 = +0
-    when rounding to nearest). So the result's sign bit is x < 0: the sign bit of x's code
-    (docs/numerics.md 1), at the cost of the multiply it replaces."""
-    return Float32(
-        _asm(
-            T.f32(),
-            [Float32(x).ir_value(loc=loc, ip=ip), Float32(e).ir_value(loc=loc, ip=ip)],
-            "fma.rn.f32 $0, $1, $2, 0f00000000;",
-            "=f,f,f",
-        )
-    )
-
-
-@dsl_user_op
-def cvt_bf16x2(a: Float32, b: Float32, *, loc=None, ip=None) -> Uint32:
-    """bf16 RNE of a (high half) and b (low half)."""
-    return Uint32(
-        _asm(
-            T.i32(),
-            [Float32(a).ir_value(loc=loc, ip=ip), Float32(b).ir_value(loc=loc, ip=ip)],
-            "cvt.rn.bf16x2.f32 $0, $1, $2;",
-            "=r,f,f",
-        )
-    )
-
-
-@dsl_user_op
-def bf16x2_absmax(a: Uint32, b: Uint32, *, loc=None, ip=None) -> Uint32:
-    """Per-half max(|a|, |b|) of two bf16x2 words, NaN where either half is NaN (the sign of the
-    result is garbage)."""
-    return Uint32(
-        _asm(
-            T.i32(),
-            [Uint32(a).ir_value(loc=loc, ip=ip), Uint32(b).ir_value(loc=loc, ip=ip)],
-            "max.NaN.xorsign.abs.bf16x2 $0, $1, $2;",
-            "=r,r,r",
-        )
-    )
+ELEMENT = encode.ElementParams(
+    name=ELEM_NAME,
+    bits=ELEM_BITS,
+    man_bits=ELEM_MAN_BITS,
+    emin=ELEM_EMIN,
+    emin_biased=ELEM_EMIN_BIASED,
+    max=ELEM_MAX,
+    inv_max=INV_ELEM_MAX,
+    emax=2,
+    code_bias=ELEM_CODE_BIAS,
+    word_bias=0xE9EEEEDE,
+    lane_signs=0x88888888,
+    sign_mask=ELEM_SIGN,
+    hw_cvt="e2m1x2",
+    half_scale=6.103515625e-05,  # the fp16 image: 2^(-14 - ELEM_EMIN)
+    half_max2=0x0E000E00,
+    half_code=9,
+    half_rand=1,
+)
+SCALE = scale.ScaleParams(
+    kind="exponent",
+    rounding=SCALE_ROUNDING,
+    cap=SCALE_CAP,
+    bias=SCALE_BIAS,
+    min=SCALE_MIN,
+    max_code=SCALE_MAX_CODE,
+    elem_emax=2,
+)
+BLOCK_SCALER = scale.BlockScaler(SCALE, GLOBAL_SCALE)
+block_scale = BLOCK_SCALER.block_scale  # (amax_b, k_enc, s_enc, s_dec) -> (code, e_b)
+# copies rounding stochastic: the "sr64" software encode
+ENCODER = encode.ElementEncoder(
+    ELEMENT,
+    rounding="stochastic",
+    sw_encode="sr64",
+    swar=True,  # codes packed and signed word by word
+    partial=True,  # a last code word may hold fewer codes
+)
+encode_elements = ENCODER.encode_elements
 
 
 # ----------------------------------------------------------------------------------------------
@@ -253,7 +236,7 @@ def absmax_bf16(words: list) -> Float32:
     """max |x| over bf16x2 words: packed HMNMX2 (a balanced tree), then one fp32 max of the
     halves (exact); NaN if any is NaN."""
     while len(words) > 1:
-        nxt = [bf16x2_absmax(words[i], words[i + 1]) for i in range(0, len(words) - 1, 2)]
+        nxt = [quant_ptx.bf16x2_absmax(words[i], words[i + 1]) for i in range(0, len(words) - 1, 2)]
         if len(words) % 2:
             nxt.append(words[-1])
         words = nxt
@@ -290,7 +273,7 @@ def bf16_round(v: list):
     out = []
     words = []
     for i in range(0, len(v), 2):
-        w = cvt_bf16x2(v[i], v[i + 1])
+        w = quant_ptx.cvt_bf16x2(v[i], v[i + 1])
         words.append(w)
         out.append((w & Uint32(0xFFFF0000)).bitcast(Float32))
         out.append((w << Uint32(16)).bitcast(Float32))
@@ -302,235 +285,7 @@ def rht_amax(xs: list) -> Float32:
     and rounding to bf16 are monotone and odd, so the max of the rounded values is the rounded
     max."""
     m = absmax(butterflies(xs)) * Float32(RHT_SCALE)
-    return (cvt_bf16x2(m, m) & Uint32(0xFFFF0000)).bitcast(Float32)
-
-
-def floor_log2_biased(v: Float32):
-    """(floor(log2 v) + 127, the 23 fraction bits of v) for a finite v > 0, also when v is an
-    fp32 subnormal (scaled by 2^64 first)."""
-    small = v < Float32(2.0**-126)
-    vn = Float32(cutlass.select_(small, v * Float32(2.0**64), v))
-    bits = vn.bitcast(Uint32)
-    fl = Int32(bits >> Uint32(23)) - cutlass.select_(small, Int32(64), Int32(0))
-    return fl, bits & Uint32(0x7FFFFF)
-
-
-def pow2(n: Int32) -> Float32:
-    """2^n as fp32 for n in [-SCALE_BIAS, SCALE_MAX_CODE - SCALE_BIAS]."""
-    bits = Uint32((n + Int32(127)) << Int32(23))
-    bits = Uint32(cutlass.select_(n == Int32(-127), Uint32(0x00400000), bits))  # 2^-127
-    return bits.bitcast(Float32)
-
-
-def scale_round(d: Float32):
-    """(code, fp32 value) of d in [SCALE_MIN, SCALE_CAP] on the ue8m0 grid (powers of
-    two), rounded up: exact exponent-bit arithmetic."""
-    fl, frac = floor_log2_biased(d)
-    code = fl + Int32(SCALE_BIAS - 127)  # floor(log2 d) + bias
-    code = code + cutlass.select_(frac != Uint32(0), Int32(1), Int32(0))
-    return code, pow2(code - Int32(SCALE_BIAS))
-
-
-def block_scale(amax_b: Float32, k_enc: Float32, s_enc, s_dec):
-    """Block scale and encode factor (docs/numerics.md 2, steps 4-5):
-    d_b = min(amax_b * fp32(S_enc * fp32(1 / ELEM_MAX)), SCALE_CAP), s_b = ue8m0(d_b),
-    e_b = min(1 / (s_b), FLT_MAX). Returns (scale code, e_b)."""
-    d_b = cute.arch.fmin(amax_b * k_enc, Float32(SCALE_CAP))
-    out, s_b = scale_round(cute.arch.fmax(d_b, Float32(SCALE_MIN)))  # no zero: clamp up
-    e_b = cute.arch.fmin(Float32(1.0) / s_b, Float32(FLT_MAX))
-    return out, e_b
-
-
-@dsl_user_op
-def load_counter(addr_lo: Int32, addr_hi: Int32, *, loc=None, ip=None) -> Uint64:
-    """The u64 at global address (addr_hi, addr_lo), or 0 where the address is 0 (a predicated
-    load: no access, no branch)."""
-    return Uint64(
-        _asm(
-            T.i64(),
-            [Int32(addr_lo).ir_value(loc=loc, ip=ip), Int32(addr_hi).ir_value(loc=loc, ip=ip)],
-            "{\n\t.reg .pred p;\n\t.reg .b64 a;\n\tmov.b64 a, {$1, $2};\n\t"
-            "setp.ne.b64 p, a, 0;\n\tmov.b64 $0, 0;\n\t@p ld.global.u64 $0, [a];\n\t}",
-            "=l,r,r",
-        )
-    )
-
-
-def philox_offset(ctr_lo, ctr_hi, stride_lo, stride_hi, off_lo, off_hi):
-    """(lo, hi) words of the Philox offset: counter * stride + offset (mod 2^64), with the
-    counter read from device memory (a DeviceOffset; its slot is the offset), or 0 for an int
-    offset (address 0: the offset itself, bit for bit)."""
-    count = load_counter(ctr_lo, ctr_hi)
-    stride = (Uint64(Uint32(stride_hi)) << Uint64(32)) | Uint64(Uint32(stride_lo))
-    base = (Uint64(Uint32(off_hi)) << Uint64(32)) | Uint64(Uint32(off_lo))
-    offset = count * stride + base
-    return Uint32(offset), Uint32(offset >> Uint64(32))
-
-
-def philox_keys(seed_lo: Uint32, seed_hi: Uint32) -> list:
-    """The 10 round keys of Philox4x32-10 (the key bumped by the Weyl constants)."""
-    keys = [(seed_lo, seed_hi)]
-    for _ in range(9):
-        k0, k1 = keys[-1]
-        keys.append((k0 + Uint32(PHILOX_W0), k1 + Uint32(PHILOX_W1)))
-    return keys
-
-
-def philox4x32_10(c0, c1, c2, c3, keys: list) -> list:
-    """Philox4x32-10 (Random123): with (hi0, lo0) = mulhilo(M0, c0), (hi1, lo1) =
-    mulhilo(M1, c2), a round maps c to (hi1 ^ c1 ^ k0, lo1, hi0 ^ c3 ^ k1, lo0)."""
-    for k0, k1 in keys:
-        p0 = Uint64(c0) * Uint64(PHILOX_M0)  # mul.wide.u32
-        p1 = Uint64(c2) * Uint64(PHILOX_M1)
-        hi0, lo0 = Uint32(p0 >> Uint64(32)), Uint32(p0)
-        hi1, lo1 = Uint32(p1 >> Uint64(32)), Uint32(p1)
-        c0, c1, c2, c3 = hi1 ^ c1 ^ k0, lo1, hi0 ^ c3 ^ k1, lo0
-    return [c0, c1, c2, c3]
-
-
-def random_words(i0: Uint32, n: int, bits: int, keys: list, off_lo: Uint32, off_hi: Uint32) -> list:
-    """The Philox words that hold the ``bits``-bit random fields (32, 16 or 8) of the n
-    consecutive elements from flat index i0 (docs/numerics.md 5): with v = 32 // bits fields per
-    word, element i takes field i % v (low bits first) of word i // v, and word j is output j % 4
-    of Philox(counter = (j // 4, 0, offset_lo, offset_hi), key = seed). Either the elements
-    cover whole calls (n and i0 multiples of 4 v) or they sit inside one call (n divides 4 v,
-    n >= v, i0 % n == 0)."""
-    per_word = 32 // bits
-    per_call = 4 * per_word
-    if n >= per_call:
-        q = i0 // Uint32(per_call)
-        words = []
-        for c in range(n // per_call):
-            words += philox4x32_10(q + Uint32(c), Uint32(0), off_lo, off_hi, keys)
-        return words
-    call = philox4x32_10(i0 // Uint32(per_call), Uint32(0), off_lo, off_hi, keys)
-    nw = n // per_word  # the words of part (i0 % per_call) // n of the call
-    part = (i0 // Uint32(n)) % Uint32(per_call // n)
-    return call_slice(call, part, nw)
-
-
-def call_slice(call: list, part, nw: int) -> list:
-    """Words part * nw .. part * nw + nw - 1 of a Philox call, for a runtime part."""
-    words = call[:nw]
-    for p in range(1, len(call) // nw):
-        words = [cutlass.select_(part == Uint32(p), call[p * nw + w], words[w]) for w in range(nw)]
-    return words
-
-
-def random_fields(
-    i0: Uint32, n: int, bits: int, keys: list, off_lo: Uint32, off_hi: Uint32
-) -> list:
-    """The ``bits``-bit random fields of the n consecutive elements from flat index i0, one per
-    element (see random_words)."""
-    return fields_of(random_words(i0, n, bits, keys, off_lo, off_hi), bits)
-
-
-def fields_of(words: list, bits: int) -> list:
-    """The ``bits``-bit fields of Philox words, low bits first."""
-    return words
-
-
-def lanes_of(value: int, n: int) -> int:
-    """value repeated in the low n lanes of a word (ELEM_BITS per lane), mod 2^32."""
-    return sum(value << (ELEM_BITS * j) for j in range(n)) & 0xFFFFFFFF
-
-
-@dsl_user_op
-def sr_step(q32: Float32, nr: Uint32, base: Uint32, *, loc=None, ip=None) -> Uint32:
-    """base + floor(q) + (r < floor(frac(q) * 2^32)) for q32 = q * 2^32 >= 0 and nr = ~r, exactly:
-    the truncating cvt to u64 gives floor(q * 2^32) = (floor(q), floor(frac(q) * 2^32)) as
-    (hi, lo), and lo + ~r carries out iff r < lo; addc adds the carry."""
-    return Uint32(
-        _asm(
-            T.i32(),
-            [
-                Float32(q32).ir_value(loc=loc, ip=ip),
-                Uint32(nr).ir_value(loc=loc, ip=ip),
-                Uint32(base).ir_value(loc=loc, ip=ip),
-            ],
-            "{\n\t.reg .b64 w;\n\t.reg .b32 lo, hi, d;\n\tcvt.rzi.u64.f32 w, $1;\n\t"
-            "mov.b64 {lo, hi}, w;\n\tadd.cc.u32 d, lo, $2;\n\taddc.u32 $0, hi, $3;\n\t}",
-            "=r,f,r,r",
-        )
-    )
-
-
-def elem_raw(y: Float32, r: Uint32) -> Uint32:
-    """The e2m1 magnitude code of y plus ELEM_CODE_BIAS (mod 2^32), saturating,
-    rounded stochastically with the element's random word r.
-
-    With a = min(|y|, ELEM_MAX) and k = max(floor(log2 a), ELEM_EMIN), q = a * 2^(m - k) is exact
-    and the grid step is 1 in q, so the magnitude code is n + (k - ELEM_EMIN) * 2^m for the
-    integer n that q rounds to (n = 2^(m+1) rolls into the next binade).
-    With q * 2^32 (exact) truncated to 64 bits, the high word is floor(q) and the low word
-    floor(frac * 2^32): round up iff r < the low word (docs/numerics.md 5), by one borrow.
-    """
-    a = cute.arch.fmin(abs(y), Float32(ELEM_MAX))
-    two_k = cutlass.max(a.bitcast(Uint32) & Uint32(0x7F800000), Uint32(ELEM_EMIN_BIASED << 23))
-    p = (Uint32((ELEM_MAN_BITS + 286) << 23) - two_k).bitcast(Float32)  # 2^(m - k + 32)
-    e_off = (two_k >> Uint32(23 - ELEM_MAN_BITS)) + Uint32(0x4B000000)  # bits(2^23) + (k+127)*2^m
-    # ~r: free where r comes out of a LOP3 (Philox words 0 and 2)
-    return sr_step(a * p, r ^ Uint32(0xFFFFFFFF), e_off)  # a * p = q * 2^32, exact
-
-
-@dsl_user_op
-def prmt(a: Uint32, b: Uint32, selector: int, *, loc=None, ip=None) -> Uint32:
-    """Byte permute of {b, a}: selector nibble i picks byte i of the result (bit 3 of the nibble
-    replicates the sign of the picked byte)."""
-    return Uint32(
-        _asm(
-            T.i32(),
-            [Uint32(a).ir_value(loc=loc, ip=ip), Uint32(b).ir_value(loc=loc, ip=ip)],
-            f"prmt.b32 $0, $1, $2, {selector:#x};",
-            "=r,r,r",
-        )
-    )
-
-
-def sign_word(ys: list) -> Uint32:
-    """The sign of ys[j] (8 fp32) at bit 4j + 3, the sign bit of nibble j (other bits garbage).
-    Byte 3 of an fp32 holds its sign: two byte gathers per 4 values, the second replicating
-    each sign over its byte."""
-    yb = [y.bitcast(Uint32) for y in ys]
-    even = prmt(prmt(yb[0], yb[2], 0x0073), prmt(yb[4], yb[6], 0x0073), 0xDC98)
-    odd = prmt(prmt(yb[1], yb[3], 0x0073), prmt(yb[5], yb[7], 0x0073), 0xDC98)
-    return (odd & Uint32(0x80808080)) | (even & Uint32(0x08080808))
-
-
-def encode_elements(ys: list, rand, hw: bool) -> list:
-    """Codes of the scaled values ys as (value, width) bit-stream fields, in element order."""
-    # LANES codes per 32-bit word: sum raw_j * 2^(bits * j) by shift-adds, then take all the
-    # ELEM_CODE_BIAS terms off at once (mod 2^32); the sign bits of ys on every code, zero
-    # magnitudes included (ys come from scale_value: the sign bit is x < 0)
-    fields = []
-    for i in range(0, len(ys), LANES):
-        n = min(LANES, len(ys) - i)  # a short last word: n lanes, the padding lanes masked off
-        raws = [elem_raw(ys[i + j], rand[i + j]) for j in range(n)]
-        w = raws[-1]
-        for raw in reversed(raws[:-1]):
-            w = (w << Uint32(ELEM_BITS)) + raw
-        w = w - Uint32(lanes_of(ELEM_CODE_BIAS, n))
-        group = ys[i : i + n] + [ys[i]] * (LANES - n)
-        signs = sign_word(group) & Uint32(lanes_of(ELEM_SIGN, n))  # the padding lanes off
-        fields.append((w | signs, n * ELEM_BITS))
-    return fields
-
-
-def pack_bits(fields: list) -> list:
-    """Little-endian bit stream of (value, width) fields as 32-bit words (a field may straddle
-    two words); values must fit their width."""
-    words = []
-    pos = 0
-    for val, width in fields:
-        w, s = divmod(pos, 32)
-        while len(words) <= w:
-            words.append(None)
-        part = val << Uint32(s) if s else val
-        words[w] = part if words[w] is None else words[w] | part
-        if s + width > 32:
-            words.append(val >> Uint32(32 - s))
-        pos += width
-    return [Uint32(0) if w is None else w for w in words]
+    return (quant_ptx.cvt_bf16x2(m, m) & Uint32(0xFFFF0000)).bitcast(Float32)
 
 
 def to_store(words: list, word_bytes: int, n: int) -> list:
@@ -612,7 +367,7 @@ def column(rows: list, j: int) -> list:
 
 def scaled(xs: list, e: Float32) -> list:
     """fp32(x * e) for every x, with the sign bit x < 0 (scale_value: -0.0 gives +0.0)."""
-    return [scale_value(x, e) for x in xs]
+    return [quant_ptx.scale_value(x, e) for x in xs]
 
 
 def butterfly_max(v: Float32, offsets) -> Float32:
@@ -767,11 +522,11 @@ class QuantizeKernel:
         k_enc_row = Float32(INV_ELEM_MAX)  # fp32(1 * fp32(1 / ELEM_MAX))
         s_enc_col = s_dec_col = None  # no global scale: S_enc = S_dec = 1
         k_enc_col = Float32(INV_ELEM_MAX)  # fp32(1 * fp32(1 / ELEM_MAX))
-        keys = philox_keys(Uint32(seed_lo), Uint32(seed_hi))
+        keys = philox.philox_keys(Uint32(seed_lo), Uint32(seed_hi))
         # each copy's Philox offset: the int one, or counter * stride + slot read from device
         # memory (a DeviceOffset)
-        poffs0 = philox_offset(ctr_lo, ctr_hi, stride_lo, stride_hi, offset0_lo, offset0_hi)
-        poffs1 = philox_offset(ctr_lo, ctr_hi, stride_lo, stride_hi, offset1_lo, offset1_hi)
+        poffs0 = philox.philox_offset(ctr_lo, ctr_hi, stride_lo, stride_hi, offset0_lo, offset0_hi)
+        poffs1 = philox.philox_offset(ctr_lo, ctr_hi, stride_lo, stride_hi, offset1_lo, offset1_hi)
         # ---- the strip as 32-bit words, WORDS per row, rotated through rolled loops: an
         # iteration of the row loop takes the first ROWS_PER_STEP rows and then rotates the rows,
         # one of the column loop the first word of every row (CPAIR columns) and then rotates each
@@ -805,9 +560,9 @@ class QuantizeKernel:
                     store_if(at_r, scale_bits(code_r), ok_r, 1)
                 i0_r = Uint32(r) * Uint32(K) + Uint32(col0)
                 offs_r = poffs0
-                rand_r = random_fields(i0_r, VEC, 32, keys, *offs_r)
+                rand_r = philox.random_fields(i0_r, VEC, 32, keys, *offs_r)
                 enc_r = encode_elements(yr, rand_r, self.hw_row)
-                vrow = to_store(pack_bits(enc_r), ROW_STORE_BYTES, ROW_STORE_N)
+                vrow = to_store(encode.pack_bits(enc_r), ROW_STORE_BYTES, ROW_STORE_N)
                 at_r = mQ.iterator.toint() + Int64((r * K + col0) * ELEM_BITS // 8)
                 for w in range_constexpr(ROW_STORE_N):
                     at_w = at_r + Int64(w * ROW_STORE_BYTES)
@@ -835,9 +590,9 @@ class QuantizeKernel:
                     store_if(at, scale_bits(code), ok, 1)
                 i0 = Uint32(c) * Uint32(M) + Uint32(row0)
                 offs = poffs1
-                rand = random_fields(i0, ROWS, 32, keys, *offs)
+                rand = philox.random_fields(i0, ROWS, 32, keys, *offs)
                 enc = encode_elements(ys, rand, self.hw_col)
-                vcol = to_store(pack_bits(enc), COL_STORE_BYTES, COL_STORE_N)
+                vcol = to_store(encode.pack_bits(enc), COL_STORE_BYTES, COL_STORE_N)
                 at = mQc.iterator.toint() + Int64(c * pitch_c + byte0)
                 for w in range_constexpr(COL_STORE_N):
                     ok = Int32(col_ok & (byte0 + (w + 1) * COL_STORE_BYTES <= pitch_c))

@@ -51,12 +51,11 @@ import cuda.bindings.driver as cuda
 import cutlass
 import cutlass.cute as cute
 import torch
-from cutlass import Float32, Int32, Uint8, Uint32, Uint64, range_constexpr
-from cutlass._mlir.dialects import llvm
-from cutlass.cutlass_dsl import T, dsl_user_op
+from cutlass import Float32, Int32, Uint8
 
 from fp4gen.device_offset import DeviceOffset
 from fp4gen.errors import TensorError
+from fp4gen.kernels import encode, quantize, scale
 
 # ----------------------------------------------------------------------------------------------
 # The spec, baked in
@@ -101,15 +100,7 @@ SCALES_SWIZZLED = False
 GLOBAL_SCALE = True
 # S_dec is NaN iff the input held a NaN or an Inf (the runtime needs no separate finite check)
 NONFINITE_TO_NAN_SCALE = True
-NONFINITE_BITS = 0x7F800000  # bits of |v| at or above this (unsigned): v is an Inf or a NaN
-NAN_BITS = 0x7FFFFFFF  # the NaN stored as S_dec
 GLOBAL_NUM = 2688.0  # fp32(SCALE_MAX * ELEM_MAX)
-
-FLT_MAX = 3.4028234663852886e38
-RNE_MAGIC = 8388608.0  # 2^23: adding it rounds a value in [0, 2^22) to an integer
-TWO32 = 4294967296.0
-PHILOX_M0, PHILOX_M1 = 0xD2511F53, 0xCD9E8D57
-PHILOX_W0, PHILOX_W1 = 0x9E3779B9, 0xBB67AE85
 SR_BITS = 8  # random bits per value (docs/numerics.md 5)
 
 # Thread mapping
@@ -119,473 +110,81 @@ THREADS_PER_BLOCK = 1  # > 1: lanes cooperating on one block
 K_MULTIPLE = 16  # K must be a multiple of this
 K_RULE = "1x16 blocks"
 UNIT_BYTES = 8  # packed code bytes per unit
-STORE_T = Uint32  # store word of the packed codes
-STORE_N = 2  # store words per unit
+STORE_N = 2  # store words of 4 bytes per unit
 QUANT_THREADS = 256
 QUANT_UNITS = 1  # units per thread
 AMAX_THREADS = 256
 AMAX_UNITS = 2
 
-
 # ----------------------------------------------------------------------------------------------
-# PTX helpers (pure: has_side_effects=False, so LLVM may CSE and schedule them)
+# The kernels: fp4gen.kernels.quantize's rowwise classes with these constants
 # ----------------------------------------------------------------------------------------------
-def _asm(ret_type, operands, text, constraints):
-    return llvm.inline_asm(
-        ret_type,
-        operands,
-        text,
-        constraints,
-        has_side_effects=False,
-        is_align_stack=False,
-        asm_dialect=llvm.AsmDialect.AD_ATT,
-    )
-
-
-@dsl_user_op
-def scale_value(x: Float32, e: Float32, *, loc=None, ip=None) -> Float32:
-    """fp32(x * e) for e > 0, as one fma.rn with +0.0 added: the product itself wherever it is
-    not zero, -0.0 where a negative product underflows, and +0.0 for x = -0.0 (-0 + +0 = +0
-    when rounding to nearest). So the result's sign bit is x < 0: the sign bit of x's code
-    (docs/numerics.md 1), at the cost of the multiply it replaces."""
-    return Float32(
-        _asm(
-            T.f32(),
-            [Float32(x).ir_value(loc=loc, ip=ip), Float32(e).ir_value(loc=loc, ip=ip)],
-            "fma.rn.f32 $0, $1, $2, 0f00000000;",
-            "=f,f,f",
-        )
-    )
-
-
-@dsl_user_op
-def bf16x2_absmax(a: Uint32, b: Uint32, *, loc=None, ip=None) -> Uint32:
-    """Per-half max(|a|, |b|) of two bf16x2 words, NaN where either half is NaN (the sign of the
-    result is garbage)."""
-    return Uint32(
-        _asm(
-            T.i32(),
-            [Uint32(a).ir_value(loc=loc, ip=ip), Uint32(b).ir_value(loc=loc, ip=ip)],
-            "max.NaN.xorsign.abs.bf16x2 $0, $1, $2;",
-            "=r,r,r",
-        )
-    )
-
-
-@dsl_user_op
-def cvt_f32_to_e4m3(x: Float32, *, loc=None, ip=None) -> Uint32:
-    """e4m3 code of x (RNE, satfinite) in the low byte; the x2 cvt puts its first source in the
-    high byte, so x goes second."""
-    return Uint32(
-        _asm(
-            T.i32(),
-            [Float32(x).ir_value(loc=loc, ip=ip)],
-            "{\n\t.reg .b16 h;\n\tcvt.rn.satfinite.e4m3x2.f32 h, 0f00000000, $1;\n\t"
-            "cvt.u32.u16 $0, h;\n\t}",
-            "=r,f",
-        )
-    )
-
-
-@dsl_user_op
-def cvt_e4m3_to_f32(code: Uint32, *, loc=None, ip=None) -> Float32:
-    """fp32 value of the e4m3 code in the low byte (exact: e4m3 -> f16 -> f32)."""
-    return Float32(
-        _asm(
-            T.f32(),
-            [Uint32(code).ir_value(loc=loc, ip=ip)],
-            "{\n\t.reg .b16 lo, hi;\n\t.reg .b32 h2;\n\tmov.b32 {lo, hi}, $1;\n\t"
-            "cvt.rn.f16x2.e4m3x2 h2, lo;\n\tmov.b32 {lo, hi}, h2;\n\tcvt.f32.f16 $0, lo;\n\t}",
-            "=f,r",
-        )
-    )
-
-
-# ----------------------------------------------------------------------------------------------
-# Device code building blocks. Plain Python functions: they run while a kernel is traced, so
-# their loops unroll and every index is a compile-time constant (no local memory).
-# ----------------------------------------------------------------------------------------------
-def to_f32(frag: cute.Tensor) -> list:
-    """The UNIT input values of a register fragment as fp32 scalars (exact)."""
-    xf = cute.make_rmem_tensor((UNIT,), Float32)
-    xf.store(frag.load().to(Float32))
-    return [xf[j] for j in range(UNIT)]
-
-
-def fmax_nan(a: Float32, b: Float32) -> Float32:
-    """max(a, b), NaN if either is NaN (max.NaN.f32: one instruction, as the plain max)."""
-    return cute.arch.fmax(a, b, nan=True)
-
-
-def absmax(xs: list) -> Float32:
-    """max |x| over fp32 scalars; NaN if any is NaN."""
-    acc = abs(xs[0])
-    for x in xs[1:]:
-        acc = fmax_nan(acc, abs(x))
-    return acc
-
-
-def absmax_bf16(words: list) -> Float32:
-    """max |x| over bf16x2 words: packed HMNMX2, then one fp32 max of the halves (exact); NaN
-    if any is NaN."""
-    h = words[0]
-    for w in words[1:]:
-        h = bf16x2_absmax(h, w)
-    return fmax_nan(
-        abs((h << Uint32(16)).bitcast(Float32)), abs((h & Uint32(0xFFFF0000)).bitcast(Float32))
-    )
-
-
-def unit_words(frag: cute.Tensor) -> list:
-    raw = cute.recast_tensor(frag, Uint32)
-    return [raw[i] for i in range(UNIT // 2)]
-
-
-def global_scales(amax: Float32):
-    """S_enc = min(fp32(SCALE_MAX * ELEM_MAX) / A, FLT_MAX), 1 if A == 0 or S_enc == 0;
-    S_dec = 1 / S_enc (IEEE div.rn / rcp.rn). A that is not finite (the NaN-propagating amax of
-    an input holding a NaN or an Inf) gives S_dec = NaN; S_enc is then any finite value, so the
-    codes are meaningless but computed as usual."""
-    s_enc = cute.arch.fmin(Float32(GLOBAL_NUM) / amax, Float32(FLT_MAX))
-    degenerate = (amax == Float32(0.0)) | (s_enc == Float32(0.0))
-    s_enc = Float32(cutlass.select_(degenerate, Float32(1.0), s_enc))
-    finite = amax.bitcast(Uint32) < Uint32(NONFINITE_BITS)  # A >= 0: its bits order like it
-    nan = Uint32(NAN_BITS).bitcast(Float32)
-    return s_enc, Float32(cutlass.select_(finite, Float32(1.0) / s_enc, nan))
-
-
-def block_scale(amax_b: Float32, k_enc: Float32, s_enc, s_dec):
-    """Block scale and encode factor (docs/numerics.md 2, steps 4-5):
-    d_b = min(amax_b * fp32(S_enc * fp32(1 / ELEM_MAX)), SCALE_CAP), s_b = e4m3(d_b),
-    e_b = min(1 / (s_b * S_dec), FLT_MAX). Returns (scale code, e_b)."""
-    d_b = cute.arch.fmin(amax_b * k_enc, Float32(SCALE_CAP))
-    out = cvt_f32_to_e4m3(d_b)  # RNE, satfinite: the hardware convert is the contract's
-    s_b = cvt_e4m3_to_f32(out)
-    e_b = cute.arch.fmin(Float32(1.0) / (s_b * s_dec), Float32(FLT_MAX))
-    return out, e_b
-
-
-@dsl_user_op
-def load_counter(addr_lo: Int32, addr_hi: Int32, *, loc=None, ip=None) -> Uint64:
-    """The u64 at global address (addr_hi, addr_lo), or 0 where the address is 0 (a predicated
-    load: no access, no branch)."""
-    return Uint64(
-        _asm(
-            T.i64(),
-            [Int32(addr_lo).ir_value(loc=loc, ip=ip), Int32(addr_hi).ir_value(loc=loc, ip=ip)],
-            "{\n\t.reg .pred p;\n\t.reg .b64 a;\n\tmov.b64 a, {$1, $2};\n\t"
-            "setp.ne.b64 p, a, 0;\n\tmov.b64 $0, 0;\n\t@p ld.global.u64 $0, [a];\n\t}",
-            "=l,r,r",
-        )
-    )
-
-
-def philox_offset(ctr_lo, ctr_hi, stride_lo, stride_hi, off_lo, off_hi):
-    """(lo, hi) words of the Philox offset: counter * stride + offset (mod 2^64), with the
-    counter read from device memory (a DeviceOffset; its slot is the offset), or 0 for an int
-    offset (address 0: the offset itself, bit for bit)."""
-    count = load_counter(ctr_lo, ctr_hi)
-    stride = (Uint64(Uint32(stride_hi)) << Uint64(32)) | Uint64(Uint32(stride_lo))
-    base = (Uint64(Uint32(off_hi)) << Uint64(32)) | Uint64(Uint32(off_lo))
-    offset = count * stride + base
-    return Uint32(offset), Uint32(offset >> Uint64(32))
-
-
-def philox_keys(seed_lo: Uint32, seed_hi: Uint32) -> list:
-    """The 10 round keys of Philox4x32-10 (the key bumped by the Weyl constants)."""
-    keys = [(seed_lo, seed_hi)]
-    for _ in range(9):
-        k0, k1 = keys[-1]
-        keys.append((k0 + Uint32(PHILOX_W0), k1 + Uint32(PHILOX_W1)))
-    return keys
-
-
-def philox4x32_10(c0, c1, c2, c3, keys: list) -> list:
-    """Philox4x32-10 (Random123): with (hi0, lo0) = mulhilo(M0, c0), (hi1, lo1) =
-    mulhilo(M1, c2), a round maps c to (hi1 ^ c1 ^ k0, lo1, hi0 ^ c3 ^ k1, lo0)."""
-    for k0, k1 in keys:
-        p0 = Uint64(c0) * Uint64(PHILOX_M0)  # mul.wide.u32
-        p1 = Uint64(c2) * Uint64(PHILOX_M1)
-        hi0, lo0 = Uint32(p0 >> Uint64(32)), Uint32(p0)
-        hi1, lo1 = Uint32(p1 >> Uint64(32)), Uint32(p1)
-        c0, c1, c2, c3 = hi1 ^ c1 ^ k0, lo1, hi0 ^ c3 ^ k1, lo0
-    return [c0, c1, c2, c3]
-
-
-@dsl_user_op
-def byte_field(w: Uint32, j: int, *, loc=None, ip=None) -> Uint32:
-    """Byte j of w in the low byte, zeros above (one prmt)."""
-    return Uint32(
-        _asm(
-            T.i32(),
-            [Uint32(w).ir_value(loc=loc, ip=ip)],
-            f"prmt.b32 $0, $1, 0, {0x4440 | j:#x};",
-            "=r,r",
-        )
-    )
-
-
-def random_words(i0: Uint32, n: int, bits: int, keys: list, off_lo: Uint32, off_hi: Uint32) -> list:
-    """The Philox words that hold the ``bits``-bit random fields (32, 16 or 8) of the n
-    consecutive elements from flat index i0 (docs/numerics.md 5): with v = 32 // bits fields per
-    word, element i takes field i % v (low bits first) of word i // v, and word j is output j % 4
-    of Philox(counter = (j // 4, 0, offset_lo, offset_hi), key = seed). Either the elements
-    cover whole calls (n and i0 multiples of 4 v) or they sit inside one call (n divides 4 v,
-    n >= v, i0 % n == 0)."""
-    per_word = 32 // bits
-    per_call = 4 * per_word
-    if n >= per_call:
-        q = i0 // Uint32(per_call)
-        words = []
-        for c in range(n // per_call):
-            words += philox4x32_10(q + Uint32(c), Uint32(0), off_lo, off_hi, keys)
-        return words
-    call = philox4x32_10(i0 // Uint32(per_call), Uint32(0), off_lo, off_hi, keys)
-    nw = n // per_word  # the words of part (i0 % per_call) // n of the call
-    part = (i0 // Uint32(n)) % Uint32(per_call // n)
-    return call_slice(call, part, nw)
-
-
-def call_slice(call: list, part, nw: int) -> list:
-    """Words part * nw .. part * nw + nw - 1 of a Philox call, for a runtime part."""
-    words = call[:nw]
-    for p in range(1, len(call) // nw):
-        words = [cutlass.select_(part == Uint32(p), call[p * nw + w], words[w]) for w in range(nw)]
-    return words
-
-
-def random_fields(
-    i0: Uint32, n: int, bits: int, keys: list, off_lo: Uint32, off_hi: Uint32
-) -> list:
-    """The ``bits``-bit random fields of the n consecutive elements from flat index i0, one per
-    element (see random_words)."""
-    return fields_of(random_words(i0, n, bits, keys, off_lo, off_hi), bits)
-
-
-def fields_of(words: list, bits: int) -> list:
-    """The ``bits``-bit fields of Philox words, low bits first."""
-    if bits == 8:
-        return [
-            f
-            for w in words
-            for f in (w & Uint32(0xFF), byte_field(w, 1), byte_field(w, 2), w >> Uint32(24))
-        ]
-    return words
-
-
-# The fp16 image of the format: z = y * ELEM_TO_F16 puts its smallest normal on fp16's and its
-# subnormals on fp16's, so an image's bits >> HALF_CODE are the magnitude code of floor and the
-# HALF_CODE bits below are floor(frac * 2^HALF_CODE) (docs/numerics.md 5)
-ELEM_TO_F16 = 6.103515625e-05  # 2^(-14 - ELEM_EMIN)
-HALF_MAX2 = 0x0E000E00  # the image of ELEM_MAX in both fp16 halves
-HALF_CODE = 9  # the lowest code bit of an image: 10 - m
-HALF_RAND = 1  # the lowest bit of the 8 random bits below it: HALF_CODE - 8
-HALF_MAGS = 0x00070007  # the magnitude bits of nibble 0 and nibble 4
-HALF_SIGNS = 0x00080008  # the sign bits of nibble 0 and nibble 4
-
-
-@dsl_user_op
-def cvt_rz_f16x2(a: Float32, b: Float32, *, loc=None, ip=None) -> Uint32:
-    """fp16 of a (high half) and b (low half), rounded toward zero."""
-    return Uint32(
-        _asm(
-            T.i32(),
-            [Float32(a).ir_value(loc=loc, ip=ip), Float32(b).ir_value(loc=loc, ip=ip)],
-            "cvt.rz.f16x2.f32 $0, $1, $2;",
-            "=r,f,f",
-        )
-    )
-
-
-@dsl_user_op
-def min_abs_f16x2(a: Uint32, b: Uint32, *, loc=None, ip=None) -> Uint32:
-    """Per half min(|a|, |b|), with the sign of a xor the sign of b."""
-    return Uint32(
-        _asm(
-            T.i32(),
-            [Uint32(a).ir_value(loc=loc, ip=ip), Uint32(b).ir_value(loc=loc, ip=ip)],
-            "min.xorsign.abs.f16x2 $0, $1, $2;",
-            "=r,r,r",
-        )
-    )
-
-
-def shift_down(v: Uint32, n: int) -> Uint32:
-    """v >> n, or v << -n for a negative n."""
-    if n > 0:
-        return v >> Uint32(n)
-    return v << Uint32(-n) if n < 0 else v
-
-
-@dsl_user_op
-def prmt(a: Uint32, b: Uint32, selector: int, *, loc=None, ip=None) -> Uint32:
-    """Byte permute of {b, a}: selector nibble i picks byte i of the result (bit 3 of the nibble
-    replicates the sign of the picked byte)."""
-    return Uint32(
-        _asm(
-            T.i32(),
-            [Uint32(a).ir_value(loc=loc, ip=ip), Uint32(b).ir_value(loc=loc, ip=ip)],
-            f"prmt.b32 $0, $1, $2, {selector:#x};",
-            "=r,r,r",
-        )
-    )
-
-
-def sign_word(ys: list) -> Uint32:
-    """The sign of ys[j] (8 fp32) at bit 4j + 3, the sign bit of nibble j (other bits garbage).
-    Byte 3 of an fp32 holds its sign: two byte gathers per 4 values, the second replicating
-    each sign over its byte."""
-    yb = [y.bitcast(Uint32) for y in ys]
-    even = prmt(prmt(yb[0], yb[2], 0x0073), prmt(yb[4], yb[6], 0x0073), 0xDC98)
-    odd = prmt(prmt(yb[1], yb[3], 0x0073), prmt(yb[5], yb[7], 0x0073), 0xDC98)
-    return (odd & Uint32(0x80808080)) | (even & Uint32(0x08080808))
-
-
-def encode_elements(ys: list, rand, hw: bool, folded: bool = False) -> list:
-    """Codes of the scaled values ys as (value, width) bit-stream fields, in element order,
-    rounded stochastically with 8 random bits per value; rand: the Philox words of ys (byte j of
-    word w for value 4 w + j).
-
-    Eight values per code word, two per fp16x2 image: values j and j + 2 (j = 0, 1, 4, 5) share
-    a word, so their random bytes (j % 4 and j % 4 + 2 of a Philox word) are 16 bits apart as
-    well and one mask and shift puts both below their codes. Adding them carries into a code iff
-    floor(frac * 2^8) + r >= 2^8 (docs/numerics.md 5). Image n of the word lands in nibbles n
-    and n + 4, which leaves the bytes in the order 0 2 1 3: one byte permute fixes it.
-    ``folded``: ys are already the images' values (ELEM_TO_F16 folded into the encode factor)."""
-    fields = []
-    for i in range(0, len(ys), 8):
-        # y * ELEM_TO_F16 is exact (a tiny z encodes as a zero magnitude, its sign kept)
-        z = ys[i : i + 8] if folded else [y * Float32(ELEM_TO_F16) for y in ys[i : i + 8]]
-        mags = None
-        signs = None
-        for n, j in enumerate((0, 1, 4, 5)):
-            word = rand[(i + j) // 4]
-            if j % 2:  # random bytes 1 and 3
-                r = (word & Uint32(0xFF00FF00)) >> Uint32(8 - HALF_RAND)
-            else:  # random bytes 0 and 2
-                r = shift_down(word & Uint32(0x00FF00FF), -HALF_RAND)
-            # |image| saturated at ELEM_MAX's (the sign of z kept), plus the random bits
-            h = min_abs_f16x2(cvt_rz_f16x2(z[j + 2], z[j]), Uint32(HALF_MAX2)) + r
-            # to nibbles n and n + 4: the codes from bit HALF_CODE, the signs from bit 15
-            mag = shift_down(h, HALF_CODE - 4 * n) & Uint32(HALF_MAGS << 4 * n)
-            sign = shift_down(h, 12 - 4 * n) & Uint32(HALF_SIGNS << 4 * n)
-            mags = mag if mags is None else mags | mag
-            signs = sign if signs is None else signs | sign
-        # the sign bits on every code, zero magnitudes included: cvt.rz keeps the sign of a
-        # value that becomes (or is) -0.0, and the values come from scale_value (sign bit:
-        # x < 0), with ELEM_TO_F16 applied by an exact or sign-keeping multiply
-        w = mags | signs
-        fields.append((prmt(w, w, 0x3120), 32))
-    return fields
-
-
-def pack_bits(fields: list) -> list:
-    """Little-endian bit stream of (value, width) fields as 32-bit words (a field may straddle
-    two words); values must fit their width."""
-    words = []
-    pos = 0
-    for val, width in fields:
-        w, s = divmod(pos, 32)
-        while len(words) <= w:
-            words.append(None)
-        part = val << Uint32(s) if s else val
-        words[w] = part if words[w] is None else words[w] | part
-        if s + width > 32:
-            words.append(val >> Uint32(32 - s))
-        pos += width
-    return [Uint32(0) if w is None else w for w in words]
-
-
-def store_words(words: list) -> list:
-    """The packed words as STORE_N values of STORE_T (UNIT_BYTES bytes)."""
-    return words
-
-
-def quantize_unit(frag: cute.Tensor, hw: bool, k_enc, s_enc, s_dec, rand):
-    """Quantize one unit: returns (store values, [(scale code or value) per block])."""
-    xs = to_f32(frag)
-    raw = unit_words(frag)
-    bl = UNIT // BLOCKS_PER_UNIT  # elements of one block held by this thread
-    ys = []
-    scales = []
-    for g in range(BLOCKS_PER_UNIT):
-        amax_b = absmax_bf16(raw[g * bl // 2 : (g + 1) * bl // 2])
-        scale, e_b = block_scale(amax_b, k_enc, s_enc, s_dec)
-        scales.append(scale)
-        ys += [scale_value(x, e_b) for x in xs[g * bl : (g + 1) * bl]]  # sign bit: x < 0
-    return store_words(pack_bits(encode_elements(ys, rand, hw))), scales
-
-
-# ----------------------------------------------------------------------------------------------
-# Kernels
-# ----------------------------------------------------------------------------------------------
-def _units(mX: cute.Tensor):
-    """(M, K) compact row-major -> (M*K/UNIT, UNIT) view of whole units."""
-    num_units = mX.shape[0] * (mX.shape[1] // UNIT)
-    gX = cute.make_tensor(mX.iterator, cute.make_layout((num_units, UNIT), stride=(UNIT, 1)))
-    return gX, num_units
-
-
-class AmaxKernel:
-    """Global amax A = max |x| into a zero-initialised fp32 [1] buffer: each CTA reduces
-    AMAX_THREADS * AMAX_UNITS units and issues one atomic max."""
+ELEMENT = encode.ElementParams(
+    name=ELEM_NAME,
+    bits=ELEM_BITS,
+    man_bits=ELEM_MAN_BITS,
+    emin=ELEM_EMIN,
+    emin_biased=ELEM_EMIN_BIASED,
+    max=ELEM_MAX,
+    inv_max=INV_ELEM_MAX,
+    emax=2,
+    code_bias=ELEM_CODE_BIAS,
+    word_bias=0xE9EEEEDE,
+    lane_signs=0x88888888,
+    sign_mask=ELEM_SIGN,
+    hw_cvt="e2m1x2",
+    half_scale=6.103515625e-05,  # the fp16 image: 2^(-14 - ELEM_EMIN)
+    half_max2=0x0E000E00,
+    half_code=9,
+    half_rand=1,
+)
+SCALE = scale.ScaleParams(
+    kind="e4m3_hw",
+    rounding=SCALE_ROUNDING,
+    cap=SCALE_CAP,
+)
+PARAMS = quantize.RowwiseParams(
+    input_dtype=INPUT_DTYPE,
+    block=BLOCK,
+    elem=ELEMENT,
+    scale=SCALE,
+    rounding=ELEM_ROUNDING,
+    sw_encode="srhalf",  # the software element encode
+    swar=True,  # codes packed and signed word by word
+    sr_bits=SR_BITS,
+    rand_words=True,  # the encode takes whole Philox words
+    hw_archs=ELEM_HW_CVT_ARCHS,
+    global_scale=GLOBAL_SCALE,
+    global_num=GLOBAL_NUM,
+    swizzled=SCALES_SWIZZLED,
+    rht_size=0,
+    rht_signs=(),
+    rht_scale=1.0,
+    unit=UNIT,
+    blocks_per_unit=BLOCKS_PER_UNIT,
+    threads_per_block=THREADS_PER_BLOCK,
+    store_bytes=4,
+    store_n=STORE_N,
+    quant_threads=QUANT_THREADS,
+    quant_units=QUANT_UNITS,
+    amax_threads=AMAX_THREADS,
+    amax_units=AMAX_UNITS,
+)
+
+
+class AmaxKernel(quantize.RowwiseAmaxKernel):
+    """The global amax of this spec (a class of this module: its name is the kernel symbol's)."""
 
     def __init__(self, arch: str):
-        self.arch = arch
-
-    @cute.jit
-    def __call__(self, mX: cute.Tensor, mAmax: cute.Tensor, stream: cuda.CUstream):
-        gX, num_units = _units(mX)
-        tile = AMAX_THREADS * AMAX_UNITS
-        grid = (num_units + (tile - 1)) // tile
-        self.kernel(gX, mAmax, num_units).launch(
-            grid=[grid, 1, 1], block=[AMAX_THREADS, 1, 1], stream=stream
-        )
-
-    @cute.kernel
-    def kernel(self, gX: cute.Tensor, mAmax: cute.Tensor, num_units: Int32):
-        tidx, _, _ = cute.arch.thread_idx()
-        bidx, _, _ = cute.arch.block_idx()
-        last = num_units - 1
-        base = bidx * (AMAX_THREADS * AMAX_UNITS) + tidx
-
-        frags = []
-        for v in range_constexpr(AMAX_UNITS):  # issue every load first
-            frag = cute.make_rmem_tensor((UNIT,), INPUT_T)
-            # clamped: a duplicate unit does not change a max
-            cute.autovec_copy(gX[cutlass.min(base + v * AMAX_THREADS, last), None], frag)
-            frags.append(frag)
-        acc = Float32(0.0)
-        for v in range_constexpr(AMAX_UNITS):
-            acc = fmax_nan(acc, absmax_bf16(unit_words(frags[v])))
-
-        # CTA reduction: warp shuffles, one shared-memory slot per warp, warp 0 finishes; every
-        # max propagates NaN, so a NaN anywhere reaches the atomic as the canonical (positive) NaN
-        acc = cute.arch.warp_reduction(acc, fmax_nan)
-        smem = cutlass.memory.SmemAllocator()
-        red = smem.allocate_tensor(Float32, cute.make_layout(AMAX_THREADS // 32), byte_alignment=16)
-        warp = cute.arch.warp_idx()
-        lane = cute.arch.lane_idx()
-        if lane == 0:
-            red[warp] = acc
-        cute.arch.barrier()
-        if warp == 0:
-            w = Float32(0.0)
-            if lane < AMAX_THREADS // 32:
-                w = red[lane]
-            w = cute.arch.warp_reduction(w, fmax_nan)
-            if lane == 0:
-                # |x| >= 0: the fp32 max is the integer max of the bits (Inf and the positive NaN
-                # above every finite value)
-                cute.arch.atomic_fmax(mAmax.iterator, w, sign_bit=False)
+        super().__init__(PARAMS, arch)
 
 
-class QuantizeKernel:
-    """Rowwise e2m1 1x16 quantization of a compact row-major [M, K] bf16 tensor."""
+class QuantizeKernel(quantize.RowwiseQuantizeKernel):
+    """The quantize kernel of this spec, with its arguments (the entry of the compiled function
+    and of the kernel)."""
 
     def __init__(self, arch: str):
-        self.arch = arch
-        self.hw = arch in ELEM_HW_CVT_ARCHS  # hardware element convert on this arch
+        super().__init__(PARAMS, arch)
 
     @cute.jit
     def __call__(
@@ -605,31 +204,17 @@ class QuantizeKernel:
         stride_hi: Int32,
         stream: cuda.CUstream,
     ):
-        gX, num_units = _units(mX)
-        gQ = cute.make_tensor(
-            cute.recast_ptr(mQ.iterator, dtype=STORE_T),
-            cute.make_layout((num_units, STORE_N), stride=(STORE_N, 1)),
-        )
-        nbk = mX.shape[1] // BLOCK  # blocks per row
-        gS = cute.make_tensor(mS.iterator, cute.make_layout(mX.shape[0] * nbk))
-        tile = QUANT_THREADS * QUANT_UNITS
-        grid = (num_units + (tile - 1)) // tile
-        self.kernel(
-            gX,
-            gQ,
-            gS,
+        philox = (seed_lo, seed_hi, offset_lo, offset_hi, ctr_lo, ctr_hi, stride_lo, stride_hi)
+        self.launch(
+            mX,
+            mQ,
+            mS,
+            None,
             mAmax,
             mSdec,
-            seed_lo,
-            seed_hi,
-            offset_lo,
-            offset_hi,
-            ctr_lo,
-            ctr_hi,
-            stride_lo,
-            stride_hi,
-            num_units,
-        ).launch(grid=[grid, 1, 1], block=[QUANT_THREADS, 1, 1], stream=stream)
+            philox,
+            stream,
+        )
 
     @cute.kernel
     def kernel(
@@ -649,41 +234,19 @@ class QuantizeKernel:
         stride_hi: Int32,
         num_units: Int32,
     ):
-        tidx, _, _ = cute.arch.thread_idx()
-        bidx, _, _ = cute.arch.block_idx()
-        last = num_units - 1
-        base = bidx * (QUANT_THREADS * QUANT_UNITS) + tidx
-
-        # ---- issue every load of this thread first; clamped, so loads need no predicate
-        frags = []
-        for v in range_constexpr(QUANT_UNITS):
-            frag = cute.make_rmem_tensor((UNIT,), INPUT_T)
-            cute.autovec_copy(gX[cutlass.min(base + v * QUANT_THREADS, last), None], frag)
-            frags.append(frag)
-
-        # ---- global scales, recomputed by every thread (a broadcast load, div.rn + rcp.rn)
-        s_enc, s_dec = global_scales(mAmax[0])
-        if bidx == 0:  # noqa: SIM102
-            if tidx == 0:
-                mSdec[0] = s_dec
-        k_enc = s_enc * Float32(INV_ELEM_MAX)  # fp32(S_enc * fp32(1 / ELEM_MAX))
-        keys = philox_keys(Uint32(seed_lo), Uint32(seed_hi))
-        # the Philox offset: the int one, or counter * stride + slot read from device memory
-        off_lo, off_hi = philox_offset(ctr_lo, ctr_hi, stride_lo, stride_hi, offset_lo, offset_hi)
-
-        for v in range_constexpr(QUANT_UNITS):
-            u = base + v * QUANT_THREADS
-            i0 = Uint32(u) * Uint32(UNIT)
-            rand = random_words(i0, UNIT, SR_BITS, keys, off_lo, off_hi)
-            vals, scales = quantize_unit(frags[v], self.hw, k_enc, s_enc, s_dec, rand)
-            q = cute.make_rmem_tensor((STORE_N,), STORE_T)
-            for i in range_constexpr(STORE_N):
-                q[i] = vals[i]
-            if u < num_units:
-                cute.autovec_copy(q, gQ[u, None])
-                for g in range_constexpr(BLOCKS_PER_UNIT):
-                    b = u * BLOCKS_PER_UNIT + g
-                    gS[b] = Uint8(scales[g])
+        philox = (seed_lo, seed_hi, offset_lo, offset_hi, ctr_lo, ctr_hi, stride_lo, stride_hi)
+        self.body(
+            gX,
+            gQ,
+            gS,
+            None,
+            None,
+            None,
+            mAmax,
+            mSdec,
+            philox,
+            num_units,
+        )
 
 
 # ----------------------------------------------------------------------------------------------

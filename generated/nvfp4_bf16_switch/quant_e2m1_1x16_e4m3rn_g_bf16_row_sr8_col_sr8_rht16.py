@@ -63,12 +63,13 @@ import cuda.bindings.driver as cuda
 import cutlass
 import cutlass.cute as cute
 import torch
-from cutlass import Float32, Int32, Int64, Uint8, Uint32, Uint64, range_constexpr
+from cutlass import Float32, Int32, Int64, Uint8, Uint32, range_constexpr
 from cutlass._mlir.dialects import llvm
 from cutlass.cutlass_dsl import T, dsl_user_op
 
 from fp4gen.device_offset import DeviceOffset
 from fp4gen.errors import TensorError
+from fp4gen.kernels import encode, philox, quant_ptx, scale
 
 # ----------------------------------------------------------------------------------------------
 # The spec, baked in
@@ -131,10 +132,6 @@ RHT_SIGNS = tuple(1 if c == "+" else -1 for c in "+++-+------+-+--")
 RHT_SCALE = 0.25  # fp32(1 / sqrt(RHT_SIZE))
 
 FLT_MAX = 3.4028234663852886e38
-RNE_MAGIC = 8388608.0  # 2^23: adding it rounds a value in [0, 2^22) to an integer
-TWO32 = 4294967296.0
-PHILOX_M0, PHILOX_M1 = 0xD2511F53, 0xCD9E8D57
-PHILOX_W0, PHILOX_W1 = 0x9E3779B9, 0xBB67AE85
 
 # Thread mapping
 ROWS = 16  # rows of a thread's strip
@@ -160,90 +157,48 @@ COL_STORE_N = 2  # store words per column strip (8 bytes)
 
 
 # ----------------------------------------------------------------------------------------------
-# PTX helpers (pure: has_side_effects=False, so LLVM may CSE and schedule them)
+# The element encode and the block scales: fp4gen.kernels' classes with these constants
 # ----------------------------------------------------------------------------------------------
-def _asm(ret_type, operands, text, constraints):
-    return llvm.inline_asm(
-        ret_type,
-        operands,
-        text,
-        constraints,
-        has_side_effects=False,
-        is_align_stack=False,
-        asm_dialect=llvm.AsmDialect.AD_ATT,
-    )
+ELEMENT = encode.ElementParams(
+    name=ELEM_NAME,
+    bits=ELEM_BITS,
+    man_bits=ELEM_MAN_BITS,
+    emin=ELEM_EMIN,
+    emin_biased=ELEM_EMIN_BIASED,
+    max=ELEM_MAX,
+    inv_max=INV_ELEM_MAX,
+    emax=2,
+    code_bias=ELEM_CODE_BIAS,
+    word_bias=0xE9EEEEDE,
+    lane_signs=0x88888888,
+    sign_mask=ELEM_SIGN,
+    hw_cvt="e2m1x2",
+    half_scale=6.103515625e-05,  # the fp16 image: 2^(-14 - ELEM_EMIN)
+    half_max2=0x0E000E00,
+    half_code=9,
+    half_rand=1,
+)
+SCALE = scale.ScaleParams(
+    kind="e4m3_hw",
+    rounding=SCALE_ROUNDING,
+    cap=SCALE_CAP,
+)
+BLOCK_SCALER = scale.BlockScaler(SCALE, GLOBAL_SCALE)
+block_scale = BLOCK_SCALER.block_scale  # (amax_b, k_enc, s_enc, s_dec) -> (code, e_b)
+# copies rounding stochastic8: the "srhalf" software encode
+ENCODER = encode.ElementEncoder(
+    ELEMENT,
+    rounding="stochastic8",
+    sw_encode="srhalf",
+    swar=True,  # codes packed and signed word by word
+    partial=False,  # a last code word may hold fewer codes
+)
+encode_elements = ENCODER.encode_elements
 
 
-@dsl_user_op
-def scale_value(x: Float32, e: Float32, *, loc=None, ip=None) -> Float32:
-    """fp32(x * e) for e > 0, as one fma.rn with +0.0 added: the product itself wherever it is
-    not zero, -0.0 where a negative product underflows, and +0.0 for x = -0.0 (-0 + +0 = +0
-    when rounding to nearest). So the result's sign bit is x < 0: the sign bit of x's code
-    (docs/numerics.md 1), at the cost of the multiply it replaces."""
-    return Float32(
-        _asm(
-            T.f32(),
-            [Float32(x).ir_value(loc=loc, ip=ip), Float32(e).ir_value(loc=loc, ip=ip)],
-            "fma.rn.f32 $0, $1, $2, 0f00000000;",
-            "=f,f,f",
-        )
-    )
-
-
-@dsl_user_op
-def cvt_bf16x2(a: Float32, b: Float32, *, loc=None, ip=None) -> Uint32:
-    """bf16 RNE of a (high half) and b (low half)."""
-    return Uint32(
-        _asm(
-            T.i32(),
-            [Float32(a).ir_value(loc=loc, ip=ip), Float32(b).ir_value(loc=loc, ip=ip)],
-            "cvt.rn.bf16x2.f32 $0, $1, $2;",
-            "=r,f,f",
-        )
-    )
-
-
-@dsl_user_op
-def bf16x2_absmax(a: Uint32, b: Uint32, *, loc=None, ip=None) -> Uint32:
-    """Per-half max(|a|, |b|) of two bf16x2 words, NaN where either half is NaN (the sign of the
-    result is garbage)."""
-    return Uint32(
-        _asm(
-            T.i32(),
-            [Uint32(a).ir_value(loc=loc, ip=ip), Uint32(b).ir_value(loc=loc, ip=ip)],
-            "max.NaN.xorsign.abs.bf16x2 $0, $1, $2;",
-            "=r,r,r",
-        )
-    )
-
-
-@dsl_user_op
-def cvt_f32_to_e4m3(x: Float32, *, loc=None, ip=None) -> Uint32:
-    """e4m3 code of x (RNE, satfinite) in the low byte; the x2 cvt puts its first source in the
-    high byte, so x goes second."""
-    return Uint32(
-        _asm(
-            T.i32(),
-            [Float32(x).ir_value(loc=loc, ip=ip)],
-            "{\n\t.reg .b16 h;\n\tcvt.rn.satfinite.e4m3x2.f32 h, 0f00000000, $1;\n\t"
-            "cvt.u32.u16 $0, h;\n\t}",
-            "=r,f",
-        )
-    )
-
-
-@dsl_user_op
-def cvt_e4m3_to_f32(code: Uint32, *, loc=None, ip=None) -> Float32:
-    """fp32 value of the e4m3 code in the low byte (exact: e4m3 -> f16 -> f32)."""
-    return Float32(
-        _asm(
-            T.f32(),
-            [Uint32(code).ir_value(loc=loc, ip=ip)],
-            "{\n\t.reg .b16 lo, hi;\n\t.reg .b32 h2;\n\tmov.b32 {lo, hi}, $1;\n\t"
-            "cvt.rn.f16x2.e4m3x2 h2, lo;\n\tmov.b32 {lo, hi}, h2;\n\tcvt.f32.f16 $0, lo;\n\t}",
-            "=f,r",
-        )
-    )
+def global_scales(amax: Float32):
+    """(S_enc, S_dec) of a global amax: fp4gen.kernels.scale.global_scales."""
+    return scale.global_scales(amax, GLOBAL_NUM)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -288,7 +243,7 @@ def absmax_bf16(words: list) -> Float32:
     """max |x| over bf16x2 words: packed HMNMX2 (a balanced tree), then one fp32 max of the
     halves (exact); NaN if any is NaN."""
     while len(words) > 1:
-        nxt = [bf16x2_absmax(words[i], words[i + 1]) for i in range(0, len(words) - 1, 2)]
+        nxt = [quant_ptx.bf16x2_absmax(words[i], words[i + 1]) for i in range(0, len(words) - 1, 2)]
         if len(words) % 2:
             nxt.append(words[-1])
         words = nxt
@@ -325,7 +280,7 @@ def bf16_round(v: list):
     out = []
     words = []
     for i in range(0, len(v), 2):
-        w = cvt_bf16x2(v[i], v[i + 1])
+        w = quant_ptx.cvt_bf16x2(v[i], v[i + 1])
         words.append(w)
         out.append((w & Uint32(0xFFFF0000)).bitcast(Float32))
         out.append((w << Uint32(16)).bitcast(Float32))
@@ -337,262 +292,7 @@ def rht_amax(xs: list) -> Float32:
     and rounding to bf16 are monotone and odd, so the max of the rounded values is the rounded
     max."""
     m = absmax(butterflies(xs)) * Float32(RHT_SCALE)
-    return (cvt_bf16x2(m, m) & Uint32(0xFFFF0000)).bitcast(Float32)
-
-
-def global_scales(amax: Float32):
-    """S_enc = min(fp32(SCALE_MAX * ELEM_MAX) / A, FLT_MAX), 1 if A == 0 or S_enc == 0;
-    S_dec = 1 / S_enc (IEEE div.rn / rcp.rn). A that is not finite (the NaN-propagating amax of
-    an input holding a NaN or an Inf) gives S_dec = NaN; S_enc is then any finite value, so the
-    codes are meaningless but computed as usual."""
-    s_enc = cute.arch.fmin(Float32(GLOBAL_NUM) / amax, Float32(FLT_MAX))
-    degenerate = (amax == Float32(0.0)) | (s_enc == Float32(0.0))
-    s_enc = Float32(cutlass.select_(degenerate, Float32(1.0), s_enc))
-    finite = amax.bitcast(Uint32) < Uint32(NONFINITE_BITS)  # A >= 0: its bits order like it
-    nan = Uint32(NAN_BITS).bitcast(Float32)
-    return s_enc, Float32(cutlass.select_(finite, Float32(1.0) / s_enc, nan))
-
-
-def block_scale(amax_b: Float32, k_enc: Float32, s_enc, s_dec):
-    """Block scale and encode factor (docs/numerics.md 2, steps 4-5):
-    d_b = min(amax_b * fp32(S_enc * fp32(1 / ELEM_MAX)), SCALE_CAP), s_b = e4m3(d_b),
-    e_b = min(1 / (s_b * S_dec), FLT_MAX). Returns (scale code, e_b)."""
-    d_b = cute.arch.fmin(amax_b * k_enc, Float32(SCALE_CAP))
-    out = cvt_f32_to_e4m3(d_b)  # RNE, satfinite: the hardware convert is the contract's
-    s_b = cvt_e4m3_to_f32(out)
-    e_b = cute.arch.fmin(Float32(1.0) / (s_b * s_dec), Float32(FLT_MAX))
-    return out, e_b
-
-
-@dsl_user_op
-def load_counter(addr_lo: Int32, addr_hi: Int32, *, loc=None, ip=None) -> Uint64:
-    """The u64 at global address (addr_hi, addr_lo), or 0 where the address is 0 (a predicated
-    load: no access, no branch)."""
-    return Uint64(
-        _asm(
-            T.i64(),
-            [Int32(addr_lo).ir_value(loc=loc, ip=ip), Int32(addr_hi).ir_value(loc=loc, ip=ip)],
-            "{\n\t.reg .pred p;\n\t.reg .b64 a;\n\tmov.b64 a, {$1, $2};\n\t"
-            "setp.ne.b64 p, a, 0;\n\tmov.b64 $0, 0;\n\t@p ld.global.u64 $0, [a];\n\t}",
-            "=l,r,r",
-        )
-    )
-
-
-def philox_offset(ctr_lo, ctr_hi, stride_lo, stride_hi, off_lo, off_hi):
-    """(lo, hi) words of the Philox offset: counter * stride + offset (mod 2^64), with the
-    counter read from device memory (a DeviceOffset; its slot is the offset), or 0 for an int
-    offset (address 0: the offset itself, bit for bit)."""
-    count = load_counter(ctr_lo, ctr_hi)
-    stride = (Uint64(Uint32(stride_hi)) << Uint64(32)) | Uint64(Uint32(stride_lo))
-    base = (Uint64(Uint32(off_hi)) << Uint64(32)) | Uint64(Uint32(off_lo))
-    offset = count * stride + base
-    return Uint32(offset), Uint32(offset >> Uint64(32))
-
-
-def philox_keys(seed_lo: Uint32, seed_hi: Uint32) -> list:
-    """The 10 round keys of Philox4x32-10 (the key bumped by the Weyl constants)."""
-    keys = [(seed_lo, seed_hi)]
-    for _ in range(9):
-        k0, k1 = keys[-1]
-        keys.append((k0 + Uint32(PHILOX_W0), k1 + Uint32(PHILOX_W1)))
-    return keys
-
-
-def philox4x32_10(c0, c1, c2, c3, keys: list) -> list:
-    """Philox4x32-10 (Random123): with (hi0, lo0) = mulhilo(M0, c0), (hi1, lo1) =
-    mulhilo(M1, c2), a round maps c to (hi1 ^ c1 ^ k0, lo1, hi0 ^ c3 ^ k1, lo0)."""
-    for k0, k1 in keys:
-        p0 = Uint64(c0) * Uint64(PHILOX_M0)  # mul.wide.u32
-        p1 = Uint64(c2) * Uint64(PHILOX_M1)
-        hi0, lo0 = Uint32(p0 >> Uint64(32)), Uint32(p0)
-        hi1, lo1 = Uint32(p1 >> Uint64(32)), Uint32(p1)
-        c0, c1, c2, c3 = hi1 ^ c1 ^ k0, lo1, hi0 ^ c3 ^ k1, lo0
-    return [c0, c1, c2, c3]
-
-
-@dsl_user_op
-def byte_field(w: Uint32, j: int, *, loc=None, ip=None) -> Uint32:
-    """Byte j of w in the low byte, zeros above (one prmt)."""
-    return Uint32(
-        _asm(
-            T.i32(),
-            [Uint32(w).ir_value(loc=loc, ip=ip)],
-            f"prmt.b32 $0, $1, 0, {0x4440 | j:#x};",
-            "=r,r",
-        )
-    )
-
-
-def random_words(i0: Uint32, n: int, bits: int, keys: list, off_lo: Uint32, off_hi: Uint32) -> list:
-    """The Philox words that hold the ``bits``-bit random fields (32, 16 or 8) of the n
-    consecutive elements from flat index i0 (docs/numerics.md 5): with v = 32 // bits fields per
-    word, element i takes field i % v (low bits first) of word i // v, and word j is output j % 4
-    of Philox(counter = (j // 4, 0, offset_lo, offset_hi), key = seed). Either the elements
-    cover whole calls (n and i0 multiples of 4 v) or they sit inside one call (n divides 4 v,
-    n >= v, i0 % n == 0)."""
-    per_word = 32 // bits
-    per_call = 4 * per_word
-    if n >= per_call:
-        q = i0 // Uint32(per_call)
-        words = []
-        for c in range(n // per_call):
-            words += philox4x32_10(q + Uint32(c), Uint32(0), off_lo, off_hi, keys)
-        return words
-    call = philox4x32_10(i0 // Uint32(per_call), Uint32(0), off_lo, off_hi, keys)
-    nw = n // per_word  # the words of part (i0 % per_call) // n of the call
-    part = (i0 // Uint32(n)) % Uint32(per_call // n)
-    return call_slice(call, part, nw)
-
-
-def call_slice(call: list, part, nw: int) -> list:
-    """Words part * nw .. part * nw + nw - 1 of a Philox call, for a runtime part."""
-    words = call[:nw]
-    for p in range(1, len(call) // nw):
-        words = [cutlass.select_(part == Uint32(p), call[p * nw + w], words[w]) for w in range(nw)]
-    return words
-
-
-def random_fields(
-    i0: Uint32, n: int, bits: int, keys: list, off_lo: Uint32, off_hi: Uint32
-) -> list:
-    """The ``bits``-bit random fields of the n consecutive elements from flat index i0, one per
-    element (see random_words)."""
-    return fields_of(random_words(i0, n, bits, keys, off_lo, off_hi), bits)
-
-
-def fields_of(words: list, bits: int) -> list:
-    """The ``bits``-bit fields of Philox words, low bits first."""
-    if bits == 8:
-        return [
-            f
-            for w in words
-            for f in (w & Uint32(0xFF), byte_field(w, 1), byte_field(w, 2), w >> Uint32(24))
-        ]
-    return words
-
-
-# The fp16 image of the format: z = y * ELEM_TO_F16 puts its smallest normal on fp16's and its
-# subnormals on fp16's, so an image's bits >> HALF_CODE are the magnitude code of floor and the
-# HALF_CODE bits below are floor(frac * 2^HALF_CODE) (docs/numerics.md 5)
-ELEM_TO_F16 = 6.103515625e-05  # 2^(-14 - ELEM_EMIN)
-HALF_MAX2 = 0x0E000E00  # the image of ELEM_MAX in both fp16 halves
-HALF_CODE = 9  # the lowest code bit of an image: 10 - m
-HALF_RAND = 1  # the lowest bit of the 8 random bits below it: HALF_CODE - 8
-HALF_MAGS = 0x00070007  # the magnitude bits of nibble 0 and nibble 4
-HALF_SIGNS = 0x00080008  # the sign bits of nibble 0 and nibble 4
-
-
-@dsl_user_op
-def cvt_rz_f16x2(a: Float32, b: Float32, *, loc=None, ip=None) -> Uint32:
-    """fp16 of a (high half) and b (low half), rounded toward zero."""
-    return Uint32(
-        _asm(
-            T.i32(),
-            [Float32(a).ir_value(loc=loc, ip=ip), Float32(b).ir_value(loc=loc, ip=ip)],
-            "cvt.rz.f16x2.f32 $0, $1, $2;",
-            "=r,f,f",
-        )
-    )
-
-
-@dsl_user_op
-def min_abs_f16x2(a: Uint32, b: Uint32, *, loc=None, ip=None) -> Uint32:
-    """Per half min(|a|, |b|), with the sign of a xor the sign of b."""
-    return Uint32(
-        _asm(
-            T.i32(),
-            [Uint32(a).ir_value(loc=loc, ip=ip), Uint32(b).ir_value(loc=loc, ip=ip)],
-            "min.xorsign.abs.f16x2 $0, $1, $2;",
-            "=r,r,r",
-        )
-    )
-
-
-def shift_down(v: Uint32, n: int) -> Uint32:
-    """v >> n, or v << -n for a negative n."""
-    if n > 0:
-        return v >> Uint32(n)
-    return v << Uint32(-n) if n < 0 else v
-
-
-@dsl_user_op
-def prmt(a: Uint32, b: Uint32, selector: int, *, loc=None, ip=None) -> Uint32:
-    """Byte permute of {b, a}: selector nibble i picks byte i of the result (bit 3 of the nibble
-    replicates the sign of the picked byte)."""
-    return Uint32(
-        _asm(
-            T.i32(),
-            [Uint32(a).ir_value(loc=loc, ip=ip), Uint32(b).ir_value(loc=loc, ip=ip)],
-            f"prmt.b32 $0, $1, $2, {selector:#x};",
-            "=r,r,r",
-        )
-    )
-
-
-def sign_word(ys: list) -> Uint32:
-    """The sign of ys[j] (8 fp32) at bit 4j + 3, the sign bit of nibble j (other bits garbage).
-    Byte 3 of an fp32 holds its sign: two byte gathers per 4 values, the second replicating
-    each sign over its byte."""
-    yb = [y.bitcast(Uint32) for y in ys]
-    even = prmt(prmt(yb[0], yb[2], 0x0073), prmt(yb[4], yb[6], 0x0073), 0xDC98)
-    odd = prmt(prmt(yb[1], yb[3], 0x0073), prmt(yb[5], yb[7], 0x0073), 0xDC98)
-    return (odd & Uint32(0x80808080)) | (even & Uint32(0x08080808))
-
-
-def encode_elements(ys: list, rand, hw: bool, folded: bool = False) -> list:
-    """Codes of the scaled values ys as (value, width) bit-stream fields, in element order,
-    rounded stochastically with 8 random bits per value; rand: the Philox words of ys (byte j of
-    word w for value 4 w + j).
-
-    Eight values per code word, two per fp16x2 image: values j and j + 2 (j = 0, 1, 4, 5) share
-    a word, so their random bytes (j % 4 and j % 4 + 2 of a Philox word) are 16 bits apart as
-    well and one mask and shift puts both below their codes. Adding them carries into a code iff
-    floor(frac * 2^8) + r >= 2^8 (docs/numerics.md 5). Image n of the word lands in nibbles n
-    and n + 4, which leaves the bytes in the order 0 2 1 3: one byte permute fixes it.
-    ``folded``: ys are already the images' values (ELEM_TO_F16 folded into the encode factor)."""
-    fields = []
-    for i in range(0, len(ys), 8):
-        # y * ELEM_TO_F16 is exact (a tiny z encodes as a zero magnitude, its sign kept)
-        z = ys[i : i + 8] if folded else [y * Float32(ELEM_TO_F16) for y in ys[i : i + 8]]
-        mags = None
-        signs = None
-        for n, j in enumerate((0, 1, 4, 5)):
-            word = rand[(i + j) // 4]
-            if j % 2:  # random bytes 1 and 3
-                r = (word & Uint32(0xFF00FF00)) >> Uint32(8 - HALF_RAND)
-            else:  # random bytes 0 and 2
-                r = shift_down(word & Uint32(0x00FF00FF), -HALF_RAND)
-            # |image| saturated at ELEM_MAX's (the sign of z kept), plus the random bits
-            h = min_abs_f16x2(cvt_rz_f16x2(z[j + 2], z[j]), Uint32(HALF_MAX2)) + r
-            # to nibbles n and n + 4: the codes from bit HALF_CODE, the signs from bit 15
-            mag = shift_down(h, HALF_CODE - 4 * n) & Uint32(HALF_MAGS << 4 * n)
-            sign = shift_down(h, 12 - 4 * n) & Uint32(HALF_SIGNS << 4 * n)
-            mags = mag if mags is None else mags | mag
-            signs = sign if signs is None else signs | sign
-        # the sign bits on every code, zero magnitudes included: cvt.rz keeps the sign of a
-        # value that becomes (or is) -0.0, and the values come from scale_value (sign bit:
-        # x < 0), with ELEM_TO_F16 applied by an exact or sign-keeping multiply
-        w = mags | signs
-        fields.append((prmt(w, w, 0x3120), 32))
-    return fields
-
-
-def pack_bits(fields: list) -> list:
-    """Little-endian bit stream of (value, width) fields as 32-bit words (a field may straddle
-    two words); values must fit their width."""
-    words = []
-    pos = 0
-    for val, width in fields:
-        w, s = divmod(pos, 32)
-        while len(words) <= w:
-            words.append(None)
-        part = val << Uint32(s) if s else val
-        words[w] = part if words[w] is None else words[w] | part
-        if s + width > 32:
-            words.append(val >> Uint32(32 - s))
-        pos += width
-    return [Uint32(0) if w is None else w for w in words]
+    return (quant_ptx.cvt_bf16x2(m, m) & Uint32(0xFFFF0000)).bitcast(Float32)
 
 
 def to_store(words: list, word_bytes: int, n: int) -> list:
@@ -664,13 +364,14 @@ def scale_bits(code) -> Uint32:
 
 def encode_factor(code: Uint32, s_dec) -> Float32:
     """e_b of the e4m3 scale code (docs/numerics.md 2.5): min(1 / (s_b * S_dec), FLT_MAX)."""
-    return cute.arch.fmin(Float32(1.0) / (cvt_e4m3_to_f32(code) * s_dec), Float32(FLT_MAX))
+    s_b = quant_ptx.cvt_e4m3_to_f32(code)
+    return cute.arch.fmin(Float32(1.0) / (s_b * s_dec), Float32(FLT_MAX))
 
 
 def block_scale_table(amax_b: Float32, k_enc: Float32, table: cute.Tensor):
     """block_scale with e_b read from the copy's table of encode factors: (scale code, e_b)."""
     d_b = cute.arch.fmin(amax_b * k_enc, Float32(SCALE_CAP))
-    code = cvt_f32_to_e4m3(d_b)  # RNE, satfinite: the hardware convert is the contract's
+    code = quant_ptx.cvt_f32_to_e4m3(d_b)  # RNE, satfinite: the hardware convert is the contract's
     return code, table[Int32(code)]
 
 
@@ -719,7 +420,7 @@ def column(rows: list, j: int) -> list:
 
 def scaled(xs: list, e: Float32) -> list:
     """fp32(x * e) for every x, with the sign bit x < 0 (scale_value: -0.0 gives +0.0)."""
-    return [scale_value(x, e) for x in xs]
+    return [quant_ptx.scale_value(x, e) for x in xs]
 
 
 def butterfly_max(v: Float32, offsets) -> Float32:
@@ -784,11 +485,11 @@ def shared_row_words(
     lane for ROW_SHARE rows."""
     part = (Uint32(col0) // Uint32(VEC)) % Uint32(ROW_SHARE)
     i0 = (Uint32(r0) + part) * Uint32(K) + Uint32(col0)
-    call = philox4x32_10(i0 // Uint32(VEC * ROW_SHARE), Uint32(0), off_lo, off_hi, keys)
-    own = call_slice(call, part, ROW_RAND_WORDS)
+    call = philox.philox4x32_10(i0 // Uint32(VEC * ROW_SHARE), Uint32(0), off_lo, off_hi, keys)
+    own = philox.call_slice(call, part, ROW_RAND_WORDS)
     got = {}  # d -> this lane's slice of the call of row r0 + (part ^ d), from lane ^ d
     for d in range(1, ROW_SHARE):
-        send = call_slice(call, part ^ Uint32(d), ROW_RAND_WORDS)
+        send = philox.call_slice(call, part ^ Uint32(d), ROW_RAND_WORDS)
         got[d] = [cute.arch.shuffle_sync_bfly(w, offset=d) for w in send]
     rows = []
     for p in range(ROW_SHARE):
@@ -933,10 +634,10 @@ class AmaxKernel:
         if last[0] != 0:
             s_enc0, s_dec0 = global_scales(load_acquire(mAmax0.iterator.toint()))
             s_enc1, s_dec1 = global_scales(load_acquire(mAmax1.iterator.toint()))
-            # ELEM_TO_F16 folded into the tables of the fp16-image copies while S_dec <=
+            # half_scale folded into the tables of the fp16-image copies while S_dec <=
             # FOLD_SDEC_MAX (every entry a normal fp32); the quantize kernel checks the same
             fold_ok = (s_dec0 <= Float32(FOLD_SDEC_MAX)) & (s_dec1 <= Float32(FOLD_SDEC_MAX))
-            fold_f = Float32(cutlass.select_(fold_ok, Float32(ELEM_TO_F16), Float32(1.0)))
+            fold_f = Float32(cutlass.select_(fold_ok, Float32(ELEMENT.half_scale), Float32(1.0)))
             for t in range_constexpr(256 // THREADS):
                 code = tidx + t * THREADS
                 e_b = encode_factor(Uint32(code), s_dec0)
@@ -1051,14 +752,14 @@ class QuantizeKernel:
         s_dec_row = mConst[CONST_HEAD + 1]
         k_enc_col = mConst[CONST_HEAD + 2]
         s_dec_col = mConst[CONST_HEAD + 3]
-        keys = philox_keys(Uint32(seed_lo), Uint32(seed_hi))
+        keys = philox.philox_keys(Uint32(seed_lo), Uint32(seed_hi))
         # each copy's Philox offset: the int one, or counter * stride + slot read from device
         # memory (a DeviceOffset)
-        poffs0 = philox_offset(ctr_lo, ctr_hi, stride_lo, stride_hi, offset0_lo, offset0_hi)
-        poffs1 = philox_offset(ctr_lo, ctr_hi, stride_lo, stride_hi, offset1_lo, offset1_hi)
+        poffs0 = philox.philox_offset(ctr_lo, ctr_hi, stride_lo, stride_hi, offset0_lo, offset0_hi)
+        poffs1 = philox.philox_offset(ctr_lo, ctr_hi, stride_lo, stride_hi, offset1_lo, offset1_hi)
         smem = cutlass.memory.SmemAllocator()
-        # ---- ELEM_TO_F16 folded into the encode factors of the fp16-image copies: exact while
-        # every e_b * ELEM_TO_F16 is a normal fp32, i.e. S_dec <= FOLD_SDEC_MAX (amax beyond
+        # ---- half_scale folded into the encode factors of the fp16-image copies: exact while
+        # every e_b * half_scale is a normal fp32, i.e. S_dec <= FOLD_SDEC_MAX (amax beyond
         # ~2^111 for NVFP4 takes the unfolded path below)
         fold_ok = (s_dec_row <= Float32(FOLD_SDEC_MAX)) & (s_dec_col <= Float32(FOLD_SDEC_MAX))
         # ---- the encode-factor table of every copy, copied from the prepared constants: block
@@ -1102,9 +803,9 @@ class QuantizeKernel:
                         store_if(at, scale_bits(code), ok, 1)
                     i0 = Uint32(c) * Uint32(M) + Uint32(row0)
                     offs = poffs1
-                    rand = random_words(i0, ROWS, 8, keys, *offs)
+                    rand = philox.random_words(i0, ROWS, 8, keys, *offs)
                     enc = encode_elements(ys, rand, self.hw_col, folded=True)
-                    vcol = to_store(pack_bits(enc), COL_STORE_BYTES, COL_STORE_N)
+                    vcol = to_store(encode.pack_bits(enc), COL_STORE_BYTES, COL_STORE_N)
                     at = mQc.iterator.toint() + Int64(c * pitch_c + byte0)
                     for w in range_constexpr(COL_STORE_N):
                         ok = Int32(col_ok & (byte0 + (w + 1) * COL_STORE_BYTES <= pitch_c))
@@ -1139,7 +840,7 @@ class QuantizeKernel:
                         store_if(at_r, scale_bits(code_r), ok_r, 1)
                     rand_r = shared[ii]
                     enc_r = encode_elements(yr, rand_r, self.hw_row, folded=True)
-                    vrow = to_store(pack_bits(enc_r), ROW_STORE_BYTES, ROW_STORE_N)
+                    vrow = to_store(encode.pack_bits(enc_r), ROW_STORE_BYTES, ROW_STORE_N)
                     at_r = mQ.iterator.toint() + Int64((r * K + col0) * ELEM_BITS // 8)
                     for w in range_constexpr(ROW_STORE_N):
                         at_w = at_r + Int64(w * ROW_STORE_BYTES)
@@ -1166,9 +867,9 @@ class QuantizeKernel:
                         store_if(at_u, scale_bits(code_u), ok_u, 1)
                     i0_u = Uint32(c_u) * Uint32(M) + Uint32(row0)
                     offs_u = poffs1
-                    rand_u = random_words(i0_u, ROWS, 8, keys, *offs_u)
+                    rand_u = philox.random_words(i0_u, ROWS, 8, keys, *offs_u)
                     enc_u = encode_elements(ys_u, rand_u, self.hw_col)
-                    vcol_u = to_store(pack_bits(enc_u), COL_STORE_BYTES, COL_STORE_N)
+                    vcol_u = to_store(encode.pack_bits(enc_u), COL_STORE_BYTES, COL_STORE_N)
                     at_u = mQc.iterator.toint() + Int64(c_u * pitch_c + byte0)
                     for w in range_constexpr(COL_STORE_N):
                         ok_u = Int32(col_ok & (byte0 + (w + 1) * COL_STORE_BYTES <= pitch_c))
@@ -1203,7 +904,7 @@ class QuantizeKernel:
                         store_if(at_r_u, scale_bits(code_r_u), ok_r_u, 1)
                     rand_r_u = shared_u[ii]
                     enc_r_u = encode_elements(yr_u, rand_r_u, self.hw_row)
-                    vrow_u = to_store(pack_bits(enc_r_u), ROW_STORE_BYTES, ROW_STORE_N)
+                    vrow_u = to_store(encode.pack_bits(enc_r_u), ROW_STORE_BYTES, ROW_STORE_N)
                     at_r_u = mQ.iterator.toint() + Int64((r_u * K + col0) * ELEM_BITS // 8)
                     for w in range_constexpr(ROW_STORE_N):
                         at_w_u = at_r_u + Int64(w * ROW_STORE_BYTES)

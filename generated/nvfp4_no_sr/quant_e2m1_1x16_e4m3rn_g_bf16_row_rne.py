@@ -50,12 +50,11 @@ import cuda.bindings.driver as cuda
 import cutlass
 import cutlass.cute as cute
 import torch
-from cutlass import Float32, Int32, Uint8, Uint32, range_constexpr
-from cutlass._mlir.dialects import llvm
-from cutlass.cutlass_dsl import T, dsl_user_op
+from cutlass import Float32, Int32, Uint8
 
 from fp4gen.device_offset import DeviceOffset
 from fp4gen.errors import TensorError
+from fp4gen.kernels import encode, quantize, scale
 
 # ----------------------------------------------------------------------------------------------
 # The spec, baked in
@@ -101,12 +100,7 @@ SCALES_SWIZZLED = False
 GLOBAL_SCALE = True
 # S_dec is NaN iff the input held a NaN or an Inf (the runtime needs no separate finite check)
 NONFINITE_TO_NAN_SCALE = True
-NONFINITE_BITS = 0x7F800000  # bits of |v| at or above this (unsigned): v is an Inf or a NaN
-NAN_BITS = 0x7FFFFFFF  # the NaN stored as S_dec
 GLOBAL_NUM = 2688.0  # fp32(SCALE_MAX * ELEM_MAX)
-
-FLT_MAX = 3.4028234663852886e38
-RNE_MAGIC = 8388608.0  # 2^23: adding it rounds a value in [0, 2^22) to an integer
 
 # Thread mapping
 UNIT = 16  # contiguous elements per unit of work
@@ -115,347 +109,81 @@ THREADS_PER_BLOCK = 1  # > 1: lanes cooperating on one block
 K_MULTIPLE = 16  # K must be a multiple of this
 K_RULE = "1x16 blocks"
 UNIT_BYTES = 8  # packed code bytes per unit
-STORE_T = Uint32  # store word of the packed codes
-STORE_N = 2  # store words per unit
+STORE_N = 2  # store words of 4 bytes per unit
 QUANT_THREADS = 256
 QUANT_UNITS = 1  # units per thread
 AMAX_THREADS = 256
 AMAX_UNITS = 2
 
-
 # ----------------------------------------------------------------------------------------------
-# PTX helpers (pure: has_side_effects=False, so LLVM may CSE and schedule them)
+# The kernels: fp4gen.kernels.quantize's rowwise classes with these constants
 # ----------------------------------------------------------------------------------------------
-def _asm(ret_type, operands, text, constraints):
-    return llvm.inline_asm(
-        ret_type,
-        operands,
-        text,
-        constraints,
-        has_side_effects=False,
-        is_align_stack=False,
-        asm_dialect=llvm.AsmDialect.AD_ATT,
-    )
+ELEMENT = encode.ElementParams(
+    name=ELEM_NAME,
+    bits=ELEM_BITS,
+    man_bits=ELEM_MAN_BITS,
+    emin=ELEM_EMIN,
+    emin_biased=ELEM_EMIN_BIASED,
+    max=ELEM_MAX,
+    inv_max=INV_ELEM_MAX,
+    emax=2,
+    code_bias=ELEM_CODE_BIAS,
+    word_bias=0xE9EEEEDE,
+    lane_signs=0x88888888,
+    sign_mask=ELEM_SIGN,
+    hw_cvt="e2m1x2",
+    half_scale=6.103515625e-05,  # the fp16 image: 2^(-14 - ELEM_EMIN)
+    half_max2=0x0E000E00,
+    half_code=9,
+    half_rand=1,
+)
+SCALE = scale.ScaleParams(
+    kind="e4m3_hw",
+    rounding=SCALE_ROUNDING,
+    cap=SCALE_CAP,
+)
+PARAMS = quantize.RowwiseParams(
+    input_dtype=INPUT_DTYPE,
+    block=BLOCK,
+    elem=ELEMENT,
+    scale=SCALE,
+    rounding=ELEM_ROUNDING,
+    sw_encode="rne",  # the software element encode
+    swar=True,  # codes packed and signed word by word
+    sr_bits=0,
+    rand_words=False,  # the encode takes whole Philox words
+    hw_archs=ELEM_HW_CVT_ARCHS,
+    global_scale=GLOBAL_SCALE,
+    global_num=GLOBAL_NUM,
+    swizzled=SCALES_SWIZZLED,
+    rht_size=0,
+    rht_signs=(),
+    rht_scale=1.0,
+    unit=UNIT,
+    blocks_per_unit=BLOCKS_PER_UNIT,
+    threads_per_block=THREADS_PER_BLOCK,
+    store_bytes=4,
+    store_n=STORE_N,
+    quant_threads=QUANT_THREADS,
+    quant_units=QUANT_UNITS,
+    amax_threads=AMAX_THREADS,
+    amax_units=AMAX_UNITS,
+)
 
 
-@dsl_user_op
-def scale_value(x: Float32, e: Float32, *, loc=None, ip=None) -> Float32:
-    """fp32(x * e) for e > 0, as one fma.rn with +0.0 added: the product itself wherever it is
-    not zero, -0.0 where a negative product underflows, and +0.0 for x = -0.0 (-0 + +0 = +0
-    when rounding to nearest). So the result's sign bit is x < 0: the sign bit of x's code
-    (docs/numerics.md 1), at the cost of the multiply it replaces."""
-    return Float32(
-        _asm(
-            T.f32(),
-            [Float32(x).ir_value(loc=loc, ip=ip), Float32(e).ir_value(loc=loc, ip=ip)],
-            "fma.rn.f32 $0, $1, $2, 0f00000000;",
-            "=f,f,f",
-        )
-    )
-
-
-@dsl_user_op
-def bf16x2_absmax(a: Uint32, b: Uint32, *, loc=None, ip=None) -> Uint32:
-    """Per-half max(|a|, |b|) of two bf16x2 words, NaN where either half is NaN (the sign of the
-    result is garbage)."""
-    return Uint32(
-        _asm(
-            T.i32(),
-            [Uint32(a).ir_value(loc=loc, ip=ip), Uint32(b).ir_value(loc=loc, ip=ip)],
-            "max.NaN.xorsign.abs.bf16x2 $0, $1, $2;",
-            "=r,r,r",
-        )
-    )
-
-
-@dsl_user_op
-def cvt_f32_to_e4m3(x: Float32, *, loc=None, ip=None) -> Uint32:
-    """e4m3 code of x (RNE, satfinite) in the low byte; the x2 cvt puts its first source in the
-    high byte, so x goes second."""
-    return Uint32(
-        _asm(
-            T.i32(),
-            [Float32(x).ir_value(loc=loc, ip=ip)],
-            "{\n\t.reg .b16 h;\n\tcvt.rn.satfinite.e4m3x2.f32 h, 0f00000000, $1;\n\t"
-            "cvt.u32.u16 $0, h;\n\t}",
-            "=r,f",
-        )
-    )
-
-
-@dsl_user_op
-def cvt_e4m3_to_f32(code: Uint32, *, loc=None, ip=None) -> Float32:
-    """fp32 value of the e4m3 code in the low byte (exact: e4m3 -> f16 -> f32)."""
-    return Float32(
-        _asm(
-            T.f32(),
-            [Uint32(code).ir_value(loc=loc, ip=ip)],
-            "{\n\t.reg .b16 lo, hi;\n\t.reg .b32 h2;\n\tmov.b32 {lo, hi}, $1;\n\t"
-            "cvt.rn.f16x2.e4m3x2 h2, lo;\n\tmov.b32 {lo, hi}, h2;\n\tcvt.f32.f16 $0, lo;\n\t}",
-            "=f,r",
-        )
-    )
-
-
-# The hardware cvt sets a code's sign bit from its source's, also where the magnitude rounds to 0
-# (-0.0 included): the contract's rule (docs/numerics.md 1), since the sources come from
-# scale_value, whose sign bit is x < 0 (an x of -0.0 gives +0.0). Nothing to clear.
-HW_PER_WORD = 8  # values per hardware-converted word
-
-
-@dsl_user_op
-def cvt_hw(v, *, loc=None, ip=None) -> Uint32:
-    """8 fp32 -> 8 e2m1 nibbles (RNE, satfinite), element 0 in the low nibble. cvt.e2m1x2 puts
-    its first source in the HIGH nibble, so pairs go in as (odd, even)."""
-    ops = [Float32(x).ir_value(loc=loc, ip=ip) for x in v]
-    return Uint32(
-        _asm(
-            T.i32(),
-            ops,
-            "{\n\t.reg .b8 b0, b1, b2, b3;\n\t"
-            "cvt.rn.satfinite.e2m1x2.f32 b0, $2, $1;\n\t"
-            "cvt.rn.satfinite.e2m1x2.f32 b1, $4, $3;\n\t"
-            "cvt.rn.satfinite.e2m1x2.f32 b2, $6, $5;\n\t"
-            "cvt.rn.satfinite.e2m1x2.f32 b3, $8, $7;\n\t"
-            "mov.b32 $0, {b0, b1, b2, b3};\n\t}",
-            "=r,f,f,f,f,f,f,f,f",
-        )
-    )
-
-
-# ----------------------------------------------------------------------------------------------
-# Device code building blocks. Plain Python functions: they run while a kernel is traced, so
-# their loops unroll and every index is a compile-time constant (no local memory).
-# ----------------------------------------------------------------------------------------------
-def to_f32(frag: cute.Tensor) -> list:
-    """The UNIT input values of a register fragment as fp32 scalars (exact)."""
-    xf = cute.make_rmem_tensor((UNIT,), Float32)
-    xf.store(frag.load().to(Float32))
-    return [xf[j] for j in range(UNIT)]
-
-
-def fmax_nan(a: Float32, b: Float32) -> Float32:
-    """max(a, b), NaN if either is NaN (max.NaN.f32: one instruction, as the plain max)."""
-    return cute.arch.fmax(a, b, nan=True)
-
-
-def absmax(xs: list) -> Float32:
-    """max |x| over fp32 scalars; NaN if any is NaN."""
-    acc = abs(xs[0])
-    for x in xs[1:]:
-        acc = fmax_nan(acc, abs(x))
-    return acc
-
-
-def absmax_bf16(words: list) -> Float32:
-    """max |x| over bf16x2 words: packed HMNMX2, then one fp32 max of the halves (exact); NaN
-    if any is NaN."""
-    h = words[0]
-    for w in words[1:]:
-        h = bf16x2_absmax(h, w)
-    return fmax_nan(
-        abs((h << Uint32(16)).bitcast(Float32)), abs((h & Uint32(0xFFFF0000)).bitcast(Float32))
-    )
-
-
-def unit_words(frag: cute.Tensor) -> list:
-    raw = cute.recast_tensor(frag, Uint32)
-    return [raw[i] for i in range(UNIT // 2)]
-
-
-def global_scales(amax: Float32):
-    """S_enc = min(fp32(SCALE_MAX * ELEM_MAX) / A, FLT_MAX), 1 if A == 0 or S_enc == 0;
-    S_dec = 1 / S_enc (IEEE div.rn / rcp.rn). A that is not finite (the NaN-propagating amax of
-    an input holding a NaN or an Inf) gives S_dec = NaN; S_enc is then any finite value, so the
-    codes are meaningless but computed as usual."""
-    s_enc = cute.arch.fmin(Float32(GLOBAL_NUM) / amax, Float32(FLT_MAX))
-    degenerate = (amax == Float32(0.0)) | (s_enc == Float32(0.0))
-    s_enc = Float32(cutlass.select_(degenerate, Float32(1.0), s_enc))
-    finite = amax.bitcast(Uint32) < Uint32(NONFINITE_BITS)  # A >= 0: its bits order like it
-    nan = Uint32(NAN_BITS).bitcast(Float32)
-    return s_enc, Float32(cutlass.select_(finite, Float32(1.0) / s_enc, nan))
-
-
-def block_scale(amax_b: Float32, k_enc: Float32, s_enc, s_dec):
-    """Block scale and encode factor (docs/numerics.md 2, steps 4-5):
-    d_b = min(amax_b * fp32(S_enc * fp32(1 / ELEM_MAX)), SCALE_CAP), s_b = e4m3(d_b),
-    e_b = min(1 / (s_b * S_dec), FLT_MAX). Returns (scale code, e_b)."""
-    d_b = cute.arch.fmin(amax_b * k_enc, Float32(SCALE_CAP))
-    out = cvt_f32_to_e4m3(d_b)  # RNE, satfinite: the hardware convert is the contract's
-    s_b = cvt_e4m3_to_f32(out)
-    e_b = cute.arch.fmin(Float32(1.0) / (s_b * s_dec), Float32(FLT_MAX))
-    return out, e_b
-
-
-def elem_raw(y: Float32) -> Uint32:
-    """The e2m1 magnitude code of y plus ELEM_CODE_BIAS (mod 2^32), saturating,
-    rounded to nearest, ties to the even code.
-
-    With a = min(|y|, ELEM_MAX) and k = max(floor(log2 a), ELEM_EMIN), q = a * 2^(m - k) is exact
-    and the grid step is 1 in q, so the magnitude code is n + (k - ELEM_EMIN) * 2^m for the
-    integer n that q rounds to (n = 2^(m+1) rolls into the next binade).
-    One FFMA q + 2^23 rounds to nearest even, and with m >= 1 rint's even integer is the even code.
-    """
-    a = cute.arch.fmin(abs(y), Float32(ELEM_MAX))
-    two_k = cutlass.max(a.bitcast(Uint32) & Uint32(0x7F800000), Uint32(ELEM_EMIN_BIASED << 23))
-    p = (Uint32((ELEM_MAN_BITS + 254) << 23) - two_k).bitcast(Float32)  # 2^(m - k)
-    e_off = two_k >> Uint32(23 - ELEM_MAN_BITS)  # (k + 127) * 2^m
-    return (a * p + Float32(RNE_MAGIC)).bitcast(Uint32) + e_off  # bits(2^23 + rint(q))
-
-
-@dsl_user_op
-def prmt(a: Uint32, b: Uint32, selector: int, *, loc=None, ip=None) -> Uint32:
-    """Byte permute of {b, a}: selector nibble i picks byte i of the result (bit 3 of the nibble
-    replicates the sign of the picked byte)."""
-    return Uint32(
-        _asm(
-            T.i32(),
-            [Uint32(a).ir_value(loc=loc, ip=ip), Uint32(b).ir_value(loc=loc, ip=ip)],
-            f"prmt.b32 $0, $1, $2, {selector:#x};",
-            "=r,r,r",
-        )
-    )
-
-
-def sign_word(ys: list) -> Uint32:
-    """The sign of ys[j] (8 fp32) at bit 4j + 3, the sign bit of nibble j (other bits garbage).
-    Byte 3 of an fp32 holds its sign: two byte gathers per 4 values, the second replicating
-    each sign over its byte."""
-    yb = [y.bitcast(Uint32) for y in ys]
-    even = prmt(prmt(yb[0], yb[2], 0x0073), prmt(yb[4], yb[6], 0x0073), 0xDC98)
-    odd = prmt(prmt(yb[1], yb[3], 0x0073), prmt(yb[5], yb[7], 0x0073), 0xDC98)
-    return (odd & Uint32(0x80808080)) | (even & Uint32(0x08080808))
-
-
-def encode_elements(ys: list, rand, hw: bool) -> list:
-    """Codes of the scaled values ys as (value, width) bit-stream fields, in element order."""
-    if hw:
-        fields = []
-        for i in range(0, len(ys), HW_PER_WORD):
-            w = cvt_hw(ys[i : i + HW_PER_WORD])
-            fields.append((w, 32))
-        return fields
-    # LANES codes per 32-bit word: sum raw_j * 2^(bits * j) by shift-adds, then take all the
-    # ELEM_CODE_BIAS terms off at once (mod 2^32); the sign bits of ys on every code, zero
-    # magnitudes included (ys come from scale_value: the sign bit is x < 0)
-    fields = []
-    for i in range(0, len(ys), LANES):
-        raws = [elem_raw(ys[i + j]) for j in range(LANES)]
-        w = raws[-1]
-        for raw in reversed(raws[:-1]):
-            w = (w << Uint32(ELEM_BITS)) + raw
-        w = w - Uint32(WORD_BIAS)
-        fields.append((w | (sign_word(ys[i : i + LANES]) & Uint32(LANE_SIGNS)), 32))
-    return fields
-
-
-def pack_bits(fields: list) -> list:
-    """Little-endian bit stream of (value, width) fields as 32-bit words (a field may straddle
-    two words); values must fit their width."""
-    words = []
-    pos = 0
-    for val, width in fields:
-        w, s = divmod(pos, 32)
-        while len(words) <= w:
-            words.append(None)
-        part = val << Uint32(s) if s else val
-        words[w] = part if words[w] is None else words[w] | part
-        if s + width > 32:
-            words.append(val >> Uint32(32 - s))
-        pos += width
-    return [Uint32(0) if w is None else w for w in words]
-
-
-def store_words(words: list) -> list:
-    """The packed words as STORE_N values of STORE_T (UNIT_BYTES bytes)."""
-    return words
-
-
-def quantize_unit(frag: cute.Tensor, hw: bool, k_enc, s_enc, s_dec, rand):
-    """Quantize one unit: returns (store values, [(scale code or value) per block])."""
-    xs = to_f32(frag)
-    raw = unit_words(frag)
-    bl = UNIT // BLOCKS_PER_UNIT  # elements of one block held by this thread
-    ys = []
-    scales = []
-    for g in range(BLOCKS_PER_UNIT):
-        amax_b = absmax_bf16(raw[g * bl // 2 : (g + 1) * bl // 2])
-        scale, e_b = block_scale(amax_b, k_enc, s_enc, s_dec)
-        scales.append(scale)
-        ys += [scale_value(x, e_b) for x in xs[g * bl : (g + 1) * bl]]  # sign bit: x < 0
-    return store_words(pack_bits(encode_elements(ys, rand, hw))), scales
-
-
-# ----------------------------------------------------------------------------------------------
-# Kernels
-# ----------------------------------------------------------------------------------------------
-def _units(mX: cute.Tensor):
-    """(M, K) compact row-major -> (M*K/UNIT, UNIT) view of whole units."""
-    num_units = mX.shape[0] * (mX.shape[1] // UNIT)
-    gX = cute.make_tensor(mX.iterator, cute.make_layout((num_units, UNIT), stride=(UNIT, 1)))
-    return gX, num_units
-
-
-class AmaxKernel:
-    """Global amax A = max |x| into a zero-initialised fp32 [1] buffer: each CTA reduces
-    AMAX_THREADS * AMAX_UNITS units and issues one atomic max."""
+class AmaxKernel(quantize.RowwiseAmaxKernel):
+    """The global amax of this spec (a class of this module: its name is the kernel symbol's)."""
 
     def __init__(self, arch: str):
-        self.arch = arch
-
-    @cute.jit
-    def __call__(self, mX: cute.Tensor, mAmax: cute.Tensor, stream: cuda.CUstream):
-        gX, num_units = _units(mX)
-        tile = AMAX_THREADS * AMAX_UNITS
-        grid = (num_units + (tile - 1)) // tile
-        self.kernel(gX, mAmax, num_units).launch(
-            grid=[grid, 1, 1], block=[AMAX_THREADS, 1, 1], stream=stream
-        )
-
-    @cute.kernel
-    def kernel(self, gX: cute.Tensor, mAmax: cute.Tensor, num_units: Int32):
-        tidx, _, _ = cute.arch.thread_idx()
-        bidx, _, _ = cute.arch.block_idx()
-        last = num_units - 1
-        base = bidx * (AMAX_THREADS * AMAX_UNITS) + tidx
-
-        frags = []
-        for v in range_constexpr(AMAX_UNITS):  # issue every load first
-            frag = cute.make_rmem_tensor((UNIT,), INPUT_T)
-            # clamped: a duplicate unit does not change a max
-            cute.autovec_copy(gX[cutlass.min(base + v * AMAX_THREADS, last), None], frag)
-            frags.append(frag)
-        acc = Float32(0.0)
-        for v in range_constexpr(AMAX_UNITS):
-            acc = fmax_nan(acc, absmax_bf16(unit_words(frags[v])))
-
-        # CTA reduction: warp shuffles, one shared-memory slot per warp, warp 0 finishes; every
-        # max propagates NaN, so a NaN anywhere reaches the atomic as the canonical (positive) NaN
-        acc = cute.arch.warp_reduction(acc, fmax_nan)
-        smem = cutlass.memory.SmemAllocator()
-        red = smem.allocate_tensor(Float32, cute.make_layout(AMAX_THREADS // 32), byte_alignment=16)
-        warp = cute.arch.warp_idx()
-        lane = cute.arch.lane_idx()
-        if lane == 0:
-            red[warp] = acc
-        cute.arch.barrier()
-        if warp == 0:
-            w = Float32(0.0)
-            if lane < AMAX_THREADS // 32:
-                w = red[lane]
-            w = cute.arch.warp_reduction(w, fmax_nan)
-            if lane == 0:
-                # |x| >= 0: the fp32 max is the integer max of the bits (Inf and the positive NaN
-                # above every finite value)
-                cute.arch.atomic_fmax(mAmax.iterator, w, sign_bit=False)
+        super().__init__(PARAMS, arch)
 
 
-class QuantizeKernel:
-    """Rowwise e2m1 1x16 quantization of a compact row-major [M, K] bf16 tensor."""
+class QuantizeKernel(quantize.RowwiseQuantizeKernel):
+    """The quantize kernel of this spec, with its arguments (the entry of the compiled function
+    and of the kernel)."""
 
     def __init__(self, arch: str):
-        self.arch = arch
-        self.hw = arch in ELEM_HW_CVT_ARCHS  # hardware element convert on this arch
+        super().__init__(PARAMS, arch)
 
     @cute.jit
     def __call__(
@@ -467,23 +195,16 @@ class QuantizeKernel:
         mSdec: cute.Tensor,  # (1,) fp32 out: S_dec
         stream: cuda.CUstream,
     ):
-        gX, num_units = _units(mX)
-        gQ = cute.make_tensor(
-            cute.recast_ptr(mQ.iterator, dtype=STORE_T),
-            cute.make_layout((num_units, STORE_N), stride=(STORE_N, 1)),
-        )
-        nbk = mX.shape[1] // BLOCK  # blocks per row
-        gS = cute.make_tensor(mS.iterator, cute.make_layout(mX.shape[0] * nbk))
-        tile = QUANT_THREADS * QUANT_UNITS
-        grid = (num_units + (tile - 1)) // tile
-        self.kernel(
-            gX,
-            gQ,
-            gS,
+        self.launch(
+            mX,
+            mQ,
+            mS,
+            None,
             mAmax,
             mSdec,
-            num_units,
-        ).launch(grid=[grid, 1, 1], block=[QUANT_THREADS, 1, 1], stream=stream)
+            None,
+            stream,
+        )
 
     @cute.kernel
     def kernel(
@@ -495,37 +216,18 @@ class QuantizeKernel:
         mSdec: cute.Tensor,
         num_units: Int32,
     ):
-        tidx, _, _ = cute.arch.thread_idx()
-        bidx, _, _ = cute.arch.block_idx()
-        last = num_units - 1
-        base = bidx * (QUANT_THREADS * QUANT_UNITS) + tidx
-
-        # ---- issue every load of this thread first; clamped, so loads need no predicate
-        frags = []
-        for v in range_constexpr(QUANT_UNITS):
-            frag = cute.make_rmem_tensor((UNIT,), INPUT_T)
-            cute.autovec_copy(gX[cutlass.min(base + v * QUANT_THREADS, last), None], frag)
-            frags.append(frag)
-
-        # ---- global scales, recomputed by every thread (a broadcast load, div.rn + rcp.rn)
-        s_enc, s_dec = global_scales(mAmax[0])
-        if bidx == 0:  # noqa: SIM102
-            if tidx == 0:
-                mSdec[0] = s_dec
-        k_enc = s_enc * Float32(INV_ELEM_MAX)  # fp32(S_enc * fp32(1 / ELEM_MAX))
-
-        for v in range_constexpr(QUANT_UNITS):
-            u = base + v * QUANT_THREADS
-            rand = None
-            vals, scales = quantize_unit(frags[v], self.hw, k_enc, s_enc, s_dec, rand)
-            q = cute.make_rmem_tensor((STORE_N,), STORE_T)
-            for i in range_constexpr(STORE_N):
-                q[i] = vals[i]
-            if u < num_units:
-                cute.autovec_copy(q, gQ[u, None])
-                for g in range_constexpr(BLOCKS_PER_UNIT):
-                    b = u * BLOCKS_PER_UNIT + g
-                    gS[b] = Uint8(scales[g])
+        self.body(
+            gX,
+            gQ,
+            gS,
+            None,
+            None,
+            None,
+            mAmax,
+            mSdec,
+            None,
+            num_units,
+        )
 
 
 # ----------------------------------------------------------------------------------------------

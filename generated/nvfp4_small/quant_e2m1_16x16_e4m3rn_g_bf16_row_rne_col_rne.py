@@ -56,10 +56,11 @@ import cutlass.cute as cute
 import torch
 from cutlass import Float32, Int32, Int64, Uint8, Uint32, range_constexpr
 from cutlass._mlir.dialects import llvm
-from cutlass.cutlass_dsl import T, dsl_user_op
+from cutlass.cutlass_dsl import dsl_user_op
 
 from fp4gen.device_offset import DeviceOffset
 from fp4gen.errors import TensorError
+from fp4gen.kernels import encode, quant_ptx, scale
 
 # ----------------------------------------------------------------------------------------------
 # The spec, baked in
@@ -114,7 +115,6 @@ GLOBAL_NUM = 2688.0  # fp32(SCALE_MAX * ELEM_MAX)
 AMAX_SLOTS = 1  # distinct global amaxes (one per transform of x)
 
 FLT_MAX = 3.4028234663852886e38
-RNE_MAGIC = 8388608.0  # 2^23: adding it rounds a value in [0, 2^22) to an integer
 
 # Thread mapping
 ROWS = 16  # rows of a thread's strip
@@ -140,103 +140,48 @@ COL_STORE_N = 2  # store words per column strip (8 bytes)
 
 
 # ----------------------------------------------------------------------------------------------
-# PTX helpers (pure: has_side_effects=False, so LLVM may CSE and schedule them)
+# The element encode and the block scales: fp4gen.kernels' classes with these constants
 # ----------------------------------------------------------------------------------------------
-def _asm(ret_type, operands, text, constraints):
-    return llvm.inline_asm(
-        ret_type,
-        operands,
-        text,
-        constraints,
-        has_side_effects=False,
-        is_align_stack=False,
-        asm_dialect=llvm.AsmDialect.AD_ATT,
-    )
+ELEMENT = encode.ElementParams(
+    name=ELEM_NAME,
+    bits=ELEM_BITS,
+    man_bits=ELEM_MAN_BITS,
+    emin=ELEM_EMIN,
+    emin_biased=ELEM_EMIN_BIASED,
+    max=ELEM_MAX,
+    inv_max=INV_ELEM_MAX,
+    emax=2,
+    code_bias=ELEM_CODE_BIAS,
+    word_bias=0xE9EEEEDE,
+    lane_signs=0x88888888,
+    sign_mask=ELEM_SIGN,
+    hw_cvt="e2m1x2",
+    half_scale=6.103515625e-05,  # the fp16 image: 2^(-14 - ELEM_EMIN)
+    half_max2=0x0E000E00,
+    half_code=9,
+    half_rand=1,
+)
+SCALE = scale.ScaleParams(
+    kind="e4m3_hw",
+    rounding=SCALE_ROUNDING,
+    cap=SCALE_CAP,
+)
+BLOCK_SCALER = scale.BlockScaler(SCALE, GLOBAL_SCALE)
+block_scale = BLOCK_SCALER.block_scale  # (amax_b, k_enc, s_enc, s_dec) -> (code, e_b)
+# copies rounding nearest: the "rne" software encode
+ENCODER = encode.ElementEncoder(
+    ELEMENT,
+    rounding="nearest",
+    sw_encode="rne",
+    swar=True,  # codes packed and signed word by word
+    partial=False,  # a last code word may hold fewer codes
+)
+encode_elements = ENCODER.encode_elements
 
 
-@dsl_user_op
-def scale_value(x: Float32, e: Float32, *, loc=None, ip=None) -> Float32:
-    """fp32(x * e) for e > 0, as one fma.rn with +0.0 added: the product itself wherever it is
-    not zero, -0.0 where a negative product underflows, and +0.0 for x = -0.0 (-0 + +0 = +0
-    when rounding to nearest). So the result's sign bit is x < 0: the sign bit of x's code
-    (docs/numerics.md 1), at the cost of the multiply it replaces."""
-    return Float32(
-        _asm(
-            T.f32(),
-            [Float32(x).ir_value(loc=loc, ip=ip), Float32(e).ir_value(loc=loc, ip=ip)],
-            "fma.rn.f32 $0, $1, $2, 0f00000000;",
-            "=f,f,f",
-        )
-    )
-
-
-@dsl_user_op
-def bf16x2_absmax(a: Uint32, b: Uint32, *, loc=None, ip=None) -> Uint32:
-    """Per-half max(|a|, |b|) of two bf16x2 words, NaN where either half is NaN (the sign of the
-    result is garbage)."""
-    return Uint32(
-        _asm(
-            T.i32(),
-            [Uint32(a).ir_value(loc=loc, ip=ip), Uint32(b).ir_value(loc=loc, ip=ip)],
-            "max.NaN.xorsign.abs.bf16x2 $0, $1, $2;",
-            "=r,r,r",
-        )
-    )
-
-
-@dsl_user_op
-def cvt_f32_to_e4m3(x: Float32, *, loc=None, ip=None) -> Uint32:
-    """e4m3 code of x (RNE, satfinite) in the low byte; the x2 cvt puts its first source in the
-    high byte, so x goes second."""
-    return Uint32(
-        _asm(
-            T.i32(),
-            [Float32(x).ir_value(loc=loc, ip=ip)],
-            "{\n\t.reg .b16 h;\n\tcvt.rn.satfinite.e4m3x2.f32 h, 0f00000000, $1;\n\t"
-            "cvt.u32.u16 $0, h;\n\t}",
-            "=r,f",
-        )
-    )
-
-
-@dsl_user_op
-def cvt_e4m3_to_f32(code: Uint32, *, loc=None, ip=None) -> Float32:
-    """fp32 value of the e4m3 code in the low byte (exact: e4m3 -> f16 -> f32)."""
-    return Float32(
-        _asm(
-            T.f32(),
-            [Uint32(code).ir_value(loc=loc, ip=ip)],
-            "{\n\t.reg .b16 lo, hi;\n\t.reg .b32 h2;\n\tmov.b32 {lo, hi}, $1;\n\t"
-            "cvt.rn.f16x2.e4m3x2 h2, lo;\n\tmov.b32 {lo, hi}, h2;\n\tcvt.f32.f16 $0, lo;\n\t}",
-            "=f,r",
-        )
-    )
-
-
-# The hardware cvt sets a code's sign bit from its source's, also where the magnitude rounds to 0
-# (-0.0 included): the contract's rule (docs/numerics.md 1), since the sources come from
-# scale_value, whose sign bit is x < 0 (an x of -0.0 gives +0.0). Nothing to clear.
-HW_PER_WORD = 8  # values per hardware-converted word
-
-
-@dsl_user_op
-def cvt_hw(v, *, loc=None, ip=None) -> Uint32:
-    """8 fp32 -> 8 e2m1 nibbles (RNE, satfinite), element 0 in the low nibble. cvt.e2m1x2 puts
-    its first source in the HIGH nibble, so pairs go in as (odd, even)."""
-    ops = [Float32(x).ir_value(loc=loc, ip=ip) for x in v]
-    return Uint32(
-        _asm(
-            T.i32(),
-            ops,
-            "{\n\t.reg .b8 b0, b1, b2, b3;\n\t"
-            "cvt.rn.satfinite.e2m1x2.f32 b0, $2, $1;\n\t"
-            "cvt.rn.satfinite.e2m1x2.f32 b1, $4, $3;\n\t"
-            "cvt.rn.satfinite.e2m1x2.f32 b2, $6, $5;\n\t"
-            "cvt.rn.satfinite.e2m1x2.f32 b3, $8, $7;\n\t"
-            "mov.b32 $0, {b0, b1, b2, b3};\n\t}",
-            "=r,f,f,f,f,f,f,f,f",
-        )
-    )
+def global_scales(amax: Float32):
+    """(S_enc, S_dec) of a global amax: fp4gen.kernels.scale.global_scales."""
+    return scale.global_scales(amax, GLOBAL_NUM)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -281,7 +226,7 @@ def absmax_bf16(words: list) -> Float32:
     """max |x| over bf16x2 words: packed HMNMX2 (a balanced tree), then one fp32 max of the
     halves (exact); NaN if any is NaN."""
     while len(words) > 1:
-        nxt = [bf16x2_absmax(words[i], words[i + 1]) for i in range(0, len(words) - 1, 2)]
+        nxt = [quant_ptx.bf16x2_absmax(words[i], words[i + 1]) for i in range(0, len(words) - 1, 2)]
         if len(words) % 2:
             nxt.append(words[-1])
         words = nxt
@@ -294,109 +239,6 @@ def absmax_bf16(words: list) -> Float32:
 def strip_absmax(frags: list, xfs: list) -> Float32:
     """max |x| over a thread's whole strip."""
     return absmax_bf16([w for frag in frags for w in frag_words(frag)])
-
-
-def global_scales(amax: Float32):
-    """S_enc = min(fp32(SCALE_MAX * ELEM_MAX) / A, FLT_MAX), 1 if A == 0 or S_enc == 0;
-    S_dec = 1 / S_enc (IEEE div.rn / rcp.rn). A that is not finite (the NaN-propagating amax of
-    an input holding a NaN or an Inf) gives S_dec = NaN; S_enc is then any finite value, so the
-    codes are meaningless but computed as usual."""
-    s_enc = cute.arch.fmin(Float32(GLOBAL_NUM) / amax, Float32(FLT_MAX))
-    degenerate = (amax == Float32(0.0)) | (s_enc == Float32(0.0))
-    s_enc = Float32(cutlass.select_(degenerate, Float32(1.0), s_enc))
-    finite = amax.bitcast(Uint32) < Uint32(NONFINITE_BITS)  # A >= 0: its bits order like it
-    nan = Uint32(NAN_BITS).bitcast(Float32)
-    return s_enc, Float32(cutlass.select_(finite, Float32(1.0) / s_enc, nan))
-
-
-def block_scale(amax_b: Float32, k_enc: Float32, s_enc, s_dec):
-    """Block scale and encode factor (docs/numerics.md 2, steps 4-5):
-    d_b = min(amax_b * fp32(S_enc * fp32(1 / ELEM_MAX)), SCALE_CAP), s_b = e4m3(d_b),
-    e_b = min(1 / (s_b * S_dec), FLT_MAX). Returns (scale code, e_b)."""
-    d_b = cute.arch.fmin(amax_b * k_enc, Float32(SCALE_CAP))
-    out = cvt_f32_to_e4m3(d_b)  # RNE, satfinite: the hardware convert is the contract's
-    s_b = cvt_e4m3_to_f32(out)
-    e_b = cute.arch.fmin(Float32(1.0) / (s_b * s_dec), Float32(FLT_MAX))
-    return out, e_b
-
-
-def elem_raw(y: Float32) -> Uint32:
-    """The e2m1 magnitude code of y plus ELEM_CODE_BIAS (mod 2^32), saturating,
-    rounded to nearest, ties to the even code.
-
-    With a = min(|y|, ELEM_MAX) and k = max(floor(log2 a), ELEM_EMIN), q = a * 2^(m - k) is exact
-    and the grid step is 1 in q, so the magnitude code is n + (k - ELEM_EMIN) * 2^m for the
-    integer n that q rounds to (n = 2^(m+1) rolls into the next binade).
-    One FFMA q + 2^23 rounds to nearest even, and with m >= 1 rint's even integer is the even code.
-    """
-    a = cute.arch.fmin(abs(y), Float32(ELEM_MAX))
-    two_k = cutlass.max(a.bitcast(Uint32) & Uint32(0x7F800000), Uint32(ELEM_EMIN_BIASED << 23))
-    p = (Uint32((ELEM_MAN_BITS + 254) << 23) - two_k).bitcast(Float32)  # 2^(m - k)
-    e_off = two_k >> Uint32(23 - ELEM_MAN_BITS)  # (k + 127) * 2^m
-    return (a * p + Float32(RNE_MAGIC)).bitcast(Uint32) + e_off  # bits(2^23 + rint(q))
-
-
-@dsl_user_op
-def prmt(a: Uint32, b: Uint32, selector: int, *, loc=None, ip=None) -> Uint32:
-    """Byte permute of {b, a}: selector nibble i picks byte i of the result (bit 3 of the nibble
-    replicates the sign of the picked byte)."""
-    return Uint32(
-        _asm(
-            T.i32(),
-            [Uint32(a).ir_value(loc=loc, ip=ip), Uint32(b).ir_value(loc=loc, ip=ip)],
-            f"prmt.b32 $0, $1, $2, {selector:#x};",
-            "=r,r,r",
-        )
-    )
-
-
-def sign_word(ys: list) -> Uint32:
-    """The sign of ys[j] (8 fp32) at bit 4j + 3, the sign bit of nibble j (other bits garbage).
-    Byte 3 of an fp32 holds its sign: two byte gathers per 4 values, the second replicating
-    each sign over its byte."""
-    yb = [y.bitcast(Uint32) for y in ys]
-    even = prmt(prmt(yb[0], yb[2], 0x0073), prmt(yb[4], yb[6], 0x0073), 0xDC98)
-    odd = prmt(prmt(yb[1], yb[3], 0x0073), prmt(yb[5], yb[7], 0x0073), 0xDC98)
-    return (odd & Uint32(0x80808080)) | (even & Uint32(0x08080808))
-
-
-def encode_elements(ys: list, rand, hw: bool) -> list:
-    """Codes of the scaled values ys as (value, width) bit-stream fields, in element order."""
-    if hw:
-        fields = []
-        for i in range(0, len(ys), HW_PER_WORD):
-            w = cvt_hw(ys[i : i + HW_PER_WORD])
-            fields.append((w, 32))
-        return fields
-    # LANES codes per 32-bit word: sum raw_j * 2^(bits * j) by shift-adds, then take all the
-    # ELEM_CODE_BIAS terms off at once (mod 2^32); the sign bits of ys on every code, zero
-    # magnitudes included (ys come from scale_value: the sign bit is x < 0)
-    fields = []
-    for i in range(0, len(ys), LANES):
-        raws = [elem_raw(ys[i + j]) for j in range(LANES)]
-        w = raws[-1]
-        for raw in reversed(raws[:-1]):
-            w = (w << Uint32(ELEM_BITS)) + raw
-        w = w - Uint32(WORD_BIAS)
-        fields.append((w | (sign_word(ys[i : i + LANES]) & Uint32(LANE_SIGNS)), 32))
-    return fields
-
-
-def pack_bits(fields: list) -> list:
-    """Little-endian bit stream of (value, width) fields as 32-bit words (a field may straddle
-    two words); values must fit their width."""
-    words = []
-    pos = 0
-    for val, width in fields:
-        w, s = divmod(pos, 32)
-        while len(words) <= w:
-            words.append(None)
-        part = val << Uint32(s) if s else val
-        words[w] = part if words[w] is None else words[w] | part
-        if s + width > 32:
-            words.append(val >> Uint32(32 - s))
-        pos += width
-    return [Uint32(0) if w is None else w for w in words]
 
 
 def to_store(words: list, word_bytes: int, n: int) -> list:
@@ -451,9 +293,9 @@ def transpose_codes(words: list) -> list:
                 continue
             a, b = w[i], w[i + s]
             if bits == 16:
-                w[i], w[i + s] = prmt(a, b, 0x5410), prmt(a, b, 0x7632)
+                w[i], w[i + s] = quant_ptx.prmt(a, b, 0x5410), quant_ptx.prmt(a, b, 0x7632)
             elif bits == 8:
-                w[i], w[i + s] = prmt(a, b, 0x6240), prmt(a, b, 0x7351)
+                w[i], w[i + s] = quant_ptx.prmt(a, b, 0x6240), quant_ptx.prmt(a, b, 0x7351)
             else:
                 low = sum(((1 << bits) - 1) << (2 * bits * g) for g in range(32 // (2 * bits)))
                 t = ((a >> Uint32(bits)) ^ b) & Uint32(low)
@@ -481,7 +323,7 @@ def column(rows: list, j: int) -> list:
 
 def scaled(xs: list, e: Float32) -> list:
     """fp32(x * e) for every x, with the sign bit x < 0 (scale_value: -0.0 gives +0.0)."""
-    return [scale_value(x, e) for x in xs]
+    return [quant_ptx.scale_value(x, e) for x in xs]
 
 
 def butterfly_max(v: Float32, offsets) -> Float32:
@@ -690,7 +532,7 @@ class QuantizeKernel:
         # the codes once, row by row; the columnwise copy is their transpose
         row_words = []
         for i in range_constexpr(ROWS):
-            row_words.append(pack_bits(encode_elements(ys[i], None, self.hw_row)))
+            row_words.append(encode.pack_bits(encode_elements(ys[i], None, self.hw_row)))
             r = row0 + i
             ok = Int32(col_ok & (r < M))
             vals = to_store(row_words[i], ROW_STORE_BYTES, ROW_STORE_N)

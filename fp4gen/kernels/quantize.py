@@ -1,0 +1,403 @@
+"""The rowwise quantize kernels: one rowwise copy of a compact row-major [M, K] tensor with 1xN
+blocks, for every element and scale format, rounding, input dtype, global scale, RHT and scale
+layout (docs/numerics.md sections 1-5 and 7, bit for bit; the reference is
+``fp4gen.numerics.quantize``).
+
+Thread mapping: [M, K] is a flat sequence of M * K / unit units of ``unit`` contiguous elements
+(whole blocks: a thread owns them; or ``threads_per_block`` consecutive lanes share a block and
+combine its amax with butterfly shuffles). The v-th unit of a thread is cta * (T * V) + v * T +
+tid, so each load and store instruction of a warp covers one contiguous span. Loads are clamped
+to the last unit (no predicates), stores are predicated. The flat element index u * unit + j is
+also row * K + col.
+
+Kernels, in launch order:
+
+* ``RowwiseAmaxKernel`` (with a global scale): A = max |x| (of the RHT'd values with an RHT) over
+  the tensor into a zeroed fp32 [1] buffer: registers -> warp shuffles -> shared memory -> one
+  atomic max per CTA. Every max propagates NaN and the atomic max of the fp32 bits keeps a NaN
+  or an Inf.
+* ``RowwiseQuantizeKernel``: per block amax_b, scale code s_b, encode factor e_b, element codes;
+  writes the packed codes, the scale codes (and the swizzled 128x4 copy) and S_dec. Without a
+  global scale S_dec is 1.0 from the host and a thread whose blocks hold a NaN or an Inf stores
+  NaN over it.
+
+Every variant is a field of ``RowwiseParams``, read as a Python value while the kernel is traced
+(``cutlass.const_expr`` in the kernel bodies). What differs in the compiled function's arguments
+(a swizzled copy, the global amax, the Philox scalars) is the generated module's entry: its
+subclasses spell ``__call__`` and ``kernel`` with exactly the spec's arguments and hand them to
+``launch`` and ``body`` here, None for what the spec does not have.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import cuda.bindings.driver as cuda
+import cutlass
+import cutlass.cute as cute
+from cutlass import Float32, Int32, Uint8, Uint16, Uint32, const_expr, range_constexpr
+
+from fp4gen.kernels.encode import ElementEncoder, ElementParams, pack_bits
+from fp4gen.kernels.philox import philox_keys, philox_offset, random_fields, random_words
+from fp4gen.kernels.quant_ptx import bf16x2_absmax, cvt_bf16x2, scale_value
+from fp4gen.kernels.scale import NAN_BITS, NONFINITE_BITS, BlockScaler, ScaleParams, global_scales
+from fp4gen.vocab import DTYPES
+
+_STORE_TYPES = {4: Uint32, 2: Uint16, 1: Uint8}
+
+
+@dataclass(frozen=True)
+class RowwiseParams:
+    """Everything the rowwise kernels depend on besides their tensors: compile-time constants."""
+
+    input_dtype: str  # "bf16", "fp16" or "fp32"
+    block: int  # 1 x block blocks along K
+    elem: ElementParams
+    scale: ScaleParams
+    rounding: str  # a Rounding word
+    sw_encode: str  # the software encode (a SwEncode word)
+    swar: bool  # whole codes per 32-bit word: pack and sign them word by word
+    sr_bits: int  # random bits per value; 0: a deterministic rounding
+    rand_words: bool  # the encode takes whole Philox words ("srhalf"), else one field per value
+    hw_archs: tuple[str, ...]  # arches whose hardware convert gives this rounding's codes
+    global_scale: bool  # an fp32 per-tensor scale from the tensor's amax
+    global_num: float  # fp32(scale max * element max), S_enc's numerator
+    swizzled: bool  # scales also in the swizzled 128x4 layout
+    rht_size: int  # size of the row RHT before every amax; 0: none
+    rht_signs: tuple[int, ...]  # +1 / -1 per RHT position
+    rht_scale: float  # fp32(1 / sqrt(rht_size))
+    unit: int  # contiguous elements per unit of work
+    blocks_per_unit: int
+    threads_per_block: int  # > 1: lanes cooperating on one block
+    store_bytes: int  # bytes of one store word of codes
+    store_n: int  # store words per unit
+    quant_threads: int
+    quant_units: int  # units per thread
+    amax_threads: int
+    amax_units: int
+
+    @property
+    def input_type(self) -> type:
+        return getattr(cutlass, DTYPES[self.input_dtype].cute)
+
+    @property
+    def bf16_words(self) -> bool:
+        """bf16 input without an RHT: block amaxes on the packed words."""
+        return self.input_dtype == "bf16" and not self.rht_size
+
+
+def _units(mX: cute.Tensor, unit: int):
+    """(M, K) compact row-major -> (M*K/unit, unit) view of whole units."""
+    num_units = mX.shape[0] * (mX.shape[1] // unit)
+    gX = cute.make_tensor(mX.iterator, cute.make_layout((num_units, unit), stride=(unit, 1)))
+    return gX, num_units
+
+
+class RowwiseBase:
+    """The device helpers both rowwise kernels use: values of a unit, amaxes, the RHT."""
+
+    def __init__(self, params: RowwiseParams, arch: str) -> None:
+        self.p = params
+        self.arch = arch
+
+    def to_f32(self, frag: cute.Tensor) -> list:
+        """The unit's input values of a register fragment as fp32 scalars (exact)."""
+        xf = cute.make_rmem_tensor((self.p.unit,), Float32)
+        xf.store(frag.load().to(Float32))
+        return [xf[j] for j in range(self.p.unit)]
+
+    def unit_words(self, frag: cute.Tensor) -> list:
+        raw = cute.recast_tensor(frag, Uint32)
+        return [raw[i] for i in range(self.p.unit // 2)]
+
+    def rht_chunks(self, xs: list) -> list:
+        """Forward RHT of every chunk of xs (docs/numerics.md section 4, in this order): signs,
+        butterflies h = 1, 2, ..., size/2 in fp32, times fp32(1/sqrt(d)), round to bf16."""
+        size, signs = self.p.rht_size, self.p.rht_signs
+        out = []
+        for c in range(0, len(xs), size):
+            v = [-xs[c + i] if signs[i] < 0 else xs[c + i] for i in range(size)]
+            h = 1
+            while h < size:
+                for j in range(size):
+                    if j % (2 * h) < h:
+                        v[j], v[j + h] = v[j] + v[j + h], v[j] - v[j + h]
+                h *= 2
+            v = [t * Float32(self.p.rht_scale) for t in v]
+            for i in range(0, size, 2):
+                w = cvt_bf16x2(v[i], v[i + 1])
+                out.append((w & Uint32(0xFFFF0000)).bitcast(Float32))
+                out.append((w << Uint32(16)).bitcast(Float32))
+        return out
+
+
+def fmax_nan(a: Float32, b: Float32) -> Float32:
+    """max(a, b), NaN if either is NaN (max.NaN.f32: one instruction, as the plain max)."""
+    return cute.arch.fmax(a, b, nan=True)
+
+
+def absmax(xs: list) -> Float32:
+    """max |x| over fp32 scalars (a chain); NaN if any is NaN."""
+    acc = abs(xs[0])
+    for x in xs[1:]:
+        acc = fmax_nan(acc, abs(x))
+    return acc
+
+
+def absmax_bf16(words: list) -> Float32:
+    """max |x| over bf16x2 words: packed HMNMX2 (a chain), then one fp32 max of the halves
+    (exact); NaN if any is NaN."""
+    h = words[0]
+    for w in words[1:]:
+        h = bf16x2_absmax(h, w)
+    return fmax_nan(
+        abs((h << Uint32(16)).bitcast(Float32)), abs((h & Uint32(0xFFFF0000)).bitcast(Float32))
+    )
+
+
+class RowwiseAmaxKernel(RowwiseBase):
+    """Global amax A = max |x| (of the RHT'd values with an RHT) into a zero-initialised fp32 [1]
+    buffer: each CTA reduces amax_threads * amax_units units and issues one atomic max."""
+
+    @cute.jit
+    def __call__(self, mX: cute.Tensor, mAmax: cute.Tensor, stream: cuda.CUstream):
+        p = self.p
+        gX, num_units = _units(mX, p.unit)
+        tile = p.amax_threads * p.amax_units
+        grid = (num_units + (tile - 1)) // tile
+        self.kernel(gX, mAmax, num_units).launch(
+            grid=[grid, 1, 1], block=[p.amax_threads, 1, 1], stream=stream
+        )
+
+    @cute.kernel
+    def kernel(self, gX: cute.Tensor, mAmax: cute.Tensor, num_units: Int32):
+        p = self.p
+        tidx, _, _ = cute.arch.thread_idx()
+        bidx, _, _ = cute.arch.block_idx()
+        last = num_units - 1
+        base = bidx * (p.amax_threads * p.amax_units) + tidx
+
+        frags = []
+        for v in range_constexpr(p.amax_units):  # issue every load first
+            frag = cute.make_rmem_tensor((p.unit,), p.input_type)
+            # clamped: a duplicate unit does not change a max
+            cute.autovec_copy(gX[cutlass.min(base + v * p.amax_threads, last), None], frag)
+            frags.append(frag)
+        acc = Float32(0.0)
+        for v in range_constexpr(p.amax_units):
+            if const_expr(p.rht_size > 0):
+                acc = fmax_nan(acc, absmax(self.rht_chunks(self.to_f32(frags[v]))))
+            elif const_expr(p.input_dtype == "bf16"):
+                acc = fmax_nan(acc, absmax_bf16(self.unit_words(frags[v])))
+            else:
+                acc = fmax_nan(acc, absmax(self.to_f32(frags[v])))
+
+        # CTA reduction: warp shuffles, one shared-memory slot per warp, warp 0 finishes; every
+        # max propagates NaN, so a NaN anywhere reaches the atomic as the canonical (positive) NaN
+        acc = cute.arch.warp_reduction(acc, fmax_nan)
+        smem = cutlass.memory.SmemAllocator()
+        red = smem.allocate_tensor(
+            Float32, cute.make_layout(p.amax_threads // 32), byte_alignment=16
+        )
+        warp = cute.arch.warp_idx()
+        lane = cute.arch.lane_idx()
+        if lane == 0:
+            red[warp] = acc
+        cute.arch.barrier()
+        if warp == 0:
+            w = Float32(0.0)
+            if lane < p.amax_threads // 32:
+                w = red[lane]
+            w = cute.arch.warp_reduction(w, fmax_nan)
+            if lane == 0:
+                # |x| >= 0: the fp32 max is the integer max of the bits (Inf and the positive NaN
+                # above every finite value)
+                cute.arch.atomic_fmax(mAmax.iterator, w, sign_bit=False)
+
+
+class RowwiseQuantizeKernel(RowwiseBase):
+    """Rowwise quantization of a compact row-major [M, K] tensor (module docstring). A generated
+    module's subclass spells the entry: ``__call__`` -> ``launch``, ``kernel`` -> ``body``."""
+
+    def __init__(self, params: RowwiseParams, arch: str) -> None:
+        super().__init__(params, arch)
+        self.hw = arch in params.hw_archs  # hardware element convert on this arch
+        self.encoder = ElementEncoder(params.elem, params.rounding, params.sw_encode, params.swar)
+        self.scaler = BlockScaler(params.scale, params.global_scale)
+
+    @property
+    def store_type(self) -> type:
+        return _STORE_TYPES[self.p.store_bytes]
+
+    def store_words(self, words: list) -> list:
+        """The packed words as store_n values of the store type (the unit's code bytes)."""
+        p = self.p
+        if p.store_bytes == 4:
+            return words
+        if p.store_bytes == 2:
+            halves = []
+            for w in words:
+                halves += [Uint16(w), Uint16(w >> Uint32(16))]
+            return halves[: p.store_n]
+        out = []
+        for w in words:
+            out += [Uint8(w >> Uint32(8 * i)) for i in range(4)]
+        return out[: p.store_n]
+
+    def swizzled_offset(self, b: Int32, nbk: Int32, c4: Int32) -> Int32:
+        """Byte offset of block b's scale in the 128x4 tensor-core layout (docs/numerics.md 3):
+        ((r // 128) * ceil(C/4) + c // 4) * 512 + (r % 32) * 16 + ((r % 128) // 32) * 4 + c % 4."""
+        row = b // nbk
+        col = b - row * nbk
+        atom = (row >> 7) * c4 + (col >> 2)  # 512-byte atom of 128 rows x 4 scales
+        return atom * 512 + (row & 31) * 16 + ((row >> 5) & 3) * 4 + (col & 3)
+
+    def quantize_unit(self, frag: cute.Tensor, k_enc, s_enc, s_dec, rand):
+        """Quantize one unit: returns (store values, [(scale code or value) per block], max of
+        this thread's block amaxes: NaN or Inf iff its values hold a NaN or an Inf; None with a
+        global scale, whose amax says it)."""
+        p = self.p
+        xs = self.to_f32(frag)
+        if p.rht_size:
+            xs = self.rht_chunks(xs)
+        elif p.input_dtype == "bf16":
+            raw = self.unit_words(frag)
+        bl = p.unit // p.blocks_per_unit  # elements of one block held by this thread
+        ys = []
+        scales = []
+        seen = None
+        for g in range(p.blocks_per_unit):
+            if p.bf16_words:
+                amax_b = absmax_bf16(raw[g * bl // 2 : (g + 1) * bl // 2])
+            else:
+                amax_b = absmax(xs[g * bl : (g + 1) * bl])
+            if not p.global_scale:
+                seen = amax_b if seen is None else fmax_nan(seen, amax_b)  # before any shuffle
+            if p.threads_per_block > 1:
+                # the block spans threads_per_block consecutive lanes: butterfly max over them
+                for off in (1 << i for i in range(p.threads_per_block.bit_length() - 1)):
+                    amax_b = cute.arch.fmax(amax_b, cute.arch.shuffle_sync_bfly(amax_b, offset=off))
+            scale, e_b = self.scaler.block_scale(amax_b, k_enc, s_enc, s_dec)
+            scales.append(scale)
+            ys += [scale_value(x, e_b) for x in xs[g * bl : (g + 1) * bl]]  # sign bit: x < 0
+        codes = self.encoder.encode_elements(ys, rand, self.hw)
+        return self.store_words(pack_bits(codes)), scales, seen
+
+    # ---- host side: the launch (the subclass's __call__ gives the spec's arguments)
+    @cute.jit
+    def launch(self, mX, mQ, mS, mSwz, mAmax, mSdec, philox, stream):
+        """mX (M, K) input; mQ (M, K * bits / 8) uint8 packed codes; mS (M, K / block) scale
+        codes (fp32 values for fp32 scales); mSwz (bytes,) uint8 swizzled scale codes,
+        zero-initialised, or None; mAmax (1,) fp32 global amax or None; mSdec (1,) fp32 S_dec
+        (out with a global scale; else 1.0 from the host, NaN for a non-finite input); philox:
+        (seed, offset, counter address, stride) as (lo, hi) Int32 words, or None."""
+        p = self.p
+        gX, num_units = _units(mX, p.unit)
+        gQ = cute.make_tensor(
+            cute.recast_ptr(mQ.iterator, dtype=self.store_type),
+            cute.make_layout((num_units, p.store_n), stride=(p.store_n, 1)),
+        )
+        nbk = mX.shape[1] // p.block  # blocks per row
+        gS = cute.make_tensor(mS.iterator, cute.make_layout(mX.shape[0] * nbk))
+        tile = p.quant_threads * p.quant_units
+        grid = (num_units + (tile - 1)) // tile
+        args = [gX, gQ, gS]
+        if const_expr(p.swizzled):
+            args += [mSwz, nbk, (nbk + 3) // 4]
+        if const_expr(p.global_scale):
+            args.append(mAmax)
+        args.append(mSdec)
+        if const_expr(p.sr_bits):
+            args += list(philox)
+        self.kernel(*args, num_units).launch(
+            grid=[grid, 1, 1], block=[p.quant_threads, 1, 1], stream=stream
+        )
+
+    # ---- device side (the subclass's kernel gives the spec's arguments)
+    @cute.jit
+    def body(self, gX, gQ, gS, gSwz, nbk, c4, mAmax, mSdec, philox, num_units):
+        p = self.p
+        tidx, _, _ = cute.arch.thread_idx()
+        bidx, _, _ = cute.arch.block_idx()
+        last = num_units - 1
+        base = bidx * (p.quant_threads * p.quant_units) + tidx
+
+        # ---- issue every load of this thread first; clamped, so loads need no predicate
+        frags = []
+        for v in range_constexpr(p.quant_units):
+            frag = cute.make_rmem_tensor((p.unit,), p.input_type)
+            cute.autovec_copy(gX[cutlass.min(base + v * p.quant_threads, last), None], frag)
+            frags.append(frag)
+
+        if const_expr(p.global_scale):
+            # ---- global scales, recomputed by every thread (a broadcast load, div.rn + rcp.rn)
+            s_enc, s_dec = global_scales(mAmax[0], p.global_num)
+            if bidx == 0:  # noqa: SIM102
+                if tidx == 0:
+                    mSdec[0] = s_dec
+            k_enc = s_enc * Float32(p.elem.inv_max)  # fp32(S_enc * fp32(1 / ELEM_MAX))
+        else:
+            s_enc = s_dec = None  # no global scale: S_enc = S_dec = 1
+            k_enc = Float32(p.elem.inv_max)  # fp32(1 * fp32(1 / ELEM_MAX))
+        keys = off_lo = off_hi = None
+        if const_expr(p.sr_bits):
+            seed_lo, seed_hi, offset_lo, offset_hi, ctr_lo, ctr_hi, stride_lo, stride_hi = philox
+            keys = philox_keys(Uint32(seed_lo), Uint32(seed_hi))
+            # the Philox offset: the int one, or counter * stride + slot read from device memory
+            off_lo, off_hi = philox_offset(
+                ctr_lo, ctr_hi, stride_lo, stride_hi, offset_lo, offset_hi
+            )
+        seen = None
+        if const_expr(not p.global_scale):
+            seen = Float32(0.0)  # max of this thread's block amaxes (NaN-propagating)
+
+        for v in range_constexpr(p.quant_units):
+            u = base + v * p.quant_threads
+            rand = None
+            if const_expr(p.sr_bits):
+                i0 = Uint32(u) * Uint32(p.unit)
+                if const_expr(p.rand_words):  # whole Philox words: the "srhalf" encode
+                    rand = random_words(i0, p.unit, p.sr_bits, keys, off_lo, off_hi)
+                else:
+                    rand = random_fields(i0, p.unit, p.sr_bits, keys, off_lo, off_hi)
+            vals, scales, seen_v = self.quantize_unit(frags[v], k_enc, s_enc, s_dec, rand)
+            if const_expr(not p.global_scale):
+                seen = fmax_nan(seen, seen_v)  # a clamped (duplicate) unit holds real values too
+            q = cute.make_rmem_tensor((p.store_n,), self.store_type)
+            for i in range_constexpr(p.store_n):
+                q[i] = vals[i]
+            if u < num_units:
+                cute.autovec_copy(q, gQ[u, None])
+                if const_expr(p.threads_per_block > 1):
+                    if tidx % p.threads_per_block == 0:  # one lane of the group writes the scale
+                        b = u // p.threads_per_block
+                        gS[b] = self.scale_out(scales[0])
+                        if const_expr(p.swizzled):
+                            gSwz[self.swizzled_offset(b, nbk, c4)] = Uint8(scales[0])
+                else:
+                    for g in range_constexpr(p.blocks_per_unit):
+                        b = u * p.blocks_per_unit + g
+                        gS[b] = self.scale_out(scales[g])
+                        if const_expr(p.swizzled):
+                            gSwz[self.swizzled_offset(b, nbk, c4)] = Uint8(scales[g])
+
+        if const_expr(not p.global_scale):  # noqa: SIM102 (a compile-time if around a runtime one)
+            # ---- a NaN or an Inf among this thread's values (rare): S_dec = NaN over the host's
+            # 1.0 (every writer stores the same NaN, so no race)
+            if seen.bitcast(Uint32) >= Uint32(NONFINITE_BITS):
+                mSdec[0] = Uint32(NAN_BITS).bitcast(Float32)
+
+    def scale_out(self, scale):
+        """What the scale tensor stores: the fp32 value of fp32 scales, else the code's byte."""
+        return scale if self.p.scale.kind == "fp32" else Uint8(scale)
+
+
+__all__ = [
+    "RowwiseAmaxKernel",
+    "RowwiseBase",
+    "RowwiseParams",
+    "RowwiseQuantizeKernel",
+    "absmax",
+    "absmax_bf16",
+    "fmax_nan",
+]
