@@ -382,6 +382,8 @@ def cmd_error(args: argparse.Namespace) -> int:
         data = x.reshape(-1, x.shape[-1]) if x.dim() != 2 else x
         if use == "columnwise":
             data = data.t().contiguous()
+        if rht is not None:  # signs drawn per layer or step: those of layer 0 at step 0
+            rht = rht.at(0, 0)
         qt = quantize(data, fmt, rounding=rounding, hadamard=rht, seed=args.seed)
         stats = error_stats(data, qt)
         results.append(

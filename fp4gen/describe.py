@@ -75,6 +75,8 @@ def rht_text(rht: RHTSpec | None) -> str:
         )
     elif rht.sign_source == "seeded":
         signs = f"seed {rht.seed}"
+    elif rht.redrawn:
+        signs = f"per {rht.sign_source}, seed {rht.seed}"
     else:
         signs = "none"
     return f"{rht.size} (signs {signs})"

@@ -304,7 +304,8 @@ def tile_buckets(
 def _block(spec: OperandSpec) -> BlockFormat | None:
     # a format with an option no kernel implements is quantized by the reference (plan.py)
     fmt = spec.format
-    return fmt if isinstance(fmt, BlockFormat) and fmt.is_plain else None
+    redrawn = spec.rht is not None and spec.rht.redrawn  # signs per layer or step: the reference
+    return fmt if isinstance(fmt, BlockFormat) and fmt.is_plain and not redrawn else None
 
 
 def _quant(fmt: BlockFormat, dtype: InputDType, *outputs: QuantOutput) -> QuantKernelSpec:

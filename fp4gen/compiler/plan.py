@@ -48,6 +48,7 @@ from fp4gen.dsl.model import (
     OperandSpec,
     Recipe,
     RecipeRef,
+    RHTSpec,
     ScheduleRule,
 )
 from fp4gen.dsl.spelling import (
@@ -352,7 +353,8 @@ def _specs_of(
         groups: dict[tuple[Any, ...], list[Operand]] = {}
         for op in slots:
             fmt = table[op].format
-            if isinstance(fmt, BlockFormat) and fmt.is_plain:  # else: the reference, skipped
+            redrawn = table[op].rht is not None and table[op].rht.redrawn  # type: ignore[union-attr]
+            if isinstance(fmt, BlockFormat) and fmt.is_plain and not redrawn:  # else: skipped
                 key = (fmt.element, fmt.block, fmt.scale, fmt.global_scale)
                 groups.setdefault(key, []).append(op)
         for (element, block, scale, global_scale), ops in groups.items():
@@ -395,7 +397,23 @@ def reference_only_reason(fmt: BlockFormat) -> str | None:
     )
 
 
+def redrawn_rht_reason(rht: RHTSpec | None) -> str | None:
+    """Why no generated kernel serves an RHT whose signs are drawn per layer or step (the
+    kernels take their signs when they are compiled), or None."""
+    if rht is None or not rht.redrawn:
+        return None
+    return (
+        f"rht {rht.size} signs {rht.sign_source}: the signs are drawn per layer"
+        f"{' and step' if rht.sign_source == 'step' else ''} and the kernels take theirs when "
+        "they are compiled, so the reference quantizes these operands"
+    )
+
+
 def _skip_reason(spec: OperandSpec) -> str | None:
+    if isinstance(spec.format, (BlockFormat, MoRRef)) and spec.rht is not None:
+        redrawn = redrawn_rht_reason(spec.rht)
+        if redrawn is not None:
+            return redrawn
     if isinstance(spec.format, BlockFormat):
         return reference_only_reason(spec.format)
     if isinstance(spec.format, HighPrecision):
@@ -416,7 +434,7 @@ def _mor_specs_of(
     run on the transpose)."""
     for op in Operand:
         spec = table[op]
-        if isinstance(spec.format, MoRRef) and spec.rht is None:
+        if isinstance(spec.format, MoRRef) and spec.rht is None:  # (MoR with an RHT: skipped)
             yield MoRKernelSpec(mors[spec.format.name], spec.rounding, dtypes[op.role]), op
 
 
@@ -477,6 +495,7 @@ __all__ = [
     "Skipped",
     "output_json",
     "plan_recipe",
+    "redrawn_rht_reason",
     "reference_only_reason",
     "spec_json",
 ]

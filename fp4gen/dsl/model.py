@@ -8,7 +8,7 @@ model, never the text.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 from enum import Enum
 from pathlib import Path
 from typing import Literal
@@ -66,7 +66,9 @@ SOURCE_PAIRS: dict[Operand, Operand] = {
 # Per-operand quantization
 # --------------------------------------------------------------------------------------------
 
-SignSource = Literal["fixed", "seeded", "none"]
+SignSource = Literal["fixed", "seeded", "none", "layer", "step"]
+REDRAWN: tuple[str, ...] = ("layer", "step")  # sign sources drawn per layer (and step)
+LAYER_BITS, STEP_BITS = 24, 40  # the stream of redrawn signs: layer id and step, bit widths
 
 # Transformer Engine's fixed sign vector for d = 16 (numerics contract, section 5).
 TE_SIGNS_16: tuple[int, ...] = (1, 1, 1, -1, 1, -1, -1, -1, -1, -1, -1, 1, -1, 1, -1, -1)
@@ -78,12 +80,16 @@ class RHTSpec:
 
     ``signs`` holds the explicit vector when ``sign_source == "fixed"``; ``seed`` is set when it is
     ``"seeded"`` (the vector is drawn from Philox with that seed); ``"none"`` means all +1.
+    ``"layer"`` and ``"step"`` draw the vector from Philox with ``seed`` and a stream of the
+    layer (and the training step): a recipe holds them with ``stream`` None, and the runtime
+    gives each call ``at(layer, step)`` (docs/numerics.md 12).
     """
 
     size: int
     sign_source: SignSource = "fixed"
     signs: tuple[int, ...] | None = TE_SIGNS_16
     seed: int | None = None
+    stream: int | None = None
 
     def __post_init__(self) -> None:
         if self.size < 2 or self.size > 256 or self.size & (self.size - 1):
@@ -93,11 +99,30 @@ class RHTSpec:
                 raise ValueError(f"a fixed RHT sign vector needs {self.size} entries")
             if any(s not in (1, -1) for s in self.signs):
                 raise ValueError("RHT signs must be +1 or -1")
-        elif self.sign_source == "seeded":
+        elif self.sign_source in ("seeded", *REDRAWN):
             if self.seed is None or self.signs is not None:
                 raise ValueError("a seeded RHT has a seed and no explicit signs")
         elif self.signs is not None or self.seed is not None:
             raise ValueError("an RHT without signs has neither a seed nor a vector")
+        if self.stream is not None and (
+            self.sign_source not in REDRAWN or not 0 <= self.stream < 1 << 64
+        ):
+            raise ValueError("only signs drawn per layer or step have a stream, in [0, 2^64)")
+
+    @property
+    def redrawn(self) -> bool:
+        """Signs drawn per layer (and step): resolved per call by ``at``."""
+        return self.sign_source in REDRAWN
+
+    def at(self, layer: int, step: int) -> RHTSpec:
+        """This transform for layer id ``layer`` at training step ``step``: for signs drawn per
+        layer or step, the stream (layer mod 2^24) * 2^40 + (step mod 2^40) ("layer": step 0);
+        any other transform as it is."""
+        if not self.redrawn:
+            return self
+        drawn_step = step if self.sign_source == "step" else 0
+        stream = (layer % (1 << LAYER_BITS)) << STEP_BITS | drawn_step % (1 << STEP_BITS)
+        return replace(self, stream=stream)
 
 
 @dataclass(frozen=True)
@@ -132,6 +157,26 @@ class OperandTable:
 
     def items(self) -> list[tuple[Operand, OperandSpec]]:
         return [(op, self[op]) for op in Operand]
+
+    def redrawn(self, *, per_step: bool = False) -> bool:
+        """Whether a slot's RHT signs are drawn per layer or step (``per_step``: per step)."""
+        return any(
+            spec.rht is not None
+            and spec.rht.redrawn
+            and (spec.rht.sign_source == "step" or not per_step)
+            for _, spec in self.items()
+        )
+
+    def at(self, layer: int, step: int) -> OperandTable:
+        """The table with every RHT's signs resolved for this layer and step (``RHTSpec.at``);
+        the table itself where none is drawn per layer or step."""
+        if not self.redrawn():
+            return self
+        resolved = {
+            f.name: replace(spec, rht=None if spec.rht is None else spec.rht.at(layer, step))
+            for f, (_, spec) in zip(fields(OperandTable), self.items(), strict=True)
+        }
+        return OperandTable(**resolved)
 
     @staticmethod
     def uniform(spec: OperandSpec) -> OperandTable:

@@ -141,6 +141,10 @@ def rht_text(rht: RHTSpec | None) -> str:
         return "rht none"
     if rht.sign_source == "seeded":
         return f"rht {rht.size} seed {rht.seed}"
+    if rht.redrawn:
+        if rht.stream is not None:
+            raise ValueError("a recipe holds redrawn RHT signs unresolved (stream None)")
+        return f"rht {rht.size} signs {rht.sign_source} seed {rht.seed}"
     if rht.sign_source == "none":
         return f"rht {rht.size} signs none"
     assert rht.signs is not None

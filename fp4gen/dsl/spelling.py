@@ -75,6 +75,7 @@ def rht_json(rht: RHTSpec | None) -> dict[str, Any] | None:
         "sign_source": rht.sign_source,
         "signs": list(rht.signs) if rht.signs else None,
         "seed": rht.seed,
+        **({"stream": rht.stream} if rht.stream is not None else {}),
     }
 
 

@@ -581,14 +581,17 @@ class _Builder:
             return RHTSpec(16, "fixed", TE_SIGNS_16)
         if kind == "signs_none":
             return RHTSpec(size, "none", None)
-        if kind == "signs_seed":
-            seed_tok = signs.children[0]
-            seed = number(seed_tok)
+        if kind in ("signs_seed", "signs_redrawn"):
+            redraw = str(signs.children[0]) if kind == "signs_redrawn" else None
+            seed_tok = signs.children[-1] if len(signs.children) > (redraw is not None) else None
+            seed = 0 if seed_tok is None else number(seed_tok)
             if seed >= 2**64:
                 raise self.pos(seed_tok).error(
                     f"RHT seed {clip(str(seed_tok))} does not fit in 64 bits: a seed is a whole "
                     "number from 0 to 18446744073709551615"
                 )
+            if redraw is not None:  # drawn per layer, or per layer and step (numerics.md 12)
+                return RHTSpec(size, redraw, None, seed)  # type: ignore[arg-type]
             return RHTSpec(size, "seeded", None, seed)
         # signs_fixed: a string of + and -
         tok = signs.children[0]

@@ -24,6 +24,7 @@ _ENUMS: dict[str, tuple[str, ...]] = {
     "GLOBAL_KIND": ("amax", "row", "none"),
     "TARGET_ERROR": ("mse", "mae"),
     "CORRECTION": ("eden", "none"),
+    "REDRAW": ("layer", "step"),
     "MOR_SCALING": ("gam", "e8m0", "amax"),
     "END": ("first", "last"),
     "UNIT": ("blocks", "layers"),
@@ -71,6 +72,7 @@ _TREE_PHRASES = {
     "signs_none": "the sign source",
     "signs_fixed": "the sign string",
     "signs_seed": "the seed",
+    "signs_redrawn": "the sign source",
 }
 
 _STATEMENTS = {

@@ -14,7 +14,8 @@ x = x' H^T = x' H_d diag(s) / sqrt(d) runs the butterflies first, then the scale
 in fp32 with no bf16 rounding (it is used to bring dequantized values back, not by kernels).
 
 Sign sources: "fixed" (spec.signs), "seeded" (s_i = -1 iff the top bit of Philox word i with
-key = seed and offset 0 is set; see ``fp4gen.numerics.philox``), "none" (all +1).
+key = seed and offset 0 is set; see ``fp4gen.numerics.philox``), "layer" and "step" (the same
+with offset = spec.stream, the layer's and step's stream: ``RHTSpec.at``), "none" (all +1).
 """
 
 from __future__ import annotations
@@ -36,6 +37,16 @@ def rht_signs(spec: RHTSpec, device: torch.device | str | None = None) -> torch.
     if spec.sign_source == "seeded":
         assert spec.seed is not None
         top = random_bits(spec.size, spec.seed, 0, device=device) >> 31
+        return 1.0 - 2.0 * top.to(torch.float32)
+    if spec.redrawn:  # per layer (and step): Philox offset = the layer's (and step's) stream
+        assert spec.seed is not None
+        if spec.stream is None:
+            raise TensorError(
+                f"rht {spec.size} signs {spec.sign_source}: the signs are drawn per layer"
+                f"{' and step' if spec.sign_source == 'step' else ''}; give the transform its "
+                "layer and step first (RHTSpec.at(layer, step), as fp4gen.nn.Linear does)"
+            )
+        top = random_bits(spec.size, spec.seed, spec.stream, device=device) >> 31
         return 1.0 - 2.0 * top.to(torch.float32)
     return torch.ones(spec.size, dtype=torch.float32, device=device)
 

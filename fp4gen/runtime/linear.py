@@ -213,6 +213,7 @@ class Linear(nn.Linear):
         self._last_described: list[Any] = [None, None, None]  # the layout key (_described)
         self._layout_parts: dict[tuple[Any, ...], _Identity] = {}  # interned by _described
         self._table_part: list[Any] = [None, None]  # [table, _Identity(table)] (_table_key)
+        self._redrawn: list[Any] = [None, None, None]  # [table, step, resolved] (operands)
         self._copy_key_part: list[Any] = [None, None, ()]  # [table, backend, key] (_copy_key)
         self._amax_group = SharedGroup(None)
         self.amax_operands: frozenset[Operand] = frozenset()
@@ -315,7 +316,13 @@ class Linear(nn.Linear):
     def operands(self) -> OperandTable:
         """The operand table in force at the current step; while the layer is not training
         (``module.eval()``), with the recipe's eval statement's fprop operands."""
-        return self.schedule.active(evaluating=not self.training)
+        table = self.schedule.active(evaluating=not self.training)
+        if table.redrawn():  # RHT signs drawn per layer (and step): this layer's, this step's
+            last, step = self._redrawn, self.schedule.clock.step
+            if last[0] is not table or last[1] != step:
+                last[:] = table, step, table.at(self.seed, step)
+            return last[2]
+        return table
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self._linear(x, self.weight)
@@ -895,6 +902,8 @@ class Linear(nn.Linear):
             return False
         if not worth_graphing(t.shape[0], self.in_features, self.out_features):
             return False  # the GPU work outlasts the launches: a graph's copies would cost more
+        if table.redrawn(per_step=True):
+            return False  # RHT signs drawn every step: a graph would keep one step's signs
         return not self._pass_mors(table, forward)[0]
 
     def _pass_key(

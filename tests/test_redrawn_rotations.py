@@ -1,0 +1,138 @@
+"""RHT signs drawn per layer or per layer and step (``rht N signs layer|step seed S``): syntax,
+canonical text, the signs from the definition (docs/numerics.md section 12), fp4gen.nn.Linear
+drawing them from its seed and the training step, and the routing to the reference."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import fp4gen
+from fp4gen.compiler.plan import plan_recipe, redrawn_rht_reason
+from fp4gen.dsl import parse_recipe
+from fp4gen.dsl.model import Operand, RHTSpec
+from fp4gen.dsl.printer import print_recipe
+from fp4gen.errors import RecipeError, TensorError
+from fp4gen.numerics import QuantizedTensor, quantize
+from fp4gen.numerics.hadamard import rht_signs
+from fp4gen.numerics.philox import random_bits
+
+RECIPE = """recipe r "per-step signs on wgrad"
+operands {
+    *     : nvfp4 round nearest
+    wgrad : rht 16 signs step seed 3
+}
+"""
+
+
+def test_syntax_and_canonical_text() -> None:
+    r = parse_recipe(RECIPE)
+    assert r.operands.wgrad_gradient.rht == RHTSpec(16, "step", None, 3)
+    assert r.operands.fprop_activation.rht is None
+    layer = parse_recipe(RECIPE.replace("signs step seed 3", "signs layer"))
+    assert layer.operands.wgrad_activation.rht == RHTSpec(16, "layer", None, 0)
+    text = print_recipe(r)
+    assert "wgrad.gradient   : nvfp4 block 1x16 round nearest rht 16 signs step seed 3" in text
+    assert parse_recipe(text) == r
+
+
+def test_a_seed_beyond_64_bits_is_an_error_at_the_seed() -> None:
+    with pytest.raises(RecipeError) as info:
+        parse_recipe(RECIPE.replace("seed 3", "seed 18446744073709551616"))
+    assert str(info.value).startswith("<recipe>:4:36:"), str(info.value)
+
+
+def test_signs_are_philox_words_of_the_layer_and_step_stream() -> None:
+    spec = RHTSpec(16, "step", None, 3)
+    with pytest.raises(TensorError, match=r"RHTSpec.at\(layer, step\)"):
+        rht_signs(spec)
+    at = spec.at(5, 7)
+    assert at.stream == (5 << 40) | 7
+    expected = 1.0 - 2.0 * (random_bits(16, 3, (5 << 40) | 7) >> 31).float()
+    assert torch.equal(rht_signs(at), expected)
+    # per step: another step, other signs; per layer: the same at every step
+    assert not torch.equal(rht_signs(spec.at(5, 8)), rht_signs(at))
+    per_layer = RHTSpec(16, "layer", None, 3)
+    assert torch.equal(rht_signs(per_layer.at(5, 7)), rht_signs(per_layer.at(5, 900)))
+    assert not torch.equal(rht_signs(per_layer.at(6, 7)), rht_signs(per_layer.at(5, 7)))
+    assert RHTSpec(16).at(5, 7) == RHTSpec(16)  # a fixed transform is what it is
+
+
+def fake_quant_matmul(a: QuantizedTensor, b: QuantizedTensor) -> torch.Tensor:
+    """sum_k (q_a s_a)(q_b s_b) in float64, times both global scales, rounded once to fp32."""
+    va, vb = a.dequantize_blockwise().double(), b.dequantize_blockwise().double()
+    return ((va @ vb.t()) * (a.global_scale.double() * b.global_scale.double())).float()
+
+
+def test_linear_draws_new_signs_every_step_from_its_seed() -> None:
+    recipe = parse_recipe(RECIPE)
+    torch.manual_seed(0)
+    layer = fp4gen.nn.Linear(64, 48, recipe=recipe, seed=5, name="layer")
+    x, dy = torch.randn(32, 64), torch.randn(32, 48)
+    grads = []
+    for step in (0, 1, 2, 1):
+        fp4gen.set_step(layer, step)
+        layer.weight.grad = None
+        layer(x).backward(dy)
+        spec = recipe.operands.wgrad_gradient.rht.at(5, step)  # type: ignore[union-attr]
+        assert layer.operands.wgrad_gradient.rht == spec
+        assert layer.operands.wgrad_activation.rht == spec
+        fmt = recipe.operands.wgrad_gradient.format
+        expected = fake_quant_matmul(
+            quantize(dy.t(), fmt, hadamard=spec), quantize(x.t(), fmt, hadamard=spec)
+        )
+        assert torch.equal(layer.weight.grad, expected)
+        grads.append(layer.weight.grad.clone())
+    assert not torch.equal(grads[0], grads[1]) and not torch.equal(grads[1], grads[2])
+    assert torch.equal(grads[1], grads[3])  # reproducible: step 1 again, the same signs
+
+
+def test_the_planner_and_the_kernels_leave_them_to_the_reference() -> None:
+    plan = plan_recipe(parse_recipe(RECIPE))
+    assert plan.kernel_for(Operand.WGRAD_GRADIENT) is None
+    reason = redrawn_rht_reason(RHTSpec(16, "step", None, 3))
+    assert reason is not None and "drawn per layer and step" in reason
+    skipped = {s.reason for s in plan.skipped}
+    assert reason in skipped
+    assert plan.kernel_for(Operand.FPROP_ACTIVATION) is not None
+
+    from fp4gen.formats import BUILTIN_FORMATS
+    from fp4gen.runtime import cute_backend
+    from fp4gen.runtime.loader import Unsupported
+
+    copies = (("rowwise", "nearest", RHTSpec(16, "step", None, 3).at(1, 2)),)
+    launch = cute_backend._launch(BUILTIN_FORMATS["nvfp4"], copies, torch.zeros(16, 32))  # type: ignore[arg-type]
+    assert isinstance(launch.kernels, Unsupported) and "drawn per layer" in launch.kernels.reason
+
+
+def test_only_per_step_tables_stay_out_of_graphs() -> None:
+    recipe = parse_recipe(RECIPE)
+    assert recipe.operands.redrawn(per_step=True)
+    per_layer = parse_recipe(RECIPE.replace("signs step", "signs layer")).operands
+    assert per_layer.redrawn() and not per_layer.redrawn(per_step=True)
+    assert not parse_recipe(RECIPE.replace("signs step seed 3", "signs te")).operands.redrawn()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_gpu_linear_draws_the_cpu_signs() -> None:
+    recipe = parse_recipe(RECIPE)
+    torch.manual_seed(1)
+    layer = fp4gen.nn.Linear(256, 128, recipe=recipe, seed=9, name="layer").cuda()
+    x, dy = torch.randn(256, 256, device="cuda"), torch.randn(256, 128, device="cuda")
+    for step in range(3):
+        fp4gen.set_step(layer, step)
+        layer.weight.grad = None
+        layer(x).backward(dy)
+        spec = recipe.operands.wgrad_gradient.rht.at(9, step)  # type: ignore[union-attr]
+        fmt = recipe.operands.wgrad_gradient.format
+        qa = quantize(dy.t().cpu(), fmt, hadamard=spec)
+        qb = quantize(x.t().cpu(), fmt, hadamard=spec)
+        expected = fake_quant_matmul(qa, qb)
+        magnitude = (
+            qa.dequantize_blockwise().double().abs() @ qb.dequantize_blockwise().double().abs().t()
+        )
+        magnitude = magnitude * float(qa.global_scale) * float(qb.global_scale)
+        # an fp32-accumulating GEMM over K = 256 against the float64 sum: 256 * 2^-24 of sum |ab|
+        err = (layer.weight.grad.cpu().double() - expected.double()).abs()
+        assert bool((err <= 2e-5 * magnitude + 1e-6).all()), step
