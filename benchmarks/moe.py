@@ -18,7 +18,8 @@ process, after the BF16 baseline:
 
 Printed per row: ms per forward+backward (layer) or per training step (model), median of
 ``--steps`` timed runs after warm-up (CUDA events; ``time.perf_counter`` on the CPU), its
-ratio to ``bf16 grouped_mm``, and the peak memory on CUDA.
+ratio to ``bf16 grouped_mm``, the peak memory on CUDA, and for a recipe how its experts' GEMMs
+ran (grouped, or per expert and why: ``GroupedExperts.loop_reason``).
 
     python benchmarks/moe.py [--hidden 2048] [--inner 768] [--experts 8,64] [--topk 2,8]
                              [--tokens 8192] [--recipes nvfp4_small,fp8_blockwise]
@@ -126,16 +127,18 @@ def recipe_rows(
     for recipe in recipes:
         model = fp4gen.convert(make("eager"), recipe)
         ms, peak = measure(model)
-        print_row(recipe, ms, base, peak)
         dev = torch.device(device)
-        grouped = any(e.loop_reason(e.operands, dev) is None for e in experts_rows(model))
+        reasons = {e.loop_reason(e.operands, dev) for e in experts_rows(model)}
+        grouped = None in reasons
+        paths = sorted("grouped GEMMs" if r is None else f"per expert: {r}" for r in reasons)
+        print_row(recipe, ms, base, peak, "; ".join(paths))
         del model
         if grouped:
             model = fp4gen.convert(make("eager"), recipe)
             for module in experts_rows(model):
                 module.grouped = False
             ms, peak = measure(model)
-            print_row(f"{recipe} loop", ms, base, peak)
+            print_row(f"{recipe} loop", ms, base, peak, "per expert (grouped = False)")
             del model
 
 
