@@ -347,3 +347,31 @@ def test_inductor_modes_compile_a_block_and_match_eager(mode: str) -> None:
     torch.testing.assert_close(outputs[1][1], outputs[0][1], rtol=0, atol=1e-6)
     for (name, a), b in zip(eager.named_parameters(), compiled.parameters(), strict=True):
         torch.testing.assert_close(b.grad, a.grad, rtol=1e-5, atol=1e-6, msg=name)
+
+
+def test_compiled_backward_quantizes_each_input_once_for_wgrad(monkeypatch) -> None:
+    """A compiled Llama's backward quantizes x's wgrad copy once per input its layers share
+    (q, k and v read one x; gate and up another), as the eager route does in its forward: 4
+    copies per decoder layer, 8 in two, instead of one per layer (14); and the step's gradients
+    are eager mode's bit for bit (nvfp4_no_bf16: the copies are rounded to nearest, the
+    gradients stochastically from the same streams)."""
+    made: list[str] = []
+    original = fp4gen.nn.Linear.wgrad_activation
+
+    def counted(self, x2, table, call):
+        made.append(self.name)
+        return original(self, x2, table, call)
+
+    monkeypatch.setattr(fp4gen.nn.Linear, "wgrad_activation", counted)
+    ids = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(4))
+    grads = []
+    for compiled in (False, True):
+        model = llama("nvfp4_no_bf16")
+        torch._dynamo.reset()
+        run = torch.compile(model, backend="aot_eager") if compiled else model
+        made.clear()
+        run(input_ids=ids, labels=ids).loss.backward()
+        assert len(made) == 8, made
+        grads.append([p.grad for p in model.parameters()])
+    for a, b in zip(*grads, strict=True):
+        assert torch.equal(a, b)

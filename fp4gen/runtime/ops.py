@@ -219,6 +219,7 @@ def linear_forward(
     """y = Q(x) @ Q(W)^T (+ bias), computed in fp32 and rounded once to ``out_dtype``, for x2
     [tokens, in] and weight [out, in]."""
     layer = _layer(layer_id)
+    _backward_copy.forget()  # a forward: the backward that could share a copy is over
     with finite.layer_scope():  # non-finite inputs: propagated as NaN, or raised at the end
         label = layer.name or "fp4gen.nn.Linear"
         finite.check_given(x2, "{}: the input (as [tokens, in]) of shape {}", label, x2.shape)
@@ -245,8 +246,49 @@ def linear_backward(
     layer = _layer(layer_id)
     with finite.layer_scope():
         check_output_grad(layer.name, dy2)
-        dx, dw = layer.backward_gemms(dy2, x2, weight)
+        dx, dw = layer.backward_gemms(dy2, _backward_copy.input_for(layer, x2), weight)
         return row_major(dx), row_major(dw)
+
+
+class _SharedBackwardCopy:
+    """x's wgrad copy for the compiled backward, shared by the layers that read one x.
+
+    The custom op saves x, not its wgrad copy, so each layer's backward quantized x for wgrad
+    again: a Llama's q, k and v quantized their one input three times, gate and up twice (the
+    eager route quantizes it once, in the forward: ``Linear.forward_gemm``'s shared copy).
+    Here the first backward that reads an x quantizes its copy (``Linear.wgrad_activation``)
+    and the next ones that read the same x (same base tensor, address, layout and version) with
+    the same copy key (``Linear._copy_key``) take it. Only where the layer would keep the copy
+    eagerly (``keeps_wgrad_input``: round to nearest, so the bits do not depend on which layer
+    makes it) and not while a CUDA graph captures. Holds x weakly and one copy at a time; a
+    forward drops it."""
+
+    def __init__(self) -> None:
+        self.source: weakref.ref[torch.Tensor] | None = None
+        self.key: tuple[Any, ...] = ()
+        self.copy: WgradInput | None = None
+
+    def input_for(self, layer: Any, x2: torch.Tensor) -> "torch.Tensor | WgradInput":
+        table = layer.operands
+        if not layer.keeps_wgrad_input(table) or (
+            x2.is_cuda and torch.cuda.is_current_stream_capturing()
+        ):
+            return x2
+        base = x2 if x2._base is None else x2._base
+        key = (x2.data_ptr(), x2._version, x2.shape, x2.stride(), x2.dtype, layer._copy_key(table))
+        source = None if self.source is None else self.source()
+        if source is base and key == self.key and self.copy is not None:
+            return self.copy
+        quantized = layer.wgrad_activation(x2, table, layer._backward_calls)
+        self.source, self.key = weakref.ref(base), key
+        self.copy = WgradInput.of(quantized, x2.dtype)
+        return self.copy
+
+    def forget(self) -> None:
+        self.source, self.key, self.copy = None, (), None
+
+
+_backward_copy = _SharedBackwardCopy()
 
 
 @linear_backward.register_fake
