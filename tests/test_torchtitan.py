@@ -11,8 +11,9 @@ else is the debug model as torchtitan builds it.
 
 from __future__ import annotations
 
-import os
-import socket
+import importlib.util
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -158,82 +159,32 @@ def test_step_hook_follows_the_optimizer_and_a_resumed_run() -> None:
     assert not model._forward_pre_hooks  # each first-forward hook removed itself
 
 
-def rendezvous() -> None:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0", WORLD_SIZE="1")
-    os.environ["LOCAL_RANK"] = "0"
+ROOT = Path(__file__).resolve().parent.parent
 
 
-def train_parallelized(device: str, steps: int, backend: str, cpu_attention: bool) -> list:
-    """torchtitan's parallelize_llama on a one-rank group (FSDP2, selective AC, per-block
-    compile with ``backend``), the debug model converted with nvfp4_small; ``steps`` AdamW
-    steps on random tokens. Returns the losses and the converted model."""
-    import torch.distributed as dist
-    import torchtitan.distributed.parallel_dims as titan_dims
-    from torchtitan.config import CompileConfig, ParallelismConfig, TrainingConfig
-    from torchtitan.distributed import ParallelDims
-    from torchtitan.distributed.activation_checkpoint import SelectiveAC
-
-    rendezvous()
-    dist.init_process_group("gloo" if device == "cpu" else "nccl")
-    try:
-        spec = debug_spec(FP4GenConverter.Config(recipe="nvfp4_small"), cpu_attention)
-        training = TrainingConfig(local_batch_size=2, seq_len=32, steps=steps)
-        if device == "cpu":
-            titan_dims.device_type = "cpu"  # torchtitan builds its meshes on its device type
-            training.mixed_precision_param = "float32"  # no bf16 autocast-free GEMMs on CPU
-        parallelism = ParallelismConfig()
-        dims = ParallelDims(
-            dp_replicate=1, dp_shard=1, cp=1, tp=1, pp=1, ep=1, world_size=1,
-            spmd_backend=parallelism.spmd_backend,
-        )  # fmt: skip
-        dims.build_mesh()
-        model = build(spec)
-        model = spec.parallelize_fn(
-            model,
-            parallel_dims=dims,
-            training=training,
-            parallelism=parallelism,
-            compile_config=CompileConfig(enable=True, components=["model"], backend=backend),
-            ac_config=SelectiveAC.Config(),
-            dump_folder="",
-        )
-        model = materialize(model, device)
-        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
-        post_build = step_hook(total_steps=steps)
-        post_build(optimizer, [model], dims)
-        tokens = torch.randint(0, VOCAB, (2, 33), generator=torch.Generator().manual_seed(1))
-        tokens = tokens.to(device)
-        losses = []
-        torch._dynamo.utils.counters.clear()
-        for _ in range(steps):
-            logits = model(tokens[:, :-1])
-            loss = torch.nn.functional.cross_entropy(
-                logits.flatten(0, 1).float(), tokens[:, 1:].flatten()
-            )
-            loss.backward()
-            optimizer.step()
-            optimizer.zero_grad()
-            losses.append(loss.item())
-        graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
-        return [losses, model, post_build.hook, graphs]
-    finally:
-        dist.destroy_process_group()
-        torch._dynamo.reset()
+def example():
+    """examples/torchtitan/train_debug_model.py as a module (examples/ is not a package)."""
+    name = "fp4gen_torchtitan_example"
+    path = ROOT / "examples" / "torchtitan" / "train_debug_model.py"
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module  # dataclasses look their module up
+    spec.loader.exec_module(module)
+    return module
 
 
 @pytest.mark.slow
 def test_debug_model_trains_under_fsdp2_ac_and_compile_on_cpu() -> None:
-    """torchtitan's own parallelize_llama (FSDP2 on one gloo rank, selective AC, each block
+    """examples/torchtitan/train_debug_model.py on the CPU: torchtitan's own parallelize_llama
+    (FSDP2 on one gloo rank, selective AC, each block
     compiled with fullgraph=True by the aot_eager backend: traced through fp4gen's custom ops)
     and 3 AdamW steps: the loss falls, the schedule's clock is at step 3, the converted layers
     are fp4gen's and ran. The six blocks compile into at most three graphs (five converted
     blocks share one: their layers' ids are graph inputs, not constants; the BF16 block has
     its own; one recompile when fp4gen's non-finite mode is first read): one graph per block
     would hit dynamo's recompile limit at the ninth block under fullgraph=True."""
-    losses, model, hook, graphs = train_parallelized("cpu", 3, "aot_eager", cpu_attention=True)
+    run = example().train("nvfp4_small", steps=3, device="cpu", seq=32)
+    losses, model, hook, graphs = run.losses, run.model, run.hook, run.graphs
     assert losses[-1] < losses[0], losses
     assert all(torch.isfinite(torch.tensor(losses)))
     assert hook.step == 3
@@ -247,12 +198,44 @@ def test_debug_model_trains_under_fsdp2_ac_and_compile_on_cpu() -> None:
 @pytest.mark.gpu
 @CUDA
 def test_debug_model_trains_under_fsdp2_ac_and_compile_on_gpu() -> None:
-    """The GPU run: torchtitan's parallelize_llama on one GPU (FSDP2 with bf16 parameters,
+    """The GPU run of examples/torchtitan/train_debug_model.py: torchtitan's parallelize_llama
+    on one GPU (FSDP2 with bf16 parameters,
     selective AC, inductor per block) and flex attention, the debug model converted with
     nvfp4_small, 10 AdamW steps: finite losses that fall, the schedule at step 10."""
-    losses, model, hook, graphs = train_parallelized("cuda", 10, "inductor", cpu_attention=False)
+    run = example().train("nvfp4_small", steps=10, device="cuda")
+    losses, model, hook, graphs = run.losses, run.model, run.hook, run.graphs
     assert all(torch.isfinite(torch.tensor(losses))), losses
     assert losses[-1] < losses[0], losses
     assert hook.step == 10
     assert sum(isinstance(m, FP4GenLinear) for m in model.modules()) == 25
     assert graphs <= 3, graphs
+
+
+def test_trainer_config_takes_the_fp4gen_section_from_the_command_line(monkeypatch) -> None:
+    """examples/torchtitan/config_registry.py through torchtitan's ConfigManager: the fp4gen
+    section's fields on the command line, and the conversion FP4GenTrainer makes before it
+    builds the model (the model config's linear layers, the step hook chained). Needs
+    torchtitan's trainer (its data loaders import ``datasets``)."""
+    pytest.importorskip("datasets", reason="torchtitan's trainer imports datasets")
+    from torchtitan.config import ConfigManager
+
+    from fp4gen.integrations.torchtitan import apply_to_model_spec
+
+    monkeypatch.syspath_prepend(str(ROOT))
+    config = ConfigManager().parse_args(
+        [
+            "--module", "examples.torchtitan", "--config", "llama3_debugmodel_fp4gen",
+            "--fp4gen.recipe", "nvfp4", "--fp4gen.layers", "first 1 blocks : bf16",
+            "--fp4gen.seed", "3", "--training.steps", "7",
+        ]
+    )  # fmt: skip
+    assert (config.fp4gen.recipe, config.fp4gen.layers, config.fp4gen.seed) == (
+        "nvfp4",
+        ["first 1 blocks : bf16"],
+        3,
+    )
+    converter = apply_to_model_spec(config.model_spec, config.fp4gen, config.training.steps)
+    assert converter.recipe.name == "nvfp4"
+    kept = {d.name for d in converter.decisions if d.kept}
+    assert "layers.0.attention.wo" in kept and "layers.1.attention.wo" not in kept
+    assert config.model_spec.post_optimizer_build_fn.hook.total_steps == 7
