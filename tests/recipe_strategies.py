@@ -6,23 +6,23 @@
 ``OperandSpec``s, computed here independently of ``fp4gen.dsl.resolve``).
 
 What is drawn: elements of 3 to 8 bits with and without ``finite``/``fn``/``ieee``; 1xN and NxN
-blocks (N also not a power of two); signed, exponent-only and fp32 scales with every scale
-rounding the scale takes (``stochastic`` too); ``global amax``/``row``/``none`` with and without
-a bound; block targets by mse or mae and ``correct eden``/``none`` (docs/numerics.md 11, reset
-where an inherited one no longer fits; per-row formats only where a token operand uses them);
-formats built from an element or from
-another format (built-in, inherited, imported or defined earlier); every element rounding;
-RHTs of every size and sign source; operand sources (``from GEMM.ROLE`` on the one operand of
-each pair, later format or rounding statements that keep it, ``from none``); MoR rules with
-every partition, scaling and metric; layer rules, schedules and ``eval`` statements with
-format, dtype and ``recipe "..."`` actions (and ``eval : fprop``); ``extends`` (also from a
-sub-folder) and ``import``; names that are keywords elsewhere (``up``, ``tensor``, ``none``);
-numbers with leading zeros; comments, blank lines, tabs, CRLF line ends, one-line sections.
+blocks (N also not a power of two); signed, exponent-only and fp32 scales with every scale rounding
+the scale takes (``stochastic`` too); ``global amax``/``row``/``none`` with and without a bound;
+block targets by mse or mae and ``correct eden``/``none`` (docs/numerics.md 11, reset where an
+inherited one no longer fits; per-row formats only where a token operand uses them); formats built
+from an element or from another format (built-in, inherited, imported or defined earlier); every
+element rounding; RHTs of every size and sign source (``signs layer``/``step`` too); operand
+sources (``from GEMM.ROLE`` on the one operand of each pair, later format or rounding statements
+that keep it, ``from none``); MoR rules with every partition, scaling and metric; layer rules,
+schedules and ``eval`` statements with format, dtype and ``recipe "..."`` actions (and ``eval :
+fprop``); ``extends`` (also from a sub-folder) and ``import``; names that are keywords elsewhere
+(``up``, ``tensor``, ``none``); numbers with leading zeros; comments, blank lines, tabs, CRLF line
+ends, one-line sections.
 
-A recipe is valid by construction, except one combination that is refused on purpose and drawn
-now and then (``RecipeCase.refusable``): a global amax scale whose element and scale formats
-cannot carry one (``fp4gen.formats.global_scale_problem``: a scale as wide as fp32, ue8m0, or a
-product elem_max * scale_max outside fp32's range).
+A recipe is valid by construction, except one combination that is refused on purpose and drawn now
+and then (``RecipeCase.refusable``): a global amax scale whose element and scale formats cannot
+carry one (``fp4gen.formats.global_scale_problem``: a scale as wide as fp32, ue8m0, or a product
+elem_max * scale_max outside fp32's range).
 """
 
 from __future__ import annotations
@@ -422,7 +422,14 @@ class _Writer:
         """An RHT whose size nests with every block length in ``lengths``."""
         sizes = [s for s in RHT_SIZES if all(nests(n, s) for n in lengths)]
         size = self.draw(st.sampled_from(sizes))
-        source = self.draw(st.sampled_from(["te", "seed", "none", "string"]))
+        source = self.draw(st.sampled_from(["te", "seed", "none", "string", "layer", "step"]))
+        if source in ("layer", "step"):  # drawn per layer (and step), the seed 0 by default
+            if self.draw(st.booleans()):
+                return f"rht {self.num(size)} signs {source}", RHTSpec(size, source, None, 0)
+            seed = self.draw(st.integers(0, 2**64 - 1))
+            return f"rht {self.num(size)} signs {source} seed {self.num(seed)}", RHTSpec(
+                size, source, None, seed
+            )
         if source == "te" and size == 16:
             text = self.draw(st.sampled_from(["rht 16", "rht 16 signs te", "rht 016 signs te"]))
             return text, RHTSpec(16, "fixed", TE_SIGNS_16)

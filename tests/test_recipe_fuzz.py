@@ -370,6 +370,10 @@ def test_reference_invariants_of_every_operand_format(
     }
     for (fmt, rounding, transform), op in specs.items():
         width = transform.size if transform is not None else 1
+        if transform is not None:  # signs drawn per layer or step: a layer's at a step
+            transform = transform.at(
+                data.draw(st.integers(0, 2**64 - 1)), data.draw(st.integers(0, 2**63 - 1))
+            )
         x = drawn_tensor(data, fmt, width, huge_ok=transform is None)
         note(f"{op.selector}: {fmt} {rounding} {transform} x {tuple(x.shape)}")
         q = quantize(

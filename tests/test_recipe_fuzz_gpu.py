@@ -143,6 +143,7 @@ PLAN_REASONS: tuple[tuple[str, str], ...] = (
     ("torch decode", r"torch decode \+ GEMM \(.+\)$"),
     ("block-scale options", r"^format .+ has .+: no quantize kernel implements it yet"),
     ("per-row global scales in a GEMM", r"^per-row global scales: the GEMM kernels take one"),
+    ("signs drawn per layer or step", r"^rht \d+ signs (layer|step): the signs are drawn per"),
 )
 
 
