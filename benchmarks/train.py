@@ -58,7 +58,7 @@ block compiled on its own (``blocks``, as torchtitan compiles a model: embedding
 eager) and/or the whole model with its loss compiled (``model``), in each mode of
 ``--compile-modes default,reduce-overhead,max-autotune`` (``--compile-backend``, default
 inductor): ms/step, its ratio to compiled BF16 of the same scope and mode, to eager BF16 and to
-the recipe's own eager run, and dynamo's distinct graphs, graph breaks and recompiles.
+the recipe's own eager run, and dynamo's distinct graphs, graph breaks and frames compiled.
 ``--compile-only`` skips the eager rows.
 ``--loss-steps N`` then trains each recipe N steps on real text (the Python standard library's
 source bytes, ``fp4gen.demo.data``) from the same initial weights and batches, with the demo's
@@ -523,12 +523,13 @@ COMPILE_MODES = ("default", "reduce-overhead", "max-autotune")
 @dataclass
 class CompiledResult:
     """One compiled run: ms/step (None where it failed: ``note`` says why), and what dynamo
-    made of the model: distinct graphs, graph breaks and recompiles."""
+    made of the model: distinct graphs, graph breaks and frames compiled (a recompile counts
+    again)."""
 
     ms: float | None
     graphs: int
     breaks: int
-    recompiles: int
+    compiles: int
     note: str = ""
 
 
@@ -598,7 +599,7 @@ def run_compiled(
         ms,
         int(stats.get("unique_graphs", 0)),
         int(sum(counters["graph_break"].values())),
-        int(sum(counters["recompiles"].values())) if "recompiles" in counters else 0,
+        int(counters["frames"].get("ok", 0)),
         note,
     )
     del model
@@ -629,7 +630,7 @@ def run_compiled_table(
                 raise SystemExit(f"compile {name} {value!r}: expected one of {', '.join(allowed)}")
     print(
         f"  {'compiled':28} {'scope':6} {'mode':15} {'ms/step':>9} {'x bf16':>7} "
-        f"{'x eager bf16':>12} {'x own eager':>11} {'graphs':>6} {'breaks':>6} {'recomp':>6}"
+        f"{'x eager bf16':>12} {'x own eager':>11} {'graphs':>6} {'breaks':>6} {'frames':>6}"
     )
     eager_base = None if not eager else next(iter(eager.values()))[1].ms_eager
     results: dict[tuple[str, str, str], CompiledResult] = {}
@@ -648,7 +649,7 @@ def run_compiled_table(
                     f"  {label:28} {scope:6} {mode:15} {ms:>9} {ratio(res.ms, base.ms):>7} "
                     f"{ratio(res.ms, eager_base):>12} "
                     f"{ratio(res.ms, own[0].ms_eager if own else None):>11} "
-                    f"{res.graphs:6d} {res.breaks:6d} {res.recompiles:6d}   "
+                    f"{res.graphs:6d} {res.breaks:6d} {res.compiles:6d}   "
                     f"({time.perf_counter() - t0:.0f} s)"
                 )
                 if res.note:
