@@ -732,12 +732,14 @@ def assert_conforms(case: Case) -> None:
 
 def groups_form(case: Case) -> bool:
     """Whether the layers of a layer_groups case run as a group (layer_groups._fit): a kept
-    wgrad copy (a block format rounded to nearest), no MoR operand, no SR in the forward."""
+    wgrad copy (a block format rounded to nearest, with the same transform for every layer: not
+    signs drawn per layer or step), no MoR operand, no SR in the forward."""
     table = RECIPE_CASES[case.recipe].table()
     wgrad_x = table[Op.WGRAD_ACTIVATION]
     return (
         isinstance(wgrad_x.format, BlockFormat)
         and sr_bits(wgrad_x.rounding) == 0
+        and not (wgrad_x.rht is not None and wgrad_x.rht.redrawn)
         and not any(isinstance(spec.format, MoRRef) for _, spec in table.items())
         and sr_bits(table[Op.FPROP_ACTIVATION].rounding) == 0
         and sr_bits(table[Op.FPROP_WEIGHT].rounding) == 0
