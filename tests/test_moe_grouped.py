@@ -302,3 +302,28 @@ def test_non_finite_inputs_as_the_loop(dequant_loop) -> None:
         grouped_error.value
     )
     assert "non-finite" in str(loop_error.value)
+
+
+@pytest.mark.parametrize(("arch", "grouped"), [("sm_90a", True), ("sm_100a", False)])
+def test_the_cuda_default(monkeypatch, caplog, arch: str, grouped: bool) -> None:
+    """The automatic choice on CUDA (pure logic, no GPU: the arch is given): grouped on sm_90a,
+    where the dense GEMM takes the dequantize path; per expert on sm_100a (the native MMA),
+    said once at INFO."""
+    import fp4gen.compiler.jit as jit
+    import fp4gen.runtime.experts as experts_module
+
+    monkeypatch.setattr(jit, "detect_arch", lambda device=None: arch)
+    module = experts_of(fp4gen.convert(build("mixtral"), "nvfp4_no_bf16"))
+    experts_module._logged.clear()
+    cuda = torch.device("cuda", 0)
+    with caplog.at_level(logging.INFO, logger="fp4gen.runtime.experts"):
+        reasons = [module.loop_reason(module.operands, cuda) for _ in range(2)]
+    assert (reasons[0] is None) == grouped and reasons[0] == reasons[1]
+    lines = [r.getMessage() for r in caplog.records]
+    if grouped:
+        assert not lines
+    else:
+        assert lines == [
+            "model.layers.0.mlp.experts: the experts' GEMMs run per expert: "
+            "sm_100a: the native block-scaled MMA reads the codes, per expert"
+        ]

@@ -341,7 +341,7 @@ class GroupedExperts(nn.Module):
                 [self.gemms[e][proj] for e in hit],
                 lay.transposed,
                 ops.output_dtype(x),
-                f"{self.name}.{name}",
+                f"{self.name or 'GroupedExperts'}.{name}",
             )
             x = GroupedProjection.apply(x, getattr(self, name), bias, groups)
             if proj == 0:
