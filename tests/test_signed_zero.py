@@ -310,7 +310,7 @@ def test_kernel_encodes_take_the_sign_of_x() -> None:
     encoder = (kernels / "encode.py").read_text()
     assert "clear_negative_zero" not in encoder and "LANE_MAGS" not in encoder
     assert '"fma.rn.f32 $0, $1, $2, 0f00000000;"' in (kernels / "quant_ptx.py").read_text()
-    for path in (templates / "quantize_tile.py.j2", kernels / "quantize.py"):
+    for path in (kernels / "tile.py", kernels / "quantize.py"):
         src = path.read_text()
         assert "scale_value(x, e" in src
         assert not re.search(r"\[x \* e(_b)? for", src), path.name  # no plain multiply left

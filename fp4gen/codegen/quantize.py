@@ -781,7 +781,8 @@ def _row_share(row: TileOutput | None, mapping: TileMapping, two_d: bool) -> int
 def tile_context(spec: QuantKernelSpec) -> TileContext:
     """Everything the tile template needs, all derived from the spec."""
     _check_tile(spec)
-    common = _common_context(spec)
+    # the device helpers and their inline PTX are fp4gen.kernels': the module has none of its own
+    common = replace(_common_context(spec), uses_asm=False)
     two_d = spec.block[0] != 1
     block = spec.block[1]
     outs = {o.direction: o for o in spec.outputs}
@@ -852,6 +853,8 @@ def tile_context(spec: QuantKernelSpec) -> TileContext:
     col_word = _store_bytes(col_bytes, max(m_mult * bits // 8, 1)) if col else 1
     sr_any = any(o.sr for o in outputs)
     names = {"Float32", "Int32", "Int64", "Uint8", "Uint32", "range_constexpr"}
+    if two_d and spec.global_scale and not sr_any and not any(o.swizzled for o in outputs):
+        names.remove("Uint32")  # no random words, NaN stores or swizzled codes spell it
     bf16_input = spec.input_dtype == "bf16"
     swizzled = any(o.swizzled for o in outputs)
     encode_table = not two_d and common.scale.kind == ScaleKind.E4M3_HW
@@ -916,7 +919,9 @@ def tile_context(spec: QuantKernelSpec) -> TileContext:
         fold=fold if staged else (),
         fold_sdec_max=lit(2.0 ** _fold_sdec_exponent(spec)) if staged else None,
         kernel_imports="from fp4gen.kernels import "
-        + ("encode, philox, quant_ptx, scale" if sr_any else "encode, quant_ptx, scale"),
+        + (
+            "encode, philox, quant_ptx, scale, tile" if sr_any else "encode, quant_ptx, scale, tile"
+        ),
     )
 
 

@@ -10,7 +10,7 @@ The byte permute is ``sm90_ptx.prmt``.
 
 from __future__ import annotations
 
-from cutlass import Float32, Int32, Uint32, Uint64
+from cutlass import Float32, Int32, Int64, Uint32, Uint64
 from cutlass.cutlass_dsl import T, dsl_user_op
 
 from fp4gen.kernels.sm90_ptx import inline_asm, ir_arg, prmt
@@ -219,20 +219,66 @@ def load_counter(addr_lo: Int32, addr_hi: Int32, *, loc=None, ip=None) -> Uint64
     )
 
 
+# ---- memory: the tile kernels' predicated stores and the amax kernel's CTA count
+@dsl_user_op
+def store_if(addr: Int64, value: Uint32, ok: Int32, nbytes: int, *, loc=None, ip=None) -> None:
+    """st.global of the low nbytes of value at addr where ok != 0: a predicated store, no
+    branch."""
+    width = {1: "u8", 2: "u16", 4: "u32"}[nbytes]
+    inline_asm(
+        None,
+        [ir_arg(addr, Int64, loc, ip), ir_arg(value, Uint32, loc, ip), ir_arg(ok, Int32, loc, ip)],
+        f"{{\n\t.reg .pred p;\n\tsetp.ne.s32 p, $2, 0;\n\t@p st.global.{width} [$0], $1;\n\t}}",
+        "l,r,r",
+        side_effects=True,
+    )
+
+
+@dsl_user_op
+def count_cta(addr: Int64, *, loc=None, ip=None) -> Uint32:
+    """atom.add 1 on a global u32 with acquire-release semantics at GPU scope: the old value."""
+    return Uint32(
+        inline_asm(
+            T.i32(),
+            [ir_arg(addr, Int64, loc, ip)],
+            "atom.acq_rel.gpu.global.add.u32 $0, [$1], 1;",
+            "=r,l,~{memory}",
+            side_effects=True,
+        )
+    )
+
+
+@dsl_user_op
+def load_acquire(addr: Int64, *, loc=None, ip=None) -> Float32:
+    """ld.acquire.gpu of a global fp32: a value other CTAs wrote with atomics."""
+    return Float32(
+        inline_asm(
+            T.f32(),
+            [ir_arg(addr, Int64, loc, ip)],
+            "ld.acquire.gpu.global.f32 $0, [$1];",
+            "=f,l,~{memory}",
+            side_effects=True,
+        )
+    )
+
+
 __all__ = [
     "add_rz",
     "bf16x2_absmax",
     "byte_field",
+    "count_cta",
     "cvt_bf16x2",
     "cvt_e4m3_to_f32",
     "cvt_f32_to_e4m3",
     "cvt_hw",
     "cvt_rz_f16x2",
     "hw_per_word",
+    "load_acquire",
     "load_counter",
     "min_abs_f16x2",
     "mul_rz",
     "prmt",
     "scale_value",
     "sr_step",
+    "store_if",
 ]

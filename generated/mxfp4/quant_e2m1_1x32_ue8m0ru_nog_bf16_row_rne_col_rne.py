@@ -54,12 +54,10 @@ import cutlass
 import cutlass.cute as cute
 import torch
 from cutlass import Float32, Int32, Int64, Uint8, Uint32, range_constexpr
-from cutlass._mlir.dialects import llvm
-from cutlass.cutlass_dsl import dsl_user_op
 
 from fp4gen.device_offset import DeviceOffset
 from fp4gen.errors import TensorError
-from fp4gen.kernels import encode, quant_ptx, scale
+from fp4gen.kernels import encode, quant_ptx, scale, tile
 
 # ----------------------------------------------------------------------------------------------
 # The spec, baked in
@@ -186,97 +184,8 @@ encode_elements = ENCODER.encode_elements
 
 
 # ----------------------------------------------------------------------------------------------
-# Device code building blocks. Plain Python functions: they run while a kernel is traced, so
-# their loops unroll and every index is a compile-time constant (no local memory).
+# The strip: fp4gen.kernels.tile's mapping and helpers with these constants
 # ----------------------------------------------------------------------------------------------
-def to_f32(frag: cute.Tensor) -> list:
-    """The VEC input values of a register fragment as fp32 scalars (exact)."""
-    xf = cute.make_rmem_tensor((VEC,), Float32)
-    xf.store(frag.load().to(Float32))
-    return [xf[j] for j in range(VEC)]
-
-
-def rows_f32(frags: list) -> list:
-    """Every row of the strip as fp32 scalars."""
-    return [to_f32(frag) for frag in frags]
-
-
-def fmax_nan(a: Float32, b: Float32) -> Float32:
-    """max(a, b), NaN if either is NaN (max.NaN.f32: one instruction, as the plain max)."""
-    return cute.arch.fmax(a, b, nan=True)
-
-
-def absmax(xs: list) -> Float32:
-    """max |x| over fp32 scalars (a balanced tree); NaN if any is NaN."""
-    vals = [abs(x) for x in xs]
-    while len(vals) > 1:
-        nxt = [fmax_nan(vals[i], vals[i + 1]) for i in range(0, len(vals) - 1, 2)]
-        if len(vals) % 2:
-            nxt.append(vals[-1])
-        vals = nxt
-    return vals[0]
-
-
-def frag_words(frag: cute.Tensor) -> list:
-    """A row vector of the strip as 32-bit words (the first value in the low bits)."""
-    raw = cute.recast_tensor(frag, Uint32)
-    return [raw[i] for i in range(VEC * 2 // 4)]
-
-
-def absmax_bf16(words: list) -> Float32:
-    """max |x| over bf16x2 words: packed HMNMX2 (a balanced tree), then one fp32 max of the
-    halves (exact); NaN if any is NaN."""
-    while len(words) > 1:
-        nxt = [quant_ptx.bf16x2_absmax(words[i], words[i + 1]) for i in range(0, len(words) - 1, 2)]
-        if len(words) % 2:
-            nxt.append(words[-1])
-        words = nxt
-    h = words[0]
-    return fmax_nan(
-        abs((h << Uint32(16)).bitcast(Float32)), abs((h & Uint32(0xFFFF0000)).bitcast(Float32))
-    )
-
-
-def strip_absmax(frags: list, xfs: list) -> Float32:
-    """max |x| over a thread's whole strip."""
-    return absmax_bf16([w for frag in frags for w in frag_words(frag)])
-
-
-def to_store(words: list, word_bytes: int, n: int) -> list:
-    """The packed words as n store values of word_bytes bytes each (in the low bytes)."""
-    if word_bytes == 4:
-        return words[:n]
-    out = []
-    for w in words:
-        out += [w >> Uint32(8 * word_bytes * i) if i else w for i in range(4 // word_bytes)]
-    return out[:n]
-
-
-@dsl_user_op
-def store_if(addr: Int64, value: Uint32, ok: Int32, nbytes: int, *, loc=None, ip=None) -> None:
-    """st.global of the low nbytes of value at addr where ok != 0: a predicated store, no
-    branch."""
-    width = {1: "u8", 2: "u16", 4: "u32"}[nbytes]
-    llvm.inline_asm(
-        None,
-        [
-            Int64(addr).ir_value(loc=loc, ip=ip),
-            Uint32(value).ir_value(loc=loc, ip=ip),
-            Int32(ok).ir_value(loc=loc, ip=ip),
-        ],
-        f"{{\n\t.reg .pred p;\n\tsetp.ne.s32 p, $2, 0;\n\t@p st.global.{width} [$0], $1;\n\t}}",
-        "l,r,r",
-        has_side_effects=True,
-        is_align_stack=False,
-        asm_dialect=llvm.AsmDialect.AD_ATT,
-    )
-
-
-def scale_bits(code) -> Uint32:
-    """A scale as the bits to store: its code."""
-    return Uint32(code)
-
-
 CPAIR = max(1, 4 // 2)  # values per 32-bit word
 WORDS = VEC // CPAIR  # words per row of the strip: iterations of the column loop
 ROWS_PER_STEP = 4  # rows per iteration of the row loop
@@ -284,100 +193,27 @@ ROW_STEPS = ROWS // ROWS_PER_STEP
 ROW_UNROLL = 1  # row-loop iterations per loop body (2 measured 15% slower)
 COL_UNROLL = 2  # column-loop iterations per loop body (1 measured 2% slower)
 UNITS_K = TILE_K // VEC  # row vectors per tile row
-
-
-def words_f32(words: list) -> list:
-    """The values of 32-bit words of the strip as fp32 scalars (exact)."""
-    out = []
-    for w in words:
-        out += [(w << Uint32(16)).bitcast(Float32), (w & Uint32(0xFFFF0000)).bitcast(Float32)]
-    return out
-
-
-def words_absmax(words: list, xs: list, lo: int, hi: int) -> Float32:
-    """max |x| over values lo..hi-1 of a row's words."""
-    return absmax_bf16(words[lo // 2 : hi // 2])
-
-
-def first_columns(strip: list) -> list:
-    """The CPAIR columns held by the first word of every row, as CPAIR lists of fp32 scalars."""
-    vals = words_f32([strip[i * WORDS] for i in range(ROWS)])
-    return [[vals[i * CPAIR + q] for i in range(ROWS)] for q in range(CPAIR)]
-
-
-def rotate_words(strip: list) -> list:
-    """Every row's words rotated by one: the next CPAIR columns come first."""
-    out = []
-    for i in range(ROWS):
-        row = strip[i * WORDS : (i + 1) * WORDS]
-        out += row[1:] + row[:1]
-    return out
-
-
-def column(rows: list, j: int) -> list:
-    """Element j of every row: a column of the strip."""
-    return [xs[j] for xs in rows]
-
-
-def scaled(xs: list, e: Float32) -> list:
-    """fp32(x * e) for every x, with the sign bit x < 0 (scale_value: -0.0 gives +0.0)."""
-    return [quant_ptx.scale_value(x, e) for x in xs]
-
-
-def butterfly_max(v: Float32, offsets) -> Float32:
-    """max of v over the lanes that differ from this one in the given lane-offset bits."""
-    for off in offsets:
-        v = cute.arch.fmax(v, cute.arch.shuffle_sync_bfly(v, offset=off))
-    return v
-
-
-ROW_OFFSETS = tuple(1 << i for i in range(ROW_LANES.bit_length() - 1))
-COL_OFFSETS = tuple(LANES_K << i for i in range(COL_LANES.bit_length() - 1))
-
-
-def strip_origin(tidx: Int32, bidx: Int32, tiles_k: Int32):
-    """(first row, first column) of this thread's strip, and its (warp row, lane row)."""
-    warp = tidx // 32
-    lane = tidx - warp * 32
-    wm = warp // WARPS_K
-    wk = warp - wm * WARPS_K
-    lm = lane // LANES_K
-    lk = lane - lm * LANES_K
-    tm = bidx // tiles_k
-    tk = bidx - tm * tiles_k
-    row0 = tm * TILE_M + (wm * LANES_M + lm) * ROWS
-    col0 = tk * TILE_K + (wk * LANES_K + lk) * VEC
-    return row0, col0, wm, lm, lk
-
-
-def load_strip(gX: cute.Tensor, row0: Int32, col0: Int32, M: Int32, K: Int32) -> list:
-    """The ROWS row vectors of the strip, rows clamped to M - 1 and columns to K - VEC (so every
-    load is in bounds and needs no predicate)."""
-    kv = K // VEC
-    cu = cutlass.min(col0, K - VEC) // VEC
-    frags = []
-    for i in range(ROWS):
-        r = cutlass.min(row0 + i, M - 1)
-        frag = cute.make_rmem_tensor((VEC,), INPUT_T)
-        cute.autovec_copy(gX[r * kv + cu, None], frag)
-        frags.append(frag)
-    return frags
-
-
-def units(mX: cute.Tensor) -> cute.Tensor:
-    """(M, K) compact row-major -> (M*K/VEC, VEC): row r's vector at column c is unit
-    r * K/VEC + c/VEC."""
-    n = mX.shape[0] * (mX.shape[1] // VEC)
-    return cute.make_tensor(mX.iterator, cute.make_layout((n, VEC), stride=(VEC, 1)))
-
-
-# ----------------------------------------------------------------------------------------------
-# Kernels
-# ----------------------------------------------------------------------------------------------
-def _grid(M, K):
-    tiles_k = (K + (TILE_K - 1)) // TILE_K
-    tiles_m = (M + (TILE_M - 1)) // TILE_M
-    return tiles_k, tiles_m * tiles_k
+TILE = tile.TileParams(
+    input_dtype=INPUT_DTYPE,
+    rows=ROWS,
+    vec=VEC,
+    lanes_k=LANES_K,
+    lanes_m=LANES_M,
+    warps_k=WARPS_K,
+    warps_m=WARPS_M,
+    row_lanes=ROW_LANES,
+    col_lanes=COL_LANES,
+    grid_2d=False,
+    whole_strips=False,  # M % ROWS == 0 on that grid
+    elem_bits=ELEM_BITS,
+    fp32_scales=False,
+    global_scale=GLOBAL_SCALE,
+    scale_cap=SCALE_CAP,
+)
+STRIP = tile.TileStrip(TILE)
+ROW_OFFSETS = TILE.row_offsets  # lane offsets of the butterflies across a row block
+COL_OFFSETS = TILE.col_offsets  # ... and across a column block
+store_if = quant_ptx.store_if  # the predicated store of codes and scales
 
 
 class QuantizeKernel:
@@ -402,9 +238,9 @@ class QuantizeKernel:
         stream: cuda.CUstream,
     ):
         M, K = mX.shape[0], mX.shape[1]
-        tiles_k, grid = _grid(M, K)
+        tiles_k, grid = STRIP.grid(M, K)
         self.kernel(
-            units(mX),
+            STRIP.units(mX),
             mQ,
             mS,
             mQc,
@@ -432,10 +268,10 @@ class QuantizeKernel:
     ):
         tidx, _, _ = cute.arch.thread_idx()
         bidx, _, _ = cute.arch.block_idx()
-        row0, col0, wm, lm, lk = strip_origin(tidx, bidx, tiles_k)
+        row0, col0, wm, lm, lk = STRIP.strip_origin(tidx, bidx, tiles_k)
 
         # ---- issue every load of the strip first (clamped: no predicates)
-        frags = load_strip(gX, row0, col0, M, K)
+        frags = STRIP.load_strip(gX, row0, col0, M, K)
         col_ok = col0 < K
         nbm = (M + (BLOCK - 1)) // BLOCK  # blocks along M
         nbk = K // BLOCK  # blocks along K
@@ -451,7 +287,7 @@ class QuantizeKernel:
         # one of the column loop the first word of every row (CPAIR columns) and then rotates each
         # row's words. Rolled loops keep the kernel small enough for the instruction cache (fully
         # unrolled, instruction fetch stalls took half its time); the data stays in registers
-        strip = [w for frag in frags for w in frag_words(frag)]
+        strip = [w for frag in frags for w in STRIP.frag_words(frag)]
         # the NaN-propagating max of this thread's block amaxes, per copy (S_dec = NaN if not
         # finite)
         seen_row = Float32(0.0)
@@ -464,22 +300,22 @@ class QuantizeKernel:
                 r = r0 + ii
                 ok_r = Int32(col_ok & (r < M))
                 words = strip[ii * WORDS : (ii + 1) * WORDS]
-                xs = words_f32(words)
+                xs = STRIP.words_f32(words)
                 yr = []
                 for g in range_constexpr(ROW_BLOCKS):
                     lo = g * (VEC // ROW_BLOCKS)
                     hi = lo + VEC // ROW_BLOCKS
-                    amax_r = words_absmax(words, xs, lo, hi)
-                    seen_row = fmax_nan(seen_row, amax_r)  # this thread's part of the block
-                    amax_r = butterfly_max(amax_r, ROW_OFFSETS)
+                    amax_r = STRIP.words_absmax(words, xs, lo, hi)
+                    seen_row = tile.fmax_nan(seen_row, amax_r)  # this thread's part of the block
+                    amax_r = tile.butterfly_max(amax_r, ROW_OFFSETS)
                     code_r, e_r = block_scale(amax_r, k_enc_row, s_enc_row, s_dec_row)
-                    yr += scaled(xs[lo:hi], e_r)
+                    yr += tile.scaled(xs[lo:hi], e_r)
                     # the lanes of a block hold the same scale: all store it
                     at_r = mS.iterator.toint() + Int64((r * nbk + col0 // BLOCK + g) * 1)
-                    store_if(at_r, scale_bits(code_r), ok_r, 1)
+                    store_if(at_r, STRIP.scale_bits(code_r), ok_r, 1)
                 rand_r = None
                 enc_r = encode_elements(yr, rand_r, self.hw_row)
-                vrow = to_store(encode.pack_bits(enc_r), ROW_STORE_BYTES, ROW_STORE_N)
+                vrow = tile.to_store(encode.pack_bits(enc_r), ROW_STORE_BYTES, ROW_STORE_N)
                 at_r = mQ.iterator.toint() + Int64((r * K + col0) * ELEM_BITS // 8)
                 for w in range_constexpr(ROW_STORE_N):
                     at_w = at_r + Int64(w * ROW_STORE_BYTES)
@@ -489,31 +325,31 @@ class QuantizeKernel:
         # ---- columnwise copy: CPAIR columns per iteration, blocks along M
         bl = ROWS // COL_BLOCKS  # rows of one column block held by this thread
         for t in cutlass.range(WORDS, unroll=COL_UNROLL):
-            pxs = first_columns(strip)
+            pxs = STRIP.first_columns(strip)
             for q in range_constexpr(CPAIR):
                 j = t * CPAIR + q
                 c = col0 + j
                 xc = pxs[q]
                 ys = []
                 for g in range_constexpr(COL_BLOCKS):
-                    amax_b = absmax(xc[g * bl : (g + 1) * bl])
-                    seen_col = fmax_nan(seen_col, amax_b)  # this thread's part of the block
-                    amax_b = butterfly_max(amax_b, COL_OFFSETS)
+                    amax_b = tile.absmax(xc[g * bl : (g + 1) * bl])
+                    seen_col = tile.fmax_nan(seen_col, amax_b)  # this thread's part of the block
+                    amax_b = tile.butterfly_max(amax_b, COL_OFFSETS)
                     code, e_b = block_scale(amax_b, k_enc_col, s_enc_col, s_dec_col)
-                    ys += scaled(xc[g * bl : (g + 1) * bl], e_b)
+                    ys += tile.scaled(xc[g * bl : (g + 1) * bl], e_b)
                     b = (row0 + g * bl) // BLOCK
                     ok = Int32(col_ok & (row0 + g * bl < M))
                     at = mSc.iterator.toint() + Int64((c * nbm + b) * 1)
-                    store_if(at, scale_bits(code), ok, 1)
+                    store_if(at, STRIP.scale_bits(code), ok, 1)
                 rand = None
                 enc = encode_elements(ys, rand, self.hw_col)
-                vcol = to_store(encode.pack_bits(enc), COL_STORE_BYTES, COL_STORE_N)
+                vcol = tile.to_store(encode.pack_bits(enc), COL_STORE_BYTES, COL_STORE_N)
                 at = mQc.iterator.toint() + Int64(c * pitch_c + byte0)
                 for w in range_constexpr(COL_STORE_N):
                     ok = Int32(col_ok & (byte0 + (w + 1) * COL_STORE_BYTES <= pitch_c))
                     at_w = at + Int64(w * COL_STORE_BYTES)
                     store_if(at_w, vcol[w], ok, COL_STORE_BYTES)
-            strip = rotate_words(strip)
+            strip = STRIP.rotate_words(strip)
 
         # ---- a NaN or an Inf among this thread's values (rare): that copy's S_dec = NaN
         bad_row = Int32(seen_row.bitcast(Uint32) >= Uint32(NONFINITE_BITS))

@@ -59,12 +59,10 @@ import cutlass
 import cutlass.cute as cute
 import torch
 from cutlass import Float32, Int32, Int64, Uint8, Uint32, range_constexpr
-from cutlass._mlir.dialects import llvm
-from cutlass.cutlass_dsl import T, dsl_user_op
 
 from fp4gen.device_offset import DeviceOffset
 from fp4gen.errors import TensorError
-from fp4gen.kernels import encode, quant_ptx, scale
+from fp4gen.kernels import encode, quant_ptx, scale, tile
 
 # ----------------------------------------------------------------------------------------------
 # The spec, baked in
@@ -193,142 +191,8 @@ def global_scales(amax: Float32):
 
 
 # ----------------------------------------------------------------------------------------------
-# Device code building blocks. Plain Python functions: they run while a kernel is traced, so
-# their loops unroll and every index is a compile-time constant (no local memory).
+# The strip: fp4gen.kernels.tile's mapping and helpers with these constants
 # ----------------------------------------------------------------------------------------------
-def to_f32(frag: cute.Tensor) -> list:
-    """The VEC input values of a register fragment as fp32 scalars (exact)."""
-    xf = cute.make_rmem_tensor((VEC,), Float32)
-    xf.store(frag.load().to(Float32))
-    return [xf[j] for j in range(VEC)]
-
-
-def rows_f32(frags: list) -> list:
-    """Every row of the strip as fp32 scalars."""
-    return [to_f32(frag) for frag in frags]
-
-
-def fmax_nan(a: Float32, b: Float32) -> Float32:
-    """max(a, b), NaN if either is NaN (max.NaN.f32: one instruction, as the plain max)."""
-    return cute.arch.fmax(a, b, nan=True)
-
-
-def absmax(xs: list) -> Float32:
-    """max |x| over fp32 scalars (a balanced tree); NaN if any is NaN."""
-    vals = [abs(x) for x in xs]
-    while len(vals) > 1:
-        nxt = [fmax_nan(vals[i], vals[i + 1]) for i in range(0, len(vals) - 1, 2)]
-        if len(vals) % 2:
-            nxt.append(vals[-1])
-        vals = nxt
-    return vals[0]
-
-
-def frag_words(frag: cute.Tensor) -> list:
-    """A row vector of the strip as 32-bit words (the first value in the low bits)."""
-    raw = cute.recast_tensor(frag, Uint32)
-    return [raw[i] for i in range(VEC * 2 // 4)]
-
-
-def absmax_bf16(words: list) -> Float32:
-    """max |x| over bf16x2 words: packed HMNMX2 (a balanced tree), then one fp32 max of the
-    halves (exact); NaN if any is NaN."""
-    while len(words) > 1:
-        nxt = [quant_ptx.bf16x2_absmax(words[i], words[i + 1]) for i in range(0, len(words) - 1, 2)]
-        if len(words) % 2:
-            nxt.append(words[-1])
-        words = nxt
-    h = words[0]
-    return fmax_nan(
-        abs((h << Uint32(16)).bitcast(Float32)), abs((h & Uint32(0xFFFF0000)).bitcast(Float32))
-    )
-
-
-def strip_absmax(frags: list, xfs: list) -> Float32:
-    """max |x| over a thread's whole strip."""
-    return absmax_bf16([w for frag in frags for w in frag_words(frag)])
-
-
-def to_store(words: list, word_bytes: int, n: int) -> list:
-    """The packed words as n store values of word_bytes bytes each (in the low bytes)."""
-    if word_bytes == 4:
-        return words[:n]
-    out = []
-    for w in words:
-        out += [w >> Uint32(8 * word_bytes * i) if i else w for i in range(4 // word_bytes)]
-    return out[:n]
-
-
-@dsl_user_op
-def store_if(addr: Int64, value: Uint32, ok: Int32, nbytes: int, *, loc=None, ip=None) -> None:
-    """st.global of the low nbytes of value at addr where ok != 0: a predicated store, no
-    branch."""
-    width = {1: "u8", 2: "u16", 4: "u32"}[nbytes]
-    llvm.inline_asm(
-        None,
-        [
-            Int64(addr).ir_value(loc=loc, ip=ip),
-            Uint32(value).ir_value(loc=loc, ip=ip),
-            Int32(ok).ir_value(loc=loc, ip=ip),
-        ],
-        f"{{\n\t.reg .pred p;\n\tsetp.ne.s32 p, $2, 0;\n\t@p st.global.{width} [$0], $1;\n\t}}",
-        "l,r,r",
-        has_side_effects=True,
-        is_align_stack=False,
-        asm_dialect=llvm.AsmDialect.AD_ATT,
-    )
-
-
-@dsl_user_op
-def count_cta(addr: Int64, *, loc=None, ip=None) -> Uint32:
-    """atom.add 1 on a global u32 with acquire-release semantics at GPU scope: the old value."""
-    return Uint32(
-        llvm.inline_asm(
-            T.i32(),
-            [Int64(addr).ir_value(loc=loc, ip=ip)],
-            "atom.acq_rel.gpu.global.add.u32 $0, [$1], 1;",
-            "=r,l,~{memory}",
-            has_side_effects=True,
-            is_align_stack=False,
-            asm_dialect=llvm.AsmDialect.AD_ATT,
-        )
-    )
-
-
-@dsl_user_op
-def load_acquire(addr: Int64, *, loc=None, ip=None) -> Float32:
-    """ld.acquire.gpu of a global fp32: a value other CTAs wrote with atomics."""
-    return Float32(
-        llvm.inline_asm(
-            T.f32(),
-            [Int64(addr).ir_value(loc=loc, ip=ip)],
-            "ld.acquire.gpu.global.f32 $0, [$1];",
-            "=f,l,~{memory}",
-            has_side_effects=True,
-            is_align_stack=False,
-            asm_dialect=llvm.AsmDialect.AD_ATT,
-        )
-    )
-
-
-def scale_bits(code) -> Uint32:
-    """A scale as the bits to store: its code."""
-    return Uint32(code)
-
-
-def encode_factor(code: Uint32, s_dec) -> Float32:
-    """e_b of the e4m3 scale code (docs/numerics.md 2.5): min(1 / (s_b * S_dec), FLT_MAX)."""
-    s_b = quant_ptx.cvt_e4m3_to_f32(code)
-    return cute.arch.fmin(Float32(1.0) / (s_b * s_dec), Float32(FLT_MAX))
-
-
-def block_scale_table(amax_b: Float32, k_enc: Float32, table: cute.Tensor):
-    """block_scale with e_b read from the copy's table of encode factors: (scale code, e_b)."""
-    d_b = cute.arch.fmin(amax_b * k_enc, Float32(SCALE_CAP))
-    code = quant_ptx.cvt_f32_to_e4m3(d_b)  # RNE, satfinite: the hardware convert is the contract's
-    return code, table[Int32(code)]
-
-
 CPAIR = max(1, 4 // 2)  # values per 32-bit word
 WORDS = VEC // CPAIR  # words per row of the strip: iterations of the column loop
 ROWS_PER_STEP = 4  # rows per iteration of the row loop
@@ -336,115 +200,27 @@ ROW_STEPS = ROWS // ROWS_PER_STEP
 ROW_UNROLL = 1  # row-loop iterations per loop body (2 measured 15% slower)
 COL_UNROLL = 2  # column-loop iterations per loop body (1 measured 2% slower)
 UNITS_K = TILE_K // VEC  # row vectors per tile row
-
-
-def words_f32(words: list) -> list:
-    """The values of 32-bit words of the strip as fp32 scalars (exact)."""
-    out = []
-    for w in words:
-        out += [(w << Uint32(16)).bitcast(Float32), (w & Uint32(0xFFFF0000)).bitcast(Float32)]
-    return out
-
-
-def words_absmax(words: list, xs: list, lo: int, hi: int) -> Float32:
-    """max |x| over values lo..hi-1 of a row's words."""
-    return absmax_bf16(words[lo // 2 : hi // 2])
-
-
-def first_columns(strip: list) -> list:
-    """The CPAIR columns held by the first word of every row, as CPAIR lists of fp32 scalars."""
-    vals = words_f32([strip[i * WORDS] for i in range(ROWS)])
-    return [[vals[i * CPAIR + q] for i in range(ROWS)] for q in range(CPAIR)]
-
-
-def rotate_words(strip: list) -> list:
-    """Every row's words rotated by one: the next CPAIR columns come first."""
-    out = []
-    for i in range(ROWS):
-        row = strip[i * WORDS : (i + 1) * WORDS]
-        out += row[1:] + row[:1]
-    return out
-
-
-def column(rows: list, j: int) -> list:
-    """Element j of every row: a column of the strip."""
-    return [xs[j] for xs in rows]
-
-
-def scaled(xs: list, e: Float32) -> list:
-    """fp32(x * e) for every x, with the sign bit x < 0 (scale_value: -0.0 gives +0.0)."""
-    return [quant_ptx.scale_value(x, e) for x in xs]
-
-
-def butterfly_max(v: Float32, offsets) -> Float32:
-    """max of v over the lanes that differ from this one in the given lane-offset bits."""
-    for off in offsets:
-        v = cute.arch.fmax(v, cute.arch.shuffle_sync_bfly(v, offset=off))
-    return v
-
-
-ROW_OFFSETS = tuple(1 << i for i in range(ROW_LANES.bit_length() - 1))
-COL_OFFSETS = tuple(LANES_K << i for i in range(COL_LANES.bit_length() - 1))
-
-
-@cute.jit
-def strip_origin(tidx: Int32, tiles_k: Int32):
-    """(first row, first column) of this thread's strip, and its (warp row, lane row). The grid
-    is (tiles along K, tiles along M), or 1-D past MAX_GRID_Y tile rows (then the tile index is
-    divided by tiles_k: the only case that pays for an integer division)."""
-    bidx, bidy, _ = cute.arch.block_idx()
-    _, gdy, _ = cute.arch.grid_dim()
-    warp = tidx // 32
-    lane = tidx - warp * 32
-    wm = warp // WARPS_K
-    wk = warp - wm * WARPS_K
-    lm = lane // LANES_K
-    lk = lane - lm * LANES_K
-    tm = Int32(bidy)
-    tk = Int32(bidx)
-    if gdy == 1:
-        tm = Int32(bidx) // tiles_k
-        tk = Int32(bidx) - tm * tiles_k
-    row0 = tm * TILE_M + (wm * LANES_M + lm) * ROWS
-    col0 = tk * TILE_K + (wk * LANES_K + lk) * VEC
-    return row0, col0, wm, lm, lk
-
-
-def load_strip(gX: cute.Tensor, row0: Int32, col0: Int32, M: Int32, K: Int32) -> list:
-    """The ROWS row vectors of the strip, rows clamped to M - 1 and columns to K - VEC (so every
-    load is in bounds and needs no predicate)."""
-    kv = K // VEC
-    cu = cutlass.min(col0, K - VEC) // VEC
-    frags = []
-    for i in range(ROWS):
-        r = cutlass.min(row0 + i, M - 1)
-        frag = cute.make_rmem_tensor((VEC,), INPUT_T)
-        cute.autovec_copy(gX[r * kv + cu, None], frag)
-        frags.append(frag)
-    return frags
-
-
-def units(mX: cute.Tensor) -> cute.Tensor:
-    """(M, K) compact row-major -> (M*K/VEC, VEC): row r's vector at column c is unit
-    r * K/VEC + c/VEC."""
-    n = mX.shape[0] * (mX.shape[1] // VEC)
-    return cute.make_tensor(mX.iterator, cute.make_layout((n, VEC), stride=(VEC, 1)))
-
-
-# ----------------------------------------------------------------------------------------------
-# Kernels
-# ----------------------------------------------------------------------------------------------
-MAX_GRID_Y = 65535  # CUDA's limit on gridDim.y
-
-
-def _grid(M, K):
-    """(tiles_k, grid): a (tiles along K, tiles along M) grid, 1-D past MAX_GRID_Y tile rows."""
-    tiles_k = (K + (TILE_K - 1)) // TILE_K
-    tiles_m = (M + (TILE_M - 1)) // TILE_M
-    two_d = tiles_m <= MAX_GRID_Y
-    grid_x = Int32(cutlass.select_(two_d, tiles_k, tiles_k * tiles_m))
-    grid_y = Int32(cutlass.select_(two_d, tiles_m, Int32(1)))
-    return tiles_k, [grid_x, grid_y, 1]
+TILE = tile.TileParams(
+    input_dtype=INPUT_DTYPE,
+    rows=ROWS,
+    vec=VEC,
+    lanes_k=LANES_K,
+    lanes_m=LANES_M,
+    warps_k=WARPS_K,
+    warps_m=WARPS_M,
+    row_lanes=ROW_LANES,
+    col_lanes=COL_LANES,
+    grid_2d=True,
+    whole_strips=False,  # M % ROWS == 0 on that grid
+    elem_bits=ELEM_BITS,
+    fp32_scales=False,
+    global_scale=GLOBAL_SCALE,
+    scale_cap=SCALE_CAP,
+)
+STRIP = tile.TileStrip(TILE)
+ROW_OFFSETS = TILE.row_offsets  # lane offsets of the butterflies across a row block
+COL_OFFSETS = TILE.col_offsets  # ... and across a column block
+store_if = quant_ptx.store_if  # the predicated store of codes and scales
 
 
 class AmaxKernel:
@@ -469,9 +245,9 @@ class AmaxKernel:
         stream: cuda.CUstream,
     ):
         M, K = mX.shape[0], mX.shape[1]
-        tiles_k, grid = _grid(M, K)
+        tiles_k, grid = STRIP.grid(M, K)
         self.kernel(
-            units(mX),
+            STRIP.units(mX),
             mAmax0,
             mCount,
             mConst,
@@ -496,11 +272,11 @@ class AmaxKernel:
         tiles_k: Int32,
     ):
         tidx, _, _ = cute.arch.thread_idx()
-        row0, col0, _, _, _ = strip_origin(tidx, tiles_k)
-        frags = load_strip(gX, row0, col0, M, K)
-        xfs = rows_f32(frags)
+        row0, col0, _, _, _ = STRIP.strip_origin_2d(tidx, tiles_k)
+        frags = STRIP.load_strip(gX, row0, col0, M, K)
+        xfs = STRIP.rows_f32(frags)
         accs = []
-        accs.append(strip_absmax(frags, xfs))
+        accs.append(STRIP.strip_absmax(frags, xfs))
 
         # CTA reduction per slot: warp shuffles, one shared-memory slot per warp, warp 0 ends;
         # every max propagates NaN, so a NaN reaches the atomic as the canonical (positive) NaN
@@ -511,7 +287,7 @@ class AmaxKernel:
         warp = cute.arch.warp_idx()
         lane = cute.arch.lane_idx()
         for s in range_constexpr(AMAX_SLOTS):
-            acc = cute.arch.warp_reduction(accs[s], fmax_nan)
+            acc = cute.arch.warp_reduction(accs[s], tile.fmax_nan)
             if lane == 0:
                 red[s * (THREADS // 32) + warp] = acc
         cute.arch.barrier()
@@ -519,7 +295,7 @@ class AmaxKernel:
             w0 = Float32(0.0)
             if lane < THREADS // 32:
                 w0 = red[0 * (THREADS // 32) + lane]
-            w0 = cute.arch.warp_reduction(w0, fmax_nan)
+            w0 = cute.arch.warp_reduction(w0, tile.fmax_nan)
             if lane == 0:
                 # |x| >= 0: the fp32 max is the integer max of the bits (Inf and the positive
                 # NaN above every finite value)
@@ -531,18 +307,18 @@ class AmaxKernel:
         if tidx == 0:
             gdx, gdy, _ = cute.arch.grid_dim()
             # acq_rel: this CTA's atomic maxes (same thread) are ordered before its count
-            done = count_cta(mCount.iterator.toint())
+            done = quant_ptx.count_cta(mCount.iterator.toint())
             last[0] = Int32(cutlass.select_(done == Uint32(gdx * gdy - 1), Int32(1), Int32(0)))
         cute.arch.barrier()
         if last[0] != 0:
-            s_enc0, s_dec0 = global_scales(load_acquire(mAmax0.iterator.toint()))
+            s_enc0, s_dec0 = global_scales(quant_ptx.load_acquire(mAmax0.iterator.toint()))
             for t in range_constexpr(256 // THREADS):
                 code = tidx + t * THREADS
-                e_b = encode_factor(Uint32(code), s_dec0)
+                e_b = STRIP.encode_factor(Uint32(code), s_dec0)
                 mConst[0 + code] = e_b
             for t in range_constexpr(256 // THREADS):
                 code = tidx + t * THREADS
-                e_b = encode_factor(Uint32(code), s_dec0)
+                e_b = STRIP.encode_factor(Uint32(code), s_dec0)
                 mConst[256 + code] = e_b
             if tidx == 0:
                 mCount[0] = Int32(0)  # ready for another launch on the same buffers
@@ -577,9 +353,9 @@ class QuantizeKernel:
         stream: cuda.CUstream,
     ):
         M, K = mX.shape[0], mX.shape[1]
-        tiles_k, grid = _grid(M, K)
+        tiles_k, grid = STRIP.grid(M, K)
         self.kernel(
-            units(mX),
+            STRIP.units(mX),
             mQ,
             mS,
             mQc,
@@ -604,10 +380,10 @@ class QuantizeKernel:
         tiles_k: Int32,
     ):
         tidx, _, _ = cute.arch.thread_idx()
-        row0, col0, wm, lm, lk = strip_origin(tidx, tiles_k)
+        row0, col0, wm, lm, lk = STRIP.strip_origin_2d(tidx, tiles_k)
 
         # ---- issue every load of the strip first (clamped: no predicates)
-        frags = load_strip(gX, row0, col0, M, K)
+        frags = STRIP.load_strip(gX, row0, col0, M, K)
         col_ok = col0 < K
         nbm = (M + (BLOCK - 1)) // BLOCK  # blocks along M
         nbk = K // BLOCK  # blocks along K
@@ -633,7 +409,7 @@ class QuantizeKernel:
         # one of the column loop the first word of every row (CPAIR columns) and then rotates each
         # row's words. Rolled loops keep the kernel small enough for the instruction cache (fully
         # unrolled, instruction fetch stalls took half its time); the data stays in registers
-        strip = [w for frag in frags for w in frag_words(frag)]
+        strip = [w for frag in frags for w in STRIP.frag_words(frag)]
 
         # ---- rowwise copy: ROWS_PER_STEP row segments per iteration, blocks along K
         for t in cutlass.range(ROW_STEPS, unroll=ROW_UNROLL):
@@ -642,20 +418,21 @@ class QuantizeKernel:
                 r = r0 + ii
                 ok_r = Int32(col_ok & (r < M))
                 words = strip[ii * WORDS : (ii + 1) * WORDS]
-                xs = words_f32(words)
+                xs = STRIP.words_f32(words)
                 yr = []
                 for g in range_constexpr(ROW_BLOCKS):
                     lo = g * (VEC // ROW_BLOCKS)
                     hi = lo + VEC // ROW_BLOCKS
-                    amax_r = butterfly_max(words_absmax(words, xs, lo, hi), ROW_OFFSETS)
-                    code_r, e_r = block_scale_table(amax_r, k_enc_row, table_row)
-                    yr += scaled(xs[lo:hi], e_r)
+                    amax_r = STRIP.words_absmax(words, xs, lo, hi)
+                    amax_r = tile.butterfly_max(amax_r, ROW_OFFSETS)
+                    code_r, e_r = STRIP.block_scale_table(amax_r, k_enc_row, table_row)
+                    yr += tile.scaled(xs[lo:hi], e_r)
                     # the lanes of a block hold the same scale: all store it
                     at_r = mS.iterator.toint() + Int64((r * nbk + col0 // BLOCK + g) * 1)
-                    store_if(at_r, scale_bits(code_r), ok_r, 1)
+                    store_if(at_r, STRIP.scale_bits(code_r), ok_r, 1)
                 rand_r = None
                 enc_r = encode_elements(yr, rand_r, self.hw_row)
-                vrow = to_store(encode.pack_bits(enc_r), ROW_STORE_BYTES, ROW_STORE_N)
+                vrow = tile.to_store(encode.pack_bits(enc_r), ROW_STORE_BYTES, ROW_STORE_N)
                 at_r = mQ.iterator.toint() + Int64((r * K + col0) * ELEM_BITS // 8)
                 for w in range_constexpr(ROW_STORE_N):
                     at_w = at_r + Int64(w * ROW_STORE_BYTES)
@@ -665,29 +442,30 @@ class QuantizeKernel:
         # ---- columnwise copy: CPAIR columns per iteration, blocks along M
         bl = ROWS // COL_BLOCKS  # rows of one column block held by this thread
         for t in cutlass.range(WORDS, unroll=COL_UNROLL):
-            pxs = first_columns(strip)
+            pxs = STRIP.first_columns(strip)
             for q in range_constexpr(CPAIR):
                 j = t * CPAIR + q
                 c = col0 + j
                 xc = pxs[q]
                 ys = []
                 for g in range_constexpr(COL_BLOCKS):
-                    amax_b = butterfly_max(absmax(xc[g * bl : (g + 1) * bl]), COL_OFFSETS)
-                    code, e_b = block_scale_table(amax_b, k_enc_col, table_col)
-                    ys += scaled(xc[g * bl : (g + 1) * bl], e_b)
+                    amax_b = tile.absmax(xc[g * bl : (g + 1) * bl])
+                    amax_b = tile.butterfly_max(amax_b, COL_OFFSETS)
+                    code, e_b = STRIP.block_scale_table(amax_b, k_enc_col, table_col)
+                    ys += tile.scaled(xc[g * bl : (g + 1) * bl], e_b)
                     b = (row0 + g * bl) // BLOCK
                     ok = Int32(col_ok & (row0 + g * bl < M))
                     at = mSc.iterator.toint() + Int64((c * nbm + b) * 1)
-                    store_if(at, scale_bits(code), ok, 1)
+                    store_if(at, STRIP.scale_bits(code), ok, 1)
                 rand = None
                 enc = encode_elements(ys, rand, self.hw_col)
-                vcol = to_store(encode.pack_bits(enc), COL_STORE_BYTES, COL_STORE_N)
+                vcol = tile.to_store(encode.pack_bits(enc), COL_STORE_BYTES, COL_STORE_N)
                 at = mQc.iterator.toint() + Int64(c * pitch_c + byte0)
                 for w in range_constexpr(COL_STORE_N):
                     ok = Int32(col_ok & (byte0 + (w + 1) * COL_STORE_BYTES <= pitch_c))
                     at_w = at + Int64(w * COL_STORE_BYTES)
                     store_if(at_w, vcol[w], ok, COL_STORE_BYTES)
-            strip = rotate_words(strip)
+            strip = STRIP.rotate_words(strip)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -51,13 +51,11 @@ import cuda.bindings.driver as cuda
 import cutlass
 import cutlass.cute as cute
 import torch
-from cutlass import Float32, Int32, Int64, Uint8, Uint32, range_constexpr
-from cutlass._mlir.dialects import llvm
-from cutlass.cutlass_dsl import dsl_user_op
+from cutlass import Float32, Int32, Int64, Uint8, range_constexpr
 
 from fp4gen.device_offset import DeviceOffset
 from fp4gen.errors import TensorError
-from fp4gen.kernels import encode, quant_ptx, scale
+from fp4gen.kernels import encode, quant_ptx, scale, tile
 
 # ----------------------------------------------------------------------------------------------
 # The spec, baked in
@@ -178,161 +176,29 @@ def global_scales(amax: Float32):
 
 
 # ----------------------------------------------------------------------------------------------
-# Device code building blocks. Plain Python functions: they run while a kernel is traced, so
-# their loops unroll and every index is a compile-time constant (no local memory).
+# The strip: fp4gen.kernels.tile's mapping and helpers with these constants
 # ----------------------------------------------------------------------------------------------
-def to_f32(frag: cute.Tensor) -> list:
-    """The VEC input values of a register fragment as fp32 scalars (exact)."""
-    xf = cute.make_rmem_tensor((VEC,), Float32)
-    xf.store(frag.load().to(Float32))
-    return [xf[j] for j in range(VEC)]
-
-
-def rows_f32(frags: list) -> list:
-    """Every row of the strip as fp32 scalars."""
-    return [to_f32(frag) for frag in frags]
-
-
-def fmax_nan(a: Float32, b: Float32) -> Float32:
-    """max(a, b), NaN if either is NaN (max.NaN.f32: one instruction, as the plain max)."""
-    return cute.arch.fmax(a, b, nan=True)
-
-
-def absmax(xs: list) -> Float32:
-    """max |x| over fp32 scalars (a balanced tree); NaN if any is NaN."""
-    vals = [abs(x) for x in xs]
-    while len(vals) > 1:
-        nxt = [fmax_nan(vals[i], vals[i + 1]) for i in range(0, len(vals) - 1, 2)]
-        if len(vals) % 2:
-            nxt.append(vals[-1])
-        vals = nxt
-    return vals[0]
-
-
-def frag_words(frag: cute.Tensor) -> list:
-    """A row vector of the strip as 32-bit words (the first value in the low bits)."""
-    raw = cute.recast_tensor(frag, Uint32)
-    return [raw[i] for i in range(VEC * 2 // 4)]
-
-
-def absmax_bf16(words: list) -> Float32:
-    """max |x| over bf16x2 words: packed HMNMX2 (a balanced tree), then one fp32 max of the
-    halves (exact); NaN if any is NaN."""
-    while len(words) > 1:
-        nxt = [quant_ptx.bf16x2_absmax(words[i], words[i + 1]) for i in range(0, len(words) - 1, 2)]
-        if len(words) % 2:
-            nxt.append(words[-1])
-        words = nxt
-    h = words[0]
-    return fmax_nan(
-        abs((h << Uint32(16)).bitcast(Float32)), abs((h & Uint32(0xFFFF0000)).bitcast(Float32))
-    )
-
-
-def strip_absmax(frags: list, xfs: list) -> Float32:
-    """max |x| over a thread's whole strip."""
-    return absmax_bf16([w for frag in frags for w in frag_words(frag)])
-
-
-def to_store(words: list, word_bytes: int, n: int) -> list:
-    """The packed words as n store values of word_bytes bytes each (in the low bytes)."""
-    if word_bytes == 4:
-        return words[:n]
-    out = []
-    for w in words:
-        out += [w >> Uint32(8 * word_bytes * i) if i else w for i in range(4 // word_bytes)]
-    return out[:n]
-
-
-@dsl_user_op
-def store_if(addr: Int64, value: Uint32, ok: Int32, nbytes: int, *, loc=None, ip=None) -> None:
-    """st.global of the low nbytes of value at addr where ok != 0: a predicated store, no
-    branch."""
-    width = {1: "u8", 2: "u16", 4: "u32"}[nbytes]
-    llvm.inline_asm(
-        None,
-        [
-            Int64(addr).ir_value(loc=loc, ip=ip),
-            Uint32(value).ir_value(loc=loc, ip=ip),
-            Int32(ok).ir_value(loc=loc, ip=ip),
-        ],
-        f"{{\n\t.reg .pred p;\n\tsetp.ne.s32 p, $2, 0;\n\t@p st.global.{width} [$0], $1;\n\t}}",
-        "l,r,r",
-        has_side_effects=True,
-        is_align_stack=False,
-        asm_dialect=llvm.AsmDialect.AD_ATT,
-    )
-
-
-def scale_bits(code) -> Uint32:
-    """A scale as the bits to store: its code."""
-    return Uint32(code)
-
-
-def column(rows: list, j: int) -> list:
-    """Element j of every row: a column of the strip."""
-    return [xs[j] for xs in rows]
-
-
-def scaled(xs: list, e: Float32) -> list:
-    """fp32(x * e) for every x, with the sign bit x < 0 (scale_value: -0.0 gives +0.0)."""
-    return [quant_ptx.scale_value(x, e) for x in xs]
-
-
-def butterfly_max(v: Float32, offsets) -> Float32:
-    """max of v over the lanes that differ from this one in the given lane-offset bits."""
-    for off in offsets:
-        v = cute.arch.fmax(v, cute.arch.shuffle_sync_bfly(v, offset=off))
-    return v
-
-
-ROW_OFFSETS = tuple(1 << i for i in range(ROW_LANES.bit_length() - 1))
-COL_OFFSETS = tuple(LANES_K << i for i in range(COL_LANES.bit_length() - 1))
-
-
-def strip_origin(tidx: Int32, bidx: Int32, tiles_k: Int32):
-    """(first row, first column) of this thread's strip, and its (warp row, lane row)."""
-    warp = tidx // 32
-    lane = tidx - warp * 32
-    wm = warp // WARPS_K
-    wk = warp - wm * WARPS_K
-    lm = lane // LANES_K
-    lk = lane - lm * LANES_K
-    tm = bidx // tiles_k
-    tk = bidx - tm * tiles_k
-    row0 = tm * TILE_M + (wm * LANES_M + lm) * ROWS
-    col0 = tk * TILE_K + (wk * LANES_K + lk) * VEC
-    return row0, col0, wm, lm, lk
-
-
-def load_strip(gX: cute.Tensor, row0: Int32, col0: Int32, M: Int32, K: Int32) -> list:
-    """The ROWS row vectors of the strip, rows clamped to M - 1 and columns to K - VEC (so every
-    load is in bounds and needs no predicate)."""
-    kv = K // VEC
-    cu = cutlass.min(col0, K - VEC) // VEC
-    frags = []
-    for i in range(ROWS):
-        r = cutlass.min(row0 + i, M - 1)
-        frag = cute.make_rmem_tensor((VEC,), INPUT_T)
-        cute.autovec_copy(gX[r * kv + cu, None], frag)
-        frags.append(frag)
-    return frags
-
-
-def units(mX: cute.Tensor) -> cute.Tensor:
-    """(M, K) compact row-major -> (M*K/VEC, VEC): row r's vector at column c is unit
-    r * K/VEC + c/VEC."""
-    n = mX.shape[0] * (mX.shape[1] // VEC)
-    return cute.make_tensor(mX.iterator, cute.make_layout((n, VEC), stride=(VEC, 1)))
-
-
-# ----------------------------------------------------------------------------------------------
-# Kernels
-# ----------------------------------------------------------------------------------------------
-def _grid(M, K):
-    tiles_k = (K + (TILE_K - 1)) // TILE_K
-    tiles_m = (M + (TILE_M - 1)) // TILE_M
-    return tiles_k, tiles_m * tiles_k
+TILE = tile.TileParams(
+    input_dtype=INPUT_DTYPE,
+    rows=ROWS,
+    vec=VEC,
+    lanes_k=LANES_K,
+    lanes_m=LANES_M,
+    warps_k=WARPS_K,
+    warps_m=WARPS_M,
+    row_lanes=ROW_LANES,
+    col_lanes=COL_LANES,
+    grid_2d=False,
+    whole_strips=False,  # M % ROWS == 0 on that grid
+    elem_bits=ELEM_BITS,
+    fp32_scales=False,
+    global_scale=GLOBAL_SCALE,
+    scale_cap=SCALE_CAP,
+)
+STRIP = tile.TileStrip(TILE)
+ROW_OFFSETS = TILE.row_offsets  # lane offsets of the butterflies across a row block
+COL_OFFSETS = TILE.col_offsets  # ... and across a column block
+store_if = quant_ptx.store_if  # the predicated store of codes and scales
 
 
 class AmaxKernel:
@@ -350,9 +216,9 @@ class AmaxKernel:
         stream: cuda.CUstream,
     ):
         M, K = mX.shape[0], mX.shape[1]
-        tiles_k, grid = _grid(M, K)
+        tiles_k, grid = STRIP.grid(M, K)
         self.kernel(
-            units(mX),
+            STRIP.units(mX),
             mAmax0,
             M,
             K,
@@ -370,11 +236,11 @@ class AmaxKernel:
     ):
         tidx, _, _ = cute.arch.thread_idx()
         bidx, _, _ = cute.arch.block_idx()
-        row0, col0, _, _, _ = strip_origin(tidx, bidx, tiles_k)
-        frags = load_strip(gX, row0, col0, M, K)
-        xfs = rows_f32(frags)
+        row0, col0, _, _, _ = STRIP.strip_origin(tidx, bidx, tiles_k)
+        frags = STRIP.load_strip(gX, row0, col0, M, K)
+        xfs = STRIP.rows_f32(frags)
         accs = []
-        accs.append(strip_absmax(frags, xfs))
+        accs.append(STRIP.strip_absmax(frags, xfs))
 
         # CTA reduction per slot: warp shuffles, one shared-memory slot per warp, warp 0 ends;
         # every max propagates NaN, so a NaN reaches the atomic as the canonical (positive) NaN
@@ -385,7 +251,7 @@ class AmaxKernel:
         warp = cute.arch.warp_idx()
         lane = cute.arch.lane_idx()
         for s in range_constexpr(AMAX_SLOTS):
-            acc = cute.arch.warp_reduction(accs[s], fmax_nan)
+            acc = cute.arch.warp_reduction(accs[s], tile.fmax_nan)
             if lane == 0:
                 red[s * (THREADS // 32) + warp] = acc
         cute.arch.barrier()
@@ -393,7 +259,7 @@ class AmaxKernel:
             w0 = Float32(0.0)
             if lane < THREADS // 32:
                 w0 = red[0 * (THREADS // 32) + lane]
-            w0 = cute.arch.warp_reduction(w0, fmax_nan)
+            w0 = cute.arch.warp_reduction(w0, tile.fmax_nan)
             if lane == 0:
                 # |x| >= 0: the fp32 max is the integer max of the bits (Inf and the positive
                 # NaN above every finite value)
@@ -419,9 +285,9 @@ class QuantizeKernel:
         stream: cuda.CUstream,
     ):
         M, K = mX.shape[0], mX.shape[1]
-        tiles_k, grid = _grid(M, K)
+        tiles_k, grid = STRIP.grid(M, K)
         self.kernel(
-            units(mX),
+            STRIP.units(mX),
             mQ,
             mS,
             mAmax0,
@@ -445,10 +311,10 @@ class QuantizeKernel:
     ):
         tidx, _, _ = cute.arch.thread_idx()
         bidx, _, _ = cute.arch.block_idx()
-        row0, col0, wm, lm, lk = strip_origin(tidx, bidx, tiles_k)
+        row0, col0, wm, lm, lk = STRIP.strip_origin(tidx, bidx, tiles_k)
 
         # ---- issue every load of the strip first (clamped: no predicates)
-        frags = load_strip(gX, row0, col0, M, K)
+        frags = STRIP.load_strip(gX, row0, col0, M, K)
         col_ok = col0 < K
         nbk = K // BLOCK  # blocks along K
 
@@ -459,14 +325,15 @@ class QuantizeKernel:
                 mSdec_row[0] = s_dec0
         s_enc_row, s_dec_row = s_enc0, s_dec0
         k_enc_row = s_enc0 * Float32(INV_ELEM_MAX)  # fp32(S_enc * fp32(1 / ELEM_MAX))
-        xfs = rows_f32(frags)
+        xfs = STRIP.rows_f32(frags)
 
         # ---- one amax, scale and encode factor per 16x16 tile
-        amax_t = butterfly_max(butterfly_max(strip_absmax(frags, xfs), ROW_OFFSETS), COL_OFFSETS)
+        amax_t = STRIP.strip_absmax(frags, xfs)
+        amax_t = tile.butterfly_max(tile.butterfly_max(amax_t, ROW_OFFSETS), COL_OFFSETS)
         code_t, e_t = block_scale(amax_t, k_enc_row, s_enc_row, s_dec_row)
         tile_row = row0 // BLOCK
         tile_col = col0 // BLOCK
-        ys = [scaled(xs, e_t) for xs in xfs]
+        ys = [tile.scaled(xs, e_t) for xs in xfs]
         tile_ok = Int32(col_ok & (row0 < M))
         # the codes once, row by row; the columnwise copy is their transpose
         row_words = []
@@ -474,12 +341,12 @@ class QuantizeKernel:
             row_words.append(encode.pack_bits(encode_elements(ys[i], None, self.hw_row)))
             r = row0 + i
             ok = Int32(col_ok & (r < M))
-            vals = to_store(row_words[i], ROW_STORE_BYTES, ROW_STORE_N)
+            vals = tile.to_store(row_words[i], ROW_STORE_BYTES, ROW_STORE_N)
             at = mQ.iterator.toint() + Int64((r * K + col0) * ELEM_BITS // 8)
             for w in range_constexpr(ROW_STORE_N):
                 store_if(at + Int64(w * ROW_STORE_BYTES), vals[w], ok, ROW_STORE_BYTES)
         at = mS.iterator.toint() + Int64((tile_row * nbk + tile_col) * 1)
-        store_if(at, scale_bits(code_t), tile_ok, 1)
+        store_if(at, STRIP.scale_bits(code_t), tile_ok, 1)
 
 
 # ----------------------------------------------------------------------------------------------
