@@ -46,28 +46,24 @@ from torch import nn
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the checkout, uninstalled
 
 import fp4gen  # noqa: E402
+from benchmarks.common import cuda_time_ms, require_cuda  # noqa: E402
 from fp4gen.runtime.experts import GroupedExperts  # noqa: E402
 
 VOCAB = 256  # bytes, as benchmarks/train.py
 
 
 def time_ms(fn: Callable[[], object], device: str, steps: int, warmup: int = 2) -> float:
-    """Median time of ``fn`` in milliseconds: CUDA events on CUDA, perf_counter elsewhere."""
+    """Median time of ``fn`` in milliseconds: ``benchmarks.common.cuda_time_ms`` (CUDA events)
+    on CUDA, perf_counter elsewhere (a smoke run)."""
+    if device == "cuda":
+        return cuda_time_ms(fn, warmup=warmup, repeats=steps)
     for _ in range(warmup):
         fn()
     times = []
     for _ in range(steps):
-        if device == "cuda":
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end))
-        else:
-            t0 = time.perf_counter()
-            fn()
-            times.append((time.perf_counter() - t0) * 1e3)
+        t0 = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - t0) * 1e3)
     return statistics.median(times)
 
 
@@ -257,8 +253,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--skip-model", action="store_true", help="no whole-model section")
     parser.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
     args = parser.parse_args(argv)
-    if args.device == "cuda" and not torch.cuda.is_available():
-        raise SystemExit("this benchmark needs a CUDA GPU (--device cpu: a smoke run)")
+    if args.device == "cuda":
+        require_cuda()  # --device cpu: a smoke run
     recipes = [r for r in args.recipes.split(",") if r and r != "bf16"]
     where = torch.cuda.get_device_name() if args.device == "cuda" else "CPU (smoke run)"
     print(f"fp4gen MoE benchmark on {where}, torch {torch.__version__}")
