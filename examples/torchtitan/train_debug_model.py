@@ -34,6 +34,7 @@ from torchtitan.distributed import ParallelDims
 from torchtitan.distributed.activation_checkpoint import FullAC, SelectiveAC
 from torchtitan.models.common.attention import FlexAttention, ScaledDotProductAttention
 from torchtitan.models.llama3 import model_registry
+from torchtitan.models.llama3.sharding import set_llama3_sharding_config
 
 from fp4gen.integrations.torchtitan import FP4GenConverter, StepHook, step_hook
 
@@ -94,6 +95,10 @@ def train(
             titan_dims.device_type = "cpu"  # torchtitan builds its meshes on its device type
             training.mixed_precision_param = "float32"
         parallelism = ParallelismConfig()
+        # what torchtitan's Trainer has the model config do (update_from_config, which imports
+        # the trainer and its data loaders): every module's sharding declarations, the
+        # converted layers' too (declarations for axes not in use are skipped)
+        set_llama3_sharding_config(spec.model, enable_sp=parallelism.enable_sequence_parallel)
         dims = ParallelDims(
             dp_replicate=1, dp_shard=world, cp=1, tp=1, pp=1, ep=1, world_size=world,
             spmd_backend=parallelism.spmd_backend,
