@@ -10,10 +10,10 @@ from __future__ import annotations
 
 import itertools
 import os
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 
-from fp4gen.dsl.model import MoRSpec, Operand, Recipe, RHTSpec
+from fp4gen.dsl.model import MoRSpec, Recipe
 from fp4gen.dsl.source import (
     SHIPPED_RECIPES,
     SUFFIX,
@@ -27,7 +27,6 @@ from fp4gen.dsl.source import (
 from fp4gen.dsl.statements import (
     EvalStmt,
     FormatDef,
-    FormatRef,
     Include,
     LayersSection,
     MoRDef,
@@ -35,13 +34,13 @@ from fp4gen.dsl.statements import (
     OperandStmt,
     RecipeDecl,
     ScheduleSection,
-    Shape,
     Statement,
     build_statements,
     is_element_name,
     looks_like_element,
 )
 from fp4gen.dsl.syntax import parse_tree
+from fp4gen.dsl.unit import Unit
 from fp4gen.dsl.validate import finish
 from fp4gen.errors import ArgumentError
 from fp4gen.formats import (
@@ -62,37 +61,6 @@ _RESERVED = frozenset({"mor", "block", "round", "rht", "recipe", "from"})
 # deepest file. Resolution recurses once per file; this keeps it far from Python's recursion
 # limit (and no real recipe comes close: the shipped ones nest two deep).
 MAX_INCLUDE_DEPTH = 32
-
-
-@dataclass
-class Slot:
-    """The cascade state of one operand: each property and the statement that set it last."""
-
-    format: At[FormatRef] | None = None
-    block: At[Shape] | None = None
-    rounding: At[str] | None = None
-    rht: At[RHTSpec | None] | None = None
-    source: At[Operand | None] | None = None  # ``from GEMM.ROLE`` / ``from none``
-    order: dict[str, int] = field(default_factory=dict)  # property -> when it was set
-
-    def copy(self) -> Slot:
-        return replace(self, order=dict(self.order))
-
-
-@dataclass
-class Unit:
-    """One file after includes and the cascade, before names are bound."""
-
-    source: Source
-    name: str | None = None
-    description: str | None = None
-    formats: dict[str, At[Format]] = field(default_factory=dict)  # non-builtin or redefined
-    mors: dict[str, At[MoRSpec]] = field(default_factory=dict)
-    slots: dict[Operand, Slot] = field(default_factory=lambda: {op: Slot() for op in Operand})
-    layers: LayersSection | None = None
-    schedule: ScheduleSection | None = None
-    evaluation: EvalStmt | None = None  # the eval statement in force (this file's or inherited)
-    anchor: Pos | None = None  # where an operand left without a format is reported
 
 
 @dataclass(frozen=True)

@@ -5,7 +5,6 @@ blocks only on weights, both operands of a GEMM transformed alike)."""
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING
 
 from fp4gen.dsl.model import (
     GEMMS,
@@ -24,6 +23,7 @@ from fp4gen.dsl.model import (
 from fp4gen.dsl.printer import rht_text
 from fp4gen.dsl.source import At, Pos, did_you_mean
 from fp4gen.dsl.statements import ActionRef
+from fp4gen.dsl.unit import Slot, Unit
 from fp4gen.errors import ArgumentError
 from fp4gen.formats import (
     BUILTIN_FORMATS,
@@ -32,9 +32,6 @@ from fp4gen.formats import (
     Format,
     HighPrecision,
 )
-
-if TYPE_CHECKING:  # the resolver calls finish(); its types are annotations here
-    from fp4gen.dsl.resolve import Slot, Unit
 
 LoadRef = Callable[[At[str]], tuple[str, Recipe]]
 # the copies whose rows are tokens: where a per-row global scale is one scale per token
