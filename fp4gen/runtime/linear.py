@@ -837,7 +837,12 @@ class Linear(nn.Linear):
         STREAMS_PER_CALL * call + slot. For a stochastically rounded CUDA operand of a block
         format the offset is a DeviceOffset on the layer's device counter of that pass, which
         holds ``call`` (module docstring), so a CUDA graph draws fresh bits on every replay."""
-        if t.is_cuda and isinstance(spec.format, BlockFormat) and is_stochastic(spec.rounding):
+        fmt = spec.format
+        if (
+            t.is_cuda
+            and isinstance(fmt, BlockFormat)
+            and (is_stochastic(spec.rounding) or fmt.scale.rounding == "stochastic")
+        ):  # stochastic block scales draw from the slot's stream too (numerics.md 11.2)
             return spec, self._device_offset(op, t.device)
         return spec, STREAMS_PER_CALL * call + SLOT[op]
 
@@ -904,6 +909,11 @@ class Linear(nn.Linear):
             return False  # the GPU work outlasts the launches: a graph's copies would cost more
         if table.redrawn(per_step=True):
             return False  # RHT signs drawn every step: a graph would keep one step's signs
+        if any(
+            isinstance(spec.format, BlockFormat) and spec.format.scale.rounding == "stochastic"
+            for _, spec in table.items()
+        ):
+            return False  # the reference draws stochastic scales from the host's offset
         return not self._pass_mors(table, forward)[0]
 
     def _pass_key(
