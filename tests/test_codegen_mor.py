@@ -108,9 +108,10 @@ def test_render_is_valid_deterministic_python(name: str) -> None:
     assert ("QuantizeKernel" in src) == ctx.fused
     assert ("DecideKernel" in src) != ctx.fused
     assert f'SPEC_NAME = "{spec.name}"' in src
-    # one encoder per element representation, named in the docstring
+    # one encoder per element representation (fp4gen.kernels.mor's, bound to its format)
     n_elem = sum(isinstance(r, ElementFormat) for r in representations(spec.rule))
-    assert src.count("\ndef encode_") == n_elem
+    assert src.count("\nencode_") == n_elem
+    assert src.count(" = mor.RepEncoder(") == n_elem
     assert f"N_REPS = {len(representations(spec.rule))}" in src
 
 

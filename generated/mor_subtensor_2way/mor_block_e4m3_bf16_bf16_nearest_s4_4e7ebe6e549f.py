@@ -52,10 +52,9 @@ import cutlass
 import cutlass.cute as cute
 import torch
 from cutlass import Float32, Float64, Int32, Int64, Uint32, range_constexpr
-from cutlass._mlir.dialects import llvm
-from cutlass.cutlass_dsl import T, dsl_user_op
 
 from fp4gen.errors import TensorError
+from fp4gen.kernels import mor
 
 # ----------------------------------------------------------------------------------------------
 # The rule, baked in
@@ -110,226 +109,38 @@ HIGH_BYTES = 2
 
 
 # ----------------------------------------------------------------------------------------------
-# Device building blocks
+# Device building blocks: fp4gen.kernels.mor's, with this module's tile mapping
 # ----------------------------------------------------------------------------------------------
-def add(a, b):
-    return a + b
-
-
-def pairwise(vals: list, op):
-    """The pairwise tree of op over vals (a power-of-two count): adjacent pairs first."""
-    while len(vals) > 1:
-        vals = [op(vals[i], vals[i + 1]) for i in range(0, len(vals), 2)]
-    return vals[0]
-
-
-def slot_iters(row_bits: int) -> int:
-    """Row segments of a thread that one unit piece of 2^row_bits rows covers (>= 1)."""
-    return 1 << max(min(row_bits, 1 + LOG_ITERS) - 1, 0)
-
-
-def thread_origin(tidx: Int32, bidx: Int32, tiles_k: Int32):
-    """(row of the thread's segment 0, its first column); segment i is row + 2 i."""
-    warp = tidx // 32
-    lane = tidx - warp * 32
-    tr = bidx // tiles_k
-    tc = bidx - tr * tiles_k
-    return tr * TILE + warp * (2 * ITERS) + (lane >> 4), tc * TILE + (lane & 15) * VEC
-
-
-def load_tile(gX: cute.Tensor, row0: Int32, col0: Int32, R: Int32, K: Int32) -> list:
-    """The thread's ITERS row segments of VEC inputs, rows clamped to R - 1 and columns to
-    K - VEC (every load in bounds, no predicates); all loads issued first."""
-    kv = K // VEC
-    cu = cutlass.min(col0, K - VEC) // VEC
-    frags = []
-    for i in range(ITERS):
-        r = cutlass.min(row0 + 2 * i, R - 1)
-        frag = cute.make_rmem_tensor((VEC,), INPUT_T)
-        cute.autovec_copy(gX[r * kv + cu, None], frag)
-        frags.append(frag)
-    return frags
-
-
-def writes(row: Int32, col: Int32, row_bits: int, col_bits: int):
-    """True for the one thread (of those holding a piece's result) at the piece's origin."""
-    return ((col & ((1 << col_bits) - 1)) == 0) & ((row & ((1 << row_bits) - 1)) == 0)
-
-
-def lane_reduce(v, op, col_bits: int, row_bits: int):
-    """The part of the tree of op over a 2^row_bits x 2^col_bits piece (col_bits >= 3) that
-    runs across lanes, for one row segment already combined over its VEC columns: column bits
-    3.. (lane xor 1, 2, 4, 8), then row bit 0 (lane xor 16)."""
-    for b in range(3, col_bits):
-        v = op(v, cute.arch.shuffle_sync_bfly(v, offset=1 << (b - 3)))
-    if row_bits >= 1:
-        v = op(v, cute.arch.shuffle_sync_bfly(v, offset=16))
-    return v
-
-
-class SegmentTree:
-    """Row bits 1..LOG_ITERS of the tree (the thread's row segments), built while the segments
-    are pushed in order: a binary counter of partial sums, so few are alive."""
-
-    def __init__(self, op, row_bits: int):
-        self.op = op
-        self.levels = max(min(row_bits, 1 + LOG_ITERS) - 1, 0)
-        self.stack: list = []
-
-    def push(self, v) -> None:
-        level = 0
-        while self.stack and self.stack[-1][0] == level and level < self.levels:
-            v = self.op(self.stack.pop()[1], v)
-            level += 1
-        self.stack.append((level, v))
-
-    def slots(self) -> list:
-        """One value per group of slot_iters(row_bits) segments."""
-        return [v for _, v in self.stack]
-
-
-def warp_reduce(vals: list, op, row_bits: int, red: cute.Tensor, tidx: Int32) -> list:
-    """Row bits LOG_ITERS + 1..6 of the tree (warps, through shared memory) for pieces taller
-    than a warp's 2 * ITERS rows (vals is then a single value); others are returned as they
-    are."""
-    if row_bits <= 1 + LOG_ITERS:
-        return vals
-    group = 1 << (row_bits - 1 - LOG_ITERS)  # warps in a piece
-    red[tidx] = vals[0]
-    cute.arch.barrier()
-    warp = tidx // 32
-    first = (warp // group) * group * 32 + (tidx - warp * 32)
-    out = [pairwise([red[first + 32 * w] for w in range(group)], op)]
-    cute.arch.barrier()  # red is reused
-    return out
-
-
-def reduce_tile(vals: list, op, col_bits: int, row_bits: int, red: cute.Tensor, tidx: Int32):
-    """The tree of op over a 2^row_bits x 2^col_bits piece of the tile from vals[i], the
-    thread's value for row segment i (its VEC columns already combined). Returns one value per
-    group of slot_iters(row_bits) segments; every thread of a piece holds its result."""
-    tree = SegmentTree(op, row_bits)
-    for v in vals:
-        tree.push(lane_reduce(v, op, col_bits, row_bits))
-    return warp_reduce(tree.slots(), op, row_bits, red, tidx)
-
-
-def cta_reduce(v, op, red: cute.Tensor, tidx: Int32):
-    """op over every thread of the CTA (an order-free op: max, min, integer add)."""
-    v = cute.arch.warp_reduction(v, op)
-    red[tidx // 32] = v  # every lane holds the warp's result: identical stores
-    cute.arch.barrier()
-    out = pairwise([red[w] for w in range(WARPS)], op)
-    cute.arch.barrier()
-    return out
-
-
-def round_bf16(a: Float32) -> Float32:
-    """a rounded to bf16 (RNE on the bits; overflow gives inf), as fp32."""
-    b = a.bitcast(Uint32)
-    return ((b + Uint32(0x7FFF) + ((b >> Uint32(16)) & Uint32(1))) & Uint32(0xFFFF0000)).bitcast(
-        Float32
-    )
-
-
-@dsl_user_op
-def round_fp16(a: Float32, *, loc=None, ip=None) -> Float32:
-    """a rounded to fp16 (cvt.rn: subnormals kept, overflow gives inf), as fp32."""
-    return Float32(
-        llvm.inline_asm(
-            T.f32(),
-            [Float32(a).ir_value(loc=loc, ip=ip)],
-            "{\n\t.reg .b16 h;\n\tcvt.rn.f16.f32 h, $1;\n\tcvt.f32.f16 $0, h;\n\t}",
-            "=f,f",
-            has_side_effects=False,
-            is_align_stack=False,
-            asm_dialect=llvm.AsmDialect.AD_ATT,
-        )
-    )
+MOR_TILE = mor.MoRTile(ITERS, LOG_ITERS, INPUT_T)
+add = mor.add
+pairwise = mor.pairwise
+writes = mor.writes
+lane_reduce = mor.lane_reduce
+round_bf16 = mor.round_bf16
+round_fp16 = mor.round_fp16
+slot_iters = MOR_TILE.slot_iters
+thread_origin = MOR_TILE.thread_origin
+load_tile = MOR_TILE.load_tile
+warp_reduce = MOR_TILE.warp_reduce
+reduce_tile = MOR_TILE.reduce_tile
+cta_reduce = MOR_TILE.cta_reduce
 
 
 def high_words_bf16(xs: list) -> list:
-    """The segment rounded to bf16, two values per word (element 2j in the low half)."""
-    bits = [round_bf16(x).bitcast(Uint32) for x in xs]
-    return [(bits[2 * i] >> Uint32(16)) | bits[2 * i + 1] for i in range(VEC // 2)]
+    """The segment rounded to bf16, two values per word: fp4gen.kernels.mor.high_words."""
+    return mor.high_words("bf16", xs, packed=True)
 
 
-def encode_0(a: Float32) -> tuple[Uint32, Float32]:
-    """e4m3: (magnitude code, its value) of a in [0, E0_MAX],
-    rounded to nearest, ties to the even code.
-
-    With k = max(floor(log2 a), emin), q = a * 2^(m - k) is exact and the grid step is 1 in q:
-    the code is n + (k - emin) * 2^m for the integer n that q rounds to (n = 2^(m+1) rolls into
-    the next binade) and the value n * 2^(k - m), both exact. floor(q) by a truncating convert,
-    frac = q - floor(q) exact."""
-    k_min = Uint32(E0_EMIN_BIASED << 23)
-    two_k = cutlass.max(a.bitcast(Uint32) & Uint32(0x7F800000), k_min)  # biased k, as bits
-    p = (Uint32((E0_MAN_BITS + 254) << 23) - two_k).bitcast(Float32)  # 2^(m - k)
-    q = a * p  # exact, in [0, 2^(m+1)]
-    n = Uint32(q)  # floor
-    lo = n + ((two_k - k_min) >> Uint32(23 - E0_MAN_BITS))  # + (k - emin) * 2^m
-    f = Float32(n)
-    frac = q - f  # exact
-    half = Float32(0.5)
-    odd = (lo & Uint32(1)) != Uint32(0)
-    up = (frac > half) | ((frac == half) & odd)  # ties to the even code
-    step = Uint32(cutlass.select_(up, Uint32(1), Uint32(0)))
-    grid = (two_k - Uint32(E0_MAN_BITS << 23)).bitcast(Float32)  # 2^(k - m)
-    return lo + step, (f + Float32(step)) * grid
-
-
-def encode_1(a: Float32) -> tuple[Uint32, Float32]:
-    """e5m2: (magnitude code, its value) of a in [0, E1_MAX],
-    rounded to nearest, ties to the even code.
-
-    With k = max(floor(log2 a), emin), q = a * 2^(m - k) is exact and the grid step is 1 in q:
-    the code is n + (k - emin) * 2^m for the integer n that q rounds to (n = 2^(m+1) rolls into
-    the next binade) and the value n * 2^(k - m), both exact. floor(q) by a truncating convert,
-    frac = q - floor(q) exact."""
-    k_min = Uint32(E1_EMIN_BIASED << 23)
-    two_k = cutlass.max(a.bitcast(Uint32) & Uint32(0x7F800000), k_min)  # biased k, as bits
-    p = (Uint32((E1_MAN_BITS + 254) << 23) - two_k).bitcast(Float32)  # 2^(m - k)
-    q = a * p  # exact, in [0, 2^(m+1)]
-    n = Uint32(q)  # floor
-    lo = n + ((two_k - k_min) >> Uint32(23 - E1_MAN_BITS))  # + (k - emin) * 2^m
-    f = Float32(n)
-    frac = q - f  # exact
-    half = Float32(0.5)
-    odd = (lo & Uint32(1)) != Uint32(0)
-    up = (frac > half) | ((frac == half) & odd)  # ties to the even code
-    step = Uint32(cutlass.select_(up, Uint32(1), Uint32(0)))
-    grid = (two_k - Uint32(E1_MAN_BITS << 23)).bitcast(Float32)  # 2^(k - m)
-    return lo + step, (f + Float32(step)) * grid
-
-
-def split_fp32(s: Float32) -> tuple[Float32, Int32]:
-    """(m, e) with s = m * 2^e, m in [1, 2), for a finite s > 0 (an fp32 subnormal is scaled by
-    2^64 first): frexp, as the reference's split_fp32."""
-    small = s < Float32(2.0**-126)
-    bits = Float32(cutlass.select_(small, s * Float32(2.0**64), s)).bitcast(Uint32)
-    e = Int32(bits >> Uint32(23)) - Int32(127) - Int32(cutlass.select_(small, Int32(64), Int32(0)))
-    return ((bits & Uint32(0x7FFFFF)) | Uint32(0x3F800000)).bitcast(Float32), e
-
-
-def pow2_f64(e: Int32) -> Float64:
-    """2^e as float64 for e in [-1022, 1023], from its bits (exact)."""
-    return ((Int64(e) + Int64(1023)) << Int64(52)).bitcast(Float64)
+# representation 0 (e4m3): magnitude code and value, rounded nearest
+encode_0 = mor.RepEncoder(E0_MAN_BITS, E0_EMIN_BIASED, ROUNDING).encode
+# representation 2 (e5m2): magnitude code and value, rounded nearest
+encode_1 = mor.RepEncoder(E1_MAN_BITS, E1_EMIN_BIASED, ROUNDING).encode
 
 
 def block_scale(amax_b: Float32, amax_g: Float32, q_max: Float32):
-    """(encode scale fp32, decode factor float64, exponent, group mantissa) of one block:
-    ideal scales s = min(q_max / amax, FLT_MAX) (the group's 1 when its amax is 0; a zero block
-    takes the group's), then gam."""
-    flt_max, fmin = Float32(FLT_MAX), cute.arch.fmin
-    zero = Float32(0.0)
-    s_g = Float32(cutlass.select_(amax_g == zero, Float32(1.0), fmin(q_max / amax_g, flt_max)))
-    s_b = Float32(cutlass.select_(amax_b == zero, s_g, fmin(q_max / amax_b, flt_max)))
-    m_g, _ = split_fp32(s_g)
-    m_b, e_b = split_fp32(s_b)
-    e = Int32(cutlass.select_(m_g <= m_b, e_b, e_b - Int32(1)))  # lowered: nothing saturates
-    encode = Float32(Float64(m_g) * pow2_f64(e))  # exact product, one rounding to fp32
-    decode = Float64(Float32(1.0) / m_g) * pow2_f64(-e)  # fp32(1 / m_g), then exact
-    return encode, decode, e, m_g
+    """(encode scale fp32, decode factor float64, exponent, group mantissa) of one block, with
+    the gam scaling: fp4gen.kernels.mor.block_scale."""
+    return mor.block_scale(amax_b, amax_g, q_max, SCALING)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -458,8 +269,8 @@ def measure_tile(frags, row0, col0, R, K, gEnc, gDec, red64, red32, redf, tidx):
     cc = cutlass.min(col0, K - VEC)
     zero, one, none = Float32(0.0), Int32(1), Int32(0)
     cw, rh = UNIT_COL_BITS, UNIT_ROW_BITS
-    errs = [SegmentTree(add, rh) for _ in range(N_REPS)]
-    counts = SegmentTree(add, rh)
+    errs = [MOR_TILE.segment_tree(add, rh) for _ in range(N_REPS)]
+    counts = MOR_TILE.segment_tree(add, rh)
     for i in range(ITERS):
         row = row0 + 2 * i
         ok = col_ok & (row < R)

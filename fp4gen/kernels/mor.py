@@ -1,0 +1,286 @@
+"""Device helpers of the Mixture-of-Representations kernels (docs/mor-kernels.md): where a
+thread's row segments of a 128 x 128 tile are, the fixed summation trees over a tile's pieces
+(lanes, then the thread's segments, then warps through shared memory), the element encode of a
+candidate representation, the high-precision candidates' values and the block scales of the
+scale kernel.
+
+``MoRTile`` holds the tile mapping (``iters`` row segments of ``VEC`` columns per thread, a warp
+covering 2 * iters rows); the rest are plain functions. Plain Python: run while a kernel is
+traced (loops unroll, every index is a compile-time constant).
+"""
+
+from __future__ import annotations
+
+import cutlass
+import cutlass.cute as cute
+from cutlass import Float32, Float64, Int32, Int64, Uint32
+from cutlass.cutlass_dsl import T, dsl_user_op
+
+from fp4gen.kernels.scale import FLT_MAX
+from fp4gen.kernels.sm90_ptx import inline_asm, ir_arg
+
+TILE = 128  # a CTA's tile is TILE x TILE; also the pieces of the summation order
+VEC = 8  # contiguous columns per thread and row
+
+
+def add(a, b):
+    return a + b
+
+
+def pairwise(vals: list, op):
+    """The pairwise tree of op over vals (a power-of-two count): adjacent pairs first."""
+    while len(vals) > 1:
+        vals = [op(vals[i], vals[i + 1]) for i in range(0, len(vals), 2)]
+    return vals[0]
+
+
+def writes(row: Int32, col: Int32, row_bits: int, col_bits: int):
+    """True for the one thread (of those holding a piece's result) at the piece's origin."""
+    return ((col & ((1 << col_bits) - 1)) == 0) & ((row & ((1 << row_bits) - 1)) == 0)
+
+
+def lane_reduce(v, op, col_bits: int, row_bits: int):
+    """The part of the tree of op over a 2^row_bits x 2^col_bits piece (col_bits >= 3) that
+    runs across lanes, for one row segment already combined over its VEC columns: column bits
+    3.. (lane xor 1, 2, 4, 8), then row bit 0 (lane xor 16)."""
+    for b in range(3, col_bits):
+        v = op(v, cute.arch.shuffle_sync_bfly(v, offset=1 << (b - 3)))
+    if row_bits >= 1:
+        v = op(v, cute.arch.shuffle_sync_bfly(v, offset=16))
+    return v
+
+
+class SegmentTree:
+    """Row bits 1..log_iters of the tree (the thread's row segments), built while the segments
+    are pushed in order: a binary counter of partial sums, so few are alive."""
+
+    def __init__(self, op, row_bits: int, log_iters: int) -> None:
+        self.op = op
+        self.levels = max(min(row_bits, 1 + log_iters) - 1, 0)
+        self.stack: list = []
+
+    def push(self, v) -> None:
+        level = 0
+        while self.stack and self.stack[-1][0] == level and level < self.levels:
+            v = self.op(self.stack.pop()[1], v)
+            level += 1
+        self.stack.append((level, v))
+
+    def slots(self) -> list:
+        """One value per group of slot_iters(row_bits) segments."""
+        return [v for _, v in self.stack]
+
+
+class MoRTile:
+    """A CTA's 128 x 128 tile: each thread holds ``iters`` row segments of VEC inputs (segment i
+    is row + 2 i), a warp 2 * iters rows; the summation trees over a tile's pieces."""
+
+    def __init__(self, iters: int, log_iters: int, input_type: type) -> None:
+        self.iters = iters
+        self.log_iters = log_iters
+        self.input_type = input_type
+        self.warps = TILE // (2 * iters)
+
+    def slot_iters(self, row_bits: int) -> int:
+        """Row segments of a thread that one unit piece of 2^row_bits rows covers (>= 1)."""
+        return 1 << max(min(row_bits, 1 + self.log_iters) - 1, 0)
+
+    def segment_tree(self, op, row_bits: int) -> SegmentTree:
+        return SegmentTree(op, row_bits, self.log_iters)
+
+    def thread_origin(self, tidx: Int32, bidx: Int32, tiles_k: Int32):
+        """(row of the thread's segment 0, its first column); segment i is row + 2 i."""
+        warp = tidx // 32
+        lane = tidx - warp * 32
+        tr = bidx // tiles_k
+        tc = bidx - tr * tiles_k
+        return tr * TILE + warp * (2 * self.iters) + (lane >> 4), tc * TILE + (lane & 15) * VEC
+
+    def load_tile(self, gX: cute.Tensor, row0: Int32, col0: Int32, R: Int32, K: Int32) -> list:
+        """The thread's iters row segments of VEC inputs, rows clamped to R - 1 and columns to
+        K - VEC (every load in bounds, no predicates); all loads issued first."""
+        kv = K // VEC
+        cu = cutlass.min(col0, K - VEC) // VEC
+        frags = []
+        for i in range(self.iters):
+            r = cutlass.min(row0 + 2 * i, R - 1)
+            frag = cute.make_rmem_tensor((VEC,), self.input_type)
+            cute.autovec_copy(gX[r * kv + cu, None], frag)
+            frags.append(frag)
+        return frags
+
+    def warp_reduce(self, vals: list, op, row_bits: int, red: cute.Tensor, tidx: Int32) -> list:
+        """Row bits log_iters + 1..6 of the tree (warps, through shared memory) for pieces
+        taller than a warp's 2 * iters rows (vals is then a single value); others are returned
+        as they are."""
+        if row_bits <= 1 + self.log_iters:
+            return vals
+        group = 1 << (row_bits - 1 - self.log_iters)  # warps in a piece
+        red[tidx] = vals[0]
+        cute.arch.barrier()
+        warp = tidx // 32
+        first = (warp // group) * group * 32 + (tidx - warp * 32)
+        out = [pairwise([red[first + 32 * w] for w in range(group)], op)]
+        cute.arch.barrier()  # red is reused
+        return out
+
+    def reduce_tile(
+        self, vals: list, op, col_bits: int, row_bits: int, red: cute.Tensor, tidx: Int32
+    ):
+        """The tree of op over a 2^row_bits x 2^col_bits piece of the tile from vals[i], the
+        thread's value for row segment i (its VEC columns already combined). Returns one value
+        per group of slot_iters(row_bits) segments; every thread of a piece holds its result."""
+        tree = self.segment_tree(op, row_bits)
+        for v in vals:
+            tree.push(lane_reduce(v, op, col_bits, row_bits))
+        return self.warp_reduce(tree.slots(), op, row_bits, red, tidx)
+
+    def cta_reduce(self, v, op, red: cute.Tensor, tidx: Int32):
+        """op over every thread of the CTA (an order-free op: max, min, integer add)."""
+        v = cute.arch.warp_reduction(v, op)
+        red[tidx // 32] = v  # every lane holds the warp's result: identical stores
+        cute.arch.barrier()
+        out = pairwise([red[w] for w in range(self.warps)], op)
+        cute.arch.barrier()
+        return out
+
+
+# ---- high-precision candidates: the values rounded to their dtype
+def round_bf16(a: Float32) -> Float32:
+    """a rounded to bf16 (RNE on the bits; overflow gives inf), as fp32."""
+    b = a.bitcast(Uint32)
+    return ((b + Uint32(0x7FFF) + ((b >> Uint32(16)) & Uint32(1))) & Uint32(0xFFFF0000)).bitcast(
+        Float32
+    )
+
+
+@dsl_user_op
+def round_fp16(a: Float32, *, loc=None, ip=None) -> Float32:
+    """a rounded to fp16 (cvt.rn: subnormals kept, overflow gives inf), as fp32."""
+    return Float32(
+        inline_asm(
+            T.f32(),
+            [ir_arg(a, Float32, loc, ip)],
+            "{\n\t.reg .b16 h;\n\tcvt.rn.f16.f32 h, $1;\n\tcvt.f32.f16 $0, h;\n\t}",
+            "=f,f",
+        )
+    )
+
+
+@dsl_user_op
+def f16x2(lo: Float32, hi: Float32, *, loc=None, ip=None) -> Uint32:
+    """fp16 RNE of lo (low half) and hi (high half); cvt.f16x2 takes the high half first."""
+    return Uint32(
+        inline_asm(
+            T.i32(),
+            [ir_arg(hi, Float32, loc, ip), ir_arg(lo, Float32, loc, ip)],
+            "cvt.rn.f16x2.f32 $0, $1, $2;",
+            "=r,f,f",
+        )
+    )
+
+
+def high_words(name: str, xs: list, packed: bool) -> list:
+    """A segment's values rounded to the dtype ``name``: packed, two bf16 / fp16 values per
+    word (element 2j in the low half); else as fp32 bits, one value per word."""
+    if packed and name == "bf16":
+        bits = [round_bf16(x).bitcast(Uint32) for x in xs]
+        return [(bits[2 * i] >> Uint32(16)) | bits[2 * i + 1] for i in range(len(xs) // 2)]
+    if packed and name == "fp16":
+        return [f16x2(xs[2 * i], xs[2 * i + 1]) for i in range(len(xs) // 2)]
+    if name == "bf16":
+        return [round_bf16(x).bitcast(Uint32) for x in xs]
+    if name == "fp16":
+        return [round_fp16(x).bitcast(Uint32) for x in xs]
+    return [x.bitcast(Uint32) for x in xs]
+
+
+# ---- a minifloat candidate's encode
+class RepEncoder:
+    """The element encode of a minifloat representation: ``encode(a)`` gives (magnitude code,
+    its value) of a in [0, max], rounded to nearest (ties to the even code) or toward zero.
+
+    With k = max(floor(log2 a), emin), q = a * 2^(m - k) is exact and the grid step is 1 in q:
+    the code is n + (k - emin) * 2^m for the integer n that q rounds to (n = 2^(m+1) rolls into
+    the next binade) and the value n * 2^(k - m), both exact. floor(q) by a truncating convert,
+    frac = q - floor(q) exact."""
+
+    def __init__(self, man_bits: int, emin_biased: int, rounding: str) -> None:
+        self.man_bits = man_bits
+        self.emin_biased = emin_biased  # 1 - bias + 127: the smallest normal exponent field
+        self.rounding = rounding
+
+    def encode(self, a: Float32) -> tuple[Uint32, Float32]:
+        m = self.man_bits
+        k_min = Uint32(self.emin_biased << 23)
+        two_k = cutlass.max(a.bitcast(Uint32) & Uint32(0x7F800000), k_min)  # biased k, as bits
+        p = (Uint32((m + 254) << 23) - two_k).bitcast(Float32)  # 2^(m - k)
+        q = a * p  # exact, in [0, 2^(m+1)]
+        n = Uint32(q)  # floor
+        lo = n + ((two_k - k_min) >> Uint32(23 - m))  # + (k - emin) * 2^m
+        if self.rounding == "nearest":
+            f = Float32(n)
+            frac = q - f  # exact
+            half = Float32(0.5)
+            odd = (lo & Uint32(1)) != Uint32(0)
+            up = (frac > half) | ((frac == half) & odd)  # ties to the even code
+            step = Uint32(cutlass.select_(up, Uint32(1), Uint32(0)))
+            grid = (two_k - Uint32(m << 23)).bitcast(Float32)  # 2^(k - m)
+            return lo + step, (f + Float32(step)) * grid
+        grid = (two_k - Uint32(m << 23)).bitcast(Float32)  # 2^(k - m)
+        return lo, Float32(n) * grid
+
+
+# ---- the scale kernel's block scales
+def split_fp32(s: Float32) -> tuple[Float32, Int32]:
+    """(m, e) with s = m * 2^e, m in [1, 2), for a finite s > 0 (an fp32 subnormal is scaled by
+    2^64 first): frexp, as the reference's split_fp32."""
+    small = s < Float32(2.0**-126)
+    bits = Float32(cutlass.select_(small, s * Float32(2.0**64), s)).bitcast(Uint32)
+    e = Int32(bits >> Uint32(23)) - Int32(127) - Int32(cutlass.select_(small, Int32(64), Int32(0)))
+    return ((bits & Uint32(0x7FFFFF)) | Uint32(0x3F800000)).bitcast(Float32), e
+
+
+def pow2_f64(e: Int32) -> Float64:
+    """2^e as float64 for e in [-1022, 1023], from its bits (exact)."""
+    return ((Int64(e) + Int64(1023)) << Int64(52)).bitcast(Float64)
+
+
+def block_scale(amax_b: Float32, amax_g: Float32, q_max: Float32, scaling: str):
+    """(encode scale fp32, decode factor float64, exponent, group mantissa) of one block: ideal
+    scales s = min(q_max / amax, FLT_MAX) (the group's 1 when its amax is 0; a zero block takes
+    the group's), then the scaling: "amax" keeps s_b, "e8m0" rounds it down to a power of two,
+    otherwise the group's mantissa times a power of two (lowered: nothing saturates)."""
+    flt_max, fmin = Float32(FLT_MAX), cute.arch.fmin
+    zero = Float32(0.0)
+    s_g = Float32(cutlass.select_(amax_g == zero, Float32(1.0), fmin(q_max / amax_g, flt_max)))
+    s_b = Float32(cutlass.select_(amax_b == zero, s_g, fmin(q_max / amax_b, flt_max)))
+    if scaling == "amax":
+        return s_b, Float64(Float32(1.0) / s_b), Int32(0), Float32(1.0)
+    if scaling == "e8m0":
+        _, e_b = split_fp32(s_b)
+        return Float32(pow2_f64(e_b)), pow2_f64(-e_b), e_b, Float32(1.0)
+    m_g, _ = split_fp32(s_g)
+    m_b, e_b = split_fp32(s_b)
+    e = Int32(cutlass.select_(m_g <= m_b, e_b, e_b - Int32(1)))  # lowered: nothing saturates
+    encode = Float32(Float64(m_g) * pow2_f64(e))  # exact product, one rounding to fp32
+    decode = Float64(Float32(1.0) / m_g) * pow2_f64(-e)  # fp32(1 / m_g), then exact
+    return encode, decode, e, m_g
+
+
+__all__ = [
+    "MoRTile",
+    "RepEncoder",
+    "SegmentTree",
+    "add",
+    "block_scale",
+    "f16x2",
+    "high_words",
+    "lane_reduce",
+    "pairwise",
+    "pow2_f64",
+    "round_bf16",
+    "round_fp16",
+    "split_fp32",
+    "writes",
+]
