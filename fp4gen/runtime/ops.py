@@ -19,8 +19,8 @@ through ``save_for_backward``, so activation checkpointing and saved-tensor hook
 The copy is the one the backward would quantize (round-to-nearest only, so no random stream
 depends on when it is made): the same bits either way.
 
-This module does not use ``from __future__ import annotations``: custom_op reads the real
-annotations to build the op schema.
+The ops' schemas are written out (``_LIBRARY.define``), with one kernel each, a fake kernel
+and the forward's autograd formula registered through ``torch.library``.
 """
 
 import contextlib
@@ -208,8 +208,25 @@ def row_major(t: torch.Tensor) -> torch.Tensor:
     return t.as_strided(t.shape, want) if t.is_contiguous() else t.contiguous()
 
 
-@torch.library.custom_op("fp4gen::linear_forward", mutates_args=())
-def linear_forward(
+# The two ops are defined with torch.library's low-level API (schema, one
+# CompositeExplicitAutograd kernel, a fake kernel and the forward's autograd formula) rather
+# than ``torch.library.custom_op``, whose Python wrappers (its backend wrapper, the
+# dynamo-disable decorator, the runtime aliasing check of every output, an autograd wrapper for
+# the backward op too) ran on every layer call of a compiled model: measured with a stub layer
+# on a 2-core host, a forward call 17-18 us against 14 us here and a backward call 23-25 us
+# against 15 us (docs/integrations.md). The ops return fresh tensors and mutate nothing, as
+# their schemas say.
+_LIBRARY = torch.library.Library("fp4gen", "DEF")
+_LIBRARY.define(
+    "linear_forward(Tensor x2, Tensor weight, Tensor? bias, SymInt layer_id, "
+    "ScalarType out_dtype) -> Tensor"
+)
+_LIBRARY.define(
+    "linear_backward(Tensor dy2, Tensor x2, Tensor weight, SymInt layer_id) -> (Tensor, Tensor)"
+)
+
+
+def _linear_forward(
     x2: torch.Tensor,
     weight: torch.Tensor,
     bias: torch.Tensor | None,
@@ -227,7 +244,7 @@ def linear_forward(
         return row_major(layer.forward_gemm(x2, weight, bias, out_dtype)[0])
 
 
-@linear_forward.register_fake
+@torch.library.register_fake("fp4gen::linear_forward", lib=_LIBRARY)
 def _(
     x2: torch.Tensor,
     weight: torch.Tensor,
@@ -238,8 +255,7 @@ def _(
     return x2.new_empty((x2.shape[0], weight.shape[0]), dtype=out_dtype)
 
 
-@torch.library.custom_op("fp4gen::linear_backward", mutates_args=())
-def linear_backward(
+def _linear_backward(
     dy2: torch.Tensor, x2: torch.Tensor, weight: torch.Tensor, layer_id: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(dx [tokens, in] in x2's dtype, dW [out, in] in the weight's) from dy2 [tokens, out]."""
@@ -291,7 +307,13 @@ class _SharedBackwardCopy:
 _backward_copy = _SharedBackwardCopy()
 
 
-@linear_backward.register_fake
+_LIBRARY.impl("linear_forward", _linear_forward, "CompositeExplicitAutograd")
+_LIBRARY.impl("linear_backward", _linear_backward, "CompositeExplicitAutograd")
+linear_forward = torch.ops.fp4gen.linear_forward.default
+linear_backward = torch.ops.fp4gen.linear_backward.default
+
+
+@torch.library.register_fake("fp4gen::linear_backward", lib=_LIBRARY)
 def _(dy2: torch.Tensor, x2: torch.Tensor, weight: torch.Tensor, layer_id: int):
     return x2.new_empty(x2.shape), weight.new_empty(weight.shape)
 
@@ -329,7 +351,9 @@ def bias_grad(dy: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor | Non
     return None if dtype is None else dy.sum(0, dtype=torch.float32).to(dtype)
 
 
-linear_forward.register_autograd(_backward, setup_context=_setup_context)
+torch.library.register_autograd(
+    "fp4gen::linear_forward", _backward, setup_context=_setup_context, lib=_LIBRARY
+)
 
 
 def context_key() -> tuple[bool, torch.dtype, str]:
