@@ -251,6 +251,37 @@ def test_cycle_finder_finds_cycles() -> None:
     assert cycles({("a", "b"), ("b", "c")}) == []
 
 
+# The quantize and MoR kernel classes and their device helpers (fp4gen.kernels) are what a
+# generated quantize or MoR module imports when it is compiled: they read the words of
+# fp4gen.vocab and each other, never the code generators, the templates, the compiler or the
+# runtime.
+QUANTIZE_KERNEL_MODULES = tuple(
+    f"fp4gen.kernels.{name}"
+    for name in ("quantize", "tile", "mor", "encode", "scale", "philox", "quant_ptx", "sm90_ptx")
+)
+KERNEL_CLASS_IMPORTS = ("fp4gen.vocab", "fp4gen.kernels")
+
+
+def test_kernel_classes_import_only_the_words_and_each_other() -> None:
+    edges = import_edges()
+    kernel_modules = set(QUANTIZE_KERNEL_MODULES)
+    assert kernel_modules <= set(module_files())
+    wrong = sorted(
+        f"{src} imports {dst}"
+        for src, dst in edges
+        if src in kernel_modules
+        and not any(dst == a or dst.startswith(a + ".") for a in KERNEL_CLASS_IMPORTS)
+    )
+    assert not wrong, "\n".join(wrong)
+    # and the helpers are used: every quantize and MoR helper module is imported by a kernel
+    # module or a template
+    templates = "\n".join(p.read_text() for p in (PACKAGE / "templates").glob("*.j2"))
+    for helper in ("encode", "scale", "philox", "quant_ptx", "tile", "mor", "quantize"):
+        name = f"fp4gen.kernels.{helper}"
+        used = any(dst == name for _, dst in edges) or f" {helper}" in templates
+        assert used, f"{name} is imported by nothing"
+
+
 @pytest.mark.parametrize(
     ("module", "banned"),
     [
@@ -259,6 +290,13 @@ def test_cycle_finder_finds_cycles() -> None:
         ("fp4gen.spec", ("lark", "torch", "cutlass")),
         # read by the compiler and the GEMM dispatch at import
         ("fp4gen.codegen.gemm_configs", ("torch", "jinja2", "cutlass", "fp4gen.runtime")),
+        # the quantize and MoR kernel classes: no templating, compiler or runtime when compiled
+        (
+            "fp4gen.kernels.quantize",
+            ("jinja2", "fp4gen.codegen", "fp4gen.compiler", "fp4gen.runtime"),
+        ),
+        ("fp4gen.kernels.tile", ("jinja2", "fp4gen.codegen", "fp4gen.compiler", "fp4gen.runtime")),
+        ("fp4gen.kernels.mor", ("jinja2", "fp4gen.codegen", "fp4gen.compiler", "fp4gen.runtime")),
     ],
 )
 def test_lower_layers_load_nothing_above(module: str, banned: tuple[str, ...]) -> None:

@@ -6,11 +6,29 @@ from __future__ import annotations
 import shutil
 from pathlib import Path
 
+import pytest
+
 import fp4gen
 from fp4gen.compiler import cache as cache_mod
 
+# the kernel classes and device helpers generated modules import: dequantize, the quantize,
+# tile and MoR kernels, and the helpers they share
+KERNEL_FILES = (
+    "dequant.py",
+    "quantize.py",
+    "tile.py",
+    "mor.py",
+    "encode.py",
+    "scale.py",
+    "philox.py",
+    "quant_ptx.py",
+)
 
-def test_the_template_version_covers_the_kernel_classes(tmp_path: Path, monkeypatch) -> None:
+
+@pytest.mark.parametrize("name", KERNEL_FILES)
+def test_the_template_version_covers_the_kernel_classes(
+    name: str, tmp_path: Path, monkeypatch
+) -> None:
     """Generated modules import the kernel classes of fp4gen/kernels: a change there is a new
     template version (a cached kernel built from the old class is never loaded)."""
     pkg = Path(fp4gen.__file__).resolve().parent
@@ -22,7 +40,7 @@ def test_the_template_version_covers_the_kernel_classes(tmp_path: Path, monkeypa
     cache_mod.template_version.cache_clear()
     try:
         before = cache_mod.template_version()
-        kernel = copy / "kernels" / "dequant.py"
+        kernel = copy / "kernels" / name
         kernel.write_text(kernel.read_text() + "\n# a change\n")
         cache_mod.template_version.cache_clear()
         assert cache_mod.template_version() != before

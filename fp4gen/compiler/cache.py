@@ -142,8 +142,9 @@ def cutlass_dsl_libs() -> str:
 
 
 # what generated modules are made of (templates, their renderers) and import (the kernel
-# classes): a change to any of these files is a new template version, so no cached kernel of
-# the old code is loaded
+# classes: dequantize, GEMMs, the quantize, tile and MoR kernels and their device helpers): a
+# change to any of these files is a new template version, so no cached kernel of the old code
+# is loaded
 _TEMPLATE_DIRS = ("templates", "codegen", "kernels")
 
 
