@@ -216,7 +216,7 @@ def row_major(t: torch.Tensor) -> torch.Tensor:
 # on a 2-core host, a forward call 17-18 us against 14 us here and a backward call 23-25 us
 # against 15 us (docs/integrations.md). The ops return fresh tensors and mutate nothing, as
 # their schemas say.
-_LIBRARY = torch.library.Library("fp4gen", "DEF")
+_LIBRARY = torch.library.Library("fp4gen", "FRAGMENT")  # FRAGMENT: other modules may add ops
 _LIBRARY.define(
     "linear_forward(Tensor x2, Tensor weight, Tensor? bias, SymInt layer_id, "
     "ScalarType out_dtype) -> Tensor"
