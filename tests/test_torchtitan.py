@@ -175,21 +175,22 @@ def example():
 
 @pytest.mark.slow
 def test_debug_model_trains_under_fsdp2_ac_and_compile_on_cpu() -> None:
-    """examples/torchtitan/train_debug_model.py on the CPU: torchtitan's own parallelize_llama
-    (FSDP2 on one gloo rank, selective AC, each block
-    compiled with fullgraph=True by the aot_eager backend: traced through fp4gen's custom ops)
-    and 3 AdamW steps: the loss falls, the schedule's clock is at step 3, the converted layers
-    are fp4gen's and ran. The six blocks compile into at most three graphs (five converted
-    blocks share one: their layers' ids are graph inputs, not constants; the BF16 block has
-    its own; one recompile when fp4gen's non-finite mode is first read): one graph per block
-    would hit dynamo's recompile limit at the ninth block under fullgraph=True."""
-    run = example().train("nvfp4_small", steps=3, device="cpu", seq=32)
+    """examples/torchtitan/train_debug_model.py on the CPU, the debug model's first 3 blocks
+    (a shorter run): torchtitan's own parallelize_llama (FSDP2 on one gloo rank, selective AC,
+    each block compiled with fullgraph=True by the aot_eager backend: traced through fp4gen's
+    custom ops) and 3 AdamW steps: the loss falls, the schedule's clock is at step 3, the
+    converted layers are fp4gen's, torchtitan parallelized them and they ran. The blocks
+    compile into at most three graphs (the converted blocks share one: their layers' ids are
+    graph inputs, not constants; the BF16 block has its own; one recompile when fp4gen's
+    non-finite mode is first read): one graph per block would hit dynamo's recompile limit at
+    the ninth block under fullgraph=True (tests/test_compile_graph_breaks.py)."""
+    run = example().train("nvfp4_small", steps=3, device="cpu", seq=32, blocks=3)
     losses, model, hook, graphs = run.losses, run.model, run.hook, run.graphs
     assert losses[-1] < losses[0], losses
     assert all(torch.isfinite(torch.tensor(losses)))
     assert hook.step == 3
     layers = [m for m in model.modules() if isinstance(m, FP4GenLinear)]
-    assert len(layers) == 25
+    assert len(layers) == 10  # blocks 0 and 1; the last block and the head stay BF16
     assert all(m.schedule.clock.step == 3 for m in layers)
     assert all(m._forward_calls > 0 for m in layers)
     assert all(m._sharding_config is not None for m in layers)  # torchtitan parallelized them

@@ -73,10 +73,12 @@ def train(
     ac: str = "selective",
     seq: int = 64,
     batch: int = 2,
+    blocks: int | None = None,
 ) -> Run:
     """``steps`` AdamW steps of the debug model converted with ``recipe`` (and ``rules``: layer
     rules replacing the recipe's). ``backend``: the blocks' torch.compile backend (None: inductor
-    on CUDA, aot_eager on the CPU; "none": no compile); ``ac``: selective, full or none."""
+    on CUDA, aot_eager on the CPU; "none": no compile); ``ac``: selective, full or none;
+    ``blocks``: keep only the first N of the debug model's 6 blocks (a shorter CPU run)."""
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     backend = backend or ("inductor" if device == "cuda" else "aot_eager")
     _rendezvous()
@@ -87,7 +89,10 @@ def train(
         if device == "cuda":
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
         converter = FP4GenConverter.Config(recipe=recipe, layers=list(rules or []))
-        spec = model_registry("debugmodel", converters=[converter])
+        spec = model_registry("debugmodel")
+        if blocks is not None:
+            spec.model.layers = spec.model.layers[:blocks]
+        spec.model = converter.build().convert(spec.model)  # as the registry's converters do
         training = TrainingConfig(local_batch_size=batch, seq_len=seq, steps=steps)
         if device == "cpu":
             for _, _, parent, attr in list(spec.model.traverse(FlexAttention.Config)):
@@ -164,10 +169,11 @@ def main() -> None:
     parser.add_argument("--ac", choices=["selective", "full", "none"], default="selective")
     parser.add_argument("--seq", type=int, default=64)
     parser.add_argument("--batch", type=int, default=2)
+    parser.add_argument("--blocks", type=int, default=None, help="keep the first N blocks")
     args = parser.parse_args()
     run = train(
         args.recipe, args.rule, args.steps, args.device, args.compile_backend, args.ac,
-        args.seq, args.batch,
+        args.seq, args.batch, args.blocks,
     )  # fmt: skip
     for step, loss in enumerate(run.losses, 1):
         print(f"step {step:3d}  loss {loss:.4f}")
