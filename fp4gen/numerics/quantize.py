@@ -126,8 +126,9 @@ class QuantizedTensor:
     their leading dimensions); ``scales`` holds the block decode scales s_b (float32,
     [ceil(R/br), ceil(C/bc)]), ``scale_codes`` their codes in the scale format (None for fp32
     scales) and ``global_scale`` the per-tensor decode scale S_dec (float32 0-dim, 1.0 when the
-    format has none). ``shape``/``dtype`` describe the original input. ``seed``/``offset`` are
-    the Philox stream used for stochastic rounding (in the orientation originally quantized).
+    format has none; [R, 1], one per row, with per-row global scales, docs/numerics.md 11.4).
+    ``shape``/``dtype`` describe the original input. ``seed``/``offset`` are the Philox stream
+    used for stochastic rounding (in the orientation originally quantized).
 
     A kernel's output may give ``codes=None`` with ``packed`` (its packed codes) and
     ``scales=None`` with ``scale_codes``: both are then derived on first read. While ``codes``
@@ -625,6 +626,9 @@ def quantize(
       y = clamp(fp32(x * e_b), -elem_max, elem_max); code = encode(y, element, rounding) with
       the sign bit set iff x < 0 (a negative x that rounds to zero is negative zero, -0.0 is
       code 0).
+    The format's options (block targets, a global bound, per-row global scales, stochastic
+    block scales, the MS-EDEN correction) change how s_b and S_enc are found: docs/numerics.md
+    section 11 defines each step; the formats without them quantize exactly as above.
     """
     seed, offset = _check_call(rounding, seed, offset)
     bf = resolve_format(fmt, block)
