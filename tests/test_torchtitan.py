@@ -42,8 +42,19 @@ VOCAB = 2048  # the debug model's
 BLOCKS = 6
 
 
-def debug_spec(converter: FP4GenConverter.Config | None, cpu_attention: bool = True):
-    spec = model_registry("debugmodel", converters=None if converter is None else [converter])
+def debug_spec(
+    converter: FP4GenConverter.Config | None, cpu_attention: bool = True, blocks: int | None = None
+):
+    """torchtitan's Llama 3 debug model config converted by ``converter`` through the model
+    registry's converter list; with ``blocks``, its first N blocks, converted as the registry
+    converts (``converter.build().convert``)."""
+    if blocks is None:
+        spec = model_registry("debugmodel", converters=None if converter is None else [converter])
+    else:
+        spec = model_registry("debugmodel")
+        spec.model.layers = spec.model.layers[:blocks]
+        if converter is not None:
+            spec.model = converter.build().convert(spec.model)
     if cpu_attention:
         for _, _, parent, attr in list(spec.model.traverse(FlexAttention.Config)):
             setattr(parent, attr, ScaledDotProductAttention.Config())
@@ -136,13 +147,14 @@ def test_tensor_parallelism_is_refused() -> None:
 
 
 def test_step_hook_follows_the_optimizer_and_a_resumed_run() -> None:
-    model = materialize(build(debug_spec(FP4GenConverter.Config(recipe="nvfp4_small"))), "cpu")
+    converter = FP4GenConverter.Config(recipe="nvfp4_small")
+    model = materialize(build(debug_spec(converter, blocks=2)), "cpu")
     layer = model.get_submodule("layers.0.attention.wo")
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     post_build = step_hook(total_steps=40)
     post_build(optimizer, [model], None)
     assert (layer.schedule.clock.step, layer.schedule.clock.total_steps) == (0, 40)
-    tokens = torch.randint(0, VOCAB, (1, 16))
+    tokens = torch.randint(0, VOCAB, (1, 8))
     for step in range(2):
         model(tokens).float().mean().backward()
         assert layer.schedule.clock.step == step  # the forward ran at this step
