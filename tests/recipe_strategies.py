@@ -175,8 +175,6 @@ def resolve_slot(op: Operand, slot: Slot, scope: dict[str, Format]) -> OperandSp
         return None
     if fmt.global_rows and op not in TOKEN_ROWS:
         return None
-    if rht is not None and not nests(fmt.block_len, rht.size):
-        return None
     return OperandSpec(fmt, rounding, rht, slot.source)  # type: ignore[arg-type]
 
 
@@ -419,9 +417,12 @@ class _Writer:
 
     # --- RHT and MoR -----------------------------------------------------------------------------
     def rht(self, lengths: list[int]) -> tuple[str, RHTSpec]:
-        """An RHT whose size nests with every block length in ``lengths``."""
+        """An RHT: mostly of a size that nests with every block length in ``lengths``."""
+        # mostly a size that nests with the blocks (what the kernels take), now and then any
         sizes = [s for s in RHT_SIZES if all(nests(n, s) for n in lengths)]
-        size = self.draw(st.sampled_from(sizes))
+        size = self.draw(
+            st.sampled_from(sizes if sizes and self.draw(st.integers(0, 3)) else RHT_SIZES)
+        )
         source = self.draw(st.sampled_from(["te", "seed", "none", "string", "layer", "step"]))
         if source in ("layer", "step"):  # drawn per layer (and step), the seed 0 by default
             if self.draw(st.booleans()):
@@ -693,8 +694,7 @@ def _repair(
             continue
         lengths = [s.format.block_len for s in specs if isinstance(s.format, BlockFormat)]  # type: ignore[union-attr]
         high = any(isinstance(s.format, HighPrecision) for s in specs)  # type: ignore[union-attr]
-        sizes = [r for r in RHT_SIZES if all(nests(n, r) for n in lengths)]
-        if high or not sizes or w.draw(st.booleans()):
+        if high or w.draw(st.booleans()):
             text, rht = "rht none", None
         else:
             text, rht = w.rht(lengths)

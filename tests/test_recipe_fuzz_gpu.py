@@ -144,6 +144,7 @@ PLAN_REASONS: tuple[tuple[str, str], ...] = (
     ("block-scale options", r"^format .+ has .+: no quantize kernel implements it yet"),
     ("per-row global scales in a GEMM", r"^per-row global scales: the GEMM kernels take one"),
     ("signs drawn per layer or step", r"^rht \d+ signs (layer|step): the signs are drawn per"),
+    ("RHT and blocks that do not nest", r"^rht \d+ with 1x\d+ blocks: the kernels need the block"),
 )
 
 

@@ -136,3 +136,35 @@ def test_gpu_linear_draws_the_cpu_signs() -> None:
         # an fp32-accumulating GEMM over K = 256 against the float64 sum: 256 * 2^-24 of sum |ab|
         err = (layer.weight.grad.cpu().double() - expected.double()).abs()
         assert bool((err <= 2e-5 * magnitude + 1e-6).all()), step
+
+
+UNNESTED = """recipe u "an RHT size that does not nest with the blocks"
+format b24 = nvfp4 block 1x24
+operands {
+    *     : b24 round nearest
+    fprop : rht 32 seed 2
+}
+"""
+
+
+def test_an_rht_size_need_not_nest_with_the_block_length() -> None:
+    from torch.nn import functional as F
+
+    from fp4gen.compiler.plan import unnested_rht_reason
+    from fp4gen.numerics.gemm import gemm_reference
+
+    recipe = parse_recipe(UNNESTED)
+    spec = recipe.operands.fprop_activation
+    assert spec.rht == RHTSpec(32, "seeded", None, 2) and spec.format.block == (1, 24)
+    reason = unnested_rht_reason(spec.format, spec.rht)
+    assert reason is not None and "rht 32 with 1x24 blocks" in reason
+    assert plan_recipe(recipe).kernel_for(Operand.FPROP_ACTIVATION) is None
+    torch.manual_seed(3)
+    layer = fp4gen.nn.Linear(100, 52, recipe=recipe, seed=1, name="layer")
+    x = torch.randn(37, 100)
+    y = layer(x)
+    # K = 100 padded with zeros to 128, a multiple of the RHT size: chunks of 32 are rotated,
+    # then quantized in 1x24 blocks (the last block of a row holds 8 values)
+    xq = quantize(F.pad(x, (0, 28)), spec.format, hadamard=spec.rht)
+    wq = quantize(F.pad(layer.weight.detach(), (0, 28)), spec.format, hadamard=spec.rht)
+    assert torch.equal(y.detach(), gemm_reference(xq, wq) + layer.bias.detach())

@@ -67,6 +67,7 @@ from fp4gen.compiler.plan import (
     Table,
     _contexts,
     _dtypes,
+    _kernel_refusal,
     spec_json,
 )
 from fp4gen.dsl.model import MoRRef, Operand, OperandSpec, Recipe
@@ -304,8 +305,7 @@ def tile_buckets(
 def _block(spec: OperandSpec) -> BlockFormat | None:
     # a format with an option no kernel implements is quantized by the reference (plan.py)
     fmt = spec.format
-    redrawn = spec.rht is not None and spec.rht.redrawn  # signs per layer or step: the reference
-    return fmt if isinstance(fmt, BlockFormat) and fmt.is_plain and not redrawn else None
+    return fmt if isinstance(fmt, BlockFormat) and _kernel_refusal(spec) is None else None
 
 
 def _quant(fmt: BlockFormat, dtype: InputDType, *outputs: QuantOutput) -> QuantKernelSpec:

@@ -353,8 +353,7 @@ def _specs_of(
         groups: dict[tuple[Any, ...], list[Operand]] = {}
         for op in slots:
             fmt = table[op].format
-            redrawn = table[op].rht is not None and table[op].rht.redrawn  # type: ignore[union-attr]
-            if isinstance(fmt, BlockFormat) and fmt.is_plain and not redrawn:  # else: skipped
+            if isinstance(fmt, BlockFormat) and _kernel_refusal(table[op]) is None:
                 key = (fmt.element, fmt.block, fmt.scale, fmt.global_scale)
                 groups.setdefault(key, []).append(op)
         for (element, block, scale, global_scale), ops in groups.items():
@@ -409,13 +408,39 @@ def redrawn_rht_reason(rht: RHTSpec | None) -> str | None:
     )
 
 
+def unnested_rht_reason(fmt: BlockFormat, rht: RHTSpec | None) -> str | None:
+    """Why no generated kernel serves a block length and an RHT size that do not nest (neither
+    a multiple of the other: the kernels transform within a block or tile whole blocks into
+    one transform), or None."""
+    if rht is None or fmt.block_len % rht.size == 0 or rht.size % fmt.block_len == 0:
+        return None
+    return (
+        f"rht {rht.size} with 1x{fmt.block_len} blocks: the kernels need the block length and "
+        "the RHT size to nest (one a multiple of the other), so the reference quantizes these "
+        "operands"
+    )
+
+
+def _kernel_refusal(spec: OperandSpec) -> str | None:
+    """Why a block-format operand goes to the reference whatever the kernels could do: an
+    option of its format, signs drawn per layer or step, a block and an RHT that do not nest."""
+    fmt = spec.format
+    if not isinstance(fmt, BlockFormat):
+        return None
+    return (
+        redrawn_rht_reason(spec.rht)
+        or unnested_rht_reason(fmt, spec.rht)
+        or reference_only_reason(fmt)
+    )
+
+
 def _skip_reason(spec: OperandSpec) -> str | None:
     if isinstance(spec.format, (BlockFormat, MoRRef)) and spec.rht is not None:
         redrawn = redrawn_rht_reason(spec.rht)
         if redrawn is not None:
             return redrawn
     if isinstance(spec.format, BlockFormat):
-        return reference_only_reason(spec.format)
+        return _kernel_refusal(spec)
     if isinstance(spec.format, HighPrecision):
         return f"high precision ({spec.format.name}): no quantization"
     if isinstance(spec.format, MoRRef) and spec.rht is not None:
@@ -497,5 +522,6 @@ __all__ = [
     "plan_recipe",
     "redrawn_rht_reason",
     "reference_only_reason",
+    "unnested_rht_reason",
     "spec_json",
 ]

@@ -167,13 +167,8 @@ def _operand(op: Operand, slot: Slot, unit: Unit, scope: dict[str, Format]) -> O
                 f"rht on {op.selector}, which is {fmt.name}: the transform only helps "
                 "quantization, and a high-precision operand is not quantized (use rht none)"
             )
-    if isinstance(fmt, BlockFormat) and rht is not None:
-        length, size = fmt.block_len, rht.size
-        if length % size and size % length:
-            raise _later(slot, "format", "block", "rht").error(
-                f"RHT size {size} and block length {length} of {op.selector} do not nest: the "
-                "block length must be a multiple of the Hadamard size, or the other way round"
-            )
+    # an RHT size and a block length need not nest: the transform runs on chunks of its size
+    # before the blocks are formed, and fp4gen.nn.Linear pads K to both (numerics.md 12)
     return OperandSpec(fmt, rounding, rht, _source(op, slot))  # type: ignore[arg-type]
 
 

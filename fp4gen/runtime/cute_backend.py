@@ -25,7 +25,11 @@ from typing import Any
 
 import torch
 
-from fp4gen.compiler.plan import redrawn_rht_reason, reference_only_reason
+from fp4gen.compiler.plan import (
+    redrawn_rht_reason,
+    reference_only_reason,
+    unnested_rht_reason,
+)
 from fp4gen.compiler.spec import InputDType, QuantKernelSpec, QuantOutput
 from fp4gen.device_offset import DeviceOffset
 from fp4gen.dsl.model import RHTSpec
@@ -117,7 +121,12 @@ def _launch(
     spec = _spec(fmt, dtype, tuple(QuantOutput(d, r, h) for d, r, h in copies))  # type: ignore[arg-type]
     # the spec cannot say what the kernels do not implement (numerics.md 11): the reference
     only = reference_only_reason(fmt) or next(
-        (why for why in map(redrawn_rht_reason, rhts) if why is not None), None
+        (
+            why
+            for rht in rhts
+            if (why := redrawn_rht_reason(rht) or unnested_rht_reason(fmt, rht)) is not None
+        ),
+        None,
     )
     kernels = Unsupported(only) if only is not None else _kernels(spec)
     refused = None
