@@ -26,6 +26,7 @@ ran (grouped, or per expert and why: ``GroupedExperts.loop_reason``).
                              [--model qwen3_moe|mixtral] [--model-layers 4]
                              [--model-experts 64] [--model-topk 8] [--seq 1024] [--steps 10]
                              [--skip-layer] [--skip-model] [--device cuda|cpu]
+                             [--grouped-product bf16|fp32]
 
 ``--device cpu`` runs the same code on the CPU (the float64 reference GEMMs: only for a smoke
 run at tiny sizes, not a timing).
@@ -48,6 +49,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the checkout,
 import fp4gen  # noqa: E402
 from benchmarks.common import cuda_time_ms, require_cuda  # noqa: E402
 from fp4gen.runtime.experts import GroupedExperts  # noqa: E402
+from fp4gen.runtime.grouped import set_grouped_product  # noqa: E402
 
 VOCAB = 256  # bytes, as benchmarks/train.py
 
@@ -156,7 +158,11 @@ def layer_section(args: argparse.Namespace, device: str, recipes: list[str]) -> 
             )
             print(f"  {'row':34} {'ms':>10} {'x bf16':>8} {'peak GiB':>9}")
             torch.manual_seed(0)
-            state = Qwen3MoeSparseMoeBlock(cfg).state_dict()
+            source = Qwen3MoeSparseMoeBlock(cfg)
+            with torch.no_grad():  # a bare block is not initialized by transformers (empty)
+                for param in source.parameters():
+                    param.normal_(0.0, cfg.initializer_range)
+            state = source.state_dict()
 
             def make(impl: str, cfg: object = cfg, state: dict = state) -> nn.Module:
                 cfg._experts_implementation = impl  # type: ignore[attr-defined]
@@ -252,12 +258,22 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--skip-layer", action="store_true", help="no MoE layer section")
     parser.add_argument("--skip-model", action="store_true", help="no whole-model section")
     parser.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
+    parser.add_argument(
+        "--grouped-product",
+        choices=["bf16", "fp32"],
+        default="bf16",
+        help="the grouped experts' products on CUDA (fp4gen.runtime.grouped.set_grouped_product)",
+    )
     args = parser.parse_args(argv)
     if args.device == "cuda":
         require_cuda()  # --device cpu: a smoke run
     recipes = [r for r in args.recipes.split(",") if r and r != "bf16"]
+    set_grouped_product(args.grouped_product)
     where = torch.cuda.get_device_name() if args.device == "cuda" else "CPU (smoke run)"
-    print(f"fp4gen MoE benchmark on {where}, torch {torch.__version__}")
+    print(
+        f"fp4gen MoE benchmark on {where}, torch {torch.__version__}, grouped experts' "
+        f"products {args.grouped_product}"
+    )
     if not args.skip_layer:
         layer_section(args, args.device, recipes)
     if not args.skip_model:

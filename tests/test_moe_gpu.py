@@ -87,21 +87,30 @@ def test_cuda_moe_model_trains(arch: str) -> None:
         opt.step()
 
 
+@pytest.mark.parametrize("product", ["bf16", "fp32"])
 @pytest.mark.parametrize("arch", ARCHS)
-def test_cuda_grouped_products_are_within_the_bound(monkeypatch, arch: str) -> None:
-    """Every grouped GEMM of a training step (torch._grouped_mm, BF16 in and out on sm_90a and
-    sm_100a: the fp32 accumulator rounded once to bf16) against the float64 product of the
-    block values it was given: within (K + 8) u sum |a b| (any fp32 summation order) plus
-    2^-9 of the product (one rounding to bf16's 8 significant bits, to nearest), times
-    1 + 2^-9 for the rounding of the bound's own terms."""
-    for kind, a, b, ends in recorded_products(monkeypatch, arch, device="cuda"):
-        fn = grouped.group_rows if kind == "rows" else grouped.group_k
-        c = fn(a, b, ends).cpu()
-        for got, (exact, bound) in zip(
-            pieces(kind, c, ends), per_group(kind, a.cpu(), b.cpu(), ends), strict=True
-        ):
-            allowed = (bound + 2.0**-9 * exact.abs()) * (1 + 2.0**-9)
-            assert ((got.double() - exact).abs() <= allowed).all(), kind
+def test_cuda_grouped_products_are_within_the_bound(monkeypatch, arch: str, product: str) -> None:
+    """Every grouped GEMM of a training step against the float64 product of the block values it
+    was given: within (K + 8) u sum |a b| (any fp32 summation order); with the default "bf16"
+    product (torch._grouped_mm, BF16 in and out on sm_90a and sm_100a: the fp32 accumulator
+    rounded once to bf16) plus 2^-9 of the product (one rounding to bf16's 8 significant bits,
+    to nearest), times 1 + 2^-9 for the rounding of the bound's own terms; with "fp32" (a GEMM
+    per group, fp32 result) the summation bound alone."""
+    calls = recorded_products(monkeypatch, arch, device="cuda")
+    previous = grouped.set_grouped_product(product)
+    try:
+        for kind, a, b, ends in calls:
+            fn = grouped.group_rows if kind == "rows" else grouped.group_k
+            c = fn(a, b, ends).cpu()
+            for got, (exact, bound) in zip(
+                pieces(kind, c, ends), per_group(kind, a.cpu(), b.cpu(), ends), strict=True
+            ):
+                allowed = bound
+                if product == "bf16":
+                    allowed = (bound + 2.0**-9 * exact.abs()) * (1 + 2.0**-9)
+                assert ((got.double() - exact).abs() <= allowed).all(), kind
+    finally:
+        grouped.set_grouped_product(previous)
 
 
 @pytest.mark.parametrize("arch", ARCHS)

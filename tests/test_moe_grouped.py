@@ -327,3 +327,20 @@ def test_the_cuda_default(monkeypatch, caplog, arch: str, grouped: bool) -> None
             "model.layers.0.mlp.experts: the experts' GEMMs run per expert: "
             "sm_100a: the native block-scaled MMA reads the codes, per expert"
         ]
+
+
+def test_the_grouped_product_setting() -> None:
+    """set_grouped_product: "bf16" (default) or "fp32", process-wide, the previous returned;
+    anything else an FP4GenError naming the choices. The CPU's products are fp32 either way."""
+    assert grouped.set_grouped_product("fp32") == "bf16"
+    try:
+        assert grouped.product_dtype(torch.device("cpu")) == torch.float32
+        assert grouped.product_dtype(torch.device("cuda")) == torch.float32
+        a, b = torch.randn(20, 32), torch.randn(2, 8, 32)
+        fp32_mode = grouped.group_rows(a, b, [5, 20])
+    finally:
+        assert grouped.set_grouped_product("bf16") == "fp32"
+    assert grouped.product_dtype(torch.device("cuda")) == torch.bfloat16
+    assert torch.equal(grouped.group_rows(a, b, [5, 20]), fp32_mode)
+    with pytest.raises(fp4gen.FP4GenError, match=r"unknown grouped product 'fp16'.*'bf16', 'fp32'"):
+        grouped.set_grouped_product("fp16")

@@ -17,7 +17,8 @@ What the product is (``product_dtype``):
   the fp32 accumulator of each group's exact products is rounded once to BF16 before the
   epilogue multiplies by the global scales. Against the per-expert loop that is one more
   rounding of relative size at most 2^-9 per element of the product (docs/moe.md, "Grouped
-  GEMMs"); the operands are the same bits.
+  GEMMs"); the operands are the same bits. ``set_grouped_product("fp32")`` takes a GEMM per
+  group with an fp32 result instead: the loop's numbers up to fp32 summation order.
 - CPU (and anything else): ``torch._grouped_mm`` in fp32 (the block values are exact in fp32),
   so the result equals the per-expert loop's dequantize path up to fp32 summation order.
 
@@ -35,6 +36,7 @@ from typing import Any
 import torch
 
 from fp4gen.dsl.model import Operand
+from fp4gen.errors import FP4GenError
 from fp4gen.runtime import finite, ops
 from fp4gen.runtime.linear import Linear
 from fp4gen.runtime.operands import k_multiple, pad_to, round_up
@@ -54,9 +56,31 @@ def grouped_mm_available() -> bool:
     return callable(getattr(torch, "_grouped_mm", None))
 
 
+PRODUCTS = ("bf16", "fp32")
+_product = ["bf16"]  # set_grouped_product
+
+
+def set_grouped_product(precision: str) -> str:
+    """What the grouped products are on CUDA: "bf16" (the default: torch._grouped_mm's fast
+    kernel, each product rounded once to bf16 before the global scales) or "fp32" (a GEMM per
+    group with an fp32 result, ``torch.mm(out_dtype=torch.float32)``: the per-expert loop's
+    numbers up to fp32 summation order, one launch per expert). Process-wide, read at every
+    call; returns the previous setting. The CPU's products are fp32 either way."""
+    if precision not in PRODUCTS:
+        raise FP4GenError(f"unknown grouped product {precision!r}; choose one of {PRODUCTS}")
+    previous, _product[0] = _product[0], precision
+    return previous
+
+
 def product_dtype(device: torch.device) -> torch.dtype:
     """The dtype the grouped product is computed in on ``device`` (module docstring)."""
-    return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return torch.bfloat16 if device.type == "cuda" and _product[0] == "bf16" else torch.float32
+
+
+def _exact_on_cuda(a: torch.Tensor) -> bool:
+    """Whether this product is the fp32 one on CUDA (``set_grouped_product("fp32")``): bf16
+    block values (exact), one GEMM per group with fp32 accumulation and result."""
+    return a.device.type == "cuda" and _product[0] == "fp32"
 
 
 def group_rows(a: torch.Tensor, b: torch.Tensor, ends: Sequence[int]) -> torch.Tensor:
@@ -68,6 +92,14 @@ def group_rows(a: torch.Tensor, b: torch.Tensor, ends: Sequence[int]) -> torch.T
 
 
 def _group_rows(a: torch.Tensor, b: torch.Tensor, ends: Sequence[int]) -> torch.Tensor:
+    if _exact_on_cuda(a):
+        a, b = a.to(torch.bfloat16), b.to(torch.bfloat16)
+        out = torch.empty((a.shape[0], b.shape[1]), dtype=torch.float32, device=a.device)
+        start = 0
+        for g, end in enumerate(ends):
+            out[start:end] = torch.mm(a[start:end], b[g].t(), out_dtype=torch.float32)
+            start = end
+        return out
     dtype = product_dtype(a.device)
     a, b = a.to(dtype), b.to(dtype)
     if grouped_mm_available():
@@ -94,6 +126,15 @@ def group_k(a: torch.Tensor, b: torch.Tensor, ends: Sequence[int]) -> torch.Tens
 
 
 def _group_k(a: torch.Tensor, b: torch.Tensor, ends: Sequence[int]) -> torch.Tensor:
+    if _exact_on_cuda(a):
+        a, b = a.to(torch.bfloat16), b.to(torch.bfloat16)
+        out = torch.empty((len(ends), a.shape[0], b.shape[0]), dtype=torch.float32, device=a.device)
+        start = 0
+        for g, end in enumerate(ends):
+            sa, sb = a[:, start:end], b[:, start:end]
+            out[g] = torch.mm(sa, sb.t(), out_dtype=torch.float32)
+            start = end
+        return out
     dtype = product_dtype(a.device)
     a, b = a.to(dtype), b.to(dtype)
     if grouped_mm_available():
@@ -154,7 +195,6 @@ def _values(q: Any) -> torch.Tensor:
     exact for the formats grouped here), else ``dequantize_blockwise`` in fp32 (torch ops;
     where no kernel serves the format here, logged once)."""
     if q.device.type == "cuda":
-        from fp4gen.errors import FP4GenError
         from fp4gen.runtime.dequant import dequantize_bf16
 
         try:
@@ -336,6 +376,7 @@ def pass_reason(table: Any) -> str | None:
 
 
 __all__ = [
+    "PRODUCTS",
     "GroupedProjection",
     "Groups",
     "group_k",
@@ -343,4 +384,5 @@ __all__ = [
     "grouped_mm_available",
     "pass_reason",
     "product_dtype",
+    "set_grouped_product",
 ]
