@@ -135,6 +135,25 @@ def test_a_bad_layer_rule_names_its_index() -> None:
         layer_rules(recipe, ["last 1 blocks : bf16", "frist 2 blocks : bf16"])
 
 
+def test_apply_to_model_spec_converts_and_chains_the_models_own_hook() -> None:
+    """What FP4GenTrainer does before it builds the model: the model config converted, and the
+    step hook registered after the model's own post_optimizer_build_fn."""
+    from fp4gen.integrations.torchtitan import apply_to_model_spec
+
+    spec = model_registry("debugmodel")
+    called = []
+    spec.post_optimizer_build_fn = lambda opt, parts, dims: called.append(len(parts))
+    converter = apply_to_model_spec(spec, FP4GenConverter.Config(recipe="nvfp4_small"), 9)
+    assert sum(not d.kept for d in converter.decisions) == 25
+    assert isinstance(spec.model.layers[0].feed_forward.w1, FP4GenLinear.Config)
+    model = materialize(build(debug_spec(FP4GenConverter.Config(recipe="nvfp4_small"))), "cpu")
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    spec.post_optimizer_build_fn(optimizer, [model], None)
+    assert called == [1]  # the model's own hook ran
+    assert spec.post_optimizer_build_fn.hook.total_steps == 9
+    assert optimizer_steps(optimizer) == 0  # SGD keeps no step: a fresh run's 0
+
+
 def test_tensor_parallelism_is_refused() -> None:
     model = build(debug_spec(FP4GenConverter.Config(recipe="nvfp4_small")))
 
