@@ -58,7 +58,9 @@ block compiled on its own (``blocks``, as torchtitan compiles a model: embedding
 eager) and/or the whole model with its loss compiled (``model``), in each mode of
 ``--compile-modes default,reduce-overhead,max-autotune`` (``--compile-backend``, default
 inductor): ms/step, its ratio to compiled BF16 of the same scope and mode, to eager BF16 and to
-the recipe's own eager run, and dynamo's distinct graphs, graph breaks and frames compiled.
+the recipe's own eager run, the GPU-busy ms of a step (and its ratio to compiled BF16's: where
+ms/step is well above it the host is the bottleneck), and dynamo's distinct graphs, graph
+breaks and frames compiled.
 ``--compile-only`` skips the eager rows.
 ``--loss-steps N`` then trains each recipe N steps on real text (the Python standard library's
 source bytes, ``fp4gen.demo.data``) from the same initial weights and batches, with the demo's
@@ -522,15 +524,17 @@ COMPILE_MODES = ("default", "reduce-overhead", "max-autotune")
 
 @dataclass
 class CompiledResult:
-    """One compiled run: ms/step (None where it failed: ``note`` says why), and what dynamo
-    made of the model: distinct graphs, graph breaks and frames compiled (a recompile counts
-    again)."""
+    """One compiled run: ms/step (None where it failed: ``note`` says why), the GPU-busy ms of
+    a step (the kernels' time, ``profile_step``; None on the CPU): ms/step well above it means
+    the host is the bottleneck, and what dynamo made of the model: distinct graphs, graph
+    breaks and frames compiled (a recompile counts again)."""
 
     ms: float | None
     graphs: int
     breaks: int
     compiles: int
     note: str = ""
+    gpu_busy_ms: float | None = None
 
 
 def decoder_blocks(model: nn.Module) -> list[nn.Module]:
@@ -580,6 +584,7 @@ def run_compiled(
     batch = max(args.tokens // args.seq, 1)
     tokens = torch.randint(0, VOCAB, (batch, args.seq + (args.model == "gpt")), device=device)
     ms: float | None = None
+    busy: float | None = None
     note = ""
     try:
         compiled = compile_model(model, scope, mode, args.compile_backend)
@@ -590,6 +595,8 @@ def run_compiled(
         if device == "cuda":
             torch.cuda.synchronize()
         ms = timed_ms(step, args.steps, device)
+        if device == "cuda":
+            busy = profile_step(model, step)[0]
     except Exception as err:  # report the reason and go on with the other runs
         if device == "cuda":
             torch.cuda.synchronize()
@@ -601,6 +608,7 @@ def run_compiled(
         int(sum(counters["graph_break"].values())),
         int(counters["frames"].get("ok", 0)),
         note,
+        busy,
     )
     del model
     gc.collect()
@@ -630,7 +638,8 @@ def run_compiled_table(
                 raise SystemExit(f"compile {name} {value!r}: expected one of {', '.join(allowed)}")
     print(
         f"  {'compiled':28} {'scope':6} {'mode':15} {'ms/step':>9} {'x bf16':>7} "
-        f"{'x eager bf16':>12} {'x own eager':>11} {'graphs':>6} {'breaks':>6} {'frames':>6}"
+        f"{'x eager bf16':>12} {'x own eager':>11} {'gpu-busy':>9} {'x bf16':>7} "
+        f"{'graphs':>6} {'breaks':>6} {'frames':>6}"
     )
     eager_base = None if not eager else next(iter(eager.values()))[1].ms_eager
     results: dict[tuple[str, str, str], CompiledResult] = {}
@@ -645,10 +654,12 @@ def run_compiled_table(
                 label = Path(recipe).stem
                 own = eager.get(label) if eager else None
                 ms = "-" if res.ms is None else f"{res.ms:.2f}"
+                busy = "-" if res.gpu_busy_ms is None else f"{res.gpu_busy_ms:.2f}"
                 print(
                     f"  {label:28} {scope:6} {mode:15} {ms:>9} {ratio(res.ms, base.ms):>7} "
                     f"{ratio(res.ms, eager_base):>12} "
                     f"{ratio(res.ms, own[0].ms_eager if own else None):>11} "
+                    f"{busy:>9} {ratio(res.gpu_busy_ms, base.gpu_busy_ms):>7} "
                     f"{res.graphs:6d} {res.breaks:6d} {res.compiles:6d}   "
                     f"({time.perf_counter() - t0:.0f} s)"
                 )
