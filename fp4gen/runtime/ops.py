@@ -169,7 +169,8 @@ OP_ID_SOURCE = r".*\._op_id$"
 
 def _op_ids_dynamic() -> None:
     """Add ``OP_ID_SOURCE`` to ``torch.compiler.config.dynamic_sources`` (kept as the user set
-    it otherwise); a torch without that setting recompiles per block (docs/compile.md)."""
+    it otherwise). torch reads its patterns from 2.8 on; an older torch recompiles per block
+    (docs/integrations.md)."""
     config = getattr(torch.compiler, "config", None)
     current = getattr(config, "dynamic_sources", None)
     if not isinstance(current, str):
