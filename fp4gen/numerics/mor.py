@@ -361,8 +361,9 @@ class MoRTensor:
     elsewhere), ``scales[i]`` the scales of element candidate i (None for high-precision ones),
     ``high`` [R, C] the values of high-precision units, rounded to their dtype (0 elsewhere):
     fp32 from the reference; the kernels write the rule's high-precision dtype (bf16, fp16, or
-    fp32 where the rule mixes them), whose values are those fp32 ones exactly. ``evaluated`` lists every representation measured (the candidates, then
-    any ``relerr(F)`` yardstick that is not one); ``error_sum`` [len(evaluated), nur, nuc] is
+    fp32 where the rule mixes them), whose values are those fp32 ones exactly. ``evaluated``
+    lists every representation measured (the candidates, then any ``relerr(F)`` yardstick that
+    is not one); ``error_sum`` [len(evaluated), nur, nuc] is
     the float64 sum of |x - Q(x)| / |x| over each unit's non-zero x, ``nonzero`` their count.
     Everything stays on the device (no host sync) until read.
     """
