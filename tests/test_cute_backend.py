@@ -198,12 +198,25 @@ SCRIPT = textwrap.dedent(
 )
 
 
+def script_env(cache: Path) -> dict[str, str]:
+    """The environment of a fresh process using the kernel cache ``cache`` and the CuTe DSL's
+    file cache in it. CUTE_DSL_CACHE_DIR is given too: fp4gen sets it in ``os.environ`` to the
+    first kernel cache this process compiled into (``jit.use_cache_for_dsl``), which under
+    pytest-xdist is another test's."""
+    return {
+        **os.environ,
+        "FP4GEN_CACHE_DIR": str(cache),
+        "CUTE_DSL_CACHE_DIR": str(cache / "cute-dsl"),
+        "PYTHONPATH": pythonpath(),
+    }
+
+
 def run_script(cache: Path) -> dict:
     proc = subprocess.run(
         [sys.executable, "-c", SCRIPT],
         capture_output=True,
         text=True,
-        env={**os.environ, "FP4GEN_CACHE_DIR": str(cache), "PYTHONPATH": pythonpath()},
+        env=script_env(cache),
         timeout=300,
         check=False,
     )
