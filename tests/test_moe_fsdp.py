@@ -143,14 +143,17 @@ def test_fsdp2_with_sharded_experts_on_nccl_trains(tmp_path) -> None:
     assert all(torch.isfinite(loss).all() for loss in got["loss"])
 
 
-def test_the_quantized_all_gather_leaves_experts_in_high_precision_and_says_so(caplog) -> None:
+def test_the_quantized_all_gather_leaves_experts_in_high_precision_and_says_so(
+    caplog, monkeypatch
+) -> None:
     """enable_quantized_all_gather on an MoE model: the Linears get it where exact, every
     experts module keeps the high-precision gather (its plan says why, logged once), and the
     model still trains in one process with the same bits as without the option."""
     from fp4gen.runtime import fsdp
 
     plain, model = build(False), build(False)
-    fsdp._log_once.seen.clear()
+    # an empty record for this test (not the process-wide one cleared: it stays as it was)
+    monkeypatch.setattr(fsdp._log_once, "seen", set())
     with caplog.at_level("INFO", logger="fp4gen.runtime"):
         plans = fsdp.enable_quantized_all_gather(model)
         fsdp.enable_quantized_all_gather(model)
