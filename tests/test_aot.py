@@ -149,7 +149,8 @@ def test_mx_formats_get_bf16_native_kernels_and_mor_none() -> None:
     mor = runtime_plan(load_recipe(RECIPES / "mor_tensor.fp4r"))
     assert mor.kernels == ()  # MoR mixes: MoR kernels (the plan's) and no GEMM kernel
     blockwise = runtime_plan(load_recipe(RECIPES / "fp8_blockwise.fp4r"))
-    assert {k.kind for k in blockwise.kernels} == {"quantize"}  # fp32 scales: torch GEMMs
+    # fp32 scales: torch GEMMs for auto, the generated FP8 GEMMs for backend="cute" (sm_90a)
+    assert {k.kind for k in blockwise.kernels} == {"quantize", "gemm_sm90_fp8"}
 
 
 # ----------------------------------------------------------------------------------------------

@@ -47,8 +47,9 @@ make, read from the same functions (``fp4gen.codegen.gemm``, ``fp4gen.codegen.ge
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable, Iterator, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, fields, replace
 from typing import Any, Literal
 
 from fp4gen.codegen.gemm_configs import (
@@ -82,15 +83,25 @@ from fp4gen.spec import (
     QuantOutput,
 )
 
-Kind = Literal["quantize", "mor", "dequant", "gemm_sm90", "gemm_sm100"]
-KINDS: tuple[Kind, ...] = ("quantize", "mor", "dequant", "gemm_sm90", "gemm_sm100")
+Kind = Literal["quantize", "mor", "dequant", "gemm_sm90", "gemm_sm90_fp8", "gemm_sm100"]
+KINDS: tuple[Kind, ...] = (
+    "quantize",
+    "mor",
+    "dequant",
+    "gemm_sm90",
+    "gemm_sm90_fp8",
+    "gemm_sm100",
+)
 KIND_TEXT: dict[str, str] = {
     "quantize": "quantize",
     "mor": "MoR",
     "dequant": "dequantize",
     "gemm_sm90": "sm_90a GEMM",
+    "gemm_sm90_fp8": "sm_90a FP8 GEMM",
     "gemm_sm100": "sm_100a GEMM",
 }
+# GEMM output dtypes as fp4gen.gemm takes them (the FP8 kernel's params are keyed by torch's)
+_TORCH_DTYPE_NAMES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
 # The two operands of each GEMM of a linear layer: A [M, K] and B [N, K], C = A B^T
 GEMM_OPERANDS: dict[str, tuple[Operand, Operand]] = {
     "fprop": (Operand.FPROP_ACTIVATION, Operand.FPROP_WEIGHT),
@@ -260,6 +271,13 @@ def kernel_spec_json(spec: Any) -> dict[str, Any]:
             "tile": spec.tile.name,
             "digest": spec.digest,
         }
+    fp8_params = _fp8_params_type()
+    if fp8_params is not None and isinstance(spec, fp8_params):
+        return {
+            "kind": "gemm_sm90_fp8",
+            **{f.name: getattr(spec, f.name) for f in fields(spec)},
+            "num_stages": spec.num_stages,  # what stages=0 resolves to
+        }
     # an sm_100a GemmConfig (a plain frozen dataclass of strings and numbers)
     return {
         "kind": "gemm_sm100",
@@ -272,6 +290,13 @@ def kernel_spec_json(spec: Any) -> dict[str, Any]:
         "cluster": list(spec.cluster_mn),
         "max_active_clusters": spec.max_active_clusters,
     }
+
+
+def _fp8_params_type() -> type | None:
+    """``GemmSm90Fp8Params`` where its module is loaded (a plan with FP8 kernels loaded it),
+    else None: no spec can be one, and the CuTe DSL stays unimported."""
+    module = sys.modules.get("fp4gen.kernels.gemm_sm90_fp8")
+    return None if module is None else module.GemmSm90Fp8Params
 
 
 def _m_text(lo: int, hi: int | None) -> str:
@@ -406,6 +431,46 @@ def _among(archs: tuple[str, ...], wanted: tuple[str, ...]) -> tuple[str, ...]:
     return tuple(a for a in archs if a in wanted)
 
 
+def _fp8_kernels(
+    found: _Collector,
+    a: BlockFormat,
+    b: BlockFormat,
+    outputs: tuple[tuple[InputDType, bool], ...],
+    use: RuntimeUse,
+    archs: tuple[str, ...],
+    auto: str,
+) -> list[tuple[str, str]]:
+    """Add the generated block-scaled FP8 GEMMs of a pair ``fp8_gemm.cute_support`` serves
+    (one per output dtype and bias ``Linear`` passes, keyed by ``fp8_gemm.cute_plan``: the
+    runtime's own params) to ``found``; return the sm_90a route lines. ``auto``: what
+    ``backend="auto"`` runs where scaled_mm does not serve the pair."""
+    import torch
+
+    from fp4gen.gemm_dispatch import fp8_support
+    from fp4gen.runtime import fp8_gemm
+
+    name = fp8_gemm.cute_pair_name(a, b)
+    least = fp8_gemm.CUTE_AUTO_MIN_M.get(name)  # the measured table: auto from this M on
+    how = 'backend="cute"' + (f", auto for M >= {least}" if least is not None else "")
+    fp8_archs = _among(fp8_gemm.CUTE_ARCHS, archs)
+    for out_dtype, bias in outputs:
+        torch_dtype = getattr(torch, _TORCH_DTYPE_NAMES[out_dtype])
+        params = fp8_gemm.cute_plan(a, b, torch_dtype, bias, False).params
+        when = f"{how}, {params.out} out" + (", bias" if bias else "")
+        found.add("gemm_sm90_fp8", params, fp8_archs, replace(use, when=when))
+    if fp8_support(a, b) is None:  # gemm_dispatch.choose_backend: scaled_mm on sm_90a
+        auto = (
+            f"block-scaled FP8 GEMM: torch scaled_mm {fp8_gemm.describe(a, b)} (cuBLAS; "
+            "set_fp8_semantics('exact'): torch decode + fp32 GEMM)"
+        )
+    lines = [("sm_90a", auto if least is None else f"M < {least}: {auto}")]
+    kernel = f"generated block-scaled FP8 kernel ({name}, wgmma)"
+    if least is not None:
+        lines.append(("sm_90a", f"M >= {least}: {kernel}, measured faster"))
+    lines.append(("sm_90a", f'backend="cute": {kernel}'))
+    return lines
+
+
 def runtime_plan(
     recipe: Recipe,
     *,
@@ -421,6 +486,7 @@ def runtime_plan(
     from fp4gen.codegen import dequant as dequant_codegen
     from fp4gen.codegen.gemm import fused_support, gemm_spec
     from fp4gen.codegen.gemm import pick_tile as sm90_pick
+    from fp4gen.runtime import fp8_gemm
 
     archs = tuple(archs or ARCHS)
     dtypes = _dtypes(input_dtype)
@@ -483,7 +549,11 @@ def runtime_plan(
             # sm_90a: the fused kernels
             if "sm_90a" in archs:
                 reason = fused_support(a, b)
-                if reason is not None:
+                if reason is not None and fp8_gemm.cute_support(a, b) is None:
+                    use = RuntimeUse(rname, context, gemm=gemm)
+                    auto = f"no fused kernel ({reason}): {dequant_what}"
+                    lines.extend(_fp8_kernels(found, a, b, outputs[gemm], use, archs, auto))
+                elif reason is not None:
                     lines.append(("sm_90a", f"no fused kernel ({reason}): {dequant_what}"))
                 else:
                     for out_dtype, bias in outputs[gemm]:
@@ -545,7 +615,7 @@ def runtime_plan(
         f"tensors are taken to be {inputs} (--input-dtype), and GEMM outputs follow them; a model "
         "whose tensors have other dtypes compiles those kernels on first use"
     ]
-    if any(k.kind in ("gemm_sm90", "gemm_sm100") for k in found.kernels()):
+    if any(k.kind in ("gemm_sm90", "gemm_sm90_fp8", "gemm_sm100") for k in found.kernels()):
         note_list.append(
             "GEMMs that only direct fp4gen.gemm calls make are not compiled: accumulate= "
             '(C += A B^T) and backend="cute" with an explicit tile= (e.g. the 64x64 wgmma tile)'

@@ -4,11 +4,11 @@ Per recipe folder: one ``<kernel>.py`` per quantize and MoR kernel (the generate
 module; the dequantize and GEMM modules too with ``gemm_sources``) and ``manifest.json``, which
 lists every kernel. The kernels are the recipe's quantize plan (``fp4gen.compiler.plan``) and
 every kernel the runtime can load besides (``fp4gen.compiler.aot``: the quantize kernels
-``fp4gen.nn.Linear`` asks for, MoR, dequantize, the sm_90a fused GEMMs and the sm_100a
-block-scaled GEMMs). The manifest holds the recipe name and hash, template and toolchain
-versions, archs, the GEMM routes, what is left to run time, and every kernel with its spec
-parameters, the operands or GEMMs that use it, its kernel names and the archs it is built for:
-nothing that depends on the machine, the cache or the clock, so rendering a recipe twice gives
+``fp4gen.nn.Linear`` asks for, MoR, dequantize, the sm_90a fused and block-scaled FP8 GEMMs
+and the sm_100a block-scaled GEMMs). The manifest holds the recipe name and hash, template and
+toolchain versions, archs, the GEMM routes, what is left to run time, and every kernel with its
+spec parameters, the operands or GEMMs that use it, its kernel names and the archs it is built
+for: nothing that depends on the machine, the cache or the clock, so rendering a recipe twice gives
 the same bytes (compile results and timings are printed, see ``CompileReport.results``).
 Compiled kernels go to the kernel cache (``fp4gen.compiler.cache``), so a later
 ``fp4gen.runtime.kernels_for`` on this machine, or on a GPU machine given the same cache folder,

@@ -79,11 +79,12 @@ def render_source(
 
 def render_gemm_source(spec: GemmKernelSpec | DequantKernelSpec | Any) -> str:
     """The generated module of a GEMM-side spec: a fused sm_90a GEMM (``GemmKernelSpec``), a
-    dequantize kernel (``DequantKernelSpec``) or an sm_100a block-scaled GEMM
+    dequantize kernel (``DequantKernelSpec``), an sm_100a block-scaled GEMM
     (``fp4gen.codegen.gemm_configs.GemmConfig``: the module the sm_100a backend's
-    ``gemm_kernel`` renders, the same text, so the same cache key). ``fp4gen compile`` renders
-    these through here and the quantize and MoR specs through ``render_source``, so a test can
-    stand in for either."""
+    ``gemm_kernel`` renders, the same text, so the same cache key) or a block-scaled FP8 GEMM
+    (``fp4gen.kernels.gemm_sm90_fp8.GemmSm90Fp8Params``, the text ``fp8_gemm.cute_kernel``
+    renders). ``fp4gen compile`` renders these through here and the quantize and MoR specs
+    through ``render_source``, so a test can stand in for either."""
     if isinstance(spec, GemmKernelSpec):
         from fp4gen.codegen.gemm import render_gemm
 
@@ -94,6 +95,11 @@ def render_gemm_source(spec: GemmKernelSpec | DequantKernelSpec | Any) -> str:
         return render_dequant(spec)
     if isinstance(spec, GemmConfig):
         return render_module(spec)
+    fp8 = sys.modules.get("fp4gen.kernels.gemm_sm90_fp8")  # loaded by whoever made the params
+    if fp8 is not None and isinstance(spec, fp8.GemmSm90Fp8Params):
+        from fp4gen.codegen.gemm_fp8 import module_source
+
+        return module_source(spec)  # the text fp8_gemm.cute_kernel renders: one cache key
     raise TypeError(f"no template renders a {type(spec).__name__}")
 
 

@@ -1,0 +1,149 @@
+"""``fp4gen compile`` and the generated block-scaled FP8 GEMMs (``fp4gen.kernels.gemm_sm90_fp8``).
+
+CPU tests: the runtime plan holds, for sm_90a, one FP8 GEMM per output dtype and bias that
+``fp4gen.nn.Linear`` passes for each FP8 pair of a recipe, keyed by the runtime's own
+``fp8_gemm.cute_plan``; the printed routes and the manifest name them; and (with the CuTe DSL)
+fp8_blockwise's FP8 GEMMs cross-compiled by ``compile_recipes`` are what the runtime's
+``fp8_gemm.cute_kernel`` loads, compiling nothing.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from fp4gen.codegen.gemm_fp8 import module_source
+from fp4gen.compiler import jit
+from fp4gen.compiler.aot import runtime_plan
+from fp4gen.compiler.build import compile_recipes, manifest, prepare_builds
+from fp4gen.compiler.cache import KernelCache, sha256_text
+from fp4gen.dsl import load_recipe
+from fp4gen.dsl.model import Operand
+from fp4gen.runtime import fp8_gemm
+
+CUTE_DSL = importlib.util.find_spec("cutlass") is not None
+# (A, B) of each GEMM, and the (output dtype, bias) Linear passes for it in a bf16 model
+PAIRS = {
+    "fprop": (Operand.FPROP_ACTIVATION, Operand.FPROP_WEIGHT),
+    "dgrad": (Operand.DGRAD_GRADIENT, Operand.DGRAD_WEIGHT),
+    "wgrad": (Operand.WGRAD_GRADIENT, Operand.WGRAD_ACTIVATION),
+}
+FLAGS = {
+    "fprop": ((torch.float32, False), (torch.bfloat16, True)),
+    "dgrad": ((torch.bfloat16, False),),
+    "wgrad": ((torch.bfloat16, False),),
+}
+
+
+def runtime_params(name: str) -> set[Any]:
+    """The GemmSm90Fp8Params the runtime builds for a shipped recipe's GEMMs (bf16 model)."""
+    ops = load_recipe(name).operands
+    out = set()
+    for gemm, (a, b) in PAIRS.items():
+        for out_dtype, bias in FLAGS[gemm]:
+            plan = fp8_gemm.cute_plan(ops[a].format, ops[b].format, out_dtype, bias, False)
+            out.add(plan.params)
+    return out
+
+
+@pytest.mark.parametrize("name, count", [("fp8_blockwise", 4), ("mxfp8", 3)])
+def test_plan_holds_the_fp8_gemms_the_runtime_builds(name: str, count: int) -> None:
+    plan = runtime_plan(load_recipe(name))
+    fp8 = plan.of_kind("gemm_sm90_fp8")
+    assert {k.spec for k in fp8} == runtime_params(name)
+    assert len(fp8) == count  # fp8_blockwise: fprop fp32 and bf16 + bias, dgrad, wgrad (1x128)
+    assert {k.archs for k in fp8} == {("sm_90a",)}
+    assert not runtime_plan(load_recipe(name), archs=("sm_100a",)).of_kind("gemm_sm90_fp8")
+    text = plan.gemm_text()
+    assert text.count('backend="cute": generated block-scaled FP8 kernel') == 3
+    uses = {u.text for k in fp8 for u in k.uses}
+    assert 'fprop: backend="cute", bf16 out, bias' in uses
+
+
+def test_fp8_blockwise_routes_name_scaled_mm_for_auto() -> None:
+    text = runtime_plan(load_recipe("fp8_blockwise"), archs=("sm_90a",)).gemm_text()
+    assert "torch scaled_mm BlockWise1x128 x BlockWise128x128" in text
+    assert "generated block-scaled FP8 kernel (e4m3 1x128 x e4m3 1x128 fp32, wgmma)" in text
+
+
+def test_measured_table_puts_the_kernel_on_auto(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A pair in fp8_gemm.CUTE_AUTO_MIN_M: the route says from which M auto takes it."""
+    monkeypatch.setitem(fp8_gemm.CUTE_AUTO_MIN_M, "e4m3 1x128 x e4m3 1x128 fp32", 512)
+    plan = runtime_plan(load_recipe("fp8_blockwise"), archs=("sm_90a",))
+    text = plan.gemm_text()
+    assert "M >= 512: generated block-scaled FP8 kernel (e4m3 1x128 x e4m3 1x128 fp32" in text
+    assert "M < 512: block-scaled FP8 GEMM: torch scaled_mm BlockWise1x128 x BlockWise1x128" in text
+    wgrad = [u.when for k in plan.of_kind("gemm_sm90_fp8") for u in k.uses if u.gemm == "wgrad"]
+    assert wgrad == ['backend="cute", auto for M >= 512, bf16 out']
+
+
+def test_manifest_lists_the_fp8_gemms_with_the_runtime_source(tmp_path: Path) -> None:
+    recipe = load_recipe("fp8_blockwise")
+    (build,) = prepare_builds([recipe], archs=("sm_90a", "sm_100a"), out=tmp_path)
+    items = [k for k in build.kernels if k.kind == "gemm_sm90_fp8"]
+    assert {k.planned.spec for k in items} == runtime_params("fp8_blockwise")
+    for item in items:
+        assert item.source == module_source(item.planned.spec)  # cute_kernel's text: one key
+        assert item.kernels == ("gemm",) and item.archs == ("sm_90a",)
+    data = manifest(build, ("sm_90a", "sm_100a"), template="t")
+    entries = {k["name"]: k for k in data["kernels"] if k["kind"] == "gemm_sm90_fp8"}
+    assert sorted(entries) == sorted(
+        [
+            "fp8gemm_e4m3_1x128_e4m3_128x128_fp32_fp32_m128n128s6",
+            "fp8gemm_e4m3_1x128_e4m3_128x128_fp32_bf16_bias_m128n128s6",
+            "fp8gemm_e4m3_1x128_e4m3_128x128_fp32_bf16_m128n128s6",
+            "fp8gemm_e4m3_1x128_e4m3_1x128_fp32_bf16_m128n128s6",
+        ]
+    )
+    bias = entries["fp8gemm_e4m3_1x128_e4m3_128x128_fp32_bf16_bias_m128n128s6"]
+    assert bias["archs"] == ["sm_90a"] and bias["file"] is None  # written with --gemm-sources
+    assert bias["status"] == "ok"
+    assert bias["spec"]["block_k"] == 128 and bias["spec"]["b_2d"] and bias["spec"]["bias"]
+    assert bias["spec"]["out"] == "bf16" and bias["spec"]["num_stages"] == 6
+    assert bias["uses"] == [
+        {"recipe": "fp8_blockwise", "context": "operands", "gemm": "fprop",
+         "when": 'backend="cute", bf16 out, bias'}
+    ]  # fmt: skip
+    source = module_source(next(k.planned.spec for k in items if k.name == bias["name"]))
+    assert bias["source_sha256"] == sha256_text(source)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not CUTE_DSL, reason="needs the CuTe DSL (nvidia-cutlass-dsl)")
+def test_compiled_fp8_gemms_load_without_compiling(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """fp8_blockwise for sm_90a with the quantize template stood in (a stub: only the FP8 GEMMs
+    are real compiles, about 2-5 s each on two cores); then the runtime's loader finds each of
+    the four kernels in the cache with compiling forbidden."""
+    from kernel_stub import render_stub
+
+    monkeypatch.setenv("CUTE_DSL_ARCH", "sm_90a")
+    cache = KernelCache(tmp_path / "cache")
+    report = compile_recipes(
+        [load_recipe("fp8_blockwise")],
+        archs=("sm_90a",),
+        out=tmp_path / "out",
+        cache=cache,
+        render=render_stub,
+        jobs=2,
+    )
+    fp8 = [r for r in report.results if r.kind == "gemm_sm90_fp8"]
+    assert len(fp8) == 4 and all(r.status == "ok" and not r.cached for r in fp8), fp8
+
+    def forbidden(module: Any, name: str, arch: str, **_: Any) -> Any:
+        raise AssertionError(f"compiled {Path(module.__file__).name} {name} for {arch}")
+
+    monkeypatch.setattr(jit, "compile_kernel", forbidden)
+    monkeypatch.setattr(fp8_gemm, "_cute_compiled", {})
+    monkeypatch.setattr(fp8_gemm, "_cute_loaded", {})
+    before = jit.compile_count()
+    for params in runtime_params("fp8_blockwise"):
+        assert callable(fp8_gemm.cute_kernel(params, cache))
+        stats = fp8_gemm._cute_loaded[params]
+        assert (stats.compiled, stats.loaded) == (0, 1), params.name
+    assert jit.compile_count() == before
