@@ -11,8 +11,11 @@ else is the debug model as torchtitan builds it.
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
+import os
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -20,6 +23,7 @@ import torch
 
 pytest.importorskip("torchtitan.models.llama3", reason="needs torchtitan 0.3 (.[torchtitan])")
 
+import torchtitan.distributed.parallel_dims as titan_dims  # noqa: E402
 from torchtitan.models.common.attention import (  # noqa: E402
     FlexAttention,
     ScaledDotProductAttention,
@@ -193,6 +197,35 @@ def test_step_hook_follows_the_optimizer_and_a_resumed_run() -> None:
 ROOT = Path(__file__).resolve().parent.parent
 
 
+# what the example's _rendezvous writes into os.environ (a one-rank group on a free port)
+RENDEZVOUS_VARS = ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK")
+
+
+def process_state() -> tuple[dict[str, str | None], str]:
+    return {k: os.environ.get(k) for k in RENDEZVOUS_VARS}, titan_dims.device_type
+
+
+@contextlib.contextmanager
+def example_process_state() -> Iterator[None]:
+    """What the example's ``train`` changes for its whole process, put back after it: the
+    rendezvous variables in ``os.environ`` and torchtitan's mesh device type (``"cpu"`` for a
+    CPU run). Left behind, they reach the tests run after it in the process (a pytest-xdist
+    worker): transformers' Trainer reads LOCAL_RANK as a distributed launch and runs a one-rank
+    DistributedDataParallel that leaves its process group initialized, after which the
+    example's own ``init_process_group`` fails ("trying to initialize the default process group
+    twice"); a GPU run after a CPU one builds its mesh on the CPU."""
+    (env, device_type) = process_state()
+    try:
+        yield
+    finally:
+        titan_dims.device_type = device_type
+        for name, value in env.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+
+
 def example():
     """examples/torchtitan/train_debug_model.py as a module (examples/ is not a package)."""
     name = "fp4gen_torchtitan_example"
@@ -215,7 +248,10 @@ def test_debug_model_trains_under_fsdp2_ac_and_compile_on_cpu() -> None:
     graph inputs, not constants; the BF16 block has its own; one recompile when fp4gen's
     non-finite mode is first read): one graph per block would hit dynamo's recompile limit at
     the ninth block under fullgraph=True (tests/test_compile_graph_breaks.py)."""
-    run = example().train("nvfp4_small", steps=3, device="cpu", seq=32, blocks=3)
+    before = process_state()
+    with example_process_state():
+        run = example().train("nvfp4_small", steps=3, device="cpu", seq=32, blocks=3)
+    assert process_state() == before  # nothing of the run reaches the next test
     losses, model, hook, graphs = run.losses, run.model, run.hook, run.graphs
     assert losses[-1] < losses[0], losses
     assert all(torch.isfinite(torch.tensor(losses)))
@@ -235,7 +271,10 @@ def test_debug_model_trains_under_fsdp2_ac_and_compile_on_gpu() -> None:
     on one GPU (FSDP2 with bf16 parameters,
     selective AC, inductor per block) and flex attention, the debug model converted with
     nvfp4_small, 10 AdamW steps: finite losses that fall, the schedule at step 10."""
-    run = example().train("nvfp4_small", steps=10, device="cuda")
+    before = process_state()
+    with example_process_state():
+        run = example().train("nvfp4_small", steps=10, device="cuda")
+    assert process_state() == before  # nothing of the run reaches the next test
     losses, model, hook, graphs = run.losses, run.model, run.hook, run.graphs
     assert all(torch.isfinite(torch.tensor(losses))), losses
     assert losses[-1] < losses[0], losses
@@ -272,3 +311,19 @@ def test_trainer_config_takes_the_fp4gen_section_from_the_command_line(monkeypat
     kept = {d.name for d in converter.decisions if d.kept}
     assert "layers.0.attention.wo" in kept and "layers.1.attention.wo" not in kept
     assert config.model_spec.post_optimizer_build_fn.hook.total_steps == 7
+
+
+def test_the_examples_process_state_is_put_back(monkeypatch: pytest.MonkeyPatch) -> None:
+    """What ``train`` changes for the process (the rendezvous it writes, the mesh device type a
+    CPU run sets), on a process that had none of it and a CUDA device type: all put back."""
+    monkeypatch.delenv("TORCHELASTIC_RUN_ID", raising=False)
+    for name in RENDEZVOUS_VARS:  # an empty environment, restored by monkeypatch
+        monkeypatch.setenv(name, "")
+        monkeypatch.delenv(name)
+    monkeypatch.setattr(titan_dims, "device_type", "cuda")
+    module = example()
+    with example_process_state():
+        module._rendezvous()
+        titan_dims.device_type = "cpu"  # what train(device="cpu") does
+        assert os.environ["LOCAL_RANK"] == "0" and os.environ["WORLD_SIZE"] == "1"
+    assert process_state() == (dict.fromkeys(RENDEZVOUS_VARS), "cuda")
