@@ -6,10 +6,13 @@ the step-tagged telemetry lands in output_dir. A tiny Llama from a config, no do
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import json
 import math
+import os
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -43,11 +46,29 @@ def load_example():
     return module
 
 
+# what torch.distributed launchers set: transformers' Trainer (through accelerate) reads
+# LOCAL_RANK as a distributed launch and then runs a DistributedDataParallel model
+RENDEZVOUS_VARS = ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK")
+
+
+@contextlib.contextmanager
+def single_process() -> Iterator[None]:
+    """The rendezvous variables out of ``os.environ`` while the example runs, put back after:
+    the run is a single-process one whatever an earlier test in the process (a pytest-xdist
+    worker) left there (a one-rank torch.distributed run writes them)."""
+    saved = {k: os.environ.pop(k) for k in RENDEZVOUS_VARS if k in os.environ}
+    try:
+        yield
+    finally:
+        os.environ.update(saved)
+
+
 def run(tmp_path: Path, *extra: str, steps: int = 8):
     example = load_example()
-    return example, example.main(
-        ["--steps", str(steps), "--telemetry", "1", "--out", str(tmp_path), *extra]
-    )
+    with single_process():
+        return example, example.main(
+            ["--steps", str(steps), "--telemetry", "1", "--out", str(tmp_path), *extra]
+        )
 
 
 def check_run(example, result, steps: int, tmp_path: Path, calls_per_step: int = 1) -> None:
@@ -154,6 +175,25 @@ def test_trainer_on_the_gpu(tmp_path: Path) -> None:
     example, result = run(tmp_path, steps=8)
     assert next(result.model.parameters()).device.type == "cuda"
     check_run(example, result, 8, tmp_path)
+
+
+def test_a_rendezvous_left_in_the_environment_does_not_make_the_run_distributed(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """LOCAL_RANK and the rest of a one-rank rendezvous in the environment (what an earlier
+    test's torch.distributed run in this process may leave): the example still trains as one
+    process, with no process group left behind, and the variables are there again after it."""
+    import torch.distributed as dist
+    from transformers.training_args import ParallelMode
+
+    leaked = dict(MASTER_ADDR="127.0.0.1", MASTER_PORT="29513", RANK="0", WORLD_SIZE="1")
+    for name, value in {**leaked, "LOCAL_RANK": "0"}.items():
+        monkeypatch.setenv(name, value)
+    _, result = run(tmp_path, steps=2)
+    assert result.trainer.args.parallel_mode is not ParallelMode.DISTRIBUTED
+    assert not dist.is_initialized()
+    assert type(result.trainer.model_wrapped) is type(result.model)  # no DDP wrapper
+    assert {k: os.environ.get(k) for k in RENDEZVOUS_VARS} == {**leaked, "LOCAL_RANK": "0"}
 
 
 # -- the callback's own rules, without a Trainer -------------------------------------------
