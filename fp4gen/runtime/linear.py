@@ -399,6 +399,7 @@ class Linear(nn.Linear):
         out_dtype: torch.dtype,
         *,
         keep_wgrad_input: bool = False,
+        fprop_copies: ops.SharedCopy | None = None,
     ) -> tuple[torch.Tensor, ops.WgradInput | None]:
         """fprop: y = Q(x) @ Q(W)^T (+ bias) [tokens, out], in fp32 rounded once to out_dtype
         (the GEMM's epilogue writes it). ``weight`` is the tensor the op was given (under FSDP2
@@ -406,7 +407,12 @@ class Linear(nn.Linear):
 
         With ``keep_wgrad_input`` (the caller saves for a backward that computes dW) and where
         ``keeps_wgrad_input`` allows, also x's wgrad copy, quantized now rather than in the
-        backward (``fp4gen.runtime.ops``: what is saved); else None."""
+        backward (``fp4gen.runtime.ops``: what is saved); else None.
+
+        ``fprop_copies`` (the compiled route's, ``fp4gen.runtime.ops``): where x's fprop
+        operand of the last layer that read this x is kept, for the next one whose operand
+        is the same (``shares_fprop_input``); the layer groups' sharing, which the compiled
+        route does not run."""
         table = self.operands
         if self._pass_mors(table, forward=True)[1]:
             _refuse_sr_capture(x2, (table.fprop_activation, table.fprop_weight), self.name)
@@ -423,7 +429,12 @@ class Linear(nn.Linear):
         shared = _last_copy.find(x2, share_key) if sharing else None
         own = keep and shared is None  # this call quantizes x's wgrad copy itself
         if graphs is None:
-            y, xq_t = self._fprop(x2, weight, bias, out_dtype, table, call, gathered, own)
+            x_quantized = None
+            if fprop_copies is not None and self.shares_fprop_input(table, x2):
+                x_quantized = self._shared_fprop_input(x2, table, call, fprop_copies)
+            y, xq_t = self._fprop(
+                x2, weight, bias, out_dtype, table, call, gathered, own, x_quantized=x_quantized
+            )
             kept = None if xq_t is None else ops.WgradInput.of(xq_t, x2.dtype)
         else:
             key = (
@@ -542,6 +553,33 @@ class Linear(nn.Linear):
         """Q(x; fprop.activation), x zero-padded to the fprop K, as ``_fprop`` makes it."""
         x2 = pad_to(x2, x2.shape[0], self.fprop_k(table))
         return self.quantize(x2, Operand.FPROP_ACTIVATION, table.fprop_activation, call)
+
+    def shares_fprop_input(self, table: OperandTable, x2: torch.Tensor) -> bool:
+        """Whether x's fprop operand made for another layer serves this one too, where its
+        ``fprop_input_key`` is equal: a block format whose elements and scales round to
+        nearest (no random stream, so the bits do not depend on which layer makes it), not
+        quantized with an amax group's all-reduce, and no CUDA graph capturing."""
+        spec = table.fprop_activation
+        fmt = spec.format
+        return (
+            isinstance(fmt, BlockFormat)
+            and not is_stochastic(spec.rounding)
+            and fmt.scale.rounding != "stochastic"
+            and not self._reduced(Operand.FPROP_ACTIVATION, spec)
+            and not (x2.is_cuda and torch.cuda.is_current_stream_capturing())
+        )
+
+    def _shared_fprop_input(
+        self, x2: torch.Tensor, table: OperandTable, call: int, copies: ops.SharedCopy
+    ) -> Any:
+        """x's fprop operand from ``copies`` where the last layer that read x made the same
+        one, else made now (``fprop_input``) and left there for the next layer."""
+        key = self.fprop_input_key(table)
+        found = copies.find(x2, key)
+        if found is None:
+            found = self.fprop_input(x2, table, call)
+            copies.remember(x2, key, found)
+        return found
 
     def backward_gemms(
         self, dy2: torch.Tensor, x2: torch.Tensor | ops.WgradInput, weight: torch.Tensor

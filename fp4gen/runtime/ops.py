@@ -19,6 +19,11 @@ through ``save_for_backward``, so activation checkpointing and saved-tensor hook
 The copy is the one the backward would quantize (round-to-nearest only, so no random stream
 depends on when it is made): the same bits either way.
 
+Under torch.compile each layer runs alone (no layer groups), so the ops share what the eager
+route's groups and its forward share among the layers that read one x (q, k and v; gate and
+up): the forward op x's fprop operand (``_forward_copy``), the backward op x's wgrad copy
+(``_backward_input``), each through a ``SharedCopy`` and only where no random stream is drawn.
+
 The ops' schemas are written out (``_LIBRARY.define``), with one kernel each, a fake kernel
 and the forward's autograd formula registered through ``torch.library``.
 """
@@ -242,7 +247,10 @@ def _linear_forward(
         label = layer.name or "fp4gen.nn.Linear"
         finite.check_given(x2, "{}: the input (as [tokens, in]) of shape {}", label, x2.shape)
         finite.check_given(weight, "{}: the weight of shape {}", label, weight.shape)
-        return row_major(layer.forward_gemm(x2, weight, bias, out_dtype)[0])
+        # layers reading the same x in a row share its fprop operand, as the eager route's
+        # layer groups do (``Linear.forward_gemm``)
+        y = layer.forward_gemm(x2, weight, bias, out_dtype, fprop_copies=_forward_copy)[0]
+        return row_major(y)
 
 
 @torch.library.register_fake("fp4gen::linear_forward", lib=_LIBRARY)
@@ -261,51 +269,81 @@ def _linear_backward(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(dx [tokens, in] in x2's dtype, dW [out, in] in the weight's) from dy2 [tokens, out]."""
     layer = _layer(layer_id)
+    _forward_copy.forget()  # a backward: the forward that could share an fprop operand is over
     with finite.layer_scope():
         check_output_grad(layer.name, dy2)
-        dx, dw = layer.backward_gemms(dy2, _backward_copy.input_for(layer, x2), weight)
+        dx, dw = layer.backward_gemms(dy2, _backward_input(layer, x2), weight)
         return row_major(dx), row_major(dw)
 
 
-class _SharedBackwardCopy:
+class SharedCopy:
+    """One quantized copy of an x, for the next layer that reads the same x (a Llama's q, k and
+    v projections; gate and up) under torch.compile, where the custom op runs each layer alone.
+
+    It is the same x when its tensor (the base of x2's view) is alive and the same object, with
+    the same address, layout, dtype and version counter (an in-place write bumps it), and the
+    copy's key (what the copy depends on besides x, given by the layer) is equal. Holds x weakly
+    (x's memory cannot be reused while the weak reference resolves) and one copy at a time."""
+
+    def __init__(self) -> None:
+        self.source: weakref.ref[torch.Tensor] | None = None
+        self.key: tuple[Any, ...] = ()
+        self.copy: Any = None
+
+    @staticmethod
+    def _identity(x2: torch.Tensor, key: tuple[Any, ...]) -> tuple[Any, ...]:
+        return (x2.data_ptr(), x2._version, x2.shape, x2.stride(), x2.dtype, x2.device, key)
+
+    def find(self, x2: torch.Tensor, key: tuple[Any, ...]) -> Any:
+        """The copy remembered for this x and key, else None."""
+        source = None if self.source is None else self.source()
+        base = x2 if x2._base is None else x2._base
+        if source is not base or self.key != self._identity(x2, key):
+            return None
+        return self.copy
+
+    def remember(self, x2: torch.Tensor, key: tuple[Any, ...], copy: Any) -> None:
+        """``copy`` is x2's under ``key`` (the previous copy is dropped)."""
+        base = x2 if x2._base is None else x2._base
+        self.source, self.key, self.copy = weakref.ref(base), self._identity(x2, key), copy
+
+    def forget(self) -> None:
+        self.source, self.key, self.copy = None, (), None
+
+
+def _capturing(x2: torch.Tensor) -> bool:
+    return x2.is_cuda and torch.cuda.is_current_stream_capturing()
+
+
+def _backward_input(layer: Any, x2: torch.Tensor) -> "torch.Tensor | WgradInput":
     """x's wgrad copy for the compiled backward, shared by the layers that read one x.
 
     The custom op saves x, not its wgrad copy, so each layer's backward quantized x for wgrad
     again: a Llama's q, k and v quantized their one input three times, gate and up twice (the
     eager route quantizes it once, in the forward: ``Linear.forward_gemm``'s shared copy).
     Here the first backward that reads an x quantizes its copy (``Linear.wgrad_activation``)
-    and the next ones that read the same x (same base tensor, address, layout and version) with
-    the same copy key (``Linear._copy_key``) take it. Only where the layer would keep the copy
-    eagerly (``keeps_wgrad_input``: round to nearest, so the bits do not depend on which layer
-    makes it) and not while a CUDA graph captures. Holds x weakly and one copy at a time; a
-    forward drops it."""
-
-    def __init__(self) -> None:
-        self.source: weakref.ref[torch.Tensor] | None = None
-        self.key: tuple[Any, ...] = ()
-        self.copy: WgradInput | None = None
-
-    def input_for(self, layer: Any, x2: torch.Tensor) -> "torch.Tensor | WgradInput":
-        table = layer.operands
-        if not layer.keeps_wgrad_input(table) or (
-            x2.is_cuda and torch.cuda.is_current_stream_capturing()
-        ):
-            return x2
-        base = x2 if x2._base is None else x2._base
-        key = (x2.data_ptr(), x2._version, x2.shape, x2.stride(), x2.dtype, layer._copy_key(table))
-        source = None if self.source is None else self.source()
-        if source is base and key == self.key and self.copy is not None:
-            return self.copy
-        quantized = layer.wgrad_activation(x2, table, layer._backward_calls)
-        self.source, self.key = weakref.ref(base), key
-        self.copy = WgradInput.of(quantized, x2.dtype)
-        return self.copy
-
-    def forget(self) -> None:
-        self.source, self.key, self.copy = None, (), None
+    and the next ones that read the same x with the same copy key (``Linear._copy_key``) take
+    it (``_backward_copy``). Only where the layer would keep the copy eagerly
+    (``keeps_wgrad_input``: round to nearest, so the bits do not depend on which layer makes
+    it) and not while a CUDA graph captures. A forward drops it."""
+    table = layer.operands
+    if not layer.keeps_wgrad_input(table) or _capturing(x2):
+        return x2
+    key = layer._copy_key(table)
+    found = _backward_copy.find(x2, key)
+    if found is not None:
+        return found
+    quantized = layer.wgrad_activation(x2, table, layer._backward_calls)
+    copy = WgradInput.of(quantized, x2.dtype)
+    _backward_copy.remember(x2, key, copy)
+    return copy
 
 
-_backward_copy = _SharedBackwardCopy()
+# the compiled backward's shared wgrad copy (``_backward_input``) and the compiled forward's
+# shared fprop operand of x (``Linear.forward_gemm``'s ``fprop_copies``): each dropped when
+# the other pass begins, so that neither outlives the pass that could share it
+_backward_copy = SharedCopy()
+_forward_copy = SharedCopy()
 
 
 _LIBRARY.impl("linear_forward", _linear_forward, "CompositeExplicitAutograd")
