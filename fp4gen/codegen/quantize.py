@@ -853,7 +853,7 @@ def tile_context(spec: QuantKernelSpec) -> TileContext:
     col_word = _store_bytes(col_bytes, max(m_mult * bits // 8, 1)) if col else 1
     sr_any = any(o.sr for o in outputs)
     names = {"Float32", "Int32", "Int64", "Uint8", "Uint32", "range_constexpr"}
-    if two_d and spec.global_scale and not sr_any and not any(o.swizzled for o in outputs):
+    if spec.global_scale and not sr_any and not any(o.swizzled for o in outputs):
         names.remove("Uint32")  # no random words, NaN stores or swizzled codes spell it
     bf16_input = spec.input_dtype == "bf16"
     swizzled = any(o.swizzled for o in outputs)

@@ -24,10 +24,13 @@ from dataclasses import dataclass
 
 import cutlass
 import cutlass.cute as cute
-from cutlass import Float32, Int32, Uint32
+from cutlass import Float32, Int32, Uint32, const_expr, range_constexpr
 
 from fp4gen.kernels import philox, quant_ptx
-from fp4gen.kernels.scale import FLT_MAX
+from fp4gen.kernels.scale import (
+    FLT_MAX,
+    global_scales,
+)
 from fp4gen.vocab import DTYPES
 
 MAX_GRID_Y = 65535  # CUDA's limit on gridDim.y
@@ -439,8 +442,166 @@ class TileStrip:
         return rows
 
 
+@dataclass(frozen=True)
+class TileAmaxParams:
+    """What the tile kernels' amax kernel depends on besides its tensors."""
+
+    strip: TileParams
+    slot_rht: tuple[bool, ...]  # per amax slot: is it the column RHT's (else |x|)
+    prep: bool  # the last CTA prepares S_dec, k_enc and the encode-factor tables
+    copies: tuple[tuple[str, int], ...] = ()  # (tag, amax slot) of each copy, in output order
+    fold: tuple[str, ...] = ()  # tags of the copies whose tables fold half_scale in
+    fold_sdec_max: float = 0.0  # the S_dec up to which folded encode factors stay normal
+    half_scale: float = 0.0  # the fp16 image's factor (ElementParams.half_scale)
+    inv_max: float = 0.0  # fp32(1 / element max)
+    global_num: float = 0.0  # fp32(scale max * element max)
+
+    @property
+    def const_head(self) -> int:
+        """Where (k_enc, S_dec) of each copy start in the prepared constants: after the tables."""
+        return 256 * len(self.copies)
+
+
+class TileAmaxKernel:
+    """Global amaxes into zero-initialised fp32 [1] buffers, one per slot (|x|, or |x| after the
+    column RHT): each CTA reduces its tile, one atomic max per slot. With ``prep`` the last CTA
+    to finish (a counter in a zero-initialised int32 [1]) then prepares, from the final amaxes,
+    what every CTA of the quantize kernel needs: S_dec and k_enc of each copy and its table of
+    the 256 encode factors, and writes each copy's S_dec. A generated module's subclass spells
+    the entry: ``__call__`` -> ``launch``, ``kernel`` -> ``body``."""
+
+    def __init__(self, params: TileAmaxParams, arch: str) -> None:
+        self.p = params
+        self.arch = arch
+        self.strip = TileStrip(params.strip)
+
+    def fold_ok(self, s_dec: list):
+        """S_dec <= fold_sdec_max for every copy that folds half_scale into its table (s_dec:
+        each slot's S_dec)."""
+        fold_ok = None
+        for tag, slot in self.p.copies:
+            if tag in self.p.fold:
+                ok = s_dec[slot] <= Float32(self.p.fold_sdec_max)
+                fold_ok = ok if fold_ok is None else fold_ok & ok
+        return fold_ok
+
+    @cute.jit
+    def launch(self, mX: cute.Tensor, amaxes: list, prepared: list, stream):
+        """amaxes: the (1,) fp32 buffer of each slot; prepared: [counter, constants, S_dec of
+        each copy] with ``prep``, else []."""
+        M, K = mX.shape[0], mX.shape[1]
+        tiles_k, grid = self.strip.grid(M, K)
+        if const_expr(not self.p.strip.grid_2d):
+            grid = [grid, 1, 1]
+        self.kernel(self.strip.units(mX), *amaxes, *prepared, M, K, tiles_k).launch(
+            grid=grid, block=[self.p.strip.threads, 1, 1], stream=stream
+        )
+
+    @cute.jit
+    def body(self, gX, amaxes: list, mCount, mConst, sdecs: list, M, K, tiles_k):
+        p, sp, strip = self.p, self.p.strip, self.strip
+        threads = sp.threads
+        tidx, _, _ = cute.arch.thread_idx()
+        if const_expr(sp.grid_2d):
+            row0, col0, _, _, _ = strip.strip_origin_2d(tidx, tiles_k)
+        else:
+            bidx, _, _ = cute.arch.block_idx()
+            row0, col0, _, _, _ = strip.strip_origin(tidx, bidx, tiles_k)
+        frags = strip.load_strip(gX, row0, col0, M, K)
+        xfs = strip.rows_f32(frags)
+        accs = []
+        for s in range_constexpr(len(p.slot_rht)):
+            if const_expr(p.slot_rht[s]):
+                acc = strip.rht_amax(column(xfs, 0))
+                for j in range_constexpr(1, sp.vec):
+                    acc = fmax_nan(acc, strip.rht_amax(column(xfs, j)))
+                # a strip past M (all rows clamped to M - 1) is no chunk of x: M % RHT_SIZE == 0,
+                # so a strip is either whole or out
+                accs.append(Float32(cutlass.select_(row0 < M, acc, Float32(0.0))))
+            else:
+                accs.append(strip.strip_absmax(frags, xfs))
+
+        # CTA reduction per slot: warp shuffles, one shared-memory slot per warp, warp 0 ends;
+        # every max propagates NaN, so a NaN reaches the atomic as the canonical (positive) NaN
+        slots = len(p.slot_rht)
+        smem = cutlass.memory.SmemAllocator()
+        red = smem.allocate_tensor(
+            Float32, cute.make_layout(slots * (threads // 32)), byte_alignment=16
+        )
+        warp = cute.arch.warp_idx()
+        lane = cute.arch.lane_idx()
+        for s in range_constexpr(slots):
+            acc = cute.arch.warp_reduction(accs[s], fmax_nan)
+            if lane == 0:
+                red[s * (threads // 32) + warp] = acc
+        cute.arch.barrier()
+        if warp == 0:
+            for w_slot in range_constexpr(slots):
+                w = Float32(0.0)
+                if lane < threads // 32:
+                    w = red[w_slot * (threads // 32) + lane]
+                w = cute.arch.warp_reduction(w, fmax_nan)
+                if lane == 0:
+                    # |x| >= 0: the fp32 max is the integer max of the bits (Inf and the
+                    # positive NaN above every finite value)
+                    cute.arch.atomic_fmax(amaxes[w_slot].iterator, w, sign_bit=False)
+        if const_expr(p.prep):
+            # ---- the last CTA to count itself sees every CTA's atomic max: it prepares S_dec,
+            # k_enc and the encode-factor tables once for the quantize kernel, not once per CTA
+            last = smem.allocate_tensor(Int32, cute.make_layout(1), byte_alignment=4)
+            if tidx == 0:
+                gdx, gdy, _ = cute.arch.grid_dim()
+                # acq_rel: this CTA's atomic maxes (same thread) are ordered before its count
+                done = quant_ptx.count_cta(mCount.iterator.toint())
+                last[0] = Int32(cutlass.select_(done == Uint32(gdx * gdy - 1), Int32(1), Int32(0)))
+            cute.arch.barrier()
+            if last[0] != 0:
+                self.prepare(amaxes, mCount, mConst, sdecs, tidx)
+
+    def prepare(self, amaxes: list, mCount, mConst, sdecs: list, tidx):
+        """The last CTA's work: S_dec and k_enc of each copy and its encode-factor table into
+        the prepared constants, S_dec into each copy's buffer, the counter reset."""
+        p, strip = self.p, self.strip
+        threads = p.strip.threads
+        s_enc = []
+        s_dec = []
+        for amax in amaxes:
+            s_enc_s, s_dec_s = global_scales(
+                quant_ptx.load_acquire(amax.iterator.toint()), p.global_num
+            )
+            s_enc.append(s_enc_s)
+            s_dec.append(s_dec_s)
+        fold_f = None
+        if p.fold:
+            # half_scale folded into the tables of the fp16-image copies while S_dec <=
+            # fold_sdec_max (every entry a normal fp32); the quantize kernel checks the same
+            fold_ok = self.fold_ok(s_dec)
+            fold_f = Float32(cutlass.select_(fold_ok, Float32(p.half_scale), Float32(1.0)))
+        for i, (tag, slot) in enumerate(p.copies):
+            for t in range(256 // threads):
+                code = tidx + t * threads
+                e_b = strip.encode_factor(Uint32(code), s_dec[slot])
+                mConst[i * 256 + code] = e_b * fold_f if tag in p.fold else e_b
+        self.store_prepared(mCount, mConst, sdecs, s_enc, s_dec, tidx)
+
+    @cute.jit
+    def store_prepared(self, mCount, mConst, sdecs: list, s_enc: list, s_dec: list, tidx):
+        """Thread 0: the counter reset, (k_enc, S_dec) of each copy, each copy's S_dec."""
+        p = self.p
+        if tidx == 0:
+            mCount[0] = Int32(0)  # ready for another launch on the same buffers
+            for i in range_constexpr(len(p.copies)):
+                slot = p.copies[i][1]
+                # k_enc = fp32(S_enc * fp32(1 / ELEM_MAX))
+                mConst[p.const_head + 2 * i] = s_enc[slot] * Float32(p.inv_max)
+                mConst[p.const_head + 2 * i + 1] = s_dec[slot]
+                sdecs[i][0] = s_dec[slot]
+
+
 __all__ = [
     "MAX_GRID_Y",
+    "TileAmaxKernel",
+    "TileAmaxParams",
     "TileParams",
     "TileStrip",
     "absmax",

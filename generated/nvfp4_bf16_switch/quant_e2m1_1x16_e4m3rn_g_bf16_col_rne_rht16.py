@@ -57,7 +57,7 @@ import cuda.bindings.driver as cuda
 import cutlass
 import cutlass.cute as cute
 import torch
-from cutlass import Float32, Int32, Int64, Uint8, Uint32, range_constexpr
+from cutlass import Float32, Int32, Int64, Uint8, range_constexpr
 
 from fp4gen.device_offset import DeviceOffset
 from fp4gen.errors import TensorError
@@ -225,16 +225,22 @@ COL_OFFSETS = TILE.col_offsets  # ... and across a column block
 store_if = quant_ptx.store_if  # the predicated store of codes and scales
 
 
-class AmaxKernel:
-    """Global amaxes into zero-initialised fp32 [1] buffers, one per slot (slot 0: after
-    the column RHT):
-    each CTA reduces its tile, one atomic max per slot. The last CTA to finish (a counter
-    in a zero-initialised int32 [1]) then prepares, from the final amaxes, what every CTA of the
-    quantize kernel needs: S_dec and k_enc of each copy and its encode-factor table (CONST_*),
-    and writes each copy's S_dec."""
+AMAX_PARAMS = tile.TileAmaxParams(
+    strip=TILE,
+    slot_rht=(True,),  # per slot: after the column RHT
+    prep=True,
+    copies=(("col", 0),),  # (tag, amax slot)
+    inv_max=INV_ELEM_MAX,
+    global_num=GLOBAL_NUM,
+)
+
+
+class AmaxKernel(tile.TileAmaxKernel):
+    """The global amax kernel of this spec (fp4gen.kernels.tile.TileAmaxKernel), with its
+    arguments: the entry of the compiled function and of the kernel."""
 
     def __init__(self, arch: str):
-        self.arch = arch
+        super().__init__(AMAX_PARAMS, arch)
 
     @cute.jit
     def __call__(
@@ -246,18 +252,7 @@ class AmaxKernel:
         mSdec_col: cute.Tensor,  # (1,) fp32 out: S_dec of the columnwise copy
         stream: cuda.CUstream,
     ):
-        M, K = mX.shape[0], mX.shape[1]
-        tiles_k, grid = STRIP.grid(M, K)
-        self.kernel(
-            STRIP.units(mX),
-            mAmax0,
-            mCount,
-            mConst,
-            mSdec_col,
-            M,
-            K,
-            tiles_k,
-        ).launch(grid=grid, block=[THREADS, 1, 1], stream=stream)
+        self.launch(mX, [mAmax0], [mCount, mConst, mSdec_col], stream)
 
     @cute.kernel
     def kernel(
@@ -271,62 +266,8 @@ class AmaxKernel:
         K: Int32,
         tiles_k: Int32,
     ):
-        tidx, _, _ = cute.arch.thread_idx()
-        row0, col0, _, _, _ = STRIP.strip_origin_2d(tidx, tiles_k)
-        frags = STRIP.load_strip(gX, row0, col0, M, K)
-        xfs = STRIP.rows_f32(frags)
-        accs = []
-        acc = STRIP.rht_amax(tile.column(xfs, 0))
-        for j in range_constexpr(1, VEC):
-            acc = tile.fmax_nan(acc, STRIP.rht_amax(tile.column(xfs, j)))
-        # a strip past M (all rows clamped to M - 1) is no chunk of x: M % RHT_SIZE == 0, so a
-        # strip is either whole or out
-        accs.append(Float32(cutlass.select_(row0 < M, acc, Float32(0.0))))
-
-        # CTA reduction per slot: warp shuffles, one shared-memory slot per warp, warp 0 ends;
-        # every max propagates NaN, so a NaN reaches the atomic as the canonical (positive) NaN
-        smem = cutlass.memory.SmemAllocator()
-        red = smem.allocate_tensor(
-            Float32, cute.make_layout(AMAX_SLOTS * (THREADS // 32)), byte_alignment=16
-        )
-        warp = cute.arch.warp_idx()
-        lane = cute.arch.lane_idx()
-        for s in range_constexpr(AMAX_SLOTS):
-            acc = cute.arch.warp_reduction(accs[s], tile.fmax_nan)
-            if lane == 0:
-                red[s * (THREADS // 32) + warp] = acc
-        cute.arch.barrier()
-        if warp == 0:
-            w0 = Float32(0.0)
-            if lane < THREADS // 32:
-                w0 = red[0 * (THREADS // 32) + lane]
-            w0 = cute.arch.warp_reduction(w0, tile.fmax_nan)
-            if lane == 0:
-                # |x| >= 0: the fp32 max is the integer max of the bits (Inf and the positive
-                # NaN above every finite value)
-                cute.arch.atomic_fmax(mAmax0.iterator, w0, sign_bit=False)
-
-        # ---- the last CTA to count itself sees every CTA's atomic max: it prepares S_dec, k_enc
-        # and the encode-factor tables once for the quantize kernel, not once per CTA there
-        last = smem.allocate_tensor(Int32, cute.make_layout(1), byte_alignment=4)
-        if tidx == 0:
-            gdx, gdy, _ = cute.arch.grid_dim()
-            # acq_rel: this CTA's atomic maxes (same thread) are ordered before its count
-            done = quant_ptx.count_cta(mCount.iterator.toint())
-            last[0] = Int32(cutlass.select_(done == Uint32(gdx * gdy - 1), Int32(1), Int32(0)))
-        cute.arch.barrier()
-        if last[0] != 0:
-            s_enc0, s_dec0 = global_scales(quant_ptx.load_acquire(mAmax0.iterator.toint()))
-            for t in range_constexpr(256 // THREADS):
-                code = tidx + t * THREADS
-                e_b = STRIP.encode_factor(Uint32(code), s_dec0)
-                mConst[0 + code] = e_b
-            if tidx == 0:
-                mCount[0] = Int32(0)  # ready for another launch on the same buffers
-                # k_enc = fp32(S_enc * fp32(1 / ELEM_MAX))
-                mConst[CONST_HEAD + 0] = s_enc0 * Float32(INV_ELEM_MAX)
-                mConst[CONST_HEAD + 1] = s_dec0
-                mSdec_col[0] = s_dec0
+        sdecs = [mSdec_col]
+        self.body(gX, [mAmax0], mCount, mConst, sdecs, M, K, tiles_k)
 
 
 class QuantizeKernel:

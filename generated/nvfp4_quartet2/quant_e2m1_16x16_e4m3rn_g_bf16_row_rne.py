@@ -201,12 +201,19 @@ COL_OFFSETS = TILE.col_offsets  # ... and across a column block
 store_if = quant_ptx.store_if  # the predicated store of codes and scales
 
 
-class AmaxKernel:
-    """Global amaxes into zero-initialised fp32 [1] buffers, one per slot:
-    each CTA reduces its tile, one atomic max per slot."""
+AMAX_PARAMS = tile.TileAmaxParams(
+    strip=TILE,
+    slot_rht=(False,),  # per slot: after the column RHT
+    prep=False,
+)
+
+
+class AmaxKernel(tile.TileAmaxKernel):
+    """The global amax kernel of this spec (fp4gen.kernels.tile.TileAmaxKernel), with its
+    arguments: the entry of the compiled function and of the kernel."""
 
     def __init__(self, arch: str):
-        self.arch = arch
+        super().__init__(AMAX_PARAMS, arch)
 
     @cute.jit
     def __call__(
@@ -215,15 +222,7 @@ class AmaxKernel:
         mAmax0: cute.Tensor,
         stream: cuda.CUstream,
     ):
-        M, K = mX.shape[0], mX.shape[1]
-        tiles_k, grid = STRIP.grid(M, K)
-        self.kernel(
-            STRIP.units(mX),
-            mAmax0,
-            M,
-            K,
-            tiles_k,
-        ).launch(grid=[grid, 1, 1], block=[THREADS, 1, 1], stream=stream)
+        self.launch(mX, [mAmax0], [], stream)
 
     @cute.kernel
     def kernel(
@@ -234,36 +233,7 @@ class AmaxKernel:
         K: Int32,
         tiles_k: Int32,
     ):
-        tidx, _, _ = cute.arch.thread_idx()
-        bidx, _, _ = cute.arch.block_idx()
-        row0, col0, _, _, _ = STRIP.strip_origin(tidx, bidx, tiles_k)
-        frags = STRIP.load_strip(gX, row0, col0, M, K)
-        xfs = STRIP.rows_f32(frags)
-        accs = []
-        accs.append(STRIP.strip_absmax(frags, xfs))
-
-        # CTA reduction per slot: warp shuffles, one shared-memory slot per warp, warp 0 ends;
-        # every max propagates NaN, so a NaN reaches the atomic as the canonical (positive) NaN
-        smem = cutlass.memory.SmemAllocator()
-        red = smem.allocate_tensor(
-            Float32, cute.make_layout(AMAX_SLOTS * (THREADS // 32)), byte_alignment=16
-        )
-        warp = cute.arch.warp_idx()
-        lane = cute.arch.lane_idx()
-        for s in range_constexpr(AMAX_SLOTS):
-            acc = cute.arch.warp_reduction(accs[s], tile.fmax_nan)
-            if lane == 0:
-                red[s * (THREADS // 32) + warp] = acc
-        cute.arch.barrier()
-        if warp == 0:
-            w0 = Float32(0.0)
-            if lane < THREADS // 32:
-                w0 = red[0 * (THREADS // 32) + lane]
-            w0 = cute.arch.warp_reduction(w0, tile.fmax_nan)
-            if lane == 0:
-                # |x| >= 0: the fp32 max is the integer max of the bits (Inf and the positive
-                # NaN above every finite value)
-                cute.arch.atomic_fmax(mAmax0.iterator, w0, sign_bit=False)
+        self.body(gX, [mAmax0], None, None, [], M, K, tiles_k)
 
 
 class QuantizeKernel:
