@@ -29,8 +29,14 @@ decodes to the same value bit for bit (``import_quantized`` checks nothing else 
 The experts of a Mixtral or Qwen3-MoE model (one module of 3-D parameters in transformers 5)
 are written per expert in the layout of the family's hub checkpoints, each expert's gate, up and
 down projection a layer of the checkpoint's format (``EXPERTS_HUB``, ``experts_export``; gate and
-up share the fused slice's global scale). Experts without such a layout (gpt-oss) are written as
-3-D tensors in high precision and listed in exclude_modules.
+up share the fused slice's global scale). gpt-oss experts quantized in MXFP4 are written as
+gpt-oss's own hub checkpoints hold them (``<experts>.gate_up_proj_blocks`` uint8 [E, 2I, H/32,
+16] and ``_scales`` uint8 [E, 2I, H/32] ue8m0, ``down_proj_blocks`` / ``_scales`` likewise, the
+biases as they are) with config.json's ``quantization_config`` {"quant_method": "mxfp4"}, which
+transformers' Mxfp4 quantizer and vLLM's gpt-oss loader read (``GPT_OSS_MXFP4``); both load
+every other linear layer in high precision, so such a checkpoint writes them so. Other experts
+without a per-expert layout (gpt-oss in another format) are written as 3-D tensors in high
+precision and listed in exclude_modules.
 
 ``import_quantized`` reads such a folder back into a state_dict of dequantized weights (the
 experts' 3-D parameters put back together).
@@ -190,6 +196,14 @@ def engine_note(quant_algo: str) -> str:
     )
 
 
+GPT_OSS_NOTE = (
+    "gpt-oss's MXFP4 checkpoint: the experts as gpt-oss's hub checkpoints hold them "
+    '(*_blocks, *_scales), config.json quant_method "mxfp4": transformers\' Mxfp4 quantizer '
+    "(dequantized to bf16 where it has no MXFP4 kernel) and vLLM's gpt-oss loader read it; the "
+    "other linear layers in high precision, as those loaders read them"
+)
+
+
 # ---------------------------------------------------------------------------------------------
 # export
 # ---------------------------------------------------------------------------------------------
@@ -262,6 +276,18 @@ EXPERTS_HUB: dict[str, tuple[tuple[str, str, str], str | None]] = {
 }
 
 
+# gpt-oss's MXFP4 checkpoint (the openai/gpt-oss hub folders): each experts module's two 3-D
+# weights as ``<proj>_blocks`` (two e2m1 codes per byte, element 0 in the low nibble, 16 bytes
+# per 32-value block) and ``<proj>_scales`` (ue8m0 codes), [out, in] per expert, and config.json
+# quant_method "mxfp4". transformers (integrations/mxfp4.py) and vLLM (quantization/mxfp4.py:
+# every LinearBase unquantized) load the other linear layers in high precision.
+GPT_OSS_MXFP4 = "mxfp4"  # config.json's quant_method
+GPT_OSS_DENSE_REASON = (
+    "gpt-oss's MXFP4 checkpoints quantize the experts only: transformers' Mxfp4 quantizer and "
+    "vLLM's mxfp4 method load every other linear layer in high precision"
+)
+
+
 def experts_export(name: str, module: nn.Module) -> ExpertsLayout | str:
     """The checkpoint layout of the experts module ``name`` (a ``GroupedExperts`` or the
     transformers module it replaces), or why it has none."""
@@ -302,6 +328,7 @@ class _Layer:
     algo: str | None = None  # None: written in high precision
     spec: OperandSpec | None = None
     experts: ExpertsLayout | None = None  # an experts module written per expert
+    gpt_oss: bool = False  # gpt-oss experts in gpt-oss's MXFP4 layout (3-D blocks and scales)
 
     def names(self) -> list[str]:
         """The checkpoint's layer names this layer is written as."""
@@ -489,6 +516,10 @@ def _experts_layer(
     else (no known layout) its 3-D tensors in high precision under their own keys, listed in
     exclude_modules so that no engine reads them as quantized."""
     found = "no model" if module is None else experts_export(d.name, module)
+    if isinstance(found, str) and module is not None:
+        layer = _gpt_oss_layer(d, state, module)
+        if layer is not None:
+            return layer
     if isinstance(found, str):
         reason = (
             f"{d.experts} experts: written in high precision as 3-D tensors ({found}; "
@@ -515,6 +546,44 @@ def _experts_layer(
         return layer
     layer.reason = f"{d.precision} ({d.reason}); {where}, gate and up share a global scale"
     return layer
+
+
+def _gpt_oss_layer(
+    d: LayerDecision, state: dict[str, torch.Tensor], module: nn.Module
+) -> _Layer | None:
+    """gpt-oss experts the recipe quantizes in MXFP4 (1x32 or 32x32 blocks, ue8m0 scales)
+    with H and I multiples of 32: a layer written in gpt-oss's own MXFP4 layout; None for
+    anything else (other formats keep the 3-D high-precision export and its reason)."""
+    if type(getattr(module, "source", module)).__name__ != "GptOssExperts" or d.kept:
+        return None
+    assert d.table is not None
+    spec = d.table.fprop_weight
+    if export_algo(spec, d.name) != "MXFP4":
+        return None
+    down = state[f"{d.name}.down_proj"]  # [E, I, H] (y = x W)
+    bad = [k for k in (down.shape[2], down.shape[1]) if k % GROUP_SIZE["MXFP4"]]
+    if bad:
+        return None
+    reason = (
+        f"{d.precision} ({d.reason}); gpt-oss's layout: {d.name}.{{gate_up,down}}_proj_blocks "
+        "and _scales"
+    )
+    return _Layer(d.name, torch.empty(0), False, reason, "MXFP4", spec, gpt_oss=True)
+
+
+def _gpt_oss_tensors(layer: _Layer, key: str, value: torch.Tensor, seed: int) -> dict[str, Any]:
+    """``<key>_blocks`` uint8 [E, N, K/32, 16] and ``<key>_scales`` uint8 [E, N, K/32] of a
+    gpt-oss experts weight (``gate_up_proj`` [E, H, 2I] or ``down_proj`` [E, I, H], y = x W):
+    each expert's [N, K] = W^T quantized as its fprop GEMM quantizes it (the GEMM's weight
+    operand; gate and up rows interleaved as the model holds them)."""
+    blocks, scales = [], []
+    for e in range(value.shape[0]):
+        one = _Layer(f"{layer.name}[{e}]", value[e].t(), False, "", layer.algo, layer.spec)
+        parts = {k.rpartition(".")[2]: t for k, t in _quantized_tensors(one, seed).items()}
+        packed, codes = parts["weight"], parts["weight_scale"]  # [N, K/2], [N, K/32]
+        blocks.append(packed.reshape(packed.shape[0], codes.shape[1], -1))
+        scales.append(codes)
+    return {f"{key}_blocks": torch.stack(blocks), f"{key}_scales": torch.stack(scales)}
 
 
 def _experts_tensors(
@@ -796,6 +865,10 @@ def export_quantized(
     seed: the Philox seed of a stochastic rounding of the fprop weight (none of the shipped
         recipes rounds weights stochastically).
 
+    gpt-oss experts quantized in MXFP4 are written in gpt-oss's own layout (``*_blocks``,
+    ``*_scales``; config.json quant_method "mxfp4"), and then every other linear layer in high
+    precision: gpt-oss's MXFP4 loaders (transformers, vLLM) read only the experts quantized.
+
     Layers whose K (in_features) is not a multiple of the group size (16 for NVFP4, 32 for MX)
     have no inference layout: they are written in high precision and listed as excluded.
     A transformers Conv1D (GPT-2) layer's quantized weight is written [out, in] (blocks run
@@ -824,6 +897,12 @@ def export_quantized(
     decisions, state = _decisions(model, recipe)
     modules = dict(model.named_modules()) if isinstance(model, nn.Module) else None
     layers = _layers(decisions, state, modules)
+    gpt_oss = [layer for layer in layers if layer.gpt_oss]
+    if gpt_oss:  # gpt-oss's MXFP4 checkpoint: its loaders read only the experts quantized
+        for layer in layers:
+            if layer.algo is not None and not layer.gpt_oss:
+                layer.algo = None
+                layer.reason = f"{GPT_OSS_DENSE_REASON} (trained as {layer.reason})"
     quantized = [layer for layer in layers if layer.algo is not None]
     if not quantized:
         raise ExportError(
@@ -849,9 +928,16 @@ def export_quantized(
     by_expert_key = {
         f"{layer.name}.{p}": layer for layer in experts for p in ("gate_up_proj", "down_proj")
     }
+    by_gpt_oss_key = {
+        f"{layer.name}.{p}": layer for layer in gpt_oss for p in ("gate_up_proj", "down_proj")
+    }
     tensors: dict[str, torch.Tensor] = {}
     seen: set[int] = set()
     for key, value in state.items():
+        gpt_oss_layer = by_gpt_oss_key.get(key)
+        if gpt_oss_layer is not None:
+            tensors.update(_gpt_oss_tensors(gpt_oss_layer, key, value, seed))
+            continue
         expert_layer = by_expert_key.get(key)
         if expert_layer is not None:
             tensors.update(_experts_tensors(expert_layer, key, value, seed, dtype))
@@ -922,6 +1008,8 @@ def export_quantized(
         ours["transposed_conv1d"] = conv1d
     if experts:
         ours["experts"] = [layer.experts.described() for layer in experts if layer.experts]
+    if gpt_oss:
+        ours["gpt_oss_experts"] = [layer.name for layer in gpt_oss]
     if ours:
         quant_config["fp4gen"] = ours
 
@@ -955,7 +1043,7 @@ def export_quantized(
         tuple(excluded),
         tuple(replaced),
         config_algo,
-        engine_note(config_algo),
+        GPT_OSS_NOTE if gpt_oss else engine_note(config_algo),
     )
 
 
@@ -983,8 +1071,16 @@ def quantization_config(quant_config: dict[str, Any], algos: Mapping[str, str]) 
     form Model Optimizer writes there (config groups, ignore, quant_algo, producer, quant_method
     "modelopt"); ``algos`` maps each quantized layer to its checkpoint quant_algo. quant_method
     is "modelopt" only where an engine's ModelOpt loader reads the checkpoint (ENGINE_ALGOS),
-    else "fp4gen", which no engine claims: it refuses the folder instead of misreading it."""
+    else "fp4gen", which no engine claims: it refuses the folder instead of misreading it. A
+    checkpoint with gpt-oss experts in gpt-oss's MXFP4 layout gets gpt-oss's own entry instead
+    (quant_method "mxfp4", modules_to_not_convert: the layers written in high precision)."""
     section = quant_config["quantization"]
+    if quant_config.get("fp4gen", {}).get("gpt_oss_experts"):
+        # gpt-oss's own form (its hub config.json), what its mxfp4 loaders read
+        return {
+            "modules_to_not_convert": list(section["exclude_modules"]),
+            "quant_method": GPT_OSS_MXFP4,
+        }
     quant_algo = section["quant_algo"]
     if quant_algo == "MIXED_PRECISION":
         groups = {}
@@ -1363,7 +1459,32 @@ def import_quantized(path: str | Path, *, dtype: torch.dtype | None = None) -> Q
         out[f"{name}.weight"] = values if dtype is None else values.to(dtype)
     for described in config.get("fp4gen", {}).get("experts", ()):
         out = _fused_experts(out, described, f"{config_path}")
+    for module in config.get("fp4gen", {}).get("gpt_oss_experts", ()):
+        for proj in ("gate_up_proj", "down_proj"):
+            values = _gpt_oss_weight(out, f"{module}.{proj}")
+            out[f"{module}.{proj}"] = values if dtype is None else values.to(dtype)
     return QuantizedCheckpoint(out, config)
+
+
+def _gpt_oss_weight(tensors: dict[str, torch.Tensor], key: str) -> torch.Tensor:
+    """A gpt-oss experts weight in the model's [E, K, N] (y = x W), fp32, from its MXFP4
+    ``<key>_blocks`` [E, N, K/32, 16] and ``<key>_scales`` [E, N, K/32] (both consumed)."""
+    blocks, scales = tensors.pop(f"{key}_blocks", None), tensors.pop(f"{key}_scales", None)
+    if blocks is None or scales is None:
+        raise ExportError(f"{key}: gpt-oss's MXFP4 experts need {key}_blocks and {key}_scales")
+    if blocks.dim() != 4 or blocks.shape[3] != 16 or tuple(blocks.shape[:3]) != tuple(scales.shape):
+        raise ExportError(
+            f"{key}_blocks {list(blocks.shape)} and {key}_scales {list(scales.shape)}: expected "
+            "[E, N, K/32, 16] and [E, N, K/32]"
+        )
+    _expect(blocks, f"{key}_blocks", torch.uint8, tuple(blocks.shape))
+    _expect(scales, f"{key}_scales", torch.uint8, tuple(scales.shape))
+    experts, rows, groups = scales.shape
+    packed = blocks.reshape(experts * rows, groups * 16)
+    table = torch.tensor(E2M1_VALUES, dtype=torch.float32)
+    values = table[_unpack_fp4(packed).long()].reshape(experts, rows, groups * 32)
+    values = values * _ue8m0(scales).repeat_interleave(32, dim=2)
+    return values.transpose(1, 2).contiguous()
 
 
 def _fused_experts(

@@ -19,6 +19,10 @@ what is written to DIR:
       W4A16_NVFP4 (weights only: no activation scale is claimed that was not calibrated)
     MXFP8 / MXFP4 layer: <name>.weight float8_e4m3fn [N, K] / uint8 [N, K/2], and
       <name>.weight_scale uint8 [N, K/32] (ue8m0 exponent codes); the OCP MX layout
+    gpt-oss experts in MXFP4: gpt-oss's own layout, <experts>.gate_up_proj_blocks uint8
+      [E, 2I, H/32, 16] and _scales uint8 [E, 2I, H/32], down_proj_blocks / _scales likewise;
+      config.json quant_method mxfp4 (transformers' Mxfp4 quantizer and vLLM's gpt-oss loader
+      read it) and every other linear layer in high precision, as those loaders read them
     every other tensor as it is, in --dtype
   hf_quant_config.json: quant_algo, group_size, kv_cache_quant_algo (null) and
     exclude_modules (the layers kept in high precision); config.json with quantization_config

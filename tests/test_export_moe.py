@@ -226,3 +226,126 @@ def test_an_expert_no_calibration_token_reached_gets_its_modules_widest_scale() 
     assert got["m.experts.2.w1"] == 3.0 and got["m.experts.0.w2"] == 5.0
     with pytest.raises(ExportError, match="no token was routed to any expert of m.experts"):
         _experts_amax(layer, {})
+
+
+# ----------------------------------------------------------------------------------------------
+# gpt-oss: MXFP4 experts in gpt-oss's own layout (openai/gpt-oss hub checkpoints)
+# ----------------------------------------------------------------------------------------------
+# the mxfp4 recipe's operands without its layer rules (its "last 8 blocks : bf16" would keep
+# both blocks of the two-layer test model)
+MXFP4 = "operands {\n * : mxfp4 round nearest\n gradient : round stochastic\n}\n"
+
+
+def gpt_oss_fprop(module, proj: int) -> torch.Tensor:
+    """Each expert's fprop weight operand of projection ``proj`` (the expert GEMM's [N, K] =
+    W^T of gpt-oss's [E, K, N] weight, quantized as training quantizes it), dequantized in fp32
+    and put back as the model holds it: [E, K, N]."""
+    lay = module.layout
+    weight = getattr(module, lay.weights[proj])
+    out = []
+    for e in range(lay.num_experts):
+        layer = module.gemms[e][proj]
+        spec = layer.operands.fprop_weight
+        q = layer.quantize(weight[e].detach().t().contiguous(), Operand.FPROP_WEIGHT, spec, 0)
+        out.append(q.dequantize().t())
+    return torch.stack(out)
+
+
+def test_gpt_oss_mxfp4_experts_are_written_in_gpt_oss_layout(tmp_path: Path) -> None:
+    """gpt-oss's hub layout: per experts module ``gate_up_proj_blocks`` uint8 [E, 2I, H/32, 16],
+    ``gate_up_proj_scales`` uint8 [E, 2I, H/32], ``down_proj_blocks`` [E, H, I/32, 16] and
+    ``down_proj_scales`` [E, H, I/32], the biases as they are; config.json says quant_method
+    mxfp4 (gpt-oss's own entry) and the other linear layers go out in high precision, as its
+    loaders read them."""
+    model, out, report, tensors = exported("gpt_oss", tmp_path, MXFP4)
+    experts = experts_of(model)
+    e, hidden, inner = 4, 64, experts.layout.inner
+    prefix = "model.layers.0.mlp.experts"
+    shapes = {
+        "gate_up_proj_blocks": (e, 2 * inner, hidden // 32, 16),
+        "gate_up_proj_scales": (e, 2 * inner, hidden // 32),
+        "down_proj_blocks": (e, hidden, inner // 32, 16),
+        "down_proj_scales": (e, hidden, inner // 32),
+    }
+    for name, shape in shapes.items():
+        got = tensors[f"{prefix}.{name}"]
+        assert (got.dtype, tuple(got.shape)) == (torch.uint8, shape), name
+    for bias in ("gate_up_proj_bias", "down_proj_bias"):
+        want = getattr(experts, bias).detach().to(torch.bfloat16)
+        assert torch.equal(tensors[f"{prefix}.{bias}"], want)
+    assert f"{prefix}.gate_up_proj" not in tensors and f"{prefix}.down_proj" not in tensors
+    q = tensors["model.layers.0.self_attn.q_proj.weight"]
+    assert (q.dtype, tuple(q.shape)) == (torch.bfloat16, (64, 64))
+    assert "model.layers.0.self_attn.q_proj.weight_scale" not in tensors
+    assert report.quant_algo == "MXFP4" and "gpt-oss's MXFP4 checkpoint" in report.engine
+    assert report.quantized == {f"model.layers.{i}.mlp.experts": "MXFP4" for i in range(2)}
+    row = next(r for r in report.layers if r[0] == "model.layers.1.self_attn.o_proj")
+    assert row[1] == "kept, bf16" and "quantize the experts only" in row[2]
+    qc = json.loads((out / "config.json").read_text())["quantization_config"]
+    assert qc["quant_method"] == "mxfp4"
+    assert "model.layers.0.self_attn.q_proj" in qc["modules_to_not_convert"]
+    assert not [m for m in qc["modules_to_not_convert"] if m.endswith("experts")]
+
+
+def test_gpt_oss_mxfp4_round_trip_is_bit_exact(tmp_path: Path) -> None:
+    """import_quantized decodes the blocks and scales into the model's [E, H, 2I] and
+    [E, I, H] weights: each expert's fprop weight operand bit for bit (fp32; MXFP4 values are
+    exact there), and the state_dict loads into the model."""
+    model, out, _, _ = exported("gpt_oss", tmp_path, MXFP4)
+    state, config = fp4gen.import_quantized(out)
+    assert set(state) == set(model.state_dict())
+    assert config["fp4gen"]["gpt_oss_experts"] == [f"model.layers.{i}.mlp.experts" for i in (0, 1)]
+    for i in range(2):
+        experts = experts_of(model, i)
+        for proj, key in enumerate(("gate_up_proj", "down_proj")):
+            got = state[f"model.layers.{i}.mlp.experts.{key}"]
+            assert got.shape == getattr(experts, key).shape and got.dtype == torch.float32
+            assert torch.equal(got, gpt_oss_fprop(experts, proj)), (i, key)
+    fresh = build("gpt_oss")
+    fresh.load_state_dict(state)
+
+
+def test_gpt_oss_mxfp4_loads_through_transformers(tmp_path: Path) -> None:
+    """transformers' own MXFP4 code on the exported folder: its dequantize
+    (``convert_moe_packed_tensors``, what its Mxfp4 quantizer runs without MXFP4 kernels) gives
+    the fprop weight operands bit for bit, and ``from_pretrained`` (quant_method mxfp4,
+    dequantized to bf16 on the CPU) loads every tensor with no key missing or left over: the
+    experts in bf16 equal the operands (MXFP4 values are exact in bf16)."""
+    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
+    model, out, _, tensors = exported("gpt_oss", tmp_path, MXFP4)
+    experts = experts_of(model)
+    prefix = "model.layers.0.mlp.experts"
+    for proj, key in enumerate(("gate_up_proj", "down_proj")):
+        blocks, scales = tensors[f"{prefix}.{key}_blocks"], tensors[f"{prefix}.{key}_scales"]
+        theirs = convert_moe_packed_tensors(blocks, scales, dtype=torch.float32)
+        assert torch.equal(theirs, gpt_oss_fprop(experts, proj)), key
+    config = transformers.Mxfp4Config(dequantize=True)
+    loaded, info = transformers.GptOssForCausalLM.from_pretrained(
+        out, quantization_config=config, dtype=torch.bfloat16, output_loading_info=True
+    )
+    assert not info["missing_keys"] and not info["unexpected_keys"]
+    assert not info["mismatched_keys"]
+    for i in range(2):
+        mine, theirs = experts_of(model, i), experts_of(loaded, i)
+        for proj, key in enumerate(("gate_up_proj", "down_proj")):
+            want = gpt_oss_fprop(mine, proj).to(torch.bfloat16)
+            assert torch.equal(getattr(theirs, key).detach(), want), (i, key)
+    q = loaded.model.layers[0].self_attn.q_proj.weight
+    assert torch.equal(q, model.model.layers[0].self_attn.q_proj.weight.detach().bfloat16())
+
+
+def test_gpt_oss_in_other_formats_keeps_its_experts_in_high_precision(tmp_path: Path) -> None:
+    """Only MXFP4 has gpt-oss's layout: NVFP4 experts go out as 3-D tensors in the export
+    dtype, excluded, with the reason; the attention layers stay quantized as before."""
+    model, out, report, tensors = exported("gpt_oss", tmp_path, "nvfp4_no_bf16")
+    prefix = "model.layers.0.mlp.experts"
+    want = experts_of(model).gate_up_proj.detach().to(torch.bfloat16)
+    assert torch.equal(tensors[f"{prefix}.gate_up_proj"], want)
+    assert f"{prefix}.gate_up_proj_blocks" not in tensors
+    assert prefix in report.excluded
+    row = next(r for r in report.layers if r[0] == prefix)
+    assert "gpt-oss checkpoints hold 3-D experts tensors" in row[2]
+    assert "model.layers.0.self_attn.q_proj.weight_scale" in tensors
+    qc = json.loads((out / "config.json").read_text())["quantization_config"]
+    assert qc["quant_method"] == "modelopt"
