@@ -147,3 +147,76 @@ def test_compiled_fp8_gemms_load_without_compiling(
         stats = fp8_gemm._cute_loaded[params]
         assert (stats.compiled, stats.loaded) == (0, 1), params.name
     assert jit.compile_count() == before
+
+
+# A fresh process on an sm_90a GPU after ``fp4gen compile fp8_blockwise``: the FP8 GEMMs a
+# bf16 Linear's three GEMMs take with backend="cute" load from the cache, compile nothing, and
+# compute within numerics.md 6.1's bound (tests/test_fp8_gemm_sm90_gpu.py's ``bound``: the
+# oracle's fp32 bound, the tensor cores' in-block adder term and the output rounding).
+GEMMS_AFTER_COMPILE = """
+import json, sys
+import torch
+sys.path.insert(0, sys.argv[1])
+import fp4gen
+from fp4gen.compiler import jit
+from fp4gen.dsl.model import Operand
+from fp4gen.numerics import gemm_block_scaled_reference
+from fp4gen.runtime.quantize_dispatch import quantize
+from test_fp8_gemm_sm90_gpu import bound, check_within
+
+ops = fp4gen.load_recipe("fp8_blockwise").operands
+g = torch.Generator(device="cuda").manual_seed(0)
+def q(rows, op):
+    x = torch.randn(rows, 1024, generator=g, device="cuda").to(torch.bfloat16)
+    return quantize(x, ops[op].format, rounding=ops[op].rounding)
+x, w = q(512, Operand.FPROP_ACTIVATION), q(384, Operand.FPROP_WEIGHT)
+dy, xt = q(256, Operand.WGRAD_GRADIENT), q(384, Operand.WGRAD_ACTIVATION)
+bias = torch.randn(384, generator=g, device="cuda").to(torch.bfloat16)
+cases = [  # (A, B, out dtype, bias): fprop fp32, fprop bf16 + bias, dgrad / wgrad bf16
+    (x, w, torch.float32, None), (x, w, torch.bfloat16, bias), (x, w, torch.bfloat16, None),
+    (dy, xt, torch.bfloat16, None),
+]
+for a, b, out_dtype, b_ in cases:
+    got = fp4gen.gemm(a, b, out_dtype=out_dtype, bias=b_, backend="cute")
+    ref = gemm_block_scaled_reference(a, b).double()
+    if b_ is not None:
+        ref = ref + b_.double()
+    check_within(got, ref, bound(a, b, ref, out_dtype), f"{out_dtype} bias={b_ is not None}")
+print(json.dumps({"compiles": jit.compile_count(), "compiled": jit.compiled_kernels(),
+                  "loads": jit.load_count()}))
+"""
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_fp8_gemms_after_compile_compile_nothing(tmp_path: Path) -> None:
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("FP8 wgmma: sm_90a only")
+    import json
+    import os
+    import subprocess
+    import sys
+
+    root = Path(__file__).resolve().parent.parent
+    cache = tmp_path / "cache"
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join(filter(None, [str(root), os.environ.get("PYTHONPATH")])),
+        "FP4GEN_CACHE_DIR": str(cache),
+        "CUTE_DSL_CACHE_DIR": str(cache / "cute-dsl"),
+    }
+    argv = [sys.executable, "-m", "fp4gen", "compile", "fp8_blockwise", "--arch", "sm_90a"]
+    argv += ["--out", str(tmp_path / "out")]
+    proc = subprocess.run(argv, capture_output=True, text=True, env=env, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert "4 sm_90a FP8 GEMM" in proc.stdout
+    script = tmp_path / "gemms.py"
+    script.write_text(GEMMS_AFTER_COMPILE)
+    tests = str(Path(__file__).resolve().parent)
+    proc = subprocess.run(
+        [sys.executable, str(script), tests], capture_output=True, text=True, env=env, timeout=600
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert result["compiles"] == 0, result["compiled"]
+    assert result["loads"] >= 4  # the four FP8 GEMMs (and the quantize kernels) from the cache
