@@ -65,6 +65,7 @@ from fp4gen.formats import BlockFormat
 from fp4gen.numerics import QuantizedTensor, gemm_block_scaled_reference, gemm_reference
 from fp4gen.runtime.checks import check_accumulate, check_bias, check_out, check_pair
 from fp4gen.runtime.epilogue import OUT_DTYPES, GemmProduct, finish
+from fp4gen.runtime.fp32_matmul import ieee_fp32_matmul
 
 BACKENDS = ("auto", "reference", "dequant", "cute", "blackwell", "block_scaled")
 # what backend="auto" computes for the pairs the block_scaled backend serves (numerics.md 6.1)
@@ -572,17 +573,6 @@ def _dequant_gemm(a: QuantizedTensor, b: QuantizedTensor) -> GemmProduct:
             # bf16 inputs hold the block values exactly; cuBLAS accumulates in fp32.
             c = torch.mm(va.to(torch.bfloat16), vb.to(torch.bfloat16).t(), out_dtype=torch.float32)
         else:
-            with _no_tf32():
+            with ieee_fp32_matmul():  # TF32 would round the inputs to 10 mantissa bits
                 c = va @ vb.t()
     return GemmProduct(c, scaled=False)
-
-
-class _no_tf32:
-    """fp32 GEMMs with full fp32 products (TF32 would round the inputs to 10 mantissa bits)."""
-
-    def __enter__(self) -> None:
-        self.saved = torch.backends.cuda.matmul.allow_tf32
-        torch.backends.cuda.matmul.allow_tf32 = False
-
-    def __exit__(self, *exc: object) -> None:
-        torch.backends.cuda.matmul.allow_tf32 = self.saved

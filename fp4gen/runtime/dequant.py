@@ -49,6 +49,7 @@ from fp4gen.runtime.checks import (
 )
 from fp4gen.runtime.epilogue import GemmProduct, finish
 from fp4gen.runtime.epilogue import apply_steps as epilogue  # the fallback's arithmetic
+from fp4gen.runtime.fp32_matmul import ieee_fp32_matmul
 from fp4gen.runtime.loader import KernelLoader, LogOnce, Reasons, Unsupported
 
 log = logging.getLogger(__name__)
@@ -187,12 +188,8 @@ def _mm_fp32(va: torch.Tensor, vb: torch.Tensor) -> torch.Tensor:
             _MM_DTYPE.append(False)
     if _MM_DTYPE[0]:
         return torch.mm(va, vb.t(), out_dtype=torch.float32)
-    saved = torch.backends.cuda.matmul.allow_tf32
-    torch.backends.cuda.matmul.allow_tf32 = False  # full fp32 products of the bf16 values
-    try:
+    with ieee_fp32_matmul():  # full fp32 products of the bf16 values
         return torch.mm(va.float(), vb.float().t())
-    finally:
-        torch.backends.cuda.matmul.allow_tf32 = saved
 
 
 def dequant_gemm(
