@@ -63,6 +63,28 @@ def single_process() -> Iterator[None]:
         os.environ.update(saved)
 
 
+def tf32_setting() -> tuple[str | bool, ...]:
+    """The process's TF32 setting, read through the API transformers sets it with."""
+    if hasattr(torch.backends, "fp32_precision"):  # torch >= 2.9
+        return (torch.backends.fp32_precision,)
+    return torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+
+
+@contextlib.contextmanager
+def tf32_setting_kept() -> Iterator[None]:
+    """The TF32 setting put back after the block: on a CUDA machine
+    ``TrainingArguments(torch_compile=True)`` turns TF32 on for the whole process (every fp32
+    matmul of every later test in it, a pytest-xdist worker's share of the suite)."""
+    saved = tf32_setting()
+    try:
+        yield
+    finally:
+        if hasattr(torch.backends, "fp32_precision"):
+            torch.backends.fp32_precision = saved[0]
+        else:
+            torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = saved
+
+
 def run(tmp_path: Path, *extra: str, steps: int = 8):
     example = load_example()
     with single_process():
@@ -128,36 +150,44 @@ def test_gradient_accumulation_sets_the_step_once_per_optimizer_step(tmp_path: P
     check_run(example, result, 4, tmp_path, calls_per_step=2)
 
 
-def test_trainer_with_torch_compile(tmp_path: Path) -> None:
+def test_trainer_with_torch_compile(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """TrainingArguments(torch_compile=True) wraps the model before on_train_begin; it is traced
     on its first call, after the conversion, and the schedule switches inside the custom ops
-    (no retrace needed)."""
+    (no retrace needed). The TF32 setting it makes for the process on a CUDA machine (made here
+    too) is put back after the run."""
     import transformers
+    import transformers.training_args
 
+    # as on a CUDA machine: the arguments then turn TF32 on (transformers' enable_tf32)
+    monkeypatch.setattr(transformers.training_args, "is_torch_tf32_available", lambda: True)
     example = load_example()
     torch.manual_seed(0)
     model = example.build_model(64, 2, 4, 32)
     callback = FP4GenCallback(example.SWITCH_RECIPE, telemetry_every=1)
-    args = transformers.TrainingArguments(
-        output_dir=str(tmp_path),
-        max_steps=4,
-        per_device_train_batch_size=4,
-        logging_steps=1,
-        save_strategy="no",
-        report_to="none",
-        disable_tqdm=True,
-        use_cpu=True,
-        torch_compile=True,
-        torch_compile_backend="aot_eager",
-    )
-    torch._dynamo.reset()
-    trainer = transformers.Trainer(
-        model=model,
-        args=args,
-        train_dataset=example.RandomTokens(16, 32, 0),
-        callbacks=[callback],
-    )
-    trainer.train()
+    before = tf32_setting()
+    with single_process(), tf32_setting_kept():
+        args = transformers.TrainingArguments(
+            output_dir=str(tmp_path),
+            max_steps=4,
+            per_device_train_batch_size=4,
+            logging_steps=1,
+            save_strategy="no",
+            report_to="none",
+            disable_tqdm=True,
+            use_cpu=True,
+            torch_compile=True,
+            torch_compile_backend="aot_eager",
+        )
+        assert tf32_setting() != before  # what the test guards against: TF32 on
+        torch._dynamo.reset()
+        trainer = transformers.Trainer(
+            model=model,
+            args=args,
+            train_dataset=example.RandomTokens(16, 32, 0),
+            callbacks=[callback],
+        )
+        trainer.train()
+    assert tf32_setting() == before
     assert type(trainer.model_wrapped).__name__ == "OptimizedModule"
     assert count_converted(model) == FIRST_BLOCK
     assert model._fp4gen_clock.step == 3
