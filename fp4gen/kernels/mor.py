@@ -11,13 +11,17 @@ traced (loops unroll, every index is a compile-time constant).
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
+import cuda.bindings.driver as cuda
 import cutlass
 import cutlass.cute as cute
-from cutlass import Float32, Float64, Int32, Int64, Uint32
+from cutlass import Float32, Float64, Int32, Int64, Uint32, range_constexpr
 from cutlass.cutlass_dsl import T, dsl_user_op
 
 from fp4gen.kernels.scale import FLT_MAX
 from fp4gen.kernels.sm90_ptx import inline_asm, ir_arg
+from fp4gen.vocab import DTYPES
 
 TILE = 128  # a CTA's tile is TILE x TILE; also the pieces of the summation order
 VEC = 8  # contiguous columns per thread and row
@@ -268,10 +272,160 @@ def block_scale(amax_b: Float32, amax_g: Float32, q_max: Float32, scaling: str):
     return encode, decode, e, m_g
 
 
+# ---- the amax and scales kernels
+@dataclass(frozen=True)
+class MoRScaleParams:
+    """What the MoR amax and scales kernels depend on besides their tensors."""
+
+    iters: int  # row segments per thread
+    log_iters: int
+    input_dtype: str  # "bf16", "fp16" or "fp32"
+    scale_row_shift: int  # the scale block of row r, column c is (r >> row_shift, c >> col_shift)
+    scale_col_shift: int
+    scale_row_bits: int  # log2 of a scale block's piece inside one tile
+    scale_col_bits: int
+    elem_max: tuple[float, ...]  # each element representation's largest value
+    scaling: str  # "amax", "e8m0" or "gam"
+
+    @property
+    def threads(self) -> int:
+        return 32 * (TILE // (2 * self.iters))
+
+    @property
+    def input_type(self) -> type:
+        return getattr(cutlass, DTYPES[self.input_dtype].cute)
+
+
+def abs_bits(frag: cute.Tensor, ok) -> list:
+    """The bits of |x| (sign bit cleared) of one row segment as Int32, 0 where ``ok`` is
+    false."""
+    xf = cute.make_rmem_tensor((VEC,), Float32)
+    xf.store(frag.load().to(Float32))
+    mask = Int32(0x7FFFFFFF)
+    return [Int32(cutlass.select_(ok, xf[j].bitcast(Int32) & mask, Int32(0))) for j in range(VEC)]
+
+
+def segments(mX: cute.Tensor):
+    """(R, K) compact row-major -> (R*K/VEC, VEC): one row segment per index."""
+    n = mX.shape[0] * (mX.shape[1] // VEC)
+    return cute.make_tensor(mX.iterator, cute.make_layout((n, VEC), stride=(VEC, 1)))
+
+
+def tiles(R, K):
+    """(tiles along K, tiles): the grid of 128 x 128 tiles."""
+    tiles_k = (K + (TILE - 1)) // TILE
+    return tiles_k, ((R + (TILE - 1)) // TILE) * tiles_k
+
+
+class MoRAmaxKernel:
+    """amax_b of every scale block and the tensor's amax (the buffer's last entry): maxima of
+    the bits of |x| (sign cleared: the integer order of non-negative floats, and a NaN, whose
+    bits exceed inf's, survives for the finiteness check), atomic max into a zeroed int32
+    buffer."""
+
+    def __init__(self, params: MoRScaleParams, arch: str) -> None:
+        self.p = params
+        self.arch = arch
+        self.tile = MoRTile(params.iters, params.log_iters, params.input_type)
+
+    @cute.jit
+    def __call__(self, mX: cute.Tensor, mAmax: cute.Tensor, stream: cuda.CUstream):
+        R, K = mX.shape[0], mX.shape[1]
+        tiles_k, grid = tiles(R, K)
+        self.kernel(segments(mX), mAmax, R, K, tiles_k).launch(
+            grid=[grid, 1, 1], block=[self.p.threads, 1, 1], stream=stream
+        )
+
+    @cute.kernel
+    def kernel(self, gX: cute.Tensor, gAmax: cute.Tensor, R: Int32, K: Int32, tiles_k: Int32):
+        p = self.p
+        tidx, _, _ = cute.arch.thread_idx()
+        bidx, _, _ = cute.arch.block_idx()
+        row0, col0 = self.tile.thread_origin(tidx, bidx, tiles_k)
+        frags = self.tile.load_tile(gX, row0, col0, R, K)
+        smem = cutlass.memory.SmemAllocator()
+        red = smem.allocate_tensor(Int32, cute.make_layout(p.threads), byte_alignment=16)
+        col_ok = col0 < K
+        maxes = []
+        for i in range_constexpr(p.iters):
+            maxes.append(pairwise(abs_bits(frags[i], col_ok & (row0 + 2 * i < R)), cutlass.max))
+        blocks = self.tile.reduce_tile(
+            list(maxes), cutlass.max, p.scale_col_bits, p.scale_row_bits, red, tidx
+        )
+        nbc = ((K - 1) >> p.scale_col_shift) + 1
+        nb = (((R - 1) >> p.scale_row_shift) + 1) * nbc
+        slot_iters = self.tile.slot_iters(p.scale_row_bits)
+        for s in range_constexpr(len(blocks)):
+            row = row0 + 2 * (s * slot_iters)
+            if writes(row, col0, p.scale_row_bits, p.scale_col_bits) & (row < R) & col_ok:
+                b = (row >> p.scale_row_shift) * nbc + (col0 >> p.scale_col_shift)
+                cute.arch.atomic_max(gAmax.iterator + b, blocks[s])
+        tile = self.tile.reduce_tile(maxes, cutlass.max, 7, 7, red, tidx)[0]
+        if tidx == 0:
+            cute.arch.atomic_max(gAmax.iterator + nb, tile)
+
+
+class MoRScalesKernel:
+    """Per scale block and element representation: encode scale (fp32), decode factor
+    (float64), exponent (int32, gam / e8m0); the group mantissa (gam) from block 0."""
+
+    def __init__(self, params: MoRScaleParams, arch: str) -> None:
+        self.p = params
+        self.arch = arch
+
+    @cute.jit
+    def __call__(
+        self,
+        mAmax: cute.Tensor,  # (nb + 1,) int32: fp32 bits of amax_b, then the tensor's amax
+        mEnc: cute.Tensor,  # (N_ELEM * nb,) fp32
+        mDec: cute.Tensor,  # (N_ELEM * nb,) float64
+        mExp: cute.Tensor,  # (N_ELEM * nb,) int32
+        mMant: cute.Tensor,  # (N_ELEM,) fp32
+        R: Int32,
+        K: Int32,
+        stream: cuda.CUstream,
+    ):
+        p = self.p
+        nb = (((R - 1) >> p.scale_row_shift) + 1) * (((K - 1) >> p.scale_col_shift) + 1)
+        grid = (nb + (p.threads - 1)) // p.threads
+        self.kernel(mAmax, mEnc, mDec, mExp, mMant, nb).launch(
+            grid=[grid, 1, 1], block=[p.threads, 1, 1], stream=stream
+        )
+
+    @cute.kernel
+    def kernel(
+        self,
+        gAmax: cute.Tensor,
+        gEnc: cute.Tensor,
+        gDec: cute.Tensor,
+        gExp: cute.Tensor,
+        gMant: cute.Tensor,
+        nb: Int32,
+    ):
+        p = self.p
+        tidx, _, _ = cute.arch.thread_idx()
+        bidx, _, _ = cute.arch.block_idx()
+        b = bidx * p.threads + tidx
+        if b < nb:
+            amax_b = gAmax[b].bitcast(Float32)
+            amax_g = gAmax[nb].bitcast(Float32)
+            for r in range_constexpr(len(p.elem_max)):
+                enc, dec, e, m_g = block_scale(amax_b, amax_g, Float32(p.elem_max[r]), p.scaling)
+                gEnc[r * nb + b] = enc
+                gDec[r * nb + b] = dec
+                gExp[r * nb + b] = e
+                if b == 0:
+                    gMant[r] = m_g
+
+
 __all__ = [
+    "MoRAmaxKernel",
+    "MoRScaleParams",
+    "MoRScalesKernel",
     "MoRTile",
     "RepEncoder",
     "SegmentTree",
+    "abs_bits",
     "add",
     "block_scale",
     "f16x2",
@@ -281,6 +435,8 @@ __all__ = [
     "pow2_f64",
     "round_bf16",
     "round_fp16",
+    "segments",
     "split_fp32",
+    "tiles",
     "writes",
 ]

@@ -157,15 +157,6 @@ def tile_values(frag: cute.Tensor, ok) -> tuple[list, list]:
     return xs, [Float32(cutlass.select_(ok, abs(x), zero)) for x in xs]
 
 
-def abs_bits(frag: cute.Tensor, ok) -> list:
-    """The bits of |x| (sign bit cleared) of one row segment as Int32, 0 where ``ok`` is
-    false."""
-    xf = cute.make_rmem_tensor((VEC,), Float32)
-    xf.store(frag.load().to(Float32))
-    mask = Int32(0x7FFFFFFF)
-    return [Int32(cutlass.select_(ok, xf[j].bitcast(Int32) & mask, Int32(0))) for j in range(VEC)]
-
-
 def scaled(a: Float32, enc: Float32, q_max: float) -> Float32:
     """min(fp32(|x| * encode scale), q_max): the magnitude the element encode rounds (the
     clamp of fp32(x * scale), sign apart)."""
@@ -312,119 +303,39 @@ SCALE_SLOT_ITERS = slot_iters(SCALE_ROW_BITS)
 # ----------------------------------------------------------------------------------------------
 # Kernels
 # ----------------------------------------------------------------------------------------------
-def _segments(mX: cute.Tensor):
-    """(R, K) compact row-major -> (R*K/VEC, VEC): one row segment per index."""
-    n = mX.shape[0] * (mX.shape[1] // VEC)
-    return cute.make_tensor(mX.iterator, cute.make_layout((n, VEC), stride=(VEC, 1)))
-
-
 def _words(t: cute.Tensor, n):
     """A flat view of t's memory as n 32-bit words."""
     return cute.make_tensor(cute.recast_ptr(t.iterator, dtype=Uint32), cute.make_layout(n))
 
 
-def _tiles(R, K):
-    tiles_k = (K + (TILE - 1)) // TILE
-    return tiles_k, ((R + (TILE - 1)) // TILE) * tiles_k
+_segments = mor.segments
+_tiles = mor.tiles
+SCALE_PARAMS = mor.MoRScaleParams(
+    iters=ITERS,
+    log_iters=LOG_ITERS,
+    input_dtype=INPUT_DTYPE,
+    scale_row_shift=SCALE_ROW_SHIFT,
+    scale_col_shift=SCALE_COL_SHIFT,
+    scale_row_bits=SCALE_ROW_BITS,
+    scale_col_bits=SCALE_COL_BITS,
+    elem_max=(E0_MAX, E1_MAX),
+    scaling=SCALING,
+)
 
 
-class AmaxKernel:
-    """amax_b of every scale block and the tensor's amax (the buffer's last entry): maxima of
-    the bits of |x| (sign cleared: the integer order of non-negative floats, and a NaN, whose
-    bits exceed inf's, survives for the finiteness check), atomic max into a zeroed int32
-    buffer."""
-
-    def __init__(self, arch: str):
-        self.arch = arch
-
-    @cute.jit
-    def __call__(self, mX: cute.Tensor, mAmax: cute.Tensor, stream: cuda.CUstream):
-        R, K = mX.shape[0], mX.shape[1]
-        tiles_k, grid = _tiles(R, K)
-        self.kernel(_segments(mX), mAmax, R, K, tiles_k).launch(
-            grid=[grid, 1, 1], block=[THREADS, 1, 1], stream=stream
-        )
-
-    @cute.kernel
-    def kernel(self, gX: cute.Tensor, gAmax: cute.Tensor, R: Int32, K: Int32, tiles_k: Int32):
-        tidx, _, _ = cute.arch.thread_idx()
-        bidx, _, _ = cute.arch.block_idx()
-        row0, col0 = thread_origin(tidx, bidx, tiles_k)
-        frags = load_tile(gX, row0, col0, R, K)
-        smem = cutlass.memory.SmemAllocator()
-        red = smem.allocate_tensor(Int32, cute.make_layout(THREADS), byte_alignment=16)
-        col_ok = col0 < K
-        maxes = []
-        for i in range_constexpr(ITERS):
-            maxes.append(pairwise(abs_bits(frags[i], col_ok & (row0 + 2 * i < R)), cutlass.max))
-        blocks = reduce_tile(list(maxes), cutlass.max, SCALE_COL_BITS, SCALE_ROW_BITS, red, tidx)
-        nbc = ((K - 1) >> SCALE_COL_SHIFT) + 1
-        nb = (((R - 1) >> SCALE_ROW_SHIFT) + 1) * nbc
-        for s in range_constexpr(len(blocks)):
-            row = row0 + 2 * (s * SCALE_SLOT_ITERS)
-            if writes(row, col0, SCALE_ROW_BITS, SCALE_COL_BITS) & (row < R) & col_ok:
-                b = (row >> SCALE_ROW_SHIFT) * nbc + (col0 >> SCALE_COL_SHIFT)
-                cute.arch.atomic_max(gAmax.iterator + b, blocks[s])
-        tile = reduce_tile(maxes, cutlass.max, 7, 7, red, tidx)[0]
-        if tidx == 0:
-            cute.arch.atomic_max(gAmax.iterator + nb, tile)
-
-
-class ScalesKernel:
-    """Per scale block and element representation: encode scale (fp32), decode factor (float64),
-    exponent (int32, gam / e8m0); the group mantissa (gam) from block 0."""
+class AmaxKernel(mor.MoRAmaxKernel):
+    """The amax kernel of this rule (fp4gen.kernels.mor.MoRAmaxKernel: a class of this module,
+    so its name is the kernel symbol's)."""
 
     def __init__(self, arch: str):
-        self.arch = arch
+        super().__init__(SCALE_PARAMS, arch)
 
-    @cute.jit
-    def __call__(
-        self,
-        mAmax: cute.Tensor,  # (nb + 1,) int32: fp32 bits of amax_b, then the tensor's amax
-        mEnc: cute.Tensor,  # (N_ELEM * nb,) fp32
-        mDec: cute.Tensor,  # (N_ELEM * nb,) float64
-        mExp: cute.Tensor,  # (N_ELEM * nb,) int32
-        mMant: cute.Tensor,  # (N_ELEM,) fp32
-        R: Int32,
-        K: Int32,
-        stream: cuda.CUstream,
-    ):
-        nb = (((R - 1) >> SCALE_ROW_SHIFT) + 1) * (((K - 1) >> SCALE_COL_SHIFT) + 1)
-        grid = (nb + (THREADS - 1)) // THREADS
-        self.kernel(mAmax, mEnc, mDec, mExp, mMant, nb).launch(
-            grid=[grid, 1, 1], block=[THREADS, 1, 1], stream=stream
-        )
 
-    @cute.kernel
-    def kernel(
-        self,
-        gAmax: cute.Tensor,
-        gEnc: cute.Tensor,
-        gDec: cute.Tensor,
-        gExp: cute.Tensor,
-        gMant: cute.Tensor,
-        nb: Int32,
-    ):
-        tidx, _, _ = cute.arch.thread_idx()
-        bidx, _, _ = cute.arch.block_idx()
-        b = bidx * THREADS + tidx
-        if b < nb:
-            amax_b = gAmax[b].bitcast(Float32)
-            amax_g = gAmax[nb].bitcast(Float32)
-            # e4m3
-            enc, dec, e, m_g = block_scale(amax_b, amax_g, Float32(E0_MAX))
-            gEnc[0 * nb + b] = enc
-            gDec[0 * nb + b] = dec
-            gExp[0 * nb + b] = e
-            if b == 0:
-                gMant[0] = m_g
-            # e5m2
-            enc, dec, e, m_g = block_scale(amax_b, amax_g, Float32(E1_MAX))
-            gEnc[1 * nb + b] = enc
-            gDec[1 * nb + b] = dec
-            gExp[1 * nb + b] = e
-            if b == 0:
-                gMant[1] = m_g
+class ScalesKernel(mor.MoRScalesKernel):
+    """The scales kernel of this rule (fp4gen.kernels.mor.MoRScalesKernel)."""
+
+    def __init__(self, arch: str):
+        super().__init__(SCALE_PARAMS, arch)
 
 
 class QuantizeKernel:
