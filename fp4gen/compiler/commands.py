@@ -128,9 +128,10 @@ def print_plan(builds: list[RecipeBuild], archs: Sequence[str]) -> None:
             + (f"; {lacking} more the template cannot make yet" if lacking else "")
         )
         width = max((len(k.name) for k in made), default=0)
+        kinds = max((len(k.kind) for k in made), default=0)
         for k in made:
             where = [a for a in archs if a in k.archs]
-            print(f"    {k.kind:<10} {k.name:<{width}}  {' '.join(where):<15} {_where(k)}")
+            print(f"    {k.kind:<{kinds}} {k.name:<{width}}  {' '.join(where):<15} {_where(k)}")
         if build.runtime is not None and build.runtime.notes:
             print("  left to run time (not compiled here):")
             for note in build.runtime.notes:
