@@ -558,7 +558,10 @@ def _gpt_oss_layer(
         return None
     assert d.table is not None
     spec = d.table.fprop_weight
-    if export_algo(spec, d.name) != "MXFP4":
+    try:
+        if export_algo(spec, d.name) != "MXFP4":
+            return None
+    except ExportError:  # no checkpoint layout at all: the 3-D high-precision export, as before
         return None
     down = state[f"{d.name}.down_proj"]  # [E, I, H] (y = x W)
     bad = [k for k in (down.shape[2], down.shape[1]) if k % GROUP_SIZE["MXFP4"]]

@@ -349,3 +349,16 @@ def test_gpt_oss_in_other_formats_keeps_its_experts_in_high_precision(tmp_path: 
     assert "model.layers.0.self_attn.q_proj.weight_scale" in tensors
     qc = json.loads((out / "config.json").read_text())["quantization_config"]
     assert qc["quant_method"] == "modelopt"
+
+
+def test_gpt_oss_exported_with_a_recipe_gives_the_converted_models_bits(tmp_path: Path) -> None:
+    """A gpt-oss model exported with the recipe (not converted): the same MXFP4 experts, bit for
+    bit, as a converted model's fprop weight operands."""
+    recipe = parse_recipe(MXFP4, base_dir=None)
+    fp4gen.export_quantized(build("gpt_oss"), tmp_path / "out", recipe)
+    state, _ = fp4gen.import_quantized(tmp_path / "out")
+    converted = fp4gen.convert(build("gpt_oss"), recipe)
+    for i in range(2):
+        for proj, key in enumerate(("gate_up_proj", "down_proj")):
+            want = gpt_oss_fprop(experts_of(converted, i), proj)
+            assert torch.equal(state[f"model.layers.{i}.mlp.experts.{key}"], want), (i, key)
