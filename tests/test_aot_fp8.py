@@ -220,3 +220,15 @@ def test_fp8_gemms_after_compile_compile_nothing(tmp_path: Path) -> None:
     result = json.loads(proc.stdout.strip().splitlines()[-1])
     assert result["compiles"] == 0, result["compiled"]
     assert result["loads"] >= 4  # the four FP8 GEMMs (and the quantize kernels) from the cache
+
+
+def test_the_runtime_and_the_plan_share_the_fp8_settings() -> None:
+    """The measured table is one dict; the variant the runtime takes by default is the one
+    ``fp4gen compile`` compiles; both plan for the same arch."""
+    from fp4gen.codegen import gemm_fp8
+    from fp4gen.compiler.aot import FP8_ARCHS
+
+    assert fp8_gemm.CUTE_AUTO_MIN_M is gemm_fp8.AUTO_MIN_M
+    assert fp8_gemm.CUTE_OVERLAP == gemm_fp8.OVERLAP
+    assert fp8_gemm.CUTE_CLUSTER_M == gemm_fp8.CLUSTER_M
+    assert FP8_ARCHS == fp8_gemm.CUTE_ARCHS

@@ -1,17 +1,40 @@
-"""What the generated block-scaled FP8 GEMM (``fp4gen.kernels.gemm_sm90_fp8``) takes, as pure
-logic (no CuTe DSL import: the dispatch asks on every uncached choice), and the generated module
-of one of its specializations (``module_source``: what the kernel cache stores and keys)."""
+"""What the Hopper block-scaled FP8 GEMMs take, as pure logic on the operand formats (no torch
+or CuTe DSL import: the dispatch asks on every uncached choice, and ``fp4gen compile`` plans
+with it): the generated kernel (``fp4gen.kernels.gemm_sm90_fp8``: ``pair_reason``,
+``pair_name``, the measured table and variant settings, ``kernel_fields``) and torch's
+block-wise ``scaled_mm`` (``scaled_mm_reason``, ``scaled_mm_name``); and the generated module
+of one of the kernel's specializations (``module_source``: what the kernel cache stores and
+keys). ``fp4gen.runtime.fp8_gemm`` runs both."""
 
 from __future__ import annotations
 
 from dataclasses import fields
 from typing import Any
 
+from fp4gen.formats import UE8M0, BlockFormat, ElementFormat
+
 WGMMA_K = 32  # FP8 wgmma consumes 32 values of K per instruction
 MAX_TILE_K = 128  # one 128-byte swizzle row of FP8 codes per k-tile
 ELEMENT_NAMES = ("e4m3", "e5m2")
 SCALE_KINDS = ("fp32", "ue8m0")
 OUT_NAMES = ("bf16", "fp32")
+E4M3 = ElementFormat(4, 3, True, "fn")
+E5M2 = ElementFormat(5, 2, True, "ieee")
+ELEMENT_OF: dict[ElementFormat, str] = {E4M3: "e4m3", E5M2: "e5m2"}
+SCALED_MM_BLOCK = 128  # torch's block-wise scaled_mm: 1x128 and 128x128 blocks
+
+# Where backend="auto" takes the generated kernel instead of scaled_mm: pair name
+# (``pair_name``) -> the smallest M it won at in benchmarks/gemm.py (H200, N = K = 8192, the
+# same run). Empty until measured: auto keeps scaled_mm (and the exact path for the pairs
+# scaled_mm does not serve) for every pair. ``fp8_gemm.CUTE_AUTO_MIN_M`` is this dict.
+AUTO_MIN_M: dict[str, int] = {}
+# The kernel variant calls take (the runtime's ``fp8_gemm.CUTE_OVERLAP`` / ``CUTE_CLUSTER_M``
+# start from these, and ``fp4gen compile`` compiles these): K-block b's wgmma overlapped with
+# block b - 1's promotion (GemmSm90Fp8Params.overlap), where the K-block's stages allow it, off
+# until measured faster (benchmarks/gemm.py times both variants alone); CTAs per cluster along M
+# (GemmSm90Fp8Params.cluster_m: 2 multicasts each B tile to two CTAs), 1 until measured faster.
+OVERLAP = False
+CLUSTER_M = 1
 
 
 def block_k_reason(block_k: int) -> str | None:
@@ -24,6 +47,123 @@ def block_k_reason(block_k: int) -> str | None:
     ):
         return f"block length {block_k} along K neither divides {MAX_TILE_K} nor is a multiple"
     return None
+
+
+def scale_kind(fmt: BlockFormat) -> str | None:
+    """ "fp32" (no scale format: fp32 decode factors), "ue8m0", or None for other scales."""
+    scale = fmt.scale.element
+    if scale is None:
+        return "fp32"
+    return "ue8m0" if scale == UE8M0 else None
+
+
+def block_text(fmt: BlockFormat) -> str:
+    return f"{fmt.block[0]}x{fmt.block[1]}"
+
+
+def pair_reason(a: BlockFormat | object, b: BlockFormat | object) -> str | None:
+    """None when the generated block-scaled FP8 kernel serves the operand pair (A [M, K], B
+    [N, K], both quantized along K), else why not: e4m3 / e5m2 elements on either side, fp32 or
+    ue8m0 block scales (the same kind on both), A in 1xN and B in 1xN or NxN blocks for one N
+    that the FP8 wgmma K (32) divides and that divides 128 or is a multiple of it."""
+    if not (isinstance(a, BlockFormat) and isinstance(b, BlockFormat)):
+        return "an operand is kept in high precision"
+    for name, fmt in (("A", a), ("B", b)):
+        if fmt.element not in ELEMENT_OF:
+            return f"{name} has {fmt.element.name} elements (the FP8 kernel reads e4m3 and e5m2)"
+        if scale_kind(fmt) is None:
+            return (
+                f"{name} has {fmt.scale.element.name} block scales (the FP8 kernel reads fp32 "
+                "and ue8m0 scales)"
+            )
+    if scale_kind(a) != scale_kind(b):
+        return "the operands' block scales differ in kind (fp32 and ue8m0)"
+    n = a.block[1]
+    if a.block[0] != 1:
+        return f"A has {block_text(a)} blocks (the FP8 kernel takes 1xN for A)"
+    if b.block not in ((1, n), (n, n)):
+        return f"B has {block_text(b)} blocks (A's 1x{n} needs 1x{n} or {n}x{n})"
+    return block_k_reason(n)
+
+
+def pair_name(a: BlockFormat, b: BlockFormat) -> str:
+    """A served pair as ``AUTO_MIN_M`` names it, e.g. "e4m3 1x128 x e4m3 128x128 fp32"."""
+    return (
+        f"{ELEMENT_OF[a.element]} {block_text(a)} x {ELEMENT_OF[b.element]} "
+        f"{block_text(b)} {scale_kind(a)}"
+    )
+
+
+def kernel_out(out_dtype: str, accumulate: bool) -> str:
+    """What the kernel writes for an output dtype ("bf16", "fp16", "fp32"): bf16 straight from
+    the kernel for a bf16 output without accumulate, else fp32 (the shared epilogue rounds)."""
+    return "bf16" if out_dtype == "bf16" and not accumulate else "fp32"
+
+
+def kernel_fields(
+    a: BlockFormat,
+    b: BlockFormat,
+    out: str,
+    bias: bool,
+    accumulate: bool,
+    *,
+    overlap: bool = OVERLAP,
+    cluster_m: int = CLUSTER_M,
+) -> dict[str, Any]:
+    """The ``GemmSm90Fp8Params`` fields of a served pair (``pair_reason``) with the kernel
+    writing ``out`` ("bf16" or "fp32": ``kernel_out``); ``overlap`` only where two K-blocks'
+    stages fit. The runtime (``fp8_gemm.cute_plan``) and ``fp4gen compile`` both build their
+    params from this, so they key the same kernels."""
+    block_k = a.block[1]
+    return {
+        "a_element": ELEMENT_OF[a.element],
+        "b_element": ELEMENT_OF[b.element],
+        "scale_kind": scale_kind(a) or "fp32",
+        "block_k": block_k,
+        "b_2d": b.block[0] != 1,
+        "out": out,
+        "bias": bias,
+        "accumulate": accumulate,
+        "overlap": overlap and block_k <= 3 * MAX_TILE_K,  # two blocks' stages fit
+        "cluster_m": cluster_m,
+    }
+
+
+def scaled_mm_reason(a: BlockFormat | object, b: BlockFormat | object) -> str | None:
+    """None when torch's block-wise ``scaled_mm`` (cuBLASLt, sm_90a) serves the operand pair,
+    else why not: e4m3 elements, fp32 block scales, A in 1x128 and B in 1x128 or 128x128."""
+    if not (isinstance(a, BlockFormat) and isinstance(b, BlockFormat)):
+        return "an operand is kept in high precision"
+    for name, fmt in (("A", a), ("B", b)):
+        if fmt.element not in ELEMENT_OF:
+            return (
+                f"{name} has {fmt.element.name} elements (the FP8 tensor cores read e4m3 and "
+                "e5m2 with their fn and ieee conventions)"
+            )
+        if fmt.scale.element is not None:
+            return (
+                f"{name} has {fmt.scale.element.name} block scales (cuBLAS's 1x128 / 128x128 "
+                "block scaling takes fp32 scales)"
+            )
+    if E5M2 in (a.element, b.element):
+        # measured on the H100 (torch 2.11, CUDA 13): "Invalid scaling configuration" for an
+        # e5m2 operand with 1x128 / 128x128 scales, e4m3 x e4m3 only
+        return "an operand has e5m2 elements (torch's block-wise scaled_mm takes e4m3 only)"
+    if a.block != (1, SCALED_MM_BLOCK):
+        return f"A has {block_text(a)} blocks (scaled_mm takes 1x128 for A here)"
+    if b.block not in ((1, SCALED_MM_BLOCK), (SCALED_MM_BLOCK, SCALED_MM_BLOCK)):
+        return f"B has {block_text(b)} blocks (scaled_mm takes 1x128 or 128x128)"
+    return None
+
+
+def scaled_mm_name(a: BlockFormat, b: BlockFormat) -> str:
+    """The scaled_mm recipe pair of a served pair, e.g. "BlockWise1x128 x BlockWise128x128"."""
+
+    def one(fmt: BlockFormat) -> str:
+        square = fmt.block == (SCALED_MM_BLOCK, SCALED_MM_BLOCK)
+        return "BlockWise128x128" if square else "BlockWise1x128"
+
+    return f"{one(a)} x {one(b)}"
 
 
 def module_source(params: Any) -> str:
@@ -46,11 +186,26 @@ def module_source(params: Any) -> str:
 
 
 __all__ = [
+    "AUTO_MIN_M",
+    "CLUSTER_M",
+    "E4M3",
+    "E5M2",
     "ELEMENT_NAMES",
+    "ELEMENT_OF",
     "MAX_TILE_K",
     "OUT_NAMES",
+    "OVERLAP",
+    "SCALED_MM_BLOCK",
     "SCALE_KINDS",
     "WGMMA_K",
     "block_k_reason",
+    "block_text",
+    "kernel_out",
+    "kernel_fields",
     "module_source",
+    "pair_name",
+    "pair_reason",
+    "scale_kind",
+    "scaled_mm_name",
+    "scaled_mm_reason",
 ]

@@ -28,6 +28,12 @@ table of the recipe: the ``operands`` table and every layer or schedule context 
   (``backend="cute"``). Output dtype and bias as ``Linear`` calls ``fp4gen.gemm``: fprop without
   bias fp32 (``operand_matmul``), with bias the layer output's dtype (dy's); dgrad x's dtype;
   wgrad W's; the kernel writes bf16 for a bf16 output, fp32 otherwise (fp16 is cast after).
+* **Block-scaled FP8 GEMM, sm_90a** (``GemmSm90Fp8Params``: the pair's FP8 elements, scale
+  kind, K-block length, B's 1xN or NxN blocks, kernel output, bias, accumulate, variant), for
+  pairs the generated kernel serves (``fp4gen.codegen.gemm_fp8.pair_reason``: fp8_blockwise,
+  MXFP8, ...), taken by ``backend="cute"`` and by ``auto`` where the measured table
+  (``gemm_fp8.AUTO_MIN_M``) says so: one per output dtype and bias as for the fused GEMM, in the
+  variant ``gemm_fp8.OVERLAP`` / ``CLUSTER_M`` (what ``fp8_gemm.cute_plan`` builds by default).
 * **Native GEMM, sm_100a** (``GemmConfig``: the MMA's element and scale types, kernel output
   dtype, tile and cluster, persistent grid size), for pairs with a block-scaled tcgen05 MMA: both
   tiles ``pick_tile`` gives (M <= 128 and above); fp32 output, and bf16 as well where
@@ -41,8 +47,10 @@ than ``DEFAULT_SM_COUNT`` (the persistent grid is compiled in); GEMMs only direc
 choice above is enumerated.
 
 Importing this module imports neither torch nor the CuTe DSL; ``runtime_plan`` loads the GEMM and
-dequantize code generators (torch, Jinja). The choices it enumerates are the ones the backends
-make, read from the same functions (``fp4gen.codegen.gemm``, ``fp4gen.codegen.gemm_configs``).
+dequantize code generators (torch, Jinja), and for a recipe with FP8 pairs on sm_90a the FP8
+kernel's parameter class (the CuTe DSL). The choices it enumerates are the ones the backends
+make, read from the same functions (``fp4gen.codegen.gemm``, ``fp4gen.codegen.gemm_configs``,
+``fp4gen.codegen.gemm_fp8``).
 """
 
 from __future__ import annotations
@@ -100,8 +108,7 @@ KIND_TEXT: dict[str, str] = {
     "gemm_sm90_fp8": "sm_90a FP8 GEMM",
     "gemm_sm100": "sm_100a GEMM",
 }
-# GEMM output dtypes as fp4gen.gemm takes them (the FP8 kernel's params are keyed by torch's)
-_TORCH_DTYPE_NAMES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
+FP8_ARCHS = ("sm_90a",)  # the generated block-scaled FP8 GEMM: FP8 wgmma (fp8_gemm.CUTE_ARCHS)
 # The two operands of each GEMM of a linear layer: A [M, K] and B [N, K], C = A B^T
 GEMM_OPERANDS: dict[str, tuple[Operand, Operand]] = {
     "fprop": (Operand.FPROP_ACTIVATION, Operand.FPROP_WEIGHT),
@@ -444,23 +451,22 @@ def _fp8_kernels(
     (one per output dtype and bias ``Linear`` passes, keyed by ``fp8_gemm.cute_plan``: the
     runtime's own params) to ``found``; return the sm_90a route lines. ``auto``: what
     ``backend="auto"`` runs where scaled_mm does not serve the pair."""
-    import torch
+    from fp4gen.codegen import gemm_fp8
+    from fp4gen.kernels.gemm_sm90_fp8 import GemmSm90Fp8Params  # the CuTe DSL: FP8 pairs only
 
-    from fp4gen.gemm_dispatch import fp8_support
-    from fp4gen.runtime import fp8_gemm
-
-    name = fp8_gemm.cute_pair_name(a, b)
-    least = fp8_gemm.CUTE_AUTO_MIN_M.get(name)  # the measured table: auto from this M on
+    name = gemm_fp8.pair_name(a, b)
+    least = gemm_fp8.AUTO_MIN_M.get(name)  # the measured table: auto from this M on
     how = 'backend="cute"' + (f", auto for M >= {least}" if least is not None else "")
-    fp8_archs = _among(fp8_gemm.CUTE_ARCHS, archs)
+    fp8_archs = _among(FP8_ARCHS, archs)
     for out_dtype, bias in outputs:
-        torch_dtype = getattr(torch, _TORCH_DTYPE_NAMES[out_dtype])
-        params = fp8_gemm.cute_plan(a, b, torch_dtype, bias, False).params
+        out = gemm_fp8.kernel_out(out_dtype, False)
+        # the params fp8_gemm.cute_plan builds (the default variant)
+        params = GemmSm90Fp8Params(**gemm_fp8.kernel_fields(a, b, out, bias, False))
         when = f"{how}, {params.out} out" + (", bias" if bias else "")
         found.add("gemm_sm90_fp8", params, fp8_archs, replace(use, when=when))
-    if fp8_support(a, b) is None:  # gemm_dispatch.choose_backend: scaled_mm on sm_90a
+    if gemm_fp8.scaled_mm_reason(a, b) is None:  # gemm_dispatch.choose_backend on sm_90a
         auto = (
-            f"block-scaled FP8 GEMM: torch scaled_mm {fp8_gemm.describe(a, b)} (cuBLAS; "
+            f"block-scaled FP8 GEMM: torch scaled_mm {gemm_fp8.scaled_mm_name(a, b)} (cuBLAS; "
             "set_fp8_semantics('exact'): torch decode + fp32 GEMM)"
         )
     lines = [("sm_90a", auto if least is None else f"M < {least}: {auto}")]
@@ -486,7 +492,7 @@ def runtime_plan(
     from fp4gen.codegen import dequant as dequant_codegen
     from fp4gen.codegen.gemm import fused_support, gemm_spec
     from fp4gen.codegen.gemm import pick_tile as sm90_pick
-    from fp4gen.runtime import fp8_gemm
+    from fp4gen.codegen.gemm_fp8 import pair_reason as fp8_pair_reason
 
     archs = tuple(archs or ARCHS)
     dtypes = _dtypes(input_dtype)
@@ -549,7 +555,7 @@ def runtime_plan(
             # sm_90a: the fused kernels
             if "sm_90a" in archs:
                 reason = fused_support(a, b)
-                if reason is not None and fp8_gemm.cute_support(a, b) is None:
+                if reason is not None and fp8_pair_reason(a, b) is None:
                     use = RuntimeUse(rname, context, gemm=gemm)
                     auto = f"no fused kernel ({reason}): {dequant_what}"
                     lines.extend(_fp8_kernels(found, a, b, outputs[gemm], use, archs, auto))

@@ -42,8 +42,21 @@ from typing import Any, NamedTuple
 import torch
 import torch.nn.functional as F
 
+from fp4gen.codegen.gemm_fp8 import (
+    AUTO_MIN_M,
+    CLUSTER_M,
+    E4M3,
+    E5M2,
+    OVERLAP,
+    kernel_fields,
+    kernel_out,
+    pair_name,
+    pair_reason,
+    scaled_mm_name,
+    scaled_mm_reason,
+)
 from fp4gen.errors import FP4GenError, TensorError
-from fp4gen.formats import UE8M0, BlockFormat, ElementFormat
+from fp4gen.formats import BlockFormat
 from fp4gen.numerics import QuantizedTensor
 from fp4gen.numerics.gemm import require_quantized
 from fp4gen.numerics.quantize import tensor_version
@@ -54,9 +67,7 @@ ARCHS = ("sm_90a",)  # cuBLASLt's 1x128 / 128x128 fp32 block scaling: Hopper onl
 BLOCK = 128
 ROW_ALIGN = 16  # M and N are padded to a multiple of this (see the module docstring)
 OUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
-_E4M3 = ElementFormat(4, 3, True, "fn")
-_E5M2 = ElementFormat(5, 2, True, "ieee")
-_TORCH_DTYPES = {_E4M3: torch.float8_e4m3fn, _E5M2: torch.float8_e5m2}
+_TORCH_DTYPES = {E4M3: torch.float8_e4m3fn, E5M2: torch.float8_e5m2}
 
 
 def support(a: BlockFormat | object, b: BlockFormat | object) -> str | None:
@@ -84,28 +95,7 @@ _cute_support_ids: dict[tuple[int, int], tuple[object, object, str | None]] = {}
 
 
 def _support(a: BlockFormat | object, b: BlockFormat | object) -> str | None:
-    if not (isinstance(a, BlockFormat) and isinstance(b, BlockFormat)):
-        return "an operand is kept in high precision"
-    for name, fmt in (("A", a), ("B", b)):
-        if fmt.element not in _TORCH_DTYPES:
-            return (
-                f"{name} has {fmt.element.name} elements (the FP8 tensor cores read e4m3 and "
-                "e5m2 with their fn and ieee conventions)"
-            )
-        if fmt.scale.element is not None:
-            return (
-                f"{name} has {fmt.scale.element.name} block scales (cuBLAS's 1x128 / 128x128 "
-                "block scaling takes fp32 scales)"
-            )
-    if _E5M2 in (a.element, b.element):
-        # measured on the H100 (torch 2.11, CUDA 13): "Invalid scaling configuration" for an
-        # e5m2 operand with 1x128 / 128x128 scales, e4m3 x e4m3 only
-        return "an operand has e5m2 elements (torch's block-wise scaled_mm takes e4m3 only)"
-    if a.block != (1, BLOCK):
-        return f"A has {_block_text(a)} blocks (scaled_mm takes 1x128 for A here)"
-    if b.block not in ((1, BLOCK), (BLOCK, BLOCK)):
-        return f"B has {_block_text(b)} blocks (scaled_mm takes 1x128 or 128x128)"
-    return None
+    return scaled_mm_reason(a, b)  # pure logic, shared with fp4gen compile's plan
 
 
 def arch_reason(arch: str | None) -> str | None:
@@ -145,7 +135,7 @@ def _find_torch_reason() -> str | None:
 def describe(a: BlockFormat, b: BlockFormat) -> str:
     """The scaled_mm recipe pair of a supported operand pair, e.g. "BlockWise1x128 x
     BlockWise128x128"."""
-    return f"{_recipe_name(a)} x {_recipe_name(b)}"
+    return scaled_mm_name(a, b)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -361,19 +351,15 @@ def block_scaled_product(
 # The generated kernel (backend="cute" for FP8 pairs): fp4gen.kernels.gemm_sm90_fp8
 # ----------------------------------------------------------------------------------------------
 CUTE_ARCHS = ("sm_90a",)
-_ELEMENT_NAMES = {_E4M3: "e4m3", _E5M2: "e5m2"}
 # Where backend="auto" takes the generated kernel instead of scaled_mm: pair name
-# (``cute_pair_name``) -> the smallest M it won at in benchmarks/gemm.py (H200, N = K = 8192,
-# the same run). Empty until measured: auto keeps scaled_mm (and the exact path for the pairs
-# scaled_mm does not serve) for every pair.
-CUTE_AUTO_MIN_M: dict[str, int] = {}
-# The kernel variant calls take: K-block b's wgmma overlapped with block b - 1's promotion
-# (GemmSm90Fp8Params.overlap), where the K-block's stages allow it. Off until measured faster
-# (benchmarks/gemm.py times both variants alone).
-CUTE_OVERLAP = False
-# CTAs per cluster along M (GemmSm90Fp8Params.cluster_m): 2 multicasts each B tile to two CTAs.
-# 1 until measured faster.
-CUTE_CLUSTER_M = 1
+# (``cute_pair_name``) -> the smallest M it won at in benchmarks/gemm.py. The same dict as
+# ``fp4gen.codegen.gemm_fp8.AUTO_MIN_M`` (fill it there: fp4gen compile's plan reads it too).
+CUTE_AUTO_MIN_M: dict[str, int] = AUTO_MIN_M
+# The kernel variant calls take (GemmSm90Fp8Params.overlap, .cluster_m): the values
+# ``fp4gen compile`` compiles, ``fp4gen.codegen.gemm_fp8.OVERLAP`` / ``CLUSTER_M`` (change them
+# there); set here, a process takes another variant, compiled on first use.
+CUTE_OVERLAP = OVERLAP
+CUTE_CLUSTER_M = CLUSTER_M
 
 
 def cute_support(a: BlockFormat | object, b: BlockFormat | object) -> str | None:
@@ -386,34 +372,12 @@ def cute_support(a: BlockFormat | object, b: BlockFormat | object) -> str | None
 
 
 def _cute_support(a: BlockFormat | object, b: BlockFormat | object) -> str | None:
-    from fp4gen.codegen.gemm_fp8 import block_k_reason  # pure logic: no CuTe DSL import
-
-    if not (isinstance(a, BlockFormat) and isinstance(b, BlockFormat)):
-        return "an operand is kept in high precision"
-    for name, fmt in (("A", a), ("B", b)):
-        if fmt.element not in _ELEMENT_NAMES:
-            return f"{name} has {fmt.element.name} elements (the FP8 kernel reads e4m3 and e5m2)"
-        if _scale_kind(fmt) is None:
-            return (
-                f"{name} has {fmt.scale.element.name} block scales (the FP8 kernel reads fp32 "
-                "and ue8m0 scales)"
-            )
-    if _scale_kind(a) != _scale_kind(b):
-        return "the operands' block scales differ in kind (fp32 and ue8m0)"
-    n = a.block[1]
-    if a.block[0] != 1:
-        return f"A has {_block_text(a)} blocks (the FP8 kernel takes 1xN for A)"
-    if b.block not in ((1, n), (n, n)):
-        return f"B has {_block_text(b)} blocks (A's 1x{n} needs 1x{n} or {n}x{n})"
-    return block_k_reason(n)
+    return pair_reason(a, b)  # pure logic, shared with fp4gen compile's plan
 
 
 def cute_pair_name(a: BlockFormat, b: BlockFormat) -> str:
     """The pair as ``CUTE_AUTO_MIN_M`` names it, e.g. "e4m3 1x128 x e4m3 128x128 fp32"."""
-    return (
-        f"{_ELEMENT_NAMES[a.element]} {_block_text(a)} x {_ELEMENT_NAMES[b.element]} "
-        f"{_block_text(b)} {_scale_kind(a)}"
-    )
+    return pair_name(a, b)
 
 
 def cute_auto_reason(a: BlockFormat | object, b: BlockFormat | object, m: int) -> str | None:
@@ -427,13 +391,6 @@ def cute_auto_reason(a: BlockFormat | object, b: BlockFormat | object, m: int) -
     if least is None or m < least:
         return None
     return f"generated block-scaled FP8 kernel: {name} (measured faster from M = {least})"
-
-
-def _scale_kind(fmt: BlockFormat) -> str | None:
-    scale = fmt.scale.element
-    if scale is None:
-        return "fp32"
-    return "ue8m0" if scale == UE8M0 else None
 
 
 _cute_compiled: dict[Any, Any] = {}  # GemmSm90Fp8Params -> the compiled function
@@ -491,24 +448,15 @@ def cute_plan(
     hit = _cute_plans.get(key)
     if hit is not None and hit[0] is a and hit[1] is b:
         return hit[2]
-    from fp4gen.codegen.gemm_fp8 import MAX_TILE_K
     from fp4gen.kernels.gemm_sm90_fp8 import GemmSm90Fp8Params
 
-    kernel_out = torch.bfloat16 if out_dtype == torch.bfloat16 and not accumulate else torch.float32
-    block_k = a.block[1]
-    params = GemmSm90Fp8Params(
-        a_element=_ELEMENT_NAMES[a.element],
-        b_element=_ELEMENT_NAMES[b.element],
-        scale_kind=_scale_kind(a) or "fp32",
-        block_k=a.block[1],
-        b_2d=b.block[0] != 1,
-        out="bf16" if kernel_out == torch.bfloat16 else "fp32",
-        bias=bias,
-        accumulate=accumulate,
-        overlap=CUTE_OVERLAP and block_k <= 3 * MAX_TILE_K,  # two blocks' stages fit
-        cluster_m=CUTE_CLUSTER_M,
+    out = kernel_out("bf16" if out_dtype == torch.bfloat16 else "fp32", accumulate)
+    fields = kernel_fields(
+        a, b, out, bias, accumulate, overlap=CUTE_OVERLAP, cluster_m=CUTE_CLUSTER_M
     )
-    plan = CutePlan(params, a.block[1], params.scale_kind == "ue8m0", kernel_out)
+    params = GemmSm90Fp8Params(**fields)
+    kernel_dtype = torch.bfloat16 if params.out == "bf16" else torch.float32
+    plan = CutePlan(params, a.block[1], params.scale_kind == "ue8m0", kernel_dtype)
     if len(_cute_plans) >= 256:
         _cute_plans.clear()
     _cute_plans[key] = (a, b, plan)  # the references keep the ids valid
@@ -640,14 +588,6 @@ def _global(q: QuantizedTensor, device: torch.device) -> torch.Tensor:
 def _recipe(fmt: BlockFormat):
     scaling = F.ScalingType  # type: ignore[attr-defined]
     return scaling.BlockWise128x128 if fmt.block == (BLOCK, BLOCK) else scaling.BlockWise1x128
-
-
-def _recipe_name(fmt: BlockFormat) -> str:
-    return "BlockWise128x128" if fmt.block == (BLOCK, BLOCK) else "BlockWise1x128"
-
-
-def _block_text(fmt: BlockFormat) -> str:
-    return f"{fmt.block[0]}x{fmt.block[1]}"
 
 
 __all__ = [
