@@ -11,12 +11,13 @@ traced (loops unroll, every index is a compile-time constant).
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import cuda.bindings.driver as cuda
 import cutlass
 import cutlass.cute as cute
-from cutlass import Float32, Float64, Int32, Int64, Uint32, range_constexpr
+from cutlass import Float32, Float64, Int32, Int64, Uint32, const_expr, range_constexpr
 from cutlass.cutlass_dsl import T, dsl_user_op
 
 from fp4gen.kernels.scale import FLT_MAX
@@ -418,8 +419,161 @@ class MoRScalesKernel:
                     gMant[r] = m_g
 
 
+# ---- the decision
+@dataclass(frozen=True)
+class Candidate:
+    """One candidate of a rule, as the decision reads it."""
+
+    index: int  # its position among the rule's candidates
+    metric: str | None  # "relerr", "relerr_vs", "range"; None: the fallback (the last one)
+    rep: int  # its representation's position among the measured ones (the error sums)
+    threshold: float = 0.0  # relerr: the mean relative error below which it is taken
+    versus: int = 0  # relerr_vs: the yardstick's representation
+    range_bound: float = 0.0  # range: its element format's max finite / min normal
+
+
+def decide(cands: tuple[Candidate, ...], errs: list, count: Int32, amax, amin) -> Int32:
+    """Algorithm 2: the first candidate whose metric accepts the unit, else the last one
+    (cands in the rule's order; amax / amin of the unit's |x| for the range metric)."""
+    choice = Int32(len(cands) - 1)
+    if any(c.metric == "relerr" for c in cands):
+        n64 = Float64(cutlass.max(count, Int32(1)))
+    zero = Float64(0.0)
+    for c in reversed(cands):
+        if c.metric == "relerr":
+            mean = Float64(cutlass.select_(count > Int32(0), errs[c.rep] / n64, zero))
+            ok = mean < Float64(c.threshold)
+        elif c.metric == "relerr_vs":
+            ok = (errs[c.rep] < errs[c.versus]) | (errs[c.rep] == zero)
+        elif c.metric == "range":
+            ok = Float64(amax) < Float64(c.range_bound) * Float64(amin)
+        else:  # the fallback: taken when no other accepts the unit
+            continue
+        choice = Int32(cutlass.select_(ok, Int32(c.index), choice))
+    return choice
+
+
+@dataclass(frozen=True)
+class MoRDecideParams:
+    """What the decide kernel depends on besides its tensors."""
+
+    iters: int  # row segments per thread (the CTA size)
+    input_dtype: str
+    unit_row_shift: int  # the unit of row r, column c is (r >> row_shift, c >> col_shift)
+    unit_col_shift: int
+    unit_row_bits: int  # log2 of a unit's piece inside one tile
+    unit_col_bits: int
+    pieces_row_shift: int  # log2 of a unit's pieces along rows (capped: whole tensor)
+    pieces_col_shift: int
+    n_reps: int  # representations measured (error sums)
+    cands: tuple[Candidate, ...]
+    uses_range: bool  # some candidate takes the range metric (max / min |x|)
+
+    @property
+    def threads(self) -> int:
+        return 32 * (TILE // (2 * self.iters))
+
+
+class MoRDecideKernel:
+    """Per decision unit (one CTA): the pairwise tree over its pieces (columns, then rows; in
+    place, one level per barrier), the non-zero count (and max / min |x| for the range metric),
+    the decision. A generated module's subclass spells the entry: its ``kernel`` calls
+    ``body``."""
+
+    def __init__(self, params: MoRDecideParams, arch: str) -> None:
+        self.p = params
+        self.arch = arch
+        input_type = getattr(cutlass, DTYPES[params.input_dtype].cute)
+        self.tile = MoRTile(params.iters, params.iters.bit_length() - 1, input_type)
+
+    @cute.jit
+    def body(self, gP, gCnt, gPmax, gPmin, gChoice, gErr, gNz, R, K):
+        """gPmax / gPmin: None without the range metric."""
+        p = self.p
+        threads = p.threads
+        tidx, _, _ = cute.arch.thread_idx()
+        u, _, _ = cute.arch.block_idx()
+        nuc = ((K - 1) >> p.unit_col_shift) + 1
+        nu = (((R - 1) >> p.unit_row_shift) + 1) * nuc
+        npr = ((R - 1) >> p.unit_row_bits) + 1
+        npc = ((K - 1) >> p.unit_col_bits) + 1
+        np_ = npr * npc
+        ur = u // nuc
+        uc = u - ur * nuc
+        pr0 = ur << p.pieces_row_shift
+        pc0 = uc << p.pieces_col_shift
+        nr = cutlass.min(npr - pr0, Int32(1 << p.pieces_row_shift))
+        nc = cutlass.min(npc - pc0, Int32(1 << p.pieces_col_shift))
+
+        # ---- order-free statistics: strided over the pieces, then across the CTA
+        smem = cutlass.memory.SmemAllocator()
+        red32 = smem.allocate_tensor(Int32, cute.make_layout(self.tile.warps), byte_alignment=16)
+        redf = None
+        if const_expr(p.uses_range):
+            redf = smem.allocate_tensor(
+                Float32, cute.make_layout(self.tile.warps), byte_alignment=16
+            )
+        count = Int32(0)
+        amax = amin = None
+        if const_expr(p.uses_range):
+            amax = Float32(0.0)
+            amin = Float32(math.inf)
+            for f in cutlass.range(tidx, nr * nc, threads, unroll=1):
+                r = f // nc
+                q = (pr0 + r) * npc + pc0 + (f - r * nc)
+                count = count + gCnt[q]
+                amax = cute.arch.fmax(amax, gPmax[q])
+                amin = cute.arch.fmin(amin, gPmin[q])
+        else:
+            for f in cutlass.range(tidx, nr * nc, threads, unroll=1):
+                r = f // nc
+                q = (pr0 + r) * npc + pc0 + (f - r * nc)
+                count = count + gCnt[q]
+        count = self.tile.cta_reduce(count, add, red32, tidx)
+        if const_expr(p.uses_range):
+            amax = self.tile.cta_reduce(amax, cute.arch.fmax, redf, tidx)
+            amin = self.tile.cta_reduce(amin, cute.arch.fmin, redf, tidx)
+
+        # ---- the error sums: pairwise levels over piece columns, then piece rows
+        h = Int32(1)
+        while h < nc:
+            pairs = (nc + 2 * h - 1) // (2 * h)
+            for f in cutlass.range(tidx, nr * pairs, threads, unroll=1):
+                r = f // pairs
+                c = (f - r * pairs) * 2 * h
+                if c + h < nc:
+                    q = (pr0 + r) * npc + pc0 + c
+                    for e in range_constexpr(p.n_reps):
+                        gP[e * np_ + q] = gP[e * np_ + q] + gP[e * np_ + q + h]
+            cute.arch.barrier()
+            h = h * 2
+        h = Int32(1)
+        while h < nr:
+            pairs = (nr + 2 * h - 1) // (2 * h)
+            for f in cutlass.range(tidx, pairs, threads, unroll=1):
+                r = f * 2 * h
+                if r + h < nr:
+                    q = (pr0 + r) * npc + pc0
+                    for e in range_constexpr(p.n_reps):
+                        gP[e * np_ + q] = gP[e * np_ + q] + gP[e * np_ + q + h * npc]
+            cute.arch.barrier()
+            h = h * 2
+
+        if tidx == 0:
+            p0 = pr0 * npc + pc0
+            errs = [gP[e * np_ + p0] for e in range(p.n_reps)]
+            choice = decide(p.cands, errs, count, amax, amin)
+            gChoice[u] = Int64(choice)
+            gNz[u] = Int64(count)
+            for e in range_constexpr(p.n_reps):
+                gErr[e * nu + u] = errs[e]
+
+
 __all__ = [
+    "Candidate",
     "MoRAmaxKernel",
+    "MoRDecideKernel",
+    "MoRDecideParams",
     "MoRScaleParams",
     "MoRScalesKernel",
     "MoRTile",
@@ -428,6 +582,7 @@ __all__ = [
     "abs_bits",
     "add",
     "block_scale",
+    "decide",
     "f16x2",
     "high_words",
     "lane_reduce",

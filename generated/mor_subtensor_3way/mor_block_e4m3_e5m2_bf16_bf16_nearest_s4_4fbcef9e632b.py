@@ -240,15 +240,31 @@ def row_outputs(xs: list, axs: list, enc: list, choice: Int32) -> tuple[list, li
     return codes, high
 
 
+# the candidates as the decision reads them (Algorithm 2: fp4gen.kernels.mor.decide)
+CANDIDATES = (
+    mor.Candidate(
+        index=0,
+        metric="relerr_vs",
+        rep=0,
+        versus=1,
+    ),
+    mor.Candidate(
+        index=1,
+        metric="range",
+        rep=1,
+        range_bound=E1_RANGE_BOUND,
+    ),
+    mor.Candidate(
+        index=2,
+        metric=None,
+        rep=2,
+    ),
+)
+
+
 def decide(errs: list, count: Int32, amax, amin) -> Int32:
-    """Algorithm 2: the first candidate whose metric accepts the unit, else the last one."""
-    choice = Int32(N_CANDS - 1)
-    zero = Float64(0.0)
-    ok = Float64(amax) < Float64(E1_RANGE_BOUND) * Float64(amin)
-    choice = Int32(cutlass.select_(ok, Int32(1), choice))
-    ok = (errs[0] < errs[1]) | (errs[0] == zero)
-    choice = Int32(cutlass.select_(ok, Int32(0), choice))
-    return choice
+    """The first candidate whose metric accepts the unit, else the last one."""
+    return mor.decide(CANDIDATES, errs, count, amax, amin)
 
 
 def scale_entries(gEnc: cute.Tensor, gDec: cute.Tensor, sb: Int32, nb: Int32):

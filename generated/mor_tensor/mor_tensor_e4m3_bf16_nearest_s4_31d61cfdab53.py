@@ -217,15 +217,25 @@ def row_outputs(xs: list, axs: list, enc: list, choice: Int32) -> tuple[list, li
     return codes, high
 
 
+# the candidates as the decision reads them (Algorithm 2: fp4gen.kernels.mor.decide)
+CANDIDATES = (
+    mor.Candidate(
+        index=0,
+        metric="relerr",
+        rep=0,
+        threshold=THRESHOLD_0,
+    ),
+    mor.Candidate(
+        index=1,
+        metric=None,
+        rep=1,
+    ),
+)
+
+
 def decide(errs: list, count: Int32, amax, amin) -> Int32:
-    """Algorithm 2: the first candidate whose metric accepts the unit, else the last one."""
-    choice = Int32(N_CANDS - 1)
-    n64 = Float64(cutlass.max(count, Int32(1)))
-    zero = Float64(0.0)
-    mean = Float64(cutlass.select_(count > Int32(0), errs[0] / n64, zero))
-    ok = mean < Float64(THRESHOLD_0)
-    choice = Int32(cutlass.select_(ok, Int32(0), choice))
-    return choice
+    """The first candidate whose metric accepts the unit, else the last one."""
+    return mor.decide(CANDIDATES, errs, count, amax, amin)
 
 
 def scale_entries(gEnc: cute.Tensor, gDec: cute.Tensor, sb: Int32, nb: Int32):
@@ -375,12 +385,27 @@ class MeasureKernel:
                     gP[e * np_ + p] = errs[e][s]
 
 
-class DecideKernel:
-    """Per decision unit (one CTA): the pairwise tree over its pieces (columns, then rows; in
-    place, one level per barrier), the non-zero count, the decision."""
+DECIDE_PARAMS = mor.MoRDecideParams(
+    iters=ITERS,
+    input_dtype=INPUT_DTYPE,
+    unit_row_shift=UNIT_ROW_SHIFT,
+    unit_col_shift=UNIT_COL_SHIFT,
+    unit_row_bits=UNIT_ROW_BITS,
+    unit_col_bits=UNIT_COL_BITS,
+    pieces_row_shift=PIECES_ROW_SHIFT,
+    pieces_col_shift=PIECES_COL_SHIFT,
+    n_reps=N_REPS,
+    cands=CANDIDATES,
+    uses_range=False,
+)
+
+
+class DecideKernel(mor.MoRDecideKernel):
+    """The decide kernel of this rule (fp4gen.kernels.mor.MoRDecideKernel), with its
+    arguments: the entry of the compiled function and of the kernel."""
 
     def __init__(self, arch: str):
-        self.arch = arch
+        super().__init__(DECIDE_PARAMS, arch)
 
     @cute.jit
     def __call__(
@@ -416,68 +441,17 @@ class DecideKernel:
         R: Int32,
         K: Int32,
     ):
-        tidx, _, _ = cute.arch.thread_idx()
-        u, _, _ = cute.arch.block_idx()
-        nuc = ((K - 1) >> UNIT_COL_SHIFT) + 1
-        nu = (((R - 1) >> UNIT_ROW_SHIFT) + 1) * nuc
-        npr = ((R - 1) >> UNIT_ROW_BITS) + 1
-        npc = ((K - 1) >> UNIT_COL_BITS) + 1
-        np_ = npr * npc
-        ur = u // nuc
-        uc = u - ur * nuc
-        pr0 = ur << PIECES_ROW_SHIFT
-        pc0 = uc << PIECES_COL_SHIFT
-        nr = cutlass.min(npr - pr0, Int32(1 << PIECES_ROW_SHIFT))
-        nc = cutlass.min(npc - pc0, Int32(1 << PIECES_COL_SHIFT))
-
-        # ---- order-free statistics: strided over the pieces, then across the CTA
-        smem = cutlass.memory.SmemAllocator()
-        red32 = smem.allocate_tensor(Int32, cute.make_layout(WARPS), byte_alignment=16)
-        count = Int32(0)
-        for f in cutlass.range(tidx, nr * nc, THREADS, unroll=1):
-            r = f // nc
-            p = (pr0 + r) * npc + pc0 + (f - r * nc)
-            count = count + gCnt[p]
-        count = cta_reduce(count, add, red32, tidx)
-
-        # ---- the error sums: pairwise levels over piece columns, then piece rows
-        h = Int32(1)
-        while h < nc:
-            pairs = (nc + 2 * h - 1) // (2 * h)
-            for f in cutlass.range(tidx, nr * pairs, THREADS, unroll=1):
-                r = f // pairs
-                c = (f - r * pairs) * 2 * h
-                if c + h < nc:
-                    p = (pr0 + r) * npc + pc0 + c
-                    for e in range_constexpr(N_REPS):
-                        gP[e * np_ + p] = gP[e * np_ + p] + gP[e * np_ + p + h]
-            cute.arch.barrier()
-            h = h * 2
-        h = Int32(1)
-        while h < nr:
-            pairs = (nr + 2 * h - 1) // (2 * h)
-            for f in cutlass.range(tidx, pairs, THREADS, unroll=1):
-                r = f * 2 * h
-                if r + h < nr:
-                    p = (pr0 + r) * npc + pc0
-                    for e in range_constexpr(N_REPS):
-                        gP[e * np_ + p] = gP[e * np_ + p] + gP[e * np_ + p + h * npc]
-            cute.arch.barrier()
-            h = h * 2
-
-        if tidx == 0:
-            p0 = pr0 * npc + pc0
-            errs = [gP[e * np_ + p0] for e in range(N_REPS)]
-            choice = decide(
-                errs,
-                count,
-                None,
-                None,
-            )
-            gChoice[u] = Int64(choice)
-            gNz[u] = Int64(count)
-            for e in range_constexpr(N_REPS):
-                gErr[e * nu + u] = errs[e]
+        self.body(
+            gP,
+            gCnt,
+            None,
+            None,
+            gChoice,
+            gErr,
+            gNz,
+            R,
+            K,
+        )
 
 
 class EmitKernel:
