@@ -51,6 +51,15 @@ LAYER_OF: dict[str, str] = {
     "fp4gen.runtime": "backends",
     "fp4gen.gemm_dispatch": "backends",
     "fp4gen.runtime.linear": "nn",
+    # Linear's jobs, one module each (mixins of Linear): its operand tables, slots and Philox
+    # offsets, amax group, operand quantization, shared copies of x, graph keys, telemetry
+    "fp4gen.runtime.layer_tables": "nn",
+    "fp4gen.runtime.operand_slots": "nn",
+    "fp4gen.runtime.layer_amax": "nn",
+    "fp4gen.runtime.layer_quantize": "nn",
+    "fp4gen.runtime.shared_copy": "nn",
+    "fp4gen.runtime.layer_graph_keys": "nn",
+    "fp4gen.runtime.telemetry": "nn",
     "fp4gen.runtime.ops": "nn",
     "fp4gen.runtime.layer_groups": "nn",  # sibling Linears run as one (uses Linear by duck type)
     "fp4gen.runtime.convert": "nn",

@@ -23,8 +23,12 @@ inference_mode no wgrad constraint applies.
 What a training forward saves: x's wgrad copy Q(x^T; wgrad.activation), quantized then rather
 than in the backward, where it is rounded to nearest (``keeps_wgrad_input``): the backward needs
 nothing else of x, and the copy takes 4.5 bits per value for NVFP4 against x's 16
-(``fp4gen.runtime.ops``). Layers that read the same x in a row share one copy (``_LastCopy``).
-Otherwise x itself, as torch.nn.Linear does.
+(``fp4gen.runtime.ops``). Layers that read the same x in a row share one copy
+(``fp4gen.runtime.shared_copy.LastCopy``). Otherwise x itself, as torch.nn.Linear does.
+
+The jobs of a layer's calls other than its GEMM passes are mixins of ``Linear``, one module
+each (docs/architecture.md): ``layer_tables``, ``operand_slots``, ``layer_amax``,
+``layer_quantize``, ``shared_copy``, ``layer_graph_keys`` and ``telemetry``.
 
 Randomness is reproducible: stochastic rounding draws Philox words keyed by the layer's seed,
 with offset = STREAMS_PER_CALL * (the layer's forward or backward call count) + the operand slot,
@@ -81,72 +85,65 @@ decision units kept in high precision and a histogram of relative errors (0.5% b
 from __future__ import annotations
 
 import os
-import weakref
 from collections.abc import Iterable
-from dataclasses import dataclass, field, replace
-from functools import partial
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from fp4gen.device_offset import DeviceOffset
-from fp4gen.dsl.model import MoRRef, MoRSpec, Operand, OperandSpec, OperandTable, Recipe
+from fp4gen.dsl.model import MoRSpec, Operand, OperandSpec, OperandTable, Recipe
 from fp4gen.errors import FP4GenError, TensorError
-from fp4gen.formats import BlockFormat, is_stochastic
 from fp4gen.gemm_dispatch import gemm
-from fp4gen.numerics import QuantizedTensor, error_stats
-from fp4gen.numerics.mor import MoRTensor
-from fp4gen.numerics.quantize import QuantizedLayout
+from fp4gen.numerics import QuantizedTensor
 from fp4gen.runtime import finite, layer_groups, ops
 from fp4gen.runtime.cute_backend import quantize_tile_cute
-from fp4gen.runtime.device_memory import persistent
-from fp4gen.runtime.global_amax import (
-    RANK_SEED_STRIDE,
-    check_reducible,
-    group_amax,
-    quantize_with_amax,
-    resolve_operands,
+from fp4gen.runtime.layer_amax import AmaxGroupMember, SharedGroup
+from fp4gen.runtime.layer_graph_keys import MAX_LAYOUT_PARTS as MAX_LAYOUT_PARTS
+from fp4gen.runtime.layer_graph_keys import LayerGraphKeys, _Identity, _param_key
+from fp4gen.runtime.layer_graphs import LayerGraphs
+from fp4gen.runtime.layer_quantize import (
+    OperandQuantizer,
+    _dequantized,
+    _gathered_operand,
+    _refused_non_finite,
+    _rows_contiguous,
 )
-from fp4gen.runtime.layer_graphs import LayerGraphs, worth_graphing
+from fp4gen.runtime.layer_quantize import _transposable as _transposable
+from fp4gen.runtime.layer_tables import LayerTables
+from fp4gen.runtime.operand_slots import FORWARD_OPERANDS as FORWARD_OPERANDS
+from fp4gen.runtime.operand_slots import SLOT as SLOT
+from fp4gen.runtime.operand_slots import STREAMS_PER_CALL as STREAMS_PER_CALL
+from fp4gen.runtime.operand_slots import OperandSlots, _refuse_sr_capture
 from fp4gen.runtime.operands import (
-    check_supported,
     k_multiple,
     mor_scope,
     operand_matmul,
     pad_to,
-    quantize_operand,
     quantize_operand_pair,
     round_up,
 )
-from fp4gen.runtime.schedule import (
-    BACKWARD_SLOTS,
-    FORWARD_SLOTS,
-    ScheduledOperands,
-    TrainingClock,
-    action_mors,
-)
-from fp4gen.settings import layer_graphs_enabled
+from fp4gen.runtime.schedule import ScheduledOperands, TrainingClock, action_mors
+from fp4gen.runtime.shared_copy import CopySharing, LastCopy
+from fp4gen.runtime.telemetry import Telemetry, TelemetryRecorder
 
-SLOT = {op: i for i, op in enumerate(Operand)}
-FORWARD_OPERANDS = (Operand.FPROP_ACTIVATION, Operand.FPROP_WEIGHT)
-# Philox offsets reserved per layer call: one stream per operand slot (six used, two spare), so
-# no two operands of any forward or backward call of a layer share random bits.
-STREAMS_PER_CALL = 8
-# distinct wgrad-copy layouts a layer interns for its backward graph keys before starting over
-MAX_LAYOUT_PARTS = 64
+# The jobs of a layer's calls live in the modules imported above, each a mixin of Linear
+# (docs/architecture.md); the ``X as X`` imports re-export the names other modules and tests
+# import from here. The GEMM passes and the copies they read stay here: they look ``gemm``,
+# ``pad_to`` and ``quantize_operand_pair`` up in this module (tests redirect them here).
+_LastCopy = LastCopy  # its name before the split
 
 
-@dataclass
-class Telemetry:
-    """Per-operand quantization error, recorded every ``every`` calls when enabled."""
-
-    every: int = 0
-    records: list[dict[str, Any]] = field(default_factory=list)
-
-
-class Linear(nn.Linear):
+class Linear(
+    AmaxGroupMember,
+    LayerTables,
+    CopySharing,
+    OperandQuantizer,
+    OperandSlots,
+    LayerGraphKeys,
+    TelemetryRecorder,
+    nn.Linear,
+):
     """torch.nn.Linear whose three GEMMs run with the numerics of a recipe.
 
     Same constructor and state_dict as torch.nn.Linear, plus the recipe (a Recipe, a path or a
@@ -249,80 +246,6 @@ class Linear(nn.Linear):
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, seed={self.seed}"
-
-    def set_amax_group(self, group: Any, operands: Iterable[Operand | str] | None = None) -> None:
-        """Quantize ``operands`` (default: fprop.activation and dgrad.gradient) with the amax
-        of the whole tensor the ranks of the process group ``group`` hold token slices of (one
-        all-reduce MAX per tensor and call), and round this rank's activation and gradient
-        operands with its own stream (``data_seed``). FP4GenError for an operand, in any table
-        the precision schedule can switch to, that cannot be reduced exactly
-        (``fp4gen.runtime.global_amax.check_reducible``). ``None`` turns it off. Every rank of
-        the group must then call the layer's forward and backward in step (collectives)."""
-        if group is None:
-            self._amax_group, self._group_rank = SharedGroup(None), 0
-            self.amax_operands = frozenset()
-            return
-        chosen = resolve_operands(operands)
-        tables = self.schedule.tables()
-        for table in tables:
-            for op in sorted(chosen, key=SLOT.__getitem__):
-                check_reducible(op, getattr(table, op.name.lower()), self.name or "this layer")
-        rank = dist.get_rank(group)
-        if rank < 0:
-            raise FP4GenError(f"{self.name or 'this layer'}: this process is not in amax_group")
-        self._amax_group, self.amax_operands, self._group_rank = SharedGroup(group), chosen, rank
-
-    @property
-    def amax_group(self) -> Any:
-        """The process group whose amax the reduced operands use (None: off)."""
-        return self._amax_group.group
-
-    @property
-    def data_seed(self) -> int:
-        """The Philox seed of the activation and gradient operands: the layer's seed, plus
-        rank * RANK_SEED_STRIDE under an amax group (those tensors differ per rank, so every
-        rank draws its own stream; the weight, the same on every rank, keeps ``seed``)."""
-        return self.seed + self._group_rank * RANK_SEED_STRIDE
-
-    def _seed_of(self, op: Operand) -> int:
-        return self.seed if op.role == "weight" else self.data_seed
-
-    def _group_amax(self, t: torch.Tensor) -> torch.Tensor:
-        """The group's amax of the tensor ``t`` is a slice of (one all-reduce). Refused while a
-        CUDA graph is being captured (a captured step, torch.compile's cudagraphs): a collective
-        inside a captured graph is not proven safe here."""
-        if t.is_cuda and torch.cuda.is_current_stream_capturing():
-            raise FP4GenError(
-                f"{self.name or 'fp4gen.nn.Linear'}: a layer with an amax_group all-reduces "
-                "in every call, which is not supported inside a CUDA graph capture; run it "
-                "eagerly (or without CUDA graphs)"
-            )
-        return group_amax(t, self.amax_group)
-
-    def _reduced(self, op: Operand, spec: OperandSpec) -> bool:
-        """Whether ``op`` is quantized with its group's amax in this table (a high-precision
-        operand has no scale to share)."""
-        return op in self.amax_operands and isinstance(spec.format, BlockFormat)
-
-    def check_supported(self) -> None:
-        """Raise FP4GenError for an operand (of the base table or any table the schedule switches
-        to) that the runtime cannot run, e.g. a MoR rule the layer was not given."""
-        tables = self.schedule.tables()
-        for table in tables:
-            for op, spec in table.items():
-                check_supported(spec, f"{self.name or 'this layer'}: {op.selector}", self.mors)
-
-    @property
-    def operands(self) -> OperandTable:
-        """The operand table in force at the current step; while the layer is not training
-        (``module.eval()``), with the recipe's eval statement's fprop operands."""
-        table = self.schedule.active(evaluating=not self.training)
-        if table.redrawn():  # RHT signs drawn per layer (and step): this layer's, this step's
-            last, step = self._redrawn, self.schedule.clock.step
-            if last[0] is not table or last[1] != step:
-                last[:] = table, step, table.at(self.seed, step)
-            return last[2]
-        return table
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self._linear(x, self.weight)
@@ -471,31 +394,6 @@ class Linear(nn.Linear):
         assert y is not None
         return y, kept
 
-    def _copy_key(self, table: OperandTable) -> tuple[Any, ...]:
-        """What x's wgrad copy depends on besides x: its spec, the wgrad K multiple its tokens
-        are padded to and the backend (a round-to-nearest copy draws no random stream). One
-        tuple per (table, backend), so that comparing it with the last copy's is an identity
-        check (the schedule hands over the same table object until it switches)."""
-        last = self._copy_key_part  # [table, backend, key], mutated: no Module.__setattr__
-        if last[0] is not table or last[1] != self.backend:
-            wgrad_k = k_multiple(table.wgrad_gradient, table.wgrad_activation, blocks=True)
-            last[:] = table, self.backend, (table.wgrad_activation, wgrad_k, self.backend)
-        return last[2]
-
-    def keeps_wgrad_input(self, table: OperandTable) -> bool:
-        """Whether a training forward quantizes x's wgrad copy and saves it instead of x
-        (``keep_quantized_input``, on by default): for a block format rounded to nearest (a
-        stochastic copy draws from the backward call's stream), without an amax group on it
-        (its all-reduce stays in the backward) or telemetry (which records x itself)."""
-        spec = table.wgrad_activation
-        return (
-            self.keep_quantized_input
-            and isinstance(spec.format, BlockFormat)
-            and not is_stochastic(spec.rounding)
-            and not self._reduced(Operand.WGRAD_ACTIVATION, spec)
-            and not self.telemetry.every
-        )
-
     def _fprop(
         self,
         x2: torch.Tensor,
@@ -536,50 +434,6 @@ class Linear(nn.Linear):
             return gemm(xq, w_row, bias=bias, out_dtype=out_dtype, out=out), xq_t
         y = operand_matmul(xq, w_row)
         return (y if bias is None else y + bias.to(torch.float32)).to(out_dtype), xq_t
-
-    def fprop_k(self, table: OperandTable, in_features: int | None = None) -> int:
-        """The fprop GEMM's K: in_features (the weight's, where given), zero-padded to the fprop
-        RHT size where it is not a multiple of it."""
-        fprop_k = k_multiple(table.fprop_activation, table.fprop_weight, blocks=False)
-        return round_up(self.in_features if in_features is None else in_features, fprop_k)
-
-    def fprop_input_key(self, table: OperandTable) -> tuple[Any, ...]:
-        """What x's fprop operand depends on besides x, for a round-to-nearest spec (a layer
-        group has no other: ``fp4gen.runtime.layer_groups``): layers with equal keys get the
-        same bits from one ``fprop_input``."""
-        return (table.fprop_activation, self.fprop_k(table), self.backend)
-
-    def fprop_input(self, x2: torch.Tensor, table: OperandTable, call: int) -> Any:
-        """Q(x; fprop.activation), x zero-padded to the fprop K, as ``_fprop`` makes it."""
-        x2 = pad_to(x2, x2.shape[0], self.fprop_k(table))
-        return self.quantize(x2, Operand.FPROP_ACTIVATION, table.fprop_activation, call)
-
-    def shares_fprop_input(self, table: OperandTable, x2: torch.Tensor) -> bool:
-        """Whether x's fprop operand made for another layer serves this one too, where its
-        ``fprop_input_key`` is equal: a block format whose elements and scales round to
-        nearest (no random stream, so the bits do not depend on which layer makes it), not
-        quantized with an amax group's all-reduce, and no CUDA graph capturing."""
-        spec = table.fprop_activation
-        fmt = spec.format
-        return (
-            isinstance(fmt, BlockFormat)
-            and not is_stochastic(spec.rounding)
-            and fmt.scale.rounding != "stochastic"
-            and not self._reduced(Operand.FPROP_ACTIVATION, spec)
-            and not (x2.is_cuda and torch.cuda.is_current_stream_capturing())
-        )
-
-    def _shared_fprop_input(
-        self, x2: torch.Tensor, table: OperandTable, call: int, copies: ops.SharedCopy
-    ) -> Any:
-        """x's fprop operand from ``copies`` where the last layer that read x made the same
-        one, else made now (``fprop_input``) and left there for the next layer."""
-        key = self.fprop_input_key(table)
-        found = copies.find(x2, key)
-        if found is None:
-            found = self.fprop_input(x2, table, call)
-            copies.remember(x2, key, found)
-        return found
 
     def backward_gemms(
         self, dy2: torch.Tensor, x2: torch.Tensor | ops.WgradInput, weight: torch.Tensor
@@ -641,28 +495,6 @@ class Linear(nn.Linear):
         self.__dict__["_backward_calls"] = call + 1  # as in forward_gemm
         assert dx is not None and dw is not None
         return dx, dw
-
-    def _described(self, layout: QuantizedLayout, packing: ops.Packing | None) -> _Identity:
-        """``layout`` without its offset, and the copy's packing, as a backward graph's key
-        holds them: one object per distinct value (interned), named by identity, so a key hashes
-        and compares it without walking its fields. A replayed forward graph hands over the
-        same layout and packing objects every step: looked up once for them."""
-        last = self._last_described  # [layout, packing, its key part], mutated (no setattr)
-        if last[0] is not layout or last[1] is not packing:
-            described = (replace(layout, offset=None), packing)
-            parts = self._layout_parts
-            if len(parts) >= MAX_LAYOUT_PARTS:  # shapes that keep changing: start over (keys
-                parts.clear()  # hold their parts, so an equal layout only gets a new key)
-            last[:] = layout, packing, parts.setdefault(described, _Identity(described))
-        return last[2]
-
-    def _table_key(self, table: OperandTable) -> _Identity:
-        """The operand table as a graph key holds it (by identity: the schedule hands over the
-        same table object until it switches), made once per table."""
-        last = self._table_part  # [table, its key part], mutated: no Module.__setattr__
-        if last[0] is not table:
-            last[:] = table, _Identity(table)
-        return last[1]
 
     def _grads(
         self,
@@ -797,31 +629,6 @@ class Linear(nn.Linear):
         rowwise = None if row is None else self._quantize_operand(t, *row, seed=seed)
         return rowwise, self._quantize_operand(t.t().contiguous(), *col, seed=seed)
 
-    def _quantize_operand(
-        self, t: torch.Tensor, spec: OperandSpec, offset: int | DeviceOffset, *, seed: int
-    ) -> Any:
-        """``quantize_operand`` of ``t``. In a propagating scope a block format's input that
-        the torch reference quantizes (``finite.reference_input``: a CPU tensor, the
-        "reference" backend, or on CUDA a shape the kernels do not take, found when the
-        reference refuses it) gets a NaN global scale for a NaN or an Inf, as the kernels give
-        it, rather than an error."""
-        flag = None
-        if isinstance(spec.format, BlockFormat):
-            t, flag = finite.reference_input(t, self.backend)
-        quantize = partial(
-            quantize_operand, spec=spec, seed=seed, offset=offset, backend=self.backend
-        )
-        try:
-            q = quantize(t, mors=self.mors)
-        except TensorError:
-            if flag is not None or not isinstance(spec.format, BlockFormat):
-                raise
-            if not _refused_non_finite(t):
-                raise
-            t, flag = finite.reference_input(t, "reference")
-            q = quantize(t, mors=self.mors)
-        return finite.poisoned(q, flag)
-
     def columnwise_weight(
         self, w: torch.Tensor, table: OperandTable, call: int, k: int | None = None
     ) -> Any:
@@ -850,129 +657,10 @@ class Linear(nn.Linear):
         wt = wt.contiguous() if k is None or k == wt.shape[1] else pad_to(wt, wt.shape[0], k)
         return self.quantize(wt, Operand.DGRAD_WEIGHT, table.dgrad_weight, call)
 
-    def quantize(
-        self,
-        t: torch.Tensor,
-        op: Operand,
-        spec: OperandSpec,
-        call: int,
-        amax: torch.Tensor | None = None,
-    ) -> Any:
-        """Q(t) for operand slot ``op`` in this call; a reduced operand (``set_amax_group``)
-        with the group's amax (``amax`` when the caller has it already, else all-reduced now)."""
-        _, offset = self.slot(op, spec, call, t)
-        seed = self._seed_of(op)
-        if self._reduced(op, spec):
-            if amax is None:
-                amax = self._group_amax(t)
-            return quantize_with_amax(t, spec, amax, seed=seed, offset=offset, backend=self.backend)
-        return self._quantize_operand(t, spec, offset, seed=seed)
-
-    def slot(
-        self, op: Operand, spec: OperandSpec, call: int, t: torch.Tensor
-    ) -> tuple[OperandSpec, int | DeviceOffset]:
-        """An operand slot's spec and Philox offset in this call (a stream per slot and call):
-        STREAMS_PER_CALL * call + slot. For a stochastically rounded CUDA operand of a block
-        format the offset is a DeviceOffset on the layer's device counter of that pass, which
-        holds ``call`` (module docstring), so a CUDA graph draws fresh bits on every replay."""
-        fmt = spec.format
-        if (
-            t.is_cuda
-            and isinstance(fmt, BlockFormat)
-            and (is_stochastic(spec.rounding) or fmt.scale.rounding == "stochastic")
-        ):  # stochastic block scales draw from the slot's stream too (numerics.md 11.2)
-            return spec, self._device_offset(op, t.device)
-        return spec, STREAMS_PER_CALL * call + SLOT[op]
-
-    def _device_offset(self, op: Operand, device: torch.device) -> DeviceOffset:
-        key = (op, device)
-        found = self._device_offsets.get(key)
-        if found is None:
-            counter = self._philox_counter(op in FORWARD_OPERANDS, device)
-            found = DeviceOffset(counter, STREAMS_PER_CALL, (SLOT[op],))
-            self._device_offsets[key] = found
-        return found
-
-    def _philox_counter(self, forward: bool, device: torch.device) -> torch.Tensor:
-        """The device copy of the forward (or backward) call count: int64 [1], made from the
-        host count on first use and advanced on the device with every call that reads it."""
-        key = (forward, device)
-        counter = self._counters.get(key)
-        if counter is None:
-            if torch.cuda.is_current_stream_capturing():
-                raise FP4GenError(
-                    f"{self.name or 'fp4gen.nn.Linear'}: its stochastic rounding counter is made "
-                    "on the first eager call; run one step eagerly before capturing a CUDA graph"
-                )
-            calls = self._forward_calls if forward else self._backward_calls
-            # kept for the layer's life: made outside any CUDA-graph pool (torch.compile's
-            # CUDA graphs may be warming up the current stream)
-            counter = persistent(
-                lambda: torch.tensor([calls], dtype=torch.int64, device=device), device
-            )
-            self._counters[key] = counter
-        return counter
-
-    def _advance_device(self, forward: bool) -> None:
-        """Count a forward (or backward) call on every device counter of that pass (the host
-        counts in forward_gemm / backward_gemms; a replayed layer graph advances these)."""
-        for (is_forward, _), counter in self._counters.items():
-            if is_forward == forward:
-                counter.add_(1)
-
-    def _graphs_for(
-        self, t: torch.Tensor, table: OperandTable, *, forward: bool
-    ) -> LayerGraphs | None:
-        """The layer's graphs when this pass may run from one (fp4gen.runtime.layer_graphs):
-        CUDA, the kernels' backend, block formats or high precision only (MoR decides on the
-        host), no telemetry (it records on the host), non-finite inputs propagated, and no
-        amax group."""
-        if not self._graphable(t, table, forward=forward):
-            return None
-        if self._graphs is None:
-            self._graphs = LayerGraphs(self.name)
-        return self._graphs
-
-    def _graphable(self, t: torch.Tensor, table: OperandTable, *, forward: bool) -> bool:
-        """Whether a pass on ``t`` may run from a layer graph (``_graphs_for``)."""
-        if not t.is_cuda or self.telemetry.every or not layer_graphs_enabled():
-            return False
-        if self.amax_group is not None:
-            return False  # a collective inside a captured graph: not proven safe, so eager
-        if self.backend not in ("auto", "cute") or not finite.propagates():
-            # outside a propagating scope (a direct forward_gemm call, FP4GEN_CHECK_FINITE=raise)
-            # the quantize calls read their finite flags on the host, which a capture refuses
-            return False
-        if not worth_graphing(t.shape[0], self.in_features, self.out_features):
-            return False  # the GPU work outlasts the launches: a graph's copies would cost more
-        if table.redrawn(per_step=True):
-            return False  # RHT signs drawn every step: a graph would keep one step's signs
-        if any(
-            isinstance(spec.format, BlockFormat) and spec.format.scale.rounding == "stochastic"
-            for _, spec in table.items()
-        ):
-            return False  # the reference draws stochastic scales from the host's offset
-        return not self._pass_mors(table, forward)[0]
-
-    def _pass_key(
-        self, table: OperandTable, weight: torch.Tensor, bias: torch.Tensor | None
-    ) -> tuple[Any, ...]:
-        """What a layer graph of a group (``fp4gen.runtime.layer_groups``) depends on in this
-        member besides the group's tensors: its parameters where they are, its operand table,
-        backend and seed."""
-        return (
-            _param_key(weight),
-            _param_key(bias),
-            self._table_key(table),
-            self.backend,
-            self.seed,
-        )
-
-    def release_graphs(self) -> None:
-        """Release this layer's own layer graphs (their static buffers and pool claims): its
-        passes run from its layer group's graphs now (``fp4gen.runtime.layer_groups``)."""
-        if self._graphs is not None:
-            self._graphs.clear()
+    def fprop_input(self, x2: torch.Tensor, table: OperandTable, call: int) -> Any:
+        """Q(x; fprop.activation), x zero-padded to the fprop K, as ``_fprop`` makes it."""
+        x2 = pad_to(x2, x2.shape[0], self.fprop_k(table))
+        return self.quantize(x2, Operand.FPROP_ACTIVATION, table.fprop_activation, call)
 
     @staticmethod
     def forget_shared_copy() -> None:
@@ -980,122 +668,10 @@ class Linear(nn.Linear):
         if _last_copy.copy is not None or _last_copy.run:
             _last_copy.forget()
 
-    def _pass_mors(self, table: OperandTable, forward: bool) -> tuple[bool, bool]:
-        """(whether a pass has a MoR operand, whether one of them rounds stochastically) under
-        ``table``, looked at once per table (the schedule hands over the same table object
-        until it switches): a per-call question of the forward and backward paths."""
-        seen, answer = self._mors_seen[forward]
-        if seen is not table:
-            specs = [
-                getattr(table, name) for name in (FORWARD_SLOTS if forward else BACKWARD_SLOTS)
-            ]
-            mors = [spec for spec in specs if isinstance(spec.format, MoRRef)]
-            answer = (bool(mors), any(is_stochastic(spec.rounding) for spec in mors))
-            self._mors_seen[forward] = (table, answer)
-        return answer
 
-    def record(self, op: Operand, source: torch.Tensor, quantized: Any, call: int) -> None:
-        """Append one telemetry record for a quantized operand (high-precision ones have none):
-        error statistics for block formats, decisions and error histograms for MoR."""
-        every = self.telemetry.every
-        if not every or call % every:
-            return
-        if isinstance(quantized, QuantizedTensor):
-            if source.shape != quantized.shape:  # an unpadded source: padded only when recorded
-                source = pad_to(source, *quantized.shape)
-            stats = vars(error_stats(source, quantized))
-        elif isinstance(quantized, MoRTensor):
-            stats = quantized.stats()
-        else:
-            return
-        self.telemetry.records.append(
-            {"layer": self.name, "call": call, "operand": op.selector, **stats}
-        )
-
-
-class _LastCopy:
-    """The wgrad copy of the last x a training forward quantized, for the next layer that reads
-    the same x (a Llama's q, k and v projections; gate and up): one quantize pass and one saved
-    copy instead of one per layer. It is the same x when its tensor (the base of x2's view) is
-    alive, with the same address, layout and version counter (an in-place write bumps it), and
-    the copy's key (``Linear._copy_key``) is equal. Holds x weakly: x's memory cannot be reused
-    while the weak reference resolves, and the copy is dropped with the next one."""
-
-    def __init__(self) -> None:
-        self.source: weakref.ref[torch.Tensor] | None = None
-        self.key: tuple[Any, ...] = ()
-        self.copy: Any = None
-        # the layers that used the copy, in call order (held weakly): a run of two or more is
-        # reported to the layer groups when the copy is replaced or dropped
-        self.run: list[weakref.ref[Linear]] = []
-
-    @staticmethod
-    def _identity(x2: torch.Tensor, key: tuple[Any, ...]) -> tuple[Any, ...]:
-        return (x2.data_ptr(), x2._version, x2.shape, x2.stride(), x2.dtype, x2.device, key)
-
-    def find(self, x2: torch.Tensor, key: tuple[Any, ...]) -> Any:
-        source = None if self.source is None else self.source()
-        if source is None or source is not _base(x2) or self.key != self._identity(x2, key):
-            return None
-        return self.copy
-
-    def remember(self, x2: torch.Tensor, key: tuple[Any, ...], copy: Any, layer: Linear) -> None:
-        self.read_alone(x2)
-        self._end_run()
-        self.source = weakref.ref(_base(x2))
-        self.key = self._identity(x2, key)
-        self.copy = copy
-        self.run = [weakref.ref(layer)]
-
-    def join(self, layer: Linear) -> None:
-        """``layer`` used the copy too."""
-        self.run.append(weakref.ref(layer))
-
-    def read_alone(self, x2: torch.Tensor) -> None:
-        """A layer read the copy's x without sharing the copy (another spec, a frozen weight):
-        the run is not x's only readers, so it is not reported (a group's dx would be summed
-        in another order than autograd sums the separate layers')."""
-        source = None if self.source is None else self.source()
-        if source is not None and source is _base(x2):
-            self.run = []
-
-    def forget(self) -> None:
-        """Drop the copy (a backward has begun: the forward that could share it is over), so
-        that it does not outlive training."""
-        self._end_run()
-        self.source, self.key, self.copy = None, (), None
-
-    def _end_run(self) -> None:
-        """Report the run of layers that shared the copy (plain Linears, two or more, alive)."""
-        run = [ref() for ref in self.run]
-        self.run = []
-        if len(run) < 2 or not all(type(layer) is Linear for layer in run):
-            return
-        if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
-            return  # a group forming would release graphs and buffers in the middle of a capture
-        layer_groups.sighted(run)
-
-
-def _base(t: torch.Tensor) -> torch.Tensor:
-    """The tensor ``t`` is a view of (the caller's x, alive across its layers), or ``t``."""
-    return t if t._base is None else t._base
-
-
-_last_copy = _LastCopy()
-
-
-class SharedGroup:
-    """A process group as a layer holds it: a deep copy of the layer (an EMA copy, a reference
-    model) shares it, as it is a handle to the ranks' communicator (a ProcessGroup cannot be
-    copied or pickled)."""
-
-    __slots__ = ("group",)
-
-    def __init__(self, group: Any) -> None:
-        self.group = group
-
-    def __deepcopy__(self, memo: dict[int, Any]) -> SharedGroup:
-        return self
+# the eager route's shared wgrad copy; runs of plain Linears that shared it are reported to
+# the layer groups
+_last_copy = LastCopy(plain=Linear)
 
 
 class Conv1DLinear(Linear):
@@ -1155,98 +731,3 @@ def _matmul(
     if isinstance(a, QuantizedTensor) and isinstance(b, QuantizedTensor):
         return gemm(a, b, out_dtype=out_dtype, out=out)
     return operand_matmul(a, b).to(out_dtype)
-
-
-def _refused_non_finite(t: torch.Tensor) -> bool:
-    """Whether a quantizer's TensorError for ``t`` is the torch reference refusing a NaN or an
-    Inf in a propagating scope (on CUDA, for a shape the kernels do not take): then the layer
-    propagates it as the kernels do. One read, on a path that raised already."""
-    return finite.propagates() and not bool(torch.isfinite(t).all())
-
-
-def _rows_contiguous(w: torch.Tensor) -> torch.Tensor:
-    """``w`` with contiguous rows: a Conv1D's weight reaches the ops as the view W^T, and the
-    quantizer reads along rows (a transient copy; a plain Linear's weight is never copied)."""
-    return w if w.is_contiguous() else w.contiguous()
-
-
-def _gathered_operand(
-    weight: torch.Tensor, table: OperandTable, name: str
-) -> QuantizedTensor | None:
-    """The quantized operand of a weight FSDP2 all-gathered as codes and scales (a
-    ``fp4gen.runtime.fsdp.GatheredWeight``, which has ``quantized_weight``), else None. Its spec
-    must be the fprop weight spec in force, transposable to the dgrad one."""
-    get = getattr(weight, "quantized_weight", None)
-    if get is None:
-        return None
-    q: QuantizedTensor = get()
-    spec = table.fprop_weight
-    if not _transposable(spec, table.dgrad_weight) or (q.format, q.rounding) != (
-        spec.format,
-        spec.rounding,
-    ):
-        raise FP4GenError(
-            f"{name or 'fp4gen.nn.Linear'}: the all-gathered quantized weight is not the "
-            "recipe's fprop weight operand in force now"
-        )
-    return q
-
-
-def _dequantized(copy: Any) -> torch.Tensor:
-    """The values of a quantized operand copy in fp32 (a high-precision one as it is), for an
-    operand quantized from another GEMM's copy (``from GEMM.ROLE``)."""
-    if isinstance(copy, torch.Tensor):
-        return copy.float()
-    return copy.dequantize()
-
-
-def _transposable(fprop: OperandSpec, dgrad: OperandSpec) -> bool:
-    """Whether dgrad's weight is the transpose of fprop's codes: 2D blocks, one spec, no RHT."""
-    return (
-        isinstance(fprop.format, BlockFormat)
-        and fprop.format.is_2d
-        and fprop == dgrad
-        and fprop.rht is None
-    )
-
-
-def _refuse_sr_capture(t: torch.Tensor, specs: tuple[OperandSpec, ...], name: str) -> None:
-    """FP4GenError when a CUDA graph is being captured and a Mixture-of-Representations operand
-    rounds stochastically: its kernels take the Philox offset from the host, so every replay
-    would draw the same bits (a biased rounding, silently). Block formats read their offset
-    from a device counter (``Linear.slot``) and capture like round-to-nearest."""
-    for spec in specs:  # the specs first: asking CUDA whether it captures costs more
-        if (
-            isinstance(spec.format, MoRRef)
-            and is_stochastic(spec.rounding)
-            and t.is_cuda
-            and torch.cuda.is_current_stream_capturing()
-        ):
-            raise FP4GenError(
-                f"{name or 'fp4gen.nn.Linear'}: a Mixture-of-Representations operand rounds "
-                f"stochastically ({spec.rounding}), which cannot be captured in a CUDA graph "
-                "(every replay would draw the same random bits); run it eagerly"
-            )
-
-
-class _Identity:
-    """A key part that compares by identity and keeps its object alive (so its id is never
-    reused while a key holds it): hashing an operand table per call would cost host time."""
-
-    __slots__ = ("obj",)
-
-    def __init__(self, obj: object) -> None:
-        self.obj = obj
-
-    def __hash__(self) -> int:
-        return id(self.obj)
-
-    def __eq__(self, other: object) -> bool:
-        return isinstance(other, _Identity) and other.obj is self.obj
-
-
-def _param_key(p: torch.Tensor | None) -> tuple[Any, ...] | None:
-    """A parameter as a layer graph reads it: in place, at this address and layout."""
-    if p is None:
-        return None
-    return (p.data_ptr(), p.shape, p.stride(), p.dtype, p.device)
