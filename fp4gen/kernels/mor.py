@@ -569,19 +569,210 @@ class MoRDecideKernel:
                 gErr[e * nu + u] = errs[e]
 
 
+# ---- measuring a tile: every representation's errors, the chosen outputs
+@dataclass(frozen=True)
+class Rep:
+    """A representation the kernels measure: an element format or a high-precision dtype."""
+
+    kind: str  # "elem" or "hp"
+    name: str  # the format's or the dtype's name
+    index: int = -1  # an element representation's position among them (scales, encodes)
+    max: float = 0.0  # its largest finite value
+    man_bits: int = 0
+    emin_biased: int = 0  # 1 - bias + 127: the smallest normal's fp32 exponent field
+    sign_shift: int = 0  # bits - 1: the sign bit of a code
+
+
+@dataclass(frozen=True)
+class MoRMeasureParams:
+    """What measuring a tile and emitting its chosen outputs depend on."""
+
+    iters: int  # row segments per thread
+    log_iters: int
+    input_dtype: str
+    unit_row_bits: int  # log2 of a decision unit's piece inside one tile
+    unit_col_bits: int
+    scale_row_shift: int  # the scale block of row r, column c is (r >> row_shift, c >> col_shift)
+    scale_col_shift: int
+    reps: tuple[Rep, ...]  # every representation measured, in order
+    cands: tuple[Candidate, ...]  # the rule's candidates (Candidate.rep: a position in reps)
+    rounding: str  # the element encodes' rounding: "nearest" or "zero"
+    high: str | None  # the dtype the kernels write high-precision values in; None: none
+    high_words: int  # 32-bit words of a segment's high-precision values
+    uses_range: bool  # some candidate takes the range metric (max / min |x|)
+
+    @property
+    def n_elem(self) -> int:
+        return sum(r.kind == "elem" for r in self.reps)
+
+
+def scaled(a: Float32, enc: Float32, q_max: float) -> Float32:
+    """min(fp32(|x| * encode scale), q_max): the magnitude the element encode rounds (the clamp
+    of fp32(x * scale), sign apart)."""
+    return cute.arch.fmin(a * enc, Float32(q_max))
+
+
+def signed(mag: Uint32, x: Float32, shift: int) -> Uint32:
+    """The code of a magnitude code and x's sign: the sign bit iff x < 0, a zero magnitude
+    included (a negative x that rounds to zero is negative zero; -0.0 is code 0)."""
+    return mag | Uint32(cutlass.select_(x < Float32(0.0), Uint32(1 << shift), Uint32(0)))
+
+
+def byte_words(cs: list) -> list:
+    """One code per byte, four per 32-bit word, element 0 in the low byte."""
+    return [
+        cs[i] | (cs[i + 1] << Uint32(8)) | (cs[i + 2] << Uint32(16)) | (cs[i + 3] << Uint32(24))
+        for i in range(0, len(cs), 4)
+    ]
+
+
+class MoRMeasure:
+    """Measuring a tile: a segment's values, every representation's relative errors, the tree
+    sums over each decision unit's piece, and the chosen candidate's outputs."""
+
+    def __init__(self, params: MoRMeasureParams) -> None:
+        self.p = params
+        input_type = getattr(cutlass, DTYPES[params.input_dtype].cute)
+        self.tile = MoRTile(params.iters, params.log_iters, input_type)
+        self.encoders = {
+            r.index: RepEncoder(r.man_bits, r.emin_biased, params.rounding)
+            for r in params.reps
+            if r.kind == "elem"
+        }
+
+    def tile_values(self, frag: cute.Tensor, ok) -> tuple[list, list]:
+        """(x, |x| with 0 where ``ok`` is false) of one row segment, fp32 (exact)."""
+        xf = cute.make_rmem_tensor((VEC,), Float32)
+        xf.store(frag.load().to(Float32))
+        xs = [xf[j] for j in range(VEC)]
+        zero = Float32(0.0)
+        return xs, [Float32(cutlass.select_(ok, abs(x), zero)) for x in xs]
+
+    def scale_entries(self, gEnc: cute.Tensor, gDec: cute.Tensor, sb: Int32, nb: Int32):
+        """(encode scales, decode factors) of every element representation for scale block
+        sb."""
+        n = self.p.n_elem
+        enc = [gEnc[i * nb + sb] for i in range(n)]
+        dec = [gDec[i * nb + sb] for i in range(n)]
+        return enc, dec
+
+    def row_errors(self, axs: list, enc: list, dec: list) -> list:
+        """Per representation: the tree sum over the segment of |x - Q(x)| / |x| (0 for
+        x = 0)."""
+        ax64 = [Float64(a) for a in axs]
+        nz = [a != Float32(0.0) for a in axs]
+        safe = [Float64(cutlass.select_(n, a, Float64(1.0))) for n, a in zip(nz, ax64, strict=True)]
+        sums = []
+        for r in self.p.reps:
+            if r.kind == "elem":
+                # y = min(|x| * encode, max), its code's value times the exact decode factor
+                encode = self.encoders[r.index].encode
+                vals = [
+                    Float64(encode(scaled(a, enc[r.index], r.max))[1]) * dec[r.index] for a in axs
+                ]
+            elif r.name == "bf16":
+                vals = [Float64(round_bf16(a)) for a in axs]
+            elif r.name == "fp16":
+                vals = [Float64(round_fp16(a)) for a in axs]
+            if r.kind == "hp" and r.name == "fp32":
+                sums.append(Float64(0.0))  # fp32 is exact
+            else:
+                sums.append(
+                    pairwise(
+                        [
+                            Float64(cutlass.select_(n, abs(a - v) / s, Float64(0.0)))
+                            for n, a, v, s in zip(nz, ax64, vals, safe, strict=True)
+                        ],
+                        add,
+                    )
+                )
+        return sums
+
+    def row_outputs(self, xs: list, axs: list, enc: list, choice: Int32) -> tuple[list, list]:
+        """(code words, high-precision words) of the segment for the chosen candidate: the
+        chosen element format's codes (one byte each) or 0; the chosen high-precision value or
+        0."""
+        p = self.p
+        codes = [Uint32(0), Uint32(0)]
+        high = [Uint32(0)] * p.high_words if p.high else []
+        for c in p.cands:
+            r = p.reps[c.rep]
+            if r.kind == "elem":
+                encode = self.encoders[r.index].encode
+                mags = [encode(scaled(a, enc[r.index], r.max))[0] for a in axs]
+                words = byte_words(
+                    [signed(m, x, r.sign_shift) for m, x in zip(mags, xs, strict=True)]
+                )
+                pick = choice == Int32(c.index)
+                codes = [
+                    Uint32(cutlass.select_(pick, w, k)) for w, k in zip(words, codes, strict=True)
+                ]
+            else:
+                words = high_words(r.name, xs, p.high in ("bf16", "fp16"))
+                pick = choice == Int32(c.index)
+                high = [
+                    Uint32(cutlass.select_(pick, w, h)) for w, h in zip(words, high, strict=True)
+                ]
+        return codes, high
+
+    def measure_tile(self, frags, row0, col0, R, K, gEnc, gDec, red64, red32, redf, tidx):
+        """The tree of each quantity over the decision unit's piece in this tile: the
+        representations' error sums, the non-zero count (max |x| and min non-zero |x| for the
+        range metric). One entry per group of the unit's slot_iters row segments; each segment
+        is reduced across lanes as soon as it is measured (few values stay alive)."""
+        p, tile = self.p, self.tile
+        nbc = ((K - 1) >> p.scale_col_shift) + 1
+        nb = (((R - 1) >> p.scale_row_shift) + 1) * nbc
+        col_ok = col0 < K
+        cc = cutlass.min(col0, K - VEC)
+        zero, one, none = Float32(0.0), Int32(1), Int32(0)
+        cw, rh = p.unit_col_bits, p.unit_row_bits
+        errs = [tile.segment_tree(add, rh) for _ in range(len(p.reps))]
+        counts = tile.segment_tree(add, rh)
+        if p.uses_range:
+            inf, fmax, fmin = Float32(math.inf), cute.arch.fmax, cute.arch.fmin
+            maxes = tile.segment_tree(fmax, rh)
+            mins = tile.segment_tree(fmin, rh)
+        for i in range(p.iters):
+            row = row0 + 2 * i
+            ok = col_ok & (row < R)
+            _, axs = self.tile_values(frags[i], ok)
+            rc = cutlass.min(row, R - 1)
+            sb = (rc >> p.scale_row_shift) * nbc + (cc >> p.scale_col_shift)
+            enc, dec = self.scale_entries(gEnc, gDec, sb, nb)
+            for tree, s in zip(errs, self.row_errors(axs, enc, dec), strict=True):
+                tree.push(lane_reduce(s, add, cw, rh))
+            n = pairwise([Int32(cutlass.select_(a != zero, one, none)) for a in axs], add)
+            counts.push(lane_reduce(n, add, cw, rh))
+            if p.uses_range:
+                maxes.push(lane_reduce(pairwise(axs, fmax), fmax, cw, rh))
+                low = pairwise([Float32(cutlass.select_(a != zero, a, inf)) for a in axs], fmin)
+                mins.push(lane_reduce(low, fmin, cw, rh))
+        return (
+            [tile.warp_reduce(t.slots(), add, rh, red64, tidx) for t in errs],
+            tile.warp_reduce(counts.slots(), add, rh, red32, tidx),
+            tile.warp_reduce(maxes.slots(), fmax, rh, redf, tidx) if p.uses_range else [],
+            tile.warp_reduce(mins.slots(), fmin, rh, redf, tidx) if p.uses_range else [],
+        )
+
+
 __all__ = [
     "Candidate",
+    "MoRMeasure",
+    "MoRMeasureParams",
     "MoRAmaxKernel",
     "MoRDecideKernel",
     "MoRDecideParams",
     "MoRScaleParams",
     "MoRScalesKernel",
     "MoRTile",
+    "Rep",
     "RepEncoder",
     "SegmentTree",
     "abs_bits",
     "add",
     "block_scale",
+    "byte_words",
     "decide",
     "f16x2",
     "high_words",
@@ -590,7 +781,9 @@ __all__ = [
     "pow2_f64",
     "round_bf16",
     "round_fp16",
+    "scaled",
     "segments",
+    "signed",
     "split_fp32",
     "tiles",
     "writes",

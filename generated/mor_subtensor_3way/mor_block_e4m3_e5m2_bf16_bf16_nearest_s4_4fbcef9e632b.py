@@ -118,25 +118,12 @@ add = mor.add
 pairwise = mor.pairwise
 writes = mor.writes
 lane_reduce = mor.lane_reduce
-round_bf16 = mor.round_bf16
-round_fp16 = mor.round_fp16
 slot_iters = MOR_TILE.slot_iters
 thread_origin = MOR_TILE.thread_origin
 load_tile = MOR_TILE.load_tile
 warp_reduce = MOR_TILE.warp_reduce
 reduce_tile = MOR_TILE.reduce_tile
 cta_reduce = MOR_TILE.cta_reduce
-
-
-def high_words_bf16(xs: list) -> list:
-    """The segment rounded to bf16, two values per word: fp4gen.kernels.mor.high_words."""
-    return mor.high_words("bf16", xs, packed=True)
-
-
-# representation 0 (e4m3): magnitude code and value, rounded nearest
-encode_0 = mor.RepEncoder(E0_MAN_BITS, E0_EMIN_BIASED, ROUNDING).encode
-# representation 1 (e5m2): magnitude code and value, rounded nearest
-encode_1 = mor.RepEncoder(E1_MAN_BITS, E1_EMIN_BIASED, ROUNDING).encode
 
 
 def block_scale(amax_b: Float32, amax_g: Float32, q_max: Float32):
@@ -148,98 +135,6 @@ def block_scale(amax_b: Float32, amax_g: Float32, q_max: Float32):
 # ----------------------------------------------------------------------------------------------
 # One tile: the thread's values, their errors, and the chosen outputs
 # ----------------------------------------------------------------------------------------------
-def tile_values(frag: cute.Tensor, ok) -> tuple[list, list]:
-    """(x, |x| with 0 where ``ok`` is false) of one row segment, fp32 (exact)."""
-    xf = cute.make_rmem_tensor((VEC,), Float32)
-    xf.store(frag.load().to(Float32))
-    xs = [xf[j] for j in range(VEC)]
-    zero = Float32(0.0)
-    return xs, [Float32(cutlass.select_(ok, abs(x), zero)) for x in xs]
-
-
-def scaled(a: Float32, enc: Float32, q_max: float) -> Float32:
-    """min(fp32(|x| * encode scale), q_max): the magnitude the element encode rounds (the
-    clamp of fp32(x * scale), sign apart)."""
-    return cute.arch.fmin(a * enc, Float32(q_max))
-
-
-def signed(mag: Uint32, x: Float32, shift: int) -> Uint32:
-    """The code of a magnitude code and x's sign: the sign bit iff x < 0, a zero magnitude
-    included (a negative x that rounds to zero is negative zero; -0.0 is code 0)."""
-    return mag | Uint32(cutlass.select_(x < Float32(0.0), Uint32(1 << shift), Uint32(0)))
-
-
-def byte_words(cs: list) -> list:
-    """One code per byte, four per 32-bit word, element 0 in the low byte."""
-    return [
-        cs[i] | (cs[i + 1] << Uint32(8)) | (cs[i + 2] << Uint32(16)) | (cs[i + 3] << Uint32(24))
-        for i in range(0, len(cs), 4)
-    ]
-
-
-def row_errors(axs: list, enc: list, dec: list) -> list:
-    """Per representation: the tree sum over the segment of |x - Q(x)| / |x| (0 for x = 0)."""
-    ax64 = [Float64(a) for a in axs]
-    nz = [a != Float32(0.0) for a in axs]
-    safe = [Float64(cutlass.select_(n, a, Float64(1.0))) for n, a in zip(nz, ax64, strict=True)]
-    sums = []
-    # e4m3: y = min(|x| * encode, max), its code's value times the exact decode factor
-    vals = [Float64(encode_0(scaled(a, enc[0], E0_MAX))[1]) * dec[0] for a in axs]
-    sums.append(
-        pairwise(
-            [
-                Float64(cutlass.select_(n, abs(a - v) / s, Float64(0.0)))
-                for n, a, v, s in zip(nz, ax64, vals, safe, strict=True)
-            ],
-            add,
-        )
-    )
-    # e5m2: y = min(|x| * encode, max), its code's value times the exact decode factor
-    vals = [Float64(encode_1(scaled(a, enc[1], E1_MAX))[1]) * dec[1] for a in axs]
-    sums.append(
-        pairwise(
-            [
-                Float64(cutlass.select_(n, abs(a - v) / s, Float64(0.0)))
-                for n, a, v, s in zip(nz, ax64, vals, safe, strict=True)
-            ],
-            add,
-        )
-    )
-    vals = [Float64(round_bf16(a)) for a in axs]  # bf16
-    sums.append(
-        pairwise(
-            [
-                Float64(cutlass.select_(n, abs(a - v) / s, Float64(0.0)))
-                for n, a, v, s in zip(nz, ax64, vals, safe, strict=True)
-            ],
-            add,
-        )
-    )
-    return sums
-
-
-def row_outputs(xs: list, axs: list, enc: list, choice: Int32) -> tuple[list, list]:
-    """(code words, high-precision words) of the segment for the chosen candidate: the chosen
-    element format's codes (one byte each) or 0; the chosen high-precision value or 0."""
-    codes = [Uint32(0), Uint32(0)]
-    high = [Uint32(0)] * (VEC * HIGH_BYTES // 4)
-    # candidate 0: e4m3
-    mags = [encode_0(scaled(a, enc[0], E0_MAX))[0] for a in axs]
-    words = byte_words([signed(m, x, E0_SIGN_SHIFT) for m, x in zip(mags, xs, strict=True)])
-    pick = choice == Int32(0)
-    codes = [Uint32(cutlass.select_(pick, w, c)) for w, c in zip(words, codes, strict=True)]
-    # candidate 1: e5m2
-    mags = [encode_1(scaled(a, enc[1], E1_MAX))[0] for a in axs]
-    words = byte_words([signed(m, x, E1_SIGN_SHIFT) for m, x in zip(mags, xs, strict=True)])
-    pick = choice == Int32(1)
-    codes = [Uint32(cutlass.select_(pick, w, c)) for w, c in zip(words, codes, strict=True)]
-    # candidate 2: bf16
-    words = high_words_bf16(xs)
-    pick = choice == Int32(2)
-    high = [Uint32(cutlass.select_(pick, w, h)) for w, h in zip(words, high, strict=True)]
-    return codes, high
-
-
 # the candidates as the decision reads them (Algorithm 2: fp4gen.kernels.mor.decide)
 CANDIDATES = (
     mor.Candidate(
@@ -267,49 +162,49 @@ def decide(errs: list, count: Int32, amax, amin) -> Int32:
     return mor.decide(CANDIDATES, errs, count, amax, amin)
 
 
-def scale_entries(gEnc: cute.Tensor, gDec: cute.Tensor, sb: Int32, nb: Int32):
-    """(encode scales, decode factors) of every element representation for scale block sb."""
-    enc = [gEnc[i * nb + sb] for i in range(N_ELEM)]
-    dec = [gDec[i * nb + sb] for i in range(N_ELEM)]
-    return enc, dec
-
-
-def measure_tile(frags, row0, col0, R, K, gEnc, gDec, red64, red32, redf, tidx):
-    """The tree of each quantity over the decision unit's piece in this tile: the
-    representations' error sums, the non-zero count, max |x| and min non-zero |x|. One
-    entry per group of UNIT_SLOT_ITERS row segments; each segment is reduced across lanes as
-    soon as it is measured (few values stay alive)."""
-    nbc = ((K - 1) >> SCALE_COL_SHIFT) + 1
-    nb = (((R - 1) >> SCALE_ROW_SHIFT) + 1) * nbc
-    col_ok = col0 < K
-    cc = cutlass.min(col0, K - VEC)
-    zero, one, none = Float32(0.0), Int32(1), Int32(0)
-    cw, rh = UNIT_COL_BITS, UNIT_ROW_BITS
-    errs = [MOR_TILE.segment_tree(add, rh) for _ in range(N_REPS)]
-    counts = MOR_TILE.segment_tree(add, rh)
-    inf, fmax, fmin = Float32(math.inf), cute.arch.fmax, cute.arch.fmin
-    maxes = MOR_TILE.segment_tree(fmax, rh)
-    mins = MOR_TILE.segment_tree(fmin, rh)
-    for i in range(ITERS):
-        row = row0 + 2 * i
-        ok = col_ok & (row < R)
-        _, axs = tile_values(frags[i], ok)
-        rc = cutlass.min(row, R - 1)
-        sb = (rc >> SCALE_ROW_SHIFT) * nbc + (cc >> SCALE_COL_SHIFT)
-        enc, dec = scale_entries(gEnc, gDec, sb, nb)
-        for tree, s in zip(errs, row_errors(axs, enc, dec), strict=True):
-            tree.push(lane_reduce(s, add, cw, rh))
-        n = pairwise([Int32(cutlass.select_(a != zero, one, none)) for a in axs], add)
-        counts.push(lane_reduce(n, add, cw, rh))
-        maxes.push(lane_reduce(pairwise(axs, fmax), fmax, cw, rh))
-        low = pairwise([Float32(cutlass.select_(a != zero, a, inf)) for a in axs], fmin)
-        mins.push(lane_reduce(low, fmin, cw, rh))
-    return (
-        [warp_reduce(t.slots(), add, rh, red64, tidx) for t in errs],
-        warp_reduce(counts.slots(), add, rh, red32, tidx),
-        warp_reduce(maxes.slots(), fmax, rh, redf, tidx),
-        warp_reduce(mins.slots(), fmin, rh, redf, tidx),
+# measuring a tile and its chosen outputs: fp4gen.kernels.mor.MoRMeasure with this rule
+REPS = (
+    mor.Rep(
+        "elem",
+        "e4m3",
+        index=0,
+        max=E0_MAX,
+        man_bits=E0_MAN_BITS,
+        emin_biased=E0_EMIN_BIASED,
+        sign_shift=E0_SIGN_SHIFT,
+    ),
+    mor.Rep(
+        "elem",
+        "e5m2",
+        index=1,
+        max=E1_MAX,
+        man_bits=E1_MAN_BITS,
+        emin_biased=E1_EMIN_BIASED,
+        sign_shift=E1_SIGN_SHIFT,
+    ),
+    mor.Rep("hp", "bf16"),
+)
+MEASURE = mor.MoRMeasure(
+    mor.MoRMeasureParams(
+        iters=ITERS,
+        log_iters=LOG_ITERS,
+        input_dtype=INPUT_DTYPE,
+        unit_row_bits=UNIT_ROW_BITS,
+        unit_col_bits=UNIT_COL_BITS,
+        scale_row_shift=SCALE_ROW_SHIFT,
+        scale_col_shift=SCALE_COL_SHIFT,
+        reps=REPS,
+        cands=CANDIDATES,
+        rounding=ROUNDING,
+        high="bf16",
+        high_words=VEC * HIGH_BYTES // 4,
+        uses_range=True,
     )
+)
+tile_values = MEASURE.tile_values
+scale_entries = MEASURE.scale_entries
+row_outputs = MEASURE.row_outputs
+measure_tile = MEASURE.measure_tile
 
 
 UNIT_SLOT_ITERS = slot_iters(UNIT_ROW_BITS)
