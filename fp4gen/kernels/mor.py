@@ -600,10 +600,17 @@ class MoRMeasureParams:
     high: str | None  # the dtype the kernels write high-precision values in; None: none
     high_words: int  # 32-bit words of a segment's high-precision values
     uses_range: bool  # some candidate takes the range metric (max / min |x|)
+    unit_row_shift: int = 31  # the decision unit of row r, column c: (r >> shift, c >> shift)
+    unit_col_shift: int = 31
 
     @property
     def n_elem(self) -> int:
         return sum(r.kind == "elem" for r in self.reps)
+
+    @property
+    def high_bytes(self) -> int:
+        """Bytes of one high-precision value."""
+        return self.high_words * 4 // VEC
 
 
 def scaled(a: Float32, enc: Float32, q_max: float) -> Float32:
@@ -756,8 +763,152 @@ class MoRMeasure:
         )
 
 
+# ---- the kernels that measure a tile or write its chosen outputs
+class MoRTileKernel:
+    """What the quantize, measure and emit kernels share: their parameters, the tile mapping and
+    the measurement. A generated module's subclass spells the entry: its ``kernel`` calls
+    ``body`` with its tensors (None for the high-precision values or the range statistics the
+    rule does not have)."""
+
+    def __init__(self, params: MoRMeasureParams, arch: str) -> None:
+        self.p = params
+        self.arch = arch
+        self.m = MoRMeasure(params)
+        self.tile = self.m.tile
+
+    def prologue(self, gX, gEnc, gDec, R, K, tiles_k):
+        """This thread's place and fragments, the shared reduction buffers, each unit's errors,
+        non-zero counts and ranges: (row0, col0, errs, counts, maxes, mins)."""
+        threads = self.tile.warps * 32
+        tidx, _, _ = cute.arch.thread_idx()
+        bidx, _, _ = cute.arch.block_idx()
+        row0, col0 = self.tile.thread_origin(tidx, bidx, tiles_k)
+        frags = self.tile.load_tile(gX, row0, col0, R, K)
+        smem = cutlass.memory.SmemAllocator()
+        red64 = smem.allocate_tensor(Float64, cute.make_layout(threads), byte_alignment=16)
+        red32 = smem.allocate_tensor(Int32, cute.make_layout(threads), byte_alignment=16)
+        redf = smem.allocate_tensor(Float32, cute.make_layout(threads), byte_alignment=16)
+
+        errs, counts, maxes, mins = self.m.measure_tile(
+            frags, row0, col0, R, K, gEnc, gDec, red64, red32, redf, tidx
+        )
+        return row0, col0, errs, counts, maxes, mins
+
+
+class MoRQuantizeKernel(MoRTileKernel):
+    """Measure, decide and quantize in one pass: per tile, every representation's errors, the
+    sums of each decision unit (a unit fits in the tile), the decision, the chosen outputs."""
+
+    @cute.jit
+    def body(self, gX, gEnc, gDec, gQ, gH, gChoice, gErr, gNz, R, K, tiles_k):
+        p = self.p
+        row0, col0, errs, counts, maxes, mins = self.prologue(gX, gEnc, gDec, R, K, tiles_k)
+
+        # ---- decide each unit this thread holds; one thread per unit writes its statistics
+        nuc = ((K - 1) >> p.unit_col_shift) + 1
+        nu = (((R - 1) >> p.unit_row_shift) + 1) * nuc
+        slot_iters = self.tile.slot_iters(p.unit_row_bits)
+        choices = []
+        for s in range_constexpr(len(counts)):
+            choice = decide(
+                p.cands,
+                [e[s] for e in errs],
+                counts[s],
+                maxes[s] if p.uses_range else None,
+                mins[s] if p.uses_range else None,
+            )
+            choices.append(choice)
+            row = row0 + 2 * (s * slot_iters)
+            if writes(row, col0, p.unit_row_bits, p.unit_col_bits) & (row < R) & (col0 < K):
+                u = (row >> p.unit_row_shift) * nuc + (col0 >> p.unit_col_shift)
+                gChoice[u] = Int64(choice)
+                gNz[u] = Int64(counts[s])
+                for e in range_constexpr(len(p.reps)):
+                    gErr[e * nu + u] = errs[e][s]
+
+        # ---- the chosen outputs, segment by segment, from the input read again (the tile was
+        # just read, so from cache): holding it through the measurement costs registers
+        frags = self.tile.load_tile(gX, row0, col0, R, K)
+        nbc = ((K - 1) >> p.scale_col_shift) + 1
+        nb = (((R - 1) >> p.scale_row_shift) + 1) * nbc
+        cc = cutlass.min(col0, K - VEC)
+        for i in range_constexpr(p.iters):
+            row = row0 + 2 * i
+            xs, axs = self.m.tile_values(frags[i], col0 < K)
+            rc = cutlass.min(row, R - 1)
+            sb = (rc >> p.scale_row_shift) * nbc + (cc >> p.scale_col_shift)
+            enc, _ = self.m.scale_entries(gEnc, gDec, sb, nb)
+            codes, high = self.m.row_outputs(xs, axs, enc, choices[i // slot_iters])
+            if (row < R) & (col0 < K):  # predicated stores of the segment
+                first = row * K + col0  # its first element
+                gQ[first // 4] = codes[0]
+                gQ[first // 4 + 1] = codes[1]
+                if const_expr(p.high is not None):
+                    for j in range_constexpr(p.high_words):
+                        gH[first * p.high_bytes // 4 + j] = high[j]
+
+
+class MoRMeasureKernel(MoRTileKernel):
+    """Per tile: every representation's errors summed per piece (the part of a decision unit in
+    the tile), the non-zero count (and max / min non-zero |x| for the range metric) per piece."""
+
+    @cute.jit
+    def body(self, gX, gEnc, gDec, gP, gCnt, gPmax, gPmin, R, K, tiles_k):
+        p = self.p
+        row0, col0, errs, counts, maxes, mins = self.prologue(gX, gEnc, gDec, R, K, tiles_k)
+
+        npc = ((K - 1) >> p.unit_col_bits) + 1
+        np_ = (((R - 1) >> p.unit_row_bits) + 1) * npc
+        slot_iters = self.tile.slot_iters(p.unit_row_bits)
+        for s in range_constexpr(len(counts)):
+            row = row0 + 2 * (s * slot_iters)
+            if writes(row, col0, p.unit_row_bits, p.unit_col_bits) & (row < R) & (col0 < K):
+                q = (row >> p.unit_row_bits) * npc + (col0 >> p.unit_col_bits)
+                gCnt[q] = counts[s]
+                for e in range_constexpr(len(p.reps)):
+                    gP[e * np_ + q] = errs[e][s]
+                if const_expr(p.uses_range):
+                    gPmax[q] = maxes[s]
+                    gPmin[q] = mins[s]
+
+
+class MoREmitKernel(MoRTileKernel):
+    """Per tile: the codes / high-precision values of each unit's chosen candidate."""
+
+    @cute.jit
+    def body(self, gX, gEnc, gDec, gChoice, gQ, gH, R, K, tiles_k):
+        p = self.p
+        tidx, _, _ = cute.arch.thread_idx()
+        bidx, _, _ = cute.arch.block_idx()
+        row0, col0 = self.tile.thread_origin(tidx, bidx, tiles_k)
+        frags = self.tile.load_tile(gX, row0, col0, R, K)
+        nuc = ((K - 1) >> p.unit_col_shift) + 1
+        nbc = ((K - 1) >> p.scale_col_shift) + 1
+        nb = (((R - 1) >> p.scale_row_shift) + 1) * nbc
+        cc = cutlass.min(col0, K - VEC)
+        for i in range_constexpr(p.iters):
+            row = row0 + 2 * i
+            rc = cutlass.min(row, R - 1)
+            choice = Int32(gChoice[(rc >> p.unit_row_shift) * nuc + (cc >> p.unit_col_shift)])
+            xs, axs = self.m.tile_values(frags[i], col0 < K)
+            sb = (rc >> p.scale_row_shift) * nbc + (cc >> p.scale_col_shift)
+            enc, _ = self.m.scale_entries(gEnc, gDec, sb, nb)
+            codes, high = self.m.row_outputs(xs, axs, enc, choice)
+            if (row < R) & (col0 < K):  # predicated stores of the segment
+                first = row * K + col0  # its first element
+                gQ[first // 4] = codes[0]
+                gQ[first // 4 + 1] = codes[1]
+                if const_expr(p.high is not None):
+                    for j in range_constexpr(p.high_words):
+                        gH[first * p.high_bytes // 4 + j] = high[j]
+
+
 __all__ = [
     "Candidate",
+    "MoREmitKernel",
+    "MoRMeasureKernel",
+    "MoRQuantizeKernel",
+    "MoRTileKernel",
     "MoRMeasure",
     "MoRMeasureParams",
     "MoRAmaxKernel",

@@ -51,7 +51,7 @@ import cuda.bindings.driver as cuda
 import cutlass
 import cutlass.cute as cute
 import torch
-from cutlass import Float32, Float64, Int32, Int64, Uint32, range_constexpr
+from cutlass import Float32, Float64, Int32, Int64, Uint32
 
 from fp4gen.errors import TensorError
 from fp4gen.kernels import mor
@@ -151,7 +151,8 @@ def decide(errs: list, count: Int32, amax, amin) -> Int32:
     return mor.decide(CANDIDATES, errs, count, amax, amin)
 
 
-# measuring a tile and its chosen outputs: fp4gen.kernels.mor.MoRMeasure with this rule
+# the representations measured; measuring a tile and writing its chosen outputs is
+# fp4gen.kernels.mor.MoRMeasure with these parameters
 REPS = (
     mor.Rep(
         "elem",
@@ -164,27 +165,23 @@ REPS = (
     ),
     mor.Rep("hp", "bf16"),
 )
-MEASURE = mor.MoRMeasure(
-    mor.MoRMeasureParams(
-        iters=ITERS,
-        log_iters=LOG_ITERS,
-        input_dtype=INPUT_DTYPE,
-        unit_row_bits=UNIT_ROW_BITS,
-        unit_col_bits=UNIT_COL_BITS,
-        scale_row_shift=SCALE_ROW_SHIFT,
-        scale_col_shift=SCALE_COL_SHIFT,
-        reps=REPS,
-        cands=CANDIDATES,
-        rounding=ROUNDING,
-        high="bf16",
-        high_words=VEC * HIGH_BYTES // 4,
-        uses_range=False,
-    )
+MEASURE_PARAMS = mor.MoRMeasureParams(
+    iters=ITERS,
+    log_iters=LOG_ITERS,
+    input_dtype=INPUT_DTYPE,
+    unit_row_bits=UNIT_ROW_BITS,
+    unit_col_bits=UNIT_COL_BITS,
+    scale_row_shift=SCALE_ROW_SHIFT,
+    scale_col_shift=SCALE_COL_SHIFT,
+    reps=REPS,
+    cands=CANDIDATES,
+    rounding=ROUNDING,
+    high="bf16",
+    high_words=VEC * HIGH_BYTES // 4,
+    uses_range=False,
+    unit_row_shift=UNIT_ROW_SHIFT,
+    unit_col_shift=UNIT_COL_SHIFT,
 )
-tile_values = MEASURE.tile_values
-scale_entries = MEASURE.scale_entries
-row_outputs = MEASURE.row_outputs
-measure_tile = MEASURE.measure_tile
 
 
 UNIT_SLOT_ITERS = slot_iters(UNIT_ROW_BITS)
@@ -229,12 +226,12 @@ class ScalesKernel(mor.MoRScalesKernel):
         super().__init__(SCALE_PARAMS, arch)
 
 
-class MeasureKernel:
+class MeasureKernel(mor.MoRMeasureKernel):
     """Per tile: every representation's errors summed per piece (the part of a decision unit in
     the tile), the non-zero count per piece."""
 
     def __init__(self, arch: str):
-        self.arch = arch
+        super().__init__(MEASURE_PARAMS, arch)
 
     @cute.jit
     def __call__(
@@ -271,28 +268,18 @@ class MeasureKernel:
         K: Int32,
         tiles_k: Int32,
     ):
-        tidx, _, _ = cute.arch.thread_idx()
-        bidx, _, _ = cute.arch.block_idx()
-        row0, col0 = thread_origin(tidx, bidx, tiles_k)
-        frags = load_tile(gX, row0, col0, R, K)
-        smem = cutlass.memory.SmemAllocator()
-        red64 = smem.allocate_tensor(Float64, cute.make_layout(THREADS), byte_alignment=16)
-        red32 = smem.allocate_tensor(Int32, cute.make_layout(THREADS), byte_alignment=16)
-        redf = smem.allocate_tensor(Float32, cute.make_layout(THREADS), byte_alignment=16)
-
-        errs, counts, maxes, mins = measure_tile(
-            frags, row0, col0, R, K, gEnc, gDec, red64, red32, redf, tidx
+        self.body(
+            gX,
+            gEnc,
+            gDec,
+            gP,
+            gCnt,
+            None,
+            None,
+            R,
+            K,
+            tiles_k,
         )
-
-        npc = ((K - 1) >> UNIT_COL_BITS) + 1
-        np_ = (((R - 1) >> UNIT_ROW_BITS) + 1) * npc
-        for s in range_constexpr(len(counts)):
-            row = row0 + 2 * (s * UNIT_SLOT_ITERS)
-            if writes(row, col0, UNIT_ROW_BITS, UNIT_COL_BITS) & (row < R) & (col0 < K):
-                p = (row >> UNIT_ROW_BITS) * npc + (col0 >> UNIT_COL_BITS)
-                gCnt[p] = counts[s]
-                for e in range_constexpr(N_REPS):
-                    gP[e * np_ + p] = errs[e][s]
 
 
 DECIDE_PARAMS = mor.MoRDecideParams(
@@ -364,11 +351,11 @@ class DecideKernel(mor.MoRDecideKernel):
         )
 
 
-class EmitKernel:
+class EmitKernel(mor.MoREmitKernel):
     """Per tile: the codes / high-precision values of each unit's chosen candidate."""
 
     def __init__(self, arch: str):
-        self.arch = arch
+        super().__init__(MEASURE_PARAMS, arch)
 
     @cute.jit
     def __call__(
@@ -408,28 +395,17 @@ class EmitKernel:
         K: Int32,
         tiles_k: Int32,
     ):
-        tidx, _, _ = cute.arch.thread_idx()
-        bidx, _, _ = cute.arch.block_idx()
-        row0, col0 = thread_origin(tidx, bidx, tiles_k)
-        frags = load_tile(gX, row0, col0, R, K)
-        nuc = ((K - 1) >> UNIT_COL_SHIFT) + 1
-        nbc = ((K - 1) >> SCALE_COL_SHIFT) + 1
-        nb = (((R - 1) >> SCALE_ROW_SHIFT) + 1) * nbc
-        cc = cutlass.min(col0, K - VEC)
-        for i in range_constexpr(ITERS):
-            row = row0 + 2 * i
-            rc = cutlass.min(row, R - 1)
-            choice = Int32(gChoice[(rc >> UNIT_ROW_SHIFT) * nuc + (cc >> UNIT_COL_SHIFT)])
-            xs, axs = tile_values(frags[i], col0 < K)
-            sb = (rc >> SCALE_ROW_SHIFT) * nbc + (cc >> SCALE_COL_SHIFT)
-            enc, _ = scale_entries(gEnc, gDec, sb, nb)
-            codes, high = row_outputs(xs, axs, enc, choice)
-            if (row < R) & (col0 < K):  # predicated stores of the segment
-                first = row * K + col0  # its first element
-                gQ[first // 4] = codes[0]
-                gQ[first // 4 + 1] = codes[1]
-                for j in range_constexpr(VEC * HIGH_BYTES // 4):
-                    gH[first * HIGH_BYTES // 4 + j] = high[j]
+        self.body(
+            gX,
+            gEnc,
+            gDec,
+            gChoice,
+            gQ,
+            gH,
+            R,
+            K,
+            tiles_k,
+        )
 
 
 # ----------------------------------------------------------------------------------------------
