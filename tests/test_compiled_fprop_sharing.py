@@ -48,16 +48,17 @@ def fprop_activations(calls: list[tuple[str, Operand]]) -> list[str]:
     return [name for name, op in calls if op is Operand.FPROP_ACTIVATION]
 
 
-def test_compiled_llama_quantizes_each_input_once_for_fprop(quantized) -> None:
-    """A 2-layer Llama (nvfp4_no_bf16: x's fprop operand rounded to nearest, the gradients
-    stochastically) quantizes x for fprop 8 times a step compiled (aot_eager), as eager does once
-    its layer groups formed (q/k/v, o, gate/up, down per decoder layer), instead of 14 (one per
-    layer); every quantize call of the step is eager's (the same count), and the loss and every
-    gradient are eager mode's bit for bit (no tolerance: the same operands and GEMMs)."""
-    ids = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(4))
+def compiled_and_eager_steps(
+    quantized: list[tuple[str, Operand]], device: str
+) -> tuple[tuple[int, int], tuple[int, int]]:
+    """A third training step of a 2-layer Llama (nvfp4_no_bf16: x's fprop operand rounded to
+    nearest, the gradients stochastically), eager and compiled (aot_eager): (fprop operands,
+    all quantize calls) of each step; asserts the loss and every gradient are eager mode's bit
+    for bit (no tolerance: the same operands and GEMMs)."""
+    ids = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(4)).to(device)
     results = []
     for compiled in (False, True):
-        model = llama("nvfp4_no_bf16")
+        model = llama("nvfp4_no_bf16").to(device)
         torch._dynamo.reset()
         run = torch.compile(model, backend="aot_eager") if compiled else model
         for step in range(3):  # eager groups form after two forwards (layer_groups.SIGHTINGS)
@@ -69,11 +70,30 @@ def test_compiled_llama_quantizes_each_input_once_for_fprop(quantized) -> None:
         counts = (len(fprop_activations(quantized)), len(quantized))
         results.append((counts, loss.detach(), [p.grad for p in model.parameters()]))
     (eager_counts, eager_loss, eager_grads), (counts, loss, grads) = results
-    assert eager_counts[0] == 8
-    assert counts == eager_counts
     assert torch.equal(loss, eager_loss)
     for a, b in zip(eager_grads, grads, strict=True):
         assert torch.equal(a, b)
+    return eager_counts, counts
+
+
+def test_compiled_llama_quantizes_each_input_once_for_fprop(quantized) -> None:
+    """x is quantized for fprop 8 times a step compiled, as eager does once its layer groups
+    formed (q/k/v, o, gate/up, down per decoder layer), instead of 14 (one per layer); every
+    quantize call of the step is eager's (the same count: 58, against 64 before)."""
+    eager_counts, counts = compiled_and_eager_steps(quantized, "cpu")
+    assert eager_counts[0] == 8
+    assert counts == eager_counts
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_compiled_llama_quantizes_each_input_once_for_fprop_on_cuda(quantized, monkeypatch) -> None:
+    """On CUDA (the kernels' backend), with layer graphs off (a layer's own graph quantizes x
+    itself): the same counts as eager, eager's bits."""
+    monkeypatch.setenv("FP4GEN_LAYER_GRAPHS", "0")
+    eager_counts, counts = compiled_and_eager_steps(quantized, "cuda")
+    assert eager_counts[0] == 8
+    assert counts == eager_counts
 
 
 def layer_pair(recipe: str) -> tuple[fp4gen.nn.Linear, fp4gen.nn.Linear]:
