@@ -16,7 +16,7 @@ What the product is (``product_dtype``):
 - CUDA: ``torch._grouped_mm`` in BF16, whose fast kernel (sm_90a, sm_100a) writes BF16 only:
   the fp32 accumulator of each group's exact products is rounded once to BF16 before the
   epilogue multiplies by the global scales. Against the per-expert loop that is one more
-  rounding of relative size at most 2^-9 per element of the product (docs/moe.md, "Grouped
+  rounding of relative size at most 2^-8 per element of the product (docs/moe.md, "Grouped
   GEMMs"); the operands are the same bits. ``set_grouped_product("fp32")`` takes a GEMM per
   group with an fp32 result instead: the loop's numbers up to fp32 summation order.
 - CPU (and anything else): ``torch._grouped_mm`` in fp32 (the block values are exact in fp32),
