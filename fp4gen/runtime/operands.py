@@ -135,18 +135,21 @@ def quantize_operand(
             backend=backend,
         )
     if isinstance(offset, DeviceOffset):
-        # a stochastic operand whose offset lives on the device (fp4gen.nn.Linear on CUDA)
-        got = quantize_cute(
-            t.detach(),
-            fmt,
-            rounding=spec.rounding,
-            rht=spec.rht,
-            seed=seed,
-            offset=offset,
-            required=backend == "cute",
-        )
-        if got is not None:
-            return got
+        # a stochastic operand whose offset lives on the device (fp4gen.nn.Linear on CUDA): the
+        # kernels read it there; backend="reference" never runs them (it is the oracle the
+        # kernels are checked against), as quantize_operand_pair does not
+        if backend in ("auto", "cute"):
+            got = quantize_cute(
+                t.detach(),
+                fmt,
+                rounding=spec.rounding,
+                rht=spec.rht,
+                seed=seed,
+                offset=offset,
+                required=backend == "cute",
+            )
+            if got is not None:
+                return got
         offset = offset.offsets()[0]  # the reference takes it from the host: one read
     return quantize(
         t,
