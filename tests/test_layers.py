@@ -266,7 +266,17 @@ def test_cycle_finder_finds_cycles() -> None:
 # runtime.
 QUANTIZE_KERNEL_MODULES = tuple(
     f"fp4gen.kernels.{name}"
-    for name in ("quantize", "tile", "mor", "encode", "scale", "philox", "quant_ptx", "sm90_ptx")
+    for name in (
+        "quantize",
+        "tile",
+        "mor",
+        "encode",
+        "scale",
+        "philox",
+        "quant_ptx",
+        "sm90_ptx",
+        "hadamard",
+    )
 )
 KERNEL_CLASS_IMPORTS = ("fp4gen.vocab", "fp4gen.kernels")
 
@@ -285,7 +295,7 @@ def test_kernel_classes_import_only_the_words_and_each_other() -> None:
     # and the helpers are used: every quantize and MoR helper module is imported by a kernel
     # module or a template
     templates = "\n".join(p.read_text() for p in (PACKAGE / "templates").glob("*.j2"))
-    for helper in ("encode", "scale", "philox", "quant_ptx", "tile", "mor", "quantize"):
+    for helper in ("encode", "scale", "philox", "quant_ptx", "hadamard", "tile", "mor", "quantize"):
         name = f"fp4gen.kernels.{helper}"
         used = any(dst == name for _, dst in edges) or f" {helper}" in templates
         assert used, f"{name} is imported by nothing"

@@ -38,6 +38,7 @@ import cutlass.cute as cute
 from cutlass import Float32, Int32, Uint8, Uint16, Uint32, const_expr, range_constexpr
 
 from fp4gen.kernels.encode import ElementEncoder, ElementParams, pack_bits
+from fp4gen.kernels.hadamard import signed_butterflies
 from fp4gen.kernels.philox import philox_keys, philox_offset, random_fields, random_words
 from fp4gen.kernels.quant_ptx import bf16x2_absmax, cvt_bf16x2, scale_value
 from fp4gen.kernels.scale import NAN_BITS, NONFINITE_BITS, BlockScaler, ScaleParams, global_scales
@@ -113,16 +114,10 @@ class RowwiseBase:
     def rht_chunks(self, xs: list) -> list:
         """Forward RHT of every chunk of xs (docs/numerics.md section 4, in this order): signs,
         butterflies h = 1, 2, ..., size/2 in fp32, times fp32(1/sqrt(d)), round to bf16."""
-        size, signs = self.p.rht_size, self.p.rht_signs
+        size = self.p.rht_size
         out = []
-        for c in range(0, len(xs), size):
-            v = [-xs[c + i] if signs[i] < 0 else xs[c + i] for i in range(size)]
-            h = 1
-            while h < size:
-                for j in range(size):
-                    if j % (2 * h) < h:
-                        v[j], v[j + h] = v[j] + v[j + h], v[j] - v[j + h]
-                h *= 2
+        for c in range(0, len(xs), size):  # chunk by chunk, as the transform is traced
+            v = signed_butterflies(xs[c : c + size], size, self.p.rht_signs)
             v = [t * Float32(self.p.rht_scale) for t in v]
             for i in range(0, size, 2):
                 w = cvt_bf16x2(v[i], v[i + 1])

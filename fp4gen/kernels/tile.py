@@ -27,6 +27,7 @@ import cutlass.cute as cute
 from cutlass import Float32, Int32, Uint32, const_expr, range_constexpr
 
 from fp4gen.kernels import philox, quant_ptx
+from fp4gen.kernels.hadamard import signed_butterflies
 from fp4gen.kernels.scale import (
     FLT_MAX,
     global_scales,
@@ -241,18 +242,7 @@ class TileStrip:
     def butterflies(self, xs: list) -> list:
         """Signs, then butterflies h = 1, 2, ..., size/2 in fp32 (docs/numerics.md section 4),
         on every chunk of xs; a negative sign folds into the first add as a negation."""
-        size, signs = self.p.rht_size, self.p.rht_signs
-        out = []
-        for c in range(0, len(xs), size):
-            v = [-xs[c + i] if signs[i] < 0 else xs[c + i] for i in range(size)]
-            h = 1
-            while h < size:
-                for j in range(size):
-                    if j % (2 * h) < h:
-                        v[j], v[j + h] = v[j] + v[j + h], v[j] - v[j + h]
-                h *= 2
-            out += v
-        return out
+        return signed_butterflies(xs, self.p.rht_size, self.p.rht_signs)
 
     def bf16_round(self, v: list):
         """fp32(1/sqrt(d)) * v rounded to bf16 (RNE): (fp32 scalars, bf16x2 words)."""

@@ -1,0 +1,29 @@
+"""The Random Hadamard Transform's butterflies as the quantize kernels trace them
+(docs/numerics.md section 4): on every chunk of ``size`` values, the signs, then butterflies
+h = 1, 2, ..., size/2 in fp32, unscaled (the callers multiply by fp32(1/sqrt(d)) where their
+order of operations puts it).
+
+A plain Python function: it runs while a kernel is traced (loops unroll, indices and signs are
+compile-time constants), so the rowwise and tile kernels that call it compile to what each
+wrote inline before.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+
+def signed_butterflies(xs: list, size: int, signs: Sequence[int]) -> list:
+    """xs with each chunk of ``size`` values sign-flipped by ``signs`` and transformed by the
+    unnormalized Walsh-Hadamard butterflies; a negative sign folds into the first add."""
+    out = []
+    for c in range(0, len(xs), size):
+        v = [-xs[c + i] if signs[i] < 0 else xs[c + i] for i in range(size)]
+        h = 1
+        while h < size:
+            for j in range(size):
+                if j % (2 * h) < h:
+                    v[j], v[j + h] = v[j] + v[j + h], v[j] - v[j + h]
+            h *= 2
+        out += v
+    return out
