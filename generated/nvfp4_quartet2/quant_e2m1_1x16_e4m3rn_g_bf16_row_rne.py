@@ -37,24 +37,19 @@ Module contract: KERNELS, compile_kernel(name, arch, *, dump_dir=None), launches
 run(fns, x, *, seed=0, offset=0) (see fp4gen.codegen.quantize); the offset may be a DeviceOffset
 (fp4gen.device_offset: read by the kernel from device memory), and NONFINITE_TO_NAN_SCALE says
 that S_dec is NaN iff the input held a NaN or an Inf. Limits: M * K < 2^31 and a 16-byte
-aligned input.
+aligned input. The device code is fp4gen.kernels.quantize's, the host code (compile_kernel,
+check_input, launches, run) fp4gen.kernels.quantize_host's: this module binds them to the spec.
 """
 
 from __future__ import annotations
-
-import os
-import shlex
-from collections.abc import Callable, Mapping
 
 import cuda.bindings.driver as cuda
 import cutlass
 import cutlass.cute as cute
 import torch
-from cutlass import Float32, Int32, Uint8
+from cutlass import Int32
 
-from fp4gen.device_offset import DeviceOffset
-from fp4gen.errors import TensorError
-from fp4gen.kernels import encode, quantize, scale
+from fp4gen.kernels import encode, host, quantize, quantize_host, scale
 
 # ----------------------------------------------------------------------------------------------
 # The spec, baked in
@@ -231,129 +226,20 @@ class QuantizeKernel(quantize.RowwiseQuantizeKernel):
 
 
 # ----------------------------------------------------------------------------------------------
-# Compilation (tensor-free, against fake tensors) and the torch-facing launcher
+# Compilation, input checks and launches: fp4gen.kernels.quantize_host with this spec
 # ----------------------------------------------------------------------------------------------
-def compile_kernel(name: str, arch: str, *, dump_dir: str | None = None):
-    """The TVM-FFI compiled callable of kernel ``name`` for ``arch`` ("sm_90a" or "sm_100a"),
-    built against fake tensors with dynamic M and K (K % K_MULTIPLE == 0); needs no GPU. With
-    ``dump_dir`` (created if missing) the PTX is kept there (else keep-ptx writes into the
-    current directory)."""
-    if name not in KERNELS:
-        raise ValueError(f"{SPEC_NAME} has no kernel {name!r}; kernels: {KERNELS}")
-    if arch not in ARCHS:
-        raise ValueError(f"unsupported arch {arch!r}; expected one of {ARCHS}")
-    options = f"--enable-tvm-ffi --gpu-arch {arch}"
-    if dump_dir is not None:
-        os.makedirs(dump_dir, exist_ok=True)
-        options += f" --keep-ptx --dump-dir {shlex.quote(os.fspath(dump_dir))}"
-    fake = cute.runtime.make_fake_compact_tensor
-    m = cute.sym_int()
-    x = fake(
-        INPUT_T, (m, cute.sym_int(divisibility=K_MULTIPLE)), stride_order=(1, 0), assumed_align=16
-    )
-    stream = cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True)
-    if name == "amax":
-        amax = fake(Float32, (1,), assumed_align=4)
-        return cute.compile(AmaxKernel(arch), x, amax, stream, options=options)
-    args = [
-        x,
-        fake(
-            Uint8,
-            (m, cute.sym_int(divisibility=K_MULTIPLE * ELEM_BITS // 8)),
-            stride_order=(1, 0),
-            assumed_align=16,
-        ),
-        fake(Uint8, (m, cute.sym_int()), stride_order=(1, 0), assumed_align=4),
-    ]
-    args += [fake(Float32, (1,), assumed_align=4), fake(Float32, (1,), assumed_align=4)]
-    return cute.compile(QuantizeKernel(arch), *args, stream, options=options)
-
-
-def _describe(x: torch.Tensor) -> str:
-    return f"shape {tuple(x.shape)}, dtype {x.dtype}, device {x.device}"
-
-
-def check_input(x) -> None:
-    """Raise TensorError unless x is what the kernels take: a CUDA, contiguous, 16-byte aligned
-    2-D bfloat16 tensor [M, K], K % K_MULTIPLE == 0, 0 < M * K < 2^31."""
-    if not isinstance(x, torch.Tensor):
-        raise TensorError(f"{SPEC_NAME}: expected a torch.Tensor, got {type(x).__name__}")
-    if x.dim() != 2:
-        raise TensorError(f"{SPEC_NAME}: the input must be 2-D [M, K]; got {_describe(x)}")
-    if x.dtype != INPUT_TORCH:
-        raise TensorError(f"{SPEC_NAME}: the input must be {INPUT_TORCH}; got {_describe(x)}")
-    if x.shape[1] % K_MULTIPLE:
-        raise TensorError(
-            f"{SPEC_NAME}: K must be a multiple of {K_MULTIPLE} ({K_RULE}); got {_describe(x)}"
-        )
-    if x.numel() == 0:
-        raise TensorError(f"{SPEC_NAME}: cannot quantize an empty tensor; got {_describe(x)}")
-    if x.numel() >= 2**31:
-        raise TensorError(f"{SPEC_NAME}: M * K must be below 2^31; got {_describe(x)}")
-    if not x.is_contiguous():
-        raise TensorError(f"{SPEC_NAME}: the input must be contiguous; got {_describe(x)}")
-    if x.device.type != "cuda":
-        raise TensorError(f"{SPEC_NAME}: the input must be on a CUDA device; got {_describe(x)}")
-    if x.data_ptr() % 16:
-        raise TensorError(f"{SPEC_NAME}: the input must be 16-byte aligned; got {_describe(x)}")
-
-
-def _u64(name: str, value: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < 1 << 64:
-        raise ValueError(f"{name} must be an integer in [0, 2^64), got {value!r}")
-
-
-def _check_offset(offset) -> None:
-    """An int offset in [0, 2^64) or a DeviceOffset: unused, there is no stochastic rounding."""
-    if not isinstance(offset, DeviceOffset):
-        _u64("offset", offset)
-
-
-def swizzled_bytes(rows: int, cols: int) -> int:
-    """Size of the 128x4 swizzled layout of a [rows, cols] scale matrix (padding included)."""
-    return -(-rows // 128) * 128 * (-(-cols // 4) * 4)
-
-
-def launches(x: torch.Tensor, *, seed: int = 0, offset: int | DeviceOffset = 0):
-    """Validate x and allocate the outputs: returns (outputs, [(kernel name, arguments)] in
-    launch order). ``run`` launches them; a benchmark can time each launch on its own."""
-    check_input(x)
-    _u64("seed", seed)
-    _check_offset(offset)
-    M, K = x.shape
-    dev = x.device
-    data = torch.empty((M, K * ELEM_BITS // 8), dtype=torch.uint8, device=dev)
-    scales = torch.empty((M, K // BLOCK), dtype=SCALE_TORCH, device=dev)
-    out = {"data": data, "scales": scales}
-    plan = []
-    args = [x, data, scales]
-    amax = torch.zeros(1, dtype=torch.float32, device=dev)
-    s_dec = torch.empty(1, dtype=torch.float32, device=dev)
-    plan.append(("amax", (x, amax)))
-    args += [amax, s_dec]
-    out["global_scale"] = s_dec.reshape(())
-    plan.append(("quantize", tuple(args)))
-    return out, plan
-
-
-def run(
-    fns: Mapping[str, Callable],
-    x: torch.Tensor,
-    *,
-    seed: int = 0,
-    offset: int | DeviceOffset = 0,
-) -> dict[str, torch.Tensor]:
-    """Quantize x with the compiled kernels ``fns`` (name -> callable, see KERNELS).
-
-    Returns {"data": packed codes uint8 [M, K*ELEM_BITS/8], "scales": [M, K/BLOCK] scale codes
-    (uint8; fp32 values for fp32 scales), "global_scale": fp32 0-dim S_dec}.
-    ``seed``/``offset`` select the Philox stream of stochastic rounding (unused otherwise); the
-    offset is an int or a DeviceOffset (read by the kernel from device memory, see
-    fp4gen.device_offset).
-    S_dec is NaN iff x held a NaN or an Inf (NONFINITE_TO_NAN_SCALE). Raises TensorError for an
-    input the kernels cannot take.
-    """
-    out, plan = launches(x, seed=seed, offset=offset)
-    for name, args in plan:
-        fns[name](*args)
-    return out
+HOST = quantize_host.RowwiseHost(
+    spec_name=SPEC_NAME,
+    kernels=KERNELS,
+    archs=ARCHS,
+    params=PARAMS,
+    k_multiple=K_MULTIPLE,
+    k_rule=K_RULE,
+    entries={"amax": AmaxKernel, "quantize": QuantizeKernel},
+)
+compile_kernel = HOST.compile_kernel
+check_input = HOST.check_input
+launches = HOST.launches
+run = HOST.run
+swizzled_bytes = host.swizzled_bytes
+_check_offset = host.check_offset
