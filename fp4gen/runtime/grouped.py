@@ -209,6 +209,16 @@ def _alpha(a: Any, b: Any) -> torch.Tensor:
     return a.global_scale.float().reshape(1) * b.global_scale.float().reshape(1)
 
 
+def decode_pair(
+    layer: Any, gemm: str, call: int, a: Any, b: Any
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The block values of one expert GEMM's two operands and S_dec(a) S_dec(b): ``layer`` is
+    the expert's GEMM layer, ``gemm`` "fprop", "dgrad" or "wgrad", ``call`` the layer's call
+    count that quantized them. Every expert GEMM of the grouped path passes here (a test
+    harness records the operands at this point, keyed as the loop's GEMM calls are)."""
+    return _values(a), _values(b), _alpha(a, b)
+
+
 class GroupedProjection(torch.autograd.Function):
     """y = x_e W_e^T (+ b_e) for every group of rows of ``x`` (the tokens routed to each expert,
     sorted by expert), with the three GEMMs grouped (module docstring). Returns y [T, out];
@@ -280,9 +290,10 @@ def _fprop(
             )
             layer._advance_device(forward=True)
             layer.__dict__["_forward_calls"] = call + 1
-            values.append(_values(xq))
-            weights.append(_values(wq))
-            alphas.append(_alpha(xq, wq))
+            x_values, w_values, alpha = decode_pair(layer, "fprop", call, xq, wq)
+            values.append(x_values)
+            weights.append(w_values)
+            alphas.append(alpha)
         counts = torch.tensor(groups.counts, device=x.device)
         c = group_rows(torch.cat(values), torch.stack(weights), _ends(groups.counts))
         alpha = torch.cat(alphas).repeat_interleave(counts)[:, None]
@@ -327,14 +338,16 @@ def _grads(
         xq_t = layer.wgrad_activation(x_e, table, call)
         layer._advance_device(forward=False)
         layer.__dict__["_backward_calls"] = call + 1
-        dy_values.append(_values(dyq))
-        w_values.append(_values(w_col))
-        dy_alphas.append(_alpha(dyq, w_col).expand(tokens))
+        dy_v, w_v, dgrad_alpha = decode_pair(layer, "dgrad", call, dyq, w_col)
+        dy_values.append(dy_v)
+        w_values.append(w_v)
+        dy_alphas.append(dgrad_alpha.expand(tokens))
         rows.append(torch.arange(padded_start, padded_start + count, device=dy.device))
         padded_start += tokens
-        gt_values.append(_values(dyq_t))
-        xt_values.append(_values(xq_t))
-        w_alphas.append(_alpha(dyq_t, xq_t))
+        gt_v, xt_v, wgrad_alpha = decode_pair(layer, "wgrad", call, dyq_t, xq_t)
+        gt_values.append(gt_v)
+        xt_values.append(xt_v)
+        w_alphas.append(wgrad_alpha)
         padded.append(tokens)
     # dgrad: the padded token rows of every expert, then the real rows taken back
     c = group_rows(torch.cat(dy_values), torch.stack(w_values), _ends(padded))
@@ -379,6 +392,7 @@ __all__ = [
     "PRODUCTS",
     "GroupedProjection",
     "Groups",
+    "decode_pair",
     "group_k",
     "group_rows",
     "grouped_mm_available",
