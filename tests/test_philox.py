@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
@@ -109,3 +111,37 @@ def test_bad_seed(bad) -> None:
         random_bits(4, bad)
     with pytest.raises(ValueError, match="offset must be an integer"):
         random_bits(4, 0, bad)
+
+
+@pytest.mark.parametrize("bits", [32, 16, 8])
+@pytest.mark.parametrize("n", [8, 12, 16, 24, 32, 40, 48, 64, 96])
+def test_kernel_field_runs_follow_the_reference_layout(
+    monkeypatch: pytest.MonkeyPatch, bits: int, n: int
+) -> None:
+    """The device helpers pick element i's field i % v of word i // v for every run of n
+    elements from a multiple of n, including runs that cross Philox calls unevenly (a 1x24
+    block with 8-bit fields: 24 elements over calls of 16; it failed to compile before).
+    The helpers are traced Python, so plain ints stand in for the DSL's Uint32 here, and a
+    stand-in Philox returns words that name their call and slot."""
+    from fp4gen.kernels import philox as device
+
+    monkeypatch.setattr(device, "Uint32", lambda v: int(v) & 0xFFFFFFFF)
+    monkeypatch.setattr(device, "byte_field", lambda w, k: (w >> (8 * k)) & 0xFF, raising=False)
+    monkeypatch.setattr(device.cutlass, "select_", lambda c, a, b: a if c else b)
+    monkeypatch.setattr(
+        device, "philox4x32_10", lambda c0, c1, lo, hi, keys: [c0 * 4 + j for j in range(4)]
+    )
+
+    per_word = 32 // bits
+    per_call = 4 * per_word
+
+    def want(i: int) -> int:  # field i % v of word i // v, low bits first
+        word = i // per_word
+        return (word >> (bits * (i % per_word))) & ((1 << bits) - 1) if bits < 32 else word
+
+    for i0 in range(0, 6 * max(n, per_call), n):
+        got = device.random_fields(i0, n, bits, [], 0, 0)
+        assert got == [want(i) for i in range(i0, i0 + n)], (i0, n, bits)
+        if n % per_word == 0 and math.gcd(n, per_call) % per_word == 0:  # runs of whole words
+            words = device.random_words(i0, n, bits, [], 0, 0)
+            assert words == [i // per_word for i in range(i0, i0 + n, per_word)]

@@ -11,6 +11,8 @@ Plain Python functions: they run while a kernel is traced (loops unroll, indices
 
 from __future__ import annotations
 
+import math
+
 import cutlass
 from cutlass import Uint32, Uint64
 
@@ -59,6 +61,15 @@ def random_words(i0: Uint32, n: int, bits: int, keys: list, off_lo: Uint32, off_
     i0 % n == 0)."""
     per_word = 32 // bits
     per_call = 4 * per_word
+    if not _within_calls(n, per_call):
+        if math.gcd(n, per_call) % per_word:
+            raise ValueError(
+                f"random_words: {n} elements of {bits}-bit fields from a multiple of {n} do not "
+                "always start on a word boundary; use random_fields"
+            )
+        words = _spanning_calls(i0, n, per_call, keys, off_lo, off_hi)
+        g = math.gcd(n, per_call)
+        return _select_run(words, i0, n // per_word, per_call, g, g // per_word)
     if n >= per_call:
         q = i0 // Uint32(per_call)
         words = []
@@ -84,7 +95,43 @@ def random_fields(
 ) -> list:
     """The ``bits``-bit random fields of the n consecutive elements from flat index i0, one per
     element (see random_words)."""
+    per_call = 4 * (32 // bits)
+    if not _within_calls(n, per_call):
+        fields = fields_of(_spanning_calls(i0, n, per_call, keys, off_lo, off_hi), bits)
+        g = math.gcd(n, per_call)
+        return _select_run(fields, i0, n, per_call, g, g)
     return fields_of(random_words(i0, n, bits, keys, off_lo, off_hi), bits)
+
+
+def _within_calls(n: int, per_call: int) -> bool:
+    """Whether n elements from a multiple of n cover whole Philox calls or sit inside one."""
+    return n % per_call == 0 or per_call % n == 0
+
+
+def _spanning_calls(i0: Uint32, n: int, per_call: int, keys: list, off_lo, off_hi) -> list:
+    """The words of every Philox call that n elements from i0 (a multiple of n) can touch: a run
+    starts at a multiple of g = gcd(n, per_call) inside its first call, so it reaches into at
+    most ceil((per_call - g + n) / per_call) calls (a block of 24 8-bit fields: 3 calls of 16)."""
+    g = math.gcd(n, per_call)
+    calls = -(-(per_call - g + n) // per_call)
+    q = i0 // Uint32(per_call)
+    words = []
+    for c in range(calls):
+        words += philox4x32_10(q + Uint32(c), Uint32(0), off_lo, off_hi, keys)
+    return words
+
+
+def _select_run(items: list, i0: Uint32, count: int, per_call: int, g: int, step: int) -> list:
+    """``count`` consecutive items (fields, or words of ``step`` = g / v per place) of
+    ``items`` from the run's start: i0 % per_call is a multiple of g, one of per_call / g
+    places, picked at run time by selects."""
+    place = (i0 % Uint32(per_call)) // Uint32(g)
+    run = items[:count]
+    for k in range(1, per_call // g):
+        run = [
+            cutlass.select_(place == Uint32(k), items[k * step + j], run[j]) for j in range(count)
+        ]
+    return run
 
 
 def fields_of(words: list, bits: int) -> list:
