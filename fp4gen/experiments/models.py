@@ -1,9 +1,11 @@
 """The models a sweep trains, built from a config (nothing is downloaded).
 
-Two families: the demo's GPT (``fp4gen.demo.gpt``, sizes as ``fp4gen demo --size``) and
-transformers' Llama (needs the ``hf`` extra). The Llama sizes have more blocks than the GPT's so
-that the papers' layer rules (``nvfp4``: first 2 and last 8 blocks in BF16; ``mxfp4``: last 8)
-leave quantized blocks: ``llama-medium`` keeps 6 of its 16 blocks in NVFP4 under ``nvfp4``.
+Three families: the demo's GPT (``fp4gen.demo.gpt``, sizes as ``fp4gen demo --size``),
+transformers' Llama and transformers' Qwen3-MoE (both need the ``hf`` extra; the MoE models'
+experts run as ``fp4gen.runtime.experts.GroupedExperts`` under a recipe, docs/moe.md). The
+Llama sizes have more blocks than the GPT's so that the papers' layer rules (``nvfp4``: first 2
+and last 8 blocks in BF16; ``mxfp4``: last 8) leave quantized blocks: ``llama-medium`` keeps 6
+of its 16 blocks in NVFP4 under ``nvfp4``.
 
 This module imports no torch at import time: the CLI builds its help from the table.
 """
@@ -25,7 +27,7 @@ if TYPE_CHECKING:
 @dataclass(frozen=True)
 class ModelSpec:
     name: str
-    family: str  # "gpt" or "llama"
+    family: str  # "gpt", "llama" or "qwen3_moe"
     layers: int
     width: int
     heads: int
@@ -34,13 +36,20 @@ class ModelSpec:
     note: str
     # Llama rounds SwiGLU's 8/3 width up to a multiple of this (Llama 2 uses 256: 11008 at 4096)
     mlp_multiple: int = 64
+    # qwen3_moe: experts per MoE block (every block is one), experts per token, each expert's
+    # SwiGLU width
+    experts: int = 0
+    topk: int = 0
+    expert_width: int = 0
 
     @property
     def intermediate(self) -> int:
         """The MLP's hidden size: 4x for the GPT, SwiGLU's 8/3 rounded up to ``mlp_multiple``
-        for Llama."""
+        for Llama, each expert's for Qwen3-MoE."""
         if self.family == "gpt":
             return 4 * self.width
+        if self.family == "qwen3_moe":
+            return self.expert_width
         m = self.mlp_multiple
         return m * math.ceil(8 * self.width / 3 / m)
 
@@ -51,6 +60,12 @@ class ModelSpec:
             # per block: 2 LayerNorms, qkv and proj with biases, fc1 and fc2 with biases
             block = 4 * w + (3 * w * w + 3 * w) + (w * w + w) + (w * i + i) + (i * w + w)
             return vocab * w + self.context * w + self.layers * block + 2 * w + vocab * w
+        if self.family == "qwen3_moe":
+            # q, k, v, o without biases, q/k RMSNorms of a head, the router, each expert's
+            # gate/up/down, 2 RMSNorms; untied head
+            e, head = self.experts, w // self.heads
+            block = 4 * w * w + 2 * head + e * w + e * 3 * w * i + 2 * w
+            return vocab * w + self.layers * block + w + vocab * w
         # per block: q, k, v, o without biases, gate/up/down, 2 RMSNorms; untied head
         block = 4 * w * w + 3 * w * i + 2 * w
         return vocab * w + self.layers * block + w + vocab * w
@@ -70,6 +85,33 @@ MODELS: dict[str, ModelSpec] = {
         # MLP is Llama 2's 11008 wide, a multiple of every shipped block size (the 64-rounded
         # 10944 is not a multiple of 128, so FP8's 1x128 blocks would leave the fused kernels)
         ModelSpec("llama-wide", "llama", 4, 4096, 32, 256, 3e-4, "a GPU; hidden 4096", 256),
+        # Mixture-of-Experts: every block's MLP a Qwen3-MoE sparse block (router, top-k)
+        ModelSpec(
+            "qwen3moe-tiny",
+            "qwen3_moe",
+            4,
+            64,
+            4,
+            64,
+            3e-3,
+            "a CPU; 4 experts, top-2",
+            experts=4,
+            topk=2,
+            expert_width=64,
+        ),
+        ModelSpec(
+            "qwen3moe-small",
+            "qwen3_moe",
+            8,
+            512,
+            8,
+            256,
+            1e-3,
+            "a GPU; 8 experts, top-2",
+            experts=8,
+            topk=2,
+            expert_width=512,
+        ),
     )
 }
 ALIASES = {"gpt": "gpt-tiny", "llama": "llama-tiny"}
@@ -100,8 +142,9 @@ def find_model(name: str) -> ModelSpec:
 
 def require_family(spec: ModelSpec) -> None:
     """Fail now, before any training, when the model's library is missing."""
-    if spec.family != "llama":
+    if spec.family == "gpt":
         return
+    cls = "LlamaForCausalLM" if spec.family == "llama" else "Qwen3MoeForCausalLM"
     try:
         transformers = importlib.import_module("transformers")
     except ImportError as err:
@@ -109,9 +152,9 @@ def require_family(spec: ModelSpec) -> None:
             f"--model {spec.name} needs transformers, which is not installed "
             f"({err}); install it with: pip install 'fp4gen[hf]'"
         ) from None
-    if not hasattr(transformers, "LlamaForCausalLM"):
+    if not hasattr(transformers, cls):
         raise FP4GenError(
-            f"--model {spec.name}: transformers {transformers.__version__} has no LlamaForCausalLM"
+            f"--model {spec.name}: transformers {transformers.__version__} has no {cls}"
         )
 
 
@@ -131,6 +174,27 @@ def build_model(spec: ModelSpec, vocab: int) -> nn.Module:
         )
     import transformers
 
+    if spec.family == "qwen3_moe":
+        moe: Any = transformers.Qwen3MoeConfig(
+            hidden_size=spec.width,
+            intermediate_size=spec.expert_width,  # no dense MLP: every block is an MoE block
+            moe_intermediate_size=spec.expert_width,
+            num_experts=spec.experts,
+            num_experts_per_tok=spec.topk,
+            num_hidden_layers=spec.layers,
+            num_attention_heads=spec.heads,
+            num_key_value_heads=spec.heads,
+            head_dim=spec.width // spec.heads,
+            vocab_size=vocab,
+            max_position_embeddings=spec.context,
+            bos_token_id=0,
+            eos_token_id=0,
+            tie_word_embeddings=False,
+            use_cache=False,
+        )
+        # the loss is the next-token cross-entropy alone (no load-balancing term), the same
+        # for every recipe
+        return transformers.Qwen3MoeForCausalLM(moe)
     config: Any = transformers.LlamaConfig(
         hidden_size=spec.width,
         intermediate_size=spec.intermediate,

@@ -170,7 +170,14 @@ def _load_recipes(names: tuple[str, ...], spec: ModelSpec, vocab: int) -> list[R
     # initialization), so even the largest model costs nothing to check
     with torch.device("meta"):
         skeleton = build_model(spec, vocab)
-    linears = sum(isinstance(m, torch.nn.Linear) for m in skeleton.modules())
+    from fp4gen.runtime.experts import ExpertsLayout, experts_layout
+
+    # the layers a recipe may quantize: every nn.Linear and every grouped-experts module (one
+    # layer each, as plan_layers counts them)
+    linears = sum(
+        isinstance(m, torch.nn.Linear) or isinstance(experts_layout(m), ExpertsLayout)
+        for m in skeleton.modules()
+    )
 
     entries: dict[str, RecipeEntry] = {
         BASELINE: RecipeEntry(BASELINE, BASELINE, None, BASELINE, 0, linears)
