@@ -1,7 +1,12 @@
 """Bandwidth of the generated quantize kernels against a device-to-device copy.
 
     python benchmarks/quantize.py [--shapes 8192x8192,16384x8192] [--iters 50] [--no-reference]
-                                  [--eager-reference] [--deadline 300]
+                                  [--eager-reference] [--deadline 300] [--options]
+
+``--options``: the rowwise kernels with the block-scale options of docs/numerics.md 11 (Four
+Over Six: targets 6 4 by MSE, global bound 256; stochastic block scales) beside the plain NVFP4
+kernel of the same rounding and RHT, and each one's quantize-kernel time and run() time as a
+ratio to the plain one's ("4over6 <= 1.5x plain" is the goal), measured in the same run.
 
 For each kernel (rowwise: NVFP4 RNE, NVFP4 SR + RHT16, MXFP4, MXFP8; tile kernels: the NVFP4
 gradient's rowwise SR + columnwise SR/RHT16 copies in one launch, the activation's rowwise RNE +
@@ -38,6 +43,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the checkout,
 
 from fp4gen.codegen import import_source
 from fp4gen.codegen.quantize import render
+from fp4gen.compiler.plan import kernel_spec
 from fp4gen.compiler.spec import QuantKernelSpec, QuantOutput
 from fp4gen.dsl.model import RHTSpec
 from fp4gen.formats import E2M1, E4M3, UE8M0, BlockFormat, ScaleSpec
@@ -70,6 +76,25 @@ CONFIGS = {
     "fp8 weight 128x128 row + col": (FP8_TILE, ((ROW, "nearest", None), (COL, "nearest", None))),
     "mxfp8 1x32 row + col": (MXFP8, ((ROW, "nearest", None), (COL, "nearest", None))),
 }
+# the block-scale options (docs/numerics.md 11) beside the plain kernel of the same copy
+FOUR_OVER_SIX = BlockFormat(
+    "nvfp4_4over6", *NVFP4, targets=(6.0, 4.0), target_error="mse", global_bound=256.0
+)
+SR_SCALES = BlockFormat("nvfp4_sr_scales", E2M1, (1, 16), ScaleSpec(E4M3, "stochastic"), True)
+OPTION_CONFIGS = {
+    "4over6 rowwise rne": (FOUR_OVER_SIX, ((ROW, "nearest", None),)),
+    "4over6 rowwise sr8+rht16": (FOUR_OVER_SIX, ((ROW, SR8, TE16),)),
+    "4over6 rowwise sr+rht16": (FOUR_OVER_SIX, ((ROW, SR, TE16),)),
+    "nvfp4 sr-scales rowwise rne": (SR_SCALES, ((ROW, "nearest", None),)),
+}
+# option config -> the plain config it is compared with
+PLAIN_OF = {
+    "4over6 rowwise rne": "nvfp4 rowwise rne",
+    "4over6 rowwise sr8+rht16": "nvfp4 rowwise sr8+rht16",
+    "4over6 rowwise sr+rht16": "nvfp4 rowwise sr+rht16",
+    "nvfp4 sr-scales rowwise rne": "nvfp4 rowwise rne",
+}
+CONFIGS.update(OPTION_CONFIGS)
 OFFSETS = (2, 3)  # one Philox offset per copy
 
 
@@ -102,16 +127,22 @@ def make_x(m: int, k: int) -> torch.Tensor:
     return torch.randn(m, k, device="cuda", dtype=torch.bfloat16, generator=g)
 
 
+def block_format(label: str) -> BlockFormat:
+    """The format of a config: a BlockFormat (with options) or (element, block, scale, global)."""
+    fmt = CONFIGS[label][0]
+    return fmt if isinstance(fmt, BlockFormat) else BlockFormat(label, *fmt)
+
+
 def make_spec(label: str) -> QuantKernelSpec:
-    (element, block, scale, global_scale), outs = CONFIGS[label]
+    outs = CONFIGS[label][1]
     outputs = tuple(QuantOutput(d, r, h) for d, r, h in outs)  # type: ignore[arg-type]
-    return QuantKernelSpec(element, block, scale, global_scale, "bf16", outputs)
+    return kernel_spec(block_format(label), "bf16", outputs)
 
 
 def reference_fn(label: str):
     """The reference of every copy: (key, tensor) pairs named like the kernels' outputs."""
-    (element, block, scale, global_scale), outs = CONFIGS[label]
-    fmt = BlockFormat(label, element, block, scale, global_scale)
+    fmt = block_format(label)
+    block, outs = fmt.block, CONFIGS[label][1]
 
     def ref_fn(x):
         out = []
@@ -160,7 +191,17 @@ def main() -> int:
         help="MxK bf16 inputs (the targets are for 64 MiB and up: 4096x8192 is 64 MiB)",
     )
     ap.add_argument("--iters", type=int, default=50)
-    ap.add_argument("--configs", default=",".join(CONFIGS), help="comma-separated names")
+    ap.add_argument(
+        "--configs",
+        default=",".join(c for c in CONFIGS if c not in OPTION_CONFIGS),
+        help="comma-separated names",
+    )
+    ap.add_argument(
+        "--options",
+        action="store_true",
+        help="the block-scale option kernels and the plain ones they are compared with, ratios "
+        "printed (instead of --configs)",
+    )
     ap.add_argument("--no-reference", action="store_true", help="skip the reference timing")
     ap.add_argument(
         "--eager-reference",
@@ -187,6 +228,8 @@ def main() -> int:
     print(f"device {torch.cuda.get_device_name()} ({arch}), torch {torch.__version__}")
     shapes = [tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",")]
     labels = args.configs.split(",")
+    if args.options:
+        labels = list(dict.fromkeys(x for o in OPTION_CONFIGS for x in (PLAIN_OF[o], o)))
     gen_dir = tempfile.mkdtemp(prefix="fp4gen_bench_")
     warnings.filterwarnings("ignore")  # dynamo's graph-break notes on the reference
     logging.getLogger("torch._dynamo").setLevel(logging.ERROR)
@@ -251,6 +294,7 @@ def main() -> int:
                 "ratio": bw_q / bw_copy,
                 "same": ratio_same,
                 "run": t_run,
+                "quantize": kernel_t["quantize"],
             }
             del x, dst, res, plan, want
             torch.cuda.empty_cache()
@@ -293,6 +337,16 @@ def main() -> int:
             print(
                 f"{label} {m}x{k} bf16: {r['bw'] / 1e9:.0f} GB/s = {r['ratio']:.2f} x copy, "
                 f"{r['same']:.2f} x copy of the same bytes; {ref}"
+            )
+    for label in labels:
+        plain = PLAIN_OF.get(label)
+        if plain is None or plain not in labels:
+            continue
+        for m, k in shapes:
+            r, p = results[(label, m, k)], results[(plain, m, k)]
+            print(
+                f"{label} / {plain} {m}x{k}: quantize kernel "
+                f"{r['quantize'] / p['quantize']:.2f}x, run() {r['run'] / p['run']:.2f}x"
             )
     print("all outputs bit-exact" if ok else "SOME OUTPUTS DIFFER FROM THE REFERENCE")
     return 0 if ok else 1

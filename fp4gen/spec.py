@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from fp4gen.dsl.model import MoRSpec, RHTSpec
-from fp4gen.formats import ElementFormat, ElementRounding, ScaleSpec
+from fp4gen.formats import ElementFormat, ElementRounding, ScaleSpec, TargetError
 from fp4gen.vocab import Rounding
 
 # Short tags of the element roundings in kernel names
@@ -48,7 +48,12 @@ class QuantOutput:
 
 @dataclass(frozen=True)
 class QuantKernelSpec:
-    """A fused quantize kernel: one input tensor, one or two quantized copies of it."""
+    """A fused quantize kernel: one input tensor, one or two quantized copies of it.
+
+    ``targets``, ``target_error`` and ``global_bound`` are the block format's options of
+    docs/numerics.md 11.1 (defaults: none); the repr, and so the digest, names them only where
+    they differ from the defaults, so a spec without them keeps the digest it always had.
+    """
 
     element: ElementFormat
     block: tuple[int, int]  # (1, N) for 1D blocks, (N, N) for 2D tiles
@@ -56,6 +61,9 @@ class QuantKernelSpec:
     global_scale: bool
     input_dtype: InputDType
     outputs: tuple[QuantOutput, ...]
+    targets: tuple[float, ...] = ()  # the block targets tried in order; (): the element's max
+    target_error: TargetError = "mse"  # the error that picks a target
+    global_bound: float | None = None  # the global scale's bound; None: the scale's max
 
     def __post_init__(self) -> None:
         if not 1 <= len(self.outputs) <= 2:
@@ -64,23 +72,45 @@ class QuantKernelSpec:
         if len(set(directions)) != len(directions):
             raise ValueError(f"duplicate output direction in {directions}")
 
+    def __repr__(self) -> str:
+        fields = [
+            ("element", self.element),
+            ("block", self.block),
+            ("scale", self.scale),
+            ("global_scale", self.global_scale),
+            ("input_dtype", self.input_dtype),
+            ("outputs", self.outputs),
+        ]
+        # the options only where set: the specs without them keep their repr and digest
+        if self.targets:
+            fields += [("targets", self.targets), ("target_error", self.target_error)]
+        if self.global_bound is not None:
+            fields.append(("global_bound", self.global_bound))
+        return f"QuantKernelSpec({', '.join(f'{k}={v!r}' for k, v in fields)})"
+
     @property
     def name(self) -> str:
         """A readable, stable kernel name, e.g. ``quant_e2m1_1x16_e4m3rn_g_bf16_row_rne``."""
         scale = (
             self.scale.name.replace(" ", "")
-            + {"nearest": "rn", "up": "ru", "down": "rd", "ocp": "ocp"}[self.scale.rounding]
+            + {
+                "nearest": "rn",
+                "up": "ru",
+                "down": "rd",
+                "ocp": "ocp",
+                "stochastic": "rs",
+            }[self.scale.rounding]
         )
         if self.scale.element is None:
             scale = "fp32"
-        parts = [
-            "quant",
-            self.element.name.replace(" ", ""),
-            f"{self.block[0]}x{self.block[1]}",
-            scale,
-            "g" if self.global_scale else "nog",
-            self.input_dtype,
-        ]
+        block = f"{self.block[0]}x{self.block[1]}"
+        if self.targets:  # e.g. 1x16t6x4 (by mse), 1x16t6x4mae
+            block += "t" + "x".join(f"{t:g}" for t in self.targets)
+            block += "mae" if self.target_error == "mae" else ""
+        glob = "nog"
+        if self.global_scale:
+            glob = "g" if self.global_bound is None else f"g{self.global_bound:g}"
+        parts = ["quant", self.element.name.replace(" ", ""), block, scale, glob, self.input_dtype]
         for out in self.outputs:
             tag = {"rowwise": "row", "columnwise": "col"}[out.direction]
             tag += "_" + ROUNDING_TAGS[out.rounding]

@@ -392,12 +392,18 @@ def test_shipped_recipes_hold_the_methods() -> None:
     assert not rows.operands.dgrad_gradient.format.global_rows
 
 
-def test_planner_routes_the_options_to_the_reference_with_a_reason() -> None:
+def test_planner_routes_the_options_to_the_kernels_or_the_reference_with_a_reason() -> None:
+    # block targets and a global bound: the rowwise kernel quantizes the 1D operands (their
+    # columnwise copies through the build's single-output stand-ins, tests/
+    # test_quantize_options_kernels.py); the 16x16 weight blocks go to the reference
     plan = plan_recipe(load_recipe("nvfp4_4over6"))
-    assert not [k for k in plan.kernels if k.uses and k.uses[0].context == "operands"]
+    served = [k for k in plan.kernels if k.uses and k.uses[0].context == "operands"]
+    assert {op.role for k in served for op in k.operands} == {"activation", "gradient"}
+    assert all(k.spec.targets == (6.0, 4.0) and k.spec.global_bound == 256 for k in served)
     reasons = {s.reason for s in plan.skipped if s.context == "operands"}
-    assert reasons == {reference_only_reason(FOUR_OVER_SIX.with_block((1, 16)))}
-    assert "targets 6 4" in next(iter(reasons)) and "a global bound 256" in next(iter(reasons))
+    assert len(reasons) == 1
+    assert "targets 6 4" in next(iter(reasons)) and "16x16 blocks" in next(iter(reasons))
+    assert reference_only_reason(FOUR_OVER_SIX) is None
     rows = plan_recipe(load_recipe("nvfp4_rowscaled"))
     assert rows.kernel_for(Operand.FPROP_ACTIVATION) is None
     assert rows.kernel_for(Operand.DGRAD_GRADIENT) is not None
@@ -408,11 +414,16 @@ def test_cute_backend_refuses_a_format_with_options() -> None:
     from fp4gen.runtime import cute_backend
     from fp4gen.runtime.loader import Unsupported
 
+    # block targets: the tile kernel (a columnwise copy) refuses them, the rowwise one does not
     launch = cute_backend._launch(
-        FOUR_OVER_SIX, (("rowwise", "nearest", None),), torch.zeros(16, 32)
+        FOUR_OVER_SIX, (("columnwise", "nearest", None),), torch.zeros(16, 32)
     )
     assert isinstance(launch.kernels, Unsupported)
     assert "targets 6 4" in launch.kernels.reason
+    rows = dataclasses.replace(BUILTIN_FORMATS["nvfp4"], name="rows", global_rows=True)
+    launch = cute_backend._launch(rows, (("rowwise", "nearest", None),), torch.zeros(16, 32))
+    assert isinstance(launch.kernels, Unsupported)
+    assert "per-row global scales" in launch.kernels.reason
 
 
 # ------------------------------------------------------------------------------------------------

@@ -370,7 +370,9 @@ class QuantCommon(TemplateContext):
     elem: ElementContext
     scale: ScaleContext
     global_scale: bool  # an fp32 per-tensor scale from the tensor's amax
-    global_num: str  # literal of fp32(scale max * element max), S_enc's numerator
+    # literal of fp32(scale max * element max), S_enc's numerator (the global bound for the
+    # scale max where the format has one)
+    global_num: str
     archs: tuple[str, ...]
     flt_max: str  # literal of the largest fp32
     uses_math: bool  # the global numerator is spelled with math.inf: the module imports math
@@ -380,6 +382,8 @@ class QuantCommon(TemplateContext):
 
 def _common_context(spec: QuantKernelSpec) -> QuantCommon:
     scale_max = FLT_MAX if spec.scale.element is None else max_finite(spec.scale.element)
+    if spec.global_bound is not None:  # docs/numerics.md 11.1: the amax maps to ELEM_MAX * BOUND
+        scale_max = spec.global_bound
     global_num = lit(_f32_mul(scale_max, max_finite(spec.element)))
     return QuantCommon(
         entries=SpecEntries.of(spec),
@@ -443,6 +447,13 @@ class RowwiseContext(TemplateContext):
     quant_threads: int  # threads per CTA, quantize kernel
     amax_threads: int  # threads per CTA, amax kernel
     rand_fn: RandomSource
+    # docs/numerics.md 11.1: fp32(1 / T) per block target T, in order (() without
+    # targets: the element's max alone) and whether the error is |d| (mae) rather than d * d
+    target_invs: tuple[float, ...]
+    target_mae: bool
+    global_bound: str | None  # literal of the global bound (11.1), None: the scale's max
+    scale_sr: bool  # stochastic block scales (11.2): a Philox word per block
+    philox: bool  # the kernel draws Philox words: it takes the seed and the offset
 
 
 def context(spec: QuantKernelSpec) -> RowwiseContext:
@@ -461,6 +472,7 @@ def context(spec: QuantKernelSpec) -> RowwiseContext:
     common = replace(common, uses_asm=False)
     names = {"Float32", "Int32", "Uint8"}
     sr = is_stochastic(out.rounding)
+    scale_sr = spec.scale.rounding == "stochastic"
     sw_encode = _sw_encode(
         spec.element,
         out.rounding,
@@ -487,6 +499,11 @@ def context(spec: QuantKernelSpec) -> RowwiseContext:
         quant_threads=QUANT_THREADS,
         amax_threads=AMAX_THREADS,
         rand_fn=_random_source(sw_encode),
+        target_invs=tuple(_f32_div(1.0, t) for t in spec.targets),
+        target_mae=bool(spec.targets) and spec.target_error == "mae",
+        global_bound=lit(spec.global_bound) if spec.global_bound is not None else None,
+        scale_sr=scale_sr,
+        philox=sr or scale_sr,
     )
 
 
@@ -648,6 +665,11 @@ def _store_bytes(*sizes: int) -> int:
 def _check_tile(spec: QuantKernelSpec) -> None:
     if not spec.element.signed:
         raise ValueError(f"{spec.name}: element formats must be signed, got {spec.element.name}")
+    if spec.targets or spec.scale.rounding == "stochastic":
+        raise NotImplementedError(
+            f"{spec.name}: block targets and stochastic block scales (docs/numerics.md 11.1-11.2) "
+            "are implemented by the rowwise kernel only"
+        )
     if spec.input_dtype not in DTYPES:
         raise ValueError(f"{spec.name}: unsupported input dtype {spec.input_dtype!r}")
     for out in spec.outputs:

@@ -77,6 +77,8 @@ from fp4gen.compiler.plan import (
     _contexts,
     _dtypes,
     _kernel_refusal,
+    kernel_spec,
+    rowwise_only,
     spec_json,
 )
 from fp4gen.dsl.model import MoRRef, Operand, OperandSpec, Recipe
@@ -342,7 +344,7 @@ def _block(spec: OperandSpec) -> BlockFormat | None:
 
 def _quant(fmt: BlockFormat, dtype: InputDType, *outputs: QuantOutput) -> QuantKernelSpec:
     # as fp4gen.runtime.cute_backend._spec builds it
-    return QuantKernelSpec(fmt.element, fmt.block, fmt.scale, fmt.global_scale, dtype, outputs)
+    return kernel_spec(fmt, dtype, outputs)
 
 
 def _out(direction: str, spec: OperandSpec) -> QuantOutput:
@@ -370,7 +372,8 @@ def quantize_uses(
         yield _quant(fmt, weight, _out("rowwise", dw)), Operand.DGRAD_WEIGHT, "backward"
     # backward, dy: one tile kernel for both copies when they share a 1D format
     fmt = _block(wg)
-    tiled = fmt is not None and dg.format == fmt and not fmt.is_2d
+    # (block targets, stochastic block scales: the rowwise kernel alone, no tile kernel)
+    tiled = fmt is not None and dg.format == fmt and not fmt.is_2d and not rowwise_only(fmt)
     if tiled:
         assert fmt is not None
         spec = _quant(fmt, grad, _out("rowwise", dg), _out("columnwise", wg))
@@ -383,7 +386,7 @@ def quantize_uses(
     # backward, x: the columnwise copy from a tile kernel (1D blocks), else from x^T
     if (fmt := _block(wa)) is not None:
         alone = "backward"
-        if not fmt.is_2d:
+        if not fmt.is_2d and not rowwise_only(fmt):
             yield (
                 _quant(fmt, act, _out("columnwise", wa)),
                 Operand.WGRAD_ACTIVATION,

@@ -36,7 +36,7 @@ Equal specs are one kernel, whichever tensors, contexts and recipes use them. Pu
 from __future__ import annotations
 
 from collections.abc import Iterator, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from fp4gen.dsl.model import (
@@ -209,15 +209,24 @@ def spec_json(spec: QuantKernelSpec | MoRKernelSpec) -> dict[str, Any]:
             "segments": spec.segments,
             "digest": spec.digest,
         }
-    return {
+    out: dict[str, Any] = {
         "element": spec.element.name,
         "block": block_text(spec.block),
         "scale": {"format": spec.scale.name, "rounding": spec.scale.rounding},
         "global_scale": spec.global_scale,
-        "input_dtype": spec.input_dtype,
-        "outputs": [output_json(o) for o in spec.outputs],
-        "digest": spec.digest,
     }
+    # the options of docs/numerics.md 11.1 only where set (the manifests of the formats without
+    # them stay as they were)
+    if spec.targets:
+        out["targets"] = {"values": list(spec.targets), "error": spec.target_error}
+    if spec.global_bound is not None:
+        out["global_bound"] = spec.global_bound
+    out.update(
+        input_dtype=spec.input_dtype,
+        outputs=[output_json(o) for o in spec.outputs],
+        digest=spec.digest,
+    )
+    return out
 
 
 def use_json(use: OperandUse) -> dict[str, Any]:
@@ -350,18 +359,88 @@ def _specs_of(
     for role in TENSORS:
         slots = [op for op in Operand if op.role == role]
         slots.sort(key=lambda op: op.use != "rowwise")  # rowwise output first
-        groups: dict[tuple[Any, ...], list[Operand]] = {}
+        groups: dict[BlockFormat, list[Operand]] = {}
         for op in slots:
             fmt = table[op].format
-            if isinstance(fmt, BlockFormat) and _kernel_refusal(table[op]) is None:
-                key = (fmt.element, fmt.block, fmt.scale, fmt.global_scale)
-                groups.setdefault(key, []).append(op)
-        for (element, block, scale, global_scale), ops in groups.items():
+            if not isinstance(fmt, BlockFormat) or _kernel_refusal(table[op]) is not None:
+                continue
+            # what fixes the block scales: element, block, scale format, global scale and the
+            # options (with block targets or stochastic block scales the tile template refuses
+            # the fused spec and the build takes its single-output stand-ins, as the runtime
+            # quantizes a columnwise copy by the rowwise kernel on the transpose)
+            key = replace(fmt, name="")
+            groups.setdefault(key, []).append(op)
+        for fmt, ops in groups.items():
             outputs = tuple(
                 QuantOutput(op.use, table[op].rounding, table[op].rht, scale_layout) for op in ops
             )
-            spec = QuantKernelSpec(element, block, scale, global_scale, dtypes[role], outputs)
-            yield spec, tuple(ops)
+            yield kernel_spec(fmt, dtypes[role], outputs), tuple(ops)
+
+
+def kernel_spec(
+    fmt: BlockFormat, input_dtype: InputDType, outputs: tuple[QuantOutput, ...]
+) -> QuantKernelSpec:
+    """The quantize kernel spec writing ``outputs`` of an ``input_dtype`` tensor in ``fmt``,
+    with the format's block targets and global bound (docs/numerics.md 11.1)."""
+    return QuantKernelSpec(
+        fmt.element,
+        fmt.block,
+        fmt.scale,
+        fmt.global_scale,
+        input_dtype,
+        outputs,
+        targets=fmt.targets,
+        target_error=fmt.target_error if fmt.targets else "mse",
+        global_bound=fmt.global_bound,
+    )
+
+
+def rowwise_only(fmt: BlockFormat) -> bool:
+    """Block targets or stochastic block scales (docs/numerics.md 11.1-11.2): only the rowwise
+    kernel (one rowwise copy, 1D blocks) implements them, not the tile kernel."""
+    return bool(fmt.targets) or fmt.scale.rounding == "stochastic"
+
+
+def rowwise_only_reason(fmt: BlockFormat) -> str | None:
+    """Why no generated kernel quantizes ``fmt`` with 2D blocks (its block targets or
+    stochastic block scales are the rowwise kernel's alone), or None."""
+    if not rowwise_only(fmt) or not fmt.is_2d:
+        return None
+    what = _options_text(fmt, ("targets", "stochastic"))
+    return (
+        f"format {fmt.name} has {what} on {fmt.block[0]}x{fmt.block[1]} blocks: only the "
+        "rowwise kernel (1D blocks) implements them, so the reference quantizes these operands"
+    )
+
+
+def tile_reason(fmt: BlockFormat) -> str | None:
+    """Why the tile kernel (a columnwise copy, two copies in one launch, 2D blocks) does not
+    quantize ``fmt``, or None: the rowwise kernel alone implements block targets and stochastic
+    block scales, so a columnwise copy is the rowwise kernel run on the transpose."""
+    if not rowwise_only(fmt):
+        return None
+    what = _options_text(fmt, ("targets", "stochastic"))
+    return (
+        f"format {fmt.name} has {what}: the tile kernel does not implement them, so each copy "
+        "is quantized on its own (a columnwise copy by the rowwise kernel on the transpose)"
+    )
+
+
+def _options_text(fmt: BlockFormat, which: tuple[str, ...]) -> str:
+    """The options of docs/numerics.md 11 that ``fmt`` has, among ``which``, in words."""
+    options = []
+    if "targets" in which and fmt.targets:
+        targets = " ".join(f"{t:g}" for t in fmt.targets)
+        options.append(f"targets {targets} (a choice of scale per block)")
+    if "bound" in which and fmt.global_bound is not None:
+        options.append(f"a global bound {fmt.global_bound:g}")
+    if "rows" in which and fmt.global_rows:
+        options.append("per-row global scales")
+    if "eden" in which and fmt.eden_group is not None:
+        options.append(f"the MS-EDEN correction over {fmt.eden_group} elements")
+    if "stochastic" in which and fmt.scale.rounding == "stochastic":
+        options.append("stochastic block scales")
+    return ", ".join(options)
 
 
 # docs/numerics.md 11.4: the GEMM kernels take one global scale per operand, so an operand with
@@ -374,24 +453,16 @@ ROW_SCALED_REASON = (
 
 def reference_only_reason(fmt: BlockFormat) -> str | None:
     """Why no generated quantize kernel serves ``fmt`` (an option of docs/numerics.md 11 that
-    the kernel templates do not implement yet), or None. The runtime quantizes such operands
-    with the reference (``backend="auto"`` logs this reason once, ``"cute"`` raises it)."""
-    if fmt.is_plain:
+    the kernels do not implement yet: per-row global scales, the MS-EDEN correction), or None.
+    The runtime quantizes such operands with the reference (``backend="auto"`` logs this reason
+    once, ``"cute"`` raises it). Block targets, a global bound and stochastic block scales are
+    the rowwise kernel's (``rowwise_only_reason`` for 2D blocks)."""
+    if not fmt.global_rows and fmt.eden_group is None:
         return None
-    options = []
-    if fmt.targets:
-        targets = " ".join(f"{t:g}" for t in fmt.targets)
-        options.append(f"targets {targets} (a choice of scale per block)")
-    if fmt.global_bound is not None:
-        options.append(f"a global bound {fmt.global_bound:g}")
-    if fmt.global_rows:
-        options.append("per-row global scales")
-    if fmt.eden_group is not None:
-        options.append(f"the MS-EDEN correction over {fmt.eden_group} elements")
-    if fmt.scale.rounding == "stochastic":
-        options.append("stochastic block scales")
+    # the format's other options are named too: the reference quantizes them all
+    options = _options_text(fmt, ("targets", "bound", "rows", "eden", "stochastic"))
     return (
-        f"format {fmt.name} has {', '.join(options)}: no quantize kernel implements it yet, so "
+        f"format {fmt.name} has {options}: no quantize kernel implements it yet, so "
         "the reference quantizes these operands"
     )
 
@@ -431,6 +502,7 @@ def _kernel_refusal(spec: OperandSpec) -> str | None:
         redrawn_rht_reason(spec.rht)
         or unnested_rht_reason(fmt, spec.rht)
         or reference_only_reason(fmt)
+        or rowwise_only_reason(fmt)
     )
 
 
@@ -520,8 +592,12 @@ __all__ = [
     "Skipped",
     "output_json",
     "plan_recipe",
+    "kernel_spec",
     "redrawn_rht_reason",
     "reference_only_reason",
+    "rowwise_only",
+    "rowwise_only_reason",
+    "tile_reason",
     "unnested_rht_reason",
     "spec_json",
 ]

@@ -37,9 +37,22 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32, Uint8, Uint16, Uint32, const_expr, range_constexpr
 
-from fp4gen.kernels.encode import ElementEncoder, ElementParams, pack_bits
+from fp4gen.kernels.encode import (
+    ElementEncoder,
+    ElementParams,
+    decode_magnitude,
+    field_codes,
+    pack_bits,
+)
 from fp4gen.kernels.hadamard import signed_butterflies
-from fp4gen.kernels.philox import philox_keys, philox_offset, random_fields, random_words
+from fp4gen.kernels.philox import (
+    call_slice,
+    philox4x32_10,
+    philox_keys,
+    philox_offset,
+    random_fields,
+    random_words,
+)
 from fp4gen.kernels.quant_ptx import bf16x2_absmax, cvt_bf16x2, scale_value
 from fp4gen.kernels.scale import NAN_BITS, NONFINITE_BITS, BlockScaler, ScaleParams, global_scales
 from fp4gen.vocab import DTYPES
@@ -76,6 +89,21 @@ class RowwiseParams:
     quant_units: int  # units per thread
     amax_threads: int
     amax_units: int
+    # the options of docs/numerics.md 11 (a format without them leaves these at their defaults)
+    target_invs: tuple[float, ...] = ()  # fp32(1 / T) per block target T, in order; ()
+    # maps the amax to the element's max alone
+    target_mae: bool = False  # the targets' error: |d| (mae) instead of d * d (mse)
+    scale_sr: bool = False  # stochastic block scales: a 32-bit Philox word per block
+
+    @property
+    def choice(self) -> bool:
+        """Block targets or stochastic block scales: ``quantize_unit_choice`` quantizes."""
+        return bool(self.target_invs) or self.scale_sr
+
+    @property
+    def philox(self) -> bool:
+        """The kernel draws Philox words (its arguments include the seed and offset)."""
+        return bool(self.sr_bits) or self.scale_sr
 
     @property
     def input_type(self) -> type:
@@ -278,6 +306,121 @@ class RowwiseQuantizeKernel(RowwiseBase):
         codes = self.encoder.encode_elements(ys, rand, self.hw)
         return self.store_words(pack_bits(codes)), scales, seen
 
+    def quantize_unit_choice(self, frag, u, k_encs: list, s_enc, s_dec, rand, philox_state):
+        """``quantize_unit`` with the block options of docs/numerics.md 11.1-11.2: per block,
+        each target's scale (k_encs: fp32(S_enc * fp32(1 / T)) per target T, in order), codes
+        and error against z = fp32(x * S_enc); a later target replaces the kept one only where
+        its error is strictly lower. With stochastic block scales (philox_state: the keys and
+        offset words) the scale rounding takes the word of element index 2^62 + b of the
+        call's stream, b the block's index, the same word for every target."""
+        p = self.p
+        xs = self.to_f32(frag)
+        if p.rht_size:
+            xs = self.rht_chunks(xs)
+        elif p.input_dtype == "bf16":
+            raw = self.unit_words(frag)
+        bl = p.unit // p.blocks_per_unit  # elements of one block held by this thread
+        words = self.scale_words(u, philox_state) if p.scale_sr else None
+        fields = []
+        scales = []
+        seen = None
+        for g in range(p.blocks_per_unit):
+            xb = xs[g * bl : (g + 1) * bl]
+            half = (g * bl // 2, (g + 1) * bl // 2)  # the block's bf16x2 words
+            amax_b = absmax_bf16(raw[half[0] : half[1]]) if p.bf16_words else absmax(xb)
+            if not p.global_scale:
+                seen = amax_b if seen is None else fmax_nan(seen, amax_b)  # before any shuffle
+            if p.threads_per_block > 1:
+                for off in (1 << i for i in range(p.threads_per_block.bit_length() - 1)):
+                    amax_b = cute.arch.fmax(amax_b, cute.arch.shuffle_sync_bfly(amax_b, offset=off))
+            rb = None
+            if p.sr_bits:
+                # the block's random fields (whole Philox words for the "srhalf" encode)
+                per = 32 // p.sr_bits if p.rand_words else 1
+                rb = rand[g * bl // per : (g + 1) * bl // per]
+            word = words[g] if words is not None else None
+            # |z| = |fp32(x * S_enc)| once per value: |fp32(q) - z| = |fp32(|q|) - |z|| since
+            # the code's sign is x's (fp32 rounding is symmetric)
+            az = None
+            if len(k_encs) > 1:
+                az = [abs(x) * s_enc if p.global_scale else abs(x) for x in xb]
+            kept = kept_err = None
+            for k_enc in k_encs:
+                code, s_b, e_b = self.scaler.block_scale_value(amax_b, k_enc, s_enc, s_dec, word)
+                ys = [scale_value(x, e_b) for x in xb]  # sign bit: x < 0
+                cand = self.encoder.encode_elements(ys, rb, self.hw)
+                if kept is None:
+                    kept = (code, cand)
+                    if az is not None:
+                        kept_err = self.block_error(cand, s_b, az)
+                else:
+                    err = self.block_error(cand, s_b, az)
+                    better = err < kept_err  # strictly lower: ties keep the earlier target
+                    kept_err = cutlass.select_(better, err, kept_err)
+                    kept = (
+                        cutlass.select_(better, code, kept[0]),
+                        [
+                            (cutlass.select_(better, v, kv), w)
+                            for (v, w), (kv, _) in zip(cand, kept[1], strict=True)
+                        ],
+                    )
+            scales.append(kept[0])
+            fields += kept[1]
+        return self.store_words(pack_bits(fields)), scales, seen
+
+    def target_factors(self, s_enc) -> list:
+        """fp32(S_enc * fp32(1 / T)) per block target T, in order (S_enc = 1 without a global
+        scale: fp32(1 / T) itself); the element's max alone without targets."""
+        p = self.p
+        invs = p.target_invs if p.target_invs else (p.elem.inv_max,)
+        if p.global_scale:
+            return [s_enc * Float32(i) for i in invs]
+        return [Float32(i) for i in invs]
+
+    def block_error(self, fields: list, s_b, az: list):
+        """A block's error (docs/numerics.md 11.1): the pairwise tree sum in index order of
+        e(fp32(fp32(|value(code)| * s_b) - |z|)), e = d * d (mse) or |d| (mae); a block spread
+        over lanes adds the lanes' sums by xor butterflies (the same tree: fp32 addition
+        commutes)."""
+        p = self.p
+        errs = []
+        for code, a in zip(field_codes(fields, p.elem.bits), az, strict=True):
+            d = decode_magnitude(code, p.elem) * s_b - a
+            errs.append(abs(d) if p.target_mae else d * d)
+        while len(errs) > 1:  # zero-padded to a power of two: a lone last value is carried
+            pairs = [errs[i] + errs[i + 1] for i in range(0, len(errs) - 1, 2)]
+            errs = pairs + errs[len(pairs) * 2 :]
+        err = errs[0]
+        if p.threads_per_block > 1:
+            for off in (1 << i for i in range(p.threads_per_block.bit_length() - 1)):
+                err = err + cute.arch.shuffle_sync_bfly(err, offset=off)
+        return err
+
+    def scale_words(self, u, philox_state) -> list:
+        """The Philox word of each block of unit u for its stochastic scale rounding: word
+        (2^62 + b) % 4 of the call with counter ((2^62 + b) // 4, offset), i.e. (b // 4, 2^28,
+        offset_lo, offset_hi) for b < 2^34 (docs/numerics.md 11.2)."""
+        p = self.p
+        keys, off_lo, off_hi = philox_state
+        if p.threads_per_block > 1:
+            bs = [Uint32(u) // Uint32(p.threads_per_block)]
+        else:
+            first = Uint32(u) * Uint32(p.blocks_per_unit)
+            bs = [first + Uint32(g) for g in range(p.blocks_per_unit)]
+        if p.blocks_per_unit % 4 == 0:  # whole calls: four blocks per call, in order
+            out = []
+            for c in range(0, len(bs), 4):
+                out += philox4x32_10(bs[c] >> Uint32(2), Uint32(1 << 28), off_lo, off_hi, keys)
+            return out
+        return [
+            call_slice(
+                philox4x32_10(b >> Uint32(2), Uint32(1 << 28), off_lo, off_hi, keys),
+                b & Uint32(3),
+                1,
+            )[0]
+            for b in bs
+        ]
+
     # ---- host side: the launch (the subclass's __call__ gives the spec's arguments)
     @cute.jit
     def launch(self, mX, mQ, mS, mSwz, mAmax, mSdec, philox, stream):
@@ -302,7 +445,7 @@ class RowwiseQuantizeKernel(RowwiseBase):
         if const_expr(p.global_scale):
             args.append(mAmax)
         args.append(mSdec)
-        if const_expr(p.sr_bits):
+        if const_expr(p.philox):
             args += list(philox)
         self.kernel(*args, num_units).launch(
             grid=[grid, 1, 1], block=[p.quant_threads, 1, 1], stream=stream
@@ -335,7 +478,7 @@ class RowwiseQuantizeKernel(RowwiseBase):
             s_enc = s_dec = None  # no global scale: S_enc = S_dec = 1
             k_enc = Float32(p.elem.inv_max)  # fp32(1 * fp32(1 / ELEM_MAX))
         keys = off_lo = off_hi = None
-        if const_expr(p.sr_bits):
+        if const_expr(p.philox):
             seed_lo, seed_hi, offset_lo, offset_hi, ctr_lo, ctr_hi, stride_lo, stride_hi = philox
             keys = philox_keys(Uint32(seed_lo), Uint32(seed_hi))
             # the Philox offset: the int one, or counter * stride + slot read from device memory
@@ -345,6 +488,9 @@ class RowwiseQuantizeKernel(RowwiseBase):
         seen = None
         if const_expr(not p.global_scale):
             seen = Float32(0.0)  # max of this thread's block amaxes (NaN-propagating)
+        k_encs = None
+        if const_expr(p.choice):
+            k_encs = self.target_factors(s_enc)
 
         for v in range_constexpr(p.quant_units):
             u = base + v * p.quant_threads
@@ -355,7 +501,12 @@ class RowwiseQuantizeKernel(RowwiseBase):
                     rand = random_words(i0, p.unit, p.sr_bits, keys, off_lo, off_hi)
                 else:
                     rand = random_fields(i0, p.unit, p.sr_bits, keys, off_lo, off_hi)
-            vals, scales, seen_v = self.quantize_unit(frags[v], k_enc, s_enc, s_dec, rand)
+            if const_expr(p.choice):
+                vals, scales, seen_v = self.quantize_unit_choice(
+                    frags[v], u, k_encs, s_enc, s_dec, rand, (keys, off_lo, off_hi)
+                )
+            else:
+                vals, scales, seen_v = self.quantize_unit(frags[v], k_enc, s_enc, s_dec, rand)
             if const_expr(not p.global_scale):
                 seen = fmax_nan(seen, seen_v)  # a clamped (duplicate) unit holds real values too
             q = cute.make_rmem_tensor((p.store_n,), self.store_type)

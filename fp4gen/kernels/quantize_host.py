@@ -43,7 +43,9 @@ class RowwiseHost:
 
     @property
     def stochastic(self) -> bool:
-        return self.params.sr_bits > 0
+        """The kernel draws Philox words (stochastic elements or block scales): it takes the
+        seed and the offset."""
+        return self.params.philox
 
     def compile_kernel(self, name: str, arch: str, *, dump_dir: str | None = None):
         """The TVM-FFI compiled callable of kernel ``name`` for ``arch`` ("sm_90a" or

@@ -16,7 +16,7 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32, Uint32
 
-from fp4gen.kernels.encode import RNE_MAGIC
+from fp4gen.kernels.encode import RNE_MAGIC, TWO32
 from fp4gen.kernels.quant_ptx import add_rz, cvt_e4m3_to_f32, cvt_f32_to_e4m3
 
 FLT_MAX = 3.4028234663852886e38
@@ -61,15 +61,24 @@ class BlockScaler:
         self.global_scale = global_scale
 
     # ---- minifloat scales in software
-    def scale_round_minifloat(self, d: Float32):
+    def scale_round_minifloat(self, d: Float32, word: Uint32 | None = None):
         """(code, fp32 value) of d in [0, cap] on the scale grid, in the scale rounding. As for
         elements: k = max(floor(log2 d), emin), q = d * 2^(m - k) exact, grid step 1 in q; the
-        value is n * 2^(k - m) for the chosen integer n (exact)."""
+        value is n * 2^(k - m) for the chosen integer n (exact). ``word``: the block's 32-bit
+        Philox word of a stochastic rounding (docs/numerics.md 11.2): up iff word <
+        floor(frac * 2^32)."""
         s = self.s
         e = cutlass.max(d.bitcast(Uint32) >> Uint32(23), Uint32(s.emin_biased))  # k + 127
         p = ((Uint32(s.man_bits + 254) - e) << Uint32(23)).bitcast(Float32)  # 2^(m - k)
         q = d * p  # exact
-        if s.rounding == "nearest" and s.man_bits > 0:
+        if s.rounding == "stochastic":
+            t = add_rz(q, Float32(RNE_MAGIC))  # 2^23 + floor(q)
+            n = t.bitcast(Uint32) - Uint32(0x4B000000)  # floor(q)
+            # frac * 2^32 = q * 2^32 - floor(q) * 2^32, every step exact; the cvt truncates
+            floor32 = t * Float32(TWO32) - Float32(2.0**55)
+            up = word < Uint32(q * Float32(TWO32) - floor32)
+            n = n + cutlass.select_(up, Uint32(1), Uint32(0))
+        elif s.rounding == "nearest" and s.man_bits > 0:
             n = (q + Float32(RNE_MAGIC)).bitcast(Uint32) - Uint32(0x4B000000)  # rint, ties even
         else:
             t = add_rz(q, Float32(RNE_MAGIC))  # 2^23 + floor(q)
@@ -121,13 +130,17 @@ class BlockScaler:
         code = cutlass.select_(v == Float32(0.0), Int32(0), code)
         return code, self.pow2(code - Int32(s.bias))
 
-    def scale_round_exponent(self, d: Float32):
+    def scale_round_exponent(self, d: Float32, word: Uint32 | None = None):
         """(code, fp32 value) of d in [min, cap] on the power-of-two grid, in the scale rounding:
-        exact exponent-bit arithmetic."""
+        exact exponent-bit arithmetic. Stochastic (``word``: the block's Philox word): between
+        2^f and 2^(f+1) the fraction is the 23 fraction bits of d over 2^23, so floor(frac *
+        2^32) is those bits shifted up by 9."""
         s = self.s
         fl, frac = self.floor_log2_biased(d)
         code = fl + Int32(s.bias - 127)  # floor(log2 d) + bias
-        if s.rounding == "up":
+        if s.rounding == "stochastic":
+            code = code + cutlass.select_(word < (frac << Uint32(9)), Int32(1), Int32(0))
+        elif s.rounding == "up":
             code = code + cutlass.select_(frac != Uint32(0), Int32(1), Int32(0))
         elif s.rounding == "nearest":
             half = Uint32(0x400000)  # d = 1.5 * 2^floor: the midpoint, ties to the even code
@@ -140,6 +153,14 @@ class BlockScaler:
         """Block scale and encode factor (docs/numerics.md 2, steps 4-5): d_b = min(amax_b *
         fp32(S_enc * fp32(1 / ELEM_MAX)), cap), s_b = scale(d_b), e_b = min(1 / (s_b [* S_dec]),
         FLT_MAX). Returns (s_b for fp32 scales, else the scale code; e_b)."""
+        out, _, e_b = self.block_scale_value(amax_b, k_enc, s_enc, s_dec)
+        return out, e_b
+
+    def block_scale_value(self, amax_b: Float32, k_enc: Float32, s_enc, s_dec, word=None):
+        """``block_scale`` with the scale's fp32 value: (code or fp32 s_b, s_b, e_b). k_enc is
+        fp32(S_enc * fp32(1 / T)) for the block target T (the element's max unless the format
+        has targets, docs/numerics.md 11.1); ``word``: the block's Philox word of a stochastic
+        scale rounding (11.2), else None."""
         s = self.s
         if s.kind == "fp32":
             s_b = cute.arch.fmin(amax_b * k_enc, Float32(s.cap))
@@ -150,17 +171,18 @@ class BlockScaler:
             s_b = cvt_e4m3_to_f32(out)
         elif s.kind == "minifloat":
             d_b = cute.arch.fmin(amax_b * k_enc, Float32(s.cap))
-            out, s_b = self.scale_round_minifloat(d_b)
+            out, s_b = self.scale_round_minifloat(d_b, word)
         elif s.rounding == "ocp":
             out, s_b = self.scale_round_ocp(amax_b * s_enc if self.global_scale else amax_b)
         else:
             d_b = cute.arch.fmin(amax_b * k_enc, Float32(s.cap))
-            out, s_b = self.scale_round_exponent(cute.arch.fmax(d_b, Float32(s.min)))  # no zero
+            d_b = cute.arch.fmax(d_b, Float32(s.min))  # no zero
+            out, s_b = self.scale_round_exponent(d_b, word)
         if self.global_scale:
             e_b = cute.arch.fmin(Float32(1.0) / (s_b * s_dec), Float32(FLT_MAX))
         else:
             e_b = cute.arch.fmin(Float32(1.0) / s_b, Float32(FLT_MAX))
-        return out, e_b
+        return out, s_b, e_b
 
 
 __all__ = ["FLT_MAX", "NAN_BITS", "NONFINITE_BITS", "BlockScaler", "ScaleParams", "global_scales"]

@@ -26,8 +26,11 @@ from typing import Any
 import torch
 
 from fp4gen.compiler.plan import (
+    kernel_spec,
     redrawn_rht_reason,
     reference_only_reason,
+    rowwise_only_reason,
+    tile_reason,
     unnested_rht_reason,
 )
 from fp4gen.compiler.spec import InputDType, QuantKernelSpec, QuantOutput
@@ -69,14 +72,7 @@ def _spec(
         raise TensorError(
             f"cannot quantize a {dtype} tensor: expected float32, bfloat16 or float16"
         )
-    return QuantKernelSpec(
-        element=fmt.element,
-        block=fmt.block,
-        scale=fmt.scale,
-        global_scale=fmt.global_scale,
-        input_dtype=_DTYPES[dtype],
-        outputs=outputs,
-    )
+    return kernel_spec(fmt, _DTYPES[dtype], outputs)
 
 
 def _kernels(spec: QuantKernelSpec) -> Any:
@@ -119,14 +115,22 @@ def _launch(
     if hit is not None and hit[0] is fmt and all(a is b for a, b in zip(hit[1], rhts, strict=True)):
         return hit[2]
     spec = _spec(fmt, dtype, tuple(QuantOutput(d, r, h) for d, r, h in copies))  # type: ignore[arg-type]
-    # the spec cannot say what the kernels do not implement (numerics.md 11): the reference
-    only = reference_only_reason(fmt) or next(
-        (
-            why
-            for rht in rhts
-            if (why := redrawn_rht_reason(rht) or unnested_rht_reason(fmt, rht)) is not None
-        ),
-        None,
+    # what the kernels do not implement (numerics.md 11): the reference, or (block targets,
+    # stochastic block scales) the rowwise kernel alone: a tile launch is refused, so the
+    # callers quantize each copy on its own (a columnwise one as the rowwise copy of x.t())
+    tiled = fmt.is_2d or any(d != "rowwise" for d, _, _ in copies) or len(copies) > 1
+    only = (
+        reference_only_reason(fmt)
+        or rowwise_only_reason(fmt)
+        or (tile_reason(fmt) if tiled else None)
+        or next(
+            (
+                why
+                for rht in rhts
+                if (why := redrawn_rht_reason(rht) or unnested_rht_reason(fmt, rht)) is not None
+            ),
+            None,
+        )
     )
     kernels = Unsupported(only) if only is not None else _kernels(spec)
     refused = None

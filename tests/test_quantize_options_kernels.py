@@ -1,0 +1,225 @@
+"""The rowwise quantize kernels with the block-scale options of docs/numerics.md 11.1-11.2
+(block targets, a global bound, stochastic block scales), without a GPU: the specs, the render
+context, cross-compilation for sm_90a and sm_100a, the planner's and the runtime's routing.
+Their bits against the reference are checked on a GPU (tests/test_quantize_options_gpu.py)."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+from fp4gen.codegen import import_source
+from fp4gen.codegen.quantize import context, is_rowwise, render
+from fp4gen.compiler.aot import quantize_uses
+from fp4gen.compiler.build import render_plan
+from fp4gen.compiler.plan import (
+    kernel_spec,
+    plan_recipe,
+    reference_only_reason,
+    rowwise_only_reason,
+    tile_reason,
+)
+from fp4gen.dsl import load_recipe
+from fp4gen.dsl.model import Operand, RHTSpec
+from fp4gen.formats import BUILTIN_FORMATS, E4M3, UE8M0, ScaleSpec
+from fp4gen.spec import QuantKernelSpec, QuantOutput
+
+ROOT = Path(__file__).resolve().parent.parent
+NVFP4 = BUILTIN_FORMATS["nvfp4"]
+MXFP4 = BUILTIN_FORMATS["mxfp4"]
+FOUR_OVER_SIX = dataclasses.replace(NVFP4, name="f46", targets=(6.0, 4.0), global_bound=256.0)
+SR_SCALES = dataclasses.replace(NVFP4, name="srs", scale=ScaleSpec(E4M3, "stochastic"))
+
+
+def row(rounding: str = "nearest", rht: RHTSpec | None = None) -> tuple[QuantOutput, ...]:
+    return (QuantOutput("rowwise", rounding, rht),)  # type: ignore[arg-type]
+
+
+def test_a_spec_without_options_keeps_its_repr_digest_and_name() -> None:
+    """The options appear in the repr (so in the digest, the kernel cache's key) only where set:
+    the shipped recipes' kernels keep the digests their generated sources were written with."""
+    spec = kernel_spec(NVFP4, "bf16", row())
+    assert "targets" not in repr(spec) and "global_bound" not in repr(spec)
+    assert spec.name == "quant_e2m1_1x16_e4m3rn_g_bf16_row_rne"
+    manifest = json.loads((ROOT / "generated" / "nvfp4_no_rht" / "manifest.json").read_text())
+    digests = {k["name"]: k["spec"].get("digest") for k in manifest["kernels"] if "spec" in k}
+    assert digests[spec.name] == spec.digest
+    assert spec == QuantKernelSpec(NVFP4.element, (1, 16), NVFP4.scale, True, "bf16", row())
+
+
+def test_option_specs_are_named_and_digested_apart() -> None:
+    f46 = kernel_spec(FOUR_OVER_SIX, "bf16", row("stochastic8", RHTSpec(16)))
+    assert f46.name == "quant_e2m1_1x16t6x4_e4m3rn_g256_bf16_row_sr8_rht16"
+    mae = kernel_spec(dataclasses.replace(FOUR_OVER_SIX, target_error="mae"), "bf16", row())
+    assert mae.name == "quant_e2m1_1x16t6x4mae_e4m3rn_g256_bf16_row_rne"
+    assert kernel_spec(SR_SCALES, "bf16", row()).name == "quant_e2m1_1x16_e4m3rs_g_bf16_row_rne"
+    specs = [f46, mae, kernel_spec(NVFP4, "bf16", row("stochastic8", RHTSpec(16)))]
+    assert len({s.digest for s in specs}) == 3
+    assert "targets=(6.0, 4.0), target_error='mse', global_bound=256.0" in repr(f46)
+
+
+def test_render_context_of_four_over_six() -> None:
+    ctx = context(kernel_spec(FOUR_OVER_SIX, "bf16", row()))
+    # fp32(1 / 6) and 1 / 4; S_enc's numerator fp32(256 * 6)
+    assert ctx.target_invs == (float(torch.tensor(1 / 6, dtype=torch.float32)), 0.25)
+    assert not ctx.target_mae and not ctx.scale_sr and not ctx.philox
+    assert float(ctx.common.global_num) == 1536.0
+    assert ctx.global_bound == "256.0"
+    sr = context(kernel_spec(SR_SCALES, "bf16", row()))
+    assert sr.scale_sr and sr.philox and not sr.sr and sr.target_invs == ()
+    source = render(kernel_spec(FOUR_OVER_SIX, "bf16", row()))
+    assert "BLOCK_TARGET_INVS: tuple[float, ...] = (0.1666666716337204, 0.25)" in source
+    assert "GLOBAL_NUM = 1536.0  # fp32(GLOBAL_BOUND * ELEM_MAX)" in source
+
+
+# (format, rounding, rht, input dtype): every path of the kernel's choice of targets
+COMPILED = {
+    "4over6_rht16_sr8": (FOUR_OVER_SIX, "stochastic8", RHTSpec(16), "bf16"),
+    "4over6_mae_sr_fp32in": (
+        dataclasses.replace(FOUR_OVER_SIX, target_error="mae"),
+        "stochastic",
+        None,
+        "fp32",
+    ),
+    "4over6_sr_scales": (
+        dataclasses.replace(FOUR_OVER_SIX, scale=ScaleSpec(E4M3, "stochastic")),
+        "nearest",
+        None,
+        "bf16",
+    ),
+    "sr_scales_sr16_fp16in": (SR_SCALES, "stochastic16", None, "fp16"),
+    "mxfp4_targets_643": (
+        dataclasses.replace(MXFP4, name="m", targets=(6.0, 4.0, 3.0)),
+        "nearest",
+        None,
+        "bf16",
+    ),
+    "mxfp4_sr_scales_rht32": (
+        dataclasses.replace(MXFP4, name="m", scale=ScaleSpec(UE8M0, "stochastic")),
+        "nearest",
+        RHTSpec(32, "none", None),
+        "bf16",
+    ),
+    "b64_lanes_targets_sr8": (
+        dataclasses.replace(FOUR_OVER_SIX, block=(1, 64), scale=ScaleSpec(E4M3, "stochastic")),
+        "stochastic8",
+        None,
+        "bf16",
+    ),
+    "b48_targets": (dataclasses.replace(FOUR_OVER_SIX, block=(1, 48)), "nearest", None, "bf16"),
+    "mxfp6_targets": (
+        dataclasses.replace(BUILTIN_FORMATS["mxfp6_e2m3"], name="m", targets=(7.5, 6.0)),
+        "nearest",
+        None,
+        "bf16",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", sorted(COMPILED))
+def test_option_kernels_cross_compile(case: str, tmp_path: Path) -> None:
+    """Every kernel of each variant compiles for sm_90a and sm_100a (no GPU needed); the
+    Philox arguments are there exactly where the kernel draws (element SR or scale SR)."""
+    fmt, rounding, rht, dtype = COMPILED[case]
+    spec = kernel_spec(fmt, dtype, row(rounding, rht))  # type: ignore[arg-type]
+    assert is_rowwise(spec)
+    os.environ.setdefault("CUTE_DSL_NO_CACHE", "1")
+    module = import_source(render(spec), tmp_path / "src")
+    for kernel in module.KERNELS:
+        for arch in ("sm_90a", "sm_100a"):
+            keep = tmp_path / "ptx" / f"{kernel}.{arch}"
+            module.compile_kernel(kernel, arch, dump_dir=str(keep))
+            (ptx,) = keep.glob(f"*.{arch}.ptx")
+            text = ptx.read_text()
+            if kernel == "quantize":
+                draws = rounding != "nearest" or fmt.scale.rounding == "stochastic"
+                # Philox4x32-10's multiplier, in every call
+                assert ("-766435501" in text or "3528531795" in text) == draws, case
+
+
+def test_planner_gives_four_over_six_rowwise_kernels() -> None:
+    """nvfp4_4over6_rht: the 1D operands of x and dy get fused specs with the targets, which
+    the tile template refuses; the build renders their single-output rowwise stand-ins (a
+    columnwise copy quantized from the transpose); the 16x16 weight goes to the reference."""
+    plan = plan_recipe(load_recipe(ROOT / "fp4gen" / "recipes" / "nvfp4_4over6_rht.fp4r"))
+    fused = plan.kernel_for(Operand.WGRAD_GRADIENT)
+    assert fused is not None and fused.spec.targets == (6.0, 4.0)
+    assert {o.direction for o in fused.spec.outputs} == {"rowwise", "columnwise"}
+    assert plan.kernel_for(Operand.FPROP_WEIGHT) is None
+    skipped = [s for s in plan.skipped if Operand.FPROP_WEIGHT in s.operands]
+    assert "16x16 blocks" in skipped[0].reason and "reference" in skipped[0].reason
+    rendered = render_plan(plan)
+    unsupported = [r for r in rendered if r.unsupported]
+    assert unsupported and all("rowwise kernel only" in r.unsupported for r in unsupported)
+    made = {r.planned.spec.name for r in rendered if r.source is not None}
+    assert made == {
+        "quant_e2m1_1x16t6x4_e4m3rn_g256_bf16_row_rne",
+        "quant_e2m1_1x16t6x4_e4m3rn_g256_bf16_row_rne_rht16",
+        "quant_e2m1_1x16t6x4_e4m3rn_g256_bf16_row_sr8",
+        "quant_e2m1_1x16t6x4_e4m3rn_g256_bf16_row_sr8_rht16",
+    }
+
+
+def test_planner_keeps_the_reference_for_what_no_kernel_implements() -> None:
+    quartet = plan_recipe(load_recipe(ROOT / "fp4gen" / "recipes" / "nvfp4_quartet2.fp4r"))
+    assert quartet.kernel_for(Operand.DGRAD_GRADIENT) is None
+    rows = dataclasses.replace(NVFP4, name="rows", global_rows=True)
+    assert "per-row global scales" in (reference_only_reason(rows) or "")
+    eden = dataclasses.replace(
+        NVFP4, name="eden", eden_group=128, scale=ScaleSpec(E4M3, "stochastic")
+    )
+    why = reference_only_reason(eden) or ""
+    assert "MS-EDEN" in why and "stochastic block scales" in why
+    assert reference_only_reason(FOUR_OVER_SIX) is None
+    assert reference_only_reason(SR_SCALES) is None
+    two_d = FOUR_OVER_SIX.with_block((16, 16))
+    assert "16x16 blocks" in (rowwise_only_reason(two_d) or "")
+    assert rowwise_only_reason(FOUR_OVER_SIX) is None
+    assert "transpose" in (tile_reason(FOUR_OVER_SIX) or "")
+    bound = dataclasses.replace(NVFP4, name="b", global_bound=256.0)
+    assert tile_reason(bound) is None and reference_only_reason(bound) is None
+
+
+def test_linear_asks_for_the_rowwise_kernels_only() -> None:
+    """aot.quantize_uses (the kernels fp4gen.nn.Linear can load) gives no tile spec for a format
+    with block targets: each copy is the rowwise kernel's, the columnwise one on x^T."""
+    recipe = load_recipe(ROOT / "fp4gen" / "recipes" / "nvfp4_4over6_rht.fp4r")
+    dtypes = {"activation": "bf16", "weight": "bf16", "gradient": "bf16"}
+    uses = list(quantize_uses(recipe.operands, dtypes))
+    assert uses and all(is_rowwise(spec) and spec.targets == (6.0, 4.0) for spec, _, _ in uses)
+    slots = {op for _, op, _ in uses}
+    assert Operand.WGRAD_ACTIVATION in slots and Operand.WGRAD_GRADIENT in slots
+    assert Operand.FPROP_WEIGHT not in slots  # 16x16 blocks: the reference
+
+
+def test_cute_backend_routes_by_copy() -> None:
+    """The runtime refuses a tile launch (a columnwise copy, two copies, 2D blocks) of a format
+    with block targets with the tile reason; the callers then quantize each copy on its own."""
+    from fp4gen.runtime import cute_backend
+    from fp4gen.runtime.loader import Unsupported
+
+    x = torch.zeros(16, 32)
+    col = cute_backend._launch(FOUR_OVER_SIX, (("columnwise", "nearest", None),), x)
+    assert isinstance(col.kernels, Unsupported) and "transpose" in col.kernels.reason
+    two_d = FOUR_OVER_SIX.with_block((16, 16))
+    tiles = cute_backend._launch(two_d, (("rowwise", "nearest", None),), x)
+    assert isinstance(tiles.kernels, Unsupported) and "16x16" in tiles.kernels.reason
+    assert cute_backend.spec_for(FOUR_OVER_SIX, "nearest", None, torch.bfloat16).targets == (
+        6.0,
+        4.0,
+    )
+
+
+def test_shipped_four_over_six_sources_are_current() -> None:
+    """generated/nvfp4_4over6*/ hold the rowwise Four Over Six modules (test_generated checks
+    their bytes; here: they exist and carry the targets)."""
+    for name in ("nvfp4_4over6", "nvfp4_4over6_rht"):
+        sources = sorted((ROOT / "generated" / name).glob("quant_*.py"))
+        assert sources
+        for path in sources:
+            assert "BLOCK_TARGET_INVS" in path.read_text()
