@@ -1,4 +1,5 @@
-"""PTX identity of the quantize and MoR kernels: dump, then compare two dumps byte for byte.
+"""PTX identity of the quantize, MoR and sm_90a GEMM kernels: dump, then compare two dumps byte
+for byte.
 
 A change that moves kernel code (a template into a kernel class, a helper into a module of its
 own) should leave the compiled kernels exactly as they were. This tool renders a fixed set of
@@ -8,8 +9,10 @@ compared with the first, proves the PTX unchanged or lists what differs.
 
 The specs: every quantize and MoR kernel the shipped recipes load (``fp4gen compile``'s plan:
 the quantize plan with its stand-ins and the kernels the runtime asks for), the configurations
-the codegen tests render (``tests/test_codegen_quantize.py``, ``tests/test_codegen_mor.py``) and
-the kernels of a seeded batch of fuzzed recipes (``tests/test_recipe_fuzz_gpu.batch``).
+the codegen tests render (``tests/test_codegen_quantize.py``, ``tests/test_codegen_mor.py``, the
+cross-compiled ``tests/test_codegen_gemm.py`` GEMMs: families ``gemm_small`` and ``gemm``, sm_90a
+only), MoR rules for the entry variants none of those has (``mor_variant_specs``) and the kernels
+of a seeded batch of fuzzed recipes (``tests/test_recipe_fuzz_gpu.batch``).
 
 The PTX is kept as the compiler wrote it except for the generated module's name, which the DSL
 puts into every kernel symbol: it is a hash of the module's text, so it changes with any edit of
@@ -40,6 +43,7 @@ ARCHS: tuple[str, ...] = ("sm_90a", "sm_100a")
 FUZZ_SEED = 20251  # tests/test_recipe_fuzz_gpu.DEFAULT_SEED
 FUZZ_COUNT = 30
 SPECS_FILE = "specs.pickle"
+FAMILIES: tuple[str, ...] = ("rowwise", "tile", "mor", "gemm_small", "gemm")
 
 
 def shipped_specs() -> dict[str, object]:
@@ -72,6 +76,7 @@ def codegen_test_specs() -> dict[str, object]:
     tests = str(Path(__file__).parent)
     if tests not in sys.path:
         sys.path.insert(0, tests)
+    import test_codegen_gemm
     import test_codegen_mor
     import test_codegen_quantize
 
@@ -80,10 +85,43 @@ def codegen_test_specs() -> dict[str, object]:
         test_codegen_quantize.ALL_SPECS,
         test_codegen_quantize.TILE_SPECS,
         test_codegen_mor.SPECS,
+        mor_variant_specs(),
+        test_codegen_gemm.COMPILED,
     ):
         for spec in table.values():
             specs.setdefault(spec.name, spec)  # type: ignore[attr-defined]
     return specs
+
+
+def mor_variant_specs() -> dict[str, object]:
+    """MoR rules whose kernels take arguments no shipped or codegen-test rule has: codes only
+    (no high-precision candidate; decided in the quantizing pass, and per channel) and the range
+    metric with decisions over several tiles (the measure and decide kernels' max / min)."""
+    from fp4gen.dsl.model import Candidate, HighPrecision, Metric, MoRSpec, Partition
+    from fp4gen.formats import ElementFormat
+    from fp4gen.spec import MoRKernelSpec
+
+    e2m1, e4m3 = ElementFormat(2, 1, special="finite"), ElementFormat(4, 3, special="fn")
+    relerr = Metric("relerr", threshold=0.05)
+    block, channel = Partition("block", (128, 128)), Partition("channel")
+    rules = (
+        MoRSpec("cf", block, block, "gam", (Candidate(e2m1, relerr), Candidate(e4m3))),
+        MoRSpec(
+            "cs", channel, channel, "e8m0", (Candidate(e2m1, Metric("range")), Candidate(e4m3))
+        ),
+        MoRSpec(
+            "sr",
+            Partition("block", (256, 256)),
+            Partition("tensor"),
+            "amax",
+            (
+                Candidate(e2m1, Metric("range")),
+                Candidate(e4m3, relerr),
+                Candidate(HighPrecision("bf16")),
+            ),
+        ),
+    )
+    return {(spec := MoRKernelSpec(r)).name: spec for r in rules}
 
 
 def fuzz_specs(seed: int, count: int) -> dict[str, object]:
@@ -114,12 +152,16 @@ def all_specs(seed: int, count: int) -> dict[str, object]:
 
 
 def family(spec: object) -> str:
-    """The template family that renders ``spec``: "rowwise", "tile" or "mor"."""
+    """The template family that renders ``spec``: "rowwise", "tile", "mor", "gemm_small" or
+    "gemm"."""
+    from fp4gen.codegen.gemm import SmallMTile
     from fp4gen.codegen.quantize import is_rowwise
-    from fp4gen.spec import MoRKernelSpec
+    from fp4gen.spec import GemmKernelSpec, MoRKernelSpec
 
     if isinstance(spec, MoRKernelSpec):
         return "mor"
+    if isinstance(spec, GemmKernelSpec):
+        return "gemm_small" if isinstance(spec.tile, SmallMTile) else "gemm"
     return "rowwise" if is_rowwise(spec) else "tile"  # type: ignore[arg-type]
 
 
@@ -139,7 +181,7 @@ def dump(out: Path, specs: dict[str, object], families: set[str]) -> int:
                 continue
             module = import_source(render_source(spec), Path(work) / "src")
             for kernel in module.KERNELS:
-                for arch in ARCHS:
+                for arch in (a for a in ARCHS if a in module.ARCHS):
                     keep = Path(work) / "ptx" / f"{name}.{kernel}.{arch}"
                     module.compile_kernel(kernel, arch, dump_dir=str(keep))
                     (ptx,) = keep.glob(f"*.{arch}.ptx")
@@ -174,12 +216,12 @@ def main(argv: list[str] | None = None) -> int:
     d.add_argument("dir", type=Path)
     d.add_argument("--fuzz-seed", type=int, default=FUZZ_SEED)
     d.add_argument("--fuzz-count", type=int, default=FUZZ_COUNT)
-    d.add_argument("--only", action="append", choices=("rowwise", "tile", "mor"))
+    d.add_argument("--only", action="append", choices=FAMILIES)
     d.add_argument("--specs-from", type=Path, help="the spec set of an earlier dump")
     c = sub.add_parser("compare", help="compare two dumps byte for byte")
     c.add_argument("before", type=Path)
     c.add_argument("after", type=Path)
-    c.add_argument("--only", action="append", choices=("rowwise", "tile", "mor"))
+    c.add_argument("--only", action="append", choices=FAMILIES)
     args = parser.parse_args(argv)
     if args.command == "dump":
         if args.specs_from is not None:
@@ -188,7 +230,7 @@ def main(argv: list[str] | None = None) -> int:
             specs = all_specs(args.fuzz_seed, args.fuzz_count)
         args.dir.mkdir(parents=True, exist_ok=True)
         (args.dir / SPECS_FILE).write_bytes(pickle.dumps(specs))
-        families = set(args.only or ("rowwise", "tile", "mor"))
+        families = set(args.only or FAMILIES)
         written = dump(args.dir, specs, families)
         print(f"{written} PTX files in {args.dir}")
         return 0

@@ -50,7 +50,6 @@ ROUNDINGS: tuple[str, ...] = ("nearest", "zero")  # stochastic rounding stays on
 SEGMENTS: tuple[int, ...] = (4, 8)  # row segments per thread: 512 or 256 threads (2 spills)
 TILE = 128  # a CTA's tile: TILE x TILE elements (must be the reference's SUM_TILE)
 WHOLE = 31  # the shift of a partition side that spans the whole tensor (R, K < 2^31)
-FLT_MAX = float(torch.finfo(torch.float32).max)
 
 
 assert TILE == SUM_TILE, "the kernels' tile is the reference's summation piece"
@@ -181,7 +180,6 @@ class MoRContext(TemplateContext):
     s_cw: int  # its column shift within a tile: min(scs, 7)
     upr_shift: int  # log2 of the tiles a decision unit spans along rows (at most 24)
     upc_shift: int  # the same along columns
-    flt_max: str  # literal of the largest fp32
     segments: int  # row segments per thread
     log_segments: int
 
@@ -285,7 +283,6 @@ def context(spec: MoRKernelSpec) -> MoRContext:
         s_cw=min(scs, 7),
         upr_shift=min(urs - rh, 24),
         upc_shift=min(ucs - cw, 24),
-        flt_max=lit(FLT_MAX),
         segments=spec.segments,
         log_segments=spec.segments.bit_length() - 1,
     )

@@ -318,6 +318,11 @@ def tiles(R, K):
     return tiles_k, ((R + (TILE - 1)) // TILE) * tiles_k
 
 
+def words(t: cute.Tensor, n):
+    """A flat view of t's memory as n 32-bit words."""
+    return cute.make_tensor(cute.recast_ptr(t.iterator, dtype=Uint32), cute.make_layout(n))
+
+
 class MoRAmaxKernel:
     """amax_b of every scale block and the tensor's amax (the buffer's last entry): maxima of
     the bits of |x| (sign cleared: the integer order of non-negative floats, and a NaN, whose
@@ -477,14 +482,50 @@ class MoRDecideParams:
 class MoRDecideKernel:
     """Per decision unit (one CTA): the pairwise tree over its pieces (columns, then rows; in
     place, one level per barrier), the non-zero count (and max / min |x| for the range metric),
-    the decision. A generated module's subclass spells the entry: its ``kernel`` calls
-    ``body``."""
+    the decision. The entry (``__call__`` and ``kernel``) of a rule without the range metric;
+    ``MoRDecideRangeKernel``'s takes each piece's max and min too."""
 
     def __init__(self, params: MoRDecideParams, arch: str) -> None:
         self.p = params
         self.arch = arch
         input_type = getattr(cutlass, DTYPES[params.input_dtype].cute)
         self.tile = MoRTile(params.iters, params.iters.bit_length() - 1, input_type)
+
+    @cute.jit
+    def __call__(
+        self,
+        mP: cute.Tensor,  # (N_REPS * pieces,) float64 partial sums
+        mCnt: cute.Tensor,  # (pieces,) int32 non-zero counts
+        mChoice: cute.Tensor,  # (units,) int64
+        mErr: cute.Tensor,  # (N_REPS * units,) float64
+        mNz: cute.Tensor,  # (units,) int64
+        R: Int32,
+        K: Int32,
+        stream: cuda.CUstream,
+    ):
+        self.launch((mP, mCnt), (mChoice, mErr, mNz), R, K, stream)
+
+    def launch(self, stats: tuple, outs: tuple, R, K, stream) -> None:
+        """One CTA per decision unit; ``stats``: the partial sums and each piece's statistics
+        (the kernel's arguments before the outputs)."""
+        p = self.p
+        nu = (((R - 1) >> p.unit_row_shift) + 1) * (((K - 1) >> p.unit_col_shift) + 1)
+        self.kernel(*stats, *outs, R, K).launch(
+            grid=[nu, 1, 1], block=[p.threads, 1, 1], stream=stream
+        )
+
+    @cute.kernel
+    def kernel(
+        self,
+        gP: cute.Tensor,
+        gCnt: cute.Tensor,
+        gChoice: cute.Tensor,
+        gErr: cute.Tensor,
+        gNz: cute.Tensor,
+        R: Int32,
+        K: Int32,
+    ):
+        self.body(gP, gCnt, None, None, gChoice, gErr, gNz, R, K)
 
     @cute.jit
     def body(self, gP, gCnt, gPmax, gPmin, gChoice, gErr, gNz, R, K):
@@ -567,6 +608,42 @@ class MoRDecideKernel:
             gNz[u] = Int64(count)
             for e in range_constexpr(p.n_reps):
                 gErr[e * nu + u] = errs[e]
+
+
+class MoRDecideRangeKernel(MoRDecideKernel):
+    """The decide kernel of a rule with the range metric: its entry also takes each piece's
+    max and min non-zero |x|."""
+
+    @cute.jit
+    def __call__(
+        self,
+        mP: cute.Tensor,
+        mCnt: cute.Tensor,
+        mPmax: cute.Tensor,  # (pieces,) fp32
+        mPmin: cute.Tensor,  # (pieces,) fp32
+        mChoice: cute.Tensor,
+        mErr: cute.Tensor,
+        mNz: cute.Tensor,
+        R: Int32,
+        K: Int32,
+        stream: cuda.CUstream,
+    ):
+        self.launch((mP, mCnt, mPmax, mPmin), (mChoice, mErr, mNz), R, K, stream)
+
+    @cute.kernel
+    def kernel(
+        self,
+        gP: cute.Tensor,
+        gCnt: cute.Tensor,
+        gPmax: cute.Tensor,
+        gPmin: cute.Tensor,
+        gChoice: cute.Tensor,
+        gErr: cute.Tensor,
+        gNz: cute.Tensor,
+        R: Int32,
+        K: Int32,
+    ):
+        self.body(gP, gCnt, gPmax, gPmin, gChoice, gErr, gNz, R, K)
 
 
 # ---- measuring a tile: every representation's errors, the chosen outputs
@@ -766,15 +843,35 @@ class MoRMeasure:
 # ---- the kernels that measure a tile or write its chosen outputs
 class MoRTileKernel:
     """What the quantize, measure and emit kernels share: their parameters, the tile mapping and
-    the measurement. A generated module's subclass spells the entry: its ``kernel`` calls
-    ``body`` with its tensors (None for the high-precision values or the range statistics the
-    rule does not have)."""
+    the measurement. The entry (``__call__``, ``kernel``) takes exactly the rule's tensors, so
+    a rule with or without high-precision values or range statistics has a subclass of its own
+    (the PTX names the kernel's parameters); ``body`` takes None for what the rule lacks."""
 
     def __init__(self, params: MoRMeasureParams, arch: str) -> None:
         self.p = params
         self.arch = arch
         self.m = MoRMeasure(params)
         self.tile = self.m.tile
+
+    @property
+    def threads(self) -> int:
+        return self.tile.warps * 32
+
+    def launch(self, mX: cute.Tensor, tensors: list, stream) -> None:
+        """One CTA per 128 x 128 tile of mX: the kernel takes mX's row segments, ``tensors``,
+        then R, K and the tiles along K."""
+        R, K = mX.shape[0], mX.shape[1]
+        tiles_k, grid = tiles(R, K)
+        self.kernel(segments(mX), *tensors, R, K, tiles_k).launch(
+            grid=[grid, 1, 1], block=[self.threads, 1, 1], stream=stream
+        )
+
+    def outputs(self, mQ: cute.Tensor, mH, R, K) -> list:
+        """The codes (and the high-precision values, with mH) as 32-bit words."""
+        out = [words(mQ, R * K // 4)]
+        if mH is not None:
+            out.append(words(mH, R * K * self.p.high_bytes // 4))
+        return out
 
     def prologue(self, gX, gEnc, gDec, R, K, tiles_k):
         """This thread's place and fragments, the shared reduction buffers, each unit's errors,
@@ -797,7 +894,41 @@ class MoRTileKernel:
 
 class MoRQuantizeKernel(MoRTileKernel):
     """Measure, decide and quantize in one pass: per tile, every representation's errors, the
-    sums of each decision unit (a unit fits in the tile), the decision, the chosen outputs."""
+    sums of each decision unit (a unit fits in the tile), the decision, the chosen outputs.
+    The entry of a rule with a high-precision candidate (``MoRQuantizeCodesKernel``: without)."""
+
+    @cute.jit
+    def __call__(
+        self,
+        mX: cute.Tensor,  # (R, K) input
+        mEnc: cute.Tensor,  # (N_ELEM * scale blocks,) fp32 encode scales
+        mDec: cute.Tensor,  # (N_ELEM * scale blocks,) float64 decode factors
+        mQ: cute.Tensor,  # (R, K) uint8 codes
+        mH: cute.Tensor,  # (R, K) high-precision values
+        mChoice: cute.Tensor,  # (units,) int64
+        mErr: cute.Tensor,  # (N_REPS * units,) float64
+        mNz: cute.Tensor,  # (units,) int64
+        stream: cuda.CUstream,
+    ):
+        outs = self.outputs(mQ, mH, mX.shape[0], mX.shape[1])
+        self.launch(mX, [mEnc, mDec, *outs, mChoice, mErr, mNz], stream)
+
+    @cute.kernel
+    def kernel(
+        self,
+        gX: cute.Tensor,
+        gEnc: cute.Tensor,
+        gDec: cute.Tensor,
+        gQ: cute.Tensor,
+        gH: cute.Tensor,
+        gChoice: cute.Tensor,
+        gErr: cute.Tensor,
+        gNz: cute.Tensor,
+        R: Int32,
+        K: Int32,
+        tiles_k: Int32,
+    ):
+        self.body(gX, gEnc, gDec, gQ, gH, gChoice, gErr, gNz, R, K, tiles_k)
 
     @cute.jit
     def body(self, gX, gEnc, gDec, gQ, gH, gChoice, gErr, gNz, R, K, tiles_k):
@@ -848,9 +979,71 @@ class MoRQuantizeKernel(MoRTileKernel):
                         gH[first * p.high_bytes // 4 + j] = high[j]
 
 
+class MoRQuantizeCodesKernel(MoRQuantizeKernel):
+    """The quantize kernel of a rule without a high-precision candidate: codes only."""
+
+    @cute.jit
+    def __call__(
+        self,
+        mX: cute.Tensor,
+        mEnc: cute.Tensor,
+        mDec: cute.Tensor,
+        mQ: cute.Tensor,
+        mChoice: cute.Tensor,
+        mErr: cute.Tensor,
+        mNz: cute.Tensor,
+        stream: cuda.CUstream,
+    ):
+        outs = self.outputs(mQ, None, mX.shape[0], mX.shape[1])
+        self.launch(mX, [mEnc, mDec, *outs, mChoice, mErr, mNz], stream)
+
+    @cute.kernel
+    def kernel(
+        self,
+        gX: cute.Tensor,
+        gEnc: cute.Tensor,
+        gDec: cute.Tensor,
+        gQ: cute.Tensor,
+        gChoice: cute.Tensor,
+        gErr: cute.Tensor,
+        gNz: cute.Tensor,
+        R: Int32,
+        K: Int32,
+        tiles_k: Int32,
+    ):
+        self.body(gX, gEnc, gDec, gQ, None, gChoice, gErr, gNz, R, K, tiles_k)
+
+
 class MoRMeasureKernel(MoRTileKernel):
     """Per tile: every representation's errors summed per piece (the part of a decision unit in
-    the tile), the non-zero count (and max / min non-zero |x| for the range metric) per piece."""
+    the tile), the non-zero count (and max / min non-zero |x| for the range metric) per piece.
+    The entry of a rule without the range metric (``MoRMeasureRangeKernel``: with it)."""
+
+    @cute.jit
+    def __call__(
+        self,
+        mX: cute.Tensor,  # (R, K) input
+        mEnc: cute.Tensor,
+        mDec: cute.Tensor,
+        mP: cute.Tensor,  # (N_REPS * pieces,) float64 partial sums
+        mCnt: cute.Tensor,  # (pieces,) int32
+        stream: cuda.CUstream,
+    ):
+        self.launch(mX, [mEnc, mDec, mP, mCnt], stream)
+
+    @cute.kernel
+    def kernel(
+        self,
+        gX: cute.Tensor,
+        gEnc: cute.Tensor,
+        gDec: cute.Tensor,
+        gP: cute.Tensor,
+        gCnt: cute.Tensor,
+        R: Int32,
+        K: Int32,
+        tiles_k: Int32,
+    ):
+        self.body(gX, gEnc, gDec, gP, gCnt, None, None, R, K, tiles_k)
 
     @cute.jit
     def body(self, gX, gEnc, gDec, gP, gCnt, gPmax, gPmin, R, K, tiles_k):
@@ -872,8 +1065,73 @@ class MoRMeasureKernel(MoRTileKernel):
                     gPmin[q] = mins[s]
 
 
+class MoRMeasureRangeKernel(MoRMeasureKernel):
+    """The measure kernel of a rule with the range metric: its entry also takes each piece's
+    max and min non-zero |x|."""
+
+    @cute.jit
+    def __call__(
+        self,
+        mX: cute.Tensor,
+        mEnc: cute.Tensor,
+        mDec: cute.Tensor,
+        mP: cute.Tensor,
+        mCnt: cute.Tensor,
+        mPmax: cute.Tensor,  # (pieces,) fp32
+        mPmin: cute.Tensor,  # (pieces,) fp32
+        stream: cuda.CUstream,
+    ):
+        self.launch(mX, [mEnc, mDec, mP, mCnt, mPmax, mPmin], stream)
+
+    @cute.kernel
+    def kernel(
+        self,
+        gX: cute.Tensor,
+        gEnc: cute.Tensor,
+        gDec: cute.Tensor,
+        gP: cute.Tensor,
+        gCnt: cute.Tensor,
+        gPmax: cute.Tensor,
+        gPmin: cute.Tensor,
+        R: Int32,
+        K: Int32,
+        tiles_k: Int32,
+    ):
+        self.body(gX, gEnc, gDec, gP, gCnt, gPmax, gPmin, R, K, tiles_k)
+
+
 class MoREmitKernel(MoRTileKernel):
-    """Per tile: the codes / high-precision values of each unit's chosen candidate."""
+    """Per tile: the codes / high-precision values of each unit's chosen candidate. The entry
+    of a rule with a high-precision candidate (``MoREmitCodesKernel``: without)."""
+
+    @cute.jit
+    def __call__(
+        self,
+        mX: cute.Tensor,
+        mEnc: cute.Tensor,
+        mDec: cute.Tensor,
+        mChoice: cute.Tensor,  # (units,) int64
+        mQ: cute.Tensor,  # (R, K) uint8 codes
+        mH: cute.Tensor,  # (R, K) high-precision values
+        stream: cuda.CUstream,
+    ):
+        outs = self.outputs(mQ, mH, mX.shape[0], mX.shape[1])
+        self.launch(mX, [mEnc, mDec, mChoice, *outs], stream)
+
+    @cute.kernel
+    def kernel(
+        self,
+        gX: cute.Tensor,
+        gEnc: cute.Tensor,
+        gDec: cute.Tensor,
+        gChoice: cute.Tensor,
+        gQ: cute.Tensor,
+        gH: cute.Tensor,
+        R: Int32,
+        K: Int32,
+        tiles_k: Int32,
+    ):
+        self.body(gX, gEnc, gDec, gChoice, gQ, gH, R, K, tiles_k)
 
     @cute.jit
     def body(self, gX, gEnc, gDec, gChoice, gQ, gH, R, K, tiles_k):
@@ -903,20 +1161,55 @@ class MoREmitKernel(MoRTileKernel):
                         gH[first * p.high_bytes // 4 + j] = high[j]
 
 
+class MoREmitCodesKernel(MoREmitKernel):
+    """The emit kernel of a rule without a high-precision candidate: codes only."""
+
+    @cute.jit
+    def __call__(
+        self,
+        mX: cute.Tensor,
+        mEnc: cute.Tensor,
+        mDec: cute.Tensor,
+        mChoice: cute.Tensor,
+        mQ: cute.Tensor,
+        stream: cuda.CUstream,
+    ):
+        outs = self.outputs(mQ, None, mX.shape[0], mX.shape[1])
+        self.launch(mX, [mEnc, mDec, mChoice, *outs], stream)
+
+    @cute.kernel
+    def kernel(
+        self,
+        gX: cute.Tensor,
+        gEnc: cute.Tensor,
+        gDec: cute.Tensor,
+        gChoice: cute.Tensor,
+        gQ: cute.Tensor,
+        R: Int32,
+        K: Int32,
+        tiles_k: Int32,
+    ):
+        self.body(gX, gEnc, gDec, gChoice, gQ, None, R, K, tiles_k)
+
+
 __all__ = [
     "Candidate",
-    "MoREmitKernel",
-    "MoRMeasureKernel",
-    "MoRQuantizeKernel",
-    "MoRTileKernel",
-    "MoRMeasure",
-    "MoRMeasureParams",
     "MoRAmaxKernel",
     "MoRDecideKernel",
     "MoRDecideParams",
+    "MoRDecideRangeKernel",
+    "MoREmitCodesKernel",
+    "MoREmitKernel",
+    "MoRMeasure",
+    "MoRMeasureKernel",
+    "MoRMeasureParams",
+    "MoRMeasureRangeKernel",
+    "MoRQuantizeCodesKernel",
+    "MoRQuantizeKernel",
     "MoRScaleParams",
     "MoRScalesKernel",
     "MoRTile",
+    "MoRTileKernel",
     "Rep",
     "RepEncoder",
     "SegmentTree",
@@ -937,5 +1230,6 @@ __all__ = [
     "signed",
     "split_fp32",
     "tiles",
+    "words",
     "writes",
 ]

@@ -37,24 +37,18 @@ the warp. The reference's tree (columns first, then rows) is: in registers, shuf
 tensor (no predicates); values outside it count as 0; stores are predicated.
 
 Module contract: KERNELS, compile_kernel(name, arch, *, dump_dir=None), launches(x), run(fns, x)
-(see fp4gen.codegen.mor). Limits: R * K < 2^31, K % 8 == 0, a 16-byte aligned input.
+(see fp4gen.codegen.mor). Limits: R * K < 2^31, K % 8 == 0, a 16-byte aligned input. The device
+code is fp4gen.kernels.mor's, the host code fp4gen.kernels.mor_host's: this module binds them
+to the rule.
 """
 
 from __future__ import annotations
 
 import math  # noqa: F401  (literals such as math.inf)
-import os
-import shlex
-from collections.abc import Callable, Mapping
 
-import cuda.bindings.driver as cuda
-import cutlass
-import cutlass.cute as cute
 import torch
-from cutlass import Float32, Float64, Int32, Int64, Uint32
 
-from fp4gen.errors import TensorError
-from fp4gen.kernels import mor
+from fp4gen.kernels import mor, mor_host
 
 # ----------------------------------------------------------------------------------------------
 # The rule, baked in
@@ -65,18 +59,11 @@ KERNELS: tuple[str, ...] = ("amax", "scales", "measure", "decide", "emit")
 ARCHS: tuple[str, ...] = ("sm_90a", "sm_100a")
 
 INPUT_DTYPE = "bf16"
-INPUT_T = cutlass.BFloat16
 INPUT_TORCH = torch.bfloat16
 ROUNDING = "nearest"
 SCALING = "gam"
-
-TILE = 128  # a CTA's tile is TILE x TILE; also the pieces of the summation order
-ITERS = 4  # row segments per thread (a warp covers 2 * ITERS rows)
+ITERS = 4  # row segments per thread: a warp covers 2 * ITERS rows of a 128x128 tile
 LOG_ITERS = 2
-WARPS = TILE // (2 * ITERS)
-THREADS = 32 * WARPS
-VEC = 8  # contiguous columns per thread and row
-FLT_MAX = 3.4028234663852886e38
 
 # Partitions as shifts: the unit of row r, column c is (r >> ROW_SHIFT, c >> COL_SHIFT); 31 is
 # the whole tensor. *_ROW_BITS / *_COL_BITS: log2 of a unit's piece inside one tile.
@@ -104,31 +91,8 @@ THRESHOLD_0 = 0.045  # candidate 0: mean relative error below
 HIGH_TORCH = torch.bfloat16  # the high-precision values' dtype
 HIGH_BYTES = 2
 
-
 # ----------------------------------------------------------------------------------------------
-# Device building blocks: fp4gen.kernels.mor's, with this module's tile mapping
-# ----------------------------------------------------------------------------------------------
-MOR_TILE = mor.MoRTile(ITERS, LOG_ITERS, INPUT_T)
-add = mor.add
-pairwise = mor.pairwise
-writes = mor.writes
-lane_reduce = mor.lane_reduce
-slot_iters = MOR_TILE.slot_iters
-thread_origin = MOR_TILE.thread_origin
-load_tile = MOR_TILE.load_tile
-warp_reduce = MOR_TILE.warp_reduce
-reduce_tile = MOR_TILE.reduce_tile
-cta_reduce = MOR_TILE.cta_reduce
-
-
-def block_scale(amax_b: Float32, amax_g: Float32, q_max: Float32):
-    """(encode scale fp32, decode factor float64, exponent, group mantissa) of one block, with
-    the gam scaling: fp4gen.kernels.mor.block_scale."""
-    return mor.block_scale(amax_b, amax_g, q_max, SCALING)
-
-
-# ----------------------------------------------------------------------------------------------
-# One tile: the thread's values, their errors, and the chosen outputs
+# The kernels: fp4gen.kernels.mor's classes with these parameters
 # ----------------------------------------------------------------------------------------------
 # the candidates as the decision reads them (Algorithm 2: fp4gen.kernels.mor.decide)
 CANDIDATES = (
@@ -144,15 +108,7 @@ CANDIDATES = (
         rep=1,
     ),
 )
-
-
-def decide(errs: list, count: Int32, amax, amin) -> Int32:
-    """The first candidate whose metric accepts the unit, else the last one."""
-    return mor.decide(CANDIDATES, errs, count, amax, amin)
-
-
-# the representations measured; measuring a tile and writing its chosen outputs is
-# fp4gen.kernels.mor.MoRMeasure with these parameters
+# the representations measured, in order
 REPS = (
     mor.Rep(
         "elem",
@@ -177,27 +133,11 @@ MEASURE_PARAMS = mor.MoRMeasureParams(
     cands=CANDIDATES,
     rounding=ROUNDING,
     high="bf16",
-    high_words=VEC * HIGH_BYTES // 4,
+    high_words=mor.VEC * HIGH_BYTES // 4,
     uses_range=False,
     unit_row_shift=UNIT_ROW_SHIFT,
     unit_col_shift=UNIT_COL_SHIFT,
 )
-
-
-UNIT_SLOT_ITERS = slot_iters(UNIT_ROW_BITS)
-SCALE_SLOT_ITERS = slot_iters(SCALE_ROW_BITS)
-
-
-# ----------------------------------------------------------------------------------------------
-# Kernels
-# ----------------------------------------------------------------------------------------------
-def _words(t: cute.Tensor, n):
-    """A flat view of t's memory as n 32-bit words."""
-    return cute.make_tensor(cute.recast_ptr(t.iterator, dtype=Uint32), cute.make_layout(n))
-
-
-_segments = mor.segments
-_tiles = mor.tiles
 SCALE_PARAMS = mor.MoRScaleParams(
     iters=ITERS,
     log_iters=LOG_ITERS,
@@ -209,79 +149,6 @@ SCALE_PARAMS = mor.MoRScaleParams(
     elem_max=(E0_MAX,),
     scaling=SCALING,
 )
-
-
-class AmaxKernel(mor.MoRAmaxKernel):
-    """The amax kernel of this rule (fp4gen.kernels.mor.MoRAmaxKernel: a class of this module,
-    so its name is the kernel symbol's)."""
-
-    def __init__(self, arch: str):
-        super().__init__(SCALE_PARAMS, arch)
-
-
-class ScalesKernel(mor.MoRScalesKernel):
-    """The scales kernel of this rule (fp4gen.kernels.mor.MoRScalesKernel)."""
-
-    def __init__(self, arch: str):
-        super().__init__(SCALE_PARAMS, arch)
-
-
-class MeasureKernel(mor.MoRMeasureKernel):
-    """Per tile: every representation's errors summed per piece (the part of a decision unit in
-    the tile), the non-zero count per piece."""
-
-    def __init__(self, arch: str):
-        super().__init__(MEASURE_PARAMS, arch)
-
-    @cute.jit
-    def __call__(
-        self,
-        mX: cute.Tensor,  # (R, K) input
-        mEnc: cute.Tensor,
-        mDec: cute.Tensor,
-        mP: cute.Tensor,  # (N_REPS * pieces,) float64 partial sums
-        mCnt: cute.Tensor,  # (pieces,) int32
-        stream: cuda.CUstream,
-    ):
-        R, K = mX.shape[0], mX.shape[1]
-        tiles_k, grid = _tiles(R, K)
-        self.kernel(
-            _segments(mX),
-            mEnc,
-            mDec,
-            mP,
-            mCnt,
-            R,
-            K,
-            tiles_k,
-        ).launch(grid=[grid, 1, 1], block=[THREADS, 1, 1], stream=stream)
-
-    @cute.kernel
-    def kernel(
-        self,
-        gX: cute.Tensor,
-        gEnc: cute.Tensor,
-        gDec: cute.Tensor,
-        gP: cute.Tensor,
-        gCnt: cute.Tensor,
-        R: Int32,
-        K: Int32,
-        tiles_k: Int32,
-    ):
-        self.body(
-            gX,
-            gEnc,
-            gDec,
-            gP,
-            gCnt,
-            None,
-            None,
-            R,
-            K,
-            tiles_k,
-        )
-
-
 DECIDE_PARAMS = mor.MoRDecideParams(
     iters=ITERS,
     input_dtype=INPUT_DTYPE,
@@ -297,249 +164,64 @@ DECIDE_PARAMS = mor.MoRDecideParams(
 )
 
 
-class DecideKernel(mor.MoRDecideKernel):
-    """The decide kernel of this rule (fp4gen.kernels.mor.MoRDecideKernel), with its
-    arguments: the entry of the compiled function and of the kernel."""
+class AmaxKernel(mor.MoRAmaxKernel):
+    """The amax kernel of this rule (a class of this module: its name is the kernel
+    symbol's)."""
 
     def __init__(self, arch: str):
-        super().__init__(DECIDE_PARAMS, arch)
-
-    @cute.jit
-    def __call__(
-        self,
-        mP: cute.Tensor,
-        mCnt: cute.Tensor,
-        mChoice: cute.Tensor,
-        mErr: cute.Tensor,
-        mNz: cute.Tensor,
-        R: Int32,
-        K: Int32,
-        stream: cuda.CUstream,
-    ):
-        nu = (((R - 1) >> UNIT_ROW_SHIFT) + 1) * (((K - 1) >> UNIT_COL_SHIFT) + 1)
-        self.kernel(
-            mP,
-            mCnt,
-            mChoice,
-            mErr,
-            mNz,
-            R,
-            K,
-        ).launch(grid=[nu, 1, 1], block=[THREADS, 1, 1], stream=stream)
-
-    @cute.kernel
-    def kernel(
-        self,
-        gP: cute.Tensor,
-        gCnt: cute.Tensor,
-        gChoice: cute.Tensor,
-        gErr: cute.Tensor,
-        gNz: cute.Tensor,
-        R: Int32,
-        K: Int32,
-    ):
-        self.body(
-            gP,
-            gCnt,
-            None,
-            None,
-            gChoice,
-            gErr,
-            gNz,
-            R,
-            K,
-        )
+        super().__init__(SCALE_PARAMS, arch)
 
 
-class EmitKernel(mor.MoREmitKernel):
-    """Per tile: the codes / high-precision values of each unit's chosen candidate."""
+class ScalesKernel(mor.MoRScalesKernel):
+    """The scales kernel of this rule (a class of this module: its name is the kernel
+    symbol's)."""
+
+    def __init__(self, arch: str):
+        super().__init__(SCALE_PARAMS, arch)
+
+
+class MeasureKernel(mor.MoRMeasureKernel):
+    """The measure kernel of this rule (a class of this module: its name is the kernel
+    symbol's)."""
 
     def __init__(self, arch: str):
         super().__init__(MEASURE_PARAMS, arch)
 
-    @cute.jit
-    def __call__(
-        self,
-        mX: cute.Tensor,
-        mEnc: cute.Tensor,
-        mDec: cute.Tensor,
-        mChoice: cute.Tensor,
-        mQ: cute.Tensor,
-        mH: cute.Tensor,
-        stream: cuda.CUstream,
-    ):
-        R, K = mX.shape[0], mX.shape[1]
-        tiles_k, grid = _tiles(R, K)
-        self.kernel(
-            _segments(mX),
-            mEnc,
-            mDec,
-            mChoice,
-            _words(mQ, R * K // 4),
-            _words(mH, R * K * HIGH_BYTES // 4),
-            R,
-            K,
-            tiles_k,
-        ).launch(grid=[grid, 1, 1], block=[THREADS, 1, 1], stream=stream)
 
-    @cute.kernel
-    def kernel(
-        self,
-        gX: cute.Tensor,
-        gEnc: cute.Tensor,
-        gDec: cute.Tensor,
-        gChoice: cute.Tensor,
-        gQ: cute.Tensor,
-        gH: cute.Tensor,
-        R: Int32,
-        K: Int32,
-        tiles_k: Int32,
-    ):
-        self.body(
-            gX,
-            gEnc,
-            gDec,
-            gChoice,
-            gQ,
-            gH,
-            R,
-            K,
-            tiles_k,
-        )
+class DecideKernel(mor.MoRDecideKernel):
+    """The decide kernel of this rule (a class of this module: its name is the kernel
+    symbol's)."""
+
+    def __init__(self, arch: str):
+        super().__init__(DECIDE_PARAMS, arch)
+
+
+class EmitKernel(mor.MoREmitKernel):
+    """The emit kernel of this rule (a class of this module: its name is the kernel
+    symbol's)."""
+
+    def __init__(self, arch: str):
+        super().__init__(MEASURE_PARAMS, arch)
 
 
 # ----------------------------------------------------------------------------------------------
-# Compilation (tensor-free, against fake tensors) and the torch-facing launcher
+# Compilation, input checks and launches: fp4gen.kernels.mor_host with this rule
 # ----------------------------------------------------------------------------------------------
-def compile_kernel(name: str, arch: str, *, dump_dir: str | None = None):
-    """The TVM-FFI compiled callable of kernel ``name`` for ``arch`` ("sm_90a" or "sm_100a"),
-    built against fake tensors with dynamic R and K (K % VEC == 0); needs no GPU. With
-    ``dump_dir`` (created if missing) the PTX is kept there."""
-    if name not in KERNELS:
-        raise ValueError(f"{SPEC_NAME} has no kernel {name!r}; kernels: {KERNELS}")
-    if arch not in ARCHS:
-        raise ValueError(f"unsupported arch {arch!r}; expected one of {ARCHS}")
-    options = f"--enable-tvm-ffi --gpu-arch {arch}"
-    if dump_dir is not None:
-        os.makedirs(dump_dir, exist_ok=True)
-        options += f" --keep-ptx --dump-dir {shlex.quote(os.fspath(dump_dir))}"
-    fake = cute.runtime.make_fake_compact_tensor
-
-    def flat(dtype, align: int = 16):
-        return fake(dtype, (cute.sym_int(),), assumed_align=align)
-
-    r, k = cute.sym_int(), cute.sym_int(divisibility=VEC)
-    x = fake(INPUT_T, (r, k), stride_order=(1, 0), assumed_align=16)
-    codes = fake(cutlass.Uint8, (r, k), stride_order=(1, 0), assumed_align=16)
-    high_t = cutlass.BFloat16
-    high = fake(high_t, (r, k), stride_order=(1, 0), assumed_align=16)
-    stream = cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True)
-    if name == "amax":
-        return cute.compile(AmaxKernel(arch), x, flat(Int32), stream, options=options)
-    if name == "scales":
-        args = [flat(Int32), flat(Float32), flat(Float64), flat(Int32), flat(Float32)]
-        return cute.compile(ScalesKernel(arch), *args, Int32(1), Int32(8), stream, options=options)
-    scales = [flat(Float32), flat(Float64)]
-    stats = [flat(Int32)]
-    if name == "measure":
-        args = [x, *scales, flat(Float64), *stats]
-        return cute.compile(MeasureKernel(arch), *args, stream, options=options)
-    if name == "decide":
-        args = [flat(Float64), *stats, flat(Int64), flat(Float64), flat(Int64)]
-        return cute.compile(DecideKernel(arch), *args, Int32(1), Int32(8), stream, options=options)
-    args = [x, *scales, flat(Int64), codes, high]
-    return cute.compile(EmitKernel(arch), *args, stream, options=options)
-
-
-def _describe(x: torch.Tensor) -> str:
-    return f"shape {tuple(x.shape)}, dtype {x.dtype}, device {x.device}"
-
-
-def check_input(x) -> None:
-    """Raise TensorError unless x is what the kernels take: a CUDA, contiguous, 16-byte aligned
-    2-D bfloat16 tensor [R, K], K % VEC == 0, 0 < R * K < 2^31."""
-    if not isinstance(x, torch.Tensor):
-        raise TensorError(f"{SPEC_NAME}: expected a torch.Tensor, got {type(x).__name__}")
-    if x.dim() != 2:
-        raise TensorError(f"{SPEC_NAME}: the input must be 2-D [R, K]; got {_describe(x)}")
-    if x.dtype != INPUT_TORCH:
-        raise TensorError(f"{SPEC_NAME}: the input must be {INPUT_TORCH}; got {_describe(x)}")
-    if x.shape[1] % VEC:
-        raise TensorError(
-            f"{SPEC_NAME}: K must be a multiple of {VEC} (8-element loads); got {_describe(x)}"
-        )
-    if x.numel() == 0:
-        raise TensorError(f"{SPEC_NAME}: cannot quantize an empty tensor; got {_describe(x)}")
-    if x.numel() >= 2**31:
-        raise TensorError(f"{SPEC_NAME}: R * K must be below 2^31; got {_describe(x)}")
-    if not x.is_contiguous():
-        raise TensorError(f"{SPEC_NAME}: the input must be contiguous; got {_describe(x)}")
-    if x.device.type != "cuda":
-        raise TensorError(f"{SPEC_NAME}: the input must be on a CUDA device; got {_describe(x)}")
-    if x.data_ptr() % 16:
-        raise TensorError(f"{SPEC_NAME}: the input must be 16-byte aligned; got {_describe(x)}")
-
-
-def grid_of(rows: int, cols: int, row_shift: int, col_shift: int) -> tuple[int, int]:
-    """Units of a partition given as shifts: ((rows - 1) >> row_shift) + 1, the same for cols."""
-    return ((rows - 1) >> row_shift) + 1, ((cols - 1) >> col_shift) + 1
-
-
-def launches(x: torch.Tensor):
-    """Validate x and allocate the outputs: returns (outputs, [(kernel name, arguments)] in
-    launch order). ``run`` launches them; a benchmark can time each launch on its own."""
-    check_input(x)
-    R, K = x.shape
-    dev = x.device
-    nbr, nbc = grid_of(R, K, SCALE_ROW_SHIFT, SCALE_COL_SHIFT)
-    nur, nuc = grid_of(R, K, UNIT_ROW_SHIFT, UNIT_COL_SHIFT)
-    nb, nu = nbr * nbc, nur * nuc
-    amax = torch.zeros(nb + 1, dtype=torch.int32, device=dev)  # fp32 bits; the last: the tensor
-    enc = torch.empty(N_ELEM * nb, dtype=torch.float32, device=dev)
-    dec = torch.empty(N_ELEM * nb, dtype=torch.float64, device=dev)
-    exp = torch.empty(N_ELEM * nb, dtype=torch.int32, device=dev)
-    mant = torch.empty(N_ELEM, dtype=torch.float32, device=dev)
-    codes = torch.empty((R, K), dtype=torch.uint8, device=dev)
-    high = torch.empty((R, K), dtype=HIGH_TORCH, device=dev)
-    choice = torch.empty(nu, dtype=torch.int64, device=dev)
-    err = torch.empty(N_REPS * nu, dtype=torch.float64, device=dev)
-    nonzero = torch.empty(nu, dtype=torch.int64, device=dev)
-    plan = [
-        ("amax", (x, amax)),
-        ("scales", (amax, enc, dec, exp, mant, R, K)),
-    ]
-    npr, npc = grid_of(R, K, UNIT_ROW_BITS, UNIT_COL_BITS)
-    partial = torch.empty(N_REPS * npr * npc, dtype=torch.float64, device=dev)
-    stats = [torch.empty(npr * npc, dtype=torch.int32, device=dev)]
-    plan.append(("measure", (x, enc, dec, partial, *stats)))
-    plan.append(("decide", (partial, *stats, choice, err, nonzero, R, K)))
-    plan.append(("emit", (x, enc, dec, choice, codes, high)))
-    out = {
-        "amax": amax,
-        "choice": choice.reshape(nur, nuc),
-        "codes": codes,
-        "high": high,
-        "error_sum": err.reshape(N_REPS, nur, nuc),
-        "nonzero": nonzero.reshape(nur, nuc),
-        "encode": enc.reshape(N_ELEM, nbr, nbc),
-        "decode": dec.reshape(N_ELEM, nbr, nbc),
-        "exponent": exp.reshape(N_ELEM, nbr, nbc),
-        "mantissa": mant,
-    }
-    return out, plan
-
-
-def run(fns: Mapping[str, Callable], x: torch.Tensor) -> dict[str, torch.Tensor]:
-    """Run the MoR rule on x [R, K] with the compiled kernels ``fns`` (name -> callable).
-
-    Returns {"choice": int64 [units], "codes": uint8 [R, K] (the chosen element format's codes,
-    0 elsewhere), "high": [R, K] high-precision values (0 elsewhere; None without such a
-    candidate), "error_sum": float64 [N_REPS, units], "nonzero": int64 [units], "encode" /
-    "decode" / "exponent": [N_ELEM, scale blocks], "mantissa": fp32 [N_ELEM] (gam), "amax":
-    int32 [blocks + 1] (fp32 bits; the last is the tensor's, for the finiteness check)}. No
-    host synchronisation. Raises TensorError for an input the kernels cannot take.
-    """
-    out, plan = launches(x)
-    for name, args in plan:
-        fns[name](*args)
-    return out
+HOST = mor_host.MoRHost(
+    spec_name=SPEC_NAME,
+    kernels=KERNELS,
+    archs=ARCHS,
+    params=MEASURE_PARAMS,
+    entries={
+        "amax": AmaxKernel,
+        "scales": ScalesKernel,
+        "measure": MeasureKernel,
+        "decide": DecideKernel,
+        "emit": EmitKernel,
+    },
+)
+compile_kernel = HOST.compile_kernel
+check_input = HOST.check_input
+launches = HOST.launches
+run = HOST.run
+grid_of = mor_host.grid_of
