@@ -272,16 +272,24 @@ def _fprop(
     with finite.layer_scope():  # non-finite inputs: propagated as NaN, or raised at the end
         values, weights, alphas = [], [], []
         start = 0
-        for expert, count, layer in zip(groups.experts, groups.counts, groups.layers, strict=True):
+        k = groups.layers[0].fprop_k(groups.layers[0].operands, x.shape[1])
+        # every expert's tokens in one launch where the grouped kernels serve (else None: each
+        # expert's layer quantizes its own below)
+        inputs = grouped_fprop_inputs(x, groups, k)
+        for i, (expert, count, layer) in enumerate(
+            zip(groups.experts, groups.counts, groups.layers, strict=True)
+        ):
             x_e = x[start : start + count]
             start += count
             w = _weight(weight, expert, groups.transposed)
             table = layer.operands
             call = layer._forward_calls
-            k = layer.fprop_k(table, w.shape[1])
-            xq = layer.quantize(
-                pad_to(x_e, count, k), Operand.FPROP_ACTIVATION, table.fprop_activation, call
-            )
+            if inputs is not None:
+                xq = inputs[i]
+            else:
+                xq = layer.quantize(
+                    pad_to(x_e, count, k), Operand.FPROP_ACTIVATION, table.fprop_activation, call
+                )
             wq = layer.quantize(
                 pad_to(_contiguous_rows(w), w.shape[0], k),
                 Operand.FPROP_WEIGHT,
@@ -299,6 +307,60 @@ def _fprop(
         alpha = torch.cat(alphas).repeat_interleave(counts)[:, None]
         b = None if bias is None else bias.detach()[groups.experts].repeat_interleave(counts, 0)
         return _scaled(c, alpha, b, groups.out_dtype)
+
+
+_grouped_quantize = [True]  # set_grouped_quantize
+
+
+def set_grouped_quantize(enabled: bool) -> bool:
+    """Whether the grouped path quantizes every expert's tokens (the fprop activation) in one
+    launch of the grouped quantize kernels on CUDA (True, the default) or per expert (False).
+    Process-wide, read at every call; returns the previous setting. The bits are the same."""
+    previous, _grouped_quantize[0] = _grouped_quantize[0], bool(enabled)
+    return previous
+
+
+def grouped_fprop_inputs(x: torch.Tensor, groups: Groups, k: int) -> list[Any] | None:
+    """Every expert's fprop activation operand from one grouped quantize
+    (``fp4gen.runtime.grouped_quantize``): the rows of ``x`` (sorted by expert) zero-padded to
+    K = ``k``, group e quantized with expert e's seed and Philox offset, exactly as its layer's
+    ``quantize`` would (the offset: STREAMS_PER_CALL * call + the slot, the value of the layer's
+    device counter). None where the grouped kernels do not serve (not CUDA, the reference
+    backend, a spec other than a plain 1xN block format, an amax group, turned off, or a
+    kernel refusal, logged once): the caller then quantizes per expert."""
+    from fp4gen.formats import BlockFormat
+    from fp4gen.runtime.grouped_quantize import quantize_groups
+    from fp4gen.runtime.operand_slots import SLOT, STREAMS_PER_CALL
+
+    layer0 = groups.layers[0]
+    spec = layer0.operands.fprop_activation
+    op = Operand.FPROP_ACTIVATION
+    if (
+        not _grouped_quantize[0]
+        or not x.is_cuda
+        or layer0.backend not in ("auto", "cute")
+        or not isinstance(spec.format, BlockFormat)
+        or spec.format.block[0] != 1
+        or spec.source is not None
+        or any(layer._reduced(op, spec) for layer in groups.layers)
+    ):
+        return None
+    seeds = [layer._seed_of(op) for layer in groups.layers]
+    offsets = [STREAMS_PER_CALL * layer._forward_calls + SLOT[op] for layer in groups.layers]
+    try:
+        return quantize_groups(
+            pad_to(x, x.shape[0], k),
+            groups.counts,
+            spec.format,
+            rounding=spec.rounding,
+            rht=spec.rht,
+            seeds=seeds,
+            offsets=offsets,
+            backend="cute",
+        )
+    except FP4GenError as err:
+        _log_once(f"the experts' tokens are quantized per expert: {err}")
+        return None
 
 
 def _ends(counts: Sequence[int]) -> list[int]:
@@ -395,8 +457,10 @@ __all__ = [
     "decode_pair",
     "group_k",
     "group_rows",
+    "grouped_fprop_inputs",
     "grouped_mm_available",
     "pass_reason",
     "product_dtype",
     "set_grouped_product",
+    "set_grouped_quantize",
 ]

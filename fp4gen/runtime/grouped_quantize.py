@@ -1,0 +1,304 @@
+"""Grouped quantize: the rowwise copies of several groups of rows of one tensor in one launch
+(``fp4gen.kernels.grouped_quantize``), each group quantized as quantizing it alone would.
+
+``quantize_groups(x, counts, fmt, rounding=, rht=, seeds=, offsets=)`` returns one
+QuantizedTensor per group of ``counts[g]`` consecutive rows of ``x`` [M, K]: the same bits as
+``fp4gen.quantize(x[s:e], fmt, rounding=, hadamard=rht, seed=seeds[g], offset=offsets[g])``,
+that is each group's own global amax and S_dec ("per group" global-scale scope, what a dense
+layer of the group's size gets), its own Philox seed and offset, and its stochastic rounding
+indexed from its own first element. An empty group (no rows: an expert no token was routed
+to) has no operand: None in its place. On CUDA, for a 1xN rowwise spec the grouped kernels
+serve (``grouped_reason``), two launches quantize every group (the grouped amax where the
+format has a global scale, then the grouped quantize); anywhere else (the CPU, the reference
+backend, a spec or input the kernels do not take) the groups are quantized one by one with
+``fp4gen.quantize``, the same bits. ``cta_table`` is the host's share of the launch: one row
+per CTA, one tile of one group.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shlex
+import threading
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from fp4gen.errors import FP4GenError, TensorError
+from fp4gen.formats import BlockFormat
+
+log = logging.getLogger(__name__)
+_logged: set[str] = set()
+_lock = threading.Lock()
+# (RowwiseParams, arch) -> {"amax": fn, "quantize": fn} or the reason they cannot be compiled
+_compiled: dict[tuple[Any, str], dict[str, Any] | str] = {}
+
+
+def _log_once(message: str) -> None:
+    if message not in _logged:
+        _logged.add(message)
+        log.info(message)
+
+
+def cta_table(counts: Sequence[int], units_per_row: int, tile: int) -> list[tuple[int, ...]]:
+    """The CTA table of the grouped kernels: for groups of ``counts[g]`` rows of
+    ``units_per_row`` units each, one row (group, first unit of the tile, end unit of the group,
+    first unit of the group) per tile of ``tile`` units; an empty group has none."""
+    if tile <= 0 or units_per_row <= 0:
+        raise FP4GenError(f"cta_table: tile {tile} and units per row {units_per_row} must be > 0")
+    rows: list[tuple[int, ...]] = []
+    start = 0
+    for g, count in enumerate(counts):
+        if count < 0:
+            raise FP4GenError(f"cta_table: group {g} has {count} rows")
+        end = start + count * units_per_row
+        rows += [(g, t, end, start) for t in range(start, end, tile)]
+        start = end
+    return rows
+
+
+def _reference_groups(
+    x: torch.Tensor,
+    counts: Sequence[int],
+    fmt: BlockFormat,
+    rounding: str,
+    rht: Any,
+    seeds: Sequence[int],
+    offsets: Sequence[int],
+    backend: str,
+) -> list[Any]:
+    from fp4gen.runtime.quantize_dispatch import quantize
+
+    out: list[Any] = []
+    start = 0
+    for count, seed, offset in zip(counts, seeds, offsets, strict=True):
+        if count == 0:
+            out.append(None)  # nothing to quantize (the reference refuses an empty tensor)
+            continue
+        out.append(
+            quantize(
+                x[start : start + count],
+                fmt,
+                rounding=rounding,
+                hadamard=rht,
+                seed=seed,
+                offset=offset,
+                backend=backend,
+            )
+        )
+        start += count
+    return out
+
+
+def quantize_groups(
+    x: torch.Tensor,
+    counts: Sequence[int],
+    fmt: BlockFormat,
+    *,
+    rounding: str = "nearest",
+    rht: Any = None,
+    seeds: Sequence[int],
+    offsets: Sequence[int],
+    backend: str = "auto",
+) -> list[Any]:
+    """One QuantizedTensor per group of rows, None for an empty group (module docstring).
+    ``backend``: "auto" the
+    grouped kernels where they serve (else the groups one by one, the reason logged once at
+    INFO), "cute" requires them, "reference" quantizes each group with the reference."""
+    if x.dim() != 2 or sum(counts) != x.shape[0]:
+        raise TensorError(
+            f"quantize_groups: x of shape {tuple(x.shape)} for groups of {list(counts)} rows; "
+            "expected a 2-D tensor whose rows the groups cover exactly"
+        )
+    if not len(counts) == len(seeds) == len(offsets):
+        raise FP4GenError(
+            f"quantize_groups: {len(counts)} groups, {len(seeds)} seeds, {len(offsets)} offsets"
+        )
+    if backend != "reference":
+        reason = _kernel_reason(x, fmt, rounding, rht)
+        if reason is None:
+            try:
+                return _grouped_kernels(x, counts, fmt, rounding, rht, seeds, offsets)
+            except _Refused as refused:
+                reason = str(refused)
+        if backend == "cute":
+            raise FP4GenError(f"quantize_groups(backend='cute'): {reason}")
+        _log_once(f"the groups are quantized one by one: {reason}")
+    return _reference_groups(x, counts, fmt, rounding, rht, seeds, offsets, backend)
+
+
+class _Refused(Exception):
+    """The grouped kernels do not serve this call; ``args[0]`` says why."""
+
+
+def _kernel_reason(x: torch.Tensor, fmt: BlockFormat, rounding: str, rht: Any) -> str | None:
+    if not x.is_cuda:
+        return "a CPU tensor"
+    if not isinstance(fmt, BlockFormat) or fmt.block[0] != 1:
+        return f"{fmt}: the grouped kernels take 1xN blocks"
+    if x.numel() == 0:
+        return "no rows"
+    return None
+
+
+def _grouped_kernels(
+    x: torch.Tensor,
+    counts: Sequence[int],
+    fmt: BlockFormat,
+    rounding: str,
+    rht: Any,
+    seeds: Sequence[int],
+    offsets: Sequence[int],
+) -> list[Any]:
+    from fp4gen.kernels import host
+    from fp4gen.runtime import cute_backend
+    from fp4gen.runtime.loader import Unsupported
+
+    spec = cute_backend.spec_for(fmt, rounding, rht, x.dtype)
+    loaded = cute_backend._kernels(spec)
+    if isinstance(loaded, Unsupported):
+        raise _Refused(loaded.reason)
+    module = loaded.module
+    try:
+        module.check_input(x)
+    except FP4GenError as err:
+        raise _Refused(str(err)) from err
+    params = module.PARAMS
+    fns = _compile(params, loaded.arch, module.K_MULTIPLE)
+    m, k = x.shape
+    dev = x.device
+    groups = len(counts)
+    units_per_row = k // params.unit
+    data = torch.empty((m, k * params.elem.bits // 8), dtype=torch.uint8, device=dev)
+    scale_dtype = torch.float32 if params.scale.kind == "fp32" else torch.uint8
+    scales = torch.empty((m, k // params.block), dtype=scale_dtype, device=dev)
+    amax = torch.zeros(groups, dtype=torch.float32, device=dev)
+    # S_dec: the kernel writes each group's with a global scale; 1.0 without (NaN over it for a
+    # non-finite group); an empty group's is never read
+    s_dec = (torch.empty if params.global_scale else torch.ones)(
+        groups, dtype=torch.float32, device=dev
+    )
+    words = []
+    for seed, offset in zip(seeds, offsets, strict=True):
+        host.check_u64("seed", seed)
+        host.check_u64("offset", offset)
+        words.append([*host.u64_words(seed), *host.u64_words(offset)])
+    philox = torch.tensor(words, dtype=torch.int64).to(torch.int32).to(dev)
+    if params.global_scale:
+        table = cta_table(counts, units_per_row, params.amax_threads * params.amax_units)
+        if table:
+            fns["amax"](x, _table(table, dev), amax, len(table))
+    table = cta_table(counts, units_per_row, params.quant_threads * params.quant_units)
+    if table:
+        fns["quantize"](x, data, scales, _table(table, dev), amax, s_dec, philox, len(table))
+    out: list[Any] = []
+    start = 0
+    for g, count in enumerate(counts):
+        if count == 0:
+            out.append(None)
+            continue
+        rows = slice(start, start + count)
+        pieces = {"data": data[rows], "scales": scales[rows], "global_scale": s_dec[g]}
+        out.append(
+            cute_backend._quantized(
+                pieces,
+                "",
+                fmt,
+                k,
+                rounding,
+                rht,
+                seeds[g],
+                offsets[g],
+                torch.Size((count, k)),
+                x.dtype,
+            )
+        )
+        start += count
+    return out
+
+
+def _table(rows: list[tuple[int, ...]], device: torch.device) -> torch.Tensor:
+    return torch.tensor(rows, dtype=torch.int32).to(device)
+
+
+def _compile(params: Any, arch: str, k_multiple: int) -> dict[str, Any]:
+    """The grouped kernels of these rowwise params for ``arch``, compiled once per process
+    (JIT: ``cute.compile`` against fake tensors with dynamic sizes)."""
+    key = (params, arch)
+    with _lock:
+        found = _compiled.get(key)
+        if found is None:
+            from fp4gen.kernels.grouped_quantize import grouped_reason
+
+            reason = grouped_reason(params)
+            if reason is not None:
+                found = reason
+            else:
+                try:
+                    found = compile_grouped(params, arch, k_multiple)
+                except Exception as err:  # noqa: BLE001 (a compile failure is a fallback)
+                    found = f"the grouped kernels did not compile ({type(err).__name__}: {err})"
+            _compiled[key] = found
+    if isinstance(found, str):
+        raise _Refused(found)
+    return found
+
+
+def compile_grouped(
+    params: Any, arch: str, k_multiple: int, *, dump_dir: str | None = None
+) -> dict[str, Any]:
+    """The TVM-FFI callables of the grouped kernels ("amax" where the format has a global
+    scale, "quantize") for ``arch`` ("sm_90a" or "sm_100a"); needs no GPU. With ``dump_dir`` the
+    PTX is kept there."""
+    import cutlass.cute as cute
+    from cutlass import Float32, Int32, Uint8
+
+    from fp4gen.kernels.grouped_quantize import (
+        TABLE_COLUMNS,
+        GroupedRowwiseAmaxKernel,
+        GroupedRowwiseQuantizeKernel,
+    )
+
+    options = f"--enable-tvm-ffi --gpu-arch {arch}"
+    if dump_dir is not None:
+        os.makedirs(dump_dir, exist_ok=True)
+        options += f" --keep-ptx --dump-dir {shlex.quote(os.fspath(dump_dir))}"
+    fake = cute.runtime.make_fake_compact_tensor
+    m = cute.sym_int()
+    x = fake(
+        params.input_type,
+        (m, cute.sym_int(divisibility=k_multiple)),
+        stride_order=(1, 0),
+        assumed_align=16,
+    )
+    table = fake(Int32, (cute.sym_int(), TABLE_COLUMNS), stride_order=(1, 0), assumed_align=4)
+    groups = cute.sym_int()
+    amax = fake(Float32, (groups,), assumed_align=4)
+    stream = cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True)
+    fns: dict[str, Any] = {}
+    if params.global_scale:
+        fns["amax"] = cute.compile(
+            GroupedRowwiseAmaxKernel(params, arch), x, table, amax, Int32(0), stream,
+            options=options,
+        )  # fmt: skip
+    scale_t = Float32 if params.scale.kind == "fp32" else Uint8
+    data = fake(
+        Uint8,
+        (m, cute.sym_int(divisibility=k_multiple * params.elem.bits // 8)),
+        stride_order=(1, 0),
+        assumed_align=16,
+    )
+    scales = fake(scale_t, (m, cute.sym_int()), stride_order=(1, 0), assumed_align=4)
+    s_dec = fake(Float32, (groups,), assumed_align=4)
+    philox = fake(Int32, (groups, 4), stride_order=(1, 0), assumed_align=4)
+    fns["quantize"] = cute.compile(
+        GroupedRowwiseQuantizeKernel(params, arch),
+        x, data, scales, table, amax, s_dec, philox, Int32(0), stream,
+        options=options,
+    )  # fmt: skip
+    return fns
+
+
+__all__ = ["compile_grouped", "cta_table", "quantize_groups"]

@@ -1,0 +1,244 @@
+"""Grouped quantize (fp4gen.runtime.grouped_quantize, fp4gen.kernels.grouped_quantize): the
+rowwise copies of every expert's tokens in one launch, each group bit for bit its own
+reference quantization (its global amax and S_dec, its seed and Philox offset, its stochastic
+rounding indexed from its first element), on unequal and empty groups.
+
+On the CPU: the CTA table, the per-group path (what every device falls back to), the cases the
+grouped path leaves to the per-expert quantize, and the kernels cross-compiled for sm_90a and
+sm_100a (no GPU). On a GPU (``-m gpu``): the kernels against the reference per group, and the
+grouped experts quantizing their tokens in one launch with the loop's bits."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import fp4gen
+import fp4gen.runtime.grouped as grouped
+from fp4gen.formats import BUILTIN_FORMATS
+from fp4gen.numerics.quantize import quantize as reference_quantize
+from fp4gen.runtime.grouped_quantize import compile_grouped, cta_table, quantize_groups
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+COUNTS = [37, 0, 5, 60, 0, 300]  # rows per group: empty groups, very unequal ones
+SEEDS = [11, 12, 13, 2**40 + 14, 15, 16]
+OFFSETS = [8 * 3 + 0, 0, 8 * 1 + 0, 2**33 + 5, 7, 8 * 40]
+# (format, rounding, RHT size or None): the NVFP4 activation and gradient copies, an RHT, MX
+CASES = [
+    ("nvfp4", "nearest", None),
+    ("nvfp4", "stochastic8", None),
+    ("nvfp4", "nearest", 16),
+    ("nvfp4", "stochastic", None),
+    ("mxfp8_e4m3", "nearest", None),
+    ("mxfp4", "stochastic8", None),
+]
+
+
+def grouped_input(device: str, k: int = 128) -> torch.Tensor:
+    """bf16 rows whose groups differ in magnitude by up to 2^30 (per-group global scales that
+    a single scale could not serve) and a zero row."""
+    g = torch.Generator().manual_seed(5)
+    parts = []
+    for i, n in enumerate(COUNTS):
+        parts.append(torch.randn(n, k, generator=g) * 2.0 ** (10 * (i % 4) - 15))
+    x = torch.cat(parts)
+    x[40] = 0
+    return x.to(torch.bfloat16).to(device)
+
+
+def rht_spec(size: int | None):
+    if size is None:
+        return None
+    from fp4gen.dsl.model import RHTSpec
+
+    return RHTSpec(size=size)
+
+
+def reference_groups(x: torch.Tensor, fmt, rounding: str, rht) -> list:
+    out: list = []
+    start = 0
+    for count, seed, offset in zip(COUNTS, SEEDS, OFFSETS, strict=True):
+        if count == 0:
+            out.append(None)
+            continue
+        out.append(
+            reference_quantize(
+                x[start : start + count].cpu(),
+                fmt,
+                rounding=rounding,
+                hadamard=rht,
+                seed=seed,
+                offset=offset,
+            )
+        )
+        start += count
+    return out
+
+
+def test_the_cta_table() -> None:
+    """One row per tile of one group: (group, first unit, the group's end, the group's first
+    unit); empty groups have none; a group's last tile may be partial."""
+    assert cta_table([3, 0, 1, 5], units_per_row=2, tile=4) == [
+        (0, 0, 6, 0),
+        (0, 4, 6, 0),
+        (2, 6, 8, 6),
+        (3, 8, 18, 8),
+        (3, 12, 18, 8),
+        (3, 16, 18, 8),
+    ]
+    assert cta_table([0, 0], units_per_row=8, tile=64) == []
+    with pytest.raises(fp4gen.FP4GenError, match="group 1 has -1 rows"):
+        cta_table([2, -1], units_per_row=1, tile=4)
+
+
+@pytest.mark.parametrize(("fmt", "rounding", "rht"), CASES[:3])
+def test_the_per_group_path_is_the_reference(fmt: str, rounding: str, rht) -> None:
+    """On the CPU (where no kernel runs) each group is the reference quantization of its rows,
+    an empty group None: the definition the kernels are held to."""
+    x = grouped_input("cpu")
+    got = quantize_groups(
+        x, COUNTS, BUILTIN_FORMATS[fmt], rounding=rounding, rht=rht_spec(rht), seeds=SEEDS,
+        offsets=OFFSETS,
+    )  # fmt: skip
+    want = reference_groups(x, BUILTIN_FORMATS[fmt], rounding, rht_spec(rht))
+    assert len(got) == len(COUNTS)
+    assert [q is None for q in got] == [n == 0 for n in COUNTS]
+    for g, (a, b) in enumerate(zip(got, want, strict=True)):
+        if b is None:
+            continue
+        assert a.shape == (COUNTS[g], 128)
+        assert torch.equal(a.codes, b.codes) and torch.equal(a.scales, b.scales), g
+        assert torch.equal(a.global_scale, b.global_scale), g
+    # the groups have their own global scales (a single one would be the largest group's)
+    assert len({float(q.global_scale) for q in got if q is not None}) > 2
+
+
+def test_bad_groups_are_one_line_errors() -> None:
+    x = torch.randn(10, 32)
+    with pytest.raises(fp4gen.errors.TensorError, match=r"groups of \[4, 4\] rows"):
+        quantize_groups(x, [4, 4], BUILTIN_FORMATS["nvfp4"], seeds=[0, 0], offsets=[0, 0])
+    with pytest.raises(fp4gen.FP4GenError, match="2 groups, 1 seeds, 2 offsets"):
+        quantize_groups(x, [4, 6], BUILTIN_FORMATS["nvfp4"], seeds=[0], offsets=[0, 0])
+    with pytest.raises(fp4gen.FP4GenError, match="backend='cute'.*a CPU tensor"):
+        quantize_groups(
+            x, [4, 6], BUILTIN_FORMATS["nvfp4"], seeds=[0, 0], offsets=[0, 0], backend="cute"
+        )
+
+
+def test_the_grouped_path_quantizes_per_expert_where_the_kernels_do_not_serve() -> None:
+    """CPU tensors, the reference backend, 2D blocks, or the setting off: no grouped quantize
+    (None: each expert's layer quantizes its tokens)."""
+    from test_moe import build, experts_of
+
+    module = experts_of(fp4gen.convert(build("mixtral"), "nvfp4_no_bf16"))
+    groups = grouped.Groups([0, 1], [3, 4], [module.gemms[0][0], module.gemms[1][0]], False,
+                            torch.float32, "up")  # fmt: skip
+    assert grouped.grouped_fprop_inputs(torch.randn(7, 64), groups, 64) is None
+    assert grouped.set_grouped_quantize(False) is True
+    try:
+        assert grouped.grouped_fprop_inputs(torch.randn(7, 64), groups, 64) is None
+    finally:
+        grouped.set_grouped_quantize(True)
+
+
+@pytest.mark.parametrize("arch", ["sm_90a", "sm_100a"])
+@pytest.mark.parametrize(("fmt", "rounding", "rht"), CASES)
+def test_the_grouped_kernels_cross_compile(tmp_path: Path, arch: str, fmt, rounding, rht) -> None:
+    """The grouped amax (with a global scale) and quantize kernels compile for both arches from
+    the rowwise spec's parameters; the amax kernel's atomic max goes to the group's slot."""
+    pytest.importorskip("cutlass")
+    from fp4gen.codegen.quantize import render
+    from fp4gen.compiler.jit import import_source
+    from fp4gen.runtime.cute_backend import spec_for
+
+    spec = spec_for(BUILTIN_FORMATS[fmt], rounding, rht_spec(rht), torch.bfloat16)
+    source = tmp_path / f"{spec.name}.py"
+    source.write_text(render(spec))
+    module = import_source(source)
+    fns = compile_grouped(module.PARAMS, arch, module.K_MULTIPLE, dump_dir=str(tmp_path / "ptx"))
+    global_scale = BUILTIN_FORMATS[fmt].global_scale
+    assert sorted(fns) == (["amax", "quantize"] if global_scale else ["quantize"])
+    ptx = {p.name: p.read_text() for p in (tmp_path / "ptx").glob("*.ptx")}
+    assert len(ptx) == len(fns)
+    if global_scale:
+        (amax,) = [text for name, text in ptx.items() if "Amax" in name]
+        assert amax.count("atom.global.max") == 1
+
+
+# ---------------------------------------------------------------------------------------------
+# On a GPU
+# ---------------------------------------------------------------------------------------------
+
+gpu = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize(("fmt", "rounding", "rht"), CASES)
+def test_cuda_grouped_quantize_is_the_reference_per_group(fmt: str, rounding: str, rht) -> None:
+    """One launch (two with a global scale) for six groups, two of them empty, from 5 to 300
+    rows (several CTAs), magnitudes 2^30 apart: each group's codes, scales and S_dec are its
+    own reference quantization's, bit for bit; a NaN in one group makes only its S_dec NaN."""
+    from test_recipe_fuzz_gpu import differences
+
+    x = grouped_input("cuda")
+    got = quantize_groups(
+        x, COUNTS, BUILTIN_FORMATS[fmt], rounding=rounding, rht=rht_spec(rht), seeds=SEEDS,
+        offsets=OFFSETS, backend="cute",
+    )  # fmt: skip
+    want = reference_groups(x, BUILTIN_FORMATS[fmt], rounding, rht_spec(rht))
+    bad = [
+        d
+        for g, (a, b) in enumerate(zip(got, want, strict=True))
+        for d in differences(a, b, f"group {g}")
+    ]
+    assert not bad, "\n".join(bad)
+    x[COUNTS[0] + 2, 3] = float("nan")  # group 2's third row
+    got = quantize_groups(
+        x, COUNTS, BUILTIN_FORMATS[fmt], rounding=rounding, rht=rht_spec(rht), seeds=SEEDS,
+        offsets=OFFSETS, backend="cute",
+    )  # fmt: skip
+    nan = [q is not None and bool(torch.isnan(q.global_scale)) for q in got]
+    assert nan == [False, False, True, False, False, False]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_grouped_experts_quantize_their_tokens_in_one_launch(monkeypatch) -> None:
+    """The grouped path's fprop activations come from one grouped quantize per projection
+    (counted), with the operands of the per-expert quantize bit for bit (the GPU harness test
+    test_cuda_grouped_experts_match_the_loop compares every operand with the loop's)."""
+    from moe_harness import harnessed_run, operand_differences
+    from test_moe_grouped import pair, unequal_routing
+
+    import fp4gen.runtime.grouped_quantize as gq
+
+    calls = []
+    real = gq.quantize_groups
+
+    def counted(*args, **kw):
+        calls.append(kw["backend"])
+        return real(*args, **kw)
+
+    monkeypatch.setattr(gq, "quantize_groups", counted)
+    _, group = pair("qwen3_moe", torch.bfloat16, device="cuda")
+    index, weights = unequal_routing()
+    hidden = torch.randn(70, 64).to(torch.bfloat16).cuda()
+    args = (hidden, index.cuda(), weights.to(torch.bfloat16).cuda())
+    got = harnessed_run(group, *args, check=False)
+    assert calls == ["cute", "cute"]  # up and down projection
+    previous = grouped.set_grouped_quantize(False)
+    try:
+        _, per_expert = pair("qwen3_moe", torch.bfloat16, device="cuda")
+        want = harnessed_run(per_expert, *args, check=False)
+    finally:
+        grouped.set_grouped_quantize(previous)
+    assert len(calls) == 2
+    assert not operand_differences(got.harness, want.harness)
