@@ -94,9 +94,11 @@ def _find(src: str, piece: str, start: int = 0) -> int:
 
 
 # what a replacement decode8 in the generated module reads (the module imports its decode
-# from fp4gen.kernels.sm90_decode and no longer holds these names itself)
+# from fp4gen.kernels.sm90_decode and its host code from fp4gen.kernels.gemm_sm90_host, and no
+# longer holds these names itself)
 DECODE_NAMES = (
     "import cutlass\n"
+    "import cutlass.cute as cute\n"
     "from cutlass import Uint32\n"
     "from fp4gen.kernels.sm90_decode import MAG_BITS, SIGN_BITS, mul_bf16x2_bcast\n"
 )

@@ -410,8 +410,7 @@ def tile_constants(tile: GemmTile, *, b_sf_2d: bool) -> WgmmaTileConstants | Sma
 
 @dataclass(frozen=True)
 class GemmCommon(TemplateContext):
-    """The variables both GEMM templates read (and the shared gemm_sm90_macros.j2, which sees
-    the including template's variables). Their e2m1 decodes are imported from
+    """The variables both GEMM templates read. Their e2m1 decodes are imported from
     ``fp4gen.kernels.sm90_decode`` (``decode`` picks which); the kernels' PTX helpers live in
     ``fp4gen.kernels.sm90_ptx``."""
 
@@ -443,7 +442,6 @@ class WgmmaContext(TemplateContext):
     tile: GemmTile
     tc: WgmmaTileConstants
     stages_bf16: int  # decoded bf16 stages in shared memory
-    cutlass_names: tuple[str, ...]  # names the module imports from cutlass (isort's order)
 
 
 @dataclass(frozen=True)
@@ -523,8 +521,6 @@ def gemm_context(spec: GemmKernelSpec) -> WgmmaContext | SmallMContext:
         tile=spec.tile,
         tc=tc,
         stages_bf16=STAGES_BF16,
-        # the host code's fake tensors: codes, fp32 scalars (and bias), the output
-        cutlass_names=tuple(sorted({"Float32", "Uint8", common.out.cutlass})),
     )
 
 
