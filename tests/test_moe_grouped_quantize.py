@@ -23,6 +23,7 @@ from fp4gen.numerics.quantize import quantize as reference_quantize
 from fp4gen.runtime.grouped_quantize import compile_grouped, cta_table, quantize_groups
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from test_moe_grouped import dequant_loop  # noqa: E402,F401  (a fixture, used by name)
 
 COUNTS = [37, 0, 5, 60, 0, 300]  # rows per group: empty groups, very unequal ones
 SEEDS = [11, 12, 13, 2**40 + 14, 15, 16]
@@ -242,3 +243,53 @@ def test_cuda_grouped_experts_quantize_their_tokens_in_one_launch(monkeypatch) -
         grouped.set_grouped_quantize(previous)
     assert len(calls) == 2
     assert not operand_differences(got.harness, want.harness)
+
+
+# every operand 1x16 NVFP4 with stochastic rounding: the fprop activations and weights and the
+# dgrad weights are all grouped, each group drawing its expert's stream
+ALL_SR = "operands {\n * : nvfp4 round stochastic8\n}\n"
+# the NVFP4 method with 1x16 weight blocks (nvfp4_1d_weights without its BF16 blocks)
+ONE_D = (
+    "operands {\n * : nvfp4\n gradient : round stochastic8\n"
+    " wgrad.activation : rht 16 signs te\n wgrad.gradient : rht 16 signs te\n}\n"
+)
+RECIPES = {"all_sr": ALL_SR, "1d_weights": ONE_D}
+
+
+@pytest.mark.parametrize("arch", ["mixtral", "gpt_oss"])
+@pytest.mark.parametrize("recipe", ["nvfp4_no_bf16", "1d_weights", "all_sr"])
+def test_grouped_operands_are_the_loops_bits(monkeypatch, dequant_loop, arch, recipe) -> None:  # noqa: F811
+    """The grouped path with its grouped quantize (the per-group definition standing in for the
+    kernels, so this runs on the CPU): every expert's seed, Philox offset, padding, batched
+    weight layout (gpt-oss's transposed [E, in, out] too) and group order as its own layer's
+    quantize, so the results equal the loop's bit for bit, over two steps (the call counts
+    move the offsets); one grouped quantize per operand the grouped path serves."""
+    from test_moe import routing, run
+    from test_moe_grouped import pair
+
+    import fp4gen.runtime.grouped_quantize as gq
+    from fp4gen.dsl import parse_recipe
+
+    ops: list[int] = []
+    real = gq.quantize_groups
+
+    def per_group_definition(rows, counts, fmt, **kw):
+        ops.append(len(counts))
+        return real(rows, counts, fmt, **{**kw, "backend": "reference"})
+
+    monkeypatch.setattr(grouped, "_serves", lambda t: True)
+    monkeypatch.setattr(gq, "quantize_groups", per_group_definition)
+    spec = parse_recipe(RECIPES[recipe], base_dir=None) if recipe in RECIPES else recipe
+    loop, group = pair(arch, torch.bfloat16, spec)
+    index, weights = routing(40, empty=1)
+    for step in range(2):
+        hidden = torch.randn(40, 64, generator=torch.Generator().manual_seed(step))
+        hidden = hidden.to(torch.bfloat16)
+        want = run(loop, hidden, index, weights.to(torch.bfloat16))
+        got = run(group, hidden, index, weights.to(torch.bfloat16))
+        assert all(torch.equal(a, b) for a, b in zip(got[:3], want[:3], strict=True)), step
+        assert all(torch.equal(got[3][n], want[3][n]) for n in want[3]), step
+    # per step, for each of the two projections: x (fprop), and with 1x16 weights W (fprop)
+    # and W^T (dgrad); nvfp4's 16x16 weights are the tile kernels'
+    per_step = {"nvfp4_no_bf16": 2, "1d_weights": 6, "all_sr": 6}[recipe]
+    assert len(ops) == 2 * per_step and set(ops) == {3}  # 3 experts with tokens

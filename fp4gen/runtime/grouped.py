@@ -276,6 +276,7 @@ def _fprop(
         # every expert's tokens in one launch where the grouped kernels serve (else None: each
         # expert's layer quantizes its own below)
         inputs = grouped_fprop_inputs(x, groups, k)
+        batched = grouped_fprop_weights(weight, groups, k)
         for i, (expert, count, layer) in enumerate(
             zip(groups.experts, groups.counts, groups.layers, strict=True)
         ):
@@ -290,12 +291,15 @@ def _fprop(
                 xq = layer.quantize(
                     pad_to(x_e, count, k), Operand.FPROP_ACTIVATION, table.fprop_activation, call
                 )
-            wq = layer.quantize(
-                pad_to(_contiguous_rows(w), w.shape[0], k),
-                Operand.FPROP_WEIGHT,
-                table.fprop_weight,
-                call,
-            )
+            if batched is not None:
+                wq = batched[i]
+            else:
+                wq = layer.quantize(
+                    pad_to(_contiguous_rows(w), w.shape[0], k),
+                    Operand.FPROP_WEIGHT,
+                    table.fprop_weight,
+                    call,
+                )
             layer._advance_device(forward=True)
             layer.__dict__["_forward_calls"] = call + 1
             x_values, w_values, alpha = decode_pair(layer, "fprop", call, xq, wq)
@@ -313,54 +317,118 @@ _grouped_quantize = [True]  # set_grouped_quantize
 
 
 def set_grouped_quantize(enabled: bool) -> bool:
-    """Whether the grouped path quantizes every expert's tokens (the fprop activation) in one
-    launch of the grouped quantize kernels on CUDA (True, the default) or per expert (False).
-    Process-wide, read at every call; returns the previous setting. The bits are the same."""
+    """Whether the grouped path quantizes the experts' operands that the grouped quantize
+    kernels serve (1xN rowwise copies: every expert's tokens, the batched weights) in one launch
+    per operand on CUDA (True, the default) or per expert (False). Process-wide, read at every
+    call; returns the previous setting. The bits are the same."""
     previous, _grouped_quantize[0] = _grouped_quantize[0], bool(enabled)
     return previous
 
 
-def grouped_fprop_inputs(x: torch.Tensor, groups: Groups, k: int) -> list[Any] | None:
-    """Every expert's fprop activation operand from one grouped quantize
-    (``fp4gen.runtime.grouped_quantize``): the rows of ``x`` (sorted by expert) zero-padded to
-    K = ``k``, group e quantized with expert e's seed and Philox offset, exactly as its layer's
-    ``quantize`` would (the offset: STREAMS_PER_CALL * call + the slot, the value of the layer's
-    device counter). None where the grouped kernels do not serve (not CUDA, the reference
-    backend, a spec other than a plain 1xN block format, an amax group, turned off, or a
-    kernel refusal, logged once): the caller then quantizes per expert."""
-    from fp4gen.formats import BlockFormat
+def grouped_operands(
+    rows: torch.Tensor, groups: Groups, op: Operand, *, forward: bool
+) -> list[Any] | None:
+    """Operand ``op`` of every expert from one grouped quantize
+    (``fp4gen.runtime.grouped_quantize``) of ``rows`` [sum of the groups' rows, K] (each expert's
+    rows contiguous, in ``groups``' order, padded as its layer pads them): group e quantized
+    with expert e's seed and Philox offset, exactly as its layer's ``quantize`` would (the
+    offset: STREAMS_PER_CALL * call + the operand's slot, the value the layer's device counter
+    holds for that call; ``forward``: the forward or the backward call count). None where the
+    grouped kernels do not serve (not CUDA, the reference backend, a spec other than a plain
+    1xN block format, an amax group, turned off, or a kernel refusal, logged once): the caller
+    then quantizes per expert."""
     from fp4gen.runtime.grouped_quantize import quantize_groups
     from fp4gen.runtime.operand_slots import SLOT, STREAMS_PER_CALL
 
-    layer0 = groups.layers[0]
-    spec = layer0.operands.fprop_activation
-    op = Operand.FPROP_ACTIVATION
-    if (
-        not _grouped_quantize[0]
-        or not x.is_cuda
-        or layer0.backend not in ("auto", "cute")
-        or not isinstance(spec.format, BlockFormat)
-        or spec.format.block[0] != 1
-        or spec.source is not None
-        or any(layer._reduced(op, spec) for layer in groups.layers)
-    ):
+    if not (_serves(rows) and _eligible(groups, op)):
         return None
-    seeds = [layer._seed_of(op) for layer in groups.layers]
-    offsets = [STREAMS_PER_CALL * layer._forward_calls + SLOT[op] for layer in groups.layers]
+    spec = groups.layers[0].operands[op]
+    calls = [layer._forward_calls if forward else layer._backward_calls for layer in groups.layers]
+    experts = len(groups.layers)
+    # a weight: every expert's slice, equal groups; an activation or gradient: its tokens
+    counts = [rows.shape[0] // experts] * experts if op.role == "weight" else groups.counts
     try:
         return quantize_groups(
-            pad_to(x, x.shape[0], k),
-            groups.counts,
+            rows,
+            counts,
             spec.format,
             rounding=spec.rounding,
             rht=spec.rht,
-            seeds=seeds,
-            offsets=offsets,
+            seeds=[layer._seed_of(op) for layer in groups.layers],
+            offsets=[STREAMS_PER_CALL * call + SLOT[op] for call in calls],
             backend="cute",
         )
     except FP4GenError as err:
-        _log_once(f"the experts' tokens are quantized per expert: {err}")
+        _log_once(f"the experts' {op.selector} operands are quantized per expert: {err}")
         return None
+
+
+def _eligible(groups: Groups, op: Operand) -> bool:
+    """Whether operand ``op`` of these experts is one the grouped quantize serves, before any
+    tensor is made for it: a plain 1xN block format (not from another copy), no amax group,
+    a backend that runs kernels."""
+    from fp4gen.formats import BlockFormat
+
+    layer0 = groups.layers[0]
+    spec = layer0.operands[op]
+    return (
+        layer0.backend in ("auto", "cute")
+        and isinstance(spec.format, BlockFormat)
+        and spec.format.block[0] == 1
+        and spec.source is None
+        and not any(layer._reduced(op, spec) for layer in groups.layers)
+    )
+
+
+def grouped_fprop_inputs(x: torch.Tensor, groups: Groups, k: int) -> list[Any] | None:
+    """Every expert's fprop activation operand (``grouped_operands``): the rows of ``x``
+    (sorted by expert) zero-padded to K = ``k``, as ``Linear._fprop`` pads them."""
+    if not (_serves(x) and _eligible(groups, Operand.FPROP_ACTIVATION)):
+        return None
+    return grouped_operands(
+        pad_to(x, x.shape[0], k), groups, Operand.FPROP_ACTIVATION, forward=True
+    )
+
+
+def grouped_fprop_weights(weight: torch.Tensor, groups: Groups, k: int) -> list[Any] | None:
+    """Every expert's fprop weight operand (``grouped_operands``) from the batched weights of
+    the experts with tokens, [experts x out, in] (a view where every expert has tokens and the
+    weights are [E, out, in]; else one gathered or transposed copy), zero-padded to K = ``k``."""
+    if not (_serves(weight) and _eligible(groups, Operand.FPROP_WEIGHT)):
+        return None
+    w = _batched(weight, groups, transposed=groups.transposed)
+    return grouped_operands(pad_to(w, w.shape[0], k), groups, Operand.FPROP_WEIGHT, forward=True)
+
+
+def grouped_dgrad_weights(weight: torch.Tensor, groups: Groups, k: int) -> list[Any] | None:
+    """Every expert's dgrad weight operand W_e^T [in, out] (``grouped_operands``) where it is a
+    rowwise quantization of W^T of its own (not the transpose of 2D fprop codes, not from
+    another copy: ``Linear.columnwise_weight``'s last case), zero-padded to K = ``k``."""
+    from fp4gen.runtime.layer_quantize import _transposable
+
+    table = groups.layers[0].operands
+    if _transposable(table.fprop_weight, table.dgrad_weight):
+        return None
+    if not (_serves(weight) and _eligible(groups, Operand.DGRAD_WEIGHT)):
+        return None
+    wt = _batched(weight, groups, transposed=not groups.transposed)
+    return grouped_operands(pad_to(wt, wt.shape[0], k), groups, Operand.DGRAD_WEIGHT, forward=False)
+
+
+def _serves(t: torch.Tensor) -> bool:
+    """The cheap first look of ``grouped_operands`` (before any copy for it is made)."""
+    return _grouped_quantize[0] and t.is_cuda
+
+
+def _batched(weight: torch.Tensor, groups: Groups, *, transposed: bool) -> torch.Tensor:
+    """The experts' weight slices as rows [experts x rows, cols], each expert's [rows, cols] the
+    slice (``transposed``: its transpose), in ``groups``' order, contiguous."""
+    w = weight.detach()
+    if len(groups.experts) != w.shape[0] or groups.experts != list(range(w.shape[0])):
+        w = w[torch.tensor(groups.experts, device=w.device)]
+    if transposed:
+        w = w.transpose(1, 2)
+    return w.contiguous().reshape(-1, w.shape[2])
 
 
 def _ends(counts: Sequence[int]) -> list[int]:
@@ -380,7 +448,14 @@ def _grads(
     gt_values, xt_values, w_alphas, padded = [], [], [], []
     start = padded_start = 0
     n_out = dy.shape[1]
-    for expert, count, layer in zip(groups.experts, groups.counts, groups.layers, strict=True):
+    table0 = groups.layers[0].operands
+    dgrad_out = round_up(
+        n_out, k_multiple(table0.dgrad_gradient, table0.dgrad_weight, blocks=False)
+    )
+    w_cols = grouped_dgrad_weights(weight, groups, dgrad_out)
+    for i, (expert, count, layer) in enumerate(
+        zip(groups.experts, groups.counts, groups.layers, strict=True)
+    ):
         table = layer.operands
         call = layer._backward_calls
         w = _weight(weight, expert, groups.transposed)
@@ -390,7 +465,8 @@ def _grads(
         dgrad_k = k_multiple(table.dgrad_gradient, table.dgrad_weight, blocks=False)
         tokens, out = round_up(count, wgrad_k), round_up(n_out, dgrad_k)
         dy_p = pad_to(dy_e, tokens, out)
-        w_col = layer.columnwise_weight(w, table, call, out)
+        # the batched dgrad weights where the grouped quantize served them
+        w_col = w_cols[i] if w_cols is not None else layer.columnwise_weight(w, table, call, out)
         dyq, dyq_t = layer._quantize_pair(
             dy_p,
             layer.slot(Operand.DGRAD_GRADIENT, table.dgrad_gradient, call, dy_p),
