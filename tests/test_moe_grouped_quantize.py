@@ -293,3 +293,39 @@ def test_grouped_operands_are_the_loops_bits(monkeypatch, dequant_loop, arch, re
     # and W^T (dgrad); nvfp4's 16x16 weights are the tile kernels'
     per_step = {"nvfp4_no_bf16": 2, "1d_weights": 6, "all_sr": 6}[recipe]
     assert len(ops) == 2 * per_step and set(ops) == {3}  # 3 experts with tokens
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("arch", ["qwen3_moe", "gpt_oss"])
+@pytest.mark.parametrize("recipe", ["1d_weights", "all_sr"])
+def test_cuda_grouped_quantize_in_the_experts_is_the_loops(monkeypatch, arch, recipe) -> None:
+    """On CUDA with the grouped kernels: tokens, weights and transposed weights of every
+    expert quantized in one launch per operand (six per step: none fell back), and every
+    expert GEMM's operands the per-expert loop's bit for bit (tests/moe_harness.py), with the
+    products handed on the results too, very unequal groups with an empty expert."""
+    from moe_harness import harnessed_run, operand_differences, result_differences
+    from test_moe_grouped import pair, unequal_routing
+
+    import fp4gen.runtime.grouped_quantize as gq
+    from fp4gen.dsl import parse_recipe
+
+    calls: list[str] = []
+    real = gq.quantize_groups
+
+    def counted(*args, **kw):
+        calls.append(kw["backend"])
+        return real(*args, **kw)
+
+    monkeypatch.setattr(gq, "quantize_groups", counted)
+    loop, group = pair(arch, torch.bfloat16, parse_recipe(RECIPES[recipe], base_dir=None), "cuda")
+    index, weights = unequal_routing()
+    hidden = torch.randn(70, 64).to(torch.bfloat16).cuda()
+    args = (hidden, index.cuda(), weights.to(torch.bfloat16).cuda())
+    want = harnessed_run(loop, *args, check=True)
+    got = harnessed_run(group, *args, check=True)
+    assert calls == ["cute"] * 6
+    problems = want.harness.problems + got.harness.problems
+    problems += operand_differences(got.harness, want.harness)
+    problems += result_differences(got, want)
+    assert not problems, "\n".join(problems)
