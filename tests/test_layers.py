@@ -10,6 +10,7 @@ reason (none is, now); any other upward import fails.
 from __future__ import annotations
 
 import ast
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -46,6 +47,12 @@ LAYER_OF: dict[str, str] = {
     "fp4gen.numerics": "numerics",
     "fp4gen.codegen": "kernels",
     "fp4gen.kernels": "kernels",  # the CuTe DSL kernel classes generated modules bind
+    # the host code generated modules bind: compiling against fake tensors, the input checks,
+    # the outputs and launches (one module per family; what they share is kernels.host)
+    "fp4gen.kernels.host": "kernels",
+    "fp4gen.kernels.quantize_host": "kernels",
+    "fp4gen.kernels.mor_host": "kernels",
+    "fp4gen.kernels.gemm_sm90_host": "kernels",
     "fp4gen.compiler": "compiler",
     "fp4gen.compiler.commands": "app",  # the ``fp4gen compile`` / ``cache`` commands
     "fp4gen.runtime": "backends",
@@ -301,6 +308,23 @@ def test_kernel_classes_import_only_the_words_and_each_other() -> None:
         assert used, f"{name} is imported by nothing"
 
 
+# The host side of the generated modules (kernels.*_host, over kernels.host): bound by the
+# templates, so each is in use while a template names it.
+HOST_MODULES = ("host", "quantize_host", "mor_host", "gemm_sm90_host")
+
+
+def test_host_modules_are_bound_by_the_templates() -> None:
+    templates = "\n".join(p.read_text() for p in (PACKAGE / "templates").glob("*.j2"))
+    edges = import_edges()
+    for name in HOST_MODULES:
+        module = f"fp4gen.kernels.{name}"
+        assert module in module_files(), f"{module} is missing"
+        assert layer_of(module) == "kernels"
+        imported = any(dst == module for _, dst in edges)
+        named = re.search(rf"[ .]{name}\b", templates) is not None
+        assert imported or named, f"{module} is bound by no template"
+
+
 @pytest.mark.parametrize(
     ("module", "banned"),
     [
@@ -316,6 +340,14 @@ def test_kernel_classes_import_only_the_words_and_each_other() -> None:
         ),
         ("fp4gen.kernels.tile", ("jinja2", "fp4gen.codegen", "fp4gen.compiler", "fp4gen.runtime")),
         ("fp4gen.kernels.mor", ("jinja2", "fp4gen.codegen", "fp4gen.compiler", "fp4gen.runtime")),
+        # the host code of the generated modules: no templating, compiler or runtime either
+        *(
+            (
+                f"fp4gen.kernels.{name}",
+                ("jinja2", "fp4gen.codegen", "fp4gen.compiler", "fp4gen.runtime"),
+            )
+            for name in HOST_MODULES
+        ),
     ],
 )
 def test_lower_layers_load_nothing_above(module: str, banned: tuple[str, ...]) -> None:
