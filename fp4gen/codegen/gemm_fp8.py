@@ -35,6 +35,16 @@ AUTO_MIN_M: dict[str, int] = {}
 # (GemmSm90Fp8Params.cluster_m: 2 multicasts each B tile to two CTAs), 1 until measured faster.
 OVERLAP = False
 CLUSTER_M = 1
+# The coalesced variant (docs/gemm-sm90.md, "Where the FP8 kernel's time goes"): A's (and a
+# 1xN B's) block scales read MN-major with 16-byte copies (GemmSm90Fp8Params.mn_major_scales;
+# the host transposes the quantize kernels' row-major scales per call until they write that
+# layout) and the epilogue's stores of whole sectors (.wide_stores). Off until measured
+# faster: benchmarks/gemm.py times it beside the row-major variant.
+MN_MAJOR_SCALES = False
+WIDE_STORES = False
+# MN-major scale tensors [KB, Rp]: Rp = the rows rounded up to this (16-byte chunks of fp32
+# factors need 4, of ue8m0 codes 16; scaled_mm's M-major A scales need 16 too)
+MN_MAJOR_ALIGN = 16
 
 
 def block_k_reason(block_k: int) -> str | None:
@@ -109,6 +119,8 @@ def kernel_fields(
     *,
     overlap: bool = OVERLAP,
     cluster_m: int = CLUSTER_M,
+    mn_major_scales: bool = MN_MAJOR_SCALES,
+    wide_stores: bool = WIDE_STORES,
 ) -> dict[str, Any]:
     """The ``GemmSm90Fp8Params`` fields of a served pair (``pair_reason``) with the kernel
     writing ``out`` ("bf16" or "fp32": ``kernel_out``); ``overlap`` only where two K-blocks'
@@ -126,6 +138,8 @@ def kernel_fields(
         "accumulate": accumulate,
         "overlap": overlap and block_k <= 3 * MAX_TILE_K,  # two blocks' stages fit
         "cluster_m": cluster_m,
+        "mn_major_scales": mn_major_scales,
+        "wide_stores": wide_stores,
     }
 
 
@@ -193,11 +207,14 @@ __all__ = [
     "ELEMENT_NAMES",
     "ELEMENT_OF",
     "MAX_TILE_K",
+    "MN_MAJOR_ALIGN",
+    "MN_MAJOR_SCALES",
     "OUT_NAMES",
     "OVERLAP",
     "SCALED_MM_BLOCK",
     "SCALE_KINDS",
     "WGMMA_K",
+    "WIDE_STORES",
     "block_k_reason",
     "block_text",
     "kernel_out",

@@ -103,6 +103,16 @@ class GemmSm90Fp8Params:
     # adjacent tiles and each loads half of their common B tile, multicast to both (a quarter
     # less L2 traffic per CTA)
     cluster_m: int = 1
+    # A's block scales (and B's where its blocks are 1 x block_k) come MN-major, [KB, Rp]: one
+    # K-block's scales of all rows contiguous (Rp >= rows, a multiple of 4 fp32 / 16 ue8m0
+    # codes), so the producer copies a tile's rows of one K-block with 16-byte cp.async, every
+    # sector's bytes used (off: the row-major [R, KB] scales, one 4-byte cp.async per row, 4
+    # of every 32 bytes read used)
+    mn_major_scales: bool = False
+    # the epilogue writes whole sectors: bf16 rows of 8 columns (16 bytes) gathered within each
+    # quad of lanes by shuffles, fp32 column pairs as 8-byte stores (off: one 2- or 4-byte
+    # store per element, 8 or 16 of every 32 bytes written used)
+    wide_stores: bool = False
 
     def __post_init__(self) -> None:
         reason = block_k_reason(self.block_k)
@@ -155,6 +165,23 @@ class GemmSm90Fp8Params:
         return max(2, min(8, (SMEM_BYTES - 2048) // self.stage_bytes))
 
     @property
+    def scale_bytes(self) -> int:
+        """Bytes of one block scale in global memory: an fp32 factor or a ue8m0 code."""
+        return 4 if self.scale_kind == "fp32" else 1
+
+    @property
+    def rows_per_chunk(self) -> int:
+        """Rows of an MN-major scale tensor in one 16-byte cp.async (and the multiple of
+        which its row pitch Rp must be)."""
+        return 16 // self.scale_bytes
+
+    @property
+    def b_mn_major(self) -> bool:
+        """B's scales come MN-major too (1 x block_k blocks; block_k x block_k tiles keep
+        their row-major [ceil(N / block_k), KB], a few rows per tile)."""
+        return self.mn_major_scales and not self.b_2d
+
+    @property
     def b_scale_per_tile(self) -> bool:
         """One B scale per tile and K-block (tiles of B no wider than its scale tiles)."""
         return self.b_2d and self.block_k % self.tile_n == 0
@@ -166,6 +193,8 @@ class GemmSm90Fp8Params:
         extra = ("_bias" if self.bias else "") + ("_acc" if self.accumulate else "")
         extra += "_overlap" if self.overlap else ""
         extra += f"_c{self.cluster_m}x1" if self.cluster_m > 1 else ""
+        extra += "_mn" if self.mn_major_scales else ""
+        extra += "_ws" if self.wide_stores else ""
         return (
             f"fp8gemm_{self.a_element}_1x{self.block_k}_{self.b_element}_{b}_{self.scale_kind}"
             f"_{self.out}{extra}_m{self.tile_m}n{self.tile_n}s{self.num_stages}"
@@ -210,6 +239,93 @@ def bits_to_f32(bits: Uint32, *, loc=None, ip=None) -> Float32:
         ir.Type.parse("f32"), [ir_arg(bits, Uint32, loc, ip)], "mov.b32 $0, $1;", "=f,r"
     )
     return Float32(res)
+
+
+@dsl_user_op
+def pack_bf16x2(lo: Float32, hi: Float32, *, loc=None, ip=None) -> Uint32:
+    """Two fp32 rounded to nearest-even bf16 (each as a lone conversion would), ``lo`` in the
+    low half: two neighbouring columns of C as memory holds them."""
+    res = inline_asm(
+        ir.Type.parse("i32"),
+        [ir_arg(hi, Float32, loc, ip), ir_arg(lo, Float32, loc, ip)],
+        "cvt.rn.bf16x2.f32 $0, $1, $2;",
+        "=r,f,f",
+    )
+    return Uint32(res)
+
+
+@dsl_user_op
+def stg_v4_b32(
+    addr: Int64, a: Uint32, b: Uint32, c: Uint32, d: Uint32, *, loc=None, ip=None
+) -> None:
+    """16 bytes to global memory (16-byte aligned)."""
+    inline_asm(
+        None,
+        [ir_arg(addr, Int64, loc, ip)] + [ir_arg(v, Uint32, loc, ip) for v in (a, b, c, d)],
+        "st.global.v4.b32 [$0], {$1, $2, $3, $4};",
+        "l,r,r,r,r,~{memory}",
+        True,
+    )
+
+
+@dsl_user_op
+def stg_u16(addr: Int64, v: Uint32, *, loc=None, ip=None) -> None:
+    """The low 2 bytes of ``v`` to global memory."""
+    inline_asm(
+        None,
+        [ir_arg(addr, Int64, loc, ip), ir_arg(v, Uint32, loc, ip)],
+        "{\n\t.reg .b16 h;\n\tcvt.u16.u32 h, $1;\n\tst.global.b16 [$0], h;\n\t}",
+        "l,r,~{memory}",
+        True,
+    )
+
+
+@dsl_user_op
+def stg_v2_f32(addr: Int64, a: Float32, b: Float32, *, loc=None, ip=None) -> None:
+    """Two fp32 to global memory (8-byte aligned)."""
+    inline_asm(
+        None,
+        [ir_arg(addr, Int64, loc, ip), ir_arg(a, Float32, loc, ip), ir_arg(b, Float32, loc, ip)],
+        "st.global.v2.f32 [$0], {$1, $2};",
+        "l,f,f,~{memory}",
+        True,
+    )
+
+
+@dsl_user_op
+def ldg_v2_f32(addr: Int64, *, loc=None, ip=None) -> tuple[Float32, Float32]:
+    """Two fp32 from global memory (8-byte aligned)."""
+    f32 = ir.Type.parse("f32")
+    res = inline_asm(
+        ir.Type.parse("!llvm.struct<(f32, f32)>"),
+        [ir_arg(addr, Int64, loc, ip)],
+        "ld.global.v2.f32 {$0, $1}, [$2];",
+        "=f,=f,l,~{memory}",
+        True,
+    )
+    return (
+        Float32(llvm.extractvalue(f32, res, [0], loc=loc, ip=ip)),
+        Float32(llvm.extractvalue(f32, res, [1], loc=loc, ip=ip)),
+    )
+
+
+@cute.jit
+def quad_transpose(words: list, q: Int32) -> list:
+    """The 4 x 4 transpose of 32-bit words within each quad of lanes: lane q's word t
+    becomes lane t's word q. Two butterfly rounds (lane distance 2, then 1), in each a lane
+    keeps the half of its words on its own side and trades the other half."""
+    a = list(words)
+    for step in range_constexpr(2):
+        k = 2 >> step
+        upper = (q & k) != 0
+        for t in range_constexpr(4):
+            if const_expr(t & k == 0):
+                send = cutlass.select_(upper, a[t], a[t ^ k])
+                got = cute.arch.shuffle_sync_bfly(send, offset=k)
+                keep_t, keep_tk = a[t], a[t ^ k]
+                a[t] = cutlass.select_(upper, got, keep_t)
+                a[t ^ k] = cutlass.select_(upper, keep_tk, got)
+    return a
 
 
 @cute.jit
@@ -488,27 +604,23 @@ class GemmSm90Fp8Kernel:
                     else:
                         cute.copy(tma_atom_b, tBgB[(None, n_tile, kt)], tBsB[(None, st)],
                                   tma_bar_ptr=full + st)  # fmt: skip
-                    # the block scales of the k-tile's K-block: one 4-byte cp.async per row
+                    # the block scales of the k-tile's K-block
                     kb = kt // kpb
-                    if const_expr(p.scale_kind == "fp32"):
-                        col_bytes = kb * 4
-                        elem = 4
+                    if const_expr(p.mn_major_scales):
+                        sf_dst = sf_base + st * p.sf_stage_bytes
+                        self.copy_scales_mn_major(sf_dst, sfa_g, mSFA.shape[1], m0, kb, lane,
+                                                  p.tile_m)  # fmt: skip
+                        if const_expr(p.b_mn_major):
+                            b_dst = sf_dst + p.tile_m * 4
+                            self.copy_scales_mn_major(b_dst, sfb_g, mSFB.shape[1], n0, kb,
+                                                      lane, p.tile_n)  # fmt: skip
+                        else:
+                            self.copy_scales_by_row(sf_base, st, sfa_g, sfb_g, sfa_cols,
+                                                    sfb_cols, last_a, last_b, m0, n0, kb, lane,
+                                                    False)  # fmt: skip
                     else:
-                        col_bytes = kb & ~3  # the aligned word holding the code
-                        elem = 1
-                    sf_dst = sf_base + st * p.sf_stage_bytes
-                    for j in range_constexpr((p.tile_m + p.tile_n) // 32):
-                        row = lane + 32 * j
-                        if const_expr(32 * (j + 1) <= p.tile_m):  # rows of A
-                            grow = cutlass.min(m0 + row, last_a)
-                            src = sfa_g + Int64(grow) * Int64(sfa_cols * elem) + Int64(col_bytes)
-                        else:  # columns of C: rows of B or of its scale tiles
-                            n = n0 + (row - p.tile_m)
-                            if const_expr(p.b_2d):
-                                n = n // p.block_k
-                            grow = cutlass.min(n, last_b)
-                            src = sfb_g + Int64(grow) * Int64(sfb_cols * elem) + Int64(col_bytes)
-                        cp_async(sf_dst + row * 4, src, 4)
+                        self.copy_scales_by_row(sf_base, st, sfa_g, sfb_g, sfa_cols, sfb_cols,
+                                                last_a, last_b, m0, n0, kb, lane, True)  # fmt: skip
                     cute.arch.cp_async_mbarrier_arrive_noinc(full + st)
             cute.arch.cp_async_wait_group(0)
 
@@ -587,16 +699,76 @@ class GemmSm90Fp8Kernel:
                     self.promote(total, partial, sa, sb)
 
                 # ---- epilogue: registers -> global, predicated
-                for e in range_constexpr(cute.size(total)):
-                    mm, nn = tCcC[e]
-                    gm = m0 + mm
-                    gn = n0 + nn
-                    if (gm < M) & (gn < N):
-                        self.store_output(mC, mBias, gm, gn, total[e] * alpha)
+                if const_expr(p.wide_stores):
+                    self.store_tile_wide(mC, mBias, total, alpha, (m0 + row0, m0 + row1),
+                                         n0, cols, lane)  # fmt: skip
+                else:
+                    for e in range_constexpr(cute.size(total)):
+                        mm, nn = tCcC[e]
+                        gm = m0 + mm
+                        gn = n0 + nn
+                        if (gm < M) & (gn < N):
+                            self.store_output(mC, mBias, gm, gn, total[e] * alpha)
 
         if const_expr(p.cluster_m > 1):  # no CTA leaves while its peer may still arrive on it
             cute.arch.cluster_arrive()
             cute.arch.cluster_wait()
+
+    @cute.jit
+    def copy_scales_by_row(
+        self, sf_base, st, sfa_g, sfb_g, sfa_cols, sfb_cols, last_a, last_b, m0, n0, kb, lane,
+        with_a: cutlass.Constexpr,
+    ):  # fmt: skip
+        """The K-block's scales from the row-major [R, KB] tensors into stage ``st``: one
+        4-byte cp.async per row of A (``with_a``: else B's alone) and per column of C (B's
+        row, or n // block_k for tiles; with one B scale per tile and MN-major A scales, that
+        one word). Rows past M / N are clamped to the last (they only feed outputs that are
+        never stored)."""
+        p = self.p
+        if const_expr(p.scale_kind == "fp32"):  # noqa: SIM108 (the DSL traces statements)
+            col_bytes = kb * 4
+        else:
+            col_bytes = kb & ~3  # the aligned word holding the code
+        elem = p.scale_bytes
+        sf_dst = sf_base + st * p.sf_stage_bytes
+        if const_expr(p.mn_major_scales and p.b_scale_per_tile):  # one word: one lane
+            if lane == 0:
+                row_b = cutlass.min(n0 // p.block_k, last_b)
+                src = sfb_g + Int64(row_b) * Int64(sfb_cols * elem) + Int64(col_bytes)
+                cp_async(sf_dst + p.tile_m * 4, src, 4)
+        else:
+            for j in range_constexpr((p.tile_m + p.tile_n) // 32):
+                row = lane + 32 * j
+                if const_expr(32 * (j + 1) <= p.tile_m):  # rows of A
+                    if const_expr(with_a):
+                        grow = cutlass.min(m0 + row, last_a)
+                        src = sfa_g + Int64(grow) * Int64(sfa_cols * elem) + Int64(col_bytes)
+                        cp_async(sf_dst + row * 4, src, 4)
+                else:  # columns of C: rows of B or of its scale tiles
+                    n = n0 + (row - p.tile_m)
+                    if const_expr(p.b_2d):
+                        n = n // p.block_k
+                    grow = cutlass.min(n, last_b)
+                    src = sfb_g + Int64(grow) * Int64(sfb_cols * elem) + Int64(col_bytes)
+                    cp_async(sf_dst + row * 4, src, 4)
+
+    @cute.jit
+    def copy_scales_mn_major(self, dst, sf_g, pitch, r0, kb, lane, rows: cutlass.Constexpr):
+        """K-block ``kb``'s scales of rows r0 .. r0 + rows - 1 from an MN-major [KB, pitch]
+        tensor into ``dst`` (packed: row r at r * scale_bytes): 16-byte cp.async, each lane one
+        chunk of 16 / scale_bytes rows (pitch is a multiple of that). A chunk past the tensor's
+        end is read from its last chunk instead (rows past M / N only feed outputs that are
+        never stored)."""
+        p = self.p
+        per_chunk = p.rows_per_chunk
+        chunks = rows // per_chunk
+        row_base = Int64(kb) * Int64(pitch)
+        for j in range_constexpr((chunks + 31) // 32):
+            c = lane + 32 * j
+            if c < chunks:
+                start = cutlass.min(r0 + c * per_chunk, pitch - per_chunk)
+                src = sf_g + (row_base + Int64(start)) * Int64(p.scale_bytes)
+                cp_async(dst + c * 16, src, 16)
 
     @cute.jit
     def issue_block(self, mmas, acc, tCrA, tCrB, ks, blk):
@@ -650,6 +822,24 @@ class GemmSm90Fp8Kernel:
                 sb = lds_f32(b0)
             else:
                 sb = [lds_v2_f32(b0 + c * 4) for c in cols]
+        elif const_expr(p.mn_major_scales):  # codes packed one per row: row r's is byte r
+            sa = tuple(ue8m0_value(lds_u32(base + (r & ~3)), r & 3) for r in (row0, row1))
+            byte = kb & 3  # B's tiles: the word holding the code, as by rows
+            if const_expr(p.b_mn_major):  # columns c, c + 1 (c even): bytes of one word
+                sb = []
+                for c in cols:
+                    word = lds_u32(b0 + (c & ~3))
+                    sb.append((ue8m0_value(word, c & 3), ue8m0_value(word, (c & 3) + 1)))
+            elif const_expr(p.b_scale_per_tile):
+                sb = ue8m0_value(lds_u32(b0), byte)
+            else:
+                sb = [
+                    (
+                        ue8m0_value(lds_u32(b0 + c * 4), byte),
+                        ue8m0_value(lds_u32(b0 + c * 4 + 4), byte),
+                    )
+                    for c in cols
+                ]
         else:
             byte = kb & 3
             sa = (
@@ -679,6 +869,78 @@ class GemmSm90Fp8Kernel:
                     s_b = sb if const_expr(p.b_scale_per_tile) else sb[j][v0]
                     s = sa[v1] * s_b
                     total[e] = total[e] + partial[e] * s
+
+    @cute.jit
+    def store_tile_wide(self, mC, mBias, total, alpha, rows: tuple, n0, cols: list, lane):
+        """The epilogue with whole-sector stores (``wide_stores``): y = total * alpha
+        (+ bias[n]) (+ C[m, n]) in fp32 as ``store_output`` computes it, then fp32 column pairs
+        as 8-byte stores (a quad's 4 lanes: 32 contiguous bytes of a row), or bf16 pairs packed
+        and transposed within the quad so that each lane holds 8 contiguous columns: 16-byte
+        stores (a quad: 64 bytes of a row). Where a row's columns reach past N or N breaks the
+        alignment, the same values element by element."""
+        p = self.p
+        M = mC.shape[0]
+        N = mC.shape[1]
+        c_addr = mC.iterator.toint()
+        if const_expr(p.out == "fp32"):
+            for v1 in range_constexpr(2):
+                gm = rows[v1]
+                row_addr = c_addr + Int64(gm) * Int64(N) * Int64(4)
+                for j in range_constexpr(p.tile_n // 8):
+                    gn = n0 + cols[j]
+                    e0 = 2 * v1 + 4 * j
+                    if gm < M:
+                        if ((N & 1) == 0) & (gn + 1 < N):  # 8-byte aligned, both in C
+                            y0 = total[e0] * alpha
+                            y1 = total[e0 + 1] * alpha
+                            if const_expr(p.bias):
+                                y0 = y0 + mBias[gn]
+                                y1 = y1 + mBias[gn + 1]
+                            addr = row_addr + Int64(gn) * Int64(4)
+                            if const_expr(p.accumulate):
+                                c0, c1 = ldg_v2_f32(addr)
+                                y0 = y0 + c0
+                                y1 = y1 + c1
+                            stg_v2_f32(addr, y0, y1)
+                        else:
+                            for v0 in range_constexpr(2):
+                                if gn + v0 < N:
+                                    self.store_output(mC, mBias, gm, gn + v0,
+                                                      total[e0 + v0] * alpha)  # fmt: skip
+        else:
+            q = lane & 3
+            last_n = N - 1
+            for v1 in range_constexpr(2):
+                gm = rows[v1]
+                gm_in = cutlass.min(gm, M - 1)  # reads of C stay inside it
+                words = []
+                for j in range_constexpr(p.tile_n // 8):
+                    gn = n0 + cols[j]
+                    ys = []
+                    for v0 in range_constexpr(2):
+                        y = total[v0 + 2 * v1 + 4 * j] * alpha
+                        gn_in = cutlass.min(gn + v0, last_n)  # past N: never stored
+                        if const_expr(p.bias):
+                            y = y + mBias[gn_in]
+                        if const_expr(p.accumulate):
+                            y = y + Float32(mC[gm_in, gn_in])
+                        ys.append(y)
+                    words.append(pack_bf16x2(ys[0], ys[1]))
+                row_addr = c_addr + Int64(gm) * Int64(N) * Int64(2)
+                for g in range_constexpr(p.tile_n // 32):
+                    # lane q: columns 8 (4 g + q) .. + 7 of the row, from the quad's words
+                    w = quad_transpose(words[4 * g : 4 * g + 4], q)
+                    gc = n0 + 32 * g + 8 * q
+                    addr = row_addr + Int64(gc) * Int64(2)
+                    if gm < M:
+                        if ((N & 7) == 0) & (gc + 8 <= N):  # 16-byte aligned, all in C
+                            stg_v4_b32(addr, w[0], w[1], w[2], w[3])
+                        else:
+                            for t in range_constexpr(4):
+                                for h in range_constexpr(2):
+                                    if gc + (2 * t + h) < N:
+                                        stg_u16(addr + Int64(2 * (2 * t + h)),
+                                                w[t] >> Uint32(16 * h))  # fmt: skip
 
     @cute.jit
     def store_output(self, mC: cute.Tensor, mBias: cute.Tensor | None, gm, gn, y: Float32):
@@ -735,11 +997,19 @@ def compile_fp8_gemm(
     kb_a = cute.sym_int(divisibility=sf_div)
     kb_b = cute.sym_int(divisibility=sf_div)
     cls = GemmSm90Fp8BiasKernel if params.bias else GemmSm90Fp8Kernel
+    sf_a = fake(sf_t, (m, kb_a), stride_order=(1, 0), assumed_align=4)
+    sf_b = fake(sf_t, (cute.sym_int(), kb_b), stride_order=(1, 0), assumed_align=4)
+    if params.mn_major_scales:  # [KB, Rp]: Rp a multiple of a 16-byte chunk's rows
+        pitch = cute.sym_int(divisibility=params.rows_per_chunk)
+        sf_a = fake(sf_t, (cute.sym_int(), pitch), stride_order=(1, 0), assumed_align=16)
+        if params.b_mn_major:
+            pitch_b = cute.sym_int(divisibility=params.rows_per_chunk)
+            sf_b = fake(sf_t, (cute.sym_int(), pitch_b), stride_order=(1, 0), assumed_align=16)
     args = [
         fake(Uint8, (m, k), stride_order=(1, 0), assumed_align=16),  # A's FP8 codes
-        fake(sf_t, (m, kb_a), stride_order=(1, 0), assumed_align=4),
+        sf_a,
         fake(Uint8, (n, k), stride_order=(1, 0), assumed_align=16),  # B's FP8 codes
-        fake(sf_t, (cute.sym_int(), kb_b), stride_order=(1, 0), assumed_align=4),
+        sf_b,
         fake(Float32, (1,), assumed_align=4),
         fake(Float32, (1,), assumed_align=4),
         fake(OUTPUTS[params.out], (m, n), stride_order=(1, 0), assumed_align=16),

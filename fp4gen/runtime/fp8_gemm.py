@@ -47,7 +47,10 @@ from fp4gen.codegen.gemm_fp8 import (
     CLUSTER_M,
     E4M3,
     E5M2,
+    MN_MAJOR_ALIGN,
+    MN_MAJOR_SCALES,
     OVERLAP,
+    WIDE_STORES,
     kernel_fields,
     kernel_out,
     pair_name,
@@ -360,6 +363,10 @@ CUTE_AUTO_MIN_M: dict[str, int] = AUTO_MIN_M
 # there); set here, a process takes another variant, compiled on first use.
 CUTE_OVERLAP = OVERLAP
 CUTE_CLUSTER_M = CLUSTER_M
+# The coalesced variant (GemmSm90Fp8Params.mn_major_scales, .wide_stores): the values of
+# ``fp4gen.codegen.gemm_fp8.MN_MAJOR_SCALES`` / ``WIDE_STORES``, set here the same way.
+CUTE_MN_MAJOR_SCALES = MN_MAJOR_SCALES
+CUTE_WIDE_STORES = WIDE_STORES
 
 
 def cute_support(a: BlockFormat | object, b: BlockFormat | object) -> str | None:
@@ -444,7 +451,17 @@ def cute_plan(
     a: BlockFormat, b: BlockFormat, out_dtype: torch.dtype, bias: bool, accumulate: bool
 ) -> CutePlan:
     """The plan of a supported pair (``cute_support``), looked up by the formats' identity."""
-    key = (id(a), id(b), out_dtype, bias, accumulate, CUTE_OVERLAP, CUTE_CLUSTER_M)
+    key = (
+        id(a),
+        id(b),
+        out_dtype,
+        bias,
+        accumulate,
+        CUTE_OVERLAP,
+        CUTE_CLUSTER_M,
+        CUTE_MN_MAJOR_SCALES,
+        CUTE_WIDE_STORES,
+    )
     hit = _cute_plans.get(key)
     if hit is not None and hit[0] is a and hit[1] is b:
         return hit[2]
@@ -452,7 +469,15 @@ def cute_plan(
 
     out = kernel_out("bf16" if out_dtype == torch.bfloat16 else "fp32", accumulate)
     fields = kernel_fields(
-        a, b, out, bias, accumulate, overlap=CUTE_OVERLAP, cluster_m=CUTE_CLUSTER_M
+        a,
+        b,
+        out,
+        bias,
+        accumulate,
+        overlap=CUTE_OVERLAP,
+        cluster_m=CUTE_CLUSTER_M,
+        mn_major_scales=CUTE_MN_MAJOR_SCALES,
+        wide_stores=CUTE_WIDE_STORES,
     )
     params = GemmSm90Fp8Params(**fields)
     kernel_dtype = torch.bfloat16 if params.out == "bf16" else torch.float32
@@ -479,6 +504,51 @@ def cute_scales(q: QuantizedTensor, ue8m0: bool) -> torch.Tensor:
     if kb % 4:
         return F.pad(codes, (0, 4 - kb % 4))
     return codes if codes.is_contiguous() else codes.contiguous()
+
+
+def cute_scales_mn_major(q: QuantizedTensor, ue8m0: bool) -> torch.Tensor:
+    """The 1xN block scales MN-major, as the kernel's ``mn_major_scales`` variant reads them:
+    [KB, Rp] (fp32 factors, or the ue8m0 codes as uint8), one K-block's scales of all R rows
+    contiguous, Rp = R rounded up to ``MN_MAJOR_ALIGN`` (the padded rows zero). Scales that
+    already are a [R, KB] view of such a buffer (strides (1, Rp), what the quantize kernels
+    would write for this layout) are passed as that buffer, without a copy; others are
+    transposed here, one elementwise pass (as scaled_mm's A scales are)."""
+    s = q.scale_codes if ue8m0 else q.scales
+    if s is None:
+        raise TensorError("a ue8m0-scaled QuantizedTensor without scale codes")
+    if not ue8m0 and s.dtype != torch.float32:
+        s = s.to(torch.float32)
+    rows, kb = s.shape
+    buffer = _mn_major_buffer(s)
+    if buffer is not None:
+        return buffer
+    pitch = round_up(rows, MN_MAJOR_ALIGN)
+    if pitch != rows:
+        out = torch.zeros((kb, pitch), dtype=s.dtype, device=s.device)
+    else:
+        out = torch.empty((kb, pitch), dtype=s.dtype, device=s.device)
+    out[:, :rows].copy_(s.t())
+    return out
+
+
+def _mn_major_buffer(s: torch.Tensor) -> torch.Tensor | None:
+    """The [KB, Rp] buffer that ``s`` [R, KB] is a transposed view of (strides (1, Rp), Rp a
+    multiple of ``MN_MAJOR_ALIGN``, 16-byte aligned, the whole buffer inside the storage), or
+    None."""
+    rows, kb = s.shape
+    pitch = s.stride(1)
+    if kb > 1 and (s.stride(0) != 1 or pitch < rows or pitch % MN_MAJOR_ALIGN):
+        return None
+    if kb == 1:  # one K-block: any [R, 1] column with unit row stride is the buffer's row
+        if s.stride(0) != 1:
+            return None
+        pitch = round_up(rows, MN_MAJOR_ALIGN)
+    if s.data_ptr() % 16:
+        return None
+    end = (s.storage_offset() + kb * pitch) * s.element_size()
+    if end > s.untyped_storage().nbytes():
+        return None
+    return s.as_strided((kb, pitch), (pitch, 1))
 
 
 def sm_count(device: torch.device, cluster: int = 1) -> int:
@@ -555,11 +625,14 @@ def cute_launch(
         raise FP4GenError(f"the generated FP8 GEMM indexes C with 32 bits: M * N = {m * n}")
     plan = cute_plan(a.format, b.format, out_dtype, bias is not None, accumulate is not None)
     kp = round_up(k, plan.block_k)  # whole K-blocks: zero codes add exactly 0
+    mn_major = plan.params.mn_major_scales
     args = [
         code_bytes(a, m, kp),  # read as FP8 by the kernel
-        cute_scales(a, plan.ue8m0),
+        cute_scales_mn_major(a, plan.ue8m0) if mn_major else cute_scales(a, plan.ue8m0),
         code_bytes(b, n, kp),
-        cute_scales(b, plan.ue8m0),
+        cute_scales_mn_major(b, plan.ue8m0)
+        if plan.params.b_mn_major
+        else cute_scales(b, plan.ue8m0),
         _global(a, dev),
         _global(b, dev),
     ]
@@ -604,6 +677,8 @@ __all__ = [
     "cute_auto_reason",
     "cute_block_scaled_product",
     "cute_launch",
+    "cute_scales",
+    "cute_scales_mn_major",
     "cute_support",
     "code_bytes",
     "describe",
