@@ -20,6 +20,7 @@ from fp4gen.errors import TensorError
 from fp4gen.formats import E2M1, E4M3
 from fp4gen.kernels import host, mor
 from fp4gen.kernels.mor_host import grid_of
+from fp4gen.runtime.quantize_dispatch import mor_quantize
 
 RELERR = Metric("relerr", threshold=0.05)
 BLOCK = Partition("block", (128, 128))
@@ -178,6 +179,52 @@ def test_mor_host_checks_the_input(mor_modules) -> None:
         mod.compile_kernel("quantize", "sm_90a")
     # units of a partition as shifts: 300 rows in 128-row blocks, a whole-tensor side
     assert grid_of(300, 64, 7, 31) == (3, 1) and mod.grid_of is grid_of
+
+
+def mor_input(wide: bool) -> torch.Tensor:
+    """bf16 [300, 264]: rows 0-255 of E2M1 grid values (1.5 to 6: inside E2M1's range, encoded
+    exactly), the rest N(0, 1) * 1e-3; ``wide``: columns 0-127 of the rest spread over 12 decades
+    (E4M3 loses them)."""
+    g = torch.Generator().manual_seed(40)
+    x = torch.randn(300, 264, generator=g)
+    grid = torch.tensor([1.5, 2.0, 3.0, 4.0, 6.0])
+    x[:256] = grid[torch.randint(0, 5, (256, 264), generator=g)] * torch.sign(x[:256])
+    if wide:
+        x[256:, :128] *= 10.0 ** (torch.rand(44, 128, generator=g) * 12 - 6)
+        x[256:, 128:] *= 1e-3
+    else:
+        x[256:] *= 1e-3
+    x[280:, ::3] = 0.0
+    return x.to(torch.bfloat16)
+
+
+# rule -> (its input, the candidates the reference picks for it)
+MOR_CASES = {
+    "codes": (CODES_FUSED, False, [0, 1]),
+    "range": (CODES_RANGE, False, [0, 1]),
+    "high": (HIGH_RANGE, True, [0, 2]),
+}
+
+
+@pytest.mark.parametrize("name", sorted(MOR_CASES))
+def test_mor_inputs_take_several_candidates(name: str) -> None:
+    """The GPU test's inputs exercise more than one candidate of each rule (the reference)."""
+    spec, wide, picked = MOR_CASES[name]
+    ref = mor_quantize(mor_input(wide), spec.rule, backend="reference")
+    assert torch.unique(ref.choice).tolist() == picked
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("name", sorted(MOR_CASES))
+def test_mor_entries_match_the_reference_on_the_gpu(name: str) -> None:
+    """The codes-only and range entries run: every output bit for bit the reference's."""
+    from test_mor_kernels_gpu import compare
+
+    spec, wide, _ = MOR_CASES[name]
+    x = mor_input(wide).cuda()
+    got = mor_quantize(x, spec.rule, backend="cute")
+    compare(got, x, spec.rule)
 
 
 # ----------------------------------------------------------------------------------------------
