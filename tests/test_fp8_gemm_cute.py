@@ -175,6 +175,38 @@ def test_scales_are_passed_as_the_quantize_kernels_write_them() -> None:
     assert fp8_gemm.cute_scales(_Q(None, words), ue8m0=True) is words
 
 
+def test_mn_major_scales_are_the_transposed_rows() -> None:
+    """The coalesced variant's scales: [KB, Rp], K-block b's scales of all R rows contiguous,
+    Rp = R rounded up to 16 with zero rows; ue8m0 codes likewise (uint8, no word padding)."""
+    g = torch.Generator().manual_seed(2)
+    s = torch.rand(37, 5, generator=g)
+    got = fp8_gemm.cute_scales_mn_major(_Q(s), ue8m0=False)
+    assert got.shape == (5, 48) and got.dtype == torch.float32 and got.is_contiguous()
+    assert torch.equal(got[:, :37], s.t()) and (got[:, 37:] == 0).all()
+    exact = torch.rand(32, 3, generator=g)  # R a multiple of 16: nothing padded
+    assert torch.equal(fp8_gemm.cute_scales_mn_major(_Q(exact), ue8m0=False), exact.t())
+    codes = torch.randint(0, 255, (20, 7), generator=g, dtype=torch.uint8)
+    got = fp8_gemm.cute_scales_mn_major(_Q(None, codes), ue8m0=True)
+    assert got.shape == (7, 32) and got.dtype == torch.uint8
+    assert torch.equal(got[:, :20], codes.t()) and (got[:, 20:] == 0).all()
+
+
+def test_mn_major_scales_written_so_are_read_as_they_are() -> None:
+    """Scales that are a [R, KB] view of a [KB, Rp] buffer (what the quantize kernels would
+    write for this layout) go to the kernel as that buffer: no copy."""
+    buffer = torch.rand(6, 48)
+    view = buffer[:, :37].t()
+    got = fp8_gemm.cute_scales_mn_major(_Q(view), ue8m0=False)
+    assert got.data_ptr() == buffer.data_ptr() and got.shape == (6, 48)
+    assert torch.equal(got, buffer)
+    # a pitch that is not a multiple of 16, or a row-major tensor: transposed into a new one
+    odd = torch.rand(6, 40)[:, :37].t()
+    assert fp8_gemm.cute_scales_mn_major(_Q(odd), ue8m0=False).data_ptr() != odd.data_ptr()
+    one_block = torch.rand(32, 1)  # one K-block: the column is the buffer's row
+    got = fp8_gemm.cute_scales_mn_major(_Q(one_block), ue8m0=False)
+    assert got.data_ptr() == one_block.data_ptr() and torch.equal(got, one_block.t())
+
+
 def test_params_refuse_what_the_kernel_cannot_do() -> None:
     from fp4gen.kernels.gemm_sm90_fp8 import GemmSm90Fp8Params
 
@@ -235,7 +267,14 @@ def test_kernels_cross_compile_to_fp8_wgmma(tmp_path: Path, monkeypatch) -> None
     # 1x256 blocks (two k-tiles per K-block); 2-CTA clusters multicasting B, with and without
     cases += [(*cases[0][:-2], True, 1), (*cases[-1][:-2], True, 1)]
     cases += [(*cases[0][:-2], False, 2), (*cases[2][:-2], True, 2)]
-    for a_el, b_el, kind, block_k, b_2d, out, bias, accumulate, overlap, cluster_m in cases:
+    cases = [(*case, False) for case in cases]
+    # the coalesced variant (MN-major scales, whole-sector stores): fp32 and ue8m0 scales,
+    # B's scales MN-major (1xN), per tile (128x128) and per 64 columns (64x64), bf16 and fp32
+    # outputs with bias and accumulate, overlap and clusters
+    cases += [(*case[:-1], True) for case in cases[:5]]
+    cases += [(*cases[6][:-1], True), (*cases[9][:-1], True)]
+    for case in cases:
+        a_el, b_el, kind, block_k, b_2d, out, bias, accumulate, overlap, cluster_m, wide = case
         params = GemmSm90Fp8Params(
             a_element=a_el,
             b_element=b_el,
@@ -247,6 +286,8 @@ def test_kernels_cross_compile_to_fp8_wgmma(tmp_path: Path, monkeypatch) -> None
             accumulate=accumulate,
             overlap=overlap,
             cluster_m=cluster_m,
+            mn_major_scales=wide,
+            wide_stores=wide,
         )
         dump = tmp_path / params.name
         compile_fp8_gemm(params, "sm_90a", dump_dir=str(dump))
@@ -267,6 +308,23 @@ def test_kernels_cross_compile_to_fp8_wgmma(tmp_path: Path, monkeypatch) -> None
         multicast = "multicast::cluster" in ptx
         assert multicast == (cluster_m > 1) and ("mapa.shared::cluster" in ptx) == multicast
         assert ptx.count("barrier.cluster.wait") == (2 if cluster_m > 1 else 0)
+        # the scales' copies: one 4-byte cp.async per row (A's 4 instructions of 32 rows, B's
+        # 4 of 32 columns), or MN-major 16-byte chunks (A's, a 1xN B's) beside B's rows of
+        # tiles (one word where one scale covers the tile)
+        copies = re.findall(r"cp\.async\.ca\.shared\.global \[[^]]*\], \[[^]]*\], (\d+);", ptx)
+        if not wide:
+            assert copies == ["4"] * 8, (params.name, copies)
+        elif not b_2d:
+            assert copies == ["16", "16"], (params.name, copies)
+        elif params.b_scale_per_tile:
+            assert copies == ["16", "4"], (params.name, copies)
+        else:
+            assert copies == ["16"] + ["4"] * 4, (params.name, copies)
+        # the epilogue: 16-byte bf16 stores after the quad's shuffles, or 8-byte fp32 pairs
+        # (element stores where a row reaches past N); else one store per element
+        vector = "st.global.v4.b32" if out == "bf16" else "st.global.v2.f32"
+        assert (vector in ptx) == wide, params.name
+        assert ("shfl.sync.bfly" in ptx) == (wide and out == "bf16"), params.name
 
 
 def test_shipped_fp8_recipe_pairs_are_served() -> None:
@@ -343,6 +401,39 @@ def test_launch_arguments(fa, fb) -> None:
     assert ctas == 132
     assert params.bias and not params.accumulate and params.b_2d == fb.is_2d
     assert product.c is c and product.scaled and product.bias and not product.accumulated
+
+
+@pytest.mark.parametrize(
+    "fa, fb", [(ROW, TILE), (ROW, ROW), (MXFP8, MXFP8), (fp8(E5M2, (1, 64)), fp8(E4M3, (64, 64)))]
+)
+def test_launch_arguments_of_the_coalesced_variant(fa, fb, monkeypatch) -> None:
+    """With CUTE_MN_MAJOR_SCALES the launch passes A's scales (and a 1xN B's) MN-major,
+    [KB, round_up(R, 16)]; B's tile scales as the quantize kernels wrote them."""
+    from fp4gen.numerics import quantize
+
+    monkeypatch.setattr(fp8_gemm, "CUTE_MN_MAJOR_SCALES", True)
+    monkeypatch.setattr(fp8_gemm, "CUTE_WIDE_STORES", True)
+    g = torch.Generator().manual_seed(3)
+    m, n, k = 40, 200, 300
+    a = quantize(torch.randn(m, k, generator=g), fa)
+    b = quantize(torch.randn(n, k, generator=g), fb)
+    _on_cuda0(a, b)
+    launched: list = []
+    with _cuda_stood_in(launched):
+        _, args, _ = fp8_gemm.cute_launch(a, b, out_dtype=torch.bfloat16)
+    params = launched[0]
+    assert params.mn_major_scales and params.wide_stores and "_mn_ws_" in params.name
+    ue8m0 = params.scale_kind == "ue8m0"
+    kb = -(-k // fa.block[1])
+    sf_a, sf_b = args[1], args[3]
+    want_a = a.scale_codes if ue8m0 else a.scales
+    assert sf_a.shape == (kb, 48) and torch.equal(sf_a[:, :m], want_a.t())
+    if fb.is_2d:
+        assert not params.b_mn_major and sf_b is b.scales
+    else:
+        want_b = b.scale_codes if ue8m0 else b.scales
+        assert params.b_mn_major and sf_b.shape == (kb, 208)
+        assert torch.equal(sf_b[:, :n], want_b.t())
 
 
 def test_accumulate_is_a_copy_the_kernel_overwrites() -> None:
