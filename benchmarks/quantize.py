@@ -5,8 +5,9 @@
 
 ``--options``: the rowwise kernels with the block-scale options of docs/numerics.md 11 (Four
 Over Six: targets 6 4 by MSE, global bound 256; stochastic block scales) beside the plain NVFP4
-kernel of the same rounding and RHT, and each one's quantize-kernel time and run() time as a
-ratio to the plain one's ("4over6 <= 1.5x plain" is the goal), measured in the same run.
+kernel of the same rounding and RHT, and RHT signs drawn per step (numerics.md 12) beside fixed
+ones, each one's quantize-kernel time and run() time as a ratio to the other's ("4over6 <= 1.5x
+plain", "per-step signs at the cost of fixed ones" are the goals), measured in the same run.
 
 For each kernel (rowwise: NVFP4 RNE, NVFP4 SR + RHT16, MXFP4, MXFP8; tile kernels: the NVFP4
 gradient's rowwise SR + columnwise SR/RHT16 copies in one launch, the activation's rowwise RNE +
@@ -76,6 +77,22 @@ CONFIGS = {
     "fp8 weight 128x128 row + col": (FP8_TILE, ((ROW, "nearest", None), (COL, "nearest", None))),
     "mxfp8 1x32 row + col": (MXFP8, ((ROW, "nearest", None), (COL, "nearest", None))),
 }
+STEP16 = RHTSpec(16, "step", None, 1)  # signs drawn per layer and step
+LAYER, STEP = 3, 5  # the benchmark's layer and step
+
+
+def resolved(rht: RHTSpec | None) -> RHTSpec | None:
+    """The transform as a call at LAYER, STEP takes it (signs drawn per layer or step)."""
+    return rht.at(LAYER, STEP) if rht is not None else None
+
+
+def signs_of(label: str) -> RHTSpec | None:
+    """The ``signs`` argument of a rowwise module whose RHT signs are its arguments."""
+    outs = CONFIGS[label][1]
+    rht = outs[0][2]
+    return resolved(rht) if len(outs) == 1 and rht is not None and rht.redrawn else None
+
+
 # the block-scale options (docs/numerics.md 11) beside the plain kernel of the same copy
 FOUR_OVER_SIX = BlockFormat(
     "nvfp4_4over6", *NVFP4, targets=(6.0, 4.0), target_error="mse", global_bound=256.0
@@ -86,6 +103,9 @@ OPTION_CONFIGS = {
     "4over6 rowwise sr8+rht16": (FOUR_OVER_SIX, ((ROW, SR8, TE16),)),
     "4over6 rowwise sr+rht16": (FOUR_OVER_SIX, ((ROW, SR, TE16),)),
     "nvfp4 sr-scales rowwise rne": (SR_SCALES, ((ROW, "nearest", None),)),
+    # RHT signs drawn per step (docs/numerics.md 12): the kernels' arguments, at layer 3, step 5
+    "nvfp4 rowwise sr8+rht16 step-signs": (NVFP4, ((ROW, SR8, STEP16),)),
+    "4over6 rowwise sr8+rht16 step-signs": (FOUR_OVER_SIX, ((ROW, SR8, STEP16),)),
 }
 # option config -> the plain config it is compared with
 PLAIN_OF = {
@@ -93,6 +113,8 @@ PLAIN_OF = {
     "4over6 rowwise sr8+rht16": "nvfp4 rowwise sr8+rht16",
     "4over6 rowwise sr+rht16": "nvfp4 rowwise sr+rht16",
     "nvfp4 sr-scales rowwise rne": "nvfp4 rowwise rne",
+    "nvfp4 rowwise sr8+rht16 step-signs": "nvfp4 rowwise sr8+rht16",
+    "4over6 rowwise sr8+rht16 step-signs": "4over6 rowwise sr8+rht16",
 }
 CONFIGS.update(OPTION_CONFIGS)
 OFFSETS = (2, 3)  # one Philox offset per copy
@@ -157,7 +179,7 @@ def reference_fn(label: str):
                         x if d == ROW else x.t().contiguous(),
                         fmt,
                         rounding=r,
-                        hadamard=h,
+                        hadamard=resolved(h),
                         seed=1,
                         offset=OFFSETS[i] if len(outs) > 1 else OFFSETS[0],
                     ),
@@ -252,12 +274,13 @@ def main() -> int:
         print(f"{label}: {spec.name}: render+import {t1 - t0:.2f} s, compile " + ", ".join(times))
         ref_fn = reference_fn(label)
         offset = offsets_for(spec)
+        drawn = {"signs": signs_of(label)} if signs_of(label) is not None else {}
         for m, k in shapes:
             x = make_x(m, k)
             in_bytes = x.numel() * x.element_size()
             dst = torch.empty_like(x)
             t_copy = bench(partial(dst.copy_, x), args.iters)
-            res, plan = mod.launches(x, seed=1, offset=offset)
+            res, plan = mod.launches(x, seed=1, offset=offset, **drawn)
             for name, kargs in plan:
                 fns[name](*kargs)
             want = ref_fn(x)
@@ -269,7 +292,7 @@ def main() -> int:
                 if key in res
             )
             kernel_t = {name: bench(partial(fns[name], *kargs), args.iters) for name, kargs in plan}
-            t_run = bench(partial(mod.run, fns, x, seed=1, offset=offset), args.iters)
+            t_run = bench(partial(mod.run, fns, x, seed=1, offset=offset, **drawn), args.iters)
             bw_copy = 2 * in_bytes / t_copy
             # a copy that moves as many bytes as the kernel (reads and writes half each)
             same_src = torch.empty(

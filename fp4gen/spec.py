@@ -116,6 +116,8 @@ class QuantKernelSpec:
             tag += "_" + ROUNDING_TAGS[out.rounding]
             if out.rht is not None:
                 tag += f"_rht{out.rht.size}"
+                if out.rht.redrawn:  # signs drawn per layer or step: the kernels' arguments
+                    tag += "drawn"
             if out.scale_layout == "swizzled":
                 tag += "_swz"
             parts.append(tag)

@@ -1,8 +1,10 @@
 """The rowwise kernels with the block-scale options of docs/numerics.md 11.1-11.2 on a CUDA GPU,
 bit-exact against the reference ``fp4gen.numerics.quantize``: block targets (Four Over Six, by
-MSE or MAE; ties to the first), a global bound, stochastic block scales, with and without an
-RHT and stochastic element rounding. Packed codes, scale codes and the global scale must be
-equal bit for bit (no tolerance: the kernels follow the reference's order of operations).
+MSE or MAE; ties to the first), a global bound, stochastic block scales, with and without an RHT
+and stochastic element rounding, and RHT signs drawn per layer or step (numerics.md 12, the
+kernels' arguments: one kernel for every layer and step). Packed codes, scale codes and the
+global scale must be equal bit for bit (no tolerance: the kernels follow the reference's order
+of operations).
 
 Also: the tile kernel with a global bound alone (the bound only changes S_enc's numerator), the
 runtime's routing (``fp4gen.quantize(..., backend="cute")`` and the columnwise copy of a Four Over
@@ -90,6 +92,11 @@ CASES: dict[str, tuple[BlockFormat, str, RHTSpec | None]] = {
         None,
     ),
     "b48_targets": (fmt(NVFP4, block=(1, 48), targets=(6.0, 4.0)), "nearest", None),
+    # RHT signs drawn per layer or step (docs/numerics.md 12): the kernels' arguments
+    "step_signs_rht16_sr8": (NVFP4, SR8, RHTSpec(16, "step", None, 1)),
+    "4over6_layer_signs_rht16": (FOUR_OVER_SIX, "nearest", RHTSpec(16, "layer", None, 7)),
+    "mxfp4_step_signs_rht32_sr": (MXFP4, SR, RHTSpec(32, "step", None, 0)),
+    "step_signs_rht8_b32": (fmt(NVFP4, block=(1, 32)), "nearest", RHTSpec(8, "step", None, 2)),
 }
 PATTERNS = (
     "randn",
@@ -152,9 +159,17 @@ def kernel_cache(tmp_path_factory: pytest.TempPathFactory, arch: str) -> KernelC
     return cache
 
 
-def reference(case: str, x: torch.Tensor, seed: int, offset: int):
+def reference(case: str, x: torch.Tensor, seed: int, offset: int, signs=None):
     f, rounding, rht = CASES[case]
+    rht = signs if signs is not None else rht
     return quantize(x, f, rounding=rounding, hadamard=rht, seed=seed, offset=offset)
+
+
+def drawn(case: str, layer: int, step: int) -> RHTSpec | None:
+    """The case's transform at (layer, step) where its signs are drawn per layer or step (the
+    kernels take them as arguments), else None."""
+    rht = CASES[case][2]
+    return rht.at(layer, step) if rht is not None and rht.redrawn else None
 
 
 def option_input(spec: QuantKernelSpec, pattern: str, m: int, k: int, salt: int) -> torch.Tensor:
@@ -201,9 +216,11 @@ def test_bit_exact(case: str, dtype: str, pattern: str, kernels) -> None:
             x = option_input(spec, pattern, m, k, salt)
             # seeds and offsets above 2^32 exercise every Philox key and counter word
             seed, offset = (salt, 0) if m % 2 else ((salt << 32) | 0x5EED, (3 << 32) + m)
-            got = mod.run(fns, x, seed=seed, offset=offset)
+            # layers and steps of every size of stream word (mod 2^24, 2^40)
+            signs = drawn(case, salt % (1 << 24), (salt << 8) % (1 << 40) + k)
+            got = mod.run(fns, x, seed=seed, offset=offset, signs=signs)
             torch.cuda.synchronize()
-            for msg in compare(spec, got, reference(case, x, seed, offset), x):
+            for msg in compare(spec, got, reference(case, x, seed, offset, signs), x):
                 failures.append(f"{m}x{k}: {msg}")
     assert not failures, f"{spec.name}, {pattern}: " + "; ".join(failures[:5])
 
@@ -310,6 +327,24 @@ def test_tile_kernel_with_a_global_bound(kernels) -> None:
         )
 
 
+def test_one_kernel_serves_every_step(kernels) -> None:
+    """Per-step signs: each step's codes are the reference's with that step's transform, the
+    steps differ, and a step repeated gives the same bits (one compiled kernel for all)."""
+    case = "step_signs_rht16_sr8"
+    spec = make_spec(case, "bf16")
+    mod, fns = kernels(spec)
+    x = option_input(spec, "randn", 128, 1024, 3)
+    got = []
+    for step in (0, 1, 2, 1):
+        signs = drawn(case, 5, step)
+        out = mod.run(fns, x, seed=4, offset=2, signs=signs)
+        assert not compare(spec, out, reference(case, x, 4, 2, signs), x), step
+        got.append(out["data"])
+    assert not torch.equal(got[0], got[1]) and torch.equal(got[1], got[3])
+    with pytest.raises(ValueError, match="per layer or step"):
+        mod.run(fns, x, seed=4, offset=2)  # the signs are required
+
+
 def test_runtime_routes_four_over_six_to_the_rowwise_kernel() -> None:
     """fp4gen.quantize(backend="cute") runs the rowwise kernel; the Four Over Six operand pair of
     a linear layer (rowwise and columnwise copies) equals the reference's, the columnwise copy
@@ -330,3 +365,15 @@ def test_runtime_routes_four_over_six_to_the_rowwise_kernel() -> None:
     assert torch.equal(a.data, ra.data) and torch.equal(a.scale_codes, ra.scale_codes)
     assert torch.equal(b.data, rb.data) and torch.equal(b.scale_codes, rb.scale_codes)
     assert torch.equal(b.global_scale, rb.global_scale)
+    # signs drawn per step: the rowwise kernel, the copies of a pair one by one
+    step = RHTSpec(16, "step", None, 3).at(2, 9)
+    got = fp4gen.quantize(x, FOUR_OVER_SIX, rounding=SR8, hadamard=step, seed=3, backend="cute")
+    ref = quantize(x, FOUR_OVER_SIX, rounding=SR8, hadamard=step, seed=3)
+    assert torch.equal(got.data, ref.data) and torch.equal(got.scale_codes, ref.scale_codes)
+    a, b = quantize_operand_pair(
+        x, (OperandSpec(NVFP4, SR8, step), 1), (OperandSpec(NVFP4, SR8, step), 2), seed=5
+    )
+    ra = quantize(x, NVFP4, rounding=SR8, hadamard=step, seed=5, offset=1)
+    rb = quantize(x.t().contiguous(), NVFP4, rounding=SR8, hadamard=step, seed=5, offset=2)
+    assert torch.equal(a.data, ra.data) and torch.equal(b.data, rb.data)
+    assert torch.equal(b.scale_codes, rb.scale_codes)

@@ -118,6 +118,14 @@ COMPILED = {
         None,
         "bf16",
     ),
+    # RHT signs drawn per layer or step: the kernels' arguments (docs/numerics.md 12)
+    "step_signs_rht16_sr8": (NVFP4, "stochastic8", RHTSpec(16, "step", None, 1), "bf16"),
+    "4over6_layer_signs_rht32_nog": (
+        dataclasses.replace(MXFP4, name="m", targets=(6.0, 4.0)),
+        "nearest",
+        RHTSpec(32, "layer", None, 5),
+        "fp32",
+    ),
 }
 
 
@@ -223,3 +231,51 @@ def test_shipped_four_over_six_sources_are_current() -> None:
         assert sources
         for path in sources:
             assert "BLOCK_TARGET_INVS" in path.read_text()
+
+
+def test_drawn_signs_are_one_kernel_per_size() -> None:
+    """Every layer, step and seed of a transform drawn per layer or step shares one kernel
+    spec: the signs are arguments."""
+    specs = {
+        kernel_spec(NVFP4, "bf16", row("nearest", RHTSpec(16, source, None, seed).at(layer, 3)))
+        for source in ("layer", "step")
+        for seed in (0, 9)
+        for layer in (1, 2)
+    }
+    assert len(specs) == 1
+    (spec,) = specs
+    assert spec.name == "quant_e2m1_1x16_e4m3rn_g_bf16_row_rne_rht16drawn"
+    fixed = kernel_spec(NVFP4, "bf16", row("nearest", RHTSpec(16)))
+    assert fixed.name == "quant_e2m1_1x16_e4m3rn_g_bf16_row_rne_rht16" and fixed != spec
+
+
+def test_sign_words_are_the_reference_draw() -> None:
+    """The host's sign words (bit i % 32 of word i // 32 for a -1 at position i, as Int32)
+    are the reference's signs of the transform at its layer and step."""
+    from fp4gen.kernels.quantize_host import rht_sign_words
+    from fp4gen.numerics.hadamard import rht_signs
+
+    for size in (8, 16, 32, 64, 256):
+        for layer, step in ((0, 0), (5, 7), ((1 << 24) - 1, (1 << 40) - 1)):
+            at = RHTSpec(size, "step", None, 3).at(layer, step)
+            words = rht_sign_words(at)
+            assert len(words) == 8 and all(-(1 << 31) <= w < 1 << 31 for w in words)
+            bits = [((words[i // 32] & 0xFFFFFFFF) >> (i % 32)) & 1 for i in range(256)]
+            want = (rht_signs(at) < 0).int().tolist()
+            assert bits[:size] == want and not any(bits[size:])
+
+
+def test_the_host_asks_for_the_signs(tmp_path: Path) -> None:
+    """A module with runtime signs needs the transform at its layer and step; one with
+    compiled-in signs refuses them (no GPU: the checks run before any launch)."""
+    drawn = kernel_spec(NVFP4, "bf16", row("nearest", RHTSpec(16, "step", None, 1)))
+    host = import_source(render(drawn), tmp_path / "a").HOST
+    with pytest.raises(ValueError, match="per layer or step"):
+        host.sign_args(None)
+    with pytest.raises(ValueError, match="per layer or step"):
+        host.sign_args(RHTSpec(32, "step", None, 1).at(1, 1))  # another size
+    assert len(host.sign_args(RHTSpec(16, "step", None, 1).at(1, 1))) == 8
+    fixed = import_source(render(kernel_spec(NVFP4, "bf16", row())), tmp_path / "b").HOST
+    assert fixed.sign_args(None) == []
+    with pytest.raises(ValueError, match="compiled in"):
+        fixed.sign_args(RHTSpec(16, "step", None, 1).at(1, 1))

@@ -87,20 +87,34 @@ def test_linear_draws_new_signs_every_step_from_its_seed() -> None:
     assert torch.equal(grads[1], grads[3])  # reproducible: step 1 again, the same signs
 
 
-def test_the_planner_and_the_kernels_leave_them_to_the_reference() -> None:
+def test_the_planner_gives_them_the_rowwise_kernel() -> None:
+    """Signs drawn per layer or step: the rowwise kernel takes them as arguments (one kernel
+    per RHT size); the tile kernel compiles its signs in, so a fused pair of copies falls back to
+    its single-output stand-ins (the columnwise copy by the rowwise kernel on the transpose)."""
+    from fp4gen.compiler.build import render_plan
+    from fp4gen.compiler.plan import kernel_rht, redrawn_tile_reason
+
     plan = plan_recipe(parse_recipe(RECIPE))
-    assert plan.kernel_for(Operand.WGRAD_GRADIENT) is None
-    reason = redrawn_rht_reason(RHTSpec(16, "step", None, 3))
+    fused = plan.kernel_for(Operand.WGRAD_GRADIENT)
+    assert fused is not None
+    drawn = [o.rht for o in fused.spec.outputs if o.rht is not None]
+    assert drawn == [kernel_rht(RHTSpec(16, "step", None, 3))] == [RHTSpec(16, "layer", None, 0)]
+    assert not any(Operand.WGRAD_GRADIENT in s.operands for s in plan.skipped)
+    made = {r.planned.spec.name for r in render_plan(plan) if r.source is not None}
+    assert "quant_e2m1_1x16_e4m3rn_g_bf16_row_rne_rht16drawn" in made
+    reason = redrawn_tile_reason(RHTSpec(16, "step", None, 3))
     assert reason is not None and "drawn per layer and step" in reason
-    skipped = {s.reason for s in plan.skipped}
-    assert reason in skipped
+    # the MoR kernels do not transform: the reason stays
+    mor_reason = redrawn_rht_reason(RHTSpec(16, "step", None, 3))
+    assert mor_reason is not None and "reference" in mor_reason
     assert plan.kernel_for(Operand.FPROP_ACTIVATION) is not None
 
     from fp4gen.formats import BUILTIN_FORMATS
     from fp4gen.runtime import cute_backend
     from fp4gen.runtime.loader import Unsupported
 
-    copies = (("rowwise", "nearest", RHTSpec(16, "step", None, 3).at(1, 2)),)
+    # a tile launch is refused; a rowwise one is not (test_quantize_options_gpu runs it)
+    copies = (("columnwise", "nearest", RHTSpec(16, "step", None, 3).at(1, 2)),)
     launch = cute_backend._launch(BUILTIN_FORMATS["nvfp4"], copies, torch.zeros(16, 32))  # type: ignore[arg-type]
     assert isinstance(launch.kernels, Unsupported) and "drawn per layer" in launch.kernels.reason
 

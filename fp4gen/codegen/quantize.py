@@ -340,9 +340,21 @@ class RHTContext:
     signs_text: str  # the signs as a string of "+" and "-"
     source: str  # where the signs come from, in words
     scale: str  # literal of fp32(1 / sqrt(size))
+    runtime: bool = False  # the signs are the kernels' arguments (drawn per layer or step)
 
 
 def _rht_context(rht: RHTSpec) -> RHTContext:
+    if rht.redrawn:  # docs/numerics.md 12: drawn per call, so the kernels take them as arguments
+        return RHTContext(
+            size=rht.size,
+            signs=(),
+            signs_text="",
+            source="signs drawn per layer"
+            + (" and step" if rht.sign_source == "step" else "")
+            + ", given to the kernels as arguments",
+            scale=lit(rht_scale(rht.size)),
+            runtime=True,
+        )
     signs = tuple(int(s) for s in rht_signs(rht).tolist())
     source = {
         "fixed": "fixed vector",
@@ -669,6 +681,11 @@ def _check_tile(spec: QuantKernelSpec) -> None:
         raise NotImplementedError(
             f"{spec.name}: block targets and stochastic block scales (docs/numerics.md 11.1-11.2) "
             "are implemented by the rowwise kernel only"
+        )
+    if any(o.rht is not None and o.rht.redrawn for o in spec.outputs):
+        raise NotImplementedError(
+            f"{spec.name}: RHT signs drawn per layer or step (docs/numerics.md 12) are "
+            "implemented by the rowwise kernel only"
         )
     if spec.input_dtype not in DTYPES:
         raise ValueError(f"{spec.name}: unsupported input dtype {spec.input_dtype!r}")

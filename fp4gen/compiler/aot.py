@@ -78,8 +78,8 @@ from fp4gen.compiler.plan import (
     _dtypes,
     _kernel_refusal,
     kernel_spec,
-    rowwise_only,
     spec_json,
+    tile_ok,
 )
 from fp4gen.dsl.model import MoRRef, Operand, OperandSpec, Recipe
 from fp4gen.dsl.spelling import block_text, format_text
@@ -373,7 +373,9 @@ def quantize_uses(
     # backward, dy: one tile kernel for both copies when they share a 1D format
     fmt = _block(wg)
     # (block targets, stochastic block scales: the rowwise kernel alone, no tile kernel)
-    tiled = fmt is not None and dg.format == fmt and not fmt.is_2d and not rowwise_only(fmt)
+    tiled = (
+        fmt is not None and dg.format == fmt and not fmt.is_2d and tile_ok(fmt, (dg.rht, wg.rht))
+    )
     if tiled:
         assert fmt is not None
         spec = _quant(fmt, grad, _out("rowwise", dg), _out("columnwise", wg))
@@ -386,7 +388,7 @@ def quantize_uses(
     # backward, x: the columnwise copy from a tile kernel (1D blocks), else from x^T
     if (fmt := _block(wa)) is not None:
         alone = "backward"
-        if not fmt.is_2d and not rowwise_only(fmt):
+        if not fmt.is_2d and tile_ok(fmt, (wa.rht,)):
             yield (
                 _quant(fmt, act, _out("columnwise", wa)),
                 Operand.WGRAD_ACTIVATION,

@@ -35,7 +35,7 @@ Equal specs are one kernel, whichever tensors, contexts and recipes use them. Pu
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -382,6 +382,11 @@ def kernel_spec(
 ) -> QuantKernelSpec:
     """The quantize kernel spec writing ``outputs`` of an ``input_dtype`` tensor in ``fmt``,
     with the format's block targets and global bound (docs/numerics.md 11.1)."""
+    # signs drawn per layer or step: the kernel takes them as arguments, one kernel per size
+    outputs = tuple(
+        o if o.rht is None or not o.rht.redrawn else replace(o, rht=kernel_rht(o.rht))
+        for o in outputs
+    )
     return QuantKernelSpec(
         fmt.element,
         fmt.block,
@@ -468,8 +473,8 @@ def reference_only_reason(fmt: BlockFormat) -> str | None:
 
 
 def redrawn_rht_reason(rht: RHTSpec | None) -> str | None:
-    """Why no generated kernel serves an RHT whose signs are drawn per layer or step (the
-    kernels take their signs when they are compiled), or None."""
+    """Why no generated kernel serves an RHT whose signs are drawn per layer or step, or None:
+    the MoR kernels' reason (the quantize kernels: ``redrawn_tile_reason``)."""
     if rht is None or not rht.redrawn:
         return None
     return (
@@ -477,6 +482,36 @@ def redrawn_rht_reason(rht: RHTSpec | None) -> str | None:
         f"{' and step' if rht.sign_source == 'step' else ''} and the kernels take theirs when "
         "they are compiled, so the reference quantizes these operands"
     )
+
+
+def redrawn_tile_reason(rht: RHTSpec | None) -> str | None:
+    """Why the tile kernel does not serve an RHT whose signs are drawn per layer or step (it
+    takes its signs when it is compiled; the rowwise kernel takes them as arguments), or None."""
+    if rht is None or not rht.redrawn:
+        return None
+    return (
+        f"rht {rht.size} signs {rht.sign_source}: the signs are drawn per layer"
+        f"{' and step' if rht.sign_source == 'step' else ''} and the tile kernel takes its "
+        "signs when it is compiled, so each copy is quantized on its own (a columnwise copy by "
+        "the rowwise kernel on the transpose, which takes the signs as arguments)"
+    )
+
+
+# the canonical transform of a kernel whose RHT signs are arguments: one kernel per size
+_RUNTIME_SIGNS: dict[int, RHTSpec] = {}
+
+
+def kernel_rht(rht: RHTSpec | None) -> RHTSpec | None:
+    """The RHT a kernel spec holds: the transform itself, or for signs drawn per layer or step
+    (which the rowwise kernel takes as arguments, docs/numerics.md 12) one canonical transform
+    per size (``signs layer seed 0``, no stream), so that every layer, step and seed shares the
+    kernel."""
+    if rht is None or not rht.redrawn:
+        return rht
+    canonical = _RUNTIME_SIGNS.get(rht.size)
+    if canonical is None:
+        canonical = _RUNTIME_SIGNS.setdefault(rht.size, RHTSpec(rht.size, "layer", None, 0))
+    return canonical
 
 
 def unnested_rht_reason(fmt: BlockFormat, rht: RHTSpec | None) -> str | None:
@@ -494,20 +529,24 @@ def unnested_rht_reason(fmt: BlockFormat, rht: RHTSpec | None) -> str | None:
 
 def _kernel_refusal(spec: OperandSpec) -> str | None:
     """Why a block-format operand goes to the reference whatever the kernels could do: an
-    option of its format, signs drawn per layer or step, a block and an RHT that do not nest."""
+    option of its format, a block and an RHT that do not nest."""
     fmt = spec.format
     if not isinstance(fmt, BlockFormat):
         return None
     return (
-        redrawn_rht_reason(spec.rht)
-        or unnested_rht_reason(fmt, spec.rht)
-        or reference_only_reason(fmt)
-        or rowwise_only_reason(fmt)
+        unnested_rht_reason(fmt, spec.rht) or reference_only_reason(fmt) or rowwise_only_reason(fmt)
     )
 
 
+def tile_ok(fmt: BlockFormat, rhts: Iterable[RHTSpec | None]) -> bool:
+    """Whether the tile kernel can write copies of ``fmt`` with the transforms ``rhts``: not
+    with block targets, stochastic block scales or signs drawn per layer or step (the rowwise
+    kernel's alone)."""
+    return tile_reason(fmt) is None and all(redrawn_tile_reason(r) is None for r in rhts)
+
+
 def _skip_reason(spec: OperandSpec) -> str | None:
-    if isinstance(spec.format, (BlockFormat, MoRRef)) and spec.rht is not None:
+    if isinstance(spec.format, MoRRef) and spec.rht is not None:
         redrawn = redrawn_rht_reason(spec.rht)
         if redrawn is not None:
             return redrawn
@@ -592,11 +631,14 @@ __all__ = [
     "Skipped",
     "output_json",
     "plan_recipe",
+    "kernel_rht",
     "kernel_spec",
     "redrawn_rht_reason",
+    "redrawn_tile_reason",
     "reference_only_reason",
     "rowwise_only",
     "rowwise_only_reason",
+    "tile_ok",
     "tile_reason",
     "unnested_rht_reason",
     "spec_json",

@@ -44,7 +44,7 @@ from fp4gen.kernels.encode import (
     field_codes,
     pack_bits,
 )
-from fp4gen.kernels.hadamard import signed_butterflies
+from fp4gen.kernels.hadamard import signed_butterflies, xor_signed_butterflies
 from fp4gen.kernels.philox import (
     call_slice,
     philox4x32_10,
@@ -94,6 +94,9 @@ class RowwiseParams:
     # maps the amax to the element's max alone
     target_mae: bool = False  # the targets' error: |d| (mae) instead of d * d (mse)
     scale_sr: bool = False  # stochastic block scales: a 32-bit Philox word per block
+    # the RHT's signs are the kernels' arguments (drawn per layer or step, docs/numerics.md 12):
+    # SIGN_WORDS Int32 words, bit i % 32 of word i // 32 set for a -1 at position i
+    rht_runtime_signs: bool = False
 
     @property
     def choice(self) -> bool:
@@ -139,13 +142,25 @@ class RowwiseBase:
         raw = cute.recast_tensor(frag, Uint32)
         return [raw[i] for i in range(self.p.unit // 2)]
 
+    def bind_signs(self, words) -> None:
+        """The RHT's sign words of a kernel with runtime signs (``rht_runtime_signs``): per
+        position i its sign bit, (word[i // 32] << (31 - i % 32)) & 0x80000000, which
+        ``rht_chunks`` xors into the values."""
+        self.sign_bits = [
+            (Uint32(words[i // 32]) << Uint32(31 - i % 32)) & Uint32(0x80000000)
+            for i in range(self.p.rht_size)
+        ]
+
     def rht_chunks(self, xs: list) -> list:
         """Forward RHT of every chunk of xs (docs/numerics.md section 4, in this order): signs,
         butterflies h = 1, 2, ..., size/2 in fp32, times fp32(1/sqrt(d)), round to bf16."""
         size = self.p.rht_size
         out = []
         for c in range(0, len(xs), size):  # chunk by chunk, as the transform is traced
-            v = signed_butterflies(xs[c : c + size], size, self.p.rht_signs)
+            if self.p.rht_runtime_signs:
+                v = xor_signed_butterflies(xs[c : c + size], size, self.sign_bits)
+            else:
+                v = signed_butterflies(xs[c : c + size], size, self.p.rht_signs)
             v = [t * Float32(self.p.rht_scale) for t in v]
             for i in range(0, size, 2):
                 w = cvt_bf16x2(v[i], v[i + 1])
@@ -194,6 +209,10 @@ class RowwiseAmaxKernel(RowwiseBase):
 
     @cute.kernel
     def kernel(self, gX: cute.Tensor, mAmax: cute.Tensor, num_units: Int32):
+        self.body(gX, mAmax, num_units)
+
+    @cute.jit
+    def body(self, gX: cute.Tensor, mAmax: cute.Tensor, num_units: Int32):
         p = self.p
         tidx, _, _ = cute.arch.thread_idx()
         bidx, _, _ = cute.arch.block_idx()
@@ -236,6 +255,55 @@ class RowwiseAmaxKernel(RowwiseBase):
                 # |x| >= 0: the fp32 max is the integer max of the bits (Inf and the positive NaN
                 # above every finite value)
                 cute.arch.atomic_fmax(mAmax.iterator, w, sign_bit=False)
+
+
+SIGN_WORDS = 8  # Int32 sign words a kernel with runtime RHT signs takes: 256 positions
+
+
+class RowwiseAmaxSignsKernel(RowwiseAmaxKernel):
+    """``RowwiseAmaxKernel`` with the RHT's signs as arguments (``rht_runtime_signs``): eight
+    Int32 words after the amax buffer (docs/numerics.md 12)."""
+
+    @cute.jit
+    def __call__(
+        self,
+        mX: cute.Tensor,
+        mAmax: cute.Tensor,
+        s0: Int32,
+        s1: Int32,
+        s2: Int32,
+        s3: Int32,
+        s4: Int32,
+        s5: Int32,
+        s6: Int32,
+        s7: Int32,
+        stream: cuda.CUstream,
+    ):
+        p = self.p
+        gX, num_units = _units(mX, p.unit)
+        tile = p.amax_threads * p.amax_units
+        grid = (num_units + (tile - 1)) // tile
+        self.kernel(gX, mAmax, num_units, s0, s1, s2, s3, s4, s5, s6, s7).launch(
+            grid=[grid, 1, 1], block=[p.amax_threads, 1, 1], stream=stream
+        )
+
+    @cute.kernel
+    def kernel(
+        self,
+        gX: cute.Tensor,
+        mAmax: cute.Tensor,
+        num_units: Int32,
+        s0: Int32,
+        s1: Int32,
+        s2: Int32,
+        s3: Int32,
+        s4: Int32,
+        s5: Int32,
+        s6: Int32,
+        s7: Int32,
+    ):
+        self.bind_signs((s0, s1, s2, s3, s4, s5, s6, s7))
+        self.body(gX, mAmax, num_units)
 
 
 class RowwiseQuantizeKernel(RowwiseBase):
@@ -423,7 +491,7 @@ class RowwiseQuantizeKernel(RowwiseBase):
 
     # ---- host side: the launch (the subclass's __call__ gives the spec's arguments)
     @cute.jit
-    def launch(self, mX, mQ, mS, mSwz, mAmax, mSdec, philox, stream):
+    def launch(self, mX, mQ, mS, mSwz, mAmax, mSdec, philox, stream, signs=None):
         """mX (M, K) input; mQ (M, K * bits / 8) uint8 packed codes; mS (M, K / block) scale
         codes (fp32 values for fp32 scales); mSwz (bytes,) uint8 swizzled scale codes,
         zero-initialised, or None; mAmax (1,) fp32 global amax or None; mSdec (1,) fp32 S_dec
@@ -447,14 +515,18 @@ class RowwiseQuantizeKernel(RowwiseBase):
         args.append(mSdec)
         if const_expr(p.philox):
             args += list(philox)
+        if const_expr(p.rht_runtime_signs):
+            args += list(signs)
         self.kernel(*args, num_units).launch(
             grid=[grid, 1, 1], block=[p.quant_threads, 1, 1], stream=stream
         )
 
     # ---- device side (the subclass's kernel gives the spec's arguments)
     @cute.jit
-    def body(self, gX, gQ, gS, gSwz, nbk, c4, mAmax, mSdec, philox, num_units):
+    def body(self, gX, gQ, gS, gSwz, nbk, c4, mAmax, mSdec, philox, num_units, signs=None):
         p = self.p
+        if const_expr(p.rht_runtime_signs):
+            self.bind_signs(signs)
         tidx, _, _ = cute.arch.thread_idx()
         bidx, _, _ = cute.arch.block_idx()
         last = num_units - 1
@@ -539,7 +611,9 @@ class RowwiseQuantizeKernel(RowwiseBase):
 
 
 __all__ = [
+    "SIGN_WORDS",
     "RowwiseAmaxKernel",
+    "RowwiseAmaxSignsKernel",
     "RowwiseBase",
     "RowwiseParams",
     "RowwiseQuantizeKernel",

@@ -9,14 +9,17 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from functools import lru_cache
 
 import cutlass.cute as cute
 import torch
 from cutlass import Float32, Int32, Uint8
 
 from fp4gen.device_offset import DeviceOffset
+from fp4gen.dsl.model import RHTSpec
 from fp4gen.kernels import host
-from fp4gen.kernels.quantize import RowwiseParams
+from fp4gen.kernels.quantize import SIGN_WORDS, RowwiseParams
+from fp4gen.numerics.hadamard import rht_signs
 from fp4gen.vocab import DTYPES
 
 
@@ -65,9 +68,12 @@ class RowwiseHost:
             assumed_align=16,
         )
         stream = cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True)
+        signs = [Int32(0)] * SIGN_WORDS if p.rht_runtime_signs else []
         if p.global_scale and name == "amax":
             amax = fake(Float32, (1,), assumed_align=4)
-            return cute.compile(self.entries["amax"](arch), x, amax, stream, options=options)
+            return cute.compile(
+                self.entries["amax"](arch), x, amax, *signs, stream, options=options
+            )
         scale_t = Float32 if p.scale.kind == "fp32" else Uint8
         args = [
             x,
@@ -86,6 +92,7 @@ class RowwiseHost:
             args.append(fake(Float32, (1,), assumed_align=4))  # S_dec
         if self.stochastic:
             args += [Int32(0)] * 8  # seed, offset, counter address, stride: (lo, hi) each
+        args += signs  # the RHT's sign words, where they are arguments
         return cute.compile(self.entries["quantize"](arch), *args, stream, options=options)
 
     def check_input(self, x: object) -> None:
@@ -107,13 +114,35 @@ class RowwiseHost:
         the kernel reads its counter)."""
         return host.offset_words(self.spec_name, offset, x)
 
+    def sign_args(self, signs: RHTSpec | None) -> list[int]:
+        """The kernels' sign-word arguments: none unless the RHT's signs are arguments; then
+        those of ``signs``, the transform with its layer's (and step's) stream."""
+        if not self.params.rht_runtime_signs:
+            if signs is not None:
+                raise ValueError(f"{self.spec_name}: the RHT's signs are compiled in")
+            return []
+        if signs is None or not signs.redrawn or signs.size != self.params.rht_size:
+            raise ValueError(
+                f"{self.spec_name}: the RHT of size {self.params.rht_size} draws its signs per "
+                f"layer or step: pass signs=RHTSpec.at(layer, step), got {signs!r}"
+            )
+        return list(rht_sign_words(signs))
+
     def launches(
-        self, x: torch.Tensor, *, seed: int = 0, offset: int | DeviceOffset = 0
+        self,
+        x: torch.Tensor,
+        *,
+        seed: int = 0,
+        offset: int | DeviceOffset = 0,
+        signs: RHTSpec | None = None,
     ) -> tuple[dict[str, torch.Tensor], list[tuple[str, tuple]]]:
         """Validate x and allocate the outputs: returns (outputs, [(kernel name, arguments)] in
-        launch order). ``run`` launches them; a benchmark can time each launch on its own."""
+        launch order). ``run`` launches them; a benchmark can time each launch on its own.
+        ``signs``: with runtime RHT signs, the transform resolved for this call
+        (``RHTSpec.at(layer, step)``)."""
         p = self.params
         self.check_input(x)
+        sign_args = self.sign_args(signs)
         host.check_u64("seed", seed)
         if self.stochastic:
             offset_args = self.offset_args(offset, x)
@@ -134,7 +163,7 @@ class RowwiseHost:
         if p.global_scale:
             amax = torch.zeros(1, dtype=torch.float32, device=dev)
             s_dec = torch.empty(1, dtype=torch.float32, device=dev)
-            plan.append(("amax", (x, amax)))
+            plan.append(("amax", (x, amax, *sign_args)))
             args += [amax, s_dec]
         else:
             # S_dec = 1 (no global scale), written here: the kernel stores NaN over it for an
@@ -144,6 +173,7 @@ class RowwiseHost:
         out["global_scale"] = s_dec.reshape(())
         if self.stochastic:
             args += [*host.u64_words(seed), *offset_args]
+        args += sign_args
         plan.append(("quantize", tuple(args)))
         if p.swizzled:
             out["scales_swizzled"] = swizzled
@@ -156,6 +186,7 @@ class RowwiseHost:
         *,
         seed: int = 0,
         offset: int | DeviceOffset = 0,
+        signs: RHTSpec | None = None,
     ) -> dict[str, torch.Tensor]:
         """Quantize x with the compiled kernels ``fns`` (name -> callable, see KERNELS).
 
@@ -167,10 +198,24 @@ class RowwiseHost:
         fp4gen.device_offset). S_dec is NaN iff x held a NaN or an Inf
         (NONFINITE_TO_NAN_SCALE). Raises TensorError for an input the kernels cannot take.
         """
-        out, plan = self.launches(x, seed=seed, offset=offset)
+        out, plan = self.launches(x, seed=seed, offset=offset, signs=signs)
         for name, args in plan:
             fns[name](*args)
         return out
 
 
-__all__ = ["RowwiseHost"]
+@lru_cache(maxsize=4096)
+def rht_sign_words(rht: RHTSpec) -> tuple[int, ...]:
+    """The RHT's signs as the kernels take them: SIGN_WORDS Int32 values, bit i % 32 of word
+    i // 32 set where position i is -1 (``fp4gen.numerics.hadamard.rht_signs``: the
+    reference's draw, so kernel and reference flip the same positions). Kept per transform:
+    one draw per layer and step."""
+    negative = (rht_signs(rht) < 0).tolist()
+    words = [0] * SIGN_WORDS
+    for i, neg in enumerate(negative):
+        if neg:
+            words[i // 32] |= 1 << (i % 32)
+    return tuple(w - (1 << 32) if w >= 1 << 31 else w for w in words)  # as Int32
+
+
+__all__ = ["RowwiseHost", "rht_sign_words"]

@@ -26,8 +26,9 @@ from typing import Any
 import torch
 
 from fp4gen.compiler.plan import (
+    kernel_rht,
     kernel_spec,
-    redrawn_rht_reason,
+    redrawn_tile_reason,
     reference_only_reason,
     rowwise_only_reason,
     tile_reason,
@@ -127,7 +128,11 @@ def _launch(
             (
                 why
                 for rht in rhts
-                if (why := redrawn_rht_reason(rht) or unnested_rht_reason(fmt, rht)) is not None
+                if (
+                    why := (redrawn_tile_reason(rht) if tiled else None)
+                    or unnested_rht_reason(fmt, rht)
+                )
+                is not None
             ),
             None,
         )
@@ -179,7 +184,10 @@ def quantize_cute(
     if x.dtype not in _DTYPES or x.numel() == 0:
         return None if not required else _reference_error(x)
     x2 = launch_rows(x)
-    launch = _launch(fmt, (("rowwise", rounding, rht),), x2)
+    # signs drawn per layer or step: one kernel per size takes them as arguments (kernel_rht,
+    # one object per size, keeps the launch memo's key), this call's transform gives them
+    drawn = rht is not None and rht.redrawn
+    launch = _launch(fmt, (("rowwise", rounding, kernel_rht(rht) if drawn else rht),), x2)
     kernels = launch.kernels
     if isinstance(kernels, Unsupported):
         return unavailable(kernels.reason)
@@ -194,7 +202,10 @@ def quantize_cute(
         else finite.check(x2, "the input of shape {}", x.shape)
     )
 
-    out = kernels.run(x2, seed=seed, offset=offset)
+    if drawn:
+        out = kernels.module.run(kernels.fns, x2, seed=seed, offset=offset, signs=rht)
+    else:
+        out = kernels.run(x2, seed=seed, offset=offset)
     cols = x2.shape[1]
     return _quantized(out, "", fmt, cols, rounding, rht, seed, offset, x.shape, x.dtype, flag)
 
