@@ -13,7 +13,9 @@ fp4gen.kernels.gemm_sm90_fp8) on a Hopper GPU against the float64 oracle
   L / 32 * 33 * 2^-13 sum_block |p|: a worst case; the measured ratio is printed), plus the
   output dtype's rounding.
 
-Run on an sm_90 GPU: pytest -m gpu tests/test_fp8_gemm_sm90_gpu.py
+Every test runs the kernel's variants (one or two partial accumulators; 2-CTA clusters; the
+coalesced variant: MN-major scales and whole-sector stores). Run on an sm_90 GPU:
+pytest -m gpu tests/test_fp8_gemm_sm90_gpu.py
 """
 
 from __future__ import annotations
@@ -126,11 +128,24 @@ def check_within(got, ref, limit, what: str) -> None:
     assert (err <= limit).all(), f"{what}: error exceeds the bound by x{worst:.3g}"
 
 
-@pytest.fixture(params=[False, True], ids=["one_partial", "overlap"])
+def set_coalesced(monkeypatch, on: bool) -> None:
+    """The coalesced variant on or off: MN-major scales, whole-sector stores
+    (fp8_gemm.CUTE_MN_MAJOR_SCALES, CUTE_WIDE_STORES)."""
+    monkeypatch.setattr(fp8_gemm, "CUTE_MN_MAJOR_SCALES", on)
+    monkeypatch.setattr(fp8_gemm, "CUTE_WIDE_STORES", on)
+
+
+@pytest.fixture(
+    params=[(False, False), (True, False), (False, True)],
+    ids=["one_partial", "overlap", "coalesced"],
+)
 def overlap(request, monkeypatch) -> bool:
-    """Each kernel variant: one partial accumulator, or two (fp8_gemm.CUTE_OVERLAP)."""
-    monkeypatch.setattr(fp8_gemm, "CUTE_OVERLAP", request.param)
-    return request.param
+    """Each kernel variant: one partial accumulator, or two (fp8_gemm.CUTE_OVERLAP); and
+    the coalesced variant (one partial accumulator)."""
+    on, coalesced = request.param
+    monkeypatch.setattr(fp8_gemm, "CUTE_OVERLAP", on)
+    set_coalesced(monkeypatch, coalesced)
+    return on
 
 
 @pytest.mark.parametrize("pair", list(PAIRS))
@@ -210,19 +225,72 @@ def test_agrees_with_scaled_mm_on_fp8_blockwise() -> None:
         check_within(got, ref, limit, backend)
 
 
+def test_coalesced_variant_is_bit_identical_to_the_row_major_one(monkeypatch) -> None:
+    """Random data with outliers: the coalesced variant reads the same scales and sums in
+    the same order, so its result is the other variant's bit for bit (fp8_blockwise's three
+    pairs, bf16 and fp32 outputs, a bias)."""
+    g = torch.Generator(device="cuda").manual_seed(6)
+    x = torch.randn(1000, 2048, device="cuda", generator=g)
+    w = torch.randn(776, 2048, device="cuda", generator=g) * 0.02
+    x[3, 7] = 500.0
+    bias = torch.randn(776, device="cuda", generator=g)
+    for fa, fb in ((ROW, TILE), (ROW, ROW), (fp8(E5M2, (1, 128)), ROW)):
+        a, b = quantize(x, fa), quantize(w, fb)
+        for out_dtype in (torch.bfloat16, torch.float32):
+            got = {}
+            for coalesced in (False, True):
+                set_coalesced(monkeypatch, coalesced)
+                got[coalesced] = fp4gen.gemm(a, b, backend="cute", out_dtype=out_dtype, bias=bias)
+            assert torch.equal(got[True], got[False]), (fa.block, fb.block, out_dtype)
+
+
+# N past a multiple of 8 (bf16: element stores for the row's last columns) and odd (fp32:
+# element stores too); M = 1 and M past a multiple of 16 (the MN-major scales' padded rows)
+TAIL_SHAPES = [(65, 203, 256), (130, 36, 384), (1, 1, 128), (300, 8, 512)]
+
+
+@pytest.mark.parametrize("pair", list(PAIRS))
+@pytest.mark.parametrize("shape", TAIL_SHAPES, ids=lambda s: "x".join(map(str, s)))
+def test_coalesced_variant_tails_exact(pair, shape, monkeypatch) -> None:
+    """The coalesced variant where its wide stores give way to element stores (N not a
+    multiple of 8, odd N) and its scale chunks reach past the rows: the oracle bit for bit on
+    integer inputs, bf16 and fp32 outputs, with a bias and accumulate."""
+    set_coalesced(monkeypatch, True)
+    monkeypatch.setattr(fp8_gemm, "CUTE_OVERLAP", False)
+    m, n, k = shape
+    fa, fb = PAIRS[pair]
+    g = torch.Generator().manual_seed(m * 3 + n * 5 + k)
+    a, b = integer_operand(m, k, fa, g), integer_operand(n, k, fb, g)
+    ref = gemm_block_scaled_reference(a, b)
+    for out_dtype in (torch.bfloat16, torch.float32):
+        got = fp4gen.gemm(a, b, backend="cute", out_dtype=out_dtype)
+        assert torch.equal(got, ref.to(out_dtype)), f"{pair} {shape} {out_dtype}"
+    bias = torch.randint(-64, 65, (n,), generator=g).float().cuda()
+    acc = torch.randint(-1000, 1001, (m, n), generator=g).float().cuda()
+    got = fp4gen.gemm(a, b, backend="cute", out_dtype=torch.bfloat16, bias=bias)
+    assert torch.equal(got, (ref + bias).bfloat16())
+    got = fp4gen.gemm(a, b, backend="cute", bias=bias, accumulate=acc)
+    assert torch.equal(got, ref + bias + acc)
+
+
 CLUSTER_PAIRS = ["1x128 x 128x128", "1x128 x 1x128", "mxfp8 1x32 ue8m0", "1x256 x 256x256"]
 # odd M-tile counts (the cluster's second CTA past M), one unit, more units than clusters
 CLUSTER_SHAPES = [(1, 32, 128), (300, 256, 512), (129, 200, 1000), (2048, 2048, 256)]
 
 
-@pytest.mark.parametrize("overlap_too", [False, True], ids=["one_partial", "overlap"])
+@pytest.mark.parametrize(
+    "overlap_too, coalesced",
+    [(False, False), (True, False), (True, True)],
+    ids=["one_partial", "overlap", "coalesced_overlap"],
+)
 @pytest.mark.parametrize("pair", CLUSTER_PAIRS)
 @pytest.mark.parametrize("shape", CLUSTER_SHAPES, ids=lambda s: "x".join(map(str, s)))
-def test_cluster_of_two_exact(pair, shape, overlap_too, monkeypatch) -> None:
+def test_cluster_of_two_exact(pair, shape, overlap_too, coalesced, monkeypatch) -> None:
     """2-CTA clusters (B multicast, fp8_gemm.CUTE_CLUSTER_M = 2): the oracle bit for bit on
     integer inputs, as one CTA gives it; a bias and accumulate too."""
     monkeypatch.setattr(fp8_gemm, "CUTE_CLUSTER_M", 2)
     monkeypatch.setattr(fp8_gemm, "CUTE_OVERLAP", overlap_too)
+    set_coalesced(monkeypatch, coalesced)
     m, n, k = shape
     fa, fb = PAIRS[pair]
     g = torch.Generator().manual_seed(m + n + k)
