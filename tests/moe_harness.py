@@ -200,9 +200,9 @@ def harnessed(harness: Harness) -> Iterator[Harness]:
             return out
         return want
 
-    def decode_pair(layer: Any, gemm_name: str, call: int, a: Any, b: Any) -> Any:
+    def decode_pair(layer: Any, gemm_name: str, call: int, a: Any, b: Any, **kw: Any) -> Any:
         harness.record((layer.name, gemm_name, call), a, b)
-        return real_decode(layer, gemm_name, call, a, b)
+        return real_decode(layer, gemm_name, call, a, b, **kw)
 
     def group_rows(a: torch.Tensor, b: torch.Tensor, ends: list) -> torch.Tensor:
         got = real_rows(a, b, ends) if harness.check else None

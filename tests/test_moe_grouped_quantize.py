@@ -10,6 +10,7 @@ grouped experts quantizing their tokens in one launch with the loop's bits."""
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 from pathlib import Path
 
@@ -263,7 +264,8 @@ def test_grouped_operands_are_the_loops_bits(monkeypatch, dequant_loop, arch, re
     kernels, so this runs on the CPU): every expert's seed, Philox offset, padding, batched
     weight layout (gpt-oss's transposed [E, in, out] too) and group order as its own layer's
     quantize, so the results equal the loop's bit for bit, over two steps (the call counts
-    move the offsets); one grouped quantize per operand the grouped path serves."""
+    move the offsets); one grouped quantize per operand the grouped path serves, its block
+    values decoded once for every expert (``GroupedOperands.whole``)."""
     from test_moe import routing, run
     from test_moe_grouped import pair
 
@@ -275,10 +277,30 @@ def test_grouped_operands_are_the_loops_bits(monkeypatch, dequant_loop, arch, re
 
     def per_group_definition(rows, counts, fmt, **kw):
         ops.append(len(counts))
-        return real(rows, counts, fmt, **{**kw, "backend": "reference"})
+        out = real(rows, counts, fmt, **{**kw, "backend": "reference"})
+        # every row as one tensor, as the kernels give it (the grouped GEMMs decode it once)
+        parts = [q for q in out if q is not None]
+        out.whole = dataclasses.replace(
+            parts[0],
+            codes=torch.cat([q.codes for q in parts]),
+            scales=torch.cat([q.scales for q in parts]),
+            scale_codes=None,
+            shape=torch.Size((rows.shape[0], parts[0].shape[1])),
+        )
+        return out
+
+    decoded: list[tuple[int, ...]] = []
+    real_whole = grouped._whole_values
+
+    def whole_values(operands):
+        values = real_whole(operands)
+        if values is not None:
+            decoded.append(tuple(values.shape))
+        return values
 
     monkeypatch.setattr(grouped, "_serves", lambda t: True)
     monkeypatch.setattr(gq, "quantize_groups", per_group_definition)
+    monkeypatch.setattr(grouped, "_whole_values", whole_values)
     spec = parse_recipe(RECIPES[recipe], base_dir=None) if recipe in RECIPES else recipe
     loop, group = pair(arch, torch.bfloat16, spec)
     index, weights = routing(40, empty=1)
@@ -293,6 +315,7 @@ def test_grouped_operands_are_the_loops_bits(monkeypatch, dequant_loop, arch, re
     # and W^T (dgrad); nvfp4's 16x16 weights are the tile kernels'
     per_step = {"nvfp4_no_bf16": 2, "1d_weights": 6, "all_sr": 6}[recipe]
     assert len(ops) == 2 * per_step and set(ops) == {3}  # 3 experts with tokens
+    assert len(decoded) == len(ops)  # each grouped operand decoded once, for every expert
 
 
 @pytest.mark.gpu

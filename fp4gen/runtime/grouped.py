@@ -210,13 +210,33 @@ def _alpha(a: Any, b: Any) -> torch.Tensor:
 
 
 def decode_pair(
-    layer: Any, gemm: str, call: int, a: Any, b: Any
+    layer: Any,
+    gemm: str,
+    call: int,
+    a: Any,
+    b: Any,
+    *,
+    a_values: torch.Tensor | None = None,
+    b_values: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The block values of one expert GEMM's two operands and S_dec(a) S_dec(b): ``layer`` is
     the expert's GEMM layer, ``gemm`` "fprop", "dgrad" or "wgrad", ``call`` the layer's call
-    count that quantized them. Every expert GEMM of the grouped path passes here (a test
-    harness records the operands at this point, keyed as the loop's GEMM calls are)."""
-    return _values(a), _values(b), _alpha(a, b)
+    count that quantized them; ``a_values`` / ``b_values``: the operand's block values where
+    they were decoded already (every expert's at once, ``_whole_values``). Every expert GEMM of
+    the grouped path passes here (a test harness records the operands at this point, keyed as
+    the loop's GEMM calls are)."""
+    return (
+        _values(a) if a_values is None else a_values,
+        _values(b) if b_values is None else b_values,
+        _alpha(a, b),
+    )
+
+
+def _whole_values(operands: Any) -> torch.Tensor | None:
+    """Every group's block values in one decode, where a grouped quantize wrote the groups as
+    one tensor (``GroupedOperands.whole``: the decode reads no global scale); else None."""
+    whole = getattr(operands, "whole", None)
+    return None if whole is None else _values(whole)
 
 
 class GroupedProjection(torch.autograd.Function):
@@ -277,6 +297,9 @@ def _fprop(
         # expert's layer quantizes its own below)
         inputs = grouped_fprop_inputs(x, groups, k)
         batched = grouped_fprop_weights(weight, groups, k)
+        # their block values in one decode each (slices of them per expert below)
+        x_all, w_all = _whole_values(inputs), _whole_values(batched)
+        n_out = weight.shape[2] if groups.transposed else weight.shape[1]
         for i, (expert, count, layer) in enumerate(
             zip(groups.experts, groups.counts, groups.layers, strict=True)
         ):
@@ -302,15 +325,27 @@ def _fprop(
                 )
             layer._advance_device(forward=True)
             layer.__dict__["_forward_calls"] = call + 1
-            x_values, w_values, alpha = decode_pair(layer, "fprop", call, xq, wq)
+            x_values, w_values, alpha = decode_pair(
+                layer,
+                "fprop",
+                call,
+                xq,
+                wq,
+                a_values=None if x_all is None else x_all[start - count : start],
+                b_values=None if w_all is None else w_all[i * n_out : (i + 1) * n_out],
+            )
             values.append(x_values)
             weights.append(w_values)
             alphas.append(alpha)
         counts = torch.tensor(groups.counts, device=x.device)
-        c = group_rows(torch.cat(values), torch.stack(weights), _ends(groups.counts))
+        a = torch.cat(values) if x_all is None else x_all
+        b = torch.stack(weights) if w_all is None else w_all.reshape(len(groups.experts), n_out, -1)
+        c = group_rows(a, b, _ends(groups.counts))
         alpha = torch.cat(alphas).repeat_interleave(counts)[:, None]
-        b = None if bias is None else bias.detach()[groups.experts].repeat_interleave(counts, 0)
-        return _scaled(c, alpha, b, groups.out_dtype)
+        bias_rows = None
+        if bias is not None:
+            bias_rows = bias.detach()[groups.experts].repeat_interleave(counts, 0)
+        return _scaled(c, alpha, bias_rows, groups.out_dtype)
 
 
 _grouped_quantize = [True]  # set_grouped_quantize
@@ -453,6 +488,8 @@ def _grads(
         n_out, k_multiple(table0.dgrad_gradient, table0.dgrad_weight, blocks=False)
     )
     w_cols = grouped_dgrad_weights(weight, groups, dgrad_out)
+    w_col_all = _whole_values(w_cols)  # [experts x in, out] block values, one decode
+    n_in = weight.shape[1] if groups.transposed else weight.shape[2]
     for i, (expert, count, layer) in enumerate(
         zip(groups.experts, groups.counts, groups.layers, strict=True)
     ):
@@ -476,7 +513,14 @@ def _grads(
         xq_t = layer.wgrad_activation(x_e, table, call)
         layer._advance_device(forward=False)
         layer.__dict__["_backward_calls"] = call + 1
-        dy_v, w_v, dgrad_alpha = decode_pair(layer, "dgrad", call, dyq, w_col)
+        dy_v, w_v, dgrad_alpha = decode_pair(
+            layer,
+            "dgrad",
+            call,
+            dyq,
+            w_col,
+            b_values=None if w_col_all is None else w_col_all[i * n_in : (i + 1) * n_in],
+        )
         dy_values.append(dy_v)
         w_values.append(w_v)
         dy_alphas.append(dgrad_alpha.expand(tokens))
@@ -488,7 +532,11 @@ def _grads(
         w_alphas.append(wgrad_alpha)
         padded.append(tokens)
     # dgrad: the padded token rows of every expert, then the real rows taken back
-    c = group_rows(torch.cat(dy_values), torch.stack(w_values), _ends(padded))
+    if w_col_all is None:
+        w_stack = torch.stack(w_values)
+    else:
+        w_stack = w_col_all.reshape(len(groups.experts), n_in, -1)
+    c = group_rows(torch.cat(dy_values), w_stack, _ends(padded))
     real = torch.cat(rows)
     dx = _scaled(c[real], torch.cat(dy_alphas)[real][:, None], None, x.dtype)
     # wgrad: the experts' token columns side by side, one group each

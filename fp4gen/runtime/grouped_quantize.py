@@ -13,6 +13,11 @@ format has a global scale, then the grouped quantize); anywhere else (the CPU, t
 backend, a spec or input the kernels do not take) the groups are quantized one by one with
 ``fp4gen.quantize``, the same bits. ``cta_table`` is the host's share of the launch: one row
 per CTA, one tile of one group.
+
+The list returned is a ``GroupedOperands``: from the kernels its ``whole`` is also the one
+QuantizedTensor of every row (codes and block scales; its global scale is the first non-empty
+group's, so only its block values mean anything): the grouped GEMMs decode every group's block
+values from it in one pass. None where the groups were quantized one by one.
 """
 
 from __future__ import annotations
@@ -42,6 +47,14 @@ def _log_once(message: str) -> None:
         log.info(message)
 
 
+class GroupedOperands(list):
+    """The groups' QuantizedTensors (None for an empty group), and ``whole``: every row's codes
+    and block scales as one QuantizedTensor where one launch wrote them (module docstring),
+    else None."""
+
+    whole: Any = None
+
+
 def cta_table(counts: Sequence[int], units_per_row: int, tile: int) -> list[tuple[int, ...]]:
     """The CTA table of the grouped kernels: for groups of ``counts[g]`` rows of
     ``units_per_row`` units each, one row (group, first unit of the tile, end unit of the group,
@@ -68,10 +81,10 @@ def _reference_groups(
     seeds: Sequence[int],
     offsets: Sequence[int],
     backend: str,
-) -> list[Any]:
+) -> GroupedOperands:
     from fp4gen.runtime.quantize_dispatch import quantize
 
-    out: list[Any] = []
+    out = GroupedOperands()
     start = 0
     for count, seed, offset in zip(counts, seeds, offsets, strict=True):
         if count == 0:
@@ -102,7 +115,7 @@ def quantize_groups(
     seeds: Sequence[int],
     offsets: Sequence[int],
     backend: str = "auto",
-) -> list[Any]:
+) -> GroupedOperands:
     """One QuantizedTensor per group of rows, None for an empty group (module docstring).
     ``backend``: "auto" the
     grouped kernels where they serve (else the groups one by one, the reason logged once at
@@ -151,7 +164,7 @@ def _grouped_kernels(
     rht: Any,
     seeds: Sequence[int],
     offsets: Sequence[int],
-) -> list[Any]:
+) -> GroupedOperands:
     from fp4gen.kernels import host
     from fp4gen.runtime import cute_backend
     from fp4gen.runtime.loader import Unsupported
@@ -193,7 +206,7 @@ def _grouped_kernels(
     table = cta_table(counts, units_per_row, params.quant_threads * params.quant_units)
     if table:
         fns["quantize"](x, data, scales, _table(table, dev), amax, s_dec, philox, len(table))
-    out: list[Any] = []
+    out = GroupedOperands()
     start = 0
     for g, count in enumerate(counts):
         if count == 0:
@@ -216,6 +229,11 @@ def _grouped_kernels(
             )
         )
         start += count
+    first = next(g for g, count in enumerate(counts) if count)  # x has rows: one is non-empty
+    whole = {"data": data, "scales": scales, "global_scale": s_dec[first]}
+    out.whole = cute_backend._quantized(
+        whole, "", fmt, k, rounding, rht, seeds[first], offsets[first], x.shape, x.dtype
+    )
     return out
 
 
@@ -301,4 +319,4 @@ def compile_grouped(
     return fns
 
 
-__all__ = ["compile_grouped", "cta_table", "quantize_groups"]
+__all__ = ["GroupedOperands", "compile_grouped", "cta_table", "quantize_groups"]
