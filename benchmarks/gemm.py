@@ -37,7 +37,12 @@ Per shape MxNxK and format, C = A @ B^T with A [M, K] and B [N, K]:
                         beforehand) and fp4gen.gemm(backend="cute") end to end; timed in turns
                         with the scaled_mm lines, then the host time of each; the kernel's other
                         variants alone too (overlapped promotion on / off, 1 or 2 CTAs per
-                        cluster: fp8_gemm.CUTE_OVERLAP, CUTE_CLUSTER_M)
+                        cluster, row-major or "coalesced": MN-major scales read by 16-byte
+                        copies and whole-sector stores, and each half of it alone:
+                        fp8_gemm.CUTE_OVERLAP, CUTE_CLUSTER_M, CUTE_MN_MAJOR_SCALES,
+                        CUTE_WIDE_STORES); the coalesced variant end to end, and its per-call
+                        transpose of A's scales alone (the "TFLOP/s" of that line is the
+                        GEMM's count over the transpose's time: read its microseconds)
   fp4gen.gemm auto      end to end (dispatch, checks, launch), bf16 out; A is a fresh
                         QuantizedTensor every call (as an activation: the small-M kernels read
                         its codes as they are, the wgmma kernels pack them per call), B the same
@@ -321,25 +326,7 @@ def fp8_lines(fa, fb, sets, nset: int, iters: int, line, ref: dict[str, float], 
 
         methods["generated FP8 kernel alone"] = cute_alone
         methods["fp4gen.gemm cute (FP8)"] = cute
-        params = fp8_gemm.cute_plan(fa, fb, torch.bfloat16, False, False).params
-        for overlap in (False, True):  # the kernel's other variants, alone
-            for cluster_m in (1, 2):
-                variant = dataclasses.replace(params, overlap=overlap, cluster_m=cluster_m)
-                if variant == params:
-                    continue
-                try:
-                    other = fp8_gemm.cute_kernel(variant)
-                except (ValueError, fp4gen.errors.FP4GenError) as err:
-                    print(f"no {variant.name}: {err}", flush=True)
-                    continue
-                grid = fp8_gemm.sm_count(sets[0][0].device, cluster_m)
-                calls = [[*args[:-1], grid] for _, args in launches]
-
-                def cute_other(i: int = 0, fn=other, calls=calls):
-                    fn(*calls[i % nset])
-
-                label = ("overlap" if overlap else "one partial") + f", cluster {cluster_m}x1"
-                methods[f"FP8 kernel, {label}"] = cute_other
+        methods.update(fp8_variant_methods(fa, fb, sets, nset))
     # timed in turns, best of each: at 8192^3 the FP8 tensor cores draw enough power for the
     # clock to fall from one timing to the next, which one after the other would charge to
     # whichever ran second
@@ -351,6 +338,85 @@ def fp8_lines(fa, fb, sets, nset: int, iters: int, line, ref: dict[str, float], 
         line(name, times[name], ref)
     for name, fn in methods.items():
         host_line(f"host: {name}", host_time(fn, iters))
+
+
+# The generated FP8 kernel's variants timed alone beside the one calls take: (overlap,
+# cluster_m, mn_major_scales, wide_stores). The row-major and the coalesced variant
+# (GemmSm90Fp8Params.mn_major_scales + wide_stores) of each overlap / cluster setting, then each
+# half of the coalesced variant alone at overlap + cluster 2x1 (which of the two gains what).
+FP8_VARIANTS = [
+    (overlap, cluster_m, coalesced, coalesced)
+    for coalesced in (False, True)
+    for overlap in (False, True)
+    for cluster_m in (1, 2)
+] + [(True, 2, True, False), (True, 2, False, True)]
+_FLAGS = ("CUTE_OVERLAP", "CUTE_CLUSTER_M", "CUTE_MN_MAJOR_SCALES", "CUTE_WIDE_STORES")
+
+
+def fp8_variant_label(overlap: bool, cluster_m: int, mn_major: bool, wide: bool) -> str:
+    label = ("overlap" if overlap else "one partial") + f", cluster {cluster_m}x1"
+    if mn_major and wide:
+        return label + ", coalesced"
+    if mn_major or wide:
+        return label + (", MN-major scales" if mn_major else ", wide stores")
+    return label
+
+
+class FP8Flags:
+    """fp8_gemm's variant settings (``_FLAGS``) set to ``values`` inside the block."""
+
+    def __init__(self, values: tuple) -> None:
+        self.values = values
+
+    def __enter__(self) -> None:
+        self.kept = tuple(getattr(fp8_gemm, f) for f in _FLAGS)
+        for flag, value in zip(_FLAGS, self.values, strict=True):
+            setattr(fp8_gemm, flag, value)
+
+    def __exit__(self, *exc) -> None:
+        for flag, value in zip(_FLAGS, self.kept, strict=True):
+            setattr(fp8_gemm, flag, value)
+
+
+def fp8_variant_methods(fa, fb, sets, nset: int) -> dict:
+    """The kernel's other variants (``FP8_VARIANTS``), each alone on arguments made beforehand
+    by ``fp8_gemm.cute_launch`` with the variant's settings (the coalesced variant's MN-major
+    scales included); the coalesced variant end to end too (fp4gen.gemm backend="cute": its
+    host path transposes A's scales per call), and that transpose alone."""
+    current = tuple(getattr(fp8_gemm, f) for f in _FLAGS)
+    methods = {}
+    for flags in FP8_VARIANTS:
+        if flags == current:
+            continue
+        label = fp8_variant_label(*flags)
+        try:
+            with FP8Flags(flags):
+                calls = [fp8_gemm.cute_launch(a, b, out_dtype=torch.bfloat16)[:2] for a, b in sets]
+        except (ValueError, fp4gen.errors.FP4GenError) as err:
+            print(f"no FP8 kernel variant {label}: {err}", flush=True)
+            continue
+
+        def cute_other(i: int = 0, calls=calls):
+            fn, args = calls[i % nset]
+            fn(*args)
+
+        methods[f"FP8 kernel, {label}"] = cute_other
+    coalesced = (current[0], current[1], True, True)
+    if coalesced != current:
+
+        def cute_coalesced(i: int = 0, flags=coalesced):
+            a, b = sets[i % nset]
+            with FP8Flags(flags):
+                return fp4gen.gemm(a, b, out_dtype=torch.bfloat16, backend="cute")
+
+        methods["fp4gen.gemm cute (FP8), coalesced"] = cute_coalesced
+        ue8m0 = fa.scale.element is not None
+
+        def transpose_a(i: int = 0):
+            return fp8_gemm.cute_scales_mn_major(sets[i % nset][0], ue8m0)
+
+        methods["A scales MN-major (transpose)"] = transpose_a
+    return methods
 
 
 def dequant_kernel_lines(
