@@ -14,7 +14,13 @@ process, after the BF16 baseline:
 - each recipe (``--recipes``), converted by ``fp4gen.convert`` with its default path (on sm_90a
   NVFP4 / MX experts run grouped GEMMs, FP8 blockwise the block-scaled FP8 GEMM per expert:
   docs/moe.md), and for recipes whose experts run grouped also ``<recipe> loop`` (the same
-  recipe expert by expert, ``GroupedExperts.grouped = False``).
+  recipe expert by expert, ``GroupedExperts.grouped = False``) and, with
+  ``--quantize-per-expert``, ``<recipe> quantize per expert`` (grouped GEMMs, each expert's
+  operands quantized by its own launches: ``set_grouped_quantize(False)``).
+
+On CUDA a recipe row with a goal of the MoE issue says whether it is met (``TARGETS``): the
+layer's fwd+bwd at most 0.85x BF16 for ``fp8_blockwise`` and 1.2x for the ``nvfp4`` recipes, a
+model step at most 1.0x and 1.25x.
 
 Printed per row: ms per forward+backward (layer) or per training step (model), median of
 ``--steps`` timed runs after warm-up (CUDA events; ``time.perf_counter`` on the CPU), its
@@ -26,7 +32,7 @@ ran (grouped, or per expert and why: ``GroupedExperts.loop_reason``).
                              [--model qwen3_moe|mixtral] [--model-layers 4]
                              [--model-experts 64] [--model-topk 8] [--seq 1024] [--steps 10]
                              [--skip-layer] [--skip-model] [--device cuda|cpu]
-                             [--grouped-product bf16|fp32]
+                             [--grouped-product bf16|fp32] [--quantize-per-expert]
 
 ``--device cpu`` runs the same code on the CPU (the float64 reference GEMMs: only for a smoke
 run at tiny sizes, not a timing).
@@ -49,7 +55,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the checkout,
 import fp4gen  # noqa: E402
 from benchmarks.common import cuda_time_ms, require_cuda  # noqa: E402
 from fp4gen.runtime.experts import GroupedExperts  # noqa: E402
-from fp4gen.runtime.grouped import set_grouped_product  # noqa: E402
+from fp4gen.runtime.grouped import set_grouped_product, set_grouped_quantize  # noqa: E402
 
 VOCAB = 256  # bytes, as benchmarks/train.py
 
@@ -110,6 +116,22 @@ def moe_config(kind: str, args: argparse.Namespace, experts: int, topk: int, lay
     return cfg
 
 
+# the issue's goals, as a ratio to BF16 grouped_mm (a recipe's name prefix -> the largest ratio):
+# the MoE layer's fwd+bwd and a whole model's step
+TARGETS: dict[str, dict[str, float]] = {
+    "layer": {"fp8_blockwise": 0.85, "nvfp4": 1.2},
+    "model": {"fp8_blockwise": 1.0, "nvfp4": 1.25},
+}
+
+
+def target_note(section: str, recipe: str, ratio: float) -> str:
+    """ "target <= R: met" (or "missed") for a recipe with a goal in ``section``, else ""."""
+    for prefix, limit in TARGETS[section].items():
+        if recipe.startswith(prefix):
+            return f"target <= {limit:.2f}x: {'met' if ratio <= limit else 'missed'}"
+    return ""
+
+
 def experts_rows(model: nn.Module) -> list[GroupedExperts]:
     return [m for m in model.modules() if isinstance(m, GroupedExperts)]
 
@@ -120,8 +142,12 @@ def recipe_rows(
     device: str,
     measure: Callable[[nn.Module], tuple[float, float | None]],
     base: float,
+    section: str,
+    quantize_per_expert: bool = False,
 ) -> None:
-    """Print each recipe's row, and ``<recipe> loop`` after it where its experts ran grouped."""
+    """Print each recipe's row (with the issue's goal where it has one, on CUDA), and
+    ``<recipe> loop`` after it where its experts ran grouped; with ``quantize_per_expert`` also
+    ``<recipe> quantize per expert`` (grouped GEMMs, the grouped quantize turned off)."""
     for recipe in recipes:
         model = fp4gen.convert(make("eager"), recipe)
         ms, peak = measure(model)
@@ -129,8 +155,18 @@ def recipe_rows(
         reasons = {e.loop_reason(e.operands, dev) for e in experts_rows(model)}
         grouped = None in reasons
         paths = sorted("grouped GEMMs" if r is None else f"per expert: {r}" for r in reasons)
-        print_row(recipe, ms, base, peak, "; ".join(paths))
+        goal = target_note(section, recipe, ms / base) if device == "cuda" else ""
+        print_row(recipe, ms, base, peak, "; ".join([*paths, *([goal] if goal else [])]))
         del model
+        if grouped and quantize_per_expert:
+            previous = set_grouped_quantize(False)
+            try:
+                model = fp4gen.convert(make("eager"), recipe)
+                ms, peak = measure(model)
+            finally:
+                set_grouped_quantize(previous)
+            print_row(f"{recipe} quantize per expert", ms, base, peak, "grouped GEMMs")
+            del model
         if grouped:
             model = fp4gen.convert(make("eager"), recipe)
             for module in experts_rows(model):
@@ -191,7 +227,7 @@ def layer_section(args: argparse.Namespace, device: str, recipes: list[str]) -> 
             print_row("bf16 grouped_mm", base, base, peak)
             ms, peak = measure(make("eager"))
             print_row("bf16 eager", ms, base, peak)
-            recipe_rows(make, recipes, device, measure, base)
+            recipe_rows(make, recipes, device, measure, base, "layer", args.quantize_per_expert)
 
 
 def model_section(args: argparse.Namespace, device: str, recipes: list[str]) -> None:
@@ -237,7 +273,7 @@ def model_section(args: argparse.Namespace, device: str, recipes: list[str]) -> 
 
     base, peak = measure(make("grouped_mm"))
     print_row("bf16 grouped_mm", base, base, peak)
-    recipe_rows(make, recipes, device, measure, base)
+    recipe_rows(make, recipes, device, measure, base, "model", args.quantize_per_expert)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -263,6 +299,12 @@ def main(argv: list[str] | None = None) -> int:
         choices=["bf16", "fp32"],
         default="bf16",
         help="the grouped experts' products on CUDA (fp4gen.runtime.grouped.set_grouped_product)",
+    )
+    parser.add_argument(
+        "--quantize-per-expert",
+        action="store_true",
+        help="also each grouped recipe with the grouped quantize off "
+        "(fp4gen.runtime.grouped.set_grouped_quantize)",
     )
     args = parser.parse_args(argv)
     if args.device == "cuda":
