@@ -322,11 +322,11 @@ def result_differences(got: Result, want: Result, *, routing_exact: bool = True)
 
 def routing_grad_close(got: torch.Tensor, want: torch.Tensor) -> bool:
     """The routing weights' gradient [T, k] of two devices: each entry is torch's sum over the
-    hidden size of bf16 products (the same on both), accumulated in fp32 in the device's order
-    and rounded once to bf16. Within one bf16 rounding of each side (2^-8 (|a| + |b|)) plus
-    2^-12 of the largest entry, which covers the fp32 summation difference of 64 terms with
-    room for cancellation (64 * 2^-24 * sum |terms| with sum |terms| <= 2^12 max |entry| in
-    these tests' data)."""
+    hidden size H of the same bf16 products, accumulated in fp32 in each device's order and
+    rounded once to bf16. Two fp32 orders differ by at most 2 (H - 1) 2^-24 sum |terms|
+    (2^-17 sum |terms| for H = 64), each rounding by 2^-8 of its result: the limit is
+    2^-8 (|a| + |b|) + 2^-12 max |entry|, whose second term covers the first whenever
+    sum |terms| <= 32 max |entry| (these tests' sums of 64 terms of either sign: about 3)."""
     a, b = got.double(), want.double()
     limit = 2.0**-8 * (a.abs() + b.abs()) + 2.0**-12 * b.abs().max()
     return bool(((a - b).abs() <= limit).all())
