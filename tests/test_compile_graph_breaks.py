@@ -306,8 +306,8 @@ def test_blocks_compiled_one_by_one_share_a_graph() -> None:
     counters = torch._dynamo.utils.counters
     counters.clear()
     got = per_block_run(deep_gpt("nvfp4_no_bf16", 9), tokens, "aot_eager")
-    # one graph for the blocks, one recompile the first time fp4gen's non-finite mode is read
-    assert counters["stats"]["unique_graphs"] <= 2, dict(counters["stats"])
+    # one graph for the blocks (tests/test_compile_recompiles.py: no recompile of fp4gen's)
+    assert counters["stats"]["unique_graphs"] == 1, dict(counters["stats"])
     assert torch.equal(got[0], want[0])
     for a, b in zip(got[1], want[1], strict=True):
         assert torch.equal(a, b)

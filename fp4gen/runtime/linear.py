@@ -260,7 +260,10 @@ class Linear(
             )
         if x.numel() == 0 or self.out_features == 0:
             return self._empty_linear(x, weight)
-        if finite.layer_mode() == "raise" and not torch.compiler.is_compiling():
+        # is_compiling first: under torch.compile the ops read the mode when they run, and a
+        # mode read while dynamo traces became a guard on fp4gen's module state, failed once
+        # the first read had stored it (one recompile of every compiled block)
+        if not torch.compiler.is_compiling() and finite.layer_mode() == "raise":
             # the tensors given are checked first, so that an error names them as given (one
             # read at the end of the call on CUDA, with the operands' checks)
             with finite.deferred():
