@@ -148,6 +148,15 @@ def test_plan_is_kept_and_says_what_the_kernel_writes() -> None:
         assert fp8_gemm.cute_plan(ROW, TILE, torch.bfloat16, False, False).params.overlap
         wide = fp8(E4M3, (1, 512))  # two K-blocks of 4 stages each do not fit in 6
         assert not fp8_gemm.cute_plan(wide, wide, torch.bfloat16, False, False).params.overlap
+    # the 192-wide tile where B comes in tiles that it spans two of at most, without overlap
+    with mock.patch.object(fp8_gemm, "CUTE_TILE_N", 192):
+        wide = fp8_gemm.cute_plan(ROW, TILE, torch.bfloat16, False, False).params
+        assert wide.tile_n == 192 and wide.b_scale_pair and wide.num_stages == 5
+        assert fp8_gemm.cute_plan(ROW, ROW, torch.bfloat16, False, False).params.tile_n == 128
+        small = fp8(E4M3, (1, 64)), fp8(E4M3, (64, 64))  # 192 columns span three 64-tiles
+        assert fp8_gemm.cute_plan(*small, torch.bfloat16, False, False).params.tile_n == 128
+        with mock.patch.object(fp8_gemm, "CUTE_OVERLAP", True):
+            assert fp8_gemm.cute_plan(ROW, TILE, torch.bfloat16, False, False).params.tile_n == 128
     # an equal format that is another object gets its own entry (lookups are by identity)
     twin = BlockFormat("fp8_block", E4M3, (1, 128), ScaleSpec(None))
     assert fp8_gemm.cute_plan(twin, TILE, torch.bfloat16, False, False) is not plan
@@ -220,6 +229,9 @@ def test_params_refuse_what_the_kernel_cannot_do() -> None:
         ({"out": "fp16"}, "out must be one of"),
         ({"block_k": 512, "overlap": True}, "overlap holds two K-blocks of 4 stages"),
         ({"cluster_m": 4}, "cluster_m must be 1 or 2"),
+        ({"tile_n": 192, "b_2d": False}, "needs B in tiles"),
+        ({"tile_n": 192, "block_k": 64}, "spans more than two"),
+        ({"tile_n": 192, "overlap": True}, "overlap keeps three accumulators"),
     ):
         with pytest.raises(ValueError, match=words):
             GemmSm90Fp8Params(**{**good, **change})
@@ -273,8 +285,17 @@ def test_kernels_cross_compile_to_fp8_wgmma(tmp_path: Path, monkeypatch) -> None
     # outputs with bias and accumulate, overlap and clusters
     cases += [(*case[:-1], True) for case in cases[:5]]
     cases += [(*cases[6][:-1], True), (*cases[9][:-1], True)]
+    cases = [(*case, 128) for case in cases]
+    # 192-wide tiles (B's tiles: two scales per tile): the fprop pair coalesced and row-major,
+    # with 2-CTA clusters; ue8m0 scales with bias and accumulate; 256x256 B tiles
+    cases += [
+        ("e4m3", "e4m3", "fp32", 128, True, "bf16", False, False, False, 1, True, 192),
+        ("e4m3", "e4m3", "fp32", 128, True, "bf16", False, False, False, 2, False, 192),
+        ("e4m3", "e5m2", "ue8m0", 128, True, "fp32", True, True, False, 2, True, 192),
+        ("e4m3", "e4m3", "fp32", 256, True, "bf16", True, False, False, 1, True, 192),
+    ]
     for case in cases:
-        a_el, b_el, kind, block_k, b_2d, out, bias, accumulate, overlap, cluster_m, wide = case
+        a_el, b_el, kind, block_k, b_2d, out, bias, accumulate, overlap, cluster_m, wide, n = case
         params = GemmSm90Fp8Params(
             a_element=a_el,
             b_element=b_el,
@@ -288,13 +309,14 @@ def test_kernels_cross_compile_to_fp8_wgmma(tmp_path: Path, monkeypatch) -> None
             cluster_m=cluster_m,
             mn_major_scales=wide,
             wide_stores=wide,
+            tile_n=n,
         )
         dump = tmp_path / params.name
         compile_fp8_gemm(params, "sm_90a", dump_dir=str(dump))
         ptx = "\n".join(p.read_text() for p in dump.glob("*.ptx"))
         wgmma = set(re.findall(r"wgmma\.mma_async\.sync\.aligned\.(\S+?) ", ptx))
-        # m64 n128 k32 wgmma, A's element first
-        assert wgmma == {f"m64n128k32.f32.{a_el}.{b_el}"}, (params.name, wgmma)
+        # m64 n{tile_n} k32 wgmma, A's element first
+        assert wgmma == {f"m64n{n}k32.f32.{a_el}.{b_el}"}, (params.name, wgmma)
         # one K-block's wgmma per issue site: one site, or three with overlap (the first
         # block, the loop's two halves; and the odd block left at the end)
         sites = 4 if overlap else 1
@@ -313,13 +335,13 @@ def test_kernels_cross_compile_to_fp8_wgmma(tmp_path: Path, monkeypatch) -> None
         # tiles (one word where one scale covers the tile)
         copies = re.findall(r"cp\.async\.ca\.shared\.global \[[^]]*\], \[[^]]*\], (\d+);", ptx)
         if not wide:
-            assert copies == ["4"] * 8, (params.name, copies)
+            assert copies == ["4"] * ((128 + n) // 32), (params.name, copies)
         elif not b_2d:
             assert copies == ["16", "16"], (params.name, copies)
         elif params.b_scale_per_tile:
             assert copies == ["16", "4"], (params.name, copies)
         else:
-            assert copies == ["16"] + ["4"] * 4, (params.name, copies)
+            assert copies == ["16"] + ["4"] * (n // 32), (params.name, copies)
         # the epilogue: 16-byte bf16 stores after the quad's shuffles, or 8-byte fp32 pairs
         # (element stores where a row reaches past N); else one store per element
         vector = "st.global.v4.b32" if out == "bf16" else "st.global.v2.f32"

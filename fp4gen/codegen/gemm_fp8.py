@@ -8,6 +8,7 @@ keys). ``fp4gen.runtime.fp8_gemm`` runs both."""
 
 from __future__ import annotations
 
+import math
 from dataclasses import fields
 from typing import Any
 
@@ -42,6 +43,10 @@ CLUSTER_M = 1
 # faster: benchmarks/gemm.py times it beside the row-major variant.
 MN_MAJOR_SCALES = False
 WIDE_STORES = False
+# Output tile width (GemmSm90Fp8Params.tile_n): 192 moves less through shared memory per
+# multiply-add than 128 (docs/gemm-sm90.md), where it fits the registers (``wide_tile_reason``:
+# B in tiles, no overlap); 128 until measured faster.
+TILE_N = 128
 # MN-major scale tensors [KB, Rp]: Rp = the rows rounded up to this (16-byte chunks of fp32
 # factors need 4, of ue8m0 codes 16; scaled_mm's M-major A scales need 16 too)
 MN_MAJOR_ALIGN = 16
@@ -56,6 +61,23 @@ def block_k_reason(block_k: int) -> str | None:
         block_k > MAX_TILE_K and block_k % MAX_TILE_K
     ):
         return f"block length {block_k} along K neither divides {MAX_TILE_K} nor is a multiple"
+    return None
+
+
+def wide_tile_reason(tile_n: int, block_k: int, b_2d: bool, overlap: bool) -> str | None:
+    """None when the kernel takes output tiles ``tile_n`` wide, else why not: up to 128 any
+    pair; wider (the registers hold total and partial accumulators of tile_n / 2 each) only
+    with B in block_k x block_k tiles of which a tile spans at most two (tile_n <= block_k +
+    gcd(tile_n, block_k): two B scales per tile, not one per column) and without overlap (a
+    third accumulator)."""
+    if tile_n <= 128:
+        return None
+    if not b_2d:
+        return f"tile_n {tile_n} > 128 needs B in tiles (1xN B: a scale per column)"
+    if tile_n > block_k + math.gcd(tile_n, block_k):
+        return f"tile_n {tile_n} spans more than two of B's {block_k}x{block_k} tiles"
+    if overlap:
+        return f"overlap keeps three accumulators: tile_n {tile_n} > 128 too wide"
     return None
 
 
@@ -121,22 +143,28 @@ def kernel_fields(
     cluster_m: int = CLUSTER_M,
     mn_major_scales: bool = MN_MAJOR_SCALES,
     wide_stores: bool = WIDE_STORES,
+    tile_n: int = TILE_N,
 ) -> dict[str, Any]:
     """The ``GemmSm90Fp8Params`` fields of a served pair (``pair_reason``) with the kernel
     writing ``out`` ("bf16" or "fp32": ``kernel_out``); ``overlap`` only where two K-blocks'
     stages fit. The runtime (``fp8_gemm.cute_plan``) and ``fp4gen compile`` both build their
     params from this, so they key the same kernels."""
     block_k = a.block[1]
+    b_2d = b.block[0] != 1
+    overlap = overlap and block_k <= 3 * MAX_TILE_K  # two blocks' stages fit
+    if wide_tile_reason(tile_n, block_k, b_2d, overlap) is not None:
+        tile_n = 128  # where the wider tile does not fit, the 128 one
     return {
         "a_element": ELEMENT_OF[a.element],
         "b_element": ELEMENT_OF[b.element],
         "scale_kind": scale_kind(a) or "fp32",
         "block_k": block_k,
-        "b_2d": b.block[0] != 1,
+        "b_2d": b_2d,
         "out": out,
         "bias": bias,
         "accumulate": accumulate,
-        "overlap": overlap and block_k <= 3 * MAX_TILE_K,  # two blocks' stages fit
+        "tile_n": tile_n,
+        "overlap": overlap,
         "cluster_m": cluster_m,
         "mn_major_scales": mn_major_scales,
         "wide_stores": wide_stores,
@@ -213,6 +241,7 @@ __all__ = [
     "OVERLAP",
     "SCALED_MM_BLOCK",
     "SCALE_KINDS",
+    "TILE_N",
     "WGMMA_K",
     "WIDE_STORES",
     "block_k_reason",
@@ -225,4 +254,5 @@ __all__ = [
     "scale_kind",
     "scaled_mm_name",
     "scaled_mm_reason",
+    "wide_tile_reason",
 ]

@@ -53,6 +53,7 @@ multiple of 128: 32, 64, 128, 256, 384, ...; tile_k = min(block_k, 128). A and B
 
 from __future__ import annotations
 
+import math
 import os
 import shlex
 from dataclasses import dataclass
@@ -67,7 +68,7 @@ from cutlass.cute.nvgpu import cpasync, warpgroup
 from cutlass.cutlass_dsl import dsl_user_op
 from cutlass.tensor_utils import LayoutEnum
 
-from fp4gen.codegen.gemm_fp8 import MAX_TILE_K, SCALE_KINDS, block_k_reason
+from fp4gen.codegen.gemm_fp8 import MAX_TILE_K, SCALE_KINDS, block_k_reason, wide_tile_reason
 from fp4gen.kernels.sm90_ptx import cp_async, inline_asm, ir_arg, lds_u32
 
 from cutlass._mlir import ir  # isort: skip  (after cutlass: the DSL's MLIR bindings)
@@ -130,6 +131,8 @@ class GemmSm90Fp8Params:
             reason = reason or f"tile_m must be 128 (two warpgroups of 64 rows), got {self.tile_m}"
         if self.tile_n % 32 or not 32 <= self.tile_n <= 192:
             reason = reason or f"tile_n must be a multiple of 32 in [32, 192], got {self.tile_n}"
+        if reason is None:  # registers: B's scales per column, a third accumulator
+            reason = wide_tile_reason(self.tile_n, self.block_k, self.b_2d, self.overlap)
         if reason is None and self.overlap and self.num_stages < 2 * self.ktiles_per_block:
             # two K-blocks in flight hold their stages until promoted: fewer would deadlock
             reason = (
@@ -180,6 +183,13 @@ class GemmSm90Fp8Params:
         """B's scales come MN-major too (1 x block_k blocks; block_k x block_k tiles keep
         their row-major [ceil(N / block_k), KB], a few rows per tile)."""
         return self.mn_major_scales and not self.b_2d
+
+    @property
+    def b_scale_pair(self) -> bool:
+        """Tiles wider than 128 (B in tiles): an output tile's columns span two rows of B's
+        tile scales at most, split at a boundary column that depends on the tile; the two
+        scales are read, each column group picks one (no per-column scale registers)."""
+        return self.b_2d and self.tile_n > 128 and not self.b_scale_per_tile
 
     @property
     def b_scale_per_tile(self) -> bool:
@@ -657,7 +667,7 @@ class GemmSm90Fp8Kernel:
                 n0 = n_tile * p.tile_n
                 total.fill(0.0)
                 if const_expr(p.overlap):
-                    ks = (full, empty, sf_base, lane, i * k_tiles, row0, row1, cols)
+                    ks = (full, empty, sf_base, lane, i * k_tiles, row0, row1, cols, n0)
                     # block b into parts[b % 2] while block b - 1 is promoted
                     self.issue_block(mmas, parts[0], tCrA, tCrB, ks, 0)
                     for q in cutlass.range((k_blocks - 1) // 2, unroll=1):
@@ -693,7 +703,7 @@ class GemmSm90Fp8Kernel:
                         warpgroup.commit_group()
                         if const_expr(sub == kpb - 1):
                             sa, sb = self.block_scales(sf_base + st * p.sf_stage_bytes,
-                                                       blk, row0, row1, cols)  # fmt: skip
+                                                       blk, row0, row1, cols, n0)  # fmt: skip
                         warpgroup.wait_group(0)
                         self.release(empty + st, lane)
                     self.promote(total, partial, sa, sb)
@@ -775,7 +785,7 @@ class GemmSm90Fp8Kernel:
         """The wgmma of K-block ``blk`` into ``acc`` (its first one overwrites it), one commit
         group; its stages stay held until ``finish_block``."""
         p = self.p
-        full, _, _, _, tile_stage0, _, _, _ = ks
+        full, _, _, _, tile_stage0, _, _, _, _ = ks
         for sub in range_constexpr(p.ktiles_per_block):
             s_lin = tile_stage0 + blk * p.ktiles_per_block + sub
             st = s_lin % p.num_stages
@@ -791,10 +801,11 @@ class GemmSm90Fp8Kernel:
         """K-block ``blk``'s wgmma are done: its scales from its last stage, its stages
         released, ``acc`` promoted into ``total``."""
         p = self.p
-        _, empty, sf_base, lane, tile_stage0, row0, row1, cols = ks
+        _, empty, sf_base, lane, tile_stage0, row0, row1, cols, n0 = ks
         last = tile_stage0 + blk * p.ktiles_per_block + p.ktiles_per_block - 1
         st_last = last % p.num_stages
-        sa, sb = self.block_scales(sf_base + st_last * p.sf_stage_bytes, blk, row0, row1, cols)
+        base = sf_base + st_last * p.sf_stage_bytes
+        sa, sb = self.block_scales(base, blk, row0, row1, cols, n0)
         for sub in range_constexpr(p.ktiles_per_block):
             self.release(empty + (last - sub) % p.num_stages, lane)
         self.promote(total, acc, sa, sb)
@@ -811,64 +822,90 @@ class GemmSm90Fp8Kernel:
                 cute.arch.mbarrier_arrive(empty_st)
 
     @cute.jit
-    def block_scales(self, base: Int32, kb, row0, row1, cols: list):
+    def block_scales(self, base: Int32, kb, row0, row1, cols: list, n0):
         """The K-block's scales this thread needs from the stage at ``base``: s_a of its two
-        rows and s_b of its columns (pairs (c_j, c_j + 1), or one value per tile)."""
+        rows and s_b of its columns (pairs (c_j, c_j + 1), one value per tile, or with
+        ``b_scale_pair`` the tile's two B scales and the column where the second begins)."""
         p = self.p
         b0 = base + p.tile_m * 4
         if const_expr(p.scale_kind == "fp32"):
             sa = (lds_f32(base + row0 * 4), lds_f32(base + row1 * 4))
-            if const_expr(p.b_scale_per_tile):
-                sb = lds_f32(b0)
-            else:
-                sb = [lds_v2_f32(b0 + c * 4) for c in cols]
         elif const_expr(p.mn_major_scales):  # codes packed one per row: row r's is byte r
             sa = tuple(ue8m0_value(lds_u32(base + (r & ~3)), r & 3) for r in (row0, row1))
-            byte = kb & 3  # B's tiles: the word holding the code, as by rows
-            if const_expr(p.b_mn_major):  # columns c, c + 1 (c even): bytes of one word
-                sb = []
-                for c in cols:
-                    word = lds_u32(b0 + (c & ~3))
-                    sb.append((ue8m0_value(word, c & 3), ue8m0_value(word, (c & 3) + 1)))
-            elif const_expr(p.b_scale_per_tile):
-                sb = ue8m0_value(lds_u32(b0), byte)
-            else:
-                sb = [
-                    (
-                        ue8m0_value(lds_u32(b0 + c * 4), byte),
-                        ue8m0_value(lds_u32(b0 + c * 4 + 4), byte),
-                    )
-                    for c in cols
-                ]
         else:
             byte = kb & 3
             sa = (
                 ue8m0_value(lds_u32(base + row0 * 4), byte),
                 ue8m0_value(lds_u32(base + row1 * 4), byte),
             )
+        if const_expr(p.b_scale_pair):  # by rows: column c's scale in the word at b0 + 4 c
+            lo = self.b_tile_scale(b0, kb)
+            hi = self.b_tile_scale(b0 + (p.tile_n - 1) * 4, kb)
+            sb = (lo, hi, p.block_k - n0 % p.block_k)
+        elif const_expr(p.scale_kind == "fp32"):
             if const_expr(p.b_scale_per_tile):
-                sb = ue8m0_value(lds_u32(b0), byte)
+                sb = lds_f32(b0)
             else:
-                sb = [
-                    (
-                        ue8m0_value(lds_u32(b0 + c * 4), byte),
-                        ue8m0_value(lds_u32(b0 + c * 4 + 4), byte),
-                    )
-                    for c in cols
-                ]
+                sb = [lds_v2_f32(b0 + c * 4) for c in cols]
+        elif const_expr(p.b_mn_major):  # columns c, c + 1 (c even): bytes of one word
+            sb = []
+            for c in cols:
+                word = lds_u32(b0 + (c & ~3))
+                sb.append((ue8m0_value(word, c & 3), ue8m0_value(word, (c & 3) + 1)))
+        elif const_expr(p.b_scale_per_tile):
+            sb = self.b_tile_scale(b0, kb)
+        else:
+            byte = kb & 3
+            sb = [
+                (
+                    ue8m0_value(lds_u32(b0 + c * 4), byte),
+                    ue8m0_value(lds_u32(b0 + c * 4 + 4), byte),
+                )
+                for c in cols
+            ]
         return sa, sb
+
+    @cute.jit
+    def b_tile_scale(self, addr, kb):
+        """A B scale copied by rows: the fp32 factor at ``addr``, or the ue8m0 code of K-block
+        ``kb`` in the word there."""
+        if const_expr(self.p.scale_kind == "fp32"):
+            value = lds_f32(addr)
+        else:
+            value = ue8m0_value(lds_u32(addr), kb & 3)
+        return value
 
     @cute.jit
     def promote(self, total: cute.Tensor, partial: cute.Tensor, sa, sb):
         """total += partial * fp32(s_a s_b), element by element."""
         p = self.p
-        for j in range_constexpr(p.tile_n // 8):
-            for v1 in range_constexpr(2):
-                for v0 in range_constexpr(2):
-                    e = v0 + 2 * v1 + 4 * j
-                    s_b = sb if const_expr(p.b_scale_per_tile) else sb[j][v0]
-                    s = sa[v1] * s_b
-                    total[e] = total[e] + partial[e] * s
+        if const_expr(p.b_scale_pair):
+            # column group j (8 columns, never split: the boundary is a multiple of 32) takes
+            # the second B scale from the boundary on; before the smallest boundary (the gcd
+            # of tile_n and block_k) always the first, from block_k on always the second
+            lo, hi, boundary = sb
+            s_lo = (sa[0] * lo, sa[1] * lo)
+            s_hi = (sa[0] * hi, sa[1] * hi)
+            first_split = math.gcd(p.tile_n, p.block_k)
+            for j in range_constexpr(p.tile_n // 8):
+                for v1 in range_constexpr(2):
+                    if const_expr(8 * j + 8 <= first_split):
+                        s = s_lo[v1]
+                    elif const_expr(8 * j >= p.block_k):
+                        s = s_hi[v1]
+                    else:
+                        s = cutlass.select_(8 * j >= boundary, s_hi[v1], s_lo[v1])
+                    for v0 in range_constexpr(2):
+                        e = v0 + 2 * v1 + 4 * j
+                        total[e] = total[e] + partial[e] * s
+        else:
+            for j in range_constexpr(p.tile_n // 8):
+                for v1 in range_constexpr(2):
+                    for v0 in range_constexpr(2):
+                        e = v0 + 2 * v1 + 4 * j
+                        s_b = sb if const_expr(p.b_scale_per_tile) else sb[j][v0]
+                        s = sa[v1] * s_b
+                        total[e] = total[e] + partial[e] * s
 
     @cute.jit
     def store_tile_wide(self, mC, mBias, total, alpha, rows: tuple, n0, cols: list, lane):

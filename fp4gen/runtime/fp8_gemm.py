@@ -50,6 +50,7 @@ from fp4gen.codegen.gemm_fp8 import (
     MN_MAJOR_ALIGN,
     MN_MAJOR_SCALES,
     OVERLAP,
+    TILE_N,
     WIDE_STORES,
     kernel_fields,
     kernel_out,
@@ -367,6 +368,9 @@ CUTE_CLUSTER_M = CLUSTER_M
 # ``fp4gen.codegen.gemm_fp8.MN_MAJOR_SCALES`` / ``WIDE_STORES``, set here the same way.
 CUTE_MN_MAJOR_SCALES = MN_MAJOR_SCALES
 CUTE_WIDE_STORES = WIDE_STORES
+# The output tile's width (GemmSm90Fp8Params.tile_n, where the pair allows it):
+# ``fp4gen.codegen.gemm_fp8.TILE_N``.
+CUTE_TILE_N = TILE_N
 
 
 def cute_support(a: BlockFormat | object, b: BlockFormat | object) -> str | None:
@@ -461,6 +465,7 @@ def cute_plan(
         CUTE_CLUSTER_M,
         CUTE_MN_MAJOR_SCALES,
         CUTE_WIDE_STORES,
+        CUTE_TILE_N,
     )
     hit = _cute_plans.get(key)
     if hit is not None and hit[0] is a and hit[1] is b:
@@ -478,6 +483,7 @@ def cute_plan(
         cluster_m=CUTE_CLUSTER_M,
         mn_major_scales=CUTE_MN_MAJOR_SCALES,
         wide_stores=CUTE_WIDE_STORES,
+        tile_n=CUTE_TILE_N,
     )
     params = GemmSm90Fp8Params(**fields)
     kernel_dtype = torch.bfloat16 if params.out == "bf16" else torch.float32
