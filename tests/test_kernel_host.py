@@ -6,14 +6,17 @@ GEMM hosts' operand rules."""
 from __future__ import annotations
 
 import re
+import shutil
 from pathlib import Path
 
 import pytest
 import torch
 from test_codegen_gemm import COMPILED
 
+import fp4gen
 from fp4gen.codegen import import_source
 from fp4gen.codegen.mor import MoRKernelSpec, render
+from fp4gen.compiler import cache as cache_mod
 from fp4gen.device_offset import DeviceOffset
 from fp4gen.dsl.model import Candidate, HighPrecision, Metric, MoRSpec, Partition
 from fp4gen.errors import TensorError
@@ -275,3 +278,30 @@ def test_gemm_host_requires_the_bias_it_was_generated_with(small: bool, tmp_path
         ws, counters = mod.workspace(100, 200, 3, "cpu")
         assert ws.shape == (3, mod.tiles(100, 200) * mod.TILE_ELEMS)
         assert counters.dtype == torch.int32 and not counters.any()
+
+
+# ----------------------------------------------------------------------------------------------
+# The kernel cache's key
+# ----------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("name", ["host", "quantize_host", "mor_host", "gemm_sm90_host"])
+def test_the_template_version_covers_the_host_modules(
+    name: str, tmp_path: Path, monkeypatch
+) -> None:
+    """Generated modules import their host code from fp4gen/kernels: a change there is a new
+    template version, so a cached kernel is never loaded beside host code it was not built
+    with."""
+    pkg = Path(fp4gen.__file__).resolve().parent
+    copy = tmp_path / "fp4gen"
+    for folder in cache_mod._TEMPLATE_DIRS:
+        shutil.copytree(pkg / folder, copy / folder, ignore=shutil.ignore_patterns("__pycache__"))
+    (copy / "__init__.py").write_text("")
+    monkeypatch.setattr(fp4gen, "__file__", str(copy / "__init__.py"))
+    cache_mod.template_version.cache_clear()
+    try:
+        before = cache_mod.template_version()
+        module = copy / "kernels" / f"{name}.py"
+        module.write_text(module.read_text() + "\n# a change\n")
+        cache_mod.template_version.cache_clear()
+        assert cache_mod.template_version() != before
+    finally:
+        cache_mod.template_version.cache_clear()
