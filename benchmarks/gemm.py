@@ -40,7 +40,8 @@ Per shape MxNxK and format, C = A @ B^T with A [M, K] and B [N, K]:
                         cluster, row-major or "coalesced": MN-major scales read by 16-byte
                         copies and whole-sector stores, and each half of it alone:
                         fp8_gemm.CUTE_OVERLAP, CUTE_CLUSTER_M, CUTE_MN_MAJOR_SCALES,
-                        CUTE_WIDE_STORES); the coalesced variant end to end, and its per-call
+                        CUTE_WIDE_STORES), 128 x 192 tiles where B comes in tiles
+                        (CUTE_TILE_N); the coalesced variant end to end, and its per-call
                         transpose of A's scales alone (the "TFLOP/s" of that line is the
                         GEMM's count over the transpose's time: read its microseconds)
   fp4gen.gemm auto      end to end (dispatch, checks, launch), bf16 out; A is a fresh
@@ -341,20 +342,32 @@ def fp8_lines(fa, fb, sets, nset: int, iters: int, line, ref: dict[str, float], 
 
 
 # The generated FP8 kernel's variants timed alone beside the one calls take: (overlap,
-# cluster_m, mn_major_scales, wide_stores). The row-major and the coalesced variant
-# (GemmSm90Fp8Params.mn_major_scales + wide_stores) of each overlap / cluster setting, then each
-# half of the coalesced variant alone at overlap + cluster 2x1 (which of the two gains what).
-FP8_VARIANTS = [
-    (overlap, cluster_m, coalesced, coalesced)
-    for coalesced in (False, True)
-    for overlap in (False, True)
-    for cluster_m in (1, 2)
-] + [(True, 2, True, False), (True, 2, False, True)]
-_FLAGS = ("CUTE_OVERLAP", "CUTE_CLUSTER_M", "CUTE_MN_MAJOR_SCALES", "CUTE_WIDE_STORES")
+# cluster_m, mn_major_scales, wide_stores, tile_n). The row-major and the coalesced variant
+# (GemmSm90Fp8Params.mn_major_scales + wide_stores) of each overlap / cluster setting; each
+# half of the coalesced variant alone at overlap + cluster 2x1 (which of the two gains what);
+# 192-wide tiles (no overlap; pairs with B in tiles only, the others are left out).
+FP8_VARIANTS = (
+    [
+        (overlap, cluster_m, coalesced, coalesced, 128)
+        for coalesced in (False, True)
+        for overlap in (False, True)
+        for cluster_m in (1, 2)
+    ]
+    + [(True, 2, True, False, 128), (True, 2, False, True, 128)]
+    + [(False, 1, False, False, 192), (False, 1, True, True, 192), (False, 2, True, True, 192)]
+)
+_FLAGS = (
+    "CUTE_OVERLAP",
+    "CUTE_CLUSTER_M",
+    "CUTE_MN_MAJOR_SCALES",
+    "CUTE_WIDE_STORES",
+    "CUTE_TILE_N",
+)
 
 
-def fp8_variant_label(overlap: bool, cluster_m: int, mn_major: bool, wide: bool) -> str:
+def fp8_variant_label(overlap: bool, cluster_m: int, mn_major: bool, wide: bool, n: int) -> str:
     label = ("overlap" if overlap else "one partial") + f", cluster {cluster_m}x1"
+    label += f", 128x{n}" if n != 128 else ""
     if mn_major and wide:
         return label + ", coalesced"
     if mn_major or wide:
@@ -384,11 +397,15 @@ def fp8_variant_methods(fa, fb, sets, nset: int) -> dict:
     scales included); the coalesced variant end to end too (fp4gen.gemm backend="cute": its
     host path transposes A's scales per call), and that transpose alone."""
     current = tuple(getattr(fp8_gemm, f) for f in _FLAGS)
+    seen = {fp8_gemm.cute_plan(fa, fb, torch.bfloat16, False, False).params}
     methods = {}
     for flags in FP8_VARIANTS:
-        if flags == current:
-            continue
         label = fp8_variant_label(*flags)
+        with FP8Flags(flags):
+            params = fp8_gemm.cute_plan(fa, fb, torch.bfloat16, False, False).params
+        if params in seen:  # the calls' own, or a setting the pair does not take
+            continue
+        seen.add(params)
         try:
             with FP8Flags(flags):
                 calls = [fp8_gemm.cute_launch(a, b, out_dtype=torch.bfloat16)[:2] for a, b in sets]
@@ -401,7 +418,7 @@ def fp8_variant_methods(fa, fb, sets, nset: int) -> dict:
             fn(*args)
 
         methods[f"FP8 kernel, {label}"] = cute_other
-    coalesced = (current[0], current[1], True, True)
+    coalesced = (current[0], current[1], True, True, current[4])
     if coalesced != current:
 
         def cute_coalesced(i: int = 0, flags=coalesced):

@@ -13,9 +13,9 @@ fp4gen.kernels.gemm_sm90_fp8) on a Hopper GPU against the float64 oracle
   L / 32 * 33 * 2^-13 sum_block |p|: a worst case; the measured ratio is printed), plus the
   output dtype's rounding.
 
-Every test runs the kernel's variants (one or two partial accumulators; 2-CTA clusters; the
-coalesced variant: MN-major scales and whole-sector stores). Run on an sm_90 GPU:
-pytest -m gpu tests/test_fp8_gemm_sm90_gpu.py
+The kernel's variants are tested alike: one or two partial accumulators, 2-CTA clusters, the
+coalesced variant (MN-major scales, whole-sector stores; ``-k coalesced``) and 192-wide tiles
+(``-k wide_tile``). Run on an sm_90 GPU: pytest -m gpu tests/test_fp8_gemm_sm90_gpu.py
 """
 
 from __future__ import annotations
@@ -271,6 +271,59 @@ def test_coalesced_variant_tails_exact(pair, shape, monkeypatch) -> None:
     assert torch.equal(got, (ref + bias).bfloat16())
     got = fp4gen.gemm(a, b, backend="cute", bias=bias, accumulate=acc)
     assert torch.equal(got, ref + bias + acc)
+
+
+# B in tiles: the pairs the 192-wide tile takes (fp8_gemm.CUTE_TILE_N)
+WIDE_TILE_PAIRS = ["1x128 x 128x128", "e4m3 x e5m2 tiles", "1x256 x 256x256"]
+# N = 192 (one tile), 384 (two: the second's boundary at column 64), 200 and 203 (tails); more
+# tiles than SMs; a long K
+WIDE_TILE_SHAPES = [(7, 192, 384), (129, 384, 1000), (65, 203, 256), (2048, 2048, 256),
+                    (300, 200, 4096), (130, 36, 384)]  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "coalesced, cluster_m",
+    [(False, 1), (True, 1), (True, 2)],
+    ids=["row_major", "coalesced", "coalesced_c2x1"],
+)
+@pytest.mark.parametrize("pair", WIDE_TILE_PAIRS)
+@pytest.mark.parametrize("shape", WIDE_TILE_SHAPES, ids=lambda s: "x".join(map(str, s)))
+def test_wide_tile_exact(pair, shape, cluster_m, coalesced, monkeypatch) -> None:
+    """128 x 192 output tiles (each spanning one or two of B's scale tiles, split at a column
+    that depends on the tile): the oracle bit for bit on integer inputs, bf16 and fp32
+    outputs, a bias and accumulate; one CTA or 2-CTA clusters."""
+    monkeypatch.setattr(fp8_gemm, "CUTE_TILE_N", 192)
+    monkeypatch.setattr(fp8_gemm, "CUTE_OVERLAP", False)
+    monkeypatch.setattr(fp8_gemm, "CUTE_CLUSTER_M", cluster_m)
+    set_coalesced(monkeypatch, coalesced)
+    m, n, k = shape
+    fa, fb = PAIRS[pair]
+    assert fp8_gemm.cute_plan(fa, fb, torch.bfloat16, False, False).params.tile_n == 192
+    g = torch.Generator().manual_seed(m * 11 + n * 3 + k)
+    a, b = integer_operand(m, k, fa, g), integer_operand(n, k, fb, g)
+    ref = gemm_block_scaled_reference(a, b)
+    for out_dtype in (torch.bfloat16, torch.float32):
+        got = fp4gen.gemm(a, b, backend="cute", out_dtype=out_dtype)
+        assert torch.equal(got, ref.to(out_dtype)), f"{pair} {shape} {out_dtype}"
+    bias = torch.randint(-64, 65, (n,), generator=g).float().cuda()
+    acc = torch.randint(-1000, 1001, (m, n), generator=g).float().cuda()
+    got = fp4gen.gemm(a, b, backend="cute", bias=bias, accumulate=acc)
+    assert torch.equal(got, ref + bias + acc)
+
+
+def test_wide_tile_is_bit_identical_on_random_data(monkeypatch) -> None:
+    """Random data with outliers, the fp8_blockwise fprop pair: the 192-wide tile's result
+    is the 128-wide one's bit for bit (the same products and sums per element)."""
+    g = torch.Generator(device="cuda").manual_seed(8)
+    x = torch.randn(1000, 2048, device="cuda", generator=g)
+    w = torch.randn(1000, 2048, device="cuda", generator=g) * 0.02
+    x[3, 7] = 500.0
+    a, b = quantize(x, ROW), quantize(w, TILE)
+    got = {}
+    for tile_n in (128, 192):
+        monkeypatch.setattr(fp8_gemm, "CUTE_TILE_N", tile_n)
+        got[tile_n] = fp4gen.gemm(a, b, backend="cute", out_dtype=torch.float32)
+    assert torch.equal(got[128], got[192])
 
 
 CLUSTER_PAIRS = ["1x128 x 128x128", "1x128 x 1x128", "mxfp8 1x32 ue8m0", "1x256 x 256x256"]
