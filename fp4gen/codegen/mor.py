@@ -149,6 +149,39 @@ class HighContext:
 
 
 @dataclass(frozen=True)
+class KernelClass:
+    """A kernel of the module: its class there (whose name is the kernel symbol's) and the
+    ``fp4gen.kernels.mor`` class it subclasses, built with one of the module's parameter
+    objects."""
+
+    name: str  # the kernel's name in KERNELS: "amax"
+    cls: str  # the module's class: "AmaxKernel"
+    base: str  # the fp4gen.kernels.mor class: the entry taking exactly the rule's tensors
+    params: str  # the parameter object: "SCALE_PARAMS", "MEASURE_PARAMS" or "DECIDE_PARAMS"
+
+
+def kernel_classes(fused: bool, high: bool, uses_range: bool) -> tuple[KernelClass, ...]:
+    """The module's kernels in launch order. Where a rule's tensors differ, so does the entry:
+    without high-precision values the quantize and emit kernels' ``Codes`` entries, with the
+    range metric the measure and decide kernels' ``Range`` entries."""
+    codes = "" if high else "Codes"
+    ranged = "Range" if uses_range else ""
+    rows = [("amax", "MoRAmax", "SCALE"), ("scales", "MoRScales", "SCALE")]
+    if fused:
+        rows.append(("quantize", f"MoRQuantize{codes}", "MEASURE"))
+    else:
+        rows += [
+            ("measure", f"MoRMeasure{ranged}", "MEASURE"),
+            ("decide", f"MoRDecide{ranged}", "DECIDE"),
+            ("emit", f"MoREmit{codes}", "MEASURE"),
+        ]
+    return tuple(
+        KernelClass(name, f"{name.capitalize()}Kernel", f"{base}Kernel", f"{params}_PARAMS")
+        for name, base, params in rows
+    )
+
+
+@dataclass(frozen=True)
 class MoRContext(TemplateContext):
     """The variables of mor.py.j2. Partition shifts: a row's (column's) unit index is row >> shift,
     31 for a side that spans the whole tensor."""
@@ -156,6 +189,7 @@ class MoRContext(TemplateContext):
     entries: SpecEntries[MoRKernelSpec] = inline()
     rule_text: tuple[str, ...]  # the rule, one statement a line
     kernels: tuple[str, ...]  # kernel names in launch order
+    classes: tuple[KernelClass, ...]  # the module's kernel classes, in launch order
     fused: bool  # a decision unit fits a 128x128 tile: decided in the quantizing pass
     archs: tuple[str, ...]
     input: InputContext
@@ -253,12 +287,13 @@ def context(spec: MoRKernelSpec) -> MoRContext:
     srs, scs = _shifts(rule.scale, "a scale")
     rh, cw = min(urs, 7), min(ucs, 7)
     fused = urs <= 7 and ucs <= 7
+    uses_range = any(c.metric == "range" for c in cands)
+    classes = kernel_classes(fused, high is not None, uses_range)
     return MoRContext(
         entries=SpecEntries.of(spec),
         rule_text=tuple(_rule_text(rule)),
-        kernels=("amax", "scales", "quantize")
-        if fused
-        else ("amax", "scales", "measure", "decide", "emit"),
+        kernels=tuple(c.name for c in classes),
+        classes=classes,
         fused=fused,
         archs=ARCHS,
         input=input_context(spec.input_dtype),
@@ -271,7 +306,7 @@ def context(spec: MoRKernelSpec) -> MoRContext:
         high=None if high is None else HighContext(high, DTYPES[high].torch_name),
         high_bytes=0 if high is None else DTYPES[high].size,
         high_cands=tuple(highs),
-        uses_range=any(c.metric == "range" for c in cands),
+        uses_range=uses_range,
         scaling=rule.scaling,
         urs=urs,
         ucs=ucs,
@@ -327,9 +362,11 @@ __all__ = [
     "ElementRep",
     "HighContext",
     "HighRep",
+    "KernelClass",
     "MoRContext",
     "MoRKernelSpec",
     "check",
     "context",
+    "kernel_classes",
     "render",
 ]
