@@ -50,9 +50,10 @@ class QuantOutput:
 class QuantKernelSpec:
     """A fused quantize kernel: one input tensor, one or two quantized copies of it.
 
-    ``targets``, ``target_error`` and ``global_bound`` are the block format's options of
-    docs/numerics.md 11.1 (defaults: none); the repr, and so the digest, names them only where
-    they differ from the defaults, so a spec without them keeps the digest it always had.
+    ``targets``, ``target_error``, ``global_bound`` and ``global_rows`` are the block format's
+    options of docs/numerics.md 11.1 and 11.4 (defaults: none); the repr, and so the digest,
+    names them only where they differ from the defaults, so a spec without them keeps the
+    digest it always had.
     """
 
     element: ElementFormat
@@ -64,6 +65,7 @@ class QuantKernelSpec:
     targets: tuple[float, ...] = ()  # the block targets tried in order; (): the element's max
     target_error: TargetError = "mse"  # the error that picks a target
     global_bound: float | None = None  # the global scale's bound; None: the scale's max
+    global_rows: bool = False  # one global scale per row (numerics.md 11.4)
 
     def __post_init__(self) -> None:
         if not 1 <= len(self.outputs) <= 2:
@@ -86,6 +88,8 @@ class QuantKernelSpec:
             fields += [("targets", self.targets), ("target_error", self.target_error)]
         if self.global_bound is not None:
             fields.append(("global_bound", self.global_bound))
+        if self.global_rows:
+            fields.append(("global_rows", True))
         return f"QuantKernelSpec({', '.join(f'{k}={v!r}' for k, v in fields)})"
 
     @property
@@ -109,7 +113,8 @@ class QuantKernelSpec:
             block += "mae" if self.target_error == "mae" else ""
         glob = "nog"
         if self.global_scale:
-            glob = "g" if self.global_bound is None else f"g{self.global_bound:g}"
+            glob = "grow" if self.global_rows else "g"
+            glob += "" if self.global_bound is None else f"{self.global_bound:g}"
         parts = ["quant", self.element.name.replace(" ", ""), block, scale, glob, self.input_dtype]
         for out in self.outputs:
             tag = {"rowwise": "row", "columnwise": "col"}[out.direction]

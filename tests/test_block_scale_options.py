@@ -405,7 +405,8 @@ def test_planner_routes_the_options_to_the_kernels_or_the_reference_with_a_reaso
     assert "targets 6 4" in next(iter(reasons)) and "16x16 blocks" in next(iter(reasons))
     assert reference_only_reason(FOUR_OVER_SIX) is None
     rows = plan_recipe(load_recipe("nvfp4_rowscaled"))
-    assert rows.kernel_for(Operand.FPROP_ACTIVATION) is None
+    per_row = rows.kernel_for(Operand.FPROP_ACTIVATION)
+    assert per_row is not None and per_row.spec.global_rows  # the rowwise kernel, per row
     assert rows.kernel_for(Operand.DGRAD_GRADIENT) is not None
     assert reference_only_reason(NVFP4) is None
 
@@ -420,8 +421,12 @@ def test_cute_backend_refuses_a_format_with_options() -> None:
     )
     assert isinstance(launch.kernels, Unsupported)
     assert "targets 6 4" in launch.kernels.reason
-    rows = dataclasses.replace(BUILTIN_FORMATS["nvfp4"], name="rows", global_rows=True)
-    launch = cute_backend._launch(rows, (("rowwise", "nearest", None),), torch.zeros(16, 32))
+    # the MS-EDEN correction: no kernel (per-row global scales: the rowwise kernel's too)
+    eden = dataclasses.replace(SR_SCALES, eden_group=128)
+    launch = cute_backend._launch(eden, (("rowwise", "nearest", None),), torch.zeros(16, 128))
+    assert isinstance(launch.kernels, Unsupported)
+    assert "MS-EDEN" in launch.kernels.reason
+    launch = cute_backend._launch(ROWS, (("columnwise", "nearest", None),), torch.zeros(16, 32))
     assert isinstance(launch.kernels, Unsupported)
     assert "per-row global scales" in launch.kernels.reason
 

@@ -7,10 +7,10 @@ global scale must be equal bit for bit (no tolerance: the kernels follow the ref
 of operations).
 
 Also: the tile kernel with a global bound alone (the bound only changes S_enc's numerator), the
-runtime's routing (``fp4gen.quantize(..., backend="cute")`` and the columnwise copy of a Four Over
-Six operand, which the rowwise kernel quantizes from the transpose) and the non-finite policy
-(S_dec NaN). Skipped without a CUDA GPU (marker ``gpu``); the kernels are compiled for the GPU's
-arch first, in parallel worker processes.
+runtime's routing (``fp4gen.quantize(..., backend="cute")`` and the columnwise copy of a Four
+Over Six operand, which the rowwise kernel quantizes from the transpose) and the non-finite
+policy (S_dec NaN; per row: that row's). Skipped without a CUDA GPU (marker ``gpu``); the
+kernels are compiled for the GPU's arch first, in parallel worker processes.
 """
 
 from __future__ import annotations
@@ -97,6 +97,19 @@ CASES: dict[str, tuple[BlockFormat, str, RHTSpec | None]] = {
     "4over6_layer_signs_rht16": (FOUR_OVER_SIX, "nearest", RHTSpec(16, "layer", None, 7)),
     "mxfp4_step_signs_rht32_sr": (MXFP4, SR, RHTSpec(32, "step", None, 0)),
     "step_signs_rht8_b32": (fmt(NVFP4, block=(1, 32)), "nearest", RHTSpec(8, "step", None, 2)),
+    # one global scale per row (docs/numerics.md 11.4): [M] amax and S_dec
+    "rows": (fmt(NVFP4, global_rows=True), "nearest", None),
+    "rows_rht16_sr8": (fmt(NVFP4, global_rows=True), SR8, TE16),
+    "rows_4over6_b64_sr_step_signs": (
+        fmt(NVFP4, block=(1, 64), global_rows=True, targets=(6.0, 4.0), global_bound=256.0),
+        SR,
+        RHTSpec(16, "step", None, 4),
+    ),
+    "rows_sr_scales_b32": (
+        fmt(NVFP4, block=(1, 32), global_rows=True, scale=SR_SCALES),
+        SR16,
+        None,
+    ),
 }
 PATTERNS = (
     "randn",
@@ -294,6 +307,24 @@ def test_stochastic_scales_depend_on_seed_and_offset(kernels) -> None:
     assert torch.equal(a, mod.run(fns, x, seed=1, offset=0)["scales"])
 
 
+def test_per_row_scales_of_a_row_with_a_nan(kernels) -> None:
+    """Per-row global scales: a NaN or an Inf makes its own row's S_dec NaN and leaves the
+    other rows' bits as for a finite input; the module says so (NONFINITE_TO_NAN_SCALE False),
+    so the runtime checks the input itself, as for the reference."""
+    spec = make_spec("rows", "bf16")
+    mod, fns = kernels(spec)
+    assert mod.NONFINITE_TO_NAN_SCALE is False
+    x = option_input(spec, "randn", 16, 256, 9)
+    clean = mod.run(fns, x)["global_scale"]
+    for bad in (float("nan"), float("inf")):
+        y = x.clone()
+        y[3, 17] = bad
+        got = mod.run(fns, y)["global_scale"]
+        assert got.shape == (16, 1) and torch.isnan(got[3, 0]).item()
+        keep = torch.arange(16, device="cuda") != 3
+        assert torch.equal(got[keep].view(torch.int32), clean[keep].view(torch.int32))
+
+
 @pytest.mark.parametrize("case", ["4over6", "4over6_rht16_sr8", "sr_scales", "mxfp4_targets_643"])
 def test_a_nan_or_an_inf_makes_the_decode_scale_nan(case: str, kernels) -> None:
     """docs/numerics.md 7: S_dec is NaN iff the input holds a NaN or an Inf (the reference
@@ -370,6 +401,11 @@ def test_runtime_routes_four_over_six_to_the_rowwise_kernel() -> None:
     got = fp4gen.quantize(x, FOUR_OVER_SIX, rounding=SR8, hadamard=step, seed=3, backend="cute")
     ref = quantize(x, FOUR_OVER_SIX, rounding=SR8, hadamard=step, seed=3)
     assert torch.equal(got.data, ref.data) and torch.equal(got.scale_codes, ref.scale_codes)
+    rows = fmt(NVFP4, global_rows=True)
+    got = fp4gen.quantize(x, rows, rounding=SR8, hadamard=TE16, seed=3, backend="cute")
+    ref = quantize(x, rows, rounding=SR8, hadamard=TE16, seed=3)
+    assert got.global_scale.shape == ref.global_scale.shape == (256, 1)
+    assert torch.equal(got.global_scale, ref.global_scale) and torch.equal(got.data, ref.data)
     a, b = quantize_operand_pair(
         x, (OperandSpec(NVFP4, SR8, step), 1), (OperandSpec(NVFP4, SR8, step), 2), seed=5
     )

@@ -118,6 +118,14 @@ COMPILED = {
         None,
         "bf16",
     ),
+    # one global scale per row (docs/numerics.md 11.4), with the other options
+    "rows": (dataclasses.replace(NVFP4, name="r", global_rows=True), "nearest", None, "bf16"),
+    "rows_4over6_b64_sr_step_signs": (
+        dataclasses.replace(FOUR_OVER_SIX, block=(1, 64), global_rows=True),
+        "stochastic",
+        RHTSpec(16, "step", None, 1),
+        "fp32",
+    ),
     # RHT signs drawn per layer or step: the kernels' arguments (docs/numerics.md 12)
     "step_signs_rht16_sr8": (NVFP4, "stochastic8", RHTSpec(16, "step", None, 1), "bf16"),
     "4over6_layer_signs_rht32_nog": (
@@ -177,7 +185,8 @@ def test_planner_keeps_the_reference_for_what_no_kernel_implements() -> None:
     quartet = plan_recipe(load_recipe(ROOT / "fp4gen" / "recipes" / "nvfp4_quartet2.fp4r"))
     assert quartet.kernel_for(Operand.DGRAD_GRADIENT) is None
     rows = dataclasses.replace(NVFP4, name="rows", global_rows=True)
-    assert "per-row global scales" in (reference_only_reason(rows) or "")
+    assert reference_only_reason(rows) is None  # the rowwise kernel, one scale per row
+    assert "per-row global scales" in (tile_reason(rows) or "")
     eden = dataclasses.replace(
         NVFP4, name="eden", eden_group=128, scale=ScaleSpec(E4M3, "stochastic")
     )
@@ -279,3 +288,16 @@ def test_the_host_asks_for_the_signs(tmp_path: Path) -> None:
     assert fixed.sign_args(None) == []
     with pytest.raises(ValueError, match="compiled in"):
         fixed.sign_args(RHTSpec(16, "step", None, 1).at(1, 1))
+
+
+def test_per_row_scales_plan_the_rowwise_kernel() -> None:
+    """nvfp4_rowscaled: fprop.activation (one global scale per token) gets the rowwise kernel
+    with [M] amax and S_dec; its module leaves the finite check to the runtime (a row's S_dec
+    alone would turn NaN)."""
+    plan = plan_recipe(load_recipe(ROOT / "fp4gen" / "recipes" / "nvfp4_rowscaled.fp4r"))
+    kernel = plan.kernel_for(Operand.FPROP_ACTIVATION)
+    assert kernel is not None and kernel.spec.global_rows and is_rowwise(kernel.spec)
+    assert kernel.spec.name == "quant_e2m1_1x16_e4m3rn_grow_bf16_row_rne"
+    source = render(kernel.spec)
+    assert "GLOBAL_ROWS = True" in source and "NONFINITE_TO_NAN_SCALE = False" in source
+    assert "global_rows=True" in repr(kernel.spec)

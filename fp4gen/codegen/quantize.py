@@ -466,6 +466,7 @@ class RowwiseContext(TemplateContext):
     global_bound: str | None  # literal of the global bound (11.1), None: the scale's max
     scale_sr: bool  # stochastic block scales (11.2): a Philox word per block
     philox: bool  # the kernel draws Philox words: it takes the seed and the offset
+    global_rows: bool  # one global scale per row (11.4): amax and S_dec are [M]
 
 
 def context(spec: QuantKernelSpec) -> RowwiseContext:
@@ -516,6 +517,7 @@ def context(spec: QuantKernelSpec) -> RowwiseContext:
         global_bound=lit(spec.global_bound) if spec.global_bound is not None else None,
         scale_sr=scale_sr,
         philox=sr or scale_sr,
+        global_rows=spec.global_rows,
     )
 
 
@@ -681,6 +683,11 @@ def _check_tile(spec: QuantKernelSpec) -> None:
         raise NotImplementedError(
             f"{spec.name}: block targets and stochastic block scales (docs/numerics.md 11.1-11.2) "
             "are implemented by the rowwise kernel only"
+        )
+    if spec.global_rows:
+        raise NotImplementedError(
+            f"{spec.name}: per-row global scales (docs/numerics.md 11.4) are implemented by the "
+            "rowwise kernel only"
         )
     if any(o.rht is not None and o.rht.redrawn for o in spec.outputs):
         raise NotImplementedError(

@@ -215,12 +215,14 @@ def spec_json(spec: QuantKernelSpec | MoRKernelSpec) -> dict[str, Any]:
         "scale": {"format": spec.scale.name, "rounding": spec.scale.rounding},
         "global_scale": spec.global_scale,
     }
-    # the options of docs/numerics.md 11.1 only where set (the manifests of the formats without
-    # them stay as they were)
+    # the options of docs/numerics.md 11.1 and 11.4 only where set (the manifests of the formats
+    # without them stay as they were)
     if spec.targets:
         out["targets"] = {"values": list(spec.targets), "error": spec.target_error}
     if spec.global_bound is not None:
         out["global_bound"] = spec.global_bound
+    if spec.global_rows:
+        out["global_rows"] = True
     out.update(
         input_dtype=spec.input_dtype,
         outputs=[output_json(o) for o in spec.outputs],
@@ -397,13 +399,15 @@ def kernel_spec(
         targets=fmt.targets,
         target_error=fmt.target_error if fmt.targets else "mse",
         global_bound=fmt.global_bound,
+        global_rows=fmt.global_rows,
     )
 
 
 def rowwise_only(fmt: BlockFormat) -> bool:
-    """Block targets or stochastic block scales (docs/numerics.md 11.1-11.2): only the rowwise
-    kernel (one rowwise copy, 1D blocks) implements them, not the tile kernel."""
-    return bool(fmt.targets) or fmt.scale.rounding == "stochastic"
+    """Block targets, stochastic block scales or per-row global scales (docs/numerics.md 11.1,
+    11.2, 11.4): only the rowwise kernel (one rowwise copy, 1D blocks) implements them, not the
+    tile kernel."""
+    return bool(fmt.targets) or fmt.scale.rounding == "stochastic" or fmt.global_rows
 
 
 def rowwise_only_reason(fmt: BlockFormat) -> str | None:
@@ -411,7 +415,7 @@ def rowwise_only_reason(fmt: BlockFormat) -> str | None:
     stochastic block scales are the rowwise kernel's alone), or None."""
     if not rowwise_only(fmt) or not fmt.is_2d:
         return None
-    what = _options_text(fmt, ("targets", "stochastic"))
+    what = _options_text(fmt, ("targets", "stochastic", "rows"))
     return (
         f"format {fmt.name} has {what} on {fmt.block[0]}x{fmt.block[1]} blocks: only the "
         "rowwise kernel (1D blocks) implements them, so the reference quantizes these operands"
@@ -420,11 +424,12 @@ def rowwise_only_reason(fmt: BlockFormat) -> str | None:
 
 def tile_reason(fmt: BlockFormat) -> str | None:
     """Why the tile kernel (a columnwise copy, two copies in one launch, 2D blocks) does not
-    quantize ``fmt``, or None: the rowwise kernel alone implements block targets and stochastic
-    block scales, so a columnwise copy is the rowwise kernel run on the transpose."""
+    quantize ``fmt``, or None: the rowwise kernel alone implements block targets, stochastic
+    block scales and per-row global scales, so a columnwise copy is the rowwise kernel run on
+    the transpose."""
     if not rowwise_only(fmt):
         return None
-    what = _options_text(fmt, ("targets", "stochastic"))
+    what = _options_text(fmt, ("targets", "stochastic", "rows"))
     return (
         f"format {fmt.name} has {what}: the tile kernel does not implement them, so each copy "
         "is quantized on its own (a columnwise copy by the rowwise kernel on the transpose)"
@@ -458,11 +463,11 @@ ROW_SCALED_REASON = (
 
 def reference_only_reason(fmt: BlockFormat) -> str | None:
     """Why no generated quantize kernel serves ``fmt`` (an option of docs/numerics.md 11 that
-    the kernels do not implement yet: per-row global scales, the MS-EDEN correction), or None.
+    the kernels do not implement yet: the MS-EDEN correction), or None.
     The runtime quantizes such operands with the reference (``backend="auto"`` logs this reason
-    once, ``"cute"`` raises it). Block targets, a global bound and stochastic block scales are
-    the rowwise kernel's (``rowwise_only_reason`` for 2D blocks)."""
-    if not fmt.global_rows and fmt.eden_group is None:
+    once, ``"cute"`` raises it). Block targets, a global bound, stochastic block scales and
+    per-row global scales are the rowwise kernel's (``rowwise_only_reason`` for 2D blocks)."""
+    if fmt.eden_group is None:
         return None
     # the format's other options are named too: the reference quantizes them all
     options = _options_text(fmt, ("targets", "bound", "rows", "eden", "stochastic"))

@@ -97,6 +97,8 @@ class RowwiseParams:
     # the RHT's signs are the kernels' arguments (drawn per layer or step, docs/numerics.md 12):
     # SIGN_WORDS Int32 words, bit i % 32 of word i // 32 set for a -1 at position i
     rht_runtime_signs: bool = False
+    # one global scale per row (docs/numerics.md 11.4): the amax, S_enc and S_dec are [M]
+    global_rows: bool = False
 
     @property
     def choice(self) -> bool:
@@ -211,6 +213,15 @@ class RowwiseAmaxKernel(RowwiseBase):
     def kernel(self, gX: cute.Tensor, mAmax: cute.Tensor, num_units: Int32):
         self.body(gX, mAmax, num_units)
 
+    def unit_amax(self, frag) -> Float32:
+        """max |x| (of the RHT'd values with an RHT) over one unit; NaN if any is NaN."""
+        p = self.p
+        if p.rht_size > 0:
+            return absmax(self.rht_chunks(self.to_f32(frag)))
+        if p.input_dtype == "bf16":
+            return absmax_bf16(self.unit_words(frag))
+        return absmax(self.to_f32(frag))
+
     @cute.jit
     def body(self, gX: cute.Tensor, mAmax: cute.Tensor, num_units: Int32):
         p = self.p
@@ -225,36 +236,61 @@ class RowwiseAmaxKernel(RowwiseBase):
             # clamped: a duplicate unit does not change a max
             cute.autovec_copy(gX[cutlass.min(base + v * p.amax_threads, last), None], frag)
             frags.append(frag)
-        acc = Float32(0.0)
-        for v in range_constexpr(p.amax_units):
-            if const_expr(p.rht_size > 0):
-                acc = fmax_nan(acc, absmax(self.rht_chunks(self.to_f32(frags[v]))))
-            elif const_expr(p.input_dtype == "bf16"):
-                acc = fmax_nan(acc, absmax_bf16(self.unit_words(frags[v])))
-            else:
-                acc = fmax_nan(acc, absmax(self.to_f32(frags[v])))
+        if const_expr(p.global_rows):
+            self.row_amaxes(frags, mAmax, base, last, num_units)
+        else:
+            acc = Float32(0.0)
+            for v in range_constexpr(p.amax_units):
+                if const_expr(p.rht_size > 0):
+                    acc = fmax_nan(acc, absmax(self.rht_chunks(self.to_f32(frags[v]))))
+                elif const_expr(p.input_dtype == "bf16"):
+                    acc = fmax_nan(acc, absmax_bf16(self.unit_words(frags[v])))
+                else:
+                    acc = fmax_nan(acc, absmax(self.to_f32(frags[v])))
 
-        # CTA reduction: warp shuffles, one shared-memory slot per warp, warp 0 finishes; every
-        # max propagates NaN, so a NaN anywhere reaches the atomic as the canonical (positive) NaN
-        acc = cute.arch.warp_reduction(acc, fmax_nan)
-        smem = cutlass.memory.SmemAllocator()
-        red = smem.allocate_tensor(
-            Float32, cute.make_layout(p.amax_threads // 32), byte_alignment=16
-        )
-        warp = cute.arch.warp_idx()
-        lane = cute.arch.lane_idx()
-        if lane == 0:
-            red[warp] = acc
-        cute.arch.barrier()
-        if warp == 0:
-            w = Float32(0.0)
-            if lane < p.amax_threads // 32:
-                w = red[lane]
-            w = cute.arch.warp_reduction(w, fmax_nan)
+            # CTA reduction: warp shuffles, one shared-memory slot per warp, warp 0 finishes;
+            # every max propagates NaN, so a NaN anywhere reaches the atomic as the canonical
+            # (positive) NaN
+            acc = cute.arch.warp_reduction(acc, fmax_nan)
+            smem = cutlass.memory.SmemAllocator()
+            red = smem.allocate_tensor(
+                Float32, cute.make_layout(p.amax_threads // 32), byte_alignment=16
+            )
+            warp = cute.arch.warp_idx()
+            lane = cute.arch.lane_idx()
             if lane == 0:
-                # |x| >= 0: the fp32 max is the integer max of the bits (Inf and the positive NaN
-                # above every finite value)
-                cute.arch.atomic_fmax(mAmax.iterator, w, sign_bit=False)
+                red[warp] = acc
+            cute.arch.barrier()
+            if warp == 0:
+                w = Float32(0.0)
+                if lane < p.amax_threads // 32:
+                    w = red[lane]
+                w = cute.arch.warp_reduction(w, fmax_nan)
+                if lane == 0:
+                    # |x| >= 0: the fp32 max is the integer max of the bits (Inf and the
+                    # positive NaN above every finite value)
+                    cute.arch.atomic_fmax(mAmax.iterator, w, sign_bit=False)
+
+    @cute.jit
+    def row_amaxes(self, frags, mAmax: cute.Tensor, base, last, num_units: Int32):
+        """One amax per row (docs/numerics.md 11.4) into the zeroed [M] buffer: a unit lies in
+        one row (K is a multiple of the unit) and a warp's lanes hold consecutive units, so a
+        max over each run of lanes of one row (shuffles down, rows nondecreasing along the
+        lanes) leaves the run's max in its first lane, which issues one atomic max."""
+        p = self.p
+        units_per_row = num_units // mAmax.shape[0]
+        lane = cute.arch.lane_idx()
+        for v in range_constexpr(p.amax_units):
+            acc = self.unit_amax(frags[v])
+            row = cutlass.min(base + v * p.amax_threads, last) // units_per_row
+            for off in (1, 2, 4, 8, 16):
+                other = cute.arch.shuffle_sync_down(acc, offset=off)
+                other_row = cute.arch.shuffle_sync_down(row, offset=off)
+                # past lane 31 a lane reads its own value: the same row, a max with itself
+                acc = Float32(cutlass.select_(other_row == row, fmax_nan(acc, other), acc))
+            prev_row = cute.arch.shuffle_sync_up(row, offset=1)
+            if (lane == 0) | (prev_row != row):
+                cute.arch.atomic_fmax(mAmax.iterator + row, acc, sign_bit=False)
 
 
 SIGN_WORDS = 8  # Int32 sign words a kernel with runtime RHT signs takes: 256 positions
@@ -539,7 +575,12 @@ class RowwiseQuantizeKernel(RowwiseBase):
             cute.autovec_copy(gX[cutlass.min(base + v * p.quant_threads, last), None], frag)
             frags.append(frag)
 
-        if const_expr(p.global_scale):
+        units_per_row = None
+        if const_expr(p.global_rows):
+            # ---- one global scale per row: computed per unit below (numerics.md 11.4)
+            units_per_row = num_units // mAmax.shape[0]
+            s_enc = s_dec = k_enc = None
+        elif const_expr(p.global_scale):
             # ---- global scales, recomputed by every thread (a broadcast load, div.rn + rcp.rn)
             s_enc, s_dec = global_scales(mAmax[0], p.global_num)
             if bidx == 0:  # noqa: SIM102
@@ -561,11 +602,21 @@ class RowwiseQuantizeKernel(RowwiseBase):
         if const_expr(not p.global_scale):
             seen = Float32(0.0)  # max of this thread's block amaxes (NaN-propagating)
         k_encs = None
-        if const_expr(p.choice):
+        if const_expr(p.choice and not p.global_rows):
             k_encs = self.target_factors(s_enc)
 
         for v in range_constexpr(p.quant_units):
             u = base + v * p.quant_threads
+            if const_expr(p.global_rows):
+                # this unit's row: its S_enc and S_dec; the row's first unit stores S_dec
+                row = cutlass.min(u, last) // units_per_row
+                s_enc, s_dec = global_scales(mAmax[row], p.global_num)
+                k_enc = s_enc * Float32(p.elem.inv_max)
+                if const_expr(p.choice):
+                    k_encs = self.target_factors(s_enc)
+                if u < num_units:  # noqa: SIM102 (runtime conditions)
+                    if u - row * units_per_row == 0:
+                        mSdec[row] = s_dec
             rand = None
             if const_expr(p.sr_bits):
                 i0 = Uint32(u) * Uint32(p.unit)

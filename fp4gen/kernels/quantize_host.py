@@ -69,8 +69,10 @@ class RowwiseHost:
         )
         stream = cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True)
         signs = [Int32(0)] * SIGN_WORDS if p.rht_runtime_signs else []
+        # the global amax and S_dec: one, or one per row
+        scalars = (m,) if p.global_rows else (1,)
         if p.global_scale and name == "amax":
-            amax = fake(Float32, (1,), assumed_align=4)
+            amax = fake(Float32, scalars, assumed_align=4)
             return cute.compile(
                 self.entries["amax"](arch), x, amax, *signs, stream, options=options
             )
@@ -87,9 +89,9 @@ class RowwiseHost:
         ]
         if p.swizzled:
             args.append(fake(Uint8, (cute.sym_int(),), assumed_align=16))
-        args.append(fake(Float32, (1,), assumed_align=4))  # the global amax or S_dec
+        args.append(fake(Float32, scalars, assumed_align=4))  # the global amax or S_dec
         if p.global_scale:
-            args.append(fake(Float32, (1,), assumed_align=4))  # S_dec
+            args.append(fake(Float32, scalars, assumed_align=4))  # S_dec
         if self.stochastic:
             args += [Int32(0)] * 8  # seed, offset, counter address, stride: (lo, hi) each
         args += signs  # the RHT's sign words, where they are arguments
@@ -161,8 +163,9 @@ class RowwiseHost:
             )
             args.append(swizzled)
         if p.global_scale:
-            amax = torch.zeros(1, dtype=torch.float32, device=dev)
-            s_dec = torch.empty(1, dtype=torch.float32, device=dev)
+            rows = M if p.global_rows else 1  # one global scale per row, or per tensor
+            amax = torch.zeros(rows, dtype=torch.float32, device=dev)
+            s_dec = torch.empty(rows, dtype=torch.float32, device=dev)
             plan.append(("amax", (x, amax, *sign_args)))
             args += [amax, s_dec]
         else:
@@ -170,7 +173,7 @@ class RowwiseHost:
             # input with a NaN or an Inf, and only then
             s_dec = torch.ones(1, dtype=torch.float32, device=dev)
             args.append(s_dec)
-        out["global_scale"] = s_dec.reshape(())
+        out["global_scale"] = s_dec.reshape(M, 1) if p.global_rows else s_dec.reshape(())
         if self.stochastic:
             args += [*host.u64_words(seed), *offset_args]
         args += sign_args

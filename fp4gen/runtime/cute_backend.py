@@ -239,9 +239,11 @@ def _quantized(
         scales=None if coded_scales else scales.to(torch.float32),
         scale_codes=scales if coded_scales else None,
         # NaN when the input was not all finite and the caller propagates that (finite.py)
-        global_scale=finite.poison(out[prefix + "global_scale"].reshape(()), finite_flag).to(
-            torch.float32
-        ),
+        global_scale=finite.poison(
+            # one S_dec per row ([R, 1], docs/numerics.md 11.4) or per tensor (0-dim)
+            out[prefix + "global_scale"].reshape((-1, 1) if fmt.global_rows else ()),
+            finite_flag,
+        ).to(torch.float32),
         format=fmt,
         rounding=rounding,
         rht=rht,
