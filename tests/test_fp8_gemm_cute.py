@@ -338,7 +338,7 @@ def test_kernels_cross_compile_to_fp8_wgmma(tmp_path: Path, monkeypatch) -> None
             assert copies == ["4"] * ((128 + n) // 32), (params.name, copies)
         elif not b_2d:
             assert copies == ["16", "16"], (params.name, copies)
-        elif params.b_scale_per_tile:
+        elif params.b_scale_per_tile or params.b_scale_pair:  # one lane, or two
             assert copies == ["16", "4"], (params.name, copies)
         else:
             assert copies == ["16"] + ["4"] * (n // 32), (params.name, copies)

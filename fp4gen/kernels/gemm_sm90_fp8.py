@@ -731,9 +731,9 @@ class GemmSm90Fp8Kernel:
     ):  # fmt: skip
         """The K-block's scales from the row-major [R, KB] tensors into stage ``st``: one
         4-byte cp.async per row of A (``with_a``: else B's alone) and per column of C (B's
-        row, or n // block_k for tiles; with one B scale per tile and MN-major A scales, that
-        one word). Rows past M / N are clamped to the last (they only feed outputs that are
-        never stored)."""
+        row, or n // block_k for tiles; with MN-major A scales and one or two B scales per
+        tile, only the words the consumers read). Rows past M / N are clamped to the last
+        (they only feed outputs that are never stored)."""
         p = self.p
         if const_expr(p.scale_kind == "fp32"):  # noqa: SIM108 (the DSL traces statements)
             col_bytes = kb * 4
@@ -746,6 +746,13 @@ class GemmSm90Fp8Kernel:
                 row_b = cutlass.min(n0 // p.block_k, last_b)
                 src = sfb_g + Int64(row_b) * Int64(sfb_cols * elem) + Int64(col_bytes)
                 cp_async(sf_dst + p.tile_m * 4, src, 4)
+        elif const_expr(p.mn_major_scales and p.b_scale_pair):
+            # the words the consumers read: the first and the last column's (lanes 0 and 1)
+            if lane < 2:
+                col = lane * (p.tile_n - 1)
+                row_b = cutlass.min((n0 + col) // p.block_k, last_b)
+                src = sfb_g + Int64(row_b) * Int64(sfb_cols * elem) + Int64(col_bytes)
+                cp_async(sf_dst + (p.tile_m + col) * 4, src, 4)
         else:
             for j in range_constexpr((p.tile_m + p.tile_n) // 32):
                 row = lane + 32 * j
