@@ -33,7 +33,8 @@ GEMM whose six operands the operand table keeps in the dtype the tensors already
 to round) runs as the module it replaced runs it (torch's GEMM), so a high-precision table
 reproduces that module bit for bit. Where the formats allow (``loop_reason``), each
 projection's GEMMs run grouped over the experts instead (``fp4gen.runtime.grouped``: the same
-operands, one ``torch._grouped_mm`` per GEMM); the quantize kernels still run per expert.
+operands, one ``torch._grouped_mm`` per GEMM; the 1xN rowwise operands of every expert in one
+grouped quantize, the others per expert).
 """
 
 from __future__ import annotations

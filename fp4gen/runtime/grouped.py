@@ -1,9 +1,10 @@
 """Grouped GEMMs of a Mixture-of-Experts layer: every expert's fprop, dgrad or wgrad in one call.
 
 ``GroupedProjection`` runs one projection (up or down) of every expert that has tokens: its
-operands are quantized per expert exactly as the per-expert loop quantizes them (each expert's
-``Linear`` quantizes its own operands with its own seed, Philox offset and global scale, by the
-same methods), then decoded to their block values (element x block scale, exact in bf16 for
+operands are quantized exactly as the per-expert loop quantizes them (each expert's operands
+with its own seed, Philox offset and global scale, by the same methods: the 1xN rowwise ones of
+every expert in one grouped quantize on CUDA, ``grouped_operands``, the others by each
+expert's ``Linear``), then decoded to their block values (element x block scale, exact in bf16 for
 NVFP4, MXFP4, MXFP6 and MXFP8: on CUDA by the generated dequantize kernel, elsewhere by
 ``QuantizedTensor.dequantize_blockwise``) and multiplied by ONE
 ``torch._grouped_mm`` call per GEMM (fprop: tokens x weights per expert; dgrad: gradients x
