@@ -60,7 +60,14 @@ eager) and/or the whole model with its loss compiled (``model``), in each mode o
 inductor): ms/step, its ratio to compiled BF16 of the same scope and mode, to eager BF16 and to
 the recipe's own eager run, the GPU-busy ms of a step (and its ratio to compiled BF16's: where
 ms/step is well above it the host is the bottleneck), and dynamo's distinct graphs, graph
-breaks and frames compiled.
+breaks and frames compiled. Under each compiled row, where the host's time goes
+(``HostBreakdown``: 3 more steps, the GPU synchronized after each phase): the host ms of the
+forward, the backward and the optimizer step, within them fp4gen's op bodies (and of the
+backward's, x's wgrad copies, quantized outside any layer graph), and per step the fp4gen layer
+passes served by a layer graph, captured (also over the timed steps: a capture costs
+milliseconds) or run eagerly; ``--host-profile N`` adds a cProfile of 3 compiled steps. A Llama
+step runs with ``use_cache=False``: a training step reads no KV cache, and transformers' default
+builds one whose update gives every compiled block a graph of its own.
 ``--compile-only`` skips the eager rows.
 ``--loss-steps N`` then trains each recipe N steps on real text (the Python standard library's
 source bytes, ``fp4gen.demo.data``) from the same initial weights and batches, with the demo's
@@ -146,7 +153,10 @@ def build_model(kind: str, hidden: int, layers: int, seq: int, device: str) -> n
 
 def loss_fn(kind: str) -> Callable[[nn.Module, torch.Tensor], torch.Tensor]:
     if kind == "llama":
-        return lambda model, tokens: model(input_ids=tokens, labels=tokens).loss
+        # no KV cache: a training step reads none, and transformers' default (use_cache=True)
+        # would build one every step, whose update specializes each decoder block's layer_idx
+        # (compiled per block: one graph per block, with or without fp4gen)
+        return lambda model, tokens: model(input_ids=tokens, labels=tokens, use_cache=False).loss
     return lambda model, tokens: model(tokens[:, :-1], tokens[:, 1:])
 
 
@@ -157,22 +167,41 @@ def make_step(
     capturable: bool,
     cudagraph_steps: bool = False,
     params: nn.Module | None = None,
+    phases: list[list[float]] | None = None,
 ):
     """One training step (bf16 autocast on the tokens' device, AdamW). ``cudagraph_steps``: a
     step of a model compiled with mode="reduce-overhead" starts a new CUDA-graph-trees step
     (its replays' outputs may then be overwritten). ``params``: the module whose parameters
-    the optimizer updates, where ``model`` wraps it (a compiled whole model)."""
+    the optimizer updates, where ``model`` wraps it (a compiled whole model). ``phases``: where
+    given, each step appends the host's seconds in its forward, backward and optimizer step,
+    the GPU synchronized after each (so that no launch waits for room in the queue: the host's
+    own time, ``HostBreakdown``)."""
     opt = torch.optim.AdamW((params or model).parameters(), lr=1e-4, capturable=capturable)
     device = tokens.device.type
 
+    def mark(times: list[float]) -> None:
+        times.append(time.perf_counter())
+        if device == "cuda":
+            torch.cuda.synchronize()
+        times.append(time.perf_counter())
+
     def step() -> torch.Tensor:
+        times: list[float] = [time.perf_counter()]
         if cudagraph_steps:
             torch.compiler.cudagraph_mark_step_begin()
         with torch.autocast(device, dtype=torch.bfloat16):
             value = loss(model, tokens)
+        if phases is not None:
+            mark(times)
         value.backward()
+        if phases is not None:
+            mark(times)
         opt.step()
         opt.zero_grad(set_to_none=False)  # graphs need the gradients' storage to stay put
+        if phases is not None:
+            mark(times)
+            # (forward, backward, optimizer): each from the end of the previous sync
+            phases.append([times[i + 1] - times[i] for i in range(0, 6, 2)])
         return value.detach()
 
     return step
@@ -253,13 +282,14 @@ CALLS = (
 
 
 @contextlib.contextmanager
-def timers(*groups: tuple[tuple[type, str], ...]) -> Iterator[list[int]]:
-    """Wrap each (class, attribute) of every group in a ``perf_counter`` timer for the block;
-    yields one nanosecond total per group. Within a group an outer call is timed once (a
-    group's pass can call a member's ``backward_gemms``; a module call runs the forward op)."""
+def timers(*groups: tuple[tuple[Any, str], ...]) -> Iterator[list[int]]:
+    """Wrap each (class or module, attribute) of every group in a ``perf_counter`` timer for
+    the block; yields one nanosecond total per group. Within a group an outer call is timed
+    once (a group's pass can call a member's ``backward_gemms``; a module call runs the forward
+    op)."""
     spent = [0] * len(groups)
     depth = [0] * len(groups)
-    saved: list[tuple[type, str, Any]] = []
+    saved: list[tuple[Any, str, Any]] = []
 
     def timer(fn: Callable[..., Any], g: int) -> Callable[..., Any]:
         def timed(*args: Any, **kwargs: Any) -> Any:
@@ -483,17 +513,18 @@ def print_curves(curves: dict[str, list[float]], points: int = 10) -> None:
         )
 
 
-def host_profile(step: Callable[[], object], top: int) -> None:
+def host_profile(step: Callable[[], object], top: int, what: str = "eager") -> None:
     prof = cProfile.Profile()
     prof.enable()
     for _ in range(3):
         step()
-    torch.cuda.synchronize()
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
     prof.disable()
     for order in ("cumulative", "tottime"):
         out = io.StringIO()
         pstats.Stats(prof, stream=out).sort_stats(order).print_stats(top)
-        print(f"  host profile of 3 eager steps (cProfile, {order}):")
+        print(f"  host profile of 3 {what} steps (cProfile, {order}):")
         print("\n".join("    " + line for line in out.getvalue().splitlines() if line.strip()))
 
 
@@ -535,6 +566,100 @@ class CompiledResult:
     compiles: int
     note: str = ""
     gpu_busy_ms: float | None = None
+    host: HostBreakdown | None = None
+
+
+# what the host does in fp4gen's ops under torch.compile (the ops' bodies: the custom ops call
+# these, looked up when they run): the forward pass, the backward pass, and within the backward
+# x's wgrad copy, which the compiled backward quantizes outside any layer graph
+FORWARD_OP = ((fp4gen.nn.Linear, "forward_gemm"), (layer_groups.LayerGroup, "forward_pass"))
+BACKWARD_OP = (
+    (fp4gen.nn.Linear, "backward_gemms"),
+    (layer_groups.LayerGroup, "backward_pass"),
+    (ops, "_backward_input"),
+)
+WGRAD_COPY = ((ops, "_backward_input"),)
+BREAKDOWN_STEPS = 3  # steps timed for the host breakdown of a compiled run
+
+
+@dataclass
+class HostBreakdown:
+    """Where the host's time of a training step goes (ms per step, the GPU synchronized after
+    the forward, the backward and the optimizer step, so that no launch waits for room in the
+    queue): each phase, and within them fp4gen's ops (their bodies as the custom ops run
+    them); what is left of a phase is torch's (dynamo's guards, AOT autograd's wrappers, the
+    compiled graphs' own launches) and the model's eager parts. Per step too: fp4gen layer
+    passes (a forward or a backward of one layer), those served by a layer graph (replayed in
+    place, or captured in that step), and the others, run eagerly."""
+
+    forward_ms: float
+    backward_ms: float
+    optimizer_ms: float
+    forward_op_ms: float
+    backward_op_ms: float
+    wgrad_copy_ms: float
+    passes: float
+    from_graphs: float
+    in_place: float
+    captured: float
+    timed_captures: float = 0.0  # per step of the ms/step timing before (captures cost ms)
+
+    def line(self) -> str:
+        if not self.passes:
+            return (
+                f"host ms/step: forward {self.forward_ms:.2f}, backward {self.backward_ms:.2f}, "
+                f"optimizer {self.optimizer_ms:.2f}"
+            )
+        eager = self.passes - self.from_graphs
+        return (
+            f"host ms/step: forward {self.forward_ms:.2f} (fp4gen ops {self.forward_op_ms:.2f}), "
+            f"backward {self.backward_ms:.2f} (fp4gen ops {self.backward_op_ms:.2f}, of which "
+            f"x's wgrad copies {self.wgrad_copy_ms:.2f}), optimizer {self.optimizer_ms:.2f}; "
+            f"fp4gen layer passes per step {self.passes:.0f}: {self.from_graphs:.0f} from layer "
+            f"graphs ({self.in_place:.0f} in place, {self.captured:.0f} captured; "
+            f"{self.timed_captures:.1f} captured per timed step), {eager:.0f} eager"
+        )
+
+
+def graph_stats(model: nn.Module) -> tuple[int, int, int]:
+    """(layer passes served by a layer graph, in-place replays, captures) summed over the
+    model's fp4gen Linears' own graphs (a compiled model runs no layer group)."""
+    served = in_place = captured = 0
+    for module in model.modules():
+        graphs = getattr(module, "_graphs", None) if isinstance(module, fp4gen.nn.Linear) else None
+        if graphs is not None:
+            served += graphs.graph_calls
+            in_place += graphs.in_place_replays
+            captured += graphs.graph_calls - graphs.replays
+    return served, in_place, captured
+
+
+def host_breakdown(
+    model: nn.Module, step: Callable[[], object], phases: list[list[float]]
+) -> HostBreakdown:
+    """``HostBreakdown`` over ``BREAKDOWN_STEPS`` steps of ``step`` (made by ``make_step`` with
+    ``phases``, which it fills) of ``model`` (the module whose fp4gen Linears run)."""
+    phases.clear()
+    before_forwards = linear_forwards(model)
+    before = graph_stats(model)
+    with timers(FORWARD_OP, BACKWARD_OP, WGRAD_COPY) as spent:
+        for _ in range(BREAKDOWN_STEPS):
+            step()
+    n = BREAKDOWN_STEPS
+    served, in_place, captured = (
+        (b - a) / n for a, b in zip(before, graph_stats(model), strict=True)
+    )
+    forward, backward, optimizer = (1e3 * sum(p[i] for p in phases) / n for i in range(3))
+    return HostBreakdown(
+        forward,
+        backward,
+        optimizer,
+        *(ns / 1e6 / n for ns in spent),
+        passes=2 * (linear_forwards(model) - before_forwards) / n,
+        from_graphs=served,
+        in_place=in_place,
+        captured=captured,
+    )
 
 
 def decoder_blocks(model: nn.Module) -> list[nn.Module]:
@@ -585,18 +710,30 @@ def run_compiled(
     tokens = torch.randint(0, VOCAB, (batch, args.seq + (args.model == "gpt")), device=device)
     ms: float | None = None
     busy: float | None = None
+    host: HostBreakdown | None = None
     note = ""
     try:
         compiled = compile_model(model, scope, mode, args.compile_backend)
         graphs_on = mode == "reduce-overhead" and device == "cuda"
+        phases: list[list[float]] = []
         step = make_step(compiled, loss_fn(args.model), tokens, False, graphs_on, model)
         for _ in range(WARMUP_STEPS):
             step()
         if device == "cuda":
             torch.cuda.synchronize()
+        captures = graph_stats(model)[2]
         ms = timed_ms(step, args.steps, device)
+        captures = (graph_stats(model)[2] - captures) / args.steps
         if device == "cuda":
             busy = profile_step(model, step)[0]
+        # a step that records its phases has an AdamW of its own: stepped once before it is
+        # timed (a first step allocates the optimizer's state)
+        timed = make_step(compiled, loss_fn(args.model), tokens, False, graphs_on, model, phases)
+        timed()
+        host = host_breakdown(model, timed, phases)
+        host.timed_captures = captures
+        if getattr(args, "host_profile", 0):
+            host_profile(step, args.host_profile, "compiled")
     except Exception as err:  # report the reason and go on with the other runs
         if device == "cuda":
             torch.cuda.synchronize()
@@ -609,6 +746,7 @@ def run_compiled(
         int(counters["frames"].get("ok", 0)),
         note,
         busy,
+        host,
     )
     del model
     gc.collect()
@@ -663,6 +801,8 @@ def run_compiled_table(
                     f"{res.graphs:6d} {res.breaks:6d} {res.compiles:6d}   "
                     f"({time.perf_counter() - t0:.0f} s)"
                 )
+                if res.host is not None:
+                    print(f"    {res.host.line()}")
                 if res.note:
                     print(f"    {res.note}")
     return results
