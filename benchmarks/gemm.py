@@ -6,6 +6,8 @@ cuBLAS.
                               [--formats nvfp4,mxfp4,fp8_blockwise,mxfp8,fp8_e5m2_e4m3]
                               [--tiles small,mid] [--no-dequant] [--host-detail] [--log FILE]
     python benchmarks/gemm.py --shapes 16x8192x8192 --profile 5   # for ncu / nsys
+    python benchmarks/gemm.py --shapes 8192x8192x8192 --formats fp8_blockwise --profile 1 \
+        --fp8-variant coalesced,overlap,c2                          # an FP8 kernel variant
 
 Per shape MxNxK and format, C = A @ B^T with A [M, K] and B [N, K]:
 
@@ -550,13 +552,40 @@ def host_steps(operands, picked, iters: int, host_line) -> None:
         host_line(name, host_time(step, iters))
 
 
-def profile_shape(m: int, n: int, k: int, fmt_name: str, calls: int) -> None:
-    """Only the fused kernel fp4gen.gemm picks, ``calls`` launches (for a profiler)."""
+def fp8_variant_flags(text: str) -> tuple:
+    """``--fp8-variant``: comma-separated of overlap, c2 (2-CTA clusters), coalesced (or its
+    halves mn, ws), n192; the flags of ``_FLAGS`` (unnamed: off, 1, 128)."""
+    words = {w for w in text.split(",") if w}
+    unknown = words - {"overlap", "c2", "coalesced", "mn", "ws", "n192"}
+    if unknown:
+        raise SystemExit(f"--fp8-variant: unknown {sorted(unknown)}")
+    coalesced = "coalesced" in words
+    return (
+        "overlap" in words,
+        2 if "c2" in words else 1,
+        coalesced or "mn" in words,
+        coalesced or "ws" in words,
+        192 if "n192" in words else 128,
+    )
+
+
+def profile_shape(m: int, n: int, k: int, fmt_name: str, calls: int, fp8_variant: str = "") -> None:
+    """Only the fused kernel fp4gen.gemm picks, ``calls`` launches (for a profiler); for the
+    FP8 pairs the generated FP8 kernel, of the variant ``fp8_variant`` names."""
     from fp4gen.codegen.gemm import pick_tile
 
     fa, fb = FORMATS[fmt_name]
     g = torch.Generator(device="cuda").manual_seed(m + n + k)
     sets = [(operand(m, k, fa, g), operand(n, k, fb, g))]
+    if fused_support(fa, fb) is not None and fp8_gemm.cute_support(fa, fb) is None:
+        with FP8Flags(fp8_variant_flags(fp8_variant)):
+            fn, args, _ = fp8_gemm.cute_launch(*sets[0], out_dtype=torch.bfloat16)
+            name = fp8_gemm.cute_plan(fa, fb, torch.bfloat16, False, False).params.name
+        for _ in range(calls):
+            fn(*args)
+        torch.cuda.synchronize()
+        print(f"{m}x{n}x{k} {fmt_name}: {name}: {calls} launches", flush=True)
+        return
     fn, args, label, _ = fused_launch(fa, fb, m, n, k, pick_tile(m), sets)
     for _ in range(calls):
         fn(*args[0])
@@ -589,7 +618,14 @@ def main() -> int:
         type=int,
         default=0,
         metavar="N",
-        help="only launch the fused kernel N times per shape (for ncu / nsys)",
+        help="only launch the fused kernel N times per shape (for ncu / nsys); FP8 pairs: "
+        "the generated FP8 kernel",
+    )
+    ap.add_argument(
+        "--fp8-variant",
+        default="",
+        help="with --profile: the FP8 kernel's variant, comma-separated of overlap, c2, "
+        "coalesced (or mn, ws), n192 (default: the row-major one, one partial, one CTA)",
     )
     ap.add_argument("--log", default="", help="also write the result lines to this file")
     args = ap.parse_args()
@@ -601,7 +637,7 @@ def main() -> int:
         for shape in args.shapes.split(","):
             m, n, k = (int(v) for v in shape.lower().split("x"))
             if args.profile:
-                profile_shape(m, n, k, fmt, args.profile)
+                profile_shape(m, n, k, fmt, args.profile, args.fp8_variant)
                 continue
             tiles = [t for t in args.tiles.split(",") if t]
             units = [
