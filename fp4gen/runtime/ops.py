@@ -23,6 +23,8 @@ Under torch.compile each layer runs alone (no layer groups), so the ops share wh
 route's groups and its forward share among the layers that read one x (q, k and v; gate and
 up): the forward op x's fprop operand (``_forward_copy``), the backward op x's wgrad copy
 (``_backward_input``), each through a ``SharedCopy`` and only where no random stream is drawn.
+The wgrad copy runs from the layer's graph where its passes run from layer graphs
+(``_wgrad_copy``), as the eager forward's graph makes it.
 
 The ops' schemas are written out (``_LIBRARY.define``), with one kernel each, a fake kernel
 and the forward's autograd formula registered through ``torch.library``.
@@ -333,10 +335,33 @@ def _backward_input(layer: Any, x2: torch.Tensor) -> "torch.Tensor | WgradInput"
     found = _backward_copy.find(x2, key)
     if found is not None:
         return found
-    quantized = layer.wgrad_activation(x2, table, layer._backward_calls)
-    copy = WgradInput.of(quantized, x2.dtype)
+    copy = _wgrad_copy(layer, x2, table)
     _backward_copy.remember(x2, key, copy)
     return copy
+
+
+def _wgrad_copy(layer: Any, x2: torch.Tensor, table: Any) -> WgradInput:
+    """x's wgrad copy (``Linear.wgrad_activation``) for ``_backward_input``: from a layer graph
+    where the layer's backward may run from one (``Linear._graphs_for``: CUDA and the kernels'
+    backend), one graph launch instead of the quantize passes' launches from Python, its pieces
+    packed into one buffer as the eager forward's layer graph packs them (``graph_pieces``);
+    else quantized eagerly. The copy is rounded to nearest (``keeps_wgrad_input``), so the
+    graph does not depend on the call (the key leaves it out) and gives the eager bits."""
+    call = layer._backward_calls
+    graphs = layer._graphs_for(x2, table, forward=False)
+    if graphs is None:
+        return WgradInput.of(layer.wgrad_activation(x2, table, call), x2.dtype)
+    key = (
+        "wgrad copy", x2.shape, x2.dtype, layer._table_key(table), context_key(),
+        layer.backend, layer.seed,
+    )  # fmt: skip
+
+    def work(x: torch.Tensor, out: Any = None) -> Any:
+        quantized = layer.wgrad_activation(x, table, call)
+        return graph_pieces(quantized, None if out is None else out[0])
+
+    pieces, (layout, packing) = graphs.run_with_meta(key, work, (x2,), (), into=True)
+    return WgradInput(tuple(pieces), layout, x2.dtype, packing)
 
 
 # the compiled backward's shared wgrad copy (``_backward_input``) and the compiled forward's
