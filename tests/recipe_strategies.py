@@ -11,9 +11,10 @@ the scale takes (``stochastic`` too); ``global amax``/``row``/``none`` with and 
 block targets by mse or mae and ``correct eden``/``none`` (docs/numerics.md 11, reset where an
 inherited one no longer fits; per-row formats only where a token operand uses them); formats built
 from an element or from another format (built-in, inherited, imported or defined earlier); every
-element rounding; RHTs of every size and sign source (``signs layer``/``step`` too); operand
-sources (``from GEMM.ROLE`` on the one operand of each pair, later format or rounding statements
-that keep it, ``from none``); MoR rules with every partition, scaling and metric; layer rules,
+element rounding; RHTs of every size and sign source (``signs layer``/``step`` too); operand sources
+(``from GEMM.ROLE`` on the one operand of each pair, later format or rounding statements that keep
+it, ``from none``); ``global per tensor``/``expert`` (kept over format changes, reset where a later
+format has no global amax); MoR rules with every partition, scaling and metric; layer rules,
 schedules and ``eval`` statements with format, dtype and ``recipe "..."`` actions (and ``eval :
 fprop``); ``extends`` (also from a sub-folder) and ``import``; names that are keywords elsewhere
 (``up``, ``tensor``, ``none``); numbers with leading zeros; comments, blank lines, tabs, CRLF line
@@ -115,6 +116,7 @@ class Slot:
     rounding: str | None = None
     rht: object = UNSET  # RHTSpec, None (`rht none`) or UNSET
     source: Operand | None = None  # `from GEMM.ROLE`; None: the tensor (default, `from none`)
+    scope: str = "expert"  # `global per expert|tensor`: a property of its own, like the source
 
     def apply(
         self,
@@ -123,6 +125,7 @@ class Slot:
         rnd: str | None,
         rht: object,
         source: object = UNSET,  # Operand, None (`from none`) or UNSET (not named)
+        scope: str | None = None,  # `global per ...` where named
     ) -> None:
         if fmt is not None:  # a block override belongs to the format it was given with
             self.format, self.block = fmt, block
@@ -135,9 +138,16 @@ class Slot:
         if source is not UNSET:  # a property of its own: a format or rounding keeps it
             assert source is None or isinstance(source, Operand)
             self.source = source
+        if scope is not None:
+            self.scope = scope
 
     def copy(self) -> Slot:
-        return Slot(self.format, self.block, self.rounding, self.rht, self.source)
+        return Slot(self.format, self.block, self.rounding, self.rht, self.source, self.scope)
+
+
+def has_global_amax(fmt: object) -> bool:
+    """Whether ``global per tensor`` may be given to an operand in ``fmt``: one global amax."""
+    return isinstance(fmt, BlockFormat) and fmt.global_scale and not fmt.global_rows
 
 
 def exact(value: float) -> str:
@@ -158,12 +168,14 @@ def resolve_slot(op: Operand, slot: Slot, scope: dict[str, Format]) -> OperandSp
     rht = None if slot.rht is UNSET else slot.rht
     assert rht is None or isinstance(rht, RHTSpec)
     if kind == "mor":
-        if slot.block is not None:
+        if slot.block is not None or slot.scope != "expert":
             return None
         return OperandSpec(MoRRef(name), rounding, rht, slot.source)  # type: ignore[arg-type]
     fmt = scope[name]
     if isinstance(fmt, HighPrecision):
         if slot.block is not None or rounding != "nearest" or rht is not None:
+            return None
+        if slot.scope != "expert":
             return None
         return OperandSpec(fmt, source=slot.source)
     if slot.block is not None:
@@ -175,7 +187,9 @@ def resolve_slot(op: Operand, slot: Slot, scope: dict[str, Format]) -> OperandSp
         return None
     if fmt.global_rows and op not in TOKEN_ROWS:
         return None
-    return OperandSpec(fmt, rounding, rht, slot.source)  # type: ignore[arg-type]
+    if slot.scope != "expert" and not has_global_amax(fmt):
+        return None
+    return OperandSpec(fmt, rounding, rht, slot.source, slot.scope)  # type: ignore[arg-type]
 
 
 # ------------------------------------------------------------------------------------------------
@@ -632,13 +646,17 @@ def _operand_lines(
         elif w.draw(st.integers(0, 9)) == 0:  # valid on any selector: back to the tensor
             source = None
             props.append(f"from{w.sp()}none")
+        scope_word = None
+        if w.draw(st.integers(0, 5)) == 0:  # the global amax's scope in an experts module
+            scope_word = w.draw(st.sampled_from(["tensor", "tensor", "expert"]))
+            props.append(f"global{w.sp()}per{w.sp()}{scope_word}")
         if not props:
             rnd = "nearest"
             props.append("round nearest")
         head, *rest = props
         props = [head, *w.draw(st.permutations(rest))] if fmt else w.draw(st.permutations(props))
         for op in ops:
-            slots[op].apply(fmt, block, rnd, rht, source)
+            slots[op].apply(fmt, block, rnd, rht, source, scope_word)
         lines.append(f"{text}{w.sp()}:{w.sp()}" + w.sp().join(props))
     return lines
 
@@ -683,7 +701,15 @@ def _repair(
             props.append(f"block {w.shape(block)}")
         props.append(f"round {rnd}")
         props.append("rht none")
-        slots[op].apply((kind, name), block, rnd, None)
+        # the scope carries over format changes: per tensor only where there is a global amax
+        scope_word = None
+        if has_global_amax(fmt):
+            scope_word = w.draw(st.sampled_from([None, None, "tensor", "expert"]))
+        elif slots[op].scope != "expert":
+            scope_word = "expert"
+        if scope_word is not None:
+            props.append(f"global per {scope_word}")
+        slots[op].apply((kind, name), block, rnd, None, scope=scope_word)
         lines.append(f"{op.selector} : " + " ".join(props))
     # both operands of a GEMM transformed alike; now and then an RHT for the pair
     for gemm in GEMMS:

@@ -20,6 +20,27 @@ OPS = "operands {\n    * : nvfp4\n}\n"
 # (id, recipe text, line, column, phrase of the message)
 CASES: list[tuple[str, str, int, int, str]] = [
     # --- syntax ---------------------------------------------------------------------------------
+    ("scope_word", "operands {\n    * : nvfp4 global per tenso\n}\n", 2, 26,
+     "expected 'expert' or 'tensor' after 'per' (did you mean 'tensor'?)"),
+    ("scope_needs_per", "operands {\n    * : nvfp4 global tensor\n}\n", 2, 22,
+     "expected 'per' after 'global'"),
+    ("scope_twice", "operands {\n    * : nvfp4 global per tensor global per expert\n}\n", 2, 33,
+     "'global' given twice in one statement (first at column 26)"),
+    # --- the global scale's scope (global per tensor) needs a format with a global amax -------
+    ("scope_ue8m0", "operands {\n    * : mxfp4 global per tensor\n}\n", 2, 26,
+     "global per tensor on fprop.activation, but its format mxfp4 has no global amax scale "
+     "(ue8m0 block scales, global none)"),
+    ("scope_fp32_scales",
+     "format f = e4m3 block 1x128 scale fp32\noperands {\n    * : f\n    weight : global per "
+     "tensor\n}\n", 4, 25, "fprop.weight, but its format f has no global amax scale (fp32"),
+    ("scope_then_bf16", "operands {\n    * : nvfp4 global per tensor\n    gradient : bf16\n}\n",
+     3, 16, "global per tensor on dgrad.gradient, but it is bf16, which is not quantized"),
+    ("scope_mor", MOR_HEAD + "    try e4m3 if range\n    else bf16\n}\noperands {\n    * : nvfp4"
+     "\n    activation : mor m global per tensor\n}\n", 9, 35,
+     "global per tensor on fprop.activation, but it uses the mor rule m"),
+    ("scope_row",
+     "format r = nvfp4 global row\noperands {\n    * : nvfp4\n    fprop.activation : r global "
+     "per tensor\n}\n", 4, 37, "its format r has per-row global scales (`global row`)"),
     ("missing_colon", "operands {\n    * nvfp4\n}\n", 2, 7,
      "expected ':' after the operand selector"),
     ("unknown_top_keyword", "formt x = e2m1\n", 1, 1,
@@ -42,7 +63,8 @@ CASES: list[tuple[str, str, int, int, str]] = [
     ("bad_character", "operands {\n    * : nvfp4 @\n}\n", 2, 15, "unexpected character '@'"),
     ("missing_brace", "operands\n    * : nvfp4\n", 1, 9, "expected '{' after 'operands'"),
     ("empty_statement", "operands {\n    weight :\n}\n", 2, 13,
-     "unexpected end of line: expected a format name, 'block', 'from', 'mor', 'rht' or 'round'"),
+     "unexpected end of line: expected a format name, 'block', 'from', 'global', 'mor', 'rht' or "
+     "'round'"),
     ("selector_missing_role", "operands {\n    wgrad. : nvfp4\n}\n", 2, 12,
      "expected a role (weight, activation, gradient) after '.'"),
     ("rht_shape", "operands {\n    * : nvfp4\n    wgrad : rht 16x16\n}\n", 3, 19,

@@ -55,6 +55,11 @@ class Operand(Enum):
         return f"{self.gemm}.{self.role}"
 
 
+# The global scale's scope in an experts module (``global per expert|tensor``): the amax of each
+# expert's operand alone, or of every expert's together (docs/numerics.md 13)
+GlobalScope = Literal["expert", "tensor"]
+GLOBAL_SCOPES: tuple[str, ...] = ("expert", "tensor")
+
 # Which operand may be quantized from which other copy of the same tensor (``from GEMM.ROLE``).
 SOURCE_PAIRS: dict[Operand, Operand] = {
     Operand.WGRAD_ACTIVATION: Operand.FPROP_ACTIVATION,
@@ -139,6 +144,10 @@ class OperandSpec:
     # the copy of the same tensor in another GEMM that this operand is quantized from
     # (dequantized first), so the backward sees the forward's rounded values; None: the tensor
     source: Operand | None = None
+    # in an experts module, what the global amax is taken over: each expert's operand
+    # ("expert", the default) or every expert's together ("tensor"); a dense layer's operand
+    # is one tensor either way (docs/numerics.md 13)
+    global_scope: GlobalScope = "expert"
 
 
 @dataclass(frozen=True)

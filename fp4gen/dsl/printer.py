@@ -133,6 +133,8 @@ def _operand(
     parts += [f"round {spec.rounding}", rht_text(spec.rht)]
     if spec.source is not None:  # absent: quantized from the tensor, the default
         parts.append(f"from {spec.source.selector}")
+    if spec.global_scope != "expert":  # absent: the default, each expert's own amax
+        parts.append(f"global per {spec.global_scope}")
     return " ".join(parts)
 
 

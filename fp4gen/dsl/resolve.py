@@ -434,6 +434,9 @@ class Loader:
             if stmt.source is not None:
                 slot.source = stmt.source
                 slot.order["source"] = next(self._order)
+            if stmt.global_scope is not None:
+                slot.global_scope = stmt.global_scope
+                slot.order["global_scope"] = next(self._order)
 
 
 def _with_suffix(written: str) -> str:

@@ -146,6 +146,8 @@ class OperandStmt:
     rht: At[RHTSpec | None] | None
     # ``from GEMM.ROLE`` (the copy quantized from) or ``from none`` (a None value)
     source: At[Operand | None] | None = None
+    # ``global per expert|tensor``: the global amax's scope in an experts module
+    global_scope: At[str] | None = None
 
 
 @dataclass(frozen=True, eq=False)
@@ -466,9 +468,13 @@ class _Builder:
                 kind, kind
             )
             if key in found:
-                word = {"o_block": "block", "o_round": "round", "o_rht": "rht", "o_from": "from"}[
-                    key
-                ]
+                word = {
+                    "o_block": "block",
+                    "o_round": "round",
+                    "o_rht": "rht",
+                    "o_from": "from",
+                    "o_global": "global",
+                }[key]
                 raise self.pos(prop).error(
                     f"'{word}' given twice in one statement (first at column "
                     f"{found[key].pos.column})"
@@ -481,6 +487,7 @@ class _Builder:
             rounding=found.get("o_round"),
             rht=found.get("o_rht"),
             source=found.get("o_from"),
+            global_scope=found.get("o_global"),
         )
 
     def selector(self, tree: Tree) -> At[tuple[Operand, ...]]:
@@ -537,6 +544,8 @@ class _Builder:
             return At(None, pos)
         if kind == "o_from":
             return At(self.copied_from(prop), pos)
+        if kind == "o_global":  # at the scope word, where a misuse is reported
+            return self.at(prop.children[0])
         raise AssertionError(kind)
 
     def copied_from(self, prop: Tree) -> Operand:

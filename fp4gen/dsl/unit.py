@@ -21,6 +21,7 @@ class Slot:
     rounding: At[str] | None = None
     rht: At[RHTSpec | None] | None = None
     source: At[Operand | None] | None = None  # ``from GEMM.ROLE`` / ``from none``
+    global_scope: At[str] | None = None  # ``global per expert|tensor``
     order: dict[str, int] = field(default_factory=dict)  # property -> when it was set
 
     def copy(self) -> Slot:

@@ -169,7 +169,34 @@ def _operand(op: Operand, slot: Slot, unit: Unit, scope: dict[str, Format]) -> O
             )
     # an RHT size and a block length need not nest: the transform runs on chunks of its size
     # before the blocks are formed, and fp4gen.nn.Linear pads K to both (numerics.md 12)
-    return OperandSpec(fmt, rounding, rht, _source(op, slot))  # type: ignore[arg-type]
+    scope = _global_scope(op, slot, fmt)
+    return OperandSpec(fmt, rounding, rht, _source(op, slot), scope)  # type: ignore[arg-type]
+
+
+def _global_scope(op: Operand, slot: Slot, fmt: Format | MoRRef) -> str:
+    """The slot's ``global per expert|tensor``: "tensor" only where the format has one global
+    amax to take over every expert's operand (numerics.md 13)."""
+    if slot.global_scope is None or slot.global_scope.value == "expert":
+        return "expert"  # the default; it holds for every operand, with or without a scale
+    problem = None
+    if isinstance(fmt, HighPrecision):
+        problem = f"it is {fmt.name}, which is not quantized"
+    elif isinstance(fmt, MoRRef):
+        problem = f"it uses the mor rule {fmt.name}, which decides and scales per partition"
+    elif fmt.global_rows:
+        problem = f"its format {fmt.name} has per-row global scales (`global row`), one per token"
+    elif not fmt.global_scale:
+        problem = (
+            f"its format {fmt.name} has no global amax scale ({fmt.scale.name} block scales, "
+            "global none)"
+        )
+    if problem is None:
+        return "tensor"
+    raise _later(slot, "format", "global_scope").error(
+        f"global per tensor on {op.selector}, but {problem}: the scope says which tensor one "
+        "global amax is taken over, so it needs a format with `global amax` (write `global per "
+        "expert`, the default, or give the operand such a format)"
+    )
 
 
 def _source(op: Operand, slot: Slot) -> Operand | None:
