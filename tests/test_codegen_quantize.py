@@ -364,12 +364,15 @@ def test_tile_render_is_valid_deterministic_python(name: str) -> None:
     kernels = '("amax", "quantize")' if s.global_scale else '("quantize",)'
     assert f"KERNELS: tuple[str, ...] = {kernels}" in src
     sr = any(o.rounding.startswith("stochastic") for o in s.outputs)
-    assert ("philox.philox_keys(" in src) == sr  # the shared Philox of fp4gen.kernels
-    assert "def elem_raw" not in src and "encode.ElementEncoder(" in src
+    assert ("seed_lo: Int32" in src) == sr  # the kernel takes the Philox seed
+    # the kernel body is fp4gen.kernels.quantize_tile's: the module spells params and the entry
+    assert "class QuantizeKernel(quantize_tile.TileQuantizeKernel):" in src
+    assert "def body" not in src and "philox.philox_keys(" not in src
     rht = any(o.rht is not None for o in s.outputs)
     assert ("RHT_SIZE =" in src) == rht
     for out in s.outputs:
-        assert f"{'ROW' if out.direction == 'rowwise' else 'COL'}_ROUNDING" in src
+        tag = "row" if out.direction == "rowwise" else "col"
+        assert f'tag="{tag}",\n            rounding="{out.rounding}",' in src
 
 
 # ----------------------------------------------------------------------------------------------

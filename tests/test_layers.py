@@ -275,6 +275,7 @@ QUANTIZE_KERNEL_MODULES = tuple(
     f"fp4gen.kernels.{name}"
     for name in (
         "quantize",
+        "quantize_tile",
         "tile",
         "mor",
         "encode",
@@ -302,7 +303,8 @@ def test_kernel_classes_import_only_the_words_and_each_other() -> None:
     # and the helpers are used: every quantize and MoR helper module is imported by a kernel
     # module or a template
     templates = "\n".join(p.read_text() for p in (PACKAGE / "templates").glob("*.j2"))
-    for helper in ("encode", "scale", "philox", "quant_ptx", "hadamard", "tile", "mor", "quantize"):
+    helpers = ("encode", "scale", "philox", "quant_ptx", "hadamard", "tile", "mor", "quantize")
+    for helper in (*helpers, "quantize_tile"):
         name = f"fp4gen.kernels.{helper}"
         used = any(dst == name for _, dst in edges) or f" {helper}" in templates
         assert used, f"{name} is imported by nothing"
@@ -310,7 +312,7 @@ def test_kernel_classes_import_only_the_words_and_each_other() -> None:
 
 # The host side of the generated modules (kernels.*_host, over kernels.host): bound by the
 # templates, so each is in use while a template names it.
-HOST_MODULES = ("host", "quantize_host", "mor_host", "gemm_sm90_host")
+HOST_MODULES = ("host", "quantize_host", "quantize_tile_host", "mor_host", "gemm_sm90_host")
 
 
 def test_host_modules_are_bound_by_the_templates() -> None:
@@ -339,6 +341,10 @@ def test_host_modules_are_bound_by_the_templates() -> None:
             ("jinja2", "fp4gen.codegen", "fp4gen.compiler", "fp4gen.runtime"),
         ),
         ("fp4gen.kernels.tile", ("jinja2", "fp4gen.codegen", "fp4gen.compiler", "fp4gen.runtime")),
+        (
+            "fp4gen.kernels.quantize_tile",
+            ("jinja2", "fp4gen.codegen", "fp4gen.compiler", "fp4gen.runtime"),
+        ),
         ("fp4gen.kernels.mor", ("jinja2", "fp4gen.codegen", "fp4gen.compiler", "fp4gen.runtime")),
         # the host code of the generated modules: no templating, compiler or runtime either
         *(

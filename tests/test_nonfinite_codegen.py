@@ -19,6 +19,8 @@ from test_codegen_quantize import ALL_SPECS, PLANNED_SPECS, TILE_SPECS  # noqa: 
 from fp4gen.codegen import import_source
 from fp4gen.codegen.quantize import ARCHS, render
 from fp4gen.kernels import quantize as kernels_quantize
+from fp4gen.kernels import quantize_tile as kernels_quantize_tile
+from fp4gen.kernels import quantize_tile_host
 from fp4gen.kernels import scale as kernels_scale
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -121,9 +123,13 @@ def test_tile_kernels_without_a_global_scale_store_nan_per_copy(modules) -> None
         src = render(SPECS[name])
         for tag in ("row", "col"):
             assert f"mSdec_{tag}: cute.Tensor" in src
-            assert f"store_if(mSdec_{tag}.iterator.toint(), Uint32(NAN_BITS), bad_{tag}, 4)" in src
-        # S_dec = 1.0 from launches(), one allocation for both copies
-        assert "s_dec = torch.ones(len(OUTPUTS), dtype=torch.float32, device=dev)" in src
+    # the tile kernel class: a predicated NaN store per copy, over that copy's S_dec
+    stores = inspect.getsource(kernels_quantize_tile.TileQuantizeKernel.nan_stores)
+    assert "for i in range(len(self.p.copies)):" in stores
+    assert "store_if(sdecs[i].iterator.toint(), Uint32(NAN_BITS), bad, 4)" in stores
+    # S_dec = 1.0 from launches(), one allocation for both copies
+    launches = inspect.getsource(quantize_tile_host.TileHost.launches)
+    assert "s_dec = torch.ones(copies, dtype=torch.float32, device=dev)" in launches
 
 
 def test_rowwise_kernel_without_a_global_scale_takes_its_decode_scale() -> None:

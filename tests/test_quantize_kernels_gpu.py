@@ -39,6 +39,7 @@ from fp4gen.formats import (
     ElementFormat,
     ScaleSpec,
 )
+from fp4gen.kernels.tile import MAX_GRID_Y
 from fp4gen.numerics import quantize
 from fp4gen.runtime.kernels import kernels_for
 
@@ -616,7 +617,7 @@ def test_tile_one_dimensional_grid_past_max_grid_y(case: str, tile_kernels) -> N
     divides its index (the amax kernel's CTA count for the prepared constants included)."""
     spec, loaded = tile_kernels(case, "bf16")
     mod = loaded.module
-    m, k = (mod.MAX_GRID_Y + 1) * mod.TILE_M, tile_mapping(spec).k_multiple
+    m, k = (MAX_GRID_Y + 1) * mod.TILE.tile_m, tile_mapping(spec).k_multiple
     x = tile_input(spec, "randn", m, k, 17)
     offsets = (3, 4)
     got = loaded.run(x, seed=11, offset=offsets)

@@ -16,6 +16,8 @@ from fp4gen.compiler import cache as cache_mod
 KERNEL_FILES = (
     "dequant.py",
     "quantize.py",
+    "quantize_tile.py",
+    "quantize_tile_host.py",
     "tile.py",
     "mor.py",
     "encode.py",

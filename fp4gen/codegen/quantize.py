@@ -55,7 +55,7 @@ from fp4gen.dsl.model import RHTSpec
 from fp4gen.formats import ElementFormat, Special, is_stochastic, scale_cap, sr_bits
 from fp4gen.numerics.hadamard import rht_scale, rht_signs
 from fp4gen.numerics.minifloat import max_exponent, max_finite
-from fp4gen.spec import ROUNDING_TAGS, QuantKernelSpec
+from fp4gen.spec import QuantKernelSpec
 from fp4gen.vocab import DTYPES, Direction, Rounding, ScaleRounding, StrEnum
 
 ARCHS: tuple[str, ...] = ("sm_90a", "sm_100a")
@@ -728,9 +728,8 @@ class TileOutput:
 
     direction: Direction
     tag: str  # "row" / "col": the copy's names in the module (ROW_ROUNDING, mSdec_col, ...)
-    prefix: str  # "" / "col_": the copy's keys in run()'s result
     rounding: Rounding
-    suffix: str  # the name suffix of its encoder ("" when the kernel has one)
+    sw_encode: SwEncode  # the software encode of its rounding
     hw_archs: tuple[str, ...]  # arches whose hardware convert gives this copy's codes
     rht: RHTContext | None
     swizzled: bool  # scales also in the swizzled 128x4 layout
@@ -739,15 +738,6 @@ class TileOutput:
     sr_bits: int  # random bits per value, 0 for a deterministic rounding
     sr_index: int  # its Philox offset among the kernel's stochastic copies
     rand_fn: RandomSource
-
-
-@dataclass(frozen=True)
-class Encoder:
-    """One element encode function of a tile module: one per distinct rounding of its copies."""
-
-    rounding: Rounding
-    suffix: str  # its name suffix: "" when the module has one encoder, else "_" + the tag
-    sw_encode: SwEncode
 
 
 @dataclass(frozen=True)
@@ -785,18 +775,11 @@ class TileContext(TemplateContext):
     col: TileOutput | None
     col_rht: RHTContext | None  # the columnwise copy's RHT along M
     slots: int  # amax slots: one per distinct transform
-    slot_rht: tuple[bool, ...]  # per slot: is it the column RHT's
-    encoders: tuple[Encoder, ...]
     sr: bool  # some copy rounds stochastically
-    n_sr: int  # stochastic copies (Philox offsets)
     swar: bool  # whole codes per 32-bit word (4- and 8-bit)
     partial: bool  # a row segment or column strip holds part of a code word
     row_store: RowStore
     col_store: ColStore
-    swizzled: bool  # some copy's scales also in the swizzled 128x4 layout
-    cutlass_names: tuple[str, ...]  # names the module imports from cutlass, in isort's order
-    bf16_absmax: bool  # the module defines the bf16 absmax helper
-    bf16_input: bool
     transpose: bool  # 2D: the columnwise codes are the transpose of the rowwise code words
     # 1D with e4m3 scales: e_b of each of the 256 scale codes once per CTA (shared memory), not
     # a division per block
@@ -810,6 +793,11 @@ class TileContext(TemplateContext):
     fold: tuple[str, ...]  # tags of the copies whose encode-factor table folds ELEM_TO_F16 in
     fold_sdec_max: str | None  # literal of the largest S_dec the fold is exact for
     kernel_imports: str  # the import of the fp4gen.kernels modules the module calls
+    # the kernels' arguments: the quantize kernel's tensors after x (name, what it holds) and
+    # Philox scalars; the amax kernel's tensors after x (name, what it holds)
+    quant_tensors: tuple[tuple[str, str], ...]
+    sr_args: tuple[str, ...]
+    amax_tensors: tuple[tuple[str, str], ...]
 
 
 def _row_share(row: TileOutput | None, mapping: TileMapping, two_d: bool) -> int:
@@ -852,15 +840,9 @@ def tile_context(spec: QuantKernelSpec) -> TileContext:
         and mapping.rows % (32 // bits) == 0
     )
     whole_words = swar and not partial and (transpose or not two_d)
-    encoders = tuple(
-        Encoder(
-            rounding=Rounding(r),
-            suffix="" if len(roundings) == 1 else "_" + ROUNDING_TAGS[r],
-            sw_encode=_sw_encode(spec.element, r, tile=True, whole_words=whole_words),
-        )
-        for r in roundings
-    )
-    encoder_of = {e.rounding: e for e in encoders}
+    sw_encode_of = {
+        r: _sw_encode(spec.element, r, tile=True, whole_words=whole_words) for r in roundings
+    }
     # amax slots: one per distinct transform (no RHT / a column RHT)
     slots: list[RHTSpec | None] = []
     outputs: list[TileOutput] = []
@@ -869,15 +851,14 @@ def tile_context(spec: QuantKernelSpec) -> TileContext:
         transform = out.rht if out.direction == "columnwise" else None
         if transform not in slots:
             slots.append(transform)
-        encoder = encoder_of[out.rounding]
+        sw_encode = sw_encode_of[out.rounding]
         sr = is_stochastic(out.rounding)
         outputs.append(
             TileOutput(
                 direction=Direction(out.direction),
                 tag="row" if out.direction == "rowwise" else "col",
-                prefix="" if out.direction == "rowwise" else "col_",
                 rounding=Rounding(out.rounding),
-                suffix=encoder.suffix,
+                sw_encode=sw_encode,
                 hw_archs=common.elem.hw_archs if out.rounding == "nearest" else (),
                 rht=_rht_context(out.rht) if out.rht is not None else None,
                 swizzled=out.scale_layout == "swizzled",
@@ -885,7 +866,7 @@ def tile_context(spec: QuantKernelSpec) -> TileContext:
                 sr=sr,
                 sr_bits=sr_bits(out.rounding),
                 sr_index=sr_index,
-                rand_fn=_random_source(encoder.sw_encode),
+                rand_fn=_random_source(sw_encode),
             )
         )
         if sr:
@@ -898,9 +879,6 @@ def tile_context(spec: QuantKernelSpec) -> TileContext:
     col_bytes = mapping.rows * bits // 8
     col_word = _store_bytes(col_bytes, max(m_mult * bits // 8, 1)) if col else 1
     sr_any = any(o.sr for o in outputs)
-    names = {"Float32", "Int32", "Int64", "Uint8", "Uint32", "range_constexpr"}
-    if spec.global_scale and not sr_any and not any(o.swizzled for o in outputs):
-        names.remove("Uint32")  # no random words, NaN stores or swizzled codes spell it
     bf16_input = spec.input_dtype == "bf16"
     swizzled = any(o.swizzled for o in outputs)
     encode_table = not two_d and common.scale.kind == ScaleKind.E4M3_HW
@@ -910,9 +888,7 @@ def tile_context(spec: QuantKernelSpec) -> TileContext:
     fold = tuple(
         o.tag
         for o in outputs
-        if encode_table
-        and spec.global_scale
-        and encoder_of[o.rounding].sw_encode == SwEncode.SRHALF
+        if encode_table and spec.global_scale and o.sw_encode == SwEncode.SRHALF
     )
     # The fused gradient layout: the strip also staged in shared memory, the column copy from
     # the registers (unrolled, no rotation), the row copy from shared memory (a rolled loop).
@@ -929,6 +905,7 @@ def tile_context(spec: QuantKernelSpec) -> TileContext:
     # every CTA of the quantize kernel would otherwise compute them (about 100 instructions per
     # thread: two div.rn + rcp.rn pairs, two table entries per copy)
     prep = encode_table and spec.global_scale
+    entries = _tile_entries(outputs, len(slots), prep, spec.global_scale, sr_index)
     return TileContext(
         common=common,
         block=block,
@@ -940,19 +917,11 @@ def tile_context(spec: QuantKernelSpec) -> TileContext:
         col=out_by.get(Direction.COLUMNWISE),
         col_rht=_rht_context(col_rht) if col_rht is not None else None,
         slots=len(slots),
-        slot_rht=tuple(s is not None for s in slots),
-        encoders=encoders,
         sr=sr_any,
-        n_sr=sr_index,
         swar=swar,
         partial=bool(partial),
         row_store=RowStore(row_word, _STORE_TYPES[row_word], row_bytes // row_word, row_bytes),
         col_store=ColStore(col_word, _STORE_TYPES[col_word], col_bytes // col_word, col_bytes),
-        swizzled=swizzled,
-        cutlass_names=tuple(sorted(names, key=_import_order)),
-        # the bf16 absmax helper: bf16 inputs, and a column RHT's bf16-rounded values
-        bf16_absmax=bf16_input or col_rht is not None,
-        bf16_input=bf16_input,
         transpose=transpose,
         encode_table=encode_table,
         staged=staged,
@@ -964,11 +933,54 @@ def tile_context(spec: QuantKernelSpec) -> TileContext:
         grid_2d=prep,
         fold=fold if staged else (),
         fold_sdec_max=lit(2.0 ** _fold_sdec_exponent(spec)) if staged else None,
-        kernel_imports="from fp4gen.kernels import "
-        + (
-            "encode, philox, quant_ptx, scale, tile" if sr_any else "encode, quant_ptx, scale, tile"
+        kernel_imports=(
+            "from fp4gen.kernels import encode, host, quantize_tile, quantize_tile_host, "
+            "scale, tile"
         ),
+        **entries,
     )
+
+
+def _tile_entries(
+    outputs: list[TileOutput], slots: int, prep: bool, global_scale: bool, n_sr: int
+) -> dict[str, tuple]:
+    """The arguments the tile module's kernel entries spell, in the kernels' parameter order:
+    the quantize kernel's tensors after x (each copy's codes, scales and swizzled scales, then
+    the prepared constants, or the global amaxes and each S_dec, or each S_dec) and Philox
+    scalars; the amax kernel's tensors after x (the global amaxes, then with ``prep`` the CTA
+    counter, the constants and each S_dec)."""
+    quant: list[tuple[str, str]] = []
+    for o in outputs:
+        sfx = "" if o.tag == "row" else "c"
+        codes = "(M, K * ELEM_BITS / 8)" if o.tag == "row" else "(K, M * ELEM_BITS / 8)"
+        quant.append((f"mQ{sfx}", f"{codes} uint8 packed codes"))
+        quant.append((f"mS{sfx}", "scale codes (fp32 values for fp32 scales)"))
+        if o.swizzled:
+            quant.append((f"mSwz{sfx}", "(bytes,) uint8 swizzled scale codes, zero-initialised"))
+    sdecs = tuple(f"mSdec_{o.tag}" for o in outputs)
+    amaxes = tuple(f"mAmax{s}" for s in range(slots)) if global_scale else ()
+    if prep:
+        quant.append(("mConst", "fp32: the amax kernel's prepared constants"))
+    else:
+        quant += [(a, "(1,) fp32 global amax of a slot") for a in amaxes]
+        sdec_note = "S_dec out" if global_scale else "S_dec: 1.0, NaN if non-finite"
+        quant += [(s, f"(1,) fp32 {sdec_note}") for s in sdecs]
+    sr_args: tuple[str, ...] = ()
+    if n_sr:
+        offsets = tuple(f"offset{i}_{w}" for i in range(n_sr) for w in ("lo", "hi"))
+        sr_args = ("seed_lo", "seed_hi", *offsets, "ctr_lo", "ctr_hi", "stride_lo", "stride_hi")
+    amax_tensors = [(a, "(1,) fp32 global amax of a slot, zeroed") for a in amaxes]
+    if prep:
+        amax_tensors += [
+            ("mCount", "(1,) int32, zero-initialised: CTAs done"),
+            ("mConst", "fp32 out: the prepared constants (tables, k_enc, S_dec)"),
+        ]
+        amax_tensors += [(s, "(1,) fp32 out: S_dec of a copy") for s in sdecs]
+    return {
+        "quant_tensors": tuple(quant),
+        "sr_args": sr_args,
+        "amax_tensors": tuple(amax_tensors),
+    }
 
 
 def _fold_sdec_exponent(spec: QuantKernelSpec) -> int:
@@ -997,7 +1009,6 @@ def render(spec: QuantKernelSpec) -> str:
 __all__ = [
     "ARCHS",
     "ElementContext",
-    "Encoder",
     "HalfImage",
     "InputContext",
     "Mapping",

@@ -58,10 +58,13 @@ def check_input_2d(
     k_multiple: int,
     k_rule: str,
     rows: str,
+    m_multiple: int = 1,
+    m_rule: str = "",
 ) -> None:
     """Raise TensorError unless ``x`` is what a quantize or MoR kernel takes: a CUDA, contiguous,
     16-byte aligned 2-D ``dtype`` tensor [rows, K], K % k_multiple == 0 (``k_rule`` says why),
-    0 < rows * K < 2^31. ``rows`` names the first dimension ("M", "R") in the messages."""
+    rows % m_multiple == 0 (``m_rule`` says why), 0 < rows * K < 2^31. ``rows`` names the first
+    dimension ("M", "R") in the messages."""
     if not isinstance(x, torch.Tensor):
         raise TensorError(f"{spec_name}: expected a torch.Tensor, got {type(x).__name__}")
     if x.dim() != 2:
@@ -71,6 +74,10 @@ def check_input_2d(
     if x.shape[1] % k_multiple:
         raise TensorError(
             f"{spec_name}: K must be a multiple of {k_multiple} ({k_rule}); got {describe(x)}"
+        )
+    if x.shape[0] % m_multiple:
+        raise TensorError(
+            f"{spec_name}: {rows} must be a multiple of {m_multiple} ({m_rule}); got {describe(x)}"
         )
     if x.numel() == 0:
         raise TensorError(f"{spec_name}: cannot quantize an empty tensor; got {describe(x)}")

@@ -476,6 +476,15 @@ class TileAmaxKernel:
         return fold_ok
 
     @cute.jit
+    def __call__(self, mX: cute.Tensor, *args):
+        """The compiled function: x, each slot's (1,) fp32 global amax, with ``prep`` the (1,)
+        int32 CTA counter, the constants and each copy's (1,) fp32 S_dec, the stream. The kernel
+        takes the same tensors (the generated subclass spells them: a kernel's parameters have
+        names), then M, K and the tiles along K."""
+        n = len(self.p.slot_rht)
+        self.launch(mX, args[:n], args[n:-1], args[-1])
+
+    @cute.jit
     def launch(self, mX: cute.Tensor, amaxes: list, prepared: list, stream):
         """amaxes: the (1,) fp32 buffer of each slot; prepared: [counter, constants, S_dec of
         each copy] with ``prep``, else []."""
@@ -488,8 +497,16 @@ class TileAmaxKernel:
         )
 
     @cute.jit
-    def body(self, gX, amaxes: list, mCount, mConst, sdecs: list, M, K, tiles_k):
+    def body(self, gX, tensors: list, M, K, tiles_k):
+        """The kernel's body: ``tensors`` as ``__call__`` takes them."""
         p, sp, strip = self.p, self.p.strip, self.strip
+        slots = len(p.slot_rht)
+        amaxes = list(tensors[:slots])
+        mCount = mConst = None
+        sdecs = []
+        if const_expr(p.prep):
+            mCount, mConst = tensors[slots], tensors[slots + 1]
+            sdecs = list(tensors[slots + 2 :])
         threads = sp.threads
         tidx, _, _ = cute.arch.thread_idx()
         if const_expr(sp.grid_2d):
@@ -513,7 +530,6 @@ class TileAmaxKernel:
 
         # CTA reduction per slot: warp shuffles, one shared-memory slot per warp, warp 0 ends;
         # every max propagates NaN, so a NaN reaches the atomic as the canonical (positive) NaN
-        slots = len(p.slot_rht)
         smem = cutlass.memory.SmemAllocator()
         red = smem.allocate_tensor(
             Float32, cute.make_layout(slots * (threads // 32)), byte_alignment=16

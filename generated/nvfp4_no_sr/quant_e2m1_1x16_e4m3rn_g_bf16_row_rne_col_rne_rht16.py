@@ -19,57 +19,30 @@ What it computes (docs/numerics.md sections 1-5, bit for bit; oracle: fp4gen.num
     rowwise     codes [M, K] (4 bits, little-endian per row), scales [M, K/16],
                 round nearest
     columnwise  codes [K, M] (the transpose), scales [K, ceil(M/16)],
-                blocks along M, round nearest, RHT 16 along M (fixed vector),
-                bf16-rounded, before the amax
+                blocks along M, round nearest
+                RHT 16 along M (fixed vector), bf16-rounded, before the amax
 
-Kernels, in launch order:
-    amax      the global amax of each copy (2 values: |x| and |RHT_col(x)|) into zeroed fp32
-              [1] buffers: registers -> warp shuffles -> shared memory -> one atomic max per CTA.
-              The last CTA to finish (an acq_rel counter) prepares from the final amaxes each
-              copy's S_dec, k_enc and table of the 256 encode factors (CONST_*, once per tensor).
-    quantize  every copy from one read of x: block amaxes, scale codes, encode factors, codes.
+Kernels, in launch order: amax (the global amax of each copy, |RHT_col(x)| for the columnwise
+one, one atomic max per CTA; the last CTA prepares each copy's S_dec, k_enc and 256 encode
+factors), quantize (every copy from one read of x: the rotated loops). Each copy's S_dec is NaN
+iff x holds a NaN or an Inf (NONFINITE_TO_NAN_SCALE).
 
-Non-finite inputs (NONFINITE_TO_NAN_SCALE): each copy's S_dec is NaN iff x holds a NaN or an Inf
-(for the RHT copy also where the transform overflows, which the reference rejects too); the
-codes and scales are then meaningless. Every max of the amax kernel propagates NaN (max.NaN),
-the atomic max of the fp32 bits keeps a NaN or an Inf, and an amax that is not finite gives
-S_dec = NaN. Finite inputs: every bit as without this rule.
-
-Thread mapping: a thread holds a strip of ROWS = 16 rows x VEC = 8 columns of x (one 16-byte
-load per row). A warp is LANES_K = 8 lanes along K (fastest) x LANES_M = 4 along M, a CTA 2 x 2
-warps, so a CTA covers a TILE_M = 128 x TILE_K = 128 tile; CTA (x, y) takes tile (y, x) (a 1-D
-grid past 65535 tile rows: CTA t takes tile (t // tiles_k, t % tiles_k)). A row block spans 2
-lane(s) along K (butterfly shuffles combine its amax). A column block spans 1 strip(s); each of
-the thread's VEC columns is quantized from registers after an in-register RHT of its 16-row
-chunks. A strip past M (M % ROWS == 0: a strip is whole or out) is loaded as the last ROWS rows
-and never stored; columns past K are clamped likewise.
-
-Module contract: KERNELS, compile_kernel(name, arch, *, dump_dir=None), launches(x, ...),
-run(fns, x, *, seed=0, offset=0) (see fp4gen.codegen.quantize); the offset may be a DeviceOffset
-(fp4gen.device_offset: read by the kernel from device memory), and NONFINITE_TO_NAN_SCALE says
-that S_dec is NaN iff the input held a NaN or an Inf. Limits: M * K < 2^31 and a 16-byte
-aligned input.
+Module contract: KERNELS, compile_kernel, launches, run (see fp4gen.codegen.quantize). The device
+code is fp4gen.kernels.quantize_tile's (the thread mapping and the amax kernel
+fp4gen.kernels.tile's), the host code fp4gen.kernels.quantize_tile_host's: this module binds
+them to the spec.
 """
 
 from __future__ import annotations
 
-import os
-import shlex
-from collections.abc import Callable, Mapping
-
-import cuda.bindings.driver as cuda
 import cutlass
 import cutlass.cute as cute
 import torch
-from cutlass import Float32, Int32, Int64, Uint8, range_constexpr
+from cutlass import Int32
 
-from fp4gen.device_offset import DeviceOffset
-from fp4gen.errors import TensorError
-from fp4gen.kernels import encode, quant_ptx, scale, tile
+from fp4gen.kernels import encode, host, quantize_tile, quantize_tile_host, scale, tile
 
-# ----------------------------------------------------------------------------------------------
 # The spec, baked in
-# ----------------------------------------------------------------------------------------------
 SPEC_NAME = "quant_e2m1_1x16_e4m3rn_g_bf16_row_rne_col_rne_rht16"
 SPEC_DIGEST = "d134b77429701ed8"
 KERNELS: tuple[str, ...] = ("amax", "quantize")
@@ -93,10 +66,6 @@ ELEM_EMIN_BIASED = 127  # ELEM_EMIN + 127, as an fp32 exponent field
 ELEM_MAX = 6.0  # largest finite value
 INV_ELEM_MAX = 0.1666666716337204  # fp32(1 / ELEM_MAX)
 ELEM_SIGN = 0x8  # sign bit of a code
-ROW_ROUNDING = "nearest"
-ROW_HW_CVT_ARCHS: tuple[str, ...] = ("sm_100a",)  # e2m1x2 equals the RNE encode
-COL_ROUNDING = "nearest"
-COL_HW_CVT_ARCHS: tuple[str, ...] = ("sm_100a",)  # e2m1x2 equals the RNE encode
 # software encode: magnitude code = bits(2^23 + n) + (k + 127) * 2^m - ELEM_CODE_BIAS
 ELEM_CODE_BIAS = 0x4B0000FE
 LANES = 8  # codes per 32-bit word
@@ -111,49 +80,21 @@ SCALE_CAP = 448.0  # ELEM_MAX * SCALE_CAP <= FLT_MAX: every code decodes finite
 SCALE_TORCH = torch.uint8
 
 GLOBAL_SCALE = True
-# Each copy's S_dec is NaN iff the input held a NaN or an Inf (the runtime needs no separate
-# finite check)
+# each copy's S_dec is NaN iff x held a NaN or an Inf (the runtime needs no finite check)
 NONFINITE_TO_NAN_SCALE = True
-NONFINITE_BITS = 0x7F800000  # bits of |v| at or above this (unsigned): v is an Inf or a NaN
-NAN_BITS = 0x7FFFFFFF  # the NaN stored as S_dec
 GLOBAL_NUM = 2688.0  # fp32(SCALE_MAX * ELEM_MAX)
 AMAX_SLOTS = 2  # distinct global amaxes (one per transform of x)
-# Constants the amax kernel's last CTA prepares for the quantize kernel: the encode-factor
-# table of each copy (256 entries, one per scale code), then (k_enc, S_dec) of each copy
-CONST_HEAD = 256 * 2
-CONST_LEN = CONST_HEAD + 2 * 2
+# what the amax kernel prepares: each copy's 256 encode factors, then each one's (k_enc, S_dec)
+CONST_LEN = 516
 # Random Hadamard transform of the columnwise copy, along M: fixed vector
 RHT_SIZE = 16
 RHT_SIGNS = tuple(1 if c == "+" else -1 for c in "+++-+------+-+--")
 RHT_SCALE = 0.25  # fp32(1 / sqrt(RHT_SIZE))
-
-FLT_MAX = 3.4028234663852886e38
-
-# Thread mapping
-ROWS = 16  # rows of a thread's strip
-VEC = 8  # columns of a thread's strip (one vector load per row)
-LANES_K = 8
-LANES_M = 4
-WARPS_K = 2
-WARPS_M = 2
-THREADS = 128
-TILE_K = 128  # VEC * LANES_K * WARPS_K
-TILE_M = 128  # ROWS * LANES_M * WARPS_M
-ROW_LANES = 2  # lanes along K sharing a row block
-ROW_BLOCKS = 1  # whole row blocks in a thread's row segment
-COL_LANES = 1  # lanes along M sharing a column block
-COL_WARPS = 1  # warps along M sharing one (partial amaxes in shared memory)
-COL_BLOCKS = 1  # whole column blocks in a thread's strip
 K_MULTIPLE = 16  # K must be a multiple of this
 M_MULTIPLE = 16  # M must be a multiple of this
-ROW_STORE_BYTES = 4  # store word of a row segment's packed codes
-ROW_STORE_N = 1  # store words per row segment (4 bytes)
-COL_STORE_BYTES = 4  # store word of a column strip's packed codes
-COL_STORE_N = 2  # store words per column strip (8 bytes)
-
 
 # ----------------------------------------------------------------------------------------------
-# The element encode and the block scales: fp4gen.kernels' classes with these constants
+# The kernels: fp4gen.kernels' tile classes with these constants
 # ----------------------------------------------------------------------------------------------
 ELEMENT = encode.ElementParams(
     name=ELEM_NAME,
@@ -179,46 +120,18 @@ SCALE = scale.ScaleParams(
     rounding=SCALE_ROUNDING,
     cap=SCALE_CAP,
 )
-BLOCK_SCALER = scale.BlockScaler(SCALE, GLOBAL_SCALE)
-block_scale = BLOCK_SCALER.block_scale  # (amax_b, k_enc, s_enc, s_dec) -> (code, e_b)
-# copies rounding nearest: the "rne" software encode
-ENCODER = encode.ElementEncoder(
-    ELEMENT,
-    rounding="nearest",
-    sw_encode="rne",
-    swar=True,  # codes packed and signed word by word
-    partial=False,  # a last code word may hold fewer codes
-)
-encode_elements = ENCODER.encode_elements
-
-
-def global_scales(amax: Float32):
-    """(S_enc, S_dec) of a global amax: fp4gen.kernels.scale.global_scales."""
-    return scale.global_scales(amax, GLOBAL_NUM)
-
-
-# ----------------------------------------------------------------------------------------------
-# The strip: fp4gen.kernels.tile's mapping and helpers with these constants
-# ----------------------------------------------------------------------------------------------
-CPAIR = max(1, 4 // 2)  # values per 32-bit word
-WORDS = VEC // CPAIR  # words per row of the strip: iterations of the column loop
-ROWS_PER_STEP = 4  # rows per iteration of the row loop
-ROW_STEPS = ROWS // ROWS_PER_STEP
-ROW_UNROLL = 1  # row-loop iterations per loop body (2 measured 15% slower)
-COL_UNROLL = 2  # column-loop iterations per loop body (1 measured 2% slower)
-UNITS_K = TILE_K // VEC  # row vectors per tile row
 TILE = tile.TileParams(
     input_dtype=INPUT_DTYPE,
-    rows=ROWS,
-    vec=VEC,
-    lanes_k=LANES_K,
-    lanes_m=LANES_M,
-    warps_k=WARPS_K,
-    warps_m=WARPS_M,
-    row_lanes=ROW_LANES,
-    col_lanes=COL_LANES,
+    rows=16,  # rows of a thread's strip
+    vec=8,  # columns of a thread's strip (one vector load per row)
+    lanes_k=8,
+    lanes_m=4,
+    warps_k=2,
+    warps_m=2,
+    row_lanes=2,  # lanes along K sharing a row block
+    col_lanes=1,  # lanes along M sharing a column block
     grid_2d=True,
-    whole_strips=True,  # M % ROWS == 0 on that grid
+    whole_strips=True,  # M % rows == 0 on that grid
     elem_bits=ELEM_BITS,
     fp32_scales=False,
     global_scale=GLOBAL_SCALE,
@@ -227,20 +140,54 @@ TILE = tile.TileParams(
     rht_signs=RHT_SIGNS,
     rht_scale=RHT_SCALE,
 )
-STRIP = tile.TileStrip(TILE)
-ROW_OFFSETS = TILE.row_offsets  # lane offsets of the butterflies across a row block
-COL_OFFSETS = TILE.col_offsets  # ... and across a column block
-store_if = quant_ptx.store_if  # the predicated store of codes and scales
-
-
-AMAX_PARAMS = tile.TileAmaxParams(
+QUANT_PARAMS = quantize_tile.TileQuantizeParams(
     strip=TILE,
-    slot_rht=(False, True),  # per slot: after the column RHT
-    prep=True,
-    copies=(("row", 0), ("col", 1)),  # (tag, amax slot)
-    inv_max=INV_ELEM_MAX,
+    block=BLOCK,
+    two_d=BLOCK_2D,
+    elem=ELEMENT,
+    scale=SCALE,
+    copies=(
+        quantize_tile.TileCopy(
+            tag="row",
+            rounding="nearest",
+            sw_encode="rne",  # the software element encode
+            # arches whose hardware convert gives these codes (e2m1x2)
+            hw_archs=("sm_100a",),
+            swizzled=False,
+            slot=0,  # its global amax
+            sr_bits=0,
+            sr_index=0,  # its Philox offset among the stochastic copies
+            rht=False,
+        ),
+        quantize_tile.TileCopy(
+            tag="col",
+            rounding="nearest",
+            sw_encode="rne",  # the software element encode
+            # arches whose hardware convert gives these codes (e2m1x2)
+            hw_archs=("sm_100a",),
+            swizzled=False,
+            slot=1,  # its global amax
+            sr_bits=0,
+            sr_index=0,  # its Philox offset among the stochastic copies
+            rht=True,
+        ),
+    ),
+    row_blocks=1,  # whole row blocks in a thread's row segment
+    col_blocks=1,  # whole column blocks in a thread's strip
+    col_warps=1,  # warps along M sharing one (partial amaxes in shared memory)
+    row_store_bytes=4,  # store word of a row segment's packed codes
+    row_store_n=1,  # store words per row segment
+    col_store_bytes=4,  # store word of a column strip's packed codes
+    col_store_n=2,  # store words per column strip
+    swar=True,  # codes packed and signed word by word
+    partial=False,  # a last code word may hold fewer codes
+    transpose=False,  # 2D: the columnwise codes transpose the rowwise words
+    encode_table=True,  # e_b of every e4m3 scale code once per CTA
+    staged=False,  # the strip staged in shared memory too (the fused gradient layout)
+    prep=True,  # the amax kernel prepared S_dec, k_enc and the tables
     global_num=GLOBAL_NUM,
 )
+AMAX_PARAMS = QUANT_PARAMS.amax_params()
 
 
 class AmaxKernel(tile.TileAmaxKernel):
@@ -250,333 +197,64 @@ class AmaxKernel(tile.TileAmaxKernel):
     def __init__(self, arch: str):
         super().__init__(AMAX_PARAMS, arch)
 
-    @cute.jit
-    def __call__(
-        self,
-        mX: cute.Tensor,
-        mAmax0: cute.Tensor,
-        mAmax1: cute.Tensor,
-        mCount: cute.Tensor,  # (1,) int32, zero-initialised: CTAs done
-        mConst: cute.Tensor,  # (CONST_LEN,) fp32 out: the prepared constants
-        mSdec_row: cute.Tensor,  # (1,) fp32 out: S_dec of the rowwise copy
-        mSdec_col: cute.Tensor,  # (1,) fp32 out: S_dec of the columnwise copy
-        stream: cuda.CUstream,
-    ):
-        self.launch(mX, [mAmax0, mAmax1], [mCount, mConst, mSdec_row, mSdec_col], stream)
-
     @cute.kernel
     def kernel(
         self,
         gX: cute.Tensor,
-        mAmax0: cute.Tensor,
-        mAmax1: cute.Tensor,
-        mCount: cute.Tensor,
-        mConst: cute.Tensor,
-        mSdec_row: cute.Tensor,
-        mSdec_col: cute.Tensor,
+        mAmax0: cute.Tensor,  # (1,) fp32 global amax of a slot, zeroed
+        mAmax1: cute.Tensor,  # (1,) fp32 global amax of a slot, zeroed
+        mCount: cute.Tensor,  # (1,) int32, zero-initialised: CTAs done
+        mConst: cute.Tensor,  # fp32 out: the prepared constants (tables, k_enc, S_dec)
+        mSdec_row: cute.Tensor,  # (1,) fp32 out: S_dec of a copy
+        mSdec_col: cute.Tensor,  # (1,) fp32 out: S_dec of a copy
         M: Int32,
         K: Int32,
         tiles_k: Int32,
     ):
-        sdecs = [mSdec_row, mSdec_col]
-        self.body(gX, [mAmax0, mAmax1], mCount, mConst, sdecs, M, K, tiles_k)
+        self.body(gX, [mAmax0, mAmax1, mCount, mConst, mSdec_row, mSdec_col], M, K, tiles_k)
 
 
-class QuantizeKernel:
-    """1x16 e2m1 quantization of a compact row-major [M, K] bf16 tensor:
-    rowwise and columnwise copies."""
+class QuantizeKernel(quantize_tile.TileQuantizeKernel):
+    """The quantize kernel of this spec (fp4gen.kernels.quantize_tile.TileQuantizeKernel: its
+    entries take the arguments TileQuantizeKernel.split_args lists)."""
 
     def __init__(self, arch: str):
-        self.arch = arch
-        self.hw_row = arch in ROW_HW_CVT_ARCHS  # hardware element convert
-        self.hw_col = arch in COL_HW_CVT_ARCHS  # hardware element convert
-
-    @cute.jit
-    def __call__(
-        self,
-        mX: cute.Tensor,  # (M, K) input
-        mQ: cute.Tensor,  # (M, K * ELEM_BITS / 8) uint8 packed codes
-        mS: cute.Tensor,  # (M, K / BLOCK) scale codes
-        mQc: cute.Tensor,  # (K, M * ELEM_BITS / 8) uint8 packed codes of the transpose
-        mSc: cute.Tensor,  # (K, ceil(M / BLOCK)) scale codes
-        mConst: cute.Tensor,  # (CONST_LEN,) fp32: the amax kernel's prepared constants
-        stream: cuda.CUstream,
-    ):
-        M, K = mX.shape[0], mX.shape[1]
-        tiles_k, grid = STRIP.grid(M, K)
-        self.kernel(
-            STRIP.units(mX),
-            mQ,
-            mS,
-            mQc,
-            mSc,
-            mConst,
-            M,
-            K,
-            tiles_k,
-        ).launch(grid=grid, block=[THREADS, 1, 1], stream=stream)
+        super().__init__(QUANT_PARAMS, arch)
 
     @cute.kernel
     def kernel(
         self,
         gX: cute.Tensor,
-        mQ: cute.Tensor,
-        mS: cute.Tensor,
-        mQc: cute.Tensor,
-        mSc: cute.Tensor,
-        mConst: cute.Tensor,
+        mQ: cute.Tensor,  # (M, K * ELEM_BITS / 8) uint8 packed codes
+        mS: cute.Tensor,  # scale codes (fp32 values for fp32 scales)
+        mQc: cute.Tensor,  # (K, M * ELEM_BITS / 8) uint8 packed codes
+        mSc: cute.Tensor,  # scale codes (fp32 values for fp32 scales)
+        mConst: cute.Tensor,  # fp32: the amax kernel's prepared constants
         M: Int32,
         K: Int32,
         tiles_k: Int32,
     ):
-        tidx, _, _ = cute.arch.thread_idx()
-        row0, col0, wm, lm, lk = STRIP.strip_origin_2d(tidx, tiles_k)
-
-        # ---- issue every load of the strip first (clamped: no predicates)
-        frags = STRIP.load_strip(gX, row0, col0, M, K)
-        col_ok = col0 < K
-        nbm = (M + (BLOCK - 1)) // BLOCK  # blocks along M
-        nbk = K // BLOCK  # blocks along K
-        pitch_c = M * ELEM_BITS // 8  # bytes per row of the transposed codes
-        byte0 = row0 * ELEM_BITS // 8  # the strip's first byte in such a row
-
-        # ---- k_enc (and S_dec where the fold needs it) of every copy, prepared by the amax
-        # kernel like the tables below
-        k_enc_row = mConst[CONST_HEAD + 0]
-        k_enc_col = mConst[CONST_HEAD + 2]
-        smem = cutlass.memory.SmemAllocator()
-        # ---- the encode-factor table of every copy, copied from the prepared constants: block
-        # scales then cost one shared-memory load
-        table_row = smem.allocate_tensor(Float32, cute.make_layout(256), byte_alignment=16)
-        for t in range_constexpr(256 // THREADS):
-            table_row[tidx + t * THREADS] = mConst[0 + tidx + t * THREADS]
-        table_col = smem.allocate_tensor(Float32, cute.make_layout(256), byte_alignment=16)
-        for t in range_constexpr(256 // THREADS):
-            table_col[tidx + t * THREADS] = mConst[256 + tidx + t * THREADS]
-        cute.arch.barrier()
-        # ---- the strip as 32-bit words, WORDS per row, rotated through rolled loops: an
-        # iteration of the row loop takes the first ROWS_PER_STEP rows and then rotates the rows,
-        # one of the column loop the first word of every row (CPAIR columns) and then rotates each
-        # row's words. Rolled loops keep the kernel small enough for the instruction cache (fully
-        # unrolled, instruction fetch stalls took half its time); the data stays in registers
-        strip = [w for frag in frags for w in STRIP.frag_words(frag)]
-
-        # ---- rowwise copy: ROWS_PER_STEP row segments per iteration, blocks along K
-        for t in cutlass.range(ROW_STEPS, unroll=ROW_UNROLL):
-            r0 = row0 + t * ROWS_PER_STEP
-            for ii in range_constexpr(ROWS_PER_STEP):
-                r = r0 + ii
-                ok_r = Int32(col_ok & (r < M))
-                words = strip[ii * WORDS : (ii + 1) * WORDS]
-                xs = STRIP.words_f32(words)
-                yr = []
-                for g in range_constexpr(ROW_BLOCKS):
-                    lo = g * (VEC // ROW_BLOCKS)
-                    hi = lo + VEC // ROW_BLOCKS
-                    amax_r = STRIP.words_absmax(words, xs, lo, hi)
-                    amax_r = tile.butterfly_max(amax_r, ROW_OFFSETS)
-                    code_r, e_r = STRIP.block_scale_table(amax_r, k_enc_row, table_row)
-                    yr += tile.scaled(xs[lo:hi], e_r)
-                    # the lanes of a block hold the same scale: all store it
-                    at_r = mS.iterator.toint() + Int64((r * nbk + col0 // BLOCK + g) * 1)
-                    store_if(at_r, STRIP.scale_bits(code_r), ok_r, 1)
-                rand_r = None
-                enc_r = encode_elements(yr, rand_r, self.hw_row)
-                vrow = tile.to_store(encode.pack_bits(enc_r), ROW_STORE_BYTES, ROW_STORE_N)
-                at_r = mQ.iterator.toint() + Int64((r * K + col0) * ELEM_BITS // 8)
-                for w in range_constexpr(ROW_STORE_N):
-                    at_w = at_r + Int64(w * ROW_STORE_BYTES)
-                    store_if(at_w, vrow[w], ok_r, ROW_STORE_BYTES)
-            strip = strip[ROWS_PER_STEP * WORDS :] + strip[: ROWS_PER_STEP * WORDS]
-
-        # ---- columnwise copy: CPAIR columns per iteration, blocks along M
-        bl = ROWS // COL_BLOCKS  # rows of one column block held by this thread
-        for t in cutlass.range(WORDS, unroll=COL_UNROLL):
-            pxs = STRIP.first_columns(strip)
-            for q in range_constexpr(CPAIR):
-                j = t * CPAIR + q
-                c = col0 + j
-                xc, xw = STRIP.bf16_round(STRIP.butterflies(pxs[q]))
-                ys = []
-                for g in range_constexpr(COL_BLOCKS):
-                    amax_b = tile.absmax_bf16(xw[g * bl // 2 : (g + 1) * bl // 2])  # exact
-                    amax_b = tile.butterfly_max(amax_b, COL_OFFSETS)
-                    code, e_b = STRIP.block_scale_table(amax_b, k_enc_col, table_col)
-                    ys += tile.scaled(xc[g * bl : (g + 1) * bl], e_b)
-                    b = (row0 + g * bl) // BLOCK
-                    ok = Int32(col_ok & (row0 + g * bl < M))
-                    at = mSc.iterator.toint() + Int64((c * nbm + b) * 1)
-                    store_if(at, STRIP.scale_bits(code), ok, 1)
-                rand = None
-                enc = encode_elements(ys, rand, self.hw_col)
-                vcol = tile.to_store(encode.pack_bits(enc), COL_STORE_BYTES, COL_STORE_N)
-                at = mQc.iterator.toint() + Int64(c * pitch_c + byte0)
-                for w in range_constexpr(COL_STORE_N):
-                    ok = Int32(col_ok & (byte0 + (w + 1) * COL_STORE_BYTES <= pitch_c))
-                    at_w = at + Int64(w * COL_STORE_BYTES)
-                    store_if(at_w, vcol[w], ok, COL_STORE_BYTES)
-            strip = STRIP.rotate_words(strip)
+        tensors = [mQ, mS, mQc, mSc, mConst]
+        self.body(gX, tensors, (), M, K, tiles_k)
 
 
 # ----------------------------------------------------------------------------------------------
-# Compilation (tensor-free, against fake tensors) and the torch-facing launcher
+# Compilation (tensor-free, against fake tensors) and the torch-facing launcher:
+# fp4gen.kernels.quantize_tile_host
 # ----------------------------------------------------------------------------------------------
-def compile_kernel(name: str, arch: str, *, dump_dir: str | None = None):
-    """The TVM-FFI compiled callable of kernel ``name`` for ``arch`` ("sm_90a" or "sm_100a"),
-    built against fake tensors with dynamic M and K (K % K_MULTIPLE == 0, M % M_MULTIPLE == 0);
-    needs no GPU. With ``dump_dir`` (created if missing) the PTX is kept there (else keep-ptx
-    writes into the current directory)."""
-    if name not in KERNELS:
-        raise ValueError(f"{SPEC_NAME} has no kernel {name!r}; kernels: {KERNELS}")
-    if arch not in ARCHS:
-        raise ValueError(f"unsupported arch {arch!r}; expected one of {ARCHS}")
-    options = f"--enable-tvm-ffi --gpu-arch {arch}"
-    if dump_dir is not None:
-        os.makedirs(dump_dir, exist_ok=True)
-        options += f" --keep-ptx --dump-dir {shlex.quote(os.fspath(dump_dir))}"
-    fake = cute.runtime.make_fake_compact_tensor
-    m = cute.sym_int(divisibility=M_MULTIPLE)
-    k = cute.sym_int(divisibility=K_MULTIPLE)
-    x = fake(INPUT_T, (m, k), stride_order=(1, 0), assumed_align=16)
-    stream = cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True)
-    scale_t = Uint8
-    one = [fake(Float32, (1,), assumed_align=4) for _ in range(AMAX_SLOTS)]
-    consts = fake(Float32, (CONST_LEN,), assumed_align=16)
-    if name == "amax":
-        count = fake(Int32, (1,), assumed_align=4)
-        s_decs = [fake(Float32, (1,), assumed_align=4) for _ in OUTPUTS]
-        return cute.compile(
-            AmaxKernel(arch), x, *one, count, consts, *s_decs, stream, options=options
-        )
-    args = [x]
-    args += [
-        fake(
-            Uint8,
-            (m, cute.sym_int(divisibility=K_MULTIPLE * ELEM_BITS // 8)),
-            stride_order=(1, 0),
-            assumed_align=16,
-        ),
-        fake(scale_t, (cute.sym_int(), cute.sym_int()), stride_order=(1, 0), assumed_align=4),
-    ]
-    args += [
-        fake(Uint8, (k, cute.sym_int()), stride_order=(1, 0), assumed_align=16),
-        fake(scale_t, (cute.sym_int(), cute.sym_int()), stride_order=(1, 0), assumed_align=4),
-    ]
-    args.append(consts)
-    return cute.compile(QuantizeKernel(arch), *args, stream, options=options)
-
-
-def _describe(x: torch.Tensor) -> str:
-    return f"shape {tuple(x.shape)}, dtype {x.dtype}, device {x.device}"
-
-
-def check_input(x) -> None:
-    """Raise TensorError unless x is what the kernels take: a CUDA, contiguous, 16-byte aligned
-    2-D bfloat16 tensor [M, K], K % K_MULTIPLE == 0, M % M_MULTIPLE == 0, 0 < M * K < 2^31."""
-    if not isinstance(x, torch.Tensor):
-        raise TensorError(f"{SPEC_NAME}: expected a torch.Tensor, got {type(x).__name__}")
-    if x.dim() != 2:
-        raise TensorError(f"{SPEC_NAME}: the input must be 2-D [M, K]; got {_describe(x)}")
-    if x.dtype != INPUT_TORCH:
-        raise TensorError(f"{SPEC_NAME}: the input must be {INPUT_TORCH}; got {_describe(x)}")
-    if x.shape[1] % K_MULTIPLE:
-        raise TensorError(f"{SPEC_NAME}: K must be a multiple of {K_MULTIPLE}; got {_describe(x)}")
-    if x.shape[0] % M_MULTIPLE:
-        raise TensorError(
-            f"{SPEC_NAME}: M must be a multiple of {M_MULTIPLE} (the columnwise copy"
-            f"{' and its RHT' if M_MULTIPLE > 8 else ''}); got {_describe(x)}"
-        )
-    if x.numel() == 0:
-        raise TensorError(f"{SPEC_NAME}: cannot quantize an empty tensor; got {_describe(x)}")
-    if x.numel() >= 2**31:
-        raise TensorError(f"{SPEC_NAME}: M * K must be below 2^31; got {_describe(x)}")
-    if not x.is_contiguous():
-        raise TensorError(f"{SPEC_NAME}: the input must be contiguous; got {_describe(x)}")
-    if x.device.type != "cuda":
-        raise TensorError(f"{SPEC_NAME}: the input must be on a CUDA device; got {_describe(x)}")
-    if x.data_ptr() % 16:
-        raise TensorError(f"{SPEC_NAME}: the input must be 16-byte aligned; got {_describe(x)}")
-
-
-def _u64(name: str, value: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < 1 << 64:
-        raise ValueError(f"{name} must be an integer in [0, 2^64), got {value!r}")
-
-
-def swizzled_bytes(rows: int, cols: int) -> int:
-    """Size of the 128x4 swizzled layout of a [rows, cols] scale matrix (padding included)."""
-    return -(-rows // 128) * 128 * (-(-cols // 4) * 4)
-
-
-def _offsets(offset) -> tuple[int, ...]:
-    """One Philox offset per output: an int serves every output, a tuple gives one each. For a
-    DeviceOffset, its slots likewise (the kernel adds counter * stride to them)."""
-    if isinstance(offset, DeviceOffset):
-        offset = offset.slots[0] if len(offset.slots) == 1 else offset.slots
-    offsets = (offset,) * len(OUTPUTS) if isinstance(offset, int) else tuple(offset)
-    if len(offsets) != len(OUTPUTS):
-        raise ValueError(f"{SPEC_NAME}: expected one offset per output {OUTPUTS}, got {offset!r}")
-    for o in offsets:
-        _u64("offset", o)
-    return offsets
-
-
-def launches(x: torch.Tensor, *, seed: int = 0, offset: int | tuple[int, ...] | DeviceOffset = 0):
-    """Validate x and allocate the outputs: returns (outputs, [(kernel name, arguments)] in
-    launch order). ``run`` launches them; a benchmark can time each launch on its own."""
-    check_input(x)
-    _u64("seed", seed)
-    offsets = _offsets(offset)
-    M, K = x.shape
-    dev = x.device
-    nbm = -(-M // BLOCK)  # blocks along M
-    nbk = K // BLOCK  # blocks along K
-    out = {}
-    args = [x]
-    data = torch.empty((M, K * ELEM_BITS // 8), dtype=torch.uint8, device=dev)
-    scales = torch.empty((M, nbk), dtype=SCALE_TORCH, device=dev)
-    out.update(data=data, scales=scales)
-    args += [data, scales]
-    col_data = torch.empty((K, M * ELEM_BITS // 8), dtype=torch.uint8, device=dev)
-    col_scales = torch.empty((K, nbm), dtype=SCALE_TORCH, device=dev)
-    out.update(col_data=col_data, col_scales=col_scales)
-    args += [col_data, col_scales]
-    plan = []
-    # the amaxes and, after them, the amax kernel's CTA counter: zeroed by one allocation
-    amax = torch.zeros(AMAX_SLOTS + 1, dtype=torch.float32, device=dev)
-    count = amax[AMAX_SLOTS:].view(torch.int32)
-    consts = torch.empty(CONST_LEN, dtype=torch.float32, device=dev)
-    s_dec = torch.empty(len(OUTPUTS), dtype=torch.float32, device=dev)
-    slots = [amax[s : s + 1] for s in range(AMAX_SLOTS)]
-    s_decs = [s_dec[i : i + 1] for i in range(len(OUTPUTS))]
-    plan.append(("amax", (x, *slots, count, consts, *s_decs)))
-    args.append(consts)
-    out["global_scale"] = s_dec[0]
-    out["col_global_scale"] = s_dec[1]
-    del offsets  # no stochastic rounding
-    plan.append(("quantize", tuple(args)))
-    return out, plan
-
-
-def run(
-    fns: Mapping[str, Callable],
-    x: torch.Tensor,
-    *,
-    seed: int = 0,
-    offset: int | tuple[int, ...] | DeviceOffset = 0,
-) -> dict[str, torch.Tensor]:
-    """Quantize x with the compiled kernels ``fns`` (name -> callable, see KERNELS).
-
-    Returns, per copy, its packed codes, scale codes (uint8; fp32 values for fp32 scales),
-    fp32 0-dim S_dec and, for the swizzled layout, the 128x4 tensor-core scale buffer:
-    rowwise "data" [M, K*ELEM_BITS/8], "scales", "global_scale";
-    columnwise "col_data" [K, M*ELEM_BITS/8], "col_scales", "col_global_scale".
-    ``seed``/``offset`` select the Philox stream of stochastic rounding (an offset per copy as a
-    tuple in OUTPUTS order, or a DeviceOffset read by the kernel from device memory:
-    fp4gen.device_offset; unused without SR). Each copy's S_dec is NaN iff x held a NaN or an
-    Inf (NONFINITE_TO_NAN_SCALE). Raises TensorError for an input the kernels cannot take.
-    """
-    out, plan = launches(x, seed=seed, offset=offset)
-    for name, args in plan:
-        fns[name](*args)
-    return out
+HOST = quantize_tile_host.TileHost(
+    spec_name=SPEC_NAME,
+    kernels=KERNELS,
+    archs=ARCHS,
+    params=QUANT_PARAMS,
+    k_multiple=K_MULTIPLE,
+    m_multiple=M_MULTIPLE,
+    entries={"amax": AmaxKernel, "quantize": QuantizeKernel},
+)
+compile_kernel = HOST.compile_kernel
+check_input = HOST.check_input
+launches = HOST.launches
+run = HOST.run
+swizzled_bytes = host.swizzled_bytes
+_offsets = HOST.offsets
+_counter_args = HOST.counter_args
