@@ -4,11 +4,11 @@
                                   [--eager-reference] [--deadline 300] [--options]
 
 ``--options``: the rowwise kernels with the block-scale options of docs/numerics.md 11 (Four
-Over Six: targets 6 4 by MSE, global bound 256; stochastic block scales; per-row global scales)
-beside the plain NVFP4 kernel of the same rounding and RHT, and RHT signs drawn per step
-(numerics.md 12) beside fixed ones, each one's quantize-kernel time and run() time as a ratio to
-the other's ("4over6 <= 1.5x plain", "per-step signs at the cost of fixed ones" are the goals),
-measured in the same run.
+Over Six: targets 6 4 by MSE, global bound 256; stochastic block scales; per-row global scales;
+MS-EDEN) beside the plain NVFP4 kernel of the same rounding and RHT, and RHT signs drawn per
+step (numerics.md 12) beside fixed ones, each one's quantize-kernel time and run() time as a
+ratio to the other's ("4over6 <= 1.5x plain", "per-step signs at the cost of fixed ones" are the
+goals), measured in the same run.
 
 For each kernel (rowwise: NVFP4 RNE, NVFP4 SR + RHT16, MXFP4, MXFP8; tile kernels: the NVFP4
 gradient's rowwise SR + columnwise SR/RHT16 copies in one launch, the activation's rowwise RNE +
@@ -66,6 +66,7 @@ CONFIGS = {
     "mxfp4 rowwise rne": (MXFP4, ((ROW, "nearest", None),)),
     "mxfp8 rowwise rne": (MXFP8, ((ROW, "nearest", None),)),
     "nvfp4 rowwise sr8+rht16": (NVFP4, ((ROW, SR8, TE16),)),
+    "nvfp4 rowwise rne+rht16": (NVFP4, ((ROW, "nearest", TE16),)),
     # the shipped recipe's gradient kernel (8 random bits per value), and with 32
     "nvfp4 gradient row sr8 + col sr8+rht16": (NVFP4, ((ROW, SR8, None), (COL, SR8, TE16))),
     "nvfp4 gradient row sr + col sr+rht16": (NVFP4, ((ROW, SR, None), (COL, SR, TE16))),
@@ -100,6 +101,15 @@ FOUR_OVER_SIX = BlockFormat(
 )
 SR_SCALES = BlockFormat("nvfp4_sr_scales", E2M1, (1, 16), ScaleSpec(E4M3, "stochastic"), True)
 ROWS = BlockFormat("nvfp4_row", *NVFP4, global_rows=True)  # one global scale per row
+EDEN = BlockFormat(  # Quartet II's backward format (with a 16-point RHT: 128 is the reference's)
+    "nvfp4_eden",
+    E2M1,
+    (1, 16),
+    ScaleSpec(E4M3, "stochastic"),
+    True,
+    global_bound=384.0,
+    eden_group=128,
+)
 OPTION_CONFIGS = {
     "4over6 rowwise rne": (FOUR_OVER_SIX, ((ROW, "nearest", None),)),
     "4over6 rowwise sr8+rht16": (FOUR_OVER_SIX, ((ROW, SR8, TE16),)),
@@ -107,6 +117,7 @@ OPTION_CONFIGS = {
     "nvfp4 sr-scales rowwise rne": (SR_SCALES, ((ROW, "nearest", None),)),
     # RHT signs drawn per step (docs/numerics.md 12): the kernels' arguments, at layer 3, step 5
     "nvfp4 per-row rowwise rne": (ROWS, ((ROW, "nearest", None),)),
+    "nvfp4 eden128 sr-scales rowwise rne+rht16": (EDEN, ((ROW, "nearest", TE16),)),
     "nvfp4 rowwise sr8+rht16 step-signs": (NVFP4, ((ROW, SR8, STEP16),)),
     "4over6 rowwise sr8+rht16 step-signs": (FOUR_OVER_SIX, ((ROW, SR8, STEP16),)),
 }
@@ -117,6 +128,7 @@ PLAIN_OF = {
     "4over6 rowwise sr+rht16": "nvfp4 rowwise sr+rht16",
     "nvfp4 sr-scales rowwise rne": "nvfp4 rowwise rne",
     "nvfp4 per-row rowwise rne": "nvfp4 rowwise rne",
+    "nvfp4 eden128 sr-scales rowwise rne+rht16": "nvfp4 rowwise rne+rht16",
     "nvfp4 rowwise sr8+rht16 step-signs": "nvfp4 rowwise sr8+rht16",
     "4over6 rowwise sr8+rht16 step-signs": "4over6 rowwise sr8+rht16",
 }

@@ -50,8 +50,8 @@ class QuantOutput:
 class QuantKernelSpec:
     """A fused quantize kernel: one input tensor, one or two quantized copies of it.
 
-    ``targets``, ``target_error``, ``global_bound`` and ``global_rows`` are the block format's
-    options of docs/numerics.md 11.1 and 11.4 (defaults: none); the repr, and so the digest,
+    ``targets``, ``target_error``, ``global_bound``, ``global_rows`` and ``eden_group`` are the
+    block format's options of docs/numerics.md 11 (defaults: none); the repr, and so the digest,
     names them only where they differ from the defaults, so a spec without them keeps the
     digest it always had.
     """
@@ -66,6 +66,7 @@ class QuantKernelSpec:
     target_error: TargetError = "mse"  # the error that picks a target
     global_bound: float | None = None  # the global scale's bound; None: the scale's max
     global_rows: bool = False  # one global scale per row (numerics.md 11.4)
+    eden_group: int | None = None  # the MS-EDEN correction's group (numerics.md 11.3)
 
     def __post_init__(self) -> None:
         if not 1 <= len(self.outputs) <= 2:
@@ -90,6 +91,8 @@ class QuantKernelSpec:
             fields.append(("global_bound", self.global_bound))
         if self.global_rows:
             fields.append(("global_rows", True))
+        if self.eden_group is not None:
+            fields.append(("eden_group", self.eden_group))
         return f"QuantKernelSpec({', '.join(f'{k}={v!r}' for k, v in fields)})"
 
     @property
@@ -115,6 +118,8 @@ class QuantKernelSpec:
         if self.global_scale:
             glob = "grow" if self.global_rows else "g"
             glob += "" if self.global_bound is None else f"{self.global_bound:g}"
+        if self.eden_group is not None:  # e.g. e4m3rs_eden128: MS-EDEN over 128 values
+            scale += f"_eden{self.eden_group}"
         parts = ["quant", self.element.name.replace(" ", ""), block, scale, glob, self.input_dtype]
         for out in self.outputs:
             tag = {"rowwise": "row", "columnwise": "col"}[out.direction]

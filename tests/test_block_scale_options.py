@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import fp4gen
-from fp4gen.compiler.plan import ROW_SCALED_REASON, plan_recipe, reference_only_reason
+from fp4gen.compiler.plan import ROW_SCALED_REASON, plan_recipe, tile_reason
 from fp4gen.dsl import load_recipe, parse_recipe
 from fp4gen.dsl.model import Operand
 from fp4gen.dsl.printer import print_recipe
@@ -403,12 +403,12 @@ def test_planner_routes_the_options_to_the_kernels_or_the_reference_with_a_reaso
     reasons = {s.reason for s in plan.skipped if s.context == "operands"}
     assert len(reasons) == 1
     assert "targets 6 4" in next(iter(reasons)) and "16x16 blocks" in next(iter(reasons))
-    assert reference_only_reason(FOUR_OVER_SIX) is None
+    assert tile_reason(FOUR_OVER_SIX) is not None  # the rowwise kernel's alone
     rows = plan_recipe(load_recipe("nvfp4_rowscaled"))
     per_row = rows.kernel_for(Operand.FPROP_ACTIVATION)
     assert per_row is not None and per_row.spec.global_rows  # the rowwise kernel, per row
     assert rows.kernel_for(Operand.DGRAD_GRADIENT) is not None
-    assert reference_only_reason(NVFP4) is None
+    assert tile_reason(NVFP4) is None
 
 
 def test_cute_backend_refuses_a_format_with_options() -> None:
@@ -421,9 +421,9 @@ def test_cute_backend_refuses_a_format_with_options() -> None:
     )
     assert isinstance(launch.kernels, Unsupported)
     assert "targets 6 4" in launch.kernels.reason
-    # the MS-EDEN correction: no kernel (per-row global scales: the rowwise kernel's too)
+    # the MS-EDEN correction and per-row global scales: the rowwise kernel's too
     eden = dataclasses.replace(SR_SCALES, eden_group=128)
-    launch = cute_backend._launch(eden, (("rowwise", "nearest", None),), torch.zeros(16, 128))
+    launch = cute_backend._launch(eden, (("columnwise", "nearest", None),), torch.zeros(16, 128))
     assert isinstance(launch.kernels, Unsupported)
     assert "MS-EDEN" in launch.kernels.reason
     launch = cute_backend._launch(ROWS, (("columnwise", "nearest", None),), torch.zeros(16, 32))

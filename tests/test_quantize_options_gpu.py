@@ -1,6 +1,7 @@
-"""The rowwise kernels with the block-scale options of docs/numerics.md 11.1-11.2 on a CUDA GPU,
+"""The rowwise kernels with the block-scale options of docs/numerics.md 11 on a CUDA GPU,
 bit-exact against the reference ``fp4gen.numerics.quantize``: block targets (Four Over Six, by
-MSE or MAE; ties to the first), a global bound, stochastic block scales, with and without an RHT
+MSE or MAE; ties to the first), a global bound, stochastic block scales, the MS-EDEN correction,
+per-row global scales, with and without an RHT
 and stochastic element rounding, and RHT signs drawn per layer or step (numerics.md 12, the
 kernels' arguments: one kernel for every layer and step). Packed codes, scale codes and the
 global scale must be equal bit for bit (no tolerance: the kernels follow the reference's order
@@ -16,6 +17,7 @@ kernels are compiled for the GPU's arch first, in parallel worker processes.
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 import sys
 import zlib
@@ -97,6 +99,29 @@ CASES: dict[str, tuple[BlockFormat, str, RHTSpec | None]] = {
     "4over6_layer_signs_rht16": (FOUR_OVER_SIX, "nearest", RHTSpec(16, "layer", None, 7)),
     "mxfp4_step_signs_rht32_sr": (MXFP4, SR, RHTSpec(32, "step", None, 0)),
     "step_signs_rht8_b32": (fmt(NVFP4, block=(1, 32)), "nearest", RHTSpec(8, "step", None, 2)),
+    # the MS-EDEN correction (docs/numerics.md 11.3): a group within a thread or across lanes,
+    # stochastic scales (the codes with the nearest scale), block targets, drawn signs
+    "eden32_sr8": (fmt(NVFP4, eden_group=32), SR8, None),
+    "eden128_sr_scales_step_signs": (
+        fmt(NVFP4, scale=SR_SCALES, global_bound=384.0, eden_group=128),
+        "nearest",
+        RHTSpec(16, "step", None, 1),
+    ),
+    "eden256_b64_lanes": (
+        fmt(NVFP4, block=(1, 64), scale=SR_SCALES, eden_group=256),
+        "nearest",
+        None,
+    ),
+    "mxfp4_eden64_targets_sr_scales": (
+        fmt(MXFP4, scale=ScaleSpec(UE8M0, "stochastic"), targets=(6.0, 4.0), eden_group=64),
+        SR,
+        RHTSpec(32, "none", None),
+    ),
+    "eden16_4over6_rows": (
+        fmt(NVFP4, targets=(6.0, 4.0), global_bound=256.0, global_rows=True, eden_group=16),
+        "nearest",
+        None,
+    ),
     # one global scale per row (docs/numerics.md 11.4): [M] amax and S_dec
     "rows": (fmt(NVFP4, global_rows=True), "nearest", None),
     "rows_rht16_sr8": (fmt(NVFP4, global_rows=True), SR8, TE16),
@@ -134,7 +159,7 @@ def make_spec(case: str, dtype: str) -> QuantKernelSpec:
 
 def k_values(spec: QuantKernelSpec) -> list[int]:
     rht = spec.outputs[0].rht
-    base = spec.block[1] if rht is None else max(spec.block[1], rht.size)
+    base = math.lcm(spec.block[1], rht.size if rht else 1, spec.eden_group or 1)
     return [base, 3 * base, 2048 if 2048 % base == 0 else 48 * base]
 
 

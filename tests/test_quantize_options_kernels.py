@@ -20,7 +20,6 @@ from fp4gen.compiler.build import render_plan
 from fp4gen.compiler.plan import (
     kernel_spec,
     plan_recipe,
-    reference_only_reason,
     rowwise_only_reason,
     tile_reason,
 )
@@ -126,6 +125,38 @@ COMPILED = {
         RHTSpec(16, "step", None, 1),
         "fp32",
     ),
+    # the MS-EDEN correction (docs/numerics.md 11.3): within a thread, across lanes, with
+    # stochastic scales (the codes with the nearest scale) and block targets
+    "eden32_sr8": (
+        dataclasses.replace(NVFP4, name="e", eden_group=32),
+        "stochastic8",
+        None,
+        "bf16",
+    ),
+    "eden128_sr_scales_step_signs": (
+        dataclasses.replace(
+            NVFP4, name="e", scale=ScaleSpec(E4M3, "stochastic"), global_bound=384.0, eden_group=128
+        ),
+        "nearest",
+        RHTSpec(16, "step", None, 1),
+        "bf16",
+    ),
+    "eden256_b64_lanes": (
+        dataclasses.replace(
+            NVFP4, name="e", block=(1, 64), scale=ScaleSpec(E4M3, "stochastic"), eden_group=256
+        ),
+        "nearest",
+        None,
+        "fp32",
+    ),
+    "mxfp4_eden64_targets_sr_scales": (
+        dataclasses.replace(
+            MXFP4, name="m", scale=ScaleSpec(UE8M0, "stochastic"), targets=(6.0, 4.0), eden_group=64
+        ),
+        "stochastic",
+        RHTSpec(32, "none", None),
+        "bf16",
+    ),
     # RHT signs drawn per layer or step: the kernels' arguments (docs/numerics.md 12)
     "step_signs_rht16_sr8": (NVFP4, "stochastic8", RHTSpec(16, "step", None, 1), "bf16"),
     "4over6_layer_signs_rht32_nog": (
@@ -182,24 +213,35 @@ def test_planner_gives_four_over_six_rowwise_kernels() -> None:
 
 
 def test_planner_keeps_the_reference_for_what_no_kernel_implements() -> None:
+    """Every option is the rowwise kernel's (a tile launch is refused with the tile reason);
+    the reference keeps 2D blocks with those options, and (the template's limit) an RHT of
+    128 with 1x16 blocks: nvfp4_quartet2's backward operands are planned, not generated."""
     quartet = plan_recipe(load_recipe(ROOT / "fp4gen" / "recipes" / "nvfp4_quartet2.fp4r"))
-    assert quartet.kernel_for(Operand.DGRAD_GRADIENT) is None
+    planned = quartet.kernel_for(Operand.DGRAD_GRADIENT)
+    assert planned is not None and planned.spec.eden_group == 128
+    rendered = render_plan(quartet)
+    fused = next(r for r in rendered if r.planned.spec == planned.spec)
+    assert "rowwise kernel only" in (fused.unsupported or "")
+    # its stand-ins do not render either (a thread would hold 128 values): none is listed
+    assert not [r for r in rendered if r.planned.spec.eden_group and is_rowwise(r.planned.spec)]
+    stand_in = dataclasses.replace(
+        planned.spec, outputs=(dataclasses.replace(planned.spec.outputs[0], direction="rowwise"),)
+    )
+    with pytest.raises(NotImplementedError, match="128 elements"):
+        render(stand_in)
     rows = dataclasses.replace(NVFP4, name="rows", global_rows=True)
-    assert reference_only_reason(rows) is None  # the rowwise kernel, one scale per row
     assert "per-row global scales" in (tile_reason(rows) or "")
     eden = dataclasses.replace(
         NVFP4, name="eden", eden_group=128, scale=ScaleSpec(E4M3, "stochastic")
     )
-    why = reference_only_reason(eden) or ""
+    why = tile_reason(eden) or ""
     assert "MS-EDEN" in why and "stochastic block scales" in why
-    assert reference_only_reason(FOUR_OVER_SIX) is None
-    assert reference_only_reason(SR_SCALES) is None
     two_d = FOUR_OVER_SIX.with_block((16, 16))
     assert "16x16 blocks" in (rowwise_only_reason(two_d) or "")
     assert rowwise_only_reason(FOUR_OVER_SIX) is None
     assert "transpose" in (tile_reason(FOUR_OVER_SIX) or "")
     bound = dataclasses.replace(NVFP4, name="b", global_bound=256.0)
-    assert tile_reason(bound) is None and reference_only_reason(bound) is None
+    assert tile_reason(bound) is None and rowwise_only_reason(bound) is None
 
 
 def test_linear_asks_for_the_rowwise_kernels_only() -> None:

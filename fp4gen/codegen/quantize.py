@@ -349,9 +349,9 @@ def _rht_context(rht: RHTSpec) -> RHTContext:
             size=rht.size,
             signs=(),
             signs_text="",
-            source="signs drawn per layer"
+            source="signs per layer"
             + (" and step" if rht.sign_source == "step" else "")
-            + ", given to the kernels as arguments",
+            + ": arguments",
             scale=lit(rht_scale(rht.size)),
             runtime=True,
         )
@@ -467,6 +467,9 @@ class RowwiseContext(TemplateContext):
     scale_sr: bool  # stochastic block scales (11.2): a Philox word per block
     philox: bool  # the kernel draws Philox words: it takes the seed and the offset
     global_rows: bool  # one global scale per row (11.4): amax and S_dec are [M]
+    eden_group: int  # the MS-EDEN correction's group (11.3); 0: none
+    # MS-EDEN with stochastic scales: the ScaleKind of the codes' nearest scale rounding
+    eden_first_kind: str
 
 
 def context(spec: QuantKernelSpec) -> RowwiseContext:
@@ -476,7 +479,7 @@ def context(spec: QuantKernelSpec) -> RowwiseContext:
     out = spec.outputs[0]
     block = spec.block[1]
     rht = out.rht
-    mapping = choose_mapping(block, rht.size if rht else None, common.in_bytes)
+    mapping = _eden_mapping(spec, choose_mapping(block, rht.size if rht else None, common.in_bytes))
     unit_bits = mapping.unit * spec.element.bits
     unit_bytes = unit_bits // 8
     store_bytes = 4 if unit_bytes % 4 == 0 else 2 if unit_bytes % 2 == 0 else 1
@@ -518,7 +521,41 @@ def context(spec: QuantKernelSpec) -> RowwiseContext:
         scale_sr=scale_sr,
         philox=sr or scale_sr,
         global_rows=spec.global_rows,
+        eden_group=spec.eden_group or 0,
+        eden_first_kind=_eden_first_kind(spec),
     )
+
+
+def _eden_mapping(spec: QuantKernelSpec, mapping: Mapping) -> Mapping:
+    """The thread mapping with the MS-EDEN group (docs/numerics.md 11.3): K a multiple of the
+    group (so a group never crosses a row), the group whole blocks of a power-of-two length (its
+    tree the blocks' trees) spread over at most a warp's aligned lanes."""
+    group = spec.eden_group
+    if group is None:
+        return mapping
+    block = spec.block[1]
+    if not _is_pow2(block) or not _is_pow2(group) or group % block:
+        raise NotImplementedError(
+            f"{spec.name}: MS-EDEN over {group} values with 1x{block} blocks: the kernels take "
+            "power-of-two blocks and groups"
+        )
+    if group > 32 * mapping.unit:
+        raise NotImplementedError(
+            f"{spec.name}: an MS-EDEN group of {group} values spans more than a warp's units "
+            f"({mapping.unit} values each)"
+        )
+    if spec.scale.rounding == "ocp":
+        raise NotImplementedError(f"{spec.name}: MS-EDEN with the ocp scale rounding")
+    return replace(mapping, k_multiple=math.lcm(mapping.k_multiple, group))
+
+
+def _eden_first_kind(spec: QuantKernelSpec) -> str:
+    """With MS-EDEN and stochastic block scales the codes take the nearest scale: its
+    ScaleKind (e4m3's is the hardware convert); "" otherwise."""
+    if spec.eden_group is None or spec.scale.rounding != "stochastic":
+        return ""
+    nearest = replace(spec, scale=replace(spec.scale, rounding="nearest"), eden_group=None)
+    return str(_scale_context(nearest).kind)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -684,10 +721,10 @@ def _check_tile(spec: QuantKernelSpec) -> None:
             f"{spec.name}: block targets and stochastic block scales (docs/numerics.md 11.1-11.2) "
             "are implemented by the rowwise kernel only"
         )
-    if spec.global_rows:
+    if spec.global_rows or spec.eden_group is not None:
         raise NotImplementedError(
-            f"{spec.name}: per-row global scales (docs/numerics.md 11.4) are implemented by the "
-            "rowwise kernel only"
+            f"{spec.name}: per-row global scales and the MS-EDEN correction (docs/numerics.md "
+            "11.3-11.4) are implemented by the rowwise kernel only"
         )
     if any(o.rht is not None and o.rht.redrawn for o in spec.outputs):
         raise NotImplementedError(

@@ -223,6 +223,8 @@ def spec_json(spec: QuantKernelSpec | MoRKernelSpec) -> dict[str, Any]:
         out["global_bound"] = spec.global_bound
     if spec.global_rows:
         out["global_rows"] = True
+    if spec.eden_group is not None:
+        out["eden_group"] = spec.eden_group
     out.update(
         input_dtype=spec.input_dtype,
         outputs=[output_json(o) for o in spec.outputs],
@@ -400,14 +402,20 @@ def kernel_spec(
         target_error=fmt.target_error if fmt.targets else "mse",
         global_bound=fmt.global_bound,
         global_rows=fmt.global_rows,
+        eden_group=fmt.eden_group,
     )
 
 
 def rowwise_only(fmt: BlockFormat) -> bool:
-    """Block targets, stochastic block scales or per-row global scales (docs/numerics.md 11.1,
-    11.2, 11.4): only the rowwise kernel (one rowwise copy, 1D blocks) implements them, not the
-    tile kernel."""
-    return bool(fmt.targets) or fmt.scale.rounding == "stochastic" or fmt.global_rows
+    """Block targets, stochastic block scales, the MS-EDEN correction or per-row global scales
+    (docs/numerics.md 11): only the rowwise kernel (one rowwise copy, 1D blocks) implements
+    them, not the tile kernel (the global bound alone both do)."""
+    return (
+        bool(fmt.targets)
+        or fmt.scale.rounding == "stochastic"
+        or fmt.global_rows
+        or fmt.eden_group is not None
+    )
 
 
 def rowwise_only_reason(fmt: BlockFormat) -> str | None:
@@ -415,7 +423,7 @@ def rowwise_only_reason(fmt: BlockFormat) -> str | None:
     stochastic block scales are the rowwise kernel's alone), or None."""
     if not rowwise_only(fmt) or not fmt.is_2d:
         return None
-    what = _options_text(fmt, ("targets", "stochastic", "rows"))
+    what = _options_text(fmt, ("targets", "stochastic", "rows", "eden"))
     return (
         f"format {fmt.name} has {what} on {fmt.block[0]}x{fmt.block[1]} blocks: only the "
         "rowwise kernel (1D blocks) implements them, so the reference quantizes these operands"
@@ -429,7 +437,7 @@ def tile_reason(fmt: BlockFormat) -> str | None:
     the transpose."""
     if not rowwise_only(fmt):
         return None
-    what = _options_text(fmt, ("targets", "stochastic", "rows"))
+    what = _options_text(fmt, ("targets", "stochastic", "rows", "eden"))
     return (
         f"format {fmt.name} has {what}: the tile kernel does not implement them, so each copy "
         "is quantized on its own (a columnwise copy by the rowwise kernel on the transpose)"
@@ -459,22 +467,6 @@ ROW_SCALED_REASON = (
     "per-row global scales: the GEMM kernels take one global scale per operand; torch decodes "
     "the operands and the epilogue scales each row"
 )
-
-
-def reference_only_reason(fmt: BlockFormat) -> str | None:
-    """Why no generated quantize kernel serves ``fmt`` (an option of docs/numerics.md 11 that
-    the kernels do not implement yet: the MS-EDEN correction), or None.
-    The runtime quantizes such operands with the reference (``backend="auto"`` logs this reason
-    once, ``"cute"`` raises it). Block targets, a global bound, stochastic block scales and
-    per-row global scales are the rowwise kernel's (``rowwise_only_reason`` for 2D blocks)."""
-    if fmt.eden_group is None:
-        return None
-    # the format's other options are named too: the reference quantizes them all
-    options = _options_text(fmt, ("targets", "bound", "rows", "eden", "stochastic"))
-    return (
-        f"format {fmt.name} has {options}: no quantize kernel implements it yet, so "
-        "the reference quantizes these operands"
-    )
 
 
 def redrawn_rht_reason(rht: RHTSpec | None) -> str | None:
@@ -538,9 +530,7 @@ def _kernel_refusal(spec: OperandSpec) -> str | None:
     fmt = spec.format
     if not isinstance(fmt, BlockFormat):
         return None
-    return (
-        unnested_rht_reason(fmt, spec.rht) or reference_only_reason(fmt) or rowwise_only_reason(fmt)
-    )
+    return unnested_rht_reason(fmt, spec.rht) or rowwise_only_reason(fmt)
 
 
 def tile_ok(fmt: BlockFormat, rhts: Iterable[RHTSpec | None]) -> bool:
@@ -640,7 +630,6 @@ __all__ = [
     "kernel_spec",
     "redrawn_rht_reason",
     "redrawn_tile_reason",
-    "reference_only_reason",
     "rowwise_only",
     "rowwise_only_reason",
     "tile_ok",

@@ -30,7 +30,7 @@ subclasses spell ``__call__`` and ``kernel`` with exactly the spec's arguments a
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import cuda.bindings.driver as cuda
 import cutlass
@@ -99,11 +99,17 @@ class RowwiseParams:
     rht_runtime_signs: bool = False
     # one global scale per row (docs/numerics.md 11.4): the amax, S_enc and S_dec are [M]
     global_rows: bool = False
+    # the MS-EDEN correction (11.3) over groups of this many values of a row; 0: none
+    eden_group: int = 0
+    # with stochastic block scales and MS-EDEN the codes are made with the nearest scale: the
+    # ScaleKind of that rounding (e4m3's is the hardware convert); "" otherwise
+    eden_first_kind: str = ""
 
     @property
     def choice(self) -> bool:
-        """Block targets or stochastic block scales: ``quantize_unit_choice`` quantizes."""
-        return bool(self.target_invs) or self.scale_sr
+        """Block targets, stochastic block scales or MS-EDEN: ``quantize_unit_choice``
+        quantizes."""
+        return bool(self.target_invs) or self.scale_sr or self.eden_group > 0
 
     @property
     def philox(self) -> bool:
@@ -169,6 +175,16 @@ class RowwiseBase:
                 out.append((w & Uint32(0xFFFF0000)).bitcast(Float32))
                 out.append((w << Uint32(16)).bitcast(Float32))
         return out
+
+
+def tree_sum(values: list):
+    """fp32 sum as a pairwise tree in index order, zero-padded to a power of two
+    (docs/numerics.md 11: ((v0 + v1) + (v2 + v3)) + ...): a lone last value is carried, since
+    v + 0 = v for the non-negative sums it is used for."""
+    while len(values) > 1:
+        pairs = [values[i] + values[i + 1] for i in range(0, len(values) - 1, 2)]
+        values = pairs + values[len(pairs) * 2 :]
+    return values[0]
 
 
 def fmax_nan(a: Float32, b: Float32) -> Float32:
@@ -351,6 +367,12 @@ class RowwiseQuantizeKernel(RowwiseBase):
         self.hw = arch in params.hw_archs  # hardware element convert on this arch
         self.encoder = ElementEncoder(params.elem, params.rounding, params.sw_encode, params.swar)
         self.scaler = BlockScaler(params.scale, params.global_scale)
+        # the scale of the codes: the format's, or with MS-EDEN and stochastic scales the
+        # nearest one (the corrected scale alone is rounded stochastically, numerics.md 11.3)
+        self.first_scaler = self.scaler
+        if params.eden_first_kind:
+            first = replace(params.scale, kind=params.eden_first_kind, rounding="nearest")
+            self.first_scaler = BlockScaler(first, params.global_scale)
 
     @property
     def store_type(self) -> type:
@@ -425,9 +447,12 @@ class RowwiseQuantizeKernel(RowwiseBase):
             raw = self.unit_words(frag)
         bl = p.unit // p.blocks_per_unit  # elements of one block held by this thread
         words = self.scale_words(u, philox_state) if p.scale_sr else None
+        # the codes' scale rounding takes the words unless MS-EDEN rounds only the corrected one
+        first_words = None if p.eden_first_kind else words
         fields = []
         scales = []
         seen = None
+        eden = []  # per block: (code fields, s_b, |z|) for the MS-EDEN correction
         for g in range(p.blocks_per_unit):
             xb = xs[g * bl : (g + 1) * bl]
             half = (g * bl // 2, (g + 1) * bl // 2)  # the block's bf16x2 words
@@ -442,20 +467,22 @@ class RowwiseQuantizeKernel(RowwiseBase):
                 # the block's random fields (whole Philox words for the "srhalf" encode)
                 per = 32 // p.sr_bits if p.rand_words else 1
                 rb = rand[g * bl // per : (g + 1) * bl // per]
-            word = words[g] if words is not None else None
+            word = first_words[g] if first_words is not None else None
             # |z| = |fp32(x * S_enc)| once per value: |fp32(q) - z| = |fp32(|q|) - |z|| since
             # the code's sign is x's (fp32 rounding is symmetric)
             az = None
-            if len(k_encs) > 1:
+            if len(k_encs) > 1 or p.eden_group:
                 az = [abs(x) * s_enc if p.global_scale else abs(x) for x in xb]
             kept = kept_err = None
             for k_enc in k_encs:
-                code, s_b, e_b = self.scaler.block_scale_value(amax_b, k_enc, s_enc, s_dec, word)
+                code, s_b, e_b = self.first_scaler.block_scale_value(
+                    amax_b, k_enc, s_enc, s_dec, word
+                )
                 ys = [scale_value(x, e_b) for x in xb]  # sign bit: x < 0
                 cand = self.encoder.encode_elements(ys, rb, self.hw)
                 if kept is None:
-                    kept = (code, cand)
-                    if az is not None:
+                    kept = (code, cand, s_b)
+                    if len(k_encs) > 1:
                         kept_err = self.block_error(cand, s_b, az)
                 else:
                     err = self.block_error(cand, s_b, az)
@@ -467,10 +494,51 @@ class RowwiseQuantizeKernel(RowwiseBase):
                             (cutlass.select_(better, v, kv), w)
                             for (v, w), (kv, _) in zip(cand, kept[1], strict=True)
                         ],
+                        Float32(cutlass.select_(better, s_b, kept[2])),
                     )
             scales.append(kept[0])
             fields += kept[1]
+            eden.append((kept[1], kept[2], az))
+        if p.eden_group:
+            scales = self.eden_scales(eden, words)
         return self.store_words(pack_bits(fields)), scales, seen
+
+    def eden_scales(self, blocks: list, words) -> list:
+        """The MS-EDEN correction (docs/numerics.md 11.3) of this thread's blocks: per group of
+        eden_group values of a row, F = fp32(tree(z * z) / tree(z * q)) (F = 1 where the
+        denominator is not > 0 or F is not finite), q = fp32(value(code) * s_b); each block's
+        scale becomes the format's rounding of min(fp32(s_b * F), cap). The trees: each
+        block's in index order, then pairwise over the group's blocks in this thread, then
+        over the lanes holding the rest of the group (xor butterflies: the same tree, the group
+        being aligned whole units of consecutive lanes)."""
+        p = self.p
+        sums = []
+        for fields, s_b, az in blocks:
+            zz = [a * a for a in az]
+            zq = [
+                a * (decode_magnitude(c, p.elem) * s_b)
+                for c, a in zip(field_codes(fields, p.elem.bits), az, strict=True)
+            ]
+            sums.append((tree_sum(zz), tree_sum(zq)))
+        bl = p.unit // p.blocks_per_unit
+        per_group = max(p.eden_group // bl, 1)  # blocks of a group ...
+        per_group = min(per_group, len(blocks))  # ... held by this thread
+        out = []
+        for g0 in range(0, len(blocks), per_group):
+            zz = tree_sum([sums[g][0] for g in range(g0, g0 + per_group)])
+            zq = tree_sum([sums[g][1] for g in range(g0, g0 + per_group)])
+            lanes = p.eden_group // (bl * per_group)  # lanes holding the group
+            for off in (1 << i for i in range(lanes.bit_length() - 1)):
+                zz = zz + cute.arch.shuffle_sync_bfly(zz, offset=off)
+                zq = zq + cute.arch.shuffle_sync_bfly(zq, offset=off)
+            f = zz / zq
+            finite = (f.bitcast(Uint32) & Uint32(NONFINITE_BITS)) != Uint32(NONFINITE_BITS)
+            f = Float32(cutlass.select_((zq > Float32(0.0)) & finite, f, Float32(1.0)))
+            for g in range(g0, g0 + per_group):
+                d = cute.arch.fmin(blocks[g][1] * f, Float32(p.scale.cap))
+                word = words[g] if words is not None else None
+                out.append(self.scaler.round_scale(d, word))
+        return out
 
     def target_factors(self, s_enc) -> list:
         """fp32(S_enc * fp32(1 / T)) per block target T, in order (S_enc = 1 without a global
@@ -491,10 +559,7 @@ class RowwiseQuantizeKernel(RowwiseBase):
         for code, a in zip(field_codes(fields, p.elem.bits), az, strict=True):
             d = decode_magnitude(code, p.elem) * s_b - a
             errs.append(abs(d) if p.target_mae else d * d)
-        while len(errs) > 1:  # zero-padded to a power of two: a lone last value is carried
-            pairs = [errs[i] + errs[i + 1] for i in range(0, len(errs) - 1, 2)]
-            errs = pairs + errs[len(pairs) * 2 :]
-        err = errs[0]
+        err = tree_sum(errs)
         if p.threads_per_block > 1:
             for off in (1 << i for i in range(p.threads_per_block.bit_length() - 1)):
                 err = err + cute.arch.shuffle_sync_bfly(err, offset=off)

@@ -148,6 +148,19 @@ class BlockScaler:
             code = code + cutlass.select_((frac > half) | tie_up, Int32(1), Int32(0))
         return code, self.pow2(code - Int32(s.bias))
 
+    def round_scale(self, d: Float32, word=None):
+        """The scale code (fp32 scales: the value) of an ideal scale d in [0, cap], in the
+        format's rounding (``word``: the block's Philox word of a stochastic one): the MS-EDEN
+        correction's rounding of fp32(s_b * F) (docs/numerics.md 11.3)."""
+        s = self.s
+        if s.kind == "fp32":
+            return d
+        if s.kind == "e4m3_hw":
+            return cvt_f32_to_e4m3(d)
+        if s.kind == "minifloat":
+            return self.scale_round_minifloat(d, word)[0]
+        return self.scale_round_exponent(cute.arch.fmax(d, Float32(s.min)), word)[0]
+
     # ---- the block scale
     def block_scale(self, amax_b: Float32, k_enc: Float32, s_enc, s_dec):
         """Block scale and encode factor (docs/numerics.md 2, steps 4-5): d_b = min(amax_b *

@@ -29,7 +29,6 @@ from fp4gen.compiler.plan import (
     kernel_rht,
     kernel_spec,
     redrawn_tile_reason,
-    reference_only_reason,
     rowwise_only_reason,
     tile_reason,
     unnested_rht_reason,
@@ -116,13 +115,13 @@ def _launch(
     if hit is not None and hit[0] is fmt and all(a is b for a, b in zip(hit[1], rhts, strict=True)):
         return hit[2]
     spec = _spec(fmt, dtype, tuple(QuantOutput(d, r, h) for d, r, h in copies))  # type: ignore[arg-type]
-    # what the kernels do not implement (numerics.md 11): the reference, or (block targets,
-    # stochastic block scales) the rowwise kernel alone: a tile launch is refused, so the
-    # callers quantize each copy on its own (a columnwise one as the rowwise copy of x.t())
+    # what only the rowwise kernel implements (numerics.md 11-12: block targets, stochastic
+    # block scales, MS-EDEN, per-row scales, drawn signs): a tile launch is refused, so the
+    # callers quantize each copy on its own (a columnwise one as the rowwise copy of x.t()); 2D
+    # blocks with those options and unnested RHTs: the reference
     tiled = fmt.is_2d or any(d != "rowwise" for d, _, _ in copies) or len(copies) > 1
     only = (
-        reference_only_reason(fmt)
-        or rowwise_only_reason(fmt)
+        rowwise_only_reason(fmt)
         or (tile_reason(fmt) if tiled else None)
         or next(
             (
