@@ -209,8 +209,10 @@ class TileQuantizeParams:
 
 
 class TileQuantizeKernel:
-    """The tile quantize kernel (module docstring). A generated module's subclass spells the
-    entry: ``__call__`` -> ``launch``, ``kernel`` -> ``body``."""
+    """The tile quantize kernel (module docstring). A generated module's subclass spells
+    ``kernel`` with the spec's arguments and hands them to ``body``; ``__call__`` (the compiled
+    function) hands its arguments to ``launch``. Plain methods run while the kernel is traced;
+    those with a rolled loop or a branch on a runtime value are ``cute.jit``."""
 
     def __init__(self, params: TileQuantizeParams, arch: str) -> None:
         self.p = params
@@ -327,7 +329,7 @@ class TileQuantizeKernel:
         p = self.p
         copies = p.copies[:1] if p.two_d else p.copies
         scales = {}
-        if const_expr(p.prep):
+        if p.prep:
             # ---- k_enc (and S_dec where the fold needs it) of every copy, prepared by the amax
             # kernel like the tables
             for i, c in enumerate(p.copies):
@@ -336,7 +338,7 @@ class TileQuantizeKernel:
                 if c.tag in p.fold:
                     s_dec = mConst[p.const_head + 2 * i + 1]
                 scales[c.tag] = [k_enc, None, s_dec, None]
-        elif const_expr(p.global_scale):
+        elif p.global_scale:
             # ---- global scales, recomputed by every thread (a broadcast load, div.rn + rcp.rn)
             s_enc = []
             s_dec = []
