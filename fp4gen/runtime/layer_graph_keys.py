@@ -72,7 +72,7 @@ class LayerGraphKeys:
             return False
         if not worth_graphing(t.shape[0], self.in_features, self.out_features):
             return False  # the GPU work outlasts the launches: a graph's copies would cost more
-        if table.redrawn(per_step=True):
+        if self._redraws(table, 1)[1]:
             return False  # RHT signs drawn every step: a graph would keep one step's signs
         if any(
             isinstance(spec.format, BlockFormat) and spec.format.scale.rounding == "stochastic"
