@@ -727,6 +727,13 @@ def _repair(
         for op in pair:
             slots[op].apply(None, None, None, rht)
         lines.append(f"{gemm} : {text}")
+    # no copy quantized from another where either is per tensor (its amax is the tensor's)
+    for op, source in SOURCE_PAIRS.items():
+        if slots[op].source is not None:
+            for o in (op, source):
+                if slots[o].scope != "expert":
+                    slots[o].apply(None, None, None, UNSET, scope="expert")
+                    lines.append(f"{o.selector} : global per expert")
     return lines
 
 

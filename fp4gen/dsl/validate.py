@@ -44,6 +44,7 @@ def finish(unit: Unit, load_ref: LoadRef) -> Recipe:
     scope.update({name: fmt.value for name, fmt in unit.formats.items()})
     specs = {op: _operand(op, unit.slots[op], unit, scope) for op in Operand}
     _check_rht_pairs(unit, specs)
+    _check_scoped_sources(unit, specs)
     table = OperandTable(**{op.name.lower(): spec for op, spec in specs.items()})
 
     layers: tuple[LayerRule, ...] = ()
@@ -211,6 +212,31 @@ def _source(op: Operand, slot: Slot) -> Operand | None:
             f"from the copy of the same tensor that an earlier GEMM quantized ({allowed})"
         )
     return source
+
+
+def _check_scoped_sources(unit: Unit, specs: dict[Operand, OperandSpec]) -> None:
+    """``global per tensor`` neither on a copy quantized ``from`` another nor on the copy it
+    comes from: the experts' amax of a dequantized copy is not taken (numerics.md 13)."""
+    for op, spec in specs.items():
+        source = spec.source
+        if source is None:
+            continue
+        scoped = [o for o in (op, source) if specs[o].global_scope == "tensor"]
+        if not scoped:
+            continue
+        slot = unit.slots[op]
+        candidates = [(slot.order.get("source", -1), slot.source)]
+        for o in scoped:
+            at = unit.slots[o].global_scope
+            candidates.append((unit.slots[o].order.get("global_scope", -1), at))
+        pos = max(((order, at) for order, at in candidates if at is not None), key=lambda c: c[0])[
+            1
+        ].pos
+        raise pos.error(
+            f"global per tensor on {scoped[0].selector}, but {op.selector} is quantized from "
+            f"{source.selector}'s copy: the amax over every expert is not taken of a "
+            "dequantized copy; write `global per expert` on both or `from none`"
+        )
 
 
 def _lookup(name: str, pos: Pos, unit: Unit, scope: dict[str, Format]) -> Format:

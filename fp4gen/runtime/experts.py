@@ -47,11 +47,19 @@ from typing import Any
 import torch
 from torch import nn
 
-from fp4gen.dsl.model import MoRSpec, OperandTable, Recipe
+from fp4gen.dsl.model import MoRSpec, Operand, OperandTable, Recipe
 from fp4gen.errors import TensorError
 from fp4gen.formats import HighPrecision
 from fp4gen.runtime import ops
 from fp4gen.runtime.grouped import GroupedProjection, Groups, pass_reason
+from fp4gen.runtime.grouped_scope import (
+    BACKWARD_SLOTS,
+    FORWARD_SLOTS,
+    ScopeBarrier,
+    ScopedOperands,
+    give_amaxes,
+    scoped_slots,
+)
 from fp4gen.runtime.linear import Linear
 from fp4gen.runtime.operands import HP_DTYPES
 from fp4gen.runtime.schedule import TrainingClock
@@ -137,11 +145,12 @@ def experts_layout(module: nn.Module) -> ExpertsLayout | str | None:
     return ExpertsLayout(experts, up_name, gated, transposed, bias, hidden, up_features, inner)
 
 
-class _ExpertGemm(Linear):
+class _ExpertGemm(ScopedOperands, Linear):
     """One expert's projection: the dense layer's GEMMs on a weight slice it is given per call
     (its own parameters are empty, on the meta device, and belong to no model). Never run from
     a layer graph: an expert's token count changes every step, and a graph per count would be
-    captured again and again."""
+    captured again and again. Its per-tensor slots (``global per tensor``) take the amax over
+    every expert that the experts module gives it (``fp4gen.runtime.grouped_scope``)."""
 
     def _graphable(self, t: torch.Tensor, table: OperandTable, *, forward: bool) -> bool:
         return False
@@ -288,21 +297,66 @@ class GroupedExperts(nn.Module):
             return self._run_grouped(hidden_states, top_k_index, top_k_weights, final)
         with torch.no_grad():
             hit = torch.unique(top_k_index).tolist()  # sorted: experts in index order
-        for expert in hit:
-            if not 0 <= expert < lay.num_experts:
-                continue  # an expert-parallel sentinel: another rank's expert
-            # [k, tokens], row-major: the token order of transformers' eager loop
-            top_k_pos, token_idx = torch.where((top_k_index == expert).t())
-            x = hidden_states[token_idx]
-            if self.observe is not None:
-                self.observe(expert, 0, x)
-            h = self._activation(self._gemm(expert, 0, x))
-            if self.observe is not None:
-                self.observe(expert, 1, h)
-            y = self._gemm(expert, 1, h)
+        # not an expert-parallel sentinel (another rank's expert)
+        hit = [e for e in hit if 0 <= e < lay.num_experts]
+        # [k, tokens], row-major: the token order of transformers' eager loop
+        routes = [torch.where((top_k_index == expert).t()) for expert in hit]
+        xs = [hidden_states[token_idx] for _, token_idx in routes]
+        # projection by projection: a per-tensor slot's amax is over every expert's operand
+        # (each expert's GEMMs are its own layer's: the order changes no bit)
+        for proj in (0, 1):
+            self._give_forward_amaxes(proj, hit, xs)
+            ys = []
+            for expert, x in zip(hit, xs, strict=True):
+                if self.observe is not None:
+                    self.observe(expert, proj, x)
+                ys.append(self._gemm(expert, proj, x))
+            ys = self._scope_barrier(proj, hit, xs, ys)
+            xs = [self._activation(y) for y in ys] if proj == 0 else ys
+        for (top_k_pos, token_idx), y in zip(routes, xs, strict=True):
             y = y * top_k_weights[token_idx, top_k_pos, None]
             final.index_add_(0, token_idx, y.to(final.dtype))
         return final
+
+    def _weight_rows(self, proj: int, expert: int) -> torch.Tensor:
+        """Expert ``expert``'s weight of projection ``proj`` as [out, in], detached."""
+        w = getattr(self, self.layout.weights[proj]).detach()[expert]
+        return w.t() if self.layout.transposed else w
+
+    def _give_forward_amaxes(self, proj: int, hit: list[int], xs: list[torch.Tensor]) -> None:
+        """The fprop slots' amaxes over every expert, where the table takes them per tensor."""
+        layers = [pair[proj] for pair in self.gemms]
+        by_expert = dict(zip(hit, xs, strict=True))
+
+        def tensor_of(op: Operand, expert: int) -> torch.Tensor:
+            return self._weight_rows(proj, expert) if op.role == "weight" else by_expert[expert]
+
+        give_amaxes([layers[e] for e in hit], FORWARD_SLOTS, tensor_of, hit, layers)
+
+    def _scope_barrier(
+        self, proj: int, hit: list[int], xs: list[torch.Tensor], ys: list[torch.Tensor]
+    ) -> list[torch.Tensor]:
+        """``ys`` through a ``ScopeBarrier`` where a backward slot is per tensor (its backward
+        gives every expert GEMM of the projection the amaxes over all experts' gradients,
+        inputs and weights before their backward runs); else ``ys``."""
+        layers = [pair[proj] for pair in self.gemms]
+        if not hit or not torch.is_grad_enabled():
+            return ys
+        if not scoped_slots(layers[hit[0]].operands, BACKWARD_SLOTS):
+            return ys
+
+        def give(grads: list[torch.Tensor]) -> None:
+            inputs = dict(zip(hit, xs, strict=True))
+            outputs = dict(zip(hit, grads, strict=True))
+
+            def tensor_of(op: Operand, expert: int) -> torch.Tensor:
+                if op.role == "weight":
+                    return self._weight_rows(proj, expert)
+                return inputs[expert] if op.role == "activation" else outputs[expert]
+
+            give_amaxes([layers[e] for e in hit], BACKWARD_SLOTS, tensor_of, hit, layers)
+
+        return list(ScopeBarrier.apply(give, *ys))
 
     def _run_grouped(
         self,
@@ -343,6 +397,7 @@ class GroupedExperts(nn.Module):
                 lay.transposed,
                 ops.output_dtype(x),
                 f"{self.name or 'GroupedExperts'}.{name}",
+                [pair[proj] for pair in self.gemms],
             )
             x = GroupedProjection.apply(x, getattr(self, name), bias, groups)
             if proj == 0:

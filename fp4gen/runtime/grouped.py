@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -39,6 +39,7 @@ import torch
 from fp4gen.dsl.model import Operand
 from fp4gen.errors import FP4GenError
 from fp4gen.runtime import finite, ops
+from fp4gen.runtime.grouped_scope import BACKWARD_SLOTS, FORWARD_SLOTS, scoped_slots
 from fp4gen.runtime.linear import Linear
 from fp4gen.runtime.operands import k_multiple, pad_to, round_up
 
@@ -178,6 +179,37 @@ class Groups:
     transposed: bool  # the 3-D weight is [E, in, out] (y = x W)
     out_dtype: torch.dtype
     name: str  # the projection's, in messages
+    # every expert's GEMM layer of the projection, by expert index (a per-tensor weight slot's
+    # amax is over all of them: fp4gen.runtime.grouped_scope); None: ``layers`` are all
+    every_layer: list[Any] | None = None
+
+    @property
+    def all_layers(self) -> list[Any]:
+        return self.layers if self.every_layer is None else self.every_layer
+
+    def give_amaxes(
+        self,
+        slots: tuple[Operand, ...],
+        weight: torch.Tensor,
+        rows: dict[str, torch.Tensor],
+    ) -> None:
+        """The per-tensor slots' amaxes over every expert (``grouped_scope.give_amaxes``):
+        ``rows`` holds the groups' rows of each role ("activation", "gradient": every expert's
+        tokens, in the groups' order), ``weight`` the 3-D parameter."""
+        from fp4gen.runtime.grouped_scope import give_amaxes
+
+        slices = {}
+        start = 0
+        for expert, count in zip(self.experts, self.counts, strict=True):
+            slices[expert] = slice(start, start + count)
+            start += count
+
+        def tensor_of(op: Operand, expert: int) -> torch.Tensor:
+            if op.role == "weight":
+                return _weight(weight, expert, self.transposed)
+            return rows[op.role][slices[expert]]
+
+        give_amaxes(self.layers, slots, tensor_of, self.experts, self.all_layers)
 
 
 def _weight(weight: torch.Tensor, expert: int, transposed: bool) -> torch.Tensor:
@@ -298,6 +330,14 @@ def _fprop(
         # expert's layer quantizes its own below)
         inputs = grouped_fprop_inputs(x, groups, k)
         batched = grouped_fprop_weights(weight, groups, k)
+        # per-tensor slots that each expert's layer quantizes below: the amax over every expert
+        missing = tuple(
+            op
+            for op in scoped_slots(groups.layers[0].operands, FORWARD_SLOTS)
+            if (inputs if op is Operand.FPROP_ACTIVATION else batched) is None
+        )
+        if missing:
+            groups.give_amaxes(missing, weight, {"activation": x})
         # their block values in one decode each (slices of them per expert below)
         x_all, w_all = _whole_values(inputs), _whole_values(batched)
         n_out = weight.shape[2] if groups.transposed else weight.shape[1]
@@ -369,34 +409,53 @@ def grouped_operands(
     rows contiguous, in ``groups``' order, padded as its layer pads them): group e quantized
     with expert e's seed and Philox offset, exactly as its layer's ``quantize`` would (the
     offset: STREAMS_PER_CALL * call + the operand's slot, the value the layer's device counter
-    holds for that call; ``forward``: the forward or the backward call count). None where the
-    grouped kernels do not serve (not CUDA, the reference backend, a spec other than a plain
-    1xN block format, an amax group, turned off, or a kernel refusal, logged once): the caller
-    then quantizes per expert."""
-    from fp4gen.runtime.grouped_quantize import quantize_groups
+    holds for that call; ``forward``: the forward or the backward call count), with its own
+    global amax or, where the slot is per tensor, the amax of all groups (``global per
+    tensor``: a weight's ``rows`` then hold every expert's slice, ``_weight_groups``, and the
+    experts with tokens are picked from them). None where the grouped kernels do not serve (not
+    CUDA, the reference backend, a spec other than a plain 1xN block format, an amax group,
+    turned off, or a kernel refusal, logged once): the caller then quantizes per expert."""
+    from fp4gen.runtime.grouped_quantize import GroupedOperands, quantize_groups
     from fp4gen.runtime.operand_slots import SLOT, STREAMS_PER_CALL
 
     if not (_serves(rows) and _eligible(groups, op)):
         return None
     spec = groups.layers[0].operands[op]
-    calls = [layer._forward_calls if forward else layer._backward_calls for layer in groups.layers]
-    experts = len(groups.layers)
+    every = op.role == "weight" and spec.global_scope == "tensor"
+    layers = groups.all_layers if every else groups.layers
+    calls = [layer._forward_calls if forward else layer._backward_calls for layer in layers]
+    experts = len(layers)
     # a weight: every expert's slice, equal groups; an activation or gradient: its tokens
     counts = [rows.shape[0] // experts] * experts if op.role == "weight" else groups.counts
     try:
-        return quantize_groups(
+        got = quantize_groups(
             rows,
             counts,
             spec.format,
             rounding=spec.rounding,
             rht=spec.rht,
-            seeds=[layer._seed_of(op) for layer in groups.layers],
+            seeds=[layer._seed_of(op) for layer in layers],
             offsets=[STREAMS_PER_CALL * call + SLOT[op] for call in calls],
             backend="cute",
+            scope=spec.global_scope,
         )
     except FP4GenError as err:
         _log_once(f"the experts' {op.selector} operands are quantized per expert: {err}")
         return None
+    if not every or len(layers) == len(groups.layers):
+        return got
+    picked = GroupedOperands(got[e] for e in groups.experts)  # decoded per expert: no whole
+    return picked
+
+
+def _weight_groups(weight: torch.Tensor, groups: Groups, op: Operand) -> Groups:
+    """The groups whose weight slices a batched weight operand holds: every expert's where the
+    slot is per tensor (its amax is over all of them), else the experts with tokens."""
+    spec = groups.layers[0].operands[op]
+    if spec.global_scope != "tensor" or groups.every_layer is None:
+        return groups
+    every = list(range(len(groups.every_layer)))
+    return replace(groups, experts=every, counts=[0] * len(every), layers=groups.every_layer)
 
 
 def _eligible(groups: Groups, op: Operand) -> bool:
@@ -412,7 +471,8 @@ def _eligible(groups: Groups, op: Operand) -> bool:
         and isinstance(spec.format, BlockFormat)
         and spec.format.block[0] == 1
         and spec.source is None
-        and not any(layer._reduced(op, spec) for layer in groups.layers)
+        # an amax group's operand (a per-tensor slot is served: the kernels take its scope)
+        and not any(op in layer.amax_operands for layer in groups.layers)
     )
 
 
@@ -432,7 +492,9 @@ def grouped_fprop_weights(weight: torch.Tensor, groups: Groups, k: int) -> list[
     weights are [E, out, in]; else one gathered or transposed copy), zero-padded to K = ``k``."""
     if not (_serves(weight) and _eligible(groups, Operand.FPROP_WEIGHT)):
         return None
-    w = _batched(weight, groups, transposed=groups.transposed)
+    w = _batched(
+        weight, _weight_groups(weight, groups, Operand.FPROP_WEIGHT), transposed=groups.transposed
+    )
     return grouped_operands(pad_to(w, w.shape[0], k), groups, Operand.FPROP_WEIGHT, forward=True)
 
 
@@ -447,7 +509,11 @@ def grouped_dgrad_weights(weight: torch.Tensor, groups: Groups, k: int) -> list[
         return None
     if not (_serves(weight) and _eligible(groups, Operand.DGRAD_WEIGHT)):
         return None
-    wt = _batched(weight, groups, transposed=not groups.transposed)
+    wt = _batched(
+        weight,
+        _weight_groups(weight, groups, Operand.DGRAD_WEIGHT),
+        transposed=not groups.transposed,
+    )
     return grouped_operands(pad_to(wt, wt.shape[0], k), groups, Operand.DGRAD_WEIGHT, forward=False)
 
 
@@ -490,6 +556,14 @@ def _grads(
     )
     w_cols = grouped_dgrad_weights(weight, groups, dgrad_out)
     w_col_all = _whole_values(w_cols)  # [experts x in, out] block values, one decode
+    # per-tensor slots that each expert's layer quantizes below: the amax over every expert
+    missing = tuple(
+        op
+        for op in scoped_slots(table0, BACKWARD_SLOTS)
+        if not (op is Operand.DGRAD_WEIGHT and w_cols is not None)
+    )
+    if missing:
+        groups.give_amaxes(missing, weight, {"activation": x, "gradient": dy})
     n_in = weight.shape[1] if groups.transposed else weight.shape[2]
     for i, (expert, count, layer) in enumerate(
         zip(groups.experts, groups.counts, groups.layers, strict=True)
@@ -505,12 +579,20 @@ def _grads(
         dy_p = pad_to(dy_e, tokens, out)
         # the batched dgrad weights where the grouped quantize served them
         w_col = w_cols[i] if w_cols is not None else layer.columnwise_weight(w, table, call, out)
-        dyq, dyq_t = layer._quantize_pair(
-            dy_p,
-            layer.slot(Operand.DGRAD_GRADIENT, table.dgrad_gradient, call, dy_p),
-            layer.slot(Operand.WGRAD_GRADIENT, table.wgrad_gradient, call, dy_p),
-            seed=layer.data_seed,
-        )
+        if layer._reduced(Operand.DGRAD_GRADIENT, table.dgrad_gradient) or layer._reduced(
+            Operand.WGRAD_GRADIENT, table.wgrad_gradient
+        ):  # a per-tensor copy: each quantized on its own, as Linear's backward does then
+            dyq = layer.quantize(dy_p, Operand.DGRAD_GRADIENT, table.dgrad_gradient, call)
+            dyq_t = layer.quantize(
+                dy_p.t().contiguous(), Operand.WGRAD_GRADIENT, table.wgrad_gradient, call
+            )
+        else:
+            dyq, dyq_t = layer._quantize_pair(
+                dy_p,
+                layer.slot(Operand.DGRAD_GRADIENT, table.dgrad_gradient, call, dy_p),
+                layer.slot(Operand.WGRAD_GRADIENT, table.wgrad_gradient, call, dy_p),
+                seed=layer.data_seed,
+            )
         xq_t = layer.wgrad_activation(x_e, table, call)
         layer._advance_device(forward=False)
         layer.__dict__["_backward_calls"] = call + 1

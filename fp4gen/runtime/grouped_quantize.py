@@ -81,26 +81,37 @@ def _reference_groups(
     seeds: Sequence[int],
     offsets: Sequence[int],
     backend: str,
+    scope: str = "expert",
 ) -> GroupedOperands:
+    from fp4gen.dsl.model import OperandSpec
+    from fp4gen.runtime.grouped_scope import quantize_scoped, values_amax
     from fp4gen.runtime.quantize_dispatch import quantize
 
+    spec = OperandSpec(fmt, rounding, rht)  # type: ignore[arg-type]
+    amax = None
+    if scope == "tensor" and x.numel():  # the amax of every group's rows together
+        amax = values_amax(x, spec)
     out = GroupedOperands()
     start = 0
     for count, seed, offset in zip(counts, seeds, offsets, strict=True):
         if count == 0:
             out.append(None)  # nothing to quantize (the reference refuses an empty tensor)
             continue
-        out.append(
-            quantize(
-                x[start : start + count],
-                fmt,
-                rounding=rounding,
-                hadamard=rht,
-                seed=seed,
-                offset=offset,
-                backend=backend,
+        rows = x[start : start + count]
+        if amax is not None:
+            out.append(quantize_scoped(rows, spec, amax, seed=seed, offset=offset, backend=backend))
+        else:
+            out.append(
+                quantize(
+                    rows,
+                    fmt,
+                    rounding=rounding,
+                    hadamard=rht,
+                    seed=seed,
+                    offset=offset,
+                    backend=backend,
+                )
             )
-        )
         start += count
     return out
 
@@ -115,11 +126,20 @@ def quantize_groups(
     seeds: Sequence[int],
     offsets: Sequence[int],
     backend: str = "auto",
+    scope: str = "expert",
 ) -> GroupedOperands:
     """One QuantizedTensor per group of rows, None for an empty group (module docstring).
     ``backend``: "auto" the
     grouped kernels where they serve (else the groups one by one, the reason logged once at
-    INFO), "cute" requires them, "reference" quantizes each group with the reference."""
+    INFO), "cute" requires them, "reference" quantizes each group with the reference.
+    ``scope``: "expert" gives each group its own global amax, "tensor" every group the amax of
+    all rows (``fp4gen.runtime.grouped_scope``; a format with one global amax)."""
+    if scope not in ("expert", "tensor"):
+        raise FP4GenError(f"quantize_groups: scope {scope!r}; expected 'expert' or 'tensor'")
+    if scope == "tensor" and not (fmt.global_scale and not fmt.global_rows):
+        raise FP4GenError(
+            f"quantize_groups: scope 'tensor' needs one global amax, which {fmt.name} has not"
+        )
     if x.dim() != 2 or sum(counts) != x.shape[0]:
         raise TensorError(
             f"quantize_groups: x of shape {tuple(x.shape)} for groups of {list(counts)} rows; "
@@ -133,13 +153,13 @@ def quantize_groups(
         reason = _kernel_reason(x, fmt, rounding, rht)
         if reason is None:
             try:
-                return _grouped_kernels(x, counts, fmt, rounding, rht, seeds, offsets)
+                return _grouped_kernels(x, counts, fmt, rounding, rht, seeds, offsets, scope)
             except _Refused as refused:
                 reason = str(refused)
         if backend == "cute":
             raise FP4GenError(f"quantize_groups(backend='cute'): {reason}")
         _log_once(f"the groups are quantized one by one: {reason}")
-    return _reference_groups(x, counts, fmt, rounding, rht, seeds, offsets, backend)
+    return _reference_groups(x, counts, fmt, rounding, rht, seeds, offsets, backend, scope)
 
 
 class _Refused(Exception):
@@ -164,6 +184,7 @@ def _grouped_kernels(
     rht: Any,
     seeds: Sequence[int],
     offsets: Sequence[int],
+    scope: str = "expert",
 ) -> GroupedOperands:
     from fp4gen.kernels import host
     from fp4gen.runtime import cute_backend
@@ -200,9 +221,18 @@ def _grouped_kernels(
         words.append([*host.u64_words(seed), *host.u64_words(offset)])
     philox = torch.tensor(words, dtype=torch.int64).to(torch.int32).to(dev)
     if params.global_scale:
-        table = cta_table(counts, units_per_row, params.amax_threads * params.amax_units)
-        if table:
-            fns["amax"](x, _table(table, dev), amax, len(table))
+        tile = params.amax_threads * params.amax_units
+        if scope == "tensor":
+            # one amax over every row: the amax kernel sees the rows as one group (slot 0),
+            # then every group's slot holds it, so each group reads the same S_enc / S_dec
+            table = cta_table([m], units_per_row, tile)
+            if table:
+                fns["amax"](x, _table(table, dev), amax, len(table))
+                amax = amax[:1].repeat(groups)
+        else:
+            table = cta_table(counts, units_per_row, tile)
+            if table:
+                fns["amax"](x, _table(table, dev), amax, len(table))
     table = cta_table(counts, units_per_row, params.quant_threads * params.quant_units)
     if table:
         fns["quantize"](x, data, scales, _table(table, dev), amax, s_dec, philox, len(table))
