@@ -601,6 +601,10 @@ def _experts_tensors(
     assert lay is not None
     fused = key.endswith(".gate_up_proj")
     out: dict[str, torch.Tensor] = {}
+    # ``global per tensor``: every expert's slice with the amax of the whole parameter, as
+    # training quantizes it (fp4gen.runtime.grouped_scope)
+    scoped = layer.spec is not None and layer.spec.global_scope == "tensor"
+    amax = value.detach().abs().amax().float() if scoped else None
     for e in range(lay.count):
         w = value[e]
         if layer.algo is None:
@@ -610,7 +614,8 @@ def _experts_tensors(
             parts = {"weight": t.contiguous()}
         else:
             one = _Layer(f"{layer.name}[{e}]", w, False, "", layer.algo, layer.spec)
-            parts = {k.rpartition(".")[2]: t for k, t in _quantized_tensors(one, seed).items()}
+            quantized = _quantized_tensors(one, seed, amax)
+            parts = {k.rpartition(".")[2]: t for k, t in quantized.items()}
         if not fused:
             out.update({f"{lay.layer(e, 2)}.{k}": t for k, t in parts.items()})
             continue
@@ -622,9 +627,15 @@ def _experts_tensors(
     return out
 
 
-def _quantized_tensors(layer: _Layer, seed: int) -> dict[str, torch.Tensor]:
-    """The checkpoint tensors of one quantized layer (no input_scale)."""
+def _quantized_tensors(
+    layer: _Layer, seed: int, amax: torch.Tensor | None = None
+) -> dict[str, torch.Tensor]:
+    """The checkpoint tensors of one quantized layer (no input_scale); ``amax``: the global
+    amax to quantize with in place of the weight's own (an experts weight per tensor)."""
+    from dataclasses import replace
+
     from fp4gen.formats import BlockFormat
+    from fp4gen.runtime.grouped_scope import quantize_scoped
     from fp4gen.runtime.quantize_dispatch import quantize  # the kernels on CUDA, as in training
 
     assert layer.spec is not None and layer.algo is not None
@@ -633,7 +644,11 @@ def _quantized_tensors(layer: _Layer, seed: int) -> dict[str, torch.Tensor]:
     assert isinstance(fmt, BlockFormat)
     weight = layer.weight.detach().contiguous()  # a Conv1D weight.t() is a strided view
     try:
-        q = quantize(weight, fmt, rounding=layer.spec.rounding, seed=seed)
+        if amax is not None:
+            spec = replace(layer.spec, rht=None)  # the plain quantize below takes none either
+            q = quantize_scoped(weight, spec, amax.to(weight.device), seed=seed, offset=0)
+        else:
+            q = quantize(weight, fmt, rounding=layer.spec.rounding, seed=seed)
     except TensorError as err:  # NaN or Inf in the weight: say which tensor of the model
         raise ExportError(
             f"{layer.name}.weight [{weight.shape[0]}, {weight.shape[1]}]: {err}"

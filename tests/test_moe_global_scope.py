@@ -304,3 +304,34 @@ def test_cuda_grouped_quantize_per_tensor_equals_per_expert_quantization(arch) -
         assert torch.equal(a, b)
     for name, grad in per_expert[3].items():
         assert torch.equal(kernels[3][name], grad), name
+
+
+# --- export ---------------------------------------------------------------------------------------
+
+
+def test_export_per_tensor_round_trips_the_training_operands(tmp_path) -> None:
+    """Exported per tensor, every expert's layers carry the one global scale of its 3-D
+    parameter (weight_scale_2, gate and up alike), and import_quantized gives each expert's
+    fprop weight operand as training quantizes it (``quantize_scoped`` with the parameter's
+    amax) bit for bit."""
+    from safetensors.torch import load_file
+
+    model = fp4gen.convert(build("qwen3_moe"), parse_recipe(PER_TENSOR), seed=5)
+    fp4gen.export_quantized(model, tmp_path / "out")
+    tensors = load_file(str(tmp_path / "out" / "model.safetensors"))
+    state, _ = fp4gen.import_quantized(tmp_path / "out")
+    module = experts_of(model)
+    for proj, names in ((0, ("gate_proj", "up_proj")), (1, ("down_proj",))):
+        weight = getattr(module, module.layout.weights[proj]).detach()
+        amax = weight.abs().amax()
+        scales = {
+            tensors[f"model.layers.0.mlp.experts.{e}.{name}.weight_scale_2"].item()
+            for e in range(4)
+            for name in names
+        }
+        assert scales == {s_dec(amax.item()).item()}
+        key = "gate_up_proj" if proj == 0 else "down_proj"
+        for e in range(4):
+            spec = module.gemms[e][proj].operands.fprop_weight
+            want = quantize_scoped(weight[e], spec, amax, seed=0, offset=0).dequantize()
+            assert torch.equal(state[f"model.layers.0.mlp.experts.{key}"][e], want), (proj, e)
