@@ -335,3 +335,86 @@ def test_export_per_tensor_round_trips_the_training_operands(tmp_path) -> None:
             spec = module.gemms[e][proj].operands.fprop_weight
             want = quantize_scoped(weight[e], spec, amax, seed=0, offset=0).dequantize()
             assert torch.equal(state[f"model.layers.0.mlp.experts.{key}"][e], want), (proj, e)
+
+
+# --- the grouped quantize in the experts, per tensor ---------------------------------------------
+
+# 1x16 weights (so the weights and W^T are grouped too) and every operand per tensor
+ONE_D_PER_TENSOR = (
+    "operands {\n * : nvfp4 global per tensor\n gradient : round stochastic8\n"
+    " wgrad.activation : rht 16 signs te\n wgrad.gradient : rht 16 signs te\n}\n"
+)
+ALL_SR_PER_TENSOR = "operands {\n * : nvfp4 round stochastic8 global per tensor\n}\n"
+
+
+@pytest.mark.parametrize("arch", ["mixtral", "gpt_oss"])
+@pytest.mark.parametrize("recipe", [ONE_D_PER_TENSOR, ALL_SR_PER_TENSOR])
+@pytest.mark.usefixtures("dequant_loop")
+def test_grouped_quantize_per_tensor_gives_the_loops_bits(monkeypatch, arch, recipe) -> None:
+    """The grouped path with its grouped quantize per tensor (the reference definition standing
+    in for the kernels, so this runs on the CPU): the tokens of the three experts with tokens in
+    one call, the batched weights and W^T of all four experts (the weights' amax is over every
+    expert; the one without tokens is quantized and left out), so the results equal the loop's
+    bit for bit over two steps."""
+    import fp4gen.runtime.grouped_quantize as gq
+
+    calls: list[tuple[int, str]] = []
+    real = gq.quantize_groups
+
+    def definition(rows, counts, fmt, **kw):
+        calls.append((len(counts), kw["scope"]))
+        return real(rows, counts, fmt, **{**kw, "backend": "reference"})
+
+    monkeypatch.setattr(grouped, "_serves", lambda t: True)
+    monkeypatch.setattr(gq, "quantize_groups", definition)
+    loop, group = pair(arch, torch.bfloat16, parse_recipe(recipe))
+    index, weights = routing(40, empty=1)
+    for step in range(2):
+        hidden = torch.randn(40, 64, generator=torch.Generator().manual_seed(step))
+        hidden = hidden.to(torch.bfloat16)
+        want = run(loop, hidden, index, weights.to(torch.bfloat16))
+        got = run(group, hidden, index, weights.to(torch.bfloat16))
+        assert all(torch.equal(a, b) for a, b in zip(got[:3], want[:3], strict=True)), step
+        assert all(torch.equal(got[3][n], want[3][n]) for n in want[3]), step
+    # per step: each projection's x (the 3 experts with tokens) and W (all 4) in the forward,
+    # each one's W^T (all 4) in the backward
+    forward, backward = [(3, "tensor"), (4, "tensor")] * 2, [(4, "tensor")] * 2
+    assert calls == (forward + backward) * 2
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("arch", ["qwen3_moe", "gpt_oss"])
+@pytest.mark.parametrize("recipe", [ONE_D_PER_TENSOR, ALL_SR_PER_TENSOR])
+def test_cuda_grouped_quantize_per_tensor_is_the_loops(monkeypatch, arch, recipe) -> None:
+    """On CUDA with the grouped kernels per tensor: every expert GEMM's operands are the
+    per-expert loop's bit for bit (tests/moe_harness.py, products handed on), very unequal
+    groups with an empty expert; the kernels served every grouped operand (none fell back)."""
+    from moe_harness import harnessed_run, operand_differences, result_differences
+
+    import fp4gen.runtime.grouped_quantize as gq
+
+    calls: list[str] = []
+    real = gq.quantize_groups
+
+    def counted(*args, **kw):
+        calls.append(kw["backend"])
+        return real(*args, **kw)
+
+    monkeypatch.setattr(gq, "quantize_groups", counted)
+    loop, group = (
+        experts_of(fp4gen.convert(build(arch, torch.bfloat16).cuda(), parse_recipe(recipe),
+                                  seed=5))
+        for _ in range(2)
+    )  # fmt: skip
+    loop.grouped, group.grouped = False, True
+    index, weights = unequal_routing()
+    hidden = torch.randn(70, 64).to(torch.bfloat16).cuda()
+    args = (hidden, index.cuda(), weights.to(torch.bfloat16).cuda())
+    want = harnessed_run(loop, *args, check=True)
+    got = harnessed_run(group, *args, check=True)
+    assert calls == ["cute"] * 6
+    problems = want.harness.problems + got.harness.problems
+    problems += operand_differences(got.harness, want.harness)
+    problems += result_differences(got, want)
+    assert not problems, "\n".join(problems)

@@ -38,6 +38,12 @@ CASES: list[tuple[str, str, int, int, str]] = [
     ("scope_mor", MOR_HEAD + "    try e4m3 if range\n    else bf16\n}\noperands {\n    * : nvfp4"
      "\n    activation : mor m global per tensor\n}\n", 9, 35,
      "global per tensor on fprop.activation, but it uses the mor rule m"),
+    ("scope_from", "operands {\n    * : nvfp4 global per tensor\n    wgrad.activation : from "
+     "fprop.activation\n}\n", 3, 24, "global per tensor on wgrad.activation, but "
+     "wgrad.activation is quantized from fprop.activation's copy"),
+    ("scope_source_of_from", "operands {\n    * : nvfp4\n    wgrad.activation : from "
+     "fprop.activation\n    fprop.activation : global per tensor\n}\n", 4, 35,
+     "global per tensor on fprop.activation, but wgrad.activation is quantized from"),
     ("scope_row",
      "format r = nvfp4 global row\noperands {\n    * : nvfp4\n    fprop.activation : r global "
      "per tensor\n}\n", 4, 37, "its format r has per-row global scales (`global row`)"),
