@@ -19,6 +19,12 @@ the rowwise amax kernel reduces it and folded with one atomic max into the group
 empty group has no CTA (its slots keep what the host wrote). Per group (int32 [G, 4]): the
 Philox seed and offset as (lo, hi) words; fp32 [G]: the global amax and S_dec.
 
+The global scale's scope (docs/numerics.md 13). A group reads the amax slot of its group column;
+for one amax over every group (``global per tensor``) the host
+(``fp4gen.runtime.grouped_quantize``) runs the amax kernel with a table of one group holding
+every row and fills every group's slot with that amax before the quantize kernel: the kernels
+are the same for both scopes.
+
 The stochastic rounding stream of group g is its own tensor's: the flat index of an element
 inside the group (row - first row of g) * K + col, with g's seed and offset (docs/numerics.md 5),
 so each group draws what quantizing it alone draws.

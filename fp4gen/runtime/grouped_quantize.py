@@ -1,18 +1,19 @@
 """Grouped quantize: the rowwise copies of several groups of rows of one tensor in one launch
 (``fp4gen.kernels.grouped_quantize``), each group quantized as quantizing it alone would.
 
-``quantize_groups(x, counts, fmt, rounding=, rht=, seeds=, offsets=)`` returns one
-QuantizedTensor per group of ``counts[g]`` consecutive rows of ``x`` [M, K]: the same bits as
-``fp4gen.quantize(x[s:e], fmt, rounding=, hadamard=rht, seed=seeds[g], offset=offsets[g])``,
-that is each group's own global amax and S_dec ("per group" global-scale scope, what a dense
-layer of the group's size gets), its own Philox seed and offset, and its stochastic rounding
-indexed from its own first element. An empty group (no rows: an expert no token was routed
-to) has no operand: None in its place. On CUDA, for a 1xN rowwise spec the grouped kernels
-serve (``grouped_reason``), two launches quantize every group (the grouped amax where the
+``quantize_groups(x, counts, fmt, rounding=, rht=, seeds=, offsets=)`` returns one QuantizedTensor
+per group of ``counts[g]`` consecutive rows of ``x`` [M, K]: the same bits as
+``fp4gen.quantize(x[s:e], fmt, rounding=, hadamard=rht, seed=seeds[g], offset=offsets[g])``, that is
+each group's own global amax and S_dec ("per group" global-scale scope, what a dense layer of the
+group's size gets; ``scope="tensor"``: every group's with the amax of all rows,
+``fp4gen.runtime.grouped_scope.quantize_scoped`` of its rows), its own Philox seed and offset, and
+its stochastic rounding indexed from its own first element. An empty group (no rows: an expert no
+token was routed to) has no operand: None in its place. On CUDA, for a 1xN rowwise spec the grouped
+kernels serve (``grouped_reason``), two launches quantize every group (the grouped amax where the
 format has a global scale, then the grouped quantize); anywhere else (the CPU, the reference
 backend, a spec or input the kernels do not take) the groups are quantized one by one with
-``fp4gen.quantize``, the same bits. ``cta_table`` is the host's share of the launch: one row
-per CTA, one tile of one group.
+``fp4gen.quantize``, the same bits. ``cta_table`` is the host's share of the launch: one row per
+CTA, one tile of one group.
 
 The list returned is a ``GroupedOperands``: from the kernels its ``whole`` is also the one
 QuantizedTensor of every row (codes and block scales; its global scale is the first non-empty
