@@ -4,7 +4,8 @@ what depends only on the operand table is looked at once per table object.
 A compiled step runs each layer's forward and backward op on its own (no layer groups), and
 each pass asked the table whether its RHT signs are redrawn (``OperandTable.redrawn``, a walk
 over the six operands) three times: for the layer's table (``operands``, twice: the forward,
-and the backward's wgrad copy and GEMMs) and for the layer graphs' check."""
+and the backward's wgrad copy and GEMMs) and for the layer graphs' check, which also walked
+the operands for stochastically rounded scales (``OperandTable.items``)."""
 
 from __future__ import annotations
 
@@ -16,20 +17,25 @@ from fp4gen.dsl.model import OperandTable
 
 
 @pytest.mark.parametrize("recipe", ["nvfp4_no_bf16", "fp8_blockwise"])
-def test_a_layer_asks_whether_signs_are_redrawn_once_per_table(recipe: str, monkeypatch) -> None:
+def test_a_layer_walks_its_operand_table_once_per_table(recipe: str, monkeypatch) -> None:
     layer = fp4gen.nn.Linear(64, 48, recipe=recipe)
-    calls: list[bool] = []
-    original = OperandTable.redrawn
+    calls: list[str] = []
+    redrawn, items = OperandTable.redrawn, OperandTable.items
 
-    def counted(self, *, per_step: bool = False) -> bool:
-        calls.append(per_step)
-        return original(self, per_step=per_step)
+    def counted_redrawn(self, *, per_step: bool = False) -> bool:
+        calls.append("redrawn")
+        return redrawn(self, per_step=per_step)
 
-    monkeypatch.setattr(OperandTable, "redrawn", counted)
+    def counted_items(self):
+        calls.append("items")
+        return items(self)
+
+    monkeypatch.setattr(OperandTable, "redrawn", counted_redrawn)
+    monkeypatch.setattr(OperandTable, "items", counted_items)
     x = torch.randn(32, 64, requires_grad=True)
     layer(x).sum().backward()
     first = len(calls)
-    assert first <= 2  # the table's two answers, once
+    assert 0 < first <= 6  # the table's answers, once (each redrawn() walks items() too)
     for _ in range(3):
         layer(x).sum().backward()
         compiled = torch.ops.fp4gen.linear_forward.default(
@@ -37,6 +43,26 @@ def test_a_layer_asks_whether_signs_are_redrawn_once_per_table(recipe: str, monk
         )
         compiled.sum().backward()
     assert len(calls) == first  # none per call
-    # the layer graphs' check (CUDA only) asks about the pass's table in a slot of its own
-    assert layer._redraws(layer.operands, 1) == layer._redraws(layer.operands, 1)
-    assert len(calls) == first + 2
+    # the layer graphs' check (CUDA only) asks about the pass's table in a slot of its own:
+    # answered once (its facts as the layer's), then remembered
+    facts = layer._table_facts(layer.operands, 1)
+    answered = len(calls)
+    assert answered > first
+    assert layer._table_facts(layer.operands, 1) == facts
+    assert len(calls) == answered
+    assert facts == (False, False, False)  # these recipes: fixed signs, scales to nearest
+
+
+def test_the_remembered_facts_are_the_tables(monkeypatch) -> None:
+    """nvfp4_quartet2 draws its backward signs every step and rounds its scales
+    stochastically: the facts say so, for the schedule's table and the resolved one alike."""
+    layer = fp4gen.nn.Linear(256, 128, recipe="nvfp4_quartet2")
+    base = layer.schedule.active(evaluating=False)
+    assert layer._table_facts(base, 0) == (True, True, True)
+    resolved = layer.operands  # the signs of this layer and step
+    assert resolved is not base
+    assert layer._table_facts(resolved, 1) == (
+        resolved.redrawn(),
+        resolved.redrawn(per_step=True),
+        True,
+    )

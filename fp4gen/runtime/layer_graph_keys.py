@@ -11,7 +11,6 @@ from typing import Any
 import torch
 
 from fp4gen.dsl.model import OperandTable
-from fp4gen.formats import BlockFormat
 from fp4gen.numerics.quantize import QuantizedLayout
 from fp4gen.runtime import finite, ops
 from fp4gen.runtime.layer_graphs import LayerGraphs, worth_graphing
@@ -72,12 +71,10 @@ class LayerGraphKeys:
             return False
         if not worth_graphing(t.shape[0], self.in_features, self.out_features):
             return False  # the GPU work outlasts the launches: a graph's copies would cost more
-        if self._redraws(table, 1)[1]:
+        facts = self._table_facts(table, 1)
+        if facts.redrawn_per_step:
             return False  # RHT signs drawn every step: a graph would keep one step's signs
-        if any(
-            isinstance(spec.format, BlockFormat) and spec.format.scale.rounding == "stochastic"
-            for _, spec in table.items()
-        ):
+        if facts.stochastic_scales:
             return False  # the reference draws stochastic scales from the host's offset
         return not self._pass_mors(table, forward)[0]
 

@@ -207,8 +207,8 @@ class Linear(
         # indexed by a pass's ``forward`` (0: backward, 1: forward): the operand table
         # _pass_mors last looked at and its answer, mutated in place (no Module.__setattr__)
         self._mors_seen: list[tuple[Any, tuple[bool, bool]]] = [(None, (True, True))] * 2
-        # [(table, redrawn, redrawn per step)] per slot (LayerTables._redraws)
-        self._redraws_seen: list[tuple[Any, bool, bool]] = [(None, False, False)] * 2
+        # [(table, its TableFacts)] per slot (LayerTables._table_facts)
+        self._table_facts_seen: list[tuple[Any, Any]] = [(None, None)] * 2
         self._last_described: list[Any] = [None, None, None]  # the layout key (_described)
         self._layout_parts: dict[tuple[Any, ...], _Identity] = {}  # interned by _described
         self._table_part: list[Any] = [None, None]  # [table, _Identity(table)] (_table_key)
