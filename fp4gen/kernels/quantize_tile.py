@@ -31,8 +31,8 @@ a thread whose values hold a NaN or an Inf stores NaN over that copy's S_dec.
 
 Every variant is a field of ``TileQuantizeParams``, read as a Python value while the kernel is
 traced (``cutlass.const_expr`` in the kernel bodies). The generated module's subclass spells
-``kernel`` with exactly the spec's arguments (a kernel's parameters have names) and hands them
-to ``body``; ``__call__``, the compiled function, takes them as ``*args``.
+``__call__`` and ``kernel`` with exactly the spec's arguments and hands them to ``launch`` and
+``body`` here (``split_args`` says their order).
 
 Carried tensors: the DSL passes through a rolled loop (``cutlass.range``) or a branch on a
 runtime value every local that the region assigns or calls a method of, in the order they first
@@ -167,16 +167,6 @@ class TileQuantizeParams:
         return 1 + max(c.slot for c in self.copies)
 
     @property
-    def tensor_args(self) -> int:
-        """The quantize kernel's tensor arguments after x (``TileQuantizeKernel.__call__``)."""
-        n = sum(3 if c.swizzled else 2 for c in self.copies)
-        if self.prep:
-            return n + 1
-        if self.global_scale:
-            return n + self.slots + len(self.copies)
-        return n + len(self.copies)
-
-    @property
     def philox_args(self) -> int:
         """The quantize kernel's Philox scalars: the seed, each stochastic copy's offset, the
         counter address and stride, as (lo, hi) Int32 words; 0 without stochastic rounding."""
@@ -209,10 +199,11 @@ class TileQuantizeParams:
 
 
 class TileQuantizeKernel:
-    """The tile quantize kernel (module docstring). A generated module's subclass spells
-    ``kernel`` with the spec's arguments and hands them to ``body``; ``__call__`` (the compiled
-    function) hands its arguments to ``launch``. Plain methods run while the kernel is traced;
-    those with a rolled loop or a branch on a runtime value are ``cute.jit``."""
+    """The tile quantize kernel (module docstring). A generated module's subclass spells the
+    entries with the spec's arguments: ``__call__`` -> ``launch``, ``kernel`` -> ``body``
+    (their arguments have names: the TVM-FFI function of the compiled entry needs them). Plain
+    methods run while the kernel is traced; those with a rolled loop or a branch on a runtime
+    value are ``cute.jit``."""
 
     def __init__(self, params: TileQuantizeParams, arch: str) -> None:
         self.p = params
@@ -228,23 +219,11 @@ class TileQuantizeKernel:
         }
         self.hw = {c.tag: arch in c.hw_archs for c in params.copies}
 
-    # ---- the entries: the compiled function's and the kernel's
-    @cute.jit
-    def __call__(self, mX: cute.Tensor, *args):
-        """The compiled function (its arguments: ``fp4gen.kernels.quantize_tile_host``): x; each
-        copy's codes, scales and (swizzled) swizzled scales, rowwise first; the prepared
-        constants (``prep``), or each amax slot's global amax and each copy's S_dec (a global
-        scale), or each copy's S_dec; the Philox scalars (``philox_args`` of them); the stream.
-        The kernel takes the same tensors and scalars (the generated subclass spells them: a
-        kernel's parameters have names), then M, K and the tiles along K."""
-        n = self.p.tensor_args
-        self.launch(mX, args[:n], args[n:-1], args[-1])
-
-    # ---- host side: the launch
+    # ---- host side: the launch (the subclass's __call__ gives the spec's arguments)
     @cute.jit
     def launch(self, mX: cute.Tensor, tensors: list, philox_args, stream):
-        """tensors: the kernel's tensor arguments after x, in the entry's order; philox_args:
-        the stochastic rounding's Int32 scalars (empty without)."""
+        """tensors: the entry's tensor arguments after x, in its order (``split_args``);
+        philox_args: the stochastic rounding's Int32 scalars (empty without)."""
         M, K = mX.shape[0], mX.shape[1]
         tiles_k, grid = self.strip.grid(M, K)
         if const_expr(not self.p.strip.grid_2d):
@@ -255,10 +234,12 @@ class TileQuantizeKernel:
 
     # ---- device side (the subclass's kernel gives the spec's arguments)
     def split_args(self, tensors: list, philox_args) -> tuple:
-        """The kernel's tensor arguments (``__call__``'s order) as (rowwise outputs, columnwise
-        outputs, constants, amaxes, S_decs), each copy's outputs (codes, scales, swizzled scales
-        or None) or None, the constants None without ``prep``; the Philox scalars, None without
-        stochastic rounding."""
+        """The entry's tensor arguments after x, in order: each copy's codes, scales and
+        (swizzled) swizzled scales, rowwise first; then the prepared constants (``prep``), or
+        each amax slot's global amax and each copy's S_dec (a global scale), or each copy's
+        S_dec. Then come the Philox scalars (``philox_args`` of them: the seed, each stochastic
+        copy's offset, the counter address and stride). Returns (rowwise outputs, columnwise
+        outputs, constants, amaxes, S_decs, Philox scalars), None for what the spec lacks."""
         p = self.p
         args = list(tensors)
         outs = {"row": None, "col": None}

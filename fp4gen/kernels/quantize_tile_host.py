@@ -61,12 +61,6 @@ class TileHost:
         return self.params.const_head + 2 * len(self.params.copies)
 
     @property
-    def philox_words(self) -> int:
-        """The kernel's Philox scalars: seed, one offset per stochastic copy, the counter
-        address and stride, (lo, hi) each; 0 without stochastic rounding."""
-        return 2 * (3 + self.params.n_sr) if self.params.sr else 0
-
-    @property
     def k_rule(self) -> str:
         """Why K must be a multiple of k_multiple (the error says it)."""
         p = self.params
@@ -129,7 +123,7 @@ class TileHost:
             args += one + [fake(Float32, (1,), assumed_align=4) for _ in p.copies]
         else:
             args += [fake(Float32, (1,), assumed_align=4) for _ in p.copies]
-        args += [Int32(0)] * self.philox_words  # seed, offsets, counter address, stride
+        args += [Int32(0)] * p.philox_args  # seed, offsets, counter address, stride
         return cute.compile(self.entries["quantize"](arch), *args, stream, options=options)
 
     # ---- checking and launching

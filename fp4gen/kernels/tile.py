@@ -476,23 +476,14 @@ class TileAmaxKernel:
         return fold_ok
 
     @cute.jit
-    def __call__(self, mX: cute.Tensor, *args):
-        """The compiled function: x, each slot's (1,) fp32 global amax, with ``prep`` the (1,)
-        int32 CTA counter, the constants and each copy's (1,) fp32 S_dec, the stream. The kernel
-        takes the same tensors (the generated subclass spells them: a kernel's parameters have
-        names), then M, K and the tiles along K."""
-        n = len(self.p.slot_rht)
-        self.launch(mX, args[:n], args[n:-1], args[-1])
-
-    @cute.jit
-    def launch(self, mX: cute.Tensor, amaxes: list, prepared: list, stream):
-        """amaxes: the (1,) fp32 buffer of each slot; prepared: [counter, constants, S_dec of
-        each copy] with ``prep``, else []."""
+    def launch(self, mX: cute.Tensor, tensors: list, stream):
+        """tensors: each slot's (1,) fp32 global amax, with ``prep`` then the (1,) int32 CTA
+        counter, the constants and each copy's (1,) fp32 S_dec (the entry's order)."""
         M, K = mX.shape[0], mX.shape[1]
         tiles_k, grid = self.strip.grid(M, K)
         if const_expr(not self.p.strip.grid_2d):
             grid = [grid, 1, 1]
-        self.kernel(self.strip.units(mX), *amaxes, *prepared, M, K, tiles_k).launch(
+        self.kernel(self.strip.units(mX), *tensors, M, K, tiles_k).launch(
             grid=grid, block=[self.p.strip.threads, 1, 1], stream=stream
         )
 

@@ -19,17 +19,14 @@ What it computes (docs/numerics.md sections 1-5, bit for bit; oracle: fp4gen.num
 
 Kernels, in launch order: amax (the global amax of each copy, one atomic max per CTA), quantize
 (every copy from one read of x: 2D tiles). Each copy's S_dec is NaN iff x holds a NaN or an Inf
-(NONFINITE_TO_NAN_SCALE).
-
-Module contract: KERNELS, compile_kernel, launches, run (see fp4gen.codegen.quantize). The device
-code is fp4gen.kernels.quantize_tile's (the thread mapping and the amax kernel
-fp4gen.kernels.tile's), the host code fp4gen.kernels.quantize_tile_host's: this module binds
-them to the spec.
-"""
+(NONFINITE_TO_NAN_SCALE). Module contract: KERNELS, compile_kernel, launches, run (see
+fp4gen.codegen.quantize). The device code is fp4gen.kernels.quantize_tile's (the thread mapping
+and the amax kernel fp4gen.kernels.tile's), the host code fp4gen.kernels.quantize_tile_host's:
+this module binds them to the spec."""
 
 from __future__ import annotations
 
-import cutlass
+import cuda.bindings.driver as cuda
 import cutlass.cute as cute
 import torch
 from cutlass import Int32
@@ -44,8 +41,6 @@ ARCHS: tuple[str, ...] = ("sm_90a", "sm_100a")
 OUTPUTS: tuple[str, ...] = ("rowwise",)
 
 INPUT_DTYPE = "bf16"
-INPUT_T = cutlass.BFloat16
-INPUT_TORCH = torch.bfloat16
 BLOCK = 16  # 16x16 tiles
 BLOCK_2D = True
 
@@ -81,9 +76,8 @@ AMAX_SLOTS = 1  # distinct global amaxes (one per transform of x)
 K_MULTIPLE = 16  # K must be a multiple of this
 M_MULTIPLE = 1  # M must be a multiple of this
 
-# ----------------------------------------------------------------------------------------------
+
 # The kernels: fp4gen.kernels' tile classes with these constants
-# ----------------------------------------------------------------------------------------------
 ELEMENT = encode.ElementParams(
     name=ELEM_NAME,
     bits=ELEM_BITS,
@@ -124,6 +118,11 @@ TILE = tile.TileParams(
     fp32_scales=False,
     global_scale=GLOBAL_SCALE,
     scale_cap=SCALE_CAP,
+    rht_size=0,  # the columnwise copy's RHT along M
+    rht_signs=(),
+    rht_scale=1.0,
+    row_share=1,  # lanes along K whose row segments make up one Philox call
+    row_rand_words=0,  # their words per lane
 )
 QUANT_PARAMS = quantize_tile.TileQuantizeParams(
     strip=TILE,
@@ -158,6 +157,8 @@ QUANT_PARAMS = quantize_tile.TileQuantizeParams(
     encode_table=False,  # e_b of every e4m3 scale code once per CTA
     staged=False,  # the strip staged in shared memory too (the fused gradient layout)
     prep=False,  # the amax kernel prepared S_dec, k_enc and the tables
+    fold=(),  # copies whose encode factors take half_scale in (staged)
+    fold_sdec_max=0.0,
     global_num=GLOBAL_NUM,
 )
 AMAX_PARAMS = QUANT_PARAMS.amax_params()
@@ -169,6 +170,15 @@ class AmaxKernel(tile.TileAmaxKernel):
 
     def __init__(self, arch: str):
         super().__init__(AMAX_PARAMS, arch)
+
+    @cute.jit
+    def __call__(
+        self,
+        mX: cute.Tensor,  # (M, K) input
+        mAmax0: cute.Tensor,  # (1,) fp32 global amax of a slot, zeroed
+        stream: cuda.CUstream,
+    ):
+        self.launch(mX, [mAmax0], stream)
 
     @cute.kernel
     def kernel(
@@ -183,11 +193,24 @@ class AmaxKernel(tile.TileAmaxKernel):
 
 
 class QuantizeKernel(quantize_tile.TileQuantizeKernel):
-    """The quantize kernel of this spec (fp4gen.kernels.quantize_tile.TileQuantizeKernel: its
-    entries take the arguments TileQuantizeKernel.split_args lists)."""
+    """The quantize kernel of this spec (fp4gen.kernels.quantize_tile.TileQuantizeKernel), with
+    its arguments: the entry of the compiled function and of the kernel."""
 
     def __init__(self, arch: str):
         super().__init__(QUANT_PARAMS, arch)
+
+    @cute.jit
+    def __call__(
+        self,
+        mX: cute.Tensor,  # (M, K) input
+        mQ: cute.Tensor,  # (M, K * ELEM_BITS / 8) uint8 packed codes
+        mS: cute.Tensor,  # scale codes (fp32 values for fp32 scales)
+        mAmax0: cute.Tensor,  # (1,) fp32 global amax of a slot
+        mSdec_row: cute.Tensor,  # (1,) fp32 S_dec out
+        stream: cuda.CUstream,
+    ):
+        tensors = [mQ, mS, mAmax0, mSdec_row]
+        self.launch(mX, tensors, (), stream)
 
     @cute.kernel
     def kernel(
@@ -205,10 +228,7 @@ class QuantizeKernel(quantize_tile.TileQuantizeKernel):
         self.body(gX, tensors, (), M, K, tiles_k)
 
 
-# ----------------------------------------------------------------------------------------------
-# Compilation (tensor-free, against fake tensors) and the torch-facing launcher:
-# fp4gen.kernels.quantize_tile_host
-# ----------------------------------------------------------------------------------------------
+# Compilation (against fake tensors) and the launches: fp4gen.kernels.quantize_tile_host
 HOST = quantize_tile_host.TileHost(
     spec_name=SPEC_NAME,
     kernels=KERNELS,
