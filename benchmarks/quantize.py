@@ -66,7 +66,6 @@ CONFIGS = {
     "mxfp4 rowwise rne": (MXFP4, ((ROW, "nearest", None),)),
     "mxfp8 rowwise rne": (MXFP8, ((ROW, "nearest", None),)),
     "nvfp4 rowwise sr8+rht16": (NVFP4, ((ROW, SR8, TE16),)),
-    "nvfp4 rowwise rne+rht16": (NVFP4, ((ROW, "nearest", TE16),)),
     # the shipped recipe's gradient kernel (8 random bits per value), and with 32
     "nvfp4 gradient row sr8 + col sr8+rht16": (NVFP4, ((ROW, SR8, None), (COL, SR8, TE16))),
     "nvfp4 gradient row sr + col sr+rht16": (NVFP4, ((ROW, SR, None), (COL, SR, TE16))),
@@ -80,6 +79,7 @@ CONFIGS = {
     "mxfp8 1x32 row + col": (MXFP8, ((ROW, "nearest", None), (COL, "nearest", None))),
 }
 STEP16 = RHTSpec(16, "step", None, 1)  # signs drawn per layer and step
+STEP128 = RHTSpec(128, "step", None, 1)
 LAYER, STEP = 3, 5  # the benchmark's layer and step
 
 
@@ -118,6 +118,8 @@ OPTION_CONFIGS = {
     # RHT signs drawn per step (docs/numerics.md 12): the kernels' arguments, at layer 3, step 5
     "nvfp4 per-row rowwise rne": (ROWS, ((ROW, "nearest", None),)),
     "nvfp4 eden128 sr-scales rowwise rne+rht16": (EDEN, ((ROW, "nearest", TE16),)),
+    # Quartet II's backward operands: a 128-point RHT over 4 lanes, signs drawn per step
+    "quartet2 backward rowwise rne+rht128 step-signs": (EDEN, ((ROW, "nearest", STEP128),)),
     "nvfp4 rowwise sr8+rht16 step-signs": (NVFP4, ((ROW, SR8, STEP16),)),
     "4over6 rowwise sr8+rht16 step-signs": (FOUR_OVER_SIX, ((ROW, SR8, STEP16),)),
 }
@@ -129,10 +131,17 @@ PLAIN_OF = {
     "nvfp4 sr-scales rowwise rne": "nvfp4 rowwise rne",
     "nvfp4 per-row rowwise rne": "nvfp4 rowwise rne",
     "nvfp4 eden128 sr-scales rowwise rne+rht16": "nvfp4 rowwise rne+rht16",
+    "quartet2 backward rowwise rne+rht128 step-signs": "nvfp4 rowwise rne+rht128",
     "nvfp4 rowwise sr8+rht16 step-signs": "nvfp4 rowwise sr8+rht16",
     "4over6 rowwise sr8+rht16 step-signs": "4over6 rowwise sr8+rht16",
 }
+# plain kernels the option kernels are compared with that the default run does not time
+PLAIN_FOR_OPTIONS = {
+    "nvfp4 rowwise rne+rht16": (NVFP4, ((ROW, "nearest", TE16),)),
+    "nvfp4 rowwise rne+rht128": (NVFP4, ((ROW, "nearest", RHTSpec(128, "seeded", None, 1)),)),
+}
 CONFIGS.update(OPTION_CONFIGS)
+CONFIGS.update(PLAIN_FOR_OPTIONS)
 OFFSETS = (2, 3)  # one Philox offset per copy
 
 
@@ -231,7 +240,7 @@ def main() -> int:
     ap.add_argument("--iters", type=int, default=50)
     ap.add_argument(
         "--configs",
-        default=",".join(c for c in CONFIGS if c not in OPTION_CONFIGS),
+        default=",".join(c for c in CONFIGS if c not in OPTION_CONFIGS | PLAIN_FOR_OPTIONS),
         help="comma-separated names",
     )
     ap.add_argument(

@@ -272,11 +272,16 @@ def test_unsupported_specs_are_rejected_clearly() -> None:
         render(QuantKernelSpec(E2M1, (1, 12), ScaleSpec(E4M3), True, "bf16", (rowwise,)))
     with pytest.raises(ValueError, match="swizzled"):
         render(spec(E4M3, 32, ScaleSpec(None), False, layout="swizzled"))
-    with pytest.raises(NotImplementedError, match="RHT"):
-        render(spec(E2M1, 16, ScaleSpec(E4M3), True, rht=RHTSpec(128, "none", None)))
+    with pytest.raises(NotImplementedError, match="RHT"):  # lanes share blocks of 64
+        render(spec(E2M1, 64, ScaleSpec(E4M3), True, rht=RHTSpec(128, "none", None)))
 
 
 def test_thread_mapping() -> None:
+    # an RHT wider than a thread's 64 values: units of 32 values, a chunk over d / 32 lanes
+    m = choose_mapping(16, 128, 2)
+    assert (m.unit, m.blocks_per_unit, m.k_multiple, m.rht_lanes) == (32, 2, 128, 4)
+    assert choose_mapping(32, 256, 4).rht_lanes == 8
+    assert choose_mapping(16, 32, 2).rht_lanes == 1
     m = choose_mapping(16, None, 2)
     assert (m.unit, m.blocks_per_unit, m.threads_per_block, m.k_multiple) == (16, 1, 1, 16)
     m = choose_mapping(16, 32, 2)  # an RHT chunk spans two blocks: a thread owns both

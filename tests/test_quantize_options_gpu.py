@@ -122,6 +122,16 @@ CASES: dict[str, tuple[BlockFormat, str, RHTSpec | None]] = {
         "nearest",
         None,
     ),
+    # an RHT wider than a thread's values: a chunk over 4 or 8 lanes (xor-shuffle butterflies)
+    "rht128_seeded_sr8": (NVFP4, SR8, RHTSpec(128, "seeded", None, 3)),
+    "rht256_b32_none": (fmt(NVFP4, block=(1, 32)), "nearest", RHTSpec(256, "none", None)),
+    # Quartet II's backward operands (nvfp4_quartet2.fp4r): MS-EDEN over 128, stochastic e4m3
+    # scales, global bound 384, a 128-point RHT with signs drawn per step
+    "quartet2_backward": (
+        fmt(NVFP4, scale=SR_SCALES, global_bound=384.0, eden_group=128),
+        "nearest",
+        RHTSpec(128, "step", None, 1),
+    ),
     # one global scale per row (docs/numerics.md 11.4): [M] amax and S_dec
     "rows": (fmt(NVFP4, global_rows=True), "nearest", None),
     "rows_rht16_sr8": (fmt(NVFP4, global_rows=True), SR8, TE16),

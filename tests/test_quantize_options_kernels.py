@@ -157,6 +157,16 @@ COMPILED = {
         RHTSpec(32, "none", None),
         "bf16",
     ),
+    # an RHT wider than a thread's values, across lanes; Quartet II's backward operands
+    "rht128_seeded_sr8": (NVFP4, "stochastic8", RHTSpec(128, "seeded", None, 3), "bf16"),
+    "quartet2_backward": (
+        dataclasses.replace(
+            NVFP4, name="q", scale=ScaleSpec(E4M3, "stochastic"), global_bound=384.0, eden_group=128
+        ),
+        "nearest",
+        RHTSpec(128, "step", None, 1),
+        "bf16",
+    ),
     # RHT signs drawn per layer or step: the kernels' arguments (docs/numerics.md 12)
     "step_signs_rht16_sr8": (NVFP4, "stochastic8", RHTSpec(16, "step", None, 1), "bf16"),
     "4over6_layer_signs_rht32_nog": (
@@ -214,21 +224,16 @@ def test_planner_gives_four_over_six_rowwise_kernels() -> None:
 
 def test_planner_keeps_the_reference_for_what_no_kernel_implements() -> None:
     """Every option is the rowwise kernel's (a tile launch is refused with the tile reason);
-    the reference keeps 2D blocks with those options, and (the template's limit) an RHT of
-    128 with 1x16 blocks: nvfp4_quartet2's backward operands are planned, not generated."""
+    the reference keeps 2D blocks with those options. nvfp4_quartet2's four backward operands
+    (MS-EDEN, stochastic scales, a 128-point RHT drawn per step) are one rowwise kernel."""
     quartet = plan_recipe(load_recipe(ROOT / "fp4gen" / "recipes" / "nvfp4_quartet2.fp4r"))
     planned = quartet.kernel_for(Operand.DGRAD_GRADIENT)
     assert planned is not None and planned.spec.eden_group == 128
     rendered = render_plan(quartet)
     fused = next(r for r in rendered if r.planned.spec == planned.spec)
     assert "rowwise kernel only" in (fused.unsupported or "")
-    # its stand-ins do not render either (a thread would hold 128 values): none is listed
-    assert not [r for r in rendered if r.planned.spec.eden_group and is_rowwise(r.planned.spec)]
-    stand_in = dataclasses.replace(
-        planned.spec, outputs=(dataclasses.replace(planned.spec.outputs[0], direction="rowwise"),)
-    )
-    with pytest.raises(NotImplementedError, match="128 elements"):
-        render(stand_in)
+    made = {r.planned.spec.name for r in rendered if r.source is not None}
+    assert "quant_e2m1_1x16_e4m3rs_eden128_g384_bf16_row_rne_rht128drawn" in made
     rows = dataclasses.replace(NVFP4, name="rows", global_rows=True)
     assert "per-row global scales" in (tile_reason(rows) or "")
     eden = dataclasses.replace(

@@ -72,7 +72,7 @@ import fp4gen.gemm_dispatch as gd
 from fp4gen.compiler.build import compile_recipes, prepare_builds
 from fp4gen.compiler.plan import plan_recipe
 from fp4gen.dsl import load_recipe
-from fp4gen.dsl.model import Recipe
+from fp4gen.dsl.model import Recipe, RHTSpec
 from fp4gen.errors import FP4GenError
 from fp4gen.formats import BlockFormat
 from fp4gen.numerics.mor import MoRTensor
@@ -129,6 +129,8 @@ REFUSALS: tuple[tuple[str, str], ...] = (
     ("MoR rounding", r"rounding '\w+': the MoR kernels round nearest or zero"),
     ("MoR block shape", r"(decision|scale) block \d+x\d+: (at least 8 columns|the kernels take)"),
     ("MoR candidates", r"a rule without element candidates|MoR candidates must be signed"),
+    ("options of the rowwise kernel", r"implemented by the rowwise kernel only"),
+    ("MS-EDEN group", r"MS-EDEN (over \d+ values with|group of \d+ values spans|with the ocp)"),
 )
 # What the planner leaves to the reference or to high precision, and the GEMM fallbacks
 PLAN_REASONS: tuple[tuple[str, str], ...] = (
@@ -141,9 +143,12 @@ PLAN_REASONS: tuple[tuple[str, str], ...] = (
     ("no fused sm_90a kernel", r"^no fused kernel \(.+\): "),
     ("no native sm_100a MMA", r"^no native MMA \(.+\): "),
     ("torch decode", r"torch decode \+ GEMM \(.+\)$"),
-    ("block-scale options", r"^format .+ has .+: no quantize kernel implements it yet"),
+    (
+        "block targets or stochastic block scales with 2D blocks",
+        r"on \d+x\d+ blocks: only the rowwise kernel \(1D blocks\) implements them",
+    ),
     ("per-row global scales in a GEMM", r"^per-row global scales: the GEMM kernels take one"),
-    ("signs drawn per layer or step", r"^rht \d+ signs (layer|step): the signs are drawn per"),
+    ("signs drawn per layer or step, MoR", r"^rht \d+ signs (layer|step): the signs are drawn"),
     ("RHT and blocks that do not nest", r"^rht \d+ with 1x\d+ blocks: the kernels need the block"),
 )
 
@@ -216,7 +221,24 @@ class KernelResult:
 
 
 def block_format(spec: QuantKernelSpec) -> BlockFormat:
-    return BlockFormat("planned", spec.element, spec.block, spec.scale, spec.global_scale)
+    return BlockFormat(
+        "planned",
+        spec.element,
+        spec.block,
+        spec.scale,
+        spec.global_scale,
+        targets=spec.targets,
+        target_error=spec.target_error,
+        global_bound=spec.global_bound,
+        global_rows=spec.global_rows,
+        eden_group=spec.eden_group,
+    )
+
+
+def call_rht(rht: RHTSpec | None) -> RHTSpec | None:
+    """A copy's transform as a call takes it: signs drawn per layer or step at layer 3, step
+    5 (the kernel spec holds the canonical transform, the call its own)."""
+    return rht.at(3, 5) if rht is not None and rht.redrawn else rht
 
 
 def kernel_shapes(spec: QuantKernelSpec | MoRKernelSpec) -> list[tuple[int, int]]:
@@ -256,7 +278,7 @@ def reference_copies(
         src = x if o.direction == "rowwise" else x.t().contiguous()
         copies.append(
             reference_quantize(
-                src, fmt, rounding=o.rounding, hadamard=o.rht, seed=seed_, offset=offset
+                src, fmt, rounding=o.rounding, hadamard=call_rht(o.rht), seed=seed_, offset=offset
             )
         )
     return copies
@@ -294,7 +316,7 @@ def kernel_copies(
                         src,
                         fmt,
                         rounding=o.rounding,
-                        hadamard=o.rht,
+                        hadamard=call_rht(o.rht),
                         seed=seed_,
                         offset=offset,
                         backend=backend,

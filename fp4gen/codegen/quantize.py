@@ -113,6 +113,9 @@ class Mapping:
     k_multiple: int  # K must be a multiple of this
     quant_units: int  # units per thread, quantize kernel
     amax_units: int  # units per thread, amax kernel
+    # an RHT larger than MAX_UNIT: the lanes one chunk spans (units of 32 values each, the
+    # butterflies of h >= 32 by xor shuffles); 1: a unit holds whole chunks
+    rht_lanes: int = 1
 
 
 class SwEncode(StrEnum):
@@ -191,6 +194,10 @@ def choose_mapping(block: int, rht: int | None, in_bytes: int) -> Mapping:
             if block % ept == 0 and _is_pow2(block // ept) and block // ept <= 32 and ept % d == 0:
                 unit, tpb = ept, block // ept
                 break
+    rht_lanes = 1
+    if not unit and d > MAX_UNIT and _is_pow2(d) and _is_pow2(block) and block <= 32:
+        # a chunk of the RHT over d / 32 consecutive lanes: units of 32 values, whole blocks
+        unit, tpb, rht_lanes = 32, 1, d // 32
     if not unit:
         unit, tpb = k_multiple, 1
         if unit > MAX_UNIT:
@@ -202,7 +209,8 @@ def choose_mapping(block: int, rht: int | None, in_bytes: int) -> Mapping:
     unit_bytes = unit * in_bytes
     quant_units = max(1, 32 // unit_bytes)
     amax_units = max(1, min(2, 128 // unit_bytes))
-    return Mapping(unit, unit // block if tpb == 1 else 1, tpb, k_multiple, quant_units, amax_units)
+    blocks_per_unit = unit // block if tpb == 1 else 1
+    return Mapping(unit, blocks_per_unit, tpb, k_multiple, quant_units, amax_units, rht_lanes)
 
 
 @dataclass(frozen=True)

@@ -44,7 +44,7 @@ from fp4gen.kernels.encode import (
     field_codes,
     pack_bits,
 )
-from fp4gen.kernels.hadamard import signed_butterflies, xor_signed_butterflies
+from fp4gen.kernels.hadamard import butterflies, signed_butterflies, xor_signed_butterflies
 from fp4gen.kernels.philox import (
     call_slice,
     philox4x32_10,
@@ -99,6 +99,9 @@ class RowwiseParams:
     rht_runtime_signs: bool = False
     # one global scale per row (docs/numerics.md 11.4): the amax, S_enc and S_dec are [M]
     global_rows: bool = False
+    # an RHT larger than a unit: each chunk spans this many consecutive lanes (their units),
+    # the butterflies of h >= unit across them by xor shuffles; 1: a unit holds whole chunks
+    rht_lanes: int = 1
     # the MS-EDEN correction (11.3) over groups of this many values of a row; 0: none
     eden_group: int = 0
     # with stochastic block scales and MS-EDEN the codes are made with the nearest scale: the
@@ -154,15 +157,64 @@ class RowwiseBase:
         """The RHT's sign words of a kernel with runtime signs (``rht_runtime_signs``): per
         position i its sign bit, (word[i // 32] << (31 - i % 32)) & 0x80000000, which
         ``rht_chunks`` xors into the values."""
+        self.sign_words = [Uint32(w) for w in words]
+        if self.p.rht_lanes > 1:
+            return  # rht_across_lanes picks this lane's word
         self.sign_bits = [
             (Uint32(words[i // 32]) << Uint32(31 - i % 32)) & Uint32(0x80000000)
             for i in range(self.p.rht_size)
         ]
 
+    def rht_across_lanes(self, xs: list) -> list:
+        """The forward RHT of a chunk spread over rht_lanes consecutive lanes, this thread
+        holding positions sub * unit .. sub * unit + unit - 1 (sub = lane % rht_lanes; unit =
+        32: one sign word per lane): the signs (xored in), the butterflies h < unit within the
+        thread, then h = unit, 2 unit, ... with the lane sub ^ (h / unit), the lower lane
+        taking a + b and the upper a - b (the same fp32 operations as in one thread), times
+        fp32(1/sqrt(d)), rounded to bf16 (docs/numerics.md 4)."""
+        p = self.p
+        sub = cute.arch.lane_idx() & Int32(p.rht_lanes - 1)
+        if p.rht_runtime_signs:
+            words = self.sign_words
+        else:  # the compiled-in signs as words: bit i of word k for position 32 k + i
+            words = [
+                Uint32(sum(1 << i for i in range(32) if p.rht_signs[32 * k + i] < 0))
+                for k in range(p.rht_size // 32)
+            ]
+        w = words[0]
+        for k in range(1, p.rht_lanes):
+            w = Uint32(cutlass.select_(sub == Int32(k), words[k], w))
+        v = [
+            (x.bitcast(Uint32) ^ ((w << Uint32(31 - i)) & Uint32(0x80000000))).bitcast(Float32)
+            for i, x in enumerate(xs)
+        ]
+        v = butterflies(v, p.unit)
+        h = p.unit
+        while h < p.rht_size:
+            off = h // p.unit
+            upper = (sub & Int32(off)) != Int32(0)
+            other = [cute.arch.shuffle_sync_bfly(t, offset=off) for t in v]
+            v = [
+                Float32(cutlass.select_(upper, o - t, t + o)) for t, o in zip(v, other, strict=True)
+            ]
+            h *= 2
+        return self.to_bf16([t * Float32(p.rht_scale) for t in v])
+
+    def to_bf16(self, v: list) -> list:
+        """fp32 values rounded to bf16 (RNE), as fp32."""
+        out = []
+        for i in range(0, len(v), 2):
+            word = cvt_bf16x2(v[i], v[i + 1])
+            out.append((word & Uint32(0xFFFF0000)).bitcast(Float32))
+            out.append((word << Uint32(16)).bitcast(Float32))
+        return out
+
     def rht_chunks(self, xs: list) -> list:
         """Forward RHT of every chunk of xs (docs/numerics.md section 4, in this order): signs,
         butterflies h = 1, 2, ..., size/2 in fp32, times fp32(1/sqrt(d)), round to bf16."""
         size = self.p.rht_size
+        if self.p.rht_lanes > 1:  # a chunk over several lanes
+            return self.rht_across_lanes(xs)
         out = []
         for c in range(0, len(xs), size):  # chunk by chunk, as the transform is traced
             if self.p.rht_runtime_signs:
