@@ -342,11 +342,13 @@ class GroupedExperts(nn.Module):
         layers = [pair[proj] for pair in self.gemms]
         if not hit or not torch.is_grad_enabled():
             return ys
-        if not scoped_slots(layers[hit[0]].operands, BACKWARD_SLOTS):
+        scoped = scoped_slots(layers[hit[0]].operands, BACKWARD_SLOTS)
+        if not scoped:
             return ys
+        # the inputs are held for the backward only where their wgrad copy takes the scope
+        inputs = dict(zip(hit, xs, strict=True)) if Operand.WGRAD_ACTIVATION in scoped else {}
 
         def give(grads: list[torch.Tensor]) -> None:
-            inputs = dict(zip(hit, xs, strict=True))
             outputs = dict(zip(hit, grads, strict=True))
 
             def tensor_of(op: Operand, expert: int) -> torch.Tensor:
