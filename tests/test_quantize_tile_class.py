@@ -185,3 +185,41 @@ def test_host_offsets_and_input_rules(modules) -> None:
         host.check_input(torch.zeros(16, 24, dtype=torch.bfloat16))
     with pytest.raises(ValueError, match="has no kernel"):
         host.compile_kernel("dequantize", "sm_90a")
+
+
+@pytest.mark.parametrize("name", CASES)
+def test_launches_match_the_entries(name: str, modules, monkeypatch) -> None:
+    """The host's launch plan passes each kernel exactly the arguments its entry names, in its
+    order: tensors where the entry takes a tensor (the outputs with their shapes and dtypes),
+    ints where it takes an Int32 (on the CPU: the input rules need a CUDA tensor, skipped)."""
+    spec = _spec(name)
+    mod = modules(name)
+    host = mod.HOST
+    monkeypatch.setattr(type(host), "check_input", lambda self, x: None)
+    p = mod.QUANT_PARAMS
+    m, k = 2 * mod.M_MULTIPLE * mod.TILE.tile_m, mod.K_MULTIPLE * mod.TILE.tile_k
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+    x = torch.zeros(m, k, dtype=dtype[spec.input_dtype])
+    out, plan = host.launches(x, seed=(1 << 40) + 5, offset=7)
+    assert [kernel for kernel, _ in plan] == list(mod.KERNELS)
+    for kernel, args in plan:
+        cls = mod.QuantizeKernel if kernel == "quantize" else mod.AmaxKernel
+        params = list(inspect.signature(inspect.unwrap(cls.__call__)).parameters.values())
+        params = params[1:-1]  # self ... stream
+        assert len(args) == len(params), kernel
+        assert args[0] is x
+        for param, arg in zip(params[1:], args[1:], strict=True):
+            want = torch.Tensor if param.annotation in ("cute.Tensor",) else int
+            assert isinstance(arg, want), (kernel, param.name, type(arg))
+    entry = list(inspect.signature(mod.QuantizeKernel.__call__).parameters)[1:-1]
+    quant = dict(zip(entry, plan[-1][1], strict=True))
+    bits = p.elem.bits
+    if p.copy("row") is not None:
+        assert quant["mQ"].shape == (m, k * bits // 8) and quant["mQ"] is out["data"]
+        assert quant["mS"] is out["scales"]
+    if p.copy("col") is not None:
+        assert quant["mQc"].shape == (k, m * bits // 8) and quant["mQc"] is out["col_data"]
+        assert quant["mSc"] is out["col_scales"]
+    if p.sr:
+        assert quant["seed_lo"] == 5 and quant["seed_hi"] == 1 << 8
+        assert quant["offset0_lo"] == 7 and quant["ctr_lo"] == 0  # an int offset: no counter
