@@ -704,7 +704,7 @@ def _repair(
         # the scope carries over format changes: per tensor only where there is a global amax
         scope_word = None
         if has_global_amax(fmt):
-            scope_word = w.draw(st.sampled_from([None, None, "tensor", "expert"]))
+            scope_word = w.draw(st.sampled_from([None, "tensor", "tensor", "expert"]))
         elif slots[op].scope != "expert":
             scope_word = "expert"
         if scope_word is not None:
