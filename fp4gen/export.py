@@ -329,6 +329,8 @@ class _Layer:
     spec: OperandSpec | None = None
     experts: ExpertsLayout | None = None  # an experts module written per expert
     gpt_oss: bool = False  # gpt-oss experts in gpt-oss's MXFP4 layout (3-D blocks and scales)
+    # the experts' inputs take one global amax over every expert (global per tensor)
+    inputs_per_tensor: bool = False
 
     def names(self) -> list[str]:
         """The checkpoint's layer names this layer is written as."""
@@ -532,6 +534,7 @@ def _experts_layer(
         return layer
     assert d.table is not None
     layer.spec = d.table.fprop_weight
+    layer.inputs_per_tensor = d.table.fprop_activation.global_scope == "tensor"
     layer.algo = export_algo(layer.spec, d.name)
     where = f"per expert as {found.prefix}.<e>.{{{','.join(found.names)}}}"
     if layer.algo is None:
@@ -792,7 +795,9 @@ def _observed_experts(
 def _experts_amax(layer: _Layer, seen: Mapping[tuple[int, int], float]) -> dict[str, float]:
     """The input amax of each per-expert layer (gate and up: the expert's tokens; down: its
     activation). An expert no calibration token was routed to gets the largest of its module's
-    experts (the scale an engine that keeps one input scale per layer takes anyway)."""
+    experts (the scale an engine that keeps one input scale per layer takes anyway); every
+    expert gets it where the inputs are quantized per tensor (one amax over every expert's
+    tokens, docs/numerics.md 13)."""
     lay = layer.experts
     assert lay is not None
     widest = [max((v for (e, p), v in seen.items() if p == proj), default=None) for proj in (0, 1)]
@@ -802,7 +807,8 @@ def _experts_amax(layer: _Layer, seen: Mapping[tuple[int, int], float]) -> dict[
     for e in range(lay.count):
         for proj in (0, 1, 2):
             which = 0 if proj < 2 else 1
-            out[lay.layer(e, proj)] = seen.get((e, which), widest[which])  # type: ignore[arg-type]
+            own = None if layer.inputs_per_tensor else seen.get((e, which))
+            out[lay.layer(e, proj)] = widest[which] if own is None else own  # type: ignore[assignment]
     return out
 
 

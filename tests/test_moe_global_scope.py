@@ -418,3 +418,28 @@ def test_cuda_grouped_quantize_per_tensor_is_the_loops(monkeypatch, arch, recipe
     problems += operand_differences(got.harness, want.harness)
     problems += result_differences(got, want)
     assert not problems, "\n".join(problems)
+
+
+def test_calibrated_export_per_tensor_gives_every_expert_the_widest_input_scale(tmp_path) -> None:
+    """Calibrated per tensor, every expert's gate and up get the input scale of the amax over
+    all experts' routed tokens (one amax over every expert, as training takes it); per expert
+    (test_export_moe) each gets its own."""
+    from safetensors.torch import load_file
+    from test_export_moe import routed_amax
+
+    from fp4gen.export import _global_decode_scale
+
+    ids = [
+        torch.randint(0, 128, (2, 8), generator=torch.Generator().manual_seed(s)) for s in (1, 2)
+    ]
+    model = build("qwen3_moe")
+    recipe = parse_recipe(PER_TENSOR)
+    fp4gen.export_quantized(model, tmp_path / "out", recipe, calibration=ids)
+    tensors = load_file(str(tmp_path / "out" / "model.safetensors"))
+    want = routed_amax(model, ids)
+    widest = max(v for (e, proj), v in want.items() if proj == 0)
+    assert len({v for (e, proj), v in want.items() if proj == 0}) > 1  # the experts differ
+    for e in range(4):
+        prefix = f"model.layers.0.mlp.experts.{e}"
+        for name in ("gate_proj", "up_proj"):
+            assert float(tensors[f"{prefix}.{name}.input_scale"]) == _global_decode_scale(widest)
