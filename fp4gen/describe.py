@@ -152,13 +152,18 @@ def operand_json(spec: OperandSpec) -> dict[str, Any]:
     }
     if spec.source is not None:  # only where set: existing descriptions stay as they were
         out["source"] = spec.source.selector
+    if spec.global_scope != "expert":  # likewise: an experts module's one global amax
+        out["global_scope"] = spec.global_scope
     return out
 
 
 def operand_format_text(spec: OperandSpec) -> str:
-    """The operand's format, and the copy it is quantized from where it has one."""
+    """The operand's format, the copy it is quantized from where it has one, and the global
+    scale's scope where it is per tensor."""
     text = format_text(spec.format)
-    return text if spec.source is None else f"{text} from {spec.source.selector}"
+    if spec.source is not None:
+        text = f"{text} from {spec.source.selector}"
+    return text if spec.global_scope == "expert" else f"{text}, global per {spec.global_scope}"
 
 
 def partition_json(part: Partition) -> dict[str, Any]:

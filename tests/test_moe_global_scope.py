@@ -443,3 +443,14 @@ def test_calibrated_export_per_tensor_gives_every_expert_the_widest_input_scale(
         prefix = f"model.layers.0.mlp.experts.{e}"
         for name in ("gate_proj", "up_proj"):
             assert float(tensors[f"{prefix}.{name}.input_scale"]) == _global_decode_scale(widest)
+
+
+def test_fp4gen_show_names_the_scope_where_it_is_per_tensor() -> None:
+    from fp4gen.describe import operand_format_text, operand_json
+
+    recipe = parse_recipe(PER_TENSOR.replace("}", "    gradient : global per expert\n}"))
+    spec = recipe.operands[Operand.FPROP_WEIGHT]
+    assert operand_format_text(spec) == "nvfp4, global per tensor"
+    assert operand_json(spec)["global_scope"] == "tensor"
+    grad = recipe.operands[Operand.DGRAD_GRADIENT]
+    assert operand_format_text(grad) == "nvfp4" and "global_scope" not in operand_json(grad)
