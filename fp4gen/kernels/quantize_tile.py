@@ -512,7 +512,10 @@ class TileQuantizeKernel:
             xc = pxs[q]
             xw = None
             if col.rht:
-                xc, xw = strip.bf16_round(strip.butterflies(pxs[q]))
+                xs = pxs[q]
+                if sp.rht_tail:  # rows past M are duplicates: the RHT transforms zero padding
+                    xs = strip.rows_below(xs, at.row0, at.M)
+                xc, xw = strip.bf16_round(strip.butterflies(xs))
             ys = []
             for g in range(p.col_blocks):
                 if p.col_warps > 1:

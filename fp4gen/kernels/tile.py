@@ -67,6 +67,13 @@ class TileParams:
         return 32 * self.warps_k * self.warps_m
 
     @property
+    def rht_tail(self) -> bool:
+        """Whether rows past M (loaded as duplicates) can reach a column RHT's result: a strip
+        of several RHT chunks (one in, the next past M) or a column block across strips (a
+        strip past M joins the block's amax). Else a strip is whole or out and never stored."""
+        return self.rht_size > 0 and (self.rows > self.rht_size or self.col_lanes > 1)
+
+    @property
     def tile_k(self) -> int:
         return self.vec * self.lanes_k * self.warps_k
 
@@ -255,6 +262,14 @@ class TileStrip:
             out.append((w & Uint32(0xFFFF0000)).bitcast(Float32))
             out.append((w << Uint32(16)).bitcast(Float32))
         return out, words
+
+    def rows_below(self, xs: list, row0: Int32, M: Int32) -> list:
+        """xs (one value per row of the strip) with the rows at or past M as +0.0: the strip
+        loads them as duplicates of a row of x, which leave a block amax unchanged but not once
+        transformed, so the column RHT must see the zero padding the reference transforms
+        (docs/numerics.md 3: a partial block is zero-padded; a strip of lcm(B, d) rows can reach
+        past M by whole chunks of d rows)."""
+        return [cutlass.select_(row0 + Int32(i) < M, x, Float32(0.0)) for i, x in enumerate(xs)]
 
     def rht_amax(self, xs: list) -> Float32:
         """max |RHT(x)| over the chunks of xs without rounding every value: scaling by
@@ -510,12 +525,22 @@ class TileAmaxKernel:
         accs = []
         for s in range_constexpr(len(p.slot_rht)):
             if const_expr(p.slot_rht[s]):
-                acc = strip.rht_amax(column(xfs, 0))
-                for j in range_constexpr(1, sp.vec):
-                    acc = fmax_nan(acc, strip.rht_amax(column(xfs, j)))
-                # a strip past M (all rows clamped to M - 1) is no chunk of x: M % RHT_SIZE == 0,
-                # so a strip is either whole or out
-                accs.append(Float32(cutlass.select_(row0 < M, acc, Float32(0.0))))
+                if const_expr(sp.rht_tail):
+                    # rows past M (loaded as duplicates) are zero padding for the RHT: M %
+                    # RHT_SIZE == 0, so a chunk is whole or out, but a strip of several can be both
+                    acc = strip.rht_amax(strip.rows_below(column(xfs, 0), row0, M))
+                    for j in range_constexpr(1, sp.vec):
+                        acc = fmax_nan(
+                            acc, strip.rht_amax(strip.rows_below(column(xfs, j), row0, M))
+                        )
+                    accs.append(acc)
+                else:
+                    acc = strip.rht_amax(column(xfs, 0))
+                    for j in range_constexpr(1, sp.vec):
+                        acc = fmax_nan(acc, strip.rht_amax(column(xfs, j)))
+                    # a strip past M (all rows clamped to M - 1) is no chunk of x: M % RHT_SIZE
+                    # == 0 and the strip is one chunk, so it is either whole or out
+                    accs.append(Float32(cutlass.select_(row0 < M, acc, Float32(0.0))))
             else:
                 accs.append(strip.strip_absmax(frags, xfs))
 
