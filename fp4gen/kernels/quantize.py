@@ -21,6 +21,12 @@ Kernels, in launch order:
   global scale S_dec is 1.0 from the host and a thread whose blocks hold a NaN or an Inf stores
   NaN over it.
 
+The block-scale options of docs/numerics.md 11 (block targets, stochastic block scales, MS-EDEN:
+``quantize_unit_choice``; per-row global scales: ``row_amaxes`` and a global scale per unit),
+RHT signs drawn per layer or step (12: ``RowwiseAmaxSignsKernel`` and the quantize kernel take
+them as arguments, ``bind_signs``) and an RHT wider than a thread's values (``rht_across_lanes``)
+are fields of ``RowwiseParams`` too; a spec without them traces exactly the code it always did.
+
 Every variant is a field of ``RowwiseParams``, read as a Python value while the kernel is traced
 (``cutlass.const_expr`` in the kernel bodies). What differs in the compiled function's arguments
 (a swizzled copy, the global amax, the Philox scalars) is the generated module's entry: its
