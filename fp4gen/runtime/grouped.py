@@ -448,7 +448,7 @@ def grouped_operands(
     return picked
 
 
-def _weight_groups(weight: torch.Tensor, groups: Groups, op: Operand) -> Groups:
+def _weight_groups(groups: Groups, op: Operand) -> Groups:
     """The groups whose weight slices a batched weight operand holds: every expert's where the
     slot is per tensor (its amax is over all of them), else the experts with tokens."""
     spec = groups.layers[0].operands[op]
@@ -492,9 +492,7 @@ def grouped_fprop_weights(weight: torch.Tensor, groups: Groups, k: int) -> list[
     weights are [E, out, in]; else one gathered or transposed copy), zero-padded to K = ``k``."""
     if not (_serves(weight) and _eligible(groups, Operand.FPROP_WEIGHT)):
         return None
-    w = _batched(
-        weight, _weight_groups(weight, groups, Operand.FPROP_WEIGHT), transposed=groups.transposed
-    )
+    w = _batched(weight, _weight_groups(groups, Operand.FPROP_WEIGHT), transposed=groups.transposed)
     return grouped_operands(pad_to(w, w.shape[0], k), groups, Operand.FPROP_WEIGHT, forward=True)
 
 
@@ -511,7 +509,7 @@ def grouped_dgrad_weights(weight: torch.Tensor, groups: Groups, k: int) -> list[
         return None
     wt = _batched(
         weight,
-        _weight_groups(weight, groups, Operand.DGRAD_WEIGHT),
+        _weight_groups(groups, Operand.DGRAD_WEIGHT),
         transposed=not groups.transposed,
     )
     return grouped_operands(pad_to(wt, wt.shape[0], k), groups, Operand.DGRAD_WEIGHT, forward=False)
