@@ -21,20 +21,22 @@ decorator gives a class, and what any module may offer):
   halves), ``act_fn`` where not;
 - no other parameter, and no ``has_post_expert_norm``.
 
-The computation is the transformers experts' own (their eager forward): for each expert with
-routed tokens, in expert order, gather its tokens, y = down(gate(up(x))), scale by the routing
-weight and ``index_add_`` into a zero output. Each GEMM is one call of the dense layer's
-quantized linear op (``fp4gen.runtime.ops.linear``) on that expert's weight slice, driven by a
-``Linear`` per expert and projection that holds no parameter: autograd, the reference numerics
-and every backend are the dense layer's. Every operand is quantized per call of one expert's
-GEMM, so a weight's global amax scale is its expert's slice (per GEMM operand, as the dense
-layer's). Experts with no tokens run nothing (their weights get no gradient from the step). A
-GEMM whose six operands the operand table keeps in the dtype the tensors already have (nothing
-to round) runs as the module it replaced runs it (torch's GEMM), so a high-precision table
-reproduces that module bit for bit. Where the formats allow (``loop_reason``), each
-projection's GEMMs run grouped over the experts instead (``fp4gen.runtime.grouped``: the same
-operands, one ``torch._grouped_mm`` per GEMM; the 1xN rowwise operands of every expert in one
-grouped quantize, the others per expert).
+The computation is the transformers experts' own (their eager forward): for each expert with routed
+tokens, in expert order, gather its tokens, y = down(gate(up(x))), scale by the routing weight and
+``index_add_`` into a zero output. Each GEMM is one call of the dense layer's quantized linear op
+(``fp4gen.runtime.ops.linear``) on that expert's weight slice, driven by a ``Linear`` per expert and
+projection that holds no parameter: autograd, the reference numerics and every backend are the dense
+layer's. Every operand is quantized per call of one expert's GEMM, so by default a weight's global
+amax scale is its expert's slice (per GEMM operand, as the dense layer's); a slot the recipe takes
+``global per tensor`` is quantized with the amax over every expert's operand
+(``fp4gen.runtime.grouped_scope``: the loop then runs projection by projection, the backward amaxes
+given by a barrier every expert's output gradient passes). Experts with no tokens run nothing (their
+weights get no gradient from the step). A GEMM whose six operands the operand table keeps in the
+dtype the tensors already have (nothing to round) runs as the module it replaced runs it (torch's
+GEMM), so a high-precision table reproduces that module bit for bit. Where the formats allow
+(``loop_reason``), each projection's GEMMs run grouped over the experts instead
+(``fp4gen.runtime.grouped``: the same operands, one ``torch._grouped_mm`` per GEMM; the 1xN rowwise
+operands of every expert in one grouped quantize, the others per expert).
 """
 
 from __future__ import annotations

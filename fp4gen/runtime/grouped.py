@@ -1,16 +1,17 @@
 """Grouped GEMMs of a Mixture-of-Experts layer: every expert's fprop, dgrad or wgrad in one call.
 
-``GroupedProjection`` runs one projection (up or down) of every expert that has tokens: its
-operands are quantized exactly as the per-expert loop quantizes them (each expert's operands
-with its own seed, Philox offset and global scale, by the same methods: the 1xN rowwise ones of
-every expert in one grouped quantize on CUDA, ``grouped_operands``, the others by each
-expert's ``Linear``), then decoded to their block values (element x block scale, exact in bf16 for
-NVFP4, MXFP4, MXFP6 and MXFP8: on CUDA by the generated dequantize kernel, elsewhere by
-``QuantizedTensor.dequantize_blockwise``) and multiplied by ONE
-``torch._grouped_mm`` call per GEMM (fprop: tokens x weights per expert; dgrad: gradients x
-weights; wgrad: gradients^T x activations, grouped along the token dimension). The per-expert
-global scales, the bias and the rounding to the output dtype are the dense epilogue's
-(``fp4gen.runtime.epilogue``: y = fp32(C S_a S_b) + bias, rounded once), applied per group.
+``GroupedProjection`` runs one projection (up or down) of every expert that has tokens: its operands
+are quantized exactly as the per-expert loop quantizes them (each expert's operands with its own
+seed, Philox offset and global scale, or with the amax over every expert where the recipe says
+``global per tensor``, ``fp4gen.runtime.grouped_scope``, by the same methods: the 1xN rowwise ones
+of every expert in one grouped quantize on CUDA, ``grouped_operands``, the others by each expert's
+``Linear``), then decoded to their block values (element x block scale, exact in bf16 for NVFP4,
+MXFP4, MXFP6 and MXFP8: on CUDA by the generated dequantize kernel, elsewhere by
+``QuantizedTensor.dequantize_blockwise``) and multiplied by ONE ``torch._grouped_mm`` call per GEMM
+(fprop: tokens x weights per expert; dgrad: gradients x weights; wgrad: gradients^T x activations,
+grouped along the token dimension). The per-expert global scales, the bias and the rounding to the
+output dtype are the dense epilogue's (``fp4gen.runtime.epilogue``: y = fp32(C S_a S_b) + bias,
+rounded once), applied per group.
 
 What the product is (``product_dtype``):
 
