@@ -616,7 +616,9 @@ class HostBreakdown:
             f"backward {self.backward_ms:.2f} (fp4gen ops {self.backward_op_ms:.2f}, of which "
             f"x's wgrad copies {self.wgrad_copy_ms:.2f}), optimizer {self.optimizer_ms:.2f}; "
             f"fp4gen layer passes per step {self.passes:.0f}: {self.from_graphs:.0f} from layer "
-            f"graphs ({self.in_place:.0f} in place, {self.captured:.0f} captured; "
+            f"graphs ({self.in_place:.0f} in place, "
+            f"{self.from_graphs - self.in_place - self.captured:.0f} on static copies, "
+            f"{self.captured:.0f} captured; "
             f"{self.timed_captures:.1f} captured per timed step), {eager:.0f} eager"
         )
 

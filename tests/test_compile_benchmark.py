@@ -60,7 +60,7 @@ def test_compiled_rows_time_bf16_and_a_recipe_per_scope(capsys, monkeypatch) -> 
     out = capsys.readouterr().out
     assert "x eager bf16" in out and "nvfp4_no_bf16" in out
     assert " blocks " in out and " model " in out
-    assert "16 from layer graphs" not in out and "16: 0 from layer graphs" in out
+    assert "16: 0 from layer graphs (0 in place, 0 on static copies, 0 captured;" in out
 
 
 def test_a_compiled_whole_model_trains_the_same_parameters(monkeypatch) -> None:
