@@ -457,3 +457,27 @@ def test_fp4gen_show_names_the_scope_where_it_is_per_tensor() -> None:
     assert operand_json(spec)["global_scope"] == "tensor"
     grad = recipe.operands[Operand.DGRAD_GRADIENT]
     assert operand_format_text(grad) == "nvfp4" and "global_scope" not in operand_json(grad)
+
+
+@pytest.mark.usefixtures("dequant_loop")
+def test_the_wgrad_activation_amax_is_over_the_transformed_padded_copies(monkeypatch) -> None:
+    """nvfp4's wgrad.activation has RHT 16 along the tokens: per tensor, its S_dec is that of
+    the amax over the experts of rht(x_e zero-padded to 16 tokens, transposed), computed here
+    by hand from each expert's routed tokens (an independent check of the operand the amax is
+    taken of), for every expert of the up projection."""
+    index, weights = routing(40, empty=1)
+    hidden = torch.randn(40, 64, generator=torch.Generator().manual_seed(4))
+    module = experts_of(fp4gen.convert(build("qwen3_moe"), parse_recipe(PER_TENSOR), seed=5))
+    module.grouped = True
+    _, scales = global_scales(monkeypatch, module, hidden, index, weights)
+    spec = module.gemms[0][0].operands.wgrad_activation
+    assert spec.rht is not None and spec.rht.size == 16
+    amax = 0.0
+    for e in (0, 2, 3):
+        _, token_idx = torch.where((index == e).t())
+        x = hidden[token_idx]
+        padded = torch.zeros(-(-x.shape[0] // 16) * 16, 64)
+        padded[: x.shape[0]] = x
+        amax = max(amax, rht(padded.t().contiguous(), spec.rht).abs().max().item())
+    up = scales["wgrad.b"][3:]  # the backward runs the down projection first
+    assert all(torch.equal(s, s_dec(amax)) for s in up)
