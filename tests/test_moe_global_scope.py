@@ -481,3 +481,29 @@ def test_the_wgrad_activation_amax_is_over_the_transformed_padded_copies(monkeyp
         amax = max(amax, rht(padded.t().contiguous(), spec.rht).abs().max().item())
     up = scales["wgrad.b"][3:]  # the backward runs the down projection first
     assert all(torch.equal(s, s_dec(amax)) for s in up)
+
+
+@pytest.mark.usefixtures("dequant_loop")
+def test_a_nan_in_one_experts_tokens_reaches_every_expert_per_tensor() -> None:
+    """Propagating non-finite inputs (the default): a NaN in one token makes the amax over
+    every expert NaN, so every routed token's output is NaN per tensor (in the loop and the
+    grouped path alike); per expert only the tokens of that token's experts are."""
+    index = torch.tensor([[0, 1]] * 20 + [[2, 3]] * 20)  # two halves, two experts each
+    weights = torch.softmax(torch.randn(40, 2, generator=torch.Generator().manual_seed(2)), 1)
+    hidden = torch.randn(40, 64, generator=torch.Generator().manual_seed(6))
+    hidden[7, 5] = float("nan")
+    others = torch.arange(40) >= 20  # the tokens of the experts token 7 is not routed to
+    for scope in ("expert", "tensor"):
+        text = PER_TENSOR.replace("tensor", scope)
+        outs = []
+        for grouped_gemms in (False, True):
+            module = experts_of(fp4gen.convert(build("qwen3_moe"), parse_recipe(text), seed=5))
+            module.grouped = grouped_gemms
+            with torch.no_grad():
+                outs.append(module(hidden, index, weights))
+        assert torch.equal(outs[0].isnan(), outs[1].isnan())
+        nan_rows = outs[0].isnan().all(dim=1)
+        if scope == "tensor":
+            assert nan_rows.all()
+        else:
+            assert not nan_rows[others].any() and nan_rows[7]

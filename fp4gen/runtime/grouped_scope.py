@@ -31,11 +31,12 @@ from typing import Any
 import torch
 
 from fp4gen.dsl.model import Operand, OperandSpec, OperandTable
-from fp4gen.errors import FP4GenError
+from fp4gen.errors import FP4GenError, TensorError
 from fp4gen.formats import BlockFormat
 from fp4gen.numerics import QuantizedTensor
 from fp4gen.numerics.hadamard import rht
 from fp4gen.numerics.quantize import PackedCodes
+from fp4gen.runtime import finite
 from fp4gen.runtime.operands import k_multiple, pad_to, quantize_operand, round_up
 
 FORWARD_SLOTS: tuple[Operand, ...] = (Operand.FPROP_ACTIVATION, Operand.FPROP_WEIGHT)
@@ -192,14 +193,30 @@ class ScopedOperands:
                 "expert (global per tensor), which its experts module did not give"
             )
         _, offset = self.slot(op, spec, call, t)  # type: ignore[attr-defined]
-        return quantize_scoped(
+        backend = self.backend  # type: ignore[attr-defined]
+        # non-finite values as the layer's own quantize treats them (docs/numerics.md 7):
+        # propagating, a NaN global scale for every expert (A is not finite then) with the
+        # reference given finite values; raising, an error that names the cause
+        t, flag = finite.reference_input(t, backend)
+        if finite.propagates():
+            good = torch.isfinite(found)
+            flag = good if flag is None else flag & good
+            found = torch.where(good, found, torch.zeros_like(found))
+        elif not found.is_cuda and not bool(torch.isfinite(found)):
+            raise TensorError(
+                f"{self.name or 'an expert GEMM'}: {op.selector} of shape {tuple(t.shape)} "  # type: ignore[attr-defined]
+                "takes the amax over every expert (global per tensor), and an expert's "
+                "operand holds a NaN or an Inf"
+            )
+        q = quantize_scoped(
             t,
             spec,
             found,
             seed=self._seed_of(op),  # type: ignore[attr-defined]
             offset=offset,
-            backend=self.backend,  # type: ignore[attr-defined]
+            backend=backend,
         )
+        return finite.poisoned(q, flag)
 
     def columnwise_weight(
         self, w: torch.Tensor, table: OperandTable, call: int, k: int | None = None
