@@ -348,3 +348,20 @@ def test_per_row_scales_plan_the_rowwise_kernel() -> None:
     source = render(kernel.spec)
     assert "GLOBAL_ROWS = True" in source and "NONFINITE_TO_NAN_SCALE = False" in source
     assert "global_rows=True" in repr(kernel.spec)
+
+
+def test_the_error_tree_is_not_contracted(tmp_path: Path) -> None:
+    """The block error's products (and the MS-EDEN sums') are rounded on their own, as the
+    reference rounds them: the PTX spells them mul.rn / add.rn / sub.rn, which neither NVVM nor
+    ptxas fuses into an fma (a plain product feeding an add was: fma(d0, d0, d1 * d1)). The
+    4over6 RNE kernel (16 values per thread, two targets) has no plain fp32 add or subtract
+    left, and 2 x 15 tree adds."""
+    os.environ.setdefault("CUTE_DSL_NO_CACHE", "1")
+    spec = kernel_spec(FOUR_OVER_SIX, "bf16", row())
+    module = import_source(render(spec), tmp_path / "src")
+    module.compile_kernel("quantize", "sm_90a", dump_dir=str(tmp_path / "ptx"))
+    (ptx,) = (tmp_path / "ptx").glob("*.sm_90a.ptx")
+    ops = [line.split()[0] for line in ptx.read_text().splitlines() if line.strip()]
+    assert "add.f32" not in ops and "sub.f32" not in ops
+    assert ops.count("add.rn.f32") == 30 and ops.count("sub.rn.f32") == 32
+    assert ops.count("mul.rn.f32") == 64  # v * s_b and d * d, 16 values x 2 targets

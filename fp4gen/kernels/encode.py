@@ -93,24 +93,23 @@ def pack_bits(fields: list) -> list:
     return [Uint32(0) if w is None else w for w in words]
 
 
-def field_codes(fields: list, bits: int) -> list:
-    """The codes (Uint32, sign bit included) held by bit-stream fields of whole codes, in
-    element order: field (value, width) holds width // bits codes, element 0 lowest."""
-    mask = Uint32((1 << bits) - 1)
-    codes = []
+def field_magnitudes(fields: list, elem: ElementParams) -> list:
+    """|value| of every code held by bit-stream fields of whole codes, in element order (field
+    (value, width) holds width // bits codes, element 0 lowest), exact: each code's magnitude
+    bits, shifted straight from the field to the top of an fp32 mantissa (one shift and one
+    mask), make the fp32 (normal or subnormal) whose value is the code's times 2^(-126 - emin),
+    which one exact multiply by a power of two undoes (fp32 subnormals are kept: no flush to
+    zero)."""
+    bits, man = elem.bits, elem.man_bits
+    mask = Uint32((elem.sign_mask - 1) << (23 - man))  # the magnitude bits, placed
+    undo = Float32(2.0 ** (126 + elem.emin))
+    out = []
     for val, width in fields:
         for j in range(width // bits):
-            codes.append((val >> Uint32(bits * j)) & mask if j else val & mask)
-    return codes
-
-
-def decode_magnitude(code: Uint32, elem: ElementParams) -> Float32:
-    """|value| of an element code (its sign bit ignored), exact: the magnitude bits placed at
-    the top of an fp32 mantissa make the fp32 (normal or subnormal) whose value is the code's
-    times 2^(-126 - emin), which one exact multiply by a power of two undoes (fp32 subnormals
-    are kept: no flush to zero)."""
-    mag = code & Uint32(elem.sign_mask - 1)
-    return (mag << Uint32(23 - elem.man_bits)).bitcast(Float32) * Float32(2.0 ** (126 + elem.emin))
+            shift = 23 - man - bits * j  # from the code's place in the field to the mantissa's
+            placed = val << Uint32(shift) if shift >= 0 else val >> Uint32(-shift)
+            out.append((placed & mask).bitcast(Float32) * undo)
+    return out
 
 
 def shift_down(v: Uint32, n: int) -> Uint32:
@@ -323,8 +322,7 @@ __all__ = [
     "ElementParams",
     "RNE_MAGIC",
     "TWO32",
-    "decode_magnitude",
-    "field_codes",
+    "field_magnitudes",
     "pack_bits",
     "shift_down",
 ]

@@ -58,6 +58,49 @@ def mul_rz(a: Float32, b: Float32, *, loc=None, ip=None) -> Float32:
     )
 
 
+# fp32 arithmetic rounded to nearest that is never fused into an fma: a plain multiply whose
+# product feeds an add may be contracted (by NVVM or ptxas) into one fma, rounding once where the
+# contract rounds twice; an explicit .rn is not contracted. The block error and MS-EDEN trees
+# (docs/numerics.md 11.1, 11.3) sum products that must each be rounded.
+@dsl_user_op
+def mul_rn(a: Float32, b: Float32, *, loc=None, ip=None) -> Float32:
+    """fp32(a * b), rounded to nearest even on its own (never fused into an fma)."""
+    return Float32(
+        inline_asm(
+            T.f32(),
+            [ir_arg(a, Float32, loc, ip), ir_arg(b, Float32, loc, ip)],
+            "mul.rn.f32 $0, $1, $2;",
+            "=f,f,f",
+        )
+    )
+
+
+@dsl_user_op
+def add_rn(a: Float32, b: Float32, *, loc=None, ip=None) -> Float32:
+    """fp32(a + b), rounded to nearest even; a product operand is not fused into it."""
+    return Float32(
+        inline_asm(
+            T.f32(),
+            [ir_arg(a, Float32, loc, ip), ir_arg(b, Float32, loc, ip)],
+            "add.rn.f32 $0, $1, $2;",
+            "=f,f,f",
+        )
+    )
+
+
+@dsl_user_op
+def sub_rn(a: Float32, b: Float32, *, loc=None, ip=None) -> Float32:
+    """fp32(a - b), rounded to nearest even; a product operand is not fused into it."""
+    return Float32(
+        inline_asm(
+            T.f32(),
+            [ir_arg(a, Float32, loc, ip), ir_arg(b, Float32, loc, ip)],
+            "sub.rn.f32 $0, $1, $2;",
+            "=f,f,f",
+        )
+    )
+
+
 @dsl_user_op
 def cvt_bf16x2(a: Float32, b: Float32, *, loc=None, ip=None) -> Uint32:
     """bf16 RNE of a (high half) and b (low half)."""

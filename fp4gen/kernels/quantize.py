@@ -46,8 +46,7 @@ from cutlass import Float32, Int32, Uint8, Uint16, Uint32, const_expr, range_con
 from fp4gen.kernels.encode import (
     ElementEncoder,
     ElementParams,
-    decode_magnitude,
-    field_codes,
+    field_magnitudes,
     pack_bits,
 )
 from fp4gen.kernels.hadamard import butterflies, signed_butterflies, xor_signed_butterflies
@@ -59,7 +58,14 @@ from fp4gen.kernels.philox import (
     random_fields,
     random_words,
 )
-from fp4gen.kernels.quant_ptx import bf16x2_absmax, cvt_bf16x2, scale_value
+from fp4gen.kernels.quant_ptx import (
+    add_rn,
+    bf16x2_absmax,
+    cvt_bf16x2,
+    mul_rn,
+    scale_value,
+    sub_rn,
+)
 from fp4gen.kernels.scale import NAN_BITS, NONFINITE_BITS, BlockScaler, ScaleParams, global_scales
 from fp4gen.vocab import DTYPES
 
@@ -238,9 +244,10 @@ class RowwiseBase:
 def tree_sum(values: list):
     """fp32 sum as a pairwise tree in index order, zero-padded to a power of two
     (docs/numerics.md 11: ((v0 + v1) + (v2 + v3)) + ...): a lone last value is carried, since
-    v + 0 = v for the non-negative sums it is used for."""
+    v + 0 = v for the non-negative sums it is used for. Each add is an explicit add.rn: a
+    product term is never fused into it (quant_ptx.add_rn)."""
     while len(values) > 1:
-        pairs = [values[i] + values[i + 1] for i in range(0, len(values) - 1, 2)]
+        pairs = [add_rn(values[i], values[i + 1]) for i in range(0, len(values) - 1, 2)]
         values = pairs + values[len(pairs) * 2 :]
     return values[0]
 
@@ -572,10 +579,10 @@ class RowwiseQuantizeKernel(RowwiseBase):
         p = self.p
         sums = []
         for fields, s_b, az in blocks:
-            zz = [a * a for a in az]
+            zz = [mul_rn(a, a) for a in az]  # products of the trees: never fused (mul_rn)
             zq = [
-                a * (decode_magnitude(c, p.elem) * s_b)
-                for c, a in zip(field_codes(fields, p.elem.bits), az, strict=True)
+                mul_rn(a, mul_rn(v, s_b))
+                for v, a in zip(field_magnitudes(fields, p.elem), az, strict=True)
             ]
             sums.append((tree_sum(zz), tree_sum(zq)))
         bl = p.unit // p.blocks_per_unit
@@ -587,13 +594,13 @@ class RowwiseQuantizeKernel(RowwiseBase):
             zq = tree_sum([sums[g][1] for g in range(g0, g0 + per_group)])
             lanes = p.eden_group // (bl * per_group)  # lanes holding the group
             for off in (1 << i for i in range(lanes.bit_length() - 1)):
-                zz = zz + cute.arch.shuffle_sync_bfly(zz, offset=off)
-                zq = zq + cute.arch.shuffle_sync_bfly(zq, offset=off)
+                zz = add_rn(zz, cute.arch.shuffle_sync_bfly(zz, offset=off))
+                zq = add_rn(zq, cute.arch.shuffle_sync_bfly(zq, offset=off))
             f = zz / zq
             finite = (f.bitcast(Uint32) & Uint32(NONFINITE_BITS)) != Uint32(NONFINITE_BITS)
             f = Float32(cutlass.select_((zq > Float32(0.0)) & finite, f, Float32(1.0)))
             for g in range(g0, g0 + per_group):
-                d = cute.arch.fmin(blocks[g][1] * f, Float32(p.scale.cap))
+                d = cute.arch.fmin(mul_rn(blocks[g][1], f), Float32(p.scale.cap))
                 word = words[g] if words is not None else None
                 out.append(self.scaler.round_scale(d, word))
         return out
@@ -614,13 +621,14 @@ class RowwiseQuantizeKernel(RowwiseBase):
         commutes)."""
         p = self.p
         errs = []
-        for code, a in zip(field_codes(fields, p.elem.bits), az, strict=True):
-            d = decode_magnitude(code, p.elem) * s_b - a
-            errs.append(abs(d) if p.target_mae else d * d)
+        for v, a in zip(field_magnitudes(fields, p.elem), az, strict=True):
+            # each product rounded on its own, as the reference: never fused into an fma
+            d = sub_rn(mul_rn(v, s_b), a)
+            errs.append(abs(d) if p.target_mae else mul_rn(d, d))
         err = tree_sum(errs)
         if p.threads_per_block > 1:
             for off in (1 << i for i in range(p.threads_per_block.bit_length() - 1)):
-                err = err + cute.arch.shuffle_sync_bfly(err, offset=off)
+                err = add_rn(err, cute.arch.shuffle_sync_bfly(err, offset=off))
         return err
 
     def scale_words(self, u, philox_state) -> list:
