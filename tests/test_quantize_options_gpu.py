@@ -236,6 +236,10 @@ def option_input(spec: QuantKernelSpec, pattern: str, m: int, k: int, salt: int)
         pick = torch.randint(0, 3, (m, k), generator=g, device=dev).float() - 1.0
         x = pick * 3.0
         x.view(m, k // b, b)[:, :, 0] = 3.0
+    elif pattern == "huge" and spec.outputs[0].rht is not None:
+        # 1e37 over the RHT's size: its sums stay finite (the reference refuses an overflow)
+        size = spec.outputs[0].rht.size
+        x = torch.randn(m, k, generator=g, device=dev) * (1e37 / size)
     else:
         return make_input(spec, pattern, m, k, salt)
     return x.to(_TORCH[spec.input_dtype]).contiguous()
