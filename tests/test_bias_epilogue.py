@@ -25,6 +25,7 @@ import torch.nn.functional as F
 
 import fp4gen
 import fp4gen.gemm_dispatch as gd
+from fp4gen.compiler.plan import ROW_SCALED_REASON
 from fp4gen.errors import ArgumentError, FP4GenError
 from fp4gen.formats import BUILTIN_FORMATS, BlockFormat, ScaleSpec
 from fp4gen.numerics import (
@@ -196,7 +197,7 @@ def test_dequant_without_cublaslt_applies_scales_bias_and_accumulate(
     got = dequant.dequant_gemm(a, b, **kw)
     ref = fp4gen.gemm(a, b, bias=bias, accumulate=acc, backend="reference")  # fp32
     va, vb = a.dequantize_blockwise().double(), b.dequantize_blockwise().double()
-    mag = (va.abs() @ vb.abs().t()) * float(a.global_scale * b.global_scale)
+    mag = (va.abs() @ vb.abs().t()) * decode_scales(a, b).abs()
     delta = 260 * 2.0**-24 * mag + 4 * 2.0**-24 * ref.double().abs()
     limit = delta + UNIT[out_dtype] * (ref.double().abs() + delta)
     assert got.dtype == out_dtype
@@ -456,11 +457,21 @@ def not_served(backend: str, fa: object, fb: object, arch: str) -> str | None:
     if backend in ("reference", "dequant"):
         return None
     if backend == "cute":
+        if fa.global_rows or fb.global_rows:  # gemm(backend="cute") refuses them (numerics.md 11.4)
+            return ROW_SCALED_REASON
         return gd.fused_support(fa, fb) or (None if arch in FUSED_ARCHS else f"not {FUSED_ARCHS}")
     if backend == "block_scaled":
         return fp8_gemm.support(fa, fb) or fp8_gemm.torch_reason() or fp8_gemm.arch_reason(arch)
     plan = mma_plan(fa, fb)
     return plan if isinstance(plan, str) else (None if arch in NATIVE_ARCHS else "not sm_100a")
+
+
+def decode_scales(a, b) -> torch.Tensor:
+    """S_dec of A times S_dec of B, float64, broadcast over [M, N]: a scalar, or with per-row
+    global scales (numerics.md 11.4) A's per row times B's per column."""
+    sa = a.global_scale.double().reshape(-1, 1)
+    sb = b.global_scale.double().reshape(1, -1).to(sa.device)
+    return sa * sb
 
 
 def within_reference(got: torch.Tensor, a, b, bias, acc, out_dtype, ran: str) -> None:
@@ -469,7 +480,7 @@ def within_reference(got: torch.Tensor, a, b, bias, acc, out_dtype, ran: str) ->
     or 6.1's block-scaled bound plus the Hopper adder term, plus the output's rounding."""
     ref = gd.gemm(a, b, bias=bias, accumulate=acc, backend="reference").double()
     va, vb = a.dequantize_blockwise().double().abs(), b.dequantize_blockwise().double().abs()
-    mag = (va @ vb.t()) * abs(float(a.global_scale) * float(b.global_scale))
+    mag = (va @ vb.t()) * decode_scales(a, b).abs()
     if ran == "block_scaled":
         delta = block_scaled_error_bound(a, b) + TC_REL * mag * (1 + 2 * 2.0**-24) ** 2
     else:

@@ -58,6 +58,7 @@ from torch import nn
 
 import fp4gen
 import fp4gen.gemm_dispatch as gd
+from fp4gen.compiler.plan import ROW_SCALED_REASON
 from fp4gen.dsl.model import MoRRef, MoRSpec, OperandSpec, OperandTable, Recipe
 from fp4gen.formats import BlockFormat, ElementFormat, HighPrecision, ScaleSpec, sr_bits
 from fp4gen.numerics.hadamard import rht_matrix
@@ -147,6 +148,8 @@ def not_served(backend: str, fa: object, fb: object, device: str, arch: str | No
     if device != "cuda":  # on CPU tensors block_scaled is its float64 oracle
         return None if backend == "block_scaled" else "a CUDA kernel"
     if backend == "cute":
+        if fa.global_rows or fb.global_rows:  # gemm(backend="cute") refuses them (numerics.md 11.4)
+            return ROW_SCALED_REASON
         return gd.fused_support(fa, fb) or (None if arch in FUSED_ARCHS else f"not {FUSED_ARCHS}")
     if backend == "block_scaled":
         return fp8_gemm.support(fa, fb) or fp8_gemm.torch_reason() or fp8_gemm.arch_reason(arch)

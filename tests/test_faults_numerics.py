@@ -310,7 +310,7 @@ def test_kernels_clamp_block_scales_at_the_cap(spec: QuantKernelSpec) -> None:
     if "cap=SCALE_CAP," in src:  # a kernel class computes the block scales: kernels.scale's
         from fp4gen.kernels.scale import BlockScaler
 
-        src = inspect.getsource(BlockScaler.block_scale)
+        src = inspect.getsource(BlockScaler.block_scale_value)
         assert "amax_b * k_enc, Float32(s.cap))" in src
     else:
         assert "amax_b * k_enc, Float32(SCALE_CAP))" in src
