@@ -5,6 +5,7 @@ Their bits against the reference are checked on a GPU (tests/test_quantize_optio
 
 from __future__ import annotations
 
+import ast
 import dataclasses
 import json
 import os
@@ -365,3 +366,67 @@ def test_the_error_tree_is_not_contracted(tmp_path: Path) -> None:
     assert "add.f32" not in ops and "sub.f32" not in ops
     assert ops.count("add.rn.f32") == 30 and ops.count("sub.rn.f32") == 32
     assert ops.count("mul.rn.f32") == 64  # v * s_b and d * d, 16 values x 2 targets
+
+
+def _method(tree: ast.Module, cls: str, name: str) -> ast.FunctionDef:
+    (node,) = [n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == cls]
+    (method,) = [f for f in node.body if isinstance(f, ast.FunctionDef) and f.name == name]
+    return method
+
+
+def _forwarded(method: ast.FunctionDef, target: str) -> tuple[list[str], list[str]]:
+    """The positional arguments (names, "None" for None) and keywords of ``self.target(...)``."""
+    (call,) = [
+        n
+        for n in ast.walk(method)
+        if isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute) and n.func.attr == target
+    ]
+    return [ast.unparse(a) for a in call.args], [k.arg or "" for k in call.keywords]
+
+
+@pytest.mark.parametrize("swizzled", [False, True])
+@pytest.mark.parametrize("case", sorted(COMPILED))
+def test_rowwise_entries_spell_the_specs_arguments(case: str, swizzled: bool) -> None:
+    """The quantize kernel's two entries, written from the codegen's data (RowwiseEntry) by one
+    template macro: ``__call__`` names exactly the spec's arguments (tvm_ffi's keyword wrapper
+    is built from these names), hands ``launch`` its 8 positional arguments (None for what the
+    spec lacks), and ``kernel`` takes exactly what ``launch`` passes and hands ``body`` its 10."""
+    fmt, rounding, rht, dtype = COMPILED[case]
+    spec = kernel_spec(fmt, dtype, row(rounding, rht))  # type: ignore[arg-type]
+    layout = "swizzled" if swizzled else "compact"
+    spec = dataclasses.replace(
+        spec, outputs=(dataclasses.replace(spec.outputs[0], scale_layout=layout),)
+    )
+    tree = ast.parse(render(spec))
+    philox = rounding != "nearest" or fmt.scale.rounding == "stochastic"
+    signs = rht is not None and rht.redrawn
+    seeds = ["seed_lo", "seed_hi", "offset_lo", "offset_hi", "ctr_lo", "ctr_hi"]
+    scalars = [*seeds, "stride_lo", "stride_hi"] * philox + [f"s{i}" for i in range(8)] * signs
+    amax = ["mAmax"] if spec.global_scale else []
+    call = _method(tree, "QuantizeKernel", "__call__")
+    assert [a.arg for a in call.args.args] == [
+        "self", "mX", "mQ", "mS", *["mSwz"] * swizzled, *amax, "mSdec", *scalars, "stream"
+    ]  # fmt: skip
+    args, keywords = _forwarded(call, "launch")
+    amax_arg = amax[0] if amax else "None"
+    philox_arg = "philox" if philox else "None"
+    swz_arg = "mSwz" if swizzled else "None"
+    assert args == ["mX", "mQ", "mS", swz_arg, amax_arg, "mSdec", philox_arg, "stream"]
+    assert keywords == ["signs"] * signs
+    kernel = _method(tree, "QuantizeKernel", "kernel")
+    swizzle = ["gSwz", "nbk", "c4"] if swizzled else []
+    assert [a.arg for a in kernel.args.args] == [
+        "self", "gX", "gQ", "gS", *swizzle, *amax, "mSdec", *scalars, "num_units"
+    ]  # fmt: skip
+    args, keywords = _forwarded(kernel, "body")
+    swizzle = swizzle or ["None"] * 3
+    tail = [amax_arg, "mSdec", philox_arg, "num_units"]
+    assert args == ["gX", "gQ", "gS", *swizzle, *tail]
+    assert keywords == ["signs"] * signs
+    # the codegen's data is what the template wrote
+    ctx = context(spec)
+    assert [p[0] for p in ctx.entry.call_params] == [a.arg for a in call.args.args[1:]]
+    assert [p[0] for p in ctx.entry.kernel_params] == [a.arg for a in kernel.args.args[1:]]
+    # the thread mapping's words in the docstring, from the codegen (Mapping)
+    docstring = " ".join((ast.get_docstring(tree) or "").split())
+    assert f"units of {ctx.map.unit} contiguous elements" in docstring

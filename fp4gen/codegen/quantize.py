@@ -105,7 +105,7 @@ def _hex(word: int) -> str:
 
 @dataclass(frozen=True)
 class Mapping:
-    """How threads cover the flat sequence of blocks (see the generated module's docstring)."""
+    """How threads cover the flat sequence of blocks (``fp4gen.kernels.quantize``'s docstring)."""
 
     unit: int  # elements one thread handles per unit of work (contiguous, 128-bit aligned)
     blocks_per_unit: int  # whole blocks in a unit (1 when threads cooperate on a block)
@@ -444,11 +444,50 @@ def _check(spec: QuantKernelSpec) -> None:
         raise NotImplementedError(f"{spec.name}: RHT size {out.rht.size} is not supported")
 
 
+# The Philox scalars and the RHT's sign words of a rowwise entry, in the kernels' order
+PHILOX_ARGS: tuple[str, ...] = (
+    "seed_lo",
+    "seed_hi",
+    "offset_lo",
+    "offset_hi",
+    "ctr_lo",
+    "ctr_hi",
+    "stride_lo",
+    "stride_hi",
+)
+SIGN_ARGS: tuple[str, ...] = tuple(f"s{i}" for i in range(8))
+_ARG_NOTES = {  # the notes the compiled function's scalars carry
+    "ctr_lo": "address of a DeviceOffset counter (0: none), low and high words",
+    "stride_lo": "the DeviceOffset stride",
+    "s0": "the RHT's sign words: bit i % 32 of word i // 32 for position i",
+}
+
+# A parameter of a generated entry: (name, annotation, note; "" for none)
+EntryParam = tuple[str, str, str]
+
+
+@dataclass(frozen=True)
+class RowwiseEntry(TemplateContext):
+    """What quantize.py.j2 spells of the rowwise kernel classes, as data: the fields of
+    ``RowwiseParams`` (each a (field, source, note) with the module's constants by name) and the
+    quantize kernel's two entries, ``__call__`` (the compiled function's parameters, with notes)
+    and ``kernel``, with the arguments each hands to ``launch`` and ``body``."""
+
+    params_fields: tuple[tuple[str, str, str], ...] = ()
+    amax_base: str = ""  # the fp4gen.kernels.quantize class the amax kernel subclasses
+    call_params: tuple[EntryParam, ...] = ()
+    launch_args: tuple[str, ...] = ()
+    kernel_params: tuple[EntryParam, ...] = ()
+    body_args: tuple[str, ...] = ()
+    philox_args: tuple[str, ...] = ()  # the scalars packed into the tuple ``philox``
+
+
 @dataclass(frozen=True)
 class RowwiseContext(TemplateContext):
     """The variables of quantize.py.j2: one rowwise copy with 1xN blocks."""
 
     common: QuantCommon = inline()
+    entry: RowwiseEntry = inline()
     rounding: Rounding
     sr: bool  # stochastic rounding
     sr_bits: int  # random bits per value, 0 for a deterministic rounding
@@ -457,6 +496,7 @@ class RowwiseContext(TemplateContext):
     swar: bool  # whole codes per 32-bit word (4- and 8-bit): pack and sign them word by word
     block: int  # elements per 1xN block
     map: Mapping
+    map_note: str  # what a unit holds and who owns its blocks, in words
     unit_bytes: int  # bytes of a unit's packed codes
     store_bytes: int  # bytes of one store word of codes
     store_n: int  # store words per unit
@@ -503,8 +543,9 @@ def context(spec: QuantKernelSpec) -> RowwiseContext:
         tile=False,
         whole_words=mapping.unit % (32 // spec.element.bits) == 0,
     )
-    return RowwiseContext(
+    ctx = RowwiseContext(
         common=common,
+        entry=RowwiseEntry(),
         rounding=Rounding(out.rounding),
         sr=sr,
         sr_bits=sr_bits(out.rounding),
@@ -513,6 +554,7 @@ def context(spec: QuantKernelSpec) -> RowwiseContext:
         swar=32 % spec.element.bits == 0,
         block=block,
         map=mapping,
+        map_note=_mapping_note(mapping, rht.size if rht else 0),
         unit_bytes=unit_bytes,
         store_bytes=store_bytes,
         store_n=unit_bytes // store_bytes,
@@ -531,6 +573,123 @@ def context(spec: QuantKernelSpec) -> RowwiseContext:
         global_rows=spec.global_rows,
         eden_group=spec.eden_group or 0,
         eden_first_kind=_eden_first_kind(spec),
+    )
+    return replace(ctx, entry=_rowwise_entry(ctx))
+
+
+def _mapping_note(mapping: Mapping, rht_size: int) -> str:
+    """The generated docstring's words for what a unit of the rowwise mapping holds."""
+    if mapping.threads_per_block > 1:
+        lanes = mapping.threads_per_block
+        return f"{lanes} consecutive lanes share a block and combine its amax by butterfly shuffles"
+    n = mapping.blocks_per_unit
+    note = f"{n} whole block{'s' if n > 1 else ''}"
+    if rht_size and mapping.rht_lanes > 1:
+        lanes = mapping.rht_lanes
+        note += f", 1/{lanes} of an RHT chunk ({lanes} lanes: its butterflies by xor shuffles)"
+    elif rht_size:
+        chunks = mapping.unit // rht_size
+        note += f", {chunks} RHT chunk{'s' if chunks > 1 else ''}"
+    return note + ": a thread owns whole blocks"
+
+
+def _rowwise_params_fields(c: RowwiseContext) -> tuple[tuple[str, str, str], ...]:
+    """The fields of the module's ``quantize.RowwiseParams``: the spec's values, spelled with
+    the module's constants where it has them; the optional ones only where the spec sets them."""
+    rht, g = c.rht, c.common.global_scale
+    fields = [
+        ("input_dtype", "INPUT_DTYPE", ""),
+        ("block", "BLOCK", ""),
+        ("elem", "ELEMENT", ""),
+        ("scale", "SCALE", ""),
+        ("rounding", "ELEM_ROUNDING", ""),
+        ("sw_encode", f'"{c.sw_encode}"', "the software element encode"),
+        ("swar", str(c.swar), "codes packed and signed word by word"),
+        ("sr_bits", "SR_BITS" if c.sr else "0", ""),
+        ("rand_words", str(c.rand_fn == RandomSource.WORDS), "the encode takes whole Philox words"),
+        ("hw_archs", "ELEM_HW_CVT_ARCHS", ""),
+        ("global_scale", "GLOBAL_SCALE", ""),
+        ("global_num", "GLOBAL_NUM" if g else "1.0", ""),
+        ("swizzled", "SCALES_SWIZZLED", ""),
+        ("rht_size", "RHT_SIZE" if rht else "0", ""),
+        ("rht_signs", "RHT_SIGNS" if rht else "()", ""),
+        ("rht_scale", "RHT_SCALE" if rht else "1.0", ""),
+        ("unit", "UNIT", ""),
+        ("blocks_per_unit", "BLOCKS_PER_UNIT", ""),
+        ("threads_per_block", "THREADS_PER_BLOCK", ""),
+        ("store_bytes", str(c.store_bytes), ""),
+        ("store_n", "STORE_N", ""),
+        ("quant_threads", "QUANT_THREADS", ""),
+        ("quant_units", "QUANT_UNITS", ""),
+        ("amax_threads", "AMAX_THREADS" if g else str(c.amax_threads), ""),
+        ("amax_units", "AMAX_UNITS" if g else str(c.map.amax_units), ""),
+    ]
+    if c.target_invs:
+        fields.append(("target_invs", "BLOCK_TARGET_INVS", ""))
+        if c.target_mae:
+            fields.append(("target_mae", "True", ""))
+    if c.scale_sr:
+        fields.append(("scale_sr", "True", "stochastic block scales: a Philox word per block"))
+    if rht and rht.runtime:
+        fields.append(("rht_runtime_signs", "True", "the RHT's signs are the kernels' arguments"))
+    if c.global_rows:
+        fields.append(("global_rows", "GLOBAL_ROWS", ""))
+    if c.map.rht_lanes > 1:
+        fields.append(("rht_lanes", str(c.map.rht_lanes), "an RHT chunk over this many lanes"))
+    if c.eden_group:
+        fields.append(("eden_group", "EDEN_GROUP", ""))
+        if c.eden_first_kind:
+            note = "the codes' scale: rounded to nearest"
+            fields.append(("eden_first_kind", f'"{c.eden_first_kind}"', note))
+    return tuple(fields)
+
+
+def _rowwise_entry(c: RowwiseContext) -> RowwiseEntry:
+    """The rowwise module's kernel entries: the quantize kernel's ``__call__`` takes the input,
+    the codes, the scales (and their swizzled copy), the global amax and S_dec, the Philox
+    scalars and the RHT's sign words the spec has, then the stream, and hands them to ``launch``
+    with None for what the spec lacks; ``kernel`` takes the launch's tensors (the swizzled copy
+    with the blocks per row and their 4-groups) and scalars, then the unit count, for ``body``."""
+    runtime_signs = c.rht is not None and c.rht.runtime
+    scale_note = " (fp32 values)" if c.common.scale.kind == ScaleKind.FP32 else ""
+    tensor = "cute.Tensor"
+    call: list[EntryParam] = [
+        ("mX", tensor, "(M, K) input"),
+        ("mQ", tensor, "(M, K * ELEM_BITS / 8) uint8 packed codes"),
+        ("mS", tensor, "(M, K / BLOCK) scale codes" + scale_note),
+    ]
+    kernel: list[EntryParam] = [("gX", tensor, ""), ("gQ", tensor, ""), ("gS", tensor, "")]
+    if c.swizzled:
+        call.append(("mSwz", tensor, "(bytes,) uint8 swizzled scale codes, zero-initialised"))
+        kernel += [("gSwz", tensor, ""), ("nbk", "Int32", ""), ("c4", "Int32", "")]
+    if c.common.global_scale:
+        call.append(("mAmax", tensor, "(1,) fp32 global amax"))
+        call.append(("mSdec", tensor, "(1,) fp32 out: S_dec"))
+        kernel.append(("mAmax", tensor, ""))
+    else:
+        sdec_note = "(1,) fp32 S_dec, 1.0 from launches(): NaN for a non-finite input"
+        call.append(("mSdec", tensor, sdec_note))
+    kernel.append(("mSdec", tensor, ""))
+    scalars = (PHILOX_ARGS if c.philox else ()) + (SIGN_ARGS if runtime_signs else ())
+    call += [(a, "Int32", _ARG_NOTES.get(a, "")) for a in scalars]
+    kernel += [(a, "Int32", "") for a in scalars]
+    call.append(("stream", "cuda.CUstream", ""))
+    kernel.append(("num_units", "Int32", ""))
+    philox = "philox" if c.philox else "None"
+    signs = (f"signs=({', '.join(SIGN_ARGS)})",) if runtime_signs else ()
+    swizzled = ("mSwz",) if c.swizzled else ("None",)
+    amax = "mAmax" if c.common.global_scale else "None"
+    launch = ("mX", "mQ", "mS", *swizzled, amax, "mSdec", philox, "stream", *signs)
+    swizzled = ("gSwz", "nbk", "c4") if c.swizzled else ("None", "None", "None")
+    body = ("gX", "gQ", "gS", *swizzled, amax, "mSdec", philox, "num_units", *signs)
+    return RowwiseEntry(
+        params_fields=_rowwise_params_fields(c),
+        amax_base="RowwiseAmaxSignsKernel" if runtime_signs else "RowwiseAmaxKernel",
+        call_params=tuple(call),
+        launch_args=launch,
+        kernel_params=tuple(kernel),
+        body_args=body,
+        philox_args=PHILOX_ARGS if c.philox else (),
     )
 
 
@@ -1061,6 +1220,7 @@ __all__ = [
     "RHTContext",
     "RandomSource",
     "RowwiseContext",
+    "RowwiseEntry",
     "ScaleContext",
     "ScaleKind",
     "SwEncode",

@@ -26,11 +26,8 @@ and scales are then meaningless. launches() fills S_dec with 1.0; a thread whose
 NaN or an Inf (the NaN-propagating max of its block amaxes, one FMNMX per block) stores NaN over
 it. Finite inputs: every bit as without this rule.
 
-Thread mapping: [M, K] is a flat sequence of M*K/32 units of 32 contiguous elements (1 whole
-block: a thread owns whole blocks). The v-th unit of a thread is cta * (T * V) + v * T + tid, so
-each load and store instruction of a warp covers one contiguous span. Loads are clamped to the
-last unit (no predicates), stores are predicated. The flat element index u * 32 + j is also row
-* K + col.
+Thread mapping (fp4gen.kernels.quantize's docstring): units of 32 contiguous elements, 1 whole
+block: a thread owns whole blocks.
 
 Module contract: KERNELS, compile_kernel(name, arch, *, dump_dir=None), launches(x, ...),
 run(fns, x, *, seed=0, offset=0) (see fp4gen.codegen.quantize); the offset may be a DeviceOffset

@@ -17,9 +17,7 @@ What it computes (docs/numerics.md sections 1-5, bit for bit; oracle: fp4gen.num
     input     bf16 [M, K], compact row-major, K % 16 == 0
 
 Kernels, in launch order:
-    amax      A = max |x| over the tensor into a zeroed fp32 [1] buffer: registers ->
-              warp shuffles -> shared memory -> one atomic max per CTA. Every max propagates
-              NaN (max.NaN), and the atomic max of the fp32 bits keeps a NaN or an Inf.
+    amax      A = max |x| over the tensor, one atomic max per CTA (NaN and Inf kept)
     quantize  per block: amax_b, scale code s_b, encode factor e_b, element codes; writes the
               packed codes [M, K*4/8] and the scale codes [M, K/16], S_dec.
 
@@ -27,11 +25,8 @@ Non-finite inputs (NONFINITE_TO_NAN_SCALE): S_dec is NaN iff x holds a NaN or an
 and scales are then meaningless. An amax A that is not finite gives S_dec = NaN. Finite inputs:
 every bit as without this rule.
 
-Thread mapping: [M, K] is a flat sequence of M*K/16 units of 16 contiguous elements (1 whole
-block: a thread owns whole blocks). The v-th unit of a thread is cta * (T * V) + v * T + tid, so
-each load and store instruction of a warp covers one contiguous span. Loads are clamped to the
-last unit (no predicates), stores are predicated. The flat element index u * 16 + j is also row
-* K + col.
+Thread mapping (fp4gen.kernels.quantize's docstring): units of 16 contiguous elements, 1 whole
+block: a thread owns whole blocks.
 
 Module contract: KERNELS, compile_kernel(name, arch, *, dump_dir=None), launches(x, ...),
 run(fns, x, *, seed=0, offset=0) (see fp4gen.codegen.quantize); the offset may be a DeviceOffset
