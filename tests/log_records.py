@@ -24,6 +24,7 @@ SETS: tuple[tuple[str, str], ...] = (
     ("fp4gen.runtime.cublaslt", "_logged"),
     ("fp4gen.runtime.experts", "_logged"),
     ("fp4gen.runtime.grouped", "_logged"),
+    ("fp4gen.runtime.grouped_quantize", "_logged"),
     ("fp4gen.runtime.layer_graphs", "_logged"),
     ("fp4gen.runtime.layer_groups", "_logged"),
 )
