@@ -44,6 +44,11 @@ Run on a GPU (sm_90a or sm_100a)::
     pytest -m gpu tests/test_recipe_fuzz_gpu.py
     FP4GEN_FUZZ_EXAMPLES=1000 pytest -m gpu tests/test_recipe_fuzz_gpu.py   # a fresh seed
     FP4GEN_FUZZ_SEED=1234 pytest -m gpu tests/test_recipe_fuzz_gpu.py   # replay a batch
+    FP4GEN_FUZZ_FAILURES=DIR pytest -m gpu ...   # each failing recipe's text kept in DIR at once
+
+A seed replays a batch where hypothesis is the same version: each test prints the batch's
+digest and hypothesis' version beside the seed, so two machines can tell whether they drew the
+same recipes.
 """
 
 from __future__ import annotations
@@ -51,6 +56,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import hashlib
 import logging
 import math
 import os
@@ -62,6 +68,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import hypothesis
 import pytest
 import torch
 from hypothesis import HealthCheck, Phase, given, seed, settings
@@ -734,8 +741,28 @@ def gpu_batch(tmp_path_factory: pytest.TempPathFactory) -> list[Recipe | None]:
     return recipes
 
 
+@functools.cache
+def batch_digest(batch_seed: int, count: int) -> str:
+    """A digest of the batch's recipe texts: equal on two machines iff they drew the same batch
+    (hypothesis' engine draws it, so its version is part of what a seed replays)."""
+    text = "\n".join(case.listing() for case in batch(batch_seed, count))
+    return hashlib.sha256(text.encode()).hexdigest()[:12]
+
+
 def announce() -> None:
-    print(f"recipe fuzz (GPU): FP4GEN_FUZZ_SEED={SEED} FP4GEN_FUZZ_EXAMPLES={EXAMPLES} replays")
+    print(
+        f"recipe fuzz (GPU): FP4GEN_FUZZ_SEED={SEED} FP4GEN_FUZZ_EXAMPLES={EXAMPLES} replays "
+        f"(batch {batch_digest(SEED, EXAMPLES)}, hypothesis {hypothesis.__version__})"
+    )
+
+
+def keep_failure(kind: str, index: int, text: str) -> None:
+    """With ``FP4GEN_FUZZ_FAILURES=DIR``, a failing recipe's listing and differences go to
+    DIR/<kind>-<index>.txt as the test fails, so a run cut short by a time limit keeps them."""
+    folder = os.environ.get("FP4GEN_FUZZ_FAILURES")
+    if folder:
+        Path(folder).mkdir(parents=True, exist_ok=True)
+        (Path(folder) / f"{kind}-{index}.txt").write_text(text)
 
 
 @pytest.mark.parametrize("index", range(EXAMPLES))
@@ -752,7 +779,10 @@ def test_planned_kernels_match_the_reference_on_gpu(
     results = run_planned_kernels(recipe, "cuda", "cute", rnd, caplog)
     torch.cuda.synchronize()
     bad = [f"{r.kernel} {r.shape}: {d}" for r in results for d in r.differences]
-    assert not bad, f"{batch(SEED, EXAMPLES)[index].listing()}\n" + "\n".join(bad[:10])
+    if bad:
+        message = f"{batch(SEED, EXAMPLES)[index].listing()}\n" + "\n".join(bad[:10])
+        keep_failure("kernels", index, message)
+        pytest.fail(message)
 
 
 @pytest.mark.parametrize("index", range(EXAMPLES))
@@ -766,7 +796,10 @@ def test_training_steps_match_the_reference_path_on_gpu(
     if recipe is None:
         pytest.skip("a recipe fp4gen refuses on purpose")
     got, problems = train_and_compare(recipe, "cuda", default=True, caplog=caplog)
-    assert not problems, f"{batch(SEED, EXAMPLES)[index].listing()}\n" + "\n".join(problems[:10])
+    if problems:
+        message = f"{batch(SEED, EXAMPLES)[index].listing()}\n" + "\n".join(problems[:10])
+        keep_failure("training", index, message)
+        pytest.fail(message)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -910,3 +943,14 @@ def test_every_reason_the_planner_gives_is_documented(tmp_path: Path) -> None:
             assert kind is not None, f"undocumented reason: {reason}\n{case.listing()}"
             seen.add(kind)
     assert {"high precision operand", "block length", "no native sm_100a MMA"} <= seen
+
+
+def test_a_failure_is_kept_as_it_happens(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    monkeypatch.setenv("FP4GEN_FUZZ_FAILURES", str(tmp_path / "kept"))
+    keep_failure("kernels", 7, "listing\ndifferences")
+    assert (tmp_path / "kept" / "kernels-7.txt").read_text() == "listing\ndifferences"
+    monkeypatch.delenv("FP4GEN_FUZZ_FAILURES")
+    keep_failure("kernels", 8, "x")  # no folder: nothing written, no error
+    assert sorted(p.name for p in (tmp_path / "kept").iterdir()) == ["kernels-7.txt"]
+    assert batch_digest(DEFAULT_SEED, 3) == batch_digest(DEFAULT_SEED, 3)
+    assert len(batch_digest(DEFAULT_SEED, 3)) == 12
