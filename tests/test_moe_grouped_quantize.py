@@ -81,6 +81,12 @@ def reference_groups(x: torch.Tensor, fmt, rounding: str, rht) -> list:
     return out
 
 
+@pytest.fixture(autouse=True)
+def grouped_quantize_on(monkeypatch: pytest.MonkeyPatch) -> None:
+    """This module tests the grouped quantize: on for each test (off by default, docs/moe.md)."""
+    monkeypatch.setattr(grouped, "_grouped_quantize", [True])
+
+
 def test_the_cta_table() -> None:
     """One row per tile of one group: (group, first unit, the group's end, the group's first
     unit); empty groups have none; a group's last tile may be partial."""
