@@ -10,6 +10,7 @@ import math
 
 import pytest
 import torch
+from option_kernels import option_kernels_on  # noqa: F401  (a fixture)
 
 import fp4gen
 from fp4gen.compiler.plan import ROW_SCALED_REASON, plan_recipe, tile_reason
@@ -411,7 +412,7 @@ def test_planner_routes_the_options_to_the_kernels_or_the_reference_with_a_reaso
     assert tile_reason(NVFP4) is None
 
 
-def test_cute_backend_refuses_a_format_with_options() -> None:
+def test_cute_backend_refuses_a_format_with_options(option_kernels_on: None) -> None:  # noqa: F811
     from fp4gen.runtime import cute_backend
     from fp4gen.runtime.loader import Unsupported
 

@@ -173,6 +173,17 @@ def k_values(spec: QuantKernelSpec) -> list[int]:
     return [base, 3 * base, 2048 if 2048 % base == 0 else 48 * base]
 
 
+@pytest.fixture(autouse=True)
+def option_kernels_on():
+    """This module tests the option kernels themselves: on for each test (the runtime keeps
+    them off until these tests pass, fp4gen.runtime.cute_backend.set_option_kernels)."""
+    from fp4gen.runtime import cute_backend
+
+    previous = cute_backend.set_option_kernels(True)
+    yield
+    cute_backend.set_option_kernels(previous)
+
+
 @pytest.fixture(scope="session")
 def arch() -> str:
     major, _ = torch.cuda.get_device_capability()

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from option_kernels import option_kernels_on  # noqa: F401  (a fixture)
 
 from fp4gen.codegen import import_source
 from fp4gen.codegen.quantize import context, is_rowwise, render
@@ -262,7 +263,7 @@ def test_linear_asks_for_the_rowwise_kernels_only() -> None:
     assert Operand.FPROP_WEIGHT not in slots  # 16x16 blocks: the reference
 
 
-def test_cute_backend_routes_by_copy() -> None:
+def test_cute_backend_routes_by_copy(option_kernels_on: None) -> None:  # noqa: F811
     """The runtime refuses a tile launch (a columnwise copy, two copies, 2D blocks) of a format
     with block targets with the tile reason; the callers then quantize each copy on its own."""
     from fp4gen.runtime import cute_backend

@@ -741,6 +741,17 @@ def gpu_batch(tmp_path_factory: pytest.TempPathFactory) -> list[Recipe | None]:
     return recipes
 
 
+@pytest.fixture(autouse=True)
+def option_kernels_on():
+    """The fuzzer checks every kernel, the block-scale options' too, which the runtime keeps
+    off until they are verified (fp4gen.runtime.cute_backend.set_option_kernels)."""
+    from fp4gen.runtime import cute_backend
+
+    previous = cute_backend.set_option_kernels(True)
+    yield
+    cute_backend.set_option_kernels(previous)
+
+
 @functools.cache
 def batch_digest(batch_seed: int, count: int) -> str:
     """A digest of the batch's recipe texts: equal on two machines iff they drew the same batch

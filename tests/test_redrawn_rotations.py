@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from option_kernels import option_kernels_on  # noqa: F401  (a fixture)
 
 import fp4gen
 from fp4gen.compiler.plan import plan_recipe, redrawn_rht_reason
@@ -87,7 +88,7 @@ def test_linear_draws_new_signs_every_step_from_its_seed() -> None:
     assert torch.equal(grads[1], grads[3])  # reproducible: step 1 again, the same signs
 
 
-def test_the_planner_gives_them_the_rowwise_kernel() -> None:
+def test_the_planner_gives_them_the_rowwise_kernel(option_kernels_on: None) -> None:  # noqa: F811
     """Signs drawn per layer or step: the rowwise kernel takes them as arguments (one kernel
     per RHT size); the tile kernel compiles its signs in, so a fused pair of copies falls back to
     its single-output stand-ins (the columnwise copy by the rowwise kernel on the transpose)."""
