@@ -39,6 +39,7 @@ from fp4gen.runtime.kernels import kernels_for
 from fp4gen.spec import QuantKernelSpec, QuantOutput
 
 sys.path.insert(0, str(Path(__file__).parent))
+from option_kernels import option_kernels_on  # noqa: F401  (a fixture)
 from test_quantize_kernels_gpu import compare, make_input  # noqa: E402
 
 pytestmark = [
@@ -174,14 +175,9 @@ def k_values(spec: QuantKernelSpec) -> list[int]:
 
 
 @pytest.fixture(autouse=True)
-def option_kernels_on():
+def all_option_kernels_on(option_kernels_on: None) -> None:  # noqa: F811
     """This module tests the option kernels themselves: on for each test (the runtime keeps
     them off until these tests pass, fp4gen.runtime.cute_backend.set_option_kernels)."""
-    from fp4gen.runtime import cute_backend
-
-    previous = cute_backend.set_option_kernels(True)
-    yield
-    cute_backend.set_option_kernels(previous)
 
 
 @pytest.fixture(scope="session")

@@ -93,6 +93,10 @@ from fp4gen.settings import LAYER_GRAPHS_VAR, LAYER_GROUPS_VAR
 from fp4gen.spec import MoRKernelSpec, QuantKernelSpec
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+try:  # a fixture; tests/ is on the path under pytest, the repository root for tests.ptx_identity
+    from option_kernels import option_kernels_on  # noqa: F401
+except ImportError:
+    from tests.option_kernels import option_kernels_on  # noqa: F401
 from recipe_strategies import REFUSALS as RECIPE_REFUSALS  # noqa: E402
 from recipe_strategies import RecipeCase, recipe_cases  # noqa: E402
 from test_conformance import TC_REL, U32, UNIT, environment  # noqa: E402
@@ -742,14 +746,9 @@ def gpu_batch(tmp_path_factory: pytest.TempPathFactory) -> list[Recipe | None]:
 
 
 @pytest.fixture(autouse=True)
-def option_kernels_on():
+def all_option_kernels_on(option_kernels_on: None) -> None:  # noqa: F811
     """The fuzzer checks every kernel, the block-scale options' too, which the runtime keeps
     off until they are verified (fp4gen.runtime.cute_backend.set_option_kernels)."""
-    from fp4gen.runtime import cute_backend
-
-    previous = cute_backend.set_option_kernels(True)
-    yield
-    cute_backend.set_option_kernels(previous)
 
 
 @functools.cache
