@@ -31,6 +31,7 @@ SETS: tuple[tuple[str, str], ...] = (
 # (module, name): a module-level LogOnce
 LOG_ONCES: tuple[tuple[str, str], ...] = (
     ("fp4gen.runtime.cute_backend", "_log_once"),
+    ("fp4gen.runtime.cute_backend", "_log_tile_once"),
     ("fp4gen.runtime.dequant", "_log_once"),
     ("fp4gen.runtime.fsdp", "_log_once"),
     ("fp4gen.runtime.mor_kernels", "_log_once"),

@@ -55,6 +55,8 @@ _loader: KernelLoader[QuantKernelSpec, Any] = KernelLoader(
     Reasons.falling_back("{spec.name} is not supported by the kernel template yet ({err})")
 )
 _log_once = LogOnce(log, "quantize(backend='auto') uses the reference: %s")
+# a tile launch refused: the callers then quantize the copies one by one (the reason says how)
+_log_tile_once = LogOnce(log, "quantize(backend='auto'): no tile launch for these copies: %s")
 _lock = threading.Lock()
 
 # The fused kernels of the block-scale options (docs/numerics.md 11-12: block targets, a global
@@ -330,10 +332,10 @@ def quantize_tile_cute(
     launch = _launch(fmt, tuple((d, r, h) for d, r, h, _ in outputs), x)
     kernels = launch.kernels
     if isinstance(kernels, Unsupported):
-        _log_once(kernels.reason)
+        _log_tile_once(kernels.reason)
         return None
     if launch.refused is not None:
-        _log_once(
+        _log_tile_once(
             f"{launch.spec.name} does not take this input ({launch.refused}); "
             "the copies run one by one"
         )
