@@ -31,3 +31,32 @@ def test_during_a_capture_the_buffer_is_the_graphs_not_the_caches(monkeypatch) -
     first = device_memory.kept(cache, "k", lambda: torch.zeros(2), CPU)
     second = device_memory.kept(cache, "k", lambda: torch.zeros(2), CPU)
     assert cache == {} and first is not second
+
+
+def test_pooled_sees_a_capture_and_torch_compiles_cuda_graph_warm_up(monkeypatch) -> None:
+    """``pooled``: True while the current stream is captured, or while it is the stream of
+    torch.compile's CUDA graph tree manager (its warm-up routes the thread's allocations into
+    the graphs' pool: a copy kept then made reduce-overhead refuse to record); a CPU device
+    never. The tree manager is faked: the CPU build has no CUDA streams."""
+    import sys
+    import types
+
+    class Manager:
+        stream = "the manager's stream"
+
+    trees = types.ModuleType("torch._inductor.cudagraph_trees")
+    trees.get_manager = lambda index, create_if_none_exists=True: Manager()  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, "torch._inductor.cudagraph_trees", trees)
+    monkeypatch.setattr(device_memory, "capturing", lambda: False)
+    current = {"stream": "the user's stream"}
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda index=None: current["stream"])
+    assert not device_memory.pooled(0)
+    current["stream"] = Manager.stream  # inside the warm-up
+    assert device_memory.pooled(0)
+    assert not device_memory.pooled(CPU)
+    monkeypatch.setattr(device_memory, "capturing", lambda: True)
+    current["stream"] = "the user's stream"
+    assert device_memory.pooled(0)
+    monkeypatch.delitem(sys.modules, "torch._inductor.cudagraph_trees")  # never compiled
+    monkeypatch.setattr(device_memory, "capturing", lambda: False)
+    assert not device_memory.pooled(0)

@@ -100,8 +100,8 @@ class GroupedRowwiseAmaxKernel(RowwiseAmaxKernel):
         frags = []
         for v in range_constexpr(p.amax_units):  # issue every load first
             frag = cute.make_rmem_tensor((p.unit,), p.input_type)
-            # clamped to the group's last unit: a duplicate unit does not change a max
-            cute.autovec_copy(gX[cutlass.min(base + v * p.amax_threads, last), None], frag)
+            # clamped to the group's last unit (or RHT chunk): a duplicate does not change a max
+            cute.autovec_copy(gX[self.clamped(base + v * p.amax_threads, last), None], frag)
             frags.append(frag)
         acc = Float32(0.0)
         for v in range_constexpr(p.amax_units):
@@ -191,7 +191,7 @@ class GroupedRowwiseQuantizeKernel(RowwiseQuantizeKernel):
         frags = []
         for v in range_constexpr(p.quant_units):  # clamped to the group's last unit
             frag = cute.make_rmem_tensor((p.unit,), p.input_type)
-            cute.autovec_copy(gX[cutlass.min(base + v * p.quant_threads, last), None], frag)
+            cute.autovec_copy(gX[self.clamped(base + v * p.quant_threads, last), None], frag)
             frags.append(frag)
 
         if const_expr(p.global_scale):

@@ -177,6 +177,18 @@ class RowwiseBase:
             for i in range(self.p.rht_size)
         ]
 
+    def clamped(self, u, last):
+        """Unit ``u``, or past ``last`` a unit of the last RHT chunk at ``u``'s place in it: loads
+        need no predicate, and a unit past the end repeats a real one. With a chunk over
+        rht_lanes lanes the whole chunk must repeat (a duplicate chunk leaves a max as it is; one
+        unit repeated over a chunk's lanes would transform into other, larger values). Lanes of
+        one chunk hold consecutive units from a multiple of rht_lanes (K is a multiple of the
+        RHT size), so u % rht_lanes is u's place in its chunk."""
+        if const_expr(self.p.rht_lanes > 1):
+            lanes = self.p.rht_lanes
+            return cutlass.select_(u > last, last + Int32(1 - lanes) + (u & Int32(lanes - 1)), u)
+        return cutlass.min(u, last)
+
     def rht_across_lanes(self, xs: list) -> list:
         """The forward RHT of a chunk spread over rht_lanes consecutive lanes, this thread
         holding positions sub * unit .. sub * unit + unit - 1 (sub = lane % rht_lanes; unit =
@@ -315,7 +327,7 @@ class RowwiseAmaxKernel(RowwiseBase):
         for v in range_constexpr(p.amax_units):  # issue every load first
             frag = cute.make_rmem_tensor((p.unit,), p.input_type)
             # clamped: a duplicate unit does not change a max
-            cute.autovec_copy(gX[cutlass.min(base + v * p.amax_threads, last), None], frag)
+            cute.autovec_copy(gX[self.clamped(base + v * p.amax_threads, last), None], frag)
             frags.append(frag)
         if const_expr(p.global_rows):
             self.row_amaxes(frags, mAmax, base, last, num_units)
@@ -363,7 +375,7 @@ class RowwiseAmaxKernel(RowwiseBase):
         lane = cute.arch.lane_idx()
         for v in range_constexpr(p.amax_units):
             acc = self.unit_amax(frags[v])
-            row = cutlass.min(base + v * p.amax_threads, last) // units_per_row
+            row = self.clamped(base + v * p.amax_threads, last) // units_per_row
             for off in (1, 2, 4, 8, 16):
                 other = cute.arch.shuffle_sync_down(acc, offset=off)
                 other_row = cute.arch.shuffle_sync_down(row, offset=off)
@@ -703,7 +715,7 @@ class RowwiseQuantizeKernel(RowwiseBase):
         frags = []
         for v in range_constexpr(p.quant_units):
             frag = cute.make_rmem_tensor((p.unit,), p.input_type)
-            cute.autovec_copy(gX[cutlass.min(base + v * p.quant_threads, last), None], frag)
+            cute.autovec_copy(gX[self.clamped(base + v * p.quant_threads, last), None], frag)
             frags.append(frag)
 
         units_per_row = None

@@ -20,6 +20,7 @@ outlives its graph.
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable, Hashable
 from concurrent.futures import ThreadPoolExecutor
 from typing import TypeVar
@@ -36,6 +37,29 @@ _maker: list[ThreadPoolExecutor] = []
 def capturing() -> bool:
     """Whether the current stream is being captured into a CUDA graph."""
     return torch.cuda.is_current_stream_capturing()
+
+
+def pooled(device: torch.device | int) -> bool:
+    """Whether an allocation on ``device`` now would land in a CUDA graph's private pool: a
+    capture of the current stream, or torch.compile's CUDA graph warm-up (mode="reduce-overhead"
+    runs a graph's first call eagerly on its tree manager's stream, every allocation of the
+    thread routed into the graphs' pool; a tensor kept from such a call and not among the
+    graph's outputs makes torch.compile refuse to record). Callers keep nothing across calls
+    while it holds."""
+    if isinstance(device, torch.device) and device.type != "cuda":
+        return False
+    if capturing():
+        return True
+    trees = sys.modules.get("torch._inductor.cudagraph_trees")  # not imported: no warm-up
+    if trees is None:
+        return False
+    index = _index(device)
+    try:
+        manager = trees.get_manager(index, create_if_none_exists=False)
+    except Exception:  # noqa: BLE001 (a torch without these internals: no warm-up to see)
+        return False
+    stream = getattr(manager, "stream", None)
+    return stream is not None and stream == torch.cuda.current_stream(index)
 
 
 def _index(device: torch.device | int) -> int:
@@ -98,4 +122,4 @@ def kept(
     return made
 
 
-__all__ = ["capturing", "kept", "persistent"]
+__all__ = ["capturing", "kept", "persistent", "pooled"]

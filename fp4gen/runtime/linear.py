@@ -98,6 +98,7 @@ from fp4gen.gemm_dispatch import gemm
 from fp4gen.numerics import QuantizedTensor
 from fp4gen.runtime import finite, layer_groups, ops
 from fp4gen.runtime.cute_backend import quantize_tile_cute
+from fp4gen.runtime.device_memory import pooled
 from fp4gen.runtime.layer_amax import AmaxGroupMember, SharedGroup
 from fp4gen.runtime.layer_graph_keys import MAX_LAYOUT_PARTS as MAX_LAYOUT_PARTS
 from fp4gen.runtime.layer_graph_keys import LayerGraphKeys, _Identity, _param_key
@@ -352,7 +353,7 @@ class Linear(
         graphs = None if gathered is not None else self._graphs_for(x2, table, forward=True)
         # layers reading the same x in a row (q, k and v; gate and up) share one copy, eagerly
         # or from layer graphs (the first layer's graph makes it, the others' graphs skip it)
-        sharing = keep and not (x2.is_cuda and torch.cuda.is_current_stream_capturing())
+        sharing = keep and not (x2.is_cuda and pooled(x2.device))
         share_key = self._copy_key(table) if sharing else None
         shared = _last_copy.find(x2, share_key) if sharing else None
         own = keep and shared is None  # this call quantizes x's wgrad copy itself

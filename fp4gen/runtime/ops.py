@@ -44,6 +44,7 @@ from fp4gen.gemm_dispatch import fp8_semantics_setting
 from fp4gen.numerics import QuantizedTensor
 from fp4gen.numerics.quantize import QuantizedLayout
 from fp4gen.runtime import finite
+from fp4gen.runtime.device_memory import pooled
 
 _layers: "weakref.WeakValueDictionary[int, Any]" = weakref.WeakValueDictionary()
 _ids = itertools.count()
@@ -314,7 +315,9 @@ class SharedCopy:
 
 
 def _capturing(x2: torch.Tensor) -> bool:
-    return x2.is_cuda and torch.cuda.is_current_stream_capturing()
+    """Whether a copy kept for the next layer would land in a CUDA graph's pool (a capture, or
+    torch.compile's CUDA graph warm-up: ``device_memory.pooled``)."""
+    return x2.is_cuda and pooled(x2.device)
 
 
 def _backward_input(layer: Any, x2: torch.Tensor) -> "torch.Tensor | WgradInput":

@@ -14,6 +14,7 @@ import torch
 from fp4gen.dsl.model import Operand, OperandTable
 from fp4gen.formats import BlockFormat, is_stochastic
 from fp4gen.runtime import layer_groups, ops
+from fp4gen.runtime.device_memory import pooled
 from fp4gen.runtime.operands import k_multiple
 
 
@@ -127,7 +128,7 @@ class CopySharing:
             and not is_stochastic(spec.rounding)
             and fmt.scale.rounding != "stochastic"
             and not self._reduced(Operand.FPROP_ACTIVATION, spec)
-            and not (x2.is_cuda and torch.cuda.is_current_stream_capturing())
+            and not (x2.is_cuda and pooled(x2.device))  # nothing kept into a graph's pool
         )
 
     def _shared_fprop_input(
