@@ -11,14 +11,11 @@ without a CUDA GPU (marker ``gpu``).
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
+from gpu_kernel_cache import compiled_cache
 
 from fp4gen.codegen.quantize import is_rowwise, render
-from fp4gen.compiler import jit
-from fp4gen.compiler.build import CompileTask, compile_all
 from fp4gen.compiler.cache import KernelCache
 from fp4gen.compiler.spec import QuantKernelSpec, QuantOutput
 from fp4gen.device_offset import DeviceOffset
@@ -103,20 +100,9 @@ def arch() -> str:
 def kernel_cache(tmp_path_factory: pytest.TempPathFactory, arch: str) -> KernelCache:
     """Every kernel of this file, compiled up front by worker processes (kept across sessions in
     $FP4GEN_GPU_TEST_CACHE when that is set)."""
-    root = os.environ.get("FP4GEN_GPU_TEST_CACHE") or tmp_path_factory.mktemp("offset-cache")
-    cache = KernelCache(root)
-    tasks = {}
-    for kind in KINDS:
-        spec = make_spec(kind)
-        source = render(spec)
-        path = str(cache.store_source(source))
-        for name in jit.kernel_names(source):
-            key = jit.kernel_key(cache, source, name, arch)
-            if cache.lookup(key[0]) is None:
-                tasks[(path, name)] = CompileTask(path, name, arch, None, spec.name, key)
-    results = compile_all(list(tasks.values()), cache=cache, jobs=max(2, (os.cpu_count() or 2) - 1))
-    failed = {k: r["status"] for k, r in results.items() if r.get("status") != "ok"}
-    assert not failed, f"compile failures: {list(failed.items())[:3]}"
+    cache = compiled_cache(
+        tmp_path_factory, "offset-cache", [make_spec(kind) for kind in KINDS], render, arch
+    )
     return cache
 
 

@@ -15,17 +15,15 @@ processes, into a kernel cache for the session ($FP4GEN_GPU_TEST_CACHE keeps it)
 from __future__ import annotations
 
 import logging
-import os
 import sys
 from pathlib import Path
 
 import pytest
 import torch
+from gpu_kernel_cache import compiled_cache
 
 import fp4gen
 from fp4gen.codegen.mor import MoRKernelSpec, render
-from fp4gen.compiler import jit
-from fp4gen.compiler.build import CompileTask, compile_all
 from fp4gen.compiler.cache import KernelCache
 from fp4gen.dsl import load_recipe
 from fp4gen.dsl.model import Candidate, Metric, MoRSpec, Partition
@@ -81,19 +79,7 @@ def arch() -> str:
 @pytest.fixture(scope="session")
 def kernel_cache(tmp_path_factory: pytest.TempPathFactory, arch: str) -> KernelCache:
     """Every kernel of this file, compiled by worker processes into one cache."""
-    root = os.environ.get("FP4GEN_GPU_TEST_CACHE") or tmp_path_factory.mktemp("kernel-cache")
-    cache = KernelCache(root)
-    tasks = []
-    for spec in every_spec():
-        source = render(spec)
-        path = str(cache.store_source(source))
-        for name in jit.kernel_names(source):
-            key = jit.kernel_key(cache, source, name, arch)
-            if cache.lookup(key[0]) is None:
-                tasks.append(CompileTask(path, name, arch, None, spec.name, key))
-    results = compile_all(tasks, cache=cache, jobs=max(2, (os.cpu_count() or 2) - 1))
-    failed = {k: r["status"] for k, r in results.items() if r.get("status") != "ok"}
-    assert not failed, f"compile failures: {list(failed.items())[:3]}"
+    cache = compiled_cache(tmp_path_factory, "mor-cache", every_spec(), render, arch)
     return cache
 
 

@@ -14,16 +14,14 @@ first, in parallel worker processes, into a kernel cache for the session.
 
 from __future__ import annotations
 
-import os
 import zlib
 from dataclasses import replace
 
 import pytest
 import torch
+from gpu_kernel_cache import compiled_cache
 
 from fp4gen.codegen.quantize import choose_mapping, render, spec_tile_mapping
-from fp4gen.compiler import jit
-from fp4gen.compiler.build import CompileTask, compile_all
 from fp4gen.compiler.cache import KernelCache
 from fp4gen.compiler.spec import QuantKernelSpec, QuantOutput
 from fp4gen.dsl.model import RHTSpec
@@ -154,19 +152,7 @@ def every_spec() -> list[QuantKernelSpec]:
 def kernel_cache(tmp_path_factory: pytest.TempPathFactory, arch: str) -> KernelCache:
     """A kernel cache holding every kernel of this file, compiled by worker processes (kept
     across sessions in $FP4GEN_GPU_TEST_CACHE when that is set)."""
-    root = os.environ.get("FP4GEN_GPU_TEST_CACHE") or tmp_path_factory.mktemp("kernel-cache")
-    cache = KernelCache(root)
-    tasks = {}
-    for spec in every_spec():
-        source = render(spec)
-        path = str(cache.store_source(source))
-        for name in jit.kernel_names(source):
-            key = jit.kernel_key(cache, source, name, arch)
-            if cache.lookup(key[0]) is None:
-                tasks[(path, name)] = CompileTask(path, name, arch, None, spec.name, key)
-    results = compile_all(list(tasks.values()), cache=cache, jobs=max(2, (os.cpu_count() or 2) - 1))
-    failed = {k: r["status"] for k, r in results.items() if r.get("status") != "ok"}
-    assert not failed, f"compile failures: {list(failed.items())[:3]}"
+    cache = compiled_cache(tmp_path_factory, "quantize-cache", every_spec(), render, arch)
     return cache
 
 

@@ -18,16 +18,15 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import os
 import sys
 import zlib
 from pathlib import Path
 
 import pytest
 import torch
+from gpu_kernel_cache import compiled_cache
 
 from fp4gen.compiler import jit
-from fp4gen.compiler.build import CompileTask, compile_all
 from fp4gen.compiler.cache import KernelCache
 from fp4gen.compiler.plan import kernel_spec
 from fp4gen.dsl.model import RHTSpec
@@ -196,21 +195,9 @@ def tile_bound_spec(dtype: str) -> QuantKernelSpec:
 @pytest.fixture(scope="session")
 def kernel_cache(tmp_path_factory: pytest.TempPathFactory, arch: str) -> KernelCache:
     """Every kernel of this file, compiled by worker processes."""
-    root = os.environ.get("FP4GEN_GPU_TEST_CACHE") or tmp_path_factory.mktemp("kernel-cache")
-    cache = KernelCache(root)
     specs = [make_spec(c, d) for c in CASES for d in DTYPES[c]] + [tile_bound_spec("bf16")]
     specs += [make_spec(c, "fp16") for c in FP16_CASES]
-    tasks = {}
-    for spec in specs:
-        source = jit.render_source(spec)
-        path = str(cache.store_source(source))
-        for name in jit.kernel_names(source):
-            key = jit.kernel_key(cache, source, name, arch)
-            if cache.lookup(key[0]) is None:
-                tasks[(path, name)] = CompileTask(path, name, arch, None, spec.name, key)
-    results = compile_all(list(tasks.values()), cache=cache, jobs=max(2, (os.cpu_count() or 2) - 1))
-    failed = {k: r["status"] for k, r in results.items() if r.get("status") != "ok"}
-    assert not failed, f"compile failures: {list(failed.items())[:3]}"
+    cache = compiled_cache(tmp_path_factory, "options-cache", specs, jit.render_source, arch)
     return cache
 
 
