@@ -51,6 +51,7 @@ import zlib
 
 import pytest
 import torch
+from filelock import FileLock
 
 import fp4gen
 from fp4gen.codegen.gemm import CANDIDATES, TILES, SmallMTile, gemm_spec, pick_tile
@@ -406,13 +407,16 @@ def compiled_kernels() -> None:
     """Compile every kernel of this file in worker processes into the kernel cache that
     fp4gen.gemm loads from (a few seconds instead of a minute of compiles one by one)."""
     cache = KernelCache(default_root())
-    tasks = []
-    for spec in used_specs():
-        source = jit.render_source(spec)
-        path = str(cache.store_source(source))
-        key = jit.kernel_key(cache, source, "gemm", ARCH)
-        if cache.lookup(key[0]) is None:
-            tasks.append(CompileTask(path, "gemm", ARCH, None, spec.name, key))
-    results = compile_all(tasks, cache=cache, jobs=max(2, (os.cpu_count() or 2) - 1))
+    cache.root.mkdir(parents=True, exist_ok=True)
+    # one xdist worker compiles, the others then find the kernels (tests/gpu_kernel_cache.py)
+    with FileLock(str(cache.root) + ".lock"):
+        tasks = []
+        for spec in used_specs():
+            source = jit.render_source(spec)
+            path = str(cache.store_source(source))
+            key = jit.kernel_key(cache, source, "gemm", ARCH)
+            if cache.lookup(key[0]) is None:
+                tasks.append(CompileTask(path, "gemm", ARCH, None, spec.name, key))
+        results = compile_all(tasks, cache=cache, jobs=max(2, (os.cpu_count() or 2) - 1))
     failed = {k: r.get("status") for k, r in results.items() if r.get("status") != "ok"}
     assert not failed, f"compile failures: {list(failed.items())[:3]}"
