@@ -1,6 +1,7 @@
-"""A fixture for tests of the block-scale option kernels' routing: the runtime keeps those
-kernels off until their GPU tests pass (``fp4gen.runtime.cute_backend.set_option_kernels``);
-a test that checks what the runtime does with them on takes ``option_kernels_on``."""
+"""A fixture for tests of the block-scale option kernels' routing: they are on by default
+(``fp4gen.runtime.cute_backend.set_option_kernels``); a test that checks what the runtime does
+with them on takes ``option_kernels_on``, so that a test before it in the worker that turned
+them off does not decide its result."""
 
 from __future__ import annotations
 

@@ -83,7 +83,8 @@ def reference_groups(x: torch.Tensor, fmt, rounding: str, rht) -> list:
 
 @pytest.fixture(autouse=True)
 def grouped_quantize_on(monkeypatch: pytest.MonkeyPatch) -> None:
-    """This module tests the grouped quantize: on for each test (off by default, docs/moe.md)."""
+    """This module tests the grouped quantize: on for each test (the default, docs/moe.md),
+    whatever an earlier test in the worker set."""
     monkeypatch.setattr(grouped, "_grouped_quantize", [True])
 
 

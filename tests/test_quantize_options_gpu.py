@@ -175,8 +175,8 @@ def k_values(spec: QuantKernelSpec) -> list[int]:
 
 @pytest.fixture(autouse=True)
 def all_option_kernels_on(option_kernels_on: None) -> None:  # noqa: F811
-    """This module tests the option kernels themselves: on for each test (the runtime keeps
-    them off until these tests pass, fp4gen.runtime.cute_backend.set_option_kernels)."""
+    """This module tests the option kernels themselves: on for each test (the default; made
+    sure of here: fp4gen.runtime.cute_backend.set_option_kernels)."""
 
 
 @pytest.fixture(scope="session")

@@ -756,8 +756,8 @@ def gpu_batch(tmp_path_factory: pytest.TempPathFactory) -> list[Recipe | None]:
 
 @pytest.fixture(autouse=True)
 def all_option_kernels_on(option_kernels_on: None) -> None:  # noqa: F811
-    """The fuzzer checks every kernel, the block-scale options' too, which the runtime keeps
-    off until they are verified (fp4gen.runtime.cute_backend.set_option_kernels)."""
+    """The fuzzer checks every kernel, the block-scale options' too (on by default; made sure
+    of here: fp4gen.runtime.cute_backend.set_option_kernels)."""
 
 
 @functools.cache

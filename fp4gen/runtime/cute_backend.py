@@ -61,24 +61,24 @@ _lock = threading.Lock()
 
 # The fused kernels of the block-scale options (docs/numerics.md 11-12: block targets, a global
 # bound, stochastic block scales, MS-EDEN, per-row global scales, signs drawn per layer or
-# step) compile and match the reference on the CPU-side checks, but their GPU bit-exact tests
-# have not passed yet (docs/quantize-kernels.md, "Status"): until they do the reference
-# quantizes these operands, logged once; set_option_kernels(True) runs the kernels.
-_option_kernels = [False]
+# step) run by default: their GPU bit-exact tests and the recipe fuzzer's batch pass
+# (docs/quantize-kernels.md, "Status"). set_option_kernels(False) hands these operands to the
+# reference instead, logged once (to compare, or to rule the kernels out).
+_option_kernels = [True]
 
 
 def set_option_kernels(enabled: bool) -> bool:
     """Whether the generated kernels quantize operands whose format has a block-scale option of
-    docs/numerics.md 11-12 (True) or the reference does (False, the default until their GPU
-    tests pass). Process-wide, read when a launch is first planned for a format (and
-    forgotten here, so a change applies to the next call); returns the previous setting."""
+    docs/numerics.md 11-12 (True, the default) or the reference does (False). Process-wide,
+    read when a launch is first planned for a format (and forgotten here, so a change applies
+    to the next call); returns the previous setting."""
     previous, _option_kernels[0] = _option_kernels[0], bool(enabled)
     with _lock:
         _launches.clear()
     return previous
 
 
-def unverified_reason(fmt: BlockFormat, rhts: tuple[RHTSpec | None, ...]) -> str | None:
+def options_off_reason(fmt: BlockFormat, rhts: tuple[RHTSpec | None, ...]) -> str | None:
     """Why the option kernels do not run for ``fmt`` and ``rhts`` (set_option_kernels), or
     None."""
     if _option_kernels[0]:
@@ -88,8 +88,8 @@ def unverified_reason(fmt: BlockFormat, rhts: tuple[RHTSpec | None, ...]) -> str
         return None
     return (
         f"format {fmt.name}: the fused kernels of its block-scale options (docs/numerics.md "
-        "11-12) are not yet verified on a GPU, so the reference quantizes these operands "
-        "(fp4gen.runtime.cute_backend.set_option_kernels(True) runs them)"
+        "11-12) are turned off (fp4gen.runtime.cute_backend.set_option_kernels(False)), so the "
+        "reference quantizes these operands"
     )
 
 
@@ -157,7 +157,7 @@ def _launch(
     # blocks with those options and unnested RHTs: the reference
     tiled = fmt.is_2d or any(d != "rowwise" for d, _, _ in copies) or len(copies) > 1
     only = (
-        unverified_reason(fmt, rhts)
+        options_off_reason(fmt, rhts)
         or rowwise_only_reason(fmt)
         or (tile_reason(fmt) if tiled else None)
         or next(

@@ -390,19 +390,18 @@ def _fprop(
         return _scaled(c, alpha, bias_rows, groups.out_dtype)
 
 
-# set_grouped_quantize. Off by default until the grouped quantize kernels pass their own GPU
-# test (tests/test_moe_grouped_quantize.py::test_cuda_grouped_quantize_is_the_reference_per_group
-# failed on an H200 for every format, groups 2^30 apart, though the experts' bit-exact tests
-# passed): per expert is the path verified bit for bit against the reference on the GPU
-_grouped_quantize = [False]
+# set_grouped_quantize: on by default (the grouped quantize kernels match each group's
+# reference quantization bit for bit on the GPU, tests/test_moe_grouped_quantize.py);
+# False quantizes per expert, the path they are compared with
+_grouped_quantize = [True]
 
 
 def set_grouped_quantize(enabled: bool) -> bool:
     """Whether the grouped path quantizes the experts' operands that the grouped quantize
     kernels serve (1xN rowwise copies: every expert's tokens, the batched weights) in one launch
-    per operand on CUDA (True) or per expert (False, the default until the grouped kernels
-    pass their GPU test, docs/moe.md). Process-wide, read at every call; returns the previous
-    setting. The bits are meant to be the same."""
+    per operand on CUDA (True, the default) or per expert (False, docs/moe.md). Process-wide,
+    read at every call; returns the previous setting. The bits are the same (verified on the
+    GPU by tests/test_moe_grouped_quantize.py)."""
     previous, _grouped_quantize[0] = _grouped_quantize[0], bool(enabled)
     return previous
 
