@@ -21,8 +21,21 @@ call and one weight, with the kernel launch, the CUDA device and the output allo
 for: the full path (dispatch, plan lookups, checks) and a prepared call (docs/gemm-sm90.md,
 "Prepared calls").
 
+Then the FP8 block-scaled GEMM: ``fp4gen.gemm(a, b)`` on fp8_blockwise's fprop pair (e4m3, A
+1x128, B 128x128, fp32 scales) on each route ``backend="auto"`` takes on sm_90a, the
+block-scaled ``scaled_mm`` (cuBLASLt) and the generated FP8 kernel, with one weight (its
+operands kept, the calls after the second prepared) and with a new weight per call (a training
+step quantizes it anew), a new activation per call either way. The GEMM is stood in for (counted,
+not run). Each line gives the microseconds of host path per call on this CPU and the aten ops a
+call issues, counted with a TorchDispatchMode: views, allocations and the ops that would launch
+GPU work. The op count is the figure that carries over to a GPU host, where every launching op
+costs some 5-10 us and every op a trip through torch's dispatcher; the microseconds compare
+before and after a change on one machine (docs/gemm-sm90.md, "Host time of the FP8 GEMM").
+``benchmarks/gemm.py --formats fp8_blockwise`` times the real calls on an H200.
+
     python benchmarks/host_keys.py [--recipe recipes/nvfp4_small.fp4r] [--size 256]
                                    [--calls 20000] [--profile 25]
+                                   [--fp8-only] [--fp8-shape 256x256x512]
 """
 
 from __future__ import annotations
@@ -30,15 +43,17 @@ from __future__ import annotations
 import argparse
 import contextlib
 import cProfile
+import dataclasses
 import pstats
 import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 from unittest import mock
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the checkout, uninstalled
 
@@ -295,13 +310,228 @@ class _Forgetful(dict):
         pass
 
 
+# ----------------------------------------------------------------------------------------------
+# The FP8 block-scaled GEMM (fp8_blockwise): scaled_mm and the generated kernel
+# ----------------------------------------------------------------------------------------------
+FP8_ROUTES = ("scaled_mm", "generated")
+# aten ops that launch nothing on a GPU: views and metadata (host time only) ...
+VIEW_OPS = frozenset(
+    {
+        "aten.alias.default",
+        "aten.as_strided.default",
+        "aten.detach.default",
+        "aten.expand.default",
+        "aten.reshape.default",
+        "aten._reshape_alias.default",
+        "aten.select.int",
+        "aten.slice.Tensor",
+        "aten.t.default",
+        "aten.transpose.int",
+        "aten.unsqueeze.default",
+        "aten.view.default",
+        "aten.view.dtype",
+    }
+)
+# ... and allocations (the caching allocator: host time, no launch)
+ALLOC_OPS = frozenset(
+    {"aten.empty.memory_format", "aten.empty_strided.default", "aten.empty_like.default"}
+)
+
+
+class OpCount(TorchDispatchMode):
+    """The aten ops run while it is active, by name (on a GPU every op that is neither a view
+    nor an allocation is a kernel launch, some 5-10 us of host time each)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops.append(str(func))
+        return func(*args, **(kwargs or {}))
+
+    @property
+    def launching(self) -> list[str]:
+        """The ops that would launch GPU work (neither views nor allocations)."""
+        return [op for op in self.ops if op not in VIEW_OPS and op not in ALLOC_OPS]
+
+
+class _ScaledMm:
+    """``torch.nn.functional.scaled_mm``'s stand-in: counts its calls and returns an output of
+    the shape and dtype the real one makes (one tensor per shape, made on its first call, so
+    that a counted call allocates nothing here: the real call's output is cuBLASLt's own)."""
+
+    def __init__(self) -> None:
+        self.count = 0
+        self.outputs: dict[tuple, torch.Tensor] = {}
+
+    def __call__(self, mat_a, mat_b, scale_a, recipe_a, scale_b, recipe_b, **kwargs: Any):
+        self.count += 1
+        key = (mat_a.shape[0], mat_b.shape[1], kwargs["output_dtype"])
+        out = self.outputs.get(key)
+        if out is None:
+            out = self.outputs[key] = torch.zeros(key[:2], dtype=key[2])
+        return out
+
+
+@contextlib.contextmanager
+def fp8_stand_ins(route: str, scaled_mm: _ScaledMm, launches: _Launches) -> Iterator[None]:
+    """CUDA stood in for under ``fp4gen.gemm``'s FP8 paths while the block runs (everything put
+    back after): the operands report device cuda:0 (sm_90a) but their tensors stay on the CPU,
+    this torch build has the block-scaled scaled_mm, ``scaled_mm`` is ``scaled_mm`` and every
+    generated FP8 kernel ``launches`` (132 SMs); ``route="generated"``: ``backend="auto"``
+    takes the generated kernel for every pair it serves (the measured table filled from M = 1),
+    else scaled_mm."""
+    from fp4gen import gemm_dispatch
+    from fp4gen.compiler import jit
+    from fp4gen.runtime import fp8_gemm
+
+    if route not in FP8_ROUTES:
+        raise ValueError(f"route must be one of {FP8_ROUTES}, got {route!r}")
+    cpu = torch.device("cpu")
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(mock.patch.dict(jit._archs, {0: "sm_90a"}))
+        stack.enter_context(mock.patch.dict(gemm_dispatch._choices))  # the choices made here go
+        stack.enter_context(mock.patch.object(fp8_gemm, "one_cuda_device", lambda a, b, what: cpu))
+        stack.enter_context(mock.patch.object(fp8_gemm, "torch_reason", lambda: None))
+        stack.enter_context(mock.patch.object(fp8_gemm.F, "scaled_mm", scaled_mm, create=True))
+        stack.enter_context(
+            mock.patch.object(fp8_gemm, "cute_kernel", lambda params, cache=None: launches)
+        )
+        stack.enter_context(mock.patch.object(fp8_gemm, "sm_count", lambda dev, cluster=1: 132))
+        table = {}
+        if route == "generated":
+            from fp4gen.codegen.gemm_fp8 import pair_name
+
+            fa, fb = fp8_blockwise_formats()
+            table = {pair_name(fa, fb): 1}
+        stack.enter_context(mock.patch.dict(fp8_gemm.CUTE_AUTO_MIN_M, table, clear=True))
+        yield
+
+
+def fp8_blockwise_formats() -> tuple[Any, Any]:
+    """(A's format, B's format) of fp8_blockwise's fprop GEMM: e4m3 1x128 x e4m3 128x128, fp32
+    block scales."""
+    from fp4gen.dsl.model import Operand
+
+    recipe = fp4gen.load_recipe("fp8_blockwise")
+    return (
+        recipe.operands[Operand.FPROP_ACTIVATION].format,
+        recipe.operands[Operand.FPROP_WEIGHT].format,
+    )
+
+
+class Fp8Measure(NamedTuple):
+    """One FP8 route's host path per ``fp4gen.gemm`` call."""
+
+    us: float  # microseconds of host path per call (this machine's CPU)
+    ops: int  # aten ops a call issues (views and allocations included)
+    launching: int  # of which would launch GPU work (the GEMM itself not counted)
+    gemms: int  # stood-in GEMM launches (scaled_mm or the generated kernel) per call
+    names: tuple[str, ...]  # the ops of one call, in order
+
+
+def fp8_gemm_call(
+    route: str,
+    m: int,
+    n: int,
+    k: int,
+    calls: int,
+    *,
+    fresh_weight: bool = False,
+    profile: int = 0,
+) -> Fp8Measure:
+    """``fp4gen.gemm(a, b, out_dtype=bf16)`` on the fp8_blockwise fprop pair (A [m, k] 1x128,
+    B [n, k] 128x128) on ``route`` ("scaled_mm": the block-scaled ``scaled_mm``, what
+    ``backend="auto"`` takes on sm_90a; "generated": the generated FP8 kernel, as auto takes it
+    where its measured table says so), a new activation A per call (a new QuantizedTensor, as a
+    layer's quantize makes one per call) and one weight B, or a new B per call too with
+    ``fresh_weight`` (a training step quantizes its weight anew). The GEMM is stood in for
+    (counted, not run); the host path per call timed, and one call's aten ops counted.
+    ``profile``: then a cProfile of up to 2000 more calls by self time (its top entries)."""
+    from fp4gen.numerics import quantize
+
+    fa, fb = fp8_blockwise_formats()
+    gen = torch.Generator().manual_seed(0)
+    b = quantize(torch.randn(n, k, generator=gen), fb)
+    acts = [quantize(torch.randn(m, k, generator=gen), fa) for _ in range(4)]
+    cuda0 = torch.device("cuda", 0)
+
+    def fresh(q: Any) -> Any:  # a new QuantizedTensor of the same tensors, on "cuda:0"
+        q = dataclasses.replace(q)
+        q.__dict__["device"] = cuda0  # QuantizedTensor.device is a cached property
+        return q
+
+    b = fresh(b)
+    scaled_mm, launches = _ScaledMm(), _Launches()
+    seconds = 0.0
+    with fp8_stand_ins(route, scaled_mm, launches):
+        for i in range(8):  # the first calls meet B (and prepare)
+            a, weight = fresh(acts[i % 4]), fresh(b) if fresh_weight else b
+            fp4gen.gemm(a, weight, out_dtype=torch.bfloat16)
+        a, weight = fresh(acts[0]), fresh(b) if fresh_weight else b
+        before = scaled_mm.count + launches.count
+        with OpCount() as counted:
+            fp4gen.gemm(a, weight, out_dtype=torch.bfloat16)
+        gemms = scaled_mm.count + launches.count - before
+        for i in range(calls):
+            a, weight = fresh(acts[i % 4]), fresh(b) if fresh_weight else b
+            start = time.perf_counter()
+            fp4gen.gemm(a, weight, out_dtype=torch.bfloat16)
+            seconds += time.perf_counter() - start
+        if profile:
+            prof = cProfile.Profile()
+            for i in range(min(calls, 2000)):
+                a, weight = fresh(acts[i % 4]), fresh(b) if fresh_weight else b
+                prof.enable()
+                fp4gen.gemm(a, weight, out_dtype=torch.bfloat16)
+                prof.disable()
+            pstats.Stats(prof).sort_stats("tottime").print_stats(profile)
+    return Fp8Measure(
+        seconds / calls * 1e6,
+        len(counted.ops),
+        len(counted.launching),
+        gemms,
+        tuple(counted.ops),
+    )
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--recipe", default="recipes/nvfp4_small.fp4r")
     parser.add_argument("--size", type=int, default=256, help="tokens = in = out features")
     parser.add_argument("--calls", type=int, default=20000)
     parser.add_argument("--profile", type=int, default=0, metavar="N")
+    parser.add_argument(
+        "--fp8-only", action="store_true", help="only the FP8 GEMM's routes (fp8_blockwise)"
+    )
+    parser.add_argument(
+        "--fp8-shape",
+        default="256x256x512",
+        metavar="MxNxK",
+        help="the FP8 GEMM's shape (small: the stood-in ops run on this CPU)",
+    )
     args = parser.parse_args(argv)
+    if not args.fp8_only:
+        nvfp4_lines(args)
+    m, n, k = (int(v) for v in args.fp8_shape.lower().split("x"))
+    for route in FP8_ROUTES:
+        for fresh_weight in (False, True):
+            got = fp8_gemm_call(
+                route, m, n, k, args.calls // 4, fresh_weight=fresh_weight, profile=args.profile
+            )
+            weight = "a new weight per call" if fresh_weight else "one weight"
+            print(
+                f"fp4gen.gemm {m}x{n}x{k} fp8_blockwise, {route} ({weight}): {got.us:.2f} us of "
+                f"host path per call; {got.ops} aten ops per call, {got.launching} of them "
+                f"launching GPU work, besides the GEMM ({got.gemms} stood-in launch): "
+                + ", ".join(got.names)
+            )
+    return 0
+
+
+def nvfp4_lines(args: argparse.Namespace) -> None:
+    """The layer-graphed Linear, the q/k/v siblings and the NVFP4 small-M GEMM lines."""
     us, graphs = keying(args.recipe, args.size, args.calls, args.profile)
     print(
         f"{Path(args.recipe).stem}: {us:.2f} us of Python per forward_gemm + backward_gemms "
@@ -323,7 +553,6 @@ def main(argv: list[str] | None = None) -> int:
             f"fp4gen.gemm M=16 N=K=8192 nvfp4: {us:.2f} us of host path per call ({how}; the "
             "launch stood in for, the output a CPU allocation)"
         )
-    return 0
 
 
 if __name__ == "__main__":

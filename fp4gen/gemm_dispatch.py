@@ -273,6 +273,8 @@ def set_fp8_semantics(semantics: str) -> str:
             f"unknown FP8 GEMM semantics {semantics!r}; choose one of {FP8_SEMANTICS}"
         )
     previous, _fp8_semantics = _fp8_semantics, semantics
+    if semantics != previous:  # a prepared FP8 call computes the previous semantics
+        _prepared.clear()
     return previous
 
 
@@ -476,7 +478,12 @@ def _fused(call: _GemmCall) -> GemmProduct:
     a, b = call.a, call.b
     if fused_support(a.format, b.format) is not None and cute_support(a.format, b.format) is None:
         return cute_block_scaled_product(
-            a, b, out_dtype=call.out_dtype, bias=call.bias, accumulate=call.accumulate
+            a,
+            b,
+            out_dtype=call.out_dtype,
+            bias=call.bias,
+            accumulate=call.accumulate,
+            keep=_prepared if call.auto else None,
         )
 
     return _kernel_gemm("cute", fused_product, call, keep=_prepared if call.auto else None)
@@ -491,8 +498,15 @@ def _native(call: _GemmCall) -> GemmProduct:
 def _block_scaled(call: _GemmCall) -> GemmProduct:
     from fp4gen.runtime.fp8_gemm import block_scaled_product
 
-    a, b, out_dtype, bias, accumulate, _, _ = call
-    return block_scaled_product(a, b, out_dtype=out_dtype, bias=bias, accumulate=accumulate)
+    a, b, out_dtype, bias, accumulate, _, auto = call
+    return block_scaled_product(
+        a,
+        b,
+        out_dtype=out_dtype,
+        bias=bias,
+        accumulate=accumulate,
+        keep=_prepared if auto else None,
+    )
 
 
 def significand_bits(fmt: BlockFormat) -> int:

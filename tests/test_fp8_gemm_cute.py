@@ -109,8 +109,8 @@ def test_auto_takes_the_kernel_where_the_table_says(monkeypatch) -> None:
 def test_backend_cute_routes_fp8_pairs_to_the_fp8_kernel(monkeypatch) -> None:
     seen = {}
 
-    def fake_product(a, b, *, out_dtype, bias, accumulate):
-        seen["args"] = (a, b, out_dtype, bias, accumulate)
+    def fake_product(a, b, *, out_dtype, bias, accumulate, keep):
+        seen["args"] = (a, b, out_dtype, bias, accumulate, keep)
         return "fp8 product"
 
     monkeypatch.setattr(fp8_gemm, "cute_block_scaled_product", fake_product)
@@ -122,7 +122,7 @@ def test_backend_cute_routes_fp8_pairs_to_the_fp8_kernel(monkeypatch) -> None:
     a, b = Q(ROW), Q(TILE)
     call = gd._GemmCall(a, b, torch.bfloat16, None, None, None, False)
     assert gd._fused(call) == "fp8 product"
-    assert seen["args"] == (a, b, torch.bfloat16, None, None)
+    assert seen["args"] == (a, b, torch.bfloat16, None, None, None)  # not auto: none kept
 
 
 # ----------------------------------------------------------------------------------------------

@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import threading
 import weakref
+from collections.abc import MutableMapping
 from typing import Any, NamedTuple
 
 import torch
@@ -64,7 +65,13 @@ from fp4gen.formats import BlockFormat
 from fp4gen.numerics import QuantizedTensor
 from fp4gen.numerics.gemm import require_quantized
 from fp4gen.numerics.quantize import tensor_version
-from fp4gen.runtime.checks import check_accumulate, check_bias, check_pair, one_cuda_device
+from fp4gen.runtime.checks import (
+    PreparedA,
+    check_accumulate,
+    check_bias,
+    check_pair,
+    one_cuda_device,
+)
 from fp4gen.runtime.epilogue import GemmProduct, finish
 
 ARCHS = ("sm_90a",)  # cuBLASLt's 1x128 / 128x128 fp32 block scaling: Hopper only
@@ -158,8 +165,9 @@ def outer_major_scales(
     [rows, KB] with strides (1, rows), rows >= R; padded rows get scale 0 (their codes are 0).
     ``times`` (an fp32 0-dim tensor) multiplies them in the same pass (``_folded``)."""
     r, kb = scales.shape
-    out = _buffer((kb, rows), padded=rows != r, device=scales.device)
-    _write(out[:, :r], scales.t(), times)
+    padded = rows != r
+    out = _buffer((kb, rows), padded=padded, device=scales.device)
+    _write(out[:, :r] if padded else out, scales.t(), times)  # a slice is one more aten op
     return out.t()
 
 
@@ -168,8 +176,9 @@ def tile_scales(scales: torch.Tensor, times: torch.Tensor | None = None) -> torc
     with strides (1, L4), L4 = KB rounded up to 4; the padded K-blocks get scale 0."""
     nb, kb = scales.shape
     l4 = round_up(kb, 4)
-    out = _buffer((nb, l4), padded=l4 != kb, device=scales.device)
-    _write(out[:, :kb], scales, times)
+    padded = l4 != kb
+    out = _buffer((nb, l4), padded=padded, device=scales.device)
+    _write(out[:, :kb] if padded else out, scales, times)
     return out.t()
 
 
@@ -193,7 +202,15 @@ def _folded(q: QuantizedTensor) -> torch.Tensor | None:
     it is 1.0 (s_b * 1.0 = s_b exactly) unless the input held a NaN or an Inf, when the
     quantize kernels make it NaN, and the product must then be NaN too (runtime/finite.py).
     None for a format with a global scale: the epilogue applies those."""
-    return None if q.format.global_scale else q.global_scale.to(torch.float32)
+    if q.format.global_scale:
+        return None
+    g = q.global_scale
+    return g if g.dtype == torch.float32 else g.to(torch.float32)
+
+
+def _fp32(t: torch.Tensor) -> torch.Tensor:
+    """``t`` as fp32: itself when it is (``.to`` costs a call into torch per operand)."""
+    return t if t.dtype == torch.float32 else t.to(torch.float32)
 
 
 def fp8_codes(q: QuantizedTensor, rows: int, cols: int) -> torch.Tensor:
@@ -222,7 +239,7 @@ class Operands:
         self.mp, self.np = round_up(self.m, ROW_ALIGN), round_up(self.n, ROW_ALIGN)
         self.kp = round_up(self.k, BLOCK)
         self.mat_a = fp8_codes(a, self.mp, self.kp)
-        self.scale_a = outer_major_scales(a.scales.to(torch.float32), self.mp, _folded(a))
+        self.scale_a = outer_major_scales(_fp32(a.scales), self.mp, _folded(a))
         self.mat_b, self.scale_b = b_operand(b, self.np, self.kp)
         self.recipe_a = _recipe(a.format)
         self.recipe_b = _recipe(b.format)
@@ -233,21 +250,31 @@ def b_operand(b: QuantizedTensor, rows: int, cols: int) -> tuple[torch.Tensor, t
     (global scale folded in), remembered per B until its codes, scales or global scale change
     (their version counters): a weight used by several calls is converted once, the same
     tensors and values every time."""
-    key = (b.code_version(), _version(b.scales), _version(b.global_scale), rows, cols)
+    key = _b_versions(b, b.scales, rows, cols)
     kept = _b_operands.get(b)
     if kept is not None and kept[0] == key:
         return kept[1], kept[2]
     mat_b = fp8_codes(b, rows, cols).t()  # [K, N], column-major
     if b.format.block == (BLOCK, BLOCK):
-        scale_b = tile_scales(b.scales.to(torch.float32), _folded(b))
+        scale_b = tile_scales(_fp32(b.scales), _folded(b))
     else:
-        scale_b = outer_major_scales(b.scales.to(torch.float32), rows, _folded(b))
+        scale_b = outer_major_scales(_fp32(b.scales), rows, _folded(b))
     _b_operands[b] = (key, mat_b, scale_b)
     return mat_b, scale_b
 
 
-def _version(t: torch.Tensor) -> tuple[int, int]:
-    return id(t), tensor_version(t)
+def _b_versions(b: QuantizedTensor, scales: torch.Tensor, *layout: Any) -> tuple:
+    """What B's kept operands are derived from: its codes, ``scales`` (the scale tensor the
+    path reads) and global scale (each tensor and its version), and the ``layout`` values
+    (padded sizes, scale layout) they were made for."""
+    return (
+        *b.code_version(),
+        id(scales),
+        tensor_version(scales),
+        id(b.global_scale),
+        tensor_version(b.global_scale),
+        *layout,
+    )
 
 
 # B (a QuantizedTensor, weakly held) -> (its versions, mat_b, scale_b)
@@ -289,12 +316,17 @@ def block_scaled_product(
     out_dtype: torch.dtype = torch.float32,
     bias: torch.Tensor | None = None,
     accumulate: torch.Tensor | None = None,
+    keep: MutableMapping[Any, Any] | None = None,
 ) -> GemmProduct:
     """S_dec(a) S_dec(b) sum_b s_a s_b P_b on the FP8 tensor cores, as a GemmProduct: the
     global scales applied where they are folded into the block scales (formats without one),
     a bias of the 16-bit output dtype in cuBLASLt's epilogue; everything else (the global
     scales of formats with one, any other bias, accumulate, the rounding of an fp32 product)
     is the shared epilogue's (``fp4gen.runtime.epilogue.finish``).
+
+    ``keep``: where a call without bias or ``accumulate``, on formats without a global scale,
+    leaves a ``PreparedBlockScaled`` for ``b`` once ``b`` is met a second time
+    (``fp4gen.gemm``'s per-call path, ``gemm_dispatch._prepared``).
 
     Raises TensorError for operands that cannot be multiplied (shapes, devices, transforms) and
     FP4GenError where this path does not serve them (formats, arch, torch build): the caller's
@@ -313,6 +345,9 @@ def block_scaled_product(
         raise FP4GenError(f"the block-scaled FP8 GEMM does not serve this pair: {reason}")
     check_bias(bias, b.rows)
     check_accumulate(accumulate, a.rows, b.rows)
+    # prepared for the next calls once B is met a second time (a weight reused as it is; a
+    # weight quantized anew per call is a new B every time, and preparing would only cost)
+    met = keep is not None and b in _b_operands
     ops = Operands(a, b)
     global_scales = a.format.global_scale or b.format.global_scale
     # cuBLASLt's epilogue adds a bias of the output's (16-bit) dtype in fp32 and rounds once:
@@ -348,7 +383,70 @@ def block_scaled_product(
         ) from err
     if (ops.mp, ops.np) != (ops.m, ops.n):
         c = c[: ops.m, : ops.n]  # the shared epilogue makes the result contiguous
+    if met and bias is None and accumulate is None and not global_scales:
+        assert keep is not None
+        keep[b] = PreparedBlockScaled(a, b, out_dtype, ops)
     return GemmProduct(c, scaled=not global_scales, bias=fused_bias)
+
+
+class PreparedBlockScaled:
+    """A block-scaled scaled_mm call with one B, kept by ``block_scaled_product`` for the
+    ``fp4gen.gemm`` calls after it (a weight multiplied by new activations of one shape): B's
+    scaled_mm operands, the recipes and the padded sizes. A call checks that A is what it was
+    prepared for (format object, shape, RHT, device, output dtype; fp32 scales of the shape
+    the format gives) and that B's codes, scales and global scale are unchanged (their
+    versions), then converts A's operands and calls scaled_mm as the full path does; it
+    returns None where anything differs, and the caller takes the full path (which checks,
+    raises and prepares again). Formats without a global scale only (S_dec folded into the
+    block scales: the result is scaled_mm's own, in the output dtype)."""
+
+    __slots__ = ("a", "a_scales", "versions", "mat_b", "scale_b", "recipe_a", "recipe_b",
+                 "m", "n", "mp", "np", "kp")  # fmt: skip
+
+    def __init__(
+        self, a: QuantizedTensor, b: QuantizedTensor, out_dtype: torch.dtype, ops: Operands
+    ) -> None:
+        self.a = PreparedA(a, out_dtype)
+        self.a_scales = (a.rows, -(-a.cols // BLOCK))
+        self.m, self.n, self.mp, self.np, self.kp = ops.m, ops.n, ops.mp, ops.np, ops.kp
+        self.versions = _b_versions(b, b.scales, ops.np, ops.kp)
+        self.mat_b, self.scale_b = ops.mat_b, ops.scale_b
+        self.recipe_a, self.recipe_b = ops.recipe_a, ops.recipe_b
+
+    def __call__(
+        self, a: QuantizedTensor, b: QuantizedTensor, out_dtype: torch.dtype
+    ) -> torch.Tensor | None:
+        """C = A_q @ B_q^T block-scaled in ``out_dtype``, or None where this call is not the one
+        prepared (``b``: the B it was prepared with, as the caller looked it up)."""
+        if not self.a.matches(a, out_dtype):
+            return None
+        if _b_versions(b, b.scales, self.np, self.kp) != self.versions:
+            return None
+        scales = a.scales
+        if scales.dtype != torch.float32 or tuple(scales.shape) != self.a_scales:
+            return None
+        p = a.packed_codes()
+        if (a.codes if p is None else p.data).dtype != torch.uint8:
+            return None  # the full path says why
+        mat_a = fp8_codes(a, self.mp, self.kp)
+        scale_a = outer_major_scales(scales, self.mp, _folded(a))
+        try:
+            c = F.scaled_mm(
+                mat_a,
+                self.mat_b,
+                scale_a,
+                self.recipe_a,
+                self.scale_b,
+                self.recipe_b,
+                bias=None,
+                output_dtype=out_dtype,
+                use_fast_accum=False,
+            )
+        except NotImplementedError:
+            return None  # the full path raises the reason
+        if (self.mp, self.np) != (self.m, self.n):
+            c = c[: self.m, : self.n].contiguous()
+        return c
 
 
 # ----------------------------------------------------------------------------------------------
@@ -455,18 +553,7 @@ def cute_plan(
     a: BlockFormat, b: BlockFormat, out_dtype: torch.dtype, bias: bool, accumulate: bool
 ) -> CutePlan:
     """The plan of a supported pair (``cute_support``), looked up by the formats' identity."""
-    key = (
-        id(a),
-        id(b),
-        out_dtype,
-        bias,
-        accumulate,
-        CUTE_OVERLAP,
-        CUTE_CLUSTER_M,
-        CUTE_MN_MAJOR_SCALES,
-        CUTE_WIDE_STORES,
-        CUTE_TILE_N,
-    )
+    key = (id(a), id(b), out_dtype, bias, accumulate, *cute_settings())
     hit = _cute_plans.get(key)
     if hit is not None and hit[0] is a and hit[1] is b:
         return hit[2]
@@ -492,6 +579,12 @@ def cute_plan(
         _cute_plans.clear()
     _cute_plans[key] = (a, b, plan)  # the references keep the ids valid
     return plan
+
+
+def cute_settings() -> tuple:
+    """The kernel variant calls take now (``CUTE_OVERLAP``, ``CUTE_CLUSTER_M``,
+    ``CUTE_MN_MAJOR_SCALES``, ``CUTE_WIDE_STORES``, ``CUTE_TILE_N``): part of a plan's key."""
+    return (CUTE_OVERLAP, CUTE_CLUSTER_M, CUTE_MN_MAJOR_SCALES, CUTE_WIDE_STORES, CUTE_TILE_N)
 
 
 def cute_scales(q: QuantizedTensor, ue8m0: bool) -> torch.Tensor:
@@ -582,6 +675,7 @@ def cute_block_scaled_product(
     out_dtype: torch.dtype = torch.float32,
     bias: torch.Tensor | None = None,
     accumulate: torch.Tensor | None = None,
+    keep: MutableMapping[Any, Any] | None = None,
 ) -> GemmProduct:
     """S_dec(a) S_dec(b) sum_b s_a s_b P_b (+ bias) (+ accumulate) with the generated FP8
     kernel (``fp4gen.kernels.gemm_sm90_fp8``), as a GemmProduct: the global scales, the bias
@@ -589,10 +683,18 @@ def cute_block_scaled_product(
     the kernel, in the reference's order; a bf16 result straight from the kernel, any other
     output dtype rounded by the shared epilogue from its fp32 result.
 
+    ``keep``: where a call without bias or ``accumulate`` leaves a ``PreparedCuteFp8`` for
+    ``b`` once ``b`` is met a second time (``fp4gen.gemm``'s per-call path).
+
     Raises TensorError for operands that cannot be multiplied and FP4GenError where the kernel
     does not serve them (formats, arch): the caller's cue to take another path."""
+    # prepared for the next calls once B is met a second time (as block_scaled_product does)
+    met = keep is not None and b in _cute_b_operands
     fn, args, product = cute_launch(a, b, out_dtype=out_dtype, bias=bias, accumulate=accumulate)
     fn(*args)
+    if met and bias is None and accumulate is None:
+        assert keep is not None
+        keep[b] = PreparedCuteFp8(a, b, out_dtype, fn, args)
     return product
 
 
@@ -632,15 +734,14 @@ def cute_launch(
     plan = cute_plan(a.format, b.format, out_dtype, bias is not None, accumulate is not None)
     kp = round_up(k, plan.block_k)  # whole K-blocks: zero codes add exactly 0
     mn_major = plan.params.mn_major_scales
+    b_codes, b_scales, b_global = cute_b_operand(b, kp, plan.ue8m0, plan.params.b_mn_major, dev)
     args = [
         code_bytes(a, m, kp),  # read as FP8 by the kernel
         cute_scales_mn_major(a, plan.ue8m0) if mn_major else cute_scales(a, plan.ue8m0),
-        code_bytes(b, n, kp),
-        cute_scales_mn_major(b, plan.ue8m0)
-        if plan.params.b_mn_major
-        else cute_scales(b, plan.ue8m0),
+        b_codes,
+        b_scales,
         _global(a, dev),
-        _global(b, dev),
+        b_global,
     ]
     if accumulate is not None:  # read and overwritten by the kernel: a copy of its own
         c = accumulate.detach().to(
@@ -654,6 +755,101 @@ def cute_launch(
     args.append(sm_count(dev, plan.params.cluster_m))
     product = GemmProduct(c, scaled=True, bias=bias is not None, accumulated=accumulate is not None)
     return cute_kernel(plan.params), args, product
+
+
+def cute_b_operand(
+    b: QuantizedTensor, kp: int, ue8m0: bool, mn_major: bool, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """B's arguments of the generated kernel (codes [N, kp], scales in the layout the variant
+    reads, S_dec as fp32 [1]), remembered per B until its codes, scales or global scale change
+    (their version counters): a weight used by several calls is padded and laid out once."""
+    scales = b.scale_codes if ue8m0 else b.scales
+    key = None if scales is None else _b_versions(b, scales, kp, ue8m0, mn_major, device)
+    kept = _cute_b_operands.get(b)
+    if key is not None and kept is not None and kept[0] == key:
+        return kept[1]
+    made = (
+        code_bytes(b, b.rows, kp),
+        cute_scales_mn_major(b, ue8m0) if mn_major else cute_scales(b, ue8m0),
+        _global(b, device),
+    )
+    _cute_b_operands[b] = (key, made)
+    return made
+
+
+# B (a QuantizedTensor, weakly held) -> (its versions, its kernel arguments)
+_cute_b_operands: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+class PreparedCuteFp8:
+    """A generated FP8 GEMM call with one B, kept by ``cute_block_scaled_product`` for the
+    ``fp4gen.gemm`` calls after it (a weight multiplied by new activations of one shape): the
+    compiled kernel, B's arguments, the padded K, the SM count and a template of the output.
+    A call checks that A is what it was prepared for (format object, shape, RHT, device,
+    output dtype; scales of the dtype and shape the full path takes), that B's codes, scales
+    and global scale are unchanged (their versions) and that the kernel variant
+    (``cute_settings``) is the same, then launches with A's arguments made as the full path
+    makes them; it returns None where anything differs (the caller takes the full path)."""
+
+    __slots__ = ("a", "a_scales", "layout", "versions", "settings", "fn", "m", "kp", "ue8m0",
+                 "mn_major", "dev", "b_args", "sms", "out_like")  # fmt: skip
+
+    def __init__(
+        self, a: QuantizedTensor, b: QuantizedTensor, out_dtype: torch.dtype, fn: Any, args: list
+    ) -> None:
+        plan = cute_plan(a.format, b.format, out_dtype, False, False)
+        self.a = PreparedA(a, out_dtype)
+        self.m, self.ue8m0, self.mn_major = a.rows, plan.ue8m0, plan.params.mn_major_scales
+        self.kp = round_up(a.cols, plan.block_k)
+        self.a_scales = (a.rows, -(-a.cols // plan.block_k))
+        self.settings = cute_settings()
+        self.fn = fn
+        self.dev = args[6].device  # the full path's output device (that of the operands)
+        scales = b.scale_codes if self.ue8m0 else b.scales
+        self.layout = (self.kp, self.ue8m0, plan.params.b_mn_major, self.dev)
+        self.versions = _b_versions(b, scales, *self.layout)
+        self.b_args = (args[2], args[3], args[5])
+        self.sms = args[-1]
+        # the output's shape, dtype and device on one element: empty_like of it allocates a
+        # contiguous [M, N] with less argument parsing than torch.empty
+        self.out_like = torch.empty((1, 1), dtype=plan.kernel_out, device=self.dev).expand(
+            a.rows, b.rows
+        )
+
+    def __call__(
+        self, a: QuantizedTensor, b: QuantizedTensor, out_dtype: torch.dtype
+    ) -> torch.Tensor | None:
+        """C = S_a S_b (A_q @ B_q^T) block-scaled in ``out_dtype``, or None where this call is
+        not the one prepared (``b``: the B it was prepared with, as the caller looked it up)."""
+        if not self.a.matches(a, out_dtype) or cute_settings() != self.settings:
+            return None
+        ue8m0 = self.ue8m0
+        scales = b.scale_codes if ue8m0 else b.scales
+        if scales is None or _b_versions(b, scales, *self.layout) != self.versions:
+            return None
+        s = a.scale_codes if ue8m0 else a.scales
+        if s is None or s.dtype != (torch.uint8 if ue8m0 else torch.float32):
+            return None
+        if tuple(s.shape) != self.a_scales:
+            return None
+        p = a.packed_codes()
+        if (a.codes if p is None else p.data).dtype != torch.uint8:
+            return None  # the full path says why
+        out = torch.empty_like(self.out_like, memory_format=torch.contiguous_format)
+        b_codes, b_scales, b_global = self.b_args
+        self.fn(
+            code_bytes(a, self.m, self.kp),
+            cute_scales_mn_major(a, ue8m0) if self.mn_major else cute_scales(a, ue8m0),
+            b_codes,
+            b_scales,
+            _global(a, self.dev),
+            b_global,
+            out,
+            self.sms,
+        )
+        if out.dtype != out_dtype:
+            return out.to(out_dtype, memory_format=torch.contiguous_format)
+        return out
 
 
 def _global(q: QuantizedTensor, device: torch.device) -> torch.Tensor:
@@ -676,6 +872,8 @@ __all__ = [
     "CUTE_AUTO_MIN_M",
     "ROW_ALIGN",
     "Operands",
+    "PreparedBlockScaled",
+    "PreparedCuteFp8",
     "arch_reason",
     "b_operand",
     "block_scaled_gemm",
@@ -686,6 +884,8 @@ __all__ = [
     "cute_scales",
     "cute_scales_mn_major",
     "cute_support",
+    "cute_b_operand",
+    "cute_settings",
     "code_bytes",
     "describe",
     "fp8_codes",
