@@ -66,3 +66,28 @@ def test_the_remembered_facts_are_the_tables(monkeypatch) -> None:
         resolved.redrawn(per_step=True),
         True,
     )
+
+
+# fp4gen's own calls per converted Linear forward + backward in a compiled step, on the layer
+# graphs' path (emulated: benchmarks/compiled_host_calls.py), down to the entry of the
+# numerics: 176 before the per-call cuts (the 2-D stride check of the op results, one look at
+# the table and at the non-finite mode per pass, the shared copies reset only when held),
+# 158 after, where the eager route (no layer groups) makes 156. A count, not a time: exact on
+# any host for one torch version; the bound leaves 2 calls of room for torch's own changes.
+COMPILED_BODY_CALLS_PER_LINEAR = 160
+
+
+def test_a_compiled_step_makes_at_most_the_counted_calls_per_linear() -> None:
+    pytest.importorskip("transformers")
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
+    import compiled_host_calls
+
+    got = compiled_host_calls.count_step("nvfp4_small", compiled=True, blocks=2, graphs=True)
+    assert got.linears == 7  # the first block's; the last block is BF16 (nvfp4_small)
+    per_linear = got.per_linear(got.body_calls)
+    assert 100 < per_linear <= COMPILED_BODY_CALLS_PER_LINEAR
+    # torch operations in the bodies on that path: the result tensors, nothing else
+    assert got.per_linear(got.body_ops) <= 4

@@ -442,20 +442,27 @@ class Linear(
         return (y if bias is None else y + bias.to(torch.float32)).to(out_dtype), xq_t
 
     def backward_gemms(
-        self, dy2: torch.Tensor, x2: torch.Tensor | ops.WgradInput, weight: torch.Tensor
+        self,
+        dy2: torch.Tensor,
+        x2: torch.Tensor | ops.WgradInput,
+        weight: torch.Tensor,
+        *,
+        table: OperandTable | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """dgrad and wgrad: (dx [tokens, in] in x's dtype, dW [out, in] in the weight's dtype),
         computed in fp32 and rounded once. ``weight`` is the tensor the forward op was given;
         ``x2`` the forward's input, or its wgrad copy the forward kept (``forward_gemm``).
 
-        The operand table is the one in force now; the schedule only moves between optimizer
-        steps, so it is the table the forward pass used.
+        The operand table is the one in force now (``table``: ``operands`` as the caller just
+        looked it up, else looked up here); the schedule only moves between optimizer steps, so
+        it is the table the forward pass used.
 
         Padding (module docstring): dy and x get zero tokens up to the wgrad GEMM's multiple,
         dy and W^T zero columns up to the dgrad RHT size; dx and dW are cropped back. With sizes
         that need none, no copy is made and every bit is as without this step."""
         self.forget_shared_copy()
-        table = self.operands
+        if table is None:
+            table = self.operands
         if self._pass_mors(table, forward=False)[1]:
             backward_specs = (
                 table.dgrad_gradient,

@@ -207,11 +207,15 @@ def row_major(t: torch.Tensor) -> torch.Tensor:
     """``t`` with the row-major strides the fake kernels declare. A GEMM result sliced from a
     padded one can be contiguous with another stride on a size-1 dimension ([1, 8] with stride
     (16, 1)): that stride is re-stated (a view, no copy), as the compiler compares strides."""
-    strides, step = [], 1
-    for size in reversed(t.shape):
-        strides.append(step)
-        step *= max(size, 1)
-    want = tuple(reversed(strides))
+    if t.dim() == 2:  # the ops' results: checked without building the strides (per call)
+        rows, cols = t.shape
+        want: tuple[int, ...] = (cols if cols > 1 else 1, 1)
+    else:
+        strides, step = [], 1
+        for size in reversed(t.shape):
+            strides.append(step)
+            step *= max(size, 1)
+        want = tuple(reversed(strides))
     if t.stride() == want:
         return t
     return t.as_strided(t.shape, want) if t.is_contiguous() else t.contiguous()
@@ -245,11 +249,13 @@ def _linear_forward(
     """y = Q(x) @ Q(W)^T (+ bias), computed in fp32 and rounded once to ``out_dtype``, for x2
     [tokens, in] and weight [out, in]."""
     layer = _layer(layer_id)
-    _backward_copy.forget()  # a forward: the backward that could share a copy is over
+    if _backward_copy.source is not None:  # a forward: the backward that could share it is over
+        _backward_copy.forget()
     with finite.layer_scope():  # non-finite inputs: propagated as NaN, or raised at the end
-        label = layer.name or "fp4gen.nn.Linear"
-        finite.check_given(x2, "{}: the input (as [tokens, in]) of shape {}", label, x2.shape)
-        finite.check_given(weight, "{}: the weight of shape {}", label, weight.shape)
+        if finite.checks_given():  # asked once for both (the propagating default: no check)
+            label = layer.name or "fp4gen.nn.Linear"
+            finite.check_given(x2, "{}: the input (as [tokens, in]) of shape {}", label, x2.shape)
+            finite.check_given(weight, "{}: the weight of shape {}", label, weight.shape)
         # layers reading the same x in a row share its fprop operand, as the eager route's
         # layer groups do (``Linear.forward_gemm``)
         y = layer.forward_gemm(x2, weight, bias, out_dtype, fprop_copies=_forward_copy)[0]
@@ -272,10 +278,13 @@ def _linear_backward(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(dx [tokens, in] in x2's dtype, dW [out, in] in the weight's) from dy2 [tokens, out]."""
     layer = _layer(layer_id)
-    _forward_copy.forget()  # a backward: the forward that could share an fprop operand is over
+    if _forward_copy.source is not None:  # a backward: the forward that could share it is over
+        _forward_copy.forget()
     with finite.layer_scope():
         check_output_grad(layer.name, dy2)
-        dx, dw = layer.backward_gemms(dy2, _backward_input(layer, x2), weight)
+        table = layer.operands  # looked up once for the wgrad copy and the GEMMs
+        x = _backward_input(layer, x2, table)
+        dx, dw = layer.backward_gemms(dy2, x, weight, table=table)
         return row_major(dx), row_major(dw)
 
 
@@ -320,7 +329,7 @@ def _capturing(x2: torch.Tensor) -> bool:
     return x2.is_cuda and pooled(x2.device)
 
 
-def _backward_input(layer: Any, x2: torch.Tensor) -> "torch.Tensor | WgradInput":
+def _backward_input(layer: Any, x2: torch.Tensor, table: Any) -> "torch.Tensor | WgradInput":
     """x's wgrad copy for the compiled backward, shared by the layers that read one x.
 
     The custom op saves x, not its wgrad copy, so each layer's backward quantized x for wgrad
@@ -330,8 +339,8 @@ def _backward_input(layer: Any, x2: torch.Tensor) -> "torch.Tensor | WgradInput"
     and the next ones that read the same x with the same copy key (``Linear._copy_key``) take
     it (``_backward_copy``). Only where the layer would keep the copy eagerly
     (``keeps_wgrad_input``: round to nearest, so the bits do not depend on which layer makes
-    it) and not while a CUDA graph captures. A forward drops it."""
-    table = layer.operands
+    it) and not while a CUDA graph captures. A forward drops it. ``table``: the layer's
+    operand table now (``Linear.operands``)."""
     if not layer.keeps_wgrad_input(table) or _capturing(x2):
         return x2
     key = layer._copy_key(table)
