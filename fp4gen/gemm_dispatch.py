@@ -143,7 +143,8 @@ def gemm(
         raise FP4GenError(f"unknown GEMM backend {backend!r}; choose one of {BACKENDS}")
     if out is not None:
         check_out(out, a.rows, b.rows, out_dtype, a.device)
-    return _into(_gemm(_GemmCall(a, b, out_dtype, bias, accumulate, out), backend), out)
+    call = _GemmCall(a, b, out_dtype, bias, accumulate, out, backend == "auto")
+    return _into(_gemm(call, backend), out)
 
 
 def _check_arguments(
@@ -210,7 +211,8 @@ def _product(call: _GemmCall, backend: str) -> tuple[str, GemmProduct]:
     """(the backend that ran, its product) for ``backend`` ("auto" resolved here)."""
     a, b = call.a, call.b
     if backend == "auto":
-        call = call._replace(auto=True)  # the fused and dequant paths then prepare the next
+        if not call.auto:  # the fused, FP8 and dequant paths then prepare the next
+            call = call._replace(auto=True)
         choice = auto_backend(a, b)
         backend = choice.backend
         if choice.fallback:

@@ -1,11 +1,13 @@
 """benchmarks/host_keys.py on the CPU: every timed call is an in-place layer-graph replay (the
-path it claims to time), and the stand-ins are put back afterwards."""
+path it claims to time), the FP8 GEMM's routes issue no more aten ops per call than measured,
+and the stand-ins are put back afterwards."""
 
 from __future__ import annotations
 
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 
 from fp4gen.runtime import layer_graphs, linear
@@ -84,3 +86,56 @@ def test_the_siblings_measure_runs_the_group_or_each_layer_and_puts_everything_b
     assert group is None and us > 0.0
     assert (layer_graphs._fresh, layer_graphs._addresses, linear.Linear._graphable) == before
     assert os.environ.get("FP4GEN_LAYER_GROUPS") == setting
+
+
+# aten ops per fp4gen.gemm call of the FP8 routes (fp8_blockwise, 256x256x512), at most: (all,
+# launching GPU work), besides the GEMM. Measured before the prepared calls: scaled_mm 7 / 1 with
+# one weight, 14 / 2 with a new weight per call; the generated kernel 3 / 0 either way
+# (docs/gemm-sm90.md, "Host time of the FP8 GEMM"). A change that adds an op fails here.
+FP8_OPS = {
+    ("scaled_mm", False): (6, 1),  # A: codes as FP8, its scales M-major with S_dec (one pass)
+    ("scaled_mm", True): (12, 2),  # and B's codes and tile scales with S_dec (one pass)
+    ("generated", False): (2, 0),  # the output (empty_like) and S_a's [1] view
+    ("generated", True): (3, 0),  # the output, S_a's and S_b's [1] views
+}
+
+
+@pytest.mark.parametrize("route, fresh_weight", list(FP8_OPS))
+def test_the_fp8_routes_issue_at_most_their_ops_per_call(route, fresh_weight) -> None:
+    """``fp8_gemm_call``: every call reaches the stood-in GEMM once, on the route asked, and
+    issues no more aten ops (and no more launching ones) than ``FP8_OPS`` says; the stand-ins
+    go back afterwards. A count, not a time: no timed assertion."""
+    from fp4gen import gemm_dispatch
+    from fp4gen.compiler import jit
+    from fp4gen.runtime import fp8_gemm
+
+    before = (
+        dict(jit._archs),
+        dict(fp8_gemm.CUTE_AUTO_MIN_M),
+        fp8_gemm.cute_kernel,
+        fp8_gemm.F.__dict__.get("scaled_mm"),
+        dict(gemm_dispatch._choices),
+    )
+    got = host_keys.fp8_gemm_call(route, 256, 256, 512, calls=20, fresh_weight=fresh_weight)
+    ops, launching = FP8_OPS[(route, fresh_weight)]
+    assert got.gemms == 1 and got.us > 0.0
+    assert got.ops <= ops and got.launching <= launching, got.names
+    assert len(got.names) == got.ops
+    after = (
+        dict(jit._archs),
+        dict(fp8_gemm.CUTE_AUTO_MIN_M),
+        fp8_gemm.cute_kernel,
+        fp8_gemm.F.__dict__.get("scaled_mm"),
+        dict(gemm_dispatch._choices),
+    )
+    assert after == before
+
+
+def test_the_op_count_sorts_views_allocations_and_launches() -> None:
+    x = torch.ones(4, 4)
+    with host_keys.OpCount() as counted:
+        y = torch.empty(4, 4)
+        torch.mul(x.t(), 2.0, out=y)
+        x.view(torch.int32)
+    assert counted.ops[0] == "aten.empty.memory_format" and "aten.t.default" in counted.ops
+    assert counted.launching == ["aten.mul.out"]

@@ -761,23 +761,38 @@ def cute_b_operand(
     b: QuantizedTensor, kp: int, ue8m0: bool, mn_major: bool, device: torch.device
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """B's arguments of the generated kernel (codes [N, kp], scales in the layout the variant
-    reads, S_dec as fp32 [1]), remembered per B until its codes, scales or global scale change
-    (their version counters): a weight used by several calls is padded and laid out once."""
+    reads, S_dec as fp32 [1]), remembered per B from its second call until its codes, scales
+    or global scale change (their version counters): a weight used by several calls is padded
+    and laid out once. A B met for the first time is only noted (a weight quantized anew per
+    call is a new B every time: its versions would be computed for nothing)."""
+    kept = _cute_b_operands.get(b, _UNMET)
+    if kept is _UNMET:
+        _cute_b_operands[b] = None
+        return _cute_b_arguments(b, kp, ue8m0, mn_major, device)
     scales = b.scale_codes if ue8m0 else b.scales
     key = None if scales is None else _b_versions(b, scales, kp, ue8m0, mn_major, device)
-    kept = _cute_b_operands.get(b)
     if key is not None and kept is not None and kept[0] == key:
         return kept[1]
-    made = (
+    made = _cute_b_arguments(b, kp, ue8m0, mn_major, device)
+    _cute_b_operands[b] = None if key is None else (key, made)
+    return made
+
+
+def _cute_b_arguments(
+    b: QuantizedTensor, kp: int, ue8m0: bool, mn_major: bool, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return (
         code_bytes(b, b.rows, kp),
         cute_scales_mn_major(b, ue8m0) if mn_major else cute_scales(b, ue8m0),
         _global(b, device),
     )
-    _cute_b_operands[b] = (key, made)
-    return made
 
 
-# B (a QuantizedTensor, weakly held) -> (its versions, its kernel arguments)
+_UNMET = object()
+
+
+# B (a QuantizedTensor, weakly held) -> (its versions, its kernel arguments), or None for a B
+# met once
 _cute_b_operands: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 

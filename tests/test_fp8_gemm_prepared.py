@@ -1,0 +1,218 @@
+"""Prepared FP8 GEMM calls (fp4gen.runtime.fp8_gemm.PreparedBlockScaled, PreparedCuteFp8), on the
+CPU with CUDA stood in for (benchmarks/host_keys.fp8_stand_ins): ``fp4gen.gemm(a, b)`` with a
+weight met a second time leaves a prepared call, which hands scaled_mm or the generated kernel
+the same arguments as the full path (values, dtypes, strides) and gives the same result bit for
+bit, and steps aside for anything it was not prepared for."""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+import fp4gen
+from fp4gen import gemm_dispatch
+from fp4gen.numerics import quantize
+from fp4gen.runtime import fp8_gemm
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
+
+import host_keys  # noqa: E402
+
+CUDA0 = torch.device("cuda", 0)
+FA, FB = host_keys.fp8_blockwise_formats()
+
+
+def on_cuda0(q: Any) -> Any:
+    """A new QuantizedTensor of ``q``'s tensors that says it is on cuda:0 (the stand-ins keep
+    its tensors on the CPU)."""
+    q = dataclasses.replace(q)
+    q.__dict__["device"] = CUDA0  # QuantizedTensor.device is a cached property
+    return q
+
+
+class ComputingScaledMm:
+    """scaled_mm's stand-in that computes what cuBLASLt computes (the block-scaled product of
+    the operands it is given, summed in float64: the same value for the same arguments) and
+    records each call's arguments."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple] = []
+
+    def __call__(self, mat_a, mat_b, scale_a, recipe_a, scale_b, recipe_b, **kwargs: Any):
+        self.calls.append((mat_a, mat_b, scale_a, recipe_a, scale_b, recipe_b, kwargs))
+        qa, qb = mat_a.double(), mat_b.t().double()  # [Mp, Kp], [Np, Kp]
+        kb = qa.shape[1] // 128
+        sa = scale_a.double().repeat_interleave(128, 1)[:, : qa.shape[1]]
+        if scale_b.shape[1] == qb.shape[0]:  # 1x128: [Np, KB] (strides (1, Np))
+            sb = scale_b.double().repeat_interleave(128, 1)
+        else:  # 128x128: [L4, NB] (strides (1, L4)), element [kb, j]
+            sb = scale_b.t()[:, :kb].double().repeat_interleave(128, 0)
+            sb = sb.repeat_interleave(128, 1)[: qb.shape[0]]
+        return ((qa * sa) @ (qb * sb[:, : qb.shape[1]]).t()).to(kwargs["output_dtype"])
+
+
+class RecordingKernel:
+    """The generated kernel's stand-in: records its arguments and writes a value made of them
+    into C (so that a result can be compared), as the kernel writes C."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple] = []
+
+    def __call__(self, *args: Any) -> None:
+        self.calls.append(args)
+        a_codes, a_scales, b_codes, b_scales, sa, sb, c = args[:7]
+        # proportional to B's scales (a change of them shows in a bf16 C), A's data in it too
+        a_part = 1 + (a_codes.double().sum() % 61) / 64 + (b_codes.double().sum() % 29) / 32
+        c.fill_(float(b_scales.double().sum() * sa * sb * (a_part + a_scales.double().sum())))
+
+
+def same_tensor(got: Any, want: Any) -> bool:
+    """Equal values, dtype, shape and strides (a tensor), or equal (anything else)."""
+    if not isinstance(want, torch.Tensor):
+        return got == want
+    if not isinstance(got, torch.Tensor):
+        return False
+    if (got.dtype, got.shape, got.stride()) != (want.dtype, want.shape, want.stride()):
+        return False
+    if got.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
+        got, want = got.view(torch.uint8), want.view(torch.uint8)
+    return torch.equal(got, want)
+
+
+def operands(m: int, n: int, k: int, seed: int = 0) -> tuple[Any, list[Any]]:
+    gen = torch.Generator().manual_seed(seed)
+    b = on_cuda0(quantize(torch.randn(n, k, generator=gen), FB))
+    acts = [on_cuda0(quantize(torch.randn(m, k, generator=gen), FA)) for _ in range(3)]
+    return b, acts
+
+
+@pytest.mark.parametrize("shape", [(128, 256, 512), (40, 72, 200)])  # aligned, padded M, N, K
+def test_a_prepared_scaled_mm_call_is_the_full_path_bit_for_bit(shape) -> None:
+    m, n, k = shape
+    b, (a0, a1, a2) = operands(m, n, k)
+    scaled_mm = ComputingScaledMm()
+    with host_keys.fp8_stand_ins("scaled_mm", scaled_mm, host_keys._Launches()):
+        fp4gen.gemm(a0, b, out_dtype=torch.bfloat16)  # B met: noted
+        assert b not in gemm_dispatch._prepared
+        fp4gen.gemm(a1, b, out_dtype=torch.bfloat16)  # B met again: prepared
+        assert isinstance(gemm_dispatch._prepared.get(b), fp8_gemm.PreparedBlockScaled)
+        prepared = fp4gen.gemm(a2, b, out_dtype=torch.bfloat16)
+        del gemm_dispatch._prepared[b]
+        full = fp4gen.gemm(a2, b, out_dtype=torch.bfloat16)  # the full path, prepares again
+        gemm_dispatch._prepared.pop(b, None)
+    assert prepared.dtype == torch.bfloat16 and prepared.is_contiguous()
+    assert tuple(prepared.shape) == (m, n)
+    assert torch.equal(prepared.view(torch.int16), full.view(torch.int16))  # bit for bit
+    by_prepared, by_full = scaled_mm.calls[2], scaled_mm.calls[3]
+    for got, want in zip(by_prepared[:6], by_full[:6], strict=True):
+        assert same_tensor(got, want)
+    assert by_prepared[6] == by_full[6]  # bias None, the output dtype, no fast accumulation
+    assert by_prepared[1] is by_full[1] and by_prepared[4] is by_full[4]  # B's kept operands
+
+
+@pytest.mark.parametrize("shape", [(128, 256, 512), (40, 72, 200)])
+def test_a_prepared_generated_kernel_call_is_the_full_path(shape) -> None:
+    """The same arguments in the same order (C a new contiguous [M, N] of the kernel's output
+    dtype), the same result, for bf16 (the kernel's own) and fp32 outputs."""
+    m, n, k = shape
+    b, (a0, a1, a2) = operands(m, n, k, seed=1)
+    kernel = RecordingKernel()
+    for out_dtype in (torch.bfloat16, torch.float16):  # fp16: the kernel writes fp32
+        kernel.calls.clear()
+        with host_keys.fp8_stand_ins("generated", host_keys._ScaledMm(), kernel):
+            fp4gen.gemm(a0, b, out_dtype=out_dtype)
+            fp4gen.gemm(a1, b, out_dtype=out_dtype)
+            assert isinstance(gemm_dispatch._prepared.get(b), fp8_gemm.PreparedCuteFp8)
+            prepared = fp4gen.gemm(a2, b, out_dtype=out_dtype)
+            del gemm_dispatch._prepared[b]
+            full = fp4gen.gemm(a2, b, out_dtype=out_dtype)
+            gemm_dispatch._prepared.pop(b, None)
+        by_prepared, by_full = kernel.calls[2], kernel.calls[3]
+        assert len(by_prepared) == len(by_full) == 8
+        for i, (got, want) in enumerate(zip(by_prepared, by_full, strict=True)):
+            if i == 6:  # C: a new tensor of the same kind
+                assert got is not want and got.is_contiguous()
+                assert (got.dtype, got.shape) == (want.dtype, want.shape)
+            else:
+                assert same_tensor(got, want)
+        assert by_prepared[2] is by_full[2] and by_prepared[3] is by_full[3]  # B's kept
+        assert prepared.dtype == full.dtype == out_dtype and prepared.is_contiguous()
+        assert torch.equal(prepared, full)
+
+
+@pytest.mark.parametrize("route", host_keys.FP8_ROUTES)
+def test_a_prepared_call_steps_aside_for_anything_it_was_not_prepared_for(route) -> None:
+    """Another output dtype, shape or format of A, B changed in place (scales, codes, global
+    scale), another kernel variant, or another FP8 semantics: the full path runs (and the
+    result follows B's change)."""
+    b, (a0, a1, a2) = operands(128, 256, 512, seed=2)
+    kind = fp8_gemm.PreparedBlockScaled if route == "scaled_mm" else fp8_gemm.PreparedCuteFp8
+    served: list[bool] = []
+    real = kind.__call__
+
+    def counting(self, a, b, out_dtype):
+        c = real(self, a, b, out_dtype)
+        served.append(c is not None)
+        return c
+
+    scaled_mm, kernel = ComputingScaledMm(), RecordingKernel()
+    with host_keys.fp8_stand_ins(route, scaled_mm, kernel):
+        kind.__call__ = counting  # type: ignore[method-assign]
+        try:
+            fp4gen.gemm(a0, b, out_dtype=torch.bfloat16)
+            fp4gen.gemm(a1, b, out_dtype=torch.bfloat16)
+            first = fp4gen.gemm(a2, b, out_dtype=torch.bfloat16)
+            assert served == [True]
+            fp4gen.gemm(a2, b, out_dtype=torch.float32)  # another output dtype
+            assert served[-1] is False
+            fp4gen.gemm(a2, b, out_dtype=torch.bfloat16)  # prepared again for bf16 above
+            assert served[-1] is False
+            assert served.count(True) == 1
+            other = on_cuda0(quantize(torch.randn(64, 512), FA))  # another M
+            fp4gen.gemm(other, b, out_dtype=torch.bfloat16)
+            assert served[-1] is False
+            fp4gen.gemm(a2, b, out_dtype=torch.bfloat16)  # prepared for M = 64 now
+            fp4gen.gemm(a2, b, out_dtype=torch.bfloat16)  # prepared again for M = 128
+            assert served[-1] is True
+            b.scales.mul_(2.0)  # B's scales changed in place: the full path, which sees it
+            changed = fp4gen.gemm(a2, b, out_dtype=torch.bfloat16)
+            assert served[-1] is False and not torch.equal(changed, first)
+            again = fp4gen.gemm(a2, b, out_dtype=torch.bfloat16)
+            assert served[-1] is True and torch.equal(again, changed)
+            b.codes[0, 0] ^= 1
+            fp4gen.gemm(a2, b, out_dtype=torch.bfloat16)
+            assert served[-1] is False
+            b.global_scale.fill_(1.0)  # the same value, a new version
+            fp4gen.gemm(a2, b, out_dtype=torch.bfloat16)
+            assert served[-1] is False
+            count = len(served)
+            with gemm_dispatch.fp8_semantics("exact"):  # clears every prepared call
+                assert b not in gemm_dispatch._prepared
+            fp4gen.gemm(a2, b, out_dtype=torch.bfloat16)
+            assert len(served) == count  # nothing prepared to ask
+            if route == "generated":
+                fp4gen.gemm(a2, b, out_dtype=torch.bfloat16)  # prepared again
+                with host_keys.mock.patch.object(fp8_gemm, "CUTE_OVERLAP", True):
+                    assert fp8_gemm.cute_settings() != gemm_dispatch._prepared[b].settings
+                    assert gemm_dispatch._prepared[b](a2, b, torch.bfloat16) is None
+        finally:
+            kind.__call__ = real  # type: ignore[method-assign]
+            gemm_dispatch._prepared.pop(b, None)
+
+
+def test_a_weight_met_once_is_only_noted() -> None:
+    """The generated route keeps B's arguments from B's second call: a weight quantized anew
+    per call costs one note, no versions, no kept tensors."""
+    b, (a0, a1, _) = operands(128, 256, 512, seed=3)
+    with host_keys.fp8_stand_ins("generated", host_keys._ScaledMm(), RecordingKernel()):
+        fp4gen.gemm(a0, b, out_dtype=torch.bfloat16)
+        assert fp8_gemm._cute_b_operands[b] is None
+        fp4gen.gemm(a1, b, out_dtype=torch.bfloat16)
+        key, kept = fp8_gemm._cute_b_operands[b]
+        assert kept[0] is b.codes and kept[1] is b.scales  # aligned: the tensors as they are
+        gemm_dispatch._prepared.pop(b, None)
