@@ -142,6 +142,7 @@ class Counts:
     body_calls: int
     body_ops: int
     linears: int
+    in_place_replays: int = 0  # layer passes served by an in-place graph replay (``graphs``)
 
     def per_linear(self, value: int) -> float:
         return value / self.linears if self.linears else 0.0
@@ -231,16 +232,22 @@ def count_step(
     with emulated_graphs() if graphs else contextlib.nullcontext():
         for _ in range(warm):
             step()
+        layers = [m for m in model.modules() if isinstance(m, fp4gen.nn.Linear)]
+        replays = _in_place_replays(layers)
         calls = HostCounter()
         with calls.counting():  # the calls, with no dispatch mode's calls among them
             step()
+        replays = _in_place_replays(layers) - replays
         op_counter = OpCounter()
-        layers = [m for m in model.modules() if isinstance(m, fp4gen.nn.Linear)]
         before = [m._forward_calls for m in layers]
         with HostCounter(op_counter).counting():
             step()
     ran = sum(m._forward_calls > n for m, n in zip(layers, before, strict=True))
-    return Counts(calls.step_calls, calls.body_calls, op_counter.body_ops, ran)
+    return Counts(calls.step_calls, calls.body_calls, op_counter.body_ops, ran, replays)
+
+
+def _in_place_replays(layers: list[Any]) -> int:
+    return sum(m._graphs.in_place_replays for m in layers if m._graphs is not None)
 
 
 def main(argv: list[str] | None = None) -> int:
