@@ -95,3 +95,25 @@ def test_a_compiled_step_makes_at_most_the_counted_calls_per_linear() -> None:
     assert 100 < per_linear <= COMPILED_BODY_CALLS_PER_LINEAR
     # torch operations in the bodies on that path: the result tensors, nothing else
     assert got.per_linear(got.body_ops) <= 4
+
+
+@pytest.mark.parametrize(
+    ("shape", "strides"),
+    [((1, 8), (16, 1)), ((5, 1), (1, 1)), ((5, 1), (4, 1)), ((0, 4), (4, 1)), ((3, 0), (1, 1)),
+     ((4, 6), (6, 1)), ((4, 6), (1, 4)), ((2, 3, 4), (12, 4, 1)), ((2, 1, 4), (4, 8, 1))],
+)  # fmt: skip
+def test_row_major_checks_2d_results_as_the_general_rule_does(shape, strides) -> None:
+    """``ops.row_major`` checks a 2-D result against (columns, 1) without building the strides
+    in a loop: the strides it gives are the general rule's (each dimension's stride the product
+    of the sizes after it, a size 0 counted as 1), for size-1, empty and transposed layouts."""
+    from fp4gen.runtime.ops import row_major
+
+    storage = torch.arange(64, dtype=torch.float32)
+    t = storage.as_strided(shape, strides)
+    want, step = [], 1
+    for size in reversed(shape):
+        want.append(step)
+        step *= max(size, 1)
+    got = row_major(t)
+    assert got.stride() == tuple(reversed(want))
+    assert got.shape == t.shape and torch.equal(got, t)
