@@ -216,3 +216,20 @@ def test_a_weight_met_once_is_only_noted() -> None:
         key, kept = fp8_gemm._cute_b_operands[b]
         assert kept[0] is b.codes and kept[1] is b.scales  # aligned: the tensors as they are
         gemm_dispatch._prepared.pop(b, None)
+
+
+def test_fp8_codes_take_the_dtype_of_their_element_format() -> None:
+    """The FP8 dtype is looked up by the element format's identity: equal formats that are
+    distinct objects, and e4m3 / e5m2 alternating, each get their own dtype."""
+    from fp4gen.formats import BUILTIN_FORMATS
+
+    e4m3 = quantize(torch.randn(16, 128), FA)
+    e5m2 = quantize(torch.randn(16, 128), BUILTIN_FORMATS["mxfp8_e5m2"])
+    twin = dataclasses.replace(FA, element=dataclasses.replace(FA.element))
+    assert twin.element is not FA.element and twin.element == FA.element
+    copy = quantize(torch.randn(16, 128), twin)
+    for _ in range(2):
+        for q, dtype in ((e4m3, torch.float8_e4m3fn), (e5m2, torch.float8_e5m2)):
+            got = fp8_gemm.fp8_codes(q, 16, 128)
+            assert got.dtype == dtype and torch.equal(got.view(torch.uint8), q.codes)
+        assert fp8_gemm.fp8_codes(copy, 16, 128).dtype == torch.float8_e4m3fn

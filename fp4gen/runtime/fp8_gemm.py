@@ -218,7 +218,17 @@ def _fp32(t: torch.Tensor) -> torch.Tensor:
 
 def fp8_codes(q: QuantizedTensor, rows: int, cols: int) -> torch.Tensor:
     """The codes of ``q`` as a row-major FP8 tensor [rows, cols] (zero codes appended)."""
-    return code_bytes(q, rows, cols).view(_TORCH_DTYPES[q.element])
+    element = q.element
+    hit = _fp8_dtypes.get(id(element))  # by identity: hashing an element format costs a call
+    if hit is None or hit[0] is not element:
+        if len(_fp8_dtypes) >= 256:
+            _fp8_dtypes.clear()
+        hit = _fp8_dtypes[id(element)] = (element, _TORCH_DTYPES[element])
+    return code_bytes(q, rows, cols).view(hit[1])
+
+
+# id(element format) -> (the format, its torch FP8 dtype); the entry keeps the id valid
+_fp8_dtypes: dict[int, tuple[Any, torch.dtype]] = {}
 
 
 def code_bytes(q: QuantizedTensor, rows: int, cols: int) -> torch.Tensor:
