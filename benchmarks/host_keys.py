@@ -314,6 +314,22 @@ class _Forgetful(dict):
 # The FP8 block-scaled GEMM (fp8_blockwise): scaled_mm and the generated kernel
 # ----------------------------------------------------------------------------------------------
 FP8_ROUTES = ("scaled_mm", "generated")
+FP8_FOUND = """\
+The FP8 GEMM's host path, found with this measure (fp8_blockwise fprop pair, 256x256x512, a new
+activation per call; microseconds on a workstation core, aten ops per call, of which launching
+GPU work, besides the GEMM; details in docs/gemm-sm90.md, "Host time of the FP8 GEMM"):
+
+  route, weight                       before              after
+  scaled_mm, one weight               21.2 us, 7 ops, 1   9.4 us, 4 ops, 1   (prepared calls)
+  scaled_mm, a new weight per call    31.0 us, 14 ops, 2  23.2 us, 10 ops, 2
+  generated kernel, one weight        15.5 us, 3 ops, 0   7.3 us, 2 ops, 0   (prepared calls)
+  generated kernel, new weight        17.8 us, 3 ops, 0   17.3 us, 3 ops, 0
+
+On a GPU host each launching op costs some 5-10 us and every op a trip through torch's
+dispatcher: the op counts carry over, the microseconds do not. What is left with a new weight per
+call: scaled_mm's two scale-layout passes (A's scales M-major, B's tile scales with S_dec folded
+in), until the quantize kernels write those layouts, and torch's own scaled_mm host time.
+"""
 # aten ops that launch nothing on a GPU: views and metadata (host time only) ...
 VIEW_OPS = frozenset(
     {
@@ -497,7 +513,9 @@ def fp8_gemm_call(
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(
+        description=__doc__, epilog=FP8_FOUND, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--recipe", default="recipes/nvfp4_small.fp4r")
     parser.add_argument("--size", type=int, default=256, help="tokens = in = out features")
     parser.add_argument("--calls", type=int, default=20000)

@@ -4,6 +4,7 @@ and the stand-ins are put back afterwards."""
 
 from __future__ import annotations
 
+import re
 import sys
 from pathlib import Path
 
@@ -139,3 +140,26 @@ def test_the_op_count_sorts_views_allocations_and_launches() -> None:
         x.view(torch.int32)
     assert counted.ops[0] == "aten.empty.memory_format" and "aten.t.default" in counted.ops
     assert counted.launching == ["aten.mul.out"]
+
+
+def test_help_and_the_fp8_lines_say_the_fp8_figures(capsys) -> None:
+    """``--help`` ends with the FP8 GEMM's figures, whose op counts are ``FP8_OPS``;
+    ``--fp8-only`` prints one line per route and weight with its op counts."""
+    with pytest.raises(SystemExit):
+        host_keys.main(["--help"])
+    text = capsys.readouterr().out
+    assert "Host time of the FP8 GEMM" in text and "--fp8-only" in text
+    rows = {
+        ("scaled_mm", False): "scaled_mm, one weight",
+        ("scaled_mm", True): "scaled_mm, a new weight per call",
+        ("generated", False): "generated kernel, one weight",
+        ("generated", True): "generated kernel, new weight",
+    }
+    for key, label in rows.items():
+        row = next(line for line in text.splitlines() if line.strip().startswith(label))
+        before, after = re.findall(r"(\d+) ops, (\d+)", row)  # the columns of the row
+        assert tuple(int(v) for v in after) == FP8_OPS[key]
+    assert host_keys.main(["--fp8-only", "--calls", "40", "--fp8-shape", "128x256x256"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert len(lines) == 4 and all("128x256x256 fp8_blockwise" in line for line in lines)
+    assert "scaled_mm (one weight)" in lines[0] and "generated (a new weight" in lines[3]
