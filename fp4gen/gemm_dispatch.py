@@ -78,10 +78,15 @@ log = logging.getLogger(__name__)
 _logged: set[str] = set()
 _fused_ids: dict[tuple[int, int], tuple[object, object, str | None]] = {}
 # B -> the call auto made with it last, prepared (cute_gemm.PreparedGemm at small M,
-# dequant.PreparedDequantGemm above the fused range; FP8 pairs: fp8_gemm.PreparedBlockScaled
-# for scaled_mm, PreparedCuteFp8 for the generated kernel): the next auto call like it (same A
+# dequant.PreparedDequantGemm above the fused range): the next auto call like it (same A
 # format and shape, B unchanged) launches with no dispatch, checks or plan lookups
 _prepared: weakref.WeakKeyDictionary[QuantizedTensor, Any] = weakref.WeakKeyDictionary()
+# FP8 pairs: (A's and B's format ids, M, N, K, output dtype, device) -> the call auto made last
+# for such operands, prepared (fp8_gemm.PreparedBlockScaled for scaled_mm, PreparedCuteFp8 for
+# the generated kernel): the next auto call like it, with any B of that format and shape (a
+# weight quantized anew per call included), launches with no dispatch; the entry checks the
+# format objects themselves, so a reused id is no match
+_prepared_fp8: dict[tuple, Any] = {}
 
 
 class GemmChoice(NamedTuple):
@@ -135,6 +140,8 @@ def gemm(
         and isinstance(b, QuantizedTensor)
     ):
         prepared = _prepared.get(b)  # a call like the last one with this B (a weight)
+        if prepared is None and _prepared_fp8 and isinstance(a, QuantizedTensor):
+            prepared = _prepared_fp8.get(_fp8_key(a, b, out_dtype))  # FP8: any B like it
         if prepared is not None:
             c = prepared(a, b, out_dtype)  # checks that A and out_dtype are what it was made for
             if c is not None:
@@ -146,6 +153,19 @@ def gemm(
         check_out(out, a.rows, b.rows, out_dtype, a.device)
     call = _GemmCall(a, b, out_dtype, bias, accumulate, out, backend == "auto")
     return _into(_gemm(call, backend), out)
+
+
+def _fp8_key(a: QuantizedTensor, b: QuantizedTensor, out_dtype: torch.dtype) -> tuple:
+    return (id(a.format), id(b.format), a.rows, b.rows, a.cols, out_dtype, a.device)
+
+
+def _keep_fp8(
+    a: QuantizedTensor, b: QuantizedTensor, out_dtype: torch.dtype, prepared: Any
+) -> None:
+    """Keep ``prepared`` for the auto calls like this FP8 one (``_prepared_fp8``)."""
+    if len(_prepared_fp8) >= 256:  # shapes that keep changing: cleared, not grown without end
+        _prepared_fp8.clear()
+    _prepared_fp8[_fp8_key(a, b, out_dtype)] = prepared
 
 
 def _check_arguments(
@@ -277,7 +297,7 @@ def set_fp8_semantics(semantics: str) -> str:
         )
     previous, _fp8_semantics = _fp8_semantics, semantics
     if semantics != previous:  # a prepared FP8 call computes the previous semantics
-        _prepared.clear()
+        _prepared_fp8.clear()
     return previous
 
 
@@ -486,7 +506,7 @@ def _fused(call: _GemmCall) -> GemmProduct:
             out_dtype=call.out_dtype,
             bias=call.bias,
             accumulate=call.accumulate,
-            keep=_prepared if call.auto else None,
+            keep=_keep_fp8 if call.auto else None,
         )
 
     return _kernel_gemm("cute", fused_product, call, keep=_prepared if call.auto else None)
@@ -508,7 +528,7 @@ def _block_scaled(call: _GemmCall) -> GemmProduct:
         out_dtype=out_dtype,
         bias=bias,
         accumulate=accumulate,
-        keep=_prepared if auto else None,
+        keep=_keep_fp8 if auto else None,
     )
 
 

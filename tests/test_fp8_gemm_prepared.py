@@ -91,20 +91,29 @@ def operands(m: int, n: int, k: int, seed: int = 0) -> tuple[Any, list[Any]]:
     return b, acts
 
 
+def prepared_for(a: Any, b: Any, out_dtype: torch.dtype) -> Any:
+    """The prepared FP8 call ``fp4gen.gemm(a, b)`` would ask first, or None."""
+    return gemm_dispatch._prepared_fp8.get(gemm_dispatch._fp8_key(a, b, out_dtype))
+
+
+@pytest.mark.parametrize("fresh_weight", [False, True])
 @pytest.mark.parametrize("shape", [(128, 256, 512), (40, 72, 200)])  # aligned, padded M, N, K
-def test_a_prepared_scaled_mm_call_is_the_full_path_bit_for_bit(shape) -> None:
+def test_a_prepared_scaled_mm_call_is_the_full_path_bit_for_bit(shape, fresh_weight) -> None:
+    """One weight, or a new weight per call (new tensors: a training step's quantize)."""
     m, n, k = shape
     b, (a0, a1, a2) = operands(m, n, k)
+    b2 = on_cuda0(quantize(torch.randn(n, k, generator=torch.Generator().manual_seed(9)), FB))
     scaled_mm = ComputingScaledMm()
+    gemm_dispatch._prepared_fp8.clear()
     with host_keys.fp8_stand_ins("scaled_mm", scaled_mm, host_keys._Launches()):
-        fp4gen.gemm(a0, b, out_dtype=torch.bfloat16)  # B met: noted
-        assert b not in gemm_dispatch._prepared
-        fp4gen.gemm(a1, b, out_dtype=torch.bfloat16)  # B met again: prepared
-        assert isinstance(gemm_dispatch._prepared.get(b), fp8_gemm.PreparedBlockScaled)
-        prepared = fp4gen.gemm(a2, b, out_dtype=torch.bfloat16)
-        del gemm_dispatch._prepared[b]
-        full = fp4gen.gemm(a2, b, out_dtype=torch.bfloat16)  # the full path, prepares again
-        gemm_dispatch._prepared.pop(b, None)
+        fp4gen.gemm(a0, b, out_dtype=torch.bfloat16)  # the full path: prepares
+        assert isinstance(prepared_for(a0, b, torch.bfloat16), fp8_gemm.PreparedBlockScaled)
+        fp4gen.gemm(a1, b, out_dtype=torch.bfloat16)  # prepared (B kept from here on)
+        weight = b2 if fresh_weight else b
+        prepared = fp4gen.gemm(a2, weight, out_dtype=torch.bfloat16)
+        gemm_dispatch._prepared_fp8.clear()
+        full = fp4gen.gemm(a2, weight, out_dtype=torch.bfloat16)  # the full path again
+        gemm_dispatch._prepared_fp8.clear()
     assert prepared.dtype == torch.bfloat16 and prepared.is_contiguous()
     assert tuple(prepared.shape) == (m, n)
     assert torch.equal(prepared.view(torch.int16), full.view(torch.int16))  # bit for bit
@@ -112,26 +121,32 @@ def test_a_prepared_scaled_mm_call_is_the_full_path_bit_for_bit(shape) -> None:
     for got, want in zip(by_prepared[:6], by_full[:6], strict=True):
         assert same_tensor(got, want)
     assert by_prepared[6] == by_full[6]  # bias None, the output dtype, no fast accumulation
-    assert by_prepared[1] is by_full[1] and by_prepared[4] is by_full[4]  # B's kept operands
+    if not fresh_weight:  # B's operands kept per weight version
+        assert by_prepared[1] is by_full[1] and by_prepared[4] is by_full[4]
 
 
+@pytest.mark.parametrize("fresh_weight", [False, True])
 @pytest.mark.parametrize("shape", [(128, 256, 512), (40, 72, 200)])
-def test_a_prepared_generated_kernel_call_is_the_full_path(shape) -> None:
+def test_a_prepared_generated_kernel_call_is_the_full_path(shape, fresh_weight) -> None:
     """The same arguments in the same order (C a new contiguous [M, N] of the kernel's output
-    dtype), the same result, for bf16 (the kernel's own) and fp32 outputs."""
+    dtype), the same result, for bf16 (the kernel's own) and fp16 outputs (fp32 from the
+    kernel, rounded after)."""
     m, n, k = shape
     b, (a0, a1, a2) = operands(m, n, k, seed=1)
+    b2 = on_cuda0(quantize(torch.randn(n, k, generator=torch.Generator().manual_seed(8)), FB))
     kernel = RecordingKernel()
-    for out_dtype in (torch.bfloat16, torch.float16):  # fp16: the kernel writes fp32
+    for out_dtype in (torch.bfloat16, torch.float16):
         kernel.calls.clear()
+        gemm_dispatch._prepared_fp8.clear()
         with host_keys.fp8_stand_ins("generated", host_keys._ScaledMm(), kernel):
             fp4gen.gemm(a0, b, out_dtype=out_dtype)
+            assert isinstance(prepared_for(a0, b, out_dtype), fp8_gemm.PreparedCuteFp8)
             fp4gen.gemm(a1, b, out_dtype=out_dtype)
-            assert isinstance(gemm_dispatch._prepared.get(b), fp8_gemm.PreparedCuteFp8)
-            prepared = fp4gen.gemm(a2, b, out_dtype=out_dtype)
-            del gemm_dispatch._prepared[b]
-            full = fp4gen.gemm(a2, b, out_dtype=out_dtype)
-            gemm_dispatch._prepared.pop(b, None)
+            weight = b2 if fresh_weight else b
+            prepared = fp4gen.gemm(a2, weight, out_dtype=out_dtype)
+            gemm_dispatch._prepared_fp8.clear()
+            full = fp4gen.gemm(a2, weight, out_dtype=out_dtype)
+            gemm_dispatch._prepared_fp8.clear()
         by_prepared, by_full = kernel.calls[2], kernel.calls[3]
         assert len(by_prepared) == len(by_full) == 8
         for i, (got, want) in enumerate(zip(by_prepared, by_full, strict=True)):
@@ -140,16 +155,17 @@ def test_a_prepared_generated_kernel_call_is_the_full_path(shape) -> None:
                 assert (got.dtype, got.shape) == (want.dtype, want.shape)
             else:
                 assert same_tensor(got, want)
-        assert by_prepared[2] is by_full[2] and by_prepared[3] is by_full[3]  # B's kept
+        if not fresh_weight:
+            assert by_prepared[2] is by_full[2] and by_prepared[3] is by_full[3]  # B's kept
         assert prepared.dtype == full.dtype == out_dtype and prepared.is_contiguous()
         assert torch.equal(prepared, full)
 
 
 @pytest.mark.parametrize("route", host_keys.FP8_ROUTES)
 def test_a_prepared_call_steps_aside_for_anything_it_was_not_prepared_for(route) -> None:
-    """Another output dtype, shape or format of A, B changed in place (scales, codes, global
-    scale), another kernel variant, or another FP8 semantics: the full path runs (and the
-    result follows B's change)."""
+    """Another output dtype, shape or format of A or B, another RHT, B's scales of another
+    dtype, another kernel variant, or another FP8 semantics: the full path runs. B changed in
+    place (scales, codes, global scale) is served with B's new values."""
     b, (a0, a1, a2) = operands(128, 256, 512, seed=2)
     kind = fp8_gemm.PreparedBlockScaled if route == "scaled_mm" else fp8_gemm.PreparedCuteFp8
     served: list[bool] = []
@@ -160,49 +176,61 @@ def test_a_prepared_call_steps_aside_for_anything_it_was_not_prepared_for(route)
         served.append(c is not None)
         return c
 
+    def gemm(a: Any, b: Any, out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+        return fp4gen.gemm(a, b, out_dtype=out_dtype)
+
     scaled_mm, kernel = ComputingScaledMm(), RecordingKernel()
+    gemm_dispatch._prepared_fp8.clear()
     with host_keys.fp8_stand_ins(route, scaled_mm, kernel):
         kind.__call__ = counting  # type: ignore[method-assign]
         try:
-            fp4gen.gemm(a0, b, out_dtype=torch.bfloat16)
-            fp4gen.gemm(a1, b, out_dtype=torch.bfloat16)
-            first = fp4gen.gemm(a2, b, out_dtype=torch.bfloat16)
+            gemm(a0, b)
+            first = gemm(a1, b)
             assert served == [True]
-            fp4gen.gemm(a2, b, out_dtype=torch.float32)  # another output dtype
-            assert served[-1] is False
-            fp4gen.gemm(a2, b, out_dtype=torch.bfloat16)  # prepared again for bf16 above
-            assert served[-1] is False
-            assert served.count(True) == 1
-            other = on_cuda0(quantize(torch.randn(64, 512), FA))  # another M
-            fp4gen.gemm(other, b, out_dtype=torch.bfloat16)
-            assert served[-1] is False
-            fp4gen.gemm(a2, b, out_dtype=torch.bfloat16)  # prepared for M = 64 now
-            fp4gen.gemm(a2, b, out_dtype=torch.bfloat16)  # prepared again for M = 128
+            gemm(a2, b, torch.float32)  # another output dtype: another key, none prepared
+            assert served == [True]
+            gemm(a2, b, torch.float32)
             assert served[-1] is True
-            b.scales.mul_(2.0)  # B's scales changed in place: the full path, which sees it
-            changed = fp4gen.gemm(a2, b, out_dtype=torch.bfloat16)
-            assert served[-1] is False and not torch.equal(changed, first)
-            again = fp4gen.gemm(a2, b, out_dtype=torch.bfloat16)
-            assert served[-1] is True and torch.equal(again, changed)
-            b.codes[0, 0] ^= 1
-            fp4gen.gemm(a2, b, out_dtype=torch.bfloat16)
-            assert served[-1] is False
-            b.global_scale.fill_(1.0)  # the same value, a new version
-            fp4gen.gemm(a2, b, out_dtype=torch.bfloat16)
-            assert served[-1] is False
+            b_tile = prepared_for(a2, b, torch.bfloat16).b
+            other = on_cuda0(quantize(torch.randn(64, 512), FA))  # another M: another key
+            gemm(other, b)
+            assert len(served) == 2
+            # B of another format object with the same values and shape: the entry's own
+            # check (the key holds ids only)
+            twin = on_cuda0(dataclasses.replace(b, format=dataclasses.replace(FB)))
+            assert twin.format is not FB and b_tile.matches(a1, twin, twin.scales) is False
+            # B with another RHT than A: refused by the check, the full path raises
+            from fp4gen.dsl.model import RHTSpec
+
+            rotated = on_cuda0(dataclasses.replace(b, rht=RHTSpec(16)))
+            assert b_tile.matches(a1, rotated, rotated.scales) is False
+            with pytest.raises(fp4gen.errors.TensorError, match="Hadamard"):
+                gemm(a1, rotated)
+            # B's scales in fp16: refused by the check
+            assert b_tile.matches(a1, b, b.scales.half()) is False
+            # A's scales in float64: the entry steps aside, the full path converts them
             count = len(served)
-            with gemm_dispatch.fp8_semantics("exact"):  # clears every prepared call
-                assert b not in gemm_dispatch._prepared
-            fp4gen.gemm(a2, b, out_dtype=torch.bfloat16)
-            assert len(served) == count  # nothing prepared to ask
+            wide = on_cuda0(dataclasses.replace(a2, scales=a2.scales.double()))
+            assert torch.equal(gemm(wide, b), gemm(a2, b))
+            assert served[count:] == [False, True]
+            # B changed in place: still served, with B's new values (kept per version)
+            count = len(served)
+            b.scales.mul_(2.0)
+            changed = gemm(a1, b)
+            assert served[count:] == [True] and not torch.equal(changed, first)
+            gemm_dispatch._prepared_fp8.clear()
+            assert torch.equal(gemm(a1, b), changed)  # the full path: the same
+            with gemm_dispatch.fp8_semantics("exact"):  # clears every prepared FP8 call
+                assert not gemm_dispatch._prepared_fp8
             if route == "generated":
-                fp4gen.gemm(a2, b, out_dtype=torch.bfloat16)  # prepared again
+                gemm(a1, b)  # prepared again
                 with host_keys.mock.patch.object(fp8_gemm, "CUTE_OVERLAP", True):
-                    assert fp8_gemm.cute_settings() != gemm_dispatch._prepared[b].settings
-                    assert gemm_dispatch._prepared[b](a2, b, torch.bfloat16) is None
+                    entry = prepared_for(a1, b, torch.bfloat16)
+                    assert fp8_gemm.cute_settings() != entry.settings
+                    assert entry(a2, b, torch.bfloat16) is None
         finally:
             kind.__call__ = real  # type: ignore[method-assign]
-            gemm_dispatch._prepared.pop(b, None)
+            gemm_dispatch._prepared_fp8.clear()
 
 
 def test_a_weight_met_once_is_only_noted() -> None:
@@ -215,7 +243,7 @@ def test_a_weight_met_once_is_only_noted() -> None:
         fp4gen.gemm(a1, b, out_dtype=torch.bfloat16)
         key, kept = fp8_gemm._cute_b_operands[b]
         assert kept[0] is b.codes and kept[1] is b.scales  # aligned: the tensors as they are
-        gemm_dispatch._prepared.pop(b, None)
+    gemm_dispatch._prepared_fp8.clear()
 
 
 def test_fp8_codes_take_the_dtype_of_their_element_format() -> None:

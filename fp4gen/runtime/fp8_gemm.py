@@ -37,7 +37,7 @@ from __future__ import annotations
 
 import threading
 import weakref
-from collections.abc import MutableMapping
+from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import torch
@@ -329,7 +329,7 @@ def block_scaled_product(
     out_dtype: torch.dtype = torch.float32,
     bias: torch.Tensor | None = None,
     accumulate: torch.Tensor | None = None,
-    keep: MutableMapping[Any, Any] | None = None,
+    keep: Callable[..., None] | None = None,
 ) -> GemmProduct:
     """S_dec(a) S_dec(b) sum_b s_a s_b P_b on the FP8 tensor cores, as a GemmProduct: the
     global scales applied where they are folded into the block scales (formats without one),
@@ -337,9 +337,9 @@ def block_scaled_product(
     scales of formats with one, any other bias, accumulate, the rounding of an fp32 product)
     is the shared epilogue's (``fp4gen.runtime.epilogue.finish``).
 
-    ``keep``: where a call without bias or ``accumulate``, on formats without a global scale,
-    leaves a ``PreparedBlockScaled`` for ``b`` once ``b`` is met a second time
-    (``fp4gen.gemm``'s per-call path, ``gemm_dispatch._prepared``).
+    ``keep``: called as ``keep(a, b, out_dtype, prepared)`` with a ``PreparedBlockScaled`` for
+    the calls like this one by a call without bias or ``accumulate`` on formats without a
+    global scale (``fp4gen.gemm``'s per-call path, ``gemm_dispatch._prepared_fp8``).
 
     Raises TensorError for operands that cannot be multiplied (shapes, devices, transforms) and
     FP4GenError where this path does not serve them (formats, arch, torch build): the caller's
@@ -358,9 +358,6 @@ def block_scaled_product(
         raise FP4GenError(f"the block-scaled FP8 GEMM does not serve this pair: {reason}")
     check_bias(bias, b.rows)
     check_accumulate(accumulate, a.rows, b.rows)
-    # prepared for the next calls once B is met a second time (a weight reused as it is; a
-    # weight quantized anew per call is a new B every time, and preparing would only cost)
-    met = keep is not None and b in _b_operands
     ops = Operands(a, b)
     global_scales = a.format.global_scale or b.format.global_scale
     # cuBLASLt's epilogue adds a bias of the output's (16-bit) dtype in fp32 and rounds once:
@@ -396,60 +393,80 @@ def block_scaled_product(
         ) from err
     if (ops.mp, ops.np) != (ops.m, ops.n):
         c = c[: ops.m, : ops.n]  # the shared epilogue makes the result contiguous
-    if met and bias is None and accumulate is None and not global_scales:
-        assert keep is not None
-        keep[b] = PreparedBlockScaled(a, b, out_dtype, ops)
+    if keep is not None and bias is None and accumulate is None and not global_scales:
+        keep(a, b, out_dtype, PreparedBlockScaled(a, b, out_dtype, ops))
     return GemmProduct(c, scaled=not global_scales, bias=fused_bias)
 
 
+class PreparedB:
+    """What B must be for a prepared FP8 call to be the call it was prepared for: a
+    QuantizedTensor of the same format object, shape and device as then, with A's RHT, uint8
+    codes and ``scales`` (the scale tensor its path reads) of the dtype and shape they had.
+    With ``PreparedA`` that is everything the full path checked of the pair; B's values may be
+    any (a weight quantized anew per call)."""
+
+    __slots__ = ("format", "rows", "cols", "device", "scales")
+
+    def __init__(self, b: QuantizedTensor, scales: torch.Tensor) -> None:
+        self.format, self.rows, self.cols, self.device = b.format, b.rows, b.cols, b.device
+        self.scales = (scales.dtype, scales.shape)
+
+    def matches(self, a: QuantizedTensor, b: QuantizedTensor, scales: Any) -> bool:
+        if b.format is not self.format or b.rows != self.rows or b.cols != self.cols:
+            return False
+        if b.device != self.device or not (b.rht is a.rht or b.rht == a.rht):
+            return False
+        if scales is None or (scales.dtype, scales.shape) != self.scales:
+            return False
+        return _code_dtype(b) == torch.uint8
+
+
+def _code_dtype(q: QuantizedTensor) -> torch.dtype:
+    p = q.packed_codes()
+    return (q.codes if p is None else p.data).dtype
+
+
 class PreparedBlockScaled:
-    """A block-scaled scaled_mm call with one B, kept by ``block_scaled_product`` for the
-    ``fp4gen.gemm`` calls after it (a weight multiplied by new activations of one shape): B's
-    scaled_mm operands, the recipes and the padded sizes. A call checks that A is what it was
-    prepared for (format object, shape, RHT, device, output dtype; fp32 scales of the shape
-    the format gives) and that B's codes, scales and global scale are unchanged (their
-    versions), then converts A's operands and calls scaled_mm as the full path does; it
+    """A block-scaled scaled_mm call, kept by ``block_scaled_product`` for the ``fp4gen.gemm``
+    calls like it (A and B of the same format objects and shapes, the same output dtype and
+    device): the recipes and the padded sizes. A call checks that A and B are what it was
+    prepared for (``PreparedA``, ``PreparedB``: format objects, shapes, RHT, device, output
+    dtype, the scales' dtype and shape, uint8 codes), then converts the operands as the full
+    path does (B's from ``b_operand``, kept per weight version) and calls scaled_mm; it
     returns None where anything differs, and the caller takes the full path (which checks,
     raises and prepares again). Formats without a global scale only (S_dec folded into the
     block scales: the result is scaled_mm's own, in the output dtype)."""
 
-    __slots__ = ("a", "a_scales", "versions", "mat_b", "scale_b", "recipe_a", "recipe_b",
-                 "m", "n", "mp", "np", "kp")  # fmt: skip
+    __slots__ = ("a", "b", "a_scales", "recipe_a", "recipe_b", "m", "n", "mp", "np", "kp")
 
     def __init__(
         self, a: QuantizedTensor, b: QuantizedTensor, out_dtype: torch.dtype, ops: Operands
     ) -> None:
-        self.a = PreparedA(a, out_dtype)
-        self.a_scales = (a.rows, -(-a.cols // BLOCK))
+        self.a, self.b = PreparedA(a, out_dtype), PreparedB(b, b.scales)
+        self.a_scales = (torch.float32, a.rows, -(-a.cols // BLOCK))
         self.m, self.n, self.mp, self.np, self.kp = ops.m, ops.n, ops.mp, ops.np, ops.kp
-        self.versions = _b_versions(b, b.scales, ops.np, ops.kp)
-        self.mat_b, self.scale_b = ops.mat_b, ops.scale_b
         self.recipe_a, self.recipe_b = ops.recipe_a, ops.recipe_b
 
     def __call__(
         self, a: QuantizedTensor, b: QuantizedTensor, out_dtype: torch.dtype
     ) -> torch.Tensor | None:
-        """C = A_q @ B_q^T block-scaled in ``out_dtype``, or None where this call is not the one
-        prepared (``b``: the B it was prepared with, as the caller looked it up)."""
-        if not self.a.matches(a, out_dtype):
-            return None
-        if _b_versions(b, b.scales, self.np, self.kp) != self.versions:
+        """C = A_q @ B_q^T block-scaled in ``out_dtype``, or None where this call is not one
+        like the call prepared."""
+        if not self.a.matches(a, out_dtype) or not self.b.matches(a, b, b.scales):
             return None
         scales = a.scales
-        if scales.dtype != torch.float32 or tuple(scales.shape) != self.a_scales:
-            return None
-        p = a.packed_codes()
-        if (a.codes if p is None else p.data).dtype != torch.uint8:
+        if (scales.dtype, *scales.shape) != self.a_scales or _code_dtype(a) != torch.uint8:
             return None  # the full path says why
+        mat_b, scale_b = b_operand(b, self.np, self.kp)
         mat_a = fp8_codes(a, self.mp, self.kp)
         scale_a = outer_major_scales(scales, self.mp, _folded(a))
         try:
             c = F.scaled_mm(
                 mat_a,
-                self.mat_b,
+                mat_b,
                 scale_a,
                 self.recipe_a,
-                self.scale_b,
+                scale_b,
                 self.recipe_b,
                 bias=None,
                 output_dtype=out_dtype,
@@ -689,7 +706,7 @@ def cute_block_scaled_product(
     out_dtype: torch.dtype = torch.float32,
     bias: torch.Tensor | None = None,
     accumulate: torch.Tensor | None = None,
-    keep: MutableMapping[Any, Any] | None = None,
+    keep: Callable[..., None] | None = None,
 ) -> GemmProduct:
     """S_dec(a) S_dec(b) sum_b s_a s_b P_b (+ bias) (+ accumulate) with the generated FP8
     kernel (``fp4gen.kernels.gemm_sm90_fp8``), as a GemmProduct: the global scales, the bias
@@ -697,18 +714,16 @@ def cute_block_scaled_product(
     the kernel, in the reference's order; a bf16 result straight from the kernel, any other
     output dtype rounded by the shared epilogue from its fp32 result.
 
-    ``keep``: where a call without bias or ``accumulate`` leaves a ``PreparedCuteFp8`` for
-    ``b`` once ``b`` is met a second time (``fp4gen.gemm``'s per-call path).
+    ``keep``: called as ``keep(a, b, out_dtype, prepared)`` with a ``PreparedCuteFp8`` for the
+    calls like this one by a call without bias or ``accumulate`` (``fp4gen.gemm``'s per-call
+    path).
 
     Raises TensorError for operands that cannot be multiplied and FP4GenError where the kernel
     does not serve them (formats, arch): the caller's cue to take another path."""
-    # prepared for the next calls once B is met a second time (as block_scaled_product does)
-    met = keep is not None and b in _cute_b_operands
     fn, args, product = cute_launch(a, b, out_dtype=out_dtype, bias=bias, accumulate=accumulate)
     fn(*args)
-    if met and bias is None and accumulate is None:
-        assert keep is not None
-        keep[b] = PreparedCuteFp8(a, b, out_dtype, fn, args)
+    if keep is not None and bias is None and accumulate is None:
+        keep(a, b, out_dtype, PreparedCuteFp8(a, b, out_dtype, fn, args))
     return product
 
 
@@ -811,33 +826,33 @@ _cute_b_operands: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 class PreparedCuteFp8:
-    """A generated FP8 GEMM call with one B, kept by ``cute_block_scaled_product`` for the
-    ``fp4gen.gemm`` calls after it (a weight multiplied by new activations of one shape): the
-    compiled kernel, B's arguments, the padded K, the SM count and a template of the output.
-    A call checks that A is what it was prepared for (format object, shape, RHT, device,
-    output dtype; scales of the dtype and shape the full path takes), that B's codes, scales
-    and global scale are unchanged (their versions) and that the kernel variant
-    (``cute_settings``) is the same, then launches with A's arguments made as the full path
-    makes them; it returns None where anything differs (the caller takes the full path)."""
+    """A generated FP8 GEMM call, kept by ``cute_block_scaled_product`` for the
+    ``fp4gen.gemm`` calls like it (A and B of the same format objects and shapes, the same
+    output dtype and device): the compiled kernel, the padded K, the SM count and a template of
+    the output. A call checks that A and B are what it was prepared for (``PreparedA``,
+    ``PreparedB``: format objects, shapes, RHT, device, output dtype, the scales' dtype and
+    shape, uint8 codes) and that the kernel variant (``cute_settings``) is the same, then
+    launches with the arguments made as the full path makes them (B's from
+    ``cute_b_operand``, kept per weight version); it returns None where anything differs (the
+    caller takes the full path)."""
 
-    __slots__ = ("a", "a_scales", "layout", "versions", "settings", "fn", "m", "kp", "ue8m0",
-                 "mn_major", "dev", "b_args", "sms", "out_like")  # fmt: skip
+    __slots__ = ("a", "b", "a_scales", "settings", "fn", "m", "kp", "ue8m0", "mn_major",
+                 "b_mn_major", "dev", "sms", "out_like")  # fmt: skip
 
     def __init__(
         self, a: QuantizedTensor, b: QuantizedTensor, out_dtype: torch.dtype, fn: Any, args: list
     ) -> None:
         plan = cute_plan(a.format, b.format, out_dtype, False, False)
+        self.ue8m0, self.mn_major = plan.ue8m0, plan.params.mn_major_scales
+        self.b_mn_major = plan.params.b_mn_major
         self.a = PreparedA(a, out_dtype)
-        self.m, self.ue8m0, self.mn_major = a.rows, plan.ue8m0, plan.params.mn_major_scales
-        self.kp = round_up(a.cols, plan.block_k)
-        self.a_scales = (a.rows, -(-a.cols // plan.block_k))
+        self.b = PreparedB(b, _kernel_scales(b, self.ue8m0))
+        self.m, self.kp = a.rows, round_up(a.cols, plan.block_k)
+        scale_dtype = torch.uint8 if self.ue8m0 else torch.float32
+        self.a_scales = (scale_dtype, a.rows, -(-a.cols // plan.block_k))
         self.settings = cute_settings()
         self.fn = fn
         self.dev = args[6].device  # the full path's output device (that of the operands)
-        scales = b.scale_codes if self.ue8m0 else b.scales
-        self.layout = (self.kp, self.ue8m0, plan.params.b_mn_major, self.dev)
-        self.versions = _b_versions(b, scales, *self.layout)
-        self.b_args = (args[2], args[3], args[5])
         self.sms = args[-1]
         # the output's shape, dtype and device on one element: empty_like of it allocates a
         # contiguous [M, N] with less argument parsing than torch.empty
@@ -849,29 +864,24 @@ class PreparedCuteFp8:
         self, a: QuantizedTensor, b: QuantizedTensor, out_dtype: torch.dtype
     ) -> torch.Tensor | None:
         """C = S_a S_b (A_q @ B_q^T) block-scaled in ``out_dtype``, or None where this call is
-        not the one prepared (``b``: the B it was prepared with, as the caller looked it up)."""
+        not one like the call prepared."""
+        ue8m0 = self.ue8m0
         if not self.a.matches(a, out_dtype) or cute_settings() != self.settings:
             return None
-        ue8m0 = self.ue8m0
-        scales = b.scale_codes if ue8m0 else b.scales
-        if scales is None or _b_versions(b, scales, *self.layout) != self.versions:
+        if not self.b.matches(a, b, _kernel_scales(b, ue8m0)):
             return None
-        s = a.scale_codes if ue8m0 else a.scales
-        if s is None or s.dtype != (torch.uint8 if ue8m0 else torch.float32):
-            return None
-        if tuple(s.shape) != self.a_scales:
-            return None
-        p = a.packed_codes()
-        if (a.codes if p is None else p.data).dtype != torch.uint8:
+        s = _kernel_scales(a, ue8m0)
+        if s is None or (s.dtype, *s.shape) != self.a_scales or _code_dtype(a) != torch.uint8:
             return None  # the full path says why
+        dev = self.dev
+        b_codes, b_scales, b_global = cute_b_operand(b, self.kp, ue8m0, self.b_mn_major, dev)
         out = torch.empty_like(self.out_like, memory_format=torch.contiguous_format)
-        b_codes, b_scales, b_global = self.b_args
         self.fn(
             code_bytes(a, self.m, self.kp),
             cute_scales_mn_major(a, ue8m0) if self.mn_major else cute_scales(a, ue8m0),
             b_codes,
             b_scales,
-            _global(a, self.dev),
+            _global(a, dev),
             b_global,
             out,
             self.sms,
@@ -879,6 +889,11 @@ class PreparedCuteFp8:
         if out.dtype != out_dtype:
             return out.to(out_dtype, memory_format=torch.contiguous_format)
         return out
+
+
+def _kernel_scales(q: QuantizedTensor, ue8m0: bool) -> torch.Tensor | None:
+    """The scale tensor the generated kernel reads of ``q``: its ue8m0 codes or fp32 scales."""
+    return q.scale_codes if ue8m0 else q.scales
 
 
 def _global(q: QuantizedTensor, device: torch.device) -> torch.Tensor:
@@ -901,6 +916,7 @@ __all__ = [
     "CUTE_AUTO_MIN_M",
     "ROW_ALIGN",
     "Operands",
+    "PreparedB",
     "PreparedBlockScaled",
     "PreparedCuteFp8",
     "arch_reason",
