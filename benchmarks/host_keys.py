@@ -24,13 +24,14 @@ for: the full path (dispatch, plan lookups, checks) and a prepared call (docs/ge
 Then the FP8 block-scaled GEMM: ``fp4gen.gemm(a, b)`` on fp8_blockwise's fprop pair (e4m3, A
 1x128, B 128x128, fp32 scales) on each route ``backend="auto"`` takes on sm_90a, the
 block-scaled ``scaled_mm`` (cuBLASLt) and the generated FP8 kernel, with one weight (its
-operands kept, the calls after the second prepared) and with a new weight per call (a training
-step quantizes it anew), a new activation per call either way. The GEMM is stood in for (counted,
-not run). Each line gives the microseconds of host path per call on this CPU and the aten ops a
-call issues, counted with a TorchDispatchMode: views, allocations and the ops that would launch
-GPU work. The op count is the figure that carries over to a GPU host, where every launching op
-costs some 5-10 us and every op a trip through torch's dispatcher; the microseconds compare
-before and after a change on one machine (docs/gemm-sm90.md, "Host time of the FP8 GEMM").
+operands kept per version) and with a new weight per call (a training step quantizes it anew),
+a new activation per call either way; the calls after the first are prepared calls. The GEMM
+is stood in for (counted, not run). Each line gives the microseconds of host path per call on
+this CPU and the aten ops a call issues, counted with a TorchDispatchMode: views, allocations
+and the ops that would launch GPU work. The op count is the figure that carries over to a GPU
+host, where every launching op costs some 5-10 us and every op a trip through torch's
+dispatcher; the microseconds compare before and after a change on one machine
+(docs/gemm-sm90.md, "Host time of the FP8 GEMM").
 ``benchmarks/gemm.py --formats fp8_blockwise`` times the real calls on an H200.
 
     python benchmarks/host_keys.py [--recipe recipes/nvfp4_small.fp4r] [--size 256]
@@ -319,11 +320,11 @@ The FP8 GEMM's host path, found with this measure (fp8_blockwise fprop pair, 256
 activation per call; microseconds on a workstation core, aten ops per call, of which launching
 GPU work, besides the GEMM; details in docs/gemm-sm90.md, "Host time of the FP8 GEMM"):
 
-  route, weight                       before              after
-  scaled_mm, one weight               21.2 us, 7 ops, 1   9.4 us, 4 ops, 1   (prepared calls)
-  scaled_mm, a new weight per call    31.0 us, 14 ops, 2  23.2 us, 10 ops, 2
-  generated kernel, one weight        15.5 us, 3 ops, 0   7.3 us, 2 ops, 0   (prepared calls)
-  generated kernel, new weight        17.8 us, 3 ops, 0   17.3 us, 3 ops, 0
+  route, weight                       before              after (prepared calls)
+  scaled_mm, one weight               21.2 us, 7 ops, 1   10.6 us, 4 ops, 1
+  scaled_mm, a new weight per call    31.0 us, 14 ops, 2  17.8 us, 10 ops, 2
+  generated kernel, one weight        15.5 us, 3 ops, 0   8.6 us, 2 ops, 0
+  generated kernel, new weight        17.8 us, 3 ops, 0   10.9 us, 3 ops, 0
 
 On a GPU host each launching op costs some 5-10 us and every op a trip through torch's
 dispatcher: the op counts carry over, the microseconds do not. What is left with a new weight per
@@ -463,7 +464,8 @@ def fp8_gemm_call(
     where its measured table says so), a new activation A per call (a new QuantizedTensor, as a
     layer's quantize makes one per call) and one weight B, or a new B per call too with
     ``fresh_weight`` (a training step quantizes its weight anew). The GEMM is stood in for
-    (counted, not run); the host path per call timed, and one call's aten ops counted.
+    (counted, not run); the host path per call timed, and one call's aten ops counted (after
+    8 calls: the calls are prepared ones, ``gemm_dispatch._prepared_fp8``).
     ``profile``: then a cProfile of up to 2000 more calls by self time (its top entries)."""
     from fp4gen.numerics import quantize
 
