@@ -408,7 +408,9 @@ def fp8_stand_ins(route: str, scaled_mm: _ScaledMm, launches: _Launches) -> Iter
     cpu = torch.device("cpu")
     with contextlib.ExitStack() as stack:
         stack.enter_context(mock.patch.dict(jit._archs, {0: "sm_90a"}))
-        stack.enter_context(mock.patch.dict(gemm_dispatch._choices))  # the choices made here go
+        # the choices and prepared calls made here go when the block ends
+        stack.enter_context(mock.patch.dict(gemm_dispatch._choices))
+        stack.enter_context(mock.patch.dict(gemm_dispatch._prepared_fp8, clear=True))
         stack.enter_context(mock.patch.object(fp8_gemm, "one_cuda_device", lambda a, b, what: cpu))
         stack.enter_context(mock.patch.object(fp8_gemm, "torch_reason", lambda: None))
         stack.enter_context(mock.patch.object(fp8_gemm.F, "scaled_mm", scaled_mm, create=True))

@@ -162,7 +162,10 @@ def _fp8_key(a: QuantizedTensor, b: QuantizedTensor, out_dtype: torch.dtype) -> 
 def _keep_fp8(
     a: QuantizedTensor, b: QuantizedTensor, out_dtype: torch.dtype, prepared: Any
 ) -> None:
-    """Keep ``prepared`` for the auto calls like this FP8 one (``_prepared_fp8``)."""
+    """Keep ``prepared`` for the auto calls like this FP8 one (``_prepared_fp8``): CUDA
+    operands only (a CPU call reaches a kernel path only where a test stands CUDA in)."""
+    if a.device.type != "cuda":
+        return
     if len(_prepared_fp8) >= 256:  # shapes that keep changing: cleared, not grown without end
         _prepared_fp8.clear()
     _prepared_fp8[_fp8_key(a, b, out_dtype)] = prepared

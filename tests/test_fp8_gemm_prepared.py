@@ -261,3 +261,17 @@ def test_fp8_codes_take_the_dtype_of_their_element_format() -> None:
             got = fp8_gemm.fp8_codes(q, 16, 128)
             assert got.dtype == dtype and torch.equal(got.view(torch.uint8), q.codes)
         assert fp8_gemm.fp8_codes(copy, 16, 128).dtype == torch.float8_e4m3fn
+
+
+def test_only_cuda_calls_are_prepared() -> None:
+    """A CPU call reaches a kernel path only where a test stands CUDA in: none is kept (a
+    prepared call for CPU operands would serve the next CPU call instead of the reference)."""
+    a = quantize(torch.randn(16, 128), FA)
+    b = quantize(torch.randn(16, 128), FB)
+    before = dict(gemm_dispatch._prepared_fp8)
+    gemm_dispatch._keep_fp8(a, b, torch.bfloat16, "a prepared call")
+    assert gemm_dispatch._prepared_fp8 == before
+    a_cuda, b_cuda = on_cuda0(a), on_cuda0(b)
+    gemm_dispatch._keep_fp8(a_cuda, b_cuda, torch.bfloat16, "a prepared call")
+    assert prepared_for(a_cuda, b_cuda, torch.bfloat16) == "a prepared call"
+    gemm_dispatch._prepared_fp8.pop(gemm_dispatch._fp8_key(a_cuda, b_cuda, torch.bfloat16))

@@ -116,6 +116,7 @@ def test_the_fp8_routes_issue_at_most_their_ops_per_call(route, fresh_weight) ->
         fp8_gemm.cute_kernel,
         fp8_gemm.F.__dict__.get("scaled_mm"),
         dict(gemm_dispatch._choices),
+        dict(gemm_dispatch._prepared_fp8),
     )
     got = host_keys.fp8_gemm_call(route, 256, 256, 512, calls=20, fresh_weight=fresh_weight)
     ops, launching = FP8_OPS[(route, fresh_weight)]
@@ -128,6 +129,7 @@ def test_the_fp8_routes_issue_at_most_their_ops_per_call(route, fresh_weight) ->
         fp8_gemm.cute_kernel,
         fp8_gemm.F.__dict__.get("scaled_mm"),
         dict(gemm_dispatch._choices),
+        dict(gemm_dispatch._prepared_fp8),
     )
     assert after == before
 
