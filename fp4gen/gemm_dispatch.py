@@ -78,8 +78,8 @@ log = logging.getLogger(__name__)
 _logged: set[str] = set()
 _fused_ids: dict[tuple[int, int], tuple[object, object, str | None]] = {}
 # B -> the call auto made with it last, prepared (cute_gemm.PreparedGemm at small M,
-# dequant.PreparedDequantGemm above the fused range): the next auto call like it (same A
-# format and shape, B unchanged) launches with no dispatch, checks or plan lookups
+# dequant.PreparedDequantGemm above the fused range): the next auto call like it (same A format
+# and shape, B unchanged) launches with no dispatch, checks or plan lookups
 _prepared: weakref.WeakKeyDictionary[QuantizedTensor, Any] = weakref.WeakKeyDictionary()
 # FP8 pairs: (A's and B's format ids, M, N, K, output dtype, device) -> the call auto made last
 # for such operands, prepared (fp8_gemm.PreparedBlockScaled for scaled_mm, PreparedCuteFp8 for
