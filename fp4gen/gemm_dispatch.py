@@ -81,11 +81,11 @@ _fused_ids: dict[tuple[int, int], tuple[object, object, str | None]] = {}
 # dequant.PreparedDequantGemm above the fused range): the next auto call like it (same A format
 # and shape, B unchanged) launches with no dispatch, checks or plan lookups
 _prepared: weakref.WeakKeyDictionary[QuantizedTensor, Any] = weakref.WeakKeyDictionary()
-# FP8 pairs: (A's and B's format ids, M, N, K, output dtype, device) -> the call auto made last
-# for such operands, prepared (fp8_gemm.PreparedBlockScaled for scaled_mm, PreparedCuteFp8 for
-# the generated kernel): the next auto call like it, with any B of that format and shape (a
-# weight quantized anew per call included), launches with no dispatch; the entry checks the
-# format objects themselves, so a reused id is no match
+# FP8 pairs: (A's and B's format ids, M, N, K, output dtype, device, bias dtype or None) -> the
+# call auto made last for such operands, prepared (fp8_gemm.PreparedBlockScaled for scaled_mm,
+# PreparedCuteFp8 for the generated kernel): the next auto call like it, with any B of that
+# format and shape (a weight quantized anew per call included), launches with no dispatch; the
+# entry checks the format objects themselves, so a reused id is no match
 _prepared_fp8: dict[tuple, Any] = {}
 
 
@@ -132,20 +132,20 @@ def gemm(
     (``fp4gen.runtime.epilogue.finish``), which applies the scales, bias and accumulate the
     backend did not apply itself. A bad argument raises ArgumentError, a bad tensor TensorError.
     """
-    if (
-        backend == "auto"
-        and out is None
-        and bias is None
-        and accumulate is None
-        and isinstance(b, QuantizedTensor)
-    ):
-        prepared = _prepared.get(b)  # a call like the last one with this B (a weight)
-        if prepared is None and _prepared_fp8 and isinstance(a, QuantizedTensor):
-            prepared = _prepared_fp8.get(_fp8_key(a, b, out_dtype))  # FP8: any B like it
-        if prepared is not None:
-            c = prepared(a, b, out_dtype)  # checks that A and out_dtype are what it was made for
-            if c is not None:
-                return c
+    if backend == "auto" and out is None and accumulate is None and isinstance(b, QuantizedTensor):
+        if bias is None:
+            prepared = _prepared.get(b)  # a call like the last one with this B (a weight)
+            if prepared is not None:
+                c = prepared(a, b, out_dtype)  # checks A and out_dtype
+                if c is not None:
+                    return c
+        if _prepared_fp8 and isinstance(a, QuantizedTensor):
+            bias_dtype = getattr(bias, "dtype", None)
+            prepared = _prepared_fp8.get(_fp8_key(a, b, out_dtype, bias_dtype))  # FP8: any B
+            if prepared is not None:
+                c = prepared(a, b, out_dtype, bias)  # checks A, B and the bias
+                if c is not None:
+                    return c
     _check_arguments(a, b, out_dtype, bias, accumulate, out)
     if backend not in BACKENDS:
         raise FP4GenError(f"unknown GEMM backend {backend!r}; choose one of {BACKENDS}")
@@ -155,12 +155,18 @@ def gemm(
     return _into(_gemm(call, backend), out)
 
 
-def _fp8_key(a: QuantizedTensor, b: QuantizedTensor, out_dtype: torch.dtype) -> tuple:
-    return (id(a.format), id(b.format), a.rows, b.rows, a.cols, out_dtype, a.device)
+def _fp8_key(
+    a: QuantizedTensor, b: QuantizedTensor, out_dtype: torch.dtype, bias_dtype: Any = None
+) -> tuple:
+    return (id(a.format), id(b.format), a.rows, b.rows, a.cols, out_dtype, a.device, bias_dtype)
 
 
 def _keep_fp8(
-    a: QuantizedTensor, b: QuantizedTensor, out_dtype: torch.dtype, prepared: Any
+    a: QuantizedTensor,
+    b: QuantizedTensor,
+    out_dtype: torch.dtype,
+    bias: torch.Tensor | None,
+    prepared: Any,
 ) -> None:
     """Keep ``prepared`` for the auto calls like this FP8 one (``_prepared_fp8``): CUDA
     operands only (a CPU call reaches a kernel path only where a test stands CUDA in)."""
@@ -168,7 +174,7 @@ def _keep_fp8(
         return
     if len(_prepared_fp8) >= 256:  # shapes that keep changing: cleared, not grown without end
         _prepared_fp8.clear()
-    _prepared_fp8[_fp8_key(a, b, out_dtype)] = prepared
+    _prepared_fp8[_fp8_key(a, b, out_dtype, None if bias is None else bias.dtype)] = prepared
 
 
 def _check_arguments(

@@ -91,9 +91,9 @@ def operands(m: int, n: int, k: int, seed: int = 0) -> tuple[Any, list[Any]]:
     return b, acts
 
 
-def prepared_for(a: Any, b: Any, out_dtype: torch.dtype) -> Any:
+def prepared_for(a: Any, b: Any, out_dtype: torch.dtype, bias_dtype: Any = None) -> Any:
     """The prepared FP8 call ``fp4gen.gemm(a, b)`` would ask first, or None."""
-    return gemm_dispatch._prepared_fp8.get(gemm_dispatch._fp8_key(a, b, out_dtype))
+    return gemm_dispatch._prepared_fp8.get(gemm_dispatch._fp8_key(a, b, out_dtype, bias_dtype))
 
 
 @pytest.mark.parametrize("fresh_weight", [False, True])
@@ -171,8 +171,8 @@ def test_a_prepared_call_steps_aside_for_anything_it_was_not_prepared_for(route)
     served: list[bool] = []
     real = kind.__call__
 
-    def counting(self, a, b, out_dtype):
-        c = real(self, a, b, out_dtype)
+    def counting(self, a, b, out_dtype, bias=None):
+        c = real(self, a, b, out_dtype, bias)
         served.append(c is not None)
         return c
 
@@ -269,9 +269,72 @@ def test_only_cuda_calls_are_prepared() -> None:
     a = quantize(torch.randn(16, 128), FA)
     b = quantize(torch.randn(16, 128), FB)
     before = dict(gemm_dispatch._prepared_fp8)
-    gemm_dispatch._keep_fp8(a, b, torch.bfloat16, "a prepared call")
+    gemm_dispatch._keep_fp8(a, b, torch.bfloat16, None, "a prepared call")
     assert gemm_dispatch._prepared_fp8 == before
     a_cuda, b_cuda = on_cuda0(a), on_cuda0(b)
-    gemm_dispatch._keep_fp8(a_cuda, b_cuda, torch.bfloat16, "a prepared call")
+    gemm_dispatch._keep_fp8(a_cuda, b_cuda, torch.bfloat16, None, "a prepared call")
     assert prepared_for(a_cuda, b_cuda, torch.bfloat16) == "a prepared call"
     gemm_dispatch._prepared_fp8.pop(gemm_dispatch._fp8_key(a_cuda, b_cuda, torch.bfloat16))
+
+
+@pytest.mark.parametrize("route", host_keys.FP8_ROUTES)
+@pytest.mark.parametrize(
+    "out_dtype, bias_dtype",
+    [
+        (torch.bfloat16, torch.bfloat16),  # scaled_mm: in cuBLASLt's epilogue
+        (torch.bfloat16, torch.float32),  # scaled_mm: fp32 out, the shared epilogue adds it
+        (torch.float32, torch.float32),
+    ],
+)
+@pytest.mark.parametrize("shape", [(128, 256, 512), (40, 72, 200)])
+def test_a_prepared_call_with_a_bias_is_the_full_path(route, out_dtype, bias_dtype, shape) -> None:
+    """A call with a bias (a layer's fprop) is prepared per bias dtype: the same arguments
+    (the bias where the full path puts it) and the same result bits, with a new weight and
+    a new bias per call; a call without a bias or with another bias dtype, shape or device
+    is not served by it."""
+    m, n, k = shape
+    b, (a0, a1, a2) = operands(m, n, k, seed=5)
+    b2 = on_cuda0(quantize(torch.randn(n, k, generator=torch.Generator().manual_seed(7)), FB))
+    biases = [torch.randn(n, generator=torch.Generator().manual_seed(s)) for s in range(3)]
+    biases = [x.to(bias_dtype) for x in biases]
+    kind = fp8_gemm.PreparedBlockScaled if route == "scaled_mm" else fp8_gemm.PreparedCuteFp8
+    scaled_mm, kernel = ComputingScaledMm(), RecordingKernel()
+    calls = scaled_mm.calls if route == "scaled_mm" else kernel.calls
+    gemm_dispatch._prepared_fp8.clear()
+    with host_keys.fp8_stand_ins(route, scaled_mm, kernel):
+        fp4gen.gemm(a0, b, out_dtype=out_dtype, bias=biases[0])  # the full path: prepares
+        entry = prepared_for(a0, b, out_dtype, bias_dtype)
+        assert isinstance(entry, kind)
+        assert prepared_for(a0, b, out_dtype) is None  # no bias: another key
+        served = entry(a1, b2, out_dtype, biases[1])
+        assert served is not None
+        prepared = fp4gen.gemm(a1, b2, out_dtype=out_dtype, bias=biases[1])
+        gemm_dispatch._prepared_fp8.clear()
+        full = fp4gen.gemm(a1, b2, out_dtype=out_dtype, bias=biases[1])
+        entry = prepared_for(a0, b, out_dtype, bias_dtype)
+        wrong_shape = torch.zeros(n + 1, dtype=bias_dtype)
+        assert entry(a2, b, out_dtype, wrong_shape) is None
+        assert entry(a2, b, out_dtype, None) is None
+        other = torch.float16 if bias_dtype != torch.float16 else torch.float32
+        assert entry(a2, b, out_dtype, biases[2].to(other)) is None
+        assert entry(a2, b, out_dtype, biases[2].to("meta")) is None  # another device
+        gemm_dispatch._prepared_fp8.clear()
+    for c in (served, prepared):
+        assert c.dtype == full.dtype == out_dtype and c.is_contiguous()
+        assert torch.equal(c, full)  # bit for bit (the same ops on the same values)
+    by_served, by_prepared, by_full = calls[1], calls[2], calls[3]
+    if route == "scaled_mm":
+        for got in (by_served, by_prepared):
+            for x, want in zip(got[:6], by_full[:6], strict=True):
+                assert same_tensor(x, want)
+            assert set(got[6]) == set(by_full[6])
+            for key, want in by_full[6].items():
+                assert same_tensor(got[6][key], want) if want is not None else got[6][key] is None
+        fused = bias_dtype == out_dtype and out_dtype != torch.float32
+        assert (by_full[6]["bias"] is not None) == fused
+    else:
+        for got in (by_served, by_prepared):
+            assert len(got) == len(by_full) == 9  # ..., C, the bias as fp32 [N], the SMs
+            for i, (x, want) in enumerate(zip(got, by_full, strict=True)):
+                if i != 6:
+                    assert same_tensor(x, want)

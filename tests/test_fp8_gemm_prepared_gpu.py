@@ -75,3 +75,32 @@ def test_prepared_fp8_calls_give_the_full_path_bits(route, shape, out_dtype) -> 
             torch.cuda.synchronize()
         finally:
             gemm_dispatch._prepared_fp8.clear()
+
+
+@pytest.mark.parametrize("route", ["scaled_mm", "generated"])
+@pytest.mark.parametrize("bias_dtype", [torch.bfloat16, torch.float32])
+def test_prepared_fp8_calls_with_a_bias_give_the_full_path_bits(route, bias_dtype) -> None:
+    """A layer's fprop with a bias (bf16 out): a bf16 bias in scaled_mm's epilogue, an fp32 one
+    in the shared epilogue; the generated kernel adds either in fp32."""
+    m, n, k = 256, 200, 1024
+    table = {pair_name(FA, FB): 1} if route == "generated" else {}
+    weights = [operand(n, k, FB, 200 + i) for i in range(2)]
+    acts = [operand(m, k, FA, 10 + i) for i in range(2)]
+    g = torch.Generator(device="cuda").manual_seed(3)
+    biases = [torch.randn(n, device="cuda", generator=g).to(bias_dtype) for _ in range(2)]
+    with (
+        mock.patch.dict(fp8_gemm.CUTE_AUTO_MIN_M, table, clear=True),
+        mock.patch.dict(gemm_dispatch._choices, clear=True),
+    ):
+        gemm_dispatch._prepared_fp8.clear()
+        try:
+            fp4gen.gemm(acts[0], weights[0], out_dtype=torch.bfloat16, bias=biases[0])
+            key = gemm_dispatch._fp8_key(acts[0], weights[0], torch.bfloat16, bias_dtype)
+            entry = gemm_dispatch._prepared_fp8[key]
+            served = entry(acts[1], weights[1], torch.bfloat16, biases[1])
+            assert served is not None
+            gemm_dispatch._prepared_fp8.clear()
+            full = fp4gen.gemm(acts[1], weights[1], out_dtype=torch.bfloat16, bias=biases[1])
+            assert torch.equal(served.view(torch.int16), full.view(torch.int16))  # bit for bit
+        finally:
+            gemm_dispatch._prepared_fp8.clear()

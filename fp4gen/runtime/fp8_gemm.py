@@ -337,9 +337,10 @@ def block_scaled_product(
     scales of formats with one, any other bias, accumulate, the rounding of an fp32 product)
     is the shared epilogue's (``fp4gen.runtime.epilogue.finish``).
 
-    ``keep``: called as ``keep(a, b, out_dtype, prepared)`` with a ``PreparedBlockScaled`` for
-    the calls like this one by a call without bias or ``accumulate`` on formats without a
-    global scale (``fp4gen.gemm``'s per-call path, ``gemm_dispatch._prepared_fp8``).
+    ``keep``: called as ``keep(a, b, out_dtype, bias, prepared)`` with a
+    ``PreparedBlockScaled`` for the calls like this one by a call without ``accumulate`` on
+    formats without a global scale (``fp4gen.gemm``'s per-call path,
+    ``gemm_dispatch._prepared_fp8``).
 
     Raises TensorError for operands that cannot be multiplied (shapes, devices, transforms) and
     FP4GenError where this path does not serve them (formats, arch, torch build): the caller's
@@ -393,8 +394,8 @@ def block_scaled_product(
         ) from err
     if (ops.mp, ops.np) != (ops.m, ops.n):
         c = c[: ops.m, : ops.n]  # the shared epilogue makes the result contiguous
-    if keep is not None and bias is None and accumulate is None and not global_scales:
-        keep(a, b, out_dtype, PreparedBlockScaled(a, b, out_dtype, ops))
+    if keep is not None and accumulate is None and not global_scales:
+        keep(a, b, out_dtype, bias, PreparedBlockScaled(a, b, out_dtype, ops, bias, fused_bias))
     return GemmProduct(c, scaled=not global_scales, bias=fused_bias)
 
 
@@ -428,31 +429,51 @@ def _code_dtype(q: QuantizedTensor) -> torch.dtype:
 
 class PreparedBlockScaled:
     """A block-scaled scaled_mm call, kept by ``block_scaled_product`` for the ``fp4gen.gemm``
-    calls like it (A and B of the same format objects and shapes, the same output dtype and
-    device): the recipes and the padded sizes. A call checks that A and B are what it was
-    prepared for (``PreparedA``, ``PreparedB``: format objects, shapes, RHT, device, output
-    dtype, the scales' dtype and shape, uint8 codes), then converts the operands as the full
-    path does (B's from ``b_operand``, kept per weight version) and calls scaled_mm; it
-    returns None where anything differs, and the caller takes the full path (which checks,
-    raises and prepares again). Formats without a global scale only (S_dec folded into the
-    block scales: the result is scaled_mm's own, in the output dtype)."""
+    calls like it (A and B of the same format objects and shapes, the same output dtype,
+    device and bias dtype, or no bias): the recipes, the padded sizes and where the bias goes.
+    A call checks that A, B and the bias are what it was prepared for (``PreparedA``,
+    ``PreparedB``: format objects, shapes, RHT, device, output dtype, the scales' dtype and
+    shape, uint8 codes; the bias's dtype, shape and device), then converts the operands as the
+    full path does (B's from ``b_operand``, kept per weight version), calls scaled_mm and
+    finishes as the full path does (a bias of the 16-bit output dtype in cuBLASLt's epilogue,
+    any other in the shared epilogue); it returns None where anything differs, and the caller
+    takes the full path (which checks, raises and prepares again). Formats without a global
+    scale only (S_dec folded into the block scales)."""
 
-    __slots__ = ("a", "b", "a_scales", "recipe_a", "recipe_b", "m", "n", "mp", "np", "kp")
+    __slots__ = ("a", "b", "a_scales", "recipe_a", "recipe_b", "m", "n", "mp", "np", "kp",
+                 "bias", "fused_bias", "output_dtype")  # fmt: skip
 
     def __init__(
-        self, a: QuantizedTensor, b: QuantizedTensor, out_dtype: torch.dtype, ops: Operands
+        self,
+        a: QuantizedTensor,
+        b: QuantizedTensor,
+        out_dtype: torch.dtype,
+        ops: Operands,
+        bias: torch.Tensor | None = None,
+        fused_bias: bool = False,
     ) -> None:
         self.a, self.b = PreparedA(a, out_dtype), PreparedB(b, b.scales)
         self.a_scales = (torch.float32, a.rows, -(-a.cols // BLOCK))
         self.m, self.n, self.mp, self.np, self.kp = ops.m, ops.n, ops.mp, ops.np, ops.kp
         self.recipe_a, self.recipe_b = ops.recipe_a, ops.recipe_b
+        self.bias = None if bias is None else (bias.dtype, bias.device)
+        self.fused_bias = fused_bias
+        # scaled_mm's output: fp32 where the shared epilogue still adds the bias
+        left = bias is not None and not fused_bias
+        self.output_dtype = torch.float32 if left else out_dtype
 
     def __call__(
-        self, a: QuantizedTensor, b: QuantizedTensor, out_dtype: torch.dtype
+        self,
+        a: QuantizedTensor,
+        b: QuantizedTensor,
+        out_dtype: torch.dtype,
+        bias: torch.Tensor | None = None,
     ) -> torch.Tensor | None:
-        """C = A_q @ B_q^T block-scaled in ``out_dtype``, or None where this call is not one
-        like the call prepared."""
+        """C = A_q @ B_q^T block-scaled (+ bias) in ``out_dtype``, or None where this call is
+        not one like the call prepared."""
         if not self.a.matches(a, out_dtype) or not self.b.matches(a, b, b.scales):
+            return None
+        if not _bias_matches(bias, self.bias, self.n):
             return None
         scales = a.scales
         if (scales.dtype, *scales.shape) != self.a_scales or _code_dtype(a) != torch.uint8:
@@ -460,6 +481,10 @@ class PreparedBlockScaled:
         mat_b, scale_b = b_operand(b, self.np, self.kp)
         mat_a = fp8_codes(a, self.mp, self.kp)
         scale_a = outer_major_scales(scales, self.mp, _folded(a))
+        epilogue_bias = None
+        if self.fused_bias:
+            assert bias is not None
+            epilogue_bias = bias if self.np == self.n else F.pad(bias, (0, self.np - self.n))
         try:
             c = F.scaled_mm(
                 mat_a,
@@ -468,15 +493,36 @@ class PreparedBlockScaled:
                 self.recipe_a,
                 scale_b,
                 self.recipe_b,
-                bias=None,
-                output_dtype=out_dtype,
+                bias=epilogue_bias,
+                output_dtype=self.output_dtype,
                 use_fast_accum=False,
             )
         except NotImplementedError:
             return None  # the full path raises the reason
         if (self.mp, self.np) != (self.m, self.n):
-            c = c[: self.m, : self.n].contiguous()
-        return c
+            c = c[: self.m, : self.n]
+        if bias is not None and not self.fused_bias:  # the full path's epilogue adds it
+            product = GemmProduct(c, scaled=True)
+            return finish(
+                product,
+                a,
+                b,
+                bias=bias,
+                accumulate=None,
+                out_dtype=out_dtype,
+                backend="block_scaled",
+            )
+        return c if c.is_contiguous() else c.contiguous()
+
+
+def _bias_matches(bias: Any, prepared: tuple | None, n: int) -> bool:
+    """Whether ``bias`` is what a prepared call was made for: none, or a tensor of its dtype
+    and device (``prepared``) and of shape [N]."""
+    if prepared is None or bias is None:
+        return prepared is None and bias is None
+    if not isinstance(bias, torch.Tensor) or (bias.dtype, bias.device) != prepared:
+        return False
+    return tuple(bias.shape) == (n,)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -714,16 +760,16 @@ def cute_block_scaled_product(
     the kernel, in the reference's order; a bf16 result straight from the kernel, any other
     output dtype rounded by the shared epilogue from its fp32 result.
 
-    ``keep``: called as ``keep(a, b, out_dtype, prepared)`` with a ``PreparedCuteFp8`` for the
-    calls like this one by a call without bias or ``accumulate`` (``fp4gen.gemm``'s per-call
+    ``keep``: called as ``keep(a, b, out_dtype, bias, prepared)`` with a ``PreparedCuteFp8``
+    for the calls like this one by a call without ``accumulate`` (``fp4gen.gemm``'s per-call
     path).
 
     Raises TensorError for operands that cannot be multiplied and FP4GenError where the kernel
     does not serve them (formats, arch): the caller's cue to take another path."""
     fn, args, product = cute_launch(a, b, out_dtype=out_dtype, bias=bias, accumulate=accumulate)
     fn(*args)
-    if keep is not None and bias is None and accumulate is None:
-        keep(a, b, out_dtype, PreparedCuteFp8(a, b, out_dtype, fn, args))
+    if keep is not None and accumulate is None:
+        keep(a, b, out_dtype, bias, PreparedCuteFp8(a, b, out_dtype, fn, args, bias))
     return product
 
 
@@ -828,21 +874,30 @@ _cute_b_operands: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 class PreparedCuteFp8:
     """A generated FP8 GEMM call, kept by ``cute_block_scaled_product`` for the
     ``fp4gen.gemm`` calls like it (A and B of the same format objects and shapes, the same
-    output dtype and device): the compiled kernel, the padded K, the SM count and a template of
-    the output. A call checks that A and B are what it was prepared for (``PreparedA``,
-    ``PreparedB``: format objects, shapes, RHT, device, output dtype, the scales' dtype and
-    shape, uint8 codes) and that the kernel variant (``cute_settings``) is the same, then
+    output dtype, device and bias dtype, or no bias): the compiled kernel, the padded K, the SM
+    count and a template of the output. A call checks that A, B and the bias are what it was
+    prepared for (``PreparedA``, ``PreparedB``: format objects, shapes, RHT, device, output
+    dtype, the scales' dtype and shape, uint8 codes; the bias's dtype, shape and device) and
+    that the kernel variant (``cute_settings``) is the same, then
     launches with the arguments made as the full path makes them (B's from
     ``cute_b_operand``, kept per weight version); it returns None where anything differs (the
     caller takes the full path)."""
 
-    __slots__ = ("a", "b", "a_scales", "settings", "fn", "m", "kp", "ue8m0", "mn_major",
-                 "b_mn_major", "dev", "sms", "out_like")  # fmt: skip
+    __slots__ = ("a", "b", "a_scales", "settings", "fn", "m", "n", "kp", "ue8m0", "mn_major",
+                 "b_mn_major", "dev", "sms", "out_like", "bias")  # fmt: skip
 
     def __init__(
-        self, a: QuantizedTensor, b: QuantizedTensor, out_dtype: torch.dtype, fn: Any, args: list
+        self,
+        a: QuantizedTensor,
+        b: QuantizedTensor,
+        out_dtype: torch.dtype,
+        fn: Any,
+        args: list,
+        bias: torch.Tensor | None = None,
     ) -> None:
-        plan = cute_plan(a.format, b.format, out_dtype, False, False)
+        plan = cute_plan(a.format, b.format, out_dtype, bias is not None, False)
+        self.bias = None if bias is None else (bias.dtype, bias.device)
+        self.n = b.rows
         self.ue8m0, self.mn_major = plan.ue8m0, plan.params.mn_major_scales
         self.b_mn_major = plan.params.b_mn_major
         self.a = PreparedA(a, out_dtype)
@@ -861,14 +916,20 @@ class PreparedCuteFp8:
         )
 
     def __call__(
-        self, a: QuantizedTensor, b: QuantizedTensor, out_dtype: torch.dtype
+        self,
+        a: QuantizedTensor,
+        b: QuantizedTensor,
+        out_dtype: torch.dtype,
+        bias: torch.Tensor | None = None,
     ) -> torch.Tensor | None:
-        """C = S_a S_b (A_q @ B_q^T) block-scaled in ``out_dtype``, or None where this call is
-        not one like the call prepared."""
+        """C = S_a S_b (A_q @ B_q^T) block-scaled (+ bias) in ``out_dtype``, or None where this
+        call is not one like the call prepared."""
         ue8m0 = self.ue8m0
         if not self.a.matches(a, out_dtype) or cute_settings() != self.settings:
             return None
         if not self.b.matches(a, b, _kernel_scales(b, ue8m0)):
+            return None
+        if not _bias_matches(bias, self.bias, self.n):
             return None
         s = _kernel_scales(a, ue8m0)
         if s is None or (s.dtype, *s.shape) != self.a_scales or _code_dtype(a) != torch.uint8:
@@ -876,7 +937,7 @@ class PreparedCuteFp8:
         dev = self.dev
         b_codes, b_scales, b_global = cute_b_operand(b, self.kp, ue8m0, self.b_mn_major, dev)
         out = torch.empty_like(self.out_like, memory_format=torch.contiguous_format)
-        self.fn(
+        args = [
             code_bytes(a, self.m, self.kp),
             cute_scales_mn_major(a, ue8m0) if self.mn_major else cute_scales(a, ue8m0),
             b_codes,
@@ -884,8 +945,10 @@ class PreparedCuteFp8:
             _global(a, dev),
             b_global,
             out,
-            self.sms,
-        )
+        ]
+        if bias is not None:  # as the full path passes it: fp32 [N] on the device
+            args.append(bias.detach().to(device=dev, dtype=torch.float32).contiguous())
+        self.fn(*args, self.sms)
         if out.dtype != out_dtype:
             return out.to(out_dtype, memory_format=torch.contiguous_format)
         return out
