@@ -328,8 +328,8 @@ GPU work, besides the GEMM; details in docs/gemm-sm90.md, "Host time of the FP8 
 
 On a GPU host each launching op costs some 5-10 us and every op a trip through torch's
 dispatcher: the op counts carry over, the microseconds do not. What is left with a new weight per
-call: scaled_mm's two scale-layout passes (A's scales M-major, B's tile scales with S_dec folded
-in), until the quantize kernels write those layouts, and torch's own scaled_mm host time.
+call: scaled_mm's two scale passes (A's scales M-major, B's tile scales, each with its S_dec
+folded in: scaled_mm takes no alpha), and torch's own scaled_mm host time.
 """
 # aten ops that launch nothing on a GPU: views and metadata (host time only) ...
 VIEW_OPS = frozenset(
