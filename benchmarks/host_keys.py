@@ -397,8 +397,8 @@ def fp8_stand_ins(route: str, scaled_mm: _ScaledMm, launches: _Launches) -> Iter
     back after): the operands report device cuda:0 (sm_90a) but their tensors stay on the CPU,
     this torch build has the block-scaled scaled_mm, ``scaled_mm`` is ``scaled_mm`` and every
     generated FP8 kernel ``launches`` (132 SMs); ``route="generated"``: ``backend="auto"``
-    takes the generated kernel for every pair it serves (the measured table filled from M = 1),
-    else scaled_mm."""
+    takes the generated kernel for fp8_blockwise's pairs (the measured table filled from
+    M = 1), else scaled_mm."""
     from fp4gen import gemm_dispatch
     from fp4gen.compiler import jit
     from fp4gen.runtime import fp8_gemm
@@ -423,7 +423,7 @@ def fp8_stand_ins(route: str, scaled_mm: _ScaledMm, launches: _Launches) -> Iter
             from fp4gen.codegen.gemm_fp8 import pair_name
 
             fa, fb = fp8_blockwise_formats()
-            table = {pair_name(fa, fb): 1}
+            table = {pair_name(fa, fb): 1, pair_name(fa, fa): 1}  # fprop / dgrad, wgrad
         stack.enter_context(mock.patch.dict(fp8_gemm.CUTE_AUTO_MIN_M, table, clear=True))
         yield
 

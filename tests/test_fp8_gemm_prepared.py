@@ -48,7 +48,7 @@ class ComputingScaledMm:
         qa, qb = mat_a.double(), mat_b.t().double()  # [Mp, Kp], [Np, Kp]
         kb = qa.shape[1] // 128
         sa = scale_a.double().repeat_interleave(128, 1)[:, : qa.shape[1]]
-        if scale_b.shape[1] == qb.shape[0]:  # 1x128: [Np, KB] (strides (1, Np))
+        if recipe_b == torch.nn.functional.ScalingType.BlockWise1x128:  # [Np, KB]
             sb = scale_b.double().repeat_interleave(128, 1)
         else:  # 128x128: [L4, NB] (strides (1, L4)), element [kb, j]
             sb = scale_b.t()[:, :kb].double().repeat_interleave(128, 0)
@@ -84,9 +84,9 @@ def same_tensor(got: Any, want: Any) -> bool:
     return torch.equal(got, want)
 
 
-def operands(m: int, n: int, k: int, seed: int = 0) -> tuple[Any, list[Any]]:
+def operands(m: int, n: int, k: int, seed: int = 0, fb: Any = FB) -> tuple[Any, list[Any]]:
     gen = torch.Generator().manual_seed(seed)
-    b = on_cuda0(quantize(torch.randn(n, k, generator=gen), FB))
+    b = on_cuda0(quantize(torch.randn(n, k, generator=gen), fb))
     acts = [on_cuda0(quantize(torch.randn(m, k, generator=gen), FA)) for _ in range(3)]
     return b, acts
 
@@ -96,13 +96,14 @@ def prepared_for(a: Any, b: Any, out_dtype: torch.dtype, bias_dtype: Any = None)
     return gemm_dispatch._prepared_fp8.get(gemm_dispatch._fp8_key(a, b, out_dtype, bias_dtype))
 
 
+@pytest.mark.parametrize("fb", [FB, FA], ids=["128x128 B", "1x128 B"])  # fprop / dgrad, wgrad
 @pytest.mark.parametrize("fresh_weight", [False, True])
 @pytest.mark.parametrize("shape", [(128, 256, 512), (40, 72, 200)])  # aligned, padded M, N, K
-def test_a_prepared_scaled_mm_call_is_the_full_path_bit_for_bit(shape, fresh_weight) -> None:
+def test_a_prepared_scaled_mm_call_is_the_full_path_bit_for_bit(shape, fresh_weight, fb) -> None:
     """One weight, or a new weight per call (new tensors: a training step's quantize)."""
     m, n, k = shape
-    b, (a0, a1, a2) = operands(m, n, k)
-    b2 = on_cuda0(quantize(torch.randn(n, k, generator=torch.Generator().manual_seed(9)), FB))
+    b, (a0, a1, a2) = operands(m, n, k, fb=fb)
+    b2 = on_cuda0(quantize(torch.randn(n, k, generator=torch.Generator().manual_seed(9)), fb))
     scaled_mm = ComputingScaledMm()
     gemm_dispatch._prepared_fp8.clear()
     with host_keys.fp8_stand_ins("scaled_mm", scaled_mm, host_keys._Launches()):
@@ -125,15 +126,16 @@ def test_a_prepared_scaled_mm_call_is_the_full_path_bit_for_bit(shape, fresh_wei
         assert by_prepared[1] is by_full[1] and by_prepared[4] is by_full[4]
 
 
+@pytest.mark.parametrize("fb", [FB, FA], ids=["128x128 B", "1x128 B"])
 @pytest.mark.parametrize("fresh_weight", [False, True])
 @pytest.mark.parametrize("shape", [(128, 256, 512), (40, 72, 200)])
-def test_a_prepared_generated_kernel_call_is_the_full_path(shape, fresh_weight) -> None:
+def test_a_prepared_generated_kernel_call_is_the_full_path(shape, fresh_weight, fb) -> None:
     """The same arguments in the same order (C a new contiguous [M, N] of the kernel's output
     dtype), the same result, for bf16 (the kernel's own) and fp16 outputs (fp32 from the
     kernel, rounded after)."""
     m, n, k = shape
-    b, (a0, a1, a2) = operands(m, n, k, seed=1)
-    b2 = on_cuda0(quantize(torch.randn(n, k, generator=torch.Generator().manual_seed(8)), FB))
+    b, (a0, a1, a2) = operands(m, n, k, seed=1, fb=fb)
+    b2 = on_cuda0(quantize(torch.randn(n, k, generator=torch.Generator().manual_seed(8)), fb))
     kernel = RecordingKernel()
     for out_dtype in (torch.bfloat16, torch.float16):
         kernel.calls.clear()
