@@ -42,11 +42,12 @@ def operand(rows: int, k: int, fmt, seed: int):
 @pytest.mark.parametrize("route", ["scaled_mm", "generated"])
 @pytest.mark.parametrize("shape", [(256, 512, 1024), (200, 136, 300)])
 @pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float32])
-def test_prepared_fp8_calls_give_the_full_path_bits(route, shape, out_dtype) -> None:
+@pytest.mark.parametrize("fb", [FB, FA], ids=["128x128 B", "1x128 B"])  # fprop / dgrad, wgrad
+def test_prepared_fp8_calls_give_the_full_path_bits(route, shape, out_dtype, fb) -> None:
     m, n, k = shape
-    table = {pair_name(FA, FB): 1} if route == "generated" else {}
+    table = {pair_name(FA, fb): 1} if route == "generated" else {}
     kind = fp8_gemm.PreparedCuteFp8 if route == "generated" else fp8_gemm.PreparedBlockScaled
-    weights = [operand(n, k, FB, 100 + i) for i in range(2)]
+    weights = [operand(n, k, fb, 100 + i) for i in range(2)]
     acts = [operand(m, k, FA, i) for i in range(3)]
     with (
         mock.patch.dict(fp8_gemm.CUTE_AUTO_MIN_M, table, clear=True),
