@@ -87,6 +87,20 @@ _prepared: weakref.WeakKeyDictionary[QuantizedTensor, Any] = weakref.WeakKeyDict
 # format and shape (a weight quantized anew per call included), launches with no dispatch; the
 # entry checks the format objects themselves, so a reused id is no match
 _prepared_fp8: dict[tuple, Any] = {}
+# Whether auto keeps prepared FP8 calls (set_fp8_prepared). Off by default until their GPU test
+# (tests/test_fp8_gemm_prepared_gpu.py: the full path's bits on scaled_mm and the generated
+# kernel) passes; the CPU tests prove them the full path's arguments, bit for bit
+_fp8_prepared_on = [False]
+
+
+def set_fp8_prepared(enabled: bool) -> bool:
+    """Whether ``backend="auto"`` keeps prepared FP8 calls (True) so that the next call like it
+    skips the dispatch (docs/gemm-sm90.md, "Host time of the FP8 GEMM"), or runs the full path
+    on every call (False, the default until their GPU test passes). Process-wide; the kept
+    calls are dropped; returns the previous setting."""
+    previous, _fp8_prepared_on[0] = _fp8_prepared_on[0], bool(enabled)
+    _prepared_fp8.clear()
+    return previous
 
 
 class GemmChoice(NamedTuple):
@@ -169,8 +183,9 @@ def _keep_fp8(
     prepared: Any,
 ) -> None:
     """Keep ``prepared`` for the auto calls like this FP8 one (``_prepared_fp8``): CUDA
-    operands only (a CPU call reaches a kernel path only where a test stands CUDA in)."""
-    if a.device.type != "cuda":
+    operands only (a CPU call reaches a kernel path only where a test stands CUDA in), and only
+    while set_fp8_prepared is on."""
+    if a.device.type != "cuda" or not _fp8_prepared_on[0]:
         return
     if len(_prepared_fp8) >= 256:  # shapes that keep changing: cleared, not grown without end
         _prepared_fp8.clear()

@@ -27,6 +27,15 @@ CUDA0 = torch.device("cuda", 0)
 FA, FB = host_keys.fp8_blockwise_formats()
 
 
+@pytest.fixture(autouse=True)
+def fp8_prepared_on():
+    """Prepared FP8 calls are off by default until their GPU test passes
+    (gemm_dispatch.set_fp8_prepared); this module tests them, so on for each test."""
+    previous = gemm_dispatch.set_fp8_prepared(True)
+    yield
+    gemm_dispatch.set_fp8_prepared(previous)
+
+
 def on_cuda0(q: Any) -> Any:
     """A new QuantizedTensor of ``q``'s tensors that says it is on cuda:0 (the stand-ins keep
     its tensors on the CPU)."""

@@ -34,6 +34,15 @@ FA = _RECIPE.operands[Operand.FPROP_ACTIVATION].format  # e4m3 1x128, fp32 scale
 FB = _RECIPE.operands[Operand.FPROP_WEIGHT].format  # e4m3 128x128
 
 
+@pytest.fixture(autouse=True)
+def fp8_prepared_on():
+    """Prepared FP8 calls are off by default until their GPU test passes
+    (gemm_dispatch.set_fp8_prepared); this module tests them, so on for each test."""
+    previous = gemm_dispatch.set_fp8_prepared(True)
+    yield
+    gemm_dispatch.set_fp8_prepared(previous)
+
+
 def operand(rows: int, k: int, fmt, seed: int):
     g = torch.Generator(device="cuda").manual_seed(seed)
     return quantize(torch.randn(rows, k, device="cuda", generator=g), fmt)
