@@ -627,10 +627,20 @@ def main() -> int:
         help="with --profile: the FP8 kernel's variant, comma-separated of overlap, c2, "
         "coalesced (or mn, ws), n192 (default: the row-major one, one partial, one CTA)",
     )
+    ap.add_argument(
+        "--fp8-prepared",
+        action="store_true",
+        help="FP8 pairs: auto keeps prepared calls (gemm_dispatch.set_fp8_prepared; off by "
+        "default until their GPU test passes), so 'host time of fp4gen.gemm' times them",
+    )
     ap.add_argument("--log", default="", help="also write the result lines to this file")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("this benchmark needs a CUDA GPU")
+    if args.fp8_prepared:
+        from fp4gen.gemm_dispatch import set_fp8_prepared
+
+        set_fp8_prepared(True)
     print(f"device: {torch.cuda.get_device_name()}, torch {torch.__version__}", flush=True)
     lines: list[str] = []
     for fmt in args.formats.split(","):
