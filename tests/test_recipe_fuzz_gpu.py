@@ -45,10 +45,14 @@ Run on a GPU (sm_90a or sm_100a)::
     FP4GEN_FUZZ_EXAMPLES=1000 pytest -m gpu tests/test_recipe_fuzz_gpu.py   # a fresh seed
     FP4GEN_FUZZ_SEED=1234 pytest -m gpu tests/test_recipe_fuzz_gpu.py   # replay a batch
     FP4GEN_FUZZ_FAILURES=DIR pytest -m gpu ...   # each failing recipe's text kept in DIR at once
+    FP4GEN_FUZZ_REPLAY=DIR pytest -m gpu tests/test_recipe_fuzz_gpu.py   # those recipes again
 
 A seed replays a batch where hypothesis is the same version: each test prints the batch's
 digest and hypothesis' version beside the seed, so two machines can tell whether they drew the
-same recipes.
+same recipes. A kept failure replays anywhere: ``FP4GEN_FUZZ_FAILURES`` also writes the
+recipe's files (DIR/<kind>-<index>/) with the seed and index its inputs were drawn from, and
+``FP4GEN_FUZZ_REPLAY=DIR`` runs the GPU tests on those recipes, with those inputs, instead of a
+drawn batch.
 """
 
 from __future__ import annotations
@@ -57,6 +61,7 @@ import contextlib
 import dataclasses
 import functools
 import hashlib
+import json
 import logging
 import math
 import os
@@ -113,6 +118,28 @@ elif "FP4GEN_FUZZ_EXAMPLES" in os.environ:
     SEED = random.randrange(2**32)  # hunting: a fresh batch, printed for the replay
 else:
     SEED = DEFAULT_SEED
+
+
+def replay_cases(folder: Path) -> list[tuple[RecipeCase, int, int]]:
+    """The recipes ``FP4GEN_FUZZ_FAILURES`` kept in ``folder`` (each DIR/<kind>-<index>/: the
+    recipe's files and replay.json), as (case, seed, index): the seed and index its inputs
+    were drawn from."""
+    cases = []
+    for kept in sorted(p for p in folder.iterdir() if (p / "replay.json").is_file()):
+        meta = json.loads((kept / "replay.json").read_text())
+        files = {
+            str(f.relative_to(kept)): f.read_bytes().decode("utf-8")
+            for f in sorted(kept.rglob("*"))
+            if f.is_file() and f.name != "replay.json"
+        }
+        cases.append((RecipeCase(files=files, main=meta["main"]), meta["seed"], meta["index"]))
+    return cases
+
+
+REPLAY = os.environ.get("FP4GEN_FUZZ_REPLAY")
+REPLAYED = replay_cases(Path(REPLAY)) if REPLAY else None
+if REPLAYED is not None:
+    EXAMPLES = len(REPLAYED)
 CPU_RECIPES = 3  # the CPU run of the harness
 STEPS = 3
 TOKENS, IN_FEATURES, HIDDEN, OUT_FEATURES = 37, 100, 52, 24  # multiples of no block or RHT
@@ -740,7 +767,7 @@ def gpu_batch(tmp_path_factory: pytest.TempPathFactory) -> list[Recipe | None]:
     if arch not in ("sm_90a", "sm_100a"):
         pytest.skip(f"no generated kernels for {arch}")
     root = tmp_path_factory.mktemp("fuzz-gpu")
-    recipes = [load_case(c, root / f"case{i}") for i, c in enumerate(batch(SEED, EXAMPLES))]
+    recipes = [load_case(drawn(i)[0], root / f"case{i}") for i in range(EXAMPLES)]
     if os.environ.get("PYTEST_XDIST_WORKER") is None:
         # one process: every kernel compiled up front in parallel, across recipes, each with a
         # plain name for its source folder (a drawn name need not be one; kernels are cached
@@ -768,20 +795,40 @@ def batch_digest(batch_seed: int, count: int) -> str:
     return hashlib.sha256(text.encode()).hexdigest()[:12]
 
 
+def drawn(index: int) -> tuple[RecipeCase, int, int]:
+    """Test ``index``'s recipe, with the seed and index its inputs are drawn from: the batch's,
+    or a kept failure's (``FP4GEN_FUZZ_REPLAY``)."""
+    if REPLAYED is not None:
+        return REPLAYED[index]
+    return batch(SEED, EXAMPLES)[index], SEED, index
+
+
 def announce() -> None:
+    if REPLAYED is not None:
+        print(f"recipe fuzz (GPU): {EXAMPLES} kept recipes from FP4GEN_FUZZ_REPLAY={REPLAY}")
+        return
     print(
         f"recipe fuzz (GPU): FP4GEN_FUZZ_SEED={SEED} FP4GEN_FUZZ_EXAMPLES={EXAMPLES} replays "
         f"(batch {batch_digest(SEED, EXAMPLES)}, hypothesis {hypothesis.__version__})"
     )
 
 
-def keep_failure(kind: str, index: int, text: str) -> None:
+def keep_failure(kind: str, index: int, text: str, case: RecipeCase | None = None) -> None:
     """With ``FP4GEN_FUZZ_FAILURES=DIR``, a failing recipe's listing and differences go to
-    DIR/<kind>-<index>.txt as the test fails, so a run cut short by a time limit keeps them."""
+    DIR/<kind>-<index>.txt as the test fails, so a run cut short by a time limit keeps them;
+    with ``case`` (test ``index``'s recipe) its files go to DIR/<kind>-<index>/ too, with the
+    seed and index its inputs came from (replay.json), which ``FP4GEN_FUZZ_REPLAY`` reads."""
     folder = os.environ.get("FP4GEN_FUZZ_FAILURES")
     if folder:
         Path(folder).mkdir(parents=True, exist_ok=True)
         (Path(folder) / f"{kind}-{index}.txt").write_text(text)
+        if case is not None:
+            _, seed, drawn_index = drawn(index)
+            kept = Path(folder) / f"{kind}-{index}"
+            kept.mkdir(exist_ok=True)
+            case.write(kept)
+            meta = {"seed": seed, "index": drawn_index, "main": case.main}
+            (kept / "replay.json").write_text(json.dumps(meta))
 
 
 @pytest.mark.parametrize("index", range(EXAMPLES))
@@ -794,13 +841,14 @@ def test_planned_kernels_match_the_reference_on_gpu(
     recipe = gpu_batch[index]
     if recipe is None:
         pytest.skip("a recipe fp4gen refuses on purpose")
-    rnd = random.Random(f"{SEED}/{index}/kernels")
+    case, seed, drawn_index = drawn(index)
+    rnd = random.Random(f"{seed}/{drawn_index}/kernels")
     results = run_planned_kernels(recipe, "cuda", "cute", rnd, caplog)
     torch.cuda.synchronize()
     bad = [f"{r.kernel} {r.shape}: {d}" for r in results for d in r.differences]
     if bad:
-        message = f"{batch(SEED, EXAMPLES)[index].listing()}\n" + "\n".join(bad[:10])
-        keep_failure("kernels", index, message)
+        message = f"{case.listing()}\n" + "\n".join(bad[:10])
+        keep_failure("kernels", index, message, case)
         pytest.fail(message)
 
 
@@ -816,8 +864,9 @@ def test_training_steps_match_the_reference_path_on_gpu(
         pytest.skip("a recipe fp4gen refuses on purpose")
     got, problems = train_and_compare(recipe, "cuda", default=True, caplog=caplog)
     if problems:
-        message = f"{batch(SEED, EXAMPLES)[index].listing()}\n" + "\n".join(problems[:10])
-        keep_failure("training", index, message)
+        case = drawn(index)[0]
+        message = f"{case.listing()}\n" + "\n".join(problems[:10])
+        keep_failure("training", index, message, case)
         pytest.fail(message)
 
 
@@ -962,6 +1011,25 @@ def test_every_reason_the_planner_gives_is_documented(tmp_path: Path) -> None:
             assert kind is not None, f"undocumented reason: {reason}\n{case.listing()}"
             seen.add(kind)
     assert {"high precision operand", "block length", "no native sm_100a MMA"} <= seen
+
+
+def test_a_kept_failure_replays_as_the_recipe_and_inputs_it_was(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """FP4GEN_FUZZ_FAILURES keeps a failing recipe's files with the seed and index of its
+    inputs; replay_cases (FP4GEN_FUZZ_REPLAY) reads back the same case, seed and index."""
+    import test_recipe_fuzz_gpu as fuzz
+
+    case = RecipeCase(
+        files={"main.fp4r": 'import "lib/ref.fp4r"\n# é\n', "lib/ref.fp4r": "format f = nvfp4\n"}
+    )
+    monkeypatch.setattr(fuzz, "REPLAYED", [(case, 1234, 17)])  # test 0 is batch 1234's 17th
+    monkeypatch.setenv("FP4GEN_FUZZ_FAILURES", str(tmp_path / "kept"))
+    fuzz.keep_failure("kernels", 0, "listing", case)
+    monkeypatch.setattr(fuzz, "REPLAYED", None)
+    ((got, seed, index),) = fuzz.replay_cases(tmp_path / "kept")
+    assert (got.files, got.main, seed, index) == (case.files, case.main, 1234, 17)
+    assert (tmp_path / "kept" / "kernels-0.txt").read_text() == "listing"
 
 
 def test_a_failure_is_kept_as_it_happens(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
