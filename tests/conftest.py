@@ -23,6 +23,7 @@ def pytest_configure(config: pytest.Config) -> None:
 
 def pytest_runtest_logreport(report: pytest.TestReport) -> None:
     path = os.environ.get("FP4GEN_TEST_FAILURES")
-    if path and report.failed:
+    # under xdist the controller writes it (a worker's report reaches it at once), not both
+    if path and report.failed and "PYTEST_XDIST_WORKER" not in os.environ:
         with open(path, "a") as out:  # one append per report: workers' lines do not interleave
             out.write(f"\n===== {report.nodeid} [{report.when}]\n{report.longreprtext}\n")
