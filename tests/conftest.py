@@ -10,6 +10,7 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
 
 import pytest
 import torch
@@ -19,6 +20,17 @@ def pytest_configure(config: pytest.Config) -> None:
     workers = os.environ.get("PYTEST_XDIST_WORKER_COUNT")
     if workers and workers.isdigit() and int(workers) > 0:
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(workers)))
+
+
+@pytest.fixture
+def fp8_prepared_on() -> Iterator[None]:
+    """Prepared FP8 calls on for a test (``gemm_dispatch.set_fp8_prepared``: off by default
+    until their GPU test passes), put back after."""
+    from fp4gen import gemm_dispatch
+
+    previous = gemm_dispatch.set_fp8_prepared(True)
+    yield
+    gemm_dispatch.set_fp8_prepared(previous)
 
 
 def pytest_runtest_logreport(report: pytest.TestReport) -> None:

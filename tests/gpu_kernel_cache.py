@@ -22,13 +22,14 @@ from fp4gen.compiler.build import CompileTask, compile_all
 from fp4gen.compiler.cache import KernelCache
 
 
-def shared_root(tmp_path_factory: pytest.TempPathFactory, name: str) -> Path:
+def shared_root(tmp_path_factory: pytest.TempPathFactory | None, name: str) -> Path:
     """``$FP4GEN_GPU_TEST_CACHE``, else ``name`` in the run's temporary directory: the one
     above the worker's own under xdist, which every worker of the run shares."""
     given = os.environ.get("FP4GEN_GPU_TEST_CACHE")
     if given:
         root = Path(given)
     else:
+        assert tmp_path_factory is not None, "no $FP4GEN_GPU_TEST_CACHE: the run's temp dir"
         base = tmp_path_factory.getbasetemp()
         root = (base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base) / name
     root.mkdir(parents=True, exist_ok=True)
@@ -36,15 +37,19 @@ def shared_root(tmp_path_factory: pytest.TempPathFactory, name: str) -> Path:
 
 
 def compiled_cache(
-    tmp_path_factory: pytest.TempPathFactory,
+    tmp_path_factory: pytest.TempPathFactory | None,
     name: str,
     specs: Iterable[Any],
     render: Callable[[Any], str],
     arch: str,
+    root: Path | None = None,
 ) -> KernelCache:
     """A KernelCache holding every kernel of ``specs`` (each rendered by ``render``) for
-    ``arch``, compiled by the first worker that asks (module docstring)."""
-    root = shared_root(tmp_path_factory, name)
+    ``arch``, compiled by the first worker that asks (module docstring); in ``root`` where
+    given (e.g. the cache ``fp4gen.gemm`` loads from), else the run's shared ``name``."""
+    if root is None:
+        root = shared_root(tmp_path_factory, name)
+    root.mkdir(parents=True, exist_ok=True)
     cache = KernelCache(root)
     with FileLock(str(root) + ".lock"):
         tasks: dict[tuple[str, str], CompileTask] = {}

@@ -6,17 +6,22 @@ to what the uncached path computes."""
 from __future__ import annotations
 
 import contextlib
+import sys
+from pathlib import Path
 from unittest import mock
 
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
 import fp4gen
 from fp4gen.compiler import jit
 from fp4gen.formats import BUILTIN_FORMATS, BlockFormat, ScaleSpec
 from fp4gen.numerics import gemm_block_scaled_reference, quantize
 from fp4gen.runtime import fp8_gemm
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
+
+import host_keys  # noqa: E402  (its OpCount: the aten ops a call issues)
 
 E4M3 = BUILTIN_FORMATS["mxfp8_e4m3"].element
 ROW = BlockFormat("fp8_block", E4M3, (1, 128), ScaleSpec(None))
@@ -92,18 +97,6 @@ def test_torch_build_is_checked_once() -> None:
         assert find.call_count == 1
 
 
-class _CountOps(TorchDispatchMode):
-    """The aten ops run under it (on a GPU each computing op is a kernel launch)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.ops: list[str] = []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.ops.append(str(func))
-        return func(*args, **(kwargs or {}))
-
-
 def test_a_call_with_a_known_weight_launches_only_the_a_scale_pass_and_the_gemm() -> None:
     """fp4gen.gemm on the fp8_blockwise pair with CUDA stood in for (CPU tensors, scaled_mm
     replaced by the oracle): the same result as before the caching, and per call after the
@@ -136,7 +129,7 @@ def test_a_call_with_a_known_weight_launches_only_the_a_scale_pass_and_the_gemm(
         stack.enter_context(mock.patch.object(fp8_gemm, "torch_reason", lambda: None))
         stack.enter_context(mock.patch.object(fp8_gemm.F, "scaled_mm", scaled_mm, create=True))
         first = fp4gen.gemm(acts[0], b, out_dtype=torch.float32, backend="block_scaled")
-        with _CountOps() as counted:
+        with host_keys.OpCount() as counted:
             second = fp4gen.gemm(acts[1], b, out_dtype=torch.float32, backend="block_scaled")
         fp8_gemm._b_operands.clear()  # the uncached path: B converted again
         uncached = fp4gen.gemm(acts[1], b, out_dtype=torch.float32, backend="block_scaled")

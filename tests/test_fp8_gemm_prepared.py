@@ -27,13 +27,8 @@ CUDA0 = torch.device("cuda", 0)
 FA, FB = host_keys.fp8_blockwise_formats()
 
 
-@pytest.fixture(autouse=True)
-def fp8_prepared_on():
-    """Prepared FP8 calls are off by default until their GPU test passes
-    (gemm_dispatch.set_fp8_prepared); this module tests them, so on for each test."""
-    previous = gemm_dispatch.set_fp8_prepared(True)
-    yield
-    gemm_dispatch.set_fp8_prepared(previous)
+# prepared FP8 calls are off by default until their GPU test passes: on for each test here
+pytestmark = pytest.mark.usefixtures("fp8_prepared_on")
 
 
 def on_cuda0(q: Any) -> Any:

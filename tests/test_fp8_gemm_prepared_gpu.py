@@ -27,20 +27,13 @@ pytestmark = [
         torch.cuda.is_available() and torch.cuda.get_device_capability() != (9, 0),
         reason="the block-scaled FP8 GEMMs run on sm_90 only",
     ),
+    # prepared FP8 calls are off by default until this test passes: on for each test here
+    pytest.mark.usefixtures("fp8_prepared_on"),
 ]
 
 _RECIPE = fp4gen.load_recipe("fp8_blockwise")
 FA = _RECIPE.operands[Operand.FPROP_ACTIVATION].format  # e4m3 1x128, fp32 scales
 FB = _RECIPE.operands[Operand.FPROP_WEIGHT].format  # e4m3 128x128
-
-
-@pytest.fixture(autouse=True)
-def fp8_prepared_on():
-    """Prepared FP8 calls are off by default until their GPU test passes
-    (gemm_dispatch.set_fp8_prepared); this module tests them, so on for each test."""
-    previous = gemm_dispatch.set_fp8_prepared(True)
-    yield
-    gemm_dispatch.set_fp8_prepared(previous)
 
 
 def operand(rows: int, k: int, fmt, seed: int):

@@ -46,19 +46,17 @@ kernel cache.
 from __future__ import annotations
 
 import itertools
-import os
 import zlib
 
 import pytest
 import torch
-from filelock import FileLock
+from gpu_kernel_cache import compiled_cache
 
 import fp4gen
 from fp4gen.codegen.gemm import CANDIDATES, TILES, SmallMTile, gemm_spec, pick_tile
 from fp4gen.codegen.gemm_configs import FUSED_MAX_M
 from fp4gen.compiler import jit
-from fp4gen.compiler.build import CompileTask, compile_all
-from fp4gen.compiler.cache import KernelCache, default_root
+from fp4gen.compiler.cache import default_root
 from fp4gen.formats import BUILTIN_FORMATS
 from fp4gen.gemm_dispatch import auto_backend
 from fp4gen.numerics import QuantizedTensor, gemm_reference, quantize
@@ -429,17 +427,4 @@ def used_specs() -> list:
 def compiled_kernels() -> None:
     """Compile every kernel of this file in worker processes into the kernel cache that
     fp4gen.gemm loads from (a few seconds instead of a minute of compiles one by one)."""
-    cache = KernelCache(default_root())
-    cache.root.mkdir(parents=True, exist_ok=True)
-    # one xdist worker compiles, the others then find the kernels (tests/gpu_kernel_cache.py)
-    with FileLock(str(cache.root) + ".lock"):
-        tasks = []
-        for spec in used_specs():
-            source = jit.render_source(spec)
-            path = str(cache.store_source(source))
-            key = jit.kernel_key(cache, source, "gemm", ARCH)
-            if cache.lookup(key[0]) is None:
-                tasks.append(CompileTask(path, "gemm", ARCH, None, spec.name, key))
-        results = compile_all(tasks, cache=cache, jobs=max(2, (os.cpu_count() or 2) - 1))
-    failed = {k: r.get("status") for k, r in results.items() if r.get("status") != "ok"}
-    assert not failed, f"compile failures: {list(failed.items())[:3]}"
+    compiled_cache(None, "", used_specs(), jit.render_source, ARCH, root=default_root())

@@ -36,7 +36,7 @@ def test_the_second_asker_compiles_nothing(tmp_path, monkeypatch) -> None:
 
     monkeypatch.setattr(gpu_kernel_cache, "compile_all", counted)
     spec = spec_for(BUILTIN_FORMATS["nvfp4"], "nearest", None, torch.bfloat16)
-    first = compiled_cache(None, "unused", [spec], render, "sm_90a")  # type: ignore[arg-type]
-    second = compiled_cache(None, "unused", [spec], render, "sm_90a")  # type: ignore[arg-type]
+    first = compiled_cache(None, "unused", [spec], render, "sm_90a")
+    second = compiled_cache(None, "unused", [spec], render, "sm_90a")
     assert asked[0] >= 1 and asked[1] == 0  # the kernels (amax, quantize) once
     assert first.root == second.root

@@ -110,28 +110,23 @@ def test_the_fp8_routes_issue_at_most_their_ops_per_call(route, fresh_weight) ->
     from fp4gen.compiler import jit
     from fp4gen.runtime import fp8_gemm
 
-    before = (
-        dict(jit._archs),
-        dict(fp8_gemm.CUTE_AUTO_MIN_M),
-        fp8_gemm.cute_kernel,
-        fp8_gemm.F.__dict__.get("scaled_mm"),
-        dict(gemm_dispatch._choices),
-        dict(gemm_dispatch._prepared_fp8),
-    )
+    def state() -> tuple:  # what the stand-ins replace or fill while they run
+        return (
+            dict(jit._archs),
+            dict(fp8_gemm.CUTE_AUTO_MIN_M),
+            fp8_gemm.cute_kernel,
+            fp8_gemm.F.__dict__.get("scaled_mm"),
+            dict(gemm_dispatch._choices),
+            dict(gemm_dispatch._prepared_fp8),
+        )
+
+    before = state()
     got = host_keys.fp8_gemm_call(route, 256, 256, 512, calls=20, fresh_weight=fresh_weight)
     ops, launching = FP8_OPS[(route, fresh_weight)]
     assert got.gemms == 1 and got.us > 0.0
     assert got.ops <= ops and got.launching <= launching, got.names
     assert len(got.names) == got.ops
-    after = (
-        dict(jit._archs),
-        dict(fp8_gemm.CUTE_AUTO_MIN_M),
-        fp8_gemm.cute_kernel,
-        fp8_gemm.F.__dict__.get("scaled_mm"),
-        dict(gemm_dispatch._choices),
-        dict(gemm_dispatch._prepared_fp8),
-    )
-    assert after == before
+    assert state() == before
 
 
 def test_the_op_count_sorts_views_allocations_and_launches() -> None:
