@@ -74,13 +74,15 @@ class _NoGraph:
 def stand_ins(graphs: layer_graphs.LayerGraphs) -> Iterator[None]:
     """CUDA stood in for while the block runs (everything put back after): one stream, never
     capturing; captures make a ``_NoGraph`` (running the function once for its meta, as a
-    capture does); results at the same addresses per key; every layer's graphs are ``graphs``."""
+    capture does); results at the same addresses per key; every layer's graphs are ``graphs``.
+    Results and static outputs are zeros: no replay writes them, and values left in new memory
+    would flow into the next layer's reference numerics (an overflow there raised at random)."""
     made: dict[Any, tuple] = {}
 
     def fresh(shapes: tuple, device: torch.device) -> tuple:
         if shapes not in made:
             made[shapes] = tuple(
-                None if s is None else torch.empty(s[0], dtype=s[1], device=device) for s in shapes
+                None if s is None else torch.zeros(s[0], dtype=s[1], device=device) for s in shapes
             )
         return made[shapes]
 
@@ -88,7 +90,7 @@ def stand_ins(graphs: layer_graphs.LayerGraphs) -> Iterator[None]:
         inputs = outputs = None
         if not in_place:  # a graph on static buffers, copied into and out of per call
             inputs = tuple(t.clone() for t in activations)
-            outputs = tuple(None if r is None else torch.empty_like(r) for r in results)
+            outputs = tuple(None if r is None else torch.zeros_like(r) for r in results)
         found = layer_graphs._Graph(_NoGraph(), inputs, outputs, ())  # type: ignore[arg-type]
         found.meta = fn(*activations, *params)[1]
         return found
@@ -196,7 +198,8 @@ def siblings(
 
 
 def _fresh_tensors(shapes: tuple, device: torch.device) -> tuple:
-    return tuple(None if s is None else torch.empty(s[0], dtype=s[1]) for s in shapes)
+    # zeros, not new memory's leftovers: no replay writes them and they feed the next layer
+    return tuple(None if s is None else torch.zeros(s[0], dtype=s[1]) for s in shapes)
 
 
 def _no_addresses(tensors: tuple) -> tuple:
