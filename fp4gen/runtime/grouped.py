@@ -324,7 +324,7 @@ def _fprop(
     """``GroupedProjection``'s forward: y [T, out] in the groups' output dtype, each expert's
     operands quantized as ``Linear._fprop`` quantizes them."""
     with finite.layer_scope():  # non-finite inputs: propagated as NaN, or raised at the end
-        values, weights, alphas = [], [], []
+        values, weights, alphas, pairs = [], [], [], []
         start = 0
         k = groups.layers[0].fprop_k(groups.layers[0].operands, x.shape[1])
         # every expert's tokens in one launch where the grouped kernels serve (else None: each
@@ -379,10 +379,12 @@ def _fprop(
             values.append(x_values)
             weights.append(w_values)
             alphas.append(alpha)
+            pairs.append((xq, wq))
         counts = torch.tensor(groups.counts, device=x.device)
         a = torch.cat(values) if x_all is None else x_all
         b = torch.stack(weights) if w_all is None else w_all.reshape(len(groups.experts), n_out, -1)
-        c = group_rows(a, b, _ends(groups.counts))
+        c = _native(pairs, by_rows=True)
+        c = group_rows(a, b, _ends(groups.counts)) if c is None else c
         alpha = torch.cat(alphas).repeat_interleave(counts)[:, None]
         bias_rows = None
         if bias is not None:
@@ -550,6 +552,7 @@ def _grads(
     """dx [T, in] (x's dtype) and dW (the weight's shape and dtype) by a grouped dgrad and a
     grouped wgrad; each expert's operands quantized as ``Linear._grads`` quantizes them."""
     dy_values, w_values, dy_alphas, rows = [], [], [], []
+    dgrad_pairs, wgrad_pairs = [], []
     gt_values, xt_values, w_alphas, padded = [], [], [], []
     start = padded_start = 0
     n_out = dy.shape[1]
@@ -617,21 +620,37 @@ def _grads(
         xt_values.append(xt_v)
         w_alphas.append(wgrad_alpha)
         padded.append(tokens)
+        dgrad_pairs.append((dyq, w_col))
+        wgrad_pairs.append((dyq_t, xq_t))
     # dgrad: the padded token rows of every expert, then the real rows taken back
     if w_col_all is None:
         w_stack = torch.stack(w_values)
     else:
         w_stack = w_col_all.reshape(len(groups.experts), n_in, -1)
-    c = group_rows(torch.cat(dy_values), w_stack, _ends(padded))
+    c = _native(dgrad_pairs, by_rows=True)
+    c = group_rows(torch.cat(dy_values), w_stack, _ends(padded)) if c is None else c
     real = torch.cat(rows)
     dx = _scaled(c[real], torch.cat(dy_alphas)[real][:, None], None, x.dtype)
     # wgrad: the experts' token columns side by side, one group each
-    c = group_k(torch.cat(gt_values, dim=1), torch.cat(xt_values, dim=1), _ends(padded))
+    c = _native(wgrad_pairs, by_rows=False)
+    if c is None:
+        c = group_k(torch.cat(gt_values, dim=1), torch.cat(xt_values, dim=1), _ends(padded))
     dw_groups = _scaled(c, torch.cat(w_alphas)[:, None, None], None, weight.dtype)[:, :n_out]
     dw = torch.zeros_like(weight)
     index = torch.tensor(groups.experts, device=weight.device)
     dw.index_copy_(0, index, dw_groups.transpose(1, 2) if groups.transposed else dw_groups)
     return dx, dw
+
+
+def _native(pairs: list[tuple[Any, Any]], *, by_rows: bool) -> torch.Tensor | None:
+    """On sm_100a GPUs the product of the groups' quantized pairs on the block-scaled MMA, from
+    the codes, without global scales (``fp4gen.runtime.blackwell_grouped.native_products``:
+    ``group_rows``' or ``group_k``'s shape); None elsewhere (the product above is taken)."""
+    if not pairs or pairs[0][0].device.type != "cuda":
+        return None
+    from fp4gen.runtime.blackwell_grouped import native_products
+
+    return native_products(pairs, by_rows=by_rows)
 
 
 def pass_reason(table: Any) -> str | None:
