@@ -114,6 +114,9 @@ class GemmSm90Fp8Params:
     # quad of lanes by shuffles, fp32 column pairs as 8-byte stores (off: one 2- or 4-byte
     # store per element, 8 or 16 of every 32 bytes written used)
     wide_stores: bool = False
+    # M-grouped (fp4gen.kernels.gemm_sm90_fp8_grouped): A's rows in groups at device offsets,
+    # B one [N, K] matrix per group; no output tile spans two groups
+    grouped: bool = False
 
     def __post_init__(self) -> None:
         reason = block_k_reason(self.block_k)
@@ -139,6 +142,9 @@ class GemmSm90Fp8Params:
                 f"overlap holds two K-blocks of {self.ktiles_per_block} stages; "
                 f"{self.num_stages} stages are too few"
             )
+        if reason is None and self.grouped and (self.cluster_m != 1 or self.mn_major_scales):
+            # a group's tiles start at any row: no 16-byte scale chunks, no cluster pairs
+            reason = "grouped takes cluster_m 1 and row-major scales"
         if reason is not None:
             raise ValueError(f"GemmSm90Fp8Params: {reason}")
 
@@ -205,6 +211,7 @@ class GemmSm90Fp8Params:
         extra += f"_c{self.cluster_m}x1" if self.cluster_m > 1 else ""
         extra += "_mn" if self.mn_major_scales else ""
         extra += "_ws" if self.wide_stores else ""
+        extra += "_grouped" if self.grouped else ""
         return (
             f"fp8gemm_{self.a_element}_1x{self.block_k}_{self.b_element}_{b}_{self.scale_kind}"
             f"_{self.out}{extra}_m{self.tile_m}n{self.tile_n}s{self.num_stages}"
@@ -355,6 +362,7 @@ class GemmSm90Fp8Kernel:
     adds ``mBias`` after ``mC``."""
 
     TAKES_BIAS: ClassVar[bool] = False
+    GROUPED: ClassVar[bool] = False  # the launch takes the groups' offsets (grouped variant)
     MMA_WARPGROUPS: ClassVar[int] = 2
     PRODUCER_WARP: ClassVar[int] = 8  # the first warp of the third warpgroup
     THREADS: ClassVar[int] = 384
@@ -365,6 +373,11 @@ class GemmSm90Fp8Kernel:
         if params.bias != self.TAKES_BIAS:
             raise ValueError(
                 f"{type(self).__name__} takes bias={self.TAKES_BIAS}; the params say {params.bias}"
+            )
+        if params.grouped != self.GROUPED:
+            raise ValueError(
+                f"{type(self).__name__} takes grouped={self.GROUPED}; the params say "
+                f"{params.grouped}"
             )
         self.p = params
         self.a_dtype = ELEMENTS[params.a_element]
@@ -399,9 +412,11 @@ class GemmSm90Fp8Kernel:
         mBias: cute.Tensor | None,
         max_ctas: Int32,
         stream: cuda.CUstream,
+        mOffs: cute.Tensor | None = None,
     ):
         """The TMA atoms, shared-memory layouts and the persistent grid. The codes come as
-        uint8 tensors (what every fp4gen kernel takes) and are read as their FP8 type."""
+        uint8 tensors (what every fp4gen kernel takes) and are read as their FP8 type.
+        ``mOffs`` (grouped): the groups' first rows, int32 [G + 1]."""
         p = self.p
         mA = cute.make_tensor(cute.recast_ptr(mA.iterator, dtype=self.a_dtype), mA.layout)
         mB = cute.make_tensor(cute.recast_ptr(mB.iterator, dtype=self.b_dtype), mB.layout)
@@ -459,6 +474,8 @@ class GemmSm90Fp8Kernel:
         m_tiles = (mC.shape[0] + (p.tile_m - 1)) // p.tile_m
         n_tiles = (mC.shape[1] + (p.tile_n - 1)) // p.tile_n
         units = (m_tiles + (p.cluster_m - 1)) // p.cluster_m * n_tiles  # a cluster's tiles
+        if const_expr(p.grouped):  # at most one partial M-tile more per group
+            units = (m_tiles + mOffs.shape[0] - 1) * n_tiles
         ctas = cutlass.min(units, max_ctas // p.cluster_m) * p.cluster_m
         self.kernel(
             tma_atom_a,
@@ -475,6 +492,7 @@ class GemmSm90Fp8Kernel:
             mma_add,
             sA_layout,
             sB_layout,
+            mOffs,
         ).launch(
             grid=[ctas, 1, 1],
             block=[self.THREADS, 1, 1],
@@ -515,6 +533,7 @@ class GemmSm90Fp8Kernel:
         mma_add: cute.TiledMma,
         sA_layout: cute.ComposedLayout,
         sB_layout: cute.ComposedLayout,
+        mOffs: cute.Tensor | None,
     ):
         p = self.p
         stages = p.num_stages
@@ -534,6 +553,8 @@ class GemmSm90Fp8Kernel:
         # the units u = cluster, cluster + clusters, ...; this CTA takes row rank of each
         m_units = (m_tiles + (p.cluster_m - 1)) // p.cluster_m
         units = m_units * n_tiles
+        if const_expr(p.grouped):  # every group's tiles (gemm_sm90_fp8_grouped)
+            units = self.group_tile_count(mOffs, n_tiles)
         rank = bidx % p.cluster_m
         cluster = bidx // p.cluster_m
         clusters = nctas // p.cluster_m
@@ -593,11 +614,23 @@ class GemmSm90Fp8Kernel:
             sfb_cols = mSFB.shape[1]
             last_a = mSFA.shape[0] - 1
             last_b = mSFB.shape[0] - 1
+            if const_expr(p.grouped):  # the walk's group, its first tile and its M-tiles
+                g, first, mt = self.walk_start(mOffs)
             for i in cutlass.range(my_tiles, unroll=1):
-                m_unit, n_tile = self.tile_origin(cluster + i * clusters, m_units, n_tiles)
-                m_tile = m_unit * p.cluster_m + rank
-                m0 = m_tile * p.tile_m
-                n0 = n_tile * p.tile_n
+                if const_expr(p.grouped):
+                    t = cluster + i * clusters
+                    g, first, mt = self.walk_to(t, g, first, mt, mOffs, n_tiles)
+                    m_tile, n_tile = self.tile_origin(t - first, mt, n_tiles)
+                    m0 = mOffs[g] + m_tile * p.tile_m  # A's and C's row
+                    n0 = n_tile * p.tile_n  # the column in the group's [N, K] B
+                    b_row0 = g * self.b_scale_rows(N)  # the group's first scale row of B
+                    tAgA_t = self.rows_at(tma_atom_a, mA_tma, sA, m0, p.tile_m)
+                    tBgB_t = self.rows_at(tma_atom_b, mB_tma, sB, g * N + n0, p.tile_n)
+                else:
+                    m_unit, n_tile = self.tile_origin(cluster + i * clusters, m_units, n_tiles)
+                    m_tile = m_unit * p.cluster_m + rank
+                    m0 = m_tile * p.tile_m
+                    n0 = n_tile * p.tile_n
                 for kt in cutlass.range(k_tiles, unroll=1):
                     s_lin = i * k_tiles + kt
                     st = s_lin % stages
@@ -605,15 +638,21 @@ class GemmSm90Fp8Kernel:
                     with cute.arch.elect_one():
                         cute.arch.mbarrier_arrive_and_expect_tx(full + st, tx_bytes)
                     # cute.copy elects its own thread: called by the whole warp
-                    cute.copy(tma_atom_a, tAgA[(None, m_tile, kt)], tAsA[(None, st)],
-                              tma_bar_ptr=full + st)  # fmt: skip
-                    if const_expr(p.cluster_m > 1):
-                        cute.copy(tma_atom_b, tBgB[(None, n_tile, kt)], tBsB[(None, st)],
-                                  tma_bar_ptr=full + st,
-                                  mcast_mask=cutlass.Int16((1 << p.cluster_m) - 1))  # fmt: skip
-                    else:
-                        cute.copy(tma_atom_b, tBgB[(None, n_tile, kt)], tBsB[(None, st)],
+                    if const_expr(p.grouped):  # the group's rows, at any offset
+                        cute.copy(tma_atom_a, tAgA_t[(None, kt)], tAsA[(None, st)],
                                   tma_bar_ptr=full + st)  # fmt: skip
+                        cute.copy(tma_atom_b, tBgB_t[(None, kt)], tBsB[(None, st)],
+                                  tma_bar_ptr=full + st)  # fmt: skip
+                    else:
+                        cute.copy(tma_atom_a, tAgA[(None, m_tile, kt)], tAsA[(None, st)],
+                                  tma_bar_ptr=full + st)  # fmt: skip
+                        if const_expr(p.cluster_m > 1):
+                            cute.copy(tma_atom_b, tBgB[(None, n_tile, kt)], tBsB[(None, st)],
+                                      tma_bar_ptr=full + st,
+                                      mcast_mask=cutlass.Int16((1 << p.cluster_m) - 1))  # fmt: skip
+                        else:
+                            cute.copy(tma_atom_b, tBgB[(None, n_tile, kt)], tBsB[(None, st)],
+                                      tma_bar_ptr=full + st)  # fmt: skip
                     # the block scales of the k-tile's K-block
                     kb = kt // kpb
                     if const_expr(p.mn_major_scales):
@@ -630,7 +669,9 @@ class GemmSm90Fp8Kernel:
                                                     False)  # fmt: skip
                     else:
                         self.copy_scales_by_row(sf_base, st, sfa_g, sfb_g, sfa_cols, sfb_cols,
-                                                last_a, last_b, m0, n0, kb, lane, True)  # fmt: skip
+                                                last_a, last_b, m0, n0, kb, lane, True,
+                                                b_row0=b_row0 if const_expr(p.grouped)
+                                                else None)  # fmt: skip
                     cute.arch.cp_async_mbarrier_arrive_noinc(full + st)
             cute.arch.cp_async_wait_group(0)
 
@@ -660,11 +701,25 @@ class GemmSm90Fp8Kernel:
                 _, c = tCcC[4 * j]
                 cols.append(c)
             alpha = mGA[0] * mGB[0]
+            if const_expr(p.grouped):  # the same walk as the producer's
+                g, first, mt = self.walk_start(mOffs)
             for i in cutlass.range(my_tiles, unroll=1):
-                m_unit, n_tile = self.tile_origin(cluster + i * clusters, m_units, n_tiles)
-                m_tile = m_unit * p.cluster_m + rank
-                m0 = m_tile * p.tile_m
-                n0 = n_tile * p.tile_n
+                if const_expr(p.grouped):
+                    t = cluster + i * clusters
+                    g, first, mt = self.walk_to(t, g, first, mt, mOffs, n_tiles)
+                    m_tile, n_tile = self.tile_origin(t - first, mt, n_tiles)
+                    m0 = mOffs[g] + m_tile * p.tile_m
+                    n0 = n_tile * p.tile_n
+                    # the group's S_a S_b, last row (rows past it are the next group's) and bias
+                    tile_alpha = mGA[g] * mGB[g]
+                    m_end = mOffs[g + 1]
+                    tile_bias = self.group_bias(mBias, g, N)
+                else:
+                    m_unit, n_tile = self.tile_origin(cluster + i * clusters, m_units, n_tiles)
+                    m_tile = m_unit * p.cluster_m + rank
+                    m0 = m_tile * p.tile_m
+                    n0 = n_tile * p.tile_n
+                    tile_alpha, m_end, tile_bias = alpha, M, mBias
                 total.fill(0.0)
                 if const_expr(p.overlap):
                     ks = (full, empty, sf_base, lane, i * k_tiles, row0, row1, cols, n0)
@@ -710,15 +765,16 @@ class GemmSm90Fp8Kernel:
 
                 # ---- epilogue: registers -> global, predicated
                 if const_expr(p.wide_stores):
-                    self.store_tile_wide(mC, mBias, total, alpha, (m0 + row0, m0 + row1),
-                                         n0, cols, lane)  # fmt: skip
+                    self.store_tile_wide(mC, tile_bias, total, tile_alpha,
+                                         (m0 + row0, m0 + row1), n0, cols, lane,
+                                         m_end if const_expr(p.grouped) else None)  # fmt: skip
                 else:
                     for e in range_constexpr(cute.size(total)):
                         mm, nn = tCcC[e]
                         gm = m0 + mm
                         gn = n0 + nn
-                        if (gm < M) & (gn < N):
-                            self.store_output(mC, mBias, gm, gn, total[e] * alpha)
+                        if (gm < m_end) & (gn < N):
+                            self.store_output(mC, tile_bias, gm, gn, total[e] * tile_alpha)
 
         if const_expr(p.cluster_m > 1):  # no CTA leaves while its peer may still arrive on it
             cute.arch.cluster_arrive()
@@ -727,13 +783,14 @@ class GemmSm90Fp8Kernel:
     @cute.jit
     def copy_scales_by_row(
         self, sf_base, st, sfa_g, sfb_g, sfa_cols, sfb_cols, last_a, last_b, m0, n0, kb, lane,
-        with_a: cutlass.Constexpr,
+        with_a: cutlass.Constexpr, b_row0=None,
     ):  # fmt: skip
         """The K-block's scales from the row-major [R, KB] tensors into stage ``st``: one
         4-byte cp.async per row of A (``with_a``: else B's alone) and per column of C (B's
         row, or n // block_k for tiles; with MN-major A scales and one or two B scales per
         tile, only the words the consumers read). Rows past M / N are clamped to the last
-        (they only feed outputs that are never stored)."""
+        (they only feed outputs that are never stored). ``b_row0`` (grouped): the group's first
+        row of B's scales."""
         p = self.p
         if const_expr(p.scale_kind == "fp32"):  # noqa: SIM108 (the DSL traces statements)
             col_bytes = kb * 4
@@ -765,6 +822,8 @@ class GemmSm90Fp8Kernel:
                     n = n0 + (row - p.tile_m)
                     if const_expr(p.b_2d):
                         n = n // p.block_k
+                    if const_expr(b_row0 is not None):  # grouped: the group's scale rows
+                        n = b_row0 + n
                     grow = cutlass.min(n, last_b)
                     src = sfb_g + Int64(grow) * Int64(sfb_cols * elem) + Int64(col_bytes)
                     cp_async(sf_dst + row * 4, src, 4)
@@ -915,15 +974,20 @@ class GemmSm90Fp8Kernel:
                         total[e] = total[e] + partial[e] * s
 
     @cute.jit
-    def store_tile_wide(self, mC, mBias, total, alpha, rows: tuple, n0, cols: list, lane):
+    def store_tile_wide(
+        self, mC, mBias, total, alpha, rows: tuple, n0, cols: list, lane, m_end=None
+    ):
         """The epilogue with whole-sector stores (``wide_stores``): y = total * alpha
         (+ bias[n]) (+ C[m, n]) in fp32 as ``store_output`` computes it, then fp32 column pairs
         as 8-byte stores (a quad's 4 lanes: 32 contiguous bytes of a row), or bf16 pairs packed
         and transposed within the quad so that each lane holds 8 contiguous columns: 16-byte
         stores (a quad: 64 bytes of a row). Where a row's columns reach past N or N breaks the
-        alignment, the same values element by element."""
+        alignment, the same values element by element. ``m_end`` (grouped): the group's end,
+        the rows stored are those below it."""
         p = self.p
         M = mC.shape[0]
+        if const_expr(m_end is not None):
+            M = m_end
         N = mC.shape[1]
         c_addr = mC.iterator.toint()
         if const_expr(p.out == "fp32"):
@@ -1026,7 +1090,12 @@ def compile_fp8_gemm(
     """The TVM-FFI compiled kernel of ``params`` for ``arch`` (sm_90a), built against fake
     tensors with dynamic M, N and K (K % block_k == 0, checked by the caller); needs no GPU.
     With ``dump_dir`` (created if missing) the PTX is kept there. Arguments of the result: A, A's
-    scales, B, B's scales, S_a, S_b, C (, bias), max_ctas; the stream is the current torch one."""
+    scales, B, B's scales, S_a, S_b, C (, bias), max_ctas; the stream is the current torch one.
+    Grouped params: ``gemm_sm90_fp8_grouped.compile_grouped_fp8_gemm``'s kernel."""
+    if params.grouped:  # its own arguments (the offsets, B batched)
+        from fp4gen.kernels.gemm_sm90_fp8_grouped import compile_grouped_fp8_gemm
+
+        return compile_grouped_fp8_gemm(params, arch, dump_dir=dump_dir)
     if arch != "sm_90a":
         raise ValueError(f"unsupported arch {arch!r}: the FP8 wgmma kernel is sm_90a's")
     options = f"--enable-tvm-ffi --gpu-arch {arch}"
