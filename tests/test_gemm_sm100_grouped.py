@@ -163,6 +163,7 @@ CASES = {  # (A format, A block, B format, B block, A rows, B rows, K per group)
     "nvfp4_fprop": (NVFP4, None, NVFP4, None, [37, 1, 130], 64, 96),
     "nvfp4_2d_weights": (NVFP4, None, NVFP4, (16, 16), [5, 300], 48, 160),
     "nvfp4_wgrad_unequal_k": (NVFP4, None, NVFP4, None, [64, 64, 64], 40, [32, 96, 16]),
+    "nvfp4_k_padded": (NVFP4, None, NVFP4, None, [3, 9], 8, 48),  # K 48 -> 64 in the batch
     "mxfp4": (MXFP4, None, MXFP4, None, [129, 3], 36, 64),
     "mxfp8": (E4M3, None, E4M3, None, [17, 70], 20, 64),
     "mxfp8_x_mxfp6": (E4M3, None, E2M3, None, [9, 2], 8, 128),

@@ -19,7 +19,8 @@ The cost of that layout: the padded rows and K columns are copied and multiplied
 still run through the MMA), so a launch does L * ceil(M_max / tile) * ceil(N / tile) tiles
 where a group-aware scheduler would do sum_g ceil(M_g / tile) * ceil(N / tile); equal groups
 (balanced routing) waste only each group's last partial tile, one expert with all the tokens
-wastes (L - 1) / L of the work. And one host copy per group and operand builds the batch.
+wastes (L - 1) / L of the work. Host side, the batch costs one copy of the codes and one of the
+scale codes per operand (one per group where the groups' K differ) and one swizzle.
 
 The kernel writes C [L, M, N] in fp32 with alpha 1: the products of block values (element x
 block scale), no global scale. The per-group alpha S_a S_b is the caller's one fp32 multiply
@@ -110,11 +111,20 @@ def batched_operand(
     vec = groups[0].format.block[1]
     codes = torch.zeros((len(groups), rows, k * bits // 8), dtype=torch.uint8, device=device)
     scales = torch.zeros((len(groups), rows, -(-k // vec)), dtype=torch.uint8, device=device)
-    for g, q in enumerate(groups):
-        packed = packed_codes(q, bits)
-        codes[g, : q.rows, : packed.shape[1]] = packed
-        per_row = row_scales(q)
-        scales[g, : q.rows, : per_row.shape[1]] = per_row
+    packed = [packed_codes(q, bits) for q in groups]
+    per_row = [row_scales(q) for q in groups]
+    if len({q.cols for q in groups}) == 1:
+        # one K (fprop, dgrad): every group's rows in one copy per tensor
+        index = torch.cat(
+            [torch.arange(g * rows, g * rows + q.rows, device=device) for g, q in enumerate(groups)]
+        )
+        width, cols = packed[0].shape[1], per_row[0].shape[1]
+        codes.view(-1, codes.shape[2])[:, :width].index_copy_(0, index, torch.cat(packed))
+        scales.view(-1, scales.shape[2])[:, :cols].index_copy_(0, index, torch.cat(per_row))
+    else:  # a K per group (wgrad: the tokens)
+        for g, q in enumerate(groups):
+            codes[g, : q.rows, : packed[g].shape[1]] = packed[g]
+            scales[g, : q.rows, : per_row[g].shape[1]] = per_row[g]
     return codes, batched_scales(scales)
 
 
