@@ -106,12 +106,31 @@ def test_spec_names_and_tiles() -> None:
         (dict(tile_m=16, tile_n=64, warp_m=32), "multiple of warp_m"),
         (dict(tile_m=16, tile_n=64, acc_sets=2), "accumulator sets"),
         (dict(tile_m=16, tile_n=64, ktiles_per_stage=3), "k-tiles per stage"),
+        # 4 warps along K each read every 4th stage: 10 stages would let a stage change
+        # readers (a parity wait passing on a phase two rounds old), 6 with a stride of 2 too
+        (dict(tile_m=32, tile_n=64, warp_m=32, stages_fp4=10), "a multiple of 4"),
+        (dict(tile_m=16, tile_n=64, ktiles_per_stage=2, stages_fp4=5), "a multiple of 2"),
     ],
 )
 def test_small_tiles_are_validated(kwargs: dict, match: str) -> None:
     args = {"mma_warpgroups": 1, "stages_fp4": 4, **kwargs}
     with pytest.raises(ValueError, match=match):
         SmallMTile(**args)
+
+
+def test_every_stage_is_always_read_by_the_same_warps() -> None:
+    """Each small-M tile's warps along K walk the stages with a stride that divides the stage
+    count, so a warp waits on every phase of its stages' barriers in turn (the r32 tile had 10
+    stages for a stride of 4: a silent wrong product under load, now 12)."""
+    for tile in [*TILES.values(), *CANDIDATES.values()]:
+        if isinstance(tile, SmallMTile):
+            tc = tile_constants(tile, b_sf_2d=False)
+            assert tile.stages_fp4 % tc.stage_step == 0, tile.name
+            reader = {}  # stage -> the first warp along K that reads it, over 3 rounds
+            for i in range(3 * tile.stages_fp4):
+                warp = i % tc.stage_step  # stage i of the CTA: warp (i mod stride) reads it
+                assert reader.setdefault(i % tile.stages_fp4, warp) == warp, tile.name
+    assert TILES["r32"].stages_fp4 == 12
 
 
 def test_split_k_fills_one_wave() -> None:

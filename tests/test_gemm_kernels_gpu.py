@@ -270,9 +270,9 @@ def test_split_k_with_accumulate_is_the_same_bits_every_call() -> None:
     """The small-M kernel's split-K sums its partial tiles in split order, so every call gives
     the same bits. Repeated on the shape and variant of test_tolerance_nvfp4[32-8192-4096]
     (fp32 out, accumulate, 16x16 B, "wide" values), which failed once in a whole-suite run and
-    passed in the next: a race between the splits (the workspace, the arrival counters, their
-    reset for the next call) would show here as calls that differ, and every call is checked
-    against the bound too."""
+    passed in the next. This test then failed in a whole-suite run (-n 16): the r32 tile's 10
+    stages let a stage change readers (docs/gemm-sm90.md, "Every stage has fixed readers"); the
+    tile has 12 now. benchmarks/gemm_stress.py repeats it under load, as found."""
     m, n, k = 32, 8192, 4096
     i = SHAPES.index((m, n, k))
     v = VARIANTS[i % len(VARIANTS)]

@@ -107,6 +107,18 @@ class SmallMTile(GemmTile):
                 f"{kps} k-tiles per stage do not divide among {warps_k} warps along K (or the "
                 "reverse): 1, 2 or 4"
             )
+        # A warp reads every stage_step-th stage. If that stride does not divide the stages,
+        # a stage's slot is read by different warps on successive rounds, each warp sees only
+        # every other phase of its full barrier, and a parity wait can pass on a phase two
+        # rounds old (the slot's previous load still in flight): stale codes, a silent wrong
+        # product (seen with 10 stages and 4 warps along K under load, docs/gemm-sm90.md).
+        stage_step = max(1, warps_k // kps)
+        if self.stages_fp4 % stage_step:
+            raise ValueError(
+                f"{self.stages_fp4} stages: a multiple of {stage_step} (the stride of each of "
+                f"the {warps_k} warps along K through the stages), so every stage is always "
+                "read by the same warps"
+            )
 
     @property
     def name(self) -> str:
@@ -127,7 +139,8 @@ TILES: dict[str, GemmTile] = {
     # 12 stages, 3 CTAs per SM (16x8192x8192 on H100: 23.3 us, 2.1x cuBLAS BF16)
     "r16": SmallMTile(16, 64, mma_warpgroups=1, stages_fp4=12, ctas_per_sm=3),
     # M <= 32: two m16 atoms per warp, the four warps split K k-tile by k-tile
-    "r32": SmallMTile(32, 64, mma_warpgroups=1, stages_fp4=10, warp_m=32, ctas_per_sm=2),
+    # (12 stages, a multiple of the warps' stride 4: 10 let a stage change readers, see above)
+    "r32": SmallMTile(32, 64, mma_warpgroups=1, stages_fp4=12, warp_m=32, ctas_per_sm=2),
     # M <= 64: two m16 atoms per warp, 2 x 2 warps over the tile, stages of 2 k-tiles
     "r64": SmallMTile(
         64, 128, mma_warpgroups=1, stages_fp4=4, warp_m=32, ktiles_per_stage=2, ctas_per_sm=2
