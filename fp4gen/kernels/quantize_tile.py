@@ -70,6 +70,7 @@ from fp4gen.kernels.tile import (
     butterfly_max,
     column,
     fmax_nan,
+    place_on_grid,
     scaled,
     swizzled_offset,
     to_store,
@@ -258,18 +259,13 @@ class TileQuantizeKernel:
     @cute.jit
     def body(self, gX, tensors: list, philox_args, M, K, tiles_k):
         """The kernel's body: ``tensors`` and ``philox_args`` as ``__call__`` takes them."""
-        p, sp = self.p, self.p.strip
+        p = self.p
         row_out, col_out, mConst, amaxes, sdecs, philox_args = self.split_args(tensors, philox_args)
         tidx, _, _ = cute.arch.thread_idx()
-        bidx = None
-        if const_expr(sp.grid_2d):
-            row0, col0, wm, lm, lk = self.strip.strip_origin_2d(tidx, tiles_k)
-        else:
-            bidx, _, _ = cute.arch.block_idx()
-            row0, col0, wm, lm, lk = self.strip.strip_origin(tidx, bidx, tiles_k)
+        bidx, row0, col0, wm, lm, lk = self.place(tidx, tiles_k)
 
         # ---- issue every load of the strip first (clamped: no predicates)
-        frags = self.strip.load_strip(gX, row0, col0, M, K)
+        frags = self.load(gX, row0, col0, M, K)
         col_ok = col0 < K
         nbm = nbk = pitch_c = byte0 = None
         if const_expr(self.col is not None):
@@ -301,6 +297,15 @@ class TileQuantizeKernel:
             self.staged(at, frags, row_out, col_out, scales, smem, fold_ok)
         else:
             self.rotated(at, frags, row_out, col_out, sdecs, scales, smem)
+
+    # ---- where the strip is and its loads (a grouped subclass places them in its group)
+    def place(self, tidx, tiles_k) -> tuple:
+        """(this CTA's tile index on a 1-D grid or None, then ``strip_origin``'s five values)."""
+        return place_on_grid(self.strip, tidx, tiles_k)
+
+    def load(self, gX, row0, col0, M, K) -> list:
+        """The strip's row vectors (``TileStrip.load_strip``)."""
+        return self.strip.load_strip(gX, row0, col0, M, K)
 
     # ---- per copy: k_enc, S_enc, S_dec and the encode-factor table
     def copy_scales(self, mConst, amaxes: list, sdecs: list, bidx, tidx) -> dict:

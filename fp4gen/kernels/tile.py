@@ -447,6 +447,16 @@ class TileStrip:
         return rows
 
 
+def place_on_grid(strip: TileStrip, tidx: Int32, tiles_k: Int32) -> tuple:
+    """(the CTA's tile index or None, row0, col0, warp row, lane row, lane column) of this
+    thread's strip on the launch grid: ``strip_origin_2d`` on the 2-D grid (no tile index),
+    else ``strip_origin`` of the 1-D grid's block index."""
+    if const_expr(strip.p.grid_2d):
+        return None, *strip.strip_origin_2d(tidx, tiles_k)
+    bidx, _, _ = cute.arch.block_idx()
+    return bidx, *strip.strip_origin(tidx, bidx, tiles_k)
+
+
 @dataclass(frozen=True)
 class TileAmaxParams:
     """What the tile kernels' amax kernel depends on besides its tensors."""
@@ -479,6 +489,15 @@ class TileAmaxKernel:
         self.p = params
         self.arch = arch
         self.strip = TileStrip(params.strip)
+
+    # ---- where the strip is and its loads (a grouped subclass places them in its group)
+    def place(self, tidx, tiles_k) -> tuple:
+        """(this CTA's tile index on a 1-D grid or None, then ``strip_origin``'s five values)."""
+        return place_on_grid(self.strip, tidx, tiles_k)
+
+    def load(self, gX, row0, col0, M, K) -> list:
+        """The strip's row vectors (``TileStrip.load_strip``)."""
+        return self.strip.load_strip(gX, row0, col0, M, K)
 
     def fold_ok(self, s_dec: list):
         """S_dec <= fold_sdec_max for every copy that folds half_scale into its table (s_dec:
@@ -515,12 +534,8 @@ class TileAmaxKernel:
             sdecs = list(tensors[slots + 2 :])
         threads = sp.threads
         tidx, _, _ = cute.arch.thread_idx()
-        if const_expr(sp.grid_2d):
-            row0, col0, _, _, _ = strip.strip_origin_2d(tidx, tiles_k)
-        else:
-            bidx, _, _ = cute.arch.block_idx()
-            row0, col0, _, _, _ = strip.strip_origin(tidx, bidx, tiles_k)
-        frags = strip.load_strip(gX, row0, col0, M, K)
+        _, row0, col0, _, _, _ = self.place(tidx, tiles_k)
+        frags = self.load(gX, row0, col0, M, K)
         xfs = strip.rows_f32(frags)
         accs = []
         for s in range_constexpr(len(p.slot_rht)):
@@ -631,6 +646,7 @@ __all__ = [
     "butterfly_max",
     "column",
     "fmax_nan",
+    "place_on_grid",
     "scaled",
     "swizzled_offset",
     "to_store",

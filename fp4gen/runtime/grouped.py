@@ -3,15 +3,16 @@
 ``GroupedProjection`` runs one projection (up or down) of every expert that has tokens: its operands
 are quantized exactly as the per-expert loop quantizes them (each expert's operands with its own
 seed, Philox offset and global scale, or with the amax over every expert where the recipe says
-``global per tensor``, ``fp4gen.runtime.grouped_scope``, by the same methods: the 1xN rowwise ones
-of every expert in one grouped quantize on CUDA, ``grouped_operands``, the others by each expert's
-``Linear``), then decoded to their block values (element x block scale, exact in bf16 for NVFP4,
-MXFP4, MXFP6 and MXFP8: on CUDA by the generated dequantize kernel, elsewhere by
-``QuantizedTensor.dequantize_blockwise``) and multiplied by ONE ``torch._grouped_mm`` call per GEMM
-(fprop: tokens x weights per expert; dgrad: gradients x weights; wgrad: gradients^T x activations,
-grouped along the token dimension). The per-expert global scales, the bias and the rounding to the
-output dtype are the dense epilogue's (``fp4gen.runtime.epilogue``: y = fp32(C S_a S_b) + bias,
-rounded once), applied per group.
+``global per tensor``, ``fp4gen.runtime.grouped_scope``, by the same methods: on CUDA the 1xN
+rowwise ones of every expert in one grouped quantize, ``grouped_operands``, and, with the grouped
+tile quantize turned on, the wgrad copies and 2D weights in one grouped tile launch each,
+``grouped_tile_operands``; the others by each expert's ``Linear``), then decoded to their block
+values (element x block scale, exact in bf16 for NVFP4, MXFP4, MXFP6 and MXFP8: on CUDA by the
+generated dequantize kernel, elsewhere by ``QuantizedTensor.dequantize_blockwise``) and
+multiplied by ONE ``torch._grouped_mm`` call per GEMM (fprop: tokens x weights per expert; dgrad:
+gradients x weights; wgrad: gradients^T x activations, grouped along the token dimension). The
+per-expert global scales, the bias and the rounding to the output dtype are the dense epilogue's
+(``fp4gen.runtime.epilogue``: y = fp32(C S_a S_b) + bias, rounded once), applied per group.
 
 What the product is (``product_dtype``):
 
@@ -40,7 +41,9 @@ import torch
 from fp4gen.dsl.model import Operand
 from fp4gen.errors import FP4GenError
 from fp4gen.runtime import finite, ops
+from fp4gen.runtime.grouped_quantize import GroupedOperands
 from fp4gen.runtime.grouped_scope import BACKWARD_SLOTS, FORWARD_SLOTS, scoped_slots
+from fp4gen.runtime.grouped_tile import padded_counts
 from fp4gen.runtime.linear import Linear
 from fp4gen.runtime.operands import k_multiple, pad_to, round_up
 
@@ -339,8 +342,12 @@ def _fprop(
         )
         if missing:
             groups.give_amaxes(missing, weight, {"activation": x})
+        table0 = groups.layers[0].operands
+        # a block-scaled FP8 pair multiplies the codes (fp4gen.runtime.fp8_grouped): no decode
+        fp8 = _fp8_pair(table0.fprop_activation, table0.fprop_weight)
         # their block values in one decode each (slices of them per expert below)
-        x_all, w_all = _whole_values(inputs), _whole_values(batched)
+        x_all = None if fp8 else _whole_values(inputs)
+        w_all = None if fp8 else _whole_values(batched)
         n_out = weight.shape[2] if groups.transposed else weight.shape[1]
         for i, (expert, count, layer) in enumerate(
             zip(groups.experts, groups.counts, groups.layers, strict=True)
@@ -367,6 +374,9 @@ def _fprop(
                 )
             layer._advance_device(forward=True)
             layer.__dict__["_forward_calls"] = call + 1
+            pairs.append((xq, wq))
+            if fp8:
+                continue
             x_values, w_values, alpha = decode_pair(
                 layer,
                 "fprop",
@@ -379,7 +389,9 @@ def _fprop(
             values.append(x_values)
             weights.append(w_values)
             alphas.append(alpha)
-            pairs.append((xq, wq))
+        if fp8:  # the bias and the rounding in the FP8 GEMM's epilogue, per expert
+            bias_groups = None if bias is None else bias.detach()[groups.experts]
+            return _fp8_products(pairs, groups.out_dtype, bias_groups, "fprop", groups.name)
         counts = torch.tensor(groups.counts, device=x.device)
         a = torch.cat(values) if x_all is None else x_all
         b = torch.stack(weights) if w_all is None else w_all.reshape(len(groups.experts), n_out, -1)
@@ -403,8 +415,27 @@ def set_grouped_quantize(enabled: bool) -> bool:
     kernels serve (1xN rowwise copies: every expert's tokens, the batched weights) in one launch
     per operand on CUDA (True, the default) or per expert (False, docs/moe.md). Process-wide,
     read at every call; returns the previous setting. The bits are the same (verified on the
-    GPU by tests/test_moe_grouped_quantize.py)."""
+    GPU by tests/test_moe_grouped_quantize.py). False also turns the grouped tile quantize
+    off (``set_grouped_tile_quantize``)."""
     previous, _grouped_quantize[0] = _grouped_quantize[0], bool(enabled)
+    return previous
+
+
+# set_grouped_tile_quantize: off by default until its GPU tests pass
+# (tests/test_moe_grouped_tile.py -m gpu: each group bit for bit its reference, and the experts'
+# operands the loop's); the CPU tests prove the grouped path's use of it with the definition
+# standing in for the kernels
+_grouped_tile_quantize = [False]
+
+
+def set_grouped_tile_quantize(enabled: bool) -> bool:
+    """Whether the grouped path quantizes, where the grouped quantize is on
+    (``set_grouped_quantize``), the experts' operands the grouped tile kernels serve (the wgrad
+    activation and the gradient's two copies of every expert, each expert's tokens padded inside
+    the kernel; 2D weights: the batched fprop and dgrad copies) in one launch per operand on
+    CUDA (True) or per expert (False, the default, docs/moe.md). Process-wide, read at every
+    call; returns the previous setting. The bits are the same either way."""
+    previous, _grouped_tile_quantize[0] = _grouped_tile_quantize[0], bool(enabled)
     return previous
 
 
@@ -469,18 +500,8 @@ def _eligible(groups: Groups, op: Operand) -> bool:
     """Whether operand ``op`` of these experts is one the grouped quantize serves, before any
     tensor is made for it: a plain 1xN block format (not from another copy), no amax group,
     a backend that runs kernels."""
-    from fp4gen.formats import BlockFormat
-
-    layer0 = groups.layers[0]
-    spec = layer0.operands[op]
-    return (
-        layer0.backend in ("auto", "cute")
-        and isinstance(spec.format, BlockFormat)
-        and spec.format.block[0] == 1
-        and spec.source is None
-        # an amax group's operand (a per-tensor slot is served: the kernels take its scope)
-        and not any(op in layer.amax_operands for layer in groups.layers)
-    )
+    # an amax group's operand is not served (a per-tensor slot is: the kernels take its scope)
+    return _tile_eligible(groups, op) and groups.layers[0].operands[op].format.block[0] == 1
 
 
 def grouped_fprop_inputs(x: torch.Tensor, groups: Groups, k: int) -> list[Any] | None:
@@ -494,37 +515,183 @@ def grouped_fprop_inputs(x: torch.Tensor, groups: Groups, k: int) -> list[Any] |
 
 
 def grouped_fprop_weights(weight: torch.Tensor, groups: Groups, k: int) -> list[Any] | None:
-    """Every expert's fprop weight operand (``grouped_operands``) from the batched weights of
-    the experts with tokens, [experts x out, in] (a view where every expert has tokens and the
+    """Every expert's fprop weight operand (``grouped_operands``; with 2D blocks the grouped
+    tile kernel's rowwise copy, ``grouped_tile_operands``) from the batched weights of the
+    experts with tokens, [experts x out, in] (a view where every expert has tokens and the
     weights are [E, out, in]; else one gathered or transposed copy), zero-padded to K = ``k``."""
-    if not (_serves(weight) and _eligible(groups, Operand.FPROP_WEIGHT)):
+    op = Operand.FPROP_WEIGHT
+    two_d = _is_2d(groups, op)
+    if not (_serves_tile(weight) if two_d else _serves(weight)) or not (
+        _tile_eligible(groups, op) if two_d else _eligible(groups, op)
+    ):
         return None
-    w = _batched(weight, _weight_groups(groups, Operand.FPROP_WEIGHT), transposed=groups.transposed)
-    return grouped_operands(pad_to(w, w.shape[0], k), groups, Operand.FPROP_WEIGHT, forward=True)
+    w = _batched(weight, _weight_groups(groups, op), transposed=groups.transposed)
+    w = pad_to(w, w.shape[0], k)
+    if not two_d:
+        return grouped_operands(w, groups, op, forward=True)
+    got = _weight_tiles(w, groups, op, "rowwise", forward=True)
+    if got is None:
+        return None
+    operands = GroupedOperands(got.copy(0))
+    operands.whole = got.wholes[0] if got.wholes else None
+    return operands
 
 
 def grouped_dgrad_weights(weight: torch.Tensor, groups: Groups, k: int) -> list[Any] | None:
-    """Every expert's dgrad weight operand W_e^T [in, out] (``grouped_operands``) where it is a
-    rowwise quantization of W^T of its own (not the transpose of 2D fprop codes, not from
-    another copy: ``Linear.columnwise_weight``'s last case), zero-padded to K = ``k``."""
+    """Every expert's dgrad weight operand W_e^T [in, out]: where it is a rowwise quantization
+    of W^T of its own (not the transpose of 2D fprop codes, not from another copy:
+    ``Linear.columnwise_weight``'s last case) by ``grouped_operands``, zero-padded to K =
+    ``k``; where it is the transpose of the 2D fprop codes (and K needs no padding), the
+    grouped tile kernel's columnwise copy of the batched W (``grouped_tile_operands``: each
+    expert's transposed codes and tile scales, what the tile kernel gives a dense layer)."""
     from fp4gen.runtime.layer_quantize import _transposable
 
+    op = Operand.DGRAD_WEIGHT
     table = groups.layers[0].operands
     if _transposable(table.fprop_weight, table.dgrad_weight):
+        n_out = weight.shape[2] if groups.transposed else weight.shape[1]
+        if k != n_out or not (_serves_tile(weight) and _tile_eligible(groups, op)):
+            return None
+        w = _batched(weight, _weight_groups(groups, op), transposed=groups.transposed)
+        got = _weight_tiles(w, groups, op, "columnwise", forward=False)
+        return None if got is None else got.copy(0)
+    if not (_serves(weight) and _eligible(groups, op)):
         return None
-    if not (_serves(weight) and _eligible(groups, Operand.DGRAD_WEIGHT)):
+    wt = _batched(weight, _weight_groups(groups, op), transposed=not groups.transposed)
+    return grouped_operands(pad_to(wt, wt.shape[0], k), groups, op, forward=False)
+
+
+def grouped_wgrad_activations(x: torch.Tensor, groups: Groups) -> list[Any] | None:
+    """Every expert's wgrad activation Q(x_e^T; wgrad.activation) [in, padded tokens]
+    (``Linear.wgrad_activation``: its tokens zero-padded to the wgrad GEMM's K multiple, here
+    inside the kernel) from one grouped tile launch of the tokens sorted by expert
+    (``grouped_tile_operands``), or None (each expert's layer quantizes its own)."""
+    op = Operand.WGRAD_ACTIVATION
+    if not (_serves_tile(x) and _tile_eligible(groups, op)):
         return None
-    wt = _batched(
-        weight,
-        _weight_groups(groups, Operand.DGRAD_WEIGHT),
-        transposed=not groups.transposed,
+    table = groups.layers[0].operands
+    wgrad_k = k_multiple(table.wgrad_gradient, table.wgrad_activation, blocks=True)
+    pads = padded_counts(groups.counts, wgrad_k)
+    got = grouped_tile_operands(
+        _contiguous_rows(x), groups, ((op, "columnwise"),), groups.counts, pads, forward=False
     )
-    return grouped_operands(pad_to(wt, wt.shape[0], k), groups, Operand.DGRAD_WEIGHT, forward=False)
+    return None if got is None else got.copy(0)
+
+
+def grouped_gradients(dy: torch.Tensor, groups: Groups, out: int) -> list[Any] | None:
+    """Every expert's gradient copies (dgrad rowwise, wgrad columnwise) as ``Linear._grads``
+    quantizes them (``_quantize_pair``: both from one tile launch where they share a block
+    format; per tensor, each with its slot's amax over every expert), dy's columns zero-padded
+    to ``out`` (the dgrad GEMM's K) and each expert's tokens to the wgrad GEMM's K multiple
+    (inside the kernel): one grouped tile launch of both copies (``grouped_tile_operands``),
+    a (dgrad, wgrad) pair per expert; None where the copies do not share a format or the
+    grouped quantize does not serve them."""
+    row_op, col_op = Operand.DGRAD_GRADIENT, Operand.WGRAD_GRADIENT
+    if not (_serves_tile(dy) and _tile_eligible(groups, row_op) and _tile_eligible(groups, col_op)):
+        return None
+    table = groups.layers[0].operands
+    if table.dgrad_gradient.format != table.wgrad_gradient.format:
+        return None  # two launches per expert in the loop too (quantize_operand_pair)
+    wgrad_k = k_multiple(table.wgrad_gradient, table.wgrad_activation, blocks=True)
+    pads = padded_counts(groups.counts, wgrad_k)
+    rows = pad_to(_contiguous_rows(dy), dy.shape[0], out)
+    ops = ((row_op, "rowwise"), (col_op, "columnwise"))
+    got = grouped_tile_operands(rows, groups, ops, groups.counts, pads, forward=False)
+    return None if got is None else list(got)
+
+
+def grouped_tile_operands(
+    rows: torch.Tensor,
+    groups: Groups,
+    ops: tuple[tuple[Operand, str], ...],
+    counts: Sequence[int],
+    pads: Sequence[int],
+    *,
+    forward: bool,
+) -> Any:
+    """Operands ``ops`` ((slot, "rowwise" or "columnwise"), the rowwise one first) of every
+    group of ``rows`` from one grouped tile quantize (``fp4gen.runtime.grouped_tile``): group
+    e's ``counts[e]`` rows zero-padded to ``pads[e]`` inside the kernel and quantized with
+    expert e's seed and each slot's Philox offset of its call, exactly as its layer's tile
+    launch would (as ``grouped_operands``), with its own global amaxes or, where the slots are
+    per tensor, the largest over every group (a weight's ``rows`` then hold every expert's
+    slice, and the experts with tokens are picked from them). A ``GroupedCopies`` (per expert
+    a tuple of its copies), or None where the kernels do not serve (the slots' specs differ in
+    format or scope, or a kernel's refusal, logged once)."""
+    from fp4gen.runtime.grouped_tile import GroupedCopies, quantize_groups_tile
+    from fp4gen.runtime.operand_slots import SLOT, STREAMS_PER_CALL
+
+    specs = [groups.layers[0].operands[op] for op, _ in ops]
+    names = "/".join(op.selector for op, _ in ops)
+    if len({s.format for s in specs}) != 1 or len({s.global_scope for s in specs}) != 1:
+        _log_once(f"the experts' {names} operands are quantized per expert: their specs differ")
+        return None
+    scope = specs[0].global_scope
+    every = ops[0][0].role == "weight" and scope == "tensor"
+    layers = groups.all_layers if every else groups.layers
+    calls = [layer._forward_calls if forward else layer._backward_calls for layer in layers]
+    try:
+        got = quantize_groups_tile(
+            rows,
+            counts,
+            pads,
+            specs[0].format,
+            [(direction, s.rounding, s.rht) for (_, direction), s in zip(ops, specs, strict=True)],
+            seeds=[layer._seed_of(ops[0][0]) for layer in layers],
+            offsets=[tuple(STREAMS_PER_CALL * call + SLOT[op] for op, _ in ops) for call in calls],
+            backend="cute",
+            scope=scope,
+        )
+    except FP4GenError as err:
+        _log_once(f"the experts' {names} operands are quantized per expert: {err}")
+        return None
+    if not every or len(layers) == len(groups.layers):
+        return got
+    return GroupedCopies(got[e] for e in groups.experts)  # decoded per expert: no wholes
+
+
+def _weight_tiles(
+    w: torch.Tensor, groups: Groups, op: Operand, direction: str, *, forward: bool
+) -> Any:
+    """The 2D weight copy ``direction`` of every expert's slice of the batched weights ``w``
+    (equal groups, no padding rows: ``grouped_tile_operands``)."""
+    every = _weight_groups(groups, op)
+    n = w.shape[0] // len(every.experts)
+    counts = [n] * len(every.experts)
+    return grouped_tile_operands(w, groups, ((op, direction),), counts, counts, forward=forward)
+
+
+def _is_2d(groups: Groups, op: Operand) -> bool:
+    from fp4gen.formats import BlockFormat
+
+    fmt = groups.layers[0].operands[op].format
+    return isinstance(fmt, BlockFormat) and fmt.is_2d
+
+
+def _tile_eligible(groups: Groups, op: Operand) -> bool:
+    """Whether operand ``op`` of these experts is one the grouped tile quantize serves, before
+    any tensor is made for it: a block format (1xN or 2D, not from another copy), no amax
+    group, a backend that runs kernels (the kernels refuse what else they do not take)."""
+    from fp4gen.formats import BlockFormat
+
+    layer0 = groups.layers[0]
+    spec = layer0.operands[op]
+    return (
+        layer0.backend in ("auto", "cute")
+        and isinstance(spec.format, BlockFormat)
+        and spec.source is None
+        and not any(op in layer.amax_operands for layer in groups.layers)
+    )
 
 
 def _serves(t: torch.Tensor) -> bool:
     """The cheap first look of ``grouped_operands`` (before any copy for it is made)."""
     return _grouped_quantize[0] and t.is_cuda
+
+
+def _serves_tile(t: torch.Tensor) -> bool:
+    """The cheap first look of ``grouped_tile_operands``: ``_serves`` and the tile switch."""
+    return _grouped_tile_quantize[0] and _serves(t)
 
 
 def _batched(weight: torch.Tensor, groups: Groups, *, transposed: bool) -> torch.Tensor:
@@ -561,12 +728,22 @@ def _grads(
         n_out, k_multiple(table0.dgrad_gradient, table0.dgrad_weight, blocks=False)
     )
     w_cols = grouped_dgrad_weights(weight, groups, dgrad_out)
-    w_col_all = _whole_values(w_cols)  # [experts x in, out] block values, one decode
+    # every expert's wgrad activation, and its gradient's two copies, from one grouped tile
+    # launch each where the grouped quantize serves them (else None: each expert's layer below)
+    x_cols = grouped_wgrad_activations(x, groups)
+    dy_pairs = grouped_gradients(dy, groups, dgrad_out)
+    # block-scaled FP8 pairs multiply the codes (fp4gen.runtime.fp8_grouped): no decode
+    fp8_dgrad = _fp8_pair(table0.dgrad_gradient, table0.dgrad_weight)
+    fp8_wgrad = _fp8_pair(table0.wgrad_gradient, table0.wgrad_activation)
+    # [experts x in, out] block values, one decode
+    w_col_all = None if fp8_dgrad else _whole_values(w_cols)
     # per-tensor slots that each expert's layer quantizes below: the amax over every expert
     missing = tuple(
         op
         for op in scoped_slots(table0, BACKWARD_SLOTS)
         if not (op is Operand.DGRAD_WEIGHT and w_cols is not None)
+        and not (op is Operand.WGRAD_ACTIVATION and x_cols is not None)
+        and not (op.role == "gradient" and dy_pairs is not None)
     )
     if missing:
         groups.give_amaxes(missing, weight, {"activation": x, "gradient": dy})
@@ -585,7 +762,9 @@ def _grads(
         dy_p = pad_to(dy_e, tokens, out)
         # the batched dgrad weights where the grouped quantize served them
         w_col = w_cols[i] if w_cols is not None else layer.columnwise_weight(w, table, call, out)
-        if layer._reduced(Operand.DGRAD_GRADIENT, table.dgrad_gradient) or layer._reduced(
+        if dy_pairs is not None:
+            dyq, dyq_t = dy_pairs[i]
+        elif layer._reduced(Operand.DGRAD_GRADIENT, table.dgrad_gradient) or layer._reduced(
             Operand.WGRAD_GRADIENT, table.wgrad_gradient
         ):  # a per-tensor copy: each quantized on its own, as Linear's backward does then
             dyq = layer.quantize(dy_p, Operand.DGRAD_GRADIENT, table.dgrad_gradient, call)
@@ -599,43 +778,53 @@ def _grads(
                 layer.slot(Operand.WGRAD_GRADIENT, table.wgrad_gradient, call, dy_p),
                 seed=layer.data_seed,
             )
-        xq_t = layer.wgrad_activation(x_e, table, call)
+        xq_t = x_cols[i] if x_cols is not None else layer.wgrad_activation(x_e, table, call)
         layer._advance_device(forward=False)
         layer.__dict__["_backward_calls"] = call + 1
-        dy_v, w_v, dgrad_alpha = decode_pair(
-            layer,
-            "dgrad",
-            call,
-            dyq,
-            w_col,
-            b_values=None if w_col_all is None else w_col_all[i * n_in : (i + 1) * n_in],
-        )
-        dy_values.append(dy_v)
-        w_values.append(w_v)
-        dy_alphas.append(dgrad_alpha.expand(tokens))
         rows.append(torch.arange(padded_start, padded_start + count, device=dy.device))
         padded_start += tokens
-        gt_v, xt_v, wgrad_alpha = decode_pair(layer, "wgrad", call, dyq_t, xq_t)
-        gt_values.append(gt_v)
-        xt_values.append(xt_v)
-        w_alphas.append(wgrad_alpha)
         padded.append(tokens)
         dgrad_pairs.append((dyq, w_col))
         wgrad_pairs.append((dyq_t, xq_t))
+        if not fp8_dgrad:
+            dy_v, w_v, dgrad_alpha = decode_pair(
+                layer,
+                "dgrad",
+                call,
+                dyq,
+                w_col,
+                b_values=None if w_col_all is None else w_col_all[i * n_in : (i + 1) * n_in],
+            )
+            dy_values.append(dy_v)
+            w_values.append(w_v)
+            dy_alphas.append(dgrad_alpha.expand(tokens))
+        if not fp8_wgrad:
+            gt_v, xt_v, wgrad_alpha = decode_pair(layer, "wgrad", call, dyq_t, xq_t)
+            gt_values.append(gt_v)
+            xt_values.append(xt_v)
+            w_alphas.append(wgrad_alpha)
     # dgrad: the padded token rows of every expert, then the real rows taken back
-    if w_col_all is None:
-        w_stack = torch.stack(w_values)
-    else:
-        w_stack = w_col_all.reshape(len(groups.experts), n_in, -1)
-    c = _native(dgrad_pairs, by_rows=True)
-    c = group_rows(torch.cat(dy_values), w_stack, _ends(padded)) if c is None else c
     real = torch.cat(rows)
-    dx = _scaled(c[real], torch.cat(dy_alphas)[real][:, None], None, x.dtype)
+    if fp8_dgrad:  # the rounding to x's dtype in the FP8 GEMM's epilogue, per expert
+        dx = _fp8_products(dgrad_pairs, x.dtype, None, "dgrad", groups.name)[real]
+    else:
+        if w_col_all is None:
+            w_stack = torch.stack(w_values)
+        else:
+            w_stack = w_col_all.reshape(len(groups.experts), n_in, -1)
+        c = _native(dgrad_pairs, by_rows=True)
+        c = group_rows(torch.cat(dy_values), w_stack, _ends(padded)) if c is None else c
+        dx = _scaled(c[real], torch.cat(dy_alphas)[real][:, None], None, x.dtype)
     # wgrad: the experts' token columns side by side, one group each
-    c = _native(wgrad_pairs, by_rows=False)
-    if c is None:
-        c = group_k(torch.cat(gt_values, dim=1), torch.cat(xt_values, dim=1), _ends(padded))
-    dw_groups = _scaled(c, torch.cat(w_alphas)[:, None, None], None, weight.dtype)[:, :n_out]
+    if fp8_wgrad:  # grouped along K: each expert's dense FP8 GEMM, as the loop runs it
+        dw_each = [_dense_fp8(a, b, weight.dtype, None) for a, b in wgrad_pairs]
+        dw_groups = torch.stack(dw_each)[:, :n_out]
+    else:
+        c = _native(wgrad_pairs, by_rows=False)
+        if c is None:
+            c = group_k(torch.cat(gt_values, dim=1), torch.cat(xt_values, dim=1), _ends(padded))
+        dw_groups = _scaled(c, torch.cat(w_alphas)[:, None, None], None, weight.dtype)
+        dw_groups = dw_groups[:, :n_out]
     dw = torch.zeros_like(weight)
     index = torch.tensor(groups.experts, device=weight.device)
     dw.index_copy_(0, index, dw_groups.transpose(1, 2) if groups.transposed else dw_groups)
@@ -653,10 +842,89 @@ def _native(pairs: list[tuple[Any, Any]], *, by_rows: bool) -> torch.Tensor | No
     return native_products(pairs, by_rows=by_rows)
 
 
+def _fp8_pair(a: Any, b: Any) -> bool:
+    """Whether a GEMM of operand specs ``a`` and ``b`` is a block-scaled FP8 pair: block formats
+    whose values are not exact in bf16 (fp32 block scales) and that the FP8 GEMM class takes
+    (``codegen.gemm_fp8.pair_reason``: e4m3 / e5m2, A 1xN, B 1xN or NxN). Its product is the
+    dense layer's FP8 GEMM, grouped (``_fp8_products``), never the bf16 decode."""
+    from fp4gen.codegen.gemm_fp8 import pair_reason
+    from fp4gen.formats import BlockFormat
+
+    fa, fb = a.format, b.format
+    if not (isinstance(fa, BlockFormat) and isinstance(fb, BlockFormat)):
+        return False
+    if fa.gemm_exact_in_bf16() and fb.gemm_exact_in_bf16():
+        return False
+    return pair_reason(fa, fb) is None
+
+
+def fp8_grouped_reason(a: Any, b: Any, m: int) -> str | None:
+    """None when the grouped FP8 kernel computes the experts' GEMM of QuantizedTensors ``a``
+    [m, K] and ``b`` [N, K] (the first expert's) as each expert's dense GEMM would: CUDA, the
+    switch on (``fp8_grouped.set_grouped_fp8``), and the dense dispatch's choice for the pair
+    a block-scaled FP8 GEMM (scaled_mm or the generated kernel: the same semantics,
+    numerics.md 6.1); else why not (each expert then runs its dense GEMM)."""
+    from fp4gen.gemm_dispatch import choose_backend, fp8_semantics_setting
+    from fp4gen.runtime.fp8_grouped import grouped_fp8_enabled
+
+    if not grouped_fp8_enabled():
+        return "the grouped FP8 GEMM is turned off (fp8_grouped.set_grouped_fp8(False))"
+    if a.device.type != "cuda":
+        return f"{a.device.type.upper()} tensors: the dense GEMM per expert"
+    from fp4gen.compiler.jit import detect_arch
+
+    choice = choose_backend(
+        a.format, b.format, m, b.rows, a.cols,
+        device="cuda", arch=detect_arch(a.device), semantics=fp8_semantics_setting(),
+    )  # fmt: skip
+    if choice.backend not in ("block_scaled", "cute"):
+        return f"the dense GEMM is not block-scaled here ({choice.reason})"
+    return None
+
+
+def _dense_fp8(a: Any, b: Any, out_dtype: torch.dtype, bias: torch.Tensor | None) -> torch.Tensor:
+    """One expert's GEMM as its layer runs it (``Linear``'s ``gemm``, looked up there: a test
+    that stands it in sees these calls too)."""
+    from fp4gen.runtime import linear
+
+    return linear.gemm(a, b, bias=bias, out_dtype=out_dtype)
+
+
+def _fp8_products(
+    pairs: list[tuple[Any, Any]],
+    out_dtype: torch.dtype,
+    bias: torch.Tensor | None,
+    gemm: str,
+    name: str,
+) -> torch.Tensor:
+    """The experts' block-scaled FP8 GEMMs of ``pairs`` (A_e [M_e, K], B_e [N, K]) as C
+    [sum M_e, N] in ``out_dtype``, with ``bias`` [experts, N] (or None) and the global scales in
+    the epilogue: one launch of the grouped FP8 kernel (``fp4gen.runtime.fp8_grouped``: each
+    expert's rows bit for bit the dense generated kernel's) where ``fp8_grouped_reason`` allows,
+    else each expert's dense GEMM (``_dense_fp8``: the loop's own products), the reason logged
+    once (INFO, logger ``fp4gen.runtime.fp8_grouped``)."""
+    from fp4gen.runtime.fp8_grouped import grouped_block_scaled, log_fallback
+
+    a, b = [p[0] for p in pairs], [p[1] for p in pairs]
+    reason = fp8_grouped_reason(a[0], b[0], max(q.rows for q in a))
+    if reason is None:
+        try:
+            return grouped_block_scaled(a, b, out_dtype=out_dtype, bias=bias)
+        except FP4GenError as err:  # a kernel that did not compile or load, a refused pair
+            reason = str(err)
+    log_fallback(f"{name}: the experts' {gemm} GEMMs run per expert: {reason}")
+    return torch.cat(
+        [
+            _dense_fp8(a_e, b_e, out_dtype, None if bias is None else bias[i])
+            for i, (a_e, b_e) in enumerate(pairs)
+        ]
+    )
+
+
 def pass_reason(table: Any) -> str | None:
     """None when every GEMM of ``table`` can run grouped (both operands of each block formats
-    whose element x block scale is exact in bf16, no operand quantized from another copy), else
-    why not."""
+    whose element x block scale is exact in bf16, or a block-scaled FP8 pair (``_fp8_pair``),
+    no operand quantized from another copy), else why not."""
     from fp4gen.formats import BlockFormat
 
     pairs = (
@@ -665,14 +933,16 @@ def pass_reason(table: Any) -> str | None:
         ("wgrad", table.wgrad_gradient, table.wgrad_activation),
     )
     for gemm, a, b in pairs:
+        fp8 = _fp8_pair(a, b)
         for spec in (a, b):
             fmt = spec.format
             if not isinstance(fmt, BlockFormat):
                 return f"the {gemm} GEMM has an operand in {fmt} (not a block format)"
-            if not fmt.gemm_exact_in_bf16():
+            if not fmt.gemm_exact_in_bf16() and not fp8:
                 return (
                     f"the {gemm} GEMM's {fmt.name} values (element x block scale) are not exact "
-                    "in bf16 (their GEMM is the block-scaled or fp32 one, per expert)"
+                    "in bf16 and not a block-scaled FP8 pair (their GEMM is the fp32 one, per "
+                    "expert)"
                 )
             if spec.source is not None:
                 return f"a {gemm} operand is quantized from another GEMM's copy"
@@ -684,6 +954,7 @@ __all__ = [
     "GroupedProjection",
     "Groups",
     "decode_pair",
+    "fp8_grouped_reason",
     "group_k",
     "group_rows",
     "grouped_fprop_inputs",
@@ -692,4 +963,5 @@ __all__ = [
     "product_dtype",
     "set_grouped_product",
     "set_grouped_quantize",
+    "set_grouped_tile_quantize",
 ]

@@ -1,0 +1,507 @@
+"""Grouped tile quantize: the tile kernel's copies (columnwise, rowwise + columnwise, 2D tiles)
+of several groups of rows of one tensor in one launch (``fp4gen.kernels.grouped_tile``), each
+group padded with zero rows to its padded row count inside the kernel and quantized as the tile
+kernel quantizes a tensor of its own.
+
+``quantize_groups_tile(x, counts, pads, fmt, copies, seeds=, offsets=)`` returns, per group of
+``counts[g]`` consecutive rows of ``x`` [M, K], a tuple with one QuantizedTensor per copy of
+``copies`` ((direction, rounding, rht) each, the rowwise copy first), or None for an empty group.
+With ``xp`` the group's rows zero-padded to ``pads[g]`` rows, a rowwise copy is
+``fp4gen.quantize(xp, fmt, rounding=, hadamard=rht, seed=seeds[g], offset=offsets[g][i])``, a
+columnwise copy the same of ``xp.t()`` (with 2D blocks: the transpose of the rowwise copy, the
+same codes and tile scales), bit for bit: each group its own global amax per transform (per
+group, "expert" scope; ``scope="tensor"``: the largest over every group, as
+``fp4gen.runtime.grouped_scope`` defines it), its own seed and offsets, its stochastic rounding
+indexed inside its own padded copy. On CUDA, where the tile kernels serve the copies, two
+launches (the grouped amax where the format has a global scale, then the grouped quantize)
+quantize every group; anywhere else (``backend="reference"``, the CPU, a copy or input the
+kernels do not take, logged once) the groups are quantized one by one by that definition.
+
+The rowwise copies of every group are also one QuantizedTensor of all padded rows
+(``GroupedCopies.wholes``, codes and block scales only: the grouped GEMMs decode every group's
+block values from it in one pass); each group's columnwise copy is a contiguous tensor of its own.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import shlex
+import threading
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from fp4gen.errors import FP4GenError, TensorError
+from fp4gen.formats import BlockFormat
+
+log = logging.getLogger(__name__)
+_logged: set[str] = set()
+_lock = threading.Lock()
+# (grouped TileQuantizeParams, arch) -> {"amax": fn, "quantize": fn} or why they did not compile
+_compiled: dict[tuple[Any, str], dict[str, Any] | str] = {}
+
+Copy = tuple[str, str, Any]  # (direction, rounding, rht)
+
+
+def _log_once(message: str) -> None:
+    if message not in _logged:
+        _logged.add(message)
+        log.info(message)
+
+
+class GroupedCopies(list):
+    """Per group a tuple of its copies' QuantizedTensors (None for an empty group), and
+    ``wholes``: per copy, every group's rowwise copy as one QuantizedTensor where one launch
+    wrote them (None for a columnwise copy and where the groups were quantized one by one)."""
+
+    wholes: tuple[Any, ...] = ()
+
+    def copy(self, i: int) -> list[Any]:
+        """Copy ``i`` of every group (None for an empty group)."""
+        return [None if g is None else g[i] for g in self]
+
+
+def padded_counts(counts: Sequence[int], multiple: int) -> list[int]:
+    """Each group's rows rounded up to ``multiple`` (an empty group stays empty)."""
+    return [-(-n // multiple) * multiple for n in counts]
+
+
+def tile_table(
+    counts: Sequence[int], pads: Sequence[int], tile_m: int, tiles_k: int
+) -> list[tuple[int, ...]]:
+    """The CTA table of the grouped tile kernels (``fp4gen.kernels.grouped_tile``): per tile of
+    ``tile_m`` padded rows x one of ``tiles_k`` column tiles of each non-empty group, a row
+    (group, tile index in the group, first input row, real rows, padded rows, first padded
+    row); an empty group has none."""
+    if tile_m <= 0 or tiles_k <= 0:
+        raise FP4GenError(f"tile_table: tile rows {tile_m} and column tiles {tiles_k} must be > 0")
+    rows: list[tuple[int, ...]] = []
+    in_row = out_row = 0
+    for g, (count, pad) in enumerate(zip(counts, pads, strict=True)):
+        if count < 0 or pad < count or (count == 0 and pad != 0):
+            raise FP4GenError(
+                f"tile_table: group {g} has {count} rows padded to {pad}; expected 0 <= rows <= "
+                "padded rows, and 0 padded rows for an empty group"
+            )
+        tiles = -(-pad // tile_m) * tiles_k
+        rows += [(g, t, in_row, count, pad, out_row) for t in range(tiles)]
+        in_row += count
+        out_row += pad
+    return rows
+
+
+def _check_groups(x: torch.Tensor, counts, pads, copies, seeds, offsets) -> None:
+    if x.dim() != 2 or sum(counts) != x.shape[0]:
+        raise TensorError(
+            f"quantize_groups_tile: x of shape {tuple(x.shape)} for groups of {list(counts)} "
+            "rows; expected a 2-D tensor whose rows the groups cover exactly"
+        )
+    if not len(counts) == len(pads) == len(seeds) == len(offsets):
+        raise FP4GenError(
+            f"quantize_groups_tile: {len(counts)} groups, {len(pads)} padded counts, "
+            f"{len(seeds)} seeds, {len(offsets)} offset tuples"
+        )
+    for g, (count, pad) in enumerate(zip(counts, pads, strict=True)):
+        if pad < count or (count == 0 and pad != 0):
+            raise FP4GenError(
+                f"quantize_groups_tile: group {g} has {count} rows padded to {pad}; expected "
+                "rows <= padded rows, and 0 padded rows for an empty group"
+            )
+    directions = tuple(d for d, _, _ in copies)
+    if directions not in (("rowwise",), ("columnwise",), ("rowwise", "columnwise")):
+        raise FP4GenError(
+            f"quantize_groups_tile: copies {directions}; expected rowwise, columnwise or both, "
+            "in that order"
+        )
+    if any(len(o) != len(copies) for o in offsets):
+        raise FP4GenError("quantize_groups_tile: one Philox offset per copy and group")
+
+
+def quantize_groups_tile(
+    x: torch.Tensor,
+    counts: Sequence[int],
+    pads: Sequence[int],
+    fmt: BlockFormat,
+    copies: Sequence[Copy],
+    *,
+    seeds: Sequence[int],
+    offsets: Sequence[Sequence[int]],
+    backend: str = "auto",
+    scope: str = "expert",
+) -> GroupedCopies:
+    """Per group the tuple of its copies, None for an empty group (module docstring).
+    ``backend``: "auto" the grouped tile kernels where they serve (else the groups one by one,
+    the reason logged once at INFO), "cute" requires them, "reference" quantizes each group by
+    the definition. ``scope``: "expert" gives each group its own global amaxes, "tensor" every
+    group the largest of them (a format with one global amax)."""
+    copies = tuple(copies)
+    if scope not in ("expert", "tensor"):
+        raise FP4GenError(f"quantize_groups_tile: scope {scope!r}; expected 'expert' or 'tensor'")
+    if scope == "tensor" and not (fmt.global_scale and not fmt.global_rows):
+        raise FP4GenError(
+            f"quantize_groups_tile: scope 'tensor' needs one global amax, which {fmt.name} has not"
+        )
+    _check_groups(x, counts, pads, copies, seeds, offsets)
+    if backend != "reference":
+        reason = _kernel_reason(x, fmt, copies)
+        if reason is None:
+            try:
+                return _grouped_kernels(x, counts, pads, fmt, copies, seeds, offsets, scope)
+            except _Refused as refused:
+                reason = str(refused)
+        if backend == "cute":
+            raise FP4GenError(f"quantize_groups_tile(backend='cute'): {reason}")
+        _log_once(f"the groups' tile copies are quantized one by one: {reason}")
+    return reference_groups_tile(x, counts, pads, fmt, copies, seeds, offsets, backend, scope)
+
+
+def reference_groups_tile(
+    x: torch.Tensor,
+    counts: Sequence[int],
+    pads: Sequence[int],
+    fmt: BlockFormat,
+    copies: Sequence[Copy],
+    seeds: Sequence[int],
+    offsets: Sequence[Sequence[int]],
+    backend: str = "reference",
+    scope: str = "expert",
+) -> GroupedCopies:
+    """The definition the kernels are held to (module docstring): each group's rows padded,
+    each copy quantized on its own (``fp4gen.quantize``; the per-tensor scope by
+    ``grouped_scope.quantize_scoped`` with the largest amax of every group's copy)."""
+    from fp4gen.dsl.model import OperandSpec
+    from fp4gen.runtime.grouped_scope import quantize_scoped, values_amax
+    from fp4gen.runtime.operands import pad_to
+    from fp4gen.runtime.quantize_dispatch import quantize
+
+    def tensor_of(xp: torch.Tensor, direction: str) -> torch.Tensor:
+        # 2D: the columnwise copy is the transpose of the rowwise one (quantized from xp)
+        return xp.t().contiguous() if direction == "columnwise" and not fmt.is_2d else xp
+
+    padded: list[torch.Tensor | None] = []
+    start = 0
+    for count, pad in zip(counts, pads, strict=True):
+        rows = x[start : start + count]
+        padded.append(None if count == 0 else pad_to(rows, pad, x.shape[1]))
+        start += count
+    amaxes: list[torch.Tensor | None] = [None] * len(copies)
+    if scope == "tensor":
+        for i, (direction, rounding, rht) in enumerate(copies):
+            spec = OperandSpec(fmt, rounding, rht)  # type: ignore[arg-type]
+            found = [values_amax(tensor_of(xp, direction), spec) for xp in padded if xp is not None]
+            if found:
+                amaxes[i] = torch.stack(found).amax()
+    out = GroupedCopies()
+    for g, xp in enumerate(padded):
+        if xp is None:
+            out.append(None)
+            continue
+        group = []
+        for i, (direction, rounding, rht) in enumerate(copies):
+            t = tensor_of(xp, direction)
+            if amaxes[i] is not None:
+                spec = OperandSpec(fmt, rounding, rht)  # type: ignore[arg-type]
+                q = quantize_scoped(
+                    t, spec, amaxes[i], seed=seeds[g], offset=offsets[g][i], backend=backend
+                )
+            else:
+                q = quantize(
+                    t,
+                    fmt,
+                    rounding=rounding,
+                    hadamard=rht,
+                    seed=seeds[g],
+                    offset=offsets[g][i],
+                    backend=backend,
+                )
+            group.append(q.transpose() if direction == "columnwise" and fmt.is_2d else q)
+        out.append(tuple(group))
+    return out
+
+
+class _Refused(Exception):
+    """The grouped tile kernels do not serve this call; ``args[0]`` says why."""
+
+
+def _kernel_reason(x: torch.Tensor, fmt: BlockFormat, copies: tuple[Copy, ...]) -> str | None:
+    if not x.is_cuda:
+        return "a CPU tensor"
+    if not isinstance(fmt, BlockFormat):
+        return f"{fmt}: not a block format"
+    if fmt.is_2d and any(r != "nearest" or h is not None for _, r, h in copies):
+        # the tile kernel's 2D copies are one set of codes, drawn as the rowwise copy draws
+        return "2D blocks with stochastic rounding or an RHT"
+    if x.numel() == 0:
+        return "no rows"
+    if not x.is_contiguous() or x.data_ptr() % 16:
+        return "an input that is not contiguous and 16-byte aligned"
+    return None
+
+
+def _module(fmt: BlockFormat, x: torch.Tensor, copies: tuple[Copy, ...]) -> Any:
+    """The generated tile module of these copies (the tile kernel's variant), or _Refused."""
+    from fp4gen.compiler.plan import (
+        redrawn_tile_reason,
+        rowwise_only_reason,
+        tile_reason,
+        unnested_rht_reason,
+    )
+    from fp4gen.compiler.spec import QuantOutput
+    from fp4gen.runtime import cute_backend
+    from fp4gen.runtime.loader import Unsupported
+
+    reason = cute_backend.options_off_reason(fmt, tuple(h for _, _, h in copies))
+    reason = reason or rowwise_only_reason(fmt) or tile_reason(fmt)
+    for _, _, rht in copies:
+        reason = reason or redrawn_tile_reason(rht) or unnested_rht_reason(fmt, rht)
+    if reason is not None:
+        raise _Refused(reason)
+    try:
+        spec = cute_backend._spec(fmt, x.dtype, tuple(QuantOutput(d, r, h) for d, r, h in copies))  # type: ignore[arg-type]
+    except (FP4GenError, NotImplementedError, ValueError) as err:
+        raise _Refused(str(err)) from err
+    loaded = cute_backend._kernels(spec)
+    if isinstance(loaded, Unsupported):
+        raise _Refused(loaded.reason)
+    module = loaded.module
+    if not hasattr(module, "QUANT_PARAMS"):
+        raise _Refused(f"{spec.name} is not a tile kernel")
+    return module, loaded.arch
+
+
+def _grouped_kernels(
+    x: torch.Tensor,
+    counts: Sequence[int],
+    pads: Sequence[int],
+    fmt: BlockFormat,
+    copies: tuple[Copy, ...],
+    seeds: Sequence[int],
+    offsets: Sequence[Sequence[int]],
+    scope: str,
+) -> GroupedCopies:
+    from fp4gen.kernels import host
+    from fp4gen.kernels.grouped_tile import grouped_params
+    from fp4gen.runtime import cute_backend, finite
+
+    module, arch = _module(fmt, x, copies)
+    params = grouped_params(module.QUANT_PARAMS)
+    m, k = x.shape
+    if k % module.K_MULTIPLE:
+        raise _Refused(f"K = {k} is not a multiple of {module.K_MULTIPLE}")
+    # the groups' padded rows: whole column blocks (their scales' offsets) and the columnwise
+    # copy's row multiple (its code words and RHT chunks)
+    multiple = module.M_MULTIPLE
+    if params.copy("col") is not None or params.two_d:
+        multiple = math.lcm(multiple, params.block)
+    if any(pad % multiple for pad in pads):
+        raise _Refused(f"padded group rows {list(pads)} are not multiples of {multiple}")
+    total = sum(pads)
+    if max(m, total) * k >= 2**31:
+        raise _Refused(f"{max(m, total)} x {k} values: the kernels index with int32")
+    fns = _compile(params, arch, module.K_MULTIPLE)
+    dev = x.device
+    groups = len(counts)
+    bits, block = params.elem.bits, params.block
+    scale_dtype = torch.float32 if params.strip.fp32_scales else torch.uint8
+    scale_rows = total // block if params.two_d else total
+    outs: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+    for tag in ("row", "col"):
+        if params.copy(tag) is None:  # never written: one-element stand-ins
+            outs[tag] = (
+                torch.empty(1, dtype=torch.uint8, device=dev),
+                torch.empty(1, dtype=scale_dtype, device=dev),
+            )
+        else:
+            outs[tag] = (
+                torch.empty(total * k * bits // 8, dtype=torch.uint8, device=dev),
+                torch.empty(scale_rows * (k // block), dtype=scale_dtype, device=dev),
+            )
+    n_copies = len(params.copies)
+    slots = params.slots
+    amax = torch.zeros(groups * slots, dtype=torch.float32, device=dev)
+    # S_dec: the kernel writes each group's with a global scale; 1.0 without (NaN over it for a
+    # non-finite group); an empty group's is never read
+    s_dec = (torch.empty if params.global_scale else torch.ones)(
+        groups * n_copies, dtype=torch.float32, device=dev
+    )
+    sr_copies = [i for i, c in enumerate(params.copies) if c.sr_bits]
+    words = []
+    for seed, offs in zip(seeds, offsets, strict=True):
+        host.check_u64("seed", seed)
+        row = list(host.u64_words(seed))
+        for i in sr_copies:
+            host.check_u64("offset", offs[i])
+            row += host.u64_words(offs[i])
+        words.append(row)
+    philox = torch.tensor(words, dtype=torch.int64).to(torch.int32).to(dev)
+    tiles_k = -(-k // params.strip.tile_k)
+    table_rows = tile_table(counts, pads, params.strip.tile_m, tiles_k)
+    table = torch.tensor(table_rows, dtype=torch.int32).to(dev)
+    # non-finite inputs: the kernels make the group's S_dec NaN; outside a propagating scope
+    # the input is checked as the tile kernel's is
+    flag = None if finite.propagates() else finite.check(x, "the input of shape {}", x.shape)
+    if params.global_scale:
+        fns["amax"](x, table, amax, len(table_rows))
+        if scope == "tensor":  # every group reads the largest amax of each slot
+            amax = amax.view(groups, slots).amax(dim=0).repeat(groups)
+    (q_row, s_row), (q_col, s_col) = outs["row"], outs["col"]
+    fns["quantize"](x, q_row, s_row, q_col, s_col, table, amax, s_dec, philox, len(table_rows))
+    s_dec = s_dec.view(groups, n_copies)
+    result = GroupedCopies()
+    row_bytes = k * bits // 8
+    scales_per_row = k // block
+    start = 0
+    for g, (count, pad) in enumerate(zip(counts, pads, strict=True)):
+        if count == 0:
+            result.append(None)
+            continue
+        group = []
+        scale_start = (start // block if params.two_d else start) * scales_per_row
+        scale_len = (pad // block if params.two_d else pad) * scales_per_row
+        for i, (direction, rounding, rht) in enumerate(copies):
+            codes, scales = outs["row" if direction == "rowwise" else "col"]
+            codes = codes[start * row_bytes : (start + pad) * row_bytes]
+            scales = scales[scale_start : scale_start + scale_len]
+            if direction == "rowwise":
+                shape, cols = (pad, k), k
+                scales = scales.view(-1, scales_per_row)
+            else:
+                shape, cols = (k, pad), pad
+                scales = scales.view(k // block if params.two_d else k, -1)
+            pieces = {
+                "data": codes.view(shape[0], -1),
+                "scales": scales,
+                "global_scale": s_dec[g, i],
+            }
+            group.append(
+                cute_backend._quantized(
+                    pieces,
+                    "",
+                    fmt,
+                    cols,
+                    rounding,
+                    rht,
+                    seeds[g],
+                    offsets[g][i],
+                    torch.Size(shape),
+                    x.dtype,
+                    flag,
+                )  # fmt: skip
+            )
+        result.append(tuple(group))
+        start += pad
+    first = next(g for g, count in enumerate(counts) if count)  # x has rows: one is non-empty
+    wholes = []
+    for i, (direction, rounding, rht) in enumerate(copies):
+        if direction != "rowwise":
+            wholes.append(None)
+            continue
+        codes, scales = outs["row"]
+        pieces = {
+            "data": codes.view(total, -1),
+            "scales": scales.view(-1, scales_per_row),
+            "global_scale": s_dec[first, i],
+        }
+        wholes.append(
+            cute_backend._quantized(
+                pieces,
+                "",
+                fmt,
+                k,
+                rounding,
+                rht,
+                seeds[first],
+                offsets[first][i],
+                torch.Size((total, k)),
+                x.dtype,
+            )  # fmt: skip
+        )
+    result.wholes = tuple(wholes)
+    return result
+
+
+def _compile(params: Any, arch: str, k_multiple: int) -> dict[str, Any]:
+    """The grouped tile kernels of these (grouped) params for ``arch``, compiled once per
+    process."""
+    key = (params, arch)
+    with _lock:
+        found = _compiled.get(key)
+        if found is None:
+            from fp4gen.kernels.grouped_tile import grouped_tile_reason
+
+            reason = grouped_tile_reason(params)
+            if reason is not None:
+                found = reason
+            else:
+                try:
+                    found = compile_grouped_tile(params, arch, k_multiple)
+                except Exception as err:  # noqa: BLE001 (a compile failure is a fallback)
+                    found = (
+                        f"the grouped tile kernels did not compile ({type(err).__name__}: {err})"
+                    )
+            _compiled[key] = found
+    if isinstance(found, str):
+        raise _Refused(found)
+    return found
+
+
+def compile_grouped_tile(
+    params: Any, arch: str, k_multiple: int, *, dump_dir: str | None = None
+) -> dict[str, Any]:
+    """The TVM-FFI callables of the grouped tile kernels ("amax" where the format has a global
+    scale, "quantize") of grouped params (``grouped_params``) for ``arch`` ("sm_90a" or
+    "sm_100a"); needs no GPU. With ``dump_dir`` the PTX is kept there."""
+    import cutlass.cute as cute
+    from cutlass import Float32, Int32, Uint8
+
+    from fp4gen.kernels.grouped_tile import (
+        TABLE_COLUMNS,
+        GroupedTileAmaxKernel,
+        GroupedTileQuantizeKernel,
+    )
+
+    options = f"--enable-tvm-ffi --gpu-arch {arch}"
+    if dump_dir is not None:
+        os.makedirs(dump_dir, exist_ok=True)
+        options += f" --keep-ptx --dump-dir {shlex.quote(os.fspath(dump_dir))}"
+    fake = cute.runtime.make_fake_compact_tensor
+    x = fake(
+        params.strip.input_type,
+        (cute.sym_int(), cute.sym_int(divisibility=k_multiple)),
+        stride_order=(1, 0),
+        assumed_align=16,
+    )
+    table = fake(Int32, (cute.sym_int(), TABLE_COLUMNS), stride_order=(1, 0), assumed_align=4)
+    amax = fake(Float32, (cute.sym_int(),), assumed_align=4)
+    stream = cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True)
+    fns: dict[str, Any] = {}
+    if params.global_scale:
+        fns["amax"] = cute.compile(
+            GroupedTileAmaxKernel(params.amax_params(), arch), x, table, amax, Int32(0), stream,
+            options=options,
+        )  # fmt: skip
+    scale_t = Float32 if params.strip.fp32_scales else Uint8
+    codes = [fake(Uint8, (cute.sym_int(),), assumed_align=1) for _ in range(2)]
+    scales = [fake(scale_t, (cute.sym_int(),), assumed_align=4) for _ in range(2)]
+    s_dec = fake(Float32, (cute.sym_int(),), assumed_align=4)
+    philox_cols = 2 + 2 * params.n_sr
+    philox = fake(Int32, (cute.sym_int(), philox_cols), stride_order=(1, 0), assumed_align=4)
+    fns["quantize"] = cute.compile(
+        GroupedTileQuantizeKernel(params, arch),
+        x, codes[0], scales[0], codes[1], scales[1], table, amax, s_dec, philox, Int32(0), stream,
+        options=options,
+    )  # fmt: skip
+    return fns
+
+
+__all__ = [
+    "GroupedCopies",
+    "compile_grouped_tile",
+    "padded_counts",
+    "quantize_groups_tile",
+    "reference_groups_tile",
+    "tile_table",
+]

@@ -1,0 +1,515 @@
+"""Grouped tile quantize (fp4gen.runtime.grouped_tile, fp4gen.kernels.grouped_tile): the tile
+kernel's copies of every expert's rows in one launch: the wgrad copies of the tokens and of the
+output gradient (blocks along the tokens, each expert's tokens zero-padded to the wgrad block
+length inside the kernel) and the batched expert weights with 2D (16x16) tiles, each group bit
+for bit its own reference quantization (its global amaxes and S_decs, its seed and Philox
+offsets, its stochastic rounding indexed inside its padded copy), on unequal and empty groups.
+
+On the CPU: the CTA table and the padding arithmetic, the definition, the kernels cross-compiled
+for sm_90a and sm_100a (no GPU), and the grouped experts' operands equal to the loop's with the
+definition standing in for the kernels. On a GPU (``-m gpu``): the kernels against the definition
+per group, and the grouped experts with them against the loop."""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import fp4gen
+import fp4gen.runtime.grouped as grouped
+from fp4gen.dsl.model import RHTSpec
+from fp4gen.formats import BUILTIN_FORMATS
+from fp4gen.numerics.quantize import quantize as reference_quantize
+from fp4gen.runtime.grouped_tile import (
+    compile_grouped_tile,
+    padded_counts,
+    quantize_groups_tile,
+    reference_groups_tile,
+    tile_table,
+)
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from test_moe_grouped import dequant_loop  # noqa: E402,F401  (a fixture, used by name)
+
+COUNTS = [37, 0, 5, 60, 0, 300]  # rows per group: empty groups, very unequal ones
+SEEDS = [11, 12, 13, 2**40 + 14, 15, 16]
+OFFSETS = [8 * 3 + 4, 0, 8 * 1 + 4, 2**33 + 5, 7, 8 * 40 + 4]
+
+
+def nvfp4_2d():
+    return dataclasses.replace(BUILTIN_FORMATS["nvfp4"], block=(16, 16))
+
+
+def rht(size: int | None) -> RHTSpec | None:
+    if size is None:
+        return None
+    if size > 16:  # no fixed vector of this size is shipped: signs drawn from a seed
+        return RHTSpec(size=size, sign_source="seeded", signs=None, seed=3)
+    return RHTSpec(size=size)
+
+
+# (format, copies as (direction, rounding, RHT size)): NVFP4's wgrad activation (RHT 16) and its
+# gradient pair (dgrad rowwise stochastic, wgrad columnwise stochastic with RHT 16), an RHT of
+# 32 along the tokens (seeded signs; the largest a tile strip holds), MXFP8 and MXFP4
+# columnwise copies, MXFP8's gradient pair
+CASES = {
+    "nvfp4_wgrad_activation": ("nvfp4", (("columnwise", "nearest", 16),)),
+    "nvfp4_gradient_pair": (
+        "nvfp4",
+        (("rowwise", "stochastic8", None), ("columnwise", "stochastic8", 16)),
+    ),
+    "nvfp4_col_sr_rht32": ("nvfp4", (("columnwise", "stochastic", 32),)),
+    "mxfp8_col": ("mxfp8_e4m3", (("columnwise", "nearest", None),)),
+    "mxfp8_pair": ("mxfp8_e4m3", (("rowwise", "nearest", None), ("columnwise", "nearest", None))),
+    "mxfp4_col_sr": ("mxfp4", (("columnwise", "stochastic8", None),)),
+}
+
+
+def fmt_of(name: str):
+    return nvfp4_2d() if name == "nvfp4_2d" else BUILTIN_FORMATS[name]
+
+
+def copies_of(copies) -> list:
+    return [(d, r, rht(h)) for d, r, h in copies]
+
+
+def pads_for(fmt, copies, counts=COUNTS) -> list[int]:
+    """What the wgrad GEMM pads each expert's tokens to: the block length and RHT size."""
+    import math
+
+    multiple = fmt.block[1]
+    for _, _, size in copies:
+        multiple = math.lcm(multiple, size or 1)
+    return padded_counts(counts, multiple)
+
+
+def grouped_input(device: str, k: int = 128, counts=COUNTS) -> torch.Tensor:
+    """bf16 rows whose groups differ in magnitude by up to 2^30 (per-group global scales that
+    a single scale could not serve) and a zero row."""
+    g = torch.Generator().manual_seed(5)
+    parts = [
+        torch.randn(n, k, generator=g) * 2.0 ** (10 * (i % 4) - 15) for i, n in enumerate(counts)
+    ]
+    x = torch.cat(parts)
+    x[40] = 0
+    return x.to(torch.bfloat16).to(device)
+
+
+def offsets_for(copies) -> list[tuple[int, ...]]:
+    return [tuple(o + 8 * i for i in range(len(copies))) for o in OFFSETS]
+
+
+# ---------------------------------------------------------------------------------------------
+# The CTA table and the padding
+# ---------------------------------------------------------------------------------------------
+
+
+def test_the_cta_table() -> None:
+    """Per tile of a group's padded rows x column tile: (group, tile index in the group, first
+    input row, real rows, padded rows, first padded row); empty groups have none, the input rows
+    count real rows and the output rows padded ones."""
+    assert tile_table([3, 0, 20], [16, 0, 32], tile_m=16, tiles_k=2) == [
+        (0, 0, 0, 3, 16, 0),
+        (0, 1, 0, 3, 16, 0),
+        (2, 0, 3, 20, 32, 16),
+        (2, 1, 3, 20, 32, 16),
+        (2, 2, 3, 20, 32, 16),
+        (2, 3, 3, 20, 32, 16),
+    ]
+    assert tile_table([0, 0], [0, 0], tile_m=64, tiles_k=1) == []
+    # a padded group of 96 rows with 64-row tiles: two tile rows, the second one half padding
+    assert len(tile_table([65], [96], tile_m=64, tiles_k=3)) == 6
+    with pytest.raises(fp4gen.FP4GenError, match="group 1 has 5 rows padded to 4"):
+        tile_table([2, 5], [16, 4], tile_m=16, tiles_k=1)
+    with pytest.raises(fp4gen.FP4GenError, match="group 0 has 0 rows padded to 16"):
+        tile_table([0], [16], tile_m=16, tiles_k=1)
+
+
+def test_padding_arithmetic() -> None:
+    """Each expert's tokens rounded up to the wgrad GEMM's K multiple (block length and RHT
+    size); an empty expert stays empty; the padded start of each group is the sum before it."""
+    assert padded_counts([37, 0, 5, 60, 0, 300], 16) == [48, 0, 16, 64, 0, 304]
+    assert padded_counts([1, 128, 129], 128) == [128, 128, 256]
+    table = tile_table([37, 5], padded_counts([37, 5], 16), tile_m=32, tiles_k=1)
+    assert [row[5] for row in table] == [0, 0, 48]  # group 1's copies start after 48 rows
+
+
+def test_bad_groups_are_one_line_errors() -> None:
+    x = torch.randn(10, 32)
+    fmt = BUILTIN_FORMATS["nvfp4"]
+    col = [("columnwise", "nearest", None)]
+    with pytest.raises(fp4gen.errors.TensorError, match=r"groups of \[4, 4\] rows"):
+        quantize_groups_tile(x, [4, 4], [16, 16], fmt, col, seeds=[0, 0], offsets=[(0,), (0,)])
+    with pytest.raises(fp4gen.FP4GenError, match="group 0 has 4 rows padded to 2"):
+        quantize_groups_tile(x, [4, 6], [2, 16], fmt, col, seeds=[0, 0], offsets=[(0,), (0,)])
+    with pytest.raises(fp4gen.FP4GenError, match="copies \\('columnwise', 'rowwise'\\)"):
+        quantize_groups_tile(
+            x, [4, 6], [16, 16], fmt, col + [("rowwise", "nearest", None)], seeds=[0, 0],
+            offsets=[(0, 0), (0, 0)],
+        )  # fmt: skip
+    with pytest.raises(fp4gen.FP4GenError, match="backend='cute'.*a CPU tensor"):
+        quantize_groups_tile(
+            x, [4, 6], [16, 16], fmt, col, seeds=[0, 0], offsets=[(0,), (0,)], backend="cute"
+        )
+
+
+def test_the_definition_pads_each_group_and_transposes() -> None:
+    """The definition the kernels are held to: group g's rows zero-padded to its padded count,
+    the columnwise copy the quantization of the padded rows' transpose ([K, padded rows]), with
+    the group's seed and offset; the 2D columnwise copy the transpose of the 2D rowwise one."""
+    fmt = BUILTIN_FORMATS["nvfp4"]
+    x = grouped_input("cpu")
+    copies = copies_of(CASES["nvfp4_gradient_pair"][1])
+    pads = pads_for(fmt, CASES["nvfp4_gradient_pair"][1])
+    got = reference_groups_tile(x, COUNTS, pads, fmt, copies, SEEDS, offsets_for(copies))
+    assert [g is None for g in got] == [c == 0 for c in COUNTS]
+    start = 0
+    for g, count in enumerate(COUNTS):
+        if count == 0:
+            continue
+        rows = x[start : start + count].float()
+        start += count
+        padded = torch.zeros(pads[g], 128)
+        padded[:count] = rows
+        row, col = got[g]
+        assert row.shape == (pads[g], 128) and col.shape == (128, pads[g])
+        want = reference_quantize(
+            padded.t().contiguous(), fmt, rounding="stochastic8", hadamard=rht(16),
+            seed=SEEDS[g], offset=OFFSETS[g] + 8,
+        )  # fmt: skip
+        assert torch.equal(col.codes, want.codes) and torch.equal(col.scales, want.scales), g
+        assert torch.equal(col.global_scale, want.global_scale), g
+        assert torch.equal(row.codes[count:], torch.zeros_like(row.codes[count:]))  # padding
+    # per group global scales (a single scale would be the largest group's)
+    assert len({float(q[1].global_scale) for q in got if q is not None}) > 2
+    w = torch.randn(4 * 32, 64)
+    two_d = reference_groups_tile(
+        w, [32] * 4, [32] * 4, nvfp4_2d(),
+        [("rowwise", "nearest", None), ("columnwise", "nearest", None)], [1] * 4, [(0, 0)] * 4,
+    )  # fmt: skip
+    for e, (row, col) in enumerate(two_d):
+        assert torch.equal(col.codes, row.codes.t()) and torch.equal(col.scales, row.scales.t())
+        alone = reference_quantize(w[32 * e : 32 * (e + 1)], nvfp4_2d())
+        assert torch.equal(row.codes, alone.codes) and torch.equal(row.scales, alone.scales)
+
+
+def test_grouped_params_take_no_launch_wide_preparation(tmp_path: Path) -> None:
+    """The grouped form keeps the spec's variant and drops only what one launch prepares for
+    all its CTAs (a group has its own global scale): the prepared tables, the 2-D grid, the
+    staged layout and its fold."""
+    pytest.importorskip("cutlass")
+    from fp4gen.kernels.grouped_tile import grouped_params, grouped_tile_reason
+
+    module = _tile_module(tmp_path, "nvfp4", CASES["nvfp4_gradient_pair"][1])
+    params = module.QUANT_PARAMS
+    assert params.prep and params.staged and params.strip.grid_2d  # the dense launch's layout
+    got = grouped_params(params)
+    assert not (got.prep or got.staged or got.fold or got.strip.grid_2d or got.strip.whole_strips)
+    assert (got.copies, got.block, got.elem, got.scale) == (
+        params.copies,
+        params.block,
+        params.elem,
+        params.scale,
+    )
+    assert grouped_tile_reason(got) is None
+    swizzled = dataclasses.replace(
+        got, copies=tuple(dataclasses.replace(c, swizzled=True) for c in got.copies)
+    )
+    assert "compact scales" in grouped_tile_reason(swizzled)
+
+
+def _tile_module(tmp_path: Path, fmt: str, copies):
+    from fp4gen.codegen.quantize import render
+    from fp4gen.compiler.jit import import_source
+    from fp4gen.compiler.spec import QuantOutput
+    from fp4gen.runtime.cute_backend import _spec
+
+    outputs = tuple(QuantOutput(d, r, h) for d, r, h in copies_of(copies))
+    spec = _spec(fmt_of(fmt), torch.bfloat16, outputs)
+    source = tmp_path / f"{spec.name}.py"
+    source.write_text(render(spec))
+    return import_source(source)
+
+
+COMPILE_CASES = {
+    **CASES,
+    "nvfp4_2d_weight": ("nvfp4_2d", (("rowwise", "nearest", None),)),
+    "nvfp4_2d_dgrad_weight": ("nvfp4_2d", (("columnwise", "nearest", None),)),
+}
+
+
+@pytest.mark.parametrize("arch", ["sm_90a", "sm_100a"])
+@pytest.mark.parametrize("case", sorted(COMPILE_CASES))
+def test_the_grouped_tile_kernels_cross_compile(tmp_path: Path, arch: str, case: str) -> None:
+    """The grouped amax (with a global scale) and quantize kernels compile for both arches
+    from the tile spec's parameters; the amax kernel issues one atomic max per amax slot (into
+    its group's)."""
+    pytest.importorskip("cutlass")
+    from fp4gen.kernels.grouped_tile import grouped_params
+
+    fmt, copies = COMPILE_CASES[case]
+    module = _tile_module(tmp_path, fmt, copies)
+    params = grouped_params(module.QUANT_PARAMS)
+    fns = compile_grouped_tile(params, arch, module.K_MULTIPLE, dump_dir=str(tmp_path / "ptx"))
+    global_scale = fmt_of(fmt).global_scale
+    assert sorted(fns) == (["amax", "quantize"] if global_scale else ["quantize"])
+    ptx = {p.name: p.read_text() for p in (tmp_path / "ptx").glob("*.ptx")}
+    assert len(ptx) == len(fns)
+    if global_scale:
+        (amax,) = [text for name, text in ptx.items() if "Amax" in name]
+        assert amax.count("atom.global.max") == params.slots
+
+
+# ---------------------------------------------------------------------------------------------
+# The grouped experts with the definition standing in for the kernels
+# ---------------------------------------------------------------------------------------------
+
+# the NVFP4 method with every expert GEMM's operands in NVFP4 (16x16 weights; the gradients'
+# pair, stochastic, the wgrad copies with RHT 16), per expert and per tensor; MXFP8
+PER_TENSOR = 'extends "nvfp4_no_bf16"\noperands {\n    * : global per tensor\n}\n'
+RECIPES = {
+    "nvfp4_no_bf16": "nvfp4_no_bf16",
+    "per_tensor": PER_TENSOR,
+    "mxfp8": "operands {\n * : mxfp8_e4m3\n}\n",
+}
+# tile launches per step, by copies: per projection (two) the wgrad activation (columnwise)
+# and the gradient pair, and with 16x16 weights the fprop (rowwise) and dgrad (columnwise)
+# weight copies
+WITH_2D = {("columnwise",): 4, ("rowwise", "columnwise"): 2, ("rowwise",): 2}
+TILE_CALLS = {
+    "nvfp4_no_bf16": WITH_2D,
+    "per_tensor": WITH_2D,
+    "mxfp8": {("columnwise",): 2, ("rowwise", "columnwise"): 2},
+}
+
+
+def definition_standing_in(real_reference):
+    """quantize_groups_tile by the definition, with the rowwise copies' ``wholes`` (every group
+    as one tensor) as the kernels give them; records each call's copies."""
+    calls: list[tuple[str, ...]] = []
+
+    def stand_in(rows, counts, pads, fmt, copies, **kw):
+        calls.append(tuple(d for d, _, _ in copies))
+        kw = {**kw, "backend": "reference"}
+        out = real_reference(rows, counts, pads, fmt, copies, kw["seeds"], kw["offsets"],
+                             "reference", kw["scope"])  # fmt: skip
+        wholes = []
+        for i, (direction, _, _) in enumerate(copies):
+            parts = [g[i] for g in out if g is not None]
+            if direction != "rowwise":
+                wholes.append(None)
+                continue
+            wholes.append(
+                dataclasses.replace(
+                    parts[0],
+                    codes=torch.cat([q.codes for q in parts]),
+                    scales=torch.cat([q.scales for q in parts]),
+                    scale_codes=None,
+                    packed=None,
+                    shape=torch.Size((sum(q.shape[0] for q in parts), parts[0].shape[1])),
+                )
+            )
+        out.wholes = tuple(wholes)
+        return out
+
+    return stand_in, calls
+
+
+@pytest.mark.parametrize("arch", ["mixtral", "gpt_oss"])
+@pytest.mark.parametrize("recipe", sorted(RECIPES))
+def test_grouped_tile_operands_are_the_loops_bits(monkeypatch, dequant_loop, arch, recipe) -> None:  # noqa: F811
+    """The grouped path with its grouped tile quantize (the definition standing in for the
+    kernels, so this runs on the CPU): every expert's wgrad activation, gradient pair and 2D
+    weight copies with its seed, Philox offsets, padding, scope and (gpt-oss) transposed
+    weight layout as its own layer's, so the results equal the loop's bit for bit over two
+    steps (the call counts move the offsets), from one grouped launch per operand."""
+    from test_moe import routing, run
+    from test_moe_grouped import pair
+
+    import fp4gen.runtime.grouped_quantize as gq
+    import fp4gen.runtime.grouped_tile as gt
+    from fp4gen.dsl import parse_recipe
+
+    stand_in, calls = definition_standing_in(gt.reference_groups_tile)
+    real_rows = gq.quantize_groups
+    monkeypatch.setattr(grouped, "_serves", lambda t: True)
+    monkeypatch.setattr(grouped, "_grouped_tile_quantize", [True])
+    monkeypatch.setattr(gt, "quantize_groups_tile", stand_in)
+    monkeypatch.setattr(
+        gq, "quantize_groups", lambda *a, **kw: real_rows(*a, **{**kw, "backend": "reference"})
+    )
+    text = RECIPES[recipe]
+    spec = parse_recipe(text) if "\n" in text else text
+    loop, group = pair(arch, torch.bfloat16, spec)
+    index, weights = routing(40, empty=1)
+    for step in range(2):
+        hidden = torch.randn(40, 64, generator=torch.Generator().manual_seed(step))
+        hidden = hidden.to(torch.bfloat16)
+        want = run(loop, hidden, index, weights.to(torch.bfloat16))
+        got = run(group, hidden, index, weights.to(torch.bfloat16))
+        assert all(torch.equal(a, b) for a, b in zip(got[:3], want[:3], strict=True)), step
+        assert all(torch.equal(got[3][n], want[3][n]) for n in want[3]), step
+    assert {c: calls.count(c) for c in set(calls)} == {
+        c: 2 * n for c, n in TILE_CALLS[recipe].items()
+    }
+
+
+def test_the_switches_of_the_grouped_tile_quantize(monkeypatch) -> None:
+    """The grouped tile quantize is off by default (set_grouped_tile_quantize: until its GPU
+    tests pass); on, it serves CUDA tensors only; set_grouped_quantize(False) turns it off too.
+    None: each expert's layer quantizes its own."""
+    from test_moe import build, experts_of
+
+    module = experts_of(fp4gen.convert(build("mixtral"), "nvfp4_no_bf16"))
+    groups = grouped.Groups([0, 1], [3, 4], [module.gemms[0][0], module.gemms[1][0]], False,
+                            torch.float32, "up")  # fmt: skip
+    seen: list[int] = []
+    monkeypatch.setattr(grouped, "grouped_tile_operands", lambda *a, **kw: seen.append(1))
+    monkeypatch.setattr(grouped, "_serves", lambda t: grouped._grouped_quantize[0])
+    x, dy = torch.randn(7, 64), torch.randn(7, 32)
+    assert grouped.set_grouped_tile_quantize(True) is False  # the default
+    try:
+        assert grouped.grouped_wgrad_activations(x, groups) is None
+        assert grouped.grouped_gradients(dy, groups, 32) is None
+        assert len(seen) == 2  # on: both went to the grouped tile quantize
+        assert grouped.set_grouped_quantize(False) is True
+        try:
+            assert grouped.grouped_wgrad_activations(x, groups) is None
+            assert grouped.grouped_gradients(dy, groups, 32) is None
+        finally:
+            grouped.set_grouped_quantize(True)
+        assert len(seen) == 2  # off: neither did
+    finally:
+        grouped.set_grouped_tile_quantize(False)
+    assert grouped.grouped_wgrad_activations(x, groups) is None
+    assert len(seen) == 2
+    monkeypatch.undo()
+    grouped.set_grouped_tile_quantize(True)
+    try:  # on the CPU the tile kernels never run (each expert's layer quantizes)
+        assert grouped.grouped_wgrad_activations(x, groups) is None
+    finally:
+        grouped.set_grouped_tile_quantize(False)
+
+
+# ---------------------------------------------------------------------------------------------
+# On a GPU
+# ---------------------------------------------------------------------------------------------
+
+
+def _differences(got, want, what: str) -> list[str]:
+    from test_recipe_fuzz_gpu import differences
+
+    return differences(got, want, what)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("scope", ["expert", "tensor"])
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_cuda_grouped_tile_quantize_is_the_reference_per_group(case: str, scope: str) -> None:
+    """One launch (two with a global scale) for six groups, two of them empty, from 5 to 300
+    rows (several CTAs, partial tiles, padding rows inside a tile), magnitudes 2^30 apart:
+    each group's copies (codes, scales, S_dec) are the definition's bit for bit, per expert and
+    per tensor; a NaN in one group makes only its S_decs NaN."""
+    fmt_name, raw = CASES[case]
+    fmt = fmt_of(fmt_name)
+    if scope == "tensor" and not fmt.global_scale:
+        pytest.skip(f"{fmt_name} has no global scale")
+    copies = copies_of(raw)
+    pads = pads_for(fmt, raw)
+    x = grouped_input("cuda")
+    offsets = offsets_for(copies)
+    got = quantize_groups_tile(
+        x, COUNTS, pads, fmt, copies, seeds=SEEDS, offsets=offsets, backend="cute", scope=scope
+    )
+    want = reference_groups_tile(x.cpu(), COUNTS, pads, fmt, copies, SEEDS, offsets,
+                                 "reference", scope)  # fmt: skip
+    assert [g is None for g in got] == [c == 0 for c in COUNTS]
+    bad = [
+        d
+        for g, (a, b) in enumerate(zip(got, want, strict=True))
+        if b is not None
+        for i in range(len(copies))
+        for d in _differences(a[i], b[i], f"group {g} copy {i}")
+    ]
+    assert not bad, "\n".join(bad)
+    if scope == "expert":
+        x[COUNTS[0] + 2, 3] = float("nan")  # group 2's third row
+        with fp4gen.runtime.finite.propagating():
+            got = quantize_groups_tile(
+                x, COUNTS, pads, fmt, copies, seeds=SEEDS, offsets=offsets, backend="cute"
+            )
+        nan = [g is not None and all(bool(torch.isnan(q.global_scale)) for q in g) for g in got]
+        assert nan == [False, False, True, False, False, False]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("scope", ["expert", "tensor"])
+@pytest.mark.parametrize("direction", ["rowwise", "columnwise"])
+def test_cuda_grouped_2d_weights_are_the_reference_per_expert(direction: str, scope: str) -> None:
+    """The batched expert weights [E x N, K] with 16x16 tiles in one launch: each expert's
+    rowwise copy (fprop) or columnwise copy (dgrad: the transposed codes and tile scales) is
+    the definition's bit for bit, per expert and per tensor; weights of very unequal
+    magnitudes."""
+    experts, n, k = 5, 48, 96
+    g = torch.Generator().manual_seed(7)
+    w = torch.cat([torch.randn(n, k, generator=g) * 2.0 ** (8 * e - 16) for e in range(experts)])
+    w = w.to(torch.bfloat16)
+    copies = [(direction, "nearest", None)]
+    counts = [n] * experts
+    offsets = [(0,)] * experts
+    got = quantize_groups_tile(
+        w.cuda(), counts, counts, nvfp4_2d(), copies, seeds=[1] * experts, offsets=offsets,
+        backend="cute", scope=scope,
+    )  # fmt: skip
+    want = reference_groups_tile(w, counts, counts, nvfp4_2d(), copies, [1] * experts, offsets,
+                                 "reference", scope)  # fmt: skip
+    bad = [d for e in range(experts) for d in _differences(got[e][0], want[e][0], f"expert {e}")]
+    assert not bad, "\n".join(bad)
+    if direction == "rowwise":  # every expert as one tensor: the groups' codes and scales
+        whole = got.wholes[0]
+        assert torch.equal(whole.codes.cpu(), torch.cat([q[0].codes for q in want]))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("arch", ["qwen3_moe", "gpt_oss"])
+@pytest.mark.parametrize("recipe", ["nvfp4_no_bf16", "per_tensor"])
+def test_cuda_grouped_tile_quantize_in_the_experts_is_the_loops(monkeypatch, arch, recipe) -> None:
+    """On CUDA with the grouped tile kernels: every expert's wgrad activation, gradient pair and
+    16x16 weight copies in one launch per operand (eight per step: none fell back), and every
+    expert GEMM's operands the per-expert loop's bit for bit (tests/moe_harness.py), with the
+    products handed on the results too, very unequal groups with an empty expert."""
+    from moe_harness import harnessed_run, operand_differences, result_differences
+    from test_moe_grouped import pair, unequal_routing
+
+    import fp4gen.runtime.grouped_tile as gt
+    from fp4gen.dsl import parse_recipe
+
+    calls: list[str] = []
+    real = gt.quantize_groups_tile
+    monkeypatch.setattr(grouped, "_grouped_tile_quantize", [True])
+
+    def counted(*args, **kw):
+        calls.append(kw["backend"])
+        return real(*args, **kw)
+
+    monkeypatch.setattr(gt, "quantize_groups_tile", counted)
+    text = RECIPES[recipe]
+    spec = parse_recipe(text) if "\n" in text else text
+    loop, group = pair(arch, torch.bfloat16, spec, "cuda")
+    index, weights = unequal_routing()
+    hidden = torch.randn(70, 64).to(torch.bfloat16).cuda()
+    args = (hidden, index.cuda(), weights.to(torch.bfloat16).cuda())
+    want = harnessed_run(loop, *args, check=True)
+    got = harnessed_run(group, *args, check=True)
+    assert calls == ["cute"] * sum(TILE_CALLS[recipe].values())
+    problems = want.harness.problems + got.harness.problems
+    problems += operand_differences(got.harness, want.harness)
+    problems += result_differences(got, want)
+    assert not problems, "\n".join(problems)
