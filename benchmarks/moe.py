@@ -12,11 +12,13 @@ process, after the BF16 baseline:
   BF16), the baseline every ratio divides by;
 - ``bf16 eager``: the transformers experts' own per-expert loop (layer section only);
 - each recipe (``--recipes``), converted by ``fp4gen.convert`` with its default path (on sm_90a
-  NVFP4 / MX experts run grouped GEMMs, FP8 blockwise the block-scaled FP8 GEMM per expert:
-  docs/moe.md), and for recipes whose experts run grouped also ``<recipe> loop`` (the same
-  recipe expert by expert, ``GroupedExperts.grouped = False``) and, with
-  ``--quantize-per-expert``, ``<recipe> quantize per expert`` (grouped GEMMs, each expert's
-  operands quantized by its own launches: ``set_grouped_quantize(False)``).
+  NVFP4 / MX experts run grouped GEMMs, FP8 blockwise too: its fprop and dgrad by the grouped
+  FP8 GEMM, its wgrad per expert: docs/moe.md), and for recipes whose experts run grouped also
+  ``<recipe> loop`` (the same recipe expert by expert, ``GroupedExperts.grouped = False``)
+  and, with ``--quantize-per-expert``, ``<recipe> quantize per expert`` (grouped GEMMs, each
+  expert's operands quantized by its own launches: ``set_grouped_quantize(False)``); with
+  ``--fp8-per-expert``, ``<recipe> fp8 GEMMs per expert`` (the grouped path with the grouped
+  FP8 GEMM off, each expert's dense FP8 GEMM: ``fp8_grouped.set_grouped_fp8(False)``).
 
 On CUDA a recipe row with a goal of the MoE issue says whether it is met (``TARGETS``): the
 layer's fwd+bwd at most 0.85x BF16 for ``fp8_blockwise`` and 1.2x for the ``nvfp4`` recipes, a
@@ -33,6 +35,7 @@ ran (grouped, or per expert and why: ``GroupedExperts.loop_reason``).
                              [--model-experts 64] [--model-topk 8] [--seq 1024] [--steps 10]
                              [--skip-layer] [--skip-model] [--device cuda|cpu]
                              [--grouped-product bf16|fp32] [--quantize-per-expert]
+                             [--fp8-per-expert]
 
 ``--device cpu`` runs the same code on the CPU (the float64 reference GEMMs: only for a smoke
 run at tiny sizes, not a timing).
@@ -55,6 +58,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the checkout,
 import fp4gen  # noqa: E402
 from benchmarks.common import cuda_time_ms, require_cuda  # noqa: E402
 from fp4gen.runtime.experts import GroupedExperts  # noqa: E402
+from fp4gen.runtime.fp8_grouped import set_grouped_fp8  # noqa: E402
 from fp4gen.runtime.grouped import set_grouped_product, set_grouped_quantize  # noqa: E402
 
 VOCAB = 256  # bytes, as benchmarks/train.py
@@ -144,10 +148,12 @@ def recipe_rows(
     base: float,
     section: str,
     quantize_per_expert: bool = False,
+    fp8_per_expert: bool = False,
 ) -> None:
     """Print each recipe's row (with the issue's goal where it has one, on CUDA), and
     ``<recipe> loop`` after it where its experts ran grouped; with ``quantize_per_expert`` also
-    ``<recipe> quantize per expert`` (grouped GEMMs, the grouped quantize turned off)."""
+    ``<recipe> quantize per expert`` (grouped GEMMs, the grouped quantize turned off); with
+    ``fp8_per_expert`` also ``<recipe> fp8 GEMMs per expert`` (the grouped FP8 GEMM off)."""
     for recipe in recipes:
         model = fp4gen.convert(make("eager"), recipe)
         ms, peak = measure(model)
@@ -166,6 +172,16 @@ def recipe_rows(
             finally:
                 set_grouped_quantize(previous)
             print_row(f"{recipe} quantize per expert", ms, base, peak, "grouped GEMMs")
+            del model
+        if grouped and fp8_per_expert:
+            previous = set_grouped_fp8(False)
+            try:
+                model = fp4gen.convert(make("eager"), recipe)
+                ms, peak = measure(model)
+            finally:
+                set_grouped_fp8(previous)
+            note = "grouped path, each expert's dense FP8 GEMM"
+            print_row(f"{recipe} fp8 GEMMs per expert", ms, base, peak, note)
             del model
         if grouped:
             model = fp4gen.convert(make("eager"), recipe)
@@ -227,7 +243,10 @@ def layer_section(args: argparse.Namespace, device: str, recipes: list[str]) -> 
             print_row("bf16 grouped_mm", base, base, peak)
             ms, peak = measure(make("eager"))
             print_row("bf16 eager", ms, base, peak)
-            recipe_rows(make, recipes, device, measure, base, "layer", args.quantize_per_expert)
+            recipe_rows(
+                make, recipes, device, measure, base, "layer",
+                args.quantize_per_expert, args.fp8_per_expert,
+            )  # fmt: skip
 
 
 def model_section(args: argparse.Namespace, device: str, recipes: list[str]) -> None:
@@ -273,7 +292,10 @@ def model_section(args: argparse.Namespace, device: str, recipes: list[str]) -> 
 
     base, peak = measure(make("grouped_mm"))
     print_row("bf16 grouped_mm", base, base, peak)
-    recipe_rows(make, recipes, device, measure, base, "model", args.quantize_per_expert)
+    recipe_rows(
+        make, recipes, device, measure, base, "model",
+        args.quantize_per_expert, args.fp8_per_expert,
+    )  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -305,6 +327,12 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="also each grouped recipe with the grouped quantize off "
         "(fp4gen.runtime.grouped.set_grouped_quantize)",
+    )
+    parser.add_argument(
+        "--fp8-per-expert",
+        action="store_true",
+        help="also each grouped recipe with the grouped FP8 GEMM off "
+        "(fp4gen.runtime.fp8_grouped.set_grouped_fp8)",
     )
     args = parser.parse_args(argv)
     if args.device == "cuda":

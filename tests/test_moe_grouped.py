@@ -204,8 +204,10 @@ def test_without_grouped_mm_a_loop_of_mm_gives_the_same_product(monkeypatch, cap
 def test_the_path_chosen(caplog) -> None:
     """Who runs grouped: never on the CPU's float64 reference by default (the dense layer's
     numerics), wherever the formats allow with grouped=True; the loop, with the reason, for a
-    format whose values are not exact in bf16 (FP8 with fp32 block scales), MoR, telemetry, or
-    grouped=False."""
+    format whose values are not exact in bf16 and no block-scaled FP8 pair, MoR, telemetry, or
+    grouped=False. FP8 with fp32 block scales (fp8_blockwise) runs grouped: its products are
+    the dense layer's block-scaled FP8 GEMMs (fp4gen.runtime.fp8_grouped; per expert on the
+    CPU)."""
     cpu = torch.device("cpu")
     module = experts_of(fp4gen.convert(build("mixtral"), "nvfp4_no_bf16"))
     assert "CPU tensors" in module.loop_reason(module.operands, cpu)
@@ -216,22 +218,37 @@ def test_the_path_chosen(caplog) -> None:
     fp4gen.runtime.convert.enable_telemetry(module, 0)
     module.grouped = False
     assert "turned off" in module.loop_reason(module.operands, cpu)
-    for recipe, why in (("fp8_blockwise", "not exact in bf16"), ("mor_tensor", "not a block")):
-        module = experts_of(fp4gen.convert(build("mixtral"), recipe))
-        module.grouped = True
-        assert why in module.loop_reason(module.operands, cpu), recipe
+    module = experts_of(fp4gen.convert(build("mixtral"), "mor_tensor"))
+    module.grouped = True
+    assert "not a block" in module.loop_reason(module.operands, cpu)
+    module = experts_of(fp4gen.convert(build("mixtral"), "fp8_blockwise"))
+    module.grouped = True
+    assert module.loop_reason(module.operands, cpu) is None
     ref = experts_of(fp4gen.convert(build("mixtral"), "nvfp4_no_bf16", backend="reference"))
     assert "reference backend" in ref.loop_reason(ref.operands, cpu)
 
 
-def test_a_forced_grouped_path_on_an_fp8_recipe_runs_the_loop() -> None:
-    """grouped=True with a recipe the grouped GEMMs do not serve: the loop, the same bits as
-    grouped=False."""
+def test_a_forced_grouped_path_on_an_fp8_recipe_is_the_loop(caplog) -> None:
+    """grouped=True with fp8_blockwise on the CPU: the grouped path quantizes as the loop does
+    and runs each expert's dense FP8 GEMM (the grouped kernel needs CUDA: said once per
+    projection and GEMM at INFO), the same bits as grouped=False."""
+    from fp4gen.runtime import fp8_grouped
+
+    fp8_grouped._logged.clear()
     loop, group = pair("mixtral", torch.float32, "fp8_blockwise")
     index, weights = routing(24, empty=0)
     hidden = torch.randn(24, 64)
-    want, got = run(loop, hidden, index, weights), run(group, hidden, index, weights)
+    with caplog.at_level(logging.INFO, logger="fp4gen.runtime.fp8_grouped"):
+        want, got = run(loop, hidden, index, weights), run(group, hidden, index, weights)
     assert all(torch.equal(a, b) for a, b in zip(got[:3], want[:3], strict=True))
+    assert all(torch.equal(got[3][n], want[3][n]) for n in want[3])
+    lines = sorted(r.getMessage() for r in caplog.records if r.name.endswith("fp8_grouped"))
+    assert lines == sorted(
+        f"model.layers.0.mlp.experts.{proj}: the experts' {gemm} GEMMs run per expert: CPU "
+        "tensors: the dense GEMM per expert"
+        for proj in ("gate_up_proj", "down_proj")
+        for gemm in ("fprop", "dgrad")
+    ), lines
 
 
 def test_rne_grouped_training_step_against_the_reference(dequant_loop) -> None:
