@@ -138,6 +138,32 @@ def test_padding_arithmetic() -> None:
     assert [row[5] for row in table] == [0, 0, 48]  # group 1's copies start after 48 rows
 
 
+OFFSET_CASES = [(4, 16, False), (8, 32, False), (4, 16, True)]  # NVFP4, MXFP8, NVFP4 16x16
+
+
+@pytest.mark.parametrize(("bits", "block", "two_d"), OFFSET_CASES)
+def test_each_group_owns_its_padded_copy(bits: int, block: int, two_d: bool) -> None:
+    """group_offsets (the kernel's and the host's one formula): group g's codes and scales
+    start where the groups before it end, and span exactly its padded copy as the tile body
+    addresses it (rowwise [pad, K] codes and [pad, K/B] scales, columnwise [K, pad] and
+    [K, pad/B]; 2D tile scales [pad/B, K/B]), so the groups' copies tile the outputs."""
+    pytest.importorskip("cutlass")
+    from fp4gen.kernels.grouped_tile import group_offsets
+
+    k = 96
+    pads = padded_counts([37, 0, 5, 60, 300], block)
+    start = 0
+    for pad in pads:
+        codes0, scales0 = group_offsets(start, k, bits, block, two_d)
+        codes1, scales1 = group_offsets(start + pad, k, bits, block, two_d)
+        assert codes1 - codes0 == pad * k * bits // 8  # [pad, K] or [K, pad] codes
+        scales = (pad // block) * (k // block) if two_d else pad * k // block
+        assert scales1 - scales0 == scales
+        start += pad
+    total = group_offsets(start, k, bits, block, two_d)
+    assert total == (start * k * bits // 8, (start // block if two_d else start) * (k // block))
+
+
 def test_bad_groups_are_one_line_errors() -> None:
     x = torch.randn(10, 32)
     fmt = BUILTIN_FORMATS["nvfp4"]

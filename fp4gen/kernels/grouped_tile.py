@@ -69,6 +69,17 @@ def grouped_tile_reason(params: TileQuantizeParams) -> str | None:
     return None
 
 
+def group_offsets(out_row, k, bits: int, block: int, two_d: bool) -> tuple:
+    """(byte offset of a group's codes, element offset of its scales) in the flat outputs, for
+    the group's first padded row ``out_row`` and K = ``k``: the same for its rowwise and its
+    columnwise copy (module docstring). Ints on the host, Int32 values in the kernel."""
+    row_bytes = k * bits // 8  # bytes of a row of K codes
+    # 2D: a row of K / B tile scales per B padded rows; 1D: a row of K / B scales per padded row
+    # (the columnwise copy: K x padded rows / B, the same count)
+    rows_before = out_row // block if two_d else out_row
+    return out_row * row_bytes, rows_before * (k // block)
+
+
 @dataclass
 class GroupTile:
     """This CTA's place in its group (trace-time values read from the CTA table)."""
@@ -213,15 +224,11 @@ class GroupedTileQuantizeKernel(GroupedPlacement, TileQuantizeKernel):
         """The body's tensors (``split_args``' order) for this group: each copy's codes and
         scales at the group's offset (module docstring), its amax slots and S_decs."""
         p = self.p
-        row_bytes = K * p.elem.bits // 8  # bytes of a row of K codes
-        # 2D: a row of K / B tile scales per B padded rows; 1D: a row of K / B scales per
-        # padded row (the columnwise copy: K x padded rows / B, the same count)
-        rows_before = out_row // p.block if p.two_d else out_row
-        scale_off = rows_before * (K // p.block)
+        codes_off, scales_off = group_offsets(out_row, K, p.elem.bits, p.block, p.two_d)
         tensors = []
         for c in p.copies:
             codes, scales = outs[c.tag]
-            tensors += [_at(codes, out_row * row_bytes), _at(scales, scale_off)]
+            tensors += [_at(codes, codes_off), _at(scales, scales_off)]
         if p.global_scale:
             tensors += [_at(mAmax, group * p.slots + s) for s in range(p.slots)]
         copies = len(p.copies)
@@ -249,6 +256,7 @@ __all__ = [
     "GroupTile",
     "GroupedTileAmaxKernel",
     "GroupedTileQuantizeKernel",
+    "group_offsets",
     "grouped_params",
     "grouped_tile_reason",
 ]

@@ -283,7 +283,7 @@ def _grouped_kernels(
     scope: str,
 ) -> GroupedCopies:
     from fp4gen.kernels import host
-    from fp4gen.kernels.grouped_tile import grouped_params
+    from fp4gen.kernels.grouped_tile import group_offsets, grouped_params
     from fp4gen.runtime import cute_backend, finite
 
     module, arch = _module(fmt, x, copies)
@@ -351,7 +351,6 @@ def _grouped_kernels(
     fns["quantize"](x, q_row, s_row, q_col, s_col, table, amax, s_dec, philox, len(table_rows))
     s_dec = s_dec.view(groups, n_copies)
     result = GroupedCopies()
-    row_bytes = k * bits // 8
     scales_per_row = k // block
     start = 0
     for g, (count, pad) in enumerate(zip(counts, pads, strict=True)):
@@ -359,12 +358,13 @@ def _grouped_kernels(
             result.append(None)
             continue
         group = []
-        scale_start = (start // block if params.two_d else start) * scales_per_row
-        scale_len = (pad // block if params.two_d else pad) * scales_per_row
+        # where the kernel wrote the group's copies, and where the next group's begin
+        codes_at, scales_at = group_offsets(start, k, bits, block, params.two_d)
+        codes_end, scales_end = group_offsets(start + pad, k, bits, block, params.two_d)
         for i, (direction, rounding, rht) in enumerate(copies):
             codes, scales = outs["row" if direction == "rowwise" else "col"]
-            codes = codes[start * row_bytes : (start + pad) * row_bytes]
-            scales = scales[scale_start : scale_start + scale_len]
+            codes = codes[codes_at:codes_end]
+            scales = scales[scales_at:scales_end]
             if direction == "rowwise":
                 shape, cols = (pad, k), k
                 scales = scales.view(-1, scales_per_row)
