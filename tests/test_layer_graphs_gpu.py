@@ -100,7 +100,9 @@ def test_stochastic_rounding_differs_between_calls_of_a_graphed_layer(monkeypatc
     x = torch.randn(128, 256, device="cuda")
     dy = torch.randn(128, 192, device="cuda")
     dws = [_step(model, x, dy)[2][0] for _ in range(4)]
-    assert model[0]._graphs.replays >= 2
+    # served by graphs: replays, or captures where x met at one address again gets an in-place
+    # graph (where the allocator puts x varies; replays alone were 1 once under xdist)
+    assert model[0]._graphs.graph_calls >= 2
     assert not torch.equal(dws[2], dws[3])
 
 
