@@ -105,7 +105,9 @@ def test_grouped_kernels_cross_compile_to_fp8_wgmma(tmp_path: Path, monkeypatch)
     whole-sector stores (fp32 out), 1x128 B with overlap. The PTX: FP8 wgmma of the element
     pair, TMA of the codes, the 4-byte scale copies, the offsets read (the walk), no local
     memory."""
+    from fp4gen.codegen.gemm_fp8 import module_source
     from fp4gen.kernels.gemm_sm90_fp8 import GemmSm90Fp8Params, compile_fp8_gemm
+    from fp4gen.kernels.gemm_sm90_fp8_grouped import compile_grouped_fp8_gemm
 
     monkeypatch.setenv("CUTE_DSL_ARCH", "sm_90a")
     cases = [
@@ -119,8 +121,12 @@ def test_grouped_kernels_cross_compile_to_fp8_wgmma(tmp_path: Path, monkeypatch)
             out=out, bias=bias, accumulate=False, wide_stores=wide, overlap=overlap,
             grouped=True,
         )  # fmt: skip
+        # the generated module (the kernel cache's source) binds the grouped compile
+        assert "compile_grouped_fp8_gemm(PARAMS, arch" in module_source(params)
+        with pytest.raises(ValueError, match="compile_grouped_fp8_gemm"):
+            compile_fp8_gemm(params, "sm_90a")
         dump = tmp_path / params.name
-        compile_fp8_gemm(params, "sm_90a", dump_dir=str(dump))
+        compile_grouped_fp8_gemm(params, "sm_90a", dump_dir=str(dump))
         ptx = "\n".join(p.read_text() for p in dump.glob("*.ptx"))
         assert "GemmSm90Fp8Grouped" in ptx  # the grouped class's kernel
         wgmma = set(re.findall(r"wgmma\.mma_async\.sync\.aligned\.(\S+?) ", ptx))
@@ -220,3 +226,23 @@ def test_the_switch() -> None:
         assert not fp8_grouped.grouped_fp8_enabled()
     finally:
         assert fp8_grouped.set_grouped_fp8(True) is False
+
+
+@needs_dsl
+def test_grouped_kernel_is_cached_on_disk(tmp_path: Path, monkeypatch) -> None:
+    """The grouped kernel goes through the kernel cache as the dense ones do (its generated
+    module binds compile_grouped_fp8_gemm): compiled on first use, loaded after."""
+    from fp4gen.compiler.cache import KernelCache
+    from fp4gen.runtime import fp8_gemm
+
+    monkeypatch.setenv("CUTE_DSL_ARCH", "sm_90a")
+    monkeypatch.setattr(fp8_gemm, "_cute_compiled", {})
+    params = fp8_grouped.grouped_plan(ROW, TILE, torch.bfloat16, True).params
+    assert params.grouped and params.bias
+    cache = KernelCache(tmp_path / "cache")
+    assert callable(fp8_gemm.cute_kernel(params, cache))
+    assert fp8_gemm._cute_loaded[params].compiled == 1
+    fp8_gemm._cute_compiled.clear()
+    fp8_gemm.cute_kernel(params, cache)
+    stats = fp8_gemm._cute_loaded[params]
+    assert (stats.compiled, stats.loaded) == (0, 1)

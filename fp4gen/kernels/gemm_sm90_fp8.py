@@ -1091,11 +1091,9 @@ def compile_fp8_gemm(
     tensors with dynamic M, N and K (K % block_k == 0, checked by the caller); needs no GPU.
     With ``dump_dir`` (created if missing) the PTX is kept there. Arguments of the result: A, A's
     scales, B, B's scales, S_a, S_b, C (, bias), max_ctas; the stream is the current torch one.
-    Grouped params: ``gemm_sm90_fp8_grouped.compile_grouped_fp8_gemm``'s kernel."""
+    Grouped params: ``gemm_sm90_fp8_grouped.compile_grouped_fp8_gemm``."""
     if params.grouped:  # its own arguments (the offsets, B batched)
-        from fp4gen.kernels.gemm_sm90_fp8_grouped import compile_grouped_fp8_gemm
-
-        return compile_grouped_fp8_gemm(params, arch, dump_dir=dump_dir)
+        raise ValueError("grouped params: compile them with compile_grouped_fp8_gemm")
     if arch != "sm_90a":
         raise ValueError(f"unsupported arch {arch!r}: the FP8 wgmma kernel is sm_90a's")
     options = f"--enable-tvm-ffi --gpu-arch {arch}"

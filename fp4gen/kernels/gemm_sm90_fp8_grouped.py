@@ -226,6 +226,7 @@ def compile_grouped_fp8_gemm(
 
 __all__ = [
     "GemmSm90Fp8GroupedBiasKernel",
+    "GemmSm90Fp8Params",  # the generated module imports it from here
     "GemmSm90Fp8GroupedKernel",
     "compile_grouped_fp8_gemm",
     "tile_walk",
