@@ -228,14 +228,15 @@ def test_the_path_chosen(caplog) -> None:
     assert "reference backend" in ref.loop_reason(ref.operands, cpu)
 
 
-def test_a_forced_grouped_path_on_an_fp8_recipe_is_the_loop(caplog) -> None:
+@pytest.mark.parametrize("arch", ["mixtral", "gpt_oss"])
+def test_a_forced_grouped_path_on_an_fp8_recipe_is_the_loop(caplog, arch) -> None:
     """grouped=True with fp8_blockwise on the CPU: the grouped path quantizes as the loop does
-    and runs each expert's dense FP8 GEMM (the grouped kernel needs CUDA: said once per
-    projection and GEMM at INFO), the same bits as grouped=False."""
+    and runs each expert's dense FP8 GEMM with its bias (the grouped kernel needs CUDA: said
+    once per projection and GEMM at INFO), the same bits as grouped=False."""
     from fp4gen.runtime import fp8_grouped
 
     fp8_grouped._logged.clear()
-    loop, group = pair("mixtral", torch.float32, "fp8_blockwise")
+    loop, group = pair(arch, torch.float32, "fp8_blockwise")  # gpt-oss: biases, [E, in, out]
     index, weights = routing(24, empty=0)
     hidden = torch.randn(24, 64)
     with caplog.at_level(logging.INFO, logger="fp4gen.runtime.fp8_grouped"):
