@@ -103,6 +103,14 @@ def offsets_for(copies) -> list[tuple[int, ...]]:
     return [tuple(o + 8 * i for i in range(len(copies))) for o in OFFSETS]
 
 
+@pytest.fixture(autouse=True)
+def grouped_quantize_on(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The grouped quantize on (its default) for each test, whatever an earlier test in the
+    worker set; the tile switch as its default (off) unless a test turns it on."""
+    monkeypatch.setattr(grouped, "_grouped_quantize", [True])
+    monkeypatch.setattr(grouped, "_grouped_tile_quantize", [False])
+
+
 # ---------------------------------------------------------------------------------------------
 # The CTA table and the padding
 # ---------------------------------------------------------------------------------------------
@@ -522,8 +530,9 @@ def test_cuda_grouped_tile_quantize_in_the_experts_is_the_loops(monkeypatch, arc
     monkeypatch.setattr(grouped, "_grouped_tile_quantize", [True])
 
     def counted(*args, **kw):
+        got = real(*args, **kw)  # a refusal raises: only launches that served are counted
         calls.append(kw["backend"])
-        return real(*args, **kw)
+        return got
 
     monkeypatch.setattr(gt, "quantize_groups_tile", counted)
     text = RECIPES[recipe]
