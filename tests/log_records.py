@@ -21,10 +21,13 @@ from fp4gen.runtime.loader import LogOnce
 SETS: tuple[tuple[str, str], ...] = (
     ("fp4gen.compiler.cache", "_warned"),
     ("fp4gen.gemm_dispatch", "_logged"),
+    ("fp4gen.runtime.blackwell_grouped", "_logged"),
     ("fp4gen.runtime.cublaslt", "_logged"),
     ("fp4gen.runtime.experts", "_logged"),
+    ("fp4gen.runtime.fp8_grouped", "_logged"),
     ("fp4gen.runtime.grouped", "_logged"),
     ("fp4gen.runtime.grouped_quantize", "_logged"),
+    ("fp4gen.runtime.grouped_tile", "_logged"),
     ("fp4gen.runtime.layer_graphs", "_logged"),
     ("fp4gen.runtime.layer_groups", "_logged"),
 )

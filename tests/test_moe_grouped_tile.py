@@ -429,6 +429,31 @@ def test_the_switches_of_the_grouped_tile_quantize(monkeypatch) -> None:
         grouped.set_grouped_tile_quantize(False)
 
 
+def test_a_refused_grouped_tile_launch_is_logged_once(monkeypatch, caplog) -> None:
+    """Where the grouped tile kernels refuse (here: CPU tensors reaching them), each expert's
+    layer quantizes its own (None) and the reason is logged once, at INFO, logger
+    fp4gen.runtime.grouped."""
+    import logging
+
+    from log_records import fresh_log_records
+    from test_moe import build, experts_of
+
+    fresh_log_records(monkeypatch)
+    module = experts_of(fp4gen.convert(build("mixtral"), "nvfp4_no_bf16"))
+    groups = grouped.Groups([0, 1], [3, 4], [module.gemms[0][0], module.gemms[1][0]], False,
+                            torch.float32, "up")  # fmt: skip
+    monkeypatch.setattr(grouped, "_serves", lambda t: True)
+    monkeypatch.setattr(grouped, "_grouped_tile_quantize", [True])
+    with caplog.at_level(logging.INFO, logger="fp4gen.runtime.grouped"):
+        for _ in range(3):
+            assert grouped.grouped_wgrad_activations(torch.randn(7, 64), groups) is None
+    lines = [r.getMessage() for r in caplog.records if r.name == "fp4gen.runtime.grouped"]
+    assert lines == [
+        "the experts' wgrad.activation operands are quantized per expert: "
+        "quantize_groups_tile(backend='cute'): a CPU tensor"
+    ]
+
+
 # ---------------------------------------------------------------------------------------------
 # On a GPU
 # ---------------------------------------------------------------------------------------------
