@@ -392,6 +392,31 @@ def test_grouped_tile_operands_are_the_loops_bits(monkeypatch, dequant_loop, arc
     }
 
 
+def test_the_gradient_pairs_carry_every_dgrad_copy_as_one(monkeypatch) -> None:
+    """grouped_gradients: per expert its (dgrad rowwise, wgrad columnwise) pair of its padded
+    gradient [padded tokens, out] and its transpose, and ``whole``, every expert's dgrad copy
+    as one tensor in the experts' order (one decode for the dgrad GEMM)."""
+    from test_moe import build, experts_of
+
+    import fp4gen.runtime.grouped_tile as gt
+
+    stand_in, calls = definition_standing_in(gt.reference_groups_tile)
+    monkeypatch.setattr(gt, "quantize_groups_tile", stand_in)
+    monkeypatch.setattr(grouped, "_serves", lambda t: True)
+    monkeypatch.setattr(grouped, "_grouped_tile_quantize", [True])
+    module = experts_of(fp4gen.convert(build("mixtral"), "nvfp4_no_bf16"))
+    groups = grouped.Groups([0, 2], [3, 20], [module.gemms[0][0], module.gemms[2][0]], False,
+                            torch.float32, "up")  # fmt: skip
+    dy = torch.randn(23, 64)
+    pairs = grouped.grouped_gradients(dy, groups, 64)
+    assert calls == [("rowwise", "columnwise")]
+    assert [tuple(q.shape) for pair in pairs for q in pair] == [
+        (16, 64), (64, 16), (32, 64), (64, 32),
+    ]  # fmt: skip
+    assert torch.equal(pairs.whole.codes, torch.cat([pairs[0][0].codes, pairs[1][0].codes]))
+    assert torch.equal(pairs[0][0].codes[3:], torch.zeros(13, 64, dtype=torch.uint8))
+
+
 def test_the_switches_of_the_grouped_tile_quantize(monkeypatch) -> None:
     """The grouped tile quantize is off by default (set_grouped_tile_quantize: until its GPU
     tests pass); on, it serves CUDA tensors only; set_grouped_quantize(False) turns it off too.

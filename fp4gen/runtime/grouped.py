@@ -584,8 +584,10 @@ def grouped_gradients(dy: torch.Tensor, groups: Groups, out: int) -> list[Any] |
     format; per tensor, each with its slot's amax over every expert), dy's columns zero-padded
     to ``out`` (the dgrad GEMM's K) and each expert's tokens to the wgrad GEMM's K multiple
     (inside the kernel): one grouped tile launch of both copies (``grouped_tile_operands``),
-    a (dgrad, wgrad) pair per expert; None where the copies do not share a format or the
-    grouped quantize does not serve them."""
+    a (dgrad, wgrad) pair per expert (``whole``: every expert's padded dgrad copy as one
+    QuantizedTensor [sum of padded tokens, out], for one decode, where the launch wrote them
+    all); None where the copies do not share a format or the grouped quantize does not serve
+    them."""
     row_op, col_op = Operand.DGRAD_GRADIENT, Operand.WGRAD_GRADIENT
     if not (_serves_tile(dy) and _tile_eligible(groups, row_op) and _tile_eligible(groups, col_op)):
         return None
@@ -597,7 +599,11 @@ def grouped_gradients(dy: torch.Tensor, groups: Groups, out: int) -> list[Any] |
     rows = pad_to(_contiguous_rows(dy), dy.shape[0], out)
     ops = ((row_op, "rowwise"), (col_op, "columnwise"))
     got = grouped_tile_operands(rows, groups, ops, groups.counts, pads, forward=False)
-    return None if got is None else list(got)
+    if got is None:
+        return None
+    pairs = GroupedOperands(got)
+    pairs.whole = got.wholes[0] if got.wholes else None
+    return pairs
 
 
 def grouped_tile_operands(
