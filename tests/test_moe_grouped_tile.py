@@ -66,11 +66,29 @@ CASES = {
     "mxfp8_col": ("mxfp8_e4m3", (("columnwise", "nearest", None),)),
     "mxfp8_pair": ("mxfp8_e4m3", (("rowwise", "nearest", None), ("columnwise", "nearest", None))),
     "mxfp4_col_sr": ("mxfp4", (("columnwise", "stochastic8", None),)),
+    # fp8_blockwise's gradient pair: fp32 scales, column blocks across several warps
+    "fp8_block_pair": (
+        "fp8_block",
+        (("rowwise", "nearest", None), ("columnwise", "nearest", None)),
+    ),
 }
 
 
+def fp8_block(rows: int = 1):
+    """fp8_blockwise's format: e4m3, 1x128 (or 128x128) blocks, fp32 scales, no global scale."""
+    from fp4gen.dsl.parser import load_recipe
+
+    recipe = load_recipe(Path(fp4gen.__file__).parent / "recipes" / "fp8_blockwise.fp4r")
+    fmt = recipe.operands.fprop_activation.format
+    return dataclasses.replace(fmt, block=(rows, 128))
+
+
 def fmt_of(name: str):
-    return nvfp4_2d() if name == "nvfp4_2d" else BUILTIN_FORMATS[name]
+    if name == "nvfp4_2d":
+        return nvfp4_2d()
+    if name.startswith("fp8_block"):
+        return fp8_block(128 if name.endswith("2d") else 1)
+    return BUILTIN_FORMATS[name]
 
 
 def copies_of(copies) -> list:
@@ -273,6 +291,7 @@ COMPILE_CASES = {
     **CASES,
     "nvfp4_2d_weight": ("nvfp4_2d", (("rowwise", "nearest", None),)),
     "nvfp4_2d_dgrad_weight": ("nvfp4_2d", (("columnwise", "nearest", None),)),
+    "fp8_block_2d_dgrad_weight": ("fp8_block_2d", (("columnwise", "nearest", None),)),
 }
 
 
@@ -535,12 +554,18 @@ def test_cuda_grouped_tile_quantize_is_the_reference_per_group(case: str, scope:
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("scope", ["expert", "tensor"])
 @pytest.mark.parametrize("direction", ["rowwise", "columnwise"])
-def test_cuda_grouped_2d_weights_are_the_reference_per_expert(direction: str, scope: str) -> None:
-    """The batched expert weights [E x N, K] with 16x16 tiles in one launch: each expert's
-    rowwise copy (fprop) or columnwise copy (dgrad: the transposed codes and tile scales) is
-    the definition's bit for bit, per expert and per tensor; weights of very unequal
-    magnitudes."""
-    experts, n, k = 5, 48, 96
+@pytest.mark.parametrize("fmt_name", ["nvfp4_2d", "fp8_block_2d"])
+def test_cuda_grouped_2d_weights_are_the_reference_per_expert(
+    fmt_name: str, direction: str, scope: str
+) -> None:
+    """The batched expert weights [E x N, K] with 16x16 (NVFP4) or 128x128 (fp8_blockwise)
+    tiles in one launch: each expert's rowwise copy (fprop) or columnwise copy (dgrad: the
+    transposed codes and tile scales) is the definition's bit for bit, per expert and per
+    tensor; weights of very unequal magnitudes."""
+    fmt = fmt_of(fmt_name)
+    if scope == "tensor" and not fmt.global_scale:
+        pytest.skip(f"{fmt_name} has no global scale")
+    experts, n, k = (5, 48, 96) if fmt.block[0] == 16 else (3, 256, 384)
     g = torch.Generator().manual_seed(7)
     w = torch.cat([torch.randn(n, k, generator=g) * 2.0 ** (8 * e - 16) for e in range(experts)])
     w = w.to(torch.bfloat16)
@@ -548,10 +573,10 @@ def test_cuda_grouped_2d_weights_are_the_reference_per_expert(direction: str, sc
     counts = [n] * experts
     offsets = [(0,)] * experts
     got = quantize_groups_tile(
-        w.cuda(), counts, counts, nvfp4_2d(), copies, seeds=[1] * experts, offsets=offsets,
+        w.cuda(), counts, counts, fmt, copies, seeds=[1] * experts, offsets=offsets,
         backend="cute", scope=scope,
     )  # fmt: skip
-    want = reference_groups_tile(w, counts, counts, nvfp4_2d(), copies, [1] * experts, offsets,
+    want = reference_groups_tile(w, counts, counts, fmt, copies, [1] * experts, offsets,
                                  "reference", scope)  # fmt: skip
     bad = [d for e in range(experts) for d in _differences(got[e][0], want[e][0], f"expert {e}")]
     assert not bad, "\n".join(bad)
