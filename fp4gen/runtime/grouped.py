@@ -593,7 +593,12 @@ def grouped_gradients(dy: torch.Tensor, groups: Groups, out: int) -> list[Any] |
         return None
     table = groups.layers[0].operands
     if table.dgrad_gradient.format != table.wgrad_gradient.format:
-        return None  # two launches per expert in the loop too (quantize_operand_pair)
+        # two launches per expert in the loop too (quantize_operand_pair)
+        _log_once(
+            "the experts' dgrad.gradient and wgrad.gradient copies are quantized per expert: "
+            "their formats differ (the grouped tile quantize writes both copies of one format)"
+        )
+        return None
     wgrad_k = k_multiple(table.wgrad_gradient, table.wgrad_activation, blocks=True)
     pads = padded_counts(groups.counts, wgrad_k)
     rows = pad_to(_contiguous_rows(dy), dy.shape[0], out)
