@@ -16,6 +16,8 @@ Run on an sm_90 GPU: pytest -m gpu tests/test_fp8_grouped_gpu.py
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import pytest
 import torch
 
@@ -113,9 +115,11 @@ GROUPED = fp8_grouped.grouped_block_scaled  # the function itself, uncounted
 
 
 @pytest.fixture
-def grouped_calls(monkeypatch) -> list:
-    """The grouped kernel's calls (each: the groups' A and B, the output dtype, the result)."""
+def grouped_calls(monkeypatch) -> Iterator[list]:
+    """The grouped kernel's calls (each: the groups' A and B, the output dtype, the result),
+    with the grouped kernel turned on for the test."""
     calls: list = []
+    previous = fp8_grouped.set_grouped_fp8(True)
 
     def counted(a, b, **kw):
         out = GROUPED(a, b, **kw)
@@ -123,7 +127,8 @@ def grouped_calls(monkeypatch) -> list:
         return out
 
     monkeypatch.setattr(fp8_grouped, "grouped_block_scaled", counted)
-    return calls
+    yield calls
+    fp8_grouped.set_grouped_fp8(previous)
 
 
 @pytest.mark.parametrize("arch", ["mixtral", "gpt_oss"])

@@ -239,8 +239,12 @@ def test_a_forced_grouped_path_on_an_fp8_recipe_is_the_loop(caplog, arch) -> Non
     loop, group = pair(arch, torch.float32, "fp8_blockwise")  # gpt-oss: biases, [E, in, out]
     index, weights = routing(24, empty=0)
     hidden = torch.randn(24, 64)
-    with caplog.at_level(logging.INFO, logger="fp4gen.runtime.fp8_grouped"):
-        want, got = run(loop, hidden, index, weights), run(group, hidden, index, weights)
+    previous = fp8_grouped.set_grouped_fp8(True)  # on, so the reason said is the CPU's
+    try:
+        with caplog.at_level(logging.INFO, logger="fp4gen.runtime.fp8_grouped"):
+            want, got = run(loop, hidden, index, weights), run(group, hidden, index, weights)
+    finally:
+        fp8_grouped.set_grouped_fp8(previous)
     assert all(torch.equal(a, b) for a, b in zip(got[:3], want[:3], strict=True))
     assert all(torch.equal(got[3][n], want[3][n]) for n in want[3])
     lines = sorted(r.getMessage() for r in caplog.records if r.name.endswith("fp8_grouped"))
