@@ -30,6 +30,7 @@ from fp4gen.runtime.grouped_tile import (
     quantize_groups_tile,
     reference_groups_tile,
     tile_table,
+    tile_table_tensor,
 )
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -153,6 +154,27 @@ def test_the_cta_table() -> None:
         tile_table([2, 5], [16, 4], tile_m=16, tiles_k=1)
     with pytest.raises(fp4gen.FP4GenError, match="group 0 has 0 rows padded to 16"):
         tile_table([0], [16], tile_m=16, tiles_k=1)
+
+
+@pytest.mark.parametrize(
+    ("counts", "pads", "tile_m", "tiles_k"),
+    [
+        ([3, 0, 20], [16, 0, 32], 16, 2),
+        (COUNTS, padded_counts(COUNTS, 16), 64, 3),
+        ([0, 0], [0, 0], 32, 4),
+        ([1], [128], 32, 1),
+        ([], [], 16, 1),
+    ],
+)
+def test_the_launch_builds_the_same_table_by_torch_ops(counts, pads, tile_m, tiles_k) -> None:
+    """tile_table_tensor (what a launch uploads: a few torch ops, not a Python row per CTA) is
+    tile_table row for row, int32; its errors are tile_table's."""
+    got = tile_table_tensor(counts, pads, tile_m, tiles_k)
+    assert got.dtype == torch.int32 and got.shape == (len(tile_table(counts, pads, tile_m,
+                                                                     tiles_k)), 6)  # fmt: skip
+    assert [tuple(r) for r in got.tolist()] == tile_table(counts, pads, tile_m, tiles_k)
+    with pytest.raises(fp4gen.FP4GenError, match="group 1 has 5 rows padded to 4"):
+        tile_table_tensor([2, 5], [16, 4], tile_m=16, tiles_k=1)
 
 
 def test_padding_arithmetic() -> None:

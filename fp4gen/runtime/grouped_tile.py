@@ -76,21 +76,47 @@ def tile_table(
     ``tile_m`` padded rows x one of ``tiles_k`` column tiles of each non-empty group, a row
     (group, tile index in the group, first input row, real rows, padded rows, first padded
     row); an empty group has none."""
-    if tile_m <= 0 or tiles_k <= 0:
-        raise FP4GenError(f"tile_table: tile rows {tile_m} and column tiles {tiles_k} must be > 0")
+    _check_table(counts, pads, tile_m, tiles_k)
     rows: list[tuple[int, ...]] = []
     in_row = out_row = 0
+    for g, (count, pad) in enumerate(zip(counts, pads, strict=True)):
+        tiles = -(-pad // tile_m) * tiles_k
+        rows += [(g, t, in_row, count, pad, out_row) for t in range(tiles)]
+        in_row += count
+        out_row += pad
+    return rows
+
+
+def _check_table(counts: Sequence[int], pads: Sequence[int], tile_m: int, tiles_k: int) -> None:
+    if tile_m <= 0 or tiles_k <= 0:
+        raise FP4GenError(f"tile_table: tile rows {tile_m} and column tiles {tiles_k} must be > 0")
+    if len(counts) != len(pads):
+        raise FP4GenError(f"tile_table: {len(counts)} groups, {len(pads)} padded counts")
     for g, (count, pad) in enumerate(zip(counts, pads, strict=True)):
         if count < 0 or pad < count or (count == 0 and pad != 0):
             raise FP4GenError(
                 f"tile_table: group {g} has {count} rows padded to {pad}; expected 0 <= rows <= "
                 "padded rows, and 0 padded rows for an empty group"
             )
-        tiles = -(-pad // tile_m) * tiles_k
-        rows += [(g, t, in_row, count, pad, out_row) for t in range(tiles)]
-        in_row += count
-        out_row += pad
-    return rows
+
+
+def tile_table_tensor(
+    counts: Sequence[int], pads: Sequence[int], tile_m: int, tiles_k: int
+) -> torch.Tensor:
+    """``tile_table`` as an int32 [CTAs, 6] CPU tensor, built by a few torch ops rather than a
+    Python row per CTA (thousands per launch at realistic sizes)."""
+    _check_table(counts, pads, tile_m, tiles_k)
+    if not counts:
+        return torch.zeros((0, 6), dtype=torch.int32)
+    c = torch.tensor(counts, dtype=torch.int64)
+    p = torch.tensor(pads, dtype=torch.int64)
+    tiles = (p + tile_m - 1) // tile_m * tiles_k
+    group = torch.repeat_interleave(torch.arange(len(counts)), tiles)
+    first_cta = torch.cumsum(tiles, 0) - tiles
+    tile = torch.arange(group.numel()) - first_cta[group]
+    in_row = (torch.cumsum(c, 0) - c)[group]
+    out_row = (torch.cumsum(p, 0) - p)[group]
+    return torch.stack((group, tile, in_row, c[group], p[group], out_row), 1).to(torch.int32)
 
 
 def _check_groups(x: torch.Tensor, counts, pads, copies, seeds, offsets) -> None:
@@ -338,17 +364,17 @@ def _grouped_kernels(
         words.append(row)
     philox = torch.tensor(words, dtype=torch.int64).to(torch.int32).to(dev)
     tiles_k = -(-k // params.strip.tile_k)
-    table_rows = tile_table(counts, pads, params.strip.tile_m, tiles_k)
-    table = torch.tensor(table_rows, dtype=torch.int32).to(dev)
+    table = tile_table_tensor(counts, pads, params.strip.tile_m, tiles_k).to(dev)
+    n_ctas = table.shape[0]
     # non-finite inputs: the kernels make the group's S_dec NaN; outside a propagating scope
     # the input is checked as the tile kernel's is
     flag = None if finite.propagates() else finite.check(x, "the input of shape {}", x.shape)
     if params.global_scale:
-        fns["amax"](x, table, amax, len(table_rows))
+        fns["amax"](x, table, amax, n_ctas)
         if scope == "tensor":  # every group reads the largest amax of each slot
             amax = amax.view(groups, slots).amax(dim=0).repeat(groups)
     (q_row, s_row), (q_col, s_col) = outs["row"], outs["col"]
-    fns["quantize"](x, q_row, s_row, q_col, s_col, table, amax, s_dec, philox, len(table_rows))
+    fns["quantize"](x, q_row, s_row, q_col, s_col, table, amax, s_dec, philox, n_ctas)
     s_dec = s_dec.view(groups, n_copies)
     result = GroupedCopies()
     scales_per_row = k // block
@@ -504,4 +530,5 @@ __all__ = [
     "quantize_groups_tile",
     "reference_groups_tile",
     "tile_table",
+    "tile_table_tensor",
 ]
