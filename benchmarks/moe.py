@@ -13,8 +13,7 @@ process, after the BF16 baseline:
 - ``bf16 eager``: the transformers experts' own per-expert loop (layer section only);
 - each recipe (``--recipes``), converted by ``fp4gen.convert`` with its default path (on sm_90a
   NVFP4 / MX experts run grouped GEMMs, FP8 blockwise too: its fprop and dgrad by the grouped
-  FP8 GEMM, turned on here (off by default until its GPU tests pass), its wgrad per expert:
-  docs/moe.md), and for recipes whose experts run grouped also
+  FP8 GEMM, its wgrad per expert: docs/moe.md), and for recipes whose experts run grouped also
   ``<recipe> loop`` (the same recipe expert by expert, ``GroupedExperts.grouped = False``)
   and, with ``--quantize-per-expert``, ``<recipe> quantize per expert`` (grouped GEMMs, each
   expert's operands quantized by its own launches: ``set_grouped_quantize(False)``); with
@@ -343,7 +342,7 @@ def main(argv: list[str] | None = None) -> int:
     # the grouped quantize is the default (docs/moe.md); made sure of here, since the timings
     # name it
     previous_quantize = set_grouped_quantize(True)
-    # the grouped FP8 GEMM is off by default until its GPU tests pass; the rows time it on
+    # the grouped FP8 GEMM is the default; made sure of here, since the rows name it
     previous_fp8 = set_grouped_fp8(True)
     where = torch.cuda.get_device_name() if args.device == "cuda" else "CPU (smoke run)"
     print(

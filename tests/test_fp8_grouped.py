@@ -220,12 +220,12 @@ def test_groups_that_cannot_be_multiplied_say_why() -> None:
 
 
 def test_the_switch() -> None:
-    assert not fp8_grouped.grouped_fp8_enabled()  # off until its GPU tests pass
-    assert fp8_grouped.set_grouped_fp8(True) is False
+    assert fp8_grouped.grouped_fp8_enabled()  # on: its GPU tests passed
+    assert fp8_grouped.set_grouped_fp8(False) is True
     try:
-        assert fp8_grouped.grouped_fp8_enabled()
+        assert not fp8_grouped.grouped_fp8_enabled()
     finally:
-        assert fp8_grouped.set_grouped_fp8(False) is True
+        assert fp8_grouped.set_grouped_fp8(True) is False
 
 
 @needs_dsl

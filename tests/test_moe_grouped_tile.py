@@ -124,10 +124,10 @@ def offsets_for(copies) -> list[tuple[int, ...]]:
 
 @pytest.fixture(autouse=True)
 def grouped_quantize_on(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The grouped quantize on (its default) for each test, whatever an earlier test in the
-    worker set; the tile switch as its default (off) unless a test turns it on."""
+    """The grouped quantize and its tile switch on (their defaults) for each test, whatever an
+    earlier test in the worker set; a test turns the tile switch off where it needs."""
     monkeypatch.setattr(grouped, "_grouped_quantize", [True])
-    monkeypatch.setattr(grouped, "_grouped_tile_quantize", [False])
+    monkeypatch.setattr(grouped, "_grouped_tile_quantize", [True])
 
 
 # ---------------------------------------------------------------------------------------------
@@ -459,8 +459,8 @@ def test_the_gradient_pairs_carry_every_dgrad_copy_as_one(monkeypatch) -> None:
 
 
 def test_the_switches_of_the_grouped_tile_quantize(monkeypatch) -> None:
-    """The grouped tile quantize is off by default (set_grouped_tile_quantize: until its GPU
-    tests pass); on, it serves CUDA tensors only; set_grouped_quantize(False) turns it off too.
+    """The grouped tile quantize is on by default (set_grouped_tile_quantize: its GPU tests
+    passed); on, it serves CUDA tensors only; set_grouped_quantize(False) turns it off too.
     None: each expert's layer quantizes its own."""
     from test_moe import build, experts_of
 
@@ -471,7 +471,7 @@ def test_the_switches_of_the_grouped_tile_quantize(monkeypatch) -> None:
     monkeypatch.setattr(grouped, "grouped_tile_operands", lambda *a, **kw: seen.append(1))
     monkeypatch.setattr(grouped, "_serves", lambda t: grouped._grouped_quantize[0])
     x, dy = torch.randn(7, 64), torch.randn(7, 32)
-    assert grouped.set_grouped_tile_quantize(True) is False  # the default
+    assert grouped.set_grouped_tile_quantize(True) is True  # the default
     try:
         assert grouped.grouped_wgrad_activations(x, groups) is None
         assert grouped.grouped_gradients(dy, groups, 32) is None
@@ -485,14 +485,14 @@ def test_the_switches_of_the_grouped_tile_quantize(monkeypatch) -> None:
         assert len(seen) == 2  # off: neither did
     finally:
         grouped.set_grouped_tile_quantize(False)
-    assert grouped.grouped_wgrad_activations(x, groups) is None
-    assert len(seen) == 2
-    monkeypatch.undo()
-    grouped.set_grouped_tile_quantize(True)
-    try:  # on the CPU the tile kernels never run (each expert's layer quantizes)
+    try:
         assert grouped.grouped_wgrad_activations(x, groups) is None
+        assert len(seen) == 2  # turned off: not asked
     finally:
-        grouped.set_grouped_tile_quantize(False)
+        grouped.set_grouped_tile_quantize(True)
+    monkeypatch.undo()
+    # on the CPU the tile kernels never run (each expert's layer quantizes)
+    assert grouped.grouped_wgrad_activations(x, groups) is None
 
 
 def test_a_refused_grouped_tile_launch_is_logged_once(monkeypatch, caplog) -> None:

@@ -48,13 +48,13 @@ from fp4gen.runtime.fp8_gemm import code_bytes, cute_scales, round_up
 log = logging.getLogger(__name__)
 _logged: set[str] = set()
 
-_enabled = [False]  # set_grouped_fp8: off until its GPU tests have passed on a GPU
+_enabled = [True]  # set_grouped_fp8: on since tests/test_fp8_grouped_gpu.py passed on an H200
 
 
 def set_grouped_fp8(enabled: bool) -> bool:
-    """Whether the grouped FP8 GEMM serves the experts' block-scaled FP8 GEMMs on sm_90a (True)
-    or each expert runs its dense GEMM (False, the default until tests/test_fp8_grouped_gpu.py
-    has passed on a GPU). Process-wide, read at every call;
+    """Whether the grouped FP8 GEMM serves the experts' block-scaled FP8 GEMMs on sm_90a (True,
+    the default: tests/test_fp8_grouped_gpu.py passed on an H200) or each expert runs its dense
+    GEMM (False). Process-wide, read at every call;
     returns the previous setting."""
     previous, _enabled[0] = _enabled[0], bool(enabled)
     return previous

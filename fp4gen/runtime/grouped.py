@@ -421,11 +421,11 @@ def set_grouped_quantize(enabled: bool) -> bool:
     return previous
 
 
-# set_grouped_tile_quantize: off by default until its GPU tests pass
+# set_grouped_tile_quantize: on by default since its GPU tests passed on an H200
 # (tests/test_moe_grouped_tile.py -m gpu: each group bit for bit its reference, and the experts'
 # operands the loop's); the CPU tests prove the grouped path's use of it with the definition
 # standing in for the kernels
-_grouped_tile_quantize = [False]
+_grouped_tile_quantize = [True]
 
 
 def set_grouped_tile_quantize(enabled: bool) -> bool:
@@ -433,7 +433,7 @@ def set_grouped_tile_quantize(enabled: bool) -> bool:
     (``set_grouped_quantize``), the experts' operands the grouped tile kernels serve (the wgrad
     activation and the gradient's two copies of every expert, each expert's tokens padded inside
     the kernel; 2D weights: the batched fprop and dgrad copies) in one launch per operand on
-    CUDA (True) or per expert (False, the default, docs/moe.md). Process-wide, read at every
+    CUDA (True, the default) or per expert (False, docs/moe.md). Process-wide, read at every
     call; returns the previous setting. The bits are the same either way."""
     previous, _grouped_tile_quantize[0] = _grouped_tile_quantize[0], bool(enabled)
     return previous
