@@ -630,17 +630,23 @@ def main() -> int:
     ap.add_argument(
         "--fp8-prepared",
         action="store_true",
-        help="FP8 pairs: auto keeps prepared calls (gemm_dispatch.set_fp8_prepared; off by "
-        "default until their GPU test passes), so 'host time of fp4gen.gemm' times them",
+        help="FP8 pairs: auto keeps prepared calls (gemm_dispatch.set_fp8_prepared, the "
+        "default; kept for older command lines), so 'host time of fp4gen.gemm' times them",
+    )
+    ap.add_argument(
+        "--fp8-full-path",
+        action="store_true",
+        help="FP8 pairs: auto takes the whole dispatch every call "
+        "(gemm_dispatch.set_fp8_prepared(False))",
     )
     ap.add_argument("--log", default="", help="also write the result lines to this file")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("this benchmark needs a CUDA GPU")
-    if args.fp8_prepared:
+    if args.fp8_prepared or args.fp8_full_path:
         from fp4gen.gemm_dispatch import set_fp8_prepared
 
-        set_fp8_prepared(True)
+        set_fp8_prepared(not args.fp8_full_path)
     print(f"device: {torch.cuda.get_device_name()}, torch {torch.__version__}", flush=True)
     lines: list[str] = []
     for fmt in args.formats.split(","):

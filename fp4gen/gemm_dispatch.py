@@ -87,16 +87,16 @@ _prepared: weakref.WeakKeyDictionary[QuantizedTensor, Any] = weakref.WeakKeyDict
 # format and shape (a weight quantized anew per call included), launches with no dispatch; the
 # entry checks the format objects themselves, so a reused id is no match
 _prepared_fp8: dict[tuple, Any] = {}
-# Whether auto keeps prepared FP8 calls (set_fp8_prepared). Off by default until their GPU test
+# Whether auto keeps prepared FP8 calls (set_fp8_prepared). On by default: their GPU test
 # (tests/test_fp8_gemm_prepared_gpu.py: the full path's bits on scaled_mm and the generated
-# kernel) passes; the CPU tests prove them the full path's arguments, bit for bit
-_fp8_prepared_on = [False]
+# kernel) passed on an H200; the CPU tests prove them the full path's arguments, bit for bit
+_fp8_prepared_on = [True]
 
 
 def set_fp8_prepared(enabled: bool) -> bool:
     """Whether ``backend="auto"`` keeps prepared FP8 calls (True) so that the next call like it
     skips the dispatch (docs/gemm-sm90.md, "Host time of the FP8 GEMM"), or runs the full path
-    on every call (False, the default until their GPU test passes). Process-wide; the kept
+    on every call (False). On by default (their GPU test passed on an H200). Process-wide; the kept
     calls are dropped; returns the previous setting."""
     previous, _fp8_prepared_on[0] = _fp8_prepared_on[0], bool(enabled)
     _prepared_fp8.clear()

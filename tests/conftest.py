@@ -24,8 +24,8 @@ def pytest_configure(config: pytest.Config) -> None:
 
 @pytest.fixture
 def fp8_prepared_on() -> Iterator[None]:
-    """Prepared FP8 calls on for a test (``gemm_dispatch.set_fp8_prepared``: off by default
-    until their GPU test passes), put back after."""
+    """Prepared FP8 calls on for a test (``gemm_dispatch.set_fp8_prepared``, on by default;
+    an earlier test may have turned them off), put back after."""
     from fp4gen import gemm_dispatch
 
     previous = gemm_dispatch.set_fp8_prepared(True)
