@@ -880,14 +880,37 @@ def _store_bytes(*sizes: int) -> int:
     return 4 if g % 4 == 0 else 2 if g % 2 == 0 else 1
 
 
+def tile_options_refusal(block: tuple[int, int], in_bytes: int) -> str | None:
+    """Why the tile kernel does not implement block targets and stochastic block scales
+    (docs/numerics.md 11.1-11.2) for ``block``, or None: it does for 2D BxB tiles whose rows a
+    thread's strip holds (B <= 32: one tile per strip's rows, the tile's lanes along K), not for
+    1xB blocks (the rowwise kernel's) nor for tiles across strips or warps (FP8's 128x128)."""
+    if block[0] == 1:
+        return (
+            "block targets and stochastic block scales (docs/numerics.md 11.1-11.2) on 1xB "
+            "blocks are implemented by the rowwise kernel only"
+        )
+    try:
+        mapping = choose_tile_mapping(block, in_bytes, rowwise=True, columnwise=True)
+    except NotImplementedError as err:
+        return str(err)
+    if mapping.col_lanes != 1 or mapping.col_warps != 1:
+        return (
+            f"block targets and stochastic block scales on {block[0]}x{block[1]} tiles: the "
+            "tile kernel implements them where one strip holds a tile's rows (tiles up to 32x32)"
+        )
+    return None
+
+
 def _check_tile(spec: QuantKernelSpec) -> None:
     if not spec.element.signed:
         raise ValueError(f"{spec.name}: element formats must be signed, got {spec.element.name}")
-    if spec.targets or spec.scale.rounding == "stochastic":
-        raise NotImplementedError(
-            f"{spec.name}: block targets and stochastic block scales (docs/numerics.md 11.1-11.2) "
-            "are implemented by the rowwise kernel only"
+    if (spec.targets or spec.scale.rounding == "stochastic") and (
+        reason := tile_options_refusal(
+            spec.block, DTYPES[spec.input_dtype].size if spec.input_dtype in DTYPES else 4
         )
+    ):
+        raise NotImplementedError(f"{spec.name}: {reason}")
     if spec.global_rows or spec.eden_group is not None:
         raise NotImplementedError(
             f"{spec.name}: per-row global scales and the MS-EDEN correction (docs/numerics.md "
@@ -996,6 +1019,11 @@ class TileContext(TemplateContext):
     grid_2d: bool  # a (tiles along K, tiles along M) grid, one row clamp per strip
     fold: tuple[str, ...]  # tags of the copies whose encode-factor table folds ELEM_TO_F16 in
     fold_sdec_max: str | None  # literal of the largest S_dec the fold is exact for
+    # the block options of docs/numerics.md 11.1-11.2 on 2D tiles: fp32(1 / T) per target T
+    # (() without targets), whether their error is |d| (mae), stochastic tile scales
+    target_invs: tuple[float, ...]
+    target_mae: bool
+    scale_sr: bool
     kernel_imports: str  # the import of the fp4gen.kernels modules the module calls
     # the kernels' arguments: the quantize kernel's tensors after x (name, what it holds) and
     # Philox scalars; the amax kernel's tensors after x (name, what it holds)
@@ -1051,6 +1079,9 @@ def tile_context(spec: QuantKernelSpec) -> TileContext:
     slots: list[RHTSpec | None] = []
     outputs: list[TileOutput] = []
     sr_index = 0
+    # stochastic tile scales (docs/numerics.md 11.2): every copy takes a Philox offset, the
+    # first copy's stream gives the tiles' words
+    scale_sr = two_d and spec.scale.rounding == "stochastic"
     for out in spec.outputs:
         transform = out.rht if out.direction == "columnwise" else None
         if transform not in slots:
@@ -1073,7 +1104,7 @@ def tile_context(spec: QuantKernelSpec) -> TileContext:
                 rand_fn=_random_source(sw_encode),
             )
         )
-        if sr:
+        if sr or scale_sr:
             sr_index += 1
     out_by = {o.direction: o for o in outputs}
     # stores: a row segment of VEC codes; a column strip of ROWS codes
@@ -1082,7 +1113,7 @@ def tile_context(spec: QuantKernelSpec) -> TileContext:
     row_word = _store_bytes(row_bytes, k_mult * bits // 8)
     col_bytes = mapping.rows * bits // 8
     col_word = _store_bytes(col_bytes, max(m_mult * bits // 8, 1)) if col else 1
-    sr_any = any(o.sr for o in outputs)
+    sr_any = any(o.sr for o in outputs) or scale_sr
     bf16_input = spec.input_dtype == "bf16"
     swizzled = any(o.swizzled for o in outputs)
     encode_table = not two_d and common.scale.kind == ScaleKind.E4M3_HW
@@ -1137,6 +1168,9 @@ def tile_context(spec: QuantKernelSpec) -> TileContext:
         grid_2d=prep,
         fold=fold if staged else (),
         fold_sdec_max=lit(2.0 ** _fold_sdec_exponent(spec)) if staged else None,
+        target_invs=tuple(_f32_div(1.0, t) for t in spec.targets) if two_d else (),
+        target_mae=two_d and bool(spec.targets) and spec.target_error == "mae",
+        scale_sr=scale_sr,
         kernel_imports=(
             "from fp4gen.kernels import encode, host, quantize_tile, quantize_tile_host, "
             "scale, tile"
@@ -1233,4 +1267,5 @@ __all__ = [
     "is_rowwise",
     "render",
     "tile_context",
+    "tile_options_refusal",
 ]

@@ -406,6 +406,25 @@ def kernel_spec(
     )
 
 
+# Whether the tile kernel quantizes 2D tiles with block targets or stochastic block scales
+# (off by default until its GPU tests have passed; fp4gen.runtime.cute_backend.
+# set_tile_option_kernels turns it on): off, the reference quantizes those operands
+_tile_option_kernels = [False]
+
+
+def tile_options(fmt: BlockFormat) -> bool:
+    """Whether the tile kernel serves ``fmt``'s block options on its 2D tiles: the switch is on,
+    the format has only block targets, stochastic block scales or a global bound, and its tiles
+    are ones a thread's strip holds the rows of (``codegen.quantize.tile_options_refusal``)."""
+    if not _tile_option_kernels[0] or not fmt.is_2d:
+        return False
+    if fmt.global_rows or fmt.eden_group is not None:
+        return False
+    from fp4gen.codegen.quantize import tile_options_refusal
+
+    return tile_options_refusal(fmt.block, 2) is None
+
+
 def rowwise_only(fmt: BlockFormat) -> bool:
     """Block targets, stochastic block scales, the MS-EDEN correction or per-row global scales
     (docs/numerics.md 11): only the rowwise kernel (one rowwise copy, 1D blocks) implements
@@ -421,7 +440,7 @@ def rowwise_only(fmt: BlockFormat) -> bool:
 def rowwise_only_reason(fmt: BlockFormat) -> str | None:
     """Why no generated kernel quantizes ``fmt`` with 2D blocks (its block targets or
     stochastic block scales are the rowwise kernel's alone), or None."""
-    if not rowwise_only(fmt) or not fmt.is_2d:
+    if not rowwise_only(fmt) or not fmt.is_2d or tile_options(fmt):
         return None
     what = _options_text(fmt, ("targets", "stochastic", "rows", "eden"))
     return (
@@ -434,8 +453,8 @@ def tile_reason(fmt: BlockFormat) -> str | None:
     """Why the tile kernel (a columnwise copy, two copies in one launch, 2D blocks) does not
     quantize ``fmt``, or None: the rowwise kernel alone implements block targets, stochastic
     block scales and per-row global scales, so a columnwise copy is the rowwise kernel run on
-    the transpose."""
-    if not rowwise_only(fmt):
+    the transpose. With ``tile_options`` the tile kernel serves 2D tiles with them."""
+    if not rowwise_only(fmt) or tile_options(fmt):
         return None
     what = _options_text(fmt, ("targets", "stochastic", "rows", "eden"))
     return (

@@ -66,6 +66,8 @@ def grouped_tile_reason(params: TileQuantizeParams) -> str | None:
     """None where the grouped tile kernels serve these params, else why not."""
     if any(c.swizzled for c in params.copies):
         return "the grouped tile kernels write compact scales only"
+    if params.choice:
+        return "block targets and stochastic tile scales are the dense tile kernel's only"
     return None
 
 

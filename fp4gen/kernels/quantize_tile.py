@@ -53,7 +53,8 @@ from cutlass import Float32, Int32, Int64, Uint32, const_expr, range_constexpr
 
 from fp4gen.kernels import encode, philox
 from fp4gen.kernels.encode import ElementEncoder, ElementParams
-from fp4gen.kernels.quant_ptx import store_if
+from fp4gen.kernels.quant_ptx import add_rn, mul_rn, store_if, sub_rn
+from fp4gen.kernels.quantize import tree_sum
 from fp4gen.kernels.scale import (
     NAN_BITS,
     NONFINITE_BITS,
@@ -128,6 +129,10 @@ class TileQuantizeParams:
     fold: tuple[str, ...] = ()  # tags of the copies whose table folds half_scale in (staged)
     fold_sdec_max: float = 0.0  # the S_dec up to which folded encode factors stay normal
     global_num: float = 1.0  # fp32(scale max * element max), S_enc's numerator
+    # the options of docs/numerics.md 11.1-11.2 on 2D tiles (defaults: none)
+    target_invs: tuple[float, ...] = ()  # fp32(1 / T) per block target T, in order
+    target_mae: bool = False  # the targets' error: |d| (mae) instead of d * d (mse)
+    scale_sr: bool = False  # stochastic tile scales: a 32-bit Philox word per tile
 
     def __post_init__(self) -> None:
         tags = tuple(c.tag for c in self.copies)
@@ -137,6 +142,20 @@ class TileQuantizeParams:
             )
         if self.fold and not (self.staged and self.prep):
             raise ValueError("the fold goes with the staged layout and the prepared tables")
+        if self.choice and not (self.two_d and self.strip.col_lanes == 1 and self.col_warps == 1):
+            raise ValueError(
+                "block targets and stochastic block scales: 2D tiles held by one strip's rows"
+            )
+
+    @property
+    def choice(self) -> bool:
+        """Block targets or stochastic tile scales: ``tile_choice`` quantizes the tile."""
+        return bool(self.target_invs) or self.scale_sr
+
+    def draws(self, copy: TileCopy) -> bool:
+        """Whether ``copy`` takes a Philox offset: it rounds stochastically, or the tile
+        scales do (2D: the codes and scales draw from the first copy's stream)."""
+        return bool(copy.sr_bits) or self.scale_sr
 
     @property
     def global_scale(self) -> bool:
@@ -144,13 +163,13 @@ class TileQuantizeParams:
 
     @property
     def sr(self) -> bool:
-        """Some copy rounds stochastically."""
-        return any(c.sr_bits for c in self.copies)
+        """Some copy rounds stochastically (or the tile scales do)."""
+        return any(self.draws(c) for c in self.copies)
 
     @property
     def n_sr(self) -> int:
-        """Stochastic copies: one Philox offset each."""
-        return sum(1 for c in self.copies if c.sr_bits)
+        """Copies that draw: one Philox offset each."""
+        return sum(1 for c in self.copies if self.draws(c))
 
     @property
     def scale_bytes(self) -> int:
@@ -429,10 +448,13 @@ class TileQuantizeKernel:
             amax_t = part[g0 * per_warp + tile_k]
             for w in range(1, p.col_warps):
                 amax_t = cute.arch.fmax(amax_t, part[(g0 + w) * per_warp + tile_k])
-        code_t, e_t = self.block_scale(scales, first.tag, amax_t)
+        code_t = e_t = ys = None  # with block options: chosen below, after the random fields
+        if not p.choice:
+            code_t, e_t = self.block_scale(scales, first.tag, amax_t)
         tile_row = at.row0 // p.block
         tile_col = at.col0 // p.block
-        ys = [scaled(xs, e_t) for xs in xfs]
+        if not p.choice:
+            ys = [scaled(xs, e_t) for xs in xfs]
         rand = None
         if first.sr_bits:
             rand = []
@@ -442,10 +464,18 @@ class TileQuantizeKernel:
         enc = self.encoders[first.tag]
         hw = self.hw[first.tag]
         tile_ok = Int32(at.col_ok & (at.row0 < at.M))
+        chosen = None
+        if p.choice:
+            code_t, e_t, chosen = self.tile_choice(at, xfs, amax_t, scales, rand, tile_row)
+            if self.col is not None and not p.transpose:
+                ys = [scaled(xs, e_t) for xs in xfs]  # the column encode's values
         # the codes once, row by row; the columnwise copy is their transpose
         row_words = []
         for i in range(sp.rows):
-            row_words.append(encode.pack_bits(enc.encode_elements(ys[i], _at(rand, i), hw)))
+            if p.choice:
+                row_words.append(encode.pack_bits(chosen[i]))
+            else:
+                row_words.append(encode.pack_bits(enc.encode_elements(ys[i], _at(rand, i), hw)))
             if self.row is not None:
                 mQ, _, mSwz = row_out
                 r = at.row0 + i
@@ -491,6 +521,80 @@ class TileQuantizeKernel:
             store_if(addr, strip.scale_bits(code_t), tile_ok, p.scale_bytes)
         if not p.global_scale:
             self.nan_stores(sdecs, [seen] * len(p.copies))
+
+    def tile_choice(self, at, xfs: list, amax_t, scales: dict, rand, tile_row) -> tuple:
+        """The block options of docs/numerics.md 11.1-11.2 on one BxB tile (the strip holds all
+        its rows, ``row_lanes`` lanes its columns): per target in order (k_enc = fp32(S_enc *
+        fp32(1 / T))) the tile scale, its codes (the same random fields for every target) and
+        the tile's error against z = fp32(x * S_enc); a later target replaces the kept one only
+        where its error is strictly lower. The error is the reference's tree in row-major index
+        order: per row the tree of the strip's values, then across the tile's lanes (xor
+        butterflies, lowest lane bit first: the row's tree), then over the rows in order; rows
+        past M (loaded as copies of a row) count 0, as the reference's zero padding. With
+        stochastic tile scales the scale rounding takes the word of element index 2^62 + b of
+        the first copy's stream, b = tile_row * (K / B) + tile_col, the same for every target.
+        Returns (scale code or fp32 scale, e_b, the chosen code fields of each row)."""
+        p = self.p
+        first = p.copies[0]
+        _, s_enc, s_dec, _ = scales[first.tag]
+        enc = self.encoders[first.tag]
+        hw = self.hw[first.tag]
+        invs = p.target_invs if p.target_invs else (p.elem.inv_max,)
+        k_encs = [s_enc * Float32(i) if p.global_scale else Float32(i) for i in invs]
+        word = None
+        if p.scale_sr:
+            b = Uint32(tile_row) * Uint32(at.K // p.block) + Uint32(at.col0 // p.block)
+            off_lo, off_hi = at.poffs[0]
+            call = philox.philox4x32_10(b >> Uint32(2), Uint32(1 << 28), off_lo, off_hi, at.keys)
+            word = philox.call_slice(call, b & Uint32(3), 1)[0]
+        az = None
+        if len(k_encs) > 1:
+            # |z| = |fp32(x * S_enc)|: the code's sign is x's, so |q - z| needs no signs
+            az = [[abs(x) * s_enc if p.global_scale else abs(x) for x in xs] for xs in xfs]
+        kept = kept_err = None
+        for k_enc in k_encs:
+            code, s_b, e_b = self.scaler.block_scale_value(amax_t, k_enc, s_enc, s_dec, word)
+            cand = [
+                enc.encode_elements(scaled(xs, e_b), _at(rand, i), hw) for i, xs in enumerate(xfs)
+            ]
+            if kept is None:
+                kept = (code, e_b, cand)
+                if len(k_encs) > 1:
+                    kept_err = self.tile_error(at, cand, s_b, az)
+            else:
+                err = self.tile_error(at, cand, s_b, az)
+                better = err < kept_err  # strictly lower: ties keep the earlier target
+                kept_err = cutlass.select_(better, err, kept_err)
+                kept = (
+                    cutlass.select_(better, code, kept[0]),
+                    Float32(cutlass.select_(better, e_b, kept[1])),
+                    [
+                        [
+                            (cutlass.select_(better, v, kv), w)
+                            for (v, w), (kv, _) in zip(row, kept_row, strict=True)
+                        ]
+                        for row, kept_row in zip(cand, kept[2], strict=True)
+                    ],
+                )
+        return kept
+
+    def tile_error(self, at, fields: list, s_b, az: list):
+        """A tile's error (``tile_choice``): e(fp32(fp32(|value(code)| * s_b) - |z|)) per
+        value (e = d * d, or |d| for mae; explicit mul.rn / sub.rn / add.rn, never fused), the
+        pairwise tree of each row, the rows' trees across the tile's lanes, then over the rows."""
+        p, sp = self.p, self.p.strip
+        row_sums = []
+        for i in range(sp.rows):
+            errs = []
+            for v, a in zip(encode.field_magnitudes(fields[i], p.elem), az[i], strict=True):
+                d = sub_rn(mul_rn(v, s_b), a)
+                errs.append(abs(d) if p.target_mae else mul_rn(d, d))
+            row = tree_sum(errs)
+            for off in sp.row_offsets:
+                row = add_rn(row, cute.arch.shuffle_sync_bfly(row, offset=off))
+            # a row past M is the reference's zero padding: no error
+            row_sums.append(Float32(cutlass.select_(at.row0 + i < at.M, row, Float32(0.0))))
+        return tree_sum(row_sums)
 
     def store_codes(self, addr, vals: list, ok, word_bytes: int) -> None:
         """A segment's packed codes (to_store's values) as predicated stores from addr."""

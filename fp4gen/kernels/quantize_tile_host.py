@@ -243,7 +243,7 @@ class TileHost:
         if p.sr:
             args += host.u64_words(seed)
             for i, c in enumerate(p.copies):
-                if c.sr_bits:
+                if p.draws(c):
                     args += host.u64_words(offsets[i])
             args += self.counter_args(offset, x)
         plan.append(("quantize", tuple(args)))

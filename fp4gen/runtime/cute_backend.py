@@ -78,6 +78,20 @@ def set_option_kernels(enabled: bool) -> bool:
     return previous
 
 
+def set_tile_option_kernels(enabled: bool) -> bool:
+    """Whether the tile kernel quantizes 2D tiles (e.g. 16x16 weights) whose format has block
+    targets or stochastic block scales (docs/numerics.md 11.1-11.2; True), or the reference does
+    (False, the default until the kernel's GPU tests have passed: the reference's reason is
+    logged once). Process-wide, read when a launch is first planned (the planner of ``fp4gen
+    compile`` reads it too); returns the previous setting."""
+    from fp4gen.compiler import plan
+
+    previous, plan._tile_option_kernels[0] = plan._tile_option_kernels[0], bool(enabled)
+    with _lock:
+        _launches.clear()
+    return previous
+
+
 def options_off_reason(fmt: BlockFormat, rhts: tuple[RHTSpec | None, ...]) -> str | None:
     """Why the option kernels do not run for ``fmt`` and ``rhts`` (set_option_kernels), or
     None."""
@@ -327,6 +341,16 @@ def quantize_tile_cute(
         return None
     if fmt.is_2d and any(r != "nearest" or h is not None for _, r, h, _ in outputs):
         return None  # a stochastic copy of x.t() draws other bits than the rowwise copy's
+    if fmt.is_2d and rowwise_only(fmt) and any(d == "columnwise" for d, *_ in outputs):
+        # block targets (an error tree in x.t()'s row-major order) and stochastic tile scales
+        # (x.t()'s tile index and its copy's offset): the quantization of x.t() is not the
+        # transpose of x's, so each copy is quantized on its own
+        _log_tile_once(
+            f"format {fmt.name}: with block targets or stochastic block scales on 2D tiles a "
+            "columnwise copy (of x.t()) is not the transpose of the rowwise one; the copies run "
+            "one by one"
+        )
+        return None
     if x.numel() == 0 or not x.is_contiguous() or x.data_ptr() % 16:
         return None
     launch = _launch(fmt, tuple((d, r, h) for d, r, h, _ in outputs), x)
@@ -378,4 +402,4 @@ def _reference_error(x: torch.Tensor) -> None:
     raise TensorError(f"cannot quantize a tensor of shape {tuple(x.shape)} and dtype {x.dtype}")
 
 
-__all__ = ["quantize_cute", "quantize_tile_cute", "spec_for"]
+__all__ = ["quantize_cute", "quantize_tile_cute", "set_tile_option_kernels", "spec_for"]
