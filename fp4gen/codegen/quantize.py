@@ -887,8 +887,8 @@ def tile_options_refusal(block: tuple[int, int], in_bytes: int) -> str | None:
     1xB blocks (the rowwise kernel's) nor for tiles across strips or warps (FP8's 128x128)."""
     if block[0] == 1:
         return (
-            "block targets and stochastic block scales (docs/numerics.md 11.1-11.2) on 1xB "
-            "blocks are implemented by the rowwise kernel only"
+            "block targets and stochastic block scales (docs/numerics.md 11.1-11.2) are "
+            "implemented by the rowwise kernel only"
         )
     try:
         mapping = choose_tile_mapping(block, in_bytes, rowwise=True, columnwise=True)
