@@ -216,3 +216,38 @@ def test_grouped_tile_kernels_refuse_the_options() -> None:
         Path(os.environ.get("TMPDIR", "/tmp")) / "tile_opts_grouped",
     )
     assert "dense tile kernel" in (grouped.grouped_tile_reason(module.QUANT_PARAMS) or "")
+
+
+@pytest.mark.parametrize(("block", "vec"), [(16, 8), (16, 4), (32, 4)])
+@pytest.mark.parametrize("rows", [16, 32, 5, 24])
+def test_the_kernels_error_order_is_the_references_tree(block: int, vec: int, rows: int) -> None:
+    """The tile kernel sums a tile's errors as: the tree of each thread's vec values of a row,
+    the tree across the tile's row_lanes lanes (xor butterflies), then the tree over the tile's
+    rows, rows past M counting 0. That is the reference's tree_sum over the tile's elements in
+    row-major order (``numerics.quantize._block_error``), bit for bit, also where M is not a
+    multiple of the tile (the reference's tile of min(B, M) rows or zero-padded rows): checked
+    here on fp32 values spread over 2^-30 .. 2^30, where another order rounds differently."""
+    import torch
+
+    from fp4gen.numerics.quantize import _per_block, tree_sum
+
+    g = torch.Generator().manual_seed(block * 1000 + vec * 10 + rows)
+    k = 4 * block
+    mags = torch.exp2(torch.randint(-30, 31, (rows, k), generator=g).float())
+    errs = torch.rand(rows, k, generator=g) * mags
+    br = min(block, rows)  # the reference's tile rows (numerics.quantize: min(B, M))
+    nbr = -(-rows // br)
+    padded = torch.nn.functional.pad(errs, (0, 0, 0, nbr * br - rows))
+    want = tree_sum(_per_block(padded, br, block))
+    # the kernel's order: a tile row of B rows, those past M zero
+    tiles_m = -(-rows // block)
+    zeroed = torch.nn.functional.pad(errs, (0, 0, 0, tiles_m * block - rows))
+    per_thread = tree_sum(zeroed.reshape(tiles_m * block, k // vec, vec))  # [rows, chunks]
+    lanes = block // vec
+    per_row = tree_sum(per_thread.reshape(tiles_m * block, k // block, lanes))  # butterflies
+    got = tree_sum(per_row.reshape(tiles_m, block, k // block).transpose(1, 2))  # over rows
+    assert torch.equal(got.view(torch.int32), want.view(torch.int32))
+    # and a column-major order (x.t()'s tree) differs somewhere: the order matters
+    if rows % block == 0:
+        other = tree_sum(_per_block(padded.t().contiguous(), block, br)).t()
+        assert not torch.equal(other, want)
