@@ -31,9 +31,11 @@ from fp4gen.kernels.quant_ptx import (
     cvt_rz_f16x2,
     hw_per_word,
     min_abs_f16x2,
+    mul_rn,
     mul_rz,
     prmt,
     sr_step,
+    sub_rn,
 )
 
 RNE_MAGIC = 8388608.0  # 2^23: adding it rounds a value in [0, 2^22) to an integer
@@ -110,6 +112,27 @@ def field_magnitudes(fields: list, elem: ElementParams) -> list:
             placed = val << Uint32(shift) if shift >= 0 else val >> Uint32(-shift)
             out.append((placed & mask).bitcast(Float32) * undo)
     return out
+
+
+def error_terms(fields: list, s_b: Float32, az: list, elem: ElementParams, mae: bool) -> list:
+    """The block targets' error terms (docs/numerics.md 11.1) of the codes held by ``fields``:
+    e(fp32(fp32(|value(code)| * s_b) - |z|)) per code, e = d * d, or |d| for ``mae``; az: |z| =
+    |fp32(x * S_enc)| per value (the code's sign is x's, so |q - z| needs no signs). Each
+    product and difference is rounded on its own (mul.rn / sub.rn), as the reference: never
+    fused into an fma."""
+    terms = []
+    for v, a in zip(field_magnitudes(fields, elem), az, strict=True):
+        d = sub_rn(mul_rn(v, s_b), a)
+        terms.append(abs(d) if mae else mul_rn(d, d))
+    return terms
+
+
+def keep_lower(better, fields: list, kept: list) -> list:
+    """The code fields of a later block target where ``better`` (its error strictly lower),
+    else the kept ones (docs/numerics.md 11.1: ties keep the earlier target)."""
+    return [
+        (cutlass.select_(better, v, kv), w) for (v, w), (kv, _) in zip(fields, kept, strict=True)
+    ]
 
 
 def shift_down(v: Uint32, n: int) -> Uint32:
@@ -322,7 +345,9 @@ __all__ = [
     "ElementParams",
     "RNE_MAGIC",
     "TWO32",
+    "error_terms",
     "field_magnitudes",
+    "keep_lower",
     "pack_bits",
     "shift_down",
 ]

@@ -46,12 +46,13 @@ from cutlass import Float32, Int32, Uint8, Uint16, Uint32, const_expr, range_con
 from fp4gen.kernels.encode import (
     ElementEncoder,
     ElementParams,
+    error_terms,
     field_magnitudes,
+    keep_lower,
     pack_bits,
 )
 from fp4gen.kernels.hadamard import butterflies, signed_butterflies, xor_signed_butterflies
 from fp4gen.kernels.philox import (
-    call_slice,
     philox4x32_10,
     philox_keys,
     philox_offset,
@@ -64,9 +65,16 @@ from fp4gen.kernels.quant_ptx import (
     cvt_bf16x2,
     mul_rn,
     scale_value,
-    sub_rn,
 )
-from fp4gen.kernels.scale import NAN_BITS, NONFINITE_BITS, BlockScaler, ScaleParams, global_scales
+from fp4gen.kernels.scale import (
+    NAN_BITS,
+    NONFINITE_BITS,
+    BlockScaler,
+    ScaleParams,
+    global_scales,
+    scale_word,
+    target_factors,
+)
 from fp4gen.vocab import DTYPES
 
 _STORE_TYPES = {4: Uint32, 2: Uint16, 1: Uint8}
@@ -567,10 +575,7 @@ class RowwiseQuantizeKernel(RowwiseBase):
                     kept_err = cutlass.select_(better, err, kept_err)
                     kept = (
                         cutlass.select_(better, code, kept[0]),
-                        [
-                            (cutlass.select_(better, v, kv), w)
-                            for (v, w), (kv, _) in zip(cand, kept[1], strict=True)
-                        ],
+                        keep_lower(better, cand, kept[1]),
                         Float32(cutlass.select_(better, s_b, kept[2])),
                     )
             scales.append(kept[0])
@@ -621,10 +626,7 @@ class RowwiseQuantizeKernel(RowwiseBase):
         """fp32(S_enc * fp32(1 / T)) per block target T, in order (S_enc = 1 without a global
         scale: fp32(1 / T) itself); the element's max alone without targets."""
         p = self.p
-        invs = p.target_invs if p.target_invs else (p.elem.inv_max,)
-        if p.global_scale:
-            return [s_enc * Float32(i) for i in invs]
-        return [Float32(i) for i in invs]
+        return target_factors(p.target_invs, p.elem.inv_max, s_enc, p.global_scale)
 
     def block_error(self, fields: list, s_b, az: list):
         """A block's error (docs/numerics.md 11.1): the pairwise tree sum in index order of
@@ -632,12 +634,8 @@ class RowwiseQuantizeKernel(RowwiseBase):
         over lanes adds the lanes' sums by xor butterflies (the same tree: fp32 addition
         commutes)."""
         p = self.p
-        errs = []
-        for v, a in zip(field_magnitudes(fields, p.elem), az, strict=True):
-            # each product rounded on its own, as the reference: never fused into an fma
-            d = sub_rn(mul_rn(v, s_b), a)
-            errs.append(abs(d) if p.target_mae else mul_rn(d, d))
-        err = tree_sum(errs)
+        # each product rounded on its own, as the reference: never fused into an fma
+        err = tree_sum(error_terms(fields, s_b, az, p.elem, p.target_mae))
         if p.threads_per_block > 1:
             for off in (1 << i for i in range(p.threads_per_block.bit_length() - 1)):
                 err = add_rn(err, cute.arch.shuffle_sync_bfly(err, offset=off))
@@ -659,14 +657,7 @@ class RowwiseQuantizeKernel(RowwiseBase):
             for c in range(0, len(bs), 4):
                 out += philox4x32_10(bs[c] >> Uint32(2), Uint32(1 << 28), off_lo, off_hi, keys)
             return out
-        return [
-            call_slice(
-                philox4x32_10(b >> Uint32(2), Uint32(1 << 28), off_lo, off_hi, keys),
-                b & Uint32(3),
-                1,
-            )[0]
-            for b in bs
-        ]
+        return [scale_word(b, keys, off_lo, off_hi) for b in bs]
 
     # ---- host side: the launch (the subclass's __call__ gives the spec's arguments)
     @cute.jit

@@ -53,7 +53,7 @@ from cutlass import Float32, Int32, Int64, Uint32, const_expr, range_constexpr
 
 from fp4gen.kernels import encode, philox
 from fp4gen.kernels.encode import ElementEncoder, ElementParams
-from fp4gen.kernels.quant_ptx import add_rn, mul_rn, store_if, sub_rn
+from fp4gen.kernels.quant_ptx import add_rn, store_if
 from fp4gen.kernels.quantize import tree_sum
 from fp4gen.kernels.scale import (
     NAN_BITS,
@@ -61,6 +61,8 @@ from fp4gen.kernels.scale import (
     BlockScaler,
     ScaleParams,
     global_scales,
+    scale_word,
+    target_factors,
 )
 from fp4gen.kernels.tile import (
     TileAmaxParams,
@@ -539,14 +541,11 @@ class TileQuantizeKernel:
         _, s_enc, s_dec, _ = scales[first.tag]
         enc = self.encoders[first.tag]
         hw = self.hw[first.tag]
-        invs = p.target_invs if p.target_invs else (p.elem.inv_max,)
-        k_encs = [s_enc * Float32(i) if p.global_scale else Float32(i) for i in invs]
+        k_encs = target_factors(p.target_invs, p.elem.inv_max, s_enc, p.global_scale)
         word = None
         if p.scale_sr:
             b = Uint32(tile_row) * Uint32(at.K // p.block) + Uint32(at.col0 // p.block)
-            off_lo, off_hi = at.poffs[0]
-            call = philox.philox4x32_10(b >> Uint32(2), Uint32(1 << 28), off_lo, off_hi, at.keys)
-            word = philox.call_slice(call, b & Uint32(3), 1)[0]
+            word = scale_word(b, at.keys, *at.poffs[0])
         az = None
         if len(k_encs) > 1:
             # |z| = |fp32(x * S_enc)|: the code's sign is x's, so |q - z| needs no signs
@@ -569,10 +568,7 @@ class TileQuantizeKernel:
                     cutlass.select_(better, code, kept[0]),
                     Float32(cutlass.select_(better, e_b, kept[1])),
                     [
-                        [
-                            (cutlass.select_(better, v, kv), w)
-                            for (v, w), (kv, _) in zip(row, kept_row, strict=True)
-                        ]
+                        encode.keep_lower(better, row, kept_row)
                         for row, kept_row in zip(cand, kept[2], strict=True)
                     ],
                 )
@@ -585,11 +581,7 @@ class TileQuantizeKernel:
         p, sp = self.p, self.p.strip
         row_sums = []
         for i in range(sp.rows):
-            errs = []
-            for v, a in zip(encode.field_magnitudes(fields[i], p.elem), az[i], strict=True):
-                d = sub_rn(mul_rn(v, s_b), a)
-                errs.append(abs(d) if p.target_mae else mul_rn(d, d))
-            row = tree_sum(errs)
+            row = tree_sum(encode.error_terms(fields[i], s_b, az[i], p.elem, p.target_mae))
             for off in sp.row_offsets:
                 row = add_rn(row, cute.arch.shuffle_sync_bfly(row, offset=off))
             # a row past M is the reference's zero padding: no error

@@ -17,6 +17,7 @@ import cutlass.cute as cute
 from cutlass import Float32, Int32, Uint32
 
 from fp4gen.kernels.encode import RNE_MAGIC, TWO32
+from fp4gen.kernels.philox import call_slice, philox4x32_10
 from fp4gen.kernels.quant_ptx import add_rz, cvt_e4m3_to_f32, cvt_f32_to_e4m3
 
 FLT_MAX = 3.4028234663852886e38
@@ -51,6 +52,24 @@ def global_scales(amax: Float32, global_num: float):
     finite = amax.bitcast(Uint32) < Uint32(NONFINITE_BITS)  # A >= 0: its bits order like it
     nan = Uint32(NAN_BITS).bitcast(Float32)
     return s_enc, Float32(cutlass.select_(finite, Float32(1.0) / s_enc, nan))
+
+
+def target_factors(target_invs: tuple, inv_max: float, s_enc, global_scale: bool) -> list:
+    """k_enc = fp32(S_enc * fp32(1 / T)) per block target T, in order (docs/numerics.md 11.1;
+    target_invs: fp32(1 / T) each, () for the element's max alone, whose fp32(1 / T) is
+    inv_max); without a global scale S_enc = 1: fp32(1 / T) itself."""
+    invs = target_invs if target_invs else (inv_max,)
+    if global_scale:
+        return [s_enc * Float32(i) for i in invs]
+    return [Float32(i) for i in invs]
+
+
+def scale_word(b: Uint32, keys: list, off_lo, off_hi) -> Uint32:
+    """The 32-bit Philox word of block b's stochastic scale rounding (docs/numerics.md 11.2):
+    word (2^62 + b) % 4 of the call with counter (2^62 + b) // 4, i.e. (b // 4, 2^28, offset_lo,
+    offset_hi) for b < 2^34."""
+    call = philox4x32_10(b >> Uint32(2), Uint32(1 << 28), off_lo, off_hi, keys)
+    return call_slice(call, b & Uint32(3), 1)[0]
 
 
 class BlockScaler:
@@ -198,4 +217,13 @@ class BlockScaler:
         return out, s_b, e_b
 
 
-__all__ = ["FLT_MAX", "NAN_BITS", "NONFINITE_BITS", "BlockScaler", "ScaleParams", "global_scales"]
+__all__ = [
+    "FLT_MAX",
+    "NAN_BITS",
+    "NONFINITE_BITS",
+    "BlockScaler",
+    "ScaleParams",
+    "global_scales",
+    "scale_word",
+    "target_factors",
+]
