@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import threading
 import weakref
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -138,22 +139,37 @@ _loader: KernelLoader[GemmConfig, Any] = KernelLoader(
 def gemm_kernel(config: GemmConfig, arch: str, *, cache: Any = None) -> Any:
     """The loaded TVM-FFI function of ``config`` for ``arch``: compiled on first use (about
     1 s, no GPU needed) and kept in the kernel cache; later processes load it."""
+    return load_rendered(_loaded, _lock, config, arch, cache, render_module, "gemm")
+
+
+def load_rendered(
+    loaded: dict[tuple[GemmConfig, str, str], Any],
+    lock: threading.Lock,
+    config: GemmConfig,
+    arch: str,
+    cache: Any,
+    render: Callable[[GemmConfig], str],
+    entry: str,
+) -> Any:
+    """The loaded function ``entry`` of the module ``render(config)`` for ``arch``, kept in
+    ``loaded`` per (config, arch, cache root): built into the kernel cache on first use (or
+    loaded from it), once per process under ``lock``."""
     from fp4gen.compiler import jit
     from fp4gen.compiler.cache import KernelCache, default_root
 
     root = str(cache.root) if cache is not None else str(default_root())
     memo = (config, arch, root)
-    fn = _loaded.get(memo)
+    fn = loaded.get(memo)
     if fn is not None:
         return fn
-    with _lock:
-        fn = _loaded.get(memo)
+    with lock:
+        fn = loaded.get(memo)
         if fn is None:
             cache = cache or KernelCache(root)
             jit.use_cache_for_dsl(cache)
-            path = cache.store_source(render_module(config))
-            fn = jit.load_entry(jit.build_kernel(cache, path, "gemm", arch).entry)
-            _loaded[memo] = fn
+            path = cache.store_source(render(config))
+            fn = jit.load_entry(jit.build_kernel(cache, path, entry, arch).entry)
+            loaded[memo] = fn
     return fn
 
 
@@ -268,6 +284,7 @@ def native_product(
 __all__ = [
     "GemmConfig",
     "gemm_kernel",
+    "load_rendered",
     "kernel_args",
     "native_gemm",
     "native_product",

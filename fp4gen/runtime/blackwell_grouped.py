@@ -52,7 +52,7 @@ from fp4gen.codegen.gemm_configs import (
     shape_reason,
 )
 from fp4gen.errors import FP4GenError, TensorError
-from fp4gen.runtime.blackwell_gemm import _sm_count, packed_codes
+from fp4gen.runtime.blackwell_gemm import _sm_count, load_rendered, packed_codes
 from fp4gen.runtime.checks import check_pair
 from fp4gen.runtime.loader import BUILD_FAILED, KernelLoader, Reasons, Unsupported
 
@@ -172,23 +172,7 @@ def grouped_kernel(config: GemmConfig, arch: str, *, cache: Any = None) -> Any:
     """The loaded TVM-FFI function of the grouped GEMM of ``config`` for ``arch``: compiled on
     first use (about 1 s, no GPU needed) and kept in the kernel cache (the module
     ``render_grouped_module`` writes); later processes load it."""
-    from fp4gen.compiler import jit
-    from fp4gen.compiler.cache import KernelCache, default_root
-
-    root = str(cache.root) if cache is not None else str(default_root())
-    memo = (config, arch, root)
-    fn = _loaded.get(memo)
-    if fn is not None:
-        return fn
-    with _lock:
-        fn = _loaded.get(memo)
-        if fn is None:
-            cache = cache or KernelCache(root)
-            jit.use_cache_for_dsl(cache)
-            path = cache.store_source(render_grouped_module(config))
-            fn = jit.load_entry(jit.build_kernel(cache, path, GROUPED_KERNEL, arch).entry)
-            _loaded[memo] = fn
-    return fn
+    return load_rendered(_loaded, _lock, config, arch, cache, render_grouped_module, GROUPED_KERNEL)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -34,6 +34,7 @@ import torch
 
 from fp4gen.errors import FP4GenError, TensorError
 from fp4gen.formats import BlockFormat
+from fp4gen.runtime.loader import compiled_once
 
 log = logging.getLogger(__name__)
 _logged: set[str] = set()
@@ -275,21 +276,16 @@ def _table(rows: list[tuple[int, ...]], device: torch.device) -> torch.Tensor:
 def _compile(params: Any, arch: str, k_multiple: int) -> dict[str, Any]:
     """The grouped kernels of these rowwise params for ``arch``, compiled once per process
     (JIT: ``cute.compile`` against fake tensors with dynamic sizes)."""
-    key = (params, arch)
-    with _lock:
-        found = _compiled.get(key)
-        if found is None:
-            from fp4gen.kernels.grouped_quantize import grouped_reason
+    from fp4gen.kernels.grouped_quantize import grouped_reason
 
-            reason = grouped_reason(params)
-            if reason is not None:
-                found = reason
-            else:
-                try:
-                    found = compile_grouped(params, arch, k_multiple)
-                except Exception as err:  # noqa: BLE001 (a compile failure is a fallback)
-                    found = f"the grouped kernels did not compile ({type(err).__name__}: {err})"
-            _compiled[key] = found
+    found = compiled_once(
+        _compiled,
+        _lock,
+        (params, arch),
+        lambda: grouped_reason(params),
+        lambda: compile_grouped(params, arch, k_multiple),
+        "the grouped kernels",
+    )
     if isinstance(found, str):
         raise _Refused(found)
     return found

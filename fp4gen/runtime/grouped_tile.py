@@ -36,6 +36,7 @@ import torch
 
 from fp4gen.errors import FP4GenError, TensorError
 from fp4gen.formats import BlockFormat
+from fp4gen.runtime.loader import compiled_once
 
 log = logging.getLogger(__name__)
 _logged: set[str] = set()
@@ -452,23 +453,16 @@ def _grouped_kernels(
 def _compile(params: Any, arch: str, k_multiple: int) -> dict[str, Any]:
     """The grouped tile kernels of these (grouped) params for ``arch``, compiled once per
     process."""
-    key = (params, arch)
-    with _lock:
-        found = _compiled.get(key)
-        if found is None:
-            from fp4gen.kernels.grouped_tile import grouped_tile_reason
+    from fp4gen.kernels.grouped_tile import grouped_tile_reason
 
-            reason = grouped_tile_reason(params)
-            if reason is not None:
-                found = reason
-            else:
-                try:
-                    found = compile_grouped_tile(params, arch, k_multiple)
-                except Exception as err:  # noqa: BLE001 (a compile failure is a fallback)
-                    found = (
-                        f"the grouped tile kernels did not compile ({type(err).__name__}: {err})"
-                    )
-            _compiled[key] = found
+    found = compiled_once(
+        _compiled,
+        _lock,
+        (params, arch),
+        lambda: grouped_tile_reason(params),
+        lambda: compile_grouped_tile(params, arch, k_multiple),
+        "the grouped tile kernels",
+    )
     if isinstance(found, str):
         raise _Refused(found)
     return found

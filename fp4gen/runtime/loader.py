@@ -29,6 +29,7 @@ ARCHS: tuple[str, ...] = words(Arch)  # every arch fp4gen generates kernels for
 
 S = TypeVar("S", bound=Hashable)
 K = TypeVar("K")
+T = TypeVar("T")
 
 _lock = threading.Lock()
 
@@ -152,6 +153,30 @@ class LogOnce:
         self.log.info(self.message, reason)
 
 
+def compiled_once(
+    cache: dict[K, T | str],
+    lock: threading.Lock,
+    key: K,
+    reason: Callable[[], str | None],
+    compile_fn: Callable[[], T],
+    what: str,
+) -> T | str:
+    """``cache[key]``, made once per process under ``lock``: ``reason()`` where it names why
+    the kernels do not serve, else ``compile_fn()``, or a compile failure's text (a failure is
+    a fallback, remembered like a reason). A string is a reason; anything else the compiled."""
+    with lock:
+        found = cache.get(key)
+        if found is None:
+            found = reason()
+            if found is None:
+                try:
+                    found = compile_fn()
+                except Exception as err:  # noqa: BLE001 (a compile failure is a fallback)
+                    found = f"{what} did not compile ({type(err).__name__}: {err})"
+            cache[key] = found
+    return found
+
+
 __all__ = [
     "ARCHS",
     "BUILD_FAILED",
@@ -162,4 +187,5 @@ __all__ = [
     "LogOnce",
     "Reasons",
     "Unsupported",
+    "compiled_once",
 ]
