@@ -35,7 +35,7 @@ from fp4gen.spec import QuantKernelSpec, QuantOutput
 
 sys.path.insert(0, str(Path(__file__).parent))
 from test_quantize_kernels_gpu import compare_tile  # noqa: E402
-from test_quantize_options_gpu import option_input  # noqa: E402
+from test_quantize_options_gpu import PATTERNS, option_input  # noqa: E402
 
 pytestmark = [
     pytest.mark.gpu,
@@ -91,17 +91,6 @@ CASES: dict[str, tuple[BlockFormat, str, str]] = {
     ),
 }
 DTYPES = ("bf16", "fp32")
-PATTERNS = (
-    "randn",
-    "zeros",
-    "outliers",
-    "subnormal_scales",
-    "tiny",
-    "huge",
-    "signed_zero",
-    "equal_blocks",
-    "target_ties",
-)
 
 
 def make_spec(case: str, dtype: str) -> QuantKernelSpec:
