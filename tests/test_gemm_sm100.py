@@ -475,17 +475,14 @@ def descriptors(ptx: str, mma_m: int, mma_n: int) -> set[tuple[int, int, int]]:
     return found
 
 
-@pytest.fixture(scope="module")
-def compiled(tmp_path_factory: pytest.TempPathFactory):
-    """config -> (PTX without comments, path of the dumped .ptx), compiled once per session."""
-    from fp4gen.runtime.blackwell_kernel import compile_gemm
-
-    root = tmp_path_factory.mktemp("sm100_ptx")
+def ptx_compiler(compile_fn, root: Path):
+    """config -> (PTX without comments, path of the dumped .ptx) of ``compile_fn(config,
+    "sm_100a", dump_dir=...)``, each config compiled once."""
 
     @cache
     def get(config: GemmConfig) -> tuple[str, Path]:
         folder = root / config.name
-        fn = compile_gemm(config, "sm_100a", dump_dir=str(folder))
+        fn = compile_fn(config, "sm_100a", dump_dir=str(folder))
         ptx = fn.__ptx__
         assert isinstance(ptx, str) and ".entry" in ptx, "PTX not kept"
         text = "\n".join(line for line in ptx.splitlines() if not line.lstrip().startswith("//"))
@@ -493,6 +490,14 @@ def compiled(tmp_path_factory: pytest.TempPathFactory):
         return text, path
 
     return get
+
+
+@pytest.fixture(scope="module")
+def compiled(tmp_path_factory: pytest.TempPathFactory):
+    """config -> (PTX without comments, path of the dumped .ptx), compiled once per session."""
+    from fp4gen.runtime.blackwell_kernel import compile_gemm
+
+    return ptx_compiler(compile_gemm, tmp_path_factory.mktemp("sm100_ptx"))
 
 
 def check_ptx(ptx: str, plan: MmaPlan, config: GemmConfig) -> None:

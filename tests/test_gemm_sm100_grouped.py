@@ -35,6 +35,7 @@ from test_gemm_sm100 import (  # noqa: E402
     check_ptx,
     check_ptxas,
     dyadic_operand,
+    ptx_compiler,
     reference_pack,
     reference_scale_offset,
 )
@@ -43,7 +44,6 @@ import fp4gen.runtime.blackwell_grouped as bg
 import fp4gen.runtime.grouped as grouped
 from fp4gen.codegen.gemm_configs import (
     GROUPED_KERNEL,
-    GemmConfig,
     MmaPlan,
     gemm_config,
     mma_plan,
@@ -281,23 +281,9 @@ def test_grouped_product_refuses_other_archs() -> None:
 @pytest.fixture(scope="module")
 def compiled_grouped(tmp_path_factory: pytest.TempPathFactory):
     """config -> (PTX without comments, path of the dumped .ptx), compiled once per session."""
-    from functools import cache
-
     from fp4gen.runtime.blackwell_grouped_kernel import compile_grouped_gemm
 
-    root = tmp_path_factory.mktemp("sm100_grouped_ptx")
-
-    @cache
-    def get(config: GemmConfig) -> tuple[str, Path]:
-        folder = root / config.name
-        fn = compile_grouped_gemm(config, "sm_100a", dump_dir=str(folder))
-        ptx = fn.__ptx__
-        assert isinstance(ptx, str) and ".entry" in ptx, "PTX not kept"
-        text = "\n".join(line for line in ptx.splitlines() if not line.lstrip().startswith("//"))
-        (path,) = folder.glob("*.sm_100a.ptx")
-        return text, path
-
-    return get
+    return ptx_compiler(compile_grouped_gemm, tmp_path_factory.mktemp("sm100_grouped_ptx"))
 
 
 COMPILE_CASES = {  # name -> (A format, B format, M (picks the tile))
