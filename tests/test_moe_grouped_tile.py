@@ -26,6 +26,7 @@ from fp4gen.formats import BUILTIN_FORMATS
 from fp4gen.numerics.quantize import quantize as reference_quantize
 from fp4gen.runtime.grouped_tile import (
     compile_grouped_tile,
+    k_reason,
     padded_counts,
     quantize_groups_tile,
     reference_groups_tile,
@@ -570,6 +571,47 @@ def test_cuda_grouped_tile_quantize_is_the_reference_per_group(case: str, scope:
             )
         nan = [g is not None and all(bool(torch.isnan(q.global_scale)) for q in g) for g in got]
         assert nan == [False, False, True, False, False, False]
+
+
+def test_k_past_whole_blocks_is_refused() -> None:
+    """The grouped layout holds K / B scales per row (and K x rows / B for a columnwise copy):
+    a K that is not a multiple of the block length B is refused with its numbers (the kernel
+    would write a partial block's scales past its buffers; an experts model with hidden 64 and
+    fp8_blockwise's 1x128 blocks once did, an illegal address on the H200)."""
+    assert k_reason(64, fp8_block()) == "K = 64 is not a multiple of the block length 128"
+    assert k_reason(192, fp8_block(128)) == "K = 192 is not a multiple of the block length 128"
+    assert k_reason(24, BUILTIN_FORMATS["nvfp4"]) == (
+        "K = 24 is not a multiple of the block length 16"
+    )
+    assert k_reason(256, fp8_block()) is None
+    assert k_reason(48, BUILTIN_FORMATS["nvfp4"]) is None
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("k", [64, 192])
+def test_cuda_k_past_whole_blocks_is_the_reference_per_group(k: int) -> None:
+    """fp8_blockwise's wgrad-activation copy (columnwise 1x128) of rows with K = 64 or 192:
+    "cute" refuses naming K, "auto" quantizes the groups one by one, each group's copy the
+    definition's bit for bit (before the refusal the kernel wrote past its scale buffer)."""
+    fmt = fp8_block()
+    copies = copies_of((("columnwise", "nearest", None),))
+    pads = pads_for(fmt, (("columnwise", "nearest", None),))
+    x = grouped_input("cuda", k=k)
+    offsets = offsets_for(copies)
+    with pytest.raises(fp4gen.FP4GenError, match=f"K = {k} is not a multiple"):
+        quantize_groups_tile(x, COUNTS, pads, fmt, copies, seeds=SEEDS, offsets=offsets,
+                             backend="cute")  # fmt: skip
+    got = quantize_groups_tile(x, COUNTS, pads, fmt, copies, seeds=SEEDS, offsets=offsets)
+    want = reference_groups_tile(x.cpu(), COUNTS, pads, fmt, copies, SEEDS, offsets,
+                                 "reference", "expert")  # fmt: skip
+    bad = [
+        d
+        for g, (a, b) in enumerate(zip(got, want, strict=True))
+        if b is not None
+        for d in _differences(a[0], b[0], f"group {g}")
+    ]
+    assert not bad, "\n".join(bad)
 
 
 @pytest.mark.gpu

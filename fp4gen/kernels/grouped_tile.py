@@ -77,7 +77,8 @@ def group_offsets(out_row, k, bits: int, block: int, two_d: bool) -> tuple:
     columnwise copy (module docstring). Ints on the host, Int32 values in the kernel."""
     row_bytes = k * bits // 8  # bytes of a row of K codes
     # 2D: a row of K / B tile scales per B padded rows; 1D: a row of K / B scales per padded row
-    # (the columnwise copy: K x padded rows / B, the same count)
+    # (the columnwise copy: K x padded rows / B, the same count); K is a multiple of B (the host
+    # refuses any other K: runtime.grouped_tile.k_reason)
     rows_before = out_row // block if two_d else out_row
     return out_row * row_bytes, rows_before * (k // block)
 

@@ -253,11 +253,25 @@ class _Refused(Exception):
     """The grouped tile kernels do not serve this call; ``args[0]`` says why."""
 
 
+def k_reason(k: int, fmt: BlockFormat) -> str | None:
+    """Why the grouped tile kernels cannot lay out K = ``k`` columns of ``fmt``, or None. Their
+    outputs hold K / B scales per padded row (rowwise) and K x rows / B (columnwise), and a
+    group's scales start at its first row times K / B (``kernels.grouped_tile.group_offsets``):
+    exact only for K a multiple of the block length B. Any other K would make the kernel write
+    a partial block's scales past the buffers and the groups' columnwise scales overlap."""
+    block = max(fmt.block)
+    if k % block:
+        return f"K = {k} is not a multiple of the block length {block}"
+    return None
+
+
 def _kernel_reason(x: torch.Tensor, fmt: BlockFormat, copies: tuple[Copy, ...]) -> str | None:
     if not x.is_cuda:
         return "a CPU tensor"
     if not isinstance(fmt, BlockFormat):
         return f"{fmt}: not a block format"
+    if x.dim() == 2 and (reason := k_reason(x.shape[1], fmt)) is not None:
+        return reason
     if fmt.is_2d and any(r != "nearest" or h is not None for _, r, h in copies):
         # the tile kernel's 2D copies are one set of codes, drawn as the rowwise copy draws
         return "2D blocks with stochastic rounding or an RHT"
@@ -520,6 +534,7 @@ def compile_grouped_tile(
 __all__ = [
     "GroupedCopies",
     "compile_grouped_tile",
+    "k_reason",
     "padded_counts",
     "quantize_groups_tile",
     "reference_groups_tile",
