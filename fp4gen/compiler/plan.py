@@ -406,10 +406,10 @@ def kernel_spec(
     )
 
 
-# Whether the tile kernel quantizes 2D tiles with block targets or stochastic block scales
-# (off by default until its GPU tests have passed; fp4gen.runtime.cute_backend.
-# set_tile_option_kernels turns it on): off, the reference quantizes those operands
-_tile_option_kernels = [False]
+# Whether the tile kernel quantizes 2D tiles with block targets or stochastic block scales (on:
+# tests/test_quantize_tile_options_gpu.py passed on an H200; fp4gen.runtime.cute_backend.
+# set_tile_option_kernels(False) turns it off): off, the reference quantizes those operands
+_tile_option_kernels = [True]
 
 
 def tile_options(fmt: BlockFormat) -> bool:

@@ -80,9 +80,9 @@ def set_option_kernels(enabled: bool) -> bool:
 
 def set_tile_option_kernels(enabled: bool) -> bool:
     """Whether the tile kernel quantizes 2D tiles (e.g. 16x16 weights) whose format has block
-    targets or stochastic block scales (docs/numerics.md 11.1-11.2; True), or the reference does
-    (False, the default until the kernel's GPU tests have passed: the reference's reason is
-    logged once). Process-wide, read when a launch is first planned (the planner of ``fp4gen
+    targets or stochastic block scales (docs/numerics.md 11.1-11.2; True, the default since
+    tests/test_quantize_tile_options_gpu.py passed on an H200), or the reference does (False:
+    the reference's reason is logged once). Process-wide, read when a launch is first planned (the planner of ``fp4gen
     compile`` reads it too); returns the previous setting."""
     from fp4gen.compiler import plan
 
