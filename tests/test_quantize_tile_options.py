@@ -179,8 +179,8 @@ def test_the_kernel_takes_a_philox_offset_per_copy_for_stochastic_scales(tmp_pat
     assert source.count("offset1_hi: Int32,") == 2  # __call__ and kernel
 
 
-def test_the_switch_is_off_by_default_and_routes_when_on(tile_options_on: None) -> None:
-    """With the switch on, a 16x16 Four Over Six weight gets a tile kernel from the planner and
+def test_the_switch_routes_when_on(tile_options_on: None) -> None:
+    """With the switch on (the default), a 16x16 Four Over Six weight gets a tile kernel from the planner and
     the runtime takes the tile launch; 128x128 tiles and 1D blocks are as before."""
     assert tile_options(FOUR_OVER_SIX)
     assert rowwise_only_reason(FOUR_OVER_SIX) is None and tile_reason(FOUR_OVER_SIX) is None
@@ -194,15 +194,20 @@ def test_the_switch_is_off_by_default_and_routes_when_on(tile_options_on: None) 
 
 
 def test_the_switch_off_keeps_the_reference() -> None:
-    """Off (the default), the planner sends 2D operands with targets to the reference with the
-    reason, as before the tile kernel implemented them."""
+    """Off (``set_tile_option_kernels(False)``; on is the default since the kernel's GPU tests
+    passed), the planner sends 2D operands with targets to the reference with the reason, as
+    before the tile kernel implemented them."""
     from fp4gen.runtime import cute_backend
 
-    assert cute_backend.set_tile_option_kernels(False) is False  # the default
-    assert not tile_options(FOUR_OVER_SIX)
-    assert "16x16 blocks" in (rowwise_only_reason(FOUR_OVER_SIX) or "")
-    plan = plan_recipe(load_recipe(ROOT / "fp4gen" / "recipes" / "nvfp4_4over6.fp4r"))
-    assert plan.kernel_for(Operand.FPROP_WEIGHT) is None
+    previous = cute_backend.set_tile_option_kernels(False)
+    try:
+        assert previous is True  # the default
+        assert not tile_options(FOUR_OVER_SIX)
+        assert "16x16 blocks" in (rowwise_only_reason(FOUR_OVER_SIX) or "")
+        plan = plan_recipe(load_recipe(ROOT / "fp4gen" / "recipes" / "nvfp4_4over6.fp4r"))
+        assert plan.kernel_for(Operand.FPROP_WEIGHT) is None
+    finally:
+        cute_backend.set_tile_option_kernels(previous)
 
 
 def test_grouped_tile_kernels_refuse_the_options() -> None:
