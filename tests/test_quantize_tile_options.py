@@ -180,8 +180,8 @@ def test_the_kernel_takes_a_philox_offset_per_copy_for_stochastic_scales(tmp_pat
 
 
 def test_the_switch_routes_when_on(tile_options_on: None) -> None:
-    """With the switch on (the default), a 16x16 Four Over Six weight gets a tile kernel from the planner and
-    the runtime takes the tile launch; 128x128 tiles and 1D blocks are as before."""
+    """With the switch on (the default), a 16x16 Four Over Six weight gets a tile kernel from the
+    planner and the runtime takes the tile launch; 128x128 tiles and 1D blocks are as before."""
     assert tile_options(FOUR_OVER_SIX)
     assert rowwise_only_reason(FOUR_OVER_SIX) is None and tile_reason(FOUR_OVER_SIX) is None
     assert rowwise_only_reason(fmt(MXFP8, 128, targets=(448.0, 256.0))) is not None

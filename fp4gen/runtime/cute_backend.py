@@ -82,8 +82,8 @@ def set_tile_option_kernels(enabled: bool) -> bool:
     """Whether the tile kernel quantizes 2D tiles (e.g. 16x16 weights) whose format has block
     targets or stochastic block scales (docs/numerics.md 11.1-11.2; True, the default since
     tests/test_quantize_tile_options_gpu.py passed on an H200), or the reference does (False:
-    the reference's reason is logged once). Process-wide, read when a launch is first planned (the planner of ``fp4gen
-    compile`` reads it too); returns the previous setting."""
+    the reference's reason is logged once). Process-wide, read when a launch is first planned
+    (the planner of ``fp4gen compile`` reads it too); returns the previous setting."""
     from fp4gen.compiler import plan
 
     previous, plan._tile_option_kernels[0] = plan._tile_option_kernels[0], bool(enabled)
