@@ -24,7 +24,9 @@ import fp4gen.runtime.grouped as grouped
 from fp4gen.dsl.model import RHTSpec
 from fp4gen.formats import BUILTIN_FORMATS
 from fp4gen.numerics.quantize import quantize as reference_quantize
+from fp4gen.runtime import grouped_tile
 from fp4gen.runtime.grouped_tile import (
+    cached_tile_table,
     compile_grouped_tile,
     k_reason,
     padded_counts,
@@ -176,6 +178,23 @@ def test_the_launch_builds_the_same_table_by_torch_ops(counts, pads, tile_m, til
     assert [tuple(r) for r in got.tolist()] == tile_table(counts, pads, tile_m, tiles_k)
     with pytest.raises(fp4gen.FP4GenError, match="group 1 has 5 rows padded to 4"):
         tile_table_tensor([2, 5], [16, 4], tile_m=16, tiles_k=1)
+
+
+def test_launches_of_the_same_groups_share_one_table() -> None:
+    """cached_tile_table (what a launch reads): tile_table's rows; the same groups, tile and
+    device give the same tensor again (no rebuild, no upload), other groups another; the last
+    32 are kept. CUDA graph captures bypass it (device_memory.pooled: False on the CPU)."""
+    cpu = torch.device("cpu")
+    grouped_tile._TABLES.clear()
+    first = cached_tile_table([3, 0, 20], [16, 0, 32], 16, 2, cpu)
+    assert [tuple(r) for r in first.tolist()] == tile_table([3, 0, 20], [16, 0, 32], 16, 2)
+    assert cached_tile_table([3, 0, 20], [16, 0, 32], 16, 2, cpu) is first
+    other = cached_tile_table([3, 0, 20], [16, 0, 32], 16, 3, cpu)
+    assert other is not first and other.shape[0] == 9
+    for n in range(32):  # 32 newer tables push the first one out
+        cached_tile_table([n + 1], [32], 16, 1, cpu)
+    again = cached_tile_table([3, 0, 20], [16, 0, 32], 16, 2, cpu)
+    assert again is not first and torch.equal(again, first)
 
 
 def test_padding_arithmetic() -> None:

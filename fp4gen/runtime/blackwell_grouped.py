@@ -260,7 +260,8 @@ def grouped_gemm(
         ]
     )
     rows = [a.rows for a in a_groups]
-    per_row = torch.repeat_interleave(alphas, torch.tensor(rows, device=c.device))[:, None]
+    repeats = torch.tensor(rows, device=c.device)
+    per_row = torch.repeat_interleave(alphas, repeats, output_size=sum(rows))[:, None]
     return (group_rows_of(c, rows) * per_row).to(out_dtype)
 
 

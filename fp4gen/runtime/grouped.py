@@ -397,10 +397,12 @@ def _fprop(
         b = torch.stack(weights) if w_all is None else w_all.reshape(len(groups.experts), n_out, -1)
         c = _native(pairs, by_rows=True)
         c = group_rows(a, b, _ends(groups.counts)) if c is None else c
-        alpha = torch.cat(alphas).repeat_interleave(counts)[:, None]
+        # the row count given: repeat_interleave would otherwise wait for the GPU to learn it
+        rows = sum(groups.counts)
+        alpha = torch.cat(alphas).repeat_interleave(counts, output_size=rows)[:, None]
         bias_rows = None
         if bias is not None:
-            bias_rows = bias.detach()[groups.experts].repeat_interleave(counts, 0)
+            bias_rows = bias.detach()[groups.experts].repeat_interleave(counts, 0, output_size=rows)
         return _scaled(c, alpha, bias_rows, groups.out_dtype)
 
 

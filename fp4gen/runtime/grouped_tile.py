@@ -29,6 +29,7 @@ import math
 import os
 import shlex
 import threading
+from collections import OrderedDict
 from collections.abc import Sequence
 from typing import Any
 
@@ -102,22 +103,65 @@ def _check_table(counts: Sequence[int], pads: Sequence[int], tile_m: int, tiles_
 
 
 def tile_table_tensor(
-    counts: Sequence[int], pads: Sequence[int], tile_m: int, tiles_k: int
+    counts: Sequence[int],
+    pads: Sequence[int],
+    tile_m: int,
+    tiles_k: int,
+    device: torch.device | str | None = None,
 ) -> torch.Tensor:
-    """``tile_table`` as an int32 [CTAs, 6] CPU tensor, built by a few torch ops rather than a
-    Python row per CTA (thousands per launch at realistic sizes)."""
+    """``tile_table`` as an int32 [CTAs, 6] tensor on ``device`` (default the CPU), built by a
+    few torch ops on that device rather than a Python row per CTA (thousands per launch at
+    realistic sizes): only the groups' counts travel, and the CTA count, known here, spares
+    ``repeat_interleave`` its device sync."""
     _check_table(counts, pads, tile_m, tiles_k)
     if not counts:
-        return torch.zeros((0, 6), dtype=torch.int32)
-    c = torch.tensor(counts, dtype=torch.int64)
-    p = torch.tensor(pads, dtype=torch.int64)
-    tiles = (p + tile_m - 1) // tile_m * tiles_k
-    group = torch.repeat_interleave(torch.arange(len(counts)), tiles)
+        return torch.zeros((0, 6), dtype=torch.int32, device=device)
+    tiles_host = [-(-pad // tile_m) * tiles_k for pad in pads]
+    per_group = torch.tensor([list(counts), list(pads), tiles_host], dtype=torch.int64)
+    c, p, tiles = per_group.to(device).unbind(0)
+    group = torch.repeat_interleave(
+        torch.arange(len(counts), device=device), tiles, output_size=sum(tiles_host)
+    )
     first_cta = torch.cumsum(tiles, 0) - tiles
-    tile = torch.arange(group.numel()) - first_cta[group]
+    tile = torch.arange(group.numel(), device=device) - first_cta[group]
     in_row = (torch.cumsum(c, 0) - c)[group]
     out_row = (torch.cumsum(p, 0) - p)[group]
     return torch.stack((group, tile, in_row, c[group], p[group], out_row), 1).to(torch.int32)
+
+
+# The tables of recent launches, by (counts, pads, tile_m, tiles_k, device): a table depends on
+# nothing else, the kernels only read it, and a step asks for the same one several times (the
+# experts' weights every step, a layer's token groups in its backward's launches).
+_TABLES: OrderedDict[tuple, torch.Tensor] = OrderedDict()
+_TABLES_KEPT = 32
+_TABLES_LOCK = threading.Lock()
+
+
+def cached_tile_table(
+    counts: Sequence[int], pads: Sequence[int], tile_m: int, tiles_k: int, device: torch.device
+) -> torch.Tensor:
+    """``tile_table_tensor`` on ``device``, kept for the next launch of the same groups (the last
+    32 tables; read-only: the kernels never write them). While allocations land in a CUDA
+    graph's pool (a capture, torch.compile's graph warm-up: ``device_memory.pooled``) the table
+    is the graph's own, neither taken from nor kept here: a captured table holds its values only
+    once the graph replays, and a kept one could be dropped while a graph reads it."""
+    from fp4gen.runtime.device_memory import pooled
+
+    device = torch.device(device)
+    if pooled(device):
+        return tile_table_tensor(counts, pads, tile_m, tiles_k, device)
+    key = (tuple(counts), tuple(pads), tile_m, tiles_k, str(device))
+    with _TABLES_LOCK:
+        table = _TABLES.get(key)
+        if table is not None:
+            _TABLES.move_to_end(key)
+            return table
+    table = tile_table_tensor(counts, pads, tile_m, tiles_k, device)
+    with _TABLES_LOCK:
+        _TABLES[key] = table
+        if len(_TABLES) > _TABLES_KEPT:
+            _TABLES.popitem(last=False)
+    return table
 
 
 def _check_groups(x: torch.Tensor, counts, pads, copies, seeds, offsets) -> None:
@@ -379,7 +423,7 @@ def _grouped_kernels(
         words.append(row)
     philox = torch.tensor(words, dtype=torch.int64).to(torch.int32).to(dev)
     tiles_k = -(-k // params.strip.tile_k)
-    table = tile_table_tensor(counts, pads, params.strip.tile_m, tiles_k).to(dev)
+    table = cached_tile_table(counts, pads, params.strip.tile_m, tiles_k, dev)
     n_ctas = table.shape[0]
     # non-finite inputs: the kernels make the group's S_dec NaN; outside a propagating scope
     # the input is checked as the tile kernel's is
@@ -533,6 +577,7 @@ def compile_grouped_tile(
 
 __all__ = [
     "GroupedCopies",
+    "cached_tile_table",
     "compile_grouped_tile",
     "k_reason",
     "padded_counts",
