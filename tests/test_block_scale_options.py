@@ -396,15 +396,28 @@ def test_shipped_recipes_hold_the_methods() -> None:
 def test_planner_routes_the_options_to_the_kernels_or_the_reference_with_a_reason() -> None:
     # block targets and a global bound: the rowwise kernel quantizes the 1D operands (their
     # columnwise copies through the build's single-output stand-ins, tests/
-    # test_quantize_options_kernels.py); the 16x16 weight blocks go to the reference
+    # test_quantize_options_kernels.py); the 16x16 weight blocks the tile kernel (its option
+    # kernels, on by default), or with those off the reference
+    from fp4gen.runtime import cute_backend
+
     plan = plan_recipe(load_recipe("nvfp4_4over6"))
     served = [k for k in plan.kernels if k.uses and k.uses[0].context == "operands"]
-    assert {op.role for k in served for op in k.operands} == {"activation", "gradient"}
+    assert {op.role for k in served for op in k.operands} == {"activation", "gradient", "weight"}
     assert all(k.spec.targets == (6.0, 4.0) and k.spec.global_bound == 256 for k in served)
+    weights = [k for k in served if k.spec.block == (16, 16)]
+    assert [op.role for k in weights for op in k.operands] == ["weight", "weight"]
+    assert not [s for s in plan.skipped if s.context == "operands"]
+    previous = cute_backend.set_tile_option_kernels(False)
+    try:
+        plan = plan_recipe(load_recipe("nvfp4_4over6"))
+    finally:
+        cute_backend.set_tile_option_kernels(previous)
+    served = [k for k in plan.kernels if k.uses and k.uses[0].context == "operands"]
+    assert {op.role for k in served for op in k.operands} == {"activation", "gradient"}
     reasons = {s.reason for s in plan.skipped if s.context == "operands"}
     assert len(reasons) == 1
     assert "targets 6 4" in next(iter(reasons)) and "16x16 blocks" in next(iter(reasons))
-    assert tile_reason(FOUR_OVER_SIX) is not None  # the rowwise kernel's alone
+    assert tile_reason(FOUR_OVER_SIX) is not None  # 1D blocks: the rowwise kernel's alone
     rows = plan_recipe(load_recipe("nvfp4_rowscaled"))
     per_row = rows.kernel_for(Operand.FPROP_ACTIVATION)
     assert per_row is not None and per_row.spec.global_rows  # the rowwise kernel, per row

@@ -9,6 +9,7 @@ import ast
 import dataclasses
 import json
 import os
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -201,10 +202,22 @@ def test_option_kernels_cross_compile(case: str, tmp_path: Path) -> None:
                 assert ("-766435501" in text or "3528531795" in text) == draws, case
 
 
-def test_planner_gives_four_over_six_rowwise_kernels() -> None:
+@pytest.fixture
+def tile_option_kernels_off() -> Iterator[None]:
+    """The tile kernel's 2D option variants off (on by default): the 16x16 Four Over Six
+    weights then go to the reference, the path these tests describe."""
+    from fp4gen.runtime import cute_backend
+
+    previous = cute_backend.set_tile_option_kernels(False)
+    yield
+    cute_backend.set_tile_option_kernels(previous)
+
+
+def test_planner_gives_four_over_six_rowwise_kernels(tile_option_kernels_off: None) -> None:
     """nvfp4_4over6_rht: the 1D operands of x and dy get fused specs with the targets, which
     the tile template refuses; the build renders their single-output rowwise stand-ins (a
-    columnwise copy quantized from the transpose); the 16x16 weight goes to the reference."""
+    columnwise copy quantized from the transpose); with the tile option kernels off the 16x16
+    weight goes to the reference (on: tests/test_quantize_tile_options.py)."""
     plan = plan_recipe(load_recipe(ROOT / "fp4gen" / "recipes" / "nvfp4_4over6_rht.fp4r"))
     fused = plan.kernel_for(Operand.WGRAD_GRADIENT)
     assert fused is not None and fused.spec.targets == (6.0, 4.0)
@@ -224,10 +237,13 @@ def test_planner_gives_four_over_six_rowwise_kernels() -> None:
     }
 
 
-def test_planner_keeps_the_reference_for_what_no_kernel_implements() -> None:
+def test_planner_keeps_the_reference_for_what_no_kernel_implements(
+    tile_option_kernels_off: None,
+) -> None:
     """Every option is the rowwise kernel's (a tile launch is refused with the tile reason);
-    the reference keeps 2D blocks with those options. nvfp4_quartet2's four backward operands
-    (MS-EDEN, stochastic scales, a 128-point RHT drawn per step) are one rowwise kernel."""
+    with the tile option kernels off the reference keeps 2D blocks with those options.
+    nvfp4_quartet2's four backward operands (MS-EDEN, stochastic scales, a 128-point RHT drawn
+    per step) are one rowwise kernel."""
     quartet = plan_recipe(load_recipe(ROOT / "fp4gen" / "recipes" / "nvfp4_quartet2.fp4r"))
     planned = quartet.kernel_for(Operand.DGRAD_GRADIENT)
     assert planned is not None and planned.spec.eden_group == 128
@@ -251,9 +267,10 @@ def test_planner_keeps_the_reference_for_what_no_kernel_implements() -> None:
     assert tile_reason(bound) is None and rowwise_only_reason(bound) is None
 
 
-def test_linear_asks_for_the_rowwise_kernels_only() -> None:
+def test_linear_asks_for_the_rowwise_kernels_only(tile_option_kernels_off: None) -> None:
     """aot.quantize_uses (the kernels fp4gen.nn.Linear can load) gives no tile spec for a format
-    with block targets: each copy is the rowwise kernel's, the columnwise one on x^T."""
+    with block targets and 1D blocks: each copy is the rowwise kernel's, the columnwise one on
+    x^T (with the tile option kernels on, the 16x16 weights are the tile kernel's too)."""
     recipe = load_recipe(ROOT / "fp4gen" / "recipes" / "nvfp4_4over6_rht.fp4r")
     dtypes = {"activation": "bf16", "weight": "bf16", "gradient": "bf16"}
     uses = list(quantize_uses(recipe.operands, dtypes))
@@ -263,9 +280,13 @@ def test_linear_asks_for_the_rowwise_kernels_only() -> None:
     assert Operand.FPROP_WEIGHT not in slots  # 16x16 blocks: the reference
 
 
-def test_cute_backend_routes_by_copy(option_kernels_on: None) -> None:  # noqa: F811
-    """The runtime refuses a tile launch (a columnwise copy, two copies, 2D blocks) of a format
-    with block targets with the tile reason; the callers then quantize each copy on its own."""
+def test_cute_backend_routes_by_copy(
+    option_kernels_on: None,  # noqa: F811
+    tile_option_kernels_off: None,
+) -> None:
+    """The runtime refuses a tile launch (a columnwise copy, two copies, 2D blocks with the
+    tile option kernels off) of a format with block targets with the tile reason; the callers
+    then quantize each copy on its own."""
     from fp4gen.runtime import cute_backend
     from fp4gen.runtime.loader import Unsupported
 
@@ -282,13 +303,20 @@ def test_cute_backend_routes_by_copy(option_kernels_on: None) -> None:  # noqa: 
 
 
 def test_shipped_four_over_six_sources_are_current() -> None:
-    """generated/nvfp4_4over6*/ hold the rowwise Four Over Six modules (test_generated checks
-    their bytes; here: they exist and carry the targets)."""
+    """generated/nvfp4_4over6*/ hold the rowwise Four Over Six modules of the 1D operands and
+    the tile kernel's option variants of the 16x16 weights (test_generated checks their bytes;
+    here: they exist and carry the targets)."""
     for name in ("nvfp4_4over6", "nvfp4_4over6_rht"):
         sources = sorted((ROOT / "generated" / name).glob("quant_*.py"))
         assert sources
+        tiles = [p for p in sources if "_16x16t6x4_" in p.name]
+        assert len(tiles) == 2  # the weight's rowwise copy, and its pair with the transpose
         for path in sources:
-            assert "BLOCK_TARGET_INVS" in path.read_text()
+            text = path.read_text()
+            if path in tiles:
+                assert "target_invs=(0.1666666716337204, 0.25)" in text
+            else:
+                assert "BLOCK_TARGET_INVS" in text
 
 
 def test_drawn_signs_are_one_kernel_per_size() -> None:
