@@ -37,6 +37,11 @@ ran (grouped, or per expert and why: ``GroupedExperts.loop_reason``).
                              [--grouped-product bf16|fp32] [--quantize-per-expert]
                              [--fp8-per-expert]
 
+``--profile N`` prints under each row one more step profiled: its wall time against the time
+the GPU's kernels ran (a path bound by its host shows far less kernel time than wall time),
+and the N fp4gen functions with the most own Python time (cProfile), where that host time
+goes.
+
 ``--device cpu`` runs the same code on the CPU (the float64 reference GEMMs: only for a smoke
 run at tiny sizes, not a timing).
 """
@@ -77,6 +82,51 @@ def time_ms(fn: Callable[[], object], device: str, steps: int, warmup: int = 2) 
         fn()
         times.append((time.perf_counter() - t0) * 1e3)
     return statistics.median(times)
+
+
+# what --profile found for the row being measured, printed under it by print_row
+_PROFILE_LINES: list[str] = []
+
+
+def profile_step(fn: Callable[[], object], device: str, top: int) -> None:
+    """One more call of ``fn`` under ``torch.profiler`` (its wall time against the time the
+    GPU's kernels ran: a path bound by its host shows far less GPU time than wall time) and one
+    under ``cProfile`` (the ``top`` fp4gen functions by their own Python time: where that host
+    time goes, which the torch profiler shows only as one autograd function's self time)."""
+    import cProfile
+    import pstats
+
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU]
+    if device == "cuda":
+        activities.append(ProfilerActivity.CUDA)
+        torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    with profile(activities=activities) as prof:
+        fn()
+        if device == "cuda":
+            torch.cuda.synchronize()
+    wall = (time.perf_counter() - t0) * 1e3
+    gpu = sum(e.self_device_time_total for e in prof.key_averages()) / 1e3
+    _PROFILE_LINES.append(f"      profile: wall {wall:.2f} ms (profiled), GPU kernels {gpu:.2f} ms")
+    profiler = cProfile.Profile()
+    profiler.enable()
+    fn()
+    if device == "cuda":
+        torch.cuda.synchronize()
+    profiler.disable()
+    stats = pstats.Stats(profiler).stats  # type: ignore[attr-defined]
+    package = str(Path(fp4gen.__file__).resolve().parent)
+    own = [
+        (tottime, calls, f"{Path(file).relative_to(package)}:{line}({name})")
+        for (file, line, name), (_, calls, tottime, _, _) in stats.items()
+        if str(Path(file).resolve()).startswith(package)
+    ]
+    for tottime, calls, where in sorted(own, reverse=True)[:top]:
+        _PROFILE_LINES.append(
+            f"        {tottime * 1e3:8.2f} ms own Python in {calls:5d} calls  {where}"
+        )
 
 
 def peak_gib(device: str) -> float | None:
@@ -196,6 +246,9 @@ def print_row(name: str, ms: float, base: float | None, peak: float | None, note
     ratio = "" if base is None else f"{ms / base:7.2f}x"
     memory = "" if peak is None else f"{peak:9.2f}"
     print(f"  {name:34} {ms:10.2f} {ratio:>8} {memory:>9} {note}", flush=True)
+    for line in _PROFILE_LINES:
+        print(line)
+    _PROFILE_LINES.clear()
 
 
 def layer_section(args: argparse.Namespace, device: str, recipes: list[str]) -> None:
@@ -237,7 +290,10 @@ def layer_section(args: argparse.Namespace, device: str, recipes: list[str]) -> 
 
                 reset_peak(device)
                 ms = time_ms(step, device, args.steps)
-                return ms, peak_gib(device)
+                peak = peak_gib(device)
+                if args.profile:
+                    profile_step(step, device, args.profile)
+                return ms, peak
 
             base, peak = measure(make("grouped_mm"))
             print_row("bf16 grouped_mm", base, base, peak)
@@ -288,7 +344,10 @@ def model_section(args: argparse.Namespace, device: str, recipes: list[str]) -> 
 
         reset_peak(device)
         ms = time_ms(step, device, args.steps)
-        return ms, peak_gib(device)
+        peak = peak_gib(device)
+        if args.profile:
+            profile_step(step, device, args.profile)
+        return ms, peak
 
     base, peak = measure(make("grouped_mm"))
     print_row("bf16 grouped_mm", base, base, peak)
@@ -333,6 +392,14 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="also each grouped recipe with the grouped FP8 GEMM off "
         "(fp4gen.runtime.fp8_grouped.set_grouped_fp8)",
+    )
+    parser.add_argument(
+        "--profile",
+        type=int,
+        default=0,
+        metavar="N",
+        help="under each row, one more step profiled: its wall time against the GPU kernels' "
+        "time, and the N fp4gen functions with the most own Python time (cProfile)",
     )
     args = parser.parse_args(argv)
     if args.device == "cuda":
