@@ -366,3 +366,18 @@ def test_the_grouped_product_setting() -> None:
     assert torch.equal(grouped.group_rows(a, b, [5, 20]), fp32_mode)
     with pytest.raises(fp4gen.FP4GenError, match=r"unknown grouped product 'fp16'.*'bf16', 'fp32'"):
         grouped.set_grouped_product("fp16")
+
+
+@pytest.mark.parametrize(
+    ("counts", "padded"),
+    [([3, 0, 5], [16, 0, 16]), ([1], [128]), ([37, 5, 60, 300], [64, 16, 64, 304]), ([], [])],
+)
+def test_real_rows_are_each_groups_first_rows_of_its_padded_ones(counts, padded) -> None:
+    """real_rows (dgrad's real tokens among the padded ones): group g's counts[g] rows from the
+    sum of the padded counts before it, the per-group aranges it replaces, on a few launches."""
+    want, start = [], 0
+    for count, pad in zip(counts, padded, strict=True):
+        want += range(start, start + count)
+        start += pad
+    got = grouped.real_rows(counts, padded, torch.device("cpu"))
+    assert got.dtype == torch.int64 and got.tolist() == want

@@ -718,6 +718,21 @@ def _batched(weight: torch.Tensor, groups: Groups, *, transposed: bool) -> torch
     return w.contiguous().reshape(-1, w.shape[2])
 
 
+def real_rows(counts: Sequence[int], padded: Sequence[int], device: torch.device) -> torch.Tensor:
+    """The rows of the groups' real tokens among their padded rows (group g's ``counts[g]``
+    rows from the sum of the padded counts before it), int64 on ``device``: a few launches
+    whatever the number of groups (the row count is known here, so ``repeat_interleave`` does
+    not wait for the GPU)."""
+    total, shift, real_start, padded_start = sum(counts), [], 0, 0
+    for count, pad in zip(counts, padded, strict=True):
+        shift.append(padded_start - real_start)
+        real_start += count
+        padded_start += pad
+    per_group = torch.tensor([shift, list(counts)], dtype=torch.int64).to(device)
+    moved = torch.repeat_interleave(per_group[0], per_group[1], output_size=total)
+    return torch.arange(total, device=device) + moved
+
+
 def _ends(counts: Sequence[int]) -> list[int]:
     ends, total = [], 0
     for n in counts:
@@ -731,10 +746,10 @@ def _grads(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """dx [T, in] (x's dtype) and dW (the weight's shape and dtype) by a grouped dgrad and a
     grouped wgrad; each expert's operands quantized as ``Linear._grads`` quantizes them."""
-    dy_values, w_values, dy_alphas, rows = [], [], [], []
+    dy_values, w_values, dy_alphas = [], [], []
     dgrad_pairs, wgrad_pairs = [], []
     gt_values, xt_values, w_alphas, padded = [], [], [], []
-    start = padded_start = 0
+    start = 0
     n_out = dy.shape[1]
     table0 = groups.layers[0].operands
     dgrad_out = round_up(
@@ -772,30 +787,29 @@ def _grads(
         wgrad_k = k_multiple(table.wgrad_gradient, table.wgrad_activation, blocks=True)
         dgrad_k = k_multiple(table.dgrad_gradient, table.dgrad_weight, blocks=False)
         tokens, out = round_up(count, wgrad_k), round_up(n_out, dgrad_k)
-        dy_p = pad_to(dy_e, tokens, out)
         # the batched dgrad weights where the grouped quantize served them
         w_col = w_cols[i] if w_cols is not None else layer.columnwise_weight(w, table, call, out)
         if dy_pairs is not None:
             dyq, dyq_t = dy_pairs[i]
-        elif layer._reduced(Operand.DGRAD_GRADIENT, table.dgrad_gradient) or layer._reduced(
-            Operand.WGRAD_GRADIENT, table.wgrad_gradient
-        ):  # a per-tensor copy: each quantized on its own, as Linear's backward does then
-            dyq = layer.quantize(dy_p, Operand.DGRAD_GRADIENT, table.dgrad_gradient, call)
-            dyq_t = layer.quantize(
-                dy_p.t().contiguous(), Operand.WGRAD_GRADIENT, table.wgrad_gradient, call
-            )
-        else:
-            dyq, dyq_t = layer._quantize_pair(
-                dy_p,
-                layer.slot(Operand.DGRAD_GRADIENT, table.dgrad_gradient, call, dy_p),
-                layer.slot(Operand.WGRAD_GRADIENT, table.wgrad_gradient, call, dy_p),
-                seed=layer.data_seed,
-            )
+        else:  # the expert's layer quantizes its padded gradient (no padded copy made otherwise)
+            dy_p = pad_to(dy_e, tokens, out)
+            if layer._reduced(Operand.DGRAD_GRADIENT, table.dgrad_gradient) or layer._reduced(
+                Operand.WGRAD_GRADIENT, table.wgrad_gradient
+            ):  # a per-tensor copy: each quantized on its own, as Linear's backward does then
+                dyq = layer.quantize(dy_p, Operand.DGRAD_GRADIENT, table.dgrad_gradient, call)
+                dyq_t = layer.quantize(
+                    dy_p.t().contiguous(), Operand.WGRAD_GRADIENT, table.wgrad_gradient, call
+                )
+            else:
+                dyq, dyq_t = layer._quantize_pair(
+                    dy_p,
+                    layer.slot(Operand.DGRAD_GRADIENT, table.dgrad_gradient, call, dy_p),
+                    layer.slot(Operand.WGRAD_GRADIENT, table.wgrad_gradient, call, dy_p),
+                    seed=layer.data_seed,
+                )
         xq_t = x_cols[i] if x_cols is not None else layer.wgrad_activation(x_e, table, call)
         layer._advance_device(forward=False)
         layer.__dict__["_backward_calls"] = call + 1
-        rows.append(torch.arange(padded_start, padded_start + count, device=dy.device))
-        padded_start += tokens
         padded.append(tokens)
         dgrad_pairs.append((dyq, w_col))
         wgrad_pairs.append((dyq_t, xq_t))
@@ -817,7 +831,7 @@ def _grads(
             xt_values.append(xt_v)
             w_alphas.append(wgrad_alpha)
     # dgrad: the padded token rows of every expert, then the real rows taken back
-    real = torch.cat(rows)
+    real = real_rows(groups.counts, padded, dy.device)
     if fp8_dgrad:  # the rounding to x's dtype in the FP8 GEMM's epilogue, per expert
         dx = _fp8_products(dgrad_pairs, x.dtype, None, "dgrad", groups.name)[real]
     else:
@@ -974,6 +988,7 @@ __all__ = [
     "grouped_mm_available",
     "pass_reason",
     "product_dtype",
+    "real_rows",
     "set_grouped_product",
     "set_grouped_quantize",
     "set_grouped_tile_quantize",
