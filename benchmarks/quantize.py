@@ -5,10 +5,11 @@
 
 ``--options``: the rowwise kernels with the block-scale options of docs/numerics.md 11 (Four
 Over Six: targets 6 4 by MSE, global bound 256; stochastic block scales; per-row global scales;
-MS-EDEN) beside the plain NVFP4 kernel of the same rounding and RHT, and RHT signs drawn per
-step (numerics.md 12) beside fixed ones, each one's quantize-kernel time and run() time as a
-ratio to the other's ("4over6 <= 1.5x plain", "per-step signs at the cost of fixed ones" are the
-goals), measured in the same run.
+MS-EDEN) beside the plain NVFP4 kernel of the same rounding and RHT, the tile kernel's option
+variants on 16x16 weights (Four Over Six, stochastic tile scales) beside the plain 2D kernel,
+and RHT signs drawn per step (numerics.md 12) beside fixed ones, each one's quantize-kernel
+time and run() time as a ratio to the other's ("4over6 <= 1.5x plain", "per-step signs at the
+cost of fixed ones" are the goals), measured in the same run.
 
 For each kernel (rowwise: NVFP4 RNE, NVFP4 SR + RHT16, MXFP4, MXFP8; tile kernels: the NVFP4
 gradient's rowwise SR + columnwise SR/RHT16 copies in one launch, the activation's rowwise RNE +
@@ -122,6 +123,15 @@ OPTION_CONFIGS = {
     "quartet2 backward rowwise rne+rht128 step-signs": (EDEN, ((ROW, "nearest", STEP128),)),
     "nvfp4 rowwise sr8+rht16 step-signs": (NVFP4, ((ROW, SR8, STEP16),)),
     "4over6 rowwise sr8+rht16 step-signs": (FOUR_OVER_SIX, ((ROW, SR8, STEP16),)),
+    # 2D tiles with options (the tile kernel's option variants): nvfp4_4over6's weight pair
+    "4over6 weight 2d 16x16 row + col": (
+        FOUR_OVER_SIX.with_block((16, 16)),
+        ((ROW, "nearest", None), (COL, "nearest", None)),
+    ),
+    "nvfp4 sr-scales weight 2d 16x16 row + col": (
+        SR_SCALES.with_block((16, 16)),
+        ((ROW, "nearest", None), (COL, "nearest", None)),
+    ),
 }
 # option config -> the plain config it is compared with
 PLAIN_OF = {
@@ -134,6 +144,8 @@ PLAIN_OF = {
     "quartet2 backward rowwise rne+rht128 step-signs": "nvfp4 rowwise rne+rht128",
     "nvfp4 rowwise sr8+rht16 step-signs": "nvfp4 rowwise sr8+rht16",
     "4over6 rowwise sr8+rht16 step-signs": "4over6 rowwise sr8+rht16",
+    "4over6 weight 2d 16x16 row + col": "nvfp4 weight 2d 16x16 row + col",
+    "nvfp4 sr-scales weight 2d 16x16 row + col": "nvfp4 weight 2d 16x16 row + col",
 }
 # plain kernels the option kernels are compared with that the default run does not time
 PLAIN_FOR_OPTIONS = {
