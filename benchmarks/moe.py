@@ -39,8 +39,8 @@ ran (grouped, or per expert and why: ``GroupedExperts.loop_reason``).
 
 ``--profile N`` prints under each row one more step profiled: its wall time against the time
 the GPU's kernels ran (a path bound by its host shows far less kernel time than wall time),
-and the N fp4gen functions with the most own Python time (cProfile), where that host time
-goes.
+and the N functions with the most own time (cProfile: Python functions, and the C functions
+they call, such as kernel launches and torch's bindings), where that host time goes.
 
 ``--device cpu`` runs the same code on the CPU (the float64 reference GEMMs: only for a smoke
 run at tiny sizes, not a timing).
@@ -91,7 +91,7 @@ _PROFILE_LINES: list[str] = []
 def profile_step(fn: Callable[[], object], device: str, top: int) -> None:
     """One more call of ``fn`` under ``torch.profiler`` (its wall time against the time the
     GPU's kernels ran: a path bound by its host shows far less GPU time than wall time) and one
-    under ``cProfile`` (the ``top`` fp4gen functions by their own Python time: where that host
+    under ``cProfile`` (the ``top`` functions by their own time, Python and C: where that host
     time goes, which the torch profiler shows only as one autograd function's self time)."""
     import cProfile
     import pstats
@@ -117,16 +117,28 @@ def profile_step(fn: Callable[[], object], device: str, top: int) -> None:
         torch.cuda.synchronize()
     profiler.disable()
     stats = pstats.Stats(profiler).stats  # type: ignore[attr-defined]
-    package = str(Path(fp4gen.__file__).resolve().parent)
     own = [
-        (tottime, calls, f"{Path(file).relative_to(package)}:{line}({name})")
+        (tottime, calls, _where(file, line, name))
         for (file, line, name), (_, calls, tottime, _, _) in stats.items()
-        if str(Path(file).resolve()).startswith(package)
+        if "disable" not in name  # the profiler's own switch
     ]
     for tottime, calls, where in sorted(own, reverse=True)[:top]:
         _PROFILE_LINES.append(
-            f"        {tottime * 1e3:8.2f} ms own Python in {calls:5d} calls  {where}"
+            f"        {tottime * 1e3:8.2f} ms own time in {calls:5d} calls  {where}"
         )
+
+
+def _where(file: str, line: int, name: str) -> str:
+    """A cProfile entry's place: fp4gen's files relative to the package, others by their file
+    name, C functions (kernel launches through TVM-FFI, torch's bindings) by their name."""
+    if file == "~":
+        return name
+    path = Path(file)
+    package = Path(fp4gen.__file__).resolve().parent
+    shown = (
+        path.resolve().relative_to(package) if path.resolve().is_relative_to(package) else path.name
+    )
+    return f"{shown}:{line}({name})"
 
 
 def peak_gib(device: str) -> float | None:
@@ -399,7 +411,7 @@ def main(argv: list[str] | None = None) -> int:
         default=0,
         metavar="N",
         help="under each row, one more step profiled: its wall time against the GPU kernels' "
-        "time, and the N fp4gen functions with the most own Python time (cProfile)",
+        "time, and the N functions (Python and C) with the most own time (cProfile)",
     )
     args = parser.parse_args(argv)
     if args.device == "cuda":

@@ -53,7 +53,7 @@ def test_mixtral_model_only(capsys) -> None:
 
 def test_profile_prints_the_host_and_gpu_split_under_each_row(capsys) -> None:
     """--profile N: under every row its profiled wall time against the GPU kernels' time (none
-    on the CPU) and at most N fp4gen functions by own Python time."""
+    on the CPU) and at most N functions by own time, fp4gen's among them for a recipe."""
     args = [*TINY, "--skip-model", "--recipes", "nvfp4_small", "--profile", "3"]
     assert moe.main(args) == 0
     lines = capsys.readouterr().out.splitlines()
@@ -61,10 +61,10 @@ def test_profile_prints_the_host_and_gpu_split_under_each_row(capsys) -> None:
     assert len(rows_at) == 3  # bf16 grouped_mm, bf16 eager, nvfp4_small
     split = re.compile(r"^      profile: wall [\d.]+ ms \(profiled\), GPU kernels 0\.00 ms$")
     assert all(split.match(lines[i + 1]) for i in rows_at)
-    functions = [line for line in lines if " ms own Python in " in line]
-    assert functions and all(re.search(r"calls  \S+\.py:\d+\(", line) for line in functions)
-    per_row = [sum(1 for line in lines[i + 2 : i + 6] if "own Python" in line) for i in rows_at]
-    assert max(per_row) <= 3 and per_row[-1] > 0  # the recipe row runs fp4gen's code
+    per_row = [[line for line in lines[i + 2 : i + 6] if " own time in " in line] for i in rows_at]
+    assert all(1 <= len(found) <= 3 for found in per_row)
+    # the recipe row runs fp4gen's code: its numerics are among the costliest there
+    assert any(re.search(r"calls  numerics/\S+\.py:\d+\(", line) for line in per_row[-1])
 
 
 def test_help() -> None:
