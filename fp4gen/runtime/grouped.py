@@ -723,11 +723,10 @@ def real_rows(counts: Sequence[int], padded: Sequence[int], device: torch.device
     rows from the sum of the padded counts before it), int64 on ``device``: a few launches
     whatever the number of groups (the row count is known here, so ``repeat_interleave`` does
     not wait for the GPU)."""
-    total, shift, real_start, padded_start = sum(counts), [], 0, 0
-    for count, pad in zip(counts, padded, strict=True):
-        shift.append(padded_start - real_start)
-        real_start += count
-        padded_start += pad
+    total = sum(counts)
+    real_starts = [end - n for end, n in zip(_ends(counts), counts, strict=True)]
+    padded_starts = [end - n for end, n in zip(_ends(padded), padded, strict=True)]
+    shift = [p - r for p, r in zip(padded_starts, real_starts, strict=True)]
     per_group = torch.tensor([shift, list(counts)], dtype=torch.int64).to(device)
     moved = torch.repeat_interleave(per_group[0], per_group[1], output_size=total)
     return torch.arange(total, device=device) + moved
