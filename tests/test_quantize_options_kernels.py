@@ -9,12 +9,11 @@ import ast
 import dataclasses
 import json
 import os
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import torch
-from option_kernels import option_kernels_on  # noqa: F401  (a fixture)
+from option_kernels import option_kernels_on, tile_options_off  # noqa: F401  (fixtures)
 
 from fp4gen.codegen import import_source
 from fp4gen.codegen.quantize import context, is_rowwise, render
@@ -202,18 +201,7 @@ def test_option_kernels_cross_compile(case: str, tmp_path: Path) -> None:
                 assert ("-766435501" in text or "3528531795" in text) == draws, case
 
 
-@pytest.fixture
-def tile_option_kernels_off() -> Iterator[None]:
-    """The tile kernel's 2D option variants off (on by default): the 16x16 Four Over Six
-    weights then go to the reference, the path these tests describe."""
-    from fp4gen.runtime import cute_backend
-
-    previous = cute_backend.set_tile_option_kernels(False)
-    yield
-    cute_backend.set_tile_option_kernels(previous)
-
-
-def test_planner_gives_four_over_six_rowwise_kernels(tile_option_kernels_off: None) -> None:
+def test_planner_gives_four_over_six_rowwise_kernels(tile_options_off: None) -> None:  # noqa: F811
     """nvfp4_4over6_rht: the 1D operands of x and dy get fused specs with the targets, which
     the tile template refuses; the build renders their single-output rowwise stand-ins (a
     columnwise copy quantized from the transpose); with the tile option kernels off the 16x16
@@ -238,7 +226,7 @@ def test_planner_gives_four_over_six_rowwise_kernels(tile_option_kernels_off: No
 
 
 def test_planner_keeps_the_reference_for_what_no_kernel_implements(
-    tile_option_kernels_off: None,
+    tile_options_off: None,  # noqa: F811
 ) -> None:
     """Every option is the rowwise kernel's (a tile launch is refused with the tile reason);
     with the tile option kernels off the reference keeps 2D blocks with those options.
@@ -267,7 +255,7 @@ def test_planner_keeps_the_reference_for_what_no_kernel_implements(
     assert tile_reason(bound) is None and rowwise_only_reason(bound) is None
 
 
-def test_linear_asks_for_the_rowwise_kernels_only(tile_option_kernels_off: None) -> None:
+def test_linear_asks_for_the_rowwise_kernels_only(tile_options_off: None) -> None:  # noqa: F811
     """aot.quantize_uses (the kernels fp4gen.nn.Linear can load) gives no tile spec for a format
     with block targets and 1D blocks: each copy is the rowwise kernel's, the columnwise one on
     x^T (with the tile option kernels on, the 16x16 weights are the tile kernel's too)."""
@@ -282,7 +270,7 @@ def test_linear_asks_for_the_rowwise_kernels_only(tile_option_kernels_off: None)
 
 def test_cute_backend_routes_by_copy(
     option_kernels_on: None,  # noqa: F811
-    tile_option_kernels_off: None,
+    tile_options_off: None,  # noqa: F811
 ) -> None:
     """The runtime refuses a tile launch (a columnwise copy, two copies, 2D blocks with the
     tile option kernels off) of a format with block targets with the tile reason; the callers

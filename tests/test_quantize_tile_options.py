@@ -11,10 +11,10 @@ from __future__ import annotations
 import dataclasses
 import os
 import struct
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from option_kernels import tile_options_on  # noqa: F401  (a fixture)
 
 from fp4gen.codegen import import_source
 from fp4gen.codegen.quantize import render, tile_context, tile_options_refusal
@@ -81,15 +81,6 @@ CASES: dict[str, tuple[BlockFormat, str, tuple[QuantOutput, ...]]] = {
 def spec_of(case: str) -> QuantKernelSpec:
     f, dtype, outputs = CASES[case]
     return kernel_spec(f, dtype, outputs)  # type: ignore[arg-type]
-
-
-@pytest.fixture
-def tile_options_on() -> Iterator[None]:
-    from fp4gen.runtime import cute_backend
-
-    previous = cute_backend.set_tile_option_kernels(True)
-    yield
-    cute_backend.set_tile_option_kernels(previous)
 
 
 def test_render_context_of_four_over_six_tiles() -> None:
@@ -179,7 +170,7 @@ def test_the_kernel_takes_a_philox_offset_per_copy_for_stochastic_scales(tmp_pat
     assert source.count("offset1_hi: Int32,") == 2  # __call__ and kernel
 
 
-def test_the_switch_routes_when_on(tile_options_on: None) -> None:
+def test_the_switch_routes_when_on(tile_options_on: None) -> None:  # noqa: F811
     """With the switch on (the default), a 16x16 Four Over Six weight gets a tile kernel from the
     planner and the runtime takes the tile launch; 128x128 tiles and 1D blocks are as before."""
     assert tile_options(FOUR_OVER_SIX)
