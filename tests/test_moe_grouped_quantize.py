@@ -11,6 +11,7 @@ grouped experts quantizing their tokens in one launch with the loop's bits."""
 from __future__ import annotations
 
 import dataclasses
+import random
 import sys
 from pathlib import Path
 
@@ -21,7 +22,12 @@ import fp4gen
 import fp4gen.runtime.grouped as grouped
 from fp4gen.formats import BUILTIN_FORMATS
 from fp4gen.numerics.quantize import quantize as reference_quantize
-from fp4gen.runtime.grouped_quantize import compile_grouped, cta_table, quantize_groups
+from fp4gen.runtime.grouped_quantize import (
+    compile_grouped,
+    cta_table,
+    cta_table_tensor,
+    quantize_groups,
+)
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from test_moe_grouped import dequant_loop  # noqa: E402,F401  (a fixture, used by name)
@@ -105,6 +111,22 @@ def test_the_cta_table() -> None:
     assert cta_table([0, 0], units_per_row=8, tile=64) == []
     with pytest.raises(fp4gen.FP4GenError, match="group 1 has -1 rows"):
         cta_table([2, -1], units_per_row=1, tile=4)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_the_launched_cta_table_is_the_listed_one(seed: int) -> None:
+    """The tensor the kernels read (built by torch ops) holds ``cta_table``'s rows in order, for
+    drawn groups (empty, single-row, partial last tiles) and tile sizes."""
+    rng = random.Random(seed)
+    for _ in range(50):
+        counts = [rng.choice([0, 1, 2, 3, 7, 64, 129]) for _ in range(rng.randint(0, 9))]
+        units, tile = rng.randint(1, 40), rng.randint(1, 200)
+        listed = cta_table(counts, units, tile)
+        table = cta_table_tensor(counts, units, tile)
+        assert table.dtype == torch.int32 and table.shape == (len(listed), 4)
+        assert table.tolist() == [list(row) for row in listed]
+    with pytest.raises(fp4gen.FP4GenError, match="group 1 has -1 rows"):
+        cta_table_tensor([2, -1], units_per_row=1, tile=4)
 
 
 @pytest.mark.parametrize(("fmt", "rounding", "rht"), CASES[:3])

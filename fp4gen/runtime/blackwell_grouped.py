@@ -54,6 +54,7 @@ from fp4gen.codegen.gemm_configs import (
 from fp4gen.errors import FP4GenError, TensorError
 from fp4gen.runtime.blackwell_gemm import _sm_count, load_rendered, packed_codes
 from fp4gen.runtime.checks import check_pair
+from fp4gen.runtime.host_tables import host_table
 from fp4gen.runtime.loader import BUILD_FAILED, KernelLoader, Reasons, Unsupported
 
 log = logging.getLogger(__name__)
@@ -260,7 +261,7 @@ def grouped_gemm(
         ]
     )
     rows = [a.rows for a in a_groups]
-    repeats = torch.tensor(rows, device=c.device)
+    repeats = host_table(rows, torch.int64, c.device)
     per_row = torch.repeat_interleave(alphas, repeats, output_size=sum(rows))[:, None]
     return (group_rows_of(c, rows) * per_row).to(out_dtype)
 

@@ -44,6 +44,7 @@ from fp4gen.formats import BlockFormat
 from fp4gen.numerics import QuantizedTensor
 from fp4gen.runtime import fp8_gemm
 from fp4gen.runtime.fp8_gemm import code_bytes, cute_scales, round_up
+from fp4gen.runtime.host_tables import host_table
 
 log = logging.getLogger(__name__)
 _logged: set[str] = set()
@@ -220,7 +221,7 @@ def grouped_launch(
         torch.cat([none_b[1] if q is None else cute_scales(q, ue8m0) for q in b]),  # type: ignore[index]
         torch.cat([one if q is None else _global(q, dev) for q in a]),
         torch.cat([one if q is None else _global(q, dev) for q in b]),
-        torch.tensor(offsets_of(rows), dtype=torch.int32, device=dev),
+        host_table(offsets_of(rows), torch.int32, dev),
         torch.empty((m, n), dtype=plan.kernel_out, device=dev),
     ]
     if bias is not None:

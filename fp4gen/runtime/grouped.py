@@ -44,6 +44,7 @@ from fp4gen.runtime import finite, ops
 from fp4gen.runtime.grouped_quantize import GroupedOperands
 from fp4gen.runtime.grouped_scope import BACKWARD_SLOTS, FORWARD_SLOTS, scoped_slots
 from fp4gen.runtime.grouped_tile import padded_counts
+from fp4gen.runtime.host_tables import host_table
 from fp4gen.runtime.linear import Linear
 from fp4gen.runtime.operands import k_multiple, pad_to, round_up
 
@@ -109,7 +110,7 @@ def _group_rows(a: torch.Tensor, b: torch.Tensor, ends: Sequence[int]) -> torch.
     dtype = product_dtype(a.device)
     a, b = a.to(dtype), b.to(dtype)
     if grouped_mm_available():
-        offs = torch.tensor(list(ends), dtype=torch.int32, device=a.device)
+        offs = host_table(list(ends), torch.int32, a.device)
         try:
             return torch._grouped_mm(a, b.transpose(1, 2), offs=offs).float()
         except (RuntimeError, ValueError) as err:  # a layout it refuses (stride alignment)
@@ -144,7 +145,7 @@ def _group_k(a: torch.Tensor, b: torch.Tensor, ends: Sequence[int]) -> torch.Ten
     dtype = product_dtype(a.device)
     a, b = a.to(dtype), b.to(dtype)
     if grouped_mm_available():
-        offs = torch.tensor(list(ends), dtype=torch.int32, device=a.device)
+        offs = host_table(list(ends), torch.int32, a.device)
         try:
             return torch._grouped_mm(a, b.t(), offs=offs).float()
         except (RuntimeError, ValueError) as err:
@@ -390,9 +391,9 @@ def _fprop(
             weights.append(w_values)
             alphas.append(alpha)
         if fp8:  # the bias and the rounding in the FP8 GEMM's epilogue, per expert
-            bias_groups = None if bias is None else bias.detach()[groups.experts]
+            bias_groups = None if bias is None else bias.detach()[_experts_index(groups, x.device)]
             return _fp8_products(pairs, groups.out_dtype, bias_groups, "fprop", groups.name)
-        counts = torch.tensor(groups.counts, device=x.device)
+        counts = host_table(groups.counts, torch.int64, x.device)
         a = torch.cat(values) if x_all is None else x_all
         b = torch.stack(weights) if w_all is None else w_all.reshape(len(groups.experts), n_out, -1)
         c = _native(pairs, by_rows=True)
@@ -402,7 +403,8 @@ def _fprop(
         alpha = torch.cat(alphas).repeat_interleave(counts, output_size=rows)[:, None]
         bias_rows = None
         if bias is not None:
-            bias_rows = bias.detach()[groups.experts].repeat_interleave(counts, 0, output_size=rows)
+            index = _experts_index(groups, x.device)
+            bias_rows = bias.detach()[index].repeat_interleave(counts, 0, output_size=rows)
         return _scaled(c, alpha, bias_rows, groups.out_dtype)
 
 
@@ -712,7 +714,7 @@ def _batched(weight: torch.Tensor, groups: Groups, *, transposed: bool) -> torch
     slice (``transposed``: its transpose), in ``groups``' order, contiguous."""
     w = weight.detach()
     if len(groups.experts) != w.shape[0] or groups.experts != list(range(w.shape[0])):
-        w = w[torch.tensor(groups.experts, device=w.device)]
+        w = w[_experts_index(groups, w.device)]
     if transposed:
         w = w.transpose(1, 2)
     return w.contiguous().reshape(-1, w.shape[2])
@@ -727,9 +729,15 @@ def real_rows(counts: Sequence[int], padded: Sequence[int], device: torch.device
     real_starts = [end - n for end, n in zip(_ends(counts), counts, strict=True)]
     padded_starts = [end - n for end, n in zip(_ends(padded), padded, strict=True)]
     shift = [p - r for p, r in zip(padded_starts, real_starts, strict=True)]
-    per_group = torch.tensor([shift, list(counts)], dtype=torch.int64).to(device)
+    per_group = host_table([shift, list(counts)], torch.int64, device)
     moved = torch.repeat_interleave(per_group[0], per_group[1], output_size=total)
     return torch.arange(total, device=device) + moved
+
+
+def _experts_index(groups: Groups, device: torch.device) -> torch.Tensor:
+    """The groups' expert indices on ``device``, for gathering their slices of a parameter (a
+    Python list as the index would be copied with a wait for the GPU: host_tables)."""
+    return host_table(groups.experts, torch.int64, device)
 
 
 def _ends(counts: Sequence[int]) -> list[int]:
@@ -852,7 +860,7 @@ def _grads(
         dw_groups = _scaled(c, torch.cat(w_alphas)[:, None, None], None, weight.dtype)
         dw_groups = dw_groups[:, :n_out]
     dw = torch.zeros_like(weight)
-    index = torch.tensor(groups.experts, device=weight.device)
+    index = _experts_index(groups, weight.device)
     dw.index_copy_(0, index, dw_groups.transpose(1, 2) if groups.transposed else dw_groups)
     return dx, dw
 

@@ -34,6 +34,7 @@ import torch
 
 from fp4gen.errors import FP4GenError, TensorError
 from fp4gen.formats import BlockFormat
+from fp4gen.runtime.host_tables import host_table
 from fp4gen.runtime.loader import compiled_once
 
 log = logging.getLogger(__name__)
@@ -61,17 +62,37 @@ def cta_table(counts: Sequence[int], units_per_row: int, tile: int) -> list[tupl
     """The CTA table of the grouped kernels: for groups of ``counts[g]`` rows of
     ``units_per_row`` units each, one row (group, first unit of the tile, end unit of the group,
     first unit of the group) per tile of ``tile`` units; an empty group has none."""
-    if tile <= 0 or units_per_row <= 0:
-        raise FP4GenError(f"cta_table: tile {tile} and units per row {units_per_row} must be > 0")
+    _check_cta(counts, units_per_row, tile)
     rows: list[tuple[int, ...]] = []
     start = 0
     for g, count in enumerate(counts):
-        if count < 0:
-            raise FP4GenError(f"cta_table: group {g} has {count} rows")
         end = start + count * units_per_row
         rows += [(g, t, end, start) for t in range(start, end, tile)]
         start = end
     return rows
+
+
+def cta_table_tensor(counts: Sequence[int], units_per_row: int, tile: int) -> torch.Tensor:
+    """``cta_table`` as an int32 [CTAs, 4] CPU tensor, built by a few torch ops instead of a
+    Python tuple per CTA (thousands per launch at an MoE layer's sizes)."""
+    _check_cta(counts, units_per_row, tile)
+    units = torch.tensor(list(counts), dtype=torch.int64) * units_per_row
+    ends = torch.cumsum(units, 0)
+    starts = ends - units
+    tiles = (units + tile - 1) // tile
+    n_ctas = int(tiles.sum())
+    group = torch.repeat_interleave(torch.arange(len(counts)), tiles, output_size=n_ctas)
+    first_cta = torch.cumsum(tiles, 0) - tiles
+    first_unit = starts[group] + (torch.arange(n_ctas) - first_cta[group]) * tile
+    return torch.stack((group, first_unit, ends[group], starts[group]), 1).to(torch.int32)
+
+
+def _check_cta(counts: Sequence[int], units_per_row: int, tile: int) -> None:
+    if tile <= 0 or units_per_row <= 0:
+        raise FP4GenError(f"cta_table: tile {tile} and units per row {units_per_row} must be > 0")
+    for g, count in enumerate(counts):
+        if count < 0:
+            raise FP4GenError(f"cta_table: group {g} has {count} rows")
 
 
 def _reference_groups(
@@ -221,23 +242,24 @@ def _grouped_kernels(
         host.check_u64("seed", seed)
         host.check_u64("offset", offset)
         words.append([*host.u64_words(seed), *host.u64_words(offset)])
-    philox = torch.tensor(words, dtype=torch.int64).to(torch.int32).to(dev)
+    philox = host_table(words, torch.int32, dev, host_dtype=torch.int64)
     if params.global_scale:
         tile = params.amax_threads * params.amax_units
         if scope == "tensor":
             # one amax over every row: the amax kernel sees the rows as one group (slot 0),
             # then every group's slot holds it, so each group reads the same S_enc / S_dec
-            table = cta_table([m], units_per_row, tile)
-            if table:
-                fns["amax"](x, _table(table, dev), amax, len(table))
+            table = cta_table_tensor([m], units_per_row, tile)
+            if len(table):
+                fns["amax"](x, host_table(table, torch.int32, dev), amax, len(table))
                 amax = amax[:1].repeat(groups)
         else:
-            table = cta_table(counts, units_per_row, tile)
-            if table:
-                fns["amax"](x, _table(table, dev), amax, len(table))
-    table = cta_table(counts, units_per_row, params.quant_threads * params.quant_units)
-    if table:
-        fns["quantize"](x, data, scales, _table(table, dev), amax, s_dec, philox, len(table))
+            table = cta_table_tensor(counts, units_per_row, tile)
+            if len(table):
+                fns["amax"](x, host_table(table, torch.int32, dev), amax, len(table))
+    table = cta_table_tensor(counts, units_per_row, params.quant_threads * params.quant_units)
+    if len(table):
+        on_device = host_table(table, torch.int32, dev)
+        fns["quantize"](x, data, scales, on_device, amax, s_dec, philox, len(table))
     out = GroupedOperands()
     start = 0
     for g, count in enumerate(counts):
@@ -267,10 +289,6 @@ def _grouped_kernels(
         whole, "", fmt, k, rounding, rht, seeds[first], offsets[first], x.shape, x.dtype
     )
     return out
-
-
-def _table(rows: list[tuple[int, ...]], device: torch.device) -> torch.Tensor:
-    return torch.tensor(rows, dtype=torch.int32).to(device)
 
 
 def _compile(params: Any, arch: str, k_multiple: int) -> dict[str, Any]:

@@ -37,6 +37,7 @@ import torch
 
 from fp4gen.errors import FP4GenError, TensorError
 from fp4gen.formats import BlockFormat
+from fp4gen.runtime.host_tables import host_table
 from fp4gen.runtime.loader import compiled_once
 
 log = logging.getLogger(__name__)
@@ -118,7 +119,7 @@ def tile_table_tensor(
         return torch.zeros((0, 6), dtype=torch.int32, device=device)
     tiles_host = [-(-pad // tile_m) * tiles_k for pad in pads]
     per_group = torch.tensor([list(counts), list(pads), tiles_host], dtype=torch.int64)
-    c, p, tiles = per_group.to(device).unbind(0)
+    c, p, tiles = host_table(per_group, torch.int64, device or "cpu").unbind(0)
     group = torch.repeat_interleave(
         torch.arange(len(counts), device=device), tiles, output_size=sum(tiles_host)
     )
@@ -421,7 +422,7 @@ def _grouped_kernels(
             host.check_u64("offset", offs[i])
             row += host.u64_words(offs[i])
         words.append(row)
-    philox = torch.tensor(words, dtype=torch.int64).to(torch.int32).to(dev)
+    philox = host_table(words, torch.int32, dev, host_dtype=torch.int64)
     tiles_k = -(-k // params.strip.tile_k)
     table = cached_tile_table(counts, pads, params.strip.tile_m, tiles_k, dev)
     n_ctas = table.shape[0]
