@@ -40,7 +40,9 @@ ran (grouped, or per expert and why: ``GroupedExperts.loop_reason``).
 ``--profile N`` prints under each row one more step profiled: its wall time against the time
 the GPU's kernels ran (a path bound by its host shows far less kernel time than wall time),
 and the N functions with the most own time (cProfile: Python functions, and the C functions
-they call, such as kernel launches and torch's bindings), where that host time goes.
+they call, such as kernel launches and torch's bindings), where that host time goes; on CUDA
+also how often the step made the host wait for the GPU, and at which lines (torch's sync debug
+mode).
 
 ``--device cpu`` runs the same code on the CPU (the float64 reference GEMMs: only for a smoke
 run at tiny sizes, not a timing).
@@ -126,6 +128,32 @@ def profile_step(fn: Callable[[], object], device: str, top: int) -> None:
         _PROFILE_LINES.append(
             f"        {tottime * 1e3:8.2f} ms own time in {calls:5d} calls  {where}"
         )
+    if device == "cuda":
+        _PROFILE_LINES.append("      " + count_syncs(fn))
+
+
+def count_syncs(fn: Callable[[], object]) -> str:
+    """One more call of ``fn`` with torch's sync debug mode warning at every operation that
+    makes the host wait for the GPU (a ``.tolist()``, a copy from pageable memory): how many,
+    and where (the Python line that asked, most frequent first)."""
+    import collections
+    import warnings
+
+    torch.cuda.synchronize()
+    previous = torch.cuda.get_sync_debug_mode()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            fn()
+        finally:
+            torch.cuda.set_sync_debug_mode(previous)
+    torch.cuda.synchronize()
+    sites = collections.Counter(
+        f"{Path(w.filename).name}:{w.lineno}" for w in caught if "synchroniz" in str(w.message)
+    )
+    where = ", ".join(f"{site} x{n}" for site, n in sites.most_common(8))
+    return f"host waits for the GPU: {sum(sites.values())} per call ({where or 'none'})"
 
 
 def _where(file: str, line: int, name: str) -> str:
@@ -411,7 +439,8 @@ def main(argv: list[str] | None = None) -> int:
         default=0,
         metavar="N",
         help="under each row, one more step profiled: its wall time against the GPU kernels' "
-        "time, and the N functions (Python and C) with the most own time (cProfile)",
+        "time, the N functions (Python and C) with the most own time (cProfile), and the "
+        "host's waits for the GPU by line",
     )
     args = parser.parse_args(argv)
     if args.device == "cuda":

@@ -81,6 +81,53 @@ def test_grouped_equals_the_loop_bit_for_bit(arch, dtype, routed, dequant_loop) 
             assert (a._forward_calls, a._backward_calls) == (b._forward_calls, b._backward_calls)
 
 
+@pytest.fixture
+def grouped_quantize_on_the_cpu(monkeypatch):
+    """The grouped path's grouped quantize on CPU tensors (the kernels' launch sites, with the
+    groups quantized one by one by the reference, the definition the kernels are held to),
+    and a record of the products of S_dec taken for every group at once."""
+    from fp4gen.runtime import grouped_quantize, grouped_tile
+
+    monkeypatch.setattr(grouped, "_serves", lambda t: grouped._grouped_quantize[0])
+    for module, name in (
+        (grouped_quantize, "quantize_groups"),
+        (grouped_tile, "quantize_groups_tile"),
+    ):
+        real = getattr(module, name)
+        monkeypatch.setattr(
+            module, name, lambda *a, _real=real, **kw: _real(*a, **{**kw, "backend": "reference"})
+        )
+    taken: list[int] = []
+    real_alphas = grouped._group_alphas
+
+    def group_alphas(a, b):
+        got = real_alphas(a, b)
+        if got is not None:
+            taken.append(got.numel())
+        return got
+
+    monkeypatch.setattr(grouped, "_group_alphas", group_alphas)
+    return taken
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_every_groups_global_scales_at_once_are_the_loops_bits(
+    arch, dequant_loop, grouped_quantize_on_the_cpu
+) -> None:
+    """Where every group's operands come from one grouped quantize, the grouped GEMMs scale by
+    S_dec(a_e) S_dec(b_e) of every group as one product (fprop, dgrad, wgrad): the loop's bits,
+    an expert without tokens and very unequal groups included."""
+    loop, group = pair(arch, torch.float32)
+    for index, weights in (routing(40, empty=1), unequal_routing()):
+        hidden = torch.randn(index.shape[0], 64, generator=torch.Generator().manual_seed(7))
+        want, got = run(loop, hidden, index, weights), run(group, hidden, index, weights)
+        assert all(torch.equal(a, b) for a, b in zip(got[:3], want[:3], strict=True))
+        assert all(torch.equal(got[3][n], want[3][n]) for n in want[3])
+    # both projections' three GEMMs, both routings: the groups' alphas were taken at once
+    assert len(grouped_quantize_on_the_cpu) == 12
+    assert set(grouped_quantize_on_the_cpu) <= {2, 3}
+
+
 def test_a_second_step_draws_the_loops_streams(dequant_loop) -> None:
     loop, group = pair("mixtral", torch.float32)
     index, weights = routing(40, empty=1)

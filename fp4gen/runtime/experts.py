@@ -377,10 +377,12 @@ class GroupedExperts(nn.Module):
         tokens = top_k_index.shape[0]
         flat = top_k_index.t().reshape(-1)  # k-major: the loop's order within an expert
         with torch.no_grad():
-            valid = (flat >= 0) & (flat < lay.num_experts)  # not an expert-parallel sentinel
-            order = torch.nonzero(valid).squeeze(1)
-            order = order[torch.argsort(flat[order], stable=True)]
-            counts = torch.bincount(flat[order], minlength=lay.num_experts).tolist()
+            # an expert-parallel sentinel (outside [0, E)) sorts last, as expert E: one wait for
+            # the GPU (the counts) rather than two (nonzero's size, then the counts)
+            valid = (flat >= 0) & (flat < lay.num_experts)
+            key = torch.where(valid, flat, lay.num_experts)
+            counts = torch.bincount(key, minlength=lay.num_experts + 1).tolist()[:-1]
+            order = torch.argsort(key, stable=True)[: sum(counts)]
         if not order.numel():
             return final
         token_idx, top_k_pos = order % tokens, order // tokens

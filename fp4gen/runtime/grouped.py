@@ -247,6 +247,21 @@ def _alpha(a: Any, b: Any) -> torch.Tensor:
     return a.global_scale.float().reshape(1) * b.global_scale.float().reshape(1)
 
 
+def _group_alphas(a_scales: Any, b_scales: Any) -> torch.Tensor | None:
+    """``_alpha`` of every group's pair as one fp32 [groups] product (the same fp32 products)
+    where one launch wrote each side's S_dec (``GroupedOperands.global_scales``); else None,
+    and each expert's is taken on its own: a few launches per expert fewer."""
+    if a_scales is None or b_scales is None:
+        return None
+    return a_scales.float() * b_scales.float()
+
+
+def _scales_of(operands: Any, copy: int | None = None) -> torch.Tensor | None:
+    """The groups' S_dec tensor of grouped operands (column ``copy`` of a pair's), or None."""
+    scales = getattr(operands, "global_scales", None)
+    return scales if scales is None or copy is None else scales[:, copy]
+
+
 def decode_pair(
     layer: Any,
     gemm: str,
@@ -256,17 +271,20 @@ def decode_pair(
     *,
     a_values: torch.Tensor | None = None,
     b_values: torch.Tensor | None = None,
+    alpha: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The block values of one expert GEMM's two operands and S_dec(a) S_dec(b): ``layer`` is
     the expert's GEMM layer, ``gemm`` "fprop", "dgrad" or "wgrad", ``call`` the layer's call
     count that quantized them; ``a_values`` / ``b_values``: the operand's block values where
-    they were decoded already (every expert's at once, ``_whole_values``). Every expert GEMM of
+    they were decoded already (every expert's at once, ``_whole_values``); ``alpha``: the
+    product where the caller has it already (every group's, ``_group_alphas``), returned as
+    given. Every expert GEMM of
     the grouped path passes here (a test harness records the operands at this point, keyed as
     the loop's GEMM calls are)."""
     return (
         _values(a) if a_values is None else a_values,
         _values(b) if b_values is None else b_values,
-        _alpha(a, b),
+        _alpha(a, b) if alpha is None else alpha,
     )
 
 
@@ -349,6 +367,7 @@ def _fprop(
         # their block values in one decode each (slices of them per expert below)
         x_all = None if fp8 else _whole_values(inputs)
         w_all = None if fp8 else _whole_values(batched)
+        alpha_all = None if fp8 else _group_alphas(_scales_of(inputs), _scales_of(batched))
         n_out = weight.shape[2] if groups.transposed else weight.shape[1]
         for i, (expert, count, layer) in enumerate(
             zip(groups.experts, groups.counts, groups.layers, strict=True)
@@ -386,6 +405,7 @@ def _fprop(
                 wq,
                 a_values=None if x_all is None else x_all[start - count : start],
                 b_values=None if w_all is None else w_all[i * n_out : (i + 1) * n_out],
+                alpha=alpha_all,
             )
             values.append(x_values)
             weights.append(w_values)
@@ -400,7 +420,9 @@ def _fprop(
         c = group_rows(a, b, _ends(groups.counts)) if c is None else c
         # the row count given: repeat_interleave would otherwise wait for the GPU to learn it
         rows = sum(groups.counts)
-        alpha = torch.cat(alphas).repeat_interleave(counts, output_size=rows)[:, None]
+        alpha = (torch.cat(alphas) if alpha_all is None else alpha_all).repeat_interleave(
+            counts, output_size=rows
+        )[:, None]
         bias_rows = None
         if bias is not None:
             index = _experts_index(groups, x.device)
@@ -534,11 +556,7 @@ def grouped_fprop_weights(weight: torch.Tensor, groups: Groups, k: int) -> list[
     if not two_d:
         return grouped_operands(w, groups, op, forward=True)
     got = _weight_tiles(w, groups, op, "rowwise", forward=True)
-    if got is None:
-        return None
-    operands = GroupedOperands(got.copy(0))
-    operands.whole = got.wholes[0] if got.wholes else None
-    return operands
+    return None if got is None else got.copy(0)
 
 
 def grouped_dgrad_weights(weight: torch.Tensor, groups: Groups, k: int) -> list[Any] | None:
@@ -612,6 +630,7 @@ def grouped_gradients(dy: torch.Tensor, groups: Groups, out: int) -> list[Any] |
         return None
     pairs = GroupedOperands(got)
     pairs.whole = got.wholes[0] if got.wholes else None
+    pairs.global_scales = got.global_scales  # [groups, 2]: the dgrad and the wgrad copy's
     return pairs
 
 
@@ -772,6 +791,8 @@ def _grads(
     fp8_wgrad = _fp8_pair(table0.wgrad_gradient, table0.wgrad_activation)
     # [experts x in, out] block values, one decode
     w_col_all = None if fp8_dgrad else _whole_values(w_cols)
+    dgrad_alphas = None if fp8_dgrad else _group_alphas(_scales_of(dy_pairs, 0), _scales_of(w_cols))
+    wgrad_alphas = None if fp8_wgrad else _group_alphas(_scales_of(dy_pairs, 1), _scales_of(x_cols))
     # per-tensor slots that each expert's layer quantizes below: the amax over every expert
     missing = tuple(
         op
@@ -828,15 +849,20 @@ def _grads(
                 dyq,
                 w_col,
                 b_values=None if w_col_all is None else w_col_all[i * n_in : (i + 1) * n_in],
+                alpha=dgrad_alphas,
             )
             dy_values.append(dy_v)
             w_values.append(w_v)
-            dy_alphas.append(dgrad_alpha.expand(tokens))
+            if dgrad_alphas is None:
+                dy_alphas.append(dgrad_alpha.expand(tokens))
         if not fp8_wgrad:
-            gt_v, xt_v, wgrad_alpha = decode_pair(layer, "wgrad", call, dyq_t, xq_t)
+            gt_v, xt_v, wgrad_alpha = decode_pair(
+                layer, "wgrad", call, dyq_t, xq_t, alpha=wgrad_alphas
+            )
             gt_values.append(gt_v)
             xt_values.append(xt_v)
-            w_alphas.append(wgrad_alpha)
+            if wgrad_alphas is None:
+                w_alphas.append(wgrad_alpha)
     # dgrad: the padded token rows of every expert, then the real rows taken back
     real = real_rows(groups.counts, padded, dy.device)
     if fp8_dgrad:  # the rounding to x's dtype in the FP8 GEMM's epilogue, per expert
@@ -848,7 +874,12 @@ def _grads(
             w_stack = w_col_all.reshape(len(groups.experts), n_in, -1)
         c = _native(dgrad_pairs, by_rows=True)
         c = group_rows(torch.cat(dy_values), w_stack, _ends(padded)) if c is None else c
-        dx = _scaled(c[real], torch.cat(dy_alphas)[real][:, None], None, x.dtype)
+        if dgrad_alphas is None:
+            per_row = torch.cat(dy_alphas)[real]
+        else:  # group g's alpha on each of its real rows, as the padded rows' taken at ``real``
+            counts = host_table(groups.counts, torch.int64, dy.device)
+            per_row = dgrad_alphas.repeat_interleave(counts, output_size=sum(groups.counts))
+        dx = _scaled(c[real], per_row[:, None], None, x.dtype)
     # wgrad: the experts' token columns side by side, one group each
     if fp8_wgrad:  # grouped along K: each expert's dense FP8 GEMM, as the loop runs it
         dw_each = [_dense_fp8(a, b, weight.dtype, None) for a, b in wgrad_pairs]
@@ -857,7 +888,8 @@ def _grads(
         c = _native(wgrad_pairs, by_rows=False)
         if c is None:
             c = group_k(torch.cat(gt_values, dim=1), torch.cat(xt_values, dim=1), _ends(padded))
-        dw_groups = _scaled(c, torch.cat(w_alphas)[:, None, None], None, weight.dtype)
+        per_group = torch.cat(w_alphas) if wgrad_alphas is None else wgrad_alphas
+        dw_groups = _scaled(c, per_group[:, None, None], None, weight.dtype)
         dw_groups = dw_groups[:, :n_out]
     dw = torch.zeros_like(weight)
     index = _experts_index(groups, weight.device)

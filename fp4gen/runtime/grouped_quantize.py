@@ -53,9 +53,12 @@ def _log_once(message: str) -> None:
 class GroupedOperands(list):
     """The groups' QuantizedTensors (None for an empty group), and ``whole``: every row's codes
     and block scales as one QuantizedTensor where one launch wrote them (module docstring),
-    else None."""
+    else None; ``global_scales``: where one launch wrote them, every group's S_dec as one fp32
+    [groups] tensor (group g's entry is its QuantizedTensor's ``global_scale``; an empty
+    group's is never written), else None, so a grouped GEMM scales every group by one op."""
 
     whole: Any = None
+    global_scales: torch.Tensor | None = None
 
 
 def cta_table(counts: Sequence[int], units_per_row: int, tile: int) -> list[tuple[int, ...]]:
@@ -136,7 +139,19 @@ def _reference_groups(
                 )
             )
         start += count
+    out.global_scales = stacked_scales(out)
     return out
+
+
+def stacked_scales(operands: Sequence[Any]) -> torch.Tensor | None:
+    """The groups' S_dec as one fp32 [groups] tensor (``GroupedOperands.global_scales``) for
+    groups quantized one by one: an empty group's entry is 1.0 (never read); None for no
+    groups."""
+    present = [q for q in operands if q is not None]
+    if not present:
+        return None
+    one = torch.ones((), dtype=torch.float32, device=present[0].global_scale.device)
+    return torch.stack([one if q is None else q.global_scale.float().reshape(()) for q in operands])
 
 
 def quantize_groups(
@@ -284,6 +299,7 @@ def _grouped_kernels(
         )
         start += count
     first = next(g for g, count in enumerate(counts) if count)  # x has rows: one is non-empty
+    out.global_scales = s_dec
     whole = {"data": data, "scales": scales, "global_scale": s_dec[first]}
     out.whole = cute_backend._quantized(
         whole, "", fmt, k, rounding, rht, seeds[first], offsets[first], x.shape, x.dtype

@@ -37,6 +37,7 @@ import torch
 
 from fp4gen.errors import FP4GenError, TensorError
 from fp4gen.formats import BlockFormat
+from fp4gen.runtime.grouped_quantize import GroupedOperands, stacked_scales
 from fp4gen.runtime.host_tables import host_table
 from fp4gen.runtime.loader import compiled_once
 
@@ -58,13 +59,21 @@ def _log_once(message: str) -> None:
 class GroupedCopies(list):
     """Per group a tuple of its copies' QuantizedTensors (None for an empty group), and
     ``wholes``: per copy, every group's rowwise copy as one QuantizedTensor where one launch
-    wrote them (None for a columnwise copy and where the groups were quantized one by one)."""
+    wrote them (None for a columnwise copy and where the groups were quantized one by one);
+    ``global_scales``: where one launch wrote them, every group's S_dec per copy as one fp32
+    [groups, copies] tensor (an empty group's row is never written), else None."""
 
     wholes: tuple[Any, ...] = ()
+    global_scales: torch.Tensor | None = None
 
-    def copy(self, i: int) -> list[Any]:
-        """Copy ``i`` of every group (None for an empty group)."""
-        return [None if g is None else g[i] for g in self]
+    def copy(self, i: int) -> GroupedOperands:
+        """Copy ``i`` of every group (None for an empty group), with its ``whole`` and
+        ``global_scales`` where one launch wrote them."""
+        out = GroupedOperands(None if g is None else g[i] for g in self)
+        out.whole = self.wholes[i] if self.wholes else None
+        if self.global_scales is not None:
+            out.global_scales = self.global_scales[:, i]
+        return out
 
 
 def padded_counts(counts: Sequence[int], multiple: int) -> list[int]:
@@ -291,6 +300,9 @@ def reference_groups_tile(
                 )
             group.append(q.transpose() if direction == "columnwise" and fmt.is_2d else q)
         out.append(tuple(group))
+    columns = [stacked_scales(out.copy(i)) for i in range(len(copies))]
+    if columns and all(c is not None for c in columns):
+        out.global_scales = torch.stack(columns, 1)  # type: ignore[arg-type]
     return out
 
 
@@ -506,6 +518,7 @@ def _grouped_kernels(
             )  # fmt: skip
         )
     result.wholes = tuple(wholes)
+    result.global_scales = s_dec
     return result
 
 
