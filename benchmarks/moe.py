@@ -11,7 +11,10 @@ process, after the BF16 baseline:
 - ``bf16 grouped_mm``: the transformers experts with ``grouped_mm`` (torch._grouped_mm in
   BF16), the baseline every ratio divides by;
 - ``bf16 eager``: the transformers experts' own per-expert loop (layer section only);
-- each recipe (``--recipes``), converted by ``fp4gen.convert`` with its default path (on sm_90a
+- each recipe (``--recipes``), converted by ``fp4gen.convert`` from the baseline's model (the
+  layers a recipe keeps in BF16, e.g. ``nvfp4_small``'s last block, run ``grouped_mm`` as the
+  baseline's do; the transformers loop waits for the GPU 5 times per expert), with its
+  default path (on sm_90a
   NVFP4 / MX experts run grouped GEMMs, FP8 blockwise too: its fprop and dgrad by the grouped
   FP8 GEMM, its wgrad per expert: docs/moe.md), and for recipes whose experts run grouped also
   ``<recipe> loop`` (the same recipe expert by expert, ``GroupedExperts.grouped = False``)
@@ -210,6 +213,9 @@ def moe_config(kind: str, args: argparse.Namespace, experts: int, topk: int, lay
     return cfg
 
 
+# the experts implementation of the baseline row, and of the BF16 layers a recipe keeps
+BASELINE = "grouped_mm"
+
 # the issue's goals, as a ratio to BF16 grouped_mm (a recipe's name prefix -> the largest ratio):
 # the MoE layer's fwd+bwd and a whole model's step
 TARGETS: dict[str, dict[str, float]] = {
@@ -245,7 +251,7 @@ def recipe_rows(
     ``<recipe> quantize per expert`` (grouped GEMMs, the grouped quantize turned off); with
     ``fp8_per_expert`` also ``<recipe> fp8 GEMMs per expert`` (the grouped FP8 GEMM off)."""
     for recipe in recipes:
-        model = fp4gen.convert(make("eager"), recipe)
+        model = fp4gen.convert(make(BASELINE), recipe)
         ms, peak = measure(model)
         dev = torch.device(device)
         reasons = {e.loop_reason(e.operands, dev) for e in experts_rows(model)}
@@ -257,7 +263,7 @@ def recipe_rows(
         if grouped and quantize_per_expert:
             previous = set_grouped_quantize(False)
             try:
-                model = fp4gen.convert(make("eager"), recipe)
+                model = fp4gen.convert(make(BASELINE), recipe)
                 ms, peak = measure(model)
             finally:
                 set_grouped_quantize(previous)
@@ -266,7 +272,7 @@ def recipe_rows(
         if grouped and fp8_per_expert:
             previous = set_grouped_fp8(False)
             try:
-                model = fp4gen.convert(make("eager"), recipe)
+                model = fp4gen.convert(make(BASELINE), recipe)
                 ms, peak = measure(model)
             finally:
                 set_grouped_fp8(previous)
@@ -274,7 +280,7 @@ def recipe_rows(
             print_row(f"{recipe} fp8 GEMMs per expert", ms, base, peak, note)
             del model
         if grouped:
-            model = fp4gen.convert(make("eager"), recipe)
+            model = fp4gen.convert(make(BASELINE), recipe)
             for module in experts_rows(model):
                 module.grouped = False
             ms, peak = measure(model)
@@ -335,7 +341,7 @@ def layer_section(args: argparse.Namespace, device: str, recipes: list[str]) -> 
                     profile_step(step, device, args.profile)
                 return ms, peak
 
-            base, peak = measure(make("grouped_mm"))
+            base, peak = measure(make(BASELINE))
             print_row("bf16 grouped_mm", base, base, peak)
             ms, peak = measure(make("eager"))
             print_row("bf16 eager", ms, base, peak)
@@ -389,7 +395,7 @@ def model_section(args: argparse.Namespace, device: str, recipes: list[str]) -> 
             profile_step(step, device, args.profile)
         return ms, peak
 
-    base, peak = measure(make("grouped_mm"))
+    base, peak = measure(make(BASELINE))
     print_row("bf16 grouped_mm", base, base, peak)
     recipe_rows(
         make, recipes, device, measure, base, "model",

@@ -75,18 +75,28 @@ def cta_table(counts: Sequence[int], units_per_row: int, tile: int) -> list[tupl
     return rows
 
 
-def cta_table_tensor(counts: Sequence[int], units_per_row: int, tile: int) -> torch.Tensor:
-    """``cta_table`` as an int32 [CTAs, 4] CPU tensor, built by a few torch ops instead of a
-    Python tuple per CTA (thousands per launch at an MoE layer's sizes)."""
+def cta_table_tensor(
+    counts: Sequence[int], units_per_row: int, tile: int, device: torch.device | str = "cpu"
+) -> torch.Tensor:
+    """``cta_table`` as an int32 [CTAs, 4] tensor on ``device``, built there by a few torch ops
+    (only the groups' unit and tile counts travel, queued: ``host_tables``) rather than a
+    Python tuple per CTA (thousands per launch at an MoE layer's sizes); the CTA count, known
+    on the host, spares ``repeat_interleave`` a wait for the GPU. (On the host, torch's CPU
+    ops on such tables cost far more than their launches on a GPU whose host is busy.)"""
     _check_cta(counts, units_per_row, tile)
-    units = torch.tensor(list(counts), dtype=torch.int64) * units_per_row
+    if not counts:
+        return torch.zeros((0, 4), dtype=torch.int32, device=device)
+    units_host = [count * units_per_row for count in counts]
+    tiles_host = [-(-units // tile) for units in units_host]
+    n_ctas = sum(tiles_host)
+    units, tiles = host_table([units_host, tiles_host], torch.int64, device).unbind(0)
     ends = torch.cumsum(units, 0)
     starts = ends - units
-    tiles = (units + tile - 1) // tile
-    n_ctas = int(tiles.sum())
-    group = torch.repeat_interleave(torch.arange(len(counts)), tiles, output_size=n_ctas)
+    group = torch.repeat_interleave(
+        torch.arange(len(counts), device=device), tiles, output_size=n_ctas
+    )
     first_cta = torch.cumsum(tiles, 0) - tiles
-    first_unit = starts[group] + (torch.arange(n_ctas) - first_cta[group]) * tile
+    first_unit = starts[group] + (torch.arange(n_ctas, device=device) - first_cta[group]) * tile
     return torch.stack((group, first_unit, ends[group], starts[group]), 1).to(torch.int32)
 
 
@@ -263,18 +273,17 @@ def _grouped_kernels(
         if scope == "tensor":
             # one amax over every row: the amax kernel sees the rows as one group (slot 0),
             # then every group's slot holds it, so each group reads the same S_enc / S_dec
-            table = cta_table_tensor([m], units_per_row, tile)
+            table = cta_table_tensor([m], units_per_row, tile, dev)
             if len(table):
-                fns["amax"](x, host_table(table, torch.int32, dev), amax, len(table))
+                fns["amax"](x, table, amax, len(table))
                 amax = amax[:1].repeat(groups)
         else:
-            table = cta_table_tensor(counts, units_per_row, tile)
+            table = cta_table_tensor(counts, units_per_row, tile, dev)
             if len(table):
-                fns["amax"](x, host_table(table, torch.int32, dev), amax, len(table))
-    table = cta_table_tensor(counts, units_per_row, params.quant_threads * params.quant_units)
+                fns["amax"](x, table, amax, len(table))
+    table = cta_table_tensor(counts, units_per_row, params.quant_threads * params.quant_units, dev)
     if len(table):
-        on_device = host_table(table, torch.int32, dev)
-        fns["quantize"](x, data, scales, on_device, amax, s_dec, philox, len(table))
+        fns["quantize"](x, data, scales, table, amax, s_dec, philox, len(table))
     out = GroupedOperands()
     start = 0
     for g, count in enumerate(counts):
