@@ -377,11 +377,13 @@ class GroupedExperts(nn.Module):
         tokens = top_k_index.shape[0]
         flat = top_k_index.t().reshape(-1)  # k-major: the loop's order within an expert
         with torch.no_grad():
-            # an expert-parallel sentinel (outside [0, E)) sorts last, as expert E: one wait for
-            # the GPU (the counts) rather than two (nonzero's size, then the counts)
+            # an expert-parallel sentinel (outside [0, E)) sorts last, as expert E; the counts
+            # are the one wait for the GPU (nonzero and bincount would each add theirs: the
+            # size of their output depends on the values)
             valid = (flat >= 0) & (flat < lay.num_experts)
             key = torch.where(valid, flat, lay.num_experts)
-            counts = torch.bincount(key, minlength=lay.num_experts + 1).tolist()[:-1]
+            per_key = torch.zeros(lay.num_experts + 1, dtype=torch.int64, device=key.device)
+            counts = per_key.index_add_(0, key, torch.ones_like(key)).tolist()[:-1]
             order = torch.argsort(key, stable=True)[: sum(counts)]
         if not order.numel():
             return final
