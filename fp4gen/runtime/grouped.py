@@ -46,6 +46,7 @@ from fp4gen.runtime.grouped_scope import BACKWARD_SLOTS, FORWARD_SLOTS, scoped_s
 from fp4gen.runtime.grouped_tile import padded_counts
 from fp4gen.runtime.host_tables import host_table
 from fp4gen.runtime.linear import Linear
+from fp4gen.runtime.operand_slots import advance_devices
 from fp4gen.runtime.operands import k_multiple, pad_to, round_up
 
 log = logging.getLogger(__name__)
@@ -372,27 +373,27 @@ def _fprop(
         for i, (expert, count, layer) in enumerate(
             zip(groups.experts, groups.counts, groups.layers, strict=True)
         ):
-            x_e = x[start : start + count]
             start += count
-            w = _weight(weight, expert, groups.transposed)
             table = layer.operands
             call = layer._forward_calls
+            # each expert's slices only where its own layer quantizes them (a view is a call too)
             if inputs is not None:
                 xq = inputs[i]
             else:
+                x_e = x[start - count : start]
                 xq = layer.quantize(
                     pad_to(x_e, count, k), Operand.FPROP_ACTIVATION, table.fprop_activation, call
                 )
             if batched is not None:
                 wq = batched[i]
             else:
+                w = _weight(weight, expert, groups.transposed)
                 wq = layer.quantize(
                     pad_to(_contiguous_rows(w), w.shape[0], k),
                     Operand.FPROP_WEIGHT,
                     table.fprop_weight,
                     call,
                 )
-            layer._advance_device(forward=True)
             layer.__dict__["_forward_calls"] = call + 1
             pairs.append((xq, wq))
             if fp8:
@@ -410,6 +411,7 @@ def _fprop(
             values.append(x_values)
             weights.append(w_values)
             alphas.append(alpha)
+        advance_devices(groups.layers, forward=True)  # after every expert's launches above
         if fp8:  # the bias and the rounding in the FP8 GEMM's epilogue, per expert
             bias_groups = None if bias is None else bias.detach()[_experts_index(groups, x.device)]
             return _fp8_products(pairs, groups.out_dtype, bias_groups, "fprop", groups.name)
@@ -791,6 +793,9 @@ def _grads(
     fp8_wgrad = _fp8_pair(table0.wgrad_gradient, table0.wgrad_activation)
     # [experts x in, out] block values, one decode
     w_col_all = None if fp8_dgrad else _whole_values(w_cols)
+    # every expert's padded dgrad gradient rows [sum of padded tokens, out], one decode
+    dy_all = None if fp8_dgrad else _whole_values(dy_pairs)
+    padded_start = 0
     dgrad_alphas = None if fp8_dgrad else _group_alphas(_scales_of(dy_pairs, 0), _scales_of(w_cols))
     wgrad_alphas = None if fp8_wgrad else _group_alphas(_scales_of(dy_pairs, 1), _scales_of(x_cols))
     # per-tensor slots that each expert's layer quantizes below: the amax over every expert
@@ -809,18 +814,20 @@ def _grads(
     ):
         table = layer.operands
         call = layer._backward_calls
-        w = _weight(weight, expert, groups.transposed)
-        x_e, dy_e = x[start : start + count], dy[start : start + count]
-        start += count
+        first, start = start, start + count  # the expert's rows of x and dy
         wgrad_k = k_multiple(table.wgrad_gradient, table.wgrad_activation, blocks=True)
         dgrad_k = k_multiple(table.dgrad_gradient, table.dgrad_weight, blocks=False)
         tokens, out = round_up(count, wgrad_k), round_up(n_out, dgrad_k)
         # the batched dgrad weights where the grouped quantize served them
-        w_col = w_cols[i] if w_cols is not None else layer.columnwise_weight(w, table, call, out)
+        if w_cols is not None:
+            w_col = w_cols[i]
+        else:
+            w = _weight(weight, expert, groups.transposed)
+            w_col = layer.columnwise_weight(w, table, call, out)
         if dy_pairs is not None:
             dyq, dyq_t = dy_pairs[i]
         else:  # the expert's layer quantizes its padded gradient (no padded copy made otherwise)
-            dy_p = pad_to(dy_e, tokens, out)
+            dy_p = pad_to(dy[first:start], tokens, out)
             if layer._reduced(Operand.DGRAD_GRADIENT, table.dgrad_gradient) or layer._reduced(
                 Operand.WGRAD_GRADIENT, table.wgrad_gradient
             ):  # a per-tensor copy: each quantized on its own, as Linear's backward does then
@@ -835,8 +842,10 @@ def _grads(
                     layer.slot(Operand.WGRAD_GRADIENT, table.wgrad_gradient, call, dy_p),
                     seed=layer.data_seed,
                 )
-        xq_t = x_cols[i] if x_cols is not None else layer.wgrad_activation(x_e, table, call)
-        layer._advance_device(forward=False)
+        if x_cols is not None:
+            xq_t = x_cols[i]
+        else:
+            xq_t = layer.wgrad_activation(x[first:start], table, call)
         layer.__dict__["_backward_calls"] = call + 1
         padded.append(tokens)
         dgrad_pairs.append((dyq, w_col))
@@ -848,6 +857,7 @@ def _grads(
                 call,
                 dyq,
                 w_col,
+                a_values=None if dy_all is None else dy_all[padded_start : padded_start + tokens],
                 b_values=None if w_col_all is None else w_col_all[i * n_in : (i + 1) * n_in],
                 alpha=dgrad_alphas,
             )
@@ -855,6 +865,7 @@ def _grads(
             w_values.append(w_v)
             if dgrad_alphas is None:
                 dy_alphas.append(dgrad_alpha.expand(tokens))
+            padded_start += tokens
         if not fp8_wgrad:
             gt_v, xt_v, wgrad_alpha = decode_pair(
                 layer, "wgrad", call, dyq_t, xq_t, alpha=wgrad_alphas
@@ -863,6 +874,7 @@ def _grads(
             xt_values.append(xt_v)
             if wgrad_alphas is None:
                 w_alphas.append(wgrad_alpha)
+    advance_devices(groups.layers, forward=False)  # after every expert's launches above
     # dgrad: the padded token rows of every expert, then the real rows taken back
     real = real_rows(groups.counts, padded, dy.device)
     if fp8_dgrad:  # the rounding to x's dtype in the FP8 GEMM's epilogue, per expert
@@ -873,7 +885,8 @@ def _grads(
         else:
             w_stack = w_col_all.reshape(len(groups.experts), n_in, -1)
         c = _native(dgrad_pairs, by_rows=True)
-        c = group_rows(torch.cat(dy_values), w_stack, _ends(padded)) if c is None else c
+        dy_rows = torch.cat(dy_values) if dy_all is None else dy_all
+        c = group_rows(dy_rows, w_stack, _ends(padded)) if c is None else c
         if dgrad_alphas is None:
             per_row = torch.cat(dy_alphas)[real]
         else:  # group g's alpha on each of its real rows, as the padded rows' taken at ``real``

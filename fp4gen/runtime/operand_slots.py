@@ -10,6 +10,9 @@ be captured: a Mixture-of-Representations operand that rounds stochastically."""
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+from typing import Any
+
 import torch
 
 from fp4gen.device_offset import DeviceOffset
@@ -80,6 +83,20 @@ class OperandSlots:
         for (is_forward, _), counter in self._counters.items():
             if is_forward == forward:
                 counter.add_(1)
+
+
+def advance_devices(layers: Iterable[Any], forward: bool) -> None:
+    """``_advance_device`` of every layer in ``layers``, in one launch for all their counters
+    (``torch._foreach_add_``): the grouped experts' path advances every expert's layer per
+    pass, where a launch per expert and counter would cost more than the GEMMs at 64 experts."""
+    counters = [
+        counter
+        for layer in layers
+        for (is_forward, _), counter in layer._counters.items()
+        if is_forward == forward
+    ]
+    if counters:
+        torch._foreach_add_(counters, 1)
 
 
 def _refuse_sr_capture(t: torch.Tensor, specs: tuple[OperandSpec, ...], name: str) -> None:
