@@ -7,6 +7,7 @@ import csv
 import hashlib
 import io
 import json
+import logging
 import math
 from collections.abc import Iterator
 from pathlib import Path
@@ -420,3 +421,29 @@ def test_sweep_on_a_full_disk_leaves_no_partial_run_file(
     )
     assert "Traceback" not in err
     assert list(tmp_path.rglob("*")) == [tmp_path / "runs"]  # no partial file, no temporary
+
+
+def test_a_runtime_note_is_written_once_per_sweep() -> None:
+    """Every run converts a fresh model, and convert lists the parameters it keeps in high
+    precision each time: the sweep's log shows each note's text once, a new text when it
+    comes."""
+    from fp4gen.experiments.sweep import _runtime_notes
+
+    class Lines:
+        def __init__(self) -> None:
+            self.lines: list[str] = []
+
+        def write(self, line: str) -> None:
+            self.lines.append(line)
+
+    progress = Lines()
+    runtime = logging.getLogger("fp4gen.runtime")
+    with _runtime_notes(progress):  # type: ignore[arg-type]
+        for _ in range(3):  # three runs of one recipe
+            runtime.info("fp4gen.convert left 2 parameters in high precision")
+        runtime.info("quantize uses the reference: why")
+        runtime.info("fp4gen.convert left 2 parameters in high precision")
+    assert progress.lines == [
+        "note (fp4gen.runtime): fp4gen.convert left 2 parameters in high precision",
+        "note (fp4gen.runtime): quantize uses the reference: why",
+    ]

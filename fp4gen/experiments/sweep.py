@@ -747,11 +747,17 @@ def _band(ax: Any, x: list[int], curves: list[list[float]], color: str, label: s
 @contextmanager
 def _runtime_notes(progress: Progress) -> Iterator[None]:
     """The runtime's notes (a kernel that falls back to the reference, logged once) go to the
-    sweep's log, between the progress lines."""
+    sweep's log, between the progress lines, each text once per sweep: every run converts a
+    fresh model, so ``fp4gen.convert``'s list of the parameters it keeps in high precision
+    would otherwise repeat before every run of a recipe."""
+    written: set[str] = set()
 
     class Lines(logging.Handler):
         def emit(self, record: logging.LogRecord) -> None:
-            progress.write(f"note ({record.name}): {record.getMessage()}")
+            line = f"note ({record.name}): {record.getMessage()}"
+            if line not in written:
+                written.add(line)
+                progress.write(line)
 
     logger = logging.getLogger("fp4gen")
     handler, level = Lines(logging.INFO), logger.level
