@@ -384,14 +384,35 @@ TILE_CALLS = {
 
 def definition_standing_in(real_reference):
     """quantize_groups_tile by the definition, with the rowwise copies' ``wholes`` (every group
-    as one tensor) as the kernels give them; records each call's copies."""
+    as one tensor) and the columnwise copies' ``flats`` (every group's blocks in storage order)
+    as the kernels give them; records each call's copies."""
+    from fp4gen.runtime.grouped_tile import flat_row_length
+
     calls: list[tuple[str, ...]] = []
+
+    def flat(parts, fmt):
+        length = flat_row_length([q.shape[0] * q.shape[1] for q in parts], fmt.block[1])
+        if fmt.is_2d or length is None:
+            return None
+        block = fmt.block[1]
+        return dataclasses.replace(
+            parts[0],
+            codes=torch.cat([q.codes.reshape(-1, length) for q in parts]),
+            scales=torch.cat([q.scales.reshape(-1, length // block) for q in parts]),
+            scale_codes=None,
+            packed=None,
+            shape=torch.Size((sum(q.shape[0] * q.shape[1] for q in parts) // length, length)),
+        )
 
     def stand_in(rows, counts, pads, fmt, copies, **kw):
         calls.append(tuple(d for d, _, _ in copies))
         kw = {**kw, "backend": "reference"}
         out = real_reference(rows, counts, pads, fmt, copies, kw["seeds"], kw["offsets"],
                              "reference", kw["scope"])  # fmt: skip
+        out.flats = tuple(
+            None if d == "rowwise" else flat([g[i] for g in out if g is not None], fmt)
+            for i, (d, _, _) in enumerate(copies)
+        )
         wholes = []
         for i, (direction, _, _) in enumerate(copies):
             parts = [g[i] for g in out if g is not None]
@@ -706,3 +727,17 @@ def test_cuda_grouped_tile_quantize_in_the_experts_is_the_loops(monkeypatch, arc
     problems += operand_differences(got.harness, want.harness)
     problems += result_differences(got, want)
     assert not problems, "\n".join(problems)
+
+
+def test_the_flat_row_length_of_columnwise_copies() -> None:
+    """The rows of the one-decode view of every group's columnwise blocks: a divisor of every
+    group's size, whole blocks and dequantize units per row, at most 4096 where it can be."""
+    from fp4gen.runtime.grouped_tile import flat_row_length
+
+    assert flat_row_length([64 * 16, 64 * 48], 16) == 1024
+    assert flat_row_length([64 * 32], 32) == 2048
+    assert flat_row_length([2**20, 2**21], 16) == 4096
+    assert flat_row_length([2048 * 128, 2048 * 384], 128) == 4096
+    assert flat_row_length([48 * 16], 16) == 768
+    assert flat_row_length([24], 16) is None  # no whole block per group
+    assert flat_row_length([], 16) is None

@@ -289,6 +289,21 @@ def decode_pair(
     )
 
 
+def _flat_values(operands: Any) -> torch.Tensor | None:
+    """Every group's block values of a columnwise copy in one decode, flat in storage order,
+    where a grouped launch wrote them as one tensor (``GroupedOperands.flat``); else None."""
+    flat = getattr(operands, "flat", None)
+    return None if flat is None else _values(flat).reshape(-1)
+
+
+def _group_of(flat: torch.Tensor | None, at: int, shape: Sequence[int]) -> torch.Tensor | None:
+    """The [rows, cols] values at element ``at`` of ``_flat_values``' result, or None."""
+    if flat is None:
+        return None
+    rows, cols = shape
+    return flat[at : at + rows * cols].view(rows, cols)
+
+
 def _whole_values(operands: Any) -> torch.Tensor | None:
     """Every group's block values in one decode, where a grouped quantize wrote the groups as
     one tensor (``GroupedOperands.whole``: the decode reads no global scale); else None."""
@@ -633,6 +648,7 @@ def grouped_gradients(dy: torch.Tensor, groups: Groups, out: int) -> list[Any] |
     pairs = GroupedOperands(got)
     pairs.whole = got.wholes[0] if got.wholes else None
     pairs.global_scales = got.global_scales  # [groups, 2]: the dgrad and the wgrad copy's
+    pairs.flat = got.flats[1] if got.flats else None  # the wgrad copies' blocks, one tensor
     return pairs
 
 
@@ -796,6 +812,10 @@ def _grads(
     # every expert's padded dgrad gradient rows [sum of padded tokens, out], one decode
     dy_all = None if fp8_dgrad else _whole_values(dy_pairs)
     padded_start = 0
+    # every expert's wgrad gradient and activation columns, one decode each
+    gt_all = None if fp8_wgrad else _flat_values(dy_pairs)
+    xt_all = None if fp8_wgrad else _flat_values(x_cols)
+    gt_at = xt_at = 0
     dgrad_alphas = None if fp8_dgrad else _group_alphas(_scales_of(dy_pairs, 0), _scales_of(w_cols))
     wgrad_alphas = None if fp8_wgrad else _group_alphas(_scales_of(dy_pairs, 1), _scales_of(x_cols))
     # per-tensor slots that each expert's layer quantizes below: the amax over every expert
@@ -868,8 +888,17 @@ def _grads(
             padded_start += tokens
         if not fp8_wgrad:
             gt_v, xt_v, wgrad_alpha = decode_pair(
-                layer, "wgrad", call, dyq_t, xq_t, alpha=wgrad_alphas
+                layer,
+                "wgrad",
+                call,
+                dyq_t,
+                xq_t,
+                a_values=_group_of(gt_all, gt_at, dyq_t.shape),
+                b_values=_group_of(xt_all, xt_at, xq_t.shape),
+                alpha=wgrad_alphas,
             )
+            gt_at += dyq_t.shape[0] * dyq_t.shape[1]
+            xt_at += xq_t.shape[0] * xq_t.shape[1]
             gt_values.append(gt_v)
             xt_values.append(xt_v)
             if wgrad_alphas is None:

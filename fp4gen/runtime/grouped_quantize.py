@@ -59,6 +59,10 @@ class GroupedOperands(list):
 
     whole: Any = None
     global_scales: torch.Tensor | None = None
+    # a columnwise copy's blocks of every group as one [n, L] QuantizedTensor in storage order
+    # (group g's [rows, cols] values are its next rows x cols / L rows: ``_flat_values``), for
+    # one decode where one launch wrote them (``grouped_tile.flat_row_length``), else None
+    flat: Any = None
 
 
 def cta_table(counts: Sequence[int], units_per_row: int, tile: int) -> list[tuple[int, ...]]:

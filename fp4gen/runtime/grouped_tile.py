@@ -65,15 +65,39 @@ class GroupedCopies(list):
 
     wholes: tuple[Any, ...] = ()
     global_scales: torch.Tensor | None = None
+    # per copy, a columnwise copy's blocks of every group as one QuantizedTensor in storage
+    # order (``flat_blocks``), else None
+    flats: tuple[Any, ...] = ()
 
     def copy(self, i: int) -> GroupedOperands:
-        """Copy ``i`` of every group (None for an empty group), with its ``whole`` and
-        ``global_scales`` where one launch wrote them."""
+        """Copy ``i`` of every group (None for an empty group), with its ``whole``, ``flat``
+        and ``global_scales`` where one launch wrote them."""
         out = GroupedOperands(None if g is None else g[i] for g in self)
         out.whole = self.wholes[i] if self.wholes else None
+        out.flat = self.flats[i] if self.flats else None
         if self.global_scales is not None:
             out.global_scales = self.global_scales[:, i]
         return out
+
+
+def flat_row_length(sizes: Sequence[int], block: int, longest: int = 4096) -> int | None:
+    """The row length L of a columnwise copy's blocks viewed as one [n, L] QuantizedTensor
+    (``GroupedOperands.flat``): groups of ``sizes`` values each (K x padded rows), stored one
+    after another, each group's [K, rows] row-major with 1 x ``block`` blocks along its rows. L
+    divides every group's size (a group starts at a row: its values are whole rows of the
+    view) and is a multiple of the block and of the dequantize kernel's unit of 8 (each row of
+    the view holds whole blocks, in their order: the same scale for the same values); the
+    largest such L up to ``longest`` (longer rows need no fewer launches), or None where no
+    group has values or the block does not tile them."""
+    base = math.lcm(block, 8)
+    length = 0
+    for size in sizes:
+        length = math.gcd(length, size)
+    if length == 0 or length % base:
+        return None
+    while length > longest and (length // 2) % base == 0:
+        length //= 2
+    return length
 
 
 def padded_counts(counts: Sequence[int], multiple: int) -> list[int]:
@@ -492,6 +516,37 @@ def _grouped_kernels(
         result.append(tuple(group))
         start += pad
     first = next(g for g, count in enumerate(counts) if count)  # x has rows: one is non-empty
+    flats = []
+    for i, (direction, rounding, rht) in enumerate(copies):
+        length = None
+        if direction == "columnwise" and not params.two_d:
+            length = flat_row_length([k * pad for pad in pads if pad], block)
+        if length is None:
+            flats.append(None)
+            continue
+        codes, scales = outs["col"]
+        n = total * k // length
+        pieces = {
+            "data": codes.view(n, -1),
+            "scales": scales.view(n, length // block),
+            "global_scale": s_dec[first, i],
+        }
+        flats.append(
+            cute_backend._quantized(
+                pieces,
+                "",
+                fmt,
+                length,
+                rounding,
+                rht,
+                seeds[first],
+                offsets[first][i],
+                torch.Size((n, length)),
+                x.dtype,
+                flag,
+            )  # fmt: skip
+        )
+    result.flats = tuple(flats)
     wholes = []
     for i, (direction, rounding, rht) in enumerate(copies):
         if direction != "rowwise":
