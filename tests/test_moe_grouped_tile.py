@@ -416,8 +416,8 @@ def definition_standing_in(real_reference):
         wholes = []
         for i, (direction, _, _) in enumerate(copies):
             parts = [g[i] for g in out if g is not None]
-            if direction != "rowwise":
-                wholes.append(None)
+            if direction != "rowwise" and (None in out or len(set(pads)) != 1):
+                wholes.append(None)  # a columnwise copy is one tensor for groups of one size
                 continue
             wholes.append(
                 dataclasses.replace(

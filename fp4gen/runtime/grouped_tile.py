@@ -58,8 +58,8 @@ def _log_once(message: str) -> None:
 
 class GroupedCopies(list):
     """Per group a tuple of its copies' QuantizedTensors (None for an empty group), and
-    ``wholes``: per copy, every group's rowwise copy as one QuantizedTensor where one launch
-    wrote them (None for a columnwise copy and where the groups were quantized one by one);
+    ``wholes``: per copy, every group's copy as one QuantizedTensor where one launch wrote them
+    (a rowwise copy; a columnwise copy of groups of one size, [groups x K, rows]), else None;
     ``global_scales``: where one launch wrote them, every group's S_dec per copy as one fp32
     [groups, copies] tensor (an empty group's row is never written), else None."""
 
@@ -549,13 +549,22 @@ def _grouped_kernels(
     result.flats = tuple(flats)
     wholes = []
     for i, (direction, rounding, rht) in enumerate(copies):
-        if direction != "rowwise":
+        if direction == "rowwise":
+            shape, cols = (total, k), k
+            codes, scales = outs["row"]
+            scales = scales.view(-1, scales_per_row)
+        elif len(set(pads)) == 1:
+            # groups of one size (the experts' weight slices): their [K, rows] copies one after
+            # another are one [groups x K, rows] tensor (the dgrad weights of 2D blocks)
+            shape, cols = (groups * k, pads[0]), pads[0]
+            codes, scales = outs["col"]
+            scales = scales.view(-1, pads[0] // block)
+        else:
             wholes.append(None)
             continue
-        codes, scales = outs["row"]
         pieces = {
-            "data": codes.view(total, -1),
-            "scales": scales.view(-1, scales_per_row),
+            "data": codes.view(shape[0], -1),
+            "scales": scales,
             "global_scale": s_dec[first, i],
         }
         wholes.append(
@@ -563,12 +572,12 @@ def _grouped_kernels(
                 pieces,
                 "",
                 fmt,
-                k,
+                cols,
                 rounding,
                 rht,
                 seeds[first],
                 offsets[first][i],
-                torch.Size((total, k)),
+                torch.Size(shape),
                 x.dtype,
             )  # fmt: skip
         )
