@@ -741,3 +741,37 @@ def test_the_flat_row_length_of_columnwise_copies() -> None:
     assert flat_row_length([48 * 16], 16) == 768
     assert flat_row_length([24], 16) is None  # no whole block per group
     assert flat_row_length([], 16) is None
+
+
+@pytest.mark.parametrize("direction", ["rowwise", "columnwise"])
+@pytest.mark.parametrize(
+    ("bits", "block", "two_d"), [(4, 16, False), (4, 16, True), (8, 32, False)]
+)
+def test_group_pieces_are_where_the_kernels_write_each_group(direction, bits, block, two_d) -> None:
+    """The views the host hands out per group (two splits per copy) hold the bytes and scales
+    at the kernels' offsets (``group_offsets``), in each group's shape; empty groups none."""
+    from fp4gen.kernels.grouped_tile import group_offsets
+    from fp4gen.runtime.grouped_tile import group_pieces
+
+    k, pads = 64, [2 * block, 0, block, 4 * block]  # whole blocks of rows (the kernels' rule)
+    total = sum(pads)
+    codes = torch.arange(total * k * bits // 8, dtype=torch.int64).to(torch.uint8)
+    scale_rows = total // block if two_d else total
+    scales = torch.arange(scale_rows * (k // block), dtype=torch.float32)
+    got = group_pieces(codes, scales, pads, k, bits, block, two_d, direction)
+    start = 0
+    for pad, piece in zip(pads, got, strict=True):
+        if pad == 0:
+            assert piece is None
+            continue
+        at, s_at = group_offsets(start, k, bits, block, two_d)
+        end, s_end = group_offsets(start + pad, k, bits, block, two_d)
+        want_codes, want_scales = codes[at:end], scales[s_at:s_end]
+        c, s = piece  # type: ignore[misc]
+        rows = pad if direction == "rowwise" else k
+        scale_rows_g = (pad if direction == "rowwise" else k) // (block if two_d else 1)
+        assert c.shape == (rows, want_codes.numel() // rows)
+        assert s.shape == (scale_rows_g, want_scales.numel() // scale_rows_g)
+        assert torch.equal(c.reshape(-1), want_codes) and torch.equal(s.reshape(-1), want_scales)
+        assert c.data_ptr() == want_codes.data_ptr() and s.data_ptr() == want_scales.data_ptr()
+        start += pad

@@ -281,6 +281,15 @@ def _quantized(
     data = out[prefix + "data"]
     bits = fmt.element.bits
     coded_scales = fmt.scale.element is not None
+    # one S_dec per row ([R, 1], docs/numerics.md 11.4) or per tensor (0-dim); a 0-dim fp32
+    # scale as it is (no reshape or cast call: grouped launches make one per group and copy)
+    global_scale = out[prefix + "global_scale"]
+    if fmt.global_rows or global_scale.dim() != 0:
+        global_scale = global_scale.reshape((-1, 1) if fmt.global_rows else ())
+    # NaN when the input was not all finite and the caller propagates that (finite.py)
+    global_scale = finite.poison(global_scale, finite_flag)
+    if global_scale.dtype != torch.float32:
+        global_scale = global_scale.to(torch.float32)
     # codes and scale values are derived on first read: the GEMM paths read the packed codes
     # and the scale codes, so a training step never materializes them
     return QuantizedTensor(
@@ -288,12 +297,7 @@ def _quantized(
         packed=None if bits == 8 else PackedCodes(data, cols, bits),
         scales=None if coded_scales else scales.to(torch.float32),
         scale_codes=scales if coded_scales else None,
-        # NaN when the input was not all finite and the caller propagates that (finite.py)
-        global_scale=finite.poison(
-            # one S_dec per row ([R, 1], docs/numerics.md 11.4) or per tensor (0-dim)
-            out[prefix + "global_scale"].reshape((-1, 1) if fmt.global_rows else ()),
-            finite_flag,
-        ).to(torch.float32),
+        global_scale=global_scale,
         format=fmt,
         rounding=rounding,
         rht=rht,

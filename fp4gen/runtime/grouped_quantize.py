@@ -289,13 +289,14 @@ def _grouped_kernels(
     if len(table):
         fns["quantize"](x, data, scales, table, amax, s_dec, philox, len(table))
     out = GroupedOperands()
-    start = 0
+    # every group's rows of the outputs and its S_dec: a split each, not three calls per group
+    data_parts, scale_parts = data.split(list(counts)), scales.split(list(counts))
+    s_decs = s_dec.unbind(0)
     for g, count in enumerate(counts):
         if count == 0:
             out.append(None)
             continue
-        rows = slice(start, start + count)
-        pieces = {"data": data[rows], "scales": scales[rows], "global_scale": s_dec[g]}
+        pieces = {"data": data_parts[g], "scales": scale_parts[g], "global_scale": s_decs[g]}
         out.append(
             cute_backend._quantized(
                 pieces,
@@ -310,7 +311,6 @@ def _grouped_kernels(
                 x.dtype,
             )
         )
-        start += count
     first = next(g for g, count in enumerate(counts) if count)  # x has rows: one is non-empty
     out.global_scales = s_dec
     whole = {"data": data, "scales": scales, "global_scale": s_dec[first]}

@@ -100,6 +100,43 @@ def flat_row_length(sizes: Sequence[int], block: int, longest: int = 4096) -> in
     return length
 
 
+def group_pieces(
+    codes: torch.Tensor,
+    scales: torch.Tensor,
+    pads: Sequence[int],
+    k: int,
+    bits: int,
+    block: int,
+    two_d: bool,
+    direction: str,
+) -> list[tuple[torch.Tensor, torch.Tensor] | None]:
+    """Each group's (codes, scales) views of one copy's flat outputs (``codes`` uint8,
+    ``scales`` one element per block), where the grouped kernels write them
+    (``kernels.grouped_tile.group_offsets``): group g's ``pads[g]`` padded rows after the pads
+    of the groups before it, rowwise [pad, K bytes] and [pad (2D: pad / B), K / B], columnwise
+    [K, pad bytes] and [K (2D: K / B), pad / B]; None for an empty group. A split per buffer
+    rather than two slices and two views per group (host calls, at 64 experts thousands)."""
+    row_bytes = k * bits // 8
+    scale_rows = [pad // block if two_d else pad for pad in pads]
+    if direction == "rowwise":
+        code_parts = codes[: sum(pads) * row_bytes].view(-1, row_bytes).split(list(pads))
+        scale_parts = scales[: sum(scale_rows) * (k // block)].view(-1, k // block)
+        scale_parts = scale_parts.split(scale_rows)
+        return [
+            None if pad == 0 else (c, s)
+            for pad, c, s in zip(pads, code_parts, scale_parts, strict=True)
+        ]
+    code_sizes = [pad * row_bytes for pad in pads]
+    scale_sizes = [rows * (k // block) for rows in scale_rows]
+    code_parts = codes[: sum(code_sizes)].split(code_sizes)
+    scale_parts = scales[: sum(scale_sizes)].split(scale_sizes)
+    k_rows = k // block if two_d else k
+    return [
+        None if pad == 0 else (c.view(k, -1), s.view(k_rows, -1))
+        for pad, c, s in zip(pads, code_parts, scale_parts, strict=True)
+    ]
+
+
 def padded_counts(counts: Sequence[int], multiple: int) -> list[int]:
     """Each group's rows rounded up to ``multiple`` (an empty group stays empty)."""
     return [-(-n // multiple) * multiple for n in counts]
@@ -405,7 +442,7 @@ def _grouped_kernels(
     scope: str,
 ) -> GroupedCopies:
     from fp4gen.kernels import host
-    from fp4gen.kernels.grouped_tile import group_offsets, grouped_params
+    from fp4gen.kernels.grouped_tile import grouped_params
     from fp4gen.runtime import cute_backend, finite
 
     module, arch = _module(fmt, x, copies)
@@ -474,30 +511,22 @@ def _grouped_kernels(
     s_dec = s_dec.view(groups, n_copies)
     result = GroupedCopies()
     scales_per_row = k // block
-    start = 0
+    # every group's views of each copy's outputs, and its S_dec, a few calls per copy
+    views = [
+        group_pieces(*outs["row" if d == "rowwise" else "col"], pads, k, bits, block,
+                     params.two_d, d)
+        for d, _, _ in copies
+    ]  # fmt: skip
+    s_decs = [s_dec[:, i].unbind(0) for i in range(n_copies)]
     for g, (count, pad) in enumerate(zip(counts, pads, strict=True)):
         if count == 0:
             result.append(None)
             continue
         group = []
-        # where the kernel wrote the group's copies, and where the next group's begin
-        codes_at, scales_at = group_offsets(start, k, bits, block, params.two_d)
-        codes_end, scales_end = group_offsets(start + pad, k, bits, block, params.two_d)
         for i, (direction, rounding, rht) in enumerate(copies):
-            codes, scales = outs["row" if direction == "rowwise" else "col"]
-            codes = codes[codes_at:codes_end]
-            scales = scales[scales_at:scales_end]
-            if direction == "rowwise":
-                shape, cols = (pad, k), k
-                scales = scales.view(-1, scales_per_row)
-            else:
-                shape, cols = (k, pad), pad
-                scales = scales.view(k // block if params.two_d else k, -1)
-            pieces = {
-                "data": codes.view(shape[0], -1),
-                "scales": scales,
-                "global_scale": s_dec[g, i],
-            }
+            codes, scales = views[i][g]  # type: ignore[misc]
+            shape, cols = ((pad, k), k) if direction == "rowwise" else ((k, pad), pad)
+            pieces = {"data": codes, "scales": scales, "global_scale": s_decs[i][g]}
             group.append(
                 cute_backend._quantized(
                     pieces,
@@ -514,7 +543,6 @@ def _grouped_kernels(
                 )  # fmt: skip
             )
         result.append(tuple(group))
-        start += pad
     first = next(g for g, count in enumerate(counts) if count)  # x has rows: one is non-empty
     flats = []
     for i, (direction, rounding, rht) in enumerate(copies):
