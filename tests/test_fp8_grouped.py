@@ -6,6 +6,7 @@ kernel reads them. On a GPU: tests/test_fp8_grouped_gpu.py."""
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import re
 from pathlib import Path
@@ -142,6 +143,46 @@ def test_grouped_kernels_cross_compile_to_fp8_wgmma(tmp_path: Path, monkeypatch)
 # ----------------------------------------------------------------------------------------------
 # The launch's arguments (CPU tensors: the layouts, no launch)
 # ----------------------------------------------------------------------------------------------
+def joined(parts: list) -> object:
+    """The groups' QuantizedTensors as one, rows after rows (what a grouped launch's ``whole``
+    holds)."""
+    first = parts[0]
+    return dataclasses.replace(
+        first,
+        codes=torch.cat([q.codes for q in parts]),
+        scales=torch.cat([q.scales for q in parts]),
+        scale_codes=None
+        if first.scale_codes is None
+        else torch.cat([q.scale_codes for q in parts]),
+        packed=None,
+        shape=torch.Size((sum(q.rows for q in parts), first.cols)),
+    )
+
+
+@pytest.mark.parametrize("fa, fb", [(ROW, TILE), (MXFP8, MXFP8)])
+def test_launch_arguments_from_the_groups_as_one(fa, fb) -> None:
+    """Given each side's groups as one tensor (a grouped quantize's ``whole``) and their S_dec
+    as one vector, the launch's arguments are those it builds from the groups, bit for bit;
+    where a group is None or the rows differ, the groups' own are taken."""
+    g = torch.Generator().manual_seed(1)
+    sizes, n, k = [3, 140, 1], 256, 300
+    a = [quantize(torch.randn(m, k, generator=g), fa) for m in sizes]
+    b = [quantize(torch.randn(n, k, generator=g), fb) for _ in sizes]
+    scales = (torch.tensor([2.0, 0.5, 4.0]), torch.tensor([1.0, 8.0, 0.25]))
+    for side, s in zip((a, b), scales, strict=True):
+        for q, value in zip(side, s, strict=True):
+            object.__setattr__(q, "global_scale", value.clone())
+    _, want = fp8_grouped.grouped_launch(a, b, out_dtype=torch.bfloat16, sms=4)
+    _, got = fp8_grouped.grouped_launch(
+        a, b, out_dtype=torch.bfloat16, sms=4, wholes=(joined(a), joined(b)), global_scales=scales
+    )
+    for i in range(7):  # codes, scales, S_dec and offsets of both sides; C is uninitialized
+        assert got[i].dtype == want[i].dtype and torch.equal(got[i], want[i]), i
+    # a whole whose rows are not the groups' is not taken
+    _, other = fp8_grouped.grouped_launch(a, b, sms=4, wholes=(joined(a[:2]), None))
+    assert torch.equal(other[0], want[0])
+
+
 @pytest.mark.parametrize(
     "fa, fb", [(ROW, TILE), (ROW, ROW), (MXFP8, MXFP8), (fp8(E5M2, (1, 64)), fp8(E4M3, (64, 64)))]
 )

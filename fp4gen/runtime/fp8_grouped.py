@@ -187,9 +187,17 @@ def grouped_launch(
     out_dtype: torch.dtype = torch.float32,
     bias: torch.Tensor | None = None,
     sms: int | None = None,
+    wholes: tuple[Any, Any] = (None, None),
+    global_scales: tuple[torch.Tensor | None, torch.Tensor | None] = (None, None),
 ) -> tuple[GroupedPlan, list]:
     """The plan and the kernel's arguments (module docstring) for groups ``a`` and ``b``,
     without the launch; ``sms``: the persistent grid's limit (default: the device's SM count).
+    ``wholes``: for A and for B, every group's rows as one QuantizedTensor where one grouped
+    quantize wrote them (``GroupedOperands.whole``), whose codes and scales then are the
+    arguments as they are, not a concatenation of the groups' (a copy of every code); and
+    ``global_scales`` every group's S_dec as one fp32 [groups] tensor
+    (``GroupedOperands.global_scales``); None: from the groups. Either is used only where no
+    group of its side is None and its rows are the groups' rows.
     Raises TensorError for groups that cannot be multiplied and FP4GenError for a pair the
     kernel does not serve. Runs on any device (the CPU tests check the layouts). An empty
     group is None in ``a`` (as ``grouped_quantize.quantize_groups`` gives it), its B None or
@@ -214,13 +222,25 @@ def grouped_launch(
     if any(q is None for q in b):  # an empty group's B: rows never read
         none_b = (torch.zeros((n, kp), dtype=torch.uint8, device=dev), torch.zeros_like(b_scales))
     one = torch.ones(1, dtype=torch.float32, device=dev)
+    whole_a = _whole(wholes[0], a, m)
+    whole_b = _whole(wholes[1], b, len(b) * n)
+    if whole_a is not None:
+        codes_a, scales_a = code_bytes(whole_a, m, kp), cute_scales(whole_a, ue8m0)
+    else:
+        codes_a = torch.cat([code_bytes(q, q.rows, kp) for q in a if q is not None])
+        scales_a = torch.cat([cute_scales(q, ue8m0) for q in a if q is not None])
+    if whole_b is not None:
+        codes_b, scales_b = code_bytes(whole_b, len(b) * n, kp), cute_scales(whole_b, ue8m0)
+    else:
+        codes_b = torch.cat([none_b[0] if q is None else code_bytes(q, n, kp) for q in b])  # type: ignore[index]
+        scales_b = torch.cat([none_b[1] if q is None else cute_scales(q, ue8m0) for q in b])  # type: ignore[index]
     args = [
-        torch.cat([code_bytes(q, q.rows, kp) for q in a if q is not None]),
-        torch.cat([cute_scales(q, ue8m0) for q in a if q is not None]),
-        torch.cat([none_b[0] if q is None else code_bytes(q, n, kp) for q in b]),  # type: ignore[index]
-        torch.cat([none_b[1] if q is None else cute_scales(q, ue8m0) for q in b]),  # type: ignore[index]
-        torch.cat([one if q is None else _global(q, dev) for q in a]),
-        torch.cat([one if q is None else _global(q, dev) for q in b]),
+        codes_a,
+        scales_a,
+        codes_b,
+        scales_b,
+        _globals(global_scales[0], a, one, dev),
+        _globals(global_scales[1], b, one, dev),
         host_table(offsets_of(rows), torch.int32, dev),
         torch.empty((m, n), dtype=plan.kernel_out, device=dev),
     ]
@@ -230,6 +250,29 @@ def grouped_launch(
         sms = fp8_gemm.sm_count(dev) if dev.type == "cuda" else 1
     args.append(sms)
     return plan, args
+
+
+def _whole(whole: Any, groups: Sequence[QuantizedTensor | None], rows: int) -> Any:
+    """``whole`` where it can stand for the groups' concatenation (no group None, its rows the
+    groups' rows), else None."""
+    if whole is None or any(q is None for q in groups) or whole.rows != rows:
+        return None
+    return whole
+
+
+def _globals(
+    given: torch.Tensor | None,
+    groups: Sequence[QuantizedTensor | None],
+    one: torch.Tensor,
+    device: torch.device,
+) -> torch.Tensor:
+    """Every group's S_dec as fp32 [groups] on ``device`` (an empty group's 1): ``given`` where
+    no group is None, else each group's."""
+    if given is not None and not any(q is None for q in groups) and given.numel() == len(groups):
+        if given.dtype != torch.float32 or given.device != device:
+            given = given.to(device=device, dtype=torch.float32)
+        return given.reshape(-1)
+    return torch.cat([one if q is None else _global(q, device) for q in groups])
 
 
 def _global(q: QuantizedTensor, device: torch.device) -> torch.Tensor:
@@ -246,12 +289,15 @@ def grouped_block_scaled(
     *,
     out_dtype: torch.dtype = torch.float32,
     bias: torch.Tensor | None = None,
+    wholes: tuple[Any, Any] = (None, None),
+    global_scales: tuple[torch.Tensor | None, torch.Tensor | None] = (None, None),
 ) -> torch.Tensor:
-    """C [sum M_g, N] in ``out_dtype`` with C_g = S_a[g] S_b[g] sum_b s_a s_b P_b (+ bias[g])
-    for every group in one launch of the grouped FP8 kernel (module docstring); ``bias``
-    [G, N] or None. Raises TensorError for groups that cannot be multiplied and FP4GenError
-    where the kernel does not serve them (not CUDA, not sm_90a, the pair): the caller's cue to
-    run the groups one by one. An empty group: None in ``a`` (``grouped_launch``)."""
+    """C [sum M_g, N] in ``out_dtype`` with C_g = S_a[g] S_b[g] sum_b s_a s_b P_b (+
+    bias[g]) for every group in one launch of the grouped FP8 kernel (module docstring);
+    ``bias`` [G, N] or None; ``wholes``, ``global_scales``: as ``grouped_launch``. Raises
+    TensorError for groups that cannot be multiplied and FP4GenError where the kernel does
+    not serve them (not CUDA, not sm_90a, the pair): the caller's cue to run the groups one
+    by one. An empty group: None in ``a`` (``grouped_launch``)."""
     dev = next((q.device for q in a if q is not None), None)
     if dev is None or dev.type != "cuda":
         raise FP4GenError(f"the grouped FP8 GEMM runs on CUDA tensors, not on {dev}")
@@ -260,7 +306,9 @@ def grouped_block_scaled(
     arch = detect_arch(dev)
     if arch not in fp8_gemm.CUTE_ARCHS:
         raise FP4GenError(f"no grouped FP8 GEMM for {arch} (FP8 wgmma: sm_90a only)")
-    plan, args = grouped_launch(a, b, out_dtype=out_dtype, bias=bias)
+    plan, args = grouped_launch(
+        a, b, out_dtype=out_dtype, bias=bias, wholes=wholes, global_scales=global_scales
+    )
     c = args[7]
     if c.shape[0]:  # every group empty: nothing to launch
         fp8_gemm.cute_kernel(plan.params)(*args)

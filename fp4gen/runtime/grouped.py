@@ -429,7 +429,15 @@ def _fprop(
         advance_devices(groups.layers, forward=True)  # after every expert's launches above
         if fp8:  # the bias and the rounding in the FP8 GEMM's epilogue, per expert
             bias_groups = None if bias is None else bias.detach()[_experts_index(groups, x.device)]
-            return _fp8_products(pairs, groups.out_dtype, bias_groups, "fprop", groups.name)
+            return _fp8_products(
+                pairs,
+                groups.out_dtype,
+                bias_groups,
+                "fprop",
+                groups.name,
+                wholes=(getattr(inputs, "whole", None), getattr(batched, "whole", None)),
+                global_scales=(_scales_of(inputs), _scales_of(batched)),
+            )
         counts = host_table(groups.counts, torch.int64, x.device)
         a = torch.cat(values) if x_all is None else x_all
         b = torch.stack(weights) if w_all is None else w_all.reshape(len(groups.experts), n_out, -1)
@@ -907,7 +915,15 @@ def _grads(
     # dgrad: the padded token rows of every expert, then the real rows taken back
     real = real_rows(groups.counts, padded, dy.device)
     if fp8_dgrad:  # the rounding to x's dtype in the FP8 GEMM's epilogue, per expert
-        dx = _fp8_products(dgrad_pairs, x.dtype, None, "dgrad", groups.name)[real]
+        dx = _fp8_products(
+            dgrad_pairs,
+            x.dtype,
+            None,
+            "dgrad",
+            groups.name,
+            wholes=(getattr(dy_pairs, "whole", None), getattr(w_cols, "whole", None)),
+            global_scales=(_scales_of(dy_pairs, 0), _scales_of(w_cols)),
+        )[real]
     else:
         if w_col_all is None:
             w_stack = torch.stack(w_values)
@@ -1004,20 +1020,28 @@ def _fp8_products(
     bias: torch.Tensor | None,
     gemm: str,
     name: str,
+    *,
+    wholes: tuple[Any, Any] = (None, None),
+    global_scales: tuple[Any, Any] = (None, None),
 ) -> torch.Tensor:
     """The experts' block-scaled FP8 GEMMs of ``pairs`` (A_e [M_e, K], B_e [N, K]) as C
     [sum M_e, N] in ``out_dtype``, with ``bias`` [experts, N] (or None) and the global scales in
     the epilogue: one launch of the grouped FP8 kernel (``fp4gen.runtime.fp8_grouped``: each
     expert's rows bit for bit the dense generated kernel's) where ``fp8_grouped_reason`` allows,
     else each expert's dense GEMM (``_dense_fp8``: the loop's own products), the reason logged
-    once (INFO, logger ``fp4gen.runtime.fp8_grouped``)."""
+    once (INFO, logger ``fp4gen.runtime.fp8_grouped``). ``wholes`` and ``global_scales``:
+    each side's groups as one tensor where one grouped launch wrote them
+    (``GroupedOperands.whole``, ``.global_scales``), passed as the kernel's arguments as they are
+    (``fp8_grouped.grouped_launch``)."""
     from fp4gen.runtime.fp8_grouped import grouped_block_scaled, log_fallback
 
     a, b = [p[0] for p in pairs], [p[1] for p in pairs]
     reason = fp8_grouped_reason(a[0], b[0], max(q.rows for q in a))
     if reason is None:
         try:
-            return grouped_block_scaled(a, b, out_dtype=out_dtype, bias=bias)
+            return grouped_block_scaled(
+                a, b, out_dtype=out_dtype, bias=bias, wholes=wholes, global_scales=global_scales
+            )
         except FP4GenError as err:  # a kernel that did not compile or load, a refused pair
             reason = str(err)
     log_fallback(f"{name}: the experts' {gemm} GEMMs run per expert: {reason}")
