@@ -128,6 +128,20 @@ def test_every_groups_global_scales_at_once_are_the_loops_bits(
     assert set(grouped_quantize_on_the_cpu) <= {2, 3}
 
 
+def test_an_int32_routing_index_is_the_int64_one(dequant_loop) -> None:
+    """The grouped path counts each expert's tokens from the routing index whatever its integer
+    type (a model's own router may give int32): the same output and gradients."""
+    _, group = pair("qwen3_moe", torch.float32)
+    index, weights = routing(24, empty=1)
+    index[::5, 1] = 4  # an expert-parallel sentinel among them
+    hidden = torch.randn(24, 64, generator=torch.Generator().manual_seed(3))
+    want = run(group, hidden, index, weights)
+    _, again = pair("qwen3_moe", torch.float32)
+    got = run(again, hidden, index.to(torch.int32), weights)
+    assert all(torch.equal(a, b) for a, b in zip(got[:3], want[:3], strict=True))
+    assert all(torch.equal(got[3][n], want[3][n]) for n in want[3])
+
+
 def test_a_second_step_draws_the_loops_streams(dequant_loop) -> None:
     loop, group = pair("mixtral", torch.float32)
     index, weights = routing(40, empty=1)

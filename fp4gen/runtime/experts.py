@@ -383,7 +383,8 @@ class GroupedExperts(nn.Module):
             valid = (flat >= 0) & (flat < lay.num_experts)
             key = torch.where(valid, flat, lay.num_experts)
             per_key = torch.zeros(lay.num_experts + 1, dtype=torch.int64, device=key.device)
-            counts = per_key.index_add_(0, key, torch.ones_like(key)).tolist()[:-1]
+            ones = torch.ones(key.shape, dtype=torch.int64, device=key.device)
+            counts = per_key.index_add_(0, key, ones).tolist()[:-1]
             order = torch.argsort(key, stable=True)[: sum(counts)]
         if not order.numel():
             return final
