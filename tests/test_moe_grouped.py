@@ -442,3 +442,42 @@ def test_real_rows_are_each_groups_first_rows_of_its_padded_ones(counts, padded)
         start += pad
     got = grouped.real_rows(counts, padded, torch.device("cpu"))
     assert got.dtype == torch.int64 and got.tolist() == want
+
+
+ROWSCALED = """recipe rowscaled_experts "per-token global scales, every block quantized"
+extends "nvfp4_no_bf16.fp4r"
+format nvfp4_row = nvfp4 global row
+operands {
+    fprop.activation : nvfp4_row
+}
+"""
+
+
+def test_per_row_global_scales_run_per_expert(dequant_loop) -> None:
+    """A recipe with per-row global scales (per token on the fprop activation, as
+    nvfp4_rowscaled) runs its experts through Linear's op one by one, which applies each row's
+    scale: the grouped products and the grouped kernels keep one global scale per expert, so
+    they refuse it with the reason, and the groups' reference quantization has no single S_dec
+    per group either. Forced grouped, the experts take the loop's bits."""
+    import dataclasses
+
+    import fp4gen.runtime.grouped_quantize as gq
+    import fp4gen.runtime.grouped_tile as gt
+    from fp4gen.formats import BUILTIN_FORMATS
+    from fp4gen.numerics.quantize import quantize as reference_quantize
+
+    loop, group = pair("qwen3_moe", torch.float32, parse_recipe(ROWSCALED))
+    reason = grouped.pass_reason(group.operands)
+    assert reason is not None and "per-row global scales" in reason
+    assert group.loop_reason(group.operands, torch.device("cuda")) == reason
+    index, weights = routing(40, empty=1)
+    hidden = torch.randn(40, 64, generator=torch.Generator().manual_seed(2))
+    want, got = run(loop, hidden, index, weights), run(group, hidden, index, weights)
+    assert all(torch.equal(a, b) for a, b in zip(got[:3], want[:3], strict=True))
+    assert all(torch.equal(got[3][n], want[3][n]) for n in want[3])
+    per_row = dataclasses.replace(BUILTIN_FORMATS["nvfp4"], global_rows=True)
+    x = torch.randn(8, 32)
+    assert "per-row global scales" in gq._kernel_reason(x, per_row, "nearest", None)
+    assert "per-row global scales" in gt._kernel_reason(x, per_row, (("rowwise", "nearest", None),))
+    groups = [reference_quantize(x[:3], per_row), None, reference_quantize(x[3:], per_row)]
+    assert gq.stacked_scales(groups) is None

@@ -1056,7 +1056,7 @@ def _fp8_products(
 def pass_reason(table: Any) -> str | None:
     """None when every GEMM of ``table`` can run grouped (both operands of each block formats
     whose element x block scale is exact in bf16, or a block-scaled FP8 pair (``_fp8_pair``),
-    no operand quantized from another copy), else why not."""
+    no operand quantized from another copy, none with per-row global scales), else why not."""
     from fp4gen.formats import BlockFormat
 
     pairs = (
@@ -1078,6 +1078,12 @@ def pass_reason(table: Any) -> str | None:
                 )
             if spec.source is not None:
                 return f"a {gemm} operand is quantized from another GEMM's copy"
+            if fmt.global_rows:
+                # a grouped product scales each expert's rows by one S_dec pair
+                return (
+                    f"the {gemm} GEMM's {fmt.name} has per-row global scales (the grouped "
+                    "products scale each expert by one global scale per operand)"
+                )
     return None
 
 

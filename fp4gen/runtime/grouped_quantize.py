@@ -160,10 +160,10 @@ def _reference_groups(
 def stacked_scales(operands: Sequence[Any]) -> torch.Tensor | None:
     """The groups' S_dec as one fp32 [groups] tensor (``GroupedOperands.global_scales``) for
     groups quantized one by one: an empty group's entry is 1.0 (never read); None for no
-    groups."""
+    groups or for per-row global scales."""
     present = [q for q in operands if q is not None]
-    if not present:
-        return None
+    if not present or any(q.global_scale.numel() != 1 for q in present):
+        return None  # no groups, or per-row global scales: no one S_dec per group
     one = torch.ones((), dtype=torch.float32, device=present[0].global_scale.device)
     return torch.stack([one if q is None else q.global_scale.float().reshape(()) for q in operands])
 
@@ -219,6 +219,8 @@ class _Refused(Exception):
 
 
 def _kernel_reason(x: torch.Tensor, fmt: BlockFormat, rounding: str, rht: Any) -> str | None:
+    if isinstance(fmt, BlockFormat) and fmt.global_rows:
+        return f"{fmt.name}: per-row global scales (the grouped kernels keep one per group)"
     if not x.is_cuda:
         return "a CPU tensor"
     if not isinstance(fmt, BlockFormat) or fmt.block[0] != 1:

@@ -384,6 +384,8 @@ def k_reason(k: int, fmt: BlockFormat) -> str | None:
 
 
 def _kernel_reason(x: torch.Tensor, fmt: BlockFormat, copies: tuple[Copy, ...]) -> str | None:
+    if isinstance(fmt, BlockFormat) and fmt.global_rows:
+        return f"{fmt.name}: per-row global scales (the grouped kernels keep one per group)"
     if not x.is_cuda:
         return "a CPU tensor"
     if not isinstance(fmt, BlockFormat):
