@@ -386,3 +386,47 @@ def test_cuda_grouped_quantize_in_the_experts_is_the_loops(monkeypatch, arch, re
     problems += operand_differences(got.harness, want.harness)
     problems += result_differences(got, want)
     assert not problems, "\n".join(problems)
+
+
+def option_spec(option: str):
+    """(format, RHT) of an option the grouped kernels do not take."""
+    from fp4gen.dsl import parse_recipe
+    from fp4gen.dsl.model import RHTSpec
+
+    nvfp4 = BUILTIN_FORMATS["nvfp4"]
+    if option == "per-row":
+        return dataclasses.replace(nvfp4, global_rows=True), None
+    if option == "eden":
+        fmt = "format e = nvfp4 global amax 384 correct eden 128"
+        text = f'recipe r "r"\n{fmt}\noperands {{\n * : e\n}}\n'
+        return parse_recipe(text).operands.fprop_activation.format, None
+    return nvfp4, RHTSpec(size=16, sign_source=option, signs=None, seed=1)
+
+
+@pytest.mark.parametrize(
+    ("option", "reason"),
+    [
+        ("per-row", "per-row global scales"),
+        ("eden", "MS-EDEN"),
+        ("step", "signs drawn per layer or step"),
+        ("layer", "signs drawn per layer or step"),
+    ],
+)
+def test_options_without_grouped_gpu_tests_are_refused(
+    tmp_path: Path, option: str, reason: str
+) -> None:
+    """Per-row global scales, the MS-EDEN correction and RHT signs drawn per layer or step
+    compile in the grouped kernels (the drawn signs fail to), but no GPU test holds them to the
+    reference per group: ``grouped_reason`` refuses them, so each group is quantized on its
+    own (per-row scales compiled, and would have taken one amax per group: a silent error)."""
+    from fp4gen.codegen.quantize import render
+    from fp4gen.compiler.jit import import_source
+    from fp4gen.kernels.grouped_quantize import grouped_reason
+    from fp4gen.runtime.cute_backend import spec_for
+
+    fmt, rht = option_spec(option)
+    spec = spec_for(fmt, "nearest", rht, torch.bfloat16)
+    source = tmp_path / f"{spec.name}.py"
+    source.write_text(render(spec))
+    found = grouped_reason(import_source(source).PARAMS)
+    assert found is not None and reason in found

@@ -65,6 +65,14 @@ def grouped_reason(params: RowwiseParams) -> str | None:
         return "the grouped quantize writes compact scales only"
     if getattr(params, "target_invs", ()) or getattr(params, "scale_sr", False):
         return "block targets and stochastic block scales are not in the grouped quantize"
+    # the options below compile here but no GPU test holds them to the reference per group:
+    # refused (each group is quantized on its own) rather than served unchecked
+    if getattr(params, "global_rows", False):
+        return "per-row global scales: the grouped kernels keep one global amax per group"
+    if getattr(params, "rht_runtime_signs", False):
+        return "RHT signs drawn per layer or step: one launch would need every group's signs"
+    if getattr(params, "eden_group", 0):
+        return "the MS-EDEN correction is not in the grouped quantize's GPU tests"
     return None
 
 
