@@ -11,7 +11,8 @@ groups; the kernels reuse ``RowwiseAmaxKernel``'s and ``RowwiseQuantizeKernel``'
 per unit (``RowwiseParams``: the same compile-time variants), and differ only in which units a
 CTA reads and which group's scalars it uses.
 
-The CTA table. The host (``fp4gen.runtime.grouped_quantize.cta_table``) gives every CTA one
+The CTA table. The host (``fp4gen.runtime.grouped_quantize.cta_table``, built on the device by
+``cta_table_tensor``) gives every CTA one
 tile of one group's units: a row (group, first unit of the tile, end unit of the group, first
 unit of the group) per CTA, int32. A CTA's loads are clamped to its group's last unit (a
 duplicate unit changes no max and is never stored), so a CTA's amax is its group's, reduced as

@@ -13,7 +13,7 @@ kernels serve (``grouped_reason``), two launches quantize every group (the group
 format has a global scale, then the grouped quantize); anywhere else (the CPU, the reference
 backend, a spec or input the kernels do not take) the groups are quantized one by one with
 ``fp4gen.quantize``, the same bits. ``cta_table`` is the host's share of the launch: one row per
-CTA, one tile of one group.
+CTA, one tile of one group (``cta_table_tensor`` builds it on the launch's device).
 
 The list returned is a ``GroupedOperands``: from the kernels its ``whole`` is also the one
 QuantizedTensor of every row (codes and block scales; its global scale is the first non-empty
@@ -395,4 +395,11 @@ def compile_grouped(
     return fns
 
 
-__all__ = ["GroupedOperands", "compile_grouped", "cta_table", "quantize_groups"]
+__all__ = [
+    "GroupedOperands",
+    "compile_grouped",
+    "cta_table",
+    "cta_table_tensor",
+    "quantize_groups",
+    "stacked_scales",
+]
