@@ -91,6 +91,8 @@ def time_ms(fn: Callable[[], object], device: str, steps: int, warmup: int = 2) 
 
 # what --profile found for the row being measured, printed under it by print_row
 _PROFILE_LINES: list[str] = []
+# --profile-dir: where each profiled step's cProfile stats and kernel table are written
+_PROFILE_DIR: list[Path] = []
 
 
 def profile_step(fn: Callable[[], object], device: str, top: int) -> None:
@@ -121,6 +123,13 @@ def profile_step(fn: Callable[[], object], device: str, top: int) -> None:
     if device == "cuda":
         torch.cuda.synchronize()
     profiler.disable()
+    if _PROFILE_DIR:  # the whole profile, for pstats (e.g. sorted by cumulative time)
+        out = _PROFILE_DIR[0]
+        stem = out / f"{len(list(out.glob('*.prof'))) + 1:02d}"
+        profiler.dump_stats(f"{stem}.prof")
+        sort = "self_cuda_time_total" if device == "cuda" else "self_cpu_time_total"
+        Path(f"{stem}.ops.txt").write_text(prof.key_averages().table(sort_by=sort, row_limit=40))
+        _PROFILE_LINES.append(f"      written: {stem}.prof (cProfile), {stem}.ops.txt (torch ops)")
     stats = pstats.Stats(profiler).stats  # type: ignore[attr-defined]
     own = [
         (tottime, calls, _where(file, line, name))
@@ -448,7 +457,17 @@ def main(argv: list[str] | None = None) -> int:
         "time, the N functions (Python and C) with the most own time (cProfile), and the "
         "host's waits for the GPU by line",
     )
+    parser.add_argument(
+        "--profile-dir",
+        type=Path,
+        metavar="DIR",
+        help="with --profile: also write each profiled step's cProfile stats (NN.prof, for "
+        "python -m pstats) and its torch ops by time (NN.ops.txt) to DIR",
+    )
     args = parser.parse_args(argv)
+    if args.profile_dir is not None:
+        args.profile_dir.mkdir(parents=True, exist_ok=True)
+        _PROFILE_DIR.append(args.profile_dir)
     if args.device == "cuda":
         require_cuda()  # --device cpu: a smoke run
     recipes = [r for r in args.recipes.split(",") if r and r != "bf16"]

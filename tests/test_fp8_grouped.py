@@ -168,7 +168,10 @@ def test_launch_arguments_from_the_groups_as_one(fa, fb) -> None:
     sizes, n, k = [3, 140, 1], 256, 300
     a = [quantize(torch.randn(m, k, generator=g), fa) for m in sizes]
     b = [quantize(torch.randn(n, k, generator=g), fb) for _ in sizes]
-    scales = (torch.tensor([2.0, 0.5, 4.0]), torch.tensor([1.0, 8.0, 0.25]))
+    # each side's S_dec a column of a [groups, 2] table, as a dual-output grouped launch
+    # gives them (strided): the launch passes unit-stride vectors, the kernel's rule
+    table = torch.tensor([[2.0, 1.0], [0.5, 8.0], [4.0, 0.25]])
+    scales = (table[:, 0], table[:, 1])
     for side, s in zip((a, b), scales, strict=True):
         for q, value in zip(side, s, strict=True):
             object.__setattr__(q, "global_scale", value.clone())
@@ -178,6 +181,7 @@ def test_launch_arguments_from_the_groups_as_one(fa, fb) -> None:
     )
     for i in range(7):  # codes, scales, S_dec and offsets of both sides; C is uninitialized
         assert got[i].dtype == want[i].dtype and torch.equal(got[i], want[i]), i
+        assert got[i].is_contiguous(), i
     # a whole whose rows are not the groups' is not taken
     _, other = fp8_grouped.grouped_launch(a, b, sms=4, wholes=(joined(a[:2]), None))
     assert torch.equal(other[0], want[0])

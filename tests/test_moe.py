@@ -63,8 +63,9 @@ def experts_of(model: nn.Module, layer: int = 0) -> nn.Module:
     return model.model.layers[layer].mlp.experts
 
 
-def routing(tokens: int = 24, experts: int = 4, empty: int = 3) -> tuple[torch.Tensor, ...]:
-    """top-2 routing over ``experts`` that leaves expert ``empty`` without tokens."""
+def routing(tokens: int = 24, experts: int = 4, empty: int | None = 3) -> tuple[torch.Tensor, ...]:
+    """top-2 routing over ``experts`` that leaves expert ``empty`` without tokens (None: every
+    expert gets some)."""
     g = torch.Generator().manual_seed(1)
     used = [e for e in range(experts) if e != empty]
     scores = torch.rand(tokens, len(used), generator=g)

@@ -271,7 +271,9 @@ def _globals(
     if given is not None and not any(q is None for q in groups) and given.numel() == len(groups):
         if given.dtype != torch.float32 or given.device != device:
             given = given.to(device=device, dtype=torch.float32)
-        return given.reshape(-1)
+        # the kernel reads unit-stride vectors; a copy's column of a [groups, copies] table
+        # (GroupedOperands.global_scales of a dual-output launch) is strided
+        return given.reshape(-1).contiguous()
     return torch.cat([one if q is None else _global(q, device) for q in groups])
 
 
