@@ -9,7 +9,8 @@ from a config (no download) at the same widths, ``--model-layers`` layers of
 process, after the BF16 baseline:
 
 - ``bf16 grouped_mm``: the transformers experts with ``grouped_mm`` (torch._grouped_mm in
-  BF16), the baseline every ratio divides by;
+  BF16; under autocast with the weights cast to bf16, ``register_baseline``: transformers
+  would run an fp32 model's grouped GEMMs in fp32), the baseline every ratio divides by;
 - ``bf16 eager``: the transformers experts' own per-expert loop (layer section only);
 - each recipe (``--recipes``), converted by ``fp4gen.convert`` from the baseline's model (the
   layers a recipe keeps in BF16, e.g. ``nvfp4_small``'s last block, run ``grouped_mm`` as the
@@ -222,8 +223,46 @@ def moe_config(kind: str, args: argparse.Namespace, experts: int, topk: int, lay
     return cfg
 
 
-# the experts implementation of the baseline row, and of the BF16 layers a recipe keeps
-BASELINE = "grouped_mm"
+# the experts implementation of the baseline row, and of the BF16 layers a recipe keeps:
+# transformers' grouped_mm with the weights cast to the autocast dtype (register_baseline)
+BASELINE = "grouped_mm_autocast"
+
+
+class _CastParameters:
+    """An experts module seen with its floating-point parameters cast to ``dtype`` (a
+    differentiable copy per forward, as autocast casts a Linear's weight), everything else its
+    own."""
+
+    def __init__(self, module: nn.Module, dtype: torch.dtype) -> None:
+        self._module, self._dtype = module, dtype
+
+    def __getattr__(self, name: str) -> object:
+        value = getattr(self._module, name)
+        if isinstance(value, nn.Parameter) and value.is_floating_point():
+            return value.to(self._dtype)
+        return value
+
+
+def register_baseline() -> None:
+    """Register ``BASELINE`` with transformers' experts implementations: its ``grouped_mm``
+    under autocast. torch's grouped GEMM is not autocast-enabled and transformers casts the
+    tokens to the weights' dtype, so a model with fp32 parameters under bf16 autocast would
+    run its experts' grouped GEMMs in fp32 (a baseline several times slower than BF16); this
+    one casts the weights to the autocast dtype instead, as autocast does for a Linear."""
+    from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS, grouped_mm_experts_forward
+
+    def forward(
+        self: nn.Module, hidden: torch.Tensor, index: torch.Tensor, weights: torch.Tensor
+    ) -> torch.Tensor:
+        kind = hidden.device.type
+        if not torch.is_autocast_enabled(kind):
+            return grouped_mm_experts_forward(self, hidden, index, weights)
+        dtype = torch.get_autocast_dtype(kind)
+        cast = _CastParameters(self, dtype)
+        return grouped_mm_experts_forward(cast, hidden.to(dtype), index, weights.to(dtype))
+
+    ALL_EXPERTS_FUNCTIONS[BASELINE] = forward
+
 
 # the issue's goals, as a ratio to BF16 grouped_mm (a recipe's name prefix -> the largest ratio):
 # the MoE layer's fwd+bwd and a whole model's step
@@ -465,6 +504,7 @@ def main(argv: list[str] | None = None) -> int:
         "python -m pstats) and its torch ops by time (NN.ops.txt) to DIR",
     )
     args = parser.parse_args(argv)
+    register_baseline()
     if args.profile_dir is not None:
         args.profile_dir.mkdir(parents=True, exist_ok=True)
         _PROFILE_DIR.append(args.profile_dir)

@@ -86,3 +86,41 @@ def test_the_issue_targets_and_the_per_expert_quantize_row(capsys) -> None:
     out = capsys.readouterr().out
     assert [name for name, _ in rows(out)] == ["bf16 grouped_mm", "bf16 eager", "nvfp4_small"]
     assert "target" not in out  # a CPU smoke run holds no row to a goal
+
+
+def test_the_baseline_runs_an_fp32_models_experts_in_bf16_under_autocast() -> None:
+    """transformers' grouped_mm would multiply an fp32 model's experts in fp32 under autocast;
+    the baseline casts the weights to bf16 as autocast casts a Linear's: its output is the bf16
+    model's bit for bit, and the gradients reach the fp32 parameters."""
+    import torch
+    from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeExperts
+
+    moe.register_baseline()
+    cfg = moe.moe_config("qwen3_moe", moe_args(), 4, 2, 1)
+    cfg._experts_implementation = moe.BASELINE
+    torch.manual_seed(0)
+    fp32 = Qwen3MoeExperts(cfg)
+    with torch.no_grad():
+        for param in fp32.parameters():
+            param.normal_(0.0, 0.05)
+    bf16 = Qwen3MoeExperts(cfg)
+    bf16.load_state_dict(fp32.state_dict())
+    bf16 = bf16.to(torch.bfloat16)
+    hidden = torch.randn(16, cfg.hidden_size)
+    index = torch.randint(0, 4, (16, 2), generator=torch.Generator().manual_seed(1))
+    weights = torch.softmax(torch.randn(16, 2), dim=1)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        got = fp32(hidden, index, weights)
+    want = bf16(hidden.to(torch.bfloat16), index, weights.to(torch.bfloat16))
+    assert got.dtype == torch.bfloat16 and torch.equal(got, want)
+    got.float().sum().backward()
+    assert all(p.grad is not None and p.grad.dtype == torch.float32 for p in fp32.parameters())
+    # without autocast: transformers' grouped_mm itself, in the parameters' dtype
+    assert fp32(hidden, index, weights).dtype == torch.float32
+
+
+def moe_args():
+    """moe.py's parsed defaults at TINY's sizes."""
+    import argparse
+
+    return argparse.Namespace(hidden=64, inner=32, tokens=32, seq=16)
