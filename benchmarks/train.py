@@ -87,6 +87,7 @@ import pstats
 import statistics
 import sys
 import time
+import traceback
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -717,6 +718,13 @@ def run_compiled(
     try:
         compiled = compile_model(model, scope, mode, args.compile_backend)
         graphs_on = mode == "reduce-overhead" and device == "cuda"
+        if graphs_on:
+            # a gradient autograd would take over from a CUDA graph's output buffer (the first
+            # backward's, with .grad None) is overwritten by the next replay: the parameters'
+            # gradients get buffers of their own, which backward adds into
+            for param in model.parameters():
+                if param.requires_grad and param.grad is None:
+                    param.grad = torch.zeros_like(param)
         phases: list[list[float]] = []
         step = make_step(compiled, loss_fn(args.model), tokens, False, graphs_on, model)
         for _ in range(WARMUP_STEPS):
@@ -740,6 +748,7 @@ def run_compiled(
         if device == "cuda":
             torch.cuda.synchronize()
         note = f"failed: {type(err).__name__}: {str(err).splitlines()[0][:160]}"
+        traceback.print_exc()  # the whole error, on stderr: the note keeps the row short
     stats = counters["stats"]
     result = CompiledResult(
         ms,
