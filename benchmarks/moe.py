@@ -116,7 +116,7 @@ def profile_step(fn: Callable[[], object], device: str, top: int) -> None:
         if device == "cuda":
             torch.cuda.synchronize()
     wall = (time.perf_counter() - t0) * 1e3
-    gpu = sum(e.self_device_time_total for e in prof.key_averages()) / 1e3
+    gpu = gpu_busy_ms(prof.key_averages())
     _PROFILE_LINES.append(f"      profile: wall {wall:.2f} ms (profiled), GPU kernels {gpu:.2f} ms")
     profiler = cProfile.Profile()
     profiler.enable()
@@ -143,6 +143,22 @@ def profile_step(fn: Callable[[], object], device: str, top: int) -> None:
         )
     if device == "cuda":
         _PROFILE_LINES.append("      " + count_syncs(fn))
+
+
+def gpu_busy_ms(events: object) -> float:
+    """The GPU's own time in ``events`` (a profiler's key averages), in ms: the device events
+    alone, as torch's table totals it (an aten op's row repeats the time of the kernels it
+    launched, which summing every row counted twice)."""
+    from torch.autograd import DeviceType
+
+    return (
+        sum(
+            e.self_device_time_total
+            for e in events  # type: ignore[attr-defined]
+            if e.device_type == DeviceType.CUDA and not getattr(e, "is_user_annotation", False)
+        )
+        / 1e3
+    )
 
 
 def count_syncs(fn: Callable[[], object]) -> str:

@@ -124,3 +124,24 @@ def moe_args():
     import argparse
 
     return argparse.Namespace(hidden=64, inner=32, tokens=32, seq=16)
+
+
+def test_gpu_busy_counts_the_device_events_once() -> None:
+    """An aten op's row repeats the time of the kernels it launched: only the device events
+    count (torch's own table total), not the op rows or user annotations."""
+    from types import SimpleNamespace
+
+    from torch.autograd import DeviceType
+
+    def event(kind, us, annotation=False):
+        return SimpleNamespace(
+            device_type=kind, self_device_time_total=us, is_user_annotation=annotation
+        )
+
+    events = [
+        event(DeviceType.CPU, 900.0),  # aten::mul, its kernel's time again
+        event(DeviceType.CUDA, 900.0),  # the kernel
+        event(DeviceType.CUDA, 100.0),
+        event(DeviceType.CUDA, 5000.0, annotation=True),  # a profiler range on the GPU
+    ]
+    assert moe.gpu_busy_ms(events) == 1.0
