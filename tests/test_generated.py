@@ -72,3 +72,18 @@ def test_checked_in_output_has_no_timings_or_binaries() -> None:
         assert '"seconds"' not in manifest.read_text(), f"{manifest}: use --no-timings"
     binaries = [p for p in GENERATED.rglob("*") if p.suffix in (".ptx", ".cubin", ".so", ".o")]
     assert binaries == []
+
+
+def test_manifests_name_the_current_template_version() -> None:
+    """The template version hashes the template, codegen and kernel files in the repository, so
+    a change to them without a regenerate leaves the manifests naming the old one (and the
+    README's ``fp4gen compile`` rewrites a checked-in file)."""
+    from fp4gen.compiler.cache import template_version
+
+    current = template_version()
+    stale = [
+        manifest.parent.name
+        for manifest in sorted(GENERATED.glob("*/manifest.json"))
+        if json.loads(manifest.read_text())["template_version"] != current
+    ]
+    assert stale == [], f"generated/ {stale} name another template version: run {REGENERATE}"
