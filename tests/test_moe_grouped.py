@@ -57,23 +57,27 @@ def pair(arch: str, dtype: torch.dtype, recipe: str = "nvfp4_no_bf16", device: s
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("arch", ARCHS)
-@pytest.mark.parametrize("routed", ["top2", "unequal"])
+@pytest.mark.parametrize("routed", ["top2", "unequal", "every"])
 def test_grouped_equals_the_loop_bit_for_bit(arch, dtype, routed, dequant_loop) -> None:
     """The full NVFP4 recipe (stochastic rounding of the gradients, RHT on wgrad), biases
-    (gpt-oss), an expert without tokens and very unequal groups: output, dx, the routing
-    weights' gradient and every parameter's gradient are the loop's bits."""
+    (gpt-oss), an expert without tokens, very unequal groups, and every expert routed: output,
+    dx, the routing weights' gradient and every parameter's gradient are the loop's bits."""
     loop, group = pair(arch, dtype)
-    index, weights = routing(40, empty=1) if routed == "top2" else unequal_routing()
+    if routed == "unequal":
+        index, weights = unequal_routing()
+    else:
+        index, weights = routing(40, empty=1 if routed == "top2" else None)
     hidden = torch.randn(index.shape[0], 64).to(dtype)
     want = run(loop, hidden, index, weights.to(dtype))
     got = run(group, hidden, index, weights.to(dtype))
     for a, b in zip(got[:3], want[:3], strict=True):
         assert torch.equal(a, b)
-    empty = 1 if routed == "top2" else 2
+    empty = {"top2": 1, "unequal": 2}.get(routed)
     for name, grad in want[3].items():
         assert torch.equal(got[3][name], grad), name
         if not name.endswith("bias"):
-            assert not grad[empty].any() and grad.abs().sum() > 0
+            assert grad.abs().sum() > 0
+            assert all(grad[e].any() != (e == empty) for e in range(grad.shape[0])), name
     assert got[0].abs().sum() > 0
     # both paths counted the same calls (the next step's random streams)
     for pl, pg in zip(loop.gemms, group.gemms, strict=True):

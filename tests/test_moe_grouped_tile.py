@@ -435,9 +435,16 @@ def definition_standing_in(real_reference):
     return stand_in, calls
 
 
+@pytest.mark.parametrize("every", [False, True], ids=["one_empty", "every_routed"])
 @pytest.mark.parametrize("arch", ["mixtral", "gpt_oss"])
 @pytest.mark.parametrize("recipe", sorted(RECIPES))
-def test_grouped_tile_operands_are_the_loops_bits(monkeypatch, dequant_loop, arch, recipe) -> None:  # noqa: F811
+def test_grouped_tile_operands_are_the_loops_bits(
+    monkeypatch,
+    dequant_loop,  # noqa: F811
+    arch,
+    recipe,
+    every,
+) -> None:
     """The grouped path with its grouped tile quantize (the definition standing in for the
     kernels, so this runs on the CPU): every expert's wgrad activation, gradient pair and 2D
     weight copies with its seed, Philox offsets, padding, scope and (gpt-oss) transposed
@@ -461,7 +468,7 @@ def test_grouped_tile_operands_are_the_loops_bits(monkeypatch, dequant_loop, arc
     text = RECIPES[recipe]
     spec = parse_recipe(text) if "\n" in text else text
     loop, group = pair(arch, torch.bfloat16, spec)
-    index, weights = routing(40, empty=1)
+    index, weights = routing(40, empty=None if every else 1)
     for step in range(2):
         hidden = torch.randn(40, 64, generator=torch.Generator().manual_seed(step))
         hidden = hidden.to(torch.bfloat16)
