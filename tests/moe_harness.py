@@ -8,7 +8,7 @@ with every expert GEMM's operands recorded and every product checked and handed 
   each, on the CPU) are recorded under (the expert's GEMM layer name, "fprop" / "dgrad" /
   "wgrad", the layer's call count): on the per-expert loop at its ``fp4gen.gemm`` call (the
   layer found from the ``forward_gemm`` / ``backward_gemms`` call it is in), on the grouped path
-  at ``fp4gen.runtime.grouped.decode_pair``. Two runs are then compared key by key, bit for
+  at ``fp4gen.runtime.grouped.observe_pair``. Two runs are then compared key by key, bit for
   bit (``operand_differences``): a failure names the first GEMM, in the reference run's order,
   whose operands differ, and which of its pieces.
 - **Products.** Each product is checked against the float64 product of the same block values
@@ -160,7 +160,6 @@ def harnessed(harness: Harness) -> Iterator[Harness]:
     """Every expert GEMM recorded, checked and handed on (module docstring) while inside."""
     real_gemm = linear.gemm
     real_forward, real_backward = _ExpertGemm.forward_gemm, _ExpertGemm.backward_gemms
-    real_decode = grouped.decode_pair
     real_rows, real_k = grouped.group_rows, grouped.group_k
 
     def forward_gemm(self: _ExpertGemm, *args: Any, **kw: Any) -> Any:
@@ -200,9 +199,8 @@ def harnessed(harness: Harness) -> Iterator[Harness]:
             return out
         return want
 
-    def decode_pair(layer: Any, gemm_name: str, call: int, a: Any, b: Any, **kw: Any) -> Any:
+    def observe_pair(layer: Any, gemm_name: str, call: int, a: Any, b: Any) -> None:
         harness.record((layer.name, gemm_name, call), a, b)
-        return real_decode(layer, gemm_name, call, a, b, **kw)
 
     def group_rows(a: torch.Tensor, b: torch.Tensor, ends: list) -> torch.Tensor:
         got = real_rows(a, b, ends) if harness.check else None
@@ -219,7 +217,7 @@ def harnessed(harness: Harness) -> Iterator[Harness]:
         mp.setattr(linear, "gemm", gemm)
         mp.setattr(_ExpertGemm, "forward_gemm", forward_gemm)
         mp.setattr(_ExpertGemm, "backward_gemms", backward_gemms)
-        mp.setattr(grouped, "decode_pair", decode_pair)
+        mp.setattr(grouped, "observe_pair", observe_pair)
         mp.setattr(grouped, "group_rows", group_rows)
         mp.setattr(grouped, "group_k", group_k)
         if harness.glue_on_cpu:

@@ -192,16 +192,15 @@ def global_scales(monkeypatch, module, hidden, index, weights):
     operands in it, by GEMM ("fprop", "dgrad", "wgrad") and side (a: the activation or
     gradient, b: the other)."""
     seen: dict[str, list[torch.Tensor]] = {}
-    decode = grouped.decode_pair
+    observe = grouped.observe_pair
 
-    def record(layer, gemm, call, a, b, **kw):
+    def record(layer, gemm, call, a, b):
         seen.setdefault(f"{gemm}.a", []).append(a.global_scale.clone())
         seen.setdefault(f"{gemm}.b", []).append(b.global_scale.clone())
-        return decode(layer, gemm, call, a, b, **kw)
 
-    monkeypatch.setattr(grouped, "decode_pair", record)
+    monkeypatch.setattr(grouped, "observe_pair", record)
     results = run(module, hidden, index, weights)
-    monkeypatch.setattr(grouped, "decode_pair", decode)
+    monkeypatch.setattr(grouped, "observe_pair", observe)
     return results, seen
 
 

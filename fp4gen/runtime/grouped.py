@@ -263,6 +263,13 @@ def _scales_of(operands: Any, copy: int | None = None) -> torch.Tensor | None:
     return scales if scales is None or copy is None else scales[:, copy]
 
 
+def observe_pair(layer: Any, gemm: str, call: int, a: Any, b: Any) -> None:
+    """Every expert GEMM of the grouped path passes its two quantized operands here: ``layer``
+    the expert's GEMM layer, ``gemm`` "fprop", "dgrad" or "wgrad", ``call`` the layer's call
+    count that quantized them. Nothing happens: a test harness records the operands here, keyed
+    as the loop's GEMM calls are (tests/moe_harness.py)."""
+
+
 def decode_pair(
     layer: Any,
     gemm: str,
@@ -279,9 +286,9 @@ def decode_pair(
     count that quantized them; ``a_values`` / ``b_values``: the operand's block values where
     they were decoded already (every expert's at once, ``_whole_values``); ``alpha``: the
     product where the caller has it already (every group's, ``_group_alphas``), returned as
-    given. Every expert GEMM of
-    the grouped path passes here (a test harness records the operands at this point, keyed as
-    the loop's GEMM calls are)."""
+    given. The operands pass ``observe_pair`` first (where the caller has every value already,
+    it calls ``observe_pair`` alone: no slices per expert)."""
+    observe_pair(layer, gemm, call, a, b)
     return (
         _values(a) if a_values is None else a_values,
         _values(b) if b_values is None else b_values,
@@ -384,6 +391,7 @@ def _fprop(
         x_all = None if fp8 else _whole_values(inputs)
         w_all = None if fp8 else _whole_values(batched)
         alpha_all = None if fp8 else _group_alphas(_scales_of(inputs), _scales_of(batched))
+        whole = x_all is not None and w_all is not None and alpha_all is not None
         n_out = weight.shape[2] if groups.transposed else weight.shape[1]
         for i, (expert, count, layer) in enumerate(
             zip(groups.experts, groups.counts, groups.layers, strict=True)
@@ -412,6 +420,9 @@ def _fprop(
             layer.__dict__["_forward_calls"] = call + 1
             pairs.append((xq, wq))
             if fp8:
+                continue
+            if whole:  # every expert's values are slices of x_all and w_all: none taken
+                observe_pair(layer, "fprop", call, xq, wq)
                 continue
             x_values, w_values, alpha = decode_pair(
                 layer,
@@ -826,6 +837,7 @@ def _grads(
     gt_at = xt_at = 0
     dgrad_alphas = None if fp8_dgrad else _group_alphas(_scales_of(dy_pairs, 0), _scales_of(w_cols))
     wgrad_alphas = None if fp8_wgrad else _group_alphas(_scales_of(dy_pairs, 1), _scales_of(x_cols))
+    dgrad_whole = dy_all is not None and w_col_all is not None and dgrad_alphas is not None
     # per-tensor slots that each expert's layer quantizes below: the amax over every expert
     missing = tuple(
         op
@@ -878,7 +890,10 @@ def _grads(
         padded.append(tokens)
         dgrad_pairs.append((dyq, w_col))
         wgrad_pairs.append((dyq_t, xq_t))
-        if not fp8_dgrad:
+        if not fp8_dgrad and dgrad_whole:  # the values are slices of dy_all and w_col_all
+            observe_pair(layer, "dgrad", call, dyq, w_col)
+            padded_start += tokens
+        elif not fp8_dgrad:
             dy_v, w_v, dgrad_alpha = decode_pair(
                 layer,
                 "dgrad",
@@ -1092,6 +1107,7 @@ __all__ = [
     "GroupedProjection",
     "Groups",
     "decode_pair",
+    "observe_pair",
     "fp8_grouped_reason",
     "group_k",
     "group_rows",

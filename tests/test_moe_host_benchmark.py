@@ -1,0 +1,48 @@
+"""benchmarks/moe_host.py on the CPU at tiny sizes: the grouped experts' host path runs with the
+GPU's work stood in, every experts module grouped; and what one fwd+bwd issues per expert
+(the host cost that grows with the experts) is held at what it is now: no op that launches GPU
+work per expert for NVFP4 (the grouped quantize, decodes and GEMMs serve every expert at once),
+two for FP8 blockwise (each expert's wgrad GEMM, per projection)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("transformers")
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
+
+import moe_host  # noqa: E402
+
+
+def sizes(experts: int) -> argparse.Namespace:
+    # widths of whole FP8 blocks (128): the kernels refuse others, as on a GPU
+    return argparse.Namespace(
+        hidden=128, inner=128, experts=experts, topk=2, tokens=64, steps=1, profile=0
+    )
+
+
+@pytest.mark.parametrize(
+    "recipe, launching_per_expert, ops_per_expert",
+    [("nvfp4_small", 0, 20), ("fp8_blockwise", 2, 14)],
+)
+def test_host_cost_per_expert(recipe, launching_per_expert, ops_per_expert) -> None:
+    few, more = (moe_host.measure(sizes(e), recipe) for e in (4, 8))
+    assert few["grouped"] and more["grouped"]
+    assert few["kernels"] > 0  # the stood-in kernels were launched: the grouped path ran
+    assert more["launching"] - few["launching"] <= 4 * launching_per_expert
+    assert more["ops"] - few["ops"] <= 4 * ops_per_expert
+
+
+def test_prints_a_row_per_recipe(capsys) -> None:
+    argv = ["--experts", "4", "--topk", "2", "--tokens", "64", "--hidden", "128"]
+    assert moe_host.main([*argv, "--inner", "128", "--steps", "1", "--ops", "3"]) == 0
+    out = capsys.readouterr().out
+    assert "64 tokens" in out and "most issued:" in out
+    assert [line.split()[0] for line in out.splitlines() if line.endswith("grouped")] == [
+        "nvfp4_small",
+        "fp8_blockwise",
+    ]
