@@ -750,17 +750,22 @@ def test_the_flat_row_length_of_columnwise_copies() -> None:
     assert flat_row_length([], 16) is None
 
 
+@pytest.mark.parametrize("equal", [False, True], ids=["unequal", "equal"])
 @pytest.mark.parametrize("direction", ["rowwise", "columnwise"])
 @pytest.mark.parametrize(
     ("bits", "block", "two_d"), [(4, 16, False), (4, 16, True), (8, 32, False)]
 )
-def test_group_pieces_are_where_the_kernels_write_each_group(direction, bits, block, two_d) -> None:
-    """The views the host hands out per group (two splits per copy) hold the bytes and scales
-    at the kernels' offsets (``group_offsets``), in each group's shape; empty groups none."""
+def test_group_pieces_are_where_the_kernels_write_each_group(
+    direction, bits, block, two_d, equal
+) -> None:
+    """The views the host hands out per group (two splits per copy; groups of one size, the
+    weights': one view and unbind per buffer) hold the bytes and scales at the kernels' offsets
+    (``group_offsets``), in each group's shape and strides; empty groups none."""
     from fp4gen.kernels.grouped_tile import group_offsets
     from fp4gen.runtime.grouped_tile import group_pieces
 
-    k, pads = 64, [2 * block, 0, block, 4 * block]  # whole blocks of rows (the kernels' rule)
+    # whole blocks of rows (the kernels' rule)
+    k, pads = 64, [2 * block] * 3 if equal else [2 * block, 0, block, 4 * block]
     total = sum(pads)
     codes = torch.arange(total * k * bits // 8, dtype=torch.int64).to(torch.uint8)
     scale_rows = total // block if two_d else total
@@ -781,4 +786,5 @@ def test_group_pieces_are_where_the_kernels_write_each_group(direction, bits, bl
         assert s.shape == (scale_rows_g, want_scales.numel() // scale_rows_g)
         assert torch.equal(c.reshape(-1), want_codes) and torch.equal(s.reshape(-1), want_scales)
         assert c.data_ptr() == want_codes.data_ptr() and s.data_ptr() == want_scales.data_ptr()
+        assert c.is_contiguous() and s.is_contiguous()
         start += pad

@@ -128,9 +128,16 @@ def group_pieces(
         ]
     code_sizes = [pad * row_bytes for pad in pads]
     scale_sizes = [rows * (k // block) for rows in scale_rows]
+    k_rows = k // block if two_d else k
+    if pads and pads[0] and len(set(pads)) == 1:
+        # groups of one size (the experts' weight slices): one view and one unbind per buffer
+        # give the same views as a split and a view per group
+        groups = len(pads)
+        code_views = codes[: sum(code_sizes)].view(groups, k, -1).unbind(0)
+        scale_views = scales[: sum(scale_sizes)].view(groups, k_rows, -1).unbind(0)
+        return list(zip(code_views, scale_views, strict=True))
     code_parts = codes[: sum(code_sizes)].split(code_sizes)
     scale_parts = scales[: sum(scale_sizes)].split(scale_sizes)
-    k_rows = k // block if two_d else k
     return [
         None if pad == 0 else (c.view(k, -1), s.view(k_rows, -1))
         for pad, c, s in zip(pads, code_parts, scale_parts, strict=True)
