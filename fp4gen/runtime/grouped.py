@@ -311,6 +311,15 @@ def _group_of(flat: torch.Tensor | None, at: int, shape: Sequence[int]) -> torch
     return flat[at : at + rows * cols].view(rows, cols)
 
 
+def _flat_groups(flat: torch.Tensor, shapes: Sequence[Sequence[int]]) -> list[torch.Tensor]:
+    """Each group's [rows, cols] values at its place in ``_flat_values``' result, in order (as
+    ``_group_of`` gives them one by one): one split, and a view per group."""
+    sizes = [rows * cols for rows, cols in shapes]
+    total = sum(sizes)
+    pieces = (flat if flat.numel() == total else flat[:total]).split(sizes)
+    return [piece.view(rows, cols) for piece, (rows, cols) in zip(pieces, shapes, strict=True)]
+
+
 def _whole_values(operands: Any) -> torch.Tensor | None:
     """Every group's block values in one decode, where a grouped quantize wrote the groups as
     one tensor (``GroupedOperands.whole``: the decode reads no global scale); else None."""
@@ -838,6 +847,9 @@ def _grads(
     dgrad_alphas = None if fp8_dgrad else _group_alphas(_scales_of(dy_pairs, 0), _scales_of(w_cols))
     wgrad_alphas = None if fp8_wgrad else _group_alphas(_scales_of(dy_pairs, 1), _scales_of(x_cols))
     dgrad_whole = dy_all is not None and w_col_all is not None and dgrad_alphas is not None
+    wgrad_whole = gt_all is not None and xt_all is not None and wgrad_alphas is not None
+    gt_shapes: list[torch.Size] = []
+    xt_shapes: list[torch.Size] = []
     # per-tensor slots that each expert's layer quantizes below: the amax over every expert
     missing = tuple(
         op
@@ -909,7 +921,11 @@ def _grads(
             if dgrad_alphas is None:
                 dy_alphas.append(dgrad_alpha.expand(tokens))
             padded_start += tokens
-        if not fp8_wgrad:
+        if not fp8_wgrad and wgrad_whole:  # the values: views of gt_all and xt_all, below
+            observe_pair(layer, "wgrad", call, dyq_t, xq_t)
+            gt_shapes.append(dyq_t.shape)
+            xt_shapes.append(xq_t.shape)
+        elif not fp8_wgrad:
             gt_v, xt_v, wgrad_alpha = decode_pair(
                 layer,
                 "wgrad",
@@ -927,6 +943,8 @@ def _grads(
             if wgrad_alphas is None:
                 w_alphas.append(wgrad_alpha)
     advance_devices(groups.layers, forward=False)  # after every expert's launches above
+    if wgrad_whole and not fp8_wgrad:
+        gt_values, xt_values = _flat_groups(gt_all, gt_shapes), _flat_groups(xt_all, xt_shapes)
     # dgrad: the padded token rows of every expert, then the real rows taken back
     real = real_rows(groups.counts, padded, dy.device)
     if fp8_dgrad:  # the rounding to x's dtype in the FP8 GEMM's epilogue, per expert
