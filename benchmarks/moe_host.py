@@ -1,5 +1,7 @@
-"""The host path of a grouped MoE layer on any machine (no GPU needed): what one forward +
-backward of a converted Qwen3-MoE sparse block costs the host, the GPU's work stood in for.
+"""The host cost of a grouped MoE layer's fwd+bwd, measured on a CPU with the GPU stood in for.
+
+What one forward + backward of a converted Qwen3-MoE sparse block costs the host, on any
+machine (no GPU needed).
 
 On an H200 the grouped experts are bound by their host (docs/moe.md, "Measured on an idle
 H200"): the GPU's work of a Qwen3-MoE step is 1.25x BF16's for ``nvfp4_small``, its wall time
@@ -222,13 +224,13 @@ def measure(args: argparse.Namespace, recipe: str) -> dict[str, Any]:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--experts", type=int, default=64)
-    parser.add_argument("--topk", type=int, default=8)
+    parser.add_argument("--experts", type=int, default=64, help="experts of the layer")
+    parser.add_argument("--topk", type=int, default=8, help="experts per token")
     parser.add_argument("--tokens", type=int, default=2048)
-    parser.add_argument("--hidden", type=int, default=256)
+    parser.add_argument("--hidden", type=int, default=256, help="the model's width")
     parser.add_argument("--inner", type=int, default=128, help="each expert's intermediate size")
-    parser.add_argument("--recipes", default="nvfp4_small,fp8_blockwise")
-    parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--recipes", default="nvfp4_small,fp8_blockwise", help="comma-separated")
+    parser.add_argument("--steps", type=int, default=5, help="timed fwd+bwd per recipe")
     parser.add_argument(
         "--profile", type=int, default=0, metavar="N", help="the N functions with most own time"
     )
