@@ -791,14 +791,14 @@ def test_group_pieces_are_where_the_kernels_write_each_group(
 
 
 def test_flat_groups_are_the_groups_views_one_by_one() -> None:
-    """``grouped._flat_groups`` (one split, a view per group) gives the views ``_group_of``
-    gives group by group at its running offset: the same values, places and strides."""
+    """``grouped._flat_groups`` (one split, a view per group) gives each group the view of
+    its [rows, cols] values at its running offset: the same values, places and strides."""
     flat = torch.arange(64 * (16 + 48 + 32), dtype=torch.float32)
     shapes = [torch.Size((64, 16)), torch.Size((64, 48)), torch.Size((64, 32))]
     got = grouped._flat_groups(flat, shapes)
     at = 0
     for view, shape in zip(got, shapes, strict=True):
-        want = grouped._group_of(flat, at, shape)
+        want = flat[at : at + shape[0] * shape[1]].view(shape)
         assert torch.equal(view, want) and view.data_ptr() == want.data_ptr()
         assert view.stride() == want.stride()
         at += shape[0] * shape[1]

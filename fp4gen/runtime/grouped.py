@@ -303,17 +303,9 @@ def _flat_values(operands: Any) -> torch.Tensor | None:
     return None if flat is None else _values(flat).reshape(-1)
 
 
-def _group_of(flat: torch.Tensor | None, at: int, shape: Sequence[int]) -> torch.Tensor | None:
-    """The [rows, cols] values at element ``at`` of ``_flat_values``' result, or None."""
-    if flat is None:
-        return None
-    rows, cols = shape
-    return flat[at : at + rows * cols].view(rows, cols)
-
-
 def _flat_groups(flat: torch.Tensor, shapes: Sequence[Sequence[int]]) -> list[torch.Tensor]:
-    """Each group's [rows, cols] values at its place in ``_flat_values``' result, in order (as
-    ``_group_of`` gives them one by one): one split, and a view per group."""
+    """Each group's [rows, cols] values at its place in ``_flat_values``' result (group g's
+    after the groups' before it), in order: one split, and a view per group."""
     sizes = [rows * cols for rows, cols in shapes]
     total = sum(sizes)
     pieces = (flat if flat.numel() == total else flat[:total]).split(sizes)
@@ -325,6 +317,44 @@ def _whole_values(operands: Any) -> torch.Tensor | None:
     one tensor (``GroupedOperands.whole``: the decode reads no global scale); else None."""
     whole = getattr(operands, "whole", None)
     return None if whole is None else _values(whole)
+
+
+def _wgrad_values(
+    pairs: list[tuple[Any, Any]],
+    calls: list[tuple[Any, int]],
+    gt_all: torch.Tensor | None,
+    xt_all: torch.Tensor | None,
+    alphas: torch.Tensor | None,
+) -> tuple[list[torch.Tensor], list[torch.Tensor], torch.Tensor]:
+    """Every expert's wgrad GEMM values (its gradient's and activation's columns) and the
+    groups' S_dec products as one fp32 [groups]: from the one decode of each columnwise copy
+    (``_flat_values``: ``gt_all``, ``xt_all``) where there is one, else each expert's own;
+    ``pairs`` the experts' (gradient, activation) operands, ``calls`` their (GEMM layer, call
+    count). Every pair passes ``observe_pair`` (through ``decode_pair`` where values are
+    decoded per expert)."""
+    shapes = [(a.shape, b.shape) for a, b in pairs]
+    gt_views = None if gt_all is None else _flat_groups(gt_all, [sa for sa, _ in shapes])
+    xt_views = None if xt_all is None else _flat_groups(xt_all, [sb for _, sb in shapes])
+    if gt_views is not None and xt_views is not None and alphas is not None:
+        for (layer, call), (a, b) in zip(calls, pairs, strict=True):
+            observe_pair(layer, "wgrad", call, a, b)
+        return gt_views, xt_views, alphas
+    gt_values, xt_values, each = [], [], []
+    for j, ((layer, call), (a, b)) in enumerate(zip(calls, pairs, strict=True)):
+        gt_v, xt_v, alpha = decode_pair(
+            layer,
+            "wgrad",
+            call,
+            a,
+            b,
+            a_values=None if gt_views is None else gt_views[j],
+            b_values=None if xt_views is None else xt_views[j],
+            alpha=alphas,
+        )
+        gt_values.append(gt_v)
+        xt_values.append(xt_v)
+        each.append(alpha)
+    return gt_values, xt_values, torch.cat(each) if alphas is None else alphas
 
 
 class GroupedProjection(torch.autograd.Function):
@@ -819,8 +849,7 @@ def _grads(
     """dx [T, in] (x's dtype) and dW (the weight's shape and dtype) by a grouped dgrad and a
     grouped wgrad; each expert's operands quantized as ``Linear._grads`` quantizes them."""
     dy_values, w_values, dy_alphas = [], [], []
-    dgrad_pairs, wgrad_pairs = [], []
-    gt_values, xt_values, w_alphas, padded = [], [], [], []
+    dgrad_pairs, wgrad_pairs, wgrad_calls, padded = [], [], [], []
     start = 0
     n_out = dy.shape[1]
     table0 = groups.layers[0].operands
@@ -843,13 +872,9 @@ def _grads(
     # every expert's wgrad gradient and activation columns, one decode each
     gt_all = None if fp8_wgrad else _flat_values(dy_pairs)
     xt_all = None if fp8_wgrad else _flat_values(x_cols)
-    gt_at = xt_at = 0
     dgrad_alphas = None if fp8_dgrad else _group_alphas(_scales_of(dy_pairs, 0), _scales_of(w_cols))
     wgrad_alphas = None if fp8_wgrad else _group_alphas(_scales_of(dy_pairs, 1), _scales_of(x_cols))
     dgrad_whole = dy_all is not None and w_col_all is not None and dgrad_alphas is not None
-    wgrad_whole = gt_all is not None and xt_all is not None and wgrad_alphas is not None
-    gt_shapes: list[torch.Size] = []
-    xt_shapes: list[torch.Size] = []
     # per-tensor slots that each expert's layer quantizes below: the amax over every expert
     missing = tuple(
         op
@@ -902,6 +927,7 @@ def _grads(
         padded.append(tokens)
         dgrad_pairs.append((dyq, w_col))
         wgrad_pairs.append((dyq_t, xq_t))
+        wgrad_calls.append((layer, call))
         if not fp8_dgrad and dgrad_whole:  # the values are slices of dy_all and w_col_all
             observe_pair(layer, "dgrad", call, dyq, w_col)
             padded_start += tokens
@@ -921,30 +947,7 @@ def _grads(
             if dgrad_alphas is None:
                 dy_alphas.append(dgrad_alpha.expand(tokens))
             padded_start += tokens
-        if not fp8_wgrad and wgrad_whole:  # the values: views of gt_all and xt_all, below
-            observe_pair(layer, "wgrad", call, dyq_t, xq_t)
-            gt_shapes.append(dyq_t.shape)
-            xt_shapes.append(xq_t.shape)
-        elif not fp8_wgrad:
-            gt_v, xt_v, wgrad_alpha = decode_pair(
-                layer,
-                "wgrad",
-                call,
-                dyq_t,
-                xq_t,
-                a_values=_group_of(gt_all, gt_at, dyq_t.shape),
-                b_values=_group_of(xt_all, xt_at, xq_t.shape),
-                alpha=wgrad_alphas,
-            )
-            gt_at += dyq_t.shape[0] * dyq_t.shape[1]
-            xt_at += xq_t.shape[0] * xq_t.shape[1]
-            gt_values.append(gt_v)
-            xt_values.append(xt_v)
-            if wgrad_alphas is None:
-                w_alphas.append(wgrad_alpha)
     advance_devices(groups.layers, forward=False)  # after every expert's launches above
-    if wgrad_whole and not fp8_wgrad:
-        gt_values, xt_values = _flat_groups(gt_all, gt_shapes), _flat_groups(xt_all, xt_shapes)
     # dgrad: the padded token rows of every expert, then the real rows taken back
     real = real_rows(groups.counts, padded, dy.device)
     if fp8_dgrad:  # the rounding to x's dtype in the FP8 GEMM's epilogue, per expert
@@ -976,10 +979,12 @@ def _grads(
         dw_each = [_dense_fp8(a, b, weight.dtype, None) for a, b in wgrad_pairs]
         dw_groups = torch.stack(dw_each)[:, :n_out]
     else:
+        gt_values, xt_values, per_group = _wgrad_values(
+            wgrad_pairs, wgrad_calls, gt_all, xt_all, wgrad_alphas
+        )
         c = _native(wgrad_pairs, by_rows=False)
         if c is None:
             c = group_k(torch.cat(gt_values, dim=1), torch.cat(xt_values, dim=1), _ends(padded))
-        per_group = torch.cat(w_alphas) if wgrad_alphas is None else wgrad_alphas
         dw_groups = _scaled(c, per_group[:, None, None], None, weight.dtype)
         dw_groups = dw_groups[:, :n_out]
     dw = torch.zeros_like(weight)

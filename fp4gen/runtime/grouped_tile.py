@@ -195,7 +195,7 @@ def tile_table_tensor(
     if not counts:
         return torch.zeros((0, 6), dtype=torch.int32, device=device)
     tiles_host = [-(-pad // tile_m) * tiles_k for pad in pads]
-    per_group = torch.tensor([list(counts), list(pads), tiles_host], dtype=torch.int64)
+    per_group = [list(counts), list(pads), tiles_host]
     c, p, tiles = host_table(per_group, torch.int64, device or "cpu").unbind(0)
     group = torch.repeat_interleave(
         torch.arange(len(counts), device=device), tiles, output_size=sum(tiles_host)
