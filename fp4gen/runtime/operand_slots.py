@@ -77,24 +77,22 @@ class OperandSlots:
             self._counters[key] = counter
         return counter
 
+    def _pass_counters(self, forward: bool) -> list[torch.Tensor]:
+        """The device counters of the forward (or backward) pass, one per device."""
+        return [c for (is_forward, _), c in self._counters.items() if is_forward == forward]
+
     def _advance_device(self, forward: bool) -> None:
         """Count a forward (or backward) call on every device counter of that pass (the host
         counts in forward_gemm / backward_gemms; a replayed layer graph advances these)."""
-        for (is_forward, _), counter in self._counters.items():
-            if is_forward == forward:
-                counter.add_(1)
+        for counter in self._pass_counters(forward):
+            counter.add_(1)
 
 
 def advance_devices(layers: Iterable[Any], forward: bool) -> None:
     """``_advance_device`` of every layer in ``layers``, in one launch for all their counters
     (``torch._foreach_add_``): the grouped experts' path advances every expert's layer per
     pass, where a launch per expert and counter would cost more than the GEMMs at 64 experts."""
-    counters = [
-        counter
-        for layer in layers
-        for (is_forward, _), counter in layer._counters.items()
-        if is_forward == forward
-    ]
+    counters = [counter for layer in layers for counter in layer._pass_counters(forward)]
     if counters:
         torch._foreach_add_(counters, 1)
 
