@@ -430,3 +430,28 @@ def test_options_without_grouped_gpu_tests_are_refused(
     source.write_text(render(spec))
     found = grouped_reason(import_source(source).PARAMS)
     assert found is not None and reason in found
+
+
+def test_lazy_groups_build_each_entry_once_on_first_read() -> None:
+    """LazyGroups (a grouped launch's per-group operands): an entry is made on its first read,
+    kept after, by positive or negative index or slice; given items are kept as they are."""
+    from fp4gen.runtime.grouped_quantize import GroupedOperands, LazyGroups
+
+    made = []
+
+    def make(g: int) -> object:
+        made.append(g)
+        return None if g == 1 else ("group", g)
+
+    groups = GroupedOperands(make=make, count=4)
+    assert len(groups) == 4 and groups.built == 0 and made == []
+    assert groups[2] == ("group", 2) and groups[-2] == ("group", 2) and made == [2]
+    assert groups[1] is None and groups.built == 2
+    assert groups[0:2] == [("group", 0), None] and made == [2, 1, 0]
+    assert list(groups) == [("group", 0), None, ("group", 2), ("group", 3)]
+    assert made == [2, 1, 0, 3] and groups.built == 4
+    given = LazyGroups([None, "q"])
+    given.append("r")
+    assert list(given) == [None, "q", "r"] and given.built == 3
+    with pytest.raises(IndexError):
+        groups[4]

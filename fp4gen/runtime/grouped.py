@@ -267,7 +267,39 @@ def observe_pair(layer: Any, gemm: str, call: int, a: Any, b: Any) -> None:
     """Every expert GEMM of the grouped path passes its two quantized operands here: ``layer``
     the expert's GEMM layer, ``gemm`` "fprop", "dgrad" or "wgrad", ``call`` the layer's call
     count that quantized them. Nothing happens: a test harness records the operands here, keyed
-    as the loop's GEMM calls are (tests/moe_harness.py)."""
+    as the loop's GEMM calls are (tests/moe_harness.py). Where the values are read whole, the
+    pairs are built for this only while someone observes (``observing``)."""
+
+
+_UNOBSERVED = observe_pair
+
+
+def observing() -> bool:
+    """Whether ``observe_pair`` has been replaced (a harness records the operands): where a
+    GEMM reads every expert's values whole, the per-expert operands are built only then."""
+    return observe_pair is not _UNOBSERVED
+
+
+class _Pairs(Sequence):
+    """Each expert's (A, B) operands of one GEMM, read from two sequences on access (a grouped
+    launch's are built on first read: ``grouped_quantize.LazyGroups``)."""
+
+    def __init__(self, a: Sequence[Any], b: Sequence[Any]) -> None:
+        self.a, self.b = a, b
+
+    def __len__(self) -> int:
+        return len(self.a)
+
+    def __getitem__(self, index: Any) -> Any:
+        if isinstance(index, slice):
+            return [self[i] for i in range(*index.indices(len(self)))]
+        return self.a[index], self.b[index]
+
+
+def _shape(operands: Sequence[Any], i: int) -> tuple[int, ...]:
+    """Operand ``i``'s shape, without building it where the sequence knows its shapes."""
+    shapes = getattr(operands, "shapes", None)
+    return tuple(operands[i].shape) if shapes is None else shapes[i]
 
 
 def decode_pair(
@@ -320,7 +352,7 @@ def _whole_values(operands: Any) -> torch.Tensor | None:
 
 
 def _wgrad_values(
-    pairs: list[tuple[Any, Any]],
+    pairs: _Pairs,
     calls: list[tuple[Any, int]],
     gt_all: torch.Tensor | None,
     xt_all: torch.Tensor | None,
@@ -332,12 +364,16 @@ def _wgrad_values(
     ``pairs`` the experts' (gradient, activation) operands, ``calls`` their (GEMM layer, call
     count). Every pair passes ``observe_pair`` (through ``decode_pair`` where values are
     decoded per expert)."""
-    shapes = [(a.shape, b.shape) for a, b in pairs]
-    gt_views = None if gt_all is None else _flat_groups(gt_all, [sa for sa, _ in shapes])
-    xt_views = None if xt_all is None else _flat_groups(xt_all, [sb for _, sb in shapes])
+    n = len(pairs)
+    gt_views = xt_views = None
+    if gt_all is not None:
+        gt_views = _flat_groups(gt_all, [_shape(pairs.a, i) for i in range(n)])
+    if xt_all is not None:
+        xt_views = _flat_groups(xt_all, [_shape(pairs.b, i) for i in range(n)])
     if gt_views is not None and xt_views is not None and alphas is not None:
-        for (layer, call), (a, b) in zip(calls, pairs, strict=True):
-            observe_pair(layer, "wgrad", call, a, b)
+        if observing():
+            for (layer, call), (a, b) in zip(calls, pairs, strict=True):
+                observe_pair(layer, "wgrad", call, a, b)
         return gt_views, xt_views, alphas
     gt_values, xt_values, each = [], [], []
     for j, ((layer, call), (a, b)) in enumerate(zip(calls, pairs, strict=True)):
@@ -408,7 +444,7 @@ def _fprop(
     """``GroupedProjection``'s forward: y [T, out] in the groups' output dtype, each expert's
     operands quantized as ``Linear._fprop`` quantizes them."""
     with finite.layer_scope():  # non-finite inputs: propagated as NaN, or raised at the end
-        values, weights, alphas, pairs = [], [], [], []
+        values, weights, alphas = [], [], []
         start = 0
         k = groups.layers[0].fprop_k(groups.layers[0].operands, x.shape[1])
         # every expert's tokens in one launch where the grouped kernels serve (else None: each
@@ -432,6 +468,11 @@ def _fprop(
         alpha_all = None if fp8 else _group_alphas(_scales_of(inputs), _scales_of(batched))
         whole = x_all is not None and w_all is not None and alpha_all is not None
         n_out = weight.shape[2] if groups.transposed else weight.shape[1]
+        # the operands each expert's own layer quantizes (else the grouped launch's, read from
+        # ``inputs`` / ``batched`` where needed: built on first read, LazyGroups)
+        own_x: list[Any] = []
+        own_w: list[Any] = []
+        pairs = _Pairs(own_x if inputs is None else inputs, own_w if batched is None else batched)
         for i, (expert, count, layer) in enumerate(
             zip(groups.experts, groups.counts, groups.layers, strict=True)
         ):
@@ -439,30 +480,34 @@ def _fprop(
             table = layer.operands
             call = layer._forward_calls
             # each expert's slices only where its own layer quantizes them (a view is a call too)
-            if inputs is not None:
-                xq = inputs[i]
-            else:
+            if inputs is None:
                 x_e = x[start - count : start]
-                xq = layer.quantize(
-                    pad_to(x_e, count, k), Operand.FPROP_ACTIVATION, table.fprop_activation, call
+                own_x.append(
+                    layer.quantize(
+                        pad_to(x_e, count, k),
+                        Operand.FPROP_ACTIVATION,
+                        table.fprop_activation,
+                        call,
+                    )
                 )
-            if batched is not None:
-                wq = batched[i]
-            else:
+            if batched is None:
                 w = _weight(weight, expert, groups.transposed)
-                wq = layer.quantize(
-                    pad_to(_contiguous_rows(w), w.shape[0], k),
-                    Operand.FPROP_WEIGHT,
-                    table.fprop_weight,
-                    call,
+                own_w.append(
+                    layer.quantize(
+                        pad_to(_contiguous_rows(w), w.shape[0], k),
+                        Operand.FPROP_WEIGHT,
+                        table.fprop_weight,
+                        call,
+                    )
                 )
             layer.__dict__["_forward_calls"] = call + 1
-            pairs.append((xq, wq))
             if fp8:
                 continue
             if whole:  # every expert's values are slices of x_all and w_all: none taken
-                observe_pair(layer, "fprop", call, xq, wq)
+                if observing():
+                    observe_pair(layer, "fprop", call, *pairs[i])
                 continue
+            xq, wq = pairs[i]
             x_values, w_values, alpha = decode_pair(
                 layer,
                 "fprop",
@@ -491,7 +536,7 @@ def _fprop(
         counts = host_table(groups.counts, torch.int64, x.device)
         a = torch.cat(values) if x_all is None else x_all
         b = torch.stack(weights) if w_all is None else w_all.reshape(len(groups.experts), n_out, -1)
-        c = _native(pairs, by_rows=True)
+        c = _native(pairs, x.device, by_rows=True)
         c = group_rows(a, b, _ends(groups.counts)) if c is None else c
         # the row count given: repeat_interleave would otherwise wait for the GPU to learn it
         rows = sum(groups.counts)
@@ -703,10 +748,11 @@ def grouped_gradients(dy: torch.Tensor, groups: Groups, out: int) -> list[Any] |
     got = grouped_tile_operands(rows, groups, ops, groups.counts, pads, forward=False)
     if got is None:
         return None
-    pairs = GroupedOperands(got)
+    pairs = GroupedOperands(make=got.__getitem__, count=len(got))  # built on first read
     pairs.whole = got.wholes[0] if got.wholes else None
     pairs.global_scales = got.global_scales  # [groups, 2]: the dgrad and the wgrad copy's
     pairs.flat = got.flats[1] if got.flats else None  # the wgrad copies' blocks, one tensor
+    pairs.copies = (got.copy(0), got.copy(1))  # each copy of every group on its own
     return pairs
 
 
@@ -849,7 +895,7 @@ def _grads(
     """dx [T, in] (x's dtype) and dW (the weight's shape and dtype) by a grouped dgrad and a
     grouped wgrad; each expert's operands quantized as ``Linear._grads`` quantizes them."""
     dy_values, w_values, dy_alphas = [], [], []
-    dgrad_pairs, wgrad_pairs, wgrad_calls, padded = [], [], [], []
+    wgrad_calls, padded = [], []
     start = 0
     n_out = dy.shape[1]
     table0 = groups.layers[0].operands
@@ -886,6 +932,15 @@ def _grads(
     if missing:
         groups.give_amaxes(missing, weight, {"activation": x, "gradient": dy})
     n_in = weight.shape[1] if groups.transposed else weight.shape[2]
+    # the operands each expert's own layer quantizes (else the grouped launches', read where
+    # needed: built on first read, LazyGroups)
+    own_w: list[Any] = []
+    own_dy: list[Any] = []
+    own_dy_t: list[Any] = []
+    own_x_t: list[Any] = []
+    dy_rows_ops, dy_cols_ops = (own_dy, own_dy_t) if dy_pairs is None else dy_pairs.copies
+    dgrad_pairs = _Pairs(dy_rows_ops, own_w if w_cols is None else w_cols)
+    wgrad_pairs = _Pairs(dy_cols_ops, own_x_t if x_cols is None else x_cols)
     for i, (expert, count, layer) in enumerate(
         zip(groups.experts, groups.counts, groups.layers, strict=True)
     ):
@@ -896,14 +951,11 @@ def _grads(
         dgrad_k = k_multiple(table.dgrad_gradient, table.dgrad_weight, blocks=False)
         tokens, out = round_up(count, wgrad_k), round_up(n_out, dgrad_k)
         # the batched dgrad weights where the grouped quantize served them
-        if w_cols is not None:
-            w_col = w_cols[i]
-        else:
+        if w_cols is None:
             w = _weight(weight, expert, groups.transposed)
-            w_col = layer.columnwise_weight(w, table, call, out)
-        if dy_pairs is not None:
-            dyq, dyq_t = dy_pairs[i]
-        else:  # the expert's layer quantizes its padded gradient (no padded copy made otherwise)
+            own_w.append(layer.columnwise_weight(w, table, call, out))
+        if dy_pairs is None:
+            # the expert's layer quantizes its padded gradient (no padded copy made otherwise)
             dy_p = pad_to(dy[first:start], tokens, out)
             if layer._reduced(Operand.DGRAD_GRADIENT, table.dgrad_gradient) or layer._reduced(
                 Operand.WGRAD_GRADIENT, table.wgrad_gradient
@@ -919,19 +971,19 @@ def _grads(
                     layer.slot(Operand.WGRAD_GRADIENT, table.wgrad_gradient, call, dy_p),
                     seed=layer.data_seed,
                 )
-        if x_cols is not None:
-            xq_t = x_cols[i]
-        else:
-            xq_t = layer.wgrad_activation(x[first:start], table, call)
+            own_dy.append(dyq)
+            own_dy_t.append(dyq_t)
+        if x_cols is None:
+            own_x_t.append(layer.wgrad_activation(x[first:start], table, call))
         layer.__dict__["_backward_calls"] = call + 1
         padded.append(tokens)
-        dgrad_pairs.append((dyq, w_col))
-        wgrad_pairs.append((dyq_t, xq_t))
         wgrad_calls.append((layer, call))
         if not fp8_dgrad and dgrad_whole:  # the values are slices of dy_all and w_col_all
-            observe_pair(layer, "dgrad", call, dyq, w_col)
+            if observing():
+                observe_pair(layer, "dgrad", call, *dgrad_pairs[i])
             padded_start += tokens
         elif not fp8_dgrad:
+            dyq, w_col = dgrad_pairs[i]
             dy_v, w_v, dgrad_alpha = decode_pair(
                 layer,
                 "dgrad",
@@ -965,7 +1017,7 @@ def _grads(
             w_stack = torch.stack(w_values)
         else:
             w_stack = w_col_all.reshape(len(groups.experts), n_in, -1)
-        c = _native(dgrad_pairs, by_rows=True)
+        c = _native(dgrad_pairs, dy.device, by_rows=True)
         dy_rows = torch.cat(dy_values) if dy_all is None else dy_all
         c = group_rows(dy_rows, w_stack, _ends(padded)) if c is None else c
         if dgrad_alphas is None:
@@ -982,7 +1034,7 @@ def _grads(
         gt_values, xt_values, per_group = _wgrad_values(
             wgrad_pairs, wgrad_calls, gt_all, xt_all, wgrad_alphas
         )
-        c = _native(wgrad_pairs, by_rows=False)
+        c = _native(wgrad_pairs, dy.device, by_rows=False)
         if c is None:
             c = group_k(torch.cat(gt_values, dim=1), torch.cat(xt_values, dim=1), _ends(padded))
         dw_groups = _scaled(c, per_group[:, None, None], None, weight.dtype)
@@ -993,14 +1045,21 @@ def _grads(
     return dx, dw
 
 
-def _native(pairs: list[tuple[Any, Any]], *, by_rows: bool) -> torch.Tensor | None:
+def _native(
+    pairs: Sequence[tuple[Any, Any]], device: torch.device, *, by_rows: bool
+) -> torch.Tensor | None:
     """On sm_100a GPUs the product of the groups' quantized pairs on the block-scaled MMA, from
     the codes, without global scales (``fp4gen.runtime.blackwell_grouped.native_products``:
-    ``group_rows``' or ``group_k``'s shape); None elsewhere (the product above is taken)."""
-    if not pairs or pairs[0][0].device.type != "cuda":
+    ``group_rows``' or ``group_k``'s shape); None elsewhere (the product above is taken),
+    decided by ``device`` before any pair is read (the grouped launches' pairs are built on
+    first read)."""
+    if not pairs or device.type != "cuda":
         return None
-    from fp4gen.runtime.blackwell_grouped import native_products
+    from fp4gen.compiler.jit import detect_arch
+    from fp4gen.runtime.blackwell_grouped import NATIVE_ARCHS, native_products
 
+    if detect_arch(device) not in NATIVE_ARCHS:
+        return None
     return native_products(pairs, by_rows=by_rows)
 
 

@@ -27,9 +27,10 @@ import logging
 import os
 import shlex
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
+import numpy as np
 import torch
 
 from fp4gen.errors import FP4GenError, TensorError
@@ -50,12 +51,57 @@ def _log_once(message: str) -> None:
         log.info(message)
 
 
-class GroupedOperands(list):
-    """The groups' QuantizedTensors (None for an empty group), and ``whole``: every row's codes
-    and block scales as one QuantizedTensor where one launch wrote them (module docstring),
-    else None; ``global_scales``: where one launch wrote them, every group's S_dec as one fp32
-    [groups] tensor (group g's entry is its QuantizedTensor's ``global_scale``; an empty
-    group's is never written), else None, so a grouped GEMM scales every group by one op."""
+_PENDING = object()  # an entry of a lazy group sequence not built yet
+
+
+class LazyGroups(Sequence):
+    """A sequence of per-group entries, each built on first access by ``make(g)`` and kept
+    (``count`` entries), or the ``items`` given. A grouped launch's consumers mostly read its
+    outputs whole (one decode, one GEMM of every group): a QuantizedTensor and two views per
+    group and copy, built eagerly, were most of the grouped path's host time per expert
+    (docs/moe.md, "The host path on a CPU"), and are now made only where one is read."""
+
+    def __init__(
+        self,
+        items: Iterable[Any] = (),
+        *,
+        make: Callable[[int], Any] | None = None,
+        count: int = 0,
+    ) -> None:
+        self._make = make
+        self._items: list[Any] = list(items) if make is None else [_PENDING] * count
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+    def __getitem__(self, index: Any) -> Any:
+        if isinstance(index, slice):
+            return [self[i] for i in range(*index.indices(len(self._items)))]
+        item = self._items[index]
+        if item is _PENDING:
+            index = index + len(self._items) if index < 0 else index
+            item = self._items[index] = self._make(index)  # type: ignore[misc]
+        return item
+
+    def append(self, item: Any) -> None:
+        self._items.append(item)
+
+    @property
+    def built(self) -> int:
+        """How many entries exist (built or given): what a consumer has read so far."""
+        return sum(item is not _PENDING for item in self._items)
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({len(self)} groups, {self.built} built)"
+
+
+class GroupedOperands(LazyGroups):
+    """The groups' QuantizedTensors (None for an empty group; from the kernels built on first
+    access: ``LazyGroups``), and ``whole``: every row's codes and block scales as one
+    QuantizedTensor where one launch wrote them (module docstring), else None;
+    ``global_scales``: where one launch wrote them, every group's S_dec as one fp32 [groups]
+    tensor (group g's entry is its QuantizedTensor's ``global_scale``; an empty group's is
+    never written), else None, so a grouped GEMM scales every group by one op."""
 
     whole: Any = None
     global_scales: torch.Tensor | None = None
@@ -63,6 +109,10 @@ class GroupedOperands(list):
     # (group g's [rows, cols] values are its next rows x cols / L rows: ``_flat_values``), for
     # one decode where one launch wrote them (``grouped_tile.flat_row_length``), else None
     flat: Any = None
+    # each group's operand shape (None for an empty group) where known without building it
+    shapes: list[tuple[int, ...] | None] | None = None
+    # where each entry is a tuple of copies (a dual-output launch): each copy's groups alone
+    copies: tuple[GroupedOperands, ...] | None = None
 
 
 def cta_table(counts: Sequence[int], units_per_row: int, tile: int) -> list[tuple[int, ...]]:
@@ -82,26 +132,22 @@ def cta_table(counts: Sequence[int], units_per_row: int, tile: int) -> list[tupl
 def cta_table_tensor(
     counts: Sequence[int], units_per_row: int, tile: int, device: torch.device | str = "cpu"
 ) -> torch.Tensor:
-    """``cta_table`` as an int32 [CTAs, 4] tensor on ``device``, built there by a few torch ops
-    (only the groups' unit and tile counts travel, queued: ``host_tables``) rather than a
-    Python tuple per CTA (thousands per launch at an MoE layer's sizes); the CTA count, known
-    on the host, spares ``repeat_interleave`` a wait for the GPU. (On the host, torch's CPU
-    ops on such tables cost far more than their launches on a GPU whose host is busy.)"""
+    """``cta_table`` as an int32 [CTAs, 4] tensor on ``device``: built on the host by a few
+    numpy ops (microseconds, where a Python tuple per CTA takes milliseconds at an MoE layer's
+    sizes and torch ops would each be a launch or a trip through the dispatcher), then one
+    queued copy (``host_tables``)."""
     _check_cta(counts, units_per_row, tile)
     if not counts:
         return torch.zeros((0, 4), dtype=torch.int32, device=device)
-    units_host = [count * units_per_row for count in counts]
-    tiles_host = [-(-units // tile) for units in units_host]
-    n_ctas = sum(tiles_host)
-    units, tiles = host_table([units_host, tiles_host], torch.int64, device).unbind(0)
-    ends = torch.cumsum(units, 0)
+    units = np.asarray(counts, dtype=np.int64) * units_per_row
+    tiles = -(-units // tile)
+    ends = np.cumsum(units)
     starts = ends - units
-    group = torch.repeat_interleave(
-        torch.arange(len(counts), device=device), tiles, output_size=n_ctas
-    )
-    first_cta = torch.cumsum(tiles, 0) - tiles
-    first_unit = starts[group] + (torch.arange(n_ctas, device=device) - first_cta[group]) * tile
-    return torch.stack((group, first_unit, ends[group], starts[group]), 1).to(torch.int32)
+    group = np.repeat(np.arange(len(counts)), tiles)
+    first_cta = np.cumsum(tiles) - tiles
+    first_unit = starts[group] + (np.arange(group.size) - first_cta[group]) * tile
+    table = np.stack((group, first_unit, ends[group], starts[group]), 1).astype(np.int32)
+    return host_table(torch.from_numpy(table), torch.int32, device)
 
 
 def _check_cta(counts: Sequence[int], units_per_row: int, tile: int) -> None:
@@ -290,29 +336,29 @@ def _grouped_kernels(
     table = cta_table_tensor(counts, units_per_row, params.quant_threads * params.quant_units, dev)
     if len(table):
         fns["quantize"](x, data, scales, table, amax, s_dec, philox, len(table))
-    out = GroupedOperands()
-    # every group's rows of the outputs and its S_dec: a split each, not three calls per group
-    data_parts, scale_parts = data.split(list(counts)), scales.split(list(counts))
-    s_decs = s_dec.unbind(0)
-    for g, count in enumerate(counts):
-        if count == 0:
-            out.append(None)
-            continue
-        pieces = {"data": data_parts[g], "scales": scale_parts[g], "global_scale": s_decs[g]}
-        out.append(
-            cute_backend._quantized(
-                pieces,
-                "",
-                fmt,
-                k,
-                rounding,
-                rht,
-                seeds[g],
-                offsets[g],
-                torch.Size((count, k)),
-                x.dtype,
-            )
+    parts: list[Any] = []  # every group's rows of the outputs and its S_dec, split once
+
+    def make(g: int) -> Any:
+        if counts[g] == 0:
+            return None
+        if not parts:  # a split each, not three calls per group
+            parts.extend((data.split(list(counts)), scales.split(list(counts)), s_dec.unbind(0)))
+        pieces = {"data": parts[0][g], "scales": parts[1][g], "global_scale": parts[2][g]}
+        return cute_backend._quantized(
+            pieces,
+            "",
+            fmt,
+            k,
+            rounding,
+            rht,
+            seeds[g],
+            offsets[g],
+            torch.Size((counts[g], k)),
+            x.dtype,
         )
+
+    out = GroupedOperands(make=make, count=groups)
+    out.shapes = [None if count == 0 else (count, k) for count in counts]
     first = next(g for g, count in enumerate(counts) if count)  # x has rows: one is non-empty
     out.global_scales = s_dec
     whole = {"data": data, "scales": scales, "global_scale": s_dec[first]}
@@ -397,6 +443,7 @@ def compile_grouped(
 
 __all__ = [
     "GroupedOperands",
+    "LazyGroups",
     "compile_grouped",
     "cta_table",
     "cta_table_tensor",

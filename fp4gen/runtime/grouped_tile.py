@@ -33,11 +33,12 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from typing import Any
 
+import numpy as np
 import torch
 
 from fp4gen.errors import FP4GenError, TensorError
 from fp4gen.formats import BlockFormat
-from fp4gen.runtime.grouped_quantize import GroupedOperands, stacked_scales
+from fp4gen.runtime.grouped_quantize import GroupedOperands, LazyGroups, stacked_scales
 from fp4gen.runtime.host_tables import host_table
 from fp4gen.runtime.loader import compiled_once
 
@@ -56,12 +57,14 @@ def _log_once(message: str) -> None:
         log.info(message)
 
 
-class GroupedCopies(list):
+class GroupedCopies(LazyGroups):
     """Per group a tuple of its copies' QuantizedTensors (None for an empty group), and
     ``wholes``: per copy, every group's copy as one QuantizedTensor where one launch wrote them
     (a rowwise copy; a columnwise copy of groups of one size, [groups x K, rows]), else None;
     ``global_scales``: where one launch wrote them, every group's S_dec per copy as one fp32
-    [groups, copies] tensor (an empty group's row is never written), else None."""
+    [groups, copies] tensor (an empty group's row is never written), else None. From the
+    kernels each copy of each group is built on first access (``make_copy(g, i)``, None for an
+    empty group: ``LazyGroups``), so a consumer that reads the wholes builds none."""
 
     wholes: tuple[Any, ...] = ()
     global_scales: torch.Tensor | None = None
@@ -69,10 +72,37 @@ class GroupedCopies(list):
     # order (``flat_blocks``), else None
     flats: tuple[Any, ...] = ()
 
+    def __init__(
+        self,
+        items: Any = (),
+        *,
+        make_copy: Any = None,
+        count: int = 0,
+        copies: int = 0,
+    ) -> None:
+        self.shapes: list[list[tuple[int, ...] | None]] | None = None  # per copy, per group
+        if make_copy is None:
+            super().__init__(items)
+            self._copies: list[GroupedOperands] | None = None
+            return
+        # per copy, its groups (each entry built once); a group's tuple reads them
+        self._copies = [
+            GroupedOperands(make=lambda g, i=i: make_copy(g, i), count=count) for i in range(copies)
+        ]
+        super().__init__(make=self._group, count=count)
+
+    def _group(self, g: int) -> tuple[Any, ...] | None:
+        got = tuple(copy[g] for copy in self._copies)  # type: ignore[union-attr]
+        return None if got[0] is None else got
+
     def copy(self, i: int) -> GroupedOperands:
         """Copy ``i`` of every group (None for an empty group), with its ``whole``, ``flat``
         and ``global_scales`` where one launch wrote them."""
-        out = GroupedOperands(None if g is None else g[i] for g in self)
+        if self._copies is not None:
+            out = GroupedOperands(make=self._copies[i].__getitem__, count=len(self))
+            out.shapes = None if self.shapes is None else self.shapes[i]
+        else:
+            out = GroupedOperands(None if g is None else g[i] for g in self)
         out.whole = self.wholes[i] if self.wholes else None
         out.flat = self.flats[i] if self.flats else None
         if self.global_scales is not None:
@@ -187,24 +217,22 @@ def tile_table_tensor(
     tiles_k: int,
     device: torch.device | str | None = None,
 ) -> torch.Tensor:
-    """``tile_table`` as an int32 [CTAs, 6] tensor on ``device`` (default the CPU), built by a
-    few torch ops on that device rather than a Python row per CTA (thousands per launch at
-    realistic sizes): only the groups' counts travel, and the CTA count, known here, spares
-    ``repeat_interleave`` its device sync."""
+    """``tile_table`` as an int32 [CTAs, 6] tensor on ``device`` (default the CPU): built on
+    the host by a few numpy ops (not a Python row per CTA: thousands per launch at realistic
+    sizes; not torch ops, each a launch or a trip through the dispatcher), then one queued
+    copy (``host_tables``)."""
     _check_table(counts, pads, tile_m, tiles_k)
     if not counts:
         return torch.zeros((0, 6), dtype=torch.int32, device=device)
-    tiles_host = [-(-pad // tile_m) * tiles_k for pad in pads]
-    per_group = [list(counts), list(pads), tiles_host]
-    c, p, tiles = host_table(per_group, torch.int64, device or "cpu").unbind(0)
-    group = torch.repeat_interleave(
-        torch.arange(len(counts), device=device), tiles, output_size=sum(tiles_host)
-    )
-    first_cta = torch.cumsum(tiles, 0) - tiles
-    tile = torch.arange(group.numel(), device=device) - first_cta[group]
-    in_row = (torch.cumsum(c, 0) - c)[group]
-    out_row = (torch.cumsum(p, 0) - p)[group]
-    return torch.stack((group, tile, in_row, c[group], p[group], out_row), 1).to(torch.int32)
+    c = np.asarray(counts, dtype=np.int64)
+    p = np.asarray(pads, dtype=np.int64)
+    tiles = -(-p // tile_m) * tiles_k
+    group = np.repeat(np.arange(len(counts)), tiles)
+    tile = np.arange(group.size) - (np.cumsum(tiles) - tiles)[group]
+    in_row = (np.cumsum(c) - c)[group]
+    out_row = (np.cumsum(p) - p)[group]
+    table = np.stack((group, tile, in_row, c[group], p[group], out_row), 1).astype(np.int32)
+    return host_table(torch.from_numpy(table), torch.int32, device or "cpu")
 
 
 # The tables of recent launches, by (counts, pads, tile_m, tiles_k, device): a table depends on
@@ -518,40 +546,47 @@ def _grouped_kernels(
     (q_row, s_row), (q_col, s_col) = outs["row"], outs["col"]
     fns["quantize"](x, q_row, s_row, q_col, s_col, table, amax, s_dec, philox, n_ctas)
     s_dec = s_dec.view(groups, n_copies)
-    result = GroupedCopies()
     scales_per_row = k // block
-    # every group's views of each copy's outputs, and its S_dec, a few calls per copy
-    views = [
-        group_pieces(*outs["row" if d == "rowwise" else "col"], pads, k, bits, block,
-                     params.two_d, d)
-        for d, _, _ in copies
-    ]  # fmt: skip
-    s_decs = [s_dec[:, i].unbind(0) for i in range(n_copies)]
-    for g, (count, pad) in enumerate(zip(counts, pads, strict=True)):
+    # every group's views of each copy's outputs, and its S_dec: a few calls per copy, made on
+    # the first read of any group's copy
+    views: list[Any] = []
+
+    def make_copy(g: int, i: int) -> Any:
+        count, pad = counts[g], pads[g]
         if count == 0:
-            result.append(None)
-            continue
-        group = []
-        for i, (direction, rounding, rht) in enumerate(copies):
-            codes, scales = views[i][g]  # type: ignore[misc]
-            shape, cols = ((pad, k), k) if direction == "rowwise" else ((k, pad), pad)
-            pieces = {"data": codes, "scales": scales, "global_scale": s_decs[i][g]}
-            group.append(
-                cute_backend._quantized(
-                    pieces,
-                    "",
-                    fmt,
-                    cols,
-                    rounding,
-                    rht,
-                    seeds[g],
-                    offsets[g][i],
-                    torch.Size(shape),
-                    x.dtype,
-                    flag,
-                )  # fmt: skip
-            )
-        result.append(tuple(group))
+            return None
+        if not views:
+            views.extend(
+                (group_pieces(*outs["row" if d == "rowwise" else "col"], pads, k, bits, block,
+                              params.two_d, d), s_dec[:, j].unbind(0))
+                for j, (d, _, _) in enumerate(copies)
+            )  # fmt: skip
+        direction, rounding, rht = copies[i]
+        (codes, scales), s_decs = views[i][0][g], views[i][1]
+        shape, cols = ((pad, k), k) if direction == "rowwise" else ((k, pad), pad)
+        pieces = {"data": codes, "scales": scales, "global_scale": s_decs[g]}
+        return cute_backend._quantized(
+            pieces,
+            "",
+            fmt,
+            cols,
+            rounding,
+            rht,
+            seeds[g],
+            offsets[g][i],
+            torch.Size(shape),
+            x.dtype,
+            flag,
+        )  # fmt: skip
+
+    result = GroupedCopies(make_copy=make_copy, count=groups, copies=n_copies)
+    result.shapes = [
+        [
+            None if count == 0 else ((pad, k) if direction == "rowwise" else (k, pad))
+            for count, pad in zip(counts, pads, strict=True)
+        ]
+        for direction, _, _ in copies
+    ]
     first = next(g for g, count in enumerate(counts) if count)  # x has rows: one is non-empty
     flats = []
     for i, (direction, rounding, rht) in enumerate(copies):
