@@ -425,7 +425,7 @@ def test_the_grouped_path_hands_its_quantized_pairs_to_the_native_product(monkey
     monkeypatch.setattr(grouped, "grouped_mm_available", lambda: False)  # torch.mm per group
     calls: list[tuple[bool, list[tuple[int, int, int]]]] = []
 
-    def stand_in(pairs, *, by_rows):
+    def stand_in(pairs, device, *, by_rows):
         calls.append((by_rows, [(a.rows, b.rows, a.cols) for a, b in pairs]))
         products = [
             torch.mm(a.dequantize_blockwise(), b.dequantize_blockwise().t()) for a, b in pairs
@@ -455,8 +455,23 @@ def test_native_is_never_taken_on_cpu_tensors(monkeypatch) -> None:
 
     monkeypatch.setattr(bg, "native_products", fail)
     a, b = case_groups("nvfp4_fprop")
-    assert grouped._native(list(zip(a, b, strict=True)), by_rows=True) is None
-    assert grouped._native([], by_rows=False) is None
+    pairs = list(zip(a, b, strict=True))
+    assert grouped._native(pairs, torch.device("cpu"), by_rows=True) is None
+    assert grouped._native([], torch.device("cpu"), by_rows=False) is None
+
+
+def test_native_decides_by_the_device_before_reading_a_pair(monkeypatch) -> None:
+    """On a CUDA device of an arch without the native MMA, ``_native`` returns None without
+    reading the pairs (a grouped launch's are built on first read)."""
+    from fp4gen.compiler import jit
+    from fp4gen.runtime.grouped_quantize import GroupedOperands
+
+    def unread(g: int) -> None:
+        raise AssertionError("a pair was read")
+
+    monkeypatch.setattr(jit, "detect_arch", lambda *a, **k: "sm_90a")
+    pairs = grouped._Pairs(GroupedOperands(make=unread, count=3), [None] * 3)
+    assert grouped._native(pairs, torch.device("cuda", 0), by_rows=True) is None
 
 
 # ----------------------------------------------------------------------------------------------
