@@ -38,3 +38,29 @@ def test_cuda_tables_do_not_wait_for_the_gpu() -> None:
         torch.cuda.set_sync_debug_mode(previous)
     assert [t.cpu().tolist() for t in tables] == [list(range(n)) for n in (1, 7, 4096)]
     assert words.cpu().tolist() == [[-1, 3]]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_staging_slices_are_reused_only_after_their_copies_ran() -> None:
+    """A small staging buffer wrapped many times behind slow queued work, on two streams: every
+    table arrives with its own values (a slice rewritten before its copy ran would not)."""
+    import numpy as np
+
+    from fp4gen.runtime.host_tables import _Staging
+
+    staging = _Staging(4096)  # halves of 2 KiB: a few tables each
+    side = torch.cuda.Stream()
+    busy = torch.randn(2048, 2048, device="cuda")
+    got, want = [], []
+    for i in range(200):
+        stream = side if i % 3 == 0 else torch.cuda.current_stream()
+        with torch.cuda.stream(stream):
+            if i % 17 == 0:
+                busy = busy @ busy  # keep the GPU behind the host
+                busy = busy / busy.abs().amax().clamp_min(1.0)
+            values = np.arange(i, i + 1 + (i * 37) % 300, dtype=np.int32)
+            got.append((stream, staging.copy(values, torch.int32, torch.device("cuda"))))
+            want.append(values.tolist())
+    torch.cuda.synchronize()
+    assert [t.cpu().tolist() for _, t in got] == want

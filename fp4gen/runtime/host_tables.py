@@ -5,24 +5,96 @@ device without waiting for it.
 stream synchronize: the host waits until the GPU has run everything queued before the copy. The
 grouped experts' path builds a dozen such tables per layer pass, and on an H200 those waits were
 most of its host time (docs/moe.md, "Where the time goes"). A copy from pinned memory with
-``non_blocking=True`` is queued like a kernel; torch's pinned-memory cache keeps the host buffer
-until the copy has run, so the table may be dropped at once.
+``non_blocking=True`` is queued like a kernel.
+
+The pinned memory is one staging buffer per device (``_Staging``), handed out in consecutive
+slices: a table costs a numpy fill of its slice and one queued copy, where a pinned tensor of its
+own cost a CPU tensor, a pinned allocation and a copy into it (some 60 us of host time per table
+on the GPU machine). A slice is reused only once the copies that read it have run: the buffer is
+used in two halves, and before the writes move into a half, the events recorded when the half
+was last left (one per stream that copied from it) are waited for. The GPU is then a whole
+half-buffer of tables behind at most, so in practice that wait is over at once.
 
 While the current stream is being captured into a CUDA graph the copy stays the plain one: a
-captured copy would read the pinned buffer again at every replay, after the cache has handed it
-to someone else.
+captured copy would read the staging slice again at every replay, after it has been reused.
 """
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Sequence
 from typing import Any
 
+import numpy as np
 import torch
 
 from fp4gen.runtime.device_memory import capturing
 
 __all__ = ["host_table"]
+
+_NUMPY = {
+    torch.int32: np.int32,
+    torch.int64: np.int64,
+    torch.float32: np.float32,
+    torch.uint8: np.uint8,
+}
+_ALIGN = 16  # each slice starts 16-byte aligned
+
+
+class _Staging:
+    """One device's pinned staging buffer (module docstring), ``size`` bytes in two halves."""
+
+    def __init__(self, size: int) -> None:
+        self.size = size
+        self.host = torch.empty(size, dtype=torch.uint8, pin_memory=True)
+        self.array = self.host.numpy()  # the same memory, written by numpy
+        self.half = 0  # the half being written
+        self.pos = 0
+        self.streams: list[set[Any]] = [set(), set()]  # per half: the streams that copied
+        self.done: list[list[torch.cuda.Event]] = [[], []]  # per half: when it was last left
+        self.lock = threading.Lock()
+
+    def copy(self, values: np.ndarray, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        """``values`` (C-contiguous, ``dtype``'s numpy type) on ``device``, queued on the current
+        stream from a slice of this buffer."""
+        n = values.nbytes
+        with self.lock:
+            if self.pos + n > (self.half + 1) * (self.size // 2):
+                self._enter(1 - self.half)
+            start = self.pos
+            self.array[start : start + n] = values.reshape(-1).view(np.uint8)
+            self.streams[self.half].add(torch.cuda.current_stream(device))
+            host = self.host[start : start + n].view(dtype).view(values.shape)
+            out = host.to(device, non_blocking=True)
+            self.pos = start + -(-n // _ALIGN) * _ALIGN
+        return out
+
+    def _enter(self, half: int) -> None:
+        """Move the writes to the start of ``half``: mark the half left (an event on each stream
+        that copied from it), then wait for the copies that last read ``half``."""
+        left = self.half
+        self.done[left] = [torch.cuda.Event() for _ in self.streams[left]]
+        for event, stream in zip(self.done[left], self.streams[left], strict=True):
+            event.record(stream)
+        self.streams[left] = set()
+        for event in self.done[half]:
+            event.synchronize()
+        self.done[half] = []
+        self.half, self.pos = half, half * (self.size // 2)
+
+
+_STAGING_BYTES = 1 << 20  # per device: a half holds some thousands of tables
+_staging: dict[int, _Staging] = {}
+_staging_lock = threading.Lock()
+
+
+def _staging_of(device: torch.device) -> _Staging:
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    staging = _staging.get(index)
+    if staging is None:
+        with _staging_lock:
+            staging = _staging.setdefault(index, _Staging(_STAGING_BYTES))
+    return staging
 
 
 def host_table(
@@ -37,6 +109,15 @@ def host_table(
     are built in before the cast to ``dtype`` (e.g. int64 for 32-bit words above 2**31 that
     ``dtype`` int32 keeps as their bit pattern)."""
     device = torch.device(device)
+    if device.type == "cuda" and not capturing() and dtype in _NUMPY:
+        if isinstance(values, torch.Tensor):
+            array = values.numpy()
+        else:
+            array = np.asarray(values, dtype=_NUMPY.get(host_dtype or dtype))
+        # numpy's cast wraps as torch's does (an int64 word above 2**31 keeps its bit pattern)
+        array = np.ascontiguousarray(array.astype(_NUMPY[dtype], copy=False))
+        if array.nbytes and array.nbytes <= _STAGING_BYTES // 2:
+            return _staging_of(device).copy(array, dtype, device)
     if isinstance(values, torch.Tensor):
         host = values.to(host_dtype or dtype)
     else:
