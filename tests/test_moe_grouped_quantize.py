@@ -455,3 +455,26 @@ def test_lazy_groups_build_each_entry_once_on_first_read() -> None:
     assert list(given) == [None, "q", "r"] and given.built == 3
     with pytest.raises(IndexError):
         groups[4]
+
+
+def test_lazy_groups_hold_no_reference_cycle() -> None:
+    """A grouped launch's lazy operands are freed by reference counting alone (a cycle would
+    keep the launch's device buffers until the garbage collector ran)."""
+    import gc
+    import weakref
+
+    from fp4gen.runtime.grouped_quantize import GroupedOperands
+    from fp4gen.runtime.grouped_tile import GroupedCopies
+
+    buffer = torch.zeros(4)
+    copies = GroupedCopies(make_copy=lambda g, i: (buffer, g, i), count=2, copies=2)
+    lazy = GroupedOperands(make=lambda g: buffer, count=2)
+    assert copies[1] == ((buffer, 1, 0), (buffer, 1, 1))
+    assert copies.copy(1)[0] == (buffer, 0, 1) and lazy[0] is buffer
+    refs = [weakref.ref(copies), weakref.ref(lazy)]
+    gc.disable()
+    try:
+        del copies, lazy
+        assert [ref() for ref in refs] == [None, None]
+    finally:
+        gc.enable()

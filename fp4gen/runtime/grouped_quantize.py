@@ -80,8 +80,14 @@ class LazyGroups(Sequence):
         item = self._items[index]
         if item is _PENDING:
             index = index + len(self._items) if index < 0 else index
-            item = self._items[index] = self._make(index)  # type: ignore[misc]
+            item = self._items[index] = self._build(index)
         return item
+
+    def _build(self, index: int) -> Any:
+        """Entry ``index``, made (a subclass's own maker is a method, not a bound method kept
+        in ``_make``: that would be a reference cycle, and the launch's device buffers would
+        wait for the garbage collector)."""
+        return self._make(index)  # type: ignore[misc]
 
     def append(self, item: Any) -> None:
         self._items.append(item)

@@ -89,9 +89,9 @@ class GroupedCopies(LazyGroups):
         self._copies = [
             GroupedOperands(make=lambda g, i=i: make_copy(g, i), count=count) for i in range(copies)
         ]
-        super().__init__(make=self._group, count=count)
+        super().__init__(make=make_copy, count=count)  # entries: ``_build``
 
-    def _group(self, g: int) -> tuple[Any, ...] | None:
+    def _build(self, g: int) -> tuple[Any, ...] | None:
         got = tuple(copy[g] for copy in self._copies)  # type: ignore[union-attr]
         return None if got[0] is None else got
 
