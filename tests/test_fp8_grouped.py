@@ -10,6 +10,7 @@ import dataclasses
 import importlib.util
 import re
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -185,6 +186,25 @@ def test_launch_arguments_from_the_groups_as_one(fa, fb) -> None:
     # a whole whose rows are not the groups' is not taken
     _, other = fp8_grouped.grouped_launch(a, b, sms=4, wholes=(joined(a[:2]), None))
     assert torch.equal(other[0], want[0])
+    # groups of one launch each (their shapes known, built only when read): none is read
+    lazy = [unread(side) for side in (a, b)]
+    _, from_launch = fp8_grouped.grouped_launch(
+        *lazy, out_dtype=torch.bfloat16, sms=4, wholes=(joined(a), joined(b)), global_scales=scales
+    )
+    for i in range(7):
+        assert torch.equal(from_launch[i], want[i]), i
+
+
+def unread(groups: list) -> Any:
+    """``groups`` as a grouped launch hands them out, each entry failing when read."""
+    from fp4gen.runtime.grouped_quantize import GroupedOperands
+
+    def fail(g: int) -> None:
+        raise AssertionError(f"group {g} was read")
+
+    lazy = GroupedOperands(make=fail, count=len(groups))
+    lazy.shapes = [tuple(q.shape) for q in groups]
+    return lazy
 
 
 @pytest.mark.parametrize(

@@ -202,7 +202,14 @@ def grouped_launch(
     kernel does not serve. Runs on any device (the CPU tests check the layouts). An empty
     group is None in ``a`` (as ``grouped_quantize.quantize_groups`` gives it), its B None or
     given: it has no tile, its B rows are never read (zero codes where None)."""
-    a0, b0 = _check(a, b, bias)
+    launched = _launched(a, b, bias, wholes)
+    if launched is not None:  # every group's rows of one launch each: no group is read
+        (a0, b0), rows, (n, k) = launched
+        whole_a, whole_b = wholes
+    else:
+        a0, b0 = _check(a, b, bias)
+        n, k = b0.rows, b0.cols
+        rows = [0 if q is None else q.rows for q in a]
     if out_dtype not in fp8_gemm.OUT_DTYPES:
         raise TensorError(f"out_dtype must be one of {fp8_gemm.OUT_DTYPES}, got {out_dtype}")
     reason = fp8_gemm.cute_support(a0.format, b0.format)
@@ -210,20 +217,19 @@ def grouped_launch(
         raise FP4GenError(f"the grouped FP8 GEMM does not serve this pair: {reason}")
     plan = grouped_plan(a0.format, b0.format, out_dtype, bias is not None)
     dev = a0.device
-    n, k = b0.rows, b0.cols
     kp = round_up(k, plan.block_k)
-    rows = [0 if q is None else q.rows for q in a]
     m = sum(rows)
     if m * n >= 2**31 or len(b) * n >= 2**31:
         raise FP4GenError(f"the grouped FP8 GEMM indexes with 32 bits: M * N = {m * n}")
     ue8m0 = plan.ue8m0
-    b_scales = cute_scales(b0, ue8m0)
     none_b = None
-    if any(q is None for q in b):  # an empty group's B: rows never read
+    if launched is None and any(q is None for q in b):  # an empty group's B: rows never read
+        b_scales = cute_scales(b0, ue8m0)
         none_b = (torch.zeros((n, kp), dtype=torch.uint8, device=dev), torch.zeros_like(b_scales))
     one = torch.ones(1, dtype=torch.float32, device=dev)
-    whole_a = _whole(wholes[0], a, m)
-    whole_b = _whole(wholes[1], b, len(b) * n)
+    if launched is None:
+        whole_a = _whole(wholes[0], a, m)
+        whole_b = _whole(wholes[1], b, len(b) * n)
     if whole_a is not None:
         codes_a, scales_a = code_bytes(whole_a, m, kp), cute_scales(whole_a, ue8m0)
     else:
@@ -239,8 +245,8 @@ def grouped_launch(
         scales_a,
         codes_b,
         scales_b,
-        _globals(global_scales[0], a, one, dev),
-        _globals(global_scales[1], b, one, dev),
+        _globals(global_scales[0], a, one, dev, whole=launched is not None),
+        _globals(global_scales[1], b, one, dev, whole=launched is not None),
         host_table(offsets_of(rows), torch.int32, dev),
         torch.empty((m, n), dtype=plan.kernel_out, device=dev),
     ]
@@ -250,6 +256,49 @@ def grouped_launch(
         sms = fp8_gemm.sm_count(dev) if dev.type == "cuda" else 1
     args.append(sms)
     return plan, args
+
+
+def _launched(
+    a: Sequence[QuantizedTensor | None],
+    b: Sequence[QuantizedTensor | None],
+    bias: torch.Tensor | None,
+    wholes: tuple[Any, Any],
+) -> tuple[tuple[Any, Any], list[int], tuple[int, int]] | None:
+    """Where each side's groups are the rows of one grouped launch (``wholes`` given, and the
+    groups' shapes known without building them: ``GroupedOperands.shapes``) and no group is
+    empty: the two wholes (they say the formats, RHTs and device), A's rows per group and B's
+    shape [N, K], checked as ``_check`` checks the groups (the per-group checks hold by
+    construction: one launch, one format). Else None: the groups are checked one by one."""
+    shapes_a, shapes_b = getattr(a, "shapes", None), getattr(b, "shapes", None)
+    whole_a, whole_b = wholes
+    if shapes_a is None or shapes_b is None or whole_a is None or whole_b is None:
+        return None
+    if not a or len(a) != len(b) or len(shapes_a) != len(a) or len(shapes_b) != len(b):
+        return None
+    if any(shape is None for shape in (*shapes_a, *shapes_b)):
+        return None
+    n, k = shapes_b[0]
+    rows = [shape[0] for shape in shapes_a]
+    if (
+        any(tuple(shape) != (n, k) for shape in shapes_b)
+        or any(shape[1] != k for shape in shapes_a)
+        or whole_a.rows != sum(rows)
+        or whole_b.rows != len(b) * n
+        or (whole_a.cols, whole_b.cols) != (k, k)
+    ):
+        return None
+    if whole_a.rht != whole_b.rht:
+        raise TensorError("grouped FP8 GEMM: A and B carry different RHTs")
+    if whole_a.device != whole_b.device:
+        raise TensorError(
+            f"grouped FP8 GEMM: operands on several devices {whole_a.device}, {whole_b.device}"
+        )
+    if bias is not None and tuple(bias.shape) != (len(b), n):
+        raise TensorError(
+            f"grouped FP8 GEMM: the bias must be [groups, N] = [{len(b)}, {n}], got "
+            f"{tuple(bias.shape)} {bias.dtype}"
+        )
+    return (whole_a, whole_b), rows, (n, k)
 
 
 def _whole(whole: Any, groups: Sequence[QuantizedTensor | None], rows: int) -> Any:
@@ -265,10 +314,13 @@ def _globals(
     groups: Sequence[QuantizedTensor | None],
     one: torch.Tensor,
     device: torch.device,
+    *,
+    whole: bool = False,
 ) -> torch.Tensor:
     """Every group's S_dec as fp32 [groups] on ``device`` (an empty group's 1): ``given`` where
-    no group is None, else each group's."""
-    if given is not None and not any(q is None for q in groups) and given.numel() == len(groups):
+    no group is None (``whole``: known to be so, no group read), else each group's."""
+    complete = whole or not any(q is None for q in groups)
+    if given is not None and complete and given.numel() == len(groups):
         if given.dtype != torch.float32 or given.device != device:
             given = given.to(device=device, dtype=torch.float32)
         # the kernel reads unit-stride vectors; a copy's column of a [groups, copies] table
@@ -300,7 +352,10 @@ def grouped_block_scaled(
     TensorError for groups that cannot be multiplied and FP4GenError where the kernel does
     not serve them (not CUDA, not sm_90a, the pair): the caller's cue to run the groups one
     by one. An empty group: None in ``a`` (``grouped_launch``)."""
-    dev = next((q.device for q in a if q is not None), None)
+    if wholes[0] is not None:
+        dev = wholes[0].device  # the groups' own device: no group read for it
+    else:
+        dev = next((q.device for q in a if q is not None), None)
     if dev is None or dev.type != "cuda":
         raise FP4GenError(f"the grouped FP8 GEMM runs on CUDA tensors, not on {dev}")
     from fp4gen.compiler.jit import detect_arch

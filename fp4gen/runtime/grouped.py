@@ -1112,7 +1112,7 @@ def _dense_fp8(a: Any, b: Any, out_dtype: torch.dtype, bias: torch.Tensor | None
 
 
 def _fp8_products(
-    pairs: list[tuple[Any, Any]],
+    pairs: _Pairs,
     out_dtype: torch.dtype,
     bias: torch.Tensor | None,
     gemm: str,
@@ -1132,8 +1132,9 @@ def _fp8_products(
     (``fp8_grouped.grouped_launch``)."""
     from fp4gen.runtime.fp8_grouped import grouped_block_scaled, log_fallback
 
-    a, b = [p[0] for p in pairs], [p[1] for p in pairs]
-    reason = fp8_grouped_reason(a[0], b[0], max(q.rows for q in a))
+    # each side as its sequence: a grouped launch's groups are built only where read
+    a, b = pairs.a, pairs.b
+    reason = fp8_grouped_reason(a[0], b[0], max(_shape(a, i)[0] for i in range(len(a))))
     if reason is None:
         try:
             return grouped_block_scaled(
