@@ -70,6 +70,7 @@ import fp4gen  # noqa: E402
 from benchmarks.common import cuda_time_ms, require_cuda  # noqa: E402
 from fp4gen.runtime.experts import GroupedExperts  # noqa: E402
 from fp4gen.runtime.fp8_grouped import set_grouped_fp8  # noqa: E402
+from fp4gen.runtime.fp8_kgrouped import set_k_grouped_fp8  # noqa: E402
 from fp4gen.runtime.grouped import set_grouped_product, set_grouped_quantize  # noqa: E402
 
 VOCAB = 256  # bytes, as benchmarks/train.py
@@ -504,6 +505,12 @@ def main(argv: list[str] | None = None) -> int:
         "(fp4gen.runtime.fp8_grouped.set_grouped_fp8)",
     )
     parser.add_argument(
+        "--fp8-k-grouped",
+        action="store_true",
+        help="the experts' FP8 wgrad GEMMs as one K-grouped launch per projection "
+        "(fp4gen.runtime.fp8_kgrouped.set_k_grouped_fp8; off by default)",
+    )
+    parser.add_argument(
         "--profile",
         type=int,
         default=0,
@@ -533,10 +540,13 @@ def main(argv: list[str] | None = None) -> int:
     previous_quantize = set_grouped_quantize(True)
     # the grouped FP8 GEMM is the default; made sure of here, since the rows name it
     previous_fp8 = set_grouped_fp8(True)
+    previous_k = set_k_grouped_fp8(args.fp8_k_grouped)
     where = torch.cuda.get_device_name() if args.device == "cuda" else "CPU (smoke run)"
+    wgrad = "K-grouped" if args.fp8_k_grouped else "per expert"
     print(
         f"fp4gen MoE benchmark on {where}, torch {torch.__version__}, grouped experts' "
-        f"products {args.grouped_product}, grouped quantize on, grouped FP8 GEMM on"
+        f"products {args.grouped_product}, grouped quantize on, grouped FP8 GEMM on, FP8 "
+        f"wgrad {wgrad}"
     )
     try:
         if not args.skip_layer:
@@ -546,6 +556,7 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         set_grouped_quantize(previous_quantize)
         set_grouped_fp8(previous_fp8)
+        set_k_grouped_fp8(previous_k)
     return 0
 
 

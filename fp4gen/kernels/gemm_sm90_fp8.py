@@ -117,6 +117,9 @@ class GemmSm90Fp8Params:
     # M-grouped (fp4gen.kernels.gemm_sm90_fp8_grouped): A's rows in groups at device offsets,
     # B one [N, K] matrix per group; no output tile spans two groups
     grouped: bool = False
+    # K-grouped (fp4gen.kernels.gemm_sm90_fp8_kgrouped): the groups side by side along K at
+    # device offsets (whole K-blocks each), C one [M, N] matrix per group (the experts' wgrad)
+    k_grouped: bool = False
 
     def __post_init__(self) -> None:
         reason = block_k_reason(self.block_k)
@@ -145,6 +148,26 @@ class GemmSm90Fp8Params:
         if reason is None and self.grouped and (self.cluster_m != 1 or self.mn_major_scales):
             # a group's tiles start at any row: no 16-byte scale chunks, no cluster pairs
             reason = "grouped takes cluster_m 1 and row-major scales"
+        if (
+            reason is None
+            and self.k_grouped
+            and (
+                self.grouped
+                or self.cluster_m != 1
+                or self.mn_major_scales
+                or self.overlap
+                or self.wide_stores
+                or self.b_2d
+                or self.bias
+                or self.accumulate
+            )
+        ):
+            # a tile's K range is its group's: one partial accumulator, row-major scales of
+            # 1xN blocks on both sides, the plain epilogue
+            reason = (
+                "k_grouped takes 1xN B blocks, cluster_m 1, row-major scales and none of "
+                "grouped, overlap, wide_stores, bias, accumulate"
+            )
         if reason is not None:
             raise ValueError(f"GemmSm90Fp8Params: {reason}")
 
@@ -212,6 +235,7 @@ class GemmSm90Fp8Params:
         extra += "_mn" if self.mn_major_scales else ""
         extra += "_ws" if self.wide_stores else ""
         extra += "_grouped" if self.grouped else ""
+        extra += "_kgrouped" if self.k_grouped else ""
         return (
             f"fp8gemm_{self.a_element}_1x{self.block_k}_{self.b_element}_{b}_{self.scale_kind}"
             f"_{self.out}{extra}_m{self.tile_m}n{self.tile_n}s{self.num_stages}"
@@ -363,6 +387,7 @@ class GemmSm90Fp8Kernel:
 
     TAKES_BIAS: ClassVar[bool] = False
     GROUPED: ClassVar[bool] = False  # the launch takes the groups' offsets (grouped variant)
+    K_GROUPED: ClassVar[bool] = False  # the launch takes the groups' K offsets (K-grouped)
     MMA_WARPGROUPS: ClassVar[int] = 2
     PRODUCER_WARP: ClassVar[int] = 8  # the first warp of the third warpgroup
     THREADS: ClassVar[int] = 384
@@ -373,6 +398,11 @@ class GemmSm90Fp8Kernel:
         if params.bias != self.TAKES_BIAS:
             raise ValueError(
                 f"{type(self).__name__} takes bias={self.TAKES_BIAS}; the params say {params.bias}"
+            )
+        if params.k_grouped != self.K_GROUPED:
+            raise ValueError(
+                f"{type(self).__name__} takes k_grouped={self.K_GROUPED}; the params say "
+                f"{params.k_grouped}"
             )
         if params.grouped != self.GROUPED:
             raise ValueError(
@@ -476,6 +506,10 @@ class GemmSm90Fp8Kernel:
         units = (m_tiles + (p.cluster_m - 1)) // p.cluster_m * n_tiles  # a cluster's tiles
         if const_expr(p.grouped):  # at most one partial M-tile more per group
             units = (m_tiles + mOffs.shape[0] - 1) * n_tiles
+        if const_expr(p.k_grouped):  # C: the groups' [M, N] stacked, every group's tiles
+            groups = mOffs.shape[0] - 1
+            m_tiles = (mC.shape[0] // groups + (p.tile_m - 1)) // p.tile_m
+            units = groups * m_tiles * n_tiles
         ctas = cutlass.min(units, max_ctas // p.cluster_m) * p.cluster_m
         self.kernel(
             tma_atom_a,
@@ -555,6 +589,12 @@ class GemmSm90Fp8Kernel:
         units = m_units * n_tiles
         if const_expr(p.grouped):  # every group's tiles (gemm_sm90_fp8_grouped)
             units = self.group_tile_count(mOffs, n_tiles)
+        if const_expr(
+            p.k_grouped
+        ):  # C [groups x M, N]: each group's M rows (gemm_sm90_fp8_kgrouped)
+            M = M // (mOffs.shape[0] - 1)
+            m_tiles = (M + (p.tile_m - 1)) // p.tile_m
+            units = (mOffs.shape[0] - 1) * m_tiles * n_tiles
         rank = bidx % p.cluster_m
         cluster = bidx // p.cluster_m
         clusters = nctas // p.cluster_m
@@ -616,6 +656,9 @@ class GemmSm90Fp8Kernel:
             last_b = mSFB.shape[0] - 1
             if const_expr(p.grouped):  # the walk's group, its first tile and its M-tiles
                 g, first, mt = self.walk_start(mOffs)
+            if const_expr(p.k_grouped):  # the stages used by the tiles before this one
+                s_base = Int32(0)
+                g, k0, tile_k_tiles = Int32(0), Int32(0), Int32(0)  # set per tile
             for i in cutlass.range(my_tiles, unroll=1):
                 if const_expr(p.grouped):
                     t = cluster + i * clusters
@@ -626,13 +669,24 @@ class GemmSm90Fp8Kernel:
                     b_row0 = g * self.b_scale_rows(N)  # the group's first scale row of B
                     tAgA_t = self.rows_at(tma_atom_a, mA_tma, sA, m0, p.tile_m)
                     tBgB_t = self.rows_at(tma_atom_b, mB_tma, sB, g * N + n0, p.tile_n)
+                elif const_expr(p.k_grouped):
+                    g, m_tile, n_tile = self.k_group_tile(cluster + i * clusters, m_tiles, n_tiles)
+                    m0 = m_tile * p.tile_m
+                    n0 = n_tile * p.tile_n
+                    k0, tile_k_tiles = self.k_group_range(mOffs, g)
                 else:
                     m_unit, n_tile = self.tile_origin(cluster + i * clusters, m_units, n_tiles)
                     m_tile = m_unit * p.cluster_m + rank
                     m0 = m_tile * p.tile_m
                     n0 = n_tile * p.tile_n
-                for kt in cutlass.range(k_tiles, unroll=1):
-                    s_lin = i * k_tiles + kt
+                n_kt = k_tiles
+                if const_expr(p.k_grouped):
+                    n_kt = tile_k_tiles
+                for kt in cutlass.range(n_kt, unroll=1):
+                    if const_expr(p.k_grouped):  # noqa: SIM108 (the DSL traces statements)
+                        s_lin = s_base + kt
+                    else:
+                        s_lin = i * k_tiles + kt
                     st = s_lin % stages
                     cute.arch.mbarrier_wait(empty + st, ((s_lin // stages) & 1) ^ 1)
                     with cute.arch.elect_one():
@@ -642,6 +696,11 @@ class GemmSm90Fp8Kernel:
                         cute.copy(tma_atom_a, tAgA_t[(None, kt)], tAsA[(None, st)],
                                   tma_bar_ptr=full + st)  # fmt: skip
                         cute.copy(tma_atom_b, tBgB_t[(None, kt)], tBsB[(None, st)],
+                                  tma_bar_ptr=full + st)  # fmt: skip
+                    elif const_expr(p.k_grouped):  # the group's k-tiles, from its first on
+                        cute.copy(tma_atom_a, tAgA[(None, m_tile, k0 + kt)], tAsA[(None, st)],
+                                  tma_bar_ptr=full + st)  # fmt: skip
+                        cute.copy(tma_atom_b, tBgB[(None, n_tile, k0 + kt)], tBsB[(None, st)],
                                   tma_bar_ptr=full + st)  # fmt: skip
                     else:
                         cute.copy(tma_atom_a, tAgA[(None, m_tile, kt)], tAsA[(None, st)],
@@ -654,7 +713,10 @@ class GemmSm90Fp8Kernel:
                             cute.copy(tma_atom_b, tBgB[(None, n_tile, kt)], tBsB[(None, st)],
                                       tma_bar_ptr=full + st)  # fmt: skip
                     # the block scales of the k-tile's K-block
-                    kb = kt // kpb
+                    if const_expr(p.k_grouped):  # noqa: SIM108 (the DSL traces statements)
+                        kb = (k0 + kt) // kpb
+                    else:
+                        kb = kt // kpb
                     if const_expr(p.mn_major_scales):
                         sf_dst = sf_base + st * p.sf_stage_bytes
                         self.copy_scales_mn_major(sf_dst, sfa_g, mSFA.shape[1], m0, kb, lane,
@@ -673,6 +735,8 @@ class GemmSm90Fp8Kernel:
                                                 b_row0=b_row0 if const_expr(p.grouped)
                                                 else None)  # fmt: skip
                     cute.arch.cp_async_mbarrier_arrive_noinc(full + st)
+                if const_expr(p.k_grouped):
+                    s_base = s_base + tile_k_tiles
             cute.arch.cp_async_wait_group(0)
 
         # ============================================================== MMA warpgroups
@@ -703,8 +767,18 @@ class GemmSm90Fp8Kernel:
             alpha = mGA[0] * mGB[0]
             if const_expr(p.grouped):  # the same walk as the producer's
                 g, first, mt = self.walk_start(mOffs)
+            if const_expr(p.k_grouped):
+                s_base = Int32(0)
+                g, k0, tile_k_tiles = Int32(0), Int32(0), Int32(0)  # set per tile
             for i in cutlass.range(my_tiles, unroll=1):
-                if const_expr(p.grouped):
+                if const_expr(p.k_grouped):
+                    g, m_tile, n_tile = self.k_group_tile(cluster + i * clusters, m_tiles, n_tiles)
+                    m0 = m_tile * p.tile_m
+                    n0 = n_tile * p.tile_n
+                    k0, tile_k_tiles = self.k_group_range(mOffs, g)
+                    # the group's S_a S_b; its [M, N] of C from row g M
+                    tile_alpha, m_end, tile_bias = mGA[g] * mGB[g], M, mBias
+                elif const_expr(p.grouped):
                     t = cluster + i * clusters
                     g, first, mt = self.walk_to(t, g, first, mt, mOffs, n_tiles)
                     m_tile, n_tile = self.tile_origin(t - first, mt, n_tiles)
@@ -740,9 +814,15 @@ class GemmSm90Fp8Kernel:
                     else:
                         warpgroup.wait_group(0)
                         self.finish_block(total, parts[0], ks, k_blocks - 1)
-                for blk in cutlass.range(0 if const_expr(p.overlap) else k_blocks, unroll=1):
+                n_blocks = k_blocks
+                if const_expr(p.k_grouped):
+                    n_blocks = tile_k_tiles // kpb
+                for blk in cutlass.range(0 if const_expr(p.overlap) else n_blocks, unroll=1):
                     for sub in range_constexpr(kpb):
-                        s_lin = i * k_tiles + blk * kpb + sub
+                        if const_expr(p.k_grouped):
+                            s_lin = s_base + blk * kpb + sub
+                        else:
+                            s_lin = i * k_tiles + blk * kpb + sub
                         st = s_lin % stages
                         cute.arch.mbarrier_wait(full + st, (s_lin // stages) & 1)
                         warpgroup.fence()
@@ -757,8 +837,11 @@ class GemmSm90Fp8Kernel:
                             )
                         warpgroup.commit_group()
                         if const_expr(sub == kpb - 1):
+                            kb = blk
+                            if const_expr(p.k_grouped):  # the K-block's column of the scales
+                                kb = k0 // kpb + blk
                             sa, sb = self.block_scales(sf_base + st * p.sf_stage_bytes,
-                                                       blk, row0, row1, cols, n0)  # fmt: skip
+                                                       kb, row0, row1, cols, n0)  # fmt: skip
                         warpgroup.wait_group(0)
                         self.release(empty + st, lane)
                     self.promote(total, partial, sa, sb)
@@ -774,11 +857,33 @@ class GemmSm90Fp8Kernel:
                         gm = m0 + mm
                         gn = n0 + nn
                         if (gm < m_end) & (gn < N):
-                            self.store_output(mC, tile_bias, gm, gn, total[e] * tile_alpha)
+                            if const_expr(p.k_grouped):  # the group's own C
+                                self.store_output(mC, tile_bias, g * M + gm, gn,
+                                                  total[e] * tile_alpha)  # fmt: skip
+                            else:
+                                self.store_output(mC, tile_bias, gm, gn, total[e] * tile_alpha)
+                if const_expr(p.k_grouped):
+                    s_base = s_base + tile_k_tiles
 
         if const_expr(p.cluster_m > 1):  # no CTA leaves while its peer may still arrive on it
             cute.arch.cluster_arrive()
             cute.arch.cluster_wait()
+
+    @cute.jit
+    def k_group_tile(self, t, m_tiles, n_tiles):
+        """K-grouped: tile t's group and its M- and N-tile (every group has m_tiles x n_tiles
+        tiles, group by group, each rasterized as the dense kernel's)."""
+        per_group = m_tiles * n_tiles
+        g = t // per_group
+        m_tile, n_tile = self.tile_origin(t - g * per_group, m_tiles, n_tiles)
+        return g, m_tile, n_tile
+
+    @cute.jit
+    def k_group_range(self, mOffs: cute.Tensor, g):
+        """K-grouped: group g's first k-tile and its k-tiles (its K offsets are whole
+        K-blocks: checked by the host)."""
+        p = self.p
+        return mOffs[g] // p.tile_k, (mOffs[g + 1] - mOffs[g]) // p.tile_k
 
     @cute.jit
     def copy_scales_by_row(

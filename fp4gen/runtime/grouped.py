@@ -1027,9 +1027,8 @@ def _grads(
             per_row = dgrad_alphas.repeat_interleave(counts, output_size=sum(groups.counts))
         dx = _scaled(c[real], per_row[:, None], None, x.dtype)
     # wgrad: the experts' token columns side by side, one group each
-    if fp8_wgrad:  # grouped along K: each expert's dense FP8 GEMM, as the loop runs it
-        dw_each = [_dense_fp8(a, b, weight.dtype, None) for a, b in wgrad_pairs]
-        dw_groups = torch.stack(dw_each)[:, :n_out]
+    if fp8_wgrad:  # grouped along K: one K-grouped launch, or each expert's dense FP8 GEMM
+        dw_groups = _fp8_wgrad(wgrad_pairs, weight.dtype, groups.name)[:, :n_out]
     else:
         gt_values, xt_values, per_group = _wgrad_values(
             wgrad_pairs, wgrad_calls, gt_all, xt_all, wgrad_alphas
@@ -1149,6 +1148,27 @@ def _fp8_products(
             for i, (a_e, b_e) in enumerate(pairs)
         ]
     )
+
+
+def _fp8_wgrad(pairs: _Pairs, out_dtype: torch.dtype, name: str) -> torch.Tensor:
+    """The experts' block-scaled FP8 wgrad GEMMs (A_e [out, K_e], B_e [in, K_e]: the groups
+    run along K) as [experts, out, in] in ``out_dtype``: one launch of the K-grouped kernel
+    (``fp4gen.runtime.fp8_kgrouped``: each expert's the dense generated kernel's bits) where
+    it is on and ``fp8_grouped_reason`` allows, else each expert's dense GEMM (the loop's own
+    products), the reason logged once."""
+    from fp4gen.runtime.fp8_grouped import log_fallback
+    from fp4gen.runtime.fp8_kgrouped import k_grouped_block_scaled, k_grouped_fp8_enabled
+
+    if k_grouped_fp8_enabled():
+        a, b = list(pairs.a), list(pairs.b)
+        reason = fp8_grouped_reason(a[0], b[0], a[0].rows)
+        if reason is None:
+            try:
+                return k_grouped_block_scaled(a, b, out_dtype=out_dtype)
+            except FP4GenError as err:  # a kernel that did not compile or load, a refused pair
+                reason = str(err)
+        log_fallback(f"{name}: the experts' wgrad GEMMs run per expert: {reason}")
+    return torch.stack([_dense_fp8(a, b, out_dtype, None) for a, b in pairs])
 
 
 def pass_reason(table: Any) -> str | None:

@@ -1,0 +1,238 @@
+"""The K-grouped block-scaled FP8 GEMM on Hopper: every expert's wgrad C_g = A_g B_g^T in one
+launch, the groups side by side along K.
+
+Host side of ``fp4gen.kernels.gemm_sm90_fp8_kgrouped`` (the generated FP8 GEMM class with
+``k_grouped=True``). ``k_grouped_block_scaled(a, b, out_dtype=)`` takes one QuantizedTensor per
+group for each operand (A_g [M, K_g]: expert g's gradient columns, B_g [N, K_g]: its activation
+columns; 1xN blocks along K on both sides, K_g a whole number of blocks) and returns C [G, M, N]
+with C[g] what ``fp8_gemm.cute_block_scaled_product`` computes for (A_g, B_g), bit for bit: the
+same kernel, the same K-blocks promoted in the same order (docs/moe.md, "The experts' FP8
+wgrad"). Where the groups' GEMMs ran one dense call each (two launches and the dense dispatch per
+expert), this is one concatenation per operand and one launch.
+
+The arguments (``k_grouped_launch``), in the kernel's order: A's codes [M, K] (every group's
+columns side by side, uint8) and block scales [M, KB] (fp32, or ue8m0 codes with KB zero-padded
+to a multiple of 4), B's likewise [N, K] and [N, KB], S_a and S_b fp32 [G], the groups' first K
+elements int32 [G + 1] (multiples of the block), C [G x M, N] (bf16 for a bf16 output, else
+fp32), the GPU's SM count (the persistent grid).
+
+``set_k_grouped_fp8(True)`` turns it on (process-wide; off by default until its GPU tests,
+``tests/test_fp8_kgrouped_gpu.py``, have passed on a GPU): the grouped experts' FP8 wgrad then
+takes it where ``k_grouped_reason`` allows, else each expert's dense GEMM.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any, NamedTuple
+
+import torch
+import torch.nn.functional as F
+
+from fp4gen.codegen.gemm_fp8 import kernel_fields, kernel_out
+from fp4gen.errors import FP4GenError, TensorError
+from fp4gen.formats import BlockFormat
+from fp4gen.numerics import QuantizedTensor
+from fp4gen.runtime import fp8_gemm
+from fp4gen.runtime.fp8_gemm import code_bytes
+from fp4gen.runtime.fp8_grouped import _globals, offsets_of
+from fp4gen.runtime.host_tables import host_table
+
+# set_k_grouped_fp8: off until tests/test_fp8_kgrouped_gpu.py has passed on a GPU
+_enabled = [False]
+
+
+def set_k_grouped_fp8(enabled: bool) -> bool:
+    """Whether the grouped experts' block-scaled FP8 wgrad GEMMs run as one K-grouped launch on
+    sm_90a (True) or one dense GEMM per expert (False, the default until the kernel's GPU tests
+    have passed). Process-wide, read at every call; returns the previous setting."""
+    previous, _enabled[0] = _enabled[0], bool(enabled)
+    return previous
+
+
+def k_grouped_fp8_enabled() -> bool:
+    """The ``set_k_grouped_fp8`` setting."""
+    return _enabled[0]
+
+
+class KGroupedPlan(NamedTuple):
+    """What a K-grouped call needs besides its tensors."""
+
+    params: Any  # GemmSm90Fp8Params with k_grouped=True
+    block_k: int
+    ue8m0: bool
+    kernel_out: torch.dtype  # what the kernel writes: bf16 or fp32
+
+
+def k_grouped_plan(a: BlockFormat, b: BlockFormat, out_dtype: torch.dtype) -> KGroupedPlan:
+    """The plan of a served pair (``pair_reason``): the dense kernel's 128-wide tile with one
+    partial accumulator, row-major scales, one CTA per cluster, the plain epilogue."""
+    from fp4gen.kernels.gemm_sm90_fp8 import GemmSm90Fp8Params
+
+    out = kernel_out("bf16" if out_dtype == torch.bfloat16 else "fp32", False)
+    fields = kernel_fields(
+        a,
+        b,
+        out,
+        False,
+        False,
+        overlap=False,
+        cluster_m=1,
+        mn_major_scales=False,
+        wide_stores=False,
+        tile_n=128,
+    )
+    params = GemmSm90Fp8Params(**fields, k_grouped=True)
+    kernel_dtype = torch.bfloat16 if params.out == "bf16" else torch.float32
+    return KGroupedPlan(params, a.block[1], params.scale_kind == "ue8m0", kernel_dtype)
+
+
+def pair_reason(a: BlockFormat, b: BlockFormat) -> str | None:
+    """None where the K-grouped kernel takes the pair: what the dense kernel takes
+    (``fp8_gemm.cute_support``) with 1xN blocks on both sides (a group's K range is whole
+    blocks of both)."""
+    reason = fp8_gemm.cute_support(a, b)
+    if reason is None and (a.block[0] != 1 or b.block[0] != 1):
+        reason = f"blocks {a.block} x {b.block}: the K-grouped GEMM takes 1xN blocks on both sides"
+    return reason
+
+
+def _check(
+    a: Sequence[QuantizedTensor | None], b: Sequence[QuantizedTensor | None]
+) -> tuple[QuantizedTensor, QuantizedTensor, list[int]]:
+    """TensorError unless the groups can be multiplied: one A and one B per group (both None
+    for an empty group), one format per side, every A [M, K_g] and B [N, K_g] with the M and N
+    of the others, the group's K in both, one device. Returns the first group's A and B and
+    each group's K."""
+    if not a or len(a) != len(b):
+        raise TensorError(
+            f"K-grouped FP8 GEMM: {len(a)} A groups and {len(b)} B groups (one of each per "
+            "group, at least one)"
+        )
+    first = next((i for i, q in enumerate(a) if q is not None), None)
+    if first is None:
+        raise TensorError("K-grouped FP8 GEMM: every group is empty (None)")
+    a0, b0 = a[first], b[first]
+    if b0 is None:
+        raise TensorError(f"K-grouped FP8 GEMM: B[{first}] is None, A[{first}] is not")
+    ks = []
+    for i, (qa, qb) in enumerate(zip(a, b, strict=True)):
+        if (qa is None) != (qb is None):
+            raise TensorError(f"K-grouped FP8 GEMM: group {i} has one operand only (None: empty)")
+        if qa is None or qb is None:
+            ks.append(0)
+            continue
+        if qa.format != a0.format or qb.format != b0.format:
+            raise TensorError(
+                f"K-grouped FP8 GEMM: group {i} is {qa.format.name} x {qb.format.name}, group "
+                f"{first} {a0.format.name} x {b0.format.name} (one format per operand)"
+            )
+        if qa.rows != a0.rows or qb.rows != b0.rows or qa.cols != qb.cols:
+            raise TensorError(
+                f"K-grouped FP8 GEMM: group {i} is [{qa.rows}, {qa.cols}] x [{qb.rows}, "
+                f"{qb.cols}]; expected [{a0.rows}, K] x [{b0.rows}, K]"
+            )
+        if qa.rht != qb.rht:
+            raise TensorError(f"K-grouped FP8 GEMM: group {i}'s A and B carry different RHTs")
+        if qa.device != a0.device or qb.device != a0.device:
+            raise TensorError("K-grouped FP8 GEMM: operands on several devices")
+        ks.append(qa.cols)
+    return a0, b0, ks
+
+
+def _block_scales(q: QuantizedTensor, ue8m0: bool) -> torch.Tensor:
+    """A group's block scales as the kernel reads them, before the concatenation: fp32 [R, KB]
+    or the ue8m0 codes uint8 [R, KB] (unpadded: the whole concatenation is padded)."""
+    s = q.scale_codes if ue8m0 else q.scales
+    if s is None:
+        raise TensorError("a ue8m0-scaled QuantizedTensor without scale codes")
+    return s if ue8m0 or s.dtype == torch.float32 else s.to(torch.float32)
+
+
+def k_grouped_launch(
+    a: Sequence[QuantizedTensor | None],
+    b: Sequence[QuantizedTensor | None],
+    *,
+    out_dtype: torch.dtype = torch.float32,
+    sms: int | None = None,
+) -> tuple[KGroupedPlan, list]:
+    """The plan and the kernel's arguments (module docstring) for groups ``a`` and ``b``,
+    without the launch; ``sms``: the persistent grid's limit (default: the device's SM count).
+    Raises TensorError for groups that cannot be multiplied and FP4GenError for a pair or a
+    group K the kernel does not take. Runs on any device (the CPU tests check the layouts)."""
+    a0, b0, ks = _check(a, b)
+    if out_dtype not in fp8_gemm.OUT_DTYPES:
+        raise TensorError(f"out_dtype must be one of {fp8_gemm.OUT_DTYPES}, got {out_dtype}")
+    reason = pair_reason(a0.format, b0.format)
+    if reason is not None:
+        raise FP4GenError(f"the K-grouped FP8 GEMM does not serve this pair: {reason}")
+    plan = k_grouped_plan(a0.format, b0.format, out_dtype)
+    if any(k % plan.block_k for k in ks):
+        raise FP4GenError(
+            f"the K-grouped FP8 GEMM takes whole K-blocks of {plan.block_k} per group; the "
+            f"groups' K are {ks}"
+        )
+    m, n, dev = a0.rows, b0.rows, a0.device
+    groups = len(a)
+    if groups * m * n >= 2**31 or m * sum(ks) >= 2**31 or n * sum(ks) >= 2**31:
+        raise FP4GenError("the K-grouped FP8 GEMM indexes with 32 bits")
+    present = [(qa, qb) for qa, qb in zip(a, b, strict=True) if qa is not None]
+    codes_a = torch.cat([code_bytes(qa, m, qa.cols) for qa, _ in present], dim=1)
+    codes_b = torch.cat([code_bytes(qb, n, qb.cols) for _, qb in present], dim=1)
+    scales_a = torch.cat([_block_scales(qa, plan.ue8m0) for qa, _ in present], dim=1)
+    scales_b = torch.cat([_block_scales(qb, plan.ue8m0) for _, qb in present], dim=1)
+    if plan.ue8m0 and scales_a.shape[1] % 4:  # the kernel copies aligned 4-byte words
+        pad = 4 - scales_a.shape[1] % 4
+        scales_a, scales_b = F.pad(scales_a, (0, pad)), F.pad(scales_b, (0, pad))
+    one = torch.ones(1, dtype=torch.float32, device=dev)
+    args = [
+        codes_a,
+        scales_a.contiguous(),
+        codes_b,
+        scales_b.contiguous(),
+        _globals(None, a, one, dev),
+        _globals(None, b, one, dev),
+        host_table(offsets_of(ks), torch.int32, dev),
+        torch.empty((groups * m, n), dtype=plan.kernel_out, device=dev),
+    ]
+    if sms is None:
+        sms = fp8_gemm.sm_count(dev) if dev.type == "cuda" else 1
+    args.append(sms)
+    return plan, args
+
+
+def k_grouped_block_scaled(
+    a: Sequence[QuantizedTensor | None],
+    b: Sequence[QuantizedTensor | None],
+    *,
+    out_dtype: torch.dtype = torch.float32,
+) -> torch.Tensor:
+    """C [G, M, N] in ``out_dtype`` with C[g] = S_a[g] S_b[g] sum_b s_a s_b P_b over group g's
+    K-blocks, one launch (module docstring); an empty group (None, None) gives zeros. Raises
+    TensorError for groups that cannot be multiplied and FP4GenError where the kernel does not
+    serve them (not CUDA, not sm_90a, the pair, a group's K): the caller's cue to run the
+    groups one by one."""
+    dev = next((q.device for q in a if q is not None), None)
+    if dev is None or dev.type != "cuda":
+        raise FP4GenError(f"the K-grouped FP8 GEMM runs on CUDA tensors, not on {dev}")
+    from fp4gen.compiler.jit import detect_arch
+
+    arch = detect_arch(dev)
+    if arch not in fp8_gemm.CUTE_ARCHS:
+        raise FP4GenError(f"no K-grouped FP8 GEMM for {arch} (FP8 wgmma: sm_90a only)")
+    plan, args = k_grouped_launch(a, b, out_dtype=out_dtype)
+    c = args[7]
+    fp8_gemm.cute_kernel(plan.params)(*args)
+    c = c.view(len(a), -1, c.shape[1])
+    return c if c.dtype == out_dtype else c.to(out_dtype)
+
+
+__all__ = [
+    "KGroupedPlan",
+    "k_grouped_block_scaled",
+    "k_grouped_fp8_enabled",
+    "k_grouped_launch",
+    "k_grouped_plan",
+    "pair_reason",
+    "set_k_grouped_fp8",
+]

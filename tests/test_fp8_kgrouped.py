@@ -1,0 +1,195 @@
+"""The K-grouped block-scaled FP8 GEMM without a GPU (fp4gen.kernels.gemm_sm90_fp8_kgrouped,
+fp4gen.runtime.fp8_kgrouped): the tile walk (every group's output once, each tile its group's
+K range), the kernel's cross-compilation for sm_90a to FP8 wgmma, its parameters, the launch's
+arguments as the kernel reads them, and the grouped experts' wgrad taking it only where it is
+on. On a GPU: tests/test_fp8_kgrouped_gpu.py."""
+
+from __future__ import annotations
+
+import importlib.util
+import re
+from pathlib import Path
+
+import pytest
+import torch
+
+from fp4gen.errors import FP4GenError, TensorError
+from fp4gen.formats import BUILTIN_FORMATS, BlockFormat, ScaleSpec
+from fp4gen.numerics import quantize
+from fp4gen.runtime import fp8_kgrouped
+
+CUTE_DSL = importlib.util.find_spec("cutlass") is not None
+needs_dsl = pytest.mark.skipif(not CUTE_DSL, reason="needs the CuTe DSL (nvidia-cutlass-dsl)")
+
+E4M3 = BUILTIN_FORMATS["mxfp8_e4m3"].element
+MXFP8 = BUILTIN_FORMATS["mxfp8_e4m3"]
+ROW = BlockFormat("fp8_block", E4M3, (1, 128), ScaleSpec(None))
+TILE = ROW.with_block((128, 128))
+
+
+@needs_dsl
+@pytest.mark.parametrize(
+    "ks, m, n", [([128, 0, 384, 256], 200, 300), ([1024], 128, 128), ([0, 0, 128], 129, 64)]
+)
+def test_the_tile_walk_covers_every_group_once(ks, m, n) -> None:
+    """Every group has ceil(M / 128) x ceil(N / 128) tiles, in group order, each (row,
+    column) of its C once, each tile with its group's K range."""
+    from fp4gen.kernels.gemm_sm90_fp8_kgrouped import k_tile_walk
+
+    koffs = fp8_kgrouped.offsets_of(ks)
+    tiles = k_tile_walk(koffs, m, n)
+    per_group = -(-m // 128) * -(-n // 128)
+    assert len(tiles) == len(ks) * per_group
+    assert [t[0] for t in tiles] == [g for g in range(len(ks)) for _ in range(per_group)]
+    for g in range(len(ks)):
+        mine = [t for t in tiles if t[0] == g]
+        assert {(t[3], t[4]) for t in mine} == {(koffs[g], ks[g])}
+        covered = {(r, c) for _, r0, c0, _, _ in mine for r in range(r0, min(r0 + 128, m))
+                   for c in range(c0, min(c0 + 128, n))}  # fmt: skip
+        assert len(covered) == m * n
+
+
+def test_params_take_only_what_a_k_range_allows() -> None:
+    from fp4gen.kernels.gemm_sm90_fp8 import GemmSm90Fp8Params
+
+    base = dict(a_element="e4m3", b_element="e4m3", scale_kind="fp32", block_k=128,
+                b_2d=False, out="bf16", bias=False, accumulate=False, k_grouped=True)  # fmt: skip
+    assert GemmSm90Fp8Params(**base).name.endswith("_kgrouped_m128n128s6")
+    for extra in (
+        {"b_2d": True},
+        {"bias": True},
+        {"accumulate": True},
+        {"overlap": True},
+        {"cluster_m": 2},
+        {"mn_major_scales": True},
+        {"wide_stores": True},
+        {"grouped": True},
+    ):
+        with pytest.raises(ValueError, match="k_grouped takes"):
+            GemmSm90Fp8Params(**{**base, **extra})
+
+
+def test_module_source_binds_k_grouped_only_where_set() -> None:
+    """The other FP8 kernels' generated modules keep their text (their cache keys and the
+    manifests' hashes); the K-grouped one binds its own compile."""
+    from fp4gen.codegen.gemm_fp8 import module_source
+
+    plan = fp8_kgrouped.k_grouped_plan(ROW, ROW, torch.float32)
+    source = module_source(plan.params)
+    assert "k_grouped=True" in source and "compile_k_grouped_fp8_gemm(PARAMS, arch" in source
+    dense = fp8_kgrouped.fp8_gemm.cute_plan(ROW, TILE, torch.bfloat16, False, False).params
+    assert "k_grouped" not in module_source(dense)
+
+
+@needs_dsl
+def test_k_grouped_kernels_cross_compile_to_fp8_wgmma(tmp_path: Path, monkeypatch) -> None:
+    """The K-grouped variants compile for sm_90a: fp8_blockwise's wgrad pair (1x128 x 1x128,
+    fp32 scales; bf16 and fp32 out) and MXFP8's (1x32, ue8m0). The PTX: FP8 wgmma, TMA of the
+    codes, the 4-byte scale copies, no local memory, no clusters."""
+    from fp4gen.kernels.gemm_sm90_fp8 import compile_fp8_gemm
+    from fp4gen.kernels.gemm_sm90_fp8_kgrouped import compile_k_grouped_fp8_gemm
+
+    monkeypatch.setenv("CUTE_DSL_ARCH", "sm_90a")
+    for fmt, out in ((ROW, torch.bfloat16), (ROW, torch.float32), (MXFP8, torch.bfloat16)):
+        params = fp8_kgrouped.k_grouped_plan(fmt, fmt, out).params
+        with pytest.raises(ValueError, match="k_grouped"):
+            compile_fp8_gemm(params, "sm_90a")
+        dump = tmp_path / params.name
+        compile_k_grouped_fp8_gemm(params, "sm_90a", dump_dir=str(dump))
+        ptx = "\n".join(p.read_text() for p in dump.glob("*.ptx"))
+        assert "GemmSm90Fp8KGrouped" in ptx
+        wgmma = set(re.findall(r"wgmma\.mma_async\.sync\.aligned\.(\S+?) ", ptx))
+        assert wgmma == {"m64n128k32.f32.e4m3.e4m3"}, (params.name, wgmma)
+        assert "cp.async.bulk.tensor.2d" in ptx
+        assert ".local" not in ptx, f"{params.name} uses local memory"
+        copies = re.findall(r"cp\.async\.ca\.shared\.global \[[^]]*\], \[[^]]*\], (\d+);", ptx)
+        assert copies == ["4"] * 8, (params.name, copies)
+        assert "multicast::cluster" not in ptx
+
+
+def groups_of(ks: list[int], m: int, n: int, fmt: BlockFormat = ROW, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    a = [None if k == 0 else quantize(torch.randn(m, k, generator=g), fmt) for k in ks]
+    b = [None if k == 0 else quantize(torch.randn(n, k, generator=g), fmt) for k in ks]
+    return a, b
+
+
+@pytest.mark.parametrize("fmt", [ROW, MXFP8])
+def test_launch_arguments(fmt) -> None:
+    """Codes and scales of the groups side by side along K (ue8m0 codes padded to whole
+    words), each group's S_dec, the K offsets, C [G x M, N]."""
+    ks, m, n = [256, 0, 128, 384], 40, 24
+    a, b = groups_of(ks, m, n, fmt)
+    plan, args = fp8_kgrouped.k_grouped_launch(a, b, out_dtype=torch.bfloat16, sms=3)
+    assert plan.params.k_grouped and plan.kernel_out == torch.bfloat16
+    present = [(qa, qb) for qa, qb in zip(a, b, strict=True) if qa is not None]
+    assert torch.equal(args[0], torch.cat([qa.codes for qa, _ in present], dim=1))
+    assert torch.equal(args[2], torch.cat([qb.codes for _, qb in present], dim=1))
+    if plan.ue8m0:
+        kb = sum(ks) // 32
+        assert args[1].shape == (m, -(-kb // 4) * 4) and args[1].dtype == torch.uint8
+        assert torch.equal(args[1][:, :kb], torch.cat([qa.scale_codes for qa, _ in present], 1))
+        assert not args[1][:, kb:].any()
+    else:
+        assert torch.equal(args[1], torch.cat([qa.scales for qa, _ in present], dim=1))
+        assert torch.equal(args[3], torch.cat([qb.scales for _, qb in present], dim=1))
+    want_a = [1.0 if q is None else float(q.global_scale) for q in a]
+    assert args[4].tolist() == want_a
+    assert args[6].tolist() == [0, 256, 256, 384, 768]
+    assert args[7].shape == (len(ks) * m, n) and args[8] == 3
+
+
+def test_groups_that_cannot_be_multiplied_say_why() -> None:
+    a, b = groups_of([128, 256], 8, 16)
+    with pytest.raises(TensorError, match="2 A groups and 1 B groups"):
+        fp8_kgrouped.k_grouped_launch(a, b[:1])
+    with pytest.raises(TensorError, match="every group is empty"):
+        fp8_kgrouped.k_grouped_launch([None], [None])
+    with pytest.raises(TensorError, match="group 1 has one operand only"):
+        fp8_kgrouped.k_grouped_launch(a, [b[0], None])
+    other, _ = groups_of([128], 4, 16, seed=2)
+    with pytest.raises(TensorError, match=r"group 1 is \[4, 128\] x \[16, 256\]"):
+        fp8_kgrouped.k_grouped_launch([a[0], other[0]], b)
+    odd, odd_b = groups_of([128, 200], 8, 16, seed=3)
+    with pytest.raises(FP4GenError, match=r"whole K-blocks of 128 per group; the groups' K"):
+        fp8_kgrouped.k_grouped_launch(odd, odd_b)
+    tiles = [quantize(torch.randn(16, 128), TILE)]
+    with pytest.raises(FP4GenError, match="1xN blocks on both sides"):
+        fp8_kgrouped.k_grouped_launch(a[:1], tiles)
+    with pytest.raises(FP4GenError, match="runs on CUDA tensors"):
+        fp8_kgrouped.k_grouped_block_scaled(a, b)
+
+
+def test_the_switch_is_off_until_its_gpu_tests_pass() -> None:
+    assert not fp8_kgrouped.k_grouped_fp8_enabled()
+    assert fp8_kgrouped.set_k_grouped_fp8(True) is False
+    try:
+        assert fp8_kgrouped.k_grouped_fp8_enabled()
+    finally:
+        assert fp8_kgrouped.set_k_grouped_fp8(False) is True
+
+
+def test_grouped_wgrad_takes_the_k_grouped_launch_only_where_on(monkeypatch) -> None:
+    """The grouped experts' FP8 wgrad: each expert's dense GEMM with the switch off; with it on
+    (and the pair served), one K-grouped launch of every expert's pair, in order."""
+    from fp4gen.runtime import grouped
+
+    a, b = groups_of([128, 256, 128], 8, 16)
+    pairs = grouped._Pairs(a, b)
+    dense, launches = [], []
+    monkeypatch.setattr(
+        grouped, "_dense_fp8", lambda x, y, dt, bias: dense.append((x, y)) or torch.zeros(8, 16)
+    )
+    monkeypatch.setattr(grouped, "fp8_grouped_reason", lambda *args: None)
+
+    def k_grouped(x, y, out_dtype):
+        launches.append((x, y, out_dtype))
+        return torch.ones(3, 8, 16)
+
+    monkeypatch.setattr(fp8_kgrouped, "k_grouped_block_scaled", k_grouped)
+    got = grouped._fp8_wgrad(pairs, torch.float32, "experts")
+    assert len(dense) == 3 and not launches and got.shape == (3, 8, 16) and not got.any()
+    monkeypatch.setattr(fp8_kgrouped, "_enabled", [True])
+    got = grouped._fp8_wgrad(pairs, torch.float32, "experts")
+    assert len(dense) == 3 and len(launches) == 1 and got.all()
+    assert launches[0][0] == a and launches[0][1] == b and launches[0][2] == torch.float32
