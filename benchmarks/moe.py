@@ -505,10 +505,10 @@ def main(argv: list[str] | None = None) -> int:
         "(fp4gen.runtime.fp8_grouped.set_grouped_fp8)",
     )
     parser.add_argument(
-        "--fp8-k-grouped",
+        "--fp8-wgrad-per-expert",
         action="store_true",
-        help="the experts' FP8 wgrad GEMMs as one K-grouped launch per projection "
-        "(fp4gen.runtime.fp8_kgrouped.set_k_grouped_fp8; off by default)",
+        help="the experts' FP8 wgrad GEMMs one dense GEMM per expert instead of one K-grouped "
+        "launch per projection (fp4gen.runtime.fp8_kgrouped.set_k_grouped_fp8(False))",
     )
     parser.add_argument(
         "--profile",
@@ -540,9 +540,9 @@ def main(argv: list[str] | None = None) -> int:
     previous_quantize = set_grouped_quantize(True)
     # the grouped FP8 GEMM is the default; made sure of here, since the rows name it
     previous_fp8 = set_grouped_fp8(True)
-    previous_k = set_k_grouped_fp8(args.fp8_k_grouped)
+    previous_k = set_k_grouped_fp8(not args.fp8_wgrad_per_expert)
     where = torch.cuda.get_device_name() if args.device == "cuda" else "CPU (smoke run)"
-    wgrad = "K-grouped" if args.fp8_k_grouped else "per expert"
+    wgrad = "per expert" if args.fp8_wgrad_per_expert else "K-grouped"
     print(
         f"fp4gen MoE benchmark on {where}, torch {torch.__version__}, grouped experts' "
         f"products {args.grouped_product}, grouped quantize on, grouped FP8 GEMM on, FP8 "

@@ -99,6 +99,7 @@ def stand_ins(launches: _Launches) -> Iterator[None]:
     import fp4gen.compiler.jit as jit
     import fp4gen.runtime.cute_backend as cute_backend
     import fp4gen.runtime.fp8_grouped as fp8_grouped
+    import fp4gen.runtime.fp8_kgrouped as fp8_kgrouped
     import fp4gen.runtime.grouped as grouped
     import fp4gen.runtime.grouped_quantize as grouped_quantize
     import fp4gen.runtime.grouped_tile as grouped_tile
@@ -119,6 +120,11 @@ def stand_ins(launches: _Launches) -> Iterator[None]:
         launches()
         return args[7]
 
+    def k_grouped_fp8(a: Any, b: Any, **kw: Any) -> torch.Tensor:
+        _, args = fp8_kgrouped.k_grouped_launch(a, b, **kw)  # every argument, as on a GPU
+        launches()
+        return args[7].view(len(a), -1, args[7].shape[1])
+
     def dense_fp8(a: Any, b: Any, out_dtype: torch.dtype, bias: Any) -> torch.Tensor:
         launches()
         return torch.zeros((a.rows, b.rows), dtype=out_dtype)
@@ -135,6 +141,7 @@ def stand_ins(launches: _Launches) -> Iterator[None]:
             (grouped, "_values", values),
             (grouped, "_dense_fp8", dense_fp8),
             (fp8_grouped, "grouped_block_scaled", grouped_fp8),
+            (fp8_kgrouped, "k_grouped_block_scaled", k_grouped_fp8),
             (torch, "_grouped_mm", _grouped_mm),
         ]:
             stack.enter_context(mock.patch.object(target, name, new))

@@ -2,7 +2,7 @@
 fp4gen.runtime.fp8_kgrouped): the tile walk (every group's output once, each tile its group's
 K range), the kernel's cross-compilation for sm_90a to FP8 wgmma, its parameters, the launch's
 arguments as the kernel reads them, and the grouped experts' wgrad taking it only where it is
-on. On a GPU: tests/test_fp8_kgrouped_gpu.py."""
+on (the default). On a GPU: tests/test_fp8_kgrouped_gpu.py."""
 
 from __future__ import annotations
 
@@ -160,13 +160,13 @@ def test_groups_that_cannot_be_multiplied_say_why() -> None:
         fp8_kgrouped.k_grouped_block_scaled(a, b)
 
 
-def test_the_switch_is_off_until_its_gpu_tests_pass() -> None:
-    assert not fp8_kgrouped.k_grouped_fp8_enabled()
-    assert fp8_kgrouped.set_k_grouped_fp8(True) is False
+def test_the_switch() -> None:
+    assert fp8_kgrouped.k_grouped_fp8_enabled()  # on: its GPU tests passed
+    assert fp8_kgrouped.set_k_grouped_fp8(False) is True
     try:
-        assert fp8_kgrouped.k_grouped_fp8_enabled()
+        assert not fp8_kgrouped.k_grouped_fp8_enabled()
     finally:
-        assert fp8_kgrouped.set_k_grouped_fp8(False) is True
+        assert fp8_kgrouped.set_k_grouped_fp8(True) is False
 
 
 def test_grouped_wgrad_takes_the_k_grouped_launch_only_where_on(monkeypatch) -> None:
@@ -187,6 +187,7 @@ def test_grouped_wgrad_takes_the_k_grouped_launch_only_where_on(monkeypatch) -> 
         return torch.ones(3, 8, 16)
 
     monkeypatch.setattr(fp8_kgrouped, "k_grouped_block_scaled", k_grouped)
+    monkeypatch.setattr(fp8_kgrouped, "_enabled", [False])
     got = grouped._fp8_wgrad(pairs, torch.float32, "experts")
     assert len(dense) == 3 and not launches and got.shape == (3, 8, 16) and not got.any()
     monkeypatch.setattr(fp8_kgrouped, "_enabled", [True])

@@ -16,9 +16,10 @@ to a multiple of 4), B's likewise [N, K] and [N, KB], S_a and S_b fp32 [G], the 
 elements int32 [G + 1] (multiples of the block), C [G x M, N] (bf16 for a bf16 output, else
 fp32), the GPU's SM count (the persistent grid).
 
-``set_k_grouped_fp8(True)`` turns it on (process-wide; off by default until its GPU tests,
-``tests/test_fp8_kgrouped_gpu.py``, have passed on a GPU): the grouped experts' FP8 wgrad then
-takes it where ``k_grouped_reason`` allows, else each expert's dense GEMM.
+The grouped experts' FP8 wgrad takes it where ``grouped.fp8_grouped_reason`` allows (on by
+default since ``tests/test_fp8_kgrouped_gpu.py`` passed on an H200: every group bit for bit
+the dense kernel's, and an experts module's training step the loop's on the same kernel), else
+each expert's dense GEMM; ``set_k_grouped_fp8(False)`` turns it off (process-wide).
 """
 
 from __future__ import annotations
@@ -38,14 +39,14 @@ from fp4gen.runtime.fp8_gemm import code_bytes
 from fp4gen.runtime.fp8_grouped import _globals, offsets_of
 from fp4gen.runtime.host_tables import host_table
 
-# set_k_grouped_fp8: off until tests/test_fp8_kgrouped_gpu.py has passed on a GPU
-_enabled = [False]
+# set_k_grouped_fp8: on since tests/test_fp8_kgrouped_gpu.py passed on an H200 (12 tests)
+_enabled = [True]
 
 
 def set_k_grouped_fp8(enabled: bool) -> bool:
     """Whether the grouped experts' block-scaled FP8 wgrad GEMMs run as one K-grouped launch on
-    sm_90a (True) or one dense GEMM per expert (False, the default until the kernel's GPU tests
-    have passed). Process-wide, read at every call; returns the previous setting."""
+    sm_90a (True, the default: tests/test_fp8_kgrouped_gpu.py passed on an H200) or one dense
+    GEMM per expert (False). Process-wide, read at every call; returns the previous setting."""
     previous, _enabled[0] = _enabled[0], bool(enabled)
     return previous
 
