@@ -182,8 +182,8 @@ def test_grouped_wgrad_takes_the_k_grouped_launch_only_where_on(monkeypatch) -> 
     )
     monkeypatch.setattr(grouped, "fp8_grouped_reason", lambda *args: None)
 
-    def k_grouped(x, y, out_dtype):
-        launches.append((x, y, out_dtype))
+    def k_grouped(x, y, out_dtype, **kw):
+        launches.append((list(x), list(y), out_dtype))
         return torch.ones(3, 8, 16)
 
     monkeypatch.setattr(fp8_kgrouped, "k_grouped_block_scaled", k_grouped)
@@ -194,3 +194,44 @@ def test_grouped_wgrad_takes_the_k_grouped_launch_only_where_on(monkeypatch) -> 
     got = grouped._fp8_wgrad(pairs, torch.float32, "experts")
     assert len(dense) == 3 and len(launches) == 1 and got.all()
     assert launches[0][0] == a and launches[0][1] == b and launches[0][2] == torch.float32
+
+
+def flat_of(groups: list, length: int) -> object:
+    """The groups' copies one after another in storage order as one [n, length]
+    QuantizedTensor (what a grouped tile launch's ``flat`` holds)."""
+    import dataclasses
+
+    first = groups[0]
+    codes = torch.cat([q.codes.reshape(-1) for q in groups])
+    scales = torch.cat([q.scales.reshape(-1) for q in groups])
+    rows = codes.numel() // length
+    return dataclasses.replace(
+        first,
+        codes=codes.view(rows, length),
+        scales=scales.view(rows, length // 128),
+        scale_codes=None,
+        packed=None,
+        shape=torch.Size((rows, length)),
+    )
+
+
+def test_launch_arguments_from_the_launches_flat_copies() -> None:
+    """Given each side's groups as a launch's flat columnwise copy, their shapes known without
+    building them and their S_dec as one vector, the arguments are those made from the groups,
+    bit for bit, and no group is read."""
+    from test_fp8_grouped import unread
+
+    ks, m, n = [256, 128, 384], 40, 24
+    a, b = groups_of(ks, m, n)
+    scales = (torch.tensor([2.0, 0.5, 4.0]), torch.tensor([1.0, 8.0, 0.25]))
+    for side, s in zip((a, b), scales, strict=True):
+        for q, value in zip(side, s, strict=True):
+            object.__setattr__(q, "global_scale", value.clone())
+    _, want = fp8_kgrouped.k_grouped_launch(a, b, out_dtype=torch.bfloat16, sms=2)
+    flats = (flat_of(a, 128), flat_of(b, 128))
+    _, got = fp8_kgrouped.k_grouped_launch(
+        unread(a), unread(b), out_dtype=torch.bfloat16, sms=2, flats=flats, global_scales=scales
+    )
+    for i in range(7):  # codes, scales, S_dec and K offsets of both sides; C is uninitialized
+        assert got[i].dtype == want[i].dtype and torch.equal(got[i], want[i]), i
+    assert got[7].shape == want[7].shape

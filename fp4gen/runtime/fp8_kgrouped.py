@@ -150,18 +150,75 @@ def _block_scales(q: QuantizedTensor, ue8m0: bool) -> torch.Tensor:
     return s if ue8m0 or s.dtype == torch.float32 else s.to(torch.float32)
 
 
+def _launched(
+    a: Sequence[Any], b: Sequence[Any], flats: tuple[Any, Any]
+) -> tuple[tuple[Any, Any], list[int], tuple[int, int]] | None:
+    """Where each side's groups are one launch's columnwise copies (``flats`` given: every
+    group's blocks as one QuantizedTensor in storage order, ``GroupedOperands.flat``; the
+    groups' shapes known without building them, ``GroupedOperands.shapes``) and no group is
+    empty: the two flats (they say the formats, RHTs and device), each group's K and [M, N].
+    Else None: the groups are read one by one."""
+    shapes_a, shapes_b = getattr(a, "shapes", None), getattr(b, "shapes", None)
+    flat_a, flat_b = flats
+    if shapes_a is None or shapes_b is None or flat_a is None or flat_b is None:
+        return None
+    if not a or len(a) != len(b) or len(shapes_a) != len(a) or len(shapes_b) != len(b):
+        return None
+    if any(shape is None for shape in (*shapes_a, *shapes_b)):
+        return None
+    m, n = shapes_a[0][0], shapes_b[0][0]
+    ks = [shape[1] for shape in shapes_a]
+    if any(tuple(sa) != (m, k) for sa, k in zip(shapes_a, ks, strict=True)) or any(
+        tuple(sb) != (n, k) for sb, k in zip(shapes_b, ks, strict=True)
+    ):
+        return None
+    if flat_a.rows * flat_a.cols < m * sum(ks) or flat_b.rows * flat_b.cols < n * sum(ks):
+        return None
+    if flat_a.rht != flat_b.rht:
+        raise TensorError("K-grouped FP8 GEMM: A and B carry different RHTs")
+    if flat_a.device != flat_b.device:
+        raise TensorError("K-grouped FP8 GEMM: operands on several devices")
+    return (flat_a, flat_b), ks, (m, n)
+
+
+def _side_by_side(flat: Any, rows: int, ks: list[int], block: int, ue8m0: bool) -> tuple:
+    """A flat columnwise copy's groups ([rows, K_g] each, one after another in storage order)
+    side by side along K: codes [rows, sum K_g] and block scales [rows, sum K_g / block], one
+    split and one concatenation each."""
+    codes = code_bytes(flat, flat.rows, flat.cols).reshape(-1)
+    scales = _block_scales(flat, ue8m0).reshape(-1)
+    code_parts = codes[: rows * sum(ks)].split([rows * k for k in ks])
+    scale_parts = scales[: rows * sum(ks) // block].split([rows * k // block for k in ks])
+    return (
+        torch.cat([part.view(rows, k) for part, k in zip(code_parts, ks, strict=True)], dim=1),
+        torch.cat(
+            [part.view(rows, k // block) for part, k in zip(scale_parts, ks, strict=True)], dim=1
+        ),
+    )
+
+
 def k_grouped_launch(
     a: Sequence[QuantizedTensor | None],
     b: Sequence[QuantizedTensor | None],
     *,
     out_dtype: torch.dtype = torch.float32,
     sms: int | None = None,
+    flats: tuple[Any, Any] = (None, None),
+    global_scales: tuple[torch.Tensor | None, torch.Tensor | None] = (None, None),
 ) -> tuple[KGroupedPlan, list]:
     """The plan and the kernel's arguments (module docstring) for groups ``a`` and ``b``,
     without the launch; ``sms``: the persistent grid's limit (default: the device's SM count).
+    ``flats``: each side's groups as one launch's flat columnwise copy (``GroupedOperands.flat``)
+    where there is one, and ``global_scales`` every group's S_dec as one fp32 [groups] tensor:
+    with the groups' shapes known, the arguments come from these and no group is read.
     Raises TensorError for groups that cannot be multiplied and FP4GenError for a pair or a
     group K the kernel does not take. Runs on any device (the CPU tests check the layouts)."""
-    a0, b0, ks = _check(a, b)
+    launched = _launched(a, b, flats)
+    if launched is not None:
+        (a0, b0), ks, (m, n) = launched
+    else:
+        a0, b0, ks = _check(a, b)
+        m, n = a0.rows, b0.rows
     if out_dtype not in fp8_gemm.OUT_DTYPES:
         raise TensorError(f"out_dtype must be one of {fp8_gemm.OUT_DTYPES}, got {out_dtype}")
     reason = pair_reason(a0.format, b0.format)
@@ -173,15 +230,19 @@ def k_grouped_launch(
             f"the K-grouped FP8 GEMM takes whole K-blocks of {plan.block_k} per group; the "
             f"groups' K are {ks}"
         )
-    m, n, dev = a0.rows, b0.rows, a0.device
+    dev = a0.device
     groups = len(a)
     if groups * m * n >= 2**31 or m * sum(ks) >= 2**31 or n * sum(ks) >= 2**31:
         raise FP4GenError("the K-grouped FP8 GEMM indexes with 32 bits")
-    present = [(qa, qb) for qa, qb in zip(a, b, strict=True) if qa is not None]
-    codes_a = torch.cat([code_bytes(qa, m, qa.cols) for qa, _ in present], dim=1)
-    codes_b = torch.cat([code_bytes(qb, n, qb.cols) for _, qb in present], dim=1)
-    scales_a = torch.cat([_block_scales(qa, plan.ue8m0) for qa, _ in present], dim=1)
-    scales_b = torch.cat([_block_scales(qb, plan.ue8m0) for _, qb in present], dim=1)
+    if launched is not None:
+        codes_a, scales_a = _side_by_side(a0, m, ks, plan.block_k, plan.ue8m0)
+        codes_b, scales_b = _side_by_side(b0, n, ks, plan.block_k, plan.ue8m0)
+    else:
+        present = [(qa, qb) for qa, qb in zip(a, b, strict=True) if qa is not None]
+        codes_a = torch.cat([code_bytes(qa, m, qa.cols) for qa, _ in present], dim=1)
+        codes_b = torch.cat([code_bytes(qb, n, qb.cols) for _, qb in present], dim=1)
+        scales_a = torch.cat([_block_scales(qa, plan.ue8m0) for qa, _ in present], dim=1)
+        scales_b = torch.cat([_block_scales(qb, plan.ue8m0) for _, qb in present], dim=1)
     if plan.ue8m0 and scales_a.shape[1] % 4:  # the kernel copies aligned 4-byte words
         pad = 4 - scales_a.shape[1] % 4
         scales_a, scales_b = F.pad(scales_a, (0, pad)), F.pad(scales_b, (0, pad))
@@ -191,8 +252,8 @@ def k_grouped_launch(
         scales_a.contiguous(),
         codes_b,
         scales_b.contiguous(),
-        _globals(None, a, one, dev),
-        _globals(None, b, one, dev),
+        _globals(global_scales[0], a, one, dev, whole=launched is not None),
+        _globals(global_scales[1], b, one, dev, whole=launched is not None),
         host_table(offsets_of(ks), torch.int32, dev),
         torch.empty((groups * m, n), dtype=plan.kernel_out, device=dev),
     ]
@@ -207,13 +268,18 @@ def k_grouped_block_scaled(
     b: Sequence[QuantizedTensor | None],
     *,
     out_dtype: torch.dtype = torch.float32,
+    flats: tuple[Any, Any] = (None, None),
+    global_scales: tuple[torch.Tensor | None, torch.Tensor | None] = (None, None),
 ) -> torch.Tensor:
     """C [G, M, N] in ``out_dtype`` with C[g] = S_a[g] S_b[g] sum_b s_a s_b P_b over group g's
     K-blocks, one launch (module docstring); an empty group (None, None) gives zeros. Raises
     TensorError for groups that cannot be multiplied and FP4GenError where the kernel does not
     serve them (not CUDA, not sm_90a, the pair, a group's K): the caller's cue to run the
-    groups one by one."""
-    dev = next((q.device for q in a if q is not None), None)
+    groups one by one. ``flats``, ``global_scales``: as ``k_grouped_launch``."""
+    if flats[0] is not None:
+        dev = flats[0].device  # no group read for it
+    else:
+        dev = next((q.device for q in a if q is not None), None)
     if dev is None or dev.type != "cuda":
         raise FP4GenError(f"the K-grouped FP8 GEMM runs on CUDA tensors, not on {dev}")
     from fp4gen.compiler.jit import detect_arch
@@ -221,7 +287,9 @@ def k_grouped_block_scaled(
     arch = detect_arch(dev)
     if arch not in fp8_gemm.CUTE_ARCHS:
         raise FP4GenError(f"no K-grouped FP8 GEMM for {arch} (FP8 wgmma: sm_90a only)")
-    plan, args = k_grouped_launch(a, b, out_dtype=out_dtype)
+    plan, args = k_grouped_launch(
+        a, b, out_dtype=out_dtype, flats=flats, global_scales=global_scales
+    )
     c = args[7]
     fp8_gemm.cute_kernel(plan.params)(*args)
     c = c.view(len(a), -1, c.shape[1])

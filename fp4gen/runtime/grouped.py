@@ -1028,7 +1028,13 @@ def _grads(
         dx = _scaled(c[real], per_row[:, None], None, x.dtype)
     # wgrad: the experts' token columns side by side, one group each
     if fp8_wgrad:  # grouped along K: one K-grouped launch, or each expert's dense FP8 GEMM
-        dw_groups = _fp8_wgrad(wgrad_pairs, weight.dtype, groups.name)[:, :n_out]
+        dw_groups = _fp8_wgrad(
+            wgrad_pairs,
+            weight.dtype,
+            groups.name,
+            flats=(getattr(dy_pairs, "flat", None), getattr(x_cols, "flat", None)),
+            global_scales=(_scales_of(dy_pairs, 1), _scales_of(x_cols)),
+        )[:, :n_out]
     else:
         gt_values, xt_values, per_group = _wgrad_values(
             wgrad_pairs, wgrad_calls, gt_all, xt_all, wgrad_alphas
@@ -1150,21 +1156,32 @@ def _fp8_products(
     )
 
 
-def _fp8_wgrad(pairs: _Pairs, out_dtype: torch.dtype, name: str) -> torch.Tensor:
+def _fp8_wgrad(
+    pairs: _Pairs,
+    out_dtype: torch.dtype,
+    name: str,
+    *,
+    flats: tuple[Any, Any] = (None, None),
+    global_scales: tuple[Any, Any] = (None, None),
+) -> torch.Tensor:
     """The experts' block-scaled FP8 wgrad GEMMs (A_e [out, K_e], B_e [in, K_e]: the groups
     run along K) as [experts, out, in] in ``out_dtype``: one launch of the K-grouped kernel
     (``fp4gen.runtime.fp8_kgrouped``: each expert's the dense generated kernel's bits) where
     it is on and ``fp8_grouped_reason`` allows, else each expert's dense GEMM (the loop's own
-    products), the reason logged once."""
+    products), the reason logged once. ``flats``, ``global_scales``: each side's groups as one
+    launch wrote them (``GroupedOperands.flat``, ``.global_scales``), the kernel's arguments
+    then made from these without reading a group."""
     from fp4gen.runtime.fp8_grouped import log_fallback
     from fp4gen.runtime.fp8_kgrouped import k_grouped_block_scaled, k_grouped_fp8_enabled
 
     if k_grouped_fp8_enabled():
-        a, b = list(pairs.a), list(pairs.b)
+        a, b = pairs.a, pairs.b  # a grouped launch's: built only where read
         reason = fp8_grouped_reason(a[0], b[0], a[0].rows)
         if reason is None:
             try:
-                return k_grouped_block_scaled(a, b, out_dtype=out_dtype)
+                return k_grouped_block_scaled(
+                    a, b, out_dtype=out_dtype, flats=flats, global_scales=global_scales
+                )
             except FP4GenError as err:  # a kernel that did not compile or load, a refused pair
                 reason = str(err)
         log_fallback(f"{name}: the experts' wgrad GEMMs run per expert: {reason}")
