@@ -215,7 +215,7 @@ def flat_of(groups: list, length: int) -> object:
     )
 
 
-def test_launch_arguments_from_the_launches_flat_copies() -> None:
+def test_launch_arguments_from_the_launches_flat_copies(monkeypatch) -> None:
     """Given each side's groups as a launch's flat columnwise copy, their shapes known without
     building them and their S_dec as one vector, the arguments are those made from the groups,
     bit for bit, and no group is read."""
@@ -229,6 +229,8 @@ def test_launch_arguments_from_the_launches_flat_copies() -> None:
             object.__setattr__(q, "global_scale", value.clone())
     _, want = fp8_kgrouped.k_grouped_launch(a, b, out_dtype=torch.bfloat16, sms=2)
     flats = (flat_of(a, 128), flat_of(b, 128))
+    assert not fp8_kgrouped._from_flats[0]  # off until its GPU test has run
+    monkeypatch.setattr(fp8_kgrouped, "_from_flats", [True])
     _, got = fp8_kgrouped.k_grouped_launch(
         unread(a), unread(b), out_dtype=torch.bfloat16, sms=2, flats=flats, global_scales=scales
     )

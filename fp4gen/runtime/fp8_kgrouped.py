@@ -56,6 +56,19 @@ def k_grouped_fp8_enabled() -> bool:
     return _enabled[0]
 
 
+# set_k_grouped_from_flats: off until tests/test_fp8_kgrouped_gpu.py has run it on a GPU (the
+# arguments equal the groups' bit for bit on the CPU, tests/test_fp8_kgrouped.py)
+_from_flats = [False]
+
+
+def set_k_grouped_from_flats(enabled: bool) -> bool:
+    """Whether ``k_grouped_launch`` makes its arguments from the launches' flat columnwise
+    copies where given (True: no group read) or from the groups (False, the default until its
+    GPU test has run; the same bits on the CPU). Process-wide; returns the previous setting."""
+    previous, _from_flats[0] = _from_flats[0], bool(enabled)
+    return previous
+
+
 class KGroupedPlan(NamedTuple):
     """What a K-grouped call needs besides its tensors."""
 
@@ -213,7 +226,7 @@ def k_grouped_launch(
     with the groups' shapes known, the arguments come from these and no group is read.
     Raises TensorError for groups that cannot be multiplied and FP4GenError for a pair or a
     group K the kernel does not take. Runs on any device (the CPU tests check the layouts)."""
-    launched = _launched(a, b, flats)
+    launched = _launched(a, b, flats) if _from_flats[0] else None
     if launched is not None:
         (a0, b0), ks, (m, n) = launched
     else:
@@ -304,4 +317,5 @@ __all__ = [
     "k_grouped_plan",
     "pair_reason",
     "set_k_grouped_fp8",
+    "set_k_grouped_from_flats",
 ]
