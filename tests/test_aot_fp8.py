@@ -40,22 +40,34 @@ FLAGS = {
 
 
 def runtime_params(name: str) -> set[Any]:
-    """The GemmSm90Fp8Params the runtime builds for a shipped recipe's GEMMs (bf16 model)."""
+    """The GemmSm90Fp8Params the runtime builds for a shipped recipe's GEMMs (bf16 model):
+    a dense layer's, and the grouped experts' (fp8_grouped.grouped_plan for fprop, with and
+    without a bias, and dgrad; fp8_kgrouped.k_grouped_plan for wgrad)."""
+    from fp4gen.runtime.fp8_grouped import grouped_plan
+    from fp4gen.runtime.fp8_kgrouped import k_grouped_plan
+
     ops = load_recipe(name).operands
     out = set()
     for gemm, (a, b) in PAIRS.items():
+        fa, fb = ops[a].format, ops[b].format
         for out_dtype, bias in FLAGS[gemm]:
-            plan = fp8_gemm.cute_plan(ops[a].format, ops[b].format, out_dtype, bias, False)
-            out.add(plan.params)
+            out.add(fp8_gemm.cute_plan(fa, fb, out_dtype, bias, False).params)
+        if gemm == "wgrad":
+            out.add(k_grouped_plan(fa, fb, torch.bfloat16).params)
+        else:
+            for bias in (False, True) if gemm == "fprop" else (False,):
+                out.add(grouped_plan(fa, fb, torch.bfloat16, bias).params)
     return out
 
 
-@pytest.mark.parametrize("name, count", [("fp8_blockwise", 4), ("mxfp8", 3)])
+# fp8_blockwise: a dense layer's fprop fp32 and bf16 + bias, dgrad, wgrad (1x128); the experts'
+# grouped fprop (bf16; the dgrad's, the same pair) and fprop + bias, K-grouped wgrad
+@pytest.mark.parametrize("name, count", [("fp8_blockwise", 7), ("mxfp8", 6)])
 def test_plan_holds_the_fp8_gemms_the_runtime_builds(name: str, count: int) -> None:
     plan = runtime_plan(load_recipe(name))
     fp8 = plan.of_kind("gemm_sm90_fp8")
     assert {k.spec for k in fp8} == runtime_params(name)
-    assert len(fp8) == count  # fp8_blockwise: fprop fp32 and bf16 + bias, dgrad, wgrad (1x128)
+    assert len(fp8) == count
     assert {k.archs for k in fp8} == {("sm_90a",)}
     assert not runtime_plan(load_recipe(name), archs=("sm_100a",)).of_kind("gemm_sm90_fp8")
     text = plan.gemm_text()
@@ -78,7 +90,10 @@ def test_measured_table_puts_the_kernel_on_auto(monkeypatch: pytest.MonkeyPatch)
     assert "M >= 512: generated block-scaled FP8 kernel (e4m3 1x128 x e4m3 1x128 fp32" in text
     assert "M < 512: block-scaled FP8 GEMM: torch scaled_mm BlockWise1x128 x BlockWise1x128" in text
     wgrad = [u.when for k in plan.of_kind("gemm_sm90_fp8") for u in k.uses if u.gemm == "wgrad"]
-    assert wgrad == ['backend="cute", auto for M >= 512, bf16 out']
+    assert wgrad == [
+        'backend="cute", auto for M >= 512, bf16 out',
+        "MoE experts, K-grouped, bf16 out",
+    ]
 
 
 def test_manifest_lists_the_fp8_gemms_with_the_runtime_source(tmp_path: Path) -> None:
@@ -97,6 +112,10 @@ def test_manifest_lists_the_fp8_gemms_with_the_runtime_source(tmp_path: Path) ->
             "fp8gemm_e4m3_1x128_e4m3_128x128_fp32_bf16_bias_m128n128s6",
             "fp8gemm_e4m3_1x128_e4m3_128x128_fp32_bf16_m128n128s6",
             "fp8gemm_e4m3_1x128_e4m3_1x128_fp32_bf16_m128n128s6",
+            # the grouped experts' (fprop and dgrad share a pair), K-grouped wgrad
+            "fp8gemm_e4m3_1x128_e4m3_128x128_fp32_bf16_grouped_m128n128s6",
+            "fp8gemm_e4m3_1x128_e4m3_128x128_fp32_bf16_bias_grouped_m128n128s6",
+            "fp8gemm_e4m3_1x128_e4m3_1x128_fp32_bf16_kgrouped_m128n128s6",
         ]
     )
     bias = entries["fp8gemm_e4m3_1x128_e4m3_128x128_fp32_bf16_bias_m128n128s6"]
@@ -133,7 +152,7 @@ def test_compiled_fp8_gemms_load_without_compiling(
         jobs=2,
     )
     fp8 = [r for r in report.results if r.kind == "gemm_sm90_fp8"]
-    assert len(fp8) == 4 and all(r.status == "ok" and not r.cached for r in fp8), fp8
+    assert len(fp8) == 7 and all(r.status == "ok" and not r.cached for r in fp8), fp8
 
     def forbidden(module: Any, name: str, arch: str, **_: Any) -> Any:
         raise AssertionError(f"compiled {Path(module.__file__).name} {name} for {arch}")
@@ -209,7 +228,7 @@ def test_fp8_gemms_after_compile_compile_nothing(tmp_path: Path) -> None:
     argv += ["--out", str(tmp_path / "out")]
     proc = subprocess.run(argv, capture_output=True, text=True, env=env, timeout=900)
     assert proc.returncode == 0, proc.stderr[-4000:]
-    assert "4 sm_90a FP8 GEMM" in proc.stdout
+    assert "7 sm_90a FP8 GEMM" in proc.stdout  # a dense layer's 4, the experts' 3
     script = tmp_path / "gemms.py"
     script.write_text(GEMMS_AFTER_COMPILE)
     tests = str(Path(__file__).resolve().parent)

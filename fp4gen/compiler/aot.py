@@ -451,11 +451,14 @@ def _fp8_kernels(
     use: RuntimeUse,
     archs: tuple[str, ...],
     auto: str,
+    experts: tuple[tuple[InputDType, bool], ...] = (),
 ) -> list[tuple[str, str]]:
     """Add the generated block-scaled FP8 GEMMs of a pair ``fp8_gemm.cute_support`` serves
     (one per output dtype and bias ``Linear`` passes, keyed by ``fp8_gemm.cute_plan``: the
     runtime's own params) to ``found``; return the sm_90a route lines. ``auto``: what
-    ``backend="auto"`` runs where scaled_mm does not serve the pair."""
+    ``backend="auto"`` runs where scaled_mm does not serve the pair. ``experts``: the output
+    dtypes and biases of the grouped experts' launch of this GEMM (``grouped_fp8_outputs``),
+    whose grouped kernels are added too."""
     from fp4gen.codegen import gemm_fp8
     from fp4gen.kernels.gemm_sm90_fp8 import GemmSm90Fp8Params  # the CuTe DSL: FP8 pairs only
 
@@ -479,7 +482,39 @@ def _fp8_kernels(
     if least is not None:
         lines.append(("sm_90a", f"M >= {least}: {kernel}, measured faster"))
     lines.append(("sm_90a", f'backend="cute": {kernel}'))
+    if experts and use.gemm == "wgrad":
+        from fp4gen.runtime.fp8_kgrouped import k_grouped_fields, pair_reason
+
+        if pair_reason(a, b) is None:  # the experts' wgrad: groups along K
+            for out_dtype, _ in experts:
+                out = gemm_fp8.kernel_out(out_dtype, False)
+                params = GemmSm90Fp8Params(**k_grouped_fields(a, b, out))
+                when = f"MoE experts, K-grouped, {params.out} out"
+                found.add("gemm_sm90_fp8", params, fp8_archs, replace(use, when=when))
+            lines.append(("sm_90a", "MoE experts: the K-grouped FP8 kernel, one launch"))
+    elif experts:
+        from fp4gen.runtime.fp8_grouped import grouped_fields
+
+        for out_dtype, bias in experts:  # the experts' fprop and dgrad: groups of rows
+            out = gemm_fp8.kernel_out(out_dtype, False)
+            params = GemmSm90Fp8Params(**grouped_fields(a, b, out, bias))
+            when = f"MoE experts, grouped, {params.out} out" + (", bias" if bias else "")
+            found.add("gemm_sm90_fp8", params, fp8_archs, replace(use, when=when))
+        lines.append(("sm_90a", "MoE experts: the grouped FP8 kernel, one launch"))
     return lines
+
+
+def grouped_fp8_outputs(
+    dtypes: Mapping[str, InputDType],
+) -> dict[str, tuple[tuple[InputDType, bool], ...]]:
+    """(output dtype, bias) of each GEMM as the grouped experts launch the grouped FP8 kernels
+    (``fp4gen.runtime.grouped``): fprop in the layer output's dtype (the gradient's), with and
+    without a per-expert bias (gpt-oss); dgrad in x's dtype; wgrad (K-grouped) in W's."""
+    return {
+        "fprop": ((dtypes["gradient"], False), (dtypes["gradient"], True)),
+        "dgrad": ((dtypes["activation"], False),),
+        "wgrad": ((dtypes["weight"], False),),
+    }
 
 
 def runtime_plan(
@@ -563,7 +598,10 @@ def runtime_plan(
                 if reason is not None and fp8_pair_reason(a, b) is None:
                     use = RuntimeUse(rname, context, gemm=gemm)
                     auto = f"no fused kernel ({reason}): {dequant_what}"
-                    lines.extend(_fp8_kernels(found, a, b, outputs[gemm], use, archs, auto))
+                    experts = grouped_fp8_outputs(dtypes)[gemm]
+                    lines.extend(
+                        _fp8_kernels(found, a, b, outputs[gemm], use, archs, auto, experts)
+                    )
                 elif reason is not None:
                     lines.append(("sm_90a", f"no fused kernel ({reason}): {dequant_what}"))
                 else:

@@ -78,12 +78,11 @@ class KGroupedPlan(NamedTuple):
     kernel_out: torch.dtype  # what the kernel writes: bf16 or fp32
 
 
-def k_grouped_plan(a: BlockFormat, b: BlockFormat, out_dtype: torch.dtype) -> KGroupedPlan:
-    """The plan of a served pair (``pair_reason``): the dense kernel's 128-wide tile with one
-    partial accumulator, row-major scales, one CTA per cluster, the plain epilogue."""
-    from fp4gen.kernels.gemm_sm90_fp8 import GemmSm90Fp8Params
-
-    out = kernel_out("bf16" if out_dtype == torch.bfloat16 else "fp32", False)
+def k_grouped_fields(a: BlockFormat, b: BlockFormat, out: str) -> dict[str, Any]:
+    """The ``GemmSm90Fp8Params`` fields of the K-grouped kernel for a served pair
+    (``pair_reason``) writing ``out`` ("bf16" or "fp32"): the dense kernel's 128-wide tile with
+    one partial accumulator, row-major scales, one CTA per cluster, the plain epilogue. The
+    runtime (``k_grouped_plan``) and ``fp4gen compile`` both build their params from this."""
     fields = kernel_fields(
         a,
         b,
@@ -96,7 +95,16 @@ def k_grouped_plan(a: BlockFormat, b: BlockFormat, out_dtype: torch.dtype) -> KG
         wide_stores=False,
         tile_n=128,
     )
-    params = GemmSm90Fp8Params(**fields, k_grouped=True)
+    fields["k_grouped"] = True
+    return fields
+
+
+def k_grouped_plan(a: BlockFormat, b: BlockFormat, out_dtype: torch.dtype) -> KGroupedPlan:
+    """The plan of a served pair (``pair_reason``; ``k_grouped_fields``)."""
+    from fp4gen.kernels.gemm_sm90_fp8 import GemmSm90Fp8Params
+
+    out = kernel_out("bf16" if out_dtype == torch.bfloat16 else "fp32", False)
+    params = GemmSm90Fp8Params(**k_grouped_fields(a, b, out))
     kernel_dtype = torch.bfloat16 if params.out == "bf16" else torch.float32
     return KGroupedPlan(params, a.block[1], params.scale_kind == "ue8m0", kernel_dtype)
 
@@ -312,6 +320,7 @@ def k_grouped_block_scaled(
 __all__ = [
     "KGroupedPlan",
     "k_grouped_block_scaled",
+    "k_grouped_fields",
     "k_grouped_fp8_enabled",
     "k_grouped_launch",
     "k_grouped_plan",
