@@ -237,3 +237,115 @@ def test_launch_arguments_from_the_launches_flat_copies(monkeypatch) -> None:
     for i in range(7):  # codes, scales, S_dec and K offsets of both sides; C is uninitialized
         assert got[i].dtype == want[i].dtype and torch.equal(got[i], want[i]), i
     assert got[7].shape == want[7].shape
+
+
+# ----------------------------------------------------------------------------------------------
+# In an experts module, on the CPU: the launch's arguments against the loop's GEMMs
+# ----------------------------------------------------------------------------------------------
+def as_launched(out):
+    """A definition's GroupedCopies as a launch hands them out: each group built on first read,
+    the shapes known, with the definition's wholes, flats and S_dec."""
+    from fp4gen.runtime.grouped_tile import GroupedCopies
+
+    copies = len(next(g for g in out if g is not None))
+    lazy = GroupedCopies(
+        make_copy=lambda g, i: None if out[g] is None else out[g][i], count=len(out), copies=copies
+    )
+    lazy.shapes = [[None if g is None else tuple(g[i].shape) for g in out] for i in range(copies)]
+    lazy.wholes, lazy.flats = out.wholes, out.flats
+    lazy.global_scales = torch.stack(
+        [
+            torch.stack([q.global_scale.float() for q in g])
+            if g is not None
+            else torch.ones(copies)
+            for g in out
+        ]
+    )
+    return lazy
+
+
+def groups_from_arguments(args: list, template_a, template_b) -> tuple[list, list]:
+    """Each group's A and B as QuantizedTensors rebuilt from the K-grouped launch's arguments
+    (its columns of the side-by-side codes and scales, its S_dec): what the kernel reads."""
+    import dataclasses
+
+    koffs = args[6].tolist()
+    out = []
+    for codes, scales, s_dec, template in (
+        (args[0], args[1], args[4], template_a),
+        (args[2], args[3], args[5], template_b),
+    ):
+        side = []
+        for g in range(len(koffs) - 1):
+            k0, k1 = koffs[g], koffs[g + 1]
+            side.append(
+                dataclasses.replace(
+                    template,
+                    codes=codes[:, k0:k1].contiguous(),
+                    scales=scales[:, k0 // 128 : k1 // 128].contiguous(),
+                    scale_codes=None,
+                    packed=None,
+                    global_scale=s_dec[g].reshape(()),
+                    shape=torch.Size((codes.shape[0], k1 - k0)),
+                )
+            )
+        out.append(side)
+    return out[0], out[1]
+
+
+@pytest.mark.parametrize("from_flats", [False, True])
+@pytest.mark.parametrize("arch", ["mixtral", "gpt_oss"])
+def test_experts_k_grouped_wgrad_is_the_loops_on_the_cpu(monkeypatch, arch, from_flats) -> None:
+    """fp8_blockwise experts on the CPU, the grouped quantize by its definition (with the flat
+    copies a launch gives) and the K-grouped launch stood in by the loop's own GEMM on each
+    group rebuilt from the launch's arguments: every gradient equals the loop's bit for bit,
+    with the arguments made from the groups or (``from_flats``) from the flat copies, reading
+    no group."""
+    from test_moe import routing, run
+    from test_moe_grouped import pair
+    from test_moe_grouped_tile import definition_standing_in
+
+    import fp4gen.runtime.grouped_quantize as gq
+    import fp4gen.runtime.grouped_tile as gt
+    from fp4gen.runtime import grouped
+    from fp4gen.runtime import linear as linear_module
+
+    definition, _ = definition_standing_in(gt.reference_groups_tile)
+    real_rows = gq.quantize_groups
+    monkeypatch.setattr(grouped, "_serves", lambda t: True)
+    monkeypatch.setattr(grouped, "_grouped_tile_quantize", [True])
+    monkeypatch.setattr(
+        gt, "quantize_groups_tile", lambda *a, **kw: as_launched(definition(*a, **kw))
+    )
+    monkeypatch.setattr(
+        gq, "quantize_groups", lambda *a, **kw: real_rows(*a, **{**kw, "backend": "reference"})
+    )
+    monkeypatch.setattr(grouped, "fp8_grouped_reason", lambda *args: None)
+    monkeypatch.setattr(fp8_kgrouped, "_from_flats", [from_flats])
+    launches = []
+
+    def k_grouped(a, b, *, out_dtype, flats=(None, None), global_scales=(None, None)):
+        template_a = flats[0] if from_flats else a[0]
+        template_b = flats[1] if from_flats else b[0]
+        _, args = fp8_kgrouped.k_grouped_launch(
+            a, b, out_dtype=out_dtype, flats=flats, global_scales=global_scales
+        )
+        launches.append(getattr(a, "built", None))
+        ga, gb = groups_from_arguments(args, template_a, template_b)
+        gemm = linear_module.gemm
+        return torch.stack([gemm(x, y, out_dtype=out_dtype) for x, y in zip(ga, gb, strict=True)])
+
+    monkeypatch.setattr(fp8_kgrouped, "k_grouped_block_scaled", k_grouped)
+    loop, group = pair(arch, torch.bfloat16, "fp8_blockwise")
+    index, weights = routing(40, empty=None)
+    hidden = torch.randn(40, 64, generator=torch.Generator().manual_seed(4)).to(torch.bfloat16)
+    want = run(loop, hidden, index, weights.to(torch.bfloat16))
+    got = run(group, hidden, index, weights.to(torch.bfloat16))
+    assert len(launches) == 2  # one K-grouped launch per projection
+    # groups of the wgrad gradient built: the first one (the dispatch's look at the pair) with
+    # the arguments from the flat copies, every one from the groups
+    assert launches == ([1, 1] if from_flats else [4, 4])
+    for a, b in zip(got[:3], want[:3], strict=True):
+        assert torch.equal(a, b)
+    for name, grad in want[3].items():
+        assert torch.equal(got[3][name], grad), name
