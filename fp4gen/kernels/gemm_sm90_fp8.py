@@ -1189,6 +1189,28 @@ class GemmSm90Fp8BiasKernel(GemmSm90Fp8Kernel):
         self.launch(mA, mSFA, mB, mSFB, mGA, mGB, mC, mBias, max_ctas, stream)
 
 
+def compile_options(arch: str, dump_dir: str | None) -> str:
+    """The ``cute.compile`` options of an FP8 GEMM variant for ``arch`` (sm_90a only), with the
+    PTX kept in ``dump_dir`` (created if missing) where given."""
+    if arch != "sm_90a":
+        raise ValueError(f"unsupported arch {arch!r}: the FP8 wgmma kernel is sm_90a's")
+    options = f"--enable-tvm-ffi --gpu-arch {arch}"
+    if dump_dir is not None:
+        os.makedirs(dump_dir, exist_ok=True)
+        options += f" --keep-ptx --dump-dir {shlex.quote(os.fspath(dump_dir))}"
+    return options
+
+
+def tile_origin_of(local: int, m_tiles: int, n_tiles: int, group_m: int) -> tuple[int, int]:
+    """``GemmSm90Fp8Kernel.tile_origin`` in Python (the CPU tests' tile walks): the M- and
+    N-tile of tile ``local``, group_m M-tiles at a time, M fastest inside a group."""
+    per_group = group_m * n_tiles
+    first_m = local // per_group * group_m
+    size = min(m_tiles - first_m, group_m)
+    in_group = local - local // per_group * per_group
+    return first_m + in_group % size, in_group // size
+
+
 def compile_fp8_gemm(
     params: GemmSm90Fp8Params, arch: str = "sm_90a", *, dump_dir: str | None = None
 ):
@@ -1199,12 +1221,7 @@ def compile_fp8_gemm(
     Grouped params: ``gemm_sm90_fp8_grouped.compile_grouped_fp8_gemm``."""
     if params.grouped:  # its own arguments (the offsets, B batched)
         raise ValueError("grouped params: compile them with compile_grouped_fp8_gemm")
-    if arch != "sm_90a":
-        raise ValueError(f"unsupported arch {arch!r}: the FP8 wgmma kernel is sm_90a's")
-    options = f"--enable-tvm-ffi --gpu-arch {arch}"
-    if dump_dir is not None:
-        os.makedirs(dump_dir, exist_ok=True)
-        options += f" --keep-ptx --dump-dir {shlex.quote(os.fspath(dump_dir))}"
+    options = compile_options(arch, dump_dir)
     fake = cute.runtime.make_fake_compact_tensor
     m, n = cute.sym_int(), cute.sym_int()
     k = cute.sym_int(divisibility=params.block_k)

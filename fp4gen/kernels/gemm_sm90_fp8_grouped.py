@@ -43,8 +43,6 @@ at any row, so no 16-byte chunks of MN-major scales), G * N rows of B and M * N 
 
 from __future__ import annotations
 
-import os
-import shlex
 from typing import ClassVar
 
 import cuda.bindings.driver as cuda
@@ -53,7 +51,13 @@ import cutlass.cute as cute
 from cutlass import Float32, Int32, Uint8
 from cutlass.cute.nvgpu import cpasync
 
-from fp4gen.kernels.gemm_sm90_fp8 import OUTPUTS, GemmSm90Fp8Kernel, GemmSm90Fp8Params
+from fp4gen.kernels.gemm_sm90_fp8 import (
+    OUTPUTS,
+    GemmSm90Fp8Kernel,
+    GemmSm90Fp8Params,
+    compile_options,
+    tile_origin_of,
+)
 
 
 def tile_walk(
@@ -67,11 +71,7 @@ def tile_walk(
     for g in range(len(offsets) - 1):
         m_tiles = -(-(offsets[g + 1] - offsets[g]) // tile_m)
         for local in range(m_tiles * n_tiles):
-            per_group = group_m * n_tiles
-            first_m = local // per_group * group_m
-            size = min(m_tiles - first_m, group_m)
-            in_group = local - local // per_group * per_group
-            m_tile, n_tile = first_m + in_group % size, in_group // size
+            m_tile, n_tile = tile_origin_of(local, m_tiles, n_tiles, group_m)
             tiles.append((g, offsets[g] + m_tile * tile_m, offsets[g + 1], n_tile * tile_n))
     return tiles
 
@@ -190,12 +190,7 @@ def compile_grouped_fp8_gemm(
     [G * N]), max_ctas; the stream is the current torch one."""
     if not params.grouped:
         raise ValueError("compile_grouped_fp8_gemm takes grouped params")
-    if arch != "sm_90a":
-        raise ValueError(f"unsupported arch {arch!r}: the FP8 wgmma kernel is sm_90a's")
-    options = f"--enable-tvm-ffi --gpu-arch {arch}"
-    if dump_dir is not None:
-        os.makedirs(dump_dir, exist_ok=True)
-        options += f" --keep-ptx --dump-dir {shlex.quote(os.fspath(dump_dir))}"
+    options = compile_options(arch, dump_dir)
     fake = cute.runtime.make_fake_compact_tensor
     m, n = cute.sym_int(), cute.sym_int()
     k = cute.sym_int(divisibility=params.block_k)

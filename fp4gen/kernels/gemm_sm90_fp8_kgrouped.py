@@ -34,15 +34,19 @@ scales, one partial accumulator, no bias or accumulate.
 
 from __future__ import annotations
 
-import os
-import shlex
 from typing import ClassVar
 
 import cuda.bindings.driver as cuda
 import cutlass.cute as cute
 from cutlass import Float32, Int32, Uint8
 
-from fp4gen.kernels.gemm_sm90_fp8 import OUTPUTS, GemmSm90Fp8Kernel, GemmSm90Fp8Params
+from fp4gen.kernels.gemm_sm90_fp8 import (
+    OUTPUTS,
+    GemmSm90Fp8Kernel,
+    GemmSm90Fp8Params,
+    compile_options,
+    tile_origin_of,
+)
 
 
 def k_tile_walk(
@@ -56,11 +60,7 @@ def k_tile_walk(
     tiles = []
     for g in range(len(koffs) - 1):
         for local in range(m_tiles * n_tiles):
-            per_group = group_m * n_tiles
-            first_m = local // per_group * group_m
-            size = min(m_tiles - first_m, group_m)
-            in_group = local - local // per_group * per_group
-            m_tile, n_tile = first_m + in_group % size, in_group // size
+            m_tile, n_tile = tile_origin_of(local, m_tiles, n_tiles, group_m)
             k0, k1 = koffs[g], koffs[g + 1]
             tiles.append((g, m_tile * tile_m, n_tile * tile_n, k0, k1 - k0))
     return tiles
@@ -99,12 +99,7 @@ def compile_k_grouped_fp8_gemm(
     max_ctas; the stream is the current torch one."""
     if not params.k_grouped:
         raise ValueError("compile_k_grouped_fp8_gemm takes k_grouped params")
-    if arch != "sm_90a":
-        raise ValueError(f"unsupported arch {arch!r}: the FP8 wgmma kernel is sm_90a's")
-    options = f"--enable-tvm-ffi --gpu-arch {arch}"
-    if dump_dir is not None:
-        os.makedirs(dump_dir, exist_ok=True)
-        options += f" --keep-ptx --dump-dir {shlex.quote(os.fspath(dump_dir))}"
+    options = compile_options(arch, dump_dir)
     fake = cute.runtime.make_fake_compact_tensor
     m, n = cute.sym_int(), cute.sym_int()
     k = cute.sym_int(divisibility=params.block_k)
