@@ -296,8 +296,8 @@ def test_the_path_chosen(caplog) -> None:
 @pytest.mark.parametrize("arch", ["mixtral", "gpt_oss"])
 def test_a_forced_grouped_path_on_an_fp8_recipe_is_the_loop(caplog, arch) -> None:
     """grouped=True with fp8_blockwise on the CPU: the grouped path quantizes as the loop does
-    and runs each expert's dense FP8 GEMM with its bias (the grouped kernel needs CUDA: said
-    once per projection and GEMM at INFO), the same bits as grouped=False."""
+    and runs each expert's dense FP8 GEMM with its bias (the grouped and K-grouped kernels
+    need CUDA: said once per projection and GEMM at INFO), the same bits as grouped=False."""
     from fp4gen.runtime import fp8_grouped
 
     fp8_grouped._logged.clear()
@@ -317,7 +317,7 @@ def test_a_forced_grouped_path_on_an_fp8_recipe_is_the_loop(caplog, arch) -> Non
         f"model.layers.0.mlp.experts.{proj}: the experts' {gemm} GEMMs run per expert: CPU "
         "tensors: the dense GEMM per expert"
         for proj in ("gate_up_proj", "down_proj")
-        for gemm in ("fprop", "dgrad")
+        for gemm in ("fprop", "dgrad", "wgrad")  # wgrad: the K-grouped kernel's
     ), lines
 
 

@@ -208,6 +208,65 @@ def scaled_mm_name(a: BlockFormat, b: BlockFormat) -> str:
     return f"{one(a)} x {one(b)}"
 
 
+def grouped_kernel_fields(
+    a: BlockFormat,
+    b: BlockFormat,
+    out: str,
+    bias: bool,
+    *,
+    overlap: bool = OVERLAP,
+    wide_stores: bool = WIDE_STORES,
+    tile_n: int = TILE_N,
+) -> dict[str, Any]:
+    """The ``GemmSm90Fp8Params`` fields of the M-grouped kernel (the experts' fprop and dgrad)
+    for a served pair: the dense kernel's variant with one CTA per cluster and row-major scales
+    (a group's first row may be any row), ``grouped=True``."""
+    fields = kernel_fields(
+        a,
+        b,
+        out,
+        bias,
+        False,
+        overlap=overlap,
+        cluster_m=1,
+        mn_major_scales=False,
+        wide_stores=wide_stores,
+        tile_n=tile_n,
+    )
+    fields["grouped"] = True
+    return fields
+
+
+def k_grouped_kernel_fields(a: BlockFormat, b: BlockFormat, out: str) -> dict[str, Any]:
+    """The ``GemmSm90Fp8Params`` fields of the K-grouped kernel (the experts' wgrad) for a
+    served pair writing ``out`` ("bf16" or "fp32"): the dense kernel's 128-wide tile with one
+    partial accumulator, row-major scales, one CTA per cluster, the plain epilogue."""
+    fields = kernel_fields(
+        a,
+        b,
+        out,
+        False,
+        False,
+        overlap=False,
+        cluster_m=1,
+        mn_major_scales=False,
+        wide_stores=False,
+        tile_n=128,
+    )
+    fields["k_grouped"] = True
+    return fields
+
+
+def k_grouped_reason(a: BlockFormat, b: BlockFormat) -> str | None:
+    """None where the K-grouped kernel takes the pair: what the dense kernel takes
+    (``pair_reason``) with 1xN blocks on both sides (a group's K range is whole blocks of
+    both), else why not."""
+    reason = pair_reason(a, b)
+    if reason is None and (a.block[0] != 1 or b.block[0] != 1):
+        reason = f"blocks {a.block} x {b.block}: the K-grouped GEMM takes 1xN blocks on both sides"
+    return reason
+
+
 def module_source(params: Any) -> str:
     """The generated module of ``params`` (a ``GemmSm90Fp8Params``): its params and the
     ``KERNELS`` / ``compile_kernel`` protocol of fp4gen's generated modules; the kernel itself
@@ -241,6 +300,9 @@ def module_source(params: Any) -> str:
 
 __all__ = [
     "AUTO_MIN_M",
+    "grouped_kernel_fields",
+    "k_grouped_kernel_fields",
+    "k_grouped_reason",
     "CLUSTER_M",
     "E4M3",
     "E5M2",

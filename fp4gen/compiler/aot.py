@@ -483,21 +483,18 @@ def _fp8_kernels(
         lines.append(("sm_90a", f"M >= {least}: {kernel}, measured faster"))
     lines.append(("sm_90a", f'backend="cute": {kernel}'))
     if experts and use.gemm == "wgrad":
-        from fp4gen.runtime.fp8_kgrouped import k_grouped_fields, pair_reason
-
-        if pair_reason(a, b) is None:  # the experts' wgrad: groups along K
+        if gemm_fp8.k_grouped_reason(a, b) is None:  # the experts' wgrad: groups along K
             for out_dtype, _ in experts:
                 out = gemm_fp8.kernel_out(out_dtype, False)
-                params = GemmSm90Fp8Params(**k_grouped_fields(a, b, out))
+                params = GemmSm90Fp8Params(**gemm_fp8.k_grouped_kernel_fields(a, b, out))
                 when = f"MoE experts, K-grouped, {params.out} out"
                 found.add("gemm_sm90_fp8", params, fp8_archs, replace(use, when=when))
             lines.append(("sm_90a", "MoE experts: the K-grouped FP8 kernel, one launch"))
     elif experts:
-        from fp4gen.runtime.fp8_grouped import grouped_fields
-
         for out_dtype, bias in experts:  # the experts' fprop and dgrad: groups of rows
             out = gemm_fp8.kernel_out(out_dtype, False)
-            params = GemmSm90Fp8Params(**grouped_fields(a, b, out, bias))
+            # the codegen defaults, as a dense layer's kernels above (the runtime's variant)
+            params = GemmSm90Fp8Params(**gemm_fp8.grouped_kernel_fields(a, b, out, bias))
             when = f"MoE experts, grouped, {params.out} out" + (", bias" if bias else "")
             found.add("gemm_sm90_fp8", params, fp8_archs, replace(use, when=when))
         lines.append(("sm_90a", "MoE experts: the grouped FP8 kernel, one launch"))

@@ -38,7 +38,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-from fp4gen.codegen.gemm_fp8 import kernel_fields, kernel_out
+from fp4gen.codegen.gemm_fp8 import grouped_kernel_fields, kernel_out
 from fp4gen.errors import FP4GenError, TensorError
 from fp4gen.formats import BlockFormat
 from fp4gen.numerics import QuantizedTensor
@@ -74,23 +74,18 @@ def log_fallback(message: str) -> None:
 
 
 def grouped_fields(a: BlockFormat, b: BlockFormat, out: str, bias: bool) -> dict[str, Any]:
-    """The ``GemmSm90Fp8Params`` fields of the grouped kernel for a served pair: the dense
-    kernel's current variant (``fp8_gemm.cute_settings``) with one CTA per cluster and row-major
-    scales (a group's first row may be any row), ``grouped=True``."""
-    fields = kernel_fields(
+    """The ``GemmSm90Fp8Params`` fields of the grouped kernel for a served pair
+    (``codegen.gemm_fp8.grouped_kernel_fields``) in the dense kernel's current variant
+    (``fp8_gemm.cute_settings``)."""
+    return grouped_kernel_fields(
         a,
         b,
         out,
         bias,
-        False,
         overlap=fp8_gemm.CUTE_OVERLAP,
-        cluster_m=1,
-        mn_major_scales=False,
         wide_stores=fp8_gemm.CUTE_WIDE_STORES,
         tile_n=fp8_gemm.CUTE_TILE_N,
     )
-    fields["grouped"] = True
-    return fields
 
 
 class GroupedPlan(NamedTuple):

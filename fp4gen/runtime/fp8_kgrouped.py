@@ -30,7 +30,7 @@ from typing import Any, NamedTuple
 import torch
 import torch.nn.functional as F
 
-from fp4gen.codegen.gemm_fp8 import kernel_fields, kernel_out
+from fp4gen.codegen.gemm_fp8 import k_grouped_kernel_fields, k_grouped_reason, kernel_out
 from fp4gen.errors import FP4GenError, TensorError
 from fp4gen.formats import BlockFormat
 from fp4gen.numerics import QuantizedTensor
@@ -78,45 +78,21 @@ class KGroupedPlan(NamedTuple):
     kernel_out: torch.dtype  # what the kernel writes: bf16 or fp32
 
 
-def k_grouped_fields(a: BlockFormat, b: BlockFormat, out: str) -> dict[str, Any]:
-    """The ``GemmSm90Fp8Params`` fields of the K-grouped kernel for a served pair
-    (``pair_reason``) writing ``out`` ("bf16" or "fp32"): the dense kernel's 128-wide tile with
-    one partial accumulator, row-major scales, one CTA per cluster, the plain epilogue. The
-    runtime (``k_grouped_plan``) and ``fp4gen compile`` both build their params from this."""
-    fields = kernel_fields(
-        a,
-        b,
-        out,
-        False,
-        False,
-        overlap=False,
-        cluster_m=1,
-        mn_major_scales=False,
-        wide_stores=False,
-        tile_n=128,
-    )
-    fields["k_grouped"] = True
-    return fields
-
-
 def k_grouped_plan(a: BlockFormat, b: BlockFormat, out_dtype: torch.dtype) -> KGroupedPlan:
-    """The plan of a served pair (``pair_reason``; ``k_grouped_fields``)."""
+    """The plan of a served pair (``pair_reason``; ``codegen.gemm_fp8.k_grouped_kernel_fields``:
+    the runtime and ``fp4gen compile`` build their params from it)."""
     from fp4gen.kernels.gemm_sm90_fp8 import GemmSm90Fp8Params
 
     out = kernel_out("bf16" if out_dtype == torch.bfloat16 else "fp32", False)
-    params = GemmSm90Fp8Params(**k_grouped_fields(a, b, out))
+    params = GemmSm90Fp8Params(**k_grouped_kernel_fields(a, b, out))
     kernel_dtype = torch.bfloat16 if params.out == "bf16" else torch.float32
     return KGroupedPlan(params, a.block[1], params.scale_kind == "ue8m0", kernel_dtype)
 
 
 def pair_reason(a: BlockFormat, b: BlockFormat) -> str | None:
-    """None where the K-grouped kernel takes the pair: what the dense kernel takes
-    (``fp8_gemm.cute_support``) with 1xN blocks on both sides (a group's K range is whole
-    blocks of both)."""
-    reason = fp8_gemm.cute_support(a, b)
-    if reason is None and (a.block[0] != 1 or b.block[0] != 1):
-        reason = f"blocks {a.block} x {b.block}: the K-grouped GEMM takes 1xN blocks on both sides"
-    return reason
+    """None where the K-grouped kernel takes the pair (``codegen.gemm_fp8.k_grouped_reason``),
+    else why not."""
+    return k_grouped_reason(a, b)
 
 
 def _check(
@@ -320,7 +296,6 @@ def k_grouped_block_scaled(
 __all__ = [
     "KGroupedPlan",
     "k_grouped_block_scaled",
-    "k_grouped_fields",
     "k_grouped_fp8_enabled",
     "k_grouped_launch",
     "k_grouped_plan",
