@@ -332,6 +332,24 @@ def _global(q: QuantizedTensor, device: torch.device) -> torch.Tensor:
     return g.reshape(1)
 
 
+def launch_device(groups: Sequence[Any], given: Any, what: str) -> torch.device:
+    """The device of a grouped FP8 launch: ``given``'s (one tensor of every group: no group
+    read for it) or the first group's; FP4GenError unless it is a CUDA device of an arch with
+    FP8 wgmma (sm_90a), the caller's cue to run the groups one by one."""
+    if given is not None:
+        dev = given.device
+    else:
+        dev = next((q.device for q in groups if q is not None), None)
+    if dev is None or dev.type != "cuda":
+        raise FP4GenError(f"the {what} runs on CUDA tensors, not on {dev}")
+    from fp4gen.compiler.jit import detect_arch
+
+    arch = detect_arch(dev)
+    if arch not in fp8_gemm.CUTE_ARCHS:
+        raise FP4GenError(f"no {what} for {arch} (FP8 wgmma: sm_90a only)")
+    return dev
+
+
 def grouped_block_scaled(
     a: Sequence[QuantizedTensor | None],
     b: Sequence[QuantizedTensor | None],
@@ -347,17 +365,7 @@ def grouped_block_scaled(
     TensorError for groups that cannot be multiplied and FP4GenError where the kernel does
     not serve them (not CUDA, not sm_90a, the pair): the caller's cue to run the groups one
     by one. An empty group: None in ``a`` (``grouped_launch``)."""
-    if wholes[0] is not None:
-        dev = wholes[0].device  # the groups' own device: no group read for it
-    else:
-        dev = next((q.device for q in a if q is not None), None)
-    if dev is None or dev.type != "cuda":
-        raise FP4GenError(f"the grouped FP8 GEMM runs on CUDA tensors, not on {dev}")
-    from fp4gen.compiler.jit import detect_arch
-
-    arch = detect_arch(dev)
-    if arch not in fp8_gemm.CUTE_ARCHS:
-        raise FP4GenError(f"no grouped FP8 GEMM for {arch} (FP8 wgmma: sm_90a only)")
+    launch_device(a, wholes[0], "grouped FP8 GEMM")
     plan, args = grouped_launch(
         a, b, out_dtype=out_dtype, bias=bias, wholes=wholes, global_scales=global_scales
     )
@@ -376,6 +384,7 @@ __all__ = [
     "grouped_fp8_enabled",
     "grouped_launch",
     "grouped_plan",
+    "launch_device",
     "log_fallback",
     "offsets_of",
     "set_grouped_fp8",

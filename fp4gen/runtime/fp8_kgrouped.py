@@ -36,7 +36,7 @@ from fp4gen.formats import BlockFormat
 from fp4gen.numerics import QuantizedTensor
 from fp4gen.runtime import fp8_gemm
 from fp4gen.runtime.fp8_gemm import code_bytes
-from fp4gen.runtime.fp8_grouped import _globals, offsets_of
+from fp4gen.runtime.fp8_grouped import _globals, launch_device, offsets_of
 from fp4gen.runtime.host_tables import host_table
 
 # set_k_grouped_fp8: on since tests/test_fp8_kgrouped_gpu.py passed on an H200 (12 tests)
@@ -273,17 +273,7 @@ def k_grouped_block_scaled(
     TensorError for groups that cannot be multiplied and FP4GenError where the kernel does not
     serve them (not CUDA, not sm_90a, the pair, a group's K): the caller's cue to run the
     groups one by one. ``flats``, ``global_scales``: as ``k_grouped_launch``."""
-    if flats[0] is not None:
-        dev = flats[0].device  # no group read for it
-    else:
-        dev = next((q.device for q in a if q is not None), None)
-    if dev is None or dev.type != "cuda":
-        raise FP4GenError(f"the K-grouped FP8 GEMM runs on CUDA tensors, not on {dev}")
-    from fp4gen.compiler.jit import detect_arch
-
-    arch = detect_arch(dev)
-    if arch not in fp8_gemm.CUTE_ARCHS:
-        raise FP4GenError(f"no K-grouped FP8 GEMM for {arch} (FP8 wgmma: sm_90a only)")
+    launch_device(a, flats[0], "K-grouped FP8 GEMM")
     plan, args = k_grouped_launch(
         a, b, out_dtype=out_dtype, flats=flats, global_scales=global_scales
     )
