@@ -478,3 +478,18 @@ def test_lazy_groups_hold_no_reference_cycle() -> None:
         assert [ref() for ref in refs] == [None, None]
     finally:
         gc.enable()
+
+
+def test_u64_table_is_the_words_of_each_value() -> None:
+    """host.u64_table: each value's (low, high) int32 words in row order, as u64_words gives
+    them one by one; a value outside [0, 2^64) or not an int is refused, named."""
+    from fp4gen.kernels import host
+
+    rows = [[0, 1, 2**32 - 1], [2**32, 2**63, 2**64 - 1], [12345678901234, 7, 2**31]]
+    got = host.u64_table(rows, ["seed", "offset", "offset"])
+    want = [[w for v in row for w in host.u64_words(v)] for row in rows]
+    assert got.dtype.name == "int32" and got.tolist() == want
+    assert host.u64_table([], ["seed"]).shape == (0, 2)
+    for bad in (-1, 2**64, 1.0, True):
+        with pytest.raises(ValueError, match="offset must be an integer in"):
+            host.u64_table([[3, bad]], ["seed", "offset"])

@@ -13,6 +13,7 @@ from __future__ import annotations
 import os
 import shlex
 
+import numpy as np
 import torch
 
 from fp4gen.device_offset import DeviceOffset
@@ -105,6 +106,22 @@ def i32(word: int) -> int:
 def u64_words(value: int) -> list[int]:
     """A uint64 as the kernel's two Int32 scalars (low word, high word)."""
     return [i32(value & 0xFFFFFFFF), i32(value >> 32)]
+
+
+def u64_table(rows: list[list[int]], names: list[str]) -> np.ndarray:
+    """Rows of uint64 values (seeds, Philox offsets; ``names[j]`` says what column j holds) as
+    the kernels' int32 words: each value its (low word, high word) pair, as ``u64_words``, an
+    int32 array [rows, 2 x columns]. ValueError unless every value is an int in [0, 2^64), as
+    ``check_u64`` says. One numpy pass for a launch's table (a grouped launch has one row per
+    group: per-value calls were a measurable share of its host time)."""
+    for row in rows:
+        for name, value in zip(names, row, strict=True):
+            if type(value) is not int or not 0 <= value < 1 << 64:
+                check_u64(name, value)  # raises, naming the value
+    values = np.array(rows, dtype=np.uint64).reshape(len(rows), len(names))
+    low = (values & np.uint64(0xFFFFFFFF)).astype(np.uint32)
+    high = (values >> np.uint64(32)).astype(np.uint32)
+    return np.stack((low, high), axis=-1).reshape(len(rows), 2 * len(names)).view(np.int32)
 
 
 def offset_words(spec_name: str, offset: int | DeviceOffset, x: torch.Tensor) -> list[int]:

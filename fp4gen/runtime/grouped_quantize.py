@@ -320,12 +320,9 @@ def _grouped_kernels(
     s_dec = (torch.empty if params.global_scale else torch.ones)(
         groups, dtype=torch.float32, device=dev
     )
-    words = []
-    for seed, offset in zip(seeds, offsets, strict=True):
-        host.check_u64("seed", seed)
-        host.check_u64("offset", offset)
-        words.append([*host.u64_words(seed), *host.u64_words(offset)])
-    philox = host_table(words, torch.int32, dev, host_dtype=torch.int64)
+    rows = [[seed, offset] for seed, offset in zip(seeds, offsets, strict=True)]
+    words = host.u64_table(rows, ["seed", "offset"])  # per group: seed, offset (lo, hi words)
+    philox = host_table(torch.from_numpy(words), torch.int32, dev)
     if params.global_scale:
         tile = params.amax_threads * params.amax_units
         if scope == "tensor":

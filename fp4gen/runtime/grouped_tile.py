@@ -524,15 +524,12 @@ def _grouped_kernels(
         groups * n_copies, dtype=torch.float32, device=dev
     )
     sr_copies = [i for i, c in enumerate(params.copies) if c.sr_bits]
-    words = []
-    for seed, offs in zip(seeds, offsets, strict=True):
-        host.check_u64("seed", seed)
-        row = list(host.u64_words(seed))
-        for i in sr_copies:
-            host.check_u64("offset", offs[i])
-            row += host.u64_words(offs[i])
-        words.append(row)
-    philox = host_table(words, torch.int32, dev, host_dtype=torch.int64)
+    # per group: the seed, then each stochastically rounded copy's offset (lo, hi words each)
+    rows = [
+        [seed, *(offs[i] for i in sr_copies)] for seed, offs in zip(seeds, offsets, strict=True)
+    ]
+    words = host.u64_table(rows, ["seed", *["offset"] * len(sr_copies)])
+    philox = host_table(torch.from_numpy(words), torch.int32, dev)
     tiles_k = -(-k // params.strip.tile_k)
     table = cached_tile_table(counts, pads, params.strip.tile_m, tiles_k, dev)
     n_ctas = table.shape[0]
