@@ -167,11 +167,7 @@ def _check(
         raise TensorError(
             f"grouped FP8 GEMM: operands on several devices {sorted(map(str, devices))}"
         )
-    if bias is not None and tuple(bias.shape) != (len(b), n):
-        raise TensorError(
-            f"grouped FP8 GEMM: the bias must be [groups, N] = [{len(b)}, {n}], got "
-            f"{tuple(bias.shape)} {bias.dtype}"
-        )
+    _check_bias(bias, len(b), n)
     return a0, b0
 
 
@@ -264,14 +260,10 @@ def _launched(
     empty: the two wholes (they say the formats, RHTs and device), A's rows per group and B's
     shape [N, K], checked as ``_check`` checks the groups (the per-group checks hold by
     construction: one launch, one format). Else None: the groups are checked one by one."""
-    shapes_a, shapes_b = getattr(a, "shapes", None), getattr(b, "shapes", None)
-    whole_a, whole_b = wholes
-    if shapes_a is None or shapes_b is None or whole_a is None or whole_b is None:
+    shapes = launch_shapes(a, b, wholes)
+    if shapes is None:
         return None
-    if not a or len(a) != len(b) or len(shapes_a) != len(a) or len(shapes_b) != len(b):
-        return None
-    if any(shape is None for shape in (*shapes_a, *shapes_b)):
-        return None
+    (shapes_a, shapes_b), (whole_a, whole_b) = shapes, wholes
     n, k = shapes_b[0]
     rows = [shape[0] for shape in shapes_a]
     if (
@@ -282,18 +274,41 @@ def _launched(
         or (whole_a.cols, whole_b.cols) != (k, k)
     ):
         return None
-    if whole_a.rht != whole_b.rht:
-        raise TensorError("grouped FP8 GEMM: A and B carry different RHTs")
-    if whole_a.device != whole_b.device:
+    check_one_launch(whole_a, whole_b, "grouped FP8 GEMM")
+    _check_bias(bias, len(b), n)
+    return (whole_a, whole_b), rows, (n, k)
+
+
+def launch_shapes(
+    a: Sequence[Any], b: Sequence[Any], given: tuple[Any, Any]
+) -> tuple[list, list] | None:
+    """Each side's groups' shapes where both sides are one launch's groups (``given``: a tensor
+    of every group of each side; the shapes known without building a group,
+    ``GroupedOperands.shapes``) and no group is empty; else None."""
+    shapes_a, shapes_b = getattr(a, "shapes", None), getattr(b, "shapes", None)
+    if shapes_a is None or shapes_b is None or given[0] is None or given[1] is None:
+        return None
+    if not a or len(a) != len(b) or len(shapes_a) != len(a) or len(shapes_b) != len(b):
+        return None
+    if any(shape is None for shape in (*shapes_a, *shapes_b)):
+        return None
+    return shapes_a, shapes_b
+
+
+def check_one_launch(x: Any, y: Any, what: str) -> None:
+    """TensorError unless A's and B's launch tensors carry one RHT and sit on one device."""
+    if x.rht != y.rht:
+        raise TensorError(f"{what}: A and B carry different RHTs")
+    if x.device != y.device:
+        raise TensorError(f"{what}: operands on several devices {x.device}, {y.device}")
+
+
+def _check_bias(bias: torch.Tensor | None, groups: int, n: int) -> None:
+    if bias is not None and tuple(bias.shape) != (groups, n):
         raise TensorError(
-            f"grouped FP8 GEMM: operands on several devices {whole_a.device}, {whole_b.device}"
-        )
-    if bias is not None and tuple(bias.shape) != (len(b), n):
-        raise TensorError(
-            f"grouped FP8 GEMM: the bias must be [groups, N] = [{len(b)}, {n}], got "
+            f"grouped FP8 GEMM: the bias must be [groups, N] = [{groups}, {n}], got "
             f"{tuple(bias.shape)} {bias.dtype}"
         )
-    return (whole_a, whole_b), rows, (n, k)
 
 
 def _whole(whole: Any, groups: Sequence[QuantizedTensor | None], rows: int) -> Any:

@@ -36,7 +36,13 @@ from fp4gen.formats import BlockFormat
 from fp4gen.numerics import QuantizedTensor
 from fp4gen.runtime import fp8_gemm
 from fp4gen.runtime.fp8_gemm import code_bytes
-from fp4gen.runtime.fp8_grouped import _globals, launch_device, offsets_of
+from fp4gen.runtime.fp8_grouped import (
+    _globals,
+    check_one_launch,
+    launch_device,
+    launch_shapes,
+    offsets_of,
+)
 from fp4gen.runtime.host_tables import host_table
 
 # set_k_grouped_fp8: on since tests/test_fp8_kgrouped_gpu.py passed on an H200 (12 tests)
@@ -79,20 +85,14 @@ class KGroupedPlan(NamedTuple):
 
 
 def k_grouped_plan(a: BlockFormat, b: BlockFormat, out_dtype: torch.dtype) -> KGroupedPlan:
-    """The plan of a served pair (``pair_reason``; ``codegen.gemm_fp8.k_grouped_kernel_fields``:
-    the runtime and ``fp4gen compile`` build their params from it)."""
+    """The plan of a served pair (``codegen.gemm_fp8.k_grouped_reason``): its params from
+    ``k_grouped_kernel_fields``, as ``fp4gen compile`` builds them."""
     from fp4gen.kernels.gemm_sm90_fp8 import GemmSm90Fp8Params
 
     out = kernel_out("bf16" if out_dtype == torch.bfloat16 else "fp32", False)
     params = GemmSm90Fp8Params(**k_grouped_kernel_fields(a, b, out))
     kernel_dtype = torch.bfloat16 if params.out == "bf16" else torch.float32
     return KGroupedPlan(params, a.block[1], params.scale_kind == "ue8m0", kernel_dtype)
-
-
-def pair_reason(a: BlockFormat, b: BlockFormat) -> str | None:
-    """None where the K-grouped kernel takes the pair (``codegen.gemm_fp8.k_grouped_reason``),
-    else why not."""
-    return k_grouped_reason(a, b)
 
 
 def _check(
@@ -155,14 +155,10 @@ def _launched(
     groups' shapes known without building them, ``GroupedOperands.shapes``) and no group is
     empty: the two flats (they say the formats, RHTs and device), each group's K and [M, N].
     Else None: the groups are read one by one."""
-    shapes_a, shapes_b = getattr(a, "shapes", None), getattr(b, "shapes", None)
-    flat_a, flat_b = flats
-    if shapes_a is None or shapes_b is None or flat_a is None or flat_b is None:
+    shapes = launch_shapes(a, b, flats)
+    if shapes is None:
         return None
-    if not a or len(a) != len(b) or len(shapes_a) != len(a) or len(shapes_b) != len(b):
-        return None
-    if any(shape is None for shape in (*shapes_a, *shapes_b)):
-        return None
+    (shapes_a, shapes_b), (flat_a, flat_b) = shapes, flats
     m, n = shapes_a[0][0], shapes_b[0][0]
     ks = [shape[1] for shape in shapes_a]
     if any(tuple(sa) != (m, k) for sa, k in zip(shapes_a, ks, strict=True)) or any(
@@ -171,10 +167,7 @@ def _launched(
         return None
     if flat_a.rows * flat_a.cols < m * sum(ks) or flat_b.rows * flat_b.cols < n * sum(ks):
         return None
-    if flat_a.rht != flat_b.rht:
-        raise TensorError("K-grouped FP8 GEMM: A and B carry different RHTs")
-    if flat_a.device != flat_b.device:
-        raise TensorError("K-grouped FP8 GEMM: operands on several devices")
+    check_one_launch(flat_a, flat_b, "K-grouped FP8 GEMM")
     return (flat_a, flat_b), ks, (m, n)
 
 
@@ -218,7 +211,7 @@ def k_grouped_launch(
         m, n = a0.rows, b0.rows
     if out_dtype not in fp8_gemm.OUT_DTYPES:
         raise TensorError(f"out_dtype must be one of {fp8_gemm.OUT_DTYPES}, got {out_dtype}")
-    reason = pair_reason(a0.format, b0.format)
+    reason = k_grouped_reason(a0.format, b0.format)
     if reason is not None:
         raise FP4GenError(f"the K-grouped FP8 GEMM does not serve this pair: {reason}")
     plan = k_grouped_plan(a0.format, b0.format, out_dtype)
@@ -289,7 +282,6 @@ __all__ = [
     "k_grouped_fp8_enabled",
     "k_grouped_launch",
     "k_grouped_plan",
-    "pair_reason",
     "set_k_grouped_fp8",
     "set_k_grouped_from_flats",
 ]
