@@ -229,8 +229,7 @@ def test_launch_arguments_from_the_launches_flat_copies(monkeypatch) -> None:
             object.__setattr__(q, "global_scale", value.clone())
     _, want = fp8_kgrouped.k_grouped_launch(a, b, out_dtype=torch.bfloat16, sms=2)
     flats = (flat_of(a, 128), flat_of(b, 128))
-    assert not fp8_kgrouped._from_flats[0]  # off until its GPU test has run
-    monkeypatch.setattr(fp8_kgrouped, "_from_flats", [True])
+    assert fp8_kgrouped._from_flats[0]  # on by default
     _, got = fp8_kgrouped.k_grouped_launch(
         unread(a), unread(b), out_dtype=torch.bfloat16, sms=2, flats=flats, global_scales=scales
     )

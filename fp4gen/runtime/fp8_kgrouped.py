@@ -62,15 +62,15 @@ def k_grouped_fp8_enabled() -> bool:
     return _enabled[0]
 
 
-# set_k_grouped_from_flats: off until tests/test_fp8_kgrouped_gpu.py has run it on a GPU (the
-# arguments equal the groups' bit for bit on the CPU, tests/test_fp8_kgrouped.py)
-_from_flats = [False]
+# set_k_grouped_from_flats: the arguments equal the groups' bit for bit (tests/test_fp8_kgrouped.py
+# on the CPU, tests/test_fp8_kgrouped_gpu.py on the GPU)
+_from_flats = [True]
 
 
 def set_k_grouped_from_flats(enabled: bool) -> bool:
     """Whether ``k_grouped_launch`` makes its arguments from the launches' flat columnwise
-    copies where given (True: no group read) or from the groups (False, the default until its
-    GPU test has run; the same bits on the CPU). Process-wide; returns the previous setting."""
+    copies where given (True, the default: no group read) or from the groups (False; the same
+    bits). Process-wide; returns the previous setting."""
     previous, _from_flats[0] = _from_flats[0], bool(enabled)
     return previous
 
