@@ -447,3 +447,83 @@ def test_rowwise_entries_spell_the_specs_arguments(case: str, swizzled: bool) ->
     # the thread mapping's words in the docstring, from the codegen (Mapping)
     docstring = " ".join((ast.get_docstring(tree) or "").split())
     assert f"units of {ctx.map.unit} contiguous elements" in docstring
+
+
+HALF_CASES = {
+    # the "srhalf" encode (8 random bits) with e4m3 scales, nearest or stochastic: fp16 images
+    "4over6_sr8": (FOUR_OVER_SIX, "stochastic8", True),
+    "4over6_sr_scales_sr8": (
+        dataclasses.replace(FOUR_OVER_SIX, scale=ScaleSpec(E4M3, "stochastic")),
+        "stochastic8",
+        True,
+    ),
+    # RNE and 32-bit SR take other encodes; ue8m0 scales do not fit fp16
+    "4over6_rne": (FOUR_OVER_SIX, "nearest", False),
+    "4over6_sr32": (FOUR_OVER_SIX, "stochastic", False),
+    "mxfp4_4over6_sr8": (
+        dataclasses.replace(MXFP4, name="m", targets=(6.0, 4.0)),
+        "stochastic8",
+        False,
+    ),
+    # no targets: no error to compute
+    "nvfp4_sr8": (NVFP4, "stochastic8", False),
+}
+
+
+@pytest.mark.parametrize("case", sorted(HALF_CASES))
+def test_which_kernels_take_the_errors_from_the_fp16_images(case: str, tmp_path: Path) -> None:
+    fmt, rounding, expected = HALF_CASES[case]
+    spec = kernel_spec(fmt, "bf16", row(rounding))  # type: ignore[arg-type]
+    module = import_source(render(spec), tmp_path / "src")
+    assert module.PARAMS.half_products is expected
+
+
+def _values(exp_bits: int, man_bits: int, bias: int, top: float) -> list[float]:
+    """Every non-negative finite value of a minifloat up to ``top``."""
+    out = {0.0}
+    for e in range(1 << exp_bits):
+        for m in range(1 << man_bits):
+            v = (
+                (m / (1 << man_bits)) * 2.0 ** (1 - bias)
+                if e == 0
+                else (1 + m / (1 << man_bits)) * 2.0 ** (e - bias)
+            )
+            if v <= top:
+                out.add(v)
+    return sorted(out)
+
+
+def test_the_fp16_image_products_are_exact() -> None:
+    """What ``half_products`` rests on, by enumeration: for every e2m1 magnitude and every e4m3
+    scale, s_b and |value| * s_b * 2^-14 (the image's product) are fp16 values, so the fp16x2
+    multiply and its fp32 convert are exact and fp32(product * 2^14) = fp32(|value| * s_b); and
+    a scale format outside the rule (e5m2: products below 2^-24) fails the enumeration."""
+    elems = torch.tensor(_values(2, 1, 1, 6.0), dtype=torch.float64)
+    for (exp_bits, man_bits, bias, top), exact in (
+        ((4, 3, 7, 448.0), True),
+        ((5, 2, 15, 57344.0), False),
+    ):
+        scales = torch.tensor(_values(exp_bits, man_bits, bias, top), dtype=torch.float64)
+        products = elems[:, None] * scales[None, :] * 2.0**-14
+        fits = torch.equal(products.to(torch.float16).to(torch.float64), products)
+        fits &= torch.equal(scales.to(torch.float16).to(torch.float64), scales)
+        assert fits is exact, (exp_bits, man_bits)
+
+
+def test_the_fp16_image_errors_replace_the_decode(tmp_path: Path) -> None:
+    """The 4over6 SR8 kernel (16 values per thread, two targets) computes each error term as
+    one fp16x2 product per two values and one fma.rn per value (d) and a mul.rn (d * d):
+    2 x 8 mul.rn.f16x2, 32 fma.rn.f32 besides scale_value's (+0.0 added), 32 mul.rn.f32, no
+    sub.rn.f32, and the same 2 x 15 tree adds."""
+    os.environ.setdefault("CUTE_DSL_NO_CACHE", "1")
+    spec = kernel_spec(FOUR_OVER_SIX, "bf16", row("stochastic8"))
+    module = import_source(render(spec), tmp_path / "src")
+    module.compile_kernel("quantize", "sm_90a", dump_dir=str(tmp_path / "ptx"))
+    (ptx,) = (tmp_path / "ptx").glob("*.sm_90a.ptx")
+    lines = [line.split() for line in ptx.read_text().splitlines() if line.strip()]
+    ops = [words[0] for words in lines]
+    fmas = [words for words in lines if words[0] == "fma.rn.f32"]
+    assert ops.count("mul.rn.f16x2") == 16
+    assert sum("0f00000000;" not in words for words in fmas) == 32
+    assert ops.count("mul.rn.f32") == 32 and "sub.rn.f32" not in ops
+    assert ops.count("add.rn.f32") == 30

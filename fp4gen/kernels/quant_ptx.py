@@ -238,6 +238,59 @@ def min_abs_f16x2(a: Uint32, b: Uint32, *, loc=None, ip=None) -> Uint32:
 
 
 @dsl_user_op
+def cvt_f16x2_both(a: Float32, *, loc=None, ip=None) -> Uint32:
+    """fp16 of a in both halves, rounded to nearest even (exact where a is an fp16 value)."""
+    return Uint32(
+        inline_asm(
+            T.i32(),
+            [ir_arg(a, Float32, loc, ip)],
+            "cvt.rn.f16x2.f32 $0, $1, $1;",
+            "=r,f",
+        )
+    )
+
+
+@dsl_user_op
+def mul_f16x2(a: Uint32, b: Uint32, *, loc=None, ip=None) -> Uint32:
+    """Per half fp16(a * b), rounded to nearest even (fp16 subnormals kept)."""
+    return Uint32(
+        inline_asm(
+            T.i32(),
+            [ir_arg(a, Uint32, loc, ip), ir_arg(b, Uint32, loc, ip)],
+            "mul.rn.f16x2 $0, $1, $2;",
+            "=r,r,r",
+        )
+    )
+
+
+@dsl_user_op
+def f16_half_to_f32(w: Uint32, high: bool, *, loc=None, ip=None) -> Float32:
+    """The fp32 value (exact) of the low or the high fp16 half of w."""
+    pick = "hi" if high else "lo"
+    return Float32(
+        inline_asm(
+            T.f32(),
+            [ir_arg(w, Uint32, loc, ip)],
+            f"{{\n\t.reg .b16 lo, hi;\n\tmov.b32 {{lo, hi}}, $1;\n\tcvt.f32.f16 $0, {pick};\n\t}}",
+            "=f,r",
+        )
+    )
+
+
+@dsl_user_op
+def fma_rn(a: Float32, b: Float32, c: Float32, *, loc=None, ip=None) -> Float32:
+    """fp32(a * b + c), rounded once to nearest even."""
+    return Float32(
+        inline_asm(
+            T.f32(),
+            [ir_arg(a, Float32, loc, ip), ir_arg(b, Float32, loc, ip), ir_arg(c, Float32, loc, ip)],
+            "fma.rn.f32 $0, $1, $2, $3;",
+            "=f,f,f,f",
+        )
+    )
+
+
+@dsl_user_op
 def byte_field(w: Uint32, j: int, *, loc=None, ip=None) -> Uint32:
     """Byte j of w in the low byte, zeros above (one prmt)."""
     return Uint32(
@@ -312,13 +365,17 @@ __all__ = [
     "count_cta",
     "cvt_bf16x2",
     "cvt_e4m3_to_f32",
+    "cvt_f16x2_both",
     "cvt_f32_to_e4m3",
     "cvt_hw",
     "cvt_rz_f16x2",
+    "f16_half_to_f32",
+    "fma_rn",
     "hw_per_word",
     "load_acquire",
     "load_counter",
     "min_abs_f16x2",
+    "mul_f16x2",
     "mul_rz",
     "prmt",
     "scale_value",
