@@ -271,7 +271,7 @@ def test_bit_exact(case: str, dtype: str, pattern: str, kernels) -> None:
     assert not failures, f"{spec.name}, {pattern}: " + "; ".join(failures[:5])
 
 
-FP16_CASES = ("4over6", "4over6_rht16_sr8", "sr_scales")
+FP16_CASES = ("4over6", "4over6_rht16_sr8", "sr_scales", "step_signs_rht16_sr8")
 
 
 @pytest.mark.parametrize("case", FP16_CASES)
@@ -280,8 +280,9 @@ def test_fp16_input(case: str, kernels) -> None:
     mod, fns = kernels(spec)
     for m, k in [(7, 2048), (272, 384)]:
         x = option_input(spec, "randn", m, k, m + k)
-        got = mod.run(fns, x, seed=11, offset=3)
-        assert not compare(spec, got, reference(case, x, 11, 3), x)
+        signs = drawn(case, m, k)  # the step-signs case: fp16 pairs take the sign masks
+        got = mod.run(fns, x, seed=11, offset=3, signs=signs)
+        assert not compare(spec, got, reference(case, x, 11, 3, signs), x)
 
 
 def _candidate_errors(x: torch.Tensor, target: float) -> torch.Tensor:

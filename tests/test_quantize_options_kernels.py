@@ -339,6 +339,40 @@ def test_sign_words_are_the_reference_draw() -> None:
             assert bits[:size] == want and not any(bits[size:])
 
 
+def test_sign_masks_are_the_reference_draw() -> None:
+    """The host's pair masks (bit 15 of mask k for a -1 at position 2k, bit 31 for 2k + 1, as
+    Int32) are the reference's signs; an RHT with more pairs than the arguments is refused."""
+    from fp4gen.kernels.quantize_host import rht_sign_masks
+    from fp4gen.numerics.hadamard import rht_signs
+
+    for size in (8, 16):
+        for layer, step in ((0, 0), (5, 7), ((1 << 24) - 1, (1 << 40) - 1)):
+            at = RHTSpec(size, "step", None, 3).at(layer, step)
+            masks = [m & 0xFFFFFFFF for m in rht_sign_masks(at)]
+            assert len(masks) == 8 and all(m & ~0x80008000 == 0 for m in masks)
+            bits = [(masks[i // 2] >> (15 + 16 * (i % 2))) & 1 for i in range(16)]
+            want = (rht_signs(at) < 0).int().tolist()
+            assert bits[:size] == want and not any(bits[size:])
+    with pytest.raises(ValueError, match="pair masks"):
+        rht_sign_masks(RHTSpec(32, "step", None, 3).at(1, 1))
+
+
+@pytest.mark.parametrize(
+    "dtype, size, masks",
+    [("bf16", 16, True), ("fp16", 16, True), ("fp32", 16, False), ("bf16", 32, False)],
+)
+def test_which_kernels_take_sign_masks(dtype: str, size: int, masks: bool, tmp_path: Path) -> None:
+    """16-bit inputs with an RHT of at most 16 points take pair masks (one xor per two values
+    before they are widened); fp32 inputs and larger RHTs take the sign words."""
+    from fp4gen.kernels.quantize_host import rht_sign_masks, rht_sign_words
+
+    rht = RHTSpec(size, "step", None, 1)
+    module = import_source(render(kernel_spec(NVFP4, dtype, row("nearest", rht))), tmp_path)
+    assert module.PARAMS.sign_masks is masks
+    at = rht.at(2, 9)
+    assert module.HOST.sign_args(at) == list((rht_sign_masks if masks else rht_sign_words)(at))
+
+
 def test_the_host_asks_for_the_signs(tmp_path: Path) -> None:
     """A module with runtime signs needs the transform at its layer and step; one with
     compiled-in signs refuses them (no GPU: the checks run before any launch)."""

@@ -115,7 +115,7 @@ class GroupedRowwiseAmaxKernel(RowwiseAmaxKernel):
         acc = Float32(0.0)
         for v in range_constexpr(p.amax_units):
             if const_expr(p.rht_size > 0):
-                acc = fmax_nan(acc, absmax(self.rht_chunks(self.to_f32(frags[v]))))
+                acc = fmax_nan(acc, absmax(self.rht_values(frags[v])))
             elif const_expr(p.input_dtype == "bf16"):
                 acc = fmax_nan(acc, absmax_bf16(self.unit_words(frags[v])))
             else:

@@ -64,6 +64,7 @@ from fp4gen.kernels.quant_ptx import (
     add_rn,
     bf16x2_absmax,
     cvt_bf16x2,
+    f16_half_to_f32,
     mul_rn,
     scale_value,
 )
@@ -136,6 +137,21 @@ class RowwiseParams:
         return bool(self.target_invs) or self.scale_sr or self.eden_group > 0
 
     @property
+    def sign_masks(self) -> bool:
+        """Runtime RHT signs taken as xor masks of the input's packed 16-bit pairs (bits 15 and
+        31 of mask k: positions 2k and 2k + 1 of a chunk, ``quantize_host.rht_sign_masks``):
+        one xor per two values before they are widened, where the signs' words cost a shift,
+        a move and a xor per value. Where a thread holds whole chunks, the input is bf16 or
+        fp16 and a chunk's masks fit the SIGN_WORDS arguments (an RHT of at most 16 points);
+        else the arguments are the sign words."""
+        return (
+            self.rht_runtime_signs
+            and self.rht_lanes == 1
+            and self.input_dtype in ("bf16", "fp16")
+            and self.rht_size // 2 <= SIGN_WORDS
+        )
+
+    @property
     def half_products(self) -> bool:
         """The block targets' errors take the "srhalf" encode's fp16 images
         (``encode.image_error_terms``): every |value(code)| * s_b * half_scale is an fp16 value
@@ -200,9 +216,13 @@ class RowwiseBase:
         return [raw[i] for i in range(self.p.unit // 2)]
 
     def bind_signs(self, words) -> None:
-        """The RHT's sign words of a kernel with runtime signs (``rht_runtime_signs``): per
-        position i its sign bit, (word[i // 32] << (31 - i % 32)) & 0x80000000, which
-        ``rht_chunks`` xors into the values."""
+        """The RHT's sign arguments of a kernel with runtime signs (``rht_runtime_signs``): the
+        pair masks (``sign_masks``) that ``rht_values`` xors into the packed input, or sign
+        words: per position i its sign bit, (word[i // 32] << (31 - i % 32)) & 0x80000000,
+        which ``rht_chunks`` xors into the values."""
+        if self.p.sign_masks:
+            self.pair_masks = [Uint32(w) for w in words[: self.p.rht_size // 2]]
+            return
         self.sign_words = [Uint32(w) for w in words]
         if self.p.rht_lanes > 1:
             return  # rht_across_lanes picks this lane's word
@@ -267,15 +287,36 @@ class RowwiseBase:
             out.append((word << Uint32(16)).bitcast(Float32))
         return out
 
-    def rht_chunks(self, xs: list) -> list:
-        """Forward RHT of every chunk of xs (docs/numerics.md section 4, in this order): signs,
-        butterflies h = 1, 2, ..., size/2 in fp32, times fp32(1/sqrt(d)), round to bf16."""
+    def rht_values(self, frag: cute.Tensor) -> list:
+        """The unit's values after the forward RHT (``rht_chunks``); with ``sign_masks`` the
+        signs are xored into the packed 16-bit input before it is widened (exact: a sign flip
+        of a bf16 or fp16 value is the flip of its fp32 value)."""
+        p = self.p
+        if not p.sign_masks:
+            return self.rht_chunks(self.to_f32(frag))
+        masks = self.pair_masks
+        words = [w ^ masks[k % len(masks)] for k, w in enumerate(self.unit_words(frag))]
+        xs = []
+        for w in words:  # element 2k in the low half, 2k + 1 in the high half
+            if p.input_dtype == "bf16":
+                hi = (w & Uint32(0xFFFF0000)).bitcast(Float32)
+                xs += [(w << Uint32(16)).bitcast(Float32), hi]
+            else:
+                xs += [f16_half_to_f32(w, False), f16_half_to_f32(w, True)]
+        return self.rht_chunks(xs, signed=True)
+
+    def rht_chunks(self, xs: list, signed: bool = False) -> list:
+        """Forward RHT of every chunk of xs (docs/numerics.md section 4, in this order): signs
+        (unless ``signed``: already applied), butterflies h = 1, 2, ..., size/2 in fp32, times
+        fp32(1/sqrt(d)), round to bf16."""
         size = self.p.rht_size
         if self.p.rht_lanes > 1:  # a chunk over several lanes
             return self.rht_across_lanes(xs)
         out = []
         for c in range(0, len(xs), size):  # chunk by chunk, as the transform is traced
-            if self.p.rht_runtime_signs:
+            if signed:
+                v = butterflies(xs[c : c + size], size)
+            elif self.p.rht_runtime_signs:
                 v = xor_signed_butterflies(xs[c : c + size], size, self.sign_bits)
             else:
                 v = signed_butterflies(xs[c : c + size], size, self.p.rht_signs)
@@ -344,7 +385,7 @@ class RowwiseAmaxKernel(RowwiseBase):
         """max |x| (of the RHT'd values with an RHT) over one unit; NaN if any is NaN."""
         p = self.p
         if p.rht_size > 0:
-            return absmax(self.rht_chunks(self.to_f32(frag)))
+            return absmax(self.rht_values(frag))
         if p.input_dtype == "bf16":
             return absmax_bf16(self.unit_words(frag))
         return absmax(self.to_f32(frag))
@@ -369,7 +410,7 @@ class RowwiseAmaxKernel(RowwiseBase):
             acc = Float32(0.0)
             for v in range_constexpr(p.amax_units):
                 if const_expr(p.rht_size > 0):
-                    acc = fmax_nan(acc, absmax(self.rht_chunks(self.to_f32(frags[v]))))
+                    acc = fmax_nan(acc, absmax(self.rht_values(frags[v])))
                 elif const_expr(p.input_dtype == "bf16"):
                     acc = fmax_nan(acc, absmax_bf16(self.unit_words(frags[v])))
                 else:
@@ -517,10 +558,8 @@ class RowwiseQuantizeKernel(RowwiseBase):
         this thread's block amaxes: NaN or Inf iff its values hold a NaN or an Inf; None with a
         global scale, whose amax says it)."""
         p = self.p
-        xs = self.to_f32(frag)
-        if p.rht_size:
-            xs = self.rht_chunks(xs)
-        elif p.input_dtype == "bf16":
+        xs = self.rht_values(frag) if p.rht_size else self.to_f32(frag)
+        if p.bf16_words:
             raw = self.unit_words(frag)
         bl = p.unit // p.blocks_per_unit  # elements of one block held by this thread
         ys = []
@@ -551,10 +590,8 @@ class RowwiseQuantizeKernel(RowwiseBase):
         offset words) the scale rounding takes the word of element index 2^62 + b of the
         call's stream, b the block's index, the same word for every target."""
         p = self.p
-        xs = self.to_f32(frag)
-        if p.rht_size:
-            xs = self.rht_chunks(xs)
-        elif p.input_dtype == "bf16":
+        xs = self.rht_values(frag) if p.rht_size else self.to_f32(frag)
+        if p.bf16_words:
             raw = self.unit_words(frag)
         bl = p.unit // p.blocks_per_unit  # elements of one block held by this thread
         words = self.scale_words(u, philox_state) if p.scale_sr else None

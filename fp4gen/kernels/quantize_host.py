@@ -128,6 +128,8 @@ class RowwiseHost:
                 f"{self.spec_name}: the RHT of size {self.params.rht_size} draws its signs per "
                 f"layer or step: pass signs=RHTSpec.at(layer, step), got {signs!r}"
             )
+        if self.params.sign_masks:
+            return list(rht_sign_masks(signs))
         return list(rht_sign_words(signs))
 
     def launches(
@@ -221,4 +223,20 @@ def rht_sign_words(rht: RHTSpec) -> tuple[int, ...]:
     return tuple(w - (1 << 32) if w >= 1 << 31 else w for w in words)  # as Int32
 
 
-__all__ = ["RowwiseHost", "rht_sign_words"]
+@lru_cache(maxsize=4096)
+def rht_sign_masks(rht: RHTSpec) -> tuple[int, ...]:
+    """The RHT's signs as the kernels with ``RowwiseParams.sign_masks`` take them: SIGN_WORDS
+    Int32 values, mask k holding bit 15 where position 2k is -1 and bit 31 where position
+    2k + 1 is (the sign bits of a packed pair of 16-bit values), zeros past size / 2; the
+    same draw as ``rht_sign_words``."""
+    negative = (rht_signs(rht) < 0).tolist()
+    if len(negative) > 2 * SIGN_WORDS:
+        raise ValueError(f"an RHT of {len(negative)} points has more pair masks than {SIGN_WORDS}")
+    masks = [0] * SIGN_WORDS
+    for i, neg in enumerate(negative):
+        if neg:
+            masks[i // 2] |= 1 << (15 + 16 * (i % 2))
+    return tuple(m - (1 << 32) if m >= 1 << 31 else m for m in masks)  # as Int32
+
+
+__all__ = ["RowwiseHost", "rht_sign_masks", "rht_sign_words"]
