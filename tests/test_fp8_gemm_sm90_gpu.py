@@ -24,6 +24,7 @@ import math
 
 import pytest
 import torch
+from sm90_fp8 import E4M3, MARKS
 
 import fp4gen
 from fp4gen.formats import BUILTIN_FORMATS, UE8M0, BlockFormat, ScaleSpec
@@ -35,16 +36,8 @@ from fp4gen.numerics import (
 )
 from fp4gen.runtime import fp8_gemm
 
-pytestmark = [
-    pytest.mark.gpu,
-    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
-    pytest.mark.skipif(
-        torch.cuda.is_available() and torch.cuda.get_device_capability() != (9, 0),
-        reason="FP8 wgmma: sm_90a only",
-    ),
-]
+pytestmark = MARKS
 
-E4M3 = BUILTIN_FORMATS["mxfp8_e4m3"].element
 E5M2 = BUILTIN_FORMATS["mxfp8_e5m2"].element
 UNIT = {torch.float32: 2.0**-24, torch.bfloat16: 2.0**-8, torch.float16: 2.0**-11}
 

@@ -20,6 +20,7 @@ from collections.abc import Iterator
 
 import pytest
 import torch
+from sm90_fp8 import E4M3, MARKS
 
 import fp4gen
 import fp4gen.runtime.linear as linear_module
@@ -28,16 +29,8 @@ from fp4gen.gemm_dispatch import gemm
 from fp4gen.numerics import gemm_block_scaled_reference
 from fp4gen.runtime import fp8_grouped
 
-pytestmark = [
-    pytest.mark.gpu,
-    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
-    pytest.mark.skipif(
-        torch.cuda.is_available() and torch.cuda.get_device_capability() != (9, 0),
-        reason="FP8 wgmma: sm_90a only",
-    ),
-]
+pytestmark = MARKS
 
-E4M3 = BUILTIN_FORMATS["mxfp8_e4m3"].element
 E5M2 = BUILTIN_FORMATS["mxfp8_e5m2"].element
 MXFP8 = BUILTIN_FORMATS["mxfp8_e4m3"]
 

@@ -17,6 +17,7 @@ from collections.abc import Iterator
 
 import pytest
 import torch
+from sm90_fp8 import E4M3, MARKS
 
 import fp4gen
 import fp4gen.runtime.linear as linear_module
@@ -24,16 +25,8 @@ from fp4gen.formats import BUILTIN_FORMATS, BlockFormat, ScaleSpec
 from fp4gen.gemm_dispatch import gemm
 from fp4gen.runtime import fp8_grouped, fp8_kgrouped
 
-pytestmark = [
-    pytest.mark.gpu,
-    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
-    pytest.mark.skipif(
-        torch.cuda.is_available() and torch.cuda.get_device_capability() != (9, 0),
-        reason="FP8 wgmma: sm_90a only",
-    ),
-]
+pytestmark = MARKS
 
-E4M3 = BUILTIN_FORMATS["mxfp8_e4m3"].element
 MXFP8 = BUILTIN_FORMATS["mxfp8_e4m3"]
 ROW = BlockFormat("fp8_test", E4M3, (1, 128), ScaleSpec(None))
 # (format, output dtype, each group's K, M, N): fp8_blockwise's wgrad pair, MXFP8's ue8m0 1x32;

@@ -243,9 +243,7 @@ def grouped_launch(
     ]
     if bias is not None:
         args.append(bias.detach().to(device=dev, dtype=torch.float32).reshape(-1).contiguous())
-    if sms is None:
-        sms = fp8_gemm.sm_count(dev) if dev.type == "cuda" else 1
-    args.append(sms)
+    args.append(grid_limit(sms, dev))
     return plan, args
 
 
@@ -347,6 +345,14 @@ def _global(q: QuantizedTensor, device: torch.device) -> torch.Tensor:
     return g.reshape(1)
 
 
+def grid_limit(sms: int | None, dev: torch.device) -> int:
+    """A persistent launch's CTA limit: ``sms`` where given, else the device's SM count (1 off
+    CUDA, where the CPU tests only build the arguments)."""
+    if sms is not None:
+        return sms
+    return fp8_gemm.sm_count(dev) if dev.type == "cuda" else 1
+
+
 def launch_device(groups: Sequence[Any], given: Any, what: str) -> torch.device:
     """The device of a grouped FP8 launch: ``given``'s (one tensor of every group: no group
     read for it) or the first group's; FP4GenError unless it is a CUDA device of an arch with
@@ -399,6 +405,7 @@ __all__ = [
     "grouped_fp8_enabled",
     "grouped_launch",
     "grouped_plan",
+    "grid_limit",
     "launch_device",
     "log_fallback",
     "offsets_of",

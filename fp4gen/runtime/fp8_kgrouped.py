@@ -39,6 +39,7 @@ from fp4gen.runtime.fp8_gemm import code_bytes
 from fp4gen.runtime.fp8_grouped import (
     _globals,
     check_one_launch,
+    grid_limit,
     launch_device,
     launch_shapes,
     offsets_of,
@@ -247,9 +248,7 @@ def k_grouped_launch(
         host_table(offsets_of(ks), torch.int32, dev),
         torch.empty((groups * m, n), dtype=plan.kernel_out, device=dev),
     ]
-    if sms is None:
-        sms = fp8_gemm.sm_count(dev) if dev.type == "cuda" else 1
-    args.append(sms)
+    args.append(grid_limit(sms, dev))
     return plan, args
 
 

@@ -1,0 +1,20 @@
+"""What the sm_90a FP8 GEMM GPU tests share: their markers (a GPU, and FP8 wgmma: sm_90a only)
+and the e4m3 element."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from fp4gen.formats import BUILTIN_FORMATS
+
+MARKS = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
+    pytest.mark.skipif(
+        torch.cuda.is_available() and torch.cuda.get_device_capability() != (9, 0),
+        reason="FP8 wgmma: sm_90a only",
+    ),
+]
+
+E4M3 = BUILTIN_FORMATS["mxfp8_e4m3"].element
