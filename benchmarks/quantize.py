@@ -27,6 +27,13 @@ kernels' references takes minutes).
 Phase 1 times the kernels (every output checked bit for bit against the reference first) and
 prints a line per shape; phase 2 times the reference, compiled once per format with M dynamic,
 until ``--deadline`` seconds after the start; the summary lines come last. Needs a CUDA GPU.
+
+``--profile N``: for a profiler, each kernel (amax and quantize) launched N times per shape after
+one checked launch, and a torch copy of the input N times, nothing timed; only those launches lie
+between cudaProfilerStart and Stop:
+
+    ncu --profile-from-start off --section SpeedOfLight --section WarpStateStats \
+        python benchmarks/quantize.py --profile 1 --shapes 8192x8192 --configs "fp8 1x128 row + col"
 """
 
 from __future__ import annotations
@@ -78,6 +85,7 @@ CONFIGS = {
     "fp8 1x128 row + col": (FP8_BLOCK, ((ROW, "nearest", None), (COL, "nearest", None))),
     "fp8 weight 128x128 row + col": (FP8_TILE, ((ROW, "nearest", None), (COL, "nearest", None))),
     "mxfp8 1x32 row + col": (MXFP8, ((ROW, "nearest", None), (COL, "nearest", None))),
+    "mxfp4 1x32 row + col": (MXFP4, ((ROW, "nearest", None), (COL, "nearest", None))),
 }
 STEP16 = RHTSpec(16, "step", None, 1)  # signs drawn per layer and step
 STEP128 = RHTSpec(128, "step", None, 1)
@@ -274,6 +282,14 @@ def main() -> int:
         default=300.0,
         help="seconds after the start past which the reference is no longer timed",
     )
+    ap.add_argument(
+        "--profile",
+        type=int,
+        default=0,
+        metavar="N",
+        help="launch each kernel and a copy of the input N times per shape (after one launch "
+        "checked against the reference), time nothing: for Nsight Compute or nsys",
+    )
     args = ap.parse_args()
     start = time.perf_counter()
     if not torch.cuda.is_available():
@@ -323,6 +339,19 @@ def main() -> int:
             want = ref_fn(x)
             exact = all(same(res[key].reshape(w.shape), w) for key, w in want)
             ok &= exact
+            if args.profile:
+                torch.cuda.synchronize()
+                torch.cuda.profiler.start()  # ncu --profile-from-start off sees these alone
+                for _ in range(args.profile):
+                    dst.copy_(x)
+                    for name, kargs in plan:
+                        fns[name](*kargs)
+                torch.cuda.synchronize()
+                torch.cuda.profiler.stop()
+                print(f"  {m}x{k}: {'bit-exact' if exact else 'NOT BIT-EXACT'}, profiled")
+                del x, dst, res, plan, want
+                torch.cuda.empty_cache()
+                continue
             out_bytes = sum(
                 res[key].numel() * res[key].element_size()
                 for key in ("data", "scales", "col_data", "col_scales")
@@ -358,6 +387,10 @@ def main() -> int:
             }
             del x, dst, res, plan, want
             torch.cuda.empty_cache()
+
+    if args.profile:
+        print("all outputs bit-exact" if ok else "SOME OUTPUTS DIFFER FROM THE REFERENCE")
+        return 0 if ok else 1
 
     # ---- phase 2: the reference, compiled once per format (M dynamic), eager if that fails
     ref_text: dict[tuple[str, int, int], str] = {}

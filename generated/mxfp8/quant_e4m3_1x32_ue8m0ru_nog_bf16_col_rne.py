@@ -13,7 +13,7 @@ What it computes (docs/numerics.md sections 1-5, bit for bit; oracle: fp4gen.num
     blocks    1x32 along the quantized direction of each copy
     scales    ue8m0 rounded up
     global    none (S_dec = 1)
-    input     bf16 [M, K], compact row-major, K % 4 == 0, M % 8 == 0
+    input     bf16 [M, K], compact row-major, K % 8 == 0, M % 8 == 0
     columnwise  codes [K, M] (the transpose), scales [K, ceil(M/32)],
                 blocks along M, round nearest
 
@@ -74,7 +74,7 @@ SCALE_TORCH = torch.uint8
 GLOBAL_SCALE = False
 # each copy's S_dec is NaN iff x held a NaN or an Inf (the runtime needs no finite check)
 NONFINITE_TO_NAN_SCALE = True
-K_MULTIPLE = 4  # K must be a multiple of this
+K_MULTIPLE = 8  # K must be a multiple of this
 M_MULTIPLE = 8  # M must be a multiple of this
 
 
@@ -105,14 +105,14 @@ SCALE = scale.ScaleParams(
 )
 TILE = tile.TileParams(
     input_dtype=INPUT_DTYPE,
-    rows=32,  # rows of a thread's strip
-    vec=4,  # columns of a thread's strip (one vector load per row)
+    rows=16,  # rows of a thread's strip
+    vec=8,  # columns of a thread's strip (one vector load per row)
     lanes_k=8,
     lanes_m=4,
     warps_k=2,
     warps_m=2,
     row_lanes=1,  # lanes along K sharing a row block
-    col_lanes=1,  # lanes along M sharing a column block
+    col_lanes=2,  # lanes along M sharing a column block
     grid_2d=False,
     whole_strips=False,  # M % rows == 0 on that grid
     elem_bits=ELEM_BITS,
@@ -149,9 +149,9 @@ QUANT_PARAMS = quantize_tile.TileQuantizeParams(
     col_blocks=1,  # whole column blocks in a thread's strip
     col_warps=1,  # warps along M sharing one (partial amaxes in shared memory)
     row_store_bytes=4,  # store word of a row segment's packed codes
-    row_store_n=1,  # store words per row segment
+    row_store_n=2,  # store words per row segment
     col_store_bytes=4,  # store word of a column strip's packed codes
-    col_store_n=8,  # store words per column strip
+    col_store_n=4,  # store words per column strip
     swar=True,  # codes packed and signed word by word
     partial=False,  # a last code word may hold fewer codes
     transpose=False,  # 2D: the columnwise codes transpose the rowwise words
