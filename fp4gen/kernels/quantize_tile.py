@@ -600,13 +600,21 @@ class TileQuantizeKernel:
         return fn(i0, n, copy.sr_bits, keys, *offs)
 
     # ---- 1D: one column pair and one step of row segments
-    def col_pair(self, at, t, pxs: list, col_out, scales, part, g0, tcol, seen_col, folded):
+    def col_pair(
+        self, at, t, pxs: list, col_out, scales, part, g0, tcol, seen_col, folded, words=None
+    ):
         """The columnwise copy of the cpair columns held by word t of every row (pxs: their
-        values): per column its block amaxes (or the shared-memory partial amaxes), scales and
-        codes. Returns the NaN-propagating max of its block amaxes so far (no global scale)."""
+        values; words: those words, whose packed maxima give bf16 columns' block amaxes):
+        per column its block amaxes (or the shared-memory partial amaxes), scales and codes.
+        Returns the NaN-propagating max of its block amaxes so far (no global scale)."""
         p, sp, strip, col = self.p, self.p.strip, self.strip, self.col
         mQc, mSc, mSwzc = col_out
         bl = sp.rows // p.col_blocks  # rows of one column block held by this thread
+        packed = None
+        if words is not None and sp.input_dtype == "bf16" and not col.rht and p.col_warps == 1:
+            packed = [
+                strip.column_absmaxes(words[g * bl : (g + 1) * bl]) for g in range(p.col_blocks)
+            ]
         for q in range(sp.cpair):
             j = t * sp.cpair + q
             c = at.col0 + j
@@ -626,6 +634,8 @@ class TileQuantizeKernel:
                 else:
                     if col.rht:
                         amax_b = absmax_bf16(xw[g * bl // 2 : (g + 1) * bl // 2])  # exact
+                    elif packed is not None:
+                        amax_b = packed[g][q]
                     else:
                         amax_b = absmax(xc[g * bl : (g + 1) * bl])
                     if not p.global_scale:
@@ -635,6 +645,10 @@ class TileQuantizeKernel:
                 ys += scaled(xc[g * bl : (g + 1) * bl], e_b)
                 b = (at.row0 + g * bl) // p.block
                 ok = Int32(at.col_ok & (at.row0 + g * bl < at.M))
+                if p.col_warps > 1:
+                    # the block's warps hold the same scale: its first warp stores it (the
+                    # others' stores were as many more partial-sector writes to L2)
+                    ok = ok & Int32(at.wm == g0)
                 addr = mSc.iterator.toint() + Int64((c * at.nbm + b) * p.scale_bytes)
                 store_if(addr, strip.scale_bits(code), ok, p.scale_bytes)
                 if col.swizzled:
@@ -746,23 +760,37 @@ class TileQuantizeKernel:
                     Float32, cute.make_layout(sp.warps_m * sp.tile_k), byte_alignment=16
                 )
                 tcol = at.col0 % sp.tile_k
-                for t in cutlass.range(words_n, unroll=1):
-                    pxs = self.strip.first_columns(strip)
+                # unrolled over the words (each column's values are one word per row: no
+                # rotation); bf16 columns' amaxes are packed maxima of those words
+                for t in range_constexpr(words_n):
+                    amaxes = self.strip.column_absmaxes(
+                        [strip[i * words_n + t] for i in range(sp.rows)]
+                    )
                     for q in range_constexpr(sp.cpair):
-                        amax_p = absmax(pxs[q])
+                        amax_p = amaxes[q]
                         if const_expr(not p.global_scale):
                             seen_col = fmax_nan(seen_col, amax_p)  # this thread's part
                         amax_p = butterfly_max(amax_p, sp.col_offsets)
                         part[at.wm * sp.tile_k + tcol + t * sp.cpair + q] = amax_p
-                    strip = self.strip.rotate_words(strip)
                 cute.arch.barrier()
                 g0 = (at.wm // p.col_warps) * p.col_warps
                 # the column loop's blocks read these amaxes: they add nothing to seen_col
                 seen_part, seen_col = seen_col, None
             for t in cutlass.range(words_n, unroll=COL_UNROLL):
                 pxs = self.strip.first_columns(strip)
+                firsts = [strip[i * words_n] for i in range(sp.rows)]
                 seen_col = self.col_pair(
-                    at, t, pxs, (mQc, mSc, mSwzc), scales, part, g0, tcol, seen_col, False
+                    at,
+                    t,
+                    pxs,
+                    (mQc, mSc, mSwzc),
+                    scales,
+                    part,
+                    g0,
+                    tcol,
+                    seen_col,
+                    False,
+                    words=firsts,
                 )
                 strip = self.strip.rotate_words(strip)
                 mSc, mSwzc, mQc = mSc, mSwzc, mQc  # carried through the loop (module docstring)
@@ -793,17 +821,23 @@ class TileQuantizeKernel:
             cute.autovec_copy(frags[i], sX[unit0 + i * units_k, None])
         if fold_ok:
             for t in range_constexpr(sp.words):
-                vals = self.strip.words_f32([strip[i * sp.words + t] for i in range(sp.rows)])
+                ws = [strip[i * sp.words + t] for i in range(sp.rows)]
+                vals = self.strip.words_f32(ws)
                 pxs = [[vals[i * sp.cpair + q] for i in range(sp.rows)] for q in range(sp.cpair)]
-                self.col_pair(at, t, pxs, (mQc, mSc, None), scales, None, None, None, None, True)
+                self.col_pair(
+                    at, t, pxs, (mQc, mSc, None), scales, None, None, None, None, True, words=ws
+                )
             self.staged_rows(at, sX, unit0, mQ, mS, scales, True)
             mSc, mQc, mS, mQ = mSc, mQc, mS, mQ  # carried through the branch (module docstring)
         else:  # amax beyond the fold's range: unfolded, both copies from shared memory (rolled)
             sW = cute.recast_tensor(sX, Uint32)
             for t in cutlass.range(sp.words, unroll=1):
-                vals = self.strip.words_f32([sW[unit0 + i * units_k, t] for i in range(sp.rows)])
+                ws = [sW[unit0 + i * units_k, t] for i in range(sp.rows)]
+                vals = self.strip.words_f32(ws)
                 pxs = [[vals[i * sp.cpair + q] for i in range(sp.rows)] for q in range(sp.cpair)]
-                self.col_pair(at, t, pxs, (mQc, mSc, None), scales, None, None, None, None, False)
+                self.col_pair(
+                    at, t, pxs, (mQc, mSc, None), scales, None, None, None, None, False, words=ws
+                )
                 mSc, mQc = mSc, mQc  # carried through the loop (module docstring)
             self.staged_rows(at, sX, unit0, mQ, mS, scales, False)
             mSc, mQc, mS, mQ = mSc, mQc, mS, mQ  # carried through the branch (module docstring)

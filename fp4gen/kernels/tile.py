@@ -126,15 +126,21 @@ def absmax(xs: list) -> Float32:
     return vals[0]
 
 
-def absmax_bf16(words: list) -> Float32:
-    """max |x| over bf16x2 words: packed HMNMX2 (a balanced tree), then one fp32 max of the
-    halves (exact); NaN if any is NaN."""
+def absmax_bf16_word(words: list) -> Uint32:
+    """The packed |x| maxima of two or more bf16x2 words, half by half (a balanced HMNMX2 tree);
+    NaN where any is NaN."""
     while len(words) > 1:
         nxt = [quant_ptx.bf16x2_absmax(words[i], words[i + 1]) for i in range(0, len(words) - 1, 2)]
         if len(words) % 2:
             nxt.append(words[-1])
         words = nxt
-    h = words[0]
+    return words[0]
+
+
+def absmax_bf16(words: list) -> Float32:
+    """max |x| over bf16x2 words: packed HMNMX2 (a balanced tree), then one fp32 max of the
+    halves (exact); NaN if any is NaN."""
+    h = absmax_bf16_word(words)
     return fmax_nan(
         abs((h << Uint32(16)).bitcast(Float32)), abs((h & Uint32(0xFFFF0000)).bitcast(Float32))
     )
@@ -235,6 +241,23 @@ class TileStrip:
         p = self.p
         vals = self.words_f32([strip[i * p.words] for i in range(p.rows)])
         return [[vals[i * p.cpair + q] for i in range(p.rows)] for q in range(p.cpair)]
+
+    def column_absmaxes(self, words: list) -> list:
+        """max |x| of each of the cpair columns that ``words`` (one 32-bit word per row) hold.
+        bf16: one packed HMNMX2 tree over the words, then each half (exact: the max of bf16
+        values is one of them); other inputs: fp32 values."""
+        p = self.p
+        if p.input_dtype == "bf16":
+            h = words[0]
+            if len(words) > 1:
+                h = absmax_bf16_word(words)
+            return [
+                abs((h << Uint32(16)).bitcast(Float32)),
+                abs((h & Uint32(0xFFFF0000)).bitcast(Float32)),
+            ]
+        vals = self.words_f32(words)
+        n = len(words)
+        return [absmax([vals[i * p.cpair + q] for i in range(n)]) for q in range(p.cpair)]
 
     def rotate_words(self, strip: list) -> list:
         """Every row's words rotated by one: the next cpair columns come first."""
