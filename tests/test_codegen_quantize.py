@@ -306,6 +306,14 @@ def test_tile_mapping() -> None:
     assert (m.rows, m.vec, m.row_lanes, m.m_multiple) == (32, 4, 8, 32)  # 128 values a thread
     m = choose_tile_mapping((1, 8), 2, rowwise=True, columnwise=True)
     assert (m.rows, m.col_blocks, m.row_lanes, m.m_multiple) == (16, 2, 1, 8)
+    # MX's 1x32 without a column RHT, from 16-bit inputs: 16 x 8 strips (whole 16-byte loads), a
+    # column block over 2 lanes; from fp32 32 x 4 (already 16-byte loads)
+    m = choose_tile_mapping((1, 32), 2, rowwise=True, columnwise=True)
+    assert (m.rows, m.vec, m.row_lanes, m.col_lanes, m.col_warps) == (16, 8, 4, 2, 1)
+    m = choose_tile_mapping((1, 32), 2, rowwise=False, columnwise=True)
+    assert (m.rows, m.vec, m.col_lanes, m.col_warps) == (16, 8, 2, 1)
+    m = choose_tile_mapping((1, 32), 4, rowwise=True, columnwise=True)
+    assert (m.rows, m.vec, m.col_lanes) == (32, 4, 1)
     # FP8's 1x128 from bf16: whole 16-byte loads (16 rows x 8 columns), a column block over 2
     # lanes x 4 warps along M; from fp32 the strip stays 32 x 4 (4 values are 16 bytes)
     m = choose_tile_mapping((1, 128), 2, rowwise=True, columnwise=True)

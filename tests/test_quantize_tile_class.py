@@ -223,3 +223,18 @@ def test_launches_match_the_entries(name: str, modules, monkeypatch) -> None:
     if p.sr:
         assert quant["seed_lo"] == 5 and quant["seed_hi"] == 1 << 8
         assert quant["offset0_lo"] == 7 and quant["ctr_lo"] == 0  # an int offset: no counter
+
+
+def test_code_strips_are_stored_as_whole_vectors(modules, tmp_path) -> None:
+    """The FP8 1x128 row + col kernel (a column block across 4 warps) stores each column strip
+    of 16 codes with one 16-byte store and each row segment of 8 codes with one 8-byte store
+    (word by word only where the address is not aligned or the strip reaches past the row's
+    end): each warp store instruction then writes whole 32-byte sectors."""
+    _spec(WARPS)
+    keep = tmp_path / "ptx"
+    modules(WARPS).compile_kernel("quantize", "sm_90a", dump_dir=str(keep))
+    (ptx,) = keep.glob("*.sm_90a.ptx")
+    text = ptx.read_text()
+    assert text.count("st.global.v4.u32") >= 1  # the column strips
+    assert text.count("st.global.v2.u32") >= 1  # the row segments
+    assert "st.global.u32" in text  # the word-by-word fallback and the scales

@@ -331,6 +331,24 @@ def store_if(addr: Int64, value: Uint32, ok: Int32, nbytes: int, *, loc=None, ip
 
 
 @dsl_user_op
+def store_vec_if(addr: Int64, values: list, ok: Int32, *, loc=None, ip=None) -> None:
+    """One st.global.v2 / .v4 of 2 or 4 32-bit values at addr (8- or 16-byte aligned) where
+    ok != 0: a predicated store, no branch."""
+    n = len(values)
+    regs = ", ".join(f"${i + 1}" for i in range(n))
+    inline_asm(
+        None,
+        [ir_arg(addr, Int64, loc, ip)]
+        + [ir_arg(v, Uint32, loc, ip) for v in values]
+        + [ir_arg(ok, Int32, loc, ip)],
+        f"{{\n\t.reg .pred p;\n\tsetp.ne.s32 p, ${n + 1}, 0;\n\t"
+        f"@p st.global.v{n}.u32 [$0], {{{regs}}};\n\t}}",
+        "l," + ",".join(["r"] * (n + 1)),
+        side_effects=True,
+    )
+
+
+@dsl_user_op
 def count_cta(addr: Int64, *, loc=None, ip=None) -> Uint32:
     """atom.add 1 on a global u32 with acquire-release semantics at GPU scope: the old value."""
     return Uint32(

@@ -53,7 +53,7 @@ from cutlass import Float32, Int32, Int64, Uint32, const_expr, range_constexpr
 
 from fp4gen.kernels import encode, philox
 from fp4gen.kernels.encode import ElementEncoder, ElementParams
-from fp4gen.kernels.quant_ptx import add_rn, store_if
+from fp4gen.kernels.quant_ptx import add_rn, store_if, store_vec_if
 from fp4gen.kernels.quantize import tree_sum
 from fp4gen.kernels.scale import (
     NAN_BITS,
@@ -590,8 +590,24 @@ class TileQuantizeKernel:
 
     def store_codes(self, addr, vals: list, ok, word_bytes: int) -> None:
         """A segment's packed codes (to_store's values) as predicated stores from addr."""
-        for w in range(len(vals)):
-            store_if(addr + Int64(w * word_bytes), vals[w], ok, word_bytes)
+        self.store_words(addr, vals, [ok] * len(vals), word_bytes)
+
+    def store_words(self, addr, vals: list, oks: list, word_bytes: int) -> None:
+        """Packed code words from addr, word w where oks[w] (a prefix: the words of a strip
+        that lie before the end of its row). Two or four 32-bit words go as one vector store
+        where all are stored and addr is aligned to their size, else word by word: each
+        store instruction of a warp then writes whole 32-byte sectors (a column strip of 16
+        8-bit codes was four 4-byte stores, each a partial-sector L2 write per lane pair)."""
+        n = len(vals)
+        if word_bytes == 4 and n in (2, 4):
+            aligned = Int32((addr & Int64(4 * n - 1)) == Int64(0))
+            whole = aligned & oks[-1]
+            store_vec_if(addr, vals, whole)
+            for w in range(n):
+                store_if(addr + Int64(4 * w), vals[w], oks[w] & (Int32(1) - whole), 4)
+            return
+        for w in range(n):
+            store_if(addr + Int64(w * word_bytes), vals[w], oks[w], word_bytes)
 
     def random(self, copy: TileCopy, i0, n: int, keys: list, offs):
         """The random fields (or Philox words, ``rand_words``) of copy's n values from flat index
@@ -662,9 +678,11 @@ class TileQuantizeKernel:
             codes = self.encoders["col"].encode_elements(ys, rand, self.hw["col"], **fold)
             vcol = to_store(encode.pack_bits(codes), p.col_store_bytes, p.col_store_n)
             addr = mQc.iterator.toint() + Int64(c * at.pitch_c + at.byte0)
-            for w in range(p.col_store_n):
-                ok = Int32(at.col_ok & (at.byte0 + (w + 1) * p.col_store_bytes <= at.pitch_c))
-                store_if(addr + Int64(w * p.col_store_bytes), vcol[w], ok, p.col_store_bytes)
+            oks = [
+                Int32(at.col_ok & (at.byte0 + (w + 1) * p.col_store_bytes <= at.pitch_c))
+                for w in range(p.col_store_n)
+            ]
+            self.store_words(addr, vcol, oks, p.col_store_bytes)
         return seen_col
 
     def shared_row_calls(self, at, r0) -> list:
