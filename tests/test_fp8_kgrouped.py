@@ -321,7 +321,14 @@ def test_experts_k_grouped_wgrad_is_the_loops_on_the_cpu(monkeypatch, arch, from
     )
     monkeypatch.setattr(grouped, "fp8_grouped_reason", lambda *args: None)
     monkeypatch.setattr(fp8_kgrouped, "_from_flats", [from_flats])
-    launches = []
+    launches, looked = [], []
+    first_group = grouped._first_group
+
+    def recorded_first_group(operands):
+        looked.append((first_group(operands), operands))
+        return looked[-1][0]
+
+    monkeypatch.setattr(grouped, "_first_group", recorded_first_group)
 
     def k_grouped(a, b, *, out_dtype, flats=(None, None), global_scales=(None, None)):
         template_a = flats[0] if from_flats else a[0]
@@ -341,9 +348,17 @@ def test_experts_k_grouped_wgrad_is_the_loops_on_the_cpu(monkeypatch, arch, from
     want = run(loop, hidden, index, weights.to(torch.bfloat16))
     got = run(group, hidden, index, weights.to(torch.bfloat16))
     assert len(launches) == 2  # one K-grouped launch per projection
-    # groups of the wgrad gradient built: the first one (the dispatch's look at the pair) with
-    # the arguments from the flat copies, every one from the groups
-    assert launches == ([1, 1] if from_flats else [4, 4])
+    # groups of the wgrad gradient built: none with the arguments from the flat copies (the
+    # dispatch's look at the pair reads the flat copy and the groups' shapes: _first_group),
+    # every one from the groups
+    assert launches == ([0, 0] if from_flats else [4, 4])
+    # what the dispatch checks (fprop, dgrad, wgrad) read of each side's first group is what
+    # building the group gives
+    assert len(looked) == 12  # 3 GEMMs x 2 sides x 2 projections
+    for first, operands in looked:
+        built = operands[0]
+        assert (first.format, first.rows, first.cols) == (built.format, built.rows, built.cols)
+        assert first.device == built.device
     for a, b in zip(got[:3], want[:3], strict=True):
         assert torch.equal(a, b)
     for name, grad in want[3].items():

@@ -302,6 +302,32 @@ def _shape(operands: Sequence[Any], i: int) -> tuple[int, ...]:
     return tuple(operands[i].shape) if shapes is None else shapes[i]
 
 
+@dataclass(frozen=True)
+class FirstGroup:
+    """What the FP8 dispatch check reads of the first group's operand (``fp8_grouped_reason``),
+    known without building it."""
+
+    format: Any
+    rows: int
+    cols: int
+    device: torch.device
+
+
+def _first_group(operands: Sequence[Any]) -> Any:
+    """The first group's operand for ``fp8_grouped_reason``: where one launch wrote the groups
+    (its whole or flat copy says the format and device) and the sequence knows the group's
+    shape, a ``FirstGroup``, so the check builds no group (which makes the views of every group
+    of that copy: two per group of a columnwise copy); else the group itself."""
+    source = getattr(operands, "whole", None)
+    if source is None:
+        source = getattr(operands, "flat", None)
+    shapes = getattr(operands, "shapes", None)
+    if source is None or shapes is None or shapes[0] is None:
+        return operands[0]
+    rows, cols = shapes[0]
+    return FirstGroup(source.format, rows, cols, source.device)
+
+
 def decode_pair(
     layer: Any,
     gemm: str,
@@ -1139,7 +1165,9 @@ def _fp8_products(
 
     # each side as its sequence: a grouped launch's groups are built only where read
     a, b = pairs.a, pairs.b
-    reason = fp8_grouped_reason(a[0], b[0], max(_shape(a, i)[0] for i in range(len(a))))
+    reason = fp8_grouped_reason(
+        _first_group(a), _first_group(b), max(_shape(a, i)[0] for i in range(len(a)))
+    )
     if reason is None:
         try:
             return grouped_block_scaled(
@@ -1176,7 +1204,8 @@ def _fp8_wgrad(
 
     if k_grouped_fp8_enabled():
         a, b = pairs.a, pairs.b  # a grouped launch's: built only where read
-        reason = fp8_grouped_reason(a[0], b[0], a[0].rows)
+        first_a = _first_group(a)
+        reason = fp8_grouped_reason(first_a, _first_group(b), first_a.rows)
         if reason is None:
             try:
                 return k_grouped_block_scaled(

@@ -544,21 +544,22 @@ def _grouped_kernels(
     fns["quantize"](x, q_row, s_row, q_col, s_col, table, amax, s_dec, philox, n_ctas)
     s_dec = s_dec.view(groups, n_copies)
     scales_per_row = k // block
-    # every group's views of each copy's outputs, and its S_dec: a few calls per copy, made on
-    # the first read of any group's copy
-    views: list[Any] = []
+    # every group's views of a copy's outputs, and its S_dec: a few calls per copy, made on the
+    # first read of one of that copy's groups (a consumer of the rowwise groups makes no views
+    # of the columnwise copy: at 64 unequal groups those are two views per group)
+    views: dict[int, Any] = {}
 
     def make_copy(g: int, i: int) -> Any:
         count, pad = counts[g], pads[g]
         if count == 0:
             return None
-        if not views:
-            views.extend(
-                (group_pieces(*outs["row" if d == "rowwise" else "col"], pads, k, bits, block,
-                              params.two_d, d), s_dec[:, j].unbind(0))
-                for j, (d, _, _) in enumerate(copies)
-            )  # fmt: skip
         direction, rounding, rht = copies[i]
+        if i not in views:
+            views[i] = (
+                group_pieces(*outs["row" if direction == "rowwise" else "col"], pads, k, bits,
+                             block, params.two_d, direction),
+                s_dec[:, i].unbind(0),
+            )  # fmt: skip
         (codes, scales), s_decs = views[i][0][g], views[i][1]
         shape, cols = ((pad, k), k) if direction == "rowwise" else ((k, pad), pad)
         pieces = {"data": codes, "scales": scales, "global_scale": s_decs[g]}
