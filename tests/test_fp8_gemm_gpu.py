@@ -22,6 +22,7 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
+from sm90_fp8 import E4M3, sm90_marks
 
 import fp4gen
 import fp4gen.gemm_dispatch as gd
@@ -35,16 +36,8 @@ from fp4gen.numerics import (
 )
 from fp4gen.runtime import fp8_gemm, quantize_dispatch
 
-pytestmark = [
-    pytest.mark.gpu,
-    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
-    pytest.mark.skipif(
-        torch.cuda.is_available() and torch.cuda.get_device_capability() != (9, 0),
-        reason="cuBLAS 1x128 / 128x128 block scaling runs on sm_90 only",
-    ),
-]
+pytestmark = sm90_marks("cuBLAS 1x128 / 128x128 block scaling runs on sm_90 only")
 
-E4M3 = BUILTIN_FORMATS["mxfp8_e4m3"].element
 E5M2 = BUILTIN_FORMATS["mxfp8_e5m2"].element
 ROW = BlockFormat("fp8_block", E4M3, (1, 128), ScaleSpec(None))
 TILE = ROW.with_block((128, 128))

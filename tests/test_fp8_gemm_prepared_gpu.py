@@ -12,6 +12,7 @@ from unittest import mock
 
 import pytest
 import torch
+from sm90_fp8 import sm90_marks
 
 import fp4gen
 from fp4gen import gemm_dispatch
@@ -21,12 +22,7 @@ from fp4gen.numerics import quantize
 from fp4gen.runtime import fp8_gemm
 
 pytestmark = [
-    pytest.mark.gpu,
-    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
-    pytest.mark.skipif(
-        torch.cuda.is_available() and torch.cuda.get_device_capability() != (9, 0),
-        reason="the block-scaled FP8 GEMMs run on sm_90 only",
-    ),
+    *sm90_marks("the block-scaled FP8 GEMMs run on sm_90 only"),
     # prepared FP8 calls are off by default until this test passes: on for each test here
     pytest.mark.usefixtures("fp8_prepared_on"),
 ]
