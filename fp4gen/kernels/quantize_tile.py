@@ -512,7 +512,7 @@ class TileQuantizeKernel:
                 vals = to_store(col_words[j], p.col_store_bytes, p.col_store_n)
                 addr = mQc.iterator.toint() + Int64(c * at.pitch_c + at.byte0)
                 for w in range(p.col_store_n):
-                    ok = Int32(at.col_ok & (at.byte0 + (w + 1) * p.col_store_bytes <= at.pitch_c))
+                    ok = self.col_store_ok(at, w)
                     store_if(addr + Int64(w * p.col_store_bytes), vals[w], ok, p.col_store_bytes)
                 if self.col.swizzled:
                     addr = mSwzc.iterator.toint() + Int64(
@@ -591,6 +591,12 @@ class TileQuantizeKernel:
     def store_codes(self, addr, vals: list, ok, word_bytes: int) -> None:
         """A segment's packed codes (to_store's values) as predicated stores from addr."""
         self.store_words(addr, vals, [ok] * len(vals), word_bytes)
+
+    def col_store_ok(self, at, w: int) -> Int32:
+        """Whether store word w of a column strip lies before the end of its transposed row
+        (and the strip inside K)."""
+        bytes_w = self.p.col_store_bytes
+        return Int32(at.col_ok & (at.byte0 + (w + 1) * bytes_w <= at.pitch_c))
 
     def store_words(self, addr, vals: list, oks: list, word_bytes: int) -> None:
         """Packed code words from addr, word w where oks[w] (a prefix: the words of a strip
@@ -678,10 +684,7 @@ class TileQuantizeKernel:
             codes = self.encoders["col"].encode_elements(ys, rand, self.hw["col"], **fold)
             vcol = to_store(encode.pack_bits(codes), p.col_store_bytes, p.col_store_n)
             addr = mQc.iterator.toint() + Int64(c * at.pitch_c + at.byte0)
-            oks = [
-                Int32(at.col_ok & (at.byte0 + (w + 1) * p.col_store_bytes <= at.pitch_c))
-                for w in range(p.col_store_n)
-            ]
+            oks = [self.col_store_ok(at, w) for w in range(p.col_store_n)]
             self.store_words(addr, vcol, oks, p.col_store_bytes)
         return seen_col
 
