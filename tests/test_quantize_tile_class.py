@@ -32,6 +32,7 @@ STAGED = "quant_e2m1_1x16_e4m3rn_g_bf16_row_sr8_col_sr8_rht16"
 ROTATED = "mxfp4_colwise_rht32_sr_ocp"
 TILES_2D = "quant_e2m1_16x16_e4m3rn_g_bf16_row_rne_col_rne"
 WARPS = "quant_e4m3_1x128_fp32_nog_bf16_row_rne_col_rne"
+FP8_TILES_2D = "quant_e4m3_128x128_fp32_nog_bf16_row_rne_col_rne"  # the FP8 weight's kernel
 CASES = (STAGED, ROTATED, TILES_2D, WARPS)
 
 
@@ -225,16 +226,29 @@ def test_launches_match_the_entries(name: str, modules, monkeypatch) -> None:
         assert quant["offset0_lo"] == 7 and quant["ctr_lo"] == 0  # an int offset: no counter
 
 
-def test_code_strips_are_stored_as_whole_vectors(modules, tmp_path) -> None:
-    """The FP8 1x128 row + col kernel (a column block across 4 warps) stores each column strip
-    of 16 codes with one 16-byte store and each row segment of 8 codes with one 8-byte store
-    (word by word only where the address is not aligned or the strip reaches past the row's
-    end): each warp store instruction then writes whole 32-byte sectors."""
-    _spec(WARPS)
+@pytest.mark.parametrize(
+    ("name", "col_vector", "row_vector"),
+    [
+        (WARPS, "st.global.v4.u32", "st.global.v2.u32"),
+        (FP8_TILES_2D, "st.global.v4.u32", "st.global.v2.u32"),
+        (TILES_2D, "st.global.v2.u32", None),
+    ],
+)
+def test_code_strips_are_stored_as_whole_vectors(
+    name: str, col_vector: str, row_vector: str | None, modules, tmp_path
+) -> None:
+    """Column strips and row segments of packed codes go as one vector store each (word by word
+    only where the address is not aligned or the strip reaches past the row's end), in the 1D
+    layout (FP8 1x128: a column strip of 16 codes is one 16-byte store, a row segment of 8 one
+    8-byte store) and in the 2D one (FP8 128x128 the same; NVFP4 16x16: a column strip of 16
+    4-bit codes is one 8-byte store): each warp store instruction then writes whole 32-byte
+    sectors, where word stores were partial-sector writes per lane pair."""
+    _spec(name)
     keep = tmp_path / "ptx"
-    modules(WARPS).compile_kernel("quantize", "sm_90a", dump_dir=str(keep))
+    modules(name).compile_kernel("quantize", "sm_90a", dump_dir=str(keep))
     (ptx,) = keep.glob("*.sm_90a.ptx")
     text = ptx.read_text()
-    assert text.count("st.global.v4.u32") >= 1  # the column strips
-    assert text.count("st.global.v2.u32") >= 1  # the row segments
+    assert text.count(col_vector) >= 1  # the column strips
+    if row_vector is not None:
+        assert text.count(row_vector) >= 1  # the row segments
     assert "st.global.u32" in text  # the word-by-word fallback and the scales

@@ -511,9 +511,8 @@ class TileQuantizeKernel:
                 c = at.col0 + j
                 vals = to_store(col_words[j], p.col_store_bytes, p.col_store_n)
                 addr = mQc.iterator.toint() + Int64(c * at.pitch_c + at.byte0)
-                for w in range(p.col_store_n):
-                    ok = self.col_store_ok(at, w)
-                    store_if(addr + Int64(w * p.col_store_bytes), vals[w], ok, p.col_store_bytes)
+                oks = [self.col_store_ok(at, w) for w in range(p.col_store_n)]
+                self.store_words(addr, vals, oks, p.col_store_bytes)
                 if self.col.swizzled:
                     addr = mSwzc.iterator.toint() + Int64(
                         swizzled_offset(c, tile_row, (at.nbm + 3) // 4)
