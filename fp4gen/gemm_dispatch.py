@@ -545,7 +545,7 @@ def _native(call: _GemmCall) -> GemmProduct:
 def _block_scaled(call: _GemmCall) -> GemmProduct:
     from fp4gen.runtime.fp8_gemm import block_scaled_product
 
-    a, b, out_dtype, bias, accumulate, _, auto = call
+    a, b, out_dtype, bias, accumulate, out, auto = call
     return block_scaled_product(
         a,
         b,
@@ -553,6 +553,7 @@ def _block_scaled(call: _GemmCall) -> GemmProduct:
         bias=bias,
         accumulate=accumulate,
         keep=_keep_fp8 if auto else None,
+        out=out,
     )
 
 

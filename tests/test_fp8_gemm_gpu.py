@@ -193,6 +193,43 @@ def test_exact_integer_inputs(m, n, k, b_fmt, out_dtype) -> None:
     )
 
 
+@pytest.mark.parametrize("bias_dtype", [None, torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("m", "n", "k"), [(256, 128, 256), (129, 256, 1024), (7, 144, 384)])
+def test_out_gets_the_product_written_there(m, n, k, out_dtype, bias_dtype) -> None:
+    """``gemm(..., out=t)`` (a layer graph's result tensors): where nothing is left after the
+    product (no fp32 step, M and N unpadded) cuBLASLt writes it into t (one fewer pass over C),
+    else it is copied there; either way t holds the bits of the call without ``out`` (random
+    values: the same op with the same arguments) and is returned."""
+    if bias_dtype == torch.float32 and out_dtype == torch.bfloat16:
+        pytest.skip("an fp32 bias with a bf16 output: the shared epilogue's, covered below")
+    g = torch.Generator().manual_seed(m + n + k)
+    a = quantize_dispatch.quantize(torch.randn(m, k, generator=g).cuda(), ROW)
+    b = quantize_dispatch.quantize((torch.randn(n, k, generator=g) * 0.02).cuda(), TILE)
+    bias = None if bias_dtype is None else torch.randn(n, generator=g).to(bias_dtype).cuda()
+    want = fp4gen.gemm(a, b, bias=bias, out_dtype=out_dtype)
+    out = torch.full((m, n), float("nan"), dtype=out_dtype, device="cuda")
+    got = fp4gen.gemm(a, b, bias=bias, out_dtype=out_dtype, out=out)
+    assert got is out and torch.equal(out, want)
+    direct = fp8_gemm.scaled_mm_out_op() is not None and m % 16 == 0 and n % 16 == 0
+    direct = direct and (bias is None or bias.dtype == out_dtype != torch.float32)
+    seen: list[torch.Tensor] = []
+    real = fp8_gemm.scaled_mm_into
+
+    def spy(ops, epilogue_bias, target):
+        seen.append(target)
+        return real(ops, epilogue_bias, target)
+
+    fp8_gemm.scaled_mm_into = spy
+    try:
+        out.fill_(float("nan"))
+        fp4gen.gemm(a, b, bias=bias, out_dtype=out_dtype, out=out)
+    finally:
+        fp8_gemm.scaled_mm_into = real
+    assert torch.equal(out, want)
+    assert [t is out for t in seen] == ([True] if direct else []), (direct, len(seen))
+
+
 def test_e5m2_takes_the_exact_path() -> None:
     """torch's block-wise scaled_mm refuses e5m2: the pair falls back to the exact dequantized
     GEMM, which equals the block-scaled reference here (integer codes, dyadic scales: both

@@ -14,6 +14,7 @@ import pytest
 import torch
 
 import fp4gen
+from fp4gen import gemm_dispatch
 from fp4gen.compiler import jit
 from fp4gen.formats import BUILTIN_FORMATS, BlockFormat, ScaleSpec
 from fp4gen.numerics import gemm_block_scaled_reference, quantize
@@ -97,6 +98,63 @@ def test_torch_build_is_checked_once() -> None:
         assert find.call_count == 1
 
 
+def stand_in_product(mat_a, mat_b, scale_a, scale_b) -> torch.Tensor:
+    """The block-scaled product of scaled_mm's operands, as cuBLASLt computes it (float64)."""
+    qa = mat_a.float()
+    qb = mat_b.t().float()
+    sa = scale_a[: qa.shape[0]].double().repeat_interleave(128, 1)[:, : qa.shape[1]]
+    sb = scale_b.t()[:, : qa.shape[1] // 128].double()
+    sb = sb.repeat_interleave(128, 0).repeat_interleave(128, 1)[: qb.shape[0], : qa.shape[1]]
+    return (qa.double() * sa) @ (qb.double() * sb).t()
+
+
+def cuda_stood_in(stack: contextlib.ExitStack, scaled_mm) -> None:
+    """The FP8 path on CPU tensors: an sm_90a device, the torch build accepted, ``scaled_mm``
+    in place of F.scaled_mm."""
+    stack.enter_context(mock.patch.dict(jit._archs, {0: "sm_90a"}))
+    stack.enter_context(
+        mock.patch.object(fp8_gemm, "one_cuda_device", lambda a, b, w: torch.device("cpu"))
+    )
+    stack.enter_context(mock.patch.object(fp8_gemm, "torch_reason", lambda: None))
+    stack.enter_context(mock.patch.object(fp8_gemm.F, "scaled_mm", scaled_mm, create=True))
+
+
+@pytest.mark.parametrize("m", [128, 100])  # 100: M padded to 112 for scaled_mm
+def test_out_is_written_by_the_op_where_nothing_follows_the_product(m: int) -> None:
+    """fp4gen.gemm(..., out=t) on the fp8_blockwise pair (CUDA stood in): where the product
+    is the result (no fp32 step after it, M and N unpadded) the op's out variant writes it
+    into t (``scaled_mm_into``: a layer graph then copies nothing), else F.scaled_mm's result
+    is copied into t; t is returned with the bits of the call without ``out``."""
+    g = torch.Generator().manual_seed(m)
+    b = quantize(torch.randn(256, 384, generator=g), TILE)
+    a = quantize(torch.randn(m, 384, generator=g), ROW)
+    for q in (a, b):
+        q.__dict__["device"] = torch.device("cuda", 0)
+    calls: list[str] = []
+
+    def scaled_mm(mat_a, mat_b, scale_a, recipe_a, scale_b, recipe_b, **kwargs):
+        calls.append("functional")
+        return stand_in_product(mat_a, mat_b, scale_a, scale_b).to(kwargs["output_dtype"])
+
+    def out_op(mat_a, mat_b, scales_a, recipes_a, swz_a, scales_b, recipes_b, swz_b, bias,
+               dtype, dims, fast, *, out):  # fmt: skip
+        calls.append("out")
+        assert recipes_a == [fp8_gemm._recipe(ROW).value] and swz_a == swz_b == [] == dims
+        assert recipes_b == [fp8_gemm._recipe(TILE).value] and not fast and dtype == out.dtype
+        return out.copy_(stand_in_product(mat_a, mat_b, scales_a[0], scales_b[0]))
+
+    with contextlib.ExitStack() as stack:
+        cuda_stood_in(stack, scaled_mm)
+        stack.enter_context(mock.patch.object(fp8_gemm, "scaled_mm_out_op", lambda: out_op))
+        # out is a CPU tensor standing in for one on the operands' (stood-in) CUDA device
+        stack.enter_context(mock.patch.object(gemm_dispatch, "check_out", lambda *args: None))
+        want = fp4gen.gemm(a, b, out_dtype=torch.float32, backend="block_scaled")
+        buf = torch.full((m, 256), float("nan"))
+        got = fp4gen.gemm(a, b, out_dtype=torch.float32, backend="block_scaled", out=buf)
+    assert got is buf and torch.equal(buf, want)
+    assert calls == ["functional", "out" if m % 16 == 0 else "functional"]
+
+
 def test_a_call_with_a_known_weight_launches_only_the_a_scale_pass_and_the_gemm() -> None:
     """fp4gen.gemm on the fp8_blockwise pair with CUDA stood in for (CPU tensors, scaled_mm
     replaced by the oracle): the same result as before the caching, and per call after the
@@ -112,22 +170,10 @@ def test_a_call_with_a_known_weight_launches_only_the_a_scale_pass_and_the_gemm(
 
     def scaled_mm(mat_a, mat_b, scale_a, recipe_a, scale_b, recipe_b, **kwargs):
         seen.append((scale_a, scale_b))
-        # the block-scaled product of what it was given, as cuBLASLt computes it
-        qa = mat_a.float()
-        qb = mat_b.t().float()
-        sa = scale_a[: qa.shape[0]].double().repeat_interleave(128, 1)[:, : qa.shape[1]]
-        sb = scale_b.t()[:, : qa.shape[1] // 128].double()
-        sb = sb.repeat_interleave(128, 0).repeat_interleave(128, 1)[: qb.shape[0], : qa.shape[1]]
-        c = (qa.double() * sa) @ (qb.double() * sb).t()
-        return c.to(kwargs["output_dtype"])
+        return stand_in_product(mat_a, mat_b, scale_a, scale_b).to(kwargs["output_dtype"])
 
     with contextlib.ExitStack() as stack:
-        stack.enter_context(mock.patch.dict(jit._archs, {0: "sm_90a"}))
-        stack.enter_context(
-            mock.patch.object(fp8_gemm, "one_cuda_device", lambda a, b, w: torch.device("cpu"))
-        )
-        stack.enter_context(mock.patch.object(fp8_gemm, "torch_reason", lambda: None))
-        stack.enter_context(mock.patch.object(fp8_gemm.F, "scaled_mm", scaled_mm, create=True))
+        cuda_stood_in(stack, scaled_mm)
         first = fp4gen.gemm(acts[0], b, out_dtype=torch.float32, backend="block_scaled")
         with host_keys.OpCount() as counted:
             second = fp4gen.gemm(acts[1], b, out_dtype=torch.float32, backend="block_scaled")

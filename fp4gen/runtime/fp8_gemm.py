@@ -143,6 +143,42 @@ def _find_torch_reason() -> str | None:
     return None
 
 
+def scaled_mm_out_op() -> Any | None:
+    """``aten::_scaled_mm_v2.out`` (the op behind ``F.scaled_mm``, writing into a given tensor)
+    where this torch has it, else None. Found once per process."""
+    if not _scaled_mm_out:
+        op = getattr(torch.ops.aten, "_scaled_mm_v2", None)
+        _scaled_mm_out.append(op.out if op is not None and "out" in op.overloads() else None)
+    return _scaled_mm_out[0]
+
+
+_scaled_mm_out: list[Any] = []
+
+
+def scaled_mm_into(ops: Operands, bias: torch.Tensor | None, out: torch.Tensor) -> torch.Tensor:
+    """``F.scaled_mm`` of ``ops`` (+ the epilogue ``bias``) written into ``out`` (contiguous
+    [M, N] of the output dtype, M and N unpadded): the arguments ``F.scaled_mm`` passes its op,
+    with ``out=``. A caller that hands ``fp4gen.gemm`` an ``out`` (a layer graph's result
+    tensors) then gets the product there, not a copy of it: one fewer pass over C per GEMM."""
+    op = scaled_mm_out_op()
+    assert op is not None
+    return op(
+        ops.mat_a,
+        ops.mat_b,
+        [ops.scale_a],
+        [ops.recipe_a.value],
+        [],
+        [ops.scale_b],
+        [ops.recipe_b.value],
+        [],
+        bias,
+        out.dtype,
+        [],
+        False,
+        out=out,
+    )
+
+
 def describe(a: BlockFormat, b: BlockFormat) -> str:
     """The scaled_mm recipe pair of a supported operand pair, e.g. "BlockWise1x128 x
     BlockWise128x128"."""
@@ -330,6 +366,7 @@ def block_scaled_product(
     bias: torch.Tensor | None = None,
     accumulate: torch.Tensor | None = None,
     keep: Callable[..., None] | None = None,
+    out: torch.Tensor | None = None,
 ) -> GemmProduct:
     """S_dec(a) S_dec(b) sum_b s_a s_b P_b on the FP8 tensor cores, as a GemmProduct: the
     global scales applied where they are folded into the block scales (formats without one),
@@ -341,6 +378,10 @@ def block_scaled_product(
     ``PreparedBlockScaled`` for the calls like this one by a call without ``accumulate`` on
     formats without a global scale (``fp4gen.gemm``'s per-call path,
     ``gemm_dispatch._prepared_fp8``).
+
+    ``out``: where the caller wants C (``fp4gen.gemm``'s ``out``): cuBLASLt writes it there
+    where C needs nothing after it (no fp32 step left, M and N unpadded, this torch has the
+    op's out variant: ``scaled_mm_into``), else the caller copies.
 
     Raises TensorError for operands that cannot be multiplied (shapes, devices, transforms) and
     FP4GenError where this path does not serve them (formats, arch, torch build): the caller's
@@ -376,18 +417,30 @@ def block_scaled_product(
         epilogue_bias = bias if ops.np == ops.n else F.pad(bias, (0, ops.np - ops.n))
     # the output dtype straight from cuBLASLt only where nothing is left to add in fp32
     left = (bias is not None and not fused_bias) or accumulate is not None or global_scales
+    direct = (
+        out is not None
+        and not left
+        and (ops.mp, ops.np) == (ops.m, ops.n)
+        and out.dtype == out_dtype
+        and out.is_contiguous()
+        and scaled_mm_out_op() is not None
+    )
     try:
-        c = F.scaled_mm(
-            ops.mat_a,
-            ops.mat_b,
-            ops.scale_a,
-            ops.recipe_a,
-            ops.scale_b,
-            ops.recipe_b,
-            bias=epilogue_bias,
-            output_dtype=torch.float32 if left else out_dtype,
-            use_fast_accum=False,
-        )
+        if direct:
+            assert out is not None
+            c = scaled_mm_into(ops, epilogue_bias, out)
+        else:
+            c = F.scaled_mm(
+                ops.mat_a,
+                ops.mat_b,
+                ops.scale_a,
+                ops.recipe_a,
+                ops.scale_b,
+                ops.recipe_b,
+                bias=epilogue_bias,
+                output_dtype=torch.float32 if left else out_dtype,
+                use_fast_accum=False,
+            )
     except NotImplementedError as err:  # this GPU / cuBLAS has no such kernel
         raise FP4GenError(
             f"torch.nn.functional.scaled_mm refused the block-scaled GEMM: {err}"
