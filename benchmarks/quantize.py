@@ -188,10 +188,13 @@ def same(a: torch.Tensor, b: torch.Tensor) -> bool:
     return a.shape == b.shape and torch.equal(a, b)
 
 
-def make_x(m: int, k: int) -> torch.Tensor:
-    """The benchmark input: bf16 standard normal, the same for a shape in both phases."""
+INPUT_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+
+
+def make_x(m: int, k: int, dtype: str = "bf16") -> torch.Tensor:
+    """The benchmark input: standard normal of ``dtype``, the same for a shape in both phases."""
     g = torch.Generator(device="cuda").manual_seed(m * 131 + k)
-    return torch.randn(m, k, device="cuda", dtype=torch.bfloat16, generator=g)
+    return torch.randn(m, k, device="cuda", dtype=INPUT_DTYPES[dtype], generator=g)
 
 
 def block_format(label: str) -> BlockFormat:
@@ -200,10 +203,10 @@ def block_format(label: str) -> BlockFormat:
     return fmt if isinstance(fmt, BlockFormat) else BlockFormat(label, *fmt)
 
 
-def make_spec(label: str) -> QuantKernelSpec:
+def make_spec(label: str, dtype: str = "bf16") -> QuantKernelSpec:
     outs = CONFIGS[label][1]
     outputs = tuple(QuantOutput(d, r, h) for d, r, h in outs)  # type: ignore[arg-type]
-    return kernel_spec(block_format(label), "bf16", outputs)
+    return kernel_spec(block_format(label), dtype, outputs)
 
 
 def reference_fn(label: str):
@@ -255,7 +258,14 @@ def main() -> int:
     ap.add_argument(
         "--shapes",
         default="4096x8192,8192x8192,16384x8192",
-        help="MxK bf16 inputs (the targets are for 64 MiB and up: 4096x8192 is 64 MiB)",
+        help="MxK inputs (the targets are for 64 MiB and up: 4096x8192 bf16 is 64 MiB)",
+    )
+    ap.add_argument(
+        "--dtype",
+        choices=sorted(INPUT_DTYPES),
+        default="bf16",
+        help="the inputs' dtype (fp32: a master weight quantized directly, as a model with fp32 "
+        "weights under autocast does)",
     )
     ap.add_argument("--iters", type=int, default=50)
     ap.add_argument(
@@ -314,7 +324,7 @@ def main() -> int:
     # ---- phase 1: the generated kernels (checked bit for bit), copy in the same run
     results: dict[tuple[str, int, int], dict[str, float | bool]] = {}
     for label in labels:
-        spec = make_spec(label)
+        spec = make_spec(label, args.dtype)
         global_scale = spec.global_scale
         t0 = time.perf_counter()
         mod = import_source(render(spec), gen_dir)
@@ -329,7 +339,7 @@ def main() -> int:
         offset = offsets_for(spec)
         drawn = {"signs": signs_of(label)} if signs_of(label) is not None else {}
         for m, k in shapes:
-            x = make_x(m, k)
+            x = make_x(m, k, args.dtype)
             in_bytes = x.numel() * x.element_size()
             dst = torch.empty_like(x)
             t_copy = bench(partial(dst.copy_, x), args.iters)
@@ -404,7 +414,7 @@ def main() -> int:
             if time.perf_counter() - start > args.deadline:
                 ref_text[(label, m, k)] = "reference not timed (deadline)"
                 continue
-            x = make_x(m, k)
+            x = make_x(m, k, args.dtype)
             if kind == "compiled":
                 try:
                     torch._dynamo.mark_dynamic(x, 0)

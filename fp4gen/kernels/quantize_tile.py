@@ -599,17 +599,21 @@ class TileQuantizeKernel:
 
     def store_words(self, addr, vals: list, oks: list, word_bytes: int) -> None:
         """Packed code words from addr, word w where oks[w] (a prefix: the words of a strip
-        that lie before the end of its row). Two or four 32-bit words go as one vector store
-        where all are stored and addr is aligned to their size, else word by word: each
-        store instruction of a warp then writes whole 32-byte sectors (a column strip of 16
-        8-bit codes was four 4-byte stores, each a partial-sector L2 write per lane pair)."""
+        that lie before the end of its row). Two or four 32-bit words, or each four of a
+        multiple of four (a strip of 32 8-bit codes from fp32 inputs), go as one vector store
+        where all are stored and its address is aligned to their size, else word by word:
+        each store instruction of a warp then writes whole 32-byte sectors (a column strip of
+        16 8-bit codes was four 4-byte stores, each a partial-sector L2 write per lane pair)."""
         n = len(vals)
-        if word_bytes == 4 and n in (2, 4):
-            aligned = Int32((addr & Int64(4 * n - 1)) == Int64(0))
-            whole = aligned & oks[-1]
-            store_vec_if(addr, vals, whole)
-            for w in range(n):
-                store_if(addr + Int64(4 * w), vals[w], oks[w] & (Int32(1) - whole), 4)
+        if word_bytes == 4 and (n in (2, 4) or n % 4 == 0):
+            step = n if n in (2, 4) else 4
+            for c0 in range(0, n, step):
+                a = addr if c0 == 0 else addr + Int64(4 * c0)
+                aligned = Int32((a & Int64(4 * step - 1)) == Int64(0))
+                whole = aligned & oks[c0 + step - 1]
+                store_vec_if(a, vals[c0 : c0 + step], whole)
+                for w in range(c0, c0 + step):
+                    store_if(addr + Int64(4 * w), vals[w], oks[w] & (Int32(1) - whole), 4)
             return
         for w in range(n):
             store_if(addr + Int64(w * word_bytes), vals[w], oks[w], word_bytes)
