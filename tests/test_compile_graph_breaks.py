@@ -333,9 +333,11 @@ def test_constant_op_ids_would_compile_every_block() -> None:
 @pytest.mark.parametrize("mode", ["reduce-overhead", "max-autotune"])
 def test_inductor_modes_compile_a_block_and_match_eager(mode: str) -> None:
     """A converted block compiled by inductor with ``mode`` (on the CPU: C++ kernels; no CUDA
-    graphs there) with fullgraph=True: the output equals eager mode's bit for bit (the GEMMs are
-    fp4gen's opaque ops in both), the input gradient within 1e-6 (inductor fuses LayerNorm's
-    and the residual's fp32 backward in another order: measured 4.8e-7 on values of ~1)."""
+    graphs there) with fullgraph=True: the output and the input gradient within 1e-6 of eager
+    mode's (the GEMMs are fp4gen's opaque ops in both; inductor's own fused fp32 LayerNorm and
+    residual, forward and backward, may round in another order: on an AVX-512 host the output
+    differed by one ulp in 991 of 4096 values, 2.4e-7 on values of up to ~4, and was bit for
+    bit eager's with inductor's vectorization off; the gradient 4.8e-7 on values of ~1)."""
     eager, compiled = gpt_block("nvfp4_no_bf16"), gpt_block("nvfp4_no_bf16")
     torch._dynamo.reset()
     run = torch.compile(compiled, mode=mode, fullgraph=True)
@@ -347,7 +349,7 @@ def test_inductor_modes_compile_a_block_and_match_eager(mode: str) -> None:
         y = block(xi)
         y.backward(dy)
         outputs.append((y.detach(), xi.grad))
-    assert torch.equal(outputs[0][0], outputs[1][0])
+    torch.testing.assert_close(outputs[1][0], outputs[0][0], rtol=0, atol=1e-6)
     torch.testing.assert_close(outputs[1][1], outputs[0][1], rtol=0, atol=1e-6)
     for (name, a), b in zip(eager.named_parameters(), compiled.parameters(), strict=True):
         torch.testing.assert_close(b.grad, a.grad, rtol=1e-5, atol=1e-6, msg=name)
