@@ -531,6 +531,7 @@ def _fused(call: _GemmCall) -> GemmProduct:
             bias=call.bias,
             accumulate=call.accumulate,
             keep=_keep_fp8 if call.auto else None,
+            out=call.out,
         )
 
     return _kernel_gemm("cute", fused_product, call, keep=_prepared if call.auto else None)

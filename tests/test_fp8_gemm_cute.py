@@ -109,8 +109,8 @@ def test_auto_takes_the_kernel_where_the_table_says(monkeypatch) -> None:
 def test_backend_cute_routes_fp8_pairs_to_the_fp8_kernel(monkeypatch) -> None:
     seen = {}
 
-    def fake_product(a, b, *, out_dtype, bias, accumulate, keep):
-        seen["args"] = (a, b, out_dtype, bias, accumulate, keep)
+    def fake_product(a, b, *, out_dtype, bias, accumulate, keep, out):
+        seen["args"] = (a, b, out_dtype, bias, accumulate, keep, out)
         return "fp8 product"
 
     monkeypatch.setattr(fp8_gemm, "cute_block_scaled_product", fake_product)
@@ -122,7 +122,10 @@ def test_backend_cute_routes_fp8_pairs_to_the_fp8_kernel(monkeypatch) -> None:
     a, b = Q(ROW), Q(TILE)
     call = gd._GemmCall(a, b, torch.bfloat16, None, None, None, False)
     assert gd._fused(call) == "fp8 product"
-    assert seen["args"] == (a, b, torch.bfloat16, None, None, None)  # not auto: none kept
+    assert seen["args"] == (a, b, torch.bfloat16, None, None, None, None)  # not auto: none kept
+    out = torch.empty(1)
+    assert gd._fused(call._replace(out=out)) == "fp8 product"
+    assert seen["args"][-1] is out  # where the caller wants C
 
 
 # ----------------------------------------------------------------------------------------------
@@ -456,6 +459,42 @@ def test_launch_arguments_of_the_coalesced_variant(fa, fb, monkeypatch) -> None:
         want_b = b.scale_codes if ue8m0 else b.scales
         assert params.b_mn_major and sf_b.shape == (kb, 208)
         assert torch.equal(sf_b[:, :n], want_b.t())
+
+
+@pytest.mark.parametrize(
+    ("out_dtype", "made", "direct"),
+    [
+        (torch.bfloat16, torch.bfloat16, True),  # the kernel writes bf16: into out
+        (torch.float32, torch.float32, True),
+        (torch.float16, torch.float16, False),  # fp32 from the kernel, the epilogue rounds
+        (torch.bfloat16, torch.float32, False),  # an out of another dtype: made, then copied
+    ],
+)
+def test_the_kernel_writes_into_out_where_its_result_is_the_calls(out_dtype, made, direct):
+    """``cute_launch(..., out=t)`` (``fp4gen.gemm``'s ``out``: a layer graph's result tensor)
+    passes t as the kernel's C where the kernel writes the call's result itself (its output
+    dtype, no accumulate), so nothing is copied after it; else C is made as without ``out``."""
+    from fp4gen.numerics import quantize
+
+    g = torch.Generator().manual_seed(2)
+    a = quantize(torch.randn(48, 256, generator=g), ROW)
+    b = quantize(torch.randn(64, 256, generator=g), TILE)
+    _on_cuda0(a, b)
+    out = torch.empty((48, 64), dtype=made)
+    launched: list = []
+    with _cuda_stood_in(launched):
+        _, args, product = fp8_gemm.cute_launch(a, b, out_dtype=out_dtype, out=out)
+        _, acc_args, _ = fp8_gemm.cute_launch(
+            a, b, out_dtype=out_dtype, out=out, accumulate=torch.zeros(48, 64)
+        )
+    assert (args[6] is out) == direct and (product.c is out) == direct
+    assert args[6].shape == (48, 64) and args[6].is_contiguous()
+    assert acc_args[6] is not out  # accumulate: the kernel's own fp32 copy
+    # a contiguous out off the 16-byte alignment the kernel is compiled for: its own C
+    shifted = torch.empty(48 * 64 + 1, dtype=made)[1:].view(48, 64)
+    with _cuda_stood_in(launched):
+        _, args, _ = fp8_gemm.cute_launch(a, b, out_dtype=out_dtype, out=shifted)
+    assert args[6] is not shifted
 
 
 def test_accumulate_is_a_copy_the_kernel_overwrites() -> None:

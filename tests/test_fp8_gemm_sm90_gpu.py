@@ -173,6 +173,23 @@ def test_bias_and_accumulate_exact(out_dtype, overlap) -> None:
     assert torch.equal(acc, keep)  # the accumulator given is not modified
 
 
+@pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float32, torch.float16])
+def test_out_gets_the_kernels_result(out_dtype) -> None:
+    """``gemm(..., backend="cute", out=t)``: the kernel writes a bf16 or fp32 result straight
+    into t (a layer graph's result tensor: no copy after it), fp16 is rounded from its fp32
+    result into t; t is returned, exact, with a bias too."""
+    m, n, k = 130, 272, 640
+    g = torch.Generator().manual_seed(8)
+    a, b = integer_operand(m, k, ROW, g), integer_operand(n, k, TILE, g)
+    bias = torch.randint(-64, 65, (n,), generator=g).to(torch.bfloat16).cuda()
+    ref = gemm_block_scaled_reference(a, b)
+    for with_bias in (None, bias):
+        out = torch.full((m, n), float("nan"), dtype=out_dtype, device="cuda")
+        got = fp4gen.gemm(a, b, backend="cute", out_dtype=out_dtype, bias=with_bias, out=out)
+        want = ref if with_bias is None else ref + bias.float()
+        assert got is out and torch.equal(out, want.to(out_dtype))
+
+
 def test_global_scales_are_applied() -> None:
     """S_dec(A) S_dec(B) as the kernel's alpha (powers of two: still exact), and a NaN S_dec
     (an input with a NaN) makes every output NaN."""

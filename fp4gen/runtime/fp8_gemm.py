@@ -380,8 +380,9 @@ def block_scaled_product(
     ``gemm_dispatch._prepared_fp8``).
 
     ``out``: where the caller wants C (``fp4gen.gemm``'s ``out``): cuBLASLt writes it there
-    where C needs nothing after it (no fp32 step left, M and N unpadded, this torch has the
-    op's out variant: ``scaled_mm_into``), else the caller copies.
+    where C needs nothing after it (no fp32 step left, M and N unpadded, ``out`` 16-byte
+    aligned, this torch has the op's out variant: ``scaled_mm_into``), else the caller
+    copies.
 
     Raises TensorError for operands that cannot be multiplied (shapes, devices, transforms) and
     FP4GenError where this path does not serve them (formats, arch, torch build): the caller's
@@ -423,6 +424,7 @@ def block_scaled_product(
         and (ops.mp, ops.np) == (ops.m, ops.n)
         and out.dtype == out_dtype
         and out.is_contiguous()
+        and out.data_ptr() % 16 == 0  # as scaled_mm's own results are (cuBLASLt's alignment)
         and scaled_mm_out_op() is not None
     )
     try:
@@ -806,6 +808,7 @@ def cute_block_scaled_product(
     bias: torch.Tensor | None = None,
     accumulate: torch.Tensor | None = None,
     keep: Callable[..., None] | None = None,
+    out: torch.Tensor | None = None,
 ) -> GemmProduct:
     """S_dec(a) S_dec(b) sum_b s_a s_b P_b (+ bias) (+ accumulate) with the generated FP8
     kernel (``fp4gen.kernels.gemm_sm90_fp8``), as a GemmProduct: the global scales, the bias
@@ -817,9 +820,14 @@ def cute_block_scaled_product(
     for the calls like this one by a call without ``accumulate`` (``fp4gen.gemm``'s per-call
     path).
 
+    ``out``: where the caller wants C (``fp4gen.gemm``'s ``out``): the kernel writes it there
+    where it writes the result itself (``cute_launch``), else the caller copies.
+
     Raises TensorError for operands that cannot be multiplied and FP4GenError where the kernel
     does not serve them (formats, arch): the caller's cue to take another path."""
-    fn, args, product = cute_launch(a, b, out_dtype=out_dtype, bias=bias, accumulate=accumulate)
+    fn, args, product = cute_launch(
+        a, b, out_dtype=out_dtype, bias=bias, accumulate=accumulate, out=out
+    )
     fn(*args)
     if keep is not None and accumulate is None:
         keep(a, b, out_dtype, bias, PreparedCuteFp8(a, b, out_dtype, fn, args, bias))
@@ -833,13 +841,15 @@ def cute_launch(
     out_dtype: torch.dtype = torch.float32,
     bias: torch.Tensor | None = None,
     accumulate: torch.Tensor | None = None,
+    out: torch.Tensor | None = None,
 ) -> tuple[Any, list, GemmProduct]:
     """``cute_block_scaled_product`` up to the launch: (the compiled kernel, its arguments,
     the product it will have written). The arguments, in the kernel's order: A's codes
     [M, Kp] and scales, B's codes [N, Kp] and scales (Kp = K rounded up to whole K-blocks,
     zero codes appended; uint8, read as FP8), S_a and S_b as fp32 [1], C [M, N] (an fp32
-    copy of ``accumulate`` when given), the bias as fp32 [N] when given, the GPU's SM count
-    (the persistent grid)."""
+    copy of ``accumulate`` when given; else ``out`` where it is a contiguous, 16-byte aligned
+    [M, N] tensor of the dtype the kernel writes, the result itself), the bias as fp32 [N]
+    when given, the GPU's SM count (the persistent grid)."""
     require_quantized(a, b)
     check_pair(a, b)
     dev = one_cuda_device(a, b, "generated FP8 GEMM")
@@ -875,6 +885,14 @@ def cute_launch(
         c = accumulate.detach().to(
             device=dev, dtype=torch.float32, memory_format=torch.contiguous_format, copy=True
         )
+    elif (
+        out is not None
+        and out.dtype == plan.kernel_out == out_dtype
+        and out.shape == (m, n)
+        and out.is_contiguous()
+        and out.data_ptr() % 16 == 0  # the kernel is compiled for 16-byte aligned tensors
+    ):
+        c = out  # the kernel's result is the call's: written where the caller wants it
     else:
         c = torch.empty((m, n), dtype=plan.kernel_out, device=dev)
     args.append(c)
