@@ -89,7 +89,7 @@ import sys
 import time
 import traceback
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -111,6 +111,22 @@ WARMUP_STEPS = 5
 WALL_STEPS = 3  # eager steps timed back to back for the wall us per Linear
 HOST_STEPS = 5  # steps on one sequence timed for the host and call us per Linear
 PROFILED_STEPS = 3  # steps whose kernels and op ranges torch.profiler sums (after one discarded)
+# what a GPU kernel is, by its name (lowercased): the first kind one of whose words it holds.
+# Attention comes before the GEMMs (cuDNN's flash kernels name their wgmma); fp4gen's generated
+# kernels are named by their class (QuantizeKernel, AmaxKernel, the MoR kernels' Measure /
+# Decide / Emit / Scales / Tile kernels, DequantKernel, GemmSm90*Kernel)
+QUANTIZE_KERNELS = tuple(
+    f"{w}kernel" for w in ("quantize", "amax", "measure", "decide", "emit", "scales", "tile")
+)
+KERNEL_KINDS: tuple[tuple[str, tuple[str, ...]], ...] = (
+    ("attention", ("flash", "fmha", "sdpa", "attention")),
+    ("quantize", QUANTIZE_KERNELS),
+    ("decode", ("dequant", "decode")),
+    ("gemm", ("gemm", "nvjet", "xmma")),
+    ("fp4gen other", ("fp4gen",)),
+    ("optimizer", ("multi_tensor_apply",)),
+    ("copies", ("memcpy", "copy_kernel", "catarray")),
+)
 
 
 @dataclass
@@ -126,6 +142,26 @@ class Result:
     peak_gib: float
     graph_calls: float = 0.0  # per timed step: layer calls served by a layer graph
     in_place: float = 0.0  # of those, replays of graphs that read and write in place
+    gpu_kinds: dict[str, float] = field(default_factory=dict)  # GPU ms per step by kernel kind
+
+
+def kernel_kind(name: str) -> str:
+    """The kind of a GPU kernel (``KERNEL_KINDS``), "other" for the rest (elementwise ops,
+    norms, reductions, the loss)."""
+    low = name.lower()
+    for kind, words in KERNEL_KINDS:
+        if any(w in low for w in words):
+            return kind
+    return "other"
+
+
+def kinds_line(kinds: dict[str, float], base: dict[str, float]) -> str:
+    """GPU ms per step by kernel kind, largest first, BF16's beside where it has the kind."""
+    shown = []
+    for kind, ms in sorted(kinds.items(), key=lambda kv: -kv[1]):
+        was = base.get(kind)
+        shown.append(f"{kind} {ms:.2f}" + ("" if was is None or base is kinds else f" ({was:.2f})"))
+    return ", ".join(shown)
 
 
 def build_model(kind: str, hidden: int, layers: int, seq: int, device: str) -> nn.Module:
@@ -367,13 +403,15 @@ def host_us(
     return spent[0] / 1e3 / calls, spent[1] / 1e3 / calls
 
 
-def profile_step(model: nn.Module, step: Callable[[], object]) -> tuple[float, float | None]:
-    """(GPU-busy ms per step, profiled us per fp4gen Linear forward+backward or None) over
-    ``PROFILED_STEPS`` steps after one the profiler runs but discards (its first step pays for
-    the profiler's own start: CUPTI's instrumentation of launches it meets first). The
-    second figure is the CPU time of the ranges of fp4gen's ops (a Linear's, and a layer
-    group's for its members) over the Linear forwards they served, the profiler's own work
-    on every op and launch inside them included."""
+def profile_step(
+    model: nn.Module, step: Callable[[], object]
+) -> tuple[float, float | None, dict[str, float]]:
+    """(GPU-busy ms per step, profiled us per fp4gen Linear forward+backward or None, GPU ms
+    per step by kernel kind) over ``PROFILED_STEPS`` steps after one the profiler runs but
+    discards (its first step pays for the profiler's own start: CUPTI's instrumentation of
+    launches it meets first). The second figure is the CPU time of the ranges of fp4gen's
+    ops (a Linear's, and a layer group's for its members) over the Linear forwards they
+    served, the profiler's own work on every op and launch inside them included."""
     from torch.profiler import ProfilerActivity, profile, schedule
 
     gpu_us = cpu_us = 0.0
@@ -388,15 +426,17 @@ def profile_step(model: nn.Module, step: Callable[[], object]) -> tuple[float, f
                 forwards += linear_forwards(model) - before
             prof.step()
     events = prof.events()
-    gpu_us = sum(  # kernels only: a named range (record_function) spans kernels on the GPU too
-        e.device_time
-        for e in events
-        if e.device_type == torch.autograd.DeviceType.CUDA
-        and not getattr(e, "is_user_annotation", False)
-    )
+    kinds: dict[str, float] = {}
+    for e in events:  # kernels only: a named range (record_function) spans kernels too
+        if e.device_type == torch.autograd.DeviceType.CUDA and not getattr(
+            e, "is_user_annotation", False
+        ):
+            kind = kernel_kind(e.name)
+            kinds[kind] = kinds.get(kind, 0.0) + e.device_time / 1e3 / PROFILED_STEPS
+    gpu_us = sum(kinds.values()) * 1e3 * PROFILED_STEPS
     ranges = [e for e in events if e.name.startswith(("fp4gen::linear_", "fp4gen::group_"))]
     cpu_us = sum(e.cpu_time_total for e in ranges)
-    return gpu_us / 1e3 / PROFILED_STEPS, (cpu_us / forwards if forwards else None)
+    return gpu_us / 1e3 / PROFILED_STEPS, (cpu_us / forwards if forwards else None), kinds
 
 
 def run_one(
@@ -424,7 +464,7 @@ def run_one(
     ms = timed_ms(step, args.steps)
     replays = [(b - a) / args.steps for a, b in zip(before, graph_counts(model), strict=True)]
     peak = torch.cuda.max_memory_allocated() / 2**30
-    busy, prof = profile_step(model, step)
+    busy, prof, kinds = profile_step(model, step)
     wall = wall_us_per_linear(model, step, WALL_STEPS) if recipe != "bf16" else None
     host, call = host_us(model, loss_fn(args.model), tokens) if recipe != "bf16" else (None, None)
     if args.host_profile and recipe != "bf16":
@@ -435,7 +475,7 @@ def run_one(
     del model, step
     gc.collect()  # modules in reference cycles: freed now, not in a later run's peak or step
     torch.cuda.empty_cache()
-    return Result(ms, ms_graph, note, busy, wall, host, call, prof, peak, *replays)
+    return Result(ms, ms_graph, note, busy, wall, host, call, prof, peak, *replays, kinds)
 
 
 def loss_curve(
@@ -852,6 +892,8 @@ def run_round(
             f"{res.peak_gib:9.2f} {ratio(res.peak_gib, base.peak_gib):>7}   "
             f"({time.perf_counter() - t0:.0f} s)"
         )
+        if res.gpu_kinds:
+            print(f"    GPU ms by kind: {kinds_line(res.gpu_kinds, base.gpu_kinds)}")
         if res.graph_calls:
             print(
                 f"    layer graphs: {res.graph_calls:.0f} layer calls per step from a graph, "

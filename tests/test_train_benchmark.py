@@ -169,3 +169,44 @@ def test_rounds_summarize_each_ratio_against_its_own_rounds_bf16(capsys) -> None
     assert "graph x bf16 1.20x (1.20x-1.20x)" in out and "host us/lin 150 us (140 us-250 us)" in out
     assert "bf16  " not in out.split("over 3 rounds")[1]  # the base has no row of its own
     assert train.spread([2.0, 1.0]) == "1.50x (1.00x-2.00x)" and train.spread([]) == "-"
+
+
+@pytest.mark.parametrize(
+    ("name", "kind"),
+    [  # kernel names from torch.profiler on an H200 (a Llama step, fp8_blockwise / nvfp4_small)
+        ("nvjet_sm90_qqtst_128x128_128x6_2x1_v_bz_coopA_algo2_Ablk128_Bvec128_TNN", "gemm"),
+        ("nvjet_sm90_tst_256x128_64x4_1x2_h_bz_coopA_NNT", "gemm"),
+        (
+            "cudnn_generated_fort_native_sdpa_sm90_flash_bprop_wgmma_f16_knob_26_64x64x128",
+            "attention",
+        ),
+        (
+            "kernel_cutlass_kernel_fp4gen_generated_dbab02dc4f2cab35QuantizeKernel_object_at_",
+            "quantize",
+        ),
+        ("kernel_cutlass_kernel_fp4gen_generated_0123AmaxKernel_object_at_", "quantize"),
+        ("kernel_cutlass_kernel_fp4gen_generated_0123DequantKernel_object_at_", "decode"),
+        ("kernel_cutlass_kernel_fp4gen_generated_0123GemmSm90Kernel_object_at_", "gemm"),
+        (
+            "void at::native::(anonymous namespace)::multi_tensor_apply_kernel<at::native::",
+            "optimizer",
+        ),
+        ("Memcpy DtoD (Device -> Device)", "copies"),
+        ("kernel_cutlass_kernel_fp4gen_generated_0123MoRDecideKernel_object_at_", "quantize"),
+        ("void at::native::memory_efficient_kernel", "other"),
+        ("kernel_cutlass_kernel_fp4gen_generated_0123TableKernel_object_at_", "fp4gen other"),
+        (
+            "void at::native::vectorized_elementwise_kernel<4, at::native::CUDAFunctor_add<float>",
+            "other",
+        ),
+    ],
+)
+def test_kernels_are_sorted_into_kinds_by_name(name: str, kind: str) -> None:
+    assert train.kernel_kind(name) == kind
+
+
+def test_the_kinds_line_puts_bf16s_figure_beside_each_kind() -> None:
+    bf16 = {"gemm": 25.0, "other": 20.5}
+    fp8 = {"gemm": 16.8, "quantize": 4.0, "other": 19.5}
+    assert train.kinds_line(fp8, bf16) == "other 19.50 (20.50), gemm 16.80 (25.00), quantize 4.00"
+    assert train.kinds_line(bf16, bf16) == "gemm 25.00, other 20.50"
