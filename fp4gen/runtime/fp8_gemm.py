@@ -143,6 +143,20 @@ def _find_torch_reason() -> str | None:
     return None
 
 
+def takes_result(out: torch.Tensor | None, dtype: torch.dtype, m: int, n: int) -> bool:
+    """Whether a GEMM may write its [m, n] result of ``dtype`` straight into ``out``
+    (``fp4gen.gemm``'s ``out``): contiguous, of that dtype and shape, 16-byte aligned (as the
+    GEMMs' own results are: the generated kernel is compiled for 16-byte aligned tensors, and
+    cuBLASLt's algorithms want it)."""
+    return (
+        out is not None
+        and out.dtype == dtype
+        and out.shape == (m, n)
+        and out.is_contiguous()
+        and out.data_ptr() % 16 == 0
+    )
+
+
 def scaled_mm_out_op() -> Any | None:
     """``aten::_scaled_mm_v2.out`` (the op behind ``F.scaled_mm``, writing into a given tensor)
     where this torch has it, else None. Found once per process."""
@@ -419,12 +433,9 @@ def block_scaled_product(
     # the output dtype straight from cuBLASLt only where nothing is left to add in fp32
     left = (bias is not None and not fused_bias) or accumulate is not None or global_scales
     direct = (
-        out is not None
-        and not left
+        not left
         and (ops.mp, ops.np) == (ops.m, ops.n)
-        and out.dtype == out_dtype
-        and out.is_contiguous()
-        and out.data_ptr() % 16 == 0  # as scaled_mm's own results are (cuBLASLt's alignment)
+        and takes_result(out, out_dtype, ops.m, ops.n)
         and scaled_mm_out_op() is not None
     )
     try:
@@ -885,13 +896,7 @@ def cute_launch(
         c = accumulate.detach().to(
             device=dev, dtype=torch.float32, memory_format=torch.contiguous_format, copy=True
         )
-    elif (
-        out is not None
-        and out.dtype == plan.kernel_out == out_dtype
-        and out.shape == (m, n)
-        and out.is_contiguous()
-        and out.data_ptr() % 16 == 0  # the kernel is compiled for 16-byte aligned tensors
-    ):
+    elif plan.kernel_out == out_dtype and takes_result(out, out_dtype, m, n):
         c = out  # the kernel's result is the call's: written where the caller wants it
     else:
         c = torch.empty((m, n), dtype=plan.kernel_out, device=dev)
