@@ -143,6 +143,8 @@ class Result:
     graph_calls: float = 0.0  # per timed step: layer calls served by a layer graph
     in_place: float = 0.0  # of those, replays of graphs that read and write in place
     gpu_kinds: dict[str, float] = field(default_factory=dict)  # GPU ms per step by kernel kind
+    # per kernel name: (GPU ms per step, launches per step), for --kernels
+    gpu_kernels: dict[str, tuple[float, float]] = field(default_factory=dict)
 
 
 def kernel_kind(name: str) -> str:
@@ -405,13 +407,14 @@ def host_us(
 
 def profile_step(
     model: nn.Module, step: Callable[[], object]
-) -> tuple[float, float | None, dict[str, float]]:
+) -> tuple[float, float | None, dict[str, float], dict[str, tuple[float, float]]]:
     """(GPU-busy ms per step, profiled us per fp4gen Linear forward+backward or None, GPU ms
-    per step by kernel kind) over ``PROFILED_STEPS`` steps after one the profiler runs but
-    discards (its first step pays for the profiler's own start: CUPTI's instrumentation of
-    launches it meets first). The second figure is the CPU time of the ranges of fp4gen's
-    ops (a Linear's, and a layer group's for its members) over the Linear forwards they
-    served, the profiler's own work on every op and launch inside them included."""
+    per step by kernel kind, (GPU ms, launches) per step by kernel name) over
+    ``PROFILED_STEPS`` steps after one the profiler runs but discards (its first step pays
+    for the profiler's own start: CUPTI's instrumentation of launches it meets first). The
+    second figure is the CPU time of the ranges of fp4gen's ops (a Linear's, and a layer
+    group's for its members) over the Linear forwards they served, the profiler's own work on
+    every op and launch inside them included."""
     from torch.profiler import ProfilerActivity, profile, schedule
 
     cpu_us = 0.0
@@ -427,15 +430,27 @@ def profile_step(
             prof.step()
     events = prof.events()
     kinds: dict[str, float] = {}
+    kernels: dict[str, tuple[float, float]] = {}
     for e in events:  # kernels only: a named range (record_function) spans kernels too
         if e.device_type == torch.autograd.DeviceType.CUDA and not getattr(
             e, "is_user_annotation", False
         ):
+            ms = e.device_time / 1e3 / PROFILED_STEPS
             kind = kernel_kind(e.name)
-            kinds[kind] = kinds.get(kind, 0.0) + e.device_time / 1e3 / PROFILED_STEPS
+            kinds[kind] = kinds.get(kind, 0.0) + ms
+            was_ms, was_n = kernels.get(e.name, (0.0, 0.0))
+            kernels[e.name] = (was_ms + ms, was_n + 1 / PROFILED_STEPS)
     ranges = [e for e in events if e.name.startswith(("fp4gen::linear_", "fp4gen::group_"))]
     cpu_us = sum(e.cpu_time_total for e in ranges)
-    return sum(kinds.values()), (cpu_us / forwards if forwards else None), kinds
+    return sum(kinds.values()), (cpu_us / forwards if forwards else None), kinds, kernels
+
+
+def kernel_lines(kernels: dict[str, tuple[float, float]], top: int, width: int = 90) -> list[str]:
+    """The ``top`` kernels by GPU time per step: ms, launches, kind and the name's start."""
+    ranked = sorted(kernels.items(), key=lambda kv: -kv[1][0])[:top]
+    return [
+        f"{ms:8.3f} ms {n:5.0f}x  {kernel_kind(name):12} {name[:width]}" for name, (ms, n) in ranked
+    ]
 
 
 def run_one(
@@ -463,7 +478,7 @@ def run_one(
     ms = timed_ms(step, args.steps)
     replays = [(b - a) / args.steps for a, b in zip(before, graph_counts(model), strict=True)]
     peak = torch.cuda.max_memory_allocated() / 2**30
-    busy, prof, kinds = profile_step(model, step)
+    busy, prof, kinds, kernels = profile_step(model, step)
     wall = wall_us_per_linear(model, step, WALL_STEPS) if recipe != "bf16" else None
     host, call = host_us(model, loss_fn(args.model), tokens) if recipe != "bf16" else (None, None)
     if args.host_profile and recipe != "bf16":
@@ -474,7 +489,7 @@ def run_one(
     del model, step
     gc.collect()  # modules in reference cycles: freed now, not in a later run's peak or step
     torch.cuda.empty_cache()
-    return Result(ms, ms_graph, note, busy, wall, host, call, prof, peak, *replays, kinds)
+    return Result(ms, ms_graph, note, busy, wall, host, call, prof, peak, *replays, kinds, kernels)
 
 
 def loss_curve(
@@ -893,6 +908,8 @@ def run_round(
         )
         if res.gpu_kinds:
             print(f"    GPU ms by kind: {kinds_line(res.gpu_kinds, base.gpu_kinds)}")
+        for line in kernel_lines(res.gpu_kernels, args.kernels):
+            print(f"      {line}")
         if res.graph_calls:
             print(
                 f"    layer graphs: {res.graph_calls:.0f} layer calls per step from a graph, "
@@ -958,6 +975,14 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--model", choices=["llama", "gpt"], default=None)
     parser.add_argument("--host-profile", type=int, default=0, metavar="N")
+    parser.add_argument(
+        "--kernels",
+        type=int,
+        default=0,
+        metavar="N",
+        help="under each row, its N kernels with the most GPU time per step (ms, launches, "
+        "kind, name)",
+    )
     parser.add_argument(
         "--layer-graph-flops",
         default="",

@@ -210,3 +210,17 @@ def test_the_kinds_line_puts_bf16s_figure_beside_each_kind() -> None:
     fp8 = {"gemm": 16.8, "quantize": 4.0, "other": 19.5}
     assert train.kinds_line(fp8, bf16) == "other 19.50 (20.50), gemm 16.80 (25.00), quantize 4.00"
     assert train.kinds_line(bf16, bf16) == "gemm 25.00, other 20.50"
+
+
+def test_the_kernel_lines_rank_kernels_by_time_and_name_their_kind() -> None:
+    kernels = {
+        "void at::native::elementwise_kernel<copy>": (0.5, 12.0),
+        "nvjet_tst_128x256_64x4_2x1_v_bz_coopA_TNT": (6.25, 4.0),
+        "kernel_cutlass_kernel_fp4gen_generated_quantize_rows": (1.0, 8.0),
+    }
+    lines = train.kernel_lines(kernels, 2, width=20)
+    assert lines == [
+        "   6.250 ms     4x  gemm         nvjet_tst_128x256_64",
+        "   1.000 ms     8x  fp4gen other kernel_cutlass_kerne",
+    ]
+    assert train.kernel_lines(kernels, 0) == []
