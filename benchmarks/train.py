@@ -622,6 +622,8 @@ class CompiledResult:
     note: str = ""
     gpu_busy_ms: float | None = None
     host: HostBreakdown | None = None
+    gpu_kinds: dict[str, float] = field(default_factory=dict)  # as Result's
+    gpu_kernels: dict[str, tuple[float, float]] = field(default_factory=dict)
 
 
 # what the host does in fp4gen's ops under torch.compile (the ops' bodies: the custom ops call
@@ -768,6 +770,8 @@ def run_compiled(
     ms: float | None = None
     busy: float | None = None
     host: HostBreakdown | None = None
+    kinds: dict[str, float] = {}
+    kernels: dict[str, tuple[float, float]] = {}
     note = ""
     try:
         compiled = compile_model(model, scope, mode, args.compile_backend)
@@ -789,7 +793,7 @@ def run_compiled(
         ms = timed_ms(step, args.steps, device)
         captures = (graph_stats(model)[2] - captures) / args.steps
         if device == "cuda":
-            busy = profile_step(model, step)[0]
+            busy, _, kinds, kernels = profile_step(model, step)
         # a step that records its phases has an AdamW of its own: stepped once before it is
         # timed (a first step allocates the optimizer's state)
         timed = make_step(compiled, loss_fn(args.model), tokens, False, graphs_on, model, phases)
@@ -812,6 +816,8 @@ def run_compiled(
         note,
         busy,
         host,
+        kinds,
+        kernels,
     )
     del model
     gc.collect()
@@ -868,6 +874,11 @@ def run_compiled_table(
                 )
                 if res.host is not None:
                     print(f"    {res.host.line()}")
+                if res.gpu_kinds:
+                    print(f"    GPU ms by kind: {kinds_line(res.gpu_kinds, base.gpu_kinds)}")
+                top, width = getattr(args, "kernels", 0), getattr(args, "kernel_width", 90)
+                for line in kernel_lines(res.gpu_kernels, top, width):
+                    print(f"      {line}")
                 if res.note:
                     print(f"    {res.note}")
     return results
@@ -908,7 +919,7 @@ def run_round(
         )
         if res.gpu_kinds:
             print(f"    GPU ms by kind: {kinds_line(res.gpu_kinds, base.gpu_kinds)}")
-        for line in kernel_lines(res.gpu_kernels, args.kernels):
+        for line in kernel_lines(res.gpu_kernels, args.kernels, args.kernel_width):
             print(f"      {line}")
         if res.graph_calls:
             print(
@@ -982,6 +993,13 @@ def main(argv: list[str] | None = None) -> int:
         metavar="N",
         help="under each row, its N kernels with the most GPU time per step (ms, launches, "
         "kind, name)",
+    )
+    parser.add_argument(
+        "--kernel-width",
+        type=int,
+        default=90,
+        metavar="C",
+        help="characters of each kernel's name that --kernels prints",
     )
     parser.add_argument(
         "--layer-graph-flops",
