@@ -64,3 +64,49 @@ def test_staging_slices_are_reused_only_after_their_copies_ran() -> None:
             want.append(values.tolist())
     torch.cuda.synchronize()
     assert [t.cpu().tolist() for _, t in got] == want
+
+
+def test_a_large_table_grows_the_staging_buffer_to_a_power_of_two() -> None:
+    from fp4gen.runtime import host_tables
+
+    mib = 1 << 20
+    assert host_tables.staging_bytes(1000, mib) == mib  # fits in a half
+    assert host_tables.staging_bytes(mib // 2, mib) == mib
+    # an MoE layer's CTA table (32768 CTAs x 6 int32 words): two of them, rounded up
+    assert host_tables.staging_bytes(32768 * 6 * 4, mib) == 2 * mib
+    assert host_tables.staging_bytes(3 * mib, mib) == 8 * mib
+    assert host_tables.staging_bytes(mib // 2 + 1, 4 * mib) == 4 * mib
+    limit = host_tables._MAX_STAGING_BYTES
+    assert host_tables.staging_bytes(limit // 2, mib) == limit
+    assert host_tables.staging_bytes(limit // 2 + 1, mib) == 0  # pinned on its own
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_tables_larger_than_the_staging_half_grow_it_and_do_not_wait() -> None:
+    """A table of several MiB behind queued work: the device's buffer grows instead of a
+    pinned allocation of its own (which synchronizes nothing either, but costs the host a
+    millisecond), and earlier, smaller tables still arrive intact."""
+    import numpy as np
+
+    from fp4gen.runtime import host_tables
+
+    busy = torch.randn(4096, 4096, device="cuda")
+    torch.cuda.synchronize()
+    previous = torch.cuda.get_sync_debug_mode()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for _ in range(4):
+            busy = busy @ busy
+            busy = busy / busy.abs().amax().clamp_min(1.0)
+        small = host_table(list(range(1000)), torch.int32, "cuda")
+        big_values = np.arange(3 * (1 << 20) // 4, dtype=np.int32)  # 3 MiB
+        big = host_table(torch.from_numpy(big_values), torch.int32, "cuda")
+        again = host_table(list(range(7)), torch.int32, "cuda")
+    finally:
+        torch.cuda.set_sync_debug_mode(previous)
+    staging = host_tables._staging[torch.cuda.current_device()]
+    assert staging.size >= 6 << 20
+    assert small.cpu().tolist() == list(range(1000))
+    assert torch.equal(big.cpu(), torch.from_numpy(big_values))
+    assert again.cpu().tolist() == list(range(7))

@@ -15,6 +15,12 @@ used in two halves, and before the writes move into a half, the events recorded 
 was last left (one per stream that copied from it) are waited for. The GPU is then a whole
 half-buffer of tables behind at most, so in practice that wait is over at once.
 
+A table larger than half the buffer grows the device's buffer (to the next power of two that
+holds two such tables, at most ``_MAX_STAGING_BYTES``): an MoE layer's CTA tables reach
+hundreds of KiB (64 experts, top-8, 8192 tokens: 786 KiB), and a pinned allocation of their own
+took about 1.4 ms of host time each on the GPU machine. The old buffer is dropped: torch's
+pinned-memory allocator keeps it until the copies queued from it have run.
+
 While the current stream is being captured into a CUDA graph the copy stays the plain one: a
 captured copy would read the staging slice again at every replay, after it has been reused.
 """
@@ -83,17 +89,36 @@ class _Staging:
         self.half, self.pos = half, half * (self.size // 2)
 
 
-_STAGING_BYTES = 1 << 20  # per device: a half holds some thousands of tables
+_STAGING_BYTES = 1 << 20  # per device at first: a half holds some thousands of small tables
+_MAX_STAGING_BYTES = 1 << 26  # the most a device's buffer grows to (larger tables: pinned alone)
 _staging: dict[int, _Staging] = {}
 _staging_lock = threading.Lock()
 
 
-def _staging_of(device: torch.device) -> _Staging:
+def staging_bytes(nbytes: int, current: int) -> int:
+    """The size of a staging buffer whose half holds a table of ``nbytes``: ``current``
+    where it does, else the next power of two of twice the table (at least twice
+    ``current``); above ``_MAX_STAGING_BYTES`` none (0)."""
+    if nbytes <= current // 2:
+        return current
+    size = max(2 * current, 1 << (2 * nbytes - 1).bit_length())
+    return size if size <= _MAX_STAGING_BYTES else 0
+
+
+def _staging_of(device: torch.device, nbytes: int) -> _Staging | None:
+    """The device's staging buffer, grown where a table of ``nbytes`` does not fit in its
+    half; None where no buffer may be that large."""
     index = device.index if device.index is not None else torch.cuda.current_device()
     staging = _staging.get(index)
-    if staging is None:
-        with _staging_lock:
-            staging = _staging.setdefault(index, _Staging(_STAGING_BYTES))
+    if staging is not None and nbytes <= staging.size // 2:
+        return staging
+    with _staging_lock:
+        staging = _staging.get(index)
+        size = staging_bytes(nbytes, _STAGING_BYTES if staging is None else staging.size)
+        if not size:
+            return None
+        if staging is None or staging.size != size:
+            staging = _staging[index] = _Staging(size)
     return staging
 
 
@@ -116,8 +141,9 @@ def host_table(
             array = np.asarray(values, dtype=_NUMPY.get(host_dtype or dtype))
         # numpy's cast wraps as torch's does (an int64 word above 2**31 keeps its bit pattern)
         array = np.ascontiguousarray(array.astype(_NUMPY[dtype], copy=False))
-        if array.nbytes and array.nbytes <= _STAGING_BYTES // 2:
-            return _staging_of(device).copy(array, dtype, device)
+        staging = _staging_of(device, array.nbytes) if array.nbytes else None
+        if staging is not None:
+            return staging.copy(array, dtype, device)
     if isinstance(values, torch.Tensor):
         host = values.to(host_dtype or dtype)
     else:
