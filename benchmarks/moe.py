@@ -41,7 +41,9 @@ ran (grouped, or per expert and why: ``GroupedExperts.loop_reason``).
                              [--grouped-product bf16|fp32] [--quantize-per-expert]
                              [--fp8-per-expert]
 
-``--profile N`` prints under each row one more step profiled: its wall time against the time
+``--profile N`` runs every row a second time, after all of them are timed (a torch.profiler
+session slows every later kernel launch of the process, so no timed row follows one), and
+prints under each row of that pass one more step profiled: its wall time against the time
 the GPU's kernels ran (a path bound by its host shows far less kernel time than wall time),
 and the N functions with the most own time (cProfile: Python functions, and the C functions
 they call, such as kernel launches and torch's bindings), where that host time goes; on CUDA
@@ -310,10 +312,12 @@ def recipe_rows(
     section: str,
     quantize_per_expert: bool = False,
     fp8_per_expert: bool = False,
+    loop: bool = True,
 ) -> None:
     """Print each recipe's row (with the issue's goal where it has one, on CUDA), and
-    ``<recipe> loop`` after it where its experts ran grouped; with ``quantize_per_expert`` also
-    ``<recipe> quantize per expert`` (grouped GEMMs, the grouped quantize turned off); with
+    ``<recipe> loop`` after it where its experts ran grouped (unless not ``loop``); with
+    ``quantize_per_expert`` also ``<recipe> quantize per expert`` (grouped GEMMs, the grouped
+    quantize turned off); with
     ``fp8_per_expert`` also ``<recipe> fp8 GEMMs per expert`` (the grouped FP8 GEMM off)."""
     for recipe in recipes:
         model = fp4gen.convert(make(BASELINE), recipe)
@@ -344,7 +348,7 @@ def recipe_rows(
             note = "grouped path, each expert's dense FP8 GEMM"
             print_row(f"{recipe} fp8 GEMMs per expert", ms, base, peak, note)
             del model
-        if grouped:
+        if grouped and loop:
             model = fp4gen.convert(make(BASELINE), recipe)
             for module in experts_rows(model):
                 module.grouped = False
@@ -412,7 +416,7 @@ def layer_section(args: argparse.Namespace, device: str, recipes: list[str]) -> 
             print_row("bf16 eager", ms, base, peak)
             recipe_rows(
                 make, recipes, device, measure, base, "layer",
-                args.quantize_per_expert, args.fp8_per_expert,
+                args.quantize_per_expert, args.fp8_per_expert, not args.no_loop,
             )  # fmt: skip
 
 
@@ -464,7 +468,7 @@ def model_section(args: argparse.Namespace, device: str, recipes: list[str]) -> 
     print_row("bf16 grouped_mm", base, base, peak)
     recipe_rows(
         make, recipes, device, measure, base, "model",
-        args.quantize_per_expert, args.fp8_per_expert,
+        args.quantize_per_expert, args.fp8_per_expert, not args.no_loop,
     )  # fmt: skip
 
 
@@ -503,6 +507,12 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="also each grouped recipe with the grouped FP8 GEMM off "
         "(fp4gen.runtime.fp8_grouped.set_grouped_fp8)",
+    )
+    parser.add_argument(
+        "--no-loop",
+        action="store_true",
+        help="no '<recipe> loop' rows (the same recipe expert by expert: the slowest rows, "
+        "some 10x the grouped step)",
     )
     parser.add_argument(
         "--fp8-wgrad-per-expert",
@@ -549,10 +559,21 @@ def main(argv: list[str] | None = None) -> int:
         f"wgrad {wgrad}"
     )
     try:
-        if not args.skip_layer:
-            layer_section(args, args.device, recipes)
-        if not args.skip_model:
-            model_section(args, args.device, recipes)
+        # a torch.profiler session leaves every later launch of the process slower (6.9 -> 9.5
+        # us per small launch on an H200 host), so the rows are timed in a pass without one,
+        # and --profile's rows come in a second pass of their own
+        passes = [0, args.profile] if args.profile else [0]
+        for profile in passes:
+            if profile:
+                print(
+                    "\nprofiled pass (--profile): its times follow a profiler session, which "
+                    "slows every later launch; the times to compare are the pass above"
+                )
+            args.profile = profile
+            if not args.skip_layer:
+                layer_section(args, args.device, recipes)
+            if not args.skip_model:
+                model_section(args, args.device, recipes)
     finally:
         set_grouped_quantize(previous_quantize)
         set_grouped_fp8(previous_fp8)

@@ -8,8 +8,6 @@ weights), as a user would train it. For each hidden size and recipe it prints:
 - ms/step eager (CUDA events over ``--steps`` steps run back to back) and, with ``--graphs``,
   with the whole step (forward, backward, optimizer) captured in one CUDA graph and replayed
   (or the reason it could not be captured);
-- GPU-busy ms/step: the sum of the kernel times of a step (torch.profiler, the mean of three
-  steps after one it discards: the profiler's own start-up lands in that one);
 - host us per Linear forward+backward: the host's time in fp4gen's ops per layer call
   (``Linear.forward_gemm`` + ``backward_gemms``, or a layer group's two passes divided among its
   members), timed with ``time.perf_counter`` and no profiler over steps on one sequence
@@ -19,9 +17,6 @@ weights), as a user would train it. For each hidden size and recipe it prints:
   training step makes it: the module's ``__call__`` (the autograd.Function's apply, a layer
   group's checks and hand-overs included) plus the body of its autograd node's backward (the
   engine's own work between nodes is not in it);
-- prof us per Linear: the ops' CPU time as torch.profiler records it (CPU + CUDA activities,
-  the three profiled steps, each started on an idle GPU): the profiler's own instrumentation of
-  every op and launch is in it, so it reads above the host column (docs/training-step.md);
 - wall us per Linear forward+backward: the wall time the host spends in the same two ops
   (``Linear.forward_gemm`` + ``backward_gemms``) over three steps of the full batch run back to
   back, no profiler: where the GPU is the bottleneck this includes the launches' waits for room
@@ -29,6 +24,21 @@ weights), as a user would train it. For each hidden size and recipe it prints:
   and equals the host's own cost only where the host is the bottleneck (docs/training-step.md);
 - peak memory of a step (torch.cuda.max_memory_allocated);
 - the ratio of each figure to BF16's.
+
+Then, once every row (eager, compiled, of every hidden size) is timed, each row's profile
+(its model built and warmed up again): a torch.profiler session leaves every later kernel
+launch of the process slower (6.9 -> 9.5 us per small launch on an H200 host), so no figure
+above is taken after one. Per row:
+
+- GPU-busy ms/step: the sum of the kernel times of a step (torch.profiler, the mean of three
+  steps after one it discards: the profiler's own start-up lands in that one), and its ratio
+  to BF16's of the same group (where ms/step is well above it the host is the bottleneck);
+- prof us per Linear: the ops' CPU time as torch.profiler records it (CPU + CUDA activities,
+  the three profiled steps, each started on an idle GPU): the profiler's own instrumentation of
+  every op and launch is in it, so it reads above the host column (docs/training-step.md);
+- GPU ms per step by kernel kind (GEMM, quantize, decode, attention, optimizer, copies, other
+  fp4gen kernels, the rest), BF16's beside; with ``--kernels N`` the N kernels with the most
+  GPU time (``--kernel-width C`` characters of each name).
 
 The header line times a bare ``x + 1`` and a ``torch.empty`` on the GPU's host: where the host's
 time meets the GPU's (hidden 1024-2048 eagerly) the eager columns follow the host's speed, and
@@ -58,16 +68,15 @@ block compiled on its own (``blocks``, as torchtitan compiles a model: embedding
 eager) and/or the whole model with its loss compiled (``model``), in each mode of
 ``--compile-modes default,reduce-overhead,max-autotune`` (``--compile-backend``, default
 inductor): ms/step, its ratio to compiled BF16 of the same scope and mode, to eager BF16 and to
-the recipe's own eager run, the GPU-busy ms of a step (and its ratio to compiled BF16's: where
-ms/step is well above it the host is the bottleneck), and dynamo's distinct graphs, graph
-breaks and frames compiled. Under each compiled row, where the host's time goes
-(``HostBreakdown``: 3 more steps, the GPU synchronized after each phase): the host ms of the
-forward, the backward and the optimizer step, within them fp4gen's op bodies (and of the
-backward's, x's wgrad copies, quantized outside any layer graph), and per step the fp4gen layer
-passes served by a layer graph, captured (also over the timed steps: a capture costs
-milliseconds) or run eagerly; ``--host-profile N`` adds a cProfile of 3 compiled steps. A Llama
-step runs with ``use_cache=False``: a training step reads no KV cache, and transformers' default
-builds one whose update gives every compiled block a graph of its own.
+the recipe's own eager run, and dynamo's distinct graphs, graph breaks and frames compiled
+(their profiles come with the others, after every row). Under each compiled row, where the
+host's time goes (``HostBreakdown``: 3 more steps, the GPU synchronized after each phase): the
+host ms of the forward, the backward and the optimizer step, within them fp4gen's op bodies
+(and of the backward's, x's wgrad copies, quantized outside any layer graph), and per step the
+fp4gen layer passes served by a layer graph, captured (also over the timed steps: a capture
+costs milliseconds) or run eagerly; ``--host-profile N`` adds a cProfile of 3 compiled steps. A
+Llama step runs with ``use_cache=False``: a training step reads no KV cache, and transformers'
+default builds one whose update gives every compiled block a graph of its own.
 ``--compile-only`` skips the eager rows.
 ``--loss-steps N`` then trains each recipe N steps on real text (the Python standard library's
 source bytes, ``fp4gen.demo.data``) from the same initial weights and batches, with the demo's
@@ -89,7 +98,7 @@ import sys
 import time
 import traceback
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -134,17 +143,43 @@ class Result:
     ms_eager: float
     ms_graph: float | None
     graph_note: str
-    gpu_busy_ms: float
     wall_us_per_linear: float | None  # the ops' wall time, back to back (wall_us_per_linear())
     host_us_per_linear: float | None  # the ops' time, host-bound, no profiler (host_us())
     call_us_per_linear: float | None  # the whole layer calls' time, the same steps (host_us())
-    prof_us_per_linear: float | None  # the ops' CPU time under torch.profiler (profile_step())
     peak_gib: float
     graph_calls: float = 0.0  # per timed step: layer calls served by a layer graph
     in_place: float = 0.0  # of those, replays of graphs that read and write in place
-    gpu_kinds: dict[str, float] = field(default_factory=dict)  # GPU ms per step by kernel kind
-    # per kernel name: (GPU ms per step, launches per step), for --kernels
-    gpu_kernels: dict[str, tuple[float, float]] = field(default_factory=dict)
+
+
+@dataclass
+class Profiled:
+    """What ``profile_step`` measured of one row: GPU-busy ms per step, the fp4gen ops' CPU us
+    per Linear under the profiler (None without fp4gen Linears), GPU ms per step by kernel
+    kind, and (GPU ms, launches) per step by kernel name (for --kernels)."""
+
+    gpu_busy_ms: float
+    prof_us_per_linear: float | None
+    gpu_kinds: dict[str, float]
+    gpu_kernels: dict[str, tuple[float, float]]
+
+
+@dataclass
+class ProfileJob:
+    """One row's profile, run after every timed row (``run_profiles``): ``group`` names the
+    rows compared with each other (the first one, BF16, is their base), ``run`` rebuilds the
+    row's model, warms it up and profiles it."""
+
+    group: str
+    label: str
+    run: Callable[[], Profiled | None]
+
+
+# torch.profiler leaves every later kernel launch of the process slower (on an H200 host: 6.9 us
+# per small launch before a profiler session, 9.5 us after), which taxed every row timed after
+# another row's profile, the host-bound ones most (an MoE model step: 1.22x BF16 timed before
+# any profile, 1.66x after). So nothing is timed after a profile: each row leaves a job here,
+# run once every row is timed.
+_PROFILE_JOBS: list[ProfileJob] = []
 
 
 def kernel_kind(name: str) -> str:
@@ -405,16 +440,14 @@ def host_us(
     return spent[0] / 1e3 / calls, spent[1] / 1e3 / calls
 
 
-def profile_step(
-    model: nn.Module, step: Callable[[], object]
-) -> tuple[float, float | None, dict[str, float], dict[str, tuple[float, float]]]:
-    """(GPU-busy ms per step, profiled us per fp4gen Linear forward+backward or None, GPU ms
-    per step by kernel kind, (GPU ms, launches) per step by kernel name) over
-    ``PROFILED_STEPS`` steps after one the profiler runs but discards (its first step pays
-    for the profiler's own start: CUPTI's instrumentation of launches it meets first). The
-    second figure is the CPU time of the ranges of fp4gen's ops (a Linear's, and a layer
-    group's for its members) over the Linear forwards they served, the profiler's own work on
-    every op and launch inside them included."""
+def profile_step(model: nn.Module, step: Callable[[], object]) -> Profiled:
+    """The row's ``Profiled`` figures (GPU-busy ms per step, profiled us per fp4gen Linear
+    forward+backward or None, GPU ms per step by kernel kind, (GPU ms, launches) per step by
+    kernel name) over ``PROFILED_STEPS`` steps after one the profiler runs but discards (its
+    first step pays for the profiler's own start: CUPTI's instrumentation of launches it meets
+    first). The second figure is the CPU time of the ranges of fp4gen's ops (a Linear's, and a
+    layer group's for its members) over the Linear forwards they served, the profiler's own
+    work on every op and launch inside them included."""
     from torch.profiler import ProfilerActivity, profile, schedule
 
     cpu_us = 0.0
@@ -442,7 +475,7 @@ def profile_step(
             kernels[e.name] = (was_ms + ms, was_n + 1 / PROFILED_STEPS)
     ranges = [e for e in events if e.name.startswith(("fp4gen::linear_", "fp4gen::group_"))]
     cpu_us = sum(e.cpu_time_total for e in ranges)
-    return sum(kinds.values()), (cpu_us / forwards if forwards else None), kinds, kernels
+    return Profiled(sum(kinds.values()), cpu_us / forwards if forwards else None, kinds, kernels)
 
 
 def kernel_lines(kernels: dict[str, tuple[float, float]], top: int, width: int = 90) -> list[str]:
@@ -453,11 +486,10 @@ def kernel_lines(kernels: dict[str, tuple[float, float]], top: int, width: int =
     ]
 
 
-def run_one(
-    args: argparse.Namespace, hidden: int, layers: int, recipe: str, saves_x: bool = False
-) -> Result:
-    """One model and recipe; ``saves_x``: the converted layers save x for the backward instead
-    of its quantized wgrad copy (``keep_quantized_input = False``), to compare memory."""
+def prepare_eager(
+    args: argparse.Namespace, hidden: int, layers: int, recipe: str, saves_x: bool
+) -> tuple[nn.Module, Callable[[], object], torch.Tensor]:
+    """(model, step, tokens) of one eager row, the step warmed up (``run_one``)."""
     torch.manual_seed(0)
     model = build_model(args.model, hidden, layers, args.seq, "cuda")
     if recipe != "bf16":
@@ -473,12 +505,50 @@ def run_one(
     for _ in range(WARMUP_STEPS):
         step()
     torch.cuda.synchronize()
+    return model, step, tokens
+
+
+@contextlib.contextmanager
+def graph_flops(flops: float | None) -> Iterator[None]:
+    """``layer_graphs.MAX_GEMM_FLOPS`` set to ``flops`` (None: left as it is) while it runs."""
+    default = layer_graphs.MAX_GEMM_FLOPS
+    layer_graphs.MAX_GEMM_FLOPS = default if flops is None else flops
+    try:
+        yield
+    finally:
+        layer_graphs.MAX_GEMM_FLOPS = default
+
+
+def profile_eager(
+    args: argparse.Namespace,
+    hidden: int,
+    layers: int,
+    recipe: str,
+    saves_x: bool,
+    flops: float | None,
+) -> Profiled:
+    """An eager row's profile: its model built and warmed up again (``_PROFILE_JOBS``)."""
+    with graph_flops(flops):
+        model, step, _ = prepare_eager(args, hidden, layers, recipe, saves_x)
+        got = profile_step(model, step)
+    del model, step
+    gc.collect()
+    torch.cuda.empty_cache()
+    return got
+
+
+def run_one(
+    args: argparse.Namespace, hidden: int, layers: int, recipe: str, saves_x: bool = False
+) -> Result:
+    """One model and recipe, timed (its profile is a job for later: ``_PROFILE_JOBS``);
+    ``saves_x``: the converted layers save x for the backward instead of its quantized wgrad
+    copy (``keep_quantized_input = False``), to compare memory."""
+    model, step, tokens = prepare_eager(args, hidden, layers, recipe, saves_x)
     torch.cuda.reset_peak_memory_stats()
     before = graph_counts(model)
     ms = timed_ms(step, args.steps)
     replays = [(b - a) / args.steps for a, b in zip(before, graph_counts(model), strict=True)]
     peak = torch.cuda.max_memory_allocated() / 2**30
-    busy, prof, kinds, kernels = profile_step(model, step)
     wall = wall_us_per_linear(model, step, WALL_STEPS) if recipe != "bf16" else None
     host, call = host_us(model, loss_fn(args.model), tokens) if recipe != "bf16" else (None, None)
     if args.host_profile and recipe != "bf16":
@@ -489,7 +559,7 @@ def run_one(
     del model, step
     gc.collect()  # modules in reference cycles: freed now, not in a later run's peak or step
     torch.cuda.empty_cache()
-    return Result(ms, ms_graph, note, busy, wall, host, call, prof, peak, *replays, kinds, kernels)
+    return Result(ms, ms_graph, note, wall, host, call, peak, *replays)
 
 
 def loss_curve(
@@ -610,20 +680,17 @@ COMPILE_MODES = ("default", "reduce-overhead", "max-autotune")
 
 @dataclass
 class CompiledResult:
-    """One compiled run: ms/step (None where it failed: ``note`` says why), the GPU-busy ms of
-    a step (the kernels' time, ``profile_step``; None on the CPU): ms/step well above it means
-    the host is the bottleneck, and what dynamo made of the model: distinct graphs, graph
-    breaks and frames compiled (a recompile counts again)."""
+    """One compiled run: ms/step (None where it failed: ``note`` says why), what dynamo made of
+    the model (distinct graphs, graph breaks and frames compiled; a recompile counts again)
+    and where the host's time goes (``host``). Its GPU-busy ms comes from its profile job
+    (``_PROFILE_JOBS``), run after every row is timed."""
 
     ms: float | None
     graphs: int
     breaks: int
     compiles: int
     note: str = ""
-    gpu_busy_ms: float | None = None
     host: HostBreakdown | None = None
-    gpu_kinds: dict[str, float] = field(default_factory=dict)  # as Result's
-    gpu_kernels: dict[str, tuple[float, float]] = field(default_factory=dict)
 
 
 # what the host does in fp4gen's ops under torch.compile (the ops' bodies: the custom ops call
@@ -747,6 +814,58 @@ def compile_model(model: nn.Module, scope: str, mode: str, backend: str = "induc
     raise ValueError(f"compile scope {scope!r}: expected one of {', '.join(COMPILE_SCOPES)}")
 
 
+def prepare_compiled(
+    args: argparse.Namespace,
+    hidden: int,
+    layers: int,
+    recipe: str,
+    scope: str,
+    mode: str,
+    device: str,
+) -> tuple[nn.Module, nn.Module, torch.Tensor, bool, Callable[[], object]]:
+    """(model, compiled model, tokens, CUDA graphs on, step) of one compiled row, the step
+    warmed up (compiled during the warm-up steps)."""
+    torch.manual_seed(0)
+    model = build_model(args.model, hidden, layers, args.seq, device)
+    if recipe != "bf16":
+        fp4gen.convert(model, fp4gen.load_recipe(recipe))
+    batch = max(args.tokens // args.seq, 1)
+    tokens = torch.randint(0, VOCAB, (batch, args.seq + (args.model == "gpt")), device=device)
+    compiled = compile_model(model, scope, mode, args.compile_backend)
+    graphs_on = mode == "reduce-overhead" and device == "cuda"
+    if graphs_on:
+        # a gradient autograd would take over from a CUDA graph's output buffer (the first
+        # backward's, with .grad None) is overwritten by the next replay: the parameters'
+        # gradients get buffers of their own, which backward adds into
+        for param in model.parameters():
+            if param.requires_grad and param.grad is None:
+                param.grad = torch.zeros_like(param)
+    step = make_step(compiled, loss_fn(args.model), tokens, False, graphs_on, model)
+    for _ in range(WARMUP_STEPS):
+        step()
+    if device == "cuda":
+        torch.cuda.synchronize()
+    return model, compiled, tokens, graphs_on, step
+
+
+def profile_compiled(
+    args: argparse.Namespace, hidden: int, layers: int, recipe: str, scope: str, mode: str
+) -> Profiled | None:
+    """A compiled row's profile: its model built, compiled and warmed up again
+    (``_PROFILE_JOBS``); None where that fails (the timed row reported why)."""
+    torch._dynamo.reset()
+    try:
+        model, _, _, _, step = prepare_compiled(args, hidden, layers, recipe, scope, mode, "cuda")
+        got = profile_step(model, step)
+        del model, step
+    except Exception:  # noqa: BLE001 - the timed row already printed the failure
+        got = None
+    gc.collect()
+    torch.cuda.empty_cache()
+    torch._dynamo.reset()
+    return got
+
+
 def run_compiled(
     args: argparse.Namespace,
     hidden: int,
@@ -757,43 +876,23 @@ def run_compiled(
     device: str = "cuda",
 ) -> CompiledResult:
     """ms/step of one model and recipe compiled per ``scope`` and ``mode`` (compiled during the
-    warm-up steps), with dynamo's counts; a failure is reported, not raised."""
+    warm-up steps), with dynamo's counts; a failure is reported, not raised. Its profile is a
+    job for later (``_PROFILE_JOBS``)."""
     torch._dynamo.reset()
     counters = torch._dynamo.utils.counters
     counters.clear()
-    torch.manual_seed(0)
-    model = build_model(args.model, hidden, layers, args.seq, device)
-    if recipe != "bf16":
-        fp4gen.convert(model, fp4gen.load_recipe(recipe))
-    batch = max(args.tokens // args.seq, 1)
-    tokens = torch.randint(0, VOCAB, (batch, args.seq + (args.model == "gpt")), device=device)
     ms: float | None = None
-    busy: float | None = None
     host: HostBreakdown | None = None
-    kinds: dict[str, float] = {}
-    kernels: dict[str, tuple[float, float]] = {}
     note = ""
+    model: nn.Module | None = None
     try:
-        compiled = compile_model(model, scope, mode, args.compile_backend)
-        graphs_on = mode == "reduce-overhead" and device == "cuda"
-        if graphs_on:
-            # a gradient autograd would take over from a CUDA graph's output buffer (the first
-            # backward's, with .grad None) is overwritten by the next replay: the parameters'
-            # gradients get buffers of their own, which backward adds into
-            for param in model.parameters():
-                if param.requires_grad and param.grad is None:
-                    param.grad = torch.zeros_like(param)
+        model, compiled, tokens, graphs_on, step = prepare_compiled(
+            args, hidden, layers, recipe, scope, mode, device
+        )
         phases: list[list[float]] = []
-        step = make_step(compiled, loss_fn(args.model), tokens, False, graphs_on, model)
-        for _ in range(WARMUP_STEPS):
-            step()
-        if device == "cuda":
-            torch.cuda.synchronize()
         captures = graph_stats(model)[2]
         ms = timed_ms(step, args.steps, device)
         captures = (graph_stats(model)[2] - captures) / args.steps
-        if device == "cuda":
-            busy, _, kinds, kernels = profile_step(model, step)
         # a step that records its phases has an AdamW of its own: stepped once before it is
         # timed (a first step allocates the optimizer's state)
         timed = make_step(compiled, loss_fn(args.model), tokens, False, graphs_on, model, phases)
@@ -814,15 +913,19 @@ def run_compiled(
         int(sum(counters["graph_break"].values())),
         int(counters["frames"].get("ok", 0)),
         note,
-        busy,
         host,
-        kinds,
-        kernels,
     )
     del model
     gc.collect()
     if device == "cuda":
         torch.cuda.empty_cache()
+        _PROFILE_JOBS.append(
+            ProfileJob(
+                f"hidden {hidden}, {layers} layers, compiled {scope} {mode}",
+                Path(recipe).stem,
+                lambda: profile_compiled(args, hidden, layers, recipe, scope, mode),
+            )
+        )
     torch._dynamo.reset()
     return result
 
@@ -847,7 +950,7 @@ def run_compiled_table(
                 raise SystemExit(f"compile {name} {value!r}: expected one of {', '.join(allowed)}")
     print(
         f"  {'compiled':28} {'scope':6} {'mode':15} {'ms/step':>9} {'x bf16':>7} "
-        f"{'x eager bf16':>12} {'x own eager':>11} {'gpu-busy':>9} {'x bf16':>7} "
+        f"{'x eager bf16':>12} {'x own eager':>11} "
         f"{'graphs':>6} {'breaks':>6} {'frames':>6}"
     )
     eager_base = None if not eager else next(iter(eager.values()))[1].ms_eager
@@ -863,64 +966,63 @@ def run_compiled_table(
                 label = Path(recipe).stem
                 own = eager.get(label) if eager else None
                 ms = "-" if res.ms is None else f"{res.ms:.2f}"
-                busy = "-" if res.gpu_busy_ms is None else f"{res.gpu_busy_ms:.2f}"
                 print(
                     f"  {label:28} {scope:6} {mode:15} {ms:>9} {ratio(res.ms, base.ms):>7} "
                     f"{ratio(res.ms, eager_base):>12} "
                     f"{ratio(res.ms, own[0].ms_eager if own else None):>11} "
-                    f"{busy:>9} {ratio(res.gpu_busy_ms, base.gpu_busy_ms):>7} "
                     f"{res.graphs:6d} {res.breaks:6d} {res.compiles:6d}   "
                     f"({time.perf_counter() - t0:.0f} s)"
                 )
                 if res.host is not None:
                     print(f"    {res.host.line()}")
-                if res.gpu_kinds:
-                    print(f"    GPU ms by kind: {kinds_line(res.gpu_kinds, base.gpu_kinds)}")
-                top, width = getattr(args, "kernels", 0), getattr(args, "kernel_width", 90)
-                for line in kernel_lines(res.gpu_kernels, top, width):
-                    print(f"      {line}")
                 if res.note:
                     print(f"    {res.note}")
     return results
 
 
 def run_round(
-    args: argparse.Namespace, hidden: int, layers: int, runs: list[tuple[str, bool, float | None]]
+    args: argparse.Namespace,
+    hidden: int,
+    layers: int,
+    runs: list[tuple[str, bool, float | None]],
+    profile: bool = True,
 ) -> dict[str, tuple[Result, Result]]:
-    """One row per run (BF16 first, the base of the ratios); returns label -> (result, base)."""
+    """One row per run (BF16 first, the base of the ratios), timed; with ``profile`` each row
+    leaves its profile job (``_PROFILE_JOBS``). Returns label -> (result, base)."""
     base: Result | None = None
-    default_flops = layer_graphs.MAX_GEMM_FLOPS
     rows: dict[str, tuple[Result, Result]] = {}
     for recipe, saves_x, flops in runs:
         t0 = time.perf_counter()
-        layer_graphs.MAX_GEMM_FLOPS = default_flops if flops is None else flops
-        try:
+        with graph_flops(flops):
             res = run_one(args, hidden, layers, recipe, saves_x)
-        finally:
-            layer_graphs.MAX_GEMM_FLOPS = default_flops
         base = base or res
         label = Path(recipe).stem + (" (saves x)" if saves_x else "")
         label += "" if flops is None else f" (graphs <= {flops:.0e})"
         rows[label] = (res, base)
-        host, call, prof = (
+        if profile:
+            _PROFILE_JOBS.append(
+                ProfileJob(
+                    f"hidden {hidden}, {layers} layers, eager",
+                    label,
+                    lambda r=recipe, x=saves_x, f=flops: profile_eager(
+                        args, hidden, layers, r, x, f
+                    ),
+                )
+            )
+        host, call = (
             "-" if v is None else f"{v:.0f}"
-            for v in (res.host_us_per_linear, res.call_us_per_linear, res.prof_us_per_linear)
+            for v in (res.host_us_per_linear, res.call_us_per_linear)
         )
         wall = "-" if res.wall_us_per_linear is None else f"{res.wall_us_per_linear:.0f}"
         graph = "-" if res.ms_graph is None else f"{res.ms_graph:.2f}"
         eager = ratio(res.ms_eager, base.ms_eager)
         print(
             f"  {label:28} {res.ms_eager:9.2f} {eager:>7} "
-            f"{graph:>9} {ratio(res.ms_graph, base.ms_graph):>7} {res.gpu_busy_ms:9.2f} "
-            f"{ratio(res.gpu_busy_ms, base.gpu_busy_ms):>7} "
-            f"{host:>8} {call:>8} {prof:>8} {wall:>8} "
+            f"{graph:>9} {ratio(res.ms_graph, base.ms_graph):>7} "
+            f"{host:>8} {call:>8} {wall:>8} "
             f"{res.peak_gib:9.2f} {ratio(res.peak_gib, base.peak_gib):>7}   "
             f"({time.perf_counter() - t0:.0f} s)"
         )
-        if res.gpu_kinds:
-            print(f"    GPU ms by kind: {kinds_line(res.gpu_kinds, base.gpu_kinds)}")
-        for line in kernel_lines(res.gpu_kernels, args.kernels, args.kernel_width):
-            print(f"      {line}")
         if res.graph_calls:
             print(
                 f"    layer graphs: {res.graph_calls:.0f} layer calls per step from a graph, "
@@ -929,6 +1031,39 @@ def run_round(
         if args.graphs and res.ms_graph is None:
             print(f"    graphs: {res.graph_note}")
     return rows
+
+
+def run_profiles(args: argparse.Namespace, jobs: list[ProfileJob]) -> None:
+    """Every row's profile, after every row was timed (``_PROFILE_JOBS``), by group: its
+    GPU-busy ms per step and ratio to the group's first row (BF16), the fp4gen ops' CPU us per
+    Linear under the profiler, GPU ms by kernel kind and, with --kernels, the top kernels."""
+    if not jobs:
+        return
+    print(
+        "\nGPU time per step, profiled after every row was timed (a torch.profiler session "
+        "slows every later launch of the process)"
+    )
+    group, base = None, None
+    for job in jobs:
+        if job.group != group:
+            group, base = job.group, None
+            print(f"  {group}")
+            print(f"  {'recipe':28} {'gpu-busy':>9} {'x bf16':>7} {'prof us':>8}")
+        t0 = time.perf_counter()
+        got = job.run()
+        if got is None:
+            print(f"  {job.label:28} {'-':>9}  (its profile failed)")
+            continue
+        base = base or got
+        prof = "-" if got.prof_us_per_linear is None else f"{got.prof_us_per_linear:.0f}"
+        print(
+            f"  {job.label:28} {got.gpu_busy_ms:9.2f} "
+            f"{ratio(got.gpu_busy_ms, base.gpu_busy_ms):>7} {prof:>8}   "
+            f"({time.perf_counter() - t0:.0f} s)"
+        )
+        print(f"    GPU ms by kind: {kinds_line(got.gpu_kinds, base.gpu_kinds)}")
+        for line in kernel_lines(got.gpu_kernels, args.kernels, args.kernel_width):
+            print(f"      {line}")
 
 
 def spread(values: list[float], unit: str = "x", digits: int = 2) -> str:
@@ -954,7 +1089,7 @@ def print_rounds(rounds: list[dict[str, tuple[Result, Result]]]) -> None:
         ]
         per_linear = {
             name: [getattr(res, f"{name}_us_per_linear") for res, _ in got]
-            for name in ("host", "call", "prof")
+            for name in ("host", "call")
         }
         figures = ", ".join(
             f"{name} us/lin {spread([v for v in values if v is not None], ' us', 0)}"
@@ -1076,9 +1211,7 @@ def main(argv: list[str] | None = None) -> int:
         if not args.compile_only:
             print(
                 f"  {'recipe':28} {'ms/step':>9} {'x bf16':>7} {'graph ms':>9} {'x bf16':>7} "
-                f"{'gpu-busy':>9} {'x bf16':>7} "
-                f"{'host us':>8} {'call us':>8} {'prof us':>8} {'wall us':>8} {'peak GiB':>9} "
-                f"{'x bf16':>7}"
+                f"{'host us':>8} {'call us':>8} {'wall us':>8} {'peak GiB':>9} {'x bf16':>7}"
             )
         runs: list[tuple[str, bool, float | None]] = [(r, False, None) for r in recipes]
         if args.compare_saved_x:
@@ -1089,7 +1222,7 @@ def main(argv: list[str] | None = None) -> int:
         for n in range(0 if args.compile_only else args.rounds):
             if args.rounds > 1:
                 print(f"  round {n + 1} of {args.rounds}")
-            rounds.append(run_round(args, hidden, layers, runs))
+            rounds.append(run_round(args, hidden, layers, runs, profile=n == 0))
         if args.rounds > 1 and rounds:
             print_rounds(rounds)
         if args.compile:
@@ -1100,6 +1233,7 @@ def main(argv: list[str] | None = None) -> int:
                 curves[recipe] = loss_curve(args, hidden, layers, recipe, args.loss_steps, "cuda")
                 torch.cuda.empty_cache()
             print_curves(curves)
+    run_profiles(args, _PROFILE_JOBS)
     return 0
 
 

@@ -42,7 +42,6 @@ def test_compiled_rows_time_bf16_and_a_recipe_per_scope(capsys, monkeypatch) -> 
         assert res.ms is not None and res.ms > 0, (key, res.note)
         assert res.breaks == 0, key  # neither BF16's nor the converted blocks break
         assert res.compiles >= 1, key  # dynamo compiled the model's frames
-        assert res.gpu_busy_ms is None  # no kernels to sum on the CPU
     # two converted blocks compiled one by one: their layers' op ids are graph inputs, so
     # they share a graph (tests/test_compile_recompiles.py: none of fp4gen's recompiles)
     assert results[("blocks", "default", recipes[1])].graphs == 1

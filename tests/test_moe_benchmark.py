@@ -56,7 +56,11 @@ def test_profile_prints_the_host_and_gpu_split_under_each_row(capsys) -> None:
     on the CPU) and at most N functions by own time, fp4gen's among them for a recipe."""
     args = [*TINY, "--skip-model", "--recipes", "nvfp4_small", "--profile", "3"]
     assert moe.main(args) == 0
-    lines = capsys.readouterr().out.splitlines()
+    out = capsys.readouterr().out
+    timed, profiled = out.split("profiled pass (--profile)")
+    assert "profile: wall" not in timed  # the timed pass runs no profiler
+    assert len(rows(timed)) == 3
+    lines = profiled.splitlines()
     rows_at = [i for i, line in enumerate(lines) if re.match(r"^  \S.*\d+\.\d+x", line)]
     assert len(rows_at) == 3  # bf16 grouped_mm, bf16 eager, nvfp4_small
     split = re.compile(r"^      profile: wall [\d.]+ ms \(profiled\), GPU kernels 0\.00 ms$")
@@ -145,3 +149,32 @@ def test_gpu_busy_counts_the_device_events_once() -> None:
         event(DeviceType.CUDA, 5000.0, annotation=True),  # a profiler range on the GPU
     ]
     assert moe.gpu_busy_ms(events) == 1.0
+
+
+def test_no_loop_leaves_out_the_per_expert_rows(capsys, monkeypatch) -> None:
+    """Where the experts run grouped, each recipe is measured again expert by expert (its
+    ``loop`` row) unless ``loop`` is off (``--no-loop``)."""
+
+    class Grouped:
+        operands = None
+        grouped = None
+
+        def loop_reason(self, table, device):
+            return None  # grouped
+
+    model = moe.nn.Module()
+    monkeypatch.setattr(moe, "experts_rows", lambda m: [Grouped()])
+    monkeypatch.setattr(moe.fp4gen, "convert", lambda m, recipe: model)
+    measured: list[object] = []
+
+    def measure(m):
+        measured.append(m)
+        return 2.0, None
+
+    for loop, want in ((True, ["nvfp4_small", "nvfp4_small loop"]), (False, ["nvfp4_small"])):
+        measured.clear()
+        moe.recipe_rows(
+            lambda name: model, ["nvfp4_small"], "cpu", measure, 1.0, "layer", loop=loop
+        )
+        assert [name for name, _ in rows(capsys.readouterr().out)] == want
+        assert len(measured) == len(want)

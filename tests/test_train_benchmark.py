@@ -151,7 +151,7 @@ def test_graph_counts_sum_the_layers_graph_counters() -> None:
 
 
 def _result(eager: float, graph: float | None, host: float | None) -> train.Result:
-    return train.Result(eager, graph, "", 1.0, None, host, None, None, 1.0)
+    return train.Result(eager, graph, "", None, host, None, 1.0)
 
 
 def test_rounds_summarize_each_ratio_against_its_own_rounds_bf16(capsys) -> None:
@@ -224,3 +224,40 @@ def test_the_kernel_lines_rank_kernels_by_time_and_name_their_kind() -> None:
         "   1.000 ms     8x  fp4gen other kernel_cutlass_kerne",
     ]
     assert train.kernel_lines(kernels, 0) == []
+
+
+def test_profiles_print_by_group_each_against_its_first_row(capsys) -> None:
+    """Every row's profile runs after every row is timed (a profiler session slows the
+    process's later launches); each group's rows are compared with its first (BF16)."""
+    ran: list[str] = []
+
+    def job(group: str, label: str, busy: float | None) -> train.ProfileJob:
+        def run() -> train.Profiled | None:
+            ran.append(label)
+            if busy is None:
+                return None
+            kinds = {"gemm": busy * 0.5, "other": busy * 0.5}
+            return train.Profiled(busy, 200.0 if label != "bf16" else None, kinds, {})
+
+        return train.ProfileJob(group, label, run)
+
+    jobs = [
+        job("hidden 2048, 4 layers, eager", "bf16", 40.0),
+        job("hidden 2048, 4 layers, eager", "fp8_blockwise", 30.0),
+        job("hidden 2048, 4 layers, compiled blocks default", "bf16", 20.0),
+        job("hidden 2048, 4 layers, compiled blocks default", "nvfp4_small", None),
+        job("hidden 2048, 4 layers, compiled blocks default", "fp8_blockwise", 25.0),
+    ]
+    train.run_profiles(argparse.Namespace(kernels=0, kernel_width=90), jobs)
+    out = capsys.readouterr().out
+    assert ran == [j.label for j in jobs]
+    assert "profiled after every row was timed" in out
+    lines = [
+        line.split() for line in out.splitlines() if line.startswith("  ") and "ms" not in line
+    ]
+    assert ["fp8_blockwise", "30.00", "0.75x", "200"] in [line[:4] for line in lines]
+    assert ["fp8_blockwise", "25.00", "1.25x", "200"] in [line[:4] for line in lines]  # vs 20
+    assert "(its profile failed)" in out
+    assert "GPU ms by kind: gemm 15.00 (20.00), other 15.00 (20.00)" in out
+    train.run_profiles(argparse.Namespace(kernels=0, kernel_width=90), [])
+    assert capsys.readouterr().out == ""
