@@ -176,3 +176,43 @@ def test_cuda_grouped_moe_model_trains() -> None:
         opt.step()
         losses.append(float(loss.detach()))
     assert all(torch.isfinite(torch.tensor(losses))) and losses[-1] < losses[0]
+
+
+@pytest.mark.parametrize("recipe", ["nvfp4_no_bf16", "fp8_blockwise", "mxfp8"])
+@pytest.mark.parametrize("every", [True, False], ids=["every_routed", "one_empty"])
+@pytest.mark.parametrize("arch", ARCHS)
+def test_cuda_weights_made_ahead_give_the_same_bits(arch: str, every: bool, recipe: str) -> None:
+    """The experts' fprop weight operands made before the routing's wait
+    (``experts.set_weights_ahead(True)``) against made in each projection's forward: output
+    and every gradient bit for bit, over two steps each (the call counts move the offsets);
+    every routed, the forward takes them; an expert without tokens, it drops them."""
+    from test_moe import run
+
+    from fp4gen.runtime import experts
+
+    made: list[bool] = []
+    real = experts.weights_ahead
+
+    def spy(*args):
+        got = real(*args)
+        made.append(got is not None)
+        return got
+
+    results = {}
+    for ahead in (False, True):
+        _, group = pair(arch, torch.bfloat16, recipe, device="cuda")
+        group.grouped = True
+        index, weights = routing(70, empty=None if every else 1)
+        hidden = torch.randn(70, 64, generator=torch.Generator().manual_seed(4))
+        args = (hidden.to(torch.bfloat16).cuda(), index.cuda(), weights.to(torch.bfloat16).cuda())
+        previous = experts.set_weights_ahead(ahead)
+        experts.weights_ahead = spy
+        try:
+            results[ahead] = [run(group, *args) for _ in range(2)]
+        finally:
+            experts.weights_ahead = real
+            experts.set_weights_ahead(previous)
+    assert made and all(made)  # both projections' weights made ahead, every step
+    for step, (got, want) in enumerate(zip(results[True], results[False], strict=True)):
+        assert all(torch.equal(a, b) for a, b in zip(got[:3], want[:3], strict=True)), step
+        assert all(torch.equal(got[3][n], want[3][n]) for n in want[3]), step
