@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+
 import pytest
 import torch
 
@@ -19,23 +22,31 @@ def test_values_and_types_on_the_cpu() -> None:
     assert from_tensor.dtype == torch.int32 and from_tensor.tolist() == [0, 1, 2]
 
 
-@pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_cuda_tables_do_not_wait_for_the_gpu() -> None:
-    """torch's sync debug mode raises on any operation that synchronizes the stream: the
-    pinned, non-blocking copy must not; the values arrive intact behind queued work."""
+@contextlib.contextmanager
+def _behind_queued_work_without_waits() -> Iterator[None]:
+    """GPU work queued ahead of what runs inside, under torch's sync debug mode "error" (it
+    raises on any operation that synchronizes the stream)."""
     busy = torch.randn(4096, 4096, device="cuda")
     torch.cuda.synchronize()
     previous = torch.cuda.get_sync_debug_mode()
     torch.cuda.set_sync_debug_mode("error")
     try:
         for _ in range(4):
-            busy = busy @ busy  # work queued ahead of the copies
+            busy = busy @ busy
             busy = busy / busy.abs().amax().clamp_min(1.0)
-        tables = [host_table(list(range(n)), torch.int32, "cuda") for n in (1, 7, 4096)]
-        words = host_table([[0xFFFFFFFF, 3]], torch.int32, "cuda", host_dtype=torch.int64)
+        yield
     finally:
         torch.cuda.set_sync_debug_mode(previous)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_tables_do_not_wait_for_the_gpu() -> None:
+    """The pinned, non-blocking copy does not synchronize; the values arrive intact behind
+    queued work."""
+    with _behind_queued_work_without_waits():
+        tables = [host_table(list(range(n)), torch.int32, "cuda") for n in (1, 7, 4096)]
+        words = host_table([[0xFFFFFFFF, 3]], torch.int32, "cuda", host_dtype=torch.int64)
     assert [t.cpu().tolist() for t in tables] == [list(range(n)) for n in (1, 7, 4096)]
     assert words.cpu().tolist() == [[-1, 3]]
 
@@ -91,20 +102,11 @@ def test_tables_larger_than_the_staging_half_grow_it_and_do_not_wait() -> None:
 
     from fp4gen.runtime import host_tables
 
-    busy = torch.randn(4096, 4096, device="cuda")
-    torch.cuda.synchronize()
-    previous = torch.cuda.get_sync_debug_mode()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
-        for _ in range(4):
-            busy = busy @ busy
-            busy = busy / busy.abs().amax().clamp_min(1.0)
+    with _behind_queued_work_without_waits():
         small = host_table(list(range(1000)), torch.int32, "cuda")
         big_values = np.arange(3 * (1 << 20) // 4, dtype=np.int32)  # 3 MiB
         big = host_table(torch.from_numpy(big_values), torch.int32, "cuda")
         again = host_table(list(range(7)), torch.int32, "cuda")
-    finally:
-        torch.cuda.set_sync_debug_mode(previous)
     staging = host_tables._staging[torch.cuda.current_device()]
     assert staging.size >= 6 << 20
     assert small.cpu().tolist() == list(range(1000))

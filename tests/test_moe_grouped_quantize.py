@@ -69,6 +69,20 @@ def rht_spec(size: int | None):
     return RHTSpec(size=size)
 
 
+def with_whole(out, rows: torch.Tensor):
+    """A grouped quantize's result ``out`` of ``rows`` with every row as one tensor
+    (``GroupedOperands.whole``), as the kernels give it (the grouped GEMMs decode it once)."""
+    parts = [q for q in out if q is not None]
+    out.whole = dataclasses.replace(
+        parts[0],
+        codes=torch.cat([q.codes for q in parts]),
+        scales=torch.cat([q.scales for q in parts]),
+        scale_codes=None,
+        shape=torch.Size((rows.shape[0], parts[0].shape[1])),
+    )
+    return out
+
+
 def reference_groups(x: torch.Tensor, fmt, rounding: str, rht) -> list:
     out: list = []
     start = 0
@@ -317,17 +331,7 @@ def test_grouped_operands_are_the_loops_bits(
 
     def per_group_definition(rows, counts, fmt, **kw):
         ops.append(len(counts))
-        out = real(rows, counts, fmt, **{**kw, "backend": "reference"})
-        # every row as one tensor, as the kernels give it (the grouped GEMMs decode it once)
-        parts = [q for q in out if q is not None]
-        out.whole = dataclasses.replace(
-            parts[0],
-            codes=torch.cat([q.codes for q in parts]),
-            scales=torch.cat([q.scales for q in parts]),
-            scale_codes=None,
-            shape=torch.Size((rows.shape[0], parts[0].shape[1])),
-        )
-        return out
+        return with_whole(real(rows, counts, fmt, **{**kw, "backend": "reference"}), rows)
 
     decoded: list[tuple[int, ...]] = []
     real_whole = grouped._whole_values

@@ -11,7 +11,6 @@ copies made ahead and makes its own."""
 
 from __future__ import annotations
 
-import dataclasses
 import sys
 from pathlib import Path
 
@@ -26,6 +25,7 @@ from fp4gen.runtime import experts
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from test_moe import routing, run  # noqa: E402
 from test_moe_grouped import dequant_loop, pair  # noqa: E402,F401  (a fixture, used by name)
+from test_moe_grouped_quantize import with_whole  # noqa: E402
 from test_moe_grouped_tile import definition_standing_in  # noqa: E402
 
 # 16x16 and 128x128 weights (the grouped tile kernel's rowwise copy; FP8 multiplies the codes)
@@ -50,16 +50,7 @@ def _stand_ins(monkeypatch: pytest.MonkeyPatch, events: list[str]) -> None:
 
     def rows_launch(rows, counts, fmt, **kw):
         events.append("rows")
-        out = real_rows(rows, counts, fmt, **{**kw, "backend": "reference"})
-        parts = [q for q in out if q is not None]
-        out.whole = dataclasses.replace(
-            parts[0],
-            codes=torch.cat([q.codes for q in parts]),
-            scales=torch.cat([q.scales for q in parts]),
-            scale_codes=None,
-            shape=torch.Size((rows.shape[0], parts[0].shape[1])),
-        )
-        return out
+        return with_whole(real_rows(rows, counts, fmt, **{**kw, "backend": "reference"}), rows)
 
     real_tolist = torch.Tensor.tolist
 
