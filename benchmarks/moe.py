@@ -70,11 +70,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the checkout,
 
 import fp4gen  # noqa: E402
 from benchmarks.common import cuda_time_ms, require_cuda  # noqa: E402
-from fp4gen.runtime.experts import (  # noqa: E402
-    GroupedExperts,
-    set_weights_ahead,
-    weights_ahead_enabled,
-)
+from fp4gen.runtime.experts import GroupedExperts  # noqa: E402
 from fp4gen.runtime.fp8_grouped import set_grouped_fp8  # noqa: E402
 from fp4gen.runtime.fp8_kgrouped import set_k_grouped_fp8  # noqa: E402
 from fp4gen.runtime.grouped import set_grouped_product, set_grouped_quantize  # noqa: E402
@@ -317,14 +313,11 @@ def recipe_rows(
     quantize_per_expert: bool = False,
     fp8_per_expert: bool = False,
     loop: bool = True,
-    weights_ahead_ab: bool = False,
 ) -> None:
     """Print each recipe's row (with the issue's goal where it has one, on CUDA), and
     ``<recipe> loop`` after it where its experts ran grouped (unless not ``loop``); with
     ``quantize_per_expert`` also ``<recipe> quantize per expert`` (grouped GEMMs, the grouped
-    quantize turned off); with ``weights_ahead_ab`` also ``<recipe> weights ahead`` or
-    ``<recipe> weights after routing`` (the experts' weight operands made the other way than
-    the setting in force: ``experts.set_weights_ahead``); with
+    quantize turned off); with
     ``fp8_per_expert`` also ``<recipe> fp8 GEMMs per expert`` (the grouped FP8 GEMM off)."""
     for recipe in recipes:
         model = fp4gen.convert(make(BASELINE), recipe)
@@ -344,16 +337,6 @@ def recipe_rows(
             finally:
                 set_grouped_quantize(previous)
             print_row(f"{recipe} quantize per expert", ms, base, peak, "grouped GEMMs")
-            del model
-        if grouped and weights_ahead_ab:
-            current = set_weights_ahead(not weights_ahead_enabled())
-            try:
-                model = fp4gen.convert(make(BASELINE), recipe)
-                ms, peak = measure(model)
-            finally:
-                set_weights_ahead(current)
-            other = "weights after routing" if current else "weights ahead"
-            print_row(f"{recipe} {other}", ms, base, peak, "grouped GEMMs")
             del model
         if grouped and fp8_per_expert:
             previous = set_grouped_fp8(False)
@@ -434,7 +417,6 @@ def layer_section(args: argparse.Namespace, device: str, recipes: list[str]) -> 
             recipe_rows(
                 make, recipes, device, measure, base, "layer",
                 args.quantize_per_expert, args.fp8_per_expert, not args.no_loop,
-                args.weights_ahead_ab,
             )  # fmt: skip
 
 
@@ -487,7 +469,6 @@ def model_section(args: argparse.Namespace, device: str, recipes: list[str]) -> 
     recipe_rows(
         make, recipes, device, measure, base, "model",
         args.quantize_per_expert, args.fp8_per_expert, not args.no_loop,
-        args.weights_ahead_ab,
     )  # fmt: skip
 
 
@@ -526,18 +507,6 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="also each grouped recipe with the grouped FP8 GEMM off "
         "(fp4gen.runtime.fp8_grouped.set_grouped_fp8)",
-    )
-    parser.add_argument(
-        "--weights-ahead",
-        choices=["on", "off"],
-        help="the experts' weight operands made before the routing's wait (on) or in each "
-        "projection's forward (off) for the recipe rows (fp4gen.runtime.experts."
-        "set_weights_ahead; default: the library's setting)",
-    )
-    parser.add_argument(
-        "--weights-ahead-ab",
-        action="store_true",
-        help="also each grouped recipe with its weight operands made the other way",
     )
     parser.add_argument(
         "--no-loop",
@@ -582,16 +551,12 @@ def main(argv: list[str] | None = None) -> int:
     # the grouped FP8 GEMM is the default; made sure of here, since the rows name it
     previous_fp8 = set_grouped_fp8(True)
     previous_k = set_k_grouped_fp8(not args.fp8_wgrad_per_expert)
-    previous_ahead = weights_ahead_enabled()
-    if args.weights_ahead is not None:
-        set_weights_ahead(args.weights_ahead == "on")
-    ahead = "before" if weights_ahead_enabled() else "after"
     where = torch.cuda.get_device_name() if args.device == "cuda" else "CPU (smoke run)"
     wgrad = "per expert" if args.fp8_wgrad_per_expert else "K-grouped"
     print(
         f"fp4gen MoE benchmark on {where}, torch {torch.__version__}, grouped experts' "
         f"products {args.grouped_product}, grouped quantize on, grouped FP8 GEMM on, FP8 "
-        f"wgrad {wgrad}, experts' weights made {ahead} the routing's wait"
+        f"wgrad {wgrad}"
     )
     try:
         # a torch.profiler session leaves every later launch of the process slower (6.9 -> 9.5
@@ -613,7 +578,6 @@ def main(argv: list[str] | None = None) -> int:
         set_grouped_quantize(previous_quantize)
         set_grouped_fp8(previous_fp8)
         set_k_grouped_fp8(previous_k)
-        set_weights_ahead(previous_ahead)
     return 0
 
 

@@ -33,19 +33,6 @@ def fp8_prepared_on() -> Iterator[None]:
     gemm_dispatch.set_fp8_prepared(previous)
 
 
-@pytest.fixture
-def weights_after_routing() -> Iterator[None]:
-    """Grouped experts make their weight operands in each projection's forward, after the
-    routing (``experts.set_weights_ahead(False)``), for a test that counts a step's launches:
-    made ahead, the weights of a step with an expert without tokens are made twice. Put back
-    after."""
-    from fp4gen.runtime import experts
-
-    previous = experts.set_weights_ahead(False)
-    yield
-    experts.set_weights_ahead(previous)
-
-
 def pytest_runtest_logreport(report: pytest.TestReport) -> None:
     path = os.environ.get("FP4GEN_TEST_FAILURES")
     # under xdist the controller writes it (a worker's report reaches it at once), not both

@@ -178,23 +178,3 @@ def test_no_loop_leaves_out_the_per_expert_rows(capsys, monkeypatch) -> None:
         )
         assert [name for name, _ in rows(capsys.readouterr().out)] == want
         assert len(measured) == len(want)
-    # --weights-ahead-ab: the same recipe with the weights made the other way, then put back
-    seen: list[bool] = []
-
-    def measure_setting(m):
-        seen.append(moe.weights_ahead_enabled())
-        return 2.0, None
-
-    for setting, other in ((False, "weights ahead"), (True, "weights after routing")):
-        previous = moe.set_weights_ahead(setting)
-        try:
-            moe.recipe_rows(
-                lambda name: model, ["nvfp4_small"], "cpu", measure_setting, 1.0, "layer",
-                loop=False, weights_ahead_ab=True,
-            )  # fmt: skip
-            assert moe.weights_ahead_enabled() is setting  # put back after the row
-        finally:
-            moe.set_weights_ahead(previous)
-        names = [name for name, _ in rows(capsys.readouterr().out)]
-        assert names == ["nvfp4_small", f"nvfp4_small {other}"]
-        assert seen[-2:] == [setting, not setting]

@@ -352,12 +352,7 @@ ALL_SR_PER_TENSOR = "operands {\n * : nvfp4 round stochastic8 global per tensor\
 @pytest.mark.parametrize("arch", ["mixtral", "gpt_oss"])
 @pytest.mark.parametrize("recipe", [ONE_D_PER_TENSOR, ALL_SR_PER_TENSOR])
 @pytest.mark.usefixtures("dequant_loop")
-def test_grouped_quantize_per_tensor_gives_the_loops_bits(
-    monkeypatch,
-    arch,
-    recipe,
-    weights_after_routing,  # launches counted per step
-) -> None:
+def test_grouped_quantize_per_tensor_gives_the_loops_bits(monkeypatch, arch, recipe) -> None:
     """The grouped path with its grouped quantize per tensor (the reference definition standing
     in for the kernels, so this runs on the CPU): the tokens of the three experts with tokens in
     one call, the batched weights and W^T of all four experts (the weights' amax is over every

@@ -307,13 +307,7 @@ RECIPES = {"all_sr": ALL_SR, "1d_weights": ONE_D}
 
 @pytest.mark.parametrize("arch", ["mixtral", "gpt_oss"])
 @pytest.mark.parametrize("recipe", ["nvfp4_no_bf16", "1d_weights", "all_sr"])
-def test_grouped_operands_are_the_loops_bits(
-    monkeypatch,
-    dequant_loop,  # noqa: F811
-    arch,
-    recipe,
-    weights_after_routing,  # launches counted per step
-) -> None:
+def test_grouped_operands_are_the_loops_bits(monkeypatch, dequant_loop, arch, recipe) -> None:  # noqa: F811
     """The grouped path with its grouped quantize (the per-group definition standing in for the
     kernels, so this runs on the CPU): every expert's seed, Philox offset, padding, batched
     weight layout (gpt-oss's transposed [E, in, out] too) and group order as its own layer's

@@ -444,7 +444,6 @@ def test_grouped_tile_operands_are_the_loops_bits(
     arch,
     recipe,
     every,
-    weights_after_routing,  # launches counted per step
 ) -> None:
     """The grouped path with its grouped tile quantize (the definition standing in for the
     kernels, so this runs on the CPU): every expert's wgrad activation, gradient pair and 2D

@@ -52,8 +52,8 @@ from torch import nn
 from fp4gen.dsl.model import MoRSpec, Operand, OperandTable, Recipe
 from fp4gen.errors import TensorError
 from fp4gen.formats import HighPrecision
-from fp4gen.runtime import finite, ops
-from fp4gen.runtime.grouped import Ahead, GroupedProjection, Groups, pass_reason, weights_ahead
+from fp4gen.runtime import ops
+from fp4gen.runtime.grouped import GroupedProjection, Groups, pass_reason
 from fp4gen.runtime.grouped_scope import (
     BACKWARD_SLOTS,
     FORWARD_SLOTS,
@@ -72,29 +72,6 @@ from fp4gen.runtime.schedule import TrainingClock
 EXPERT_SEED_STRIDE = 2**32
 log = logging.getLogger(__name__)
 _logged: set[str] = set()
-
-# routed rows per expert from which the experts' weight operands are made before the routing is
-# known (``GroupedExperts._weights_ahead``): at 16 rows per expert on average, an expert with
-# none is rare under any router that spreads its tokens
-AHEAD_ROWS_PER_EXPERT = 16
-# off until its GPU test and timing have run (docs/moe.md, "Weights made before the routing's
-# wait")
-_weights_ahead_on = [False]
-
-
-def set_weights_ahead(enabled: bool) -> bool:
-    """Whether grouped experts make their fprop weight operands before the host waits for the
-    routing's counts (True: ``GroupedExperts._weights_ahead``) or after, in each projection's
-    forward (False, the default for now). Process-wide, read at every call; returns the
-    previous setting. The bits are the same either way; where an expert gets no tokens, the
-    weights made ahead are dropped and made again for the experts with tokens."""
-    previous, _weights_ahead_on[0] = _weights_ahead_on[0], bool(enabled)
-    return previous
-
-
-def weights_ahead_enabled() -> bool:
-    """The setting ``set_weights_ahead`` made."""
-    return _weights_ahead_on[0]
 
 
 @dataclass(frozen=True)
@@ -398,7 +375,6 @@ class GroupedExperts(nn.Module):
         quantizes, in the same order (a stochastic rounding stream is indexed by position)."""
         lay = self.layout
         tokens = top_k_index.shape[0]
-        ahead = self._weights_ahead(tokens * top_k_index.shape[1])
         flat = top_k_index.t().reshape(-1)  # k-major: the loop's order within an expert
         with torch.no_grad():
             # an expert-parallel sentinel (outside [0, E)) sorts last, as expert E; the counts
@@ -431,39 +407,12 @@ class GroupedExperts(nn.Module):
                 ops.output_dtype(x),
                 f"{self.name or 'GroupedExperts'}.{name}",
                 [pair[proj] for pair in self.gemms],
-                # made for every expert: theirs where every expert got tokens
-                ahead[proj] if len(hit) == lay.num_experts else None,
             )
             x = GroupedProjection.apply(x, getattr(self, name), bias, groups)
             if proj == 0:
                 x = self._activation(x)
         y = x * top_k_weights[token_idx, top_k_pos, None]
         return final.index_add_(0, token_idx, y.to(final.dtype))
-
-    def _weights_ahead(self, rows: int) -> tuple[Ahead | None, Ahead | None]:
-        """Both projections' fprop weight operands for every expert, made before the host waits
-        for the routing's counts (``grouped.weights_ahead``): that wait lets the GPU run
-        everything queued before it while the host idles, so the weights' quantize (and decode)
-        launches cost no host time of their own there. Only where every expert is likely to
-        get tokens (``rows`` routed rows, at least ``AHEAD_ROWS_PER_EXPERT`` per expert; else
-        the copies of experts without tokens would be made for nothing), nothing observes the
-        experts' operands, and non-finite inputs propagate (in raise mode the forward checks
-        its inputs before quantizing them)."""
-        lay = self.layout
-        if (
-            not _weights_ahead_on[0]
-            or rows < AHEAD_ROWS_PER_EXPERT * lay.num_experts
-            or self.observe is not None
-            or finite.layer_mode() == "raise"
-        ):
-            return None, None
-        with finite.layer_scope():
-            return tuple(  # type: ignore[return-value]
-                weights_ahead(
-                    getattr(self, name), [pair[proj] for pair in self.gemms], lay.transposed
-                )
-                for proj, name in enumerate(lay.weights)
-            )
 
     def loop_reason(self, table: OperandTable, device: torch.device) -> str | None:
         """Why the experts' GEMMs run expert by expert under ``table`` on ``device``, or None

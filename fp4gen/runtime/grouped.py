@@ -188,9 +188,6 @@ class Groups:
     # every expert's GEMM layer of the projection, by expert index (a per-tensor weight slot's
     # amax is over all of them: fp4gen.runtime.grouped_scope); None: ``layers`` are all
     every_layer: list[Any] | None = None
-    # the fprop weight operands made before the routing was known (``weights_ahead``), for
-    # groups that hold every expert in order; None: ``_fprop`` makes them
-    ahead: Ahead | None = None
 
     @property
     def all_layers(self) -> list[Any]:
@@ -219,38 +216,6 @@ class Groups:
             return rows[op.role][slices[expert]]
 
         give_amaxes(self.layers, slots, tensor_of, self.experts, self.all_layers)
-
-
-@dataclass(frozen=True, eq=False)  # holds tensors: compared by identity
-class Ahead:
-    """A projection's fprop weight operands for every expert, quantized (and, on the dequantize
-    path, decoded) before the routing's counts are known (``weights_ahead``): what
-    ``grouped_fprop_weights`` and ``_whole_values`` give ``_fprop`` for groups of every
-    expert, made while the GPU still runs the work queued before the routing."""
-
-    operands: Any  # grouped_fprop_weights' result
-    values: torch.Tensor | None  # their block values in one decode; None on the FP8 path
-
-
-def weights_ahead(weight: torch.Tensor, layers: list[Any], transposed: bool) -> Ahead | None:
-    """The fprop weight operands of every expert of one projection (``layers``: its GEMM layers
-    by expert index), made before the routing is known: a weight's copies do not depend on
-    which tokens an expert gets, and where every expert gets some (``_fprop``'s groups then
-    hold every expert in order) they are the operands ``_fprop`` would make, the same launches
-    with the same seeds, call counts and offsets, only earlier. None where the grouped kernels
-    do not serve them (``_fprop`` then quantizes as before)."""
-    groups = Groups(
-        list(range(len(layers))), [0] * len(layers), layers, transposed, torch.float32, ""
-    )
-    table = layers[0].operands
-    in_features = weight.shape[1] if transposed else weight.shape[2]
-    k = layers[0].fprop_k(table, in_features)
-    with torch.no_grad():
-        operands = grouped_fprop_weights(weight, groups, k)
-        if operands is None:
-            return None
-        fp8 = _fp8_pair(table.fprop_activation, table.fprop_weight)
-        return Ahead(operands, None if fp8 else _whole_values(operands))
 
 
 def _weight(weight: torch.Tensor, expert: int, transposed: bool) -> torch.Tensor:
@@ -511,8 +476,7 @@ def _fprop(
         # every expert's tokens in one launch where the grouped kernels serve (else None: each
         # expert's layer quantizes its own below)
         inputs = grouped_fprop_inputs(x, groups, k)
-        ahead = groups.ahead
-        batched = ahead.operands if ahead is not None else grouped_fprop_weights(weight, groups, k)
+        batched = grouped_fprop_weights(weight, groups, k)
         # per-tensor slots that each expert's layer quantizes below: the amax over every expert
         missing = tuple(
             op
@@ -526,7 +490,7 @@ def _fprop(
         fp8 = _fp8_pair(table0.fprop_activation, table0.fprop_weight)
         # their block values in one decode each (slices of them per expert below)
         x_all = None if fp8 else _whole_values(inputs)
-        w_all = None if fp8 else _whole_values(batched) if ahead is None else ahead.values
+        w_all = None if fp8 else _whole_values(batched)
         alpha_all = None if fp8 else _group_alphas(_scales_of(inputs), _scales_of(batched))
         whole = x_all is not None and w_all is not None and alpha_all is not None
         n_out = weight.shape[2] if groups.transposed else weight.shape[1]
