@@ -694,15 +694,12 @@ class CompiledResult:
 
 
 # what the host does in fp4gen's ops under torch.compile (the ops' bodies: the custom ops call
-# these, looked up when they run): the forward pass, the backward pass, and within the backward
-# x's wgrad copy, which the compiled backward quantizes outside any layer graph
+# these, looked up when they run): the forward pass and the backward pass
 FORWARD_OP = ((fp4gen.nn.Linear, "forward_gemm"), (layer_groups.LayerGroup, "forward_pass"))
 BACKWARD_OP = (
     (fp4gen.nn.Linear, "backward_gemms"),
     (layer_groups.LayerGroup, "backward_pass"),
-    (ops, "_backward_input"),
 )
-WGRAD_COPY = ((ops, "_backward_input"),)
 BREAKDOWN_STEPS = 3  # steps timed for the host breakdown of a compiled run
 
 
@@ -721,7 +718,6 @@ class HostBreakdown:
     optimizer_ms: float
     forward_op_ms: float
     backward_op_ms: float
-    wgrad_copy_ms: float
     passes: float
     from_graphs: float
     in_place: float
@@ -737,8 +733,8 @@ class HostBreakdown:
         eager = self.passes - self.from_graphs
         return (
             f"host ms/step: forward {self.forward_ms:.2f} (fp4gen ops {self.forward_op_ms:.2f}), "
-            f"backward {self.backward_ms:.2f} (fp4gen ops {self.backward_op_ms:.2f}, of which "
-            f"x's wgrad copies {self.wgrad_copy_ms:.2f}), optimizer {self.optimizer_ms:.2f}; "
+            f"backward {self.backward_ms:.2f} (fp4gen ops {self.backward_op_ms:.2f}), "
+            f"optimizer {self.optimizer_ms:.2f}; "
             f"fp4gen layer passes per step {self.passes:.0f}: {self.from_graphs:.0f} from layer "
             f"graphs ({self.in_place:.0f} in place, "
             f"{self.from_graphs - self.in_place - self.captured:.0f} on static copies, "
@@ -768,7 +764,7 @@ def host_breakdown(
     phases.clear()
     before_forwards = linear_forwards(model)
     before = graph_stats(model)
-    with timers(FORWARD_OP, BACKWARD_OP, WGRAD_COPY) as spent:
+    with timers(FORWARD_OP, BACKWARD_OP) as spent:
         for _ in range(BREAKDOWN_STEPS):
             step()
     n = BREAKDOWN_STEPS

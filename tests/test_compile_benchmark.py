@@ -54,7 +54,7 @@ def test_compiled_rows_time_bf16_and_a_recipe_per_scope(capsys, monkeypatch) -> 
         got = (converted.passes, converted.from_graphs, converted.captured)
         assert got + (converted.timed_captures,) == (16, 0, 0, 0)
         assert 0 < converted.forward_op_ms < converted.forward_ms
-        assert 0 < converted.wgrad_copy_ms < converted.backward_op_ms < converted.backward_ms
+        assert 0 < converted.backward_op_ms < converted.backward_ms
         assert converted.optimizer_ms > 0
     out = capsys.readouterr().out
     assert "x eager bf16" in out and "nvfp4_no_bf16" in out

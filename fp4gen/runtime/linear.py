@@ -328,7 +328,6 @@ class Linear(
         out_dtype: torch.dtype,
         *,
         keep_wgrad_input: bool = False,
-        fprop_copies: ops.SharedCopy | None = None,
     ) -> tuple[torch.Tensor, ops.WgradInput | None]:
         """fprop: y = Q(x) @ Q(W)^T (+ bias) [tokens, out], in fp32 rounded once to out_dtype
         (the GEMM's epilogue writes it). ``weight`` is the tensor the op was given (under FSDP2
@@ -336,12 +335,7 @@ class Linear(
 
         With ``keep_wgrad_input`` (the caller saves for a backward that computes dW) and where
         ``keeps_wgrad_input`` allows, also x's wgrad copy, quantized now rather than in the
-        backward (``fp4gen.runtime.ops``: what is saved); else None.
-
-        ``fprop_copies`` (the compiled route's, ``fp4gen.runtime.ops``): where x's fprop
-        operand of the last layer that read this x is kept, for the next one whose operand
-        is the same (``shares_fprop_input``); the layer groups' sharing, which the compiled
-        route does not run."""
+        backward (``fp4gen.runtime.ops``: what is saved); else None."""
         table = self.operands
         if self._pass_mors(table, forward=True)[1]:
             _refuse_sr_capture(x2, (table.fprop_activation, table.fprop_weight), self.name)
@@ -358,12 +352,7 @@ class Linear(
         shared = _last_copy.find(x2, share_key) if sharing else None
         own = keep and shared is None  # this call quantizes x's wgrad copy itself
         if graphs is None:
-            x_quantized = None
-            if fprop_copies is not None and self.shares_fprop_input(table, x2):
-                x_quantized = self._shared_fprop_input(x2, table, call, fprop_copies)
-            y, xq_t = self._fprop(
-                x2, weight, bias, out_dtype, table, call, gathered, own, x_quantized=x_quantized
-            )
+            y, xq_t = self._fprop(x2, weight, bias, out_dtype, table, call, gathered, own)
             kept = None if xq_t is None else ops.WgradInput.of(xq_t, x2.dtype)
         else:
             key = (

@@ -19,12 +19,11 @@ through ``save_for_backward``, so activation checkpointing and saved-tensor hook
 The copy is the one the backward would quantize (round-to-nearest only, so no random stream
 depends on when it is made): the same bits either way.
 
-Under torch.compile each layer runs alone (no layer groups), so the ops share what the eager
-route's groups and its forward share among the layers that read one x (q, k and v; gate and
-up): the forward op x's fprop operand (``_forward_copy``), the backward op x's wgrad copy
-(``_backward_input``), each through a ``SharedCopy`` and only where no random stream is drawn.
-The wgrad copy runs from the layer's graph where its passes run from layer graphs
-(``_wgrad_copy``), as the eager forward's graph makes it.
+Under torch.compile each layer runs alone: the ops share no quantized copy of x among the
+layers that read one x (q, k and v; gate and up), as the eager route's layer groups do. Nothing
+at run time can prove that two calls read one x there: inductor writes a later tensor into a
+buffer it reuses, the same Python object at the same address, without bumping its version
+counter, so a copy kept by identity would serve a layer another x's bits.
 
 The ops' schemas are written out (``_LIBRARY.define``), with one kernel each, a fake kernel
 and the forward's autograd formula registered through ``torch.library``.
@@ -44,7 +43,6 @@ from fp4gen.gemm_dispatch import fp8_semantics_setting
 from fp4gen.numerics import QuantizedTensor
 from fp4gen.numerics.quantize import QuantizedLayout
 from fp4gen.runtime import finite
-from fp4gen.runtime.device_memory import pooled
 
 _layers: "weakref.WeakValueDictionary[int, Any]" = weakref.WeakValueDictionary()
 _ids = itertools.count()
@@ -249,16 +247,12 @@ def _linear_forward(
     """y = Q(x) @ Q(W)^T (+ bias), computed in fp32 and rounded once to ``out_dtype``, for x2
     [tokens, in] and weight [out, in]."""
     layer = _layer(layer_id)
-    if _backward_copy.source is not None:  # a forward: the backward that could share it is over
-        _backward_copy.forget()
     with finite.layer_scope():  # non-finite inputs: propagated as NaN, or raised at the end
         if finite.checks_given():  # asked once for both (the propagating default: no check)
             label = layer.name or "fp4gen.nn.Linear"
             finite.check_given(x2, "{}: the input (as [tokens, in]) of shape {}", label, x2.shape)
             finite.check_given(weight, "{}: the weight of shape {}", label, weight.shape)
-        # layers reading the same x in a row share its fprop operand, as the eager route's
-        # layer groups do (``Linear.forward_gemm``)
-        y = layer.forward_gemm(x2, weight, bias, out_dtype, fprop_copies=_forward_copy)[0]
+        y = layer.forward_gemm(x2, weight, bias, out_dtype)[0]
         return row_major(y)
 
 
@@ -278,109 +272,10 @@ def _linear_backward(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(dx [tokens, in] in x2's dtype, dW [out, in] in the weight's) from dy2 [tokens, out]."""
     layer = _layer(layer_id)
-    if _forward_copy.source is not None:  # a backward: the forward that could share it is over
-        _forward_copy.forget()
     with finite.layer_scope():
         check_output_grad(layer.name, dy2)
-        table = layer.operands  # looked up once for the wgrad copy and the GEMMs
-        x = _backward_input(layer, x2, table)
-        dx, dw = layer.backward_gemms(dy2, x, weight, table=table)
+        dx, dw = layer.backward_gemms(dy2, x2, weight)
         return row_major(dx), row_major(dw)
-
-
-class SharedCopy:
-    """One quantized copy of an x, for the next layer that reads the same x (a Llama's q, k and
-    v projections; gate and up) under torch.compile, where the custom op runs each layer alone.
-
-    It is the same x when its tensor (the base of x2's view) is alive and the same object, with
-    the same address, layout, dtype and version counter (an in-place write bumps it), and the
-    copy's key (what the copy depends on besides x, given by the layer) is equal. Holds x weakly
-    (x's memory cannot be reused while the weak reference resolves) and one copy at a time."""
-
-    def __init__(self) -> None:
-        self.source: weakref.ref[torch.Tensor] | None = None
-        self.key: tuple[Any, ...] = ()
-        self.copy: Any = None
-
-    @staticmethod
-    def _identity(x2: torch.Tensor, key: tuple[Any, ...]) -> tuple[Any, ...]:
-        return (x2.data_ptr(), x2._version, x2.shape, x2.stride(), x2.dtype, x2.device, key)
-
-    def find(self, x2: torch.Tensor, key: tuple[Any, ...]) -> Any:
-        """The copy remembered for this x and key, else None."""
-        source = None if self.source is None else self.source()
-        base = x2 if x2._base is None else x2._base
-        if source is not base or self.key != self._identity(x2, key):
-            return None
-        return self.copy
-
-    def remember(self, x2: torch.Tensor, key: tuple[Any, ...], copy: Any) -> None:
-        """``copy`` is x2's under ``key`` (the previous copy is dropped)."""
-        base = x2 if x2._base is None else x2._base
-        self.source, self.key, self.copy = weakref.ref(base), self._identity(x2, key), copy
-
-    def forget(self) -> None:
-        self.source, self.key, self.copy = None, (), None
-
-
-def _capturing(x2: torch.Tensor) -> bool:
-    """Whether a copy kept for the next layer would land in a CUDA graph's pool (a capture, or
-    torch.compile's CUDA graph warm-up: ``device_memory.pooled``)."""
-    return x2.is_cuda and pooled(x2.device)
-
-
-def _backward_input(layer: Any, x2: torch.Tensor, table: Any) -> "torch.Tensor | WgradInput":
-    """x's wgrad copy for the compiled backward, shared by the layers that read one x.
-
-    The custom op saves x, not its wgrad copy, so each layer's backward quantized x for wgrad
-    again: a Llama's q, k and v quantized their one input three times, gate and up twice (the
-    eager route quantizes it once, in the forward: ``Linear.forward_gemm``'s shared copy).
-    Here the first backward that reads an x quantizes its copy (``Linear.wgrad_activation``)
-    and the next ones that read the same x with the same copy key (``Linear._copy_key``) take
-    it (``_backward_copy``). Only where the layer would keep the copy eagerly
-    (``keeps_wgrad_input``: round to nearest, so the bits do not depend on which layer makes
-    it) and not while a CUDA graph captures. A forward drops it. ``table``: the layer's
-    operand table now (``Linear.operands``)."""
-    if not layer.keeps_wgrad_input(table) or _capturing(x2):
-        return x2
-    key = layer._copy_key(table)
-    found = _backward_copy.find(x2, key)
-    if found is not None:
-        return found
-    copy = _wgrad_copy(layer, x2, table)
-    _backward_copy.remember(x2, key, copy)
-    return copy
-
-
-def _wgrad_copy(layer: Any, x2: torch.Tensor, table: Any) -> WgradInput:
-    """x's wgrad copy (``Linear.wgrad_activation``) for ``_backward_input``: from a layer graph
-    where the layer's backward may run from one (``Linear._graphs_for``: CUDA and the kernels'
-    backend), one graph launch instead of the quantize passes' launches from Python, its pieces
-    packed into one buffer as the eager forward's layer graph packs them (``graph_pieces``);
-    else quantized eagerly. The copy is rounded to nearest (``keeps_wgrad_input``), so the
-    graph does not depend on the call (the key leaves it out) and gives the eager bits."""
-    call = layer._backward_calls
-    graphs = layer._graphs_for(x2, table, forward=False)
-    if graphs is None:
-        return WgradInput.of(layer.wgrad_activation(x2, table, call), x2.dtype)
-    key = (
-        "wgrad copy", x2.shape, x2.dtype, layer._table_key(table), context_key(),
-        layer.backend, layer.seed,
-    )  # fmt: skip
-
-    def work(x: torch.Tensor, out: Any = None) -> Any:
-        quantized = layer.wgrad_activation(x, table, call)
-        return graph_pieces(quantized, None if out is None else out[0])
-
-    pieces, (layout, packing) = graphs.run_with_meta(key, work, (x2,), (), into=True)
-    return WgradInput(tuple(pieces), layout, x2.dtype, packing)
-
-
-# the compiled backward's shared wgrad copy (``_backward_input``) and the compiled forward's
-# shared fprop operand of x (``Linear.forward_gemm``'s ``fprop_copies``): each dropped when
-# the other pass begins, so that neither outlives the pass that could share it
-_backward_copy = SharedCopy()
-_forward_copy = SharedCopy()
 
 
 _LIBRARY.impl("linear_forward", _linear_forward, "CompositeExplicitAutograd")

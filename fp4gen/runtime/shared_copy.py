@@ -1,8 +1,7 @@
 """Sharing one quantized copy of x among the layers that read it in a row (a Llama's q, k and v
 projections; gate and up): the eager route's wgrad copy (``LastCopy``, which also reports the
 runs of layers that shared it to ``fp4gen.runtime.layer_groups``), and when a layer's copies of
-x are the same as another layer's (``CopySharing``: the copy keys, ``keeps_wgrad_input``,
-``shares_fprop_input``)."""
+x are the same as another layer's (``CopySharing``: the copy key, ``keeps_wgrad_input``)."""
 
 from __future__ import annotations
 
@@ -13,8 +12,7 @@ import torch
 
 from fp4gen.dsl.model import Operand, OperandTable
 from fp4gen.formats import BlockFormat, is_stochastic
-from fp4gen.runtime import layer_groups, ops
-from fp4gen.runtime.device_memory import pooled
+from fp4gen.runtime import layer_groups
 from fp4gen.runtime.operands import k_multiple
 
 
@@ -115,30 +113,3 @@ class CopySharing:
             and not self._reduced(Operand.WGRAD_ACTIVATION, spec)
             and not self.telemetry.every
         )
-
-    def shares_fprop_input(self, table: OperandTable, x2: torch.Tensor) -> bool:
-        """Whether x's fprop operand made for another layer serves this one too, where its
-        ``fprop_input_key`` is equal: a block format whose elements and scales round to
-        nearest (no random stream, so the bits do not depend on which layer makes it), not
-        quantized with an amax group's all-reduce, and no CUDA graph capturing."""
-        spec = table.fprop_activation
-        fmt = spec.format
-        return (
-            isinstance(fmt, BlockFormat)
-            and not is_stochastic(spec.rounding)
-            and fmt.scale.rounding != "stochastic"
-            and not self._reduced(Operand.FPROP_ACTIVATION, spec)
-            and not (x2.is_cuda and pooled(x2.device))  # nothing kept into a graph's pool
-        )
-
-    def _shared_fprop_input(
-        self, x2: torch.Tensor, table: OperandTable, call: int, copies: ops.SharedCopy
-    ) -> Any:
-        """x's fprop operand from ``copies`` where the last layer that read x made the same
-        one, else made now (``fprop_input``) and left there for the next layer."""
-        key = self.fprop_input_key(table)
-        found = copies.find(x2, key)
-        if found is None:
-            found = self.fprop_input(x2, table, call)
-            copies.remember(x2, key, found)
-        return found
