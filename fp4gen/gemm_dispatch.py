@@ -64,6 +64,7 @@ from fp4gen.errors import ArgumentError, FP4GenError, TensorError
 from fp4gen.formats import BlockFormat
 from fp4gen.numerics import QuantizedTensor, gemm_block_scaled_reference, gemm_reference
 from fp4gen.runtime.checks import check_accumulate, check_bias, check_out, check_pair
+from fp4gen.runtime.device_memory import pooled
 from fp4gen.runtime.epilogue import OUT_DTYPES, GemmProduct, finish
 from fp4gen.runtime.fp32_matmul import ieee_fp32_matmul
 
@@ -183,9 +184,11 @@ def _keep_fp8(
     prepared: Any,
 ) -> None:
     """Keep ``prepared`` for the auto calls like this FP8 one (``_prepared_fp8``): CUDA
-    operands only (a CPU call reaches a kernel path only where a test stands CUDA in), and only
-    while set_fp8_prepared is on."""
-    if a.device.type != "cuda" or not _fp8_prepared_on[0]:
+    operands only (a CPU call reaches a kernel path only where a test stands CUDA in), only
+    while set_fp8_prepared is on, and not inside a CUDA graph's pool (a capture, or
+    torch.compile's CUDA graph warm-up: a prepared call holds tensors made there, which must
+    not outlive the graph)."""
+    if a.device.type != "cuda" or not _fp8_prepared_on[0] or pooled(a.device):
         return
     if len(_prepared_fp8) >= 256:  # shapes that keep changing: cleared, not grown without end
         _prepared_fp8.clear()

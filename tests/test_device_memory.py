@@ -48,6 +48,7 @@ def test_pooled_sees_a_capture_and_torch_compiles_cuda_graph_warm_up(monkeypatch
     trees.get_manager = lambda index, create_if_none_exists=True: Manager()  # type: ignore[attr-defined]
     monkeypatch.setitem(sys.modules, "torch._inductor.cudagraph_trees", trees)
     monkeypatch.setattr(device_memory, "capturing", lambda: False)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     current = {"stream": "the user's stream"}
     monkeypatch.setattr(torch.cuda, "current_stream", lambda index=None: current["stream"])
     assert not device_memory.pooled(0)

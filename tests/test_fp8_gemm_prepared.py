@@ -344,3 +344,23 @@ def test_a_prepared_call_with_a_bias_is_the_full_path(route, out_dtype, bias_dty
             for i, (x, want) in enumerate(zip(got, by_full, strict=True)):
                 if i != 6:
                     assert same_tensor(x, want)
+
+
+def test_no_prepared_call_is_kept_inside_a_cuda_graph_pool(monkeypatch) -> None:
+    """A prepared FP8 call made inside a CUDA graph's pool (a capture, or torch.compile's CUDA
+    graph warm-up, where it would hold tensors the graph's pool owns: reduce-overhead then
+    fails with "tensor(s) in the cudagraph pool not tracked as outputs") is not kept; outside
+    one it is. CUDA operands stood in."""
+    from types import SimpleNamespace
+
+    cuda = torch.device("cuda", 0)
+    a = SimpleNamespace(format=object(), rows=128, cols=256, device=cuda)
+    b = SimpleNamespace(format=object(), rows=64)
+    gemm_dispatch._prepared_fp8.clear()
+    try:
+        for inside, kept in ((True, False), (False, True)):
+            monkeypatch.setattr(gemm_dispatch, "pooled", lambda device, inside=inside: inside)
+            gemm_dispatch._keep_fp8(a, b, torch.bfloat16, None, "the prepared call")
+            assert bool(gemm_dispatch._prepared_fp8) is kept
+    finally:
+        gemm_dispatch._prepared_fp8.clear()

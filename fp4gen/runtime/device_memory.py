@@ -48,6 +48,8 @@ def pooled(device: torch.device | int) -> bool:
     while it holds."""
     if isinstance(device, torch.device) and device.type != "cuda":
         return False
+    if not torch.cuda.is_available():
+        return False  # no CUDA (tests standing it in on the CPU): no graph's pool
     if capturing():
         return True
     trees = sys.modules.get("torch._inductor.cudagraph_trees")  # not imported: no warm-up
