@@ -189,6 +189,78 @@ def test_torch_compile_reduce_overhead_equals_eager(monkeypatch) -> None:
         torch.testing.assert_close(db, want_db, rtol=1e-5, atol=1e-5 * float(dy.abs().sum(0).max()))
 
 
+class _Siblings(torch.nn.Module):
+    """Three layers that read one x (a Llama's q, k and v), side by side into a fourth."""
+
+    def __init__(self, recipe: str) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        r = load_recipe(recipe)
+        self.a, self.b, self.c = (
+            fp4gen.nn.Linear(256, 192, recipe=r, seed=7 + n, device="cuda", name=name)
+            for n, name in enumerate("abc")
+        )
+        self.o = fp4gen.nn.Linear(576, 192, recipe=r, seed=11, device="cuda", name="o")
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.o(torch.cat([self.a(x), self.b(x), self.c(x)], -1))
+
+
+@pytest.mark.parametrize("recipe", [RNE, "fp8_blockwise.fp4r"])
+def test_reduce_overhead_shares_x_copies_inside_the_graph(monkeypatch, recipe: str) -> None:
+    """Under torch.compile(mode="reduce-overhead") the layers reading one x run as one op
+    (fp4gen.runtime.compile_sharing) and share x's fprop operand and wgrad copy inside the
+    recorded graph: the warm-up and the recording quantize x once for fprop for a, b and c and
+    once for o, and make one wgrad copy for a, b and c and one for o; the graph is recorded (no
+    cudagraph skips) and every step, replays included, is eager's bit for bit in y and dW (dx
+    sums three layers' dx in inductor's order: 2 ulps of the largest)."""
+    from torch._dynamo.utils import counters
+
+    from fp4gen.dsl.model import Operand
+    from fp4gen.runtime import linear
+
+    monkeypatch.setenv("FP4GEN_LAYER_GRAPHS", "0")
+    fprops: list[str] = []
+    copies: list[str] = []
+    quantize, wgrad = linear.Linear.quantize, linear.Linear.wgrad_activation
+
+    def counted_quantize(self, t, op, *args, **kwargs):
+        if op is Operand.FPROP_ACTIVATION:
+            fprops.append(self.name)
+        return quantize(self, t, op, *args, **kwargs)
+
+    def counted_wgrad(self, *args, **kwargs):
+        copies.append(self.name)
+        return wgrad(self, *args, **kwargs)
+
+    monkeypatch.setattr(linear.Linear, "quantize", counted_quantize)
+    monkeypatch.setattr(linear.Linear, "wgrad_activation", counted_wgrad)
+    eager, graphed = _Siblings(recipe), _Siblings(recipe)
+    x = torch.randn(128, 256, device="cuda")
+    dy = torch.randn(128, 192, device="cuda")
+    want = _step(eager, x, dy)
+    torch._dynamo.reset()
+    counters.clear()
+    compiled = torch.compile(graphed, mode="reduce-overhead")
+    per_step = []
+    for _ in range(4):  # warm-up, recording, then replays
+        fprops.clear()
+        copies.clear()
+        got = _step(compiled, x, dy)
+        per_step.append((len(fprops), len(copies)))
+        assert torch.equal(got[0], want[0])
+        scale = float(want[1].abs().max())
+        torch.testing.assert_close(got[1], want[1], rtol=0, atol=2 * scale * 2**-23)
+        names = [n for n, _ in graphed.named_parameters()]
+        for name, g, w in zip(names, got[2], want[2], strict=True):
+            if name.endswith("weight"):
+                assert torch.equal(g, w), name
+    torch._dynamo.reset()
+    assert not counters["inductor"]["cudagraph_skips"], dict(counters["inductor"])
+    assert per_step[:2] == [(2, 2), (2, 2)]  # the warm-up, the recording: shared
+    assert per_step[2:] == [(0, 0), (0, 0)]  # replays: no Python
+
+
 def test_graphs_capture_again_after_earlier_graphs_are_gone(monkeypatch) -> None:
     """Layers graphed, run and deleted, then new layers of other recipes graphed in the same
     process: every capture succeeds. (A buffer kept by a cache but made during a capture

@@ -328,6 +328,7 @@ class Linear(
         out_dtype: torch.dtype,
         *,
         keep_wgrad_input: bool = False,
+        fprop_copies: dict[Any, Any] | None = None,
     ) -> tuple[torch.Tensor, ops.WgradInput | None]:
         """fprop: y = Q(x) @ Q(W)^T (+ bias) [tokens, out], in fp32 rounded once to out_dtype
         (the GEMM's epilogue writes it). ``weight`` is the tensor the op was given (under FSDP2
@@ -335,7 +336,12 @@ class Linear(
 
         With ``keep_wgrad_input`` (the caller saves for a backward that computes dW) and where
         ``keeps_wgrad_input`` allows, also x's wgrad copy, quantized now rather than in the
-        backward (``fp4gen.runtime.ops``: what is saved); else None."""
+        backward (``fp4gen.runtime.ops``: what is saved); else None.
+
+        ``fprop_copies``: x's fprop operands already made for other layers that read this very
+        x, by ``fprop_input_key`` (one compiled op running the layers that read one x:
+        ``fp4gen.runtime.compile_sharing``); this layer takes its operand there where it
+        ``shares_fprop_input``, or leaves its own for the next."""
         table = self.operands
         if self._pass_mors(table, forward=True)[1]:
             _refuse_sr_capture(x2, (table.fprop_activation, table.fprop_weight), self.name)
@@ -345,6 +351,9 @@ class Linear(
         # itself: used as it is, eagerly (a layer graph keys the weight by its address)
         gathered = _gathered_operand(weight, table, self.name)
         graphs = None if gathered is not None else self._graphs_for(x2, table, forward=True)
+        shares = fprop_copies is not None and self.shares_fprop_input(table)
+        if shares and graphs is not None and x2.is_cuda and pooled(x2.device):
+            graphs = None  # a capture runs a layer graph's work as it is: share the operand
         # layers reading the same x in a row (q, k and v; gate and up) share one copy, eagerly
         # or from layer graphs (the first layer's graph makes it, the others' graphs skip it)
         sharing = keep and not (x2.is_cuda and pooled(x2.device))
@@ -352,7 +361,13 @@ class Linear(
         shared = _last_copy.find(x2, share_key) if sharing else None
         own = keep and shared is None  # this call quantizes x's wgrad copy itself
         if graphs is None:
-            y, xq_t = self._fprop(x2, weight, bias, out_dtype, table, call, gathered, own)
+            x_quantized = None
+            if shares:
+                assert fprop_copies is not None
+                x_quantized = self._shared_fprop_input(x2, table, call, fprop_copies)
+            y, xq_t = self._fprop(
+                x2, weight, bias, out_dtype, table, call, gathered, own, x_quantized=x_quantized
+            )
             kept = None if xq_t is None else ops.WgradInput.of(xq_t, x2.dtype)
         else:
             key = (

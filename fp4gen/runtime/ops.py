@@ -19,11 +19,11 @@ through ``save_for_backward``, so activation checkpointing and saved-tensor hook
 The copy is the one the backward would quantize (round-to-nearest only, so no random stream
 depends on when it is made): the same bits either way.
 
-Under torch.compile each layer runs alone: the ops share no quantized copy of x among the
-layers that read one x (q, k and v; gate and up), as the eager route's layer groups do. Nothing
-at run time can prove that two calls read one x there: inductor writes a later tensor into a
-buffer it reuses, the same Python object at the same address, without bumping its version
-counter, so a copy kept by identity would serve a layer another x's bits.
+Under torch.compile each op runs one layer, and whether two ops read one x cannot be decided
+when they run: inductor writes a later tensor into a buffer it reuses, the same Python object at
+the same address, without bumping its version counter. The graph decides it: an inductor pass
+merges the ops that read one x into one op whose layers share x's fprop operand and wgrad copy
+(``fp4gen.runtime.compile_sharing``).
 
 The ops' schemas are written out (``_LIBRARY.define``), with one kernel each, a fake kernel
 and the forward's autograd formula registered through ``torch.library``.
@@ -264,6 +264,7 @@ def _(
     layer_id: int,
     out_dtype: torch.dtype,
 ):
+    _install_sharing()
     return x2.new_empty((x2.shape[0], weight.shape[0]), dtype=out_dtype)
 
 
@@ -286,7 +287,16 @@ linear_backward = torch.ops.fp4gen.linear_backward.default
 
 @torch.library.register_fake("fp4gen::linear_backward", lib=_LIBRARY)
 def _(dy2: torch.Tensor, x2: torch.Tensor, weight: torch.Tensor, layer_id: int):
+    _install_sharing()
     return x2.new_empty(x2.shape), weight.new_empty(weight.shape)
+
+
+def _install_sharing() -> None:
+    """The compile pass that merges the ops reading one x, so that they share its quantized
+    copies (``fp4gen.runtime.compile_sharing``): put in place while torch.compile traces."""
+    from fp4gen.runtime import compile_sharing  # inductor's modules: imported when compiling
+
+    compile_sharing.install()
 
 
 def _setup_context(ctx: Any, inputs: tuple, output: torch.Tensor) -> None:

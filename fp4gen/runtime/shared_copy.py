@@ -1,7 +1,8 @@
 """Sharing one quantized copy of x among the layers that read it in a row (a Llama's q, k and v
 projections; gate and up): the eager route's wgrad copy (``LastCopy``, which also reports the
 runs of layers that shared it to ``fp4gen.runtime.layer_groups``), and when a layer's copies of
-x are the same as another layer's (``CopySharing``: the copy key, ``keeps_wgrad_input``)."""
+x are the same as another layer's (``CopySharing``: the copy key, ``keeps_wgrad_input``,
+``shares_fprop_input``)."""
 
 from __future__ import annotations
 
@@ -113,3 +114,28 @@ class CopySharing:
             and not self._reduced(Operand.WGRAD_ACTIVATION, spec)
             and not self.telemetry.every
         )
+
+    def shares_fprop_input(self, table: OperandTable) -> bool:
+        """Whether x's fprop operand made for another layer that reads the same x serves this
+        one too, where its ``fprop_input_key`` is equal: a block format whose elements and
+        scales round to nearest (no random stream, so the bits do not depend on which layer
+        makes it), not quantized with an amax group's all-reduce."""
+        spec = table.fprop_activation
+        fmt = spec.format
+        return (
+            isinstance(fmt, BlockFormat)
+            and not is_stochastic(spec.rounding)
+            and fmt.scale.rounding != "stochastic"
+            and not self._reduced(Operand.FPROP_ACTIVATION, spec)
+        )
+
+    def _shared_fprop_input(
+        self, x2: torch.Tensor, table: OperandTable, call: int, copies: dict[Any, Any]
+    ) -> Any:
+        """x's fprop operand from ``copies`` (by ``fprop_input_key``) where another layer
+        reading this x made the same one, else made now (``fprop_input``) and left there."""
+        key = self.fprop_input_key(table)
+        found = copies.get(key)
+        if found is None:
+            found = copies[key] = self.fprop_input(x2, table, call)
+        return found

@@ -1,0 +1,313 @@
+"""Under torch.compile (inductor), the fp4gen ops that read one x share its quantized copies.
+
+The custom ops run each layer alone, so the layers that read one x (a Llama's q, k and v; gate
+and up) would each quantize it: in the forward for fprop, in the backward for wgrad. Whether two
+ops read one x cannot be decided when they run: inductor writes a later tensor into a buffer it
+reuses (the same Python object, the same address, no version bump). The graph decides it. This
+pass runs over each post-grad graph inductor compiles (``torch._inductor.config``'s
+``post_grad_custom_pre_pass``) and merges
+
+- the ``fp4gen::linear_forward`` nodes whose x is one value (the same node, through views of
+  equal shape, stride and offset; the post-grad graph is functional) into one
+  ``fp4gen::linear_forward_group`` node before the first of them: it runs the layers in their
+  order, and those whose fprop operand is the same (``Linear.shares_fprop_input``, an equal
+  ``fprop_input_key``) take the first one's;
+- the ``fp4gen::linear_backward`` nodes whose x is one value into one
+  ``fp4gen::linear_backward_group`` node where the last of them was (the nodes between that used
+  the earlier ones' results move after it; a group is cut where a later node's inputs depend on
+  an earlier one's results): the layers whose wgrad copy is the same
+  (``Linear.keeps_wgrad_input``, an equal ``_copy_key``) take one copy, made once.
+
+Each shared copy is a local of one op call: it dies inside the call, so nothing is kept across
+ops (nothing lands in a CUDA graph's pool past the graph). Only round-to-nearest copies are
+shared, so the bits are each layer's own. ``install`` puts the pass in place (the ops' fake
+kernels call it while torch.compile traces, before inductor's passes run); a pass the user set
+there runs first. torch.compile without inductor (``backend="aot_eager"``) shares nothing.
+"""
+
+from __future__ import annotations
+
+import logging
+import operator
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+from torch import fx
+from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
+
+from fp4gen.runtime import finite
+from fp4gen.runtime.ops import WgradInput, _layer, check_output_grad, row_major
+
+log = logging.getLogger(__name__)
+
+_LIBRARY = torch.library.Library("fp4gen", "FRAGMENT")
+_LIBRARY.define(
+    "linear_forward_group(Tensor x2, Tensor[] weights, Tensor?[] biases, SymInt[] layer_ids, "
+    "ScalarType out_dtype) -> Tensor[]"
+)
+_LIBRARY.define(
+    "linear_backward_group(Tensor[] dys, Tensor x2, Tensor[] weights, SymInt[] layer_ids) "
+    "-> Tensor[]"
+)
+
+
+def _linear_forward_group(
+    x2: torch.Tensor,
+    weights: list[torch.Tensor],
+    biases: list[torch.Tensor | None],
+    layer_ids: list[int],
+    out_dtype: torch.dtype,
+) -> list[torch.Tensor]:
+    """Each layer's y = Q(x) @ Q(W)^T (+ bias), as ``fp4gen::linear_forward`` computes it, the
+    layers in order; x's fprop operand made once per ``fprop_input_key`` where it is shared."""
+    copies: dict[Any, Any] = {}  # this call's: dies with it
+    ys = []
+    with finite.layer_scope():
+        for weight, bias, layer_id in zip(weights, biases, layer_ids, strict=True):
+            layer = _layer(layer_id)
+            if finite.checks_given():
+                label = layer.name or "fp4gen.nn.Linear"
+                finite.check_given(
+                    x2, "{}: the input (as [tokens, in]) of shape {}", label, x2.shape
+                )
+                finite.check_given(weight, "{}: the weight of shape {}", label, weight.shape)
+            y = layer.forward_gemm(x2, weight, bias, out_dtype, fprop_copies=copies)[0]
+            ys.append(row_major(y))
+    return ys
+
+
+def _linear_backward_group(
+    dys: list[torch.Tensor],
+    x2: torch.Tensor,
+    weights: list[torch.Tensor],
+    layer_ids: list[int],
+) -> list[torch.Tensor]:
+    """[dx, dW] of each layer in order, as ``fp4gen::linear_backward`` computes them; x's wgrad
+    copy made once per copy key (``Linear._copy_key``) where the layer keeps one."""
+    copies: dict[Any, WgradInput] = {}  # this call's: dies with it
+    out: list[torch.Tensor] = []
+    with finite.layer_scope():
+        for dy, weight, layer_id in zip(dys, weights, layer_ids, strict=True):
+            layer = _layer(layer_id)
+            check_output_grad(layer.name, dy)
+            table = layer.operands
+            x: torch.Tensor | WgradInput = x2
+            if layer.keeps_wgrad_input(table):
+                key = layer._copy_key(table)
+                x = copies.get(key)  # type: ignore[assignment]
+                if x is None:
+                    made = layer.wgrad_activation(x2, table, layer._backward_calls)
+                    x = copies[key] = WgradInput.of(made, x2.dtype)
+            dx, dw = layer.backward_gemms(dy, x, weight, table=table)
+            out += [row_major(dx), row_major(dw)]
+    return out
+
+
+_LIBRARY.impl("linear_forward_group", _linear_forward_group, "CompositeExplicitAutograd")
+_LIBRARY.impl("linear_backward_group", _linear_backward_group, "CompositeExplicitAutograd")
+linear_forward_group = torch.ops.fp4gen.linear_forward_group.default
+linear_backward_group = torch.ops.fp4gen.linear_backward_group.default
+
+
+@torch.library.register_fake("fp4gen::linear_forward_group", lib=_LIBRARY)
+def _(x2, weights, biases, layer_ids, out_dtype):
+    return [x2.new_empty((x2.shape[0], w.shape[0]), dtype=out_dtype) for w in weights]
+
+
+@torch.library.register_fake("fp4gen::linear_backward_group", lib=_LIBRARY)
+def _(dys, x2, weights, layer_ids):
+    out = []
+    for w in weights:
+        out += [x2.new_empty(x2.shape), w.new_empty(w.shape)]
+    return out
+
+
+# views that give the same value for the same base and the same shape, stride and offset
+_VIEWS = {
+    torch.ops.aten.view.default,
+    torch.ops.aten._unsafe_view.default,
+    torch.ops.aten.reshape.default,
+    torch.ops.aten.alias.default,
+    torch.ops.aten.as_strided.default,
+}
+
+
+def _value_key(node: Any) -> tuple[Any, ...] | None:
+    """What makes two nodes' tensors one value: the node they view (through view ops) and the
+    tensor's shape, stride, offset and dtype; None where the node's tensor is unknown."""
+    val = node.meta.get("val") if isinstance(node, fx.Node) else None
+    if not isinstance(val, torch.Tensor):
+        return None
+    base = node
+    while base.op == "call_function" and base.target in _VIEWS:
+        base = base.args[0]
+    return (base, tuple(val.shape), tuple(val.stride()), val.storage_offset(), val.dtype)
+
+
+def _groups(nodes: Iterable[fx.Node], key_of) -> list[list[fx.Node]]:
+    """The nodes with an equal key (not None), two or more, each group in graph order."""
+    found: dict[Any, list[fx.Node]] = {}
+    for node in nodes:
+        key = key_of(node)
+        if key is not None:
+            found.setdefault(key, []).append(node)
+    return [group for group in found.values() if len(group) > 1]
+
+
+def _merge_forwards(graph: fx.Graph, position: dict[fx.Node, int]) -> int:
+    """Merge each group of forward ops on one x; returns how many ops were merged away."""
+    forwards = [
+        n
+        for n in graph.nodes
+        if n.target is torch.ops.fp4gen.linear_forward.default and len(n.args) == 5
+    ]
+
+    def key_of(node: fx.Node) -> Any:
+        x = _value_key(node.args[0])
+        return None if x is None else (x, node.args[4])
+
+    merged = 0
+    for group in _groups(forwards, key_of):
+        first = group[0]
+        # the group runs where its first op was: every input of the others made before it
+        group = [first] + [
+            n
+            for n in group[1:]
+            if all(
+                position.get(i, len(position)) < position[first]
+                for i in n.all_input_nodes
+                if i is not n.args[0]
+            )
+        ]
+        if len(group) < 2:
+            continue
+        with graph.inserting_before(first):
+            node = graph.call_function(
+                linear_forward_group,
+                (
+                    first.args[0],
+                    [n.args[1] for n in group],
+                    [n.args[2] for n in group],
+                    [n.args[3] for n in group],
+                    first.args[4],
+                ),
+            )
+            node.meta["val"] = [n.meta.get("val") for n in group]
+            for i, member in enumerate(group):
+                item = graph.call_function(operator.getitem, (node, i))
+                item.meta["val"] = member.meta.get("val")
+                member.replace_all_uses_with(item)
+        for member in group:
+            graph.erase_node(member)
+        merged += len(group) - 1
+    return merged
+
+
+def _merge_backwards(graph: fx.Graph) -> int:
+    """Merge each group of backward ops on one x; returns how many ops were merged away."""
+    backwards = [
+        n
+        for n in graph.nodes
+        if n.target is torch.ops.fp4gen.linear_backward.default and len(n.args) == 4
+    ]
+    merged = 0
+    for group in _groups(backwards, lambda n: _value_key(n.args[1])):
+        order = {n: i for i, n in enumerate(graph.nodes)}
+        # the ops of the group run where its last one was; a later op whose inputs depend on
+        # an earlier one's results cannot wait there: the group ends before it
+        kept = [group[0]]
+        after: set[fx.Node] = set()  # what depends on the kept ops' results, before the last
+        for member in group[1:]:
+            reach = set().union(*(_descendants(k, order, order[member]) for k in kept))
+            if any(i in reach for i in member.all_input_nodes):
+                break
+            kept.append(member)
+            after = reach
+        if len(kept) < 2:
+            continue
+        last = kept[-1]
+        # the nodes between the first and the last op that use an earlier op's results move
+        # after the group (none of them feeds a later op: checked above)
+        moving = sorted((n for n in after if n not in kept), key=order.__getitem__)
+        with graph.inserting_before(last):
+            node = graph.call_function(
+                linear_backward_group,
+                (
+                    [n.args[0] for n in kept],
+                    kept[0].args[1],
+                    [n.args[2] for n in kept],
+                    [n.args[3] for n in kept],
+                ),
+            )
+        vals: list[Any] = []
+        for n in kept:
+            vals += list(n.meta.get("val") or (None, None))
+        node.meta["val"] = vals
+        for i, member in enumerate(kept):
+            for user in list(member.users):
+                # the op's (dx, dW) are read by getitem nodes: they read the group's now
+                if user.target is not operator.getitem:
+                    raise AssertionError(f"fp4gen::linear_backward read by {user.format_node()}")
+                user.args = (node, 2 * i + user.args[1])
+            graph.erase_node(member)
+        anchor = node
+        for n in moving:
+            anchor.append(n)
+            anchor = n
+        merged += len(kept) - 1
+    return merged
+
+
+def _descendants(start: fx.Node, order: dict[fx.Node, int], before: int) -> set[fx.Node]:
+    """``start`` and every node that depends on it, up to graph position ``before``."""
+    seen: set[fx.Node] = set()
+    stack = [start]
+    while stack:
+        node = stack.pop()
+        if node in seen or order.get(node, before) >= before:
+            continue
+        seen.add(node)
+        stack.extend(node.users)
+    return seen
+
+
+class SharingPass(CustomGraphPass):
+    """The pass inductor runs over each post-grad graph (module docstring), after the pass the
+    user had set there (``then``), if any."""
+
+    def __init__(self, first: Any = None) -> None:
+        self.first = first
+
+    def __call__(self, graph: fx.Graph) -> None:
+        if self.first is not None:
+            self.first(graph)
+        if not any(n.target in _OPS for n in graph.nodes):
+            return
+        position = {n: i for i, n in enumerate(graph.nodes)}
+        merged = _merge_forwards(graph, position) + _merge_backwards(graph)
+        if merged:
+            graph.lint()
+            log.debug("fp4gen: %d compiled ops merged into groups that share x's copies", merged)
+
+    def uuid(self) -> Any:
+        # inductor's graph cache keys on it: this file's contents and the user's pass
+        first = None
+        if self.first is not None:
+            uuid = getattr(self.first, "uuid", None)
+            first = uuid() if callable(uuid) else repr(self.first)
+        return (get_hash_for_files((__file__,)), first)
+
+
+_OPS = (torch.ops.fp4gen.linear_forward.default, torch.ops.fp4gen.linear_backward.default)
+
+
+def install() -> None:
+    """Put ``SharingPass`` in ``torch._inductor.config.post_grad_custom_pre_pass`` (once; a
+    pass the user set there runs first). Called by the ops' fake kernels, which run while
+    torch.compile traces a graph with fp4gen layers, before inductor compiles it."""
+    import torch._inductor.config as inductor_config
+
+    current = inductor_config.post_grad_custom_pre_pass
+    if not isinstance(current, SharingPass):
+        inductor_config.post_grad_custom_pre_pass = SharingPass(current)
