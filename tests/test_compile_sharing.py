@@ -322,3 +322,30 @@ def test_the_pass_runs_a_pass_the_user_set_first(monkeypatch) -> None:
     installed(graph)
     assert seen == [graph]
     assert installed.uuid()[1] == repr(users_pass)
+
+
+def test_inductor_sharing_with_dynamic_shapes_autocast_and_no_grad(quantized) -> None:
+    """The pass under dynamic shapes (symbolic sizes in the views it compares), for token
+    counts that need padding (19, 40 tokens); then no_grad (a forward graph only) and bf16
+    autocast: a, b and c still quantize x once for fprop, and y is eager's bit for bit."""
+    model = Siblings("fp8_blockwise")
+    compiled = torch.compile(model, dynamic=True)
+    torch._dynamo.reset()
+    try:
+        for tokens in (19, 40):
+            x = torch.randn(2, tokens, 64)
+            want = model(x)
+            quantized.clear()
+            got = compiled(x)
+            assert fprop_activations(quantized) == ["a", "o"], tokens
+            assert torch.equal(got, want)
+        x = torch.randn(2, 16, 64)
+        for context in (torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16)):
+            with context:
+                want = model(x)
+                quantized.clear()
+                got = compiled(x)
+            assert fprop_activations(quantized) == ["a", "o"]
+            assert got.dtype == want.dtype and torch.equal(got, want)
+    finally:
+        torch._dynamo.reset()

@@ -142,7 +142,13 @@ def _value_key(node: Any) -> tuple[Any, ...] | None:
     base = node
     while base.op == "call_function" and base.target in _VIEWS:
         base = base.args[0]
-    return (base, tuple(val.shape), tuple(val.stride()), val.storage_offset(), val.dtype)
+    layout = (*val.shape, None, *val.stride(), None, val.storage_offset())
+    return (base, tuple(_symbolic(v) for v in layout), val.dtype)
+
+
+def _symbolic(v: Any) -> Any:
+    """A size as a hashable value: a symbolic size (dynamic shapes) as its expression."""
+    return v.node.expr if isinstance(v, torch.SymInt) else v
 
 
 def _groups(nodes: Iterable[fx.Node], key_of) -> list[list[fx.Node]]:
