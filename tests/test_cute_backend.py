@@ -255,3 +255,35 @@ def test_cache_built_elsewhere_loads_without_compiling(tmp_path: Path) -> None:
         pytest.skip(f"the cache was built with another toolchain (built, here): {differ}")
     result = run_script(cache)
     assert result["compiled"] == 0 and result["loaded"] == 2 and result["same"], result
+
+
+def test_a_refused_input_keeps_no_frame_or_tensor_of_its_call_alive(monkeypatch) -> None:
+    """The kept launch of an input its kernel refuses (``_Launch.refused``) holds the check's
+    message, not its error: an error's traceback would keep the frames of the call that met it
+    alive, and with them that call's tensors (under torch.compile's reduce-overhead, a layer's
+    quantized operands held in the CUDA graph's pool past the graph: the warm-up then failed).
+    ``required`` raises a fresh TensorError with the same message."""
+    import gc
+    import weakref
+
+    class Module:
+        @staticmethod
+        def check_input(x):
+            raise TensorError(f"a refused input of shape {tuple(x.shape)}")
+
+    class Loaded:
+        module = Module()
+
+    monkeypatch.setattr(cute_backend, "_kernels", lambda spec: Loaded())
+    monkeypatch.setattr(cute_backend, "_launches", {})
+    fmt = BUILTIN_FORMATS["nvfp4"]
+
+    def caller() -> weakref.ref:
+        held = torch.ones(4)  # a tensor of the calling frame
+        launch = cute_backend._launch(fmt, (("rowwise", "nearest", None),), torch.ones(8, 32))
+        assert launch.refused == "a refused input of shape (8, 32)"
+        return weakref.ref(held)
+
+    ref = caller()
+    gc.collect()
+    assert ref() is None

@@ -138,11 +138,14 @@ class _Launch:
     """What one quantize call needs that depends only on the format, the copies, the input's
     dtype and shape: found once per such key (``_launch``), not per call. ``kernels`` is the
     loaded kernels or the reason there are none (an Unsupported); ``refused`` the input check's
-    error for this shape (None: accepted)."""
+    error message for this shape (None: accepted). The message, not the error: a kept
+    exception's traceback would keep the frames of the call that met it alive, and with them
+    that call's tensors (a layer's quantized operands, held in a CUDA graph's pool past the
+    graph, which torch.compile's reduce-overhead refuses)."""
 
     spec: QuantKernelSpec
     kernels: Any
-    refused: TensorError | None
+    refused: str | None
     nan_scale: bool  # a NaN or Inf input makes every copy's S_dec NaN (the kernels see to it)
 
 
@@ -196,7 +199,7 @@ def _launch(
         try:
             check(x)
         except TensorError as err:
-            refused = err
+            refused = str(err)
     nan_scale = not isinstance(kernels, Unsupported) and getattr(
         kernels.module, "NONFINITE_TO_NAN_SCALE", False
     )
@@ -243,7 +246,7 @@ def quantize_cute(
         return unavailable(kernels.reason)
     if launch.refused is not None:
         if required:
-            raise launch.refused
+            raise TensorError(launch.refused)
         _log_once(f"{launch.spec.name} does not take this input ({launch.refused})")
         return None
     flag = (
