@@ -8,6 +8,9 @@ another x's copy (a max error of 27: ``test_inductor_reusing_an_input_buffer_giv
 from __future__ import annotations
 
 import operator
+import sys
+from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -16,6 +19,9 @@ from torch import nn
 import fp4gen
 from fp4gen.dsl.model import Operand
 from fp4gen.runtime import compile_sharing, linear
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from test_compile_graph_breaks import llama  # noqa: E402  (a converted 2-block Llama)
 
 
 @pytest.fixture
@@ -68,41 +74,38 @@ def test_inductor_reusing_an_input_buffer_gives_eager_bits(quantized, recipe: st
     assert torch.equal(got, want), float((got - want).abs().max())
 
 
-def test_aot_eager_llama_steps_give_eager_bits_sharing_nothing(quantized) -> None:
-    """A third training step of a 2-layer Llama (nvfp4_no_bf16: x's fprop operand rounded to
-    nearest, the gradients stochastically), eager and compiled with aot_eager (no inductor, so
-    no sharing pass): the loss and every gradient bit for bit; eagerly x is quantized for fprop
-    once per layer group (8 a step: q/k/v, o, gate/up, down per block), compiled once per
-    layer (14)."""
-    transformers = pytest.importorskip("transformers")
-    config = transformers.LlamaConfig(
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=4,
-        vocab_size=256,
-        max_position_embeddings=64,
-    )
+def third_llama_steps(compile_model, *counted: list) -> list[tuple[tuple[list, ...], Any, list]]:
+    """A third training step of a 2-block Llama (nvfp4_no_bf16: x's copies rounded to nearest,
+    the gradients stochastically), eagerly, then compiled by ``compile_model(model)`` (which
+    returns what to run): (the calls each of ``counted`` saw in that step, loss, gradients) of
+    each."""
     ids = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(4))
     results = []
     for compiled in (False, True):
-        torch.manual_seed(0)
-        model = transformers.LlamaForCausalLM(config)
-        fp4gen.convert(model, "nvfp4_no_bf16", total_steps=10)
+        model = llama("nvfp4_no_bf16")
         torch._dynamo.reset()
-        run = torch.compile(model, backend="aot_eager") if compiled else model
+        run = compile_model(model) if compiled else model
         for step in range(3):  # eager groups form after two forwards (layer_groups.SIGHTINGS)
             fp4gen.set_step(model, step)
             model.zero_grad()
-            quantized.clear()
+            for calls in counted:
+                calls.clear()
             loss = run(input_ids=ids, labels=ids).loss
             loss.backward()
-        fprops = len(fprop_activations(quantized))
-        results.append((fprops, loss.detach(), [p.grad for p in model.parameters()]))
+        seen = tuple(list(calls) for calls in counted)
+        results.append((seen, loss.detach(), [p.grad for p in model.parameters()]))
     torch._dynamo.reset()
-    (eager_fprops, eager_loss, eager_grads), (fprops, loss, grads) = results
-    assert (eager_fprops, fprops) == (8, 14)
+    return results
+
+
+def test_aot_eager_llama_steps_give_eager_bits_sharing_nothing(quantized) -> None:
+    """Compiled with aot_eager (no inductor, so no sharing pass): the loss and every gradient
+    are eager mode's bit for bit; eagerly x is quantized for fprop once per layer group (8 a
+    step: q/k/v, o, gate/up, down per block), compiled once per layer (14)."""
+    ((eager_calls,), eager_loss, eager_grads), ((calls,), loss, grads) = third_llama_steps(
+        lambda model: torch.compile(model, backend="aot_eager"), quantized
+    )
+    assert (len(fprop_activations(eager_calls)), len(fprop_activations(calls))) == (8, 14)
     assert torch.equal(loss, eager_loss)
     for a, b in zip(eager_grads, grads, strict=True):
         assert torch.equal(a, b)
@@ -196,38 +199,18 @@ def test_inductor_llama_blocks_share_as_eager_layer_groups(quantized, wgrad_copi
     times a step and 8 wgrad copies, as the eager route's layer groups do (q/k/v, o, gate/up,
     down per block), not 14 each; the loss is eager's up to inductor's own fp32 arithmetic
     around the layers (norms, softmax: 1e-5 relative)."""
-    transformers = pytest.importorskip("transformers")
-    config = transformers.LlamaConfig(
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=4,
-        vocab_size=256,
-        max_position_embeddings=64,
-    )
-    ids = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(4))
-    results = []
-    for compiled in (False, True):
-        torch.manual_seed(0)
-        model = transformers.LlamaForCausalLM(config)
-        fp4gen.convert(model, "nvfp4_no_bf16", total_steps=10)
-        torch._dynamo.reset()
-        if compiled:
-            for block in model.model.layers:
-                block.compile()
-        for step in range(3):  # eager groups form after two forwards (layer_groups.SIGHTINGS)
-            fp4gen.set_step(model, step)
-            model.zero_grad()
-            quantized.clear()
-            wgrad_copies.clear()
-            loss = model(input_ids=ids, labels=ids).loss
-            loss.backward()
-        results.append((len(fprop_activations(quantized)), len(wgrad_copies), loss.detach()))
-    torch._dynamo.reset()
-    (eager_fprops, eager_copies, eager_loss), (fprops, copies, loss) = results
-    assert (eager_fprops, eager_copies) == (8, 8)
-    assert (fprops, copies) == (8, 8)
+    pytest.importorskip("transformers")
+
+    def per_block(model):
+        for block in model.model.layers:
+            block.compile()
+        return model
+
+    eager, compiled = third_llama_steps(per_block, quantized, wgrad_copies)
+    (eager_calls, eager_copies), eager_loss, _ = eager
+    (calls, copies), loss, _ = compiled
+    assert len(fprop_activations(eager_calls)) == len(fprop_activations(calls)) == 8
+    assert len(eager_copies) == len(copies) == 8
     torch.testing.assert_close(loss, eager_loss, rtol=1e-5, atol=0)
 
 
