@@ -285,10 +285,13 @@ def test_the_pass_groups_backward_ops_where_no_later_input_depends_on_an_earlier
         assert torch.equal(a, b)
 
 
-def test_the_pass_runs_a_pass_the_user_set_first(monkeypatch) -> None:
-    """``install`` keeps a pass the user put in inductor's slot, running it first, and keys the
-    graph cache on both."""
+@pytest.mark.parametrize("lists", [True, False])
+def test_the_pass_runs_after_a_pass_the_user_set(monkeypatch, lists: bool) -> None:
+    """``install`` keeps a pass the user put in inductor's slot, running it first: after it in
+    the list where torch takes a list of passes, else wrapping it (the graph cache keyed on
+    both); once."""
     import torch._inductor.config as inductor_config
+    from torch._inductor import custom_graph_pass
 
     seen = []
 
@@ -296,16 +299,24 @@ def test_the_pass_runs_a_pass_the_user_set_first(monkeypatch) -> None:
         seen.append(graph)
 
     monkeypatch.setattr(inductor_config, "post_grad_custom_pre_pass", users_pass)
+    if not lists:
+        monkeypatch.delattr(custom_graph_pass, "get_custom_graph_passes", raising=False)
     compile_sharing.install()
     installed = inductor_config.post_grad_custom_pre_pass
-    assert isinstance(installed, compile_sharing.SharingPass) and installed.first is users_pass
     compile_sharing.install()  # once
-    assert inductor_config.post_grad_custom_pre_pass is installed
+    assert inductor_config.post_grad_custom_pre_pass == installed
     graph = torch.fx.Graph()
     graph.output(())
-    installed(graph)
+    if lists:
+        assert installed[0] is users_pass and isinstance(installed[1], compile_sharing.SharingPass)
+        for each in installed:
+            each(graph)
+    else:
+        assert isinstance(installed, compile_sharing.SharingPass)
+        assert installed.first == (users_pass,)
+        assert installed.uuid()[1] == (repr(users_pass),)
+        installed(graph)
     assert seen == [graph]
-    assert installed.uuid()[1] == repr(users_pass)
 
 
 def test_inductor_sharing_with_dynamic_shapes_autocast_and_no_grad(quantized) -> None:

@@ -279,15 +279,16 @@ def _descendants(start: fx.Node, order: dict[fx.Node, int], before: int) -> set[
 
 
 class SharingPass(CustomGraphPass):
-    """The pass inductor runs over each post-grad graph (module docstring), after the pass the
-    user had set there (``then``), if any."""
+    """The pass inductor runs over each post-grad graph (module docstring). On a torch whose
+    slot holds one pass only (no list), it wraps the passes the user had set there
+    (``first``) and runs them before its own."""
 
-    def __init__(self, first: Any = None) -> None:
+    def __init__(self, first: tuple[Any, ...] = ()) -> None:
         self.first = first
 
     def __call__(self, graph: fx.Graph) -> None:
-        if self.first is not None:
-            self.first(graph)
+        for user_pass in self.first:
+            user_pass(graph)
         if not any(n.target in _OPS for n in graph.nodes):
             return
         position = {n: i for i, n in enumerate(graph.nodes)}
@@ -297,23 +298,34 @@ class SharingPass(CustomGraphPass):
             log.debug("fp4gen: %d compiled ops merged into groups that share x's copies", merged)
 
     def uuid(self) -> Any:
-        # inductor's graph cache keys on it: this file's contents and the user's pass
-        first = None
-        if self.first is not None:
-            uuid = getattr(self.first, "uuid", None)
-            first = uuid() if callable(uuid) else repr(self.first)
-        return (get_hash_for_files((__file__,)), first)
+        # inductor's graph cache keys on it: this file's contents and the wrapped passes
+        first = []
+        for user_pass in self.first:
+            uuid = getattr(user_pass, "uuid", None)
+            first.append(uuid() if callable(uuid) else repr(user_pass))
+        return (get_hash_for_files((__file__,)), tuple(first))
 
 
 _OPS = (torch.ops.fp4gen.linear_forward.default, torch.ops.fp4gen.linear_backward.default)
 
 
 def install() -> None:
-    """Put ``SharingPass`` in ``torch._inductor.config.post_grad_custom_pre_pass`` (once; a
-    pass the user set there runs first). Called by the ops' fake kernels, which run while
-    torch.compile traces a graph with fp4gen layers, before inductor compiles it."""
+    """Put ``SharingPass`` in ``torch._inductor.config.post_grad_custom_pre_pass`` once, after
+    the passes the user set there: appended to the list where torch takes a list of passes
+    (``custom_graph_pass.get_custom_graph_passes``), else wrapping the one pass there. Called
+    by the ops' fake kernels, which run while torch.compile traces a graph with fp4gen
+    layers, before inductor compiles it."""
     import torch._inductor.config as inductor_config
+    from torch._inductor import custom_graph_pass
 
     current = inductor_config.post_grad_custom_pre_pass
-    if not isinstance(current, SharingPass):
-        inductor_config.post_grad_custom_pre_pass = SharingPass(current)
+    if isinstance(current, list | tuple):
+        passes = tuple(current)
+    else:
+        passes = () if current is None else (current,)
+    if any(isinstance(p, SharingPass) for p in passes):
+        return
+    if hasattr(custom_graph_pass, "get_custom_graph_passes"):  # a list is taken
+        inductor_config.post_grad_custom_pre_pass = [*passes, SharingPass()]
+    else:
+        inductor_config.post_grad_custom_pre_pass = SharingPass(passes)
