@@ -37,22 +37,19 @@ class Operand(Enum):
     WGRAD_GRADIENT = ("wgrad", "gradient", "columnwise")
     WGRAD_ACTIVATION = ("wgrad", "activation", "columnwise")
 
-    @property
-    def gemm(self) -> str:
-        return self.value[0]
+    # Plain attributes, set once per member, and the identity hash (an Enum's equality is
+    # identity): the runtime reads them and keys dicts by operand on every layer call, where
+    # Enum's properties and its name-hashing __hash__ cost Python calls each (a 64-expert MoE
+    # layer's fwd+bwd made some 3000 of them).
+    gemm: str
+    role: str
+    use: Literal["rowwise", "columnwise"]
+    selector: str  # the recipe text that names exactly this operand, e.g. ``wgrad.gradient``
+    __hash__ = object.__hash__
 
-    @property
-    def role(self) -> str:
-        return self.value[1]
-
-    @property
-    def use(self) -> Literal["rowwise", "columnwise"]:
-        return self.value[2]  # type: ignore[return-value]
-
-    @property
-    def selector(self) -> str:
-        """The recipe text that names exactly this operand, e.g. ``wgrad.gradient``."""
-        return f"{self.gemm}.{self.role}"
+    def __init__(self, gemm: str, role: str, use: str) -> None:
+        self.gemm, self.role, self.use = gemm, role, use  # type: ignore[assignment]
+        self.selector = f"{gemm}.{role}"
 
 
 # The global scale's scope in an experts module (``global per expert|tensor``): the amax of each
