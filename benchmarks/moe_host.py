@@ -13,6 +13,8 @@ is not scanned for non-finite values (on a GPU: one launch). What it prints is h
 
 - ms per fwd+bwd on this CPU (torch's CPU ops that stand for launches still compute here, on
   small tensors at the default sizes: compare before and after a change on one machine);
+- the calls one fwd+bwd makes, Python's and the C functions cProfile sees (a count: the same
+  on any host for one torch version);
 - the aten ops one fwd+bwd issues (a ``TorchDispatchMode``): all, and those that would launch
   GPU work (neither views nor allocations: some 5-10 us of host time each on the GPU machine);
 - the stood-in kernel launches, and with ``--profile N`` the N functions with the most own time
@@ -211,8 +213,13 @@ def measure(args: argparse.Namespace, recipe: str) -> dict[str, Any]:
         launches.count = 0
         with OpCount() as counted:
             step()
+        calls = cProfile.Profile()  # Python calls (and C calls cProfile sees) of one fwd+bwd
+        calls.enable()
+        step()
+        calls.disable()
         row = {
             "recipe": recipe,
+            "calls": pstats.Stats(calls).total_calls,
             "ms": ms,
             "ops": len(counted.ops),
             "launching": len(counted.launching),
@@ -249,12 +256,16 @@ def main(argv: list[str] | None = None) -> int:
         f"MoE layer host path (CPU, GPU work stood in): hidden {args.hidden}, inner "
         f"{args.inner}, {args.experts} experts, top-{args.topk}, {args.tokens} tokens"
     )
-    print(f"  {'recipe':20} {'ms':>8} {'aten ops':>9} {'launching':>10} {'kernels':>8}  path")
+    print(
+        f"  {'recipe':20} {'ms':>8} {'calls':>7} {'aten ops':>9} {'launching':>10} "
+        f"{'kernels':>8}  path"
+    )
     for recipe in [r for r in args.recipes.split(",") if r]:
         row = measure(args, recipe)
         path = "grouped" if row["grouped"] else "per expert"
         print(
-            f"  {recipe:20} {row['ms']:8.2f} {row['ops']:9d} {row['launching']:10d} "
+            f"  {recipe:20} {row['ms']:8.2f} {row['calls']:7d} {row['ops']:9d} "
+            f"{row['launching']:10d} "
             f"{row['kernels']:8d}  {path}",
             flush=True,
         )
