@@ -68,6 +68,7 @@ LAYER_OF: dict[str, str] = {
     "fp4gen.runtime.layer_graph_keys": "nn",
     "fp4gen.runtime.telemetry": "nn",
     "fp4gen.runtime.ops": "nn",
+    "fp4gen.runtime.compile_sharing": "nn",  # the inductor pass that merges the ops on one x
     "fp4gen.runtime.layer_groups": "nn",  # sibling Linears run as one (uses Linear by duck type)
     "fp4gen.runtime.convert": "nn",
     "fp4gen.runtime.experts": "nn",  # GroupedExperts: MoE experts run through Linear's op

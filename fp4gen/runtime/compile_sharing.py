@@ -36,92 +36,7 @@ import torch
 from torch import fx
 from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
 
-from fp4gen.runtime import finite
-from fp4gen.runtime.ops import WgradInput, _layer, check_output_grad, row_major
-
 log = logging.getLogger(__name__)
-
-_LIBRARY = torch.library.Library("fp4gen", "FRAGMENT")
-_LIBRARY.define(
-    "linear_forward_group(Tensor x2, Tensor[] weights, Tensor?[] biases, SymInt[] layer_ids, "
-    "ScalarType out_dtype) -> Tensor[]"
-)
-_LIBRARY.define(
-    "linear_backward_group(Tensor[] dys, Tensor x2, Tensor[] weights, SymInt[] layer_ids) "
-    "-> Tensor[]"
-)
-
-
-def _linear_forward_group(
-    x2: torch.Tensor,
-    weights: list[torch.Tensor],
-    biases: list[torch.Tensor | None],
-    layer_ids: list[int],
-    out_dtype: torch.dtype,
-) -> list[torch.Tensor]:
-    """Each layer's y = Q(x) @ Q(W)^T (+ bias), as ``fp4gen::linear_forward`` computes it, the
-    layers in order; x's fprop operand made once per ``fprop_input_key`` where it is shared."""
-    copies: dict[Any, Any] = {}  # this call's: dies with it
-    ys = []
-    with finite.layer_scope():
-        for weight, bias, layer_id in zip(weights, biases, layer_ids, strict=True):
-            layer = _layer(layer_id)
-            if finite.checks_given():
-                label = layer.name or "fp4gen.nn.Linear"
-                finite.check_given(
-                    x2, "{}: the input (as [tokens, in]) of shape {}", label, x2.shape
-                )
-                finite.check_given(weight, "{}: the weight of shape {}", label, weight.shape)
-            y = layer.forward_gemm(x2, weight, bias, out_dtype, fprop_copies=copies)[0]
-            ys.append(row_major(y))
-    return ys
-
-
-def _linear_backward_group(
-    dys: list[torch.Tensor],
-    x2: torch.Tensor,
-    weights: list[torch.Tensor],
-    layer_ids: list[int],
-) -> list[torch.Tensor]:
-    """[dx, dW] of each layer in order, as ``fp4gen::linear_backward`` computes them; x's wgrad
-    copy made once per copy key (``Linear._copy_key``) where the layer keeps one."""
-    copies: dict[Any, WgradInput] = {}  # this call's: dies with it
-    out: list[torch.Tensor] = []
-    with finite.layer_scope():
-        for dy, weight, layer_id in zip(dys, weights, layer_ids, strict=True):
-            layer = _layer(layer_id)
-            check_output_grad(layer.name, dy)
-            table = layer.operands
-            x: torch.Tensor | WgradInput = x2
-            if layer.keeps_wgrad_input(table):
-                key = layer._copy_key(table)
-                x = copies.get(key)  # type: ignore[assignment]
-                if x is None:
-                    made = layer.wgrad_activation(x2, table, layer._backward_calls)
-                    x = copies[key] = WgradInput.of(made, x2.dtype)
-            dx, dw = layer.backward_gemms(dy, x, weight, table=table)
-            out += [row_major(dx), row_major(dw)]
-    return out
-
-
-_LIBRARY.impl("linear_forward_group", _linear_forward_group, "CompositeExplicitAutograd")
-_LIBRARY.impl("linear_backward_group", _linear_backward_group, "CompositeExplicitAutograd")
-linear_forward_group = torch.ops.fp4gen.linear_forward_group.default
-linear_backward_group = torch.ops.fp4gen.linear_backward_group.default
-
-
-@torch.library.register_fake("fp4gen::linear_forward_group", lib=_LIBRARY)
-def _(x2, weights, biases, layer_ids, out_dtype):
-    return [x2.new_empty((x2.shape[0], w.shape[0]), dtype=out_dtype) for w in weights]
-
-
-@torch.library.register_fake("fp4gen::linear_backward_group", lib=_LIBRARY)
-def _(dys, x2, weights, layer_ids):
-    out = []
-    for w in weights:
-        out += [x2.new_empty(x2.shape), w.new_empty(w.shape)]
-    return out
-
 
 # views that give the same value for the same base and the same shape, stride and offset
 _VIEWS = {
@@ -190,7 +105,7 @@ def _merge_forwards(graph: fx.Graph, position: dict[fx.Node, int]) -> int:
             continue
         with graph.inserting_before(first):
             node = graph.call_function(
-                linear_forward_group,
+                torch.ops.fp4gen.linear_forward_group.default,
                 (
                     first.args[0],
                     [n.args[1] for n in group],
@@ -238,7 +153,7 @@ def _merge_backwards(graph: fx.Graph) -> int:
         moving = sorted((n for n in after if n not in kept), key=order.__getitem__)
         with graph.inserting_before(last):
             node = graph.call_function(
-                linear_backward_group,
+                torch.ops.fp4gen.linear_backward_group.default,
                 (
                     [n.args[0] for n in kept],
                     kept[0].args[1],
@@ -289,7 +204,9 @@ class SharingPass(CustomGraphPass):
     def __call__(self, graph: fx.Graph) -> None:
         for user_pass in self.first:
             user_pass(graph)
-        if not any(n.target in _OPS for n in graph.nodes):
+        fp4 = torch.ops.fp4gen  # registered by fp4gen.runtime.ops, whose ops install the pass
+        ours = (fp4.linear_forward.default, fp4.linear_backward.default)
+        if not any(n.target in ours for n in graph.nodes):
             return
         position = {n: i for i, n in enumerate(graph.nodes)}
         merged = _merge_forwards(graph, position) + _merge_backwards(graph)
@@ -306,7 +223,6 @@ class SharingPass(CustomGraphPass):
         return (get_hash_for_files((__file__,)), tuple(first))
 
 
-_OPS = (torch.ops.fp4gen.linear_forward.default, torch.ops.fp4gen.linear_backward.default)
 
 
 def install() -> None:

@@ -285,6 +285,89 @@ linear_forward = torch.ops.fp4gen.linear_forward.default
 linear_backward = torch.ops.fp4gen.linear_backward.default
 
 
+# The group ops that fp4gen.runtime.compile_sharing's inductor pass puts in place of the ops
+# that read one x: each runs its layers as their own ops would, sharing x's copies among them
+_LIBRARY.define(
+    "linear_forward_group(Tensor x2, Tensor[] weights, Tensor?[] biases, SymInt[] layer_ids, "
+    "ScalarType out_dtype) -> Tensor[]"
+)
+_LIBRARY.define(
+    "linear_backward_group(Tensor[] dys, Tensor x2, Tensor[] weights, SymInt[] layer_ids) "
+    "-> Tensor[]"
+)
+
+
+def _linear_forward_group(
+    x2: torch.Tensor,
+    weights: list[torch.Tensor],
+    biases: list[torch.Tensor | None],
+    layer_ids: list[int],
+    out_dtype: torch.dtype,
+) -> list[torch.Tensor]:
+    """Each layer's y = Q(x) @ Q(W)^T (+ bias), as ``fp4gen::linear_forward`` computes it, the
+    layers in order; x's fprop operand made once per ``fprop_input_key`` where it is shared."""
+    copies: dict[Any, Any] = {}  # this call's: dies with it
+    ys = []
+    with finite.layer_scope():
+        for weight, bias, layer_id in zip(weights, biases, layer_ids, strict=True):
+            layer = _layer(layer_id)
+            if finite.checks_given():
+                label = layer.name or "fp4gen.nn.Linear"
+                finite.check_given(
+                    x2, "{}: the input (as [tokens, in]) of shape {}", label, x2.shape
+                )
+                finite.check_given(weight, "{}: the weight of shape {}", label, weight.shape)
+            y = layer.forward_gemm(x2, weight, bias, out_dtype, fprop_copies=copies)[0]
+            ys.append(row_major(y))
+    return ys
+
+
+def _linear_backward_group(
+    dys: list[torch.Tensor],
+    x2: torch.Tensor,
+    weights: list[torch.Tensor],
+    layer_ids: list[int],
+) -> list[torch.Tensor]:
+    """[dx, dW] of each layer in order, as ``fp4gen::linear_backward`` computes them; x's wgrad
+    copy made once per copy key (``Linear._copy_key``) where the layer keeps one."""
+    copies: dict[Any, WgradInput] = {}  # this call's: dies with it
+    out: list[torch.Tensor] = []
+    with finite.layer_scope():
+        for dy, weight, layer_id in zip(dys, weights, layer_ids, strict=True):
+            layer = _layer(layer_id)
+            check_output_grad(layer.name, dy)
+            table = layer.operands
+            x: torch.Tensor | WgradInput = x2
+            if layer.keeps_wgrad_input(table):
+                key = layer._copy_key(table)
+                x = copies.get(key)  # type: ignore[assignment]
+                if x is None:
+                    made = layer.wgrad_activation(x2, table, layer._backward_calls)
+                    x = copies[key] = WgradInput.of(made, x2.dtype)
+            dx, dw = layer.backward_gemms(dy, x, weight, table=table)
+            out += [row_major(dx), row_major(dw)]
+    return out
+
+
+_LIBRARY.impl("linear_forward_group", _linear_forward_group, "CompositeExplicitAutograd")
+_LIBRARY.impl("linear_backward_group", _linear_backward_group, "CompositeExplicitAutograd")
+linear_forward_group = torch.ops.fp4gen.linear_forward_group.default
+linear_backward_group = torch.ops.fp4gen.linear_backward_group.default
+
+
+@torch.library.register_fake("fp4gen::linear_forward_group", lib=_LIBRARY)
+def _(x2, weights, biases, layer_ids, out_dtype):
+    return [x2.new_empty((x2.shape[0], w.shape[0]), dtype=out_dtype) for w in weights]
+
+
+@torch.library.register_fake("fp4gen::linear_backward_group", lib=_LIBRARY)
+def _(dys, x2, weights, layer_ids):
+    out = []
+    for w in weights:
+        out += [x2.new_empty(x2.shape), w.new_empty(w.shape)]
+    return out
+
+
 @torch.library.register_fake("fp4gen::linear_backward", lib=_LIBRARY)
 def _(dy2: torch.Tensor, x2: torch.Tensor, weight: torch.Tensor, layer_id: int):
     _install_sharing()
