@@ -356,8 +356,9 @@ def test_inductor_modes_compile_a_block_and_match_eager(mode: str) -> None:
 
 
 def test_compiled_backward_quantizes_each_layers_wgrad_copy(monkeypatch) -> None:
-    """A compiled Llama's backward quantizes x's wgrad copy per layer (14 in two decoder
-    layers: the compiled ops share no copy, tests/test_compiled_fprop_sharing.py), where the
+    """A Llama compiled with aot_eager quantizes x's wgrad copy per layer in its backward (14
+    in two decoder layers: without inductor no pass merges the ops that read one x,
+    tests/test_compile_sharing.py), where the
     eager route's forward makes one per input its layers share (q, k and v read one x; gate and
     up another: 8); the step's gradients are eager mode's bit for bit (nvfp4_no_bf16: the
     copies are rounded to nearest, the gradients stochastically from the same streams)."""
