@@ -223,8 +223,6 @@ class SharingPass(CustomGraphPass):
         return (get_hash_for_files((__file__,)), tuple(first))
 
 
-
-
 def install() -> None:
     """Put ``SharingPass`` in ``torch._inductor.config.post_grad_custom_pre_pass`` once, after
     the passes the user set there: appended to the list where torch takes a list of passes
