@@ -248,10 +248,7 @@ def _linear_forward(
     [tokens, in] and weight [out, in]."""
     layer = _layer(layer_id)
     with finite.layer_scope():  # non-finite inputs: propagated as NaN, or raised at the end
-        if finite.checks_given():  # asked once for both (the propagating default: no check)
-            label = layer.name or "fp4gen.nn.Linear"
-            finite.check_given(x2, "{}: the input (as [tokens, in]) of shape {}", label, x2.shape)
-            finite.check_given(weight, "{}: the weight of shape {}", label, weight.shape)
+        check_given_inputs(layer.name, x2, weight)
         y = layer.forward_gemm(x2, weight, bias, out_dtype)[0]
         return row_major(y)
 
@@ -311,12 +308,7 @@ def _linear_forward_group(
     with finite.layer_scope():
         for weight, bias, layer_id in zip(weights, biases, layer_ids, strict=True):
             layer = _layer(layer_id)
-            if finite.checks_given():
-                label = layer.name or "fp4gen.nn.Linear"
-                finite.check_given(
-                    x2, "{}: the input (as [tokens, in]) of shape {}", label, x2.shape
-                )
-                finite.check_given(weight, "{}: the weight of shape {}", label, weight.shape)
+            check_given_inputs(layer.name, x2, weight)
             y = layer.forward_gemm(x2, weight, bias, out_dtype, fprop_copies=copies)[0]
             ys.append(row_major(y))
     return ys
@@ -499,6 +491,16 @@ def linear(
         return linear_forward(x2, weight, bias, layer_id, out_dtype)
     shape = tuple(x2.shape) if shape is None else shape
     return _EagerLinear.apply(x2, weight, bias, layer_id, out_dtype, torch.is_grad_enabled(), shape)
+
+
+def check_given_inputs(name: str, x2: torch.Tensor, weight: torch.Tensor) -> None:
+    """Where the layer's scope checks its given tensors (``FP4GEN_CHECK_FINITE=raise``), x as
+    [tokens, in] and the weight, named as the caller gave them; asked once for both (the
+    propagating default: no check)."""
+    if finite.checks_given():
+        label = name or "fp4gen.nn.Linear"
+        finite.check_given(x2, "{}: the input (as [tokens, in]) of shape {}", label, x2.shape)
+        finite.check_given(weight, "{}: the weight of shape {}", label, weight.shape)
 
 
 def check_output_grad(name: str, dy: torch.Tensor, shape: tuple[int, ...] | None = None) -> None:
