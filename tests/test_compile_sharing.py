@@ -299,6 +299,8 @@ def test_the_pass_runs_after_a_pass_the_user_set(monkeypatch, lists: bool) -> No
     def users_pass(graph):
         seen.append(graph)
 
+    if lists and not hasattr(custom_graph_pass, "get_custom_graph_passes"):
+        pytest.skip("this torch takes one pass in the slot, not a list")
     monkeypatch.setattr(inductor_config, "post_grad_custom_pre_pass", users_pass)
     if not lists:
         monkeypatch.delattr(custom_graph_pass, "get_custom_graph_passes", raising=False)
