@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from fp4gen.errors import FP4GenError, TensorError
 from fp4gen.runtime import finite
@@ -219,3 +220,63 @@ def test_a_reference_fallback_that_refuses_a_nan_propagates_it(monkeypatch) -> N
     monkeypatch.setattr(finite, "_layer_mode", ["raise"])  # and "raise" still raises
     with pytest.raises(TensorError, match="^lin: the input of shape"):
         layer(x)
+
+
+class _DeviceReads(TorchDispatchMode):
+    """Counts the reads of a tensor's value on the host (``aten._local_scalar_dense``: what
+    ``int``, ``bool`` and ``item`` run), the reads a CUDA graph capture refuses."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.reads = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func is torch.ops.aten._local_scalar_dense.default:
+            self.reads += 1
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize(
+    ("fmt", "hadamard"), [("nvfp4", None), ("nvfp4", 16), ("mxfp8_e4m3", None), ("mxfp4", 32)]
+)
+def test_a_reference_fallback_inside_a_capture_reads_nothing(monkeypatch, fmt, hadamard) -> None:
+    """Inside a CUDA graph capture (a layer graph or reduce-overhead, for a shape the kernels do
+    not take) the reference's NaN/Inf check cannot read the device: in a propagating scope the
+    input's NaN and Inf are zeroed and folded into the global scale with no read (a finite
+    input: the reference's bits; a NaN or an Inf: a NaN global scale, the codes of the zeroed
+    input, as the layer gives them outside a capture); outside one, a TensorError before any
+    op. Played on a CPU with the capture stood in (``quantize_dispatch.capturing``)."""
+    from fp4gen.numerics.quantize import quantize as reference
+    from fp4gen.runtime import quantize_dispatch
+
+    monkeypatch.setattr(quantize_dispatch, "capturing", lambda x: True)
+    good = torch.randn(16, 256)
+    for bad_value in (None, float("nan"), float("-inf")):
+        x = good if bad_value is None else _bad(tuple(good.shape), (3, 17), bad_value)
+        zeroed = torch.where(torch.isfinite(x), x, torch.zeros(()))
+        want = reference(zeroed, fmt, hadamard=hadamard)
+        with finite.propagating(), _DeviceReads() as counted:
+            got = quantize_dispatch.quantize(x, fmt, hadamard=hadamard)
+        assert counted.reads == 0
+        assert torch.equal(got.codes, want.codes) and torch.equal(got.scales, want.scales)
+        if bad_value is None:
+            assert torch.equal(got.global_scale, want.global_scale)
+        else:
+            assert torch.isnan(got.global_scale).all()
+            assert torch.isnan(got.dequantize()).all()
+    with pytest.raises(TensorError, match=r"shape \(16, 256\) .* inside a CUDA graph capture"):
+        quantize_dispatch.quantize(good, fmt, hadamard=hadamard)
+
+
+def test_a_transform_that_overflows_inside_a_capture_gives_a_nan_global_scale(
+    monkeypatch,
+) -> None:
+    """The reference's second check, of the RHT's output (finite values near the float32 maximum
+    can overflow in the butterflies), is folded in too."""
+    from fp4gen.runtime import quantize_dispatch
+
+    monkeypatch.setattr(quantize_dispatch, "capturing", lambda x: True)
+    x = torch.full((4, 64), 3e38)
+    with finite.propagating():
+        got = quantize_dispatch.quantize(x, "nvfp4", hadamard=16)
+    assert torch.isnan(got.global_scale).all()

@@ -206,19 +206,9 @@ class _Siblings(torch.nn.Module):
         return self.o(torch.cat([self.a(x), self.b(x), self.c(x)], -1))
 
 
-# fp8_blockwise on these small layers (128 tokens, fp32 input): the CUDA graph warm-up of
-# reduce-overhead failed loudly ("8 tensor(s) in the cudagraph pool not tracked as outputs"):
-# the last layer's quantized x and W stayed alive after its op, held by the frames of a kept
-# TensorError's traceback (the quantize kernel's input check refused o's K of 576, and
-# cute_backend kept the error). It now keeps the message; not yet run on a GPU, so the case
-# stays marked until it has (non-strict: an XPASS reports the fix).
-FP8_POOL = "fix for the kept traceback not yet GPU-verified (docs/integrations.md)"
-
-
-@pytest.mark.parametrize(
-    "recipe",
-    [RNE, pytest.param("fp8_blockwise.fp4r", marks=pytest.mark.xfail(reason=FP8_POOL))],
-)
+# fp8_blockwise: o's K of 576 is not whole 1x128 blocks, so the torch reference quantizes x for o,
+# inside the recorded graph too (its NaN/Inf check reads nothing under a capture)
+@pytest.mark.parametrize("recipe", [RNE, "fp8_blockwise.fp4r"])
 def test_reduce_overhead_shares_x_copies_inside_the_graph(monkeypatch, recipe: str) -> None:
     """Under torch.compile(mode="reduce-overhead") the layers reading one x run as one op
     (fp4gen.runtime.compile_sharing) and share x's fprop operand and wgrad copy inside the
@@ -351,6 +341,25 @@ def test_graphs_follow_the_fp8_semantics_setting(monkeypatch) -> None:
         if isinstance(part, tuple) and part and part[-1] in ("block_scaled", "exact")
     }
     assert semantics == {"block_scaled", "exact"}
+
+
+@pytest.mark.parametrize(("recipe", "k"), [("fp8_blockwise.fp4r", 576), (RNE, 200)])
+def test_a_shape_the_kernels_refuse_is_captured_with_the_reference(
+    recipe: str, k: int, monkeypatch
+) -> None:
+    """A layer whose in_features the quantize kernels do not take (576: not whole 1x128 blocks;
+    200: not whole 16-blocks) is quantized by the torch reference, inside its layer graphs too:
+    the reference's NaN/Inf check folds into the global scale there instead of reading the
+    device (a read failed the capture before), so the graphs capture and replay with the eager
+    layer's bits. (test_compile_sharing's fp8 case runs the same under reduce-overhead.)"""
+    graphed, eager = _pair(recipe, ((k, 192),))
+    batches = [(torch.randn(128, k, device="cuda"), torch.randn(128, 192, device="cuda"))] * 5
+    _assert_same(
+        _run(graphed, True, monkeypatch, batches), _run(eager, False, monkeypatch, batches)
+    )
+    layer = graphed[0]
+    assert not layer._graphs.failed and layer._graphs.replays >= 2
+    torch.rand(16, device="cuda")  # torch's generator left usable
 
 
 def test_a_failed_capture_leaves_torch_usable() -> None:

@@ -20,6 +20,7 @@ with offset = spec.stream, the layer's and step's stream: ``RHTSpec.at``), "none
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -29,11 +30,17 @@ from fp4gen.errors import TensorError
 from fp4gen.numerics.philox import random_bits
 
 
+@functools.cache
+def _fixed_signs(signs: tuple[float, ...], device: torch.device) -> torch.Tensor:
+    # made once per device, before any capture (a copy from the host is refused inside one)
+    return torch.tensor(signs, dtype=torch.float32, device=device)
+
+
 def rht_signs(spec: RHTSpec, device: torch.device | str | None = None) -> torch.Tensor:
     """The sign vector s (float32, +-1, length spec.size)."""
     if spec.sign_source == "fixed":
         assert spec.signs is not None
-        return torch.tensor(spec.signs, dtype=torch.float32, device=device)
+        return _fixed_signs(tuple(spec.signs), torch.device(device or "cpu"))
     if spec.sign_source == "seeded":
         assert spec.seed is not None
         top = random_bits(spec.size, spec.seed, 0, device=device) >> 31
@@ -51,9 +58,11 @@ def rht_signs(spec: RHTSpec, device: torch.device | str | None = None) -> torch.
     return torch.ones(spec.size, dtype=torch.float32, device=device)
 
 
+@functools.cache
 def rht_scale(d: int) -> float:
     """fp32(1/sqrt(d)) as a Python float (d a power of two: a power of two or fp32(sqrt(1/2))
-    times one, either way the correctly rounded fp32 value)."""
+    times one, either way the correctly rounded fp32 value). Cached: a CPU tensor's read per
+    call is host work, and no read at all keeps a capture's trace free of them."""
     return float(torch.tensor(1.0 / math.sqrt(d), dtype=torch.float32))
 
 

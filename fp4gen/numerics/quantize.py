@@ -13,7 +13,9 @@ from __future__ import annotations
 
 import itertools
 import operator
-from collections.abc import Callable
+import threading
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from functools import cached_property
 from typing import Any
@@ -384,7 +386,29 @@ def resolve_rht(hadamard: int | RHTSpec | None) -> RHTSpec | None:
     return RHTSpec(size, sign_source="none", signs=None, seed=None)
 
 
+# where a caller collects the finite checks' flags instead of reading them (finite_flags)
+_collected = threading.local()
+
+
+@contextmanager
+def finite_flags() -> Iterator[list[torch.Tensor]]:
+    """Inside this block the finite checks of ``quantize`` read nothing: each appends a 0-dim
+    device bool (whether its tensor was all finite) to the yielded list, and the caller decides
+    what a False means. For a caller that cannot read the device: a CUDA graph being captured
+    (fp4gen.runtime.quantize_dispatch folds the flags into the global scale)."""
+    before = getattr(_collected, "flags", None)
+    _collected.flags = flags = []
+    try:
+        yield flags
+    finally:
+        _collected.flags = before
+
+
 def _check_finite(x: torch.Tensor, what: str) -> None:
+    flags = getattr(_collected, "flags", None)
+    if flags is not None:
+        flags.append(torch.isfinite(x).all())
+        return
     bad = ~torch.isfinite(x)
     count = int(bad.sum())  # one device sync per quantize: kernels cannot represent NaN/Inf
     if count:
@@ -435,7 +459,8 @@ def _check_u64(name: str, value: int) -> int:
 
 
 def _scalar(value: float, device: torch.device) -> torch.Tensor:
-    return torch.tensor(value, dtype=torch.float32, device=device)
+    # a fill on the device, not a copy from the host: a CUDA graph capture refuses those
+    return torch.full((), value, dtype=torch.float32, device=device)
 
 
 def _global_scales(

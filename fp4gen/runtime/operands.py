@@ -28,13 +28,13 @@ import torch
 
 from fp4gen.device_offset import DeviceOffset
 from fp4gen.dsl.model import MoRRef, MoRSpec, OperandSpec, RHTSpec
-from fp4gen.errors import FP4GenError
+from fp4gen.errors import FP4GenError, TensorError
 from fp4gen.formats import BlockFormat, HighPrecision
 from fp4gen.gemm_dispatch import gemm
 from fp4gen.numerics import QuantizedTensor
 from fp4gen.numerics.mor import MoRTensor
 from fp4gen.runtime.cute_backend import quantize_cute, quantize_tile_cute
-from fp4gen.runtime.quantize_dispatch import mor_quantize, quantize
+from fp4gen.runtime.quantize_dispatch import capturing, mor_quantize, quantize
 
 HP_DTYPES: dict[str, torch.dtype] = {
     "bf16": torch.bfloat16,
@@ -150,6 +150,13 @@ def quantize_operand(
             )
             if got is not None:
                 return got
+        if capturing(t):
+            raise TensorError(
+                f"cannot quantize the input of shape {tuple(t.shape)} with the torch reference "
+                "inside a CUDA graph capture: the reference takes a stochastic operand's Philox "
+                "offset from the host, a device read (the generated kernels do not take this "
+                "input; outside a capture it runs)"
+            )
         offset = offset.offsets()[0]  # the reference takes it from the host: one read
     return quantize(
         t,

@@ -17,12 +17,14 @@ on every backend.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from functools import partial
 from typing import Any
 
 import torch
 
 from fp4gen.dsl.model import MoRSpec, RHTSpec
-from fp4gen.errors import ArgumentError
+from fp4gen.errors import ArgumentError, TensorError
 from fp4gen.formats import BlockFormat, HighPrecision
 from fp4gen.numerics.mor import MoRTensor
 from fp4gen.numerics.mor import mor_quantize as reference_mor_quantize
@@ -30,11 +32,12 @@ from fp4gen.numerics.quantize import (
     QuantizedTensor,
     _check_call,
     _shown,
+    finite_flags,
     resolve_format,
     resolve_rht,
 )
 from fp4gen.numerics.quantize import quantize as reference_quantize
-from fp4gen.runtime import cute_backend
+from fp4gen.runtime import cute_backend, finite
 
 BACKENDS: tuple[str, ...] = ("auto", "reference", "cute")
 
@@ -84,7 +87,39 @@ def quantize(
         )
         if q is not None:
             return q
-    return reference_quantize(x, bf, rounding=rounding, hadamard=spec, seed=seed, offset=offset)
+    reference = partial(
+        reference_quantize, fmt=bf, rounding=rounding, hadamard=spec, seed=seed, offset=offset
+    )
+    if isinstance(x, torch.Tensor) and capturing(x):
+        return _captured_reference(x, reference)
+    return reference(x)
+
+
+def capturing(x: torch.Tensor) -> bool:
+    """Whether ``x``'s work is being captured into a CUDA graph (no device read may run)."""
+    return x.is_cuda and torch.cuda.is_current_stream_capturing()
+
+
+def _captured_reference(
+    x: torch.Tensor, reference: Callable[[torch.Tensor], QuantizedTensor]
+) -> QuantizedTensor:
+    """The oracle on ``x`` inside a CUDA graph capture (a shape the kernels do not take, in a
+    layer graph or torch.compile's reduce-overhead): its finite checks read the device, which a
+    capture refuses (the capture then fails, and torch's RNG with it). In a propagating scope
+    (fp4gen.nn.Linear's default) NaN and Inf are zeroed and folded into the global scale, as the
+    kernels fold them, with no read; elsewhere a TensorError is raised before anything runs."""
+    if not finite.propagates():
+        raise TensorError(
+            f"cannot quantize the input of shape {tuple(x.shape)} with the torch reference inside "
+            "a CUDA graph capture: its NaN/Inf check reads the device (the generated kernels do "
+            "not take this input; outside a capture, or in a propagating scope, it runs)"
+        )
+    all_finite = torch.isfinite(x).all()
+    with finite_flags() as flags:
+        q = reference(x.masked_fill(~torch.isfinite(x), 0.0))  # no host tensor: a capture
+    for flag in flags:  # the transformed input's (an RHT can overflow)
+        all_finite = all_finite & flag
+    return finite.poisoned(q, all_finite)
 
 
 def mor_quantize(
