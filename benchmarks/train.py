@@ -55,7 +55,8 @@ these two tell a slow host from a regression.
 range of its eager and graph ratios (each round's against that round's BF16 run) and of its host
 time per Linear. Where the host's time meets the GPU's, the eager ratio moves with the speed of
 the machine's host from minute to minute (docs/training-step.md, "Runs on different hosts"): a
-single run is one draw from that spread.
+single run is one draw from that spread. Compiled rows (``--compile``) are compiled and timed
+again in every round too, and their ratios to compiled BF16 printed the same way.
 
 ``--host-profile N`` prints the N most expensive Python functions of the eager fp4gen steps
 (cProfile, cumulative time), which is where the host path's time goes. ``--compare-saved-x``
@@ -870,10 +871,11 @@ def run_compiled(
     scope: str,
     mode: str,
     device: str = "cuda",
+    profile: bool = True,
 ) -> CompiledResult:
     """ms/step of one model and recipe compiled per ``scope`` and ``mode`` (compiled during the
-    warm-up steps), with dynamo's counts; a failure is reported, not raised. Its profile is a
-    job for later (``_PROFILE_JOBS``)."""
+    warm-up steps), with dynamo's counts; a failure is reported, not raised. With ``profile``
+    its profile is a job for later (``_PROFILE_JOBS``)."""
     torch._dynamo.reset()
     counters = torch._dynamo.utils.counters
     counters.clear()
@@ -915,6 +917,7 @@ def run_compiled(
     gc.collect()
     if device == "cuda":
         torch.cuda.empty_cache()
+    if device == "cuda" and profile:
         _PROFILE_JOBS.append(
             ProfileJob(
                 f"hidden {hidden}, {layers} layers, compiled {scope} {mode}",
@@ -933,11 +936,13 @@ def run_compiled_table(
     recipes: list[str],
     eager: dict[str, tuple[Result, Result]] | None,
     device: str = "cuda",
+    profile: bool = True,
 ) -> dict[tuple[str, str, str], CompiledResult]:
     """Every recipe (BF16 first) compiled per each scope of ``args.compile`` and mode of
     ``args.compile_modes``; prints ms/step against compiled BF16 of the same scope and mode,
     against eager BF16 and against the recipe's own eager run (where ``eager`` holds this
-    round's eager rows). Returns (scope, mode, recipe) -> result."""
+    round's eager rows). Returns (scope, mode, recipe) -> result; ``profile``: each row leaves
+    its profile job."""
     scopes = [c for c in args.compile.split(",") if c]
     modes = [m for m in args.compile_modes.split(",") if m]
     for name, given, allowed in (("scope", scopes, COMPILE_SCOPES), ("mode", modes, COMPILE_MODES)):
@@ -956,7 +961,7 @@ def run_compiled_table(
             base: CompiledResult | None = None
             for recipe in recipes:
                 t0 = time.perf_counter()
-                res = run_compiled(args, hidden, layers, recipe, scope, mode, device)
+                res = run_compiled(args, hidden, layers, recipe, scope, mode, device, profile)
                 base = base or res
                 results[(scope, mode, recipe)] = res
                 label = Path(recipe).stem
@@ -1094,6 +1099,21 @@ def print_rounds(rounds: list[dict[str, tuple[Result, Result]]]) -> None:
         print(f"  {label:28} eager x bf16 {spread(eager)}, graph x bf16 {spread(graph)}, {figures}")
 
 
+def print_compiled_rounds(rounds: list[dict[tuple[str, str, str], CompiledResult]]) -> None:
+    """Each compiled row's ratio to compiled BF16 of its scope and mode over the rounds: median
+    (min-max), each round's ratio against that round's BF16 (compiled again every round)."""
+    print(f"  compiled, over {len(rounds)} rounds, median (min-max) x compiled bf16:")
+    for scope, mode, recipe in rounds[0]:
+        if Path(recipe).stem == "bf16":
+            continue
+        got = []
+        for r in rounds:
+            res, base = r.get((scope, mode, recipe)), r.get((scope, mode, "bf16"))
+            if res and base and res.ms and base.ms:
+                got.append(res.ms / base.ms)
+        print(f"  {Path(recipe).stem:28} {scope:6} {mode:15} {spread(got)}")
+
+
 def ratio(value: float | None, base: float | None) -> str:
     return "-" if value is None or not base else f"{value / base:.2f}x"
 
@@ -1112,8 +1132,9 @@ def main(argv: list[str] | None = None) -> int:
         type=int,
         default=1,
         metavar="R",
-        help="run every hidden size's rows R times (each round's ratios against its own BF16 "
-        "run) and print each figure's median and range: the host's speed drifts",
+        help="run every hidden size's rows R times, compiled rows included (each round's ratios "
+        "against its own BF16 run) and print each figure's median and range: the host's speed "
+        "drifts",
     )
     parser.add_argument("--model", choices=["llama", "gpt"], default=None)
     parser.add_argument("--host-profile", type=int, default=0, metavar="N")
@@ -1222,7 +1243,16 @@ def main(argv: list[str] | None = None) -> int:
         if args.rounds > 1 and rounds:
             print_rounds(rounds)
         if args.compile:
-            run_compiled_table(args, hidden, layers, recipes, rounds[-1] if rounds else None)
+            compiled_rounds = []
+            for n in range(args.rounds):
+                if args.rounds > 1:
+                    print(f"  compiled, round {n + 1} of {args.rounds}")
+                eager = rounds[min(n, len(rounds) - 1)] if rounds else None
+                compiled_rounds.append(
+                    run_compiled_table(args, hidden, layers, recipes, eager, profile=n == 0)
+                )
+            if args.rounds > 1:
+                print_compiled_rounds(compiled_rounds)
         if args.loss_steps:
             curves = {}
             for recipe in recipes:

@@ -85,3 +85,21 @@ def test_a_compiled_whole_model_trains_the_same_parameters(monkeypatch) -> None:
 def test_a_bad_scope_or_mode_is_refused(overrides, message) -> None:
     with pytest.raises(SystemExit, match=message):
         train.run_compiled_table(_args(**overrides), 32, 1, ["bf16"], None, device="cpu")
+
+
+def test_compiled_rounds_print_each_rows_median_and_range(capsys) -> None:
+    """--rounds with compiled rows: each row's ratio to that round's compiled BF16, as the
+    median and range over the rounds (a failed row leaves its round out)."""
+    key = ("blocks", "reduce-overhead")
+    rounds = [
+        {
+            (*key, "bf16"): train.CompiledResult(base, 1, 0, 1),
+            (*key, "recipes/fp8_blockwise.fp4r"): train.CompiledResult(ms, 1, 0, 1),
+        }
+        for base, ms in ((10.0, 9.0), (10.0, 10.0), (20.0, 19.0), (10.0, None))
+    ]
+    train.print_compiled_rounds(rounds)
+    out = capsys.readouterr().out
+    assert "over 4 rounds" in out
+    assert "fp8_blockwise                blocks reduce-overhead 0.95x (0.90x-1.00x)" in out
+    assert "bf16 " not in out.split("\n", 1)[1]
