@@ -114,7 +114,8 @@ def test_non_finite_values_propagate_where_the_kernels_fall_back_to_the_referenc
     monkeypatch,
 ) -> None:
     """in_features 72 is not a multiple of NVFP4's 16-wide blocks: x's fprop operand is
-    quantized by the reference on CUDA, which refuses a NaN; the layer propagates it."""
+    quantized by the kernels from a zero-padded copy, the 2D weight by the reference (which
+    refuses a NaN); the layer propagates a NaN in x either way."""
     monkeypatch.setattr(finite, "_layer_mode", ["propagate"])
     layer = fp4gen.nn.Linear(72, 128, recipe="nvfp4_small", name="edge", device="cuda")
     x = torch.randn(64, 72, device="cuda")

@@ -57,6 +57,8 @@ _loader: KernelLoader[QuantKernelSpec, Any] = KernelLoader(
 _log_once = LogOnce(log, "quantize(backend='auto') uses the reference: %s")
 # a tile launch refused: the callers then quantize the copies one by one (the reason says how)
 _log_tile_once = LogOnce(log, "quantize(backend='auto'): no tile launch for these copies: %s")
+# an input zero-padded to the kernels' K multiple (``_zero_padded``): once per kernel and K
+_log_padded_once = LogOnce(log, "quantize(backend='auto'): %s")
 _lock = threading.Lock()
 
 # The fused kernels of the block-scale options (docs/numerics.md 11-12: block targets, a global
@@ -240,15 +242,21 @@ def quantize_cute(
     # signs drawn per layer or step: one kernel per size takes them as arguments (kernel_rht,
     # one object per size, keeps the launch memo's key), this call's transform gives them
     drawn = rht is not None and rht.redrawn
-    launch = _launch(fmt, (("rowwise", rounding, kernel_rht(rht) if drawn else rht),), x2)
+    copies = (("rowwise", rounding, kernel_rht(rht) if drawn else rht),)
+    launch = _launch(fmt, copies, x2)
     kernels = launch.kernels
     if isinstance(kernels, Unsupported):
         return unavailable(kernels.reason)
+    cols = x2.shape[1]
+    launched = x2
     if launch.refused is not None:
-        if required:
-            raise TensorError(launch.refused)
-        _log_once(f"{launch.spec.name} does not take this input ({launch.refused})")
-        return None
+        padded = _zero_padded(x2, fmt, rounding, launch, copies)
+        if padded is None:
+            if required:
+                raise TensorError(launch.refused)
+            _log_once(f"{launch.spec.name} does not take this input ({launch.refused})")
+            return None
+        launched, launch = padded
     flag = (
         None
         if launch.nan_scale and finite.propagates()
@@ -256,11 +264,71 @@ def quantize_cute(
     )
 
     if drawn:
-        out = kernels.module.run(kernels.fns, x2, seed=seed, offset=offset, signs=rht)
+        out = kernels.module.run(kernels.fns, launched, seed=seed, offset=offset, signs=rht)
     else:
-        out = kernels.run(x2, seed=seed, offset=offset)
-    cols = x2.shape[1]
+        out = kernels.run(launched, seed=seed, offset=offset)
+    if launched is not x2:
+        out = _unpadded(out, fmt, cols)
     return _quantized(out, "", fmt, cols, rounding, rht, seed, offset, x.shape, x.dtype, flag)
+
+
+def padding_is_exact(fmt: BlockFormat, rounding: str) -> bool:
+    """Whether quantizing a row zero-padded to more columns and then dropping the padding's
+    codes and block scales gives the row's own quantization bit for bit: true for 1D blocks
+    rounded deterministically. The reference pads a row's last partial block with zeros itself
+    (numerics.md 2), so every block's amax, scale, codes and target choice are the same, and
+    zeros change neither a tensor's nor a row's amax (the global scale). Not with stochastic
+    element rounding (a value's random bits are drawn by its position in the padded row), nor
+    stochastic block scales or MS-EDEN groups (whose draws and groups follow the padded
+    layout), nor 2D tiles (the tile kernels pad their own way)."""
+    return (
+        not fmt.is_2d
+        and not is_stochastic(rounding)
+        and fmt.scale.rounding != "stochastic"
+        and fmt.eden_group is None
+    )
+
+
+def _zero_padded(
+    x2: torch.Tensor,
+    fmt: BlockFormat,
+    rounding: str,
+    launch: _Launch,
+    copies: tuple[tuple[str, str, RHTSpec | None], ...],
+) -> tuple[torch.Tensor, _Launch] | None:
+    """``x2`` zero-padded to the kernels' K multiple and its launch, where the kernels refused
+    ``x2``'s K and the padding is exact (``padding_is_exact``); else None. Logged once per
+    kernel: the copy costs a pass over x, far less than the torch reference's."""
+    k_multiple = getattr(launch.kernels.module, "K_MULTIPLE", None)
+    if not k_multiple or not padding_is_exact(fmt, rounding):
+        return None
+    cols = x2.shape[1]
+    if any(rht is not None and cols % rht.size for _, _, rht in copies):
+        return None  # the reference refuses an RHT that does not divide K: so must the kernels
+    padded_cols = -(-cols // k_multiple) * k_multiple
+    if padded_cols == cols:
+        return None  # refused for another reason than K
+    padded = torch.nn.functional.pad(x2, (0, padded_cols - cols))
+    again = _launch(fmt, copies, padded)
+    if again.refused is not None:
+        return None
+    _log_padded_once(
+        f"{launch.spec.name} takes K in multiples of {k_multiple}: an input of K {cols} is "
+        f"zero-padded to {padded_cols} and the padding's codes and scales dropped (exact)"
+    )
+    return padded, again
+
+
+def _unpadded(out: dict[str, torch.Tensor], fmt: BlockFormat, cols: int) -> dict[str, torch.Tensor]:
+    """The outputs of a launch on a zero-padded input (``_zero_padded``) with the padding's
+    packed codes and block scales dropped: the layout of an input of ``cols`` columns."""
+    code_bytes = -(-cols * fmt.element.bits // 8)
+    scale_cols = -(-cols // fmt.block[1])
+    return {
+        **out,
+        "data": out["data"][:, :code_bytes].contiguous(),
+        "scales": out["scales"][:, :scale_cols].contiguous(),
+    }
 
 
 def _quantized(
