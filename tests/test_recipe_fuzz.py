@@ -406,6 +406,43 @@ def test_reference_invariants_of_every_operand_format(
         )
 
 
+@fuzz(80)
+@given(case=recipe_cases(), data=st.data())
+def test_zero_padding_a_row_is_exact_where_the_kernels_pad(
+    case: RecipeCase, data: st.DataObject, tmp_path: Path
+) -> None:
+    """What lets the quantize kernels take any K (cute_backend._zero_padded): for every operand
+    format of a drawn recipe that ``padding_is_exact`` admits, the reference of x zero-padded
+    by any number of columns, the padding's codes and block scales dropped, is the reference
+    of x bit for bit (codes, scales, global scale)."""
+    from fp4gen.runtime.cute_backend import padding_is_exact
+
+    path = written(case, tmp_path)
+    recipe = load(case, path)
+    assume(recipe is not None)
+    assert recipe is not None
+    specs = {
+        (spec.format, spec.rounding, spec.rht)
+        for _, spec in recipe.operands.items()
+        if isinstance(spec.format, BlockFormat) and padding_is_exact(spec.format, spec.rounding)
+    }
+    assume(specs)
+    for fmt, rounding, transform in specs:
+        width = transform.size if transform is not None else 1
+        if transform is not None:
+            transform = transform.at(data.draw(st.integers(0, 2**20)), data.draw(st.integers(0, 9)))
+        x = drawn_tensor(data, fmt, width, huge_ok=transform is None)
+        extra = data.draw(st.integers(1, 2 * fmt.block[1])) * width
+        note(f"{fmt} {rounding} {transform} x {tuple(x.shape)} padded by {extra}")
+        padded = torch.nn.functional.pad(x, (0, extra))
+        want = quantize(x, fmt, rounding=rounding, hadamard=transform)
+        got = quantize(padded, fmt, rounding=rounding, hadamard=transform)
+        cols = x.shape[1]
+        assert torch.equal(got.codes[:, :cols], want.codes)
+        assert torch.equal(got.scales[:, : want.scales.shape[1]], want.scales)
+        assert torch.equal(got.global_scale, want.global_scale)
+
+
 ROWS = 1024  # identical rows: i.i.d. draws of each element's stochastic rounding
 
 
