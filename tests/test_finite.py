@@ -280,3 +280,17 @@ def test_a_transform_that_overflows_inside_a_capture_gives_a_nan_global_scale(
     with finite.propagating():
         got = quantize_dispatch.quantize(x, "nvfp4", hadamard=16)
     assert torch.isnan(got.global_scale).all()
+
+
+def test_a_mor_rule_inside_a_capture_is_refused_before_any_op(monkeypatch) -> None:
+    """Mixture of Representations reads the device to choose each block's format, which a
+    CUDA graph capture refuses (and a failed capture leaves torch's generator in capture mode):
+    under a capture it raises a TensorError naming the way out, and runs nothing."""
+    from fp4gen.dsl import load_recipe
+    from fp4gen.runtime import quantize_dispatch
+
+    rule = load_recipe("mor_tensor").mors[0]
+    monkeypatch.setattr(quantize_dispatch, "capturing", lambda x: True)
+    with _DeviceReads() as counted, pytest.raises(TensorError, match="inside a CUDA graph capture"):
+        quantize_dispatch.mor_quantize(torch.randn(8, 128), rule)
+    assert counted.reads == 0

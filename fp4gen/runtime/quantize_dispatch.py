@@ -37,7 +37,7 @@ from fp4gen.numerics.quantize import (
     resolve_rht,
 )
 from fp4gen.numerics.quantize import quantize as reference_quantize
-from fp4gen.runtime import cute_backend, finite
+from fp4gen.runtime import cute_backend, device_memory, finite
 
 BACKENDS: tuple[str, ...] = ("auto", "reference", "cute")
 
@@ -97,7 +97,7 @@ def quantize(
 
 def capturing(x: torch.Tensor) -> bool:
     """Whether ``x``'s work is being captured into a CUDA graph (no device read may run)."""
-    return x.is_cuda and torch.cuda.is_current_stream_capturing()
+    return x.is_cuda and device_memory.capturing()
 
 
 def _captured_reference(
@@ -144,6 +144,13 @@ def mor_quantize(
     spec_rht = resolve_rht(hadamard)
     if isinstance(x, torch.Tensor):
         x = x.detach()  # not differentiable, like the oracle: no graph in the result
+        if capturing(x):
+            # raised before any op: a failed capture would leave torch's CUDA generator behind
+            raise TensorError(
+                f"cannot quantize the input of shape {tuple(x.shape)} with a Mixture-of-"
+                "Representations rule inside a CUDA graph capture: the rule's choice of format "
+                "reads the device (torch.compile: a mode without CUDA graphs, e.g. 'default')"
+            )
     if _wants_kernels(backend, x):
         # loaded here, not with this module: the MoR kernels' module loads Jinja (to render)
         from fp4gen.runtime.mor_kernels import mor_quantize_cute
