@@ -294,3 +294,21 @@ def test_a_mor_rule_inside_a_capture_is_refused_before_any_op(monkeypatch) -> No
     with _DeviceReads() as counted, pytest.raises(TensorError, match="inside a CUDA graph capture"):
         quantize_dispatch.mor_quantize(torch.randn(8, 128), rule)
     assert counted.reads == 0
+
+
+def test_raise_mode_propagates_inside_a_capture_and_says_so(monkeypatch, caplog) -> None:
+    """FP4GEN_CHECK_FINITE=raise reads each op's flags when it ends, which a CUDA graph capture
+    (torch.compile's reduce-overhead) refuses: inside one the op's scope propagates instead,
+    warned once; outside one it still defers and raises."""
+    monkeypatch.setattr(finite, "_layer_mode", ["raise"])
+    monkeypatch.setattr(finite, "_warned_capture", [False])
+    with finite.layer_scope():
+        assert not finite.propagates() and finite.checks_given()
+    monkeypatch.setattr(finite, "_capturing", lambda: True)
+    with caplog.at_level("WARNING", logger="fp4gen.runtime"):
+        for _ in range(2):
+            with finite.layer_scope():
+                assert finite.propagates()
+    warned = [r for r in caplog.records if "inside a CUDA graph capture" in r.getMessage()]
+    assert len(warned) == 1
+    assert not finite.propagates()  # the scope restored the state it found

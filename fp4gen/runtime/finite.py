@@ -38,6 +38,7 @@ read the S_dec instead of a flag.
 
 from __future__ import annotations
 
+import logging
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -49,6 +50,7 @@ from fp4gen.errors import FP4GenError
 from fp4gen.numerics import QuantizedTensor
 from fp4gen.settings import LAYER_MODES, check_finite_mode
 
+log = logging.getLogger("fp4gen.runtime")
 _state = threading.local()  # .pending (deferred reads) and .propagate (flags returned)
 
 
@@ -198,12 +200,35 @@ def propagating() -> Iterator[None]:
         _state.propagate = before
 
 
+def _capturing() -> bool:
+    """Whether a CUDA graph is being captured on the current stream (False without CUDA)."""
+    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+
+
+def _capturing_raise_mode() -> bool:
+    """In ``raise`` mode, whether this op runs inside a CUDA graph capture (torch.compile's
+    reduce-overhead): the end-of-op read cannot run there, so the op propagates instead (a
+    NaN global scale, NaN outputs), said once at WARNING."""
+    if not _capturing():
+        return False
+    if not _warned_capture[0]:
+        _warned_capture[0] = True
+        log.warning(
+            "FP4GEN_CHECK_FINITE=raise cannot be honoured inside a CUDA graph capture (its check "
+            "reads the device): non-finite inputs propagate as NaN outputs there"
+        )
+    return True
+
+
+_warned_capture = [False]
+
+
 class layer_scope:  # noqa: N801 (used like the context-manager functions above)
     """The scope of one fp4gen.nn.Linear op, per ``layer_mode()``: ``propagating()`` or
     ``deferred()``. A class rather than a generator: it is entered twice per layer and step."""
 
     def __enter__(self) -> None:
-        if layer_mode() == "propagate":
+        if layer_mode() == "propagate" or _capturing_raise_mode():
             self.before = getattr(_state, "propagate", False)
             _state.propagate = True
             self.inner = None
