@@ -24,6 +24,7 @@ SETS: tuple[tuple[str, str], ...] = (
     ("fp4gen.runtime.blackwell_grouped", "_logged"),
     ("fp4gen.runtime.cublaslt", "_logged"),
     ("fp4gen.runtime.experts", "_logged"),
+    ("fp4gen.runtime.finite", "_logged"),
     ("fp4gen.runtime.fp8_grouped", "_logged"),
     ("fp4gen.runtime.grouped", "_logged"),
     ("fp4gen.runtime.grouped_quantize", "_logged"),
@@ -34,6 +35,7 @@ SETS: tuple[tuple[str, str], ...] = (
 # (module, name): a module-level LogOnce
 LOG_ONCES: tuple[tuple[str, str], ...] = (
     ("fp4gen.runtime.cute_backend", "_log_once"),
+    ("fp4gen.runtime.cute_backend", "_log_padded_once"),
     ("fp4gen.runtime.cute_backend", "_log_tile_once"),
     ("fp4gen.runtime.dequant", "_log_once"),
     ("fp4gen.runtime.fsdp", "_log_once"),

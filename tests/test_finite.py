@@ -301,7 +301,7 @@ def test_raise_mode_propagates_inside_a_capture_and_says_so(monkeypatch, caplog)
     (torch.compile's reduce-overhead) refuses: inside one the op's scope propagates instead,
     warned once; outside one it still defers and raises."""
     monkeypatch.setattr(finite, "_layer_mode", ["raise"])
-    monkeypatch.setattr(finite, "_warned_capture", [False])
+    monkeypatch.setattr(finite, "_logged", set())
     with finite.layer_scope():
         assert not finite.propagates() and finite.checks_given()
     monkeypatch.setattr(finite, "_capturing", lambda: True)

@@ -211,16 +211,17 @@ def _capturing_raise_mode() -> bool:
     NaN global scale, NaN outputs), said once at WARNING."""
     if not _capturing():
         return False
-    if not _warned_capture[0]:
-        _warned_capture[0] = True
-        log.warning(
-            "FP4GEN_CHECK_FINITE=raise cannot be honoured inside a CUDA graph capture (its check "
-            "reads the device): non-finite inputs propagate as NaN outputs there"
-        )
+    message = (
+        "FP4GEN_CHECK_FINITE=raise cannot be honoured inside a CUDA graph capture (its check "
+        "reads the device): non-finite inputs propagate as NaN outputs there"
+    )
+    if message not in _logged:
+        _logged.add(message)
+        log.warning(message)
     return True
 
 
-_warned_capture = [False]
+_logged: set[str] = set()  # the warnings given (once per process)
 
 
 class layer_scope:  # noqa: N801 (used like the context-manager functions above)
