@@ -29,6 +29,7 @@ SETS: tuple[tuple[str, str], ...] = (
     ("fp4gen.runtime.grouped", "_logged"),
     ("fp4gen.runtime.grouped_quantize", "_logged"),
     ("fp4gen.runtime.grouped_tile", "_logged"),
+    ("fp4gen.runtime.telemetry", "_skipped"),
     ("fp4gen.runtime.layer_graphs", "_logged"),
     ("fp4gen.runtime.layer_groups", "_logged"),
 )

@@ -234,6 +234,29 @@ def test_telemetry_records_padded_operands() -> None:
     assert all(0 <= r["rel_error"] < 0.5 for r in layer.telemetry.records)
 
 
+def test_telemetry_records_nothing_inside_a_capture_and_says_so(monkeypatch, caplog) -> None:
+    """Telemetry's statistics are read on the host, which a CUDA graph capture refuses: a call
+    made inside one (the capture stood in) records nothing and logs that once per layer; the
+    calls outside record as before, with the same output."""
+    from fp4gen.runtime import telemetry
+
+    monkeypatch.setattr(telemetry, "_skipped", set())
+    layer = make_layer(NVFP4)
+    layer.telemetry.every = 1
+    x, dy = data(7)
+    monkeypatch.setattr(telemetry, "_captured", lambda t: True)
+    with caplog.at_level("INFO", logger="fp4gen.runtime"):
+        captured = run_layer(layer, x, dy)
+        run_layer(layer, x, dy)
+    assert layer.telemetry.records == []
+    said = [r for r in caplog.records if "inside a CUDA graph capture" in r.getMessage()]
+    assert len(said) == 1
+    monkeypatch.setattr(telemetry, "_captured", lambda t: False)
+    eager = run_layer(layer, x, dy)
+    assert len(layer.telemetry.records) == len(Operand)
+    assert torch.equal(captured[0], eager[0])  # y (the gradients round stochastically per call)
+
+
 def test_torch_compile_with_odd_token_counts() -> None:
     layer = make_layer(NO_SR)
     x, dy = data(7)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -10,7 +11,16 @@ import torch
 from fp4gen.dsl.model import Operand
 from fp4gen.numerics import QuantizedTensor, error_stats
 from fp4gen.numerics.mor import MoRTensor
+from fp4gen.runtime import device_memory
 from fp4gen.runtime.operands import pad_to
+
+log = logging.getLogger("fp4gen.runtime")
+_skipped: set[str | None] = set()  # the layers whose captured calls went unrecorded (logged)
+
+
+def _captured(t: torch.Tensor) -> bool:
+    """Whether ``t``'s work is being captured into a CUDA graph."""
+    return t.is_cuda and device_memory.capturing()
 
 
 @dataclass
@@ -29,6 +39,16 @@ class TelemetryRecorder:
         error statistics for block formats, decisions and error histograms for MoR."""
         every = self.telemetry.every
         if not every or call % every:
+            return
+        if _captured(source):
+            # its statistics are read on the host, which a CUDA graph capture refuses (and a
+            # graph's replays run no Python): records come from the calls outside a capture
+            if self.name not in _skipped:
+                _skipped.add(self.name)
+                log.info(
+                    "%s: telemetry records no call made inside a CUDA graph capture",
+                    self.name or "Linear",
+                )
             return
         if isinstance(quantized, QuantizedTensor):
             if source.shape != quantized.shape:  # an unpadded source: padded only when recorded
