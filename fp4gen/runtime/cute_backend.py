@@ -280,7 +280,7 @@ def padding_is_exact(fmt: BlockFormat, rounding: str) -> bool:
     zeros change neither a tensor's nor a row's amax (the global scale). Not with stochastic
     element rounding (a value's random bits are drawn by its position in the padded row), nor
     stochastic block scales or MS-EDEN groups (whose draws and groups follow the padded
-    layout), nor 2D tiles (the tile kernels pad their own way)."""
+    layout); 2D tiles are not padded here (they stay on the tile kernels or the reference)."""
     return (
         not fmt.is_2d
         and not is_stochastic(rounding)

@@ -39,6 +39,12 @@ def capturing() -> bool:
     return torch.cuda.is_current_stream_capturing()
 
 
+def captures(t: torch.Tensor) -> bool:
+    """Whether the work on ``t`` is being captured into a CUDA graph (no device read may run
+    there); False for a tensor off CUDA, without asking CUDA."""
+    return t.is_cuda and capturing()
+
+
 def pooled(device: torch.device | int) -> bool:
     """Whether an allocation on ``device`` now would land in a CUDA graph's private pool: a
     capture of the current stream, or torch.compile's CUDA graph warm-up (mode="reduce-overhead"

@@ -48,6 +48,7 @@ import torch
 
 from fp4gen.errors import FP4GenError
 from fp4gen.numerics import QuantizedTensor
+from fp4gen.runtime import device_memory
 from fp4gen.settings import LAYER_MODES, check_finite_mode
 
 log = logging.getLogger("fp4gen.runtime")
@@ -202,7 +203,7 @@ def propagating() -> Iterator[None]:
 
 def _capturing() -> bool:
     """Whether a CUDA graph is being captured on the current stream (False without CUDA)."""
-    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+    return torch.cuda.is_available() and device_memory.capturing()
 
 
 def _capturing_raise_mode() -> bool:

@@ -95,9 +95,7 @@ def quantize(
     return reference(x)
 
 
-def capturing(x: torch.Tensor) -> bool:
-    """Whether ``x``'s work is being captured into a CUDA graph (no device read may run)."""
-    return x.is_cuda and device_memory.capturing()
+capturing = device_memory.captures  # a module attribute: tests stand a capture in here
 
 
 def _captured_reference(
@@ -114,9 +112,10 @@ def _captured_reference(
             "a CUDA graph capture: its NaN/Inf check reads the device (the generated kernels do "
             "not take this input; outside a capture, or in a propagating scope, it runs)"
         )
-    all_finite = torch.isfinite(x).all()
+    finite_values = torch.isfinite(x)
+    all_finite = finite_values.all()
     with finite_flags() as flags:
-        q = reference(x.masked_fill(~torch.isfinite(x), 0.0))  # no host tensor: a capture
+        q = reference(x.masked_fill(~finite_values, 0.0))  # no host tensor: a capture
     for flag in flags:  # the transformed input's (an RHT can overflow)
         all_finite = all_finite & flag
     return finite.poisoned(q, all_finite)
