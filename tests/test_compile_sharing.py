@@ -301,25 +301,30 @@ def test_the_pass_runs_after_a_pass_the_user_set(monkeypatch, lists: bool) -> No
 
     if lists and not hasattr(custom_graph_pass, "get_custom_graph_passes"):
         pytest.skip("this torch takes one pass in the slot, not a list")
-    monkeypatch.setattr(inductor_config, "post_grad_custom_pre_pass", users_pass)
-    if not lists:
-        monkeypatch.delattr(custom_graph_pass, "get_custom_graph_passes", raising=False)
-    compile_sharing.install()
-    installed = inductor_config.post_grad_custom_pre_pass
-    compile_sharing.install()  # once
-    assert inductor_config.post_grad_custom_pre_pass == installed
-    graph = torch.fx.Graph()
-    graph.output(())
-    if lists:
-        assert installed[0] is users_pass and isinstance(installed[1], compile_sharing.SharingPass)
-        for each in installed:
-            each(graph)
-    else:
-        assert isinstance(installed, compile_sharing.SharingPass)
-        assert installed.first == (users_pass,)
-        assert installed.uuid()[1] == (repr(users_pass),)
-        installed(graph)
-    assert seen == [graph]
+    # torch's own config patch, not monkeypatch: the config module keeps its values outside
+    # its __dict__, and a pytest whose undo deletes what it did not find there (9.2) removed the
+    # setting for every later test of the process
+    with inductor_config.patch(post_grad_custom_pre_pass=users_pass):
+        if not lists:
+            monkeypatch.delattr(custom_graph_pass, "get_custom_graph_passes", raising=False)
+        compile_sharing.install()
+        installed = inductor_config.post_grad_custom_pre_pass
+        compile_sharing.install()  # once
+        assert inductor_config.post_grad_custom_pre_pass == installed
+        graph = torch.fx.Graph()
+        graph.output(())
+        if lists:
+            assert installed[0] is users_pass and isinstance(
+                installed[1], compile_sharing.SharingPass
+            )
+            for each in installed:
+                each(graph)
+        else:
+            assert isinstance(installed, compile_sharing.SharingPass)
+            assert installed.first == (users_pass,)
+            assert installed.uuid()[1] == (repr(users_pass),)
+            installed(graph)
+        assert seen == [graph]
 
 
 def test_inductor_sharing_with_dynamic_shapes_autocast_and_no_grad(quantized) -> None:
