@@ -144,9 +144,17 @@ def op_args(layer, tokens, x_dtype, w_dtype, out_dtype, bias, device, contiguous
     return x, w, b, dy
 
 
+OP_PAIRS = {
+    "captured": ("linear_forward", "linear_backward"),
+    # the twins a MoR layer compiles to (tagged cudagraph_unsafe): the same kernels
+    "uncaptured": ("linear_forward_uncaptured", "linear_backward_uncaptured"),
+}
+
+
+@pytest.mark.parametrize("ops", OP_PAIRS)
 @pytest.mark.parametrize("case", range(3))
 @pytest.mark.parametrize("recipe", DETERMINISTIC)
-def test_custom_ops_pass_opcheck(recipe: str, case: int) -> None:
+def test_custom_ops_pass_opcheck(recipe: str, case: int, ops: str) -> None:
     tokens, n_in, n_out, x_dtype, w_dtype, out_dtype, bias = op_cases("cpu")[case]
     layer = fp4gen.nn.Linear(n_in, n_out, recipe=recipe)
     x, w, b, dy = op_args(layer, tokens, x_dtype, w_dtype, out_dtype, bias, "cpu")
@@ -158,10 +166,11 @@ def test_custom_ops_pass_opcheck(recipe: str, case: int) -> None:
     }
     x.requires_grad_()
     w.requires_grad_()
+    forward_op, backward_op = (getattr(torch.ops.fp4gen, name).default for name in OP_PAIRS[ops])
     forward = (x, w, b, layer._op_id, out_dtype)
-    assert torch.library.opcheck(torch.ops.fp4gen.linear_forward.default, forward) == passed
+    assert torch.library.opcheck(forward_op, forward) == passed
     backward = (dy, x.detach(), w.detach(), layer._op_id)
-    assert torch.library.opcheck(torch.ops.fp4gen.linear_backward.default, backward) == passed
+    assert torch.library.opcheck(backward_op, backward) == passed
 
 
 def metadata(t: torch.Tensor) -> tuple:
@@ -382,3 +391,53 @@ def test_compiled_backward_quantizes_each_layers_wgrad_copy(monkeypatch) -> None
         grads.append([p.grad for p in model.parameters()])
     for a, b in zip(*grads, strict=True):
         assert torch.equal(a, b)
+
+
+def traced_fp4gen_ops(module: torch.nn.Module, x: torch.Tensor) -> list[str]:
+    """The fp4gen ops of the forward and backward graphs AOT autograd gives for ``module``."""
+    from torch._dynamo.backends.common import aot_autograd
+
+    seen: list[str] = []
+
+    def record(gm: torch.fx.GraphModule, _inputs):
+        for node in gm.graph.nodes:
+            name = getattr(node.target, "name", lambda: "")()
+            if name.startswith("fp4gen::"):
+                seen.append(name.removeprefix("fp4gen::").removesuffix(".default"))
+        return gm
+
+    torch._dynamo.reset()
+    run = torch.compile(module, backend=aot_autograd(fw_compiler=record, bw_compiler=record))
+    run(x.requires_grad_()).sum().backward()
+    return seen
+
+
+@pytest.mark.parametrize(
+    ("recipe", "forward", "backward"),
+    [
+        ("nvfp4_no_sr", "linear_forward", "linear_backward"),
+        ("mor_tensor", "linear_forward_uncaptured", "linear_backward_uncaptured"),
+    ],
+)
+def test_mor_layers_compile_to_the_ops_cuda_graphs_leave_out(
+    recipe: str, forward: str, backward: str
+) -> None:
+    """A Mixture-of-Representations layer reads its values on the host to choose each block's
+    format, which a CUDA graph capture refuses: compiled, it runs as the twin ops tagged
+    ``cudagraph_unsafe``, which inductor's CUDA graphs (mode "reduce-overhead") run between
+    their replays; a block-format layer keeps the capturable ops. Both pairs run the same
+    kernels (the opcheck test above)."""
+    layer = fp4gen.nn.Linear(64, 32, recipe=recipe)
+    assert traced_fp4gen_ops(layer, torch.randn(16, 64)) == [forward, backward]
+    tag = getattr(torch.Tag, "cudagraph_unsafe", None)
+    if tag is not None:
+        unsafe = {
+            name: tag in getattr(torch.ops.fp4gen, name).default.tags
+            for name in OP_PAIRS["uncaptured"] + OP_PAIRS["captured"]
+        }
+        assert unsafe == {
+            "linear_forward_uncaptured": True,
+            "linear_backward_uncaptured": True,
+            "linear_forward": False,
+            "linear_backward": False,
+        }

@@ -189,6 +189,84 @@ def test_torch_compile_reduce_overhead_equals_eager(monkeypatch) -> None:
         torch.testing.assert_close(db, want_db, rtol=1e-5, atol=1e-5 * float(dy.abs().sum(0).max()))
 
 
+@pytest.mark.parametrize("recipe", ["mor_tensor.fp4r", "mor_subtensor_2way.fp4r"])
+def test_reduce_overhead_runs_mor_layers_between_its_graphs(monkeypatch, recipe: str) -> None:
+    """A Mixture-of-Representations layer reads its values on the host to choose each block's
+    format, which a capture refuses: compiled, it runs as the ops tagged cudagraph_unsafe, so
+    torch.compile(mode="reduce-overhead") records its graphs around the layers and runs them
+    between replays (it raised inside the recording before). Four steps give eager's y, dx and
+    dW bit for bit (ReLU between the layers: exact either way), and torch's RNG still works."""
+    monkeypatch.setenv("FP4GEN_LAYER_GRAPHS", "0")
+    r = load_recipe(recipe)
+    stacks = []
+    for _ in range(2):
+        torch.manual_seed(0)
+        stacks.append(
+            torch.nn.Sequential(
+                fp4gen.nn.Linear(256, 192, recipe=r, seed=3, device="cuda", name="a"),
+                torch.nn.ReLU(),
+                fp4gen.nn.Linear(192, 128, recipe=r, seed=4, device="cuda", name="b"),
+            )
+        )
+    eager, graphed = stacks
+    x = torch.randn(128, 256, device="cuda")
+    dy = torch.randn(128, 128, device="cuda")
+    want = _step(eager, x, dy)
+    torch._dynamo.reset()
+    compiled = torch.compile(graphed, mode="reduce-overhead")
+    names = [n for n, _ in graphed.named_parameters()]
+    for _ in range(4):  # warm-up, recording, then replays
+        got = _step(compiled, x, dy)
+        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+        for name, g, w in zip(names, got[2], want[2], strict=True):
+            if name.endswith("weight"):
+                assert torch.equal(g, w), name
+    torch._dynamo.reset()
+    torch.rand(16, device="cuda")  # torch's generator left usable
+
+
+@pytest.mark.parametrize("setting", ["check-finite-raise", "telemetry"])
+def test_reduce_overhead_with_host_reading_settings(monkeypatch, caplog, setting: str) -> None:
+    """Two settings read the device on the host at each op's end: FP4GEN_CHECK_FINITE=raise
+    (the op's NaN/Inf flags) and telemetry (its error statistics). Inside reduce-overhead's
+    recording the first propagates (warned once) and the second records nothing (logged once
+    per layer), so the recording succeeds: four steps give eager's y, dx and dW bit for bit,
+    and torch's RNG still works afterwards. (A read inside the capture failed it, and the
+    failed capture left torch's CUDA generator in capture mode.)"""
+    from fp4gen.runtime import finite, telemetry
+
+    monkeypatch.setenv("FP4GEN_LAYER_GRAPHS", "0")
+    if setting == "check-finite-raise":
+        monkeypatch.setattr(finite, "_layer_mode", ["raise"])
+        monkeypatch.setattr(finite, "_logged", set())
+    else:
+        monkeypatch.setattr(telemetry, "_skipped", set())
+    eager, graphed = _pair(RNE, ((256, 192), (192, 192)))
+    if setting == "telemetry":
+        for layer in (*eager, *graphed):
+            layer.telemetry.every = 1
+    x = torch.randn(128, 256, device="cuda")
+    dy = torch.randn(128, 192, device="cuda")
+    want = _step(eager, x, dy)
+    torch._dynamo.reset()
+    compiled = torch.compile(graphed, mode="reduce-overhead")
+    names = [n for n, _ in graphed.named_parameters()]
+    with caplog.at_level("INFO", logger="fp4gen.runtime"):
+        for _ in range(4):  # warm-up, recording, then replays
+            got = _step(compiled, x, dy)
+            assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+            for name, g, w in zip(names, got[2], want[2], strict=True):
+                if name.endswith("weight"):
+                    assert torch.equal(g, w), name
+    torch._dynamo.reset()
+    said = [r for r in caplog.records if "inside a CUDA graph capture" in r.getMessage()]
+    assert len(said) == (1 if setting == "check-finite-raise" else 2), caplog.text  # per layer
+    if setting == "telemetry":
+        # the warm-up step ran eagerly and recorded; the recording and the replays did not
+        assert all(layer.telemetry.records for layer in graphed)
+    torch.rand(16, device="cuda")
+
+
 class _Siblings(torch.nn.Module):
     """Three layers that read one x (a Llama's q, k and v), side by side into a fourth."""
 

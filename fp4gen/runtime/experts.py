@@ -479,7 +479,15 @@ class GroupedExperts(nn.Module):
             y = x @ weight if lay.transposed else nn.functional.linear(x, weight)
             return y if bias is None else y + bias
         w = weight.t() if lay.transposed else weight  # [out, in]: autograd maps dW back
-        return ops.linear(x, w, bias, layer._op_id, ops.output_dtype(x), tuple(x.shape))
+        return ops.linear(
+            x,
+            w,
+            bias,
+            layer._op_id,
+            ops.output_dtype(x),
+            tuple(x.shape),
+            capturable=not layer.mors,
+        )
 
     def _keeps_everything(
         self, table: OperandTable, x_dtype: torch.dtype, w_dtype: torch.dtype

@@ -293,7 +293,15 @@ class Linear(
                 f"in_features={self.in_features}"
             )
         x2 = x.reshape(-1, x.shape[-1])
-        y = ops.linear(x2, weight, self.bias, self._op_id, ops.output_dtype(x), x.shape)
+        y = ops.linear(
+            x2,
+            weight,
+            self.bias,
+            self._op_id,
+            ops.output_dtype(x),
+            x.shape,
+            capturable=not self.mors,  # MoR reads the device to choose formats
+        )
         if x.dim() == 2:
             return y  # not a view, as nn.Linear's (FSDP2 warns about modules returning views)
         return y.reshape(*x.shape[:-1], self.out_features)

@@ -236,6 +236,24 @@ _LIBRARY.define(
     "linear_backward(Tensor dy2, Tensor x2, Tensor weight, SymInt layer_id) -> (Tensor, Tensor)"
 )
 
+# The same two ops for layers whose quantization reads the device on the host (a Mixture-of-
+# Representations rule chooses each block's format from its values), tagged cudagraph_unsafe:
+# inductor's CUDA graphs (mode "reduce-overhead") run them between the graphs' replays instead
+# of capturing them, where a capture would refuse the read (and MoR raises inside one).
+_CUDAGRAPH_UNSAFE = tuple(
+    tag for tag in (getattr(torch.Tag, "cudagraph_unsafe", None),) if tag is not None
+)
+_LIBRARY.define(
+    "linear_forward_uncaptured(Tensor x2, Tensor weight, Tensor? bias, SymInt layer_id, "
+    "ScalarType out_dtype) -> Tensor",
+    tags=_CUDAGRAPH_UNSAFE,
+)
+_LIBRARY.define(
+    "linear_backward_uncaptured(Tensor dy2, Tensor x2, Tensor weight, SymInt layer_id) "
+    "-> (Tensor, Tensor)",
+    tags=_CUDAGRAPH_UNSAFE,
+)
+
 
 def _linear_forward(
     x2: torch.Tensor,
@@ -254,6 +272,7 @@ def _linear_forward(
 
 
 @torch.library.register_fake("fp4gen::linear_forward", lib=_LIBRARY)
+@torch.library.register_fake("fp4gen::linear_forward_uncaptured", lib=_LIBRARY)
 def _(
     x2: torch.Tensor,
     weight: torch.Tensor,
@@ -280,6 +299,11 @@ _LIBRARY.impl("linear_forward", _linear_forward, "CompositeExplicitAutograd")
 _LIBRARY.impl("linear_backward", _linear_backward, "CompositeExplicitAutograd")
 linear_forward = torch.ops.fp4gen.linear_forward.default
 linear_backward = torch.ops.fp4gen.linear_backward.default
+
+_LIBRARY.impl("linear_forward_uncaptured", _linear_forward, "CompositeExplicitAutograd")
+_LIBRARY.impl("linear_backward_uncaptured", _linear_backward, "CompositeExplicitAutograd")
+linear_forward_uncaptured = torch.ops.fp4gen.linear_forward_uncaptured.default
+linear_backward_uncaptured = torch.ops.fp4gen.linear_backward_uncaptured.default
 
 
 # The group ops that fp4gen.runtime.compile_sharing's inductor pass puts in place of the ops
@@ -361,6 +385,7 @@ def _(dys, x2, weights, layer_ids):
 
 
 @torch.library.register_fake("fp4gen::linear_backward", lib=_LIBRARY)
+@torch.library.register_fake("fp4gen::linear_backward_uncaptured", lib=_LIBRARY)
 def _(dy2: torch.Tensor, x2: torch.Tensor, weight: torch.Tensor, layer_id: int):
     _install_sharing()
     return x2.new_empty(x2.shape), weight.new_empty(weight.shape)
@@ -393,12 +418,17 @@ def double_backward_error(name: str) -> FP4GenError:
     )
 
 
-def _backward(ctx: Any, dy: torch.Tensor):
-    if torch.is_grad_enabled():
-        raise double_backward_error(_layer(ctx.layer_id).name)
-    x2, weight = ctx.saved_tensors
-    dx, dw = linear_backward(dy.contiguous(), x2, weight, ctx.layer_id)
-    return dx, dw, bias_grad(dy, ctx.bias_dtype), None, None
+def _backward_with(op: Any) -> Any:
+    """The forward op's autograd formula, its gradients from the backward op ``op``."""
+
+    def backward(ctx: Any, dy: torch.Tensor):
+        if torch.is_grad_enabled():
+            raise double_backward_error(_layer(ctx.layer_id).name)
+        x2, weight = ctx.saved_tensors
+        dx, dw = op(dy.contiguous(), x2, weight, ctx.layer_id)
+        return dx, dw, bias_grad(dy, ctx.bias_dtype), None, None
+
+    return backward
 
 
 def bias_grad(dy: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor | None:
@@ -408,7 +438,16 @@ def bias_grad(dy: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor | Non
 
 
 torch.library.register_autograd(
-    "fp4gen::linear_forward", _backward, setup_context=_setup_context, lib=_LIBRARY
+    "fp4gen::linear_forward",
+    _backward_with(linear_backward),
+    setup_context=_setup_context,
+    lib=_LIBRARY,
+)
+torch.library.register_autograd(
+    "fp4gen::linear_forward_uncaptured",
+    _backward_with(linear_backward_uncaptured),
+    setup_context=_setup_context,
+    lib=_LIBRARY,
 )
 
 
@@ -483,12 +522,16 @@ def linear(
     layer_id: int,
     out_dtype: torch.dtype,
     shape: tuple[int, ...] | None = None,
+    capturable: bool = True,
 ) -> torch.Tensor:
     """y = Q(x) @ Q(W)^T (+ bias) with its backward: the custom op while torch.compile traces,
     the eager autograd.Function otherwise (module docstring). ``shape``: x's shape as the
-    caller gave it (x2 is its 2-D view), which an error about y's gradient names."""
+    caller gave it (x2 is its 2-D view), which an error about y's gradient names.
+    ``capturable``: False for a layer whose quantization reads the device on the host (MoR),
+    compiled as the ops that inductor's CUDA graphs leave out."""
     if torch.compiler.is_compiling():
-        return linear_forward(x2, weight, bias, layer_id, out_dtype)
+        op = linear_forward if capturable else linear_forward_uncaptured
+        return op(x2, weight, bias, layer_id, out_dtype)
     shape = tuple(x2.shape) if shape is None else shape
     return _EagerLinear.apply(x2, weight, bias, layer_id, out_dtype, torch.is_grad_enabled(), shape)
 
