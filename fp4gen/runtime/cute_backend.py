@@ -57,7 +57,8 @@ _loader: KernelLoader[QuantKernelSpec, Any] = KernelLoader(
 _log_once = LogOnce(log, "quantize(backend='auto') uses the reference: %s")
 # a tile launch refused: the callers then quantize the copies one by one (the reason says how)
 _log_tile_once = LogOnce(log, "quantize(backend='auto'): no tile launch for these copies: %s")
-# an input zero-padded to the kernels' K multiple (``_zero_padded``): once per kernel and K
+# an input zero-padded to the kernels' M and K multiples (``_zero_padded``): once per kernel,
+# its multiples and K
 _log_padded_once = LogOnce(log, "quantize(backend='auto'): %s")
 _lock = threading.Lock()
 
@@ -247,16 +248,17 @@ def quantize_cute(
     kernels = launch.kernels
     if isinstance(kernels, Unsupported):
         return unavailable(kernels.reason)
-    cols = x2.shape[1]
+    rows, cols = x2.shape
     launched = x2
     if launch.refused is not None:
-        padded = _zero_padded(x2, fmt, rounding, launch, copies)
+        padded = _zero_padded(x2, fmt, launch, copies)
         if padded is None:
             if required:
                 raise TensorError(launch.refused)
             _log_once(f"{launch.spec.name} does not take this input ({launch.refused})")
             return None
         launched, launch = padded
+        kernels = launch.kernels
     flag = (
         None
         if launch.nan_scale and finite.propagates()
@@ -268,67 +270,95 @@ def quantize_cute(
     else:
         out = kernels.run(launched, seed=seed, offset=offset)
     if launched is not x2:
-        out = _unpadded(out, fmt, cols)
+        out = _unpadded(out, fmt, {"": (rows, cols)})
     return _quantized(out, "", fmt, cols, rounding, rht, seed, offset, x.shape, x.dtype, flag)
 
 
-def padding_is_exact(fmt: BlockFormat, rounding: str) -> bool:
-    """Whether quantizing a row zero-padded to more columns and then dropping the padding's
-    codes and block scales gives the row's own quantization bit for bit: true for 1D blocks
-    rounded deterministically. The reference pads a row's last partial block with zeros itself
+def padding_is_exact(fmt: BlockFormat, rounding: str, k: int | None = None) -> bool:
+    """Whether quantizing x zero-padded to more rows and columns and then dropping the padding's
+    codes and scales gives x's own quantization bit for bit: true for 1D blocks and 2D tiles
+    rounded deterministically. The reference pads a partial block or tile with zeros itself
     (numerics.md 2), so every block's amax, scale, codes and target choice are the same, and
-    zeros change neither a tensor's nor a row's amax (the global scale). Not with stochastic
-    element rounding (a value's random bits are drawn by its position in the padded row), nor
-    stochastic block scales or MS-EDEN groups (whose draws and groups follow the padded
-    layout); 2D tiles are not padded here (they stay on the tile kernels or the reference)."""
+    zeros change neither a tensor's nor a row's amax (the global scale); a columnwise copy is
+    the rowwise one of x.t() (1D) or the transpose of x's (2D), padded alike. Not with
+    stochastic element rounding (a value's random bits are drawn by its position in the padded
+    tensor), nor stochastic block scales or MS-EDEN groups (whose draws and groups follow the
+    padded layout), nor, given x's K ``k``, block targets on 2D tiles wider than K: the
+    reference's tile is then K wide, and its error sum adds the same values in another order
+    than the padded tile's (fp32 addition does not associate), which may flip a choice."""
+    narrow_tile = fmt.is_2d and bool(fmt.targets) and k is not None and k < fmt.block[1]
     return (
-        not fmt.is_2d
-        and not is_stochastic(rounding)
+        not is_stochastic(rounding)
         and fmt.scale.rounding != "stochastic"
         and fmt.eden_group is None
+        and not narrow_tile
     )
 
 
 def _zero_padded(
     x2: torch.Tensor,
     fmt: BlockFormat,
-    rounding: str,
     launch: _Launch,
     copies: tuple[tuple[str, str, RHTSpec | None], ...],
 ) -> tuple[torch.Tensor, _Launch] | None:
-    """``x2`` zero-padded to the kernels' K multiple and its launch, where the kernels refused
-    ``x2``'s K and the padding is exact (``padding_is_exact``); else None. Logged once per
-    kernel: the copy costs a pass over x, far less than the torch reference's."""
-    k_multiple = getattr(launch.kernels.module, "K_MULTIPLE", None)
-    if not k_multiple or not padding_is_exact(fmt, rounding):
+    """``x2`` zero-padded to the kernels' M and K multiples and its launch, where the kernels
+    refused ``x2``'s shape and the padding is exact for every copy (``padding_is_exact``); else
+    None. Logged once per kernel, its multiples and K (not M, which changes with the batch): the
+    copy costs a pass over x, far less than the torch reference's."""
+    module = launch.kernels.module
+    k_multiple = getattr(module, "K_MULTIPLE", None)
+    m_multiple = getattr(module, "M_MULTIPLE", 1)
+    rows, cols = x2.shape
+    if not k_multiple or not all(padding_is_exact(fmt, r, cols) for _, r, _ in copies):
         return None
-    cols = x2.shape[1]
-    if any(rht is not None and cols % rht.size for _, _, rht in copies):
-        return None  # the reference refuses an RHT that does not divide K: so must the kernels
+    # an RHT runs along a copy's rows: K for the rowwise copy, M for the columnwise one (x.t())
+    if any(
+        rht is not None and (cols if d == "rowwise" else rows) % rht.size for d, _, rht in copies
+    ):
+        return None  # the reference refuses an RHT that does not divide its length: so must we
+    padded_rows = -(-rows // m_multiple) * m_multiple
     padded_cols = -(-cols // k_multiple) * k_multiple
-    if padded_cols == cols:
-        return None  # refused for another reason than K
-    padded = torch.nn.functional.pad(x2, (0, padded_cols - cols))
+    if (padded_rows, padded_cols) == (rows, cols):
+        return None  # refused for another reason than the shape
+    padded = torch.nn.functional.pad(x2, (0, padded_cols - cols, 0, padded_rows - rows))
     again = _launch(fmt, copies, padded)
     if again.refused is not None:
         return None
+    what = [f"K {cols} to {padded_cols}"] if padded_cols != cols else []
+    if padded_rows != rows:
+        what.append(f"M to a multiple of {m_multiple}")
     _log_padded_once(
-        f"{launch.spec.name} takes K in multiples of {k_multiple}: an input of K {cols} is "
-        f"zero-padded to {padded_cols} and the padding's codes and scales dropped (exact)"
+        f"{launch.spec.name} takes K in multiples of {k_multiple}"
+        + (f" and M in multiples of {m_multiple}" if m_multiple > 1 else "")
+        + f": an input is zero-padded ({', '.join(what)}) and the padding's codes and scales "
+        "dropped (exact)"
     )
     return padded, again
 
 
-def _unpadded(out: dict[str, torch.Tensor], fmt: BlockFormat, cols: int) -> dict[str, torch.Tensor]:
-    """The outputs of a launch on a zero-padded input (``_zero_padded``) with the padding's
-    packed codes and block scales dropped: the layout of an input of ``cols`` columns."""
-    code_bytes = -(-cols * fmt.element.bits // 8)
-    scale_cols = -(-cols // fmt.block[1])
-    return {
-        **out,
-        "data": out["data"][:, :code_bytes].contiguous(),
-        "scales": out["scales"][:, :scale_cols].contiguous(),
-    }
+def _unpadded(
+    out: dict[str, torch.Tensor], fmt: BlockFormat, shapes: dict[str, tuple[int, int]]
+) -> dict[str, torch.Tensor]:
+    """The outputs of a launch on a zero-padded input (``_zero_padded``) cut to the real shape:
+    ``shapes`` maps each copy's prefix ("" rowwise, "col_" columnwise) to its [rows, cols] (a
+    columnwise copy's rows are x's columns). A copy's packed codes are row-major with element 0
+    in the lowest bits of its row (``layout.pack``), so a row's first ceil(cols * bits / 8)
+    bytes hold its real codes; its scales are one per block row (a row, or a tile's rows) and
+    block column. The swizzled scale buffers are left out: laid out for the padded shape, and
+    no QuantizedTensor reads them."""
+    br, bc = fmt.block  # 2D tiles are square: a columnwise copy's tiles are the same
+    cut: dict[str, torch.Tensor] = {}
+    for prefix, (rows, cols) in shapes.items():
+        block_rows = -(-rows // br)
+        code_bytes = -(-cols * fmt.element.bits // 8)
+        cut[prefix + "data"] = out[prefix + "data"][:rows, :code_bytes].contiguous()
+        cut[prefix + "scales"] = out[prefix + "scales"][:block_rows, : -(-cols // bc)].contiguous()
+        global_scale = out[prefix + "global_scale"]
+        # per-row global scales: one per block row, the padding's rows dropped
+        cut[prefix + "global_scale"] = (
+            global_scale[:block_rows] if fmt.global_rows else global_scale
+        )
+    return cut
 
 
 def _quantized(
@@ -409,10 +439,12 @@ def quantize_tile_cute(
     kernel: a rowwise copy equals ``quantize(x, ...)``, a columnwise one
     ``quantize(x.t().contiguous(), ...)``, bit for bit (with 2D blocks the transpose of the
     rowwise codes and tile scales, ``quantize(x, ...).transpose()``: the same codes, so 2D
-    blocks are taken only where every copy rounds to nearest without an RHT). None when
-    the kernels cannot serve the call (no GPU kernels, a shape the tile kernel does not take:
-    the caller quantizes the copies one by one); TensorError for non-finite values."""
-    if x.device.type != "cuda" or x.dim() != 2 or x.dtype not in _DTYPES:
+    blocks are taken only where every copy rounds to nearest without an RHT). A shape the tile
+    kernel does not take is zero-padded to its M and K multiples and every copy cut back to the
+    real shape where that is exact for all of them (``_zero_padded``). None when the kernels
+    cannot serve the call (no GPU kernels, a shape they do not take that cannot be padded: the
+    caller quantizes the copies one by one); TensorError for non-finite values."""
+    if not_cuda(x) is not None or x.dim() != 2 or x.dtype not in _DTYPES:
         return None
     if fmt.is_2d and any(r != "nearest" or h is not None for _, r, h, _ in outputs):
         return None  # a stochastic copy of x.t() draws other bits than the rowwise copy's
@@ -428,17 +460,23 @@ def quantize_tile_cute(
         return None
     if x.numel() == 0 or not x.is_contiguous() or x.data_ptr() % 16:
         return None
-    launch = _launch(fmt, tuple((d, r, h) for d, r, h, _ in outputs), x)
+    copies = tuple((d, r, h) for d, r, h, _ in outputs)
+    launch = _launch(fmt, copies, x)
     kernels = launch.kernels
     if isinstance(kernels, Unsupported):
         _log_tile_once(kernels.reason)
         return None
+    launched = x
     if launch.refused is not None:
-        _log_tile_once(
-            f"{launch.spec.name} does not take this input ({launch.refused}); "
-            "the copies run one by one"
-        )
-        return None
+        padded = _zero_padded(x, fmt, launch, copies)
+        if padded is None:
+            _log_tile_once(
+                f"{launch.spec.name} does not take this input ({launch.refused}); "
+                "the copies run one by one"
+            )
+            return None
+        launched, launch = padded
+        kernels = launch.kernels
     # once for every copy; none where the kernels make the decode scales NaN themselves
     flag = (
         None
@@ -454,13 +492,15 @@ def quantize_tile_cute(
         offsets = _joined_offset(
             tuple(o if isinstance(o, DeviceOffset) else device[0] for o in offsets)
         )
-    out = kernels.module.run(kernels.fns, x, seed=seed, offset=offsets)
+    out = kernels.module.run(kernels.fns, launched, seed=seed, offset=offsets)
     rows, cols = x.shape
     # a columnwise copy is the rowwise quantization of x.t(): [cols, rows]
-    copies = {"rowwise": ("", cols, (rows, cols)), "columnwise": ("col_", rows, (cols, rows))}
+    layouts = {"rowwise": ("", cols, (rows, cols)), "columnwise": ("col_", rows, (cols, rows))}
+    if launched is not x:
+        out = _unpadded(out, fmt, {layouts[d][0]: layouts[d][2] for d, *_ in outputs})
     result = []
     for direction, rounding, rht, offset in outputs:
-        prefix, n, shape = copies[direction]
+        prefix, n, shape = layouts[direction]
         result.append(
             _quantized(
                 out, prefix, fmt, n, rounding, rht, seed, offset, torch.Size(shape), x.dtype, flag
