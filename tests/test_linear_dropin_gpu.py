@@ -113,9 +113,10 @@ def test_raise_mode_names_the_given_tensors_on_cuda(monkeypatch) -> None:
 def test_non_finite_values_propagate_where_the_kernels_fall_back_to_the_reference(
     monkeypatch,
 ) -> None:
-    """in_features 72 is not a multiple of NVFP4's 16-wide blocks: x's fprop operand is
-    quantized by the kernels from a zero-padded copy, the 2D weight by the reference (which
-    refuses a NaN); the layer propagates a NaN in x either way."""
+    """in_features 72 is not a multiple of NVFP4's 16-wide blocks: x's fprop operand and the
+    16x16 weight are quantized by the kernels from zero-padded copies (where a shape cannot be
+    padded, the reference, which refuses a NaN, quantizes it); the layer propagates a NaN in x
+    either way."""
     monkeypatch.setattr(finite, "_layer_mode", ["propagate"])
     layer = fp4gen.nn.Linear(72, 128, recipe="nvfp4_small", name="edge", device="cuda")
     x = torch.randn(64, 72, device="cuda")
