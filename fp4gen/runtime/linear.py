@@ -94,6 +94,7 @@ from torch import nn
 from fp4gen.device_offset import DeviceOffset
 from fp4gen.dsl.model import MoRSpec, Operand, OperandSpec, OperandTable, Recipe
 from fp4gen.errors import FP4GenError, TensorError
+from fp4gen.formats import BlockFormat
 from fp4gen.gemm_dispatch import gemm
 from fp4gen.numerics import QuantizedTensor
 from fp4gen.runtime import finite, layer_groups, ops
@@ -431,13 +432,17 @@ class Linear(
         quantized (FSDP2's quantized all-gather). ``out``: where the GEMM may write y (a layer
         graph's result tensor; y is then that tensor). ``x_quantized``: x's fprop operand as
         ``fprop_input`` made it for another layer of a group, where it is this layer's too."""
-        xq_t = self.wgrad_activation(x2, table, call) if keep else None
         k = self.fprop_k(table, weight.shape[1])
-        x2 = pad_to(x2, x2.shape[0], k)
-        if x_quantized is None:
-            xq = self.quantize(x2, Operand.FPROP_ACTIVATION, table.fprop_activation, call)
+        pair = self._input_pair(x2, table, call) if keep and x_quantized is None else None
+        if pair is not None:
+            xq, xq_t = pair  # one read of x for both copies
         else:
-            xq = x_quantized
+            xq_t = self.wgrad_activation(x2, table, call) if keep else None
+            x2 = pad_to(x2, x2.shape[0], k)
+            if x_quantized is None:
+                xq = self.quantize(x2, Operand.FPROP_ACTIVATION, table.fprop_activation, call)
+            else:
+                xq = x_quantized
         if gathered is None:
             w = pad_to(_rows_contiguous(weight.detach()), weight.shape[0], k)
             w_row = self.quantize(w, Operand.FPROP_WEIGHT, table.fprop_weight, call)
@@ -629,6 +634,39 @@ class Linear(
         )
         return xq_t
 
+    def _input_pair(self, x2: torch.Tensor, table: OperandTable, call: int) -> Any:
+        """(x's fprop operand, x's wgrad copy) from one tile launch, where one kernel serves
+        both: on CUDA, one block format for both copies, neither padded (K a whole fprop K,
+        the tokens a whole wgrad K) nor taking a group's amax, the wgrad copy not made from the
+        fprop one. Else None: the caller quantizes them one by one (two reads of x), the same
+        bits (the tile kernel's copies are ``quantize``'s of x and of x.t())."""
+        fprop, wgrad = table.fprop_activation, table.wgrad_activation
+        fmt = fprop.format
+        if not (
+            _input_pairs[0]
+            and x2.is_cuda
+            and self.backend != "reference"
+            and isinstance(fmt, BlockFormat)
+            and wgrad.format == fmt
+            and wgrad.source is None
+        ):
+            return None
+        if self._reduced(Operand.FPROP_ACTIVATION, fprop) or self._reduced(
+            Operand.WGRAD_ACTIVATION, wgrad
+        ):
+            return None
+        tokens, cols = x2.shape
+        wgrad_k = k_multiple(table.wgrad_gradient, wgrad, blocks=True)
+        if self.fprop_k(table, cols) != cols or tokens % wgrad_k:
+            return None
+        _, row = self.slot(Operand.FPROP_ACTIVATION, fprop, call, x2)
+        _, col = self.slot(Operand.WGRAD_ACTIVATION, wgrad, call, x2)
+        outputs = (
+            ("rowwise", fprop.rounding, fprop.rht, row),
+            ("columnwise", wgrad.rounding, wgrad.rht, col),
+        )
+        return quantize_tile_cute(x2, fmt, outputs, seed=self.data_seed)
+
     def _quantize_pair(
         self,
         t: torch.Tensor,
@@ -697,6 +735,15 @@ class Linear(
 # the eager route's shared wgrad copy; runs of plain Linears that shared it are reported to
 # the layer groups
 _last_copy = LastCopy(plain=Linear)
+_input_pairs = [True]  # x's two copies from one tile launch where one serves (_input_pair)
+
+
+def set_input_pair_launch(enabled: bool) -> bool:
+    """Whether a forward that keeps x's wgrad copy makes it and x's fprop operand in one tile
+    launch where one kernel serves both (True, the default) or in two (False). Process-wide,
+    read at every call; returns the previous setting. The bits are the same either way."""
+    previous, _input_pairs[0] = _input_pairs[0], bool(enabled)
+    return previous
 
 
 class Conv1DLinear(Linear):
