@@ -61,7 +61,7 @@ from fp4gen.codegen.gemm_configs import (
 )
 from fp4gen.compiler.plan import ROW_SCALED_REASON
 from fp4gen.errors import ArgumentError, FP4GenError, TensorError
-from fp4gen.formats import BlockFormat
+from fp4gen.formats import FLT_MAX, BlockFormat
 from fp4gen.numerics import QuantizedTensor, gemm_block_scaled_reference, gemm_reference
 from fp4gen.runtime.checks import check_accumulate, check_bias, check_out, check_pair
 from fp4gen.runtime.device_memory import pooled
@@ -263,7 +263,9 @@ def _product(call: _GemmCall, backend: str) -> tuple[str, GemmProduct]:
             call = call._replace(auto=True)
         choice = auto_backend(a, b)
         backend = choice.backend
-        if choice.fallback:
+        if choice.fallback and backend == "reference":
+            _log_once(choice.why, "gemm(backend='auto') uses the float64 reference: %s")
+        elif choice.fallback:
             _log_once(choice.why)
         if backend in KERNEL_BACKENDS:
             try:
@@ -370,6 +372,9 @@ def choose_backend(
     ``semantics`` (``set_fp8_semantics``). Pure logic: needs no GPU."""
     if device != "cuda":
         return GemmChoice("reference", "CPU tensors: the float64 reference")
+    overflow = accumulator_overflow_reason(a, b, k)
+    if overflow is not None:
+        return GemmChoice("reference", overflow, fallback=True)
     if _row_scaled(a) or _row_scaled(b):
         return GemmChoice("dequant", ROW_SCALED_REASON, fallback=True)
     if arch == "sm_90a" and semantics != "exact":
@@ -419,6 +424,37 @@ def choose_backend(
             "the fused kernel re-decodes B once per M-tile)",
         )
     return GemmChoice("cute", "fused kernel: reads the 4-bit operands, decodes in the mainloop")
+
+
+def decoded_max(fmt: BlockFormat | object) -> float | None:
+    """The largest |element x block scale| a global-amax format's codes decode to, whatever the
+    data (its global scale maps the tensor's amax onto elem_max x the scale cap), or None for a
+    format without a global scale (its decoded values are the data's own magnitudes)."""
+    if not isinstance(fmt, BlockFormat) or not fmt.global_scale or fmt.scale.element is None:
+        return None
+    cap = fmt.global_bound if fmt.global_bound is not None else fmt.scale.element.max_finite
+    return fmt.element.max_finite * cap
+
+
+def accumulator_overflow_reason(
+    a: BlockFormat | object, b: BlockFormat | object, k: int
+) -> str | None:
+    """Why no fp32-accumulating GEMM may compute A [., k] x B [., k] in these formats, or None.
+    Every kernel (fused, dequantize + cuBLAS, FP8, native MMA) sums the K products of element x
+    block scale in fp32 and applies the global scales S_dec(A) S_dec(B) after (docs/numerics.md
+    6). With a global amax on both sides each decoded value reaches elem_max x scale cap
+    whatever the data, so where K times their product can pass fp32's largest value the
+    accumulator overflows to inf while the scaled result (the float64 reference's) is finite:
+    such pairs (exotic wide elements, e.g. e7m0) run on the float64 reference instead."""
+    pa, pb = decoded_max(a), decoded_max(b)
+    if pa is None or pb is None or k * pa * pb < FLT_MAX / 2:  # /2: the partial sums' rounding
+        return None
+    assert isinstance(a, BlockFormat) and isinstance(b, BlockFormat)
+    return (
+        f"{a.name} x {b.name} at K = {k}: an fp32 accumulator of K products of decoded values "
+        f"up to {pa:g} x {pb:g} (element x block scale, before the global scales) could "
+        "overflow where the result does not; the float64 reference computes it"
+    )
 
 
 def _row_scaled(fmt: BlockFormat | object) -> bool:

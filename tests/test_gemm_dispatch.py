@@ -551,3 +551,74 @@ def test_auto_dequant_calls_after_the_first_are_prepared_and_follow_b() -> None:
     got = fp4gen.gemm(a, b, out_dtype=torch.bfloat16)
     want = fp4gen.gemm(a, dataclasses.replace(b), out_dtype=torch.bfloat16, backend="dequant")
     assert torch.equal(got, want)
+
+
+WIDE = "format up = e7m0 fn scale ue2m0 block 1x4 global amax 2"  # elem_max x cap = 2^65
+
+
+def wide_format(tmp_path):
+    from fp4gen.dsl import load_recipe
+
+    path = tmp_path / "wide.fp4r"
+    path.write_text(f"recipe wide\n{WIDE}\noperands {{ * : up round nearest }}\n")
+    return load_recipe(str(path)).operands.fprop_activation.format
+
+
+@pytest.mark.parametrize("arch", ["sm_90a", "sm_100a"])
+def test_a_pair_whose_fp32_accumulator_can_overflow_runs_on_the_reference(tmp_path, arch) -> None:
+    """A global amax maps every tensor's amax onto elem_max x the scale cap, so the decoded
+    values (element x block scale, summed in fp32 before the global scales apply) reach 2^65
+    for e7m0 elements whatever the data: the products pass fp32's range at K = 1, and every
+    fp32-accumulating kernel would give inf where the result is finite (the GPU recipe fuzzer
+    found it on the dequantize path). On CUDA ``auto`` takes the float64 reference for such
+    pairs, said as a fallback; NVFP4, whose decoded values stay below 2688, is unchanged even
+    at K = 2^30."""
+    from fp4gen.gemm_dispatch import accumulator_overflow_reason
+
+    up = wide_format(tmp_path)
+    choice = choose_backend(up, up, 64, 48, 100, device="cuda", arch=arch)
+    assert choice.backend == "reference" and choice.fallback
+    assert "could overflow" in choice.why and "K = 100" in choice.why
+    nvfp4 = BUILTIN_FORMATS["nvfp4"]
+    assert accumulator_overflow_reason(nvfp4, nvfp4, 2**30) is None
+    assert choose_backend(nvfp4, nvfp4, 64, 48, 2**30, device="cuda", arch=arch).backend != (
+        "reference"
+    )
+    # one side without a global scale: its decoded values are the data's own magnitudes
+    assert accumulator_overflow_reason(up, BUILTIN_FORMATS["mxfp8_e4m3"], 100) is None
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_a_pair_whose_fp32_accumulator_can_overflow_gives_the_reference_on_cuda(
+    tmp_path, caplog, monkeypatch
+) -> None:
+    """On CUDA the e7m0 pair above: ``auto`` gives the float64 reference's finite result bit
+    for bit (the dequantize path gave inf), and says so once."""
+    from log_records import fresh_log_records
+
+    fresh_log_records(monkeypatch)
+    up = wide_format(tmp_path)
+    g = torch.Generator().manual_seed(3)
+    a = quantize(torch.randn(64, 100, generator=g).cuda(), up)
+    b = quantize(torch.randn(48, 100, generator=g).cuda(), up)
+    with caplog.at_level("INFO", logger="fp4gen"):
+        got = [fp4gen.gemm(a, b) for _ in range(2)]
+    want = fp4gen.gemm(a, b, backend="reference")
+    assert torch.isfinite(want).all()
+    assert all(torch.equal(g_, want) for g_ in got)
+    said = [r for r in caplog.records if "uses the float64 reference" in r.getMessage()]
+    assert len(said) == 1
+
+
+def test_experts_whose_fp32_accumulator_can_overflow_run_per_expert(tmp_path) -> None:
+    """The grouped products accumulate in fp32 as well: a recipe with such a pair runs its
+    experts' GEMMs one by one (each dispatched by its own K), with the reason."""
+    from fp4gen.dsl import load_recipe
+    from fp4gen.runtime.grouped import pass_reason
+
+    path = tmp_path / "wide.fp4r"
+    path.write_text(f"recipe wide\n{WIDE}\noperands {{ * : up round nearest }}\n")
+    reason = pass_reason(load_recipe(str(path)).operands)
+    assert reason is not None and "overflow an fp32 accumulator" in reason
+    assert pass_reason(load_recipe("nvfp4_no_sr").operands) is None

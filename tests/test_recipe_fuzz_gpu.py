@@ -82,7 +82,12 @@ from torch import nn
 import fp4gen
 import fp4gen.gemm_dispatch as gd
 from fp4gen.compiler.build import compile_recipes, prepare_builds
-from fp4gen.compiler.plan import plan_recipe, redrawn_tile_reason, tile_reason
+from fp4gen.compiler.plan import (
+    columnwise_tile_reason,
+    plan_recipe,
+    redrawn_tile_reason,
+    tile_reason,
+)
 from fp4gen.dsl import load_recipe
 from fp4gen.dsl.model import Recipe, RHTSpec
 from fp4gen.errors import FP4GenError
@@ -512,6 +517,9 @@ def check_fallback_logged_once(
     if isinstance(spec, QuantKernelSpec) and not single_rowwise(spec):
         fmt = block_format(spec)
         routed = (tile_reason(fmt), *(redrawn_tile_reason(o.rht) for o in spec.outputs))
+        if any(o.direction == "columnwise" for o in spec.outputs):
+            # 2D tiles whose x.t() copy is not the transposed one: the runtime says so first
+            routed += (columnwise_tile_reason(fmt),)
         reasons += [why for why in routed if why is not None]
     logged = [line for line in lines if any(why in line for why in reasons)]
     if not silent and len(logged) != 1:

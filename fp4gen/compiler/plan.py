@@ -449,6 +449,21 @@ def rowwise_only_reason(fmt: BlockFormat) -> str | None:
     )
 
 
+def columnwise_tile_reason(fmt: BlockFormat) -> str | None:
+    """Why one tile launch cannot make a columnwise copy of 2D-tiled ``fmt`` with the rowwise
+    one, or None: with block targets, stochastic block scales (or the other rowwise-only
+    options) on 2D tiles, the quantization of x.t() is not the transpose of x's (the targets'
+    error sums and the tile scales' draws follow x.t()'s own order), so each copy is
+    quantized on its own."""
+    if not (fmt.is_2d and rowwise_only(fmt)):
+        return None
+    return (
+        f"format {fmt.name}: with block targets or stochastic block scales on 2D tiles a "
+        "columnwise copy (of x.t()) is not the transpose of the rowwise one; the copies run one "
+        "by one"
+    )
+
+
 def tile_reason(fmt: BlockFormat) -> str | None:
     """Why the tile kernel (a columnwise copy, two copies in one launch, 2D blocks) does not
     quantize ``fmt``, or None: the rowwise kernel alone implements block targets, stochastic

@@ -26,6 +26,7 @@ from typing import Any
 import torch
 
 from fp4gen.compiler.plan import (
+    columnwise_tile_reason,
     kernel_rht,
     kernel_spec,
     redrawn_tile_reason,
@@ -448,15 +449,9 @@ def quantize_tile_cute(
         return None
     if fmt.is_2d and any(r != "nearest" or h is not None for _, r, h, _ in outputs):
         return None  # a stochastic copy of x.t() draws other bits than the rowwise copy's
-    if fmt.is_2d and rowwise_only(fmt) and any(d == "columnwise" for d, *_ in outputs):
-        # block targets (an error tree in x.t()'s row-major order) and stochastic tile scales
-        # (x.t()'s tile index and its copy's offset): the quantization of x.t() is not the
-        # transpose of x's, so each copy is quantized on its own
-        _log_tile_once(
-            f"format {fmt.name}: with block targets or stochastic block scales on 2D tiles a "
-            "columnwise copy (of x.t()) is not the transpose of the rowwise one; the copies run "
-            "one by one"
-        )
+    transposed = columnwise_tile_reason(fmt)
+    if transposed is not None and any(d == "columnwise" for d, *_ in outputs):
+        _log_tile_once(transposed)
         return None
     if x.numel() == 0 or not x.is_contiguous() or x.data_ptr() % 16:
         return None
