@@ -131,7 +131,8 @@ def test_backend_cute_routes_fp8_pairs_to_the_fp8_kernel(monkeypatch) -> None:
 # ----------------------------------------------------------------------------------------------
 # Host path: the plan is kept per formats (identity), output dtype, bias and accumulate
 # ----------------------------------------------------------------------------------------------
-def test_plan_is_kept_and_says_what_the_kernel_writes() -> None:
+def test_plan_is_kept_and_says_what_the_kernel_writes(monkeypatch) -> None:
+    monkeypatch.setattr(fp8_gemm, "CUTE_TILE_N", 128)  # the 128-wide tile; 192 below
     fp8_gemm._cute_plans.clear()
     plan = fp8_gemm.cute_plan(ROW, TILE, torch.bfloat16, False, False)
     assert fp8_gemm.cute_plan(ROW, TILE, torch.bfloat16, False, False) is plan
@@ -394,8 +395,13 @@ def _on_cuda0(*qs) -> None:
 @pytest.mark.parametrize(
     "fa, fb", [(ROW, TILE), (MXFP8, MXFP8), (fp8(E5M2, (1, 64)), fp8(E4M3, (64, 64)))]
 )
-def test_launch_arguments(fa, fb) -> None:
+def test_launch_arguments_of_the_row_major_variant(fa, fb, monkeypatch) -> None:
+    """Without CUTE_MN_MAJOR_SCALES the launch passes the scales as the quantize kernels
+    wrote them (row-major); the default variant is the coalesced one (test below)."""
     from fp4gen.numerics import quantize
+
+    monkeypatch.setattr(fp8_gemm, "CUTE_MN_MAJOR_SCALES", False)
+    monkeypatch.setattr(fp8_gemm, "CUTE_WIDE_STORES", False)
 
     g = torch.Generator().manual_seed(0)
     m, n, k = 40, 200, 300  # K not a whole number of blocks: zero codes appended

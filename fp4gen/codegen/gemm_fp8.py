@@ -39,14 +39,16 @@ CLUSTER_M = 1
 # The coalesced variant (docs/gemm-sm90.md, "Where the FP8 kernel's time goes"): A's (and a
 # 1xN B's) block scales read MN-major with 16-byte copies (GemmSm90Fp8Params.mn_major_scales;
 # the host transposes the quantize kernels' row-major scales per call until they write that
-# layout) and the epilogue's stores of whole sectors (.wide_stores). Off until measured
-# faster: benchmarks/gemm.py times it beside the row-major variant.
-MN_MAJOR_SCALES = False
-WIDE_STORES = False
+# layout) and the epilogue's stores of whole sectors (.wide_stores). On: measured faster on the
+# H200 (8192^3, the kernel alone 699 -> 1135 TFLOP/s, fp4gen.gemm with the scale transpose
+# 969), bit-exact on its GPU tests (-k coalesced).
+MN_MAJOR_SCALES = True
+WIDE_STORES = True
 # Output tile width (GemmSm90Fp8Params.tile_n): 192 moves less through shared memory per
 # multiply-add than 128 (docs/gemm-sm90.md), where it fits the registers (``wide_tile_reason``:
-# B in tiles, no overlap); 128 until measured faster.
-TILE_N = 128
+# B in tiles, no overlap; other pairs keep 128). On: 1135 -> 1178 TFLOP/s at 8192^3 (H200),
+# bit-exact on its GPU tests (-k wide_tile).
+TILE_N = 192
 # MN-major scale tensors [KB, Rp]: Rp = the rows rounded up to this (16-byte chunks of fp32
 # factors need 4, of ue8m0 codes 16; scaled_mm's M-major A scales need 16 too)
 MN_MAJOR_ALIGN = 16
