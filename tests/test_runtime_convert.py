@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from unittest import mock
+
 import pytest
 import torch
 from torch import nn
@@ -136,26 +138,40 @@ def test_mor_recipe_converts() -> None:
     assert isinstance(layer, fp4gen.nn.Linear) and set(layer.mors) == {"tensor_e4m3"}
 
 
-def test_widths_the_quantize_kernels_do_not_take_are_warned_once(caplog) -> None:
+def test_widths_the_quantize_kernels_pad_are_said_once_at_info(caplog) -> None:
     """A feature size that is not a multiple of an operand's block length (after the RHT
-    padding) sends that operand to the reference quantizer on CUDA: convert says so once per
-    size and operand pair, naming the layers (the llama-wide MLP of 10944 under FP8's 1x128
-    blocks ran 3x slower: docs/experiments.md)."""
+    padding): where the kernels zero-pad every such operand exactly (round to nearest), convert
+    says so once per size and operand pair at INFO, naming the layers (the copy costs a pass:
+    a llama-wide MLP of 10944 under FP8's 1x128 blocks)."""
     model = nn.Sequential(
         nn.Linear(256, 10944), nn.ReLU(), nn.Linear(10944, 256), nn.ReLU(),
         nn.Linear(256, 10944), nn.ReLU(), nn.Linear(10944, 256),
     )  # fmt: skip
-    with caplog.at_level("WARNING", logger="fp4gen.runtime"):
+    with caplog.at_level("INFO", logger="fp4gen.runtime"):
         fp4gen.convert(model, "recipes/fp8_blockwise.fp4r")
-    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("fp4gen.convert")]
-    assert len(lines) == 2
-    out, inp = lines
+    said = [r for r in caplog.records if r.getMessage().startswith("fp4gen.convert")]
+    assert [r.levelname for r in said] == ["INFO", "INFO"]
+    out, inp = (r.getMessage() for r in said)
     assert out.startswith(
         "fp4gen.convert: out_features 10944 of 0 (and 1 more layers) is not a multiple of the "
         "blocks of dgrad.gradient (fp8_block 1x128) and dgrad.weight (fp8_block 128x128): "
+        "on CUDA the generated quantize kernels zero-pad those operands"
     )
     assert inp.startswith("fp4gen.convert: in_features 10944 of 2 (and 1 more layers) ")
-    assert "a multiple of 128 avoids it" in inp
+    assert "a multiple of 128 avoids the copy" in inp
+
+
+def test_widths_whose_operands_go_to_the_reference_are_warned_once(caplog) -> None:
+    """A stochastically rounded operand cannot be padded (a value's random bits follow its
+    position): such a size sends it to the reference quantizer on CUDA, warned once."""
+    recipe = parse_recipe("operands {\n * : nvfp4 round stochastic\n}\n", base_dir=None)
+    model = nn.Sequential(nn.Linear(256, 200), nn.ReLU(), nn.Linear(200, 256))
+    with caplog.at_level("INFO", logger="fp4gen.runtime"):
+        fp4gen.convert(model, recipe)
+    said = [r for r in caplog.records if r.getMessage().startswith("fp4gen.convert")]
+    assert [r.levelname for r in said] == ["WARNING", "WARNING"]
+    assert all("quantized by the torch reference" in r.getMessage() for r in said)
+    assert "a multiple of 16 avoids it" in said[0].getMessage()
 
 
 def test_widths_padded_to_the_rht_or_multiples_of_the_blocks_are_not_warned(caplog) -> None:
@@ -253,3 +269,43 @@ def test_the_report_threshold_defaults_to_a_million_elements(caplog) -> None:
 def test_the_report_threshold_is_checked(bad) -> None:
     with pytest.raises(fp4gen.errors.ArgumentError, match="report_min_elements must be"):
         fp4gen.convert(_report_model(), parse_recipe(BASE, base_dir=None), report_min_elements=bad)
+
+
+def test_torch_transformer_layers_run_their_converted_layers_in_eval_mode(caplog) -> None:
+    """nn.TransformerEncoderLayer in eval mode without grad takes torch's fused inference
+    kernel, which reads linear1 / linear2's weights itself (and nn.TransformerEncoder feeds it
+    nested tensors for padded batches): the converted feed-forward layers silently ran in high
+    precision there. convert closes those paths, so eval without grad runs the converted
+    layers (4 calls per forward) and gives eval-with-grad's output (the layers' own forwards)
+    up to the attention's summation order, with and without a padding mask; said once."""
+    from fp4gen.runtime import linear
+
+    torch.manual_seed(0)
+    layer = torch.nn.TransformerEncoderLayer(64, 4, dim_feedforward=128, batch_first=True)
+    model = torch.nn.TransformerEncoder(layer, num_layers=2, enable_nested_tensor=True)
+    with caplog.at_level("INFO", logger="fp4gen"):
+        fp4gen.convert(model, "mxfp8")
+    said = [r for r in caplog.records if "fused inference path" in r.getMessage()]
+    assert len(said) == 1 and "layers.0" in said[0].getMessage()
+    calls: list[str] = []
+    forward = linear.Linear.forward
+
+    def counted(self, x):
+        calls.append(self.name)
+        return forward(self, x)
+
+    x = torch.randn(3, 16, 64)
+    pad = torch.zeros(3, 16, dtype=torch.bool)
+    pad[1, 12:] = True  # a padded sequence: the nested-tensor path before
+    model.eval()
+    with mock.patch.object(linear.Linear, "forward", counted):
+        for mask in (None, pad):
+            with torch.no_grad():
+                fast = model(x, src_key_padding_mask=mask)
+            assert len(calls) == 4, calls  # linear1 and linear2 of both layers
+            calls.clear()
+            slow = model(x, src_key_padding_mask=mask).detach()  # grad on: torch's own slow path
+            calls.clear()
+            # the attention (not converted) takes its own fused kernel without grad: another
+            # fp32 summation order there, a few ulps (the converted layers' bits are the same)
+            torch.testing.assert_close(fast, slow, rtol=1e-5, atol=1e-5)

@@ -49,6 +49,7 @@ from fp4gen.dsl.model import (
 )
 from fp4gen.errors import ArgumentError, FP4GenError
 from fp4gen.formats import BlockFormat, HighPrecision
+from fp4gen.runtime.cute_backend import padding_is_exact
 from fp4gen.runtime.experts import GroupedExperts, all_gemms, experts_layout
 from fp4gen.runtime.fsdp import enable_quantized_all_gather
 from fp4gen.runtime.linear import Conv1DLinear, Linear, SharedGroup
@@ -437,6 +438,7 @@ def convert(
         layer.converted_by = recipe.name  # a later convert of a model holding it refuses
         _set_module(model, name, layer)
     _warn_widths(layers)
+    _close_fused_paths(model)
     if fsdp_quantized_all_gather:
         enable_quantized_all_gather(model)
     model._fp4gen_plan = decisions  # type: ignore[attr-defined]
@@ -520,15 +522,27 @@ class WidthNote:
     size: int
     operands: tuple[str, ...]  # "fprop.activation (nvfp4 1x16)", ...
     multiple: int  # the least common multiple of their block lengths
+    # every one of them the kernels zero-pad exactly (cute_backend.padding_is_exact): a copy
+    # per call; else at least one runs on the torch reference
+    padded: bool = False
 
     def message(self, layers: list[str]) -> str:
         more = f" (and {len(layers) - 1} more layers)" if len(layers) > 1 else ""
-        return (
+        head = (
             f"fp4gen.convert: {self.features} {self.size} of {layers[0]}{more} is not a "
-            f"multiple of the blocks of {' and '.join(self.operands)}: on CUDA the generated "
-            "quantize kernels do not take it, so those operands are quantized by the torch "
-            "reference (the same bits, several times slower); a multiple of "
-            f"{self.multiple} avoids it (docs/numerics.md, section 3)"
+            f"multiple of the blocks of {' and '.join(self.operands)}: on CUDA "
+        )
+        if self.padded:
+            return head + (
+                "the generated quantize kernels zero-pad those operands to their multiple on "
+                "every call (exact; a copy of the tensor, docs/quantize-kernels.md); a multiple "
+                f"of {self.multiple} avoids the copy"
+            )
+        return head + (
+            "the generated quantize kernels cannot zero-pad all of them exactly (stochastic "
+            "rounding or scales, MS-EDEN, block targets on a narrow tile), so those are "
+            "quantized by the torch reference (the same bits, several times slower); a multiple "
+            f"of {self.multiple} avoids it (docs/numerics.md, section 3)"
         )
 
 
@@ -547,14 +561,16 @@ def width_notes(layer: Linear) -> list[WidthNote]:
         )
         for features, size, a, b in gemms:
             padded = round_up(size, k_multiple(table[a], table[b], blocks=False))
-            short, lengths = [], []
+            short, lengths, exact = [], [], True
             for op in (a, b):
                 fmt = table[op].format
                 if isinstance(fmt, BlockFormat) and padded % fmt.block_len:
                     short.append(f"{op.selector} ({fmt.name} {fmt.block[0]}x{fmt.block[1]})")
                     lengths.append(fmt.block_len)
+                    exact = exact and padding_is_exact(fmt, table[op].rounding, padded)
             if short:
-                notes[WidthNote(features, padded, tuple(short), math.lcm(*lengths))] = None
+                note = WidthNote(features, padded, tuple(short), math.lcm(*lengths), exact)
+                notes[note] = None
     return list(notes)
 
 
@@ -602,7 +618,8 @@ def _grouped_experts(
 
 
 def _warn_widths(layers: list[tuple[str, Linear | GroupedExperts]]) -> None:
-    """One warning per feature size the kernels do not take, naming the layers (``WidthNote``)."""
+    """One line per feature size the kernels do not take, naming the layers (``WidthNote``):
+    a WARNING where an operand goes to the torch reference, INFO where the kernels pad."""
     named: dict[WidthNote, list[str]] = {}
     for name, module in layers:
         # an experts module's GEMMs: every expert's have the sizes of the first one's
@@ -610,7 +627,38 @@ def _warn_widths(layers: list[tuple[str, Linear | GroupedExperts]]) -> None:
         for note in (n for layer in gemms for n in width_notes(layer)):
             named.setdefault(note, []).append(name)
     for note, names in named.items():
-        log.warning("%s", note.message(names))
+        log.log(logging.INFO if note.padded else logging.WARNING, "%s", note.message(names))
+
+
+def _close_fused_paths(model: nn.Module) -> None:
+    """Turn off torch's fused inference paths that would bypass converted layers.
+
+    ``nn.TransformerEncoderLayer`` in eval mode without grad runs one fused kernel
+    (``torch._transformer_encoder_layer_fwd``) that reads ``linear1.weight`` and
+    ``linear2.weight`` itself, so its converted feed-forward layers would silently run in high
+    precision there. ``nn.TransformerEncoder`` turns padded batches into nested tensors for
+    that path. Each path is closed by the flag torch checks before taking it
+    (``activation_relu_or_gelu``, which only that path reads; ``use_nested_tensor``), so the
+    layers' own forwards run, with the same math as in training. Logged once per model."""
+    closed = []
+    for name, module in model.named_modules():
+        fused = isinstance(module, nn.TransformerEncoderLayer) and module.activation_relu_or_gelu
+        if fused and any(isinstance(m, Linear) for m in (module.linear1, module.linear2)):
+            module.activation_relu_or_gelu = 0
+            closed.append(name or type(module).__name__)
+    for module in model.modules():
+        nested = isinstance(module, nn.TransformerEncoder) and getattr(
+            module, "use_nested_tensor", False
+        )
+        if nested and any(not layer.activation_relu_or_gelu for layer in module.layers):
+            module.use_nested_tensor = False
+    if closed:
+        log.info(
+            "fp4gen.convert: torch's fused inference path of nn.TransformerEncoderLayer reads "
+            "the feed-forward weights itself; turned off for %s so the converted layers run "
+            "in eval mode too",
+            ", ".join(closed),
+        )
 
 
 def _set_module(model: nn.Module, name: str, module: nn.Module) -> None:
