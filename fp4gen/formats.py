@@ -545,3 +545,24 @@ def _builtin_formats() -> dict[str, BlockFormat | HighPrecision]:
 BUILTIN_FORMATS: dict[str, BlockFormat | HighPrecision] = _builtin_formats()
 
 Format = BlockFormat | HighPrecision
+
+
+def decoded_max(fmt: BlockFormat | object) -> float | None:
+    """The largest |element x block scale| a global-amax format's codes decode to, whatever the
+    data (its global scale maps the tensor's amax onto elem_max x the scale cap), or None for a
+    format without a global scale (its decoded values are the data's own magnitudes)."""
+    if not isinstance(fmt, BlockFormat) or not fmt.global_scale or fmt.scale.element is None:
+        return None
+    cap = fmt.global_bound if fmt.global_bound is not None else fmt.scale.element.max_finite
+    return fmt.element.max_finite * cap
+
+
+def overflow_k(a: BlockFormat | object, b: BlockFormat | object) -> int | None:
+    """The smallest K at which ``accumulator_overflow_reason`` sends this pair to the float64
+    reference (K products of the decoded maxima reach half of fp32's largest value: room for
+    the partial sums' rounding), or None where no K below 2^31 does."""
+    pa, pb = decoded_max(a), decoded_max(b)
+    if pa is None or pb is None:
+        return None
+    first = max(1, math.ceil(FLT_MAX / 2 / (pa * pb)))
+    return first if first < 2**31 else None

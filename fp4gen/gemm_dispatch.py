@@ -61,7 +61,7 @@ from fp4gen.codegen.gemm_configs import (
 )
 from fp4gen.compiler.plan import ROW_SCALED_REASON
 from fp4gen.errors import ArgumentError, FP4GenError, TensorError
-from fp4gen.formats import FLT_MAX, BlockFormat
+from fp4gen.formats import BlockFormat, decoded_max, overflow_k
 from fp4gen.numerics import QuantizedTensor, gemm_block_scaled_reference, gemm_reference
 from fp4gen.runtime.checks import check_accumulate, check_bias, check_out, check_pair
 from fp4gen.runtime.device_memory import pooled
@@ -426,16 +426,6 @@ def choose_backend(
     return GemmChoice("cute", "fused kernel: reads the 4-bit operands, decodes in the mainloop")
 
 
-def decoded_max(fmt: BlockFormat | object) -> float | None:
-    """The largest |element x block scale| a global-amax format's codes decode to, whatever the
-    data (its global scale maps the tensor's amax onto elem_max x the scale cap), or None for a
-    format without a global scale (its decoded values are the data's own magnitudes)."""
-    if not isinstance(fmt, BlockFormat) or not fmt.global_scale or fmt.scale.element is None:
-        return None
-    cap = fmt.global_bound if fmt.global_bound is not None else fmt.scale.element.max_finite
-    return fmt.element.max_finite * cap
-
-
 def accumulator_overflow_reason(
     a: BlockFormat | object, b: BlockFormat | object, k: int
 ) -> str | None:
@@ -446,9 +436,10 @@ def accumulator_overflow_reason(
     whatever the data, so where K times their product can pass fp32's largest value the
     accumulator overflows to inf while the scaled result (the float64 reference's) is finite:
     such pairs (exotic wide elements, e.g. e7m0) run on the float64 reference instead."""
-    pa, pb = decoded_max(a), decoded_max(b)
-    if pa is None or pb is None or k * pa * pb < FLT_MAX / 2:  # /2: the partial sums' rounding
+    first = overflow_k(a, b)
+    if first is None or k < first:
         return None
+    pa, pb = decoded_max(a), decoded_max(b)
     assert isinstance(a, BlockFormat) and isinstance(b, BlockFormat)
     return (
         f"{a.name} x {b.name} at K = {k}: an fp32 accumulator of K products of decoded values "

@@ -622,3 +622,23 @@ def test_experts_whose_fp32_accumulator_can_overflow_run_per_expert(tmp_path) ->
     reason = pass_reason(load_recipe(str(path)).operands)
     assert reason is not None and "overflow an fp32 accumulator" in reason
     assert pass_reason(load_recipe("nvfp4_no_sr").operands) is None
+
+
+def test_the_plan_names_where_the_reference_takes_the_gemm(tmp_path) -> None:
+    """fp4gen show / compile plan the reference for a pair whose accumulator overflows at every
+    K (e7m0 x e7m0 with global scales: K >= 1), with the documented reason."""
+    from fp4gen.compiler.build import prepare_builds
+    from fp4gen.dsl import load_recipe
+    from fp4gen.formats import overflow_k
+
+    path = tmp_path / "wide.fp4r"
+    path.write_text(f"recipe wide\n{WIDE}\noperands {{ * : up round nearest }}\n")
+    recipe = load_recipe(str(path))
+    up = recipe.operands.fprop_activation.format
+    assert overflow_k(up, up) == 1
+    nvfp4 = BUILTIN_FORMATS["nvfp4"]
+    assert overflow_k(nvfp4, nvfp4) is None
+    build = prepare_builds([recipe], out=tmp_path / "gen")[0]
+    routes = {(r.gemm, arch): what for r in build.runtime.gemms for arch, what in r.routes}
+    assert routes[("fprop", "all")].startswith("K >= 1: the float64 reference (an fp32")
+    assert not [k for k in routes if k[0] == "fprop" and k[1] != "all"]

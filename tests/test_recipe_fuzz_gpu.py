@@ -193,6 +193,7 @@ PLAN_REASONS: tuple[tuple[str, str], ...] = (
     ("per-row global scales in a GEMM", r"^per-row global scales: the GEMM kernels take one"),
     ("signs drawn per layer or step, MoR", r"^rht \d+ signs (layer|step): the signs are drawn"),
     ("RHT and blocks that do not nest", r"^rht \d+ with 1x\d+ blocks: the kernels need the block"),
+    ("fp32 accumulator overflow", r"the float64 reference \(an fp32 accumulator could overflow"),
 )
 
 

@@ -83,7 +83,7 @@ from fp4gen.compiler.plan import (
 )
 from fp4gen.dsl.model import MoRRef, Operand, OperandSpec, Recipe
 from fp4gen.dsl.spelling import block_text, format_text
-from fp4gen.formats import BlockFormat, HighPrecision
+from fp4gen.formats import BlockFormat, HighPrecision, overflow_k
 from fp4gen.spec import (
     DequantKernelSpec,
     GemmKernelSpec,
@@ -566,6 +566,15 @@ def runtime_plan(
                 routes.append(GemmRoute(rname, context, gemm, pair, (("all", ROW_SCALED_REASON),)))
                 continue
             lines: list[tuple[str, str]] = []
+            first = overflow_k(a, b)  # gemm_dispatch.accumulator_overflow_reason at run time
+            if first is not None:
+                lines.append(
+                    ("all", f"K >= {first}: the float64 reference (an fp32 accumulator could "
+                            "overflow: both operands' global scales apply after the sum)")
+                )  # fmt: skip
+                if first == 1:
+                    routes.append(GemmRoute(rname, context, gemm, pair, tuple(lines)))
+                    continue
 
             # dequantize kernels: both operands' formats, every code layout the runtime reads
             decode: list[str] = []

@@ -1221,8 +1221,7 @@ def pass_reason(table: Any) -> str | None:
     """None when every GEMM of ``table`` can run grouped (both operands of each block formats
     whose element x block scale is exact in bf16, or a block-scaled FP8 pair (``_fp8_pair``),
     no operand quantized from another copy, none with per-row global scales), else why not."""
-    from fp4gen.formats import BlockFormat
-    from fp4gen.gemm_dispatch import accumulator_overflow_reason
+    from fp4gen.formats import BlockFormat, overflow_k
 
     pairs = (
         ("fprop", table.fprop_activation, table.fprop_weight),
@@ -1251,7 +1250,7 @@ def pass_reason(table: Any) -> str | None:
                 )
         # the grouped products accumulate in fp32 too: a pair whose accumulator can overflow
         # at some K runs per expert, where each GEMM's dispatch sees its K
-        if accumulator_overflow_reason(a.format, b.format, 2**31) is not None:
+        if overflow_k(a.format, b.format) is not None:
             return (
                 f"the {gemm} GEMM's decoded values can overflow an fp32 accumulator "
                 "(gemm_dispatch.accumulator_overflow_reason: each expert's GEMM decides by its K)"
