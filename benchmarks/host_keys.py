@@ -326,8 +326,13 @@ GPU work, besides the GEMM; details in docs/gemm-sm90.md, "Host time of the FP8 
   route, weight                       before              after (prepared calls)
   scaled_mm, one weight               21.2 us, 7 ops, 1   10.6 us, 4 ops, 1
   scaled_mm, a new weight per call    31.0 us, 14 ops, 2  17.8 us, 10 ops, 2
-  generated kernel, one weight        15.5 us, 3 ops, 0   8.6 us, 2 ops, 0
-  generated kernel, new weight        17.8 us, 3 ops, 0   10.9 us, 3 ops, 0
+  generated kernel, one weight        15.5 us, 3 ops, 0   5 ops, 1 (coalesced variant)
+  generated kernel, new weight        17.8 us, 3 ops, 0   6 ops, 1 (coalesced variant)
+
+The generated rows' after column is the coalesced variant, the default since it was measured
+faster on the GPU (docs/gemm-sm90.md, "Switched on since"): A's scales go MN-major per call (a
+buffer, a transposed view, one copy) until the quantize kernels write that layout; the
+row-major variant's prepared calls took 8.6 / 10.9 us with 2 / 3 ops, none launching.
 
 On a GPU host each launching op costs some 5-10 us and every op a trip through torch's
 dispatcher: the op counts carry over, the microseconds do not. What is left with a new weight per
