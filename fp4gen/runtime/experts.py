@@ -486,7 +486,7 @@ class GroupedExperts(nn.Module):
             layer._op_id,
             ops.output_dtype(x),
             tuple(x.shape),
-            capturable=not layer.mors,
+            capturable=layer.capturable,
         )
 
     def _keeps_everything(

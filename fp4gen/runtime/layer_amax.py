@@ -13,6 +13,7 @@ import torch.distributed as dist
 from fp4gen.dsl.model import Operand, OperandSpec
 from fp4gen.errors import FP4GenError
 from fp4gen.formats import BlockFormat
+from fp4gen.runtime.device_memory import captures
 from fp4gen.runtime.global_amax import (
     RANK_SEED_STRIDE,
     check_reducible,
@@ -81,7 +82,7 @@ class AmaxGroupMember:
         """The group's amax of the tensor ``t`` is a slice of (one all-reduce). Refused while a
         CUDA graph is being captured (a captured step, torch.compile's cudagraphs): a collective
         inside a captured graph is not proven safe here."""
-        if t.is_cuda and torch.cuda.is_current_stream_capturing():
+        if captures(t):
             raise FP4GenError(
                 f"{self.name or 'fp4gen.nn.Linear'}: a layer with an amax_group all-reduces "
                 "in every call, which is not supported inside a CUDA graph capture; run it "

@@ -51,7 +51,7 @@ from typing import Any
 import torch
 
 from fp4gen.formats import is_stochastic
-from fp4gen.runtime import finite, ops
+from fp4gen.runtime import device_memory, finite, ops
 from fp4gen.runtime.layer_graphs import LayerGraphs
 from fp4gen.settings import layer_groups_enabled
 
@@ -125,7 +125,7 @@ def _may_run_now(x: torch.Tensor) -> bool:
         return False
     if torch._C._autograd._top_saved_tensors_default_hooks(False) is not None:
         return False
-    return not (x.is_cuda and torch.cuda.is_current_stream_capturing())
+    return not device_memory.captures(x)
 
 
 class LayerGroup:

@@ -278,6 +278,13 @@ class Linear(
                 return self._run(x, weight)
         return self._run(x, weight)
 
+    @property
+    def capturable(self) -> bool:
+        """Whether the layer's ops may be captured into CUDA graphs: not with Mixture-of-
+        Representations rules in scope, whose choice of format reads the device on the host
+        (compiled as the ops inductor's graphs leave out, ``ops.linear``)."""
+        return not self.mors
+
     def _given_weight(self, weight: torch.Tensor) -> torch.Tensor:
         """The weight the GEMMs read, in the layout the layer holds it (messages name it)."""
         return weight
@@ -301,7 +308,7 @@ class Linear(
             self._op_id,
             ops.output_dtype(x),
             x.shape,
-            capturable=not self.mors,  # MoR reads the device to choose formats
+            capturable=self.capturable,
         )
         if x.dim() == 2:
             return y  # not a view, as nn.Linear's (FSDP2 warns about modules returning views)
@@ -433,7 +440,7 @@ class Linear(
         graph's result tensor; y is then that tensor). ``x_quantized``: x's fprop operand as
         ``fprop_input`` made it for another layer of a group, where it is this layer's too."""
         k = self.fprop_k(table, weight.shape[1])
-        pair = self._input_pair(x2, table, call) if keep and x_quantized is None else None
+        pair = self._input_pair(x2, table, call, k) if keep and x_quantized is None else None
         if pair is not None:
             xq, xq_t = pair  # one read of x for both copies
         else:
@@ -634,12 +641,13 @@ class Linear(
         )
         return xq_t
 
-    def _input_pair(self, x2: torch.Tensor, table: OperandTable, call: int) -> Any:
+    def _input_pair(self, x2: torch.Tensor, table: OperandTable, call: int, k: int) -> Any:
         """(x's fprop operand, x's wgrad copy) from one tile launch, where one kernel serves
         both: on CUDA, one block format for both copies, neither padded (K a whole fprop K,
         the tokens a whole wgrad K) nor taking a group's amax, the wgrad copy not made from the
-        fprop one. Else None: the caller quantizes them one by one (two reads of x), the same
-        bits (the tile kernel's copies are ``quantize``'s of x and of x.t())."""
+        fprop one; ``k`` is the fprop GEMM's K (``fprop_k``). Else None: the caller quantizes
+        them one by one (two reads of x), the same bits (the tile kernel's copies are
+        ``quantize``'s of x and of x.t())."""
         fprop, wgrad = table.fprop_activation, table.wgrad_activation
         fmt = fprop.format
         if not (
@@ -657,7 +665,7 @@ class Linear(
             return None
         tokens, cols = x2.shape
         wgrad_k = k_multiple(table.wgrad_gradient, wgrad, blocks=True)
-        if self.fprop_k(table, cols) != cols or tokens % wgrad_k:
+        if k != cols or tokens % wgrad_k:
             return None
         _, row = self.slot(Operand.FPROP_ACTIVATION, fprop, call, x2)
         _, col = self.slot(Operand.WGRAD_ACTIVATION, wgrad, call, x2)

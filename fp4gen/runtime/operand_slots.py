@@ -19,7 +19,7 @@ from fp4gen.device_offset import DeviceOffset
 from fp4gen.dsl.model import MoRRef, Operand, OperandSpec
 from fp4gen.errors import FP4GenError
 from fp4gen.formats import BlockFormat, is_stochastic
-from fp4gen.runtime.device_memory import persistent
+from fp4gen.runtime.device_memory import captures, persistent
 
 SLOT = {op: i for i, op in enumerate(Operand)}
 FORWARD_OPERANDS = (Operand.FPROP_ACTIVATION, Operand.FPROP_WEIGHT)
@@ -103,12 +103,7 @@ def _refuse_sr_capture(t: torch.Tensor, specs: tuple[OperandSpec, ...], name: st
     would draw the same bits (a biased rounding, silently). Block formats read their offset
     from a device counter (``Linear.slot``) and capture like round-to-nearest."""
     for spec in specs:  # the specs first: asking CUDA whether it captures costs more
-        if (
-            isinstance(spec.format, MoRRef)
-            and is_stochastic(spec.rounding)
-            and t.is_cuda
-            and torch.cuda.is_current_stream_capturing()
-        ):
+        if isinstance(spec.format, MoRRef) and is_stochastic(spec.rounding) and captures(t):
             raise FP4GenError(
                 f"{name or 'fp4gen.nn.Linear'}: a Mixture-of-Representations operand rounds "
                 f"stochastically ({spec.rounding}), which cannot be captured in a CUDA graph "

@@ -228,13 +228,12 @@ def row_major(t: torch.Tensor) -> torch.Tensor:
 # against 15 us (docs/integrations.md). The ops return fresh tensors and mutate nothing, as
 # their schemas say.
 _LIBRARY = torch.library.Library("fp4gen", "FRAGMENT")  # FRAGMENT: other modules may add ops
-_LIBRARY.define(
-    "linear_forward(Tensor x2, Tensor weight, Tensor? bias, SymInt layer_id, "
-    "ScalarType out_dtype) -> Tensor"
+_FORWARD_SCHEMA = (
+    "(Tensor x2, Tensor weight, Tensor? bias, SymInt layer_id, ScalarType out_dtype) -> Tensor"
 )
-_LIBRARY.define(
-    "linear_backward(Tensor dy2, Tensor x2, Tensor weight, SymInt layer_id) -> (Tensor, Tensor)"
-)
+_BACKWARD_SCHEMA = "(Tensor dy2, Tensor x2, Tensor weight, SymInt layer_id) -> (Tensor, Tensor)"
+_LIBRARY.define("linear_forward" + _FORWARD_SCHEMA)
+_LIBRARY.define("linear_backward" + _BACKWARD_SCHEMA)
 
 # The same two ops for layers whose quantization reads the device on the host (a Mixture-of-
 # Representations rule chooses each block's format from its values), tagged cudagraph_unsafe:
@@ -243,16 +242,8 @@ _LIBRARY.define(
 _CUDAGRAPH_UNSAFE = tuple(
     tag for tag in (getattr(torch.Tag, "cudagraph_unsafe", None),) if tag is not None
 )
-_LIBRARY.define(
-    "linear_forward_uncaptured(Tensor x2, Tensor weight, Tensor? bias, SymInt layer_id, "
-    "ScalarType out_dtype) -> Tensor",
-    tags=_CUDAGRAPH_UNSAFE,
-)
-_LIBRARY.define(
-    "linear_backward_uncaptured(Tensor dy2, Tensor x2, Tensor weight, SymInt layer_id) "
-    "-> (Tensor, Tensor)",
-    tags=_CUDAGRAPH_UNSAFE,
-)
+_LIBRARY.define("linear_forward_uncaptured" + _FORWARD_SCHEMA, tags=_CUDAGRAPH_UNSAFE)
+_LIBRARY.define("linear_backward_uncaptured" + _BACKWARD_SCHEMA, tags=_CUDAGRAPH_UNSAFE)
 
 
 def _linear_forward(
