@@ -174,6 +174,7 @@ REFUSALS: tuple[tuple[str, str], ...] = (
     ("MoR candidates", r"a rule without element candidates|MoR candidates must be signed"),
     ("options of the rowwise kernel", r"implemented by the rowwise kernel only"),
     ("MS-EDEN group", r"MS-EDEN (over \d+ values with|group of \d+ values spans|with the ocp)"),
+    ("codes not whole bytes", r"codes of \d+ bits along [KM] are not whole bytes"),
 )
 # What the planner leaves to the reference or to high precision, and the GEMM fallbacks
 PLAN_REASONS: tuple[tuple[str, str], ...] = (

@@ -949,6 +949,27 @@ def _check_tile(spec: QuantKernelSpec) -> None:
             )
         if out.rht is not None and not _is_pow2(out.rht.size):
             raise NotImplementedError(f"{spec.name}: RHT size {out.rht.size} is not supported")
+    if reason := tile_bytes_reason(spec):
+        raise NotImplementedError(f"{spec.name}: {reason}")
+
+
+def tile_bytes_reason(spec: QuantKernelSpec) -> str | None:
+    """Why the tile kernel cannot store the codes of ``spec``, or None: each thread stores the
+    codes of its strip's row segments (``vec`` values along K: rowwise copies and 2D tiles) and
+    of its column segments (``rows`` values along M: columnwise copies) at byte addresses, so
+    each segment must be whole bytes. With fp32 inputs a strip is 4 values wide, so elements of
+    3, 5 or 7 bits (e2m0, e2m2, e3m3, ...) would start every other segment inside a byte."""
+    mapping = spec_tile_mapping(spec)
+    bits = spec.element.bits
+    directions = {o.direction for o in spec.outputs}
+    if ("rowwise" in directions or spec.block[0] != 1) and mapping.vec * bits % 8:
+        return (
+            f"a thread's {mapping.vec} codes of {bits} bits along K are not whole bytes "
+            f"({spec.input_dtype} inputs: {mapping.vec}-value loads)"
+        )
+    if "columnwise" in directions and mapping.rows * bits % 8:
+        return f"a thread's {mapping.rows} codes of {bits} bits along M are not whole bytes"
+    return None
 
 
 @dataclass(frozen=True)
