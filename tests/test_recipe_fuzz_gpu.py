@@ -14,7 +14,8 @@ run); with ``FP4GEN_FUZZ_EXAMPLES`` and no seed a fresh one is drawn. Each test 
 For each recipe fp4gen accepts (the one refusal drawn on purpose is skipped), on CUDA:
 
 1. every quantize kernel and MoR kernel its plan lists (``fp4gen.compiler.plan.plan_recipe``)
-   runs on seeded bf16 tensors of two shapes (one aligned to every block and RHT, one that is
+   runs on seeded bf16 tensors (and, as a test of its own, fp32 tensors: the kernels' fp32
+   twins) of two shapes (one aligned to every block and RHT, one that is
    not) through the runtime: a single rowwise copy through ``fp4gen.quantize(backend="cute")``,
    a tile kernel (columnwise or two copies) through the runtime loader
    (``fp4gen.runtime.kernels.kernels_for`` via ``cute_backend``), a MoR kernel through
@@ -297,14 +298,23 @@ def kernel_shapes(spec: QuantKernelSpec | MoRKernelSpec) -> list[tuple[int, int]
     return [(rows, cols), (rows + rhts.get("columnwise", 5), cols + max(8, rhts.get("rowwise", 8)))]
 
 
-def make_input(shape: tuple[int, int], device: str, rnd: random.Random) -> torch.Tensor:
-    """Gaussian bf16 values times 2^e (e in [-40, 40]), a zero row now and then; drawn on the
-    CPU, so both devices see the same numbers."""
+INPUT_DTYPES = {torch.bfloat16: "bf16", torch.float32: "fp32"}  # the specs' names of them
+
+
+def make_input(
+    shape: tuple[int, int],
+    device: str,
+    rnd: random.Random,
+    dtype: torch.dtype = torch.bfloat16,
+) -> torch.Tensor:
+    """Gaussian values times 2^e (e in [-40, 40]), a zero row now and then, in ``dtype`` (bf16,
+    or fp32 with every mantissa bit drawn); drawn on the CPU, so both devices see the same
+    numbers."""
     g = torch.Generator().manual_seed(rnd.getrandbits(63))
     x = torch.randn(shape, generator=g) * 2.0 ** rnd.randint(-40, 40)
     if rnd.random() < 0.3:
         x[rnd.randrange(shape[0])] = 0
-    return x.to(torch.bfloat16).to(device)
+    return x.to(dtype).to(device)
 
 
 def reference_copies(
@@ -537,14 +547,19 @@ def run_planned_kernels(
     backend: str,
     rnd: random.Random,
     caplog: pytest.LogCaptureFixture | None = None,
+    dtype: torch.dtype = torch.bfloat16,
 ) -> list[KernelResult]:
     """Every quantize and MoR kernel of the recipe's plan on each of its shapes (module
-    docstring, 1): what ran and matched, what was refused and why, what differed."""
+    docstring, 1): what ran and matched, what was refused and why, what differed. ``dtype``:
+    the inputs' (the plan's kernels are bf16's; fp32 inputs run their fp32 twins, which the
+    runtime compiles on first use)."""
     results = []
     for planned in plan_recipe(recipe).kernels:
         spec = planned.spec
+        if dtype != torch.bfloat16:  # the twin the runtime loads for such inputs
+            spec = dataclasses.replace(spec, input_dtype=INPUT_DTYPES[dtype])
         for shape in kernel_shapes(spec):
-            x = make_input(shape, device, rnd)
+            x = make_input(shape, device, rnd, dtype)
             seed_ = rnd.getrandbits(64)
             count = 1 if isinstance(spec, MoRKernelSpec) else len(spec.outputs)
             offsets = tuple(rnd.getrandbits(40) for _ in range(count))
@@ -868,6 +883,30 @@ def test_planned_kernels_match_the_reference_on_gpu(
     if bad:
         message = f"{case.listing()}\n" + "\n".join(bad[:10])
         keep_failure("kernels", index, message, case)
+        pytest.fail(message)
+
+
+@pytest.mark.parametrize("index", range(EXAMPLES))
+@pytest.mark.gpu
+@pytest.mark.skipif(not ON_GPU, reason="needs a CUDA GPU")
+def test_planned_kernels_on_fp32_inputs_match_the_reference_on_gpu(
+    index: int, gpu_batch: list[Recipe | None], caplog: pytest.LogCaptureFixture
+) -> None:
+    """The planned kernels' fp32 twins (an fp32 model, or a ``from`` source's dequantized
+    copy quantized again), on fp32 inputs with every mantissa bit drawn: bit for bit the
+    reference, or refused with a documented reason."""
+    announce()
+    recipe = gpu_batch[index]
+    if recipe is None:
+        pytest.skip("a recipe fp4gen refuses on purpose")
+    case, seed, drawn_index = drawn(index)
+    rnd = random.Random(f"{seed}/{drawn_index}/kernels-fp32")
+    results = run_planned_kernels(recipe, "cuda", "cute", rnd, caplog, torch.float32)
+    torch.cuda.synchronize()
+    bad = [f"{r.kernel} (fp32) {r.shape}: {d}" for r in results for d in r.differences]
+    if bad:
+        message = f"{case.listing()}\n" + "\n".join(bad[:10])
+        keep_failure("kernels-fp32", index, message, case)
         pytest.fail(message)
 
 
