@@ -865,25 +865,38 @@ def keep_failure(kind: str, index: int, text: str, case: RecipeCase | None = Non
             (kept / "replay.json").write_text(json.dumps(meta))
 
 
+def check_planned_kernels(
+    index: int,
+    gpu_batch: list[Recipe | None],
+    caplog: pytest.LogCaptureFixture,
+    dtype: torch.dtype,
+) -> None:
+    """Recipe ``index``'s planned kernels on CUDA inputs of ``dtype`` (bf16: the plan's own
+    kernels; fp32: their twins): every difference fails the test, kept as
+    ``kernels-N`` (``kernels-fp32-N``)."""
+    announce()
+    recipe = gpu_batch[index]
+    if recipe is None:
+        pytest.skip("a recipe fp4gen refuses on purpose")
+    case, seed, drawn_index = drawn(index)
+    tag = "kernels" if dtype == torch.bfloat16 else f"kernels-{INPUT_DTYPES[dtype]}"
+    rnd = random.Random(f"{seed}/{drawn_index}/{tag}")
+    results = run_planned_kernels(recipe, "cuda", "cute", rnd, caplog, dtype)
+    torch.cuda.synchronize()
+    bad = [f"{r.kernel} {r.shape}: {d}" for r in results for d in r.differences]
+    if bad:
+        message = f"{case.listing()}\n" + "\n".join(bad[:10])
+        keep_failure(tag, index, message, case)
+        pytest.fail(message)
+
+
 @pytest.mark.parametrize("index", range(EXAMPLES))
 @pytest.mark.gpu
 @pytest.mark.skipif(not ON_GPU, reason="needs a CUDA GPU")
 def test_planned_kernels_match_the_reference_on_gpu(
     index: int, gpu_batch: list[Recipe | None], caplog: pytest.LogCaptureFixture
 ) -> None:
-    announce()
-    recipe = gpu_batch[index]
-    if recipe is None:
-        pytest.skip("a recipe fp4gen refuses on purpose")
-    case, seed, drawn_index = drawn(index)
-    rnd = random.Random(f"{seed}/{drawn_index}/kernels")
-    results = run_planned_kernels(recipe, "cuda", "cute", rnd, caplog)
-    torch.cuda.synchronize()
-    bad = [f"{r.kernel} {r.shape}: {d}" for r in results for d in r.differences]
-    if bad:
-        message = f"{case.listing()}\n" + "\n".join(bad[:10])
-        keep_failure("kernels", index, message, case)
-        pytest.fail(message)
+    check_planned_kernels(index, gpu_batch, caplog, torch.bfloat16)
 
 
 @pytest.mark.parametrize("index", range(EXAMPLES))
@@ -895,19 +908,7 @@ def test_planned_kernels_on_fp32_inputs_match_the_reference_on_gpu(
     """The planned kernels' fp32 twins (an fp32 model, or a ``from`` source's dequantized
     copy quantized again), on fp32 inputs with every mantissa bit drawn: bit for bit the
     reference, or refused with a documented reason."""
-    announce()
-    recipe = gpu_batch[index]
-    if recipe is None:
-        pytest.skip("a recipe fp4gen refuses on purpose")
-    case, seed, drawn_index = drawn(index)
-    rnd = random.Random(f"{seed}/{drawn_index}/kernels-fp32")
-    results = run_planned_kernels(recipe, "cuda", "cute", rnd, caplog, torch.float32)
-    torch.cuda.synchronize()
-    bad = [f"{r.kernel} (fp32) {r.shape}: {d}" for r in results for d in r.differences]
-    if bad:
-        message = f"{case.listing()}\n" + "\n".join(bad[:10])
-        keep_failure("kernels-fp32", index, message, case)
-        pytest.fail(message)
+    check_planned_kernels(index, gpu_batch, caplog, torch.float32)
 
 
 @pytest.mark.parametrize("index", range(EXAMPLES))
