@@ -960,15 +960,18 @@ def test_the_kernel_harness_on_the_cpu_reference(
     cpu_recipes: list[tuple[RecipeCase, Recipe]],
 ) -> None:
     """Both sides on the reference: every planned kernel of three recipes, on both shapes,
-    matches bit for bit (a harness bug in the copies, shapes or offsets would not)."""
+    bf16 and fp32 inputs (the fp32 twins' specs), matches bit for bit (a harness bug in the
+    copies, shapes, offsets or twins would not)."""
     for index, (case, recipe) in enumerate(cpu_recipes):
-        rnd = random.Random(f"{DEFAULT_SEED}/{index}/kernels")
-        results = run_planned_kernels(recipe, "cpu", "reference", rnd)
-        expected = sum(len(kernel_shapes(k.spec)) for k in plan_recipe(recipe).kernels)
-        assert len(results) == expected > 0
-        bad = [f"{r.kernel} {r.shape}: {r.refused} {r.differences}" for r in results]
-        bad = [b for r, b in zip(results, bad, strict=True) if r.refused or r.differences]
-        assert not bad, case.listing() + "\n".join(bad)
+        for dtype, name in INPUT_DTYPES.items():
+            rnd = random.Random(f"{DEFAULT_SEED}/{index}/kernels")
+            results = run_planned_kernels(recipe, "cpu", "reference", rnd, None, dtype)
+            expected = sum(len(kernel_shapes(k.spec)) for k in plan_recipe(recipe).kernels)
+            assert len(results) == expected > 0
+            assert all(f"_{name}_" in r.kernel for r in results if r.kernel.startswith("quant"))
+            bad = [f"{r.kernel} {r.shape}: {r.refused} {r.differences}" for r in results]
+            bad = [b for r, b in zip(results, bad, strict=True) if r.refused or r.differences]
+            assert not bad, case.listing() + "\n".join(bad)
 
 
 def test_the_kernel_harness_reports_a_flipped_code(monkeypatch: pytest.MonkeyPatch) -> None:
