@@ -25,7 +25,8 @@ For each recipe fp4gen accepts (the one refusal drawn on purpose is skipped), on
    ones (``REFUSALS``: docs/testing.md, "Fallbacks and their reasons"), and ``backend="auto"``
    must log it once (two calls, one INFO line) and give the reference's result;
 2. three SGD steps of a two-layer model (two ``fp4gen.nn.Linear`` with the recipe and a bias,
-   bf16, odd sizes, the recipe's schedule over the three steps) with the default backends,
+   bf16, odd sizes, the recipe's schedule over the three steps; and, as tests of their own, an
+   fp32 model and an fp32 model under bf16 autocast, ``PRECISIONS``) with the default backends,
    against the same model with ``backend="reference"`` and reference GEMMs. In the default run
    every ``fp4gen.gemm`` call is checked against the reference product of the same operands
    (bit for bit where the call ran on the reference, else within the fp32 summation-order
@@ -694,11 +695,20 @@ def gemms_of(default: bool, run: TrainRun) -> Iterator[None]:
         linear.gemm = real  # type: ignore[assignment]
 
 
-def train(recipe: Recipe, device: str, *, default: bool) -> TrainRun:
+# How the training harness's model holds and computes its values: the parameters' and input's
+# dtype, and whether the steps run under bf16 autocast (fp32 parameters, bf16 GEMM inputs).
+PRECISIONS: dict[str, tuple[torch.dtype, bool]] = {
+    "bf16": (torch.bfloat16, False),
+    "fp32": (torch.float32, False),
+    "autocast": (torch.float32, True),
+}
+
+
+def train(recipe: Recipe, device: str, *, default: bool, precision: str = "bf16") -> TrainRun:
     """Three SGD steps of Linear -> Linear (module docstring, 2); ``default``: the default
-    backends (else quantize and GEMMs on the reference)."""
+    backends (else quantize and GEMMs on the reference); ``precision``: a ``PRECISIONS`` key."""
     g = torch.Generator().manual_seed(SEED % 2**63)
-    dtype = torch.bfloat16
+    dtype, autocast = PRECISIONS[precision]
     backend = "auto" if default else "reference"
     layers = [
         fp4gen.nn.Linear(n_in, n_out, recipe=recipe, seed=7 + i, name=f"layer{i}", backend=backend)
@@ -718,7 +728,8 @@ def train(recipe: Recipe, device: str, *, default: bool) -> TrainRun:
         for step in range(STEPS):
             fp4gen.set_step(model, step, total_steps=STEPS)  # the schedule's switches
             opt.zero_grad()
-            y = model(x)
+            with torch.autocast(torch.device(device).type, torch.bfloat16, enabled=autocast):
+                y = model(x)
             loss = (y.float() - target).pow(2).mean()
             loss.backward()
             run.outputs.append(y.detach().clone())
@@ -730,10 +741,16 @@ def train(recipe: Recipe, device: str, *, default: bool) -> TrainRun:
 
 
 def train_and_compare(
-    recipe: Recipe, device: str, *, default: bool, caplog: pytest.LogCaptureFixture | None
+    recipe: Recipe,
+    device: str,
+    *,
+    default: bool,
+    caplog: pytest.LogCaptureFixture | None,
+    precision: str = "bf16",
 ) -> tuple[TrainRun, list[str]]:
-    """The run (default backends or the reference) against the reference run: the problems."""
-    want = train(recipe, device, default=False)
+    """The run (default backends or the reference) against the reference run, both in
+    ``precision`` (a ``PRECISIONS`` key): the problems."""
+    want = train(recipe, device, default=False, precision=precision)
     saved = gd._logged
     gd._logged = set()  # GEMM fallbacks met earlier in the session are logged again
     try:
@@ -743,7 +760,7 @@ def train_and_compare(
             fresh_quantize_logs(),
             caplog.at_level(logging.INFO, logger="fp4gen") if caplog else contextlib.nullcontext(),
         ):
-            got = train(recipe, device, default=default)
+            got = train(recipe, device, default=default, precision=precision)
         got.log = fallback_lines(caplog.records) if caplog is not None else []
     finally:
         gd._logged = saved
@@ -921,11 +938,39 @@ def test_training_steps_match_the_reference_path_on_gpu(
     recipe = gpu_batch[index]
     if recipe is None:
         pytest.skip("a recipe fp4gen refuses on purpose")
-    got, problems = train_and_compare(recipe, "cuda", default=True, caplog=caplog)
+    check_training(index, recipe, caplog, "bf16")
+
+
+@pytest.mark.parametrize("precision", ["fp32", "autocast"])
+@pytest.mark.parametrize("index", range(EXAMPLES))
+@pytest.mark.gpu
+@pytest.mark.skipif(not ON_GPU, reason="needs a CUDA GPU")
+def test_training_steps_in_fp32_match_the_reference_path_on_gpu(
+    index: int, precision: str, gpu_batch: list[Recipe | None], caplog: pytest.LogCaptureFixture
+) -> None:
+    """The training steps of an fp32 model, and of an fp32 model under bf16 autocast (fp32
+    parameters, the layers' inputs cast by autocast): the fp32 kernel twins and the autocast
+    path, bit for bit the reference path."""
+    announce()
+    recipe = gpu_batch[index]
+    if recipe is None:
+        pytest.skip("a recipe fp4gen refuses on purpose")
+    check_training(index, recipe, caplog, precision)
+
+
+def check_training(
+    index: int, recipe: Recipe, caplog: pytest.LogCaptureFixture, precision: str
+) -> None:
+    """Recipe ``index``'s training steps in ``precision`` on CUDA against the reference path;
+    a failure is kept (``FP4GEN_FUZZ_FAILURES``) and fails the test."""
+    got, problems = train_and_compare(
+        recipe, "cuda", default=True, caplog=caplog, precision=precision
+    )
     if problems:
         case = drawn(index)[0]
         message = f"{case.listing()}\n" + "\n".join(problems[:10])
-        keep_failure("training", index, message, case)
+        kind = "training" if precision == "bf16" else f"training-{precision}"
+        keep_failure(kind, index, message, case)
         pytest.fail(message)
 
 
@@ -1001,18 +1046,21 @@ def test_the_training_harness_on_the_cpu_reference(
     """Both sides on the reference, on the CPU: three steps equal bit for bit, every GEMM
     checked with a zero ratio, and the loss moved by the steps."""
     for case, recipe in cpu_recipes:
-        got, problems = train_and_compare(recipe, "cpu", default=False, caplog=None)
-        assert not problems, case.listing() + "\n".join(problems)
-        assert not torch.equal(got.params["0.weight"], train_params_at_start(recipe))
-        assert all(torch.isfinite(loss) for loss in got.losses)
+        for precision in PRECISIONS:
+            got, problems = train_and_compare(
+                recipe, "cpu", default=False, caplog=None, precision=precision
+            )
+            assert not problems, f"{precision}: " + case.listing() + "\n".join(problems)
+            start = train_params_at_start(PRECISIONS[precision][0])
+            assert got.params["0.weight"].dtype == start.dtype
+            assert not torch.equal(got.params["0.weight"], start)
+            assert all(torch.isfinite(loss) for loss in got.losses)
 
 
-def train_params_at_start(recipe: Recipe) -> torch.Tensor:
-    """The first layer's weight before training (the same draw ``train`` makes)."""
+def train_params_at_start(dtype: torch.dtype) -> torch.Tensor:
+    """The first layer's weight before training (the same draw ``train`` makes), in ``dtype``."""
     g = torch.Generator().manual_seed(SEED % 2**63)
-    return (torch.randn(HIDDEN, IN_FEATURES, generator=g) / math.sqrt(IN_FEATURES)).to(
-        torch.bfloat16
-    )
+    return (torch.randn(HIDDEN, IN_FEATURES, generator=g) / math.sqrt(IN_FEATURES)).to(dtype)
 
 
 def test_the_gemm_check_catches_an_error_beyond_the_bound() -> None:
