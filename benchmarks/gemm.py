@@ -327,7 +327,10 @@ def fp8_lines(fa, fb, sets, nset: int, iters: int, line, ref: dict[str, float], 
             a, b = sets[i % nset]
             return fp4gen.gemm(a, b, out_dtype=torch.bfloat16, backend="cute")
 
-        methods["generated FP8 kernel alone"] = cute_alone
+        a, b = sets[0]
+        tile_n = fp8_gemm.cute_tile_n(fa, fb, a.rows, b.rows, a.device)  # the shape's width
+        params = fp8_gemm.cute_plan(fa, fb, torch.bfloat16, False, False, tile_n).params
+        methods[f"generated FP8 kernel alone (128x{params.tile_n} by shape)"] = cute_alone
         methods["fp4gen.gemm cute (FP8)"] = cute
         methods.update(fp8_variant_methods(fa, fb, sets, nset))
     # timed in turns, best of each: at 8192^3 the FP8 tensor cores draw enough power for the
@@ -378,18 +381,19 @@ def fp8_variant_label(overlap: bool, cluster_m: int, mn_major: bool, wide: bool,
 
 
 class FP8Flags:
-    """fp8_gemm's variant settings (``_FLAGS``) set to ``values`` inside the block."""
+    """fp8_gemm's variant settings (``_FLAGS``) set to ``values`` inside the block, the tile
+    width that one at every shape (``CUTE_TILE_BY_SHAPE`` off)."""
 
     def __init__(self, values: tuple) -> None:
-        self.values = values
+        self.values = (*values, False)
 
     def __enter__(self) -> None:
-        self.kept = tuple(getattr(fp8_gemm, f) for f in _FLAGS)
-        for flag, value in zip(_FLAGS, self.values, strict=True):
+        self.kept = tuple(getattr(fp8_gemm, f) for f in (*_FLAGS, "CUTE_TILE_BY_SHAPE"))
+        for flag, value in zip((*_FLAGS, "CUTE_TILE_BY_SHAPE"), self.values, strict=True):
             setattr(fp8_gemm, flag, value)
 
     def __exit__(self, *exc) -> None:
-        for flag, value in zip(_FLAGS, self.kept, strict=True):
+        for flag, value in zip((*_FLAGS, "CUTE_TILE_BY_SHAPE"), self.kept, strict=True):
             setattr(fp8_gemm, flag, value)
 
 
@@ -399,7 +403,9 @@ def fp8_variant_methods(fa, fb, sets, nset: int) -> dict:
     scales included); the coalesced variant end to end too (fp4gen.gemm backend="cute": its
     host path transposes A's scales per call), and that transpose alone."""
     current = tuple(getattr(fp8_gemm, f) for f in _FLAGS)
-    seen = {fp8_gemm.cute_plan(fa, fb, torch.bfloat16, False, False).params}
+    a, b = sets[0]  # the calls' own kernel: the width their shape takes
+    tile_n = fp8_gemm.cute_tile_n(fa, fb, a.rows, b.rows, a.device)
+    seen = {fp8_gemm.cute_plan(fa, fb, torch.bfloat16, False, False, tile_n).params}
     methods = {}
     for flags in FP8_VARIANTS:
         label = fp8_variant_label(*flags)

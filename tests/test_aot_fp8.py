@@ -51,7 +51,12 @@ def runtime_params(name: str) -> set[Any]:
     for gemm, (a, b) in PAIRS.items():
         fa, fb = ops[a].format, ops[b].format
         for out_dtype, bias in FLAGS[gemm]:
-            out.add(fp8_gemm.cute_plan(fa, fb, out_dtype, bias, False).params)
+            # the default tile, and where it is wider than 128 the narrow one for the shapes
+            # it suits (fp8_gemm.cute_tile)
+            params = fp8_gemm.cute_plan(fa, fb, out_dtype, bias, False).params
+            out.add(params)
+            if params.tile_n > 128:
+                out.add(fp8_gemm.cute_plan(fa, fb, out_dtype, bias, False, 128).params)
         if gemm == "wgrad":
             out.add(k_grouped_plan(fa, fb, torch.bfloat16).params)
         else:
@@ -60,9 +65,10 @@ def runtime_params(name: str) -> set[Any]:
     return out
 
 
-# fp8_blockwise: a dense layer's fprop fp32 and bf16 + bias, dgrad, wgrad (1x128); the experts'
-# grouped fprop (bf16; the dgrad's, the same pair) and fprop + bias, K-grouped wgrad
-@pytest.mark.parametrize("name, count", [("fp8_blockwise", 7), ("mxfp8", 6)])
+# fp8_blockwise: a dense layer's fprop fp32 and bf16 + bias, dgrad (each 192- and 128-wide),
+# wgrad (1x128: 128-wide); the experts' grouped fprop (bf16; the dgrad's, the same pair) and
+# fprop + bias, K-grouped wgrad
+@pytest.mark.parametrize("name, count", [("fp8_blockwise", 10), ("mxfp8", 6)])
 def test_plan_holds_the_fp8_gemms_the_runtime_builds(name: str, count: int) -> None:
     plan = runtime_plan(load_recipe(name))
     fp8 = plan.of_kind("gemm_sm90_fp8")
@@ -73,7 +79,11 @@ def test_plan_holds_the_fp8_gemms_the_runtime_builds(name: str, count: int) -> N
     text = plan.gemm_text()
     assert text.count('backend="cute": generated block-scaled FP8 kernel') == 3
     uses = {u.text for k in fp8 for u in k.uses}
-    assert 'fprop: backend="cute", bf16 out, bias' in uses
+    if name == "fp8_blockwise":  # B in 128x128 tiles: two widths
+        assert 'fprop: backend="cute", bf16 out, bias, 128x192 tiles' in uses
+        assert 'fprop: backend="cute", bf16 out, bias, 128x128 tiles' in uses
+    else:
+        assert 'fprop: backend="cute", bf16 out, bias' in uses
 
 
 def test_fp8_blockwise_routes_name_scaled_mm_for_auto() -> None:
@@ -113,6 +123,10 @@ def test_manifest_lists_the_fp8_gemms_with_the_runtime_source(tmp_path: Path) ->
             "fp8gemm_e4m3_1x128_e4m3_128x128_fp32_fp32_mn_ws_m128n192s5",
             "fp8gemm_e4m3_1x128_e4m3_128x128_fp32_bf16_bias_mn_ws_m128n192s5",
             "fp8gemm_e4m3_1x128_e4m3_128x128_fp32_bf16_mn_ws_m128n192s5",
+            # and 128-wide, for the shapes whose 192-wide tiles leave a partial last wave
+            "fp8gemm_e4m3_1x128_e4m3_128x128_fp32_fp32_mn_ws_m128n128s6",
+            "fp8gemm_e4m3_1x128_e4m3_128x128_fp32_bf16_bias_mn_ws_m128n128s6",
+            "fp8gemm_e4m3_1x128_e4m3_128x128_fp32_bf16_mn_ws_m128n128s6",
             "fp8gemm_e4m3_1x128_e4m3_1x128_fp32_bf16_mn_ws_m128n128s6",
             # the grouped experts' (fprop and dgrad share a pair; row-major scales: a group's
             # first row may be any row), K-grouped wgrad
@@ -128,7 +142,7 @@ def test_manifest_lists_the_fp8_gemms_with_the_runtime_source(tmp_path: Path) ->
     assert bias["spec"]["out"] == "bf16" and bias["spec"]["num_stages"] == 5
     assert bias["uses"] == [
         {"recipe": "fp8_blockwise", "context": "operands", "gemm": "fprop",
-         "when": 'backend="cute", bf16 out, bias'}
+         "when": 'backend="cute", bf16 out, bias, 128x192 tiles'}
     ]  # fmt: skip
     source = module_source(next(k.planned.spec for k in items if k.name == bias["name"]))
     assert bias["source_sha256"] == sha256_text(source)
@@ -141,7 +155,7 @@ def test_compiled_fp8_gemms_load_without_compiling(
 ) -> None:
     """fp8_blockwise for sm_90a with the quantize template stood in (a stub: only the FP8 GEMMs
     are real compiles, about 2-5 s each on two cores); then the runtime's loader finds each of
-    the four kernels in the cache with compiling forbidden."""
+    its ten kernels in the cache with compiling forbidden."""
     from kernel_stub import render_stub
 
     monkeypatch.setenv("CUTE_DSL_ARCH", "sm_90a")
@@ -155,7 +169,7 @@ def test_compiled_fp8_gemms_load_without_compiling(
         jobs=2,
     )
     fp8 = [r for r in report.results if r.kind == "gemm_sm90_fp8"]
-    assert len(fp8) == 7 and all(r.status == "ok" and not r.cached for r in fp8), fp8
+    assert len(fp8) == 10 and all(r.status == "ok" and not r.cached for r in fp8), fp8
 
     def forbidden(module: Any, name: str, arch: str, **_: Any) -> Any:
         raise AssertionError(f"compiled {Path(module.__file__).name} {name} for {arch}")
@@ -231,7 +245,7 @@ def test_fp8_gemms_after_compile_compile_nothing(tmp_path: Path) -> None:
     argv += ["--out", str(tmp_path / "out")]
     proc = subprocess.run(argv, capture_output=True, text=True, env=env, timeout=900)
     assert proc.returncode == 0, proc.stderr[-4000:]
-    assert "7 sm_90a FP8 GEMM" in proc.stdout  # a dense layer's 4, the experts' 3
+    assert "10 sm_90a FP8 GEMM" in proc.stdout  # a dense layer's 7 (two widths), the experts' 3
     script = tmp_path / "gemms.py"
     script.write_text(GEMMS_AFTER_COMPILE)
     tests = str(Path(__file__).resolve().parent)
@@ -253,4 +267,6 @@ def test_the_runtime_and_the_plan_share_the_fp8_settings() -> None:
     assert fp8_gemm.CUTE_AUTO_MIN_M is gemm_fp8.AUTO_MIN_M
     assert fp8_gemm.CUTE_OVERLAP == gemm_fp8.OVERLAP
     assert fp8_gemm.CUTE_CLUSTER_M == gemm_fp8.CLUSTER_M
+    assert fp8_gemm.CUTE_TILE_N == gemm_fp8.TILE_N
+    assert fp8_gemm.CUTE_TILE_BY_SHAPE == gemm_fp8.TILE_BY_SHAPE
     assert FP8_ARCHS == fp8_gemm.CUTE_ARCHS

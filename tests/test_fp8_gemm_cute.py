@@ -18,6 +18,7 @@ import torch
 
 import fp4gen
 import fp4gen.gemm_dispatch as gd
+from fp4gen.codegen.gemm_fp8 import tile_n_for
 from fp4gen.dsl import load_recipe
 from fp4gen.formats import BUILTIN_FORMATS, BlockFormat, ScaleSpec
 from fp4gen.runtime import fp8_gemm
@@ -164,6 +165,47 @@ def test_plan_is_kept_and_says_what_the_kernel_writes(monkeypatch) -> None:
     # an equal format that is another object gets its own entry (lookups are by identity)
     twin = BlockFormat("fp8_block", E4M3, (1, 128), ScaleSpec(None))
     assert fp8_gemm.cute_plan(twin, TILE, torch.bfloat16, False, False) is not plan
+    # a call's width (cute_tile_n) is part of the key
+    narrow = fp8_gemm.cute_plan(ROW, TILE, torch.bfloat16, False, False, 128)
+    with mock.patch.object(fp8_gemm, "CUTE_TILE_N", 192):
+        assert narrow.params.tile_n == 128
+        wide = fp8_gemm.cute_plan(ROW, TILE, torch.bfloat16, False, False, 192)
+        assert wide.params.tile_n == 192 and wide is not narrow
+
+
+@pytest.mark.parametrize(
+    "m, n, sms, want",
+    [
+        (8192, 8192, 132, 192),  # 21 waves of 192 columns against 32 of 128
+        (4096, 4096, 132, 128),  # 6 waves of 192 (the last a third full) against 8 of 128
+        (8192, 2048, 132, 128),  # measured: 1057 against 991 TFLOP/s
+        (2048, 8192, 132, 128),  # measured: 970 against 894
+        (16, 8192, 132, 128),  # one wave either way: 43 CTAs of 192 columns, 64 of 128
+        (16384, 8192, 132, 192),
+        (128, 192, 132, 128),  # one CTA of 192 columns against two of 128 side by side
+        (8192, 8192, 114, 128),  # an H100 PCIe's SMs: 25 waves of 192 against 36 of 128
+    ],
+)
+def test_the_tile_width_by_shape(m: int, n: int, sms: int, want: int) -> None:
+    """tile_n_for: the width whose waves of the persistent grid take less time; the shapes
+    measured on the H200 (docs/gemm-sm90.md) get the width that was faster there."""
+    assert tile_n_for(m, n, sms, 192) == want
+    assert tile_n_for(m, n, sms, 128) == 128  # nothing wider to choose
+
+
+def test_a_call_takes_the_width_of_its_shape(monkeypatch) -> None:
+    """fp8_gemm.cute_tile_n with CUTE_TILE_BY_SHAPE: the widest tile the pair takes where the
+    shape fills its waves, else 128; a pair that takes no wider tile, and every pair without
+    CUTE_TILE_BY_SHAPE, keep CUTE_TILE_N (cute_plan makes it 128 where the pair needs)."""
+    monkeypatch.setitem(fp8_gemm._sm_counts, (0, 1), 132)
+    monkeypatch.setattr(fp8_gemm, "CUTE_TILE_N", 192)
+    dev = torch.device("cuda", 0)
+    assert fp8_gemm.cute_tile_n(ROW, TILE, 4096, 4096, dev) == 128
+    assert fp8_gemm.cute_tile_n(ROW, TILE, 8192, 8192, dev) == 192
+    assert fp8_gemm.cute_tile_n(ROW, ROW, 4096, 4096, dev) == 192  # 1x128 B: 128 anyway
+    assert fp8_gemm.cute_plan(ROW, ROW, torch.bfloat16, False, False, 192).params.tile_n == 128
+    monkeypatch.setattr(fp8_gemm, "CUTE_TILE_BY_SHAPE", False)
+    assert fp8_gemm.cute_tile_n(ROW, TILE, 4096, 4096, dev) == 192
 
 
 class _Q:

@@ -27,6 +27,7 @@ import torch
 from sm90_fp8 import E4M3, MARKS
 
 import fp4gen
+from fp4gen.codegen.gemm_fp8 import tile_n_for
 from fp4gen.formats import BUILTIN_FORMATS, UE8M0, BlockFormat, ScaleSpec
 from fp4gen.numerics import (
     QuantizedTensor,
@@ -303,6 +304,7 @@ def test_wide_tile_exact(pair, shape, cluster_m, coalesced, monkeypatch) -> None
     that depends on the tile): the oracle bit for bit on integer inputs, bf16 and fp32
     outputs, a bias and accumulate; one CTA or 2-CTA clusters."""
     monkeypatch.setattr(fp8_gemm, "CUTE_TILE_N", 192)
+    monkeypatch.setattr(fp8_gemm, "CUTE_TILE_BY_SHAPE", False)  # 192 at every shape
     monkeypatch.setattr(fp8_gemm, "CUTE_OVERLAP", False)
     monkeypatch.setattr(fp8_gemm, "CUTE_CLUSTER_M", cluster_m)
     set_coalesced(monkeypatch, coalesced)
@@ -330,10 +332,35 @@ def test_wide_tile_is_bit_identical_on_random_data(monkeypatch) -> None:
     x[3, 7] = 500.0
     a, b = quantize(x, ROW), quantize(w, TILE)
     got = {}
+    monkeypatch.setattr(fp8_gemm, "CUTE_TILE_BY_SHAPE", False)
     for tile_n in (128, 192):
         monkeypatch.setattr(fp8_gemm, "CUTE_TILE_N", tile_n)
         got[tile_n] = fp4gen.gemm(a, b, backend="cute", out_dtype=torch.float32)
     assert torch.equal(got[128], got[192])
+
+
+@pytest.mark.parametrize("shape", [(4096, 4096, 512), (8192, 8192, 256), (16, 8192, 256)])
+def test_the_tile_width_by_shape_gives_the_same_bits(shape, monkeypatch) -> None:
+    """The width a call's shape picks (fp8_gemm.cute_tile_n: 128 where 192-wide tiles leave a
+    partial last wave) is the one launched, and its result is the other width's bit for bit,
+    for the fp8_blockwise fprop pair on random data, with a bias."""
+    m, n, k = shape
+    g = torch.Generator(device="cuda").manual_seed(m + n)
+    x = torch.randn(m, k, device="cuda", generator=g)
+    w = torch.randn(n, k, device="cuda", generator=g) * 0.02
+    bias = torch.randn(n, device="cuda", generator=g)
+    a, b = quantize(x, ROW), quantize(w, TILE)
+    monkeypatch.setattr(fp8_gemm, "CUTE_TILE_N", 192)
+    picked = fp8_gemm.cute_tile_n(ROW, TILE, m, n, a.device)
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    assert picked == tile_n_for(m, n, sms, 192)
+    fn, _, _ = fp8_gemm.cute_launch(a, b, out_dtype=torch.bfloat16, bias=bias)
+    plan = fp8_gemm.cute_plan(ROW, TILE, torch.bfloat16, True, False, picked)
+    assert fn is fp8_gemm.cute_kernel(plan.params) and plan.params.tile_n == picked
+    got = fp4gen.gemm(a, b, backend="cute", out_dtype=torch.bfloat16, bias=bias)
+    monkeypatch.setattr(fp8_gemm, "CUTE_TILE_BY_SHAPE", False)
+    monkeypatch.setattr(fp8_gemm, "CUTE_TILE_N", 320 - picked)  # the other width
+    assert torch.equal(got, fp4gen.gemm(a, b, backend="cute", out_dtype=torch.bfloat16, bias=bias))
 
 
 CLUSTER_PAIRS = ["1x128 x 128x128", "1x128 x 1x128", "mxfp8 1x32 ue8m0", "1x256 x 256x256"]

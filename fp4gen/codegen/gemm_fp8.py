@@ -49,6 +49,16 @@ WIDE_STORES = True
 # B in tiles, no overlap; other pairs keep 128). On: 1135 -> 1178 TFLOP/s at 8192^3 (H200),
 # bit-exact on its GPU tests (-k wide_tile).
 TILE_N = 192
+# Whether a call's tile width follows its shape (``tile_n_for``): the widest tile the pair
+# takes where its waves are full, else 128. Measured on the H200 (the kernel alone, best of
+# 7 turns, TFLOP/s, fp8_blockwise's pair / e5m2 x e4m3; docs/gemm-sm90.md, "The tile width by
+# shape"): 4096^3 192-wide 893 / 917, 128-wide 975 / 1002; 8192x2048x8192 920 / 965 against
+# 1004 / 1017; 2048x8192x2048 860 / 873 against 929 / 937; 1024x8192x8192 1009 / 1002 against
+# 1097 / 1089; at 8192^3 and the other full-wave shapes the 192-wide tile is ahead.
+TILE_BY_SHAPE = True
+# The 192-wide tile's throughput over the 128-wide one's where both fill whole waves (8192^3,
+# the kernel alone, H200): what a wave of the wider tiles is worth in ``tile_n_for``.
+WIDE_TILE_GAIN = 1178 / 1135
 # MN-major scale tensors [KB, Rp]: Rp = the rows rounded up to this (16-byte chunks of fp32
 # factors need 4, of ue8m0 codes 16; scaled_mm's M-major A scales need 16 too)
 MN_MAJOR_ALIGN = 16
@@ -81,6 +91,24 @@ def wide_tile_reason(tile_n: int, block_k: int, b_2d: bool, overlap: bool) -> st
     if overlap:
         return f"overlap keeps three accumulators: tile_n {tile_n} > 128 too wide"
     return None
+
+
+def tile_n_for(m: int, n: int, sms: int, widest: int = TILE_N, tile_m: int = 128) -> int:
+    """The output tile width for an M x N product on ``sms`` persistent CTAs: ``widest`` or
+    128, whichever takes less time by waves (a wave: one tile per CTA, as long as the tile is
+    wide, the wider tile's waves ``WIDE_TILE_GAIN`` faster per column). The wider tile wins
+    where both fill their waves (8192^3: 21 waves of 192 against 32 of 128); a shape whose
+    wider tiles leave a partial last wave takes 128 (4096^3: 6 waves of 192 columns, 1152,
+    against 8 of 128, 1024). Ties go to the wider tile."""
+    if widest <= 128:
+        return widest
+
+    def cost(width: int) -> float:
+        tiles = -(-m // tile_m) * -(-n // width)
+        waves = -(-tiles // max(1, sms))
+        return waves * width / (WIDE_TILE_GAIN if width == widest else 1.0)
+
+    return widest if cost(widest) <= cost(128) else 128
 
 
 def scale_kind(fmt: BlockFormat) -> str | None:
@@ -317,7 +345,9 @@ __all__ = [
     "OVERLAP",
     "SCALED_MM_BLOCK",
     "SCALE_KINDS",
+    "TILE_BY_SHAPE",
     "TILE_N",
+    "WIDE_TILE_GAIN",
     "WGMMA_K",
     "WIDE_STORES",
     "block_k_reason",
@@ -330,5 +360,6 @@ __all__ = [
     "scale_kind",
     "scaled_mm_name",
     "scaled_mm_reason",
+    "tile_n_for",
     "wide_tile_reason",
 ]

@@ -466,12 +466,20 @@ def _fp8_kernels(
     least = gemm_fp8.AUTO_MIN_M.get(name)  # the measured table: auto from this M on
     how = 'backend="cute"' + (f", auto for M >= {least}" if least is not None else "")
     fp8_archs = _among(FP8_ARCHS, archs)
+    # the widths fp8_gemm.cute_tile_n picks: the widest the pair takes, and where that is
+    # wider than 128, 128 for the shapes it leaves a partial wave (gemm_fp8.tile_n_for)
     for out_dtype, bias in outputs:
         out = gemm_fp8.kernel_out(out_dtype, False)
         # the params fp8_gemm.cute_plan builds (the default variant)
-        params = GemmSm90Fp8Params(**gemm_fp8.kernel_fields(a, b, out, bias, False))
-        when = f"{how}, {params.out} out" + (", bias" if bias else "")
-        found.add("gemm_sm90_fp8", params, fp8_archs, replace(use, when=when))
+        made = [GemmSm90Fp8Params(**gemm_fp8.kernel_fields(a, b, out, bias, False))]
+        if gemm_fp8.TILE_BY_SHAPE and made[0].tile_n > 128:
+            fields = gemm_fp8.kernel_fields(a, b, out, bias, False, tile_n=128)
+            made.append(GemmSm90Fp8Params(**fields))
+        for params in made:
+            when = f"{how}, {params.out} out" + (", bias" if bias else "")
+            if len(made) > 1:
+                when += f", 128x{params.tile_n} tiles"
+            found.add("gemm_sm90_fp8", params, fp8_archs, replace(use, when=when))
     if gemm_fp8.scaled_mm_reason(a, b) is None:  # gemm_dispatch.choose_backend on sm_90a
         auto = (
             f"block-scaled FP8 GEMM: torch scaled_mm {gemm_fp8.scaled_mm_name(a, b)} (cuBLAS; "

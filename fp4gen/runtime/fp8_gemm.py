@@ -51,6 +51,7 @@ from fp4gen.codegen.gemm_fp8 import (
     MN_MAJOR_ALIGN,
     MN_MAJOR_SCALES,
     OVERLAP,
+    TILE_BY_SHAPE,
     TILE_N,
     WIDE_STORES,
     kernel_fields,
@@ -59,6 +60,7 @@ from fp4gen.codegen.gemm_fp8 import (
     pair_reason,
     scaled_mm_name,
     scaled_mm_reason,
+    tile_n_for,
 )
 from fp4gen.errors import FP4GenError, TensorError
 from fp4gen.formats import BlockFormat
@@ -609,8 +611,10 @@ CUTE_CLUSTER_M = CLUSTER_M
 CUTE_MN_MAJOR_SCALES = MN_MAJOR_SCALES
 CUTE_WIDE_STORES = WIDE_STORES
 # The output tile's width (GemmSm90Fp8Params.tile_n, where the pair allows it):
-# ``fp4gen.codegen.gemm_fp8.TILE_N``.
+# ``fp4gen.codegen.gemm_fp8.TILE_N``; with ``CUTE_TILE_BY_SHAPE`` (``TILE_BY_SHAPE``) that one
+# where the call's shape fills its waves, else 128 (``cute_tile_n``).
 CUTE_TILE_N = TILE_N
+CUTE_TILE_BY_SHAPE = TILE_BY_SHAPE
 
 
 def cute_support(a: BlockFormat | object, b: BlockFormat | object) -> str | None:
@@ -692,10 +696,18 @@ _cute_plans: dict[tuple, tuple[BlockFormat, BlockFormat, CutePlan]] = {}
 
 
 def cute_plan(
-    a: BlockFormat, b: BlockFormat, out_dtype: torch.dtype, bias: bool, accumulate: bool
+    a: BlockFormat,
+    b: BlockFormat,
+    out_dtype: torch.dtype,
+    bias: bool,
+    accumulate: bool,
+    tile_n: int | None = None,
 ) -> CutePlan:
-    """The plan of a supported pair (``cute_support``), looked up by the formats' identity."""
-    key = (id(a), id(b), out_dtype, bias, accumulate, *cute_settings())
+    """The plan of a supported pair (``cute_support``), looked up by the formats' identity;
+    ``tile_n``: the output tile's width for the call's shape (``cute_tile_n``), by default
+    ``CUTE_TILE_N`` (where the pair takes it; else 128)."""
+    tile_n = CUTE_TILE_N if tile_n is None else tile_n
+    key = (id(a), id(b), out_dtype, bias, accumulate, tile_n, *cute_settings())
     hit = _cute_plans.get(key)
     if hit is not None and hit[0] is a and hit[1] is b:
         return hit[2]
@@ -712,7 +724,7 @@ def cute_plan(
         cluster_m=CUTE_CLUSTER_M,
         mn_major_scales=CUTE_MN_MAJOR_SCALES,
         wide_stores=CUTE_WIDE_STORES,
-        tile_n=CUTE_TILE_N,
+        tile_n=tile_n,
     )
     params = GemmSm90Fp8Params(**fields)
     kernel_dtype = torch.bfloat16 if params.out == "bf16" else torch.float32
@@ -725,8 +737,29 @@ def cute_plan(
 
 def cute_settings() -> tuple:
     """The kernel variant calls take now (``CUTE_OVERLAP``, ``CUTE_CLUSTER_M``,
-    ``CUTE_MN_MAJOR_SCALES``, ``CUTE_WIDE_STORES``, ``CUTE_TILE_N``): part of a plan's key."""
-    return (CUTE_OVERLAP, CUTE_CLUSTER_M, CUTE_MN_MAJOR_SCALES, CUTE_WIDE_STORES, CUTE_TILE_N)
+    ``CUTE_MN_MAJOR_SCALES``, ``CUTE_WIDE_STORES``, ``CUTE_TILE_N``, ``CUTE_TILE_BY_SHAPE``):
+    part of a plan's key."""
+    return (
+        CUTE_OVERLAP,
+        CUTE_CLUSTER_M,
+        CUTE_MN_MAJOR_SCALES,
+        CUTE_WIDE_STORES,
+        CUTE_TILE_N,
+        CUTE_TILE_BY_SHAPE,
+    )
+
+
+def cute_tile_n(a: BlockFormat, b: BlockFormat, m: int, n: int, device: torch.device) -> int:
+    """The output tile width of an M x N call of the pair on ``device``: ``CUTE_TILE_N``; with
+    ``CUTE_TILE_BY_SHAPE``, 128 where the pair takes tiles wider than 128 and they leave a
+    partial last wave of the persistent grid (``codegen.gemm_fp8.tile_n_for``: the faster there,
+    measured, ``TILE_BY_SHAPE``)."""
+    if not CUTE_TILE_BY_SHAPE or CUTE_TILE_N <= 128:
+        return CUTE_TILE_N
+    widest = cute_plan(a, b, torch.bfloat16, False, False).params.tile_n
+    if widest <= 128:
+        return CUTE_TILE_N
+    return tile_n_for(m, n, sm_count(device, 1), widest)
 
 
 def cute_scales(q: QuantizedTensor, ue8m0: bool) -> torch.Tensor:
@@ -880,7 +913,10 @@ def cute_launch(
     m, n, k = a.rows, b.rows, a.cols
     if m * n >= 2**31:
         raise FP4GenError(f"the generated FP8 GEMM indexes C with 32 bits: M * N = {m * n}")
-    plan = cute_plan(a.format, b.format, out_dtype, bias is not None, accumulate is not None)
+    tile_n = cute_tile_n(a.format, b.format, m, n, dev)
+    plan = cute_plan(
+        a.format, b.format, out_dtype, bias is not None, accumulate is not None, tile_n
+    )
     kp = round_up(k, plan.block_k)  # whole K-blocks: zero codes add exactly 0
     mn_major = plan.params.mn_major_scales
     b_codes, b_scales, b_global = cute_b_operand(b, kp, plan.ue8m0, plan.params.b_mn_major, dev)
@@ -971,7 +1007,9 @@ class PreparedCuteFp8:
         args: list,
         bias: torch.Tensor | None = None,
     ) -> None:
-        plan = cute_plan(a.format, b.format, out_dtype, bias is not None, False)
+        dev = args[6].device  # the full path's output device (that of the operands)
+        tile_n = cute_tile_n(a.format, b.format, a.rows, b.rows, dev)  # as the full path did
+        plan = cute_plan(a.format, b.format, out_dtype, bias is not None, False, tile_n)
         self.bias = None if bias is None else (bias.dtype, bias.device)
         self.n = b.rows
         self.ue8m0, self.mn_major = plan.ue8m0, plan.params.mn_major_scales
@@ -983,7 +1021,7 @@ class PreparedCuteFp8:
         self.a_scales = (scale_dtype, a.rows, -(-a.cols // plan.block_k))
         self.settings = cute_settings()
         self.fn = fn
-        self.dev = args[6].device  # the full path's output device (that of the operands)
+        self.dev = dev
         self.sms = args[-1]
         # the output's shape, dtype and device on one element: empty_like of it allocates a
         # contiguous [M, N] with less argument parsing than torch.empty
@@ -1070,6 +1108,7 @@ __all__ = [
     "cute_support",
     "cute_b_operand",
     "cute_settings",
+    "cute_tile_n",
     "code_bytes",
     "describe",
     "fp8_codes",
