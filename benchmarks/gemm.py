@@ -5,6 +5,7 @@ cuBLAS.
     python benchmarks/gemm.py [--shapes 8192x8192x8192,16x8192x8192]
                               [--formats nvfp4,mxfp4,fp8_blockwise,mxfp8,fp8_e5m2_e4m3]
                               [--tiles small,mid] [--no-dequant] [--host-detail] [--log FILE]
+                              [--warm 0.5]   # every figure at the GPU's sustained clock
     python benchmarks/gemm.py --shapes 16x8192x8192 --profile 5   # for ncu / nsys
     python benchmarks/gemm.py --shapes 8192x8192x8192 --formats fp8_blockwise --profile 1 \
         --fp8-variant coalesced,overlap,c2                          # an FP8 kernel variant
@@ -107,11 +108,29 @@ FORMATS = {
 }
 
 
+# Seconds of calls before each timing (``--warm``): an H200 at its 700 W limit runs the FP8
+# tensor cores at 1980 MHz for the first few milliseconds and at about 1400 MHz after some
+# 0.3 s (measured: the generated FP8 kernel at 8192^3 1181 -> 1028-1040 TFLOP/s, scaled_mm
+# 1284-1292 -> 1105), so a timing that starts on an idle GPU measures the boost clock and one
+# after a heavy timing the sustained clock. Warmed, every figure is the sustained one: what
+# a training step sees (docs/gemm-sm90.md, "The power limit").
+WARM_S = [0.0]
+
+
 def bench(fn, iters: int) -> float:
-    """Seconds per call: CUDA events, best of 3 runs of ``iters`` calls (fn(i), i rotating)."""
+    """Seconds per call: CUDA events, best of 3 runs of ``iters`` calls (fn(i), i rotating),
+    after calls for ``WARM_S`` seconds."""
     for i in range(3):
         fn(i)
     torch.cuda.synchronize()
+    if WARM_S[0] > 0:
+        t0, i = time.perf_counter(), 0
+        while time.perf_counter() - t0 < WARM_S[0]:
+            fn(i)
+            i += 1
+            if i % 8 == 0:
+                torch.cuda.synchronize()  # time on the GPU, not in its queue
+        torch.cuda.synchronize()
     best = math.inf
     for _ in range(3):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -263,11 +282,15 @@ def run_shape(
 
     choice = auto_backend(*sets[0])
 
-    # a fresh activation per call (made beforehand: the copy is not part of the call)
-    fresh = [dataclasses.replace(sets[i % nset][0]) for i in range(2 * (3 + 3 * iters))]
+    # a fresh activation per call (made beforehand: the copy is not part of the call), for the
+    # warm-up's calls too (at most 4 per cuBLAS BF16 call's time)
+    made = 2 * (3 + 3 * iters) + int(4 * WARM_S[0] / t_cublas)
+    fresh = [dataclasses.replace(sets[i % nset][0]) for i in range(made)]
 
     def auto(i: int = 0):
-        return fp4gen.gemm(fresh.pop(), sets[i % nset][1], out_dtype=torch.bfloat16)
+        # a fresh one while they last (the warm-up may use them up: then set i's again)
+        a = fresh.pop() if fresh else dataclasses.replace(sets[i % nset][0])
+        return fp4gen.gemm(a, sets[i % nset][1], out_dtype=torch.bfloat16)
 
     t_auto = bench(auto, iters)
     line(f"fp4gen.gemm auto ({choice.backend})", t_auto, ref)
@@ -645,8 +668,17 @@ def main() -> int:
         help="FP8 pairs: auto takes the whole dispatch every call "
         "(gemm_dispatch.set_fp8_prepared(False))",
     )
+    ap.add_argument(
+        "--warm",
+        type=float,
+        default=0.0,
+        metavar="S",
+        help="run each method S seconds before timing it (0.5: every figure at the clock the "
+        "GPU sustains under load; default 0: figures of a GPU that may be at its boost clock)",
+    )
     ap.add_argument("--log", default="", help="also write the result lines to this file")
     args = ap.parse_args()
+    WARM_S[0] = args.warm
     if not torch.cuda.is_available():
         raise SystemExit("this benchmark needs a CUDA GPU")
     if args.fp8_prepared or args.fp8_full_path:
