@@ -118,16 +118,16 @@ def test_manifest_lists_the_fp8_gemms_with_the_runtime_source(tmp_path: Path) ->
     entries = {k["name"]: k for k in data["kernels"] if k["kind"] == "gemm_sm90_fp8"}
     assert sorted(entries) == sorted(
         [
-            # the coalesced variant (MN-major scales, wide stores); 192-wide tiles where B
-            # comes in 128x128 tiles, 128 for the 1x128 x 1x128 wgrad pair
-            "fp8gemm_e4m3_1x128_e4m3_128x128_fp32_fp32_mn_ws_m128n192s5",
-            "fp8gemm_e4m3_1x128_e4m3_128x128_fp32_bf16_bias_mn_ws_m128n192s5",
-            "fp8gemm_e4m3_1x128_e4m3_128x128_fp32_bf16_mn_ws_m128n192s5",
+            # the coalesced variant (MN-major scales, wide stores) in 2-CTA clusters; 192-wide
+            # tiles where B comes in 128x128 tiles, 128 for the 1x128 x 1x128 wgrad pair
+            "fp8gemm_e4m3_1x128_e4m3_128x128_fp32_fp32_c2x1_mn_ws_m128n192s5",
+            "fp8gemm_e4m3_1x128_e4m3_128x128_fp32_bf16_bias_c2x1_mn_ws_m128n192s5",
+            "fp8gemm_e4m3_1x128_e4m3_128x128_fp32_bf16_c2x1_mn_ws_m128n192s5",
             # and 128-wide, for the shapes whose 192-wide tiles leave a partial last wave
-            "fp8gemm_e4m3_1x128_e4m3_128x128_fp32_fp32_mn_ws_m128n128s6",
-            "fp8gemm_e4m3_1x128_e4m3_128x128_fp32_bf16_bias_mn_ws_m128n128s6",
-            "fp8gemm_e4m3_1x128_e4m3_128x128_fp32_bf16_mn_ws_m128n128s6",
-            "fp8gemm_e4m3_1x128_e4m3_1x128_fp32_bf16_mn_ws_m128n128s6",
+            "fp8gemm_e4m3_1x128_e4m3_128x128_fp32_fp32_c2x1_mn_ws_m128n128s6",
+            "fp8gemm_e4m3_1x128_e4m3_128x128_fp32_bf16_bias_c2x1_mn_ws_m128n128s6",
+            "fp8gemm_e4m3_1x128_e4m3_128x128_fp32_bf16_c2x1_mn_ws_m128n128s6",
+            "fp8gemm_e4m3_1x128_e4m3_1x128_fp32_bf16_c2x1_mn_ws_m128n128s6",
             # the grouped experts' (fprop and dgrad share a pair; row-major scales: a group's
             # first row may be any row), K-grouped wgrad
             "fp8gemm_e4m3_1x128_e4m3_128x128_fp32_bf16_ws_grouped_m128n192s5",
@@ -135,7 +135,7 @@ def test_manifest_lists_the_fp8_gemms_with_the_runtime_source(tmp_path: Path) ->
             "fp8gemm_e4m3_1x128_e4m3_1x128_fp32_bf16_kgrouped_m128n128s6",
         ]
     )
-    bias = entries["fp8gemm_e4m3_1x128_e4m3_128x128_fp32_bf16_bias_mn_ws_m128n192s5"]
+    bias = entries["fp8gemm_e4m3_1x128_e4m3_128x128_fp32_bf16_bias_c2x1_mn_ws_m128n192s5"]
     assert bias["archs"] == ["sm_90a"] and bias["file"] is None  # written with --gemm-sources
     assert bias["status"] == "ok"
     assert bias["spec"]["block_k"] == 128 and bias["spec"]["b_2d"] and bias["spec"]["bias"]

@@ -33,9 +33,12 @@ AUTO_MIN_M: dict[str, int] = {}
 # start from these, and ``fp4gen compile`` compiles these): K-block b's wgmma overlapped with
 # block b - 1's promotion (GemmSm90Fp8Params.overlap), where the K-block's stages allow it, off
 # until measured faster (benchmarks/gemm.py times both variants alone); CTAs per cluster along M
-# (GemmSm90Fp8Params.cluster_m: 2 multicasts each B tile to two CTAs), 1 until measured faster.
+# (GemmSm90Fp8Params.cluster_m: 2 multicasts each B tile to two CTAs): 2, measured faster at the
+# GPU's sustained clock (H200, the kernel alone, 0.4 s of warm-up per timing, turns rotated:
+# 192-wide tiles 1011-1021 -> 1066 TFLOP/s at 8192^3, +4-5 % on five full-wave shapes; 128-wide
+# 918 -> 956 at 4096^3; docs/gemm-sm90.md, "The power limit").
 OVERLAP = False
-CLUSTER_M = 1
+CLUSTER_M = 2
 # The coalesced variant (docs/gemm-sm90.md, "Where the FP8 kernel's time goes"): A's (and a
 # 1xN B's) block scales read MN-major with 16-byte copies (GemmSm90Fp8Params.mn_major_scales;
 # the host transposes the quantize kernels' row-major scales per call until they write that
