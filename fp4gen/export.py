@@ -452,7 +452,7 @@ def _decisions(
                 "this model was converted with fp4gen.convert, whose plan decides which layers "
                 "are quantized: call export_quantized without a recipe"
             )
-        return list(converted), dict(model.state_dict())  # type: ignore[union-attr]
+        return list(converted), _module_state(model)  # type: ignore[arg-type]
     if recipe is None:
         raise ExportError(
             "give a recipe (a Recipe, a path or a shipped name): it decides which layers are "
@@ -463,7 +463,7 @@ def _decisions(
 
         recipe = load_recipe(recipe)
     if isinstance(model, nn.Module):
-        return plan_layers(model, recipe), dict(model.state_dict())
+        return plan_layers(model, recipe), _module_state(model)
     if isinstance(model, Mapping):
         state = dict(model)
         bad = [k for k, v in state.items() if not isinstance(k, str) or not torch.is_tensor(v)]
@@ -476,6 +476,14 @@ def _decisions(
     raise ExportError(
         f"export_quantized takes an nn.Module or a state_dict, got {type(model).__name__}"
     )
+
+
+def _module_state(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The model's state_dict with each linear layer's weight under its module's name: an
+    attention's input projection (``runtime.attention``) as ``in_proj.weight``."""
+    from fp4gen.runtime.attention import module_keys
+
+    return module_keys(model, dict(model.state_dict()))
 
 
 def _layers(

@@ -276,8 +276,9 @@ def test_torch_transformer_layers_run_their_converted_layers_in_eval_mode(caplog
     kernel, which reads linear1 / linear2's weights itself (and nn.TransformerEncoder feeds it
     nested tensors for padded batches): the converted feed-forward layers silently ran in high
     precision there. convert closes those paths, so eval without grad runs the converted
-    layers (4 calls per forward) and gives eval-with-grad's output (the layers' own forwards)
-    up to the attention's summation order, with and without a padding mask; said once."""
+    layers (8 calls per forward: the attention's two projections too, fp4gen's
+    MultiheadAttention) and gives eval-with-grad's output (the layers' own forwards) up to the
+    attention's summation order, with and without a padding mask; said once."""
     from fp4gen.runtime import linear
 
     torch.manual_seed(0)
@@ -302,10 +303,10 @@ def test_torch_transformer_layers_run_their_converted_layers_in_eval_mode(caplog
         for mask in (None, pad):
             with torch.no_grad():
                 fast = model(x, src_key_padding_mask=mask)
-            assert len(calls) == 4, calls  # linear1 and linear2 of both layers
+            assert len(calls) == 8, calls  # in_proj, out_proj, linear1, linear2 of both
             calls.clear()
             slow = model(x, src_key_padding_mask=mask).detach()  # grad on: torch's own slow path
             calls.clear()
-            # the attention (not converted) takes its own fused kernel without grad: another
-            # fp32 summation order there, a few ulps (the converted layers' bits are the same)
+            # the scaled dot product may take another kernel without grad: another fp32
+            # summation order there, a few ulps (the converted layers' bits are the same)
             torch.testing.assert_close(fast, slow, rtol=1e-5, atol=1e-5)

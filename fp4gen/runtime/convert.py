@@ -49,6 +49,7 @@ from fp4gen.dsl.model import (
 )
 from fp4gen.errors import ArgumentError, FP4GenError
 from fp4gen.formats import BlockFormat, HighPrecision
+from fp4gen.runtime.attention import MultiheadAttention, unsupported_reason
 from fp4gen.runtime.cute_backend import padding_is_exact
 from fp4gen.runtime.experts import GroupedExperts, all_gemms, experts_layout
 from fp4gen.runtime.fsdp import enable_quantized_all_gather
@@ -289,6 +290,14 @@ def _kept_reason(module: nn.Module, decision: LayerDecision | None) -> str:
     kind = type(module).__name__
     if isinstance(module, nn.Embedding):
         return f"an embedding ({kind}): convert quantizes linear layers only"
+    if isinstance(module, nn.MultiheadAttention):
+        why = unsupported_reason(module) or "the model itself (convert replaces submodules)"
+        return f"a MultiheadAttention convert leaves as it is: {why}"
+    if isinstance(module, nn.modules.linear.NonDynamicallyQuantizableLinear):
+        return (
+            "the output projection of a MultiheadAttention convert leaves as it is (its forward "
+            "reads this weight itself)"
+        )
     if isinstance(module, nn.Linear):
         return f"a subclass of nn.Linear ({kind}): convert replaces exactly torch.nn.Linear"
     layout = experts_layout(module)
@@ -402,6 +411,63 @@ def convert(
             _clock(model).total_steps = total_steps
         return model
     clock = TrainingClock(total_steps=total_steps)
+    # attention modules with their projections as linear layers, before the plan sees them;
+    # put back if the conversion is refused
+    swapped = _swap_attention(model)
+    try:
+        decisions, report, layers = _plan_and_build(
+            model, recipe, options, clock, report_min_elements
+        )
+    except BaseException:
+        for name, original, _ in reversed(swapped):
+            _set_module(model, name, original)
+        raise
+    # replaced only once every layer was accepted: a refusal leaves the model as it was
+    for name, layer in layers:
+        layer.converted_by = recipe.name  # a later convert of a model holding it refuses
+        _set_module(model, name, layer)
+    _warn_widths(layers)
+    _close_fused_paths(model)
+    if fsdp_quantized_all_gather:
+        enable_quantized_all_gather(model)
+    model._fp4gen_plan = decisions  # type: ignore[attr-defined]
+    model._fp4gen_report = report  # type: ignore[attr-defined]
+    warning = report.warning()
+    if warning is not None:
+        log.warning("%s", warning)
+    model._fp4gen_clock = clock  # type: ignore[attr-defined]
+    model._fp4gen_conversion = (recipe, options)  # type: ignore[attr-defined]
+    return model
+
+
+def _swap_attention(model: nn.Module) -> list[tuple[str, nn.Module, MultiheadAttention]]:
+    """Every ``nn.MultiheadAttention`` submodule that ``MultiheadAttention.from_torch`` takes,
+    replaced by it (the same parameters and computation, the projections as nn.Linear layers
+    for the plan): (name, original, replacement) of each. The others stay, and the report
+    says why (``_kept_reason``)."""
+    found = [
+        (name, module)
+        for name, module in model.named_modules()
+        if name and type(module) is nn.MultiheadAttention and unsupported_reason(module) is None
+    ]
+    swapped = []
+    for name, module in found:
+        new = MultiheadAttention.from_torch(module)
+        _set_module(model, name, new)
+        swapped.append((name, module, new))
+    return swapped
+
+
+def _plan_and_build(
+    model: nn.Module,
+    recipe: Recipe,
+    options: ConvertOptions,
+    clock: TrainingClock,
+    report_min_elements: int,
+) -> tuple[list[LayerDecision], ConversionReport, list[tuple[str, Linear | GroupedExperts]]]:
+    """``convert``'s plan, report and new layers, the model not changed yet."""
+    seed, backend = options.seed, options.backend
+    amax_group, amax_operands = options.amax_group.group, options.amax_operands
     decisions = plan_layers(model, recipe)
     report = conversion_report(model, decisions, report_min_elements)
     schedule_mors = tuple(m for rule in recipe.schedule for m in action_mors(rule.action))
@@ -433,22 +499,7 @@ def convert(
         if amax_group is not None:  # checked against the schedule's tables too
             layer.set_amax_group(amax_group, amax_operands)
         layers.append((decision.name, layer))
-    # replaced only once every layer was accepted: a refusal leaves the model as it was
-    for name, layer in layers:
-        layer.converted_by = recipe.name  # a later convert of a model holding it refuses
-        _set_module(model, name, layer)
-    _warn_widths(layers)
-    _close_fused_paths(model)
-    if fsdp_quantized_all_gather:
-        enable_quantized_all_gather(model)
-    model._fp4gen_plan = decisions  # type: ignore[attr-defined]
-    model._fp4gen_report = report  # type: ignore[attr-defined]
-    warning = report.warning()
-    if warning is not None:
-        log.warning("%s", warning)
-    model._fp4gen_clock = clock  # type: ignore[attr-defined]
-    model._fp4gen_conversion = (recipe, options)  # type: ignore[attr-defined]
-    return model
+    return decisions, report, layers
 
 
 @dataclass(frozen=True)
@@ -639,11 +690,17 @@ def _close_fused_paths(model: nn.Module) -> None:
     precision there. ``nn.TransformerEncoder`` turns padded batches into nested tensors for
     that path. Each path is closed by the flag torch checks before taking it
     (``activation_relu_or_gelu``, which only that path reads; ``use_nested_tensor``), so the
-    layers' own forwards run, with the same math as in training. Logged once per model."""
+    layers' own forwards run, with the same math as in training; also in every layer whose
+    attention convert made an ``attention.MultiheadAttention`` (the path reads
+    ``in_proj_weight`` and ``out_proj.weight`` itself). Logged once per model."""
     closed = []
     for name, module in model.named_modules():
         fused = isinstance(module, nn.TransformerEncoderLayer) and module.activation_relu_or_gelu
-        if fused and any(isinstance(m, Linear) for m in (module.linear1, module.linear2)):
+        if not fused:
+            continue
+        # fp4gen's attention, converted or kept: the path would bypass its forward
+        ours = isinstance(module.self_attn, MultiheadAttention)
+        if ours or any(isinstance(m, Linear) for m in (module.linear1, module.linear2)):
             module.activation_relu_or_gelu = 0
             closed.append(name or type(module).__name__)
     for module in model.modules():
@@ -655,8 +712,8 @@ def _close_fused_paths(model: nn.Module) -> None:
     if closed:
         log.info(
             "fp4gen.convert: torch's fused inference path of nn.TransformerEncoderLayer reads "
-            "the feed-forward weights itself; turned off for %s so the converted layers run "
-            "in eval mode too",
+            "the feed-forward and attention weights itself; turned off for %s so the converted "
+            "layers run in eval mode too",
             ", ".join(closed),
         )
 
