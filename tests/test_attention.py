@@ -143,6 +143,21 @@ def test_dropout_draws_as_torch() -> None:
         assert torch.equal(ours(x, x, x, need_weights=need_weights)[0], want)
 
 
+def test_fp4gen_nn_names_it() -> None:
+    assert fp4gen.nn.MultiheadAttention is MultiheadAttention
+    module = fp4gen.nn.MultiheadAttention(E, HEADS, batch_first=True)
+    x = torch.randn(N, L, E)
+    out, weights = module(x, x, x)
+    assert out.shape == (N, L, E) and weights.shape == (N, L, L)
+    with pytest.raises(ValueError, match="not divisible"):
+        fp4gen.nn.MultiheadAttention(E, 5)
+    # nn.MultiheadAttention's initial values: xavier-uniform packed weight, zero biases
+    ours = fp4gen.nn.MultiheadAttention(E, HEADS)
+    bound = (6 / (E + 3 * E)) ** 0.5
+    assert ours.in_proj_weight.abs().max() <= bound < 2 * ours.in_proj_weight.abs().max()
+    assert not ours.in_proj_bias.any() and not ours.out_proj.bias.any()
+
+
 def test_unsupported_modules_are_refused_with_the_reason() -> None:
     cases = [
         (nn.MultiheadAttention(E, HEADS, kdim=16, vdim=16), "separate q, k and v weights"),

@@ -100,6 +100,11 @@ class MultiheadAttention(nn.Module):
         kw = {"device": device, "dtype": dtype}
         self.in_proj = nn.Linear(embed_dim, 3 * embed_dim, bias=bias, **kw)
         self.out_proj = nn.Linear(embed_dim, embed_dim, bias=bias, **kw)
+        if self.in_proj.weight.device.type != "meta":  # nn.MultiheadAttention's initial values
+            nn.init.xavier_uniform_(self.in_proj.weight)
+            if bias:
+                nn.init.zeros_(self.in_proj.bias)
+                nn.init.zeros_(self.out_proj.bias)
         self.register_state_dict_post_hook(_torch_keys)
         self.register_load_state_dict_pre_hook(_own_keys)
 
