@@ -35,6 +35,7 @@ SETS: tuple[tuple[str, str], ...] = (
 )
 # (module, name): a module-level LogOnce
 LOG_ONCES: tuple[tuple[str, str], ...] = (
+    ("fp4gen.runtime.attention", "_log_once"),
     ("fp4gen.runtime.cute_backend", "_log_once"),
     ("fp4gen.runtime.cute_backend", "_log_padded_once"),
     ("fp4gen.runtime.cute_backend", "_log_tile_once"),

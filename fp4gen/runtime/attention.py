@@ -34,14 +34,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from fp4gen.runtime.loader import LogOnce
+
 log = logging.getLogger("fp4gen.runtime")
-_logged: set[str] = set()
-
-
-def _log_once(message: str) -> None:
-    if message not in _logged:
-        _logged.add(message)
-        log.info("%s", message)
+_log_once = LogOnce(log)
 
 
 def unsupported_reason(module: nn.MultiheadAttention) -> str | None:
