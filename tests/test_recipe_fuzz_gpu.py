@@ -25,7 +25,7 @@ For each recipe fp4gen accepts (the one refusal drawn on purpose is skipped), on
    ones (``REFUSALS``: docs/testing.md, "Fallbacks and their reasons"), and ``backend="auto"``
    must log it once (two calls, one INFO line) and give the reference's result;
 2. three SGD steps of a two-layer model (two ``fp4gen.nn.Linear`` with the recipe and a bias,
-   bf16, odd sizes, the recipe's schedule over the three steps; and, as tests of their own, an
+   bf16, odd sizes, the recipe's schedule over the three steps; and, as parameters of the test, an
    fp32 model and an fp32 model under bf16 autocast, ``PRECISIONS``) with the default backends,
    against the same model with ``backend="reference"`` and reference GEMMs. In the default run
    every ``fp4gen.gemm`` call is checked against the reference product of the same operands
@@ -928,29 +928,15 @@ def test_planned_kernels_on_fp32_inputs_match_the_reference_on_gpu(
     check_planned_kernels(index, gpu_batch, caplog, torch.float32)
 
 
+@pytest.mark.parametrize("precision", list(PRECISIONS))
 @pytest.mark.parametrize("index", range(EXAMPLES))
 @pytest.mark.gpu
 @pytest.mark.skipif(not ON_GPU, reason="needs a CUDA GPU")
 def test_training_steps_match_the_reference_path_on_gpu(
-    index: int, gpu_batch: list[Recipe | None], caplog: pytest.LogCaptureFixture
-) -> None:
-    announce()
-    recipe = gpu_batch[index]
-    if recipe is None:
-        pytest.skip("a recipe fp4gen refuses on purpose")
-    check_training(index, recipe, caplog, "bf16")
-
-
-@pytest.mark.parametrize("precision", ["fp32", "autocast"])
-@pytest.mark.parametrize("index", range(EXAMPLES))
-@pytest.mark.gpu
-@pytest.mark.skipif(not ON_GPU, reason="needs a CUDA GPU")
-def test_training_steps_in_fp32_match_the_reference_path_on_gpu(
     index: int, precision: str, gpu_batch: list[Recipe | None], caplog: pytest.LogCaptureFixture
 ) -> None:
-    """The training steps of an fp32 model, and of an fp32 model under bf16 autocast (fp32
-    parameters, the layers' inputs cast by autocast): the fp32 kernel twins and the autocast
-    path, bit for bit the reference path."""
+    """The training steps of a bf16 model, an fp32 model and an fp32 model under bf16 autocast
+    (fp32 parameters, the layers' inputs cast by autocast), bit for bit the reference path."""
     announce()
     recipe = gpu_batch[index]
     if recipe is None:
