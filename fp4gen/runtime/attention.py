@@ -54,6 +54,16 @@ def unsupported_reason(module: nn.MultiheadAttention) -> str | None:
     return None
 
 
+def _each(
+    fn: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``fn`` of each input, keeping which of them are one tensor (self-attention's test)."""
+    q = fn(query)
+    k = q if key is query else fn(key)
+    v = k if value is key else fn(value)
+    return q, k, v
+
+
 def _float_mask(mask: torch.Tensor | None, name: str, dtype: torch.dtype) -> torch.Tensor | None:
     """A boolean mask (True: not attended) as an additive float mask of ``dtype`` (-inf where
     True), a float mask as it is."""
@@ -170,16 +180,10 @@ class MultiheadAttention(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """(attn_output, attn_weights) as ``nn.MultiheadAttention.forward`` returns them."""
         batched = query.dim() == 3
-        if self.batch_first and batched:  # to [L, N, E], keeping which inputs are one tensor
-            same_kv, same_qk = key is value, query is key
-            query = query.transpose(0, 1)
-            key = query if same_qk else key.transpose(0, 1)
-            value = key if same_kv else value.transpose(0, 1)
+        if self.batch_first and batched:  # to [L, N, E]
+            query, key, value = _each(lambda t: t.transpose(0, 1), query, key, value)
         if not batched:
-            same_kv, same_qk = key is value, query is key
-            query = query.unsqueeze(1)
-            key = query if same_qk else key.unsqueeze(1)
-            value = key if same_kv else value.unsqueeze(1)
+            query, key, value = _each(lambda t: t.unsqueeze(1), query, key, value)
             if key_padding_mask is not None:
                 key_padding_mask = key_padding_mask.unsqueeze(0)
         tgt_len, bsz, embed_dim = query.shape
