@@ -356,6 +356,15 @@ def _fp32_scaled(fmt: BlockFormat | object) -> bool:
     return isinstance(fmt, BlockFormat) and fmt.scale.element is None
 
 
+def _generated_fp8(
+    a: BlockFormat | object, b: BlockFormat | object, m: int, n: int, arch: str | None
+) -> bool:
+    """Whether the generated block-scaled FP8 kernel serves this pair and shape on ``arch``."""
+    from fp4gen.runtime.fp8_gemm import CUTE_ARCHS, cute_support
+
+    return arch in CUTE_ARCHS and m * n < 2**31 and cute_support(a, b) is None
+
+
 def choose_backend(
     a: BlockFormat | object,
     b: BlockFormat | object,
@@ -389,9 +398,18 @@ def choose_backend(
         from fp4gen.runtime.fp8_gemm import arch_reason, describe
 
         reason = fp8_support(a, b)
-        if reason is None and semantics == "exact":
+        if semantics == "exact":
             return GemmChoice("dequant", "exact products requested (set_fp8_semantics('exact'))")
         reason = reason or arch_reason(arch)
+        if reason is not None and _generated_fp8(a, b, m, n, arch):
+            # the same block-scaled semantics on the generated kernel (e5m2, 1x64 blocks, ...):
+            # the exact fp32 GEMM would run these pairs about 20x slower
+            from fp4gen.runtime.fp8_gemm import cute_pair_name
+
+            name = cute_pair_name(a, b)  # type: ignore[arg-type]
+            return GemmChoice(
+                "cute", f"block-scaled FP8 GEMM: the generated kernel {name} (scaled_mm: {reason})"
+            )
         if reason is not None:
             return GemmChoice("dequant", f"no block-scaled FP8 GEMM: {reason}", fallback=True)
         return GemmChoice(
@@ -635,6 +653,16 @@ def gemm_path(a: BlockFormat | object, b: BlockFormat | object) -> tuple[str, st
             "scaled by s_a s_b and accumulated in fp32 (block-scaled accumulation, "
             f"numerics.md 6.1); the exact dequantized product: {exact_why}" + native_why,
         )
+    if _fp32_scaled(a) and _fp32_scaled(b) and _generated_fp8(a, b, 1, 1, "sm_90a"):
+        from fp4gen.runtime.fp8_gemm import cute_pair_name
+
+        return (
+            f"block-scaled FP8 GEMM on sm_90a: the generated kernel {cute_pair_name(a, b)} "
+            f"(wgmma); elsewhere, or with set_fp8_semantics('exact'): {exact}" + native,
+            "block-scaled accumulation as for scaled_mm's pairs (numerics.md 6.1), which "
+            f"scaled_mm does not serve ({fp8_support(a, b)}); the exact dequantized product: "
+            f"{exact_why}" + native_why,
+        )
     return exact + native, exact_why + native_why
 
 
@@ -650,7 +678,8 @@ def _mx_note(a: BlockFormat, b: BlockFormat) -> str:
         return ""
     return (
         "; no block-scaled FP8 GEMM on sm_90a: torch's scaled_mm runs 1x32 ue8m0 (MX) scaling "
-        "on sm_100+ only (cuBLAS VEC32_UE8M0), so the exact bf16 path it is"
+        "on sm_100+ only (cuBLAS VEC32_UE8M0), so the exact bf16 path it is (backend='cute': "
+        "the generated FP8 kernel's block-scaled accumulation, numerics.md 6.1)"
     )
 
 

@@ -148,6 +148,11 @@ def test_block_scaled_backend_on_cpu_is_the_reference() -> None:
 # Dispatch (pure logic)
 # ----------------------------------------------------------------------------------------------
 MXFP8 = BUILTIN_FORMATS["mxfp8_e4m3"]
+ROW_64, ROW_256, TILE_256 = (
+    ROW.with_block((1, 64)),
+    ROW.with_block((1, 256)),
+    ROW.with_block((256, 256)),
+)
 
 
 @pytest.mark.parametrize(
@@ -155,10 +160,15 @@ MXFP8 = BUILTIN_FORMATS["mxfp8_e4m3"]
     [
         (ROW, TILE, "sm_90a", "block_scaled", False, "BlockWise1x128 x BlockWise128x128"),
         (ROW, ROW, "sm_90a", "block_scaled", False, "BlockWise1x128 x BlockWise1x128"),
-        (ROW_E5M2, TILE, "sm_90a", "dequant", True, "takes e4m3 only"),
-        (ROW_E5M2, ROW_E5M2, "sm_90a", "dequant", True, "an operand has e5m2"),
+        # the pairs scaled_mm refuses and the generated FP8 kernel takes: the same semantics
+        (ROW_E5M2, TILE, "sm_90a", "cute", False, "e5m2 1x128 x e4m3 128x128 fp32 (scaled_mm"),
+        (ROW_E5M2, ROW_E5M2, "sm_90a", "cute", False, "an operand has e5m2"),
+        (ROW_64, ROW_64, "sm_90a", "cute", False, "e4m3 1x64 x e4m3 1x64 fp32"),
+        (ROW_256, TILE_256, "sm_90a", "cute", False, "A has 1x256 blocks"),
+        # and those neither serves
         (TILE, ROW, "sm_90a", "dequant", True, "A has 128x128 blocks"),
-        (ROW.with_block((1, 64)), ROW, "sm_90a", "dequant", True, "A has 1x64 blocks"),
+        (ROW_64, ROW, "sm_90a", "dequant", True, "A has 1x64 blocks"),
+        (ROW_E5M2, TILE, "sm_100a", "dequant", True, "no native MMA on sm_100a"),
         (ROW, TILE, "sm_80", "dequant", True, "runs on sm_90a only"),
         (ROW, TILE, "sm_120a", "dequant", True, "runs on sm_90a only"),
         (ROW, TILE, "sm_100a", "dequant", True, "no native MMA on sm_100a"),
@@ -173,10 +183,11 @@ def test_auto_backend_for_fp8_pairs(a, b, arch, backend, fallback, why) -> None:
 
 
 def test_exact_semantics_keeps_the_dequantized_product() -> None:
-    choice = choose_backend(ROW, TILE, 8192, 8192, 8192, device="cuda", arch="sm_90a",
-                            semantics="exact")  # fmt: skip
-    assert choice == GemmChoice("dequant", choice.why, fallback=False)
-    assert "exact products requested" in choice.why
+    for a, b in ((ROW, TILE), (ROW_E5M2, TILE), (ROW_64, ROW_64)):
+        choice = choose_backend(a, b, 8192, 8192, 8192, device="cuda", arch="sm_90a",
+                                semantics="exact")  # fmt: skip
+        assert choice == GemmChoice("dequant", choice.why, fallback=False)
+        assert "exact products requested" in choice.why
     assert gd.fp8_semantics_setting() == "block_scaled"
     with gd.fp8_semantics("exact"):
         assert gd.fp8_semantics_setting() == "exact"
@@ -184,6 +195,14 @@ def test_exact_semantics_keeps_the_dequantized_product() -> None:
     with pytest.raises(FP4GenError, match="unknown FP8 GEMM semantics 'tf32'"):
         gd.set_fp8_semantics("tf32")
     assert "block_scaled" in gd.BACKENDS
+
+
+def test_a_product_past_32_bit_indices_keeps_the_exact_path() -> None:
+    # the generated kernel indexes C with 32 bits: M * N >= 2^31 takes the dequantized product
+    choice = choose_backend(ROW_E5M2, TILE, 2**16, 2**15, 256, device="cuda", arch="sm_90a")
+    assert (choice.backend, choice.fallback) == ("dequant", True), choice
+    choice = choose_backend(ROW_E5M2, TILE, 2**16, 2**15 - 1, 256, device="cuda", arch="sm_90a")
+    assert choice.backend == "cute", choice
 
 
 def test_auto_passes_the_semantics(monkeypatch) -> None:

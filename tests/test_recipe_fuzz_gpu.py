@@ -98,7 +98,7 @@ from fp4gen.numerics.mor import MoRTensor
 from fp4gen.numerics.mor import mor_quantize as reference_mor_quantize
 from fp4gen.numerics.quantize import QuantizedTensor
 from fp4gen.numerics.quantize import quantize as reference_quantize
-from fp4gen.runtime import cute_backend, linear, mor_kernels
+from fp4gen.runtime import cute_backend, fp8_gemm, linear, mor_kernels
 from fp4gen.runtime.loader import LogOnce, Unsupported
 from fp4gen.runtime.quantize_dispatch import mor_quantize, quantize
 from fp4gen.settings import LAYER_GRAPHS_VAR, LAYER_GROUPS_VAR
@@ -642,12 +642,12 @@ def gemm_bound_ratio(
 ) -> float:
     """max |got - want| / bound, the bound as test_conformance states docs/numerics.md 6:
     (2 (K + 8) u + adder) sum_k |a_k b_k| + unit (|got| + |want|) / (1 - unit), u = 2^-24, unit
-    the output dtype's, adder Hopper's FP8 term (6.1) where block_scaled ran on CUDA."""
+    the output dtype's, adder Hopper's FP8 term (6.1) where the FP8 tensor cores ran on CUDA."""
     if backend == "reference":
         return 0.0 if torch.equal(got, want) else math.inf
     mag = a.dequantize(rotated=True).double().reshape(a.rows, a.cols).abs()
     mag = mag @ b.dequantize(rotated=True).double().reshape(b.rows, b.cols).abs().t()
-    adder = TC_REL if backend == "block_scaled" and got.is_cuda else 0.0
+    adder = fp8_adder(a, b, backend) if got.is_cuda else 0.0
     unit = UNIT[got.dtype]
     f, r = got.double(), want.double()
     limit = (2 * (a.cols + 8) * U32 + adder) * mag.reshape(f.shape)
@@ -658,6 +658,17 @@ def gemm_bound_ratio(
     same = (f == r) | (f.isnan() & r.isnan())
     ratio = torch.where(same, 0.0, ratio.nan_to_num(nan=math.inf))
     return float(ratio.max()) if ratio.numel() else 0.0
+
+
+def fp8_adder(a: QuantizedTensor, b: QuantizedTensor, backend: str) -> float:
+    """Hopper's FP8 adder term (numerics.md 6.1) of a GEMM ``backend`` ran on the FP8 tensor
+    cores (scaled_mm, or the generated FP8 kernel), else 0: 33 aligned terms of 13 fraction
+    bits per wgmma k=32 step, over the K-block's steps (TC_REL for 128-wide K-blocks)."""
+    if backend == "block_scaled":
+        return TC_REL
+    if backend == "cute" and fp8_gemm.cute_support(a.format, b.format) is None:
+        return a.format.block[1] / 32 * 33 * 2.0**-13
+    return 0.0
 
 
 @contextlib.contextmanager

@@ -480,9 +480,15 @@ def _fp8_kernels(
             if len(made) > 1:
                 when += f", 128x{params.tile_n} tiles"
             found.add("gemm_sm90_fp8", params, fp8_archs, replace(use, when=when))
-    if gemm_fp8.scaled_mm_reason(a, b) is None:  # gemm_dispatch.choose_backend on sm_90a
+    refused = gemm_fp8.scaled_mm_reason(a, b)  # gemm_dispatch.choose_backend on sm_90a
+    if refused is None:
         auto = (
             f"block-scaled FP8 GEMM: torch scaled_mm {gemm_fp8.scaled_mm_name(a, b)} (cuBLAS; "
+            "set_fp8_semantics('exact'): torch decode + fp32 GEMM)"
+        )
+    elif a.scale.element is None and b.scale.element is None:  # fp32 block scales
+        auto = (
+            f"block-scaled FP8 GEMM: the generated kernel ({name}, wgmma; scaled_mm: {refused}; "
             "set_fp8_semantics('exact'): torch decode + fp32 GEMM)"
         )
     lines = [("sm_90a", auto if least is None else f"M < {least}: {auto}")]
