@@ -105,33 +105,64 @@ class LayerDecision:
 
 
 def find_blocks(model: nn.Module) -> tuple[str | None, dict[str, int]]:
-    """(container name, {linear module name: block index}) for the model's repeated blocks.
+    """(container name, {linear module name: block index}) for the model's main stack of
+    repeated blocks (the one holding the most linear layers; ``block_stacks`` gives every
+    stack).
 
     A block's index is its rank among the container's numbered children that hold a linear
     layer (not its child position): activations, dropouts and norms between them are skipped,
     so ``first N blocks`` and ``last N blocks`` count blocks with something to convert."""
+    stacks = block_stacks(model)
+    return stacks[0] if stacks else (None, {})
+
+
+def block_stacks(model: nn.Module) -> list[tuple[str, dict[str, int]]]:
+    """Every stack of repeated blocks of the model, the main one first (``find_blocks``): then
+    each further ``nn.ModuleList`` / ``nn.Sequential`` outside the stacks found so far, largest
+    first, whose numbered children include two or more blocks (modules holding linear layers
+    below them, not bare linear layers): an encoder-decoder's two stacks (T5, BART, Whisper,
+    ``nn.Transformer``), a vision-language model's vision tower and language model. Block
+    rules count blocks within each stack (``first 2 blocks``: the first two of every stack)."""
     linears = [
         name
         for name, m in model.named_modules()
         if isinstance(m, nn.Linear) or _is_conv1d(m) or _is_layer(m)
     ]
-    best: tuple[int, str | None, dict[str, int]] = (0, None, {})
+    candidates: list[tuple[int, str, dict[str, int], bool]] = []
     for cname, container in model.named_modules():
         if not isinstance(container, nn.ModuleList | nn.Sequential):
             continue
         prefix = f"{cname}." if cname else ""
         owned: dict[str, int] = {}
+        nested: set[int] = set()  # children holding their linear layers below them
         for lname in linears:
             if not lname.startswith(prefix):
                 continue
-            head = lname[len(prefix) :].split(".", 1)[0]
+            head, _, rest = lname[len(prefix) :].partition(".")
             if _INDEX.match(head):
                 owned[lname] = int(head)
+                if rest:
+                    nested.add(int(head))
         children = sorted(set(owned.values()))
-        if len(children) >= 2 and len(owned) > best[0]:
+        if len(children) >= 2:
             rank = {child: i for i, child in enumerate(children)}
-            best = (len(owned), cname, {lname: rank[c] for lname, c in owned.items()})
-    return best[1], best[2]
+            ranks = {lname: rank[c] for lname, c in owned.items()}
+            candidates.append((len(owned), cname, ranks, len(nested) >= 2))
+    # the largest first; among equals the first in module order (the main stack as before)
+    candidates.sort(key=lambda c: -c[0])
+    stacks: list[tuple[str, dict[str, int]]] = []
+    for _, cname, ranks, of_blocks in candidates:
+        if stacks and not of_blocks:
+            continue
+        if any(_within(cname, taken) or _within(taken, cname) for taken, _ in stacks):
+            continue
+        stacks.append((cname, ranks))
+    return stacks
+
+
+def _within(name: str, container: str) -> bool:
+    """Whether module ``name`` is ``container`` or lies below it."""
+    return not container or name == container or name.startswith(f"{container}.")
 
 
 def _count(sel: LayerSelector, total: int) -> int:
@@ -167,14 +198,18 @@ def plan_layers(model: nn.Module, recipe: Recipe) -> list[LayerDecision]:
     """Decide, for every nn.Linear (and grouped-experts module) of ``model``, what the recipe
     does with it (no changes)."""
     linears = [(n, m) for n, m in model.named_modules() if _is_layer(m)]
-    _, block_of = find_blocks(model)
-    n_blocks = len(set(block_of.values()))
+    block_of: dict[str, int] = {}
+    n_blocks: dict[str, int] = {}  # linear layer name -> the block count of its stack
+    for _, ranks in block_stacks(model):
+        block_of.update(ranks)
+        n_blocks.update(dict.fromkeys(ranks, len(set(ranks.values()))))
     decisions = []
     for index, (name, module) in enumerate(linears):
         block = block_of.get(name)
         decision = None
         for rule in recipe.layers:
-            if _matches(rule.selector, name, index, len(linears), block, n_blocks):
+            stack_blocks = n_blocks.get(name, 0)
+            if _matches(rule.selector, name, index, len(linears), block, stack_blocks):
                 action = rule.action
                 if isinstance(action, HighPrecision):
                     decision = LayerDecision(name, index, block, True, action.name, _describe(rule))
@@ -807,6 +842,7 @@ __all__ = [
     "convert",
     "count_converted",
     "enable_telemetry",
+    "block_stacks",
     "find_blocks",
     "layer_decisions",
     "plan_layers",
