@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 import fp4gen
-from fp4gen.dsl import parse_recipe
+from fp4gen.dsl import load_recipe, parse_recipe
 from fp4gen.runtime.convert import block_stacks, find_blocks, layer_decisions, plan_layers, report
 
 BASE = "operands {\n * : nvfp4\n}\n"
@@ -152,3 +152,25 @@ def test_transformers_encoder_decoders_convert_both_stacks(name: str, build, sta
     encoder_first = next(iter(stacks))
     grads = [p.grad for n, p in model.named_parameters() if n.startswith(f"{encoder_first}.0.")]
     assert grads and all(g is not None and torch.isfinite(g).all() for g in grads)
+
+
+def test_a_vision_language_models_vision_tower_is_a_stack_too() -> None:
+    """LLaVA: the language model's layers (the main stack) and the vision tower's encoder
+    layers are both blocks; the projector (two linear layers, not a list) stays outside."""
+    vision = transformers.CLIPVisionConfig(
+        hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        image_size=32, patch_size=8, projection_dim=32,
+    )  # fmt: skip
+    text = transformers.LlamaConfig(
+        vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
+        num_attention_heads=4, num_key_value_heads=2,
+    )  # fmt: skip
+    config = transformers.LlavaConfig(vision_config=vision, text_config=text, image_token_index=127)
+    torch.manual_seed(0)
+    model = transformers.LlavaForConditionalGeneration(config)
+    stacks = {c: len(set(r.values())) for c, r in block_stacks(model)}
+    assert stacks == {"model.language_model.layers": 3, "model.vision_tower.encoder.layers": 2}
+    plan = {d.name: d for d in plan_layers(model, load_recipe("nvfp4_small"))}
+    assert not plan["model.vision_tower.encoder.layers.0.mlp.fc1"].kept
+    assert plan["model.vision_tower.encoder.layers.1.mlp.fc1"].reason == "rule last 1 blocks"
+    assert plan["model.multi_modal_projector.linear_1"].reason == "outside the repeated blocks"
