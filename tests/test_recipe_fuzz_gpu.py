@@ -35,6 +35,12 @@ For each recipe fp4gen accepts (the one refusal drawn on purpose is skipped), on
    final weights must then be equal bit for bit, which checks every quantize call of training
    (device Philox offsets, tile kernels, padding) exactly. Every GEMM fallback (a pair no fused
    kernel or native MMA serves) must be logged once with its reason, and no fallback line twice.
+3. one forward and backward of a converted Mixture-of-Experts layer (tests/test_moe.py's tiny
+   Mixtral, Qwen3-MoE and gpt-oss in turn, unequal groups with an empty expert) on CUDA, the
+   grouped path where the table allows it, against the per-expert reference on the CPU, as
+   ``tests/moe_harness.py`` compares them: every expert GEMM's operands bit for bit, every
+   product within its bound and then handed on, every result bit for bit
+   (``experts_problems``; the CPU test runs the grouped path on the CPU).
 
 The CPU tests run the same harness with the reference on both sides for three recipes (so the
 harness itself is tested without a GPU), check that it reports an injected difference, and
@@ -971,6 +977,68 @@ def check_training(
         pytest.fail(message)
 
 
+@pytest.mark.parametrize("index", range(EXAMPLES))
+@pytest.mark.gpu
+@pytest.mark.skipif(not ON_GPU, reason="needs a CUDA GPU")
+def test_experts_match_the_reference_path_on_gpu(
+    index: int, gpu_batch: list[Recipe | None]
+) -> None:
+    """The drawn recipe on a Mixture-of-Experts layer (tests/test_moe.py's tiny Mixtral,
+    Qwen3-MoE and gpt-oss, in turn): its converted experts' forward and backward on CUDA (the
+    grouped path where the table allows, else the per-expert loop) against the CPU's
+    reference, as tests/moe_harness.py compares them: every expert GEMM's operands bit for
+    bit, every CUDA product within its bound, and with the products handed on every result
+    bit for bit (the routing weights' gradient within one bf16 rounding)."""
+    announce()
+    recipe = gpu_batch[index]
+    if recipe is None:
+        pytest.skip("a recipe fp4gen refuses on purpose")
+    problems = experts_problems(recipe, index, "cuda")
+    if isinstance(problems, str):
+        pytest.skip(problems)
+    if problems:
+        case = drawn(index)[0]
+        message = f"{case.listing()}\n" + "\n".join(problems[:10])
+        keep_failure("experts", index, message, case)
+        pytest.fail(message)
+
+
+def experts_problems(recipe: Recipe, index: int, device: str) -> list[str] | str:
+    """Recipe ``index`` on a converted experts layer on ``device`` (CUDA: the default path; the
+    CPU: the grouped path with the definitions standing in for the kernels) against the
+    per-expert reference on the CPU: the problems, or why the case does not apply."""
+    from moe_harness import harnessed_run, operand_differences, result_differences
+    from test_moe import ARCHS, build, experts_of, routing
+
+    from fp4gen.runtime.experts import GroupedExperts
+
+    arch = ARCHS[index % len(ARCHS)]
+    modules = []
+    for where in ("cpu", device):
+        model = build(arch, torch.bfloat16).to(where)
+        try:
+            fp4gen.convert(model, recipe, seed=5, total_steps=STEPS)
+        except FP4GenError as err:  # refused on both devices alike, with the reason
+            if modules:
+                return [f"convert refused on {device} only: {err}"]
+            return f"convert refuses the recipe on this model: {err}"
+        modules.append(experts_of(model))
+    if not isinstance(modules[1], GroupedExperts):
+        return "the recipe's layer rules keep the first block's experts"
+    if device == "cpu":
+        modules[1].grouped = True
+    routes, weights = routing(64, empty=2)
+    hidden = torch.randn(64, 64, generator=torch.Generator().manual_seed(index)).bfloat16()
+    args = (hidden, routes, weights.bfloat16())
+    want = harnessed_run(modules[0], *args, check=False, glue_on_cpu=True)
+    got = harnessed_run(
+        modules[1], *(t.to(device) for t in args), check=True, glue_on_cpu=device != "cpu"
+    )
+    problems = got.harness.problems + operand_differences(got.harness, want.harness)
+    problems += result_differences(got, want, routing_exact=device == "cpu")
+    return [f"{arch}: {p}" for p in problems]
+
+
 # ---------------------------------------------------------------------------------------------
 # The CPU tests: the harness itself, and the documented reasons
 # ---------------------------------------------------------------------------------------------
@@ -1052,6 +1120,20 @@ def test_the_training_harness_on_the_cpu_reference(
             assert got.params["0.weight"].dtype == start.dtype
             assert not torch.equal(got.params["0.weight"], start)
             assert all(torch.isfinite(loss) for loss in got.losses)
+
+
+def test_the_experts_harness_on_the_cpu(cpu_recipes: list[tuple[RecipeCase, Recipe]]) -> None:
+    """The experts comparison with the grouped path on the CPU (the kernels' definitions
+    standing in) against the per-expert reference: no problem, on each of the three models."""
+    ran = 0
+    for i, (case, recipe) in enumerate(cpu_recipes):
+        for index in (i, i + 1, i + 2):  # the three MoE families in turn
+            problems = experts_problems(recipe, index, "cpu")
+            if isinstance(problems, str):
+                continue
+            ran += 1
+            assert not problems, case.listing() + "\n".join(problems)
+    assert ran >= len(cpu_recipes)
 
 
 def train_params_at_start(dtype: torch.dtype) -> torch.Tensor:
