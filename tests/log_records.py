@@ -32,6 +32,7 @@ SETS: tuple[tuple[str, str], ...] = (
     ("fp4gen.runtime.telemetry", "_skipped"),
     ("fp4gen.runtime.layer_graphs", "_logged"),
     ("fp4gen.runtime.layer_groups", "_logged"),
+    ("fp4gen.runtime.linear", "_warned_out_of_step"),
 )
 # (module, name): a module-level LogOnce
 LOG_ONCES: tuple[tuple[str, str], ...] = (

@@ -449,10 +449,10 @@ def test_a_group_quantizes_x_for_fprop_once_where_its_members_specs_agree(monkey
     counted: list[str] = []
     real = linear.Linear.quantize
 
-    def counting(self, t, op, spec, call, amax=None):
+    def counting(self, t, op, spec, call, amax=None, **kw):
         if op is Operand.FPROP_ACTIVATION:
             counted.append(self.name)
-        return real(self, t, op, spec, call, amax)
+        return real(self, t, op, spec, call, amax, **kw)
 
     monkeypatch.setattr(linear.Linear, "quantize", counting)
     _compare(monkeypatch, steps=3)  # the grouped run, then the ungrouped one

@@ -128,7 +128,12 @@ EXAMPLES = int(os.environ.get("FP4GEN_FUZZ_EXAMPLES", DEFAULT_EXAMPLES))
 if "FP4GEN_FUZZ_SEED" in os.environ:
     SEED = int(os.environ["FP4GEN_FUZZ_SEED"])
 elif "FP4GEN_FUZZ_EXAMPLES" in os.environ:
-    SEED = random.randrange(2**32)  # hunting: a fresh batch, printed for the replay
+    # hunting: a fresh batch, printed for the replay; the workers of one pytest-xdist run draw
+    # the same one (each drew its own before, so a test index named different recipes)
+    _RUN = os.environ.get("PYTEST_XDIST_TESTRUNUID")
+    SEED = (
+        int(hashlib.sha256(_RUN.encode()).hexdigest()[:8], 16) if _RUN else random.randrange(2**32)
+    )
 else:
     SEED = DEFAULT_SEED
 
@@ -1025,6 +1030,9 @@ def experts_problems(recipe: Recipe, index: int, device: str) -> list[str] | str
         modules.append(experts_of(model))
     if not isinstance(modules[1], GroupedExperts):
         return "the recipe's layer rules keep the first block's experts"
+    if any(not isinstance(spec.format, BlockFormat) for _, spec in modules[1].operands.items()):
+        # such a GEMM is torch's own product (not handed on), summed in each device's order
+        return "an operand in high precision or MoR: its GEMM is torch's, per device"
     if device == "cpu":
         modules[1].grouped = True
     routes, weights = routing(64, empty=2)
@@ -1122,18 +1130,24 @@ def test_the_training_harness_on_the_cpu_reference(
             assert all(torch.isfinite(loss) for loss in got.losses)
 
 
-def test_the_experts_harness_on_the_cpu(cpu_recipes: list[tuple[RecipeCase, Recipe]]) -> None:
+def test_the_experts_harness_on_the_cpu(tmp_path: Path) -> None:
     """The experts comparison with the grouped path on the CPU (the kernels' definitions
-    standing in) against the per-expert reference: no problem, on each of the three models."""
+    standing in) against the per-expert reference: no problem, for the first recipes of the
+    default batch it applies to, on each of the three models."""
     ran = 0
-    for i, (case, recipe) in enumerate(cpu_recipes):
+    for i, case in enumerate(batch(DEFAULT_SEED, 40)):
+        recipe = load_case(case, tmp_path / f"case{i}")
+        if recipe is None:
+            continue
         for index in (i, i + 1, i + 2):  # the three MoE families in turn
             problems = experts_problems(recipe, index, "cpu")
             if isinstance(problems, str):
-                continue
+                break
             ran += 1
             assert not problems, case.listing() + "\n".join(problems)
-    assert ran >= len(cpu_recipes)
+        if ran >= 6:
+            break
+    assert ran >= 6
 
 
 def train_params_at_start(dtype: torch.dtype) -> torch.Tensor:

@@ -183,16 +183,18 @@ class ScopedOperands:
         spec: OperandSpec,
         call: int,
         amax: torch.Tensor | None = None,
+        *,
+        source_in_backward: bool = False,
     ) -> Any:
         if not per_tensor(spec):
-            return super().quantize(t, op, spec, call)  # type: ignore[misc]
+            return super().quantize(t, op, spec, call, source_in_backward=source_in_backward)  # type: ignore[misc]
         found = self.scope_amaxes.get(op)
         if found is None:
             raise FP4GenError(
                 f"{self.name or 'an expert GEMM'}: {op.selector} takes the amax over every "  # type: ignore[attr-defined]
                 "expert (global per tensor), which its experts module did not give"
             )
-        _, offset = self.slot(op, spec, call, t)  # type: ignore[attr-defined]
+        _, offset = self.slot(op, spec, call, t, source_in_backward=source_in_backward)  # type: ignore[attr-defined]
         backend = self.backend  # type: ignore[attr-defined]
         # non-finite values as the layer's own quantize treats them (docs/numerics.md 7):
         # propagating, a NaN global scale for every expert (A is not finite then) with the

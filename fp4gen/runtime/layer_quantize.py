@@ -39,10 +39,13 @@ class OperandQuantizer:
         spec: OperandSpec,
         call: int,
         amax: torch.Tensor | None = None,
+        *,
+        source_in_backward: bool = False,
     ) -> Any:
         """Q(t) for operand slot ``op`` in this call; a reduced operand (``set_amax_group``)
-        with the group's amax (``amax`` when the caller has it already, else all-reduced now)."""
-        _, offset = self.slot(op, spec, call, t)
+        with the group's amax (``amax`` when the caller has it already, else all-reduced now).
+        ``source_in_backward``: a forward operand made again in a backward (``slot``)."""
+        _, offset = self.slot(op, spec, call, t, source_in_backward=source_in_backward)
         seed = self._seed_of(op)
         if self._reduced(op, spec):
             if amax is None:

@@ -84,6 +84,7 @@ decision units kept in high precision and a histogram of relative errors (0.5% b
 
 from __future__ import annotations
 
+import logging
 import os
 from collections.abc import Iterable
 from typing import Any
@@ -94,7 +95,7 @@ from torch import nn
 from fp4gen.device_offset import DeviceOffset
 from fp4gen.dsl.model import MoRSpec, Operand, OperandSpec, OperandTable, Recipe
 from fp4gen.errors import FP4GenError, TensorError
-from fp4gen.formats import BlockFormat
+from fp4gen.formats import BlockFormat, HighPrecision, is_stochastic
 from fp4gen.gemm_dispatch import gemm
 from fp4gen.numerics import QuantizedTensor
 from fp4gen.runtime import finite, layer_groups, ops
@@ -134,6 +135,7 @@ from fp4gen.runtime.telemetry import Telemetry, TelemetryRecorder
 # import from here. The GEMM passes and the copies they read stay here: they look ``gemm``,
 # ``pad_to`` and ``quantize_operand_pair`` up in this module (tests redirect them here).
 _LastCopy = LastCopy  # its name before the split
+log = logging.getLogger(__name__)
 
 
 class Linear(
@@ -204,7 +206,7 @@ class Linear(
         self._backward_calls = 0
         # device copies of the call counts (per pass and device) and the offsets that read them
         self._counters: dict[tuple[bool, torch.device], torch.Tensor] = {}
-        self._device_offsets: dict[tuple[Operand, torch.device], DeviceOffset] = {}
+        self._device_offsets: dict[tuple[Operand, torch.device, bool], DeviceOffset] = {}
         self._graphs: LayerGraphs | None = None  # made on the first CUDA call
         # indexed by a pass's ``forward`` (0: backward, 1: forward): the operand table
         # _pass_mors last looked at and its answer, mutated in place (no Module.__setattr__)
@@ -444,7 +446,7 @@ class Linear(
         if pair is not None:
             xq, xq_t = pair  # one read of x for both copies
         else:
-            xq_t = self.wgrad_activation(x2, table, call) if keep else None
+            xq_t = self.wgrad_activation(x2, table, call, in_forward=True) if keep else None
             x2 = pad_to(x2, x2.shape[0], k)
             if x_quantized is None:
                 xq = self.quantize(x2, Operand.FPROP_ACTIVATION, table.fprop_activation, call)
@@ -472,6 +474,7 @@ class Linear(
         weight: torch.Tensor,
         *,
         table: OperandTable | None = None,
+        forward_call: int | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """dgrad and wgrad: (dx [tokens, in] in x's dtype, dW [out, in] in the weight's dtype),
         computed in fp32 and rounded once. ``weight`` is the tensor the forward op was given;
@@ -480,6 +483,11 @@ class Linear(
         The operand table is the one in force now (``table``: ``operands`` as the caller just
         looked it up, else looked up here); the schedule only moves between optimizer steps, so
         it is the table the forward pass used.
+
+        ``forward_call``: the count of the forward call whose backward this is, where the caller
+        knows it (the eager autograd node): a ``from`` copy re-derives a stochastically rounded
+        forward operand with the stream of the backward's count (``OperandSlots.slot``), the
+        forward's where the two alternate; where they do not, that is logged once (WARNING).
 
         Padding (module docstring): dy and x get zero tokens up to the wgrad GEMM's multiple,
         dy and W^T zero columns up to the dgrad RHT size; dx and dW are cropped back. With sizes
@@ -496,6 +504,8 @@ class Linear(
             )
             _refuse_sr_capture(dy2, backward_specs, self.name)
         call = self._backward_calls
+        if forward_call is not None and forward_call != call and _rederives_stochastic(table):
+            _warn_out_of_step(self.name, forward_call, call)
         gathered = _gathered_operand(weight, table, self.name)  # as in forward_gemm
         graphs = None if gathered is not None else self._graphs_for(dy2, table, forward=False)
         if graphs is None:
@@ -620,13 +630,16 @@ class Linear(
             self.record(Operand.WGRAD_ACTIVATION, x2.t(), xq_t, call)
         return dx, dw
 
-    def wgrad_activation(self, x2: torch.Tensor, table: OperandTable, call: int) -> Any:
+    def wgrad_activation(
+        self, x2: torch.Tensor, table: OperandTable, call: int, *, in_forward: bool = False
+    ) -> Any:
         """Q(x^T; wgrad.activation) for x [tokens, in], with zero tokens up to the wgrad GEMM's
         K multiple (module docstring); on CUDA a tile kernel reads x once, with no transposed
-        copy."""
+        copy. ``call``: the forward call's count where ``in_forward`` (a kept copy), else the
+        backward's."""
         wgrad_k = k_multiple(table.wgrad_gradient, table.wgrad_activation, blocks=True)
         if table.wgrad_activation.source is not None:  # from x's fprop copy, dequantized
-            fprop_copy = self.fprop_input(x2, table, call)
+            fprop_copy = self.fprop_input(x2, table, call, source_in_backward=not in_forward)
             x2 = _dequantized(fprop_copy)[:, : x2.shape[1]]
         x2 = pad_to(x2, round_up(x2.shape[0], wgrad_k), x2.shape[1])
         if self._reduced(Operand.WGRAD_ACTIVATION, table.wgrad_activation):
@@ -711,7 +724,9 @@ class Linear(
         if table.dgrad_weight.source is not None:
             k_fprop = self.fprop_k(table, w.shape[1])
             w_fprop = pad_to(_rows_contiguous(w), w.shape[0], k_fprop)
-            fprop_copy = self.quantize(w_fprop, Operand.FPROP_WEIGHT, table.fprop_weight, call)
+            fprop_copy = self.quantize(
+                w_fprop, Operand.FPROP_WEIGHT, table.fprop_weight, call, source_in_backward=True
+            )
             w = _dequantized(fprop_copy)[:, : w.shape[1]]
         if _transposable(table.fprop_weight, table.dgrad_weight) and k in (None, w.shape[0]):
             w = _rows_contiguous(w)
@@ -728,10 +743,24 @@ class Linear(
         wt = wt.contiguous() if k is None or k == wt.shape[1] else pad_to(wt, wt.shape[0], k)
         return self.quantize(wt, Operand.DGRAD_WEIGHT, table.dgrad_weight, call)
 
-    def fprop_input(self, x2: torch.Tensor, table: OperandTable, call: int) -> Any:
-        """Q(x; fprop.activation), x zero-padded to the fprop K, as ``_fprop`` makes it."""
+    def fprop_input(
+        self,
+        x2: torch.Tensor,
+        table: OperandTable,
+        call: int,
+        *,
+        source_in_backward: bool = False,
+    ) -> Any:
+        """Q(x; fprop.activation), x zero-padded to the fprop K, as ``_fprop`` makes it
+        (``source_in_backward``: again in backward call ``call``, for a ``from`` copy)."""
         x2 = pad_to(x2, x2.shape[0], self.fprop_k(table))
-        return self.quantize(x2, Operand.FPROP_ACTIVATION, table.fprop_activation, call)
+        return self.quantize(
+            x2,
+            Operand.FPROP_ACTIVATION,
+            table.fprop_activation,
+            call,
+            source_in_backward=source_in_backward,
+        )
 
     @staticmethod
     def forget_shared_copy() -> None:
@@ -744,6 +773,40 @@ class Linear(
 # the layer groups
 _last_copy = LastCopy(plain=Linear)
 _input_pairs = [True]  # x's two copies from one tile launch where one serves (_input_pair)
+_warned_out_of_step: set[str] = set()  # the out-of-step warning, logged once per process
+
+
+def _rederives_stochastic(table: OperandTable) -> bool:
+    """Whether a backward quantizes a stochastically rounded forward operand again, as the
+    source of a ``from`` copy (dgrad.weight from fprop.weight, wgrad.activation from
+    fprop.activation; a kept wgrad copy was made in the forward, but the weight's is not)."""
+    pairs = (
+        (table.dgrad_weight, table.fprop_weight),
+        (table.wgrad_activation, table.fprop_activation),
+    )
+    return any(derived.source is not None and _draws(source) for derived, source in pairs)
+
+
+def _draws(spec: OperandSpec) -> bool:
+    """Whether quantizing with ``spec`` draws random bits (stochastic elements or scales)."""
+    fmt = spec.format
+    if isinstance(fmt, BlockFormat) and fmt.scale.rounding == "stochastic":
+        return True
+    return not isinstance(fmt, HighPrecision) and is_stochastic(spec.rounding)
+
+
+def _warn_out_of_step(name: str, forward_call: int, call: int) -> None:
+    message = (
+        f"{name or 'fp4gen.nn.Linear'}: the backward of forward call {forward_call} runs as "
+        f"backward call {call}: its 'from' copy quantizes the stochastically rounded forward "
+        f"operand again with call {call}'s random stream, so it is not the copy the forward "
+        "used (forward and backward calls do not alternate: a forward without its backward, "
+        "such as a no_grad forward of a training layer, or activation checkpointing's "
+        "recomputed forward). Logged once; docs/numerics.md, section 10"
+    )
+    if "out of step" not in _warned_out_of_step:
+        _warned_out_of_step.add("out of step")
+        log.warning(message)
 
 
 def set_input_pair_launch(enabled: bool) -> bool:

@@ -33,26 +33,39 @@ class OperandSlots:
     it reads ``_forward_calls``, ``_backward_calls``, ``_counters`` and ``_device_offsets``)."""
 
     def slot(
-        self, op: Operand, spec: OperandSpec, call: int, t: torch.Tensor
+        self,
+        op: Operand,
+        spec: OperandSpec,
+        call: int,
+        t: torch.Tensor,
+        *,
+        source_in_backward: bool = False,
     ) -> tuple[OperandSpec, int | DeviceOffset]:
         """An operand slot's spec and Philox offset in this call (a stream per slot and call):
         STREAMS_PER_CALL * call + slot. For a stochastically rounded CUDA operand of a block
         format the offset is a DeviceOffset on the layer's device counter of that pass, which
-        holds ``call`` (module docstring), so a CUDA graph draws fresh bits on every replay."""
+        holds ``call`` (module docstring), so a CUDA graph draws fresh bits on every replay.
+
+        ``source_in_backward``: a forward operand quantized again in backward call ``call``,
+        as the source of a ``from`` copy (dgrad.weight from fprop.weight, wgrad.activation
+        from fprop.activation): the forward's stream of call ``call`` (forward and backward
+        calls alternate in training), on CUDA read from the backward pass's counter, which
+        holds ``call`` there; the forward pass's counter has moved on to the next call."""
         fmt = spec.format
         if (
             t.is_cuda
             and isinstance(fmt, BlockFormat)
             and (is_stochastic(spec.rounding) or fmt.scale.rounding == "stochastic")
         ):  # stochastic block scales draw from the slot's stream too (numerics.md 11.2)
-            return spec, self._device_offset(op, t.device)
+            forward = op in FORWARD_OPERANDS and not source_in_backward
+            return spec, self._device_offset(op, t.device, forward)
         return spec, STREAMS_PER_CALL * call + SLOT[op]
 
-    def _device_offset(self, op: Operand, device: torch.device) -> DeviceOffset:
-        key = (op, device)
+    def _device_offset(self, op: Operand, device: torch.device, forward: bool) -> DeviceOffset:
+        key = (op, device, forward)
         found = self._device_offsets.get(key)
         if found is None:
-            counter = self._philox_counter(op in FORWARD_OPERANDS, device)
+            counter = self._philox_counter(forward, device)
             found = DeviceOffset(counter, STREAMS_PER_CALL, (SLOT[op],))
             self._device_offsets[key] = found
         return found

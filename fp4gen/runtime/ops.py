@@ -477,6 +477,7 @@ class _EagerLinear(torch.autograd.Function):
         # dW needs x: its wgrad copy may be kept instead. ``grad_mode``: the caller's (forward
         # runs with grad off, and needs_input_grad follows requires_grad even under no_grad)
         wants_dw = grad_mode and ctx.needs_input_grad[1]
+        ctx.forward_call = layer._forward_calls  # the call forward_gemm makes (its backward's)
         with profiled("fp4gen::linear_forward"), finite.layer_scope():
             y, kept = layer.forward_gemm(x2, weight, bias, out_dtype, keep_wgrad_input=wants_dw)
         if kept is None:
@@ -502,7 +503,7 @@ class _EagerLinear(torch.autograd.Function):
         layer = _layer(ctx.layer_id)
         with profiled("fp4gen::linear_backward"), finite.layer_scope():
             check_output_grad(layer.name, dy, ctx.out_shape)
-            dx, dw = layer.backward_gemms(dy.contiguous(), x, weight)
+            dx, dw = layer.backward_gemms(dy.contiguous(), x, weight, forward_call=ctx.forward_call)
         return dx, dw, bias_grad(dy, ctx.bias_dtype), None, None, None, None
 
 
