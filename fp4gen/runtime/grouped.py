@@ -45,7 +45,7 @@ from fp4gen.runtime.grouped_quantize import GroupedOperands
 from fp4gen.runtime.grouped_scope import BACKWARD_SLOTS, FORWARD_SLOTS, scoped_slots
 from fp4gen.runtime.grouped_tile import padded_counts
 from fp4gen.runtime.host_tables import host_table
-from fp4gen.runtime.linear import Linear
+from fp4gen.runtime.linear import Linear, recomputing
 from fp4gen.runtime.operand_slots import advance_devices
 from fp4gen.runtime.operands import k_multiple, pad_to, round_up
 
@@ -469,6 +469,7 @@ def _fprop(
 ) -> torch.Tensor:
     """``GroupedProjection``'s forward: y [T, out] in the groups' output dtype, each expert's
     operands quantized as ``Linear._fprop`` quantizes them."""
+    recompute = recomputing()  # activation checkpointing: the forward it repeats, uncounted
     with finite.layer_scope():  # non-finite inputs: propagated as NaN, or raised at the end
         values, weights, alphas = [], [], []
         start = 0
@@ -504,7 +505,7 @@ def _fprop(
         ):
             start += count
             table = layer.operands
-            call = layer._forward_calls
+            call = layer.next_forward_call()  # a checkpoint's recomputation: the backward's
             # each expert's slices only where its own layer quantizes them (a view is a call too)
             if inputs is None:
                 x_e = x[start - count : start]
@@ -514,6 +515,7 @@ def _fprop(
                         Operand.FPROP_ACTIVATION,
                         table.fprop_activation,
                         call,
+                        source_in_backward=recompute,
                     )
                 )
             if batched is None:
@@ -524,9 +526,11 @@ def _fprop(
                         Operand.FPROP_WEIGHT,
                         table.fprop_weight,
                         call,
+                        source_in_backward=recompute,
                     )
                 )
-            layer.__dict__["_forward_calls"] = call + 1
+            if not recompute:
+                layer.__dict__["_forward_calls"] = call + 1
             if fp8:
                 continue
             if whole:  # every expert's values are slices of x_all and w_all: none taken
@@ -547,7 +551,8 @@ def _fprop(
             values.append(x_values)
             weights.append(w_values)
             alphas.append(alpha)
-        advance_devices(groups.layers, forward=True)  # after every expert's launches above
+        if not recompute:
+            advance_devices(groups.layers, forward=True)  # after every expert's launches above
         if fp8:  # the bias and the rounding in the FP8 GEMM's epilogue, per expert
             bias_groups = None if bias is None else bias.detach()[_experts_index(groups, x.device)]
             return _fp8_products(
@@ -633,7 +638,7 @@ def grouped_operands(
     spec = groups.layers[0].operands[op]
     every = op.role == "weight" and spec.global_scope == "tensor"
     layers = groups.all_layers if every else groups.layers
-    calls = [layer._forward_calls if forward else layer._backward_calls for layer in layers]
+    calls = [layer.next_forward_call() if forward else layer._backward_calls for layer in layers]
     experts = len(layers)
     # a weight: every expert's slice, equal groups; an activation or gradient: its tokens
     counts = [rows.shape[0] // experts] * experts if op.role == "weight" else groups.counts
@@ -811,7 +816,7 @@ def grouped_tile_operands(
     scope = specs[0].global_scope
     every = ops[0][0].role == "weight" and scope == "tensor"
     layers = groups.all_layers if every else groups.layers
-    calls = [layer._forward_calls if forward else layer._backward_calls for layer in layers]
+    calls = [layer.next_forward_call() if forward else layer._backward_calls for layer in layers]
     try:
         got = quantize_groups_tile(
             rows,

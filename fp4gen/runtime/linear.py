@@ -363,12 +363,21 @@ class Linear(
         table = self.operands
         if self._pass_mors(table, forward=True)[1]:
             _refuse_sr_capture(x2, (table.fprop_activation, table.fprop_weight), self.name)
-        call = self._forward_calls
+        recompute = recomputing()
+        call = self.next_forward_call()
+        if recompute and self._forward_calls != call + 1 and _forward_draws(table):
+            _warn_out_of_step(
+                self.name,
+                f"activation checkpointing recomputes a forward as call {call} after "
+                f"{self._forward_calls} forward calls, with stochastically rounded operands",
+            )
         keep = keep_wgrad_input and self.keeps_wgrad_input(table)
         # FSDP2's quantized all-gather (fp4gen.runtime.fsdp) hands over the quantized weight
         # itself: used as it is, eagerly (a layer graph keys the weight by its address)
         gathered = _gathered_operand(weight, table, self.name)
-        graphs = None if gathered is not None else self._graphs_for(x2, table, forward=True)
+        graphs = None
+        if gathered is None and not recompute:
+            graphs = self._graphs_for(x2, table, forward=True)
         shares = fprop_copies is not None and self.shares_fprop_input(table)
         if shares and graphs is not None and x2.is_cuda and pooled(x2.device):
             graphs = None  # a capture runs a layer graph's work as it is: share the operand
@@ -384,7 +393,16 @@ class Linear(
                 assert fprop_copies is not None
                 x_quantized = self._shared_fprop_input(x2, table, call, fprop_copies)
             y, xq_t = self._fprop(
-                x2, weight, bias, out_dtype, table, call, gathered, own, x_quantized=x_quantized
+                x2,
+                weight,
+                bias,
+                out_dtype,
+                table,
+                call,
+                gathered,
+                own,
+                x_quantized=x_quantized,
+                recompute=recompute,
             )
             kept = None if xq_t is None else ops.WgradInput.of(xq_t, x2.dtype)
         else:
@@ -418,9 +436,16 @@ class Linear(
             _last_copy.remember(x2, share_key, kept, self)
         elif _last_copy.run:
             _last_copy.read_alone(x2)
-        self.__dict__["_forward_calls"] = call + 1  # not Module.__setattr__: it costs per call
+        if not recompute:  # not Module.__setattr__: it costs per call
+            self.__dict__["_forward_calls"] = call + 1
         assert y is not None
         return y, kept
+
+    def next_forward_call(self) -> int:
+        """The call count ``forward_gemm``'s next call takes: the forward pass's, or inside a
+        backward (activation checkpointing's recomputation, ``recomputing``) the backward
+        pass's, that of the forward it repeats where forward and backward calls alternate."""
+        return self._backward_calls if recomputing() else self._forward_calls
 
     def _fprop(
         self,
@@ -435,32 +460,49 @@ class Linear(
         out: torch.Tensor | None = None,
         *,
         x_quantized: Any = None,
+        recompute: bool = False,
     ) -> tuple[torch.Tensor, Any]:
         """forward_gemm's work, all of it on the device where x2 is (a layer graph captures it):
         y, and with ``keep`` x's wgrad copy (else None). ``gathered``: the weight already
         quantized (FSDP2's quantized all-gather). ``out``: where the GEMM may write y (a layer
         graph's result tensor; y is then that tensor). ``x_quantized``: x's fprop operand as
-        ``fprop_input`` made it for another layer of a group, where it is this layer's too."""
+        ``fprop_input`` made it for another layer of a group, where it is this layer's too.
+        ``recompute``: a checkpoint's recomputation inside a backward (``forward_gemm``): the
+        forward operands draw from the backward pass's counter, which holds ``call``, and the
+        forward pass's counter is left as it is."""
         k = self.fprop_k(table, weight.shape[1])
-        pair = self._input_pair(x2, table, call, k) if keep and x_quantized is None else None
+        pair = None
+        if keep and x_quantized is None:
+            pair = self._input_pair(x2, table, call, k, recompute=recompute)
         if pair is not None:
             xq, xq_t = pair  # one read of x for both copies
         else:
-            xq_t = self.wgrad_activation(x2, table, call, in_forward=True) if keep else None
+            xq_t = None
+            if keep:
+                xq_t = self.wgrad_activation(x2, table, call, in_forward=not recompute)
             x2 = pad_to(x2, x2.shape[0], k)
             if x_quantized is None:
-                xq = self.quantize(x2, Operand.FPROP_ACTIVATION, table.fprop_activation, call)
+                xq = self.quantize(
+                    x2,
+                    Operand.FPROP_ACTIVATION,
+                    table.fprop_activation,
+                    call,
+                    source_in_backward=recompute,
+                )
             else:
                 xq = x_quantized
         if gathered is None:
             w = pad_to(_rows_contiguous(weight.detach()), weight.shape[0], k)
-            w_row = self.quantize(w, Operand.FPROP_WEIGHT, table.fprop_weight, call)
+            w_row = self.quantize(
+                w, Operand.FPROP_WEIGHT, table.fprop_weight, call, source_in_backward=recompute
+            )
         else:  # its K is never padded (fp4gen.runtime.fsdp.plan_for)
             w_row = gathered
-        self._advance_device(forward=True)
-        self.record(Operand.FPROP_ACTIVATION, x2, xq, call)
-        if gathered is None:  # a gathered weight's high-precision values are not here
-            self.record(Operand.FPROP_WEIGHT, w, w_row, call)
+        if not recompute:  # a recomputation records nothing twice either
+            self._advance_device(forward=True)
+            self.record(Operand.FPROP_ACTIVATION, x2, xq, call)
+            if gathered is None:  # a gathered weight's high-precision values are not here
+                self.record(Operand.FPROP_WEIGHT, w, w_row, call)
         if isinstance(xq, QuantizedTensor) and isinstance(w_row, QuantizedTensor):
             # the bias and the rounding to out_dtype in the GEMM's epilogue
             return gemm(xq, w_row, bias=bias, out_dtype=out_dtype, out=out), xq_t
@@ -505,7 +547,11 @@ class Linear(
             _refuse_sr_capture(dy2, backward_specs, self.name)
         call = self._backward_calls
         if forward_call is not None and forward_call != call and _rederives_stochastic(table):
-            _warn_out_of_step(self.name, forward_call, call)
+            _warn_out_of_step(
+                self.name,
+                f"the backward of forward call {forward_call} runs as backward call {call}, and "
+                "its 'from' copy quantizes a stochastically rounded forward operand again",
+            )
         gathered = _gathered_operand(weight, table, self.name)  # as in forward_gemm
         graphs = None if gathered is not None else self._graphs_for(dy2, table, forward=False)
         if graphs is None:
@@ -654,7 +700,9 @@ class Linear(
         )
         return xq_t
 
-    def _input_pair(self, x2: torch.Tensor, table: OperandTable, call: int, k: int) -> Any:
+    def _input_pair(
+        self, x2: torch.Tensor, table: OperandTable, call: int, k: int, *, recompute: bool = False
+    ) -> Any:
         """(x's fprop operand, x's wgrad copy) from one tile launch, where one kernel serves
         both: on CUDA, one block format for both copies, neither padded (K a whole fprop K,
         the tokens a whole wgrad K) nor taking a group's amax, the wgrad copy not made from the
@@ -680,7 +728,7 @@ class Linear(
         wgrad_k = k_multiple(table.wgrad_gradient, wgrad, blocks=True)
         if k != cols or tokens % wgrad_k:
             return None
-        _, row = self.slot(Operand.FPROP_ACTIVATION, fprop, call, x2)
+        _, row = self.slot(Operand.FPROP_ACTIVATION, fprop, call, x2, source_in_backward=recompute)
         _, col = self.slot(Operand.WGRAD_ACTIVATION, wgrad, call, x2)
         outputs = (
             ("rowwise", fprop.rounding, fprop.rht, row),
@@ -776,6 +824,14 @@ _input_pairs = [True]  # x's two copies from one tile launch where one serves (_
 _warned_out_of_step: set[str] = set()  # the out-of-step warning, logged once per process
 
 
+def recomputing() -> bool:
+    """Whether a forward runs inside a backward: activation checkpointing recomputing it. It
+    then draws the random streams of the forward it repeats (the backward's call count, from
+    the backward pass's device counter on CUDA), runs eagerly and counts no forward call, so a
+    checkpointed model trains bit for bit as without checkpointing."""
+    return torch._C._current_graph_task_id() != -1
+
+
 def _rederives_stochastic(table: OperandTable) -> bool:
     """Whether a backward quantizes a stochastically rounded forward operand again, as the
     source of a ``from`` copy (dgrad.weight from fprop.weight, wgrad.activation from
@@ -787,6 +843,11 @@ def _rederives_stochastic(table: OperandTable) -> bool:
     return any(derived.source is not None and _draws(source) for derived, source in pairs)
 
 
+def _forward_draws(table: OperandTable) -> bool:
+    """Whether a forward's operands draw random bits."""
+    return _draws(table.fprop_activation) or _draws(table.fprop_weight)
+
+
 def _draws(spec: OperandSpec) -> bool:
     """Whether quantizing with ``spec`` draws random bits (stochastic elements or scales)."""
     fmt = spec.format
@@ -795,18 +856,18 @@ def _draws(spec: OperandSpec) -> bool:
     return not isinstance(fmt, HighPrecision) and is_stochastic(spec.rounding)
 
 
-def _warn_out_of_step(name: str, forward_call: int, call: int) -> None:
-    message = (
-        f"{name or 'fp4gen.nn.Linear'}: the backward of forward call {forward_call} runs as "
-        f"backward call {call}: its 'from' copy quantizes the stochastically rounded forward "
-        f"operand again with call {call}'s random stream, so it is not the copy the forward "
-        "used (forward and backward calls do not alternate: a forward without its backward, "
-        "such as a no_grad forward of a training layer, or activation checkpointing's "
-        "recomputed forward). Logged once; docs/numerics.md, section 10"
+def _warn_out_of_step(name: str, what: str) -> None:
+    """Log once that a copy standing for a forward's draws another call's random stream."""
+    if "out of step" in _warned_out_of_step:
+        return
+    _warned_out_of_step.add("out of step")
+    log.warning(
+        "%s: %s, so it draws another call's random stream than the forward it stands for: "
+        "forward and backward calls do not alternate (a forward without its backward, such as "
+        "a no_grad forward of a training layer). Logged once; docs/numerics.md, section 10",
+        name or "fp4gen.nn.Linear",
+        what,
     )
-    if "out of step" not in _warned_out_of_step:
-        _warned_out_of_step.add("out of step")
-        log.warning(message)
 
 
 def set_input_pair_launch(enabled: bool) -> bool:

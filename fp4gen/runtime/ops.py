@@ -477,7 +477,7 @@ class _EagerLinear(torch.autograd.Function):
         # dW needs x: its wgrad copy may be kept instead. ``grad_mode``: the caller's (forward
         # runs with grad off, and needs_input_grad follows requires_grad even under no_grad)
         wants_dw = grad_mode and ctx.needs_input_grad[1]
-        ctx.forward_call = layer._forward_calls  # the call forward_gemm makes (its backward's)
+        ctx.forward_call = layer.next_forward_call()  # the call forward_gemm makes
         with profiled("fp4gen::linear_forward"), finite.layer_scope():
             y, kept = layer.forward_gemm(x2, weight, bias, out_dtype, keep_wgrad_input=wants_dw)
         if kept is None:
