@@ -41,6 +41,9 @@ For each recipe fp4gen accepts (the one refusal drawn on purpose is skipped), on
    ``tests/moe_harness.py`` compares them: every expert GEMM's operands bit for bit, every
    product within its bound and then handed on, every result bit for bit
    (``experts_problems``; the CPU test runs the grouped path on the CPU).
+4. the first step of 2's training on CUDA against the same step on the CPU reference: every
+   quantized GEMM operand bit for bit (``devices_problems``; 2 hands on products computed on
+   the CPU in every run, so the devices quantize the same values).
 
 The CPU tests run the same harness with the reference on both sides for three recipes (so the
 harness itself is tested without a GPU), check that it reports an injected difference, and
@@ -638,6 +641,7 @@ class TrainRun:
     # every quantized GEMM's operands (codes, scales, global scale of A and of B, on the CPU):
     # where the runs differ, the first call whose operands differ says which quantize did
     operands: list[tuple[torch.Tensor, ...]] = field(default_factory=list)
+    steps: list[int] = field(default_factory=list)  # len(operands) as each step began
 
 
 def operand_pieces(a: QuantizedTensor, b: QuantizedTensor) -> tuple[torch.Tensor, ...]:
@@ -682,6 +686,12 @@ def fp8_adder(a: QuantizedTensor, b: QuantizedTensor, backend: str) -> float:
     return 0.0
 
 
+def on_cpu(q: QuantizedTensor) -> QuantizedTensor:
+    """``q`` with its tensors copied to the CPU."""
+    tensors, layout = q.split()
+    return QuantizedTensor.join(tuple(None if t is None else t.cpu() for t in tensors), layout)
+
+
 @contextlib.contextmanager
 def gemms_of(default: bool, run: TrainRun) -> Iterator[None]:
     """The layers' GEMMs: the reference run's on the reference; the default run's on auto,
@@ -693,7 +703,13 @@ def gemms_of(default: bool, run: TrainRun) -> Iterator[None]:
     def reference(a: Any, b: Any, **kw: Any) -> torch.Tensor:
         if isinstance(a, QuantizedTensor) and isinstance(b, QuantizedTensor) and not default:
             run.operands.append(operand_pieces(a, b))
-        return real(a, b, **{**kw, "backend": "reference"})
+        if not (isinstance(a, QuantizedTensor) and isinstance(b, QuantizedTensor)):
+            return real(a, b, **{**kw, "backend": "reference"})
+        # the float64 product on the CPU, whatever the device: a CPU run and a CUDA run then
+        # hand on the same values (``check_devices``)
+        device = a.device
+        kw = {k: v.cpu() if isinstance(v, torch.Tensor) else v for k, v in kw.items()}
+        return real(on_cpu(a), on_cpu(b), **{**kw, "backend": "reference"}).to(device)
 
     def checked(a: Any, b: Any, **kw: Any) -> torch.Tensor:
         if not (isinstance(a, QuantizedTensor) and isinstance(b, QuantizedTensor)):
@@ -748,6 +764,7 @@ def train(recipe: Recipe, device: str, *, default: bool, precision: str = "bf16"
     env = {LAYER_GROUPS_VAR: "0", LAYER_GRAPHS_VAR: "0"}  # every GEMM through linear.gemm
     with environment(**env), gemms_of(default, run):
         for step in range(STEPS):
+            run.steps.append(len(run.operands))
             fp4gen.set_step(model, step, total_steps=STEPS)  # the schedule's switches
             opt.zero_grad()
             with torch.autocast(torch.device(device).type, torch.bfloat16, enabled=autocast):
@@ -985,6 +1002,49 @@ def check_training(
 @pytest.mark.parametrize("index", range(EXAMPLES))
 @pytest.mark.gpu
 @pytest.mark.skipif(not ON_GPU, reason="needs a CUDA GPU")
+def test_the_first_step_quantizes_as_the_cpu_does(
+    index: int, gpu_batch: list[Recipe | None]
+) -> None:
+    """The first training step of the default CUDA run against the same step on the CPU
+    reference: every quantized GEMM operand bit for bit. Both runs hand on the same products
+    (the float64 product on the CPU, ``gemms_of``), so every operand of the step, the
+    backward's too, is quantized from the same values; later steps may part only because the
+    bias gradient is a reduction in each device's order. The training test compares CUDA with
+    the reference path on CUDA, which shares the runtime's device state (its Philox counters):
+    this one compares the devices, as the experts test does."""
+    announce()
+    recipe = gpu_batch[index]
+    if recipe is None:
+        pytest.skip("a recipe fp4gen refuses on purpose")
+    problems = devices_problems(recipe)
+    if problems:
+        case = drawn(index)[0]
+        message = f"{case.listing()}\n" + "\n".join(problems[:10])
+        keep_failure("devices", index, message, case)
+        pytest.fail(message)
+
+
+def devices_problems(recipe: Recipe, device: str = "cuda") -> list[str]:
+    """``recipe``'s first training step on ``device`` (default backends) against the CPU
+    reference's: the differences of the quantized GEMM operands."""
+    want = train(recipe, "cpu", default=False)
+    got = train(recipe, device, default=True)
+    first_want = want.operands[: want.steps[1]]
+    first_got = got.operands[: got.steps[1]]
+    if len(first_got) != len(first_want):
+        made = f"{len(first_got)} quantized GEMM calls in the first step"
+        return [f"{made}, the CPU made {len(first_want)}"]
+    names = [f"{side} {n}" for side in "AB" for n in ("codes", "scales", "global scale")]
+    for i, (g, w) in enumerate(zip(first_got, first_want, strict=True)):
+        bad = [n for n, x, y in zip(names, g, w, strict=True) if not torch.equal(x, y)]
+        if bad:
+            return [f"quantized GEMM call {i} of the first step: operand {', '.join(bad)} differ"]
+    return []
+
+
+@pytest.mark.parametrize("index", range(EXAMPLES))
+@pytest.mark.gpu
+@pytest.mark.skipif(not ON_GPU, reason="needs a CUDA GPU")
 def test_experts_match_the_reference_path_on_gpu(
     index: int, gpu_batch: list[Recipe | None]
 ) -> None:
@@ -1128,6 +1188,12 @@ def test_the_training_harness_on_the_cpu_reference(
             assert got.params["0.weight"].dtype == start.dtype
             assert not torch.equal(got.params["0.weight"], start)
             assert all(torch.isfinite(loss) for loss in got.losses)
+
+
+def test_the_devices_harness_on_the_cpu(cpu_recipes: list[tuple[RecipeCase, Recipe]]) -> None:
+    """The first-step comparison with the CPU on both sides: no difference."""
+    for case, recipe in cpu_recipes:
+        assert devices_problems(recipe, "cpu") == [], case.listing()
 
 
 def test_the_experts_harness_on_the_cpu(tmp_path: Path) -> None:
