@@ -163,7 +163,7 @@ def harnessed(harness: Harness) -> Iterator[Harness]:
     real_rows, real_k = grouped.group_rows, grouped.group_k
 
     def forward_gemm(self: _ExpertGemm, *args: Any, **kw: Any) -> Any:
-        harness._pending.append([(self.name, "fprop", self._forward_calls)])
+        harness._pending.append([(self.name, "fprop", self.next_forward_call())])
         try:
             return real_forward(self, *args, **kw)
         finally:

@@ -201,9 +201,9 @@ def test_eval_forward_quantizes_only_the_fprop_operands(mode: str, tokens: int, 
     seen: list[Operand] = []
     real_quantize = linear_module.Linear.quantize
 
-    def quantize_spy(self, t, op, spec, call):
+    def quantize_spy(self, t, op, spec, call, **kw):
         seen.append(op)
-        return real_quantize(self, t, op, spec, call)
+        return real_quantize(self, t, op, spec, call, **kw)
 
     def pair_spy(*args, **kwargs):
         raise AssertionError("a forward pass quantized a backward operand")

@@ -15,6 +15,7 @@ import logging
 
 import pytest
 import torch
+from device_params import CPU_AND_CUDA
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
@@ -34,16 +35,7 @@ operands {
 PLAIN = "operands {\n    * : nvfp4 round stochastic\n}\n"
 STEPS = 3
 
-DEVICES = [
-    "cpu",
-    pytest.param(
-        "cuda",
-        marks=[
-            pytest.mark.gpu,
-            pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
-        ],
-    ),
-]
+DEVICES = CPU_AND_CUDA
 
 
 class Blocks(nn.Module):
@@ -110,28 +102,34 @@ def test_a_transformers_model_with_gradient_checkpointing_trains_as_without_it()
         vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
         num_attention_heads=4, num_key_value_heads=2, bos_token_id=0, eos_token_id=1,
     )  # fmt: skip
-    runs = []
-    for enabled in (False, True):
+
+    def build(enabled: bool) -> nn.Module:
         torch.manual_seed(0)
         model = transformers.LlamaForCausalLM(config)
         fp4gen.convert(model, parse_recipe(RECIPE, base_dir=None), total_steps=STEPS)
-        if enabled:
-            model.gradient_checkpointing_enable({"use_reentrant": False})
-        model.train()
-        opt = torch.optim.SGD(model.parameters(), lr=0.1)
-        ids = torch.randint(2, 128, (2, 32), generator=torch.Generator().manual_seed(1))
-        losses = []
-        for step in range(STEPS):
-            fp4gen.set_step(model, step)
-            loss = model(input_ids=ids, labels=ids).loss
-            opt.zero_grad()
-            loss.backward()
-            opt.step()
-            losses.append(loss.detach())
-        runs.append((losses, [p.detach().clone() for p in model.parameters()]))
-    (losses, params), (want_losses, want_params) = runs[1], runs[0]
-    assert all(torch.equal(a, b) for a, b in zip(losses, want_losses, strict=True))
-    assert all(torch.equal(a, b) for a, b in zip(params, want_params, strict=True))
+        return model
+
+    want, got = (train_causal_lm(build(enabled), enabled) for enabled in (False, True))
+    assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
+
+
+def train_causal_lm(model: nn.Module, checkpointed: bool) -> list[torch.Tensor]:
+    """STEPS SGD steps of a transformers causal LM (with gradient checkpointing where
+    ``checkpointed``): the losses, then the trained parameters."""
+    if checkpointed:
+        model.gradient_checkpointing_enable({"use_reentrant": False})
+    model.train()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    ids = torch.randint(2, 128, (2, 32), generator=torch.Generator().manual_seed(1))
+    seen = []
+    for step in range(STEPS):
+        fp4gen.set_step(model, step)
+        loss = model(input_ids=ids, labels=ids).loss
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        seen.append(loss.detach())
+    return seen + [p.detach().clone() for p in model.parameters()]
 
 
 def test_a_recomputation_out_of_step_is_reported(
@@ -164,23 +162,13 @@ def test_a_checkpointed_moe_model_trains_as_without_it(grouped: bool) -> None:
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     from test_moe import build
 
-    runs = []
-    for enabled in (False, True):
+    def experts_model() -> nn.Module:
         model = build("qwen3_moe", torch.float32)
         # no 'from' copy here: a table with one runs the experts one by one
         fp4gen.convert(model, parse_recipe(PLAIN, base_dir=None), total_steps=STEPS)
         for layer in model.model.layers:
             layer.mlp.experts.grouped = grouped
-        if enabled:
-            model.gradient_checkpointing_enable({"use_reentrant": False})
-        model.train()
-        opt = torch.optim.SGD(model.parameters(), lr=0.1)
-        ids = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(1))
-        for step in range(STEPS):
-            fp4gen.set_step(model, step)
-            loss = model(input_ids=ids, labels=ids).loss
-            opt.zero_grad()
-            loss.backward()
-            opt.step()
-        runs.append([p.detach().clone() for p in model.parameters()])
-    assert all(torch.equal(a, b) for a, b in zip(runs[1], runs[0], strict=True))
+        return model
+
+    want, got = (train_causal_lm(experts_model(), enabled) for enabled in (False, True))
+    assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))

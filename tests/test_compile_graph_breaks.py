@@ -374,9 +374,9 @@ def test_compiled_backward_quantizes_each_layers_wgrad_copy(monkeypatch) -> None
     made: list[str] = []
     original = fp4gen.nn.Linear.wgrad_activation
 
-    def counted(self, x2, table, call):
+    def counted(self, x2, table, call, **kw):
         made.append(self.name)
-        return original(self, x2, table, call)
+        return original(self, x2, table, call, **kw)
 
     monkeypatch.setattr(fp4gen.nn.Linear, "wgrad_activation", counted)
     ids = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(4))

@@ -882,10 +882,10 @@ def test_missing_gradient_terms_fail(monkeypatch) -> None:
     case = Case("nvfp4", "auto", **BASE)
     real = linear.Linear.backward_gemms
 
-    def lossy(self, dy2, x2, weight):
+    def lossy(self, dy2, x2, weight, **kw):
         dy2 = dy2.clone()
         dy2[-16:] = 0
-        return real(self, dy2, x2, weight)
+        return real(self, dy2, x2, weight, **kw)
 
     found = faulty(case, lambda: monkeypatch.setattr(linear.Linear, "backward_gemms", lossy))
     for name in ("dx", "dW[0]"):

@@ -19,6 +19,7 @@ from typing import Any
 
 import pytest
 import torch
+from device_params import CPU_AND_CUDA
 
 import fp4gen
 import fp4gen.runtime.linear as linear
@@ -41,16 +42,7 @@ operands {
 """
 IN, OUT, TOKENS = 64, 48, 32  # whole 1x16 blocks: no padding
 
-DEVICES = [
-    "cpu",
-    pytest.param(
-        "cuda",
-        marks=[
-            pytest.mark.gpu,
-            pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
-        ],
-    ),
-]
+DEVICES = CPU_AND_CUDA
 
 
 def recorded_gemms(monkeypatch: pytest.MonkeyPatch) -> list[tuple[Any, Any]]:

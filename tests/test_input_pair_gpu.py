@@ -83,8 +83,8 @@ def test_one_launch_for_x_gives_the_two_launch_bits(
     served: list[bool] = []
     input_pair = linear.Linear._input_pair
 
-    def counted(self, *args):
-        got = input_pair(self, *args)
+    def counted(self, *args, **kw):
+        got = input_pair(self, *args, **kw)
         served.append(got is not None)
         return got
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from device_params import CPU_AND_CUDA
 from torch.utils.checkpoint import checkpoint
 
 import fp4gen
@@ -56,16 +57,7 @@ def _assert_same(a, b) -> None:
             assert torch.equal(u, v), name
 
 
-DEVICES = [
-    "cpu",
-    pytest.param(
-        "cuda",
-        marks=[
-            pytest.mark.gpu,
-            pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
-        ],
-    ),
-]
+DEVICES = CPU_AND_CUDA
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -216,8 +208,8 @@ def test_layers_reading_the_same_x_share_one_copy(monkeypatch) -> None:
     copies = []
     real = fp4gen.nn.Linear.wgrad_activation
 
-    def counting(self, *args):
-        copies.append(real(self, *args))
+    def counting(self, *args, **kw):
+        copies.append(real(self, *args, **kw))
         return copies[-1]
 
     monkeypatch.setattr(fp4gen.nn.Linear, "wgrad_activation", counting)
