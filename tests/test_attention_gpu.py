@@ -67,9 +67,7 @@ def train(model: nn.Module, run: TrainRun, mask: torch.Tensor | None) -> None:
         y = model(x, mask=mask)
         loss = (y.float() - target).square().mean()
         loss.backward()
-        run.outputs.append(y.detach().clone())
-        run.losses.append(loss.detach().clone())
-        run.grads.append({n: p.grad.clone() for n, p in model.named_parameters()})
+        run.record_step(model, y, loss)
         opt.step()
     run.params = {n: p.detach().clone() for n, p in model.named_parameters()}
 

@@ -643,6 +643,12 @@ class TrainRun:
     operands: list[tuple[torch.Tensor, ...]] = field(default_factory=list)
     steps: list[int] = field(default_factory=list)  # len(operands) as each step began
 
+    def record_step(self, model: nn.Module, y: torch.Tensor, loss: torch.Tensor) -> None:
+        """A step's output, loss and every parameter's gradient (before the optimizer's)."""
+        self.outputs.append(y.detach().clone())
+        self.losses.append(loss.detach().clone())
+        self.grads.append({n: p.grad.clone() for n, p in model.named_parameters()})
+
 
 def operand_pieces(a: QuantizedTensor, b: QuantizedTensor) -> tuple[torch.Tensor, ...]:
     return tuple(
@@ -771,9 +777,7 @@ def train(recipe: Recipe, device: str, *, default: bool, precision: str = "bf16"
                 y = model(x)
             loss = (y.float() - target).pow(2).mean()
             loss.backward()
-            run.outputs.append(y.detach().clone())
-            run.losses.append(loss.detach().clone())
-            run.grads.append({n: p.grad.clone() for n, p in model.named_parameters()})
+            run.record_step(model, y, loss)
             opt.step()
     run.params = {n: p.detach().clone() for n, p in model.named_parameters()}
     return run
