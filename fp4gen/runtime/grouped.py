@@ -505,7 +505,8 @@ def _fprop(
         ):
             start += count
             table = layer.operands
-            call = layer.next_forward_call()  # a checkpoint's recomputation: the backward's
+            # a checkpoint's recomputation: the backward's (Linear.next_forward_call)
+            call = layer._backward_calls if recompute else layer._forward_calls
             # each expert's slices only where its own layer quantizes them (a view is a call too)
             if inputs is None:
                 x_e = x[start - count : start]
@@ -638,7 +639,9 @@ def grouped_operands(
     spec = groups.layers[0].operands[op]
     every = op.role == "weight" and spec.global_scope == "tensor"
     layers = groups.all_layers if every else groups.layers
-    calls = [layer.next_forward_call() if forward else layer._backward_calls for layer in layers]
+    # a checkpoint's recomputation: the backward's counts (Linear.next_forward_call)
+    counts_forward = forward and not recomputing()
+    calls = [layer._forward_calls if counts_forward else layer._backward_calls for layer in layers]
     experts = len(layers)
     # a weight: every expert's slice, equal groups; an activation or gradient: its tokens
     counts = [rows.shape[0] // experts] * experts if op.role == "weight" else groups.counts
@@ -816,7 +819,9 @@ def grouped_tile_operands(
     scope = specs[0].global_scope
     every = ops[0][0].role == "weight" and scope == "tensor"
     layers = groups.all_layers if every else groups.layers
-    calls = [layer.next_forward_call() if forward else layer._backward_calls for layer in layers]
+    # a checkpoint's recomputation: the backward's counts (Linear.next_forward_call)
+    counts_forward = forward and not recomputing()
+    calls = [layer._forward_calls if counts_forward else layer._backward_calls for layer in layers]
     try:
         got = quantize_groups_tile(
             rows,
