@@ -360,9 +360,14 @@ def _generated_fp8(
     a: BlockFormat | object, b: BlockFormat | object, m: int, n: int, arch: str | None
 ) -> bool:
     """Whether the generated block-scaled FP8 kernel serves this pair and shape on ``arch``."""
+    return m * n < 2**31 and _generated_fp8_pair(a, b, arch)
+
+
+def _generated_fp8_pair(a: BlockFormat | object, b: BlockFormat | object, arch: str | None) -> bool:
+    """Whether the generated block-scaled FP8 kernel serves this pair on ``arch``."""
     from fp4gen.runtime.fp8_gemm import CUTE_ARCHS, cute_support
 
-    return arch in CUTE_ARCHS and m * n < 2**31 and cute_support(a, b) is None
+    return arch in CUTE_ARCHS and cute_support(a, b) is None
 
 
 def choose_backend(
@@ -653,7 +658,7 @@ def gemm_path(a: BlockFormat | object, b: BlockFormat | object) -> tuple[str, st
             "scaled by s_a s_b and accumulated in fp32 (block-scaled accumulation, "
             f"numerics.md 6.1); the exact dequantized product: {exact_why}" + native_why,
         )
-    if _fp32_scaled(a) and _fp32_scaled(b) and _generated_fp8(a, b, 1, 1, "sm_90a"):
+    if _fp32_scaled(a) and _fp32_scaled(b) and _generated_fp8_pair(a, b, "sm_90a"):
         from fp4gen.runtime.fp8_gemm import cute_pair_name
 
         return (

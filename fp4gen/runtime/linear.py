@@ -364,7 +364,7 @@ class Linear(
         if self._pass_mors(table, forward=True)[1]:
             _refuse_sr_capture(x2, (table.fprop_activation, table.fprop_weight), self.name)
         recompute = recomputing()
-        call = self.next_forward_call()
+        call = self._backward_calls if recompute else self._forward_calls  # next_forward_call
         if recompute and self._forward_calls != call + 1 and _forward_draws(table):
             _warn_out_of_step(
                 self.name,
