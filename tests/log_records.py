@@ -42,6 +42,7 @@ LOG_ONCES: tuple[tuple[str, str], ...] = (
     ("fp4gen.runtime.cute_backend", "_log_tile_once"),
     ("fp4gen.runtime.dequant", "_log_once"),
     ("fp4gen.runtime.fsdp", "_log_once"),
+    ("fp4gen.runtime.grouped_scale", "_log_once"),
     ("fp4gen.runtime.mor_kernels", "_log_once"),
 )
 RECORDS = SETS + LOG_ONCES

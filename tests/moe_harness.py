@@ -224,9 +224,10 @@ def harnessed(harness: Harness) -> Iterator[Harness]:
             real_scaled, real_bias_grad = grouped._scaled, ops.bias_grad
             real_activation = GroupedExperts._activation
 
-            def scaled(c, alpha, bias, out_dtype):  # type: ignore[no-untyped-def]
+            def scaled(c, alpha, bias, out_dtype, *, rows=None):  # type: ignore[no-untyped-def]
                 b = None if bias is None else bias.cpu()
-                return real_scaled(c.cpu(), alpha.cpu(), b, out_dtype).to(c.device)
+                r = None if rows is None else rows.cpu()
+                return real_scaled(c.cpu(), alpha.cpu(), b, out_dtype, rows=r).to(c.device)
 
             def bias_grad(dy: torch.Tensor, dtype: torch.dtype | None) -> Any:
                 db = real_bias_grad(dy.cpu(), dtype)

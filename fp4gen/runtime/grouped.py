@@ -42,6 +42,7 @@ from fp4gen.dsl.model import Operand
 from fp4gen.errors import FP4GenError
 from fp4gen.runtime import finite, ops
 from fp4gen.runtime.grouped_quantize import GroupedOperands
+from fp4gen.runtime.grouped_scale import scale_rows
 from fp4gen.runtime.grouped_scope import BACKWARD_SLOTS, FORWARD_SLOTS, scoped_slots
 from fp4gen.runtime.grouped_tile import padded_counts
 from fp4gen.runtime.host_tables import host_table
@@ -92,8 +93,9 @@ def _exact_on_cuda(a: torch.Tensor) -> bool:
 
 
 def group_rows(a: torch.Tensor, b: torch.Tensor, ends: Sequence[int]) -> torch.Tensor:
-    """C [M, N] in fp32 with C[s:e] = a[s:e] @ b[g]^T for the groups of rows that end at
-    ``ends`` (a [M, K], b [G, N, K]): fprop and dgrad."""
+    """C [M, N] with C[s:e] = a[s:e] @ b[g]^T for the groups of rows that end at ``ends`` (a
+    [M, K], b [G, N, K]): fprop and dgrad. In the product's dtype (``product_dtype``: bf16 from
+    ``torch._grouped_mm`` on CUDA, else fp32), C being the caller's; ``scale_rows`` finishes it."""
     # autocast would round fp32 block values to 16 bits: the product keeps the types given
     with torch.autocast(a.device.type, enabled=False):
         return _group_rows(a, b, ends)
@@ -113,7 +115,7 @@ def _group_rows(a: torch.Tensor, b: torch.Tensor, ends: Sequence[int]) -> torch.
     if grouped_mm_available():
         offs = host_table(list(ends), torch.int32, a.device)
         try:
-            return torch._grouped_mm(a, b.transpose(1, 2), offs=offs).float()
+            return torch._grouped_mm(a, b.transpose(1, 2), offs=offs)
         except (RuntimeError, ValueError) as err:  # a layout it refuses (stride alignment)
             _log_once(f"torch._grouped_mm refused the expert GEMM ({err}); a loop of torch.mm")
     else:
@@ -123,12 +125,13 @@ def _group_rows(a: torch.Tensor, b: torch.Tensor, ends: Sequence[int]) -> torch.
     for g, end in enumerate(ends):
         torch.mm(a[start:end], b[g].t(), out=out[start:end])
         start = end
-    return out.float()
+    return out
 
 
 def group_k(a: torch.Tensor, b: torch.Tensor, ends: Sequence[int]) -> torch.Tensor:
-    """C [G, N, M] in fp32 with C[g] = a[:, s:e] @ b[:, s:e]^T for the groups of columns (the
-    GEMM's K) that end at ``ends`` (a [N, K], b [M, K]): wgrad, K being the tokens."""
+    """C [G, N, M] with C[g] = a[:, s:e] @ b[:, s:e]^T for the groups of columns (the GEMM's
+    K) that end at ``ends`` (a [N, K], b [M, K]): wgrad, K being the tokens. In the product's
+    dtype, as ``group_rows``'."""
     with torch.autocast(a.device.type, enabled=False):
         return _group_k(a, b, ends)
 
@@ -148,7 +151,7 @@ def _group_k(a: torch.Tensor, b: torch.Tensor, ends: Sequence[int]) -> torch.Ten
     if grouped_mm_available():
         offs = host_table(list(ends), torch.int32, a.device)
         try:
-            return torch._grouped_mm(a, b.t(), offs=offs).float()
+            return torch._grouped_mm(a, b.t(), offs=offs)
         except (RuntimeError, ValueError) as err:
             _log_once(f"torch._grouped_mm refused the expert GEMM ({err}); a loop of torch.mm")
     else:
@@ -158,20 +161,26 @@ def _group_k(a: torch.Tensor, b: torch.Tensor, ends: Sequence[int]) -> torch.Ten
     for g, end in enumerate(ends):
         torch.mm(a[:, start:end], b[:, start:end].t(), out=out[g])
         start = end
-    return out.float()
+    return out
 
 
 def _scaled(
-    c: torch.Tensor, alpha: torch.Tensor, bias: torch.Tensor | None, out_dtype: torch.dtype
+    c: torch.Tensor,
+    alpha: torch.Tensor,
+    bias: torch.Tensor | None,
+    out_dtype: torch.dtype,
+    *,
+    rows: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """The dense epilogue (``epilogue.apply_steps``) with an alpha (and bias) per row or group:
-    fp32(c * alpha) (+ bias in fp32), rounded once to ``out_dtype``."""
-    out = (
-        c if out_dtype == torch.float32 else torch.empty(c.shape, dtype=out_dtype, device=c.device)
-    )
+    """The dense epilogue (``epilogue.apply_steps``) with an alpha per row: fp32(c[rows] *
+    alpha) (+ bias in fp32), rounded once to ``out_dtype``; ``c`` [R, N] in the product's
+    dtype, ``alpha`` fp32 [R] (R: ``rows``' length where given), ``bias`` fp32 rows [R, N].
+    Without a bias one pass (``grouped_scale.scale_rows``)."""
     if bias is None:
-        return torch.mul(c, alpha, out=out)
-    return torch.addcmul(bias.detach().float(), c, alpha, out=out)
+        return scale_rows(c, alpha, out_dtype, rows=rows)
+    taken = c if rows is None else c[rows]
+    out = torch.empty(taken.shape, dtype=out_dtype, device=c.device)
+    return torch.addcmul(bias.detach().float(), taken, alpha[:, None], out=out)
 
 
 @dataclass
@@ -574,7 +583,7 @@ def _fprop(
         rows = sum(groups.counts)
         alpha = (torch.cat(alphas) if alpha_all is None else alpha_all).repeat_interleave(
             counts, output_size=rows
-        )[:, None]
+        )
         bias_rows = None
         if bias is not None:
             index = _experts_index(groups, x.device)
@@ -899,16 +908,16 @@ def _batched(weight: torch.Tensor, groups: Groups, *, transposed: bool) -> torch
 
 def real_rows(counts: Sequence[int], padded: Sequence[int], device: torch.device) -> torch.Tensor:
     """The rows of the groups' real tokens among their padded rows (group g's ``counts[g]``
-    rows from the sum of the padded counts before it), int64 on ``device``: a few launches
-    whatever the number of groups (the row count is known here, so ``repeat_interleave`` does
-    not wait for the GPU)."""
+    rows from the sum of the padded counts before it), int32 on ``device`` (the epilogue
+    kernel's gather index): a few launches whatever the number of groups (the row count is
+    known here, so ``repeat_interleave`` does not wait for the GPU)."""
     total = sum(counts)
     real_starts = [end - n for end, n in zip(_ends(counts), counts, strict=True)]
     padded_starts = [end - n for end, n in zip(_ends(padded), padded, strict=True)]
     shift = [p - r for p, r in zip(padded_starts, real_starts, strict=True)]
-    per_group = host_table([shift, list(counts)], torch.int64, device)
+    per_group = host_table([shift, list(counts)], torch.int32, device)
     moved = torch.repeat_interleave(per_group[0], per_group[1], output_size=total)
-    return torch.arange(total, device=device) + moved
+    return torch.arange(total, dtype=torch.int32, device=device) + moved
 
 
 def _experts_index(groups: Groups, device: torch.device) -> torch.Tensor:
@@ -1061,7 +1070,7 @@ def _grads(
         else:  # group g's alpha on each of its real rows, as the padded rows' taken at ``real``
             counts = host_table(groups.counts, torch.int64, dy.device)
             per_row = dgrad_alphas.repeat_interleave(counts, output_size=sum(groups.counts))
-        dx = _scaled(c[real], per_row[:, None], None, x.dtype)
+        dx = _scaled(c, per_row, None, x.dtype, rows=real)
     # wgrad: the experts' token columns side by side, one group each
     if fp8_wgrad:  # grouped along K: one K-grouped launch, or each expert's dense FP8 GEMM
         dw_groups = _fp8_wgrad(
@@ -1078,11 +1087,16 @@ def _grads(
         c = _native(wgrad_pairs, dy.device, by_rows=False)
         if c is None:
             c = group_k(torch.cat(gt_values, dim=1), torch.cat(xt_values, dim=1), _ends(padded))
-        dw_groups = _scaled(c, per_group[:, None, None], None, weight.dtype)
+        g, n, m = c.shape
+        per_rows = per_group.repeat_interleave(n, output_size=g * n)  # a row of C: its group's
+        dw_groups = _scaled(c.reshape(g * n, m), per_rows, None, weight.dtype).view(g, n, m)
         dw_groups = dw_groups[:, :n_out]
+    if groups.transposed:
+        dw_groups = dw_groups.transpose(1, 2)
+    if len(groups.experts) == weight.shape[0]:  # every expert routed: in order, no scatter
+        return dx, dw_groups.contiguous()
     dw = torch.zeros_like(weight)
-    index = _experts_index(groups, weight.device)
-    dw.index_copy_(0, index, dw_groups.transpose(1, 2) if groups.transposed else dw_groups)
+    dw.index_copy_(0, _experts_index(groups, weight.device), dw_groups)
     return dx, dw
 
 
