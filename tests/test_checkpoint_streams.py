@@ -96,6 +96,31 @@ def test_checkpointing_trains_as_without_it(
     assert (layer._forward_calls, layer._backward_calls) == (STEPS, STEPS)  # no extra calls
 
 
+@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+def test_compiled_checkpointed_blocks_train_as_compiled_ones(backend: str) -> None:
+    """torchtitan's order: each block wrapped for checkpointing, then compiled whole
+    (``fullgraph``); the checkpoint's recomputation runs inside the compiled backward. The
+    same bits as the compiled blocks without checkpointing (inductor's own kernels for the
+    GELU may round otherwise than eager, so compiled is compared with compiled)."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+
+    def compiled(checkpointed: bool) -> Blocks:
+        model = Blocks("cpu")
+        for i, block in enumerate(model.blocks):
+            wrapped = checkpoint_wrapper(block) if checkpointed else block
+            model.blocks[i] = torch.compile(wrapped, backend=backend, fullgraph=True)
+        return model
+
+    torch._dynamo.reset()
+    want = train(compiled(False), "cpu")
+    model = compiled(True)
+    got = train(model, "cpu")
+    for i, (a, b) in enumerate(zip(got, want, strict=True)):
+        assert torch.equal(a, b), i
+    layer = model.blocks[0]._orig_mod._checkpoint_wrapped_module[0]
+    assert (layer._forward_calls, layer._backward_calls) == (STEPS, STEPS)
+
+
 def test_a_transformers_model_with_gradient_checkpointing_trains_as_without_it() -> None:
     transformers = pytest.importorskip("transformers")
     config = transformers.LlamaConfig(
