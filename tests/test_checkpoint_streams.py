@@ -96,25 +96,31 @@ def test_checkpointing_trains_as_without_it(
     assert (layer._forward_calls, layer._backward_calls) == (STEPS, STEPS)  # no extra calls
 
 
-@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
-def test_compiled_checkpointed_blocks_train_as_compiled_ones(backend: str) -> None:
+@pytest.mark.parametrize("backend", ["aot_eager", "inductor", "reduce-overhead"])
+@pytest.mark.parametrize("device", DEVICES)
+def test_compiled_checkpointed_blocks_train_as_compiled_ones(device: str, backend: str) -> None:
     """torchtitan's order: each block wrapped for checkpointing, then compiled whole
-    (``fullgraph``); the checkpoint's recomputation runs inside the compiled backward. The
-    same bits as the compiled blocks without checkpointing (inductor's own kernels for the
-    GELU may round otherwise than eager, so compiled is compared with compiled)."""
+    (``fullgraph``); the checkpoint's recomputation runs inside the compiled backward (on CUDA
+    also under inductor's CUDA graphs, ``reduce-overhead``). The same bits as the compiled
+    blocks without checkpointing (inductor's own kernels for the GELU may round otherwise than
+    eager, so compiled is compared with compiled)."""
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 
+    if backend == "reduce-overhead" and device == "cpu":
+        pytest.skip("reduce-overhead is inductor with CUDA graphs")
+    options = {"mode": backend} if backend == "reduce-overhead" else {"backend": backend}
+
     def compiled(checkpointed: bool) -> Blocks:
-        model = Blocks("cpu")
+        model = Blocks(device)
         for i, block in enumerate(model.blocks):
             wrapped = checkpoint_wrapper(block) if checkpointed else block
-            model.blocks[i] = torch.compile(wrapped, backend=backend, fullgraph=True)
+            model.blocks[i] = torch.compile(wrapped, fullgraph=True, **options)
         return model
 
     torch._dynamo.reset()
-    want = train(compiled(False), "cpu")
+    want = train(compiled(False), device)
     model = compiled(True)
-    got = train(model, "cpu")
+    got = train(model, device)
     for i, (a, b) in enumerate(zip(got, want, strict=True)):
         assert torch.equal(a, b), i
     layer = model.blocks[0]._orig_mod._checkpoint_wrapped_module[0]
