@@ -45,6 +45,8 @@ LAYER_OF: dict[str, str] = {
     "fp4gen.dsl.model": "core",  # the recipe model: what the dsl produces and the numerics read
     "fp4gen.dsl": "dsl",
     "fp4gen.numerics": "numerics",
+    # torch-only: device buffers kept outside CUDA-graph pools (the oracle's tables too)
+    "fp4gen.runtime.device_memory": "numerics",
     "fp4gen.codegen": "kernels",
     "fp4gen.kernels": "kernels",  # the CuTe DSL kernel classes generated modules bind
     # the host code generated modules bind: compiling against fake tensors, the input checks,

@@ -28,12 +28,12 @@ import torch
 from fp4gen.dsl.model import RHTSpec
 from fp4gen.errors import TensorError
 from fp4gen.numerics.philox import random_bits
+from fp4gen.numerics.tables import device_table
 
 
-@functools.cache
 def _fixed_signs(signs: tuple[float, ...], device: torch.device) -> torch.Tensor:
-    # made once per device, before any capture (a copy from the host is refused inside one)
-    return torch.tensor(signs, dtype=torch.float32, device=device)
+    # made once per device, outside any CUDA-graph pool (fp4gen.numerics.tables)
+    return device_table(("signs", signs), lambda: signs, device)
 
 
 def rht_signs(spec: RHTSpec, device: torch.device | str | None = None) -> torch.Tensor:

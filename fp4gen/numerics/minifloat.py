@@ -25,6 +25,7 @@ from typing import Literal
 import torch
 
 from fp4gen.formats import ELEMENT_ROUNDINGS, ElementFormat, ElementRounding, is_stochastic, sr_bits
+from fp4gen.numerics.tables import device_table
 
 Rounding = ElementRounding
 ScaleRoundingMode = Literal["nearest", "up", "down", "stochastic"]
@@ -68,14 +69,12 @@ def grid_values(fmt: ElementFormat, device: torch.device | str | None = None) ->
     return _grid_tensor(fmt, torch.device(device) if device is not None else torch.device("cpu"))
 
 
-@cache
 def _grid_tensor(fmt: ElementFormat, device: torch.device) -> torch.Tensor:
-    return torch.tensor(_magnitude_grid(fmt), dtype=torch.float32, device=device)
+    return device_table(("grid", fmt), lambda: _magnitude_grid(fmt), device)
 
 
-@cache
 def _decode_tensor(fmt: ElementFormat, device: torch.device) -> torch.Tensor:
-    return torch.tensor(_value_table(fmt), dtype=torch.float32, device=device)
+    return device_table(("decode", fmt), lambda: _value_table(fmt), device)
 
 
 def max_finite(fmt: ElementFormat) -> float:
