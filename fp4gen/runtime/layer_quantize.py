@@ -106,15 +106,9 @@ def _rows_contiguous(w: torch.Tensor) -> torch.Tensor:
 
 def _dequantized(copy: Any) -> torch.Tensor:
     """The values of a quantized operand copy in fp32 (a high-precision one as it is), for an
-    operand quantized from another GEMM's copy (``from GEMM.ROLE``). A QuantizedTensor keeps
-    the codes and scales it derives on a read (unpacked, decoded); those are derived on a
-    stand-in holding the same tensors, so the copy, which may outlive this call (a kept
-    forward copy), holds nothing allocated here: inside inductor's CUDA graphs a tensor the
-    graph made and still alive after it, but not one of its outputs, fails the graph."""
+    operand quantized from another GEMM's copy (``from GEMM.ROLE``)."""
     if isinstance(copy, torch.Tensor):
         return copy.float()
-    if isinstance(copy, QuantizedTensor):
-        return QuantizedTensor.join(*copy.split()).dequantize()
     return copy.dequantize()
 
 
