@@ -104,8 +104,18 @@ def sum_bound(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 
 def _hand_on(harness: Harness, a: QuantizedTensor, b: QuantizedTensor, **kw: Any) -> torch.Tensor:
     """The value every path's GEMM returns (module docstring): fp32(float64 product of the
-    block values), then the dense epilogue (on the CPU with ``glue_on_cpu``)."""
-    c = exact_product(a.dequantize_blockwise(), b.dequantize_blockwise()).float()
+    block values), then the dense epilogue (on the CPU with ``glue_on_cpu``). Where that fp32
+    product could overflow while the result does not (a pair with both global scales whose
+    decoded values reach past fp32 at this K, ``gd.accumulator_overflow_reason``: the float64
+    reference computes such GEMMs), the global scales are applied in float64 first."""
+    c64 = exact_product(a.dequantize_blockwise(), b.dequantize_blockwise())
+    scaled = (
+        gd.accumulator_overflow_reason(a.format, b.format, a.cols) is not None
+        and a.global_scale.numel() == b.global_scale.numel() == 1
+    )
+    if scaled:
+        c64 = c64 * a.global_scale.double().cpu() * b.global_scale.double().cpu()
+    c = c64.float()
     bias, accumulate = kw.get("bias"), kw.get("accumulate")
     if harness.glue_on_cpu:
         bias = None if bias is None else bias.detach().cpu()
@@ -114,7 +124,7 @@ def _hand_on(harness: Harness, a: QuantizedTensor, b: QuantizedTensor, **kw: Any
         c = c.to(a.device)
     out_dtype = kw.get("out_dtype", torch.float32)
     y = epilogue.finish(
-        epilogue.GemmProduct(c, scaled=False),
+        epilogue.GemmProduct(c, scaled=scaled),
         a,
         b,
         bias=bias,

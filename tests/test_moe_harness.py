@@ -109,3 +109,21 @@ def test_the_routing_gradient_tolerance() -> None:
     ulp = 2.0 ** (want.float().abs().log2().floor() - 7)  # bf16 keeps 8 significant bits
     assert routing_grad_close((want.float() + ulp).to(torch.bfloat16), want)
     assert not routing_grad_close((want.float() * 1.01).to(torch.bfloat16), want)
+
+
+# a global amax with ue7m0 block scales: decoded values up to 6 x 2^64, whose fp32 products
+# overflow while the scaled result does not (such GEMMs run on the float64 reference)
+OVERFLOWING = "format x = e2m1 block 1x1 global amax scale ue7m0\noperands {\n    * : x\n}\n"
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_pairs_whose_fp32_products_overflow_are_handed_on_scaled(arch: str) -> None:
+    """The harness hands on such a product with the global scales applied in float64 (an fp32
+    product of the block values is inf): the recipe fuzzer drew one, and every comparison of
+    its experts failed on the harness's own inf, never on the library's finite results."""
+    from test_recipe_fuzz_gpu import experts_problems
+
+    from fp4gen.dsl import parse_recipe
+
+    recipe = parse_recipe(OVERFLOWING, base_dir=None)
+    assert experts_problems(recipe, ARCHS.index(arch), "cpu") == []
