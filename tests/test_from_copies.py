@@ -132,20 +132,49 @@ def batches(device: str) -> list[tuple[torch.Tensor, torch.Tensor]]:
     ]
 
 
-def test_a_backward_out_of_step_with_its_forward_is_reported(
+@pytest.mark.parametrize("kept", [True, False], ids=["x-copy-kept", "x-copy-in-backward"])
+@pytest.mark.parametrize("device", DEVICES)
+def test_an_eager_backward_after_a_no_grad_forward_uses_its_forwards_copy(
+    device: str, kept: bool, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A no_grad forward between steps (an evaluation) moves the forward count past the
+    backward's. The eager backward knows its forward's call and re-derives that call's copy:
+    every derived copy is still the re-quantization of the copy its forward used, and nothing
+    is logged."""
+    monkeypatch.setenv(LAYER_GRAPHS_VAR, "0")
+    monkeypatch.setattr(linear, "_warned_out_of_step", set())
+    layer = make_layer(device, kept)
+    calls = recorded_gemms(monkeypatch)
+    with caplog.at_level(logging.WARNING, logger="fp4gen"):
+        for x, dy in batches(device):
+            with torch.no_grad():
+                layer(x)  # an evaluation forward: one more forward call
+            layer(x).backward(dy)
+    assert not caplog.records
+    assert (layer._forward_calls, layer._backward_calls) == (2 * STEPS, STEPS)
+    assert len(calls) == 4 * STEPS
+    for step in range(STEPS):
+        _, (xq, w_row), (_, w_col), (_, xq_t) = calls[4 * step : 4 * step + 4]
+        assert same(w_col, nearest(_dequantized(w_row).t())), f"step {step}: dgrad.weight"
+        assert same(xq_t, nearest(_dequantized(xq).t())), f"step {step}: wgrad.activation"
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_a_layer_graph_out_of_step_with_its_forward_is_reported(
     monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
-    """A no_grad forward between steps moves the forward count past the backward's: the next
-    backward's derived copies then draw another call's stream, which is logged once."""
+    """A replayed backward graph reads the backward pass's counter: after a no_grad forward
+    its derived copies draw another call's stream, which is logged once."""
+    monkeypatch.setenv(LAYER_GRAPHS_VAR, "1")
     monkeypatch.setattr(linear, "_warned_out_of_step", set())
-    layer = fp4gen.nn.Linear(IN, OUT, recipe=parse_recipe(RECIPE, base_dir=None), seed=3)
-    x = torch.randn(TOKENS, IN)
+    layer = make_layer("cuda", kept=False)
     with caplog.at_level(logging.WARNING, logger="fp4gen"):
-        layer(x).sum().backward()
-        assert not caplog.records  # in step: nothing to say
-        with torch.no_grad():
-            layer(x)
-        for _ in range(2):
-            layer(x).sum().backward()
+        for step, (x, dy) in enumerate(batches("cuda")):
+            if step == STEPS - 1:
+                with torch.no_grad():
+                    layer(x)
+            layer(x).backward(dy)
+    assert layer._graphs is not None and layer._graphs.graph_calls > 0
     lines = [r.getMessage() for r in caplog.records]
-    assert len(lines) == 1 and "backward of forward call 2 runs as backward call 1" in lines[0]
+    assert len(lines) == 1 and "from a layer graph" in lines[0], lines

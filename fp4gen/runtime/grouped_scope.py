@@ -185,16 +185,26 @@ class ScopedOperands:
         amax: torch.Tensor | None = None,
         *,
         source_in_backward: bool = False,
+        host_offset: bool = False,
     ) -> Any:
         if not per_tensor(spec):
-            return super().quantize(t, op, spec, call, source_in_backward=source_in_backward)  # type: ignore[misc]
+            return super().quantize(  # type: ignore[misc]
+                t,
+                op,
+                spec,
+                call,
+                source_in_backward=source_in_backward,
+                host_offset=host_offset,
+            )
         found = self.scope_amaxes.get(op)
         if found is None:
             raise FP4GenError(
                 f"{self.name or 'an expert GEMM'}: {op.selector} takes the amax over every "  # type: ignore[attr-defined]
                 "expert (global per tensor), which its experts module did not give"
             )
-        _, offset = self.slot(op, spec, call, t, source_in_backward=source_in_backward)  # type: ignore[attr-defined]
+        _, offset = self.slot(  # type: ignore[attr-defined]
+            op, spec, call, t, source_in_backward=source_in_backward, host_offset=host_offset
+        )
         backend = self.backend  # type: ignore[attr-defined]
         # non-finite values as the layer's own quantize treats them (docs/numerics.md 7):
         # propagating, a NaN global scale for every expert (A is not finite then) with the
@@ -221,7 +231,13 @@ class ScopedOperands:
         return finite.poisoned(q, flag)
 
     def columnwise_weight(
-        self, w: torch.Tensor, table: OperandTable, call: int, k: int | None = None
+        self,
+        w: torch.Tensor,
+        table: OperandTable,
+        call: int,
+        k: int | None = None,
+        *,
+        source_call: int | None = None,
     ) -> Any:
         from fp4gen.runtime.layer_quantize import _transposable
 
@@ -231,7 +247,7 @@ class ScopedOperands:
             # amax (Linear's tile kernel takes the weight's own)
             w = w if w.is_contiguous() else w.contiguous()
             return self.quantize(w, Operand.DGRAD_WEIGHT, spec, call).transpose()
-        return super().columnwise_weight(w, table, call, k)  # type: ignore[misc]
+        return super().columnwise_weight(w, table, call, k, source_call=source_call)  # type: ignore[misc]
 
 
 def give_amaxes(

@@ -41,11 +41,15 @@ class OperandQuantizer:
         amax: torch.Tensor | None = None,
         *,
         source_in_backward: bool = False,
+        host_offset: bool = False,
     ) -> Any:
         """Q(t) for operand slot ``op`` in this call; a reduced operand (``set_amax_group``)
         with the group's amax (``amax`` when the caller has it already, else all-reduced now).
-        ``source_in_backward``: a forward operand made again in a backward (``slot``)."""
-        _, offset = self.slot(op, spec, call, t, source_in_backward=source_in_backward)
+        ``source_in_backward`` / ``host_offset``: a forward operand made again in a backward
+        (``slot``)."""
+        _, offset = self.slot(
+            op, spec, call, t, source_in_backward=source_in_backward, host_offset=host_offset
+        )
         seed = self._seed_of(op)
         if self._reduced(op, spec):
             if amax is None:

@@ -529,7 +529,9 @@ class Linear(
         ``forward_call``: the count of the forward call whose backward this is, where the caller
         knows it (the eager autograd node): a ``from`` copy re-derives a stochastically rounded
         forward operand with the stream of the backward's count (``OperandSlots.slot``), the
-        forward's where the two alternate; where they do not, that is logged once (WARNING).
+        forward's where the two alternate. Where they do not (a no_grad forward in between),
+        an eager backward takes ``forward_call``'s stream (a host offset); a layer graph's
+        replay cannot, and that is logged once (WARNING).
 
         Padding (module docstring): dy and x get zero tokens up to the wgrad GEMM's multiple,
         dy and W^T zero columns up to the dgrad RHT size; dx and dW are cropped back. With sizes
@@ -546,16 +548,23 @@ class Linear(
             )
             _refuse_sr_capture(dy2, backward_specs, self.name)
         call = self._backward_calls
-        if forward_call is not None and forward_call != call and _rederives_stochastic(table):
-            _warn_out_of_step(
-                self.name,
-                f"the backward of forward call {forward_call} runs as backward call {call}, and "
-                "its 'from' copy quantizes a stochastically rounded forward operand again",
-            )
+        # a no_grad forward in between: the forward's operands are another call's than this
+        # backward's count (only stochastically rounded sources make that matter)
+        out_of_step = (
+            forward_call is not None and forward_call != call and _rederives_stochastic(table)
+        )
         gathered = _gathered_operand(weight, table, self.name)  # as in forward_gemm
         graphs = None if gathered is not None else self._graphs_for(dy2, table, forward=False)
+        if out_of_step and graphs is not None:  # a replayed graph reads the pass's counter
+            _warn_out_of_step(
+                self.name,
+                f"the backward of forward call {forward_call} runs as backward call {call} from "
+                "a layer graph, and its 'from' copy quantizes a stochastically rounded forward "
+                "operand again",
+            )
         if graphs is None:
-            dx, dw = self._grads(dy2, x2, weight, table, call, gathered)
+            source_call = forward_call if out_of_step else None
+            dx, dw = self._grads(dy2, x2, weight, table, call, gathered, source_call=source_call)
         elif isinstance(x2, torch.Tensor):
             key = (
                 "grads", dy2.shape, dy2.dtype, x2.shape, x2.dtype, _param_key(weight),
@@ -598,11 +607,14 @@ class Linear(
         call: int,
         gathered: QuantizedTensor | None = None,
         out: tuple[torch.Tensor | None, ...] | None = None,
+        *,
+        source_call: int | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """backward_gemms' work, all of it on the device (a layer graph captures it).
         ``gathered``: the weight already quantized rowwise; dgrad takes its transpose.
         ``out``: (dx, dW) tensors the GEMMs may write into (a layer graph's results; where no
-        padding is cropped, dx and dW are then those tensors)."""
+        padding is cropped, dx and dW are then those tensors). ``source_call``: the forward
+        call a ``from`` copy's source is re-derived for, where it is not ``call`` (eager)."""
         w = weight.detach()
         tokens, n_out = dy2.shape
         wgrad_k = k_multiple(table.wgrad_gradient, table.wgrad_activation, blocks=True)
@@ -610,7 +622,7 @@ class Linear(
         padded_tokens, padded_out = round_up(tokens, wgrad_k), round_up(n_out, dgrad_k)
         dy2 = pad_to(dy2, padded_tokens, padded_out)
         if gathered is None:
-            w_col = self.columnwise_weight(w, table, call, padded_out)
+            w_col = self.columnwise_weight(w, table, call, padded_out, source_call=source_call)
         else:  # 2D blocks, one spec, no RHT, no padding (fp4gen.runtime.fsdp.plan_for)
             w_col = gathered.transpose()
         # dy rowwise (dgrad) and columnwise (wgrad), x columnwise (wgrad): on CUDA one tile
@@ -664,7 +676,7 @@ class Linear(
             self.record(Operand.DGRAD_WEIGHT, w.t(), w_col, call)
 
         if isinstance(x2, torch.Tensor):
-            xq_t = self.wgrad_activation(x2, table, call)
+            xq_t = self.wgrad_activation(x2, table, call, source_call=source_call)
         else:  # quantized by the forward (keeps_wgrad_input)
             xq_t = x2.quantized
         self._advance_device(forward=False)
@@ -677,15 +689,25 @@ class Linear(
         return dx, dw
 
     def wgrad_activation(
-        self, x2: torch.Tensor, table: OperandTable, call: int, *, in_forward: bool = False
+        self,
+        x2: torch.Tensor,
+        table: OperandTable,
+        call: int,
+        *,
+        in_forward: bool = False,
+        source_call: int | None = None,
     ) -> Any:
         """Q(x^T; wgrad.activation) for x [tokens, in], with zero tokens up to the wgrad GEMM's
         K multiple (module docstring); on CUDA a tile kernel reads x once, with no transposed
         copy. ``call``: the forward call's count where ``in_forward`` (a kept copy), else the
-        backward's."""
+        backward's; ``source_call``: the forward call whose fprop copy a ``from`` copy is made
+        from, where it is not ``call`` (``_grads``)."""
         wgrad_k = k_multiple(table.wgrad_gradient, table.wgrad_activation, blocks=True)
         if table.wgrad_activation.source is not None:  # from x's fprop copy, dequantized
-            fprop_copy = self.fprop_input(x2, table, call, source_in_backward=not in_forward)
+            if source_call is None:
+                fprop_copy = self.fprop_input(x2, table, call, source_in_backward=not in_forward)
+            else:
+                fprop_copy = self.fprop_input(x2, table, source_call, host_offset=True)
             x2 = _dequantized(fprop_copy)[:, : x2.shape[1]]
         x2 = pad_to(x2, round_up(x2.shape[0], wgrad_k), x2.shape[1])
         if self._reduced(Operand.WGRAD_ACTIVATION, table.wgrad_activation):
@@ -762,18 +784,30 @@ class Linear(
         return rowwise, self._quantize_operand(t.t().contiguous(), *col, seed=seed)
 
     def columnwise_weight(
-        self, w: torch.Tensor, table: OperandTable, call: int, k: int | None = None
+        self,
+        w: torch.Tensor,
+        table: OperandTable,
+        call: int,
+        k: int | None = None,
+        *,
+        source_call: int | None = None,
     ) -> Any:
         """Q(W^T; dgrad.weight) for this backward call, W^T [in, out] zero-padded to ``k``
         columns (the dgrad GEMM's padded K; default out_features). With 2D blocks and the fprop
         spec, the transpose of W's rowwise codes (the paper's consistency of fprop and dgrad
         weights); that spec has no RHT, so its K is never padded. With ``from fprop.weight``,
-        W is first replaced by the dequantized fprop copy (zero-padded as ``_fprop`` pads it)."""
+        W is first replaced by the dequantized fprop copy (zero-padded as ``_fprop`` pads it):
+        that of backward call ``call``'s forward, or of forward call ``source_call``."""
         if table.dgrad_weight.source is not None:
             k_fprop = self.fprop_k(table, w.shape[1])
             w_fprop = pad_to(_rows_contiguous(w), w.shape[0], k_fprop)
             fprop_copy = self.quantize(
-                w_fprop, Operand.FPROP_WEIGHT, table.fprop_weight, call, source_in_backward=True
+                w_fprop,
+                Operand.FPROP_WEIGHT,
+                table.fprop_weight,
+                call if source_call is None else source_call,
+                source_in_backward=source_call is None,
+                host_offset=source_call is not None,
             )
             w = _dequantized(fprop_copy)[:, : w.shape[1]]
         if _transposable(table.fprop_weight, table.dgrad_weight) and k in (None, w.shape[0]):
@@ -798,9 +832,11 @@ class Linear(
         call: int,
         *,
         source_in_backward: bool = False,
+        host_offset: bool = False,
     ) -> Any:
         """Q(x; fprop.activation), x zero-padded to the fprop K, as ``_fprop`` makes it
-        (``source_in_backward``: again in backward call ``call``, for a ``from`` copy)."""
+        (``source_in_backward`` / ``host_offset``: again in a backward, for a ``from`` copy:
+        ``OperandSlots.slot``)."""
         x2 = pad_to(x2, x2.shape[0], self.fprop_k(table))
         return self.quantize(
             x2,
@@ -808,6 +844,7 @@ class Linear(
             table.fprop_activation,
             call,
             source_in_backward=source_in_backward,
+            host_offset=host_offset,
         )
 
     @staticmethod

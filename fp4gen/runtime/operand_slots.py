@@ -40,6 +40,7 @@ class OperandSlots:
         t: torch.Tensor,
         *,
         source_in_backward: bool = False,
+        host_offset: bool = False,
     ) -> tuple[OperandSpec, int | DeviceOffset]:
         """An operand slot's spec and Philox offset in this call (a stream per slot and call):
         STREAMS_PER_CALL * call + slot. For a stochastically rounded CUDA operand of a block
@@ -50,7 +51,13 @@ class OperandSlots:
         as the source of a ``from`` copy (dgrad.weight from fprop.weight, wgrad.activation
         from fprop.activation): the forward's stream of call ``call`` (forward and backward
         calls alternate in training), on CUDA read from the backward pass's counter, which
-        holds ``call`` there; the forward pass's counter has moved on to the next call."""
+        holds ``call`` there; the forward pass's counter has moved on to the next call.
+
+        ``host_offset``: call ``call``'s offset as a host int on every device: an eager
+        backward that re-derives the source of another call than its own count (its forward's,
+        where a no_grad forward came in between); no graph replays it."""
+        if host_offset:
+            return spec, STREAMS_PER_CALL * call + SLOT[op]
         fmt = spec.format
         if (
             t.is_cuda
