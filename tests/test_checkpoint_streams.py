@@ -123,8 +123,10 @@ def test_compiled_checkpointed_blocks_train_as_compiled_ones(device: str, backen
     got = train(model, device)
     for i, (a, b) in enumerate(zip(got, want, strict=True)):
         assert torch.equal(a, b), i
-    layer = model.blocks[0]._orig_mod._checkpoint_wrapped_module[0]
-    assert (layer._forward_calls, layer._backward_calls) == (STEPS, STEPS)
+    if backend != "reduce-overhead":  # a CUDA graph's replay runs no Python: the device
+        # counters hold the count there (bits above), the host's stop at the recorded steps
+        layer = model.blocks[0]._orig_mod._checkpoint_wrapped_module[0]
+        assert (layer._forward_calls, layer._backward_calls) == (STEPS, STEPS)
 
 
 def test_a_transformers_model_with_gradient_checkpointing_trains_as_without_it() -> None:
