@@ -25,16 +25,14 @@ def device_table(
     found = _tables.get((key, device))
     if found is not None:
         return found
+    from fp4gen.runtime.device_memory import kept  # on first use: the import loads no runtime
 
-    def make() -> torch.Tensor:
-        return torch.tensor(values(), dtype=torch.float32, device=device)
-
-    if device.type != "cuda":
-        found = _tables[(key, device)] = make()
-        return found
-    from fp4gen.runtime.device_memory import kept  # here: the oracle alone loads no runtime
-
-    return kept(_tables, (key, device), make, device)
+    return kept(
+        _tables,
+        (key, device),
+        lambda: torch.tensor(values(), dtype=torch.float32, device=device),
+        device,
+    )
 
 
 __all__ = ["device_table"]

@@ -54,6 +54,7 @@ from fp4gen.codegen.gemm_configs import (
 from fp4gen.errors import FP4GenError, TensorError
 from fp4gen.runtime.blackwell_gemm import _sm_count, load_rendered, packed_codes
 from fp4gen.runtime.checks import check_pair
+from fp4gen.runtime.device_memory import kept
 from fp4gen.runtime.host_tables import host_table
 from fp4gen.runtime.loader import BUILD_FAILED, KernelLoader, Reasons, Unsupported
 
@@ -191,10 +192,14 @@ def grouped_args(
     dev = out.device
     a_codes, a_scales = batched_operand(a_groups, plan.a_bits, m, k, dev)
     b_codes, b_scales = batched_operand(b_groups, plan.b_bits, n, k, dev)
-    one = _ones.get(dev)
-    if one is None:
-        one = _ones[dev] = torch.ones(1, dtype=torch.float32, device=dev)
-    return a_codes, b_codes, a_scales, b_scales, out, one
+    return a_codes, b_codes, a_scales, b_scales, out, _one(dev)
+
+
+def _one(dev: torch.device) -> torch.Tensor:
+    """fp32 [1] holding 1, kept per device; on CUDA made outside any CUDA-graph pool
+    (``device_memory.kept``: a kept tensor made while torch.compile's graphs warm up would be
+    one of their pool's, which they refuse)."""
+    return kept(_ones, dev, lambda: torch.ones(1, dtype=torch.float32, device=dev), dev)
 
 
 def grouped_product(

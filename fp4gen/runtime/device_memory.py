@@ -122,6 +122,9 @@ def kept(
     found = cache.get(key)
     if found is not None:
         return found
+    if isinstance(device, torch.device) and device.type != "cuda":  # no pools, no captures
+        made = cache[key] = make()
+        return made
     if capturing():
         return make()
     if limit is not None and len(cache) >= limit:
