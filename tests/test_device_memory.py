@@ -26,11 +26,15 @@ def test_a_kept_buffer_is_made_once_per_key_and_the_oldest_goes_first(monkeypatc
 
 
 def test_during_a_capture_the_buffer_is_the_graphs_not_the_caches(monkeypatch) -> None:
+    """A CUDA device (named by its index; the capture is faked) while captured: the made
+    buffer is not cached. A CPU device has no captures: its buffer is cached."""
     monkeypatch.setattr(device_memory, "capturing", lambda: True)
     cache: dict = {}
-    first = device_memory.kept(cache, "k", lambda: torch.zeros(2), CPU)
-    second = device_memory.kept(cache, "k", lambda: torch.zeros(2), CPU)
+    first = device_memory.kept(cache, "k", lambda: torch.zeros(2), 0)
+    second = device_memory.kept(cache, "k", lambda: torch.zeros(2), 0)
     assert cache == {} and first is not second
+    on_cpu = device_memory.kept(cache, "k", lambda: torch.zeros(2), CPU)
+    assert cache == {"k": on_cpu}
 
 
 def test_pooled_sees_a_capture_and_torch_compiles_cuda_graph_warm_up(monkeypatch) -> None:

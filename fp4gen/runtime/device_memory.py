@@ -122,14 +122,12 @@ def kept(
     found = cache.get(key)
     if found is not None:
         return found
-    if isinstance(device, torch.device) and device.type != "cuda":  # no pools, no captures
-        made = cache[key] = make()
-        return made
-    if capturing():
+    on_cuda = not (isinstance(device, torch.device) and device.type != "cuda")
+    if on_cuda and capturing():  # a CPU device has no pools and no captures
         return make()
     if limit is not None and len(cache) >= limit:
         cache.pop(next(iter(cache)))
-    made = cache[key] = persistent(make, device)
+    made = cache[key] = persistent(make, device) if on_cuda else make()
     return made
 
 
