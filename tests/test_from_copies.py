@@ -178,3 +178,24 @@ def test_a_layer_graph_out_of_step_with_its_forward_is_reported(
     assert layer._graphs is not None and layer._graphs.graph_calls > 0
     lines = [r.getMessage() for r in caplog.records]
     assert len(lines) == 1 and "from a layer graph" in lines[0], lines
+
+
+def test_a_compiled_backward_after_a_no_grad_forward_is_reported(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Compiled, the backward op is not told its forward's call: once the forward count runs
+    ahead of the backward's (a no_grad forward in between) that is logged once, nothing
+    before."""
+    monkeypatch.setattr(linear, "_warned_out_of_step", set())
+    layer = make_layer("cpu", kept=False)
+    compiled = torch.compile(layer, backend="aot_eager", fullgraph=True)
+    (x, dy), *rest = batches("cpu")
+    with caplog.at_level(logging.WARNING, logger="fp4gen"):
+        compiled(x).backward(dy)
+        assert not caplog.records
+        with torch.no_grad():
+            compiled(x)
+        for x, dy in rest:
+            compiled(x).backward(dy)
+    lines = [r.getMessage() for r in caplog.records]
+    assert len(lines) == 1 and "runs after 3 forward calls" in lines[0], lines

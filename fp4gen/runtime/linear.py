@@ -555,6 +555,18 @@ class Linear(
         )
         gathered = _gathered_operand(weight, table, self.name)  # as in forward_gemm
         graphs = None if gathered is not None else self._graphs_for(dy2, table, forward=False)
+        if (
+            forward_call is None
+            and self._forward_calls != call + 1
+            and _rederives_stochastic(table)
+        ):  # a compiled (or grouped) op is not told its forward's call: the counts tell
+            _warn_out_of_step(
+                self.name,
+                f"backward call {call} runs after {self._forward_calls} forward calls and is "
+                "not told its forward's call (a compiled op); if a no_grad forward came in "
+                "between, its 'from' copy quantizes a stochastically rounded forward operand "
+                "with another call's stream",
+            )
         if out_of_step and graphs is not None:  # a replayed graph reads the pass's counter
             _warn_out_of_step(
                 self.name,
