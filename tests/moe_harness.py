@@ -49,6 +49,7 @@ import fp4gen.runtime.linear as linear
 from fp4gen.numerics.quantize import QuantizedTensor
 from fp4gen.runtime import epilogue, ops
 from fp4gen.runtime.experts import GroupedExperts, _ExpertGemm
+from fp4gen.runtime.operands import _values as operand_values
 from fp4gen.settings import LAYER_GRAPHS_VAR, LAYER_GROUPS_VAR
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -171,6 +172,7 @@ def harnessed(harness: Harness) -> Iterator[Harness]:
     real_gemm = linear.gemm
     real_forward, real_backward = _ExpertGemm.forward_gemm, _ExpertGemm.backward_gemms
     real_rows, real_k = grouped.group_rows, grouped.group_k
+    real_operand_matmul = linear.operand_matmul
 
     def forward_gemm(self: _ExpertGemm, *args: Any, **kw: Any) -> Any:
         harness._pending.append([(self.name, "fprop", self.next_forward_call())])
@@ -209,6 +211,16 @@ def harnessed(harness: Harness) -> Iterator[Harness]:
             return out
         return want
 
+    def operand_matmul(a: Any, b: Any) -> torch.Tensor:
+        """A GEMM with an operand in high precision or MoR: the library's exact values and
+        float64 sum, summed on the CPU whatever the device, so a CUDA run and a CPU run hand on
+        the same product (the sum of exact values in float64 may round differently in another
+        order)."""
+        if isinstance(a, QuantizedTensor) and isinstance(b, QuantizedTensor):
+            return real_operand_matmul(a, b)
+        va, vb = operand_values(a), operand_values(b)
+        return (va.cpu() @ vb.cpu().t()).to(torch.float32).to(va.device)
+
     def observe_pair(layer: Any, gemm_name: str, call: int, a: Any, b: Any) -> None:
         harness.record((layer.name, gemm_name, call), a, b)
 
@@ -225,6 +237,7 @@ def harnessed(harness: Harness) -> Iterator[Harness]:
         environment(**{LAYER_GROUPS_VAR: "0", LAYER_GRAPHS_VAR: "0"}),
     ):
         mp.setattr(linear, "gemm", gemm)
+        mp.setattr(linear, "operand_matmul", operand_matmul)
         mp.setattr(_ExpertGemm, "forward_gemm", forward_gemm)
         mp.setattr(_ExpertGemm, "backward_gemms", backward_gemms)
         mp.setattr(grouped, "observe_pair", observe_pair)

@@ -127,3 +127,28 @@ def test_pairs_whose_fp32_products_overflow_are_handed_on_scaled(arch: str) -> N
 
     recipe = parse_recipe(OVERFLOWING, base_dir=None)
     assert experts_problems(recipe, ARCHS.index(arch), "cpu") == []
+
+
+@pytest.mark.parametrize(
+    "recipe",
+    ["operands {\n    * : nvfp4\n    dgrad : bf16\n}\n", "mor_tensor"],
+    ids=["high-precision-dgrad", "mor"],
+)
+def test_gemms_with_a_high_precision_or_mor_operand_are_handed_on_from_the_cpu(
+    recipe: str, monkeypatch
+) -> None:
+    """Such a GEMM is the library's float64 sum of exact values; the harness computes it on
+    the CPU whatever the device (the recipe fuzzer's experts test skipped these tables, whose
+    sums were each device's own), and the comparison holds on the CPU."""
+    import moe_harness
+    from test_recipe_fuzz_gpu import experts_problems
+
+    import fp4gen
+    from fp4gen.dsl import parse_recipe
+
+    handed: list[int] = []
+    real = moe_harness.operand_values
+    monkeypatch.setattr(moe_harness, "operand_values", lambda t: handed.append(1) or real(t))
+    parsed = parse_recipe(recipe, base_dir=None) if "{" in recipe else fp4gen.load_recipe(recipe)
+    assert experts_problems(parsed, 1, "cpu") == []
+    assert handed  # the harness's CPU sums ran

@@ -1094,9 +1094,6 @@ def experts_problems(recipe: Recipe, index: int, device: str) -> list[str] | str
         modules.append(experts_of(model))
     if not isinstance(modules[1], GroupedExperts):
         return "the recipe's layer rules keep the first block's experts"
-    if any(not isinstance(spec.format, BlockFormat) for _, spec in modules[1].operands.items()):
-        # such a GEMM is torch's own product (not handed on), summed in each device's order
-        return "an operand in high precision or MoR: its GEMM is torch's, per device"
     if device == "cpu":
         modules[1].grouped = True
     routes, weights = routing(64, empty=2)
