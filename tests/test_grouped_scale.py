@@ -155,8 +155,9 @@ def test_layouts_the_kernel_does_not_take_run_torch() -> None:
 @pytest.mark.gpu
 @pytest.mark.parametrize("recipe", ["nvfp4_small", "mxfp4", "nvfp4_no_bf16"])
 def test_an_moe_layer_trains_the_same_with_the_kernel(recipe: str) -> None:
-    """The grouped path's fprop, dgrad (the real rows gathered) and wgrad (fp32 and bf16 weight
-    gradients) with the epilogue kernel and with torch's ops: the same bits."""
+    """The grouped path's fprop, dgrad (the real rows gathered) and wgrad (bf16, fp16 and fp32
+    models: the kernel's three outputs) with the epilogue kernel and with torch's ops: the
+    same bits."""
     _cuda()
     pytest.importorskip("transformers")
     from test_moe import build, experts_of, routing, run
@@ -166,7 +167,7 @@ def test_an_moe_layer_trains_the_same_with_the_kernel(recipe: str) -> None:
     for enabled in (True, False):
         previous = set_scale_kernel(enabled)
         try:
-            for dtype in (torch.bfloat16, torch.float32):
+            for dtype in (torch.bfloat16, torch.float16, torch.float32):
                 model = fp4gen.convert(build("qwen3_moe", dtype).cuda(), recipe, seed=3)
                 experts = experts_of(model)
                 experts.grouped = True

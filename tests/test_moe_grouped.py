@@ -55,7 +55,7 @@ def pair(arch: str, dtype: torch.dtype, recipe: str = "nvfp4_no_bf16", device: s
     return loop, group
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("arch", ARCHS)
 @pytest.mark.parametrize("routed", ["top2", "unequal", "every"])
 def test_grouped_equals_the_loop_bit_for_bit(arch, dtype, routed, dequant_loop) -> None:
