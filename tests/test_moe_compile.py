@@ -17,9 +17,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 transformers = pytest.importorskip("transformers")
 
+from test_checkpoint_streams import train_causal_lm  # noqa: E402
 from test_moe import build  # noqa: E402
-
-STEPS = 3
 
 
 def converted(arch: str, grouped: bool) -> torch.nn.Module:
@@ -29,29 +28,15 @@ def converted(arch: str, grouped: bool) -> torch.nn.Module:
     return model
 
 
-def train(model: torch.nn.Module) -> list[torch.Tensor]:
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    ids = torch.randint(0, 128, (2, 32), generator=torch.Generator().manual_seed(1))
-    seen = []
-    for step in range(STEPS):
-        fp4gen.set_step(model, step)
-        loss = model(input_ids=ids, labels=ids).loss
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-        seen.append(loss.detach())
-    return seen + [p.detach().clone() for p in model.parameters()]
-
-
 @pytest.mark.parametrize("grouped", [False, True], ids=["per-expert", "grouped"])
 @pytest.mark.parametrize("arch", ["qwen3_moe", "gpt_oss"])
 def test_blocks_compiled_one_by_one_train_as_eager(arch: str, grouped: bool) -> None:
-    want = train(converted(arch, grouped))
+    want = train_causal_lm(converted(arch, grouped), checkpointed=False)
     model = converted(arch, grouped)
     torch._dynamo.reset()
     for i, layer in enumerate(model.model.layers):
         model.model.layers[i] = torch.compile(layer, backend="aot_eager")
-    got = train(model)
+    got = train_causal_lm(model, checkpointed=False)
     for i, (a, b) in enumerate(zip(got, want, strict=True)):
         assert torch.equal(a, b), i
 

@@ -648,9 +648,7 @@ def grouped_operands(
     spec = groups.layers[0].operands[op]
     every = op.role == "weight" and spec.global_scope == "tensor"
     layers = groups.all_layers if every else groups.layers
-    # a checkpoint's recomputation: the backward's counts (Linear.next_forward_call)
-    counts_forward = forward and not recomputing()
-    calls = [layer._forward_calls if counts_forward else layer._backward_calls for layer in layers]
+    calls = _call_counts(layers, forward)
     experts = len(layers)
     # a weight: every expert's slice, equal groups; an activation or gradient: its tokens
     counts = [rows.shape[0] // experts] * experts if op.role == "weight" else groups.counts
@@ -673,6 +671,13 @@ def grouped_operands(
         return got
     picked = GroupedOperands(got[e] for e in groups.experts)  # decoded per expert: no whole
     return picked
+
+
+def _call_counts(layers: Sequence[Any], forward: bool) -> list[int]:
+    """Each layer's count of the pass's call: the forward's, or in a checkpoint's
+    recomputation (and in the backward) the backward's (``Linear.next_forward_call``)."""
+    counts_forward = forward and not recomputing()
+    return [layer._forward_calls if counts_forward else layer._backward_calls for layer in layers]
 
 
 def _weight_groups(groups: Groups, op: Operand) -> Groups:
@@ -828,9 +833,7 @@ def grouped_tile_operands(
     scope = specs[0].global_scope
     every = ops[0][0].role == "weight" and scope == "tensor"
     layers = groups.all_layers if every else groups.layers
-    # a checkpoint's recomputation: the backward's counts (Linear.next_forward_call)
-    counts_forward = forward and not recomputing()
-    calls = [layer._forward_calls if counts_forward else layer._backward_calls for layer in layers]
+    calls = _call_counts(layers, forward)
     try:
         got = quantize_groups_tile(
             rows,

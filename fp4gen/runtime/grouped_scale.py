@@ -125,18 +125,15 @@ def _kernel(
 def compile_scale_rows(params: Any, arch: str, *, dump_dir: str | None = None) -> Any:
     """The TVM-FFI callable of the epilogue kernel of ``params`` (``ScaleRowsParams``) for
     ``arch`` ("sm_90a" or "sm_100a"); needs no GPU. With ``dump_dir`` the PTX is kept there."""
-    import os
-    import shlex
-
     import cutlass.cute as cute
     from cutlass import BFloat16, Float32, Int32
 
     from fp4gen.kernels.grouped_scale import OUT_TYPES, UNIT, ScaleRowsKernel
+    from fp4gen.kernels.host import compile_options
 
-    options = f"--enable-tvm-ffi --gpu-arch {arch}"
-    if dump_dir is not None:
-        os.makedirs(dump_dir, exist_ok=True)
-        options += f" --keep-ptx --dump-dir {shlex.quote(os.fspath(dump_dir))}"
+    options = compile_options(
+        "grouped_scale", ("scale_rows",), _ARCHS, "scale_rows", arch, dump_dir
+    )
     fake = cute.runtime.make_fake_compact_tensor
     n = cute.sym_int(divisibility=UNIT)
     c = fake(BFloat16, (cute.sym_int(), n), stride_order=(1, 0), assumed_align=16)
