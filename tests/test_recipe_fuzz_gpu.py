@@ -1094,6 +1094,11 @@ def experts_problems(recipe: Recipe, index: int, device: str) -> list[str] | str
         modules.append(experts_of(model))
     if not isinstance(modules[1], GroupedExperts):
         return "the recipe's layer rules keep the first block's experts"
+    table = modules[1].gemms[0][0].operands
+    if modules[1]._keeps_everything(table, torch.bfloat16, torch.bfloat16):
+        # nothing rounds: the replaced module's own torch GEMMs run (GroupedExperts._gemm), each
+        # summed in its device's order; tests/test_moe.py checks that path against the module
+        return "every operand is kept in the model's dtype: torch's own GEMMs on each device"
     if device == "cpu":
         modules[1].grouped = True
     routes, weights = routing(64, empty=2)
