@@ -13,13 +13,19 @@ decorator gives a class, and what any module may offer):
 
 - 3-D parameters ``down_proj`` and ``gate_up_proj`` (``up_proj`` where ``has_gate`` is False),
   one slice per expert along dimension 0;
-- ``is_transposed`` (default False): False for weights [E, out, in] (y = x W^T, Mixtral,
-  Qwen3-MoE), True for [E, in, out] (y = x W, gpt-oss);
+- ``is_transposed``: False for weights [E, out, in] (y = x W^T, Mixtral, Qwen3-MoE), True for
+  [E, in, out] (y = x W, gpt-oss, Llama 4); where absent, read off the shapes (only one of the
+  two readings gives an up and a down projection per slice);
 - ``has_bias`` (default: whether ``<name>_bias`` parameters exist): biases ``gate_up_proj_bias``
   [E, out] and ``down_proj_bias`` [E, H];
 - the activation: ``_apply_gate(gate_up)`` where gated (else ``act_fn(gate) * up`` of the two
   halves), ``act_fn`` where not;
-- no other parameter, and no ``has_post_expert_norm``.
+- no other parameter, and no ``has_post_expert_norm``;
+- the forward's contract, from its signature: ``(hidden_states, top_k_index, top_k_weights)``
+  (routed: the module gathers each expert's tokens, weighs and sums them), or
+  ``(hidden_states)`` alone (sliced, Llama 4's ``Llama4TextExperts``: the rows [E x T, H] are
+  already each expert's T tokens, expert after expert, scaled by the router; the result is
+  every row's projection, [E x T, H]).
 
 The computation is the transformers experts' own (their eager forward): for each expert with routed
 tokens, in expert order, gather its tokens, y = down(gate(up(x))), scale by the routing weight and
@@ -41,6 +47,7 @@ operands of every expert in one grouped quantize, the others per expert).
 
 from __future__ import annotations
 
+import inspect
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -86,6 +93,9 @@ class ExpertsLayout:
     hidden: int  # H: the up projection's in features, the down projection's out features
     up_features: int  # the up projection's out features (2I where gated)
     inner: int  # I: the down projection's in features
+    # forward(hidden_states [E x T, H]) -> [E x T, H], each expert its T rows (module
+    # docstring); False: forward(hidden_states, top_k_index, top_k_weights), routed
+    sliced: bool = False
 
     @property
     def weights(self) -> tuple[str, str]:
@@ -110,7 +120,11 @@ def experts_layout(module: nn.Module) -> ExpertsLayout | str | None:
     kind = type(module).__name__
     if getattr(module, "has_post_expert_norm", False):
         return f"{kind} applies a norm after each expert, which the grouped experts do not run"
-    transposed = bool(getattr(module, "is_transposed", False))
+    sliced = _sliced_contract(module)
+    if isinstance(sliced, str):
+        return sliced
+    declared = getattr(module, "is_transposed", None)
+    transposed = _transposed_shapes(up, down, gated) if declared is None else bool(declared)
     bias = bool(getattr(module, "has_bias", f"{up_name}_bias" in params))
     experts = up.shape[0]
     if transposed:
@@ -144,7 +158,40 @@ def experts_layout(module: nn.Module) -> ExpertsLayout | str | None:
     gate = getattr(module, "_apply_gate", None) if gated else None
     if gate is None and not callable(getattr(module, "act_fn", None)):
         return f"{kind} has no act_fn{' or _apply_gate' if gated else ''}"
-    return ExpertsLayout(experts, up_name, gated, transposed, bias, hidden, up_features, inner)
+    return ExpertsLayout(
+        experts, up_name, gated, transposed, bias, hidden, up_features, inner, sliced
+    )
+
+
+def _transposed_shapes(up: torch.Tensor, down: torch.Tensor, gated: bool) -> bool:
+    """Whether 3-D weights without ``is_transposed`` are [E, in, out]: only that reading gives
+    a down projection back to the up projection's in features (both readings together would
+    need an inner size of 0)."""
+    factor = 2 if gated else 1
+    as_rows = down.shape[1] == up.shape[2] and up.shape[1] == factor * down.shape[2]
+    as_columns = down.shape[2] == up.shape[1] and up.shape[2] == factor * down.shape[1]
+    return as_columns and not as_rows
+
+
+def _sliced_contract(module: nn.Module) -> bool | str:
+    """The forward's contract (module docstring) from its signature: True for
+    ``forward(hidden_states)``, False for ``forward(hidden_states, top_k_index,
+    top_k_weights)``, else why neither."""
+    try:
+        params = list(inspect.signature(module.forward).parameters.values())
+    except (TypeError, ValueError):
+        return f"{type(module).__name__}.forward has no signature to read"
+    positional = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    required = [p for p in positional if p.default is p.empty]
+    if len(required) == 1 and len(positional) == 1:
+        return True
+    if len(positional) >= 3 and len(required) <= 3:
+        return False
+    names = ", ".join(p.name for p in params)
+    return (
+        f"{type(module).__name__}.forward({names}) is neither (hidden_states, top_k_index, "
+        "top_k_weights) nor (hidden_states)"
+    )
 
 
 class _ExpertGemm(ScopedOperands, Linear):
@@ -263,13 +310,35 @@ class GroupedExperts(nn.Module):
         )
 
     def forward(
-        self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
+        self,
+        hidden_states: torch.Tensor,
+        top_k_index: torch.Tensor | None = None,
+        top_k_weights: torch.Tensor | None = None,
     ) -> torch.Tensor:
         lay = self.layout
         if hidden_states.dim() != 2 or hidden_states.shape[1] != lay.hidden:
             raise TensorError(
                 f"{self.name or 'GroupedExperts'}: hidden_states of shape "
                 f"{tuple(hidden_states.shape)}; expected [tokens, {lay.hidden}]"
+            )
+        if lay.sliced:
+            if top_k_index is not None or top_k_weights is not None:
+                raise TensorError(
+                    f"{self.name or 'GroupedExperts'}: these experts take hidden_states alone "
+                    f"(every expert's rows, expert after expert, as {type(self.source).__name__} "
+                    "does); got a routing too"
+                )
+            if hidden_states.shape[0] % lay.num_experts:
+                raise TensorError(
+                    f"{self.name or 'GroupedExperts'}: hidden_states of shape "
+                    f"{tuple(hidden_states.shape)}; expected [{lay.num_experts} x tokens, "
+                    f"{lay.hidden}] (each expert's tokens, expert after expert)"
+                )
+            return self._run_slices(hidden_states)
+        if top_k_index is None or top_k_weights is None:
+            raise TensorError(
+                f"{self.name or 'GroupedExperts'}: top_k_index and top_k_weights are needed "
+                f"(the routing of {type(self.source).__name__}'s forward)"
             )
         if top_k_index.dim() != 2 or top_k_index.shape[0] != hidden_states.shape[0]:
             raise TensorError(
@@ -303,7 +372,33 @@ class GroupedExperts(nn.Module):
         hit = [e for e in hit if 0 <= e < lay.num_experts]
         # [k, tokens], row-major: the token order of transformers' eager loop
         routes = [torch.where((top_k_index == expert).t()) for expert in hit]
-        xs = [hidden_states[token_idx] for _, token_idx in routes]
+        xs = self._project_loop(hit, [hidden_states[token_idx] for _, token_idx in routes])
+        for (top_k_pos, token_idx), y in zip(routes, xs, strict=True):
+            y = y * top_k_weights[token_idx, top_k_pos, None]
+            final.index_add_(0, token_idx, y.to(final.dtype))
+        return final
+
+    # as _run_experts: the per-expert layers' op ids are constants dynamo would trace per expert
+    @torch.compiler.disable
+    def _run_slices(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        """The sliced contract (module docstring): every expert's projections of its own T
+        rows of ``hidden_states`` [E x T, H], expert after expert, grouped where
+        ``loop_reason`` allows; the replaced module's own forward where the table keeps every
+        operand in the tensors' dtype."""
+        lay = self.layout
+        table = self.operands
+        if self._keeps_everything(table, hidden_states.dtype, getattr(self, lay.up).dtype):
+            return type(self.source).forward(self, hidden_states)  # its bmm, its bits
+        tokens = hidden_states.shape[0] // lay.num_experts
+        if tokens == 0:
+            return hidden_states[:0]
+        experts = list(range(lay.num_experts))
+        if self.loop_reason(table, hidden_states.device) is None:
+            return self._project_grouped(hidden_states, experts, [tokens] * lay.num_experts)
+        return torch.cat(self._project_loop(experts, list(hidden_states.split(tokens))))
+
+    def _project_loop(self, hit: list[int], xs: list[torch.Tensor]) -> list[torch.Tensor]:
+        """down(act(up(x))) of each expert in ``hit`` on its tokens ``xs``, expert by expert."""
         # projection by projection: a per-tensor slot's amax is over every expert's operand
         # (each expert's GEMMs are its own layer's: the order changes no bit)
         for proj in (0, 1):
@@ -315,10 +410,7 @@ class GroupedExperts(nn.Module):
                 ys.append(self._gemm(expert, proj, x))
             ys = self._scope_barrier(proj, hit, xs, ys)
             xs = [self._activation(y) for y in ys] if proj == 0 else ys
-        for (top_k_pos, token_idx), y in zip(routes, xs, strict=True):
-            y = y * top_k_weights[token_idx, top_k_pos, None]
-            final.index_add_(0, token_idx, y.to(final.dtype))
-        return final
+        return xs
 
     def _weight_rows(self, proj: int, expert: int) -> torch.Tensor:
         """Expert ``expert``'s weight of projection ``proj`` as [out, in], detached."""
@@ -390,18 +482,25 @@ class GroupedExperts(nn.Module):
             return final
         token_idx, top_k_pos = order % tokens, order // tokens
         hit = [e for e in range(lay.num_experts) if counts[e]]
-        x = hidden_states[token_idx]
+        x = self._project_grouped(hidden_states[token_idx], hit, [counts[e] for e in hit])
+        y = x * top_k_weights[token_idx, top_k_pos, None]
+        return final.index_add_(0, token_idx, y.to(final.dtype))
+
+    def _project_grouped(self, x: torch.Tensor, hit: list[int], counts: list[int]) -> torch.Tensor:
+        """down(act(up(x))) of the rows ``x``, expert ``hit[i]``'s ``counts[i]`` rows after
+        the experts' before it, with grouped GEMMs (``fp4gen.runtime.grouped``)."""
+        lay = self.layout
         for proj in (0, 1):
             if self.observe is not None:
                 start = 0
-                for e in hit:
-                    self.observe(e, proj, x[start : start + counts[e]])
-                    start += counts[e]
+                for e, count in zip(hit, counts, strict=True):
+                    self.observe(e, proj, x[start : start + count])
+                    start += count
             name = lay.weights[proj]
             bias = None if lay.biases is None else getattr(self, lay.biases[proj])
             groups = Groups(
                 hit,
-                [counts[e] for e in hit],
+                counts,
                 [self.gemms[e][proj] for e in hit],
                 lay.transposed,
                 ops.output_dtype(x),
@@ -411,8 +510,7 @@ class GroupedExperts(nn.Module):
             x = GroupedProjection.apply(x, getattr(self, name), bias, groups)
             if proj == 0:
                 x = self._activation(x)
-        y = x * top_k_weights[token_idx, top_k_pos, None]
-        return final.index_add_(0, token_idx, y.to(final.dtype))
+        return x
 
     def loop_reason(self, table: OperandTable, device: torch.device) -> str | None:
         """Why the experts' GEMMs run expert by expert under ``table`` on ``device``, or None
