@@ -346,6 +346,36 @@ def global_scale_problem(
     return None
 
 
+def target_scale_problem(
+    element: ElementFormat, scale: ScaleSpec, bound: float | None, target: float
+) -> str | None:
+    """Why block target ``target`` cannot be used with a global amax scale (bound ``bound``,
+    None: the scale format's max), or None where it can (docs/numerics.md 11.1).
+
+    The global scale maps the tensor's amax A onto P = elem_max * bound, so S_dec = A / P, and a
+    target T maps the largest block's amax onto the block scale elem_max * bound / T, which the
+    scale rounding may take to the next value of its grid (at most the scale cap). The encode
+    factor 1 / (s_b * S_dec) stays finite and non-zero for every A up to fp32's largest value
+    only where that scale is at most P: a larger one overflows the product for amaxes near
+    FLT_MAX, and the block's codes would all be zero."""
+    if scale.element is None:
+        return None  # fp32 scales take no global scale (global_scale_problem says so)
+    elem_max = element.max_finite
+    bound = scale.element.max_finite if bound is None else bound
+    product = elem_max * bound
+    cap = scale_cap(element, scale)
+    wanted = min(elem_max * bound / target, cap)
+    largest = min(next((g for g in grid_values(scale.element) if g >= wanted), cap), cap)
+    if largest <= product:
+        return None
+    return (
+        f"target {target:g} with a global amax scale: the largest block's scale would be "
+        f"{largest:g}, more than elem_max * bound = {elem_max:g} * {bound:g} = {product:g}, so "
+        "for amaxes near fp32's largest value the encode factor 1 / (s_b * S_dec) underflows "
+        "and that block's codes are all zero; use a larger target, or global none"
+    )
+
+
 def options_problem(fmt: BlockFormat) -> str | None:
     """Why the options of docs/numerics.md 11 (targets, global bound, per-row global scales,
     MS-EDEN, stochastic scales) do not fit the rest of ``fmt``, or None where they do. Each
@@ -369,6 +399,11 @@ def options_problem(fmt: BlockFormat) -> str | None:
                 "targets need a block scale computed as amax / target; the ocp rounding fixes "
                 "it from amax's exponent alone (use round up, nearest, down or stochastic)"
             )
+        if fmt.global_scale:
+            for t in fmt.targets:
+                problem = target_scale_problem(elem, scale, fmt.global_bound, t)
+                if problem is not None:
+                    return problem
     if fmt.target_error not in TARGET_ERRORS:
         return f"the targets' error must be one of {TARGET_ERRORS}, got {fmt.target_error!r}"
     if fmt.global_bound is not None and not fmt.global_scale:

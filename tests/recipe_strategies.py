@@ -56,6 +56,7 @@ from fp4gen.formats import (
     ScaleSpec,
     default_special,
     grid_values,
+    target_scale_problem,
 )
 
 Format = BlockFormat | HighPrecision
@@ -389,8 +390,14 @@ class _Writer:
             bound = None
             if want_global and bounds and self.draw(st.integers(0, 2)) == 0:
                 bound = self.draw(st.sampled_from(bounds))
-        # targets: values of the element's grid, by mse or mae; the default again now and then
-        grid = [v for v in grid_values(fmt.element) if v > 0]
+        # targets: values of the element's grid, by mse or mae; the default again now and then;
+        # with a global scale only those whose largest block scale it can carry
+        # (fp4gen.formats.target_scale_problem)
+
+        def carried(t: float) -> bool:
+            return not want_global or target_scale_problem(fmt.element, fmt.scale, bound, t) is None
+
+        grid = [v for v in grid_values(fmt.element) if v > 0 and carried(v)]
         if ocp or self.draw(st.integers(0, 3)) == 0:
             drawn = (
                 ()
@@ -407,6 +414,9 @@ class _Writer:
             elif targets or self.draw(st.integers(0, 4)) == 0:  # back to the element's max
                 targets, target_error = (), "mse"
                 clauses.append(f"targets {exact(elem_max)}{by}")
+        elif not all(carried(t) for t in targets):  # inherited ones the global scale refuses
+            targets, target_error = (), "mse"
+            clauses.append(f"targets {exact(elem_max)}")
         # MS-EDEN: a multiple of the block length along rows; reset where it no longer fits
         fits = one_d and not ocp
         if fits and self.draw(st.integers(0, 3)) == 0:

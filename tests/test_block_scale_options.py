@@ -38,6 +38,10 @@ SR_SCALES = dataclasses.replace(
 HEADER = 'recipe t "t"\n'
 
 
+# an element of max 3.75 with exponent-only scales (the fuzzer's find below)
+TINY = "e1m3 finite block 1x1 scale ue4m0"
+
+
 def recipe_with(formats: str, operands: str = "* : f") -> str:
     return HEADER + formats + "\noperands {\n" + operands + "\n}\n"
 
@@ -309,6 +313,22 @@ def test_existing_formats_print_as_before() -> None:
     assert "targets" not in print_recipe(nvfp4) and "correct" not in print_recipe(nvfp4)
 
 
+def test_a_global_scale_carries_the_targets_it_accepts() -> None:
+    """Every accepted target keeps the largest block scale at most elem_max * bound, so the
+    encode factor of a tensor whose amax is near FLT_MAX is finite and its codes are not zero;
+    a later target clause replaces inherited targets the global scale refuses."""
+    recipe = parse_recipe(
+        recipe_with(f"format a = {TINY} targets 0.25\nformat f = a global amax 2 targets 3.75")
+    )
+    fmt = dict(recipe.formats)["f"]
+    assert fmt.global_bound == 2.0 and fmt.targets == ()
+    x = torch.tensor([[2.0**126, -(2.0**127)]])
+    q = quantize(x, fmt)
+    assert torch.isfinite(q.dequantize()).all() and (q.codes != 0).all()
+    with pytest.raises(ArgumentError, match="scale would be 32"):
+        dataclasses.replace(fmt, targets=(0.25,))
+
+
 @pytest.mark.parametrize(
     ("formats", "operands", "where", "words"),
     [
@@ -331,6 +351,10 @@ def test_existing_formats_print_as_before() -> None:
         ("format f = e2m1 block 1x16 scale fp32 round stochastic", "* : f", (2, 45), "fp32"),
         ("format f = nvfp4 targets 6 4\nformat g = f round ocp", "* : g", (3, 20), "ocp"),
         ("format f = nvfp4 global row", "* : f", (4, 5), "fprop.weight cannot use f's per-row"),
+        # a target whose largest block scale the global scale cannot carry: at amaxes near
+        # FLT_MAX, 1 / (s_b * S_dec) underflowed and the block quantized to zeros (fuzz-found)
+        (f"format f = {TINY} global amax 2 targets 0.25", "* : f", (2, 68), "scale would be 32"),
+        (f"format a = {TINY} targets 0.25\nformat f = a global amax 2", "* : f", (3, 21), "0.25"),
         (
             "format f = nvfp4 global row",
             "* : nvfp4\n}\nlayers {\n first 1 layers : f",

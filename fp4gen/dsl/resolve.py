@@ -405,13 +405,21 @@ class Loader:
             (fd.targets, {"targets": targets, "target_error": target_error}),
             (fd.correct, {"eden_group": eden_group}),
         )
+        try:  # the options checked together: the format they make is what must fit
+            return replace(fmt, **{k: v for _, options in steps for k, v in options.items()})
+        except ArgumentError as exc:  # BlockFormat checks them: options_problem
+            error = exc
+        # named at the first clause whose options, added in order, no longer fit (else at the
+        # last option clause written: only the options together fail)
+        written = [clause for clause, _ in steps if clause is not None]
+        where = written[-1].pos if written else changed.pos
         for clause, options in steps:
             try:
                 fmt = replace(fmt, **options)  # type: ignore[arg-type]
-            except ArgumentError as exc:  # BlockFormat checks them: options_problem
-                where = clause.pos if clause is not None else changed.pos
-                raise where.error(str(exc)) from None
-        return fmt
+            except ArgumentError as exc:
+                error, where = exc, (clause.pos if clause is not None else changed.pos)
+                break
+        raise where.error(str(error)) from None
 
     def _apply(self, unit: Unit, stmt: OperandStmt) -> None:
         """One cascade step: set only the properties the statement names."""
