@@ -366,27 +366,64 @@ def print_row(name: str, ms: float, base: float | None, peak: float | None, note
     _PROFILE_LINES.clear()
 
 
-def layer_section(args: argparse.Namespace, device: str, recipes: list[str]) -> None:
+def llama4_config(args: argparse.Namespace, experts: int, topk: int) -> object:
+    """Llama 4's text config at the benchmark's widths (its MoE block runs every expert on
+    every token, each token's rows scaled by its router score)."""
+    import transformers
+
+    heads = max(args.hidden // 128, 1)
+    return transformers.Llama4TextConfig(
+        vocab_size=VOCAB,
+        hidden_size=args.hidden,
+        intermediate_size=args.inner,
+        intermediate_size_mlp=4 * args.inner,
+        num_hidden_layers=1,
+        num_attention_heads=heads,
+        num_key_value_heads=max(heads // 4, 1),
+        head_dim=args.hidden // heads,
+        num_local_experts=experts,
+        num_experts_per_tok=topk,
+        max_position_embeddings=args.seq,
+    )
+
+
+def layer_block(args: argparse.Namespace, experts: int, topk: int) -> tuple:
+    """(the MoE block's class, its config, the BF16 rows: (name, experts implementation or
+    None for the module's own forward)) of ``--layer-family``."""
+    if args.layer_family == "llama4":
+        from transformers.models.llama4.modeling_llama4 import Llama4TextMoe
+
+        return Llama4TextMoe, llama4_config(args, experts, topk), [("bf16 bmm", None)]
     from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeSparseMoeBlock
 
+    cfg = moe_config("qwen3_moe", args, experts, topk, 1)
+    return Qwen3MoeSparseMoeBlock, cfg, [("bf16 grouped_mm", BASELINE), ("bf16 eager", "eager")]
+
+
+def layer_section(args: argparse.Namespace, device: str, recipes: list[str]) -> None:
     for experts in args.experts:
         for topk in args.topk:
-            cfg = moe_config("qwen3_moe", args, experts, topk, 1)
+            block_class, cfg, baselines = layer_block(args, experts, topk)
+            every = " (Llama 4's block: every expert on every token)"
             print(
                 f"\nMoE layer fwd+bwd: hidden {args.hidden}, inner {args.inner}, {experts} "
                 f"experts, top-{topk}, {args.tokens} tokens, BF16"
+                f"{every if args.layer_family == 'llama4' else ''}"
             )
             print(f"  {'row':34} {'ms':>10} {'x bf16':>8} {'peak GiB':>9}")
             torch.manual_seed(0)
-            source = Qwen3MoeSparseMoeBlock(cfg)
+            source = block_class(cfg)
             with torch.no_grad():  # a bare block is not initialized by transformers (empty)
                 for param in source.parameters():
                     param.normal_(0.0, cfg.initializer_range)
             state = source.state_dict()
 
-            def make(impl: str, cfg: object = cfg, state: dict = state) -> nn.Module:
-                cfg._experts_implementation = impl  # type: ignore[attr-defined]
-                block = Qwen3MoeSparseMoeBlock(cfg)
+            def make(
+                impl: str | None, cfg: object = cfg, state: dict = state, cls: type = block_class
+            ) -> nn.Module:
+                if impl is not None:
+                    cfg._experts_implementation = impl  # type: ignore[attr-defined]
+                block = cls(cfg)
                 block.load_state_dict(state)
                 return block.to(device=device, dtype=torch.bfloat16)
 
@@ -401,7 +438,7 @@ def layer_section(args: argparse.Namespace, device: str, recipes: list[str]) -> 
                 def step() -> None:
                     out = block(inp)
                     out = out[0] if isinstance(out, tuple) else out
-                    out.backward(dy)
+                    out.backward(dy.view_as(out))  # Llama 4's block returns [tokens, hidden]
 
                 reset_peak(device)
                 ms = time_ms(step, device, args.steps)
@@ -410,12 +447,15 @@ def layer_section(args: argparse.Namespace, device: str, recipes: list[str]) -> 
                     profile_step(step, device, args.profile)
                 return ms, peak
 
-            base, peak = measure(make(BASELINE))
-            print_row("bf16 grouped_mm", base, base, peak)
-            ms, peak = measure(make("eager"))
-            print_row("bf16 eager", ms, base, peak)
+            (base_name, base_impl), *others = baselines
+            base, peak = measure(make(base_impl))
+            print_row(base_name, base, base, peak)
+            for name, impl in others:
+                ms, peak = measure(make(impl))
+                print_row(name, ms, base, peak)
             recipe_rows(
-                make, recipes, device, measure, base, "layer",
+                lambda impl, make=make, base_impl=base_impl: make(base_impl),
+                recipes, device, measure, base, "layer",
                 args.quantize_per_expert, args.fp8_per_expert, not args.no_loop,
             )  # fmt: skip
 
@@ -481,6 +521,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--topk", type=ints, default=[2, 8], help="layer rows, e.g. 2,8")
     parser.add_argument("--tokens", type=int, default=8192)
     parser.add_argument("--recipes", default="nvfp4_small,fp8_blockwise")
+    parser.add_argument(
+        "--layer-family",
+        choices=["qwen3_moe", "llama4"],
+        default="qwen3_moe",
+        help="the layer section's MoE block: Qwen3-MoE's sparse block (routed experts, BF16 "
+        "baseline transformers' grouped_mm) or Llama 4's (every expert on every token, "
+        "baseline its own bmm)",
+    )
     parser.add_argument("--model", choices=["qwen3_moe", "mixtral"], default="qwen3_moe")
     parser.add_argument("--model-layers", type=int, default=4)
     parser.add_argument("--model-experts", type=int, default=64)

@@ -44,6 +44,16 @@ def test_layer_and_model_sections_print_every_row(capsys) -> None:
     assert all(ratio >= 0 for _, ratio in got)  # a CPU smoke run: no timing is asserted
 
 
+def test_llama4_layer_rows(capsys) -> None:
+    """--layer-family llama4: Llama 4's MoE block (every expert on every token), its own bmm
+    as the BF16 baseline, then each recipe."""
+    args = [*TINY, "--skip-model", "--layer-family", "llama4", "--recipes", "nvfp4_small"]
+    assert moe.main(args) == 0
+    out = capsys.readouterr().out
+    assert "Llama 4's block: every expert on every token" in out
+    assert [name for name, _ in rows(out)] == ["bf16 bmm", "nvfp4_small"]
+
+
 def test_mixtral_model_only(capsys) -> None:
     assert moe.main([*TINY, "--skip-layer", "--model", "mixtral", "--recipes", "nvfp4_small"]) == 0
     out = capsys.readouterr().out
