@@ -292,12 +292,26 @@ def harnessed_run(
     weights = weights.detach().requires_grad_()
     module.zero_grad(set_to_none=True)
     with harnessed(Harness(check, glue_on_cpu)) as harness:
-        out = module(hidden, index, weights)
+        # sliced experts (Llama 4's contract) take every expert's rows alone: no routing
+        out = module(hidden) if sliced(module) else module(hidden, index, weights)
         g = torch.Generator().manual_seed(2)
         out.backward(torch.randn(out.shape, generator=g).to(out.device, out.dtype))
     grads = {n: p.grad.detach().cpu() for n, p in module.named_parameters() if p.grad is not None}
-    assert hidden.grad is not None and weights.grad is not None
-    return Result(out.detach().cpu(), hidden.grad.cpu(), weights.grad.cpu(), grads, harness)
+    assert hidden.grad is not None
+    # sliced experts have no routing weights: their gradient stands in as an empty tensor
+    routing = weights.grad.cpu() if weights.grad is not None else torch.zeros(0)
+    assert sliced(module) or weights.grad is not None
+    return Result(out.detach().cpu(), hidden.grad.cpu(), routing, grads, harness)
+
+
+def sliced(module: torch.nn.Module) -> bool:
+    """Whether ``module`` (converted or not) holds experts of the sliced contract."""
+    layout = getattr(module, "layout", None)
+    if layout is None:
+        from fp4gen.runtime.experts import experts_layout
+
+        layout = experts_layout(module)
+    return bool(getattr(layout, "sliced", False))
 
 
 def operand_differences(got: Harness, want: Harness) -> list[str]:

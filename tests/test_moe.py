@@ -45,6 +45,16 @@ def build(arch: str, dtype: torch.dtype = torch.float32) -> nn.Module:
             intermediate_size=64, moe_intermediate_size=32, num_experts=4, head_dim=16, **common
         )
         model = transformers.Qwen3MoeForCausalLM(cfg)
+    elif arch == "llama4":  # sliced experts (every expert its own rows): the fuzzers' fourth
+        cfg = transformers.Llama4TextConfig(
+            intermediate_size=32,
+            intermediate_size_mlp=64,
+            num_local_experts=4,
+            head_dim=16,
+            pad_token_id=0,
+            **common,
+        )
+        model = transformers.Llama4ForCausalLM(cfg)
     else:
         cfg = transformers.GptOssConfig(
             intermediate_size=32, num_local_experts=4, head_dim=16, **common
@@ -60,7 +70,8 @@ def build(arch: str, dtype: torch.dtype = torch.float32) -> nn.Module:
 
 
 def experts_of(model: nn.Module, layer: int = 0) -> nn.Module:
-    return model.model.layers[layer].mlp.experts
+    block = model.model.layers[layer]
+    return block.feed_forward.experts if hasattr(block, "feed_forward") else block.mlp.experts
 
 
 def routing(tokens: int = 24, experts: int = 4, empty: int | None = 3) -> tuple[torch.Tensor, ...]:

@@ -1053,8 +1053,9 @@ def test_experts_match_the_reference_path_on_gpu(
     index: int, gpu_batch: list[Recipe | None]
 ) -> None:
     """The drawn recipe on a Mixture-of-Experts layer (tests/test_moe.py's tiny Mixtral,
-    Qwen3-MoE and gpt-oss, in turn): its converted experts' forward and backward on CUDA (the
-    grouped path where the table allows, else the per-expert loop) against the CPU's
+    Qwen3-MoE, gpt-oss and Llama 4, in turn: ``EXPERTS_ARCHS``): its converted experts'
+    forward and backward on CUDA (the grouped path where the table allows, else the per-expert
+    loop) against the CPU's
     reference, as tests/moe_harness.py compares them: every expert GEMM's operands bit for
     bit, every CUDA product within its bound, and with the products handed on every result
     bit for bit (the routing weights' gradient within one bf16 rounding)."""
@@ -1072,16 +1073,21 @@ def test_experts_match_the_reference_path_on_gpu(
         pytest.fail(message)
 
 
+# the MoE families the experts tests run in turn: routed (Mixtral, Qwen3-MoE, gpt-oss with
+# biases and transposed weights) and sliced (Llama 4: every expert its own rows)
+EXPERTS_ARCHS = ("mixtral", "qwen3_moe", "gpt_oss", "llama4")
+
+
 def experts_problems(recipe: Recipe, index: int, device: str) -> list[str] | str:
     """Recipe ``index`` on a converted experts layer on ``device`` (CUDA: the default path; the
     CPU: the grouped path with the definitions standing in for the kernels) against the
     per-expert reference on the CPU: the problems, or why the case does not apply."""
     from moe_harness import harnessed_run, operand_differences, result_differences
-    from test_moe import ARCHS, build, experts_of, routing
+    from test_moe import build, experts_of, routing
 
     from fp4gen.runtime.experts import GroupedExperts
 
-    arch = ARCHS[index % len(ARCHS)]
+    arch = EXPERTS_ARCHS[index % len(EXPERTS_ARCHS)]
     modules = []
     for where in ("cpu", device):
         model = build(arch, torch.bfloat16).to(where)
@@ -1102,7 +1108,8 @@ def experts_problems(recipe: Recipe, index: int, device: str) -> list[str] | str
     if device == "cpu":
         modules[1].grouped = True
     routes, weights = routing(64, empty=2)
-    hidden = torch.randn(64, 64, generator=torch.Generator().manual_seed(index)).bfloat16()
+    rows = 64 * (4 if arch == "llama4" else 1)  # sliced: 4 experts' 64 rows each
+    hidden = torch.randn(rows, 64, generator=torch.Generator().manual_seed(index)).bfloat16()
     args = (hidden, routes, weights.bfloat16())
     want = harnessed_run(modules[0], *args, check=False, glue_on_cpu=True)
     got = harnessed_run(
@@ -1205,21 +1212,21 @@ def test_the_devices_harness_on_the_cpu(cpu_recipes: list[tuple[RecipeCase, Reci
 def test_the_experts_harness_on_the_cpu(tmp_path: Path) -> None:
     """The experts comparison with the grouped path on the CPU (the kernels' definitions
     standing in) against the per-expert reference: no problem, for the first recipes of the
-    default batch it applies to, on each of the three models."""
+    default batch it applies to, on each of the four models."""
     ran = 0
     for i, case in enumerate(batch(DEFAULT_SEED, 40)):
         recipe = load_case(case, tmp_path / f"case{i}")
         if recipe is None:
             continue
-        for index in (i, i + 1, i + 2):  # the three MoE families in turn
+        for index in range(i, i + len(EXPERTS_ARCHS)):  # the MoE families in turn
             problems = experts_problems(recipe, index, "cpu")
             if isinstance(problems, str):
                 break
             ran += 1
             assert not problems, case.listing() + "\n".join(problems)
-        if ran >= 6:
+        if ran >= 8:
             break
-    assert ran >= 6
+    assert ran >= 8
 
 
 def train_params_at_start(dtype: torch.dtype) -> torch.Tensor:
