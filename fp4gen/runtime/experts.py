@@ -21,6 +21,9 @@ decorator gives a class, and what any module may offer):
 - the activation: ``_apply_gate(gate_up)`` where gated (else ``act_fn(gate) * up`` of the two
   halves), ``act_fn`` where not;
 - no other parameter, and no ``has_post_expert_norm``;
+- ``zero_expert_num`` (default 0; LongcatFlash's identity "zero experts"): Z more experts after
+  the E computing ones, which pass their tokens through times the routing weight; the up
+  projection holds E + Z slices (the last Z unused), the down projection E;
 - the forward's contract, from its signature: ``(hidden_states, top_k_index, top_k_weights)``
   (routed: the module gathers each expert's tokens, weighs and sums them), or
   ``(hidden_states)`` alone (sliced, Llama 4's ``Llama4TextExperts``: the rows [E x T, H] are
@@ -96,6 +99,9 @@ class ExpertsLayout:
     # forward(hidden_states [E x T, H]) -> [E x T, H], each expert its T rows (module
     # docstring); False: forward(hidden_states, top_k_index, top_k_weights), routed
     sliced: bool = False
+    # experts num_experts .. num_experts + identity_experts - 1 pass their tokens through,
+    # times the routing weight (the up projection holds unused slices for them)
+    identity_experts: int = 0
 
     @property
     def weights(self) -> tuple[str, str]:
@@ -126,7 +132,10 @@ def experts_layout(module: nn.Module) -> ExpertsLayout | str | None:
     declared = getattr(module, "is_transposed", None)
     transposed = _transposed_shapes(up, down, gated) if declared is None else bool(declared)
     bias = bool(getattr(module, "has_bias", f"{up_name}_bias" in params))
-    experts = up.shape[0]
+    identity = getattr(module, "zero_expert_num", 0) or 0
+    if not isinstance(identity, int) or not 0 <= identity < up.shape[0]:
+        return f"{kind}.zero_expert_num is {identity!r}, its {up_name} holds {up.shape[0]} slices"
+    experts = up.shape[0] - identity
     if transposed:
         hidden, up_features = up.shape[1], up.shape[2]
         inner, down_out = down.shape[1], down.shape[2]
@@ -141,6 +150,8 @@ def experts_layout(module: nn.Module) -> ExpertsLayout | str | None:
         return f"{kind}'s {shapes}: the up projection's out features are not {times}down's in"
     if getattr(module, "num_experts", experts) != experts:
         return f"{kind}.num_experts is {module.num_experts}, its {up_name} holds {experts}"
+    if identity and sliced:
+        return f"{kind}: identity experts belong to the routed contract"
     expected = {up_name: up.shape, "down_proj": down.shape}
     if bias:
         expected[f"{up_name}_bias"] = torch.Size([experts, up_features])
@@ -159,7 +170,7 @@ def experts_layout(module: nn.Module) -> ExpertsLayout | str | None:
     if gate is None and not callable(getattr(module, "act_fn", None)):
         return f"{kind} has no act_fn{' or _apply_gate' if gated else ''}"
     return ExpertsLayout(
-        experts, up_name, gated, transposed, bias, hidden, up_features, inner, sliced
+        experts, up_name, gated, transposed, bias, hidden, up_features, inner, sliced, identity
     )
 
 
@@ -365,7 +376,8 @@ class GroupedExperts(nn.Module):
             not self._keeps_everything(table, hidden_states.dtype, weight.dtype)
             and self.loop_reason(table, hidden_states.device) is None
         ):
-            return self._run_grouped(hidden_states, top_k_index, top_k_weights, final)
+            final = self._run_grouped(hidden_states, top_k_index, top_k_weights, final)
+            return self._add_identity(final, hidden_states, top_k_index, top_k_weights)
         with torch.no_grad():
             hit = torch.unique(top_k_index).tolist()  # sorted: experts in index order
         # not an expert-parallel sentinel (another rank's expert)
@@ -375,6 +387,27 @@ class GroupedExperts(nn.Module):
         xs = self._project_loop(hit, [hidden_states[token_idx] for _, token_idx in routes])
         for (top_k_pos, token_idx), y in zip(routes, xs, strict=True):
             y = y * top_k_weights[token_idx, top_k_pos, None]
+            final.index_add_(0, token_idx, y.to(final.dtype))
+        return self._add_identity(final, hidden_states, top_k_index, top_k_weights)
+
+    def _add_identity(
+        self,
+        final: torch.Tensor,
+        hidden_states: torch.Tensor,
+        top_k_index: torch.Tensor,
+        top_k_weights: torch.Tensor,
+    ) -> torch.Tensor:
+        """``final`` plus the identity experts' tokens times their routing weights, expert by
+        expert in index order after the computing ones (as LongcatFlash's own loop adds them)."""
+        lay = self.layout
+        if not lay.identity_experts:
+            return final
+        end = lay.num_experts + lay.identity_experts
+        with torch.no_grad():
+            hit = [e for e in torch.unique(top_k_index).tolist() if lay.num_experts <= e < end]
+        for expert in hit:
+            top_k_pos, token_idx = torch.where((top_k_index == expert).t())
+            y = hidden_states[token_idx] * top_k_weights[token_idx, top_k_pos, None]
             final.index_add_(0, token_idx, y.to(final.dtype))
         return final
 
