@@ -39,6 +39,9 @@ from fp4gen.runtime.experts import GroupedExperts, experts_layout
 
 transformers = pytest.importorskip("transformers")
 
+from test_moe import RNE  # noqa: E402
+from test_moe_grouped import dequant_loop  # noqa: E402, F401
+
 HIGH = "operands {\n * : bf16\n}\n"
 # every config field a tiny model shrinks, where the family's config has it
 SIZES = dict(
@@ -239,3 +242,26 @@ def test_a_training_step_under_nvfp4(family: str) -> None:
         grads = [p.grad for p in module.parameters(recurse=False) if p.dim() == 3]
         assert grads and all(g is not None and torch.isfinite(g).all() for g in grads)
         assert any(g.abs().sum() > 0 for g in grads)
+
+
+def test_identity_experts_grouped_are_the_loop(tmp_path, dequant_loop) -> None:  # noqa: F811
+    """LongcatFlash's identity experts under an NVFP4 table (its experts converted through a
+    layer rule naming them): the grouped path equals the per-expert loop bit for bit, tokens
+    routed to computing and identity experts alike."""
+    if "longcat_flash" not in FAMILIES:
+        pytest.skip("this transformers has no LongcatFlash")
+    (tmp_path / "rne.fp4r").write_text(RNE)
+    ruled = RNE + 'layers {\n match "*mlp.experts" : recipe "rne.fp4r"\n}\n'
+    modules = []
+    for grouped in (False, True):
+        model = tiny_model("longcat_flash").float()
+        fp4gen.convert(model, parse_recipe(ruled, base_dir=tmp_path), seed=5)
+        module = model.model.layers[0].mlp.experts
+        assert isinstance(module, GroupedExperts) and module.layout.identity_experts == 256
+        module.grouped = grouped
+        modules.append(module)
+    want, got = (run(m, False, 8) for m in modules)  # 4 computing, 4 identity experts
+    for what, a, b in zip(("output", "dx", "routing grad"), got[:3], want[:3], strict=True):
+        assert torch.equal(a, b), what
+    for pname, grad in want[3].items():
+        assert torch.equal(got[3][pname], grad), pname
