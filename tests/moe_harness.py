@@ -363,6 +363,10 @@ def routing_grad_close(got: torch.Tensor, want: torch.Tensor) -> bool:
     (2^-17 sum |terms| for H = 64), each rounding by 2^-8 of its result: the limit is
     2^-8 (|a| + |b|) + 2^-12 max |entry|, whose second term covers the first whenever
     sum |terms| <= 32 max |entry| (measured on these tests' data: at most 4.5)."""
+    if got.shape != want.shape:
+        return False
+    if not want.numel():  # sliced experts (Llama 4) have no routing weights: an empty stand-in
+        return True
     a, b = got.double(), want.double()
     limit = 2.0**-8 * (a.abs() + b.abs()) + 2.0**-12 * b.abs().max()
     return bool(((a - b).abs() <= limit).all())

@@ -43,6 +43,16 @@ from test_moe import RNE  # noqa: E402
 from test_moe_grouped import dequant_loop  # noqa: E402, F401
 
 HIGH = "operands {\n * : bf16\n}\n"
+# the shipped nvfp4 recipe's operand table (SR gradients, RHT on the wgrad operands, 2D weights)
+# without its layer rules
+NVFP4_OPERANDS = """operands {
+    *                : nvfp4 round nearest
+    weight           : block 16x16
+    gradient         : round stochastic8
+    wgrad.activation : rht 16 signs te
+    wgrad.gradient   : rht 16 signs te
+}
+"""
 # every config field a tiny model shrinks, where the family's config has it
 SIZES = dict(
     hidden_size=64,
@@ -265,3 +275,39 @@ def test_identity_experts_grouped_are_the_loop(tmp_path, dequant_loop) -> None: 
         assert torch.equal(a, b), what
     for pname, grad in want[3].items():
         assert torch.equal(got[3][pname], grad), pname
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("recipe", ["rne", "nvfp4"])
+def test_identity_experts_on_cuda_grouped_are_the_loop(tmp_path, recipe: str) -> None:
+    """LongcatFlash's identity experts on CUDA (the grouped kernels, the sentinel rows, the
+    identity sums) against the per-expert loop, as the recipe fuzzer compares
+    (tests/moe_harness.py): every expert GEMM's operands bit for bit, and with the products
+    handed on, the output and every gradient bit for bit; stochastic rounding included."""
+    if "longcat_flash" not in FAMILIES:
+        pytest.skip("this transformers has no LongcatFlash")
+    from moe_harness import harnessed_run, operand_differences, result_differences
+
+    (tmp_path / "inner.fp4r").write_text(RNE if recipe == "rne" else NVFP4_OPERANDS)
+    ruled = HIGH + 'layers {\n match "*mlp.experts" : recipe "inner.fp4r"\n}\n'
+    modules = []
+    for grouped in (False, True):
+        model = tiny_model("longcat_flash").cuda()
+        fp4gen.convert(model, parse_recipe(ruled, base_dir=tmp_path), seed=5)
+        module = model.model.layers[0].mlp.experts
+        assert isinstance(module, GroupedExperts) and module.layout.identity_experts == 256
+        module.grouped = grouped
+        modules.append(module)
+    g = torch.Generator().manual_seed(1)
+    tokens, experts = 40, 8  # 4 computing, 4 identity experts
+    index = torch.stack([torch.randperm(experts, generator=g)[:2] for _ in range(tokens)])
+    weights = torch.rand(tokens, 2, generator=g).bfloat16()
+    hidden = torch.randn(tokens, 64, generator=g).bfloat16()
+    args = (hidden.cuda(), index.cuda(), weights.cuda())
+    want, got = (harnessed_run(m, *args, check=True) for m in modules)
+    assert got.harness.checked > 0 and want.harness.checked > 0
+    problems = want.harness.problems + got.harness.problems
+    problems += operand_differences(got.harness, want.harness)
+    problems += result_differences(got, want)
+    assert not problems, "\n".join(problems)
