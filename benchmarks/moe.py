@@ -93,6 +93,35 @@ def time_ms(fn: Callable[[], object], device: str, steps: int, warmup: int = 2) 
     return statistics.median(times)
 
 
+def host_split(
+    forward: Callable[[], torch.Tensor], backward: Callable[[torch.Tensor], None], steps: int
+) -> str:
+    """Where a fwd+bwd's wall time goes between the host and the GPU (CUDA, synchronized before
+    each pass), medians of ``steps``: the forward until it returns (the experts wait once for
+    the routing's counts inside it), the backward until the host has issued its last launch
+    (autograd returns; nothing in it waits), and the rest of the backward the GPU still had
+    queued then. An issue time close to the backward's whole time means the host, not the GPU,
+    paced it."""
+    fwd, issue, drain = [], [], []
+    for _ in range(steps + 2):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        out = forward()
+        t1 = time.perf_counter()
+        backward(out)
+        t2 = time.perf_counter()
+        torch.cuda.synchronize()
+        t3 = time.perf_counter()
+        fwd.append(t1 - t0)
+        issue.append(t2 - t1)
+        drain.append(t3 - t2)
+    f, i, d = (statistics.median(v[2:]) * 1e3 for v in (fwd, issue, drain))
+    return (
+        f"host split: forward {f:.2f} ms (to its return); backward issued in {i:.2f} ms, "
+        f"then {d:.2f} ms of queued GPU work"
+    )
+
+
 # what --profile found for the row being measured, printed under it by print_row
 _PROFILE_LINES: list[str] = []
 # --profile-dir: where each profiled step's cProfile stats and kernel table are written
@@ -443,6 +472,16 @@ def layer_section(args: argparse.Namespace, device: str, recipes: list[str]) -> 
                 reset_peak(device)
                 ms = time_ms(step, device, args.steps)
                 peak = peak_gib(device)
+                if args.host_split and device == "cuda":
+
+                    def forward() -> torch.Tensor:
+                        out = block(inp)
+                        return out[0] if isinstance(out, tuple) else out
+
+                    def backward(out: torch.Tensor) -> None:
+                        out.backward(dy.view_as(out))
+
+                    _PROFILE_LINES.append("      " + host_split(forward, backward, args.steps))
                 if args.profile:
                     profile_step(step, device, args.profile)
                 return ms, peak
@@ -555,6 +594,12 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="also each grouped recipe with the grouped FP8 GEMM off "
         "(fp4gen.runtime.fp8_grouped.set_grouped_fp8)",
+    )
+    parser.add_argument(
+        "--host-split",
+        action="store_true",
+        help="under each layer row (CUDA): the forward's time, the time the host takes to issue "
+        "the backward and the GPU work still queued after it (is the host or the GPU pacing?)",
     )
     parser.add_argument(
         "--no-loop",
