@@ -232,12 +232,23 @@ def test_experts_convert_or_are_reported(family: str, caplog, tmp_path) -> None:
         assert torch.equal(got[3][pname], grad), pname
 
 
+ON_CUDA = pytest.param(
+    "cuda",
+    marks=[
+        pytest.mark.gpu,
+        pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
+    ],
+)
+
+
+@pytest.mark.parametrize("device", ["cpu", ON_CUDA])
 @pytest.mark.parametrize("family", FAMILIES)
-def test_a_training_step_under_nvfp4(family: str) -> None:
+def test_a_training_step_under_nvfp4(family: str, device: str) -> None:
     """The whole tiny model converted with nvfp4_small trains a step: a finite loss, finite
-    gradients, and a gradient in every converted experts module."""
-    model = tiny_model(family)
-    ids = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(3))
+    gradients, and a gradient in every converted experts module (on CUDA through the grouped
+    kernels, the default there)."""
+    model = tiny_model(family).to(device)
+    ids = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(3)).to(device)
     try:
         with torch.no_grad():
             model(input_ids=ids, labels=ids, use_cache=False)
@@ -306,6 +317,54 @@ def test_identity_experts_on_cuda_grouped_are_the_loop(tmp_path, recipe: str) ->
     hidden = torch.randn(tokens, 64, generator=g).bfloat16()
     args = (hidden.cuda(), index.cuda(), weights.cuda())
     want, got = (harnessed_run(m, *args, check=True) for m in modules)
+    assert got.harness.checked > 0 and want.harness.checked > 0
+    problems = want.harness.problems + got.harness.problems
+    problems += operand_differences(got.harness, want.harness)
+    problems += result_differences(got, want)
+    assert not problems, "\n".join(problems)
+
+
+def _converted_experts(family: str, tmp_path: Path, device: str) -> list[GroupedExperts]:
+    """The family's tiny model on ``device``, its experts converted under the shipped nvfp4
+    operand table (a layer rule naming them where convert does not repeat their blocks):
+    its GroupedExperts modules (none where the family's experts are refused or nn.Linears)."""
+    (tmp_path / "inner.fp4r").write_text(NVFP4_OPERANDS)
+    found = experts_modules(tiny_model(family))
+    if not found:
+        return []
+    ruled = NVFP4_OPERANDS + f'layers {{\n match "{found[0][0]}" : recipe "inner.fp4r"\n}}\n'
+    model = tiny_model(family).to(device)
+    fp4gen.convert(model, parse_recipe(ruled, base_dir=tmp_path), seed=5)
+    return [m for m in model.modules() if isinstance(m, GroupedExperts)]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("family", FAMILIES)
+def test_each_family_on_cuda_grouped_is_the_loop(family: str, tmp_path) -> None:
+    """Each family's converted experts on CUDA under the nvfp4 table (stochastic rounding, RHT,
+    2D weights): the grouped kernels against the per-expert loop, as the recipe fuzzer compares
+    (tests/moe_harness.py): every expert GEMM's operands bit for bit, the products within their
+    bounds, and with the products handed on, the output and every gradient bit for bit. The
+    families' own pieces (biases, activations, clamps, sliced and identity experts) run through
+    the grouped path on the GPU."""
+    from moe_harness import harnessed_run, operand_differences, result_differences
+
+    pair = [_converted_experts(family, tmp_path, "cuda") for _ in range(2)]
+    if not pair[0]:
+        pytest.skip(f"{family}: no experts module converted (nn.Linear experts or refused)")
+    loop, group = pair[0][0], pair[1][0]
+    loop.grouped, group.grouped = False, True
+    layout = group.layout
+    experts = layout.num_experts + min(layout.identity_experts, 4)
+    g = torch.Generator().manual_seed(1)
+    tokens = 40
+    rows = tokens * (experts if layout.sliced else 1)
+    hidden = torch.randn(rows, layout.hidden, generator=g).bfloat16().cuda()
+    index = torch.stack([torch.randperm(experts, generator=g)[:2] for _ in range(tokens)])
+    weights = torch.softmax(torch.rand(tokens, 2, generator=g), 1).bfloat16()
+    args = (hidden, index.cuda(), weights.cuda())
+    want, got = (harnessed_run(m, *args, check=True) for m in (loop, group))
     assert got.harness.checked > 0 and want.harness.checked > 0
     problems = want.harness.problems + got.harness.problems
     problems += operand_differences(got.harness, want.harness)
