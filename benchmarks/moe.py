@@ -22,7 +22,9 @@ process, after the BF16 baseline:
   and, with ``--quantize-per-expert``, ``<recipe> quantize per expert`` (grouped GEMMs, each
   expert's operands quantized by its own launches: ``set_grouped_quantize(False)``); with
   ``--fp8-per-expert``, ``<recipe> fp8 GEMMs per expert`` (the grouped path with the grouped
-  FP8 GEMM off, each expert's dense FP8 GEMM: ``fp8_grouped.set_grouped_fp8(False)``).
+  FP8 GEMM off, each expert's dense FP8 GEMM: ``fp8_grouped.set_grouped_fp8(False)``); with
+  ``--numpy-tables``, ``<recipe> numpy tables`` (every per-CTA table of the grouped quantize
+  filled by numpy on the host: ``host_tables.set_device_built_rows(None)``).
 
 On CUDA a recipe row with a goal of the MoE issue says whether it is met (``TARGETS``): the
 layer's fwd+bwd at most 0.85x BF16 for ``fp8_blockwise`` and 1.2x for the ``nvfp4`` recipes, a
@@ -62,6 +64,7 @@ import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import nn
@@ -74,6 +77,7 @@ from fp4gen.runtime.experts import GroupedExperts  # noqa: E402
 from fp4gen.runtime.fp8_grouped import set_grouped_fp8  # noqa: E402
 from fp4gen.runtime.fp8_kgrouped import set_k_grouped_fp8  # noqa: E402
 from fp4gen.runtime.grouped import set_grouped_product, set_grouped_quantize  # noqa: E402
+from fp4gen.runtime.host_tables import set_device_built_rows  # noqa: E402
 
 VOCAB = 256  # bytes, as benchmarks/train.py
 
@@ -332,6 +336,35 @@ def experts_rows(model: nn.Module) -> list[GroupedExperts]:
     return [m for m in model.modules() if isinstance(m, GroupedExperts)]
 
 
+# a row variant: (the row's suffix, a function that applies its setting and returns the undo,
+# the row's note)
+Variant = tuple[str, Callable[[], Callable[[], object]], str]
+
+
+def _setting(setter: Callable[[Any], Any], value: Any) -> Callable[[], Callable[[], object]]:
+    def apply() -> Callable[[], object]:
+        previous = setter(value)
+        return lambda: setter(previous)
+
+    return apply
+
+
+def variants_of(args: argparse.Namespace) -> list[Variant]:
+    """The extra rows the options ask for under each recipe whose experts run grouped."""
+    found: list[Variant] = []
+    if args.quantize_per_expert:
+        found.append(
+            ("quantize per expert", _setting(set_grouped_quantize, False), "grouped GEMMs")
+        )
+    if args.fp8_per_expert:
+        note = "grouped path, each expert's dense FP8 GEMM"
+        found.append(("fp8 GEMMs per expert", _setting(set_grouped_fp8, False), note))
+    if args.numpy_tables:
+        note = "grouped path, every per-CTA table filled by numpy on the host and copied"
+        found.append(("numpy tables", _setting(set_device_built_rows, None), note))
+    return found
+
+
 def recipe_rows(
     make: Callable[[str], nn.Module],
     recipes: list[str],
@@ -339,15 +372,12 @@ def recipe_rows(
     measure: Callable[[nn.Module], tuple[float, float | None]],
     base: float,
     section: str,
-    quantize_per_expert: bool = False,
-    fp8_per_expert: bool = False,
+    variants: list[Variant] | None = None,
     loop: bool = True,
 ) -> None:
-    """Print each recipe's row (with the issue's goal where it has one, on CUDA), and
-    ``<recipe> loop`` after it where its experts ran grouped (unless not ``loop``); with
-    ``quantize_per_expert`` also ``<recipe> quantize per expert`` (grouped GEMMs, the grouped
-    quantize turned off); with
-    ``fp8_per_expert`` also ``<recipe> fp8 GEMMs per expert`` (the grouped FP8 GEMM off)."""
+    """Print each recipe's row (with the issue's goal where it has one, on CUDA), then, where
+    its experts ran grouped, a row per variant (``variants_of``) and ``<recipe> loop``
+    (unless not ``loop``)."""
     for recipe in recipes:
         model = fp4gen.convert(make(BASELINE), recipe)
         ms, peak = measure(model)
@@ -358,24 +388,14 @@ def recipe_rows(
         goal = target_note(section, recipe, ms / base) if device == "cuda" else ""
         print_row(recipe, ms, base, peak, "; ".join([*paths, *([goal] if goal else [])]))
         del model
-        if grouped and quantize_per_expert:
-            previous = set_grouped_quantize(False)
+        for suffix, apply, note in (variants or []) if grouped else []:
+            undo = apply()
             try:
                 model = fp4gen.convert(make(BASELINE), recipe)
                 ms, peak = measure(model)
             finally:
-                set_grouped_quantize(previous)
-            print_row(f"{recipe} quantize per expert", ms, base, peak, "grouped GEMMs")
-            del model
-        if grouped and fp8_per_expert:
-            previous = set_grouped_fp8(False)
-            try:
-                model = fp4gen.convert(make(BASELINE), recipe)
-                ms, peak = measure(model)
-            finally:
-                set_grouped_fp8(previous)
-            note = "grouped path, each expert's dense FP8 GEMM"
-            print_row(f"{recipe} fp8 GEMMs per expert", ms, base, peak, note)
+                undo()
+            print_row(f"{recipe} {suffix}", ms, base, peak, note)
             del model
         if grouped and loop:
             model = fp4gen.convert(make(BASELINE), recipe)
@@ -495,7 +515,7 @@ def layer_section(args: argparse.Namespace, device: str, recipes: list[str]) -> 
             recipe_rows(
                 lambda impl, make=make, base_impl=base_impl: make(base_impl),
                 recipes, device, measure, base, "layer",
-                args.quantize_per_expert, args.fp8_per_expert, not args.no_loop,
+                variants_of(args), not args.no_loop,
             )  # fmt: skip
 
 
@@ -547,7 +567,7 @@ def model_section(args: argparse.Namespace, device: str, recipes: list[str]) -> 
     print_row("bf16 grouped_mm", base, base, peak)
     recipe_rows(
         make, recipes, device, measure, base, "model",
-        args.quantize_per_expert, args.fp8_per_expert, not args.no_loop,
+        variants_of(args), not args.no_loop,
     )  # fmt: skip
 
 
@@ -594,6 +614,13 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="also each grouped recipe with the grouped FP8 GEMM off "
         "(fp4gen.runtime.fp8_grouped.set_grouped_fp8)",
+    )
+    parser.add_argument(
+        "--numpy-tables",
+        action="store_true",
+        help="also each grouped recipe with every per-CTA table of the grouped quantize kernels "
+        "filled by numpy on the host and copied, as before they were built on the device "
+        "(fp4gen.runtime.host_tables.set_device_built_rows(None))",
     )
     parser.add_argument(
         "--host-split",

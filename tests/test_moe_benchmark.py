@@ -188,3 +188,19 @@ def test_no_loop_leaves_out_the_per_expert_rows(capsys, monkeypatch) -> None:
         )
         assert [name for name, _ in rows(capsys.readouterr().out)] == want
         assert len(measured) == len(want)
+    # a variant's row is measured under its setting, which is undone afterwards
+    from fp4gen.runtime import host_tables
+
+    limits = []
+    variants = moe.variants_of(moe.argparse.Namespace(
+        quantize_per_expert=False, fp8_per_expert=False, numpy_tables=True
+    ))  # fmt: skip
+    moe.recipe_rows(
+        lambda name: model, ["nvfp4_small"], "cpu",
+        lambda m: (limits.append(host_tables._device_built_rows[0]), (2.0, None))[1],
+        1.0, "layer", variants, loop=False,
+    )  # fmt: skip
+    names = [name for name, _ in rows(capsys.readouterr().out)]
+    assert names == ["nvfp4_small", "nvfp4_small numpy tables"]
+    assert limits == [host_tables.DEVICE_BUILT_ROWS, None]
+    assert host_tables._device_built_rows[0] == host_tables.DEVICE_BUILT_ROWS

@@ -35,7 +35,7 @@ import torch
 
 from fp4gen.errors import FP4GenError, TensorError
 from fp4gen.formats import BlockFormat
-from fp4gen.runtime.host_tables import host_table
+from fp4gen.runtime.host_tables import built_on_device, host_table, spread_groups
 from fp4gen.runtime.loader import compiled_once
 
 log = logging.getLogger(__name__)
@@ -140,20 +140,33 @@ def cta_table_tensor(
 ) -> torch.Tensor:
     """``cta_table`` as an int32 [CTAs, 4] tensor on ``device``: built on the host by a few
     numpy ops (microseconds, where a Python tuple per CTA takes milliseconds at an MoE layer's
-    sizes and torch ops would each be a launch or a trip through the dispatcher), then one
-    queued copy (``host_tables``)."""
+    sizes) and sent by one queued copy (``host_tables``), or, from
+    ``host_tables.DEVICE_BUILT_ROWS`` CTAs on a CUDA device, by torch ops there
+    (``host_tables.spread_groups``): the same rows."""
     _check_cta(counts, units_per_row, tile)
+    device = torch.device(device)
     if not counts:
         return torch.zeros((0, 4), dtype=torch.int32, device=device)
     units = np.asarray(counts, dtype=np.int64) * units_per_row
     tiles = -(-units // tile)
     ends = np.cumsum(units)
     starts = ends - units
+    if built_on_device(int(tiles.sum()), device):
+        return _spread_cta_table(tiles, starts, ends, tile, device)
     group = np.repeat(np.arange(len(counts)), tiles)
     first_cta = np.cumsum(tiles) - tiles
     first_unit = starts[group] + (np.arange(group.size) - first_cta[group]) * tile
     table = np.stack((group, first_unit, ends[group], starts[group]), 1).astype(np.int32)
     return host_table(torch.from_numpy(table), torch.int32, device)
+
+
+def _spread_cta_table(
+    tiles: np.ndarray, starts: np.ndarray, ends: np.ndarray, tile: int, device: torch.device
+) -> torch.Tensor:
+    """``cta_table_tensor``'s rows built by torch ops on ``device`` (any device: the tests
+    compare it with the numpy table on the CPU)."""
+    group, index, (start, end) = spread_groups(tiles, np.stack((starts, ends)), device)
+    return torch.stack((group, index.mul_(tile).add_(start), end, start), 1)
 
 
 def _check_cta(counts: Sequence[int], units_per_row: int, tile: int) -> None:

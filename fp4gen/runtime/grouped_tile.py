@@ -39,7 +39,7 @@ import torch
 from fp4gen.errors import FP4GenError, TensorError
 from fp4gen.formats import BlockFormat
 from fp4gen.runtime.grouped_quantize import GroupedOperands, LazyGroups, stacked_scales
-from fp4gen.runtime.host_tables import host_table
+from fp4gen.runtime.host_tables import built_on_device, host_table, spread_groups
 from fp4gen.runtime.loader import compiled_once
 
 log = logging.getLogger(__name__)
@@ -219,20 +219,40 @@ def tile_table_tensor(
 ) -> torch.Tensor:
     """``tile_table`` as an int32 [CTAs, 6] tensor on ``device`` (default the CPU): built on
     the host by a few numpy ops (not a Python row per CTA: thousands per launch at realistic
-    sizes; not torch ops, each a launch or a trip through the dispatcher), then one queued
-    copy (``host_tables``)."""
+    sizes) and sent by one queued copy (``host_tables``), or, from
+    ``host_tables.DEVICE_BUILT_ROWS`` CTAs on a CUDA device, by torch ops there
+    (``host_tables.spread_groups``): the same rows."""
     _check_table(counts, pads, tile_m, tiles_k)
+    device = torch.device(device or "cpu")
     if not counts:
         return torch.zeros((0, 6), dtype=torch.int32, device=device)
     c = np.asarray(counts, dtype=np.int64)
     p = np.asarray(pads, dtype=np.int64)
     tiles = -(-p // tile_m) * tiles_k
+    in_rows, out_rows = np.cumsum(c) - c, np.cumsum(p) - p
+    if built_on_device(int(tiles.sum()), device):
+        return _spread_tile_table(tiles, c, p, in_rows, out_rows, device)
     group = np.repeat(np.arange(len(counts)), tiles)
     tile = np.arange(group.size) - (np.cumsum(tiles) - tiles)[group]
-    in_row = (np.cumsum(c) - c)[group]
-    out_row = (np.cumsum(p) - p)[group]
-    table = np.stack((group, tile, in_row, c[group], p[group], out_row), 1).astype(np.int32)
-    return host_table(torch.from_numpy(table), torch.int32, device or "cpu")
+    table = np.stack((group, tile, in_rows[group], c[group], p[group], out_rows[group]), 1).astype(
+        np.int32
+    )
+    return host_table(torch.from_numpy(table), torch.int32, device)
+
+
+def _spread_tile_table(
+    tiles: np.ndarray,
+    counts: np.ndarray,
+    pads: np.ndarray,
+    in_rows: np.ndarray,
+    out_rows: np.ndarray,
+    device: torch.device,
+) -> torch.Tensor:
+    """``tile_table_tensor``'s rows built by torch ops on ``device`` (any device: the tests
+    compare it with the numpy table on the CPU)."""
+    per_group = np.stack((in_rows, counts, pads, out_rows))
+    group, tile, (in_row, count, pad, out_row) = spread_groups(tiles, per_group, device)
+    return torch.stack((group, tile, in_row, count, pad, out_row), 1)
 
 
 # The tables of recent launches, by (counts, pads, tile_m, tiles_k, device): a table depends on

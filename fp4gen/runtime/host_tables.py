@@ -36,7 +36,7 @@ import torch
 
 from fp4gen.runtime.device_memory import capturing
 
-__all__ = ["host_table"]
+__all__ = ["built_on_device", "host_table", "set_device_built_rows", "spread_groups"]
 
 _NUMPY = {
     torch.int32: np.int32,
@@ -153,3 +153,44 @@ def host_table(
     if device.type != "cuda" or capturing():
         return host.to(device)
     return host.pin_memory().to(device, non_blocking=True)
+
+
+# From this many CTA rows on, a per-CTA table (``spread_groups``) is built on its CUDA device: a
+# numpy table of 50k rows (an MoE layer's grouped quantize at 8192 tokens, top-8) took about
+# 1 ms of the GPU machine's host time to fill plus its 786 KiB copy, where the device build is
+# five queued ops on one small copy whatever its length. Below it the numpy table is as cheap.
+DEVICE_BUILT_ROWS = 4096
+_device_built_rows = [DEVICE_BUILT_ROWS]
+
+
+def set_device_built_rows(rows: int | None) -> int | None:
+    """From how many rows a per-CTA table is built on its CUDA device (``spread_groups``);
+    None builds every table with numpy on the host (benchmarks/moe.py --numpy-tables compares
+    the two). Returns the previous setting."""
+    previous = _device_built_rows[0]
+    _device_built_rows[0] = rows
+    return previous
+
+
+def built_on_device(rows: int, device: torch.device) -> bool:
+    """Whether a per-CTA table of ``rows`` rows for ``device`` is built there."""
+    limit = _device_built_rows[0]
+    return device.type == "cuda" and limit is not None and rows >= limit
+
+
+def spread_groups(
+    tiles: np.ndarray, columns: np.ndarray, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """For groups of ``tiles[g]`` rows each (one per CTA, group after group): each row's group,
+    its index within its group, and its group's ``columns[:, g]`` (int32 [rows], [rows] and
+    [C, rows] on ``device``), built by torch ops on ``device`` from one small copy of the
+    per-group values: the groups' first rows, then ``columns`` ([C, groups]). A row finds its
+    group as the last one whose first row is at or before it, which skips the empty groups
+    (they share their first row with the next group's)."""
+    first = np.cumsum(tiles) - tiles
+    rows = int(first[-1] + tiles[-1]) if len(tiles) else 0
+    small = host_table(torch.from_numpy(np.vstack((first, columns))), torch.int32, device)
+    index = torch.arange(rows, dtype=torch.int32, device=device)
+    group = torch.searchsorted(small[0], index, right=True, out_int32=True).sub_(1)
+    picked = small.index_select(1, group)
+    return group, index.sub_(picked[0]), picked[1:]
