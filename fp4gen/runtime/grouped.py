@@ -509,11 +509,13 @@ def _fprop(
         own_x: list[Any] = []
         own_w: list[Any] = []
         pairs = _Pairs(own_x if inputs is None else inputs, own_w if batched is None else batched)
+        observe = observing()
         for i, (expert, count, layer) in enumerate(
             zip(groups.experts, groups.counts, groups.layers, strict=True)
         ):
             start += count
-            table = layer.operands
+            # each expert's own table only where its layer quantizes (a call per expert)
+            table = layer.operands if inputs is None or batched is None else table0
             # a checkpoint's recomputation: the backward's (Linear.next_forward_call)
             call = layer._backward_calls if recompute else layer._forward_calls
             # each expert's slices only where its own layer quantizes them (a view is a call too)
@@ -544,7 +546,7 @@ def _fprop(
             if fp8:
                 continue
             if whole:  # every expert's values are slices of x_all and w_all: none taken
-                if observing():
+                if observe:
                     observe_pair(layer, "fprop", call, *pairs[i])
                 continue
             xq, wq = pairs[i]
@@ -834,6 +836,9 @@ def grouped_tile_operands(
     every = ops[0][0].role == "weight" and scope == "tensor"
     layers = groups.all_layers if every else groups.layers
     calls = _call_counts(layers, forward)
+    # per group: each op's Philox offset of its call (a list per op, then zipped: no
+    # per-group generator, 64 experts make thousands of those per step)
+    per_op = [[STREAMS_PER_CALL * call + SLOT[op] for call in calls] for op, _ in ops]
     try:
         got = quantize_groups_tile(
             rows,
@@ -842,7 +847,7 @@ def grouped_tile_operands(
             specs[0].format,
             [(direction, s.rounding, s.rht) for (_, direction), s in zip(ops, specs, strict=True)],
             seeds=[layer._seed_of(ops[0][0]) for layer in layers],
-            offsets=[tuple(STREAMS_PER_CALL * call + SLOT[op] for op, _ in ops) for call in calls],
+            offsets=list(zip(*per_op, strict=True)),
             backend="cute",
             scope=scope,
         )
@@ -989,15 +994,19 @@ def _grads(
     dy_rows_ops, dy_cols_ops = (own_dy, own_dy_t) if dy_pairs is None else dy_pairs.copies
     dgrad_pairs = _Pairs(dy_rows_ops, own_w if w_cols is None else w_cols)
     wgrad_pairs = _Pairs(dy_cols_ops, own_x_t if x_cols is None else x_cols)
+    # the K multiples are the module's table's (the experts' tables differ at most in redrawn
+    # RHT signs, never in sizes); the per-expert loop below does only what varies by expert
+    wgrad_k = k_multiple(table0.wgrad_gradient, table0.wgrad_activation, blocks=True)
+    out = dgrad_out
+    own = w_cols is None or dy_pairs is None or x_cols is None
+    observe = observing()
     for i, (expert, count, layer) in enumerate(
         zip(groups.experts, groups.counts, groups.layers, strict=True)
     ):
-        table = layer.operands
+        table = layer.operands if own else table0  # each expert's own table where it quantizes
         call = layer._backward_calls
         first, start = start, start + count  # the expert's rows of x and dy
-        wgrad_k = k_multiple(table.wgrad_gradient, table.wgrad_activation, blocks=True)
-        dgrad_k = k_multiple(table.dgrad_gradient, table.dgrad_weight, blocks=False)
-        tokens, out = round_up(count, wgrad_k), round_up(n_out, dgrad_k)
+        tokens = -(-count // wgrad_k) * wgrad_k  # round_up(count, wgrad_k)
         # the batched dgrad weights where the grouped quantize served them
         if w_cols is None:
             w = _weight(weight, expert, groups.transposed)
@@ -1027,7 +1036,7 @@ def _grads(
         padded.append(tokens)
         wgrad_calls.append((layer, call))
         if not fp8_dgrad and dgrad_whole:  # the values are slices of dy_all and w_col_all
-            if observing():
+            if observe:
                 observe_pair(layer, "dgrad", call, *dgrad_pairs[i])
             padded_start += tokens
         elif not fp8_dgrad:

@@ -545,9 +545,8 @@ def _grouped_kernels(
     )
     sr_copies = [i for i, c in enumerate(params.copies) if c.sr_bits]
     # per group: the seed, then each stochastically rounded copy's offset (lo, hi words each)
-    rows = [
-        [seed, *(offs[i] for i in sr_copies)] for seed, offs in zip(seeds, offsets, strict=True)
-    ]
+    columns = [seeds, *([offs[i] for offs in offsets] for i in sr_copies)]
+    rows = [list(row) for row in zip(*columns, strict=True)]
     words = host.u64_table(rows, ["seed", *["offset"] * len(sr_copies)])
     philox = host_table(torch.from_numpy(words), torch.int32, dev)
     tiles_k = -(-k // params.strip.tile_k)
