@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -197,10 +197,29 @@ class Groups:
     # every expert's GEMM layer of the projection, by expert index (a per-tensor weight slot's
     # amax is over all of them: fp4gen.runtime.grouped_scope); None: ``layers`` are all
     every_layer: list[Any] | None = None
+    # what the launches of one projection call ask of every expert's layer, looked at once
+    _seeds: dict[tuple[str, bool], list[int]] = field(default_factory=dict, repr=False)
+    _reduced: frozenset[Operand] | None = field(default=None, repr=False)
 
     @property
     def all_layers(self) -> list[Any]:
         return self.layers if self.every_layer is None else self.every_layer
+
+    def seeds(self, op: Operand, every: bool = False) -> list[int]:
+        """Each expert's Philox seed of ``op`` (its layer's ``_seed_of``), of ``all_layers``
+        where ``every`` else of ``layers``."""
+        key = (op.role, every)
+        found = self._seeds.get(key)
+        if found is None:
+            layers = self.all_layers if every else self.layers
+            found = self._seeds[key] = [layer._seed_of(op) for layer in layers]
+        return found
+
+    def reduced(self, op: Operand) -> bool:
+        """Whether any expert's layer quantizes ``op`` with its amax group's amax."""
+        if self._reduced is None:
+            self._reduced = frozenset().union(*(layer.amax_operands for layer in self.layers))
+        return op in self._reduced
 
     def give_amaxes(
         self,
@@ -661,7 +680,7 @@ def grouped_operands(
             spec.format,
             rounding=spec.rounding,
             rht=spec.rht,
-            seeds=[layer._seed_of(op) for layer in layers],
+            seeds=groups.seeds(op, every),
             offsets=[STREAMS_PER_CALL * call + SLOT[op] for call in calls],
             backend="cute",
             scope=spec.global_scope,
@@ -846,7 +865,7 @@ def grouped_tile_operands(
             pads,
             specs[0].format,
             [(direction, s.rounding, s.rht) for (_, direction), s in zip(ops, specs, strict=True)],
-            seeds=[layer._seed_of(ops[0][0]) for layer in layers],
+            seeds=groups.seeds(ops[0][0], every),
             offsets=list(zip(*per_op, strict=True)),
             backend="cute",
             scope=scope,
@@ -889,7 +908,7 @@ def _tile_eligible(groups: Groups, op: Operand) -> bool:
         layer0.backend in ("auto", "cute")
         and isinstance(spec.format, BlockFormat)
         and spec.source is None
-        and not any(op in layer.amax_operands for layer in groups.layers)
+        and not groups.reduced(op)
     )
 
 

@@ -313,7 +313,7 @@ def _check_groups(x: torch.Tensor, counts, pads, copies, seeds, offsets) -> None
             f"quantize_groups_tile: copies {directions}; expected rowwise, columnwise or both, "
             "in that order"
         )
-    if any(len(o) != len(copies) for o in offsets):
+    if set(map(len, offsets)) - {len(copies)}:
         raise FP4GenError("quantize_groups_tile: one Philox offset per copy and group")
 
 
@@ -512,7 +512,7 @@ def _grouped_kernels(
     multiple = module.M_MULTIPLE
     if params.copy("col") is not None or params.two_d:
         multiple = math.lcm(multiple, params.block)
-    if any(pad % multiple for pad in pads):
+    if [pad for pad in pads if pad % multiple]:
         raise _Refused(f"padded group rows {list(pads)} are not multiples of {multiple}")
     total = sum(pads)
     if max(m, total) * k >= 2**31:
