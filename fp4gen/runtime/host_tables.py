@@ -158,7 +158,7 @@ def host_table(
 # From this many CTA rows on, a per-CTA table (``spread_groups``) is built on its CUDA device: a
 # numpy table of 50k rows (an MoE layer's grouped quantize at 8192 tokens, top-8) took about
 # 1 ms of the GPU machine's host time to fill plus its 786 KiB copy, where the device build is
-# five queued ops on one small copy whatever its length. Below it the numpy table is as cheap.
+# six to eight queued ops on one small copy whatever its length. Below it numpy is as cheap.
 DEVICE_BUILT_ROWS = 4096
 _device_built_rows = [DEVICE_BUILT_ROWS]
 
