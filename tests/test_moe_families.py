@@ -11,8 +11,9 @@ top-2) from its own config class with the sizes shrunk. Then:
   module's forward and backward bit for bit (output, the inputs' and the routing weights'
   gradients, every parameter's gradient): the layout, the activation, the routing and, for the
   sliced contract (Llama 4), the module's own forward are read correctly;
-- a training step of the whole model under ``nvfp4_small`` gives a finite loss and a gradient
-  for every expert weight that had tokens.
+- a training step of the whole model under each of five shipped recipes (NVFP4, FP8 blockwise,
+  MXFP8, MoR, a format of its own) gives a finite loss and a gradient for every expert weight
+  that had tokens.
 
 A family whose tiny config transformers itself cannot build (its config needs more than the
 sizes shrunk here) is skipped with transformers' error; that is about this test's configs, not
@@ -232,19 +233,25 @@ def test_experts_convert_or_are_reported(family: str, caplog, tmp_path) -> None:
         assert torch.equal(got[3][pname], grad), pname
 
 
-ON_CUDA = pytest.param(
-    "cuda",
-    marks=[
-        pytest.mark.gpu,
-        pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
-    ],
-)
+# shipped recipes whose layer rules leave a 2-block model's experts converted: NVFP4, FP8
+# blockwise, MXFP8, MoR's per-tensor choice and a format of its own (E3M2, blocks of 8)
+STEP_RECIPES = ["nvfp4_small", "fp8_blockwise", "mxfp8", "mor_tensor", "exotic_e3m2_b8"]
+DEVICE_RECIPES = [("cpu", recipe) for recipe in STEP_RECIPES] + [
+    pytest.param(
+        "cuda",
+        "nvfp4_small",
+        marks=[
+            pytest.mark.gpu,
+            pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
+        ],
+    )
+]
 
 
-@pytest.mark.parametrize("device", ["cpu", ON_CUDA])
+@pytest.mark.parametrize(("device", "recipe"), DEVICE_RECIPES)
 @pytest.mark.parametrize("family", FAMILIES)
-def test_a_training_step_under_nvfp4(family: str, device: str) -> None:
-    """The whole tiny model converted with nvfp4_small trains a step: a finite loss, finite
+def test_a_training_step_under_a_recipe(family: str, device: str, recipe: str) -> None:
+    """The whole tiny model converted with ``recipe`` trains a step: a finite loss, finite
     gradients, and a gradient in every converted experts module (on CUDA through the grouped
     kernels, the default there)."""
     model = tiny_model(family).to(device)
@@ -254,7 +261,7 @@ def test_a_training_step_under_nvfp4(family: str, device: str) -> None:
             model(input_ids=ids, labels=ids, use_cache=False)
     except Exception as err:  # noqa: BLE001 - the unconverted model's own failure, any type
         pytest.skip(f"{family}'s tiny model does not run unconverted: {type(err).__name__}: {err}")
-    fp4gen.convert(model, "nvfp4_small")
+    fp4gen.convert(model, recipe)
     experts = [m for m in model.modules() if isinstance(m, GroupedExperts)]
     out = model(input_ids=ids, labels=ids, use_cache=False)
     assert torch.isfinite(out.loss)
