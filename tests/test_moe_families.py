@@ -278,16 +278,7 @@ def test_identity_experts_grouped_are_the_loop(tmp_path, dequant_loop) -> None: 
     routed to computing and identity experts alike."""
     if "longcat_flash" not in FAMILIES:
         pytest.skip("this transformers has no LongcatFlash")
-    (tmp_path / "rne.fp4r").write_text(RNE)
-    ruled = RNE + 'layers {\n match "*mlp.experts" : recipe "rne.fp4r"\n}\n'
-    modules = []
-    for grouped in (False, True):
-        model = tiny_model("longcat_flash").float()
-        fp4gen.convert(model, parse_recipe(ruled, base_dir=tmp_path), seed=5)
-        module = model.model.layers[0].mlp.experts
-        assert isinstance(module, GroupedExperts) and module.layout.identity_experts == 256
-        module.grouped = grouped
-        modules.append(module)
+    modules = longcat_pair(RNE, RNE, tmp_path, lambda m: m.float())
     want, got = (run(m, False, 8) for m in modules)  # 4 computing, 4 identity experts
     for what, a, b in zip(("output", "dx", "routing grad"), got[:3], want[:3], strict=True):
         assert torch.equal(a, b), what
@@ -305,30 +296,46 @@ def test_identity_experts_on_cuda_grouped_are_the_loop(tmp_path, recipe: str) ->
     handed on, the output and every gradient bit for bit; stochastic rounding included."""
     if "longcat_flash" not in FAMILIES:
         pytest.skip("this transformers has no LongcatFlash")
-    from moe_harness import harnessed_run, operand_differences, result_differences
+    inner = RNE if recipe == "rne" else NVFP4_OPERANDS
+    loop, group = longcat_pair(HIGH, inner, tmp_path, lambda m: m.cuda())
+    problems = harness_problems(loop, group, experts=8, rows=40)  # 4 computing, 4 identity
+    assert not problems, "\n".join(problems)
 
-    (tmp_path / "inner.fp4r").write_text(RNE if recipe == "rne" else NVFP4_OPERANDS)
-    ruled = HIGH + 'layers {\n match "*mlp.experts" : recipe "inner.fp4r"\n}\n'
+
+def longcat_pair(base: str, inner: str, tmp_path: Path, place) -> list[GroupedExperts]:
+    """Two copies of LongcatFlash's first experts module (``place`` puts the model on its
+    device and dtype), converted under ``base`` with a layer rule giving the experts the table
+    ``inner``: the per-expert loop, then the grouped path."""
+    (tmp_path / "inner.fp4r").write_text(inner)
+    ruled = base + 'layers {\n match "*mlp.experts" : recipe "inner.fp4r"\n}\n'
     modules = []
     for grouped in (False, True):
-        model = tiny_model("longcat_flash").cuda()
+        model = place(tiny_model("longcat_flash"))
         fp4gen.convert(model, parse_recipe(ruled, base_dir=tmp_path), seed=5)
         module = model.model.layers[0].mlp.experts
         assert isinstance(module, GroupedExperts) and module.layout.identity_experts == 256
         module.grouped = grouped
         modules.append(module)
+    return modules
+
+
+def harness_problems(loop: GroupedExperts, group: GroupedExperts, experts: int, rows: int):
+    """The differences between the loop's and the grouped path's fwd+bwd on CUDA, as the recipe
+    fuzzer finds them (tests/moe_harness.py), for ``rows`` tokens routed top-2 among
+    ``experts`` (a sliced module: each expert's ``rows`` rows)."""
+    from moe_harness import harnessed_run, operand_differences, result_differences
+
     g = torch.Generator().manual_seed(1)
-    tokens, experts = 40, 8  # 4 computing, 4 identity experts
-    index = torch.stack([torch.randperm(experts, generator=g)[:2] for _ in range(tokens)])
-    weights = torch.rand(tokens, 2, generator=g).bfloat16()
-    hidden = torch.randn(tokens, 64, generator=g).bfloat16()
+    hidden_rows = rows * (experts if group.layout.sliced else 1)
+    hidden = torch.randn(hidden_rows, group.layout.hidden, generator=g).bfloat16()
+    index = torch.stack([torch.randperm(experts, generator=g)[:2] for _ in range(rows)])
+    weights = torch.softmax(torch.rand(rows, 2, generator=g), 1).bfloat16()
     args = (hidden.cuda(), index.cuda(), weights.cuda())
-    want, got = (harnessed_run(m, *args, check=True) for m in modules)
+    want, got = (harnessed_run(m, *args, check=True) for m in (loop, group))
     assert got.harness.checked > 0 and want.harness.checked > 0
     problems = want.harness.problems + got.harness.problems
     problems += operand_differences(got.harness, want.harness)
-    problems += result_differences(got, want)
-    assert not problems, "\n".join(problems)
+    return problems + result_differences(got, want)
 
 
 def _converted_experts(family: str, tmp_path: Path, device: str) -> list[GroupedExperts]:
@@ -355,25 +362,11 @@ def test_each_family_on_cuda_grouped_is_the_loop(family: str, tmp_path) -> None:
     bounds, and with the products handed on, the output and every gradient bit for bit. The
     families' own pieces (biases, activations, clamps, sliced and identity experts) run through
     the grouped path on the GPU."""
-    from moe_harness import harnessed_run, operand_differences, result_differences
-
     pair = [_converted_experts(family, tmp_path, "cuda") for _ in range(2)]
     if not pair[0]:
         pytest.skip(f"{family}: no experts module converted (nn.Linear experts or refused)")
     loop, group = pair[0][0], pair[1][0]
     loop.grouped, group.grouped = False, True
-    layout = group.layout
-    experts = layout.num_experts + min(layout.identity_experts, 4)
-    g = torch.Generator().manual_seed(1)
-    tokens = 40
-    rows = tokens * (experts if layout.sliced else 1)
-    hidden = torch.randn(rows, layout.hidden, generator=g).bfloat16().cuda()
-    index = torch.stack([torch.randperm(experts, generator=g)[:2] for _ in range(tokens)])
-    weights = torch.softmax(torch.rand(tokens, 2, generator=g), 1).bfloat16()
-    args = (hidden, index.cuda(), weights.cuda())
-    want, got = (harnessed_run(m, *args, check=True) for m in (loop, group))
-    assert got.harness.checked > 0 and want.harness.checked > 0
-    problems = want.harness.problems + got.harness.problems
-    problems += operand_differences(got.harness, want.harness)
-    problems += result_differences(got, want)
+    experts = group.layout.num_experts + min(group.layout.identity_experts, 4)
+    problems = harness_problems(loop, group, experts=experts, rows=40)
     assert not problems, "\n".join(problems)
