@@ -234,9 +234,8 @@ def tile_table_tensor(
         return _spread_tile_table(tiles, c, p, in_rows, out_rows, device)
     group = np.repeat(np.arange(len(counts)), tiles)
     tile = np.arange(group.size) - (np.cumsum(tiles) - tiles)[group]
-    table = np.stack((group, tile, in_rows[group], c[group], p[group], out_rows[group]), 1).astype(
-        np.int32
-    )
+    columns = (group, tile, in_rows[group], c[group], p[group], out_rows[group])
+    table = np.stack(columns, 1).astype(np.int32)
     return host_table(torch.from_numpy(table), torch.int32, device)
 
 
