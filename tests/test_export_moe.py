@@ -157,10 +157,13 @@ def routed_amax(model, ids_list) -> dict[tuple[int, int], float]:
     def hook(_, args):
         hidden, index = args[0], args[1]
         for e in range(4):
-            x = hidden[(index == e).any(dim=1)]
+            # the expert's tokens in its eager loop's order ([k, tokens], row-major), as the
+            # module multiplies them: a CPU GEMM may round a row otherwise where it sits at
+            # another row of the operand (one ulp of an amax on one host, in token order)
+            x = hidden[torch.where((index == e).t())[1]]
             if not x.numel():
                 continue
-            h = source._apply_gate(x @ source.gate_up_proj[e].t())
+            h = source._apply_gate(torch.nn.functional.linear(x, source.gate_up_proj[e]))
             for proj, t in ((0, x), (1, h)):
                 seen[(e, proj)] = max(seen.get((e, proj), 0.0), float(t.abs().amax()))
 
