@@ -494,6 +494,15 @@ def test_u64_table_is_the_words_of_each_value() -> None:
     want = [[w for v in row for w in host.u64_words(v)] for row in rows]
     assert got.dtype.name == "int32" and got.tolist() == want
     assert host.u64_table([], ["seed"]).shape == (0, 2)
+    # rows as tuples (a zip of the columns), and values only int64 holds or only uint64 does
+    assert (
+        host.u64_table([tuple(row) for row in rows], ["seed", "offset", "offset"]).tolist() == want
+    )
+    assert host.u64_table([(5, 2**63 + 1)], ["seed", "offset"]).tolist() == [[5, 0, 1, -(2**31)]]
     for bad in (-1, 2**64, 1.0, True):
         with pytest.raises(ValueError, match="offset must be an integer in"):
             host.u64_table([[3, bad]], ["seed", "offset"])
+        with pytest.raises(ValueError, match="offset must be an integer in"):
+            host.u64_table([(3, 4), (3, bad)], ["seed", "offset"])  # one bad row of several
+    with pytest.raises(ValueError):
+        host.u64_table([(3, 4), (3,)], ["seed", "offset"])  # a short row

@@ -10,8 +10,10 @@ Plain Python and torch, no device code: a generated module's ``compile_kernel``,
 
 from __future__ import annotations
 
+import itertools
 import os
 import shlex
+from collections.abc import Sequence
 
 import numpy as np
 import torch
@@ -108,17 +110,30 @@ def u64_words(value: int) -> list[int]:
     return [i32(value & 0xFFFFFFFF), i32(value >> 32)]
 
 
-def u64_table(rows: list[list[int]], names: list[str]) -> np.ndarray:
+def u64_table(rows: Sequence[Sequence[int]], names: list[str]) -> np.ndarray:
     """Rows of uint64 values (seeds, Philox offsets; ``names[j]`` says what column j holds) as
     the kernels' int32 words: each value its (low word, high word) pair, as ``u64_words``, an
     int32 array [rows, 2 x columns]. ValueError unless every value is an int in [0, 2^64), as
     ``check_u64`` says. One numpy pass for a launch's table (a grouped launch has one row per
     group: per-value calls were a measurable share of its host time)."""
-    for row in rows:
-        for name, value in zip(names, row, strict=True):
-            if type(value) is not int or not 0 <= value < 1 << 64:
-                check_u64(name, value)  # raises, naming the value
-    values = np.array(rows, dtype=np.uint64).reshape(len(rows), len(names))
+    # the checks value by value only where a value may be wrong: plain ints (one type test of
+    # every value at C speed) in [0, 2^64) in a table of the right shape pass without them
+    values = None
+    if set(map(type, itertools.chain.from_iterable(rows))) <= {int}:
+        values = np.asarray(rows)
+    if (
+        values is None
+        or values.dtype.kind not in "iu"
+        or values.shape != (len(rows), len(names))
+        or (values.dtype.kind == "i" and bool((values < 0).any()))
+    ):
+        for row in rows:
+            for name, value in zip(names, row, strict=True):
+                if type(value) is not int or not 0 <= value < 1 << 64:
+                    check_u64(name, value)  # raises, naming the value
+        # valid after all (values from 2^63 on mixed with others: numpy took floats)
+        values = np.array(rows, dtype=np.uint64)
+    values = values.astype(np.uint64).reshape(len(rows), len(names))
     low = (values & np.uint64(0xFFFFFFFF)).astype(np.uint32)
     high = (values >> np.uint64(32)).astype(np.uint32)
     return np.stack((low, high), axis=-1).reshape(len(rows), 2 * len(names)).view(np.int32)

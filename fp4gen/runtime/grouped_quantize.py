@@ -333,7 +333,7 @@ def _grouped_kernels(
     s_dec = (torch.empty if params.global_scale else torch.ones)(
         groups, dtype=torch.float32, device=dev
     )
-    rows = [[seed, offset] for seed, offset in zip(seeds, offsets, strict=True)]
+    rows = list(zip(seeds, offsets, strict=True))
     words = host.u64_table(rows, ["seed", "offset"])  # per group: seed, offset (lo, hi words)
     philox = host_table(torch.from_numpy(words), torch.int32, dev)
     if params.global_scale:
