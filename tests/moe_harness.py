@@ -224,12 +224,12 @@ def harnessed(harness: Harness) -> Iterator[Harness]:
     def observe_pair(layer: Any, gemm_name: str, call: int, a: Any, b: Any) -> None:
         harness.record((layer.name, gemm_name, call), a, b)
 
-    def group_rows(a: torch.Tensor, b: torch.Tensor, ends: list) -> torch.Tensor:
-        got = real_rows(a, b, ends) if harness.check else None
+    def group_rows(a: torch.Tensor, b: torch.Tensor, ends: list, offs=None) -> torch.Tensor:
+        got = real_rows(a, b, ends, offs) if harness.check else None
         return _grouped_bound_check(harness, "rows", got, a, b, list(ends)).float().to(a.device)
 
-    def group_k(a: torch.Tensor, b: torch.Tensor, ends: list) -> torch.Tensor:
-        got = real_k(a, b, ends) if harness.check else None
+    def group_k(a: torch.Tensor, b: torch.Tensor, ends: list, offs=None) -> torch.Tensor:
+        got = real_k(a, b, ends, offs) if harness.check else None
         return _grouped_bound_check(harness, "k", got, a, b, list(ends)).float().to(a.device)
 
     with (

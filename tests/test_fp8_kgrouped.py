@@ -16,7 +16,7 @@ import torch
 from fp4gen.errors import FP4GenError, TensorError
 from fp4gen.formats import BUILTIN_FORMATS, BlockFormat, ScaleSpec
 from fp4gen.numerics import quantize
-from fp4gen.runtime import fp8_kgrouped
+from fp4gen.runtime import fp8_grouped, fp8_kgrouped
 
 CUTE_DSL = importlib.util.find_spec("cutlass") is not None
 needs_dsl = pytest.mark.skipif(not CUTE_DSL, reason="needs the CuTe DSL (nvidia-cutlass-dsl)")
@@ -36,7 +36,7 @@ def test_the_tile_walk_covers_every_group_once(ks, m, n) -> None:
     column) of its C once, each tile with its group's K range."""
     from fp4gen.kernels.gemm_sm90_fp8_kgrouped import k_tile_walk
 
-    koffs = fp8_kgrouped.offsets_of(ks)
+    koffs = fp8_grouped.offsets_of(ks)
     tiles = k_tile_walk(koffs, m, n)
     per_group = -(-m // 128) * -(-n // 128)
     assert len(tiles) == len(ks) * per_group
@@ -330,12 +330,14 @@ def test_experts_k_grouped_wgrad_is_the_loops_on_the_cpu(monkeypatch, arch, from
 
     monkeypatch.setattr(grouped, "_first_group", recorded_first_group)
 
-    def k_grouped(a, b, *, out_dtype, flats=(None, None), global_scales=(None, None)):
+    def k_grouped(a, b, *, out_dtype, flats=(None, None), global_scales=(None, None), offsets=None):
         template_a = flats[0] if from_flats else a[0]
         template_b = flats[1] if from_flats else b[0]
         _, args = fp8_kgrouped.k_grouped_launch(
-            a, b, out_dtype=out_dtype, flats=flats, global_scales=global_scales
+            a, b, out_dtype=out_dtype, flats=flats, global_scales=global_scales, offsets=offsets
         )
+        # the groups' K offsets are the routing's table, made once for every launch
+        assert offsets is not None and args[6] is offsets[1]
         launches.append(getattr(a, "built", None))
         ga, gb = groups_from_arguments(args, template_a, template_b)
         gemm = linear_module.gemm

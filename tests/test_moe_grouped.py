@@ -184,13 +184,13 @@ def recorded_products(
     calls: list[tuple[str, torch.Tensor, torch.Tensor, list]] = []
     rows, k = grouped.group_rows, grouped.group_k
 
-    def record_rows(a, b, ends):
+    def record_rows(a, b, ends, offs=None):
         calls.append(("rows", a.clone(), b.clone(), list(ends)))
-        return rows(a, b, ends)
+        return rows(a, b, ends, offs)
 
-    def record_k(a, b, ends):
+    def record_k(a, b, ends, offs=None):
         calls.append(("k", a.clone(), b.clone(), list(ends)))
-        return k(a, b, ends)
+        return k(a, b, ends, offs)
 
     monkeypatch.setattr(grouped, "group_rows", record_rows)
     monkeypatch.setattr(grouped, "group_k", record_k)
@@ -485,3 +485,50 @@ def test_per_row_global_scales_run_per_expert(dequant_loop) -> None:
     assert "per-row global scales" in gt._kernel_reason(x, per_row, (("rowwise", "nearest", None),))
     groups = [reference_quantize(x[:3], per_row), None, reference_quantize(x[3:], per_row)]
     assert gq.stacked_scales(groups) is None
+
+
+def test_routing_tables_hold_the_groups_rows_ends_offsets_and_shifts() -> None:
+    """``RoutingTables.of``: one copy holding each group's rows, their running ends, the
+    offsets (0, then the ends) and the shift of each group's padded rows from its real ones;
+    ``real_rows`` gives the same index from them as from the host lists."""
+    cpu = torch.device("cpu")
+    padded, real = [16, 0, 32, 16], [3, 0, 20, 16]
+    t = grouped.RoutingTables.of(padded, real, cpu)
+    assert t.counts.tolist() == padded and t.counts.dtype == torch.int32
+    assert t.ends.tolist() == [16, 16, 48, 64]
+    assert t.offsets.tolist() == t.host_offsets == [0, 16, 16, 48, 64]
+    assert t.shifts.tolist() == [0, 13, 13, 25]  # padded first row - real first row
+    counts = grouped.RoutingTables.of(real, real, cpu).counts
+    assert torch.equal(
+        grouped.real_rows(real, padded, cpu, (t.shifts, counts)),
+        grouped.real_rows(real, padded, cpu),
+    )
+
+
+def test_grouped_fp8_launches_take_the_routings_offsets_only_where_they_are_theirs() -> None:
+    from fp4gen.runtime.fp8_grouped import offsets_tensor
+
+    cpu = torch.device("cpu")
+    t = grouped.RoutingTables.of([16, 0, 32], [16, 0, 32], cpu)
+    assert offsets_tensor([16, 0, 32], t.offsets_for([16, 0, 32]), cpu) is t.offsets
+    other = offsets_tensor([16, 16, 16], t.offsets_for([16, 0, 32]), cpu)  # not these groups
+    assert other is not t.offsets and other.tolist() == [0, 16, 32, 48]
+    assert offsets_tensor([8], None, cpu).tolist() == [0, 8]
+
+
+def test_both_projections_of_a_routing_share_its_tables(monkeypatch) -> None:
+    """The experts' grouped path copies the routing's tables once per layer pass: one set for
+    the forward's counts, one for the backward's padded rows, whatever the projections."""
+    made = []
+    real_of = grouped.RoutingTables.of.__func__
+
+    def counted(cls, rows, real, device):
+        made.append(tuple(rows))
+        return real_of(cls, rows, real, device)
+
+    monkeypatch.setattr(grouped.RoutingTables, "of", classmethod(counted))
+    _, group = pair("mixtral", torch.bfloat16)
+    index, weights = unequal_routing()
+    hidden = torch.randn(70, 64).to(torch.bfloat16)
+    run(group, hidden, index, weights.to(torch.bfloat16))
+    assert len(made) == 2 and made[0] != made[1]  # the routing's counts, then padded

@@ -523,6 +523,7 @@ class GroupedExperts(nn.Module):
         """down(act(up(x))) of the rows ``x``, expert ``hit[i]``'s ``counts[i]`` rows after
         the experts' before it, with grouped GEMMs (``fp4gen.runtime.grouped``)."""
         lay = self.layout
+        tables: dict = {}  # the routing's device tables, shared by both projections' groups
         for proj in (0, 1):
             if self.observe is not None:
                 start = 0
@@ -539,6 +540,7 @@ class GroupedExperts(nn.Module):
                 ops.output_dtype(x),
                 f"{self.name or 'GroupedExperts'}.{name}",
                 [pair[proj] for pair in self.gemms],
+                tables=tables,
             )
             x = GroupedProjection.apply(x, getattr(self, name), bias, groups)
             if proj == 0:

@@ -115,6 +115,20 @@ def offsets_of(counts: Sequence[int]) -> list[int]:
     return offsets
 
 
+def offsets_tensor(
+    counts: Sequence[int],
+    given: tuple[Sequence[int], torch.Tensor] | None,
+    device: torch.device,
+) -> torch.Tensor:
+    """``offsets_of(counts)`` as an int32 tensor on ``device``: the caller's (``given``: the
+    host values and their device tensor, e.g. ``grouped.RoutingTables``: one copy for every
+    launch of a routing) where they are these offsets, else one copy of its own."""
+    offsets = offsets_of(counts)
+    if given is not None and list(given[0]) == offsets and given[1].device == device:
+        return given[1]
+    return host_table(offsets, torch.int32, device)
+
+
 def _check(
     a: Sequence[QuantizedTensor | None],
     b: Sequence[QuantizedTensor | None],
@@ -180,6 +194,7 @@ def grouped_launch(
     sms: int | None = None,
     wholes: tuple[Any, Any] = (None, None),
     global_scales: tuple[torch.Tensor | None, torch.Tensor | None] = (None, None),
+    offsets: tuple[Sequence[int], torch.Tensor] | None = None,
 ) -> tuple[GroupedPlan, list]:
     """The plan and the kernel's arguments (module docstring) for groups ``a`` and ``b``,
     without the launch; ``sms``: the persistent grid's limit (default: the device's SM count).
@@ -188,7 +203,9 @@ def grouped_launch(
     arguments as they are, not a concatenation of the groups' (a copy of every code); and
     ``global_scales`` every group's S_dec as one fp32 [groups] tensor
     (``GroupedOperands.global_scales``); None: from the groups. Either is used only where no
-    group of its side is None and its rows are the groups' rows.
+    group of its side is None and its rows are the groups' rows. ``offsets``: the groups'
+    first rows as host values and a device tensor, used where they are these groups'
+    (``offsets_tensor``).
     Raises TensorError for groups that cannot be multiplied and FP4GenError for a pair the
     kernel does not serve. Runs on any device (the CPU tests check the layouts). An empty
     group is None in ``a`` (as ``grouped_quantize.quantize_groups`` gives it), its B None or
@@ -238,7 +255,7 @@ def grouped_launch(
         scales_b,
         _globals(global_scales[0], a, one, dev, whole=launched is not None),
         _globals(global_scales[1], b, one, dev, whole=launched is not None),
-        host_table(offsets_of(rows), torch.int32, dev),
+        offsets_tensor(rows, offsets, dev),
         torch.empty((m, n), dtype=plan.kernel_out, device=dev),
     ]
     if bias is not None:
@@ -379,16 +396,24 @@ def grouped_block_scaled(
     bias: torch.Tensor | None = None,
     wholes: tuple[Any, Any] = (None, None),
     global_scales: tuple[torch.Tensor | None, torch.Tensor | None] = (None, None),
+    offsets: tuple[Sequence[int], torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """C [sum M_g, N] in ``out_dtype`` with C_g = S_a[g] S_b[g] sum_b s_a s_b P_b (+
     bias[g]) for every group in one launch of the grouped FP8 kernel (module docstring);
-    ``bias`` [G, N] or None; ``wholes``, ``global_scales``: as ``grouped_launch``. Raises
-    TensorError for groups that cannot be multiplied and FP4GenError where the kernel does
-    not serve them (not CUDA, not sm_90a, the pair): the caller's cue to run the groups one
-    by one. An empty group: None in ``a`` (``grouped_launch``)."""
+    ``bias`` [G, N] or None; ``wholes``, ``global_scales``, ``offsets``: as
+    ``grouped_launch``. Raises TensorError for groups that cannot be multiplied and
+    FP4GenError where the kernel does not serve them (not CUDA, not sm_90a, the pair): the
+    caller's cue to run the groups one by one. An empty group: None in ``a``
+    (``grouped_launch``)."""
     launch_device(a, wholes[0], "grouped FP8 GEMM")
     plan, args = grouped_launch(
-        a, b, out_dtype=out_dtype, bias=bias, wholes=wholes, global_scales=global_scales
+        a,
+        b,
+        out_dtype=out_dtype,
+        bias=bias,
+        wholes=wholes,
+        global_scales=global_scales,
+        offsets=offsets,
     )
     c = args[7]
     if c.shape[0]:  # every group empty: nothing to launch
@@ -409,5 +434,6 @@ __all__ = [
     "launch_device",
     "log_fallback",
     "offsets_of",
+    "offsets_tensor",
     "set_grouped_fp8",
 ]

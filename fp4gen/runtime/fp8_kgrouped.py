@@ -42,9 +42,8 @@ from fp4gen.runtime.fp8_grouped import (
     grid_limit,
     launch_device,
     launch_shapes,
-    offsets_of,
+    offsets_tensor,
 )
-from fp4gen.runtime.host_tables import host_table
 
 # set_k_grouped_fp8: on since tests/test_fp8_kgrouped_gpu.py passed on an H200 (12 tests)
 _enabled = [True]
@@ -196,12 +195,15 @@ def k_grouped_launch(
     sms: int | None = None,
     flats: tuple[Any, Any] = (None, None),
     global_scales: tuple[torch.Tensor | None, torch.Tensor | None] = (None, None),
+    offsets: tuple[Sequence[int], torch.Tensor] | None = None,
 ) -> tuple[KGroupedPlan, list]:
     """The plan and the kernel's arguments (module docstring) for groups ``a`` and ``b``,
     without the launch; ``sms``: the persistent grid's limit (default: the device's SM count).
     ``flats``: each side's groups as one launch's flat columnwise copy (``GroupedOperands.flat``)
     where there is one, and ``global_scales`` every group's S_dec as one fp32 [groups] tensor:
     with the groups' shapes known, the arguments come from these and no group is read.
+    ``offsets``: the groups' first K as host values and a device tensor, used where they are
+    these groups' (``fp8_grouped.offsets_tensor``).
     Raises TensorError for groups that cannot be multiplied and FP4GenError for a pair or a
     group K the kernel does not take. Runs on any device (the CPU tests check the layouts)."""
     launched = _launched(a, b, flats) if _from_flats[0] else None
@@ -245,7 +247,7 @@ def k_grouped_launch(
         scales_b.contiguous(),
         _globals(global_scales[0], a, one, dev, whole=launched is not None),
         _globals(global_scales[1], b, one, dev, whole=launched is not None),
-        host_table(offsets_of(ks), torch.int32, dev),
+        offsets_tensor(ks, offsets, dev),
         torch.empty((groups * m, n), dtype=plan.kernel_out, device=dev),
     ]
     args.append(grid_limit(sms, dev))
@@ -259,15 +261,16 @@ def k_grouped_block_scaled(
     out_dtype: torch.dtype = torch.float32,
     flats: tuple[Any, Any] = (None, None),
     global_scales: tuple[torch.Tensor | None, torch.Tensor | None] = (None, None),
+    offsets: tuple[Sequence[int], torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """C [G, M, N] in ``out_dtype`` with C[g] = S_a[g] S_b[g] sum_b s_a s_b P_b over group g's
     K-blocks, one launch (module docstring); an empty group (None, None) gives zeros. Raises
     TensorError for groups that cannot be multiplied and FP4GenError where the kernel does not
     serve them (not CUDA, not sm_90a, the pair, a group's K): the caller's cue to run the
-    groups one by one. ``flats``, ``global_scales``: as ``k_grouped_launch``."""
+    groups one by one. ``flats``, ``global_scales``, ``offsets``: as ``k_grouped_launch``."""
     launch_device(a, flats[0], "K-grouped FP8 GEMM")
     plan, args = k_grouped_launch(
-        a, b, out_dtype=out_dtype, flats=flats, global_scales=global_scales
+        a, b, out_dtype=out_dtype, flats=flats, global_scales=global_scales, offsets=offsets
     )
     c = args[7]
     fp8_gemm.cute_kernel(plan.params)(*args)

@@ -31,10 +31,11 @@ of ``torch.mm`` over the groups computes the same product (logged once).
 
 from __future__ import annotations
 
+import itertools
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -92,16 +93,22 @@ def _exact_on_cuda(a: torch.Tensor) -> bool:
     return a.device.type == "cuda" and _product[0] == "fp32"
 
 
-def group_rows(a: torch.Tensor, b: torch.Tensor, ends: Sequence[int]) -> torch.Tensor:
+def group_rows(
+    a: torch.Tensor, b: torch.Tensor, ends: Sequence[int], offs: torch.Tensor | None = None
+) -> torch.Tensor:
     """C [M, N] with C[s:e] = a[s:e] @ b[g]^T for the groups of rows that end at ``ends`` (a
     [M, K], b [G, N, K]): fprop and dgrad. In the product's dtype (``product_dtype``: bf16 from
-    ``torch._grouped_mm`` on CUDA, else fp32), C being the caller's; ``scale_rows`` finishes it."""
+    ``torch._grouped_mm`` on CUDA, else fp32), C being the caller's; ``scale_rows`` finishes it.
+    ``offs``: ``ends`` as an int32 tensor on a's device where the caller has it
+    (``Groups.count_tables``)."""
     # autocast would round fp32 block values to 16 bits: the product keeps the types given
     with torch.autocast(a.device.type, enabled=False):
-        return _group_rows(a, b, ends)
+        return _group_rows(a, b, ends, offs)
 
 
-def _group_rows(a: torch.Tensor, b: torch.Tensor, ends: Sequence[int]) -> torch.Tensor:
+def _group_rows(
+    a: torch.Tensor, b: torch.Tensor, ends: Sequence[int], offs: torch.Tensor | None
+) -> torch.Tensor:
     if _exact_on_cuda(a):
         a, b = a.to(torch.bfloat16), b.to(torch.bfloat16)
         out = torch.empty((a.shape[0], b.shape[1]), dtype=torch.float32, device=a.device)
@@ -113,7 +120,8 @@ def _group_rows(a: torch.Tensor, b: torch.Tensor, ends: Sequence[int]) -> torch.
     dtype = product_dtype(a.device)
     a, b = a.to(dtype), b.to(dtype)
     if grouped_mm_available():
-        offs = host_table(list(ends), torch.int32, a.device)
+        if offs is None:
+            offs = host_table(list(ends), torch.int32, a.device)
         try:
             return torch._grouped_mm(a, b.transpose(1, 2), offs=offs)
         except (RuntimeError, ValueError) as err:  # a layout it refuses (stride alignment)
@@ -128,15 +136,19 @@ def _group_rows(a: torch.Tensor, b: torch.Tensor, ends: Sequence[int]) -> torch.
     return out
 
 
-def group_k(a: torch.Tensor, b: torch.Tensor, ends: Sequence[int]) -> torch.Tensor:
+def group_k(
+    a: torch.Tensor, b: torch.Tensor, ends: Sequence[int], offs: torch.Tensor | None = None
+) -> torch.Tensor:
     """C [G, N, M] with C[g] = a[:, s:e] @ b[:, s:e]^T for the groups of columns (the GEMM's
     K) that end at ``ends`` (a [N, K], b [M, K]): wgrad, K being the tokens. In the product's
-    dtype, as ``group_rows``'."""
+    dtype, as ``group_rows``' (``offs`` too)."""
     with torch.autocast(a.device.type, enabled=False):
-        return _group_k(a, b, ends)
+        return _group_k(a, b, ends, offs)
 
 
-def _group_k(a: torch.Tensor, b: torch.Tensor, ends: Sequence[int]) -> torch.Tensor:
+def _group_k(
+    a: torch.Tensor, b: torch.Tensor, ends: Sequence[int], offs: torch.Tensor | None
+) -> torch.Tensor:
     if _exact_on_cuda(a):
         a, b = a.to(torch.bfloat16), b.to(torch.bfloat16)
         out = torch.empty((len(ends), a.shape[0], b.shape[0]), dtype=torch.float32, device=a.device)
@@ -149,7 +161,8 @@ def _group_k(a: torch.Tensor, b: torch.Tensor, ends: Sequence[int]) -> torch.Ten
     dtype = product_dtype(a.device)
     a, b = a.to(dtype), b.to(dtype)
     if grouped_mm_available():
-        offs = host_table(list(ends), torch.int32, a.device)
+        if offs is None:
+            offs = host_table(list(ends), torch.int32, a.device)
         try:
             return torch._grouped_mm(a, b.t(), offs=offs)
         except (RuntimeError, ValueError) as err:
@@ -183,6 +196,33 @@ def _scaled(
     return torch.addcmul(bias.detach().float(), taken, alpha[:, None], out=out)
 
 
+class RoutingTables(NamedTuple):
+    """One routing's per-group rows as device tables, int32 (``Groups.count_tables``): the
+    groups of ``rows[g]`` rows (the real tokens, or their padded rows) hold ``real[g]`` real
+    tokens each."""
+
+    counts: torch.Tensor  # rows[g]
+    ends: torch.Tensor  # rows[0] + ... + rows[g]
+    offsets: torch.Tensor  # 0, then ``ends``: each group's first row, and the end
+    shifts: torch.Tensor  # group g's first row minus its real tokens' first row
+    host_offsets: list[int]  # ``offsets`` on the host
+
+    @classmethod
+    def of(cls, rows: Sequence[int], real: Sequence[int], device: torch.device) -> RoutingTables:
+        g = len(rows)
+        offsets = [0, *itertools.accumulate(rows)]
+        real_starts = [0, *itertools.accumulate(real)]
+        shifts = [o - r for o, r in zip(offsets[:g], real_starts[:g], strict=True)]
+        table = host_table([*rows, *offsets, *shifts], torch.int32, device)
+        counts, offs, shift = table.split((g, g + 1, g))
+        return cls(counts, offs[1:], offs, shift, offsets)
+
+    def offsets_for(self, rows: Sequence[int]) -> tuple[list[int], torch.Tensor]:
+        """``(host_offsets, offsets)``: what a grouped FP8 launch takes as its groups' first
+        rows, for it to use where its own groups' rows are ``rows`` (``fp8_grouped``)."""
+        return self.host_offsets, self.offsets
+
+
 @dataclass
 class Groups:
     """The experts one projection runs for, in order: each expert's index, token count and
@@ -200,6 +240,28 @@ class Groups:
     # what the launches of one projection call ask of every expert's layer, looked at once
     _seeds: dict[tuple[str, bool], list[int]] = field(default_factory=dict, repr=False)
     _reduced: frozenset[Operand] | None = field(default=None, repr=False)
+    # the routing's device tables (``count_tables``, ``padded_tables``), made once per routing:
+    # the caller may hand one dict to the groups of every projection of a routing
+    tables: dict[Any, Any] = field(default_factory=dict, repr=False)
+
+    def count_tables(self, device: torch.device) -> RoutingTables:
+        """The groups' row counts, their running ends and first rows, int32 on ``device`` (the
+        repeats of the per-row scales, ``torch._grouped_mm``'s offsets, the grouped FP8
+        GEMM's), from one copy."""
+        key = ("counts", device)
+        found = self.tables.get(key)
+        if found is None:
+            found = self.tables[key] = RoutingTables.of(self.counts, self.counts, device)
+        return found
+
+    def padded_tables(self, padded: Sequence[int], device: torch.device) -> RoutingTables:
+        """``count_tables`` of the groups' rows padded to ``padded`` (the backward's), with
+        each group's shift from its real rows to its padded ones (``real_rows``)."""
+        key = ("padded", tuple(padded), device)
+        found = self.tables.get(key)
+        if found is None:
+            found = self.tables[key] = RoutingTables.of(padded, self.counts, device)
+        return found
 
     @property
     def all_layers(self) -> list[Any]:
@@ -594,12 +656,14 @@ def _fprop(
                 groups.name,
                 wholes=(getattr(inputs, "whole", None), getattr(batched, "whole", None)),
                 global_scales=(_scales_of(inputs), _scales_of(batched)),
+                offsets=groups.count_tables(x.device).offsets_for(groups.counts),
             )
-        counts = host_table(groups.counts, torch.int64, x.device)
+        routed = groups.count_tables(x.device)
+        counts, ends = routed.counts, routed.ends
         a = torch.cat(values) if x_all is None else x_all
         b = torch.stack(weights) if w_all is None else w_all.reshape(len(groups.experts), n_out, -1)
         c = _native(pairs, x.device, by_rows=True)
-        c = group_rows(a, b, _ends(groups.counts)) if c is None else c
+        c = group_rows(a, b, _ends(groups.counts), ends) if c is None else c
         # the row count given: repeat_interleave would otherwise wait for the GPU to learn it
         rows = sum(groups.counts)
         alpha = (torch.cat(alphas) if alpha_all is None else alpha_all).repeat_interleave(
@@ -708,7 +772,9 @@ def _weight_groups(groups: Groups, op: Operand) -> Groups:
     if spec.global_scope != "tensor" or groups.every_layer is None:
         return groups
     every = list(range(len(groups.every_layer)))
-    return replace(groups, experts=every, counts=[0] * len(every), layers=groups.every_layer)
+    return replace(
+        groups, experts=every, counts=[0] * len(every), layers=groups.every_layer, tables={}
+    )
 
 
 def _eligible(groups: Groups, op: Operand) -> bool:
@@ -933,17 +999,26 @@ def _batched(weight: torch.Tensor, groups: Groups, *, transposed: bool) -> torch
     return w.contiguous().reshape(-1, w.shape[2])
 
 
-def real_rows(counts: Sequence[int], padded: Sequence[int], device: torch.device) -> torch.Tensor:
+def real_rows(
+    counts: Sequence[int],
+    padded: Sequence[int],
+    device: torch.device,
+    tables: tuple[torch.Tensor, torch.Tensor] | None = None,
+) -> torch.Tensor:
     """The rows of the groups' real tokens among their padded rows (group g's ``counts[g]``
     rows from the sum of the padded counts before it), int32 on ``device`` (the epilogue
     kernel's gather index): a few launches whatever the number of groups (the row count is
-    known here, so ``repeat_interleave`` does not wait for the GPU)."""
+    known here, so ``repeat_interleave`` does not wait for the GPU). ``tables``: each group's
+    shift and count as int32 tensors on ``device`` where the caller has them
+    (``Groups.padded_tables``, ``Groups.count_tables``)."""
     total = sum(counts)
-    real_starts = [end - n for end, n in zip(_ends(counts), counts, strict=True)]
-    padded_starts = [end - n for end, n in zip(_ends(padded), padded, strict=True)]
-    shift = [p - r for p, r in zip(padded_starts, real_starts, strict=True)]
-    per_group = host_table([shift, list(counts)], torch.int32, device)
-    moved = torch.repeat_interleave(per_group[0], per_group[1], output_size=total)
+    if tables is None:
+        real_starts = [end - n for end, n in zip(_ends(counts), counts, strict=True)]
+        padded_starts = [end - n for end, n in zip(_ends(padded), padded, strict=True)]
+        shift = [p - r for p, r in zip(padded_starts, real_starts, strict=True)]
+        per_group = host_table([shift, list(counts)], torch.int32, device)
+        tables = (per_group[0], per_group[1])
+    moved = torch.repeat_interleave(tables[0], tables[1], output_size=total)
     return torch.arange(total, dtype=torch.int32, device=device) + moved
 
 
@@ -954,11 +1029,7 @@ def _experts_index(groups: Groups, device: torch.device) -> torch.Tensor:
 
 
 def _ends(counts: Sequence[int]) -> list[int]:
-    ends, total = [], 0
-    for n in counts:
-        total += n
-        ends.append(total)
-    return ends
+    return list(itertools.accumulate(counts))
 
 
 def _grads(
@@ -1077,7 +1148,9 @@ def _grads(
             padded_start += tokens
     advance_devices(groups.layers, forward=False)  # after every expert's launches above
     # dgrad: the padded token rows of every expert, then the real rows taken back
-    real = real_rows(groups.counts, padded, dy.device)
+    padded_t = groups.padded_tables(padded, dy.device)
+    count_t = groups.count_tables(dy.device).counts
+    real = real_rows(groups.counts, padded, dy.device, (padded_t.shifts, count_t))
     if fp8_dgrad:  # the rounding to x's dtype in the FP8 GEMM's epilogue, per expert
         dx = _fp8_products(
             dgrad_pairs,
@@ -1087,6 +1160,7 @@ def _grads(
             groups.name,
             wholes=(getattr(dy_pairs, "whole", None), getattr(w_cols, "whole", None)),
             global_scales=(_scales_of(dy_pairs, 0), _scales_of(w_cols)),
+            offsets=padded_t.offsets_for(padded),
         )[real]
     else:
         if w_col_all is None:
@@ -1095,12 +1169,11 @@ def _grads(
             w_stack = w_col_all.reshape(len(groups.experts), n_in, -1)
         c = _native(dgrad_pairs, dy.device, by_rows=True)
         dy_rows = torch.cat(dy_values) if dy_all is None else dy_all
-        c = group_rows(dy_rows, w_stack, _ends(padded)) if c is None else c
+        c = group_rows(dy_rows, w_stack, _ends(padded), padded_t.ends) if c is None else c
         if dgrad_alphas is None:
             per_row = torch.cat(dy_alphas)[real]
         else:  # group g's alpha on each of its real rows, as the padded rows' taken at ``real``
-            counts = host_table(groups.counts, torch.int64, dy.device)
-            per_row = dgrad_alphas.repeat_interleave(counts, output_size=sum(groups.counts))
+            per_row = dgrad_alphas.repeat_interleave(count_t, output_size=sum(groups.counts))
         dx = _scaled(c, per_row, None, x.dtype, rows=real)
     # wgrad: the experts' token columns side by side, one group each
     if fp8_wgrad:  # grouped along K: one K-grouped launch, or each expert's dense FP8 GEMM
@@ -1110,6 +1183,7 @@ def _grads(
             groups.name,
             flats=(getattr(dy_pairs, "flat", None), getattr(x_cols, "flat", None)),
             global_scales=(_scales_of(dy_pairs, 1), _scales_of(x_cols)),
+            offsets=padded_t.offsets_for(padded),
         )[:, :n_out]
     else:
         gt_values, xt_values, per_group = _wgrad_values(
@@ -1117,7 +1191,8 @@ def _grads(
         )
         c = _native(wgrad_pairs, dy.device, by_rows=False)
         if c is None:
-            c = group_k(torch.cat(gt_values, dim=1), torch.cat(xt_values, dim=1), _ends(padded))
+            gt, xt = torch.cat(gt_values, dim=1), torch.cat(xt_values, dim=1)
+            c = group_k(gt, xt, _ends(padded), padded_t.ends)
         g, n, m = c.shape
         per_rows = per_group.repeat_interleave(n, output_size=g * n)  # a row of C: its group's
         dw_groups = _scaled(c.reshape(g * n, m), per_rows, None, weight.dtype).view(g, n, m)
@@ -1206,6 +1281,7 @@ def _fp8_products(
     *,
     wholes: tuple[Any, Any] = (None, None),
     global_scales: tuple[Any, Any] = (None, None),
+    offsets: tuple[list[int], torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """The experts' block-scaled FP8 GEMMs of ``pairs`` (A_e [M_e, K], B_e [N, K]) as C
     [sum M_e, N] in ``out_dtype``, with ``bias`` [experts, N] (or None) and the global scales in
@@ -1215,7 +1291,7 @@ def _fp8_products(
     once (INFO, logger ``fp4gen.runtime.fp8_grouped``). ``wholes`` and ``global_scales``:
     each side's groups as one tensor where one grouped launch wrote them
     (``GroupedOperands.whole``, ``.global_scales``), passed as the kernel's arguments as they are
-    (``fp8_grouped.grouped_launch``)."""
+    (``fp8_grouped.grouped_launch``; ``offsets`` too)."""
     from fp4gen.runtime.fp8_grouped import grouped_block_scaled, log_fallback
 
     # each side as its sequence: a grouped launch's groups are built only where read
@@ -1226,7 +1302,13 @@ def _fp8_products(
     if reason is None:
         try:
             return grouped_block_scaled(
-                a, b, out_dtype=out_dtype, bias=bias, wholes=wholes, global_scales=global_scales
+                a,
+                b,
+                out_dtype=out_dtype,
+                bias=bias,
+                wholes=wholes,
+                global_scales=global_scales,
+                offsets=offsets,
             )
         except FP4GenError as err:  # a kernel that did not compile or load, a refused pair
             reason = str(err)
@@ -1246,6 +1328,7 @@ def _fp8_wgrad(
     *,
     flats: tuple[Any, Any] = (None, None),
     global_scales: tuple[Any, Any] = (None, None),
+    offsets: tuple[list[int], torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """The experts' block-scaled FP8 wgrad GEMMs (A_e [out, K_e], B_e [in, K_e]: the groups
     run along K) as [experts, out, in] in ``out_dtype``: one launch of the K-grouped kernel
@@ -1253,7 +1336,7 @@ def _fp8_wgrad(
     it is on and ``fp8_grouped_reason`` allows, else each expert's dense GEMM (the loop's own
     products), the reason logged once. ``flats``, ``global_scales``: each side's groups as one
     launch wrote them (``GroupedOperands.flat``, ``.global_scales``), the kernel's arguments
-    then made from these without reading a group."""
+    then made from these without reading a group; ``offsets``: as ``_fp8_products``'."""
     from fp4gen.runtime.fp8_grouped import log_fallback
     from fp4gen.runtime.fp8_kgrouped import k_grouped_block_scaled, k_grouped_fp8_enabled
 
@@ -1264,7 +1347,12 @@ def _fp8_wgrad(
         if reason is None:
             try:
                 return k_grouped_block_scaled(
-                    a, b, out_dtype=out_dtype, flats=flats, global_scales=global_scales
+                    a,
+                    b,
+                    out_dtype=out_dtype,
+                    flats=flats,
+                    global_scales=global_scales,
+                    offsets=offsets,
                 )
             except FP4GenError as err:  # a kernel that did not compile or load, a refused pair
                 reason = str(err)

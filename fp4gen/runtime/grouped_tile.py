@@ -120,9 +120,7 @@ def flat_row_length(sizes: Sequence[int], block: int, longest: int = 4096) -> in
     largest such L up to ``longest`` (longer rows need no fewer launches), or None where no
     group has values or the block does not tile them."""
     base = math.lcm(block, 8)
-    length = 0
-    for size in sizes:
-        length = math.gcd(length, size)
+    length = math.gcd(*sizes)
     if length == 0 or length % base:
         return None
     while length > longest and (length // 2) % base == 0:
@@ -545,7 +543,7 @@ def _grouped_kernels(
     sr_copies = [i for i, c in enumerate(params.copies) if c.sr_bits]
     # per group: the seed, then each stochastically rounded copy's offset (lo, hi words each)
     columns = [seeds, *([offs[i] for offs in offsets] for i in sr_copies)]
-    rows = [list(row) for row in zip(*columns, strict=True)]
+    rows = list(zip(*columns, strict=True))
     words = host.u64_table(rows, ["seed", *["offset"] * len(sr_copies)])
     philox = host_table(torch.from_numpy(words), torch.int32, dev)
     tiles_k = -(-k // params.strip.tile_k)
