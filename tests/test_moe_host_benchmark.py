@@ -17,6 +17,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 pytest.importorskip("transformers")
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
@@ -79,3 +80,33 @@ def test_nvfp4_builds_no_operand_per_expert(monkeypatch) -> None:
         moe_host.measure(sizes(experts), "nvfp4_small")
         per_run.append(len(built))
     assert per_run[0] == per_run[1] > 0
+
+
+@pytest.mark.parametrize(("recipe", "tables"), [("fp8_blockwise", 0), ("nvfp4_small", 2)])
+def test_philox_tables_only_for_launches_that_draw_random_bits(monkeypatch, recipe, tables):
+    """A grouped launch that rounds to nearest gets the kept zero table (its kernel reads no
+    Philox words) instead of a table built and copied per launch: FP8 blockwise (every
+    operand round to nearest) builds none per fwd+bwd, NVFP4 only the gradients' launches
+    (stochastic rounding; one per projection)."""
+    from fp4gen.kernels import host
+
+    built = []
+    real = host.u64_table
+
+    def counted(rows, names):
+        built.append(len(names))
+        return real(rows, names)
+
+    monkeypatch.setattr(host, "u64_table", counted)
+    moe_host.measure(sizes(4), recipe)  # two warm-up passes, one timed, one counted, ...
+    per_pass = len(built) / 5  # ... one profiled (moe_host.measure: five fwd+bwd at steps=1)
+    assert per_pass == tables
+
+
+def test_the_unread_table_is_kept_per_device_and_width() -> None:
+    from fp4gen.runtime.host_tables import unread_table
+
+    cpu = torch.device("cpu")
+    t = unread_table(cpu, 4)
+    assert t.shape == (1, 4) and t.dtype == torch.int32 and not t.any()
+    assert unread_table(cpu, 4) is t and unread_table(cpu, 2).shape == (1, 2)

@@ -35,7 +35,7 @@ import torch
 
 from fp4gen.errors import FP4GenError, TensorError
 from fp4gen.formats import BlockFormat
-from fp4gen.runtime.host_tables import built_on_device, host_table, spread_groups
+from fp4gen.runtime.host_tables import built_on_device, host_table, spread_groups, unread_table
 from fp4gen.runtime.loader import compiled_once
 
 log = logging.getLogger(__name__)
@@ -333,9 +333,12 @@ def _grouped_kernels(
     s_dec = (torch.empty if params.global_scale else torch.ones)(
         groups, dtype=torch.float32, device=dev
     )
-    rows = list(zip(seeds, offsets, strict=True))
-    words = host.u64_table(rows, ["seed", "offset"])  # per group: seed, offset (lo, hi words)
-    philox = host_table(torch.from_numpy(words), torch.int32, dev)
+    if params.philox:
+        rows = list(zip(seeds, offsets, strict=True))
+        words = host.u64_table(rows, ["seed", "offset"])  # per group: seed, offset (lo, hi)
+        philox = host_table(torch.from_numpy(words), torch.int32, dev)
+    else:  # the kernel draws no random bits: its Philox table is never read
+        philox = unread_table(dev, 4)
     if params.global_scale:
         tile = params.amax_threads * params.amax_units
         if scope == "tensor":

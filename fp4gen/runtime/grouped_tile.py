@@ -39,7 +39,7 @@ import torch
 from fp4gen.errors import FP4GenError, TensorError
 from fp4gen.formats import BlockFormat
 from fp4gen.runtime.grouped_quantize import GroupedOperands, LazyGroups, stacked_scales
-from fp4gen.runtime.host_tables import built_on_device, host_table, spread_groups
+from fp4gen.runtime.host_tables import built_on_device, host_table, spread_groups, unread_table
 from fp4gen.runtime.loader import compiled_once
 
 log = logging.getLogger(__name__)
@@ -541,11 +541,14 @@ def _grouped_kernels(
         groups * n_copies, dtype=torch.float32, device=dev
     )
     sr_copies = [i for i, c in enumerate(params.copies) if c.sr_bits]
-    # per group: the seed, then each stochastically rounded copy's offset (lo, hi words each)
-    columns = [seeds, *([offs[i] for offs in offsets] for i in sr_copies)]
-    rows = list(zip(*columns, strict=True))
-    words = host.u64_table(rows, ["seed", *["offset"] * len(sr_copies)])
-    philox = host_table(torch.from_numpy(words), torch.int32, dev)
+    if params.sr:
+        # per group: the seed, then each stochastically rounded copy's offset (lo, hi words)
+        columns = [seeds, *([offs[i] for offs in offsets] for i in sr_copies)]
+        rows = list(zip(*columns, strict=True))
+        words = host.u64_table(rows, ["seed", *["offset"] * len(sr_copies)])
+        philox = host_table(torch.from_numpy(words), torch.int32, dev)
+    else:  # no copy draws random bits: the Philox table is never read
+        philox = unread_table(dev, 2)
     tiles_k = -(-k // params.strip.tile_k)
     table = cached_tile_table(counts, pads, params.strip.tile_m, tiles_k, dev)
     n_ctas = table.shape[0]

@@ -34,7 +34,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from fp4gen.runtime.device_memory import capturing
+from fp4gen.runtime.device_memory import capturing, persistent
 
 __all__ = ["built_on_device", "host_table", "set_device_built_rows", "spread_groups"]
 
@@ -120,6 +120,25 @@ def _staging_of(device: torch.device, nbytes: int) -> _Staging | None:
         if staging is None or staging.size != size:
             staging = _staging[index] = _Staging(size)
     return staging
+
+
+# (device, columns) -> an int32 [1, columns] zero table (``unread_table``)
+_unread: dict[tuple[torch.device, int], torch.Tensor] = {}
+
+
+def unread_table(device: torch.device, columns: int) -> torch.Tensor:
+    """An int32 [1, ``columns``] table of zeros on ``device``, kept per device and width: the
+    argument of a kernel that never reads it (a launch without stochastic rounding reads no
+    Philox words), in place of a table built and copied per launch."""
+    key = (device, columns)
+    found = _unread.get(key)
+    if found is None:
+        if device.type == "cuda" and capturing():  # not kept: made in the capture's pool
+            return torch.zeros((1, columns), dtype=torch.int32, device=device)
+        found = _unread[key] = persistent(
+            lambda: torch.zeros((1, columns), dtype=torch.int32, device=device), device
+        )
+    return found
 
 
 def host_table(
