@@ -104,9 +104,13 @@ def test_philox_tables_only_for_launches_that_draw_random_bits(monkeypatch, reci
 
 
 def test_the_unread_table_is_kept_per_device_and_width() -> None:
+    """One zero buffer per device and width, viewed at the launch's groups (the compiled
+    kernels match its rows to the groups' other tables), grown where more are asked for."""
     from fp4gen.runtime.host_tables import unread_table
 
     cpu = torch.device("cpu")
-    t = unread_table(cpu, 4)
-    assert t.shape == (1, 4) and t.dtype == torch.int32 and not t.any()
-    assert unread_table(cpu, 4) is t and unread_table(cpu, 2).shape == (1, 2)
+    t = unread_table(cpu, 3, 4)
+    assert t.shape == (3, 4) and t.dtype == torch.int32 and not t.any()
+    assert unread_table(cpu, 2, 4).data_ptr() == t.data_ptr()  # the same buffer
+    assert unread_table(cpu, 64, 4).shape == (64, 4) and unread_table(cpu, 5, 2).shape == (5, 2)
+    assert unread_table(cpu, 0, 4).shape == (0, 4)

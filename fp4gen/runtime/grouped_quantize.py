@@ -338,7 +338,7 @@ def _grouped_kernels(
         words = host.u64_table(rows, ["seed", "offset"])  # per group: seed, offset (lo, hi)
         philox = host_table(torch.from_numpy(words), torch.int32, dev)
     else:  # the kernel draws no random bits: its Philox table is never read
-        philox = unread_table(dev, 4)
+        philox = unread_table(dev, groups, 4)
     if params.global_scale:
         tile = params.amax_threads * params.amax_units
         if scope == "tensor":

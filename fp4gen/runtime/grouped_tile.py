@@ -548,7 +548,7 @@ def _grouped_kernels(
         words = host.u64_table(rows, ["seed", *["offset"] * len(sr_copies)])
         philox = host_table(torch.from_numpy(words), torch.int32, dev)
     else:  # no copy draws random bits: the Philox table is never read
-        philox = unread_table(dev, 2)
+        philox = unread_table(dev, groups, 2)
     tiles_k = -(-k // params.strip.tile_k)
     table = cached_tile_table(counts, pads, params.strip.tile_m, tiles_k, dev)
     n_ctas = table.shape[0]

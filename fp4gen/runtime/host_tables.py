@@ -122,23 +122,25 @@ def _staging_of(device: torch.device, nbytes: int) -> _Staging | None:
     return staging
 
 
-# (device, columns) -> an int32 [1, columns] zero table (``unread_table``)
+# (device, columns) -> an int32 zero table of at least as many rows as asked for (``unread_table``)
 _unread: dict[tuple[torch.device, int], torch.Tensor] = {}
 
 
-def unread_table(device: torch.device, columns: int) -> torch.Tensor:
-    """An int32 [1, ``columns``] table of zeros on ``device``, kept per device and width: the
-    argument of a kernel that never reads it (a launch without stochastic rounding reads no
-    Philox words), in place of a table built and copied per launch."""
+def unread_table(device: torch.device, rows: int, columns: int) -> torch.Tensor:
+    """An int32 [rows, columns] table of zeros on ``device``: the argument of a kernel that
+    never reads it (a launch without stochastic rounding reads no Philox words; its shape must
+    still match the launch's groups), a view of one buffer kept per device and width (grown to
+    the next power of two of rows), in place of a table built and copied per launch."""
     key = (device, columns)
     found = _unread.get(key)
-    if found is None:
+    if found is None or found.shape[0] < rows:
+        size = 1 << max(rows - 1, 0).bit_length()
         if device.type == "cuda" and capturing():  # not kept: made in the capture's pool
-            return torch.zeros((1, columns), dtype=torch.int32, device=device)
+            return torch.zeros((rows, columns), dtype=torch.int32, device=device)
         found = _unread[key] = persistent(
-            lambda: torch.zeros((1, columns), dtype=torch.int32, device=device), device
+            lambda: torch.zeros((size, columns), dtype=torch.int32, device=device), device
         )
-    return found
+    return found[:rows]
 
 
 def host_table(
