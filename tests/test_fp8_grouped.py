@@ -311,3 +311,23 @@ def test_grouped_kernel_is_cached_on_disk(tmp_path: Path, monkeypatch) -> None:
     fp8_gemm.cute_kernel(params, cache)
     stats = fp8_gemm._cute_loaded[params]
     assert (stats.compiled, stats.loaded) == (0, 1)
+
+
+def test_a_launch_takes_the_wholes_only_where_every_groups_shape_fits() -> None:
+    """``_launched`` (the check that lets a launch read each side's whole, no group): the rows
+    of A's groups and B's [N, K] where every shape fits one launch; None where any group's
+    shape differs (a B of other rows or K, an A of other K) or a group is empty."""
+    g = torch.Generator().manual_seed(2)
+    sizes, n, k = [3, 140, 1], 256, 256
+    a = [quantize(torch.randn(m, k, generator=g), ROW) for m in sizes]
+    b = [quantize(torch.randn(n, k, generator=g), TILE) for _ in sizes]
+    wholes = (joined(a), joined(b))
+    lazy_a, lazy_b = unread(a), unread(b)
+    launched = fp8_grouped._launched(lazy_a, lazy_b, None, wholes)
+    assert launched is not None and launched[1] == sizes and launched[2] == (n, k)
+    for side, i, shape in [(lazy_b, 1, (n - 128, k)), (lazy_b, 2, (n, k - 128)),
+                           (lazy_a, 0, (3, k - 128)), (lazy_a, 1, None)]:  # fmt: skip
+        kept = side.shapes[i]
+        side.shapes[i] = shape
+        assert fp8_grouped._launched(lazy_a, lazy_b, None, wholes) is None, (i, shape)
+        side.shapes[i] = kept

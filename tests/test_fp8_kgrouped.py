@@ -238,6 +238,25 @@ def test_launch_arguments_from_the_launches_flat_copies(monkeypatch) -> None:
     assert got[7].shape == want[7].shape
 
 
+def test_the_flat_copies_serve_only_where_every_groups_shape_fits() -> None:
+    """``_launched``: each group's K and [M, N] where both sides' groups fit one launch of
+    the flat copies; None where any group's rows differ on either side, B's K is not A's, or
+    a group is empty (the groups are then read one by one)."""
+    from test_fp8_grouped import unread
+
+    ks, m, n = [256, 128, 384], 40, 24
+    a, b = groups_of(ks, m, n)
+    flats = (flat_of(a, 128), flat_of(b, 128))
+    lazy_a, lazy_b = unread(a), unread(b)
+    assert fp8_kgrouped._launched(lazy_a, lazy_b, flats)[1:] == (ks, (m, n))
+    for side, i, shape in [(lazy_a, 1, (m - 8, 128)), (lazy_b, 2, (n - 8, 384)),
+                           (lazy_b, 0, (n, 128)), (lazy_a, 2, None)]:  # fmt: skip
+        kept = side.shapes[i]
+        side.shapes[i] = shape
+        assert fp8_kgrouped._launched(lazy_a, lazy_b, flats) is None, (i, shape)
+        side.shapes[i] = kept
+
+
 # ----------------------------------------------------------------------------------------------
 # In an experts module, on the CPU: the launch's arguments against the loop's GEMMs
 # ----------------------------------------------------------------------------------------------

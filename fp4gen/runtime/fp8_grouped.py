@@ -280,10 +280,13 @@ def _launched(
         return None
     (shapes_a, shapes_b), (whole_a, whole_b) = shapes, wholes
     n, k = shapes_b[0]
-    rows = [shape[0] for shape in shapes_a]
+    # each side's shapes as columns (C-level unpacking: no Python step per group)
+    rows, cols = map(list, zip(*shapes_a, strict=True))
+    b_rows, b_cols = zip(*shapes_b, strict=True)
     if (
-        any(tuple(shape) != (n, k) for shape in shapes_b)
-        or any(shape[1] != k for shape in shapes_a)
+        b_rows.count(n) != len(b_rows)
+        or b_cols.count(k) != len(b_cols)
+        or cols.count(k) != len(cols)
         or whole_a.rows != sum(rows)
         or whole_b.rows != len(b) * n
         or (whole_a.cols, whole_b.cols) != (k, k)
@@ -305,7 +308,7 @@ def launch_shapes(
         return None
     if not a or len(a) != len(b) or len(shapes_a) != len(a) or len(shapes_b) != len(b):
         return None
-    if any(shape is None for shape in (*shapes_a, *shapes_b)):
+    if None in shapes_a or None in shapes_b:  # an empty group (one C-level scan each)
         return None
     return shapes_a, shapes_b
 

@@ -160,10 +160,11 @@ def _launched(
         return None
     (shapes_a, shapes_b), (flat_a, flat_b) = shapes, flats
     m, n = shapes_a[0][0], shapes_b[0][0]
-    ks = [shape[1] for shape in shapes_a]
-    if any(tuple(sa) != (m, k) for sa, k in zip(shapes_a, ks, strict=True)) or any(
-        tuple(sb) != (n, k) for sb, k in zip(shapes_b, ks, strict=True)
-    ):
+    # each side's shapes as columns (C-level unpacking: no Python step per group)
+    a_rows, a_ks = zip(*shapes_a, strict=True)
+    b_rows, b_ks = zip(*shapes_b, strict=True)
+    ks = list(a_ks)
+    if a_rows.count(m) != len(a_rows) or b_rows.count(n) != len(b_rows) or b_ks != a_ks:
         return None
     if flat_a.rows * flat_a.cols < m * sum(ks) or flat_b.rows * flat_b.cols < n * sum(ks):
         return None

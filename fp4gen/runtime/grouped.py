@@ -392,6 +392,15 @@ def _shape(operands: Sequence[Any], i: int) -> tuple[int, ...]:
     return tuple(operands[i].shape) if shapes is None else shapes[i]
 
 
+def _most_rows(operands: Sequence[Any]) -> int:
+    """The most rows of any group's operand, from the sequence's shapes where it knows them
+    all (one ``max`` over a column, no Python step per group)."""
+    shapes = getattr(operands, "shapes", None)
+    if shapes is None or None in shapes:
+        return max(_shape(operands, i)[0] for i in range(len(operands)))
+    return max(next(zip(*shapes, strict=True)))
+
+
 @dataclass(frozen=True)
 class FirstGroup:
     """What the FP8 dispatch check reads of the first group's operand (``fp8_grouped_reason``),
@@ -1296,9 +1305,7 @@ def _fp8_products(
 
     # each side as its sequence: a grouped launch's groups are built only where read
     a, b = pairs.a, pairs.b
-    reason = fp8_grouped_reason(
-        _first_group(a), _first_group(b), max(_shape(a, i)[0] for i in range(len(a)))
-    )
+    reason = fp8_grouped_reason(_first_group(a), _first_group(b), _most_rows(a))
     if reason is None:
         try:
             return grouped_block_scaled(
