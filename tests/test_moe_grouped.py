@@ -510,8 +510,8 @@ def test_grouped_fp8_launches_take_the_routings_offsets_only_where_they_are_thei
 
     cpu = torch.device("cpu")
     t = grouped.RoutingTables.of([16, 0, 32], [16, 0, 32], cpu)
-    assert offsets_tensor([16, 0, 32], t.offsets_for([16, 0, 32]), cpu) is t.offsets
-    other = offsets_tensor([16, 16, 16], t.offsets_for([16, 0, 32]), cpu)  # not these groups
+    assert offsets_tensor([16, 0, 32], t.for_launch(), cpu) is t.offsets
+    other = offsets_tensor([16, 16, 16], t.for_launch(), cpu)  # not these groups
     assert other is not t.offsets and other.tolist() == [0, 16, 32, 48]
     assert offsets_tensor([8], None, cpu).tolist() == [0, 8]
 

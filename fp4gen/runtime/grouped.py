@@ -217,9 +217,10 @@ class RoutingTables(NamedTuple):
         counts, offs, shift = table.split((g, g + 1, g))
         return cls(counts, offs[1:], offs, shift, offsets)
 
-    def offsets_for(self, rows: Sequence[int]) -> tuple[list[int], torch.Tensor]:
+    def for_launch(self) -> tuple[list[int], torch.Tensor]:
         """``(host_offsets, offsets)``: what a grouped FP8 launch takes as its groups' first
-        rows, for it to use where its own groups' rows are ``rows`` (``fp8_grouped``)."""
+        rows; it uses them where they are its own groups' (``fp8_grouped.offsets_tensor``
+        compares the host values)."""
         return self.host_offsets, self.offsets
 
 
@@ -665,7 +666,7 @@ def _fprop(
                 groups.name,
                 wholes=(getattr(inputs, "whole", None), getattr(batched, "whole", None)),
                 global_scales=(_scales_of(inputs), _scales_of(batched)),
-                offsets=groups.count_tables(x.device).offsets_for(groups.counts),
+                offsets=groups.count_tables(x.device).for_launch(),
             )
         routed = groups.count_tables(x.device)
         counts, ends = routed.counts, routed.ends
@@ -1169,7 +1170,7 @@ def _grads(
             groups.name,
             wholes=(getattr(dy_pairs, "whole", None), getattr(w_cols, "whole", None)),
             global_scales=(_scales_of(dy_pairs, 0), _scales_of(w_cols)),
-            offsets=padded_t.offsets_for(padded),
+            offsets=padded_t.for_launch(),
         )[real]
     else:
         if w_col_all is None:
@@ -1192,7 +1193,7 @@ def _grads(
             groups.name,
             flats=(getattr(dy_pairs, "flat", None), getattr(x_cols, "flat", None)),
             global_scales=(_scales_of(dy_pairs, 1), _scales_of(x_cols)),
-            offsets=padded_t.offsets_for(padded),
+            offsets=padded_t.for_launch(),
         )[:, :n_out]
     else:
         gt_values, xt_values, per_group = _wgrad_values(
