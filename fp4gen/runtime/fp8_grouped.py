@@ -32,6 +32,7 @@ then run one dense ``fp4gen.gemm`` per expert, the per-expert loop's own product
 
 from __future__ import annotations
 
+import itertools
 import logging
 from collections.abc import Sequence
 from typing import Any, NamedTuple
@@ -109,10 +110,7 @@ def grouped_plan(a: BlockFormat, b: BlockFormat, out_dtype: torch.dtype, bias: b
 
 def offsets_of(counts: Sequence[int]) -> list[int]:
     """The groups' first rows and the end: [0, M_0, M_0 + M_1, ..., M]."""
-    offsets = [0]
-    for count in counts:
-        offsets.append(offsets[-1] + int(count))
-    return offsets
+    return [0, *itertools.accumulate(int(count) for count in counts)]
 
 
 def offsets_tensor(

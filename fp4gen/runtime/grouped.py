@@ -196,6 +196,13 @@ def _scaled(
     return torch.addcmul(bias.detach().float(), taken, alpha[:, None], out=out)
 
 
+def _shifts(rows: Sequence[int], real: Sequence[int]) -> list[int]:
+    """Each group's first row among groups of ``rows`` rows minus its first among groups of
+    ``real`` rows: where a group's padded rows start against its real tokens."""
+    ends = zip(itertools.accumulate(rows), rows, itertools.accumulate(real), real, strict=True)
+    return [(end - n) - (real_end - m) for end, n, real_end, m in ends]
+
+
 class RoutingTables(NamedTuple):
     """One routing's per-group rows as device tables, int32 (``Groups.count_tables``): the
     groups of ``rows[g]`` rows (the real tokens, or their padded rows) hold ``real[g]`` real
@@ -211,9 +218,7 @@ class RoutingTables(NamedTuple):
     def of(cls, rows: Sequence[int], real: Sequence[int], device: torch.device) -> RoutingTables:
         g = len(rows)
         offsets = [0, *itertools.accumulate(rows)]
-        real_starts = [0, *itertools.accumulate(real)]
-        shifts = [o - r for o, r in zip(offsets[:g], real_starts[:g], strict=True)]
-        table = host_table([*rows, *offsets, *shifts], torch.int32, device)
+        table = host_table([*rows, *offsets, *_shifts(rows, real)], torch.int32, device)
         counts, offs, shift = table.split((g, g + 1, g))
         return cls(counts, offs[1:], offs, shift, offsets)
 
@@ -1023,10 +1028,7 @@ def real_rows(
     (``Groups.padded_tables``, ``Groups.count_tables``)."""
     total = sum(counts)
     if tables is None:
-        real_starts = [end - n for end, n in zip(_ends(counts), counts, strict=True)]
-        padded_starts = [end - n for end, n in zip(_ends(padded), padded, strict=True)]
-        shift = [p - r for p, r in zip(padded_starts, real_starts, strict=True)]
-        per_group = host_table([shift, list(counts)], torch.int32, device)
+        per_group = host_table([_shifts(padded, counts), list(counts)], torch.int32, device)
         tables = (per_group[0], per_group[1])
     moved = torch.repeat_interleave(tables[0], tables[1], output_size=total)
     return torch.arange(total, dtype=torch.int32, device=device) + moved
