@@ -196,29 +196,26 @@ def test_grouped_wgrad_takes_the_k_grouped_launch_only_where_on(monkeypatch) -> 
     assert launches[0][0] == a and launches[0][1] == b and launches[0][2] == torch.float32
 
 
-def flat_of(groups: list, length: int) -> object:
-    """The groups' copies one after another in storage order as one [n, length]
-    QuantizedTensor (what a grouped tile launch's ``flat`` holds)."""
+def side_of(groups: list) -> object:
+    """The groups' [rows, K_g] copies side by side as one [rows, sum K_g] QuantizedTensor (what
+    a grouped tile launch's ``side`` holds)."""
     import dataclasses
 
     first = groups[0]
-    codes = torch.cat([q.codes.reshape(-1) for q in groups])
-    scales = torch.cat([q.scales.reshape(-1) for q in groups])
-    rows = codes.numel() // length
     return dataclasses.replace(
         first,
-        codes=codes.view(rows, length),
-        scales=scales.view(rows, length // 128),
+        codes=torch.cat([q.codes for q in groups], dim=1),
+        scales=torch.cat([q.scales for q in groups], dim=1),
         scale_codes=None,
         packed=None,
-        shape=torch.Size((rows, length)),
+        shape=torch.Size((first.shape[0], sum(q.shape[1] for q in groups))),
     )
 
 
-def test_launch_arguments_from_the_launches_flat_copies(monkeypatch) -> None:
-    """Given each side's groups as a launch's flat columnwise copy, their shapes known without
-    building them and their S_dec as one vector, the arguments are those made from the groups,
-    bit for bit, and no group is read."""
+def test_launch_arguments_from_the_launches_side_by_side_copies(monkeypatch) -> None:
+    """Given each side's groups as a launch's side-by-side columnwise copy, their shapes known
+    without building them and their S_dec as one vector, the arguments are those made from the
+    groups, bit for bit, and no group is read."""
     from test_fp8_grouped import unread
 
     ks, m, n = [256, 128, 384], 40, 24
@@ -228,32 +225,34 @@ def test_launch_arguments_from_the_launches_flat_copies(monkeypatch) -> None:
         for q, value in zip(side, s, strict=True):
             object.__setattr__(q, "global_scale", value.clone())
     _, want = fp8_kgrouped.k_grouped_launch(a, b, out_dtype=torch.bfloat16, sms=2)
-    flats = (flat_of(a, 128), flat_of(b, 128))
-    assert fp8_kgrouped._from_flats[0]  # on by default
+    sides = (side_of(a), side_of(b))
+    assert fp8_kgrouped._from_sides[0]  # on by default
     _, got = fp8_kgrouped.k_grouped_launch(
-        unread(a), unread(b), out_dtype=torch.bfloat16, sms=2, flats=flats, global_scales=scales
+        unread(a), unread(b), out_dtype=torch.bfloat16, sms=2, sides=sides, global_scales=scales
     )
     for i in range(7):  # codes, scales, S_dec and K offsets of both sides; C is uninitialized
         assert got[i].dtype == want[i].dtype and torch.equal(got[i], want[i]), i
     assert got[7].shape == want[7].shape
 
 
-def test_the_flat_copies_serve_only_where_every_groups_shape_fits() -> None:
+def test_the_side_by_side_copies_serve_only_where_every_groups_shape_fits() -> None:
     """``_launched``: each group's K and [M, N] where both sides' groups fit one launch of
-    the flat copies; None where any group's rows differ on either side, B's K is not A's, or
-    a group is empty (the groups are then read one by one)."""
+    the side-by-side copies; None where any group's rows differ on either side, B's K is not
+    A's, a group is empty (the groups are then read one by one), or a copy is not the groups'
+    [rows, sum K] side by side."""
     from test_fp8_grouped import unread
 
     ks, m, n = [256, 128, 384], 40, 24
     a, b = groups_of(ks, m, n)
-    flats = (flat_of(a, 128), flat_of(b, 128))
+    sides = (side_of(a), side_of(b))
     lazy_a, lazy_b = unread(a), unread(b)
-    assert fp8_kgrouped._launched(lazy_a, lazy_b, flats)[1:] == (ks, (m, n))
+    assert fp8_kgrouped._launched(lazy_a, lazy_b, sides)[1:] == (ks, (m, n))
+    assert fp8_kgrouped._launched(lazy_a, lazy_b, (side_of(a[:2]), sides[1])) is None
     for side, i, shape in [(lazy_a, 1, (m - 8, 128)), (lazy_b, 2, (n - 8, 384)),
                            (lazy_b, 0, (n, 128)), (lazy_a, 2, None)]:  # fmt: skip
         kept = side.shapes[i]
         side.shapes[i] = shape
-        assert fp8_kgrouped._launched(lazy_a, lazy_b, flats) is None, (i, shape)
+        assert fp8_kgrouped._launched(lazy_a, lazy_b, sides) is None, (i, shape)
         side.shapes[i] = kept
 
 
@@ -262,7 +261,7 @@ def test_the_flat_copies_serve_only_where_every_groups_shape_fits() -> None:
 # ----------------------------------------------------------------------------------------------
 def as_launched(out):
     """A definition's GroupedCopies as a launch hands them out: each group built on first read,
-    the shapes known, with the definition's wholes, flats and S_dec."""
+    the shapes known, with the definition's wholes, sides and S_dec."""
     from fp4gen.runtime.grouped_tile import GroupedCopies
 
     copies = len(next(g for g in out if g is not None))
@@ -270,7 +269,7 @@ def as_launched(out):
         make_copy=lambda g, i: None if out[g] is None else out[g][i], count=len(out), copies=copies
     )
     lazy.shapes = [[None if g is None else tuple(g[i].shape) for g in out] for i in range(copies)]
-    lazy.wholes, lazy.flats = out.wholes, out.flats
+    lazy.wholes, lazy.sides = out.wholes, out.sides
     lazy.global_scales = torch.stack(
         [
             torch.stack([q.global_scale.float() for q in g])
@@ -311,14 +310,14 @@ def groups_from_arguments(args: list, template_a, template_b) -> tuple[list, lis
     return out[0], out[1]
 
 
-@pytest.mark.parametrize("from_flats", [False, True])
+@pytest.mark.parametrize("from_sides", [False, True])
 @pytest.mark.parametrize("arch", ["mixtral", "gpt_oss"])
-def test_experts_k_grouped_wgrad_is_the_loops_on_the_cpu(monkeypatch, arch, from_flats) -> None:
-    """fp8_blockwise experts on the CPU, the grouped quantize by its definition (with the flat
-    copies a launch gives) and the K-grouped launch stood in by the loop's own GEMM on each
-    group rebuilt from the launch's arguments: every gradient equals the loop's bit for bit,
-    with the arguments made from the groups or (``from_flats``) from the flat copies, reading
-    no group."""
+def test_experts_k_grouped_wgrad_is_the_loops_on_the_cpu(monkeypatch, arch, from_sides) -> None:
+    """fp8_blockwise experts on the CPU, the grouped quantize by its definition (with the
+    side-by-side copies a launch gives) and the K-grouped launch stood in by the loop's own
+    GEMM on each group rebuilt from the launch's arguments: every gradient equals the loop's
+    bit for bit, with the arguments made from the groups or (``from_sides``) the side-by-side
+    copies as they are, reading no group."""
     from test_moe import routing, run
     from test_moe_grouped import pair
     from test_moe_grouped_tile import definition_standing_in
@@ -339,7 +338,7 @@ def test_experts_k_grouped_wgrad_is_the_loops_on_the_cpu(monkeypatch, arch, from
         gq, "quantize_groups", lambda *a, **kw: real_rows(*a, **{**kw, "backend": "reference"})
     )
     monkeypatch.setattr(grouped, "fp8_grouped_reason", lambda *args: None)
-    monkeypatch.setattr(fp8_kgrouped, "_from_flats", [from_flats])
+    monkeypatch.setattr(fp8_kgrouped, "_from_sides", [from_sides])
     launches, looked = [], []
     first_group = grouped._first_group
 
@@ -349,11 +348,11 @@ def test_experts_k_grouped_wgrad_is_the_loops_on_the_cpu(monkeypatch, arch, from
 
     monkeypatch.setattr(grouped, "_first_group", recorded_first_group)
 
-    def k_grouped(a, b, *, out_dtype, flats=(None, None), global_scales=(None, None), offsets=None):
-        template_a = flats[0] if from_flats else a[0]
-        template_b = flats[1] if from_flats else b[0]
+    def k_grouped(a, b, *, out_dtype, sides=(None, None), global_scales=(None, None), offsets=None):
+        template_a = sides[0] if from_sides else a[0]
+        template_b = sides[1] if from_sides else b[0]
         _, args = fp8_kgrouped.k_grouped_launch(
-            a, b, out_dtype=out_dtype, flats=flats, global_scales=global_scales, offsets=offsets
+            a, b, out_dtype=out_dtype, sides=sides, global_scales=global_scales, offsets=offsets
         )
         # the groups' K offsets are the routing's table, made once for every launch
         assert offsets is not None and args[6] is offsets[1]
@@ -369,10 +368,10 @@ def test_experts_k_grouped_wgrad_is_the_loops_on_the_cpu(monkeypatch, arch, from
     want = run(loop, hidden, index, weights.to(torch.bfloat16))
     got = run(group, hidden, index, weights.to(torch.bfloat16))
     assert len(launches) == 2  # one K-grouped launch per projection
-    # groups of the wgrad gradient built: none with the arguments from the flat copies (the
-    # dispatch's look at the pair reads the flat copy and the groups' shapes: _first_group),
+    # groups of the wgrad gradient built: none with the arguments from the side-by-side copies
+    # (the dispatch's look at the pair reads that copy and the groups' shapes: _first_group),
     # every one from the groups
-    assert launches == ([0, 0] if from_flats else [4, 4])
+    assert launches == ([0, 0] if from_sides else [4, 4])
     # what the dispatch checks (fprop, dgrad, wgrad) read of each side's first group is what
     # building the group gives
     assert len(looked) == 12  # 3 GEMMs x 2 sides x 2 projections

@@ -106,18 +106,18 @@ def k_grouped_calls(monkeypatch) -> Iterator[list]:
     fp8_grouped.set_grouped_fp8(previous_m)
 
 
-@pytest.mark.parametrize("from_flats", [False, True])
+@pytest.mark.parametrize("from_sides", [False, True])
 @pytest.mark.parametrize("arch", ["mixtral", "gpt_oss"])
 @pytest.mark.parametrize("routed", ["top2", "unequal", "every"])
 def test_experts_step_equals_the_loop_on_the_same_kernel(
-    arch, routed, from_flats, monkeypatch, k_grouped_calls
+    arch, routed, from_sides, monkeypatch, k_grouped_calls
 ) -> None:
     """fp8_blockwise, bf16 model: the loop's dense GEMMs on the generated kernel; output, dx,
     the routing weights' gradient and every parameter's gradient equal the grouped path's bit
     for bit, with the wgrad of both projections one K-grouped launch each (2 calls); the
-    launch's arguments from the groups or from the launches' flat copies
-    (``set_k_grouped_from_flats``)."""
-    monkeypatch.setattr(fp8_kgrouped, "_from_flats", [from_flats])
+    launch's arguments from the groups or from the launches' side-by-side copies
+    (``set_k_grouped_from_sides``)."""
+    monkeypatch.setattr(fp8_kgrouped, "_from_sides", [from_sides])
     monkeypatch.setattr(linear_module, "gemm", lambda a, b, **kw: gemm(a, b, backend="cute", **kw))
     loop, group = pair(arch, torch.bfloat16, "fp8_blockwise", device="cuda")
     if routed == "unequal":

@@ -354,6 +354,10 @@ def test_the_grouped_tile_kernels_cross_compile(tmp_path: Path, arch: str, case:
     assert sorted(fns) == (["amax", "quantize"] if global_scale else ["quantize"])
     ptx = {p.name: p.read_text() for p in (tmp_path / "ptx").glob("*.ptx")}
     assert len(ptx) == len(fns)
+    if params.copy("col") is not None and not params.two_d:
+        # the columnwise copy side by side (the experts' wgrad operands) compiles too
+        side = compile_grouped_tile(params, arch, module.K_MULTIPLE, side_by_side=True)
+        assert sorted(side) == sorted(fns)
     if global_scale:
         (amax,) = [text for name, text in ptx.items() if "Amax" in name]
         assert amax.count("atom.global.max") == params.slots
@@ -384,24 +388,21 @@ TILE_CALLS = {
 
 def definition_standing_in(real_reference):
     """quantize_groups_tile by the definition, with the rowwise copies' ``wholes`` (every group
-    as one tensor) and the columnwise copies' ``flats`` (every group's blocks in storage order)
-    as the kernels give them; records each call's copies."""
-    from fp4gen.runtime.grouped_tile import flat_row_length
-
+    as one tensor) and, asked for side by side, the 1D columnwise copies' ``sides`` (every
+    group's [K, padded rows] side by side) as the kernels give them; records each call's
+    copies."""
     calls: list[tuple[str, ...]] = []
 
-    def flat(parts, fmt):
-        length = flat_row_length([q.shape[0] * q.shape[1] for q in parts], fmt.block[1])
-        if fmt.is_2d or length is None:
+    def side(parts, fmt):
+        if fmt.is_2d:
             return None
-        block = fmt.block[1]
         return dataclasses.replace(
             parts[0],
-            codes=torch.cat([q.codes.reshape(-1, length) for q in parts]),
-            scales=torch.cat([q.scales.reshape(-1, length // block) for q in parts]),
+            codes=torch.cat([q.codes for q in parts], dim=1),
+            scales=torch.cat([q.scales for q in parts], dim=1),
             scale_codes=None,
             packed=None,
-            shape=torch.Size((sum(q.shape[0] * q.shape[1] for q in parts) // length, length)),
+            shape=torch.Size((parts[0].shape[0], sum(q.shape[1] for q in parts))),
         )
 
     def stand_in(rows, counts, pads, fmt, copies, **kw):
@@ -409,14 +410,17 @@ def definition_standing_in(real_reference):
         kw = {**kw, "backend": "reference"}
         out = real_reference(rows, counts, pads, fmt, copies, kw["seeds"], kw["offsets"],
                              "reference", kw["scope"])  # fmt: skip
-        out.flats = tuple(
-            None if d == "rowwise" else flat([g[i] for g in out if g is not None], fmt)
+        side_by_side = kw.get("side_by_side", False)
+        out.sides = tuple(
+            side([g[i] for g in out if g is not None], fmt)
+            if d == "columnwise" and side_by_side
+            else None
             for i, (d, _, _) in enumerate(copies)
         )
         wholes = []
         for i, (direction, _, _) in enumerate(copies):
             parts = [g[i] for g in out if g is not None]
-            if direction != "rowwise" and (None in out or len(set(pads)) != 1):
+            if direction != "rowwise" and (None in out or len(set(pads)) != 1 or side_by_side):
                 wholes.append(None)  # a columnwise copy is one tensor for groups of one size
                 continue
             wholes.append(
@@ -620,6 +624,53 @@ def test_cuda_grouped_tile_quantize_is_the_reference_per_group(case: str, scope:
         assert nan == [False, False, True, False, False, False]
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("scope", ["expert", "tensor"])
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_cuda_side_by_side_columns_are_the_reference_per_group(case: str, scope: str) -> None:
+    """The columnwise copy laid out side by side (the experts' wgrad operands): the one [K,
+    sum of padded rows] copy holds every group's definition codes and scales in its columns,
+    group after group (empty groups none), bit for bit; each group read on its own is the
+    definition's too, and a rowwise copy of the same launch keeps its layout."""
+    fmt_name, raw = CASES[case]
+    fmt = fmt_of(fmt_name)
+    if scope == "tensor" and not fmt.global_scale:
+        pytest.skip(f"{fmt_name} has no global scale")
+    copies = copies_of(raw)
+    pads = pads_for(fmt, raw)
+    x = grouped_input("cuda")
+    offsets = offsets_for(copies)
+    got = quantize_groups_tile(
+        x, COUNTS, pads, fmt, copies, seeds=SEEDS, offsets=offsets, backend="cute",
+        scope=scope, side_by_side=True,
+    )  # fmt: skip
+    want = reference_groups_tile(x.cpu(), COUNTS, pads, fmt, copies, SEEDS, offsets,
+                                 "reference", scope)  # fmt: skip
+    col = [d for d, _, _ in copies].index("columnwise")
+    side = got.sides[col]
+    assert side is not None and tuple(side.shape) == (x.shape[1], sum(pads))
+    parts = [w[col] for w in want if w is not None]
+    want_side = dataclasses.replace(
+        parts[0],
+        codes=torch.cat([q.codes for q in parts], dim=1),
+        scales=torch.cat([q.scales for q in parts], dim=1),
+        scale_codes=None,
+        packed=None,
+        shape=torch.Size((x.shape[1], sum(pads))),
+    )
+    bad = _differences(side, want_side, "side by side")
+    bad += [
+        d
+        for g, (a, b) in enumerate(zip(got, want, strict=True))
+        if b is not None
+        for i in range(len(copies))
+        for d in _differences(a[i], b[i], f"group {g} copy {i}")
+    ]
+    assert not bad, "\n".join(bad)
+    assert got.wholes[col] is None  # unequal groups: no [groups x K, rows] copy
+
+
 def test_k_past_whole_blocks_is_refused() -> None:
     """The grouped layout holds K / B scales per row (and K x rows / B for a columnwise copy):
     a K that is not a multiple of the block length B is refused with its numbers (the kernel
@@ -736,20 +787,6 @@ def test_cuda_grouped_tile_quantize_in_the_experts_is_the_loops(monkeypatch, arc
     assert not problems, "\n".join(problems)
 
 
-def test_the_flat_row_length_of_columnwise_copies() -> None:
-    """The rows of the one-decode view of every group's columnwise blocks: a divisor of every
-    group's size, whole blocks and dequantize units per row, at most 4096 where it can be."""
-    from fp4gen.runtime.grouped_tile import flat_row_length
-
-    assert flat_row_length([64 * 16, 64 * 48], 16) == 1024
-    assert flat_row_length([64 * 32], 32) == 2048
-    assert flat_row_length([2**20, 2**21], 16) == 4096
-    assert flat_row_length([2048 * 128, 2048 * 384], 128) == 4096
-    assert flat_row_length([48 * 16], 16) == 768
-    assert flat_row_length([24], 16) is None  # no whole block per group
-    assert flat_row_length([], 16) is None
-
-
 @pytest.mark.parametrize("equal", [False, True], ids=["unequal", "equal"])
 @pytest.mark.parametrize("direction", ["rowwise", "columnwise"])
 @pytest.mark.parametrize(
@@ -790,20 +827,31 @@ def test_group_pieces_are_where_the_kernels_write_each_group(
         start += pad
 
 
-def test_flat_groups_are_the_groups_views_one_by_one() -> None:
-    """``grouped._flat_groups`` (one split, a view per group) gives each group the view of
-    its [rows, cols] values at its running offset: the same values, places and strides."""
-    flat = torch.arange(64 * (16 + 48 + 32), dtype=torch.float32)
-    shapes = [torch.Size((64, 16)), torch.Size((64, 48)), torch.Size((64, 32))]
-    got = grouped._flat_groups(flat, shapes)
-    at = 0
-    for view, shape in zip(got, shapes, strict=True):
-        want = flat[at : at + shape[0] * shape[1]].view(shape)
-        assert torch.equal(view, want) and view.data_ptr() == want.data_ptr()
-        assert view.stride() == want.stride()
-        at += shape[0] * shape[1]
-    # a flat longer than the groups (a padded buffer): its tail is not a group's
-    longer = torch.cat([flat, torch.zeros(64)])
-    assert torch.equal(
-        torch.cat([v.reshape(-1) for v in grouped._flat_groups(longer, shapes)]), flat
-    )
+@pytest.mark.parametrize(("bits", "block"), [(4, 16), (8, 32), (8, 128)])
+def test_side_by_side_pieces_are_each_groups_columns(bits: int, block: int) -> None:
+    """Side by side, group g's columnwise codes and scales are the columns of the one [K, sum
+    of padded rows] copy from its first padded row on (bytes from row x bits / 8, scales from
+    row / B), as the kernel writes them; views of that copy, none for an empty group."""
+    from fp4gen.runtime.grouped_tile import group_pieces
+
+    k, pads = 256, [2 * block, 0, block, 4 * block]  # K: whole blocks (the kernels' rule)
+    total = sum(pads)
+    codes = torch.arange(total * k * bits // 8, dtype=torch.int64).to(torch.uint8)
+    scales = torch.arange(total * (k // block), dtype=torch.float32)
+    whole_codes, whole_scales = codes.view(k, -1), scales.view(k, -1)
+    got = group_pieces(codes, scales, pads, k, bits, block, False, "columnwise", True)
+    start = 0
+    for pad, piece in zip(pads, got, strict=True):
+        if pad == 0:
+            assert piece is None
+            continue
+        c, s = piece  # type: ignore[misc]
+        byte0, byte1 = start * bits // 8, (start + pad) * bits // 8
+        assert torch.equal(c, whole_codes[:, byte0:byte1])
+        assert torch.equal(s, whole_scales[:, start // block : (start + pad) // block])
+        assert c.stride() == (total * bits // 8, 1) and s.stride() == (total // block, 1)
+        assert c.data_ptr() == whole_codes[:, byte0:].data_ptr()
+        start += pad
+    # the rowwise copy of the same launch keeps its layout
+    rows = group_pieces(codes, scales, pads, k, bits, block, False, "rowwise", True)
+    assert rows[0][0].shape == (2 * block, k * bits // 8) and rows[0][0].is_contiguous()

@@ -26,10 +26,23 @@ the tile kernel), the group's first input row and real rows, its padded rows (th
 its first padded row (where its copies start in the outputs). An empty group has no CTA.
 
 Output layout: the groups' copies one after another in padded rows. A rowwise copy is the rows
-[first padded row, + padded rows) of [sum of padded rows, K] codes and scales; group g's
-columnwise copy is a [K, padded rows] tensor of its own starting at byte first padded row x
-(bytes of a row of K codes), its scales at element first padded row x (scales of a row): the
-same offsets as the rowwise copy's, so each group's copy is a contiguous tensor. Per group
+[first padded row, + padded rows) of [sum of padded rows, K] codes and scales. A columnwise
+copy takes one of two layouts, fixed when the kernel is built:
+
+- per group (``side_by_side=False``): group g's copy is a [K, padded rows] tensor of its own
+  starting at byte first padded row x (bytes of a row of K codes), its scales at element first
+  padded row x (scales of a row): the same offsets as the rowwise copy's, so each group's copy
+  is a contiguous tensor (the experts' weights: groups of one size, one [groups x K, rows]
+  tensor);
+- side by side (``side_by_side=True``, 1D blocks only): every group's copy in one [K, sum of
+  padded rows] tensor, group g's [K, padded rows] at columns [first padded row, + padded rows)
+  (codes from byte first padded row x bits / 8 of each row, scales from element first padded
+  row / B): the operands of a GEMM grouped along K (the experts' wgrad), which reads the
+  groups side by side with no concatenation. The launch passes the sum of padded rows.
+
+Only the addresses move between the two: each group's blocks, scales and stochastic rounding
+are the same (a group's Philox index is its element's place in its own [K, padded rows] copy).
+Per group
 (fp32): one global amax per amax slot ([G, slots]), one S_dec per copy ([G, copies]); int32
 [G, 2 + 2 x stochastic copies]: the seed and each stochastic copy's Philox offset as (lo, hi)
 words.
@@ -171,7 +184,14 @@ class GroupedTileAmaxKernel(GroupedPlacement, TileAmaxKernel):
 
 class GroupedTileQuantizeKernel(GroupedPlacement, TileQuantizeKernel):
     """Every group's copies (module docstring): per CTA the tile kernel's body on its group's
-    tile, with the group's outputs, global scales and Philox stream."""
+    tile, with the group's outputs, global scales and Philox stream. ``side_by_side``: the
+    columnwise copy's layout (module docstring)."""
+
+    def __init__(self, params: TileQuantizeParams, arch: str, side_by_side: bool = False) -> None:
+        if side_by_side and params.two_d:
+            raise ValueError("the side-by-side columnwise layout takes 1D blocks only")
+        super().__init__(params, arch)
+        self.side_by_side = side_by_side
 
     @cute.jit
     def __call__(
@@ -186,6 +206,7 @@ class GroupedTileQuantizeKernel(GroupedPlacement, TileQuantizeKernel):
         mSdec: cute.Tensor,
         mPhilox: cute.Tensor,
         n_ctas: Int32,
+        pad_rows: Int32,
         stream: cuda.CUstream,
     ):
         """mX (M, K) input, every group's rows contiguous; mQ / mS the rowwise copies' codes
@@ -193,12 +214,14 @@ class GroupedTileQuantizeKernel(GroupedPlacement, TileQuantizeKernel):
         one-element tensor, never written); mTable (CTAs, TABLE_COLUMNS) int32; mAmax (G x
         slots) fp32 (unread without a global scale); mSdec (G x copies) fp32 (out with a global
         scale; else 1.0 from the host, NaN over it for a non-finite group); mPhilox (G, 2 + 2 x
-        stochastic copies) int32 (unread without stochastic rounding)."""
+        stochastic copies) int32 (unread without stochastic rounding); pad_rows: the sum of
+        the groups' padded rows (the side-by-side copy's columns; unread per group)."""
         K = mX.shape[1]
         tiles_k = _tiles_k(self.p, K)
-        self.kernel(
-            self.strip.units(mX), mQ, mS, mQc, mSc, mTable, mAmax, mSdec, mPhilox, K, tiles_k
-        ).launch(grid=[n_ctas, 1, 1], block=[self.p.strip.threads, 1, 1], stream=stream)
+        tensors = (mQ, mS, mQc, mSc, mTable, mAmax, mSdec, mPhilox)
+        self.kernel(self.strip.units(mX), *tensors, K, tiles_k, pad_rows).launch(
+            grid=[n_ctas, 1, 1], block=[self.p.strip.threads, 1, 1], stream=stream
+        )
 
     @cute.kernel
     def kernel(
@@ -214,14 +237,23 @@ class GroupedTileQuantizeKernel(GroupedPlacement, TileQuantizeKernel):
         mPhilox: cute.Tensor,
         K: Int32,
         tiles_k: Int32,
+        pad_rows: Int32,
     ):
         bidx, _, _ = cute.arch.block_idx()
         self.group = GroupTile(mTable[bidx, TILE], mTable[bidx, IN_ROW], mTable[bidx, ROWS])
+        self.pad_rows = pad_rows
         group = mTable[bidx, GROUP]
         outs = {"row": (mQ, mS), "col": (mQc, mSc)}
         tensors = self.group_tensors(outs, mAmax, mSdec, group, mTable[bidx, OUT_ROW], K)
         philox = self.group_philox(mPhilox, group)
         self.body(gX, tensors, philox, mTable[bidx, PAD_ROWS], K, tiles_k)
+
+    def col_strides(self, row_c, nbm) -> tuple:
+        """Side by side, a row of the columnwise copy spans every group's padded rows."""
+        if self.side_by_side:
+            p = self.p
+            return self.pad_rows * p.elem.bits // 8, self.pad_rows // p.block
+        return row_c, nbm
 
     def group_tensors(self, outs: dict, mAmax, mSdec, group, out_row, K) -> list:
         """The body's tensors (``split_args``' order) for this group: each copy's codes and
@@ -231,6 +263,12 @@ class GroupedTileQuantizeKernel(GroupedPlacement, TileQuantizeKernel):
         tensors = []
         for c in p.copies:
             codes, scales = outs[c.tag]
+            if c.tag == "col" and self.side_by_side:
+                # the group's columns of every row: its first padded row's byte and block
+                tensors += [
+                    _at(codes, out_row * p.elem.bits // 8), _at(scales, out_row // p.block)
+                ]  # fmt: skip
+                continue
             tensors += [_at(codes, codes_off), _at(scales, scales_off)]
         if p.global_scale:
             tensors += [_at(mAmax, group * p.slots + s) for s in range(p.slots)]

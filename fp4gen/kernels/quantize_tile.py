@@ -288,14 +288,15 @@ class TileQuantizeKernel:
         # ---- issue every load of the strip first (clamped: no predicates)
         frags = self.load(gX, row0, col0, M, K)
         col_ok = col0 < K
-        nbm = nbk = pitch_c = byte0 = None
+        nbm = nbk = row_c = byte0 = strides = None
         if const_expr(self.col is not None):
             nbm = (M + (p.block - 1)) // p.block  # blocks along M
         if const_expr(self.row is not None):
             nbk = K // p.block  # blocks along K
         if const_expr(self.col is not None):
-            pitch_c = M * p.elem.bits // 8  # bytes per row of the transposed codes
+            row_c = M * p.elem.bits // 8  # bytes of a row of the transposed codes
             byte0 = row0 * p.elem.bits // 8  # the strip's first byte in such a row
+            strides = self.col_strides(row_c, nbm)
 
         scales = self.copy_scales(mConst, amaxes, sdecs, bidx, tidx)
         keys, poffs = self.philox_streams(philox_args)
@@ -311,7 +312,7 @@ class TileQuantizeKernel:
         if const_expr(p.encode_table):
             self.encode_tables(scales, mConst, smem, tidx)
 
-        at = _Strip(row0, col0, wm, lm, col_ok, M, K, nbm, nbk, pitch_c, byte0, keys, poffs)
+        at = _Strip(row0, col0, wm, lm, col_ok, M, K, nbm, nbk, row_c, byte0, strides, keys, poffs)
         if const_expr(p.two_d):
             self.tiles_2d(at, frags, row_out, col_out, sdecs, scales, smem)
         elif const_expr(p.staged):
@@ -323,6 +324,12 @@ class TileQuantizeKernel:
     def place(self, tidx, tiles_k) -> tuple:
         """(this CTA's tile index on a 1-D grid or None, then ``strip_origin``'s five values)."""
         return place_on_grid(self.strip, tidx, tiles_k)
+
+    def col_strides(self, row_c, nbm) -> tuple:
+        """(bytes, scales) from one row of the columnwise copy's codes and scales to the next:
+        a row's own length, the copy one [K, M] tensor (a grouped subclass may place its
+        groups' copies side by side in a wider one)."""
+        return row_c, nbm
 
     def load(self, gX, row0, col0, M, K) -> list:
         """The strip's row vectors (``TileStrip.load_strip``)."""
@@ -510,7 +517,7 @@ class TileQuantizeKernel:
             for j in range(sp.vec):
                 c = at.col0 + j
                 vals = to_store(col_words[j], p.col_store_bytes, p.col_store_n)
-                addr = mQc.iterator.toint() + Int64(c * at.pitch_c + at.byte0)
+                addr = mQc.iterator.toint() + Int64(c * at.strides[0] + at.byte0)
                 oks = [self.col_store_ok(at, w) for w in range(p.col_store_n)]
                 self.store_words(addr, vals, oks, p.col_store_bytes)
                 if self.col.swizzled:
@@ -518,7 +525,8 @@ class TileQuantizeKernel:
                         swizzled_offset(c, tile_row, (at.nbm + 3) // 4)
                     )
                     store_if(addr, Uint32(code_t), tile_ok, 1)  # the tile's scale on every row
-            addr = mSc.iterator.toint() + Int64((tile_col * at.nbm + tile_row) * p.scale_bytes)
+            scale_at = tile_col * at.strides[1] + tile_row
+            addr = mSc.iterator.toint() + Int64(scale_at * p.scale_bytes)
             store_if(addr, strip.scale_bits(code_t), tile_ok, p.scale_bytes)
         if not p.global_scale:
             self.nan_stores(sdecs, [seen] * len(p.copies))
@@ -595,7 +603,7 @@ class TileQuantizeKernel:
         """Whether store word w of a column strip lies before the end of its transposed row
         (and the strip inside K)."""
         bytes_w = self.p.col_store_bytes
-        return Int32(at.col_ok & (at.byte0 + (w + 1) * bytes_w <= at.pitch_c))
+        return Int32(at.col_ok & (at.byte0 + (w + 1) * bytes_w <= at.row_c))
 
     def store_words(self, addr, vals: list, oks: list, word_bytes: int) -> None:
         """Packed code words from addr, word w where oks[w] (a prefix: the words of a strip
@@ -674,7 +682,7 @@ class TileQuantizeKernel:
                     # the block's warps hold the same scale: its first warp stores it (the
                     # others' stores were as many more partial-sector writes to L2)
                     ok = ok & Int32(at.wm == g0)
-                addr = mSc.iterator.toint() + Int64((c * at.nbm + b) * p.scale_bytes)
+                addr = mSc.iterator.toint() + Int64((c * at.strides[1] + b) * p.scale_bytes)
                 store_if(addr, strip.scale_bits(code), ok, p.scale_bytes)
                 if col.swizzled:
                     off = swizzled_offset(c, b, (at.nbm + 3) // 4)
@@ -686,7 +694,7 @@ class TileQuantizeKernel:
             fold = {"folded": True} if folded and "col" in p.fold else {}
             codes = self.encoders["col"].encode_elements(ys, rand, self.hw["col"], **fold)
             vcol = to_store(encode.pack_bits(codes), p.col_store_bytes, p.col_store_n)
-            addr = mQc.iterator.toint() + Int64(c * at.pitch_c + at.byte0)
+            addr = mQc.iterator.toint() + Int64(c * at.strides[0] + at.byte0)
             oks = [self.col_store_ok(at, w) for w in range(p.col_store_n)]
             self.store_words(addr, vcol, oks, p.col_store_bytes)
         return seen_col
@@ -899,8 +907,9 @@ class _Strip:
     K: Int32
     nbm: object  # blocks along M (a columnwise copy)
     nbk: object  # blocks along K (a rowwise copy)
-    pitch_c: object  # bytes per row of the transposed codes
+    row_c: object  # bytes of a row of the transposed codes
     byte0: object  # the strip's first byte in such a row
+    strides: object  # (bytes, scales) from a row of the transposed copy to the next
     keys: object  # the Philox keys, or None
     poffs: list  # each stochastic copy's Philox offset
 

@@ -62,16 +62,17 @@ def k_grouped_fp8_enabled() -> bool:
     return _enabled[0]
 
 
-# set_k_grouped_from_flats: the arguments equal the groups' bit for bit (tests/test_fp8_kgrouped.py
+# set_k_grouped_from_sides: the arguments equal the groups' bit for bit (tests/test_fp8_kgrouped.py
 # on the CPU, tests/test_fp8_kgrouped_gpu.py on the GPU)
-_from_flats = [True]
+_from_sides = [True]
 
 
-def set_k_grouped_from_flats(enabled: bool) -> bool:
-    """Whether ``k_grouped_launch`` makes its arguments from the launches' flat columnwise
-    copies where given (True, the default: no group read) or from the groups (False; the same
-    bits). Process-wide; returns the previous setting."""
-    previous, _from_flats[0] = _from_flats[0], bool(enabled)
+def set_k_grouped_from_sides(enabled: bool) -> bool:
+    """Whether ``k_grouped_launch`` takes its arguments from the launches' side-by-side
+    columnwise copies where given (True, the default: no group read, no concatenation) or
+    concatenates the groups (False; the same bits). Process-wide; returns the previous
+    setting."""
+    previous, _from_sides[0] = _from_sides[0], bool(enabled)
     return previous
 
 
@@ -148,17 +149,17 @@ def _block_scales(q: QuantizedTensor, ue8m0: bool) -> torch.Tensor:
 
 
 def _launched(
-    a: Sequence[Any], b: Sequence[Any], flats: tuple[Any, Any]
+    a: Sequence[Any], b: Sequence[Any], sides: tuple[Any, Any]
 ) -> tuple[tuple[Any, Any], list[int], tuple[int, int]] | None:
-    """Where each side's groups are one launch's columnwise copies (``flats`` given: every
-    group's blocks as one QuantizedTensor in storage order, ``GroupedOperands.flat``; the
-    groups' shapes known without building them, ``GroupedOperands.shapes``) and no group is
-    empty: the two flats (they say the formats, RHTs and device), each group's K and [M, N].
-    Else None: the groups are read one by one."""
-    shapes = launch_shapes(a, b, flats)
+    """Where each side's groups are one launch's side-by-side columnwise copy (``sides`` given:
+    every group's [rows, K_g] blocks in one [rows, sum K_g] QuantizedTensor,
+    ``GroupedOperands.side``; the groups' shapes known without building them,
+    ``GroupedOperands.shapes``) and no group is empty: the two sides (they say the formats,
+    RHTs and device), each group's K and [M, N]. Else None: the groups are read one by one."""
+    shapes = launch_shapes(a, b, sides)
     if shapes is None:
         return None
-    (shapes_a, shapes_b), (flat_a, flat_b) = shapes, flats
+    (shapes_a, shapes_b), (side_a, side_b) = shapes, sides
     m, n = shapes_a[0][0], shapes_b[0][0]
     # each side's shapes as columns (C-level unpacking: no Python step per group)
     a_rows, a_ks = zip(*shapes_a, strict=True)
@@ -166,26 +167,10 @@ def _launched(
     ks = list(a_ks)
     if a_rows.count(m) != len(a_rows) or b_rows.count(n) != len(b_rows) or b_ks != a_ks:
         return None
-    if flat_a.rows * flat_a.cols < m * sum(ks) or flat_b.rows * flat_b.cols < n * sum(ks):
+    if tuple(side_a.shape) != (m, sum(ks)) or tuple(side_b.shape) != (n, sum(ks)):
         return None
-    check_one_launch(flat_a, flat_b, "K-grouped FP8 GEMM")
-    return (flat_a, flat_b), ks, (m, n)
-
-
-def _side_by_side(flat: Any, rows: int, ks: list[int], block: int, ue8m0: bool) -> tuple:
-    """A flat columnwise copy's groups ([rows, K_g] each, one after another in storage order)
-    side by side along K: codes [rows, sum K_g] and block scales [rows, sum K_g / block], one
-    split and one concatenation each."""
-    codes = code_bytes(flat, flat.rows, flat.cols).reshape(-1)
-    scales = _block_scales(flat, ue8m0).reshape(-1)
-    code_parts = codes[: rows * sum(ks)].split([rows * k for k in ks])
-    scale_parts = scales[: rows * sum(ks) // block].split([rows * k // block for k in ks])
-    return (
-        torch.cat([part.view(rows, k) for part, k in zip(code_parts, ks, strict=True)], dim=1),
-        torch.cat(
-            [part.view(rows, k // block) for part, k in zip(scale_parts, ks, strict=True)], dim=1
-        ),
-    )
+    check_one_launch(side_a, side_b, "K-grouped FP8 GEMM")
+    return (side_a, side_b), ks, (m, n)
 
 
 def k_grouped_launch(
@@ -194,20 +179,21 @@ def k_grouped_launch(
     *,
     out_dtype: torch.dtype = torch.float32,
     sms: int | None = None,
-    flats: tuple[Any, Any] = (None, None),
+    sides: tuple[Any, Any] = (None, None),
     global_scales: tuple[torch.Tensor | None, torch.Tensor | None] = (None, None),
     offsets: tuple[Sequence[int], torch.Tensor] | None = None,
 ) -> tuple[KGroupedPlan, list]:
     """The plan and the kernel's arguments (module docstring) for groups ``a`` and ``b``,
     without the launch; ``sms``: the persistent grid's limit (default: the device's SM count).
-    ``flats``: each side's groups as one launch's flat columnwise copy (``GroupedOperands.flat``)
-    where there is one, and ``global_scales`` every group's S_dec as one fp32 [groups] tensor:
-    with the groups' shapes known, the arguments come from these and no group is read.
+    ``sides``: each side's groups as one launch's side-by-side columnwise copy
+    (``GroupedOperands.side``) where there is one, and ``global_scales`` every group's S_dec as
+    one fp32 [groups] tensor: with the groups' shapes known, the arguments are these copies'
+    codes and scales as they are, and no group is read.
     ``offsets``: the groups' first K as host values and a device tensor, used where they are
     these groups' (``fp8_grouped.offsets_tensor``).
     Raises TensorError for groups that cannot be multiplied and FP4GenError for a pair or a
     group K the kernel does not take. Runs on any device (the CPU tests check the layouts)."""
-    launched = _launched(a, b, flats) if _from_flats[0] else None
+    launched = _launched(a, b, sides) if _from_sides[0] else None
     if launched is not None:
         (a0, b0), ks, (m, n) = launched
     else:
@@ -228,9 +214,9 @@ def k_grouped_launch(
     groups = len(a)
     if groups * m * n >= 2**31 or m * sum(ks) >= 2**31 or n * sum(ks) >= 2**31:
         raise FP4GenError("the K-grouped FP8 GEMM indexes with 32 bits")
-    if launched is not None:
-        codes_a, scales_a = _side_by_side(a0, m, ks, plan.block_k, plan.ue8m0)
-        codes_b, scales_b = _side_by_side(b0, n, ks, plan.block_k, plan.ue8m0)
+    if launched is not None:  # the launches wrote the groups side by side already
+        codes_a, scales_a = code_bytes(a0, m, a0.cols), _block_scales(a0, plan.ue8m0)
+        codes_b, scales_b = code_bytes(b0, n, b0.cols), _block_scales(b0, plan.ue8m0)
     else:
         present = [(qa, qb) for qa, qb in zip(a, b, strict=True) if qa is not None]
         codes_a = torch.cat([code_bytes(qa, m, qa.cols) for qa, _ in present], dim=1)
@@ -260,7 +246,7 @@ def k_grouped_block_scaled(
     b: Sequence[QuantizedTensor | None],
     *,
     out_dtype: torch.dtype = torch.float32,
-    flats: tuple[Any, Any] = (None, None),
+    sides: tuple[Any, Any] = (None, None),
     global_scales: tuple[torch.Tensor | None, torch.Tensor | None] = (None, None),
     offsets: tuple[Sequence[int], torch.Tensor] | None = None,
 ) -> torch.Tensor:
@@ -268,10 +254,10 @@ def k_grouped_block_scaled(
     K-blocks, one launch (module docstring); an empty group (None, None) gives zeros. Raises
     TensorError for groups that cannot be multiplied and FP4GenError where the kernel does not
     serve them (not CUDA, not sm_90a, the pair, a group's K): the caller's cue to run the
-    groups one by one. ``flats``, ``global_scales``, ``offsets``: as ``k_grouped_launch``."""
-    launch_device(a, flats[0], "K-grouped FP8 GEMM")
+    groups one by one. ``sides``, ``global_scales``, ``offsets``: as ``k_grouped_launch``."""
+    launch_device(a, sides[0], "K-grouped FP8 GEMM")
     plan, args = k_grouped_launch(
-        a, b, out_dtype=out_dtype, flats=flats, global_scales=global_scales, offsets=offsets
+        a, b, out_dtype=out_dtype, sides=sides, global_scales=global_scales, offsets=offsets
     )
     c = args[7]
     fp8_gemm.cute_kernel(plan.params)(*args)
@@ -286,5 +272,5 @@ __all__ = [
     "k_grouped_launch",
     "k_grouped_plan",
     "set_k_grouped_fp8",
-    "set_k_grouped_from_flats",
+    "set_k_grouped_from_sides",
 ]

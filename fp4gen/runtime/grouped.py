@@ -420,12 +420,12 @@ class FirstGroup:
 
 def _first_group(operands: Sequence[Any]) -> Any:
     """The first group's operand for ``fp8_grouped_reason``: where one launch wrote the groups
-    (its whole or flat copy says the format and device) and the sequence knows the group's
+    (its whole or side-by-side copy says the format and device) and the sequence knows the group's
     shape, a ``FirstGroup``, so the check builds no group (which makes the views of every group
     of that copy: two per group of a columnwise copy); else the group itself."""
     source = getattr(operands, "whole", None)
     if source is None:
-        source = getattr(operands, "flat", None)
+        source = getattr(operands, "side", None)
     shapes = getattr(operands, "shapes", None)
     if source is None or shapes is None or shapes[0] is None:
         return operands[0]
@@ -459,20 +459,12 @@ def decode_pair(
     )
 
 
-def _flat_values(operands: Any) -> torch.Tensor | None:
-    """Every group's block values of a columnwise copy in one decode, flat in storage order,
-    where a grouped launch wrote them as one tensor (``GroupedOperands.flat``); else None."""
-    flat = getattr(operands, "flat", None)
-    return None if flat is None else _values(flat).reshape(-1)
-
-
-def _flat_groups(flat: torch.Tensor, shapes: Sequence[Sequence[int]]) -> list[torch.Tensor]:
-    """Each group's [rows, cols] values at its place in ``_flat_values``' result (group g's
-    after the groups' before it), in order: one split, and a view per group."""
-    sizes = [rows * cols for rows, cols in shapes]
-    total = sum(sizes)
-    pieces = (flat if flat.numel() == total else flat[:total]).split(sizes)
-    return [piece.view(rows, cols) for piece, (rows, cols) in zip(pieces, shapes, strict=True)]
+def _side_values(operands: Any) -> torch.Tensor | None:
+    """Every group's block values of a columnwise copy side by side ([K, sum of padded rows])
+    in one decode, where a grouped launch wrote them so (``GroupedOperands.side``); else
+    None."""
+    side = getattr(operands, "side", None)
+    return None if side is None else _values(side)
 
 
 def _whole_values(operands: Any) -> torch.Tensor | None:
@@ -488,24 +480,22 @@ def _wgrad_values(
     gt_all: torch.Tensor | None,
     xt_all: torch.Tensor | None,
     alphas: torch.Tensor | None,
-) -> tuple[list[torch.Tensor], list[torch.Tensor], torch.Tensor]:
-    """Every expert's wgrad GEMM values (its gradient's and activation's columns) and the
-    groups' S_dec products as one fp32 [groups]: from the one decode of each columnwise copy
-    (``_flat_values``: ``gt_all``, ``xt_all``) where there is one, else each expert's own;
+    pads: Sequence[int],
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The experts' wgrad GEMM values, their columns side by side (the gradient's [out, sum of
+    ``pads``], the activation's [in, sum of ``pads``]), and the groups' S_dec products as one
+    fp32 [groups]: the one decode of each side-by-side columnwise copy (``_side_values``:
+    ``gt_all``, ``xt_all``) where there is one, else each expert's own, concatenated;
     ``pairs`` the experts' (gradient, activation) operands, ``calls`` their (GEMM layer, call
     count). Every pair passes ``observe_pair`` (through ``decode_pair`` where values are
     decoded per expert)."""
-    n = len(pairs)
-    gt_views = xt_views = None
-    if gt_all is not None:
-        gt_views = _flat_groups(gt_all, [_shape(pairs.a, i) for i in range(n)])
-    if xt_all is not None:
-        xt_views = _flat_groups(xt_all, [_shape(pairs.b, i) for i in range(n)])
-    if gt_views is not None and xt_views is not None and alphas is not None:
+    if gt_all is not None and xt_all is not None and alphas is not None:
         if observing():
             for (layer, call), (a, b) in zip(calls, pairs, strict=True):
                 observe_pair(layer, "wgrad", call, a, b)
-        return gt_views, xt_views, alphas
+        return gt_all, xt_all, alphas
+    gt_views = None if gt_all is None else gt_all.split(list(pads), 1)
+    xt_views = None if xt_all is None else xt_all.split(list(pads), 1)
     gt_values, xt_values, each = [], [], []
     for j, ((layer, call), (a, b)) in enumerate(zip(calls, pairs, strict=True)):
         gt_v, xt_v, alpha = decode_pair(
@@ -521,7 +511,9 @@ def _wgrad_values(
         gt_values.append(gt_v)
         xt_values.append(xt_v)
         each.append(alpha)
-    return gt_values, xt_values, torch.cat(each) if alphas is None else alphas
+    gt = gt_all if gt_all is not None else torch.cat(gt_values, dim=1)
+    xt = xt_all if xt_all is not None else torch.cat(xt_values, dim=1)
+    return gt, xt, torch.cat(each) if alphas is None else alphas
 
 
 class GroupedProjection(torch.autograd.Function):
@@ -865,7 +857,13 @@ def grouped_wgrad_activations(x: torch.Tensor, groups: Groups) -> list[Any] | No
     wgrad_k = k_multiple(table.wgrad_gradient, table.wgrad_activation, blocks=True)
     pads = padded_counts(groups.counts, wgrad_k)
     got = grouped_tile_operands(
-        _contiguous_rows(x), groups, ((op, "columnwise"),), groups.counts, pads, forward=False
+        _contiguous_rows(x),
+        groups,
+        ((op, "columnwise"),),
+        groups.counts,
+        pads,
+        forward=False,
+        side_by_side=True,
     )
     return None if got is None else got.copy(0)
 
@@ -895,13 +893,15 @@ def grouped_gradients(dy: torch.Tensor, groups: Groups, out: int) -> list[Any] |
     pads = padded_counts(groups.counts, wgrad_k)
     rows = pad_to(_contiguous_rows(dy), dy.shape[0], out)
     ops = ((row_op, "rowwise"), (col_op, "columnwise"))
-    got = grouped_tile_operands(rows, groups, ops, groups.counts, pads, forward=False)
+    got = grouped_tile_operands(
+        rows, groups, ops, groups.counts, pads, forward=False, side_by_side=True
+    )
     if got is None:
         return None
     pairs = GroupedOperands(make=got.__getitem__, count=len(got))  # built on first read
     pairs.whole = got.wholes[0] if got.wholes else None
     pairs.global_scales = got.global_scales  # [groups, 2]: the dgrad and the wgrad copy's
-    pairs.flat = got.flats[1] if got.flats else None  # the wgrad copies' blocks, one tensor
+    pairs.side = got.sides[1] if got.sides else None  # the wgrad copies side by side
     pairs.copies = (got.copy(0), got.copy(1))  # each copy of every group on its own
     return pairs
 
@@ -914,6 +914,7 @@ def grouped_tile_operands(
     pads: Sequence[int],
     *,
     forward: bool,
+    side_by_side: bool = False,
 ) -> Any:
     """Operands ``ops`` ((slot, "rowwise" or "columnwise"), the rowwise one first) of every
     group of ``rows`` from one grouped tile quantize (``fp4gen.runtime.grouped_tile``): group
@@ -923,7 +924,8 @@ def grouped_tile_operands(
     per tensor, the largest over every group (a weight's ``rows`` then hold every expert's
     slice, and the experts with tokens are picked from them). A ``GroupedCopies`` (per expert
     a tuple of its copies), or None where the kernels do not serve (the slots' specs differ in
-    format or scope, or a kernel's refusal, logged once)."""
+    format or scope, or a kernel's refusal, logged once). ``side_by_side``: a columnwise copy
+    laid out for a GEMM grouped along K (``GroupedOperands.side``: the tokens' wgrad copies)."""
     from fp4gen.runtime.grouped_tile import GroupedCopies, quantize_groups_tile
     from fp4gen.runtime.operand_slots import SLOT, STREAMS_PER_CALL
 
@@ -950,6 +952,7 @@ def grouped_tile_operands(
             offsets=list(zip(*per_op, strict=True)),
             backend="cute",
             scope=scope,
+            side_by_side=side_by_side,
         )
     except FP4GenError as err:
         _log_once(f"the experts' {names} operands are quantized per expert: {err}")
@@ -1070,9 +1073,9 @@ def _grads(
     # every expert's padded dgrad gradient rows [sum of padded tokens, out], one decode
     dy_all = None if fp8_dgrad else _whole_values(dy_pairs)
     padded_start = 0
-    # every expert's wgrad gradient and activation columns, one decode each
-    gt_all = None if fp8_wgrad else _flat_values(dy_pairs)
-    xt_all = None if fp8_wgrad else _flat_values(x_cols)
+    # every expert's wgrad gradient and activation columns side by side, one decode each
+    gt_all = None if fp8_wgrad else _side_values(dy_pairs)
+    xt_all = None if fp8_wgrad else _side_values(x_cols)
     dgrad_alphas = None if fp8_dgrad else _group_alphas(_scales_of(dy_pairs, 0), _scales_of(w_cols))
     wgrad_alphas = None if fp8_wgrad else _group_alphas(_scales_of(dy_pairs, 1), _scales_of(x_cols))
     dgrad_whole = dy_all is not None and w_col_all is not None and dgrad_alphas is not None
@@ -1193,17 +1196,16 @@ def _grads(
             wgrad_pairs,
             weight.dtype,
             groups.name,
-            flats=(getattr(dy_pairs, "flat", None), getattr(x_cols, "flat", None)),
+            sides=(getattr(dy_pairs, "side", None), getattr(x_cols, "side", None)),
             global_scales=(_scales_of(dy_pairs, 1), _scales_of(x_cols)),
             offsets=padded_t.for_launch(),
         )[:, :n_out]
     else:
-        gt_values, xt_values, per_group = _wgrad_values(
-            wgrad_pairs, wgrad_calls, gt_all, xt_all, wgrad_alphas
+        gt, xt, per_group = _wgrad_values(
+            wgrad_pairs, wgrad_calls, gt_all, xt_all, wgrad_alphas, padded
         )
         c = _native(wgrad_pairs, dy.device, by_rows=False)
         if c is None:
-            gt, xt = torch.cat(gt_values, dim=1), torch.cat(xt_values, dim=1)
             c = group_k(gt, xt, _ends(padded), padded_t.ends)
         g, n, m = c.shape
         per_rows = per_group.repeat_interleave(n, output_size=g * n)  # a row of C: its group's
@@ -1336,7 +1338,7 @@ def _fp8_wgrad(
     out_dtype: torch.dtype,
     name: str,
     *,
-    flats: tuple[Any, Any] = (None, None),
+    sides: tuple[Any, Any] = (None, None),
     global_scales: tuple[Any, Any] = (None, None),
     offsets: tuple[list[int], torch.Tensor] | None = None,
 ) -> torch.Tensor:
@@ -1344,8 +1346,8 @@ def _fp8_wgrad(
     run along K) as [experts, out, in] in ``out_dtype``: one launch of the K-grouped kernel
     (``fp4gen.runtime.fp8_kgrouped``: each expert's the dense generated kernel's bits) where
     it is on and ``fp8_grouped_reason`` allows, else each expert's dense GEMM (the loop's own
-    products), the reason logged once. ``flats``, ``global_scales``: each side's groups as one
-    launch wrote them (``GroupedOperands.flat``, ``.global_scales``), the kernel's arguments
+    products), the reason logged once. ``sides``, ``global_scales``: each side's groups as one
+    launch wrote them (``GroupedOperands.side``, ``.global_scales``), the kernel's arguments
     then made from these without reading a group; ``offsets``: as ``_fp8_products``'."""
     from fp4gen.runtime.fp8_grouped import log_fallback
     from fp4gen.runtime.fp8_kgrouped import k_grouped_block_scaled, k_grouped_fp8_enabled
@@ -1360,7 +1362,7 @@ def _fp8_wgrad(
                     a,
                     b,
                     out_dtype=out_dtype,
-                    flats=flats,
+                    sides=sides,
                     global_scales=global_scales,
                     offsets=offsets,
                 )

@@ -111,10 +111,11 @@ class GroupedOperands(LazyGroups):
 
     whole: Any = None
     global_scales: torch.Tensor | None = None
-    # a columnwise copy's blocks of every group as one [n, L] QuantizedTensor in storage order
-    # (group g's [rows, cols] values are its next rows x cols / L rows: ``_flat_values``), for
-    # one decode where one launch wrote them (``grouped_tile.flat_row_length``), else None
-    flat: Any = None
+    # a columnwise copy of every group side by side as one [K, sum of padded rows]
+    # QuantizedTensor (group g's columns after the groups' before it), where one launch wrote
+    # them so (``grouped_tile``'s ``side_by_side``), else None: a GEMM grouped along K reads it
+    # whole
+    side: Any = None
     # each group's operand shape (None for an empty group) where known without building it
     shapes: list[tuple[int, ...] | None] | None = None
     # where each entry is a tuple of copies (a dual-output launch): each copy's groups alone

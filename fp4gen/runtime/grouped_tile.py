@@ -19,7 +19,12 @@ kernels do not take, logged once) the groups are quantized one by one by that de
 
 The rowwise copies of every group are also one QuantizedTensor of all padded rows
 (``GroupedCopies.wholes``, codes and block scales only: the grouped GEMMs decode every group's
-block values from it in one pass); each group's columnwise copy is a contiguous tensor of its own.
+block values from it in one pass). A columnwise copy is laid out per group (each group's a
+contiguous tensor of its own; groups of one size, the experts' weights, also one ``whole``) or,
+with ``side_by_side=True`` (the experts' tokens, for their wgrad GEMM grouped along K), every
+group's side by side in one [K, sum of padded rows] QuantizedTensor (``GroupedCopies.sides``):
+the K-grouped GEMMs read it whole, with no concatenation. The layouts hold the same codes and
+scales at other addresses (``fp4gen.kernels.grouped_tile``).
 """
 
 from __future__ import annotations
@@ -45,8 +50,9 @@ from fp4gen.runtime.loader import compiled_once
 log = logging.getLogger(__name__)
 _logged: set[str] = set()
 _lock = threading.Lock()
-# (grouped TileQuantizeParams, arch) -> {"amax": fn, "quantize": fn} or why they did not compile
-_compiled: dict[tuple[Any, str], dict[str, Any] | str] = {}
+# (grouped TileQuantizeParams, arch, side by side) -> {"amax": fn, "quantize": fn} or why they
+# did not compile
+_compiled: dict[tuple[Any, str, bool], dict[str, Any] | str] = {}
 
 Copy = tuple[str, str, Any]  # (direction, rounding, rht)
 
@@ -68,9 +74,9 @@ class GroupedCopies(LazyGroups):
 
     wholes: tuple[Any, ...] = ()
     global_scales: torch.Tensor | None = None
-    # per copy, a columnwise copy's blocks of every group as one QuantizedTensor in storage
-    # order (``flat_blocks``), else None
-    flats: tuple[Any, ...] = ()
+    # per copy, a side-by-side columnwise copy: every group's as one [K, sum of padded rows]
+    # QuantizedTensor (group g's at its first padded row's column), else None
+    sides: tuple[Any, ...] = ()
 
     def __init__(
         self,
@@ -96,7 +102,7 @@ class GroupedCopies(LazyGroups):
         return None if got[0] is None else got
 
     def copy(self, i: int) -> GroupedOperands:
-        """Copy ``i`` of every group (None for an empty group), with its ``whole``, ``flat``
+        """Copy ``i`` of every group (None for an empty group), with its ``whole``, ``side``
         and ``global_scales`` where one launch wrote them."""
         if self._copies is not None:
             out = GroupedOperands(make=self._copies[i].__getitem__, count=len(self))
@@ -104,28 +110,10 @@ class GroupedCopies(LazyGroups):
         else:
             out = GroupedOperands(None if g is None else g[i] for g in self)
         out.whole = self.wholes[i] if self.wholes else None
-        out.flat = self.flats[i] if self.flats else None
+        out.side = self.sides[i] if self.sides else None
         if self.global_scales is not None:
             out.global_scales = self.global_scales[:, i]
         return out
-
-
-def flat_row_length(sizes: Sequence[int], block: int, longest: int = 4096) -> int | None:
-    """The row length L of a columnwise copy's blocks viewed as one [n, L] QuantizedTensor
-    (``GroupedOperands.flat``): groups of ``sizes`` values each (K x padded rows), stored one
-    after another, each group's [K, rows] row-major with 1 x ``block`` blocks along its rows. L
-    divides every group's size (a group starts at a row: its values are whole rows of the
-    view) and is a multiple of the block and of the dequantize kernel's unit of 8 (each row of
-    the view holds whole blocks, in their order: the same scale for the same values); the
-    largest such L up to ``longest`` (longer rows need no fewer launches), or None where no
-    group has values or the block does not tile them."""
-    base = math.lcm(block, 8)
-    length = math.gcd(*sizes)
-    if length == 0 or length % base:
-        return None
-    while length > longest and (length // 2) % base == 0:
-        length //= 2
-    return length
 
 
 def group_pieces(
@@ -137,14 +125,26 @@ def group_pieces(
     block: int,
     two_d: bool,
     direction: str,
+    side_by_side: bool = False,
 ) -> list[tuple[torch.Tensor, torch.Tensor] | None]:
     """Each group's (codes, scales) views of one copy's flat outputs (``codes`` uint8,
     ``scales`` one element per block), where the grouped kernels write them
-    (``kernels.grouped_tile.group_offsets``): group g's ``pads[g]`` padded rows after the pads
-    of the groups before it, rowwise [pad, K bytes] and [pad (2D: pad / B), K / B], columnwise
-    [K, pad bytes] and [K (2D: K / B), pad / B]; None for an empty group. A split per buffer
-    rather than two slices and two views per group (host calls, at 64 experts thousands)."""
+    (``kernels.grouped_tile``): group g's ``pads[g]`` padded rows after the pads of the groups
+    before it, rowwise [pad, K bytes] and [pad (2D: pad / B), K / B], columnwise [K, pad bytes]
+    and [K (2D: K / B), pad / B] (``side_by_side``: the group's columns of the one [K, sum of
+    pads] copy, strided views); None for an empty group. A split per buffer rather than two
+    slices and two views per group (host calls, at 64 experts thousands)."""
     row_bytes = k * bits // 8
+    if side_by_side and direction == "columnwise":
+        total = sum(pads)
+        code_parts = codes[: total * row_bytes].view(k, -1).split([p * bits // 8 for p in pads], 1)
+        scale_parts = (
+            scales[: total * (k // block)].view(k, -1).split([p // block for p in pads], 1)
+        )
+        return [
+            None if pad == 0 else (c, s)
+            for pad, c, s in zip(pads, code_parts, scale_parts, strict=True)
+        ]
     scale_rows = [pad // block if two_d else pad for pad in pads]
     if direction == "rowwise":
         code_parts = codes[: sum(pads) * row_bytes].view(-1, row_bytes).split(list(pads))
@@ -325,12 +325,15 @@ def quantize_groups_tile(
     offsets: Sequence[Sequence[int]],
     backend: str = "auto",
     scope: str = "expert",
+    side_by_side: bool = False,
 ) -> GroupedCopies:
     """Per group the tuple of its copies, None for an empty group (module docstring).
     ``backend``: "auto" the grouped tile kernels where they serve (else the groups one by one,
     the reason logged once at INFO), "cute" requires them, "reference" quantizes each group by
     the definition. ``scope``: "expert" gives each group its own global amaxes, "tensor" every
-    group the largest of them (a format with one global amax)."""
+    group the largest of them (a format with one global amax). ``side_by_side``: the kernels
+    lay a 1D columnwise copy out side by side (``GroupedCopies.sides``; 2D blocks and the
+    definition: per group); the groups' copies are the same."""
     copies = tuple(copies)
     if scope not in ("expert", "tensor"):
         raise FP4GenError(f"quantize_groups_tile: scope {scope!r}; expected 'expert' or 'tensor'")
@@ -343,7 +346,9 @@ def quantize_groups_tile(
         reason = _kernel_reason(x, fmt, copies)
         if reason is None:
             try:
-                return _grouped_kernels(x, counts, pads, fmt, copies, seeds, offsets, scope)
+                return _grouped_kernels(
+                    x, counts, pads, fmt, copies, seeds, offsets, scope, side_by_side
+                )
             except _Refused as refused:
                 reason = str(refused)
         if backend == "cute":
@@ -494,6 +499,7 @@ def _grouped_kernels(
     seeds: Sequence[int],
     offsets: Sequence[Sequence[int]],
     scope: str,
+    side_by_side: bool = False,
 ) -> GroupedCopies:
     from fp4gen.kernels import host
     from fp4gen.kernels.grouped_tile import grouped_params
@@ -514,7 +520,8 @@ def _grouped_kernels(
     total = sum(pads)
     if max(m, total) * k >= 2**31:
         raise _Refused(f"{max(m, total)} x {k} values: the kernels index with int32")
-    fns = _compile(params, arch, module.K_MULTIPLE)
+    side_by_side = side_by_side and params.copy("col") is not None and not params.two_d
+    fns = _compile(params, arch, module.K_MULTIPLE, side_by_side)
     dev = x.device
     groups = len(counts)
     bits, block = params.elem.bits, params.block
@@ -560,7 +567,7 @@ def _grouped_kernels(
         if scope == "tensor":  # every group reads the largest amax of each slot
             amax = amax.view(groups, slots).amax(dim=0).repeat(groups)
     (q_row, s_row), (q_col, s_col) = outs["row"], outs["col"]
-    fns["quantize"](x, q_row, s_row, q_col, s_col, table, amax, s_dec, philox, n_ctas)
+    fns["quantize"](x, q_row, s_row, q_col, s_col, table, amax, s_dec, philox, n_ctas, total)
     s_dec = s_dec.view(groups, n_copies)
     scales_per_row = k // block
     # every group's views of a copy's outputs, and its S_dec: a few calls per copy, made on the
@@ -576,10 +583,14 @@ def _grouped_kernels(
         if i not in views:
             views[i] = (
                 group_pieces(*outs["row" if direction == "rowwise" else "col"], pads, k, bits,
-                             block, params.two_d, direction),
+                             block, params.two_d, direction, side_by_side),
                 s_dec[:, i].unbind(0),
             )  # fmt: skip
         (codes, scales), s_decs = views[i][0][g], views[i][1]
+        if side_by_side and direction == "columnwise":
+            # a group read on its own is a [K, pad] tensor of its own, as the per-group
+            # layout gives it (its consumers take contiguous codes and scales)
+            codes, scales = codes.contiguous(), scales.contiguous()
         shape, cols = ((pad, k), k) if direction == "rowwise" else ((k, pad), pad)
         pieces = {"data": codes, "scales": scales, "global_scale": s_decs[g]}
         return cute_backend._quantized(
@@ -605,44 +616,40 @@ def _grouped_kernels(
         for direction, _, _ in copies
     ]
     first = next(g for g, count in enumerate(counts) if count)  # x has rows: one is non-empty
-    flats = []
+    sides = []
     for i, (direction, rounding, rht) in enumerate(copies):
-        length = None
-        if direction == "columnwise" and not params.two_d:
-            length = flat_row_length([k * pad for pad in pads if pad], block)
-        if length is None:
-            flats.append(None)
+        if not (side_by_side and direction == "columnwise"):
+            sides.append(None)
             continue
         codes, scales = outs["col"]
-        n = total * k // length
         pieces = {
-            "data": codes.view(n, -1),
-            "scales": scales.view(n, length // block),
+            "data": codes.view(k, -1),
+            "scales": scales.view(k, total // block),
             "global_scale": s_dec[first, i],
         }
-        flats.append(
+        sides.append(
             cute_backend._quantized(
                 pieces,
                 "",
                 fmt,
-                length,
+                total,
                 rounding,
                 rht,
                 seeds[first],
                 offsets[first][i],
-                torch.Size((n, length)),
+                torch.Size((k, total)),
                 x.dtype,
                 flag,
             )  # fmt: skip
         )
-    result.flats = tuple(flats)
+    result.sides = tuple(sides)
     wholes = []
     for i, (direction, rounding, rht) in enumerate(copies):
         if direction == "rowwise":
             shape, cols = (total, k), k
             codes, scales = outs["row"]
             scales = scales.view(-1, scales_per_row)
-        elif len(set(pads)) == 1:
+        elif len(set(pads)) == 1 and not side_by_side:
             # groups of one size (the experts' weight slices): their [K, rows] copies one after
             # another are one [groups x K, rows] tensor (the dgrad weights of 2D blocks)
             shape, cols = (groups * k, pads[0]), pads[0]
@@ -675,17 +682,17 @@ def _grouped_kernels(
     return result
 
 
-def _compile(params: Any, arch: str, k_multiple: int) -> dict[str, Any]:
-    """The grouped tile kernels of these (grouped) params for ``arch``, compiled once per
-    process."""
+def _compile(params: Any, arch: str, k_multiple: int, side_by_side: bool) -> dict[str, Any]:
+    """The grouped tile kernels of these (grouped) params and columnwise layout for ``arch``,
+    compiled once per process."""
     from fp4gen.kernels.grouped_tile import grouped_tile_reason
 
     found = compiled_once(
         _compiled,
         _lock,
-        (params, arch),
+        (params, arch, side_by_side),
         lambda: grouped_tile_reason(params),
-        lambda: compile_grouped_tile(params, arch, k_multiple),
+        lambda: compile_grouped_tile(params, arch, k_multiple, side_by_side=side_by_side),
         "the grouped tile kernels",
     )
     if isinstance(found, str):
@@ -694,11 +701,17 @@ def _compile(params: Any, arch: str, k_multiple: int) -> dict[str, Any]:
 
 
 def compile_grouped_tile(
-    params: Any, arch: str, k_multiple: int, *, dump_dir: str | None = None
+    params: Any,
+    arch: str,
+    k_multiple: int,
+    *,
+    side_by_side: bool = False,
+    dump_dir: str | None = None,
 ) -> dict[str, Any]:
     """The TVM-FFI callables of the grouped tile kernels ("amax" where the format has a global
     scale, "quantize") of grouped params (``grouped_params``) for ``arch`` ("sm_90a" or
-    "sm_100a"); needs no GPU. With ``dump_dir`` the PTX is kept there."""
+    "sm_100a"), the columnwise copy laid out ``side_by_side`` or per group; needs no GPU. With
+    ``dump_dir`` the PTX is kept there."""
     import cutlass.cute as cute
     from cutlass import Float32, Int32, Uint8
 
@@ -735,8 +748,9 @@ def compile_grouped_tile(
     philox_cols = 2 + 2 * params.n_sr
     philox = fake(Int32, (cute.sym_int(), philox_cols), stride_order=(1, 0), assumed_align=4)
     fns["quantize"] = cute.compile(
-        GroupedTileQuantizeKernel(params, arch),
-        x, codes[0], scales[0], codes[1], scales[1], table, amax, s_dec, philox, Int32(0), stream,
+        GroupedTileQuantizeKernel(params, arch, side_by_side),
+        x, codes[0], scales[0], codes[1], scales[1], table, amax, s_dec, philox, Int32(0),
+        Int32(0), stream,
         options=options,
     )  # fmt: skip
     return fns
