@@ -36,6 +36,7 @@ import shlex
 import threading
 from collections import OrderedDict
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -525,28 +526,9 @@ def _grouped_kernels(
     dev = x.device
     groups = len(counts)
     bits, block = params.elem.bits, params.block
-    scale_dtype = torch.float32 if params.strip.fp32_scales else torch.uint8
-    scale_rows = total // block if params.two_d else total
-    outs: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
-    for tag in ("row", "col"):
-        if params.copy(tag) is None:  # never written: one-element stand-ins
-            outs[tag] = (
-                torch.empty(1, dtype=torch.uint8, device=dev),
-                torch.empty(1, dtype=scale_dtype, device=dev),
-            )
-        else:
-            outs[tag] = (
-                torch.empty(total * k * bits // 8, dtype=torch.uint8, device=dev),
-                torch.empty(scale_rows * (k // block), dtype=scale_dtype, device=dev),
-            )
+    outs = _outputs(params, total, k, dev)
     n_copies = len(params.copies)
-    slots = params.slots
-    amax = torch.zeros(groups * slots, dtype=torch.float32, device=dev)
-    # S_dec: the kernel writes each group's with a global scale; 1.0 without (NaN over it for a
-    # non-finite group); an empty group's is never read
-    s_dec = (torch.empty if params.global_scale else torch.ones)(
-        groups * n_copies, dtype=torch.float32, device=dev
-    )
+    amax, s_dec = _scalars(params, groups, dev)
     sr_copies = [i for i, c in enumerate(params.copies) if c.sr_bits]
     if params.sr:
         # per group: the seed, then each stochastically rounded copy's offset (lo, hi words)
@@ -558,17 +540,10 @@ def _grouped_kernels(
         philox = unread_table(dev, groups, 2)
     tiles_k = -(-k // params.strip.tile_k)
     table = cached_tile_table(counts, pads, params.strip.tile_m, tiles_k, dev)
-    n_ctas = table.shape[0]
     # non-finite inputs: the kernels make the group's S_dec NaN; outside a propagating scope
     # the input is checked as the tile kernel's is
     flag = None if finite.propagates() else finite.check(x, "the input of shape {}", x.shape)
-    if params.global_scale:
-        fns["amax"](x, table, amax, n_ctas)
-        if scope == "tensor":  # every group reads the largest amax of each slot
-            amax = amax.view(groups, slots).amax(dim=0).repeat(groups)
-    (q_row, s_row), (q_col, s_col) = outs["row"], outs["col"]
-    fns["quantize"](x, q_row, s_row, q_col, s_col, table, amax, s_dec, philox, n_ctas, total)
-    s_dec = s_dec.view(groups, n_copies)
+    s_dec = _launch(fns, params, x, outs, table, amax, s_dec, philox, total, scope, groups)
     scales_per_row = k // block
     # every group's views of a copy's outputs, and its S_dec: a few calls per copy, made on the
     # first read of one of that copy's groups (a consumer of the rowwise groups makes no views
@@ -682,6 +657,212 @@ def _grouped_kernels(
     return result
 
 
+@dataclass
+class StaticTileCopies:
+    """One device-sized grouped tile launch's outputs (``quantize_groups_tile_static``), as the
+    kernels wrote them, at the groups' bound (``groups.bound`` padded rows): per copy (the
+    rowwise one first) its codes and scales, a rowwise copy [bound, K bytes] and [bound, K / B],
+    a columnwise copy side by side [K, bound bytes] and [K, bound / B] (group g's at its first
+    padded row); every group's S_dec per copy, fp32 [G, copies]. Rows and columns past the
+    groups' last padded row hold nothing."""
+
+    fmt: BlockFormat
+    copies: tuple[Copy, ...]
+    k: int
+    bits: int  # the stored bits of a code
+    block: int  # the block length
+    dtype: torch.dtype
+    groups: Any  # grouped_static.DeviceGroups
+    codes: tuple[torch.Tensor, ...]
+    scales: tuple[torch.Tensor, ...]
+    global_scales: torch.Tensor
+
+    def group(self, g: int, i: int, counts: Sequence[int]) -> Any:
+        """Group ``g``'s copy ``i`` as a QuantizedTensor, its place found from the routing's
+        ``counts`` on the host (a check or a debugging read; None for an empty group)."""
+        from fp4gen.runtime import cute_backend
+
+        pads = padded_counts(counts, self.groups.multiple)
+        if pads[g] == 0:
+            return None
+        start, pad = sum(pads[:g]), pads[g]
+        direction, rounding, rht = self.copies[i]
+        bits, block = self.bits, self.block
+        if direction == "rowwise":
+            codes, scales = self.codes[i][start : start + pad], self.scales[i][start : start + pad]
+            shape, cols = (pad, self.k), self.k
+        else:
+            codes = self.codes[i][:, start * bits // 8 : (start + pad) * bits // 8]
+            scales = self.scales[i][:, start // block : (start + pad) // block]
+            shape, cols = (self.k, pad), pad
+        pieces = {
+            "data": codes.contiguous(),
+            "scales": scales.contiguous(),
+            "global_scale": self.global_scales[g, i],
+        }
+        return cute_backend._quantized(
+            pieces, "", self.fmt, cols, rounding, rht, 0, 0, torch.Size(shape), self.dtype
+        )
+
+
+def quantize_groups_tile_static(
+    x: torch.Tensor,
+    groups: Any,
+    fmt: BlockFormat,
+    copies: Sequence[Copy],
+    *,
+    seeds: torch.Tensor,
+    offsets: torch.Tensor,
+    scope: str = "expert",
+) -> StaticTileCopies:
+    """The grouped tile launch of ``quantize_groups_tile`` with the groups' sizes on the device
+    (``groups``: a ``grouped_static.DeviceGroups`` of x's rows): every table from the counts by
+    torch ops, every size from the groups' bound, nothing read on the host, so a CUDA graph can
+    replay it for any routing (``fp4gen.runtime.grouped_static``). Each group's copies are
+    ``quantize_groups_tile``'s bit for bit, with ``seeds`` int64 [G] and ``offsets`` int64
+    [G, copies] on x's device (each copy's Philox offset per group); a columnwise copy is laid
+    out side by side. 1D blocks only (the experts' weights are of one size: the host launch
+    serves them). A non-finite input makes its group's S_dec NaN inside a propagating scope
+    (``fp4gen.runtime.finite``); outside one the input is checked first (a host read).
+    FP4GenError where the kernels do not serve the call: there is no per-group fallback."""
+    from fp4gen.kernels.grouped_tile import grouped_params
+    from fp4gen.runtime import finite
+    from fp4gen.runtime.grouped_static import philox_table, static_tile_table
+
+    copies = tuple(copies)
+    if scope not in ("expert", "tensor"):
+        raise FP4GenError(
+            f"quantize_groups_tile_static: scope {scope!r}; expected 'expert' or 'tensor'"
+        )
+    if x.dim() != 2 or x.shape[0] != groups.rows:
+        raise TensorError(
+            f"quantize_groups_tile_static: x of shape {tuple(x.shape)} for groups of "
+            f"{groups.rows} rows in all; expected a 2-D tensor of those rows"
+        )
+    if tuple(offsets.shape) != (groups.groups, len(copies)) or seeds.shape != (groups.groups,):
+        raise TensorError(
+            f"quantize_groups_tile_static: seeds {tuple(seeds.shape)} and offsets "
+            f"{tuple(offsets.shape)} for {groups.groups} groups and {len(copies)} copies; "
+            "expected [G] and [G, copies]"
+        )
+    _check_groups(x, [groups.rows], [groups.rows], copies, [0], [(0,) * len(copies)])
+    reason = _kernel_reason(x, fmt, copies)
+    try:
+        if reason is not None:
+            raise _Refused(reason)
+        module, arch = _module(fmt, x, copies)
+    except _Refused as refused:
+        raise FP4GenError(f"quantize_groups_tile_static: {refused}") from None
+    params = grouped_params(module.QUANT_PARAMS)
+    k = x.shape[1]
+    multiple = module.M_MULTIPLE
+    if params.copy("col") is not None:
+        multiple = math.lcm(multiple, params.block)
+    problem = None
+    if params.two_d:
+        problem = "2D blocks (the host launch quantizes the experts' weights)"
+    elif k % module.K_MULTIPLE:
+        problem = f"K = {k} is not a multiple of {module.K_MULTIPLE}"
+    elif groups.multiple % multiple:
+        problem = f"the groups' padding multiple {groups.multiple} is not one of {multiple}"
+    elif max(groups.rows, groups.bound) * k >= 2**31:
+        problem = f"{groups.bound} x {k} values: the kernels index with int32"
+    if problem is not None:
+        raise FP4GenError(f"quantize_groups_tile_static: {problem}")
+    try:
+        fns = _compile(params, arch, module.K_MULTIPLE, params.copy("col") is not None)
+    except _Refused as refused:
+        raise FP4GenError(f"quantize_groups_tile_static: {refused}") from None
+    dev, g = x.device, groups.groups
+    outs = _outputs(params, groups.bound, k, dev)
+    amax, s_dec = _scalars(params, g, dev)
+    if params.sr:
+        # the stochastically rounded copies' columns by views (a list index would be a host
+        # copy, which a capture refuses)
+        sr = torch.stack([offsets[:, i] for i, c in enumerate(params.copies) if c.sr_bits], 1)
+        philox = philox_table(seeds, sr)
+    else:
+        philox = unread_table(dev, g, 2)
+    table = static_tile_table(groups, params.strip.tile_m, -(-k // params.strip.tile_k))
+    if not finite.propagates():
+        finite.check(x, "the input of shape {}", x.shape)
+    s_dec = _launch(fns, params, x, outs, table, amax, s_dec, philox, groups.bound, scope, g)
+    bits, block = params.elem.bits, params.block
+    codes, scales = [], []
+    for direction, _, _ in copies:
+        q, sc = outs["row" if direction == "rowwise" else "col"]
+        if direction == "rowwise":
+            codes.append(q.view(groups.bound, -1))
+            scales.append(sc.view(groups.bound, k // block))
+        else:
+            codes.append(q.view(k, groups.bound * bits // 8))
+            scales.append(sc.view(k, groups.bound // block))
+    return StaticTileCopies(
+        fmt, copies, k, bits, block, x.dtype, groups, tuple(codes), tuple(scales), s_dec
+    )
+
+
+def _outputs(
+    params: Any, rows: int, k: int, device: torch.device
+) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    """Each copy's flat (codes, scales) buffers for ``rows`` padded rows of K = ``k`` values;
+    one-element stand-ins for a copy the params lack (never written)."""
+    bits, block = params.elem.bits, params.block
+    scale_dtype = torch.float32 if params.strip.fp32_scales else torch.uint8
+    scale_rows = rows // block if params.two_d else rows
+    outs: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+    for tag in ("row", "col"):
+        if params.copy(tag) is None:
+            outs[tag] = (
+                torch.empty(1, dtype=torch.uint8, device=device),
+                torch.empty(1, dtype=scale_dtype, device=device),
+            )
+        else:
+            outs[tag] = (
+                torch.empty(rows * k * bits // 8, dtype=torch.uint8, device=device),
+                torch.empty(scale_rows * (k // block), dtype=scale_dtype, device=device),
+            )
+    return outs
+
+
+def _scalars(params: Any, groups: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """The zeroed amax slots [G x slots] and the S_dec buffer [G x copies]: the kernel writes
+    each group's S_dec with a global scale; 1.0 without (NaN over it for a non-finite group); an
+    empty group's is never read."""
+    amax = torch.zeros(groups * params.slots, dtype=torch.float32, device=device)
+    s_dec = (torch.empty if params.global_scale else torch.ones)(
+        groups * len(params.copies), dtype=torch.float32, device=device
+    )
+    return amax, s_dec
+
+
+def _launch(
+    fns: dict[str, Any],
+    params: Any,
+    x: torch.Tensor,
+    outs: dict[str, tuple[torch.Tensor, torch.Tensor]],
+    table: torch.Tensor,
+    amax: torch.Tensor,
+    s_dec: torch.Tensor,
+    philox: torch.Tensor,
+    rows: int,
+    scope: str,
+    groups: int,
+) -> torch.Tensor:
+    """The grouped amax launch (with a global scale; ``scope="tensor"``: then every group
+    reads the largest amax of each slot) and the grouped quantize launch over ``table``'s CTAs;
+    ``rows``: the padded rows of the outputs (a side-by-side copy's columns). Returns the S_decs
+    as [G, copies]."""
+    n_ctas = table.shape[0]
+    if params.global_scale:
+        fns["amax"](x, table, amax, n_ctas)
+        if scope == "tensor":
+            amax = amax.view(groups, params.slots).amax(dim=0).repeat(groups)
+    (q_row, s_row), (q_col, s_col) = outs["row"], outs["col"]
+    fns["quantize"](x, q_row, s_row, q_col, s_col, table, amax, s_dec, philox, n_ctas, rows)
+    return s_dec.view(groups, len(params.copies))
+
+
 def _compile(params: Any, arch: str, k_multiple: int, side_by_side: bool) -> dict[str, Any]:
     """The grouped tile kernels of these (grouped) params and columnwise layout for ``arch``,
     compiled once per process."""
@@ -758,11 +939,13 @@ def compile_grouped_tile(
 
 __all__ = [
     "GroupedCopies",
+    "StaticTileCopies",
     "cached_tile_table",
     "compile_grouped_tile",
     "k_reason",
     "padded_counts",
     "quantize_groups_tile",
+    "quantize_groups_tile_static",
     "reference_groups_tile",
     "tile_table",
     "tile_table_tensor",
