@@ -255,3 +255,104 @@ def test_cuda_one_graph_replays_the_launch_for_any_routing(case: str, scope: str
                     got = out.group(g, i, routing)
                     bad += _differences(got, want[g][i], f"routing {turn} group {g} copy {i}")
     assert not bad, "\n".join(bad[:20])
+
+
+# the grouped rowwise kernels' cases of test_moe_grouped_quantize: NVFP4 to nearest and
+# stochastic (8-bit and full), an RHT of 16 and of 128 (across lanes), MXFP8, MXFP4 stochastic
+ROWWISE_CASES = [
+    ("nvfp4", "nearest", None),
+    ("nvfp4", "stochastic8", None),
+    ("nvfp4", "nearest", 16),
+    ("nvfp4", "stochastic", None),
+    ("mxfp8_e4m3", "nearest", None),
+    ("mxfp4", "stochastic8", None),
+    ("nvfp4", "stochastic8", 128),
+]
+
+
+def test_the_static_rowwise_launch_refuses_what_it_cannot_do() -> None:
+    from fp4gen.formats import BUILTIN_FORMATS
+    from fp4gen.runtime.grouped_quantize import quantize_groups_static
+
+    fmt = BUILTIN_FORMATS["nvfp4"]
+    groups = device_groups(torch.tensor([3, 5], dtype=torch.int32), 8, 1)
+    x = torch.zeros(8, 64, dtype=torch.bfloat16)
+    seeds = offsets = torch.zeros(2, dtype=torch.int64)
+    with pytest.raises(FP4GenError, match="a CPU tensor"):
+        quantize_groups_static(x, groups, fmt, seeds=seeds, offsets=offsets)
+    with pytest.raises(TensorError, match=r"x of shape \(7, 64\) for groups of 8 rows"):
+        quantize_groups_static(x[:7], groups, fmt, seeds=seeds, offsets=offsets)
+    with pytest.raises(TensorError, match=r"expected \[G\] each"):
+        quantize_groups_static(x, groups, fmt, seeds=seeds, offsets=offsets[:1])
+    with pytest.raises(FP4GenError, match="scope 'tensor' needs one global amax"):
+        quantize_groups_static(
+            x, groups, BUILTIN_FORMATS["mxfp8_e4m3"], seeds=seeds, offsets=offsets, scope="tensor"
+        )
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("scope", ["expert", "tensor"])
+@pytest.mark.parametrize(("fmt_name", "rounding", "rht"), ROWWISE_CASES)
+def test_cuda_one_graph_replays_the_rowwise_launch_for_any_routing(
+    fmt_name: str, rounding: str, rht, scope: str
+) -> None:
+    """The device-sized grouped rowwise launch (the experts' fprop tokens) captured once, then
+    replayed for five routings with fresh Philox offsets: each group's codes, scales and S_dec
+    are ``quantize_groups``' reference bit for bit, per expert and per tensor."""
+    from test_moe_grouped_quantize import rht_spec
+    from test_moe_grouped_tile import SEEDS, _differences, grouped_input
+
+    from fp4gen.formats import BUILTIN_FORMATS
+    from fp4gen.runtime import finite
+    from fp4gen.runtime.grouped_quantize import quantize_groups, quantize_groups_static
+
+    fmt = BUILTIN_FORMATS[fmt_name]
+    if scope == "tensor" and not fmt.global_scale:
+        pytest.skip(f"{fmt_name} has no global scale")
+    rows, k, n = sum(ROUTINGS[0]), 128, len(ROUTINGS[0])
+    x = torch.empty(rows, k, dtype=torch.bfloat16, device="cuda")
+    counts = torch.zeros(n, dtype=torch.int32, device="cuda")
+    offsets = torch.zeros(n, dtype=torch.int64, device="cuda")
+    seeds = torch.tensor(SEEDS, dtype=torch.int64, device="cuda")
+
+    def host_offsets(turn: int) -> list[int]:
+        return [8 * (1000 * turn + 7 * g) + 4 for g in range(n)]
+
+    def fill(turn: int) -> None:
+        x.copy_(grouped_input("cuda", k, counts=ROUTINGS[turn]))
+        counts.copy_(torch.tensor(ROUTINGS[turn]))
+        offsets.copy_(torch.tensor(host_offsets(turn)))
+
+    def launch():
+        return quantize_groups_static(
+            x, device_groups(counts, rows, 1), fmt, rounding=rounding, rht=rht_spec(rht),
+            seeds=seeds, offsets=offsets, scope=scope,
+        )  # fmt: skip
+
+    with finite.propagating():
+        fill(0)
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):  # compiles and loads the kernels outside the capture
+            launch()
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = launch()
+        bad = []
+        for turn, routing in enumerate(ROUTINGS):
+            fill(turn)
+            graph.replay()
+            torch.cuda.synchronize()
+            want = quantize_groups(
+                x.cpu(), routing, fmt, rounding=rounding, rht=rht_spec(rht), seeds=SEEDS,
+                offsets=host_offsets(turn), backend="reference", scope=scope,
+            )  # fmt: skip
+            for g, count in enumerate(routing):
+                got = out.group(g, routing)
+                if count == 0:
+                    assert got is None
+                    continue
+                bad += _differences(got, want[g], f"routing {turn} group {g}")
+    assert not bad, "\n".join(bad[:20])

@@ -28,6 +28,7 @@ import os
 import shlex
 import threading
 from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -388,6 +389,119 @@ def _grouped_kernels(
     return out
 
 
+@dataclass
+class StaticRowwise:
+    """One device-sized grouped rowwise launch's outputs (``quantize_groups_static``): every
+    row's codes [rows, K bytes] and block scales [rows, K / B] (group g's rows where its input
+    rows are), and every group's S_dec, fp32 [G] (an empty group's never written)."""
+
+    fmt: BlockFormat
+    rounding: str
+    rht: Any
+    k: int
+    dtype: torch.dtype
+    data: torch.Tensor
+    scales: torch.Tensor
+    global_scales: torch.Tensor
+
+    def group(self, g: int, counts: Sequence[int]) -> Any:
+        """Group ``g``'s copy as a QuantizedTensor, its rows found from the routing's
+        ``counts`` on the host (a check or a debugging read; None for an empty group)."""
+        from fp4gen.runtime import cute_backend
+
+        if counts[g] == 0:
+            return None
+        start, count = sum(counts[:g]), counts[g]
+        pieces = {
+            "data": self.data[start : start + count],
+            "scales": self.scales[start : start + count],
+            "global_scale": self.global_scales[g],
+        }
+        shape = torch.Size((count, self.k))
+        return cute_backend._quantized(
+            pieces, "", self.fmt, self.k, self.rounding, self.rht, 0, 0, shape, self.dtype
+        )
+
+
+def quantize_groups_static(
+    x: torch.Tensor,
+    groups: Any,
+    fmt: BlockFormat,
+    *,
+    rounding: str = "nearest",
+    rht: Any = None,
+    seeds: torch.Tensor,
+    offsets: torch.Tensor,
+    scope: str = "expert",
+) -> StaticRowwise:
+    """``quantize_groups``' grouped launch with the groups' sizes on the device (``groups``: a
+    ``grouped_static.DeviceGroups`` of x's rows): its tables built from the counts by torch ops
+    at their bound's length, nothing read on the host, so a CUDA graph can replay it for any
+    routing. Each group's copy is ``quantize_groups``' bit for bit, with ``seeds`` and
+    ``offsets`` int64 [G] on x's device. FP4GenError where the kernels do not serve the call
+    (there is no per-group fallback)."""
+    from fp4gen.runtime import cute_backend
+    from fp4gen.runtime.grouped_static import device_groups, philox_table, static_cta_table
+    from fp4gen.runtime.loader import Unsupported
+
+    if scope not in ("expert", "tensor"):
+        raise FP4GenError(f"quantize_groups_static: scope {scope!r}; expected 'expert' or 'tensor'")
+    if scope == "tensor" and not (fmt.global_scale and not fmt.global_rows):
+        raise FP4GenError(
+            f"quantize_groups_static: scope 'tensor' needs one global amax, which {fmt.name} "
+            "has not"
+        )
+    if x.dim() != 2 or x.shape[0] != groups.rows:
+        raise TensorError(
+            f"quantize_groups_static: x of shape {tuple(x.shape)} for groups of {groups.rows} "
+            "rows in all; expected a 2-D tensor of those rows"
+        )
+    if seeds.shape != (groups.groups,) or offsets.shape != (groups.groups,):
+        raise TensorError(
+            f"quantize_groups_static: seeds {tuple(seeds.shape)} and offsets "
+            f"{tuple(offsets.shape)} for {groups.groups} groups; expected [G] each"
+        )
+    reason = _kernel_reason(x, fmt, rounding, rht)
+    if reason is None:
+        spec = cute_backend.spec_for(fmt, rounding, rht, x.dtype)
+        loaded = cute_backend._kernels(spec)
+        reason = loaded.reason if isinstance(loaded, Unsupported) else None
+    if reason is None:
+        module = loaded.module
+        try:
+            module.check_input(x)
+            fns = _compile(module.PARAMS, loaded.arch, module.K_MULTIPLE)
+        except (FP4GenError, _Refused) as err:
+            reason = str(err)
+    if reason is not None:
+        raise FP4GenError(f"quantize_groups_static: {reason}")
+    params = module.PARAMS
+    m, k = x.shape
+    dev, g = x.device, groups.groups
+    units_per_row = k // params.unit
+    data = torch.empty((m, k * params.elem.bits // 8), dtype=torch.uint8, device=dev)
+    scale_dtype = torch.float32 if params.scale.kind == "fp32" else torch.uint8
+    scales = torch.empty((m, k // params.block), dtype=scale_dtype, device=dev)
+    amax = torch.zeros(g, dtype=torch.float32, device=dev)
+    make_s_dec = torch.empty if params.global_scale else torch.ones  # as _grouped_kernels'
+    s_dec = make_s_dec(g, dtype=torch.float32, device=dev)
+    # the Philox words from the device values; a kernel without random bits reads none
+    philox = philox_table(seeds, offsets[:, None]) if params.philox else unread_table(dev, g, 4)
+    if params.global_scale:
+        tile = params.amax_threads * params.amax_units
+        if scope == "tensor":  # every row as one group (slot 0), then its amax in every slot
+            every = torch.full((1,), m, dtype=torch.int32, device=dev)
+            table = static_cta_table(device_groups(every, m, 1), units_per_row, tile)
+            fns["amax"](x, table, amax, len(table))
+            amax = amax[:1].repeat(g)
+        else:
+            table = static_cta_table(groups, units_per_row, tile)
+            fns["amax"](x, table, amax, len(table))
+    table = static_cta_table(groups, units_per_row, params.quant_threads * params.quant_units)
+    fns["quantize"](x, data, scales, table, amax, s_dec, philox, len(table))
+    return StaticRowwise(fmt, rounding, rht, k, x.dtype, data, scales, s_dec)
+
+
 def _compile(params: Any, arch: str, k_multiple: int) -> dict[str, Any]:
     """The grouped kernels of these rowwise params for ``arch``, compiled once per process
     (JIT: ``cute.compile`` against fake tensors with dynamic sizes)."""
@@ -468,5 +582,7 @@ __all__ = [
     "cta_table",
     "cta_table_tensor",
     "quantize_groups",
+    "quantize_groups_static",
     "stacked_scales",
+    "StaticRowwise",
 ]
