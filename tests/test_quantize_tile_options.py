@@ -247,3 +247,20 @@ def test_the_kernels_error_order_is_the_references_tree(block: int, vec: int, ro
     if rows % block == 0:
         other = tree_sum(_per_block(padded.t().contiguous(), block, br)).t()
         assert not torch.equal(other, want)
+
+
+def test_fp32_scales_with_targets_on_tiles_go_to_the_reference() -> None:
+    """Block targets with fp32 block scales on 2D tiles: the tile kernel's choice of target keeps
+    coded scales (compiled, the fp32 choice failed on a type error, met by the GPU fuzzer), so
+    the plan gives such operands to the reference, saying why, and the kernel spec is refused
+    by name rather than compiled."""
+    from fp4gen.compiler.plan import rowwise_only_reason, tile_options
+
+    fp32_scale = ScaleSpec(None, "nearest")
+    f = fmt(NVFP4, 16, targets=(6.0, 4.0), scale=fp32_scale, global_scale=False)
+    assert not tile_options(f)
+    assert "reference quantizes these operands" in (rowwise_only_reason(f) or "")
+    with pytest.raises(NotImplementedError, match="fp32 block scales on 2D tiles"):
+        render(kernel_spec(f, "bf16", PAIR))  # type: ignore[arg-type]
+    # coded scales with targets stay the tile kernel's
+    assert tile_options(FOUR_OVER_SIX)

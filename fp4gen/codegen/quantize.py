@@ -38,7 +38,7 @@ import math
 import re
 import struct
 from dataclasses import dataclass, replace
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 
@@ -904,9 +904,23 @@ def tile_options_refusal(block: tuple[int, int], in_bytes: int) -> str | None:
     return None
 
 
+def fp32_targets_refusal(targets: tuple, scale: Any) -> str | None:
+    """Why the tile kernel does not choose among block targets with fp32 block scales (its
+    choice of target keeps coded scales only: compiled, the fp32 choice met a type error), or
+    None. Such 2D operands are quantized by the reference."""
+    if targets and scale.element is None:
+        return (
+            "block targets with fp32 block scales on 2D tiles are not in the tile kernel (it "
+            "keeps the chosen scale as a code)"
+        )
+    return None
+
+
 def _check_tile(spec: QuantKernelSpec) -> None:
     if not spec.element.signed:
         raise ValueError(f"{spec.name}: element formats must be signed, got {spec.element.name}")
+    if reason := fp32_targets_refusal(spec.targets, spec.scale):
+        raise NotImplementedError(f"{spec.name}: {reason}")
     if (spec.targets or spec.scale.rounding == "stochastic") and (
         reason := tile_options_refusal(
             spec.block, DTYPES[spec.input_dtype].size if spec.input_dtype in DTYPES else 4

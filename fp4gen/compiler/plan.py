@@ -420,8 +420,10 @@ def tile_options(fmt: BlockFormat) -> bool:
         return False
     if fmt.global_rows or fmt.eden_group is not None:
         return False
-    from fp4gen.codegen.quantize import tile_options_refusal
+    from fp4gen.codegen.quantize import fp32_targets_refusal, tile_options_refusal
 
+    if fp32_targets_refusal(fmt.targets, fmt.scale) is not None:
+        return False
     return tile_options_refusal(fmt.block, 2) is None
 
 
