@@ -30,6 +30,7 @@ from fp4gen.runtime.grouped_static import (
 from fp4gen.runtime.grouped_tile import padded_counts, tile_table
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from test_moe_grouped_quantize import CASES as rowwise_cases  # noqa: E402
 
 
 def draws(n: int, seed: int = 7):
@@ -165,8 +166,32 @@ def test_the_static_launch_refuses_what_it_cannot_do() -> None:
 # ----------------------------------------------------------------------------------------------
 # On a GPU: one graph, every routing
 # ----------------------------------------------------------------------------------------------
-# routings of the 402 rows of test_moe_grouped_tile's groups: its own (empty and very unequal
-# groups), every row in the first or the last group, even, and one group of all but five
+def captured(launch):
+    """(a CUDA graph of ``launch()``, its outputs): run once on a side stream first (the
+    kernels compile and load outside the capture), then captured."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        launch()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = launch()
+    return graph, out
+
+
+def replayed(launch, fill):
+    """(turn, routing, outputs) of ``launch`` captured once (its inputs filled for the first
+    routing) and replayed for each of ``ROUTINGS`` (``fill(turn)`` copies its inputs in)."""
+    fill(0)
+    graph, out = captured(launch)
+    for turn, routing in enumerate(ROUTINGS):
+        fill(turn)
+        graph.replay()
+        torch.cuda.synchronize()
+        yield turn, routing, out
+
+
 # the grouped tile cases of test_moe_grouped_tile: RHT 16 and 32, stochastic rounding, NVFP4,
 # MXFP4, MXFP8 and fp8_blockwise, one copy and a rowwise + columnwise pair
 GPU_CASES = [
@@ -177,6 +202,8 @@ GPU_CASES = [
     "fp8_block_pair",
     "nvfp4_wgrad_activation",
 ]
+# routings of the 402 rows of test_moe_grouped_tile's groups: its own (empty and very unequal
+# groups), every row in the first or the last group, even, and one group of all but five
 ROUTINGS = [
     [37, 0, 5, 60, 0, 300],
     [402, 0, 0, 0, 0, 0],
@@ -230,20 +257,8 @@ def test_cuda_one_graph_replays_the_launch_for_any_routing(case: str, scope: str
         )
 
     with finite.propagating():
-        fill(0)
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):  # compiles and loads the kernels outside the capture
-            launch()
-        torch.cuda.current_stream().wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            out = launch()
         bad = []
-        for turn, routing in enumerate(ROUTINGS):
-            fill(turn)
-            graph.replay()
-            torch.cuda.synchronize()
+        for turn, routing, out in replayed(launch, fill):
             pads = padded_counts(routing, multiple)
             want = reference_groups_tile(x.cpu(), routing, pads, fmt, copies, SEEDS,
                                          host_offsets(turn), "reference", scope)  # fmt: skip
@@ -255,19 +270,6 @@ def test_cuda_one_graph_replays_the_launch_for_any_routing(case: str, scope: str
                     got = out.group(g, i, routing)
                     bad += _differences(got, want[g][i], f"routing {turn} group {g} copy {i}")
     assert not bad, "\n".join(bad[:20])
-
-
-# the grouped rowwise kernels' cases of test_moe_grouped_quantize: NVFP4 to nearest and
-# stochastic (8-bit and full), an RHT of 16 and of 128 (across lanes), MXFP8, MXFP4 stochastic
-ROWWISE_CASES = [
-    ("nvfp4", "nearest", None),
-    ("nvfp4", "stochastic8", None),
-    ("nvfp4", "nearest", 16),
-    ("nvfp4", "stochastic", None),
-    ("mxfp8_e4m3", "nearest", None),
-    ("mxfp4", "stochastic8", None),
-    ("nvfp4", "stochastic8", 128),
-]
 
 
 def test_the_static_rowwise_launch_refuses_what_it_cannot_do() -> None:
@@ -293,7 +295,9 @@ def test_the_static_rowwise_launch_refuses_what_it_cannot_do() -> None:
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("scope", ["expert", "tensor"])
-@pytest.mark.parametrize(("fmt_name", "rounding", "rht"), ROWWISE_CASES)
+# the grouped rowwise kernels' cases of test_moe_grouped_quantize: NVFP4 to nearest and
+# stochastic (8-bit and full), an RHT of 16 and of 128 (across lanes), MXFP8, MXFP4 stochastic
+@pytest.mark.parametrize(("fmt_name", "rounding", "rht"), rowwise_cases)
 def test_cuda_one_graph_replays_the_rowwise_launch_for_any_routing(
     fmt_name: str, rounding: str, rht, scope: str
 ) -> None:
@@ -331,20 +335,8 @@ def test_cuda_one_graph_replays_the_rowwise_launch_for_any_routing(
         )  # fmt: skip
 
     with finite.propagating():
-        fill(0)
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):  # compiles and loads the kernels outside the capture
-            launch()
-        torch.cuda.current_stream().wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            out = launch()
         bad = []
-        for turn, routing in enumerate(ROUTINGS):
-            fill(turn)
-            graph.replay()
-            torch.cuda.synchronize()
+        for turn, routing, out in replayed(launch, fill):
             want = quantize_groups(
                 x.cpu(), routing, fmt, rounding=rounding, rht=rht_spec(rht), seeds=SEEDS,
                 offsets=host_offsets(turn), backend="reference", scope=scope,

@@ -583,6 +583,17 @@ def _differences(got, want, what: str) -> list[str]:
     return differences(got, want, what)
 
 
+def case_inputs(case: str, scope: str) -> tuple:
+    """A GPU case's (format, copies, padded counts, CUDA input, Philox offsets); skipped per
+    tensor for a format without a global scale."""
+    fmt_name, raw = CASES[case]
+    fmt = fmt_of(fmt_name)
+    if scope == "tensor" and not fmt.global_scale:
+        pytest.skip(f"{fmt_name} has no global scale")
+    copies = copies_of(raw)
+    return fmt, copies, pads_for(fmt, raw), grouped_input("cuda"), offsets_for(copies)
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("scope", ["expert", "tensor"])
@@ -592,14 +603,7 @@ def test_cuda_grouped_tile_quantize_is_the_reference_per_group(case: str, scope:
     rows (several CTAs, partial tiles, padding rows inside a tile), magnitudes 2^30 apart:
     each group's copies (codes, scales, S_dec) are the definition's bit for bit, per expert and
     per tensor; a NaN in one group makes only its S_decs NaN."""
-    fmt_name, raw = CASES[case]
-    fmt = fmt_of(fmt_name)
-    if scope == "tensor" and not fmt.global_scale:
-        pytest.skip(f"{fmt_name} has no global scale")
-    copies = copies_of(raw)
-    pads = pads_for(fmt, raw)
-    x = grouped_input("cuda")
-    offsets = offsets_for(copies)
+    fmt, copies, pads, x, offsets = case_inputs(case, scope)
     got = quantize_groups_tile(
         x, COUNTS, pads, fmt, copies, seeds=SEEDS, offsets=offsets, backend="cute", scope=scope
     )
@@ -633,14 +637,7 @@ def test_cuda_side_by_side_columns_are_the_reference_per_group(case: str, scope:
     sum of padded rows] copy holds every group's definition codes and scales in its columns,
     group after group (empty groups none), bit for bit; each group read on its own is the
     definition's too, and a rowwise copy of the same launch keeps its layout."""
-    fmt_name, raw = CASES[case]
-    fmt = fmt_of(fmt_name)
-    if scope == "tensor" and not fmt.global_scale:
-        pytest.skip(f"{fmt_name} has no global scale")
-    copies = copies_of(raw)
-    pads = pads_for(fmt, raw)
-    x = grouped_input("cuda")
-    offsets = offsets_for(copies)
+    fmt, copies, pads, x, offsets = case_inputs(case, scope)
     got = quantize_groups_tile(
         x, COUNTS, pads, fmt, copies, seeds=SEEDS, offsets=offsets, backend="cute",
         scope=scope, side_by_side=True,
