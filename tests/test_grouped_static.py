@@ -108,6 +108,39 @@ def test_the_device_groups_rows() -> None:
     assert groups.bound == padded_bound(23, 4, 16) == 96 and groups.groups == 4
 
 
+def test_the_device_routing_is_the_loops_order() -> None:
+    """The routing sorted on the device, no host read: expert by expert, each expert's (token,
+    choice) slots in the loop's order (choice-major, then token), the slots routed nowhere
+    here (ids outside [0, E): an expert-parallel sentinel) last as a group of their own; the
+    groups' counts, the slots' tokens and top-k positions; over drawn routings with experts
+    that get nothing."""
+    from fp4gen.runtime.grouped_static import device_routing
+
+    rng = random.Random(5)
+    for _ in range(60):
+        tokens, k, experts = rng.randint(1, 40), rng.randint(1, 8), rng.randint(1, 12)
+        ids = [[rng.randint(-1, experts) for _ in range(k)] for _ in range(tokens)]
+        index = torch.tensor(ids, dtype=torch.int64)
+        got = device_routing(index, experts, 16)
+        want = []
+        for e in [*range(experts), None]:  # None: the slots routed to no expert here
+            for j in range(k):
+                for t in range(tokens):
+                    here = 0 <= ids[t][j] < experts
+                    if (e is None and not here) or (here and ids[t][j] == e):
+                        want.append(j * tokens + t)
+        assert got.order.tolist() == want
+        assert got.token_idx.tolist() == [slot % tokens for slot in want]
+        assert got.top_k_pos.tolist() == [slot // tokens for slot in want]
+        counts = [sum(1 for row in ids for i in row if i == e) for e in range(experts)]
+        counts.append(tokens * k - sum(counts))
+        assert got.groups.counts.tolist() == counts
+        assert got.groups.rows == tokens * k and got.groups.groups == experts + 1
+        assert got.groups.pads.tolist() == padded_counts(counts, 16)
+    with pytest.raises(TensorError, match=r"expected \[tokens, k\] integer expert ids"):
+        device_routing(torch.zeros(4), 3, 16)
+
+
 def test_philox_words_are_the_hosts() -> None:
     """Seeds and offsets from the device give the words ``kernels.host.u64_table`` makes of the
     same values on the host, values of 2^31, 2^32 and from 2^63 on (int64 bit patterns)

@@ -96,6 +96,42 @@ def device_groups(counts: torch.Tensor, rows: int, multiple: int) -> DeviceGroup
     return DeviceGroups(c, pads, in_rows, out_rows, rows, multiple, bound)
 
 
+@dataclass(frozen=True)
+class DeviceRouting:
+    """A top-k routing of T tokens over E experts as device tensors of fixed shapes: the T k
+    (token, choice) slots sorted by expert (``order``: stable, so within an expert in the
+    loop's order, [k, tokens] row-major), each sorted slot's token and top-k position, and the
+    groups of sorted rows: one per expert, then one of the slots routed to no expert here
+    (an expert-parallel sentinel outside [0, E)), which sort last. ``groups`` has E + 1
+    groups of T k rows in all, padded to the multiple asked for."""
+
+    order: torch.Tensor
+    token_idx: torch.Tensor
+    top_k_pos: torch.Tensor
+    groups: DeviceGroups
+
+
+def device_routing(top_k_index: torch.Tensor, num_experts: int, multiple: int) -> DeviceRouting:
+    """The routing of ``top_k_index`` ([T, k] expert ids) as ``GroupedExperts``' grouped path
+    sorts it (``runtime.experts``: the same order and counts), with no host read: the counts
+    stay a device tensor and every shape is fixed by T and k."""
+    if top_k_index.dim() != 2 or top_k_index.dtype.is_floating_point or num_experts < 1:
+        raise TensorError(
+            f"device_routing: top_k_index of shape {tuple(top_k_index.shape)} and dtype "
+            f"{top_k_index.dtype} over {num_experts} experts; expected [tokens, k] integer "
+            "expert ids and at least one expert"
+        )
+    tokens, k = top_k_index.shape
+    flat = top_k_index.t().reshape(-1)  # k-major: the loop's order within an expert
+    valid = (flat >= 0) & (flat < num_experts)
+    key = torch.where(valid, flat, num_experts)
+    counts = torch.zeros(num_experts + 1, dtype=torch.int32, device=key.device)
+    counts.index_add_(0, key, torch.ones_like(key, dtype=torch.int32))
+    order = torch.argsort(key, stable=True)
+    groups = device_groups(counts, tokens * k, multiple)
+    return DeviceRouting(order, order % tokens, order // tokens, groups)
+
+
 def _spread(per_group: torch.Tensor, n_rows: int) -> tuple[torch.Tensor, torch.Tensor]:
     """For groups of ``per_group[g]`` table rows each (int32 [G], group after group; at least
     one in all): each of ``n_rows`` rows' group and its index within its group, the rows past
@@ -164,7 +200,9 @@ def philox_table(seeds: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
 
 __all__ = [
     "DeviceGroups",
+    "DeviceRouting",
     "device_groups",
+    "device_routing",
     "padded_bound",
     "philox_table",
     "rowwise_ctas_bound",
