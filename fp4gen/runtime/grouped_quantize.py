@@ -326,15 +326,7 @@ def _grouped_kernels(
     dev = x.device
     groups = len(counts)
     units_per_row = k // params.unit
-    data = torch.empty((m, k * params.elem.bits // 8), dtype=torch.uint8, device=dev)
-    scale_dtype = torch.float32 if params.scale.kind == "fp32" else torch.uint8
-    scales = torch.empty((m, k // params.block), dtype=scale_dtype, device=dev)
-    amax = torch.zeros(groups, dtype=torch.float32, device=dev)
-    # S_dec: the kernel writes each group's with a global scale; 1.0 without (NaN over it for a
-    # non-finite group); an empty group's is never read
-    s_dec = (torch.empty if params.global_scale else torch.ones)(
-        groups, dtype=torch.float32, device=dev
-    )
+    data, scales, amax, s_dec = _buffers(params, m, k, groups, dev)
     if params.philox:
         rows = list(zip(seeds, offsets, strict=True))
         words = host.u64_table(rows, ["seed", "offset"])  # per group: seed, offset (lo, hi)
@@ -387,6 +379,20 @@ def _grouped_kernels(
         whole, "", fmt, k, rounding, rht, seeds[first], offsets[first], x.shape, x.dtype
     )
     return out
+
+
+def _buffers(
+    params: Any, m: int, k: int, groups: int, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A grouped rowwise launch's outputs for [m, k] rows: codes, block scales, the zeroed amax
+    slots [G] and the S_dec buffer [G]: the kernel writes each group's S_dec with a global scale;
+    1.0 without (NaN over it for a non-finite group); an empty group's is never read."""
+    data = torch.empty((m, k * params.elem.bits // 8), dtype=torch.uint8, device=device)
+    scale_dtype = torch.float32 if params.scale.kind == "fp32" else torch.uint8
+    scales = torch.empty((m, k // params.block), dtype=scale_dtype, device=device)
+    amax = torch.zeros(groups, dtype=torch.float32, device=device)
+    make_s_dec = torch.empty if params.global_scale else torch.ones
+    return data, scales, amax, make_s_dec(groups, dtype=torch.float32, device=device)
 
 
 @dataclass
@@ -479,12 +485,7 @@ def quantize_groups_static(
     m, k = x.shape
     dev, g = x.device, groups.groups
     units_per_row = k // params.unit
-    data = torch.empty((m, k * params.elem.bits // 8), dtype=torch.uint8, device=dev)
-    scale_dtype = torch.float32 if params.scale.kind == "fp32" else torch.uint8
-    scales = torch.empty((m, k // params.block), dtype=scale_dtype, device=dev)
-    amax = torch.zeros(g, dtype=torch.float32, device=dev)
-    make_s_dec = torch.empty if params.global_scale else torch.ones  # as _grouped_kernels'
-    s_dec = make_s_dec(g, dtype=torch.float32, device=dev)
+    data, scales, amax, s_dec = _buffers(params, m, k, g, dev)
     # the Philox words from the device values; a kernel without random bits reads none
     philox = philox_table(seeds, offsets[:, None]) if params.philox else unread_table(dev, g, 4)
     if params.global_scale:

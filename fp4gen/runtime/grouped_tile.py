@@ -511,11 +511,7 @@ def _grouped_kernels(
     m, k = x.shape
     if k % module.K_MULTIPLE:
         raise _Refused(f"K = {k} is not a multiple of {module.K_MULTIPLE}")
-    # the groups' padded rows: whole column blocks (their scales' offsets) and the columnwise
-    # copy's row multiple (its code words and RHT chunks)
-    multiple = module.M_MULTIPLE
-    if params.copy("col") is not None or params.two_d:
-        multiple = math.lcm(multiple, params.block)
+    multiple = _row_multiple(module, params)
     if [pad for pad in pads if pad % multiple]:
         raise _Refused(f"padded group rows {list(pads)} are not multiples of {multiple}")
     total = sum(pads)
@@ -747,17 +743,16 @@ def quantize_groups_tile_static(
         )
     _check_groups(x, [groups.rows], [groups.rows], copies, [0], [(0,) * len(copies)])
     reason = _kernel_reason(x, fmt, copies)
-    try:
-        if reason is not None:
-            raise _Refused(reason)
-        module, arch = _module(fmt, x, copies)
-    except _Refused as refused:
-        raise FP4GenError(f"quantize_groups_tile_static: {refused}") from None
+    if reason is None:
+        try:
+            module, arch = _module(fmt, x, copies)
+        except _Refused as refused:
+            reason = str(refused)
+    if reason is not None:
+        raise FP4GenError(f"quantize_groups_tile_static: {reason}")
     params = grouped_params(module.QUANT_PARAMS)
     k = x.shape[1]
-    multiple = module.M_MULTIPLE
-    if params.copy("col") is not None:
-        multiple = math.lcm(multiple, params.block)
+    multiple = _row_multiple(module, params)
     problem = None
     if params.two_d:
         problem = "2D blocks (the host launch quantizes the experts' weights)"
@@ -800,6 +795,14 @@ def quantize_groups_tile_static(
     return StaticTileCopies(
         fmt, copies, k, bits, block, x.dtype, groups, tuple(codes), tuple(scales), s_dec
     )
+
+
+def _row_multiple(module: Any, params: Any) -> int:
+    """What every group's padded rows must be a multiple of: the kernel's M multiple, and with a
+    columnwise copy or 2D tiles whole blocks (their scales' offsets, code words, RHT chunks)."""
+    if params.copy("col") is not None or params.two_d:
+        return math.lcm(module.M_MULTIPLE, params.block)
+    return module.M_MULTIPLE
 
 
 def _outputs(
