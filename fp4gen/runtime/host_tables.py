@@ -21,8 +21,11 @@ hundreds of KiB (64 experts, top-8, 8192 tokens: 786 KiB), and a pinned allocati
 took about 1.4 ms of host time each on the GPU machine. The old buffer is dropped: torch's
 pinned-memory allocator keeps it until the copies queued from it have run.
 
-While the current stream is being captured into a CUDA graph the copy stays the plain one: a
-captured copy would read the staging slice again at every replay, after it has been reused.
+While the current stream is being captured into a CUDA graph a table is copied from pinned
+memory of its own (torch refuses a captured copy from pageable memory), never the staging
+buffer: a captured copy reads its source again at every replay, and a staging slice is reused.
+That memory is kept for the process (``_captured_sources``): the graph reads it at every
+replay, and a table is a few KiB, made once per capture.
 """
 
 from __future__ import annotations
@@ -171,9 +174,16 @@ def host_table(
         host = torch.tensor(values, dtype=host_dtype or dtype)
     if host.dtype != dtype:
         host = host.to(dtype)
-    if device.type != "cuda" or capturing():
+    if device.type != "cuda":
         return host.to(device)
-    return host.pin_memory().to(device, non_blocking=True)
+    pinned = host.pin_memory()
+    if capturing():  # the graph copies from it at every replay (module docstring)
+        _captured_sources.append(pinned)
+    return pinned.to(device, non_blocking=True)
+
+
+# the pinned sources of the tables copied inside CUDA graph captures, kept while graphs may replay
+_captured_sources: list[torch.Tensor] = []
 
 
 # From this many CTA rows on, a per-CTA table (``spread_groups``) is built on its CUDA device: a

@@ -1,0 +1,276 @@
+"""The experts' fwd+bwd with every size on the device, replayed in one CUDA graph per step.
+
+An MoE layer's experts part at ``--hidden`` / ``--inner``, ``--experts`` experts, top
+``--topk`` of ``--tokens`` tokens: the routed rows sorted by expert, the gate/up projection,
+SiLU(gate) x up, the down projection, and the backward of all three (dx and both weights'
+gradients). Every timed step draws a new routing on the device (uniform top-k). Rows, all in
+one process, BF16 first:
+
+- ``bf16 grouped_mm eager``: torch._grouped_mm in BF16 with autograd, the baseline (ratios);
+- ``bf16 grouped_mm graph``: the same, captured once in a CUDA graph (its offsets are device
+  tensors, so one graph replays every routing);
+- ``<recipe> grouped eager``: fp4gen's grouped path (``grouped.GroupedProjection``): the
+  host reads the routing's counts and sizes every launch from them;
+- ``<recipe> static graph``: ``static_experts.StaticProjection`` captured once and replayed
+  (the route built inside the graph from the device counts).
+
+Printed: ms per step (median of ``--steps`` timed steps, CUDA events around each), the ratio
+to the eager BF16 row and to the BF16 graph. ``--profile N``: under each graph row, the N
+kernels with the most GPU time in one replay (torch.profiler, after the row is timed).
+
+    python benchmarks/moe_static.py [--hidden 2048] [--inner 768] [--experts 64] [--topk 8]
+                                    [--tokens 8192] [--recipes nvfp4_no_bf16,fp8_blockwise]
+                                    [--steps 20] [--profile N]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+
+import fp4gen
+from fp4gen.runtime import grouped
+from fp4gen.runtime.static_experts import (
+    StaticCalls,
+    backward_multiple,
+    static_calls,
+    static_projection,
+    static_route,
+)
+
+
+def act(h: torch.Tensor) -> torch.Tensor:
+    gate, up = h.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+def experts_module(args: argparse.Namespace, recipe: str) -> torch.nn.Module:
+    """Qwen3-MoE's experts at the benchmark's widths, converted by ``recipe`` (bf16, CUDA)."""
+    import transformers
+    from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeExperts
+
+    cfg = transformers.Qwen3MoeConfig(
+        hidden_size=args.hidden,
+        moe_intermediate_size=args.inner,
+        num_experts=args.experts,
+        num_experts_per_tok=args.topk,
+    )
+    torch.manual_seed(0)
+    with torch.device("cuda"):
+        holder = torch.nn.Module()
+        holder.experts = Qwen3MoeExperts(cfg)
+        with torch.no_grad():
+            for p in holder.experts.parameters():
+                p.normal_(0.0, 0.02)
+    holder.to(torch.bfloat16)
+    if recipe != "bf16":
+        fp4gen.convert(holder, recipe)
+    return holder.experts
+
+
+def routings(args: argparse.Namespace, n: int) -> list[torch.Tensor]:
+    """``n`` routings' rows per expert (int32 [E] on the GPU), each a uniform top-k draw."""
+    g = torch.Generator(device="cuda").manual_seed(1)
+    out = []
+    for _ in range(n):
+        scores = torch.rand(args.tokens, args.experts, device="cuda", generator=g)
+        index = scores.topk(args.topk, dim=1).indices.reshape(-1)
+        out.append(torch.bincount(index, minlength=args.experts).to(torch.int32))
+    return out
+
+
+def time_steps(step: Callable[[int], None], steps: int) -> float:
+    """Median ms of ``steps`` calls of ``step(i)`` after two warm-up calls (CUDA events)."""
+    for i in range(2):
+        step(i)
+    times = []
+    for i in range(steps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        step(i)
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+def captured(body: Callable[[], object]) -> torch.cuda.CUDAGraph:
+    """``body`` warmed up on a side stream, then captured once."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        body()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        body()
+    return graph
+
+
+class Bench:
+    """The inputs every row shares: the routed rows x [R, hidden], dy [R, hidden], the
+    routings, and the device counts buffer a graph reads."""
+
+    def __init__(self, args: argparse.Namespace) -> None:
+        self.args = args
+        self.rows = args.tokens * args.topk
+        self.x = torch.randn(self.rows, args.hidden, device="cuda", dtype=torch.bfloat16)
+        self.dy = torch.randn_like(self.x)
+        self.routes = routings(args, 8)
+        self.counts = torch.zeros(args.experts, dtype=torch.int32, device="cuda")
+        self.ends = torch.zeros(args.experts, dtype=torch.int32, device="cuda")
+
+    def load(self, i: int) -> torch.Tensor:
+        counts = self.routes[i % len(self.routes)]
+        self.counts.copy_(counts)
+        torch.cumsum(self.counts, 0, dtype=torch.int32, out=self.ends)
+        return counts
+
+    def bf16_body(self, module: torch.nn.Module) -> Callable[[], object]:
+        w1, w2 = module.gate_up_proj, module.down_proj
+        x = self.x.detach().requires_grad_()
+
+        def body() -> object:
+            h = torch._grouped_mm(x, w1.transpose(1, 2), offs=self.ends)
+            y = torch._grouped_mm(act(h), w2.transpose(1, 2), offs=self.ends)
+            return torch.autograd.grad(y, (x, w1, w2), self.dy)
+
+        return body
+
+    def grouped_step(self, module: torch.nn.Module) -> Callable[[int], None]:
+        x = self.x.detach().requires_grad_()
+        w1, w2 = module.gate_up_proj, module.down_proj
+        name = type(module).__name__
+
+        def step(i: int) -> None:
+            counts = self.load(i).tolist()  # the host reads the routing, as the layer does
+            hit = [e for e, c in enumerate(counts) if c]
+            h = x
+            for proj, w in ((0, w1), (1, w2)):
+                every = [pair[proj] for pair in module.gemms]
+                groups = grouped.Groups(
+                    hit, [counts[e] for e in hit], [every[e] for e in hit], False,
+                    torch.bfloat16, f"{name}.{proj}", every,
+                )  # fmt: skip
+                h = grouped.GroupedProjection.apply(h, w, None, groups)
+                if proj == 0:
+                    h = act(h)
+            torch.autograd.grad(h, (x, w1, w2), self.dy)
+
+        return step
+
+    def static_body(self, module: torch.nn.Module) -> Callable[[], object]:
+        x = self.x.detach().requires_grad_()
+        w1, w2 = module.gate_up_proj, module.down_proj
+        every = [[pair[p] for pair in module.gemms] for p in (0, 1)]
+        groups = [
+            grouped.Groups(
+                list(range(len(e))), [0] * len(e), e, False, torch.bfloat16, f"experts.{p}", e
+            )  # fmt: skip
+            for p, e in enumerate(every)
+        ]
+        calls = [static_calls(e, x.device) for e in every]
+        multiple = backward_multiple(every[0][0].operands)
+
+        def body() -> object:
+            route = static_route(self.counts, self.rows, multiple)
+            h = act(static_projection(x, w1, route, calls[0], groups[0]))
+            y = static_projection(h, w2, route, calls[1], groups[1])
+            grads = torch.autograd.grad(y, (x, w1, w2), self.dy)
+            for c in calls:  # the next pass's Philox streams, as the layers' counters move
+                advance(c)
+            return grads
+
+        return body
+
+
+def replaying(bench: Bench, graph: torch.cuda.CUDAGraph) -> Callable[[int], None]:
+    """A step that loads routing ``i`` into the counts buffer and replays ``graph``."""
+
+    def step(i: int) -> None:
+        bench.load(i)
+        graph.replay()
+
+    return step
+
+
+def profile_replay(bench: Bench, graph: torch.cuda.CUDAGraph, top: int) -> None:
+    """The ``top`` kernels by GPU time in one replay of ``graph``, and their sum."""
+    from torch.profiler import ProfilerActivity, profile
+
+    bench.load(0)
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        graph.replay()
+        torch.cuda.synchronize()
+    kernels: dict[str, list[float]] = {}
+    for event in prof.events():
+        if event.device_type == torch.autograd.DeviceType.CUDA:
+            kernels.setdefault(event.name, []).append(event.device_time)
+    total = sum(sum(t) for t in kernels.values()) / 1000
+    print(f"      GPU kernels: {total:.3f} ms in one replay")
+    ranked = sorted(kernels.items(), key=lambda kv: -sum(kv[1]))[:top]
+    for name, times in ranked:
+        print(f"      {sum(times) / 1000:8.3f} ms {len(times):4d}x  {name[:90]}")
+
+
+def advance(calls: StaticCalls) -> None:
+    calls.forward.add_(1)
+    calls.backward.add_(1)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--hidden", type=int, default=2048)
+    parser.add_argument("--inner", type=int, default=768)
+    parser.add_argument("--experts", type=int, default=64)
+    parser.add_argument("--topk", type=int, default=8)
+    parser.add_argument("--tokens", type=int, default=8192)
+    parser.add_argument("--recipes", default="nvfp4_no_bf16,fp8_blockwise")
+    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--profile", type=int, default=0, help="kernels to list per graph row")
+    args = parser.parse_args(argv)
+    if not torch.cuda.is_available():
+        parser.error("needs a CUDA GPU (the static launches and graphs run on CUDA)")
+    bench = Bench(args)
+    print(
+        f"experts fwd+bwd: hidden {args.hidden}, inner {args.inner}, {args.experts} experts, "
+        f"top-{args.topk}, {args.tokens} tokens ({bench.rows} routed rows), a new routing "
+        "per step"
+    )
+    print(f"  {'row':36} {'ms':>9} {'x eager bf16':>13} {'x bf16 graph':>13}")
+    base = bench_graph = None
+
+    def row(name: str, ms: float) -> None:
+        ratios = [f"{ms / b:13.3f}" if b else f"{'':>13}" for b in (base, bench_graph)]
+        print(f"  {name:36} {ms:9.3f} {ratios[0]} {ratios[1]}", flush=True)
+
+    bf16 = experts_module(args, "bf16")
+    body = bench.bf16_body(bf16)
+    base = time_steps(lambda i: (bench.load(i), body()), args.steps)
+    row("bf16 grouped_mm eager", base)
+    graph = captured(body)
+    bench_graph = time_steps(replaying(bench, graph), args.steps)
+    row("bf16 grouped_mm graph", bench_graph)
+    if args.profile:
+        profile_replay(bench, graph, args.profile)
+    for recipe in args.recipes.split(","):
+        module = experts_module(args, recipe)
+        row(f"{recipe} grouped eager", time_steps(bench.grouped_step(module), args.steps))
+        try:
+            graph = captured(bench.static_body(module))
+        except fp4gen.FP4GenError as err:
+            print(f"  {recipe} static graph: not served: {err}")
+            continue
+        row(f"{recipe} static graph", time_steps(replaying(bench, graph), args.steps))
+        if args.profile:
+            profile_replay(bench, graph, args.profile)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
