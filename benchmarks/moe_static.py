@@ -14,13 +14,20 @@ one process, BF16 first:
 - ``<recipe> static graph``: ``static_experts.StaticProjection`` captured once and replayed
   (the route built inside the graph from the device counts).
 
+``--block``: the same for transformers' whole Qwen3-MoE sparse block (router, top-k, experts,
+the weighted sum: what ``benchmarks/moe.py``'s layer section times), a new batch of tokens per
+step so that the routing moves: ``bf16 block eager`` (transformers' grouped_mm experts, the
+baseline of this section), ``bf16 block graphed`` (``torch.cuda.make_graphed_callables``),
+``<recipe> block eager`` (fp4gen's grouped path) and ``<recipe> block static graphed`` (the
+converted block with ``GroupedExperts.static = True``, graphed).
+
 Printed: ms per step (median of ``--steps`` timed steps, CUDA events around each), the ratio
 to the eager BF16 row and to the BF16 graph. ``--profile N``: under each graph row, the N
 kernels with the most GPU time in one replay (torch.profiler, after the row is timed).
 
     python benchmarks/moe_static.py [--hidden 2048] [--inner 768] [--experts 64] [--topk 8]
                                     [--tokens 8192] [--recipes nvfp4_no_bf16,fp8_blockwise]
-                                    [--steps 20] [--profile N]
+                                    [--steps 20] [--profile N] [--block]
 """
 
 from __future__ import annotations
@@ -218,6 +225,83 @@ def profile_replay(bench: Bench, graph: torch.cuda.CUDAGraph, top: int) -> None:
         print(f"      {sum(times) / 1000:8.3f} ms {len(times):4d}x  {name[:90]}")
 
 
+def block_section(args: argparse.Namespace) -> None:
+    """The whole sparse MoE block's fwd+bwd (module docstring, ``--block``)."""
+    import transformers
+    from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeSparseMoeBlock
+
+    from fp4gen.runtime.experts import GroupedExperts
+
+    cfg = transformers.Qwen3MoeConfig(
+        hidden_size=args.hidden,
+        moe_intermediate_size=args.inner,
+        num_experts=args.experts,
+        num_experts_per_tok=args.topk,
+    )
+    cfg._experts_implementation = "grouped_mm"
+    torch.manual_seed(0)
+    with torch.device("cuda"):
+        source = Qwen3MoeSparseMoeBlock(cfg)
+        with torch.no_grad():
+            for p in source.parameters():
+                p.normal_(0.0, 0.02)
+    state = source.state_dict()
+    batches = [
+        torch.randn(1, args.tokens, args.hidden, device="cuda", dtype=torch.bfloat16)
+        for _ in range(4)
+    ]
+    dy = torch.randn_like(batches[0])
+
+    def make(recipe: str | None, static: bool = False) -> torch.nn.Module:
+        with torch.device("cuda"):
+            block = Qwen3MoeSparseMoeBlock(cfg)
+        block.load_state_dict(state)
+        block.to(torch.bfloat16)
+        if recipe is not None:
+            fp4gen.convert(block, recipe)
+            for m in block.modules():
+                if isinstance(m, GroupedExperts):
+                    m.static = static
+        return block
+
+    def stepper(fn: Callable[[torch.Tensor], torch.Tensor]) -> Callable[[int], None]:
+        inp = batches[0].detach().requires_grad_()
+
+        def step(i: int) -> None:
+            with torch.no_grad():
+                inp.copy_(batches[i % len(batches)])
+            fn(inp).backward(dy)
+
+        return step
+
+    def graphed(block: torch.nn.Module) -> Callable[[torch.Tensor], torch.Tensor]:
+        sample = batches[0].detach().requires_grad_()
+        return torch.cuda.make_graphed_callables(block, (sample,))
+
+    print(f"\nwhole sparse block fwd+bwd ({args.tokens} tokens, a new batch per step)")
+    print(f"  {'row':36} {'ms':>9} {'x eager bf16':>13} {'x bf16 graph':>13}")
+    base = time_steps(stepper(make(None)), args.steps)
+    print(f"  {'bf16 block eager':36} {base:9.3f} {1.0:13.3f}")
+    try:
+        graph = time_steps(stepper(graphed(make(None))), args.steps)
+        print(f"  {'bf16 block graphed':36} {graph:9.3f} {graph / base:13.3f} {1.0:13.3f}")
+    except RuntimeError as err:
+        graph = None
+        print(f"  bf16 block graphed: not capturable: {str(err)[:200]}")
+    for recipe in args.recipes.split(","):
+        rows = [("eager", lambda r=recipe: make(r)), ("static graphed", None)]
+        for label, build in rows:
+            try:
+                fn = build() if build is not None else graphed(make(recipe, static=True))
+                ms = time_steps(stepper(fn), args.steps)
+            except (fp4gen.FP4GenError, RuntimeError) as err:
+                print(f"  {recipe} block {label}: not run: {str(err)[:300]}")
+                continue
+            versus = f"{ms / graph:13.3f}" if graph else ""
+            print(f"  {recipe + ' block ' + label:36} {ms:9.3f} {ms / base:13.3f} {versus}")
+        torch.cuda.empty_cache()
+
+
 def advance(calls: StaticCalls) -> None:
     calls.forward.add_(1)
     calls.backward.add_(1)
@@ -233,6 +317,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--recipes", default="nvfp4_no_bf16,fp8_blockwise")
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--profile", type=int, default=0, help="kernels to list per graph row")
+    parser.add_argument("--block", action="store_true", help="also the whole sparse block")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         parser.error("needs a CUDA GPU (the static launches and graphs run on CUDA)")
@@ -269,6 +354,8 @@ def main(argv: list[str] | None = None) -> int:
         row(f"{recipe} static graph", time_steps(replaying(bench, graph), args.steps))
         if args.profile:
             profile_replay(bench, graph, args.profile)
+    if args.block:
+        block_section(args)
     return 0
 
 

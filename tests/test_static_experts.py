@@ -275,3 +275,74 @@ def test_cuda_one_graph_replays_the_projection_for_any_routing(recipe) -> None:
         want = grouped_path(module, 0, x, counts, dy)
         assert_equal(out, want, f"{recipe} replay {routed}")
     assert weight.grad is None  # the graph's dW is its own output
+
+
+def routed(tokens: int, seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """hidden [tokens, 256] bf16, a top-2 routing over 6 experts that leaves experts 1 and 4
+    without tokens, and its weights (CUDA)."""
+    g = torch.Generator().manual_seed(seed)
+    used = torch.tensor([0, 2, 3, 5])
+    index = used[torch.rand(tokens, 4, generator=g).topk(2, dim=1).indices]
+    weights = torch.rand(tokens, 2, generator=g).softmax(-1)
+    hidden = torch.randn(tokens, 256, generator=g)
+    return hidden.to(torch.bfloat16).cuda(), index.cuda(), weights.to(torch.bfloat16).cuda()
+
+
+def step(module, hidden, index, weights, dout) -> list[torch.Tensor]:
+    """Output, dx, the routing weights' gradient and both weights' gradients of one step."""
+    hidden = hidden.detach().requires_grad_()
+    weights = weights.detach().requires_grad_()
+    module.zero_grad(set_to_none=True)
+    out = module(hidden, index, weights)
+    out.backward(dout)
+    return [out, hidden.grad, weights.grad, module.gate_up_proj.grad, module.down_proj.grad]
+
+
+@on_sm90
+@pytest.mark.parametrize("recipe", list(RECIPES))
+def test_cuda_the_static_module_step_is_the_grouped_modules(recipe) -> None:
+    """``GroupedExperts.static``: a first training step (every call count 0) of a routing
+    with empty experts gives the grouped module's output and gradients bit for bit; the
+    static pass counts a call of every expert, routed or not."""
+    grouped_module = experts_module(recipe, "cuda")
+    static_module = experts_module(recipe, "cuda")
+    static_module.static = True
+    hidden, index, weights = routed(96, 3)
+    dout = torch.randn_like(hidden)
+    want = step(grouped_module, hidden, index, weights, dout)
+    got = step(static_module, hidden, index, weights, dout)
+    for i, (a, b) in enumerate(zip(got, want, strict=True)):
+        assert torch.equal(a, b), (recipe, i)
+    assert [pair[0]._forward_calls for pair in static_module.gemms] == [1] * 6
+    assert [pair[0]._forward_calls for pair in grouped_module.gemms] == [1, 0, 1, 1, 0, 1]
+
+
+@on_sm90
+@pytest.mark.parametrize("recipe", list(RECIPES))
+def test_cuda_a_graphed_static_module_replays_the_eager_steps(recipe) -> None:
+    """The static module captured by ``torch.cuda.make_graphed_callables`` (its forward and
+    backward), then run for three routings: each step's output and gradients equal an eager
+    static twin's, whose device counters took the same warm-up passes (the graph's replays
+    advance the counters: fresh stochastic rounding draws every step)."""
+    graphed_module = experts_module(recipe, "cuda")
+    twin = experts_module(recipe, "cuda")
+    graphed_module.static = twin.static = True
+    sample = routed(96, 0)
+    dout = torch.randn_like(sample[0])
+    warmups = 3
+    for _ in range(warmups):  # the twin's counters follow the graph's warm-up passes
+        step(twin, *sample, dout)
+    args = (sample[0].detach().requires_grad_(), sample[1], sample[2].detach().requires_grad_())
+    graphed = torch.cuda.make_graphed_callables(graphed_module, args, num_warmup_iters=warmups)
+    for seed in (5, 6, 7):
+        hidden, index, weights = routed(96, seed)
+        dout = torch.randn_like(hidden)
+        want = step(twin, hidden, index, weights, dout)
+        h = hidden.detach().requires_grad_()
+        w = weights.detach().requires_grad_()
+        graphed_module.zero_grad(set_to_none=True)
+        out = graphed(h, index, w)
+        out.backward(dout)
+        got = [out, h.grad, w.grad, graphed_module.gate_up_proj.grad, graphed_module.down_proj.grad]
+        for i, (a, b) in enumerate(zip(got, want, strict=True)):
+            assert torch.equal(a, b), (recipe, seed, i)

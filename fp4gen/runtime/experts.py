@@ -60,7 +60,7 @@ import torch
 from torch import nn
 
 from fp4gen.dsl.model import MoRSpec, Operand, OperandTable, Recipe
-from fp4gen.errors import TensorError
+from fp4gen.errors import FP4GenError, TensorError
 from fp4gen.formats import HighPrecision
 from fp4gen.runtime import ops
 from fp4gen.runtime.grouped import GroupedProjection, Groups, pass_reason
@@ -72,7 +72,7 @@ from fp4gen.runtime.grouped_scope import (
     give_amaxes,
     scoped_slots,
 )
-from fp4gen.runtime.linear import Linear
+from fp4gen.runtime.linear import Linear, recomputing
 from fp4gen.runtime.operands import HP_DTYPES
 from fp4gen.runtime.schedule import TrainingClock
 
@@ -281,6 +281,9 @@ class GroupedExperts(nn.Module):
         # grouped GEMMs (fp4gen.runtime.grouped): None chooses (loop_reason), True takes them
         # wherever the formats allow, False runs expert by expert
         self.grouped: bool | None = None
+        # every size on the device (fp4gen.runtime.static_experts): no host read of the
+        # routing, so a CUDA graph of the MoE block replays any routing; off by default
+        self.static: bool = False
         # called with (expert, projection, that projection's input) before each expert GEMM
         # where set (export's calibration records the inputs' amax); None: nothing
         self.observe: Callable[[int, int, torch.Tensor], None] | None = None
@@ -370,6 +373,8 @@ class GroupedExperts(nn.Module):
         (or with grouped GEMMs: ``loop_reason``)."""
         lay = self.layout
         final = torch.zeros_like(hidden_states)
+        if self.static:
+            return self._run_static(hidden_states, top_k_index, top_k_weights, final)
         weight = getattr(self, lay.up)
         table = self.operands
         if (
@@ -518,6 +523,80 @@ class GroupedExperts(nn.Module):
         x = self._project_grouped(hidden_states[token_idx], hit, [counts[e] for e in hit])
         y = x * top_k_weights[token_idx, top_k_pos, None]
         return final.index_add_(0, token_idx, y.to(final.dtype))
+
+    def static_reason(self, hidden_states: torch.Tensor) -> str | None:
+        """Why ``static`` cannot run these experts on ``hidden_states``, or None."""
+        from fp4gen.runtime.static_experts import static_reason, table_reason
+
+        lay = self.layout
+        if lay.identity_experts:
+            return "identity experts (their tokens are found on the host)"
+        if self.observe is not None or self.gemms[0][0].telemetry.every:
+            return "an observer or telemetry reads each expert's operands"
+        if recomputing():
+            return "activation checkpointing's recomputation (it repeats the forward's calls)"
+        if self._keeps_everything(self.operands, hidden_states.dtype, hidden_states.dtype):
+            return "the recipe keeps every operand in high precision"
+        table = self.operands
+        return table_reason(table, lay.inner, lay.hidden, bias=False) or static_reason(
+            table, hidden_states, lay.up_features, bias=lay.biases is not None
+        )
+
+    def _run_static(
+        self,
+        hidden_states: torch.Tensor,
+        top_k_index: torch.Tensor,
+        top_k_weights: torch.Tensor,
+        final: torch.Tensor,
+    ) -> torch.Tensor:
+        """``_run_grouped`` with every size on the device (``static_experts``): the routing
+        sorted on the device (``grouped_static.device_routing``), both projections by
+        ``StaticProjection`` from the experts' device counters, every expert's call counts
+        advanced per pass (an expert without tokens too: a graph cannot tell)."""
+        from fp4gen.runtime.grouped_static import device_routing
+        from fp4gen.runtime.static_experts import (
+            backward_multiple,
+            counter_calls,
+            route_of,
+            static_projection,
+        )
+
+        lay = self.layout
+        reason = self.static_reason(hidden_states)
+        if reason is not None:
+            raise FP4GenError(
+                f"{self.name or 'GroupedExperts'}: static = True is not served: {reason}"
+            )
+        tokens, k = top_k_index.shape
+        device = hidden_states.device
+        routing = device_routing(top_k_index, lay.num_experts, backward_multiple(self.operands))
+        route = route_of(routing, lay.num_experts, tokens * k)
+        x = hidden_states[routing.token_idx]
+        for proj in (0, 1):
+            every = [pair[proj] for pair in self.gemms]
+            name = f"{self.name or 'GroupedExperts'}.{lay.weights[proj]}"
+            groups = Groups(
+                list(range(lay.num_experts)), [0] * lay.num_experts, every, lay.transposed,
+                ops.output_dtype(x), name, every,
+            )  # fmt: skip
+            calls = counter_calls(every, device, self._data_seeds(proj, device))
+            x = static_projection(x, getattr(self, lay.weights[proj]), route, calls, groups,
+                                  counted=True)  # fmt: skip
+            if proj == 0:
+                x = self._activation(x)
+        y = x * top_k_weights[routing.token_idx, routing.top_k_pos, None]
+        return final.index_add_(0, routing.token_idx, y.to(final.dtype))
+
+    def _data_seeds(self, proj: int, device: torch.device) -> torch.Tensor:
+        """Every expert layer's data seed of projection ``proj``, int64 [E] on ``device``,
+        made once (outside any capture: on the first eager call)."""
+        key = (proj, device)
+        seeds = self.__dict__.setdefault("_seed_tables", {})
+        found = seeds.get(key)
+        if found is None:
+            values = [pair[proj].data_seed for pair in self.gemms]
+            found = seeds[key] = torch.tensor(values, dtype=torch.int64).to(device)
+        return found
 
     def _project_grouped(self, x: torch.Tensor, hit: list[int], counts: list[int]) -> torch.Tensor:
         """down(act(up(x))) of the rows ``x``, expert ``hit[i]``'s ``counts[i]`` rows after

@@ -422,10 +422,13 @@ def static_grads(
 
 class StaticProjection(torch.autograd.Function):
     """y = x_e W_e^T for every expert's rows of ``x`` (sorted by expert, ``route``), every
-    size on the device (module docstring). ``groups``: a ``grouped.Groups`` of every expert."""
+    size on the device (module docstring). ``groups``: a ``grouped.Groups`` of every expert;
+    ``counted``: the pass advances every expert layer's call counts (``count_pass``), as a
+    layer's own pass does; else the counts are the caller's (``calls``)."""
 
     @staticmethod
-    def forward(ctx: Any, x, weight, route: StaticRoute, calls: StaticCalls, groups: Any):  # type: ignore[override]
+    def forward(ctx: Any, x, weight, route: StaticRoute, calls: StaticCalls, groups: Any,
+                counted: bool):  # type: ignore[override]  # fmt: skip
         if x.dim() != 2 or x.shape[0] != route.rows or weight.shape[0] != route.experts:
             raise TensorError(
                 f"{groups.name}: x of shape {tuple(x.shape)} and weight of shape "
@@ -439,8 +442,10 @@ class StaticProjection(torch.autograd.Function):
         x = x.contiguous()
         with finite.layer_scope():
             y = static_fprop(x, weight, route, calls, groups)
+        if counted:
+            count_pass(groups.layers, forward=True)
         ctx.save_for_backward(x, weight)
-        ctx.route, ctx.calls, ctx.groups = route, calls, groups
+        ctx.route, ctx.calls, ctx.groups, ctx.counted = route, calls, groups, counted
         return y
 
     @staticmethod
@@ -453,15 +458,43 @@ class StaticProjection(torch.autograd.Function):
         with finite.layer_scope():
             ops.check_output_grad(groups.name, dy)
             dx, dw = static_grads(x, weight, dy, ctx.route, ctx.calls, groups)
-        return dx, dw, None, None, None
+        if ctx.counted:
+            count_pass(groups.layers, forward=False)
+        return dx, dw, None, None, None, None
+
+
+def count_pass(layers: list[Any], *, forward: bool) -> None:
+    """One forward (or backward) call of every expert layer, routed or not: the host counts
+    and, in one launch, the device counters (what a CUDA graph's replay advances)."""
+    from fp4gen.runtime.operand_slots import advance_devices
+
+    key = "_forward_calls" if forward else "_backward_calls"
+    for layer in layers:
+        layer.__dict__[key] += 1
+    advance_devices(layers, forward=forward)
+
+
+def counter_calls(layers: list[Any], device: torch.device, seeds: torch.Tensor) -> StaticCalls:
+    """``StaticCalls`` read from the expert layers' device counters (made from their host
+    counts on the first eager call: ``OperandSlots._philox_counter``), so that a graph's
+    replay reads the counts of its own pass."""
+    forward = torch.cat([layer._philox_counter(True, device) for layer in layers])
+    backward = torch.cat([layer._philox_counter(False, device) for layer in layers])
+    return StaticCalls(seeds, forward, backward)
 
 
 def static_projection(
-    x: torch.Tensor, weight: torch.Tensor, route: StaticRoute, calls: StaticCalls, groups: Any
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    route: StaticRoute,
+    calls: StaticCalls,
+    groups: Any,
+    *,
+    counted: bool = False,
 ) -> torch.Tensor:
     """``StaticProjection.apply``: the experts' projection of ``x`` with every size on the
     device."""
-    return StaticProjection.apply(x, weight, route, calls, groups)
+    return StaticProjection.apply(x, weight, route, calls, groups, counted)
 
 
 __all__ = [
@@ -469,6 +502,8 @@ __all__ = [
     "StaticProjection",
     "StaticRoute",
     "backward_multiple",
+    "count_pass",
+    "counter_calls",
     "route_of",
     "static_calls",
     "static_fprop",
