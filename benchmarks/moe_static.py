@@ -21,6 +21,12 @@ baseline of this section), ``bf16 block graphed`` (``torch.cuda.make_graphed_cal
 ``<recipe> block eager`` (fp4gen's grouped path) and ``<recipe> block static graphed`` (the
 converted block with ``GroupedExperts.static = True``, graphed).
 
+``--model``: a training step of ``benchmarks/moe.py``'s model (transformers' Qwen3-MoE at
+``--model-layers`` layers of the same widths, ``--tokens`` tokens, AdamW, bf16 autocast with
+fp32 master weights): ``bf16 model eager`` (its baseline), ``bf16 model graphed blocks`` (every
+sparse MoE block captured by ``make_graphed_callables``), ``<recipe> model eager`` and
+``<recipe> model static graphed blocks``.
+
 Printed: ms per step (median of ``--steps`` timed steps, CUDA events around each), the ratio
 to the eager BF16 row and to the BF16 graph. ``--profile N``: under each graph row, the N
 kernels with the most GPU time in one replay (torch.profiler, after the row is timed).
@@ -28,20 +34,27 @@ kernels with the most GPU time in one replay (torch.profiler, after the row is t
     python benchmarks/moe_static.py [--hidden 2048] [--inner 768] [--experts 64] [--topk 8]
                                     [--tokens 8192] [--recipes nvfp4_no_bf16,fp8_blockwise]
                                     [--steps 20] [--profile N] [--block]
+                                    [--model] [--model-layers 4] [--seq 1024]
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
 import statistics
+import sys
+import traceback
 from collections.abc import Callable
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
-import fp4gen
-from fp4gen.runtime import grouped
-from fp4gen.runtime.static_experts import (
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the checkout, uninstalled
+
+import fp4gen  # noqa: E402
+from fp4gen.runtime import grouped  # noqa: E402
+from fp4gen.runtime.static_experts import (  # noqa: E402
     StaticCalls,
     backward_multiple,
     static_calls,
@@ -302,25 +315,130 @@ def block_section(args: argparse.Namespace) -> None:
         torch.cuda.empty_cache()
 
 
+class GraphedBlock(torch.nn.Module):
+    """A sparse MoE block replayed by CUDA graphs: its forward and backward captured once by
+    ``torch.cuda.make_graphed_callables`` for inputs like ``sample`` (under bf16 autocast
+    without its cast cache, as the model's step runs it); the block stays a child (its
+    parameters are the model's)."""
+
+    def __init__(self, block: torch.nn.Module, sample: torch.Tensor) -> None:
+        super().__init__()
+        self.block = block
+        with torch.autocast("cuda", dtype=torch.bfloat16, cache_enabled=False):
+            self.__dict__["replay"] = torch.cuda.make_graphed_callables(block, (sample,))
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        return self.replay(hidden_states)
+
+
+def graph_moe_blocks(model: torch.nn.Module, forward: Callable[[], None], static: bool) -> str:
+    """Every sparse MoE block of ``model`` (a module with an ``experts`` child) replaced by a
+    ``GraphedBlock``, captured for the inputs one eager ``forward`` gives it (without
+    autograd: a graph kept from an eager step would keep the parameters' AccumulateGrad nodes on
+    the eager step's stream, which a captured backward cannot wait for); with ``static`` its
+    fp4gen experts run with every size on the device (else they could not be captured), and a
+    block whose fp4gen experts cannot (``GroupedExperts.static_reason``: e.g. a block the
+    recipe keeps in BF16) stays eager. Returns how many blocks were graphed, and why not."""
+    from fp4gen.runtime.experts import GroupedExperts
+
+    blocks = [(n, m) for n, m in model.named_modules() if hasattr(m, "experts")]
+    seen: dict[str, torch.Tensor] = {}
+    hooks = [
+        block.register_forward_pre_hook(
+            lambda _, args, name=name: seen.__setitem__(name, args[0].detach())
+        )
+        for name, block in blocks
+    ]
+    with torch.no_grad():
+        forward()
+    for hook in hooks:
+        hook.remove()
+    eager = []
+    for name, block in blocks:
+        sample = seen[name].detach().clone().requires_grad_()
+        if isinstance(block.experts, GroupedExperts):
+            flat = sample.reshape(-1, sample.shape[-1])
+            with torch.autocast("cuda", dtype=torch.bfloat16):
+                reason = block.experts.static_reason(flat) if static else "not static"
+            if reason is not None:
+                eager.append(f"{name}: {reason}")
+                continue
+            block.experts.static = True
+        parent_name, _, child = name.rpartition(".")
+        setattr(model.get_submodule(parent_name), child, GraphedBlock(block, sample))
+    note = f"{len(blocks) - len(eager)} of {len(blocks)} blocks graphed"
+    return note + "".join(f"; eager {e}" for e in eager)
+
+
+def model_section(args: argparse.Namespace) -> None:
+    """A model's training step with its MoE blocks eager or graphed (``--model``)."""
+    import transformers
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from moe import BASELINE, VOCAB, moe_config, register_baseline
+
+    register_baseline()
+    args.seq = min(args.seq, args.tokens)
+    cfg = moe_config("qwen3_moe", args, args.experts, args.topk, args.model_layers)
+    torch.manual_seed(0)
+    with torch.device("cuda"):
+        state = transformers.Qwen3MoeForCausalLM(cfg).state_dict()
+    tokens = torch.randint(0, VOCAB, (args.tokens // args.seq, args.seq), device="cuda")
+
+    def make(recipe: str | None) -> torch.nn.Module:
+        cfg._experts_implementation = BASELINE
+        with torch.device("cuda"):
+            model = transformers.Qwen3MoeForCausalLM(cfg)
+        model.load_state_dict(state)
+        return model if recipe is None else fp4gen.convert(model, recipe)
+
+    def run(model: torch.nn.Module, graph: bool, static: bool = False) -> tuple[float, str]:
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+
+        def forward() -> torch.Tensor:
+            with torch.autocast("cuda", dtype=torch.bfloat16):
+                return model(input_ids=tokens, labels=tokens).loss
+
+        def step(_: int = 0) -> None:
+            forward().backward()
+            opt.step()
+            opt.zero_grad(set_to_none=False)
+
+        note = graph_moe_blocks(model, forward, static) if graph else ""
+        return time_steps(step, args.steps), note
+
+    print(
+        f"\nQwen3MoeForCausalLM training step: {args.model_layers} layers, {args.tokens} "
+        f"tokens (seq {args.seq}), AdamW, bf16 autocast"
+    )
+    print(f"  {'row':36} {'ms':>9} {'x eager bf16':>13} {'x bf16 graphed':>15}")
+    base, _ = run(make(None), graph=False)
+    print(f"  {'bf16 model eager':36} {base:9.3f} {1.0:13.3f}", flush=True)
+    graphed, note = run(make(None), graph=True)
+    name = "bf16 model graphed blocks"
+    print(f"  {name:36} {graphed:9.3f} {graphed / base:13.3f} {1.0:15.3f}  {note}", flush=True)
+    for recipe in args.recipes.split(","):
+        for label, graph in (("eager", False), ("static graphed blocks", True)):
+            try:
+                ms, note = run(make(recipe), graph=graph, static=graph)
+            except (fp4gen.FP4GenError, RuntimeError) as err:
+                print(f"  {recipe} model {label}: not run: {str(err)[:300]}")
+                traceback.print_exc(file=sys.stderr)  # the first error of a failed capture too
+                continue
+            name = f"{recipe} model {label}"
+            ratios = f"{ms / base:13.3f} {ms / graphed:15.3f}"
+            print(f"  {name:36} {ms:9.3f} {ratios}  {note}", flush=True)
+            gc.collect()  # the graphs' pools go with the model
+            torch.cuda.empty_cache()
+
+
 def advance(calls: StaticCalls) -> None:
     calls.forward.add_(1)
     calls.backward.add_(1)
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--hidden", type=int, default=2048)
-    parser.add_argument("--inner", type=int, default=768)
-    parser.add_argument("--experts", type=int, default=64)
-    parser.add_argument("--topk", type=int, default=8)
-    parser.add_argument("--tokens", type=int, default=8192)
-    parser.add_argument("--recipes", default="nvfp4_no_bf16,fp8_blockwise")
-    parser.add_argument("--steps", type=int, default=20)
-    parser.add_argument("--profile", type=int, default=0, help="kernels to list per graph row")
-    parser.add_argument("--block", action="store_true", help="also the whole sparse block")
-    args = parser.parse_args(argv)
-    if not torch.cuda.is_available():
-        parser.error("needs a CUDA GPU (the static launches and graphs run on CUDA)")
+def experts_section(args: argparse.Namespace) -> None:
+    """The experts part alone (module docstring)."""
     bench = Bench(args)
     print(
         f"experts fwd+bwd: hidden {args.hidden}, inner {args.inner}, {args.experts} experts, "
@@ -354,8 +472,32 @@ def main(argv: list[str] | None = None) -> int:
         row(f"{recipe} static graph", time_steps(replaying(bench, graph), args.steps))
         if args.profile:
             profile_replay(bench, graph, args.profile)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--hidden", type=int, default=2048)
+    parser.add_argument("--inner", type=int, default=768)
+    parser.add_argument("--experts", type=int, default=64)
+    parser.add_argument("--topk", type=int, default=8)
+    parser.add_argument("--tokens", type=int, default=8192)
+    parser.add_argument("--recipes", default="nvfp4_no_bf16,fp8_blockwise")
+    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--profile", type=int, default=0, help="kernels to list per graph row")
+    parser.add_argument("--block", action="store_true", help="also the whole sparse block")
+    parser.add_argument("--model", action="store_true", help="also a whole model's step")
+    parser.add_argument("--model-layers", type=int, default=4)
+    parser.add_argument("--seq", type=int, default=1024)
+    parser.add_argument("--skip-experts", action="store_true", help="no experts-only section")
+    args = parser.parse_args(argv)
+    if not torch.cuda.is_available():
+        parser.error("needs a CUDA GPU (the static launches and graphs run on CUDA)")
+    if not args.skip_experts:
+        experts_section(args)
     if args.block:
         block_section(args)
+    if args.model:
+        model_section(args)
     return 0
 
 

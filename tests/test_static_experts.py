@@ -346,3 +346,15 @@ def test_cuda_a_graphed_static_module_replays_the_eager_steps(recipe) -> None:
         got = [out, h.grad, w.grad, graphed_module.gate_up_proj.grad, graphed_module.down_proj.grad]
         for i, (a, b) in enumerate(zip(got, want, strict=True)):
             assert torch.equal(a, b), (recipe, seed, i)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU's answer")
+def test_the_benchmark_names_what_it_needs(capsys) -> None:
+    """benchmarks/moe_static.py without a GPU: a usage error that says why."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
+    import moe_static
+
+    with pytest.raises(SystemExit) as exit_:
+        moe_static.main(["--steps", "1"])
+    assert exit_.value.code == 2
+    assert "needs a CUDA GPU" in capsys.readouterr().err

@@ -21,11 +21,13 @@ hundreds of KiB (64 experts, top-8, 8192 tokens: 786 KiB), and a pinned allocati
 took about 1.4 ms of host time each on the GPU machine. The old buffer is dropped: torch's
 pinned-memory allocator keeps it until the copies queued from it have run.
 
-While the current stream is being captured into a CUDA graph a table is copied from pinned
-memory of its own (torch refuses a captured copy from pageable memory), never the staging
-buffer: a captured copy reads its source again at every replay, and a staging slice is reused.
-That memory is kept for the process (``_captured_sources``): the graph reads it at every
-replay, and a table is a few KiB, made once per capture.
+While the current stream is being captured into a CUDA graph a table is copied from the
+device's capture buffer (``_CaptureStaging``), never the staging buffer: a captured copy reads
+its source again at every replay, and a staging slice is reused. torch refuses a captured copy
+from pageable memory, and pinning memory inside a capture can synchronize with the legacy
+stream, which invalidates the capture; so the capture buffer is pinned on the device's first
+eager table (outside any capture, ``CAPTURE_STAGING_BYTES``), and its slices are handed out once
+each and kept for the process: a graph reads its tables at every replay.
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from fp4gen.errors import FP4GenError
 from fp4gen.runtime.device_memory import capturing, persistent
 
 __all__ = ["built_on_device", "host_table", "set_device_built_rows", "spread_groups"]
@@ -90,6 +93,52 @@ class _Staging:
             event.synchronize()
         self.done[half] = []
         self.half, self.pos = half, half * (self.size // 2)
+
+
+# the pinned bytes per device that the tables made inside CUDA graph captures can take in all
+# (never reused: graphs read them at every replay). An MoE block's static experts take some
+# hundreds of KiB per capture (their weights' CTA tables at 64 experts, hidden 2048).
+CAPTURE_STAGING_BYTES = 1 << 24
+
+
+class _CaptureStaging:
+    """A device's pinned buffer for the tables copied inside CUDA graph captures: each table a
+    slice of its own, handed out once (module docstring)."""
+
+    def __init__(self, size: int) -> None:
+        self.host = torch.empty(size, dtype=torch.uint8, pin_memory=True)
+        self.array = self.host.numpy()
+        self.pos = 0
+        self.lock = threading.Lock()
+
+    def copy(self, values: np.ndarray, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        n = values.nbytes
+        with self.lock:
+            if self.pos + n > self.host.numel():
+                raise FP4GenError(
+                    f"the tables made inside CUDA graph captures need more than the "
+                    f"{self.host.numel()} pinned bytes kept for them on {device} "
+                    "(host_tables.CAPTURE_STAGING_BYTES: raise it before the first CUDA call)"
+                )
+            start = self.pos
+            self.array[start : start + n] = values.reshape(-1).view(np.uint8)
+            self.pos = start + -(-n // _ALIGN) * _ALIGN
+        host = self.host[start : start + n].view(dtype).view(values.shape)
+        return host.to(device, non_blocking=True)
+
+
+_capture_staging: dict[int, _CaptureStaging] = {}
+
+
+def _capture_staging_of(device: torch.device) -> _CaptureStaging | None:
+    """The device's capture buffer; made here outside a capture where it is missing (None
+    inside one: it cannot be pinned there)."""
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    found = _capture_staging.get(index)
+    if found is None and not capturing():
+        with _staging_lock:
+            found = _capture_staging.setdefault(index, _CaptureStaging(CAPTURE_STAGING_BYTES))
+    return found
 
 
 _STAGING_BYTES = 1 << 20  # per device at first: a half holds some thousands of small tables
@@ -158,13 +207,21 @@ def host_table(
     are built in before the cast to ``dtype`` (e.g. int64 for 32-bit words above 2**31 that
     ``dtype`` int32 keeps as their bit pattern)."""
     device = torch.device(device)
-    if device.type == "cuda" and not capturing() and dtype in _NUMPY:
+    if device.type == "cuda" and dtype in _NUMPY:
         if isinstance(values, torch.Tensor):
             array = values.numpy()
         else:
             array = np.asarray(values, dtype=_NUMPY.get(host_dtype or dtype))
         # numpy's cast wraps as torch's does (an int64 word above 2**31 keeps its bit pattern)
         array = np.ascontiguousarray(array.astype(_NUMPY[dtype], copy=False))
+        captures = _capture_staging_of(device)  # made on the first eager table
+        if capturing():
+            if captures is None:
+                raise FP4GenError(
+                    "a table was made inside a CUDA graph capture before any eager CUDA call "
+                    "of fp4gen: run one step eagerly before capturing"
+                )
+            return captures.copy(array, dtype, device)
         staging = _staging_of(device, array.nbytes) if array.nbytes else None
         if staging is not None:
             return staging.copy(array, dtype, device)
@@ -176,14 +233,9 @@ def host_table(
         host = host.to(dtype)
     if device.type != "cuda":
         return host.to(device)
-    pinned = host.pin_memory()
-    if capturing():  # the graph copies from it at every replay (module docstring)
-        _captured_sources.append(pinned)
-    return pinned.to(device, non_blocking=True)
-
-
-# the pinned sources of the tables copied inside CUDA graph captures, kept while graphs may replay
-_captured_sources: list[torch.Tensor] = []
+    if capturing():  # a dtype numpy does not hold: the capture cannot copy it
+        raise FP4GenError(f"a {dtype} table cannot be copied inside a CUDA graph capture")
+    return host.pin_memory().to(device, non_blocking=True)
 
 
 # From this many CTA rows on, a per-CTA table (``spread_groups``) is built on its CUDA device: a

@@ -304,13 +304,40 @@ def _weights_of(groups: Any, what: str, got: Any) -> Any:
     return got
 
 
+def weight_copies(weight: torch.Tensor, groups: Any, *, dgrad: bool) -> tuple[Any, Any]:
+    """Every expert's fprop weight operand and, with ``dgrad``, its dgrad weight operand
+    where that is the transpose of 2D fprop codes (``layer_quantize._transposable``): both
+    copies from one grouped tile launch, which reads the weights once (else None: the
+    backward quantizes its own, ``grouped.grouped_dgrad_weights``)."""
+    from fp4gen.runtime.grouped import _batched, grouped_fprop_weights, grouped_tile_operands
+    from fp4gen.runtime.layer_quantize import _transposable
+
+    table = groups.layers[0].operands
+    if dgrad and _transposable(table.fprop_weight, table.dgrad_weight):
+        w = _batched(weight, groups, transposed=groups.transposed)
+        counts = [w.shape[0] // len(groups.experts)] * len(groups.experts)
+        ops_ = ((Operand.FPROP_WEIGHT, "rowwise"), (Operand.DGRAD_WEIGHT, "columnwise"))
+        got = grouped_tile_operands(w, groups, ops_, counts, counts, forward=True)
+        if got is not None and got.wholes and got.global_scales is not None:
+            return got.copy(0), got.copy(1)
+    k = weight.shape[1] if groups.transposed else weight.shape[2]
+    fprop = grouped_fprop_weights(weight, groups, k)
+    return _weights_of(groups, "fprop weights", fprop), None
+
+
 def static_fprop(
-    x: torch.Tensor, weight: torch.Tensor, route: StaticRoute, calls: StaticCalls, groups: Any
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    route: StaticRoute,
+    calls: StaticCalls,
+    groups: Any,
+    weights: Any = None,
 ) -> torch.Tensor:
     """y [R, out] in ``groups.out_dtype``: every row's expert GEMM, as ``grouped._fprop``
     computes it for the same seeds and calls; ``groups``: a ``grouped.Groups`` of every expert
-    (its layers say the operands, seeds and the weights' calls)."""
-    from fp4gen.runtime.grouped import _scaled, grouped_fprop_weights
+    (its layers say the operands, seeds and the weights' calls); ``weights``: the fprop weight
+    operands where the caller has them (``weight_copies``)."""
+    from fp4gen.runtime.grouped import _scaled
     from fp4gen.runtime.grouped_quantize import quantize_groups_static
 
     table = groups.layers[0].operands
@@ -326,7 +353,7 @@ def static_fprop(
         offsets=calls.offsets(Operand.FPROP_ACTIVATION, forward=True),
         scope=spec.global_scope,
     )
-    w_ops = _weights_of(groups, "fprop weights", grouped_fprop_weights(weight, groups, x.shape[1]))
+    w_ops = weight_copies(weight, groups, dgrad=False)[0] if weights is None else weights
     w = w_ops.whole
     s_x = _present(xq.global_scales, route)
     s_w = w_ops.global_scales.float().reshape(-1)
@@ -348,9 +375,11 @@ def static_grads(
     route: StaticRoute,
     calls: StaticCalls,
     groups: Any,
+    weights: Any = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """dx [R, in] (x's dtype) and dW (the weight's shape and dtype) as ``grouped._grads``
-    computes them for the same seeds and calls (an expert without rows: dW zero)."""
+    computes them for the same seeds and calls (an expert without rows: dW zero);
+    ``weights``: the dgrad weight operands where the forward made them (``weight_copies``)."""
     from fp4gen.runtime.grouped import _scaled, grouped_dgrad_weights
     from fp4gen.runtime.grouped_tile import quantize_groups_tile_static
 
@@ -384,7 +413,9 @@ def static_grads(
         offsets=calls.offsets(Operand.WGRAD_ACTIVATION, forward=False)[:, None],
         scope=xs.global_scope,
     )
-    w_ops = _weights_of(groups, "dgrad weights", grouped_dgrad_weights(weight, groups, n_out))
+    if weights is None:
+        weights = grouped_dgrad_weights(weight, groups, n_out)
+    w_ops = _weights_of(groups, "dgrad weights", weights)
     w_cols = w_ops.whole
     bound = route.groups.bound
     dy_rows = _whole(g_row.format, g_row, dyq.codes[0], dyq.scales[0], dyq.global_scales[0, 0],
@@ -441,11 +472,14 @@ class StaticProjection(torch.autograd.Function):
             raise FP4GenError(f"{groups.name}: the static projection does not serve {reason}")
         x = x.contiguous()
         with finite.layer_scope():
-            y = static_fprop(x, weight, route, calls, groups)
+            # the dgrad weights too where one launch writes both copies (dx is asked for)
+            w_fprop, w_dgrad = weight_copies(weight, groups, dgrad=ctx.needs_input_grad[0])
+            y = static_fprop(x, weight, route, calls, groups, w_fprop)
         if counted:
             count_pass(groups.layers, forward=True)
         ctx.save_for_backward(x, weight)
         ctx.route, ctx.calls, ctx.groups, ctx.counted = route, calls, groups, counted
+        ctx.w_dgrad = w_dgrad
         return y
 
     @staticmethod
@@ -457,7 +491,8 @@ class StaticProjection(torch.autograd.Function):
         dy = dy.contiguous()
         with finite.layer_scope():
             ops.check_output_grad(groups.name, dy)
-            dx, dw = static_grads(x, weight, dy, ctx.route, ctx.calls, groups)
+            dx, dw = static_grads(x, weight, dy, ctx.route, ctx.calls, groups, ctx.w_dgrad)
+        ctx.w_dgrad = None
         if ctx.counted:
             count_pass(groups.layers, forward=False)
         return dx, dw, None, None, None, None
@@ -511,4 +546,5 @@ __all__ = [
     "static_projection",
     "static_reason",
     "table_reason",
+    "weight_copies",
 ]
