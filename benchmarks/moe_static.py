@@ -342,6 +342,16 @@ def graph_moe_blocks(model: torch.nn.Module, forward: Callable[[], None], static
     from fp4gen.runtime.experts import GroupedExperts
 
     blocks = [(n, m) for n, m in model.named_modules() if hasattr(m, "experts")]
+    eager = []
+    for name, block in blocks:  # static first: the recording forward runs the static path too
+        if isinstance(block.experts, GroupedExperts):
+            probe = torch.empty(0, block.experts.layout.hidden, device="cuda")
+            with torch.autocast("cuda", dtype=torch.bfloat16):
+                reason = block.experts.static_reason(probe) if static else "not static"
+            if reason is not None:
+                eager.append(name)
+                continue
+            block.experts.static = True
     seen: dict[str, torch.Tensor] = {}
     hooks = [
         block.register_forward_pre_hook(
@@ -353,21 +363,14 @@ def graph_moe_blocks(model: torch.nn.Module, forward: Callable[[], None], static
         forward()
     for hook in hooks:
         hook.remove()
-    eager = []
     for name, block in blocks:
+        if name in eager:
+            continue
         sample = seen[name].detach().clone().requires_grad_()
-        if isinstance(block.experts, GroupedExperts):
-            flat = sample.reshape(-1, sample.shape[-1])
-            with torch.autocast("cuda", dtype=torch.bfloat16):
-                reason = block.experts.static_reason(flat) if static else "not static"
-            if reason is not None:
-                eager.append(f"{name}: {reason}")
-                continue
-            block.experts.static = True
         parent_name, _, child = name.rpartition(".")
         setattr(model.get_submodule(parent_name), child, GraphedBlock(block, sample))
     note = f"{len(blocks) - len(eager)} of {len(blocks)} blocks graphed"
-    return note + "".join(f"; eager {e}" for e in eager)
+    return note + "".join(f"; eager {e} (static_reason)" for e in eager)
 
 
 def model_section(args: argparse.Namespace) -> None:
