@@ -38,7 +38,7 @@ from fp4gen.runtime.static_experts import (
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from sm90_fp8 import sm90_marks  # noqa: E402
-from test_grouped_static import draws  # noqa: E402
+from test_grouped_static import captured, draws  # noqa: E402
 
 # the shipped method without its high-precision blocks (a one-block model), and MXFP4's
 # operands alone (its recipe keeps the last 8 blocks in BF16)
@@ -255,14 +255,7 @@ def test_cuda_one_graph_replays_the_projection_for_any_routing(recipe) -> None:
         route = static_route(counts_buf, rows, multiple)
         return static_path(module, 0, x_buf, route, calls, dy_buf)
 
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        body()  # compiles and warms up outside the capture
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = body()
+    graph, out = captured(body)  # compiled and warmed up outside the capture first
     for seed, (routed, counts) in enumerate(ROUTINGS.items()):
         x, dy = inputs(0, counts, seed + 5)
         now = static_calls(groups.layers, x.device)
