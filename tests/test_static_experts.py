@@ -351,3 +351,23 @@ def test_the_benchmark_names_what_it_needs(capsys) -> None:
         moe_static.main(["--steps", "1"])
     assert exit_.value.code == 2
     assert "needs a CUDA GPU" in capsys.readouterr().err
+
+
+def test_a_static_module_names_what_it_does_not_serve() -> None:
+    """``GroupedExperts.static`` on what it does not serve raises FP4GenError with the reason,
+    never runs another path: CPU tensors; a recipe that keeps every operand in the tensors'
+    dtype; sliced experts (Llama 4)."""
+    from test_moe import build, experts_of
+
+    module = experts_module("nvfp4")
+    module.static = True
+    hidden, index = torch.randn(8, 256, dtype=torch.bfloat16), torch.randint(0, 6, (8, 2))
+    with pytest.raises(FP4GenError, match="static = True is not served: CPU tensors"):
+        module(hidden, index, torch.rand(8, 2, dtype=torch.bfloat16))
+    keep = experts_module("operands {\n * : bf16\n}\n")
+    keep.static = True
+    assert keep.static_reason(hidden) == "the recipe keeps every operand in high precision"
+    sliced = experts_of(fp4gen.convert(build("llama4"), "nvfp4_no_bf16"))
+    sliced.static = True
+    with pytest.raises(FP4GenError, match="sliced experts"):
+        sliced(torch.randn(4 * 3, 64))

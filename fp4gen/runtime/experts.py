@@ -342,6 +342,11 @@ class GroupedExperts(nn.Module):
                     f"(every expert's rows, expert after expert, as {type(self.source).__name__} "
                     "does); got a routing too"
                 )
+            if self.static:  # not served (static_reason): said, not ignored
+                raise FP4GenError(
+                    f"{self.name or 'GroupedExperts'}: static = True is not served: "
+                    f"{self.static_reason(hidden_states)}"
+                )
             if hidden_states.shape[0] % lay.num_experts:
                 raise TensorError(
                     f"{self.name or 'GroupedExperts'}: hidden_states of shape "
@@ -529,6 +534,8 @@ class GroupedExperts(nn.Module):
         from fp4gen.runtime.static_experts import static_reason, table_reason
 
         lay = self.layout
+        if lay.sliced:
+            return "sliced experts (no routing: the grouped path's sizes are the input's own)"
         if lay.identity_experts:
             return "identity experts (their tokens are found on the host)"
         if self.observe is not None or self.gemms[0][0].telemetry.every:
