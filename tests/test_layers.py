@@ -78,6 +78,7 @@ LAYER_OF: dict[str, str] = {
     "fp4gen.runtime.grouped_scope": "nn",  # experts' per-tensor global scale (Linear's quantize)
     "fp4gen.runtime.grouped_quantize": "nn",  # the experts' grouped quantize (scope: grouped_scope)
     "fp4gen.runtime.grouped_tile": "nn",  # the grouped tile quantize (scope: grouped_scope)
+    "fp4gen.runtime.static_experts": "nn",  # the experts' projection from device sizes (grouped)
     "fp4gen.runtime.schedule": "nn",
     "fp4gen.runtime.fsdp": "nn",  # FSDP2's quantized weight all-gather (wraps Linear)
     "fp4gen.nn": "nn",
