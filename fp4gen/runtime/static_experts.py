@@ -38,8 +38,22 @@ from fp4gen.dsl.model import Operand
 from fp4gen.errors import FP4GenError, TensorError
 from fp4gen.formats import BlockFormat, is_stochastic
 from fp4gen.runtime import finite, ops
+from fp4gen.runtime.grouped import (
+    _batched,
+    _fp8_pair,
+    _scaled,
+    grouped_dgrad_weights,
+    grouped_fprop_weights,
+    grouped_mm_available,
+    grouped_tile_operands,
+    pass_reason,
+    product_dtype,
+)
+from fp4gen.runtime.grouped_quantize import quantize_groups_static
 from fp4gen.runtime.grouped_static import DeviceGroups, device_groups
-from fp4gen.runtime.operand_slots import SLOT, STREAMS_PER_CALL
+from fp4gen.runtime.grouped_tile import quantize_groups_tile_static
+from fp4gen.runtime.layer_quantize import _transposable
+from fp4gen.runtime.operand_slots import SLOT, STREAMS_PER_CALL, advance_devices
 from fp4gen.runtime.operands import k_multiple
 
 
@@ -138,17 +152,10 @@ def backward_multiple(table: Any) -> int:
     return k_multiple(table.wgrad_gradient, table.wgrad_activation, blocks=True)
 
 
-def _fp8_pair(a: Any, b: Any) -> bool:
-    from fp4gen.runtime.grouped import _fp8_pair as pair
-
-    return pair(a, b)
-
-
 def static_reason(table: Any, x: torch.Tensor, n_out: int, bias: bool) -> str | None:
     """None where ``StaticProjection`` serves a projection of ``table``'s operands for input
     ``x`` [R, K] and ``n_out`` outputs here; else why not (``table_reason``, then the device)."""
     from fp4gen.compiler.jit import detect_arch
-    from fp4gen.runtime.grouped import grouped_mm_available, product_dtype
 
     reason = table_reason(table, x.shape[1], n_out, bias)
     if reason is not None:
@@ -166,7 +173,6 @@ def static_reason(table: Any, x: torch.Tensor, n_out: int, bias: bool) -> str | 
 def table_reason(table: Any, k: int, n_out: int, bias: bool) -> str | None:
     """None where the static projection serves ``table``'s operands for K = ``k`` inputs and
     ``n_out`` outputs on some device; else why not."""
-    from fp4gen.runtime.grouped import pass_reason
 
     reason = pass_reason(table)
     if reason is not None:
@@ -309,8 +315,6 @@ def weight_copies(weight: torch.Tensor, groups: Any, *, dgrad: bool) -> tuple[An
     where that is the transpose of 2D fprop codes (``layer_quantize._transposable``): both
     copies from one grouped tile launch, which reads the weights once (else None: the
     backward quantizes its own, ``grouped.grouped_dgrad_weights``)."""
-    from fp4gen.runtime.grouped import _batched, grouped_fprop_weights, grouped_tile_operands
-    from fp4gen.runtime.layer_quantize import _transposable
 
     table = groups.layers[0].operands
     if dgrad and _transposable(table.fprop_weight, table.dgrad_weight):
@@ -337,8 +341,6 @@ def static_fprop(
     computes it for the same seeds and calls; ``groups``: a ``grouped.Groups`` of every expert
     (its layers say the operands, seeds and the weights' calls); ``weights``: the fprop weight
     operands where the caller has them (``weight_copies``)."""
-    from fp4gen.runtime.grouped import _scaled
-    from fp4gen.runtime.grouped_quantize import quantize_groups_static
 
     table = groups.layers[0].operands
     spec = table.fprop_activation
@@ -380,8 +382,6 @@ def static_grads(
     """dx [R, in] (x's dtype) and dW (the weight's shape and dtype) as ``grouped._grads``
     computes them for the same seeds and calls (an expert without rows: dW zero);
     ``weights``: the dgrad weight operands where the forward made them (``weight_copies``)."""
-    from fp4gen.runtime.grouped import _scaled, grouped_dgrad_weights
-    from fp4gen.runtime.grouped_tile import quantize_groups_tile_static
 
     table = groups.layers[0].operands
     experts = route.experts
@@ -501,7 +501,6 @@ class StaticProjection(torch.autograd.Function):
 def count_pass(layers: list[Any], *, forward: bool) -> None:
     """One forward (or backward) call of every expert layer, routed or not: the host counts
     and, in one launch, the device counters (what a CUDA graph's replay advances)."""
-    from fp4gen.runtime.operand_slots import advance_devices
 
     key = "_forward_calls" if forward else "_backward_calls"
     for layer in layers:
