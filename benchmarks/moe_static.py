@@ -27,6 +27,14 @@ fp32 master weights): ``bf16 model eager`` (its baseline), ``bf16 model graphed 
 sparse MoE block captured by ``make_graphed_callables``), ``<recipe> model eager`` and
 ``<recipe> model static graphed blocks``.
 
+``--wgrad``: the experts' weight gradients alone, both projections (dW = dY_e^T X_e over each
+expert's tokens): ``bf16 wgrad grouped_mm`` (torch._grouped_mm grouped along K over the real
+rows, BF16's wgrad and this section's baseline),
+``fp8_blockwise wgrad K-grouped coalesced`` (the K-grouped FP8 kernel as the static path runs
+it, each expert's tokens padded to 128, by default:
+MN-major scales, whole-sector stores; the scales' transposing copy included) and ``... row-major``
+(``fp8_kgrouped.set_k_grouped_coalesced(False)``), with TFLOP/s of the real rows' products.
+
 Printed: ms per step (median of ``--steps`` timed steps, CUDA events around each), the ratio
 to the eager BF16 row and to the BF16 graph. ``--profile N``: under each graph row, the N
 kernels with the most GPU time in one replay (torch.profiler, after the row is timed).
@@ -34,7 +42,7 @@ kernels with the most GPU time in one replay (torch.profiler, after the row is t
     python benchmarks/moe_static.py [--hidden 2048] [--inner 768] [--experts 64] [--topk 8]
                                     [--tokens 8192] [--recipes nvfp4_no_bf16,fp8_blockwise]
                                     [--steps 20] [--profile N] [--block]
-                                    [--model] [--model-layers 4] [--seq 1024]
+                                    [--model] [--model-layers 4] [--seq 1024] [--wgrad]
 """
 
 from __future__ import annotations
@@ -477,6 +485,63 @@ def experts_section(args: argparse.Namespace) -> None:
             profile_replay(bench, graph, args.profile)
 
 
+def wgrad_section(args: argparse.Namespace) -> None:
+    """The experts' wgrad GEMMs alone (module docstring, ``--wgrad``)."""
+    from fp4gen.runtime import fp8_gemm, fp8_kgrouped
+
+    counts = routings(args, 1)[0]
+    padded = (counts + 127) // 128 * 128  # each expert's tokens in whole K-blocks
+    ends = padded.cumsum(0).to(torch.int32)
+    offsets = torch.cat([ends.new_zeros(1), ends])
+    rows = int(ends[-1])
+    real = torch.zeros(rows, dtype=torch.bool, device="cuda")  # rows past an expert's tokens
+    starts = (ends - padded).tolist()
+    for start, count in zip(starts, counts.tolist(), strict=True):
+        real[start : start + count] = True
+    fmt = fp4gen.load_recipe("fp8_blockwise").operands.wgrad_gradient.format  # e4m3 1x128
+    g = torch.Generator(device="cuda").manual_seed(2)
+    ones = torch.ones(args.experts, device="cuda")
+    flops = 0.0
+    cases = []
+    for n_out, n_in in ((2 * args.inner, args.hidden), (args.hidden, args.inner)):
+        dy_t = torch.randn(n_out, rows, device="cuda", generator=g) * real  # dY^T, padded
+        x_t = torch.randn(n_in, rows, device="cuda", generator=g) * real  # X^T
+        flops += 2.0 * n_out * n_in * float(counts.sum())
+        a, b = fp4gen.quantize(dy_t, fmt), fp4gen.quantize(x_t, fmt)
+        # BF16 reads the real rows only, grouped at their own ends (no padding to 128), as
+        # the autograd of its fprop does: dY^T and X both views of row-major [rows, features]
+        dy_bf = dy_t[:, real].t().contiguous().bfloat16()
+        x_bf = x_t[:, real].t().contiguous().bfloat16()
+        cases.append((dy_bf, x_bf, a, b))
+    real_ends = counts.cumsum(0).to(torch.int32)
+
+    def bf16(_: int) -> None:
+        for dy_bf, x_bf, _a, _b in cases:
+            torch._grouped_mm(dy_bf.t(), x_bf, offs=real_ends)
+
+    def fp8(_: int) -> None:
+        for _dy, _x, a, b in cases:
+            plan = fp8_kgrouped.k_grouped_plan(a.format, b.format, torch.bfloat16)
+            c = torch.empty((args.experts * a.rows, b.rows), dtype=plan.kernel_out, device="cuda")
+            launch = [*fp8_kgrouped.operand_arguments(a, plan)]
+            launch += [*fp8_kgrouped.operand_arguments(b, plan), ones, ones, offsets, c]
+            launch.append(fp8_gemm.sm_count(c.device))
+            fp8_gemm.cute_kernel(plan.params)(*launch)
+
+    base = time_steps(bf16, args.steps)
+    print(f"bf16 wgrad grouped_mm {base:.3f} ms {flops / base / 1e9:.0f} TFLOP/s 1.000x")
+    for name, coalesced in (("coalesced", True), ("row-major", False)):
+        previous = fp8_kgrouped.set_k_grouped_coalesced(coalesced)
+        try:
+            ms = time_steps(fp8, args.steps)
+        finally:
+            fp8_kgrouped.set_k_grouped_coalesced(previous)
+        print(
+            f"fp8_blockwise wgrad K-grouped {name} {ms:.3f} ms {flops / ms / 1e9:.0f} TFLOP/s "
+            f"{ms / base:.3f}x"
+        )
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--hidden", type=int, default=2048)
@@ -492,6 +557,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--model-layers", type=int, default=4)
     parser.add_argument("--seq", type=int, default=1024)
     parser.add_argument("--skip-experts", action="store_true", help="no experts-only section")
+    parser.add_argument("--wgrad", action="store_true", help="also the wgrad GEMMs alone")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         parser.error("needs a CUDA GPU (the static launches and graphs run on CUDA)")
@@ -501,6 +567,8 @@ def main(argv: list[str] | None = None) -> int:
         block_section(args)
     if args.model:
         model_section(args)
+    if args.wgrad:
+        wgrad_section(args)
     return 0
 
 

@@ -55,14 +55,14 @@ def test_params_take_only_what_a_k_range_allows() -> None:
     base = dict(a_element="e4m3", b_element="e4m3", scale_kind="fp32", block_k=128,
                 b_2d=False, out="bf16", bias=False, accumulate=False, k_grouped=True)  # fmt: skip
     assert GemmSm90Fp8Params(**base).name.endswith("_kgrouped_m128n128s6")
+    coalesced = GemmSm90Fp8Params(**base, mn_major_scales=True, wide_stores=True)
+    assert coalesced.name.endswith("_mn_ws_kgrouped_m128n128s6")
     for extra in (
         {"b_2d": True},
         {"bias": True},
         {"accumulate": True},
         {"overlap": True},
         {"cluster_m": 2},
-        {"mn_major_scales": True},
-        {"wide_stores": True},
         {"grouped": True},
     ):
         with pytest.raises(ValueError, match="k_grouped takes"):
@@ -82,14 +82,20 @@ def test_module_source_binds_k_grouped_only_where_set() -> None:
 
 
 @needs_dsl
-def test_k_grouped_kernels_cross_compile_to_fp8_wgmma(tmp_path: Path, monkeypatch) -> None:
+@pytest.mark.parametrize("coalesced", [True, False], ids=["coalesced", "row-major"])
+def test_k_grouped_kernels_cross_compile_to_fp8_wgmma(
+    tmp_path: Path, monkeypatch, coalesced: bool
+) -> None:
     """The K-grouped variants compile for sm_90a: fp8_blockwise's wgrad pair (1x128 x 1x128,
     fp32 scales; bf16 and fp32 out) and MXFP8's (1x32, ue8m0). The PTX: FP8 wgmma, TMA of the
-    codes, the 4-byte scale copies, no local memory, no clusters."""
+    codes, no local memory, no clusters; the coalesced variant copies the MN-major scales in
+    16-byte chunks and stores whole sectors (bf16: 16-byte stores, fp32: 8-byte pairs), the
+    row-major one copies a 4-byte scale per row and stores element by element."""
     from fp4gen.kernels.gemm_sm90_fp8 import compile_fp8_gemm
     from fp4gen.kernels.gemm_sm90_fp8_kgrouped import compile_k_grouped_fp8_gemm
 
     monkeypatch.setenv("CUTE_DSL_ARCH", "sm_90a")
+    monkeypatch.setattr(fp8_kgrouped, "_coalesced", [coalesced])
     for fmt, out in ((ROW, torch.bfloat16), (ROW, torch.float32), (MXFP8, torch.bfloat16)):
         params = fp8_kgrouped.k_grouped_plan(fmt, fmt, out).params
         with pytest.raises(ValueError, match="k_grouped"):
@@ -103,8 +109,10 @@ def test_k_grouped_kernels_cross_compile_to_fp8_wgmma(tmp_path: Path, monkeypatc
         assert "cp.async.bulk.tensor.2d" in ptx
         assert ".local" not in ptx, f"{params.name} uses local memory"
         copies = re.findall(r"cp\.async\.ca\.shared\.global \[[^]]*\], \[[^]]*\], (\d+);", ptx)
-        assert copies == ["4"] * 8, (params.name, copies)
+        assert copies == (["16"] * 2 if coalesced else ["4"] * 8), (params.name, copies)
         assert "multicast::cluster" not in ptx
+        wide = "st.global.v4" if out == torch.bfloat16 else "st.global.v2.f32"
+        assert (wide in ptx) == coalesced, params.name
 
 
 def groups_of(ks: list[int], m: int, n: int, fmt: BlockFormat = ROW, seed: int = 0):
@@ -117,11 +125,16 @@ def groups_of(ks: list[int], m: int, n: int, fmt: BlockFormat = ROW, seed: int =
 @pytest.mark.parametrize("fmt", [ROW, MXFP8])
 def test_launch_arguments(fmt) -> None:
     """Codes and scales of the groups side by side along K (ue8m0 codes padded to whole
-    words), each group's S_dec, the K offsets, C [G x M, N]."""
+    words), each group's S_dec, the K offsets, C [G x M, N] (the row-major variant)."""
     ks, m, n = [256, 0, 128, 384], 40, 24
     a, b = groups_of(ks, m, n, fmt)
-    plan, args = fp8_kgrouped.k_grouped_launch(a, b, out_dtype=torch.bfloat16, sms=3)
+    previous = fp8_kgrouped.set_k_grouped_coalesced(False)
+    try:
+        plan, args = fp8_kgrouped.k_grouped_launch(a, b, out_dtype=torch.bfloat16, sms=3)
+    finally:
+        fp8_kgrouped.set_k_grouped_coalesced(previous)
     assert plan.params.k_grouped and plan.kernel_out == torch.bfloat16
+    assert not plan.params.mn_major_scales and not plan.params.wide_stores
     present = [(qa, qb) for qa, qb in zip(a, b, strict=True) if qa is not None]
     assert torch.equal(args[0], torch.cat([qa.codes for qa, _ in present], dim=1))
     assert torch.equal(args[2], torch.cat([qb.codes for _, qb in present], dim=1))
@@ -137,6 +150,30 @@ def test_launch_arguments(fmt) -> None:
     assert args[4].tolist() == want_a
     assert args[6].tolist() == [0, 256, 256, 384, 768]
     assert args[7].shape == (len(ks) * m, n) and args[8] == 3
+
+
+@pytest.mark.parametrize("fmt", [ROW, MXFP8])
+def test_launch_arguments_of_the_coalesced_variant(fmt) -> None:
+    """The default variant reads the groups' scales side by side MN-major: [KB, Rp], K-block
+    kb's scales of all rows contiguous, Rp the rows rounded up to 16 (zeros past them); the
+    other arguments as the row-major variant's."""
+    ks, m, n = [256, 0, 128, 384], 40, 24
+    a, b = groups_of(ks, m, n, fmt)
+    plan, args = fp8_kgrouped.k_grouped_launch(a, b, out_dtype=torch.bfloat16, sms=3)
+    assert plan.params.mn_major_scales and plan.params.wide_stores
+    previous = fp8_kgrouped.set_k_grouped_coalesced(False)
+    try:
+        _, row_major = fp8_kgrouped.k_grouped_launch(a, b, out_dtype=torch.bfloat16, sms=3)
+    finally:
+        fp8_kgrouped.set_k_grouped_coalesced(previous)
+    kb = sum(ks) // fmt.block[1]
+    for i, rows in ((1, m), (3, n)):
+        pitch = -(-rows // 16) * 16
+        assert args[i].shape == (kb, pitch) and args[i].is_contiguous(), (i, args[i].shape)
+        assert torch.equal(args[i][:, :rows], row_major[i][:, :kb].t()), i
+        assert not args[i][:, rows:].any(), i
+    for i in (0, 2, 4, 5, 6, 8):
+        assert torch.equal(torch.as_tensor(args[i]), torch.as_tensor(row_major[i])), i
 
 
 def test_groups_that_cannot_be_multiplied_say_why() -> None:
@@ -281,9 +318,10 @@ def as_launched(out):
     return lazy
 
 
-def groups_from_arguments(args: list, template_a, template_b) -> tuple[list, list]:
+def groups_from_arguments(args: list, template_a, template_b, mn_major: bool) -> tuple[list, list]:
     """Each group's A and B as QuantizedTensors rebuilt from the K-grouped launch's arguments
-    (its columns of the side-by-side codes and scales, its S_dec): what the kernel reads."""
+    (its columns of the side-by-side codes and scales, its S_dec): what the kernel reads, the
+    MN-major scales of the coalesced variant (``mn_major``) transposed back."""
     import dataclasses
 
     koffs = args[6].tolist()
@@ -292,6 +330,8 @@ def groups_from_arguments(args: list, template_a, template_b) -> tuple[list, lis
         (args[0], args[1], args[4], template_a),
         (args[2], args[3], args[5], template_b),
     ):
+        if mn_major:
+            scales = scales[:, : codes.shape[0]].t()
         side = []
         for g in range(len(koffs) - 1):
             k0, k1 = koffs[g], koffs[g + 1]
@@ -351,13 +391,13 @@ def test_experts_k_grouped_wgrad_is_the_loops_on_the_cpu(monkeypatch, arch, from
     def k_grouped(a, b, *, out_dtype, sides=(None, None), global_scales=(None, None), offsets=None):
         template_a = sides[0] if from_sides else a[0]
         template_b = sides[1] if from_sides else b[0]
-        _, args = fp8_kgrouped.k_grouped_launch(
+        plan, args = fp8_kgrouped.k_grouped_launch(
             a, b, out_dtype=out_dtype, sides=sides, global_scales=global_scales, offsets=offsets
         )
         # the groups' K offsets are the routing's table, made once for every launch
         assert offsets is not None and args[6] is offsets[1]
         launches.append(getattr(a, "built", None))
-        ga, gb = groups_from_arguments(args, template_a, template_b)
+        ga, gb = groups_from_arguments(args, template_a, template_b, plan.params.mn_major_scales)
         gemm = linear_module.gemm
         return torch.stack([gemm(x, y, out_dtype=out_dtype) for x, y in zip(ga, gb, strict=True)])
 

@@ -53,8 +53,17 @@ def operands(case: str):
     return a, b, out_dtype
 
 
+@pytest.fixture(params=[True, False], ids=["coalesced", "row-major"])
+def variant(request) -> Iterator[bool]:
+    """Both K-grouped variants (MN-major scales and whole-sector stores, the default; row-major
+    scales and the plain epilogue)."""
+    previous = fp8_kgrouped.set_k_grouped_coalesced(request.param)
+    yield request.param
+    fp8_kgrouped.set_k_grouped_coalesced(previous)
+
+
 @pytest.mark.parametrize("case", list(CASES))
-def test_k_grouped_is_the_dense_kernel_per_group_bit_for_bit(case) -> None:
+def test_k_grouped_is_the_dense_kernel_per_group_bit_for_bit(case, variant) -> None:
     a, b, out_dtype = operands(case)
     got = fp8_kgrouped.k_grouped_block_scaled(a, b, out_dtype=out_dtype)
     m, n = next(q for q in a if q is not None).rows, next(q for q in b if q is not None).rows

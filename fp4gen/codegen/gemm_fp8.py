@@ -62,6 +62,12 @@ TILE_BY_SHAPE = True
 # The 192-wide tile's throughput over the 128-wide one's where both fill whole waves (8192^3,
 # the kernel alone, H200): what a wave of the wider tiles is worth in ``tile_n_for``.
 WIDE_TILE_GAIN = 1178 / 1135
+# The K-grouped kernel (the experts' wgrad) in the coalesced variant: MN-major scales and
+# whole-sector stores, as the dense kernel's (k_grouped_kernel_fields). On: measured on the H200
+# (both wgrad GEMMs of a 64-expert top-8 layer, 8192 tokens, hidden 2048, inner 768;
+# benchmarks/moe_static.py --wgrad) 1.758 -> 1.039 ms (352 -> 595 TFLOP/s; BF16 grouped_mm
+# 0.996 ms), bit-exact on its GPU tests (tests/test_fp8_kgrouped_gpu.py, both variants)
+K_GROUPED_COALESCED = True
 # MN-major scale tensors [KB, Rp]: Rp = the rows rounded up to this (16-byte chunks of fp32
 # factors need 4, of ue8m0 codes 16; scaled_mm's M-major A scales need 16 too)
 MN_MAJOR_ALIGN = 16
@@ -270,10 +276,13 @@ def grouped_kernel_fields(
     return fields
 
 
-def k_grouped_kernel_fields(a: BlockFormat, b: BlockFormat, out: str) -> dict[str, Any]:
+def k_grouped_kernel_fields(
+    a: BlockFormat, b: BlockFormat, out: str, *, coalesced: bool = K_GROUPED_COALESCED
+) -> dict[str, Any]:
     """The ``GemmSm90Fp8Params`` fields of the K-grouped kernel (the experts' wgrad) for a
     served pair writing ``out`` ("bf16" or "fp32"): the dense kernel's 128-wide tile with one
-    partial accumulator, row-major scales, one CTA per cluster, the plain epilogue."""
+    partial accumulator and one CTA per cluster; ``coalesced``: MN-major scales and
+    whole-sector stores (else row-major scales and the plain epilogue)."""
     fields = kernel_fields(
         a,
         b,
@@ -282,8 +291,8 @@ def k_grouped_kernel_fields(a: BlockFormat, b: BlockFormat, out: str) -> dict[st
         False,
         overlap=False,
         cluster_m=1,
-        mn_major_scales=False,
-        wide_stores=False,
+        mn_major_scales=coalesced,
+        wide_stores=coalesced,
         tile_n=128,
     )
     fields["k_grouped"] = True
@@ -334,6 +343,7 @@ def module_source(params: Any) -> str:
 __all__ = [
     "AUTO_MIN_M",
     "grouped_kernel_fields",
+    "K_GROUPED_COALESCED",
     "k_grouped_kernel_fields",
     "k_grouped_reason",
     "CLUSTER_M",

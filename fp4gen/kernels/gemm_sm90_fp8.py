@@ -154,19 +154,17 @@ class GemmSm90Fp8Params:
             and (
                 self.grouped
                 or self.cluster_m != 1
-                or self.mn_major_scales
                 or self.overlap
-                or self.wide_stores
                 or self.b_2d
                 or self.bias
                 or self.accumulate
             )
         ):
-            # a tile's K range is its group's: one partial accumulator, row-major scales of
-            # 1xN blocks on both sides, the plain epilogue
+            # a tile's K range is its group's: one partial accumulator, 1xN blocks on both
+            # sides, one CTA per cluster, no bias or accumulate
             reason = (
-                "k_grouped takes 1xN B blocks, cluster_m 1, row-major scales and none of "
-                "grouped, overlap, wide_stores, bias, accumulate"
+                "k_grouped takes 1xN B blocks, cluster_m 1 and none of grouped, overlap, "
+                "bias, accumulate"
             )
         if reason is not None:
             raise ValueError(f"GemmSm90Fp8Params: {reason}")
@@ -847,7 +845,12 @@ class GemmSm90Fp8Kernel:
                     self.promote(total, partial, sa, sb)
 
                 # ---- epilogue: registers -> global, predicated
-                if const_expr(p.wide_stores):
+                if const_expr(p.wide_stores and p.k_grouped):  # the group's own C
+                    c0 = g * M + m0
+                    self.store_tile_wide(mC, tile_bias, total, tile_alpha,
+                                         (c0 + row0, c0 + row1), n0, cols, lane,
+                                         g * M + M)  # fmt: skip
+                elif const_expr(p.wide_stores):
                     self.store_tile_wide(mC, tile_bias, total, tile_alpha,
                                          (m0 + row0, m0 + row1), n0, cols, lane,
                                          m_end if const_expr(p.grouped) else None)  # fmt: skip
@@ -1087,8 +1090,8 @@ class GemmSm90Fp8Kernel:
         as 8-byte stores (a quad's 4 lanes: 32 contiguous bytes of a row), or bf16 pairs packed
         and transposed within the quad so that each lane holds 8 contiguous columns: 16-byte
         stores (a quad: 64 bytes of a row). Where a row's columns reach past N or N breaks the
-        alignment, the same values element by element. ``m_end`` (grouped): the group's end,
-        the rows stored are those below it."""
+        alignment, the same values element by element. ``m_end`` (grouped, K-grouped): the group's
+        end in C, the rows stored are those below it."""
         p = self.p
         M = mC.shape[0]
         if const_expr(m_end is not None):
@@ -1211,6 +1214,28 @@ def tile_origin_of(local: int, m_tiles: int, n_tiles: int, group_m: int) -> tupl
     return first_m + in_group % size, in_group // size
 
 
+def fake_scales(params: GemmSm90Fp8Params, a_rows, b_rows) -> tuple:
+    """The fake block-scale tensors of A and B that ``params``' kernel is compiled against:
+    row-major [rows, KB] (fp32, or ue8m0 codes with KB a multiple of 4), or with
+    ``mn_major_scales`` MN-major [KB, Rp] (Rp a multiple of a 16-byte chunk's rows) for A and
+    for B where ``b_mn_major``. ``a_rows`` / ``b_rows``: the row-major tensors' row counts (the
+    codes' M and N where they must match them, else a free symbol)."""
+    fake = cute.runtime.make_fake_compact_tensor
+    sf_t = Float32 if params.scale_kind == "fp32" else Uint8
+    sf_div = 1 if params.scale_kind == "fp32" else 4  # ue8m0 rows padded to whole words
+    kb_a = cute.sym_int(divisibility=sf_div)
+    kb_b = cute.sym_int(divisibility=sf_div)
+    sf_a = fake(sf_t, (a_rows, kb_a), stride_order=(1, 0), assumed_align=4)
+    sf_b = fake(sf_t, (b_rows, kb_b), stride_order=(1, 0), assumed_align=4)
+    if params.mn_major_scales:
+        pitch = cute.sym_int(divisibility=params.rows_per_chunk)
+        sf_a = fake(sf_t, (cute.sym_int(), pitch), stride_order=(1, 0), assumed_align=16)
+        if params.b_mn_major:
+            pitch_b = cute.sym_int(divisibility=params.rows_per_chunk)
+            sf_b = fake(sf_t, (cute.sym_int(), pitch_b), stride_order=(1, 0), assumed_align=16)
+    return sf_a, sf_b
+
+
 def compile_fp8_gemm(
     params: GemmSm90Fp8Params, arch: str = "sm_90a", *, dump_dir: str | None = None
 ):
@@ -1225,19 +1250,8 @@ def compile_fp8_gemm(
     fake = cute.runtime.make_fake_compact_tensor
     m, n = cute.sym_int(), cute.sym_int()
     k = cute.sym_int(divisibility=params.block_k)
-    sf_t = Float32 if params.scale_kind == "fp32" else Uint8
-    sf_div = 1 if params.scale_kind == "fp32" else 4  # ue8m0 rows padded to whole words
-    kb_a = cute.sym_int(divisibility=sf_div)
-    kb_b = cute.sym_int(divisibility=sf_div)
     cls = GemmSm90Fp8BiasKernel if params.bias else GemmSm90Fp8Kernel
-    sf_a = fake(sf_t, (m, kb_a), stride_order=(1, 0), assumed_align=4)
-    sf_b = fake(sf_t, (cute.sym_int(), kb_b), stride_order=(1, 0), assumed_align=4)
-    if params.mn_major_scales:  # [KB, Rp]: Rp a multiple of a 16-byte chunk's rows
-        pitch = cute.sym_int(divisibility=params.rows_per_chunk)
-        sf_a = fake(sf_t, (cute.sym_int(), pitch), stride_order=(1, 0), assumed_align=16)
-        if params.b_mn_major:
-            pitch_b = cute.sym_int(divisibility=params.rows_per_chunk)
-            sf_b = fake(sf_t, (cute.sym_int(), pitch_b), stride_order=(1, 0), assumed_align=16)
+    sf_a, sf_b = fake_scales(params, m, cute.sym_int())
     args = [
         fake(Uint8, (m, k), stride_order=(1, 0), assumed_align=16),  # A's FP8 codes
         sf_a,

@@ -15,9 +15,10 @@ columns, bit for bit: the same K-blocks, wgmma and promotions in the same order.
 
 Arguments (``GemmSm90Fp8KGroupedKernel.__call__``):
 
-- A: uint8 [M, K] FP8 codes, every group's columns side by side; its block scales [M, KB]
-  row-major (1 x block_k blocks: fp32, or ue8m0 codes with KB padded to 4);
-- B: uint8 [N, K] and its scales [N, KB] likewise (1 x block_k blocks);
+- A: uint8 [M, K] FP8 codes, every group's columns side by side; its block scales (1 x block_k
+  blocks) MN-major [KB, Mp] with ``mn_major_scales`` (Mp a multiple of a 16-byte chunk's rows),
+  else row-major [M, KB] (fp32, or ue8m0 codes with KB padded to 4);
+- B: uint8 [N, K] and its scales likewise (1 x block_k blocks);
 - S_a, S_b: fp32 [G], each group's global decode scales;
 - koffs: int32 [G + 1] on the device, non-decreasing, each a multiple of block_k, koffs[0] = 0
   and koffs[G] <= K: a group may be empty (its C_g is 0 x S_a S_b);
@@ -28,8 +29,10 @@ Every group has ceil(M / tile_m) x ceil(N / tile_n) tiles; the linear tile index
 CTAs walk them persistently. The stages are counted across tiles (each tile takes its group's
 k-tiles), the same count in the producer and the MMA warpgroups.
 
-Limits besides the dense kernel's: 1xN blocks on both sides, one CTA per cluster, row-major
-scales, one partial accumulator, no bias or accumulate.
+Limits besides the dense kernel's: 1xN blocks on both sides, one CTA per cluster, one partial
+accumulator, no bias or accumulate. The coalesced variant (``mn_major_scales`` and
+``wide_stores``, the default: ``codegen.gemm_fp8.K_GROUPED_COALESCED``) copies each K-block's
+scales in 16-byte chunks and stores whole sectors of the group's C.
 """
 
 from __future__ import annotations
@@ -45,6 +48,7 @@ from fp4gen.kernels.gemm_sm90_fp8 import (
     GemmSm90Fp8Kernel,
     GemmSm90Fp8Params,
     compile_options,
+    fake_scales,
     tile_origin_of,
 )
 
@@ -104,13 +108,12 @@ def compile_k_grouped_fp8_gemm(
     m, n = cute.sym_int(), cute.sym_int()
     k = cute.sym_int(divisibility=params.block_k)
     groups = cute.sym_int()
-    sf_t = Float32 if params.scale_kind == "fp32" else Uint8
-    sf_div = 1 if params.scale_kind == "fp32" else 4  # ue8m0 rows padded to whole words
+    sf_a, sf_b = fake_scales(params, m, n)
     args = [
         fake(Uint8, (m, k), stride_order=(1, 0), assumed_align=16),  # A's FP8 codes
-        fake(sf_t, (m, cute.sym_int(divisibility=sf_div)), stride_order=(1, 0), assumed_align=4),
+        sf_a,
         fake(Uint8, (n, k), stride_order=(1, 0), assumed_align=16),  # B's
-        fake(sf_t, (n, cute.sym_int(divisibility=sf_div)), stride_order=(1, 0), assumed_align=4),
+        sf_b,
         fake(Float32, (groups,), assumed_align=4),
         fake(Float32, (groups,), assumed_align=4),
         fake(Int32, (cute.sym_int(),), assumed_align=4),  # K offsets [G + 1]

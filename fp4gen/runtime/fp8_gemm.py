@@ -792,6 +792,13 @@ def cute_scales_mn_major(q: QuantizedTensor, ue8m0: bool) -> torch.Tensor:
         raise TensorError("a ue8m0-scaled QuantizedTensor without scale codes")
     if not ue8m0 and s.dtype != torch.float32:
         s = s.to(torch.float32)
+    return scales_mn_major(s)
+
+
+def scales_mn_major(s: torch.Tensor) -> torch.Tensor:
+    """Row-major scales ``s`` [R, KB] (fp32 factors or ue8m0 codes) as the [KB, Rp] MN-major
+    buffer ``cute_scales_mn_major`` describes: ``s``'s own buffer where it is a view of one,
+    else one transposing copy."""
     rows, kb = s.shape
     buffer = _mn_major_buffer(s)
     if buffer is not None:
@@ -1105,6 +1112,7 @@ __all__ = [
     "cute_launch",
     "cute_scales",
     "cute_scales_mn_major",
+    "scales_mn_major",
     "cute_support",
     "cute_b_operand",
     "cute_settings",

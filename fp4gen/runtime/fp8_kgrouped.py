@@ -11,8 +11,9 @@ wgrad"). Where the groups' GEMMs ran one dense call each (two launches and the d
 expert), this is one concatenation per operand and one launch.
 
 The arguments (``k_grouped_launch``), in the kernel's order: A's codes [M, K] (every group's
-columns side by side, uint8) and block scales [M, KB] (fp32, or ue8m0 codes with KB zero-padded
-to a multiple of 4), B's likewise [N, K] and [N, KB], S_a and S_b fp32 [G], the groups' first K
+columns side by side, uint8) and block scales (fp32 or ue8m0 codes; MN-major [KB, Mp] in the
+default coalesced variant, ``set_k_grouped_coalesced``; else row-major [M, KB] with ue8m0 KB
+zero-padded to a multiple of 4), B's likewise, S_a and S_b fp32 [G], the groups' first K
 elements int32 [G + 1] (multiples of the block), C [G x M, N] (bf16 for a bf16 output, else
 fp32), the GPU's SM count (the persistent grid).
 
@@ -30,12 +31,17 @@ from typing import Any, NamedTuple
 import torch
 import torch.nn.functional as F
 
-from fp4gen.codegen.gemm_fp8 import k_grouped_kernel_fields, k_grouped_reason, kernel_out
+from fp4gen.codegen.gemm_fp8 import (
+    K_GROUPED_COALESCED,
+    k_grouped_kernel_fields,
+    k_grouped_reason,
+    kernel_out,
+)
 from fp4gen.errors import FP4GenError, TensorError
 from fp4gen.formats import BlockFormat
 from fp4gen.numerics import QuantizedTensor
 from fp4gen.runtime import fp8_gemm
-from fp4gen.runtime.fp8_gemm import code_bytes
+from fp4gen.runtime.fp8_gemm import code_bytes, scales_mn_major
 from fp4gen.runtime.fp8_grouped import (
     _globals,
     check_one_launch,
@@ -76,6 +82,19 @@ def set_k_grouped_from_sides(enabled: bool) -> bool:
     return previous
 
 
+# set_k_grouped_coalesced: the kernel variant (codegen.gemm_fp8.K_GROUPED_COALESCED)
+_coalesced = [K_GROUPED_COALESCED]
+
+
+def set_k_grouped_coalesced(enabled: bool) -> bool:
+    """Whether the K-grouped kernel reads MN-major block scales and stores whole sectors (True,
+    ``codegen.gemm_fp8.K_GROUPED_COALESCED``, what ``fp4gen compile`` builds) or reads
+    row-major scales with the plain epilogue (False; the same bits, compiled on first use).
+    Process-wide, read at every call; returns the previous setting."""
+    previous, _coalesced[0] = _coalesced[0], bool(enabled)
+    return previous
+
+
 class KGroupedPlan(NamedTuple):
     """What a K-grouped call needs besides its tensors."""
 
@@ -91,7 +110,7 @@ def k_grouped_plan(a: BlockFormat, b: BlockFormat, out_dtype: torch.dtype) -> KG
     from fp4gen.kernels.gemm_sm90_fp8 import GemmSm90Fp8Params
 
     out = kernel_out("bf16" if out_dtype == torch.bfloat16 else "fp32", False)
-    params = GemmSm90Fp8Params(**k_grouped_kernel_fields(a, b, out))
+    params = GemmSm90Fp8Params(**k_grouped_kernel_fields(a, b, out, coalesced=_coalesced[0]))
     kernel_dtype = torch.bfloat16 if params.out == "bf16" else torch.float32
     return KGroupedPlan(params, a.block[1], params.scale_kind == "ue8m0", kernel_dtype)
 
@@ -146,6 +165,23 @@ def _block_scales(q: QuantizedTensor, ue8m0: bool) -> torch.Tensor:
     if s is None:
         raise TensorError("a ue8m0-scaled QuantizedTensor without scale codes")
     return s if ue8m0 or s.dtype == torch.float32 else s.to(torch.float32)
+
+
+def kernel_scales(s: torch.Tensor, plan: KGroupedPlan) -> torch.Tensor:
+    """Every group's block scales side by side, [R, KB] (``_block_scales``), as the plan's
+    kernel reads them: MN-major [KB, Rp] (``fp8_gemm.scales_mn_major``), or row-major with
+    ue8m0 codes' KB zero-padded to a multiple of 4 (the kernel copies aligned 4-byte words)."""
+    if plan.params.mn_major_scales:
+        return scales_mn_major(s)
+    if plan.ue8m0 and s.shape[1] % 4:
+        s = F.pad(s, (0, 4 - s.shape[1] % 4))
+    return s.contiguous()
+
+
+def operand_arguments(q: QuantizedTensor, plan: KGroupedPlan) -> tuple[torch.Tensor, torch.Tensor]:
+    """One operand's codes (uint8 [R, K]) and block scales as the plan's kernel reads them,
+    for every group's columns side by side in ``q`` [R, K]."""
+    return code_bytes(q, q.rows, q.cols), kernel_scales(_block_scales(q, plan.ue8m0), plan)
 
 
 def _launched(
@@ -215,29 +251,27 @@ def k_grouped_launch(
     if groups * m * n >= 2**31 or m * sum(ks) >= 2**31 or n * sum(ks) >= 2**31:
         raise FP4GenError("the K-grouped FP8 GEMM indexes with 32 bits")
     if launched is not None:  # the launches wrote the groups side by side already
-        codes_a, scales_a = code_bytes(a0, m, a0.cols), _block_scales(a0, plan.ue8m0)
-        codes_b, scales_b = code_bytes(b0, n, b0.cols), _block_scales(b0, plan.ue8m0)
+        codes_a, scales_a = operand_arguments(a0, plan)
+        codes_b, scales_b = operand_arguments(b0, plan)
     else:
         present = [(qa, qb) for qa, qb in zip(a, b, strict=True) if qa is not None]
         codes_a = torch.cat([code_bytes(qa, m, qa.cols) for qa, _ in present], dim=1)
         codes_b = torch.cat([code_bytes(qb, n, qb.cols) for _, qb in present], dim=1)
         scales_a = torch.cat([_block_scales(qa, plan.ue8m0) for qa, _ in present], dim=1)
         scales_b = torch.cat([_block_scales(qb, plan.ue8m0) for _, qb in present], dim=1)
-    if plan.ue8m0 and scales_a.shape[1] % 4:  # the kernel copies aligned 4-byte words
-        pad = 4 - scales_a.shape[1] % 4
-        scales_a, scales_b = F.pad(scales_a, (0, pad)), F.pad(scales_b, (0, pad))
+        scales_a, scales_b = kernel_scales(scales_a, plan), kernel_scales(scales_b, plan)
     one = torch.ones(1, dtype=torch.float32, device=dev)
     args = [
         codes_a,
-        scales_a.contiguous(),
+        scales_a,
         codes_b,
-        scales_b.contiguous(),
+        scales_b,
         _globals(global_scales[0], a, one, dev, whole=launched is not None),
         _globals(global_scales[1], b, one, dev, whole=launched is not None),
         offsets_tensor(ks, offsets, dev),
         torch.empty((groups * m, n), dtype=plan.kernel_out, device=dev),
+        grid_limit(sms, dev),
     ]
-    args.append(grid_limit(sms, dev))
     return plan, args
 
 
@@ -271,6 +305,9 @@ __all__ = [
     "k_grouped_fp8_enabled",
     "k_grouped_launch",
     "k_grouped_plan",
+    "kernel_scales",
+    "operand_arguments",
+    "set_k_grouped_coalesced",
     "set_k_grouped_fp8",
     "set_k_grouped_from_sides",
 ]

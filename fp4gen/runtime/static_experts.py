@@ -271,25 +271,16 @@ def _fp8_k_grouped(
     """C [E, M, N] = every expert's A_g B_g^T over its columns (the K-grouped FP8 kernel,
     ``fp8_kgrouped``): A [M, bound] and B [N, bound] side by side, the groups' first columns
     ``offsets`` on the device."""
-    import torch.nn.functional as F
-
     from fp4gen.runtime import fp8_gemm
-    from fp4gen.runtime.fp8_gemm import code_bytes
     from fp4gen.runtime.fp8_grouped import grid_limit
-    from fp4gen.runtime.fp8_kgrouped import _block_scales, k_grouped_plan
+    from fp4gen.runtime.fp8_kgrouped import k_grouped_plan, operand_arguments
 
     plan = k_grouped_plan(a.format, b.format, out_dtype)
     m, n = a.rows, b.rows
-    scales_a, scales_b = _block_scales(a, plan.ue8m0), _block_scales(b, plan.ue8m0)
-    if plan.ue8m0 and scales_a.shape[1] % 4:  # the kernel copies aligned 4-byte words
-        pad = 4 - scales_a.shape[1] % 4
-        scales_a, scales_b = F.pad(scales_a, (0, pad)), F.pad(scales_b, (0, pad))
     c = torch.empty((experts * m, n), dtype=plan.kernel_out, device=s_a.device)
     args = [
-        code_bytes(a, m, a.cols),
-        scales_a.contiguous(),
-        code_bytes(b, n, b.cols),
-        scales_b.contiguous(),
+        *operand_arguments(a, plan),
+        *operand_arguments(b, plan),
         s_a,
         s_b,
         offsets,
