@@ -341,6 +341,36 @@ def test_cuda_a_graphed_static_module_replays_the_eager_steps(recipe) -> None:
             assert torch.equal(a, b), (recipe, seed, i)
 
 
+@on_sm90
+def test_cuda_a_module_that_trained_grouped_captures_static() -> None:
+    """A module whose first training step ran the grouped path (its outputs dropped), then
+    made static and captured by ``make_graphed_callables``, replays what an eager twin with
+    the same history computes (docs/moe.md: a kept output's autograd graph, not the grouped
+    path, is what breaks a capture)."""
+    graphed_module = experts_module("fp8_blockwise", "cuda")
+    twin = experts_module("fp8_blockwise", "cuda")
+    sample = routed(96, 0)
+    dout = torch.randn_like(sample[0])
+    for module in (graphed_module, twin):
+        step(module, *sample, dout)  # a grouped step, its outputs dropped
+        module.static = True
+    warmups = 3
+    for _ in range(warmups):
+        step(twin, *sample, dout)
+    args = (sample[0].detach().requires_grad_(), sample[1], sample[2].detach().requires_grad_())
+    graphed = torch.cuda.make_graphed_callables(graphed_module, args, num_warmup_iters=warmups)
+    hidden, index, weights = routed(96, 5)
+    dout = torch.randn_like(hidden)
+    want = step(twin, hidden, index, weights, dout)
+    h, w = hidden.detach().requires_grad_(), weights.detach().requires_grad_()
+    graphed_module.zero_grad(set_to_none=True)
+    out = graphed(h, index, w)
+    out.backward(dout)
+    got = [out, h.grad, w.grad, graphed_module.gate_up_proj.grad, graphed_module.down_proj.grad]
+    for i, (a, b) in enumerate(zip(got, want, strict=True)):
+        assert torch.equal(a, b), i
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU's answer")
 def test_the_benchmark_names_what_it_needs(capsys) -> None:
     """benchmarks/moe_static.py without a GPU: a usage error that says why."""
