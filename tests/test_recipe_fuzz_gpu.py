@@ -1073,6 +1073,50 @@ def test_experts_match_the_reference_path_on_gpu(
         pytest.fail(message)
 
 
+@pytest.mark.parametrize("index", range(EXAMPLES))
+@pytest.mark.gpu
+@pytest.mark.skipif(not ON_GPU, reason="needs a CUDA GPU")
+def test_static_experts_match_the_grouped_path_on_gpu(
+    index: int, gpu_batch: list[Recipe | None]
+) -> None:
+    """The drawn recipe on the static experts (``GroupedExperts.static``, tests/
+    test_static_experts.py's Mixtral experts at hidden 256, a routing with empty experts): where
+    ``static_reason`` serves it, a first training step's output and gradients equal the grouped
+    path's bit for bit; else the reason, which the test records as its skip."""
+    from test_static_experts import experts_module, routed, step
+
+    from fp4gen.compiler.jit import detect_arch
+    from fp4gen.runtime.experts import GroupedExperts
+
+    announce()
+    recipe = gpu_batch[index]
+    if recipe is None:
+        pytest.skip("a recipe fp4gen refuses on purpose")
+    if detect_arch() != "sm_90a":
+        pytest.skip("the static products are built for sm_90a")
+    try:
+        modules = [experts_module(recipe, "cuda", seed=5, total_steps=STEPS) for _ in range(2)]
+    except FP4GenError as err:
+        pytest.skip(f"convert refuses the recipe on this model: {err}")
+    if not isinstance(modules[0], GroupedExperts):
+        pytest.skip("the recipe's layer rules keep the experts")
+    hidden, routes, weights = routed(96, index)
+    reason = modules[1].static_reason(hidden)
+    if reason is not None:
+        pytest.skip(f"static experts do not serve it: {reason}")
+    modules[1].static = True
+    dout = torch.randn(hidden.shape, generator=torch.Generator().manual_seed(index)).to(hidden)
+    want = step(modules[0], hidden, routes, weights, dout)
+    got = step(modules[1], hidden, routes, weights, dout)
+    names = ("output", "dx", "routing weights' gradient", "gate_up dW", "down dW")
+    bad = [n for n, a, b in zip(names, got, want, strict=True) if not torch.equal(a, b)]
+    if bad:
+        case = drawn(index)[0]
+        message = f"{case.listing()}\nstatic differs from grouped in: {', '.join(bad)}"
+        keep_failure("static", index, message, case)
+        pytest.fail(message)
+
+
 # the MoE families the experts tests run in turn: routed (Mixtral, Qwen3-MoE, gpt-oss with
 # biases and transposed weights) and sliced (Llama 4: every expert its own rows)
 EXPERTS_ARCHS = ("mixtral", "qwen3_moe", "gpt_oss", "llama4")

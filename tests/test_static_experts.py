@@ -20,7 +20,7 @@ import pytest
 import torch
 
 import fp4gen
-from fp4gen.dsl.model import Operand
+from fp4gen.dsl.model import Operand, Recipe
 from fp4gen.errors import FP4GenError
 from fp4gen.runtime import grouped
 from fp4gen.runtime.grouped_static import device_routing
@@ -88,9 +88,12 @@ def test_a_routing_with_slots_of_no_local_expert_is_refused_on_the_device() -> N
         route_of(device_routing(torch.tensor([[0, 3], [1, 2], [2, 0]]), 3, 16), 3, 6)
 
 
-def experts_module(recipe: str, device: str = "cpu", experts: int = 6) -> torch.nn.Module:
+def experts_module(
+    recipe: str | Recipe, device: str = "cpu", experts: int = 6, **convert: Any
+) -> torch.nn.Module:
     """A converted Mixtral experts module at sizes the static launches take (hidden 256,
-    intermediate 128: whole FP8 blocks), bf16; ``recipe`` a ``RECIPES`` key or recipe text."""
+    intermediate 128: whole FP8 blocks), bf16; ``recipe`` a ``RECIPES`` key, recipe text or a
+    Recipe; ``convert``: more of ``fp4gen.convert``'s keywords."""
     import transformers
 
     from fp4gen.dsl.parser import parse_recipe
@@ -108,8 +111,10 @@ def experts_module(recipe: str, device: str = "cpu", experts: int = 6) -> torch.
     )
     cfg._experts_implementation = "eager"
     model = transformers.MixtralForCausalLM(cfg).to(torch.bfloat16)
-    found = RECIPES.get(recipe, recipe)
-    fp4gen.convert(model, parse_recipe(found, base_dir=None) if "{" in found else found)
+    found = RECIPES.get(recipe, recipe) if isinstance(recipe, str) else recipe
+    if isinstance(found, str) and "{" in found:
+        found = parse_recipe(found, base_dir=None)
+    fp4gen.convert(model, found, **convert)
     return model.model.layers[0].mlp.experts.to(device)
 
 
@@ -310,6 +315,23 @@ def test_cuda_the_static_module_step_is_the_grouped_modules(recipe) -> None:
     assert [pair[0]._forward_calls for pair in grouped_module.gemms] == [1, 0, 1, 1, 0, 1]
 
 
+def assert_steps_as_twin(run, module, twin, seeds, label) -> None:
+    """For each routing of ``seeds``: ``run`` (the module captured or compiled) takes a
+    training step of ``module``, whose output and gradients equal the eager ``twin``'s step
+    bit for bit."""
+    for seed in seeds:
+        hidden, index, weights = routed(96, seed)
+        dout = torch.randn_like(hidden)
+        want = step(twin, hidden, index, weights, dout)
+        h, w = hidden.detach().requires_grad_(), weights.detach().requires_grad_()
+        module.zero_grad(set_to_none=True)
+        out = run(h, index, w)
+        out.backward(dout)
+        got = [out, h.grad, w.grad, module.gate_up_proj.grad, module.down_proj.grad]
+        for i, (a, b) in enumerate(zip(got, want, strict=True)):
+            assert torch.equal(a, b), (label, seed, i)
+
+
 @on_sm90
 @pytest.mark.parametrize("recipe", list(RECIPES))
 def test_cuda_a_graphed_static_module_replays_the_eager_steps(recipe) -> None:
@@ -327,18 +349,20 @@ def test_cuda_a_graphed_static_module_replays_the_eager_steps(recipe) -> None:
         step(twin, *sample, dout)
     args = (sample[0].detach().requires_grad_(), sample[1], sample[2].detach().requires_grad_())
     graphed = torch.cuda.make_graphed_callables(graphed_module, args, num_warmup_iters=warmups)
-    for seed in (5, 6, 7):
-        hidden, index, weights = routed(96, seed)
-        dout = torch.randn_like(hidden)
-        want = step(twin, hidden, index, weights, dout)
-        h = hidden.detach().requires_grad_()
-        w = weights.detach().requires_grad_()
-        graphed_module.zero_grad(set_to_none=True)
-        out = graphed(h, index, w)
-        out.backward(dout)
-        got = [out, h.grad, w.grad, graphed_module.gate_up_proj.grad, graphed_module.down_proj.grad]
-        for i, (a, b) in enumerate(zip(got, want, strict=True)):
-            assert torch.equal(a, b), (recipe, seed, i)
+    assert_steps_as_twin(graphed, graphed_module, twin, (5, 6, 7), recipe)
+
+
+@on_sm90
+@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+def test_cuda_a_compiled_static_module_steps_as_the_eager_one(backend) -> None:
+    """``torch.compile`` of a static experts module: the experts' pass runs where the compiled
+    graph breaks for it (``torch.compiler.disable``), so two steps (the second with other
+    counts) equal an eager static twin's bit for bit."""
+    compiled_module = experts_module("fp8_blockwise", "cuda")
+    twin = experts_module("fp8_blockwise", "cuda")
+    compiled_module.static = twin.static = True
+    compiled = torch.compile(compiled_module, backend=backend)
+    assert_steps_as_twin(compiled, compiled_module, twin, (3, 4), backend)
 
 
 @on_sm90
@@ -359,16 +383,7 @@ def test_cuda_a_module_that_trained_grouped_captures_static() -> None:
         step(twin, *sample, dout)
     args = (sample[0].detach().requires_grad_(), sample[1], sample[2].detach().requires_grad_())
     graphed = torch.cuda.make_graphed_callables(graphed_module, args, num_warmup_iters=warmups)
-    hidden, index, weights = routed(96, 5)
-    dout = torch.randn_like(hidden)
-    want = step(twin, hidden, index, weights, dout)
-    h, w = hidden.detach().requires_grad_(), weights.detach().requires_grad_()
-    graphed_module.zero_grad(set_to_none=True)
-    out = graphed(h, index, w)
-    out.backward(dout)
-    got = [out, h.grad, w.grad, graphed_module.gate_up_proj.grad, graphed_module.down_proj.grad]
-    for i, (a, b) in enumerate(zip(got, want, strict=True)):
-        assert torch.equal(a, b), i
+    assert_steps_as_twin(graphed, graphed_module, twin, (5,), "after a grouped step")
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU's answer")
