@@ -129,10 +129,10 @@ def test_manifest_lists_the_fp8_gemms_with_the_runtime_source(tmp_path: Path) ->
             "fp8gemm_e4m3_1x128_e4m3_128x128_fp32_bf16_c2x1_mn_ws_m128n128s6",
             "fp8gemm_e4m3_1x128_e4m3_1x128_fp32_bf16_c2x1_mn_ws_m128n128s6",
             # the grouped experts' (fprop and dgrad share a pair; row-major scales: a group's
-            # first row may be any row), K-grouped wgrad
+            # first row may be any row), K-grouped wgrad (MN-major scales, wide stores)
             "fp8gemm_e4m3_1x128_e4m3_128x128_fp32_bf16_ws_grouped_m128n192s5",
             "fp8gemm_e4m3_1x128_e4m3_128x128_fp32_bf16_bias_ws_grouped_m128n192s5",
-            "fp8gemm_e4m3_1x128_e4m3_1x128_fp32_bf16_kgrouped_m128n128s6",
+            "fp8gemm_e4m3_1x128_e4m3_1x128_fp32_bf16_mn_ws_kgrouped_m128n128s6",
         ]
     )
     bias = entries["fp8gemm_e4m3_1x128_e4m3_128x128_fp32_bf16_bias_c2x1_mn_ws_m128n192s5"]
