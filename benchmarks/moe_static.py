@@ -29,11 +29,11 @@ sparse MoE block captured by ``make_graphed_callables``), ``<recipe> model eager
 
 ``--wgrad``: the experts' weight gradients alone, both projections (dW = dY_e^T X_e over each
 expert's tokens): ``bf16 wgrad grouped_mm`` (torch._grouped_mm grouped along K over the real
-rows, BF16's wgrad and this section's baseline),
-``fp8_blockwise wgrad K-grouped coalesced`` (the K-grouped FP8 kernel as the static path runs
-it, each expert's tokens padded to 128, by default:
-MN-major scales, whole-sector stores; the scales' transposing copy included) and ``... row-major``
-(``fp8_kgrouped.set_k_grouped_coalesced(False)``), with TFLOP/s of the real rows' products.
+rows, BF16's wgrad and this section's baseline); ``fp8_blockwise wgrad K-grouped coalesced``
+(``fp8_kgrouped.k_grouped_sides`` as the static path runs it: each expert's tokens padded to
+128, MN-major scales and whole-sector stores, the scales' transposing copy included); and
+``... row-major`` (``fp8_kgrouped.set_k_grouped_coalesced(False)``). With TFLOP/s of the real
+rows' products.
 
 Printed: ms per step (median of ``--steps`` timed steps, CUDA events around each), the ratio
 to the eager BF16 row and to the BF16 graph. ``--profile N``: under each graph row, the N
@@ -487,7 +487,7 @@ def experts_section(args: argparse.Namespace) -> None:
 
 def wgrad_section(args: argparse.Namespace) -> None:
     """The experts' wgrad GEMMs alone (module docstring, ``--wgrad``)."""
-    from fp4gen.runtime import fp8_gemm, fp8_kgrouped
+    from fp4gen.runtime import fp8_kgrouped
 
     counts = routings(args, 1)[0]
     padded = (counts + 127) // 128 * 128  # each expert's tokens in whole K-blocks
@@ -519,14 +519,9 @@ def wgrad_section(args: argparse.Namespace) -> None:
         for dy_bf, x_bf, _a, _b in cases:
             torch._grouped_mm(dy_bf.t(), x_bf, offs=real_ends)
 
-    def fp8(_: int) -> None:
+    def fp8(_: int) -> None:  # what the static path's wgrad runs
         for _dy, _x, a, b in cases:
-            plan = fp8_kgrouped.k_grouped_plan(a.format, b.format, torch.bfloat16)
-            c = torch.empty((args.experts * a.rows, b.rows), dtype=plan.kernel_out, device="cuda")
-            launch = [*fp8_kgrouped.operand_arguments(a, plan)]
-            launch += [*fp8_kgrouped.operand_arguments(b, plan), ones, ones, offsets, c]
-            launch.append(fp8_gemm.sm_count(c.device))
-            fp8_gemm.cute_kernel(plan.params)(*launch)
+            fp8_kgrouped.k_grouped_sides(a, b, (ones, ones), offsets, args.experts, torch.bfloat16)
 
     base = time_steps(bf16, args.steps)
     print(f"bf16 wgrad grouped_mm {base:.3f} ms {flops / base / 1e9:.0f} TFLOP/s 1.000x")

@@ -423,3 +423,34 @@ def test_experts_k_grouped_wgrad_is_the_loops_on_the_cpu(monkeypatch, arch, from
         assert torch.equal(a, b)
     for name, grad in want[3].items():
         assert torch.equal(got[3][name], grad), name
+
+
+@pytest.mark.parametrize("coalesced", [True, False], ids=["coalesced", "row-major"])
+def test_k_grouped_sides_launches_what_the_launch_builds(monkeypatch, coalesced: bool) -> None:
+    """``k_grouped_sides`` (the static experts' wgrad: side-by-side copies, device sizes only)
+    hands the kernel the arguments ``k_grouped_launch`` builds from the same copies, bit for
+    bit, and returns C [G, M, N] in the asked dtype."""
+    ks, m, n = [256, 128, 384], 40, 24
+    a, b = groups_of(ks, m, n)
+    scales = (torch.tensor([2.0, 0.5, 4.0]), torch.tensor([1.0, 8.0, 0.25]))
+    offsets = torch.tensor([0, 256, 384, 768], dtype=torch.int32)
+    sides = (side_of(a), side_of(b))
+    monkeypatch.setattr(fp8_kgrouped, "_coalesced", [coalesced])
+    _, want = fp8_kgrouped.k_grouped_launch(
+        a, b, out_dtype=torch.float32, sms=7, sides=sides, global_scales=scales,
+        offsets=(ks, offsets),
+    )  # fmt: skip
+    launched = []
+
+    def kernel(params):
+        assert params.k_grouped and params.mn_major_scales == coalesced
+        return lambda *args: launched.append(args) or args[7].fill_(1.5)
+
+    monkeypatch.setattr(fp8_kgrouped.fp8_gemm, "cute_kernel", kernel)
+    monkeypatch.setattr(fp8_kgrouped, "grid_limit", lambda sms, dev: 7)
+    got = fp8_kgrouped.k_grouped_sides(*sides, scales, offsets, len(ks), torch.bfloat16)
+    assert got.shape == (len(ks), m, n) and got.dtype == torch.bfloat16 and (got == 1.5).all()
+    (args,) = launched
+    for i in (0, 1, 2, 3, 4, 5, 6, 8):
+        assert torch.equal(torch.as_tensor(args[i]), torch.as_tensor(want[i])), i
+    assert args[7].shape == want[7].shape

@@ -275,6 +275,35 @@ def k_grouped_launch(
     return plan, args
 
 
+def k_grouped_sides(
+    a: QuantizedTensor,
+    b: QuantizedTensor,
+    global_scales: tuple[torch.Tensor, torch.Tensor],
+    offsets: torch.Tensor,
+    groups: int,
+    out_dtype: torch.dtype,
+) -> torch.Tensor:
+    """C [groups, M, N] in ``out_dtype``, C[g] = A_g B_g^T over group g's columns, one launch,
+    with every size on the device (what a CUDA graph replays for any routing): ``a`` [M, K]
+    and ``b`` [N, K] hold every group's columns side by side (1xN blocks along K),
+    ``global_scales`` each group's S_dec (fp32 [groups] per side), ``offsets`` the groups'
+    first columns (int32 [groups + 1] on the device, whole K-blocks each: the caller's
+    contract, not checked here). The pair must be served (``k_grouped_reason``)."""
+    plan = k_grouped_plan(a.format, b.format, out_dtype)
+    c = torch.empty((groups * a.rows, b.rows), dtype=plan.kernel_out, device=a.device)
+    args = [
+        *operand_arguments(a, plan),
+        *operand_arguments(b, plan),
+        *global_scales,
+        offsets,
+        c,
+        grid_limit(None, a.device),
+    ]
+    fp8_gemm.cute_kernel(plan.params)(*args)
+    c = c.view(groups, a.rows, b.rows)
+    return c if c.dtype == out_dtype else c.to(out_dtype)
+
+
 def k_grouped_block_scaled(
     a: Sequence[QuantizedTensor | None],
     b: Sequence[QuantizedTensor | None],
@@ -305,6 +334,7 @@ __all__ = [
     "k_grouped_fp8_enabled",
     "k_grouped_launch",
     "k_grouped_plan",
+    "k_grouped_sides",
     "kernel_scales",
     "operand_arguments",
     "set_k_grouped_coalesced",

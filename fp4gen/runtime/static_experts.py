@@ -264,34 +264,6 @@ def _fp8_rows(
     return c if c.dtype == out_dtype else c.to(out_dtype)
 
 
-def _fp8_k_grouped(
-    a: Any, b: Any, s_a: torch.Tensor, s_b: torch.Tensor, offsets: torch.Tensor, experts: int,
-    out_dtype: torch.dtype,
-) -> torch.Tensor:  # fmt: skip
-    """C [E, M, N] = every expert's A_g B_g^T over its columns (the K-grouped FP8 kernel,
-    ``fp8_kgrouped``): A [M, bound] and B [N, bound] side by side, the groups' first columns
-    ``offsets`` on the device."""
-    from fp4gen.runtime import fp8_gemm
-    from fp4gen.runtime.fp8_grouped import grid_limit
-    from fp4gen.runtime.fp8_kgrouped import k_grouped_plan, operand_arguments
-
-    plan = k_grouped_plan(a.format, b.format, out_dtype)
-    m, n = a.rows, b.rows
-    c = torch.empty((experts * m, n), dtype=plan.kernel_out, device=s_a.device)
-    args = [
-        *operand_arguments(a, plan),
-        *operand_arguments(b, plan),
-        s_a,
-        s_b,
-        offsets,
-        c,
-        grid_limit(None, s_a.device),
-    ]
-    fp8_gemm.cute_kernel(plan.params)(*args)
-    c = c.view(experts, m, n)
-    return c if c.dtype == out_dtype else c.to(out_dtype)
-
-
 def _weights_of(groups: Any, what: str, got: Any) -> Any:
     if got is None or getattr(got, "whole", None) is None or got.global_scales is None:
         raise FP4GenError(
@@ -373,6 +345,7 @@ def static_grads(
     """dx [R, in] (x's dtype) and dW (the weight's shape and dtype) as ``grouped._grads``
     computes them for the same seeds and calls (an expert without rows: dW zero);
     ``weights``: the dgrad weight operands where the forward made them (``weight_copies``)."""
+    from fp4gen.runtime.fp8_kgrouped import k_grouped_sides
 
     table = groups.layers[0].operands
     experts = route.experts
@@ -430,8 +403,8 @@ def static_grads(
         dx = _scaled(c, alpha, None, x.dtype, rows=route.padded_row)
     # wgrad: the experts' token columns side by side, grouped along K
     if _fp8_pair(g_col, xs):
-        dw = _fp8_k_grouped(dy_side, x_side, s_wgrad, s_x, route.pad_offsets, experts,
-                            weight.dtype)  # fmt: skip
+        dw = k_grouped_sides(dy_side, x_side, (s_wgrad, s_x), route.pad_offsets, experts,
+                             weight.dtype)  # fmt: skip
     else:
         c = _grouped_mm(_decoded(dy_side), _decoded(x_side).t(), route.pad_ends)
         per_row = (s_wgrad * s_x).repeat_interleave(n_out, output_size=experts * n_out)
